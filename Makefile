@@ -1,0 +1,34 @@
+# Everything a fresh machine needs (Python 3.11 + pip) is installed from here.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: all install test lint typecheck demo bench clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check equeue tests tools
+	$(VENV)/bin/ruff format --check equeue tests tools
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) tools/demo.py ./demo-store
+
+bench: $(STAMP)
+	$(PY) tools/bench_chunks.py
+
+clean:
+	rm -rf $(VENV) demo-store .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,466 @@
+"""One chunk file: creation, appends, completion, reads and the position map."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import xxhash
+
+from equeue.chunks.prefault import PREFAULTER, WINDOW
+from equeue.errors import (
+    CompactedAwayError,
+    CorruptRecordError,
+    DiskFullError,
+    PositionNotFoundError,
+    StoreWriteError,
+)
+from equeue.format.chunk import (
+    _FRAME_PACKERS,
+    CHECKSUM_MASK,
+    FOOTER_SIZE,
+    FRAME_OVERHEAD,
+    FRAME_PREFIX,
+    FRAME_PREFIX_SIZE,
+    FRAME_SUFFIX,
+    HEADER_SIZE,
+    MAP_ENTRY,
+    MAP_ENTRY_SIZE,
+    TEMP_SUFFIX,
+    TIMESTAMP,
+    ChunkFooter,
+    ChunkHeader,
+    chunk_file_name,
+    chunk_file_size,
+    frame_packer,
+    frame_problem,
+    record_checksum,
+)
+
+_xxh3 = xxhash.xxh3_64_intdigest  # record_checksum() inlined on the hot paths
+_unpack_prefix = FRAME_PREFIX.unpack_from
+_unpack_suffix = FRAME_SUFFIX.unpack_from
+_PAGE = mmap.PAGESIZE
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_error(exc: OSError, what: str, path: Path | str) -> StoreWriteError:
+    cls = (
+        DiskFullError if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else StoreWriteError
+    )
+    return cls(
+        exc.errno or errno.EIO, f"{what} failed for {os.fspath(path)}: {exc.strerror or exc}"
+    )
+
+
+class Chunk:
+    """A chunk file and what is known of it in memory.
+
+    ``data_end`` is the committed end of the data area: readers never look past
+    it, and the writer raises it only after a record's bytes are in place.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        header: ChunkHeader,
+        footer: ChunkFooter | None,
+        *,
+        version: int,
+        data_end: int,
+        record_count: int,
+        last_record_offset: int,
+        max_record_size: int,
+        on_map: Callable[[Chunk], None],
+    ) -> None:
+        self.path = path
+        self.header = header
+        # Plain attributes for the hot paths (the header's are properties).
+        self.base = header.start_position
+        self.data_size = header.chunk_data_size
+        self.footer = footer
+        self.version = version
+        self.data_end = data_end
+        self.flushed_end = data_end
+        self.record_count = record_count
+        self.last_record_offset = last_record_offset
+        self.last_used = 0
+        self.scan_problem: str | None = None  # why recovery's scan stopped, if not at a clean end
+        self._max_record_size = max_record_size
+        self._on_map = on_map
+        self._mm: mmap.mmap | None = None
+        self._writable = False
+        self._address = 0  # of the writable mapping, for the prefaulter
+        self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
+
+    def __repr__(self) -> str:
+        state = "ongoing" if self.footer is None else "completed"
+        return f"<Chunk {self.path.name} {state} data_end={self.data_end}>"
+
+    # --- identity ------------------------------------------------------------
+
+    @property
+    def start_number(self) -> int:
+        return self.header.chunk_start_number
+
+    @property
+    def end_number(self) -> int:
+        return self.header.chunk_end_number
+
+    @property
+    def start_position(self) -> int:
+        return self.header.start_position
+
+    @property
+    def end_position(self) -> int:
+        return self.header.end_position
+
+    @property
+    def is_completed(self) -> bool:
+        return self.footer is not None
+
+    @property
+    def is_compacted(self) -> bool:
+        return self.header.compacted
+
+    @property
+    def logical_end(self) -> int:
+        """Chunk-relative logical offset just past the last record."""
+        if self.footer is not None:
+            return self.footer.logical_data_size
+        return self.data_end
+
+    @property
+    def file_size(self) -> int:
+        if self.header.compacted and self.footer is not None:
+            map_bytes = self.footer.map_entry_count * MAP_ENTRY_SIZE
+            return HEADER_SIZE + self.footer.physical_data_size + map_bytes + FOOTER_SIZE
+        return chunk_file_size(self.header.chunk_data_size)
+
+    # --- creation ------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        directory: Path,
+        header: ChunkHeader,
+        *,
+        version: int,
+        max_record_size: int,
+        on_map: Callable[[Chunk], None],
+    ) -> Chunk:
+        """Temp file, preallocate, header, fsync, rename, fsync the directory."""
+        final = directory / chunk_file_name(header.chunk_start_number, version)
+        temp = directory / f"{final.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
+        size = chunk_file_size(header.chunk_data_size)
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _preallocate(fd, size)
+                os.pwrite(fd, header.pack(), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if final.exists():
+                raise FileExistsError(errno.EEXIST, "chunk file exists already", str(final))
+            os.rename(temp, final)
+            fsync_directory(directory)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            raise write_error(exc, "creating a chunk", final) from exc
+        chunk = cls(
+            final,
+            header,
+            None,
+            version=version,
+            data_end=0,
+            record_count=0,
+            last_record_offset=-1,
+            max_record_size=max_record_size,
+            on_map=on_map,
+        )
+        chunk.open_for_write()
+        return chunk
+
+    # --- mapping -------------------------------------------------------------
+
+    def mapping(self) -> mmap.mmap:
+        mm = self._mm
+        if mm is None:
+            with open(self.path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._mm = mm
+            self._on_map(self)
+        return mm
+
+    def open_for_write(self) -> None:
+        with open(self.path, "r+b") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_WRITE)
+        self._writable = True
+        if PREFAULTER.enabled:
+            self._address = PREFAULTER.address_of(self._mm)
+            self._prefault_mark = self.data_end
+            self._prefault(self.data_end)
+
+    def _prefault(self, offset: int) -> None:
+        """Ask for the window after ``offset`` to be faulted in; called once per window."""
+        start = ((HEADER_SIZE + offset) // _PAGE) * _PAGE
+        stop = min(start + WINDOW, HEADER_SIZE + self.data_size)
+        PREFAULTER.request(self._address + start, stop - start)
+        self._prefault_mark = offset + WINDOW // 2
+
+    def release_mapping(self) -> None:
+        """Drop the mapping; readers still holding it keep it alive until they finish."""
+        self._mm = None
+        self._writable = False
+        self._prefault_mark = 1 << 62
+
+    @property
+    def is_mapped(self) -> bool:
+        return self._mm is not None
+
+    # --- writing -------------------------------------------------------------
+
+    def try_append(self, record: bytes) -> int:
+        """Append one variable-size record; its chunk-relative offset, or -1 if it does not fit.
+
+        Only for a chunk open for writing; the caller (ChunkWriter) has checked the record.
+        """
+        n = len(record)
+        offset = self.data_end
+        end = offset + n + FRAME_OVERHEAD
+        if end > self.data_size:
+            return -1
+        pack = _FRAME_PACKERS.get(n) or frame_packer(n)
+        pack(self._mm, HEADER_SIZE + offset, n, record, _xxh3(record) & CHECKSUM_MASK, n)
+        self.last_record_offset = offset
+        self.record_count += 1
+        self.data_end = end  # publish last: readers check data_end first
+        if end > self._prefault_mark:
+            self._prefault(end)
+        return offset
+
+    def try_append_fixed(self, record: bytes) -> int:
+        offset = self.data_end
+        end = offset + len(record)
+        if end > self.data_size:
+            return -1
+        self._mm[HEADER_SIZE + offset : HEADER_SIZE + end] = record  # type: ignore[index]
+        self.last_record_offset = offset
+        self.record_count += 1
+        self.data_end = end
+        return offset
+
+    def flush(self) -> None:
+        """Make everything up to ``data_end`` durable (msync of the dirty pages)."""
+        end = self.data_end
+        if end <= self.flushed_end or self._mm is None or not self._writable:
+            return
+        start = ((HEADER_SIZE + self.flushed_end) // _PAGE) * _PAGE
+        try:
+            self._mm.flush(start, HEADER_SIZE + end - start)
+        except OSError as exc:
+            raise write_error(exc, "flushing a chunk", self.path) from exc
+        self.flushed_end = max(self.flushed_end, end)
+
+    def complete(self) -> ChunkFooter:
+        """Flush the data, then write and flush the footer; the chunk is immutable after."""
+        if self.footer is not None:
+            return self.footer
+        mm = self._mm
+        assert mm is not None and self._writable, "complete() on a chunk not open for writing"
+        self.flush()
+        hasher = xxhash.xxh3_64()
+        with memoryview(mm) as view:
+            hasher.update(view[: HEADER_SIZE + self.data_end])
+        first, last = self._timestamps()
+        footer = ChunkFooter(
+            completed=True,
+            physical_data_size=self.data_end,
+            logical_data_size=self.data_end,
+            map_entry_count=0,
+            record_count=self.record_count,
+            first_timestamp=first,
+            last_timestamp=last,
+            checksum=hasher.intdigest(),
+        )
+        at = len(mm) - FOOTER_SIZE
+        mm[at:] = footer.pack()
+        try:
+            mm.flush((at // _PAGE) * _PAGE, len(mm) - (at // _PAGE) * _PAGE)
+        except OSError as exc:
+            mm[at:] = bytes(FOOTER_SIZE)
+            raise write_error(exc, "writing a chunk footer", self.path) from exc
+        self.footer = footer
+        return footer
+
+    def _timestamps(self) -> tuple[int | None, int | None]:
+        ts_off = self.header.timestamp_offset
+        if ts_off is None or self.record_count == 0:
+            return None, None
+        mm = self.mapping()
+        frame = 0 if self.header.record_size else FRAME_PREFIX_SIZE
+        (first,) = TIMESTAMP.unpack_from(mm, HEADER_SIZE + frame + ts_off)
+        (last,) = TIMESTAMP.unpack_from(mm, HEADER_SIZE + self.last_record_offset + frame + ts_off)
+        return first, last
+
+    # --- reading -------------------------------------------------------------
+
+    def physical_offset(self, local: int) -> int:
+        """Where the record at chunk-relative logical offset ``local`` starts in the data area."""
+        if not self.header.compacted:
+            if not 0 <= local < self.data_end:
+                raise PositionNotFoundError(
+                    f"position {self.start_position + local} lies past the end of the data "
+                    f"({self.start_position + self.data_end}) in {self.path}"
+                )
+            return local
+        return self._map_lookup(local)
+
+    def _map_lookup(self, local: int) -> int:
+        footer = self.footer
+        assert footer is not None, "compacted chunks are always completed"
+        if not 0 <= local < footer.logical_data_size:
+            raise PositionNotFoundError(
+                f"position {self.start_position + local} lies outside compacted chunk {self.path}"
+            )
+        mm = self.mapping()
+        base = HEADER_SIZE + footer.physical_data_size
+        lo, hi = 0, footer.map_entry_count
+        while lo < hi:
+            mid = (lo + hi) // 2
+            logical, physical = MAP_ENTRY.unpack_from(mm, base + mid * MAP_ENTRY_SIZE)
+            if logical < local:
+                lo = mid + 1
+            elif logical > local:
+                hi = mid
+            else:
+                return int(physical)
+        raise CompactedAwayError(
+            f"the record at position {self.start_position + local} was removed by compaction "
+            f"(chunk {self.path})"
+        )
+
+    def read_at(self, local: int) -> bytes:
+        """The payload of the record at chunk-relative logical offset ``local``."""
+        physical = self.physical_offset(local)
+        mm = self._mm or self.mapping()
+        size = self.header.record_size
+        if size:
+            return mm[HEADER_SIZE + physical : HEADER_SIZE + physical + size]
+        return self._read_frame(mm, physical)
+
+    def _physical_end(self) -> int:
+        return self.footer.physical_data_size if self.footer is not None else self.data_end
+
+    def corrupt_record(self, physical: int) -> CorruptRecordError:
+        mm = self._mm or self.mapping()
+        end = HEADER_SIZE + self._physical_end()
+        problem = frame_problem(mm, HEADER_SIZE + physical, end, self._max_record_size)
+        reason, expected, found = problem or ("no record starts here", None, None)
+        return CorruptRecordError(
+            f"invalid record at position {self.start_position + physical}: {reason}",
+            file=self.path,
+            offset=HEADER_SIZE + physical,
+            expected=expected,
+            found=found,
+        )
+
+    def iter_records(self, local: int) -> Iterator[tuple[int, bytes]]:
+        """(chunk-relative logical offset, payload) from ``local`` on, up to the committed end."""
+        if self.header.compacted:
+            yield from self._iter_compacted(local)
+        elif self.header.record_size:
+            yield from self._iter_fixed(local)
+        else:
+            yield from self._iter_variable(local)
+
+    def _iter_variable(self, local: int) -> Iterator[tuple[int, bytes]]:
+        mm = self._mm or self.mapping()
+        unpack_prefix, unpack_suffix, xxh3 = _unpack_prefix, _unpack_suffix, _xxh3
+        completed = self.footer is not None
+        limit = HEADER_SIZE + self.data_end
+        p = HEADER_SIZE + local
+        while p < limit or (not completed and p < HEADER_SIZE + self.data_end):
+            if not completed:
+                limit = HEADER_SIZE + self.data_end  # the writer may have committed more
+            (n,) = unpack_prefix(mm, p)
+            q = p + 4 + n
+            if n == 0 or q + 8 > limit:
+                raise self.corrupt_record(p - HEADER_SIZE)
+            payload = mm[p + 4 : q]
+            checksum, suffix = unpack_suffix(mm, q)
+            if suffix != n or xxh3(payload) & CHECKSUM_MASK != checksum:
+                raise self.corrupt_record(p - HEADER_SIZE)
+            yield p - HEADER_SIZE, payload
+            p = q + 8
+
+    def _iter_fixed(self, local: int) -> Iterator[tuple[int, bytes]]:
+        mm = self._mm or self.mapping()
+        size = self.header.record_size
+        offset = local - local % size
+        while offset < self.data_end:
+            p = HEADER_SIZE + offset
+            yield offset, mm[p : p + size]
+            offset += size
+
+    def _iter_compacted(self, local: int) -> Iterator[tuple[int, bytes]]:
+        footer = self.footer
+        assert footer is not None
+        mm = self.mapping()
+        base = HEADER_SIZE + footer.physical_data_size
+        lo, hi = 0, footer.map_entry_count
+        while lo < hi:  # first entry at or after `local`
+            mid = (lo + hi) // 2
+            if MAP_ENTRY.unpack_from(mm, base + mid * MAP_ENTRY_SIZE)[0] < local:
+                lo = mid + 1
+            else:
+                hi = mid
+        size = self.header.record_size
+        for index in range(lo, footer.map_entry_count):
+            logical, physical = MAP_ENTRY.unpack_from(mm, base + index * MAP_ENTRY_SIZE)
+            if size:
+                yield logical, mm[HEADER_SIZE + physical : HEADER_SIZE + physical + size]
+            else:
+                yield logical, self._read_frame(mm, physical)
+
+    def _read_frame(self, mm: mmap.mmap, physical: int) -> bytes:
+        p = HEADER_SIZE + physical
+        (n,) = _unpack_prefix(mm, p)
+        q = p + FRAME_PREFIX_SIZE + n
+        if n > 0 and q + FRAME_SUFFIX.size <= HEADER_SIZE + self._physical_end():
+            payload = mm[p + FRAME_PREFIX_SIZE : q]
+            checksum, suffix = _unpack_suffix(mm, q)
+            if suffix == n and record_checksum(payload) == checksum:
+                return payload
+        raise self.corrupt_record(physical)
+
+    def close(self) -> None:
+        mm, self._mm = self._mm, None
+        self._writable = False
+        self._prefault_mark = 1 << 62
+        if mm is not None:
+            # A reader may still hold a view; then the mapping dies with it.
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+
+def _preallocate(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)  # file systems without fallocate: a sparse file of full size

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from equeue.errors import ConfigError
+from equeue.format.chunk import (
+    FRAME_OVERHEAD,
+    MAX_CHUNK_DATA_SIZE,
+    MAX_RECORD_LENGTH,
+    MIN_CHUNK_DATA_SIZE,
+    TIMESTAMP,
+    ChunkType,
+)
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkManagerConfig:
+    """Settings of one chunk directory.
+
+    ``chunk_data_size`` and ``record_size`` are written into every chunk header;
+    reopening a directory with other values is refused, because positions are
+    ``chunk number * chunk_data_size + offset``.
+
+    ``sync_flush=True`` makes every ``ChunkWriter.write`` return only after its
+    bytes are on stable storage (an msync per write): nothing acknowledged is
+    lost even on power loss, at the cost of one device flush per write. With
+    ``False`` a process crash loses nothing (the bytes are in the page cache),
+    but a power loss or kernel crash loses what was written since the last
+    ``flush()``.
+    """
+
+    chunk_data_size: int = 256 * MiB
+    record_size: int = 0  # 0 = variable-size framed records
+    max_record_size: int = 4 * MiB
+    sync_flush: bool = False
+    timestamp_offset: int | None = None  # where an i64 ns timestamp sits in each payload
+    max_open_chunks: int = 8  # completed chunks kept mapped at once (an LRU)
+
+    def __post_init__(self) -> None:
+        _int_in("chunk_data_size", self.chunk_data_size, MIN_CHUNK_DATA_SIZE, MAX_CHUNK_DATA_SIZE)
+        _int_in("record_size", self.record_size, 0, self.chunk_data_size)
+        _int_in("max_record_size", self.max_record_size, 1, MAX_RECORD_LENGTH)
+        _int_in("max_open_chunks", self.max_open_chunks, 1, 1 << 16)
+        if not isinstance(self.sync_flush, bool):
+            raise ConfigError(f"sync_flush must be a bool, got {self.sync_flush!r}")
+        if self.record_size and self.chunk_data_size % self.record_size:
+            raise ConfigError(
+                f"chunk_data_size={self.chunk_data_size} is not a multiple of "
+                f"record_size={self.record_size}; fixed-size chunks hold whole records"
+            )
+        if self.timestamp_offset is not None:
+            longest = self.record_size or self.max_record_size
+            _int_in("timestamp_offset", self.timestamp_offset, 0, longest - TIMESTAMP.size)
+
+    @property
+    def chunk_type(self) -> ChunkType:
+        return ChunkType.FIXED if self.record_size else ChunkType.VARIABLE
+
+    @property
+    def largest_record(self) -> int:
+        """The longest record a chunk of this configuration can take."""
+        if self.record_size:
+            return self.record_size
+        return min(self.max_record_size, self.chunk_data_size - FRAME_OVERHEAD)
+
+
+def _int_in(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value} is out of range; it must lie in [{low}, {high}]")

@@ -1,0 +1,481 @@
+"""ChunkManager: the chunk files of one directory, loaded, recovered and looked up by position."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from equeue.chunks.chunk import Chunk, fsync_directory, write_error
+from equeue.chunks.config import ChunkManagerConfig
+from equeue.chunks.recovery import TailCut, cut_range, scan_fixed, scan_variable
+from equeue.errors import (
+    ChunkRemovedError,
+    ClosedError,
+    ConfigError,
+    CorruptionError,
+    MissingChunkError,
+    PositionNotFoundError,
+    ReadOnlyError,
+    TruncatedError,
+    WriterExistsError,
+)
+from equeue.format.chunk import (
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    TEMP_SUFFIX,
+    ChunkFooter,
+    ChunkHeader,
+    chunk_file_size,
+    parse_chunk_file_name,
+)
+
+if TYPE_CHECKING:
+    from equeue.chunks.writer import ChunkWriter
+
+log = logging.getLogger("equeue.chunks")
+
+
+class ChunkManager:
+    """The chunks of one directory, in number order, with at most
+    ``config.max_open_chunks`` completed chunks mapped at once.
+
+    Opening loads every chunk header, checks each completed chunk's footer,
+    scans the last chunk for its valid end and cuts any torn tail (copied to
+    ``recovered/`` first; see ``recovery_cuts``). A read-only manager changes
+    nothing on disk and can ``refresh()`` to see what a writer added since.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        config: ChunkManagerConfig | None = None,
+        *,
+        read_only: bool = False,
+    ) -> None:
+        self.directory = Path(directory)
+        self.config = config or ChunkManagerConfig()
+        self.read_only = read_only
+        self.recovery_cuts: list[TailCut] = []
+        self._chunks: list[Chunk] = []  # ordered by start number, contiguous
+        self._by_number: dict[int, Chunk] = {}  # a merged chunk fills every number it covers
+        self._lock = threading.RLock()
+        self._ticks = itertools.count(1)
+        self._writer: ChunkWriter | None = None
+        self._closed = False
+        self._load()
+
+    # --- context manager -----------------------------------------------------
+
+    def __enter__(self) -> ChunkManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._chunks and not self.read_only:
+                self._chunks[-1].flush()
+            for chunk in self._chunks:
+                chunk.close()
+            self._closed = True
+
+    # --- lookups -------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return iter(list(self._chunks))
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def first_chunk(self) -> Chunk | None:
+        chunks = self._chunks
+        return chunks[0] if chunks else None
+
+    @property
+    def last_chunk(self) -> Chunk | None:
+        chunks = self._chunks
+        return chunks[-1] if chunks else None
+
+    @property
+    def committed_position(self) -> int:
+        """Global position just past the last committed record (0 for an empty directory)."""
+        last = self.last_chunk
+        if last is None:
+            return 0
+        if last.is_completed:
+            return last.end_position
+        return last.start_position + last.data_end
+
+    @property
+    def first_position(self) -> int:
+        first = self.first_chunk
+        return first.start_position if first is not None else 0
+
+    def get_chunk(self, number: int) -> Chunk:
+        chunk = self._by_number.get(number)
+        if chunk is not None:
+            return chunk
+        self._check_open()
+        first = self.first_chunk
+        if first is not None and number < first.start_number:
+            raise ChunkRemovedError(
+                f"chunk {number} lies before the first chunk {first.start_number} in "
+                f"{self.directory}: removed by retention"
+            )
+        raise PositionNotFoundError(f"no chunk {number} in {self.directory}")
+
+    def get_chunk_for(self, position: int) -> Chunk:
+        if position < 0:
+            raise PositionNotFoundError(f"position {position} is negative")
+        return self.get_chunk(position // self.config.chunk_data_size)
+
+    # --- changes -------------------------------------------------------------
+
+    def add_new_chunk(self, *, start_number: int | None = None) -> Chunk:
+        """Create the next chunk. The last chunk must be completed first.
+
+        ``start_number`` may only be given for an empty directory (a queue that
+        starts past offset 0, for example).
+        """
+        with self._lock:
+            self._check_writable()
+            last = self.last_chunk
+            if last is not None and not last.is_completed:
+                raise CorruptionError(
+                    f"add_new_chunk() while {last.path.name} is still ongoing; complete it first",
+                    file=last.path,
+                )
+            if last is not None:
+                if start_number is not None and start_number != last.end_number + 1:
+                    raise ConfigError(
+                        f"start_number={start_number} would leave a gap after chunk "
+                        f"{last.end_number}"
+                    )
+                number = last.end_number + 1
+            else:
+                number = start_number or 0
+            config = self.config
+            header = ChunkHeader(
+                chunk_type=config.chunk_type,
+                chunk_start_number=number,
+                chunk_end_number=number,
+                chunk_data_size=config.chunk_data_size,
+                chunk_id=uuid.uuid4(),
+                record_size=config.record_size,
+                timestamp_offset=config.timestamp_offset,
+                created_at_ns=time.time_ns(),
+            )
+            if last is not None and last.is_mapped:
+                last.release_mapping()  # completed: it joins the LRU of read maps
+            chunk = Chunk.create(
+                self.directory,
+                header,
+                version=0,
+                max_record_size=config.max_record_size,
+                on_map=self._mapped,
+            )
+            self._install(chunk)
+            return chunk
+
+    def remove_chunks_before(self, number: int) -> list[Chunk]:
+        """Delete completed chunks that end before chunk ``number``, oldest first.
+
+        The last chunk is never removed. Readers that already hold a removed
+        chunk's mapping finish reading it; later reads raise ChunkRemovedError.
+        """
+        removed: list[Chunk] = []
+        with self._lock:
+            self._check_writable()
+            while (
+                len(self._chunks) > 1
+                and self._chunks[0].end_number < number
+                and self._chunks[0].is_completed
+            ):
+                chunk = self._chunks.pop(0)
+                for n in range(chunk.start_number, chunk.end_number + 1):
+                    self._by_number.pop(n, None)
+                removed.append(chunk)
+            for chunk in removed:
+                chunk.release_mapping()
+                chunk.path.unlink(missing_ok=True)
+                log.info("removed chunk %s", chunk.path)
+            if removed:
+                fsync_directory(self.directory)
+        return removed
+
+    def refresh(self) -> None:
+        """Read-only managers: pick up records and chunks a writer added since."""
+        with self._lock:
+            self._check_open()
+            if not self.read_only:
+                return
+            last = self.last_chunk
+            if last is not None and not last.is_completed:
+                self._rescan_tail(last)
+            known = {c.path.name for c in self._chunks}
+            for name in sorted(os.listdir(self.directory)):
+                parsed = parse_chunk_file_name(name)
+                if parsed is None or name in known:
+                    continue
+                expected = self.last_chunk.end_number + 1 if self.last_chunk else parsed[0]
+                if parsed[0] == expected:
+                    path = self.directory / name
+                    chunk = self._open_chunk(path, self._read_header(path), parsed[1], last=True)
+                    prev = self.last_chunk
+                    if prev is not None and not prev.is_completed:
+                        self._rescan_tail(prev)
+                    self._install(chunk)
+
+    # --- internals -----------------------------------------------------------
+
+    def _attach_writer(self, writer: ChunkWriter) -> None:
+        with self._lock:
+            self._check_writable()
+            if self._writer is not None:
+                raise WriterExistsError(f"{self.directory} already has a ChunkWriter")
+            self._writer = writer
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"chunk manager for {self.directory} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyError(f"chunk manager for {self.directory} was opened read-only")
+
+    def _install(self, chunk: Chunk) -> None:
+        self._chunks.append(chunk)
+        for n in range(chunk.start_number, chunk.end_number + 1):
+            self._by_number[n] = chunk
+
+    def _mapped(self, chunk: Chunk) -> None:
+        """A completed chunk opened its map: close the least recently used beyond the limit."""
+        chunk.last_used = next(self._ticks)
+        with self._lock:
+            mapped = [c for c in self._chunks if c.is_mapped and c.is_completed]
+            excess = len(mapped) - self.config.max_open_chunks
+            if excess > 0:
+                mapped.sort(key=lambda c: c.last_used)
+                for victim in mapped[:excess]:
+                    if victim is not chunk:
+                        victim.release_mapping()
+
+    def _load(self) -> None:
+        if not self.directory.exists():
+            if self.read_only:
+                return
+            self.directory.mkdir(parents=True)
+            fsync_directory(self.directory.parent)
+        names = sorted(os.listdir(self.directory))
+        found: list[tuple[Path, ChunkHeader, int]] = []
+        for name in names:
+            parsed = parse_chunk_file_name(name)
+            if parsed is not None:
+                path = self.directory / name
+                found.append((path, self._read_header(path), parsed[1]))
+        winners, superseded = _resolve_versions(found)
+        _check_contiguous(winners, self.directory)
+        chunks = [
+            self._open_chunk(path, header, version, last=(i == len(winners) - 1))
+            for i, (path, header, version) in enumerate(winners)
+        ]
+        # Everything was checked; only now is anything on disk changed.
+        if not self.read_only:
+            for name in names:
+                if name.endswith(TEMP_SUFFIX):
+                    log.warning("removing leftover temp file %s", self.directory / name)
+                    (self.directory / name).unlink(missing_ok=True)
+            for path in superseded:
+                log.info("removing %s: replaced by a newer version", path)
+                path.unlink(missing_ok=True)
+            if chunks and not chunks[-1].is_completed:
+                self._repair_tail(chunks[-1])
+        for chunk in chunks:
+            self._install(chunk)
+        if chunks and not chunks[-1].is_completed and not self.read_only:
+            chunks[-1].open_for_write()
+
+    def _read_header(self, path: Path) -> ChunkHeader:
+        with open(path, "rb") as f:
+            header = ChunkHeader.unpack(f.read(HEADER_SIZE), file=str(path))
+        config = self.config
+        for setting, expected, found in (
+            ("chunk_data_size", config.chunk_data_size, header.chunk_data_size),
+            ("record_size", config.record_size, header.record_size),
+        ):
+            if expected != found:
+                raise ConfigError(
+                    f"{path} was written with {setting}={found}, but the configuration says "
+                    f"{setting}={expected}; open it with {setting}={found}"
+                )
+        return header
+
+    def _open_chunk(self, path: Path, header: ChunkHeader, version: int, *, last: bool) -> Chunk:
+        size = path.stat().st_size
+        footer = self._read_footer(path, header, size, last=last)
+        if footer is not None:
+            return Chunk(
+                path,
+                header,
+                footer,
+                version=version,
+                data_end=footer.physical_data_size,
+                record_count=footer.record_count,
+                last_record_offset=-1,
+                max_record_size=self.config.max_record_size,
+                on_map=self._mapped,
+            )
+        chunk = Chunk(
+            path,
+            header,
+            None,
+            version=version,
+            data_end=0,
+            record_count=0,
+            last_record_offset=-1,
+            max_record_size=self.config.max_record_size,
+            on_map=self._mapped,
+        )
+        self._rescan_tail(chunk)
+        return chunk
+
+    def _read_footer(
+        self, path: Path, header: ChunkHeader, size: int, *, last: bool
+    ) -> ChunkFooter | None:
+        """The footer of a completed chunk; None for the ongoing (last) chunk."""
+        full = chunk_file_size(header.chunk_data_size)
+        if size < HEADER_SIZE + FOOTER_SIZE or (not header.compacted and size != full):
+            if last and not header.compacted:
+                return None  # a short last chunk: scanned and extended by recovery
+            raise TruncatedError(
+                f"chunk file is {size} bytes, expected {full}", file=path, offset=size
+            )
+        at = size - FOOTER_SIZE
+        with open(path, "rb") as f:
+            f.seek(at)
+            raw = f.read(FOOTER_SIZE)
+        if last and ChunkFooter.is_blank(raw):
+            return None
+        try:
+            footer = ChunkFooter.unpack(raw, file=str(path), offset=at)
+            if not footer.completed:
+                raise CorruptionError("footer without the completed flag", file=path, offset=at)
+        except CorruptionError:
+            if last and not header.compacted:
+                return None  # torn footer on the last chunk: recovery cuts it and rescans
+            raise
+        if footer.physical_data_size > header.chunk_data_size * (
+            header.chunk_end_number - header.chunk_start_number + 1
+        ):
+            raise CorruptionError(
+                f"footer physical data size {footer.physical_data_size} exceeds the data area",
+                file=path,
+                offset=at + 8,
+            )
+        return footer
+
+    def _rescan_tail(self, chunk: Chunk) -> None:
+        """Find the valid end of an ongoing chunk without changing the file."""
+        size = chunk.path.stat().st_size
+        available = max(0, min(chunk.header.chunk_data_size, size - HEADER_SIZE))
+        with open(chunk.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            if self.config.record_size:
+                result = scan_fixed(mm, available, self.config.record_size)
+            else:
+                result = scan_variable(mm, available, self.config.max_record_size)
+        finally:
+            mm.close()
+        chunk.data_end = chunk.flushed_end = result.data_end
+        chunk.record_count = result.record_count
+        chunk.last_record_offset = result.last_record_offset
+        chunk.scan_problem = result.problem
+
+    def _repair_tail(self, chunk: Chunk) -> None:
+        """Cut everything past the valid end of the last chunk and restore its full size."""
+        path = chunk.path
+        full = chunk_file_size(chunk.header.chunk_data_size)
+        data_stop = HEADER_SIZE + chunk.header.chunk_data_size
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                reason = chunk.scan_problem or "bytes past the last valid record"
+                cut = cut_range(
+                    path, fd, HEADER_SIZE + chunk.data_end, min(size, data_stop), reason
+                )
+                if cut is not None:
+                    self.recovery_cuts.append(cut)
+                if size >= full:
+                    footer = cut_range(path, fd, full - FOOTER_SIZE, full, "torn footer")
+                    if footer is not None:
+                        self.recovery_cuts.append(footer)
+                if size != full:
+                    log.warning("recovery: %s was %d bytes; resized to %d", path, size, full)
+                    if size > full:
+                        cut_tail = cut_range(path, fd, full, size, "bytes past the footer")
+                        if cut_tail is not None:
+                            self.recovery_cuts.append(cut_tail)
+                    os.ftruncate(fd, full)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise write_error(exc, "recovering a chunk", path) from exc
+
+
+def _resolve_versions(
+    found: list[tuple[Path, ChunkHeader, int]],
+) -> tuple[list[tuple[Path, ChunkHeader, int]], list[Path]]:
+    """Keep, for every chunk number, the highest-version file that covers it."""
+    claimed: dict[int, Path] = {}
+    winners: list[tuple[Path, ChunkHeader, int]] = []
+    superseded: list[Path] = []
+    for path, header, version in sorted(found, key=lambda f: -f[2]):
+        numbers = range(header.chunk_start_number, header.chunk_end_number + 1)
+        owners = {claimed.get(n) for n in numbers}
+        if owners == {None}:
+            for n in numbers:
+                claimed[n] = path
+            winners.append((path, header, version))
+        elif None in owners:
+            raise CorruptionError(
+                f"chunk file covers chunks {numbers.start}..{numbers.stop - 1} only partly "
+                f"replaced by {sorted(str(o) for o in owners if o is not None)}",
+                file=path,
+            )
+        else:
+            superseded.append(path)
+    winners.sort(key=lambda f: f[1].chunk_start_number)
+    return winners, superseded
+
+
+def _check_contiguous(winners: list[tuple[Path, ChunkHeader, int]], directory: Path) -> None:
+    for (prev_path, prev, _), (path, header, _) in itertools.pairwise(winners):
+        if header.chunk_start_number != prev.chunk_end_number + 1:
+            missing = f"{prev.chunk_end_number + 1}..{header.chunk_start_number - 1}"
+            raise MissingChunkError(
+                f"chunks {missing} are missing from {directory} between {prev_path.name} and "
+                f"{path.name}; nothing was changed",
+                file=path,
+            )

@@ -1,0 +1,80 @@
+"""Faulting in the pages ahead of the writer, off the writer's thread.
+
+The first write to each page of a fresh shared mapping costs a page fault in
+which the file system prepares the block; for 100-byte records that is about
+a third of the append cost. RocketMQ warms its mapped files for the same
+reason. Here a daemon thread asks the kernel (``MADV_POPULATE_WRITE``, Linux
+5.14+) to fault in the next window while the writer works on the current one.
+The call changes no bytes, so it is safe beside concurrent appends; ctypes
+releases the GIL for it. Where the kernel lacks it, nothing is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import threading
+from collections import deque
+
+log = logging.getLogger("equeue.prefault")
+
+MADV_POPULATE_WRITE = 23
+WINDOW = 4 << 20
+
+
+def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+class Prefaulter:
+    def __init__(self) -> None:
+        self._madvise = _load_madvise()
+        self._requests: deque[tuple[int, int]] = deque()
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.enabled = self._madvise is not None
+
+    @staticmethod
+    def address_of(mm: mmap.mmap) -> int:
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            return ctypes.addressof(view)
+        finally:
+            del view  # drop the buffer export so the map can still be closed
+
+    def request(self, address: int, length: int) -> None:
+        if not self.enabled or length <= 0:
+            return
+        with self._wakeup:
+            self._requests.append((address, length))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="equeue-prefault", daemon=True
+                )
+                self._thread.start()
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        assert self._madvise is not None
+        while True:
+            with self._wakeup:
+                while not self._requests:
+                    self._wakeup.wait()
+                address, length = self._requests.popleft()
+            # An unmapped range (the chunk was closed meanwhile) just fails with ENOMEM.
+            if self._madvise(address, length, MADV_POPULATE_WRITE) != 0:
+                errno = ctypes.get_errno()
+                if errno == 22:  # EINVAL: kernel without MADV_POPULATE_WRITE
+                    log.info("MADV_POPULATE_WRITE unsupported; writing without prefault")
+                    self.enabled = False
+
+
+PREFAULTER = Prefaulter()

@@ -1,0 +1,43 @@
+"""ChunkReader: reads records by global position, never past the committed end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from equeue.chunks.manager import ChunkManager
+from equeue.errors import ChunkRemovedError, PositionNotFoundError
+
+
+class ChunkReader:
+    """Safe to use from any number of threads while one ChunkWriter appends."""
+
+    def __init__(self, manager: ChunkManager) -> None:
+        self.manager = manager
+
+    def read(self, position: int) -> bytes:
+        chunk = self.manager.get_chunk_for(position)
+        return chunk.read_at(position - chunk.base)
+
+    def iter_from(self, position: int = 0) -> Iterator[tuple[int, bytes]]:
+        """(position, payload) for every record at or after ``position``, across chunks.
+
+        A position inside a chunk's unused tail moves on to the next chunk; a
+        position before the first retained chunk starts at that chunk.
+        """
+        manager = self.manager
+        if position < manager.first_position:
+            position = manager.first_position
+        while True:
+            try:
+                chunk = manager.get_chunk_for(position)
+            except PositionNotFoundError:
+                return
+            except ChunkRemovedError:
+                position = manager.first_position
+                continue
+            base = chunk.base
+            for local, payload in chunk.iter_records(position - base):
+                yield base + local, payload
+            if not chunk.is_completed:
+                return  # the ongoing chunk: we have read up to the committed end
+            position = chunk.end_position

@@ -1,0 +1,144 @@
+"""Finding the valid end of an ongoing chunk, and cutting what lies past it.
+
+Nothing is dropped silently: bytes cut from a chunk are first copied to a side
+file under ``recovered/`` and logged with their file and offset, then zeroed,
+so a later scan never mistakes them for records.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from equeue.format.chunk import (
+    FRAME_OVERHEAD,
+    FRAME_PREFIX,
+    HEADER_SIZE,
+    RECOVERED_DIR,
+    frame_problem,
+)
+
+log = logging.getLogger("equeue.recovery")
+
+_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    data_end: int
+    record_count: int
+    last_record_offset: int
+    problem: str | None  # why the scan stopped early; None at a clean end
+
+
+@dataclass(frozen=True, slots=True)
+class TailCut:
+    """Bytes recovery removed from a chunk file, and where a copy of them went."""
+
+    file: str
+    offset: int  # file offset of the first byte cut
+    length: int
+    side_file: str
+    reason: str
+
+    def __str__(self) -> str:
+        return (
+            f"cut {self.length} bytes from {self.file} at offset {self.offset} "
+            f"(0x{self.offset:x}): {self.reason}; copy kept in {self.side_file}"
+        )
+
+
+def scan_variable(buf: mmap.mmap | bytes, available: int, max_record_size: int) -> ScanResult:
+    """Walk framed records from the start of the data area until the first invalid one.
+
+    ``available`` is how much of the data area the file really holds.
+    """
+    unpack = FRAME_PREFIX.unpack_from
+    end = HEADER_SIZE + available
+    offset = 0
+    count = 0
+    last = -1
+    problem: str | None = None
+    while HEADER_SIZE + offset + FRAME_PREFIX.size <= end:
+        p = HEADER_SIZE + offset
+        (n,) = unpack(buf, p)
+        if n == 0:
+            break
+        found = frame_problem(buf, p, end, max_record_size)
+        if found is not None:
+            problem = found[0]
+            break
+        last = offset
+        count += 1
+        offset += n + FRAME_OVERHEAD
+    return ScanResult(offset, count, last, problem)
+
+
+def scan_fixed(buf: mmap.mmap | bytes, available: int, record_size: int) -> ScanResult:
+    """Fixed-size records run until the first all-zero slot (zero means empty)."""
+    zero = bytes(record_size)
+    usable = available - available % record_size
+    end = HEADER_SIZE + usable
+    pos = HEADER_SIZE
+    data_end = usable
+    while True:  # find() runs in C; only a zero run that straddles two slots costs a retry
+        hit = buf.find(zero, pos, end)
+        if hit < 0:
+            break
+        rel = hit - HEADER_SIZE
+        if rel % record_size == 0:
+            data_end = rel
+            break
+        pos = HEADER_SIZE + (rel // record_size + 1) * record_size
+    count = data_end // record_size
+    return ScanResult(data_end, count, (count - 1) * record_size if count else -1, None)
+
+
+def nonzero_extent(fd: int, start: int, end: int) -> int:
+    """One past the last non-zero byte in [start, end) of the file, or ``start`` if all zero."""
+    last = start
+    pos = start
+    while pos < end:
+        block = os.pread(fd, min(_BLOCK, end - pos), pos)
+        if not block:
+            break
+        stripped = len(block.rstrip(b"\0"))
+        if stripped:
+            last = pos + stripped
+        pos += len(block)
+    return last
+
+
+def cut_range(
+    path: Path, fd: int, start: int, end: int, reason: str, *, copy_all: bool = False
+) -> TailCut | None:
+    """Copy [start, last non-zero byte] to a side file, then zero it; None if already zero."""
+    stop = end if copy_all else nonzero_extent(fd, start, end)
+    if stop <= start:
+        return None
+    side_dir = path.parent / RECOVERED_DIR
+    side_dir.mkdir(exist_ok=True)
+    side = side_dir / f"{path.name}.{start}.{time.time_ns()}.cut"
+    with open(side, "wb") as out:
+        pos = start
+        while pos < stop:
+            block = os.pread(fd, min(_BLOCK, stop - pos), pos)
+            if not block:
+                break
+            out.write(block)
+            pos += len(block)
+        out.flush()
+        os.fsync(out.fileno())
+    pos = start
+    while pos < stop:
+        size = min(_BLOCK, stop - pos)
+        os.pwrite(fd, bytes(size), pos)
+        pos += size
+    os.fsync(fd)
+    cut = TailCut(str(path), start, stop - start, str(side), reason)
+    log.warning("recovery: %s", cut)
+    return cut

@@ -1,0 +1,130 @@
+"""Every error equeue raises.
+
+Messages say what was wrong, where (file and offset, in decimal and hex) and,
+for a limit, which setting changes it. A rejected operation leaves the store
+exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _where(file: str | os.PathLike[str] | None, offset: int | None) -> str:
+    parts = []
+    if file is not None:
+        parts.append(f"in {os.fspath(file)}")
+    if offset is not None:
+        parts.append(f"at offset {offset} (0x{offset:x})")
+    return " ".join(parts)
+
+
+class EQueueError(Exception):
+    """Base class of every equeue error."""
+
+
+class ConfigError(EQueueError, ValueError):
+    """A setting is out of range or does not match the files on disk."""
+
+
+# --- corruption -------------------------------------------------------------
+
+
+class CorruptionError(EQueueError):
+    """Bytes on disk are not what the format says they must be."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        file: str | os.PathLike[str] | None = None,
+        offset: int | None = None,
+        expected: int | bytes | None = None,
+        found: int | bytes | None = None,
+    ) -> None:
+        self.reason = reason
+        self.file = os.fspath(file) if file is not None else None
+        self.offset = offset
+        self.expected = expected
+        self.found = found
+        message = reason
+        where = _where(file, offset)
+        if where:
+            message += " " + where
+        if expected is not None or found is not None:
+            message += f": expected {_hex(expected)}, found {_hex(found)}"
+        super().__init__(message)
+
+
+def _hex(value: int | bytes | None) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, bytes):
+        return "0x" + value.hex() if value else "no bytes"
+    return f"0x{value:x}"
+
+
+class ChecksumMismatchError(CorruptionError):
+    """A stored checksum does not match the bytes it covers."""
+
+
+class TruncatedError(CorruptionError):
+    """A file ends before a structure it must hold (a short read)."""
+
+
+class CorruptRecordError(CorruptionError):
+    """No valid record frame at a position that must hold one."""
+
+
+class MissingChunkError(CorruptionError):
+    """The chunk sequence has a gap: a chunk file in the middle is missing."""
+
+
+# --- positions --------------------------------------------------------------
+
+
+class PositionError(EQueueError, LookupError):
+    """A position does not name a readable record."""
+
+
+class PositionNotFoundError(PositionError):
+    """The position lies beyond what was written, or never held a record."""
+
+
+class ChunkRemovedError(PositionError):
+    """The position lies in a chunk that retention has removed."""
+
+
+class CompactedAwayError(PositionError):
+    """The record at this position was removed by compaction."""
+
+
+# --- writes -----------------------------------------------------------------
+
+
+class InvalidRecordError(EQueueError, ValueError):
+    """A record was rejected before anything was written."""
+
+
+class RecordTooLargeError(InvalidRecordError):
+    """A record is larger than a configured limit."""
+
+
+class ClosedError(EQueueError):
+    """The object was closed."""
+
+
+class ReadOnlyError(EQueueError):
+    """A write was attempted through a read-only handle."""
+
+
+class WriterExistsError(EQueueError):
+    """A second writer was attached to a chunk manager that has one."""
+
+
+class StoreWriteError(EQueueError, OSError):
+    """Writing or flushing failed in the operating system; nothing partial is visible."""
+
+
+class DiskFullError(StoreWriteError):
+    """The file system has no space left (ENOSPC) or a file size limit was hit."""
