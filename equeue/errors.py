@@ -128,3 +128,34 @@ class StoreWriteError(EQueueError, OSError):
 
 class DiskFullError(StoreWriteError):
     """The file system has no space left (ENOSPC) or a file size limit was hit."""
+
+
+# --- the message store ------------------------------------------------------
+
+
+class InvalidMessageError(EQueueError, ValueError):
+    """A send was rejected before anything was written (bad topic, tag, key, body, ...)."""
+
+
+class InvalidTypeError(EQueueError, TypeError):
+    """An argument has the wrong type; nothing was written."""
+
+
+class MessageTooLargeError(InvalidMessageError):
+    """A message body or its properties exceed a configured limit."""
+
+
+class TopicNotFoundError(EQueueError, LookupError):
+    """The topic does not exist (and auto_create_topics is off)."""
+
+
+class QueueNotFoundError(EQueueError, LookupError):
+    """The queue id is out of range for the topic."""
+
+
+class MessageNotFoundError(PositionError):
+    """No message has this id or position."""
+
+
+class StoreLockedError(EQueueError):
+    """Another process (or handle) holds the store's writer lock."""

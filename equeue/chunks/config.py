@@ -39,10 +39,10 @@ class ChunkManagerConfig:
     max_open_chunks: int = 8  # completed chunks kept mapped at once (an LRU)
 
     def __post_init__(self) -> None:
-        _int_in("chunk_data_size", self.chunk_data_size, MIN_CHUNK_DATA_SIZE, MAX_CHUNK_DATA_SIZE)
-        _int_in("record_size", self.record_size, 0, self.chunk_data_size)
-        _int_in("max_record_size", self.max_record_size, 1, MAX_RECORD_LENGTH)
-        _int_in("max_open_chunks", self.max_open_chunks, 1, 1 << 16)
+        check_int("chunk_data_size", self.chunk_data_size, MIN_CHUNK_DATA_SIZE, MAX_CHUNK_DATA_SIZE)
+        check_int("record_size", self.record_size, 0, self.chunk_data_size)
+        check_int("max_record_size", self.max_record_size, 1, MAX_RECORD_LENGTH)
+        check_int("max_open_chunks", self.max_open_chunks, 1, 1 << 16)
         if not isinstance(self.sync_flush, bool):
             raise ConfigError(f"sync_flush must be a bool, got {self.sync_flush!r}")
         if self.record_size and self.chunk_data_size % self.record_size:
@@ -52,7 +52,7 @@ class ChunkManagerConfig:
             )
         if self.timestamp_offset is not None:
             longest = self.record_size or self.max_record_size
-            _int_in("timestamp_offset", self.timestamp_offset, 0, longest - TIMESTAMP.size)
+            check_int("timestamp_offset", self.timestamp_offset, 0, longest - TIMESTAMP.size)
 
     @property
     def chunk_type(self) -> ChunkType:
@@ -66,7 +66,7 @@ class ChunkManagerConfig:
         return min(self.max_record_size, self.chunk_data_size - FRAME_OVERHEAD)
 
 
-def _int_in(name: str, value: object, low: int, high: int) -> None:
+def check_int(name: str, value: object, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{name} must be an int, got {value!r}")
     if not low <= value <= high:

@@ -31,6 +31,7 @@ from equeue.errors import (
 from equeue.format.chunk import (
     FOOTER_SIZE,
     HEADER_SIZE,
+    RECOVERED_DIR,
     TEMP_SUFFIX,
     ChunkFooter,
     ChunkHeader,
@@ -220,6 +221,57 @@ class ChunkManager:
             if removed:
                 fsync_directory(self.directory)
         return removed
+
+    def truncate_after(self, position: int) -> list[TailCut]:
+        """Cut every record at or after ``position`` (recovery of a derived index only).
+
+        Whole chunks past it are moved to ``recovered/``; the chunk holding it
+        loses its footer (it is ongoing again) and its data from there on, each
+        cut copied to a side file first. Writers must be created afterwards.
+        """
+        cuts: list[TailCut] = []
+        with self._lock:
+            self._check_writable()
+            if self._writer is not None:
+                raise WriterExistsError("truncate_after() needs a manager without a writer")
+            if position >= self.committed_position:
+                return cuts
+            number = max(position // self.config.chunk_data_size, self.first_chunk.start_number)  # type: ignore[union-attr]
+            side_dir = self.directory / RECOVERED_DIR
+            while self._chunks and self._chunks[-1].start_number > number:
+                chunk = self._chunks.pop()
+                for n in range(chunk.start_number, chunk.end_number + 1):
+                    self._by_number.pop(n, None)
+                chunk.close()
+                side_dir.mkdir(exist_ok=True)
+                side = side_dir / f"{chunk.path.name}.{time.time_ns()}.cut"
+                os.rename(chunk.path, side)
+                cut = TailCut(
+                    str(chunk.path), 0, chunk.file_size, str(side), "whole chunk past the cut"
+                )
+                log.warning("recovery: %s", cut)
+                cuts.append(cut)
+            chunk = self._chunks[-1]
+            local = max(0, position - chunk.start_position)
+            chunk.close()
+            fd = os.open(chunk.path, os.O_RDWR)
+            try:
+                full = chunk_file_size(chunk.header.chunk_data_size)
+                for start, stop, reason in (
+                    (full - FOOTER_SIZE, full, "footer of a chunk reopened by a cut"),
+                    (HEADER_SIZE + local, full - FOOTER_SIZE, "records past the cut"),
+                ):
+                    zeroed = cut_range(chunk.path, fd, start, stop, reason)
+                    if zeroed is not None:
+                        cuts.append(zeroed)
+            finally:
+                os.close(fd)
+            chunk.footer = None
+            self._rescan_tail(chunk)
+            chunk.open_for_write()
+            fsync_directory(self.directory)
+            self.recovery_cuts.extend(cuts)
+        return cuts
 
     def refresh(self) -> None:
         """Read-only managers: pick up records and chunks a writer added since."""

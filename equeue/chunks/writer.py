@@ -81,6 +81,21 @@ class ChunkWriter:
                 self._chunk.flush()
             return positions
 
+    def position_for(self, length: int) -> int:
+        """Where a checked record of ``length`` bytes would land if written now.
+
+        For records that carry their own position; the caller holds ``lock``
+        from here through ``unlocked_write``.
+        """
+        chunk = self._chunk
+        size = self._fixed or length + FRAME_OVERHEAD
+        if chunk is not None and chunk.data_end + size <= chunk.data_size:
+            return chunk.base + chunk.data_end
+        if chunk is not None:
+            return chunk.end_position
+        last = self.manager.last_chunk
+        return last.end_position if last is not None else 0
+
     def unlocked_write(self, record: bytes) -> int:
         """``write`` for a caller that already holds ``lock`` and checked the record."""
         return self._append(record)

@@ -1,0 +1,65 @@
+"""Small files replaced atomically: temp file, fsync, rename, fsync the directory.
+
+Each file holds one JSON document ``{"xxh64": hex, "body": ...}``; the hash
+covers the canonical encoding of the body, so a flipped bit is reported as
+corruption (with the file) instead of being read as different data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from equeue.chunks.chunk import fsync_directory, write_error
+from equeue.errors import ChecksumMismatchError, CorruptionError
+
+
+def _canonical(body: Any) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_json(path: Path, body: Any) -> None:
+    data = json.dumps(
+        {"xxh64": xxhash.xxh64_hexdigest(_canonical(body)), "body": body}, sort_keys=True
+    ).encode()
+    temp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+        fsync_directory(path.parent)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise write_error(exc, "writing", path) from exc
+
+
+def read_json(path: Path) -> Any:
+    """The body stored in ``path``; CorruptionError if it does not check out."""
+    raw = path.read_bytes()
+    try:
+        doc = json.loads(raw)
+        stored, body = doc["xxh64"], doc["body"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptionError(f"unreadable metadata file ({exc})", file=path, offset=0) from exc
+    computed = xxhash.xxh64_hexdigest(_canonical(body))
+    if stored != computed:
+        raise ChecksumMismatchError(
+            "metadata checksum mismatch",
+            file=path,
+            offset=0,
+            expected=int(stored, 16) if isinstance(stored, str) and stored.isalnum() else None,
+            found=int(computed, 16),
+        )
+    return body
+
+
+def remove_temp_files(directory: Path) -> None:
+    for entry in directory.glob("*.tmp"):
+        entry.unlink(missing_ok=True)

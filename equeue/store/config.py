@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Literal
+
+from equeue.chunks.config import MiB, check_int
+from equeue.errors import ConfigError
+from equeue.format.chunk import MAX_CHUNK_DATA_SIZE, MIN_CHUNK_DATA_SIZE
+from equeue.format.message import QUEUE_RECORD_SIZE
+
+FlushPolicy = Literal["sync", "async", "os"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Settings of a message store; every field has a documented default.
+
+    ``chunk_data_size`` and ``queue_chunk_records`` shape the files and are
+    fixed when the store is created: reopening with other values is refused.
+
+    Durability (``flush``), by what each policy risks:
+
+    * ``"sync"``: ``send`` returns after the message and its queue entry are on
+      stable storage. Nothing acknowledged is lost, even on power loss.
+    * ``"async"`` (default): a background thread flushes every
+      ``flush_interval_ms``. A process crash loses nothing (the bytes are in
+      the OS page cache); a power loss or kernel crash can lose up to the last
+      ``flush_interval_ms`` of sends.
+    * ``"os"``: equeue never flushes by itself; the OS writes back when it
+      likes (typically within 30 s). A power loss can lose everything since
+      the last ``flush()`` or ``close()``.
+    """
+
+    chunk_data_size: int = 256 * MiB
+    queue_chunk_records: int = 1_000_000
+    default_queue_count: int = 4
+    auto_create_topics: bool = True
+    flush: FlushPolicy = "async"
+    flush_interval_ms: int = 500
+    max_message_size: int = 4 * MiB
+    max_properties_size: int = 32 * 1024
+    retention: dt.timedelta | None = None
+    max_store_bytes: int | None = None
+    retention_respects_consumers: bool = False
+    max_open_chunks: int = 8
+    key_index_batch: int = 10_000  # keys buffered before one index transaction
+
+    def __post_init__(self) -> None:
+        check_int("chunk_data_size", self.chunk_data_size, MIN_CHUNK_DATA_SIZE, MAX_CHUNK_DATA_SIZE)
+        check_int(
+            "queue_chunk_records",
+            self.queue_chunk_records,
+            MIN_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE,
+            MAX_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE,
+        )
+        check_int("default_queue_count", self.default_queue_count, 1, 1024)
+        check_int("flush_interval_ms", self.flush_interval_ms, 1, 3_600_000)
+        check_int("max_message_size", self.max_message_size, 1, 1 << 30)
+        check_int("max_properties_size", self.max_properties_size, 0, 1 << 20)
+        check_int("max_open_chunks", self.max_open_chunks, 1, 1 << 16)
+        check_int("key_index_batch", self.key_index_batch, 1, 1 << 24)
+        if self.flush not in ("sync", "async", "os"):
+            raise ConfigError(f"flush={self.flush!r}; it must be 'sync', 'async' or 'os'")
+        for name in ("auto_create_topics", "retention_respects_consumers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.retention is not None and (
+            not isinstance(self.retention, dt.timedelta) or self.retention <= dt.timedelta(0)
+        ):
+            raise ConfigError(f"retention must be a positive timedelta or None: {self.retention!r}")
+        if self.max_store_bytes is not None:
+            check_int("max_store_bytes", self.max_store_bytes, 1, 1 << 62)

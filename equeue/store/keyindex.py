@@ -1,0 +1,83 @@
+"""The key index: (topic, key) -> message positions, kept in SQLite beside the chunks.
+
+It is derived from the message log: sends buffer their keys and one
+transaction writes a batch together with ``indexed_position``, the log
+position up to which every key is in the table. Recovery re-indexes what the
+log holds past that position, so a crash loses no key and adds none twice.
+SQLite's page cache bounds the memory, whatever the store's size.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS keys (topic TEXT NOT NULL, key TEXT NOT NULL, position INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS keys_by_key ON keys (topic, key, position);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+
+class KeyIndex:
+    def __init__(self, path: Path, *, read_only: bool = False) -> None:
+        self.path = path
+        uri = f"file:{path}?mode=ro" if read_only else f"file:{path}"
+        self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, str, int]] = []
+        self._pending_end = 0
+        if not read_only:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        row = self._db.execute("SELECT value FROM meta WHERE name='indexed_position'").fetchone()
+        self.indexed_position: int = row[0] if row else 0
+
+    def add(self, topic: str, key: str, position: int) -> None:
+        """Buffer one key; the caller holds the store's write lock."""
+        self._pending.append((topic, key, position))
+
+    def mark(self, log_end: int) -> None:
+        """Every key of a message before ``log_end`` has been added."""
+        self._pending_end = log_end
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def commit(self) -> None:
+        """Write the buffered keys and the indexed position in one transaction."""
+        with self._lock:
+            batch, self._pending = self._pending, []
+            end = self._pending_end
+            if not batch and end <= self.indexed_position:
+                return
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.executemany("INSERT INTO keys VALUES (?, ?, ?)", batch)
+                self._db.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (end,)
+                )
+            self.indexed_position = end
+
+    def positions(self, topic: str, key: str, limit: int) -> list[int]:
+        """Newest first."""
+        self.commit()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT position FROM keys WHERE topic=? AND key=? ORDER BY position DESC LIMIT ?",
+                (topic, key, limit),
+            ).fetchall()
+        return [row[0] for row in rows]
+
+    def forget_below(self, position: int) -> None:
+        """Retention removed the log below ``position``."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM keys WHERE position < ?", (position,))
+
+    def close(self) -> None:
+        self.commit()
+        self._db.close()

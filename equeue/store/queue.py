@@ -1,0 +1,122 @@
+"""One queue of a topic: a chunk directory of 12-byte QueueLogRecords."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkWriter
+from equeue.chunks.recovery import TailCut
+from equeue.errors import ChunkRemovedError, PositionNotFoundError
+from equeue.format.chunk import HEADER_SIZE
+from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
+
+_unpack = QUEUE_RECORD.unpack_from
+_pack = QUEUE_RECORD.pack
+
+
+class Queue:
+    """Offsets are dense: offset q is the q-th message sent to this queue."""
+
+    def __init__(
+        self,
+        directory: Path,
+        topic: str,
+        queue_id: int,
+        records_per_chunk: int,
+        *,
+        max_open_chunks: int,
+        read_only: bool = False,
+    ) -> None:
+        self.topic = topic
+        self.queue_id = queue_id
+        self.manager = ChunkManager(
+            directory,
+            ChunkManagerConfig(
+                chunk_data_size=records_per_chunk * QUEUE_RECORD_SIZE,
+                record_size=QUEUE_RECORD_SIZE,
+                max_open_chunks=max_open_chunks,
+            ),
+            read_only=read_only,
+        )
+        self._writer: ChunkWriter | None = None
+        self.first_offset = self.manager.first_position // QUEUE_RECORD_SIZE
+
+    @property
+    def next_offset(self) -> int:
+        return self.manager.committed_position // QUEUE_RECORD_SIZE
+
+    @property
+    def writer(self) -> ChunkWriter:
+        if self._writer is None:
+            self._writer = ChunkWriter(self.manager)
+        return self._writer
+
+    def append(self, message_position: int, tag_hash: int) -> int:
+        """Add an entry; the caller holds the store's write lock. Returns its offset."""
+        position = self.writer.unlocked_write(_pack(message_position + 1, tag_hash))
+        return position // QUEUE_RECORD_SIZE
+
+    def entry(self, offset: int) -> tuple[int, int]:
+        """(message position, tag hash) at ``offset``."""
+        if not self.first_offset <= offset < self.next_offset:
+            raise PositionNotFoundError(
+                f"offset {offset} is outside queue {self.topic}/{self.queue_id} "
+                f"[{self.first_offset}, {self.next_offset})"
+            )
+        chunk = self.manager.get_chunk_for(offset * QUEUE_RECORD_SIZE)
+        mm = chunk.mapping()
+        stored, tag = _unpack(mm, HEADER_SIZE + offset * QUEUE_RECORD_SIZE - chunk.base)
+        return stored - 1, tag
+
+    def entries(self, offset: int, count: int) -> list[tuple[int, int]]:
+        """Up to ``count`` consecutive (message position, tag hash) from ``offset`` on."""
+        result: list[tuple[int, int]] = []
+        end = min(self.next_offset, offset + count)
+        while offset < end:
+            try:
+                chunk = self.manager.get_chunk_for(offset * QUEUE_RECORD_SIZE)
+            except ChunkRemovedError:
+                offset = self.first_offset
+                continue
+            mm = chunk.mapping()
+            start = HEADER_SIZE + offset * QUEUE_RECORD_SIZE - chunk.base
+            stop_offset = min(end, (chunk.base + chunk.data_end) // QUEUE_RECORD_SIZE)
+            if stop_offset <= offset:
+                break
+            block = mm[start : start + (stop_offset - offset) * QUEUE_RECORD_SIZE]
+            result.extend((stored - 1, tag) for stored, tag in QUEUE_RECORD.iter_unpack(block))
+            offset = stop_offset
+        return result
+
+    def first_offset_at_or_after(self, message_position: int) -> int:
+        """The first offset whose message position is >= ``message_position`` (binary search)."""
+        lo, hi = self.first_offset, self.next_offset
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.entry(mid)[0] < message_position:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def cut_from(self, offset: int) -> list[TailCut]:
+        """Recovery: remove the entries at and after ``offset`` (copied to side files)."""
+        return self.manager.truncate_after(offset * QUEUE_RECORD_SIZE)
+
+    def remove_chunks_below(self, message_position: int) -> int:
+        """Retention: drop completed queue chunks whose entries all point below ``message_position``."""
+        removed = 0
+        for chunk in list(self.manager)[:-1]:
+            last_offset = (chunk.base + chunk.data_end) // QUEUE_RECORD_SIZE - 1
+            if last_offset < 0 or self.entry(last_offset)[0] >= message_position:
+                break
+            removed += len(self.manager.remove_chunks_before(chunk.end_number + 1))
+        self.first_offset = max(self.first_offset, self.manager.first_position // QUEUE_RECORD_SIZE)
+        return removed
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        self.manager.close()

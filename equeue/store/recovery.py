@@ -1,0 +1,91 @@
+"""Bringing the derived indexes back in line with the message log at open.
+
+The message log is the source of truth. The checkpoint says up to which log
+position every queue entry was durable; past it, each message record is
+re-dispatched to its queue (and key index), entries that disagree with the
+log are cut, and entries past what the log holds are cut too. The work is
+proportional to what was written after the checkpoint, not to the store size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from equeue.chunks import ChunkReader
+from equeue.chunks.recovery import TailCut
+from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
+from equeue.store.keyindex import KeyIndex
+from equeue.store.queue import Queue
+
+log = logging.getLogger("equeue.recovery")
+
+
+@dataclass
+class RecoveryReport:
+    """What opening the store found and did; empty after a clean shutdown."""
+
+    cuts: list[TailCut] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    redispatched: int = 0
+    reindexed_keys: int = 0
+    start_position: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return not self.cuts and not self.problems and not self.redispatched
+
+
+def redispatch(
+    reader: ChunkReader,
+    start: int,
+    queues: dict[str, list[Queue]],
+    keys: KeyIndex,
+    report: RecoveryReport,
+) -> None:
+    report.start_position = start
+    log_end = reader.manager.committed_position
+    seen: dict[Queue, int] = {}
+    key_from = keys.indexed_position
+    for position, payload in reader.iter_from(start):
+        (pos, _, _, qoff, qid, _, th, flags, tl, gl, kl, _, _) = MESSAGE_HEAD.unpack_from(payload)
+        topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl].decode(errors="replace")
+        topic_queues = queues.get(topic)
+        if pos != position or topic_queues is None or not 0 <= qid < len(topic_queues):
+            report.problems.append(
+                f"message record at position {position} names position {pos}, topic {topic!r}, "
+                f"queue {qid}, which the store does not have; left out of the queues"
+            )
+            continue
+        queue = topic_queues[qid]
+        following = queue.next_offset
+        if qoff < following and queue.entry(qoff)[0] != position:
+            report.cuts += queue.cut_from(qoff)
+            following = queue.next_offset
+        if qoff == following:
+            queue.append(position, th)
+            report.redispatched += 1
+        elif qoff > following:
+            report.problems.append(
+                f"queue {topic}/{qid} lacks offsets {following}..{qoff - 1} before the message "
+                f"at position {position}; their messages are not in the log"
+            )
+            continue
+        seen[queue] = qoff + 1
+        if flags & FLAG_HAS_KEY and position >= key_from:
+            p = MESSAGE_HEAD_SIZE + tl + gl
+            keys.add(topic, payload[p : p + kl].decode(errors="replace"), position)
+            report.reindexed_keys += 1
+    for topic_queues in queues.values():
+        for queue in topic_queues:
+            limit = seen.get(queue)
+            if limit is None:
+                limit = queue.first_offset_at_or_after(start)
+            if queue.next_offset > limit:
+                report.cuts += queue.cut_from(limit)
+    keys.mark(log_end)
+    keys.commit()
+    for cut in report.cuts:
+        log.warning("recovery: %s", cut)
+    for problem in report.problems:
+        log.error("recovery: %s", problem)
