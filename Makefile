@@ -29,6 +29,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_chunks.py
+	$(PY) tools/bench_store.py
 
 clean:
 	rm -rf $(VENV) demo-store .mypy_cache .pytest_cache .ruff_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import mmap
 import os
 import uuid
@@ -46,6 +47,7 @@ _xxh3 = xxhash.xxh3_64_intdigest  # record_checksum() inlined on the hot paths
 _unpack_prefix = FRAME_PREFIX.unpack_from
 _unpack_suffix = FRAME_SUFFIX.unpack_from
 _PAGE = mmap.PAGESIZE
+_ticks = itertools.count(1)  # recency for the LRU of read maps; next() is atomic in CPython
 
 
 def fsync_directory(directory: Path) -> None:
@@ -202,6 +204,7 @@ class Chunk:
             with open(self.path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._mm = mm
+            self.last_used = next(_ticks)
             self._on_map(self)
         return mm
 
@@ -326,6 +329,14 @@ class Chunk:
                     f"position {self.start_position + local} lies past the end of the data "
                     f"({self.start_position + self.data_end}) in {self.path}"
                 )
+            size = self.header.record_size
+            if size and local % size:
+                # A position off the record grid names no record; reading there would
+                # return bytes straddling two records (or past data_end).
+                raise PositionNotFoundError(
+                    f"position {self.start_position + local} is not at a record boundary "
+                    f"(record_size={size}) in {self.path}"
+                )
             return local
         return self._map_lookup(local)
 
@@ -356,6 +367,7 @@ class Chunk:
     def read_at(self, local: int) -> bytes:
         """The payload of the record at chunk-relative logical offset ``local``."""
         physical = self.physical_offset(local)
+        self.last_used = next(_ticks)
         mm = self._mm or self.mapping()
         size = self.header.record_size
         if size:
@@ -380,6 +392,7 @@ class Chunk:
 
     def iter_records(self, local: int) -> Iterator[tuple[int, bytes]]:
         """(chunk-relative logical offset, payload) from ``local`` on, up to the committed end."""
+        self.last_used = next(_ticks)
         if self.header.compacted:
             yield from self._iter_compacted(local)
         elif self.header.record_size:
@@ -410,7 +423,9 @@ class Chunk:
     def _iter_fixed(self, local: int) -> Iterator[tuple[int, bytes]]:
         mm = self._mm or self.mapping()
         size = self.header.record_size
-        offset = local - local % size
+        # Round a position off the record grid up, not down: iteration yields records
+        # at or after ``local``, never the one that starts before it.
+        offset = -(-local // size) * size
         while offset < self.data_end:
             p = HEADER_SIZE + offset
             yield offset, mm[p : p + size]

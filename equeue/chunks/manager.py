@@ -30,6 +30,7 @@ from equeue.errors import (
 )
 from equeue.format.chunk import (
     FOOTER_SIZE,
+    FRAME_OVERHEAD,
     HEADER_SIZE,
     RECOVERED_DIR,
     TEMP_SUFFIX,
@@ -69,7 +70,6 @@ class ChunkManager:
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
         self._by_number: dict[int, Chunk] = {}  # a merged chunk fills every number it covers
         self._lock = threading.RLock()
-        self._ticks = itertools.count(1)
         self._writer: ChunkWriter | None = None
         self._closed = False
         self._load()
@@ -96,6 +96,10 @@ class ChunkManager:
             for chunk in self._chunks:
                 chunk.close()
             self._closed = True
+            if self._writer is not None:
+                # Detach the writer from the now-unmapped chunk, so its next write
+                # takes the slow path and raises ClosedError.
+                self._writer._chunk = None
 
     # --- lookups -------------------------------------------------------------
 
@@ -279,9 +283,11 @@ class ChunkManager:
             self._check_open()
             if not self.read_only:
                 return
+            if not self.directory.exists():
+                return  # opened before any writer created the directory
             last = self.last_chunk
             if last is not None and not last.is_completed:
-                self._rescan_tail(last)
+                self._refresh_tail(last)
             known = {c.path.name for c in self._chunks}
             for name in sorted(os.listdir(self.directory)):
                 parsed = parse_chunk_file_name(name)
@@ -293,7 +299,7 @@ class ChunkManager:
                     chunk = self._open_chunk(path, self._read_header(path), parsed[1], last=True)
                     prev = self.last_chunk
                     if prev is not None and not prev.is_completed:
-                        self._rescan_tail(prev)
+                        self._refresh_tail(prev)
                     self._install(chunk)
 
     # --- internals -----------------------------------------------------------
@@ -321,7 +327,6 @@ class ChunkManager:
 
     def _mapped(self, chunk: Chunk) -> None:
         """A completed chunk opened its map: close the least recently used beyond the limit."""
-        chunk.last_used = next(self._ticks)
         with self._lock:
             mapped = [c for c in self._chunks if c.is_mapped and c.is_completed]
             excess = len(mapped) - self.config.max_open_chunks
@@ -373,6 +378,7 @@ class ChunkManager:
         for setting, expected, found in (
             ("chunk_data_size", config.chunk_data_size, header.chunk_data_size),
             ("record_size", config.record_size, header.record_size),
+            ("timestamp_offset", config.timestamp_offset, header.timestamp_offset),
         ):
             if expected != found:
                 raise ConfigError(
@@ -445,6 +451,22 @@ class ChunkManager:
             )
         return footer
 
+    def _refresh_tail(self, chunk: Chunk) -> None:
+        """Read-only refresh of a chunk we saw ongoing: load its footer if the writer
+        completed it since, else rescan its committed end.
+
+        Rescanning alone would leave a chunk the writer completed "ongoing" here, and
+        ChunkReader.iter_from() would stop at its end, never reaching the chunks after it.
+        """
+        footer = self._read_footer(chunk.path, chunk.header, chunk.path.stat().st_size, last=True)
+        if footer is None:
+            self._rescan_tail(chunk)
+            return
+        chunk.data_end = chunk.flushed_end = footer.physical_data_size
+        chunk.record_count = footer.record_count
+        chunk.scan_problem = None
+        chunk.footer = footer
+
     def _rescan_tail(self, chunk: Chunk) -> None:
         """Find the valid end of an ongoing chunk without changing the file."""
         size = chunk.path.stat().st_size
@@ -455,7 +477,10 @@ class ChunkManager:
             if self.config.record_size:
                 result = scan_fixed(mm, available, self.config.record_size)
             else:
-                result = scan_variable(mm, available, self.config.max_record_size)
+                # Bound lengths by the chunk, not by config.max_record_size: that
+                # setting is not stored on disk, and reopening with a smaller value made
+                # recovery cut (move to recovered/) valid records written under a larger one.
+                result = scan_variable(mm, available, chunk.header.chunk_data_size - FRAME_OVERHEAD)
         finally:
             mm.close()
         chunk.data_end = chunk.flushed_end = result.data_end

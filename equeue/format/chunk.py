@@ -111,7 +111,9 @@ assert MAP_ENTRY_SIZE == 12
 
 TIMESTAMP: Final = struct.Struct("<q")
 
-CHUNK_FILE_RE: Final = re.compile(r"^chunk-(\d{12})\.(\d{4})$")
+# {:012d} / {:04d} are minimum widths, so longer numbers must parse too: a chunk past
+# number 10**12 - 1 (or version 9999) would otherwise be skipped at load.
+CHUNK_FILE_RE: Final = re.compile(r"^chunk-(\d{12,})\.(\d{4,})$")
 TEMP_SUFFIX: Final = ".tmp"
 RECOVERED_DIR: Final = "recovered"
 

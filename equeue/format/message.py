@@ -140,9 +140,9 @@ class MessageLogRecord:
         )
 
     @classmethod
-    def unpack(cls, data: bytes, *, file: str | None = None, offset: int | None = None) -> (
-        MessageLogRecord
-    ):
+    def unpack(
+        cls, data: bytes, *, file: str | None = None, offset: int | None = None
+    ) -> MessageLogRecord:
         if len(data) < MESSAGE_HEAD_SIZE:
             raise TruncatedError(
                 f"message record of {len(data)} bytes is shorter than its {MESSAGE_HEAD_SIZE}-byte"
@@ -168,7 +168,9 @@ class MessageLogRecord:
             p += tl + gl
             key = data[p : p + kl].decode() if flags & FLAG_HAS_KEY else None
         except UnicodeDecodeError as exc:
-            raise CorruptionError(f"undecodable message string: {exc}", file=file, offset=offset)
+            raise CorruptionError(
+                f"undecodable message string: {exc}", file=file, offset=offset
+            ) from exc
         p += kl
         props = decode_properties(data[p : p + pl]) if pl else {}
         return cls(

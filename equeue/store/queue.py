@@ -40,10 +40,8 @@ class Queue:
         )
         self._writer: ChunkWriter | None = None
         self.first_offset = self.manager.first_position // QUEUE_RECORD_SIZE
-
-    @property
-    def next_offset(self) -> int:
-        return self.manager.committed_position // QUEUE_RECORD_SIZE
+        # A plain attribute, raised only after an entry is in place, so readers may use it.
+        self.next_offset = self.manager.committed_position // QUEUE_RECORD_SIZE
 
     @property
     def writer(self) -> ChunkWriter:
@@ -53,8 +51,10 @@ class Queue:
 
     def append(self, message_position: int, tag_hash: int) -> int:
         """Add an entry; the caller holds the store's write lock. Returns its offset."""
-        position = self.writer.unlocked_write(_pack(message_position + 1, tag_hash))
-        return position // QUEUE_RECORD_SIZE
+        offset = self.next_offset
+        self.writer.unlocked_write(_pack(message_position + 1, tag_hash))
+        self.next_offset = offset + 1
+        return offset
 
     def entry(self, offset: int) -> tuple[int, int]:
         """(message position, tag hash) at ``offset``."""
@@ -101,10 +101,12 @@ class Queue:
 
     def cut_from(self, offset: int) -> list[TailCut]:
         """Recovery: remove the entries at and after ``offset`` (copied to side files)."""
-        return self.manager.truncate_after(offset * QUEUE_RECORD_SIZE)
+        cuts = self.manager.truncate_after(offset * QUEUE_RECORD_SIZE)
+        self.next_offset = self.manager.committed_position // QUEUE_RECORD_SIZE
+        return cuts
 
     def remove_chunks_below(self, message_position: int) -> int:
-        """Retention: drop completed queue chunks whose entries all point below ``message_position``."""
+        """Retention: drop completed queue chunks whose entries all point below it."""
         removed = 0
         for chunk in list(self.manager)[:-1]:
             last_offset = (chunk.base + chunk.data_end) // QUEUE_RECORD_SIZE - 1

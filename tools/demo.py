@@ -1,0 +1,91 @@
+"""The main job of `make demo`: a realistic workload on a store under ./demo-store.
+
+Several topics with tags and keys are sent, one consumer group consumes them
+and commits offsets, the store is closed and reopened, and the consumer
+resumes where it left off. Prints what it did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import time
+from pathlib import Path
+
+from equeue import MessageStore, OutgoingMessage, StoreConfig
+
+TOPICS = {"orders": ["created", "paid", "shipped"], "payments": ["card", "transfer"], "audit": [""]}
+
+
+def produce(store: MessageStore, count: int, rng: random.Random) -> dict[str, int]:
+    sent = dict.fromkeys(TOPICS, 0)
+    for i in range(count):
+        topic = rng.choice(list(TOPICS))
+        tag = rng.choice(TOPICS[topic])
+        key = f"customer-{rng.randrange(500)}" if topic != "audit" else None
+        body = f'{{"n": {i}, "topic": "{topic}", "tag": "{tag}"}}'.encode()
+        store.send(topic, body, tag=tag, key=key, properties={"source": "demo"})
+        sent[topic] += 1
+    batch = [OutgoingMessage(f"audit line {i}".encode()) for i in range(count // 10)]
+    store.send_batch("audit", batch)
+    sent["audit"] += len(batch)
+    return sent
+
+
+def consume(store: MessageStore, group: str, topic: str, tags: list[str] | None) -> int:
+    seen = 0
+    for queue_id in store.queue_ids(topic):
+        offset = store.committed_offset(group, topic, queue_id) or 0
+        while True:
+            result = store.pull(topic, queue_id, offset, max_count=256, tags=tags)
+            seen += len(result.messages)
+            if result.next_offset == offset:
+                break
+            offset = result.next_offset
+        store.commit_offset(group, topic, queue_id, offset)
+    return seen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("store", type=Path, nargs="?", default=Path("demo-store"))
+    parser.add_argument("--messages", type=int, default=200_000)
+    args = parser.parse_args()
+    shutil.rmtree(args.store, ignore_errors=True)
+    rng = random.Random(7)
+    config = StoreConfig(chunk_data_size=16 << 20, queue_chunk_records=100_000)
+
+    started = time.perf_counter()
+    with MessageStore.open(args.store, config) as store:
+        sent = produce(store, args.messages, rng)
+        produced = time.perf_counter() - started
+        total = sum(sent.values())
+        print(f"sent {total:,} messages in {produced:.2f} s ({total / produced:,.0f} msg/s)")
+        for topic, n in sent.items():
+            print(f"  {topic:<9} {n:>8,} messages over queues {store.queue_ids(topic)}")
+        paid = consume(store, "billing", "orders", ["paid"])
+        print(f"consumer group 'billing' read {paid:,} 'paid' orders and committed its offsets")
+        customer = store.query_by_key("orders", "customer-42", limit=3)
+        print(f"query_by_key('orders', 'customer-42'): newest {len(customer)} of that customer:")
+        for message in customer:
+            print(
+                f"  offset {message.queue_offset:>6} tag {message.tag:<8} {message.body.decode()}"
+            )
+
+    started = time.perf_counter()
+    with MessageStore.open(args.store, config) as store:
+        reopened = time.perf_counter() - started
+        print(f"reopened in {reopened * 1000:.1f} ms; recovery clean: {store.recovery.clean}")
+        store.send("orders", b'{"n": "after restart"}', tag="paid", key="customer-42")
+        more = consume(store, "billing", "orders", ["paid"])
+        print(f"'billing' resumed from its committed offsets and read {more} new 'paid' order")
+        for topic in store.topics():
+            ranges = [store.queue_range(topic, q) for q in store.queue_ids(topic)]
+            print(f"  {topic:<9} queue ranges {ranges}")
+    size = sum(f.stat().st_size for f in args.store.rglob("*") if f.is_file())
+    print(f"store {args.store} holds {size / 2**20:.1f} MiB on disk")
+
+
+if __name__ == "__main__":
+    main()
