@@ -83,7 +83,6 @@ class Chunk:
         version: int,
         data_end: int,
         record_count: int,
-        last_record_offset: int,
         max_record_size: int,
         on_map: Callable[[Chunk], None],
     ) -> None:
@@ -97,7 +96,6 @@ class Chunk:
         self.data_end = data_end
         self.flushed_end = data_end
         self.record_count = record_count
-        self.last_record_offset = last_record_offset
         self.last_used = 0
         self.scan_problem: str | None = None  # why recovery's scan stopped, if not at a clean end
         self._max_record_size = max_record_size
@@ -189,7 +187,6 @@ class Chunk:
             version=version,
             data_end=0,
             record_count=0,
-            last_record_offset=-1,
             max_record_size=max_record_size,
             on_map=on_map,
         )
@@ -248,7 +245,6 @@ class Chunk:
             return -1
         pack = _FRAME_PACKERS.get(n) or frame_packer(n)
         pack(self._mm, HEADER_SIZE + offset, n, record, _xxh3(record) & CHECKSUM_MASK, n)
-        self.last_record_offset = offset
         self.record_count += 1
         self.data_end = end  # publish last: readers check data_end first
         if end > self._prefault_mark:
@@ -261,7 +257,6 @@ class Chunk:
         if end > self.data_size:
             return -1
         self._mm[HEADER_SIZE + offset : HEADER_SIZE + end] = record  # type: ignore[index]
-        self.last_record_offset = offset
         self.record_count += 1
         self.data_end = end
         return offset
@@ -314,9 +309,14 @@ class Chunk:
         if ts_off is None or self.record_count == 0:
             return None, None
         mm = self.mapping()
-        frame = 0 if self.header.record_size else FRAME_PREFIX_SIZE
+        end = HEADER_SIZE + self.data_end
+        if self.header.record_size:
+            frame, last_start = 0, end - self.header.record_size
+        else:  # the last frame's length suffix says where that frame starts
+            (length,) = FRAME_PREFIX.unpack_from(mm, end - FRAME_PREFIX_SIZE)
+            frame, last_start = FRAME_PREFIX_SIZE, end - length - FRAME_OVERHEAD
         (first,) = TIMESTAMP.unpack_from(mm, HEADER_SIZE + frame + ts_off)
-        (last,) = TIMESTAMP.unpack_from(mm, HEADER_SIZE + self.last_record_offset + frame + ts_off)
+        (last,) = TIMESTAMP.unpack_from(mm, last_start + frame + ts_off)
         return first, last
 
     # --- reading -------------------------------------------------------------

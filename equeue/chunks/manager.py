@@ -398,7 +398,6 @@ class ChunkManager:
                 version=version,
                 data_end=footer.physical_data_size,
                 record_count=footer.record_count,
-                last_record_offset=-1,
                 max_record_size=self.config.max_record_size,
                 on_map=self._mapped,
             )
@@ -409,7 +408,6 @@ class ChunkManager:
             version=version,
             data_end=0,
             record_count=0,
-            last_record_offset=-1,
             max_record_size=self.config.max_record_size,
             on_map=self._mapped,
         )
@@ -485,7 +483,6 @@ class ChunkManager:
             mm.close()
         chunk.data_end = chunk.flushed_end = result.data_end
         chunk.record_count = result.record_count
-        chunk.last_record_offset = result.last_record_offset
         chunk.scan_problem = result.problem
 
     def _repair_tail(self, chunk: Chunk) -> None:

@@ -31,7 +31,6 @@ _BLOCK = 1 << 20
 class ScanResult:
     data_end: int
     record_count: int
-    last_record_offset: int
     problem: str | None  # why the scan stopped early; None at a clean end
 
 
@@ -61,7 +60,6 @@ def scan_variable(buf: mmap.mmap | bytes, available: int, max_record_size: int) 
     end = HEADER_SIZE + available
     offset = 0
     count = 0
-    last = -1
     problem: str | None = None
     while HEADER_SIZE + offset + FRAME_PREFIX.size <= end:
         p = HEADER_SIZE + offset
@@ -72,10 +70,9 @@ def scan_variable(buf: mmap.mmap | bytes, available: int, max_record_size: int) 
         if found is not None:
             problem = found[0]
             break
-        last = offset
         count += 1
         offset += n + FRAME_OVERHEAD
-    return ScanResult(offset, count, last, problem)
+    return ScanResult(offset, count, problem)
 
 
 def scan_fixed(buf: mmap.mmap | bytes, available: int, record_size: int) -> ScanResult:
@@ -95,7 +92,7 @@ def scan_fixed(buf: mmap.mmap | bytes, available: int, record_size: int) -> Scan
             break
         pos = HEADER_SIZE + (rel // record_size + 1) * record_size
     count = data_end // record_size
-    return ScanResult(data_end, count, (count - 1) * record_size if count else -1, None)
+    return ScanResult(data_end, count, None)
 
 
 def nonzero_extent(fd: int, start: int, end: int) -> int:
