@@ -54,10 +54,17 @@ def read_json(path: Path) -> Any:
             "metadata checksum mismatch",
             file=path,
             offset=0,
-            expected=int(stored, 16) if isinstance(stored, str) and stored.isalnum() else None,
+            expected=_hex_or_none(stored),
             found=int(computed, 16),
         )
     return body
+
+
+def _hex_or_none(value: object) -> int | None:
+    try:
+        return int(str(value), 16)
+    except ValueError:
+        return None
 
 
 def remove_temp_files(directory: Path) -> None:

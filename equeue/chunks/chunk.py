@@ -15,6 +15,7 @@ import xxhash
 
 from equeue.chunks.prefault import PREFAULTER, WINDOW
 from equeue.errors import (
+    ChunkRemovedError,
     CompactedAwayError,
     CorruptRecordError,
     DiskFullError,
@@ -198,7 +199,13 @@ class Chunk:
     def mapping(self) -> mmap.mmap:
         mm = self._mm
         if mm is None:
-            with open(self.path, "rb") as f:
+            try:
+                f = open(self.path, "rb")  # noqa: SIM115 - closed below, after mapping
+            except FileNotFoundError:
+                raise ChunkRemovedError(
+                    f"chunk {self.path} was removed (by retention or compaction) while in use"
+                ) from None
+            with f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._mm = mm
             self.last_used = next(_ticks)

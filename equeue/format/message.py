@@ -35,6 +35,7 @@ so ``get(message_id)`` needs no index.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -56,6 +57,7 @@ assert QUEUE_RECORD_SIZE == 12
 
 _PROPERTY_LENGTH: Final = struct.Struct("<H")
 MESSAGE_ID_LENGTH: Final = 24
+_MESSAGE_ID_RE: Final = re.compile(r"[0-9a-fA-F]{24}\Z")
 
 
 @lru_cache(maxsize=4096)
@@ -97,12 +99,10 @@ def encode_message_id(store_id: int, position: int) -> str:
 
 def decode_message_id(message_id: str) -> tuple[int, int] | None:
     """(store id, position), or None if the string is not a message id."""
-    if not isinstance(message_id, str) or len(message_id) != MESSAGE_ID_LENGTH:
+    # int(x, 16) alone would accept signs, "0x", "_" and non-ASCII digits.
+    if not isinstance(message_id, str) or not _MESSAGE_ID_RE.match(message_id):
         return None
-    try:
-        return int(message_id[:8], 16), int(message_id[8:], 16)
-    except ValueError:
-        return None
+    return int(message_id[:8], 16), int(message_id[8:], 16)
 
 
 @dataclass(frozen=True, slots=True)

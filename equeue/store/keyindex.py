@@ -72,6 +72,18 @@ class KeyIndex:
             ).fetchall()
         return [row[0] for row in rows]
 
+    def forget_from(self, position: int) -> None:
+        """Recovery: drop rows at or after ``position`` (committed early by a query, or
+        pointing past a cut in the log); they are re-indexed from the log."""
+        with self._lock, self._db:
+            self._pending = []
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM keys WHERE position >= ?", (position,))
+            self._db.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (position,)
+            )
+        self.indexed_position = position
+
     def forget_below(self, position: int) -> None:
         """Retention removed the log below ``position``."""
         with self._lock, self._db:

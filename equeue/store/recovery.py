@@ -43,10 +43,14 @@ def redispatch(
     keys: KeyIndex,
     report: RecoveryReport,
 ) -> None:
+    # Keys: rows at or past the index's own mark may be duplicates (a query commits
+    # pending keys early) or point past a cut in the log; drop and re-index them.
+    key_from = min(keys.indexed_position, reader.manager.committed_position)
+    keys.forget_from(key_from)
+    start = min(start, max(key_from, reader.manager.first_position))
     report.start_position = start
     log_end = reader.manager.committed_position
     seen: dict[Queue, int] = {}
-    key_from = keys.indexed_position
     for position, payload in reader.iter_from(start):
         (pos, _, _, qoff, qid, _, th, flags, tl, gl, kl, _, _) = MESSAGE_HEAD.unpack_from(payload)
         topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl].decode(errors="replace")

@@ -110,7 +110,14 @@ class MessageStore:
         start = self._messages.first_position
         if isinstance(checkpoint, int):
             start = min(max(checkpoint, start), self._messages.committed_position)
+        for queues in self._queues.values():
+            for queue in queues:
+                self.recovery.cuts += queue.manager.recovery_cuts
         redispatch(self._reader, start, self._queues, self._keys, self.recovery)
+        first = self._messages.first_position
+        for queues in self._queues.values():
+            for queue in queues:  # retention may have removed messages the queue still indexes
+                queue.first_offset = queue.first_offset_at_or_after(first)
         self._writer = ChunkWriter(self._messages)
         self._lock = self._writer.lock  # the one write lock: message record, then queue entry
         self._arrived = threading.Condition(threading.Lock())
@@ -229,17 +236,19 @@ class MessageStore:
         queues = self._topic(topic)
         return queues[validate.check_queue_id(queue_id, topic, len(queues))]
 
-    def _queues_for_send(self, topic: str) -> list[Queue]:
-        queues = self._queues.get(topic)
-        if queues is not None:
-            return queues
+    def _count_for_new(self, topic: object) -> int:
+        """The queue count an unknown topic would get on its first send, or an error."""
         validate.check_topic(topic)
         if not self.config.auto_create_topics:
             raise TopicNotFoundError(
                 f"no topic {topic!r} in {self.path}, and auto_create_topics is off "
                 "(StoreConfig.auto_create_topics); create it with create_topic()"
             )
-        self.create_topic(topic)
+        return self.config.default_queue_count
+
+    def _create_for_send(self, topic: str) -> list[Queue]:
+        """Called only after the message was checked, so a rejected send creates nothing."""
+        self.create_topic(topic, max(self.config.default_queue_count, 1))
         return self._queues[topic]
 
     # --- sending -------------------------------------------------------------
@@ -255,8 +264,11 @@ class MessageStore:
         code: int = 0,
         queue_id: int | None = None,
     ) -> SendResult:
-        queues = self._queues.get(topic) or self._queues_for_send(topic)
-        checked = self._check(topic, queues, body, tag, key, properties, code, queue_id)
+        queues = self._queues.get(topic) if type(topic) is str else None
+        count = len(queues) if queues is not None else self._count_for_new(topic)
+        checked = self._check(topic, count, body, tag, key, properties, code, queue_id)
+        if queues is None:
+            queues = self._create_for_send(topic)
         with self._lock:
             self._check_open()
             result = self._append(topic, queues, *checked)
@@ -271,7 +283,8 @@ class MessageStore:
     ) -> list[SendResult]:
         """Send many messages under one lock acquisition: all are checked first, so one
         bad message rejects the batch and nothing is written."""
-        queues = self._queues.get(topic) or self._queues_for_send(topic)
+        queues = self._queues.get(topic) if type(topic) is str else None
+        count = len(queues) if queues is not None else self._count_for_new(topic)
         checked = []
         for message in messages:
             if isinstance(message, bytes | bytearray | memoryview):
@@ -283,7 +296,9 @@ class MessageStore:
                     f"send_batch takes bytes, OutgoingMessage or dict items, got "
                     f"{type(message).__name__}"
                 )
-            checked.append(self._check(topic, queues, *message))
+            checked.append(self._check(topic, count, *message))
+        if queues is None:
+            queues = self._create_for_send(topic)
         with self._lock:
             self._check_open()
             results = [self._append(topic, queues, *c) for c in checked]
@@ -296,7 +311,7 @@ class MessageStore:
     def _check(
         self,
         topic: str,
-        queues: list[Queue],
+        queue_count: int,
         body: object,
         tag: object,
         key: object,
@@ -311,7 +326,7 @@ class MessageStore:
         key_bytes = b"" if key is None else validate.check_key(key)
         props = (
             b""
-            if not properties
+            if properties is None
             else validate.check_properties(properties, config.max_properties_size)
         )
         if type(code) is not int:
@@ -319,7 +334,7 @@ class MessageStore:
         elif not -(1 << 31) <= code < 1 << 31:
             validate.check_code(code)
         if queue_id is not None:
-            validate.check_queue_id(queue_id, topic, len(queues))
+            validate.check_queue_id(queue_id, topic, queue_count)
         size = MESSAGE_HEAD_SIZE + len(tag_bytes) + len(key_bytes) + len(props) + len(body) + 255
         if size + FRAME_OVERHEAD > config.chunk_data_size:
             raise InvalidMessageError(
@@ -455,7 +470,9 @@ class MessageStore:
             raise InvalidTypeError(f"position must be an int, got {type(position).__name__}")
         try:
             return self._read_record(position)
-        except PositionNotFoundError as exc:
+        except (PositionNotFoundError, CorruptRecordError) as exc:
+            # A position from a caller (or a message id) that names no record start reads
+            # as an invalid frame; the frame check still keeps corrupt bytes from escaping.
             raise MessageNotFoundError(f"no message at position {position}: {exc}") from exc
 
     def get(self, message_id: str) -> Message:
@@ -517,13 +534,14 @@ class MessageStore:
         queue = self._queue(topic, queue_id)
         if isinstance(timestamp, dt.datetime):
             timestamp = timestamp.timestamp()
-        target = int(timestamp * 1e9)
         lo, hi = queue.first_offset, queue.next_offset
         while lo < hi:
             mid = (lo + hi) // 2
             payload = self._reader.read(queue.entry(mid)[0])
             (stored,) = MESSAGE_HEAD.unpack_from(payload)[1:2]
-            if stored < target:
+            # Compare as stored_at is exposed (float seconds), so a message's own
+            # stored_at finds that message despite float rounding.
+            if stored / 1e9 < timestamp:
                 lo = mid + 1
             else:
                 hi = mid

@@ -18,6 +18,13 @@ _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+\Z")
 _INT32 = 1 << 31
 
 
+def utf8(value: str, what: str) -> bytes:
+    try:
+        return value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(f"{what} is not encodable as UTF-8: {exc.reason}") from None
+
+
 def check_topic(topic: object) -> str:
     if not isinstance(topic, str):
         raise InvalidTypeError(f"topic must be a str, got {type(topic).__name__}")
@@ -28,10 +35,13 @@ def check_topic(topic: object) -> str:
 def _check_topic(topic: str) -> str:
     if not topic:
         raise InvalidMessageError("topic must not be empty")
-    if len(topic.encode()) > MAX_NAME_BYTES:
+    size = len(utf8(topic, "topic"))
+    if size > MAX_NAME_BYTES:
         raise InvalidMessageError(
-            f"topic {topic[:40]!r}... is {len(topic.encode())} bytes; the limit is {MAX_NAME_BYTES}"
+            f"topic {topic[:40]!r}... is {size} bytes; the limit is {MAX_NAME_BYTES}"
         )
+    if topic in (".", ".."):
+        raise InvalidMessageError(f"topic {topic!r} is not allowed: it names a directory")
     if not _TOPIC_RE.match(topic):
         raise InvalidMessageError(f"topic {topic!r} has characters outside [A-Za-z0-9._-]")
     return topic
@@ -46,7 +56,7 @@ def check_tag(tag: object) -> tuple[bytes, int]:
 
 @lru_cache(maxsize=4096)
 def _check_tag(tag: str) -> tuple[bytes, int]:
-    encoded = tag.encode()
+    encoded = utf8(tag, "tag")
     if len(encoded) > MAX_NAME_BYTES:
         raise InvalidMessageError(
             f"tag is {len(encoded)} bytes UTF-8; the limit is {MAX_NAME_BYTES} bytes"
@@ -57,7 +67,7 @@ def _check_tag(tag: str) -> tuple[bytes, int]:
 def check_key(key: object) -> bytes:
     if not isinstance(key, str):
         raise InvalidTypeError(f"key must be a str or None, got {type(key).__name__}")
-    encoded = key.encode()
+    encoded = utf8(key, "key")
     if len(encoded) > MAX_NAME_BYTES:
         raise InvalidMessageError(
             f"key is {len(encoded)} bytes UTF-8; the limit is {MAX_NAME_BYTES} bytes"
@@ -75,7 +85,7 @@ def check_properties(properties: object, limit: int) -> bytes:
             raise InvalidTypeError(
                 f"properties must map str to str; got {type(k).__name__} -> {type(v).__name__}"
             )
-        if len(k.encode()) > 0xFFFF or len(v.encode()) > 0xFFFF:
+        if len(utf8(k, "a properties key")) > 0xFFFF or len(utf8(v, "a properties value")) > 0xFFFF:
             raise MessageTooLargeError(f"property {k[:40]!r} is longer than 65535 bytes")
     encoded = encode_properties(properties)
     if len(encoded) > limit:

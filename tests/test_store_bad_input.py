@@ -1,0 +1,416 @@
+"""Every input rule of the store: the right error, a message naming the limit, nothing changed.
+
+A rejected call must leave the store exactly as it was (queue ranges, the bytes
+of every chunk file, topics and offsets) and the store must go on working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue.errors import (
+    ClosedError,
+    EQueueError,
+    InvalidMessageError,
+    InvalidTypeError,
+    MessageTooLargeError,
+    QueueNotFoundError,
+    TopicNotFoundError,
+)
+
+MAX_MESSAGE = 2000
+CONFIG = StoreConfig(
+    chunk_data_size=4096,
+    queue_chunk_records=400,
+    default_queue_count=4,
+    max_message_size=MAX_MESSAGE,
+)
+BUILTIN: dict[type[Exception], type[Exception]] = {
+    InvalidMessageError: ValueError,
+    MessageTooLargeError: ValueError,
+    InvalidTypeError: TypeError,
+    QueueNotFoundError: LookupError,
+    TopicNotFoundError: LookupError,
+}
+
+Snapshot = tuple[Any, ...]
+FALSY: list[object] = [0, [], ""]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[MessageStore]:
+    with MessageStore.open(tmp_path / "store", CONFIG) as s:
+        s.create_topic("t")
+        for i in range(30):
+            s.send("t", b"m%d" % i * 20, tag="g", key=f"k{i % 4}", properties={"i": str(i)})
+        s.commit_offset("g", "t", 0, 2)
+        yield s
+
+
+def snapshot(store: MessageStore) -> Snapshot:
+    files = {}
+    for sub in ("messages", "queues"):
+        for path in sorted((store.path / sub).rglob("*")):
+            if path.is_file():
+                files[str(path.relative_to(store.path))] = path.read_bytes()
+    for name in ("topics.json", "offsets.json"):
+        files[name] = (store.path / name).read_bytes()
+    ranges = {(t, q): store.queue_range(t, q) for t in store.topics() for q in store.queue_ids(t)}
+    return (store.topics(), ranges, store.consumer_groups(), files)
+
+
+def still_works(store: MessageStore, before: Snapshot) -> None:
+    assert snapshot(store) == before
+    result = store.send("t", b"good", tag="ok", key="good-key", queue_id=1)
+    assert result.queue_offset == before[1][("t", 1)][1]
+    [message] = store.pull("t", 1, result.queue_offset).messages
+    assert (message.body, message.tag, message.key) == (b"good", "ok", "good-key")
+
+
+# (send keyword arguments, expected error, fragments the message must contain)
+CASES = [
+    # topic
+    pytest.param({"topic": ""}, InvalidMessageError, ["empty"], id="topic-empty"),
+    pytest.param({"topic": "a" * 256}, InvalidMessageError, ["256", "255"], id="topic-256"),
+    pytest.param({"topic": "\u00e9" * 128}, InvalidMessageError, ["256", "255"], id="topic-utf8"),
+    pytest.param({"topic": "has space"}, InvalidMessageError, ["A-Za-z0-9._-"], id="topic-space"),
+    pytest.param({"topic": "a/b"}, InvalidMessageError, ["A-Za-z0-9._-"], id="topic-slash"),
+    pytest.param({"topic": "a.b-c_D9"}, None, [], id="topic-punctuation-ok"),
+    *[
+        pytest.param(
+            {"topic": dots},
+            InvalidMessageError,
+            ["topic"],
+            id=f"topic-{len(dots)}-dots",
+        )
+        for dots in (".", "..")
+    ],
+    pytest.param({"topic": "caf\u00e9"}, InvalidMessageError, ["A-Za-z0-9._-"], id="topic-accent"),
+    pytest.param({"topic": "t\n"}, InvalidMessageError, ["A-Za-z0-9._-"], id="topic-newline"),
+    pytest.param({"topic": 5}, InvalidTypeError, ["topic", "int"], id="topic-int"),
+    pytest.param({"topic": None}, InvalidTypeError, ["topic"], id="topic-none"),
+    pytest.param({"topic": b"t"}, InvalidTypeError, ["topic", "bytes"], id="topic-bytes"),
+    pytest.param(
+        {"topic": ["t"]},
+        InvalidTypeError,
+        ["topic"],
+        id="topic-list",
+    ),
+    pytest.param(
+        {"topic": "\ud800"},
+        InvalidMessageError,
+        ["topic"],
+        id="topic-surrogate",
+    ),
+    # tag
+    pytest.param({"tag": "\u00e9" * 128}, InvalidMessageError, ["256", "255"], id="tag-2byte"),
+    pytest.param({"tag": "\u20ac" * 100}, InvalidMessageError, ["300", "255"], id="tag-3byte"),
+    pytest.param({"tag": "a" * 256}, InvalidMessageError, ["256", "255"], id="tag-256"),
+    pytest.param({"tag": "a" * 255}, None, [], id="tag-255-ok"),
+    pytest.param({"tag": 5}, InvalidTypeError, ["tag", "int"], id="tag-int"),
+    pytest.param({"tag": None}, InvalidTypeError, ["tag"], id="tag-none"),
+    pytest.param({"tag": b"g"}, InvalidTypeError, ["tag", "bytes"], id="tag-bytes"),
+    pytest.param({"tag": "\udc80"}, InvalidMessageError, ["tag"], id="tag-surrogate"),
+    # key
+    pytest.param({"key": "\u20ac" * 100}, InvalidMessageError, ["300", "255"], id="key-3byte"),
+    pytest.param({"key": "\U0001f600" * 64}, InvalidMessageError, ["256", "255"], id="key-4byte"),
+    pytest.param({"key": "k" * 256}, InvalidMessageError, ["256", "255"], id="key-256"),
+    pytest.param({"key": "\u20ac" * 85}, None, [], id="key-255-ok"),
+    pytest.param({"key": 5}, InvalidTypeError, ["key", "int"], id="key-int"),
+    pytest.param({"key": b"k"}, InvalidTypeError, ["key", "bytes"], id="key-bytes"),
+    pytest.param({"key": "\ud800"}, InvalidMessageError, ["key"], id="key-surrogate"),
+    # properties
+    pytest.param(
+        {"properties": {"a": "x" * 33_000}},
+        MessageTooLargeError,
+        ["33005", "32768", "max_properties_size"],
+        id="properties-big-value",
+    ),
+    pytest.param(
+        {"properties": {f"key{i:04d}": "v" * 100 for i in range(400)}},
+        MessageTooLargeError,
+        ["32768", "max_properties_size"],
+        id="properties-many",
+    ),
+    pytest.param(
+        {"properties": {"a": "x" * 70_000}},
+        MessageTooLargeError,
+        ["65535"],
+        id="properties-value-over-u16",
+    ),
+    pytest.param({"properties": {1: "a"}}, InvalidTypeError, ["properties", "int"], id="prop-key"),
+    pytest.param({"properties": {"a": 1}}, InvalidTypeError, ["properties", "int"], id="prop-val"),
+    pytest.param({"properties": {"a": None}}, InvalidTypeError, ["properties"], id="prop-none"),
+    pytest.param({"properties": {"a": b"b"}}, InvalidTypeError, ["properties"], id="prop-bytes"),
+    pytest.param({"properties": [("a", "b")]}, InvalidTypeError, ["properties"], id="prop-list"),
+    pytest.param({"properties": "a=b"}, InvalidTypeError, ["properties", "str"], id="prop-str"),
+    pytest.param({"properties": 5}, InvalidTypeError, ["properties", "int"], id="prop-int"),
+    *[
+        pytest.param(
+            {"properties": falsy},
+            InvalidTypeError,
+            ["properties"],
+            id=f"prop-falsy-{type(falsy).__name__}",
+        )
+        for falsy in FALSY
+    ],
+    pytest.param(
+        {"properties": {"a": "\ud800"}},
+        InvalidMessageError,
+        ["properties"],
+        id="prop-surrogate",
+    ),
+    # body
+    pytest.param({"body": "text"}, InvalidTypeError, ["body", "str"], id="body-str"),
+    pytest.param({"body": 5}, InvalidTypeError, ["body", "int"], id="body-int"),
+    pytest.param({"body": None}, InvalidTypeError, ["body"], id="body-none"),
+    pytest.param({"body": [1, 2]}, InvalidTypeError, ["body", "list"], id="body-list"),
+    pytest.param(
+        {"body": b"x" * (MAX_MESSAGE + 1)},
+        MessageTooLargeError,
+        ["2001", "2000", "max_message_size"],
+        id="body-too-big",
+    ),
+    pytest.param(
+        {"body": bytearray(MAX_MESSAGE + 1)},
+        MessageTooLargeError,
+        ["2001", "2000", "max_message_size"],
+        id="body-bytearray-too-big",
+    ),
+    pytest.param(
+        {"body": memoryview(b"y" * (MAX_MESSAGE + 5))},
+        MessageTooLargeError,
+        ["2005", "2000", "max_message_size"],
+        id="body-memoryview-too-big",
+    ),
+    pytest.param({"body": b"x" * MAX_MESSAGE}, None, [], id="body-max-ok"),
+    pytest.param(
+        {"body": b"x" * MAX_MESSAGE, "properties": {"p": "v" * 2000}},
+        InvalidMessageError,
+        ["chunk_data_size", "4096"],
+        id="message-larger-than-chunk",
+    ),
+    # code
+    pytest.param({"code": "1"}, InvalidTypeError, ["code", "str"], id="code-str"),
+    pytest.param({"code": 1.0}, InvalidTypeError, ["code", "float"], id="code-float"),
+    pytest.param({"code": None}, InvalidTypeError, ["code"], id="code-none"),
+    pytest.param({"code": True}, InvalidTypeError, ["code", "bool"], id="code-bool"),
+    pytest.param({"code": 1 << 31}, InvalidMessageError, ["2147483648", "32-bit"], id="code-high"),
+    pytest.param(
+        {"code": -(1 << 31) - 1}, InvalidMessageError, ["-2147483649", "32-bit"], id="code-low"
+    ),
+    pytest.param({"code": 1 << 70}, InvalidMessageError, ["32-bit"], id="code-huge"),
+    pytest.param({"code": -(1 << 31)}, None, [], id="code-min-ok"),
+    # queue id
+    pytest.param({"queue_id": 4}, QueueNotFoundError, ["4", "0..3"], id="queue-4"),
+    pytest.param({"queue_id": -1}, QueueNotFoundError, ["-1", "0..3"], id="queue-negative"),
+    pytest.param({"queue_id": 1 << 40}, QueueNotFoundError, ["0..3"], id="queue-huge"),
+    pytest.param({"queue_id": "0"}, InvalidTypeError, ["queue_id", "str"], id="queue-str"),
+    pytest.param({"queue_id": 1.0}, InvalidTypeError, ["queue_id", "float"], id="queue-float"),
+    pytest.param({"queue_id": True}, InvalidTypeError, ["queue_id", "bool"], id="queue-bool"),
+    pytest.param({"queue_id": 3}, None, [], id="queue-3-ok"),
+]
+
+
+def check_error(exc: BaseException, expected: type[Exception], fragments: list[str]) -> None:
+    assert isinstance(exc, expected), repr(exc)
+    assert isinstance(exc, EQueueError)
+    assert isinstance(exc, BUILTIN[expected])
+    for fragment in fragments:
+        assert fragment in str(exc), (fragment, str(exc))
+
+
+def call_send(store: MessageStore, arguments: dict[str, Any]) -> None:
+    arguments = dict(arguments)
+    topic = arguments.pop("topic", "t")
+    body = arguments.pop("body", b"body")
+    store.send(topic, body, **arguments)
+
+
+def call_send_batch(store: MessageStore, arguments: dict[str, Any]) -> None:
+    arguments = dict(arguments)
+    topic = arguments.pop("topic", "t")
+    bad = OutgoingMessage(**{"body": b"body", **arguments})
+    store.send_batch(topic, [b"first good", OutgoingMessage(b"second good", key="k1"), bad])
+
+
+def call_send_batch_dict(store: MessageStore, arguments: dict[str, Any]) -> None:
+    arguments = dict(arguments)
+    topic = arguments.pop("topic", "t")
+    store.send_batch(topic, [OutgoingMessage(b"good", queue_id=0), {"body": b"body", **arguments}])
+
+
+@pytest.mark.parametrize("call", [call_send, call_send_batch, call_send_batch_dict])
+@pytest.mark.parametrize(("arguments", "expected", "fragments"), CASES)
+def test_bad_input(
+    store: MessageStore,
+    call: Any,
+    arguments: dict[str, Any],
+    expected: type[Exception] | None,
+    fragments: list[str],
+) -> None:
+    before = snapshot(store)
+    if expected is None:  # the limit itself is allowed
+        call(store, arguments)
+        assert snapshot(store) != before
+        return
+    with pytest.raises(Exception) as info:
+        call(store, arguments)
+    check_error(info.value, expected, fragments)
+    still_works(store, before)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_rejected_send_to_new_topic_creates_nothing(store: MessageStore, batch: bool) -> None:
+    before = snapshot(store)
+    with pytest.raises(MessageTooLargeError):
+        if batch:
+            store.send_batch("fresh", [b"ok", b"x" * (MAX_MESSAGE + 1)])
+        else:
+            store.send("fresh", b"x" * (MAX_MESSAGE + 1))
+    assert store.topics() == ["t"]
+    assert not (store.path / "queues" / "fresh").exists()
+    still_works(store, before)
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        pytest.param([b"ok", 5], id="int-item"),
+        pytest.param([b"ok", "text"], id="str-item"),
+        pytest.param([b"ok", None], id="none-item"),
+        pytest.param([b"ok", (b"tuple",)], id="plain-tuple"),
+    ],
+)
+def test_send_batch_bad_item_type(store: MessageStore, items: list[Any]) -> None:
+    before = snapshot(store)
+    with pytest.raises(InvalidTypeError, match="send_batch"):
+        store.send_batch("t", items)
+    still_works(store, before)
+
+
+def test_send_batch_unknown_field(store: MessageStore) -> None:
+    before = snapshot(store)
+    with pytest.raises(TypeError):
+        store.send_batch("t", [b"ok", {"body": b"x", "colour": "red"}])
+    still_works(store, before)
+
+
+def test_send_batch_bad_message_late_in_a_long_batch(store: MessageStore) -> None:
+    """The bad message comes after enough good ones to fill several chunks."""
+    before = snapshot(store)
+    good = [OutgoingMessage(b"g" * 500, key=f"k{i}") for i in range(40)]
+    with pytest.raises(MessageTooLargeError):
+        store.send_batch("t", [*good, OutgoingMessage(b"x" * (MAX_MESSAGE + 1))])
+    still_works(store, before)
+    assert store.query_by_key("t", "k39") == []
+
+
+# --- reading and offsets ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected", "fragments"),
+    [
+        pytest.param({"topic": "nope"}, TopicNotFoundError, ["nope"], id="unknown-topic"),
+        pytest.param({"topic": ""}, InvalidMessageError, ["empty"], id="empty-topic"),
+        pytest.param({"topic": 5}, InvalidTypeError, ["topic"], id="topic-int"),
+        pytest.param({"queue_id": 4}, QueueNotFoundError, ["0..3"], id="queue-4"),
+        pytest.param({"queue_id": "1"}, InvalidTypeError, ["queue_id"], id="queue-str"),
+        pytest.param({"offset": -1}, InvalidMessageError, ["offset", "-1"], id="offset-negative"),
+        pytest.param({"offset": "0"}, InvalidMessageError, ["offset"], id="offset-str"),
+        pytest.param({"offset": True}, InvalidMessageError, ["offset"], id="offset-bool"),
+        pytest.param({"max_count": 0}, InvalidMessageError, ["max_count"], id="max-count-0"),
+        pytest.param({"max_count": "5"}, InvalidMessageError, ["max_count"], id="max-count-str"),
+        pytest.param({"tags": [1]}, InvalidTypeError, ["tags", "int"], id="tags-int"),
+        pytest.param({"tags": ["a", None]}, InvalidTypeError, ["tags"], id="tags-none"),
+    ],
+)
+def test_bad_pull(
+    store: MessageStore, arguments: dict[str, Any], expected: type[Exception], fragments: list[str]
+) -> None:
+    before = snapshot(store)
+    call = {"topic": "t", "queue_id": 0, "offset": 0, **arguments}
+    with pytest.raises(Exception) as info:
+        store.pull(**call)
+    check_error(info.value, expected, fragments)
+    still_works(store, before)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected", "fragments"),
+    [
+        pytest.param({"group": ""}, InvalidMessageError, ["group", "255"], id="group-empty"),
+        pytest.param({"group": "g" * 256}, InvalidMessageError, ["255"], id="group-long"),
+        pytest.param({"group": 5}, InvalidMessageError, ["group"], id="group-int"),
+        pytest.param({"topic": "nope"}, TopicNotFoundError, ["nope"], id="unknown-topic"),
+        pytest.param({"queue_id": 9}, QueueNotFoundError, ["0..3"], id="queue-9"),
+        pytest.param({"offset": -5}, InvalidMessageError, ["offset", "-5"], id="offset-negative"),
+        pytest.param({"offset": 1.5}, InvalidMessageError, ["offset"], id="offset-float"),
+    ],
+)
+def test_bad_commit_offset(
+    store: MessageStore, arguments: dict[str, Any], expected: type[Exception], fragments: list[str]
+) -> None:
+    before = snapshot(store)
+    call = {"group": "g", "topic": "t", "queue_id": 0, "offset": 3, **arguments}
+    with pytest.raises(Exception) as info:
+        store.commit_offset(**call)
+    check_error(info.value, expected, fragments)
+    still_works(store, before)
+    assert store.committed_offset("g", "t", 0) == 2
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected", "fragments"),
+    [
+        pytest.param({"topic": "bad topic"}, InvalidMessageError, ["A-Za-z"], id="bad-topic"),
+        pytest.param({"queue_count": 0}, InvalidMessageError, ["[1, 1024]"], id="count-0"),
+        pytest.param({"queue_count": 1025}, InvalidMessageError, ["[1, 1024]"], id="count-1025"),
+        pytest.param({"queue_count": "2"}, InvalidTypeError, ["queue_count"], id="count-str"),
+    ],
+)
+def test_bad_create_topic(
+    store: MessageStore, arguments: dict[str, Any], expected: type[Exception], fragments: list[str]
+) -> None:
+    before = snapshot(store)
+    call = {"topic": "new", "queue_count": 2, **arguments}
+    with pytest.raises(Exception) as info:
+        store.create_topic(**call)
+    check_error(info.value, expected, fragments)
+    still_works(store, before)
+
+
+def test_bad_query_by_key(store: MessageStore) -> None:
+    before = snapshot(store)
+    with pytest.raises(InvalidMessageError, match="255"):
+        store.query_by_key("t", "\u20ac" * 100)
+    with pytest.raises(InvalidTypeError):
+        store.query_by_key("t", 5)  # type: ignore[arg-type]
+    with pytest.raises(TopicNotFoundError):
+        store.query_by_key("nope", "k")
+    still_works(store, before)
+
+
+def test_closed_store_refuses_writes(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    s = MessageStore.open(path, CONFIG)
+    s.send("t", b"x", queue_id=0)
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(ClosedError):
+        s.send("t", b"y", queue_id=0)
+    with pytest.raises(ClosedError):
+        s.send_batch("t", [b"y"])
+    with pytest.raises(ClosedError):
+        s.commit_offset("g", "t", 0, 1)
+    with pytest.raises(ClosedError):
+        s.flush()
+    with MessageStore.open(path, CONFIG) as again:
+        assert again.queue_range("t", 0) == (0, 1)
+        assert again.committed_offset("g", "t", 0) is None
