@@ -55,7 +55,11 @@ class ChunkWriter:
     def write(self, record: bytes) -> int:
         if type(record) is not bytes or not self._min_length <= len(record) <= self._max_length:
             record = self._check(record)
-        with self._lock:
+        # acquire()/release() rather than `with`: on CPython 3.11 it costs half as much,
+        # a fifth of an append.
+        lock = self._lock
+        lock.acquire()
+        try:
             chunk = self._chunk
             if chunk is not None and not self._fixed:  # the common case, inlined
                 offset = chunk.try_append(record)
@@ -67,6 +71,8 @@ class ChunkWriter:
             if self._sync:
                 self._chunk.flush()  # type: ignore[union-attr]
             return position
+        finally:
+            lock.release()
 
     def write_many(self, records: Iterable[bytes]) -> list[int]:
         """Write several records under one lock acquisition (and one flush with sync_flush).
