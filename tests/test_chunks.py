@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,6 +35,7 @@ from equeue.chunks import (
     ChunkType,
     ChunkWriter,
 )
+from equeue.chunks.chunk import Records
 from equeue.errors import (
     ChunkRemovedError,
     ClosedError,
@@ -785,10 +785,11 @@ def test_reader_does_not_skip_records_added_while_a_chunk_completes(
         original = Chunk.iter_records
         interleaved: list[Record] = []
 
-        def iter_then_write(chunk: Chunk, local: int) -> Iterator[tuple[int, bytes]]:
-            yield from original(chunk, local)
+        def iter_then_write(chunk: Chunk, local: int, base: int = 0) -> Records:
+            resume = yield from original(chunk, local, base)
             if not interleaved:
                 interleaved.extend(write_all(writer, [b"R" * 100, payload(1, 3900)]))
+            return resume
 
         monkeypatch.setattr(Chunk, "iter_records", iter_then_write)
         seen = list(reader.iter_from(0))

@@ -8,7 +8,7 @@ import itertools
 import mmap
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import xxhash
@@ -48,6 +48,7 @@ _xxh3 = xxhash.xxh3_64_intdigest  # record_checksum() inlined on the hot paths
 _unpack_prefix = FRAME_PREFIX.unpack_from
 _unpack_suffix = FRAME_SUFFIX.unpack_from
 _PAGE = mmap.PAGESIZE
+Records = Generator[tuple[int, bytes], None, int]
 _ticks = itertools.count(1)  # recency for the LRU of read maps; next() is atomic in CPython
 
 
@@ -397,22 +398,27 @@ class Chunk:
             found=found,
         )
 
-    def iter_records(self, local: int) -> Iterator[tuple[int, bytes]]:
-        """(chunk-relative logical offset, payload) from ``local`` on, up to the committed end."""
+    def iter_records(self, local: int, base: int = 0) -> Records:
+        """(``base`` + logical offset, payload) from chunk-relative ``local`` on, up to the
+        committed end; returns the chunk-relative offset after the last record yielded.
+
+        Yielding ``base``-shifted positions lets ChunkReader delegate with ``yield from``
+        instead of re-yielding every record through a second generator.
+        """
         self.last_used = next(_ticks)
         if self.header.compacted:
-            yield from self._iter_compacted(local)
-        elif self.header.record_size:
-            yield from self._iter_fixed(local)
-        else:
-            yield from self._iter_variable(local)
+            return (yield from self._iter_compacted(local, base))
+        if self.header.record_size:
+            return (yield from self._iter_fixed(local, base))
+        return (yield from self._iter_variable(local, base))
 
-    def _iter_variable(self, local: int) -> Iterator[tuple[int, bytes]]:
+    def _iter_variable(self, local: int, base: int) -> Records:
         mm = self._mm or self.mapping()
         unpack_prefix, unpack_suffix, xxh3 = _unpack_prefix, _unpack_suffix, _xxh3
         completed = self.footer is not None
         limit = HEADER_SIZE + self.data_end
         p = HEADER_SIZE + local
+        shift = base - HEADER_SIZE
         while p < limit or (not completed and p < HEADER_SIZE + self.data_end):
             if not completed:
                 limit = HEADER_SIZE + self.data_end  # the writer may have committed more
@@ -424,10 +430,11 @@ class Chunk:
             checksum, suffix = unpack_suffix(mm, q)
             if suffix != n or xxh3(payload) & CHECKSUM_MASK != checksum:
                 raise self.corrupt_record(p - HEADER_SIZE)
-            yield p - HEADER_SIZE, payload
+            yield p + shift, payload
             p = q + 8
+        return p - HEADER_SIZE
 
-    def _iter_fixed(self, local: int) -> Iterator[tuple[int, bytes]]:
+    def _iter_fixed(self, local: int, base: int) -> Records:
         mm = self._mm or self.mapping()
         size = self.header.record_size
         # Round a position off the record grid up, not down: iteration yields records
@@ -435,10 +442,11 @@ class Chunk:
         offset = -(-local // size) * size
         while offset < self.data_end:
             p = HEADER_SIZE + offset
-            yield offset, mm[p : p + size]
+            yield base + offset, mm[p : p + size]
             offset += size
+        return offset
 
-    def _iter_compacted(self, local: int) -> Iterator[tuple[int, bytes]]:
+    def _iter_compacted(self, local: int, base: int) -> Records:
         footer = self.footer
         assert footer is not None
         mm = self.mapping()
@@ -454,9 +462,10 @@ class Chunk:
         for index in range(lo, footer.map_entry_count):
             logical, physical = MAP_ENTRY.unpack_from(mm, base + index * MAP_ENTRY_SIZE)
             if size:
-                yield logical, mm[HEADER_SIZE + physical : HEADER_SIZE + physical + size]
+                yield base + logical, mm[HEADER_SIZE + physical : HEADER_SIZE + physical + size]
             else:
-                yield logical, self._read_frame(mm, physical)
+                yield base + logical, self._read_frame(mm, physical)
+        return footer.logical_data_size
 
     def _read_frame(self, mm: mmap.mmap, physical: int) -> bytes:
         p = HEADER_SIZE + physical

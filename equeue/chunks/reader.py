@@ -6,7 +6,6 @@ from collections.abc import Iterator
 
 from equeue.chunks.manager import ChunkManager
 from equeue.errors import ChunkRemovedError, PositionNotFoundError
-from equeue.format.chunk import FRAME_OVERHEAD
 
 
 class ChunkReader:
@@ -38,8 +37,7 @@ class ChunkReader:
                 continue
             base = chunk.base
             if chunk.is_completed:
-                for local, payload in chunk.iter_records(position - base):
-                    yield base + local, payload
+                yield from chunk.iter_records(position - base, base)
                 position = chunk.end_position
                 continue
             # The chunk was ongoing when we started. The writer may append more
@@ -47,9 +45,7 @@ class ChunkReader:
             # is_completed check below; moving straight on to the next chunk would then skip
             # those records. So track where we stopped and, if the chunk completed meanwhile,
             # read it again from there before moving on.
-            size = chunk.header.record_size
-            for local, payload in chunk.iter_records(position - base):
-                yield base + local, payload
-                position = base + local + (size or len(payload) + FRAME_OVERHEAD)
+            resume = yield from chunk.iter_records(position - base, base)
             if not chunk.is_completed:
                 return  # the ongoing chunk: we have read up to the committed end
+            position = base + resume
