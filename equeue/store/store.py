@@ -236,6 +236,13 @@ class MessageStore:
         queues = self._topic(topic)
         return queues[validate.check_queue_id(queue_id, topic, len(queues))]
 
+    def _queues_and_count(self, topic: object) -> tuple[list[Queue] | None, int]:
+        """A send's topic: its queues (None if it is new) and their count, or an error."""
+        queues = self._queues.get(topic) if type(topic) is str else None
+        if queues is not None:
+            return queues, len(queues)
+        return None, self._count_for_new(topic)
+
     def _count_for_new(self, topic: object) -> int:
         """The queue count an unknown topic would get on its first send, or an error."""
         validate.check_topic(topic)
@@ -264,8 +271,7 @@ class MessageStore:
         code: int = 0,
         queue_id: int | None = None,
     ) -> SendResult:
-        queues = self._queues.get(topic) if type(topic) is str else None
-        count = len(queues) if queues is not None else self._count_for_new(topic)
+        queues, count = self._queues_and_count(topic)
         checked = self._check(topic, count, body, tag, key, properties, code, queue_id)
         if queues is None:
             queues = self._create_for_send(topic)
@@ -283,8 +289,7 @@ class MessageStore:
     ) -> list[SendResult]:
         """Send many messages under one lock acquisition: all are checked first, so one
         bad message rejects the batch and nothing is written."""
-        queues = self._queues.get(topic) if type(topic) is str else None
-        count = len(queues) if queues is not None else self._count_for_new(topic)
+        queues, count = self._queues_and_count(topic)
         checked = []
         for message in messages:
             if isinstance(message, bytes | bytearray | memoryview):
