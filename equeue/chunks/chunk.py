@@ -134,17 +134,6 @@ class Chunk:
         return self.footer is not None
 
     @property
-    def is_compacted(self) -> bool:
-        return self.header.compacted
-
-    @property
-    def logical_end(self) -> int:
-        """Chunk-relative logical offset just past the last record."""
-        if self.footer is not None:
-            return self.footer.logical_data_size
-        return self.data_end
-
-    @property
     def file_size(self) -> int:
         if self.header.compacted and self.footer is not None:
             map_bytes = self.footer.map_entry_count * MAP_ENTRY_SIZE
@@ -272,11 +261,12 @@ class Chunk:
     def flush(self) -> None:
         """Make everything up to ``data_end`` durable (msync of the dirty pages)."""
         end = self.data_end
-        if end <= self.flushed_end or self._mm is None or not self._writable:
+        mm = self._mm  # once: the writer may release the mapping beside a flush thread
+        if end <= self.flushed_end or mm is None or not self._writable:
             return
         start = ((HEADER_SIZE + self.flushed_end) // _PAGE) * _PAGE
         try:
-            self._mm.flush(start, HEADER_SIZE + end - start)
+            mm.flush(start, HEADER_SIZE + end - start)
         except OSError as exc:
             raise write_error(exc, "flushing a chunk", self.path) from exc
         self.flushed_end = max(self.flushed_end, end)

@@ -39,6 +39,7 @@ from equeue.format.message import (
     STORED_TIME_OFFSET,
     decode_message_id,
     decode_properties,
+    message_length,
     pack_message,
     tag_hash,
 )
@@ -372,16 +373,10 @@ class MessageStore:
         offset = queue.next_offset
         now = time.time_ns()
         topic_bytes = self._topic_bytes[topic]
-        length = (
-            MESSAGE_HEAD_SIZE
-            + len(topic_bytes)
-            + len(tag_bytes)
-            + len(key_bytes)
-            + len(props)
-            + len(body)
-        )
         writer = self._writer
-        position = writer.position_for(length)
+        position = writer.position_for(
+            message_length(topic_bytes, tag_bytes, key_bytes, props, body)
+        )
         record = pack_message(
             position,
             now,
