@@ -51,6 +51,8 @@ from equeue.store.recovery import RecoveryReport, redispatch
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 STORE_FORMAT = 1
+# A send after _check: body, tag bytes, tag hash, key bytes, key, properties bytes, code, queue id.
+_Checked = tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]
 _MAX_NAME = validate.MAX_NAME_BYTES
 
 
@@ -274,16 +276,7 @@ class MessageStore:
     ) -> SendResult:
         queues, count = self._queues_and_count(topic)
         checked = self._check(topic, count, body, tag, key, properties, code, queue_id)
-        if queues is None:
-            queues = self._create_for_send(topic)
-        with self._lock:
-            self._check_open()
-            result = self._append(topic, queues, *checked)
-            if self._sync:
-                self._flush_all()
-        if self._waiting:
-            self._wake()
-        return result
+        return self._store(topic, queues, [checked])[0]
 
     def send_batch(
         self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
@@ -303,13 +296,22 @@ class MessageStore:
                     f"{type(message).__name__}"
                 )
             checked.append(self._check(topic, count, *message))
+        return self._store(topic, queues, checked)
+
+    def _store(
+        self, topic: str, queues: list[Queue] | None, checked: list[_Checked]
+    ) -> list[SendResult]:
+        """Append checked messages under the write lock; under "sync", flush the log and
+        only the queues written to before returning."""
         if queues is None:
             queues = self._create_for_send(topic)
         with self._lock:
             self._check_open()
             results = [self._append(topic, queues, *c) for c in checked]
             if self._sync:
-                self._flush_all()
+                self._writer.flush()
+                for queue_id in {r.queue_id for r in results}:
+                    queues[queue_id].flush()
         if self._waiting:
             self._wake()
         return results
@@ -324,7 +326,7 @@ class MessageStore:
         properties: object,
         code: object,
         queue_id: object,
-    ) -> tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]:
+    ) -> _Checked:
         config = self.config
         if type(body) is not bytes or len(body) > config.max_message_size:
             body = validate.check_body(body, config.max_message_size)
