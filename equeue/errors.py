@@ -159,3 +159,7 @@ class MessageNotFoundError(PositionError):
 
 class StoreLockedError(EQueueError):
     """Another process (or handle) holds the store's writer lock."""
+
+
+class NotAStoreError(EQueueError, FileNotFoundError):
+    """The path holds no equeue store (no store.json) and was not to be created."""

@@ -69,8 +69,8 @@ def keys_of(store: MessageStore) -> dict[str, list[Message]]:
 
 
 def crash_copy(store: MessageStore, dest: Path) -> Path:
-    """The directory as a process crash right now would leave it."""
-    store.flush()
+    """The directory as a process crash right now would leave it: copying reads the page
+    cache, which holds every write (flush() is not called: it would write a checkpoint)."""
     shutil.copytree(store.path, dest)
     return dest
 

@@ -7,6 +7,7 @@ import errno
 import itertools
 import mmap
 import os
+import threading
 import uuid
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -104,6 +105,10 @@ class Chunk:
         self._on_map = on_map
         self._mm: mmap.mmap | None = None
         self._writable = False
+        # The writable chunk keeps its file open to fdatasync it: unlike mmap.flush
+        # (msync), os.fdatasync lets other threads run, which group commit relies on.
+        self._fd = -1
+        self._flush_lock = threading.Lock()  # one fdatasync at a time; close waits for it
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
 
@@ -203,8 +208,13 @@ class Chunk:
         return mm
 
     def open_for_write(self) -> None:
-        with open(self.path, "r+b") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_WRITE)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
         self._writable = True
         if PREFAULTER.enabled:
             self._address = PREFAULTER.address_of(self._mm)
@@ -223,6 +233,13 @@ class Chunk:
         self._mm = None
         self._writable = False
         self._prefault_mark = 1 << 62
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        with self._flush_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     @property
     def is_mapped(self) -> bool:
@@ -258,18 +275,32 @@ class Chunk:
         self.data_end = end
         return offset
 
+    @property
+    def unflushed_bytes(self) -> int:
+        return self.data_end - self.flushed_end
+
     def flush(self) -> None:
-        """Make everything up to ``data_end`` durable (msync of the dirty pages)."""
+        """Make everything up to ``data_end`` durable.
+
+        Safe beside the writing thread: it flushes at least what was committed
+        when it was called. Several callers queue on one fdatasync at a time,
+        and a caller whose data a previous fdatasync covered returns at once.
+        """
         end = self.data_end
-        mm = self._mm  # once: the writer may release the mapping beside a flush thread
-        if end <= self.flushed_end or mm is None or not self._writable:
+        if end <= self.flushed_end:
             return
-        start = ((HEADER_SIZE + self.flushed_end) // _PAGE) * _PAGE
+        with self._flush_lock:
+            if end <= self.flushed_end or self._fd < 0:
+                return
+            end = self.data_end  # everything committed by now is covered too
+            self._fdatasync("flushing a chunk")
+            self.flushed_end = end
+
+    def _fdatasync(self, what: str) -> None:
         try:
-            mm.flush(start, HEADER_SIZE + end - start)
+            os.fdatasync(self._fd)
         except OSError as exc:
-            raise write_error(exc, "flushing a chunk", self.path) from exc
-        self.flushed_end = max(self.flushed_end, end)
+            raise write_error(exc, what, self.path) from exc
 
     def complete(self) -> ChunkFooter:
         """Flush the data, then write and flush the footer; the chunk is immutable after."""
@@ -294,11 +325,12 @@ class Chunk:
         )
         at = len(mm) - FOOTER_SIZE
         mm[at:] = footer.pack()
-        try:
-            mm.flush((at // _PAGE) * _PAGE, len(mm) - (at // _PAGE) * _PAGE)
-        except OSError as exc:
-            mm[at:] = bytes(FOOTER_SIZE)
-            raise write_error(exc, "writing a chunk footer", self.path) from exc
+        with self._flush_lock:
+            try:
+                self._fdatasync("writing a chunk footer")
+            except StoreWriteError:
+                mm[at:] = bytes(FOOTER_SIZE)
+                raise
         self.footer = footer
         return footer
 
@@ -472,6 +504,7 @@ class Chunk:
         mm, self._mm = self._mm, None
         self._writable = False
         self._prefault_mark = 1 << 62
+        self._close_fd()
         if mm is not None:
             # A reader may still hold a view; then the mapping dies with it.
             with contextlib.suppress(BufferError):

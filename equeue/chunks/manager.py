@@ -91,15 +91,17 @@ class ChunkManager:
         with self._lock:
             if self._closed:
                 return
-            if self._chunks and not self.read_only:
-                self._chunks[-1].flush()
-            for chunk in self._chunks:
-                chunk.close()
-            self._closed = True
-            if self._writer is not None:
-                # Detach the writer from the now-unmapped chunk, so its next write
-                # takes the slow path and raises ClosedError.
-                self._writer._chunk = None
+            try:
+                if self._chunks and not self.read_only:
+                    self._chunks[-1].flush()
+            finally:  # a failed flush is raised, but the files are released all the same
+                for chunk in self._chunks:
+                    chunk.close()
+                self._closed = True
+                if self._writer is not None:
+                    # Detach the writer from the now-unmapped chunk, so its next write
+                    # takes the slow path and raises ClosedError.
+                    self._writer._chunk = None
 
     # --- lookups -------------------------------------------------------------
 
@@ -271,6 +273,7 @@ class ChunkManager:
             finally:
                 os.close(fd)
             chunk.footer = None
+            chunk.data_end = chunk.record_count = 0  # rescan from the start
             self._rescan_tail(chunk)
             chunk.open_for_write()
             fsync_directory(self.directory)
@@ -466,23 +469,29 @@ class ChunkManager:
         chunk.footer = footer
 
     def _rescan_tail(self, chunk: Chunk) -> None:
-        """Find the valid end of an ongoing chunk without changing the file."""
+        """Find the valid end of an ongoing chunk without changing the file; a refresh
+        scans on from the end found before, since a writer only appends."""
         size = chunk.path.stat().st_size
         available = max(0, min(chunk.header.chunk_data_size, size - HEADER_SIZE))
+        start = min(chunk.data_end, available)
         with open(chunk.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             if self.config.record_size:
-                result = scan_fixed(mm, available, self.config.record_size)
+                result = scan_fixed(mm, available, self.config.record_size, start)
+                count = result.record_count
             else:
                 # Bound lengths by the chunk, not by config.max_record_size: that
                 # setting is not stored on disk, and reopening with a smaller value made
                 # recovery cut (move to recovered/) valid records written under a larger one.
-                result = scan_variable(mm, available, chunk.header.chunk_data_size - FRAME_OVERHEAD)
+                result = scan_variable(
+                    mm, available, chunk.header.chunk_data_size - FRAME_OVERHEAD, start
+                )
+                count = (chunk.record_count if start else 0) + result.record_count
         finally:
             mm.close()
         chunk.data_end = chunk.flushed_end = result.data_end
-        chunk.record_count = result.record_count
+        chunk.record_count = count
         chunk.scan_problem = result.problem
 
     def _repair_tail(self, chunk: Chunk) -> None:

@@ -51,14 +51,17 @@ class TailCut:
         )
 
 
-def scan_variable(buf: mmap.mmap | bytes, available: int, max_record_size: int) -> ScanResult:
-    """Walk framed records from the start of the data area until the first invalid one.
+def scan_variable(
+    buf: mmap.mmap | bytes, available: int, max_record_size: int, start: int = 0
+) -> ScanResult:
+    """Walk framed records from ``start`` (a record boundary of the data area) until the
+    first invalid one; ``record_count`` counts those walked.
 
     ``available`` is how much of the data area the file really holds.
     """
     unpack = FRAME_PREFIX.unpack_from
     end = HEADER_SIZE + available
-    offset = 0
+    offset = start
     count = 0
     problem: str | None = None
     while HEADER_SIZE + offset + FRAME_PREFIX.size <= end:
@@ -75,12 +78,15 @@ def scan_variable(buf: mmap.mmap | bytes, available: int, max_record_size: int) 
     return ScanResult(offset, count, problem)
 
 
-def scan_fixed(buf: mmap.mmap | bytes, available: int, record_size: int) -> ScanResult:
-    """Fixed-size records run until the first all-zero slot (zero means empty)."""
+def scan_fixed(
+    buf: mmap.mmap | bytes, available: int, record_size: int, start: int = 0
+) -> ScanResult:
+    """Fixed-size records run until the first all-zero slot (zero means empty); the scan
+    starts at ``start``, a slot boundary, and counts every slot before the end."""
     zero = bytes(record_size)
     usable = available - available % record_size
     end = HEADER_SIZE + usable
-    pos = HEADER_SIZE
+    pos = HEADER_SIZE + start
     data_end = usable
     while True:  # find() runs in C; only a zero run that straddles two slots costs a retry
         hit = buf.find(zero, pos, end)

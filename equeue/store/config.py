@@ -21,15 +21,21 @@ class StoreConfig:
 
     Durability (``flush``), by what each policy risks:
 
-    * ``"sync"``: ``send`` returns after the message and its queue entry are on
-      stable storage. Nothing acknowledged is lost, even on power loss.
+    * ``"sync"``: ``send`` returns after the message record, which holds its
+      queue entry's content, is on stable storage; concurrent senders share
+      one fdatasync (group commit). Nothing acknowledged is lost, even on
+      power loss.
     * ``"async"`` (default): a background thread flushes every
-      ``flush_interval_ms``. A process crash loses nothing (the bytes are in
-      the OS page cache); a power loss or kernel crash can lose up to the last
-      ``flush_interval_ms`` of sends.
+      ``flush_interval_ms`` when at least ``flush_least_pages`` pages are
+      unflushed, and everything every ``flush_thorough_interval_ms``. A
+      process crash loses nothing (the bytes are in the OS page cache); a
+      power loss or kernel crash can lose the sends of the last
+      ``flush_thorough_interval_ms`` at worst, typically ``flush_interval_ms``.
     * ``"os"``: equeue never flushes by itself; the OS writes back when it
       likes (typically within 30 s). A power loss can lose everything since
       the last ``flush()`` or ``close()``.
+
+    docs/durability.md says exactly what each policy can lose.
     """
 
     chunk_data_size: int = 256 * MiB
@@ -38,6 +44,8 @@ class StoreConfig:
     auto_create_topics: bool = True
     flush: FlushPolicy = "async"
     flush_interval_ms: int = 500
+    flush_least_pages: int = 4  # async: flush a file once this many 4 KiB pages are unflushed
+    flush_thorough_interval_ms: int = 10_000  # flush everything and write a checkpoint
     max_message_size: int = 4 * MiB
     max_properties_size: int = 32 * 1024
     retention: dt.timedelta | None = None
@@ -56,6 +64,8 @@ class StoreConfig:
         )
         check_int("default_queue_count", self.default_queue_count, 1, 1024)
         check_int("flush_interval_ms", self.flush_interval_ms, 1, 3_600_000)
+        check_int("flush_least_pages", self.flush_least_pages, 0, 1 << 20)
+        check_int("flush_thorough_interval_ms", self.flush_thorough_interval_ms, 1, 3_600_000)
         check_int("max_message_size", self.max_message_size, 1, 1 << 30)
         check_int("max_properties_size", self.max_properties_size, 0, 1 << 20)
         check_int("max_open_chunks", self.max_open_chunks, 1, 1 << 16)

@@ -21,9 +21,16 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 
 
 class KeyIndex:
-    def __init__(self, path: Path, *, read_only: bool = False) -> None:
+    def __init__(self, path: Path, *, read_only: bool = False, immutable: bool = False) -> None:
+        """``immutable``: read-only with no writer running. SQLite then opens the file
+        without creating the -wal and -shm files a read-only handle would otherwise leave."""
         self.path = path
-        uri = f"file:{path}?mode=ro" if read_only else f"file:{path}"
+        if immutable:
+            uri = f"file:{path}?mode=ro&immutable=1"
+        elif read_only:
+            uri = f"file:{path}?mode=ro"
+        else:
+            uri = f"file:{path}"
         self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         self._pending: list[tuple[str, str, int]] = []

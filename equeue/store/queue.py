@@ -56,6 +56,22 @@ class Queue:
         self.next_offset = offset + 1
         return offset
 
+    def make_room(self) -> None:
+        """Under the write lock, before the message record is written: make sure the
+        entry has a slot, creating the next queue chunk now if need be. A chunk that
+        cannot be created (disk full) then fails the send before anything is written."""
+        writer = self.writer
+        chunk = writer._chunk
+        if chunk is None or chunk.data_end + QUEUE_RECORD_SIZE > chunk.data_size:
+            writer.complete()
+            writer.add_new_chunk()
+
+    def refresh(self) -> None:
+        """Read-only: see the entries the writer appended since."""
+        self.manager.refresh()
+        self.first_offset = max(self.first_offset, self.manager.first_position // QUEUE_RECORD_SIZE)
+        self.next_offset = self.manager.committed_position // QUEUE_RECORD_SIZE
+
     def entry(self, offset: int) -> tuple[int, int]:
         """(message position, tag hash) at ``offset``."""
         if not self.first_offset <= offset < self.next_offset:
@@ -116,9 +132,11 @@ class Queue:
         self.first_offset = max(self.first_offset, self.manager.first_position // QUEUE_RECORD_SIZE)
         return removed
 
-    def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+    def flush(self, least_bytes: int = 0) -> None:
+        """Flush this queue's entries if at least ``least_bytes`` are unflushed."""
+        chunk = self._writer._chunk if self._writer is not None else None
+        if chunk is not None and chunk.unflushed_bytes >= max(least_bytes, 1):
+            chunk.flush()
 
     def close(self) -> None:
         self.manager.close()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
-from equeue.chunks import ChunkReader
+from equeue.chunks import ChunkManager, ChunkReader
 from equeue.chunks.recovery import TailCut
 from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
 from equeue.store.keyindex import KeyIndex
@@ -34,6 +35,40 @@ class RecoveryReport:
     @property
     def clean(self) -> bool:
         return not self.cuts and not self.problems and not self.redispatched
+
+
+def recovery_start(
+    checkpoint: dict[str, Any],
+    log_manager: ChunkManager,
+    queues: dict[str, list[Queue]],
+    report: RecoveryReport,
+) -> int:
+    """Where re-dispatching starts: the checkpoint's log position, or earlier if a queue
+    lost entries the checkpoint says were durable (its chunk was damaged), so that those
+    entries are rebuilt from the log too."""
+    first, end = log_manager.first_position, log_manager.committed_position
+    start = checkpoint.get("log_position")
+    start = min(max(start, first), end) if isinstance(start, int) else first
+    recorded = checkpoint.get("queues")
+    if not isinstance(recorded, dict):
+        return start
+    for topic, offsets in recorded.items():
+        for queue_id, expected in enumerate(offsets if isinstance(offsets, list) else []):
+            topic_queues = queues.get(topic, [])
+            if queue_id >= len(topic_queues) or not isinstance(expected, int):
+                continue
+            queue = topic_queues[queue_id]
+            if queue.next_offset >= expected:
+                continue
+            report.problems.append(
+                f"queue {topic}/{queue_id} ends at offset {queue.next_offset}, but the checkpoint "
+                f"recorded {expected} durable entries; rebuilding them from the message log"
+            )
+            if queue.next_offset > queue.first_offset:  # from its last entry's record on
+                start = min(start, queue.entry(queue.next_offset - 1)[0])
+            else:
+                start = first
+    return max(start, first)
 
 
 def redispatch(

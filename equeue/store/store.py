@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
-import fcntl
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
@@ -15,20 +13,20 @@ from typing import Any
 
 import xxhash
 
-from equeue.atomicfile import read_json, remove_temp_files, write_json
+from equeue.atomicfile import remove_temp_files, write_json
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.errors import (
     ChunkRemovedError,
     ClosedError,
     CompactedAwayError,
     ConfigError,
-    CorruptionError,
     CorruptRecordError,
     InvalidMessageError,
     InvalidTypeError,
     MessageNotFoundError,
     PositionNotFoundError,
-    StoreLockedError,
+    ReadOnlyError,
+    StoreWriteError,
     TopicNotFoundError,
 )
 from equeue.format.chunk import FRAME_OVERHEAD
@@ -45,12 +43,13 @@ from equeue.format.message import (
 )
 from equeue.store import validate
 from equeue.store.config import StoreConfig
+from equeue.store.flush import GroupCommit, run_service
 from equeue.store.keyindex import KeyIndex
+from equeue.store.meta import open_identity, read_meta, take_lock, writer_running
 from equeue.store.queue import Queue
-from equeue.store.recovery import RecoveryReport, redispatch
+from equeue.store.recovery import RecoveryReport, recovery_start, redispatch
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
-STORE_FORMAT = 1
 # A send after _check: body, tag bytes, tag hash, key bytes, key, properties bytes, code, queue id.
 _Checked = tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]
 _MAX_NAME = validate.MAX_NAME_BYTES
@@ -62,29 +61,48 @@ class MessageStore:
     Thread-safe: any number of threads may send and pull. Sends are
     serialised by one lock (message record first, then its queue entry);
     pulls read committed data without taking it.
+
+    One writer per directory: a second writable open, from any process, raises
+    StoreLockedError. ``read_only=True`` opens beside a running writer and sees
+    what it has written (pulls pick up new messages; ``refresh()`` new topics and
+    consumer offsets); it never changes a file and does no recovery.
     """
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], config: StoreConfig | None = None) -> MessageStore:
-        return cls(Path(path), config or StoreConfig())
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        config: StoreConfig | None = None,
+        *,
+        read_only: bool = False,
+    ) -> MessageStore:
+        """Open (or, unless ``read_only``, create) the store at ``path``.
 
-    def __init__(self, path: Path, config: StoreConfig) -> None:
+        Without ``config``, an existing store keeps the chunk sizes it was created with.
+        """
+        return cls(Path(path), config, read_only=read_only)
+
+    def __init__(self, path: Path, config: StoreConfig | None, *, read_only: bool = False) -> None:
         self.path = path
-        self.config = config
+        self.read_only = read_only
         self._closed = False
         self._meta_problems: list[str] = []
-        path.mkdir(parents=True, exist_ok=True)
-        self._lock_file = self._take_lock()
+        self._lock_file = None
+        if not read_only:
+            path.mkdir(parents=True, exist_ok=True)
+            self._lock_file = take_lock(path)
         try:
+            self.store_id, self.config = open_identity(path, config, create=not read_only)
             self._open()
         except BaseException:
-            self._lock_file.close()
+            if self._lock_file is not None:
+                self._lock_file.close()
             raise
 
     def _open(self) -> None:
-        config, path = self.config, self.path
-        remove_temp_files(path)
-        self.store_id = self._load_identity()
+        config, path, read_only = self.config, self.path, self.read_only
+        if not read_only:
+            remove_temp_files(path)
         self._id_prefix = f"{self.store_id:08x}"
         self._messages = ChunkManager(
             path / "messages",
@@ -97,25 +115,29 @@ class MessageStore:
                 timestamp_offset=STORED_TIME_OFFSET,
                 max_open_chunks=config.max_open_chunks,
             ),
+            read_only=read_only,
         )
         self._reader = ChunkReader(self._messages)
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
-        for topic, info in sorted(self._read_meta("topics.json", {}).items()):
-            self._open_queues(topic, int(info["queue_count"]))
+        self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta("offsets.json", {})
-        checkpoint = self._read_meta("checkpoint.json", {}).get("log_position")
-        self._keys = KeyIndex(path / "keys.sqlite")
+        checkpoint = self._read_meta("checkpoint.json", {})
+        self._keys = self._open_keys()
         self.recovery = RecoveryReport(
             cuts=list(self._messages.recovery_cuts), problems=list(self._meta_problems)
         )
-        start = self._messages.first_position
-        if isinstance(checkpoint, int):
-            start = min(max(checkpoint, start), self._messages.committed_position)
         for queues in self._queues.values():
             for queue in queues:
                 self.recovery.cuts += queue.manager.recovery_cuts
+        self._lock = threading.Lock()  # replaced by the writer's lock below
+        self._arrived = threading.Condition(threading.Lock())
+        self._waiting = 0
+        self._flush_error: StoreWriteError | None = None
+        if read_only:
+            return
+        start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
         redispatch(self._reader, start, self._queues, self._keys, self.recovery)
         first = self._messages.first_position
         for queues in self._queues.values():
@@ -123,13 +145,15 @@ class MessageStore:
                 queue.first_offset = queue.first_offset_at_or_after(first)
         self._writer = ChunkWriter(self._messages)
         self._lock = self._writer.lock  # the one write lock: message record, then queue entry
-        self._arrived = threading.Condition(threading.Lock())
-        self._waiting = 0
-        self._sync = config.flush == "sync"
-        self._write_checkpoint()
+        self._group = (
+            GroupCommit(self._lock, self._writer.flush, self._wake)
+            if config.flush == "sync"
+            else None
+        )
+        self._checkpoint(flush=True)
         self._service_stop = threading.Event()
         self._service = threading.Thread(
-            target=self._run_service, name="equeue-service", daemon=True
+            target=run_service, args=(self, self._service_stop), name="equeue-service", daemon=True
         )
         self._service.start()
 
@@ -147,33 +171,56 @@ class MessageStore:
         self.close()
 
     def close(self) -> None:
+        """Flush everything, write a checkpoint, release the files and the writer lock."""
         if self._closed:
             return
-        self._service_stop.set()
-        self._service.join()
-        with self._lock:
-            self._closed = True
-            self._flush_all()
-            self._write_checkpoint()
-            self._keys.close()
-            for queues in self._queues.values():
-                for queue in queues:
-                    queue.close()
-            self._messages.close()
-        with self._arrived:
-            self._arrived.notify_all()
-        self._lock_file.close()
+        try:
+            if not self.read_only:
+                self._service_stop.set()
+                self._service.join()
+                self._checkpoint(flush=True)
+        finally:  # a failed final flush still releases the files and the lock, then raises
+            try:
+                with self._lock:
+                    self._closed = True
+                    self._release_files()
+            finally:
+                with self._arrived:
+                    self._arrived.notify_all()
+                if self._lock_file is not None:
+                    self._lock_file.close()
+
+    def _release_files(self) -> None:
+        """Close every file; the first failure is raised after all were tried."""
+        closers = [self._keys.close, self._messages.close]
+        closers += [q.close for qs in self._queues.values() for q in qs]
+        failure: BaseException | None = None
+        for close in closers:
+            try:
+                close()
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def flush(self) -> None:
-        """Make everything sent so far durable, under any flush policy."""
-        self._check_open()
-        self._flush_all()
+        """Make everything sent so far durable, under any flush policy, and checkpoint it."""
+        self._check_writable()
+        self._checkpoint(flush=True)
+        self._flush_error = None
 
-    def _flush_all(self) -> None:
-        self._writer.flush()
-        for queues in self._queues.values():
+    def _flush_log(self, least_bytes: int = 0) -> None:
+        chunk = self._writer._chunk
+        if chunk is not None and chunk.unflushed_bytes >= max(least_bytes, 1):
+            chunk.flush()
+
+    def _flush_queues(self, least_bytes: int = 0) -> None:
+        for queues in list(self._queues.values()):
             for queue in queues:
-                queue.flush()
+                queue.flush(least_bytes)
+
+    def _set_flush_error(self, error: StoreWriteError | None) -> None:
+        self._flush_error = error
 
     # --- topics --------------------------------------------------------------
 
@@ -184,7 +231,7 @@ class MessageStore:
             self.config.default_queue_count if queue_count is None else queue_count
         )
         with self._lock:
-            self._check_open()
+            self._check_writable()
             current = len(self._queues.get(topic, ()))
             if count < current:
                 raise ConfigError(
@@ -206,6 +253,11 @@ class MessageStore:
         queue = self._queue(topic, queue_id)
         return queue.first_offset, queue.next_offset
 
+    def _load_topics(self) -> None:
+        for topic, info in sorted(self._read_meta("topics.json", {}).items()):
+            if int(info["queue_count"]) > len(self._queues.get(topic, ())):
+                self._open_queues(topic, int(info["queue_count"]))
+
     def _open_queues(self, topic: str, count: int) -> None:
         queues = self._queues.get(topic, [])
         for queue_id in range(len(queues), count):
@@ -216,6 +268,7 @@ class MessageStore:
                     queue_id,
                     self.config.queue_chunk_records,
                     max_open_chunks=self.config.max_open_chunks,
+                    read_only=self.read_only,
                 )
             )
         self._queues[topic] = queues
@@ -230,6 +283,9 @@ class MessageStore:
 
     def _topic(self, topic: str) -> list[Queue]:
         queues = self._queues.get(topic)
+        if queues is None and self.read_only:
+            self._load_topics()  # the writer may have created it since
+            queues = self._queues.get(topic)
         if queues is None:
             validate.check_topic(topic)
             raise TopicNotFoundError(f"no topic {topic!r} in {self.path}")
@@ -241,6 +297,8 @@ class MessageStore:
 
     def _queues_and_count(self, topic: object) -> tuple[list[Queue] | None, int]:
         """A send's topic: its queues (None if it is new) and their count, or an error."""
+        if self.read_only:
+            self._check_writable()
         queues = self._queues.get(topic) if type(topic) is str else None
         if queues is not None:
             return queues, len(queues)
@@ -305,16 +363,25 @@ class MessageStore:
         only the queues written to before returning."""
         if queues is None:
             queues = self._create_for_send(topic)
+        if self._flush_error is not None:
+            raise StoreWriteError(
+                self._flush_error.errno,
+                f"refusing the send: the last background flush failed ({self._flush_error}); "
+                "sends resume once a flush succeeds",
+            )
+        if self._group is not None:  # "sync": appended and flushed in a batch with others
+            return self._group.submit(lambda: self._append_all(topic, queues, checked))
         with self._lock:
-            self._check_open()
-            results = [self._append(topic, queues, *c) for c in checked]
-            if self._sync:
-                self._writer.flush()
-                for queue_id in {r.queue_id for r in results}:
-                    queues[queue_id].flush()
+            results = self._append_all(topic, queues, checked)
         if self._waiting:
             self._wake()
         return results
+
+    def _append_all(
+        self, topic: str, queues: list[Queue], checked: list[_Checked]
+    ) -> list[SendResult]:
+        self._check_open()
+        return [self._append(topic, queues, *c) for c in checked]
 
     def _check(
         self,
@@ -372,6 +439,7 @@ class MessageStore:
                 queue_id = self._round_robin[topic] % len(queues)
                 self._round_robin[topic] = queue_id + 1
         queue = queues[queue_id]
+        queue.make_room()  # a queue chunk that cannot be created fails the send before any write
         offset = queue.next_offset
         now = time.time_ns()
         topic_bytes = self._topic_bytes[topic]
@@ -404,6 +472,8 @@ class MessageStore:
         )
 
     def _wake(self) -> None:
+        if not self._waiting:
+            return
         with self._arrived:
             self._arrived.notify_all()
 
@@ -429,11 +499,13 @@ class MessageStore:
         if not isinstance(max_count, int) or max_count < 1:
             raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
         wanted = _tag_filter(tags)
+        if self.read_only and offset >= queue.next_offset:
+            self._refresh_queue(queue, offset, wait)
         offset = max(offset, queue.first_offset)
-        if wait > 0 and offset >= queue.next_offset:
+        if wait > 0 and offset >= queue.next_offset and not self.read_only:
             self._wait_for(queue, offset, wait)
         messages: list[Message] = []
-        read = self._read_record
+        read = self._read_fresh if self.read_only else self._read_record
         while len(messages) < max_count:
             entries = queue.entries(offset, max_count if wanted is None else 256)
             if not entries:
@@ -471,7 +543,7 @@ class MessageStore:
         if not isinstance(position, int) or isinstance(position, bool):
             raise InvalidTypeError(f"position must be an int, got {type(position).__name__}")
         try:
-            return self._read_record(position)
+            return (self._read_fresh if self.read_only else self._read_record)(position)
         except (PositionNotFoundError, CorruptRecordError) as exc:
             # A position from a caller (or a message id) that names no record start reads
             # as an invalid frame; the frame check still keeps corrupt bytes from escaping.
@@ -561,7 +633,7 @@ class MessageStore:
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise InvalidMessageError(f"offset must be an int >= 0, got {offset!r}")
         with self._lock:
-            self._check_open()
+            self._check_writable()
             self._offsets.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
             write_json(self.path / "offsets.json", self._offsets)
 
@@ -581,7 +653,7 @@ class MessageStore:
         from equeue.store.retention import apply_retention
 
         with self._lock:
-            self._check_open()
+            self._check_writable()
             return apply_retention(self, time.time() if now is None else now)
 
     # --- internals -----------------------------------------------------------
@@ -590,97 +662,92 @@ class MessageStore:
         if self._closed:
             raise ClosedError(f"store {self.path} is closed")
 
-    def _take_lock(self) -> Any:
-        lock_path = self.path / "LOCK"
-        handle = open(lock_path, "a+")  # noqa: SIM115 - held open for the store's lifetime
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise StoreLockedError(
-                f"store {self.path} is open for writing by pid {holder}; open it read-only or "
-                "close the other handle"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        return handle
-
-    def _load_identity(self) -> int:
-        path = self.path / "store.json"
-        config = self.config
-        if not path.exists():
-            store_id = uuid.uuid4().int & 0xFFFFFFFF
-            write_json(
-                path,
-                {
-                    "format": STORE_FORMAT,
-                    "store_id": store_id,
-                    "chunk_data_size": config.chunk_data_size,
-                    "queue_chunk_records": config.queue_chunk_records,
-                },
-            )
-            return store_id
-        identity = read_json(path)
-        for setting in ("chunk_data_size", "queue_chunk_records"):
-            if identity[setting] != getattr(config, setting):
-                raise ConfigError(
-                    f"store {self.path} was created with {setting}={identity[setting]}, but the "
-                    f"configuration says {setting}={getattr(config, setting)}; "
-                    f"open it with StoreConfig({setting}={identity[setting]})"
-                )
-        return int(identity["store_id"])
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyError(f"store {self.path} was opened read-only")
 
     def _read_meta(self, name: str, default: Any) -> Any:
-        """A metadata file's body; a damaged one is reported, moved aside and replaced."""
-        path = self.path / name
+        return read_meta(
+            self.path, name, default, self._meta_problems, move_aside=not self.read_only
+        )
+
+    # --- read-only handles ---------------------------------------------------
+
+    def refresh(self) -> None:
+        """Read-only: pick up topics, consumer offsets and messages the writer added since."""
+        self._check_open()
+        if not self.read_only:
+            return
+        self._load_topics()
+        self._offsets = self._read_meta("offsets.json", self._offsets)
+        self._messages.refresh()
+        for queues in self._queues.values():
+            for queue in queues:
+                queue.refresh()
+        self._keys.close()
+        self._keys = self._open_keys()
+
+    def _open_keys(self) -> KeyIndex:
+        path = self.path / "keys.sqlite"
+        if not self.read_only:
+            return KeyIndex(path)
         if not path.exists():
-            return default
-        try:
-            return read_json(path)
-        except CorruptionError as exc:
-            side = self.path / "recovered"
-            side.mkdir(exist_ok=True)
-            moved = side / f"{name}.{time.time_ns()}.damaged"
-            os.replace(path, moved)
-            self._meta_problems.append(f"{exc}; moved to {moved}")
-            return default
+            return KeyIndex(Path(":memory:"))  # a store that never indexed a key
+        return KeyIndex(path, read_only=True, immutable=not writer_running(self.path))
 
-    def _write_checkpoint(self) -> None:
-        """Record the log position up to which queue entries and keys are durable.
+    def _read_fresh(self, position: int) -> Message:
+        """Read-only: a queue entry may name a message the log view has not seen yet."""
+        if position >= self._messages.committed_position:
+            self._messages.refresh()
+        return self._read_record(position)
 
-        Called with the write lock held or before any send; flushes first, so the
-        checkpoint is never ahead of the data it describes.
-        """
-        position = self._messages.committed_position
-        self._keys.mark(position)
-        self._flush_all()
-        self._keys.commit()
-        write_json(self.path / "checkpoint.json", {"log_position": position})
-
-    def _run_service(self) -> None:
-        """Background work: async flushes, key-index batches, checkpoints, retention."""
-        interval = self.config.flush_interval_ms / 1000
-        last_checkpoint = time.monotonic()
-        while not self._service_stop.wait(interval):
-            try:
-                if self.config.flush == "async":
-                    self._flush_all()
-                if self._keys.pending >= self.config.key_index_batch or (
-                    time.monotonic() - last_checkpoint > 10
-                ):
-                    with self._lock:
-                        if self._closed:
-                            return
-                        self._write_checkpoint()
-                    last_checkpoint = time.monotonic()
-                    if self.config.retention or self.config.max_store_bytes:
-                        self.apply_retention()
-            except ClosedError:
+    def _refresh_queue(self, queue: Queue, offset: int, wait: float) -> None:
+        """Read-only pulls poll the files (the writer is another process) until a
+        message past ``offset`` shows up or ``wait`` passes."""
+        deadline = time.monotonic() + wait
+        while True:
+            queue.refresh()
+            if offset < queue.next_offset:
+                self._messages.refresh()
                 return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            time.sleep(min(remaining, 0.01))
+
+    # --- checkpoints and the service thread ------------------------------------
+
+    def _checkpoint(self, *, flush: bool) -> None:
+        """Flush, then record the log position up to which queue entries and keys are
+        durable, with each queue's next offset.
+
+        The positions are taken under the write lock, the flushes run after it
+        (so sends go on meanwhile), and the file is written last: the checkpoint
+        is never ahead of the data it describes. Without ``flush`` (flush="os",
+        between explicit flushes) only the key index batch is committed.
+        """
+        with self._lock:
+            self._check_open()
+            position = self._messages.committed_position
+            queues = {t: [q.next_offset for q in qs] for t, qs in self._queues.items()}
+            self._keys.mark(position)
+        if flush:
+            self._flush_queues()
+            self._writer.flush()
+        self._keys.commit()
+        if flush:
+            write_json(
+                self.path / "checkpoint.json",
+                {"log_position": position, "queues": queues, "key_index": position},
+            )
+
+    def _checkpoint_due(self) -> bool:
+        return self._keys.pending >= self.config.key_index_batch
+
+    def _apply_retention_in_service(self) -> None:
+        if self.config.retention or self.config.max_store_bytes:
+            self.apply_retention()
 
 
 def _tag_filter(tags: str | Iterable[str] | None) -> dict[int, set[str]] | None:

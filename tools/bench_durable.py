@@ -1,0 +1,174 @@
+"""Durable sends under flush="sync" (group commit) with 1, 4 and 16 producer threads,
+beside a plain append + fdatasync loop measured in the same run, and recovery time
+after a kill for stores of growing size.
+
+``--quick`` is a smoke run of a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from equeue import MessageStore, StoreConfig
+
+BODY = os.urandom(1024)
+
+
+def bench_fdatasync_loop(directory: Path, seconds: float) -> float:
+    """The physical reference: one buffered append and one fdatasync per message."""
+    header = len(BODY).to_bytes(4, "little")
+    fd = os.open(directory / "ref.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        count = 0
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            os.write(fd, header + BODY)
+            os.fdatasync(fd)
+            count += 1
+        return count / (time.perf_counter() - started)
+    finally:
+        os.close(fd)
+
+
+def bench_sync_sends(directory: Path, threads: int, seconds: float) -> tuple[float, float]:
+    """(sends/s, sends per flush) with ``threads`` producers sending for ``seconds``."""
+    config = StoreConfig(flush="sync", chunk_data_size=64 << 20)
+    with MessageStore.open(directory, config) as store:
+        store.create_topic("bench", 16)
+        counts = [0] * threads
+        stop = threading.Event()
+
+        def produce(i: int) -> None:
+            send = store.send
+            n = 0
+            while not stop.is_set():
+                send("bench", BODY, queue_id=i % 16)
+                n += 1
+            counts[i] = n
+
+        workers = [threading.Thread(target=produce, args=(i,)) for i in range(threads)]
+        flushes_before = store._group.flushes if store._group else 0
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        time.sleep(seconds)
+        stop.set()
+        for worker in workers:
+            worker.join()
+        elapsed = time.perf_counter() - started
+        flushes = (store._group.flushes if store._group else 0) - flushes_before
+        total = sum(counts)
+        return total / elapsed, total / max(flushes, 1)
+
+
+_FILL = """
+import sys
+from equeue import MessageStore, OutgoingMessage, StoreConfig
+store = MessageStore.open(sys.argv[1], StoreConfig(flush="os"))
+store.create_topic("bench", 4)
+batch = [OutgoingMessage(b"x" * 4000)] * 256
+target = int(sys.argv[2])
+written = 0
+while written < target:
+    store.send_batch("bench", batch)
+    written += 256 * 4100
+store.flush()
+for _ in range(20000):  # then keep sending, unflushed, until killed
+    store.send_batch("bench", batch[:16])
+print("ready", flush=True)
+import time
+time.sleep(60)
+"""
+
+
+def bench_recovery(directory: Path, size: int) -> float:
+    """Seconds to reopen a store of ``size`` bytes after a SIGKILL mid-write."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FILL, str(directory), str(size)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    started = time.perf_counter()
+    store = MessageStore.open(directory)
+    elapsed = time.perf_counter() - started
+    store.close()
+    return elapsed
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dir", type=Path, default=Path.cwd())
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    repeat, seconds = args.repeat, args.seconds
+    sizes = [100 << 20, 1 << 30, 4 << 30]
+    if args.quick:
+        repeat, seconds, sizes = 1, 0.5, [8 << 20]
+
+    def fresh() -> Path:
+        return Path(tempfile.mkdtemp(prefix="equeue-bench-", dir=args.dir))
+
+    rows = [
+        "| case | sends/s median (min-max) | vs fdatasync loop | sends per flush |",
+        "|---|---|---|---|",
+    ]
+    reference: list[float] = []
+    for _ in range(repeat):
+        directory = fresh()
+        try:
+            reference.append(bench_fdatasync_loop(directory, seconds))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    ref = statistics.median(reference)
+    rows.append(f"| REF append + fdatasync, 1 KiB | {_median(reference)} | 1.00 | 1 |")
+    for threads in (1, 4, 16):
+        rates, batches = [], []
+        for _ in range(repeat):
+            directory = fresh()
+            try:
+                rate, batch = bench_sync_sends(directory, threads, seconds)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            rates.append(rate)
+            batches.append(batch)
+        rows.append(
+            f'| send, flush="sync", 1 KiB, {threads} thread{"s" if threads > 1 else ""} | '
+            f"{_median(rates)} | {statistics.median(rates) / ref:.2f} | "
+            f"{statistics.median(batches):.1f} |"
+        )
+    rows += ["", "| store size | reopen after SIGKILL, s |", "|---|---|"]
+    for size in sizes:
+        directory = fresh()
+        try:
+            rows.append(f"| {size / 2**30:.2f} GiB | {bench_recovery(directory, size):.3f} |")
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    table = "\n".join(rows)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
