@@ -8,6 +8,7 @@ exactly as it was.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 def _where(file: str | os.PathLike[str] | None, offset: int | None) -> str:
@@ -123,7 +124,17 @@ class WriterExistsError(EQueueError):
 
 
 class StoreWriteError(EQueueError, OSError):
-    """Writing or flushing failed in the operating system; nothing partial is visible."""
+    """Writing or flushing failed in the operating system; nothing partial is visible.
+
+    ``sent`` lists the messages of a ``send_batch`` that were stored before the
+    failure (empty for a single send, or when the failure came first).
+    """
+
+    sent: list[Any]
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.sent = []
 
 
 class DiskFullError(StoreWriteError):

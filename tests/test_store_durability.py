@@ -213,6 +213,31 @@ def test_disk_full_error_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         assert store.queue_range("t", 0)[1] == 1
 
 
+def test_batch_cut_short_by_a_full_disk_lists_what_was_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with MessageStore.open(tmp_path / "s", config()) as store:
+        store.create_topic("t", 1)
+        manager = store._messages
+
+        def full(*args: Any, **kwargs: Any) -> Any:
+            raise DiskFullError(errno.ENOSPC, "injected: creating a chunk failed")
+
+        store.send("t", b"first")  # the first chunk exists; the next one cannot be made
+        monkeypatch.setattr(manager, "add_new_chunk", full)
+        bodies = [b"%03d" % i * 1000 for i in range(100)]  # 300 KB: several chunks' worth
+        with pytest.raises(DiskFullError) as info:
+            store.send_batch("t", bodies)
+        stored = info.value.sent
+        assert 0 < len(stored) < len(bodies)
+        assert store.queue_range("t", 0) == (0, 1 + len(stored))
+        for result, body in zip(stored, bodies, strict=False):
+            assert store.read(result.position).body == body
+        monkeypatch.undo()
+        more = store.send("t", b"after")
+        assert more.queue_offset == 1 + len(stored)
+
+
 # --- checkpoints -----------------------------------------------------------------------
 
 

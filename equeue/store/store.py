@@ -381,7 +381,14 @@ class MessageStore:
         self, topic: str, queues: list[Queue], checked: list[_Checked]
     ) -> list[SendResult]:
         self._check_open()
-        return [self._append(topic, queues, *c) for c in checked]
+        results: list[SendResult] = []
+        try:
+            for c in checked:
+                results.append(self._append(topic, queues, *c))
+        except StoreWriteError as exc:
+            exc.sent = results  # a batch cut short by the disk: what was stored before it
+            raise
+        return results
 
     def _check(
         self,
