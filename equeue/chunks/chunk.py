@@ -265,6 +265,22 @@ class Chunk:
             self._prefault(end)
         return offset
 
+    def write_frame_at(self, offset: int, record: bytes) -> int:
+        """Batch appends, step 1: frame ``record`` at data offset ``offset`` (at or past
+        ``data_end``) without publishing it; returns the offset after it. The caller
+        (holding the write lock) has checked that it fits."""
+        n = len(record)
+        pack = _FRAME_PACKERS.get(n) or frame_packer(n)
+        pack(self._mm, HEADER_SIZE + offset, n, record, _xxh3(record) & CHECKSUM_MASK, n)
+        return offset + n + FRAME_OVERHEAD
+
+    def publish(self, end: int, count: int) -> None:
+        """Batch appends, step 2: make the ``count`` records written up to ``end`` visible."""
+        self.record_count += count
+        self.data_end = end
+        if end > self._prefault_mark:
+            self._prefault(end)
+
     def try_append_fixed(self, record: bytes) -> int:
         offset = self.data_end
         end = offset + len(record)
@@ -403,6 +419,33 @@ class Chunk:
         if size:
             return mm[HEADER_SIZE + physical : HEADER_SIZE + physical + size]
         return self._read_frame(mm, physical)
+
+    def read_many(self, offsets: list[int]) -> list[bytes]:
+        """``read_at`` for several records (a pull's run of queue entries) in one loop.
+
+        Any record that is not a valid, checksummed frame at its offset is read
+        again through ``read_at``, which raises the precise error.
+        """
+        if self.header.compacted or self.header.record_size:
+            return [self.read_at(local) for local in offsets]
+        self.last_used = next(_ticks)
+        mm = self._mm or self.mapping()
+        end = HEADER_SIZE + self._physical_end()
+        unpack_prefix, unpack_suffix, xxh3 = _unpack_prefix, _unpack_suffix, _xxh3
+        payloads = []
+        for local in offsets:
+            p = HEADER_SIZE + local
+            if local >= 0 and p + FRAME_OVERHEAD <= end:
+                (n,) = unpack_prefix(mm, p)
+                q = p + FRAME_PREFIX_SIZE + n
+                if n > 0 and q + FRAME_SUFFIX.size <= end:
+                    payload = mm[p + FRAME_PREFIX_SIZE : q]
+                    checksum, suffix = unpack_suffix(mm, q)
+                    if suffix == n and xxh3(payload) & CHECKSUM_MASK == checksum:
+                        payloads.append(payload)
+                        continue
+            payloads.append(self.read_at(local))  # raises what is wrong there
+        return payloads
 
     def _physical_end(self) -> int:
         return self.footer.physical_data_size if self.footer is not None else self.data_end

@@ -66,6 +66,13 @@ class Queue:
             writer.complete()
             writer.add_new_chunk()
 
+    def free_slots(self) -> int:
+        """Entries the current queue chunk still has room for (0 if there is none yet)."""
+        chunk = self._writer._chunk if self._writer is not None else None
+        if chunk is None:
+            return 0
+        return (chunk.data_size - chunk.data_end) // QUEUE_RECORD_SIZE
+
     def refresh(self) -> None:
         """Read-only: see the entries the writer appended since."""
         self.manager.refresh()

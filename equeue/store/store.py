@@ -383,8 +383,13 @@ class MessageStore:
         self._check_open()
         results: list[SendResult] = []
         try:
-            for c in checked:
-                results.append(self._append(topic, queues, *c))
+            i = 0
+            while i < len(checked):
+                if len(checked) - i > 1:
+                    i = self._append_run(topic, queues, checked, i, results)
+                if i < len(checked):  # one that starts a new chunk, or a single send
+                    results.append(self._append(topic, queues, *checked[i]))
+                    i += 1
         except StoreWriteError as exc:
             exc.sent = results  # a batch cut short by the disk: what was stored before it
             raise
@@ -478,6 +483,82 @@ class MessageStore:
             self._id_prefix + format(position, "016x"), topic, queue_id, offset, position, now / 1e9
         )
 
+    def _append_run(
+        self,
+        topic: str,
+        queues: list[Queue],
+        checked: list[_Checked],
+        i: int,
+        results: list[SendResult],
+    ) -> int:
+        """Under the write lock: ``_append`` for the run of messages from ``checked[i]``
+        that fit the current log chunk and their queues' current chunks, written as
+        one block: frames first, then one publish, then the queue entries (so no
+        entry points at a record readers cannot see yet). Returns where it stopped."""
+        chunk = self._writer._chunk
+        if chunk is None:
+            return i
+        topic_bytes = self._topic_bytes[topic]
+        base, start, room = chunk.base, chunk.data_end, chunk.data_size
+        end = start
+        fixed = MESSAGE_HEAD_SIZE + len(topic_bytes) + FRAME_OVERHEAD
+        count = len(queues)
+        turn = self._round_robin[topic]
+        taken: dict[Queue, int] = {}
+        entries: list[tuple[Queue, int, int]] = []
+        keys: list[tuple[str, int]] = []
+        id_prefix = self._id_prefix
+        now = time.time_ns()
+        stored_at = now / 1e9
+        write = chunk.write_frame_at
+        first = i
+        for body, tag_bytes, hashed, key_bytes, key, props, code, queue_id in checked[i:]:
+            if end + fixed + len(tag_bytes) + len(key_bytes) + len(props) + len(body) > room:
+                break
+            by_turn = queue_id is None and key is None
+            if queue_id is None:
+                if key is not None:
+                    queue_id = xxhash.xxh32_intdigest(key_bytes) % count
+                else:
+                    queue_id = turn % count
+                    turn = queue_id + 1
+            queue = queues[queue_id]
+            pending = taken.get(queue, 0)
+            if pending >= queue.free_slots():
+                if by_turn:
+                    turn = queue_id  # this one goes through _append, which takes the turn
+                break
+            taken[queue] = pending + 1
+            offset = queue.next_offset + pending
+            position = base + end
+            end = write(
+                end,
+                pack_message(
+                    position, now, now, offset, queue_id, code, hashed,
+                    FLAG_HAS_KEY if key is not None else 0,
+                    topic_bytes, tag_bytes, key_bytes, props, body,
+                ),
+            )  # fmt: skip
+            entries.append((queue, position, hashed))
+            if key is not None:
+                keys.append((key, position))
+            results.append(
+                SendResult(
+                    id_prefix + format(position, "016x"),
+                    topic, queue_id, offset, position, stored_at,
+                )
+            )  # fmt: skip
+            i += 1
+        if i == first:
+            return i
+        self._round_robin[topic] = turn
+        chunk.publish(end, i - first)
+        for queue, position, hashed in entries:
+            queue.append(position, hashed)
+        for key, position in keys:
+            self._keys.add(topic, key, position)
+        return i
+
     def _wake(self) -> None:
         if not self._waiting:
             return
@@ -512,19 +593,20 @@ class MessageStore:
         if wait > 0 and offset >= queue.next_offset and not self.read_only:
             self._wait_for(queue, offset, wait)
         messages: list[Message] = []
-        read = self._read_fresh if self.read_only else self._read_record
         while len(messages) < max_count:
             entries = queue.entries(offset, max_count if wanted is None else 256)
             if not entries:
                 break
+            found = self._read_run(
+                [p for p, hashed in entries if wanted is None or hashed in wanted]
+            )
             for position, hashed in entries:
                 offset += 1
                 if wanted is not None and hashed not in wanted:
                     continue
-                try:
-                    message = read(position)
-                except (ChunkRemovedError, CompactedAwayError):
-                    continue
+                message = found.get(position)
+                if message is None:
+                    continue  # removed by retention or compaction
                 if wanted is not None and message.tag not in wanted[hashed]:
                     continue  # a hash collision
                 messages.append(message)
@@ -532,6 +614,42 @@ class MessageStore:
                     break
             offset = max(offset, queue.first_offset)
         return PullResult(messages, offset)
+
+    def _read_run(self, positions: list[int]) -> dict[int, Message]:
+        """The messages at ``positions`` (ascending, as in a queue), read chunk by chunk;
+        a message removed by retention or compaction is left out."""
+        manager = self._messages
+        if self.read_only and positions and positions[-1] >= manager.committed_position:
+            manager.refresh()
+        found: dict[int, Message] = {}
+        decode = self._decode
+        i = 0
+        while i < len(positions):
+            try:
+                chunk = manager.get_chunk_for(positions[i])
+            except ChunkRemovedError:
+                i += 1
+                continue
+            base, end = chunk.base, chunk.end_position
+            j = i + 1
+            while j < len(positions) and positions[j] < end:
+                j += 1
+            run = positions[i:j]
+            try:
+                payloads: list[bytes | None] = list(chunk.read_many([p - base for p in run]))
+            except (ChunkRemovedError, CompactedAwayError):
+                payloads = [self._payload_or_none(p) for p in run]
+            for position, payload in zip(run, payloads, strict=True):
+                if payload is not None:
+                    found[position] = decode(position, payload)
+            i = j
+        return found
+
+    def _payload_or_none(self, position: int) -> bytes | None:
+        try:
+            return self._reader.read(position)
+        except (ChunkRemovedError, CompactedAwayError):
+            return None
 
     def _wait_for(self, queue: Queue, offset: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -563,7 +681,9 @@ class MessageStore:
         return self.read(decoded[1])
 
     def _read_record(self, position: int) -> Message:
-        payload = self._reader.read(position)
+        return self._decode(position, self._reader.read(position))
+
+    def _decode(self, position: int, payload: bytes) -> Message:
         (pos, stored, created, qoff, qid, code, _, flags, tl, gl, kl, pl, _) = (
             MESSAGE_HEAD.unpack_from(payload)
         )

@@ -1,0 +1,282 @@
+"""The ``equeue`` command: look inside a store without writing code.
+
+Exit status: 0 success (verify: no problems), 1 problems found or damage met while
+reading, 2 usage errors (bad options, a path that is not a store or chunk file).
+Errors are one line on stderr, never a traceback.
+
+A subcommand is a ``Command`` in ``COMMANDS``: its name, help, a function adding its
+options and a function running it. Add one by appending to that list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from equeue.errors import CorruptionError, EQueueError
+from equeue.inspect.layout import UsageError, open_store
+from equeue.inspect.records import Filters, RecordSource, parse_position, parse_time
+from equeue.inspect.render import (
+    WIDTH,
+    ProgressBar,
+    human_size,
+    render_file,
+    render_problems,
+    render_record,
+    render_store,
+)
+from equeue.inspect.summary import summarize_file, summarize_store
+from equeue.inspect.verify import Verifier
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=False))
+
+
+def _plural(n: int, noun: str, nouns: str | None = None, *, none: str | None = None) -> str:
+    if n == 0 and none is not None:
+        return none
+    return f"{n} {noun}" if n == 1 else f"{n} {nouns or noun + 's'}"
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+# --- inspect -------------------------------------------------------------------------
+
+
+def _configure_inspect(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", type=Path, metavar="STORE|FILE", help="a store or a chunk file")
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    if path.is_dir():
+        summary = summarize_store(path)
+        if args.json:
+            _print_json(summary.to_json())
+        else:
+            print(render_store(summary))
+        return EXIT_OK
+    if not path.exists():
+        raise UsageError(f"{path}: no such file or directory")
+    file_summary = summarize_file(path)
+    if args.json:
+        _print_json(file_summary.to_json())
+    else:
+        print(render_file(file_summary))
+    return EXIT_OK
+
+
+# --- records -------------------------------------------------------------------------
+
+
+def _configure_records(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", type=Path, metavar="STORE")
+    start = parser.add_argument_group("where to start (default: the start of the log)")
+    start.add_argument(
+        "--from",
+        dest="start",
+        metavar="POSITION",
+        help="a log position (decimal or 0x hex) or a message id",
+    )
+    start.add_argument("--topic", metavar="T", help="only this topic (alone: a filter)")
+    start.add_argument("--queue", type=_count, metavar="Q", help="read queue Q of --topic")
+    start.add_argument("--offset", type=_count, metavar="N", help="from queue offset N")
+    filters = parser.add_argument_group("filters")
+    filters.add_argument("--limit", type=_count, metavar="N", help="at most N records")
+    filters.add_argument("--key", metavar="K", help="only messages with key K")
+    filters.add_argument(
+        "--since",
+        metavar="TIME",
+        help="stored at or after TIME (ISO-8601, UTC if no zone; or unix seconds)",
+    )
+
+
+def _run_records(args: argparse.Namespace) -> int:
+    if args.queue is None and args.offset is not None:
+        raise UsageError("--offset needs --topic T --queue Q")
+    if args.queue is not None and args.topic is None:
+        raise UsageError("--queue needs --topic")
+    if args.start is not None and args.queue is not None:
+        raise UsageError("--from and --queue/--offset are two ways to start; give one")
+    store = open_store(args.store)
+    since = parse_time(args.since) if args.since is not None else None
+    source = RecordSource(store)
+    shown = 0
+    try:
+        if args.queue is not None:
+            filters = Filters(key=args.key, since_ns=since)
+            records = source.from_queue(args.topic, args.queue, args.offset or 0, filters)
+        else:
+            start = parse_position(args.start, store) if args.start is not None else 0
+            records = source.from_position(start, Filters(args.topic, args.key, since))
+        for record in records:
+            if args.limit is not None and shown >= args.limit:
+                break
+            if args.json:
+                print(json.dumps(record.to_json()), flush=True)
+            else:
+                print(("\n" if shown else "") + render_record(record), flush=True)
+            shown += 1
+    finally:
+        source.close()
+    if not shown and not args.json:
+        print("no records", file=sys.stderr)
+    return EXIT_OK
+
+
+# --- verify --------------------------------------------------------------------------
+
+
+def _configure_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", type=Path, metavar="STORE")
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    bar = ProgressBar(sys.stderr, "verifying")
+    verifier = Verifier(args.store, bar)
+    try:
+        problems = verifier.run()
+    finally:
+        bar.close()
+    if args.json:
+        _print_json(
+            {
+                "store": str(args.store),
+                "clean": not problems,
+                "message_chunks": verifier.message_chunks,
+                "records": verifier.records,
+                "queue_chunks": verifier.queue_chunks,
+                "queue_entries": verifier.queue_entries,
+                "bytes": verifier.bytes_total,
+                "problems": [p.to_json() for p in problems],
+            }
+        )
+    else:
+        for line in render_problems(problems):
+            print(line)
+        if problems:
+            print()
+        checked = (
+            f"Checked {_plural(verifier.records, 'record')} in "
+            f"{_plural(verifier.message_chunks, 'message chunk')} and "
+            f"{_plural(verifier.queue_entries, 'queue entry', 'queue entries')} in "
+            f"{_plural(verifier.queue_chunks, 'queue chunk')} "
+            f"({human_size(verifier.bytes_total)})."
+        )
+        print(textwrap.fill(checked, WIDTH))
+        found = _plural(len(problems), "problem", none="No problems")
+        print(f"{found} found.")
+    return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+COMMANDS: list[Command] = [
+    Command(
+        "inspect",
+        "summarise a store, or show every field of one chunk file",
+        _configure_inspect,
+        _run_inspect,
+    ),
+    Command(
+        "records",
+        "print decoded messages (JSON lines with --json)",
+        _configure_records,
+        _run_records,
+    ),
+    Command(
+        "verify",
+        "check every checksum, record and queue entry; exit 1 if anything is wrong",
+        _configure_verify,
+        _run_verify,
+    ),
+]
+
+
+def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="equeue",
+        description="Look inside an equeue store (read-only: safe beside a running writer).",
+    )
+    # --json on every subcommand, so it may follow the command like its other options.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in commands:
+        child = sub.add_parser(
+            command.name, help=command.help, description=command.help, parents=[common]
+        )
+        command.configure(child)
+        child.set_defaults(run=command.run, parser=child)
+    return parser
+
+
+def _error(message: str) -> None:
+    print(f"equeue: error: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported with the subcommand's usage, not the top-level one
+            (args.parser if args.command else parser).error(
+                "unrecognized arguments: " + " ".join(extra)
+            )
+    except SystemExit as exc:  # argparse has printed the usage and its message
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        _error("a command is required: " + ", ".join(c.name for c in COMMANDS))
+        return EXIT_USAGE
+    try:
+        code: int = args.run(args)
+        return code
+    except UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except CorruptionError as exc:
+        _error(f"{exc} (run 'equeue verify STORE' to list every problem)")
+        return EXIT_PROBLEMS
+    except BrokenPipeError:
+        # The reader went away (`equeue records STORE | head`): stop quietly, and keep
+        # Python from complaining again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PROBLEMS
+    except (EQueueError, OSError) as exc:
+        _error(str(exc))
+        return EXIT_PROBLEMS
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

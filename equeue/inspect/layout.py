@@ -1,0 +1,520 @@
+"""Read-only access to a store directory and its chunk files.
+
+Nothing here takes the writer's LOCK, creates a file or opens one for writing, so
+the inspector is safe beside a running writer and on a copy of a store. Damage is
+recorded as a ``Problem`` instead of raised, so one bad file does not hide the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import xxhash
+
+from equeue.atomicfile import read_json
+from equeue.chunks.recovery import nonzero_extent, scan_fixed, scan_variable
+from equeue.errors import CorruptionError, EQueueError
+from equeue.format.chunk import (
+    FOOTER_SIZE,
+    FRAME_OVERHEAD,
+    FRAME_PREFIX,
+    FRAME_PREFIX_SIZE,
+    HEADER_SIZE,
+    MAP_ENTRY_SIZE,
+    TIMESTAMP,
+    ChunkFooter,
+    ChunkHeader,
+    chunk_file_size,
+    parse_chunk_file_name,
+)
+from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
+
+# The store directory layout of docs/format.md. equeue/store/store.py spells these names
+# inline and the format package does not define them, so they are named once here.
+STORE_FILE = "store.json"
+TOPICS_FILE = "topics.json"
+OFFSETS_FILE = "offsets.json"
+CHECKPOINT_FILE = "checkpoint.json"
+MESSAGES_DIR = "messages"
+QUEUES_DIR = "queues"
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+
+class UsageError(EQueueError):
+    """The command line names something the inspector cannot work on (exit status 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    file: str
+    offset: int | None  # file offset; None when the problem is not at one place in a file
+    kind: str  # "header", "footer", "checksum", "record", "torn tail", "queue entry", ...
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "offset": self.offset, "kind": self.kind, "reason": self.reason}
+
+
+def describe(exc: CorruptionError) -> str:
+    """The error's reason and values, without its file and offset (a Problem has those)."""
+    text = exc.reason
+    if exc.expected is not None or exc.found is not None:
+        text += f": expected {_hex(exc.expected)}, found {_hex(exc.found)}"
+    return text
+
+
+def _hex(value: int | bytes | None) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, bytes):
+        return "0x" + value.hex() if value else "no bytes"
+    return f"0x{value:x}"
+
+
+def problem_from(exc: CorruptionError, kind: str, file: Path | str) -> Problem:
+    return Problem(exc.file or str(file), exc.offset, kind, describe(exc))
+
+
+# --- the store directory ---------------------------------------------------------
+
+
+@dataclass
+class StoreFiles:
+    """What a store's metadata files say; a damaged file is in ``problems``, not raised."""
+
+    path: Path
+    store_id: int | None = None
+    chunk_data_size: int | None = None
+    queue_chunk_records: int | None = None
+    topics: dict[str, int] = field(default_factory=dict)  # topic -> queue count
+    topics_known: bool = True  # False when topics.json was unreadable
+    offsets: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    checkpoint: int | None = None
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def messages_dir(self) -> Path:
+        return self.path / MESSAGES_DIR
+
+    def queue_dir(self, topic: str, queue_id: int) -> Path:
+        return self.path / QUEUES_DIR / topic / str(queue_id)
+
+    def queues(self) -> Iterator[tuple[str, int]]:
+        for topic in sorted(self.topics):
+            for queue_id in range(self.topics[topic]):
+                yield topic, queue_id
+
+
+def open_store(path: Path) -> StoreFiles:
+    """The metadata of the store at ``path``; UsageError if it is not a store."""
+    if not path.exists():
+        raise UsageError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise UsageError(f"{path} is not a store directory (inspect a chunk file with 'inspect')")
+    if not (path / STORE_FILE).is_file():
+        hint = ""
+        if any(parse_chunk_file_name(name) for name in os.listdir(path)):
+            hint = "; it holds chunk files: inspect one with 'equeue inspect FILE'"
+        elif (path.parent / STORE_FILE).is_file() or (path.parent.parent / STORE_FILE).is_file():
+            hint = "; the store is a directory above it"
+        raise UsageError(f"{path} is not an equeue store: it has no {STORE_FILE}{hint}")
+    store = StoreFiles(path)
+    identity = _read_meta(store, STORE_FILE)
+    if isinstance(identity, dict):
+        store.store_id = _int_or_none(identity.get("store_id"))
+        store.chunk_data_size = _int_or_none(identity.get("chunk_data_size"))
+        store.queue_chunk_records = _int_or_none(identity.get("queue_chunk_records"))
+    topics = _read_meta(store, TOPICS_FILE, default={})
+    if isinstance(topics, dict):
+        for topic, info in topics.items():
+            count = _int_or_none(info.get("queue_count")) if isinstance(info, dict) else None
+            if count is None:
+                store.problems.append(
+                    Problem(str(path / TOPICS_FILE), None, "metadata", f"bad entry for {topic!r}")
+                )
+            else:
+                store.topics[str(topic)] = count
+    else:
+        store.topics_known = False
+    _add_queue_directories(store)
+    offsets = _read_meta(store, OFFSETS_FILE, default={})
+    if isinstance(offsets, dict):
+        store.offsets = offsets
+    checkpoint = _read_meta(store, CHECKPOINT_FILE, default={})
+    if isinstance(checkpoint, dict):
+        store.checkpoint = _int_or_none(checkpoint.get("log_position"))
+    return store
+
+
+def _read_meta(store: StoreFiles, name: str, default: Any = None) -> Any:
+    path = store.path / name
+    try:
+        return read_json(path)
+    except FileNotFoundError:
+        return default
+    except CorruptionError as exc:
+        store.problems.append(problem_from(exc, "metadata", path))
+        return None
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _add_queue_directories(store: StoreFiles) -> None:
+    """Queues on disk that topics.json does not list (it may be damaged, or a topic is
+    being created right now: its directories appear before topics.json is rewritten)."""
+    root = store.path / QUEUES_DIR
+    if not root.is_dir():
+        return
+    for topic in sorted(os.listdir(root)):
+        if not (root / topic).is_dir():
+            continue
+        ids = [int(n) for n in os.listdir(root / topic) if n.isdigit()]
+        if ids:
+            store.topics[topic] = max(store.topics.get(topic, 0), max(ids) + 1)
+
+
+def disk_usage(path: Path) -> tuple[int, int, int]:
+    """(apparent bytes, allocated bytes, file count) of everything under ``path``."""
+    apparent = allocated = files = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except FileNotFoundError:
+                continue  # removed by the writer (retention, a temp file) meanwhile
+            apparent += st.st_size
+            allocated += st.st_blocks * 512  # st_blocks counts 512-byte units (POSIX)
+            files += 1
+    return apparent, allocated, files
+
+
+# --- chunk files -------------------------------------------------------------------
+
+
+@dataclass
+class ChunkFile:
+    """One chunk file as found on disk: header, footer, and where its data ends."""
+
+    path: Path
+    size: int
+    allocated: int
+    name_number: int | None
+    name_version: int | None
+    header: ChunkHeader | None = None
+    footer: ChunkFooter | None = None
+    footer_blank: bool = False
+    data_end: int = 0  # physical bytes of the data area in use
+    records: int = 0
+    first_ns: int | None = None
+    last_ns: int | None = None
+    scan_problem: str | None = None  # why the scan of an ongoing chunk stopped early
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def state(self) -> str:
+        if self.header is None:
+            return "damaged"
+        if self.footer is None:
+            return "ongoing"
+        return "compacted" if self.header.compacted else "completed"
+
+    @property
+    def start_number(self) -> int:
+        if self.header is not None:
+            return self.header.chunk_start_number
+        return self.name_number if self.name_number is not None else -1
+
+    @property
+    def end_number(self) -> int:
+        return self.header.chunk_end_number if self.header is not None else self.start_number
+
+    @property
+    def start_position(self) -> int:
+        return self.header.start_position if self.header is not None else 0
+
+    @property
+    def logical_size(self) -> int:
+        return self.footer.logical_data_size if self.footer is not None else self.data_end
+
+    @property
+    def map_bytes(self) -> int:
+        footer = self.footer
+        if footer is None or self.header is None or not self.header.compacted:
+            return 0
+        return footer.map_entry_count * MAP_ENTRY_SIZE
+
+    @property
+    def available(self) -> int:
+        """Bytes of the data area the file really holds (a torn file may be short)."""
+        if self.header is None:
+            return 0
+        return max(0, min(self.header.chunk_data_size, self.size - HEADER_SIZE))
+
+    @property
+    def data_limit(self) -> int:
+        """End of the data a reader may look at: the footer's size, or the whole area."""
+        return self.footer.physical_data_size if self.footer is not None else self.available
+
+
+def map_file(path: Path) -> mmap.mmap:
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def load_chunk_file(path: Path, *, last: bool = True) -> ChunkFile:
+    """Read a chunk file's header and footer; scan an ongoing chunk for its valid end.
+
+    ``last``: the file is the last of its directory, so a missing or torn footer means
+    "ongoing" (recovery would cut it) rather than damage. FileNotFoundError if the file
+    was removed meanwhile (retention on a live store).
+    """
+    st = os.stat(path)
+    parsed = parse_chunk_file_name(path.name)
+    cf = ChunkFile(
+        path,
+        st.st_size,
+        st.st_blocks * 512,
+        parsed[0] if parsed else None,
+        parsed[1] if parsed else None,
+    )
+    with open(path, "rb") as f:
+        raw_header = f.read(HEADER_SIZE)
+        try:
+            cf.header = ChunkHeader.unpack(raw_header, file=str(path))
+        except CorruptionError as exc:
+            cf.problems.append(problem_from(exc, "header", path))
+            return cf
+        _read_footer(cf, f, last=last)
+    if cf.footer is None:
+        _scan(cf)
+    else:
+        cf.data_end = cf.footer.physical_data_size
+        cf.records = cf.footer.record_count
+        cf.first_ns, cf.last_ns = cf.footer.first_timestamp, cf.footer.last_timestamp
+    return cf
+
+
+def _read_footer(cf: ChunkFile, f: BinaryIO, *, last: bool) -> None:
+    # Mirrors ChunkManager._read_footer: a non-compacted chunk has its footer only at
+    # full size; a short or long last chunk is ongoing and recovery would resize it.
+    header = cf.header
+    assert header is not None
+    full = chunk_file_size(header.chunk_data_size)
+    path = str(cf.path)
+    tail = "torn tail" if last and not header.compacted else "file size"
+    if cf.size < HEADER_SIZE + FOOTER_SIZE or (not header.compacted and cf.size != full):
+        cf.problems.append(
+            Problem(path, cf.size, tail, f"chunk file is {cf.size} bytes, expected {full}")
+        )
+        return
+    at = cf.size - FOOTER_SIZE
+    f.seek(at)
+    raw = f.read(FOOTER_SIZE)
+    if ChunkFooter.is_blank(raw):
+        cf.footer_blank = True
+        if not last or header.compacted:
+            cf.problems.append(
+                Problem(path, at, "footer", "no footer, but the chunk is not the last one")
+            )
+        return
+    try:
+        footer = ChunkFooter.unpack(raw, file=path, offset=at)
+    except CorruptionError as exc:
+        kind = "torn tail" if tail == "torn tail" else "footer"
+        cf.problems.append(problem_from(exc, kind, path))
+        return
+    if not footer.completed:
+        cf.problems.append(Problem(path, at, "footer", "footer without the completed flag"))
+        return
+    capacity = header.chunk_data_size * (header.chunk_end_number - header.chunk_start_number + 1)
+    if footer.physical_data_size > capacity:
+        cf.problems.append(
+            Problem(
+                path,
+                at,
+                "footer",
+                f"footer physical data size {footer.physical_data_size} exceeds the data "
+                f"area ({capacity})",
+            )
+        )
+        return
+    cf.footer = footer
+
+
+def _scan(cf: ChunkFile) -> None:
+    """The valid end of an ongoing chunk, found the way recovery finds it."""
+    header = cf.header
+    assert header is not None
+    if cf.size <= HEADER_SIZE:
+        return
+    mm = map_file(cf.path)
+    try:
+        if header.record_size:
+            result = scan_fixed(mm, cf.available, header.record_size)
+        else:
+            result = scan_variable(mm, cf.available, header.chunk_data_size - FRAME_OVERHEAD)
+        cf.data_end, cf.records, cf.scan_problem = (
+            result.data_end,
+            result.record_count,
+            result.problem,
+        )
+        ts = header.timestamp_offset
+        if ts is not None and cf.records and not header.record_size:
+            # The last frame's length suffix says where that frame starts.
+            end = HEADER_SIZE + cf.data_end
+            (length,) = FRAME_PREFIX.unpack_from(mm, end - FRAME_PREFIX_SIZE)
+            last = end - length - FRAME_OVERHEAD
+            (cf.first_ns,) = TIMESTAMP.unpack_from(mm, HEADER_SIZE + FRAME_PREFIX_SIZE + ts)
+            (cf.last_ns,) = TIMESTAMP.unpack_from(mm, last + FRAME_PREFIX_SIZE + ts)
+    finally:
+        mm.close()
+
+
+def data_checksum(cf: ChunkFile, progress: Callable[[int], None] | None = None) -> int:
+    """xxh3_64 of header + data + position map, as the footer's checksum field covers."""
+    assert cf.footer is not None
+    stop = HEADER_SIZE + cf.footer.physical_data_size + cf.map_bytes
+    hasher = xxhash.xxh3_64()
+    mm = map_file(cf.path)
+    try:
+        with memoryview(mm) as view:
+            block = 1 << 20
+            for start in range(0, stop, block):
+                hasher.update(view[start : min(stop, start + block)])
+                if progress is not None:
+                    progress(min(stop, start + block))
+    finally:
+        mm.close()
+    return int(hasher.intdigest())
+
+
+def trailing_bytes(cf: ChunkFile, start: int) -> int:
+    """One past the last non-zero byte of the data area from data offset ``start`` on
+    (``start`` itself when the rest is zero): bytes past an ongoing chunk's valid end."""
+    fd = os.open(cf.path, os.O_RDONLY)
+    try:
+        stop = HEADER_SIZE + cf.available
+        return nonzero_extent(fd, HEADER_SIZE + start, stop) - HEADER_SIZE
+    finally:
+        os.close(fd)
+
+
+# --- chunk directories ---------------------------------------------------------------
+
+
+@dataclass
+class ChunkDir:
+    """The chunk files of one directory, resolved as ChunkManager would load them."""
+
+    directory: Path
+    files: list[ChunkFile] = field(default_factory=list)  # winners, by chunk number
+    superseded: list[ChunkFile] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)  # version overlaps and gaps
+
+    @property
+    def first_position(self) -> int:
+        return self.files[0].start_position if self.files else 0
+
+    @property
+    def end_position(self) -> int:
+        """Just past the last committed record, as ChunkManager.committed_position."""
+        if not self.files:
+            return 0
+        last = self.files[-1]
+        if last.header is None:
+            return 0
+        if last.footer is not None:
+            return last.header.end_position
+        return last.start_position + last.data_end
+
+
+def chunk_paths(directory: Path) -> list[tuple[int, int, Path]]:
+    """(start number, version, path) of every chunk file, in that order; temp files skipped."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        parsed = parse_chunk_file_name(name)
+        if parsed is not None:
+            found.append((parsed[0], parsed[1], directory / name))
+    return sorted(found)
+
+
+def load_chunk_dir(directory: Path) -> ChunkDir:
+    paths = chunk_paths(directory)
+    loaded: list[ChunkFile] = []
+    for i, (_, _, path) in enumerate(paths):
+        with contextlib.suppress(FileNotFoundError):  # removed by retention meanwhile
+            loaded.append(load_chunk_file(path, last=i == len(paths) - 1))
+    return resolve(directory, loaded)
+
+
+def resolve(directory: Path, loaded: list[ChunkFile]) -> ChunkDir:
+    """Keep, for every chunk number, the highest version covering it (as the loader does);
+    record partly replaced files and gaps instead of raising."""
+    result = ChunkDir(directory)
+    claimed: dict[int, ChunkFile] = {}
+    for cf in sorted(loaded, key=lambda c: -(c.name_version or 0)):
+        numbers = range(cf.start_number, cf.end_number + 1)
+        taken = [n in claimed for n in numbers]
+        if not any(taken):
+            for n in numbers:
+                claimed[n] = cf
+            result.files.append(cf)
+        elif not all(taken):
+            result.problems.append(
+                Problem(
+                    str(cf.path),
+                    None,
+                    "header",
+                    f"chunk file covers chunks {numbers.start}..{numbers.stop - 1}, only partly "
+                    "replaced by a newer version",
+                )
+            )
+        else:
+            result.superseded.append(cf)
+    result.files.sort(key=lambda c: c.start_number)
+    for prev, cf in zip(result.files, result.files[1:], strict=False):
+        if cf.start_number != prev.end_number + 1:
+            result.problems.append(
+                Problem(
+                    str(directory),
+                    None,
+                    "missing chunk",
+                    f"chunks {prev.end_number + 1}..{cf.start_number - 1} are missing between "
+                    f"{prev.path.name} and {cf.path.name}",
+                )
+            )
+    return result
+
+
+def read_queue_entry(chunks: ChunkDir, offset: int) -> tuple[int, int] | None:
+    """(message position, tag hash) at a queue offset, or None if nothing valid is there."""
+    position = offset * QUEUE_RECORD_SIZE
+    for cf in chunks.files:
+        if cf.header is None or not cf.start_position <= position < cf.header.end_position:
+            continue
+        local = position - cf.start_position
+        if local + QUEUE_RECORD_SIZE > cf.data_end:
+            return None
+        fd = os.open(cf.path, os.O_RDONLY)
+        try:
+            raw = os.pread(fd, QUEUE_RECORD_SIZE, HEADER_SIZE + local)
+        finally:
+            os.close(fd)
+        if len(raw) < QUEUE_RECORD_SIZE:
+            return None
+        stored, tag = QUEUE_RECORD.unpack(raw)
+        return (stored - 1, tag) if stored > 0 else None
+    return None

@@ -1,0 +1,223 @@
+"""Decoded messages for ``equeue records``: from a log position or a queue offset, filtered.
+
+Reads through ChunkManager(read_only=True), which changes nothing on disk (no tail
+repair, no temp-file removal, read-only maps) and takes no lock.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader
+from equeue.errors import (
+    ChunkRemovedError,
+    CompactedAwayError,
+    CorruptionError,
+    CorruptRecordError,
+    PositionNotFoundError,
+)
+from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE, MAX_RECORD_LENGTH, ChunkHeader
+from equeue.format.message import (
+    QUEUE_RECORD_SIZE,
+    MessageLogRecord,
+    QueueLogRecord,
+    decode_message_id,
+    encode_message_id,
+)
+from equeue.inspect.layout import StoreFiles, UsageError, chunk_paths
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    topic: str | None = None
+    key: str | None = None
+    since_ns: int | None = None
+
+    def match(self, message: MessageLogRecord) -> bool:
+        return (
+            (self.topic is None or message.topic == self.topic)
+            and (self.key is None or message.key == self.key)
+            and (self.since_ns is None or message.stored_ns >= self.since_ns)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    message_id: str | None  # None when store.json (the store id) is unreadable
+    message: MessageLogRecord
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.message
+        text = body_text(m.body)
+        return {
+            "position": m.log_position,
+            "message_id": self.message_id,
+            "topic": m.topic,
+            "queue_id": m.queue_id,
+            "queue_offset": m.queue_offset,
+            "tag": m.tag,
+            "key": m.key,
+            "properties": m.properties,
+            "code": m.code,
+            "stored_ns": m.stored_ns,
+            "created_ns": m.created_ns,
+            "body_size": len(m.body),
+            "body": text if text is not None else m.body.hex(),
+            "body_encoding": "utf-8" if text is not None else "hex",
+        }
+
+
+def body_text(body: bytes) -> str | None:
+    """The body as text if it is UTF-8 made of printable characters (and line breaks)."""
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        return None
+    if all(c.isprintable() or c in "\n\r\t" for c in text):
+        return text
+    return None
+
+
+def parse_time(text: str) -> int:
+    """ns since the epoch from ISO-8601 (UTC unless it names a zone) or unix seconds."""
+    try:
+        return int(decimal.Decimal(text) * 10**9)  # Decimal: a float would round the ns
+    except (decimal.InvalidOperation, ValueError, OverflowError):
+        pass
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(
+            f"cannot read time {text!r}: give ISO-8601 (2024-05-01T12:00:00Z) or unix seconds"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return int(when.timestamp() * 1e9)
+
+
+def parse_position(text: str, store: StoreFiles) -> int:
+    """A log position, in decimal or 0x hex, or a message id of this store."""
+    decoded = decode_message_id(text)
+    if decoded is not None:
+        if store.store_id is not None and decoded[0] != store.store_id:
+            raise UsageError(
+                f"{text} is a message id of store {decoded[0]:08x}, not of this store "
+                f"({store.store_id:08x})"
+            )
+        return decoded[1]
+    try:
+        position = int(text, 0)
+    except ValueError:
+        raise UsageError(f"--from {text!r} is neither a log position nor a message id") from None
+    if position < 0:
+        raise UsageError(f"--from {position}: a position is never negative")
+    return position
+
+
+def manager_config(directory: Path) -> ChunkManagerConfig | None:
+    """The settings a directory's chunks were written with, read from its first header
+    (chunk sizes are stored per chunk, so none is assumed); None if it has no chunks."""
+    paths = chunk_paths(directory)
+    if not paths:
+        return None
+    path = paths[0][2]
+    with open(path, "rb") as f:
+        header = ChunkHeader.unpack(f.read(HEADER_SIZE), file=str(path))
+    largest = header.record_size or header.chunk_data_size - FRAME_OVERHEAD
+    return ChunkManagerConfig(
+        chunk_data_size=header.chunk_data_size,
+        record_size=header.record_size,
+        max_record_size=min(largest, MAX_RECORD_LENGTH),
+        timestamp_offset=header.timestamp_offset,
+        max_open_chunks=4,
+    )
+
+
+class RecordSource:
+    """Messages of one store, read-only. Close it when done (it holds read maps)."""
+
+    def __init__(self, store: StoreFiles) -> None:
+        self.store = store
+        self._managers: list[ChunkManager] = []
+
+    def close(self) -> None:
+        for manager in self._managers:
+            manager.close()
+        self._managers.clear()
+
+    def _open(self, directory: Path) -> ChunkManager | None:
+        config = manager_config(directory)
+        if config is None:
+            return None
+        manager = ChunkManager(directory, config, read_only=True)
+        self._managers.append(manager)
+        return manager
+
+    def _record(self, position: int, payload: bytes, manager: ChunkManager) -> Record:
+        file = str(manager.get_chunk_for(position).path)
+        message = MessageLogRecord.unpack(payload, file=file)
+        if message.log_position != position:
+            raise CorruptRecordError(
+                f"the record at position {position} names position {message.log_position}",
+                file=file,
+            )
+        store_id = self.store.store_id
+        return Record(None if store_id is None else encode_message_id(store_id, position), message)
+
+    def from_position(self, position: int, filters: Filters) -> Iterator[Record]:
+        manager = self._open(self.store.messages_dir)
+        if manager is None:
+            return
+        start = position
+        try:
+            # A position inside a record: start at its chunk and skip what lies before.
+            start = manager.get_chunk_for(position).start_position
+        except ChunkRemovedError:
+            start = manager.first_position
+        except PositionNotFoundError:
+            return  # past the end of the log
+        for at, payload in ChunkReader(manager).iter_from(start):
+            if at < position:
+                continue
+            record = self._record(at, payload, manager)
+            if filters.match(record.message):
+                yield record
+
+    def from_queue(
+        self, topic: str, queue_id: int, offset: int, filters: Filters
+    ) -> Iterator[Record]:
+        if topic not in self.store.topics:
+            known = ", ".join(sorted(self.store.topics)) or "none"
+            raise UsageError(f"no topic {topic!r} in {self.store.path} (topics: {known})")
+        count = self.store.topics[topic]
+        if not 0 <= queue_id < count:
+            raise UsageError(f"topic {topic!r} has queues 0..{count - 1}, not {queue_id}")
+        # The queue first: on a live store every entry read then points at a message
+        # that was written before the message chunks are loaded.
+        queue = self._open(self.store.queue_dir(topic, queue_id))
+        messages = self._open(self.store.messages_dir)
+        if queue is None or messages is None:
+            return
+        reader = ChunkReader(messages)
+        for at, raw in ChunkReader(queue).iter_from(offset * QUEUE_RECORD_SIZE):
+            entry = QueueLogRecord.unpack(raw)
+            if entry is None:
+                return
+            try:
+                payload = reader.read(entry.message_position)
+            except (ChunkRemovedError, CompactedAwayError):
+                continue  # removed by retention or compaction: pull skips it too
+            except (PositionNotFoundError, CorruptionError) as exc:
+                raise CorruptRecordError(
+                    f"queue {topic}/{queue_id} offset {at // QUEUE_RECORD_SIZE} points at "
+                    f"position {entry.message_position}, which holds no message ({exc})",
+                    file=str(queue.get_chunk_for(at).path),
+                ) from exc
+            record = self._record(entry.message_position, payload, messages)
+            if filters.match(record.message):
+                yield record

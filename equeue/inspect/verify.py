@@ -1,0 +1,677 @@
+"""``equeue verify``: every checksum, every record and every queue entry of a store.
+
+Frames are read here rather than through Chunk.iter_records, which stops at the
+first bad record: a verifier reports it and goes on. Every problem names its file
+and file offset. On a live store the writer may be half-way through a frame or a
+footer at the moment it is read, so a problem in the last chunk of a directory is
+only reported if it is still there when the chunk is read again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from equeue.errors import CorruptionError
+from equeue.format.chunk import (
+    FOOTER_SIZE,
+    FRAME_OVERHEAD,
+    FRAME_PREFIX,
+    FRAME_PREFIX_SIZE,
+    FRAME_SUFFIX,
+    HEADER_SIZE,
+    MAP_ENTRY_SIZE,
+    TIMESTAMP,
+    ChunkType,
+    PositionMapEntry,
+    frame_problem,
+)
+from equeue.format.message import (
+    MESSAGE_HEAD,
+    MESSAGE_HEAD_SIZE,
+    QUEUE_RECORD,
+    QUEUE_RECORD_SIZE,
+    STORED_TIME_OFFSET,
+    MessageLogRecord,
+    tag_hash,
+)
+from equeue.inspect.layout import (
+    ChunkFile,
+    Problem,
+    Progress,
+    StoreFiles,
+    chunk_paths,
+    data_checksum,
+    describe,
+    load_chunk_file,
+    map_file,
+    open_store,
+    resolve,
+    trailing_bytes,
+)
+
+_RETRIES = 3  # re-reads of a live directory's last chunk before a problem there is believed
+_RETRY_DELAY = 0.05
+_TICK = 1 << 20  # progress every MiB of data walked
+_POSITION = TIMESTAMP  # a message record's log position is, like a timestamp, an i64
+
+
+class _Unreadable(Exception):
+    """A queue entry points into a message chunk that cannot be read at all."""
+
+
+@dataclass
+class _Result:
+    problems: list[Problem] = field(default_factory=list)
+    records: int = 0
+    frames_damaged: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    topic: str
+    queue_id: int
+    queue_offset: int
+    tag_hash: int
+
+
+def verify_store(path: Path, progress: Progress | None = None) -> list[Problem]:
+    """Every problem found in the store at ``path``; empty when it is healthy."""
+    return Verifier(path, progress).run()
+
+
+class Verifier:
+    def __init__(self, path: Path, progress: Progress | None = None) -> None:
+        self.path = path
+        self.progress = progress
+        self.message_chunks = 0
+        self.records = 0
+        self.queue_chunks = 0
+        self.queue_entries = 0
+        self.bytes_total = 0
+        self._done = 0
+        self._store = StoreFiles(path)
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._messages: dict[int, ChunkFile] = {}  # message chunk by every number it covers
+        self._message_size: int | None = None
+        self._first_number: int | None = None
+        self._absent: set[int] = set()  # message chunk numbers looked for and not found
+        # per queue: (chunk number, last message position before that chunk, after it)
+        self._previous: dict[tuple[str, int], tuple[int, int | None, int | None]] = {}
+
+    # --- the run -------------------------------------------------------------------
+
+    def run(self) -> list[Problem]:
+        store = self._store = open_store(self.path)
+        problems = list(store.problems)
+        message_paths = chunk_paths(store.messages_dir)
+        queue_paths = {key: chunk_paths(store.queue_dir(*key)) for key in store.queues()}
+        for paths in [message_paths, *queue_paths.values()]:
+            for _, _, path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    self.bytes_total += path.stat().st_size
+        try:
+            problems += self._check_dir(
+                store.messages_dir, message_paths, self._message_chunk, queue=False
+            )
+            for (topic, queue_id), paths in queue_paths.items():
+                check = self._queue_checker(topic, queue_id)
+                problems += self._check_dir(
+                    store.queue_dir(topic, queue_id), paths, check, queue=True
+                )
+        finally:
+            for mm in self._maps.values():
+                mm.close()
+            self._maps.clear()
+        self._tick(self.bytes_total)
+        return problems
+
+    def _check_dir(
+        self,
+        directory: Path,
+        paths: list[tuple[int, int, Path]],
+        check: Callable[[ChunkFile, bool], _Result],
+        *,
+        queue: bool,
+    ) -> list[Problem]:
+        loaded = []
+        for i, (_, _, path) in enumerate(paths):
+            try:
+                loaded.append(load_chunk_file(path, last=i == len(paths) - 1))
+            except FileNotFoundError:
+                continue  # removed by retention since the listing
+        chunks = resolve(directory, loaded)
+        problems = list(chunks.problems)
+        for i, cf in enumerate(chunks.files):
+            last = i == len(chunks.files) - 1
+            result = check(cf, last)
+            for _ in range(_RETRIES if last else 0):
+                if not result.problems:
+                    break
+                time.sleep(_RETRY_DELAY)  # a live writer may be mid-frame or mid-footer
+                try:
+                    cf = load_chunk_file(cf.path, last=True)
+                except FileNotFoundError:
+                    result = _Result()
+                    break
+                result = check(cf, last)
+            problems += sorted(result.problems, key=lambda p: -1 if p.offset is None else p.offset)
+            if queue:
+                self.queue_chunks += 1
+                self.queue_entries += result.records
+            else:
+                self.message_chunks += 1
+                self.records += result.records
+            self._done += cf.size
+            self._tick(self._done)
+        return problems
+
+    def _tick(self, done: int) -> None:
+        if self.progress is not None:
+            self.progress(min(done, self.bytes_total), self.bytes_total)
+
+    # --- message chunks --------------------------------------------------------------
+
+    def _message_chunk(self, cf: ChunkFile, last: bool) -> _Result:
+        result = _Result(list(cf.problems))
+        if self._first_number is None:
+            self._first_number = cf.start_number  # the log starts here (retention removed less)
+        for n in range(cf.start_number, cf.end_number + 1):
+            self._messages[n] = cf  # a damaged one too: entries into it are reported as such
+        header = cf.header
+        if header is None:
+            return result
+        if self._message_size is None:
+            self._message_size = self._store.chunk_data_size or header.chunk_data_size
+        self._check_header(
+            cf, result, ChunkType.VARIABLE, self._store.chunk_data_size, 0, STORED_TIME_OFFSET
+        )
+        self._check_data_checksum(cf, result)
+        if cf.size <= HEADER_SIZE:
+            return result
+        mm = map_file(cf.path)
+        try:
+            if header.compacted and cf.footer is not None:
+                self._walk_map(cf, mm, result)
+            else:
+                self._walk_frames(cf, mm, result, last)
+        finally:
+            mm.close()
+        footer = cf.footer
+        if (
+            footer is not None
+            and not result.frames_damaged
+            and result.records != footer.record_count
+        ):
+            result.problems.append(
+                Problem(
+                    str(cf.path),
+                    cf.size - FOOTER_SIZE,
+                    "footer",
+                    f"footer says {footer.record_count} records, the data holds {result.records}",
+                )
+            )
+        return result
+
+    def _walk_frames(self, cf: ChunkFile, mm: mmap.mmap, result: _Result, last: bool) -> None:
+        header = cf.header
+        assert header is not None
+        path, base = str(cf.path), header.start_position
+        max_length = header.chunk_data_size - FRAME_OVERHEAD
+        ongoing = cf.footer is None
+        end = HEADER_SIZE + cf.data_limit
+        p = HEADER_SIZE
+        ticked = p
+        while p < end:
+            if p - ticked >= _TICK:
+                self._tick(self._done + p)
+                ticked = p
+            found = frame_problem(mm, p, end, max_length)
+            if found is None:
+                (length,) = FRAME_PREFIX.unpack_from(mm, p)
+                self._check_message(cf, mm, p, length, base + p - HEADER_SIZE, result)
+                result.records += 1
+                p += length + FRAME_OVERHEAD
+                continue
+            position = base + p - HEADER_SIZE
+            reason = _reason(found)
+            if ongoing:
+                # The valid data of an ongoing chunk ends at the first invalid frame; what
+                # lies past it is a torn tail unless valid records follow (then it is damage
+                # that recovery would turn into lost records).
+                stop = HEADER_SIZE + trailing_bytes(cf, p - HEADER_SIZE)
+                if stop <= p:
+                    return  # the clean end: nothing but zeros follows
+                following = _resync(mm, p + 1, stop, base, max_length)
+                if following is None:
+                    kind = "torn tail" if last else "record"
+                    cut = ", which recovery would cut" if last else ""
+                    result.problems.append(
+                        Problem(
+                            path,
+                            p,
+                            kind,
+                            f"{reason} at position {position}: {stop - p} bytes after the last "
+                            f"valid record{cut}",
+                        )
+                    )
+                    return
+                result.frames_damaged = True
+                result.problems.append(
+                    Problem(
+                        path,
+                        p,
+                        "record",
+                        f"invalid record at position {position}: {reason}; valid records "
+                        f"follow from position {base + following - HEADER_SIZE}, but the chunk "
+                        "is ongoing, so recovery would cut them all as a torn tail",
+                    )
+                )
+                p = following
+                continue
+            result.frames_damaged = True
+            length = FRAME_PREFIX.unpack_from(mm, p)[0] if p + FRAME_PREFIX_SIZE <= end else 0
+            after = p + FRAME_OVERHEAD + length
+            if length > 0 and after <= end and _suffix_length(mm, p, length) == length:
+                # The length prefix and suffix agree, so the frame's extent is known and
+                # the walk goes on with the next frame.
+                result.problems.append(
+                    Problem(path, p, "checksum", f"invalid record at position {position}: {reason}")
+                )
+                result.records += 1
+                p = after
+                continue
+            following = _resync(mm, p + 1, end, base, max_length)
+            skipped = (following if following is not None else end) - p
+            where = (
+                f"the next valid record is at position {base + following - HEADER_SIZE}"
+                if following is not None
+                else "no valid record follows"
+            )
+            result.problems.append(
+                Problem(
+                    path,
+                    p,
+                    "record",
+                    f"invalid record at position {position}: {reason}; {where} "
+                    f"({skipped} bytes unreadable)",
+                )
+            )
+            if following is None:
+                return
+            p = following
+
+    def _walk_map(self, cf: ChunkFile, mm: mmap.mmap, result: _Result) -> None:
+        """A compacted chunk: every position-map entry must lead to its own record."""
+        header, footer = cf.header, cf.footer
+        assert header is not None and footer is not None
+        path = str(cf.path)
+        data_end = HEADER_SIZE + footer.physical_data_size
+        max_length = header.chunk_data_size - FRAME_OVERHEAD
+        previous = -1
+        for i in range(footer.map_entry_count):
+            at = data_end + i * MAP_ENTRY_SIZE
+            entry = PositionMapEntry.unpack(mm[at : at + MAP_ENTRY_SIZE], file=path, offset=at)
+            position = header.start_position + entry.logical_offset
+            if entry.logical_offset <= previous or entry.logical_offset >= footer.logical_data_size:
+                result.problems.append(
+                    Problem(
+                        path,
+                        at,
+                        "position map",
+                        f"entry {i} names logical offset {entry.logical_offset}, out of order or "
+                        f"past the logical size {footer.logical_data_size}",
+                    )
+                )
+            previous = entry.logical_offset
+            p = HEADER_SIZE + entry.physical_offset
+            found = frame_problem(mm, p, data_end, max_length)
+            if found is not None:
+                result.frames_damaged = True
+                result.problems.append(
+                    Problem(
+                        path,
+                        p,
+                        "record",
+                        f"invalid record at position {position}: {_reason(found)}",
+                    )
+                )
+                continue
+            (length,) = FRAME_PREFIX.unpack_from(mm, p)
+            self._check_message(cf, mm, p, length, position, result)
+            result.records += 1
+
+    def _check_message(
+        self, cf: ChunkFile, mm: mmap.mmap, p: int, length: int, position: int, result: _Result
+    ) -> None:
+        path = str(cf.path)
+        start = p + FRAME_PREFIX_SIZE
+        try:
+            message = MessageLogRecord.unpack(mm[start : start + length], file=path, offset=p)
+        except CorruptionError as exc:
+            result.problems.append(
+                Problem(
+                    path, p, "record", f"message record at position {position}: {describe(exc)}"
+                )
+            )
+            return
+        why = None
+        if message.log_position != position:
+            why = f"names position {message.log_position}"
+        elif MESSAGE_HEAD.unpack_from(mm, start)[6] != tag_hash(message.tag):
+            why = f"has a tag hash that does not match its tag {message.tag!r}"
+        elif not self._has_queue(message.topic, message.queue_id):
+            why = f"belongs to queue {message.topic}/{message.queue_id}, which the store lacks"
+        if why is not None:
+            result.problems.append(
+                Problem(path, p, "record", f"the message record at position {position} {why}")
+            )
+
+    def _has_queue(self, topic: str, queue_id: int) -> bool:
+        store = self._store
+        if not store.topics_known:
+            return True  # topics.json is damaged (reported): nothing to compare with
+        if 0 <= queue_id < store.topics.get(topic, 0):
+            return True
+        # A live writer may have created the topic after we read topics.json.
+        store.topics.update(open_store(self.path).topics)
+        return 0 <= queue_id < store.topics.get(topic, 0)
+
+    # --- queue chunks ----------------------------------------------------------------
+
+    def _queue_checker(self, topic: str, queue_id: int) -> Callable[[ChunkFile, bool], _Result]:
+        def check(cf: ChunkFile, last: bool) -> _Result:
+            return self._queue_chunk(cf, last, topic, queue_id)
+
+        return check
+
+    def _queue_chunk(self, cf: ChunkFile, last: bool, topic: str, queue_id: int) -> _Result:
+        result = _Result(list(cf.problems))
+        header = cf.header
+        if header is None:
+            return result
+        records = self._store.queue_chunk_records
+        self._check_header(
+            cf,
+            result,
+            ChunkType.FIXED,
+            None if records is None else records * QUEUE_RECORD_SIZE,
+            QUEUE_RECORD_SIZE,
+            None,
+        )
+        if header.record_size != QUEUE_RECORD_SIZE or cf.size <= HEADER_SIZE:
+            return result
+        self._check_data_checksum(cf, result)
+        path = str(cf.path)
+        if header.compacted and cf.footer is not None:
+            result.problems.append(
+                Problem(path, 0, "header", "compacted queue chunks are not checked entry by entry")
+            )
+            return result
+        end = cf.footer.physical_data_size if cf.footer is not None else cf.data_end
+        if end % QUEUE_RECORD_SIZE:
+            result.problems.append(
+                Problem(
+                    path,
+                    cf.size - FOOTER_SIZE,
+                    "footer",
+                    f"physical data size {end} is not a whole number of "
+                    f"{QUEUE_RECORD_SIZE}-byte entries",
+                )
+            )
+        # A retry of the same chunk starts from what preceded it, not from its own last entry.
+        saved = self._previous.get((topic, queue_id))
+        before = None if saved is None else saved[1] if saved[0] == cf.start_number else saved[2]
+        previous = before
+        unreadable: dict[str, list[int]] = {}  # reason -> [file offset, first, last, count]
+        mm = map_file(cf.path)
+        try:
+            for local in range(0, end - QUEUE_RECORD_SIZE + 1, QUEUE_RECORD_SIZE):
+                p = HEADER_SIZE + local
+                stored, hashed = QUEUE_RECORD.unpack_from(mm, p)
+                offset = (header.start_position + local) // QUEUE_RECORD_SIZE
+                try:
+                    why = self._check_entry(topic, queue_id, offset, stored - 1, hashed, previous)
+                except _Unreadable as exc:
+                    # One problem for all the entries that point into one lost chunk.
+                    run = unreadable.setdefault(str(exc), [p, offset, offset, 0])
+                    run[2], run[3] = offset, run[3] + 1
+                    why = None
+                if why is None:
+                    previous = stored - 1  # a bad entry is not what the next one must follow
+                else:
+                    name = f"{topic}/{queue_id} offset {offset}"
+                    result.problems.append(Problem(path, p, "queue entry", f"{name} {why}"))
+                result.records += 1
+        finally:
+            mm.close()
+        for reason, (p, first, final, count) in unreadable.items():
+            offsets = (
+                f"offset {first} points"
+                if count == 1
+                else (f"offsets {first}..{final} ({count} entries) point")
+            )
+            result.problems.append(
+                Problem(path, p, "queue entry", f"{topic}/{queue_id} {offsets} into {reason}")
+            )
+        if cf.footer is None:
+            stop = trailing_bytes(cf, end)
+            if stop > end:
+                kind = "torn tail" if last else "queue entry"
+                cut = ", which recovery would cut" if last else ""
+                result.problems.append(
+                    Problem(
+                        path,
+                        HEADER_SIZE + end,
+                        kind,
+                        f"{stop - end} bytes after the last queue entry (offset "
+                        f"{(header.start_position + end) // QUEUE_RECORD_SIZE - 1}){cut}",
+                    )
+                )
+        self._previous[topic, queue_id] = (cf.start_number, before, previous)
+        return result
+
+    def _check_entry(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        position: int,
+        hashed: int,
+        previous: int | None,
+    ) -> str | None:
+        """Why the entry is wrong, or None."""
+        if position < 0:
+            return "is empty inside the data" if position == -1 else "holds a negative position"
+        if previous is not None and position <= previous:
+            return f"points at position {position}, not after the previous entry's {previous}"
+        first, size = self._first_number, self._message_size
+        if first is not None and size is not None and position < first * size:
+            return None  # the message chunk was removed by retention
+        head, why = self._message_at(position)
+        if head is None:
+            return f"points at position {position}, {why}" if why is not None else None
+        found = (head.topic, head.queue_id, head.queue_offset)
+        if found != (topic, queue_id, offset):
+            return (
+                f"points at position {position}, which holds the message of "
+                f"{head.topic}/{head.queue_id} offset {head.queue_offset}"
+            )
+        if head.tag_hash != hashed:
+            return (
+                f"has tag hash 0x{hashed:x}, but the message at position {position} has "
+                f"0x{head.tag_hash:x}"
+            )
+        return None
+
+    def _message_at(self, position: int) -> tuple[_Head | None, str | None]:
+        """The head of the message record at ``position``; (None, why) if there is none;
+        (None, None) if compaction removed it; _Unreadable if its chunk is."""
+        size = self._message_size
+        if size is None:
+            if not self._absent:
+                self._list_messages()
+                self._absent.add(-1)
+            size = self._message_size
+            if size is None:
+                raise _Unreadable("a store without message chunks")
+        number = position // size
+        cf = self._messages.get(number)
+        if cf is None and number not in self._absent:
+            # A live writer may have added the chunk since the listing; a queue entry is
+            # written after its message, so the chunk is on disk now if it ever will be.
+            self._list_messages()
+            cf = self._messages.get(number)
+            if cf is None:
+                self._absent.add(number)  # list once per absent chunk, not once per entry
+        if cf is None:
+            raise _Unreadable(f"message chunk {number}, which is missing")
+        header = cf.header
+        if header is None:
+            raise _Unreadable(f"message chunk {cf.path.name}, whose header is damaged")
+        mm = self._map(cf)
+        local = position - header.start_position
+        if header.compacted and cf.footer is not None:
+            physical = _map_lookup(mm, cf, local)
+            if physical is None:
+                return None, None
+            local = physical
+        limit = HEADER_SIZE + cf.data_limit
+        p = HEADER_SIZE + local
+        found = frame_problem(mm, p, limit, header.chunk_data_size - FRAME_OVERHEAD)
+        if found is not None:
+            return None, f"where no valid message record starts ({_reason(found)})"
+        start = p + FRAME_PREFIX_SIZE
+        (stored, _, _, qoff, qid, _, hashed, _, tl, *_) = MESSAGE_HEAD.unpack_from(mm, start)
+        if stored != position:
+            return None, f"but the record there names position {stored}"
+        raw = mm[start + MESSAGE_HEAD_SIZE : start + MESSAGE_HEAD_SIZE + tl]
+        return _Head(raw.decode(errors="replace"), qid, qoff, hashed), None
+
+    def _list_messages(self) -> None:
+        for number, _, path in chunk_paths(self._store.messages_dir):
+            if number in self._messages:
+                continue
+            try:
+                cf = load_chunk_file(path, last=True)
+            except FileNotFoundError:
+                continue
+            if cf.header is not None and self._message_size is None:
+                self._message_size = cf.header.chunk_data_size
+            for n in range(cf.start_number, cf.end_number + 1):
+                self._messages[n] = cf
+
+    def _map(self, cf: ChunkFile) -> mmap.mmap:
+        mm = self._maps.get(cf.path)
+        if mm is None:
+            mm = self._maps[cf.path] = map_file(cf.path)
+        return mm
+
+    # --- shared checks ---------------------------------------------------------------
+
+    def _check_header(
+        self,
+        cf: ChunkFile,
+        result: _Result,
+        chunk_type: ChunkType,
+        data_size: int | None,
+        record_size: int,
+        timestamp_offset: int | None,
+    ) -> None:
+        header = cf.header
+        assert header is not None
+        expected = (
+            ("chunk type", chunk_type.name.lower(), header.chunk_type.name.lower()),
+            ("chunk data size", data_size, header.chunk_data_size),
+            ("record size", record_size, header.record_size),
+            ("timestamp offset", timestamp_offset, header.timestamp_offset),
+            ("start number (from the file name)", cf.name_number, header.chunk_start_number),
+        )
+        for what, want, found in expected:
+            if want is not None and want != found:
+                result.problems.append(
+                    Problem(str(cf.path), 0, "header", f"{what} is {found}, expected {want}")
+                )
+
+    def _check_data_checksum(self, cf: ChunkFile, result: _Result) -> None:
+        footer = cf.footer
+        if footer is None:
+            return
+        computed = data_checksum(cf)
+        if computed != footer.checksum:
+            result.problems.append(
+                Problem(
+                    str(cf.path),
+                    cf.size - FOOTER_SIZE,
+                    "checksum",
+                    "footer data checksum (header, data and position map) mismatch: expected "
+                    f"0x{footer.checksum:x}, found 0x{computed:x}",
+                )
+            )
+
+
+def _reason(found: tuple[str, int | None, int | None]) -> str:
+    reason, expected, got = found
+    if expected is None and got is None:
+        return reason
+    return f"{reason} (expected {_show(expected)}, found {_show(got)})"
+
+
+def _show(value: int | None) -> str:
+    return "nothing" if value is None else f"0x{value:x}"
+
+
+def _suffix_length(mm: mmap.mmap, p: int, length: int) -> int:
+    return int(FRAME_SUFFIX.unpack_from(mm, p + FRAME_PREFIX_SIZE + length)[1])
+
+
+def _resync(mm: mmap.mmap, start: int, stop: int, base: int, max_length: int) -> int | None:
+    """The file offset of the first valid message frame in [start, stop), or None.
+
+    A message record starts with its own log position (an i64), so a frame at file
+    offset q must carry ``base + q - HEADER_SIZE`` there. Within one 64 KiB span of
+    positions the top six bytes of that value are fixed, so a C-speed find() for them
+    yields the few candidates worth a full frame check.
+    """
+    size = _POSITION.size
+    q = start
+    while q < stop:
+        position = base + q - HEADER_SIZE
+        span = min(stop, q + (((position >> 16) + 1) << 16) - position)
+        high = _POSITION.pack(position)[2:]
+        first = q + FRAME_PREFIX_SIZE + 2
+        hit = mm.find(high, first, span + FRAME_PREFIX_SIZE + size)
+        while hit >= 0:
+            candidate = hit - FRAME_PREFIX_SIZE - 2
+            value = _POSITION.unpack_from(mm, candidate + FRAME_PREFIX_SIZE)[0]
+            if (
+                value == base + candidate - HEADER_SIZE
+                and frame_problem(mm, candidate, stop, max_length) is None
+            ):
+                return int(candidate)
+            hit = mm.find(high, hit + 1, span + FRAME_PREFIX_SIZE + size)
+        q = span
+    return None
+
+
+def _map_lookup(mm: mmap.mmap, cf: ChunkFile, local: int) -> int | None:
+    """Physical offset of a compacted chunk's record at logical ``local``; None if removed."""
+    footer = cf.footer
+    assert footer is not None
+    base = HEADER_SIZE + footer.physical_data_size
+    lo, hi = 0, footer.map_entry_count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        at = base + mid * MAP_ENTRY_SIZE
+        entry = PositionMapEntry.unpack(mm[at : at + MAP_ENTRY_SIZE])
+        if entry.logical_offset < local:
+            lo = mid + 1
+        elif entry.logical_offset > local:
+            hi = mid
+        else:
+            return entry.physical_offset
+    return None
