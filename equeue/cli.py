@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from equeue.errors import CorruptionError, EQueueError
+from equeue.errors import CorruptionError, EQueueError, NotAStoreError
 from equeue.inspect.layout import UsageError, open_store
 from equeue.inspect.records import Filters, RecordSource, parse_position, parse_time
 from equeue.inspect.render import (
@@ -258,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.run(args)
         return code
-    except UsageError as exc:
+    except (UsageError, NotAStoreError) as exc:
         _error(str(exc))
         return EXIT_USAGE
     except CorruptionError as exc:

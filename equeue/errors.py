@@ -11,6 +11,11 @@ import os
 from typing import Any
 
 
+def location(file: str | os.PathLike[str] | None, offset: int | None) -> str:
+    """'in FILE at offset N (0xN)', as every error and recovery problem says where."""
+    return _where(file, offset)
+
+
 def _where(file: str | os.PathLike[str] | None, offset: int | None) -> str:
     parts = []
     if file is not None:

@@ -161,6 +161,17 @@ class Chunk:
         final = directory / chunk_file_name(header.chunk_start_number, version)
         temp = directory / f"{final.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
         size = chunk_file_size(header.chunk_data_size)
+        renamed = False
+        chunk = cls(
+            final,
+            header,
+            None,
+            version=version,
+            data_end=0,
+            record_count=0,
+            max_record_size=max_record_size,
+            on_map=on_map,
+        )
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -172,21 +183,15 @@ class Chunk:
             if final.exists():
                 raise FileExistsError(errno.EEXIST, "chunk file exists already", str(final))
             os.rename(temp, final)
+            renamed = True
             fsync_directory(directory)
+            chunk.open_for_write()
         except OSError as exc:
-            temp.unlink(missing_ok=True)
+            # Undo it all, so that a retry (once space is freed) starts from nothing:
+            # a chunk file left behind would block the next creation.
+            chunk.close()
+            (final if renamed else temp).unlink(missing_ok=True)
             raise write_error(exc, "creating a chunk", final) from exc
-        chunk = cls(
-            final,
-            header,
-            None,
-            version=version,
-            data_end=0,
-            record_count=0,
-            max_record_size=max_record_size,
-            on_map=on_map,
-        )
-        chunk.open_for_write()
         return chunk
 
     # --- mapping -------------------------------------------------------------

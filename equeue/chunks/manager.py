@@ -27,6 +27,7 @@ from equeue.errors import (
     ReadOnlyError,
     TruncatedError,
     WriterExistsError,
+    location,
 )
 from equeue.format.chunk import (
     FOOTER_SIZE,
@@ -67,6 +68,7 @@ class ChunkManager:
         self.config = config or ChunkManagerConfig()
         self.read_only = read_only
         self.recovery_cuts: list[TailCut] = []
+        self.recovery_problems: list[str] = []  # what recovery found that it could not cut
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
         self._by_number: dict[int, Chunk] = {}  # a merged chunk fills every number it covers
         self._lock = threading.RLock()
@@ -343,8 +345,11 @@ class ChunkManager:
         if not self.directory.exists():
             if self.read_only:
                 return
-            self.directory.mkdir(parents=True)
-            fsync_directory(self.directory.parent)
+            try:
+                self.directory.mkdir(parents=True)
+                fsync_directory(self.directory.parent)
+            except OSError as exc:
+                raise write_error(exc, "creating a chunk directory", self.directory) from exc
         names = sorted(os.listdir(self.directory))
         found: list[tuple[Path, ChunkHeader, int]] = []
         for name in names:
@@ -514,7 +519,13 @@ class ChunkManager:
                     if footer is not None:
                         self.recovery_cuts.append(footer)
                 if size != full:
-                    log.warning("recovery: %s was %d bytes; resized to %d", path, size, full)
+                    problem = (
+                        f"chunk file of {size} bytes instead of {full}, resized to {full} "
+                        f"{location(path, size)}"
+                        + ("; anything past the end of the file was lost" if size < full else "")
+                    )
+                    log.warning("recovery: %s", problem)
+                    self.recovery_problems.append(problem)
                     if size > full:
                         cut_tail = cut_range(path, fd, full, size, "bytes past the footer")
                         if cut_tail is not None:

@@ -49,6 +49,10 @@ MESSAGE_HEAD: Final = struct.Struct("<qqqqiiIBBBBII")
 MESSAGE_HEAD_SIZE: Final = MESSAGE_HEAD.size
 assert MESSAGE_HEAD_SIZE == 56
 STORED_TIME_OFFSET: Final = 8
+RECORD_POSITION: Final = struct.Struct("<q")  # the head's first field: the record's position
+TAG_HASH: Final = struct.Struct("<I")  # the head's tag hash, read alone by pulls
+TAG_HASH_OFFSET: Final = 40
+assert MESSAGE_HEAD.unpack(bytes(40) + b"\x01\x02\x03\x04" + bytes(12))[6] == 0x04030201
 FLAG_HAS_KEY: Final = 1
 
 QUEUE_RECORD: Final = struct.Struct("<qI")

@@ -34,15 +34,14 @@ from equeue.format.chunk import (
     parse_chunk_file_name,
 )
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
-
-# The store directory layout of docs/format.md. equeue/store/store.py spells these names
-# inline and the format package does not define them, so they are named once here.
-STORE_FILE = "store.json"
-TOPICS_FILE = "topics.json"
-OFFSETS_FILE = "offsets.json"
-CHECKPOINT_FILE = "checkpoint.json"
-MESSAGES_DIR = "messages"
-QUEUES_DIR = "queues"
+from equeue.store.meta import (
+    CHECKPOINT_FILE,
+    IDENTITY_FILE,
+    MESSAGES_DIR,
+    OFFSETS_FILE,
+    QUEUES_DIR,
+    TOPICS_FILE,
+)
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
@@ -118,15 +117,17 @@ def open_store(path: Path) -> StoreFiles:
         raise UsageError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise UsageError(f"{path} is not a store directory (inspect a chunk file with 'inspect')")
-    if not (path / STORE_FILE).is_file():
+    if not (path / IDENTITY_FILE).is_file():
         hint = ""
         if any(parse_chunk_file_name(name) for name in os.listdir(path)):
             hint = "; it holds chunk files: inspect one with 'equeue inspect FILE'"
-        elif (path.parent / STORE_FILE).is_file() or (path.parent.parent / STORE_FILE).is_file():
+        elif (path.parent / IDENTITY_FILE).is_file() or (
+            path.parent.parent / IDENTITY_FILE
+        ).is_file():
             hint = "; the store is a directory above it"
-        raise UsageError(f"{path} is not an equeue store: it has no {STORE_FILE}{hint}")
+        raise UsageError(f"{path} is not an equeue store: it has no {IDENTITY_FILE}{hint}")
     store = StoreFiles(path)
-    identity = _read_meta(store, STORE_FILE)
+    identity = _read_meta(store, IDENTITY_FILE)
     if isinstance(identity, dict):
         store.store_id = _int_or_none(identity.get("store_id"))
         store.chunk_data_size = _int_or_none(identity.get("chunk_data_size"))

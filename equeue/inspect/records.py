@@ -151,12 +151,20 @@ class RecordSource:
         self._managers.clear()
 
     def _open(self, directory: Path) -> ChunkManager | None:
-        config = manager_config(directory)
-        if config is None:
-            return None
-        manager = ChunkManager(directory, config, read_only=True)
-        self._managers.append(manager)
-        return manager
+        for attempt in range(3):
+            config = manager_config(directory)
+            if config is None:
+                return None
+            try:
+                manager = ChunkManager(directory, config, read_only=True)
+            except FileNotFoundError:
+                # A live writer's retention removed a chunk between listing and reading.
+                if attempt == 2:
+                    raise
+                continue
+            self._managers.append(manager)
+            return manager
+        return None
 
     def _record(self, position: int, payload: bytes, manager: ChunkManager) -> Record:
         file = str(manager.get_chunk_for(position).path)

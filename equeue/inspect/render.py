@@ -235,8 +235,10 @@ def render_file(f: FileSummary) -> str:
     ]
     if f.header is not None:
         lines += _fields(f.header)
-    if f.footer is None:
+    if f.footer is None and f.footer_blank:
         lines += ["", "Footer   blank: the chunk is ongoing (not completed)"]
+    elif f.footer is None:
+        lines += ["", "Footer   none that can be read (see Problems)"]
     else:
         lines += ["", f"Footer   checksum {_checksum(f.footer_checksum)}"]
         lines += _fields({**f.footer, "data checksum": _checksum(f.data_checksum)})

@@ -229,7 +229,8 @@ class FileSummary:
     state: str
     header: dict[str, Any] | None
     header_checksum: Checksum
-    footer: dict[str, Any] | None  # None when the footer area is blank (ongoing chunk)
+    footer: dict[str, Any] | None  # None when the footer area is blank or undecodable
+    footer_blank: bool  # the all-zero footer area of an ongoing chunk
     footer_checksum: Checksum | None
     data_checksum: Checksum | None  # completed chunks: xxh3_64 of header + data + map
     position_map_entries: int
@@ -255,7 +256,11 @@ T = TypeVar("T")
 
 def _unverified(raw: bytes, unpack: Callable[[bytes], T]) -> tuple[T | None, Checksum]:
     """Decode a self-checked block even when its checksum fails (an operator wants to see
-    the damaged fields), by unpacking a copy that carries the computed checksum."""
+    the damaged fields), by unpacking a copy that carries the computed checksum.
+
+    Header and footer are both 128 bytes checked the same way (format.chunk: xxh32 of
+    the first _CHECKED_PREFIX bytes, stored after them), so one function serves both.
+    """
     stored = int.from_bytes(raw[_CHECKED_PREFIX:HEADER_SIZE], "little")
     computed = xxhash.xxh32_intdigest(raw[:_CHECKED_PREFIX])
     patched = raw[:_CHECKED_PREFIX] + computed.to_bytes(HEADER_SIZE - _CHECKED_PREFIX, "little")
@@ -310,6 +315,7 @@ def summarize_file(path: Path) -> FileSummary:
         header=_header_fields(header) if header is not None else None,
         header_checksum=header_sum,
         footer=_footer_fields(footer) if footer is not None else None,
+        footer_blank=bool(raw_footer) and ChunkFooter.is_blank(raw_footer),
         footer_checksum=footer_sum,
         data_checksum=data_sum,
         position_map_entries=map_entries,

@@ -25,7 +25,6 @@ from equeue.format.chunk import (
     FRAME_SUFFIX,
     HEADER_SIZE,
     MAP_ENTRY_SIZE,
-    TIMESTAMP,
     ChunkType,
     PositionMapEntry,
     frame_problem,
@@ -35,6 +34,7 @@ from equeue.format.message import (
     MESSAGE_HEAD_SIZE,
     QUEUE_RECORD,
     QUEUE_RECORD_SIZE,
+    RECORD_POSITION,
     STORED_TIME_OFFSET,
     MessageLogRecord,
     tag_hash,
@@ -57,7 +57,7 @@ from equeue.inspect.layout import (
 _RETRIES = 3  # re-reads of a live directory's last chunk before a problem there is believed
 _RETRY_DELAY = 0.05
 _TICK = 1 << 20  # progress every MiB of data walked
-_POSITION = TIMESTAMP  # a message record's log position is, like a timestamp, an i64
+_POSITION = RECORD_POSITION
 
 
 class _Unreadable(Exception):
@@ -246,6 +246,8 @@ class Verifier:
                 stop = HEADER_SIZE + trailing_bytes(cf, p - HEADER_SIZE)
                 if stop <= p:
                     return  # the clean end: nothing but zeros follows
+                if frame_problem(mm, p, end, max_length) is None:
+                    continue  # a live writer completed the frame meanwhile
                 following = _resync(mm, p + 1, stop, base, max_length)
                 if following is None:
                     kind = "torn tail" if last else "record"
@@ -412,7 +414,10 @@ class Verifier:
                 Problem(path, 0, "header", "compacted queue chunks are not checked entry by entry")
             )
             return result
-        end = cf.footer.physical_data_size if cf.footer is not None else cf.data_end
+        ongoing = cf.footer is None
+        # An ongoing chunk is walked to its first empty slot as it is now, not as it was
+        # when the file was listed: a live writer appends all the while.
+        end = cf.data_limit - cf.data_limit % QUEUE_RECORD_SIZE if ongoing else cf.data_limit
         if end % QUEUE_RECORD_SIZE:
             result.problems.append(
                 Problem(
@@ -428,25 +433,34 @@ class Verifier:
         before = None if saved is None else saved[1] if saved[0] == cf.start_number else saved[2]
         previous = before
         unreadable: dict[str, list[int]] = {}  # reason -> [file offset, first, last, count]
+        local = 0
         mm = map_file(cf.path)
         try:
-            for local in range(0, end - QUEUE_RECORD_SIZE + 1, QUEUE_RECORD_SIZE):
-                p = HEADER_SIZE + local
-                stored, hashed = QUEUE_RECORD.unpack_from(mm, p)
-                offset = (header.start_position + local) // QUEUE_RECORD_SIZE
-                try:
-                    why = self._check_entry(topic, queue_id, offset, stored - 1, hashed, previous)
-                except _Unreadable as exc:
-                    # One problem for all the entries that point into one lost chunk.
-                    run = unreadable.setdefault(str(exc), [p, offset, offset, 0])
-                    run[2], run[3] = offset, run[3] + 1
-                    why = None
-                if why is None:
-                    previous = stored - 1  # a bad entry is not what the next one must follow
-                else:
-                    name = f"{topic}/{queue_id} offset {offset}"
-                    result.problems.append(Problem(path, p, "queue entry", f"{name} {why}"))
-                result.records += 1
+            while True:
+                while local + QUEUE_RECORD_SIZE <= end:
+                    p = HEADER_SIZE + local
+                    stored, hashed = QUEUE_RECORD.unpack_from(mm, p)
+                    if ongoing and not stored and not hashed:
+                        break  # the first empty slot: the end of the entries
+                    offset = (header.start_position + local) // QUEUE_RECORD_SIZE
+                    try:
+                        why = self._check_entry(
+                            topic, queue_id, offset, stored - 1, hashed, previous
+                        )
+                    except _Unreadable as exc:
+                        # One problem for all the entries that point into one lost chunk.
+                        run = unreadable.setdefault(str(exc), [p, offset, offset, 0])
+                        run[2], run[3] = offset, run[3] + 1
+                        why = None
+                    if why is None:
+                        previous = stored - 1  # a bad entry is not what the next must follow
+                    else:
+                        name = f"{topic}/{queue_id} offset {offset}"
+                        result.problems.append(Problem(path, p, "queue entry", f"{name} {why}"))
+                    result.records += 1
+                    local += QUEUE_RECORD_SIZE
+                if not ongoing or self._tail_problem(cf, mm, local, last, result):
+                    break
         finally:
             mm.close()
         for reason, (p, first, final, count) in unreadable.items():
@@ -458,22 +472,37 @@ class Verifier:
             result.problems.append(
                 Problem(path, p, "queue entry", f"{topic}/{queue_id} {offsets} into {reason}")
             )
-        if cf.footer is None:
-            stop = trailing_bytes(cf, end)
-            if stop > end:
-                kind = "torn tail" if last else "queue entry"
-                cut = ", which recovery would cut" if last else ""
-                result.problems.append(
-                    Problem(
-                        path,
-                        HEADER_SIZE + end,
-                        kind,
-                        f"{stop - end} bytes after the last queue entry (offset "
-                        f"{(header.start_position + end) // QUEUE_RECORD_SIZE - 1}){cut}",
-                    )
-                )
         self._previous[topic, queue_id] = (cf.start_number, before, previous)
         return result
+
+    def _tail_problem(
+        self, cf: ChunkFile, mm: mmap.mmap, local: int, last: bool, result: _Result
+    ) -> bool:
+        """After an ongoing queue chunk's first empty slot: True when the walk is over
+        (nothing but zeros follow, or a torn tail, reported); False when a writer has
+        filled the slot meanwhile and the walk should go on."""
+        header = cf.header
+        assert header is not None
+        stop = trailing_bytes(cf, local)
+        if stop <= local:
+            return True
+        # Entries are written in order, so once later bytes are seen, the slot is filled
+        # if a writer was appending; still empty, it is a hole or a torn tail.
+        p = HEADER_SIZE + local
+        if any(mm[p : p + QUEUE_RECORD_SIZE]):
+            return False
+        kind = "torn tail" if last else "queue entry"
+        cut = ", which recovery would cut" if last else ""
+        result.problems.append(
+            Problem(
+                str(cf.path),
+                p,
+                kind,
+                f"{stop - local} bytes after the last queue entry (offset "
+                f"{(header.start_position + local) // QUEUE_RECORD_SIZE - 1}){cut}",
+            )
+        )
+        return True
 
     def _check_entry(
         self,

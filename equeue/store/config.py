@@ -59,7 +59,7 @@ class StoreConfig:
         check_int(
             "queue_chunk_records",
             self.queue_chunk_records,
-            MIN_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE,
+            -(-MIN_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE),  # rounded up: chunks of >= the minimum
             MAX_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE,
         )
         check_int("default_queue_count", self.default_queue_count, 1, 1024)

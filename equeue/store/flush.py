@@ -92,8 +92,8 @@ class GroupCommit:
             self.flushes += 1
         except StoreWriteError as exc:
             for request in batch:
-                if request.error is None:
-                    request.error = StoreWriteError(
+                if request.error is None:  # same class: DiskFullError stays DiskFullError
+                    request.error = type(exc)(
                         exc.errno, f"the flush of this send failed, it may be lost: {exc}"
                     )
                     request.error.__cause__ = exc
@@ -157,3 +157,5 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
         except StoreWriteError as exc:
             log.error("background flush failed, sends are refused until one succeeds: %s", exc)
             host._set_flush_error(exc)
+        except Exception:  # the service must outlive any one failure; the next turn retries
+            log.exception("background service step failed")

@@ -9,10 +9,15 @@ SQLite's page cache bounds the memory, whatever the store's size.
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
 import threading
 from pathlib import Path
 
+from equeue.errors import DiskFullError, StoreWriteError
+
+_SQLITE_FULL = 13  # the primary result code for "database or disk is full"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (topic TEXT NOT NULL, key TEXT NOT NULL, position INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS keys_by_key ON keys (topic, key, position);
@@ -61,12 +66,21 @@ class KeyIndex:
             end = self._pending_end
             if not batch and end <= self.indexed_position:
                 return
-            with self._db:
-                self._db.execute("BEGIN")
-                self._db.executemany("INSERT INTO keys VALUES (?, ?, ?)", batch)
-                self._db.execute(
-                    "INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (end,)
-                )
+            try:
+                with self._db:
+                    self._db.execute("BEGIN")
+                    self._db.executemany("INSERT INTO keys VALUES (?, ?, ?)", batch)
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (end,)
+                    )
+            except sqlite3.Error as exc:
+                self._pending[:0] = batch  # kept for the next commit, in order
+                full = getattr(exc, "sqlite_errorcode", 0) & 0xFF == _SQLITE_FULL
+                code = errno.ENOSPC if full else errno.EIO
+                raise (DiskFullError if full else StoreWriteError)(
+                    code,
+                    f"writing the key index {self.path} failed: {exc} ({os.strerror(code)})",
+                ) from exc
             self.indexed_position = end
 
     def positions(self, topic: str, key: str, limit: int) -> list[int]:

@@ -22,8 +22,15 @@ from equeue.format.chunk import RECOVERED_DIR
 from equeue.store.config import StoreConfig
 
 STORE_FORMAT = 1
+# The store directory: every name the store and the inspector use, in one place.
 IDENTITY_FILE = "store.json"
 LOCK_FILE = "LOCK"
+TOPICS_FILE = "topics.json"
+OFFSETS_FILE = "offsets.json"
+CHECKPOINT_FILE = "checkpoint.json"
+KEYS_FILE = "keys.sqlite"
+MESSAGES_DIR = "messages"
+QUEUES_DIR = "queues"  # then <topic>/<queue id>/
 # Settings that shape the files: fixed when the store is created.
 _SHAPE = ("chunk_data_size", "queue_chunk_records")
 

@@ -56,6 +56,11 @@ class Queue:
         self.next_offset = offset + 1
         return offset
 
+    def entry_location(self, offset: int) -> tuple[str, int]:
+        """(queue chunk file, file offset) of the entry at ``offset``, for error messages."""
+        chunk = self.manager.get_chunk_for(offset * QUEUE_RECORD_SIZE)
+        return str(chunk.path), HEADER_SIZE + offset * QUEUE_RECORD_SIZE - chunk.base
+
     def make_room(self) -> None:
         """Under the write lock, before the message record is written: make sure the
         entry has a slot, creating the next queue chunk now if need be. A chunk that

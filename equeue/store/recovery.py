@@ -15,6 +15,8 @@ from typing import Any
 
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.chunks.recovery import TailCut
+from equeue.errors import location
+from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
 from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
@@ -60,9 +62,15 @@ def recovery_start(
             queue = topic_queues[queue_id]
             if queue.next_offset >= expected:
                 continue
+            last = queue.manager.last_chunk
+            where = (
+                f" (its entries end {location(last.path, HEADER_SIZE + last.data_end)})"
+                if last is not None
+                else ""
+            )
             report.problems.append(
-                f"queue {topic}/{queue_id} ends at offset {queue.next_offset}, but the checkpoint "
-                f"recorded {expected} durable entries; rebuilding them from the message log"
+                f"queue {topic}/{queue_id} ends at offset {queue.next_offset}{where}, but the "
+                f"checkpoint recorded {expected} durable entries; rebuilding them from the log"
             )
             if queue.next_offset > queue.first_offset:  # from its last entry's record on
                 start = min(start, queue.entry(queue.next_offset - 1)[0])

@@ -35,6 +35,8 @@ from equeue.format.message import (
     MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
     STORED_TIME_OFFSET,
+    TAG_HASH,
+    TAG_HASH_OFFSET,
     decode_message_id,
     decode_properties,
     message_length,
@@ -45,7 +47,18 @@ from equeue.store import validate
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
 from equeue.store.keyindex import KeyIndex
-from equeue.store.meta import open_identity, read_meta, take_lock, writer_running
+from equeue.store.meta import (
+    CHECKPOINT_FILE,
+    KEYS_FILE,
+    MESSAGES_DIR,
+    OFFSETS_FILE,
+    QUEUES_DIR,
+    TOPICS_FILE,
+    open_identity,
+    read_meta,
+    take_lock,
+    writer_running,
+)
 from equeue.store.queue import Queue
 from equeue.store.recovery import RecoveryReport, recovery_start, redispatch
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
@@ -105,7 +118,7 @@ class MessageStore:
             remove_temp_files(path)
         self._id_prefix = f"{self.store_id:08x}"
         self._messages = ChunkManager(
-            path / "messages",
+            path / MESSAGES_DIR,
             ChunkManagerConfig(
                 chunk_data_size=config.chunk_data_size,
                 max_record_size=config.max_message_size
@@ -122,15 +135,17 @@ class MessageStore:
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
         self._load_topics()
-        self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta("offsets.json", {})
-        checkpoint = self._read_meta("checkpoint.json", {})
+        self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
+        checkpoint = self._read_meta(CHECKPOINT_FILE, {})
         self._keys = self._open_keys()
         self.recovery = RecoveryReport(
-            cuts=list(self._messages.recovery_cuts), problems=list(self._meta_problems)
+            cuts=list(self._messages.recovery_cuts),
+            problems=self._meta_problems + self._messages.recovery_problems,
         )
         for queues in self._queues.values():
             for queue in queues:
                 self.recovery.cuts += queue.manager.recovery_cuts
+                self.recovery.problems += queue.manager.recovery_problems
         self._lock = threading.Lock()  # replaced by the writer's lock below
         self._arrived = threading.Condition(threading.Lock())
         self._waiting = 0
@@ -239,8 +254,20 @@ class MessageStore:
                     f"to {count}"
                 )
             if count > current:
-                self._open_queues(topic, count)
-                self._save_topics()
+                previous = list(self._queues.get(topic, ()))
+                try:
+                    self._open_queues(topic, count)
+                    self._save_topics()
+                except BaseException:  # e.g. disk full: the topic stays as it was
+                    for queue in self._queues.get(topic, [])[len(previous) :]:
+                        queue.close()
+                    if previous:
+                        self._queues[topic] = previous
+                    else:
+                        self._queues.pop(topic, None)
+                        self._topic_bytes.pop(topic, None)
+                        self._round_robin.pop(topic, None)
+                    raise
 
     def topics(self) -> list[str]:
         return sorted(self._queues)
@@ -254,7 +281,7 @@ class MessageStore:
         return queue.first_offset, queue.next_offset
 
     def _load_topics(self) -> None:
-        for topic, info in sorted(self._read_meta("topics.json", {}).items()):
+        for topic, info in sorted(self._read_meta(TOPICS_FILE, {}).items()):
             if int(info["queue_count"]) > len(self._queues.get(topic, ())):
                 self._open_queues(topic, int(info["queue_count"]))
 
@@ -263,7 +290,7 @@ class MessageStore:
         for queue_id in range(len(queues), count):
             queues.append(
                 Queue(
-                    self.path / "queues" / topic / str(queue_id),
+                    self.path / QUEUES_DIR / topic / str(queue_id),
                     topic,
                     queue_id,
                     self.config.queue_chunk_records,
@@ -277,7 +304,7 @@ class MessageStore:
 
     def _save_topics(self) -> None:
         write_json(
-            self.path / "topics.json",
+            self.path / TOPICS_FILE,
             {topic: {"queue_count": len(queues)} for topic, queues in self._queues.items()},
         )
 
@@ -597,16 +624,26 @@ class MessageStore:
             entries = queue.entries(offset, max_count if wanted is None else 256)
             if not entries:
                 break
-            found = self._read_run(
-                [p for p, hashed in entries if wanted is None or hashed in wanted]
-            )
+            kept = [p for p, hashed in entries if wanted is None or hashed in wanted]
+            try:
+                found = self._read_run(kept)
+            except (PositionNotFoundError, CorruptRecordError) as exc:
+                raise self._bad_entry(queue, offset, entries, exc) from exc
             for position, hashed in entries:
                 offset += 1
                 if wanted is not None and hashed not in wanted:
                     continue
-                message = found.get(position)
-                if message is None:
+                read = found.get(position)
+                if read is None:
                     continue  # removed by retention or compaction
+                message, stored_hash = read
+                if (
+                    message.queue_offset != offset - 1
+                    or message.queue_id != queue.queue_id
+                    or message.topic != queue.topic
+                    or stored_hash != hashed
+                ):
+                    raise self._wrong_message(queue, offset - 1, message, hashed, stored_hash)
                 if wanted is not None and message.tag not in wanted[hashed]:
                     continue  # a hash collision
                 messages.append(message)
@@ -615,14 +652,47 @@ class MessageStore:
             offset = max(offset, queue.first_offset)
         return PullResult(messages, offset)
 
-    def _read_run(self, positions: list[int]) -> dict[int, Message]:
-        """The messages at ``positions`` (ascending, as in a queue), read chunk by chunk;
-        a message removed by retention or compaction is left out."""
+    def _wrong_message(
+        self, queue: Queue, offset: int, message: Message, hashed: int, stored_hash: int
+    ) -> CorruptRecordError:
+        file, at = queue.entry_location(offset)
+        return CorruptRecordError(
+            f"queue {queue.topic}/{queue.queue_id} entry for offset {offset} (tag hash "
+            f"{hashed:#x}) points at position {message.position}, which holds "
+            f"{message.topic}/{message.queue_id} offset {message.queue_offset} (tag hash "
+            f"{stored_hash:#x}): the queue entry is damaged",
+            file=file,
+            offset=at,
+        )
+
+    def _bad_entry(
+        self, queue: Queue, first: int, entries: list[tuple[int, int]], exc: Exception
+    ) -> CorruptRecordError:
+        """The entry of a run whose message cannot be read, named with its queue file."""
+        offset, position = first, entries[0][0]
+        for offset, (position, _) in enumerate(entries, first):  # noqa: B007 - used below
+            try:
+                self._read_run([position])
+            except (PositionNotFoundError, CorruptRecordError) as found:
+                exc = found
+                break
+        file, at = queue.entry_location(offset)
+        return CorruptRecordError(
+            f"queue {queue.topic}/{queue.queue_id} entry for offset {offset} names position "
+            f"{position}, where no intact message was found ({exc})",
+            file=file,
+            offset=at,
+        )
+
+    def _read_run(self, positions: list[int]) -> dict[int, tuple[Message, int]]:
+        """The messages at ``positions`` (ascending, as in a queue), read chunk by chunk,
+        each with the tag hash its record holds; a message removed by retention or
+        compaction is left out."""
         manager = self._messages
         if self.read_only and positions and positions[-1] >= manager.committed_position:
             manager.refresh()
-        found: dict[int, Message] = {}
-        decode = self._decode
+        found: dict[int, tuple[Message, int]] = {}
+        decode, stored_hash = self._decode, TAG_HASH.unpack_from
         i = 0
         while i < len(positions):
             try:
@@ -641,7 +711,10 @@ class MessageStore:
                 payloads = [self._payload_or_none(p) for p in run]
             for position, payload in zip(run, payloads, strict=True):
                 if payload is not None:
-                    found[position] = decode(position, payload)
+                    found[position] = (
+                        decode(position, payload),
+                        stored_hash(payload, TAG_HASH_OFFSET)[0],
+                    )
             i = j
         return found
 
@@ -761,8 +834,10 @@ class MessageStore:
             raise InvalidMessageError(f"offset must be an int >= 0, got {offset!r}")
         with self._lock:
             self._check_writable()
-            self._offsets.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
-            write_json(self.path / "offsets.json", self._offsets)
+            offsets = {g: {t: dict(qs) for t, qs in ts.items()} for g, ts in self._offsets.items()}
+            offsets.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
+            write_json(self.path / OFFSETS_FILE, offsets)  # raises: nothing changed
+            self._offsets = offsets
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
         return self._offsets.get(group, {}).get(topic, {}).get(str(queue_id))
@@ -807,7 +882,7 @@ class MessageStore:
         if not self.read_only:
             return
         self._load_topics()
-        self._offsets = self._read_meta("offsets.json", self._offsets)
+        self._offsets = self._read_meta(OFFSETS_FILE, self._offsets)
         self._messages.refresh()
         for queues in self._queues.values():
             for queue in queues:
@@ -816,7 +891,7 @@ class MessageStore:
         self._keys = self._open_keys()
 
     def _open_keys(self) -> KeyIndex:
-        path = self.path / "keys.sqlite"
+        path = self.path / KEYS_FILE
         if not self.read_only:
             return KeyIndex(path)
         if not path.exists():
@@ -865,7 +940,7 @@ class MessageStore:
         self._keys.commit()
         if flush:
             write_json(
-                self.path / "checkpoint.json",
+                self.path / CHECKPOINT_FILE,
                 {"log_position": position, "queues": queues, "key_index": position},
             )
 
