@@ -11,8 +11,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import xxhash
-
 from equeue.atomicfile import remove_temp_files, write_json
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.errors import (
@@ -31,19 +29,14 @@ from equeue.errors import (
 )
 from equeue.format.chunk import FRAME_OVERHEAD
 from equeue.format.message import (
-    FLAG_HAS_KEY,
     MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
     STORED_TIME_OFFSET,
-    TAG_HASH,
-    TAG_HASH_OFFSET,
     decode_message_id,
-    decode_properties,
-    message_length,
-    pack_message,
     tag_hash,
 )
 from equeue.store import validate
+from equeue.store.append import Appender, Checked
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
 from equeue.store.keyindex import KeyIndex
@@ -60,11 +53,10 @@ from equeue.store.meta import (
     writer_running,
 )
 from equeue.store.queue import Queue
+from equeue.store.reads import LogReader
 from equeue.store.recovery import RecoveryReport, recovery_start, redispatch
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
-# A send after _check: body, tag bytes, tag hash, key bytes, key, properties bytes, code, queue id.
-_Checked = tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]
 _MAX_NAME = validate.MAX_NAME_BYTES
 
 
@@ -131,6 +123,7 @@ class MessageStore:
             read_only=read_only,
         )
         self._reader = ChunkReader(self._messages)
+        self._log = LogReader(self._messages, self._id_prefix, read_only=read_only)
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
@@ -160,6 +153,15 @@ class MessageStore:
                 queue.first_offset = queue.first_offset_at_or_after(first)
         self._writer = ChunkWriter(self._messages)
         self._lock = self._writer.lock  # the one write lock: message record, then queue entry
+        self._appender = Appender(
+            self._writer,
+            self._keys,
+            self._id_prefix,
+            self._topic_bytes,
+            self._round_robin,
+            self.path,
+            lambda: self._closed,
+        )
         self._group = (
             GroupCommit(self._lock, self._writer.flush, self._wake)
             if config.flush == "sync"
@@ -384,7 +386,7 @@ class MessageStore:
         return self._store(topic, queues, checked)
 
     def _store(
-        self, topic: str, queues: list[Queue] | None, checked: list[_Checked]
+        self, topic: str, queues: list[Queue] | None, checked: list[Checked]
     ) -> list[SendResult]:
         """Append checked messages under the write lock; under "sync", flush the log and
         only the queues written to before returning."""
@@ -397,29 +399,11 @@ class MessageStore:
                 "sends resume once a flush succeeds",
             )
         if self._group is not None:  # "sync": appended and flushed in a batch with others
-            return self._group.submit(lambda: self._append_all(topic, queues, checked))
+            return self._group.submit(lambda: self._appender.append_all(topic, queues, checked))
         with self._lock:
-            results = self._append_all(topic, queues, checked)
+            results = self._appender.append_all(topic, queues, checked)
         if self._waiting:
             self._wake()
-        return results
-
-    def _append_all(
-        self, topic: str, queues: list[Queue], checked: list[_Checked]
-    ) -> list[SendResult]:
-        self._check_open()
-        results: list[SendResult] = []
-        try:
-            i = 0
-            while i < len(checked):
-                if len(checked) - i > 1:
-                    i = self._append_run(topic, queues, checked, i, results)
-                if i < len(checked):  # one that starts a new chunk, or a single send
-                    results.append(self._append(topic, queues, *checked[i]))
-                    i += 1
-        except StoreWriteError as exc:
-            exc.sent = results  # a batch cut short by the disk: what was stored before it
-            raise
         return results
 
     def _check(
@@ -432,7 +416,7 @@ class MessageStore:
         properties: object,
         code: object,
         queue_id: object,
-    ) -> _Checked:
+    ) -> Checked:
         config = self.config
         if type(body) is not bytes or len(body) > config.max_message_size:
             body = validate.check_body(body, config.max_message_size)
@@ -456,135 +440,6 @@ class MessageStore:
                 f"{config.chunk_data_size}; raise StoreConfig.chunk_data_size"
             )
         return (body, tag_bytes, hashed, key_bytes, key, props, code, queue_id)  # type: ignore[return-value]
-
-    def _append(
-        self,
-        topic: str,
-        queues: list[Queue],
-        body: bytes,
-        tag_bytes: bytes,
-        hashed: int,
-        key_bytes: bytes,
-        key: str | None,
-        props: bytes,
-        code: int,
-        queue_id: int | None,
-    ) -> SendResult:
-        """Under the write lock: the message record, then its queue entry."""
-        if queue_id is None:
-            if key is not None:
-                queue_id = xxhash.xxh32_intdigest(key_bytes) % len(queues)
-            else:
-                queue_id = self._round_robin[topic] % len(queues)
-                self._round_robin[topic] = queue_id + 1
-        queue = queues[queue_id]
-        queue.make_room()  # a queue chunk that cannot be created fails the send before any write
-        offset = queue.next_offset
-        now = time.time_ns()
-        topic_bytes = self._topic_bytes[topic]
-        writer = self._writer
-        position = writer.position_for(
-            message_length(topic_bytes, tag_bytes, key_bytes, props, body)
-        )
-        record = pack_message(
-            position,
-            now,
-            now,
-            offset,
-            queue_id,
-            code,
-            hashed,
-            FLAG_HAS_KEY if key is not None else 0,
-            topic_bytes,
-            tag_bytes,
-            key_bytes,
-            props,
-            body,
-        )
-        written = writer.unlocked_write(record)
-        assert written == position, "position_for() and the write disagree"
-        queue.append(position, hashed)
-        if key is not None:
-            self._keys.add(topic, key, position)
-        return SendResult(
-            self._id_prefix + format(position, "016x"), topic, queue_id, offset, position, now / 1e9
-        )
-
-    def _append_run(
-        self,
-        topic: str,
-        queues: list[Queue],
-        checked: list[_Checked],
-        i: int,
-        results: list[SendResult],
-    ) -> int:
-        """Under the write lock: ``_append`` for the run of messages from ``checked[i]``
-        that fit the current log chunk and their queues' current chunks, written as
-        one block: frames first, then one publish, then the queue entries (so no
-        entry points at a record readers cannot see yet). Returns where it stopped."""
-        chunk = self._writer._chunk
-        if chunk is None:
-            return i
-        topic_bytes = self._topic_bytes[topic]
-        base, start, room = chunk.base, chunk.data_end, chunk.data_size
-        end = start
-        fixed = MESSAGE_HEAD_SIZE + len(topic_bytes) + FRAME_OVERHEAD
-        count = len(queues)
-        turn = self._round_robin[topic]
-        taken: dict[Queue, int] = {}
-        entries: list[tuple[Queue, int, int]] = []
-        keys: list[tuple[str, int]] = []
-        id_prefix = self._id_prefix
-        now = time.time_ns()
-        stored_at = now / 1e9
-        write = chunk.write_frame_at
-        first = i
-        for body, tag_bytes, hashed, key_bytes, key, props, code, queue_id in checked[i:]:
-            if end + fixed + len(tag_bytes) + len(key_bytes) + len(props) + len(body) > room:
-                break
-            by_turn = queue_id is None and key is None
-            if queue_id is None:
-                if key is not None:
-                    queue_id = xxhash.xxh32_intdigest(key_bytes) % count
-                else:
-                    queue_id = turn % count
-                    turn = queue_id + 1
-            queue = queues[queue_id]
-            pending = taken.get(queue, 0)
-            if pending >= queue.free_slots():
-                if by_turn:
-                    turn = queue_id  # this one goes through _append, which takes the turn
-                break
-            taken[queue] = pending + 1
-            offset = queue.next_offset + pending
-            position = base + end
-            end = write(
-                end,
-                pack_message(
-                    position, now, now, offset, queue_id, code, hashed,
-                    FLAG_HAS_KEY if key is not None else 0,
-                    topic_bytes, tag_bytes, key_bytes, props, body,
-                ),
-            )  # fmt: skip
-            entries.append((queue, position, hashed))
-            if key is not None:
-                keys.append((key, position))
-            results.append(
-                SendResult(
-                    id_prefix + format(position, "016x"),
-                    topic, queue_id, offset, position, stored_at,
-                )
-            )  # fmt: skip
-            i += 1
-        if i == first:
-            return i
-        self._round_robin[topic] = turn
-        chunk.publish(end, i - first)
-        for queue, position, hashed in entries:
-            queue.append(position, hashed)
-        for key, position in keys:
-            self._keys.add(topic, key, position)
-        return i
 
     def _wake(self) -> None:
         if not self._waiting:
@@ -626,9 +481,9 @@ class MessageStore:
                 break
             kept = [p for p, hashed in entries if wanted is None or hashed in wanted]
             try:
-                found = self._read_run(kept)
+                found = self._log.read_run(kept)
             except (PositionNotFoundError, CorruptRecordError) as exc:
-                raise self._bad_entry(queue, offset, entries, exc) from exc
+                raise self._log.bad_entry(queue, offset, entries, exc) from exc
             for position, hashed in entries:
                 offset += 1
                 if wanted is not None and hashed not in wanted:
@@ -643,7 +498,7 @@ class MessageStore:
                     or message.topic != queue.topic
                     or stored_hash != hashed
                 ):
-                    raise self._wrong_message(queue, offset - 1, message, hashed, stored_hash)
+                    raise self._log.wrong_message(queue, offset - 1, message, hashed, stored_hash)
                 if wanted is not None and message.tag not in wanted[hashed]:
                     continue  # a hash collision
                 messages.append(message)
@@ -651,78 +506,6 @@ class MessageStore:
                     break
             offset = max(offset, queue.first_offset)
         return PullResult(messages, offset)
-
-    def _wrong_message(
-        self, queue: Queue, offset: int, message: Message, hashed: int, stored_hash: int
-    ) -> CorruptRecordError:
-        file, at = queue.entry_location(offset)
-        return CorruptRecordError(
-            f"queue {queue.topic}/{queue.queue_id} entry for offset {offset} (tag hash "
-            f"{hashed:#x}) points at position {message.position}, which holds "
-            f"{message.topic}/{message.queue_id} offset {message.queue_offset} (tag hash "
-            f"{stored_hash:#x}): the queue entry is damaged",
-            file=file,
-            offset=at,
-        )
-
-    def _bad_entry(
-        self, queue: Queue, first: int, entries: list[tuple[int, int]], exc: Exception
-    ) -> CorruptRecordError:
-        """The entry of a run whose message cannot be read, named with its queue file."""
-        offset, position = first, entries[0][0]
-        for offset, (position, _) in enumerate(entries, first):  # noqa: B007 - used below
-            try:
-                self._read_run([position])
-            except (PositionNotFoundError, CorruptRecordError) as found:
-                exc = found
-                break
-        file, at = queue.entry_location(offset)
-        return CorruptRecordError(
-            f"queue {queue.topic}/{queue.queue_id} entry for offset {offset} names position "
-            f"{position}, where no intact message was found ({exc})",
-            file=file,
-            offset=at,
-        )
-
-    def _read_run(self, positions: list[int]) -> dict[int, tuple[Message, int]]:
-        """The messages at ``positions`` (ascending, as in a queue), read chunk by chunk,
-        each with the tag hash its record holds; a message removed by retention or
-        compaction is left out."""
-        manager = self._messages
-        if self.read_only and positions and positions[-1] >= manager.committed_position:
-            manager.refresh()
-        found: dict[int, tuple[Message, int]] = {}
-        decode, stored_hash = self._decode, TAG_HASH.unpack_from
-        i = 0
-        while i < len(positions):
-            try:
-                chunk = manager.get_chunk_for(positions[i])
-            except ChunkRemovedError:
-                i += 1
-                continue
-            base, end = chunk.base, chunk.end_position
-            j = i + 1
-            while j < len(positions) and positions[j] < end:
-                j += 1
-            run = positions[i:j]
-            try:
-                payloads: list[bytes | None] = list(chunk.read_many([p - base for p in run]))
-            except (ChunkRemovedError, CompactedAwayError):
-                payloads = [self._payload_or_none(p) for p in run]
-            for position, payload in zip(run, payloads, strict=True):
-                if payload is not None:
-                    found[position] = (
-                        decode(position, payload),
-                        stored_hash(payload, TAG_HASH_OFFSET)[0],
-                    )
-            i = j
-        return found
-
-    def _payload_or_none(self, position: int) -> bytes | None:
-        try:
-            return self._reader.read(position)
-        except (ChunkRemovedError, CompactedAwayError):
-            return None
 
     def _wait_for(self, queue: Queue, offset: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -741,7 +524,7 @@ class MessageStore:
         if not isinstance(position, int) or isinstance(position, bool):
             raise InvalidTypeError(f"position must be an int, got {type(position).__name__}")
         try:
-            return (self._read_fresh if self.read_only else self._read_record)(position)
+            return self._log.read(position)
         except (PositionNotFoundError, CorruptRecordError) as exc:
             # A position from a caller (or a message id) that names no record start reads
             # as an invalid frame; the frame check still keeps corrupt bytes from escaping.
@@ -753,42 +536,6 @@ class MessageStore:
             raise MessageNotFoundError(f"{message_id!r} is not a message id of this store")
         return self.read(decoded[1])
 
-    def _read_record(self, position: int) -> Message:
-        return self._decode(position, self._reader.read(position))
-
-    def _decode(self, position: int, payload: bytes) -> Message:
-        (pos, stored, created, qoff, qid, code, _, flags, tl, gl, kl, pl, _) = (
-            MESSAGE_HEAD.unpack_from(payload)
-        )
-        if pos != position:
-            raise CorruptRecordError(
-                f"the record at position {position} names another position",
-                file=str(self._messages.get_chunk_for(position).path),
-                expected=position,
-                found=pos,
-            )
-        p = MESSAGE_HEAD_SIZE + tl
-        topic = payload[MESSAGE_HEAD_SIZE:p].decode()
-        tag = payload[p : p + gl].decode() if gl else ""
-        p += gl
-        key = payload[p : p + kl].decode() if flags & FLAG_HAS_KEY else None
-        p += kl
-        props = decode_properties(payload[p : p + pl]) if pl else {}
-        return Message(
-            self._id_prefix + format(position, "016x"),
-            topic,
-            qid,
-            qoff,
-            position,
-            tag,
-            key,
-            props,
-            code,
-            payload[p + pl :],
-            created / 1e9,
-            stored / 1e9,
-        )
-
     def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
         """Messages of ``topic`` with ``key``, newest first."""
         self._topic(topic)
@@ -796,7 +543,7 @@ class MessageStore:
         found: list[Message] = []
         for position in self._keys.positions(topic, key, limit):
             try:
-                message = self._read_record(position)
+                message = self._log.read(position)
             except (ChunkRemovedError, CompactedAwayError):
                 continue
             if message.key == key and message.topic == topic:
@@ -897,12 +644,6 @@ class MessageStore:
         if not path.exists():
             return KeyIndex(Path(":memory:"))  # a store that never indexed a key
         return KeyIndex(path, read_only=True, immutable=not writer_running(self.path))
-
-    def _read_fresh(self, position: int) -> Message:
-        """Read-only: a queue entry may name a message the log view has not seen yet."""
-        if position >= self._messages.committed_position:
-            self._messages.refresh()
-        return self._read_record(position)
 
     def _refresh_queue(self, queue: Queue, offset: int, wait: float) -> None:
         """Read-only pulls poll the files (the writer is another process) until a

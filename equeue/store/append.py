@@ -1,0 +1,195 @@
+"""The write path: message records into the log, then their queue entries.
+
+Called with the store's write lock held (directly, or by the group commit
+leader under flush="sync"). The message record always goes first; a queue
+entry is written only once the record it points to is in place, so readers
+never find an entry whose message they cannot read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import xxhash
+
+from equeue.chunks import ChunkWriter
+from equeue.errors import ClosedError, StoreWriteError
+from equeue.format.chunk import FRAME_OVERHEAD
+from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD_SIZE, message_length, pack_message
+from equeue.store.keyindex import KeyIndex
+from equeue.store.queue import Queue
+from equeue.store.types import SendResult
+
+# A send after the store's checks: body, tag bytes, tag hash, key bytes, key,
+# properties bytes, code, queue id (None: by key, else round robin).
+Checked = tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]
+
+
+class Appender:
+    def __init__(
+        self,
+        writer: ChunkWriter,
+        keys: KeyIndex,
+        id_prefix: str,
+        topic_bytes: dict[str, bytes],
+        round_robin: dict[str, int],
+        store_path: Path,
+        closed: Callable[[], bool],
+    ) -> None:
+        self._writer = writer
+        self._keys = keys
+        self._id_prefix = id_prefix
+        self._topic_bytes = topic_bytes  # shared with the store, which adds topics
+        self._round_robin = round_robin
+        self._store_path = store_path
+        self._closed = closed
+
+    def append_all(
+        self, topic: str, queues: list[Queue], checked: list[Checked]
+    ) -> list[SendResult]:
+        if self._closed():
+            raise ClosedError(f"store {self._store_path} is closed")
+        results: list[SendResult] = []
+        try:
+            i = 0
+            while i < len(checked):
+                if len(checked) - i > 1:
+                    i = self._run(topic, queues, checked, i, results)
+                if i < len(checked):  # one that starts a new chunk, or a single send
+                    results.append(self.append(topic, queues, *checked[i]))
+                    i += 1
+        except StoreWriteError as exc:
+            exc.sent = results  # a batch cut short by the disk: what was stored before it
+            raise
+        return results
+
+    def append(
+        self,
+        topic: str,
+        queues: list[Queue],
+        body: bytes,
+        tag_bytes: bytes,
+        hashed: int,
+        key_bytes: bytes,
+        key: str | None,
+        props: bytes,
+        code: int,
+        queue_id: int | None,
+    ) -> SendResult:
+        """Under the write lock: the message record, then its queue entry."""
+        if queue_id is None:
+            if key is not None:
+                queue_id = xxhash.xxh32_intdigest(key_bytes) % len(queues)
+            else:
+                queue_id = self._round_robin[topic] % len(queues)
+                self._round_robin[topic] = queue_id + 1
+        queue = queues[queue_id]
+        queue.make_room()  # a queue chunk that cannot be created fails the send before any write
+        offset = queue.next_offset
+        now = time.time_ns()
+        topic_bytes = self._topic_bytes[topic]
+        writer = self._writer
+        position = writer.position_for(
+            message_length(topic_bytes, tag_bytes, key_bytes, props, body)
+        )
+        record = pack_message(
+            position,
+            now,
+            now,
+            offset,
+            queue_id,
+            code,
+            hashed,
+            FLAG_HAS_KEY if key is not None else 0,
+            topic_bytes,
+            tag_bytes,
+            key_bytes,
+            props,
+            body,
+        )
+        written = writer.unlocked_write(record)
+        assert written == position, "position_for() and the write disagree"
+        queue.append(position, hashed)
+        if key is not None:
+            self._keys.add(topic, key, position)
+        return SendResult(
+            self._id_prefix + format(position, "016x"), topic, queue_id, offset, position, now / 1e9
+        )
+
+    def _run(
+        self,
+        topic: str,
+        queues: list[Queue],
+        checked: list[Checked],
+        i: int,
+        results: list[SendResult],
+    ) -> int:
+        """Under the write lock: ``_append`` for the run of messages from ``checked[i]``
+        that fit the current log chunk and their queues' current chunks, written as
+        one block: frames first, then one publish, then the queue entries (so no
+        entry points at a record readers cannot see yet). Returns where it stopped."""
+        chunk = self._writer._chunk
+        if chunk is None:
+            return i
+        topic_bytes = self._topic_bytes[topic]
+        base, start, room = chunk.base, chunk.data_end, chunk.data_size
+        end = start
+        fixed = MESSAGE_HEAD_SIZE + len(topic_bytes) + FRAME_OVERHEAD
+        count = len(queues)
+        turn = self._round_robin[topic]
+        taken: dict[Queue, int] = {}
+        entries: list[tuple[Queue, int, int]] = []
+        keys: list[tuple[str, int]] = []
+        id_prefix = self._id_prefix
+        now = time.time_ns()
+        stored_at = now / 1e9
+        write = chunk.write_frame_at
+        first = i
+        for body, tag_bytes, hashed, key_bytes, key, props, code, queue_id in checked[i:]:
+            if end + fixed + len(tag_bytes) + len(key_bytes) + len(props) + len(body) > room:
+                break
+            by_turn = queue_id is None and key is None
+            if queue_id is None:
+                if key is not None:
+                    queue_id = xxhash.xxh32_intdigest(key_bytes) % count
+                else:
+                    queue_id = turn % count
+                    turn = queue_id + 1
+            queue = queues[queue_id]
+            pending = taken.get(queue, 0)
+            if pending >= queue.free_slots():
+                if by_turn:
+                    turn = queue_id  # this one goes through _append, which takes the turn
+                break
+            taken[queue] = pending + 1
+            offset = queue.next_offset + pending
+            position = base + end
+            end = write(
+                end,
+                pack_message(
+                    position, now, now, offset, queue_id, code, hashed,
+                    FLAG_HAS_KEY if key is not None else 0,
+                    topic_bytes, tag_bytes, key_bytes, props, body,
+                ),
+            )  # fmt: skip
+            entries.append((queue, position, hashed))
+            if key is not None:
+                keys.append((key, position))
+            results.append(
+                SendResult(
+                    id_prefix + format(position, "016x"),
+                    topic, queue_id, offset, position, stored_at,
+                )
+            )  # fmt: skip
+            i += 1
+        if i == first:
+            return i
+        self._round_robin[topic] = turn
+        chunk.publish(end, i - first)
+        for queue, position, hashed in entries:
+            queue.append(position, hashed)
+        for key, position in keys:
+            self._keys.add(topic, key, position)
+        return i

@@ -1,0 +1,142 @@
+"""The read path: message records decoded, checked against the queue entries that
+point to them, and read a queue's run at a time.
+"""
+
+from __future__ import annotations
+
+from equeue.chunks import ChunkManager, ChunkReader
+from equeue.errors import (
+    ChunkRemovedError,
+    CompactedAwayError,
+    CorruptRecordError,
+    PositionNotFoundError,
+)
+from equeue.format.message import (
+    FLAG_HAS_KEY,
+    MESSAGE_HEAD,
+    MESSAGE_HEAD_SIZE,
+    TAG_HASH,
+    TAG_HASH_OFFSET,
+    decode_properties,
+)
+from equeue.store.queue import Queue
+from equeue.store.types import Message
+
+
+class LogReader:
+    def __init__(self, messages: ChunkManager, id_prefix: str, *, read_only: bool) -> None:
+        self._messages = messages
+        self._reader = ChunkReader(messages)
+        self._id_prefix = id_prefix
+        self.read_only = read_only
+
+    def read(self, position: int) -> Message:
+        """The message at ``position``; a read-only view first catches up with the writer."""
+        if self.read_only and position >= self._messages.committed_position:
+            self._messages.refresh()
+        return self.decode(position, self._reader.read(position))
+
+    def wrong_message(
+        self, queue: Queue, offset: int, message: Message, hashed: int, stored_hash: int
+    ) -> CorruptRecordError:
+        file, at = queue.entry_location(offset)
+        return CorruptRecordError(
+            f"queue {queue.topic}/{queue.queue_id} entry for offset {offset} (tag hash "
+            f"{hashed:#x}) points at position {message.position}, which holds "
+            f"{message.topic}/{message.queue_id} offset {message.queue_offset} (tag hash "
+            f"{stored_hash:#x}): the queue entry is damaged",
+            file=file,
+            offset=at,
+        )
+
+    def bad_entry(
+        self, queue: Queue, first: int, entries: list[tuple[int, int]], exc: Exception
+    ) -> CorruptRecordError:
+        """The entry of a run whose message cannot be read, named with its queue file."""
+        offset, position = first, entries[0][0]
+        for offset, (position, _) in enumerate(entries, first):  # noqa: B007 - used below
+            try:
+                self.read_run([position])
+            except (PositionNotFoundError, CorruptRecordError) as found:
+                exc = found
+                break
+        file, at = queue.entry_location(offset)
+        return CorruptRecordError(
+            f"queue {queue.topic}/{queue.queue_id} entry for offset {offset} names position "
+            f"{position}, where no intact message was found ({exc})",
+            file=file,
+            offset=at,
+        )
+
+    def read_run(self, positions: list[int]) -> dict[int, tuple[Message, int]]:
+        """The messages at ``positions`` (ascending, as in a queue), read chunk by chunk,
+        each with the tag hash its record holds; a message removed by retention or
+        compaction is left out."""
+        manager = self._messages
+        if self.read_only and positions and positions[-1] >= manager.committed_position:
+            manager.refresh()
+        found: dict[int, tuple[Message, int]] = {}
+        decode, stored_hash = self.decode, TAG_HASH.unpack_from
+        i = 0
+        while i < len(positions):
+            try:
+                chunk = manager.get_chunk_for(positions[i])
+            except ChunkRemovedError:
+                i += 1
+                continue
+            base, end = chunk.base, chunk.end_position
+            j = i + 1
+            while j < len(positions) and positions[j] < end:
+                j += 1
+            run = positions[i:j]
+            try:
+                payloads: list[bytes | None] = list(chunk.read_many([p - base for p in run]))
+            except (ChunkRemovedError, CompactedAwayError):
+                payloads = [self._payload_or_none(p) for p in run]
+            for position, payload in zip(run, payloads, strict=True):
+                if payload is not None:
+                    found[position] = (
+                        decode(position, payload),
+                        stored_hash(payload, TAG_HASH_OFFSET)[0],
+                    )
+            i = j
+        return found
+
+    def _payload_or_none(self, position: int) -> bytes | None:
+        try:
+            return self._reader.read(position)
+        except (ChunkRemovedError, CompactedAwayError):
+            return None
+
+    def decode(self, position: int, payload: bytes) -> Message:
+        (pos, stored, created, qoff, qid, code, _, flags, tl, gl, kl, pl, _) = (
+            MESSAGE_HEAD.unpack_from(payload)
+        )
+        if pos != position:
+            raise CorruptRecordError(
+                f"the record at position {position} names another position",
+                file=str(self._messages.get_chunk_for(position).path),
+                expected=position,
+                found=pos,
+            )
+        p = MESSAGE_HEAD_SIZE + tl
+        topic = payload[MESSAGE_HEAD_SIZE:p].decode()
+        tag = payload[p : p + gl].decode() if gl else ""
+        p += gl
+        key = payload[p : p + kl].decode() if flags & FLAG_HAS_KEY else None
+        p += kl
+        props = decode_properties(payload[p : p + pl]) if pl else {}
+        return Message(
+            self._id_prefix + format(position, "016x"),
+            topic,
+            qid,
+            qoff,
+            position,
+            tag,
+            key,
+            props,
+            code,
+            payload[p + pl :],
+            created / 1e9,
+            stored / 1e9,
+        )
