@@ -13,6 +13,7 @@ from typing import Any
 
 from equeue.atomicfile import remove_temp_files, write_json
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
+from equeue.chunks.config import MiB
 from equeue.errors import (
     ChunkRemovedError,
     ClosedError,
@@ -58,6 +59,9 @@ from equeue.store.recovery import RecoveryReport, recovery_start, redispatch
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 _MAX_NAME = validate.MAX_NAME_BYTES
+# Recovery re-dispatches what was written after the last checkpoint; one is written
+# whenever this much log has been written since, so that work stays bounded.
+_CHECKPOINT_BYTES = 32 * MiB
 
 
 class MessageStore:
@@ -143,6 +147,7 @@ class MessageStore:
         self._arrived = threading.Condition(threading.Lock())
         self._waiting = 0
         self._flush_error: StoreWriteError | None = None
+        self._checkpointed = 0  # the log position of the last checkpoint written
         if read_only:
             return
         start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
@@ -684,9 +689,13 @@ class MessageStore:
                 self.path / CHECKPOINT_FILE,
                 {"log_position": position, "queues": queues, "key_index": position},
             )
+            self._checkpointed = position
 
     def _checkpoint_due(self) -> bool:
-        return self._keys.pending >= self.config.key_index_batch
+        """A full key batch, or enough log written since the last checkpoint that
+        recovery would otherwise re-dispatch more than ``_CHECKPOINT_BYTES``."""
+        behind = self._messages.committed_position - self._checkpointed
+        return self._keys.pending >= self.config.key_index_batch or behind >= _CHECKPOINT_BYTES
 
     def _apply_retention_in_service(self) -> None:
         if self.config.retention or self.config.max_store_bytes:
