@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from equeue.chunks.chunk import Chunk, fsync_directory, write_error
 from equeue.chunks.config import ChunkManagerConfig
-from equeue.chunks.recovery import TailCut, cut_range, scan_fixed, scan_variable
+from equeue.chunks.recovery import TailCut, cut_range, make_side_dir, scan_fixed, scan_variable
 from equeue.errors import (
     ChunkRemovedError,
     ClosedError,
@@ -246,14 +246,16 @@ class ChunkManager:
                 return cuts
             number = max(position // self.config.chunk_data_size, self.first_chunk.start_number)  # type: ignore[union-attr]
             side_dir = self.directory / RECOVERED_DIR
+            moved = False
             while self._chunks and self._chunks[-1].start_number > number:
                 chunk = self._chunks.pop()
                 for n in range(chunk.start_number, chunk.end_number + 1):
                     self._by_number.pop(n, None)
                 chunk.close()
-                side_dir.mkdir(exist_ok=True)
+                side_dir = make_side_dir(self.directory)
                 side = side_dir / f"{chunk.path.name}.{time.time_ns()}.cut"
                 os.rename(chunk.path, side)
+                moved = True
                 cut = TailCut(
                     str(chunk.path), 0, chunk.file_size, str(side), "whole chunk past the cut"
                 )
@@ -279,6 +281,8 @@ class ChunkManager:
             self._rescan_tail(chunk)
             chunk.open_for_write()
             fsync_directory(self.directory)
+            if moved:
+                fsync_directory(side_dir)
             self.recovery_cuts.extend(cuts)
         return cuts
 
@@ -346,8 +350,13 @@ class ChunkManager:
             if self.read_only:
                 return
             try:
-                self.directory.mkdir(parents=True)
-                fsync_directory(self.directory.parent)
+                # One level at a time, each new entry fsynced in its parent: a
+                # queue's topic directory must survive a power loss too.
+                missing = [self.directory, *self.directory.parents]
+                missing = missing[: next(i for i, d in enumerate(missing) if d.exists())]
+                for directory in reversed(missing):
+                    directory.mkdir(exist_ok=True)
+                    fsync_directory(directory.parent)
             except OSError as exc:
                 raise write_error(exc, "creating a chunk directory", self.directory) from exc
         names = sorted(os.listdir(self.directory))

@@ -135,6 +135,23 @@ def nonzero_extent(fd: int, start: int, end: int) -> int:
     return last
 
 
+def make_side_dir(directory: Path) -> Path:
+    """``directory/recovered``, created durably (its entry fsynced) if it is new."""
+    side_dir = directory / RECOVERED_DIR
+    if not side_dir.is_dir():
+        side_dir.mkdir(exist_ok=True)
+        _fsync_dir(directory)
+    return side_dir
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def cut_range(
     path: Path, fd: int, start: int, end: int, reason: str, *, copy_all: bool = False
 ) -> TailCut | None:
@@ -142,8 +159,7 @@ def cut_range(
     stop = end if copy_all else nonzero_extent(fd, start, end)
     if stop <= start:
         return None
-    side_dir = path.parent / RECOVERED_DIR
-    side_dir.mkdir(exist_ok=True)
+    side_dir = make_side_dir(path.parent)
     side = side_dir / f"{path.name}.{start}.{time.time_ns()}.cut"
     with open(side, "wb") as out:
         pos = start
@@ -155,6 +171,7 @@ def cut_range(
             pos += len(block)
         out.flush()
         os.fsync(out.fileno())
+    _fsync_dir(side_dir)  # the copy is durable before the bytes are zeroed
     pos = start
     while pos < stop:
         size = min(_BLOCK, stop - pos)

@@ -85,7 +85,9 @@ def redispatch(
     queues: dict[str, list[Queue]],
     keys: KeyIndex,
     report: RecoveryReport,
+    recorded: dict[str, Any] | None = None,
 ) -> None:
+    """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets."""
     # Keys: rows at or past the index's own mark may be duplicates (a query commits
     # pending keys early) or point past a cut in the log; drop and re-index them.
     key_from = min(keys.indexed_position, reader.manager.committed_position)
@@ -106,7 +108,8 @@ def redispatch(
             continue
         queue = topic_queues[qid]
         following = queue.next_offset
-        if qoff < following and queue.entry(qoff)[0] != position:
+        # Position and tag hash: a sector torn inside a 12-byte entry can keep one.
+        if qoff < following and queue.entry(qoff) != (position, th):
             report.cuts += queue.cut_from(qoff)
             following = queue.next_offset
         if qoff == following:
@@ -123,11 +126,17 @@ def redispatch(
             p = MESSAGE_HEAD_SIZE + tl + gl
             keys.add(topic, payload[p : p + kl].decode(errors="replace"), position)
             report.reindexed_keys += 1
-    for topic_queues in queues.values():
+    for topic, topic_queues in queues.items():
         for queue in topic_queues:
             limit = seen.get(queue)
             if limit is None:
+                # No record after ``start`` is this queue's: it ends where the
+                # checkpoint says it did (its entries past that are not backed by the
+                # log), or, without one, where its entries reach ``start``.
                 limit = queue.first_offset_at_or_after(start)
+                recorded_end = _checkpointed_offset(recorded, topic, queue.queue_id)
+                if recorded_end is not None:  # and never past the log's end
+                    limit = min(recorded_end, queue.first_offset_at_or_after(log_end))
             if queue.next_offset > limit:
                 report.cuts += queue.cut_from(limit)
     keys.mark(log_end)
@@ -136,3 +145,10 @@ def redispatch(
         log.warning("recovery: %s", cut)
     for problem in report.problems:
         log.error("recovery: %s", problem)
+
+
+def _checkpointed_offset(recorded: dict[str, Any] | None, topic: str, queue_id: int) -> int | None:
+    offsets = (recorded or {}).get(topic)
+    if isinstance(offsets, list) and queue_id < len(offsets) and isinstance(offsets[queue_id], int):
+        return int(offsets[queue_id])
+    return None

@@ -151,7 +151,8 @@ class MessageStore:
         if read_only:
             return
         start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
-        redispatch(self._reader, start, self._queues, self._keys, self.recovery)
+        recorded = checkpoint.get("queues") if isinstance(checkpoint, dict) else None
+        redispatch(self._reader, start, self._queues, self._keys, self.recovery, recorded)
         first = self._messages.first_position
         for queues in self._queues.values():
             for queue in queues:  # retention may have removed messages the queue still indexes
@@ -606,6 +607,10 @@ class MessageStore:
         """Delete completed message chunks past retention; returns how many were removed."""
         from equeue.store.retention import apply_retention
 
+        # Checkpoint first: queue entries are flushed lazily, and once the log before
+        # them is gone, recovery could no longer rebuild them from it.
+        self._check_writable()
+        self._checkpoint(flush=True)
         with self._lock:
             self._check_writable()
             return apply_retention(self, time.time() if now is None else now)
