@@ -26,10 +26,12 @@ test: lint
 
 demo: $(STAMP)
 	$(PY) tools/demo.py ./demo-store
+	$(VENV)/bin/equeue verify ./demo-store
 
 bench: $(STAMP)
 	$(PY) tools/bench_chunks.py
 	$(PY) tools/bench_store.py
+	$(PY) tools/bench_durable.py
 
 clean:
 	rm -rf $(VENV) demo-store .mypy_cache .pytest_cache .ruff_cache

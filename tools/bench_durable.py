@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from equeue import MessageStore, StoreConfig
+from equeue.store.config import FlushPolicy
 
 BODY = os.urandom(1024)
 
@@ -58,9 +59,11 @@ def bench_fdatasync_preallocated(directory: Path, seconds: float) -> float:
         os.close(fd)
 
 
-def bench_sync_sends(directory: Path, threads: int, seconds: float) -> tuple[float, float]:
+def bench_sync_sends(
+    directory: Path, threads: int, seconds: float, policy: FlushPolicy = "sync"
+) -> tuple[float, float]:
     """(sends/s, sends per flush) with ``threads`` producers sending for ``seconds``."""
-    config = StoreConfig(flush="sync", chunk_data_size=64 << 20)
+    config = StoreConfig(flush=policy, chunk_data_size=64 << 20)
     with MessageStore.open(directory, config) as store:
         store.create_topic("bench", 16)
         counts = [0] * threads
@@ -187,6 +190,19 @@ def main() -> None:
             f"{_median(rates)} | {statistics.median(rates) / ref:.2f} | "
             f"{statistics.median(batches):.1f} |"
         )
+    # The ceiling: the same 16 threads with no flush at all, bounded by the Python
+    # work per send and thread hand-offs under the GIL.
+    ceiling = []
+    for _ in range(repeat):
+        directory = fresh()
+        try:
+            ceiling.append(bench_sync_sends(directory, 16, seconds, "os")[0])
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    rows.append(
+        f'| send, flush="os" (no flush: the CPU ceiling), 1 KiB, 16 threads | '
+        f"{_median(ceiling)} | {statistics.median(ceiling) / ref:.2f} | - |"
+    )
     rows += [
         "",
         "| store size | reopen after SIGKILL, s | messages re-dispatched |",
