@@ -122,6 +122,45 @@ def test_sync_send_raises_when_the_flush_fails_and_works_after(
         assert store.read(third.position).body == b"third"
 
 
+def test_flush_after_a_failed_fdatasync_writes_the_range_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed fdatasync the kernel may have dropped the dirty pages: the retry
+    must write the unflushed bytes again rather than trust the next fdatasync."""
+    with MessageStore.open(tmp_path / "s", config(flush="sync")) as store:
+        store.send("t", b"durable")
+        real_sync, real_pwrite = os.fdatasync, os.pwrite
+        failures = [OSError(errno.EIO, "injected")]
+        rewritten: list[tuple[int, bytes]] = []
+
+        def failing_once(fd: int) -> None:
+            if failures:
+                raise failures.pop()
+            real_sync(fd)
+
+        def recording(fd: int, data: bytes, offset: int) -> int:
+            if offset >= HEADER_SIZE:  # not a new chunk's header
+                rewritten.append((offset, bytes(data)))
+            return real_pwrite(fd, data, offset)
+
+        monkeypatch.setattr(os, "fdatasync", failing_once)
+        monkeypatch.setattr(os, "pwrite", recording)
+        with pytest.raises(StoreWriteError):
+            store.send("t", b"flush failed", queue_id=0)
+        assert rewritten == []
+        store.send("t", b"retried", queue_id=0)
+        bodies = [m.body for m in store.pull("t", 0, 0, max_count=10).messages]
+        assert bodies[-2:] == [b"flush failed", b"retried"]
+        # The retry wrote the failed message's bytes again before its fdatasync.
+        assert any(b"flush failed" in data for _, data in rewritten)
+    # Control: without a failure nothing is rewritten.
+    with MessageStore.open(tmp_path / "c", config(flush="sync")) as store:
+        rewritten.clear()
+        store.send("t", b"a")
+        store.send("t", b"b")
+        assert rewritten == []
+
+
 # --- flush="async" and "os": the background service ------------------------------------
 
 

@@ -109,6 +109,7 @@ class Chunk:
         # (msync), os.fdatasync lets other threads run, which group commit relies on.
         self._fd = -1
         self._flush_lock = threading.Lock()  # one fdatasync at a time; close waits for it
+        self._rewrite = False  # a flush failed: write the unflushed range again first
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
 
@@ -318,10 +319,21 @@ class Chunk:
             self.flushed_end = end
 
     def _fdatasync(self, what: str) -> None:
+        """fdatasync, under ``_flush_lock``. After a failure Linux may have marked the
+        pages clean without writing them, and the next fdatasync would then succeed
+        without them: so the next attempt first writes the unflushed range again."""
         try:
+            if self._rewrite:
+                mm = self._mm
+                assert mm is not None
+                start, footer = HEADER_SIZE + self.flushed_end, len(mm) - FOOTER_SIZE
+                os.pwrite(self._fd, mm[start : HEADER_SIZE + self.data_end], start)
+                os.pwrite(self._fd, mm[footer:], footer)  # zeros, or a footer being written
             os.fdatasync(self._fd)
         except OSError as exc:
+            self._rewrite = True
             raise write_error(exc, what, self.path) from exc
+        self._rewrite = False
 
     def complete(self) -> ChunkFooter:
         """Flush the data, then write and flush the footer; the chunk is immutable after."""

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from equeue.chunks.chunk import fsync_directory
 from equeue.format.chunk import (
     FRAME_OVERHEAD,
     FRAME_PREFIX,
@@ -140,16 +141,8 @@ def make_side_dir(directory: Path) -> Path:
     side_dir = directory / RECOVERED_DIR
     if not side_dir.is_dir():
         side_dir.mkdir(exist_ok=True)
-        _fsync_dir(directory)
+        fsync_directory(directory)
     return side_dir
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def cut_range(
@@ -171,7 +164,7 @@ def cut_range(
             pos += len(block)
         out.flush()
         os.fsync(out.fileno())
-    _fsync_dir(side_dir)  # the copy is durable before the bytes are zeroed
+    fsync_directory(side_dir)  # the copy is durable before the bytes are zeroed
     pos = start
     while pos < stop:
         size = min(_BLOCK, stop - pos)

@@ -97,7 +97,13 @@ class GroupCommit:
                         exc.errno, f"the flush of this send failed, it may be lost: {exc}"
                     )
                     request.error.__cause__ = exc
-        self._after()
+        except BaseException as exc:  # every sender of the batch must still be released
+            for request in batch:
+                request.error = request.error or exc
+        try:
+            self._after()
+        except Exception:
+            log.exception("waking waiting pulls failed")
         with self._pending_lock:
             following = self._pending[0] if self._pending else None
             if following is None:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from equeue.atomicfile import read_json, write_json
+from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.recovery import make_side_dir
 from equeue.errors import ConfigError, CorruptionError, NotAStoreError, StoreLockedError
-from equeue.format.chunk import RECOVERED_DIR
 from equeue.store.config import StoreConfig
 
 STORE_FORMAT = 1
@@ -116,9 +117,9 @@ def read_meta(
         if not move_aside:
             problems.append(str(exc))
             return default
-        side = directory / RECOVERED_DIR
-        side.mkdir(exist_ok=True)
-        moved = side / f"{name}.{time.time_ns()}.damaged"
+        moved = make_side_dir(directory) / f"{name}.{time.time_ns()}.damaged"
         os.replace(path, moved)
+        fsync_directory(moved.parent)
+        fsync_directory(directory)
         problems.append(f"{exc}; moved to {moved}")
         return default

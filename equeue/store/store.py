@@ -148,6 +148,7 @@ class MessageStore:
         self._waiting = 0
         self._flush_error: StoreWriteError | None = None
         self._checkpointed = 0  # the log position of the last checkpoint written
+        self._checkpoint_lock = threading.Lock()
         if read_only:
             return
         start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
@@ -204,7 +205,7 @@ class MessageStore:
                 self._checkpoint(flush=True)
         finally:  # a failed final flush still releases the files and the lock, then raises
             try:
-                with self._lock:
+                with self._checkpoint_lock, self._lock:  # no checkpoint runs past here
                     self._closed = True
                     self._release_files()
             finally:
@@ -605,12 +606,16 @@ class MessageStore:
 
     def apply_retention(self, now: float | None = None) -> int:
         """Delete completed message chunks past retention; returns how many were removed."""
-        from equeue.store.retention import apply_retention
-
         # Checkpoint first: queue entries are flushed lazily, and once the log before
         # them is gone, recovery could no longer rebuild them from it.
         self._check_writable()
         self._checkpoint(flush=True)
+        return self._retain(now)
+
+    def _retain(self, now: float | None) -> int:
+        """``apply_retention`` right after a checkpoint."""
+        from equeue.store.retention import apply_retention
+
         with self._lock:
             self._check_writable()
             return apply_retention(self, time.time() if now is None else now)
@@ -680,31 +685,36 @@ class MessageStore:
         is never ahead of the data it describes. Without ``flush`` (flush="os",
         between explicit flushes) only the key index batch is committed.
         """
-        with self._lock:
-            self._check_open()
-            position = self._messages.committed_position
-            queues = {t: [q.next_offset for q in qs] for t, qs in self._queues.items()}
-            self._keys.mark(position)
-        if flush:
-            self._flush_queues()
-            self._writer.flush()
-        self._keys.commit()
-        if flush:
-            write_json(
-                self.path / CHECKPOINT_FILE,
-                {"log_position": position, "queues": queues, "key_index": position},
-            )
-            self._checkpointed = position
+        with self._checkpoint_lock:  # one at a time, in order, and none after close()
+            with self._lock:
+                self._check_open()
+                position = self._messages.committed_position
+                queues = {t: [q.next_offset for q in qs] for t, qs in self._queues.items()}
+                self._keys.mark(position)
+            if flush:  # the log first: an entry on disk should find its record there
+                self._writer.flush()
+                self._flush_queues()
+            self._keys.commit()
+            if flush:
+                write_json(
+                    self.path / CHECKPOINT_FILE,
+                    {"log_position": position, "queues": queues, "key_index": position},
+                )
+                self._checkpointed = position
 
     def _checkpoint_due(self) -> bool:
         """A full key batch, or enough log written since the last checkpoint that
         recovery would otherwise re-dispatch more than ``_CHECKPOINT_BYTES``."""
-        behind = self._messages.committed_position - self._checkpointed
-        return self._keys.pending >= self.config.key_index_batch or behind >= _CHECKPOINT_BYTES
+        if self._keys.pending >= self.config.key_index_batch:
+            return True
+        if self.config.flush == "os":  # its checkpoints come from flush() and close() only
+            return False
+        return self._messages.committed_position - self._checkpointed >= _CHECKPOINT_BYTES
 
     def _apply_retention_in_service(self) -> None:
+        """Called right after the service's checkpoint."""
         if self.config.retention or self.config.max_store_bytes:
-            self.apply_retention()
+            self._retain(None)
 
 
 def _tag_filter(tags: str | Iterable[str] | None) -> dict[int, set[str]] | None:
