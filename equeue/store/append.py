@@ -27,6 +27,24 @@ from equeue.store.types import SendResult
 Checked = tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]
 
 
+def pick_queue(
+    queue_id: int | None, key: str | None, key_bytes: bytes, count: int, turn: int
+) -> tuple[int, int]:
+    """(queue id, next round-robin turn): the one asked for; else by key hash, so a key
+    always lands in the same queue; else the next in turn."""
+    if queue_id is not None:
+        return queue_id, turn
+    if key is not None:
+        return xxhash.xxh32_intdigest(key_bytes) % count, turn
+    queue_id = turn % count
+    return queue_id, queue_id + 1
+
+
+def message_id(prefix: str, position: int) -> str:
+    """``encode_message_id`` with the store id's 8 hex digits already formatted."""
+    return prefix + format(position, "016x")
+
+
 class Appender:
     def __init__(
         self,
@@ -79,12 +97,9 @@ class Appender:
         queue_id: int | None,
     ) -> SendResult:
         """Under the write lock: the message record, then its queue entry."""
-        if queue_id is None:
-            if key is not None:
-                queue_id = xxhash.xxh32_intdigest(key_bytes) % len(queues)
-            else:
-                queue_id = self._round_robin[topic] % len(queues)
-                self._round_robin[topic] = queue_id + 1
+        queue_id, self._round_robin[topic] = pick_queue(
+            queue_id, key, key_bytes, len(queues), self._round_robin[topic]
+        )
         queue = queues[queue_id]
         queue.make_room()  # a queue chunk that cannot be created fails the send before any write
         offset = queue.next_offset
@@ -115,7 +130,7 @@ class Appender:
         if key is not None:
             self._keys.add(topic, key, position)
         return SendResult(
-            self._id_prefix + format(position, "016x"), topic, queue_id, offset, position, now / 1e9
+            message_id(self._id_prefix, position), topic, queue_id, offset, position, now / 1e9
         )
 
     def _run(
@@ -126,7 +141,7 @@ class Appender:
         i: int,
         results: list[SendResult],
     ) -> int:
-        """Under the write lock: ``_append`` for the run of messages from ``checked[i]``
+        """Under the write lock: ``append`` for the run of messages from ``checked[i]``
         that fit the current log chunk and their queues' current chunks, written as
         one block: frames first, then one publish, then the queue entries (so no
         entry points at a record readers cannot see yet). Returns where it stopped."""
@@ -151,17 +166,12 @@ class Appender:
             if end + fixed + len(tag_bytes) + len(key_bytes) + len(props) + len(body) > room:
                 break
             by_turn = queue_id is None and key is None
-            if queue_id is None:
-                if key is not None:
-                    queue_id = xxhash.xxh32_intdigest(key_bytes) % count
-                else:
-                    queue_id = turn % count
-                    turn = queue_id + 1
+            queue_id, turn = pick_queue(queue_id, key, key_bytes, count, turn)
             queue = queues[queue_id]
             pending = taken.get(queue, 0)
             if pending >= queue.free_slots():
                 if by_turn:
-                    turn = queue_id  # this one goes through _append, which takes the turn
+                    turn = queue_id  # this one goes through append(), which takes the turn
                 break
             taken[queue] = pending + 1
             offset = queue.next_offset + pending
@@ -179,7 +189,7 @@ class Appender:
                 keys.append((key, position))
             results.append(
                 SendResult(
-                    id_prefix + format(position, "016x"),
+                    message_id(id_prefix, position),
                     topic, queue_id, offset, position, stored_at,
                 )
             )  # fmt: skip

@@ -19,6 +19,7 @@ from equeue.format.message import (
     TAG_HASH_OFFSET,
     decode_properties,
 )
+from equeue.store.append import message_id
 from equeue.store.queue import Queue
 from equeue.store.types import Message
 
@@ -127,7 +128,7 @@ class LogReader:
         p += kl
         props = decode_properties(payload[p : p + pl]) if pl else {}
         return Message(
-            self._id_prefix + format(position, "016x"),
+            message_id(self._id_prefix, position),
             topic,
             qid,
             qoff,
