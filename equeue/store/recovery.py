@@ -103,7 +103,8 @@ def redispatch(
         if pos != position or topic_queues is None or not 0 <= qid < len(topic_queues):
             report.problems.append(
                 f"message record at position {position} names position {pos}, topic {topic!r}, "
-                f"queue {qid}, which the store does not have; left out of the queues"
+                f"queue {qid}, which the store does not have; left out of the queues "
+                f"{_record_location(reader, position)}"
             )
             continue
         queue = topic_queues[qid]
@@ -118,7 +119,8 @@ def redispatch(
         elif qoff > following:
             report.problems.append(
                 f"queue {topic}/{qid} lacks offsets {following}..{qoff - 1} before the message "
-                f"at position {position}; their messages are not in the log"
+                f"at position {position}; their messages are not in the log "
+                f"{_record_location(reader, position)}"
             )
             continue
         seen[queue] = qoff + 1
@@ -152,3 +154,9 @@ def _checkpointed_offset(recorded: dict[str, Any] | None, topic: str, queue_id: 
     if isinstance(offsets, list) and queue_id < len(offsets) and isinstance(offsets[queue_id], int):
         return int(offsets[queue_id])
     return None
+
+
+def _record_location(reader: ChunkReader, position: int) -> str:
+    """'in FILE at offset N' of a log record (its frame in an uncompacted chunk)."""
+    chunk = reader.manager.get_chunk_for(position)
+    return location(chunk.path, HEADER_SIZE + position - chunk.base)
