@@ -248,7 +248,10 @@ class FlushRecorder:
             entries: dict[str, Ident] = {}
             with os.scandir(directory) as scan:
                 for entry in scan:
-                    st = entry.stat(follow_symlinks=False)
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # renamed away (a temp file) since the listing
+                        continue
                     child = (st.st_dev, st.st_ino)
                     if stat.S_ISDIR(st.st_mode):
                         stack.append((Path(entry.path), child))

@@ -129,7 +129,8 @@ class ServiceHost(Protocol):
     def _checkpoint_due(self) -> bool: ...
     def _checkpoint(self, *, flush: bool) -> None: ...
     def _apply_retention_in_service(self) -> None: ...
-    def _set_flush_error(self, error: StoreWriteError | None) -> None: ...
+    def _start_flush(self) -> int: ...
+    def _set_flush_error(self, error: StoreWriteError | None, attempt: int) -> None: ...
 
 
 def run_service(host: ServiceHost, stop: threading.Event) -> None:
@@ -140,7 +141,8 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
     ``flush_thorough_interval_ms`` (or when the key index has a full batch):
     a checkpoint, which flushes everything first, then retention. A failed
     flush is kept as the store's flush error (sends raise it) until a later
-    flush succeeds.
+    flush succeeds; "later" by when the attempts started, so a turn that fails
+    while a concurrent flush() succeeds does not refuse sends after it.
     """
     config = host.config
     least = config.flush_least_pages * PAGE_SIZE
@@ -148,20 +150,21 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
     thorough_interval = config.flush_thorough_interval_ms / 1000
     last_thorough = time.monotonic()
     while not stop.wait(config.flush_interval_ms / 1000):
+        attempt = host._start_flush()
         try:
             if time.monotonic() - last_thorough >= thorough_interval or host._checkpoint_due():
                 host._checkpoint(flush=config.flush != "os")
                 last_thorough = time.monotonic()
-                host._set_flush_error(None)
+                host._set_flush_error(None, attempt)
                 host._apply_retention_in_service()
             elif flush_async:
                 host._flush_log(least)
                 host._flush_queues(least)
-                host._set_flush_error(None)
+                host._set_flush_error(None, attempt)
         except ClosedError:
             return
         except StoreWriteError as exc:
             log.error("background flush failed, sends are refused until one succeeds: %s", exc)
-            host._set_flush_error(exc)
+            host._set_flush_error(exc, attempt)
         except Exception:  # the service must outlive any one failure; the next turn retries
             log.exception("background service step failed")

@@ -147,6 +147,11 @@ class MessageStore:
         self._arrived = threading.Condition(threading.Lock())
         self._waiting = 0
         self._flush_error: StoreWriteError | None = None
+        # Flush attempts (service turns, flush() calls) are numbered as they start; the
+        # outcome kept is that of the latest-started attempt that has ended (_set_flush_error).
+        self._flush_attempts = 0
+        self._flush_reported = 0
+        self._flush_state_lock = threading.Lock()
         self._checkpointed = 0  # the log position of the last checkpoint written
         self._checkpoint_lock = threading.Lock()
         if read_only:
@@ -230,8 +235,9 @@ class MessageStore:
     def flush(self) -> None:
         """Make everything sent so far durable, under any flush policy, and checkpoint it."""
         self._check_writable()
+        attempt = self._start_flush()
         self._checkpoint(flush=True)
-        self._flush_error = None
+        self._set_flush_error(None, attempt)
 
     def _flush_log(self, least_bytes: int = 0) -> None:
         chunk = self._writer._chunk
@@ -243,8 +249,20 @@ class MessageStore:
             for queue in queues:
                 queue.flush(least_bytes)
 
-    def _set_flush_error(self, error: StoreWriteError | None) -> None:
-        self._flush_error = error
+    def _start_flush(self) -> int:
+        """Number a flush attempt as it starts, for ``_set_flush_error``."""
+        with self._flush_state_lock:
+            self._flush_attempts += 1
+            return self._flush_attempts
+
+    def _set_flush_error(self, error: StoreWriteError | None, attempt: int) -> None:
+        """Keep how flush ``attempt`` ended (None: it succeeded), unless an attempt that
+        started after it has ended already: a service turn that failed before a later
+        flush() succeeded, but reports only after it, must not refuse the sends after it."""
+        with self._flush_state_lock:
+            if attempt >= self._flush_reported:
+                self._flush_reported = attempt
+                self._flush_error = error
 
     # --- topics --------------------------------------------------------------
 
