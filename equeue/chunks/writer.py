@@ -131,9 +131,11 @@ class ChunkWriter:
         self._chunk = self.manager.add_new_chunk()
         return self._chunk
 
-    def flush(self) -> None:
+    def flush(self, least_bytes: int = 0) -> None:
+        """Make what was written durable; with ``least_bytes``, only once that much
+        is unflushed (the async service's threshold)."""
         chunk = self._chunk
-        if chunk is not None:
+        if chunk is not None and chunk.unflushed_bytes >= max(least_bytes, 1):
             chunk.flush()
 
     def _check(self, record: bytes | bytearray | memoryview) -> bytes:

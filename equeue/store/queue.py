@@ -146,9 +146,8 @@ class Queue:
 
     def flush(self, least_bytes: int = 0) -> None:
         """Flush this queue's entries if at least ``least_bytes`` are unflushed."""
-        chunk = self._writer._chunk if self._writer is not None else None
-        if chunk is not None and chunk.unflushed_bytes >= max(least_bytes, 1):
-            chunk.flush()
+        if self._writer is not None:
+            self._writer.flush(least_bytes)
 
     def close(self) -> None:
         self.manager.close()

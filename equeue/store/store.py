@@ -240,9 +240,7 @@ class MessageStore:
         self._set_flush_error(None, attempt)
 
     def _flush_log(self, least_bytes: int = 0) -> None:
-        chunk = self._writer._chunk
-        if chunk is not None and chunk.unflushed_bytes >= max(least_bytes, 1):
-            chunk.flush()
+        self._writer.flush(least_bytes)
 
     def _flush_queues(self, least_bytes: int = 0) -> None:
         for queues in list(self._queues.values()):
