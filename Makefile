@@ -11,7 +11,7 @@ all: test
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,spark,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) tools/bench_chunks.py
 	$(PY) tools/bench_store.py
 	$(PY) tools/bench_durable.py
+	$(PY) tools/bench_peers.py
 
 clean:
 	rm -rf $(VENV) demo-store .mypy_cache .pytest_cache .ruff_cache
