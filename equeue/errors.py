@@ -179,3 +179,20 @@ class StoreLockedError(EQueueError):
 
 class NotAStoreError(EQueueError, FileNotFoundError):
     """The path holds no equeue store (no store.json) and was not to be created."""
+
+
+class CompactionError(EQueueError):
+    """The compaction job could not go on; the store keeps its chunks as they were."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        file: str | os.PathLike[str] | None = None,
+        offset: int | None = None,
+    ) -> None:
+        self.reason = reason
+        self.file = os.fspath(file) if file is not None else None
+        self.offset = offset
+        where = _where(file, offset)
+        super().__init__(f"{reason} {where}" if where else reason)

@@ -294,6 +294,7 @@ class ChunkManager:
                 return
             if not self.directory.exists():
                 return  # opened before any writer created the directory
+            self.adopt_replacements()
             last = self.last_chunk
             if last is not None and not last.is_completed:
                 self._refresh_tail(last)
@@ -310,6 +311,65 @@ class ChunkManager:
                     if prev is not None and not prev.is_completed:
                         self._refresh_tail(prev)
                     self._install(chunk)
+
+    def adopt_replacements(self) -> list[Chunk]:
+        """Swap in compacted chunks installed in the directory since we loaded it.
+
+        A replacement is adopted when it covers exactly a run of our completed
+        chunks, each of a lower version. The chunks it replaces lose their
+        mapping (readers holding it finish with it; ChunkReader.read retries
+        with the replacement) and, unless read-only, their files. Returns them.
+        """
+        replaced: list[Chunk] = []
+        with self._lock:
+            self._check_open()
+            if not self.directory.is_dir():
+                return replaced
+            current = {c.path.name for c in self._chunks}
+            for name in sorted(os.listdir(self.directory)):
+                parsed = parse_chunk_file_name(name)
+                if parsed is None or name in current:
+                    continue
+                path = self.directory / name
+                try:
+                    header = self._read_header(path)
+                except FileNotFoundError:
+                    continue  # a superseded file deleted meanwhile
+                olds = self._replaced_by(header, parsed[1])
+                if not olds:
+                    continue
+                chunk = self._open_chunk(path, header, parsed[1], last=False)
+                at = self._chunks.index(olds[0])
+                self._chunks[at : at + len(olds)] = [chunk]
+                for n in range(chunk.start_number, chunk.end_number + 1):
+                    self._by_number[n] = chunk
+                replaced += olds
+                log.info("adopted %s in place of %s", name, [c.path.name for c in olds])
+            for old in replaced:
+                old.release_mapping()
+                if not self.read_only:
+                    old.path.unlink(missing_ok=True)
+            if replaced and not self.read_only:
+                fsync_directory(self.directory)
+        return replaced
+
+    def _replaced_by(self, header: ChunkHeader, version: int) -> list[Chunk]:
+        """The chunks a file covers exactly and outranks; [] if it is not a replacement."""
+        if not header.compacted:
+            return []
+        olds: list[Chunk] = []
+        for n in range(header.chunk_start_number, header.chunk_end_number + 1):
+            chunk = self._by_number.get(n)
+            if chunk is None or not chunk.is_completed or chunk.version >= version:
+                return []
+            if not olds or olds[-1] is not chunk:
+                olds.append(chunk)
+        if (
+            olds[0].start_number != header.chunk_start_number
+            or olds[-1].end_number != header.chunk_end_number
+        ):
+            return []
+        return olds
 
     # --- internals -----------------------------------------------------------
 

@@ -15,8 +15,19 @@ class ChunkReader:
         self.manager = manager
 
     def read(self, position: int) -> bytes:
-        chunk = self.manager.get_chunk_for(position)
-        return chunk.read_at(position - chunk.base)
+        manager = self.manager
+        chunk = manager.get_chunk_for(position)
+        try:
+            return chunk.read_at(position - chunk.base)
+        except ChunkRemovedError:
+            # Its file went away while we held it: retention removed it, or compaction
+            # replaced it (the writer swaps first; a read-only view adopts now).
+            if manager.read_only:
+                manager.adopt_replacements()
+            again = manager.get_chunk_for(position)
+            if again is chunk:
+                raise
+            return again.read_at(position - again.base)
 
     def iter_from(self, position: int = 0) -> Iterator[tuple[int, bytes]]:
         """(position, payload) for every record at or after ``position``, across chunks.

@@ -32,6 +32,7 @@ CHECKPOINT_FILE = "checkpoint.json"
 KEYS_FILE = "keys.sqlite"
 MESSAGES_DIR = "messages"
 QUEUES_DIR = "queues"  # then <topic>/<queue id>/
+COMPACTION_DIR = "compaction"  # locks, the install marker, staging directories of jobs
 # Settings that shape the files: fixed when the store is created.
 _SHAPE = ("chunk_data_size", "queue_chunk_records")
 
@@ -53,6 +54,21 @@ def take_lock(directory: Path) -> IO[str]:
     handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
+    return handle
+
+
+def try_writer_lock(directory: Path) -> IO[str] | None:
+    """The writer lock if no writer holds it (the caller closes it soon), else None.
+    Unlike ``take_lock`` it leaves the pid in LOCK as it is."""
+    try:
+        handle = open(directory / LOCK_FILE, "a+")  # noqa: SIM115 - returned to the caller
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
     return handle
 
 

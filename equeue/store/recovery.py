@@ -30,13 +30,16 @@ class RecoveryReport:
 
     cuts: list[TailCut] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    compactions: list[str] = field(default_factory=list)  # interrupted installs finished or undone
     redispatched: int = 0
     reindexed_keys: int = 0
     start_position: int = 0
 
     @property
     def clean(self) -> bool:
-        return not self.cuts and not self.problems and not self.redispatched
+        return (
+            not self.cuts and not self.problems and not self.compactions and not self.redispatched
+        )
 
 
 def recovery_start(

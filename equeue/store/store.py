@@ -14,10 +14,12 @@ from typing import Any
 from equeue.atomicfile import remove_temp_files, write_json
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.chunks.config import MiB
+from equeue.compaction import commit as compaction_commit
 from equeue.errors import (
     ChunkRemovedError,
     ClosedError,
     CompactedAwayError,
+    CompactionError,
     ConfigError,
     CorruptRecordError,
     InvalidMessageError,
@@ -56,6 +58,7 @@ from equeue.store.meta import (
 from equeue.store.queue import Queue
 from equeue.store.reads import LogReader
 from equeue.store.recovery import RecoveryReport, recovery_start, redispatch
+from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 _MAX_NAME = validate.MAX_NAME_BYTES
@@ -110,8 +113,12 @@ class MessageStore:
 
     def _open(self) -> None:
         config, path, read_only = self.config, self.path, self.read_only
+        compactions: list[str] = []
         if not read_only:
             remove_temp_files(path)
+            # Before the chunks load: a job that committed is rolled forward first, so
+            # the log is never seen half old, half compacted.
+            compactions = compaction_commit.recover(path)
         self._id_prefix = f"{self.store_id:08x}"
         self._messages = ChunkManager(
             path / MESSAGES_DIR,
@@ -131,6 +138,7 @@ class MessageStore:
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
+        self._policies: dict[str, TopicPolicy] = {}
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
         checkpoint = self._read_meta(CHECKPOINT_FILE, {})
@@ -138,6 +146,7 @@ class MessageStore:
         self.recovery = RecoveryReport(
             cuts=list(self._messages.recovery_cuts),
             problems=self._meta_problems + self._messages.recovery_problems,
+            compactions=compactions,
         )
         for queues in self._queues.values():
             for queue in queues:
@@ -153,6 +162,7 @@ class MessageStore:
         self._flush_reported = 0
         self._flush_state_lock = threading.Lock()
         self._checkpointed = 0  # the log position of the last checkpoint written
+        self._installed = compaction_commit.installed_marker(path)  # the last install adopted
         self._checkpoint_lock = threading.Lock()
         if read_only:
             return
@@ -264,35 +274,55 @@ class MessageStore:
 
     # --- topics --------------------------------------------------------------
 
-    def create_topic(self, topic: str, queue_count: int | None = None) -> None:
-        """Create a topic, or grow its queue count (it never shrinks)."""
+    def create_topic(
+        self,
+        topic: str,
+        queue_count: int | None = None,
+        *,
+        cleanup: Cleanup | _Unset = UNSET,
+        retention: dt.timedelta | _Unset | None = UNSET,
+        delete_retention: dt.timedelta | _Unset = UNSET,
+    ) -> None:
+        """Create a topic, or change an existing one: its queue count grows (it never
+        shrinks), and each cleanup setting given replaces the topic's (see TopicPolicy)."""
         validate.check_topic(topic)
-        count = validate.check_queue_count(
-            self.config.default_queue_count if queue_count is None else queue_count
-        )
         with self._lock:
             self._check_writable()
             current = len(self._queues.get(topic, ()))
+            if queue_count is None:
+                queue_count = current or self.config.default_queue_count
+            count = validate.check_queue_count(queue_count)
+            old_policy = self._policies.get(topic, TopicPolicy())
+            policy = old_policy.changed(cleanup, retention, delete_retention)
             if count < current:
                 raise ConfigError(
                     f"topic {topic!r} has {current} queues; a queue count can grow, not shrink "
                     f"to {count}"
                 )
-            if count > current:
-                previous = list(self._queues.get(topic, ()))
-                try:
-                    self._open_queues(topic, count)
-                    self._save_topics()
-                except BaseException:  # e.g. disk full: the topic stays as it was
-                    for queue in self._queues.get(topic, [])[len(previous) :]:
-                        queue.close()
-                    if previous:
-                        self._queues[topic] = previous
-                    else:
-                        self._queues.pop(topic, None)
-                        self._topic_bytes.pop(topic, None)
-                        self._round_robin.pop(topic, None)
-                    raise
+            if count == current and policy == old_policy:
+                return
+            previous = list(self._queues.get(topic, ()))
+            try:
+                self._open_queues(topic, count)
+                self._policies[topic] = policy
+                self._save_topics()
+            except BaseException:  # e.g. disk full: the topic stays as it was
+                for queue in self._queues.get(topic, [])[len(previous) :]:
+                    queue.close()
+                if previous:
+                    self._queues[topic] = previous
+                    self._policies[topic] = old_policy
+                else:
+                    self._queues.pop(topic, None)
+                    self._topic_bytes.pop(topic, None)
+                    self._round_robin.pop(topic, None)
+                    self._policies.pop(topic, None)
+                raise
+
+    def topic_policy(self, topic: str) -> TopicPolicy:
+        """What the compaction batch may remove from ``topic``."""
+        self._topic(topic)
+        return self._policies.get(topic, TopicPolicy())
 
     def topics(self) -> list[str]:
         return sorted(self._queues)
@@ -309,6 +339,7 @@ class MessageStore:
         for topic, info in sorted(self._read_meta(TOPICS_FILE, {}).items()):
             if int(info["queue_count"]) > len(self._queues.get(topic, ())):
                 self._open_queues(topic, int(info["queue_count"]))
+            self._policies[topic] = TopicPolicy.from_json(info, str(self.path / TOPICS_FILE))
 
     def _open_queues(self, topic: str, count: int) -> None:
         queues = self._queues.get(topic, [])
@@ -330,7 +361,13 @@ class MessageStore:
     def _save_topics(self) -> None:
         write_json(
             self.path / TOPICS_FILE,
-            {topic: {"queue_count": len(queues)} for topic, queues in self._queues.items()},
+            {
+                topic: {
+                    "queue_count": len(queues),
+                    **self._policies.get(topic, TopicPolicy()).to_json(),
+                }
+                for topic, queues in self._queues.items()
+            },
         )
 
     def _topic(self, topic: str) -> list[Queue]:
@@ -368,7 +405,7 @@ class MessageStore:
 
     def _create_for_send(self, topic: str) -> list[Queue]:
         """Called only after the message was checked, so a rejected send creates nothing."""
-        self.create_topic(topic, max(self.config.default_queue_count, 1))
+        self.create_topic(topic)  # the default count, or what a racing creator chose
         return self._queues[topic]
 
     # --- sending -------------------------------------------------------------
@@ -581,15 +618,29 @@ class MessageStore:
         lo, hi = queue.first_offset, queue.next_offset
         while lo < hi:
             mid = (lo + hi) // 2
-            payload = self._reader.read(queue.entry(mid)[0])
-            (stored,) = MESSAGE_HEAD.unpack_from(payload)[1:2]
+            found = self._stored_at_or_after(queue, mid, hi)
+            if found is None:  # every offset in [mid, hi) was compacted away
+                hi = mid
+                continue
+            at, stored = found
             # Compare as stored_at is exposed (float seconds), so a message's own
             # stored_at finds that message despite float rounding.
             if stored / 1e9 < timestamp:
-                lo = mid + 1
+                lo = at + 1
             else:
                 hi = mid
         return lo
+
+    def _stored_at_or_after(self, queue: Queue, offset: int, stop: int) -> tuple[int, int] | None:
+        """(offset, stored ns) of the first message at or after ``offset`` (before ``stop``)
+        that compaction left."""
+        for at in range(offset, stop):
+            try:
+                payload = self._reader.read(queue.entry(at)[0])
+            except CompactedAwayError:
+                continue
+            return at, MESSAGE_HEAD.unpack_from(payload)[1]
+        return None
 
     # --- consumer offsets ----------------------------------------------------
 
@@ -632,9 +683,13 @@ class MessageStore:
         """``apply_retention`` right after a checkpoint."""
         from equeue.store.retention import apply_retention
 
-        with self._lock:
-            self._check_writable()
-            return apply_retention(self, time.time() if now is None else now)
+        # Under the compaction commit lock, after adopting what was installed: else a
+        # replacement installed meanwhile would outlive the chunks retention deletes.
+        with compaction_commit.commit_lock(self.path):
+            self._adopt_compacted_locked()
+            with self._lock:
+                self._check_writable()
+                return apply_retention(self, time.time() if now is None else now)
 
     # --- internals -----------------------------------------------------------
 
@@ -655,9 +710,12 @@ class MessageStore:
     # --- read-only handles ---------------------------------------------------
 
     def refresh(self) -> None:
-        """Read-only: pick up topics, consumer offsets and messages the writer added since."""
+        """Pick up what changed on disk: chunks a compaction installed (the service does
+        this by itself every ``flush_interval_ms``) and, read-only, the topics, consumer
+        offsets and messages the writer added since."""
         self._check_open()
         if not self.read_only:
+            self._adopt_compacted(blocking=True)
             return
         self._load_topics()
         self._offsets = self._read_meta(OFFSETS_FILE, self._offsets)
@@ -726,6 +784,23 @@ class MessageStore:
         if self.config.flush == "os":  # its checkpoints come from flush() and close() only
             return False
         return self._messages.committed_position - self._checkpointed >= _CHECKPOINT_BYTES
+
+    def _adopt_compacted(self, *, blocking: bool) -> None:
+        """Adopt chunks a compaction job installed since we last looked (the service
+        calls this each turn, without waiting for a job that is installing right now)."""
+        if compaction_commit.installed_marker(self.path) == self._installed:
+            return
+        try:
+            with compaction_commit.commit_lock(self.path, blocking=blocking):
+                self._adopt_compacted_locked()
+        except CompactionError:
+            return  # a job is installing: the next turn adopts it all at once
+
+    def _adopt_compacted_locked(self) -> None:
+        marker = compaction_commit.installed_marker(self.path)
+        if marker != self._installed:
+            self._messages.adopt_replacements()
+            self._installed = marker
 
     def _apply_retention_in_service(self) -> None:
         """Called right after the service's checkpoint."""

@@ -1,0 +1,1 @@
+"""The compaction batch: decide survivors (Spark), rewrite chunks, install them atomically."""

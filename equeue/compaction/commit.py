@@ -1,0 +1,216 @@
+"""Installing compacted chunks atomically, in plain Python (no Spark).
+
+The store's ``compaction/`` directory::
+
+    JOB.lock              flock held by a running job: one compaction at a time
+    COMMIT.lock           flock held while replacements are installed, and by the
+                          store's writer while it adopts them or retention deletes chunks
+    installed             a small JSON file rewritten after every install; a running
+                          store watches it to adopt the new chunks
+    <job id>/             staging: the job's compacted chunks, under their final names
+    <job id>/manifest.json   the commit record, written last (atomically)
+
+Protocol (a crash at any moment leaves the old chunks or the new ones, never a mix):
+
+1. pass 2 writes and fsyncs each replacement in the staging directory;
+2. under COMMIT.lock the driver checks that every chunk file it read is still
+   there (retention may have deleted some), fsyncs the staging directory and
+   writes ``manifest.json``: **the commit point**;
+3. it renames each replacement into ``messages/`` (a higher version than the
+   files it replaces, so loading prefers it) and fsyncs that directory;
+4. the old files are deleted by whoever can prove nothing maps them: the job if
+   no writer holds the store's lock, else the running writer once it adopted
+   the replacements (and any writable open removes superseded versions);
+5. ``installed`` is rewritten, then the staging directory removed.
+
+Recovery (``recover``, run by every writable open and every job before it
+starts): a staging directory with a manifest is rolled forward from step 3; one
+without a manifest belongs to a job that never committed and is deleted,
+unless a job is running right now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import IO, Any, Final
+
+from equeue.atomicfile import read_json, write_json
+from equeue.chunks.chunk import fsync_directory
+from equeue.compaction.rewrite import RewriteResult
+from equeue.errors import CompactionError, CorruptionError
+from equeue.format.chunk import parse_chunk_file_name
+from equeue.store.meta import COMPACTION_DIR, MESSAGES_DIR, try_writer_lock
+
+log = logging.getLogger("equeue.compaction")
+
+JOB_LOCK: Final = "JOB.lock"
+COMMIT_LOCK: Final = "COMMIT.lock"
+INSTALLED_FILE: Final = "installed"
+MANIFEST_FILE: Final = "manifest.json"
+
+
+def compaction_dir(store: Path) -> Path:
+    return store / COMPACTION_DIR
+
+
+def _ensure_dir(store: Path) -> Path:
+    directory = compaction_dir(store)
+    if not directory.is_dir():
+        directory.mkdir(exist_ok=True)
+        fsync_directory(store)
+    return directory
+
+
+@contextlib.contextmanager
+def _flock(path: Path, *, blocking: bool, busy: str) -> Iterator[IO[str]]:
+    handle = open(path, "a+")  # noqa: SIM115 - closed below, which releases the lock
+    try:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.seek(0)
+            raise CompactionError(f"{busy} (pid {handle.read().strip() or 'unknown'})") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield handle
+    finally:
+        handle.close()
+
+
+def job_lock(store: Path) -> contextlib.AbstractContextManager[IO[str]]:
+    """Held for a whole job; a second job is refused at once."""
+    return _flock(
+        _ensure_dir(store) / JOB_LOCK,
+        blocking=False,
+        busy=f"another compaction of {store} is running",
+    )
+
+
+def commit_lock(store: Path, *, blocking: bool = True) -> contextlib.AbstractContextManager[Any]:
+    """Held while replacements are installed, adopted, or chunks deleted by retention."""
+    return _flock(
+        _ensure_dir(store) / COMMIT_LOCK,
+        blocking=blocking,
+        busy=f"a compaction of {store} is installing its chunks",
+    )
+
+
+def job_running(store: Path) -> bool:
+    path = compaction_dir(store) / JOB_LOCK
+    if not path.exists():
+        return False
+    try:
+        with _flock(path, blocking=False, busy="busy"):
+            return False
+    except CompactionError:
+        return True
+
+
+def new_staging(store: Path) -> Path:
+    directory = _ensure_dir(store)
+    staging = directory / f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    fsync_directory(directory)
+    return staging
+
+
+def installed_marker(store: Path) -> tuple[int, int] | None:
+    """What identifies the last install (changes with each one); None before any."""
+    try:
+        st = os.stat(compaction_dir(store) / INSTALLED_FILE)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def install(store: Path, staging: Path, results: list[RewriteResult], read: list[str]) -> None:
+    """Commit the staged replacements (steps 2-5 above); ``read`` names every chunk file
+    the replacements were made from. Raises CompactionError, installing nothing, if one
+    of those files is gone."""
+    messages = store / MESSAGES_DIR
+    with commit_lock(store):
+        missing = [name for name in read if not (messages / name).exists()]
+        if missing:
+            raise CompactionError(
+                f"chunk files {missing} were removed (by retention) while the job ran; "
+                "nothing was installed, run the job again",
+                file=messages,
+            )
+        for result in results:
+            if not (staging / result.file_name).exists():
+                raise CompactionError("a staged replacement is missing", file=staging)
+        fsync_directory(staging)
+        write_json(
+            staging / MANIFEST_FILE,
+            {"install": [asdict(r) for r in results], "replaces": sorted(read)},
+        )
+        log.info("compaction committed: %s", staging / MANIFEST_FILE)
+        _apply(store, staging)
+
+
+def _apply(store: Path, staging: Path) -> None:
+    """Steps 3-5 for a committed staging directory; safe to run again after a crash."""
+    messages = store / MESSAGES_DIR
+    manifest = read_json(staging / MANIFEST_FILE)
+    try:
+        installs = [str(entry["file_name"]) for entry in manifest["install"]]
+        replaces = [str(name) for name in manifest["replaces"]]
+    except (KeyError, TypeError) as exc:
+        raise CorruptionError(f"unreadable compaction manifest ({exc})", file=staging) from exc
+    for name in installs + replaces:
+        if parse_chunk_file_name(name) is None:
+            raise CorruptionError(f"{name!r} is not a chunk file name", file=staging)
+    for name in installs:
+        source = staging / name
+        if source.exists():
+            os.rename(source, messages / name)
+    fsync_directory(messages)
+    writer = try_writer_lock(store)
+    if writer is not None:  # no writer maps the old files: delete them now
+        try:
+            for name in replaces:
+                (messages / name).unlink(missing_ok=True)
+            fsync_directory(messages)
+        finally:
+            writer.close()
+    write_json(compaction_dir(store) / INSTALLED_FILE, {"staging": staging.name, "at": time.time()})
+    shutil.rmtree(staging)
+    fsync_directory(compaction_dir(store))
+
+
+def discard(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        fsync_directory(staging.parent)
+
+
+def recover(store: Path, *, holding_job_lock: bool = False) -> list[str]:
+    """Roll committed jobs forward and delete uncommitted staging (unless a job is running,
+    other than the caller's own); returns what it did."""
+    directory = compaction_dir(store)
+    if not directory.is_dir():
+        return []
+    done: list[str] = []
+    with commit_lock(store):
+        running = not holding_job_lock and job_running(store)
+        for staging in sorted(p for p in directory.iterdir() if p.is_dir()):
+            if (staging / MANIFEST_FILE).exists():
+                _apply(store, staging)
+                done.append(f"finished installing the committed compaction {staging.name}")
+            elif not running:
+                discard(staging)
+                done.append(f"removed the uncommitted compaction staging {staging.name}")
+    for line in done:
+        log.warning("recovery: %s", line)
+    return done

@@ -1,0 +1,94 @@
+"""Per-topic cleanup policy: what the compaction batch may remove, persisted in topics.json.
+
+``cleanup="delete"`` removes messages stored before now - ``retention``;
+``cleanup="compact"`` keeps the newest message per key (Kafka semantics): a
+keyed message with an empty body is a tombstone, which removes the key's older
+messages and is itself removed once older than ``delete_retention``. Keyless
+messages of a compacted topic follow ``retention``. ``retention=None`` keeps
+messages forever (as far as this policy goes; the store-wide
+``StoreConfig.retention`` still deletes whole chunks).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, replace
+from typing import Any, Final, Literal
+
+from equeue.errors import ConfigError
+
+Cleanup = Literal["delete", "compact"]
+CLEANUPS: Final = ("delete", "compact")
+DEFAULT_DELETE_RETENTION: Final = dt.timedelta(hours=24)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()  # "leave this setting as it is" in create_topic
+
+
+@dataclass(frozen=True, slots=True)
+class TopicPolicy:
+    cleanup: Cleanup = "delete"
+    retention: dt.timedelta | None = None
+    delete_retention: dt.timedelta = DEFAULT_DELETE_RETENTION
+
+    def __post_init__(self) -> None:
+        if self.cleanup not in CLEANUPS:
+            raise ConfigError(f"cleanup={self.cleanup!r}; it must be 'delete' or 'compact'")
+        if self.retention is not None:
+            _check_span("retention", self.retention)
+        _check_span("delete_retention", self.delete_retention, allow_zero=True)
+
+    @property
+    def compact(self) -> bool:
+        return self.cleanup == "compact"
+
+    def changed(
+        self,
+        cleanup: Cleanup | _Unset = UNSET,
+        retention: dt.timedelta | _Unset | None = UNSET,
+        delete_retention: dt.timedelta | _Unset = UNSET,
+    ) -> TopicPolicy:
+        policy = self
+        if not isinstance(cleanup, _Unset):
+            policy = replace(policy, cleanup=cleanup)
+        if not isinstance(retention, _Unset):
+            policy = replace(policy, retention=retention)
+        if not isinstance(delete_retention, _Unset):
+            policy = replace(policy, delete_retention=delete_retention)
+        return policy
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cleanup": self.cleanup,
+            "retention_seconds": None if self.retention is None else self.retention.total_seconds(),
+            "delete_retention_seconds": self.delete_retention.total_seconds(),
+        }
+
+    @classmethod
+    def from_json(cls, info: dict[str, Any], where: str) -> TopicPolicy:
+        """The policy of a topics.json entry; entries written before policies existed
+        (no "cleanup" field) get the defaults."""
+        try:
+            retention = info.get("retention_seconds")
+            delete_retention = info.get(
+                "delete_retention_seconds", DEFAULT_DELETE_RETENTION.total_seconds()
+            )
+            return cls(
+                cleanup=info.get("cleanup", "delete"),
+                retention=None if retention is None else dt.timedelta(seconds=float(retention)),
+                delete_retention=dt.timedelta(seconds=float(delete_retention)),
+            )
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ConfigError(f"unreadable topic policy in {where}: {info!r} ({exc})") from exc
+
+
+def _check_span(name: str, value: object, *, allow_zero: bool = False) -> None:
+    if not isinstance(value, dt.timedelta):
+        raise ConfigError(f"{name} must be a datetime.timedelta, got {type(value).__name__}")
+    if value < dt.timedelta(0) or (value == dt.timedelta(0) and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
