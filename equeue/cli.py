@@ -34,6 +34,7 @@ from equeue.inspect.render import (
 )
 from equeue.inspect.summary import summarize_file, summarize_store
 from equeue.inspect.verify import Verifier
+from equeue.store.meta import IDENTITY_FILE
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -197,6 +198,76 @@ def _run_verify(args: argparse.Namespace) -> int:
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 
+# --- compact -------------------------------------------------------------------------
+
+
+def _configure_compact(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", type=Path, metavar="STORE")
+    parser.add_argument(
+        "--master",
+        metavar="URL",
+        help="Spark master (default: what spark-submit set, else local[*])",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="decide and print the plan; change nothing"
+    )
+    parser.add_argument(
+        "--now",
+        metavar="TIME",
+        help="measure retention and tombstone expiry from TIME (ISO-8601 or unix seconds)",
+    )
+    parser.add_argument(
+        "--no-merge", action="store_true", help="one replacement per chunk, never merged"
+    )
+
+
+def _run_compact(args: argparse.Namespace) -> int:
+    from equeue.compaction.job import compact
+
+    if not (args.store / IDENTITY_FILE).exists():
+        raise NotAStoreError(f"{args.store} is not an equeue store (no store.json)")
+    now = parse_time(args.now) / 1e9 if args.now is not None else None
+
+    def progress(line: str) -> None:
+        print(f"[compact] {line}", file=sys.stderr, flush=True)
+
+    report = compact(
+        args.store,
+        master=args.master,
+        now=now,
+        dry_run=args.dry_run,
+        merge=not args.no_merge,
+        progress=progress,
+    )
+    if args.json:
+        _print_json(report.as_dict())
+        return EXIT_OK
+    verb = "would rewrite" if report.dry_run else "rewrote"
+    for group in report.groups:
+        chunks = (
+            f"chunk {group.start_number}"
+            if group.start_number == group.end_number
+            else f"chunks {group.start_number}..{group.end_number}"
+        )
+        print(
+            f"{group.file_name}  {chunks:<16} {human_size(group.bytes_before):>10} -> "
+            f"{human_size(group.bytes_after):>10}  kept {group.records_kept}, "
+            f"removed {group.records_removed}"
+        )
+    if not report.groups:
+        print(f"Nothing to compact ({report.chunks_eligible} eligible chunks).")
+        return EXIT_OK
+    summary = (
+        f"{'Dry run: ' if report.dry_run else ''}{verb} "
+        f"{_plural(report.chunks_rewritten, 'chunk')} into "
+        f"{_plural(len(report.groups), 'file')}: {human_size(report.bytes_before)} -> "
+        f"{human_size(report.bytes_after)}, {report.records_kept} messages kept, "
+        f"{report.records_removed} removed, in {report.seconds:.1f} s."
+    )
+    print(textwrap.fill(summary, WIDTH))
+    return EXIT_OK
+
+
 COMMANDS: list[Command] = [
     Command(
         "inspect",
@@ -216,13 +287,20 @@ COMMANDS: list[Command] = [
         _configure_verify,
         _run_verify,
     ),
+    Command(
+        "compact",
+        "rewrite completed chunks without the messages the topics' cleanup policy removes (Spark)",
+        _configure_compact,
+        _run_compact,
+    ),
 ]
 
 
 def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="equeue",
-        description="Look inside an equeue store (read-only: safe beside a running writer).",
+        description="Look inside an equeue store (read-only: safe beside a running writer), "
+        "and compact it.",
     )
     # --json on every subcommand, so it may follow the command like its other options.
     common = argparse.ArgumentParser(add_help=False)

@@ -1,0 +1,166 @@
+"""What a compaction job works on, in plain Python: the store snapshot it plans from,
+and how chunks with something to remove are grouped into replacement files.
+
+Eligible chunks are completed and end at or before the store's checkpoint
+(every queue entry pointing into them is durable, so recovery never needs to
+re-dispatch from a chunk that compaction rewrote). The ongoing chunk and any
+later ones are read only so their keys supersede older messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from equeue.chunks.stream import ChunkFile
+from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, MAP_ENTRY_SIZE
+from equeue.store.meta import CHECKPOINT_FILE
+from equeue.store.topics import TopicPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotChunk:
+    path: str
+    data_end: int  # committed data end (the footer's physical size when completed)
+    start_number: int
+    end_number: int
+    version: int
+    completed: bool
+    record_count: int
+    file_size: int
+    map_bytes: int
+    eligible: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    store: str
+    store_id: int
+    chunk_data_size: int
+    checkpoint_position: int
+    chunks: list[SnapshotChunk]
+    policies: dict[str, TopicPolicy]
+
+    @property
+    def eligible(self) -> list[SnapshotChunk]:
+        return [c for c in self.chunks if c.eligible]
+
+
+def take_snapshot(store: str | Path) -> Snapshot:
+    """The store as a read-only open sees it now (beside a running writer, if any)."""
+    from equeue.store.store import MessageStore
+
+    with MessageStore.open(store, read_only=True) as opened:
+        checkpoint = opened._read_meta(CHECKPOINT_FILE, {})
+        position = checkpoint.get("log_position") if isinstance(checkpoint, dict) else None
+        checkpointed = position if isinstance(position, int) else 0
+        chunks = list(opened._messages)
+        last = chunks[-1] if chunks else None
+        return Snapshot(
+            store=str(Path(store).resolve()),
+            store_id=opened.store_id,
+            chunk_data_size=opened.config.chunk_data_size,
+            checkpoint_position=checkpointed,
+            chunks=[
+                SnapshotChunk(
+                    path=str(c.path.resolve()),
+                    data_end=c.data_end,
+                    start_number=c.start_number,
+                    end_number=c.end_number,
+                    version=c.version,
+                    completed=c.is_completed,
+                    record_count=c.record_count,
+                    file_size=c.path.stat().st_size,
+                    map_bytes=c.footer.map_entry_count * MAP_ENTRY_SIZE
+                    if c.footer is not None and c.header.compacted
+                    else 0,
+                    eligible=c.is_completed and c is not last and c.end_position <= checkpointed,
+                )
+                for c in chunks
+            ],
+            policies={t: opened.topic_policy(t) for t in opened.topics()},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Removals:
+    """What pass 1 decided to remove from one chunk."""
+
+    count: int
+    bytes: int  # frame bytes
+
+
+@dataclass(slots=True)
+class Group:
+    """Consecutive chunks rewritten into one compacted file."""
+
+    index: int
+    chunks: list[SnapshotChunk] = field(default_factory=list)
+    removed_count: int = 0
+    kept_bytes: int = 0
+    kept_count: int = 0
+
+    @property
+    def version(self) -> int:
+        return max(c.version for c in self.chunks) + 1
+
+    @property
+    def start_number(self) -> int:
+        return self.chunks[0].start_number
+
+    @property
+    def end_number(self) -> int:
+        return self.chunks[-1].end_number
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(c.file_size for c in self.chunks)
+
+    @property
+    def bytes_after(self) -> int:
+        """The replacement's file size, known before it is written."""
+        return HEADER_SIZE + self.kept_bytes + MAP_ENTRY_SIZE * self.kept_count + FOOTER_SIZE
+
+    def open_chunks(self) -> list[ChunkFile]:
+        return [ChunkFile.open(c.path, c.data_end) for c in self.chunks]
+
+
+def plan_groups(
+    snapshot: Snapshot, removals: dict[int, Removals], *, merge: bool = True
+) -> list[Group]:
+    """Group the eligible chunks that have something to remove.
+
+    A chunk is rewritten only if its content would shrink: the survivors plus
+    their position map take fewer bytes than its data and map do now.
+    Consecutive such chunks are merged (as EventStore's scavenger does) while the
+    survivors of the group fit one chunk's data size.
+    """
+    rewritten: list[tuple[SnapshotChunk, Removals]] = []
+    for chunk in snapshot.eligible:
+        removed = removals.get(chunk.start_number)
+        if removed is None or removed.count == 0:
+            continue
+        kept_bytes = chunk.data_end - removed.bytes
+        kept_count = chunk.record_count - removed.count
+        if kept_bytes + MAP_ENTRY_SIZE * kept_count >= chunk.data_end + chunk.map_bytes:
+            continue
+        rewritten.append((chunk, removed))
+    groups: list[Group] = []
+    for chunk, removed in rewritten:
+        kept_bytes = chunk.data_end - removed.bytes
+        last = groups[-1] if groups else None
+        if (
+            merge
+            and last is not None
+            and last.end_number + 1 == chunk.start_number
+            and last.kept_bytes + kept_bytes <= snapshot.chunk_data_size
+        ):
+            group = last
+        else:
+            group = Group(len(groups))
+            groups.append(group)
+        group.chunks.append(chunk)
+        group.removed_count += removed.count
+        group.kept_bytes += kept_bytes
+        group.kept_count += chunk.record_count - removed.count
+    return groups

@@ -1,0 +1,50 @@
+"""Spark integration: the ``equeue`` data source and the session the compaction job uses.
+
+Importing this package needs the ``spark`` extra (pyspark, pyarrow); the rest of
+equeue never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``spark.read.format("equeue").load(STORE)`` available in ``spark``."""
+    from equeue.spark.source import EqueueDataSource
+
+    spark.dataSource.register(EqueueDataSource)
+
+
+def session(
+    master: str | None = None, app_name: str = "equeue", *, shuffle_partitions: int = 8
+) -> SparkSession:
+    """A SparkSession with the data source registered.
+
+    ``master`` None keeps what spark-submit set (or ``local[*]``). Workers run this
+    interpreter (PYSPARK_PYTHON) unless the environment names another, so a local
+    run uses the venv that has equeue installed.
+    """
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if master is not None:
+        builder = builder.master(master)
+        if master.startswith("local"):
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+            builder = builder.config("spark.driver.host", "127.0.0.1")
+    spark = (
+        builder.config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        # The job's shuffles carry metadata only: a few partitions per core, not 200.
+        .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+        .getOrCreate()
+    )
+    register(spark)
+    return spark
