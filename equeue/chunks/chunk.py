@@ -422,6 +422,16 @@ class Chunk:
                 hi = mid
             else:
                 return int(physical)
+        if lo > 0:  # inside the survivor before it: not a record start, never a record
+            logical, physical = MAP_ENTRY.unpack_from(mm, base + (lo - 1) * MAP_ENTRY_SIZE)
+            (length,) = _unpack_prefix(mm, HEADER_SIZE + physical)
+            if local < logical + length + FRAME_OVERHEAD:
+                raise PositionNotFoundError(
+                    f"position {self.start_position + local} lies inside the record at "
+                    f"{self.start_position + logical} in {self.path}"
+                )
+        # The map keeps survivors only, so a position in a gap is reported as removed
+        # even if it was inside a removed record rather than at its start.
         raise CompactedAwayError(
             f"the record at position {self.start_position + local} was removed by compaction "
             f"(chunk {self.path})"

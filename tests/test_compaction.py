@@ -1,0 +1,411 @@
+"""Compaction: topic policies, the streaming reader, the rewrite, the plan, the Spark job
+against a plain-Python reference of the policy, the data source and the command."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from equeue import MessageStore, StoreConfig
+from equeue.chunks import ChunkManager, ChunkManagerConfig
+from equeue.chunks.stream import ChunkFile
+from equeue.cli import main
+from equeue.compaction.job import compact
+from equeue.compaction.plan import Removals, plan_groups, take_snapshot
+from equeue.compaction.rewrite import rewrite_group
+from equeue.errors import (
+    CompactedAwayError,
+    CompactionError,
+    ConfigError,
+    CorruptionError,
+    MessageNotFoundError,
+)
+from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, MAP_ENTRY_SIZE, TIMESTAMP
+from equeue.format.message import STORED_TIME_OFFSET
+from equeue.inspect.verify import verify_store
+from equeue.store.topics import TopicPolicy
+from tests.compaction_model import all_messages, expected_removed
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+SMALL = StoreConfig(chunk_data_size=8 * 1024, flush="os")
+DAY = dt.timedelta(days=1)
+
+
+def fill(path: Path, messages: int = 600, keys: int = 20, seed: int = 1) -> None:
+    """A compacted topic "k" (keys, some tombstones) and a plain topic "d"."""
+    rng = random.Random(seed)
+    with MessageStore.open(path, SMALL) as store:
+        store.create_topic("k", 2, cleanup="compact")
+        store.create_topic("d", 1)
+        for i in range(messages):
+            if rng.random() < 0.8:
+                body = b"" if rng.random() < 0.1 else os.urandom(rng.randrange(1, 80))
+                store.send("k", body, key=f"key-{rng.randrange(keys)}", tag="t")
+            else:
+                store.send("d", f"plain {i}".encode())
+
+
+# --- topic policies ---------------------------------------------------------------
+
+
+def test_topic_policy_is_persisted_and_changeable(tmp_path: Path) -> None:
+    with MessageStore.open(tmp_path, SMALL) as store:
+        store.create_topic("a", 2, cleanup="compact", delete_retention=dt.timedelta(hours=1))
+        store.send("auto", b"x")
+        assert store.topic_policy("auto") == TopicPolicy()
+        store.create_topic("a", retention=DAY)  # only what is given changes
+        assert store.topic_policy("a") == TopicPolicy("compact", DAY, dt.timedelta(hours=1))
+        assert store.queue_ids("a") == [0, 1]
+    with MessageStore.open(tmp_path) as store:
+        assert store.topic_policy("a") == TopicPolicy("compact", DAY, dt.timedelta(hours=1))
+        store.create_topic("a", retention=None, cleanup="delete")
+        assert store.topic_policy("a") == TopicPolicy("delete", None, dt.timedelta(hours=1))
+    with MessageStore.open(tmp_path, read_only=True) as store:
+        assert store.topic_policy("a").cleanup == "delete"
+
+
+@pytest.mark.parametrize(
+    "settings_",
+    [
+        {"cleanup": "shrink"},
+        {"retention": dt.timedelta(0)},
+        {"retention": 3600},
+        {"delete_retention": dt.timedelta(seconds=-1)},
+    ],
+)
+def test_bad_topic_policy_is_refused_and_changes_nothing(
+    tmp_path: Path, settings_: dict[str, Any]
+) -> None:
+    with MessageStore.open(tmp_path, SMALL) as store:
+        store.create_topic("a", 1)
+        before = (tmp_path / "topics.json").read_bytes()
+        with pytest.raises(ConfigError):
+            store.create_topic("a", 3, **settings_)
+        with pytest.raises(ConfigError):
+            store.create_topic("b", 1, **settings_)
+        assert store.topics() == ["a"]
+        assert store.queue_ids("a") == [0]
+        assert store.topic_policy("a") == TopicPolicy()
+        assert (tmp_path / "topics.json").read_bytes() == before
+
+
+# --- streaming reads and the rewrite ------------------------------------------------
+
+
+def message_chunk_files(path: Path) -> list[Path]:
+    return sorted((path / "messages").glob("chunk-*"))
+
+
+def test_chunk_file_streams_what_the_manager_reads(tmp_path: Path) -> None:
+    fill(tmp_path)
+    config = ChunkManagerConfig(chunk_data_size=SMALL.chunk_data_size, timestamp_offset=8)
+    with ChunkManager(tmp_path / "messages", config, read_only=True) as manager:
+        for chunk in manager:
+            streamed = list(ChunkFile.open(chunk.path, chunk.data_end).records(block_size=300))
+            assert streamed == list(
+                (p - chunk.base, bytes(b)) for p, b in chunk.iter_records(0, chunk.base)
+            )
+            assert len(streamed) == chunk.record_count > 0
+
+
+def test_chunk_file_reports_damage_with_file_and_offset(tmp_path: Path) -> None:
+    fill(tmp_path)
+    path = message_chunk_files(tmp_path)[0]
+    clean = ChunkFile.open(path)
+    assert len(list(clean.records())) == clean.footer.record_count  # type: ignore[union-attr]
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 100)
+        byte = f.read(1)
+        f.seek(HEADER_SIZE + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptionError) as caught:
+        list(ChunkFile.open(path).records())
+    assert caught.value.file == str(path)
+    assert caught.value.offset is not None and caught.value.offset <= HEADER_SIZE + 100
+
+
+def test_ongoing_chunk_needs_a_committed_end(tmp_path: Path) -> None:
+    fill(tmp_path)
+    last = message_chunk_files(tmp_path)[-1]
+    with pytest.raises(CorruptionError, match="committed end"):
+        ChunkFile.open(last)
+
+
+def test_rewrite_keeps_positions_and_reports_removed_ones(tmp_path: Path) -> None:
+    fill(tmp_path)
+    files = message_chunk_files(tmp_path)[:3]
+    chunks = [ChunkFile.open(p) for p in files]
+    records = [
+        (c.header.start_position + local, payload) for c in chunks for local, payload in c.records()
+    ]
+    removed = sorted(p for i, (p, _) in enumerate(records) if i % 3 == 0)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    result = rewrite_group(chunks, removed, staging, version=1)
+    assert (result.start_number, result.end_number, result.version) == (0, 2, 1)
+    assert result.records_removed == len(removed)
+    assert result.records_kept == len(records) - len(removed)
+    assert result.bytes_after == (staging / result.file_name).stat().st_size < result.bytes_before
+    for f in files:
+        f.unlink()
+    shutil.move(staging / result.file_name, tmp_path / "messages" / result.file_name)
+    config = ChunkManagerConfig(chunk_data_size=SMALL.chunk_data_size, timestamp_offset=8)
+    with ChunkManager(tmp_path / "messages", config, read_only=True) as manager:
+        merged = manager.get_chunk(1)
+        assert merged.header.compacted and manager.get_chunk(0) is merged
+        for position, payload in records:
+            chunk = manager.get_chunk_for(position)
+            if position in removed:
+                with pytest.raises(CompactedAwayError):
+                    chunk.read_at(position - chunk.base)
+            else:
+                assert chunk.read_at(position - chunk.base) == payload
+        kept = [(p, b) for p, b in records if p not in set(removed)]
+        assert [(merged.base + local, b) for local, b in ChunkFile.open(merged.path).records()] == [
+            (p, b) for p, b in kept
+        ]
+        footer = merged.footer
+        assert footer is not None
+        (first_ts,) = TIMESTAMP.unpack_from(kept[0][1], STORED_TIME_OFFSET)
+        assert footer.first_timestamp == first_ts
+    assert verify_store(tmp_path) == []
+
+
+def test_rewrite_refuses_descending_positions(tmp_path: Path) -> None:
+    fill(tmp_path)
+    chunk = ChunkFile.open(message_chunk_files(tmp_path)[0])
+    positions = [p for p, _ in chunk.records()]
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    with pytest.raises(CompactionError, match="ascend"):
+        rewrite_group([chunk], [positions[3], positions[1]], staging, version=1)
+    assert list(staging.iterdir()) == []  # nothing half-written is left
+
+
+# --- the plan ----------------------------------------------------------------------
+
+
+def test_plan_merges_consecutive_chunks_and_skips_what_would_not_shrink(tmp_path: Path) -> None:
+    fill(tmp_path, messages=900)
+    with MessageStore.open(tmp_path) as store:
+        store.flush()
+    snapshot = take_snapshot(tmp_path)
+    eligible = snapshot.eligible
+    assert len(eligible) >= 5
+    # chunk 0: nearly everything goes; chunk 1: too; chunk 2: one tiny record only (the
+    # map of its survivors outweighs it); chunk 3 and 4: half each.
+    removals = {
+        eligible[0].start_number: Removals(eligible[0].record_count - 1, eligible[0].data_end - 80),
+        eligible[1].start_number: Removals(eligible[1].record_count - 1, eligible[1].data_end - 80),
+        eligible[2].start_number: Removals(1, 70),
+        eligible[3].start_number: Removals(
+            eligible[3].record_count // 2, eligible[3].data_end // 2
+        ),
+        eligible[4].start_number: Removals(
+            eligible[4].record_count // 2, eligible[4].data_end // 2
+        ),
+    }
+    groups = plan_groups(snapshot, removals)
+    spans = [(g.start_number, g.end_number) for g in groups]
+    n = [c.start_number for c in eligible]
+    assert spans == [(n[0], n[1]), (n[3], n[4])]
+    assert groups[0].kept_count == 2 and groups[0].version == 1
+    assert groups[1].kept_bytes == eligible[3].data_end - eligible[3].data_end // 2 + (
+        eligible[4].data_end - eligible[4].data_end // 2
+    )
+    assert groups[1].bytes_after == (
+        HEADER_SIZE + groups[1].kept_bytes + MAP_ENTRY_SIZE * groups[1].kept_count + FOOTER_SIZE
+    )
+    unmerged = plan_groups(snapshot, removals, merge=False)
+    assert [(g.start_number, g.end_number) for g in unmerged] == [
+        (n[0], n[0]),
+        (n[1], n[1]),
+        (n[3], n[3]),
+        (n[4], n[4]),
+    ]
+
+
+def test_only_checkpointed_completed_chunks_are_eligible(tmp_path: Path) -> None:
+    fill(tmp_path)
+    MessageStore.open(tmp_path).close()  # close() checkpoints everything
+    snapshot = take_snapshot(tmp_path)
+    assert [c.eligible for c in snapshot.chunks] == [True] * (len(snapshot.chunks) - 1) + [False]
+    (tmp_path / "checkpoint.json").unlink()
+    assert not take_snapshot(tmp_path).eligible
+
+
+# --- the Spark job -----------------------------------------------------------------
+
+
+def snapshot_messages(path: Path) -> dict[int, tuple[Any, ...]]:
+    with MessageStore.open(path, read_only=True) as store:
+        return {
+            p: (m.message_id, m.topic, m.queue_id, m.queue_offset, m.key, m.body, m.stored_at)
+            for p, m in all_messages(store).items()
+        }
+
+
+def test_job_removes_what_the_reference_removes_and_keeps_the_rest(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    fill(tmp_path, messages=1500)
+    with MessageStore.open(tmp_path, SMALL) as store:
+        store.create_topic("d", retention=dt.timedelta(seconds=30))
+    before = snapshot_messages(tmp_path)
+    now = time.time() + 60  # every "d" message is past its 30 s retention
+    removed = expected_removed(tmp_path, now)
+    assert removed and any(before[p][1] == "d" for p in removed)
+    report = compact(tmp_path, spark=spark, now=now)
+    assert report.records_removed == len(removed)
+    assert report.bytes_after < report.bytes_before
+    after = snapshot_messages(tmp_path)
+    assert after == {p: m for p, m in before.items() if p not in removed}
+    with MessageStore.open(tmp_path) as store:
+        assert store.recovery.clean
+        with pytest.raises(CompactedAwayError):
+            store.read(min(removed))
+        survivor = min(p for p in after if p < max(removed))
+        with pytest.raises(MessageNotFoundError):
+            store.read(survivor + 1)  # inside a surviving record: never a message
+        with pytest.raises(MessageNotFoundError):
+            store.read(10**9)
+        for key in {m[4] for m in before.values() if m[1] == "k"}:
+            assert all(m.position not in removed for m in store.query_by_key("k", key))
+        # pull skips removed offsets and still advances next_offset
+        result = store.pull("k", 0, 0, 100_000)
+        assert result.next_offset == store.queue_range("k", 0)[1]
+    assert verify_store(tmp_path) == []
+    again = compact(tmp_path, spark=spark, now=now)  # a second run finds nothing to do
+    assert again.groups == []
+    assert snapshot_messages(tmp_path) == after
+
+
+@settings(
+    max_examples=5,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    seed=st.integers(0, 2**16),
+    keys=st.integers(1, 30),
+    tombstones=st.floats(0, 0.5),
+    keyless=st.floats(0, 0.5),
+    tombstone_age=st.sampled_from([0.0, 3600.0]),
+)
+def test_property_survivors_match_the_reference(
+    tmp_path_factory: pytest.TempPathFactory,
+    spark: SparkSession,
+    seed: int,
+    keys: int,
+    tombstones: float,
+    keyless: float,
+    tombstone_age: float,
+) -> None:
+    """Random stores: the job keeps exactly what the reference keeps; survivors keep
+    offsets and ids; a consumer from the start sees every key's final value, in order."""
+    path = tmp_path_factory.mktemp("prop")
+    rng = random.Random(seed)
+    newest: dict[str, bytes] = {}
+    with MessageStore.open(path, StoreConfig(chunk_data_size=4096, flush="os")) as store:
+        store.create_topic(
+            "c", 3, cleanup="compact", delete_retention=dt.timedelta(seconds=tombstone_age)
+        )
+        for _ in range(rng.randrange(50, 400)):
+            if rng.random() < keyless:
+                store.send("c", os.urandom(rng.randrange(1, 100)))
+                continue
+            key = f"k{rng.randrange(keys)}"
+            body = b"" if rng.random() < tombstones else os.urandom(rng.randrange(1, 100))
+            store.send("c", body, key=key)
+            newest[key] = body
+    before = snapshot_messages(path)
+    now = time.time() + 1
+    removed = expected_removed(path, now)
+    compact(path, spark=spark, now=now)
+    after = snapshot_messages(path)
+    assert after == {p: m for p, m in before.items() if p not in removed}
+    by_key: dict[str, list[tuple[Any, ...]]] = {}
+    for _, message in sorted(after.items()):
+        if message[4] is not None:
+            by_key.setdefault(message[4], []).append(message)
+    for key, body in newest.items():
+        final = by_key.get(key, [])
+        if body or tombstone_age:  # a tombstone may be gone once expired, never a value
+            assert final and final[-1][5] == body
+    with MessageStore.open(path, read_only=True) as store:
+        for queue_id in store.queue_ids("c"):
+            offsets = [m.queue_offset for m in store.pull("c", queue_id, 0, 100_000).messages]
+            assert offsets == sorted(offsets)
+
+
+def test_dry_run_changes_nothing(tmp_path: Path, spark: SparkSession) -> None:
+    fill(tmp_path)
+    files = {p.name: p.read_bytes() for p in message_chunk_files(tmp_path)}
+    report = compact(tmp_path, spark=spark, dry_run=True)
+    assert report.dry_run and report.groups and report.records_removed > 0
+    assert {p.name: p.read_bytes() for p in message_chunk_files(tmp_path)} == files
+    assert not [p for p in (tmp_path / "compaction").iterdir() if p.is_dir()]
+
+
+def test_data_source_gives_every_message_one_partition_per_chunk(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    fill(tmp_path)
+    frame = spark.read.format("equeue").load(str(tmp_path))
+    assert frame.rdd.getNumPartitions() == len(message_chunk_files(tmp_path))
+    rows = {r["position"]: r for r in frame.collect()}
+    with MessageStore.open(tmp_path, read_only=True) as store:
+        messages = all_messages(store)
+    assert rows.keys() == messages.keys()
+    for position, m in messages.items():
+        row = rows[position]
+        assert (row["topic"], row["queue_id"], row["queue_offset"], row["message_id"]) == (
+            m.topic,
+            m.queue_id,
+            m.queue_offset,
+            m.message_id,
+        )
+        assert (row["tag"], row["key"], bytes(row["body"])) == (m.tag, m.key, m.body)
+        assert row["stored_at"].timestamp() == pytest.approx(m.stored_at, abs=1e-5)
+
+
+# --- the command -------------------------------------------------------------------
+
+
+def test_compact_command(
+    tmp_path: Path, spark: SparkSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fill(tmp_path)
+    assert main(["compact", str(tmp_path), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "Dry run: would rewrite" in out and "[compact] pass 1" in err
+    assert main(["compact", str(tmp_path), "--json", "--now", "2100-01-01T00:00:00Z"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["records_removed"] > 0 and doc["bytes_after"] < doc["bytes_before"]
+    assert doc["now"] == dt.datetime(2100, 1, 1, tzinfo=dt.UTC).timestamp()
+    assert main(["verify", str(tmp_path)]) == 0
+    assert main(["compact", str(tmp_path)]) == 0
+    assert "Nothing to compact" in capsys.readouterr().out
+    assert main(["compact", str(tmp_path / "nope")]) == 2
+    assert "not an equeue store" in capsys.readouterr().err
+
+
+def test_second_job_is_refused_while_one_runs(tmp_path: Path) -> None:
+    from equeue.compaction import commit
+
+    fill(tmp_path)
+    with commit.job_lock(tmp_path), pytest.raises(CompactionError, match="another compaction"):
+        compact(tmp_path)
