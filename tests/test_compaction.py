@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from compaction_model import all_messages, expected_removed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,6 @@ from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, MAP_ENTRY_SIZE, TIMEST
 from equeue.format.message import STORED_TIME_OFFSET
 from equeue.inspect.verify import verify_store
 from equeue.store.topics import TopicPolicy
-from tests.compaction_model import all_messages, expected_removed
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
