@@ -1,0 +1,234 @@
+"""Compaction of a store of about 1 GiB (half of its keyed messages superseded) on
+``local[1]`` and ``local[2]``: input MiB/s, peak memory of a Python worker, and the
+local[2]/local[1] speed-up, beside a plain sequential read of the same chunk files
+measured in the same run (the physical reference).
+
+Each Spark run is its own process with its own SparkSession, on its own copy of
+the store. Job time is from the job's start to its commit; the SparkSession's
+start is reported apart. ``--quick`` is a smoke run on a few MiB.
+
+    .venv/bin/python tools/bench_compaction.py [--size-mib 1100] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from equeue import MessageStore, OutgoingMessage, StoreConfig
+
+BODY_SIZE = 1024
+ROOT = Path(__file__).resolve().parent.parent
+MARK_BEGIN = "<!-- compaction:begin (written by tools/bench_compaction.py) -->"
+MARK_END = "<!-- compaction:end -->"
+
+
+def build(path: Path, size_mib: int, chunk_mib: int) -> int:
+    """Keys written twice, the second round newer: half of the messages are superseded."""
+    record = BODY_SIZE + 100  # about: head, topic, key, frame
+    keys = max(1, size_mib * (1 << 20) // record // 2)
+    body = os.urandom(BODY_SIZE)
+    config = StoreConfig(chunk_data_size=chunk_mib << 20, flush="os")
+    with MessageStore.open(path, config) as store:
+        store.create_topic("prices", 4, cleanup="compact")
+        for _ in range(2):
+            for start in range(0, keys, 1000):
+                store.send_batch(
+                    "prices",
+                    [
+                        OutgoingMessage(body, key=f"item-{k:09d}")
+                        for k in range(start, min(start + 1000, keys))
+                    ],
+                )
+        store.flush()
+    return 2 * keys
+
+
+def reference_read(path: Path) -> float:
+    """MiB/s of reading every message chunk file once, 4 MiB at a time."""
+    files = sorted((path / "messages").glob("chunk-*"))
+    total = 0
+    started = time.perf_counter()
+    for file in files:
+        with open(file, "rb", buffering=0) as f:
+            while block := f.read(4 << 20):
+                total += len(block)
+    return total / (1 << 20) / (time.perf_counter() - started)
+
+
+def drop_caches() -> bool:
+    """Evict the page cache so each run reads from disk; False where that is not allowed."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def worker_peak_rss() -> int:
+    """The largest VmHWM (peak resident set) of this machine's PySpark Python workers."""
+    peak = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"pyspark.daemon" not in cmdline and b"pyspark.worker" not in cmdline:
+                continue
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) * 1024)
+        except OSError:
+            continue
+    return peak
+
+
+def run_case(store: Path, master: str) -> dict[str, Any]:
+    """In a child process: one SparkSession, one compaction."""
+    from equeue.compaction.job import compact
+    from equeue.spark import session
+
+    started = time.perf_counter()
+    spark = session(master, app_name="bench-compaction")
+    spark.sparkContext.setLogLevel("ERROR")
+    session_seconds = time.perf_counter() - started
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.2):
+            peak = max(peak, worker_peak_rss())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    report = compact(store, spark=spark)
+    peak = max(peak, worker_peak_rss())
+    done.set()
+    spark.stop()
+    return {
+        "master": master,
+        "session_seconds": session_seconds,
+        "seconds": report.seconds,
+        "pass1_seconds": report.pass1_seconds,
+        "pass2_seconds": report.pass2_seconds,
+        "commit_seconds": report.commit_seconds,
+        "bytes_read": report.bytes_read,
+        "bytes_before": report.bytes_before,
+        "bytes_after": report.bytes_after,
+        "records_removed": report.records_removed,
+        "records_kept": report.records_kept,
+        "chunks_rewritten": report.chunks_rewritten,
+        "files_written": len(report.groups),
+        "worker_peak_rss": peak,
+    }
+
+
+def child(store: Path, master: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--case", str(store), "--master", master],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def mib(n: float) -> str:
+    return f"{n / (1 << 20):,.0f}"
+
+
+def table(chunk_mib: int, messages: int, cold: bool, ref: float, runs: list[dict[str, Any]]) -> str:
+    one, two = runs
+    size = one["bytes_read"]
+    lines = [
+        f"Store: {mib(size)} MiB of data in {chunk_mib} MiB chunks, {messages:,} "
+        f"messages of {BODY_SIZE} B bodies on one compacted topic, every key written twice "
+        "(half superseded). Page cache "
+        + ("dropped before each run." if cold else "not dropped (no permission): warm reads."),
+        "",
+        "| run | job s | pass 1 s | pass 2 s | commit s | input MiB/s | worker peak MiB "
+        "| removed | after / before |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for run in runs:
+        lines.append(
+            f"| `{run['master']}` | {run['seconds']:.1f} | {run['pass1_seconds']:.1f} | "
+            f"{run['pass2_seconds']:.1f} | {run['commit_seconds']:.2f} | "
+            f"{run['bytes_read'] / (1 << 20) / run['seconds']:.0f} | "
+            f"{run['worker_peak_rss'] / (1 << 20):.0f} | {run['records_removed']:,} | "
+            f"{mib(run['bytes_after'])} / {mib(run['bytes_before'])} MiB |"
+        )
+    lines += [
+        f"| plain sequential read (reference) | {size / (1 << 20) / ref:.1f} | | | | "
+        f"{ref:.0f} | | | |",
+        "",
+        f"Speed-up local[2] / local[1]: **{one['seconds'] / two['seconds']:.2f}x**. "
+        f"SparkSession start (not in job time): {one['session_seconds']:.1f} s and "
+        f"{two['session_seconds']:.1f} s.",
+    ]
+    return "\n".join(lines)
+
+
+def write_markdown(text: str) -> None:
+    doc = ROOT / "docs" / "benchmarks.md"
+    content = doc.read_text()
+    begin, end = content.index(MARK_BEGIN), content.index(MARK_END)
+    doc.write_text(content[: begin + len(MARK_BEGIN)] + "\n" + text + "\n" + content[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size-mib", type=int, default=1100)
+    parser.add_argument("--chunk-mib", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="a smoke run on 24 MiB")
+    parser.add_argument("--markdown", action="store_true", help="write docs/benchmarks.md")
+    parser.add_argument("--dir", type=Path, default=ROOT / ".bench-tmp")
+    parser.add_argument("--case", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--master", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case is not None:
+        print(json.dumps(run_case(args.case, args.master)))
+        return
+    size_mib = 24 if args.quick else args.size_mib
+    chunk_mib = 4 if args.quick else args.chunk_mib
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=args.dir, prefix="compaction-"))
+    try:
+        template = work / "template"
+        print(f"building a {size_mib} MiB store ...", flush=True)
+        messages = build(template, size_mib, chunk_mib)
+        runs = []
+        cold = False
+        ref = 0.0
+        for master in ("local[1]", "local[2]"):
+            store = work / master.replace("[", "-").replace("]", "")
+            shutil.copytree(template, store)
+            cold = drop_caches()
+            ref = reference_read(store)
+            cold = drop_caches() and cold
+            print(f"compacting on {master} ...", flush=True)
+            runs.append(child(store, master))
+            shutil.rmtree(store)
+        text = table(chunk_mib, messages, cold, ref, runs)
+        print(text)
+        if args.markdown and not args.quick:
+            write_markdown(text)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
