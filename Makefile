@@ -26,6 +26,7 @@ test: lint
 
 demo: $(STAMP)
 	$(PY) tools/demo.py ./demo-store
+	$(VENV)/bin/equeue compact ./demo-store --master 'local[2]'
 	$(VENV)/bin/equeue verify ./demo-store
 
 bench: $(STAMP)

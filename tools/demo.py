@@ -2,7 +2,8 @@
 
 Several topics with tags and keys are sent, one consumer group consumes them
 and commits offsets, the store is closed and reopened, and the consumer
-resumes where it left off. Prints what it did.
+resumes where it left off. Prints what it did. The "prices" topic is compacted
+(newest price per item): `make demo` then runs `equeue compact` on the store.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ TOPICS = {"orders": ["created", "paid", "shipped"], "payments": ["card", "transf
 
 
 def produce(store: MessageStore, count: int, rng: random.Random) -> dict[str, int]:
-    sent = dict.fromkeys(TOPICS, 0)
+    sent = dict.fromkeys([*TOPICS, "prices"], 0)
     for i in range(count):
         topic = rng.choice(list(TOPICS))
         tag = rng.choice(TOPICS[topic])
@@ -27,6 +28,17 @@ def produce(store: MessageStore, count: int, rng: random.Random) -> dict[str, in
         body = f'{{"n": {i}, "topic": "{topic}", "tag": "{tag}"}}'.encode()
         store.send(topic, body, tag=tag, key=key, properties={"source": "demo"})
         sent[topic] += 1
+    for start in range(0, count // 2, 1000):  # price updates: most are superseded later
+        store.send_batch(
+            "prices",
+            [
+                OutgoingMessage(
+                    f'{{"price": {rng.randrange(100, 999)}}}'.encode(), key=f"item-{n % 300}"
+                )
+                for n in range(start, start + 1000)
+            ],
+        )
+    sent["prices"] = count // 2 // 1000 * 1000
     batch = [OutgoingMessage(f"audit line {i}".encode()) for i in range(count // 10)]
     store.send_batch("audit", batch)
     sent["audit"] += len(batch)
@@ -58,6 +70,7 @@ def main() -> None:
 
     started = time.perf_counter()
     with MessageStore.open(args.store, config) as store:
+        store.create_topic("prices", 2, cleanup="compact")
         sent = produce(store, args.messages, rng)
         produced = time.perf_counter() - started
         total = sum(sent.values())

@@ -139,8 +139,9 @@ def compact(
             f"pass 1: reading the metadata of {_mib(report.bytes_read)} "
             f"({len(snapshot.chunks)} chunks)"
         )
-        removed = _decide(spark, snapshot, report.now)
-        removals = _removals_per_chunk(removed)
+        meta, removed = _decide(spark, snapshot, report.now)
+        removals = _removals_per_chunk(removed)  # materialises removed: meta can go
+        meta.unpersist()
         groups = plan_groups(snapshot, removals, merge=merge)
         report.pass1_seconds = time.monotonic() - tick
         say(
@@ -180,8 +181,9 @@ def compact(
     return report
 
 
-def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> DataFrame:
-    """(chunk, position, size) of every record to remove, persisted for both uses."""
+def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> tuple[DataFrame, DataFrame]:
+    """The metadata read, and (chunk, position, size) of every record to remove; both
+    persisted (the metadata feeds two branches; the removals, the plan and pass 2)."""
     import json
 
     from pyspark import StorageLevel
@@ -232,9 +234,7 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> DataFrame:
         .select("chunk", "position", "size")
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
-    removed.count()  # materialise, then the metadata of kept records can go
-    meta.unpersist()
-    return removed
+    return meta, removed
 
 
 def _removals_per_chunk(removed: DataFrame) -> dict[int, Removals]:
