@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -27,6 +27,9 @@ from equeue.format.chunk import FOOTER_SIZE, FRAME_OVERHEAD, FRAME_PREFIX, HEADE
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.inspect.render import WIDTH, ProgressBar, human_size, human_time
 from equeue.inspect.verify import verify_store
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 CONFIG = StoreConfig(chunk_data_size=4096, queue_chunk_records=400, default_queue_count=2)
 ORDERS = 100
@@ -454,8 +457,39 @@ def test_verify_queue_entry_pointing_at_the_wrong_message(
     assert "orders/1 offset 6" in doc["problems"][0]["reason"]
 
 
-def test_verify_compacted_chunk() -> None:
-    pytest.skip("compaction does not exist yet")
+def compacted_store(store: Path, spark: SparkSession) -> Path:
+    """The orders topic compacted (5 keys): the newest order per customer survives; the
+    compacted chunk file with the most survivors."""
+    from equeue.compaction.job import compact
+
+    with MessageStore.open(store) as opened:
+        opened.create_topic("orders", cleanup="compact")
+        for i in range(30):  # survivors: keys nothing supersedes
+            opened.send("orders", b"kept" * 10, key=f"unique-{i}")
+        for i in range(100):  # then enough to complete their chunk
+            opened.send("orders", b"filler" * 10, key="filler")
+    report = compact(store, spark=spark)
+    assert report.records_removed > 0
+    replacements = [p for p in message_chunks(store) if p.name.endswith(".0001")]
+    return max(replacements, key=lambda p: p.stat().st_size)  # one with survivors
+
+
+def test_verify_compacted_chunk(
+    capsys: pytest.CaptureFixture[str], store: Path, spark: SparkSession
+) -> None:
+    path = compacted_store(store, spark)
+    code, doc = run_json(capsys, "verify", store)
+    assert (code, doc["problems"]) == (0, [])
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0 and "compacted" in out and "Position map" in out
+    size = path.stat().st_size
+    # the position map sits between the data and the footer: damage its last entry
+    flip(path, size - FOOTER_SIZE - 3)
+    code, doc = run_json(capsys, "verify", store)
+    assert code == 1
+    assert str(path) in {p["file"] for p in doc["problems"]}
+    # besides the chunk itself, only queue entries the damaged map no longer resolves
+    assert {p["kind"] for p in doc["problems"] if p["file"] != str(path)} <= {"queue entry"}
 
 
 def test_verify_bad_record_in_the_ongoing_chunk_warns_of_the_cut(
