@@ -360,7 +360,10 @@ class ChunkManager:
         olds: list[Chunk] = []
         for n in range(header.chunk_start_number, header.chunk_end_number + 1):
             chunk = self._by_number.get(n)
-            if chunk is None or not chunk.is_completed or chunk.version >= version:
+            # A read-only view may still see as ongoing a chunk the writer has completed
+            # (and compaction replaced) since; the writer never has a stale view.
+            completed = chunk is not None and (chunk.is_completed or self.read_only)
+            if chunk is None or not completed or chunk.version >= version:
                 return []
             if not olds or olds[-1] is not chunk:
                 olds.append(chunk)

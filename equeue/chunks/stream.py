@@ -53,8 +53,8 @@ class ChunkFile:
 
     @classmethod
     def open(cls, path: str | Path, data_end: int | None = None) -> ChunkFile:
-        """Read the header and footer; an ongoing chunk needs ``data_end`` (its committed
-        end, as a ChunkManager saw it) since nothing in the file records it."""
+        """Read the header and footer. ``data_end`` bounds the records read (a snapshot's
+        committed end); an ongoing chunk needs it, since nothing in the file records it."""
         path = Path(path)
         with open(path, "rb") as f:
             header = ChunkHeader.unpack(f.read(HEADER_SIZE), file=str(path))
@@ -69,7 +69,11 @@ class ChunkFile:
         if not ChunkFooter.is_blank(raw):
             footer = ChunkFooter.unpack(raw, file=str(path), offset=size - FOOTER_SIZE)
         if footer is not None:
-            data_end = footer.physical_data_size
+            # A reader's committed end from before the writer completed the chunk
+            # still bounds what it reads: a snapshot must not grow under its reader.
+            if data_end is None or header.compacted:
+                data_end = footer.physical_data_size
+            data_end = min(data_end, footer.physical_data_size)
         elif data_end is None:
             raise CorruptionError(
                 "an ongoing chunk is read only up to a committed end, and none was given",

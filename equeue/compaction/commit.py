@@ -47,7 +47,7 @@ from equeue.atomicfile import read_json, write_json
 from equeue.chunks.chunk import fsync_directory
 from equeue.compaction.rewrite import RewriteResult
 from equeue.errors import CompactionError, CorruptionError
-from equeue.format.chunk import parse_chunk_file_name
+from equeue.format.chunk import TEMP_SUFFIX, parse_chunk_file_name
 from equeue.store.meta import COMPACTION_DIR, MESSAGES_DIR, try_writer_lock
 
 log = logging.getLogger("equeue.compaction")
@@ -203,6 +203,8 @@ def recover(store: Path, *, holding_job_lock: bool = False) -> list[str]:
         return []
     done: list[str] = []
     with commit_lock(store):
+        for temp in directory.glob(f"*{TEMP_SUFFIX}"):  # e.g. `installed` cut mid-write
+            temp.unlink(missing_ok=True)
         running = not holding_job_lock and job_running(store)
         for staging in sorted(p for p in directory.iterdir() if p.is_dir()):
             if (staging / MANIFEST_FILE).exists():

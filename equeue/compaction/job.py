@@ -1,7 +1,7 @@
 """The compaction job: two passes with Spark, then an atomic commit on the driver.
 
-Pass 1 reads only metadata (the ``equeue`` data source with ``fields=meta``,
-one partition per chunk file, streamed) and decides the removed positions
+Pass 1 reads only metadata (``equeue.spark.source.scan_metadata``, one
+partition per chunk file, streamed) and decides the removed positions
 with Spark operations: the newest position per key of each compacted topic,
 joined back to the eligible chunks' records, plus retention and tombstone
 expiry. Only these small rows are shuffled; no record value ever is.
@@ -139,9 +139,8 @@ def compact(
             f"pass 1: reading the metadata of {_mib(report.bytes_read)} "
             f"({len(snapshot.chunks)} chunks)"
         )
-        meta, removed = _decide(spark, snapshot, report.now)
-        removals = _removals_per_chunk(removed)  # materialises removed: meta can go
-        meta.unpersist()
+        removed = _decide(spark, snapshot, report.now)
+        removals = _removals_per_chunk(removed)
         groups = plan_groups(snapshot, removals, merge=merge)
         report.pass1_seconds = time.monotonic() - tick
         say(
@@ -181,21 +180,19 @@ def compact(
     return report
 
 
-def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> tuple[DataFrame, DataFrame]:
-    """The metadata read, and (chunk, position, size) of every record to remove; both
-    persisted (the metadata feeds two branches; the removals, the plan and pass 2)."""
-    import json
-
+def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> DataFrame:
+    """(chunk, position, size) of every record to remove, persisted: the plan and
+    pass 2 both read it."""
     from pyspark import StorageLevel
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    meta = (
-        spark.read.format("equeue")
-        .option("fields", "meta")
-        .option("store_id", str(snapshot.store_id))
-        .option("chunks", json.dumps([[c.path, c.data_end] for c in snapshot.chunks]))
-        .load(snapshot.store)
-    )
+    from equeue.spark.source import META_SCHEMA, scan_metadata
+
+    listing = [(c.path, c.data_end) for c in snapshot.chunks]
+    meta = spark.createDataFrame(
+        spark.sparkContext.parallelize(listing, len(listing)), "path string, data_end long"
+    ).mapInArrow(scan_metadata, META_SCHEMA)
     now_ns = int(now * 1e9)
     policies = spark.createDataFrame(
         [
@@ -211,30 +208,28 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> tuple[DataFr
         ],
         "topic string, compact boolean, retention_cutoff long, tombstone_cutoff long",
     )
-    compacted_topics = [t for t, p in snapshot.policies.items() if p.compact]
-    meta = meta.persist(StorageLevel.MEMORY_AND_DISK)
     # Newest position per key, over every chunk read: the ongoing chunk's keys
-    # supersede older messages too, though it is never rewritten itself.
-    latest = (
-        meta.where(F.col("key").isNotNull() & F.col("topic").isin(compacted_topics))
-        .groupBy("topic", "key")
-        .agg(F.max("position").alias("latest"))
+    # supersede older messages too, though it is never rewritten itself. One window
+    # (one exchange and sort, no join); a keyless message forms a window of its own.
+    by_key = Window.partitionBy(
+        F.coalesce(F.col("key_hash_hi"), F.col("position")),
+        F.coalesce(F.col("key_hash_lo"), F.lit(-1)),
     )
-    keyed = F.coalesce(F.col("compact"), F.lit(False)) & F.col("key").isNotNull()
-    superseded = F.col("position") < F.col("latest")
+    keyed = F.coalesce(F.col("compact"), F.lit(False)) & F.col("key_hash_hi").isNotNull()
+    superseded = F.col("position") < F.max("position").over(by_key)
     expired_tombstone = F.col("tombstone") & (F.col("stored_ns") < F.col("tombstone_cutoff"))
     expired = F.col("retention_cutoff").isNotNull() & (
         F.col("stored_ns") < F.col("retention_cutoff")
     )
     removed = (
-        meta.where(F.col("chunk").isin([c.start_number for c in snapshot.eligible]))
-        .join(F.broadcast(policies), "topic", "left")
-        .join(latest, ["topic", "key"], "left")
-        .where(F.when(keyed, superseded | expired_tombstone).otherwise(expired))
+        meta.join(F.broadcast(policies), "topic", "left")
+        .withColumn("superseded", superseded)
+        .where(F.col("chunk").isin([c.start_number for c in snapshot.eligible]))
+        .where(F.when(keyed, F.col("superseded") | expired_tombstone).otherwise(expired))
         .select("chunk", "position", "size")
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
-    return meta, removed
+    return removed
 
 
 def _removals_per_chunk(removed: DataFrame) -> dict[int, Removals]:

@@ -3,8 +3,8 @@ and how chunks with something to remove are grouped into replacement files.
 
 Eligible chunks are completed and end at or before the store's checkpoint
 (every queue entry pointing into them is durable, so recovery never needs to
-re-dispatch from a chunk that compaction rewrote). The ongoing chunk and any
-later ones are read only so their keys supersede older messages.
+re-dispatch from a chunk that compaction rewrote). Later chunks are read, up to
+the checkpoint, only so their keys supersede older messages.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from equeue.store.topics import TopicPolicy
 @dataclass(frozen=True, slots=True)
 class SnapshotChunk:
     path: str
-    data_end: int  # committed data end (the footer's physical size when completed)
+    data_end: int  # committed data end, capped at the checkpoint (see take_snapshot)
     start_number: int
     end_number: int
     version: int
@@ -64,7 +64,10 @@ def take_snapshot(store: str | Path) -> Snapshot:
             chunks=[
                 SnapshotChunk(
                     path=str(c.path.resolve()),
-                    data_end=c.data_end,
+                    # Only records up to the checkpoint are known durable: a newer message
+                    # that could still be lost to a power cut must not supersede an older
+                    # one that compaction would remove for good.
+                    data_end=max(0, min(c.data_end, checkpointed - c.start_position)),
                     start_number=c.start_number,
                     end_number=c.end_number,
                     version=c.version,

@@ -22,7 +22,11 @@ def register(spark: SparkSession) -> None:
 
 
 def session(
-    master: str | None = None, app_name: str = "equeue", *, shuffle_partitions: int = 8
+    master: str | None = None,
+    app_name: str = "equeue",
+    *,
+    shuffle_partitions: int = 8,
+    config: dict[str, str] | None = None,
 ) -> SparkSession:
     """A SparkSession with the data source registered.
 
@@ -39,6 +43,8 @@ def session(
         if master.startswith("local"):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
             builder = builder.config("spark.driver.host", "127.0.0.1")
+    for key, value in (config or {}).items():
+        builder = builder.config(key, value)
     spark = (
         builder.config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")

@@ -1,0 +1,370 @@
+"""Crash injected at each stage of the compaction commit: the store opens consistent,
+with either the old or the new chunks.
+
+One real compaction job (Spark) runs per module, stopped just before it installs:
+the store with its staged, uncommitted replacements is copied as a template. Each
+test works on a fresh copy of it. The crash tests run ``commit.install`` in a child
+process (tests/compaction_crash_child.py) that SIGKILLs itself just before, or just
+after, its k-th file-system call, for k = 1, 2, ... until it gets through; the store
+is then opened for writing (recovery rolls the install forward or back) and must
+hold exactly the messages it held before the job if the crash came before the
+manifest was in place, else exactly those the policy keeps (tests/compaction_model.py),
+byte-identical, with no staging directory or superseded chunk file left, a clean
+``equeue verify``, and a clean report at the next open.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from compaction_model import all_messages, expected_removed
+
+from equeue import Message, MessageStore, StoreConfig
+from equeue.atomicfile import read_json
+from equeue.compaction import commit
+from equeue.compaction.job import compact
+from equeue.compaction.rewrite import RewriteResult
+from equeue.errors import CompactionError
+from equeue.format.chunk import parse_chunk_file_name
+from equeue.inspect.verify import Verifier
+from equeue.store.meta import MESSAGES_DIR
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+CHILD = Path(__file__).with_name("compaction_crash_child.py")
+CHUNK_DATA_SIZE = 16 * 1024
+COMPACTED = "state"  # cleanup="compact"
+PLAIN = "events"  # cleanup="delete" without retention: compaction keeps everything
+KEYS = 40
+COUNT = 1200
+
+
+class _StopBeforeInstall(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Template:
+    """A store whose compaction job was stopped right before ``commit.install``."""
+
+    original: Path  # the store the job ran on (it discarded its staging when stopped)
+    store: Path  # a copy taken inside install(): the staged replacements are there
+    staging_name: str
+    results: list[RewriteResult]
+    read: list[str]
+    before: dict[int, Message]  # every pullable message before the job, by position
+    removed: set[int]  # what the policy removes (the reference model)
+    old_files: set[str]  # messages/ before the job
+    new_files: set[str]  # messages/ once installed
+
+    @property
+    def after(self) -> dict[int, Message]:
+        return {p: m for p, m in self.before.items() if p not in self.removed}
+
+    def copy(self, destination: Path) -> tuple[Path, Path]:
+        """A fresh copy of the template store; (store, its staging directory)."""
+        shutil.copytree(self.store, destination)
+        return destination, commit.compaction_dir(destination) / self.staging_name
+
+
+def _body(i: int) -> bytes:
+    return b"message %d " % i + bytes([65 + i % 26]) * (20 + i % 60)
+
+
+def _fill(path: Path) -> None:
+    config = StoreConfig(chunk_data_size=CHUNK_DATA_SIZE, queue_chunk_records=1024)
+    with MessageStore.open(path, config) as store:
+        store.create_topic(COMPACTED, 2, cleanup="compact")
+        store.create_topic(PLAIN, 1)
+        for i in range(COUNT):
+            if i % 9 == 0:
+                store.send(PLAIN, _body(i), key=f"k{i % KEYS}", tag="plain")
+            elif i % 7 == 0:
+                store.send(COMPACTED, _body(i), tag="keyless", properties={"i": str(i)})
+            elif i % 101 == 0:
+                store.send(COMPACTED, b"", key=f"k{i % KEYS}", tag="tombstone")
+            else:
+                store.send(COMPACTED, _body(i), key=f"k{i % KEYS}", tag=f"t{i % 3}", code=i)
+        store.flush()
+
+
+def _pullable(path: Path) -> dict[int, Message]:
+    with MessageStore.open(path, read_only=True) as store:
+        return all_messages(store)
+
+
+def _listing(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory, spark: SparkSession) -> Template:
+    root = tmp_path_factory.mktemp("compaction-commit")
+    original, copy = root / "store", root / "template"
+    _fill(original)
+    now = time.time()
+    before = _pullable(original)
+    removed = expected_removed(original, now)
+    old_files = _listing(original / MESSAGES_DIR)
+    captured: list[tuple[Path, list[RewriteResult], list[str]]] = []
+
+    def stop_before_install(
+        store: Path, staging: Path, results: list[RewriteResult], read: list[str]
+    ) -> None:
+        shutil.copytree(store, copy)
+        captured.append((staging, list(results), list(read)))
+        raise _StopBeforeInstall
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(commit, "install", stop_before_install)
+        with pytest.raises(_StopBeforeInstall):
+            compact(original, spark=spark, now=now)
+    [(staging, results, read)] = captured
+    new_files = (old_files - set(read)) | {r.file_name for r in results}
+    return Template(
+        original, copy, staging.name, results, read, before, removed, old_files, new_files
+    )
+
+
+def test_the_template_is_a_real_staged_job(template: Template) -> None:
+    """The job planned merges of several chunks, staged them, and (stopped before the
+    commit) discarded its staging in the store it ran on, changing nothing there."""
+    assert len(template.read) >= 4
+    assert len(template.results) >= 2
+    assert any(r.end_number > r.start_number for r in template.results)  # a merge
+    assert sum(r.records_removed for r in template.results) == len(template.removed)
+    assert template.removed and template.removed < template.before.keys()
+    removed = [template.before[p] for p in template.removed]
+    assert all(m.topic == COMPACTED and m.key is not None for m in removed)
+    staging = commit.compaction_dir(template.store) / template.staging_name
+    assert _listing(staging) == {r.file_name for r in template.results}
+    assert not (staging / commit.MANIFEST_FILE).exists()
+    # The store the job ran on: staging discarded, chunks untouched.
+    assert not [p for p in commit.compaction_dir(template.original).iterdir() if p.is_dir()]
+    assert _listing(template.original / MESSAGES_DIR) == template.old_files
+    assert _pullable(template.original) == template.before
+
+
+# --- checks after a crash ---------------------------------------------------------------
+
+
+def _check_recovered(template: Template, path: Path, committed: bool, what: str) -> None:
+    staging = commit.compaction_dir(path) / template.staging_name
+    staged = staging.is_dir()
+    has_manifest = (staging / commit.MANIFEST_FILE).exists()
+    expected = template.after if committed else template.before
+    with MessageStore.open(path) as store:
+        report = store.recovery
+        assert (report.cuts, report.problems, report.redispatched) == ([], [], 0), what
+        if has_manifest:
+            done = [f"finished installing the committed compaction {template.staging_name}"]
+        elif staged:
+            done = [f"removed the uncommitted compaction staging {template.staging_name}"]
+        else:
+            done = []
+        assert report.compactions == done, what
+        found = all_messages(store)
+        assert found.keys() == expected.keys(), (
+            f"{what}: expected the {'new' if committed else 'old'} chunks; "
+            f"{len(found.keys() - expected.keys())} messages too many, "
+            f"{len(expected.keys() - found.keys())} missing"
+        )
+        assert found == expected, f"{what}: a message changed"
+        compacted = [c.path.name for c in store._messages if c.header.compacted]
+        assert sorted(compacted) == (
+            sorted(r.file_name for r in template.results) if committed else []
+        ), what
+    assert _listing(path / MESSAGES_DIR) == (
+        template.new_files if committed else template.old_files
+    ), what
+    # No staging directory and no temporary file left.
+    entries = set(_listing(commit.compaction_dir(path)))
+    marker = {commit.INSTALLED_FILE} if committed else set()
+    assert entries == {commit.JOB_LOCK, commit.COMMIT_LOCK} | marker, what
+    installed = commit.compaction_dir(path) / commit.INSTALLED_FILE
+    if committed:
+        assert read_json(installed)["staging"] == template.staging_name, what
+    else:
+        assert not installed.exists(), what
+    assert Verifier(path).run() == [], what
+    with MessageStore.open(path) as store:
+        assert store.recovery.clean, f"{what}: {store.recovery}"
+        assert all_messages(store).keys() == expected.keys(), what
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    killed: bool
+    calls: list[str]  # "CALL <n> <name> <path>" lines, the last one possibly not run
+
+
+def _run_child(template: Template, destination: Path, mode: str, k: int) -> ChildRun:
+    store, staging = template.copy(destination)
+    job = destination.with_name(destination.name + ".json")
+    job.write_text(
+        json.dumps({"results": [asdict(r) for r in template.results], "read": template.read})
+    )
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), str(store), str(staging), str(job), mode, str(k)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    lines = proc.stdout.splitlines()
+    if proc.returncode == -signal.SIGKILL:
+        assert lines and lines[-1].startswith(f"CALL {k} "), (lines, proc.stderr)
+        return ChildRun(True, lines)
+    assert proc.returncode == 0 and lines[-1] == "DONE", (proc.returncode, proc.stderr)
+    return ChildRun(False, lines[:-1])
+
+
+def _replace_call(calls: list[str], file_name: str) -> int | None:
+    """The number of the call that renames a temporary file onto ``file_name``."""
+    for line in calls:
+        _, n, name, detail = line.split(" ", 3)
+        if name == "replace" and detail.endswith(f"/{file_name}"):
+            return int(n)
+    return None
+
+
+def _commit_call(calls: list[str]) -> int | None:
+    """The number of the call that puts the manifest in place (the commit point)."""
+    return _replace_call(calls, commit.MANIFEST_FILE)
+
+
+def _crash_at_every_call(
+    template: Template, root: Path, mode: str, committed: Callable[[int, int | None], bool]
+) -> list[str]:
+    """Kill the child at call k = 1, 2, ... until it gets through; check each crash."""
+    finished: list[str] = []
+    for k in range(1, 1000):
+        path = root / f"{mode}-{k}"
+        run = _run_child(template, path, mode, k)
+        if not run.killed:
+            finished = run.calls
+            _check_recovered(template, path, True, f"{mode}: no crash")
+            break
+        commit_point = _commit_call(run.calls)
+        _check_recovered(
+            template, path, committed(k, commit_point), f"killed {mode} {run.calls[-1]!r}"
+        )
+        shutil.rmtree(path)
+    else:
+        pytest.fail("the child never got through install()")
+    return finished
+
+
+def test_crash_before_each_call_leaves_old_or_new_chunks(
+    template: Template, tmp_path: Path
+) -> None:
+    calls = _crash_at_every_call(
+        template, tmp_path, "before", lambda k, point: point is not None and point < k
+    )
+    names = [line.split(" ", 3)[2] for line in calls]
+    assert len(calls) > 5
+    # The calls the protocol makes: the manifest, a rename per replacement, a deletion
+    # per replaced file, the installed marker, the staging directory removed.
+    assert _commit_call(calls) is not None
+    assert names.count("rename") == len(template.results)
+    assert names.count("unlink") >= len(template.read)
+    assert names.count("rmdir") == 1
+
+
+def test_crash_after_each_call_leaves_old_or_new_chunks(template: Template, tmp_path: Path) -> None:
+    calls = _crash_at_every_call(
+        template, tmp_path, "after", lambda k, point: point is not None and point <= k
+    )
+    assert len(calls) > 5
+
+
+def test_no_temporary_file_outlives_a_crash(template: Template, tmp_path: Path) -> None:
+    probe = _run_child(template, tmp_path / "probe", "never", 0)
+    k = _replace_call(probe.calls, commit.INSTALLED_FILE)
+    assert k is not None
+    path = tmp_path / "store"
+    assert _run_child(template, path, "before", k).killed
+    with MessageStore.open(path) as store:
+        assert store.recovery.compactions != []
+    with MessageStore.open(path):
+        pass
+    assert [e for e in _listing(commit.compaction_dir(path)) if e.endswith(".tmp")] == []
+
+
+# --- without a child --------------------------------------------------------------------
+
+
+def test_install_without_crash_installs_exactly_the_survivors(
+    template: Template, tmp_path: Path
+) -> None:
+    path, staging = template.copy(tmp_path / "store")
+    commit.install(path, staging, template.results, template.read)
+    assert not staging.exists()
+    assert _listing(path / MESSAGES_DIR) == template.new_files
+    with MessageStore.open(path, read_only=True) as store:
+        assert all_messages(store) == template.after
+        chunks = {c.path.name: c for c in store._messages}
+        for result in template.results:
+            chunk = chunks[result.file_name]
+            assert chunk.header.compacted
+            assert (chunk.start_number, chunk.end_number) == (
+                result.start_number,
+                result.end_number,
+            )
+            assert chunk.record_count == result.records_kept
+    _check_recovered(template, path, True, "installed in-process")
+
+
+def test_uncommitted_staging_is_removed_at_the_next_writable_open(
+    template: Template, tmp_path: Path
+) -> None:
+    """A crash during pass 2: staged chunk files (one torn), no manifest."""
+    path, staging = template.copy(tmp_path / "store")
+    torn = staging / template.results[-1].file_name
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    # A read-only open changes nothing, and sees the old chunks.
+    with MessageStore.open(path, read_only=True) as store:
+        assert all_messages(store) == template.before
+    assert staging.is_dir()
+    # While a job is running (its lock held), the staging may be that job's: kept.
+    with commit.job_lock(path), MessageStore.open(path) as store:
+        assert store.recovery.compactions == []
+        assert all_messages(store) == template.before
+    assert staging.is_dir()
+    _check_recovered(template, path, False, "uncommitted staging")
+    assert not staging.exists()
+
+
+def test_install_refuses_when_a_chunk_it_read_is_gone(template: Template, tmp_path: Path) -> None:
+    """Retention deleted the first chunk the job read: nothing is installed."""
+    path, staging = template.copy(tmp_path / "store")
+    first = min(template.read)
+    assert parse_chunk_file_name(first) == (0, 0)
+    (path / MESSAGES_DIR / first).unlink()
+    staged = {p.name: p.read_bytes() for p in staging.iterdir()}
+    with pytest.raises(CompactionError, match="removed"):
+        commit.install(path, staging, template.results, template.read)
+    assert {p.name: p.read_bytes() for p in staging.iterdir()} == staged  # no manifest
+    assert _listing(path / MESSAGES_DIR) == template.old_files - {first}
+    assert not (commit.compaction_dir(path) / commit.INSTALLED_FILE).exists()
+    with MessageStore.open(path) as store:
+        assert store.recovery.compactions == [
+            f"removed the uncommitted compaction staging {template.staging_name}"
+        ]
+        assert all_messages(store) == {
+            p: m for p, m in template.before.items() if p >= CHUNK_DATA_SIZE
+        }
+    assert not staging.exists()
+    assert _listing(path / MESSAGES_DIR) == template.old_files - {first}
+    assert Verifier(path).run() == []
