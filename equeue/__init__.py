@@ -8,6 +8,7 @@ from equeue.store import (
     RecoveryReport,
     SendResult,
     StoreConfig,
+    TopicPolicy,
 )
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "RecoveryReport",
     "SendResult",
     "StoreConfig",
+    "TopicPolicy",
 ]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 from equeue.store.config import StoreConfig
 from equeue.store.recovery import RecoveryReport
 from equeue.store.store import MessageStore
+from equeue.store.topics import TopicPolicy
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "RecoveryReport",
     "SendResult",
     "StoreConfig",
+    "TopicPolicy",
 ]
