@@ -466,7 +466,7 @@ def compacted_store(store: Path, spark: SparkSession) -> Path:
         opened.create_topic("orders", cleanup="compact")
         for i in range(30):  # survivors: keys nothing supersedes
             opened.send("orders", b"kept" * 10, key=f"unique-{i}")
-        for i in range(100):  # then enough to complete their chunk
+        for _ in range(100):  # then enough to complete their chunk
             opened.send("orders", b"filler" * 10, key="filler")
     report = compact(store, spark=spark)
     assert report.records_removed > 0
