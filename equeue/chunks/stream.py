@@ -15,30 +15,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Final
 
-import xxhash
-
 from equeue.errors import CorruptionError, CorruptRecordError, TruncatedError
 from equeue.format.chunk import (
-    CHECKSUM_MASK,
     FOOTER_SIZE,
     FRAME_OVERHEAD,
     FRAME_PREFIX,
     FRAME_PREFIX_SIZE,
-    FRAME_SUFFIX,
     HEADER_SIZE,
     MAP_ENTRY,
     MAP_ENTRY_SIZE,
     ChunkFooter,
     ChunkHeader,
     ChunkType,
+    frame_problem,
 )
 
 BLOCK_SIZE: Final = 4 << 20
 _MAP_BLOCK_ENTRIES: Final = 64 << 10
 
 _unpack_prefix = FRAME_PREFIX.unpack_from
-_unpack_suffix = FRAME_SUFFIX.unpack_from
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,17 +164,13 @@ def _frames(f: BinaryIO, path: Path, end: int, block_size: int) -> Iterator[tupl
             )
         if len(buf) - pos < size:
             buf, at, pos = refill(size), at + pos, 0
-        payload = buf[pos + FRAME_PREFIX_SIZE : pos + FRAME_PREFIX_SIZE + n]
-        checksum, suffix = _unpack_suffix(buf, pos + FRAME_PREFIX_SIZE + n)
-        if suffix != n or _xxh3(payload) & CHECKSUM_MASK != checksum:
+        problem = frame_problem(buf, pos, pos + size, n)
+        if problem is not None:
+            reason, expected, found = problem
             raise CorruptRecordError(
-                "record frame fails its check (length suffix or checksum)",
-                file=path,
-                offset=HEADER_SIZE + at + pos,
-                expected=checksum,
-                found=_xxh3(payload) & CHECKSUM_MASK,
+                reason, file=path, offset=HEADER_SIZE + at + pos, expected=expected, found=found
             )
-        yield at + pos, payload
+        yield at + pos, buf[pos + FRAME_PREFIX_SIZE : pos + FRAME_PREFIX_SIZE + n]
         pos += size
 
 
