@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) tools/bench_chunks.py
 	$(PY) tools/bench_store.py
 	$(PY) tools/bench_durable.py
+	$(PY) tools/bench_peers.py
 	$(PY) tools/bench_compaction.py --markdown
 
 clean:
