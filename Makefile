@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed
 
 all: test
 
-$(STAMP): pyproject.toml
+# setup.py builds the C accelerator (equeue/_speedups.c) in place; a changed C file rebuilds it.
+$(STAMP): pyproject.toml setup.py equeue/_speedups.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,spark,bench]'
@@ -37,4 +38,4 @@ bench: $(STAMP)
 	$(PY) tools/bench_compaction.py --markdown
 
 clean:
-	rm -rf $(VENV) demo-store .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) demo-store .mypy_cache .pytest_cache .ruff_cache build equeue/*.so

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from code_paths import code_path  # noqa: F401 - the fixture
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig
 from equeue.errors import (
@@ -40,6 +41,7 @@ BUILTIN: dict[type[Exception], type[Exception]] = {
 
 Snapshot = tuple[Any, ...]
 FALSY: list[object] = [0, [], ""]
+pytestmark = pytest.mark.usefixtures("code_path")  # each test on the C and the Python paths
 
 
 @pytest.fixture

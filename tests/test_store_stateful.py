@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import xxhash
+from code_paths import code_path  # noqa: F401 - the fixture
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -318,6 +320,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.s.committed_offset(group, topic, queue_id) == offset
 
 
+@pytest.mark.usefixtures("code_path")  # on the C and the Python paths
 def test_store_state_machine(tmp_path: Path) -> None:
     runs = itertools.count()
 

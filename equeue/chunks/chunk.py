@@ -227,6 +227,12 @@ class Chunk:
             self._prefault_mark = self.data_end
             self._prefault(self.data_end)
 
+    def writable_mapping(self) -> mmap.mmap:
+        """The mapping of a chunk open for writing, for writers that fill it in place."""
+        mm = self._mm
+        assert mm is not None and self._writable, "the chunk is not open for writing"
+        return mm
+
     def _prefault(self, offset: int) -> None:
         """Ask for the window after ``offset`` to be faulted in; called once per window."""
         start = ((HEADER_SIZE + offset) // _PAGE) * _PAGE
@@ -457,7 +463,7 @@ class Chunk:
             return [self.read_at(local) for local in offsets]
         self.last_used = next(_ticks)
         mm = self._mm or self.mapping()
-        end = HEADER_SIZE + self._physical_end()
+        end = HEADER_SIZE + self.physical_end
         unpack_prefix, unpack_suffix, xxh3 = _unpack_prefix, _unpack_suffix, _xxh3
         payloads = []
         for local in offsets:
@@ -474,12 +480,14 @@ class Chunk:
             payloads.append(self.read_at(local))  # raises what is wrong there
         return payloads
 
-    def _physical_end(self) -> int:
+    @property
+    def physical_end(self) -> int:
+        """Bytes of the data area in use: the footer's, or what the writer published."""
         return self.footer.physical_data_size if self.footer is not None else self.data_end
 
     def corrupt_record(self, physical: int) -> CorruptRecordError:
         mm = self._mm or self.mapping()
-        end = HEADER_SIZE + self._physical_end()
+        end = HEADER_SIZE + self.physical_end
         problem = frame_problem(mm, HEADER_SIZE + physical, end, self._max_record_size)
         reason, expected, found = problem or ("no record starts here", None, None)
         return CorruptRecordError(
@@ -563,7 +571,7 @@ class Chunk:
         p = HEADER_SIZE + physical
         (n,) = _unpack_prefix(mm, p)
         q = p + FRAME_PREFIX_SIZE + n
-        if n > 0 and q + FRAME_SUFFIX.size <= HEADER_SIZE + self._physical_end():
+        if n > 0 and q + FRAME_SUFFIX.size <= HEADER_SIZE + self.physical_end:
             payload = mm[p + FRAME_PREFIX_SIZE : q]
             checksum, suffix = _unpack_suffix(mm, q)
             if suffix == n and record_checksum(payload) == checksum:

@@ -8,19 +8,32 @@ never find an entry whose message they cannot read.
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import xxhash
 
 from equeue.chunks import ChunkWriter
+from equeue.chunks.chunk import Chunk
 from equeue.errors import ClosedError, StoreWriteError
-from equeue.format.chunk import FRAME_OVERHEAD
-from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD_SIZE, message_length, pack_message
+from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
+from equeue.format.message import (
+    FLAG_HAS_KEY,
+    MESSAGE_HEAD_SIZE,
+    QUEUE_RECORD_SIZE,
+    message_length,
+    pack_message,
+)
+from equeue.store import speedups
 from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
 from equeue.store.types import SendResult
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_xxh32 = xxhash.xxh32_intdigest
 
 # A send after the store's checks: body, tag bytes, tag hash, key bytes, key,
 # properties bytes, code, queue id (None: by key, else round robin).
@@ -63,12 +76,18 @@ class Appender:
         self._round_robin = round_robin
         self._store_path = store_path
         self._closed = closed
+        if speedups.SPEEDUPS is not None:
+            self._fast_write_one = speedups.SPEEDUPS.write_one
 
     def append_all(
         self, topic: str, queues: list[Queue], checked: list[Checked]
     ) -> list[SendResult]:
         if self._closed():
             raise ClosedError(f"store {self._store_path} is closed")
+        if speedups.SPEEDUPS is not None and len(checked) == 1:
+            result = self.send_one(topic, queues, checked[0])
+            if result is not None:
+                return [result]
         results: list[SendResult] = []
         try:
             i = 0
@@ -148,6 +167,9 @@ class Appender:
         chunk = self._writer._chunk
         if chunk is None:
             return i
+        fast = speedups.SPEEDUPS
+        if fast is not None:
+            return self._run_fast(fast, chunk, topic, queues, checked, i, results)
         topic_bytes = self._topic_bytes[topic]
         base, start, room = chunk.base, chunk.data_end, chunk.data_size
         end = start
@@ -203,3 +225,82 @@ class Appender:
         for key, position in keys:
             self._keys.add(topic, key, position)
         return i
+
+    def _run_fast(
+        self,
+        fast: ModuleType,
+        chunk: Chunk,
+        topic: str,
+        queues: list[Queue],
+        checked: list[Checked],
+        i: int,
+        results: list[SendResult],
+    ) -> int:
+        """``_run`` in C: the frames, then the queue entries, written in one call."""
+        maps: list[mmap.mmap | None] = []
+        ends: list[int] = []
+        sizes: list[int] = []
+        for queue in queues:
+            current = queue.current_chunk()
+            maps.append(current.writable_mapping() if current is not None else None)
+            ends.append(current.data_end if current is not None else 0)
+            sizes.append(current.data_size if current is not None else 0)
+        now = time.time_ns()
+        before = len(results)
+        stop: int
+        taken: list[int]
+        keyed: list[tuple[str, int]]
+        try:
+            stop, end, turn, taken, keyed = fast.write_run(
+                chunk.writable_mapping(), HEADER_SIZE, chunk.data_end, chunk.data_size,
+                chunk.base, now, topic, self._topic_bytes[topic], checked, i,
+                self._round_robin[topic], maps, ends, sizes,
+                [queue.next_offset for queue in queues], self._id_prefix, SendResult,
+                now / 1e9, _xxh3, _xxh32, results,
+            )  # fmt: skip
+        except BaseException:
+            del results[before:]  # nothing was published: none of them was sent
+            raise
+        if stop == i:
+            return i
+        self._round_robin[topic] = turn
+        chunk.publish(end, stop - i)
+        for queue, count in zip(queues, taken, strict=True):
+            if count:
+                queue.advance(count)
+        for key, position in keyed:
+            self._keys.add(topic, key, position)
+        return stop
+
+    def send_one(self, topic: str, queues: list[Queue], checked: Checked) -> SendResult | None:
+        """Under the write lock, with the C accelerator: a single send, or None (nothing
+        written) when its record or its queue entry needs a new chunk (``append_all``
+        then does it)."""
+        chunk = self._writer._chunk
+        if chunk is None or self._closed():
+            return None
+        key = checked[4]
+        queue_id, turn = pick_queue(
+            checked[7], key, checked[3], len(queues), self._round_robin[topic]
+        )
+        queue = queues[queue_id]
+        entries = queue.current_chunk()
+        if entries is None:
+            return None
+        now = time.time_ns()
+        done = self._fast_write_one(
+            chunk.writable_mapping(), HEADER_SIZE, chunk.data_end, chunk.data_size,
+            chunk.base, now, topic, self._topic_bytes[topic], checked, queue_id,
+            queue.next_offset, entries.writable_mapping(), entries.data_end,
+            entries.data_size, self._id_prefix, SendResult, now / 1e9, _xxh3,
+        )  # fmt: skip
+        if done is None:
+            return None
+        result, end = done
+        self._round_robin[topic] = turn
+        chunk.publish(end, 1)
+        entries.publish(entries.data_end + QUEUE_RECORD_SIZE, 1)
+        queue.next_offset += 1
+        if key is not None:
+            self._keys.add(topic, key, result.position)
+        return result  # type: ignore[no-any-return]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkWriter
+from equeue.chunks.chunk import Chunk
 from equeue.chunks.recovery import TailCut
 from equeue.errors import ChunkRemovedError, PositionNotFoundError
 from equeue.format.chunk import HEADER_SIZE
@@ -55,6 +56,20 @@ class Queue:
         self.writer.unlocked_write(_pack(message_position + 1, tag_hash))
         self.next_offset = offset + 1
         return offset
+
+    def current_chunk(self) -> Chunk | None:
+        """The chunk the next entry goes to, if it has room for one; the writer's."""
+        chunk = self._writer._chunk if self._writer is not None else None
+        if chunk is None or chunk.data_end + QUEUE_RECORD_SIZE > chunk.data_size:
+            return None
+        return chunk
+
+    def advance(self, count: int) -> None:
+        """Publish ``count`` entries written past the current chunk's end (batch appends)."""
+        chunk = self.writer._chunk
+        assert chunk is not None, "entries were written to the current chunk"
+        chunk.publish(chunk.data_end + count * QUEUE_RECORD_SIZE, count)
+        self.next_offset += count
 
     def entry_location(self, offset: int) -> tuple[str, int]:
         """(queue chunk file, file offset) of the entry at ``offset``, for error messages."""

@@ -38,7 +38,7 @@ from equeue.format.message import (
     decode_message_id,
     tag_hash,
 )
-from equeue.store import validate
+from equeue.store import speedups, validate
 from equeue.store.append import Appender, Checked
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
@@ -422,7 +422,28 @@ class MessageStore:
         queue_id: int | None = None,
     ) -> SendResult:
         queues, count = self._queues_and_count(topic)
-        checked = self._check(topic, count, body, tag, key, properties, code, queue_id)
+        checked = None
+        fast = speedups.SPEEDUPS
+        if fast is not None:
+            config = self.config
+            checked = fast.check_one(
+                (body, tag, key, properties, code, queue_id), validate.check_tag,
+                config.max_message_size, config.chunk_data_size, count,
+            )  # fmt: skip
+            if (
+                checked is not None
+                and queues is not None
+                and self._group is None
+                and self._flush_error is None
+            ):
+                with self._lock:
+                    result = self._appender.send_one(topic, queues, checked)
+                if result is not None:
+                    if self._waiting:
+                        self._wake()
+                    return result
+        if checked is None:
+            checked = self._check(topic, count, body, tag, key, properties, code, queue_id)
         return self._store(topic, queues, [checked])[0]
 
     def send_batch(
@@ -431,8 +452,8 @@ class MessageStore:
         """Send many messages under one lock acquisition: all are checked first, so one
         bad message rejects the batch and nothing is written."""
         queues, count = self._queues_and_count(topic)
-        checked = []
-        for message in messages:
+
+        def check(message: object) -> Checked:
             if isinstance(message, bytes | bytearray | memoryview):
                 message = OutgoingMessage(bytes(message))
             elif isinstance(message, dict):
@@ -442,7 +463,18 @@ class MessageStore:
                     f"send_batch takes bytes, OutgoingMessage or dict items, got "
                     f"{type(message).__name__}"
                 )
-            checked.append(self._check(topic, count, *message))
+            return self._check(topic, count, *message)
+
+        fast = speedups.SPEEDUPS
+        if fast is None:
+            checked = [check(message) for message in messages]
+        else:  # the common cases in C, the rest (and every error) by check()
+            config = self.config
+            checked = fast.check_batch(
+                messages if type(messages) is list else list(messages),
+                OutgoingMessage, check, validate.check_tag,
+                config.max_message_size, config.chunk_data_size, count,
+            )  # fmt: skip
         return self._store(topic, queues, checked)
 
     def _store(
@@ -535,6 +567,7 @@ class MessageStore:
         if wait > 0 and offset >= queue.next_offset and not self.read_only:
             self._wait_for(queue, offset, wait)
         messages: list[Message] = []
+        fast = speedups.SPEEDUPS
         while len(messages) < max_count:
             entries = queue.entries(offset, max_count if wanted is None else 256)
             if not entries:
@@ -544,6 +577,17 @@ class MessageStore:
                 found = self._log.read_run(kept)
             except (PositionNotFoundError, CorruptRecordError) as exc:
                 raise self._log.bad_entry(queue, offset, entries, exc) from exc
+            if wanted is None and fast is not None:
+                offset, bad = fast.collect(
+                    entries, found, offset, queue.queue_id, queue.topic,
+                    max_count - len(messages), messages,
+                )  # fmt: skip
+                if bad >= 0:  # offset is that entry's
+                    position, hashed = entries[bad]
+                    message, stored_hash = found[position]
+                    raise self._log.wrong_message(queue, offset, message, hashed, stored_hash)
+                offset = max(offset, queue.first_offset)
+                continue
             for position, hashed in entries:
                 offset += 1
                 if wanted is not None and hashed not in wanted:

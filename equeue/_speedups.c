@@ -1,0 +1,776 @@
+/* The store's hot loops in C: checking a batch of sends, framing message records
+ * into the log chunk's mapping, and decoding a run of records for a pull.
+ *
+ * Optional: equeue/store/speedups.py imports this module when it was built and
+ * falls back to the pure-Python paths otherwise (or when EQUEUE_PURE_PYTHON is
+ * set). Every layout written or read here is the one in equeue/format/ (chunk.py:
+ * the record frame; message.py: the 56-byte message head and the 12-byte queue
+ * record); the sizes come from Python through configure(), and
+ * tests/test_speedups.py checks both paths byte for byte against those modules.
+ *
+ * Anything unusual (a wrong type, a limit exceeded, properties, a bad frame) is
+ * handed back to the Python code, which raises the precise error: C only ever
+ * takes the common, valid case.
+ *
+ * Memory: buffers are taken with PyObject_GetBuffer and released before
+ * returning; the GIL is held throughout, so no other thread can close or remap
+ * a chunk while a pointer into it is live. Integers are written little-endian
+ * (the module refuses to load on a big-endian machine).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* From equeue.format via configure(). */
+static Py_ssize_t HEAD_SIZE = -1;      /* MESSAGE_HEAD_SIZE */
+static Py_ssize_t FRAME_OVERHEAD = -1; /* prefix + checksum + suffix */
+static Py_ssize_t QUEUE_RECORD = -1;   /* QUEUE_RECORD_SIZE */
+static long MAX_NAME = -1;             /* MAX_NAME_BYTES: topic, tag, key */
+#define FLAG_HAS_KEY 1
+
+static PyObject *EMPTY_BYTES; /* b"" */
+static PyObject *ZERO;        /* 0 */
+
+static inline void put_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void put_i32(char *p, int32_t v) { memcpy(p, &v, 4); }
+static inline void put_i64(char *p, int64_t v) { memcpy(p, &v, 8); }
+static inline uint32_t get_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline int32_t get_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
+static inline int64_t get_i64(const char *p) { int64_t v; memcpy(&v, p, 8); return v; }
+
+static int configured(void) {
+    if (HEAD_SIZE < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "equeue._speedups.configure() was not called");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *configure(PyObject *self, PyObject *args) {
+    if (!PyArg_ParseTuple(args, "nnnl", &HEAD_SIZE, &FRAME_OVERHEAD, &QUEUE_RECORD, &MAX_NAME))
+        return NULL;
+    if (HEAD_SIZE != 56 || FRAME_OVERHEAD != 12 || QUEUE_RECORD != 12) {
+        /* The field offsets below are those of the documented layout. */
+        HEAD_SIZE = -1;
+        PyErr_SetString(PyExc_ValueError, "equeue._speedups was built for another record layout");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* The low 32 bits of xxh3_64(payload), by the xxhash package (so C and Python agree
+ * by construction). Returns -1 with an exception set on failure. */
+static int64_t checksum(PyObject *xxh3, char *data, Py_ssize_t n) {
+    PyObject *view = PyMemoryView_FromMemory(data, n, PyBUF_READ);
+    if (view == NULL) return -1;
+    PyObject *digest = PyObject_CallOneArg(xxh3, view);
+    Py_DECREF(view);
+    if (digest == NULL) return -1;
+    unsigned long long value = PyLong_AsUnsignedLongLongMask(digest);
+    Py_DECREF(digest);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    return (int64_t)(value & 0xFFFFFFFFu);
+}
+
+/* "<8 hex digits of the store id><16 hex digits of the position>" */
+static PyObject *message_id(PyObject *prefix, int64_t position) {
+    static const char hex[] = "0123456789abcdef";
+    Py_ssize_t plen = PyUnicode_GET_LENGTH(prefix);
+    PyObject *id = PyUnicode_New(plen + 16, 127);
+    if (id == NULL) return NULL;
+    Py_UCS1 *out = PyUnicode_1BYTE_DATA(id);
+    memcpy(out, PyUnicode_1BYTE_DATA(prefix), (size_t)plen);
+    uint64_t v = (uint64_t)position;
+    for (int i = 15; i >= 0; i--) {
+        out[plen + i] = (Py_UCS1)hex[v & 15];
+        v >>= 4;
+    }
+    return id;
+}
+
+/* An instance of a NamedTuple class, filled with the given (stolen) references. */
+static PyObject *new_record(PyTypeObject *type, Py_ssize_t n, PyObject **items) {
+    PyObject *obj = type->tp_alloc(type, n);
+    if (obj == NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(items[i]);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (items[i] == NULL) { /* a failed allocation among the fields */
+            for (Py_ssize_t j = i + 1; j < n; j++) Py_XDECREF(items[j]);
+            Py_DECREF(obj);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(obj, i, items[i]);
+    }
+    return obj;
+}
+
+/* --- check_batch ---------------------------------------------------------------- */
+
+/* The checked form of one OutgoingMessage, or NULL with no exception set when the
+ * message needs the Python checks (which then raise or handle it). */
+static PyObject *check_fast(PyObject *msg, PyObject *tag_check, Py_ssize_t max_body,
+                            Py_ssize_t chunk_size, Py_ssize_t queue_count) {
+    PyObject *body = PyTuple_GET_ITEM(msg, 0), *tag = PyTuple_GET_ITEM(msg, 1);
+    PyObject *key = PyTuple_GET_ITEM(msg, 2), *props = PyTuple_GET_ITEM(msg, 3);
+    PyObject *code = PyTuple_GET_ITEM(msg, 4), *queue_id = PyTuple_GET_ITEM(msg, 5);
+    if (!PyBytes_CheckExact(body) || PyBytes_GET_SIZE(body) > max_body) return NULL;
+    if (!PyUnicode_CheckExact(tag) || props != Py_None || !PyLong_CheckExact(code)) return NULL;
+    int overflow = 0;
+    long long code_value = PyLong_AsLongLongAndOverflow(code, &overflow);
+    if (overflow || code_value < INT32_MIN || code_value > INT32_MAX) return NULL;
+    if (queue_id != Py_None) {
+        if (!PyLong_CheckExact(queue_id)) return NULL;
+        long long q = PyLong_AsLongLongAndOverflow(queue_id, &overflow);
+        if (overflow || q < 0 || q >= queue_count) return NULL;
+    }
+    PyObject *tag_bytes, *hashed;
+    if (PyUnicode_GET_LENGTH(tag) == 0) {
+        tag_bytes = Py_NewRef(EMPTY_BYTES);
+        hashed = Py_NewRef(ZERO);
+    } else { /* validate.check_tag: cached, and it raises the precise error */
+        PyObject *pair = PyObject_CallOneArg(tag_check, tag);
+        if (pair == NULL) return NULL;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            Py_DECREF(pair);
+            PyErr_SetString(PyExc_TypeError, "check_tag must return (bytes, int)");
+            return NULL;
+        }
+        tag_bytes = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
+        hashed = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
+        Py_DECREF(pair);
+    }
+    PyObject *key_bytes;
+    if (key == Py_None) {
+        key_bytes = Py_NewRef(EMPTY_BYTES);
+    } else if (PyUnicode_CheckExact(key)) {
+        Py_ssize_t klen;
+        const char *k = PyUnicode_AsUTF8AndSize(key, &klen);
+        if (k == NULL || klen > MAX_NAME) { /* not UTF-8 encodable, or too long */
+            PyErr_Clear();
+            Py_DECREF(tag_bytes);
+            Py_DECREF(hashed);
+            return NULL;
+        }
+        key_bytes = PyBytes_FromStringAndSize(k, klen);
+    } else {
+        Py_DECREF(tag_bytes);
+        Py_DECREF(hashed);
+        return NULL;
+    }
+    if (key_bytes == NULL) {
+        Py_DECREF(tag_bytes);
+        Py_DECREF(hashed);
+        return NULL;
+    }
+    /* As StoreMessage._check: the head, the strings and 255 bytes of topic at most. */
+    Py_ssize_t size = HEAD_SIZE + PyBytes_GET_SIZE(tag_bytes) + PyBytes_GET_SIZE(key_bytes) +
+                      PyBytes_GET_SIZE(body) + 255;
+    if (size + FRAME_OVERHEAD > chunk_size) {
+        Py_DECREF(tag_bytes);
+        Py_DECREF(hashed);
+        Py_DECREF(key_bytes);
+        return NULL;
+    }
+    PyObject *items[8] = {Py_NewRef(body), tag_bytes, hashed, key_bytes, Py_NewRef(key),
+                          Py_NewRef(EMPTY_BYTES), Py_NewRef(code), Py_NewRef(queue_id)};
+    return new_record(&PyTuple_Type, 8, items);
+}
+
+/* check_batch(items, outgoing_type, slow, tag_check, max_body, chunk_size, queue_count)
+ * -> list of checked tuples. An item that is neither bytes nor a plain OutgoingMessage
+ * of the common kind goes through slow(item), which checks it in Python. */
+static PyObject *check_batch(PyObject *self, PyObject *args) {
+    PyObject *items, *outgoing_type, *slow, *tag_check;
+    Py_ssize_t max_body, chunk_size, queue_count;
+    if (!PyArg_ParseTuple(args, "O!OOOnnn", &PyList_Type, &items, &outgoing_type, &slow,
+                          &tag_check, &max_body, &chunk_size, &queue_count))
+        return NULL;
+    if (!configured()) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    PyObject *result = PyList_New(n);
+    if (result == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(items, i), *checked = NULL;
+        if (PyBytes_CheckExact(item) && PyBytes_GET_SIZE(item) <= max_body &&
+            HEAD_SIZE + PyBytes_GET_SIZE(item) + 255 + FRAME_OVERHEAD <= chunk_size) {
+            PyObject *fields[8] = {Py_NewRef(item),        Py_NewRef(EMPTY_BYTES),
+                                   Py_NewRef(ZERO),        Py_NewRef(EMPTY_BYTES),
+                                   Py_NewRef(Py_None),     Py_NewRef(EMPTY_BYTES),
+                                   Py_NewRef(ZERO),        Py_NewRef(Py_None)};
+            checked = new_record(&PyTuple_Type, 8, fields);
+        } else if ((PyObject *)Py_TYPE(item) == outgoing_type && PyTuple_GET_SIZE(item) == 6) {
+            checked = check_fast(item, tag_check, max_body, chunk_size, queue_count);
+        }
+        if (checked == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            checked = PyObject_CallOneArg(slow, item);
+            if (checked == NULL) goto fail;
+        }
+        PyList_SET_ITEM(result, i, checked);
+    }
+    return result;
+fail:
+    Py_DECREF(result);
+    return NULL;
+}
+
+/* check_one((body, tag, key, properties, code, queue_id), tag_check, max_body, chunk_size,
+ *           queue_count) -> checked tuple, or None when the Python checks must decide. */
+static PyObject *check_one(PyObject *self, PyObject *args) {
+    PyObject *fields, *tag_check;
+    Py_ssize_t max_body, chunk_size, queue_count;
+    if (!PyArg_ParseTuple(args, "O!Onnn", &PyTuple_Type, &fields, &tag_check, &max_body,
+                          &chunk_size, &queue_count))
+        return NULL;
+    if (!configured()) return NULL;
+    if (PyTuple_GET_SIZE(fields) != 6) {
+        PyErr_SetString(PyExc_TypeError, "check_one takes the six fields of a send");
+        return NULL;
+    }
+    PyObject *checked = check_fast(fields, tag_check, max_body, chunk_size, queue_count);
+    if (checked == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return checked;
+}
+
+/* Writes the frame of one message record at p: length, the 56-byte head, topic, tag,
+ * key, properties, body, checksum, length again (equeue.format.message/chunk). */
+static int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns,
+                         int64_t offset, int32_t q, int32_t code, uint32_t hashed, int has_key,
+                         PyObject *topic_bytes, PyObject *tag_bytes, PyObject *key_bytes,
+                         PyObject *props, PyObject *body, PyObject *xxh3) {
+    Py_ssize_t topic_len = PyBytes_GET_SIZE(topic_bytes), tl = PyBytes_GET_SIZE(tag_bytes);
+    Py_ssize_t kl = PyBytes_GET_SIZE(key_bytes), pl = PyBytes_GET_SIZE(props);
+    Py_ssize_t bl = PyBytes_GET_SIZE(body);
+    put_u32(p, (uint32_t)length);
+    char *h = p + 4;
+    put_i64(h + 0, position);
+    put_i64(h + 8, now_ns);
+    put_i64(h + 16, now_ns);
+    put_i64(h + 24, offset);
+    put_i32(h + 32, q);
+    put_i32(h + 36, code);
+    put_u32(h + 40, hashed);
+    h[44] = (char)(has_key ? FLAG_HAS_KEY : 0);
+    h[45] = (char)topic_len;
+    h[46] = (char)tl;
+    h[47] = (char)kl;
+    put_u32(h + 48, (uint32_t)pl);
+    put_u32(h + 52, (uint32_t)bl);
+    char *w = h + HEAD_SIZE;
+    memcpy(w, PyBytes_AS_STRING(topic_bytes), (size_t)topic_len);
+    w += topic_len;
+    memcpy(w, PyBytes_AS_STRING(tag_bytes), (size_t)tl);
+    w += tl;
+    memcpy(w, PyBytes_AS_STRING(key_bytes), (size_t)kl);
+    w += kl;
+    memcpy(w, PyBytes_AS_STRING(props), (size_t)pl);
+    w += pl;
+    memcpy(w, PyBytes_AS_STRING(body), (size_t)bl);
+    w += bl;
+    int64_t sum = checksum(xxh3, h, length);
+    if (sum < 0) return -1;
+    put_u32(w, (uint32_t)sum);
+    put_u32(w + 4, (uint32_t)length);
+    return 0;
+}
+
+/* The fields of a checked 8-tuple (borrowed), or -1 with TypeError. */
+typedef struct {
+    PyObject *body, *tag_bytes, *key_bytes, *key, *props, *queue_id;
+    uint32_t hashed;
+    long code;
+    Py_ssize_t length; /* of the record, without the topic */
+} Checked;
+
+static int unpack_checked(PyObject *c, Checked *out) {
+    if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) != 8) {
+        PyErr_SetString(PyExc_TypeError, "checked messages are 8-tuples");
+        return -1;
+    }
+    out->body = PyTuple_GET_ITEM(c, 0);
+    out->tag_bytes = PyTuple_GET_ITEM(c, 1);
+    out->key_bytes = PyTuple_GET_ITEM(c, 3);
+    out->key = PyTuple_GET_ITEM(c, 4);
+    out->props = PyTuple_GET_ITEM(c, 5);
+    out->queue_id = PyTuple_GET_ITEM(c, 7);
+    if (!PyBytes_Check(out->body) || !PyBytes_Check(out->tag_bytes) ||
+        !PyBytes_Check(out->key_bytes) || !PyBytes_Check(out->props)) {
+        PyErr_SetString(PyExc_TypeError, "checked messages carry bytes");
+        return -1;
+    }
+    out->hashed = (uint32_t)PyLong_AsUnsignedLongMask(PyTuple_GET_ITEM(c, 2));
+    out->code = PyLong_AsLong(PyTuple_GET_ITEM(c, 6));
+    if (PyErr_Occurred()) return -1;
+    out->length = HEAD_SIZE + PyBytes_GET_SIZE(out->tag_bytes) +
+                  PyBytes_GET_SIZE(out->key_bytes) + PyBytes_GET_SIZE(out->props) +
+                  PyBytes_GET_SIZE(out->body);
+    return 0;
+}
+
+/* write_one(mm, data_offset, start, room, base, now_ns, topic, topic_bytes, checked,
+ *           queue_id, queue_offset, queue_map, queue_end, queue_size, id_prefix,
+ *           result_type, stored_at, xxh3) -> (SendResult, end) or None
+ *
+ * A single send whose queue the caller picked: its frame at data offset start, then
+ * its queue entry at queue_end. None (nothing written) if either does not fit. */
+static PyObject *write_one(PyObject *self, PyObject *args) {
+    PyObject *mm, *topic, *topic_bytes, *checked, *qmap, *id_prefix, *result_type, *stored_at;
+    PyObject *xxh3;
+    Py_ssize_t data_offset, start, room, q, qend, qsize;
+    long long base, now_ns, offset;
+    if (!PyArg_ParseTuple(args, "OnnnLLOO!OnLOnnUO!O!O", &mm, &data_offset, &start, &room,
+                          &base, &now_ns, &topic, &PyBytes_Type, &topic_bytes, &checked, &q,
+                          &offset, &qmap, &qend, &qsize, &id_prefix, &PyType_Type,
+                          &result_type, &PyFloat_Type, &stored_at, &xxh3))
+        return NULL;
+    if (!configured()) return NULL;
+    if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
+        PyErr_SetString(PyExc_ValueError, "id_prefix must be ASCII");
+        return NULL;
+    }
+    Checked c;
+    if (unpack_checked(checked, &c) < 0) return NULL;
+    Py_ssize_t length = c.length + PyBytes_GET_SIZE(topic_bytes);
+    if (start + length + FRAME_OVERHEAD > room || qend + QUEUE_RECORD > qsize) Py_RETURN_NONE;
+    Py_buffer log, qbuf;
+    if (PyObject_GetBuffer(mm, &log, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(qmap, &qbuf, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&log);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    int64_t position = base + start;
+    if (data_offset + room > log.len || data_offset + qsize > qbuf.len) {
+        PyErr_SetString(PyExc_ValueError, "a data area lies outside its mapping");
+    } else if (frame_message((char *)log.buf + data_offset + start, length, position, now_ns,
+                             offset, (int32_t)q, (int32_t)c.code, c.hashed, c.key != Py_None,
+                             topic_bytes, c.tag_bytes, c.key_bytes, c.props, c.body,
+                             xxh3) == 0) {
+        char *slot = (char *)qbuf.buf + data_offset + qend; /* after the frame */
+        put_i64(slot, position + 1);
+        put_u32(slot + 8, c.hashed);
+        PyObject *fields[6] = {message_id(id_prefix, position), Py_NewRef(topic),
+                               PyLong_FromSsize_t(q), PyLong_FromLongLong(offset),
+                               PyLong_FromLongLong(position), Py_NewRef(stored_at)};
+        PyObject *result = new_record((PyTypeObject *)result_type, 6, fields);
+        if (result != NULL) out = Py_BuildValue("(Nn)", result, start + length + FRAME_OVERHEAD);
+    }
+    PyBuffer_Release(&qbuf);
+    PyBuffer_Release(&log);
+    return out;
+}
+
+/* --- write_run ------------------------------------------------------------------ */
+
+typedef struct {
+    int q;
+    int64_t position;
+    uint32_t hashed;
+} Entry;
+
+/* write_run(mm, data_offset, start, room, base, now_ns, topic, topic_bytes, checked, i,
+ *           turn, queue_maps, queue_ends, queue_sizes, next_offsets, id_prefix,
+ *           result_type, stored_at, xxh3, xxh32, results)
+ * -> (i, end, turn, taken, keyed)
+ *
+ * Frames the run of checked messages from checked[i] that fit the log chunk (data
+ * offsets start..room) and their queues' current chunks, appending a SendResult per
+ * message to results; then writes their queue entries, after every frame. Nothing is
+ * published: the caller raises data_end of each chunk it wrote. taken[q] is the
+ * number of entries written to queue q, keyed the (key, position) of keyed messages.
+ * queue_maps[q] is None when queue q has no chunk (it then takes nothing). */
+static PyObject *write_run(PyObject *self, PyObject *args) {
+    PyObject *mm, *topic, *topic_bytes, *checked, *queue_maps, *queue_ends, *queue_sizes;
+    PyObject *next_offsets, *id_prefix, *result_type, *stored_at, *xxh3, *xxh32, *results;
+    Py_ssize_t data_offset, start, room, i, turn;
+    long long base, now_ns;
+    if (!PyArg_ParseTuple(args, "OnnnLLOO!O!nnO!O!O!O!UO!O!OOO!", &mm, &data_offset, &start,
+                          &room, &base, &now_ns, &topic, &PyBytes_Type, &topic_bytes,
+                          &PyList_Type, &checked, &i, &turn, &PyList_Type, &queue_maps,
+                          &PyList_Type, &queue_ends, &PyList_Type, &queue_sizes, &PyList_Type,
+                          &next_offsets, &id_prefix, &PyType_Type, &result_type, &PyFloat_Type,
+                          &stored_at, &xxh3, &xxh32, &PyList_Type, &results))
+        return NULL;
+    if (!configured()) return NULL;
+    if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
+        PyErr_SetString(PyExc_ValueError, "id_prefix must be ASCII");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(queue_maps);
+    if (count < 1 || PyList_GET_SIZE(queue_ends) != count ||
+        PyList_GET_SIZE(queue_sizes) != count || PyList_GET_SIZE(next_offsets) != count) {
+        PyErr_SetString(PyExc_ValueError, "one map, end, size and next offset per queue");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(checked);
+    Py_ssize_t first = i, end = start;
+    Py_buffer log = {0};
+    Py_buffer *qbufs = NULL;
+    Py_ssize_t *free_slots = NULL, *taken = NULL, *qend = NULL;
+    int64_t *qnext = NULL;
+    Entry *entries = NULL;
+    PyObject *keyed = NULL, *out = NULL;
+    int ok = 0;
+
+    if (PyObject_GetBuffer(mm, &log, PyBUF_WRITABLE) < 0) return NULL;
+    if (data_offset + room > log.len || start > room) {
+        PyErr_SetString(PyExc_ValueError, "the data area lies outside the mapping");
+        goto done;
+    }
+    qbufs = PyMem_Calloc((size_t)count, sizeof(Py_buffer));
+    free_slots = PyMem_Calloc((size_t)count, sizeof(Py_ssize_t));
+    taken = PyMem_Calloc((size_t)count, sizeof(Py_ssize_t));
+    qend = PyMem_Calloc((size_t)count, sizeof(Py_ssize_t));
+    qnext = PyMem_Calloc((size_t)count, sizeof(int64_t));
+    entries = PyMem_Calloc((size_t)(n - i > 0 ? n - i : 1), sizeof(Entry));
+    keyed = PyList_New(0);
+    if (!qbufs || !free_slots || !taken || !qend || !qnext || !entries || !keyed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t q = 0; q < count; q++) {
+        PyObject *qmap = PyList_GET_ITEM(queue_maps, q);
+        qnext[q] = PyLong_AsLongLong(PyList_GET_ITEM(next_offsets, q));
+        if (qnext[q] == -1 && PyErr_Occurred()) goto done;
+        if (qmap == Py_None) continue;
+        if (PyObject_GetBuffer(qmap, &qbufs[q], PyBUF_WRITABLE) < 0) goto done;
+        qend[q] = PyLong_AsSsize_t(PyList_GET_ITEM(queue_ends, q));
+        Py_ssize_t size = PyLong_AsSsize_t(PyList_GET_ITEM(queue_sizes, q));
+        if (PyErr_Occurred()) goto done;
+        if (data_offset + size > qbufs[q].len || qend[q] > size) {
+            PyErr_SetString(PyExc_ValueError, "a queue chunk's data area lies outside its mapping");
+            goto done;
+        }
+        free_slots[q] = (size - qend[q]) / QUEUE_RECORD;
+    }
+
+    Py_ssize_t topic_len = PyBytes_GET_SIZE(topic_bytes);
+    char *data = (char *)log.buf + data_offset;
+    Py_ssize_t done_count = 0;
+    for (; i < n; i++) {
+        Checked c;
+        if (unpack_checked(PyList_GET_ITEM(checked, i), &c) < 0) goto done;
+        PyObject *body = c.body, *tag_bytes = c.tag_bytes, *key_bytes = c.key_bytes;
+        PyObject *key = c.key, *props = c.props, *queue_id = c.queue_id;
+        uint32_t hashed = c.hashed;
+        long code = c.code;
+        Py_ssize_t length = c.length + topic_len;
+        if (end + length + FRAME_OVERHEAD > room) break;
+
+        Py_ssize_t q;
+        int by_turn = 0;
+        if (queue_id != Py_None) {
+            q = PyLong_AsSsize_t(queue_id);
+            if (q == -1 && PyErr_Occurred()) goto done;
+            if (q < 0 || q >= count) {
+                PyErr_SetString(PyExc_ValueError, "queue id out of range");
+                goto done;
+            }
+        } else if (key != Py_None) { /* pick_queue: xxh32 of the key, by the xxhash package */
+            PyObject *h = PyObject_CallOneArg(xxh32, key_bytes);
+            if (h == NULL) goto done;
+            unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
+            Py_DECREF(h);
+            if (PyErr_Occurred()) goto done;
+            q = (Py_ssize_t)(hv % (unsigned long long)count);
+        } else {
+            q = turn % count;
+            by_turn = 1;
+        }
+        if (taken[q] >= free_slots[q]) break; /* append() creates the queue's next chunk */
+        if (by_turn) turn = q + 1;
+        int64_t offset = qnext[q] + taken[q];
+        int64_t position = base + end;
+
+        if (frame_message(data + end, length, position, now_ns, offset, (int32_t)q,
+                          (int32_t)code, hashed, key != Py_None, topic_bytes, tag_bytes,
+                          key_bytes, props, body, xxh3) < 0)
+            goto done;
+
+        entries[done_count].q = (int)q;
+        entries[done_count].position = position;
+        entries[done_count].hashed = hashed;
+        done_count++;
+        taken[q]++;
+        end += length + FRAME_OVERHEAD;
+
+        if (key != Py_None) {
+            PyObject *pair = Py_BuildValue("(OL)", key, (long long)position);
+            if (pair == NULL || PyList_Append(keyed, pair) < 0) {
+                Py_XDECREF(pair);
+                goto done;
+            }
+            Py_DECREF(pair);
+        }
+        PyObject *fields[6] = {message_id(id_prefix, position), Py_NewRef(topic),
+                               PyLong_FromSsize_t(q), PyLong_FromLongLong(offset),
+                               PyLong_FromLongLong(position), Py_NewRef(stored_at)};
+        PyObject *result = new_record((PyTypeObject *)result_type, 6, fields);
+        if (result == NULL || PyList_Append(results, result) < 0) {
+            Py_XDECREF(result);
+            goto done;
+        }
+        Py_DECREF(result);
+    }
+    /* Queue entries only now, after every frame they point to. */
+    for (Py_ssize_t k = 0; k < done_count; k++) {
+        Entry *e = &entries[k];
+        char *slot = (char *)qbufs[e->q].buf + data_offset + qend[e->q];
+        put_i64(slot, e->position + 1);
+        put_u32(slot + 8, e->hashed);
+        qend[e->q] += QUEUE_RECORD;
+    }
+    {
+        PyObject *taken_list = PyList_New(count);
+        if (taken_list == NULL) goto done;
+        for (Py_ssize_t q = 0; q < count; q++) {
+            PyObject *v = PyLong_FromSsize_t(taken[q]);
+            if (v == NULL) {
+                Py_DECREF(taken_list);
+                goto done;
+            }
+            PyList_SET_ITEM(taken_list, q, v);
+        }
+        out = Py_BuildValue("(nnnNO)", i, end, turn, taken_list, keyed);
+    }
+    ok = 1;
+done:
+    (void)first;
+    if (qbufs != NULL)
+        for (Py_ssize_t q = 0; q < count; q++)
+            if (qbufs[q].obj != NULL) PyBuffer_Release(&qbufs[q]);
+    PyBuffer_Release(&log);
+    PyMem_Free(qbufs);
+    PyMem_Free(free_slots);
+    PyMem_Free(taken);
+    PyMem_Free(qend);
+    PyMem_Free(qnext);
+    PyMem_Free(entries);
+    Py_XDECREF(keyed);
+    if (!ok) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+/* --- decode_run ----------------------------------------------------------------- */
+
+/* A str for bytes that often repeat (topics, tags): the last one is reused. */
+typedef struct {
+    PyObject *str;
+    const char *bytes;
+    Py_ssize_t len;
+} Last;
+
+static PyObject *decode_cached(Last *last, const char *s, Py_ssize_t len) {
+    if (last->str != NULL && last->len == len && memcmp(last->bytes, s, (size_t)len) == 0)
+        return Py_NewRef(last->str);
+    PyObject *str = PyUnicode_DecodeUTF8(s, len, "strict");
+    if (str == NULL) return NULL;
+    Py_XSETREF(last->str, Py_NewRef(str));
+    last->bytes = s;
+    last->len = len;
+    return str;
+}
+
+/* decode_run(mm, data_offset, data_end, base, positions, message_type, id_prefix, xxh3,
+ *            decode_properties) -> list of (Message, stored tag hash) or None
+ *
+ * For each position of a chunk that is not compacted: the frame at that data offset
+ * checked (length, suffix, checksum, the head's own position) and decoded. None where
+ * anything is off; the caller reads that one again the slow way, which raises the
+ * precise error. */
+static PyObject *decode_run(PyObject *self, PyObject *args) {
+    PyObject *mm, *positions, *message_type, *id_prefix, *xxh3, *decode_props;
+    Py_ssize_t data_offset, data_end;
+    long long base;
+    if (!PyArg_ParseTuple(args, "OnnLO!O!UOO", &mm, &data_offset, &data_end, &base,
+                          &PyList_Type, &positions, &PyType_Type, &message_type, &id_prefix,
+                          &xxh3, &decode_props))
+        return NULL;
+    if (!configured()) return NULL;
+    if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
+        PyErr_SetString(PyExc_ValueError, "id_prefix must be ASCII");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(positions);
+    PyObject *out = PyList_New(n);
+    Last topic_cache = {0}, tag_cache = {0};
+    if (out == NULL) goto fail;
+    if (data_offset + data_end > view.len) {
+        PyErr_SetString(PyExc_ValueError, "the data area lies outside the mapping");
+        goto fail;
+    }
+    const char *data = (const char *)view.buf + data_offset;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long position = PyLong_AsLongLong(PyList_GET_ITEM(positions, i));
+        if (position == -1 && PyErr_Occurred()) goto fail;
+        long long local = position - base;
+        PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+        if (local < 0 || local + FRAME_OVERHEAD + HEAD_SIZE > data_end) continue;
+        const char *p = data + local;
+        uint32_t length = get_u32(p);
+        if (length < (uint32_t)HEAD_SIZE || local + FRAME_OVERHEAD + (long long)length > data_end)
+            continue;
+        const char *h = p + 4;
+        if (get_u32(h + length + 4) != length) continue;
+        if (get_i64(h) != position) continue;
+        uint32_t tl = (uint8_t)h[45], gl = (uint8_t)h[46], kl = (uint8_t)h[47];
+        uint32_t pl = get_u32(h + 48), bl = get_u32(h + 52);
+        if ((uint64_t)HEAD_SIZE + tl + gl + kl + pl + bl != length) continue;
+        int64_t sum = checksum(xxh3, (char *)h, (Py_ssize_t)length);
+        if (sum < 0) goto fail;
+        if ((uint32_t)sum != get_u32(h + length)) continue;
+
+        const char *s = h + HEAD_SIZE;
+        PyObject *topic = decode_cached(&topic_cache, s, tl);
+        s += tl;
+        PyObject *tag = topic == NULL ? NULL : decode_cached(&tag_cache, s, gl);
+        s += gl;
+        PyObject *key = NULL;
+        if (tag != NULL)
+            key = (h[44] & FLAG_HAS_KEY) ? PyUnicode_DecodeUTF8(s, kl, "strict")
+                                         : Py_NewRef(Py_None);
+        s += kl;
+        PyObject *props = NULL;
+        if (key != NULL) {
+            if (pl == 0) {
+                props = PyDict_New();
+            } else {
+                PyObject *raw = PyBytes_FromStringAndSize(s, pl);
+                props = raw == NULL ? NULL : PyObject_CallOneArg(decode_props, raw);
+                Py_XDECREF(raw);
+            }
+        }
+        s += pl;
+        if (props == NULL) { /* undecodable: the slow path reports it */
+            Py_XDECREF(topic);
+            Py_XDECREF(tag);
+            Py_XDECREF(key);
+            if (PyErr_ExceptionMatches(PyExc_MemoryError)) goto fail;
+            PyErr_Clear();
+            continue;
+        }
+        PyObject *fields[12] = {
+            message_id(id_prefix, position),
+            topic,
+            PyLong_FromLong(get_i32(h + 32)),
+            PyLong_FromLongLong(get_i64(h + 24)),
+            PyLong_FromLongLong(position),
+            tag,
+            key,
+            props,
+            PyLong_FromLong(get_i32(h + 36)),
+            PyBytes_FromStringAndSize(s, bl),
+            PyFloat_FromDouble((double)get_i64(h + 16) / 1e9),
+            PyFloat_FromDouble((double)get_i64(h + 8) / 1e9),
+        };
+        PyObject *message = new_record((PyTypeObject *)message_type, 12, fields);
+        if (message == NULL) goto fail;
+        PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)get_u32(h + 40));
+        if (pair == NULL) goto fail;
+        PyList_SET_ITEM(out, i, pair);
+        Py_DECREF(Py_None); /* the placeholder it replaces */
+    }
+    Py_XDECREF(topic_cache.str);
+    Py_XDECREF(tag_cache.str);
+    PyBuffer_Release(&view);
+    return out;
+fail:
+    Py_XDECREF(topic_cache.str);
+    Py_XDECREF(tag_cache.str);
+    Py_XDECREF(out);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+/* --- collect -------------------------------------------------------------------- */
+
+/* collect(entries, found, offset, queue_id, topic, room, out) -> (offset, bad)
+ *
+ * The untagged pull's loop over a run of queue entries [(position, tag hash)] from
+ * queue offset ``offset``: each message in found[position] = (Message, stored tag
+ * hash) is checked against its entry and appended to out, until out holds ``room``
+ * more messages. An entry with no message (removed by retention or compaction) is
+ * skipped. Returns the offset after the last entry looked at, and the index of the
+ * first entry whose message does not match it (-1 if none; the caller raises). */
+static PyObject *collect(PyObject *self, PyObject *args) {
+    PyObject *entries, *found, *topic, *out;
+    long long offset, queue_id;
+    Py_ssize_t room;
+    if (!PyArg_ParseTuple(args, "O!O!LLUnO!", &PyList_Type, &entries, &PyDict_Type, &found,
+                          &offset, &queue_id, &topic, &room, &PyList_Type, &out))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(entries), taken = 0, bad = -1;
+    for (Py_ssize_t k = 0; k < n && taken < room; k++) {
+        PyObject *entry = PyList_GET_ITEM(entries, k);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+            PyErr_SetString(PyExc_TypeError, "queue entries are (position, tag hash) pairs");
+            return NULL;
+        }
+        offset++;
+        PyObject *pair = PyDict_GetItemWithError(found, PyTuple_GET_ITEM(entry, 0));
+        if (pair == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            continue; /* removed by retention or compaction */
+        }
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "found values are (message, tag hash) pairs");
+            return NULL;
+        }
+        PyObject *message = PyTuple_GET_ITEM(pair, 0);
+        if (!PyTuple_Check(message) || PyTuple_GET_SIZE(message) < 4) {
+            PyErr_SetString(PyExc_TypeError, "messages are Message tuples");
+            return NULL;
+        }
+        int same_topic = PyUnicode_Compare(PyTuple_GET_ITEM(message, 1), topic);
+        if (same_topic == -1 && PyErr_Occurred()) return NULL;
+        long long qoff = PyLong_AsLongLong(PyTuple_GET_ITEM(message, 3));
+        long long qid = PyLong_AsLongLong(PyTuple_GET_ITEM(message, 2));
+        if (PyErr_Occurred()) return NULL;
+        int same_hash = PyObject_RichCompareBool(PyTuple_GET_ITEM(pair, 1),
+                                                 PyTuple_GET_ITEM(entry, 1), Py_EQ);
+        if (same_hash < 0) return NULL;
+        if (qoff != offset - 1 || qid != queue_id || same_topic != 0 || !same_hash) {
+            bad = k;
+            offset--;
+            break;
+        }
+        if (PyList_Append(out, message) < 0) return NULL;
+        taken++;
+    }
+    return Py_BuildValue("(Ln)", offset, bad);
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS, NULL},
+    {"check_batch", check_batch, METH_VARARGS, NULL},
+    {"check_one", check_one, METH_VARARGS, NULL},
+    {"write_run", write_run, METH_VARARGS, NULL},
+    {"write_one", write_one, METH_VARARGS, NULL},
+    {"decode_run", decode_run, METH_VARARGS, NULL},
+    {"collect", collect, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "equeue._speedups", NULL, -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    const uint16_t probe = 1;
+    if (*(const uint8_t *)&probe != 1) {
+        PyErr_SetString(PyExc_ImportError, "equeue._speedups writes little-endian only");
+        return NULL;
+    }
+    EMPTY_BYTES = PyBytes_FromStringAndSize("", 0);
+    ZERO = PyLong_FromLong(0);
+    if (EMPTY_BYTES == NULL || ZERO == NULL) return NULL;
+    return PyModule_Create(&module);
+}

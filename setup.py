@@ -1,0 +1,18 @@
+"""Builds the optional C accelerator; everything else is declared in pyproject.toml.
+
+``optional=True``: on a machine without a C compiler the build goes on without it,
+and equeue runs its pure-Python paths (see equeue/store/speedups.py).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "equeue._speedups",
+            ["equeue/_speedups.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,206 @@
+"""The C accelerator (equeue/_speedups.c) against the pure-Python paths: the same
+bytes on disk, the same results, the same errors, and damaged records still reported
+by the precise Python error."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from code_paths import code_path  # noqa: F401 - the fixture
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue.errors import CorruptRecordError, EQueueError
+from equeue.format.chunk import HEADER_SIZE
+from equeue.store import speedups
+
+needs_c = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator is not built")
+CONFIG = StoreConfig(
+    chunk_data_size=8192, queue_chunk_records=342, max_message_size=3000, flush="os"
+)
+
+
+def test_accelerator_is_built() -> None:
+    """make test builds it (setup.py); a silent build failure must not pass unnoticed."""
+    if os.environ.get("EQUEUE_PURE_PYTHON"):
+        pytest.skip("EQUEUE_PURE_PYTHON is set")
+    assert speedups.SPEEDUPS is not None, "equeue._speedups did not build or load"
+
+
+@pytest.fixture
+def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Both runs stamp the same times, so their records are byte for byte comparable."""
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
+    yield
+
+
+def data_areas(directory: Path) -> dict[str, bytes]:
+    """Every chunk file's data area (headers differ: chunk ids and creation times)."""
+    areas = {}
+    for path in sorted(directory.rglob("chunk-*")):
+        if path.suffix != ".tmp":
+            areas[str(path.relative_to(directory))] = path.read_bytes()[HEADER_SIZE:-128]
+    return areas
+
+
+names = st.text(st.characters(codec="utf-8"), max_size=6)
+outgoing = st.builds(
+    OutgoingMessage,
+    body=st.binary(max_size=700),
+    tag=st.sampled_from(["", "a", "b", "é"]),
+    key=st.none() | names,
+    properties=st.none() | st.dictionaries(names, names, max_size=2),
+    code=st.integers(-(2**31), 2**31 - 1),
+    queue_id=st.none() | st.integers(0, 2),
+)
+batch_items = st.one_of(outgoing, st.binary(max_size=300))
+steps = st.lists(
+    st.tuples(st.booleans(), st.lists(batch_items, min_size=1, max_size=12)), max_size=8
+)
+
+
+def run(path: Path, plan: list[tuple[bool, list[Any]]]) -> tuple[list[Any], list[Any]]:
+    results: list[Any] = []
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 3)
+        for one_by_one, items in plan:
+            if one_by_one:
+                for item in items:
+                    fields = item if isinstance(item, OutgoingMessage) else OutgoingMessage(item)
+                    body, tag, key, props, code, queue_id = fields
+                    results.append(
+                        store.send(
+                            "t", body, tag=tag, key=key, properties=props, code=code,
+                            queue_id=queue_id,
+                        )
+                    )  # fmt: skip
+            else:
+                results.extend(store.send_batch("t", items))
+        pulled = [store.pull("t", q, 0, max_count=1000).messages for q in store.queue_ids("t")]
+    strip = [(r.topic, r.queue_id, r.queue_offset, r.position, r.message_id[8:]) for r in results]
+    return strip, [[m._replace(message_id=m.message_id[8:]) for m in q] for q in pulled]
+
+
+@needs_c
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(plan=steps)
+def test_same_bytes_and_results(
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    fixed_clock: None,
+    plan: list[tuple[bool, list[Any]]],
+) -> None:
+    base = tmp_path_factory.mktemp("same")
+    fast = run(base / "c", plan)
+    with monkeypatch.context() as m:
+        m.setattr(speedups, "SPEEDUPS", None)
+        slow = run(base / "python", plan)
+    assert fast == slow
+    assert data_areas(base / "c") == data_areas(base / "python")
+    sent = sum(len(items) for _, items in plan)
+    assert len(fast[0]) == sent and sum(map(len, fast[1])) == sent
+
+
+@needs_c
+def test_same_bytes_across_queue_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed_clock: None
+) -> None:
+    """Runs that end where a queue chunk is full (342 entries) or a log chunk is."""
+    plan: list[tuple[bool, list[Any]]] = [
+        (False, [OutgoingMessage(b"%d" % i, queue_id=i % 2) for i in range(900)]),
+        (True, [b"single %d" % i for i in range(400)]),
+    ]
+    fast = run(tmp_path / "c", plan)
+    with monkeypatch.context() as m:
+        m.setattr(speedups, "SPEEDUPS", None)
+        slow = run(tmp_path / "python", plan)
+    assert fast == slow
+    areas = data_areas(tmp_path / "c")
+    assert areas == data_areas(tmp_path / "python")
+    assert sum("queues" in name for name in areas) > 3  # queue chunks did fill up
+
+
+bad_fields = st.fixed_dictionaries(
+    {
+        "body": st.sampled_from([b"ok", bytearray(b"ba"), "str", None, b"x" * 3001]),
+        "tag": st.sampled_from(["", "t", 5, "x" * 256, "\ud800"]),
+        "key": st.sampled_from([None, "k", 7, "y" * 256, "\udfff"]),
+        "properties": st.sampled_from([None, {}, {"a": "b"}, {"a": 1}, []]),
+        "code": st.sampled_from([0, -(2**31), 2**31, True, 1.5, "1"]),
+        "queue_id": st.sampled_from([None, 0, 2, 3, -1, False, "0"]),
+    }
+)
+
+
+def attempt(store: MessageStore, fields: dict[str, Any], as_batch: bool) -> tuple[str, str]:
+    try:
+        if as_batch:
+            store.send_batch("t", [b"first", OutgoingMessage(**fields)])
+        else:
+            rest = {k: v for k, v in fields.items() if k != "body"}
+            store.send("t", fields["body"], **rest)
+    except EQueueError as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+@needs_c
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(fields=bad_fields, as_batch=st.booleans())
+def test_same_errors(
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    fields: dict[str, Any],
+    as_batch: bool,
+) -> None:
+    """Whatever the mix of good and bad fields, both paths accept or reject alike, with
+    the same error; a rejected send writes nothing."""
+    base = tmp_path_factory.mktemp("errors")
+    seen = []
+    for kind in ("c", "python"):
+        with monkeypatch.context() as m:
+            if kind == "python":
+                m.setattr(speedups, "SPEEDUPS", None)
+            with MessageStore.open(base / kind, CONFIG) as store:
+                store.create_topic("t", 3)
+                before = data_areas(base / kind)
+                got = attempt(store, fields, as_batch)
+                if got[0] != "ok":
+                    assert data_areas(base / kind) == before
+                    assert store.queue_range("t", 0) == (0, 0)
+                seen.append(got)
+    assert seen[0] == seen[1]
+
+
+@pytest.mark.usefixtures("code_path")
+def test_damaged_record_reported(tmp_path: Path) -> None:
+    """A damaged record in a completed chunk: the C decoder hands it to the Python path,
+    which raises with the file and offset; the queue's other messages still read."""
+    bodies = [b"m%03d" % i + bytes(100) for i in range(200)]  # three 8 KiB log chunks
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 2)
+        sent = store.send_batch("t", bodies)
+        clean = store.pull("t", 0, 0, max_count=10)  # control: undamaged, reads fine
+        assert [m.body for m in clean.messages] == bodies[0:20:2]
+    victim = sent[4]  # queue 0, offset 2, in the first (completed) chunk
+    chunk = tmp_path / "s" / "messages" / "chunk-000000000000.0000"
+    at = HEADER_SIZE + victim.position + 4 + 56 + len("t") + 1  # the body's 2nd byte
+    with chunk.open("r+b") as f:
+        f.seek(at)
+        f.write(b"X")
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        with pytest.raises(CorruptRecordError) as caught:
+            store.pull("t", 0, 0, max_count=10)
+        assert chunk.name in str(caught.value)
+        assert [m.body for m in store.pull("t", 0, 0, max_count=2).messages] == bodies[0:4:2]
+        assert [m.body for m in store.pull("t", 0, 3, max_count=2).messages] == bodies[6:10:2]
