@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 import equeue.format.message
-import equeue.store.store
+import equeue.store.reads
 import equeue.store.validate
 from equeue import Message, MessageStore, OutgoingMessage, SendResult, StoreConfig
 from equeue.errors import (
@@ -346,7 +346,7 @@ def test_pull_tag_filter_hash_collision(
     cache_clear()
     monkeypatch.setattr(equeue.format.message, "tag_hash", colliding)
     monkeypatch.setattr(equeue.store.validate, "tag_hash", colliding)
-    monkeypatch.setattr(equeue.store.store, "tag_hash", colliding)
+    monkeypatch.setattr(equeue.store.reads, "tag_hash", colliding)
     try:
         send_tagged(store, ["red", "blue", "green", "red", "blue"])
         entries = store._queues["t"][0].entries(0, 10)

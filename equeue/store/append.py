@@ -31,13 +31,10 @@ from equeue.store import speedups
 from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
 from equeue.store.types import SendResult
+from equeue.store.validate import Checked
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _xxh32 = xxhash.xxh32_intdigest
-
-# A send after the store's checks: body, tag bytes, tag hash, key bytes, key,
-# properties bytes, code, queue id (None: by key, else round robin).
-Checked = tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]
 
 
 def pick_queue(

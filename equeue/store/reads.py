@@ -4,6 +4,8 @@ point to them, and read a queue's run at a time.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import xxhash
 
 from equeue.chunks import ChunkManager, ChunkReader
@@ -12,6 +14,7 @@ from equeue.errors import (
     ChunkRemovedError,
     CompactedAwayError,
     CorruptRecordError,
+    InvalidTypeError,
     PositionNotFoundError,
 )
 from equeue.format.chunk import HEADER_SIZE
@@ -22,6 +25,7 @@ from equeue.format.message import (
     TAG_HASH,
     TAG_HASH_OFFSET,
     decode_properties,
+    tag_hash,
 )
 from equeue.store import speedups
 from equeue.store.append import message_id
@@ -43,6 +47,56 @@ class LogReader:
         if self.read_only and position >= self._messages.committed_position:
             self._messages.refresh()
         return self.decode(position, self._reader.read(position))
+
+    def pull_run(
+        self, queue: Queue, offset: int, max_count: int, wanted: dict[int, set[str]] | None
+    ) -> tuple[list[Message], int]:
+        """A pull's messages from ``offset`` on, each checked against its queue entry (topic,
+        queue, offset, tag hash), and the offset to go on from."""
+        messages: list[Message] = []
+        fast = speedups.SPEEDUPS
+        while len(messages) < max_count:
+            entries = queue.entries(offset, max_count if wanted is None else 256)
+            if not entries:
+                break
+            kept = [p for p, hashed in entries if wanted is None or hashed in wanted]
+            try:
+                found = self.read_run(kept)
+            except (PositionNotFoundError, CorruptRecordError) as exc:
+                raise self.bad_entry(queue, offset, entries, exc) from exc
+            if wanted is None and fast is not None:
+                offset, bad = fast.collect(
+                    entries, found, offset, queue.queue_id, queue.topic,
+                    max_count - len(messages), messages,
+                )  # fmt: skip
+                if bad >= 0:  # offset is that entry's
+                    position, hashed = entries[bad]
+                    message, stored_hash = found[position]
+                    raise self.wrong_message(queue, offset, message, hashed, stored_hash)
+                offset = max(offset, queue.first_offset)
+                continue
+            for position, hashed in entries:
+                offset += 1
+                if wanted is not None and hashed not in wanted:
+                    continue
+                read = found.get(position)
+                if read is None:
+                    continue  # removed by retention or compaction
+                message, stored_hash = read
+                if (
+                    message.queue_offset != offset - 1
+                    or message.queue_id != queue.queue_id
+                    or message.topic != queue.topic
+                    or stored_hash != hashed
+                ):
+                    raise self.wrong_message(queue, offset - 1, message, hashed, stored_hash)
+                if wanted is not None and message.tag not in wanted[hashed]:
+                    continue  # a hash collision
+                messages.append(message)
+                if len(messages) == max_count:
+                    break
+            offset = max(offset, queue.first_offset)
+        return messages, offset
 
     def wrong_message(
         self, queue: Queue, offset: int, message: Message, hashed: int, stored_hash: int
@@ -168,3 +222,17 @@ class LogReader:
             created / 1e9,
             stored / 1e9,
         )
+
+
+def tag_filter(tags: str | Iterable[str] | None) -> dict[int, set[str]] | None:
+    """{tag hash: tags} for a tag filter; None means every message."""
+    if tags is None or tags == "*":
+        return None
+    if isinstance(tags, str):
+        tags = [tags]
+    wanted: dict[int, set[str]] = {}
+    for tag in tags:
+        if not isinstance(tag, str):
+            raise InvalidTypeError(f"tags must be str values, got {type(tag).__name__}")
+        wanted.setdefault(tag_hash(tag), set()).add(tag)
+    return wanted

@@ -30,16 +30,14 @@ from equeue.errors import (
     StoreWriteError,
     TopicNotFoundError,
 )
-from equeue.format.chunk import FRAME_OVERHEAD
 from equeue.format.message import (
     MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
     STORED_TIME_OFFSET,
     decode_message_id,
-    tag_hash,
 )
 from equeue.store import speedups, validate
-from equeue.store.append import Appender, Checked
+from equeue.store.append import Appender
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
 from equeue.store.keyindex import KeyIndex
@@ -56,10 +54,11 @@ from equeue.store.meta import (
     writer_running,
 )
 from equeue.store.queue import Queue
-from equeue.store.reads import LogReader
+from equeue.store.reads import LogReader, tag_filter
 from equeue.store.recovery import RecoveryReport, recovery_start, redispatch
 from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
+from equeue.store.validate import Checked
 
 _MAX_NAME = validate.MAX_NAME_BYTES
 # Recovery re-dispatches what was written after the last checkpoint; one is written
@@ -443,7 +442,9 @@ class MessageStore:
                         self._wake()
                     return result
         if checked is None:
-            checked = self._check(topic, count, body, tag, key, properties, code, queue_id)
+            checked = validate.check_message(
+                self.config, topic, count, body, tag, key, properties, code, queue_id
+            )
         return self._store(topic, queues, [checked])[0]
 
     def send_batch(
@@ -463,7 +464,7 @@ class MessageStore:
                     f"send_batch takes bytes, OutgoingMessage or dict items, got "
                     f"{type(message).__name__}"
                 )
-            return self._check(topic, count, *message)
+            return validate.check_message(self.config, topic, count, *message)
 
         fast = speedups.SPEEDUPS
         if fast is None:
@@ -498,41 +499,6 @@ class MessageStore:
             self._wake()
         return results
 
-    def _check(
-        self,
-        topic: str,
-        queue_count: int,
-        body: object,
-        tag: object,
-        key: object,
-        properties: object,
-        code: object,
-        queue_id: object,
-    ) -> Checked:
-        config = self.config
-        if type(body) is not bytes or len(body) > config.max_message_size:
-            body = validate.check_body(body, config.max_message_size)
-        tag_bytes, hashed = validate.check_tag(tag)
-        key_bytes = b"" if key is None else validate.check_key(key)
-        props = (
-            b""
-            if properties is None
-            else validate.check_properties(properties, config.max_properties_size)
-        )
-        if type(code) is not int:
-            code = validate.check_code(code)
-        elif not -(1 << 31) <= code < 1 << 31:
-            validate.check_code(code)
-        if queue_id is not None:
-            validate.check_queue_id(queue_id, topic, queue_count)
-        size = MESSAGE_HEAD_SIZE + len(tag_bytes) + len(key_bytes) + len(props) + len(body) + 255
-        if size + FRAME_OVERHEAD > config.chunk_data_size:
-            raise InvalidMessageError(
-                f"a message of about {size} bytes does not fit a chunk of chunk_data_size="
-                f"{config.chunk_data_size}; raise StoreConfig.chunk_data_size"
-            )
-        return (body, tag_bytes, hashed, key_bytes, key, props, code, queue_id)  # type: ignore[return-value]
-
     def _wake(self) -> None:
         if not self._waiting:
             return
@@ -560,55 +526,13 @@ class MessageStore:
             raise InvalidMessageError(f"offset must be an int >= 0, got {offset!r}")
         if not isinstance(max_count, int) or max_count < 1:
             raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
-        wanted = _tag_filter(tags)
+        wanted = tag_filter(tags)
         if self.read_only and offset >= queue.next_offset:
             self._refresh_queue(queue, offset, wait)
         offset = max(offset, queue.first_offset)
         if wait > 0 and offset >= queue.next_offset and not self.read_only:
             self._wait_for(queue, offset, wait)
-        messages: list[Message] = []
-        fast = speedups.SPEEDUPS
-        while len(messages) < max_count:
-            entries = queue.entries(offset, max_count if wanted is None else 256)
-            if not entries:
-                break
-            kept = [p for p, hashed in entries if wanted is None or hashed in wanted]
-            try:
-                found = self._log.read_run(kept)
-            except (PositionNotFoundError, CorruptRecordError) as exc:
-                raise self._log.bad_entry(queue, offset, entries, exc) from exc
-            if wanted is None and fast is not None:
-                offset, bad = fast.collect(
-                    entries, found, offset, queue.queue_id, queue.topic,
-                    max_count - len(messages), messages,
-                )  # fmt: skip
-                if bad >= 0:  # offset is that entry's
-                    position, hashed = entries[bad]
-                    message, stored_hash = found[position]
-                    raise self._log.wrong_message(queue, offset, message, hashed, stored_hash)
-                offset = max(offset, queue.first_offset)
-                continue
-            for position, hashed in entries:
-                offset += 1
-                if wanted is not None and hashed not in wanted:
-                    continue
-                read = found.get(position)
-                if read is None:
-                    continue  # removed by retention or compaction
-                message, stored_hash = read
-                if (
-                    message.queue_offset != offset - 1
-                    or message.queue_id != queue.queue_id
-                    or message.topic != queue.topic
-                    or stored_hash != hashed
-                ):
-                    raise self._log.wrong_message(queue, offset - 1, message, hashed, stored_hash)
-                if wanted is not None and message.tag not in wanted[hashed]:
-                    continue  # a hash collision
-                messages.append(message)
-                if len(messages) == max_count:
-                    break
-            offset = max(offset, queue.first_offset)
+        messages, offset = self._log.pull_run(queue, offset, max_count, wanted)
         return PullResult(messages, offset)
 
     def _wait_for(self, queue: Queue, offset: int, timeout: float) -> None:
@@ -850,17 +774,3 @@ class MessageStore:
         """Called right after the service's checkpoint."""
         if self.config.retention or self.config.max_store_bytes:
             self._retain(None)
-
-
-def _tag_filter(tags: str | Iterable[str] | None) -> dict[int, set[str]] | None:
-    """{tag hash: tags} for a tag filter; None means every message."""
-    if tags is None or tags == "*":
-        return None
-    if isinstance(tags, str):
-        tags = [tags]
-    wanted: dict[int, set[str]] = {}
-    for tag in tags:
-        if not isinstance(tag, str):
-            raise InvalidTypeError(f"tags must be str values, got {type(tag).__name__}")
-        wanted.setdefault(tag_hash(tag), set()).add(tag)
-    return wanted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from equeue.errors import (
     InvalidMessageError,
@@ -11,9 +12,16 @@ from equeue.errors import (
     MessageTooLargeError,
     QueueNotFoundError,
 )
-from equeue.format.message import encode_properties, tag_hash
+from equeue.format.chunk import FRAME_OVERHEAD
+from equeue.format.message import MESSAGE_HEAD_SIZE, encode_properties, tag_hash
+
+if TYPE_CHECKING:
+    from equeue.store.config import StoreConfig
 
 MAX_NAME_BYTES = 255
+# A send after its checks: body, tag bytes, tag hash, key bytes, key, properties
+# bytes, code, queue id (None: by key, else round robin).
+Checked = tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]
 _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+\Z")
 _INT32 = 1 << 31
 
@@ -133,3 +141,36 @@ def check_queue_count(queue_count: object) -> int:
     if not 1 <= queue_count <= 1024:
         raise InvalidMessageError(f"queue_count {queue_count} must lie in [1, 1024]")
     return queue_count
+
+
+def check_message(
+    config: StoreConfig,
+    topic: str,
+    queue_count: int,
+    body: object,
+    tag: object,
+    key: object,
+    properties: object,
+    code: object,
+    queue_id: object,
+) -> Checked:
+    """Every field of a send, in order; the first bad one raises."""
+    if type(body) is not bytes or len(body) > config.max_message_size:
+        body = check_body(body, config.max_message_size)
+    tag_bytes, hashed = check_tag(tag)
+    key_bytes = b"" if key is None else check_key(key)
+    props = b"" if properties is None else check_properties(properties, config.max_properties_size)
+    if type(code) is not int:
+        code = check_code(code)
+    elif not -_INT32 <= code < _INT32:
+        check_code(code)
+    if queue_id is not None:
+        check_queue_id(queue_id, topic, queue_count)
+    # 255: the longest topic, so a message that fits fits whatever its topic.
+    size = MESSAGE_HEAD_SIZE + len(tag_bytes) + len(key_bytes) + len(props) + len(body) + 255
+    if size + FRAME_OVERHEAD > config.chunk_data_size:
+        raise InvalidMessageError(
+            f"a message of about {size} bytes does not fit a chunk of chunk_data_size="
+            f"{config.chunk_data_size}; raise StoreConfig.chunk_data_size"
+        )
+    return (body, tag_bytes, hashed, key_bytes, key, props, code, queue_id)  # type: ignore[return-value]
