@@ -2,6 +2,7 @@
 from collections.abc import Callable
 from typing import Any
 
+def xxh3_64(data: bytes | memoryview, /) -> int: ...
 def configure(head_size: int, frame_overhead: int, queue_record: int, max_name: int, /) -> None: ...
 def check_batch(
     items: list[Any],
@@ -40,7 +41,6 @@ def write_run(
     id_prefix: str,
     result_type: type,
     stored_at: float,
-    xxh3: Callable[[Any], int],
     xxh32: Callable[[bytes], int],
     results: list[Any],
     /,
@@ -53,7 +53,6 @@ def decode_run(
     positions: list[int],
     message_type: type,
     id_prefix: str,
-    xxh3: Callable[[Any], int],
     decode_properties: Callable[[bytes], dict[str, str]],
     /,
 ) -> list[Any]: ...
@@ -85,6 +84,5 @@ def write_one(
     id_prefix: str,
     result_type: type,
     stored_at: float,
-    xxh3: Callable[[Any], int],
     /,
 ) -> tuple[Any, int] | None: ...

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 from code_paths import code_path  # noqa: F401 - the fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,6 +32,23 @@ def test_accelerator_is_built() -> None:
     if os.environ.get("EQUEUE_PURE_PYTHON"):
         pytest.skip("EQUEUE_PURE_PYTHON is set")
     assert speedups.SPEEDUPS is not None, "equeue._speedups did not build or load"
+
+
+@needs_c
+def test_checksum_is_the_xxhash_packages_for_every_length() -> None:
+    """The C checksum (XXH3-64, written out) against the xxhash package: every length
+    through the short, mid-size and long (striped, 1 KiB blocks) paths."""
+    assert speedups.SPEEDUPS is not None
+    for n in range(2100):
+        data = bytes((i * 131 + n) % 251 for i in range(n))
+        assert speedups.SPEEDUPS.xxh3_64(data) == xxhash.xxh3_64_intdigest(data), n
+
+
+@needs_c
+@given(data=st.binary(max_size=5000))
+def test_checksum_matches_xxhash_on_random_bytes(data: bytes) -> None:
+    assert speedups.SPEEDUPS is not None
+    assert speedups.SPEEDUPS.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
 
 
 @pytest.fixture

@@ -33,7 +33,6 @@ from equeue.store.queue import Queue
 from equeue.store.types import SendResult
 from equeue.store.validate import Checked
 
-_xxh3 = xxhash.xxh3_64_intdigest
 _xxh32 = xxhash.xxh32_intdigest
 
 
@@ -253,7 +252,7 @@ class Appender:
                 chunk.base, now, topic, self._topic_bytes[topic], checked, i,
                 self._round_robin[topic], maps, ends, sizes,
                 [queue.next_offset for queue in queues], self._id_prefix, SendResult,
-                now / 1e9, _xxh3, _xxh32, results,
+                now / 1e9, _xxh32, results,
             )  # fmt: skip
         except BaseException:
             del results[before:]  # nothing was published: none of them was sent
@@ -276,10 +275,13 @@ class Appender:
         chunk = self._writer._chunk
         if chunk is None or self._closed():
             return None
-        key = checked[4]
-        queue_id, turn = pick_queue(
-            checked[7], key, checked[3], len(queues), self._round_robin[topic]
-        )
+        key, queue_id = checked[4], checked[7]
+        turn = self._round_robin[topic]
+        if queue_id is None and key is None:  # pick_queue's round robin, inlined
+            queue_id = turn % len(queues)
+            turn = queue_id + 1
+        else:
+            queue_id, turn = pick_queue(queue_id, key, checked[3], len(queues), turn)
         queue = queues[queue_id]
         entries = queue.current_chunk()
         if entries is None:
@@ -289,7 +291,7 @@ class Appender:
             chunk.writable_mapping(), HEADER_SIZE, chunk.data_end, chunk.data_size,
             chunk.base, now, topic, self._topic_bytes[topic], checked, queue_id,
             queue.next_offset, entries.writable_mapping(), entries.data_end,
-            entries.data_size, self._id_prefix, SendResult, now / 1e9, _xxh3,
+            entries.data_size, self._id_prefix, SendResult, now / 1e9,
         )  # fmt: skip
         if done is None:
             return None

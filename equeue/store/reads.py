@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import xxhash
-
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.chunks.chunk import Chunk
 from equeue.errors import (
@@ -31,8 +29,6 @@ from equeue.store import speedups
 from equeue.store.append import message_id
 from equeue.store.queue import Queue
 from equeue.store.types import Message
-
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 class LogReader:
@@ -160,7 +156,7 @@ class LogReader:
                 if mm is not None:
                     decoded = fast.decode_run(
                         mm, HEADER_SIZE, chunk.physical_end, base, run, Message,
-                        self._id_prefix, _xxh3, decode_properties,
+                        self._id_prefix, decode_properties,
                     )  # fmt: skip
                     for position, pair in zip(run, decoded, strict=True):
                         # None: not an intact record; decode() says what is wrong
