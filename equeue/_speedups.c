@@ -1,7 +1,7 @@
 /* The store's hot loops in C: checking a batch of sends, framing message records
  * into the log chunk's mapping, and decoding a run of records for a pull.
  *
- * Optional: equeue/store/speedups.py imports this module when it was built and
+ * Optional: equeue/speedups.py imports this module when it was built and
  * falls back to the pure-Python paths otherwise (or when EQUEUE_PURE_PYTHON is
  * set). Every layout written or read here is the one in equeue/format/ (chunk.py:
  * the record frame; message.py: the 56-byte message head and the 12-byte queue
@@ -882,6 +882,75 @@ static PyObject *collect(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Ln)", offset, bad);
 }
 
+/* --- scan_frames ---------------------------------------------------------------- */
+
+/* scan_frames(buf, data_offset, available, max_length, start) -> (offset, count)
+ *
+ * Recovery's walk over the framed records of a chunk's data area from ``start``: every
+ * frame with a non-zero length up to max_length, inside the ``available`` bytes, whose
+ * suffix and checksum match. Stops at the first frame that is not such (or at a zero
+ * length) and returns its data offset and how many records came before; the caller
+ * looks at that frame again in Python, which says what is wrong with it. */
+static PyObject *scan_frames(PyObject *self, PyObject *args) {
+    PyObject *buf;
+    Py_ssize_t data_offset, available, max_length, offset;
+    if (!PyArg_ParseTuple(args, "Onnnn", &buf, &data_offset, &available, &max_length, &offset))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (data_offset < 0 || available < 0 || offset < 0 || data_offset + available > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "the data area lies outside the buffer");
+        return NULL;
+    }
+    const char *data = (const char *)view.buf + data_offset;
+    Py_ssize_t count = 0;
+    Py_BEGIN_ALLOW_THREADS /* a read-only walk over memory nobody frees meanwhile */
+    while (offset + 4 + 1 + 8 <= available) {
+        uint32_t n = get_u32(data + offset);
+        if (n == 0 || (Py_ssize_t)n > max_length || offset + 12 + (Py_ssize_t)n > available)
+            break;
+        const char *payload = data + offset + 4;
+        if (get_u32(payload + n + 4) != n || get_u32(payload + n) != checksum(payload, n)) break;
+        count++;
+        offset += n + 12;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(nn)", offset, count);
+}
+
+/* --- last_nonzero --------------------------------------------------------------- */
+
+/* last_nonzero(buf, start, stop) -> one past the last non-zero byte of buf[start:stop],
+ * or start if they are all zero. Scans backwards a word at a time. */
+static PyObject *last_nonzero(PyObject *self, PyObject *args) {
+    PyObject *buf;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "Onn", &buf, &start, &stop)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (start < 0 || stop > view.len || start > stop) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "range outside the buffer");
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)view.buf;
+    Py_ssize_t end = stop;
+    Py_BEGIN_ALLOW_THREADS
+    while (end > start && (end & 7) != 0 && p[end - 1] == 0) end--;
+    while (end - 8 >= start) {
+        uint64_t word;
+        memcpy(&word, p + end - 8, 8);
+        if (word != 0) break;
+        end -= 8;
+    }
+    while (end > start && p[end - 1] == 0) end--;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(end);
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
     {"xxh3_64", py_xxh3_64, METH_O, NULL},
@@ -891,6 +960,8 @@ static PyMethodDef methods[] = {
     {"write_one", write_one, METH_VARARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
+    {"scan_frames", scan_frames, METH_VARARGS, NULL},
+    {"last_nonzero", last_nonzero, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,4 @@
-# Types of the C accelerator (equeue/_speedups.c); see equeue/store/speedups.py.
+# Types of the C accelerator (equeue/_speedups.c); see equeue/speedups.py.
 from collections.abc import Callable
 from typing import Any
 
@@ -86,3 +86,7 @@ def write_one(
     stored_at: float,
     /,
 ) -> tuple[Any, int] | None: ...
+def scan_frames(
+    buf: Any, data_offset: int, available: int, max_length: int, start: int, /
+) -> tuple[int, int]: ...
+def last_nonzero(buf: Any, start: int, stop: int, /) -> int: ...

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from equeue.store import speedups
+from equeue import speedups
 
 
 @pytest.fixture(params=["c", "python"])

@@ -27,12 +27,16 @@ from chunk_helpers import (
     snapshot,
     write_all,
 )
+from code_paths import code_path  # noqa: F401 - the fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equeue.chunks import ChunkManager, ChunkWriter, TailCut
 from equeue.errors import ChecksumMismatchError, CorruptionError
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, RECOVERED_DIR
+
+# Recovery's scans have a C path (scan_frames, last_nonzero): every test runs on both.
+pytestmark = pytest.mark.usefixtures("code_path")
 
 # Chunks 0 and 1 hold eight 500-byte records each (exactly full); the last chunk, 2,
 # holds records of these sizes. 256 has a zero low byte in its length prefix.

@@ -16,10 +16,9 @@ from code_paths import code_path  # noqa: F401 - the fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue import MessageStore, OutgoingMessage, StoreConfig, speedups
 from equeue.errors import CorruptRecordError, EQueueError
 from equeue.format.chunk import HEADER_SIZE
-from equeue.store import speedups
 
 needs_c = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator is not built")
 CONFIG = StoreConfig(
@@ -222,3 +221,15 @@ def test_damaged_record_reported(tmp_path: Path) -> None:
         assert chunk.name in str(caught.value)
         assert [m.body for m in store.pull("t", 0, 0, max_count=2).messages] == bodies[0:4:2]
         assert [m.body for m in store.pull("t", 0, 3, max_count=2).messages] == bodies[6:10:2]
+
+
+@needs_c
+@given(
+    data=st.lists(st.sampled_from([0, 0, 0, 1, 255]), max_size=300).map(bytes),
+    bounds=st.tuples(st.integers(0, 300), st.integers(0, 300)),
+)
+def test_last_nonzero_matches_rstrip(data: bytes, bounds: tuple[int, int]) -> None:
+    assert speedups.SPEEDUPS is not None
+    start, stop = sorted(min(b, len(data)) for b in bounds)
+    expected = start + len(data[start:stop].rstrip(b"\0"))
+    assert speedups.SPEEDUPS.last_nonzero(data, start, stop) == expected

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from equeue import speedups
 from equeue.chunks.chunk import fsync_directory
 from equeue.format.chunk import (
     FRAME_OVERHEAD,
@@ -67,6 +68,9 @@ def scan_variable(
     offset = start
     count = 0
     problem: str | None = None
+    fast = speedups.SPEEDUPS
+    if fast is not None:  # the valid frames at C speed; the loop below looks at where it stopped
+        offset, count = fast.scan_frames(buf, HEADER_SIZE, available, max_record_size, start)
     while HEADER_SIZE + offset + FRAME_PREFIX.size <= end:
         p = HEADER_SIZE + offset
         (n,) = unpack(buf, p)
@@ -112,18 +116,24 @@ def nonzero_extent(fd: int, start: int, end: int) -> int:
     page cache, which then count as data: the bound on recovery time is one
     chunk's read, not the store's size.
     """
+    # Without this, each read's readahead fills the page cache past it with zero pages
+    # of the preallocated (unwritten) tail, which SEEK_DATA then reports as data: the
+    # scan marched through the whole rest of the chunk (0.46 s for 216 MiB, measured).
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_RANDOM)
+    fast = speedups.SPEEDUPS
+    end = min(end, os.fstat(fd).st_size)
+    if fast is not None and end > start:
+        # Mapped and scanned backwards in C: no copies, and the last range with a
+        # non-zero byte ends the search.
+        with mmap.mmap(fd, end, access=mmap.ACCESS_READ) as mm:
+            for low, high in reversed(_data_ranges(fd, start, end)):
+                found: int = fast.last_nonzero(mm, low, high)
+                if found > low:
+                    return found
+        return start
     last = start
-    pos = start
-    while pos < end:
-        stop = end
-        try:
-            pos = os.lseek(fd, pos, os.SEEK_DATA)
-            stop = min(end, os.lseek(fd, pos, os.SEEK_HOLE))
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:  # no data after pos
-                break
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
+    for pos, stop in _data_ranges(fd, start, end):
         while pos < stop:
             block = os.pread(fd, min(_BLOCK, stop - pos), pos)
             if not block:
@@ -134,6 +144,28 @@ def nonzero_extent(fd: int, start: int, end: int) -> int:
                 last = pos + len(block.rstrip(b"\0"))
             pos += len(block)
     return last
+
+
+def _data_ranges(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+    """The ranges of [start, end) that SEEK_DATA reports as data (all of it where the
+    file system cannot tell)."""
+    ranges = []
+    pos = start
+    while pos < end:
+        try:
+            low = os.lseek(fd, pos, os.SEEK_DATA)
+            high = min(end, os.lseek(fd, low, os.SEEK_HOLE))
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data after pos
+                break
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            return [(start, end)]
+        if low >= end:
+            break
+        ranges.append((low, high))
+        pos = high
+    return ranges
 
 
 def make_side_dir(directory: Path) -> Path:

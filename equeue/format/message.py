@@ -54,6 +54,7 @@ TAG_HASH: Final = struct.Struct("<I")  # the head's tag hash, read alone by pull
 TAG_HASH_OFFSET: Final = 40
 assert MESSAGE_HEAD.unpack(bytes(40) + b"\x01\x02\x03\x04" + bytes(12))[6] == 0x04030201
 FLAG_HAS_KEY: Final = 1
+MAX_NAME_BYTES: Final = 255  # topic, tag and key lengths are u8 fields of the head
 
 QUEUE_RECORD: Final = struct.Struct("<qI")
 QUEUE_RECORD_SIZE: Final = QUEUE_RECORD.size

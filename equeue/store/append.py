@@ -16,6 +16,7 @@ from types import ModuleType
 
 import xxhash
 
+from equeue import speedups
 from equeue.chunks import ChunkWriter
 from equeue.chunks.chunk import Chunk
 from equeue.errors import ClosedError, StoreWriteError
@@ -27,7 +28,6 @@ from equeue.format.message import (
     message_length,
     pack_message,
 )
-from equeue.store import speedups
 from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
 from equeue.store.types import SendResult

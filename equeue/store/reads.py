@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from equeue import speedups
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.chunks.chunk import Chunk
 from equeue.errors import (
@@ -25,7 +26,6 @@ from equeue.format.message import (
     decode_properties,
     tag_hash,
 )
-from equeue.store import speedups
 from equeue.store.append import message_id
 from equeue.store.queue import Queue
 from equeue.store.types import Message

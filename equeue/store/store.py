@@ -11,6 +11,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from equeue import speedups
 from equeue.atomicfile import remove_temp_files, write_json
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.chunks.config import MiB
@@ -31,12 +32,13 @@ from equeue.errors import (
     TopicNotFoundError,
 )
 from equeue.format.message import (
+    MAX_NAME_BYTES,
     MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
     STORED_TIME_OFFSET,
     decode_message_id,
 )
-from equeue.store import speedups, validate
+from equeue.store import validate
 from equeue.store.append import Appender
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
@@ -60,7 +62,7 @@ from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
 
-_MAX_NAME = validate.MAX_NAME_BYTES
+_MAX_NAME = MAX_NAME_BYTES
 # Recovery re-dispatches what was written after the last checkpoint; one is written
 # whenever this much log has been written since, so that work stays bounded.
 _CHECKPOINT_BYTES = 32 * MiB

@@ -13,12 +13,16 @@ from equeue.errors import (
     QueueNotFoundError,
 )
 from equeue.format.chunk import FRAME_OVERHEAD
-from equeue.format.message import MESSAGE_HEAD_SIZE, encode_properties, tag_hash
+from equeue.format.message import (
+    MAX_NAME_BYTES,
+    MESSAGE_HEAD_SIZE,
+    encode_properties,
+    tag_hash,
+)
 
 if TYPE_CHECKING:
     from equeue.store.config import StoreConfig
 
-MAX_NAME_BYTES = 255
 # A send after its checks: body, tag bytes, tag hash, key bytes, key, properties
 # bytes, code, queue id (None: by key, else round robin).
 Checked = tuple[bytes, bytes, int, bytes, str | None, bytes, int, int | None]

@@ -13,8 +13,7 @@ import os
 from types import ModuleType
 
 from equeue.format.chunk import FRAME_OVERHEAD
-from equeue.format.message import MESSAGE_HEAD_SIZE, QUEUE_RECORD_SIZE
-from equeue.store.validate import MAX_NAME_BYTES
+from equeue.format.message import MAX_NAME_BYTES, MESSAGE_HEAD_SIZE, QUEUE_RECORD_SIZE
 
 log = logging.getLogger(__name__)
 
