@@ -1,7 +1,7 @@
 """Builds the optional C accelerator; everything else is declared in pyproject.toml.
 
 ``optional=True``: on a machine without a C compiler the build goes on without it,
-and equeue runs its pure-Python paths (see equeue/store/speedups.py).
+and equeue runs its pure-Python paths (see equeue/speedups.py).
 """
 
 from setuptools import Extension, setup

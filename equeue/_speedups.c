@@ -13,9 +13,11 @@
  * takes the common, valid case.
  *
  * Memory: buffers are taken with PyObject_GetBuffer and released before
- * returning; the GIL is held throughout, so no other thread can close or remap
- * a chunk while a pointer into it is live. Integers are written little-endian
- * (the module refuses to load on a big-endian machine).
+ * returning. While a buffer is exported, mmap.close() refuses (BufferError) and
+ * the mapping stays valid, whatever other threads do when the GIL is released
+ * (explicitly in scan_frames and last_nonzero, or by Python code the functions
+ * call). Integers are written little-endian (the module refuses to load on a
+ * big-endian machine).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -48,14 +50,18 @@ static int configured(void) {
 }
 
 static PyObject *configure(PyObject *self, PyObject *args) {
-    if (!PyArg_ParseTuple(args, "nnnl", &HEAD_SIZE, &FRAME_OVERHEAD, &QUEUE_RECORD, &MAX_NAME))
-        return NULL;
-    if (HEAD_SIZE != 56 || FRAME_OVERHEAD != 12 || QUEUE_RECORD != 12) {
-        /* The field offsets below are those of the documented layout. */
-        HEAD_SIZE = -1;
+    Py_ssize_t head, overhead, queue_record;
+    long max_name;
+    if (!PyArg_ParseTuple(args, "nnnl", &head, &overhead, &queue_record, &max_name)) return NULL;
+    /* The field offsets and u8 length fields below are those of the documented layout. */
+    if (head != 56 || overhead != 12 || queue_record != 12 || max_name < 0 || max_name > 255) {
         PyErr_SetString(PyExc_ValueError, "equeue._speedups was built for another record layout");
         return NULL;
     }
+    FRAME_OVERHEAD = overhead;
+    QUEUE_RECORD = queue_record;
+    MAX_NAME = max_name;
+    HEAD_SIZE = head; /* last: configured() looks at it */
     Py_RETURN_NONE;
 }
 
@@ -231,7 +237,9 @@ static PyObject *message_id(PyObject *prefix, int64_t position) {
 
 /* An instance of a NamedTuple class, filled with the given (stolen) references. */
 static PyObject *new_record(PyTypeObject *type, Py_ssize_t n, PyObject **items) {
-    PyObject *obj = type->tp_alloc(type, n);
+    PyObject *obj = PyType_IsSubtype(type, &PyTuple_Type) ? type->tp_alloc(type, n) : NULL;
+    if (obj == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "records are built as tuple subclasses");
     if (obj == NULL) {
         for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(items[i]);
         return NULL;
@@ -329,11 +337,13 @@ static PyObject *check_batch(PyObject *self, PyObject *args) {
                           &tag_check, &max_body, &chunk_size, &queue_count))
         return NULL;
     if (!configured()) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(items);
-    PyObject *result = PyList_New(n);
+    /* slow() and tag_check() run Python code, which may change the list: its length is
+     * read at every step, each item is held while in use, and the result list is built
+     * by appending, so it never holds an empty slot. */
+    PyObject *result = PyList_New(0);
     if (result == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(items, i), *checked = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(items, i)), *checked = NULL;
         if (PyBytes_CheckExact(item) && PyBytes_GET_SIZE(item) <= max_body &&
             HEAD_SIZE + PyBytes_GET_SIZE(item) + 255 + FRAME_OVERHEAD <= chunk_size) {
             PyObject *fields[8] = {Py_NewRef(item),        Py_NewRef(EMPTY_BYTES),
@@ -344,12 +354,12 @@ static PyObject *check_batch(PyObject *self, PyObject *args) {
         } else if ((PyObject *)Py_TYPE(item) == outgoing_type && PyTuple_GET_SIZE(item) == 6) {
             checked = check_fast(item, tag_check, max_body, chunk_size, queue_count);
         }
-        if (checked == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            checked = PyObject_CallOneArg(slow, item);
-            if (checked == NULL) goto fail;
-        }
-        PyList_SET_ITEM(result, i, checked);
+        if (checked == NULL && !PyErr_Occurred()) checked = PyObject_CallOneArg(slow, item);
+        Py_DECREF(item);
+        if (checked == NULL) goto fail;
+        int appended = PyList_Append(result, checked);
+        Py_DECREF(checked);
+        if (appended < 0) goto fail;
     }
     return result;
 fail:
@@ -468,6 +478,10 @@ static PyObject *write_one(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "id_prefix must be ASCII");
         return NULL;
     }
+    if (data_offset < 0 || start < 0 || room < 0 || base < 0 || q < 0 || qend < 0 || qsize < 0) {
+        PyErr_SetString(PyExc_ValueError, "write_one: negative offset or queue id");
+        return NULL;
+    }
     Checked c;
     if (unpack_checked(checked, &c) < 0) return NULL;
     Py_ssize_t length = c.length + PyBytes_GET_SIZE(topic_bytes);
@@ -485,14 +499,16 @@ static PyObject *write_one(PyObject *self, PyObject *args) {
     } else if (frame_message((char *)log.buf + data_offset + start, length, position, now_ns,
                              offset, (int32_t)q, (int32_t)c.code, c.hashed, c.key != Py_None,
                              topic_bytes, c.tag_bytes, c.key_bytes, c.props, c.body) == 0) {
-        char *slot = (char *)qbuf.buf + data_offset + qend; /* after the frame */
-        put_i64(slot, position + 1);
-        put_u32(slot + 8, c.hashed);
         PyObject *fields[6] = {message_id(id_prefix, position), Py_NewRef(topic),
                                PyLong_FromSsize_t(q), PyLong_FromLongLong(offset),
                                PyLong_FromLongLong(position), Py_NewRef(stored_at)};
         PyObject *result = new_record((PyTypeObject *)result_type, 6, fields);
         if (result != NULL) out = Py_BuildValue("(Nn)", result, start + length + FRAME_OVERHEAD);
+        if (out != NULL) { /* the entry last, after its frame, once nothing can fail */
+            char *slot = (char *)qbuf.buf + data_offset + qend;
+            put_i64(slot, position + 1);
+            put_u32(slot + 8, c.hashed);
+        }
     }
     PyBuffer_Release(&qbuf);
     PyBuffer_Release(&log);
@@ -533,6 +549,10 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
     if (!configured()) return NULL;
     if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
         PyErr_SetString(PyExc_ValueError, "id_prefix must be ASCII");
+        return NULL;
+    }
+    if (data_offset < 0 || start < 0 || room < 0 || base < 0 || i < 0 || turn < 0) {
+        PyErr_SetString(PyExc_ValueError, "write_run: negative offset, index or turn");
         return NULL;
     }
     Py_ssize_t count = PyList_GET_SIZE(queue_maps);
@@ -576,7 +596,7 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         qend[q] = PyLong_AsSsize_t(PyList_GET_ITEM(queue_ends, q));
         Py_ssize_t size = PyLong_AsSsize_t(PyList_GET_ITEM(queue_sizes, q));
         if (PyErr_Occurred()) goto done;
-        if (data_offset + size > qbufs[q].len || qend[q] > size) {
+        if (size < 0 || qend[q] < 0 || data_offset + size > qbufs[q].len || qend[q] > size) {
             PyErr_SetString(PyExc_ValueError, "a queue chunk's data area lies outside its mapping");
             goto done;
         }
@@ -651,14 +671,6 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
         }
         Py_DECREF(result);
     }
-    /* Queue entries only now, after every frame they point to. */
-    for (Py_ssize_t k = 0; k < done_count; k++) {
-        Entry *e = &entries[k];
-        char *slot = (char *)qbufs[e->q].buf + data_offset + qend[e->q];
-        put_i64(slot, e->position + 1);
-        put_u32(slot + 8, e->hashed);
-        qend[e->q] += QUEUE_RECORD;
-    }
     {
         PyObject *taken_list = PyList_New(count);
         if (taken_list == NULL) goto done;
@@ -671,6 +683,16 @@ static PyObject *write_run(PyObject *self, PyObject *args) {
             PyList_SET_ITEM(taken_list, q, v);
         }
         out = Py_BuildValue("(nnnNO)", i, end, turn, taken_list, keyed);
+        if (out == NULL) goto done;
+    }
+    /* Queue entries last, after every frame they point to, and once nothing can fail:
+     * a failure above leaves no non-zero slot behind for recovery to count. */
+    for (Py_ssize_t k = 0; k < done_count; k++) {
+        Entry *e = &entries[k];
+        char *slot = (char *)qbufs[e->q].buf + data_offset + qend[e->q];
+        put_i64(slot, e->position + 1);
+        put_u32(slot + 8, e->hashed);
+        qend[e->q] += QUEUE_RECORD;
     }
     ok = 1;
 done:
@@ -735,24 +757,31 @@ static PyObject *decode_run(PyObject *self, PyObject *args) {
     }
     Py_buffer view;
     if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) return NULL;
+    /* The positions come from queue entries, which a damaged file can set to anything:
+     * every comparison below is arranged so that no value can overflow. */
     Py_ssize_t n = PyList_GET_SIZE(positions);
     PyObject *out = PyList_New(n);
     Last topic_cache = {0}, tag_cache = {0};
     if (out == NULL) goto fail;
-    if (data_offset + data_end > view.len) {
+    for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+    if (data_offset < 0 || data_end < 0 || base < 0 || data_offset + data_end > view.len) {
         PyErr_SetString(PyExc_ValueError, "the data area lies outside the mapping");
         goto fail;
     }
     const char *data = (const char *)view.buf + data_offset;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long position = PyLong_AsLongLong(PyList_GET_ITEM(positions, i));
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(positions); i++) {
+        int overflow = 0;
+        long long position =
+            PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(positions, i), &overflow);
         if (position == -1 && PyErr_Occurred()) goto fail;
+        if (overflow || position < base ||
+            position - base > (long long)(data_end - FRAME_OVERHEAD - HEAD_SIZE))
+            continue; /* not a record here: the Python path names the problem */
         long long local = position - base;
-        PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
-        if (local < 0 || local + FRAME_OVERHEAD + HEAD_SIZE > data_end) continue;
         const char *p = data + local;
         uint32_t length = get_u32(p);
-        if (length < (uint32_t)HEAD_SIZE || local + FRAME_OVERHEAD + (long long)length > data_end)
+        if (length < (uint32_t)HEAD_SIZE ||
+            (long long)length > (long long)data_end - local - FRAME_OVERHEAD)
             continue;
         const char *h = p + 4;
         if (get_u32(h + length + 4) != length) continue;
@@ -787,7 +816,11 @@ static PyObject *decode_run(PyObject *self, PyObject *args) {
             Py_XDECREF(topic);
             Py_XDECREF(tag);
             Py_XDECREF(key);
-            if (PyErr_ExceptionMatches(PyExc_MemoryError)) goto fail;
+            /* Undecodable bytes: left to the slow path. MemoryError, KeyboardInterrupt
+             * and the like are not about the record and go on up. */
+            if (PyErr_ExceptionMatches(PyExc_MemoryError) ||
+                !PyErr_ExceptionMatches(PyExc_Exception))
+                goto fail;
             PyErr_Clear();
             continue;
         }

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig, speedups
-from equeue.errors import CorruptRecordError, EQueueError
+from equeue.errors import CorruptionError, CorruptRecordError, EQueueError
 from equeue.format.chunk import HEADER_SIZE
 
 needs_c = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator is not built")
@@ -233,3 +233,52 @@ def test_last_nonzero_matches_rstrip(data: bytes, bounds: tuple[int, int]) -> No
     start, stop = sorted(min(b, len(data)) for b in bounds)
     expected = start + len(data[start:stop].rstrip(b"\0"))
     assert speedups.SPEEDUPS.last_nonzero(data, start, stop) == expected
+
+
+@pytest.mark.usefixtures("code_path")
+def test_batch_changed_while_it_is_checked(tmp_path: Path) -> None:
+    """send_batch checks a private copy: a tag whose hashing empties the caller's list
+    (Python code runs inside the check) changes nothing, and nothing crashes."""
+    batch: list[Any] = []
+
+    class EmptiesTheBatch(str):
+        def __hash__(self) -> int:
+            batch.clear()
+            return str.__hash__(self)
+
+    batch.extend([OutgoingMessage(b"x", tag=EmptiesTheBatch("t"))] + [b"y"] * 3)
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 1)
+        results = store.send_batch("t", batch)
+        assert len(results) == 4
+        assert [m.body for m in store.pull("t", 0, 0).messages] == [b"x", b"y", b"y", b"y"]
+
+
+@needs_c
+@pytest.mark.parametrize("position", [-(2**63), -(2**63) + 1, 2**63 - 1, -1, 2**70, 4096 + 10])
+def test_decode_run_leaves_impossible_positions_to_python(position: int) -> None:
+    """Positions from damaged queue entries: 'not here' (None), never a crash or an
+    OverflowError; the Python path then raises the precise error."""
+    assert speedups.SPEEDUPS is not None
+    data = bytes(HEADER_SIZE + 4096)
+    decoded = speedups.SPEEDUPS.decode_run(
+        data, HEADER_SIZE, 4096, 4096, [position], tuple, "00000000", dict
+    )
+    assert decoded == [None]
+
+
+@pytest.mark.usefixtures("code_path")
+@pytest.mark.parametrize("stored", [-(2**63), -(2**63) + 1, 2**62])
+def test_damaged_queue_entry_is_a_corruption_error(tmp_path: Path, stored: int) -> None:
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 1)
+        store.send_batch("t", [b"a%d" % i for i in range(400)])  # queue chunk 0 completes
+    queue_chunk = tmp_path / "s" / "queues" / "t" / "0" / "chunk-000000000000.0000"
+    with queue_chunk.open("r+b") as f:
+        f.seek(HEADER_SIZE + 2 * 12)  # offset 2's entry: message position + 1
+        f.write(stored.to_bytes(8, "little", signed=True))
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        with pytest.raises(CorruptionError) as caught:
+            store.pull("t", 0, 2, max_count=3)
+        assert queue_chunk.name in str(caught.value)
+        assert [m.body for m in store.pull("t", 0, 0, max_count=2).messages] == [b"a0", b"a1"]

@@ -187,9 +187,25 @@ class LogReader:
             return None
 
     def decode(self, position: int, payload: bytes) -> Message:
-        (pos, stored, created, qoff, qid, code, _, flags, tl, gl, kl, pl, _) = (
+        if len(payload) < MESSAGE_HEAD_SIZE:  # a checksummed frame too short for a message
+            raise CorruptRecordError(
+                f"the record at position {position} is {len(payload)} bytes, shorter than "
+                f"a message head ({MESSAGE_HEAD_SIZE})",
+                file=str(self._messages.get_chunk_for(position).path),
+                expected=MESSAGE_HEAD_SIZE,
+                found=len(payload),
+            )
+        (pos, stored, created, qoff, qid, code, _, flags, tl, gl, kl, pl, bl) = (
             MESSAGE_HEAD.unpack_from(payload)
         )
+        if MESSAGE_HEAD_SIZE + tl + gl + kl + pl + bl != len(payload):
+            raise CorruptRecordError(
+                f"the record at position {position} holds {len(payload)} bytes, but its "
+                "head's field lengths add up to another size",
+                file=str(self._messages.get_chunk_for(position).path),
+                expected=MESSAGE_HEAD_SIZE + tl + gl + kl + pl + bl,
+                found=len(payload),
+            )
         if pos != position:
             raise CorruptRecordError(
                 f"the record at position {position} names another position",

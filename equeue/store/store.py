@@ -470,11 +470,11 @@ class MessageStore:
 
         fast = speedups.SPEEDUPS
         if fast is None:
-            checked = [check(message) for message in messages]
+            checked = [check(message) for message in list(messages)]
         else:  # the common cases in C, the rest (and every error) by check()
             config = self.config
             checked = fast.check_batch(
-                messages if type(messages) is list else list(messages),
+                list(messages),  # a private copy: check() runs Python code
                 OutgoingMessage, check, validate.check_tag,
                 config.max_message_size, config.chunk_data_size, count,
             )  # fmt: skip
