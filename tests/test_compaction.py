@@ -292,6 +292,35 @@ def test_job_removes_what_the_reference_removes_and_keeps_the_rest(
     assert snapshot_messages(tmp_path) == after
 
 
+def test_second_job_rewrites_merged_files_where_newer_keys_arrived(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """Pass 1 attributes a position to the file covering its chunk number: in a merged
+    file that is not the file's start number."""
+    fill(tmp_path, messages=1500)
+    now = time.time() + 1
+    compact(tmp_path, spark=spark, now=now)
+    merged = [c for c in take_snapshot(tmp_path).eligible if c.end_number > c.start_number]
+    assert merged
+    with MessageStore.open(tmp_path, SMALL) as store:
+        for i in range(20):
+            store.send("k", b"newer", key=f"key-{i}")
+    before = snapshot_messages(tmp_path)
+    removed = expected_removed(tmp_path, now)
+    in_merged = [
+        p
+        for p in removed
+        for c in merged
+        if p >= (c.start_number + 1) * SMALL.chunk_data_size
+        if p < (c.end_number + 1) * SMALL.chunk_data_size
+    ]
+    assert in_merged  # past the first chunk number of a merged file
+    report = compact(tmp_path, spark=spark, now=now)
+    assert report.records_removed == len(removed)
+    assert snapshot_messages(tmp_path) == {p: m for p, m in before.items() if p not in removed}
+    assert verify_store(tmp_path) == []
+
+
 @settings(
     max_examples=5,
     deadline=None,

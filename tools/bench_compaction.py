@@ -75,16 +75,30 @@ def drop_caches() -> bool:
         return False
 
 
-def worker_peak_rss() -> int:
-    """The largest VmHWM (peak resident set) of this machine's PySpark Python workers."""
-    peak = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+def worker_peak_rss(root: int) -> int:
+    """The largest VmHWM (peak resident set) of the PySpark Python workers descending from
+    process ``root``: not those of another Spark application on the machine."""
+    parents: dict[int, int] = {}
+    workers: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"pyspark.daemon" not in cmdline and b"pyspark.worker" not in cmdline:
-                continue
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            parents[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"pyspark.daemon" in cmdline or b"pyspark.worker" in cmdline:
+            workers.append(int(entry))
+    peak = 0
+    for pid in workers:
+        ancestor = pid
+        while ancestor not in (root, 0, 1) and ancestor in parents:
+            ancestor = parents[ancestor]
+        if ancestor != root:
+            continue
+        try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
                     peak = max(peak, int(line.split()[1]) * 1024)
@@ -108,12 +122,12 @@ def run_case(store: Path, master: str) -> dict[str, Any]:
     def sample() -> None:
         nonlocal peak
         while not done.wait(0.2):
-            peak = max(peak, worker_peak_rss())
+            peak = max(peak, worker_peak_rss(os.getpid()))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     report = compact(store, spark=spark)
-    peak = max(peak, worker_peak_rss())
+    peak = max(peak, worker_peak_rss(os.getpid()))
     done.set()
     spark.stop()
     return {

@@ -1,10 +1,10 @@
 """The compaction job: two passes with Spark, then an atomic commit on the driver.
 
-Pass 1 reads only metadata (``equeue.spark.source.scan_metadata``, one
-partition per chunk file, streamed) and decides the removed positions
-with Spark operations: the newest position per key of each compacted topic,
-joined back to the eligible chunks' records, plus retention and tombstone
-expiry. Only these small rows are shuffled; no record value ever is.
+Pass 1 reads only metadata and decides the removed positions (decide.py): one
+Python task per chunk file streams it and settles what it alone can
+(retention, expired tombstones); the keyed rows of compacted topics, hashed
+by key, cross one shuffle to Python tasks that find each key's newest
+position. Only these small rows are shuffled; no record value ever is.
 
 The driver collects one row per chunk (how many records and bytes it would
 lose) and plans the replacement files (plan.py). Pass 2 sends each group's
@@ -182,54 +182,48 @@ def compact(
 
 def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> DataFrame:
     """(chunk, position, size) of every record to remove, persisted: the plan and
-    pass 2 both read it."""
+    pass 2 both read it. See decide.py for the two steps."""
     from pyspark import StorageLevel
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
 
-    from equeue.spark.source import META_SCHEMA, scan_metadata
+    from equeue.compaction.decide import (
+        REMOVED_SCHEMA,
+        SCAN_SCHEMA,
+        ChunkScan,
+        RemovedRows,
+        ScanChunk,
+        TopicRule,
+    )
 
-    listing = [(c.path, c.data_end) for c in snapshot.chunks]
-    meta = spark.createDataFrame(
-        spark.sparkContext.parallelize(listing, len(listing)), "path string, data_end long"
-    ).mapInArrow(scan_metadata, META_SCHEMA)
     now_ns = int(now * 1e9)
-    policies = spark.createDataFrame(
-        [
-            (
-                topic,
-                policy.compact,
-                None
-                if policy.retention is None
-                else now_ns - int(policy.retention.total_seconds() * 1e9),
-                now_ns - int(policy.delete_retention.total_seconds() * 1e9),
-            )
-            for topic, policy in snapshot.policies.items()
-        ],
-        "topic string, compact boolean, retention_cutoff long, tombstone_cutoff long",
+    rules = {
+        topic: TopicRule(
+            compact=policy.compact,
+            retention_cutoff=None
+            if policy.retention is None
+            else now_ns - int(policy.retention.total_seconds() * 1e9),
+            tombstone_cutoff=now_ns - int(policy.delete_retention.total_seconds() * 1e9),
+        )
+        for topic, policy in snapshot.policies.items()
+    }
+    chunks = [ScanChunk(c.path, c.data_end, c.start_number, c.eligible) for c in snapshot.chunks]
+    # Partitions of key hashes small enough for one worker to sort in memory: 32 bytes
+    # a row, at most _DECIDE_ROWS rows (fewer: not every record is sent on).
+    records = sum(c.record_count for c in snapshot.chunks)
+    partitions = max(
+        int(spark.conf.get("spark.sql.shuffle.partitions") or 1), -(-records // _DECIDE_ROWS)
     )
-    # Newest position per key, over every chunk read: the ongoing chunk's keys
-    # supersede older messages too, though it is never rewritten itself. One window
-    # (one exchange and sort, no join); a keyless message forms a window of its own.
-    by_key = Window.partitionBy(
-        F.coalesce(F.col("key_hash_hi"), F.col("position")),
-        F.coalesce(F.col("key_hash_lo"), F.lit(-1)),
-    )
-    keyed = F.coalesce(F.col("compact"), F.lit(False)) & F.col("key_hash_hi").isNotNull()
-    superseded = F.col("position") < F.max("position").over(by_key)
-    expired_tombstone = F.col("tombstone") & (F.col("stored_ns") < F.col("tombstone_cutoff"))
-    expired = F.col("retention_cutoff").isNotNull() & (
-        F.col("stored_ns") < F.col("retention_cutoff")
-    )
-    removed = (
-        meta.join(F.broadcast(policies), "topic", "left")
-        .withColumn("superseded", superseded)
-        .where(F.col("chunk").isin([c.start_number for c in snapshot.eligible]))
-        .where(F.when(keyed, F.col("superseded") | expired_tombstone).otherwise(expired))
-        .select("chunk", "position", "size")
+    return (
+        spark.range(0, len(chunks), 1, len(chunks))
+        .mapInArrow(ChunkScan(chunks, rules), SCAN_SCHEMA)
+        .repartition(partitions, "hi")
+        .mapInArrow(
+            RemovedRows(sorted(c.number for c in chunks), snapshot.chunk_data_size), REMOVED_SCHEMA
+        )
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
-    return removed
+
+
+_DECIDE_ROWS: Final = 1 << 20
 
 
 def _removals_per_chunk(removed: DataFrame) -> dict[int, Removals]:
@@ -242,10 +236,18 @@ def _removals_per_chunk(removed: DataFrame) -> dict[int, Removals]:
 def _rewrite(
     spark: SparkSession, removed: DataFrame, groups: list[Group], staging: Path
 ) -> list[tuple[RewriteResult, int]]:
+    import pyarrow as pa
     from pyspark.sql import functions as F
 
+    # From an Arrow table: the JVM reads it as is, where a Python list would need
+    # Python workers just to be pickled over.
     assignment = spark.createDataFrame(
-        [(c.start_number, g.index) for g in groups for c in g.chunks], "chunk long, grp int"
+        pa.table(
+            {
+                "chunk": pa.array([c.start_number for g in groups for c in g.chunks], pa.int64()),
+                "grp": pa.array([g.index for g in groups for _ in g.chunks], pa.int32()),
+            }
+        )
     )
     work = (
         removed.join(F.broadcast(assignment), "chunk")

@@ -4,9 +4,9 @@ One partition per chunk file, each streamed once by the Python worker
 (``ChunkFile.records``: one block of memory, never the whole chunk) and
 handed to Spark as Arrow record batches. Options:
 
-- ``fields``: ``"messages"`` (default, the schema below) or ``"meta"``, the
-  compaction job's pass 1 (chunk, position, topic, key hash, stored_ns,
-  tombstone, size), which skips decoding bodies and properties.
+- ``fields``: ``"messages"`` (default, the schema below) or ``"meta"``:
+  (chunk, position, topic, key hash, stored_ns, tombstone, size), which skips
+  decoding bodies and properties.
 - ``chunks``: a JSON list of ``[path, data_end]`` to read instead of listing
   the store (the compaction job passes the snapshot it planned with).
 
@@ -179,17 +179,6 @@ def meta_batches(chunk: ChunkFile, batch_rows: int = BATCH_ROWS) -> Iterator[pa.
 _U64: Final = (1 << 64) - 1
 _2_64: Final = 1 << 64
 _I64_MAX: Final = (1 << 63) - 1
-
-
-def scan_metadata(chunks: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` over (path, data_end) rows: the compaction job's pass 1, which
-    reads the chunks of its own snapshot this way (one row, so one chunk, per
-    partition) rather than through the data source, whose driver-side planning
-    costs seconds per session."""
-    for batch in chunks:
-        paths, ends = batch.column(0).to_pylist(), batch.column(1).to_pylist()
-        for path, end in zip(paths, ends, strict=True):
-            yield from meta_batches(ChunkFile.open(path, end))
 
 
 def _meta_batch(number: int, *columns: list[Any]) -> pa.RecordBatch:
