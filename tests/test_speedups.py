@@ -282,3 +282,26 @@ def test_damaged_queue_entry_is_a_corruption_error(tmp_path: Path, stored: int) 
             store.pull("t", 0, 2, max_count=3)
         assert queue_chunk.name in str(caught.value)
         assert [m.body for m in store.pull("t", 0, 0, max_count=2).messages] == [b"a0", b"a1"]
+
+
+@pytest.mark.usefixtures("code_path")
+def test_damaged_entry_does_not_hide_earlier_messages(tmp_path: Path) -> None:
+    """A negative position in a damaged entry of a completed queue chunk: the messages
+    before it still pull (the store's first offset is not searched over damaged entries
+    when nothing was ever removed), and the damaged one raises."""
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 1)
+        store.send_batch("t", [b"a%d" % i for i in range(400)])
+    queue_chunk = tmp_path / "s" / "queues" / "t" / "0" / "chunk-000000000000.0000"
+    with queue_chunk.open("r+b") as f:
+        f.seek(HEADER_SIZE + 200 * 12)
+        f.write((-5).to_bytes(8, "little", signed=True))
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        assert store.queue_range("t", 0) == (0, 400)
+        assert [m.body for m in store.pull("t", 0, 0, max_count=3).messages] == [
+            b"a0",
+            b"a1",
+            b"a2",
+        ]
+        with pytest.raises(CorruptionError):
+            store.pull("t", 0, 199, max_count=3)

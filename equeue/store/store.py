@@ -171,9 +171,11 @@ class MessageStore:
         recorded = checkpoint.get("queues") if isinstance(checkpoint, dict) else None
         redispatch(self._reader, start, self._queues, self._keys, self.recovery, recorded)
         first = self._messages.first_position
-        for queues in self._queues.values():
-            for queue in queues:  # retention may have removed messages the queue still indexes
-                queue.first_offset = queue.first_offset_at_or_after(first)
+        # A log from 0 lost nothing to retention: no search over (maybe damaged) entries.
+        if first > 0:
+            for queues in self._queues.values():
+                for queue in queues:  # retention may have removed messages the queue still indexes
+                    queue.first_offset = queue.first_offset_at_or_after(first)
         self._writer = ChunkWriter(self._messages)
         self._lock = self._writer.lock  # the one write lock: message record, then queue entry
         self._appender = Appender(
