@@ -4,6 +4,7 @@ by the precise Python error."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from code_paths import code_path  # noqa: F401 - the fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from equeue import MessageStore, OutgoingMessage, StoreConfig, speedups
+from equeue import Message, MessageStore, OutgoingMessage, StoreConfig, speedups
 from equeue.errors import CorruptionError, CorruptRecordError, EQueueError
 from equeue.format.chunk import HEADER_SIZE
 
@@ -256,15 +257,25 @@ def test_batch_changed_while_it_is_checked(tmp_path: Path) -> None:
 
 @needs_c
 @pytest.mark.parametrize("position", [-(2**63), -(2**63) + 1, 2**63 - 1, -1, 2**70, 4096 + 10])
-def test_decode_run_leaves_impossible_positions_to_python(position: int) -> None:
+def test_decode_run_leaves_impossible_positions_to_python(tmp_path: Path, position: int) -> None:
     """Positions from damaged queue entries: 'not here' (None), never a crash or an
-    OverflowError; the Python path then raises the precise error."""
+    OverflowError, while the real record in the same run still decodes (the control)."""
     assert speedups.SPEEDUPS is not None
-    data = bytes(HEADER_SIZE + 4096)
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        sent = store.send("t", b"real body")
+    data = next((tmp_path / "s" / "messages").glob("chunk-*")).read_bytes()
+    end = sent.position + 12 + 56 + 1 + len(b"real body")
     decoded = speedups.SPEEDUPS.decode_run(
-        data, HEADER_SIZE, 4096, 4096, [position], tuple, "00000000", dict
+        data, HEADER_SIZE, end, 0, [sent.position, position], Message, "00000000", dict
     )
-    assert decoded == [None]
+    assert decoded[1] is None
+    message, tag_hash = decoded[0]
+    assert (message.body, message.topic, message.position, tag_hash) == (
+        b"real body",
+        "t",
+        sent.position,
+        0,
+    )
 
 
 @pytest.mark.usefixtures("code_path")
@@ -285,23 +296,37 @@ def test_damaged_queue_entry_is_a_corruption_error(tmp_path: Path, stored: int) 
 
 
 @pytest.mark.usefixtures("code_path")
-def test_damaged_entry_does_not_hide_earlier_messages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("retained", [False, True])
+def test_damaged_entry_does_not_hide_earlier_messages(tmp_path: Path, retained: bool) -> None:
     """A negative position in a damaged entry of a completed queue chunk: the messages
-    before it still pull (the store's first offset is not searched over damaged entries
-    when nothing was ever removed), and the damaged one raises."""
-    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+    before it still pull, whether or not retention has removed the log's first chunk
+    (the store then searches each queue for its first retained offset), and the
+    damaged one raises."""
+    config = dataclasses.replace(CONFIG, max_store_bytes=36_000 if retained else None)
+    with MessageStore.open(tmp_path / "s", config) as store:
         store.create_topic("t", 1)
+        store.create_topic("u", 1)
+        store.send_batch("u", [b"x" * 1000] * 7)  # log chunk 0: topic u only
         store.send_batch("t", [b"a%d" % i for i in range(400)])
+        assert store.apply_retention() == (1 if retained else 0)
+        first, end = store.queue_range("t", 0)
+        assert end == 400 and (first > 0) == retained  # control: what the damage must not move
     queue_chunk = tmp_path / "s" / "queues" / "t" / "0" / "chunk-000000000000.0000"
     with queue_chunk.open("r+b") as f:
         f.seek(HEADER_SIZE + 200 * 12)
         f.write((-5).to_bytes(8, "little", signed=True))
-    with MessageStore.open(tmp_path / "s", CONFIG) as store:
-        assert store.queue_range("t", 0) == (0, 400)
-        assert [m.body for m in store.pull("t", 0, 0, max_count=3).messages] == [
-            b"a0",
-            b"a1",
-            b"a2",
-        ]
+    with MessageStore.open(tmp_path / "s", config) as store:
+        assert store.queue_range("t", 0) == (first, 400)
+        pulled = store.pull("t", 0, 0, max_count=3).messages
+        assert [m.body for m in pulled] == [b"a%d" % i for i in range(first, first + 3)]
         with pytest.raises(CorruptionError):
             store.pull("t", 0, 199, max_count=3)
+
+
+@pytest.mark.usefixtures("code_path")
+def test_pull_with_a_huge_max_count(tmp_path: Path) -> None:
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 1)
+        store.send_batch("t", [b"a", b"b"])
+        result = store.pull("t", 0, 0, max_count=2**63)
+        assert [m.body for m in result.messages] == [b"a", b"b"] and result.next_offset == 2

@@ -227,6 +227,10 @@ class Chunk:
             self._prefault_mark = self.data_end
             self._prefault(self.data_end)
 
+    def mark_used(self) -> None:
+        """Recency for the LRU of read mappings (ChunkManager closes the least recent)."""
+        self.last_used = next(_ticks)
+
     def writable_mapping(self) -> mmap.mmap:
         """The mapping of a chunk open for writing, for writers that fill it in place."""
         mm = self._mm

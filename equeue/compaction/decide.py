@@ -105,7 +105,9 @@ def scan_chunk(chunk: ScanChunk, rules: dict[bytes, TopicRule]) -> Iterator[pa.R
             if eligible and bl == 0 and stored < rule.tombstone_cutoff:
                 state = GOES_KEYED
         elif eligible and rule.retention_cutoff is not None and stored < rule.retention_cutoff:
-            hashes += _NO_KEY
+            # Not a key, but the shuffle partitions by it: the position spreads these
+            # rows over every partition instead of piling them all into one.
+            hashes += pos.to_bytes(8, "big", signed=True) * 2
             state = GONE
         else:
             continue
@@ -117,9 +119,6 @@ def scan_chunk(chunk: ScanChunk, rules: dict[bytes, TopicRule]) -> Iterator[pa.R
             hashes, positions, sizes, states = bytearray(), [], [], []
     if positions:
         yield _scan_batch(hashes, positions, sizes, states)
-
-
-_NO_KEY: Final = bytes(16)
 
 
 def _scan_batch(

@@ -207,7 +207,8 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> DataFrame:
     }
     chunks = [ScanChunk(c.path, c.data_end, c.start_number, c.eligible) for c in snapshot.chunks]
     # Partitions of key hashes small enough for one worker to sort in memory: 32 bytes
-    # a row, at most _DECIDE_ROWS rows (fewer: not every record is sent on).
+    # a row, about _DECIDE_ROWS rows on average (hashing spreads them; fewer where not
+    # every record is sent on).
     records = sum(c.record_count for c in snapshot.chunks)
     partitions = max(
         int(spark.conf.get("spark.sql.shuffle.partitions") or 1), -(-records // _DECIDE_ROWS)

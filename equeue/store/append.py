@@ -24,7 +24,6 @@ from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
 from equeue.format.message import (
     FLAG_HAS_KEY,
     MESSAGE_HEAD_SIZE,
-    QUEUE_RECORD_SIZE,
     message_length,
     pack_message,
 )
@@ -298,8 +297,7 @@ class Appender:
         result, end = done
         self._round_robin[topic] = turn
         chunk.publish(end, 1)
-        entries.publish(entries.data_end + QUEUE_RECORD_SIZE, 1)
-        queue.next_offset += 1
+        queue.advance(1)
         if key is not None:
             self._keys.add(topic, key, result.position)
         return result  # type: ignore[no-any-return]

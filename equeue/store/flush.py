@@ -142,8 +142,10 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
 
     Every ``flush_interval_ms``: under "async", flush the log and each queue
     with at least ``flush_least_pages`` unflushed pages. Every
-    ``flush_thorough_interval_ms`` (or when the key index has a full batch):
-    a checkpoint, which flushes everything first, then retention. A failed
+    ``flush_thorough_interval_ms``, or as soon as a checkpoint is due (32 MiB of
+    log since the last, or a full key batch; looked at every 50 ms): a
+    checkpoint, which flushes everything first, then retention. After a failed
+    turn the next one waits the full ``flush_interval_ms``. A failed
     flush is kept as the store's flush error (sends raise it) until a later
     flush succeeds; "later" by when the attempts started, so a turn that fails
     while a concurrent flush() succeeds does not refuse sends after it.
@@ -158,11 +160,13 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
     # fills _CHECKPOINT_BYTES long before the next turn, and what it writes after the
     # checkpoint is what recovery re-reads (measured: 300 MB behind at 500 ms turns).
     poll = min(interval, _DUE_POLL_SECONDS)
+    failed = False  # after a failed turn, the next waits the full interval: no retry storm
     while not stop.wait(poll):
         now = time.monotonic()
-        if now - last_turn < interval and not host._checkpoint_due():
+        if now - last_turn < interval and (failed or not host._checkpoint_due()):
             continue
         last_turn = now
+        failed = False
         attempt = host._start_flush()
         try:
             if time.monotonic() - last_thorough >= thorough_interval or host._checkpoint_due():
@@ -180,5 +184,7 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
         except StoreWriteError as exc:
             log.error("background flush failed, sends are refused until one succeeds: %s", exc)
             host._set_flush_error(exc, attempt)
+            failed = True
         except Exception:  # the service must outlive any one failure; the next turn retries
             log.exception("background service step failed")
+            failed = True

@@ -132,15 +132,34 @@ class Queue:
         return result
 
     def first_offset_at_or_after(self, message_position: int) -> int:
-        """The first offset whose message position is >= ``message_position`` (binary search)."""
+        """The first offset whose message position is >= ``message_position`` (binary search).
+
+        A damaged entry (a negative position) is no evidence either way: when the search
+        meets one, the queue is scanned instead, skipping such entries, so one bad entry
+        cannot move the answer past the good entries before it."""
         lo, hi = self.first_offset, self.next_offset
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.entry(mid)[0] < message_position:
+            position = self.entry(mid)[0]
+            if position < 0:
+                return self._first_offset_by_scan(message_position)
+            if position < message_position:
                 lo = mid + 1
             else:
                 hi = mid
         return lo
+
+    def _first_offset_by_scan(self, message_position: int) -> int:
+        offset = self.first_offset
+        while offset < self.next_offset:
+            block = self.entries(offset, 4096)
+            if not block:
+                break
+            for i, (position, _) in enumerate(block):
+                if position >= message_position:
+                    return offset + i
+            offset += len(block)
+        return self.next_offset
 
     def cut_from(self, offset: int) -> list[TailCut]:
         """Recovery: remove the entries at and after ``offset`` (copied to side files)."""

@@ -63,7 +63,7 @@ class LogReader:
             if wanted is None and fast is not None:
                 offset, bad = fast.collect(
                     entries, found, offset, queue.queue_id, queue.topic,
-                    max_count - len(messages), messages,
+                    min(max_count - len(messages), len(entries)), messages,
                 )  # fmt: skip
                 if bad >= 0:  # offset is that entry's
                     position, hashed = entries[bad]
@@ -151,6 +151,7 @@ class LogReader:
             if fast is not None and not chunk.header.compacted:
                 try:
                     mm = chunk.mapping()
+                    chunk.mark_used()  # as read_many does: a chunk in use stays mapped
                 except ChunkRemovedError:
                     mm = None
                 if mm is not None:
@@ -160,7 +161,9 @@ class LogReader:
                     )  # fmt: skip
                     for position, pair in zip(run, decoded, strict=True):
                         # None: not an intact record; decode() says what is wrong
-                        found[position] = pair or self._decode_slow(chunk, position)
+                        pair = pair or self._decode_slow(chunk, position)
+                        if pair is not None:
+                            found[position] = pair
                     i = j
                     continue
             try:
@@ -176,8 +179,13 @@ class LogReader:
             i = j
         return found
 
-    def _decode_slow(self, chunk: Chunk, position: int) -> tuple[Message, int]:
-        payload = chunk.read_at(position - chunk.base)  # raises what is wrong there
+    def _decode_slow(self, chunk: Chunk, position: int) -> tuple[Message, int] | None:
+        """The record the C decoder left: None if retention or compaction removed it
+        meanwhile (as the Python path skips it), else decoded or the precise error."""
+        try:
+            payload = chunk.read_at(position - chunk.base)  # raises what is wrong there
+        except (ChunkRemovedError, CompactedAwayError):
+            return None
         return self.decode(position, payload), TAG_HASH.unpack_from(payload, TAG_HASH_OFFSET)[0]
 
     def _payload_or_none(self, position: int) -> bytes | None:

@@ -170,8 +170,11 @@ def check_message(
         check_code(code)
     if queue_id is not None:
         check_queue_id(queue_id, topic, queue_count)
-    # 255: the longest topic, so a message that fits fits whatever its topic.
-    size = MESSAGE_HEAD_SIZE + len(tag_bytes) + len(key_bytes) + len(props) + len(body) + 255
+    # The longest topic counted: a message that fits fits whatever its topic.
+    size = (
+        MESSAGE_HEAD_SIZE + len(tag_bytes) + len(key_bytes) + len(props) + len(body)
+        + MAX_NAME_BYTES
+    )  # fmt: skip
     if size + FRAME_OVERHEAD > config.chunk_data_size:
         raise InvalidMessageError(
             f"a message of about {size} bytes does not fit a chunk of chunk_data_size="
