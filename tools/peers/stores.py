@@ -10,7 +10,7 @@ import struct
 from collections.abc import Iterator
 from itertools import chain, islice, repeat, starmap
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 if TYPE_CHECKING:
     from equeue import MessageStore
@@ -131,16 +131,13 @@ class EqueueStore(Store):
         return ", ".join(notes)
 
 
-class PersistQueueFile(Store):
-    def __init__(self, directory: Path, durable: bool) -> None:
-        super().__init__(directory, durable)
-        import persistqueue
+class _PersistQueue(Store):
+    """What persist-queue's file queue and SQLite queue share: put, get, task_done."""
 
-        # chunksize=1: every put rolls the chunk over, which is the only fsync it does.
-        # tempdir: its info file is written there and renamed; keep it on the same disk.
-        self.queue = persistqueue.Queue(
-            str(directory / "pq"), chunksize=1 if durable else 100, tempdir=str(directory)
-        )
+    queue: Any
+
+    def _take(self) -> bytes:
+        raise NotImplementedError
 
     def append(self, bodies: Iterator[bytes]) -> None:
         put = self.queue.put
@@ -151,32 +148,47 @@ class PersistQueueFile(Store):
         self.queue.put(body)
 
     def consume(self, count: int) -> Iterator[bytes]:
-        get, done = self.queue.get_nowait, self.queue.task_done
+        take, done = self._take, self.queue.task_done
         left = count
         while left:
             n = min(left, BATCH)
-            yield from starmap(get, repeat((), n))
-            done()  # saves its info file: the consumed position persists once per 1,000
+            yield from starmap(take, repeat((), n))
+            done()  # the consumed position (or the deletes) persists once per 1,000
             left -= n
 
     def first(self) -> bytes | None:
         import persistqueue
 
         try:
-            body: bytes = self.queue.get_nowait()
+            return self._take()
         except persistqueue.Empty:
             return None
-        return body
 
     def count(self) -> int:
         return int(self.queue.qsize())
+
+
+class PersistQueueFile(_PersistQueue):
+    def __init__(self, directory: Path, durable: bool) -> None:
+        super().__init__(directory, durable)
+        import persistqueue
+
+        # chunksize=1: every put rolls the chunk over, which is the only fsync it does.
+        # tempdir: its info file is written there and renamed; keep it on the same disk.
+        self.queue = persistqueue.Queue(
+            str(directory / "pq"), chunksize=1 if durable else 100, tempdir=str(directory)
+        )
+
+    def _take(self) -> bytes:
+        body: bytes = self.queue.get_nowait()
+        return body
 
     def close(self) -> None:
         for f in (self.queue.headf, self.queue.tailf):
             f.close()
 
 
-class PersistQueueSQLite(Store):
+class PersistQueueSQLite(_PersistQueue):
     def __init__(self, directory: Path, durable: bool) -> None:
         super().__init__(directory, durable)
         import persistqueue
@@ -190,35 +202,9 @@ class PersistQueueSQLite(Store):
             putter = cast(sqlite3.Connection, self.queue._putter)
             putter.execute("PRAGMA synchronous=NORMAL")
 
-    def append(self, bodies: Iterator[bytes]) -> None:
-        put = self.queue.put
-        for body in bodies:
-            put(body)
-
-    def put_durable(self, body: bytes) -> None:
-        self.queue.put(body)
-
-    def consume(self, count: int) -> Iterator[bytes]:
-        get, done = self.queue.get, self.queue.task_done
-        left = count
-        while left:
-            n = min(left, BATCH)
-            for _ in range(n):
-                yield get(block=False)
-            done()  # auto_commit=False: the deletes commit once per 1,000
-            left -= n
-
-    def first(self) -> bytes | None:
-        import persistqueue
-
-        try:
-            body: bytes = self.queue.get(block=False)
-        except persistqueue.Empty:
-            return None
+    def _take(self) -> bytes:
+        body: bytes = self.queue.get(block=False)
         return body
-
-    def count(self) -> int:
-        return int(self.queue.qsize())
 
     def close(self) -> None:
         self.queue.close()
