@@ -41,6 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the peers package beside this file
+
+from peers.meta import file_system
+
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.chunks.prefault import PREFAULTER
 
@@ -338,27 +342,6 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
             )
         )
     return found
-
-
-def file_system(path: Path) -> str:
-    """'type (device) at mount point' for the mount holding ``path``, as far as /proc says."""
-    target = os.path.realpath(path)
-    best: tuple[str, str, str] | None = None
-    try:
-        with open("/proc/mounts", encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                device, mount, fstype = parts[0], parts[1], parts[2]
-                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-                if inside and (best is None or len(mount) >= len(best[1])):
-                    best = (device, mount, fstype)
-    except OSError:
-        return "unknown"
-    if best is None:
-        return "unknown"
-    return f"{best[2]} ({best[0]}) at {best[1]}"
 
 
 def python_build() -> str:
