@@ -255,40 +255,40 @@ static PyObject *new_record(PyTypeObject *type, Py_ssize_t n, PyObject **items) 
     return obj;
 }
 
-/* --- check_batch ---------------------------------------------------------------- */
+/* --- checking a send ------------------------------------------------------------ */
 
-/* The checked form of one OutgoingMessage, or NULL with no exception set when the
- * message needs the Python checks (which then raise or handle it). */
-static PyObject *check_fast(PyObject *msg, PyObject *tag_check, Py_ssize_t max_body,
-                            Py_ssize_t chunk_size, Py_ssize_t queue_count) {
-    PyObject *body = PyTuple_GET_ITEM(msg, 0), *tag = PyTuple_GET_ITEM(msg, 1);
-    PyObject *key = PyTuple_GET_ITEM(msg, 2), *props = PyTuple_GET_ITEM(msg, 3);
-    PyObject *code = PyTuple_GET_ITEM(msg, 4), *queue_id = PyTuple_GET_ITEM(msg, 5);
-    if (!PyBytes_CheckExact(body) || PyBytes_GET_SIZE(body) > max_body) return NULL;
-    if (!PyUnicode_CheckExact(tag) || props != Py_None || !PyLong_CheckExact(code)) return NULL;
+/* One message's fields once checked: body, key, properties and queue id borrowed, and
+ * tag_bytes, hashed_obj and key_bytes owned when filled by check_fields (release with
+ * release_checked), borrowed when unpack_checked read them from a checked tuple. */
+typedef struct {
+    PyObject *body, *tag_bytes, *hashed_obj, *key_bytes, *key, *props, *code_obj, *queue_id;
+    uint32_t hashed;
+    long code;
+    Py_ssize_t length; /* of the record, without the topic */
+} Checked;
+
+static void release_checked(Checked *c) {
+    Py_CLEAR(c->tag_bytes);
+    Py_CLEAR(c->hashed_obj);
+    Py_CLEAR(c->key_bytes);
+}
+
+/* The common, valid case of validate.check_message: 1 with *out filled, 0 (nothing
+ * set) when the message needs the Python checks, which then raise or handle it, or -1
+ * with the exception check_tag raised. */
+static int check_fields(PyObject *body, PyObject *tag, PyObject *key, PyObject *props,
+                        PyObject *code, PyObject *queue_id, PyObject *tag_check,
+                        Py_ssize_t max_body, Py_ssize_t chunk_size, Py_ssize_t queue_count,
+                        Checked *out) {
+    if (!PyBytes_CheckExact(body) || PyBytes_GET_SIZE(body) > max_body) return 0;
+    if (!PyUnicode_CheckExact(tag) || props != Py_None || !PyLong_CheckExact(code)) return 0;
     int overflow = 0;
     long long code_value = PyLong_AsLongLongAndOverflow(code, &overflow);
-    if (overflow || code_value < INT32_MIN || code_value > INT32_MAX) return NULL;
+    if (overflow || code_value < INT32_MIN || code_value > INT32_MAX) return 0;
     if (queue_id != Py_None) {
-        if (!PyLong_CheckExact(queue_id)) return NULL;
+        if (!PyLong_CheckExact(queue_id)) return 0;
         long long q = PyLong_AsLongLongAndOverflow(queue_id, &overflow);
-        if (overflow || q < 0 || q >= queue_count) return NULL;
-    }
-    PyObject *tag_bytes, *hashed;
-    if (PyUnicode_GET_LENGTH(tag) == 0) {
-        tag_bytes = Py_NewRef(EMPTY_BYTES);
-        hashed = Py_NewRef(ZERO);
-    } else { /* validate.check_tag: cached, and it raises the precise error */
-        PyObject *pair = PyObject_CallOneArg(tag_check, tag);
-        if (pair == NULL) return NULL;
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-            Py_DECREF(pair);
-            PyErr_SetString(PyExc_TypeError, "check_tag must return (bytes, int)");
-            return NULL;
-        }
-        tag_bytes = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
-        hashed = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
-        Py_DECREF(pair);
+        if (overflow || q < 0 || q >= queue_count) return 0;
     }
     PyObject *key_bytes;
     if (key == Py_None) {
@@ -298,32 +298,68 @@ static PyObject *check_fast(PyObject *msg, PyObject *tag_check, Py_ssize_t max_b
         const char *k = PyUnicode_AsUTF8AndSize(key, &klen);
         if (k == NULL || klen > MAX_NAME) { /* not UTF-8 encodable, or too long */
             PyErr_Clear();
-            Py_DECREF(tag_bytes);
-            Py_DECREF(hashed);
-            return NULL;
+            return 0;
         }
         key_bytes = PyBytes_FromStringAndSize(k, klen);
+        if (key_bytes == NULL) return -1;
     } else {
-        Py_DECREF(tag_bytes);
-        Py_DECREF(hashed);
-        return NULL;
+        return 0;
     }
-    if (key_bytes == NULL) {
-        Py_DECREF(tag_bytes);
-        Py_DECREF(hashed);
-        return NULL;
+    PyObject *tag_bytes, *hashed;
+    if (PyUnicode_GET_LENGTH(tag) == 0) {
+        tag_bytes = Py_NewRef(EMPTY_BYTES);
+        hashed = Py_NewRef(ZERO);
+    } else { /* validate.check_tag: cached, and it raises the precise error */
+        PyObject *pair = PyObject_CallOneArg(tag_check, tag);
+        if (pair == NULL) {
+            Py_DECREF(key_bytes);
+            return -1;
+        }
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(pair, 0))) {
+            Py_DECREF(pair);
+            Py_DECREF(key_bytes);
+            PyErr_SetString(PyExc_TypeError, "check_tag must return (bytes, int)");
+            return -1;
+        }
+        tag_bytes = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
+        hashed = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
+        Py_DECREF(pair);
     }
+    *out = (Checked){.body = body, .tag_bytes = tag_bytes, .hashed_obj = hashed,
+                     .key_bytes = key_bytes, .key = key, .props = EMPTY_BYTES,
+                     .code_obj = code, .queue_id = queue_id, .code = (long)code_value};
+    out->hashed = (uint32_t)PyLong_AsUnsignedLongMask(hashed);
+    if (out->hashed == (uint32_t)-1 && PyErr_Occurred()) {
+        release_checked(out);
+        return -1;
+    }
+    out->length = HEAD_SIZE + PyBytes_GET_SIZE(tag_bytes) + PyBytes_GET_SIZE(key_bytes) +
+                  PyBytes_GET_SIZE(body);
     /* As StoreMessage._check: the head, the strings and 255 bytes of topic at most. */
-    Py_ssize_t size = HEAD_SIZE + PyBytes_GET_SIZE(tag_bytes) + PyBytes_GET_SIZE(key_bytes) +
-                      PyBytes_GET_SIZE(body) + 255;
-    if (size + FRAME_OVERHEAD > chunk_size) {
-        Py_DECREF(tag_bytes);
-        Py_DECREF(hashed);
-        Py_DECREF(key_bytes);
-        return NULL;
+    if (out->length + 255 + FRAME_OVERHEAD > chunk_size) {
+        release_checked(out);
+        return 0;
     }
-    PyObject *items[8] = {Py_NewRef(body), tag_bytes, hashed, key_bytes, Py_NewRef(key),
-                          Py_NewRef(EMPTY_BYTES), Py_NewRef(code), Py_NewRef(queue_id)};
+    return 1;
+}
+
+/* --- check_batch ---------------------------------------------------------------- */
+
+/* The checked 8-tuple of one OutgoingMessage, or NULL with no exception set when the
+ * message needs the Python checks. */
+static PyObject *check_fast(PyObject *msg, PyObject *tag_check, Py_ssize_t max_body,
+                            Py_ssize_t chunk_size, Py_ssize_t queue_count) {
+    Checked c;
+    int ok = check_fields(PyTuple_GET_ITEM(msg, 0), PyTuple_GET_ITEM(msg, 1),
+                          PyTuple_GET_ITEM(msg, 2), PyTuple_GET_ITEM(msg, 3),
+                          PyTuple_GET_ITEM(msg, 4), PyTuple_GET_ITEM(msg, 5), tag_check,
+                          max_body, chunk_size, queue_count, &c);
+    if (ok <= 0) return NULL;
+    /* new_record steals the three references check_fields took */
+    PyObject *items[8] = {Py_NewRef(c.body),  c.tag_bytes,          c.hashed_obj,
+                          c.key_bytes,        Py_NewRef(c.key),     Py_NewRef(c.props),
+                          Py_NewRef(c.code_obj), Py_NewRef(c.queue_id)};
     return new_record(&PyTuple_Type, 8, items);
 }
 
@@ -367,24 +403,6 @@ fail:
     return NULL;
 }
 
-/* check_one((body, tag, key, properties, code, queue_id), tag_check, max_body, chunk_size,
- *           queue_count) -> checked tuple, or None when the Python checks must decide. */
-static PyObject *check_one(PyObject *self, PyObject *args) {
-    PyObject *fields, *tag_check;
-    Py_ssize_t max_body, chunk_size, queue_count;
-    if (!PyArg_ParseTuple(args, "O!Onnn", &PyTuple_Type, &fields, &tag_check, &max_body,
-                          &chunk_size, &queue_count))
-        return NULL;
-    if (!configured()) return NULL;
-    if (PyTuple_GET_SIZE(fields) != 6) {
-        PyErr_SetString(PyExc_TypeError, "check_one takes the six fields of a send");
-        return NULL;
-    }
-    PyObject *checked = check_fast(fields, tag_check, max_body, chunk_size, queue_count);
-    if (checked == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
-    return checked;
-}
-
 /* Writes the frame of one message record at p: length, the 56-byte head, topic, tag,
  * key, properties, body, checksum, length again (equeue.format.message/chunk). */
 static int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns,
@@ -425,14 +443,7 @@ static int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t n
     return 0;
 }
 
-/* The fields of a checked 8-tuple (borrowed), or -1 with TypeError. */
-typedef struct {
-    PyObject *body, *tag_bytes, *key_bytes, *key, *props, *queue_id;
-    uint32_t hashed;
-    long code;
-    Py_ssize_t length; /* of the record, without the topic */
-} Checked;
-
+/* The fields of a checked 8-tuple (all borrowed), or -1 with TypeError. */
 static int unpack_checked(PyObject *c, Checked *out) {
     if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) != 8) {
         PyErr_SetString(PyExc_TypeError, "checked messages are 8-tuples");
@@ -444,6 +455,8 @@ static int unpack_checked(PyObject *c, Checked *out) {
     out->key = PyTuple_GET_ITEM(c, 4);
     out->props = PyTuple_GET_ITEM(c, 5);
     out->queue_id = PyTuple_GET_ITEM(c, 7);
+    out->hashed_obj = PyTuple_GET_ITEM(c, 2);
+    out->code_obj = PyTuple_GET_ITEM(c, 6);
     if (!PyBytes_Check(out->body) || !PyBytes_Check(out->tag_bytes) ||
         !PyBytes_Check(out->key_bytes) || !PyBytes_Check(out->props)) {
         PyErr_SetString(PyExc_TypeError, "checked messages carry bytes");
@@ -456,63 +469,6 @@ static int unpack_checked(PyObject *c, Checked *out) {
                   PyBytes_GET_SIZE(out->key_bytes) + PyBytes_GET_SIZE(out->props) +
                   PyBytes_GET_SIZE(out->body);
     return 0;
-}
-
-/* write_one(mm, data_offset, start, room, base, now_ns, topic, topic_bytes, checked,
- *           queue_id, queue_offset, queue_map, queue_end, queue_size, id_prefix,
- *           result_type, stored_at) -> (SendResult, end) or None
- *
- * A single send whose queue the caller picked: its frame at data offset start, then
- * its queue entry at queue_end. None (nothing written) if either does not fit. */
-static PyObject *write_one(PyObject *self, PyObject *args) {
-    PyObject *mm, *topic, *topic_bytes, *checked, *qmap, *id_prefix, *result_type, *stored_at;
-    Py_ssize_t data_offset, start, room, q, qend, qsize;
-    long long base, now_ns, offset;
-    if (!PyArg_ParseTuple(args, "OnnnLLOO!OnLOnnUO!O!", &mm, &data_offset, &start, &room,
-                          &base, &now_ns, &topic, &PyBytes_Type, &topic_bytes, &checked, &q,
-                          &offset, &qmap, &qend, &qsize, &id_prefix, &PyType_Type,
-                          &result_type, &PyFloat_Type, &stored_at))
-        return NULL;
-    if (!configured()) return NULL;
-    if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
-        PyErr_SetString(PyExc_ValueError, "id_prefix must be ASCII");
-        return NULL;
-    }
-    if (data_offset < 0 || start < 0 || room < 0 || base < 0 || q < 0 || qend < 0 || qsize < 0) {
-        PyErr_SetString(PyExc_ValueError, "write_one: negative offset or queue id");
-        return NULL;
-    }
-    Checked c;
-    if (unpack_checked(checked, &c) < 0) return NULL;
-    Py_ssize_t length = c.length + PyBytes_GET_SIZE(topic_bytes);
-    if (start + length + FRAME_OVERHEAD > room || qend + QUEUE_RECORD > qsize) Py_RETURN_NONE;
-    Py_buffer log, qbuf;
-    if (PyObject_GetBuffer(mm, &log, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(qmap, &qbuf, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&log);
-        return NULL;
-    }
-    PyObject *out = NULL;
-    int64_t position = base + start;
-    if (data_offset + room > log.len || data_offset + qsize > qbuf.len) {
-        PyErr_SetString(PyExc_ValueError, "a data area lies outside its mapping");
-    } else if (frame_message((char *)log.buf + data_offset + start, length, position, now_ns,
-                             offset, (int32_t)q, (int32_t)c.code, c.hashed, c.key != Py_None,
-                             topic_bytes, c.tag_bytes, c.key_bytes, c.props, c.body) == 0) {
-        PyObject *fields[6] = {message_id(id_prefix, position), Py_NewRef(topic),
-                               PyLong_FromSsize_t(q), PyLong_FromLongLong(offset),
-                               PyLong_FromLongLong(position), Py_NewRef(stored_at)};
-        PyObject *result = new_record((PyTypeObject *)result_type, 6, fields);
-        if (result != NULL) out = Py_BuildValue("(Nn)", result, start + length + FRAME_OVERHEAD);
-        if (out != NULL) { /* the entry last, after its frame, once nothing can fail */
-            char *slot = (char *)qbuf.buf + data_offset + qend;
-            put_i64(slot, position + 1);
-            put_u32(slot + 8, c.hashed);
-        }
-    }
-    PyBuffer_Release(&qbuf);
-    PyBuffer_Release(&log);
-    return out;
 }
 
 /* --- write_run ------------------------------------------------------------------ */
@@ -714,6 +670,402 @@ done:
     }
     return out;
 }
+
+/* --- Sender: a whole single send in one call ------------------------------------
+ *
+ * MessageStore.send's common case: check the fields, take the write lock, frame the
+ * record into the log chunk's mapping, write its queue entry, publish both and return
+ * the SendResult, without a Python frame in between. The state stays where the Python
+ * paths keep it (ChunkWriter._chunk, Chunk.data_end/record_count, Queue.next_offset,
+ * the store's topic dicts), read and raised here exactly as Appender.append and
+ * Chunk.publish do, so both paths can serve the same store one send after the other.
+ * None (nothing written, the lock released) hands the send to the Python path: a new
+ * topic, a field to check in Python, a chunk to complete or create, a closed store. */
+
+static PyObject *S_acquire, *S_release, *S_chunk, *S_data_end, *S_data_size, *S_base, *S_mm,
+    *S_record_count, *S_prefault_mark, *S_prefault, *S_writer, *S_next_offset, *S_closed,
+    *S_flush_error, *S_waiting, *S_wake, *S_add, *S_time_ns;
+
+static int intern_names(void) {
+#define INTERN(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    INTERN(S_acquire, "acquire") INTERN(S_release, "release") INTERN(S_chunk, "_chunk")
+    INTERN(S_data_end, "data_end") INTERN(S_data_size, "data_size") INTERN(S_base, "base")
+    INTERN(S_mm, "_mm") INTERN(S_record_count, "record_count")
+    INTERN(S_prefault_mark, "_prefault_mark") INTERN(S_prefault, "_prefault")
+    INTERN(S_writer, "_writer") INTERN(S_next_offset, "next_offset") INTERN(S_closed, "_closed")
+    INTERN(S_flush_error, "_flush_error") INTERN(S_waiting, "_waiting") INTERN(S_wake, "_wake")
+    INTERN(S_add, "add") INTERN(S_time_ns, "time_ns")
+#undef INTERN
+    return 0;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *store;       /* MessageStore: _closed, _flush_error, _waiting, _wake() */
+    PyObject *lock;        /* the write lock */
+    PyObject *writer;      /* the log's ChunkWriter */
+    PyObject *queues;      /* the store's dict: topic -> list[Queue] */
+    PyObject *topic_bytes; /* the store's dict: topic -> its UTF-8 bytes */
+    PyObject *round_robin; /* the store's dict: topic -> next turn */
+    PyObject *keys;        /* KeyIndex: add(topic, key, position) */
+    PyObject *id_prefix, *result_type, *tag_check, *xxh32;
+    PyObject *clock; /* the time module: time_ns is looked up per send, as Python code does */
+    Py_ssize_t data_offset, max_body, chunk_size;
+} Sender;
+
+static int Sender_traverse(Sender *s, visitproc visit, void *arg) {
+    Py_VISIT(s->store); Py_VISIT(s->lock); Py_VISIT(s->writer); Py_VISIT(s->queues);
+    Py_VISIT(s->topic_bytes); Py_VISIT(s->round_robin); Py_VISIT(s->keys);
+    Py_VISIT(s->id_prefix); Py_VISIT(s->result_type); Py_VISIT(s->tag_check);
+    Py_VISIT(s->xxh32); Py_VISIT(s->clock);
+    return 0;
+}
+
+static int Sender_clear(Sender *s) {
+    Py_CLEAR(s->store); Py_CLEAR(s->lock); Py_CLEAR(s->writer); Py_CLEAR(s->queues);
+    Py_CLEAR(s->topic_bytes); Py_CLEAR(s->round_robin); Py_CLEAR(s->keys);
+    Py_CLEAR(s->id_prefix); Py_CLEAR(s->result_type); Py_CLEAR(s->tag_check);
+    Py_CLEAR(s->xxh32); Py_CLEAR(s->clock);
+    return 0;
+}
+
+static void Sender_dealloc(Sender *s) {
+    PyObject_GC_UnTrack(s);
+    Sender_clear(s);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+/* Sender(store, lock, writer, queues, topic_bytes, round_robin, keys, id_prefix,
+ *        result_type, tag_check, xxh32, clock, data_offset, max_body, chunk_size) */
+static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
+    PyObject *o[12];
+    Py_ssize_t data_offset, max_body, chunk_size;
+    if (!configured()) return -1;
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!OUO!OOOnnn", &o[0], &o[1], &o[2], &PyDict_Type, &o[3],
+                          &PyDict_Type, &o[4], &PyDict_Type, &o[5], &o[6], &o[7], &PyType_Type,
+                          &o[8], &o[9], &o[10], &o[11], &data_offset, &max_body, &chunk_size))
+        return -1;
+    if (!PyUnicode_IS_COMPACT_ASCII(o[7]) ||
+        !PyType_IsSubtype((PyTypeObject *)o[8], &PyTuple_Type) || data_offset < 0 ||
+        max_body < 0 || chunk_size < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "Sender: an ASCII id prefix, a tuple result type, sizes >= 0");
+        return -1;
+    }
+    Sender_clear(s);
+    PyObject **slots[12] = {&s->store,     &s->lock,      &s->writer,      &s->queues,
+                            &s->topic_bytes, &s->round_robin, &s->keys,    &s->id_prefix,
+                            &s->result_type, &s->tag_check, &s->xxh32,     &s->clock};
+    for (int i = 0; i < 12; i++) *slots[i] = Py_NewRef(o[i]);
+    s->data_offset = data_offset;
+    s->max_body = max_body;
+    s->chunk_size = chunk_size;
+    return 0;
+}
+
+/* An int attribute as a Py_ssize_t; -1 with an exception if missing or not an int. */
+static Py_ssize_t ssize_attr(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (n < 0 && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "%R is negative", name);
+    return n;
+}
+
+static int set_ssize_attr(PyObject *obj, PyObject *name, Py_ssize_t value) {
+    PyObject *v = PyLong_FromSsize_t(value);
+    if (v == NULL) return -1;
+    int r = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* Chunk.publish(end, 1): count the record, raise data_end, prefault the next window. */
+static int publish_one(PyObject *chunk, Py_ssize_t end) {
+    Py_ssize_t count = ssize_attr(chunk, S_record_count);
+    if (count < 0 || set_ssize_attr(chunk, S_record_count, count + 1) < 0) return -1;
+    if (set_ssize_attr(chunk, S_data_end, end) < 0) return -1;
+    PyObject *mark = PyObject_GetAttr(chunk, S_prefault_mark);
+    if (mark == NULL) return -1;
+    long long m = PyLong_AsLongLong(mark);
+    Py_DECREF(mark);
+    if (m == -1 && PyErr_Occurred()) return -1;
+    if (end > m) {
+        PyObject *end_obj = PyLong_FromSsize_t(end);
+        if (end_obj == NULL) return -1;
+        PyObject *r = PyObject_CallMethodOneArg(chunk, S_prefault, end_obj);
+        Py_DECREF(end_obj);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+/* A chunk open for writing and its data end, size and mapping (new references), or 0
+ * when there is none (writer._chunk is None, or not mapped), or -1 with an exception. */
+typedef struct {
+    PyObject *chunk, *mm;
+    Py_ssize_t end, size;
+} Open;
+
+static int open_chunk(PyObject *writer, Open *out) {
+    *out = (Open){0};
+    PyObject *chunk = PyObject_GetAttr(writer, S_chunk);
+    if (chunk == NULL) return -1;
+    if (chunk == Py_None) {
+        Py_DECREF(chunk);
+        return 0;
+    }
+    PyObject *mm = PyObject_GetAttr(chunk, S_mm);
+    if (mm == NULL || mm == Py_None) {
+        Py_DECREF(chunk);
+        Py_XDECREF(mm);
+        return mm == NULL ? -1 : 0;
+    }
+    out->chunk = chunk;
+    out->mm = mm;
+    if ((out->end = ssize_attr(chunk, S_data_end)) < 0 ||
+        (out->size = ssize_attr(chunk, S_data_size)) < 0) {
+        Py_CLEAR(out->chunk);
+        Py_CLEAR(out->mm);
+        return -1;
+    }
+    return 1;
+}
+
+static void close_open(Open *o) {
+    Py_CLEAR(o->chunk);
+    Py_CLEAR(o->mm);
+}
+
+/* The send itself, with the write lock held: a SendResult, None (nothing written), or
+ * NULL with an exception. */
+static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Checked *c) {
+    PyObject *result = NULL, *queue = NULL, *qwriter = NULL, *topic_bytes = NULL;
+    Open log = {0}, entries = {0};
+    Py_buffer lbuf = {0}, qbuf = {0};
+    int r;
+
+    {
+        PyObject *closed = PyObject_GetAttr(s->store, S_closed);
+        if (closed == NULL) return NULL;
+        r = PyObject_IsTrue(closed);
+        Py_DECREF(closed);
+        if (r != 0) return r < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    Py_ssize_t count = PyList_GET_SIZE(queues);
+    topic_bytes = Py_XNewRef(PyDict_GetItemWithError(s->topic_bytes, topic));
+    if (topic_bytes == NULL) goto fallback_or_fail;
+    if (!PyBytes_Check(topic_bytes)) goto fallback;
+    if ((r = open_chunk(s->writer, &log)) <= 0) goto fallback_or_fail;
+    Py_ssize_t length = c->length + PyBytes_GET_SIZE(topic_bytes);
+    if (log.end + length + FRAME_OVERHEAD > log.size) goto fallback; /* a new chunk */
+
+    Py_ssize_t q, turn = -1;
+    if (c->queue_id != Py_None) {
+        q = PyLong_AsSsize_t(c->queue_id);
+        if (q == -1 && PyErr_Occurred()) goto fail;
+        if (q < 0 || q >= count) goto fallback;
+    } else if (c->key != Py_None) { /* pick_queue: xxh32 of the key, by the xxhash package */
+        PyObject *h = PyObject_CallOneArg(s->xxh32, c->key_bytes);
+        if (h == NULL) goto fail;
+        unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
+        Py_DECREF(h);
+        if (PyErr_Occurred()) goto fail;
+        q = (Py_ssize_t)(hv % (unsigned long long)count);
+    } else {
+        PyObject *t = PyDict_GetItemWithError(s->round_robin, topic);
+        if (t == NULL) goto fallback_or_fail;
+        turn = PyLong_AsSsize_t(t);
+        if (turn < 0) goto fallback_or_fail;
+        q = turn % count;
+        turn = q + 1;
+    }
+    queue = Py_NewRef(PyList_GET_ITEM(queues, q));
+    if ((qwriter = PyObject_GetAttr(queue, S_writer)) == NULL) goto fail;
+    if (qwriter == Py_None) goto fallback; /* the property creates it */
+    if ((r = open_chunk(qwriter, &entries)) <= 0) goto fallback_or_fail;
+    if (entries.end + QUEUE_RECORD > entries.size) goto fallback; /* make_room() */
+    Py_ssize_t offset = ssize_attr(queue, S_next_offset);
+    if (offset < 0) goto fail;
+    PyObject *position_base = PyObject_GetAttr(log.chunk, S_base);
+    if (position_base == NULL) goto fail;
+    long long base = PyLong_AsLongLong(position_base);
+    Py_DECREF(position_base);
+    if (base < 0) goto fallback_or_fail;
+    PyObject *now_obj = PyObject_CallMethodNoArgs(s->clock, S_time_ns);
+    if (now_obj == NULL) goto fail;
+    long long now_ns = PyLong_AsLongLong(now_obj);
+    Py_DECREF(now_obj);
+    if (now_ns == -1 && PyErr_Occurred()) goto fail;
+
+    if (PyObject_GetBuffer(log.mm, &lbuf, PyBUF_WRITABLE) < 0 ||
+        PyObject_GetBuffer(entries.mm, &qbuf, PyBUF_WRITABLE) < 0)
+        goto fail;
+    if (s->data_offset + log.size > lbuf.len || s->data_offset + entries.size > qbuf.len) {
+        PyErr_SetString(PyExc_ValueError, "a data area lies outside its mapping");
+        goto fail;
+    }
+    int64_t position = base + log.end;
+    frame_message((char *)lbuf.buf + s->data_offset + log.end, length, position, now_ns, offset,
+                  (int32_t)q, (int32_t)c->code, c->hashed, c->key != Py_None, topic_bytes,
+                  c->tag_bytes, c->key_bytes, c->props, c->body);
+    PyObject *fields[6] = {message_id(s->id_prefix, position), Py_NewRef(topic),
+                           PyLong_FromSsize_t(q), PyLong_FromSsize_t(offset),
+                           PyLong_FromLongLong(position),
+                           PyFloat_FromDouble((double)now_ns / 1e9)};
+    result = new_record((PyTypeObject *)s->result_type, 6, fields);
+    if (result == NULL) goto fail;
+    /* The entry after its frame, once nothing before can fail; then publish the record
+     * before the entry, as Appender.append does. */
+    char *slot = (char *)qbuf.buf + s->data_offset + entries.end;
+    put_i64(slot, position + 1);
+    put_u32(slot + 8, c->hashed);
+    PyBuffer_Release(&qbuf);
+    PyBuffer_Release(&lbuf);
+    if (publish_one(log.chunk, log.end + length + FRAME_OVERHEAD) < 0 ||
+        publish_one(entries.chunk, entries.end + QUEUE_RECORD) < 0 ||
+        set_ssize_attr(queue, S_next_offset, offset + 1) < 0)
+        goto fail;
+    if (turn >= 0) {
+        PyObject *t = PyLong_FromSsize_t(turn);
+        if (t == NULL || PyDict_SetItem(s->round_robin, topic, t) < 0) {
+            Py_XDECREF(t);
+            goto fail;
+        }
+        Py_DECREF(t);
+    }
+    if (c->key != Py_None) {
+        PyObject *pos = PyLong_FromLongLong(position);
+        PyObject *args[4] = {s->keys, topic, c->key, pos};
+        PyObject *added = pos == NULL ? NULL
+            : PyObject_VectorcallMethod(S_add, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(pos);
+        if (added == NULL) goto fail;
+        Py_DECREF(added);
+    }
+    goto done;
+
+fallback_or_fail:
+    if (PyErr_Occurred()) goto fail;
+fallback:
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    Py_CLEAR(result);
+done:
+    if (qbuf.obj != NULL) PyBuffer_Release(&qbuf);
+    if (lbuf.obj != NULL) PyBuffer_Release(&lbuf);
+    close_open(&log);
+    close_open(&entries);
+    Py_XDECREF(queue);
+    Py_XDECREF(qwriter);
+    Py_XDECREF(topic_bytes);
+    return result;
+}
+
+/* Release the lock, keeping any exception already raised. */
+static int release_lock(Sender *s) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallMethodNoArgs(s->lock, S_release);
+    if (type != NULL) {
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb); /* the first error wins */
+        return -1;
+    }
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* send(topic, body, tag, key, properties, code, queue_id) -> SendResult or None */
+static PyObject *Sender_send(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "send takes the seven fields of a send");
+        return NULL;
+    }
+    PyObject *topic = args[0];
+    if (!PyUnicode_CheckExact(topic)) Py_RETURN_NONE;
+    PyObject *queues = PyDict_GetItemWithError(s->queues, topic);
+    if (queues == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE; /* a new topic: created on the Python path */
+    }
+    if (!PyList_CheckExact(queues) || PyList_GET_SIZE(queues) < 1) Py_RETURN_NONE;
+    Py_INCREF(queues); /* check_tag, time_ns and KeyIndex.add run Python code */
+    Checked c;
+    PyObject *result = NULL;
+    int ok = check_fields(args[1], args[2], args[3], args[4], args[5], args[6], s->tag_check,
+                          s->max_body, s->chunk_size, PyList_GET_SIZE(queues), &c);
+    if (ok <= 0) {
+        Py_DECREF(queues);
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject *flush_error = PyObject_GetAttr(s->store, S_flush_error);
+    if (flush_error == NULL || flush_error != Py_None) { /* the Python path refuses it */
+        result = flush_error == NULL ? NULL : Py_NewRef(Py_None);
+        Py_XDECREF(flush_error);
+        goto out;
+    }
+    Py_DECREF(flush_error);
+    PyObject *acquired = PyObject_CallMethodNoArgs(s->lock, S_acquire);
+    if (acquired == NULL) goto out;
+    Py_DECREF(acquired);
+    result = send_locked(s, topic, queues, &c);
+    if (release_lock(s) < 0) Py_CLEAR(result);
+    if (result != NULL && result != Py_None) { /* wake pulls waiting for a message */
+        PyObject *waiting = PyObject_GetAttr(s->store, S_waiting);
+        int w = waiting == NULL ? -1 : PyObject_IsTrue(waiting);
+        Py_XDECREF(waiting);
+        PyObject *woken = w > 0 ? PyObject_CallMethodNoArgs(s->store, S_wake) : NULL;
+        if (w < 0 || (w > 0 && woken == NULL)) Py_CLEAR(result);
+        Py_XDECREF(woken);
+    }
+out:
+    release_checked(&c);
+    Py_DECREF(queues);
+    return result;
+}
+
+/* write_checked(topic, queues, checked) -> SendResult or None: the send of one checked
+ * 8-tuple, by a caller that holds the write lock (the group commit leader). */
+static PyObject *Sender_write_checked(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyUnicode_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
+        PyList_GET_SIZE(args[1]) < 1) {
+        PyErr_SetString(PyExc_TypeError, "write_checked(topic, queues, checked)");
+        return NULL;
+    }
+    Checked c; /* borrowed from the tuple, which is held while Python code may run */
+    if (unpack_checked(args[2], &c) < 0) return NULL;
+    PyObject *queues = Py_NewRef(args[1]), *checked = Py_NewRef(args[2]);
+    PyObject *result = send_locked(s, args[0], queues, &c);
+    Py_DECREF(checked);
+    Py_DECREF(queues);
+    return result;
+}
+
+static PyMethodDef Sender_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL, NULL},
+    {"write_checked", (PyCFunction)(void (*)(void))Sender_write_checked, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SenderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "equeue._speedups.Sender",
+    .tp_basicsize = sizeof(Sender),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Sender_init,
+    .tp_dealloc = (destructor)Sender_dealloc,
+    .tp_traverse = (traverseproc)Sender_traverse,
+    .tp_clear = (inquiry)Sender_clear,
+    .tp_methods = Sender_methods,
+};
 
 /* --- decode_run ----------------------------------------------------------------- */
 
@@ -988,9 +1340,7 @@ static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
     {"xxh3_64", py_xxh3_64, METH_O, NULL},
     {"check_batch", check_batch, METH_VARARGS, NULL},
-    {"check_one", check_one, METH_VARARGS, NULL},
     {"write_run", write_run, METH_VARARGS, NULL},
-    {"write_one", write_one, METH_VARARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"scan_frames", scan_frames, METH_VARARGS, NULL},
@@ -1010,6 +1360,13 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     }
     EMPTY_BYTES = PyBytes_FromStringAndSize("", 0);
     ZERO = PyLong_FromLong(0);
-    if (EMPTY_BYTES == NULL || ZERO == NULL) return NULL;
-    return PyModule_Create(&module);
+    if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
+    if (PyType_Ready(&SenderType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

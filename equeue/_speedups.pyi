@@ -14,14 +14,6 @@ def check_batch(
     queue_count: int,
     /,
 ) -> list[Any]: ...
-def check_one(
-    fields: tuple[object, ...],
-    tag_check: Callable[[str], tuple[bytes, int]],
-    max_body: int,
-    chunk_size: int,
-    queue_count: int,
-    /,
-) -> Any: ...
 def write_run(
     mm: Any,
     data_offset: int,
@@ -66,26 +58,40 @@ def collect(
     out: list[Any],
     /,
 ) -> tuple[int, int]: ...
-def write_one(
-    mm: Any,
-    data_offset: int,
-    start: int,
-    room: int,
-    base: int,
-    now_ns: int,
-    topic: str,
-    topic_bytes: bytes,
-    checked: tuple[Any, ...],
-    queue_id: int,
-    queue_offset: int,
-    queue_map: Any,
-    queue_end: int,
-    queue_size: int,
-    id_prefix: str,
-    result_type: type,
-    stored_at: float,
-    /,
-) -> tuple[Any, int] | None: ...
+
+class Sender:
+    def __init__(
+        self,
+        store: Any,
+        lock: Any,
+        writer: Any,
+        queues: dict[str, Any],
+        topic_bytes: dict[str, bytes],
+        round_robin: dict[str, int],
+        keys: Any,
+        id_prefix: str,
+        result_type: type,
+        tag_check: Callable[[str], tuple[bytes, int]],
+        xxh32: Callable[[bytes], int],
+        clock: Any,
+        data_offset: int,
+        max_body: int,
+        chunk_size: int,
+        /,
+    ) -> None: ...
+    def send(
+        self,
+        topic: object,
+        body: object,
+        tag: object,
+        key: object,
+        properties: object,
+        code: object,
+        queue_id: object,
+        /,
+    ) -> Any: ...
+    def write_checked(self, topic: str, queues: list[Any], checked: tuple[Any, ...], /) -> Any: ...
+
 def scan_frames(
     buf: Any, data_offset: int, available: int, max_length: int, start: int, /
 ) -> tuple[int, int]: ...

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -330,3 +331,65 @@ def test_pull_with_a_huge_max_count(tmp_path: Path) -> None:
         store.send_batch("t", [b"a", b"b"])
         result = store.pull("t", 0, 0, max_count=2**63)
         assert [m.body for m in result.messages] == [b"a", b"b"] and result.next_offset == 2
+
+
+@needs_c
+def test_sender_takes_common_sends_and_hands_back_the_rest(tmp_path: Path) -> None:
+    """``Sender.send`` stores a plain send itself, and returns None, having written
+    nothing, for every send the Python path must decide."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("t", 3)
+        sender = store._sender
+        assert sender is not None
+        # A queue's first entry creates its chunk on the Python path.
+        assert sender.send("t", b"first", "", None, None, 0, 0) is None
+        for q in range(3):
+            store.send("t", b"first", queue_id=q)
+        result = sender.send("t", b"body", "tag", "key", None, 7, None)
+        assert result is not None
+        message = store.get(result.message_id)
+        assert (message.body, message.tag, message.key, message.code) == (b"body", "tag", "key", 7)
+        before = data_areas(tmp_path)
+        ranges = [store.queue_range("t", q) for q in range(3)]
+        handed_back = [
+            ("new-topic", b"b", "", None, None, 0, None),  # created on the Python path
+            ("t", b"b", "", None, {"a": "b"}, 0, None),  # properties
+            ("t", bytearray(b"b"), "", None, None, 0, None),  # not bytes
+            ("t", b"b", "", None, None, 0, 3),  # no such queue: the Python error
+            ("t", b"b", "", None, None, 2**31, None),  # code out of range
+            ("t", b"b" * 3001, "", None, None, 0, None),  # over max_message_size
+            ("t", b"b", "", "k" * 256, None, 0, None),  # key too long
+        ]
+        for fields in handed_back:
+            assert sender.send(*fields) is None, fields
+        assert data_areas(tmp_path) == before
+        assert [store.queue_range("t", q) for q in range(3)] == ranges
+        assert "new-topic" not in store.topics()
+
+
+@needs_c
+def test_sender_holds_no_reference_after_a_send(tmp_path: Path) -> None:
+    """Reference counts of what a send passes in are back where they were (a leak in
+    the C path shows here), whether C stored the send or handed it back."""
+    body, tag, props = b"x" * 50, "a-tag", {"p": "v"}
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("t", 3)
+        store.send("t", body, tag=tag)  # the tag's check is cached from here on
+        counts = [sys.getrefcount(o) for o in (body, tag, props)]
+        for i in range(500):
+            store.send("t", body, tag=tag, queue_id=i % 3)
+            store.send("t", body, tag=tag, properties=props)  # handed back each time
+        assert [sys.getrefcount(o) for o in (body, tag, props)] == counts
+        assert sum(store.queue_range("t", q)[1] for q in range(3)) == 1001
+
+
+@needs_c
+def test_sync_stores_send_through_the_group_commit(tmp_path: Path) -> None:
+    """Under flush="sync" a send must wait for its fdatasync: send() never takes the
+    C path that returns before it, while the leader writes through write_checked."""
+    config = dataclasses.replace(CONFIG, flush="sync")
+    with MessageStore.open(tmp_path, config) as store:
+        assert store._sender is None
+        store.create_topic("t", 3)
+        results = [store.send("t", b"%d" % i, key=f"k{i}") for i in range(50)]
+        assert [store.get(r.message_id).body for r in results] == [b"%d" % i for i in range(50)]

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import xxhash
 
@@ -63,6 +64,7 @@ class Appender:
         round_robin: dict[str, int],
         store_path: Path,
         closed: Callable[[], bool],
+        sender: Any = None,
     ) -> None:
         self._writer = writer
         self._keys = keys
@@ -71,16 +73,16 @@ class Appender:
         self._round_robin = round_robin
         self._store_path = store_path
         self._closed = closed
-        if speedups.SPEEDUPS is not None:
-            self._fast_write_one = speedups.SPEEDUPS.write_one
+        self._sender = sender  # _speedups.Sender, for single sends (write_checked)
 
     def append_all(
         self, topic: str, queues: list[Queue], checked: list[Checked]
     ) -> list[SendResult]:
         if self._closed():
             raise ClosedError(f"store {self._store_path} is closed")
-        if speedups.SPEEDUPS is not None and len(checked) == 1:
-            result = self.send_one(topic, queues, checked[0])
+        if self._sender is not None and len(checked) == 1:
+            # None (nothing written) when it needs a new chunk: append() below does it
+            result = self._sender.write_checked(topic, queues, checked[0])
             if result is not None:
                 return [result]
         results: list[SendResult] = []
@@ -266,38 +268,3 @@ class Appender:
         for key, position in keyed:
             self._keys.add(topic, key, position)
         return stop
-
-    def send_one(self, topic: str, queues: list[Queue], checked: Checked) -> SendResult | None:
-        """Under the write lock, with the C accelerator: a single send, or None (nothing
-        written) when its record or its queue entry needs a new chunk (``append_all``
-        then does it)."""
-        chunk = self._writer._chunk
-        if chunk is None or self._closed():
-            return None
-        key, queue_id = checked[4], checked[7]
-        turn = self._round_robin[topic]
-        if queue_id is None and key is None:  # pick_queue's round robin, inlined
-            queue_id = turn % len(queues)
-            turn = queue_id + 1
-        else:
-            queue_id, turn = pick_queue(queue_id, key, checked[3], len(queues), turn)
-        queue = queues[queue_id]
-        entries = queue.current_chunk()
-        if entries is None:
-            return None
-        now = time.time_ns()
-        done = self._fast_write_one(
-            chunk.writable_mapping(), HEADER_SIZE, chunk.data_end, chunk.data_size,
-            chunk.base, now, topic, self._topic_bytes[topic], checked, queue_id,
-            queue.next_offset, entries.writable_mapping(), entries.data_end,
-            entries.data_size, self._id_prefix, SendResult, now / 1e9,
-        )  # fmt: skip
-        if done is None:
-            return None
-        result, end = done
-        self._round_robin[topic] = turn
-        chunk.publish(end, 1)
-        queue.advance(1)
-        if key is not None:
-            self._keys.add(topic, key, result.position)
-        return result  # type: ignore[no-any-return]

@@ -11,6 +11,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import xxhash
+
 from equeue import speedups
 from equeue.atomicfile import remove_temp_files, write_json
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
@@ -31,6 +33,7 @@ from equeue.errors import (
     StoreWriteError,
     TopicNotFoundError,
 )
+from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import (
     MAX_NAME_BYTES,
     MESSAGE_HEAD,
@@ -165,6 +168,7 @@ class MessageStore:
         self._checkpointed = 0  # the log position of the last checkpoint written
         self._installed = compaction_commit.installed_marker(path)  # the last install adopted
         self._checkpoint_lock = threading.Lock()
+        self._sender: Any = None
         if read_only:
             return
         start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
@@ -178,6 +182,22 @@ class MessageStore:
                     queue.first_offset = queue.first_offset_at_or_after(first)
         self._writer = ChunkWriter(self._messages)
         self._lock = self._writer.lock  # the one write lock: message record, then queue entry
+        self._group = (
+            GroupCommit(self._lock, self._writer.flush, self._wake)
+            if config.flush == "sync"
+            else None
+        )
+        fast = speedups.SPEEDUPS
+        sender = None
+        if fast is not None:
+            sender = fast.Sender(
+                self, self._lock, self._writer, self._queues, self._topic_bytes,
+                self._round_robin, self._keys, self._id_prefix, SendResult,
+                validate.check_tag, xxhash.xxh32_intdigest, time, HEADER_SIZE,
+                config.max_message_size, config.chunk_data_size,
+            )  # fmt: skip
+        # send() takes the whole C path unless sends must wait for a group commit.
+        self._sender = sender if self._group is None else None
         self._appender = Appender(
             self._writer,
             self._keys,
@@ -186,11 +206,7 @@ class MessageStore:
             self._round_robin,
             self.path,
             lambda: self._closed,
-        )
-        self._group = (
-            GroupCommit(self._lock, self._writer.flush, self._wake)
-            if config.flush == "sync"
-            else None
+            sender,
         )
         self._checkpoint(flush=True)
         self._service_stop = threading.Event()
@@ -225,6 +241,7 @@ class MessageStore:
             try:
                 with self._checkpoint_lock, self._lock:  # no checkpoint runs past here
                     self._closed = True
+                    self._sender = None  # it holds the store: no cycle left for the GC
                     self._release_files()
             finally:
                 with self._arrived:
@@ -424,31 +441,15 @@ class MessageStore:
         code: int = 0,
         queue_id: int | None = None,
     ) -> SendResult:
+        sender = self._sender
+        if sender is not None:  # the common case, whole in C: _speedups.c, Sender
+            result = sender.send(topic, body, tag, key, properties, code, queue_id)
+            if result is not None:
+                return result  # type: ignore[no-any-return]
         queues, count = self._queues_and_count(topic)
-        checked = None
-        fast = speedups.SPEEDUPS
-        if fast is not None:
-            config = self.config
-            checked = fast.check_one(
-                (body, tag, key, properties, code, queue_id), validate.check_tag,
-                config.max_message_size, config.chunk_data_size, count,
-            )  # fmt: skip
-            if (
-                checked is not None
-                and queues is not None
-                and self._group is None
-                and self._flush_error is None
-            ):
-                with self._lock:
-                    result = self._appender.send_one(topic, queues, checked)
-                if result is not None:
-                    if self._waiting:
-                        self._wake()
-                    return result
-        if checked is None:
-            checked = validate.check_message(
-                self.config, topic, count, body, tag, key, properties, code, queue_id
-            )
+        checked = validate.check_message(
+            self.config, topic, count, body, tag, key, properties, code, queue_id
+        )
         return self._store(topic, queues, [checked])[0]
 
     def send_batch(
