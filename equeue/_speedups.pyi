@@ -95,4 +95,16 @@ class Sender:
 def scan_frames(
     buf: Any, data_offset: int, available: int, max_length: int, start: int, /
 ) -> tuple[int, int]: ...
+def match_run(
+    mm: Any,
+    data_offset: int,
+    start: int,
+    end: int,
+    base: int,
+    verify: bool,
+    queues: dict[bytes, list[list[Any]]],
+    key_from: int,
+    keyed: list[tuple[str, str, int]],
+    /,
+) -> tuple[int, int]: ...
 def last_nonzero(buf: Any, start: int, stop: int, /) -> int: ...

@@ -393,3 +393,58 @@ def test_non_hex_hash_in_metadata_is_reported(tmp_path: Path, name: str) -> None
     with MessageStore.open(path, CONFIG) as s:
         assert any(name in p for p in s.recovery.problems)
         assert s.pull("t", 0, 0).messages[0].body == b"x"
+
+
+class _CountingSpeedups:
+    """The C module, counting the records ``match_run`` confirmed."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self.matched = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def match_run(self, *args: Any) -> tuple[int, int]:
+        stop, matched = self._module.match_run(*args)
+        self.matched += matched
+        return stop, matched
+
+
+def test_redispatch_in_c_decides_as_the_python_loop(
+    two_phase: tuple[MessageStore, list[SendResult], list[SendResult]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lost entries at the tails and a damaged entry mid-way (a tag hash differs, so its
+    queue is cut there and rebuilt): C confirms the records whose entries are in place,
+    hands the rest to the Python loop, and the outcome is the Python loop's own."""
+    from equeue import speedups
+
+    if speedups.SPEEDUPS is None:
+        pytest.skip("the C accelerator is not built")
+    store, _, phase_b = two_phase
+    crashed = crash_copy(store, tmp_path / "crashed")
+    before, keys = everything(store), keys_of(store)
+    zero_queue_tail(crashed, "t", 1, 10)
+    zero_queue_tail(crashed, "u", 0, 25)
+    damaged = next(r for r in phase_b if (r.topic, r.queue_id) == ("t", 2))
+    queue_chunk = chunk_files(crashed / "queues" / "t" / "2")[-1]
+    first = int(queue_chunk.name.split("-")[1].split(".")[0]) * CONFIG.queue_chunk_records
+    flip_byte(queue_chunk, HEADER_SIZE + (damaged.queue_offset - first) * 12 + 8)  # tag hash
+    outcomes = []
+    counting = _CountingSpeedups(speedups.SPEEDUPS)
+    for kind, module in (("c", counting), ("python", None)):
+        copy = shutil.copytree(crashed, tmp_path / kind)
+        with monkeypatch.context() as m:
+            m.setattr(speedups, "SPEEDUPS", module)
+            with open_copy(copy) as s:
+                r = s.recovery
+                cuts = [(Path(c.file).relative_to(copy), c.offset, c.length) for c in r.cuts]
+                outcomes.append((r.redispatched, r.reindexed_keys, cuts, r.problems))
+                assert everything(s) == before
+                assert keys_of(s) == keys
+    assert outcomes[0] == outcomes[1]
+    redispatched, _, cuts, _ = outcomes[0]
+    assert redispatched > 35 and len(cuts) == 1  # the tails, and t/2 from the damaged entry
+    assert counting.matched > 50  # most records past the checkpoint were confirmed in C

@@ -13,11 +13,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from equeue import speedups
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.chunks.recovery import TailCut
 from equeue.errors import location
-from equeue.format.chunk import HEADER_SIZE
-from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
+from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
+from equeue.format.message import (
+    FLAG_HAS_KEY,
+    MESSAGE_HEAD,
+    MESSAGE_HEAD_SIZE,
+    QUEUE_RECORD_SIZE,
+)
 from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
 
@@ -99,38 +105,54 @@ def redispatch(
     report.start_position = start
     log_end = reader.manager.committed_position
     seen: dict[Queue, int] = {}
-    for position, payload in reader.iter_from(start):
-        (pos, _, _, qoff, qid, _, th, flags, tl, gl, kl, _, _) = MESSAGE_HEAD.unpack_from(payload)
-        topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl].decode(errors="replace")
-        topic_queues = queues.get(topic)
-        if pos != position or topic_queues is None or not 0 <= qid < len(topic_queues):
-            report.problems.append(
-                f"message record at position {position} names position {pos}, topic {topic!r}, "
-                f"queue {qid}, which the store does not have; left out of the queues "
-                f"{_record_location(reader, position)}"
+    fast = _Matcher(reader.manager, queues, key_from) if speedups.SPEEDUPS is not None else None
+    position = start
+    while True:
+        if fast is not None:  # the records whose entries are in place, in C
+            position = fast.run(position, log_end, seen, keys, report)
+        resume = None
+        for position, payload in reader.iter_from(position):  # noqa: B020 - resumes there
+            (pos, _, _, qoff, qid, _, th, flags, tl, gl, kl, _, _) = MESSAGE_HEAD.unpack_from(
+                payload
             )
-            continue
-        queue = topic_queues[qid]
-        following = queue.next_offset
-        # Position and tag hash: a sector torn inside a 12-byte entry can keep one.
-        if qoff < following and queue.entry(qoff) != (position, th):
-            report.cuts += queue.cut_from(qoff)
+            topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl].decode(errors="replace")
+            topic_queues = queues.get(topic)
+            if pos != position or topic_queues is None or not 0 <= qid < len(topic_queues):
+                report.problems.append(
+                    f"message record at position {position} names position {pos}, topic "
+                    f"{topic!r}, queue {qid}, which the store does not have; left out of the "
+                    f"queues {_record_location(reader, position)}"
+                )
+                continue
+            queue = topic_queues[qid]
             following = queue.next_offset
-        if qoff == following:
-            queue.append(position, th)
-            report.redispatched += 1
-        elif qoff > following:
-            report.problems.append(
-                f"queue {topic}/{qid} lacks offsets {following}..{qoff - 1} before the message "
-                f"at position {position}; their messages are not in the log "
-                f"{_record_location(reader, position)}"
-            )
-            continue
-        seen[queue] = qoff + 1
-        if flags & FLAG_HAS_KEY and position >= key_from:
-            p = MESSAGE_HEAD_SIZE + tl + gl
-            keys.add(topic, payload[p : p + kl].decode(errors="replace"), position)
-            report.reindexed_keys += 1
+            in_place = qoff < following
+            # Position and tag hash: a sector torn inside a 12-byte entry can keep one.
+            if in_place and queue.entry(qoff) != (position, th):
+                report.cuts += queue.cut_from(qoff)
+                following = queue.next_offset
+                in_place = False
+            if qoff == following:
+                queue.append(position, th)
+                report.redispatched += 1
+            elif qoff > following:
+                report.problems.append(
+                    f"queue {topic}/{qid} lacks offsets {following}..{qoff - 1} before the "
+                    f"message at position {position}; their messages are not in the log "
+                    f"{_record_location(reader, position)}"
+                )
+                continue
+            seen[queue] = qoff + 1
+            if flags & FLAG_HAS_KEY and position >= key_from:
+                p = MESSAGE_HEAD_SIZE + tl + gl
+                keys.add(topic, payload[p : p + kl].decode(errors="replace"), position)
+                report.reindexed_keys += 1
+            if in_place and fast is not None and fast.resumable(position):
+                resume = position + len(payload) + FRAME_OVERHEAD  # back to C after it
+                break
+        if resume is None:
+            break
+        position = resume
     for topic, topic_queues in queues.items():
         for queue in topic_queues:
             limit = seen.get(queue)
@@ -163,3 +185,80 @@ def _record_location(reader: ChunkReader, position: int) -> str:
     """'in FILE at offset N' of a log record (its frame in an uncompacted chunk)."""
     chunk = reader.manager.get_chunk_for(position)
     return location(chunk.path, HEADER_SIZE + position - chunk.base)
+
+
+class _Matcher:
+    """``redispatch``'s common case in C (``_speedups.match_run``): after a crash nearly
+    every record past the recovery start already has its queue entry, and only confirming
+    that took most of a reopen in Python (0.36-0.50 s for 85 MB past the checkpoint). It
+    hands each record it cannot confirm to the Python loop, which decides as before."""
+
+    def __init__(self, manager: ChunkManager, queues: dict[str, list[Queue]], key_from: int):
+        self._manager = manager
+        self._key_from = key_from
+        # Per topic and queue id: the queue's last chunk, where entries past a checkpoint
+        # are; an entry in an earlier chunk stops the run and the Python loop reads it.
+        # A row is [entries mapping, first offset, entry count, seen]; C writes seen.
+        self._targets: dict[bytes, list[list[Any]]] = {}
+        self._rows: list[tuple[Queue, list[Any]]] = []
+        for topic, topic_queues in queues.items():
+            rows = self._targets[topic.encode()] = []
+            for queue in topic_queues:
+                rows.append([None, 0, 0, -1])
+                self._rows.append((queue, rows[-1]))
+
+    def _refresh(self) -> None:
+        """Each queue's last chunk as it is now: the Python loop between two runs may
+        have appended or cut entries, and a mapping may have been closed since."""
+        for queue, row in self._rows:
+            last = queue.manager.last_chunk
+            if last is None or last.header.compacted:
+                row[:3] = [None, 0, 0]
+            else:
+                row[:3] = [
+                    last.mapping(),
+                    last.base // QUEUE_RECORD_SIZE,
+                    last.data_end // QUEUE_RECORD_SIZE,
+                ]
+
+    def resumable(self, position: int) -> bool:
+        return not self._manager.get_chunk_for(position).header.compacted
+
+    def run(
+        self,
+        position: int,
+        log_end: int,
+        seen: dict[Queue, int],
+        keys: KeyIndex,
+        report: RecoveryReport,
+    ) -> int:
+        """Confirm records from ``position`` on; returns the first it could not confirm."""
+        fast = speedups.SPEEDUPS
+        assert fast is not None
+        manager = self._manager
+        last = manager.last_chunk
+        self._refresh()
+        while position < log_end:
+            chunk = manager.get_chunk_for(position)
+            if chunk.header.compacted:
+                break
+            end = min(chunk.data_end, log_end - chunk.base)
+            # The last chunk's frames and checksums were checked by its scan at load.
+            verify = chunk is not last or chunk.is_completed
+            keyed: list[tuple[str, str, int]] = []
+            stop, _ = fast.match_run(
+                chunk.mapping(), HEADER_SIZE, position - chunk.base, end, chunk.base, verify,
+                self._targets, self._key_from, keyed,
+            )  # fmt: skip
+            for topic, key, at in keyed:
+                keys.add(topic, key, at)
+            report.reindexed_keys += len(keyed)
+            position = chunk.base + stop
+            if stop < end or not chunk.is_completed:
+                break
+            position = chunk.end_position  # the rest of a completed chunk is padding
+        for queue, row in self._rows:
+            if row[3] >= 0:
+                seen[queue] = max(seen.get(queue, 0), row[3])
+                row[3] = -1
+        return position
