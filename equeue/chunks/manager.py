@@ -63,10 +63,14 @@ class ChunkManager:
         config: ChunkManagerConfig | None = None,
         *,
         read_only: bool = False,
+        durable_end: int = 0,
     ) -> None:
         self.directory = Path(directory)
         self.config = config or ChunkManagerConfig()
         self.read_only = read_only
+        # A position up to which the caller knows every record is durable (the store's
+        # checkpoint): opening checks the last chunk's checksums only past it.
+        self._durable_end = durable_end
         self.recovery_cuts: list[TailCut] = []
         self.recovery_problems: list[str] = []  # what recovery found that it could not cut
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
@@ -562,8 +566,9 @@ class ChunkManager:
                 # setting is not stored on disk, and reopening with a smaller value made
                 # recovery cut (move to recovered/) valid records written under a larger one.
                 result = scan_variable(
-                    mm, available, chunk.header.chunk_data_size - FRAME_OVERHEAD, start
-                )
+                    mm, available, chunk.header.chunk_data_size - FRAME_OVERHEAD, start,
+                    verify_from=self._durable_end - chunk.base,
+                )  # fmt: skip
                 count = (chunk.record_count if start else 0) + result.record_count
         finally:
             mm.close()
@@ -582,12 +587,15 @@ class ChunkManager:
                 size = os.fstat(fd).st_size
                 reason = chunk.scan_problem or "bytes past the last valid record"
                 cut = cut_range(
-                    path, fd, HEADER_SIZE + chunk.data_end, min(size, data_stop), reason
-                )
+                    path, fd, HEADER_SIZE + chunk.data_end, min(size, data_stop), reason,
+                    sync_zeros=False,  # a torn tail: see cut_range
+                )  # fmt: skip
                 if cut is not None:
                     self.recovery_cuts.append(cut)
                 if size >= full:
-                    footer = cut_range(path, fd, full - FOOTER_SIZE, full, "torn footer")
+                    footer = cut_range(
+                        path, fd, full - FOOTER_SIZE, full, "torn footer", sync_zeros=False
+                    )
                     if footer is not None:
                         self.recovery_cuts.append(footer)
                 if size != full:
