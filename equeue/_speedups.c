@@ -759,6 +759,10 @@ static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
     PyObject *o[12];
     Py_ssize_t data_offset, max_body, chunk_size;
     if (!configured()) return -1;
+    if (s->store != NULL) { /* send() reads the fields while Python code runs */
+        PyErr_SetString(PyExc_TypeError, "a Sender is initialised once");
+        return -1;
+    }
     if (!PyArg_ParseTuple(args, "OOOO!O!O!OUO!OOOnnn", &o[0], &o[1], &o[2], &PyDict_Type, &o[3],
                           &PyDict_Type, &o[4], &PyDict_Type, &o[5], &o[6], &o[7], &PyType_Type,
                           &o[8], &o[9], &o[10], &o[11], &data_offset, &max_body, &chunk_size))
@@ -937,7 +941,8 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
     result = new_record((PyTypeObject *)s->result_type, 6, fields);
     if (result == NULL) goto fail;
     /* The entry after its frame, once nothing before can fail; then publish the record
-     * before the entry, as Appender.append does. */
+     * before the entry, as Appender.append does (and prefault both chunks as
+     * Chunk.publish does). */
     char *slot = (char *)qbuf.buf + s->data_offset + entries.end;
     put_i64(slot, position + 1);
     put_u32(slot + 8, c->hashed);
@@ -1000,7 +1005,16 @@ static int release_lock(Sender *s) {
 }
 
 /* send(topic, body, tag, key, properties, code, queue_id) -> SendResult or None */
+static int sender_ready(Sender *s) {
+    if (s->store == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Sender.__init__ was not called");
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *Sender_send(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (!sender_ready(s)) return NULL;
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "send takes the seven fields of a send");
         return NULL;
@@ -1051,11 +1065,15 @@ out:
 /* write_checked(topic, queues, checked) -> SendResult or None: the send of one checked
  * 8-tuple, by a caller that holds the write lock (the group commit leader). */
 static PyObject *Sender_write_checked(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyUnicode_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
-        PyList_GET_SIZE(args[1]) < 1) {
+    if (!sender_ready(s)) return NULL;
+    if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "write_checked(topic, queues, checked)");
         return NULL;
     }
+    /* A str subclass as topic (the Python path stores it), or anything unusual: None. */
+    if (!PyUnicode_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
+        PyList_GET_SIZE(args[1]) < 1)
+        Py_RETURN_NONE;
     Checked c; /* borrowed from the tuple, which is held while Python code may run */
     if (unpack_checked(args[2], &c) < 0) return NULL;
     PyObject *queues = Py_NewRef(args[1]), *checked = Py_NewRef(args[2]);

@@ -244,7 +244,7 @@ class MessageStore:
             try:
                 with self._checkpoint_lock, self._lock:  # no checkpoint runs past here
                     self._closed = True
-                    self._sender = None  # it holds the store: no cycle left for the GC
+                    self._sender = None  # later sends go straight to ClosedError
                     self._release_files()
             finally:
                 with self._arrived:
