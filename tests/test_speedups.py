@@ -428,9 +428,11 @@ def test_a_sender_is_usable_only_once_initialised(tmp_path: Path) -> None:
         bare.send("t", b"x", "", None, None, 0, None)
     with pytest.raises(TypeError, match="__init__ was not called"):
         bare.write_checked("t", [], ())
-    with MessageStore.open(tmp_path, CONFIG) as store:
-        with pytest.raises(TypeError, match="initialised once"):
-            store._sender.__init__(*([None] * 15))
+    with (
+        MessageStore.open(tmp_path, CONFIG) as store,
+        pytest.raises(TypeError, match="initialised once"),
+    ):
+        store._sender.__init__(*([None] * 15))
 
 
 @needs_c
