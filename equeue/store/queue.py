@@ -128,6 +128,7 @@ class Queue:
                 break
             block = mm[start : start + (stop_offset - offset) * QUEUE_RECORD_SIZE]
             result.extend((stored - 1, tag) for stored, tag in QUEUE_RECORD.iter_unpack(block))
+            chunk.release_behind(start - HEADER_SIZE, start - HEADER_SIZE + len(block))
             offset = stop_offset
         return result
 

@@ -164,6 +164,7 @@ class LogReader:
                         pair = pair or self._decode_slow(chunk, position)
                         if pair is not None:
                             found[position] = pair
+                    chunk.release_behind(run[0] - base, run[-1] - base)
                     i = j
                     continue
             try:
@@ -176,6 +177,8 @@ class LogReader:
                         decode(position, payload),
                         stored_hash(payload, TAG_HASH_OFFSET)[0],
                     )
+            if not chunk.header.compacted:  # (a compacted chunk's offsets are not positions)
+                chunk.release_behind(run[0] - base, run[-1] - base)
             i = j
         return found
 
