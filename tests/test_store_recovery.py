@@ -474,3 +474,36 @@ def test_damage_before_the_checkpoint_is_reported_not_cut(tmp_path: Path, damage
             assert [m.body for m in s.pull("t", 0, 0, max_count=10).messages] == [
                 b"v%d" % i for i in range(5)
             ]
+
+
+def test_redispatch_in_c_follows_the_queue_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the checkpoint a queue's entries span several of its chunks (342 entries
+    each, the fewest a chunk takes): C reads each from the chunk that holds it, not
+    only from the last one, and the outcome is the Python loop's."""
+    from equeue import speedups
+
+    if speedups.SPEEDUPS is None:
+        pytest.skip("the C accelerator is not built")
+    config = replace(CONFIG, queue_chunk_records=342, flush="os")  # no checkpoint but open's
+    with MessageStore.open(tmp_path / "store", config) as s:
+        s.create_topic("u", 1)
+        sent = [s.send("u", b"m%d" % i, key=f"k{i % 7}") for i in range(1100)]
+        crashed = crash_copy(s, tmp_path / "crashed")
+        before = everything(s)
+    zero_queue_tail(crashed, "u", 0, 20)
+    counting = _CountingSpeedups(speedups.SPEEDUPS)
+    outcomes = []
+    for kind, module in (("c", counting), ("python", None)):
+        copy = shutil.copytree(crashed, tmp_path / kind)
+        with monkeypatch.context() as m:
+            m.setattr(speedups, "SPEEDUPS", module)
+            with MessageStore.open(copy, config) as s:
+                r = s.recovery
+                outcomes.append((r.redispatched, r.reindexed_keys, r.cuts, r.problems))
+                assert everything(s) == before
+                assert [m.body for m in s.query_by_key("u", "k3", limit=1000)][-1] == b"m3"
+    assert outcomes[0][:2] == outcomes[1][:2] == (20, len(sent))
+    assert outcomes[0][2:] == outcomes[1][2:] == ([], [])
+    assert counting.matched >= 1000  # entries in three queue chunks before the last

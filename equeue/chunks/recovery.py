@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from equeue import speedups
 from equeue.chunks.chunk import fsync_directory
@@ -28,6 +29,8 @@ from equeue.format.chunk import (
 log = logging.getLogger("equeue.recovery")
 
 _BLOCK = 1 << 20
+_SCAN_STEP = 16 << 20  # scan_variable releases what it walked this often
+_PAGE = mmap.PAGESIZE
 _ZEROS = bytes(_BLOCK)
 
 
@@ -76,9 +79,7 @@ def scan_variable(
     problem: str | None = None
     fast = speedups.SPEEDUPS
     if fast is not None:  # the valid frames at C speed; the loop below looks at where it stopped
-        offset, count = fast.scan_frames(
-            buf, HEADER_SIZE, available, max_record_size, start, verify_from
-        )
+        offset, count = _scan_in_steps(fast, buf, available, max_record_size, start, verify_from)
     while HEADER_SIZE + offset + FRAME_PREFIX.size <= end:
         p = HEADER_SIZE + offset
         (n,) = unpack(buf, p)
@@ -91,6 +92,30 @@ def scan_variable(
         count += 1
         offset += n + FRAME_OVERHEAD
     return ScanResult(offset, count, problem)
+
+
+def _scan_in_steps(
+    fast: ModuleType, buf: mmap.mmap | bytes, available: int, max_length: int, start: int,
+    verify_from: int,
+) -> tuple[int, int]:  # fmt: skip
+    """``scan_frames`` a step at a time, each step's pages released from the mapping once
+    walked: a reopen otherwise kept the whole last chunk resident (232 MiB measured)."""
+    offset, count = start, 0
+    release = getattr(buf, "madvise", None)
+    while True:
+        limit = min(available, offset + _SCAN_STEP)
+        after, walked = fast.scan_frames(buf, HEADER_SIZE, limit, max_length, offset, verify_from)
+        count += walked
+        if limit == available:
+            return after, count
+        if after == offset:  # a bad frame, or one longer than a step: the rest in one go
+            after, walked = fast.scan_frames(
+                buf, HEADER_SIZE, available, max_length, offset, verify_from
+            )
+            return after, count + walked
+        offset = after
+        if release is not None:
+            release(mmap.MADV_DONTNEED, 0, (HEADER_SIZE + offset) // _PAGE * _PAGE)
 
 
 def scan_fixed(

@@ -9,6 +9,7 @@ proportional to what was written after the checkpoint, not to the store size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from equeue import speedups
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.chunks.recovery import TailCut
-from equeue.errors import location
+from equeue.errors import EQueueError, location
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
 from equeue.format.message import (
     FLAG_HAS_KEY,
@@ -28,6 +29,7 @@ from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
 
 log = logging.getLogger("equeue.recovery")
+_STEP = 16 << 20  # _Matcher reads the log this much at a time
 
 
 @dataclass
@@ -166,6 +168,8 @@ def redispatch(
                     limit = min(recorded_end, queue.first_offset_at_or_after(log_end))
             if queue.next_offset > limit:
                 report.cuts += queue.cut_from(limit)
+    for chunk in reader.manager:  # what the matcher read stays in the page cache only
+        chunk.release_behind(0, chunk.data_end)
     keys.mark(log_end)
     keys.commit()
     for cut in report.cuts:
@@ -206,20 +210,27 @@ class _Matcher:
             for queue in topic_queues:
                 rows.append([None, 0, 0, -1])
                 self._rows.append((queue, rows[-1]))
+        self._first: dict[Queue, int] = {}  # each queue's first offset past the start
 
-    def _refresh(self) -> None:
-        """Each queue's last chunk as it is now: the Python loop between two runs may
-        have appended or cut entries, and a mapping may have been closed since."""
+    def _refresh(self, position: int, seen: dict[Queue, int]) -> None:
+        """For each queue, the chunk holding the next offset expected after ``position``
+        (its last chunk if that is unknown), as it is now: the Python loop between two
+        runs may have appended or cut entries, and a mapping may have been closed."""
         for queue, row in self._rows:
-            last = queue.manager.last_chunk
-            if last is None or last.header.compacted:
+            expected = seen.get(queue)
+            if expected is None:
+                expected = self._first.get(queue)
+                if expected is None:
+                    expected = self._first[queue] = queue.first_offset_at_or_after(position)
+            chunk = queue.manager.last_chunk
+            if expected < queue.next_offset:
+                with contextlib.suppress(EQueueError):  # removed meanwhile: the last one
+                    chunk = queue.manager.get_chunk_for(expected * QUEUE_RECORD_SIZE)
+            if chunk is None or chunk.header.compacted:
                 row[:3] = [None, 0, 0]
             else:
-                row[:3] = [
-                    last.mapping(),
-                    last.base // QUEUE_RECORD_SIZE,
-                    last.data_end // QUEUE_RECORD_SIZE,
-                ]
+                first = chunk.base // QUEUE_RECORD_SIZE
+                row[:3] = [chunk.mapping(), first, chunk.data_end // QUEUE_RECORD_SIZE]
 
     def resumable(self, position: int) -> bool:
         return not self._manager.get_chunk_for(position).header.compacted
@@ -237,24 +248,33 @@ class _Matcher:
         assert fast is not None
         manager = self._manager
         last = manager.last_chunk
-        self._refresh()
+        self._refresh(position, seen)
         while position < log_end:
             chunk = manager.get_chunk_for(position)
             if chunk.header.compacted:
                 break
+            start = position - chunk.base
             end = min(chunk.data_end, log_end - chunk.base)
+            # A step at a time, each released once read: only a step stays resident. (A
+            # record across a step's end stops the run: the Python loop takes it.)
+            step_end = min(end, start + _STEP)
             # The last chunk's frames and checksums were checked by its scan at load.
             verify = chunk is not last or chunk.is_completed
             keyed: list[tuple[str, str, int]] = []
             stop, _ = fast.match_run(
-                chunk.mapping(), HEADER_SIZE, position - chunk.base, end, chunk.base, verify,
+                chunk.mapping(), HEADER_SIZE, start, step_end, chunk.base, verify,
                 self._targets, self._key_from, keyed,
             )  # fmt: skip
             for topic, key, at in keyed:
                 keys.add(topic, key, at)
             report.reindexed_keys += len(keyed)
+            chunk.release_behind(start, stop)
             position = chunk.base + stop
-            if stop < end or not chunk.is_completed:
+            if stop < step_end:
+                break
+            if step_end < end:
+                continue
+            if not chunk.is_completed:
                 break
             position = chunk.end_position  # the rest of a completed chunk is padding
         for queue, row in self._rows:
