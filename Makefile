@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 
 all: test
 
-# setup.py builds the C accelerator (equeue/_speedups.c) in place; a changed C file rebuilds it.
-$(STAMP): pyproject.toml setup.py equeue/_speedups.c
+# setup.py builds the C accelerator (equeue/cext/) in place; a changed C file rebuilds it.
+$(STAMP): pyproject.toml setup.py $(wildcard equeue/cext/*.c equeue/cext/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,spark,bench]'

@@ -4,13 +4,16 @@
 and equeue runs its pure-Python paths (see equeue/speedups.py).
 """
 
+from glob import glob
+
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
             "equeue._speedups",
-            ["equeue/_speedups.c"],
+            sorted(glob("equeue/cext/*.c")),
+            depends=sorted(glob("equeue/cext/*.h")),
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )

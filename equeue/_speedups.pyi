@@ -1,4 +1,4 @@
-# Types of the C accelerator (equeue/_speedups.c); see equeue/speedups.py.
+# Types of the C accelerator (equeue/cext/); see equeue/speedups.py.
 from collections.abc import Callable
 from typing import Any
 

@@ -1,4 +1,4 @@
-"""The optional C accelerator of the write and read paths (equeue/_speedups.c).
+"""The optional C accelerator of the write and read paths (equeue/cext/, built as equeue._speedups).
 
 ``SPEEDUPS`` is the module when it was built and the layouts it was written for
 match ``equeue.format``; otherwise None, and the store runs its pure-Python paths,

@@ -1,4 +1,4 @@
-"""The C accelerator (equeue/_speedups.c) against the pure-Python paths: the same
+"""The C accelerator (equeue/cext/) against the pure-Python paths: the same
 bytes on disk, the same results, the same errors, and damaged records still reported
 by the precise Python error."""
 

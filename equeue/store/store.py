@@ -445,7 +445,7 @@ class MessageStore:
         queue_id: int | None = None,
     ) -> SendResult:
         sender = self._sender
-        if sender is not None:  # the common case, whole in C: _speedups.c, Sender
+        if sender is not None:  # the common case, whole in C: cext/sender.c
             result = sender.send(topic, body, tag, key, properties, code, queue_id)
             if result is not None:
                 return result  # type: ignore[no-any-return]

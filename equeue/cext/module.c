@@ -1,0 +1,91 @@
+/* equeue._speedups: the store's hot loops in C. One file per concern: write.c (checking
+ * and framing sends), sender.c (a whole single send), read.c (pulls), recover.c (open
+ * after a crash), xxh3.c (the record checksum); speedups.h is what they share.
+ *
+ * Optional: equeue/speedups.py imports this module when it was built and
+ * falls back to the pure-Python paths otherwise (or when EQUEUE_PURE_PYTHON is
+ * set). Every layout written or read here is the one in equeue/format/ (chunk.py:
+ * the record frame; message.py: the 56-byte message head and the 12-byte queue
+ * record); the sizes come from Python through configure(), and
+ * tests/test_speedups.py checks both paths byte for byte against those modules.
+ *
+ * Anything unusual (a wrong type, a limit exceeded, properties, a bad frame) is
+ * handed back to the Python code, which raises the precise error: C only ever
+ * takes the common, valid case.
+ *
+ * Memory: buffers are taken with PyObject_GetBuffer and released before
+ * returning. While a buffer is exported, mmap.close() refuses (BufferError) and
+ * the mapping stays valid, whatever other threads do when the GIL is released
+ * (explicitly in scan_frames and last_nonzero, or by Python code the functions
+ * call). Integers are written little-endian (the module refuses to load on a
+ * big-endian machine).
+ */
+#include "speedups.h"
+
+/* From equeue.format via configure(). */
+Py_ssize_t HEAD_SIZE = -1;
+Py_ssize_t FRAME_OVERHEAD = -1;
+Py_ssize_t QUEUE_RECORD = -1;
+long MAX_NAME = -1;
+PyObject *EMPTY_BYTES;
+PyObject *ZERO;
+
+int configured(void) {
+    if (HEAD_SIZE < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "equeue._speedups.configure() was not called");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *configure(PyObject *self, PyObject *args) {
+    Py_ssize_t head, overhead, queue_record;
+    long max_name;
+    if (!PyArg_ParseTuple(args, "nnnl", &head, &overhead, &queue_record, &max_name)) return NULL;
+    /* The field offsets and u8 length fields below are those of the documented layout. */
+    if (head != 56 || overhead != 12 || queue_record != 12 || max_name < 0 || max_name > 255) {
+        PyErr_SetString(PyExc_ValueError, "equeue._speedups was built for another record layout");
+        return NULL;
+    }
+    FRAME_OVERHEAD = overhead;
+    QUEUE_RECORD = queue_record;
+    MAX_NAME = max_name;
+    HEAD_SIZE = head; /* last: configured() looks at it */
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS, NULL},
+    {"xxh3_64", py_xxh3_64, METH_O, NULL},
+    {"check_batch", check_batch, METH_VARARGS, NULL},
+    {"write_run", write_run, METH_VARARGS, NULL},
+    {"decode_run", decode_run, METH_VARARGS, NULL},
+    {"collect", collect, METH_VARARGS, NULL},
+    {"scan_frames", scan_frames, METH_VARARGS, NULL},
+    {"match_run", match_run, METH_VARARGS, NULL},
+    {"last_nonzero", last_nonzero, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "equeue._speedups", NULL, -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    const uint16_t probe = 1;
+    if (*(const uint8_t *)&probe != 1) {
+        PyErr_SetString(PyExc_ImportError, "equeue._speedups writes little-endian only");
+        return NULL;
+    }
+    EMPTY_BYTES = PyBytes_FromStringAndSize("", 0);
+    ZERO = PyLong_FromLong(0);
+    if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
+    if (PyType_Ready(&SenderType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,203 @@
+/* The read side: a pull's run of records decoded and checked (decode_run), and the
+ * untagged pull's check of each message against its queue entry (collect). */
+#include "speedups.h"
+
+/* --- decode_run ----------------------------------------------------------------- */
+
+/* A str for bytes that often repeat (topics, tags): the last one is reused. */
+typedef struct {
+    PyObject *str;
+    const char *bytes;
+    Py_ssize_t len;
+} Last;
+
+static PyObject *decode_cached(Last *last, const char *s, Py_ssize_t len) {
+    if (last->str != NULL && last->len == len && memcmp(last->bytes, s, (size_t)len) == 0)
+        return Py_NewRef(last->str);
+    PyObject *str = PyUnicode_DecodeUTF8(s, len, "strict");
+    if (str == NULL) return NULL;
+    Py_XSETREF(last->str, Py_NewRef(str));
+    last->bytes = s;
+    last->len = len;
+    return str;
+}
+
+/* decode_run(mm, data_offset, data_end, base, positions, message_type, id_prefix,
+ *            decode_properties) -> list of (Message, stored tag hash) or None
+ *
+ * For each position of a chunk that is not compacted: the frame at that data offset
+ * checked (length, suffix, checksum, the head's own position) and decoded. None where
+ * anything is off; the caller reads that one again the slow way, which raises the
+ * precise error. */
+PyObject *decode_run(PyObject *self, PyObject *args) {
+    PyObject *mm, *positions, *message_type, *id_prefix, *decode_props;
+    Py_ssize_t data_offset, data_end;
+    long long base;
+    if (!PyArg_ParseTuple(args, "OnnLO!O!UO", &mm, &data_offset, &data_end, &base,
+                          &PyList_Type, &positions, &PyType_Type, &message_type, &id_prefix,
+                          &decode_props))
+        return NULL;
+    if (!configured()) return NULL;
+    if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
+        PyErr_SetString(PyExc_ValueError, "id_prefix must be ASCII");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) return NULL;
+    /* The positions come from queue entries, which a damaged file can set to anything:
+     * every comparison below is arranged so that no value can overflow. */
+    Py_ssize_t n = PyList_GET_SIZE(positions);
+    PyObject *out = PyList_New(n);
+    Last topic_cache = {0}, tag_cache = {0};
+    if (out == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+    if (data_offset < 0 || data_end < 0 || base < 0 || data_offset + data_end > view.len) {
+        PyErr_SetString(PyExc_ValueError, "the data area lies outside the mapping");
+        goto fail;
+    }
+    const char *data = (const char *)view.buf + data_offset;
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(positions); i++) {
+        int overflow = 0;
+        long long position =
+            PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(positions, i), &overflow);
+        if (position == -1 && PyErr_Occurred()) goto fail;
+        if (overflow || position < base ||
+            position - base > (long long)(data_end - FRAME_OVERHEAD - HEAD_SIZE))
+            continue; /* not a record here: the Python path names the problem */
+        long long local = position - base;
+        const char *p = data + local;
+        uint32_t length = get_u32(p);
+        if (length < (uint32_t)HEAD_SIZE ||
+            (long long)length > (long long)data_end - local - FRAME_OVERHEAD)
+            continue;
+        const char *h = p + 4;
+        if (get_u32(h + length + 4) != length) continue;
+        if (get_i64(h) != position) continue;
+        uint32_t tl = (uint8_t)h[45], gl = (uint8_t)h[46], kl = (uint8_t)h[47];
+        uint32_t pl = get_u32(h + 48), bl = get_u32(h + 52);
+        if ((uint64_t)HEAD_SIZE + tl + gl + kl + pl + bl != length) continue;
+        if (checksum(h, (Py_ssize_t)length) != get_u32(h + length)) continue;
+
+        const char *s = h + HEAD_SIZE;
+        PyObject *topic = decode_cached(&topic_cache, s, tl);
+        s += tl;
+        PyObject *tag = topic == NULL ? NULL : decode_cached(&tag_cache, s, gl);
+        s += gl;
+        PyObject *key = NULL;
+        if (tag != NULL)
+            key = (h[44] & FLAG_HAS_KEY) ? PyUnicode_DecodeUTF8(s, kl, "strict")
+                                         : Py_NewRef(Py_None);
+        s += kl;
+        PyObject *props = NULL;
+        if (key != NULL) {
+            if (pl == 0) {
+                props = PyDict_New();
+            } else {
+                PyObject *raw = PyBytes_FromStringAndSize(s, pl);
+                props = raw == NULL ? NULL : PyObject_CallOneArg(decode_props, raw);
+                Py_XDECREF(raw);
+            }
+        }
+        s += pl;
+        if (props == NULL) { /* undecodable: the slow path reports it */
+            Py_XDECREF(topic);
+            Py_XDECREF(tag);
+            Py_XDECREF(key);
+            /* Undecodable bytes: left to the slow path. MemoryError, KeyboardInterrupt
+             * and the like are not about the record and go on up. */
+            if (PyErr_ExceptionMatches(PyExc_MemoryError) ||
+                !PyErr_ExceptionMatches(PyExc_Exception))
+                goto fail;
+            PyErr_Clear();
+            continue;
+        }
+        PyObject *fields[12] = {
+            message_id(id_prefix, position),
+            topic,
+            PyLong_FromLong(get_i32(h + 32)),
+            PyLong_FromLongLong(get_i64(h + 24)),
+            PyLong_FromLongLong(position),
+            tag,
+            key,
+            props,
+            PyLong_FromLong(get_i32(h + 36)),
+            PyBytes_FromStringAndSize(s, bl),
+            PyFloat_FromDouble((double)get_i64(h + 16) / 1e9),
+            PyFloat_FromDouble((double)get_i64(h + 8) / 1e9),
+        };
+        PyObject *message = new_record((PyTypeObject *)message_type, 12, fields);
+        if (message == NULL) goto fail;
+        PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)get_u32(h + 40));
+        if (pair == NULL) goto fail;
+        PyList_SET_ITEM(out, i, pair);
+        Py_DECREF(Py_None); /* the placeholder it replaces */
+    }
+    Py_XDECREF(topic_cache.str);
+    Py_XDECREF(tag_cache.str);
+    PyBuffer_Release(&view);
+    return out;
+fail:
+    Py_XDECREF(topic_cache.str);
+    Py_XDECREF(tag_cache.str);
+    Py_XDECREF(out);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+/* --- collect -------------------------------------------------------------------- */
+
+/* collect(entries, found, offset, queue_id, topic, room, out) -> (offset, bad)
+ *
+ * The untagged pull's loop over a run of queue entries [(position, tag hash)] from
+ * queue offset ``offset``: each message in found[position] = (Message, stored tag
+ * hash) is checked against its entry and appended to out, until out holds ``room``
+ * more messages. An entry with no message (removed by retention or compaction) is
+ * skipped. Returns the offset after the last entry looked at, and the index of the
+ * first entry whose message does not match it (-1 if none; the caller raises). */
+PyObject *collect(PyObject *self, PyObject *args) {
+    PyObject *entries, *found, *topic, *out;
+    long long offset, queue_id;
+    Py_ssize_t room;
+    if (!PyArg_ParseTuple(args, "O!O!LLUnO!", &PyList_Type, &entries, &PyDict_Type, &found,
+                          &offset, &queue_id, &topic, &room, &PyList_Type, &out))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(entries), taken = 0, bad = -1;
+    for (Py_ssize_t k = 0; k < n && taken < room; k++) {
+        PyObject *entry = PyList_GET_ITEM(entries, k);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+            PyErr_SetString(PyExc_TypeError, "queue entries are (position, tag hash) pairs");
+            return NULL;
+        }
+        offset++;
+        PyObject *pair = PyDict_GetItemWithError(found, PyTuple_GET_ITEM(entry, 0));
+        if (pair == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            continue; /* removed by retention or compaction */
+        }
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "found values are (message, tag hash) pairs");
+            return NULL;
+        }
+        PyObject *message = PyTuple_GET_ITEM(pair, 0);
+        if (!PyTuple_Check(message) || PyTuple_GET_SIZE(message) < 4) {
+            PyErr_SetString(PyExc_TypeError, "messages are Message tuples");
+            return NULL;
+        }
+        int same_topic = PyUnicode_Compare(PyTuple_GET_ITEM(message, 1), topic);
+        if (same_topic == -1 && PyErr_Occurred()) return NULL;
+        long long qoff = PyLong_AsLongLong(PyTuple_GET_ITEM(message, 3));
+        long long qid = PyLong_AsLongLong(PyTuple_GET_ITEM(message, 2));
+        if (PyErr_Occurred()) return NULL;
+        int same_hash = PyObject_RichCompareBool(PyTuple_GET_ITEM(pair, 1),
+                                                 PyTuple_GET_ITEM(entry, 1), Py_EQ);
+        if (same_hash < 0) return NULL;
+        if (qoff != offset - 1 || qid != queue_id || same_topic != 0 || !same_hash) {
+            bad = k;
+            offset--;
+            break;
+        }
+        if (PyList_Append(out, message) < 0) return NULL;
+        taken++;
+    }
+    return Py_BuildValue("(Ln)", offset, bad);
+}

@@ -1,0 +1,415 @@
+#include "speedups.h"
+
+/* --- Sender: a whole single send in one call ------------------------------------
+ *
+ * MessageStore.send's common case: check the fields, take the write lock, frame the
+ * record into the log chunk's mapping, write its queue entry, publish both and return
+ * the SendResult, without a Python frame in between. The state stays where the Python
+ * paths keep it (ChunkWriter._chunk, Chunk.data_end/record_count, Queue.next_offset,
+ * the store's topic dicts), read and raised here exactly as Appender.append and
+ * Chunk.publish do, so both paths can serve the same store one send after the other.
+ * None (nothing written, the lock released) hands the send to the Python path: a new
+ * topic, a field to check in Python, a chunk to complete or create, a closed store. */
+
+static PyObject *S_acquire, *S_release, *S_chunk, *S_data_end, *S_data_size, *S_base, *S_mm,
+    *S_record_count, *S_prefault_mark, *S_prefault, *S_writer, *S_next_offset, *S_closed,
+    *S_flush_error, *S_waiting, *S_wake, *S_add, *S_time_ns;
+
+int intern_names(void) {
+#define INTERN(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    INTERN(S_acquire, "acquire") INTERN(S_release, "release") INTERN(S_chunk, "_chunk")
+    INTERN(S_data_end, "data_end") INTERN(S_data_size, "data_size") INTERN(S_base, "base")
+    INTERN(S_mm, "_mm") INTERN(S_record_count, "record_count")
+    INTERN(S_prefault_mark, "_prefault_mark") INTERN(S_prefault, "_prefault")
+    INTERN(S_writer, "_writer") INTERN(S_next_offset, "next_offset") INTERN(S_closed, "_closed")
+    INTERN(S_flush_error, "_flush_error") INTERN(S_waiting, "_waiting") INTERN(S_wake, "_wake")
+    INTERN(S_add, "add") INTERN(S_time_ns, "time_ns")
+#undef INTERN
+    return 0;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *store;       /* MessageStore: _closed, _flush_error, _waiting, _wake() */
+    PyObject *lock;        /* the write lock */
+    PyObject *writer;      /* the log's ChunkWriter */
+    PyObject *queues;      /* the store's dict: topic -> list[Queue] */
+    PyObject *topic_bytes; /* the store's dict: topic -> its UTF-8 bytes */
+    PyObject *round_robin; /* the store's dict: topic -> next turn */
+    PyObject *keys;        /* KeyIndex: add(topic, key, position) */
+    PyObject *id_prefix, *result_type, *tag_check, *xxh32;
+    PyObject *clock; /* the time module: time_ns is looked up per send, as Python code does */
+    Py_ssize_t data_offset, max_body, chunk_size;
+} Sender;
+
+static int Sender_traverse(Sender *s, visitproc visit, void *arg) {
+    Py_VISIT(s->store); Py_VISIT(s->lock); Py_VISIT(s->writer); Py_VISIT(s->queues);
+    Py_VISIT(s->topic_bytes); Py_VISIT(s->round_robin); Py_VISIT(s->keys);
+    Py_VISIT(s->id_prefix); Py_VISIT(s->result_type); Py_VISIT(s->tag_check);
+    Py_VISIT(s->xxh32); Py_VISIT(s->clock);
+    return 0;
+}
+
+static int Sender_clear(Sender *s) {
+    Py_CLEAR(s->store); Py_CLEAR(s->lock); Py_CLEAR(s->writer); Py_CLEAR(s->queues);
+    Py_CLEAR(s->topic_bytes); Py_CLEAR(s->round_robin); Py_CLEAR(s->keys);
+    Py_CLEAR(s->id_prefix); Py_CLEAR(s->result_type); Py_CLEAR(s->tag_check);
+    Py_CLEAR(s->xxh32); Py_CLEAR(s->clock);
+    return 0;
+}
+
+static void Sender_dealloc(Sender *s) {
+    PyObject_GC_UnTrack(s);
+    Sender_clear(s);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+/* Sender(store, lock, writer, queues, topic_bytes, round_robin, keys, id_prefix,
+ *        result_type, tag_check, xxh32, clock, data_offset, max_body, chunk_size) */
+static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
+    PyObject *o[12];
+    Py_ssize_t data_offset, max_body, chunk_size;
+    if (!configured()) return -1;
+    if (s->store != NULL) { /* send() reads the fields while Python code runs */
+        PyErr_SetString(PyExc_TypeError, "a Sender is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!OUO!OOOnnn", &o[0], &o[1], &o[2], &PyDict_Type, &o[3],
+                          &PyDict_Type, &o[4], &PyDict_Type, &o[5], &o[6], &o[7], &PyType_Type,
+                          &o[8], &o[9], &o[10], &o[11], &data_offset, &max_body, &chunk_size))
+        return -1;
+    if (!PyUnicode_IS_COMPACT_ASCII(o[7]) ||
+        !PyType_IsSubtype((PyTypeObject *)o[8], &PyTuple_Type) || data_offset < 0 ||
+        max_body < 0 || chunk_size < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "Sender: an ASCII id prefix, a tuple result type, sizes >= 0");
+        return -1;
+    }
+    Sender_clear(s);
+    PyObject **slots[12] = {&s->store,     &s->lock,      &s->writer,      &s->queues,
+                            &s->topic_bytes, &s->round_robin, &s->keys,    &s->id_prefix,
+                            &s->result_type, &s->tag_check, &s->xxh32,     &s->clock};
+    for (int i = 0; i < 12; i++) *slots[i] = Py_NewRef(o[i]);
+    s->data_offset = data_offset;
+    s->max_body = max_body;
+    s->chunk_size = chunk_size;
+    return 0;
+}
+
+/* An int attribute as a Py_ssize_t; -1 with an exception if missing or not an int. */
+static Py_ssize_t ssize_attr(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (n < 0 && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "%R is negative", name);
+    return n;
+}
+
+static int set_ssize_attr(PyObject *obj, PyObject *name, Py_ssize_t value) {
+    PyObject *v = PyLong_FromSsize_t(value);
+    if (v == NULL) return -1;
+    int r = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* Chunk.publish(end, 1): count the record, raise data_end, prefault the next window. */
+static int publish_one(PyObject *chunk, Py_ssize_t end) {
+    Py_ssize_t count = ssize_attr(chunk, S_record_count);
+    if (count < 0 || set_ssize_attr(chunk, S_record_count, count + 1) < 0) return -1;
+    if (set_ssize_attr(chunk, S_data_end, end) < 0) return -1;
+    PyObject *mark = PyObject_GetAttr(chunk, S_prefault_mark);
+    if (mark == NULL) return -1;
+    long long m = PyLong_AsLongLong(mark);
+    Py_DECREF(mark);
+    if (m == -1 && PyErr_Occurred()) return -1;
+    if (end > m) {
+        PyObject *end_obj = PyLong_FromSsize_t(end);
+        if (end_obj == NULL) return -1;
+        PyObject *r = PyObject_CallMethodOneArg(chunk, S_prefault, end_obj);
+        Py_DECREF(end_obj);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+/* A chunk open for writing and its data end, size and mapping (new references), or 0
+ * when there is none (writer._chunk is None, or not mapped), or -1 with an exception. */
+typedef struct {
+    PyObject *chunk, *mm;
+    Py_ssize_t end, size;
+} Open;
+
+static int open_chunk(PyObject *writer, Open *out) {
+    *out = (Open){0};
+    PyObject *chunk = PyObject_GetAttr(writer, S_chunk);
+    if (chunk == NULL) return -1;
+    if (chunk == Py_None) {
+        Py_DECREF(chunk);
+        return 0;
+    }
+    PyObject *mm = PyObject_GetAttr(chunk, S_mm);
+    if (mm == NULL || mm == Py_None) {
+        Py_DECREF(chunk);
+        Py_XDECREF(mm);
+        return mm == NULL ? -1 : 0;
+    }
+    out->chunk = chunk;
+    out->mm = mm;
+    if ((out->end = ssize_attr(chunk, S_data_end)) < 0 ||
+        (out->size = ssize_attr(chunk, S_data_size)) < 0) {
+        Py_CLEAR(out->chunk);
+        Py_CLEAR(out->mm);
+        return -1;
+    }
+    return 1;
+}
+
+static void close_open(Open *o) {
+    Py_CLEAR(o->chunk);
+    Py_CLEAR(o->mm);
+}
+
+/* The send itself, with the write lock held: a SendResult, None (nothing written), or
+ * NULL with an exception. */
+static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Checked *c) {
+    PyObject *result = NULL, *queue = NULL, *qwriter = NULL, *topic_bytes = NULL;
+    Open log = {0}, entries = {0};
+    Py_buffer lbuf = {0}, qbuf = {0};
+    int r;
+
+    {
+        PyObject *closed = PyObject_GetAttr(s->store, S_closed);
+        if (closed == NULL) return NULL;
+        r = PyObject_IsTrue(closed);
+        Py_DECREF(closed);
+        if (r != 0) return r < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    Py_ssize_t count = PyList_GET_SIZE(queues);
+    topic_bytes = Py_XNewRef(PyDict_GetItemWithError(s->topic_bytes, topic));
+    if (topic_bytes == NULL) goto fallback_or_fail;
+    if (!PyBytes_Check(topic_bytes)) goto fallback;
+    if ((r = open_chunk(s->writer, &log)) <= 0) goto fallback_or_fail;
+    Py_ssize_t length = c->length + PyBytes_GET_SIZE(topic_bytes);
+    if (log.end + length + FRAME_OVERHEAD > log.size) goto fallback; /* a new chunk */
+
+    Py_ssize_t q, turn = -1;
+    if (c->queue_id != Py_None) {
+        q = PyLong_AsSsize_t(c->queue_id);
+        if (q == -1 && PyErr_Occurred()) goto fail;
+        if (q < 0 || q >= count) goto fallback;
+    } else if (c->key != Py_None) { /* pick_queue: xxh32 of the key, by the xxhash package */
+        PyObject *h = PyObject_CallOneArg(s->xxh32, c->key_bytes);
+        if (h == NULL) goto fail;
+        unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
+        Py_DECREF(h);
+        if (PyErr_Occurred()) goto fail;
+        q = (Py_ssize_t)(hv % (unsigned long long)count);
+    } else {
+        PyObject *t = PyDict_GetItemWithError(s->round_robin, topic);
+        if (t == NULL) goto fallback_or_fail;
+        turn = PyLong_AsSsize_t(t);
+        if (turn < 0) goto fallback_or_fail;
+        q = turn % count;
+        turn = q + 1;
+    }
+    queue = Py_NewRef(PyList_GET_ITEM(queues, q));
+    if ((qwriter = PyObject_GetAttr(queue, S_writer)) == NULL) goto fail;
+    if (qwriter == Py_None) goto fallback; /* the property creates it */
+    if ((r = open_chunk(qwriter, &entries)) <= 0) goto fallback_or_fail;
+    if (entries.end + QUEUE_RECORD > entries.size) goto fallback; /* make_room() */
+    Py_ssize_t offset = ssize_attr(queue, S_next_offset);
+    if (offset < 0) goto fail;
+    PyObject *position_base = PyObject_GetAttr(log.chunk, S_base);
+    if (position_base == NULL) goto fail;
+    long long base = PyLong_AsLongLong(position_base);
+    Py_DECREF(position_base);
+    if (base < 0) goto fallback_or_fail;
+    PyObject *now_obj = PyObject_CallMethodNoArgs(s->clock, S_time_ns);
+    if (now_obj == NULL) goto fail;
+    long long now_ns = PyLong_AsLongLong(now_obj);
+    Py_DECREF(now_obj);
+    if (now_ns == -1 && PyErr_Occurred()) goto fail;
+
+    if (PyObject_GetBuffer(log.mm, &lbuf, PyBUF_WRITABLE) < 0 ||
+        PyObject_GetBuffer(entries.mm, &qbuf, PyBUF_WRITABLE) < 0)
+        goto fail;
+    if (s->data_offset + log.size > lbuf.len || s->data_offset + entries.size > qbuf.len) {
+        PyErr_SetString(PyExc_ValueError, "a data area lies outside its mapping");
+        goto fail;
+    }
+    int64_t position = base + log.end;
+    frame_message((char *)lbuf.buf + s->data_offset + log.end, length, position, now_ns, offset,
+                  (int32_t)q, (int32_t)c->code, c->hashed, c->key != Py_None, topic_bytes,
+                  c->tag_bytes, c->key_bytes, c->props, c->body);
+    PyObject *fields[6] = {message_id(s->id_prefix, position), Py_NewRef(topic),
+                           PyLong_FromSsize_t(q), PyLong_FromSsize_t(offset),
+                           PyLong_FromLongLong(position),
+                           PyFloat_FromDouble((double)now_ns / 1e9)};
+    result = new_record((PyTypeObject *)s->result_type, 6, fields);
+    if (result == NULL) goto fail;
+    /* The entry after its frame, once nothing before can fail; then publish the record
+     * before the entry, as Appender.append does (and prefault both chunks as
+     * Chunk.publish does). */
+    char *slot = (char *)qbuf.buf + s->data_offset + entries.end;
+    put_i64(slot, position + 1);
+    put_u32(slot + 8, c->hashed);
+    PyBuffer_Release(&qbuf);
+    PyBuffer_Release(&lbuf);
+    if (publish_one(log.chunk, log.end + length + FRAME_OVERHEAD) < 0 ||
+        publish_one(entries.chunk, entries.end + QUEUE_RECORD) < 0 ||
+        set_ssize_attr(queue, S_next_offset, offset + 1) < 0)
+        goto fail;
+    if (turn >= 0) {
+        PyObject *t = PyLong_FromSsize_t(turn);
+        if (t == NULL || PyDict_SetItem(s->round_robin, topic, t) < 0) {
+            Py_XDECREF(t);
+            goto fail;
+        }
+        Py_DECREF(t);
+    }
+    if (c->key != Py_None) {
+        PyObject *pos = PyLong_FromLongLong(position);
+        PyObject *args[4] = {s->keys, topic, c->key, pos};
+        PyObject *added = pos == NULL ? NULL
+            : PyObject_VectorcallMethod(S_add, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(pos);
+        if (added == NULL) goto fail;
+        Py_DECREF(added);
+    }
+    goto done;
+
+fallback_or_fail:
+    if (PyErr_Occurred()) goto fail;
+fallback:
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    Py_CLEAR(result);
+done:
+    if (qbuf.obj != NULL) PyBuffer_Release(&qbuf);
+    if (lbuf.obj != NULL) PyBuffer_Release(&lbuf);
+    close_open(&log);
+    close_open(&entries);
+    Py_XDECREF(queue);
+    Py_XDECREF(qwriter);
+    Py_XDECREF(topic_bytes);
+    return result;
+}
+
+/* Release the lock, keeping any exception already raised. */
+static int release_lock(Sender *s) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallMethodNoArgs(s->lock, S_release);
+    if (type != NULL) {
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb); /* the first error wins */
+        return -1;
+    }
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* send(topic, body, tag, key, properties, code, queue_id) -> SendResult or None */
+static int sender_ready(Sender *s) {
+    if (s->store == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Sender.__init__ was not called");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *Sender_send(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (!sender_ready(s)) return NULL;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "send takes the seven fields of a send");
+        return NULL;
+    }
+    PyObject *topic = args[0];
+    if (!PyUnicode_CheckExact(topic)) Py_RETURN_NONE;
+    PyObject *queues = PyDict_GetItemWithError(s->queues, topic);
+    if (queues == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE; /* a new topic: created on the Python path */
+    }
+    if (!PyList_CheckExact(queues) || PyList_GET_SIZE(queues) < 1) Py_RETURN_NONE;
+    Py_INCREF(queues); /* check_tag, time_ns and KeyIndex.add run Python code */
+    Checked c;
+    PyObject *result = NULL;
+    int ok = check_fields(args[1], args[2], args[3], args[4], args[5], args[6], s->tag_check,
+                          s->max_body, s->chunk_size, PyList_GET_SIZE(queues), &c);
+    if (ok <= 0) {
+        Py_DECREF(queues);
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject *flush_error = PyObject_GetAttr(s->store, S_flush_error);
+    if (flush_error == NULL || flush_error != Py_None) { /* the Python path refuses it */
+        result = flush_error == NULL ? NULL : Py_NewRef(Py_None);
+        Py_XDECREF(flush_error);
+        goto out;
+    }
+    Py_DECREF(flush_error);
+    PyObject *acquired = PyObject_CallMethodNoArgs(s->lock, S_acquire);
+    if (acquired == NULL) goto out;
+    Py_DECREF(acquired);
+    result = send_locked(s, topic, queues, &c);
+    if (release_lock(s) < 0) Py_CLEAR(result);
+    if (result != NULL && result != Py_None) { /* wake pulls waiting for a message */
+        PyObject *waiting = PyObject_GetAttr(s->store, S_waiting);
+        int w = waiting == NULL ? -1 : PyObject_IsTrue(waiting);
+        Py_XDECREF(waiting);
+        PyObject *woken = w > 0 ? PyObject_CallMethodNoArgs(s->store, S_wake) : NULL;
+        if (w < 0 || (w > 0 && woken == NULL)) Py_CLEAR(result);
+        Py_XDECREF(woken);
+    }
+out:
+    release_checked(&c);
+    Py_DECREF(queues);
+    return result;
+}
+
+/* write_checked(topic, queues, checked) -> SendResult or None: the send of one checked
+ * 8-tuple, by a caller that holds the write lock (the group commit leader). */
+static PyObject *Sender_write_checked(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (!sender_ready(s)) return NULL;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "write_checked(topic, queues, checked)");
+        return NULL;
+    }
+    /* A str subclass as topic (the Python path stores it), or anything unusual: None. */
+    if (!PyUnicode_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
+        PyList_GET_SIZE(args[1]) < 1)
+        Py_RETURN_NONE;
+    Checked c; /* borrowed from the tuple, which is held while Python code may run */
+    if (unpack_checked(args[2], &c) < 0) return NULL;
+    PyObject *queues = Py_NewRef(args[1]), *checked = Py_NewRef(args[2]);
+    PyObject *result = send_locked(s, args[0], queues, &c);
+    Py_DECREF(checked);
+    Py_DECREF(queues);
+    return result;
+}
+
+static PyMethodDef Sender_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL, NULL},
+    {"write_checked", (PyCFunction)(void (*)(void))Sender_write_checked, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject SenderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "equeue._speedups.Sender",
+    .tp_basicsize = sizeof(Sender),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Sender_init,
+    .tp_dealloc = (destructor)Sender_dealloc,
+    .tp_traverse = (traverseproc)Sender_traverse,
+    .tp_clear = (inquiry)Sender_clear,
+    .tp_methods = Sender_methods,
+};

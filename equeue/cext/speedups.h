@@ -1,0 +1,104 @@
+/* What the C accelerator's files share (equeue/cext/): the record sizes Python hands
+ * to configure(), byte access, the record checksum, the checked form of a send, and
+ * the functions module.c lists. See module.c for what the accelerator is and how it
+ * stays in step with the Python paths. */
+#ifndef EQUEUE_CEXT_SPEEDUPS_H
+#define EQUEUE_CEXT_SPEEDUPS_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* From equeue.format via configure() (module.c). */
+extern Py_ssize_t HEAD_SIZE;      /* MESSAGE_HEAD_SIZE */
+extern Py_ssize_t FRAME_OVERHEAD; /* prefix + checksum + suffix */
+extern Py_ssize_t QUEUE_RECORD;   /* QUEUE_RECORD_SIZE */
+extern long MAX_NAME;             /* MAX_NAME_BYTES: topic, tag, key */
+#define FLAG_HAS_KEY 1
+
+extern PyObject *EMPTY_BYTES; /* b"" */
+extern PyObject *ZERO;        /* 0 */
+
+/* 0 with RuntimeError until configure() ran. */
+int configured(void);
+
+static inline void put_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void put_i32(char *p, int32_t v) { memcpy(p, &v, 4); }
+static inline void put_i64(char *p, int64_t v) { memcpy(p, &v, 8); }
+static inline uint32_t get_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline int32_t get_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
+static inline int64_t get_i64(const char *p) { int64_t v; memcpy(&v, p, 8); return v; }
+
+/* The record checksum: the low 32 bits of XXH3-64, seed 0 (xxh3.c). */
+uint32_t checksum(const char *data, Py_ssize_t n);
+
+static inline PyObject *message_id(PyObject *prefix, int64_t position) {
+    static const char hex[] = "0123456789abcdef";
+    Py_ssize_t plen = PyUnicode_GET_LENGTH(prefix);
+    PyObject *id = PyUnicode_New(plen + 16, 127);
+    if (id == NULL) return NULL;
+    Py_UCS1 *out = PyUnicode_1BYTE_DATA(id);
+    memcpy(out, PyUnicode_1BYTE_DATA(prefix), (size_t)plen);
+    uint64_t v = (uint64_t)position;
+    for (int i = 15; i >= 0; i--) {
+        out[plen + i] = (Py_UCS1)hex[v & 15];
+        v >>= 4;
+    }
+    return id;
+}
+
+/* An instance of a NamedTuple class, filled with the given (stolen) references. */
+static inline PyObject *new_record(PyTypeObject *type, Py_ssize_t n, PyObject **items) {
+    PyObject *obj = PyType_IsSubtype(type, &PyTuple_Type) ? type->tp_alloc(type, n) : NULL;
+    if (obj == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "records are built as tuple subclasses");
+    if (obj == NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(items[i]);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (items[i] == NULL) { /* a failed allocation among the fields */
+            for (Py_ssize_t j = i + 1; j < n; j++) Py_XDECREF(items[j]);
+            Py_DECREF(obj);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(obj, i, items[i]);
+    }
+    return obj;
+}
+
+/* One message's fields once checked: body, key, properties and queue id borrowed, and
+ * tag_bytes, hashed_obj and key_bytes owned when filled by check_fields (release with
+ * release_checked), borrowed when unpack_checked read them from a checked tuple. */
+typedef struct {
+    PyObject *body, *tag_bytes, *hashed_obj, *key_bytes, *key, *props, *code_obj, *queue_id;
+    uint32_t hashed;
+    long code;
+    Py_ssize_t length; /* of the record, without the topic */
+} Checked;
+
+/* write.c: checking a send and framing its record. */
+void release_checked(Checked *c);
+int check_fields(PyObject *body, PyObject *tag, PyObject *key, PyObject *props,
+                 PyObject *code, PyObject *queue_id, PyObject *tag_check, Py_ssize_t max_body,
+                 Py_ssize_t chunk_size, Py_ssize_t queue_count, Checked *out);
+int unpack_checked(PyObject *c, Checked *out);
+int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns, int64_t offset,
+                  int32_t q, int32_t code, uint32_t hashed, int has_key, PyObject *topic_bytes,
+                  PyObject *tag_bytes, PyObject *key_bytes, PyObject *props, PyObject *body);
+
+/* sender.c */
+extern PyTypeObject SenderType;
+int intern_names(void);
+
+/* The module's functions (module.c lists them). */
+PyObject *py_xxh3_64(PyObject *self, PyObject *arg);
+PyObject *check_batch(PyObject *self, PyObject *args);
+PyObject *write_run(PyObject *self, PyObject *args);
+PyObject *decode_run(PyObject *self, PyObject *args);
+PyObject *collect(PyObject *self, PyObject *args);
+PyObject *scan_frames(PyObject *self, PyObject *args);
+PyObject *match_run(PyObject *self, PyObject *args);
+PyObject *last_nonzero(PyObject *self, PyObject *args);
+
+#endif
