@@ -202,13 +202,8 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
         q = PyLong_AsSsize_t(c->queue_id);
         if (q == -1 && PyErr_Occurred()) goto fail;
         if (q < 0 || q >= count) goto fallback;
-    } else if (c->key != Py_None) { /* pick_queue: xxh32 of the key, by the xxhash package */
-        PyObject *h = PyObject_CallOneArg(s->xxh32, c->key_bytes);
-        if (h == NULL) goto fail;
-        unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
-        Py_DECREF(h);
-        if (PyErr_Occurred()) goto fail;
-        q = (Py_ssize_t)(hv % (unsigned long long)count);
+    } else if (c->key != Py_None) {
+        if ((q = queue_for_key(s->xxh32, c->key_bytes, count)) < 0) goto fail;
     } else {
         PyObject *t = PyDict_GetItemWithError(s->round_robin, topic);
         if (t == NULL) goto fallback_or_fail;

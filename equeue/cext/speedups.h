@@ -77,6 +77,17 @@ typedef struct {
     Py_ssize_t length; /* of the record, without the topic */
 } Checked;
 
+/* pick_queue's choice for a keyed message: xxh32 of the key (by the xxhash package,
+ * as the Python path) modulo the queue count; -1 with an exception if the call fails. */
+static inline Py_ssize_t queue_for_key(PyObject *xxh32, PyObject *key_bytes, Py_ssize_t count) {
+    PyObject *h = PyObject_CallOneArg(xxh32, key_bytes);
+    if (h == NULL) return -1;
+    unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
+    Py_DECREF(h);
+    if (hv == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    return (Py_ssize_t)(hv % (unsigned long long)count);
+}
+
 /* write.c: checking a send and framing its record. */
 void release_checked(Checked *c);
 int check_fields(PyObject *body, PyObject *tag, PyObject *key, PyObject *props,

@@ -320,13 +320,8 @@ PyObject *write_run(PyObject *self, PyObject *args) {
                 PyErr_SetString(PyExc_ValueError, "queue id out of range");
                 goto done;
             }
-        } else if (key != Py_None) { /* pick_queue: xxh32 of the key, by the xxhash package */
-            PyObject *h = PyObject_CallOneArg(xxh32, key_bytes);
-            if (h == NULL) goto done;
-            unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
-            Py_DECREF(h);
-            if (PyErr_Occurred()) goto done;
-            q = (Py_ssize_t)(hv % (unsigned long long)count);
+        } else if (key != Py_None) {
+            if ((q = queue_for_key(xxh32, key_bytes, count)) < 0) goto done;
         } else {
             q = turn % count;
             by_turn = 1;
