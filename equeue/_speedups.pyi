@@ -93,13 +93,7 @@ class Sender:
     def write_checked(self, topic: str, queues: list[Any], checked: tuple[Any, ...], /) -> Any: ...
 
 def scan_frames(
-    buf: Any,
-    data_offset: int,
-    available: int,
-    max_length: int,
-    start: int,
-    verify_from: int = 0,
-    /,
+    buf: Any, data_offset: int, available: int, max_length: int, start: int, /
 ) -> tuple[int, int]: ...
 def match_run(
     mm: Any,

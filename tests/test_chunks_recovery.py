@@ -400,27 +400,3 @@ def test_read_only_open_of_a_damaged_store_changes_nothing(
         assert manager.recovery_cuts == []
         assert read_all(manager) == pristine[1][:19]
     assert snapshot(directory) == before
-
-
-@pytest.mark.parametrize("durable_records", [0, 3, 4, len(LAST_SIZES)])
-def test_durable_end_skips_checksums_before_it_only(
-    pristine: tuple[Path, list[Record]], tmp_path: Path, durable_records: int
-) -> None:
-    """A payload byte of the last chunk's fourth record is damaged. With ``durable_end``
-    past that record its lengths are all that is checked, so the scan goes on; before
-    it (or with none: the control), the checksum stops the scan there and the tail is cut."""
-    directory = tmp_path / "chunks"
-    shutil.copytree(pristine[0], directory)
-    damaged = 3
-    last = chunk_files(directory)[-1]
-    flip_byte(last, data_offset(boundaries()[damaged]) + 4 + 5)
-    durable_end = LAST_START + boundaries()[durable_records]
-    with ChunkManager(directory, make_config(), durable_end=durable_end) as manager:
-        if durable_records > damaged:
-            assert manager.recovery_cuts == []
-            assert manager.committed_position == LAST_START + DATA_END
-            assert manager.last_chunk is not None
-            assert manager.last_chunk.record_count == len(LAST_SIZES)
-        else:
-            assert [c.offset for c in manager.recovery_cuts] == [data_offset(boundaries()[damaged])]
-            assert manager.committed_position == LAST_START + boundaries()[damaged]

@@ -18,6 +18,7 @@ import functools
 import mmap
 import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -581,6 +582,46 @@ def test_recovery_cut_copies_survive_a_power_loss(tmp_path: Path) -> None:
     assert in_chunk or any(garbage in copy for copy in copies), (
         "the cut was durable, its copy in recovered/ was not: " + "; ".join(recorder.trail)
     )
+
+
+def test_records_cut_at_open_stay_cut_after_a_power_loss(tmp_path: Path) -> None:
+    """Open cuts a torn tail and the next sends fill its place with records of the same
+    size. The power fails; the page holding the new records was written back, the
+    pages after it were not. The zeros over the cut must have been durable first, or
+    the cut records come back, valid at their own positions, after the new ones."""
+    config = StoreConfig(chunk_data_size=1 << 20, default_queue_count=1, flush="os")
+    body = 59  # topic "t": 56-byte head + 1 + 59 + 12 bytes of frame = 128, 32 a page
+    live = tmp_path / "store"
+    with MessageStore.open(live, config) as store:
+        for i in range(40):
+            store.send("t", b"c%02d" % i + b"c" * (body - 3))
+        store.flush()
+        for i in range(64):  # not flushed: what a crash leaves to recovery
+            store.send("t", b"R%02d" % i + b"r" * (body - 3))
+        chunk = sorted((live / "messages").glob("chunk-*"))[0]
+        crashed = tmp_path / "crashed"
+        shutil.copytree(live, crashed)
+    log_chunk = crashed / "messages" / chunk.name
+    data = bytearray(log_chunk.read_bytes())
+    data[5632:8192] = bytes(8192 - 5632)  # torn: R03..R22 gone, R23 (at 8192).. still there
+    log_chunk.write_bytes(bytes(data))
+    with recording(crashed) as recorder:
+        store = MessageStore.open(crashed, config)
+        assert [c.offset for c in store.recovery.cuts if Path(c.file) == log_chunk] == [5632]
+        for i in range(20):  # from 5632 exactly up to the page's end, 8192
+            store.send("t", b"N%02d" % i + b"n" * (body - 3))
+        image = recorder.cut("after the sends that followed recovery")
+        store.close()
+    after = tmp_path / "after"
+    materialize(image, after, Damage(pages="old", entries="keep"))
+    written_back = log_chunk.read_bytes()[4096:8192]
+    disk = bytearray((after / "messages" / chunk.name).read_bytes())
+    disk[4096:8192] = written_back
+    (after / "messages" / chunk.name).write_bytes(bytes(disk))
+    with MessageStore.open(after, config) as store:
+        bodies = [m.body[:3] for m in store.pull("t", 0, 0, max_count=500).messages]
+    expected = [b"c%02d" % i for i in range(40)] + [b"R%02d" % i for i in range(3)]
+    assert bodies == expected + [b"N%02d" % i for i in range(20)], recorder.trail
 
 
 def test_queue_page_torn_at_a_sector_boundary(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from equeue import Message, MessageStore, SendResult, StoreConfig
-from equeue.errors import CorruptRecordError, MessageNotFoundError
+from equeue.errors import MessageNotFoundError
 from equeue.format.chunk import HEADER_SIZE
 
 CHUNK = 4096
@@ -321,11 +321,9 @@ def test_torn_last_record_removes_its_queue_entry(
 
 
 def test_key_index_after_a_log_cut(tmp_path: Path) -> None:
-    # flush="os" writes no checkpoint by itself: the sends stay past the one written at
-    # open, where a crash can tear a record.
-    with MessageStore.open(tmp_path / "store", replace(CONFIG, flush="os")) as s:
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as s:
         sent = [s.send("t", b"v%d" % i, key="k", queue_id=0) for i in range(5)]
-        path = crash_copy(s, tmp_path / "copy")
     last = chunk_files(path / "messages")[-1]
     flip_byte(last, HEADER_SIZE + sent[-1].position % CHUNK + 4 + 60)
     with MessageStore.open(path, CONFIG) as s:
@@ -451,29 +449,6 @@ def test_redispatch_in_c_decides_as_the_python_loop(
     redispatched, _, cuts, _ = outcomes[0]
     assert redispatched > 35 and len(cuts) == 1  # the tails, and t/2 from the damaged entry
     assert counting.matched > 50  # most records past the checkpoint were confirmed in C
-
-
-@pytest.mark.parametrize("damaged", [False, True])
-def test_damage_before_the_checkpoint_is_reported_not_cut(tmp_path: Path, damaged: bool) -> None:
-    """Open checks checksums only past the checkpoint, where a crash can tear records:
-    a damaged record the checkpoint covers (bit rot, not a crash) stays where it is, and
-    reading it raises CorruptRecordError naming the file; nothing after it is cut."""
-    path = tmp_path / "store"
-    with MessageStore.open(path, CONFIG) as s:
-        sent = [s.send("t", b"v%d" % i, queue_id=0) for i in range(5)]
-    last = chunk_files(path / "messages")[-1]
-    if damaged:
-        flip_byte(last, HEADER_SIZE + sent[2].position % CHUNK + 4 + 60)
-    with MessageStore.open(path, CONFIG) as s:
-        assert s.recovery.clean
-        assert s.get(sent[4].message_id).body == b"v4"
-        if damaged:
-            with pytest.raises(CorruptRecordError, match=str(last)):
-                s.pull("t", 0, 0, max_count=10)
-        else:
-            assert [m.body for m in s.pull("t", 0, 0, max_count=10).messages] == [
-                b"v%d" % i for i in range(5)
-            ]
 
 
 def test_redispatch_in_c_follows_the_queue_chunks(

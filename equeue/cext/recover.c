@@ -5,19 +5,17 @@
 
 /* --- scan_frames ---------------------------------------------------------------- */
 
-/* scan_frames(buf, data_offset, available, max_length, start[, verify_from])
- * -> (offset, count)
+/* scan_frames(buf, data_offset, available, max_length, start) -> (offset, count)
  *
  * Recovery's walk over the framed records of a chunk's data area from ``start``: every
  * frame with a non-zero length up to max_length, inside the ``available`` bytes, whose
- * suffix matches, and whose checksum does if it starts at or past verify_from. Stops at the first frame that is not such (or at a zero
+ * suffix and checksum match. Stops at the first frame that is not such (or at a zero
  * length) and returns its data offset and how many records came before; the caller
  * looks at that frame again in Python, which says what is wrong with it. */
 PyObject *scan_frames(PyObject *self, PyObject *args) {
     PyObject *buf;
-    Py_ssize_t data_offset, available, max_length, offset, verify_from = 0;
-    if (!PyArg_ParseTuple(args, "Onnnn|n", &buf, &data_offset, &available, &max_length, &offset,
-                          &verify_from))
+    Py_ssize_t data_offset, available, max_length, offset;
+    if (!PyArg_ParseTuple(args, "Onnnn", &buf, &data_offset, &available, &max_length, &offset))
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
@@ -34,8 +32,7 @@ PyObject *scan_frames(PyObject *self, PyObject *args) {
         if (n == 0 || (Py_ssize_t)n > max_length || offset + 12 + (Py_ssize_t)n > available)
             break;
         const char *payload = data + offset + 4;
-        if (get_u32(payload + n + 4) != n) break;
-        if (offset >= verify_from && get_u32(payload + n) != checksum(payload, n)) break;
+        if (get_u32(payload + n + 4) != n || get_u32(payload + n) != checksum(payload, n)) break;
         count++;
         offset += n + 12;
     }

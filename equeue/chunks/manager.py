@@ -63,14 +63,10 @@ class ChunkManager:
         config: ChunkManagerConfig | None = None,
         *,
         read_only: bool = False,
-        durable_end: int = 0,
     ) -> None:
         self.directory = Path(directory)
         self.config = config or ChunkManagerConfig()
         self.read_only = read_only
-        # A position up to which the caller knows every record is durable (the store's
-        # checkpoint): opening checks the last chunk's checksums only past it.
-        self._durable_end = durable_end
         self.recovery_cuts: list[TailCut] = []
         self.recovery_problems: list[str] = []  # what recovery found that it could not cut
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
@@ -566,9 +562,8 @@ class ChunkManager:
                 # setting is not stored on disk, and reopening with a smaller value made
                 # recovery cut (move to recovered/) valid records written under a larger one.
                 result = scan_variable(
-                    mm, available, chunk.header.chunk_data_size - FRAME_OVERHEAD, start,
-                    verify_from=self._durable_end - chunk.base,
-                )  # fmt: skip
+                    mm, available, chunk.header.chunk_data_size - FRAME_OVERHEAD, start
+                )
                 count = (chunk.record_count if start else 0) + result.record_count
         finally:
             mm.close()
@@ -587,15 +582,12 @@ class ChunkManager:
                 size = os.fstat(fd).st_size
                 reason = chunk.scan_problem or "bytes past the last valid record"
                 cut = cut_range(
-                    path, fd, HEADER_SIZE + chunk.data_end, min(size, data_stop), reason,
-                    sync_zeros=False,  # a torn tail: see cut_range
-                )  # fmt: skip
+                    path, fd, HEADER_SIZE + chunk.data_end, min(size, data_stop), reason
+                )
                 if cut is not None:
                     self.recovery_cuts.append(cut)
                 if size >= full:
-                    footer = cut_range(
-                        path, fd, full - FOOTER_SIZE, full, "torn footer", sync_zeros=False
-                    )
+                    footer = cut_range(path, fd, full - FOOTER_SIZE, full, "torn footer")
                     if footer is not None:
                         self.recovery_cuts.append(footer)
                 if size != full:

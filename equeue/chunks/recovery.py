@@ -59,18 +59,12 @@ class TailCut:
 
 
 def scan_variable(
-    buf: mmap.mmap | bytes,
-    available: int,
-    max_record_size: int,
-    start: int = 0,
-    verify_from: int = 0,
+    buf: mmap.mmap | bytes, available: int, max_record_size: int, start: int = 0
 ) -> ScanResult:
     """Walk framed records from ``start`` (a record boundary of the data area) until the
     first invalid one; ``record_count`` counts those walked.
 
-    ``available`` is how much of the data area the file really holds. Frames before
-    data offset ``verify_from`` are known durable (a checkpoint covers them): their
-    lengths are checked, not their checksums, which were most of a reopen's scan.
+    ``available`` is how much of the data area the file really holds.
     """
     unpack = FRAME_PREFIX.unpack_from
     end = HEADER_SIZE + available
@@ -79,13 +73,13 @@ def scan_variable(
     problem: str | None = None
     fast = speedups.SPEEDUPS
     if fast is not None:  # the valid frames at C speed; the loop below looks at where it stopped
-        offset, count = _scan_in_steps(fast, buf, available, max_record_size, start, verify_from)
+        offset, count = _scan_in_steps(fast, buf, available, max_record_size, start)
     while HEADER_SIZE + offset + FRAME_PREFIX.size <= end:
         p = HEADER_SIZE + offset
         (n,) = unpack(buf, p)
         if n == 0:
             break
-        found = frame_problem(buf, p, end, max_record_size, check_sum=offset >= verify_from)
+        found = frame_problem(buf, p, end, max_record_size)
         if found is not None:
             problem = found[0]
             break
@@ -95,23 +89,20 @@ def scan_variable(
 
 
 def _scan_in_steps(
-    fast: ModuleType, buf: mmap.mmap | bytes, available: int, max_length: int, start: int,
-    verify_from: int,
-) -> tuple[int, int]:  # fmt: skip
+    fast: ModuleType, buf: mmap.mmap | bytes, available: int, max_length: int, start: int
+) -> tuple[int, int]:
     """``scan_frames`` a step at a time, each step's pages released from the mapping once
     walked: a reopen otherwise kept the whole last chunk resident (232 MiB measured)."""
     offset, count = start, 0
     release = getattr(buf, "madvise", None)
     while True:
         limit = min(available, offset + _SCAN_STEP)
-        after, walked = fast.scan_frames(buf, HEADER_SIZE, limit, max_length, offset, verify_from)
+        after, walked = fast.scan_frames(buf, HEADER_SIZE, limit, max_length, offset)
         count += walked
         if limit == available:
             return after, count
         if after == offset:  # a bad frame, or one longer than a step: the rest in one go
-            after, walked = fast.scan_frames(
-                buf, HEADER_SIZE, available, max_length, offset, verify_from
-            )
+            after, walked = fast.scan_frames(buf, HEADER_SIZE, available, max_length, offset)
             return after, count + walked
         offset = after
         if release is not None:
@@ -218,13 +209,8 @@ def cut_range(
     reason: str,
     *,
     copy_all: bool = False,
-    sync_zeros: bool = True,
 ) -> TailCut | None:
-    """Copy [start, last non-zero byte] to a side file, then zero it; None if already zero.
-
-    ``sync_zeros=False`` leaves the zeros to the writer's next flush: only for the torn
-    tail of a chunk still being written, whose torn bytes, should a power cut bring them
-    back, are cut again by the next open."""
+    """Copy [start, last non-zero byte] to a side file, then zero it; None if already zero."""
     stop = end if copy_all else nonzero_extent(fd, start, end)
     if stop <= start:
         return None
@@ -246,10 +232,9 @@ def cut_range(
         size = min(_BLOCK, stop - pos)
         os.pwrite(fd, bytes(size), pos)
         pos += size
-    if sync_zeros:
-        # Skipped for a torn tail: right after a crash this fsync waits for every dirty
-        # page the dead writer left in the file (up to 75 ms measured at reopen).
-        os.fsync(fd)
+    # Durable before anything new is written here: records cut from the tail must not
+    # come back behind newer ones, should a power cut keep the new bytes but not the zeros.
+    os.fsync(fd)
     cut = TailCut(str(path), start, stop - start, str(side), reason)
     log.warning("recovery: %s", cut)
     return cut

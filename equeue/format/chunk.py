@@ -348,15 +348,9 @@ class PositionMapEntry:
 
 
 def frame_problem(
-    buf: bytes | memoryview | mmap.mmap,
-    offset: int,
-    end: int,
-    max_length: int,
-    *,
-    check_sum: bool = True,
+    buf: bytes | memoryview | mmap.mmap, offset: int, end: int, max_length: int
 ) -> tuple[str, int | None, int | None] | None:
-    """Why the frame at ``offset`` (ending no later than ``end``) is invalid, or None;
-    without ``check_sum``, only its lengths are checked.
+    """Why the frame at ``offset`` (ending no later than ``end``) is invalid, or None.
 
     The answer is (reason, expected, found) so callers can raise or report it
     with their own file and position.
@@ -373,8 +367,6 @@ def frame_problem(
     checksum, suffix = FRAME_SUFFIX.unpack_from(buf, offset + FRAME_PREFIX_SIZE + length)
     if suffix != length:
         return ("length suffix does not match length prefix", length, suffix)
-    if not check_sum:
-        return None
     start = offset + FRAME_PREFIX_SIZE
     computed = record_checksum(memoryview(buf)[start : start + length])
     if computed != checksum:

@@ -124,9 +124,6 @@ class MessageStore:
             # the log is never seen half old, half compacted.
             compactions = compaction_commit.recover(path)
         self._id_prefix = f"{self.store_id:08x}"
-        checkpoint = self._read_meta(CHECKPOINT_FILE, {})
-        # The checkpoint's log position was flushed before the checkpoint was written.
-        durable = checkpoint.get("log_position") if isinstance(checkpoint, dict) else None
         self._messages = ChunkManager(
             path / MESSAGES_DIR,
             ChunkManagerConfig(
@@ -139,7 +136,6 @@ class MessageStore:
                 max_open_chunks=config.max_open_chunks,
             ),
             read_only=read_only,
-            durable_end=durable if isinstance(durable, int) and not read_only else 0,
         )
         self._reader = ChunkReader(self._messages)
         self._log = LogReader(self._messages, self._id_prefix, read_only=read_only)
@@ -149,6 +145,7 @@ class MessageStore:
         self._policies: dict[str, TopicPolicy] = {}
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
+        checkpoint = self._read_meta(CHECKPOINT_FILE, {})
         self._keys = self._open_keys()
         self.recovery = RecoveryReport(
             cuts=list(self._messages.recovery_cuts),
