@@ -1,13 +1,13 @@
 """A power-loss model: what the flushes made durable, and the disk a power cut leaves.
 
 ``recording(root)`` patches the lowest flush seams of the process, whoever calls
-them: ``os.fsync``, ``os.fdatasync`` and ``mmap.mmap`` (every mapping created
+them: ``os.fsync``, ``os.fdatasync``, ``os.pwritev`` and ``mmap.mmap`` (every mapping created
 while it is active is a ``RecordingMmap``, whose ``flush`` is msync). For files
 and directories under ``root`` a flush does not reach the device; instead the
 recorder notes what it made durable:
 
 * fsync/fdatasync of a file: the whole file as it is now (its data and size);
-* msync of a mapped range: those bytes;
+* msync of a mapped range, or a write with ``RWF_DSYNC``: those bytes;
 * fsync of a directory: its entries as they are now (name -> inode), so a file
   created, renamed over or removed since the directory's last fsync reverts.
 
@@ -40,7 +40,7 @@ import random
 import stat
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ ENTRY_KINDS = ("keep", "revert", "mixed")
 
 _REAL_FSYNC = os.fsync
 _REAL_FDATASYNC = os.fdatasync
+_REAL_PWRITEV = os.pwritev
 _ACTIVE: FlushRecorder | None = None
 
 
@@ -128,6 +129,20 @@ class FlushRecorder:
 
     def fdatasync(self, fd: Any) -> None:
         self._on_sync(fd, "fdatasync", _REAL_FDATASYNC)
+
+    def pwritev(self, fd: int, buffers: Sequence[Any], offset: int, flags: int = 0) -> int:
+        """A write with RWF_DSYNC is durable by itself: its bytes, at once."""
+        written = _REAL_PWRITEV(fd, buffers, offset, flags)
+        path = _fd_path(fd)
+        if flags & getattr(os, "RWF_DSYNC", 0) and path is not None and self.tracks(path):
+            st = os.fstat(fd)
+            data = b"".join(bytes(b) for b in buffers)[:written]
+            self._flush_event(
+                "pwritev(RWF_DSYNC)",
+                path,
+                lambda: self._record_range((st.st_dev, st.st_ino), offset, data),
+            )
+        return written
 
     def _on_sync(self, fd: Any, op: str, real: Callable[[int], None]) -> None:
         fd = fd if isinstance(fd, int) else fd.fileno()
@@ -352,6 +367,7 @@ def recording(
     patches: list[tuple[Any, str, Any]] = [
         (os, "fsync", recorder.fsync),
         (os, "fdatasync", recorder.fdatasync),
+        (os, "pwritev", recorder.pwritev),
         (mmap, "mmap", RecordingMmap),
     ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]

