@@ -91,6 +91,17 @@ class Sender:
         /,
     ) -> Any: ...
     def write_checked(self, topic: str, queues: list[Any], checked: tuple[Any, ...], /) -> Any: ...
+    def check(
+        self,
+        queue_count: int,
+        body: object,
+        tag: object,
+        key: object,
+        properties: object,
+        code: object,
+        queue_id: object,
+        /,
+    ) -> Any: ...
 
 def scan_frames(
     buf: Any, data_offset: int, available: int, max_length: int, start: int, /

@@ -203,6 +203,35 @@ def test_same_errors(
     assert seen[0] == seen[1]
 
 
+@needs_c
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(fields=bad_fields)
+def test_same_errors_under_sync(
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    fields: dict[str, Any],
+) -> None:
+    """Under flush="sync" a send is checked by Sender.check, then stored by the group
+    commit: the same acceptance, errors and bytes as the Python checks."""
+    base = tmp_path_factory.mktemp("sync-errors")
+    config = dataclasses.replace(CONFIG, flush="sync")
+    seen = []
+    for kind in ("c", "python"):
+        with monkeypatch.context() as m:
+            if kind == "python":
+                m.setattr(speedups, "SPEEDUPS", None)
+            with MessageStore.open(base / kind, config) as store:
+                store.create_topic("t", 3)
+                before = data_areas(base / kind)
+                got = attempt(store, fields, as_batch=False)
+                if got[0] != "ok":
+                    assert data_areas(base / kind) == before
+                seen.append(got)
+    assert seen[0] == seen[1]
+
+
 @pytest.mark.usefixtures("code_path")
 def test_damaged_record_reported(tmp_path: Path) -> None:
     """A damaged record in a completed chunk: the C decoder hands it to the Python path,

@@ -390,7 +390,25 @@ static PyObject *Sender_write_checked(Sender *s, PyObject *const *args, Py_ssize
     return result;
 }
 
+/* check(queue_count, body, tag, key, properties, code, queue_id) -> the checked 8-tuple
+ * of validate.check_message, or None when the Python checks must decide: for sends the
+ * C path does not store (under flush="sync", or handed back). */
+static PyObject *Sender_check(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (!sender_ready(s)) return NULL;
+    if (nargs != 7 || !PyLong_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "check takes a queue count and six fields");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[0]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    PyObject *checked = checked_tuple(args[1], args[2], args[3], args[4], args[5], args[6],
+                                      s->tag_check, s->max_body, s->chunk_size, count);
+    if (checked == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return checked;
+}
+
 static PyMethodDef Sender_methods[] = {
+    {"check", (PyCFunction)(void (*)(void))Sender_check, METH_FASTCALL, NULL},
     {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL, NULL},
     {"write_checked", (PyCFunction)(void (*)(void))Sender_write_checked, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},

@@ -94,6 +94,11 @@ int check_fields(PyObject *body, PyObject *tag, PyObject *key, PyObject *props,
                  PyObject *code, PyObject *queue_id, PyObject *tag_check, Py_ssize_t max_body,
                  Py_ssize_t chunk_size, Py_ssize_t queue_count, Checked *out);
 int unpack_checked(PyObject *c, Checked *out);
+/* The checked 8-tuple validate.check_message returns, for the common valid case; NULL
+ * with no exception set when the Python checks must decide. */
+PyObject *checked_tuple(PyObject *body, PyObject *tag, PyObject *key, PyObject *props,
+                        PyObject *code, PyObject *queue_id, PyObject *tag_check,
+                        Py_ssize_t max_body, Py_ssize_t chunk_size, Py_ssize_t queue_count);
 int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns, int64_t offset,
                   int32_t q, int32_t code, uint32_t hashed, int has_key, PyObject *topic_bytes,
                   PyObject *tag_bytes, PyObject *key_bytes, PyObject *props, PyObject *body);

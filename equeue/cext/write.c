@@ -85,21 +85,28 @@ int check_fields(PyObject *body, PyObject *tag, PyObject *key, PyObject *props,
 
 /* --- check_batch ---------------------------------------------------------------- */
 
-/* The checked 8-tuple of one OutgoingMessage, or NULL with no exception set when the
- * message needs the Python checks. */
-static PyObject *check_fast(PyObject *msg, PyObject *tag_check, Py_ssize_t max_body,
-                            Py_ssize_t chunk_size, Py_ssize_t queue_count) {
+PyObject *checked_tuple(PyObject *body, PyObject *tag, PyObject *key, PyObject *props,
+                        PyObject *code, PyObject *queue_id, PyObject *tag_check,
+                        Py_ssize_t max_body, Py_ssize_t chunk_size, Py_ssize_t queue_count) {
     Checked c;
-    int ok = check_fields(PyTuple_GET_ITEM(msg, 0), PyTuple_GET_ITEM(msg, 1),
-                          PyTuple_GET_ITEM(msg, 2), PyTuple_GET_ITEM(msg, 3),
-                          PyTuple_GET_ITEM(msg, 4), PyTuple_GET_ITEM(msg, 5), tag_check,
-                          max_body, chunk_size, queue_count, &c);
+    int ok = check_fields(body, tag, key, props, code, queue_id, tag_check, max_body,
+                          chunk_size, queue_count, &c);
     if (ok <= 0) return NULL;
     /* new_record steals the three references check_fields took */
     PyObject *items[8] = {Py_NewRef(c.body),  c.tag_bytes,          c.hashed_obj,
                           c.key_bytes,        Py_NewRef(c.key),     Py_NewRef(c.props),
                           Py_NewRef(c.code_obj), Py_NewRef(c.queue_id)};
     return new_record(&PyTuple_Type, 8, items);
+}
+
+/* The checked 8-tuple of one OutgoingMessage, or NULL with no exception set when the
+ * message needs the Python checks. */
+static PyObject *check_fast(PyObject *msg, PyObject *tag_check, Py_ssize_t max_body,
+                            Py_ssize_t chunk_size, Py_ssize_t queue_count) {
+    return checked_tuple(PyTuple_GET_ITEM(msg, 0), PyTuple_GET_ITEM(msg, 1),
+                         PyTuple_GET_ITEM(msg, 2), PyTuple_GET_ITEM(msg, 3),
+                         PyTuple_GET_ITEM(msg, 4), PyTuple_GET_ITEM(msg, 5), tag_check, max_body,
+                         chunk_size, queue_count);
 }
 
 /* check_batch(items, outgoing_type, slow, tag_check, max_body, chunk_size, queue_count)

@@ -169,6 +169,7 @@ class MessageStore:
         self._installed = compaction_commit.installed_marker(path)  # the last install adopted
         self._checkpoint_lock = threading.Lock()
         self._sender: Any = None
+        self._check_in_c: Any = None
         if read_only:
             return
         start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
@@ -196,8 +197,10 @@ class MessageStore:
                 validate.check_tag, xxhash.xxh32_intdigest, time, HEADER_SIZE,
                 config.max_message_size, config.chunk_data_size,
             )  # fmt: skip
-        # send() takes the whole C path unless sends must wait for a group commit.
+        # send() takes the whole C path unless sends must wait for a group commit; the
+        # checks are C's whenever it is built.
         self._sender = sender if self._group is None else None
+        self._check_in_c = sender.check if sender is not None else None
         self._appender = Appender(
             self._writer,
             self._keys,
@@ -447,9 +450,12 @@ class MessageStore:
             if result is not None:
                 return result  # type: ignore[no-any-return]
         queues, count = self._queues_and_count(topic)
-        checked = validate.check_message(
-            self.config, topic, count, body, tag, key, properties, code, queue_id
-        )
+        check = self._check_in_c
+        checked = check(count, body, tag, key, properties, code, queue_id) if check else None
+        if checked is None:  # anything unusual, and every error
+            checked = validate.check_message(
+                self.config, topic, count, body, tag, key, properties, code, queue_id
+            )
         return self._store(topic, queues, [checked])[0]
 
     def send_batch(
