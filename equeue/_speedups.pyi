@@ -116,6 +116,7 @@ def match_run(
     queues: dict[bytes, list[list[Any]]],
     key_from: int,
     keyed: list[tuple[str, str, int]],
+    touched: list[list[Any]],
     /,
 ) -> tuple[int, int]: ...
 def last_nonzero(buf: Any, start: int, stop: int, /) -> int: ...

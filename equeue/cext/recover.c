@@ -43,31 +43,31 @@ PyObject *scan_frames(PyObject *self, PyObject *args) {
 
 /* --- match_run ------------------------------------------------------------------ */
 
-/* match_run(mm, data_offset, start, end, base, verify, queues, key_from, keyed)
+/* match_run(mm, data_offset, start, end, base, verify, queues, key_from, keyed, touched)
  * -> (stop, matched)
  *
  * Recovery's re-dispatch, for the records whose queue entry is already in place (all
  * but the last few after a crash): walks the frames of one uncompacted log chunk from
  * data offset start to end and, while each record's entry matches, goes on. queues maps
- * a topic's UTF-8 bytes to a list, per queue id, of [entries, first, count, seen]:
+ * a topic's UTF-8 bytes to a list, per queue id, of [entries, first, count, seen, ...]:
  * entries is the mapping of the queue chunk holding offsets first..first+count-1 (data
  * area at data_offset, as in the log), and seen (written here) is one past the last
- * offset matched. A keyed record at or past key_from is added to keyed as (topic, key,
+ * offset matched; each list whose seen is written is appended to touched. A keyed record at or past key_from is added to keyed as (topic, key,
  * position). With verify, each record's checksum is checked (a range the chunk's own
  * scan checked already need not be). It stops at the first record that is not a well
  * formed frame at its own position, or whose queue is not in queues, or whose entry is
  * not there or differs: the Python loop takes that one. */
 typedef struct {
-    PyObject *list; /* the [entries, first, count, seen] list */
+    PyObject *list; /* the [entries, first, count, seen, ...] list */
     Py_buffer view;
     Py_ssize_t first, count, seen;
 } Target;
 
-static int target_release(Target *t) {
+static int target_release(Target *t, PyObject *touched) {
     int r = 0;
     if (t->list != NULL && t->seen >= 0) {
         PyObject *v = PyLong_FromSsize_t(t->seen);
-        r = v == NULL ? -1 : PyList_SetItem(t->list, 3, v);
+        r = v == NULL || PyList_SetItem(t->list, 3, v) < 0 ? -1 : PyList_Append(touched, t->list);
     }
     if (t->view.obj != NULL) PyBuffer_Release(&t->view);
     t->list = NULL;
@@ -76,7 +76,7 @@ static int target_release(Target *t) {
 
 static int target_take(Target *t, PyObject *list, Py_ssize_t data_offset) {
     *t = (Target){.seen = -1};
-    if (!PyList_Check(list) || PyList_GET_SIZE(list) != 4) return 0;
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) < 4) return 0;
     t->first = PyLong_AsSsize_t(PyList_GET_ITEM(list, 1));
     t->count = PyLong_AsSsize_t(PyList_GET_ITEM(list, 2));
     if (PyErr_Occurred()) return -1;
@@ -93,12 +93,13 @@ static int target_take(Target *t, PyObject *list, Py_ssize_t data_offset) {
 }
 
 PyObject *match_run(PyObject *self, PyObject *args) {
-    PyObject *mm, *queues, *keyed;
+    PyObject *mm, *queues, *keyed, *touched;
     Py_ssize_t data_offset, start, end;
     long long base, key_from;
     int verify;
-    if (!PyArg_ParseTuple(args, "OnnnLpO!LO!", &mm, &data_offset, &start, &end, &base, &verify,
-                          &PyDict_Type, &queues, &key_from, &PyList_Type, &keyed))
+    if (!PyArg_ParseTuple(args, "OnnnLpO!LO!O!", &mm, &data_offset, &start, &end, &base,
+                          &verify, &PyDict_Type, &queues, &key_from, &PyList_Type, &keyed,
+                          &PyList_Type, &touched))
         return NULL;
     if (!configured()) return NULL;
     Py_buffer view;
@@ -129,7 +130,7 @@ PyObject *match_run(PyObject *self, PyObject *args) {
             memcmp(PyBytes_AS_STRING(topic_key), topic, tl) != 0) {
             Py_CLEAR(topic_key);
             Py_CLEAR(topic_str);
-            if (target_release(&target) < 0) goto fail;
+            if (target_release(&target, touched) < 0) goto fail;
             topic_key = PyBytes_FromStringAndSize(topic, tl);
             if (topic_key == NULL) goto fail;
             topic_queues = PyDict_GetItemWithError(queues, topic_key);
@@ -141,7 +142,7 @@ PyObject *match_run(PyObject *self, PyObject *args) {
             break;
         PyObject *list = PyList_GET_ITEM(topic_queues, q);
         if (list != target.list) {
-            if (target_release(&target) < 0) goto fail;
+            if (target_release(&target, touched) < 0) goto fail;
             int r = target_take(&target, list, data_offset);
             if (r < 0) goto fail;
             if (r == 0) break;
@@ -172,7 +173,7 @@ PyObject *match_run(PyObject *self, PyObject *args) {
 fail:
     failed = 1;
 done:
-    if (target_release(&target) < 0) failed = 1;
+    if (target_release(&target, touched) < 0) failed = 1;
     Py_XDECREF(topic_key);
     Py_XDECREF(topic_str);
     PyBuffer_Release(&view);

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,7 @@ def redispatch(
         if fast is not None:  # the records whose entries are in place, in C
             position = fast.run(position, log_end, seen, keys, report)
         resume = None
+        handled: set[Queue] = set()  # the queues whose records the loop below takes
         for position, payload in reader.iter_from(position):  # noqa: B020 - resumes there
             (pos, _, _, qoff, qid, _, th, flags, tl, gl, kl, _, _) = MESSAGE_HEAD.unpack_from(
                 payload
@@ -127,6 +129,7 @@ def redispatch(
                 )
                 continue
             queue = topic_queues[qid]
+            handled.add(queue)
             following = queue.next_offset
             in_place = qoff < following
             # Position and tag hash: a sector torn inside a 12-byte entry can keep one.
@@ -154,6 +157,8 @@ def redispatch(
                 break
         if resume is None:
             break
+        assert fast is not None
+        fast.handled(handled)
         position = resume
     for topic, topic_queues in queues.items():
         for queue in topic_queues:
@@ -200,23 +205,26 @@ class _Matcher:
     def __init__(self, manager: ChunkManager, queues: dict[str, list[Queue]], key_from: int):
         self._manager = manager
         self._key_from = key_from
-        # Per topic and queue id: the queue's last chunk, where entries past a checkpoint
-        # are; an entry in an earlier chunk stops the run and the Python loop reads it.
-        # A row is [entries mapping, first offset, entry count, seen]; C writes seen.
+        # Per topic and queue id, a row [entries mapping, first offset, entry count, seen,
+        # queue]: the queue's chunk holding the next offset expected (an entry in another
+        # chunk stops the run and the Python loop reads it). C writes seen, and lists the
+        # rows it wrote in touched, so a run costs what it matched, not the queue count.
         self._targets: dict[bytes, list[list[Any]]] = {}
-        self._rows: list[tuple[Queue, list[Any]]] = []
+        self._rows: dict[Queue, list[Any]] = {}
         for topic, topic_queues in queues.items():
             rows = self._targets[topic.encode()] = []
             for queue in topic_queues:
-                rows.append([None, 0, 0, -1])
-                self._rows.append((queue, rows[-1]))
+                rows.append([None, 0, 0, -1, queue])
+                self._rows[queue] = rows[-1]
         self._first: dict[Queue, int] = {}  # each queue's first offset past the start
+        self._stale: Iterable[Queue] = list(self._rows)  # rows to refresh before a run
 
     def _refresh(self, position: int, seen: dict[Queue, int]) -> None:
-        """For each queue, the chunk holding the next offset expected after ``position``
-        (its last chunk if that is unknown), as it is now: the Python loop between two
-        runs may have appended or cut entries, and a mapping may have been closed."""
-        for queue, row in self._rows:
+        """For each stale queue, the chunk holding the next offset expected after
+        ``position`` (its last chunk if that is unknown), as it is now: the Python loop
+        between two runs may have appended or cut entries, and closed a mapping."""
+        for queue in self._stale:
+            row = self._rows[queue]
             expected = seen.get(queue)
             if expected is None:
                 expected = self._first.get(queue)
@@ -231,6 +239,10 @@ class _Matcher:
             else:
                 first = chunk.base // QUEUE_RECORD_SIZE
                 row[:3] = [chunk.mapping(), first, chunk.data_end // QUEUE_RECORD_SIZE]
+
+    def handled(self, queues: Iterable[Queue]) -> None:
+        """The Python loop took records of these queues: their rows are refreshed next."""
+        self._stale = queues
 
     def resumable(self, position: int) -> bool:
         return not self._manager.get_chunk_for(position).header.compacted
@@ -249,6 +261,7 @@ class _Matcher:
         manager = self._manager
         last = manager.last_chunk
         self._refresh(position, seen)
+        touched: list[list[Any]] = []
         while position < log_end:
             chunk = manager.get_chunk_for(position)
             if chunk.header.compacted:
@@ -263,7 +276,7 @@ class _Matcher:
             keyed: list[tuple[str, str, int]] = []
             stop, _ = fast.match_run(
                 chunk.mapping(), HEADER_SIZE, start, step_end, chunk.base, verify,
-                self._targets, self._key_from, keyed,
+                self._targets, self._key_from, keyed, touched,
             )  # fmt: skip
             for topic, key, at in keyed:
                 keys.add(topic, key, at)
@@ -277,8 +290,8 @@ class _Matcher:
             if not chunk.is_completed:
                 break
             position = chunk.end_position  # the rest of a completed chunk is padding
-        for queue, row in self._rows:
+        for row in touched:
             if row[3] >= 0:
-                seen[queue] = max(seen.get(queue, 0), row[3])
+                seen[row[4]] = max(seen.get(row[4], 0), row[3])
                 row[3] = -1
         return position
