@@ -1,6 +1,6 @@
 /* equeue._speedups: the store's hot loops in C. One file per concern: write.c (checking
  * and framing sends), sender.c (a whole single send), read.c (pulls), recover.c (open
- * after a crash), xxh3.c (the record checksum); speedups.h is what they share.
+ * after a crash), xxh3.h (the record checksum, inlined where used); speedups.h is what they share.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
  * falls back to the pure-Python paths otherwise (or when EQUEUE_PURE_PYTHON is
@@ -52,6 +52,15 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     MAX_NAME = max_name;
     HEAD_SIZE = head; /* last: configured() looks at it */
     Py_RETURN_NONE;
+}
+
+/* xxh3_64(data) -> int, for the tests that hold it to the xxhash package. */
+static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t h = xxh3_64((const uint8_t *)view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
 }
 
 static PyMethodDef methods[] = {

@@ -29,9 +29,10 @@ static inline uint32_t get_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); re
 static inline int32_t get_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline int64_t get_i64(const char *p) { int64_t v; memcpy(&v, p, 8); return v; }
 
-/* The record checksum: the low 32 bits of XXH3-64, seed 0 (xxh3.c). */
-uint32_t checksum(const char *data, Py_ssize_t n);
+/* checksum(): the record checksum, the low 32 bits of XXH3-64 with seed 0. */
+#include "xxh3.h"
 
+/* "<8 hex digits of the store id><16 hex digits of the position>" */
 static inline PyObject *message_id(PyObject *prefix, int64_t position) {
     static const char hex[] = "0123456789abcdef";
     Py_ssize_t plen = PyUnicode_GET_LENGTH(prefix);
@@ -108,7 +109,6 @@ extern PyTypeObject SenderType;
 int intern_names(void);
 
 /* The module's functions (module.c lists them). */
-PyObject *py_xxh3_64(PyObject *self, PyObject *arg);
 PyObject *check_batch(PyObject *self, PyObject *args);
 PyObject *write_run(PyObject *self, PyObject *args);
 PyObject *decode_run(PyObject *self, PyObject *args);
