@@ -1,9 +1,16 @@
-"""Pass 2 of compaction, in plain Python: stream consecutive completed chunks once and
-write their survivors to one compacted chunk, with a position map.
+"""Pass 2 of compaction, in plain Python: stream completed chunks once and write their
+survivors to a compacted chunk, with a position map.
 
 The output keeps every surviving record's bytes and logical position; only
 its physical place changes, which the position map records. The file is
 written and fsynced in the staging directory; installing it is commit.py's job.
+
+Two ways to write a replacement: ``rewrite_group`` streams all its chunks in one
+process, start to end; or each chunk of a merged replacement is written by its
+own task (``write_part``) into the region the plan gives it (pass 1 knows every
+chunk's surviving bytes and records, so every region is known before any is
+written), and ``finish_merged`` then adds the header and the footer with the
+checksum, reading the file back once.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from equeue.format.chunk import (
     FRAME_OVERHEAD,
     HEADER_SIZE,
     MAP_ENTRY,
+    MAP_ENTRY_SIZE,
     TIMESTAMP,
     ChunkFooter,
     ChunkHeader,
@@ -65,6 +73,7 @@ class CompactedChunkWriter:
         end_number: int,
         chunk_data_size: int,
         timestamp_offset: int | None,
+        replace: bool = False,
     ) -> None:
         self.path = path
         self.header = ChunkHeader(
@@ -79,7 +88,7 @@ class CompactedChunkWriter:
         )
         self._capacity = chunk_data_size * (end_number - start_number + 1)
         self._ts_offset = timestamp_offset
-        self._file = open(path, "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - closed in finish
+        self._file = open(path, "wb" if replace else "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - closed in finish
         self._hash = xxhash.xxh3_64()
         self._map = bytearray()
         self._physical = 0
@@ -94,9 +103,7 @@ class CompactedChunkWriter:
 
     def add(self, logical: int, payload: bytes) -> None:
         """Append the record at ``logical`` (relative to the start); calls come in order."""
-        n = len(payload)
-        frame = bytearray(n + FRAME_OVERHEAD)
-        frame_packer(n)(frame, 0, n, payload, record_checksum(payload), n)
+        frame = _frame(payload)
         if self._physical + len(frame) > self._capacity:
             raise CompactionError(
                 f"compacted data outgrows the {self._capacity} bytes of chunks "
@@ -144,15 +151,25 @@ class CompactedChunkWriter:
         return self._count
 
 
+def _frame(payload: bytes) -> bytearray:
+    n = len(payload)
+    frame = bytearray(n + FRAME_OVERHEAD)
+    frame_packer(n)(frame, 0, n, payload, record_checksum(payload), n)
+    return frame
+
+
 def rewrite_group(
     chunks: list[ChunkFile],
     removed: Iterable[int],
     staging: Path,
     version: int,
     block_size: int = BLOCK_SIZE,
+    *,
+    replace: bool = False,
 ) -> RewriteResult:
     """Write the survivors of consecutive completed ``chunks`` to one compacted chunk
     covering all their numbers; ``removed`` are the global positions to leave out, ascending.
+    ``replace``: a file of the same name in ``staging`` (a failed attempt's) is overwritten.
     """
     first, last = chunks[0].header, chunks[-1].header
     for prev, chunk in itertools.pairwise(chunks):
@@ -173,21 +190,15 @@ def rewrite_group(
         end_number=last.chunk_end_number,
         chunk_data_size=data_size,
         timestamp_offset=first.timestamp_offset,
+        replace=replace,
     )
-    dropped = 0
+    drop = _Drop(removed)
     try:
-        pending = _ascending(iter(removed))
-        next_removed = next(pending, None)
         for chunk in chunks:
             offset = chunk.header.start_position - base
             for logical, payload in chunk.records(block_size):
-                position = base + offset + logical
-                while next_removed is not None and next_removed < position:
-                    next_removed = next(pending, None)  # not a record start: nothing to drop
-                if next_removed == position:
-                    dropped += 1
-                    continue
-                writer.add(offset + logical, payload)
+                if not drop.goes(base + offset + logical):
+                    writer.add(offset + logical, payload)
         logical_end = last.start_position - base + chunks[-1].logical_end
         size = writer.finish(logical_end)
     except BaseException:
@@ -201,8 +212,25 @@ def rewrite_group(
         bytes_before=sum(c.path.stat().st_size for c in chunks),
         bytes_after=size,
         records_kept=writer.count,
-        records_removed=dropped,
+        records_removed=drop.count,
     )
+
+
+class _Drop:
+    """Walks the removed positions (ascending) along the records, which come in order."""
+
+    def __init__(self, removed: Iterable[int]) -> None:
+        self._pending = _ascending(iter(removed))
+        self._next = next(self._pending, None)
+        self.count = 0
+
+    def goes(self, position: int) -> bool:
+        while self._next is not None and self._next < position:
+            self._next = next(self._pending, None)  # not a record start: nothing to drop
+        if self._next == position:
+            self.count += 1
+            return True
+        return False
 
 
 def _ascending(positions: Iterator[int]) -> Iterator[int]:
@@ -214,3 +242,116 @@ def _ascending(positions: Iterator[int]) -> Iterator[int]:
             )
         previous = position
         yield position
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One chunk of a merged replacement and the region the plan gives its survivors."""
+
+    path: str  # the chunk file
+    data_end: int
+    file: str  # the replacement, in the staging directory (created at its final size)
+    logical_base: int  # the chunk's start position minus the replacement's
+    data_at: int  # offset of its first surviving frame in the replacement's data
+    map_at: int  # file offset of its first position-map entry
+    kept_bytes: int
+    kept_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartResult:
+    kept_count: int
+    kept_bytes: int
+    removed_count: int
+    first_timestamp: int | None
+    last_timestamp: int | None
+
+
+def write_part(part: Part, removed: Iterable[int], block_size: int = BLOCK_SIZE) -> PartResult:
+    """Write the survivors of one chunk and their position-map entries into its regions of
+    the replacement, and fsync; ``removed`` are global positions, ascending. Refuses,
+    writing nothing past its regions, if the survivors are not what the plan said. Running
+    it again (a retried task) writes the same bytes."""
+    chunk = ChunkFile.open(part.path, part.data_end)
+    if chunk.footer is None:
+        raise CompactionError("only completed chunks are compacted", file=chunk.path)
+    start = chunk.header.start_position
+    ts_offset = chunk.header.timestamp_offset
+    drop = _Drop(removed)
+    entries = bytearray()
+    pending = bytearray()
+    physical = count = 0
+    first_ts: int | None = None
+    last_ts: int | None = None
+    with open(part.file, "r+b", buffering=0) as out:
+        out.seek(HEADER_SIZE + part.data_at)
+        for logical, payload in chunk.records(block_size):
+            if drop.goes(start + logical):
+                continue
+            frame = _frame(payload)
+            if physical + len(frame) > part.kept_bytes:
+                raise CompactionError(
+                    f"the survivors of {chunk.path.name} outgrow the {part.kept_bytes} bytes "
+                    "the plan gave them: the chunk changed under the job",
+                    file=part.file,
+                    offset=HEADER_SIZE + part.data_at + physical,
+                )
+            entries += MAP_ENTRY.pack(part.logical_base + logical, part.data_at + physical)
+            pending += frame
+            physical += len(frame)
+            count += 1
+            if ts_offset is not None:
+                (last_ts,) = TIMESTAMP.unpack_from(payload, ts_offset)
+                if first_ts is None:
+                    first_ts = last_ts
+            if len(pending) >= _WRITE_BUFFER:
+                out.write(pending)
+                pending.clear()
+        out.write(pending)
+        if (physical, count) != (part.kept_bytes, part.kept_count):
+            raise CompactionError(
+                f"{chunk.path.name} has {count} survivors of {physical} bytes, the plan said "
+                f"{part.kept_count} of {part.kept_bytes}: the chunk changed under the job",
+                file=part.file,
+                offset=HEADER_SIZE + part.data_at,
+            )
+        out.seek(part.map_at)
+        out.write(entries)
+        os.fsync(out.fileno())
+    return PartResult(count, physical, drop.count, first_ts, last_ts)
+
+
+def finish_merged(
+    path: Path, header: ChunkHeader, parts: list[PartResult], logical_end: int
+) -> int:
+    """Complete a replacement whose parts ``write_part`` wrote: header, then the footer
+    with the checksum of header + data + map (read back once), fsync; returns its size."""
+    physical = sum(p.kept_bytes for p in parts)
+    count = sum(p.kept_count for p in parts)
+    stamped = [p for p in parts if p.first_timestamp is not None]
+    digest = xxhash.xxh3_64()
+    packed = header.pack()
+    digest.update(packed)
+    end = HEADER_SIZE + physical + count * MAP_ENTRY_SIZE
+    with open(path, "r+b", buffering=0) as f:
+        f.write(packed)
+        at = HEADER_SIZE
+        while at < end:
+            block = f.read(min(BLOCK_SIZE, end - at))
+            if not block:
+                raise CompactionError("a replacement is shorter than planned", file=path, offset=at)
+            digest.update(block)
+            at += len(block)
+        footer = ChunkFooter(
+            completed=True,
+            physical_data_size=physical,
+            logical_data_size=logical_end,
+            map_entry_count=count,
+            record_count=count,
+            first_timestamp=stamped[0].first_timestamp if stamped else None,
+            last_timestamp=stamped[-1].last_timestamp if stamped else None,
+            checksum=digest.intdigest(),
+        )
+        f.write(footer.pack())
+        os.fsync(f.fileno())
+    return end + FOOTER_SIZE
