@@ -102,18 +102,37 @@ class ChunkFile:
     def records(self, block_size: int = BLOCK_SIZE) -> Iterator[tuple[int, bytes]]:
         """(logical offset relative to the chunk's start, payload) of every record, in order."""
         prefix = _unpack_prefix
+        for at, buf, offsets, logicals in self.frame_blocks(block_size):
+            physical = _offsets(offsets)
+            for offset, logical in zip(
+                physical,
+                (at + o for o in physical) if logicals is None else _offsets(logicals),
+                strict=True,
+            ):
+                (n,) = prefix(buf, offset)
+                start = offset + FRAME_PREFIX_SIZE
+                yield logical, buf[start : start + n]
+
+    def frame_blocks(
+        self, block_size: int = BLOCK_SIZE
+    ) -> Iterator[tuple[int, bytes, bytes, bytes | None]]:
+        """The data read a block at a time, every frame checked: (data offset of
+        ``buf[0]``, ``buf``, ``offsets``, ``logicals``). ``offsets`` packs (little-endian
+        int64) the offset in ``buf`` of each frame this block hands out; every frame of
+        the data comes in exactly one block, in order. ``logicals`` packs the same way
+        their logical offsets relative to the chunk's start, from the position map of
+        a compacted chunk (checked against the frames); None for any other chunk,
+        where a frame's logical offset is its data offset."""
         with open(self.path, "rb", buffering=0) as f:
             blocks = _frame_blocks(f, self.path, self.data_end, block_size)
             if not self.header.compacted:
                 for at, buf, offsets in blocks:
-                    for offset in _offsets(offsets):
-                        (n,) = prefix(buf, offset)
-                        start = offset + FRAME_PREFIX_SIZE
-                        yield at + offset, buf[start : start + n]
+                    yield at, buf, offsets, None
                 return
             with open(self.path, "rb", buffering=0) as m:
                 entries = _map_entries(m, self.path, HEADER_SIZE + self.data_end, self.map_bytes)
                 for at, buf, offsets in blocks:
+                    logicals = []
                     for offset in _offsets(offsets):
                         entry = next(entries, None)
                         if entry is None or entry[1] != at + offset:
@@ -123,24 +142,14 @@ class ChunkFile:
                                 file=self.path,
                                 offset=HEADER_SIZE + at + offset,
                             )
-                        (n,) = prefix(buf, offset)
-                        start = offset + FRAME_PREFIX_SIZE
-                        yield entry[0], buf[start : start + n]
+                        logicals.append(entry[0])
+                    yield at, buf, offsets, struct.pack(f"<{len(logicals)}q", *logicals)
                 if next(entries, None) is not None:
                     raise CorruptionError(
                         "position map has more entries than the chunk has records",
                         file=self.path,
                         offset=HEADER_SIZE + self.data_end,
                     )
-
-    def frame_blocks(self, block_size: int = BLOCK_SIZE) -> Iterator[tuple[int, bytes, bytes]]:
-        """The data read a block at a time, every frame checked: (data offset of
-        ``buf[0]``, ``buf``, ``offsets``), where ``offsets`` packs (little-endian int64)
-        the offset in ``buf`` of each frame that this block hands out. Every frame of
-        the data comes in exactly one block, in order. Physical offsets: a compacted
-        chunk's position map is not read (``records`` reads it)."""
-        with open(self.path, "rb", buffering=0) as f:
-            yield from _frame_blocks(f, self.path, self.data_end, block_size)
 
 
 def _offsets(packed: bytes) -> tuple[int, ...]:

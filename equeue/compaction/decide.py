@@ -34,8 +34,16 @@ import numpy as np
 import xxhash
 
 from equeue.chunks.stream import ChunkFile
-from equeue.format.chunk import FRAME_OVERHEAD
-from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
+from equeue.format.chunk import FRAME_OVERHEAD, FRAME_PREFIX_SIZE
+from equeue.format.message import (
+    BODY_LENGTH_OFFSET,
+    FLAG_HAS_KEY,
+    FLAGS_OFFSET,
+    MESSAGE_HEAD_SIZE,
+    POSITION_OFFSET,
+    STORED_TIME_OFFSET,
+    TOPIC_LENGTH_OFFSET,
+)
 
 # A scanned row: the key hash as two signed longs (its 16 big-endian bytes), the
 # record's position, and size_state: the frame size times 4 plus the state.
@@ -112,55 +120,97 @@ def split_rows(rows: np.ndarray, partitions: int) -> Iterator[tuple[int, bytes]]
 
 
 def scan_chunk(chunk: ScanChunk, rules: dict[bytes, TopicRule]) -> Iterator[np.ndarray]:
-    """Step 1 for one chunk file: arrays of ``ROW`` rows, up to BATCH_ROWS each."""
-    unpack = MESSAGE_HEAD.unpack_from
+    """Step 1 for one chunk file: arrays of ``ROW`` rows, about BATCH_ROWS each."""
+    table = _RuleTable(rules)
+    pending: list[np.ndarray] = []
+    count = 0
+    for _, buf, offsets, _ in ChunkFile.open(chunk.path, chunk.data_end).frame_blocks():
+        rows = _block_rows(buf, np.frombuffer(offsets, "<i8"), table, chunk.eligible)
+        pending.append(rows)
+        count += len(rows)
+        if count >= BATCH_ROWS:
+            yield np.concatenate(pending)
+            pending, count = [], 0
+    if count:
+        yield np.concatenate(pending)
+
+
+class _RuleTable:
+    """The rules as columns, indexed by a topic's number (the last row: no policy)."""
+
+    def __init__(self, rules: dict[bytes, TopicRule]) -> None:
+        self.number = {topic: i for i, topic in enumerate(rules)}
+        listed = [*rules.values(), TopicRule(False, None, _NEVER)]
+        self.known = np.array([True] * len(rules) + [False])
+        self.compact = np.array([r.compact for r in listed])
+        self.retention_cutoff = np.array(
+            [_NEVER if r.retention_cutoff is None else r.retention_cutoff for r in listed],
+            np.int64,
+        )
+        self.tombstone_cutoff = np.array([r.tombstone_cutoff for r in listed], np.int64)
+
+
+_NEVER: Final = np.iinfo(np.int64).min  # a cutoff nothing is stored before
+
+
+def _column(data: np.ndarray, at: np.ndarray, dtype: str) -> np.ndarray:
+    """The little-endian field of type ``dtype`` at each byte offset ``at`` of ``data``."""
+    width = np.dtype(dtype).itemsize
+    return data[at[:, None] + np.arange(width)].view(dtype).ravel()
+
+
+def _block_rows(buf: bytes, offsets: np.ndarray, table: _RuleTable, eligible: bool) -> np.ndarray:
+    """The rows of the frames at ``offsets`` of ``buf`` (checked frames): the heads' fields
+    are read column-wise; only the topic lookup and the key hash run per record."""
+    data = np.frombuffer(buf, np.uint8)
+    head = offsets + FRAME_PREFIX_SIZE
+    position = _column(data, head + POSITION_OFFSET, "<i8")
+    stored = _column(data, head + STORED_TIME_OFFSET, "<i8")
+    frame_size = _column(data, offsets, "<u4").astype(np.int64) + FRAME_OVERHEAD
+    flags = data[head + FLAGS_OFFSET]
+    topic_length = data[head + TOPIC_LENGTH_OFFSET].astype(np.int64)
+    tag_length = data[head + TOPIC_LENGTH_OFFSET + 1].astype(np.int64)
+    key_length = data[head + TOPIC_LENGTH_OFFSET + 2].astype(np.int64)
+    body_length = _column(data, head + BODY_LENGTH_OFFSET, "<u4")
+    topic_at = head + MESSAGE_HEAD_SIZE
+    topics = [buf[t : t + n] for t, n in zip(topic_at.tolist(), topic_length.tolist(), strict=True)]
+    number = table.number
+    unknown = len(number)
+    rule = np.array([number.get(t, unknown) for t in topics], np.int64)
+    keyed = table.compact[rule] & (flags & FLAG_HAS_KEY != 0)
+    # Not a key, but the shuffle partitions by it: the position spreads these rows
+    # over every partition instead of piling them all into one.
+    gone = ~keyed & table.known[rule] & (stored < table.retention_cutoff[rule]) & eligible
+    state = np.full(len(position), GOES_IF_SUPERSEDED if eligible else SUPERSEDES_ONLY)
+    if eligible:
+        expired = (body_length == 0) & (stored < table.tombstone_cutoff[rule])
+        state[keyed & expired] = GOES_KEYED
     digest = xxhash.xxh3_128_digest
-    eligible = chunk.eligible
-    keyed_state = GOES_IF_SUPERSEDED if eligible else SUPERSEDES_ONLY
-    # Key hashes are appended as their 16 canonical (big-endian) bytes and read back
-    # as two signed longs at the end: no per-record integer arithmetic.
-    hashes = bytearray()
-    positions: list[int] = []
-    sizes: list[int] = []
-    states: list[int] = []
-    for _, payload in ChunkFile.open(chunk.path, chunk.data_end).records():
-        (pos, stored, _, _, _, _, _, flags, tl, gl, kl, _, bl) = unpack(payload)
-        topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl]
-        rule = rules.get(topic)
-        if rule is None:
-            continue  # a topic without a policy keeps everything, and its keys are its own
-        if rule.compact and flags & FLAG_HAS_KEY:
-            k = MESSAGE_HEAD_SIZE + tl + gl
-            hashes += digest(topic + b"\0" + payload[k : k + kl])
-            state = keyed_state
-            if eligible and bl == 0 and stored < rule.tombstone_cutoff:
-                state = GOES_KEYED
-        elif eligible and rule.retention_cutoff is not None and stored < rule.retention_cutoff:
-            # Not a key, but the shuffle partitions by it: the position spreads these
-            # rows over every partition instead of piling them all into one.
-            hashes += pos.to_bytes(8, "big", signed=True) * 2
-            state = GONE
-        else:
-            continue
-        positions.append(pos)
-        sizes.append(len(payload) + FRAME_OVERHEAD)
-        states.append(state)
-        if len(positions) == BATCH_ROWS:
-            yield _rows(hashes, positions, sizes, states)
-            hashes, positions, sizes, states = bytearray(), [], [], []
-    if positions:
-        yield _rows(hashes, positions, sizes, states)
-
-
-def _rows(
-    hashes: bytearray, positions: list[int], sizes: list[int], states: list[int]
-) -> np.ndarray:
+    with_key = np.flatnonzero(keyed)
+    key_at = topic_at + topic_length + tag_length
+    hashes = b"".join(
+        [
+            digest(topics[i] + b"\0" + buf[k : k + n])
+            for i, k, n in zip(
+                with_key.tolist(),
+                key_at[with_key].tolist(),
+                key_length[with_key].tolist(),
+                strict=True,
+            )
+        ]
+    )
     pairs = np.frombuffer(hashes, ">i8").reshape(-1, 2)
-    rows = np.empty(len(positions), ROW)
-    rows["hi"] = pairs[:, 0]
-    rows["lo"] = pairs[:, 1]
-    rows["position"] = positions
-    rows["size_state"] = np.array(sizes, np.int64) * _STATES + np.array(states, np.int64)
+    dropped = np.flatnonzero(gone)
+    rows = np.empty(len(with_key) + len(dropped), ROW)
+    rows["hi"][: len(with_key)] = pairs[:, 0]
+    rows["lo"][: len(with_key)] = pairs[:, 1]
+    rows["hi"][len(with_key) :] = position[dropped]
+    rows["lo"][len(with_key) :] = position[dropped]
+    taken = np.concatenate((with_key, dropped))
+    rows["position"] = position[taken]
+    rows["size_state"] = frame_size[taken] * _STATES + np.where(
+        np.arange(len(taken)) < len(with_key), state[taken], GONE
+    )
     return rows
 
 
