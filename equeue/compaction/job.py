@@ -256,6 +256,7 @@ class _Whole:
     path: str
     data_end: int
     version: int
+    kept_bytes: int  # as planned
 
 
 _Task = _Whole | Part
@@ -285,7 +286,7 @@ class _Rewriter:
     ) -> Iterator[tuple[int, RewriteResult | PartResult, int]]:
         import numpy as np
 
-        removed = np.sort(np.frombuffer(b"".join(blob for _, blob in pairs), "<i8")).tolist()
+        removed = np.sort(np.frombuffer(b"".join(blob for _, blob in pairs), "<i8"))
         task = self.tasks[index]
         if isinstance(task, _Whole):
             chunk = ChunkFile.open(task.path, task.data_end)
@@ -311,7 +312,7 @@ def _rewrite(
         if len(group.chunks) == 1:
             (chunk,) = group.chunks
             owner[chunk.start_number] = len(tasks)
-            tasks.append(_Whole(chunk.path, chunk.data_end, group.version))
+            tasks.append(_Whole(chunk.path, chunk.data_end, group.version, group.kept_bytes))
             continue
         file = staging / chunk_file_name(group.start_number, group.version)
         with open(file, "xb") as f:
@@ -334,6 +335,12 @@ def _rewrite(
             )
             data_at += kept_bytes
             map_at += kept_count * MAP_ENTRY_SIZE
+    # Spark starts a stage's tasks in partition order: the longest first (a chunk's read,
+    # and more for its survivors' writes), so no long one starts last while slots idle.
+    order = sorted(range(len(tasks)), key=lambda i: _cost(tasks[i]), reverse=True)
+    renumber = {old: new for new, old in enumerate(order)}
+    tasks = [tasks[i] for i in order]
+    owner = {chunk: renumber[index] for chunk, index in owner.items()}
     done = (
         removed.flatMap(_ByTask(owner))
         .partitionBy(len(tasks), shuffle_partition)
@@ -355,6 +362,10 @@ def _rewrite(
         parts = [w for w in written if isinstance(w, PartResult)]
         results.append((_finish(group, parts, staging), rss))
     return results
+
+
+def _cost(task: _Task) -> int:
+    return task.data_end + 4 * task.kept_bytes
 
 
 def _finish(group: Group, parts: list[PartResult], staging: Path) -> RewriteResult:

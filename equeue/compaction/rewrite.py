@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import numpy as np
 import xxhash
 
 from equeue.chunks.stream import BLOCK_SIZE, ChunkFile
@@ -31,6 +32,7 @@ from equeue.errors import CompactionError
 from equeue.format.chunk import (
     FOOTER_SIZE,
     FRAME_OVERHEAD,
+    FRAME_PREFIX_SIZE,
     HEADER_SIZE,
     MAP_ENTRY,
     MAP_ENTRY_SIZE,
@@ -39,8 +41,6 @@ from equeue.format.chunk import (
     ChunkHeader,
     ChunkType,
     chunk_file_name,
-    frame_packer,
-    record_checksum,
 )
 
 _WRITE_BUFFER: Final = 1 << 20
@@ -97,29 +97,28 @@ class CompactedChunkWriter:
         self._last_ts: int | None = None
         self._write(self.header.pack())
 
-    def _write(self, data: bytes | bytearray) -> None:
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
         self._file.write(data)
         self._hash.update(data)
 
-    def add(self, logical: int, payload: bytes) -> None:
-        """Append the record at ``logical`` (relative to the start); calls come in order."""
-        frame = _frame(payload)
-        if self._physical + len(frame) > self._capacity:
+    def add_block(self, kept: Kept, logical_base: int) -> None:
+        """Append survivors, in order; ``logical_base``: their chunk's offset from the start."""
+        if self._physical + kept.size > self._capacity:
             raise CompactionError(
                 f"compacted data outgrows the {self._capacity} bytes of chunks "
                 f"{self.header.chunk_start_number}..{self.header.chunk_end_number}",
                 file=self.path,
                 offset=HEADER_SIZE + self._physical,
             )
-        self._map += MAP_ENTRY.pack(logical, self._physical)
-        self._write(frame)
-        self._physical += len(frame)
-        self._count += 1
-        if self._ts_offset is not None:
-            (ts,) = TIMESTAMP.unpack_from(payload, self._ts_offset)
+        self._map += kept.map_entries(logical_base, self._physical)
+        for run in kept.runs:
+            self._write(run)
+        self._physical += kept.size
+        self._count += len(kept.sizes)
+        if kept.first_timestamp is not None:
             if self._first_ts is None:
-                self._first_ts = ts
-            self._last_ts = ts
+                self._first_ts = kept.first_timestamp
+            self._last_ts = kept.last_timestamp
 
     def finish(self, logical_end: int) -> int:
         """Write the map and footer, fsync; returns the file size."""
@@ -151,11 +150,69 @@ class CompactedChunkWriter:
         return self._count
 
 
-def _frame(payload: bytes) -> bytearray:
-    n = len(payload)
-    frame = bytearray(n + FRAME_OVERHEAD)
-    frame_packer(n)(frame, 0, n, payload, record_checksum(payload), n)
-    return frame
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """The survivors among one block's frames: runs of consecutive frames, copied as read
+    (each was checked on the way in, and a frame's bytes depend only on its payload)."""
+
+    runs: list[memoryview]
+    logicals: np.ndarray  # int64, relative to their chunk's start
+    sizes: np.ndarray  # int64 frame sizes
+    first_timestamp: int | None
+    last_timestamp: int | None
+
+    @property
+    def size(self) -> int:
+        return int(self.sizes.sum())
+
+    def map_entries(self, logical_base: int, physical: int) -> bytes:
+        """Their position-map entries, the first frame at data offset ``physical``."""
+        entries = np.empty(len(self.sizes), _MAP_ROW)
+        entries["logical"] = logical_base + self.logicals
+        entries["physical"] = physical + np.cumsum(self.sizes) - self.sizes
+        return entries.tobytes()
+
+
+_MAP_ROW: Final = np.dtype([("logical", "<u8"), ("physical", "<u4")])
+assert _MAP_ROW.itemsize == MAP_ENTRY_SIZE and MAP_ENTRY.format == "<QI"
+
+
+def kept_blocks(
+    chunk: ChunkFile, removed: np.ndarray, drop: list[int], block_size: int = BLOCK_SIZE
+) -> Iterator[Kept]:
+    """The survivors of ``chunk``, a block at a time; ``removed`` are global positions,
+    ascending (one that is not a record start removes nothing). Adds to ``drop[0]`` the
+    records left out."""
+    start = chunk.header.start_position
+    ts_offset = chunk.header.timestamp_offset
+    for at, buf, packed, logicals in chunk.frame_blocks(block_size):
+        offsets = np.frombuffer(packed, "<i8")
+        logical = at + offsets if logicals is None else np.frombuffer(logicals, "<i8")
+        if len(removed):
+            where = np.minimum(np.searchsorted(removed, start + logical), len(removed) - 1)
+            goes = removed[where] == start + logical
+        else:
+            goes = np.zeros(len(offsets), np.bool_)
+        drop[0] += int(goes.sum())
+        kept = offsets[~goes]
+        if len(kept) == 0:
+            continue
+        data = np.frombuffer(buf, np.uint8)
+        sizes = data[kept[:, None] + np.arange(FRAME_PREFIX_SIZE)].view("<u4").ravel()
+        sizes = sizes.astype(np.int64) + FRAME_OVERHEAD
+        ends = kept + sizes
+        # A run breaks where a kept frame does not start where the previous one ended.
+        breaks = np.flatnonzero(kept[1:] != ends[:-1]) + 1
+        firsts = np.concatenate(([0], breaks))
+        lasts = np.concatenate((breaks, [len(kept)])) - 1
+        view = memoryview(buf)
+        runs = [view[s:e] for s, e in zip(kept[firsts].tolist(), ends[lasts].tolist(), strict=True)]
+        first_ts = last_ts = None
+        if ts_offset is not None:
+            at_ts = FRAME_PREFIX_SIZE + ts_offset
+            (first_ts,) = TIMESTAMP.unpack_from(buf, int(kept[0]) + at_ts)
+            (last_ts,) = TIMESTAMP.unpack_from(buf, int(kept[-1]) + at_ts)
+        yield Kept(runs, logical[~goes], sizes, first_ts, last_ts)
 
 
 def rewrite_group(
@@ -181,6 +238,7 @@ def rewrite_group(
     for chunk in chunks:
         if chunk.footer is None:
             raise CompactionError("only completed chunks are compacted", file=chunk.path)
+    gone = ascending(removed)
     data_size = first.chunk_data_size
     base = first.start_position
     name = chunk_file_name(first.chunk_start_number, version)
@@ -192,13 +250,11 @@ def rewrite_group(
         timestamp_offset=first.timestamp_offset,
         replace=replace,
     )
-    drop = _Drop(removed)
+    drop = [0]
     try:
         for chunk in chunks:
-            offset = chunk.header.start_position - base
-            for logical, payload in chunk.records(block_size):
-                if not drop.goes(base + offset + logical):
-                    writer.add(offset + logical, payload)
+            for kept in kept_blocks(chunk, gone, drop, block_size):
+                writer.add_block(kept, chunk.header.start_position - base)
         logical_end = last.start_position - base + chunks[-1].logical_end
         size = writer.finish(logical_end)
     except BaseException:
@@ -212,36 +268,19 @@ def rewrite_group(
         bytes_before=sum(c.path.stat().st_size for c in chunks),
         bytes_after=size,
         records_kept=writer.count,
-        records_removed=drop.count,
+        records_removed=drop[0],
     )
 
 
-class _Drop:
-    """Walks the removed positions (ascending) along the records, which come in order."""
-
-    def __init__(self, removed: Iterable[int]) -> None:
-        self._pending = _ascending(iter(removed))
-        self._next = next(self._pending, None)
-        self.count = 0
-
-    def goes(self, position: int) -> bool:
-        while self._next is not None and self._next < position:
-            self._next = next(self._pending, None)  # not a record start: nothing to drop
-        if self._next == position:
-            self.count += 1
-            return True
-        return False
-
-
-def _ascending(positions: Iterator[int]) -> Iterator[int]:
-    previous = -1
-    for position in positions:
-        if position <= previous:
-            raise CompactionError(
-                f"removed positions must ascend: {position} came after {previous}"
-            )
-        previous = position
-        yield position
+def ascending(positions: Iterable[int]) -> np.ndarray:
+    """The removed positions as an array; CompactionError unless they ascend."""
+    array = positions if isinstance(positions, np.ndarray) else np.fromiter(positions, np.int64)
+    wrong = np.flatnonzero(array[1:] <= array[:-1])
+    if len(wrong):
+        raise CompactionError(
+            f"removed positions must ascend: {array[wrong[0] + 1]} came after {array[wrong[0]]}"
+        )
+    return array
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,42 +311,33 @@ def write_part(part: Part, removed: Iterable[int], block_size: int = BLOCK_SIZE)
     the replacement, and fsync; ``removed`` are global positions, ascending. Refuses,
     writing nothing past its regions, if the survivors are not what the plan said. Running
     it again (a retried task) writes the same bytes."""
+    gone = ascending(removed)
     chunk = ChunkFile.open(part.path, part.data_end)
     if chunk.footer is None:
         raise CompactionError("only completed chunks are compacted", file=chunk.path)
-    start = chunk.header.start_position
-    ts_offset = chunk.header.timestamp_offset
-    drop = _Drop(removed)
+    drop = [0]
     entries = bytearray()
-    pending = bytearray()
     physical = count = 0
     first_ts: int | None = None
     last_ts: int | None = None
-    with open(part.file, "r+b", buffering=0) as out:
+    with open(part.file, "r+b", buffering=_WRITE_BUFFER) as out:
         out.seek(HEADER_SIZE + part.data_at)
-        for logical, payload in chunk.records(block_size):
-            if drop.goes(start + logical):
-                continue
-            frame = _frame(payload)
-            if physical + len(frame) > part.kept_bytes:
+        for kept in kept_blocks(chunk, gone, drop, block_size):
+            if physical + kept.size > part.kept_bytes:
                 raise CompactionError(
                     f"the survivors of {chunk.path.name} outgrow the {part.kept_bytes} bytes "
                     "the plan gave them: the chunk changed under the job",
                     file=part.file,
                     offset=HEADER_SIZE + part.data_at + physical,
                 )
-            entries += MAP_ENTRY.pack(part.logical_base + logical, part.data_at + physical)
-            pending += frame
-            physical += len(frame)
-            count += 1
-            if ts_offset is not None:
-                (last_ts,) = TIMESTAMP.unpack_from(payload, ts_offset)
-                if first_ts is None:
-                    first_ts = last_ts
-            if len(pending) >= _WRITE_BUFFER:
-                out.write(pending)
-                pending.clear()
-        out.write(pending)
+            entries += kept.map_entries(part.logical_base, part.data_at + physical)
+            for run in kept.runs:
+                out.write(run)
+            physical += kept.size
+            count += len(kept.sizes)
+            if kept.first_timestamp is not None:
+                first_ts = kept.first_timestamp if first_ts is None else first_ts
+                last_ts = kept.last_timestamp
         if (physical, count) != (part.kept_bytes, part.kept_count):
             raise CompactionError(
                 f"{chunk.path.name} has {count} survivors of {physical} bytes, the plan said "
@@ -317,8 +347,9 @@ def write_part(part: Part, removed: Iterable[int], block_size: int = BLOCK_SIZE)
             )
         out.seek(part.map_at)
         out.write(entries)
+        out.flush()
         os.fsync(out.fileno())
-    return PartResult(count, physical, drop.count, first_ts, last_ts)
+    return PartResult(count, physical, drop[0], first_ts, last_ts)
 
 
 def finish_merged(
