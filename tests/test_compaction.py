@@ -375,6 +375,22 @@ def test_job_removes_what_the_reference_removes_and_keeps_the_rest(
     assert snapshot_messages(tmp_path) == after
 
 
+def test_job_without_merging_writes_each_chunk_whole(tmp_path: Path, spark: SparkSession) -> None:
+    """merge=False: every replacement covers one chunk and is written start to end by its
+    task (the other pass-2 path)."""
+    fill(tmp_path, messages=900)
+    before = snapshot_messages(tmp_path)
+    now = time.time() + 1
+    removed = expected_removed(tmp_path, now)
+    report = compact(tmp_path, spark=spark, now=now, merge=False)
+    assert len(report.groups) > 1
+    assert all(g.start_number == g.end_number for g in report.groups)
+    assert report.records_removed == len(removed)
+    assert snapshot_messages(tmp_path) == {p: m for p, m in before.items() if p not in removed}
+    assert verify_store(tmp_path) == []
+    assert not any((tmp_path / "compaction").glob("*/attempt-*"))
+
+
 def test_second_job_rewrites_merged_files_where_newer_keys_arrived(
     tmp_path: Path, spark: SparkSession
 ) -> None:

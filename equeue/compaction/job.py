@@ -18,7 +18,9 @@ checksum). The driver checks each replacement against the plan, and commits
 
 from __future__ import annotations
 
+import os
 import resource
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -289,10 +291,15 @@ class _Rewriter:
         removed = np.sort(np.frombuffer(b"".join(blob for _, blob in pairs), "<i8"))
         task = self.tasks[index]
         if isinstance(task, _Whole):
+            # Each attempt writes its own file (its header has its own chunk id) and renames
+            # it into place: a retried or duplicated task never mixes two attempts' bytes.
+            staging = Path(self.staging)
+            attempt = Path(tempfile.mkdtemp(dir=staging, prefix="attempt-"))
             chunk = ChunkFile.open(task.path, task.data_end)
-            result: RewriteResult | PartResult = rewrite_group(
-                [chunk], removed, Path(self.staging), task.version, replace=True
-            )
+            whole = rewrite_group([chunk], removed, attempt, task.version)
+            os.replace(attempt / whole.file_name, staging / whole.file_name)
+            attempt.rmdir()
+            result: RewriteResult | PartResult = whole
         else:
             result = write_part(task, removed)
         yield index, result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

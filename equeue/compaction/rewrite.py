@@ -73,7 +73,6 @@ class CompactedChunkWriter:
         end_number: int,
         chunk_data_size: int,
         timestamp_offset: int | None,
-        replace: bool = False,
     ) -> None:
         self.path = path
         self.header = ChunkHeader(
@@ -88,7 +87,7 @@ class CompactedChunkWriter:
         )
         self._capacity = chunk_data_size * (end_number - start_number + 1)
         self._ts_offset = timestamp_offset
-        self._file = open(path, "wb" if replace else "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - closed in finish
+        self._file = open(path, "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - closed in finish
         self._hash = xxhash.xxh3_64()
         self._map = bytearray()
         self._physical = 0
@@ -221,12 +220,9 @@ def rewrite_group(
     staging: Path,
     version: int,
     block_size: int = BLOCK_SIZE,
-    *,
-    replace: bool = False,
 ) -> RewriteResult:
     """Write the survivors of consecutive completed ``chunks`` to one compacted chunk
     covering all their numbers; ``removed`` are the global positions to leave out, ascending.
-    ``replace``: a file of the same name in ``staging`` (a failed attempt's) is overwritten.
     """
     first, last = chunks[0].header, chunks[-1].header
     for prev, chunk in itertools.pairwise(chunks):
@@ -248,7 +244,6 @@ def rewrite_group(
         end_number=last.chunk_end_number,
         chunk_data_size=data_size,
         timestamp_offset=first.timestamp_offset,
-        replace=replace,
     )
     drop = [0]
     try:
