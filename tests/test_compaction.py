@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from code_paths import code_path  # noqa: F401 - the fixture
 from compaction_model import all_messages, expected_removed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ from equeue.chunks.stream import ChunkFile
 from equeue.cli import main
 from equeue.compaction.job import compact
 from equeue.compaction.plan import Removals, plan_groups, take_snapshot
-from equeue.compaction.rewrite import rewrite_group
+from equeue.compaction.rewrite import Part, finish_merged, rewrite_group, write_part
 from equeue.errors import (
     CompactedAwayError,
     CompactionError,
@@ -31,7 +32,14 @@ from equeue.errors import (
     CorruptionError,
     MessageNotFoundError,
 )
-from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, MAP_ENTRY_SIZE, TIMESTAMP
+from equeue.format.chunk import (
+    FOOTER_SIZE,
+    FRAME_OVERHEAD,
+    HEADER_SIZE,
+    MAP_ENTRY_SIZE,
+    TIMESTAMP,
+    ChunkFooter,
+)
 from equeue.format.message import STORED_TIME_OFFSET
 from equeue.inspect.verify import verify_store
 from equeue.store.topics import TopicPolicy
@@ -108,6 +116,7 @@ def message_chunk_files(path: Path) -> list[Path]:
     return sorted((path / "messages").glob("chunk-*"))
 
 
+@pytest.mark.usefixtures("code_path")
 def test_chunk_file_streams_what_the_manager_reads(tmp_path: Path) -> None:
     fill(tmp_path)
     config = ChunkManagerConfig(chunk_data_size=SMALL.chunk_data_size, timestamp_offset=8)
@@ -120,6 +129,7 @@ def test_chunk_file_streams_what_the_manager_reads(tmp_path: Path) -> None:
             assert len(streamed) == chunk.record_count > 0
 
 
+@pytest.mark.usefixtures("code_path")
 def test_chunk_file_reports_damage_with_file_and_offset(tmp_path: Path) -> None:
     fill(tmp_path)
     path = message_chunk_files(tmp_path)[0]
@@ -181,6 +191,79 @@ def test_rewrite_keeps_positions_and_reports_removed_ones(tmp_path: Path) -> Non
         (first_ts,) = TIMESTAMP.unpack_from(kept[0][1], STORED_TIME_OFFSET)
         assert footer.first_timestamp == first_ts
     assert verify_store(tmp_path) == []
+
+
+def _parts(chunks: list[ChunkFile], removed: set[int], file: Path) -> list[Part]:
+    """The regions of a merged replacement of ``chunks``, as the job's plan gives them."""
+    kept = [
+        [
+            len(b) + FRAME_OVERHEAD
+            for p, b in c.records()
+            if c.header.start_position + p not in removed
+        ]
+        for c in chunks
+    ]
+    parts = []
+    data_at, map_at = 0, HEADER_SIZE + sum(map(sum, kept))
+    for chunk, sizes in zip(chunks, kept, strict=True):
+        parts.append(
+            Part(
+                str(chunk.path),
+                chunk.data_end,
+                str(file),
+                chunk.header.start_position - chunks[0].header.start_position,
+                data_at,
+                map_at,
+                sum(sizes),
+                len(sizes),
+            )
+        )
+        data_at += sum(sizes)
+        map_at += len(sizes) * MAP_ENTRY_SIZE
+    return parts
+
+
+@pytest.mark.usefixtures("code_path")
+def test_merged_replacement_written_per_chunk_is_the_one_written_whole(tmp_path: Path) -> None:
+    """Pass 2 writes a merged file one chunk per task, in planned regions, then finishes
+    it: the same data, map and footer as one stream through the chunks; a task run twice
+    (a retry) writes the same bytes."""
+    fill(tmp_path)
+    chunks = [ChunkFile.open(p) for p in message_chunk_files(tmp_path)[:3]]
+    positions = [c.header.start_position + p for c in chunks for p, _ in c.records()]
+    removed = {p for i, p in enumerate(positions) if i % 3 != 1}
+    whole_dir, parts_dir = tmp_path / "whole", tmp_path / "parts"
+    whole_dir.mkdir()
+    parts_dir.mkdir()
+    whole = rewrite_group(chunks, sorted(removed), whole_dir, version=1)
+    file = parts_dir / whole.file_name
+    with open(file, "xb") as f:
+        f.truncate(whole.bytes_after)
+    parts = _parts(chunks, removed, file)
+    results = [write_part(part, sorted(removed)) for part in parts]
+    assert write_part(parts[1], sorted(removed)) == results[1]
+    written = ChunkFile.open(whole_dir / whole.file_name)
+    size = finish_merged(file, written.header, results, written.logical_end)
+    assert size == whole.bytes_after
+    assert file.read_bytes() == (whole_dir / whole.file_name).read_bytes()
+    assert sum(r.removed_count for r in results) == whole.records_removed
+
+
+def test_part_refuses_survivors_that_are_not_the_plans(tmp_path: Path) -> None:
+    fill(tmp_path)
+    chunk = ChunkFile.open(message_chunk_files(tmp_path)[0])
+    positions = [chunk.header.start_position + p for p, _ in chunk.records()]
+    file = tmp_path / "replacement"
+    (part,) = _parts([chunk], set(positions[::2]), file)
+    file.write_bytes(bytes(part.map_at + MAP_ENTRY_SIZE * part.kept_count + FOOTER_SIZE))
+    before = file.read_bytes()
+    with pytest.raises(CompactionError, match="changed under the job"):
+        write_part(part, positions[::3])  # fewer removed than planned: outgrows its region
+    with pytest.raises(CompactionError, match="changed under the job"):
+        write_part(part, positions)  # more removed: fewer survivors than planned
+    after = file.read_bytes()
+    assert after[part.map_at :] == before[part.map_at :]  # no map entry written
+    assert ChunkFooter.is_blank(after[-FOOTER_SIZE:])
 
 
 def test_rewrite_refuses_descending_positions(tmp_path: Path) -> None:
@@ -290,6 +373,22 @@ def test_job_removes_what_the_reference_removes_and_keeps_the_rest(
     again = compact(tmp_path, spark=spark, now=now)  # a second run finds nothing to do
     assert again.groups == []
     assert snapshot_messages(tmp_path) == after
+
+
+def test_job_without_merging_writes_each_chunk_whole(tmp_path: Path, spark: SparkSession) -> None:
+    """merge=False: every replacement covers one chunk and is written start to end by its
+    task (the other pass-2 path)."""
+    fill(tmp_path, messages=900)
+    before = snapshot_messages(tmp_path)
+    now = time.time() + 1
+    removed = expected_removed(tmp_path, now)
+    report = compact(tmp_path, spark=spark, now=now, merge=False)
+    assert len(report.groups) > 1
+    assert all(g.start_number == g.end_number for g in report.groups)
+    assert report.records_removed == len(removed)
+    assert snapshot_messages(tmp_path) == {p: m for p, m in before.items() if p not in removed}
+    assert verify_store(tmp_path) == []
+    assert not any((tmp_path / "compaction").glob("*/attempt-*"))
 
 
 def test_second_job_rewrites_merged_files_where_newer_keys_arrived(

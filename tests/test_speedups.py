@@ -474,3 +474,53 @@ def test_sync_stores_send_through_the_group_commit(tmp_path: Path) -> None:
         store.create_topic("t", 3)
         results = [store.send("t", b"%d" % i, key=f"k{i}") for i in range(50)]
         assert [store.get(r.message_id).body for r in results] == [b"%d" % i for i in range(50)]
+
+
+def _frames(sizes: list[int]) -> bytes:
+    """Valid frames of these payload sizes, back to back."""
+    from equeue.format.chunk import frame_packer, record_checksum
+
+    out = bytearray()
+    for n in sizes:
+        payload = os.urandom(n)
+        frame = bytearray(n + 12)
+        frame_packer(n)(frame, 0, n, payload, record_checksum(payload), n)
+        out += frame
+    return bytes(out)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 300), max_size=12),
+    damage=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 255)), max_size=2),
+    bounds=st.tuples(st.integers(0, 5000), st.integers(0, 5000)),
+)
+def test_frame_offsets_match_the_python_walk(
+    sizes: list[int], damage: list[tuple[int, int]], bounds: tuple[int, int]
+) -> None:
+    """The streaming reader's frame walk: the same stop and the same frames in C."""
+    from equeue.chunks.stream import frame_offsets
+
+    assert speedups.SPEEDUPS is not None
+    data = bytearray(_frames(sizes) + bytes(20))
+    for at, value in damage:
+        data[at % len(data)] = value
+    start, end = sorted(b % (len(data) + 1) for b in bounds)
+    if damage == [] and start == 0:
+        end = len(data)
+    expected = frame_offsets(bytes(data), start, end)
+    assert speedups.SPEEDUPS.frame_offsets(bytes(data), start, end) == expected
+    if not damage and start == 0 and sizes:
+        stop, packed = expected
+        assert stop == len(data) - 20
+        assert len(packed) == 8 * len(sizes)
+
+
+@needs_c
+def test_frame_offsets_refuses_a_range_outside_the_buffer() -> None:
+    assert speedups.SPEEDUPS is not None
+    with pytest.raises(ValueError):
+        speedups.SPEEDUPS.frame_offsets(b"abc", 0, 4)
+    with pytest.raises(ValueError):
+        speedups.SPEEDUPS.frame_offsets(b"abc", 2, 1)

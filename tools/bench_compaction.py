@@ -75,28 +75,52 @@ def drop_caches() -> bool:
         return False
 
 
-def worker_peak_rss(root: int) -> int:
-    """The largest VmHWM (peak resident set) of the PySpark Python workers descending from
-    process ``root``: not those of another Spark application on the machine."""
+def _descendants(root: int) -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent, cmdline) of every process under ``root``, ``root`` included."""
     parents: dict[int, int] = {}
-    workers: list[int] = []
+    commands: dict[int, bytes] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
             parents[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            commands[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if b"pyspark.daemon" in cmdline or b"pyspark.worker" in cmdline:
-            workers.append(int(entry))
-    peak = 0
-    for pid in workers:
+    found = {}
+    for pid in parents:
         ancestor = pid
         while ancestor not in (root, 0, 1) and ancestor in parents:
             ancestor = parents[ancestor]
-        if ancestor != root:
+        if ancestor == root or pid == root:
+            found[pid] = (parents[pid], commands[pid])
+    return found
+
+
+def cpu_seconds(root: int) -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, of ``root`` and its descendants) so far;
+    a process that exited counts in its parent's children times."""
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    machine = (user + nice + system + irq + softirq + steal) / tick
+    own = 0
+    for pid in _descendants(root):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        own += sum(int(f) for f in stat[stat.rindex(")") + 2 :].split()[11:15])
+    return machine, own / tick
+
+
+def worker_peak_rss(root: int) -> int:
+    """The largest VmHWM (peak resident set) of the PySpark Python workers descending from
+    process ``root``: not those of another Spark application on the machine."""
+    peak = 0
+    for pid, (_, cmdline) in _descendants(root).items():
+        if b"pyspark.daemon" not in cmdline and b"pyspark.worker" not in cmdline:
             continue
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -126,7 +150,9 @@ def run_case(store: Path, master: str) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    machine_before, own_before = cpu_seconds(os.getpid())
     report = compact(store, spark=spark)
+    machine_after, own_after = cpu_seconds(os.getpid())
     peak = max(peak, worker_peak_rss(os.getpid()))
     done.set()
     spark.stop()
@@ -145,6 +171,10 @@ def run_case(store: Path, master: str) -> dict[str, Any]:
         "chunks_rewritten": report.chunks_rewritten,
         "files_written": len(report.groups),
         "worker_peak_rss": peak,
+        # CPU the job used (driver, JVM, workers) and what the rest of the machine used
+        # meanwhile: on a shared machine, the cores local[2] could not have.
+        "job_cpu_seconds": own_after - own_before,
+        "other_cpu_seconds": max(0.0, (machine_after - machine_before) - (own_after - own_before)),
     }
 
 
@@ -174,8 +204,8 @@ def table(chunk_mib: int, messages: int, cold: bool, ref: float, runs: list[dict
         + ("dropped before each run." if cold else "not dropped (no permission): warm reads."),
         "",
         "| run | job s | pass 1 s | pass 2 s | commit s | input MiB/s | worker peak MiB "
-        "| removed | after / before |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| removed | after / before | job CPU s | other processes, cores |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for run in runs:
         lines.append(
@@ -183,15 +213,17 @@ def table(chunk_mib: int, messages: int, cold: bool, ref: float, runs: list[dict
             f"{run['pass2_seconds']:.1f} | {run['commit_seconds']:.2f} | "
             f"{run['bytes_read'] / (1 << 20) / run['seconds']:.0f} | "
             f"{run['worker_peak_rss'] / (1 << 20):.0f} | {run['records_removed']:,} | "
-            f"{mib(run['bytes_after'])} / {mib(run['bytes_before'])} MiB |"
+            f"{mib(run['bytes_after'])} / {mib(run['bytes_before'])} MiB | "
+            f"{run['job_cpu_seconds']:.1f} | {run['other_cpu_seconds'] / run['seconds']:.2f} |"
         )
     lines += [
         f"| plain sequential read (reference) | {size / (1 << 20) / ref:.1f} | | | | "
-        f"{ref:.0f} | | | |",
+        f"{ref:.0f} | | | | | |",
         "",
         f"Speed-up local[2] / local[1]: **{one['seconds'] / two['seconds']:.2f}x**. "
         f"SparkSession start (not in job time): {one['session_seconds']:.1f} s and "
-        f"{two['session_seconds']:.1f} s.",
+        f"{two['session_seconds']:.1f} s. Machine: {os.cpu_count()} cores; "
+        '"other processes" is the CPU the rest of the machine used during the job.',
     ]
     return "\n".join(lines)
 

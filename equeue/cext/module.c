@@ -71,6 +71,7 @@ static PyMethodDef methods[] = {
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"scan_frames", scan_frames, METH_VARARGS, NULL},
+    {"frame_offsets", frame_offsets, METH_VARARGS, NULL},
     {"match_run", match_run, METH_VARARGS, NULL},
     {"last_nonzero", last_nonzero, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},

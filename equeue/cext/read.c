@@ -1,5 +1,6 @@
-/* The read side: a pull's run of records decoded and checked (decode_run), and the
- * untagged pull's check of each message against its queue entry (collect). */
+/* The read side: a pull's run of records decoded and checked (decode_run), the
+ * untagged pull's check of each message against its queue entry (collect), and the
+ * streaming reader's walk over a block of frames (frame_offsets, chunks/stream.py). */
 #include "speedups.h"
 
 /* --- decode_run ----------------------------------------------------------------- */
@@ -200,4 +201,51 @@ PyObject *collect(PyObject *self, PyObject *args) {
         taken++;
     }
     return Py_BuildValue("(Ln)", offset, bad);
+}
+
+/* --- frame_offsets -------------------------------------------------------------- */
+
+/* frame_offsets(buf, start, end) -> (offset, offsets)
+ *
+ * The streaming reader's walk (chunks/stream.py) over buf[start:end]: the same checks as
+ * scan_frames (a non-zero length, the frame wholly before end, matching suffix and
+ * checksum), and also each valid frame's offset in buf, packed as little-endian int64 in
+ * the bytes ``offsets``. Stops at the first frame that is not such and returns its
+ * offset; the caller reads more, or looks at that frame in Python, which says what is
+ * wrong with it. */
+PyObject *frame_offsets(PyObject *self, PyObject *args) {
+    PyObject *buf;
+    Py_ssize_t offset, end;
+    if (!PyArg_ParseTuple(args, "Onn", &buf, &offset, &end)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (offset < 0 || offset > end || end > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "range outside the buffer");
+        return NULL;
+    }
+    /* A frame takes at least 13 bytes: room for every offset the range can hold. */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, ((end - offset) / 13 + 1) * 8);
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    char *o = PyBytes_AS_STRING(out);
+    const char *data = (const char *)view.buf;
+    Py_ssize_t count = 0;
+    Py_BEGIN_ALLOW_THREADS /* a read-only walk; ``out`` is not shared yet */
+    while (offset + 4 + 1 + 8 <= end) {
+        uint32_t n = get_u32(data + offset);
+        if (n == 0 || offset + 12 + (Py_ssize_t)n > end) break;
+        const char *payload = data + offset + 4;
+        if (get_u32(payload + n + 4) != n || get_u32(payload + n) != checksum(payload, n)) break;
+        put_i64(o + count * 8, (int64_t)offset);
+        count++;
+        offset += n + 12;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (_PyBytes_Resize(&out, count * 8) < 0) return NULL;
+    PyObject *result = Py_BuildValue("(nN)", offset, out);
+    return result;
 }

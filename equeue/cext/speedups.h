@@ -113,6 +113,7 @@ PyObject *check_batch(PyObject *self, PyObject *args);
 PyObject *write_run(PyObject *self, PyObject *args);
 PyObject *decode_run(PyObject *self, PyObject *args);
 PyObject *collect(PyObject *self, PyObject *args);
+PyObject *frame_offsets(PyObject *self, PyObject *args);
 PyObject *scan_frames(PyObject *self, PyObject *args);
 PyObject *match_run(PyObject *self, PyObject *args);
 PyObject *last_nonzero(PyObject *self, PyObject *args);

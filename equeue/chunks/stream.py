@@ -10,11 +10,13 @@ the offset, never returns bad bytes.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Final
 
+from equeue import speedups
 from equeue.errors import CorruptionError, CorruptRecordError, TruncatedError
 from equeue.format.chunk import (
     FOOTER_SIZE,
@@ -99,23 +101,49 @@ class ChunkFile:
 
     def records(self, block_size: int = BLOCK_SIZE) -> Iterator[tuple[int, bytes]]:
         """(logical offset relative to the chunk's start, payload) of every record, in order."""
+        prefix = _unpack_prefix
+        for at, buf, offsets, logicals in self.frame_blocks(block_size):
+            physical = _offsets(offsets)
+            for offset, logical in zip(
+                physical,
+                (at + o for o in physical) if logicals is None else _offsets(logicals),
+                strict=True,
+            ):
+                (n,) = prefix(buf, offset)
+                start = offset + FRAME_PREFIX_SIZE
+                yield logical, buf[start : start + n]
+
+    def frame_blocks(
+        self, block_size: int = BLOCK_SIZE
+    ) -> Iterator[tuple[int, bytes, bytes, bytes | None]]:
+        """The data read a block at a time, every frame checked: (data offset of
+        ``buf[0]``, ``buf``, ``offsets``, ``logicals``). ``offsets`` packs (little-endian
+        int64) the offset in ``buf`` of each frame this block hands out; every frame of
+        the data comes in exactly one block, in order. ``logicals`` packs the same way
+        their logical offsets relative to the chunk's start, from the position map of
+        a compacted chunk (checked against the frames); None for any other chunk,
+        where a frame's logical offset is its data offset."""
         with open(self.path, "rb", buffering=0) as f:
-            frames = _frames(f, self.path, self.data_end, block_size)
+            blocks = _frame_blocks(f, self.path, self.data_end, block_size)
             if not self.header.compacted:
-                yield from frames
+                for at, buf, offsets in blocks:
+                    yield at, buf, offsets, None
                 return
             with open(self.path, "rb", buffering=0) as m:
                 entries = _map_entries(m, self.path, HEADER_SIZE + self.data_end, self.map_bytes)
-                for physical, payload in frames:
-                    entry = next(entries, None)
-                    if entry is None or entry[1] != physical:
-                        raise CorruptionError(
-                            "position map disagrees with the records: no entry for the "
-                            f"record at data offset {physical}",
-                            file=self.path,
-                            offset=HEADER_SIZE + physical,
-                        )
-                    yield entry[0], payload
+                for at, buf, offsets in blocks:
+                    logicals = []
+                    for offset in _offsets(offsets):
+                        entry = next(entries, None)
+                        if entry is None or entry[1] != at + offset:
+                            raise CorruptionError(
+                                "position map disagrees with the records: no entry for the "
+                                f"record at data offset {at + offset}",
+                                file=self.path,
+                                offset=HEADER_SIZE + at + offset,
+                            )
+                        logicals.append(entry[0])
+                    yield at, buf, offsets, struct.pack(f"<{len(logicals)}q", *logicals)
                 if next(entries, None) is not None:
                     raise CorruptionError(
                         "position map has more entries than the chunk has records",
@@ -124,16 +152,70 @@ class ChunkFile:
                     )
 
 
-def _frames(f: BinaryIO, path: Path, end: int, block_size: int) -> Iterator[tuple[int, bytes]]:
-    """(data offset, payload) of every frame in data[0:end]."""
+def _offsets(packed: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(packed) // 8}q", packed)
+
+
+def frame_offsets(buf: bytes, offset: int, end: int) -> tuple[int, bytes]:
+    """What ``equeue._speedups.frame_offsets`` does, in Python (where the C accelerator is
+    not used): walk the valid frames of buf[offset:end]; (where the walk stopped, their
+    offsets as little-endian int64)."""
+    found: list[int] = []
+    while offset + FRAME_OVERHEAD + 1 <= end:
+        (n,) = _unpack_prefix(buf, offset)
+        if n == 0 or offset + FRAME_OVERHEAD + n > end:
+            break
+        if frame_problem(buf, offset, end, n) is not None:
+            break
+        found.append(offset)
+        offset += n + FRAME_OVERHEAD
+    return offset, struct.pack(f"<{len(found)}q", *found)
+
+
+def _frame_blocks(
+    f: BinaryIO, path: Path, end: int, block_size: int
+) -> Iterator[tuple[int, bytes, bytes]]:
+    """``ChunkFile.frame_blocks`` for data[0:end]: the valid frames are found in C (or by
+    ``frame_offsets``); where the walk stops short of the data's end, the frame there
+    either needs more data read or is damaged, which the checks below name."""
+    fast = speedups.SPEEDUPS
+    scan = frame_offsets if fast is None else fast.frame_offsets
     f.seek(HEADER_SIZE)
     buf = b""
     pos = 0  # of the next frame in buf
     at = 0  # data offset of buf[0]
     read = 0  # data bytes read so far
-
-    def refill(need: int) -> bytes:
-        nonlocal read
+    while True:
+        pos, offsets = scan(buf, pos, len(buf))
+        if offsets:
+            yield at, buf, offsets
+        if at + pos >= end:
+            return
+        if end - (at + pos) < FRAME_OVERHEAD + 1:
+            raise CorruptRecordError(
+                f"{end - at - pos} bytes at the end of the data cannot hold a record",
+                file=path,
+                offset=HEADER_SIZE + at + pos,
+            )
+        need = FRAME_PREFIX_SIZE
+        if len(buf) - pos >= FRAME_PREFIX_SIZE:
+            (n,) = _unpack_prefix(buf, pos)
+            need = n + FRAME_OVERHEAD
+            if n == 0 or at + pos + need > end:
+                raise CorruptRecordError(
+                    f"record length {n} does not fit the data (ending at {end})",
+                    file=path,
+                    offset=HEADER_SIZE + at + pos,
+                )
+            if len(buf) - pos >= need:  # whole, yet the walk stopped at it: damaged
+                reason, expected, found = frame_problem(buf, pos, pos + need, n) or (
+                    "the frame checks in C and in Python disagree",
+                    None,
+                    None,
+                )
+                raise CorruptRecordError(
+                    reason, file=path, offset=HEADER_SIZE + at + pos, expected=expected, found=found
+                )
         more = min(max(block_size, need), end - read)
         chunk = f.read(more) if more > 0 else b""
         read += len(chunk)
@@ -143,35 +225,7 @@ def _frames(f: BinaryIO, path: Path, end: int, block_size: int) -> Iterator[tupl
                 file=path,
                 offset=HEADER_SIZE + at + len(buf) + len(chunk),
             )
-        return buf[pos:] + chunk
-
-    while at + pos < end:
-        if end - (at + pos) < FRAME_OVERHEAD + 1:
-            raise CorruptRecordError(
-                f"{end - at - pos} bytes at the end of the data cannot hold a record",
-                file=path,
-                offset=HEADER_SIZE + at + pos,
-            )
-        if len(buf) - pos < FRAME_PREFIX_SIZE:
-            buf, at, pos = refill(FRAME_PREFIX_SIZE), at + pos, 0
-        (n,) = _unpack_prefix(buf, pos)
-        size = n + FRAME_OVERHEAD
-        if n == 0 or at + pos + size > end:
-            raise CorruptRecordError(
-                f"record length {n} does not fit the data (ending at {end})",
-                file=path,
-                offset=HEADER_SIZE + at + pos,
-            )
-        if len(buf) - pos < size:
-            buf, at, pos = refill(size), at + pos, 0
-        problem = frame_problem(buf, pos, pos + size, n)
-        if problem is not None:
-            reason, expected, found = problem
-            raise CorruptRecordError(
-                reason, file=path, offset=HEADER_SIZE + at + pos, expected=expected, found=found
-            )
-        yield at + pos, buf[pos + FRAME_PREFIX_SIZE : pos + FRAME_PREFIX_SIZE + n]
-        pos += size
+        buf, at, pos = buf[pos:] + chunk, at + pos, 0
 
 
 def _map_entries(f: BinaryIO, path: Path, start: int, size: int) -> Iterator[tuple[int, int]]:

@@ -1,41 +1,53 @@
 """Pass 1 of compaction on the executors: which records go.
 
-Two ``mapInArrow`` steps with one shuffle between them, nothing else:
+Two Python steps over Spark RDDs with one shuffle between them, nothing else:
 
 1. ``ChunkScan``, one task per chunk file: streams the chunk (metadata only)
    and settles what the chunk alone can settle, with the topic policies it
    carries: a keyless message, or any message of a "delete" topic, goes or
    stays by retention, and only those that go are sent on; an expired
    tombstone goes. Every keyed message of a compacted topic is sent on, as a
-   128-bit key hash, its position and a state, for the second step.
+   128-bit key hash, its position and a state, for the second step. The task
+   hashes its rows into the shuffle's partitions itself and hands Spark one
+   packed block of rows (``ROW``) per partition and batch: the JVM moves
+   opaque bytes, never converts a row.
 2. ``RemovedRows``, one task per partition of key hashes: sorts the
    partition's keyed rows by (key, position) and marks every row followed by
    one with the same key as superseded. The newest message of a key can be in
-   any chunk read, the ongoing one included, so only this step sees enough.
+   any chunk read, the ongoing one included, so only this step sees enough. It
+   hands back, per chunk file, how many records go, their frame bytes and
+   their positions (packed, ascending).
 
-Each step's Python work is a loop over records (step 1) or a few numpy
-operations over columns (step 2); Spark moves only these small rows, never a
-message body, and runs no join, window or sort of its own.
+RDDs rather than DataFrames: the job needs no query planning, no Arrow
+conversion of rows in the JVM, and its Python workers import neither pyarrow
+nor pandas; each of those cost seconds that did not shrink with more task
+slots (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
-import pyarrow as pa
 import xxhash
 
 from equeue.chunks.stream import ChunkFile
-from equeue.format.chunk import FRAME_OVERHEAD
-from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
+from equeue.format.chunk import FRAME_OVERHEAD, FRAME_PREFIX_SIZE
+from equeue.format.message import (
+    BODY_LENGTH_OFFSET,
+    FLAG_HAS_KEY,
+    FLAGS_OFFSET,
+    MESSAGE_HEAD_SIZE,
+    POSITION_OFFSET,
+    STORED_TIME_OFFSET,
+    TOPIC_LENGTH_OFFSET,
+)
 
-# size_state: the frame size times 4 plus the state; with the chunk left out (step 2
-# finds it from the position), every row crosses the shuffle as four longs.
-SCAN_SCHEMA: Final = "hi long, lo long, position long, size_state long"
-REMOVED_SCHEMA: Final = "chunk long, position long, size int"
+# A scanned row: the key hash as two signed longs (its 16 big-endian bytes), the
+# record's position, and size_state: the frame size times 4 plus the state.
+ROW: Final = np.dtype([("hi", "<i8"), ("lo", "<i8"), ("position", "<i8"), ("size_state", "<i8")])
 
 # The state of a scanned row. Keyed rows (below GONE) take part in deciding the
 # newest message of their key, wherever they are; only eligible ones can go.
@@ -43,6 +55,7 @@ SUPERSEDES_ONLY: Final = 0  # keyed, in a chunk that is not rewritten
 GOES_IF_SUPERSEDED: Final = 1  # keyed, in an eligible chunk
 GOES_KEYED: Final = 2  # keyed, in an eligible chunk, an expired tombstone: goes anyway
 GONE: Final = 3  # not a key of a compacted topic, past retention, in an eligible chunk
+_STATES: Final = 4
 
 BATCH_ROWS: Final = 65_536
 
@@ -65,96 +78,158 @@ class ScanChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Removed:
+    """What step 2 found to go in one chunk file, from one partition of key hashes."""
+
+    count: int
+    size: int  # frame bytes
+    positions: bytes  # little-endian int64, ascending
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkScan:
-    """The ``mapInArrow`` function of step 1, over ``spark.range(len(chunks))`` with one
-    row per partition: row i scans ``chunks[i]``. The listing and the rules travel
-    with the function, so Spark plans no Python-made DataFrame and no join."""
+    """The step-1 function, over ``parallelize(range(len(chunks)), len(chunks))``: the
+    element i scans ``chunks[i]`` and yields (partition, packed ``ROW`` rows) pairs for
+    ``partitionBy(partitions, shuffle_partition)``. The listing and the rules travel
+    with the function."""
 
     chunks: Sequence[ScanChunk]
     rules: dict[str, TopicRule]
+    partitions: int
 
-    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def __call__(self, indices: Iterable[int]) -> Iterator[tuple[int, bytes]]:
         rules = {topic.encode(): rule for topic, rule in self.rules.items()}
-        for batch in batches:
-            for index in batch.column(0).to_pylist():
-                yield from scan_chunk(self.chunks[index], rules)
+        for index in indices:
+            for rows in scan_chunk(self.chunks[index], rules):
+                yield from split_rows(rows, self.partitions)
 
 
-def scan_chunk(chunk: ScanChunk, rules: dict[bytes, TopicRule]) -> Iterator[pa.RecordBatch]:
-    """Step 1 for one chunk file: batches of ``SCAN_SCHEMA`` rows."""
-    unpack = MESSAGE_HEAD.unpack_from
+def shuffle_partition(partition: int) -> int:
+    """``partitionBy``'s function: the pairs' keys already are partition numbers."""
+    return partition
+
+
+def split_rows(rows: np.ndarray, partitions: int) -> Iterator[tuple[int, bytes]]:
+    """Rows by partition of their key hash: every row of a key lands in one partition."""
+    target = rows["hi"] % partitions
+    order = np.argsort(target, kind="stable")
+    bounds = np.searchsorted(target[order], np.arange(partitions + 1))
+    for partition in range(partitions):
+        if bounds[partition] < bounds[partition + 1]:
+            yield partition, rows[order[bounds[partition] : bounds[partition + 1]]].tobytes()
+
+
+def scan_chunk(chunk: ScanChunk, rules: dict[bytes, TopicRule]) -> Iterator[np.ndarray]:
+    """Step 1 for one chunk file: arrays of ``ROW`` rows, about BATCH_ROWS each."""
+    table = _RuleTable(rules)
+    pending: list[np.ndarray] = []
+    count = 0
+    for _, buf, offsets, _ in ChunkFile.open(chunk.path, chunk.data_end).frame_blocks():
+        rows = _block_rows(buf, np.frombuffer(offsets, "<i8"), table, chunk.eligible)
+        pending.append(rows)
+        count += len(rows)
+        if count >= BATCH_ROWS:
+            yield np.concatenate(pending)
+            pending, count = [], 0
+    if count:
+        yield np.concatenate(pending)
+
+
+class _RuleTable:
+    """The rules as columns, indexed by a topic's number (the last row: no policy)."""
+
+    def __init__(self, rules: dict[bytes, TopicRule]) -> None:
+        self.number = {topic: i for i, topic in enumerate(rules)}
+        listed = [*rules.values(), TopicRule(False, None, _NEVER)]
+        self.known = np.array([True] * len(rules) + [False])
+        self.compact = np.array([r.compact for r in listed])
+        self.retention_cutoff = np.array(
+            [_NEVER if r.retention_cutoff is None else r.retention_cutoff for r in listed],
+            np.int64,
+        )
+        self.tombstone_cutoff = np.array([r.tombstone_cutoff for r in listed], np.int64)
+
+
+_NEVER: Final = np.iinfo(np.int64).min  # a cutoff nothing is stored before
+
+
+def _column(data: np.ndarray, at: np.ndarray, dtype: str) -> np.ndarray:
+    """The little-endian field of type ``dtype`` at each byte offset ``at`` of ``data``."""
+    width = np.dtype(dtype).itemsize
+    return data[at[:, None] + np.arange(width)].view(dtype).ravel()
+
+
+def _block_rows(buf: bytes, offsets: np.ndarray, table: _RuleTable, eligible: bool) -> np.ndarray:
+    """The rows of the frames at ``offsets`` of ``buf`` (checked frames): the heads' fields
+    are read column-wise; only the topic lookup and the key hash run per record."""
+    data = np.frombuffer(buf, np.uint8)
+    head = offsets + FRAME_PREFIX_SIZE
+    position = _column(data, head + POSITION_OFFSET, "<i8")
+    stored = _column(data, head + STORED_TIME_OFFSET, "<i8")
+    frame_size = _column(data, offsets, "<u4").astype(np.int64) + FRAME_OVERHEAD
+    flags = data[head + FLAGS_OFFSET]
+    topic_length = data[head + TOPIC_LENGTH_OFFSET].astype(np.int64)
+    tag_length = data[head + TOPIC_LENGTH_OFFSET + 1].astype(np.int64)
+    key_length = data[head + TOPIC_LENGTH_OFFSET + 2].astype(np.int64)
+    body_length = _column(data, head + BODY_LENGTH_OFFSET, "<u4")
+    topic_at = head + MESSAGE_HEAD_SIZE
+    topics = [buf[t : t + n] for t, n in zip(topic_at.tolist(), topic_length.tolist(), strict=True)]
+    number = table.number
+    unknown = len(number)
+    rule = np.array([number.get(t, unknown) for t in topics], np.int64)
+    keyed = table.compact[rule] & (flags & FLAG_HAS_KEY != 0)
+    # Not a key, but the shuffle partitions by it: the position spreads these rows
+    # over every partition instead of piling them all into one.
+    gone = ~keyed & table.known[rule] & (stored < table.retention_cutoff[rule]) & eligible
+    state = np.full(len(position), GOES_IF_SUPERSEDED if eligible else SUPERSEDES_ONLY)
+    if eligible:
+        expired = (body_length == 0) & (stored < table.tombstone_cutoff[rule])
+        state[keyed & expired] = GOES_KEYED
     digest = xxhash.xxh3_128_digest
-    eligible = chunk.eligible
-    keyed_state = GOES_IF_SUPERSEDED if eligible else SUPERSEDES_ONLY
-    # Key hashes are appended as their 16 canonical (big-endian) bytes and read back
-    # as two signed longs at the end: no per-record integer arithmetic.
-    hashes = bytearray()
-    positions: list[int] = []
-    sizes: list[int] = []
-    states: list[int] = []
-    for _, payload in ChunkFile.open(chunk.path, chunk.data_end).records():
-        (pos, stored, _, _, _, _, _, flags, tl, gl, kl, _, bl) = unpack(payload)
-        topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl]
-        rule = rules.get(topic)
-        if rule is None:
-            continue  # a topic without a policy keeps everything, and its keys are its own
-        if rule.compact and flags & FLAG_HAS_KEY:
-            k = MESSAGE_HEAD_SIZE + tl + gl
-            hashes += digest(topic + b"\0" + payload[k : k + kl])
-            state = keyed_state
-            if eligible and bl == 0 and stored < rule.tombstone_cutoff:
-                state = GOES_KEYED
-        elif eligible and rule.retention_cutoff is not None and stored < rule.retention_cutoff:
-            # Not a key, but the shuffle partitions by it: the position spreads these
-            # rows over every partition instead of piling them all into one.
-            hashes += pos.to_bytes(8, "big", signed=True) * 2
-            state = GONE
-        else:
-            continue
-        positions.append(pos)
-        sizes.append(len(payload) + FRAME_OVERHEAD)
-        states.append(state)
-        if len(positions) == BATCH_ROWS:
-            yield _scan_batch(hashes, positions, sizes, states)
-            hashes, positions, sizes, states = bytearray(), [], [], []
-    if positions:
-        yield _scan_batch(hashes, positions, sizes, states)
-
-
-def _scan_batch(
-    hashes: bytearray, positions: list[int], sizes: list[int], states: list[int]
-) -> pa.RecordBatch:
-    pairs = np.frombuffer(hashes, ">i8").reshape(-1, 2).astype(np.int64)
-    size_state = np.array(sizes, np.int64) * _STATES + np.array(states, np.int64)
-    return pa.RecordBatch.from_arrays(
+    with_key = np.flatnonzero(keyed)
+    key_at = topic_at + topic_length + tag_length
+    hashes = b"".join(
         [
-            pa.array(pairs[:, 0]),
-            pa.array(pairs[:, 1]),
-            pa.array(positions, pa.int64()),
-            pa.array(size_state),
-        ],
-        schema=_SCAN_ARROW,
+            digest(topics[i] + b"\0" + buf[k : k + n])
+            for i, k, n in zip(
+                with_key.tolist(),
+                key_at[with_key].tolist(),
+                key_length[with_key].tolist(),
+                strict=True,
+            )
+        ]
     )
-
-
-_STATES: Final = 4
+    pairs = np.frombuffer(hashes, ">i8").reshape(-1, 2)
+    dropped = np.flatnonzero(gone)
+    rows = np.empty(len(with_key) + len(dropped), ROW)
+    rows["hi"][: len(with_key)] = pairs[:, 0]
+    rows["lo"][: len(with_key)] = pairs[:, 1]
+    rows["hi"][len(with_key) :] = position[dropped]
+    rows["lo"][len(with_key) :] = position[dropped]
+    taken = np.concatenate((with_key, dropped))
+    rows["position"] = position[taken]
+    rows["size_state"] = frame_size[taken] * _STATES + np.where(
+        np.arange(len(taken)) < len(with_key), state[taken], GONE
+    )
+    return rows
 
 
 @dataclass(frozen=True, slots=True)
 class RemovedRows:
-    """The ``mapInArrow`` function of step 2, over one partition of the scanned rows
-    hashed by key (every row of a key in the same partition): the rows that go, as
-    ``REMOVED_SCHEMA``. ``starts`` are the chunk files' start numbers, ascending."""
+    """The step-2 function, over one partition of the scanned rows hashed by key
+    (every row of a key in the same partition): (chunk file start number, ``Removed``)
+    for every chunk file with a row that goes. ``starts`` are the chunk files' start
+    numbers, ascending."""
 
     starts: Sequence[int]
     chunk_data_size: int
 
-    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        table = pa.Table.from_batches(list(batches), schema=_SCAN_ARROW)
-        if table.num_rows == 0:
+    def __call__(self, pairs: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, Removed]]:
+        rows = np.frombuffer(b"".join(blob for _, blob in pairs), ROW)
+        if len(rows) == 0:
             return
-        hi, lo, position, size_state = (c.to_numpy() for c in table.columns)
-        state = size_state % _STATES
+        hi, lo, position = rows["hi"], rows["lo"], rows["position"]
+        state = rows["size_state"] % _STATES
         keyed = np.flatnonzero(state < GONE)
         order = keyed[np.lexsort((position[keyed], lo[keyed], hi[keyed]))]
         # Sorted by (key, position): a row is superseded when the next one has its key.
@@ -163,25 +238,20 @@ class RemovedRows:
             lo[order[:-1]] == lo[order[1:]]
         )
         goes = np.flatnonzero((state >= GOES_KEYED) | ((state == GOES_IF_SUPERSEDED) & superseded))
+        if len(goes) == 0:
+            return
+        gone = np.sort(position[goes])  # positions are unique: their rows follow
+        sizes = rows["size_state"][goes][np.argsort(position[goes])] // _STATES
         # A file covers the chunk numbers from its start to the next file's start.
         starts = np.asarray(self.starts, np.int64)
-        for first in range(0, len(goes), BATCH_ROWS):
-            rows = goes[first : first + BATCH_ROWS]
-            number = position[rows] // self.chunk_data_size
-            yield pa.RecordBatch.from_arrays(
-                [
-                    pa.array(starts[np.searchsorted(starts, number, "right") - 1]),
-                    pa.array(position[rows]),
-                    pa.array((size_state[rows] // _STATES).astype(np.int32)),
-                ],
-                schema=_REMOVED_ARROW,
+        files = starts[np.searchsorted(starts, gone // self.chunk_data_size, "right") - 1]
+        bounds = np.flatnonzero(np.diff(files)) + 1
+        for first, last in zip(
+            np.concatenate(([0], bounds)), np.concatenate((bounds, [len(gone)])), strict=True
+        ):
+            yield (
+                int(files[first]),
+                Removed(
+                    int(last - first), int(sizes[first:last].sum()), gone[first:last].tobytes()
+                ),
             )
-
-
-def _arrow_schema(ddl: str) -> pa.Schema:
-    types = {"long": pa.int64(), "int": pa.int32()}
-    return pa.schema([(name, types[kind]) for name, kind in (f.split() for f in ddl.split(", "))])
-
-
-_SCAN_ARROW: Final = _arrow_schema(SCAN_SCHEMA)
-_REMOVED_ARROW: Final = _arrow_schema(REMOVED_SCHEMA)

@@ -6,39 +6,53 @@ Python task per chunk file streams it and settles what it alone can
 by key, cross one shuffle to Python tasks that find each key's newest
 position. Only these small rows are shuffled; no record value ever is.
 
-The driver collects one row per chunk (how many records and bytes it would
-lose) and plans the replacement files (plan.py). Pass 2 sends each group's
-removed positions, sorted, to one task, which streams the group's chunks once
-and writes the compacted replacement into the staging directory (rewrite.py).
-The driver collects one row per group, checks it against the plan, and
-commits (commit.py).
+The driver collects a few rows per chunk (how many records and bytes it would
+lose) and plans the replacement files (plan.py). Pass 2 runs one task per
+rewritten chunk, which gets the chunk's removed positions through a shuffle,
+streams the chunk once and writes its survivors into the staging directory
+(rewrite.py): a replacement of one chunk whole, a merged one in the regions the
+plan gives each of its chunks, which the driver then finishes (header, footer,
+checksum). The driver checks each replacement against the plan, and commits
+(commit.py).
 """
 
 from __future__ import annotations
 
+import os
 import resource
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from equeue.chunks.stream import ChunkFile
 from equeue.compaction import commit
 from equeue.compaction.plan import Group, Removals, Snapshot, plan_groups, take_snapshot
-from equeue.compaction.rewrite import RewriteResult, rewrite_group
+from equeue.compaction.rewrite import (
+    Part,
+    PartResult,
+    RewriteResult,
+    finish_merged,
+    rewrite_group,
+    write_part,
+)
 from equeue.errors import CompactionError
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-    from pyspark.sql import DataFrame, SparkSession
-
-RESULT_SCHEMA: Final = (
-    "file_name string, start_number long, end_number long, version int, bytes_before long, "
-    "bytes_after long, records_kept long, records_removed long, worker_rss long"
+from equeue.format.chunk import (
+    HEADER_SIZE,
+    MAP_ENTRY_SIZE,
+    ChunkHeader,
+    ChunkType,
+    chunk_file_name,
 )
 
-_INT_FIELDS: Final = [f.split()[0] for f in RESULT_SCHEMA.split(", ")[1:]]
+if TYPE_CHECKING:
+    from pyspark import RDD
+    from pyspark.sql import SparkSession
+
+    from equeue.compaction.decide import Removed
 
 Progress = Callable[[str], None]
 
@@ -157,7 +171,7 @@ def compact(
         try:
             tick = time.monotonic()
             say(f"pass 2: rewriting {sum(len(g.chunks) for g in groups)} chunks")
-            results = _rewrite(spark, removed, groups, staging)
+            results = _rewrite(removed, groups, staging, snapshot.chunk_data_size)
             report.pass2_seconds = time.monotonic() - tick
             report.worker_peak_rss = max(rss for _, rss in results)
             report.groups = [r for r, _ in results]
@@ -180,18 +194,17 @@ def compact(
     return report
 
 
-def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> DataFrame:
-    """(chunk, position, size) of every record to remove, persisted: the plan and
-    pass 2 both read it. See decide.py for the two steps."""
+def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[int, Removed]]:
+    """(chunk file, what goes from it) pairs, persisted: the plan and pass 2 both read
+    them. See decide.py for the two steps."""
     from pyspark import StorageLevel
 
     from equeue.compaction.decide import (
-        REMOVED_SCHEMA,
-        SCAN_SCHEMA,
         ChunkScan,
         RemovedRows,
         ScanChunk,
         TopicRule,
+        shuffle_partition,
     )
 
     now_ns = int(now * 1e9)
@@ -214,12 +227,10 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> DataFrame:
         int(spark.conf.get("spark.sql.shuffle.partitions") or 1), -(-records // _DECIDE_ROWS)
     )
     return (
-        spark.range(0, len(chunks), 1, len(chunks))
-        .mapInArrow(ChunkScan(chunks, rules), SCAN_SCHEMA)
-        .repartition(partitions, "hi")
-        .mapInArrow(
-            RemovedRows(sorted(c.number for c in chunks), snapshot.chunk_data_size), REMOVED_SCHEMA
-        )
+        spark.sparkContext.parallelize(range(len(chunks)), len(chunks))
+        .mapPartitions(ChunkScan(chunks, rules, partitions))
+        .partitionBy(partitions, shuffle_partition)
+        .mapPartitions(RemovedRows(sorted(c.number for c in chunks), snapshot.chunk_data_size))
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
 
@@ -227,73 +238,169 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> DataFrame:
 _DECIDE_ROWS: Final = 1 << 20
 
 
-def _removals_per_chunk(removed: DataFrame) -> dict[int, Removals]:
-    from pyspark.sql import functions as F
+def _counts(pair: tuple[int, Removed]) -> tuple[int, int, int]:
+    return pair[0], pair[1].count, pair[1].size
 
-    rows = removed.groupBy("chunk").agg(F.count("*").alias("n"), F.sum("size").alias("b"))
-    return {int(r["chunk"]): Removals(int(r["n"]), int(r["b"])) for r in rows.collect()}
+
+def _removals_per_chunk(removed: RDD[tuple[int, Removed]]) -> dict[int, Removals]:
+    """A chunk's rows went to several partitions of key hashes: one row each to add up."""
+    totals: dict[int, tuple[int, int]] = {}
+    for chunk, count, size in removed.map(_counts).collect():
+        before = totals.get(chunk, (0, 0))
+        totals[chunk] = (before[0] + count, before[1] + size)
+    return {chunk: Removals(count, size) for chunk, (count, size) in totals.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class _Whole:
+    """A replacement of one chunk, written start to end by one task."""
+
+    path: str
+    data_end: int
+    version: int
+    kept_bytes: int  # as planned
+
+
+_Task = _Whole | Part
+
+
+@dataclass(frozen=True, slots=True)
+class _ByTask:
+    """Keys each chunk's removed positions by the pass-2 task of the chunk; drops the
+    chunks nothing rewrites."""
+
+    tasks: dict[int, int]  # chunk file start number -> task
+
+    def __call__(self, pair: tuple[int, Removed]) -> list[tuple[int, bytes]]:
+        task = self.tasks.get(pair[0])
+        return [] if task is None else [(task, pair[1].positions)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Rewriter:
+    """The pass-2 task: one chunk, its removed positions from every partition of pass 1."""
+
+    tasks: list[_Task]
+    staging: str
+
+    def __call__(
+        self, index: int, pairs: Iterable[tuple[int, bytes]]
+    ) -> Iterator[tuple[int, RewriteResult | PartResult, int]]:
+        import numpy as np
+
+        removed = np.sort(np.frombuffer(b"".join(blob for _, blob in pairs), "<i8"))
+        task = self.tasks[index]
+        if isinstance(task, _Whole):
+            # Each attempt writes its own file (its header has its own chunk id) and renames
+            # it into place: a retried or duplicated task never mixes two attempts' bytes.
+            staging = Path(self.staging)
+            attempt = Path(tempfile.mkdtemp(dir=staging, prefix="attempt-"))
+            chunk = ChunkFile.open(task.path, task.data_end)
+            whole = rewrite_group([chunk], removed, attempt, task.version)
+            os.replace(attempt / whole.file_name, staging / whole.file_name)
+            attempt.rmdir()
+            result: RewriteResult | PartResult = whole
+        else:
+            result = write_part(task, removed)
+        yield index, result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _rewrite(
-    spark: SparkSession, removed: DataFrame, groups: list[Group], staging: Path
+    removed: RDD[tuple[int, Removed]], groups: list[Group], staging: Path, data_size: int
 ) -> list[tuple[RewriteResult, int]]:
-    import pyarrow as pa
-    from pyspark.sql import functions as F
+    """One task per rewritten chunk. A replacement of one chunk is written whole by its
+    task; a merged one is made by the driver at its final size, each of its chunks'
+    tasks writes its regions, and the driver finishes it (finish_merged)."""
+    from equeue.compaction.decide import shuffle_partition
 
-    # From an Arrow table: the JVM reads it as is, where a Python list would need
-    # Python workers just to be pickled over.
-    assignment = spark.createDataFrame(
-        pa.table(
-            {
-                "chunk": pa.array([c.start_number for g in groups for c in g.chunks], pa.int64()),
-                "grp": pa.array([g.index for g in groups for _ in g.chunks], pa.int32()),
-            }
-        )
+    tasks: list[_Task] = []
+    owner: dict[int, int] = {}
+    for group in groups:
+        if len(group.chunks) == 1:
+            (chunk,) = group.chunks
+            owner[chunk.start_number] = len(tasks)
+            tasks.append(_Whole(chunk.path, chunk.data_end, group.version, group.kept_bytes))
+            continue
+        file = staging / chunk_file_name(group.start_number, group.version)
+        with open(file, "xb") as f:
+            f.truncate(group.bytes_after)
+        base = group.start_number * data_size
+        data_at, map_at = 0, HEADER_SIZE + group.kept_bytes
+        for chunk, (kept_bytes, kept_count) in zip(group.chunks, group.kept, strict=True):
+            owner[chunk.start_number] = len(tasks)
+            tasks.append(
+                Part(
+                    chunk.path,
+                    chunk.data_end,
+                    str(file),
+                    chunk.start_number * data_size - base,
+                    data_at,
+                    map_at,
+                    kept_bytes,
+                    kept_count,
+                )
+            )
+            data_at += kept_bytes
+            map_at += kept_count * MAP_ENTRY_SIZE
+    # Spark starts a stage's tasks in partition order: the longest first (a chunk's read,
+    # and more for its survivors' writes), so no long one starts last while slots idle.
+    order = sorted(range(len(tasks)), key=lambda i: _cost(tasks[i]), reverse=True)
+    renumber = {old: new for new, old in enumerate(order)}
+    tasks = [tasks[i] for i in order]
+    owner = {chunk: renumber[index] for chunk, index in owner.items()}
+    done = (
+        removed.flatMap(_ByTask(owner))
+        .partitionBy(len(tasks), shuffle_partition)
+        .mapPartitionsWithIndex(_Rewriter(tasks, str(staging)))
+        .collect()
     )
-    work = (
-        removed.join(F.broadcast(assignment), "chunk")
-        .select("grp", "position")
-        .repartitionByRange(len(groups), "grp")
-        .sortWithinPartitions("grp", "position")
-    )
-    rows = work.mapInArrow(_rewriter(groups, staging), RESULT_SCHEMA).collect()
+    by_task = {index: (result, rss) for index, result, rss in done}
     results = []
-    for row in rows:
-        data = row.asDict()
-        rss = int(data.pop("worker_rss"))
-        results.append((RewriteResult(**data), rss))
-    results.sort(key=lambda r: r[0].start_number)
+    for group in groups:
+        indices = [owner[c.start_number] for c in group.chunks]
+        missing = [i for i in indices if i not in by_task]
+        if missing:
+            raise CompactionError(f"pass 2 returned nothing for chunks {missing}", file=staging)
+        rss = max(by_task[i][1] for i in indices)
+        written = [by_task[i][0] for i in indices]
+        if isinstance(written[0], RewriteResult):
+            results.append((written[0], rss))
+            continue
+        parts = [w for w in written if isinstance(w, PartResult)]
+        results.append((_finish(group, parts, staging), rss))
     return results
 
 
-def _rewriter(
-    groups: list[Group], staging: Path
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The pass-2 task: each group's removed positions arrive sorted, group after group."""
-    by_index = {g.index: g for g in groups}
+def _cost(task: _Task) -> int:
+    return task.data_end + 4 * task.kept_bytes
 
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow as pa
 
-        schema = pa.schema(
-            [(name, pa.int32() if name == "version" else pa.int64()) for name in _INT_FIELDS]
-        ).insert(0, pa.field("file_name", pa.string()))
-
-        def rows() -> Iterator[tuple[int, int]]:
-            for batch in batches:
-                yield from zip(
-                    batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True
-                )
-
-        for index, positions in groupby(rows(), key=lambda row: row[0]):
-            group = by_index[index]
-            result = rewrite_group(
-                group.open_chunks(), (p for _, p in positions), staging, group.version
-            )
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            yield pa.RecordBatch.from_pylist([{**asdict(result), "worker_rss": rss}], schema)
-
-    return run
+def _finish(group: Group, parts: list[PartResult], staging: Path) -> RewriteResult:
+    first = ChunkFile.open(group.chunks[0].path, group.chunks[0].data_end)
+    last = ChunkFile.open(group.chunks[-1].path, group.chunks[-1].data_end)
+    header = ChunkHeader(
+        chunk_type=ChunkType.VARIABLE,
+        chunk_start_number=group.start_number,
+        chunk_end_number=group.end_number,
+        chunk_data_size=first.header.chunk_data_size,
+        chunk_id=uuid.uuid4(),
+        compacted=True,
+        timestamp_offset=first.header.timestamp_offset,
+        created_at_ns=time.time_ns(),
+    )
+    name = chunk_file_name(group.start_number, group.version)
+    logical_end = last.header.start_position - first.header.start_position + last.logical_end
+    size = finish_merged(staging / name, header, parts, logical_end)
+    return RewriteResult(
+        file_name=name,
+        start_number=group.start_number,
+        end_number=group.end_number,
+        version=group.version,
+        bytes_before=sum(Path(c.path).stat().st_size for c in group.chunks),
+        bytes_after=size,
+        records_kept=sum(p.kept_count for p in parts),
+        records_removed=sum(p.removed_count for p in parts),
+    )
 
 
 def _check_against_plan(results: list[RewriteResult], groups: list[Group]) -> None:

@@ -99,6 +99,7 @@ class Group:
 
     index: int
     chunks: list[SnapshotChunk] = field(default_factory=list)
+    kept: list[tuple[int, int]] = field(default_factory=list)  # per chunk: survivors' bytes, count
     removed_count: int = 0
     kept_bytes: int = 0
     kept_count: int = 0
@@ -163,6 +164,7 @@ def plan_groups(
             group = Group(len(groups))
             groups.append(group)
         group.chunks.append(chunk)
+        group.kept.append((kept_bytes, chunk.record_count - removed.count))
         group.removed_count += removed.count
         group.kept_bytes += kept_bytes
         group.kept_count += chunk.record_count - removed.count

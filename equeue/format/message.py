@@ -53,6 +53,18 @@ RECORD_POSITION: Final = struct.Struct("<q")  # the head's first field: the reco
 TAG_HASH: Final = struct.Struct("<I")  # the head's tag hash, read alone by pulls
 TAG_HASH_OFFSET: Final = 40
 assert MESSAGE_HEAD.unpack(bytes(40) + b"\x01\x02\x03\x04" + bytes(12))[6] == 0x04030201
+# Where the fields sit in the head, for readers that take them column-wise from many
+# heads at once (compaction's scan, with numpy).
+POSITION_OFFSET: Final = 0
+FLAGS_OFFSET: Final = 44
+TOPIC_LENGTH_OFFSET: Final = 45  # then the tag length and the key length, a byte each
+BODY_LENGTH_OFFSET: Final = 52
+assert [struct.calcsize(MESSAGE_HEAD.format[:n]) for n in (1, 8, 9, 13)] == [
+    POSITION_OFFSET,
+    FLAGS_OFFSET,
+    TOPIC_LENGTH_OFFSET,
+    BODY_LENGTH_OFFSET,
+]
 FLAG_HAS_KEY: Final = 1
 MAX_NAME_BYTES: Final = 255  # topic, tag and key lengths are u8 fields of the head
 
