@@ -234,11 +234,8 @@ PyObject *frame_offsets(PyObject *self, PyObject *args) {
     const char *data = (const char *)view.buf;
     Py_ssize_t count = 0;
     Py_BEGIN_ALLOW_THREADS /* a read-only walk; ``out`` is not shared yet */
-    while (offset + 4 + 1 + 8 <= end) {
-        uint32_t n = get_u32(data + offset);
-        if (n == 0 || offset + 12 + (Py_ssize_t)n > end) break;
-        const char *payload = data + offset + 4;
-        if (get_u32(payload + n + 4) != n || get_u32(payload + n) != checksum(payload, n)) break;
+    uint32_t n;
+    while ((n = valid_frame(data, offset, end, PY_SSIZE_T_MAX)) != 0) {
         put_i64(o + count * 8, (int64_t)offset);
         count++;
         offset += n + 12;

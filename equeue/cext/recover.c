@@ -27,12 +27,8 @@ PyObject *scan_frames(PyObject *self, PyObject *args) {
     const char *data = (const char *)view.buf + data_offset;
     Py_ssize_t count = 0;
     Py_BEGIN_ALLOW_THREADS /* a read-only walk over memory nobody frees meanwhile */
-    while (offset + 4 + 1 + 8 <= available) {
-        uint32_t n = get_u32(data + offset);
-        if (n == 0 || (Py_ssize_t)n > max_length || offset + 12 + (Py_ssize_t)n > available)
-            break;
-        const char *payload = data + offset + 4;
-        if (get_u32(payload + n + 4) != n || get_u32(payload + n) != checksum(payload, n)) break;
+    uint32_t n;
+    while ((n = valid_frame(data, offset, available, max_length)) != 0) {
         count++;
         offset += n + 12;
     }

@@ -32,6 +32,19 @@ static inline int64_t get_i64(const char *p) { int64_t v; memcpy(&v, p, 8); retu
 /* checksum(): the record checksum, the low 32 bits of XXH3-64 with seed 0. */
 #include "xxh3.h"
 
+/* The payload length of the frame at data + offset if it is whole before end, its
+ * length is non-zero and at most max_length, and its suffix and checksum match (the
+ * frame of format/chunk.py: length, payload, checksum, length); else 0. */
+static inline uint32_t valid_frame(const char *data, Py_ssize_t offset, Py_ssize_t end,
+                                   Py_ssize_t max_length) {
+    if (offset + 4 + 1 + 8 > end) return 0;
+    uint32_t n = get_u32(data + offset);
+    if (n == 0 || (Py_ssize_t)n > max_length || offset + 12 + (Py_ssize_t)n > end) return 0;
+    const char *payload = data + offset + 4;
+    if (get_u32(payload + n + 4) != n || get_u32(payload + n) != checksum(payload, n)) return 0;
+    return n;
+}
+
 /* "<8 hex digits of the store id><16 hex digits of the position>" */
 static inline PyObject *message_id(PyObject *prefix, int64_t position) {
     static const char hex[] = "0123456789abcdef";
