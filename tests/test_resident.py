@@ -3,14 +3,19 @@ each chunk's resident pages, read from /proc/self/smaps, before and after."""
 
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkWriter
-from equeue.chunks.prefault import WINDOW
+from equeue.chunks.prefault import WINDOW, Prefaulter
+from equeue.errors import StoreWriteError
 
 MiB = 1 << 20
 SMAPS = Path("/proc/self/smaps")
@@ -29,25 +34,93 @@ def resident(path: Path) -> int:
     return total
 
 
-@pytest.mark.parametrize("flushed", [True, False])
-def test_writer_keeps_a_window_of_flushed_pages(tmp_path: Path, flushed: bool) -> None:
-    """Pages a window behind the writer leave its resident set once flushed; unflushed
-    ones stay mapped (a failed flush rewrites them from the mapping): the control."""
+def write_unflushed(writer: ChunkWriter, size: int) -> None:
     record = os.urandom(4000)
+    for _ in range(size // len(record)):
+        writer.write(record)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_writer_keeps_a_window_of_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: bool
+) -> None:
+    """Pages a window behind the writer leave its resident set, flushed or not (under
+    "async" a writer outruns the disk); without the release (the control) all stay."""
+    if not release:
+        monkeypatch.setattr("equeue.chunks.chunk.Chunk._release", lambda *a: None)
     config = ChunkManagerConfig(chunk_data_size=64 * MiB)
     with ChunkManager(tmp_path, config) as manager:
         writer = ChunkWriter(manager)
-        for i in range(40 * MiB // len(record)):
-            writer.write(record)
-            if flushed and i % 256 == 0:
-                writer.flush()
+        write_unflushed(writer, 40 * MiB)
         chunk = manager.last_chunk
         assert chunk is not None and chunk.data_end > 39 * MiB
+        assert chunk.unflushed_bytes == chunk.data_end
         held = resident(chunk.path)
-        if flushed:
+        if release:
             assert held <= 3 * WINDOW, held
         else:
             assert held >= 36 * MiB, held
+        writer.complete()  # hashes the whole chunk: a step at a time, each step released
+        if release:
+            assert resident(chunk.path) <= 3 * WINDOW
+        else:
+            assert resident(chunk.path) >= 39 * MiB
+
+
+@pytest.mark.parametrize("unflushed", [40 * MiB, WINDOW // 2])
+def test_a_failed_flush_after_unflushed_pages_left_memory_is_final(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unflushed: int
+) -> None:
+    """After a failed fdatasync the retry writes the unflushed range again from the
+    mapping; once pages of that range were released it cannot trust them, so every
+    later flush of the chunk fails. The control: a failure while the unflushed range was
+    all still mapped is retried, and the retry succeeds with the data intact."""
+    real = os.fdatasync
+    config = ChunkManagerConfig(chunk_data_size=64 * MiB)
+    manager = ChunkManager(tmp_path, config)
+    writer = ChunkWriter(manager)
+    write_unflushed(writer, unflushed)
+    chunk = manager.last_chunk
+    assert chunk is not None
+    end = chunk.data_end
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(StoreWriteError, match="injected"):
+        writer.flush()
+    monkeypatch.setattr(os, "fdatasync", real)
+    if unflushed > WINDOW:
+        refused = r"refused .* offsets 0x0-0x[0-9a-f]+ were unflushed and no longer mapped"
+        with pytest.raises(StoreWriteError, match=refused):
+            writer.flush()
+        with pytest.raises(StoreWriteError, match=refused):
+            manager.close()  # ... which releases the files all the same
+        assert chunk.flushed_end == 0
+    else:
+        writer.flush()
+        assert chunk.flushed_end == end
+        manager.close()
+    with ChunkManager(tmp_path, config) as reopened:  # the way on: reopen, and recover
+        last = reopened.last_chunk
+        assert last is not None and last.data_end == end
+        assert reopened.recovery_cuts == []
+
+
+def test_a_new_prefault_request_replaces_the_older_one_of_its_mapping() -> None:
+    """A writer that outruns the prefault thread must not have it fault in the windows
+    it already passed (and released): only each mapping's newest request is kept."""
+    prefaulter = Prefaulter()
+    prefaulter.enabled = True
+    prefaulter._thread = threading.current_thread()  # never start the real one
+    prefaulter.request(0x1000, 0x1000, WINDOW)
+    prefaulter.request(0x9000, 0x9000, WINDOW)
+    prefaulter.request(0x1000, 0x1000 + WINDOW // 2, WINDOW)
+    assert list(prefaulter._requests.items()) == [
+        (0x9000, (0x9000, WINDOW)),
+        (0x1000, (0x1000 + WINDOW // 2, WINDOW)),
+    ]
 
 
 @pytest.mark.parametrize("release", [True, False])
@@ -82,3 +155,11 @@ def test_pulls_keep_a_window_of_what_they_read(
             assert all(h <= 3 * WINDOW for h in held), held
         else:
             assert held[0] >= 40 * MiB, held  # the completed chunk, read end to end
+
+
+def test_importing_the_store_leaves_numpy_and_spark_out() -> None:
+    """The store process pays for what it uses: numpy (12 MiB resident) and pyspark
+    belong to the compaction job, whose modules the store imports only for types."""
+    code = "import sys, equeue; print(sorted(m for m in ('numpy', 'pyspark') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -50,6 +50,7 @@ _unpack_prefix = FRAME_PREFIX.unpack_from
 _unpack_suffix = FRAME_SUFFIX.unpack_from
 _PAGE = mmap.PAGESIZE
 Records = Generator[tuple[int, bytes], None, int]
+_FIXED_WINDOW = WINDOW // 16  # the window of chunks of fixed-size records
 _ticks = itertools.count(1)  # recency for the LRU of read maps; next() is atomic in CPython
 
 
@@ -110,8 +111,15 @@ class Chunk:
         self._fd = -1
         self._flush_lock = threading.Lock()  # one fdatasync at a time; close waits for it
         self._rewrite = False  # a flush failed: write the unflushed range again first
+        # While being written: the data offset below which the mapping's pages were
+        # released, and the unflushed range a failed fdatasync left without a copy in memory.
+        self._released_end = 0
+        self._unrecoverable: tuple[int, int] | None = None
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
+        # Queue chunks hold 12-byte entries: a log-sized window would keep 4 MiB of each
+        # of them resident for a few hundred KiB of entries a second.
+        self._window = WINDOW if not header.record_size else _FIXED_WINDOW
 
     def __repr__(self) -> str:
         state = "ongoing" if self.footer is None else "completed"
@@ -243,15 +251,15 @@ class Chunk:
         window behind it."""
         if PREFAULTER.enabled:
             start = ((HEADER_SIZE + offset) // _PAGE) * _PAGE
-            stop = min(start + WINDOW, HEADER_SIZE + self.data_size)
-            PREFAULTER.request(self._address + start, stop - start)
-        self._prefault_mark = offset + WINDOW // 2
-        self.release_behind(offset - WINDOW // 2, offset)
+            stop = min(start + self._window, HEADER_SIZE + self.data_size)
+            PREFAULTER.request(self._address, self._address + start, stop - start)
+        self._prefault_mark = offset + self._window // 2
+        self.release_behind(offset - self._window // 2, offset)
 
     def release_behind(self, start: int, end: int) -> None:
         """A reader or the writer went from data offset ``start`` to ``end``: once per
         half window crossed, release what lies a window behind ``end`` (``_release``)."""
-        step = WINDOW // 2
+        step = self._window // 2
         if end // step != start // step:
             self._release(end)
 
@@ -259,16 +267,15 @@ class Chunk:
         """The mapped pages more than a window behind data offset ``end`` leave this
         process's resident set. They stay in the page cache (dirty ones stay dirty, and
         are written back as before), and reading them again costs a minor fault, so the
-        process's RSS is bounded by the windows in use, not by what it wrote and read.
-        In a chunk still being written only flushed pages go: after a failed fdatasync,
-        flush() writes the unflushed range again from the mapping, and an unmapped page
-        is the first the kernel reclaims."""
+        process's RSS is bounded by the windows in use, not by what it wrote, read or has
+        not flushed yet (under "async" a writer outruns the disk by hundreds of MiB).
+        In a chunk being written, unflushed pages go too: a failed fdatasync can no longer
+        rewrite those from memory, and ``_fdatasync`` refuses to pretend it can."""
         mm = self._mm
-        stop = end - WINDOW
-        if self.footer is None:  # still being written
-            stop = min(stop, self.flushed_end)
-        stop = (HEADER_SIZE + stop) // _PAGE * _PAGE
+        stop = (HEADER_SIZE + end - self._window) // _PAGE * _PAGE
         if mm is not None and stop > 0:
+            if self.footer is None:
+                self._released_end = max(self._released_end, stop - HEADER_SIZE)
             # From the start, so what a lagging reader faulted in goes too: zapping a
             # range already released costs about 1 µs, even 256 MiB of it (measured).
             with contextlib.suppress(ValueError, OSError):  # closed by another thread
@@ -362,7 +369,21 @@ class Chunk:
     def _fdatasync(self, what: str) -> None:
         """fdatasync, under ``_flush_lock``. After a failure Linux may have marked the
         pages clean without writing them, and the next fdatasync would then succeed
-        without them: so the next attempt first writes the unflushed range again."""
+        without them: so the next attempt first writes the unflushed range again, from
+        the mapping. If part of that range had been released (``_release``), the kernel
+        may have dropped those clean pages and the mapping would read back the disk's
+        stale bytes: every later flush of this chunk fails, and reopening the store
+        (recovery checks every record) is the way on, as PostgreSQL does after a
+        failed fsync."""
+        if self._unrecoverable is not None:
+            start, stop = self._unrecoverable
+            raise StoreWriteError(
+                errno.EIO,
+                f"{what} refused for {self.path}: an earlier fdatasync failed while data "
+                f"offsets {start:#x}-{stop:#x} were unflushed and no longer mapped, so they "
+                "cannot be written again from memory; close and reopen the store (recovery "
+                "verifies every record and cuts at the first damaged one)",
+            )
         try:
             if self._rewrite:
                 mm = self._mm
@@ -373,6 +394,8 @@ class Chunk:
             os.fdatasync(self._fd)
         except OSError as exc:
             self._rewrite = True
+            if self._released_end > self.flushed_end:
+                self._unrecoverable = (self.flushed_end, self._released_end)
             raise write_error(exc, what, self.path) from exc
         self._rewrite = False
 
@@ -384,8 +407,14 @@ class Chunk:
         assert mm is not None and self._writable, "complete() on a chunk not open for writing"
         self.flush()
         hasher = xxhash.xxh3_64()
+        end = HEADER_SIZE + self.data_end
         with memoryview(mm) as view:
-            hasher.update(view[: HEADER_SIZE + self.data_end])
+            # A window at a time, releasing what lies a window behind, so completing a
+            # chunk does not fault all of it back in at once.
+            step = self._window
+            for at in range(0, end, step):
+                hasher.update(view[at : min(end, at + step)])
+                self._release(at + step - HEADER_SIZE)
         first, last = self._timestamps()
         footer = ChunkFooter(
             completed=True,

@@ -41,14 +41,16 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 from equeue.atomicfile import read_json, write_json
 from equeue.chunks.chunk import fsync_directory
-from equeue.compaction.rewrite import RewriteResult
 from equeue.errors import CompactionError, CorruptionError
 from equeue.format.chunk import TEMP_SUFFIX, parse_chunk_file_name
 from equeue.store.meta import COMPACTION_DIR, MESSAGES_DIR, try_writer_lock
+
+if TYPE_CHECKING:  # the store imports this module: numpy (rewrite's) stays out of it
+    from equeue.compaction.rewrite import RewriteResult
 
 log = logging.getLogger("equeue.compaction")
 
