@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import operator
 import resource
@@ -98,6 +99,8 @@ def case_durable(store: Store, spec: Mapping[str, Any]) -> dict[str, Any]:
 def run_case(spec: Mapping[str, Any]) -> dict[str, Any]:
     peer = PEER[spec["peer"]]
     op = spec["op"]
+    for module in peer.store.modules:
+        importlib.import_module(module)
     directory = Path(spec["dir"])
     if op == "reopen":
         started = time.perf_counter()
