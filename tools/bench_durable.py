@@ -1,6 +1,7 @@
 """Durable sends under flush="sync" (group commit) with 1, 4 and 16 producer threads,
-beside a plain append + fdatasync loop measured in the same run, and recovery time
-after a kill for stores of growing size.
+beside a plain append + fdatasync loop and the least group commit 16 Python threads
+can run (no store), measured in the same run, and recovery time after a kill for
+stores of growing size.
 
 ``--quick`` is a smoke run of a few seconds.
 """
@@ -8,6 +9,7 @@ after a kill for stores of growing size.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import signal
@@ -57,6 +59,87 @@ def bench_fdatasync_preallocated(directory: Path, seconds: float) -> float:
         return count / (time.perf_counter() - started)
     finally:
         os.close(fd)
+
+
+def bench_group_floor(
+    directory: Path, threads: int, seconds: float, *, mapped: bool
+) -> tuple[float, float]:
+    """(sends/s, sends per flush) of the least a group commit of blocking Python threads
+    does, with no store around it: each producer writes 1 KiB under a lock (``pwrite``,
+    or into a shared mapping as equeue does), queues its own lock and sleeps on it; one
+    flusher thread takes every queued lock, runs one fdatasync and releases them. What
+    equeue's 16-thread rate can be held against on this machine."""
+    size = 256 << 20
+    record = len(BODY).to_bytes(4, "little") + BODY
+    wrap = size - len(record)
+    fd = os.open(directory / "floor.log", os.O_RDWR | os.O_CREAT, 0o644)
+    os.posix_fallocate(fd, 0, size)
+    os.fsync(fd)
+    mm = mmap.mmap(fd, size) if mapped else None
+    write_lock = threading.Lock()
+    queued = threading.Condition()
+    pending: list[threading.Lock] = []
+    counts = [0] * threads
+    flushes = 0
+    position = 0
+    stop = threading.Event()
+    done = False
+
+    def flush_loop() -> None:
+        nonlocal flushes
+        while True:
+            with queued:
+                while not pending and not done:
+                    queued.wait()
+                if not pending:
+                    return
+                batch = pending[:]
+                pending.clear()
+            os.fdatasync(fd)
+            flushes += 1
+            for waiter in batch:
+                waiter.release()
+
+    def produce(i: int) -> None:
+        nonlocal position
+        me = threading.Lock()
+        me.acquire()
+        n = 0
+        while not stop.is_set():
+            with write_lock:
+                at = position % wrap
+                position += len(record)
+                if mm is not None:
+                    mm[at : at + len(record)] = record
+                else:
+                    os.pwrite(fd, record, at)
+            with queued:
+                pending.append(me)
+                queued.notify()
+            me.acquire()
+            n += 1
+        counts[i] = n
+
+    flusher = threading.Thread(target=flush_loop)
+    workers = [threading.Thread(target=produce, args=(i,)) for i in range(threads)]
+    flusher.start()
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    time.sleep(seconds)
+    stop.set()
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - started
+    with queued:
+        done = True
+        queued.notify()
+    flusher.join()
+    if mm is not None:
+        mm.close()
+    os.close(fd)
+    total = sum(counts)
+    return total / elapsed, total / max(flushes, 1)
 
 
 def bench_sync_sends(
@@ -187,6 +270,22 @@ def main() -> None:
             batches.append(batch)
         rows.append(
             f'| send, flush="sync", 1 KiB, {threads} thread{"s" if threads > 1 else ""} | '
+            f"{_median(rates)} | {statistics.median(rates) / ref:.2f} | "
+            f"{statistics.median(batches):.1f} |"
+        )
+    for mapped in (False, True):
+        rates, batches = [], []
+        for _ in range(repeat):
+            directory = fresh()
+            try:
+                rate, batch = bench_group_floor(directory, 16, seconds, mapped=mapped)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            rates.append(rate)
+            batches.append(batch)
+        how = "mmap writes" if mapped else "pwrite"
+        rows.append(
+            f"| REF least group commit (no store), {how}, 1 KiB, 16 threads | "
             f"{_median(rates)} | {statistics.median(rates) / ref:.2f} | "
             f"{statistics.median(batches):.1f} |"
         )
