@@ -32,6 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equeue.chunks import ChunkManager, ChunkWriter, TailCut
+from equeue.chunks.recovery import nonzero_extent
 from equeue.errors import ChecksumMismatchError, CorruptionError
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, RECOVERED_DIR
 
@@ -400,3 +401,29 @@ def test_read_only_open_of_a_damaged_store_changes_nothing(
         assert manager.recovery_cuts == []
         assert read_all(manager) == pristine[1][:19]
     assert snapshot(directory) == before
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "marks", [[], [123], [124], [4 * MiB - 1], [4 * MiB], [123, 9 * MiB + 5], [20 * MiB - 1]]
+)
+def test_nonzero_extent_finds_the_last_non_zero_byte_across_steps(
+    tmp_path: Path, marks: list[int]
+) -> None:
+    """The tail scan walks back a step (4 MiB) at a time, releasing each all-zero step:
+    the last non-zero byte is found wherever it lies against the steps' bounds."""
+    path = tmp_path / "tail"
+    with open(path, "wb") as f:
+        f.write(bytes(20 * MiB))  # written zeros, not a hole: one data range of 20 MiB
+        for mark in marks:
+            f.seek(mark)
+            f.write(b"\x01")
+    start = 123
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        found = nonzero_extent(fd, start, 20 * MiB)
+    finally:
+        os.close(fd)
+    assert found == (max(marks) + 1 if marks else start)

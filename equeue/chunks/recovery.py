@@ -7,6 +7,7 @@ so a later scan never mistakes them for records.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -29,7 +30,7 @@ from equeue.format.chunk import (
 log = logging.getLogger("equeue.recovery")
 
 _BLOCK = 1 << 20
-_SCAN_STEP = 16 << 20  # scan_variable releases what it walked this often
+_SCAN_STEP = 4 << 20  # scan_variable releases what it walked this often
 _PAGE = mmap.PAGESIZE
 _ZEROS = bytes(_BLOCK)
 
@@ -152,9 +153,15 @@ def nonzero_extent(fd: int, start: int, end: int) -> int:
         # non-zero byte ends the search.
         with mmap.mmap(fd, end, access=mmap.ACCESS_READ) as mm:
             for low, high in reversed(_data_ranges(fd, start, end)):
-                found: int = fast.last_nonzero(mm, low, high)
-                if found > low:
-                    return found
+                while high > low:  # a step at a time, each released once found all zero
+                    piece = max(low, (high - 1) // _SCAN_STEP * _SCAN_STEP)
+                    found: int = fast.last_nonzero(mm, piece, high)
+                    if found > piece:
+                        return found
+                    with contextlib.suppress(OSError):
+                        aligned = piece // _PAGE * _PAGE
+                        mm.madvise(mmap.MADV_DONTNEED, aligned, high - aligned)
+                    high = piece
         return start
     last = start
     for pos, stop in _data_ranges(fd, start, end):
