@@ -32,7 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equeue.chunks import ChunkManager, ChunkWriter, TailCut
-from equeue.chunks.recovery import nonzero_extent
+from equeue.chunks.recovery import nonzero_extent, scan_fixed
 from equeue.errors import ChecksumMismatchError, CorruptionError
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, RECOVERED_DIR
 
@@ -427,3 +427,21 @@ def test_nonzero_extent_finds_the_last_non_zero_byte_across_steps(
     finally:
         os.close(fd)
     assert found == (max(marks) + 1 if marks else start)
+
+
+@pytest.mark.parametrize("first_empty", [0, 1, 349_524, 349_525, 349_526, 700_000, None])
+def test_scan_fixed_finds_the_first_empty_slot_across_steps(first_empty: int | None) -> None:
+    """Fixed-size slots are searched a step (about 4 MiB, slot-aligned) at a time: an
+    empty slot is found wherever it lies against the steps' bounds (349,525 straddles
+    the first 4 MiB), and the zero runs that straddle two full slots, everywhere here,
+    end nothing."""
+    size, slots = 12, 900_000
+    # A non-zero byte first, then one last: 22 zero bytes straddle each such pair.
+    pair = b"\x07" + bytes(11) + bytes(11) + b"\x07"
+    data = bytearray(pair * (slots // 2))
+    if first_empty is not None:
+        data[first_empty * size : (first_empty + 1) * size] = bytes(size)
+    buf = bytes(HEADER_SIZE) + bytes(data)
+    result = scan_fixed(buf, len(data), size)
+    expected = slots if first_empty is None else first_empty
+    assert (result.data_end, result.record_count) == (expected * size, expected)

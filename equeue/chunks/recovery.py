@@ -117,18 +117,25 @@ def scan_fixed(
     starts at ``start``, a slot boundary, and counts every slot before the end."""
     zero = bytes(record_size)
     usable = available - available % record_size
-    end = HEADER_SIZE + usable
-    pos = HEADER_SIZE + start
+    # Slot-aligned steps, each released once searched: no slot straddles two steps.
+    step = max(1, _SCAN_STEP // record_size) * record_size
+    release = getattr(buf, "madvise", None)
     data_end = usable
-    while True:  # find() runs in C; only a zero run that straddles two slots costs a retry
-        hit = buf.find(zero, pos, end)
-        if hit < 0:
-            break
-        rel = hit - HEADER_SIZE
-        if rel % record_size == 0:
-            data_end = rel
-            break
-        pos = HEADER_SIZE + (rel // record_size + 1) * record_size
+    rel = start
+    while rel < usable and data_end == usable:
+        stop = HEADER_SIZE + min(usable, rel + step)
+        pos = HEADER_SIZE + rel
+        while True:  # find() runs in C; only a zero run that straddles two slots costs a retry
+            hit = buf.find(zero, pos, stop)
+            if hit < 0:
+                break
+            if (hit - HEADER_SIZE) % record_size == 0:
+                data_end = hit - HEADER_SIZE
+                break
+            pos = HEADER_SIZE + ((hit - HEADER_SIZE) // record_size + 1) * record_size
+        rel = stop - HEADER_SIZE
+        if release is not None:
+            release(mmap.MADV_DONTNEED, 0, stop // _PAGE * _PAGE)
     count = data_end // record_size
     return ScanResult(data_end, count, None)
 
