@@ -542,9 +542,9 @@ def test_power_loss_after_retention_keeps_the_retained_messages(
         acks = [Ack.of(0, seq, send(store, 0, seq, 1)[0]) for seq in range(200)]
         if flush_first:
             store.flush()
-        assert store.apply_retention() > 0
+        store.apply_retention()  # 0 if the background service applied it first
         first, end = store.queue_range("a", 0)
-        assert 0 < first < end == len(acks)
+        assert 0 < first < end == len(acks)  # either way the oldest chunks are gone
         image = recorder.cut()
         store.close()
     materialize(image, tmp_path / "after", Damage(pages="old", entries=entries))

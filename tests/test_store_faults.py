@@ -386,6 +386,9 @@ class Seam:
     # The record was written before the call failed (a failed fdatasync): the send
     # raises, and its message may stay, whole, or not (docs/durability.md).
     may_store: bool = False
+    # A failed fdatasync of a chunk in use: no later flush of that chunk is attempted
+    # (what it was to make durable may never be), so sending resumes after a reopen.
+    final: bool = False
 
 
 def new_log_temp(w: Where) -> Callable[[Path], bool]:
@@ -430,7 +433,7 @@ def creation_seams(
         f"{scenario}/open-new-chunk": Seam(scenario, "open", final, "opening the new chunk"),
         f"{scenario}/map-new-chunk": Seam(scenario, "map", final, "mapping the new chunk"),
         f"{scenario}/sync-completed-chunk": Seam(
-            scenario, "sync", old, "flushing the completed chunk and its footer"
+            scenario, "sync", old, "flushing the completed chunk and its footer", final=True
         ),
     }
 
@@ -486,6 +489,7 @@ SEAMS: dict[str, Seam] = {
         lambda w: is_chunk_in(w.log_dir),
         "flushing the message log (flush=sync)",
         may_store=True,
+        final=True,
     ),
 }
 
@@ -697,7 +701,22 @@ def test_send_when_a_write_fails(
             acked += stored
             check_nothing_visible(store, before, acked, where.topic, [] if stored else [failed])
             assert_all_readable(store, acked)
-        # The fault is gone: the same store object sends again, no restart.
+        if error is not None and spec.final:
+            # The fault is gone, but the chunk whose fdatasync failed is not flushed again:
+            # sends are refused until the store is reopened, and the reopen recovers.
+            before = queue_ranges(store)
+            with pytest.raises(StoreWriteError, match="close and reopen the store"):
+                send(store, where.topic, RETRY_BODY, key=RETRY_KEY, queue_id=where.queue_id)
+            # close() refuses too if the chunk holds anything unflushed, and releases the
+            # files all the same.
+            with contextlib.suppress(StoreWriteError):
+                store.close()
+            store = MessageStore.open(path, CONFIG)
+            # The refused send's record was written before its flush was refused.
+            refused = OutgoingMessage(RETRY_BODY, key=RETRY_KEY)
+            acked += stored_whole_or_not(store, before, where, refused)
+            assert_all_readable(store, acked)
+        # The fault is gone: the store sends again (the same object, unless reopened).
         # A new topic whose creation failed does not exist: the retry creates it.
         created = where.topic in store.topics()
         next_offset = store.queue_range(where.topic, where.queue_id)[1] if created else 0
@@ -822,6 +841,15 @@ def test_background_flush_fails(
             else:
                 pytest.fail("flush() succeeded while the disk was failing")
         faults.clear()
+        if error is not None and kind == "sync":
+            # A chunk whose fdatasync failed is never flushed again: flush() refuses until
+            # the store is reopened (close() refuses too, and releases the files).
+            with pytest.raises(StoreWriteError, match="close and reopen the store"):
+                store.flush()
+            with contextlib.suppress(StoreWriteError):
+                store.close()
+            store = MessageStore.open(path, BACKGROUND_CONFIG)
+            assert_all_readable(store, acked)
         store.flush()  # the fault is gone: flushing works again ...
         acked.append(send(store, "t", b"after", key="key1", queue_id=0))  # ... and sending
         # ... and the service still runs: it reaches the same step again by itself. A

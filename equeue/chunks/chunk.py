@@ -110,11 +110,9 @@ class Chunk:
         # (msync), os.fdatasync lets other threads run, which group commit relies on.
         self._fd = -1
         self._flush_lock = threading.Lock()  # one fdatasync at a time; close waits for it
-        self._rewrite = False  # a flush failed: write the unflushed range again first
-        # While being written: the data offset below which the mapping's pages were
-        # released, and the unflushed range a failed fdatasync left without a copy in memory.
-        self._released_end = 0
-        self._unrecoverable: tuple[int, int] | None = None
+        # The unflushed data range when a fdatasync failed, and that failure: no later
+        # flush can vouch for the range.
+        self._failed: tuple[int, str, StoreWriteError] | None = None
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
         # Queue chunks hold 12-byte entries: a log-sized window would keep 4 MiB of each
@@ -269,13 +267,11 @@ class Chunk:
         are written back as before), and reading them again costs a minor fault, so the
         process's RSS is bounded by the windows in use, not by what it wrote, read or has
         not flushed yet (under "async" a writer outruns the disk by hundreds of MiB).
-        In a chunk being written, unflushed pages go too: a failed fdatasync can no longer
-        rewrite those from memory, and ``_fdatasync`` refuses to pretend it can."""
+        Nothing relies on unflushed pages staying mapped: after a failed fdatasync no
+        flush of the chunk is attempted again (``_fdatasync``)."""
         mm = self._mm
         stop = (HEADER_SIZE + end - self._window) // _PAGE * _PAGE
         if mm is not None and stop > 0:
-            if self.footer is None:
-                self._released_end = max(self._released_end, stop - HEADER_SIZE)
             # From the start, so what a lagging reader faulted in goes too: zapping a
             # range already released costs about 1 µs, even 256 MiB of it (measured).
             with contextlib.suppress(ValueError, OSError):  # closed by another thread
@@ -367,37 +363,32 @@ class Chunk:
         self._release(end)  # now flushed: a window behind it may go
 
     def _fdatasync(self, what: str) -> None:
-        """fdatasync, under ``_flush_lock``. After a failure Linux may have marked the
-        pages clean without writing them, and the next fdatasync would then succeed
-        without them: so the next attempt first writes the unflushed range again, from
-        the mapping. If part of that range had been released (``_release``), the kernel
-        may have dropped those clean pages and the mapping would read back the disk's
-        stale bytes: every later flush of this chunk fails, and reopening the store
-        (recovery checks every record) is the way on, as PostgreSQL does after a
-        failed fsync."""
-        if self._unrecoverable is not None:
-            start, stop = self._unrecoverable
-            raise StoreWriteError(
-                errno.EIO,
-                f"{what} refused for {self.path}: an earlier fdatasync failed while data "
-                f"offsets {start:#x}-{stop:#x} were unflushed and no longer mapped, so they "
-                "cannot be written again from memory; close and reopen the store (recovery "
-                "verifies every record and cuts at the first damaged one)",
+        """fdatasync, under ``_flush_lock``; after one failure, every later call fails.
+
+        After a failed fdatasync Linux may mark the pages clean without having written
+        them, drop them, or (ext4, in a preallocated file like every chunk) leave their
+        blocks unwritten, so that a later write of the same bytes and an fdatasync that
+        succeeds still read back zeros once the page cache is dropped (shown on a real
+        failing ext4, tools of the review in docs/durability.md). No later flush of this
+        chunk can vouch for the range, so none is claimed: the store is to be reopened,
+        and recovery verifies every record and cuts at the first damaged one. PostgreSQL
+        made the same choice after "fsyncgate"."""
+        if self._failed is not None:
+            start, reason, failure = self._failed
+            # The same class and errno: a full disk stays a DiskFullError.
+            raise type(failure)(
+                failure.errno,
+                f"{what} refused for {self.path}: an earlier fdatasync of it failed "
+                f"({reason}) with the data from offset {start:#x} on (or its footer) not "
+                "yet durable, and no later flush can make them durable; close and reopen "
+                "the store (recovery verifies every record and cuts at the first damaged one)",
             )
         try:
-            if self._rewrite:
-                mm = self._mm
-                assert mm is not None
-                start, footer = HEADER_SIZE + self.flushed_end, len(mm) - FOOTER_SIZE
-                os.pwrite(self._fd, mm[start : HEADER_SIZE + self.data_end], start)
-                os.pwrite(self._fd, mm[footer:], footer)  # zeros, or a footer being written
             os.fdatasync(self._fd)
         except OSError as exc:
-            self._rewrite = True
-            if self._released_end > self.flushed_end:
-                self._unrecoverable = (self.flushed_end, self._released_end)
-            raise write_error(exc, what, self.path) from exc
-        self._rewrite = False
+            failure = write_error(exc, what, self.path)
+            self._failed = (self.flushed_end, exc.strerror or str(exc), failure)
+            raise failure from exc
 
     def complete(self) -> ChunkFooter:
         """Flush the data, then write and flush the footer; the chunk is immutable after."""

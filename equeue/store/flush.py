@@ -182,7 +182,11 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
         except ClosedError:
             return
         except StoreWriteError as exc:
-            log.error("background flush failed, sends are refused until one succeeds: %s", exc)
+            log.error(
+                "background flush failed, sends are refused until one succeeds (after a failed "
+                "fdatasync: until the store is reopened): %s",
+                exc,
+            )
             host._set_flush_error(exc, attempt)
             failed = True
         except Exception:  # the service must outlive any one failure; the next turn retries

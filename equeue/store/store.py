@@ -500,7 +500,8 @@ class MessageStore:
             raise StoreWriteError(
                 self._flush_error.errno,
                 f"refusing the send: the last background flush failed ({self._flush_error}); "
-                "sends resume once a flush succeeds",
+                "sends resume once a flush succeeds (after a failed fdatasync: once the store "
+                "is reopened)",
             )
         if self._group is not None:  # "sync": appended and flushed in a batch with others
             return self._group.submit(lambda: self._appender.append_all(topic, queues, checked))
