@@ -3,10 +3,11 @@ pyspark's own, run from the installed pyspark instead of ``pyspark.zip``.
 
 Spark puts ``$SPARK_HOME/python/lib/pyspark.zip`` first on its workers' path. Python
 compiles a zip's modules from source in every process that imports them (it writes
-no bytecode into a zip): 0.9 s of CPU in the daemon and in each worker of every
-session, where the installed package's bytecode loads in 0.1 s. The daemon runs
-alone before any worker can start, so that cost was serial; see docs/benchmarks.md.
-When the zips are the only pyspark or py4j found, the path is left as it is.
+no bytecode into a zip): 0.9 s of CPU for pyspark's daemon and worker modules, where
+the installed package's bytecode loads in 0.14 s. It fell on the daemon, which runs
+alone before any worker can start, then on each worker for the worker's modules: in
+the path of every session's first task; see docs/benchmarks.md. When the zips are the
+only pyspark or py4j found, the path is left as it is.
 
 The workers are forked from this process as from pyspark's daemon, which must start
 no thread before it forks: importing equeue imports numpy, whose OpenBLAS starts no
