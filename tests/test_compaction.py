@@ -8,7 +8,9 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -507,6 +509,27 @@ def test_data_source_gives_every_message_one_partition_per_chunk(
         )
         assert (row["tag"], row["key"], bytes(row["body"])) == (m.tag, m.key, m.body)
         assert row["stored_at"].timestamp() == pytest.approx(m.stored_at, abs=1e-5)
+
+
+def test_local_workers_import_the_installed_pyspark(spark: SparkSession) -> None:
+    """The session's daemon drops Spark's pyspark.zip from its workers' path (its modules
+    would be compiled from source in every worker), keeping the other entries in order."""
+    import pyspark
+
+    from equeue.spark.daemon import installed_path
+
+    def worker_pyspark(_: Iterable[int]) -> Iterator[str]:
+        import pyspark
+
+        yield pyspark.__file__ or ""
+
+    assert spark.sparkContext.parallelize([0], 1).mapPartitions(worker_pyspark).collect() == [
+        pyspark.__file__
+    ]
+    zips = ["/spark/python/lib/pyspark.zip", "/spark/python/lib/py4j-0.10.9.9-src.zip"]
+    assert installed_path(["/a", *zips, *sys.path]) == ["/a", *sys.path]
+    # Where the zips hold the only pyspark, they stay.
+    assert installed_path(["/a", *zips]) == ["/a", *zips]
 
 
 # --- the command -------------------------------------------------------------------

@@ -5,9 +5,12 @@ measured in the same run (the physical reference).
 
 Each Spark run is its own process with its own SparkSession, on its own copy of
 the store. Job time is from the job's start to its commit; the SparkSession's
-start is reported apart. ``--quick`` is a smoke run on a few MiB.
+start is reported apart. The two masters alternate ``--repeat`` times (default 3);
+each row is the run of median job time, beside the range: on a shared machine one
+run can be 20 % off. Either master runs first every other time. ``--quick`` is a
+smoke run on a few MiB.
 
-    .venv/bin/python tools/bench_compaction.py [--size-mib 1100] [--markdown]
+    .venv/bin/python tools/bench_compaction.py [--size-mib 1100] [--repeat 3] [--markdown]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,12 +119,17 @@ def cpu_seconds(root: int) -> tuple[float, float]:
     return machine, own / tick
 
 
+# The daemon's module (a local session's is equeue.spark.daemon) and the workers' one.
+_WORKER_MODULES = {b"pyspark.daemon", b"equeue.spark.daemon", b"pyspark.worker"}
+
+
 def worker_peak_rss(root: int) -> int:
     """The largest VmHWM (peak resident set) of the PySpark Python workers descending from
     process ``root``: not those of another Spark application on the machine."""
     peak = 0
     for pid, (_, cmdline) in _descendants(root).items():
-        if b"pyspark.daemon" not in cmdline and b"pyspark.worker" not in cmdline:
+        # Whole arguments: the JVM's command line holds the daemon's module in a --conf.
+        if not _WORKER_MODULES.intersection(cmdline.split(b"\0")):
             continue
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -194,36 +203,61 @@ def mib(n: float) -> str:
     return f"{n / (1 << 20):,.0f}"
 
 
-def table(chunk_mib: int, messages: int, cold: bool, ref: float, runs: list[dict[str, Any]]) -> str:
-    one, two = runs
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median job time (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda run: run["seconds"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def table(
+    chunk_mib: int, messages: int, cold: bool, refs: list[float], runs: list[list[dict[str, Any]]]
+) -> str:
+    """``runs``: per repeat, the local[1] run and the local[2] run."""
+    ones, twos = [pair[0] for pair in runs], [pair[1] for pair in runs]
+    one, two = median_run(ones), median_run(twos)
+    ref = statistics.median(refs)
     size = one["bytes_read"]
     lines = [
         f"Store: {mib(size)} MiB of data in {chunk_mib} MiB chunks, {messages:,} "
         f"messages of {BODY_SIZE} B bodies on one compacted topic, every key written twice "
         "(half superseded). Page cache "
-        + ("dropped before each run." if cold else "not dropped (no permission): warm reads."),
+        + ("dropped before each run." if cold else "not dropped (no permission): warm reads.")
+        + f" {len(runs)} runs of each master, alternating, either one first every other "
+        "time; each row is the run of median job time.",
         "",
-        "| run | job s | pass 1 s | pass 2 s | commit s | input MiB/s | worker peak MiB "
-        "| removed | after / before | job CPU s | other processes, cores |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| run | job s | job s, all runs | pass 1 s | pass 2 s | commit s | input MiB/s "
+        "| worker peak MiB | removed | after / before | job CPU s | other processes, cores |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for run in runs:
+    for run, every in ((one, ones), (two, twos)):
         lines.append(
-            f"| `{run['master']}` | {run['seconds']:.1f} | {run['pass1_seconds']:.1f} | "
-            f"{run['pass2_seconds']:.1f} | {run['commit_seconds']:.2f} | "
+            f"| `{run['master']}` | {run['seconds']:.1f} | "
+            f"{' / '.join(format(r['seconds'], '.1f') for r in every)} | "
+            f"{run['pass1_seconds']:.1f} | {run['pass2_seconds']:.1f} | "
+            f"{run['commit_seconds']:.2f} | "
             f"{run['bytes_read'] / (1 << 20) / run['seconds']:.0f} | "
-            f"{run['worker_peak_rss'] / (1 << 20):.0f} | {run['records_removed']:,} | "
+            f"{max(r['worker_peak_rss'] for r in every) / (1 << 20):.0f} | "
+            f"{run['records_removed']:,} | "
             f"{mib(run['bytes_after'])} / {mib(run['bytes_before'])} MiB | "
             f"{run['job_cpu_seconds']:.1f} | {run['other_cpu_seconds'] / run['seconds']:.2f} |"
         )
     lines += [
-        f"| plain sequential read (reference) | {size / (1 << 20) / ref:.1f} | | | | "
+        f"| plain sequential read (reference) | {size / (1 << 20) / ref:.1f} | | | | | "
         f"{ref:.0f} | | | | | |",
         "",
-        f"Speed-up local[2] / local[1]: **{one['seconds'] / two['seconds']:.2f}x**. "
-        f"SparkSession start (not in job time): {one['session_seconds']:.1f} s and "
+        f"Speed-up local[2] / local[1], of the median runs: "
+        f"**{one['seconds'] / two['seconds']:.2f}x**; run by run: "
+        + ", ".join(f"{a['seconds'] / b['seconds']:.2f}x" for a, b in runs)
+        + ". Other processes, cores, run by run (local[1], local[2]): "
+        + ", ".join(
+            f"{a['other_cpu_seconds'] / a['seconds']:.2f} and "
+            f"{b['other_cpu_seconds'] / b['seconds']:.2f}"
+            for a, b in runs
+        )
+        + f". SparkSession start (not in job time): {one['session_seconds']:.1f} s and "
         f"{two['session_seconds']:.1f} s. Machine: {os.cpu_count()} cores; "
-        '"other processes" is the CPU the rest of the machine used during the job.',
+        '"other processes" is the CPU the rest of the machine used during the job; '
+        "worker peak is the largest over the runs.",
     ]
     return "\n".join(lines)
 
@@ -239,6 +273,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1100)
     parser.add_argument("--chunk-mib", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each master")
     parser.add_argument("--quick", action="store_true", help="a smoke run on 24 MiB")
     parser.add_argument("--markdown", action="store_true", help="write docs/benchmarks.md")
     parser.add_argument("--dir", type=Path, default=ROOT / ".bench-tmp")
@@ -256,19 +291,25 @@ def main() -> None:
         template = work / "template"
         print(f"building a {size_mib} MiB store ...", flush=True)
         messages = build(template, size_mib, chunk_mib)
+        os.sync()  # the build's writes go out before any run reads
         runs = []
-        cold = False
-        ref = 0.0
-        for master in ("local[1]", "local[2]"):
-            store = work / master.replace("[", "-").replace("]", "")
-            shutil.copytree(template, store)
-            cold = drop_caches()
-            ref = reference_read(store)
-            cold = drop_caches() and cold
-            print(f"compacting on {master} ...", flush=True)
-            runs.append(child(store, master))
-            shutil.rmtree(store)
-        text = table(chunk_mib, messages, cold, ref, runs)
+        refs = []
+        cold = True
+        for repeat in range(1 if args.quick else args.repeat):
+            pair = {}
+            # Either master goes first every other time: a run right after the build
+            # or after the other master's has been seen to differ.
+            for master in ("local[1]", "local[2]")[:: 1 if repeat % 2 == 0 else -1]:
+                store = work / master.replace("[", "-").replace("]", "")
+                shutil.copytree(template, store)
+                cold = drop_caches() and cold
+                refs.append(reference_read(store))
+                cold = drop_caches() and cold
+                print(f"compacting on {master} ...", flush=True)
+                pair[master] = child(store, master)
+                shutil.rmtree(store)
+            runs.append([pair["local[1]"], pair["local[2]"]])
+        text = table(chunk_mib, messages, cold, refs, runs)
         print(text)
         if args.markdown and not args.quick:
             write_markdown(text)

@@ -1,6 +1,6 @@
 """Pass 1 of compaction on the executors: which records go.
 
-Two Python steps over Spark RDDs with one shuffle between them, nothing else:
+Two Python steps over Spark RDDs, a shuffle after each, nothing else:
 
 1. ``ChunkScan``, one task per chunk file: streams the chunk (metadata only)
    and settles what the chunk alone can settle, with the topic policies it
@@ -15,8 +15,9 @@ Two Python steps over Spark RDDs with one shuffle between them, nothing else:
    partition's keyed rows by (key, position) and marks every row followed by
    one with the same key as superseded. The newest message of a key can be in
    any chunk read, the ongoing one included, so only this step sees enough. It
-   hands back, per chunk file, how many records go, their frame bytes and
-   their positions (packed, ascending).
+   shuffles the positions that go (packed, ascending) straight to one partition
+   per chunk file, where pass 2 reads them, and how many go from each file and
+   their frame bytes to one more partition, the driver's summary.
 
 RDDs rather than DataFrames: the job needs no query planning, no Arrow
 conversion of rows in the JVM, and its Python workers import neither pyarrow
@@ -75,15 +76,6 @@ class ScanChunk:
     data_end: int
     number: int  # the chunk file's start number
     eligible: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    """What step 2 found to go in one chunk file, from one partition of key hashes."""
-
-    count: int
-    size: int  # frame bytes
-    positions: bytes  # little-endian int64, ascending
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,17 +206,26 @@ def _block_rows(buf: bytes, offsets: np.ndarray, table: _RuleTable, eligible: bo
     return rows
 
 
+# A step-2 summary row: what goes from one chunk file, as found in one partition of
+# key hashes.
+SUMMARY: Final = np.dtype([("number", "<i8"), ("count", "<i8"), ("size", "<i8")])
+
+
 @dataclass(frozen=True, slots=True)
 class RemovedRows:
     """The step-2 function, over one partition of the scanned rows hashed by key
-    (every row of a key in the same partition): (chunk file start number, ``Removed``)
-    for every chunk file with a row that goes. ``starts`` are the chunk files' start
-    numbers, ascending."""
+    (every row of a key in the same partition). ``starts`` are the chunk files' start
+    numbers, ascending; ``partitionBy(len(starts) + 1, shuffle_partition)`` of its pairs
+    gives one partition per chunk file, in that order, of (i, positions that go from
+    file i, packed ``<i8``, ascending), and a last one of (len(starts), packed
+    ``SUMMARY`` rows: per file with a row that goes, how many and their frame bytes).
+    So the positions reach the rewrite of their chunk through this one shuffle, and the
+    driver plans from the last partition alone."""
 
     starts: Sequence[int]
     chunk_data_size: int
 
-    def __call__(self, pairs: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, Removed]]:
+    def __call__(self, pairs: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
         rows = np.frombuffer(b"".join(blob for _, blob in pairs), ROW)
         if len(rows) == 0:
             return
@@ -244,14 +245,14 @@ class RemovedRows:
         sizes = rows["size_state"][goes][np.argsort(position[goes])] // _STATES
         # A file covers the chunk numbers from its start to the next file's start.
         starts = np.asarray(self.starts, np.int64)
-        files = starts[np.searchsorted(starts, gone // self.chunk_data_size, "right") - 1]
+        files = np.searchsorted(starts, gone // self.chunk_data_size, "right") - 1
         bounds = np.flatnonzero(np.diff(files)) + 1
-        for first, last in zip(
-            np.concatenate(([0], bounds)), np.concatenate((bounds, [len(gone)])), strict=True
-        ):
-            yield (
-                int(files[first]),
-                Removed(
-                    int(last - first), int(sizes[first:last].sum()), gone[first:last].tobytes()
-                ),
-            )
+        firsts = np.concatenate(([0], bounds))
+        lasts = np.concatenate((bounds, [len(gone)]))
+        summary = np.empty(len(firsts), SUMMARY)
+        summary["number"] = starts[files[firsts]]
+        summary["count"] = lasts - firsts
+        summary["size"] = np.add.reduceat(sizes, firsts)
+        for first, last in zip(firsts.tolist(), lasts.tolist(), strict=True):
+            yield int(files[first]), gone[first:last].tobytes()
+        yield len(starts), summary.tobytes()

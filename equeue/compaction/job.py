@@ -4,14 +4,16 @@ Pass 1 reads only metadata and decides the removed positions (decide.py): one
 Python task per chunk file streams it and settles what it alone can
 (retention, expired tombstones); the keyed rows of compacted topics, hashed
 by key, cross one shuffle to Python tasks that find each key's newest
-position. Only these small rows are shuffled; no record value ever is.
+position, and the positions that go cross a second one to a partition per
+chunk file. Only these small rows are shuffled; no record value ever is.
 
-The driver collects a few rows per chunk (how many records and bytes it would
-lose) and plans the replacement files (plan.py). Pass 2 runs one task per
-rewritten chunk, which gets the chunk's removed positions through a shuffle,
-streams the chunk once and writes its survivors into the staging directory
-(rewrite.py): a replacement of one chunk whole, a merged one in the regions the
-plan gives each of its chunks, which the driver then finishes (header, footer,
+The driver reads a last partition of a few rows per chunk (how many records
+and bytes it would lose) and plans the replacement files (plan.py). Pass 2
+runs one task per rewritten chunk on that chunk's partition (the shuffle's
+files are kept between the jobs: pass 1 is not run again), streams the chunk
+once and writes its survivors into the staging directory (rewrite.py): a
+replacement of one chunk whole, a merged one in the regions the plan gives
+each of its chunks, which the driver then finishes (header, footer,
 checksum). The driver checks each replacement against the plan, and commits
 (commit.py).
 """
@@ -51,8 +53,6 @@ from equeue.format.chunk import (
 if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import SparkSession
-
-    from equeue.compaction.decide import Removed
 
 Progress = Callable[[str], None]
 
@@ -154,7 +154,7 @@ def compact(
             f"({len(snapshot.chunks)} chunks)"
         )
         removed = _decide(spark, snapshot, report.now)
-        removals = _removals_per_chunk(removed)
+        removals = _removals_per_chunk(spark, removed, len(snapshot.chunks))
         groups = plan_groups(snapshot, removals, merge=merge)
         report.pass1_seconds = time.monotonic() - tick
         say(
@@ -164,14 +164,13 @@ def compact(
         )
         if dry_run or not groups:
             report.groups = [_planned(g) for g in groups]
-            removed.unpersist()
             report.seconds = time.monotonic() - started
             return report
         staging = commit.new_staging(store)
         try:
             tick = time.monotonic()
             say(f"pass 2: rewriting {sum(len(g.chunks) for g in groups)} chunks")
-            results = _rewrite(removed, groups, staging, snapshot.chunk_data_size)
+            results = _rewrite(spark, removed, snapshot, groups, staging)
             report.pass2_seconds = time.monotonic() - tick
             report.worker_peak_rss = max(rss for _, rss in results)
             report.groups = [r for r, _ in results]
@@ -188,17 +187,16 @@ def compact(
             if not (staging / commit.MANIFEST_FILE).exists():
                 commit.discard(staging)
             raise
-        finally:
-            removed.unpersist()
     report.seconds = time.monotonic() - started
     return report
 
 
-def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[int, Removed]]:
-    """(chunk file, what goes from it) pairs, persisted: the plan and pass 2 both read
-    them. See decide.py for the two steps."""
-    from pyspark import StorageLevel
-
+def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[int, bytes]]:
+    """The removed positions, one partition per chunk file (in the snapshot's order),
+    and a last partition summing them up per file (decide.py's two steps, the second
+    shuffling its result straight to these partitions). Nothing runs until the plan
+    reads the summary; pass 2 then reads the partitions of the chunks it rewrites from
+    the same shuffle's files, so pass 1 never runs twice and nothing is cached."""
     from equeue.compaction.decide import (
         ChunkScan,
         RemovedRows,
@@ -230,22 +228,33 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[in
         spark.sparkContext.parallelize(range(len(chunks)), len(chunks))
         .mapPartitions(ChunkScan(chunks, rules, partitions))
         .partitionBy(partitions, shuffle_partition)
-        .mapPartitions(RemovedRows(sorted(c.number for c in chunks), snapshot.chunk_data_size))
-        .persist(StorageLevel.MEMORY_AND_DISK)
+        .mapPartitions(RemovedRows([c.number for c in chunks], snapshot.chunk_data_size))
+        .partitionBy(len(chunks) + 1, shuffle_partition)
     )
 
 
 _DECIDE_ROWS: Final = 1 << 20
 
 
-def _counts(pair: tuple[int, Removed]) -> tuple[int, int, int]:
-    return pair[0], pair[1].count, pair[1].size
+def _summary_rows(pairs: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
+    return (blob for _, blob in pairs)
 
 
-def _removals_per_chunk(removed: RDD[tuple[int, Removed]]) -> dict[int, Removals]:
-    """A chunk's rows went to several partitions of key hashes: one row each to add up."""
+def _removals_per_chunk(
+    spark: SparkSession, removed: RDD[tuple[int, bytes]], files: int
+) -> dict[int, Removals]:
+    """Runs pass 1, reading back only its summary partition: a chunk's rows went to
+    several partitions of key hashes, a summary row from each to add up."""
+    import numpy as np
+
+    from equeue.compaction.decide import SUMMARY
+
+    blobs = spark.sparkContext.runJob(removed, _summary_rows, [files])
+    rows = np.frombuffer(b"".join(blobs), SUMMARY)
     totals: dict[int, tuple[int, int]] = {}
-    for chunk, count, size in removed.map(_counts).collect():
+    for chunk, count, size in zip(
+        rows["number"].tolist(), rows["count"].tolist(), rows["size"].tolist(), strict=True
+    ):
         before = totals.get(chunk, (0, 0))
         totals[chunk] = (before[0] + count, before[1] + size)
     return {chunk: Removals(count, size) for chunk, (count, size) in totals.items()}
@@ -265,22 +274,11 @@ _Task = _Whole | Part
 
 
 @dataclass(frozen=True, slots=True)
-class _ByTask:
-    """Keys each chunk's removed positions by the pass-2 task of the chunk; drops the
-    chunks nothing rewrites."""
-
-    tasks: dict[int, int]  # chunk file start number -> task
-
-    def __call__(self, pair: tuple[int, Removed]) -> list[tuple[int, bytes]]:
-        task = self.tasks.get(pair[0])
-        return [] if task is None else [(task, pair[1].positions)]
-
-
-@dataclass(frozen=True, slots=True)
 class _Rewriter:
-    """The pass-2 task: one chunk, its removed positions from every partition of pass 1."""
+    """The pass-2 task: one chunk (by its partition of pass 1's output, the chunk file's
+    index), its removed positions from every partition of key hashes."""
 
-    tasks: list[_Task]
+    tasks: dict[int, _Task]
     staging: str
 
     def __call__(
@@ -306,20 +304,25 @@ class _Rewriter:
 
 
 def _rewrite(
-    removed: RDD[tuple[int, Removed]], groups: list[Group], staging: Path, data_size: int
+    spark: SparkSession,
+    removed: RDD[tuple[int, bytes]],
+    snapshot: Snapshot,
+    groups: list[Group],
+    staging: Path,
 ) -> list[tuple[RewriteResult, int]]:
-    """One task per rewritten chunk. A replacement of one chunk is written whole by its
-    task; a merged one is made by the driver at its final size, each of its chunks'
-    tasks writes its regions, and the driver finishes it (finish_merged)."""
-    from equeue.compaction.decide import shuffle_partition
-
-    tasks: list[_Task] = []
-    owner: dict[int, int] = {}
+    """One task per rewritten chunk, on its partition of pass 1's output. A replacement
+    of one chunk is written whole by its task; a merged one is made by the driver at its
+    final size, each of its chunks' tasks writes its regions, and the driver finishes it
+    (finish_merged)."""
+    data_size = snapshot.chunk_data_size
+    partition = {c.start_number: i for i, c in enumerate(snapshot.chunks)}
+    tasks: dict[int, _Task] = {}
     for group in groups:
         if len(group.chunks) == 1:
             (chunk,) = group.chunks
-            owner[chunk.start_number] = len(tasks)
-            tasks.append(_Whole(chunk.path, chunk.data_end, group.version, group.kept_bytes))
+            tasks[partition[chunk.start_number]] = _Whole(
+                chunk.path, chunk.data_end, group.version, group.kept_bytes
+            )
             continue
         file = staging / chunk_file_name(group.start_number, group.version)
         with open(file, "xb") as f:
@@ -327,38 +330,30 @@ def _rewrite(
         base = group.start_number * data_size
         data_at, map_at = 0, HEADER_SIZE + group.kept_bytes
         for chunk, (kept_bytes, kept_count) in zip(group.chunks, group.kept, strict=True):
-            owner[chunk.start_number] = len(tasks)
-            tasks.append(
-                Part(
-                    chunk.path,
-                    chunk.data_end,
-                    str(file),
-                    chunk.start_number * data_size - base,
-                    data_at,
-                    map_at,
-                    kept_bytes,
-                    kept_count,
-                )
+            tasks[partition[chunk.start_number]] = Part(
+                chunk.path,
+                chunk.data_end,
+                str(file),
+                chunk.start_number * data_size - base,
+                data_at,
+                map_at,
+                kept_bytes,
+                kept_count,
             )
             data_at += kept_bytes
             map_at += kept_count * MAP_ENTRY_SIZE
-    # Spark starts a stage's tasks in partition order: the longest first (a chunk's read,
-    # and more for its survivors' writes), so no long one starts last while slots idle.
-    order = sorted(range(len(tasks)), key=lambda i: _cost(tasks[i]), reverse=True)
-    renumber = {old: new for new, old in enumerate(order)}
-    tasks = [tasks[i] for i in order]
-    owner = {chunk: renumber[index] for chunk, index in owner.items()}
-    done = (
-        removed.flatMap(_ByTask(owner))
-        .partitionBy(len(tasks), shuffle_partition)
-        .mapPartitionsWithIndex(_Rewriter(tasks, str(staging)))
-        .collect()
+    # A job's tasks start in the order of its partitions: the longest first (a chunk's
+    # read, and more for its survivors' writes), so no long one starts last while slots
+    # idle.
+    order = sorted(tasks, key=lambda i: _cost(tasks[i]), reverse=True)
+    done = spark.sparkContext.runJob(
+        removed.mapPartitionsWithIndex(_Rewriter(tasks, str(staging))), _results, order
     )
     by_task = {index: (result, rss) for index, result, rss in done}
     results = []
     for group in groups:
-        indices = [owner[c.start_number] for c in group.chunks]
-        missing = [i for i in indices if i not in by_task]
+        indices = [partition[c.start_number] for c in group.chunks]
+        missing = [c.start_number for c in group.chunks if partition[c.start_number] not in by_task]
         if missing:
             raise CompactionError(f"pass 2 returned nothing for chunks {missing}", file=staging)
         rss = max(by_task[i][1] for i in indices)
@@ -369,6 +364,12 @@ def _rewrite(
         parts = [w for w in written if isinstance(w, PartResult)]
         results.append((_finish(group, parts, staging), rss))
     return results
+
+
+def _results(
+    rows: Iterable[tuple[int, RewriteResult | PartResult, int]],
+) -> Iterable[tuple[int, RewriteResult | PartResult, int]]:
+    return rows
 
 
 def _cost(task: _Task) -> int:

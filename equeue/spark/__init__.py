@@ -48,6 +48,9 @@ def session(
             # 1 GiB benchmark, 10 s of compile CPU against 1.4 s with C1 alone). The
             # driver's options set the one JVM; ``config`` can replace them.
             builder = builder.config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+            # Workers import the installed pyspark, not Spark's zip (see daemon.py). Local
+            # only: a cluster's executors need not have equeue at the daemon's start.
+            builder = builder.config("spark.python.daemon.module", "equeue.spark.daemon")
     for key, value in (config or {}).items():
         builder = builder.config(key, value)
     spark = (
