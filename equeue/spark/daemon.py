@@ -10,8 +10,8 @@ the path of every session's first task; see docs/benchmarks.md. When the zips ar
 only pyspark or py4j found, the path is left as it is.
 
 The workers are forked from this process as from pyspark's daemon, which must start
-no thread before it forks: importing equeue imports numpy, whose OpenBLAS starts no
-thread here because Spark sets OMP_NUM_THREADS to the task's cores (1 by default).
+no thread before it forks: importing equeue starts none (its prefault thread starts
+with the first writable chunk), and numpy is not imported until a worker needs it.
 """
 
 from __future__ import annotations
