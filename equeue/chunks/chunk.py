@@ -110,8 +110,8 @@ class Chunk:
         # (msync), os.fdatasync lets other threads run, which group commit relies on.
         self._fd = -1
         self._flush_lock = threading.Lock()  # one fdatasync at a time; close waits for it
-        # The unflushed data range when a fdatasync failed, and that failure: no later
-        # flush can vouch for the range.
+        # After a failed fdatasync: the data offset from which nothing was known durable,
+        # the OS's reason, and the error raised; no later flush can vouch for that data.
         self._failed: tuple[int, str, StoreWriteError] | None = None
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
@@ -368,8 +368,8 @@ class Chunk:
         After a failed fdatasync Linux may mark the pages clean without having written
         them, drop them, or (ext4, in a preallocated file like every chunk) leave their
         blocks unwritten, so that a later write of the same bytes and an fdatasync that
-        succeeds still read back zeros once the page cache is dropped (shown on a real
-        failing ext4, tools of the review in docs/durability.md). No later flush of this
+        succeeds still read back zeros once the page cache is dropped (a review showed it
+        on a real failing ext4; docs/durability.md). No later flush of this
         chunk can vouch for the range, so none is claimed: the store is to be reopened,
         and recovery verifies every record and cuts at the first damaged one. PostgreSQL
         made the same choice after "fsyncgate"."""
