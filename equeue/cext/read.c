@@ -218,12 +218,7 @@ PyObject *frame_offsets(PyObject *self, PyObject *args) {
     Py_ssize_t offset, end;
     if (!PyArg_ParseTuple(args, "Onn", &buf, &offset, &end)) return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
-    if (offset < 0 || offset > end || end > view.len) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "range outside the buffer");
-        return NULL;
-    }
+    if (get_range(buf, &view, offset, end) < 0) return NULL;
     /* A frame takes at least 13 bytes: room for every offset the range can hold. */
     PyObject *out = PyBytes_FromStringAndSize(NULL, ((end - offset) / 13 + 1) * 8);
     if (out == NULL) {

@@ -186,12 +186,7 @@ PyObject *last_nonzero(PyObject *self, PyObject *args) {
     Py_ssize_t start, stop;
     if (!PyArg_ParseTuple(args, "Onn", &buf, &start, &stop)) return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
-    if (start < 0 || stop > view.len || start > stop) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "range outside the buffer");
-        return NULL;
-    }
+    if (get_range(buf, &view, start, stop) < 0) return NULL;
     const unsigned char *p = (const unsigned char *)view.buf;
     Py_ssize_t end = stop;
     Py_BEGIN_ALLOW_THREADS

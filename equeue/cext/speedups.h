@@ -32,6 +32,19 @@ static inline int64_t get_i64(const char *p) { int64_t v; memcpy(&v, p, 8); retu
 /* checksum(): the record checksum, the low 32 bits of XXH3-64 with seed 0. */
 #include "xxh3.h"
 
+/* buf's bytes in view, with 0 <= start <= stop <= their length: 0, or -1 with an error
+ * set and nothing held. */
+static inline int get_range(PyObject *buf, Py_buffer *view, Py_ssize_t start,
+                            Py_ssize_t stop) {
+    if (PyObject_GetBuffer(buf, view, PyBUF_SIMPLE) < 0) return -1;
+    if (start < 0 || start > stop || stop > view->len) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "range outside the buffer");
+        return -1;
+    }
+    return 0;
+}
+
 /* The payload length of the frame at data + offset if it is whole before end, its
  * length is non-zero and at most max_length, and its suffix and checksum match (the
  * frame of format/chunk.py: length, payload, checksum, length); else 0. */
