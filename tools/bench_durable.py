@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from equeue import MessageStore, StoreConfig
@@ -59,6 +60,22 @@ def bench_fdatasync_preallocated(directory: Path, seconds: float) -> float:
         return count / (time.perf_counter() - started)
     finally:
         os.close(fd)
+
+
+def _run_producers(
+    produce: Callable[[int], None], threads: int, seconds: float, stop: threading.Event
+) -> float:
+    """Run ``produce(i)`` in ``threads`` threads for ``seconds``, then set ``stop`` and
+    wait for them: the seconds it all took."""
+    workers = [threading.Thread(target=produce, args=(i,)) for i in range(threads)]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    time.sleep(seconds)
+    stop.set()
+    for worker in workers:
+        worker.join()
+    return time.perf_counter() - started
 
 
 def bench_group_floor(
@@ -121,16 +138,8 @@ def bench_group_floor(
         counts[i] = n
 
     flusher = threading.Thread(target=flush_loop)
-    workers = [threading.Thread(target=produce, args=(i,)) for i in range(threads)]
     flusher.start()
-    started = time.perf_counter()
-    for worker in workers:
-        worker.start()
-    time.sleep(seconds)
-    stop.set()
-    for worker in workers:
-        worker.join()
-    elapsed = time.perf_counter() - started
+    elapsed = _run_producers(produce, threads, seconds, stop)
     with queued:
         done = True
         queued.notify()
@@ -160,16 +169,8 @@ def bench_sync_sends(
                 n += 1
             counts[i] = n
 
-        workers = [threading.Thread(target=produce, args=(i,)) for i in range(threads)]
         flushes_before = store._group.flushes if store._group else 0
-        started = time.perf_counter()
-        for worker in workers:
-            worker.start()
-        time.sleep(seconds)
-        stop.set()
-        for worker in workers:
-            worker.join()
-        elapsed = time.perf_counter() - started
+        elapsed = _run_producers(produce, threads, seconds, stop)
         flushes = (store._group.flushes if store._group else 0) - flushes_before
         total = sum(counts)
         return total / elapsed, total / max(flushes, 1)
