@@ -3,15 +3,17 @@ each chunk's resident pages, read from /proc/self/smaps, before and after."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue import MessageStore, OutgoingMessage, StoreConfig, speedups
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.chunks.prefault import WINDOW, Prefaulter
 
@@ -66,6 +68,33 @@ def test_writer_keeps_a_window_of_what_it_wrote(
 
 
 @pytest.mark.parametrize("release", [True, False])
+def test_fixed_size_writer_keeps_a_window_of_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: bool
+) -> None:
+    """Queue chunks (12-byte entries, written by ``try_append_fixed`` on the pure-Python
+    path) release behind the writer as the log does, by their smaller window; without
+    the release (the control) all 6 MiB written stay resident."""
+    if not release:
+        monkeypatch.setattr("equeue.chunks.chunk.Chunk._release", lambda *a: None)
+    config = ChunkManagerConfig(chunk_data_size=12 * MiB, record_size=12)
+    with ChunkManager(tmp_path, config) as manager:
+        writer = ChunkWriter(manager)
+        write = writer.write
+        entry = os.urandom(12)
+        for _ in range(6 * MiB // 12):
+            write(entry)
+        chunk = manager.last_chunk
+        assert chunk is not None and chunk.data_end == 6 * MiB
+        held = resident(chunk.path)
+        window = chunk._window
+        assert window < WINDOW
+        if release:
+            assert held <= 3 * window, held
+        else:
+            assert held >= 6 * MiB - window, held
+
+
+@pytest.mark.parametrize("release", [True, False])
 def test_released_unflushed_pages_keep_their_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: bool
 ) -> None:
@@ -96,8 +125,9 @@ def test_released_unflushed_pages_keep_their_bytes(
 
 def test_a_new_prefault_request_replaces_the_older_one_of_its_mapping() -> None:
     """A writer that outruns the prefault thread must not have it fault in the windows
-    it already passed (and released): only each mapping's newest request is kept."""
-    prefaulter = Prefaulter()
+    it already passed (and released): only each mapping's newest request is kept, and a
+    closed mapping's request goes (the Python thread; the C one is below)."""
+    prefaulter = Prefaulter(in_c=False)
     prefaulter.enabled = True
     prefaulter._thread = threading.current_thread()  # never start the real one
     prefaulter.request(0x1000, 0x1000, WINDOW)
@@ -107,6 +137,39 @@ def test_a_new_prefault_request_replaces_the_older_one_of_its_mapping() -> None:
         (0x9000, (0x9000, WINDOW)),
         (0x1000, (0x1000 + WINDOW // 2, WINDOW)),
     ]
+    prefaulter.forget(0x9000)
+    assert list(prefaulter._requests) == [0x1000]
+
+
+@pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator was not built")
+@pytest.mark.parametrize("requested", [True, False])
+def test_the_c_prefault_thread_faults_in_what_was_asked(tmp_path: Path, requested: bool) -> None:
+    """The C thread faults in the window asked for (without the request, the control,
+    nothing of the fresh mapping becomes resident), and a request for a mapping closed
+    meanwhile, or forgotten, does no harm."""
+    path = tmp_path / "f"
+    with open(path, "w+b") as f:
+        os.posix_fallocate(f.fileno(), 0, 8 * MiB)
+        mm = mmap.mmap(f.fileno(), 0)
+    prefaulter = Prefaulter()
+    if not prefaulter.enabled:
+        pytest.skip("the kernel lacks MADV_POPULATE_WRITE")
+    address = Prefaulter.address_of(mm)
+    if requested:
+        prefaulter.request(address, address + MiB, 2 * MiB)
+    deadline = time.monotonic() + 5
+    while resident(path) < 2 * MiB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    held = resident(path)
+    assert (held >= 2 * MiB) == requested, held
+    assert held <= 2 * MiB + 64 * 1024  # the window only (fault-around may add a little)
+    assert mm[: 3 * MiB] == bytes(3 * MiB)  # faulted in for writing, nothing written
+    prefaulter.request(address, address, MiB)
+    prefaulter.forget(address)
+    mm.close()
+    prefaulter.request(address, address + MiB, 2 * MiB)  # unmapped: ENOMEM, nothing else
+    time.sleep(0.05)
+    assert prefaulter.enabled
 
 
 @pytest.mark.parametrize("release", [True, False])

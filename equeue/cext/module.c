@@ -1,6 +1,7 @@
 /* equeue._speedups: the store's hot loops in C. One file per concern: write.c (checking
  * and framing sends), sender.c (a whole single send), read.c (pulls), recover.c (open
- * after a crash), xxh3.h (the record checksum, inlined where used); speedups.h is what they share.
+ * after a crash), prefault.c (the thread faulting pages in ahead of the writer), xxh3.h
+ * (the record checksum, inlined where used); speedups.h is what they share.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
  * falls back to the pure-Python paths otherwise (or when EQUEUE_PURE_PYTHON is
@@ -74,6 +75,8 @@ static PyMethodDef methods[] = {
     {"frame_offsets", frame_offsets, METH_VARARGS, NULL},
     {"match_run", match_run, METH_VARARGS, NULL},
     {"last_nonzero", last_nonzero, METH_VARARGS, NULL},
+    {"prefault_request", prefault_request, METH_VARARGS, NULL},
+    {"prefault_forget", prefault_forget, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 

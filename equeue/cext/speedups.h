@@ -143,5 +143,7 @@ PyObject *frame_offsets(PyObject *self, PyObject *args);
 PyObject *scan_frames(PyObject *self, PyObject *args);
 PyObject *match_run(PyObject *self, PyObject *args);
 PyObject *last_nonzero(PyObject *self, PyObject *args);
+PyObject *prefault_request(PyObject *self, PyObject *args);
+PyObject *prefault_forget(PyObject *self, PyObject *arg);
 
 #endif

@@ -280,9 +280,14 @@ class Chunk:
     def release_mapping(self) -> None:
         """Drop the mapping; readers still holding it keep it alive until they finish."""
         self._mm = None
+        self._end_writing()
+        self._close_fd()
+
+    def _end_writing(self) -> None:
+        if self._writable and self._address:
+            PREFAULTER.forget(self._address)  # before the mapping can close
         self._writable = False
         self._prefault_mark = 1 << 62
-        self._close_fd()
 
     def _close_fd(self) -> None:
         with self._flush_lock:
@@ -338,6 +343,8 @@ class Chunk:
         self._mm[HEADER_SIZE + offset : HEADER_SIZE + end] = record  # type: ignore[index]
         self.record_count += 1
         self.data_end = end
+        if end > self._prefault_mark:  # as try_append: the window ahead, and release behind
+            self._prefault(end)
         return offset
 
     @property
@@ -635,8 +642,7 @@ class Chunk:
 
     def close(self) -> None:
         mm, self._mm = self._mm, None
-        self._writable = False
-        self._prefault_mark = 1 << 62
+        self._end_writing()
         self._close_fd()
         if mm is not None:
             # A reader may still hold a view; then the mapping dies with it.

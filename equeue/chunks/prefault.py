@@ -3,10 +3,14 @@
 The first write to each page of a fresh shared mapping costs a page fault in
 which the file system prepares the block; for 100-byte records that is about
 a third of the append cost. RocketMQ warms its mapped files for the same
-reason. Here a daemon thread asks the kernel (``MADV_POPULATE_WRITE``, Linux
-5.14+) to fault in the next window while the writer works on the current one.
-The call changes no bytes, so it is safe beside concurrent appends; ctypes
-releases the GIL for it. Where the kernel lacks it, nothing is done.
+reason. Here a thread asks the kernel (``MADV_POPULATE_WRITE``, Linux 5.14+) to
+fault in the next window while the writer works on the current one. The call
+changes no bytes, so it is safe beside concurrent appends. Where the kernel
+lacks it, nothing is done.
+
+With the C accelerator the thread is a C thread that never takes the GIL
+(``equeue/cext/prefault.c``); without it, a Python thread calling madvise
+through ctypes, which costs the writer two GIL hand-offs a request.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import logging
 import mmap
 import threading
 
+from equeue import speedups
+
 log = logging.getLogger("equeue.prefault")
 
 MADV_POPULATE_WRITE = 23
-WINDOW = 4 << 20
+WINDOW = 1 << 20
 
 
 def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -34,7 +40,9 @@ def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 class Prefaulter:
-    def __init__(self) -> None:
+    def __init__(self, *, in_c: bool = True) -> None:
+        fast = speedups.SPEEDUPS if in_c else None
+        self._in_c = fast
         self._madvise = _load_madvise()
         # The newest window asked for, by mapping. A writer that outruns this thread (it
         # waits for the GIL) asks again before the last window was faulted in; faulting
@@ -43,7 +51,7 @@ class Prefaulter:
         self._requests: dict[int, tuple[int, int]] = {}
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
-        self.enabled = self._madvise is not None
+        self.enabled = fast is not None or self._madvise is not None
 
     @staticmethod
     def address_of(mm: mmap.mmap) -> int:
@@ -58,6 +66,11 @@ class Prefaulter:
         ``mapping``, instead of whatever that mapping asked for before."""
         if not self.enabled or length <= 0:
             return
+        if self._in_c is not None:
+            if not self._in_c.prefault_request(mapping, address, length):
+                log.info("MADV_POPULATE_WRITE unsupported; writing without prefault")
+                self.enabled = False
+            return
         with self._wakeup:
             self._requests.pop(mapping, None)  # re-inserted last: the queue stays fair
             self._requests[mapping] = (address, length)
@@ -67,6 +80,14 @@ class Prefaulter:
                 )
                 self._thread.start()
             self._wakeup.notify()
+
+    def forget(self, mapping: int) -> None:
+        """The mapping that starts at ``mapping`` is being closed: drop its request."""
+        if self._in_c is not None:
+            self._in_c.prefault_forget(mapping)
+            return
+        with self._wakeup:
+            self._requests.pop(mapping, None)
 
     def _run(self) -> None:
         assert self._madvise is not None

@@ -30,7 +30,7 @@ from equeue.format.chunk import (
 log = logging.getLogger("equeue.recovery")
 
 _BLOCK = 1 << 20
-_SCAN_STEP = 4 << 20  # scan_variable releases what it walked this often
+_SCAN_STEP = 1 << 20  # scan_variable releases what it walked this often
 _PAGE = mmap.PAGESIZE
 _ZEROS = bytes(_BLOCK)
 

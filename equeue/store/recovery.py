@@ -30,7 +30,7 @@ from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
 
 log = logging.getLogger("equeue.recovery")
-_STEP = 4 << 20  # _Matcher reads the log this much at a time
+_STEP = 1 << 20  # _Matcher reads the log this much at a time
 
 
 @dataclass
