@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard equeue/cext/*.c equeue/cext/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,spark,bench]'
+	# Bytecode, as pip writes for a wheel: an editable install gets none where the
+	# environment sets PYTHONDONTWRITEBYTECODE, and every process compiles from source.
+	$(PY) -m compileall -q equeue
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,7 +14,9 @@ setup(
             "equeue._speedups",
             sorted(glob("equeue/cext/*.c")),
             depends=sorted(glob("equeue/cext/*.h")),
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            # -pthread: prefault.c starts a thread (glibc before 2.34 keeps it in libpthread).
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread"],
+            extra_link_args=["-pthread"],
             optional=True,
         )
     ]
