@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,35 +142,70 @@ def test_a_new_prefault_request_replaces_the_older_one_of_its_mapping() -> None:
     assert list(prefaulter._requests) == [0x1000]
 
 
-@pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator was not built")
+def c_prefault() -> Any:
+    fast = speedups.SPEEDUPS
+    if fast is None:
+        pytest.skip("the C accelerator was not built")
+    if not fast.prefault_supported():
+        pytest.skip("the kernel lacks MADV_POPULATE_WRITE")
+    return fast
+
+
+def fresh_mapping(path: Path, size: int) -> mmap.mmap:
+    with open(path, "w+b") as f:
+        os.posix_fallocate(f.fileno(), 0, size)
+        return mmap.mmap(f.fileno(), 0)
+
+
 @pytest.mark.parametrize("requested", [True, False])
 def test_the_c_prefault_thread_faults_in_what_was_asked(tmp_path: Path, requested: bool) -> None:
     """The C thread faults in the window asked for (without the request, the control,
-    nothing of the fresh mapping becomes resident), and a request for a mapping closed
-    meanwhile, or forgotten, does no harm."""
+    nothing of the fresh mapping becomes resident) and writes nothing; a request for a
+    range no longer mapped fails quietly and leaves prefaulting on."""
+    fast = c_prefault()
     path = tmp_path / "f"
-    with open(path, "w+b") as f:
-        os.posix_fallocate(f.fileno(), 0, 8 * MiB)
-        mm = mmap.mmap(f.fileno(), 0)
-    prefaulter = Prefaulter()
-    if not prefaulter.enabled:
-        pytest.skip("the kernel lacks MADV_POPULATE_WRITE")
+    mm = fresh_mapping(path, 8 * MiB)
     address = Prefaulter.address_of(mm)
     if requested:
-        prefaulter.request(address, address + MiB, 2 * MiB)
+        assert fast.prefault_request(address, address + MiB, 2 * MiB)
     deadline = time.monotonic() + 5
     while resident(path) < 2 * MiB and time.monotonic() < deadline:
         time.sleep(0.01)
     held = resident(path)
     assert (held >= 2 * MiB) == requested, held
     assert held <= 2 * MiB + 64 * 1024  # the window only (fault-around may add a little)
-    assert mm[: 3 * MiB] == bytes(3 * MiB)  # faulted in for writing, nothing written
-    prefaulter.request(address, address, MiB)
-    prefaulter.forget(address)
+    assert mm[: 3 * MiB] == bytes(3 * MiB)
+    fast.prefault_forget(address)
     mm.close()
-    prefaulter.request(address, address + MiB, 2 * MiB)  # unmapped: ENOMEM, nothing else
-    time.sleep(0.05)
-    assert prefaulter.enabled
+    gone = 0x7F00_0000_0000  # page-aligned, in no mapping of this process: ENOMEM
+    assert fast.prefault_request(gone, gone, MiB)
+    live = fresh_mapping(tmp_path / "g", MiB)
+    live_address = Prefaulter.address_of(live)
+    assert fast.prefault_request(live_address, live_address, MiB)  # still on
+    fast.prefault_forget(gone)
+    fast.prefault_forget(live_address)
+    live.close()
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_forget_drops_a_mappings_pending_request(tmp_path: Path, forget: bool) -> None:
+    """Requests for 32 fresh 4 MiB mappings keep the thread busy for milliseconds; forget()
+    takes each one's request off the queue before the thread gets to it (the control,
+    without forget, still has some queued)."""
+    fast = c_prefault()
+    maps = [fresh_mapping(tmp_path / f"m{i}", 4 * MiB) for i in range(32)]
+    addresses = [Prefaulter.address_of(mm) for mm in maps]
+    for address in addresses:
+        assert fast.prefault_request(address, address, 4 * MiB)
+    if forget:
+        for address in addresses:
+            fast.prefault_forget(address)
+    queued = set(fast.prefault_pending()) & set(addresses)
+    assert (not queued) == forget, len(queued)
+    for address, mm in zip(addresses, maps, strict=True):
+        fast.prefault_forget(address)  # before the unmap, as Chunk does
+        mm.close()
+    assert not set(fast.prefault_pending()) & set(addresses)
 
 
 @pytest.mark.parametrize("release", [True, False])

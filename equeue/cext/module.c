@@ -77,6 +77,8 @@ static PyMethodDef methods[] = {
     {"last_nonzero", last_nonzero, METH_VARARGS, NULL},
     {"prefault_request", prefault_request, METH_VARARGS, NULL},
     {"prefault_forget", prefault_forget, METH_O, NULL},
+    {"prefault_supported", prefault_supported, METH_NOARGS, NULL},
+    {"prefault_pending", prefault_pending, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

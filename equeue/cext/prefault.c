@@ -3,21 +3,25 @@
  * Why in C: a Python thread needs the GIL to take each request and again after each
  * madvise, so every request costs the writer two GIL hand-offs. With 1 MiB windows a
  * writer of 100-byte records asks about 1,700 times a second (the log and its queue
- * chunk), and the hand-offs cost more than the page faults they save. This thread never
- * touches Python: a request is a mutex, a slot and a signal.
+ * chunk). This thread never touches Python: a request is a mutex, a slot and a signal.
  *
  * Requests are kept per mapping, newest only (a writer that outran the thread has
  * released the older windows behind it; faulting them in would bring them back). A
- * request names addresses, not a Python object: the mapping may be closed before the
- * thread gets to it, and then madvise fails with ENOMEM and nothing happens (a reused
- * address range is faulted in for writing, which changes no bytes). forget() drops the
- * pending request of a mapping that is being closed.
+ * request names addresses, not a Python object, so a mapping must not be unmapped while
+ * its request is pending or being served: forget() drops the pending one and waits
+ * for one in progress, and Chunk calls it before it lets its mapping go. (Served after
+ * an unmap, the range could belong to another mapping by then: MADV_POPULATE_WRITE
+ * changes no bytes, but it would dirty that mapping's pages or allocate its holes.)
+ *
+ * Whether the kernel has MADV_POPULATE_WRITE (Linux 5.14+) is decided once, by a probe
+ * on a private page: a request that fails later (ENOMEM, EFAULT) just faults nothing in.
  */
 #include "speedups.h"
 
 #include <errno.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -32,89 +36,154 @@ typedef struct {
     size_t length;
 } Request;
 
+/* All under lock. */
 static Request pending[PREFAULT_SLOTS];
 static int pending_count;
+static uintptr_t serving; /* the mapping whose request the thread is in madvise for; 0 */
 static int started;
-static volatile int unsupported; /* the kernel lacks MADV_POPULATE_WRITE (before 5.14) */
+static int supported = -1; /* -1 until probed */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;   /* a request arrived */
+static pthread_cond_t served = PTHREAD_COND_INITIALIZER; /* serving went back to 0 */
 
-static void drop(int i) { /* under lock; keeps the others in request order */
+static void drop(int i) { /* keeps the others in request order */
     memmove(&pending[i], &pending[i + 1], (size_t)(pending_count - i - 1) * sizeof(Request));
     pending_count--;
 }
 
-static int find(uintptr_t mapping) { /* under lock */
+static int find(uintptr_t mapping) {
     for (int i = 0; i < pending_count; i++)
         if (pending[i].mapping == mapping) return i;
     return -1;
 }
 
 static void *run(void *unused) {
+    pthread_mutex_lock(&lock);
     for (;;) {
-        pthread_mutex_lock(&lock);
         while (pending_count == 0) pthread_cond_wait(&wake, &lock);
         Request r = pending[0];
         drop(0);
+        serving = r.mapping;
         pthread_mutex_unlock(&lock);
-        if (madvise((void *)r.address, r.length, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
-            unsupported = 1;
+        (void)madvise((void *)r.address, r.length, MADV_POPULATE_WRITE);
+        pthread_mutex_lock(&lock);
+        serving = 0;
+        pthread_cond_broadcast(&served);
     }
     return NULL;
+}
+
+static int probe(void) {
+    long page = sysconf(_SC_PAGESIZE);
+    void *p = mmap(NULL, (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return 0;
+    int ok = madvise(p, (size_t)page, MADV_POPULATE_WRITE) == 0;
+    munmap(p, (size_t)page);
+    return ok;
 }
 
 /* A forked child has no thread and may have forked with the lock held. */
 static void after_fork_in_child(void) {
     pthread_mutex_init(&lock, NULL);
     pthread_cond_init(&wake, NULL);
+    pthread_cond_init(&served, NULL);
     pending_count = 0;
+    serving = 0;
     started = 0;
 }
 
-/* prefault_request(mapping, address, length) -> bool: False once the kernel has shown
- * it lacks MADV_POPULATE_WRITE (the caller stops asking) or the thread cannot start. */
-PyObject *prefault_request(PyObject *self, PyObject *args) {
-    unsigned long long mapping, address;
-    Py_ssize_t length;
-    if (!PyArg_ParseTuple(args, "KKn", &mapping, &address, &length)) return NULL;
-    if (unsupported) Py_RETURN_FALSE;
-    if (length <= 0) Py_RETURN_TRUE;
-    int ok = 1;
+/* prefault_supported() -> bool: the kernel has MADV_POPULATE_WRITE. */
+PyObject *prefault_supported(PyObject *self, PyObject *unused) {
     pthread_mutex_lock(&lock);
-    int i = find((uintptr_t)mapping);
-    if (i >= 0)
-        drop(i);
-    else if (pending_count == PREFAULT_SLOTS)
-        drop(0);
-    pending[pending_count++] = (Request){(uintptr_t)mapping, (uintptr_t)address, (size_t)length};
-    if (!started) {
-        static int registered;
-        pthread_t thread;
-        pthread_attr_t attr;
-        if (!registered) registered = pthread_atfork(NULL, NULL, after_fork_in_child) == 0;
-        ok = pthread_attr_init(&attr) == 0;
-        if (ok) {
-            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-            pthread_attr_setstacksize(&attr, 64 * 1024); /* it calls madvise, nothing else */
-            ok = pthread_create(&thread, &attr, run, NULL) == 0;
-            pthread_attr_destroy(&attr);
-        }
-        started = ok;
-        if (!ok) pending_count = 0;
-    }
-    pthread_cond_signal(&wake);
+    if (supported < 0) supported = probe();
+    int ok = supported;
     pthread_mutex_unlock(&lock);
-    if (!ok) Py_RETURN_FALSE;
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(ok);
 }
 
-/* prefault_forget(mapping): the mapping is being closed; drop its pending request. */
-PyObject *prefault_forget(PyObject *self, PyObject *arg) {
-    unsigned long long mapping = PyLong_AsUnsignedLongLong(arg);
-    if (mapping == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+static int as_address(PyObject *obj, void *out) { /* "O&": no silent wrap of a negative */
+    unsigned long long value = PyLong_AsUnsignedLongLong(obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    *(uintptr_t *)out = (uintptr_t)value;
+    return 1;
+}
+
+/* prefault_request(mapping, address, length) -> bool: False when nothing will be done,
+ * for good (no MADV_POPULATE_WRITE, or no thread could be started). */
+PyObject *prefault_request(PyObject *self, PyObject *args) {
+    uintptr_t mapping, address;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "O&O&n", as_address, &mapping, as_address, &address, &length))
+        return NULL;
+    long page = sysconf(_SC_PAGESIZE);
+    if (mapping == 0 || address % (uintptr_t)page || length < 0 ||
+        address + (size_t)length < address) {
+        PyErr_Format(PyExc_ValueError,
+                     "prefault_request: mapping %p, address %p and length %zd must be a "
+                     "non-zero mapping, a page-aligned address and a range that does not wrap",
+                     (void *)mapping, (void *)address, length);
+        return NULL;
+    }
+    int ok = 1;
     pthread_mutex_lock(&lock);
-    int i = find((uintptr_t)mapping);
-    if (i >= 0) drop(i);
+    if (supported < 0) supported = probe();
+    if (!supported) {
+        ok = 0;
+    } else if (length > 0) {
+        int i = find(mapping);
+        if (i >= 0)
+            drop(i);
+        else if (pending_count == PREFAULT_SLOTS)
+            drop(0);
+        pending[pending_count++] = (Request){mapping, address, (size_t)length};
+        if (!started) {
+            static int registered;
+            pthread_t thread;
+            pthread_attr_t attr;
+            if (!registered) registered = pthread_atfork(NULL, NULL, after_fork_in_child) == 0;
+            ok = pthread_attr_init(&attr) == 0;
+            if (ok) {
+                pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+                pthread_attr_setstacksize(&attr, 64 * 1024); /* it calls madvise, nothing else */
+                ok = pthread_create(&thread, &attr, run, NULL) == 0;
+                pthread_attr_destroy(&attr);
+            }
+            started = ok;
+            if (!ok) pending_count = 0;
+        }
+        pthread_cond_signal(&wake);
+    }
     pthread_mutex_unlock(&lock);
+    return PyBool_FromLong(ok);
+}
+
+/* prefault_forget(mapping): the mapping is about to be unmapped. Drops its pending
+ * request and waits (without the GIL) for the one being served, if it is this one's. */
+PyObject *prefault_forget(PyObject *self, PyObject *arg) {
+    uintptr_t mapping;
+    if (!as_address(arg, &mapping)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&lock);
+    int i = find(mapping);
+    if (i >= 0) drop(i);
+    while (serving == mapping && mapping != 0) pthread_cond_wait(&served, &lock);
+    pthread_mutex_unlock(&lock);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* prefault_pending() -> [mapping, ...] of the requests not yet served: for the tests. */
+PyObject *prefault_pending(PyObject *self, PyObject *unused) {
+    uintptr_t copy[PREFAULT_SLOTS];
+    pthread_mutex_lock(&lock);
+    int n = pending_count;
+    for (int i = 0; i < n; i++) copy[i] = pending[i].mapping;
+    pthread_mutex_unlock(&lock);
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list != NULL && i < n; i++) {
+        PyObject *item = PyLong_FromUnsignedLongLong((unsigned long long)copy[i]);
+        if (item == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, item);
+    }
+    return list;
 }

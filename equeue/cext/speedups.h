@@ -145,5 +145,7 @@ PyObject *match_run(PyObject *self, PyObject *args);
 PyObject *last_nonzero(PyObject *self, PyObject *args);
 PyObject *prefault_request(PyObject *self, PyObject *args);
 PyObject *prefault_forget(PyObject *self, PyObject *arg);
+PyObject *prefault_supported(PyObject *self, PyObject *unused);
+PyObject *prefault_pending(PyObject *self, PyObject *unused);
 
 #endif

@@ -50,7 +50,9 @@ _unpack_prefix = FRAME_PREFIX.unpack_from
 _unpack_suffix = FRAME_SUFFIX.unpack_from
 _PAGE = mmap.PAGESIZE
 Records = Generator[tuple[int, bytes], None, int]
-_FIXED_WINDOW = WINDOW // 16  # the window of chunks of fixed-size records
+# The window of chunks of fixed-size records. Not smaller: without the C accelerator
+# each prefault request costs the writer two GIL hand-offs (prefault.py).
+_FIXED_WINDOW = 256 << 10
 _ticks = itertools.count(1)  # recency for the LRU of read maps; next() is atomic in CPython
 
 
@@ -115,8 +117,8 @@ class Chunk:
         self._failed: tuple[int, str, StoreWriteError] | None = None
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
-        # Queue chunks hold 12-byte entries: a log-sized window would keep 4 MiB of each
-        # of them resident for a few hundred KiB of entries a second.
+        # Queue chunks hold 12-byte entries: a log-sized window would keep a MiB or two of
+        # each resident for a few hundred KiB of entries a second.
         self._window = WINDOW if not header.record_size else _FIXED_WINDOW
 
     def __repr__(self) -> str:

@@ -51,7 +51,20 @@ class Prefaulter:
         self._requests: dict[int, tuple[int, int]] = {}
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
-        self.enabled = fast is not None or self._madvise is not None
+        self._serving: int | None = None  # the mapping whose window is being faulted in
+        # Probed once: a request failing later (its mapping closed) is no verdict.
+        if fast is not None:
+            self.enabled = fast.prefault_supported()
+        else:
+            self.enabled = self._madvise is not None and self._probe()
+        if not self.enabled:
+            log.info("MADV_POPULATE_WRITE unsupported; writing without prefault")
+
+    def _probe(self) -> bool:
+        assert self._madvise is not None
+        with mmap.mmap(-1, mmap.PAGESIZE) as page:
+            address = self.address_of(page)
+            return bool(self._madvise(address, mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0)
 
     @staticmethod
     def address_of(mm: mmap.mmap) -> int:
@@ -68,7 +81,7 @@ class Prefaulter:
             return
         if self._in_c is not None:
             if not self._in_c.prefault_request(mapping, address, length):
-                log.info("MADV_POPULATE_WRITE unsupported; writing without prefault")
+                log.warning("the prefault thread could not start; writing without prefault")
                 self.enabled = False
             return
         with self._wakeup:
@@ -82,12 +95,16 @@ class Prefaulter:
             self._wakeup.notify()
 
     def forget(self, mapping: int) -> None:
-        """The mapping that starts at ``mapping`` is being closed: drop its request."""
+        """The mapping that starts at ``mapping`` is about to be unmapped: drop its request,
+        and wait for the one being served if it is that mapping's (served after the unmap,
+        the range could be another mapping's by then)."""
         if self._in_c is not None:
             self._in_c.prefault_forget(mapping)
             return
         with self._wakeup:
             self._requests.pop(mapping, None)
+            while self._serving == mapping:
+                self._wakeup.wait()
 
     def _run(self) -> None:
         assert self._madvise is not None
@@ -95,13 +112,14 @@ class Prefaulter:
             with self._wakeup:
                 while not self._requests:
                     self._wakeup.wait()
-                address, length = self._requests.pop(next(iter(self._requests)))
-            # An unmapped range (the chunk was closed meanwhile) just fails with ENOMEM.
-            if self._madvise(address, length, MADV_POPULATE_WRITE) != 0:
-                errno = ctypes.get_errno()
-                if errno == 22:  # EINVAL: kernel without MADV_POPULATE_WRITE
-                    log.info("MADV_POPULATE_WRITE unsupported; writing without prefault")
-                    self.enabled = False
+                self._serving = next(iter(self._requests))
+                address, length = self._requests.pop(self._serving)
+            try:
+                self._madvise(address, length, MADV_POPULATE_WRITE)  # a failure faults nothing in
+            finally:
+                with self._wakeup:
+                    self._serving = None
+                    self._wakeup.notify_all()
 
 
 PREFAULTER = Prefaulter()
