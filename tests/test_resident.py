@@ -19,6 +19,11 @@ from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWr
 from equeue.chunks.prefault import WINDOW, Prefaulter
 
 MiB = 1 << 20
+# What a chunk may keep resident: the window behind the writer or reader plus the half
+# window before the next release, the window prefaulted ahead, one more that a lagging
+# prefault request may fault in after the writer moved on, and the kernel mapping whole
+# large folios (up to 2 MiB here) around a fault. Every control holds tens of MiB.
+BOUND = 4 * WINDOW + 2 * MiB
 SMAPS = Path("/proc/self/smaps")
 pytestmark = pytest.mark.skipif(not SMAPS.exists(), reason="needs /proc/self/smaps (Linux)")
 
@@ -58,12 +63,12 @@ def test_writer_keeps_a_window_of_what_it_wrote(
         assert chunk.unflushed_bytes == chunk.data_end
         held = resident(chunk.path)
         if release:
-            assert held <= 3 * WINDOW, held
+            assert held <= BOUND, held
         else:
             assert held >= 36 * MiB, held
         writer.complete()  # hashes the whole chunk: a step at a time, each step released
         if release:
-            assert resident(chunk.path) <= 3 * WINDOW
+            assert resident(chunk.path) <= BOUND
         else:
             assert resident(chunk.path) >= 39 * MiB
 
@@ -90,7 +95,7 @@ def test_fixed_size_writer_keeps_a_window_of_what_it_wrote(
         window = chunk._window
         assert window < WINDOW
         if release:
-            assert held <= 3 * window, held
+            assert held <= 4 * window + 2 * MiB, held
         else:
             assert held >= 6 * MiB - window, held
 
@@ -113,7 +118,7 @@ def test_released_unflushed_pages_keep_their_bytes(
             writer.write(records[i % 64])
         chunk = manager.last_chunk
         assert chunk is not None and chunk.flushed_end == 0
-        assert (resident(chunk.path) <= 3 * WINDOW) == release
+        assert (resident(chunk.path) <= BOUND) == release
         assert [r for _, r in ChunkReader(manager).iter_from(0)] == [
             records[i % 64] for i in range(count)
         ]
@@ -225,7 +230,7 @@ def test_pulls_keep_a_window_of_what_they_read(
         assert len(paths) == 2
         for path in paths:  # the writer's own pages: dropped by flush() and the window
             if release:
-                assert resident(path) <= 3 * WINDOW
+                assert resident(path) <= BOUND
         if not release:
             monkeypatch.setattr("equeue.chunks.chunk.Chunk.release_behind", lambda *a: None)
         offset, pulled = 0, 0
@@ -237,7 +242,7 @@ def test_pulls_keep_a_window_of_what_they_read(
         assert pulled == 70_000
         held = [resident(path) for path in paths]
         if release:
-            assert all(h <= 3 * WINDOW for h in held), held
+            assert all(h <= BOUND for h in held), held
         else:
             assert held[0] >= 40 * MiB, held  # the completed chunk, read end to end
 
