@@ -281,8 +281,8 @@ class Chunk:
 
     def release_mapping(self) -> None:
         """Drop the mapping; readers still holding it keep it alive until they finish."""
+        self._end_writing()  # first: dropping the last reference unmaps at once
         self._mm = None
-        self._end_writing()
         self._close_fd()
 
     def _end_writing(self) -> None:
