@@ -32,7 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equeue.chunks import ChunkManager, ChunkWriter, TailCut
-from equeue.chunks.recovery import _SCAN_STEP, nonzero_extent, scan_fixed
+from equeue.chunks.recovery import SCAN_STEP, nonzero_extent, scan_fixed
 from equeue.errors import ChecksumMismatchError, CorruptionError
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, RECOVERED_DIR
 
@@ -412,7 +412,7 @@ def test_read_only_open_of_a_damaged_store_changes_nothing(
 
 
 MiB = 1 << 20
-STEP = _SCAN_STEP
+STEP = SCAN_STEP
 assert 20 * MiB >= 4 * STEP  # the files below span several steps
 SLOTS_PER_STEP = STEP // 12  # scan_fixed's step for 12-byte slots
 
@@ -423,7 +423,7 @@ SLOTS_PER_STEP = STEP // 12  # scan_fixed's step for 12-byte slots
 def test_nonzero_extent_finds_the_last_non_zero_byte_across_steps(
     tmp_path: Path, marks: list[int]
 ) -> None:
-    """The tail scan walks back a step (``_SCAN_STEP``) at a time, releasing each all-zero step:
+    """The tail scan walks back a step (``SCAN_STEP``) at a time, releasing each all-zero step:
     the last non-zero byte is found wherever it lies against the steps' bounds."""
     path = tmp_path / "tail"
     with open(path, "wb") as f:
@@ -445,9 +445,9 @@ def test_nonzero_extent_finds_the_last_non_zero_byte_across_steps(
     [0, 1, SLOTS_PER_STEP - 1, SLOTS_PER_STEP, SLOTS_PER_STEP + 1, 700_000, None],
 )
 def test_scan_fixed_finds_the_first_empty_slot_across_steps(first_empty: int | None) -> None:
-    """Fixed-size slots are searched a step (about ``_SCAN_STEP``, slot-aligned) at a
+    """Fixed-size slots are searched a step (about ``SCAN_STEP``, slot-aligned) at a
     time: an empty slot is found wherever it lies against the steps' bounds (slot
-    ``SLOTS_PER_STEP`` straddles the first ``_SCAN_STEP`` bytes), and the zero runs
+    ``SLOTS_PER_STEP`` straddles the first ``SCAN_STEP`` bytes), and the zero runs
     that straddle two full slots, everywhere here, end nothing."""
     size, slots = 12, 900_000
     # A non-zero byte first, then one last: 22 zero bytes straddle each such pair.

@@ -43,7 +43,7 @@ class Prefaulter:
     def __init__(self, *, in_c: bool = True) -> None:
         fast = speedups.SPEEDUPS if in_c else None
         self._in_c = fast
-        self._madvise = _load_madvise()
+        self._madvise = _load_madvise() if fast is None else None
         # The newest window asked for, by mapping. A writer that outruns this thread (it
         # waits for the GIL) asks again before the last window was faulted in; faulting
         # in the old windows then would fault back what the writer already released

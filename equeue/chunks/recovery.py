@@ -19,6 +19,7 @@ from types import ModuleType
 
 from equeue import speedups
 from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.prefault import WINDOW
 from equeue.format.chunk import (
     FRAME_OVERHEAD,
     FRAME_PREFIX,
@@ -30,7 +31,9 @@ from equeue.format.chunk import (
 log = logging.getLogger("equeue.recovery")
 
 _BLOCK = 1 << 20
-_SCAN_STEP = 1 << 20  # scan_variable releases what it walked this often
+# Recovery reads the log a step at a time and releases each step once read (here and in
+# the store's re-dispatch): what it keeps mapped is bounded as the writer's window is.
+SCAN_STEP = WINDOW
 _PAGE = mmap.PAGESIZE
 _ZEROS = bytes(_BLOCK)
 
@@ -97,7 +100,7 @@ def _scan_in_steps(
     offset, count = start, 0
     release = getattr(buf, "madvise", None)
     while True:
-        limit = min(available, offset + _SCAN_STEP)
+        limit = min(available, offset + SCAN_STEP)
         after, walked = fast.scan_frames(buf, HEADER_SIZE, limit, max_length, offset)
         count += walked
         if limit == available:
@@ -118,7 +121,7 @@ def scan_fixed(
     zero = bytes(record_size)
     usable = available - available % record_size
     # Slot-aligned steps, each released once searched: no slot straddles two steps.
-    step = max(1, _SCAN_STEP // record_size) * record_size
+    step = max(1, SCAN_STEP // record_size) * record_size
     release = getattr(buf, "madvise", None)
     data_end = usable
     rel = start
@@ -161,7 +164,7 @@ def nonzero_extent(fd: int, start: int, end: int) -> int:
         with mmap.mmap(fd, end, access=mmap.ACCESS_READ) as mm:
             for low, high in reversed(_data_ranges(fd, start, end)):
                 while high > low:  # a step at a time, each released once found all zero
-                    piece = max(low, (high - 1) // _SCAN_STEP * _SCAN_STEP)
+                    piece = max(low, (high - 1) // SCAN_STEP * SCAN_STEP)
                     found: int = fast.last_nonzero(mm, piece, high)
                     if found > piece:
                         return found

@@ -17,7 +17,7 @@ from typing import Any
 
 from equeue import speedups
 from equeue.chunks import ChunkManager, ChunkReader
-from equeue.chunks.recovery import TailCut
+from equeue.chunks.recovery import SCAN_STEP, TailCut
 from equeue.errors import EQueueError, location
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
 from equeue.format.message import (
@@ -30,7 +30,6 @@ from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
 
 log = logging.getLogger("equeue.recovery")
-_STEP = 1 << 20  # _Matcher reads the log this much at a time
 
 
 @dataclass
@@ -270,7 +269,7 @@ class _Matcher:
             end = min(chunk.data_end, log_end - chunk.base)
             # A step at a time, each released once read: only a step stays resident. (A
             # record across a step's end stops the run: the Python loop takes it.)
-            step_end = min(end, start + _STEP)
+            step_end = min(end, start + SCAN_STEP)
             # The last chunk's frames and checksums were checked by its scan at load.
             verify = chunk is not last or chunk.is_completed
             keyed: list[tuple[str, str, int]] = []
