@@ -3,6 +3,7 @@ each chunk's resident pages, read from /proc/self/smaps, before and after."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import subprocess
@@ -165,8 +166,9 @@ def fresh_mapping(path: Path, size: int) -> mmap.mmap:
 @pytest.mark.parametrize("requested", [True, False])
 def test_the_c_prefault_thread_faults_in_what_was_asked(tmp_path: Path, requested: bool) -> None:
     """The C thread faults in the window asked for (without the request, the control,
-    nothing of the fresh mapping becomes resident) and writes nothing; a request for a
-    range no longer mapped fails quietly and leaves prefaulting on."""
+    nothing of the fresh mapping becomes resident) and writes nothing; a request that
+    fails (here EINVAL, on a read-only mapping: what a reused address range can give)
+    leaves prefaulting on."""
     fast = c_prefault()
     path = tmp_path / "f"
     mm = fresh_mapping(path, 8 * MiB)
@@ -182,12 +184,19 @@ def test_the_c_prefault_thread_faults_in_what_was_asked(tmp_path: Path, requeste
     assert mm[: 3 * MiB] == bytes(3 * MiB)
     fast.prefault_forget(address)
     mm.close()
-    gone = 0x7F00_0000_0000  # page-aligned, in no mapping of this process: ENOMEM
-    assert fast.prefault_request(gone, gone, MiB)
+    read_only = mmap.mmap(-1, MiB)
+    bad = Prefaulter.address_of(read_only)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(bad, MiB, mmap.PROT_READ) == 0
+    assert fast.prefault_request(bad, bad, MiB)
+    while bad in fast.prefault_pending():
+        time.sleep(0.001)
+    fast.prefault_forget(bad)  # returns once the thread is done with it
+    read_only.close()
     live = fresh_mapping(tmp_path / "g", MiB)
     live_address = Prefaulter.address_of(live)
     assert fast.prefault_request(live_address, live_address, MiB)  # still on
-    fast.prefault_forget(gone)
     fast.prefault_forget(live_address)
     live.close()
 
