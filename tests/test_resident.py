@@ -17,7 +17,9 @@ import pytest
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig, speedups
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
-from equeue.chunks.prefault import WINDOW, Prefaulter
+from equeue.chunks.prefault import PREFAULTER, WINDOW, Prefaulter
+from equeue.chunks.recovery import scan_variable
+from equeue.format.chunk import FRAME_OVERHEAD
 
 MiB = 1 << 20
 # What a chunk may keep resident: the window behind the writer or reader plus the half
@@ -101,6 +103,34 @@ def test_fixed_size_writer_keeps_a_window_of_what_it_wrote(
             assert held >= 6 * MiB - window, held
 
 
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("release", [True, False])
+def test_a_recovery_scan_keeps_a_window_of_what_it_walked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast: bool, release: bool
+) -> None:
+    """Recovery walks the last chunk a step at a time and releases each step, in C and
+    in the pure-Python loop alike; without the release (the control) the 40 MiB walked
+    stay resident."""
+    config = ChunkManagerConfig(chunk_data_size=64 * MiB)
+    with ChunkManager(tmp_path, config) as manager:
+        write_unflushed(ChunkWriter(manager), 40 * MiB)
+        chunk = manager.last_chunk
+        assert chunk is not None
+        path, written, records = chunk.path, chunk.data_end, chunk.record_count
+    if not fast:
+        monkeypatch.setattr(speedups, "SPEEDUPS", None)
+    if not release:
+        monkeypatch.setattr("equeue.chunks.recovery.release_walked", lambda *a: None)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        result = scan_variable(mm, config.chunk_data_size, 64 * MiB - FRAME_OVERHEAD)
+        assert (result.data_end, result.record_count, result.problem) == (written, records, None)
+        held = resident(path)
+        if release:
+            assert held <= BOUND, held
+        else:
+            assert held >= 39 * MiB, held
+
+
 @pytest.mark.parametrize("release", [True, False])
 def test_released_unflushed_pages_keep_their_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: bool
@@ -146,6 +176,35 @@ def test_a_new_prefault_request_replaces_the_older_one_of_its_mapping() -> None:
     ]
     prefaulter.forget(0x9000)
     assert list(prefaulter._requests) == [0x1000]
+
+
+@pytest.mark.parametrize("same_mapping", [True, False])
+def test_python_forget_waits_for_the_request_being_served(same_mapping: bool) -> None:
+    """forget() returns only once the Python thread has finished a request it is serving
+    for that mapping (served after the unmap, the range could be another mapping's); a
+    request of another mapping (the control) does not hold it up."""
+    prefaulter = Prefaulter(in_c=False)
+    prefaulter.enabled = True
+    entered, finish = threading.Event(), threading.Event()
+
+    def slow_madvise(address: int, length: int, advice: int) -> int:
+        entered.set()
+        finish.wait(10)
+        return 0
+
+    prefaulter._madvise = slow_madvise
+    prefaulter.request(0x1000, 0x1000, WINDOW)
+    assert entered.wait(10)
+    mapping = 0x1000 if same_mapping else 0x9000
+    forgetting = threading.Thread(target=prefaulter.forget, args=(mapping,))
+    forgetting.start()
+    forgetting.join(0.3)
+    assert forgetting.is_alive() == same_mapping
+    finish.set()
+    forgetting.join(10)
+    assert not forgetting.is_alive()
+    prefaulter.forget(0x1000)  # waits out the request in the control too
+    assert prefaulter._serving is None
 
 
 def c_prefault() -> Any:
@@ -254,6 +313,35 @@ def test_pulls_keep_a_window_of_what_they_read(
             assert all(h <= BOUND for h in held), held
         else:
             assert held[0] >= 40 * MiB, held  # the completed chunk, read end to end
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_a_reopened_store_maps_no_write_window_until_it_appends(
+    tmp_path: Path, append: bool
+) -> None:
+    """Opening a store asks for no window ahead of the writer: a process that only reads
+    (or recovers and closes) maps none of it. The first append asks for it (the control:
+    then the window shows up, so the measure can see it)."""
+    if not PREFAULTER.enabled:
+        pytest.skip("the kernel lacks MADV_POPULATE_WRITE")
+    config = StoreConfig(chunk_data_size=16 * MiB, flush="os")
+    with MessageStore.open(tmp_path, config) as store:
+        store.create_topic("t", 1)
+        store.send_batch("t", [OutgoingMessage(os.urandom(1000))] * 4000)
+    with MessageStore.open(tmp_path, config) as store:
+        chunk = store._messages.last_chunk
+        assert chunk is not None
+        if append:
+            store.send("t", b"one more")
+        # Long enough for a request made at open to have been served (under a millisecond).
+        deadline = time.monotonic() + (5 if append else 0.5)
+        while resident(chunk.path) < WINDOW // 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the prefault thread runs apart from the writer
+        held = resident(chunk.path)
+        if append:
+            assert held >= WINDOW // 2, held
+        else:
+            assert held == 0, held
 
 
 def test_importing_the_store_leaves_numpy_and_spark_out() -> None:

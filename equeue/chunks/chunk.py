@@ -232,8 +232,9 @@ class Chunk:
         self._writable = True
         if PREFAULTER.enabled:
             self._address = PREFAULTER.address_of(self._mm)
-        self._prefault_mark = self.data_end
-        self._prefault(self.data_end)
+        # The first window is asked for by the first append, not here: a store opened
+        # only to read (or to recover and close) then maps none of it.
+        self._prefault_mark = self.data_end - 1
 
     def mark_used(self) -> None:
         """Recency for the LRU of read mappings (ChunkManager closes the least recent)."""

@@ -78,6 +78,7 @@ def scan_variable(
     fast = speedups.SPEEDUPS
     if fast is not None:  # the valid frames at C speed; the loop below looks at where it stopped
         offset, count = _scan_in_steps(fast, buf, available, max_record_size, start)
+    next_release = offset + SCAN_STEP
     while HEADER_SIZE + offset + FRAME_PREFIX.size <= end:
         p = HEADER_SIZE + offset
         (n,) = unpack(buf, p)
@@ -89,16 +90,25 @@ def scan_variable(
             break
         count += 1
         offset += n + FRAME_OVERHEAD
+        if offset >= next_release:  # without the C scan too, a step's pages at a time
+            release_walked(buf, offset)
+            next_release = offset + SCAN_STEP
     return ScanResult(offset, count, problem)
+
+
+def release_walked(buf: mmap.mmap | bytes, offset: int) -> None:
+    """Unmap the pages before data offset ``offset`` of a mapping a scan has walked: a
+    reopen otherwise kept the whole last chunk resident (232 MiB measured). They stay in
+    the page cache; a ``bytes`` buffer has nothing to release."""
+    if isinstance(buf, mmap.mmap):
+        buf.madvise(mmap.MADV_DONTNEED, 0, (HEADER_SIZE + offset) // _PAGE * _PAGE)
 
 
 def _scan_in_steps(
     fast: ModuleType, buf: mmap.mmap | bytes, available: int, max_length: int, start: int
 ) -> tuple[int, int]:
-    """``scan_frames`` a step at a time, each step's pages released from the mapping once
-    walked: a reopen otherwise kept the whole last chunk resident (232 MiB measured)."""
+    """``scan_frames`` a step at a time, each step's pages released once walked."""
     offset, count = start, 0
-    release = getattr(buf, "madvise", None)
     while True:
         limit = min(available, offset + SCAN_STEP)
         after, walked = fast.scan_frames(buf, HEADER_SIZE, limit, max_length, offset)
@@ -109,8 +119,7 @@ def _scan_in_steps(
             after, walked = fast.scan_frames(buf, HEADER_SIZE, available, max_length, offset)
             return after, count + walked
         offset = after
-        if release is not None:
-            release(mmap.MADV_DONTNEED, 0, (HEADER_SIZE + offset) // _PAGE * _PAGE)
+        release_walked(buf, offset)
 
 
 def scan_fixed(
@@ -122,7 +131,6 @@ def scan_fixed(
     usable = available - available % record_size
     # Slot-aligned steps, each released once searched: no slot straddles two steps.
     step = max(1, SCAN_STEP // record_size) * record_size
-    release = getattr(buf, "madvise", None)
     data_end = usable
     rel = start
     while rel < usable and data_end == usable:
@@ -137,8 +145,7 @@ def scan_fixed(
                 break
             pos = HEADER_SIZE + ((hit - HEADER_SIZE) // record_size + 1) * record_size
         rel = stop - HEADER_SIZE
-        if release is not None:
-            release(mmap.MADV_DONTNEED, 0, stop // _PAGE * _PAGE)
+        release_walked(buf, rel)
     count = data_end // record_size
     return ScanResult(data_end, count, None)
 
