@@ -1,4 +1,4 @@
-"""Compaction of a store of about 1 GiB (half of its keyed messages superseded) on
+"""Compaction of a store of about 2 GiB (half of its keyed messages superseded) on
 ``local[1]`` and ``local[2]``: input MiB/s, peak memory of a Python worker, and the
 local[2]/local[1] speed-up, beside a plain sequential read of the same chunk files
 measured in the same run (the physical reference).
@@ -10,7 +10,7 @@ each row is the run of median job time, beside the range: on a shared machine on
 run can be 20 % off. Either master runs first every other time. ``--quick`` is a
 smoke run on a few MiB.
 
-    .venv/bin/python tools/bench_compaction.py [--size-mib 1100] [--repeat 3] [--markdown]
+    .venv/bin/python tools/bench_compaction.py [--size-mib 2200] [--repeat 3] [--markdown]
 """
 
 from __future__ import annotations
@@ -271,7 +271,9 @@ def write_markdown(text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size-mib", type=int, default=1100)
+    # 2.2 GiB: the issue asks for at least 1 GiB, and about 1.3 s of every job is serial
+    # (docs/benchmarks.md), a smaller share of a larger store's job.
+    parser.add_argument("--size-mib", type=int, default=2200)
     parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each master")
     parser.add_argument("--quick", action="store_true", help="a smoke run on 24 MiB")
