@@ -11,7 +11,7 @@ only pyspark or py4j found, the path is left as it is.
 
 The workers are forked from this process as from pyspark's daemon, which must start
 no thread before it forks: importing equeue starts none (its prefault thread starts
-with the first writable chunk), and numpy is not imported until a worker needs it.
+with the first append), and numpy is not imported until a worker needs it.
 """
 
 from __future__ import annotations
