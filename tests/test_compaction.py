@@ -331,6 +331,36 @@ def test_only_checkpointed_completed_chunks_are_eligible(tmp_path: Path) -> None
     assert not take_snapshot(tmp_path).eligible
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        # Few distinct first halves, so that distinct keys often share one (the case
+        # sorted by both halves) and one key's rows often meet in a run.
+        st.tuples(st.integers(-2, 2), st.integers(-3, 3)),
+        max_size=60,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_superseded_rows_marks_all_but_each_keys_newest(
+    keys: list[tuple[int, int]], rng: random.Random
+) -> None:
+    import numpy as np
+
+    from equeue.compaction.decide import superseded_rows
+
+    positions = rng.sample(range(10 * len(keys) + 1), len(keys))  # unique, in any order
+    newest: dict[tuple[int, int], int] = {}
+    for key, position in zip(keys, positions, strict=True):
+        newest[key] = max(newest.get(key, position), position)
+    expected = [position < newest[key] for key, position in zip(keys, positions, strict=True)]
+    found = superseded_rows(
+        np.array([k[0] for k in keys], np.int64),
+        np.array([k[1] for k in keys], np.int64),
+        np.array(positions, np.int64),
+    )
+    assert found.tolist() == expected
+
+
 # --- the Spark job -----------------------------------------------------------------
 
 

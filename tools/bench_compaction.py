@@ -102,13 +102,14 @@ def _descendants(root: int) -> dict[int, tuple[int, bytes]]:
     return found
 
 
-def cpu_seconds(root: int) -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, of ``root`` and its descendants) so far;
-    a process that exited counts in its parent's children times."""
+def cpu_seconds(root: int) -> tuple[float, float, float]:
+    """(busy CPU seconds of the whole machine, seconds the hypervisor took from its
+    virtual CPUs, CPU seconds of ``root`` and its descendants) so far; a process that
+    exited counts in its parent's children times."""
     tick = os.sysconf("SC_CLK_TCK")
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
-    machine = (user + nice + system + irq + softirq + steal) / tick
+    machine = (user + nice + system + irq + softirq) / tick
     own = 0
     for pid in _descendants(root):
         try:
@@ -116,7 +117,7 @@ def cpu_seconds(root: int) -> tuple[float, float]:
         except OSError:
             continue
         own += sum(int(f) for f in stat[stat.rindex(")") + 2 :].split()[11:15])
-    return machine, own / tick
+    return machine, steal / tick, own / tick
 
 
 # The daemon's module (a local session's is equeue.spark.daemon) and the workers' one.
@@ -159,9 +160,9 @@ def run_case(store: Path, master: str) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    machine_before, own_before = cpu_seconds(os.getpid())
+    machine_before, steal_before, own_before = cpu_seconds(os.getpid())
     report = compact(store, spark=spark)
-    machine_after, own_after = cpu_seconds(os.getpid())
+    machine_after, steal_after, own_after = cpu_seconds(os.getpid())
     peak = max(peak, worker_peak_rss(os.getpid()))
     done.set()
     spark.stop()
@@ -181,9 +182,11 @@ def run_case(store: Path, master: str) -> dict[str, Any]:
         "files_written": len(report.groups),
         "worker_peak_rss": peak,
         # CPU the job used (driver, JVM, workers) and what the rest of the machine used
-        # meanwhile: on a shared machine, the cores local[2] could not have.
+        # meanwhile, and what the hypervisor did not give this VM: the cores local[2]
+        # could not have.
         "job_cpu_seconds": own_after - own_before,
         "other_cpu_seconds": max(0.0, (machine_after - machine_before) - (own_after - own_before)),
+        "stolen_cpu_seconds": steal_after - steal_before,
     }
 
 
@@ -226,8 +229,9 @@ def table(
         "time; each row is the run of median job time.",
         "",
         "| run | job s | job s, all runs | pass 1 s | pass 2 s | commit s | input MiB/s "
-        "| worker peak MiB | removed | after / before | job CPU s | other processes, cores |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| worker peak MiB | removed | after / before | job CPU s | other processes, cores "
+        "| stolen, cores |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for run, every in ((one, ones), (two, twos)):
         lines.append(
@@ -239,24 +243,28 @@ def table(
             f"{max(r['worker_peak_rss'] for r in every) / (1 << 20):.0f} | "
             f"{run['records_removed']:,} | "
             f"{mib(run['bytes_after'])} / {mib(run['bytes_before'])} MiB | "
-            f"{run['job_cpu_seconds']:.1f} | {run['other_cpu_seconds'] / run['seconds']:.2f} |"
+            f"{run['job_cpu_seconds']:.1f} | {run['other_cpu_seconds'] / run['seconds']:.2f} | "
+            f"{run['stolen_cpu_seconds'] / run['seconds']:.2f} |"
         )
     lines += [
         f"| plain sequential read (reference) | {size / (1 << 20) / ref:.1f} | | | | | "
-        f"{ref:.0f} | | | | | |",
+        f"{ref:.0f} | | | | | | |",
         "",
         f"Speed-up local[2] / local[1], of the median runs: "
         f"**{one['seconds'] / two['seconds']:.2f}x**; run by run: "
         + ", ".join(f"{a['seconds'] / b['seconds']:.2f}x" for a, b in runs)
-        + ". Other processes, cores, run by run (local[1], local[2]): "
+        + ". Other processes and stolen, cores, run by run (local[1]; local[2]): "
         + ", ".join(
             f"{a['other_cpu_seconds'] / a['seconds']:.2f} and "
-            f"{b['other_cpu_seconds'] / b['seconds']:.2f}"
+            f"{a['stolen_cpu_seconds'] / a['seconds']:.2f}; "
+            f"{b['other_cpu_seconds'] / b['seconds']:.2f} and "
+            f"{b['stolen_cpu_seconds'] / b['seconds']:.2f}"
             for a, b in runs
         )
         + f". SparkSession start (not in job time): {one['session_seconds']:.1f} s and "
         f"{two['session_seconds']:.1f} s. Machine: {os.cpu_count()} cores; "
-        '"other processes" is the CPU the rest of the machine used during the job; '
+        '"other processes" is the CPU the rest of the machine used during the job, '
+        '"stolen" the time the hypervisor ran something else on its virtual CPUs; '
         "worker peak is the largest over the runs.",
     ]
     return "\n".join(lines)

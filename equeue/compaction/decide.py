@@ -12,8 +12,8 @@ Two Python steps over Spark RDDs, a shuffle after each, nothing else:
    packed block of rows (``ROW``) per partition and batch: the JVM moves
    opaque bytes, never converts a row.
 2. ``RemovedRows``, one task per partition of key hashes: sorts the
-   partition's keyed rows by (key, position) and marks every row followed by
-   one with the same key as superseded. The newest message of a key can be in
+   partition's keyed rows by key and marks every row of a key but the one of its
+   largest position as superseded. The newest message of a key can be in
    any chunk read, the ongoing one included, so only this step sees enough. It
    shuffles the positions that go (packed, ascending) straight to one partition
    per chunk file, where pass 2 reads them, and how many go from each file and
@@ -206,6 +206,34 @@ def _block_rows(buf: bytes, offsets: np.ndarray, table: _RuleTable, eligible: bo
     return rows
 
 
+def superseded_rows(hi: np.ndarray, lo: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """For each row, whether a row with its key (``hi``, ``lo``) has a larger position.
+
+    Sorted by ``hi`` alone: a 64-bit sort, an order of magnitude faster than sorting
+    by (hi, lo, position) (measured: 40 against 473 ms for 1 M rows), and the rows of
+    one key are then runs of equal ``hi``. Only if two keys share ``hi`` (about n²/2⁶⁵
+    for n keys) does a run hold distinct ``lo``, and then the rows are sorted by both.
+    Within a run, the key's newest position is its maximum: the position needs no sort.
+    """
+    if len(hi) == 0:
+        return np.zeros(0, np.bool_)
+    order = np.argsort(hi)
+    sorted_hi, sorted_lo = hi[order], lo[order]
+    same_hi = sorted_hi[1:] == sorted_hi[:-1]
+    if not np.array_equal(same_hi, same_hi & (sorted_lo[1:] == sorted_lo[:-1])):
+        order = np.lexsort((lo, hi))
+        sorted_hi, sorted_lo = hi[order], lo[order]
+        same_hi = sorted_hi[1:] == sorted_hi[:-1]
+    same_key = same_hi & (sorted_lo[1:] == sorted_lo[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~same_key)))
+    sorted_position = position[order]
+    newest = np.maximum.reduceat(sorted_position, starts)
+    run = np.cumsum(np.concatenate(([True], ~same_key))) - 1
+    superseded = np.empty(len(hi), np.bool_)
+    superseded[order] = sorted_position < newest[run]
+    return superseded
+
+
 # A step-2 summary row: what goes from one chunk file, as found in one partition of
 # key hashes.
 SUMMARY: Final = np.dtype([("number", "<i8"), ("count", "<i8"), ("size", "<i8")])
@@ -231,18 +259,15 @@ class RemovedRows:
             return
         hi, lo, position = rows["hi"], rows["lo"], rows["position"]
         state = rows["size_state"] % _STATES
-        keyed = np.flatnonzero(state < GONE)
-        order = keyed[np.lexsort((position[keyed], lo[keyed], hi[keyed]))]
-        # Sorted by (key, position): a row is superseded when the next one has its key.
         superseded = np.zeros(len(state), np.bool_)
-        superseded[order[:-1]] = (hi[order[:-1]] == hi[order[1:]]) & (
-            lo[order[:-1]] == lo[order[1:]]
-        )
+        keyed = np.flatnonzero(state < GONE)
+        superseded[keyed] = superseded_rows(hi[keyed], lo[keyed], position[keyed])
         goes = np.flatnonzero((state >= GOES_KEYED) | ((state == GOES_IF_SUPERSEDED) & superseded))
         if len(goes) == 0:
             return
-        gone = np.sort(position[goes])  # positions are unique: their rows follow
-        sizes = rows["size_state"][goes][np.argsort(position[goes])] // _STATES
+        ascending = goes[np.argsort(position[goes])]
+        gone = position[ascending]
+        sizes = rows["size_state"][ascending] // _STATES
         # A file covers the chunk numbers from its start to the next file's start.
         starts = np.asarray(self.starts, np.int64)
         files = np.searchsorted(starts, gone // self.chunk_data_size, "right") - 1

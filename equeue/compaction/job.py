@@ -217,13 +217,13 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[in
         for topic, policy in snapshot.policies.items()
     }
     chunks = [ScanChunk(c.path, c.data_end, c.start_number, c.eligible) for c in snapshot.chunks]
-    # Partitions of key hashes small enough for one worker to sort in memory: 32 bytes
-    # a row, about _DECIDE_ROWS rows on average (hashing spreads them; fewer where not
-    # every record is sent on).
+    # Partitions of key hashes: one per task slot (Spark's default parallelism), more
+    # if a worker would otherwise sort more than about _DECIDE_ROWS rows in memory (32
+    # bytes a row; hashing spreads them; fewer where not every record is sent on). More
+    # partitions than slots only add tasks, each costing the JVM tens of ms of CPU that
+    # a local job's Python workers need (see docs/benchmarks.md, "Compaction").
     records = sum(c.record_count for c in snapshot.chunks)
-    partitions = max(
-        int(spark.conf.get("spark.sql.shuffle.partitions") or 1), -(-records // _DECIDE_ROWS)
-    )
+    partitions = max(spark.sparkContext.defaultParallelism, -(-records // _DECIDE_ROWS))
     return (
         spark.sparkContext.parallelize(range(len(chunks)), len(chunks))
         .mapPartitions(ChunkScan(chunks, rules, partitions))

@@ -44,10 +44,17 @@ def session(
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
             builder = builder.config("spark.driver.host", "127.0.0.1")
             # A local job is short and shares the machine's few cores with its Python
-            # workers: C2's compiler threads cost more CPU than their code saves (on the
-            # 1 GiB benchmark, 10 s of compile CPU against 1.4 s with C1 alone). The
-            # driver's options set the one JVM; ``config`` can replace them.
-            builder = builder.config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+            # workers, so the JVM should spend as little CPU as it can: C2's compiler
+            # threads cost more than their code saves (on the 1 GiB benchmark, 10 s of
+            # compile CPU against 1.4 s with C1 alone), and G1's concurrent threads more
+            # than the serial collector on a heap of tens of MiB. The driver's options
+            # set the one JVM; ``config`` can replace them.
+            builder = builder.config(
+                "spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+            )
+            # The shuffles carry key hashes (random bytes) and positions: LZ4 finds little
+            # to save, and the files stay on this machine's disk.
+            builder = builder.config("spark.shuffle.compress", "false")
             # Workers import the installed pyspark, not Spark's zip (see daemon.py). Local
             # only: a cluster's executors need not have equeue at the daemon's start.
             builder = builder.config("spark.python.daemon.module", "equeue.spark.daemon")
