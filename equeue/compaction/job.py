@@ -218,9 +218,10 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[in
     }
     chunks = [ScanChunk(c.path, c.data_end, c.start_number, c.eligible) for c in snapshot.chunks]
     # Partitions of key hashes: one per task slot (Spark's default parallelism), more
-    # if a worker would otherwise sort more than about _DECIDE_ROWS rows in memory (32
-    # bytes a row; hashing spreads them; fewer where not every record is sent on). More
-    # partitions than slots only add tasks, each costing the JVM tens of ms of CPU that
+    # where one would hold more than about _DECIDE_ROWS rows on average (hashing spreads
+    # them; fewer where not every record is sent on): a worker holds its partition, 32
+    # bytes a row, and the sort's columns, about 100 bytes a row in all. More
+    # partitions than that only add tasks, each costing the JVM tens of ms of CPU that
     # a local job's Python workers need (see docs/benchmarks.md, "Compaction").
     records = sum(c.record_count for c in snapshot.chunks)
     partitions = max(spark.sparkContext.defaultParallelism, -(-records // _DECIDE_ROWS))
@@ -233,7 +234,7 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[in
     )
 
 
-_DECIDE_ROWS: Final = 1 << 20
+_DECIDE_ROWS: Final = 1 << 18
 
 
 def _summary_rows(pairs: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
