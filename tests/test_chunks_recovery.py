@@ -6,9 +6,12 @@ Every damaged case asserts the exact list of records that survive, the exact cut
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from chunk_helpers import (
@@ -31,10 +34,18 @@ from code_paths import code_path  # noqa: F401 - the fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import equeue.chunks.manager as manager_module
 from equeue.chunks import ChunkManager, ChunkWriter, TailCut
-from equeue.chunks.recovery import SCAN_STEP, nonzero_extent, scan_fixed
+from equeue.chunks.recovery import (
+    SCAN_STEP,
+    ScanResult,
+    TailHint,
+    nonzero_extent,
+    scan_fixed,
+    scan_variable,
+)
 from equeue.errors import ChecksumMismatchError, CorruptionError
-from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, RECOVERED_DIR
+from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, RECOVERED_DIR, ChunkHeader
 
 # Recovery's scans have a C path (scan_frames, last_nonzero): every test runs on both.
 pytestmark = pytest.mark.usefixtures("code_path")
@@ -459,3 +470,144 @@ def test_scan_fixed_finds_the_first_empty_slot_across_steps(first_empty: int | N
     result = scan_fixed(buf, len(data), size)
     expected = slots if first_empty is None else first_empty
     assert (result.data_end, result.record_count) == (expected * size, expected)
+
+
+# --- the tail hint (the checkpoint's record of where the ongoing chunk ended) ----------
+
+
+def chunk_id_of(path: Path) -> uuid.UUID:
+    with open(path, "rb") as f:
+        return ChunkHeader.unpack(f.read(HEADER_SIZE)).chunk_id
+
+
+@pytest.fixture
+def scan_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Where each scan of an ongoing chunk of variable-size records started."""
+    starts: list[int] = []
+    real = scan_variable
+
+    def spy(*args: Any) -> ScanResult:
+        starts.append(args[3] if len(args) > 3 else 0)
+        return real(*args)
+
+    monkeypatch.setattr(manager_module, "scan_variable", spy)
+    return starts
+
+
+def check_whole(manager: ChunkManager, records: list[Record]) -> None:
+    """The store as a scan from the first record finds it, and a footer that agrees."""
+    last = manager.last_chunk
+    assert last is not None
+    assert (last.data_end, last.record_count) == (DATA_END, len(LAST_SIZES))
+    assert manager.recovery_cuts == []
+    assert read_all(manager) == records
+    ChunkWriter(manager).complete()
+    assert last.footer is not None and last.footer.record_count == len(LAST_SIZES)
+
+
+def test_without_a_tail_hint_the_scan_starts_at_the_first_record(
+    pristine: tuple[Path, list[Record]], tmp_path: Path, scan_starts: list[int]
+) -> None:
+    directory = copy_of(pristine[0], tmp_path / "store")
+    with ChunkManager(directory, make_config()) as manager:
+        assert scan_starts == [0]
+        check_whole(manager, pristine[1])
+
+
+@pytest.mark.parametrize("index", range(1, len(LAST_SIZES) + 1))
+def test_tail_hint_starts_the_scan_where_its_records_ended(
+    pristine: tuple[Path, list[Record]], tmp_path: Path, scan_starts: list[int], index: int
+) -> None:
+    directory = copy_of(pristine[0], tmp_path / "store")
+    hint = TailHint(chunk_id_of(last_file(directory)), boundaries()[index], index)
+    with ChunkManager(directory, make_config(), tail_hint=hint) as manager:
+        assert scan_starts == [boundaries()[index]]
+        check_whole(manager, pristine[1])
+
+
+def test_tail_hint_before_a_torn_tail_cuts_what_a_full_scan_cuts(
+    pristine: tuple[Path, list[Record]], tmp_path: Path, scan_starts: list[int]
+) -> None:
+    directory = copy_of(pristine[0], tmp_path / "store")
+    path = last_file(directory)
+    flip_byte(path, data_offset(boundaries()[6] + 4), 0x10)  # record 6's payload: torn
+    damaged = path.read_bytes()
+    cut = expected_cut(damaged, data_offset(boundaries()[6]), data_offset(SMALL))
+    assert cut is not None
+    with ChunkManager(
+        directory, make_config(), tail_hint=TailHint(chunk_id_of(path), boundaries()[3], 3)
+    ) as manager:
+        assert scan_starts == [boundaries()[3]]
+        check_cuts(directory, manager.recovery_cuts, damaged, [cut])
+        assert read_all(manager) == pristine[1][: 16 + 6]
+        last = manager.last_chunk
+        assert last is not None and (last.data_end, last.record_count) == (boundaries()[6], 6)
+
+
+REFUSED_HINTS = {
+    "inside a record": (boundaries()[4] + 1, 4),
+    "a byte short of a record's end": (boundaries()[4] - 1, 4),
+    "in the zeros past the data": (DATA_END + 13, 9),
+    "past the data area": (SMALL + 100, 9),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED_HINTS)
+def test_tail_hint_that_is_not_a_record_boundary_is_refused(
+    pristine: tuple[Path, list[Record]],
+    tmp_path: Path,
+    scan_starts: list[int],
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+) -> None:
+    directory = copy_of(pristine[0], tmp_path / "store")
+    path = last_file(directory)
+    data_end, count = REFUSED_HINTS[name]
+    with (
+        caplog.at_level(logging.WARNING, logger="equeue.chunks"),
+        ChunkManager(
+            directory, make_config(), tail_hint=TailHint(chunk_id_of(path), data_end, count)
+        ) as manager,
+    ):
+        assert scan_starts == [0]
+        check_whole(manager, pristine[1])
+    assert any(
+        str(path) in r.getMessage() and str(data_end) in r.getMessage() for r in caplog.records
+    )
+
+
+@pytest.mark.parametrize("name", ["another chunk", "no records", "more records than fit"])
+def test_tail_hint_about_something_else_is_not_used(
+    pristine: tuple[Path, list[Record]], tmp_path: Path, scan_starts: list[int], name: str
+) -> None:
+    directory = copy_of(pristine[0], tmp_path / "store")
+    chunk_id = chunk_id_of(last_file(directory))
+    hint = {
+        "another chunk": TailHint(uuid.uuid4(), boundaries()[4], 4),
+        "no records": TailHint(chunk_id, boundaries()[4], 0),
+        "more records than fit": TailHint(chunk_id, boundaries()[4], boundaries()[4]),
+    }[name]
+    with ChunkManager(directory, make_config(), tail_hint=hint) as manager:
+        assert scan_starts == [0]
+        check_whole(manager, pristine[1])
+
+
+def test_damage_before_the_tail_hint_is_left_to_reads(
+    pristine: tuple[Path, list[Record]], tmp_path: Path, scan_starts: list[int]
+) -> None:
+    # The records before the hint were durable when it was written: damage there is the
+    # disk's, not a torn write. Recovery keeps every record after it (a scan from the
+    # first record would cut them all); reading the damaged record is refused.
+    directory = copy_of(pristine[0], tmp_path / "store")
+    path = last_file(directory)
+    flip_byte(path, data_offset(boundaries()[2] + 4 + LAST_SIZES[2] // 2), 0x10)
+    with ChunkManager(
+        directory, make_config(), tail_hint=TailHint(chunk_id_of(path), boundaries()[5], 5)
+    ) as manager:
+        assert scan_starts == [boundaries()[5]]
+        assert manager.recovery_cuts == []
+        assert manager.committed_position == LAST_START + DATA_END
+        assert read_all(manager, LAST_START + boundaries()[3]) == pristine[1][16 + 3 :]
+        with pytest.raises(CorruptionError, match="checksum") as info:
+            read_all(manager, LAST_START + boundaries()[2])
+        assert f"{path} at offset {data_offset(boundaries()[2])} " in str(info.value)

@@ -482,3 +482,44 @@ def test_redispatch_in_c_follows_the_queue_chunks(
     assert outcomes[0][:2] == outcomes[1][:2] == (20, len(sent))
     assert outcomes[0][2:] == outcomes[1][2:] == ([], [])
     assert counting.matched >= 1000  # entries in three queue chunks before the last
+
+
+# --- the tail hint: recovery's scan starts at the checkpoint --------------------------
+
+
+@pytest.mark.parametrize("checkpoint", ["with the log's tail", "written before it had one"])
+def test_reopen_scans_the_log_from_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpoint: str
+) -> None:
+    import equeue.chunks.manager as manager_module
+    from equeue.atomicfile import read_json, write_json
+    from equeue.chunks.recovery import scan_variable
+    from equeue.inspect.verify import verify_store
+
+    starts: list[int] = []
+    real = scan_variable
+
+    def spy(*args: Any) -> Any:
+        starts.append(args[3] if len(args) > 3 else 0)
+        return real(*args)
+
+    monkeypatch.setattr(manager_module, "scan_variable", spy)
+    path = tmp_path / "store"
+    config = replace(CONFIG, chunk_data_size=64 * 1024)  # many records in the last chunk
+    with MessageStore.open(path, config) as s:
+        send_some(s, "m", 150)
+        before, keys = everything(s), keys_of(s)
+    body = read_json(path / "checkpoint.json")
+    tail = body["log_tail"]
+    assert tail["data_end"] > 0 and tail["records"] > 0
+    if checkpoint == "written before it had one":
+        del body["log_tail"]
+        write_json(path / "checkpoint.json", body)
+    starts.clear()
+    with MessageStore.open(path, config) as s:
+        assert starts == ([tail["data_end"]] if "log_tail" in body else [0])
+        assert s.recovery.clean
+        assert everything(s) == before
+        assert keys_of(s) == keys
+        send_some(s, "n", 400)  # completes the chunk it resumed: its footer counts it all
+    assert verify_store(path) == []

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 
 from equeue.chunks.chunk import Chunk, fsync_directory, write_error
 from equeue.chunks.config import ChunkManagerConfig
-from equeue.chunks.recovery import TailCut, cut_range, make_side_dir, scan_fixed, scan_variable
+from equeue.chunks.recovery import (
+    TailCut,
+    TailHint,
+    cut_range,
+    frame_ends_at,
+    make_side_dir,
+    scan_fixed,
+    scan_variable,
+)
 from equeue.errors import (
     ChunkRemovedError,
     ClosedError,
@@ -63,10 +71,12 @@ class ChunkManager:
         config: ChunkManagerConfig | None = None,
         *,
         read_only: bool = False,
+        tail_hint: TailHint | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.config = config or ChunkManagerConfig()
         self.read_only = read_only
+        self._tail_hint = tail_hint  # where the scan of the ongoing chunk may start (_load)
         self.recovery_cuts: list[TailCut] = []
         self.recovery_problems: list[str] = []  # what recovery found that it could not cut
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
@@ -491,6 +501,7 @@ class ChunkManager:
             max_record_size=self.config.max_record_size,
             on_map=self._mapped,
         )
+        self._start_at_hint(chunk)
         self._rescan_tail(chunk)
         return chunk
 
@@ -544,6 +555,38 @@ class ChunkManager:
         chunk.record_count = footer.record_count
         chunk.scan_problem = None
         chunk.footer = footer
+
+    def _start_at_hint(self, chunk: Chunk) -> None:
+        """Start the scan of the ongoing chunk where the tail hint says its records
+        ended, if the hint is about this very file (its chunk id) and a valid frame ends
+        there: the records before it were durable when the hint was written. Otherwise
+        the scan starts at the first record, as without a hint."""
+        hint = self._tail_hint
+        if hint is None or self.config.record_size or hint.chunk_id != chunk.header.chunk_id:
+            return
+        if not 0 < hint.record_count <= hint.data_end // (FRAME_OVERHEAD + 1):
+            return  # nothing to skip, or a count no records of that size could reach
+        size = chunk.path.stat().st_size
+        available = max(0, min(chunk.header.chunk_data_size, size - HEADER_SIZE))
+        with open(chunk.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            valid = frame_ends_at(
+                mm, hint.data_end, available, chunk.header.chunk_data_size - FRAME_OVERHEAD
+            )
+        finally:
+            mm.close()
+        if not valid:
+            log.warning(
+                "%s: no record ends at data offset %d, where the checkpoint says %d records "
+                "ended; scanning the chunk from its first record",
+                chunk.path,
+                hint.data_end,
+                hint.record_count,
+            )
+            return
+        chunk.data_end = hint.data_end
+        chunk.record_count = hint.record_count
 
     def _rescan_tail(self, chunk: Chunk) -> None:
         """Find the valid end of an ongoing chunk without changing the file; a refresh

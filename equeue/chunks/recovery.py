@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +24,7 @@ from equeue.chunks.prefault import WINDOW
 from equeue.format.chunk import (
     FRAME_OVERHEAD,
     FRAME_PREFIX,
+    FRAME_PREFIX_SIZE,
     HEADER_SIZE,
     RECOVERED_DIR,
     frame_problem,
@@ -43,6 +45,36 @@ class ScanResult:
     data_end: int
     record_count: int
     problem: str | None  # why the scan stopped early; None at a clean end
+
+
+@dataclass(frozen=True, slots=True)
+class TailHint:
+    """Where the records of the ongoing chunk ``chunk_id`` ended, ``record_count`` of
+    them, when the store last checkpointed: durable then, so the scan at open can start
+    there instead of at the chunk's first record (see ``frame_ends_at``)."""
+
+    chunk_id: uuid.UUID
+    data_end: int
+    record_count: int
+
+
+def frame_ends_at(
+    buf: mmap.mmap | bytes, data_offset: int, available: int, max_length: int
+) -> bool:
+    """Whether a valid frame ends exactly at ``data_offset`` of the data area.
+
+    Read from its end (the length suffix), then checked as a scan checks it (prefix,
+    suffix, checksum): a hint that is not a record boundary is refused, not trusted.
+    """
+    if data_offset == 0:
+        return True
+    if not FRAME_OVERHEAD < data_offset <= available:
+        return False
+    (length,) = FRAME_PREFIX.unpack_from(buf, HEADER_SIZE + data_offset - FRAME_PREFIX_SIZE)
+    start = data_offset - FRAME_OVERHEAD - length
+    if start < 0 or FRAME_PREFIX.unpack_from(buf, HEADER_SIZE + start)[0] != length:
+        return False
+    return frame_problem(buf, HEADER_SIZE + start, HEADER_SIZE + data_offset, max_length) is None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from equeue import speedups
 from equeue.chunks import ChunkManager, ChunkReader
-from equeue.chunks.recovery import SCAN_STEP, TailCut
+from equeue.chunks.recovery import SCAN_STEP, TailCut, TailHint
 from equeue.errors import EQueueError, location
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
 from equeue.format.message import (
@@ -48,6 +49,21 @@ class RecoveryReport:
         return (
             not self.cuts and not self.problems and not self.compactions and not self.redispatched
         )
+
+
+def tail_hint(checkpoint: dict[str, Any]) -> TailHint | None:
+    """The checkpoint's record of where the ongoing log chunk's records ended; None
+    where it has none (written before there was one, or with no ongoing chunk)."""
+    tail = checkpoint.get("log_tail")
+    if not isinstance(tail, dict):
+        return None
+    chunk_id, data_end, records = tail.get("chunk_id"), tail.get("data_end"), tail.get("records")
+    if not (isinstance(chunk_id, str) and isinstance(data_end, int) and isinstance(records, int)):
+        return None
+    try:
+        return TailHint(uuid.UUID(hex=chunk_id), data_end, records)
+    except ValueError:
+        return None
 
 
 def recovery_start(

@@ -60,7 +60,7 @@ from equeue.store.meta import (
 )
 from equeue.store.queue import Queue
 from equeue.store.reads import LogReader, tag_filter
-from equeue.store.recovery import RecoveryReport, recovery_start, redispatch
+from equeue.store.recovery import RecoveryReport, recovery_start, redispatch, tail_hint
 from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
@@ -124,6 +124,7 @@ class MessageStore:
             # the log is never seen half old, half compacted.
             compactions = compaction_commit.recover(path)
         self._id_prefix = f"{self.store_id:08x}"
+        checkpoint = self._read_meta(CHECKPOINT_FILE, {})
         self._messages = ChunkManager(
             path / MESSAGES_DIR,
             ChunkManagerConfig(
@@ -136,6 +137,9 @@ class MessageStore:
                 max_open_chunks=config.max_open_chunks,
             ),
             read_only=read_only,
+            # The recovery scan of the ongoing chunk starts where the checkpoint's
+            # records ended, not at its first record.
+            tail_hint=tail_hint(checkpoint) if isinstance(checkpoint, dict) else None,
         )
         self._reader = ChunkReader(self._messages)
         self._log = LogReader(self._messages, self._id_prefix, read_only=read_only)
@@ -145,7 +149,6 @@ class MessageStore:
         self._policies: dict[str, TopicPolicy] = {}
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
-        checkpoint = self._read_meta(CHECKPOINT_FILE, {})
         self._keys = self._open_keys()
         self.recovery = RecoveryReport(
             cuts=list(self._messages.recovery_cuts),
@@ -744,6 +747,16 @@ class MessageStore:
                 self._check_open()
                 position = self._messages.committed_position
                 queues = {t: [q.next_offset for q in qs] for t, qs in self._queues.items()}
+                last = self._messages.last_chunk
+                tail = (
+                    {
+                        "chunk_id": last.header.chunk_id.hex,
+                        "data_end": last.data_end,
+                        "records": last.record_count,
+                    }
+                    if last is not None and not last.is_completed
+                    else None
+                )
                 self._keys.mark(position)
             if flush:  # the log first: an entry on disk should find its record there
                 self._writer.flush()
@@ -752,7 +765,8 @@ class MessageStore:
             if flush:
                 write_json(
                     self.path / CHECKPOINT_FILE,
-                    {"log_position": position, "queues": queues, "key_index": position},
+                    {"log_position": position, "queues": queues, "key_index": position}
+                    | ({"log_tail": tail} if tail is not None else {}),
                 )
                 self._checkpointed = position
 
