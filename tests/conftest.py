@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -28,3 +28,19 @@ def spark() -> Iterator[SparkSession]:
     spark.sparkContext.setLogLevel("ERROR")
     yield spark
     spark.stop()
+
+
+@pytest.fixture
+def scan_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Where each recovery scan of an ongoing chunk of variable-size records started."""
+    import equeue.chunks.manager as manager_module
+    from equeue.chunks.recovery import ScanResult, scan_variable
+
+    starts: list[int] = []
+
+    def spy(*args: Any) -> ScanResult:
+        starts.append(args[3] if len(args) > 3 else 0)
+        return scan_variable(*args)
+
+    monkeypatch.setattr(manager_module, "scan_variable", spy)
+    return starts

@@ -11,7 +11,6 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 from chunk_helpers import (
@@ -34,15 +33,12 @@ from code_paths import code_path  # noqa: F401 - the fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import equeue.chunks.manager as manager_module
 from equeue.chunks import ChunkManager, ChunkWriter, TailCut
 from equeue.chunks.recovery import (
     SCAN_STEP,
-    ScanResult,
     TailHint,
     nonzero_extent,
     scan_fixed,
-    scan_variable,
 )
 from equeue.errors import ChecksumMismatchError, CorruptionError
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, RECOVERED_DIR, ChunkHeader
@@ -478,20 +474,6 @@ def test_scan_fixed_finds_the_first_empty_slot_across_steps(first_empty: int | N
 def chunk_id_of(path: Path) -> uuid.UUID:
     with open(path, "rb") as f:
         return ChunkHeader.unpack(f.read(HEADER_SIZE)).chunk_id
-
-
-@pytest.fixture
-def scan_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Where each scan of an ongoing chunk of variable-size records started."""
-    starts: list[int] = []
-    real = scan_variable
-
-    def spy(*args: Any) -> ScanResult:
-        starts.append(args[3] if len(args) > 3 else 0)
-        return real(*args)
-
-    monkeypatch.setattr(manager_module, "scan_variable", spy)
-    return starts
 
 
 def check_whole(manager: ChunkManager, records: list[Record]) -> None:

@@ -489,21 +489,12 @@ def test_redispatch_in_c_follows_the_queue_chunks(
 
 @pytest.mark.parametrize("checkpoint", ["with the log's tail", "written before it had one"])
 def test_reopen_scans_the_log_from_the_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpoint: str
+    tmp_path: Path, scan_starts: list[int], checkpoint: str
 ) -> None:
-    import equeue.chunks.manager as manager_module
     from equeue.atomicfile import read_json, write_json
-    from equeue.chunks.recovery import scan_variable
     from equeue.inspect.verify import verify_store
 
-    starts: list[int] = []
-    real = scan_variable
-
-    def spy(*args: Any) -> Any:
-        starts.append(args[3] if len(args) > 3 else 0)
-        return real(*args)
-
-    monkeypatch.setattr(manager_module, "scan_variable", spy)
+    starts = scan_starts
     path = tmp_path / "store"
     config = replace(CONFIG, chunk_data_size=64 * 1024)  # many records in the last chunk
     with MessageStore.open(path, config) as s:
