@@ -23,7 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from equeue import MessageStore, StoreConfig
+from equeue.atomicfile import read_json, write_json
 from equeue.store.config import FlushPolicy
+from equeue.store.meta import CHECKPOINT_FILE
 
 BODY = os.urandom(1024)
 
@@ -215,6 +217,26 @@ def bench_recovery(directory: Path, size: int) -> tuple[float, int]:
     return elapsed, redispatched
 
 
+def bench_clean_reopen(directory: Path, repeat: int = 5) -> tuple[float, float]:
+    """Median seconds to reopen the (closed) store at ``directory``: as it is, and with
+    the checkpoint's ``log_tail`` taken out, so that recovery scans the ongoing chunk
+    from its first record, as it did before checkpoints carried it (the reference, in
+    the same run)."""
+    checkpoint = directory / CHECKPOINT_FILE
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeat):
+        for hint in (True, False):
+            if not hint:
+                body = read_json(checkpoint)
+                body.pop("log_tail", None)
+                write_json(checkpoint, body)
+            started = time.perf_counter()
+            store = MessageStore.open(directory)
+            times[hint].append(time.perf_counter() - started)
+            store.close()
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def _median(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
@@ -226,6 +248,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dir", type=Path, default=Path.cwd())
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--only-recovery", action="store_true", help="only the reopen cases")
     args = parser.parse_args()
     repeat, seconds = args.repeat, args.seconds
     sizes = [100 << 20, 1 << 30, 4 << 30]
@@ -235,84 +258,94 @@ def main() -> None:
     def fresh() -> Path:
         return Path(tempfile.mkdtemp(prefix="equeue-bench-", dir=args.dir))
 
-    rows = [
-        "| case | sends/s median (min-max) | vs fdatasync loop | sends per flush |",
-        "|---|---|---|---|",
-    ]
-    reference: list[float] = []
-    for _ in range(repeat):
-        directory = fresh()
-        try:
-            reference.append(bench_fdatasync_loop(directory, seconds))
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-    ref = statistics.median(reference)
-    rows.append(f"| REF append + fdatasync, 1 KiB | {_median(reference)} | 1.00 | 1 |")
-    prealloc: list[float] = []
-    for _ in range(repeat):
-        directory = fresh()
-        try:
-            prealloc.append(bench_fdatasync_preallocated(directory, seconds))
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-    rows.append(
-        f"| REF pwrite + fdatasync, preallocated file, 1 KiB | {_median(prealloc)} | "
-        f"{statistics.median(prealloc) / ref:.2f} | 1 |"
-    )
-    for threads in (1, 4, 16):
-        rates, batches = [], []
+    def send_rows() -> list[str]:
+        rows = [
+            "| case | sends/s median (min-max) | vs fdatasync loop | sends per flush |",
+            "|---|---|---|---|",
+        ]
+        reference: list[float] = []
         for _ in range(repeat):
             directory = fresh()
             try:
-                rate, batch = bench_sync_sends(directory, threads, seconds)
+                reference.append(bench_fdatasync_loop(directory, seconds))
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            rates.append(rate)
-            batches.append(batch)
-        rows.append(
-            f'| send, flush="sync", 1 KiB, {threads} thread{"s" if threads > 1 else ""} | '
-            f"{_median(rates)} | {statistics.median(rates) / ref:.2f} | "
-            f"{statistics.median(batches):.1f} |"
-        )
-    for mapped in (False, True):
-        rates, batches = [], []
+        ref = statistics.median(reference)
+        rows.append(f"| REF append + fdatasync, 1 KiB | {_median(reference)} | 1.00 | 1 |")
+        prealloc: list[float] = []
         for _ in range(repeat):
             directory = fresh()
             try:
-                rate, batch = bench_group_floor(directory, 16, seconds, mapped=mapped)
+                prealloc.append(bench_fdatasync_preallocated(directory, seconds))
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            rates.append(rate)
-            batches.append(batch)
-        how = "mmap writes" if mapped else "pwrite"
         rows.append(
-            f"| REF least group commit (no store), {how}, 1 KiB, 16 threads | "
-            f"{_median(rates)} | {statistics.median(rates) / ref:.2f} | "
-            f"{statistics.median(batches):.1f} |"
+            f"| REF pwrite + fdatasync, preallocated file, 1 KiB | {_median(prealloc)} | "
+            f"{statistics.median(prealloc) / ref:.2f} | 1 |"
         )
-    # The ceiling: the same 16 threads with no flush at all, bounded by the Python
-    # work per send and thread hand-offs under the GIL.
-    ceiling = []
-    for _ in range(repeat):
-        directory = fresh()
-        try:
-            ceiling.append(bench_sync_sends(directory, 16, seconds, "os")[0])
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-    rows.append(
-        f'| send, flush="os" (no flush: the CPU ceiling), 1 KiB, 16 threads | '
-        f"{_median(ceiling)} | {statistics.median(ceiling) / ref:.2f} | - |"
-    )
+        for threads in (1, 4, 16):
+            rates, batches = [], []
+            for _ in range(repeat):
+                directory = fresh()
+                try:
+                    rate, batch = bench_sync_sends(directory, threads, seconds)
+                finally:
+                    shutil.rmtree(directory, ignore_errors=True)
+                rates.append(rate)
+                batches.append(batch)
+            rows.append(
+                f'| send, flush="sync", 1 KiB, {threads} thread{"s" if threads > 1 else ""} | '
+                f"{_median(rates)} | {statistics.median(rates) / ref:.2f} | "
+                f"{statistics.median(batches):.1f} |"
+            )
+        for mapped in (False, True):
+            rates, batches = [], []
+            for _ in range(repeat):
+                directory = fresh()
+                try:
+                    rate, batch = bench_group_floor(directory, 16, seconds, mapped=mapped)
+                finally:
+                    shutil.rmtree(directory, ignore_errors=True)
+                rates.append(rate)
+                batches.append(batch)
+            how = "mmap writes" if mapped else "pwrite"
+            rows.append(
+                f"| REF least group commit (no store), {how}, 1 KiB, 16 threads | "
+                f"{_median(rates)} | {statistics.median(rates) / ref:.2f} | "
+                f"{statistics.median(batches):.1f} |"
+            )
+        # The ceiling: the same 16 threads with no flush at all, bounded by the Python
+        # work per send and thread hand-offs under the GIL.
+        ceiling = []
+        for _ in range(repeat):
+            directory = fresh()
+            try:
+                ceiling.append(bench_sync_sends(directory, 16, seconds, "os")[0])
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+        rows.append(
+            f'| send, flush="os" (no flush: the CPU ceiling), 1 KiB, 16 threads | '
+            f"{_median(ceiling)} | {statistics.median(ceiling) / ref:.2f} | - |"
+        )
+        return rows
+
+    rows = [] if args.only_recovery else send_rows()
     rows += [
         "",
-        "| store size | reopen after SIGKILL, s | messages re-dispatched |",
-        "|---|---|---|",
+        "| store size | reopen after SIGKILL, s | messages re-dispatched "
+        "| reopen after close, s (median of 5) | same, scanning the ongoing chunk "
+        "from its first record (reference) |",
+        "|---|---|---|---|---|",
     ]
     for size in sizes:
         directory = fresh()
         try:
             seconds_taken, redispatched = bench_recovery(directory, size)
-            rows.append(f"| {size / 2**30:.2f} GiB | {seconds_taken:.3f} | {redispatched:,} |")
+            clean, from_first = bench_clean_reopen(directory)
+            rows.append(
+                f"| {size / 2**30:.2f} GiB | {seconds_taken:.3f} | {redispatched:,} "
+                f"| {clean:.3f} | {from_first:.3f} |"
+            )
         finally:
             shutil.rmtree(directory, ignore_errors=True)
     table = "\n".join(rows)
