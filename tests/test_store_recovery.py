@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from equeue import Message, MessageStore, SendResult, StoreConfig
-from equeue.errors import MessageNotFoundError
+from equeue.errors import EQueueError, MessageNotFoundError
 from equeue.format.chunk import HEADER_SIZE
 
 CHUNK = 4096
@@ -513,4 +513,83 @@ def test_reopen_scans_the_log_from_the_checkpoint(
         assert everything(s) == before
         assert keys_of(s) == keys
         send_some(s, "n", 400)  # completes the chunk it resumed: its footer counts it all
+        assert s._messages.get_chunk_for(tail_position(path, tail)).is_completed
     assert verify_store(path) == []
+
+
+def tail_position(path: Path, tail: dict[str, Any]) -> int:
+    """The log position where a checkpoint's log tail says its chunk's records ended."""
+    from equeue.format.chunk import ChunkHeader
+
+    for chunk in chunk_files(path / "messages"):
+        with open(chunk, "rb") as f:
+            header = ChunkHeader.unpack(f.read(HEADER_SIZE))
+        if header.chunk_id.hex == tail["chunk_id"]:
+            return int(header.start_position + tail["data_end"])
+    raise AssertionError(f"no chunk {tail['chunk_id']} in {path}")
+
+
+def test_checkpoint_gives_no_log_tail_past_what_was_synced(tmp_path: Path) -> None:
+    from equeue.atomicfile import read_json
+
+    # After a crash the records recovery finds may be in the page cache only: the
+    # checkpoint written at open must not name them as a tail the next open trusts
+    # without walking them (a power loss could still take them).
+    config = replace(CONFIG, chunk_data_size=64 * 1024, flush="os")
+    with MessageStore.open(tmp_path / "store", config) as s:
+        send_some(s, "m", 50)
+        copy = crash_copy(s, tmp_path / "copy")
+    with MessageStore.open(copy, config) as c:
+        assert "log_tail" not in read_json(copy / "checkpoint.json")
+        nxt = c.send("u", b"synced", queue_id=0)
+        c.flush()  # an fdatasync covers everything: now the tail may be given
+        tail = read_json(copy / "checkpoint.json")["log_tail"]
+        assert tail_position(copy, tail) == nxt.position + len(c.read(nxt.position).body) + (
+            56 + 1 + 12
+        )
+    with MessageStore.open(tmp_path / "store", config):
+        # the control: the original closed cleanly, so its checkpoint has one
+        assert read_json(tmp_path / "store" / "checkpoint.json")["log_tail"]["records"] > 0
+
+
+@pytest.mark.parametrize("key_index", ["intact", "lost"])
+def test_damage_before_the_log_tail_when_redispatch_must_read_it(
+    tmp_path: Path, scan_starts: list[int], key_index: str
+) -> None:
+    # A record before the tail hint damaged (by the disk). With the key index intact,
+    # re-dispatch starts at the checkpoint and the damage is left to reads. With the key
+    # index lost, re-dispatch re-reads the log from the start: the chunk is scanned from
+    # its first record as without a hint, and the damage is cut where that scan stops.
+    path = tmp_path / "store"
+    config = replace(CONFIG, chunk_data_size=64 * 1024)
+    with MessageStore.open(path, config) as s:
+        sent = send_some(s, "m", 150)
+    last = chunk_files(path / "messages")[-1]
+    number = int(last.name.split("-")[1].split(".")[0])
+    in_last = [r.position for r in sent if r.position // (64 * 1024) == number]
+    damaged = in_last[5]
+    with MessageStore.open(path, config, read_only=True) as r:
+        bodies = {p: r.read(p).body for p in in_last}
+    flip_byte(last, HEADER_SIZE + damaged % (64 * 1024) + 4 + 60, 0x10)
+    if key_index == "lost":
+        (path / "keys.sqlite").unlink()
+        for extra in path.glob("keys.sqlite-*"):
+            extra.unlink()
+    scan_starts.clear()
+    with MessageStore.open(path, config) as s:
+        cuts = s.recovery.cuts
+        if key_index == "intact":
+            assert len(scan_starts) == 1 and scan_starts[0] > damaged % (64 * 1024)
+            assert cuts == []
+            with pytest.raises(EQueueError, match="checksum"):
+                s.read(damaged)
+            assert s.read(in_last[6]).body == bodies[in_last[6]]
+        else:
+            assert scan_starts[0] > damaged % (64 * 1024) and scan_starts[1:] == [0]
+            log_cuts = [c for c in cuts if Path(c.file).parent == path / "messages"]
+            assert [(Path(c.file), c.offset) for c in log_cuts] == [
+                (last, HEADER_SIZE + damaged % (64 * 1024))
+            ]
+            assert s.read(in_last[4]).body == bodies[in_last[4]]
+            with pytest.raises(MessageNotFoundError):
+                s.read(damaged)

@@ -101,6 +101,10 @@ class Chunk:
         self.version = version
         self.data_end = data_end
         self.flushed_end = data_end
+        # Up to where this chunk is known durable: an fdatasync of this process covered it,
+        # or (the ongoing chunk at open) a checkpoint's tail hint said so. Not flushed_end,
+        # which at open also covers what recovery found in the page cache.
+        self.synced_end = data_end
         self.record_count = record_count
         self.last_used = 0
         self.scan_problem: str | None = None  # why recovery's scan stopped, if not at a clean end
@@ -369,7 +373,7 @@ class Chunk:
                 return
             end = self.data_end  # everything committed by now is covered too
             self._fdatasync("flushing a chunk")
-            self.flushed_end = end
+            self.flushed_end = self.synced_end = end
         self._release(end)  # now flushed: a window behind it may go
 
     def _fdatasync(self, what: str) -> None:
@@ -381,7 +385,8 @@ class Chunk:
         succeeds still read back zeros once the page cache is dropped (a review showed it
         on a real failing ext4; docs/durability.md). No later flush of this
         chunk can vouch for the range, so none is claimed: the store is to be reopened,
-        and recovery verifies every record and cuts at the first damaged one. PostgreSQL
+        and recovery verifies every record written since the last checkpoint (no later
+        one can be written) and cuts at the first damaged one. PostgreSQL
         made the same choice after "fsyncgate"."""
         if self._failed is not None:
             start, reason, failure = self._failed
@@ -391,7 +396,8 @@ class Chunk:
                 f"{what} refused for {self.path}: an earlier fdatasync of it failed "
                 f"({reason}) with the data from offset {start:#x} on (or its footer) not "
                 "yet durable, and no later flush can make them durable; close and reopen "
-                "the store (recovery verifies every record and cuts at the first damaged one)",
+                "the store (recovery verifies every record written since the last checkpoint "
+                "and cuts at the first damaged one)",
             )
         try:
             os.fdatasync(self._fd)
@@ -435,6 +441,7 @@ class Chunk:
             except StoreWriteError:
                 mm[at:] = bytes(FOOTER_SIZE)
                 raise
+        self.synced_end = self.data_end
         self.footer = footer
         return footer
 

@@ -77,6 +77,9 @@ class ChunkManager:
         self.config = config or ChunkManagerConfig()
         self.read_only = read_only
         self._tail_hint = tail_hint  # where the scan of the ongoing chunk may start (_load)
+        # The log position where that scan started, if the hint was taken: the records
+        # before it were not walked at open.
+        self.scan_started_at: int | None = None
         self.recovery_cuts: list[TailCut] = []
         self.recovery_problems: list[str] = []  # what recovery found that it could not cut
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
@@ -460,6 +463,7 @@ class ChunkManager:
             self._install(chunk)
         if chunks and not chunks[-1].is_completed and not self.read_only:
             chunks[-1].open_for_write()
+        self._tail_hint = None  # about the chunk ongoing at open only, not ones a refresh finds
 
     def _read_header(self, path: Path) -> ChunkHeader:
         with open(path, "rb") as f:
@@ -585,8 +589,9 @@ class ChunkManager:
                 hint.record_count,
             )
             return
-        chunk.data_end = hint.data_end
+        chunk.data_end = chunk.synced_end = hint.data_end
         chunk.record_count = hint.record_count
+        self.scan_started_at = chunk.start_position + hint.data_end
 
     def _rescan_tail(self, chunk: Chunk) -> None:
         """Find the valid end of an ongoing chunk without changing the file; a refresh

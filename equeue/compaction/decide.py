@@ -210,7 +210,8 @@ def superseded_rows(hi: np.ndarray, lo: np.ndarray, position: np.ndarray) -> np.
     """For each row, whether a row with its key (``hi``, ``lo``) has a larger position.
 
     Sorted by ``hi`` alone: a 64-bit sort, an order of magnitude faster than sorting
-    by (hi, lo, position) (measured: 40 against 473 ms for 1 M rows), and the rows of
+    by (hi, lo, position) (the sorts alone: 40 against 473 ms for 1 M rows; the whole
+    of RemovedRows: 183 against 676 ms), and the rows of
     one key are then runs of equal ``hi``. Only if two keys share ``hi`` (about n²/2⁶⁵
     for n keys) does a run hold distinct ``lo``, and then the rows are sorted by both.
     Within a run, the key's newest position is its maximum: the position needs no sort.

@@ -63,7 +63,8 @@ def session(
     spark = (
         builder.config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        # The job's shuffles carry metadata only: a few partitions per core, not 200.
+        # DataFrame shuffles (the data source's users): a few partitions per core, not
+        # 200. The compaction job sizes its own shuffles (job.py), not by this.
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
         .getOrCreate()
     )

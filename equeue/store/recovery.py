@@ -106,6 +106,12 @@ def recovery_start(
     return max(start, first)
 
 
+def redispatch_start(start: int, keys: KeyIndex, log_manager: ChunkManager) -> int:
+    """Where ``redispatch`` starts for ``start``: earlier if the key index is behind."""
+    key_from = min(keys.indexed_position, log_manager.committed_position)
+    return min(start, max(key_from, log_manager.first_position))
+
+
 def redispatch(
     reader: ChunkReader,
     start: int,
@@ -119,7 +125,7 @@ def redispatch(
     # pending keys early) or point past a cut in the log; drop and re-index them.
     key_from = min(keys.indexed_position, reader.manager.committed_position)
     keys.forget_from(key_from)
-    start = min(start, max(key_from, reader.manager.first_position))
+    start = redispatch_start(start, keys, reader.manager)
     report.start_position = start
     log_end = reader.manager.committed_position
     seen: dict[Queue, int] = {}

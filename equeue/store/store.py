@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import threading
 import time
@@ -17,6 +18,7 @@ from equeue import speedups
 from equeue.atomicfile import remove_temp_files, write_json
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.chunks.config import MiB
+from equeue.chunks.recovery import TailHint
 from equeue.compaction import commit as compaction_commit
 from equeue.errors import (
     ChunkRemovedError,
@@ -60,10 +62,18 @@ from equeue.store.meta import (
 )
 from equeue.store.queue import Queue
 from equeue.store.reads import LogReader, tag_filter
-from equeue.store.recovery import RecoveryReport, recovery_start, redispatch, tail_hint
+from equeue.store.recovery import (
+    RecoveryReport,
+    recovery_start,
+    redispatch,
+    redispatch_start,
+    tail_hint,
+)
 from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
+
+log = logging.getLogger("equeue.recovery")
 
 _MAX_NAME = MAX_NAME_BYTES
 # Recovery re-dispatches what was written after the last checkpoint; one is written
@@ -125,24 +135,12 @@ class MessageStore:
             compactions = compaction_commit.recover(path)
         self._id_prefix = f"{self.store_id:08x}"
         checkpoint = self._read_meta(CHECKPOINT_FILE, {})
-        self._messages = ChunkManager(
-            path / MESSAGES_DIR,
-            ChunkManagerConfig(
-                chunk_data_size=config.chunk_data_size,
-                max_record_size=config.max_message_size
-                + config.max_properties_size
-                + MESSAGE_HEAD_SIZE
-                + 3 * _MAX_NAME,
-                timestamp_offset=STORED_TIME_OFFSET,
-                max_open_chunks=config.max_open_chunks,
-            ),
-            read_only=read_only,
-            # The recovery scan of the ongoing chunk starts where the checkpoint's
-            # records ended, not at its first record.
-            tail_hint=tail_hint(checkpoint) if isinstance(checkpoint, dict) else None,
-        )
-        self._reader = ChunkReader(self._messages)
-        self._log = LogReader(self._messages, self._id_prefix, read_only=read_only)
+        if not isinstance(checkpoint, dict):
+            checkpoint = {}
+        # The recovery scan of the ongoing chunk starts where the checkpoint's records
+        # ended, not at its first record.
+        hint = tail_hint(checkpoint)
+        self._open_log(hint)
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
@@ -176,7 +174,28 @@ class MessageStore:
         if read_only:
             return
         start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
-        recorded = checkpoint.get("queues") if isinstance(checkpoint, dict) else None
+        skipped_to = self._messages.scan_started_at
+        if (
+            skipped_to is not None
+            and redispatch_start(start, self._keys, self._messages) < skipped_to
+        ):
+            # Re-dispatch will read records the hint let the scan skip (a queue or the key
+            # index is behind the checkpoint): scan the chunk from its first record, as
+            # without a hint, so that damage there is cut, not met by re-dispatch.
+            log.warning(
+                "re-dispatch starts before the checkpoint's log tail (%d): rescanning the "
+                "ongoing log chunk from its first record",
+                skipped_to,
+            )
+            self._messages.close()
+            self._open_log(None)
+            self.recovery.cuts += self._messages.recovery_cuts
+            self.recovery.problems += self._messages.recovery_problems
+        # The last tail known durable: the hint this open took, until a flush covers more.
+        self._log_tail: dict[str, Any] | None = (
+            checkpoint.get("log_tail") if self._messages.scan_started_at is not None else None
+        )
+        recorded = checkpoint.get("queues")
         redispatch(self._reader, start, self._queues, self._keys, self.recovery, recorded)
         first = self._messages.first_position
         # A log from 0 lost nothing to retention: no search over (maybe damaged) entries.
@@ -685,6 +704,25 @@ class MessageStore:
         if self.read_only:
             raise ReadOnlyError(f"store {self.path} was opened read-only")
 
+    def _open_log(self, hint: TailHint | None) -> None:
+        config = self.config
+        self._messages = ChunkManager(
+            self.path / MESSAGES_DIR,
+            ChunkManagerConfig(
+                chunk_data_size=config.chunk_data_size,
+                max_record_size=config.max_message_size
+                + config.max_properties_size
+                + MESSAGE_HEAD_SIZE
+                + 3 * _MAX_NAME,
+                timestamp_offset=STORED_TIME_OFFSET,
+                max_open_chunks=config.max_open_chunks,
+            ),
+            read_only=self.read_only,
+            tail_hint=hint,
+        )
+        self._reader = ChunkReader(self._messages)
+        self._log = LogReader(self._messages, self._id_prefix, read_only=self.read_only)
+
     def _read_meta(self, name: str, default: Any) -> Any:
         return read_meta(
             self.path, name, default, self._meta_problems, move_aside=not self.read_only
@@ -748,14 +786,17 @@ class MessageStore:
                 position = self._messages.committed_position
                 queues = {t: [q.next_offset for q in qs] for t, qs in self._queues.items()}
                 last = self._messages.last_chunk
+                if last is not None and last.is_completed:
+                    last = None
+                tail_end = 0 if last is None else last.data_end
                 tail = (
-                    {
+                    None
+                    if last is None
+                    else {
                         "chunk_id": last.header.chunk_id.hex,
                         "data_end": last.data_end,
                         "records": last.record_count,
                     }
-                    if last is not None and not last.is_completed
-                    else None
                 )
                 self._keys.mark(position)
             if flush:  # the log first: an entry on disk should find its record there
@@ -763,10 +804,17 @@ class MessageStore:
                 self._flush_queues()
             self._keys.commit()
             if flush:
+                # A tail only once an fdatasync covered it: after a crash, what recovery
+                # found in the page cache counts as flushed but may not be on disk yet,
+                # and the next open would trust the hint without walking those records.
+                if last is None:
+                    self._log_tail = None
+                elif tail is not None and last.synced_end >= tail_end:
+                    self._log_tail = tail
                 write_json(
                     self.path / CHECKPOINT_FILE,
                     {"log_position": position, "queues": queues, "key_index": position}
-                    | ({"log_tail": tail} if tail is not None else {}),
+                    | ({"log_tail": self._log_tail} if self._log_tail is not None else {}),
                 )
                 self._checkpointed = position
 
