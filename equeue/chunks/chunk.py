@@ -358,18 +358,21 @@ class Chunk:
     def unflushed_bytes(self) -> int:
         return self.data_end - self.flushed_end
 
-    def flush(self) -> None:
+    def flush(self, *, settle: bool = False) -> None:
         """Make everything up to ``data_end`` durable.
 
         Safe beside the writing thread: it flushes at least what was committed
         when it was called. Several callers queue on one fdatasync at a time,
         and a caller whose data a previous fdatasync covered returns at once.
+        ``settle`` also syncs what recovery found at open and counted as flushed
+        (past ``synced_end``): not on the open's path, where it would write back
+        every dirty page a crashed writer left, but soon after.
         """
         end = self.data_end
-        if end <= self.flushed_end:
+        if end <= (self.synced_end if settle else self.flushed_end):
             return
         with self._flush_lock:
-            if end <= self.flushed_end or self._fd < 0:
+            if end <= (self.synced_end if settle else self.flushed_end) or self._fd < 0:
                 return
             end = self.data_end  # everything committed by now is covered too
             self._fdatasync("flushing a chunk")

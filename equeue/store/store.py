@@ -233,7 +233,9 @@ class MessageStore:
             lambda: self._closed,
             sender,
         )
-        self._checkpoint(flush=True)
+        # Not settled: what recovery found past the tail is synced by the next
+        # checkpoint (the service's within flush_thorough_interval_ms), off this path.
+        self._checkpoint(flush=True, settle=False)
         self._service_stop = threading.Event()
         self._service = threading.Thread(
             target=run_service, args=(self, self._service_stop), name="equeue-service", daemon=True
@@ -771,7 +773,7 @@ class MessageStore:
 
     # --- checkpoints and the service thread ------------------------------------
 
-    def _checkpoint(self, *, flush: bool) -> None:
+    def _checkpoint(self, *, flush: bool, settle: bool = True) -> None:
         """Flush, then record the log position up to which queue entries and keys are
         durable, with each queue's next offset.
 
@@ -801,6 +803,8 @@ class MessageStore:
                 self._keys.mark(position)
             if flush:  # the log first: an entry on disk should find its record there
                 self._writer.flush()
+                if settle and last is not None:  # what recovery found at open, too
+                    last.flush(settle=True)
                 self._flush_queues()
             self._keys.commit()
             if flush:
