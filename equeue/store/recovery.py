@@ -106,10 +106,14 @@ def recovery_start(
     return max(start, first)
 
 
+def _keys_from(keys: KeyIndex, log_manager: ChunkManager) -> int:
+    """The log position from which the key index is re-built."""
+    return min(keys.indexed_position, log_manager.committed_position)
+
+
 def redispatch_start(start: int, keys: KeyIndex, log_manager: ChunkManager) -> int:
     """Where ``redispatch`` starts for ``start``: earlier if the key index is behind."""
-    key_from = min(keys.indexed_position, log_manager.committed_position)
-    return min(start, max(key_from, log_manager.first_position))
+    return min(start, max(_keys_from(keys, log_manager), log_manager.first_position))
 
 
 def redispatch(
@@ -123,9 +127,9 @@ def redispatch(
     """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets."""
     # Keys: rows at or past the index's own mark may be duplicates (a query commits
     # pending keys early) or point past a cut in the log; drop and re-index them.
-    key_from = min(keys.indexed_position, reader.manager.committed_position)
+    start = redispatch_start(start, keys, reader.manager)  # before forget_from moves it
+    key_from = _keys_from(keys, reader.manager)
     keys.forget_from(key_from)
-    start = redispatch_start(start, keys, reader.manager)
     report.start_position = start
     log_end = reader.manager.committed_position
     seen: dict[Queue, int] = {}
