@@ -1,7 +1,9 @@
 """Compaction of a store of about 2 GiB (half of its keyed messages superseded) on
 ``local[1]`` and ``local[2]``: input MiB/s, peak memory of a Python worker, and the
-local[2]/local[1] speed-up, beside a plain sequential read of the same chunk files
-measured in the same run (the physical reference).
+local[2]/local[1] speed-up, beside references measured in the same run: a plain
+sequential read of the same chunk files (the physical one), and pass 1's chunk scans
+in plain Python processes, one and two, with no Spark (what this machine's two cores
+give that work without a JVM beside it).
 
 Each Spark run is its own process with its own SparkSession, on its own copy of
 the store. Job time is from the job's start to its commit; the SparkSession's
@@ -67,6 +69,35 @@ def reference_read(path: Path) -> float:
             while block := f.read(4 << 20):
                 total += len(block)
     return total / (1 << 20) / (time.perf_counter() - started)
+
+
+def _scan(job: tuple[Any, int]) -> int:
+    scan, index = job
+    return sum(len(blob) for _, blob in scan([index]))
+
+
+def reference_scan(path: Path, processes: int) -> float:
+    """Seconds for ``processes`` plain Python processes, no Spark, to run pass 1's per-chunk
+    Python (``decide.ChunkScan``: stream, parse, hash keys, split rows) over every chunk,
+    taking the next chunk as each finishes, as Spark's task slots do; the page cache
+    dropped first, as before a job. The speed-up of 2 processes over 1 is what this machine
+    gives this work with no JVM beside it: the reference for the job's speed-up."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from equeue.compaction.decide import ChunkScan, ScanChunk, TopicRule
+    from equeue.compaction.plan import take_snapshot
+
+    snapshot = take_snapshot(path)
+    chunks = [ScanChunk(c.path, c.data_end, c.start_number, c.eligible) for c in snapshot.chunks]
+    scan = ChunkScan(chunks, {"prices": TopicRule(True, None, 0)}, 8)
+    jobs = [(scan, i) for i in range(len(chunks))]
+    with ProcessPoolExecutor(processes, mp_context=get_context("fork")) as pool:
+        list(pool.map(_scan, jobs[:processes]))  # the processes started, as Spark's workers
+        drop_caches()
+        started = time.perf_counter()
+        list(pool.map(_scan, jobs))
+        return time.perf_counter() - started
 
 
 def drop_caches() -> bool:
@@ -213,9 +244,15 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(
-    chunk_mib: int, messages: int, cold: bool, refs: list[float], runs: list[list[dict[str, Any]]]
+    chunk_mib: int,
+    messages: int,
+    cold: bool,
+    refs: list[float],
+    scans: list[list[float]],
+    runs: list[list[dict[str, Any]]],
 ) -> str:
-    """``runs``: per repeat, the local[1] run and the local[2] run."""
+    """``runs``: per repeat, the local[1] run and the local[2] run; ``scans``: per repeat,
+    reference_scan's seconds with 1 and with 2 processes."""
     ones, twos = [pair[0] for pair in runs], [pair[1] for pair in runs]
     one, two = median_run(ones), median_run(twos)
     ref = statistics.median(refs)
@@ -246,13 +283,24 @@ def table(
             f"{run['job_cpu_seconds']:.1f} | {run['other_cpu_seconds'] / run['seconds']:.2f} | "
             f"{run['stolen_cpu_seconds'] / run['seconds']:.2f} |"
         )
+    one_scan = statistics.median(a for a, _ in scans)
+    two_scan = statistics.median(b for _, b in scans)
     lines += [
         f"| plain sequential read (reference) | {size / (1 << 20) / ref:.1f} | | | | | "
         f"{ref:.0f} | | | | | | |",
+        f"| pass 1's chunk scan, no Spark, 1 process (reference) | {one_scan:.1f} | "
+        f"{' / '.join(format(a, '.1f') for a, _ in scans)} | | | | "
+        f"{size / (1 << 20) / one_scan:.0f} | | | | | | |",
+        f"| the same, 2 processes (reference) | {two_scan:.1f} | "
+        f"{' / '.join(format(b, '.1f') for _, b in scans)} | | | | "
+        f"{size / (1 << 20) / two_scan:.0f} | | | | | | |",
         "",
         f"Speed-up local[2] / local[1], of the median runs: "
         f"**{one['seconds'] / two['seconds']:.2f}x**; run by run: "
         + ", ".join(f"{a['seconds'] / b['seconds']:.2f}x" for a, b in runs)
+        + f". The same chunk scans without Spark (the references: no JVM, no shuffle), "
+        f"2 processes over 1, of the medians: **{one_scan / two_scan:.2f}x**; run by run: "
+        + ", ".join(f"{a / b:.2f}x" for a, b in scans)
         + ". Other processes and stolen, cores, run by run (local[1]; local[2]): "
         + ", ".join(
             f"{a['other_cpu_seconds'] / a['seconds']:.2f} and "
@@ -304,9 +352,10 @@ def main() -> None:
         os.sync()  # the build's writes go out before any run reads
         runs = []
         refs = []
+        scans: list[list[float]] = []  # per repeat: seconds with 1 and with 2 processes
         cold = True
         for repeat in range(1 if args.quick else args.repeat):
-            pair = {}
+            pair: dict[str, dict[str, Any]] = {}
             # Either master goes first every other time: a run right after the build
             # or after the other master's has been seen to differ.
             for master in ("local[1]", "local[2]")[:: 1 if repeat % 2 == 0 else -1]:
@@ -314,12 +363,16 @@ def main() -> None:
                 shutil.copytree(template, store)
                 cold = drop_caches() and cold
                 refs.append(reference_read(store))
+                if not pair:  # once a repeat, either process count first in turn
+                    order = (1, 2) if repeat % 2 == 0 else (2, 1)
+                    seconds = {n: reference_scan(store, n) for n in order}
+                    scans.append([seconds[1], seconds[2]])
                 cold = drop_caches() and cold
                 print(f"compacting on {master} ...", flush=True)
                 pair[master] = child(store, master)
                 shutil.rmtree(store)
             runs.append([pair["local[1]"], pair["local[2]"]])
-        text = table(chunk_mib, messages, cold, refs, runs)
+        text = table(chunk_mib, messages, cold, refs, scans, runs)
         print(text)
         if args.markdown and not args.quick:
             write_markdown(text)
