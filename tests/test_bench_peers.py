@@ -162,39 +162,3 @@ def test_every_chart_is_a_png_linked_from_the_section(smoke: dict[str, Any]) -> 
 
 def test_the_case_directories_are_removed(smoke: dict[str, Any]) -> None:
     assert list(smoke["scratch"].iterdir()) == []
-
-
-def _reopen(peer: str, seconds: float, written: int, stored: int) -> Any:
-    from peers.runner import Outcome
-
-    result = {"seconds": seconds, "written": written, "stored": stored}
-    # equeue's peak memory below the peer's: the memory comparison is not lost.
-    rss = 10.0 if peer == "equeue" else 20.0
-    result |= {"first_ok": stored > 0, "empty": stored == 0, "rss_mib": rss}
-    return Outcome("reopen", peer, "", written, [result])
-
-
-def test_a_peer_that_reopens_without_its_messages_fails_the_scenario() -> None:
-    sys.path.insert(0, str(TOOL.parent))
-    from peers.report import Report
-
-    def first_target(*peers: Any) -> Any:
-        outcomes = {(o.scenario, o.peer, o.variant): o for o in peers}
-        return Report(outcomes, {}, smoke=True).targets()[0]
-
-    equeue = _reopen("equeue", 0.040, 1000, 1010)
-    # Control: faster and complete, so equeue is behind.
-    control = first_target(equeue, _reopen("diskcache", 0.008, 1000, 1000))
-    assert not control.met and control.summary.startswith("behind in 1 of")
-    assert control.details[0].startswith("reopen after SIGKILL: diskcache.Deque 0.008 s")
-    # Faster, but empty or short: failed, listed, and not a comparison equeue lost.
-    for stored, word in ((0, "empty"), (999, "short")):
-        target = first_target(equeue, _reopen("queuelib", 0.000, 1000, stored))
-        assert target.summary.startswith("behind in 0 of"), target
-        (detail,) = [d for d in target.details if d.startswith("reopen")]
-        assert f"reopened {word} in 1 of 1 runs (found {stored:,} of 1,000" in detail
-    # equeue lost messages too: the peer's time counts again.
-    short = _reopen("equeue", 0.040, 1000, 999)
-    assert first_target(short, _reopen("queuelib", 0.000, 1000, 0)).summary.startswith(
-        "behind in 1 of"
-    )

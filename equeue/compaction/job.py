@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import SparkSession
 
+    from equeue.compaction.decide import ChunkScan
+
 Progress = Callable[[str], None]
 
 
@@ -197,13 +199,23 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[in
     shuffling its result straight to these partitions). Nothing runs until the plan
     reads the summary; pass 2 then reads the partitions of the chunks it rewrites from
     the same shuffle's files, so pass 1 never runs twice and nothing is cached."""
-    from equeue.compaction.decide import (
-        ChunkScan,
-        RemovedRows,
-        ScanChunk,
-        TopicRule,
-        shuffle_partition,
+    from equeue.compaction.decide import RemovedRows, shuffle_partition
+
+    scan = chunk_scan(snapshot, now, spark.sparkContext.defaultParallelism)
+    return (
+        spark.sparkContext.parallelize(range(len(scan.chunks)), len(scan.chunks))
+        .mapPartitions(scan)
+        .partitionBy(scan.partitions, shuffle_partition)
+        .mapPartitions(RemovedRows([c.number for c in scan.chunks], snapshot.chunk_data_size))
+        .partitionBy(len(scan.chunks) + 1, shuffle_partition)
     )
+
+
+def chunk_scan(snapshot: Snapshot, now: float, slots: int) -> ChunkScan:
+    """Step 1's function for ``snapshot`` (element i scans its chunk i): the topics' rules
+    at ``now`` (seconds since the epoch), and the partitions of key hashes for ``slots``
+    task slots."""
+    from equeue.compaction.decide import ChunkScan, ScanChunk, TopicRule
 
     now_ns = int(now * 1e9)
     rules = {
@@ -217,21 +229,14 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[in
         for topic, policy in snapshot.policies.items()
     }
     chunks = [ScanChunk(c.path, c.data_end, c.start_number, c.eligible) for c in snapshot.chunks]
-    # Partitions of key hashes: one per task slot (Spark's default parallelism), more
-    # where one would hold more than about _DECIDE_ROWS rows on average (hashing spreads
-    # them; fewer where not every record is sent on): a worker holds its partition, 32
-    # bytes a row, and the sort's columns, about 100 bytes a row in all. More
-    # partitions than that only add tasks, each costing the JVM tens of ms of CPU that
-    # a local job's Python workers need (see docs/benchmarks.md, "Compaction").
+    # Partitions of key hashes: one per task slot, more where one would hold more than
+    # about _DECIDE_ROWS rows on average (hashing spreads them; fewer where not every
+    # record is sent on): a worker holds its partition, 32 bytes a row, and the sort's
+    # columns, about 100 bytes a row in all. More partitions than that only add tasks,
+    # each costing the JVM tens of ms of CPU that a local job's Python workers need (see
+    # docs/benchmarks.md, "Compaction").
     records = sum(c.record_count for c in snapshot.chunks)
-    partitions = max(spark.sparkContext.defaultParallelism, -(-records // _DECIDE_ROWS))
-    return (
-        spark.sparkContext.parallelize(range(len(chunks)), len(chunks))
-        .mapPartitions(ChunkScan(chunks, rules, partitions))
-        .partitionBy(partitions, shuffle_partition)
-        .mapPartitions(RemovedRows([c.number for c in chunks], snapshot.chunk_data_size))
-        .partitionBy(len(chunks) + 1, shuffle_partition)
-    )
+    return ChunkScan(chunks, rules, max(slots, -(-records // _DECIDE_ROWS)))
 
 
 _DECIDE_ROWS: Final = 1 << 18

@@ -175,8 +175,10 @@ class Report:
                 firsts = {
                     "ok" if r["first_ok"] else "empty" if r["empty"] else "wrong" for r in results
                 }
-                lost = found < written
-                first = "/".join(sorted(firsts)) + (" (lost data)" if lost else "")
+                lost = lost_runs(results)
+                first = "/".join(sorted(firsts))
+                if lost:
+                    first += f" (lost data in {len(lost)} of {len(results)} runs)"
                 notes = {r["note"] for r in results if r.get("note")}
                 if notes:
                     first += "; " + "; ".join(sorted(notes))
@@ -193,11 +195,6 @@ class Report:
                 f"{'' if outcome.peer == 'equeue' else fmt_ratio(seconds / mine)} |"
             )
         return lines
-
-    @staticmethod
-    def lost_on_reopen(outcome: Outcome) -> bool:
-        """Whether a reopen found fewer messages than were written before the kill."""
-        return any(r["stored"] < r["written"] for r in outcome.results)
 
     def memory(self, name: str = "rss_mib") -> dict[str, dict[str, float]]:
         """Medians of ``name`` (MiB) per store label and scenario: the larger of equeue's."""
@@ -253,16 +250,28 @@ class Report:
                     # A store that reopens without what was written before the kill has
                     # not reopened the store the scenario times: its time is that of an
                     # empty or shorter queue. It fails the scenario, which equeue passed
-                    # only if it lost nothing itself.
-                    lost = [r for r in outcome.results if r["stored"] < r["written"]]
-                    if lost and equeue is not None and not self.lost_on_reopen(equeue):
-                        failed.append(
-                            f"{scenario.label}: {peer.name} {detail}, but it reopened "
-                            + ("empty" if any(r["empty"] for r in lost) else "short")
-                            + f" in {len(lost)} of {len(outcome.results)} runs (found "
+                    # if it reopened, every run, with all it had written.
+                    lost = lost_runs(outcome.results)
+                    if lost:
+                        empty = sum(1 for r in lost if r["stored"] == 0)
+                        how = [f"empty in {empty}"] if empty else []
+                        how += [f"short in {len(lost) - empty}"] if len(lost) > empty else []
+                        detail += (
+                            f", but it reopened {' and '.join(how)} of "
+                            f"{len(outcome.results)} runs (found "
                             f"{min(r['stored'] for r in lost):,} of "
                             f"{max(r['written'] for r in lost):,} messages written before "
-                            "the kill): counted as failing the scenario, not as ahead"
+                            "the kill)"
+                        )
+                    if (
+                        lost
+                        and equeue is not None
+                        and equeue.results
+                        and not lost_runs(equeue.results)
+                    ):
+                        failed.append(
+                            f"{scenario.label}: {peer.name} {detail}: it failed the scenario, "
+                            "counted as equeue ahead, not as a loss"
                         )
                         checked += 1
                         continue
@@ -455,6 +464,11 @@ class Report:
                 "(a per-message fsync each).",
             ]
         return "\n".join(lines) + "\n"
+
+
+def lost_runs(results: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The reopen runs that found fewer messages than were written before the kill."""
+    return [r for r in results if r["stored"] < r["written"]]
 
 
 @dataclass(frozen=True)
