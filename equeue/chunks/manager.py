@@ -9,7 +9,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -72,14 +72,20 @@ class ChunkManager:
         *,
         read_only: bool = False,
         tail_hint: TailHint | None = None,
+        live_hint: TailHint | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.config = config or ChunkManagerConfig()
         self.read_only = read_only
         self._tail_hint = tail_hint  # where the scan of the ongoing chunk may start (_load)
-        # The log position where that scan started, if the hint was taken: the records
+        self._live_hint = live_hint  # the same, from this boot's page cache
+        # The log position where that scan started, if a hint was taken: the records
         # before it were not walked at open.
         self.scan_started_at: int | None = None
+        self.started_at_live_hint = False
+        self.synced_hint: TailHint | None = None  # the checkpoint's hint, if it was valid
+        # Passed to each chunk opened for writing (Chunk.on_advance).
+        self.on_advance: Callable[[Chunk], None] | None = None
         self.recovery_cuts: list[TailCut] = []
         self.recovery_problems: list[str] = []  # what recovery found that it could not cut
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
@@ -214,8 +220,17 @@ class ChunkManager:
                 max_record_size=config.max_record_size,
                 on_map=self._mapped,
             )
+            chunk.on_advance = self.on_advance
             self._install(chunk)
             return chunk
+
+    def set_on_advance(self, on_advance: Callable[[Chunk], None] | None) -> None:
+        """``Chunk.on_advance`` for the ongoing chunk and every chunk created after it."""
+        with self._lock:
+            self.on_advance = on_advance
+            last = self.last_chunk
+            if last is not None and not last.is_completed:
+                last.on_advance = on_advance
 
     def remove_chunks_before(self, number: int) -> list[Chunk]:
         """Delete completed chunks that end before chunk ``number``, oldest first.
@@ -463,7 +478,8 @@ class ChunkManager:
             self._install(chunk)
         if chunks and not chunks[-1].is_completed and not self.read_only:
             chunks[-1].open_for_write()
-        self._tail_hint = None  # about the chunk ongoing at open only, not ones a refresh finds
+        # About the chunk ongoing at open only, not ones a refresh finds.
+        self._tail_hint = self._live_hint = None
 
     def _read_header(self, path: Path) -> ChunkHeader:
         with open(path, "rb") as f:
@@ -561,37 +577,61 @@ class ChunkManager:
         chunk.footer = footer
 
     def _start_at_hint(self, chunk: Chunk) -> None:
-        """Start the scan of the ongoing chunk where the tail hint says its records
-        ended, if the hint is about this very file (its chunk id) and a valid frame ends
-        there: the records before it were durable when the hint was written. Otherwise
-        the scan starts at the first record, as without a hint."""
-        hint = self._tail_hint
-        if hint is None or self.config.record_size or hint.chunk_id != chunk.header.chunk_id:
+        """Start the scan of the ongoing chunk where a tail hint says its records ended,
+        if the hint is about this very file (its chunk id) and a valid frame ends there.
+        Of the two hints, the one further on: the checkpoint's (durable when written)
+        or the live one (in the page cache of this boot; see format/livetail.py).
+        Otherwise the scan starts at the first record, as without a hint."""
+        durable, live = self._tail_hint, self._live_hint
+        if self.config.record_size:
             return
-        if not 0 < hint.record_count <= hint.data_end // (FRAME_OVERHEAD + 1):
-            return  # nothing to skip, or a count no records of that size could reach
+        hints = [h for h in (live, durable) if h is not None and self._about(h, chunk)]
+        if not hints:
+            return
         size = chunk.path.stat().st_size
         available = max(0, min(chunk.header.chunk_data_size, size - HEADER_SIZE))
         with open(chunk.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            valid = frame_ends_at(
-                mm, hint.data_end, available, chunk.header.chunk_data_size - FRAME_OVERHEAD
-            )
+            valid = [
+                h
+                for h in hints
+                if frame_ends_at(
+                    mm, h.data_end, available, chunk.header.chunk_data_size - FRAME_OVERHEAD
+                )
+            ]
         finally:
             mm.close()
+        for hint in hints:
+            if hint not in valid:
+                log.warning(
+                    "%s: no record ends at data offset %d, where the %s says %d records "
+                    "ended; not starting the scan there",
+                    chunk.path,
+                    hint.data_end,
+                    "checkpoint" if hint is durable else "live tail",
+                    hint.record_count,
+                )
         if not valid:
-            log.warning(
-                "%s: no record ends at data offset %d, where the checkpoint says %d records "
-                "ended; scanning the chunk from its first record",
-                chunk.path,
-                hint.data_end,
-                hint.record_count,
-            )
             return
-        chunk.data_end = chunk.synced_end = hint.data_end
-        chunk.record_count = hint.record_count
-        self.scan_started_at = chunk.start_position + hint.data_end
+        start = max(valid, key=lambda h: h.data_end)
+        chunk.data_end = start.data_end
+        chunk.record_count = start.record_count
+        # Durable only as far as the checkpoint's hint: the live one's records may
+        # still be in the page cache alone.
+        if durable in valid and durable is not None and durable.data_end <= start.data_end:
+            chunk.synced_end = durable.data_end
+            self.synced_hint = durable
+        self.scan_started_at = chunk.start_position + start.data_end
+        self.started_at_live_hint = start is live
+
+    @staticmethod
+    def _about(hint: TailHint, chunk: Chunk) -> bool:
+        """The hint names this chunk and a record count records of that size can reach."""
+        return (
+            hint.chunk_id == chunk.header.chunk_id
+            and 0 < hint.record_count <= hint.data_end // (FRAME_OVERHEAD + 1)
+        )
 
     def _rescan_tail(self, chunk: Chunk) -> None:
         """Find the valid end of an ongoing chunk without changing the file; a refresh

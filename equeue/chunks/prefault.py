@@ -25,7 +25,7 @@ from equeue import speedups
 log = logging.getLogger("equeue.prefault")
 
 MADV_POPULATE_WRITE = 23
-WINDOW = 1 << 20
+WINDOW = 512 << 10
 
 
 def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

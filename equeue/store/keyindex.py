@@ -40,6 +40,8 @@ class KeyIndex:
         self._lock = threading.Lock()
         self._pending: list[tuple[str, str, int]] = []
         self._pending_end = 0
+        # The position of the first key of the batch commit() is writing, until it is in.
+        self._committing_from: int | None = None
         if not read_only:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -59,10 +61,24 @@ class KeyIndex:
     def pending(self) -> int:
         return len(self._pending)
 
+    def all_committed_before(self, position: int) -> bool:
+        """Every key added for a message before ``position`` is in the table. The caller
+        holds the store's write lock, so no key is added meanwhile; commit() may run."""
+        # The list first: commit() names its batch's first key before it takes the list,
+        # and forgets it only once the batch is in.
+        pending = self._pending
+        if pending and pending[0][2] < position:
+            return False
+        committing = self._committing_from
+        return committing is None or committing >= position
+
     def commit(self) -> None:
         """Write the buffered keys and the indexed position in one transaction."""
         with self._lock:
-            batch, self._pending = self._pending, []
+            batch = self._pending
+            if batch:
+                self._committing_from = batch[0][2]
+            self._pending = []
             end = self._pending_end
             if not batch and end <= self.indexed_position:
                 return
@@ -74,13 +90,15 @@ class KeyIndex:
                         "INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (end,)
                     )
             except sqlite3.Error as exc:
-                self._pending[:0] = batch  # kept for the next commit, in order
+                # Kept for the next commit, in order; _committing_from stays until one succeeds.
+                self._pending[:0] = batch
                 full = getattr(exc, "sqlite_errorcode", 0) & 0xFF == _SQLITE_FULL
                 code = errno.ENOSPC if full else errno.EIO
                 raise (DiskFullError if full else StoreWriteError)(
                     code,
                     f"writing the key index {self.path} failed: {exc} ({os.strerror(code)})",
                 ) from exc
+            self._committing_from = None
             self.indexed_position = end
 
     def positions(self, topic: str, key: str, limit: int) -> list[int]:
@@ -98,6 +116,7 @@ class KeyIndex:
         pointing past a cut in the log); they are re-indexed from the log."""
         with self._lock, self._db:
             self._pending = []
+            self._committing_from = None
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM keys WHERE position >= ?", (position,))
             self._db.execute(

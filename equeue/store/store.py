@@ -48,6 +48,7 @@ from equeue.store.append import Appender
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
 from equeue.store.keyindex import KeyIndex
+from equeue.store.livetail import LiveTailWriter, current_boot_id, read_live_tail
 from equeue.store.meta import (
     CHECKPOINT_FILE,
     KEYS_FILE,
@@ -138,9 +139,14 @@ class MessageStore:
         if not isinstance(checkpoint, dict):
             checkpoint = {}
         # The recovery scan of the ongoing chunk starts where the checkpoint's records
-        # ended, not at its first record.
+        # ended, or where the live tail (this boot's page cache) says, not at its first record.
         hint = tail_hint(checkpoint)
-        self._open_log(hint)
+        boot = None if read_only else current_boot_id()
+        found = None if boot is None else read_live_tail(path, boot)
+        live = (
+            None if found is None else TailHint(found.chunk_id, found.data_end, found.record_count)
+        )
+        self._open_log(hint, live)
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
@@ -171,10 +177,19 @@ class MessageStore:
         self._checkpoint_lock = threading.Lock()
         self._sender: Any = None
         self._check_in_c: Any = None
+        self._live_tail: LiveTailWriter | None = None
         if read_only:
             return
-        start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
         skipped_to = self._messages.scan_started_at
+        if skipped_to is not None and self._messages.started_at_live_hint:
+            # The live tail names a point before which every queue entry is in place and
+            # every key is in the key index (LiveTailWriter.advance): re-dispatch from there.
+            position = checkpoint.get("log_position")
+            checkpoint = checkpoint | {
+                "log_position": max(skipped_to, position if isinstance(position, int) else 0)
+            }
+            self._keys.indexed_position = max(self._keys.indexed_position, skipped_to)
+        start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
         if (
             skipped_to is not None
             and redispatch_start(start, self._keys, self._messages) < skipped_to
@@ -188,12 +203,12 @@ class MessageStore:
                 skipped_to,
             )
             self._messages.close()
-            self._open_log(None)
+            self._open_log(None, None)
             self.recovery.cuts += self._messages.recovery_cuts
             self.recovery.problems += self._messages.recovery_problems
         # The last tail known durable: the hint this open took, until a flush covers more.
         self._log_tail: dict[str, Any] | None = (
-            checkpoint.get("log_tail") if self._messages.scan_started_at is not None else None
+            checkpoint.get("log_tail") if self._messages.synced_hint is not None else None
         )
         recorded = checkpoint.get("queues")
         redispatch(self._reader, start, self._queues, self._keys, self.recovery, recorded)
@@ -233,6 +248,9 @@ class MessageStore:
             lambda: self._closed,
             sender,
         )
+        if boot is not None:
+            self._live_tail = LiveTailWriter(path, boot, self._keys)
+            self._messages.set_on_advance(self._live_tail.advance)
         # Not settled: what recovery found past the tail is synced by the next
         # checkpoint (the service's within flush_thorough_interval_ms), off this path.
         self._checkpoint(flush=True, settle=False)
@@ -280,6 +298,8 @@ class MessageStore:
         """Close every file; the first failure is raised after all were tried."""
         closers = [self._keys.close, self._messages.close]
         closers += [q.close for qs in self._queues.values() for q in qs]
+        if self._live_tail is not None:
+            closers.append(self._live_tail.close)
         failure: BaseException | None = None
         for close in closers:
             try:
@@ -706,7 +726,7 @@ class MessageStore:
         if self.read_only:
             raise ReadOnlyError(f"store {self.path} was opened read-only")
 
-    def _open_log(self, hint: TailHint | None) -> None:
+    def _open_log(self, hint: TailHint | None, live: TailHint | None) -> None:
         config = self.config
         self._messages = ChunkManager(
             self.path / MESSAGES_DIR,
@@ -721,6 +741,7 @@ class MessageStore:
             ),
             read_only=self.read_only,
             tail_hint=hint,
+            live_hint=live,
         )
         self._reader = ChunkReader(self._messages)
         self._log = LogReader(self._messages, self._id_prefix, read_only=self.read_only)
