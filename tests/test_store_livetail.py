@@ -9,6 +9,7 @@ if after a reboot (another boot id), which must find the same messages.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from livetail_writer import BATCH, CONFIG, TOPIC, body, key
 
 from equeue import MessageStore
 from equeue.chunks.config import MiB
+from equeue.cli import main
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.livetail import (
     FILE_SIZE,
@@ -32,6 +34,7 @@ from equeue.format.livetail import (
     LiveTailHeader,
     newest,
 )
+from equeue.inspect import layout
 from equeue.store import store as store_module
 from equeue.store.livetail import current_boot_id, read_live_tail
 
@@ -227,3 +230,24 @@ def test_a_reboot_after_lost_pages_is_not_fooled_by_the_live_tail(
         assert store.recovery.cuts  # the hole and everything after it
         for i, got in enumerate(bodies(store)):
             assert got == body(i)
+
+
+@needs_boot_id
+def test_inspect_shows_where_recovery_would_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s"
+    run_and_kill(path, keys=False, acks=9_000)
+    assert BOOT is not None
+    slot = read_live_tail(path, BOOT)
+    assert slot is not None
+    assert main(["inspect", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    chunk = next(c for c in doc["message_chunks"] if c["state"] == "ongoing")
+    assert doc["live_tail_position"] == chunk["start_position"] + slot.data_end
+    assert doc["checkpoint_position"] <= doc["live_tail_position"]
+    assert main(["inspect", str(path)]) == 0
+    assert f"live tail {doc['live_tail_position']}" in capsys.readouterr().out
+    monkeypatch.setattr(layout, "current_boot_id", uuid.uuid4)  # another boot: none shown
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["live_tail_position"] is None

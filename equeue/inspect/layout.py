@@ -33,7 +33,9 @@ from equeue.format.chunk import (
     chunk_file_size,
     parse_chunk_file_name,
 )
+from equeue.format.livetail import LiveTail
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
+from equeue.store.livetail import current_boot_id, read_live_tail
 from equeue.store.meta import (
     CHECKPOINT_FILE,
     IDENTITY_FILE,
@@ -96,6 +98,7 @@ class StoreFiles:
     topics_known: bool = True  # False when topics.json was unreadable
     offsets: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     checkpoint: int | None = None
+    live_tail: LiveTail | None = None  # tail.live, if this boot wrote it
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -151,6 +154,8 @@ def open_store(path: Path) -> StoreFiles:
     checkpoint = _read_meta(store, CHECKPOINT_FILE, default={})
     if isinstance(checkpoint, dict):
         store.checkpoint = _int_or_none(checkpoint.get("log_position"))
+    boot = current_boot_id()
+    store.live_tail = None if boot is None else read_live_tail(path, boot)
     return store
 
 

@@ -108,6 +108,8 @@ def render_store(s: StoreSummary) -> str:
     if s.queue_chunk_records is not None:
         sizes += f", {s.queue_chunk_records} entries per queue chunk"
     checkpoint = "none" if s.checkpoint_position is None else str(s.checkpoint_position)
+    if s.live_tail_position is not None:
+        checkpoint += f", live tail {s.live_tail_position}"
     lines = [
         f"Store    {s.store}",
         f"Id       {store_id}, {sizes}",

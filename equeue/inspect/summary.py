@@ -90,6 +90,9 @@ class StoreSummary:
     chunk_data_size: int | None
     queue_chunk_records: int | None
     checkpoint_position: int | None
+    # Where recovery after a killed writer would start (tail.live of this boot), if it
+    # names a chunk of the log.
+    live_tail_position: int | None
     first_position: int
     end_position: int
     records: int
@@ -108,6 +111,16 @@ class StoreSummary:
                 queue["messages"] = q.messages
         doc["problems"] = [p.to_json() for p in self.problems]
         return doc
+
+
+def _live_tail_position(store: StoreFiles, files: list[ChunkFile]) -> int | None:
+    live = store.live_tail
+    if live is None:
+        return None
+    for cf in files:
+        if cf.header is not None and cf.header.chunk_id == live.chunk_id:
+            return cf.header.start_position + live.data_end
+    return None
 
 
 def chunk_summary(cf: ChunkFile) -> ChunkSummary:
@@ -154,6 +167,7 @@ def summarize_store(path: Path) -> StoreSummary:
         chunk_data_size=store.chunk_data_size,
         queue_chunk_records=store.queue_chunk_records,
         checkpoint_position=store.checkpoint,
+        live_tail_position=_live_tail_position(store, messages.files),
         first_position=messages.first_position,
         end_position=messages.end_position,
         records=sum(cf.records for cf in messages.files),
