@@ -251,3 +251,16 @@ def test_inspect_shows_where_recovery_would_start(
     monkeypatch.setattr(layout, "current_boot_id", uuid.uuid4)  # another boot: none shown
     assert main(["inspect", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["live_tail_position"] is None
+
+
+def test_a_live_tail_that_cannot_be_written_only_costs_recovery_speed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "s"
+    (path / LIVE_TAIL_FILE).mkdir(parents=True)  # os.open of it fails
+    with MessageStore.open(path, CONFIG) as store:
+        store.send_batch(TOPIC, [body(i) for i in range(3000)])
+        assert store._live_tail is None
+    assert BOOT is None or "no live tail" in caplog.text
+    with MessageStore.open(path, CONFIG) as store:
+        assert list(bodies(store)) == [body(i) for i in range(3000)]

@@ -249,8 +249,14 @@ class MessageStore:
             sender,
         )
         if boot is not None:
-            self._live_tail = LiveTailWriter(path, boot, self._keys)
-            self._messages.set_on_advance(self._live_tail.advance)
+            try:
+                self._live_tail = LiveTailWriter(path, boot, self._keys)
+            except OSError as exc:  # only recovery's speed depends on it
+                log.warning(
+                    "no live tail for %s: %s; recovery will start at checkpoints", path, exc
+                )
+            else:
+                self._messages.set_on_advance(self._live_tail.advance)
         # Not settled: what recovery found past the tail is synced by the next
         # checkpoint (the service's within flush_thorough_interval_ms), off this path.
         self._checkpoint(flush=True, settle=False)
