@@ -2,9 +2,10 @@
 
     python tests/livetail_writer.py STORE_DIR [--keys]
 
-Message ``i`` has body ``body(i)`` (and key ``key(i)`` with ``--keys``). After each
-``send_batch`` returns it prints ``A <count sent so far>``; it is killed in the
-middle of the batches that follow.
+Message ``i`` has body ``body(i)``. With ``--keys`` every tenth batch carries keys
+(``key(i)``) and is followed by ``flush()``, which commits them to the key index,
+so the live tail moves on past them. After each ``send_batch`` returns it prints
+``A <count sent so far>``; it is killed in the middle of the batches that follow.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from equeue.chunks.config import MiB
 
 TOPIC = "t"
 BATCH = 100
-CONFIG = StoreConfig(chunk_data_size=8 * MiB, default_queue_count=1, flush="async")
+# Chunks of 32 MiB: the tests kill it 10 MB into one, past the start of a chunk, where
+# the live tail still names the one before (or nothing yet) and recovery starts at the
+# checkpoint instead.
+CONFIG = StoreConfig(chunk_data_size=32 * MiB, default_queue_count=1, flush="async")
 
 
 def body(i: int) -> bytes:
@@ -27,6 +31,11 @@ def body(i: int) -> bytes:
 
 def key(i: int) -> str:
     return f"k{i % 1000}"
+
+
+def has_keys(i: int) -> bool:
+    """Whether message ``i`` was sent with its key (under ``--keys``)."""
+    return i // BATCH % 10 == 0
 
 
 def main() -> None:
@@ -38,8 +47,9 @@ def main() -> None:
     sent = 0
     while True:
         batch = range(sent, sent + BATCH)
-        if args.keys:
+        if args.keys and has_keys(sent):
             store.send_batch(TOPIC, [OutgoingMessage(body(i), key=key(i)) for i in batch])
+            store.flush()
         else:
             store.send_batch(TOPIC, [body(i) for i in batch])
         sent += BATCH

@@ -1,7 +1,7 @@
 """The live tail (``tail.live``): recovery in the boot that wrote it starts where the
 killed writer last noted its tail, and in any other boot it is ignored.
 
-Kill tests run tests/livetail_writer.py (8 MiB chunks, 1 KiB messages, so the log
+Kill tests run tests/livetail_writer.py (32 MiB chunks, 1 KiB messages, so the log
 passes many half windows) and SIGKILL it mid-batch; each reopened store is checked
 message by message against what the writer acknowledged, beside a copy reopened as
 if after a reboot (another boot id), which must find the same messages.
@@ -9,7 +9,10 @@ if after a reboot (another boot id), which must find the same messages.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -19,11 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from livetail_writer import BATCH, CONFIG, TOPIC, body, key
+from livetail_writer import BATCH, CONFIG, TOPIC, body, has_keys, key
 
 from equeue import MessageStore
 from equeue.chunks.config import MiB
 from equeue.cli import main
+from equeue.errors import StoreWriteError
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.livetail import (
     FILE_SIZE,
@@ -152,14 +156,16 @@ def check_store(store: MessageStore, acked: int, *, keys: bool) -> int:
         assert got == body(i), f"message {i} differs"
         found += 1
     assert acked <= found < acked + 10 * BATCH
-    if keys:
-        for i in range(acked - 1000, acked):
-            assert body(i) in {m.body for m in store.query_by_key(TOPIC, key(i), limit=64)}
+    if keys:  # each key once per message sent with it, none twice (re-indexed past the tail)
+        for k in {key(i) for i in range(found) if has_keys(i)}:
+            indexed = [m.body for m in store.query_by_key(TOPIC, k, limit=10_000)]
+            expected = [body(i) for i in range(found) if has_keys(i) and key(i) == k]
+            assert sorted(indexed) == sorted(expected), k
     return found
 
 
 @needs_boot_id
-@pytest.mark.parametrize("acks", [9_000, 20_000])
+@pytest.mark.parametrize("acks", [9_000, 40_000])  # 10 MB into chunk 0, and into chunk 1
 def test_after_a_kill_recovery_starts_at_the_live_tail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, acks: int
 ) -> None:
@@ -182,11 +188,81 @@ def test_after_a_kill_recovery_starts_at_the_live_tail(
 
 
 @needs_boot_id
-def test_after_a_kill_with_keys_every_key_is_found(tmp_path: Path) -> None:
+def test_after_a_kill_with_keys_every_key_is_found_once(tmp_path: Path) -> None:
     path = tmp_path / "s"
     acked = run_and_kill(path, keys=True, acks=12_000)
     with MessageStore.open(path, CONFIG) as store:
+        assert store._messages.started_at_live_hint  # past the last flushed keyed batch
         check_store(store, acked, keys=True)
+
+
+QUIET_QUEUE_WRITER = """
+import dataclasses, os, sys
+from equeue import MessageStore
+from livetail_writer import CONFIG, body
+store = MessageStore.open(sys.argv[1], dataclasses.replace(CONFIG, flush=sys.argv[2]))
+for i in range(5):
+    store.send("quiet", body(i))
+store.flush()  # a checkpoint: queue quiet/0 ends at 5
+for i in range(5, 15):
+    store.send("quiet", body(i))
+for j in range(0, 3000, 100):  # the live tail moves on past them, a batch at a time
+    store.send_batch("busy", [body(i) for i in range(j, j + 100)])
+os._exit(0)  # no close: the next open recovers
+"""
+
+
+@needs_boot_id
+@pytest.mark.parametrize("policy", ["async", "sync"])
+def test_a_queue_quiet_since_the_checkpoint_keeps_its_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """From the live tail on, a queue with no record past it ends where its entries
+    reach it, not at the older checkpoint's offset (a review found the 10 sends cut)."""
+    path = tmp_path / "s"
+    run = subprocess.run(
+        [sys.executable, "-c", QUIET_QUEUE_WRITER, str(path), policy],
+        cwd=WRITER.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    rebooted = tmp_path / "rebooted"
+    shutil.copytree(path, rebooted)
+    with MessageStore.open(path, CONFIG) as store:
+        assert store._messages.started_at_live_hint
+        assert not store.recovery.cuts
+        assert store.queue_range("quiet", 0) == (0, 15)
+    monkeypatch.setattr(store_module, "current_boot_id", uuid.uuid4)
+    with MessageStore.open(rebooted, CONFIG) as store:  # the control
+        assert store.queue_range("quiet", 0) == (0, 15)
+
+
+@needs_boot_id
+def test_a_failed_fdatasync_withdraws_the_live_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed fdatasync the page cache may hold pages the disk never got; the
+    next open in this boot must verify from the checkpoint, as after a reboot."""
+    assert BOOT is not None
+    store = MessageStore.open(tmp_path / "s", CONFIG)
+    try:
+        store.send_batch(TOPIC, [body(i) for i in range(3000)])
+        assert read_live_tail(tmp_path / "s", BOOT) is not None  # the control
+
+        def failing(fd: int) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "fdatasync", failing)
+        with pytest.raises(StoreWriteError):
+            store.flush()
+        assert read_live_tail(tmp_path / "s", BOOT) is None
+        store.send_batch(TOPIC, [body(i) for i in range(3000, 6000)])
+        assert read_live_tail(tmp_path / "s", BOOT) is None  # and none is written after
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(StoreWriteError):
+            store.close()
 
 
 @needs_boot_id

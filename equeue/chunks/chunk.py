@@ -127,6 +127,8 @@ class Chunk:
         # Called under the write lock each time the writer passes a half window (the
         # store's LiveTailWriter.advance, for the log's chunks).
         self.on_advance: Callable[[Chunk], None] | None = None
+        # Called when an fdatasync of this chunk fails (the store's LiveTailWriter.invalidate).
+        self.on_sync_failure: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         state = "ongoing" if self.footer is None else "completed"
@@ -419,6 +421,8 @@ class Chunk:
         except OSError as exc:
             failure = write_error(exc, what, self.path)
             self._failed = (self.flushed_end, exc.strerror or str(exc), failure)
+            if self.on_sync_failure is not None:
+                self.on_sync_failure()
             raise failure from exc
 
     def complete(self) -> ChunkFooter:

@@ -84,8 +84,10 @@ class ChunkManager:
         self.scan_started_at: int | None = None
         self.started_at_live_hint = False
         self.synced_hint: TailHint | None = None  # the checkpoint's hint, if it was valid
-        # Passed to each chunk opened for writing (Chunk.on_advance).
+        # Passed to each chunk opened for writing (Chunk.on_advance), and to every chunk
+        # (Chunk.on_sync_failure).
         self.on_advance: Callable[[Chunk], None] | None = None
+        self.on_sync_failure: Callable[[], None] | None = None
         self.recovery_cuts: list[TailCut] = []
         self.recovery_problems: list[str] = []  # what recovery found that it could not cut
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
@@ -231,6 +233,13 @@ class ChunkManager:
             last = self.last_chunk
             if last is not None and not last.is_completed:
                 last.on_advance = on_advance
+
+    def set_on_sync_failure(self, on_sync_failure: Callable[[], None] | None) -> None:
+        """``Chunk.on_sync_failure`` for every chunk, now and later."""
+        with self._lock:
+            self.on_sync_failure = on_sync_failure
+            for chunk in self._chunks:
+                chunk.on_sync_failure = on_sync_failure
 
     def remove_chunks_before(self, number: int) -> list[Chunk]:
         """Delete completed chunks that end before chunk ``number``, oldest first.
@@ -421,6 +430,7 @@ class ChunkManager:
             raise ReadOnlyError(f"chunk manager for {self.directory} was opened read-only")
 
     def _install(self, chunk: Chunk) -> None:
+        chunk.on_sync_failure = self.on_sync_failure
         self._chunks.append(chunk)
         for n in range(chunk.start_number, chunk.end_number + 1):
             self._by_number[n] = chunk

@@ -6,7 +6,7 @@ so after a crash recovery walks, checksum by checksum, everything written
 since: tens of MiB behind a fast writer. A process that dies without the
 machine going down leaves every byte it wrote in the OS page cache, where the
 next process reads it exactly as written. So the writer also notes, every half
-prefault window of the log (512 KiB), a point before which every record and its
+prefault window of the log (256 KiB), a point before which every record and its
 queue entries are in place and every key is committed to the key index;
 recovery in the same boot starts there. A power loss or kernel crash changes
 the boot id, and the file is then ignored: nothing in it is ever flushed or

@@ -72,10 +72,13 @@ class LiveTailWriter:
         finally:
             os.close(fd)
         self._keys = keys
+        self._valid = True
         self._sequence = 0
         self._seen: tuple[uuid.UUID, int, int] | None = None  # chunk id, data end, records
 
     def advance(self, chunk: Chunk) -> None:
+        if not self._valid:
+            return
         seen, chunk_id = self._seen, chunk.header.chunk_id
         self._seen = (chunk_id, chunk.data_end, chunk.record_count)
         if seen is None or seen[0] != chunk_id:
@@ -89,6 +92,14 @@ class LiveTailWriter:
         slot = LiveTail(self._sequence, chunk_id, seen[1], seen[2]).pack()
         with contextlib.suppress(ValueError):  # closed by close() on another thread
             self._mm[at : at + SLOT_SIZE] = slot
+
+    def invalidate(self) -> None:
+        """An fdatasync of the store failed: its pages may be clean in the page cache and
+        never written (docs/durability.md), so the next open in this boot must verify
+        everything since the checkpoint, as after a reboot. No slot is written again."""
+        self._valid = False
+        with contextlib.suppress(ValueError):
+            self._mm[HEADER_SIZE:FILE_SIZE] = bytes(FILE_SIZE - HEADER_SIZE)
 
     def close(self) -> None:
         self._mm.close()

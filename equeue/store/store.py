@@ -147,6 +147,7 @@ class MessageStore:
             None if found is None else TailHint(found.chunk_id, found.data_end, found.record_count)
         )
         self._open_log(hint, live)
+        self._live_tail: LiveTailWriter | None = None  # created once recovery is done
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
@@ -177,11 +178,12 @@ class MessageStore:
         self._checkpoint_lock = threading.Lock()
         self._sender: Any = None
         self._check_in_c: Any = None
-        self._live_tail: LiveTailWriter | None = None
         if read_only:
             return
         skipped_to = self._messages.scan_started_at
+        from_live = False
         if skipped_to is not None and self._messages.started_at_live_hint:
+            from_live = True
             # The live tail names a point before which every queue entry is in place and
             # every key is in the key index (LiveTailWriter.advance): re-dispatch from there.
             position = checkpoint.get("log_position")
@@ -210,7 +212,11 @@ class MessageStore:
         self._log_tail: dict[str, Any] | None = (
             checkpoint.get("log_tail") if self._messages.synced_hint is not None else None
         )
-        recorded = checkpoint.get("queues")
+        # The checkpoint's queue offsets are each queue's end at its log position. From the
+        # live tail on, a queue with no record past it ends where its entries reach it
+        # (redispatch), not where the older checkpoint said: that would cut entries of
+        # acknowledged messages sent between the two.
+        recorded = None if from_live else checkpoint.get("queues")
         redispatch(self._reader, start, self._queues, self._keys, self.recovery, recorded)
         first = self._messages.first_position
         # A log from 0 lost nothing to retention: no search over (maybe damaged) entries.
@@ -257,6 +263,8 @@ class MessageStore:
                 )
             else:
                 self._messages.set_on_advance(self._live_tail.advance)
+                for manager in self._chunk_managers():
+                    manager.set_on_sync_failure(self._live_tail.invalidate)
         # Not settled: what recovery found past the tail is synced by the next
         # checkpoint (the service's within flush_thorough_interval_ms), off this path.
         self._checkpoint(flush=True, settle=False)
@@ -299,6 +307,9 @@ class MessageStore:
                     self._arrived.notify_all()
                 if self._lock_file is not None:
                     self._lock_file.close()
+
+    def _chunk_managers(self) -> list[ChunkManager]:
+        return [self._messages] + [q.manager for qs in self._queues.values() for q in qs]
 
     def _release_files(self) -> None:
         """Close every file; the first failure is raised after all were tried."""
@@ -428,6 +439,9 @@ class MessageStore:
                 )
             )
         self._queues[topic] = queues
+        if self._live_tail is not None:
+            for queue in queues:
+                queue.manager.set_on_sync_failure(self._live_tail.invalidate)
         self._topic_bytes[topic] = topic.encode()
         self._round_robin.setdefault(topic, 0)
 
