@@ -45,6 +45,7 @@ from equeue.format.message import (
 )
 from equeue.store import validate
 from equeue.store.append import Appender
+from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
 from equeue.store.keyindex import KeyIndex
@@ -65,11 +66,9 @@ from equeue.store.queue import Queue
 from equeue.store.reads import LogReader, tag_filter
 from equeue.store.recovery import (
     RecoveryReport,
-    recovery_start,
-    redispatch,
-    redispatch_start,
     tail_hint,
 )
+from equeue.store.reopen import reconcile_at_open
 from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
@@ -180,50 +179,7 @@ class MessageStore:
         self._check_in_c: Any = None
         if read_only:
             return
-        skipped_to = self._messages.scan_started_at
-        from_live = False
-        if skipped_to is not None and self._messages.started_at_live_hint:
-            from_live = True
-            # The live tail names a point before which every queue entry is in place and
-            # every key is in the key index (LiveTailWriter.advance): re-dispatch from there.
-            position = checkpoint.get("log_position")
-            checkpoint = checkpoint | {
-                "log_position": max(skipped_to, position if isinstance(position, int) else 0)
-            }
-            self._keys.indexed_position = max(self._keys.indexed_position, skipped_to)
-        start = recovery_start(checkpoint, self._messages, self._queues, self.recovery)
-        if (
-            skipped_to is not None
-            and redispatch_start(start, self._keys, self._messages) < skipped_to
-        ):
-            # Re-dispatch will read records the hint let the scan skip (a queue or the key
-            # index is behind the checkpoint): scan the chunk from its first record, as
-            # without a hint, so that damage there is cut, not met by re-dispatch.
-            log.warning(
-                "re-dispatch starts before the checkpoint's log tail (%d): rescanning the "
-                "ongoing log chunk from its first record",
-                skipped_to,
-            )
-            self._messages.close()
-            self._open_log(None, None)
-            self.recovery.cuts += self._messages.recovery_cuts
-            self.recovery.problems += self._messages.recovery_problems
-        # The last tail known durable: the hint this open took, until a flush covers more.
-        self._log_tail: dict[str, Any] | None = (
-            checkpoint.get("log_tail") if self._messages.synced_hint is not None else None
-        )
-        # The checkpoint's queue offsets are each queue's end at its log position. From the
-        # live tail on, a queue with no record past it ends where its entries reach it
-        # (redispatch), not where the older checkpoint said: that would cut entries of
-        # acknowledged messages sent between the two.
-        recorded = None if from_live else checkpoint.get("queues")
-        redispatch(self._reader, start, self._queues, self._keys, self.recovery, recorded)
-        first = self._messages.first_position
-        # A log from 0 lost nothing to retention: no search over (maybe damaged) entries.
-        if first > 0:
-            for queues in self._queues.values():
-                for queue in queues:  # retention may have removed messages the queue still indexes
-                    queue.first_offset = queue.first_offset_at_or_after(first)
+        self._log_tail: dict[str, Any] | None = reconcile_at_open(self, checkpoint)
         self._writer = ChunkWriter(self._messages)
         self._lock = self._writer.lock  # the one write lock: message record, then queue entry
         self._group = (
@@ -815,53 +771,7 @@ class MessageStore:
     # --- checkpoints and the service thread ------------------------------------
 
     def _checkpoint(self, *, flush: bool, settle: bool = True) -> None:
-        """Flush, then record the log position up to which queue entries and keys are
-        durable, with each queue's next offset.
-
-        The positions are taken under the write lock, the flushes run after it
-        (so sends go on meanwhile), and the file is written last: the checkpoint
-        is never ahead of the data it describes. Without ``flush`` (flush="os",
-        between explicit flushes) only the key index batch is committed.
-        """
-        with self._checkpoint_lock:  # one at a time, in order, and none after close()
-            with self._lock:
-                self._check_open()
-                position = self._messages.committed_position
-                queues = {t: [q.next_offset for q in qs] for t, qs in self._queues.items()}
-                last = self._messages.last_chunk
-                if last is not None and last.is_completed:
-                    last = None
-                tail_end = 0 if last is None else last.data_end
-                tail = (
-                    None
-                    if last is None
-                    else {
-                        "chunk_id": last.header.chunk_id.hex,
-                        "data_end": last.data_end,
-                        "records": last.record_count,
-                    }
-                )
-                self._keys.mark(position)
-            if flush:  # the log first: an entry on disk should find its record there
-                self._writer.flush()
-                if settle and last is not None:  # what recovery found at open, too
-                    last.flush(settle=True)
-                self._flush_queues()
-            self._keys.commit()
-            if flush:
-                # A tail only once an fdatasync covered it: after a crash, what recovery
-                # found in the page cache counts as flushed but may not be on disk yet,
-                # and the next open would trust the hint without walking those records.
-                if last is None:
-                    self._log_tail = None
-                elif tail is not None and last.synced_end >= tail_end:
-                    self._log_tail = tail
-                write_json(
-                    self.path / CHECKPOINT_FILE,
-                    {"log_position": position, "queues": queues, "key_index": position}
-                    | ({"log_tail": self._log_tail} if self._log_tail is not None else {}),
-                )
-                self._checkpointed = position
+        write_checkpoint(self, flush=flush, settle=settle)
 
     def _checkpoint_due(self) -> bool:
         """A full key batch, or enough log written since the last checkpoint that

@@ -1,0 +1,61 @@
+"""The checkpoint: the log position up to which queue entries and keys are durable."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from equeue.atomicfile import write_json
+from equeue.store.meta import CHECKPOINT_FILE
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+
+def write_checkpoint(store: MessageStore, *, flush: bool, settle: bool = True) -> None:
+    """Flush, then record the log position up to which queue entries and keys are
+    durable, with each queue's next offset.
+
+    The positions are taken under the write lock, the flushes run after it
+    (so sends go on meanwhile), and the file is written last: the checkpoint
+    is never ahead of the data it describes. Without ``flush`` (flush="os",
+    between explicit flushes) only the key index batch is committed.
+    """
+    with store._checkpoint_lock:  # one at a time, in order, and none after close()
+        with store._lock:
+            store._check_open()
+            position = store._messages.committed_position
+            queues = {t: [q.next_offset for q in qs] for t, qs in store._queues.items()}
+            last = store._messages.last_chunk
+            if last is not None and last.is_completed:
+                last = None
+            tail_end = 0 if last is None else last.data_end
+            tail = (
+                None
+                if last is None
+                else {
+                    "chunk_id": last.header.chunk_id.hex,
+                    "data_end": last.data_end,
+                    "records": last.record_count,
+                }
+            )
+            store._keys.mark(position)
+        if flush:  # the log first: an entry on disk should find its record there
+            store._writer.flush()
+            if settle and last is not None:  # what recovery found at open, too
+                last.flush(settle=True)
+            store._flush_queues()
+        store._keys.commit()
+        if flush:
+            # A tail only once an fdatasync covered it: after a crash, what recovery
+            # found in the page cache counts as flushed but may not be on disk yet,
+            # and the next open would trust the hint without walking those records.
+            if last is None:
+                store._log_tail = None
+            elif tail is not None and last.synced_end >= tail_end:
+                store._log_tail = tail
+            write_json(
+                store.path / CHECKPOINT_FILE,
+                {"log_position": position, "queues": queues, "key_index": position}
+                | ({"log_tail": store._log_tail} if store._log_tail is not None else {}),
+            )
+            store._checkpointed = position

@@ -1,0 +1,66 @@
+"""The open-time recovery steps of a writable open, after the chunks and topics load:
+where re-dispatch starts (checkpoint, live tail, or earlier for a damaged queue), a
+rescan of the ongoing log chunk when re-dispatch must read before the tail hint, and
+the queues' first offsets after retention."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from equeue.store.recovery import recovery_start, redispatch, redispatch_start
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+log = logging.getLogger("equeue.recovery")
+
+
+def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """Bring the queues and the key index in line with the log; returns the log tail
+    last known durable (the checkpoint's, if this open took its hint)."""
+    skipped_to = store._messages.scan_started_at
+    from_live = False
+    if skipped_to is not None and store._messages.started_at_live_hint:
+        from_live = True
+        # The live tail names a point before which every queue entry is in place and
+        # every key is in the key index (LiveTailWriter.advance): re-dispatch from there.
+        position = checkpoint.get("log_position")
+        checkpoint = checkpoint | {
+            "log_position": max(skipped_to, position if isinstance(position, int) else 0)
+        }
+        store._keys.indexed_position = max(store._keys.indexed_position, skipped_to)
+    start = recovery_start(checkpoint, store._messages, store._queues, store.recovery)
+    if (
+        skipped_to is not None
+        and redispatch_start(start, store._keys, store._messages) < skipped_to
+    ):
+        # Re-dispatch will read records the hint let the scan skip (a queue or the key
+        # index is behind the checkpoint): scan the chunk from its first record, as
+        # without a hint, so that damage there is cut, not met by re-dispatch.
+        log.warning(
+            "re-dispatch starts before the checkpoint's log tail (%d): rescanning the "
+            "ongoing log chunk from its first record",
+            skipped_to,
+        )
+        store._messages.close()
+        store._open_log(None, None)
+        store.recovery.cuts += store._messages.recovery_cuts
+        store.recovery.problems += store._messages.recovery_problems
+    # The last tail known durable: the hint this open took, until a flush covers more.
+    log_tail: dict[str, Any] | None = (
+        checkpoint.get("log_tail") if store._messages.synced_hint is not None else None
+    )
+    # The checkpoint's queue offsets are each queue's end at its log position. From the
+    # live tail on, a queue with no record past it ends where its entries reach it
+    # (redispatch), not where the older checkpoint said: that would cut entries of
+    # acknowledged messages sent between the two.
+    recorded = None if from_live else checkpoint.get("queues")
+    redispatch(store._reader, start, store._queues, store._keys, store.recovery, recorded)
+    first = store._messages.first_position
+    # A log from 0 lost nothing to retention: no search over (maybe damaged) entries.
+    if first > 0:
+        for queues in store._queues.values():
+            for queue in queues:  # retention may have removed messages the queue still indexes
+                queue.first_offset = queue.first_offset_at_or_after(first)
+    return log_tail
