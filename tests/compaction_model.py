@@ -1,7 +1,8 @@
 """A plain-Python reference of the compaction policy, for tests to compare the job against.
 
 Written from the issue's rules, not from the job: newest message per key for
-compacted topics (tombstones expire after delete_retention), retention for
+compacted topics (tombstones expire after delete_retention, and then go once no older
+record of their key survives), retention for
 keyless messages and for "delete" topics, only eligible chunks touched, and a
 chunk rewritten only if its survivors plus their position map are smaller
 than what it holds now.
@@ -77,22 +78,47 @@ def policy_removes(
 
 
 def expected_removed(store: Path, now: float, *, snapshot: Snapshot | None = None) -> set[int]:
-    """What a compaction at ``now`` must remove from the store as it is now."""
+    """What a compaction at ``now`` must remove from the store as it is now.
+
+    Only chunks that would shrink are rewritten; and an expired tombstone, its key's
+    newest record, goes only if no older record of its key survives anywhere (Kafka's
+    cleaner guarantee: else the older value would become the key's final value again).
+    Keeping a tombstone can stop its chunk from shrinking, so this is settled by
+    repeating until nothing changes."""
     snapshot = snapshot or take_snapshot(store)
     messages = stored_messages(snapshot)
     removed = policy_removes(messages, snapshot.policies, now)
+    of_key: dict[tuple[str, str], list[Stored]] = {}
+    for m in messages:
+        if m.key is not None:
+            of_key.setdefault((m.topic, m.key), []).append(m)
+    # A key's newest record is in policy_removes only as an expired tombstone.
+    conditional: dict[int, list[Stored]] = {}
+    for records in of_key.values():
+        newest = max(records, key=lambda m: m.position)
+        if newest.position in removed:
+            conditional[newest.position] = [m for m in records if m is not newest]
     by_chunk: dict[int, list[Stored]] = {}
     for m in messages:
         by_chunk.setdefault(m.chunk, []).append(m)
-    result: set[int] = set()
-    for chunk in snapshot.eligible:
-        records = by_chunk.get(chunk.start_number, [])
-        gone = [m for m in records if m.position in removed]
-        kept = [m for m in records if m.position not in removed]
-        new_size = sum(m.frame_size for m in kept) + MAP_ENTRY_SIZE * len(kept)
-        if gone and new_size < chunk.data_end + chunk.map_bytes:
-            result.update(m.position for m in gone)
-    return result
+    while True:
+        rewritten: dict[int, list[Stored]] = {}
+        for chunk in snapshot.eligible:
+            records = by_chunk.get(chunk.start_number, [])
+            gone = [m for m in records if m.position in removed]
+            kept = [m for m in records if m.position not in removed]
+            new_size = sum(m.frame_size for m in kept) + MAP_ENTRY_SIZE * len(kept)
+            if gone and new_size < chunk.data_end + chunk.map_bytes:
+                rewritten[chunk.start_number] = gone
+        result = {m.position for gone in rewritten.values() for m in gone}
+        survivors = [
+            position
+            for position, older in conditional.items()
+            if position in removed and any(o.position not in result for o in older)
+        ]
+        if not survivors:
+            return result
+        removed -= set(survivors)
 
 
 def all_messages(store: MessageStore) -> dict[int, Message]:

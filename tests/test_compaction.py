@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
 from compaction_model import all_messages, expected_removed
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from equeue import MessageStore, StoreConfig
@@ -322,6 +322,44 @@ def test_plan_merges_consecutive_chunks_and_skips_what_would_not_shrink(tmp_path
     ]
 
 
+def test_an_expired_tombstone_stays_while_a_chunk_with_an_older_record_is_left_alone() -> None:
+    """settle_tombstones (issue 20 item 3), on a made-up snapshot: 4 chunks of 40 records
+    of 100 bytes; a chunk shrinks once 5 go. Chunk 0 loses 1 (left alone), so A's
+    tombstone in chunk 1 stays; chunk 1 then loses 4, not 5, and is left alone too, so
+    B's tombstone in chunk 2 stays though chunk 2 is rewritten; C's tombstone in chunk 3,
+    its older record in the rewritten chunk 2, goes (the control)."""
+    from equeue.compaction.plan import (
+        ConditionalTombstone,
+        Snapshot,
+        SnapshotChunk,
+        settle_tombstones,
+    )
+
+    size = 4096
+    chunks = [
+        SnapshotChunk(f"c{n}", 4000, n, n, 0, True, 40, HEADER_SIZE + 4000, 0, True)
+        for n in range(4)
+    ]
+    snapshot = Snapshot("s", 1, size, 4 * size, chunks, {})
+    settled = {0: Removals(1, 100), 1: Removals(4, 400), 2: Removals(5, 500), 3: Removals(5, 500)}
+    tombstone = {n: n * size + 3900 for n in (1, 2, 3)}
+    conditional = [
+        ConditionalTombstone(tombstone[1], 100, frozenset({0})),
+        ConditionalTombstone(tombstone[2], 100, frozenset({1})),
+        ConditionalTombstone(tombstone[3], 100, frozenset({2})),
+    ]
+    removals, kept = settle_tombstones(snapshot, settled, conditional)
+    assert kept == {1: [tombstone[1]], 2: [tombstone[2]]}
+    assert removals == {**settled, 3: Removals(6, 600)}
+    assert [(g.start_number, g.end_number) for g in plan_groups(snapshot, removals)] == [
+        (2, 2),
+        (3, 3),
+    ]
+    # Control: with chunk 0 shrinking too, every tombstone goes.
+    removals, kept = settle_tombstones(snapshot, {**settled, 0: Removals(5, 500)}, conditional)
+    assert kept == {} and removals[1] == Removals(5, 500)
+
+
 def test_only_checkpointed_completed_chunks_are_eligible(tmp_path: Path) -> None:
     fill(tmp_path)
     MessageStore.open(tmp_path).close()  # close() checkpoints everything
@@ -463,7 +501,11 @@ def test_second_job_rewrites_merged_files_where_newer_keys_arrived(
     tombstones=st.floats(0, 0.5),
     keyless=st.floats(0, 0.5),
     tombstone_age=st.sampled_from([0.0, 3600.0]),
+    fresh=st.sampled_from([0.0, 0.5]),
 )
+# Issue 20 item 3, found by this test: chunks of distinct keys are left alone while the
+# tombstones of some of their keys, in rewritten chunks, expire.
+@example(seed=0, keys=10, tombstones=0.05, keyless=0.0, tombstone_age=0.0, fresh=0.5)
 def test_property_survivors_match_the_reference(
     tmp_path_factory: pytest.TempPathFactory,
     spark: SparkSession,
@@ -472,9 +514,12 @@ def test_property_survivors_match_the_reference(
     tombstones: float,
     keyless: float,
     tombstone_age: float,
+    fresh: float,
 ) -> None:
     """Random stores: the job keeps exactly what the reference keeps; survivors keep
-    offsets and ids; a consumer from the start sees every key's final value, in order."""
+    offsets and ids; a consumer from the start sees every key's final value, in order.
+    ``fresh``: the share of messages, first, that take a key of their own (chunks that
+    would not shrink and are left alone); later tombstones then pick any key so far."""
     path = tmp_path_factory.mktemp("prop")
     rng = random.Random(seed)
     newest: dict[str, bytes] = {}
@@ -482,12 +527,19 @@ def test_property_survivors_match_the_reference(
         store.create_topic(
             "c", 3, cleanup="compact", delete_retention=dt.timedelta(seconds=tombstone_age)
         )
-        for _ in range(rng.randrange(50, 400)):
+        count = rng.randrange(50, 400)
+        for i in range(count):
             if rng.random() < keyless:
                 store.send("c", os.urandom(rng.randrange(1, 100)))
                 continue
-            key = f"k{rng.randrange(keys)}"
-            body = b"" if rng.random() < tombstones else os.urandom(rng.randrange(1, 100))
+            tombstone = rng.random() < tombstones
+            if i < fresh * count:
+                key = f"new{i}"
+            elif fresh and tombstone:
+                key = rng.choice(sorted(newest))
+            else:
+                key = f"k{rng.randrange(keys)}"
+            body = b"" if tombstone else os.urandom(rng.randrange(1, 100))
             store.send("c", body, key=key)
             newest[key] = body
     before = snapshot_messages(path)
@@ -502,12 +554,44 @@ def test_property_survivors_match_the_reference(
             by_key.setdefault(message[4], []).append(message)
     for key, body in newest.items():
         final = by_key.get(key, [])
-        if body or tombstone_age:  # a tombstone may be gone once expired, never a value
-            assert final and final[-1][5] == body
+        if body or tombstone_age:  # a tombstone may be gone once expired
+            assert final
+        if final:  # never an older value in place of the final one
+            assert final[-1][5] == body
     with MessageStore.open(path, read_only=True) as store:
         for queue_id in store.queue_ids("c"):
             offsets = [m.queue_offset for m in store.pull("c", queue_id, 0, 100_000).messages]
             assert offsets == sorted(offsets)
+
+
+def test_expired_tombstone_stays_while_an_older_value_of_its_key_survives(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """Issue 20 item 3: chunk 0 (unique keys, one old value of "K") would not shrink and
+    is left alone; K's expired tombstone in a later, rewritten chunk must then stay, or
+    K's old value becomes its final value again. Control: J's tombstone, whose older
+    value is in a rewritten chunk, goes with it."""
+    size = SMALL.chunk_data_size
+    with MessageStore.open(tmp_path, SMALL) as store:
+        store.create_topic("kv", 1, cleanup="compact")
+        store.send("kv", b"old K", key="K")
+        unique = 0
+        while store.send("kv", b"u" * 40, key=f"u{unique}").position < size:
+            unique += 1
+        store.send("kv", b"old J", key="J")
+        store.send("kv", b"", key="K")
+        store.send("kv", b"", key="J")
+        while store.send("kv", b"d" * 40, key="dup").position < 3 * size:
+            pass
+    report = compact(tmp_path, spark=spark, now=time.time() + 2 * DAY.total_seconds())
+    assert report.groups and all(g.start_number > 0 for g in report.groups)  # chunk 0 kept
+    with MessageStore.open(tmp_path, read_only=True) as store:
+        pulled = store.pull("kv", 0, 0, 100_000).messages
+        assert [m.body for m in pulled if m.key == "K"] == [b"old K", b""]
+        assert [m.body for m in store.query_by_key("kv", "K")] == [b"", b"old K"]
+        assert [m for m in pulled if m.key == "J"] == []  # control: nothing older survives
+        assert store.query_by_key("kv", "J") == []
+    assert verify_store(tmp_path) == []
 
 
 def test_dry_run_changes_nothing(tmp_path: Path, spark: SparkSession) -> None:

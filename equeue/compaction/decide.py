@@ -6,7 +6,7 @@ Two Python steps over Spark RDDs, a shuffle after each, nothing else:
    and settles what the chunk alone can settle, with the topic policies it
    carries: a keyless message, or any message of a "delete" topic, goes or
    stays by retention, and only those that go are sent on; an expired
-   tombstone goes. Every keyed message of a compacted topic is sent on, as a
+   tombstone is marked to go. Every keyed message of a compacted topic is sent on, as a
    128-bit key hash, its position and a state, for the second step. The task
    hashes its rows into the shuffle's partitions itself and hands Spark one
    packed block of rows (``ROW``) per partition and batch: the JVM moves
@@ -14,7 +14,9 @@ Two Python steps over Spark RDDs, a shuffle after each, nothing else:
 2. ``RemovedRows``, one task per partition of key hashes: sorts the
    partition's keyed rows by key and marks every row of a key but the one of its
    largest position as superseded. The newest message of a key can be in
-   any chunk read, the ongoing one included, so only this step sees enough. It
+   any chunk read, the ongoing one included, so only this step sees enough. An
+   expired tombstone that is its key's newest row but not its only one is left to
+   the driver (``CONDITIONAL``): it goes only if every older row goes. It
    shuffles the positions that go (packed, ascending) straight to one partition
    per chunk file, where pass 2 reads them, and how many go from each file and
    their frame bytes to one more partition, the driver's summary.
@@ -54,7 +56,7 @@ ROW: Final = np.dtype([("hi", "<i8"), ("lo", "<i8"), ("position", "<i8"), ("size
 # newest message of their key, wherever they are; only eligible ones can go.
 SUPERSEDES_ONLY: Final = 0  # keyed, in a chunk that is not rewritten
 GOES_IF_SUPERSEDED: Final = 1  # keyed, in an eligible chunk
-GOES_KEYED: Final = 2  # keyed, in an eligible chunk, an expired tombstone: goes anyway
+GOES_KEYED: Final = 2  # keyed, eligible, an expired tombstone: goes unless older records stay
 GONE: Final = 3  # not a key of a compacted topic, past retention, in an eligible chunk
 _STATES: Final = 4
 
@@ -239,17 +241,45 @@ def superseded_rows(hi: np.ndarray, lo: np.ndarray, position: np.ndarray) -> np.
 # key hashes.
 SUMMARY: Final = np.dtype([("number", "<i8"), ("count", "<i8"), ("size", "<i8")])
 
+# A conditional tombstone: the newest record of its key, expired, with older records of
+# its key in the file starting at chunk ``older`` (a row per such file). It goes only if
+# every such file is rewritten (plan.settle_tombstones): were one left alone, the older
+# value it keeps would become the key's final value again.
+CONDITIONAL: Final = np.dtype([("position", "<i8"), ("size", "<i8"), ("older", "<i8")])
+
+
+def conditional_tombstones(
+    hi: np.ndarray, lo: np.ndarray, candidates: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For the rows ``candidates`` (each its key's newest row), the pairs (candidate row,
+    other row of its key) as two index arrays."""
+    order = np.lexsort((lo, hi))
+    sorted_hi, sorted_lo = hi[order], lo[order]
+    new_key = np.concatenate(
+        ([True], (sorted_hi[1:] != sorted_hi[:-1]) | (sorted_lo[1:] != sorted_lo[:-1]))
+    )
+    group = np.empty(len(hi), np.int64)
+    group[order] = np.cumsum(new_key) - 1
+    owner = np.full(int(group.max()) + 1, -1, np.int64)
+    owner[group[candidates]] = candidates
+    row_owner = owner[group]
+    older = np.flatnonzero((row_owner >= 0) & (row_owner != np.arange(len(hi))))
+    return row_owner[older], older
+
 
 @dataclass(frozen=True, slots=True)
 class RemovedRows:
     """The step-2 function, over one partition of the scanned rows hashed by key
     (every row of a key in the same partition). ``starts`` are the chunk files' start
-    numbers, ascending; ``partitionBy(len(starts) + 1, shuffle_partition)`` of its pairs
+    numbers, ascending; ``partitionBy(len(starts) + 2, shuffle_partition)`` of its pairs
     gives one partition per chunk file, in that order, of (i, positions that go from
-    file i, packed ``<i8``, ascending), and a last one of (len(starts), packed
-    ``SUMMARY`` rows: per file with a row that goes, how many and their frame bytes).
+    file i, packed ``<i8``, ascending), a partition of (len(starts), packed ``SUMMARY``
+    rows: per file with a row that goes, how many and their frame bytes), and a last one
+    of (len(starts) + 1, packed ``CONDITIONAL`` rows). A conditional tombstone's position
+    is among its file's positions but not in the summary: the driver decides whether it
+    goes (plan.settle_tombstones) and tells pass 2 which of them stay.
     So the positions reach the rewrite of their chunk through this one shuffle, and the
-    driver plans from the last partition alone."""
+    driver plans from the last two partitions alone."""
 
     starts: Sequence[int]
     chunk_data_size: int
@@ -266,19 +296,35 @@ class RemovedRows:
         goes = np.flatnonzero((state >= GOES_KEYED) | ((state == GOES_IF_SUPERSEDED) & superseded))
         if len(goes) == 0:
             return
+        starts = np.asarray(self.starts, np.int64)
+        conditional = np.zeros(len(rows), np.bool_)
+        candidates = np.flatnonzero((state[keyed] == GOES_KEYED) & ~superseded[keyed])
+        if len(candidates):
+            tombstone, older = conditional_tombstones(hi[keyed], lo[keyed], candidates)
+            if len(tombstone):
+                tombstone, older = keyed[tombstone], keyed[older]
+                conditional[tombstone] = True
+                pending = np.empty(len(tombstone), CONDITIONAL)
+                pending["position"] = position[tombstone]
+                pending["size"] = rows["size_state"][tombstone] // _STATES
+                files = np.searchsorted(starts, position[older] // self.chunk_data_size, "right")
+                pending["older"] = starts[files - 1]
+                yield len(starts) + 1, np.unique(pending).tobytes()
         ascending = goes[np.argsort(position[goes])]
         gone = position[ascending]
-        sizes = rows["size_state"][ascending] // _STATES
-        # A file covers the chunk numbers from its start to the next file's start.
-        starts = np.asarray(self.starts, np.int64)
         files = np.searchsorted(starts, gone // self.chunk_data_size, "right") - 1
         bounds = np.flatnonzero(np.diff(files)) + 1
         firsts = np.concatenate(([0], bounds))
         lasts = np.concatenate((bounds, [len(gone)]))
-        summary = np.empty(len(firsts), SUMMARY)
-        summary["number"] = starts[files[firsts]]
-        summary["count"] = lasts - firsts
-        summary["size"] = np.add.reduceat(sizes, firsts)
         for first, last in zip(firsts.tolist(), lasts.tolist(), strict=True):
             yield int(files[first]), gone[first:last].tobytes()
-        yield len(starts), summary.tobytes()
+        settled = ~conditional[ascending]
+        if settled.any():
+            files, sizes = files[settled], rows["size_state"][ascending[settled]] // _STATES
+            bounds = np.flatnonzero(np.diff(files)) + 1
+            firsts = np.concatenate(([0], bounds))
+            summary = np.empty(len(firsts), SUMMARY)
+            summary["number"] = starts[files[firsts]]
+            summary["count"] = np.diff(np.concatenate((firsts, [len(files)])))
+            summary["size"] = np.add.reduceat(sizes, firsts)
+            yield len(starts), summary.tobytes()

@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 from equeue.chunks.stream import ChunkFile
 from equeue.compaction import commit
-from equeue.compaction.plan import Group, Removals, Snapshot, plan_groups, take_snapshot
+from equeue.compaction.plan import (
+    ConditionalTombstone,
+    Group,
+    Removals,
+    Snapshot,
+    plan_groups,
+    settle_tombstones,
+    take_snapshot,
+)
 from equeue.compaction.rewrite import (
     Part,
     PartResult,
@@ -156,7 +164,8 @@ def compact(
             f"({len(snapshot.chunks)} chunks)"
         )
         removed = _decide(spark, snapshot, report.now)
-        removals = _removals_per_chunk(spark, removed, len(snapshot.chunks))
+        settled, tombstones = _removals_per_chunk(spark, removed, len(snapshot.chunks))
+        removals, kept = settle_tombstones(snapshot, settled, tombstones)
         groups = plan_groups(snapshot, removals, merge=merge)
         report.pass1_seconds = time.monotonic() - tick
         say(
@@ -172,7 +181,7 @@ def compact(
         try:
             tick = time.monotonic()
             say(f"pass 2: rewriting {sum(len(g.chunks) for g in groups)} chunks")
-            results = _rewrite(spark, removed, snapshot, groups, staging)
+            results = _rewrite(spark, removed, snapshot, groups, staging, kept)
             report.pass2_seconds = time.monotonic() - tick
             report.worker_peak_rss = max(rss for _, rss in results)
             report.groups = [r for r, _ in results]
@@ -207,7 +216,7 @@ def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[in
         .mapPartitions(scan)
         .partitionBy(scan.partitions, shuffle_partition)
         .mapPartitions(RemovedRows([c.number for c in scan.chunks], snapshot.chunk_data_size))
-        .partitionBy(len(scan.chunks) + 1, shuffle_partition)
+        .partitionBy(len(scan.chunks) + 2, shuffle_partition)
     )
 
 
@@ -242,28 +251,45 @@ def chunk_scan(snapshot: Snapshot, now: float, slots: int) -> ChunkScan:
 _DECIDE_ROWS: Final = 1 << 18
 
 
-def _summary_rows(pairs: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
-    return (blob for _, blob in pairs)
+def _summary_rows(pairs: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
+    return iter(pairs)
 
 
 def _removals_per_chunk(
     spark: SparkSession, removed: RDD[tuple[int, bytes]], files: int
-) -> dict[int, Removals]:
-    """Runs pass 1, reading back only its summary partition: a chunk's rows went to
-    several partitions of key hashes, a summary row from each to add up."""
+) -> tuple[dict[int, Removals], list[ConditionalTombstone]]:
+    """Runs pass 1, reading back only its summary partitions: a chunk's rows went to
+    several partitions of key hashes, a summary row from each to add up; and the
+    conditional tombstones, a row per file holding an older record of the key."""
     import numpy as np
 
-    from equeue.compaction.decide import SUMMARY
+    from equeue.compaction.decide import CONDITIONAL, SUMMARY
 
-    blobs = spark.sparkContext.runJob(removed, _summary_rows, [files])
-    rows = np.frombuffer(b"".join(blobs), SUMMARY)
+    blobs = spark.sparkContext.runJob(removed, _summary_rows, [files, files + 1])
+    summary = b"".join(blob for index, blob in blobs if index == files)
+    conditional = np.frombuffer(
+        b"".join(blob for index, blob in blobs if index == files + 1), CONDITIONAL
+    )
+    older: dict[tuple[int, int], set[int]] = {}
+    for position, size, number in zip(
+        conditional["position"].tolist(),
+        conditional["size"].tolist(),
+        conditional["older"].tolist(),
+        strict=True,
+    ):
+        older.setdefault((position, size), set()).add(number)
+    tombstones = [
+        ConditionalTombstone(position, size, frozenset(numbers))
+        for (position, size), numbers in sorted(older.items())
+    ]
+    rows = np.frombuffer(summary, SUMMARY)
     totals: dict[int, tuple[int, int]] = {}
     for chunk, count, size in zip(
         rows["number"].tolist(), rows["count"].tolist(), rows["size"].tolist(), strict=True
     ):
         before = totals.get(chunk, (0, 0))
         totals[chunk] = (before[0] + count, before[1] + size)
-    return {chunk: Removals(count, size) for chunk, (count, size) in totals.items()}
+    return {chunk: Removals(count, size) for chunk, (count, size) in totals.items()}, tombstones
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,10 +308,12 @@ _Task = _Whole | Part
 @dataclass(frozen=True, slots=True)
 class _Rewriter:
     """The pass-2 task: one chunk (by its partition of pass 1's output, the chunk file's
-    index), its removed positions from every partition of key hashes."""
+    index), its removed positions from every partition of key hashes, less the
+    tombstones that stay (``kept``, by the same index; plan.settle_tombstones)."""
 
     tasks: dict[int, _Task]
     staging: str
+    kept: dict[int, list[int]]
 
     def __call__(
         self, index: int, pairs: Iterable[tuple[int, bytes]]
@@ -293,6 +321,8 @@ class _Rewriter:
         import numpy as np
 
         removed = np.sort(np.frombuffer(b"".join(blob for _, blob in pairs), "<i8"))
+        if index in self.kept:
+            removed = np.setdiff1d(removed, np.asarray(self.kept[index], np.int64))
         task = self.tasks[index]
         if isinstance(task, _Whole):
             # Each attempt writes its own file (its header has its own chunk id) and renames
@@ -315,6 +345,7 @@ def _rewrite(
     snapshot: Snapshot,
     groups: list[Group],
     staging: Path,
+    kept: dict[int, list[int]],
 ) -> list[tuple[RewriteResult, int]]:
     """One task per rewritten chunk, on its partition of pass 1's output. A replacement
     of one chunk is written whole by its task; a merged one is made by the driver at its
@@ -353,7 +384,11 @@ def _rewrite(
     # idle.
     order = sorted(tasks, key=lambda i: _cost(tasks[i]), reverse=True)
     done = spark.sparkContext.runJob(
-        removed.mapPartitionsWithIndex(_Rewriter(tasks, str(staging))), _results, order
+        removed.mapPartitionsWithIndex(
+            _Rewriter(tasks, str(staging), {partition[n]: p for n, p in kept.items()})
+        ),
+        _results,
+        order,
     )
     by_task = {index: (result, rss) for index, result, rss in done}
     results = []

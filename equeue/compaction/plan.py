@@ -9,6 +9,7 @@ the checkpoint, only so their keys supersede older messages.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,16 +140,7 @@ def plan_groups(
     Consecutive such chunks are merged (as EventStore's scavenger does) while the
     survivors of the group fit one chunk's data size.
     """
-    rewritten: list[tuple[SnapshotChunk, Removals]] = []
-    for chunk in snapshot.eligible:
-        removed = removals.get(chunk.start_number)
-        if removed is None or removed.count == 0:
-            continue
-        kept_bytes = chunk.data_end - removed.bytes
-        kept_count = chunk.record_count - removed.count
-        if kept_bytes + MAP_ENTRY_SIZE * kept_count >= chunk.data_end + chunk.map_bytes:
-            continue
-        rewritten.append((chunk, removed))
+    rewritten = _shrinking(snapshot, removals)
     groups: list[Group] = []
     for chunk, removed in rewritten:
         kept_bytes = chunk.data_end - removed.bytes
@@ -169,3 +161,69 @@ def plan_groups(
         group.kept_bytes += kept_bytes
         group.kept_count += chunk.record_count - removed.count
     return groups
+
+
+def _shrinking(
+    snapshot: Snapshot, removals: dict[int, Removals]
+) -> list[tuple[SnapshotChunk, Removals]]:
+    """The eligible chunks whose content would shrink, with what they lose."""
+    rewritten: list[tuple[SnapshotChunk, Removals]] = []
+    for chunk in snapshot.eligible:
+        removed = removals.get(chunk.start_number)
+        if removed is None or removed.count == 0:
+            continue
+        kept_bytes = chunk.data_end - removed.bytes
+        kept_count = chunk.record_count - removed.count
+        if kept_bytes + MAP_ENTRY_SIZE * kept_count >= chunk.data_end + chunk.map_bytes:
+            continue
+        rewritten.append((chunk, removed))
+    return rewritten
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionalTombstone:
+    """An expired tombstone, its key's newest record, with older records of its key in
+    the files starting at the chunk numbers ``older``."""
+
+    position: int
+    size: int  # frame bytes
+    older: frozenset[int]
+
+
+def settle_tombstones(
+    snapshot: Snapshot, removals: dict[int, Removals], tombstones: list[ConditionalTombstone]
+) -> tuple[dict[int, Removals], dict[int, list[int]]]:
+    """What goes once the conditional tombstones are settled, and per chunk file (start
+    number) the positions of those that stay.
+
+    A tombstone goes only if its own file and every file with an older record of its key
+    are rewritten: a chunk left alone (it would not shrink) keeps its superseded values,
+    and without the tombstone the newest of them would be the key's final value again
+    (Kafka's guarantee: a tombstone outlives every older value of its key). Keeping a
+    tombstone can stop its own chunk from shrinking, which keeps more values, so this
+    starts from every tombstone going and drops those whose files are not rewritten until
+    nothing changes (the set only shrinks, so it ends)."""
+    numbers = [c.start_number for c in snapshot.chunks]
+    size = snapshot.chunk_data_size
+
+    def file_of(position: int) -> int:
+        return numbers[bisect.bisect_right(numbers, position // size) - 1]
+
+    going = list(tombstones)
+    while True:
+        total = dict(removals)
+        for tombstone in going:
+            number = file_of(tombstone.position)
+            before = total.get(number, Removals(0, 0))
+            total[number] = Removals(before.count + 1, before.bytes + tombstone.size)
+        rewritten = {chunk.start_number for chunk, _ in _shrinking(snapshot, total)}
+        still = [t for t in going if file_of(t.position) in rewritten and t.older <= rewritten]
+        if len(still) == len(going):
+            break
+        going = still
+    gone = {t.position for t in going}
+    kept: dict[int, list[int]] = {}
+    for tombstone in tombstones:
+        if tombstone.position not in gone:
+            kept.setdefault(file_of(tombstone.position), []).append(tombstone.position)
+    return total, kept
