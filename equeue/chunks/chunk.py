@@ -641,17 +641,17 @@ class Chunk:
         footer = self.footer
         assert footer is not None
         mm = self.mapping()
-        base = HEADER_SIZE + footer.physical_data_size
+        map_at = HEADER_SIZE + footer.physical_data_size  # not ``base``: the positions' base
         lo, hi = 0, footer.map_entry_count
         while lo < hi:  # first entry at or after `local`
             mid = (lo + hi) // 2
-            if MAP_ENTRY.unpack_from(mm, base + mid * MAP_ENTRY_SIZE)[0] < local:
+            if MAP_ENTRY.unpack_from(mm, map_at + mid * MAP_ENTRY_SIZE)[0] < local:
                 lo = mid + 1
             else:
                 hi = mid
         size = self.header.record_size
         for index in range(lo, footer.map_entry_count):
-            logical, physical = MAP_ENTRY.unpack_from(mm, base + index * MAP_ENTRY_SIZE)
+            logical, physical = MAP_ENTRY.unpack_from(mm, map_at + index * MAP_ENTRY_SIZE)
             if size:
                 yield base + logical, mm[HEADER_SIZE + physical : HEADER_SIZE + physical + size]
             else:
