@@ -594,6 +594,32 @@ def test_expired_tombstone_stays_while_an_older_value_of_its_key_survives(
     assert verify_store(tmp_path) == []
 
 
+def test_offset_for_time_skips_offsets_compacted_away(tmp_path: Path, spark: SparkSession) -> None:
+    """Issue 20 item 19: offset_for_time returned offsets compaction removed. Now it
+    returns the first surviving offset stored at or after the time (as before compaction
+    when nothing was removed: the control)."""
+    size = SMALL.chunk_data_size
+    with MessageStore.open(tmp_path, SMALL) as store:
+        store.create_topic("kv", 1, cleanup="compact")
+        sent = [store.send("kv", b"v" * 40, key="dup") for _ in range(30)]
+        sent.append(store.send("kv", b"v" * 40, key="mid-0"))
+        sent += [store.send("kv", b"v" * 40, key="dup") for _ in range(30)]
+        while sent[-1].position < 2 * size:
+            sent.append(store.send("kv", b"u" * 40, key=f"u{len(sent)}"))
+        for r in sent:  # the control, before compaction
+            assert store.offset_for_time("kv", 0, r.stored_at) == r.queue_offset
+    compact(tmp_path, spark=spark, now=time.time() + 1)
+    with MessageStore.open(tmp_path, read_only=True) as store:
+        left = [m.queue_offset for m in store.pull("kv", 0, 0, 100_000).messages]
+        assert 0 not in left and 31 not in left and 30 in left  # dup's old values went
+        for r in sent:
+            expected = min(o for o in left if o >= r.queue_offset)
+            assert store.offset_for_time("kv", 0, r.stored_at) == expected, r.queue_offset
+        assert store.offset_for_time("kv", 0, 0) == left[0]
+        end = store.queue_range("kv", 0)[1]
+        assert store.offset_for_time("kv", 0, sent[-1].stored_at + 1) == end
+
+
 def test_dry_run_changes_nothing(tmp_path: Path, spark: SparkSession) -> None:
     fill(tmp_path)
     files = {p.name: p.read_bytes() for p in message_chunk_files(tmp_path)}

@@ -629,7 +629,8 @@ class MessageStore:
                 lo = at + 1
             else:
                 hi = mid
-        return lo
+        found = self._stored_at_or_after(queue, lo, queue.next_offset)  # lo may be compacted
+        return queue.next_offset if found is None else found[0]
 
     def _stored_at_or_after(self, queue: Queue, offset: int, stop: int) -> tuple[int, int] | None:
         """(offset, stored ns) of the first message at or after ``offset`` (before ``stop``)
