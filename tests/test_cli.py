@@ -744,3 +744,42 @@ def test_progress_bar_only_on_a_terminal() -> None:
     drawn = terminal.getvalue()
     assert "\rverifying [" in drawn and "100%" in drawn and "10.0 MiB" in drawn
     assert all(len(part) <= WIDTH for part in drawn.split("\r"))
+
+
+# --- tools/demo.py ----------------------------------------------------------------------
+
+
+def run_demo(path: Path) -> subprocess.CompletedProcess[str]:
+    demo = Path(__file__).parent.parent / "tools" / "demo.py"
+    return subprocess.run(
+        [sys.executable, str(demo), str(path), "--messages", "2000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_demo_refuses_to_delete_what_is_not_a_store(tmp_path: Path) -> None:
+    """Issue 20 item 20: the demo deleted its path whatever it was. A directory with other
+    files, or a file, is refused and left as it was; an absent path, an empty directory
+    and a store (the controls) are (re)made."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    lone = tmp_path / "file"
+    lone.write_text("keep me too")
+    for path in (mine, lone):
+        before = snapshot(tmp_path)
+        result = run_demo(path)
+        assert result.returncode != 0
+        assert f"demo: {path}" in result.stderr and "refusing to delete it" in result.stderr
+        assert "Traceback" not in result.stderr
+        assert snapshot(tmp_path) == before
+    absent = tmp_path / "store"
+    assert run_demo(absent).returncode == 0
+    assert (absent / "store.json").is_file()
+    assert run_demo(absent).returncode == 0  # a store is replaced
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_demo(empty).returncode == 0 and (empty / "store.json").is_file()

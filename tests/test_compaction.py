@@ -19,6 +19,7 @@ from code_paths import code_path  # noqa: F401 - the fixture
 from compaction_model import all_messages, expected_removed
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from store_helpers import snapshot
 
 from equeue import MessageStore, StoreConfig
 from equeue.chunks import ChunkManager, ChunkManagerConfig
@@ -621,12 +622,25 @@ def test_offset_for_time_skips_offsets_compacted_away(tmp_path: Path, spark: Spa
 
 
 def test_dry_run_changes_nothing(tmp_path: Path, spark: SparkSession) -> None:
+    """Not a file changed, nor one created (issue 20 item 20: the job's lock files were);
+    a real run then plans the same."""
     fill(tmp_path)
-    files = {p.name: p.read_bytes() for p in message_chunk_files(tmp_path)}
+    before = tree(tmp_path)
     report = compact(tmp_path, spark=spark, dry_run=True)
     assert report.dry_run and report.groups and report.records_removed > 0
-    assert {p.name: p.read_bytes() for p in message_chunk_files(tmp_path)} == files
-    assert not [p for p in (tmp_path / "compaction").iterdir() if p.is_dir()]
+    assert tree(tmp_path) == before
+    real = compact(tmp_path, spark=spark)
+    assert real.records_removed == report.records_removed and tree(tmp_path) != before
+
+
+def tree(path: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every file and directory under ``path`` (the lock files too): bytes and mtime."""
+    found = {
+        name: (data, (path / name).stat().st_mtime_ns)
+        for name, data in snapshot(path, skip=()).items()
+    }
+    assert found
+    return found
 
 
 def test_data_source_gives_every_message_one_partition_per_chunk(

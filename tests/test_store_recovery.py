@@ -10,6 +10,7 @@ message-log tail, damaged metadata files.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import struct
 from collections.abc import Iterator
@@ -318,6 +319,28 @@ def test_torn_last_record_removes_its_queue_entry(
     assert victim_message.body != b"replacement"
     with open_copy(copy) as s:
         assert s.recovery.clean
+
+
+def test_each_cut_is_logged_once(
+    two_phase: tuple[MessageStore, list[SendResult], list[SendResult]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 20 item 20: the chunk layer logged each cut where it made it, and the store
+    logged them all again. Control: a clean reopen logs no recovery line."""
+    store, _, phase_b = two_phase
+    copy = crash_copy(store, tmp_path / "copy")
+    victim = phase_b[-2]
+    flip_byte(chunk_files(copy / "messages")[-1], HEADER_SIZE + victim.position % CHUNK + 64)
+    with caplog.at_level(logging.INFO, logger="equeue"), open_copy(copy) as s:
+        cuts = s.recovery.cuts
+    assert len(cuts) >= 2  # the log's tail and a queue's
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recovery: ")]
+    assert sorted(lines) == sorted(f"recovery: {cut}" for cut in cuts)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="equeue"), open_copy(copy) as s:
+        assert s.recovery.clean
+    assert not [r for r in caplog.records if "recovery" in r.getMessage()]
 
 
 def test_key_index_after_a_log_cut(tmp_path: Path) -> None:

@@ -4,17 +4,23 @@ Several topics with tags and keys are sent, one consumer group consumes them
 and commits offsets, the store is closed and reopened, and the consumer
 resumes where it left off. Prints what it did. The "prices" topic is compacted
 (newest price per item): `make demo` then runs `equeue compact` on the store.
+The store's path is deleted first, so it must be absent, empty or a store.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue.atomicfile import read_json
+from equeue.errors import EQueueError
+from equeue.store.meta import IDENTITY_FILE
 
 TOPICS = {"orders": ["created", "paid", "shipped"], "payments": ["card", "transfer"], "audit": [""]}
 
@@ -59,11 +65,35 @@ def consume(store: MessageStore, group: str, topic: str, tags: list[str] | None)
     return seen
 
 
+def why_not_replace(path: Path) -> str | None:
+    """Why the demo must not delete ``path`` to start afresh; None if it is absent, an
+    empty directory, or an equeue store (a store.json that checks out)."""
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() or not path.is_dir():
+        return f"{path} exists and is not a directory: refusing to delete it"
+    if not any(path.iterdir()):
+        return None
+    try:
+        identity = read_json(path / IDENTITY_FILE)
+    except (OSError, EQueueError):
+        identity = None
+    if isinstance(identity, dict) and "store_id" in identity:
+        return None
+    return (
+        f"{path} is neither empty nor an equeue store (no valid {IDENTITY_FILE}): refusing "
+        "to delete it; name an absent or empty directory, or a store to replace"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("store", type=Path, nargs="?", default=Path("demo-store"))
     parser.add_argument("--messages", type=int, default=200_000)
     args = parser.parse_args()
+    refused = why_not_replace(args.store)
+    if refused:
+        sys.exit(f"demo: {refused}")
     shutil.rmtree(args.store, ignore_errors=True)
     rng = random.Random(7)
     config = StoreConfig(chunk_data_size=16 << 20, queue_chunk_records=100_000)

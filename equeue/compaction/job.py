@@ -20,6 +20,7 @@ checksum). The driver checks each replacement against the plan, and commits
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import tempfile
@@ -135,8 +136,10 @@ def compact(
     started = time.monotonic()
     store = Path(store)
     report = CompactionReport(str(store), time.time() if now is None else now, dry_run)
-    with commit.job_lock(store):
-        for line in commit.recover(store, holding_job_lock=True):
+    # A dry run creates and changes nothing in the store, lock files included: it only
+    # reads, like any read-only open, and leaves an interrupted install to the next job.
+    with contextlib.nullcontext() if dry_run else commit.job_lock(store):
+        for line in [] if dry_run else commit.recover(store, holding_job_lock=True):
             say(line)
         snapshot = take_snapshot(store)
         report.chunks_read = len(snapshot.chunks)

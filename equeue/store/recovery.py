@@ -202,10 +202,15 @@ def redispatch(
         chunk.release_behind(0, chunk.data_end)
     keys.mark(log_end)
     keys.commit()
-    for cut in report.cuts:
-        log.warning("recovery: %s", cut)
+    # Each cut, and each problem a chunk manager found, was logged where it was found.
+    logged = {
+        p
+        for m in [reader.manager, *(q.manager for qs in queues.values() for q in qs)]
+        for p in m.recovery_problems
+    }
     for problem in report.problems:
-        log.error("recovery: %s", problem)
+        if problem not in logged:
+            log.error("recovery: %s", problem)
 
 
 def _checkpointed_offset(recorded: dict[str, Any] | None, topic: str, queue_id: int) -> int | None:
