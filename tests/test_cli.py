@@ -23,6 +23,7 @@ import pytest
 
 from equeue import MessageStore, SendResult, StoreConfig
 from equeue.cli import main
+from equeue.errors import MessageNotFoundError
 from equeue.format.chunk import FOOTER_SIZE, FRAME_OVERHEAD, FRAME_PREFIX, HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.inspect.render import WIDTH, ProgressBar, human_size, human_time
@@ -521,18 +522,69 @@ def test_records_on_a_compacted_store(
     assert (code, err) == (0, "")
 
 
-def test_verify_bad_record_in_the_ongoing_chunk_warns_of_the_cut(
+def test_verify_bad_record_before_the_tail_hint_is_not_a_cut(
     capsys: pytest.CaptureFixture[str], store: Path
 ) -> None:
+    """The checkpoint's tail hint covers the whole ongoing chunk of a closed store, so
+    recovery does not scan it: verify reports the record, and no cut (issue 20 item 18)."""
     path = message_chunks(store)[-1]
     offsets, _ = frame_offsets(path)
     flip(path, offsets[1] + 70)
     code, doc = run_json(capsys, "verify", store)
     assert code == 1
     record = [p for p in doc["problems"] if p["file"] == str(path)]
-    assert [(p["kind"], p["offset"]) for p in record] == [("record", offsets[1])]
-    assert "recovery would cut them all" in record[0]["reason"]
-    assert doc["records"] == ORDERS  # every valid record after it was still read
+    assert [(p["kind"], p["offset"]) for p in record] == [("checksum", offsets[1])]
+    assert "recovery keeps the records around it" in record[0]["reason"]
+    assert "would cut" not in record[0]["reason"]
+    assert doc["records"] == ORDERS + 1  # the frame's extent is known: counted, walked on
+
+
+def cut_store(tmp_path: Path) -> tuple[Path, Path, list[int], int]:
+    """A writer killed (its directory copied while open) after 8 messages past the last
+    checkpoint, all in one ongoing chunk: (copy, that chunk, its frames' file offsets,
+    the file offset where the checkpoint's tail hint says its records end)."""
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as opened:
+        for i in range(8):
+            opened.send("orders", f"before {i}".encode() * 3, key=f"k{i}")
+    with MessageStore.open(path, CONFIG) as opened:
+        for i in range(8):
+            opened.send("orders", f"after {i}".encode() * 3, key=f"k{i}")
+        copy = Path(shutil.copytree(path, tmp_path / "copy"))
+    chunk = message_chunks(copy)[-1]
+    offsets, _ = frame_offsets(chunk)
+    with MessageStore.open(copy, read_only=True) as opened:
+        tail = opened._read_meta("checkpoint.json", {})["log_tail"]
+    assert len(offsets) == 16 and tail["records"] == 8
+    return copy, chunk, offsets, HEADER_SIZE + tail["data_end"]
+
+
+@pytest.mark.parametrize("victim", [0, 3, 7, 8, 12, 15])
+def test_verify_predicts_the_cuts_recovery_makes(tmp_path: Path, victim: int) -> None:
+    """Issue 20 item 18: for damage before the tail hint (records 0-7: recovery does not
+    scan them, keeps them, and verify predicts no cut) and after it (8-15: recovery cuts
+    from the damage on, and verify says so), what verify predicts is what the open does.
+    Damage in the hint's own last record (7) makes recovery refuse the hint."""
+    copy, chunk, offsets, hinted = cut_store(tmp_path)
+    flip(chunk, offsets[victim] + 30)  # inside the message head: a checksum mismatch
+    mine = [p for p in verify_store(copy) if p.file == str(chunk)]
+    assert [p.offset for p in mine] == [offsets[victim]]
+    predicted = [p.offset for p in mine if "recovery would cut" in p.reason]
+    with MessageStore.open(copy, CONFIG) as opened:
+        cuts = [c for c in opened.recovery.cuts if c.file == str(chunk)]
+        made = [c.offset for c in cuts if c.reason != "footer of a chunk reopened by a cut"]
+        if victim < 7:
+            with pytest.raises(MessageNotFoundError, match="checksum mismatch"):  # no bad bytes
+                opened.read(offsets[victim] - HEADER_SIZE)
+            opened.read(offsets[victim + 1] - HEADER_SIZE)  # the records after it stay
+        else:
+            pulled = sum(len(opened.pull("orders", q, 0, 100).messages) for q in (0, 1))
+    assert made == predicted
+    if victim < 7:  # before the hint: kept, no cut
+        assert offsets[victim] < hinted and predicted == []
+    else:  # the hint's last record, or past it: cut from the damage on
+        assert predicted == [offsets[victim]]
+        assert pulled == victim  # every record before the damaged one
 
 
 def test_verify_broken_length_resyncs_at_the_next_record(

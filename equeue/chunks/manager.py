@@ -22,6 +22,7 @@ from equeue.chunks.recovery import (
     cut_range,
     frame_ends_at,
     make_side_dir,
+    names_chunk,
     scan_fixed,
     scan_variable,
 )
@@ -638,10 +639,7 @@ class ChunkManager:
     @staticmethod
     def _about(hint: TailHint, chunk: Chunk) -> bool:
         """The hint names this chunk and a record count records of that size can reach."""
-        return (
-            hint.chunk_id == chunk.header.chunk_id
-            and 0 < hint.record_count <= hint.data_end // (FRAME_OVERHEAD + 1)
-        )
+        return names_chunk(hint, chunk.header.chunk_id)  # as verify's scan_start
 
     def _rescan_tail(self, chunk: Chunk) -> None:
         """Find the valid end of an ongoing chunk without changing the file; a refresh

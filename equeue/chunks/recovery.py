@@ -77,6 +77,34 @@ def frame_ends_at(
     return frame_problem(buf, HEADER_SIZE + start, HEADER_SIZE + data_offset, max_length) is None
 
 
+def names_chunk(hint: TailHint, chunk_id: uuid.UUID) -> bool:
+    """The hint names this chunk and a record count records of that size can reach."""
+    return hint.chunk_id == chunk_id and 0 < hint.record_count <= hint.data_end // (
+        FRAME_OVERHEAD + 1
+    )
+
+
+def scan_start(
+    hints: list[TailHint | None],
+    chunk_id: uuid.UUID,
+    buf: mmap.mmap | bytes,
+    available: int,
+    chunk_data_size: int,
+) -> TailHint | None:
+    """The hint at which the recovery scan of the ongoing chunk ``chunk_id`` starts (as
+    ChunkManager._start_at_hint chooses it): of those naming it, where a valid frame
+    ends, the furthest. None: the scan starts at its first record. Records before it are
+    not scanned, so damage there is not cut (reads of the damaged record fail)."""
+    valid = [
+        h
+        for h in hints
+        if h is not None
+        and names_chunk(h, chunk_id)
+        and frame_ends_at(buf, h.data_end, available, chunk_data_size - FRAME_OVERHEAD)
+    ]
+    return max(valid, key=lambda h: h.data_end, default=None)
+
+
 @dataclass(frozen=True, slots=True)
 class TailCut:
     """Bytes recovery removed from a chunk file, and where a copy of them went."""

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 import xxhash
 
 from equeue.atomicfile import read_json
-from equeue.chunks.recovery import nonzero_extent, scan_fixed, scan_variable
+from equeue.chunks.recovery import TailHint, nonzero_extent, scan_fixed, scan_variable
 from equeue.errors import CorruptionError, EQueueError
 from equeue.format.chunk import (
     FOOTER_SIZE,
@@ -44,6 +44,7 @@ from equeue.store.meta import (
     QUEUES_DIR,
     TOPICS_FILE,
 )
+from equeue.store.recovery import tail_hint
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
@@ -99,6 +100,7 @@ class StoreFiles:
     offsets: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     checkpoint: int | None = None
     live_tail: LiveTail | None = None  # tail.live, if this boot wrote it
+    log_tail: TailHint | None = None  # the checkpoint's, where recovery's scan may start
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -154,6 +156,7 @@ def open_store(path: Path) -> StoreFiles:
     checkpoint = _read_meta(store, CHECKPOINT_FILE, default={})
     if isinstance(checkpoint, dict):
         store.checkpoint = _int_or_none(checkpoint.get("log_position"))
+        store.log_tail = tail_hint(checkpoint)
     boot = current_boot_id()
     store.live_tail = None if boot is None else read_live_tail(path, boot)
     return store

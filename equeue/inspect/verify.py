@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from equeue.chunks.recovery import TailHint, scan_start
 from equeue.errors import CorruptionError
 from equeue.format.chunk import (
     FOOTER_SIZE,
@@ -226,6 +227,10 @@ class Verifier:
         end = HEADER_SIZE + cf.data_limit
         p = HEADER_SIZE
         ticked = p
+        # Recovery scans the last ongoing chunk from where a tail hint says its records
+        # ended (the checkpoint's, or this boot's live tail): damage before that is not
+        # cut, and the records past it stay. Predict what it will do, not more.
+        kept_to = HEADER_SIZE + self._scan_start(cf, mm) if ongoing and last else HEADER_SIZE
         while p < end:
             if p - ticked >= _TICK:
                 self._tick(self._done + p)
@@ -239,7 +244,12 @@ class Verifier:
                 continue
             position = base + p - HEADER_SIZE
             reason = _reason(found)
-            if ongoing:
+            if p < kept_to:
+                reason += (
+                    f"; recovery keeps the records around it, as the tail hint says records "
+                    f"end at position {base + kept_to - HEADER_SIZE} (it scans from there)"
+                )
+            elif ongoing:
                 # The valid data of an ongoing chunk ends at the first invalid frame; what
                 # lies past it is a torn tail unless valid records follow (then it is damage
                 # that recovery would turn into lost records).
@@ -306,6 +316,20 @@ class Verifier:
             if following is None:
                 return
             p = following
+
+    def _scan_start(self, cf: ChunkFile, mm: mmap.mmap) -> int:
+        """The data offset where a writable open's recovery scan of ``cf`` (the last,
+        ongoing message chunk) starts: chunks/recovery.py's scan_start."""
+        header = cf.header
+        assert header is not None
+        live = self._store.live_tail
+        hints = [
+            None if live is None else TailHint(live.chunk_id, live.data_end, live.record_count),
+            self._store.log_tail,
+        ]
+        available = max(0, min(header.chunk_data_size, cf.size - HEADER_SIZE))
+        start = scan_start(hints, header.chunk_id, mm, available, header.chunk_data_size)
+        return 0 if start is None else start.data_end
 
     def _walk_map(self, cf: ChunkFile, mm: mmap.mmap, result: _Result) -> None:
         """A compacted chunk: every position-map entry must lead to its own record."""
