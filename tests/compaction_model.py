@@ -90,9 +90,9 @@ def expected_removed(store: Path, now: float, *, snapshot: Snapshot | None = Non
     removed = policy_removes(messages, snapshot.policies, now)
     of_key: dict[tuple[str, str], list[Stored]] = {}
     for m in messages:
-        if m.key is not None:
+        if m.key is not None and snapshot.policies.get(m.topic, TopicPolicy()).compact:
             of_key.setdefault((m.topic, m.key), []).append(m)
-    # A key's newest record is in policy_removes only as an expired tombstone.
+    # A key's newest record (of a compacted topic) is removed only as an expired tombstone.
     conditional: dict[int, list[Stored]] = {}
     for records in of_key.values():
         newest = max(records, key=lambda m: m.position)
