@@ -132,6 +132,7 @@ def redispatch(
     keys.forget_from(key_from)
     report.start_position = start
     log_end = reader.manager.committed_position
+    log_first = reader.manager.first_position
     seen: dict[Queue, int] = {}
     fast = _Matcher(reader.manager, queues, key_from) if speedups.SPEEDUPS is not None else None
     position = start
@@ -196,6 +197,12 @@ def redispatch(
                 recorded_end = _checkpointed_offset(recorded, topic, queue.queue_id)
                 if recorded_end is not None:  # and never past the log's end
                     limit = min(recorded_end, queue.first_offset_at_or_after(log_end))
+                # Entries of messages retention removed since (sends between its
+                # checkpoint and its deletions) cannot be checked against the log: they
+                # stay, else the queue's next offset would move back below offsets
+                # already acknowledged, and the next sends would reuse them.
+                if log_first > 0:
+                    limit = max(limit, queue.first_offset_at_or_after(log_first))
             if queue.next_offset > limit:
                 report.cuts += queue.cut_from(limit)
     for chunk in reader.manager:  # what the matcher read stays in the page cache only
