@@ -3,7 +3,7 @@ next ``apply_retention`` finishes what the killed one started.
 
 Each case copies one template store (queue t/0 with 400 entries, so a completed and an
 ongoing queue chunk, then enough on f/0 for several more log chunks) and runs
-``apply_retention`` in a child process (tests/retention_crash_child.py) that SIGKILLs
+``apply_retention`` in a child process (tests/store_kill_child.py) that SIGKILLs
 itself inside it: before each of its file-system calls in turn (checkpoint, message
 chunk unlinks, queue chunk unlinks, directory fsyncs), or after sends made between its
 checkpoint and its deletions. The store is then reopened for writing and compared with
@@ -13,45 +13,18 @@ the same retention run to its end without a kill (the control).
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from retention_crash_child import config
+from store_kill_child import Outcome, config
+from store_kill_child import run_child as run_kill_child
 
 from equeue import MessageStore
 
-CHILD = Path(__file__).with_name("retention_crash_child.py")
 T_MESSAGES = 400  # t/0: entries 0..341 fill queue chunk 0, 342..399 are in chunk 1
 NOW = time.time() + 7200  # every chunk written now is past the one-hour retention then
-
-
-@dataclass(frozen=True)
-class Outcome:
-    stdout: str
-    returncode: int
-
-    @property
-    def killed(self) -> bool:
-        return self.returncode == -9
-
-    def acknowledged(self) -> list[int]:
-        return [int(line.split()[3]) for line in self.stdout.splitlines() if line[:2] == "A "]
-
-
-def run_child(store: Path, mode: str, k: int) -> Outcome:
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), str(store), mode, str(k), repr(NOW)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode in (0, -9), proc.stderr
-    return Outcome(proc.stdout, proc.returncode)
 
 
 def listing(store: Path) -> dict[str, set[str]]:
@@ -156,7 +129,7 @@ def test_sends_between_the_checkpoint_and_the_deletion_keep_their_offsets(
     shutil.copytree(template, path)
     outcome = run_child(path, "sends", sends)
     assert outcome.killed and "REMOVED" in outcome.stdout, outcome.stdout
-    acknowledged = outcome.acknowledged()
+    acknowledged = [offset for _, offset, _ in outcome.acknowledged()]
     assert acknowledged == list(range(T_MESSAGES, T_MESSAGES + sends))
     with MessageStore.open(path, config()) as store:
         first, end = store.queue_range("t", 0)
@@ -167,3 +140,7 @@ def test_sends_between_the_checkpoint_and_the_deletion_keep_their_offsets(
     with MessageStore.open(path, config()) as store:
         assert store.recovery.clean
         assert store.queue_range("t", 0)[1] == end + 1
+
+
+def run_child(store: Path, mode: str, k: int) -> Outcome:
+    return run_kill_child(store, mode, k, NOW)
