@@ -15,7 +15,8 @@ message the store holds, prints ``READY``, then runs one thread per producer
 plus one that calls ``flush()`` at random moments, until it is killed. With
 ``--retention`` the store keeps at most ``RETENTION_CHUNKS`` log chunks
 (``max_store_bytes``, applied by the service after its checkpoints) and a thread
-calls ``apply_retention()`` every few milliseconds; as retention may have removed
+calls ``apply_retention()`` every few milliseconds, while ``QUIET_PRODUCER`` pauses
+now and then; as retention may have removed
 every message of a producer, ``--start P:SEQ ...`` says where producers resume at
 the least (past every seq a previous run attempted). On stdout, in one ``write``
 each (so lines never interleave), it prints::
@@ -52,7 +53,8 @@ TOPICS: dict[str, int] = {"a": 3, "b": 1}
 PRODUCERS: tuple[tuple[str, int], ...] = (("a", 0), ("a", 1), ("a", 2), ("b", 0), ("a", 0))
 POLICIES = ("sync", "async", "os")
 MAX_BATCH = 6
-RETENTION_CHUNKS = 6  # --retention: the log chunks max_store_bytes keeps
+RETENTION_CHUNKS = 3  # --retention: the log chunks max_store_bytes keeps
+QUIET_PRODUCER = 3  # --retention: it pauses now and then (alone on its queue, b/0)
 EXIT_THREAD_FAILED = 3
 
 _HEAD = re.compile(rb"p(\d+)s(\d+):")
@@ -237,7 +239,12 @@ def _guarded(work: Callable[[], None]) -> None:
 
 
 def _produce(
-    store: MessageStore, producer: int, seq: int, rng: random.Random, deadline: float
+    store: MessageStore,
+    producer: int,
+    seq: int,
+    rng: random.Random,
+    deadline: float,
+    pauses: bool = False,
 ) -> None:
     while time.monotonic() < deadline:
         count = 1 if rng.random() < 0.7 else rng.randint(2, MAX_BATCH)
@@ -245,6 +252,10 @@ def _produce(
         results = send(store, producer, seq, count)
         _emit(b"".join(Ack.of(producer, seq + i, r).line() for i, r in enumerate(results)))
         seq += count
+        if pauses and rng.random() < 0.2:
+            # A queue that goes quiet while retention removes the chunks of its last
+            # sends: what recovery must not cut back to the checkpoint's offset.
+            time.sleep(rng.uniform(0.005, 0.1))
 
 
 def _flush_now_and_then(store: MessageStore, rng: random.Random, deadline: float) -> None:
@@ -282,7 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         seqs[producer] = max(seqs[producer], seq)
     _emit(b"READY\n")
     work: list[Callable[[], None]] = [
-        functools.partial(_produce, store, p, seqs[p], random.Random(args.seed * 97 + p), deadline)
+        functools.partial(
+            _produce,
+            store,
+            p,
+            seqs[p],
+            random.Random(args.seed * 97 + p),
+            deadline,
+            args.retention and p == QUIET_PRODUCER,
+        )
         for p in range(len(PRODUCERS))
     ]
     work.append(functools.partial(_flush_now_and_then, store, random.Random(args.seed), deadline))

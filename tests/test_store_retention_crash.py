@@ -118,13 +118,15 @@ def test_control_retention_without_a_kill(template: Path, control: Control, tmp_
     check_resumed(path, control)
 
 
-@pytest.mark.parametrize("sends", [1, 3])
+@pytest.mark.parametrize("sends", [1, 3, 300])
 def test_sends_between_the_checkpoint_and_the_deletion_keep_their_offsets(
     template: Path, tmp_path: Path, sends: int
 ) -> None:
     """Acknowledged sends made after retention's checkpoint, in chunks it then removes:
     after the kill the queue's next offset is past them (it was moved back to the
-    checkpoint's, and the next send reused an acknowledged offset)."""
+    checkpoint's, and the next send reused an acknowledged offset). With 300, they
+    fill t/0's queue chunk, so retention removes every queue chunk the checkpoint's
+    offset lies in."""
     path = tmp_path / "store"
     shutil.copytree(template, path)
     outcome = run_child(path, "sends", sends)
@@ -135,6 +137,9 @@ def test_sends_between_the_checkpoint_and_the_deletion_keep_their_offsets(
         first, end = store.queue_range("t", 0)
         assert end == T_MESSAGES + sends, (first, end, store.recovery)
         assert first == end  # every one of them was removed by retention
+        if sends == 300:
+            assert len(listing(path)["queues/t/0"]) == 1
+            assert store.queue_range("t", 0)[0] > 2 * 342
         assert not any("t/0" in str(cut) for cut in store.recovery.cuts), store.recovery.cuts
         assert store.send("t", b"next", queue_id=0).queue_offset == end
     with MessageStore.open(path, config()) as store:

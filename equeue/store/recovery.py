@@ -216,9 +216,12 @@ def redispatch(
                 # Entries of messages retention removed since (sends between its
                 # checkpoint and its deletions) cannot be checked against the log: they
                 # stay, else the queue's next offset would move back below offsets
-                # already acknowledged, and the next sends would reuse them.
+                # already acknowledged, and the next sends would reuse them. (Also when
+                # retention removed the queue chunk holding the checkpoint's offset.)
                 if log_first > 0:
-                    limit = max(limit, queue.first_offset_at_or_after(log_first))
+                    limit = max(limit, queue.first_offset)
+                    while limit < queue.next_offset and 0 <= queue.entry(limit)[0] < log_first:
+                        limit += 1
             if queue.next_offset > limit:
                 report.cuts += queue.cut_from(limit)
     for chunk in reader.manager:  # what the matcher read stays in the page cache only
