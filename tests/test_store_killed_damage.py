@@ -23,6 +23,7 @@ from equeue import MessageStore
 from equeue.cli import main as cli_main
 from equeue.errors import CorruptRecordError, EQueueError
 from equeue.format.chunk import FRAME_PREFIX_SIZE, HEADER_SIZE
+from equeue.format.message import QUEUE_RECORD_SIZE
 
 CHUNK = 4096
 SENT = 200  # alternately to t/0 and t/1, then TAIL more to t/1
@@ -65,11 +66,13 @@ def verify_exit(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, st
 
 
 # Which acknowledged message is damaged, and where in its frame: its body, the last
-# message of t/0 (no later record of its queue vouches for its entry), its length.
+# message of t/0 (no later record of its queue vouches for its entry), its length, or
+# the last message of t/0 whose queue entry is lost as well.
 CASES = {
     "body": (SENT // 2, 80),
     "last of its queue": (SENT - 2, 80),
     "frame length": (SENT // 2, 1),
+    "entry lost too": (SENT - 2, 80),  # and its queue entry zeroed: re-added from the head
 }
 
 
@@ -84,8 +87,16 @@ def test_a_damaged_record_after_the_checkpoint_does_not_refuse_the_open(
     last_chunk = max(p for _, _, p in acks) // CHUNK
     assert position // CHUNK < last_chunk  # in a completed chunk
     file, frame = flip(path, position, within)
+    if case == "entry lost too":
+        entries = path / "queues" / "t" / str(queue_id) / "chunk-000000000000.0000"
+        data = bytearray(entries.read_bytes())
+        at = HEADER_SIZE + offset * QUEUE_RECORD_SIZE
+        assert any(data[at : at + QUEUE_RECORD_SIZE]) and not any(data[at + QUEUE_RECORD_SIZE :])
+        data[at : at + QUEUE_RECORD_SIZE] = bytes(QUEUE_RECORD_SIZE)
+        entries.write_bytes(bytes(data))
     with MessageStore.open(path, config()) as store:
         [problem] = store.recovery.problems
+        assert ("re-added" in problem) == (case == "entry lost too"), problem
         assert (file, frame) in locations(problem), problem
         assert not store.recovery.cuts
         with pytest.raises(CorruptRecordError) as pulled:
