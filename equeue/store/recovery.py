@@ -278,8 +278,8 @@ def _past_damaged(
         else None
     )
     kept = ""
-    if queue is not None and qoff < queue.next_offset and queue.entry(qoff) == (position, th):
-        kept = "kept"
+    if queue is not None and queue.first_offset <= qoff < queue.next_offset:
+        kept = "kept" if queue.entry(qoff) == (position, th) else ""
     elif queue is not None and qoff == queue.next_offset:
         queue.append(position, th)
         kept = "re-added"
