@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -664,10 +665,14 @@ MAX_RUN_S = 3.0  # a round never runs longer than this after READY
 READY_TIMEOUT_S = 60.0  # a writer that cannot open the store in this time has hung
 
 
-def run_writer(store_dir: Path, policy: str, seed: int, plan: KillPlan) -> WriterRun:
-    """Start the writer, SIGKILL it as planned, and collect what it acknowledged."""
+def run_writer(
+    store_dir: Path, policy: str, seed: int, plan: KillPlan, options: Sequence[str] = ()
+) -> WriterRun:
+    """Start the writer (``options`` added to its arguments), SIGKILL it as planned, and
+    collect what it acknowledged."""
     run = WriterRun(plan)
     argv = [sys.executable, str(WRITER), str(store_dir), "--policy", policy, "--seed", str(seed)]
+    argv += options
     run.command = shlex.join(argv)
     err_path = store_dir.parent / f"writer-{seed}.stderr"
     changed = threading.Condition()

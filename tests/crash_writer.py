@@ -12,8 +12,14 @@ Run as a script it is the writer::
 
 It opens (and so recovers) the store, resumes every producer after the last
 message the store holds, prints ``READY``, then runs one thread per producer
-plus one that calls ``flush()`` at random moments, until it is killed. On
-stdout, in one ``write`` each (so lines never interleave), it prints::
+plus one that calls ``flush()`` at random moments, until it is killed. With
+``--retention`` the store keeps at most ``RETENTION_CHUNKS`` log chunks
+(``max_store_bytes``, applied by the service after its checkpoints) and a thread
+calls ``apply_retention()`` every few milliseconds, while ``QUIET_PRODUCER`` pauses
+now and then; as retention may have removed
+every message of a producer, ``--start P:SEQ ...`` says where producers resume at
+the least (past every seq a previous run attempted). On stdout, in one ``write``
+each (so lines never interleave), it prints::
 
     T <producer> <first seq> <count>                          before a send or batch
     A <producer> <seq> <topic> <queue> <offset> <position> <id>   after it returned
@@ -39,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from equeue import MessageStore, OutgoingMessage, SendResult, StoreConfig
-from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
+from equeue.format.chunk import MIN_CHUNK_DATA_SIZE, chunk_file_size
 from equeue.format.message import QUEUE_RECORD_SIZE
 
 TOPICS: dict[str, int] = {"a": 3, "b": 1}
@@ -47,6 +53,8 @@ TOPICS: dict[str, int] = {"a": 3, "b": 1}
 PRODUCERS: tuple[tuple[str, int], ...] = (("a", 0), ("a", 1), ("a", 2), ("b", 0), ("a", 0))
 POLICIES = ("sync", "async", "os")
 MAX_BATCH = 6
+RETENTION_CHUNKS = 3  # --retention: the log chunks max_store_bytes keeps
+QUIET_PRODUCER = 3  # --retention: it pauses now and then (alone on its queue, b/0)
 EXIT_THREAD_FAILED = 3
 
 _HEAD = re.compile(rb"p(\d+)s(\d+):")
@@ -64,6 +72,14 @@ def store_config(policy: str, **overrides: int) -> StoreConfig:
     }
     settings.update(overrides)
     return StoreConfig(flush=policy, **settings)  # type: ignore[arg-type]
+
+
+def retention_config(policy: str) -> StoreConfig:
+    """store_config, and at most RETENTION_CHUNKS log chunks: retention removes chunks
+    every few sends."""
+    return store_config(
+        policy, max_store_bytes=RETENTION_CHUNKS * chunk_file_size(MIN_CHUNK_DATA_SIZE)
+    )
 
 
 def _mix(producer: int, seq: int) -> int:
@@ -223,7 +239,12 @@ def _guarded(work: Callable[[], None]) -> None:
 
 
 def _produce(
-    store: MessageStore, producer: int, seq: int, rng: random.Random, deadline: float
+    store: MessageStore,
+    producer: int,
+    seq: int,
+    rng: random.Random,
+    deadline: float,
+    pauses: bool = False,
 ) -> None:
     while time.monotonic() < deadline:
         count = 1 if rng.random() < 0.7 else rng.randint(2, MAX_BATCH)
@@ -231,12 +252,22 @@ def _produce(
         results = send(store, producer, seq, count)
         _emit(b"".join(Ack.of(producer, seq + i, r).line() for i, r in enumerate(results)))
         seq += count
+        if pauses and rng.random() < 0.2:
+            # A queue that goes quiet while retention removes the chunks of its last
+            # sends: what recovery must not cut back to the checkpoint's offset.
+            time.sleep(rng.uniform(0.005, 0.1))
 
 
 def _flush_now_and_then(store: MessageStore, rng: random.Random, deadline: float) -> None:
     while time.monotonic() < deadline:
         time.sleep(rng.uniform(0.005, 0.15))
         store.flush()
+
+
+def _retain_now_and_then(store: MessageStore, rng: random.Random, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        time.sleep(rng.uniform(0.0, 0.02))
+        store.apply_retention()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,19 +278,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seconds", type=float, default=60.0, help="stop on its own after this long"
     )
+    parser.add_argument("--retention", action="store_true", help="see the module docstring")
+    parser.add_argument("--start", nargs="*", default=[], metavar="P:SEQ")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.seconds
-    store = MessageStore.open(args.store, store_config(args.policy))
+    config = retention_config(args.policy) if args.retention else store_config(args.policy)
+    store = MessageStore.open(args.store, config)
     for topic, count in TOPICS.items():
         if topic not in store.topics() or len(store.queue_ids(topic)) < count:
             store.create_topic(topic, count)
     seqs = next_seqs(store)
+    for start in args.start:
+        producer, seq = map(int, start.split(":"))
+        seqs[producer] = max(seqs[producer], seq)
     _emit(b"READY\n")
     work: list[Callable[[], None]] = [
-        functools.partial(_produce, store, p, seqs[p], random.Random(args.seed * 97 + p), deadline)
+        functools.partial(
+            _produce,
+            store,
+            p,
+            seqs[p],
+            random.Random(args.seed * 97 + p),
+            deadline,
+            args.retention and p == QUIET_PRODUCER,
+        )
         for p in range(len(PRODUCERS))
     ]
     work.append(functools.partial(_flush_now_and_then, store, random.Random(args.seed), deadline))
+    if args.retention:
+        rng = random.Random(args.seed + 1)
+        work.append(functools.partial(_retain_now_and_then, store, rng, deadline))
     threads = [threading.Thread(target=_guarded, args=(w,)) for w in work]
     for thread in threads:
         thread.start()

@@ -13,6 +13,10 @@ survive, byte-identical; the power-loss tests cover what "sync" adds.
 Each case is reproducible as to its plan (not its timing) with
 ``python tools/crash_test.py --policy P --seed S --iterations 1``, which also runs
 hundreds of iterations. EQUEUE_CRASH_SEED shifts the seeds CI uses.
+
+With retention (tests/retention_checks.py): the writer keeps a few log chunks and
+applies retention every few milliseconds; after each kill the store is checked for a
+queue offset that went back or an acknowledged, retained message missing or changed.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from crash_checks import (
     verify_recovered_store,
 )
 from crash_writer import POLICIES, PRODUCERS, store_config
+from retention_checks import run_retention_iteration
 
 from equeue.format.chunk import HEADER_SIZE, MIN_CHUNK_DATA_SIZE
 
 ITERATIONS_PER_POLICY = 8
+RETENTION_KILLS = 4  # per policy: 12 in make test
 SEED_BASE = int(os.environ.get("EQUEUE_CRASH_SEED", "0"))
 
 
@@ -67,3 +73,11 @@ def test_kill_check_fails_when_acknowledged_sends_are_lost(tmp_path: Path) -> No
     lost = [p for p in verdict.problems if "acknowledged messages lost" in p]
     assert lost and f"producer {victim.producer} " in " ".join(lost), verdict.problems
     assert len(lost) <= len(PRODUCERS)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sigkill_with_retention_never_moves_an_offset_back(tmp_path: Path, policy: str) -> None:
+    """The retention kill loop (tests/retention_checks.py), reduced: 4 kills a policy."""
+    result = run_retention_iteration(tmp_path, policy, SEED_BASE, RETENTION_KILLS)
+    assert not result.problems, result.describe()
+    assert result.kills == RETENTION_KILLS and result.history.stats["losses"] == 0

@@ -14,6 +14,7 @@ corrupt is returned, and every cut is reported with a copy of what was cut.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import mmap
 import os
@@ -565,6 +566,41 @@ def test_power_loss_after_retention_keeps_the_retained_messages(
         assert [(m.queue_offset, m.position, m.body) for m in pulled] == [
             (a.queue_offset, a.position, make_body(0, a.seq)) for a in acks[first:]
         ]
+
+
+@pytest.mark.parametrize("entries", ["keep", "revert"])
+def test_power_loss_after_retention_removed_sends_made_after_its_checkpoint(
+    tmp_path: Path, entries: str
+) -> None:
+    """Sends between retention's checkpoint and its deletions, in chunks it removes, then
+    the power fails: the queue's next offset stays past them (their entries were never
+    flushed, and the log that could rebuild them is gone)."""
+    config = config_for("sync", retention=dt.timedelta(hours=1))  # type: ignore[arg-type]
+    with recording(tmp_path / "store") as recorder:
+        store = MessageStore.open(tmp_path / "store", config)
+        ensure_topics(store)
+        acks = [Ack.of(0, seq, send(store, 0, seq, 1)[0]) for seq in range(5)]
+        retain = store._retain
+
+        def sends_then_retain(now: float | None) -> int:
+            acks.extend(Ack.of(0, seq, send(store, 0, seq, 1)[0]) for seq in range(5, 8))
+            chunk = store._messages.last_chunk
+            seq = 0
+            while store._messages.last_chunk is chunk:  # the chunk holding them completes
+                send(store, 3, seq, 1)
+                seq += 1
+            return retain(now)
+
+        store._retain = sends_then_retain  # type: ignore[method-assign]
+        assert store.apply_retention(now=time.time() + 7200) > 0
+        assert store.queue_range("a", 0) == (8, 8)  # all of a/0's messages were removed
+        image = recorder.cut()
+        store.close()
+    assert [a.queue_offset for a in acks] == list(range(8))
+    materialize(image, tmp_path / "after", Damage(pages="old", entries=entries))
+    with MessageStore.open(tmp_path / "after", config) as store:
+        assert store.queue_range("a", 0)[1] == 8, store.recovery
+        assert store.send("a", b"next", queue_id=0).queue_offset == 8
 
 
 def test_recovery_cut_copies_survive_a_power_loss(tmp_path: Path) -> None:

@@ -168,12 +168,20 @@ class Queue:
         self.next_offset = self.manager.committed_position // QUEUE_RECORD_SIZE
         return cuts
 
-    def remove_chunks_below(self, message_position: int) -> int:
-        """Retention: drop completed queue chunks whose entries all point below it."""
+    def remove_chunks_below(self, message_position: int | None) -> int:
+        """Retention: drop completed queue chunks whose entries all point below
+        ``message_position``, or, with None, those wholly below ``first_offset``."""
         removed = 0
         for chunk in list(self.manager)[:-1]:
             last_offset = (chunk.base + chunk.data_end) // QUEUE_RECORD_SIZE - 1
-            if last_offset < 0 or self.entry(last_offset)[0] >= message_position:
+            if last_offset < 0:
+                break
+            # Below first_offset, every entry points at a removed message (the entries
+            # there are out of entry()'s range): so after a crash between the removal
+            # of the log chunks and of these, once the open moved first_offset past them.
+            if last_offset >= self.first_offset and (
+                message_position is None or self.entry(last_offset)[0] >= message_position
+            ):
                 break
             removed += len(self.manager.remove_chunks_before(chunk.end_number + 1))
         self.first_offset = max(self.first_offset, self.manager.first_position // QUEUE_RECORD_SIZE)

@@ -19,8 +19,14 @@ from typing import Any
 from equeue import speedups
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.chunks.recovery import SCAN_STEP, TailCut, TailHint
-from equeue.errors import EQueueError, location
-from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
+from equeue.errors import CorruptRecordError, EQueueError, location
+from equeue.format.chunk import (
+    FRAME_OVERHEAD,
+    FRAME_PREFIX,
+    FRAME_PREFIX_SIZE,
+    FRAME_SUFFIX,
+    HEADER_SIZE,
+)
 from equeue.format.message import (
     FLAG_HAS_KEY,
     MESSAGE_HEAD,
@@ -132,6 +138,7 @@ def redispatch(
     keys.forget_from(key_from)
     report.start_position = start
     log_end = reader.manager.committed_position
+    log_first = reader.manager.first_position
     seen: dict[Queue, int] = {}
     fast = _Matcher(reader.manager, queues, key_from) if speedups.SPEEDUPS is not None else None
     position = start
@@ -140,7 +147,17 @@ def redispatch(
             position = fast.run(position, log_end, seen, keys, report)
         resume = None
         handled: set[Queue] = set()  # the queues whose records the loop below takes
-        for position, payload in reader.iter_from(position):  # noqa: B020 - resumes there
+        records = reader.iter_from(position)
+        while True:
+            try:
+                position, payload = next(records)
+            except StopIteration:
+                break
+            except CorruptRecordError as exc:  # a completed chunk's record, damaged
+                resume = _past_damaged(reader, exc, queues, seen, handled, report)
+                if resume is None:
+                    raise
+                break
             (pos, _, _, qoff, qid, _, th, flags, tl, gl, kl, _, _) = MESSAGE_HEAD.unpack_from(
                 payload
             )
@@ -182,8 +199,8 @@ def redispatch(
                 break
         if resume is None:
             break
-        assert fast is not None
-        fast.handled(handled)
+        if fast is not None:
+            fast.handled(handled)
         position = resume
     for topic, topic_queues in queues.items():
         for queue in topic_queues:
@@ -196,6 +213,15 @@ def redispatch(
                 recorded_end = _checkpointed_offset(recorded, topic, queue.queue_id)
                 if recorded_end is not None:  # and never past the log's end
                     limit = min(recorded_end, queue.first_offset_at_or_after(log_end))
+                # Entries of messages retention removed since (sends between its
+                # checkpoint and its deletions) cannot be checked against the log: they
+                # stay, else the queue's next offset would move back below offsets
+                # already acknowledged, and the next sends would reuse them. (Also when
+                # retention removed the queue chunk holding the checkpoint's offset.)
+                if log_first > 0:
+                    limit = max(limit, queue.first_offset)
+                    while limit < queue.next_offset and 0 <= queue.entry(limit)[0] < log_first:
+                        limit += 1
             if queue.next_offset > limit:
                 report.cuts += queue.cut_from(limit)
     for chunk in reader.manager:  # what the matcher read stays in the page cache only
@@ -211,6 +237,68 @@ def redispatch(
     for problem in report.problems:
         if problem not in logged:
             log.error("recovery: %s", problem)
+
+
+def _past_damaged(
+    reader: ChunkReader,
+    exc: CorruptRecordError,
+    queues: dict[str, list[Queue]],
+    seen: dict[Queue, int],
+    handled: set[Queue],
+    report: RecoveryReport,
+) -> int | None:
+    """Re-dispatch met a record of a completed log chunk that fails its checksum (a bit
+    flipped on disk): the open goes on past it rather than refusing every writable
+    open. Returns where to go on, or None if the record is not in a completed chunk.
+
+    If its frame is intact and its head names this position and a queue whose entry for
+    it is in place, or due next, that entry is kept (appended): reading it raises
+    CorruptRecordError, and the queue's next offset stays past it. Otherwise it is left
+    out of the queues. A frame whose length is damaged hides where the next record
+    starts: the rest of the chunk is skipped. Each case is reported."""
+    chunk = next((c for c in reader.manager if str(c.path) == exc.file), None)
+    if chunk is None or not chunk.is_completed or chunk.header.compacted or exc.offset is None:
+        return None
+    local = exc.offset - HEADER_SIZE
+    position = chunk.start_position + local
+    mm = chunk.mapping()
+    n: int = FRAME_PREFIX.unpack_from(mm, exc.offset)[0]
+    end = local + FRAME_OVERHEAD + n
+    intact = n >= MESSAGE_HEAD_SIZE and end <= chunk.data_end
+    if not intact or FRAME_SUFFIX.unpack_from(mm, exc.offset + FRAME_PREFIX_SIZE + n)[1] != n:
+        report.problems.append(
+            f"{exc}; the records from there to the chunk's end (position "
+            f"{chunk.end_position}) were not re-dispatched: their queue entries are kept "
+            "only where a later record of the same queue was found"
+        )
+        return chunk.end_position
+    head = MESSAGE_HEAD.unpack_from(mm, exc.offset + FRAME_PREFIX_SIZE)
+    pos, qoff, qid, th, tl = head[0], head[3], head[4], head[6], head[8]
+    start = exc.offset + FRAME_PREFIX_SIZE + MESSAGE_HEAD_SIZE
+    topic = bytes(mm[start : start + tl]).decode(errors="replace")
+    topic_queues = queues.get(topic)
+    queue = (
+        topic_queues[qid]
+        if pos == position and topic_queues is not None and 0 <= qid < len(topic_queues)
+        else None
+    )
+    kept = ""
+    if queue is not None and queue.first_offset <= qoff < queue.next_offset:
+        kept = "kept" if queue.entry(qoff) == (position, th) else ""
+    elif queue is not None and qoff == queue.next_offset:
+        queue.append(position, th)
+        kept = "re-added"
+    if queue is not None and kept:
+        handled.add(queue)
+        seen[queue] = max(seen.get(queue, 0), qoff + 1)
+        what = (
+            f"its entry, queue {topic}/{qid} offset {qoff}, is {kept}: reading it raises "
+            "CorruptRecordError"
+        )
+    else:
+        what = "it is left out of the queues (its head does not name a queue entry)"
+    report.problems.append(f"{exc}; the message there is unreadable, {what}")
+    return chunk.start_position + end
 
 
 def _checkpointed_offset(recorded: dict[str, Any] | None, topic: str, queue_id: int) -> int | None:

@@ -47,13 +47,23 @@ def apply_retention(store: MessageStore, now: float) -> int:
         remove_before = chunk.end_number + 1
         total -= chunk.file_size
     if remove_before is None:
+        # A crash may have stopped an earlier run between the log chunks and the queue
+        # chunks: the open set each queue's first offset past the removed messages, and
+        # the queue chunks wholly below it go now (no entry read: this runs every turn).
+        for queues in store._queues.values():
+            for queue in queues:
+                queue.remove_chunks_below(None)
         return 0
+    # The entries of sends made since the checkpoint were not flushed, and once the log
+    # chunks holding their messages are gone, recovery cannot rebuild them from the log
+    # (and the queue's next offset would move back after a power loss).
+    store._flush_queues()
     removed = messages.remove_chunks_before(remove_before)
     first = messages.first_position
     for queues in store._queues.values():
         for queue in queues:
-            queue.remove_chunks_below(first)
             queue.first_offset = queue.first_offset_at_or_after(first)
+            queue.remove_chunks_below(first)
     store._keys.forget_below(first)
     log.info("retention removed %d message chunks; the log now starts at %d", len(removed), first)
     return len(removed)
