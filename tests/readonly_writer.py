@@ -1,13 +1,17 @@
 """The writer process of the read-only tests (tests/test_store_readonly.py), driven one
 command a line on stdin; it answers each with one line ``ok <json>`` on stdout::
 
-    python tests/readonly_writer.py STORE_DIR '{"chunk_data_size": 4096, ...}'
+    python tests/readonly_writer.py STORE_DIR '{"chunk_data_size": 4096, ...}' [CLEANUP]
 
-It creates topic ``t`` (2 queues). Commands: ``send TOPIC QUEUE COUNT [KEY]`` (``KEY``
-``-``: each message gets key ``k<offset % 5>``), ``flush``, ``retain`` (answers every
-queue's range), ``run ROUNDS`` (each round sends 20 keyed messages to every queue of
-``t`` and applies retention; answers once all are done), ``close``. The tests SIGKILL
-it where they need a crash.
+The configuration's ``retention_days`` becomes ``retention``. It creates topic ``t`` (2
+queues, ``CLEANUP``: "delete" or "compact"). Commands:
+
+- ``send TOPIC QUEUE COUNT [KEY]`` (``KEY`` ``-``: each message gets ``k<offset % 5>``);
+- ``flush``;
+- ``retain [DAYS]``: retention as if DAYS days had passed; answers every queue's range;
+- ``run ROUNDS``: each round sends 20 keyed messages to every queue of ``t`` and applies
+  retention; answers every queue's range once all are done;
+- ``close``. The tests SIGKILL it where they need a crash.
 
 Message bodies say where they belong (``t/0/17`` plus padding), so a reader can check
 each message it gets without asking the writer.
@@ -15,8 +19,10 @@ each message it gets without asking the writer.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
+import time
 from typing import Any
 
 from equeue import MessageStore, StoreConfig
@@ -48,8 +54,11 @@ def _ranges(store: MessageStore) -> dict[str, list[int]]:
 
 
 def main() -> None:
-    store = MessageStore.open(sys.argv[1], StoreConfig(**json.loads(sys.argv[2])))
-    store.create_topic("t", 2)
+    config = json.loads(sys.argv[2])
+    if "retention_days" in config:
+        config["retention"] = dt.timedelta(days=config.pop("retention_days"))
+    store = MessageStore.open(sys.argv[1], StoreConfig(**config))
+    store.create_topic("t", 2, cleanup="compact" if sys.argv[3:] == ["compact"] else "delete")
     for line in sys.stdin:
         command, *args = line.split()
         answer: Any = None
@@ -58,7 +67,7 @@ def main() -> None:
         elif command == "flush":
             store.flush()
         elif command == "retain":
-            store.apply_retention()
+            store.apply_retention(time.time() + 86400 * float(args[0]) if args else None)
             answer = _ranges(store)
         elif command == "run":
             for _ in range(int(args[0])):

@@ -9,16 +9,20 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 from readonly_writer import body, key_for
 from store_helpers import pull_all, snapshot
 
 from equeue import Message, MessageStore, StoreConfig
+from equeue.compaction.job import compact
 from equeue.errors import ChunkRemovedError, ClosedError, ReadOnlyError
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
 from equeue.store.meta import KEYS_FILE
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 WRITER = Path(__file__).with_name("readonly_writer.py")
 SMALL: dict[str, Any] = {"chunk_data_size": MIN_CHUNK_DATA_SIZE, "queue_chunk_records": 342}
@@ -27,9 +31,9 @@ SMALL: dict[str, Any] = {"chunk_data_size": MIN_CHUNK_DATA_SIZE, "queue_chunk_re
 class Writer:
     """tests/readonly_writer.py in a subprocess."""
 
-    def __init__(self, path: Path, **config: Any) -> None:
+    def __init__(self, path: Path, cleanup: str = "delete", **config: Any) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(WRITER), str(path), json.dumps(config)],
+            [sys.executable, str(WRITER), str(path), json.dumps(config), cleanup],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -244,6 +248,53 @@ def test_read_only_handle_follows_retention(tmp_path: Path, writers: list[Writer
             assert result.next_offset == final[0][f"t/{queue_id}"][1]
     finally:
         reader.close()
+
+
+def retained(store: MessageStore) -> list[Message]:
+    return [m for messages in pull_all(store).values() for m in messages]
+
+
+def test_read_only_handle_follows_compaction_then_retention(
+    tmp_path: Path, writers: list[Writer], spark: SparkSession
+) -> None:
+    """A compaction job (in this process) beside the writer, then the writer's retention
+    (in its process) of every chunk the handle had read: a handle opened before both reads what
+    a handle opened after reads."""
+    path = tmp_path / "s"
+    # Retention by size: the job leaves the first chunks with no record, and a footer
+    # without timestamps stops retention by time.
+    limit = 48 * MIN_CHUNK_DATA_SIZE
+    writer = Writer(path, "compact", **SMALL, flush="async", max_store_bytes=limit)
+    writers.append(writer)
+    for queue_id in (0, 1):
+        writer(f"send t {queue_id} 60 -")
+    writer("flush")
+    with MessageStore.open(path, read_only=True) as reader:
+        old = retained(reader)
+        assert len(old) == 120
+        assert compact(path, spark=spark).records_removed > 0
+        reader.refresh()
+        with MessageStore.open(path, read_only=True) as fresh:
+            compacted = retained(fresh)
+        assert len(compacted) < len(old)  # the control: the job removed something
+        assert retained(reader) == compacted
+        for queue_id in (0, 1):
+            writer(f"send t {queue_id} 200 -")
+        ranges = writer("retain")
+        # Without a refresh: a pull goes on from the queue's new first offset.
+        result = reader.pull("t", 0, 0, max_count=5)
+        assert result.messages and result.messages[0].queue_offset >= ranges["t/0"][0]
+        check_pulled(result.messages, 0, -1)
+        reader.refresh()
+        for queue_id in (0, 1):
+            assert list(reader.queue_range("t", queue_id)) == ranges[f"t/{queue_id}"]
+        with MessageStore.open(path, read_only=True) as fresh:
+            assert retained(reader) == retained(fresh)
+            assert reader.query_by_key("t", "k2") == fresh.query_by_key("t", "k2")
+        for message in old:
+            with pytest.raises(ChunkRemovedError):
+                reader.get(message.message_id)
+    writer.close()
 
 
 # --- item 6: a closed store ---------------------------------------------------------

@@ -40,16 +40,17 @@ def refresh(store: MessageStore) -> None:
         keys.reconnect()
 
 
-def follow_log(store: MessageStore) -> None:
-    """Catch up with the writer's log and queues: records and chunks added, chunks
-    removed by retention or replaced by compaction. A queue's first offset then moves,
-    as the writer's retention moves it, past the entries whose messages are gone."""
+def follow_log(store: MessageStore, only: Queue | None = None) -> None:
+    """Catch up with the writer's log and queues (or just ``only``): records and chunks
+    added, chunks removed by retention or replaced by compaction. A queue's first offset
+    then moves, as the writer's retention moves it, past the entries whose messages are
+    gone."""
     store._messages.refresh()
     log_first = store._messages.first_position
-    for queues in list(store._queues.values()):
-        for queue in queues:
-            queue.refresh()
-            _skip_removed(queue, log_first)
+    queues = [only] if only is not None else [q for qs in store._queues.values() for q in qs]
+    for queue in queues:
+        queue.refresh()
+        _skip_removed(queue, log_first)
 
 
 def _skip_removed(queue: Queue, log_first: int) -> None:
@@ -78,18 +79,18 @@ def pull(
         follow_log(store)  # retention ran: start where the writer's pull would
     if offset >= queue.next_offset:
         _wait_for_entries(store, queue, offset, wait)
-    for attempt in range(_ATTEMPTS):
+    attempts = 1
+    while True:
         try:
             messages, next_offset = store._log.pull_run(
                 queue, max(offset, queue.first_offset), max_count, wanted
             )
+            return PullResult(messages, next_offset)
         except ChunkRemovedError:
-            if attempt == _ATTEMPTS - 1:
+            if attempts == _ATTEMPTS:
                 raise
+            attempts += 1
             follow_log(store)
-            continue
-        return PullResult(messages, next_offset)
-    raise AssertionError("unreachable")
 
 
 def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: float) -> None:
@@ -99,12 +100,21 @@ def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: floa
     while True:
         queue.refresh()
         if offset < queue.next_offset:
-            follow_log(store)
+            follow_log(store, queue)
             return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
         time.sleep(min(remaining, 0.01))
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file, None if there is none."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 class FollowedKeys(KeyIndex):
@@ -115,7 +125,8 @@ class FollowedKeys(KeyIndex):
     How SQLite is opened depends on the writer, checked again before each query:
 
     - a writer runs: ``mode=ro``; the writer keeps the -wal and -shm files, and this
-      handle shares the -shm with it, as every WAL reader must;
+      handle shares the -shm with it, as every WAL reader must (while the writer opens
+      or closes and either file is missing, ``immutable=1``: mode=ro would create them);
     - no writer and no -wal file: ``immutable=1``; every commit is in the database file;
     - no writer, a -wal and its -shm (a killed writer, or one that closed while a reader
       had the file open): ``readonly_shm=1``; SQLite reads the WAL into private memory
@@ -124,6 +135,8 @@ class FollowedKeys(KeyIndex):
     - no writer, a -wal but no -shm: the WAL cannot be read without creating the -shm,
       so only the database file is read (``immutable=1``) and the log is read from the
       position that file says is indexed: slower, but every key is found.
+
+    A query that SQLite fails is tried again reopened, then on the database file alone.
     """
 
     def __init__(self, store_path: Path, messages: ChunkManager) -> None:
@@ -144,27 +157,26 @@ class FollowedKeys(KeyIndex):
         """What decides how SQLite is opened; a change means reopening. Without a writer
         the database file's identity counts too: one that starts may change it."""
         running = writer_running(self.path.parent)
-        try:
-            stat = os.stat(self.path)
-        except FileNotFoundError:
-            return running, None
+        file = _identity(self.path)
+        if file is None:
+            return running, None, False, False
+        wal = _identity(self.path.with_name(self.path.name + "-wal"))
+        shm = _identity(self.path.with_name(self.path.name + "-shm")) is not None
         if running:
-            return True, True
-        wal = self.path.with_name(self.path.name + "-wal")
-        shm = self.path.with_name(self.path.name + "-shm")
-        wal_size = wal.stat().st_size if wal.exists() else 0
-        return False, (stat.st_ino, stat.st_size, stat.st_mtime_ns), wal_size > 0, shm.exists()
+            # Its -wal and -shm are missing only while it opens or closes; mode=ro would
+            # then create them.
+            return True, True, wal is not None, shm
+        return False, file, wal is not None and wal[1] > 0, shm
 
     def _open(self, *, fallback: bool) -> tuple[sqlite3.Connection, tuple[object, ...]]:
         """``fallback``: the database file alone, whatever the state (the log has the rest)."""
         state = self._current_state()
-        if state[1] is None:
+        running, file, wal, shm = state
+        if file is None:
             uri = "file::memory:"  # a store that never indexed a key (yet)
-        elif fallback:
-            uri = f"file:{self.path}?mode=ro&immutable=1"
-        elif state[0]:
+        elif running and wal and shm and not fallback:
             uri = f"file:{self.path}?mode=ro"
-        elif state[2] and state[3]:
+        elif not running and wal and shm and not fallback:
             uri = f"file:{self.path}?mode=ro&readonly_shm=1"
         else:
             uri = f"file:{self.path}?mode=ro&immutable=1"
