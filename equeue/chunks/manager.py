@@ -361,8 +361,13 @@ class ChunkManager:
         """Read-only: drop the oldest chunks whose files the writer's retention deleted.
         Readers that hold one's mapping finish with it; later reads of its positions
         raise ChunkRemovedError."""
-        while self._chunks and not self._chunks[0].path.exists():
-            chunk = self._chunks.pop(0)
+        gone = 0
+        while gone < len(self._chunks) and not self._chunks[gone].path.exists():
+            gone += 1
+        removed, self._chunks = self._chunks[:gone], self._chunks[gone:]
+        # The list first: a lookup that races with this finds a removed chunk's number
+        # below the first chunk (ChunkRemovedError), or that chunk without its file.
+        for chunk in removed:
             for n in range(chunk.start_number, chunk.end_number + 1):
                 self._by_number.pop(n, None)
             chunk.release_mapping()
