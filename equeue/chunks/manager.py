@@ -95,6 +95,7 @@ class ChunkManager:
         self._lock = threading.RLock()
         self._writer: ChunkWriter | None = None
         self._closed = False
+        self.looked_at = 0.0  # read-only: when a pull last looked for removed chunks
         self._load()
 
     # --- context manager -----------------------------------------------------
