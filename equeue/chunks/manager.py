@@ -96,6 +96,7 @@ class ChunkManager:
         self._lock = threading.RLock()
         self._writer: ChunkWriter | None = None
         self._closed = False
+        self.looked_at = 0.0  # read-only: when a pull last looked for removed chunks
         self._load()
 
     # --- context manager -----------------------------------------------------
@@ -333,9 +334,13 @@ class ChunkManager:
             if not self.directory.exists():
                 return  # opened before any writer created the directory
             self.adopt_replacements()
+            self._forget_removed()
             last = self.last_chunk
             if last is not None and not last.is_completed:
-                self._refresh_tail(last)
+                try:
+                    self._refresh_tail(last)
+                except FileNotFoundError:  # completed, then removed by retention, meanwhile
+                    self._forget_removed()
             known = {c.path.name for c in self._chunks}
             for name in sorted(os.listdir(self.directory)):
                 parsed = parse_chunk_file_name(name)
@@ -344,11 +349,31 @@ class ChunkManager:
                 expected = self.last_chunk.end_number + 1 if self.last_chunk else parsed[0]
                 if parsed[0] == expected:
                     path = self.directory / name
-                    chunk = self._open_chunk(path, self._read_header(path), parsed[1], last=True)
-                    prev = self.last_chunk
-                    if prev is not None and not prev.is_completed:
-                        self._refresh_tail(prev)
+                    try:
+                        header = self._read_header(path)
+                        chunk = self._open_chunk(path, header, parsed[1], last=True)
+                        prev = self.last_chunk
+                        if prev is not None and not prev.is_completed:
+                            self._refresh_tail(prev)
+                    except FileNotFoundError:
+                        break  # removed by retention since the listing: the next refresh
                     self._install(chunk)
+
+    def _forget_removed(self) -> None:
+        """Read-only: drop the oldest chunks whose files the writer's retention deleted.
+        Readers that hold one's mapping finish with it; later reads of its positions
+        raise ChunkRemovedError."""
+        gone = 0
+        while gone < len(self._chunks) and not self._chunks[gone].path.exists():
+            gone += 1
+        removed, self._chunks = self._chunks[:gone], self._chunks[gone:]
+        # The list first: a lookup that races with this finds a removed chunk's number
+        # below the first chunk (ChunkRemovedError), or that chunk without its file.
+        for chunk in removed:
+            for n in range(chunk.start_number, chunk.end_number + 1):
+                self._by_number.pop(n, None)
+            chunk.release_mapping()
+            log.info("%s was removed by the writer", chunk.path)
 
     def adopt_replacements(self) -> list[Chunk]:
         """Swap in compacted chunks installed in the directory since we loaded it.
@@ -376,7 +401,10 @@ class ChunkManager:
                 olds = self._replaced_by(header, parsed[1])
                 if not olds:
                     continue
-                chunk = self._open_chunk(path, header, parsed[1], last=False)
+                try:
+                    chunk = self._open_chunk(path, header, parsed[1], last=False)
+                except FileNotFoundError:
+                    continue  # superseded, or removed by retention, meanwhile
                 at = self._chunks.index(olds[0])
                 self._chunks[at : at + len(olds)] = [chunk]
                 for n in range(chunk.start_number, chunk.end_number + 1):

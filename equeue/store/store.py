@@ -43,7 +43,7 @@ from equeue.format.message import (
     STORED_TIME_OFFSET,
     decode_message_id,
 )
-from equeue.store import validate
+from equeue.store import follow, validate
 from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
@@ -60,7 +60,6 @@ from equeue.store.meta import (
     open_identity,
     read_meta,
     take_lock,
-    writer_running,
 )
 from equeue.store.queue import Queue
 from equeue.store.reads import LogReader, tag_filter
@@ -365,6 +364,7 @@ class MessageStore:
         return self._policies.get(topic, TopicPolicy())
 
     def topics(self) -> list[str]:
+        self._check_open()
         return sorted(self._queues)
 
     def queue_ids(self, topic: str) -> list[int]:
@@ -414,6 +414,7 @@ class MessageStore:
         )
 
     def _topic(self, topic: str) -> list[Queue]:
+        self._check_open()  # every read by topic; one attribute on the pull path
         queues = self._queues.get(topic)
         if queues is None and self.read_only:
             self._load_topics()  # the writer may have created it since
@@ -429,7 +430,7 @@ class MessageStore:
 
     def _queues_and_count(self, topic: object) -> tuple[list[Queue] | None, int]:
         """A send's topic: its queues (None if it is new) and their count, or an error."""
-        if self.read_only:
+        if self.read_only or self._closed:
             self._check_writable()
         queues = self._queues.get(topic) if type(topic) is str else None
         if queues is not None:
@@ -559,10 +560,10 @@ class MessageStore:
         if not isinstance(max_count, int) or max_count < 1:
             raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
         wanted = tag_filter(tags)
-        if self.read_only and offset >= queue.next_offset:
-            self._refresh_queue(queue, offset, wait)
+        if self.read_only:
+            return follow.pull(self, queue, offset, max_count, wanted, wait)
         offset = max(offset, queue.first_offset)
-        if wait > 0 and offset >= queue.next_offset and not self.read_only:
+        if wait > 0 and offset >= queue.next_offset:
             self._wait_for(queue, offset, wait)
         messages, offset = self._log.pull_run(queue, offset, max_count, wanted)
         return PullResult(messages, offset)
@@ -581,6 +582,7 @@ class MessageStore:
                 self._waiting -= 1
 
     def read(self, position: int) -> Message:
+        self._check_open()
         if not isinstance(position, int) or isinstance(position, bool):
             raise InvalidTypeError(f"position must be an int, got {type(position).__name__}")
         try:
@@ -638,7 +640,7 @@ class MessageStore:
         for at in range(offset, stop):
             try:
                 payload = self._reader.read(queue.entry(at)[0])
-            except CompactedAwayError:
+            except (ChunkRemovedError, CompactedAwayError):  # retention ran meanwhile
                 continue
             return at, MESSAGE_HEAD.unpack_from(payload)[1]
         return None
@@ -662,9 +664,11 @@ class MessageStore:
             self._offsets = offsets
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
+        self._check_open()
         return self._offsets.get(group, {}).get(topic, {}).get(str(queue_id))
 
     def consumer_groups(self) -> dict[str, dict[str, dict[int, int]]]:
+        self._check_open()
         return {
             g: {t: {int(q): o for q, o in qs.items()} for t, qs in ts.items()}
             for g, ts in self._offsets.items()
@@ -738,36 +742,12 @@ class MessageStore:
         if not self.read_only:
             self._adopt_compacted(blocking=True)
             return
-        self._load_topics()
-        self._offsets = self._read_meta(OFFSETS_FILE, self._offsets)
-        self._messages.refresh()
-        for queues in self._queues.values():
-            for queue in queues:
-                queue.refresh()
-        self._keys.close()
-        self._keys = self._open_keys()
+        follow.refresh(self)
 
     def _open_keys(self) -> KeyIndex:
-        path = self.path / KEYS_FILE
-        if not self.read_only:
-            return KeyIndex(path)
-        if not path.exists():
-            return KeyIndex(Path(":memory:"))  # a store that never indexed a key
-        return KeyIndex(path, read_only=True, immutable=not writer_running(self.path))
-
-    def _refresh_queue(self, queue: Queue, offset: int, wait: float) -> None:
-        """Read-only pulls poll the files (the writer is another process) until a
-        message past ``offset`` shows up or ``wait`` passes."""
-        deadline = time.monotonic() + wait
-        while True:
-            queue.refresh()
-            if offset < queue.next_offset:
-                self._messages.refresh()
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            time.sleep(min(remaining, 0.01))
+        if self.read_only:
+            return follow.FollowedKeys(self.path, self._messages)
+        return KeyIndex(self.path / KEYS_FILE)
 
     # --- checkpoints and the service thread ------------------------------------
 

@@ -1,0 +1,305 @@
+"""How a read-only handle follows the writer, which runs in another process (or not at
+all, or was killed): new records and chunks, chunks removed by retention or replaced by
+compaction, and the key index, whose newest part may be only in SQLite's WAL or only in
+the log. A read-only handle never changes a file of the store.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from equeue.chunks import ChunkManager, ChunkReader
+from equeue.errors import ChunkRemovedError, CorruptionError, CorruptRecordError
+from equeue.format.chunk import FRAME_OVERHEAD
+from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
+from equeue.store.keyindex import KeyIndex
+from equeue.store.meta import KEYS_FILE, OFFSETS_FILE, writer_running
+from equeue.store.queue import Queue
+from equeue.store.types import PullResult
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+# Retention may remove chunks again while a pull catches up with the last removal.
+_ATTEMPTS = 8
+# How often pulls look for chunks retention removed (a stat: 5% of a pull of 32); the
+# same as a waiting pull's polling. Meanwhile a pull reads what its mappings still hold.
+_LOOK_EVERY = 0.01
+
+
+def refresh(store: MessageStore) -> None:
+    """``MessageStore.refresh`` of a read-only handle."""
+    store._load_topics()
+    store._offsets = store._read_meta(OFFSETS_FILE, store._offsets)
+    follow_log(store)
+    keys = store._keys
+    if isinstance(keys, FollowedKeys):
+        keys.reconnect()
+
+
+def follow_log(store: MessageStore, only: Queue | None = None) -> None:
+    """Catch up with the writer's log and queues (or just ``only``): records and chunks
+    added, chunks removed by retention or replaced by compaction. A queue's first offset
+    then moves, as the writer's retention moves it, past the entries whose messages are
+    gone."""
+    store._messages.refresh()
+    log_first = store._messages.first_position
+    queues = [only] if only is not None else [q for qs in store._queues.values() for q in qs]
+    for queue in queues:
+        queue.refresh()
+        _skip_removed(queue, log_first)
+
+
+def _skip_removed(queue: Queue, log_first: int) -> None:
+    if log_first == 0 or queue.first_offset >= queue.next_offset:
+        return
+    try:
+        if queue.entry(queue.first_offset)[0] >= log_first:
+            return
+        queue.first_offset = max(queue.first_offset, queue.first_offset_at_or_after(log_first))
+    except ChunkRemovedError:
+        return  # removed again meanwhile: the next refresh moves it
+
+
+def pull(
+    store: MessageStore,
+    queue: Queue,
+    offset: int,
+    max_count: int,
+    wanted: dict[int, set[str]] | None,
+    wait: float,
+) -> PullResult:
+    """A read-only pull: it polls for new entries, and a chunk retention removed under
+    it makes it follow the log and go on from the queue's new first offset."""
+    log = store._messages
+    now = time.monotonic()
+    if now - log.looked_at >= _LOOK_EVERY:
+        log.looked_at = now
+        first = log.first_chunk
+        if first is not None and not first.path.exists():
+            follow_log(store)  # retention ran: start where the writer's pull would
+    if offset >= queue.next_offset:
+        _wait_for_entries(store, queue, offset, wait)
+    attempts = 1
+    while True:
+        try:
+            messages, next_offset = store._log.pull_run(
+                queue, max(offset, queue.first_offset), max_count, wanted
+            )
+            return PullResult(messages, next_offset)
+        except ChunkRemovedError:
+            if attempts == _ATTEMPTS:
+                raise
+            attempts += 1
+            follow_log(store)
+
+
+def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: float) -> None:
+    """Poll the files (the writer is another process) until an entry past ``offset``
+    shows up or ``wait`` passes."""
+    deadline = time.monotonic() + wait
+    while True:
+        queue.refresh()
+        if offset < queue.next_offset:
+            follow_log(store, queue)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        time.sleep(min(remaining, 0.01))
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file, None if there is none."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+class FollowedKeys(KeyIndex):
+    """The key index as a read-only handle sees it: what SQLite holds, opened so that
+    no file changes, plus the keys of the log past the index's ``indexed_position``,
+    read from the log itself (the writer indexes keys in batches, at checkpoints).
+
+    How SQLite is opened depends on the writer, checked again before each query:
+
+    - a writer runs: ``mode=ro``; the writer keeps the -wal and -shm files, and this
+      handle shares the -shm with it, as every WAL reader must (while the writer opens
+      or closes and either file is missing, ``immutable=1``: mode=ro would create them);
+    - no writer and no -wal file: ``immutable=1``; every commit is in the database file;
+    - no writer, a -wal and its -shm (a killed writer, or one that closed while a reader
+      had the file open): ``readonly_shm=1``; SQLite reads the WAL into private memory
+      and writes nothing (``mode=ro`` alone would write the -shm, and create both files
+      when they are missing);
+    - no writer, a -wal but no -shm: the WAL cannot be read without creating the -shm,
+      so only the database file is read (``immutable=1``) and the log is read from the
+      position that file says is indexed: slower, but every key is found.
+
+    A query that SQLite fails is tried again reopened, then on the database file alone.
+    """
+
+    def __init__(self, store_path: Path, messages: ChunkManager) -> None:
+        self.path = store_path / KEYS_FILE
+        self._log = ChunkReader(messages)
+        self._lock = threading.Lock()
+        self._pending = []
+        self._pending_end = 0
+        self._committing_from = None
+        self.indexed_position = 0
+        # The log's keys from _tail_from (the index's position when they were read) up
+        # to _tail_to, by (topic, key), ascending.
+        self._tail: dict[tuple[str, str], list[int]] = defaultdict(list)
+        self._tail_from = self._tail_to = 0
+        self._db, self._state = self._open(fallback=False)
+
+    def _current_state(self) -> tuple[object, ...]:
+        """What decides how SQLite is opened; a change means reopening. Without a writer
+        the database file's identity counts too: one that starts may change it."""
+        running = writer_running(self.path.parent)
+        file = _identity(self.path)
+        if file is None:
+            return running, None, False, False
+        wal = _identity(self.path.with_name(self.path.name + "-wal"))
+        shm = _identity(self.path.with_name(self.path.name + "-shm")) is not None
+        if running:
+            # Its -wal and -shm are missing only while it opens or closes; mode=ro would
+            # then create them.
+            return True, True, wal is not None, shm
+        return False, file, wal is not None and wal[1] > 0, shm
+
+    def _open(self, *, fallback: bool) -> tuple[sqlite3.Connection, tuple[object, ...]]:
+        """``fallback``: the database file alone, whatever the state (the log has the rest)."""
+        state = self._current_state()
+        running, file, wal, shm = state
+        if file is None:
+            uri = "file::memory:"  # a store that never indexed a key (yet)
+        elif running and wal and shm and not fallback:
+            uri = f"file:{self.path}?mode=ro"
+        elif not running and wal and shm and not fallback:
+            uri = f"file:{self.path}?mode=ro&readonly_shm=1"
+        else:
+            uri = f"file:{self.path}?mode=ro&immutable=1"
+        try:
+            db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise self._error(exc) from exc
+        return db, state
+
+    def _reopen(self, *, fallback: bool = False) -> None:
+        db, self._state = self._open(fallback=fallback)
+        old, self._db = self._db, db
+        old.close()
+
+    def reconnect(self) -> None:
+        with self._lock:
+            self._reopen()
+
+    def _error(self, exc: sqlite3.Error) -> CorruptionError:
+        return CorruptionError(f"the key index cannot be read: {exc}", file=self.path)
+
+    def positions(self, topic: str, key: str, limit: int) -> list[int]:
+        with self._lock:
+            if self._current_state() != self._state:
+                self._reopen()
+            try:
+                indexed, rows = self._query(topic, key, limit)
+            except sqlite3.Error:
+                # The writer started or stopped meanwhile, or SQLite could not use the
+                # -shm read-only: reopened, then the database file alone.
+                try:
+                    self._reopen()
+                    indexed, rows = self._query(topic, key, limit)
+                except sqlite3.Error:
+                    self._reopen(fallback=True)
+                    try:
+                        indexed, rows = self._query(topic, key, limit)
+                    except sqlite3.Error as exc:
+                        raise self._error(exc) from exc
+            self.indexed_position = indexed
+            tail = self._read_tail(indexed)
+            found = {p for p in tail.get((topic, key), ()) if p >= indexed}
+            found.update(rows)
+        return sorted(found, reverse=True)[:limit]
+
+    def _query(self, topic: str, key: str, limit: int) -> tuple[int, list[int]]:
+        """(indexed position, the newest rows of ``key``), read in one transaction."""
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            tables = {
+                row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")
+            }
+            if not {"keys", "meta"} <= tables:  # created in a WAL not read here
+                return 0, []
+            row = db.execute("SELECT value FROM meta WHERE name='indexed_position'").fetchone()
+            rows = db.execute(
+                "SELECT position FROM keys WHERE topic=? AND key=? ORDER BY position DESC LIMIT ?",
+                (topic, key, limit),
+            ).fetchall()
+        finally:
+            db.rollback()
+        return (int(row[0]) if row else 0), [int(r[0]) for r in rows]
+
+    def _read_tail(self, indexed: int) -> dict[tuple[str, str], list[int]]:
+        """The log's keys from ``indexed`` to the committed end, read incrementally."""
+        if not self._tail_from <= indexed <= self._tail_to:
+            self._tail.clear()  # the index moved past what was read, or back (recovery)
+            self._tail_from = self._tail_to = indexed
+        elif indexed > self._tail_from:
+            kept = {k: [p for p in ps if p >= indexed] for k, ps in self._tail.items()}
+            self._tail = defaultdict(list, {k: ps for k, ps in kept.items() if ps})
+            self._tail_from = indexed
+        manager = self._log.manager
+        manager.refresh()  # the walk stops at the end seen here
+        end = manager.committed_position
+        position = max(self._tail_to, manager.first_position)
+        for attempt in range(_ATTEMPTS):
+            try:
+                for _, payload in self._log.iter_from(position):
+                    at = self._add(payload)
+                    # The next record starts there (logical positions: also in a
+                    # compacted chunk, whose map keeps them).
+                    position = at + len(payload) + FRAME_OVERHEAD
+                break
+            except ChunkRemovedError:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                manager.refresh()  # retention removed what the walk was in: go on after it
+                position = max(position, manager.first_position)
+        self._tail_to = max(self._tail_to, end)
+        return self._tail
+
+    def _add(self, payload: bytes) -> int:
+        """Note the key of the message ``payload``, if it has one; returns its position."""
+        if len(payload) < MESSAGE_HEAD_SIZE:
+            raise CorruptRecordError(
+                f"a record of {len(payload)} bytes in the log is shorter than a message head",
+                file=self._log.manager.directory,
+            )
+        head = MESSAGE_HEAD.unpack_from(payload)
+        position, flags, topic_len, tag_len, key_len = head[0], head[7], head[8], head[9], head[10]
+        if not flags & FLAG_HAS_KEY:
+            return int(position)
+        start = MESSAGE_HEAD_SIZE + topic_len + tag_len
+        topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + topic_len].decode(errors="replace")
+        key = payload[start : start + key_len].decode(errors="replace")
+        self._tail[(topic, key)].append(position)
+        return int(position)
+
+    def add(self, topic: str, key: str, position: int) -> None:
+        raise AssertionError("a read-only key index takes no keys")
+
+    def commit(self) -> None:
+        return  # nothing is ever buffered
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
