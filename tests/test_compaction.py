@@ -714,3 +714,34 @@ def test_second_job_is_refused_while_one_runs(tmp_path: Path) -> None:
     fill(tmp_path)
     with commit.job_lock(tmp_path), pytest.raises(CompactionError, match="another compaction"):
         compact(tmp_path)
+
+
+def test_time_retention_passes_a_chunk_compaction_emptied(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """A chunk whose every record compaction removed has a footer without timestamps;
+    time-based retention stopped at it and never removed the expired chunks after it.
+    The control: before compaction, retention removes the same expired chunks."""
+    size = SMALL.chunk_data_size
+    config = StoreConfig(chunk_data_size=size, flush="os", retention=dt.timedelta(hours=1))
+    with MessageStore.open(tmp_path, SMALL) as store:
+        store.create_topic("d", 1, retention=dt.timedelta(seconds=30))
+        store.create_topic("e", 1)
+        sent = store.send("d", b"x" * 100)
+        while sent.position < size - 200:  # chunk 0: only "d", all past its retention
+            sent = store.send("d", b"x" * 100)
+        while sent.position < 3 * size:  # then "e", kept by compaction
+            sent = store.send("e", b"y" * 100)
+    control = tmp_path.parent / "control"
+    shutil.copytree(tmp_path, control)
+    later = time.time() + 2 * DAY.total_seconds()
+    with MessageStore.open(control, config) as store:
+        assert store.apply_retention(now=later) == 3
+        expected = store.queue_range("e", 0)
+    report = compact(tmp_path, spark=spark, now=time.time() + DAY.total_seconds())
+    assert [g.records_kept for g in report.groups] == [0]  # chunk 0 emptied
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.apply_retention(now=later) == 3
+        assert store.queue_range("e", 0) == expected
+        first, end = store.queue_range("d", 0)
+        assert first == end > 0

@@ -34,10 +34,10 @@ def apply_retention(store: MessageStore, now: float) -> int:
         footer = chunk.footer
         if footer is None:
             break
-        expired = (
-            cutoff_ns is not None
-            and footer.last_timestamp is not None
-            and footer.last_timestamp < cutoff_ns
+        # A chunk compaction emptied has no timestamps and nothing to keep: it must not
+        # stop time-based retention from reaching the chunks after it.
+        expired = cutoff_ns is not None and (
+            footer.last_timestamp is None or footer.last_timestamp < cutoff_ns
         )
         over = config.max_store_bytes is not None and total > config.max_store_bytes
         if not (expired or over):
