@@ -40,6 +40,7 @@ from equeue.format.message import (
     tag_hash,
 )
 from equeue.inspect.layout import (
+    ChunkDir,
     ChunkFile,
     Problem,
     Progress,
@@ -53,6 +54,7 @@ from equeue.inspect.layout import (
     resolve,
     trailing_bytes,
 )
+from equeue.inspect.traces import missing_problems
 
 _RETRIES = 3  # re-reads of a live directory's last chunk before a problem there is believed
 _RETRY_DELAY = 0.05
@@ -100,6 +102,7 @@ class Verifier:
         self._message_size: int | None = None
         self._first_number: int | None = None
         self._absent: set[int] = set()  # message chunk numbers looked for and not found
+        self._dirs: dict[Path, ChunkDir] = {}  # each directory as it was checked
         # per queue: (chunk number, last message position before that chunk, after it)
         self._previous: dict[tuple[str, int], tuple[int, int | None, int | None]] = {}
 
@@ -123,6 +126,7 @@ class Verifier:
                 problems += self._check_dir(
                     store.queue_dir(topic, queue_id), paths, check, queue=True
                 )
+            problems += missing_problems(store, self._dirs, store.checkpoint)
         finally:
             for mm in self._maps.values():
                 mm.close()
@@ -144,7 +148,7 @@ class Verifier:
                 loaded.append(load_chunk_file(path, last=i == len(paths) - 1))
             except FileNotFoundError:
                 continue  # removed by retention since the listing
-        chunks = resolve(directory, loaded)
+        chunks = self._dirs[directory] = resolve(directory, loaded)
         problems = list(chunks.problems)
         for i, cf in enumerate(chunks.files):
             last = i == len(chunks.files) - 1

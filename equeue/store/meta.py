@@ -133,9 +133,17 @@ def read_meta(
         if not move_aside:
             problems.append(str(exc))
             return default
-        moved = make_side_dir(directory) / f"{name}.{time.time_ns()}.damaged"
-        os.replace(path, moved)
-        fsync_directory(moved.parent)
-        fsync_directory(directory)
+        moved = move_to_recovered(path)
         problems.append(f"{exc}; moved to {moved}")
         return default
+
+
+def move_to_recovered(path: Path, stamp: int | None = None) -> Path:
+    """Move a damaged file to ``recovered/`` beside it (never deleting it), durably."""
+    directory = path.parent
+    stamp = time.time_ns() if stamp is None else stamp
+    moved = make_side_dir(directory) / f"{path.name}.{stamp}.damaged"
+    os.replace(path, moved)
+    fsync_directory(moved.parent)
+    fsync_directory(directory)
+    return moved

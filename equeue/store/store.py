@@ -48,8 +48,9 @@ from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
-from equeue.store.keyindex import KeyIndex
+from equeue.store.keyindex import KeyIndex, open_reader_index, open_writer_index
 from equeue.store.livetail import LiveTailWriter, current_boot_id, read_live_tail
+from equeue.store.losses import losses_at_open, read_topics
 from equeue.store.meta import (
     CHECKPOINT_FILE,
     KEYS_FILE,
@@ -153,6 +154,7 @@ class MessageStore:
         self._policies: dict[str, TopicPolicy] = {}
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
+        self._meta_problems += losses_at_open(self, checkpoint)
         self._keys = self._open_keys()
         self.recovery = RecoveryReport(
             cuts=list(self._messages.recovery_cuts),
@@ -376,7 +378,7 @@ class MessageStore:
         return queue.first_offset, queue.next_offset
 
     def _load_topics(self) -> None:
-        for topic, info in sorted(self._read_meta(TOPICS_FILE, {}).items()):
+        for topic, info in sorted(read_topics(self).items()):
             if int(info["queue_count"]) > len(self._queues.get(topic, ())):
                 self._open_queues(topic, int(info["queue_count"]))
             self._policies[topic] = TopicPolicy.from_json(info, str(self.path / TOPICS_FILE))
@@ -687,7 +689,7 @@ class MessageStore:
         # replacement installed meanwhile would outlive the chunks retention deletes.
         with compaction_commit.commit_lock(self.path):
             self._adopt_compacted_locked()
-            with self._lock:
+            with self._checkpoint_lock, self._lock:  # note_retention rewrites the checkpoint
                 self._check_writable()
                 return apply_retention(self, time.time() if now is None else now)
 
@@ -749,10 +751,10 @@ class MessageStore:
     def _open_keys(self) -> KeyIndex:
         path = self.path / KEYS_FILE
         if not self.read_only:
-            return KeyIndex(path)
+            return open_writer_index(path, self._meta_problems)
         if not path.exists():
             return KeyIndex(Path(":memory:"))  # a store that never indexed a key
-        return KeyIndex(path, read_only=True, immutable=not writer_running(self.path))
+        return open_reader_index(path, not writer_running(self.path), self._meta_problems)
 
     def _refresh_queue(self, queue: Queue, offset: int, wait: float) -> None:
         """Read-only pulls poll the files (the writer is another process) until a
