@@ -9,24 +9,33 @@ the new start before it deletes), its log position before it (the log only grows
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
+import stat
 from pathlib import Path
 from typing import Any
 
 from equeue.atomicfile import read_json
 from equeue.errors import EQueueError
+from equeue.format.livetail import LIVE_TAIL_FILE
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.inspect.layout import ChunkDir, Problem, StoreFiles
 from equeue.store.losses import topics_from_directories
 from equeue.store.meta import (
     CHECKPOINT_FILE,
+    IDENTITY_FILE,
     KEYS_FILE,
+    LOCK_FILE,
+    MESSAGES_DIR,
     OFFSETS_FILE,
     QUEUES_DIR,
     TOPICS_FILE,
     writer_running,
 )
+
+_FILES = (IDENTITY_FILE, TOPICS_FILE, OFFSETS_FILE, CHECKPOINT_FILE, LOCK_FILE, LIVE_TAIL_FILE)
+_FILES += (KEYS_FILE,)
 
 
 def _body(path: Path) -> Any:
@@ -67,6 +76,7 @@ def missing_problems(
         problems += _queue_problems(store, dirs, checkpoint, checkpoint_path)
         problems += _offset_problems(path, checkpoint, checkpoint_path)
     problems += _topic_problems(path)
+    problems += not_regular_problems(path)
     problems += key_index_problems(path, has_checkpoint=os.path.lexists(checkpoint_path))
     return problems
 
@@ -233,3 +243,28 @@ def key_index_problems(path: Path, *, has_checkpoint: bool) -> list[Problem]:
             "cannot open, the open moves to recovered/ itself)",
         )
     ]
+
+
+def not_regular_problems(path: Path) -> list[Problem]:
+    """Store files that are not regular files, store directories that are not directories,
+    and symlinks among either: the store creates none of them, and writes through none."""
+    problems = []
+    expected = [(path / name, False) for name in _FILES]
+    expected += [(path / MESSAGES_DIR, True), (path / QUEUES_DIR, True)]
+    with contextlib.suppress(OSError):
+        expected += [(p, True) for p in (path / QUEUES_DIR).iterdir()]
+    for entry, directory in expected:
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:
+            continue
+        what = None
+        if stat.S_ISLNK(st.st_mode):
+            what = f"is a symlink (to {os.readlink(entry)}), which the store never creates"
+        elif directory and not stat.S_ISDIR(st.st_mode):
+            what = "is not a directory"
+        elif not directory and not stat.S_ISREG(st.st_mode):
+            what = "is not a regular file"
+        if what is not None:
+            problems.append(Problem(str(entry), None, "file type", f"{entry.name} {what}"))
+    return problems

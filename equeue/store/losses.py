@@ -78,6 +78,15 @@ def losses_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> list[str]
                     f"{on_disk}, but the checkpoint {where} recorded its first offset as "
                     f"{recorded}: the entries {recorded}..{on_disk - 1} were deleted"
                 )
+    if store.read_only:  # a writer's recovery_start reports these, and rebuilds them
+        problems += _short_queues(store, checkpoint, where)
+    missing = not os.path.lexists(store.path / CHECKPOINT_FILE)
+    if missing and messages.committed_position > first:
+        problems.append(
+            f"{store.path / CHECKPOINT_FILE} is missing, but the log holds "
+            "records: nothing tells what the store held (a writer's open writes one), so "
+            "deleted chunks cannot be told from retention; recovery re-reads the whole log"
+        )
     committed = _recorded(checkpoint, "committed_offsets")
     have = sum(len(qs) for ts in store._offsets.values() for qs in ts.values())
     offsets_path = str(store.path / OFFSETS_FILE)
@@ -88,6 +97,24 @@ def losses_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> list[str]
             f"checkpoint {where} recorded {committed}: {committed - have} were lost (offsets "
             "are never removed); those consumer groups restart where their clients say"
         )
+    return problems
+
+
+def _short_queues(store: MessageStore, checkpoint: dict[str, Any], where: str) -> list[str]:
+    problems = []
+    ends = checkpoint.get("queues")
+    for topic, offsets in (ends if isinstance(ends, dict) else {}).items():
+        queues = store._queues.get(topic, [])
+        for queue_id, recorded in enumerate(offsets if isinstance(offsets, list) else []):
+            if queue_id < len(queues) and isinstance(recorded, int):
+                queue = queues[queue_id]
+                if queue.next_offset < recorded:
+                    problems.append(
+                        f"queue {topic}/{queue_id} in {queue.manager.directory} ends at offset "
+                        f"{queue.next_offset}, but the checkpoint {where} recorded {recorded} "
+                        "entries: the rest are missing (a writer's open rebuilds them from "
+                        "the log)"
+                    )
     return problems
 
 

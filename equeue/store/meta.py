@@ -99,6 +99,14 @@ def open_identity(
     if not path.exists():
         if not create:
             raise NotAStoreError(f"{directory} is not an equeue store: it has no {IDENTITY_FILE}")
+        found = [n for n in (MESSAGES_DIR, QUEUES_DIR, CHECKPOINT_FILE) if (directory / n).exists()]
+        if found:  # a new identity would change every message id and maybe the shape
+            raise CorruptionError(
+                f"{path} is missing, but the directory holds a store ({', '.join(found)}): "
+                "restore store.json (its store_id is part of every message id) rather than "
+                "create a new store over it",
+                file=path,
+            )
         config = config or StoreConfig()
         store_id = uuid.uuid4().int & 0xFFFFFFFF
         write_json(
