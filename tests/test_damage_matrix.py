@@ -98,7 +98,7 @@ KINDS: dict[str, Callable[[Path], Path]] = {
 DIRECTORIES = ("messages/", "queues/<topic>/")
 
 
-def _middle(data: bytes) -> int:
+def _middle(data: bytes | bytearray) -> int:
     """The non-zero byte nearest the file's middle: damage there changes something (the
     middle of keys.sqlite or of an ongoing chunk is often free, zeroed space)."""
     middle = len(data) // 2

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from equeue.atomicfile import write_json
+from equeue.atomicfile import read_json, write_json
 from equeue.errors import EQueueError, location
 from equeue.format.chunk import parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD_SIZE
@@ -49,7 +49,10 @@ def losses_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> list[str]
     where = location(store.path / CHECKPOINT_FILE, None)
     messages = store._messages
     first, end = messages.first_position, messages.committed_position
-    log_start = _recorded(checkpoint, "log_start")
+    # The starts from a checkpoint read after the chunks were listed: beside a live
+    # writer, retention may have noted a later start and deleted since the first read.
+    starts = _reread(store) if store.read_only else checkpoint
+    log_start = _recorded(starts, "log_start")
     if log_start is not None and first > log_start:
         problems.append(
             f"the message log in {store.path / MESSAGES_DIR} starts at position {first}, but "
@@ -64,8 +67,8 @@ def losses_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> list[str]
             f"checkpoint {where} recorded durable records up to {durable}: the records "
             f"from {max(end, first)} to {durable} are lost"
         )
-    starts = checkpoint.get("queue_starts")
-    for topic, offsets in (starts if isinstance(starts, dict) else {}).items():
+    queue_starts = starts.get("queue_starts")
+    for topic, offsets in (queue_starts if isinstance(queue_starts, dict) else {}).items():
         queues = store._queues.get(topic, [])
         for queue_id, recorded in enumerate(offsets if isinstance(offsets, list) else []):
             if queue_id >= len(queues) or not isinstance(recorded, int):
@@ -80,13 +83,6 @@ def losses_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> list[str]
                 )
     if store.read_only:  # a writer's recovery_start reports these, and rebuilds them
         problems += _short_queues(store, checkpoint, where)
-    missing = not os.path.lexists(store.path / CHECKPOINT_FILE)
-    if missing and messages.committed_position > first:
-        problems.append(
-            f"{store.path / CHECKPOINT_FILE} is missing, but the log holds "
-            "records: nothing tells what the store held (a writer's open writes one), so "
-            "deleted chunks cannot be told from retention; recovery re-reads the whole log"
-        )
     committed = _recorded(checkpoint, "committed_offsets")
     have = sum(len(qs) for ts in store._offsets.values() for qs in ts.values())
     offsets_path = str(store.path / OFFSETS_FILE)
@@ -98,6 +94,14 @@ def losses_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> list[str]
             "are never removed); those consumer groups restart where their clients say"
         )
     return problems
+
+
+def _reread(store: MessageStore) -> dict[str, Any]:
+    try:
+        body = read_json(store.path / CHECKPOINT_FILE)
+    except (OSError, EQueueError):
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _short_queues(store: MessageStore, checkpoint: dict[str, Any], where: str) -> list[str]:
