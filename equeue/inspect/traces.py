@@ -126,7 +126,8 @@ def _queue_problems(
                 on_disk = None if recorded == 0 else 0
             else:
                 on_disk = chunks.first_position // QUEUE_RECORD_SIZE
-            queue_ends = checkpoint.get("queues", {}).get(topic)
+            ends = checkpoint.get("queues")
+            queue_ends = ends.get(topic) if isinstance(ends, dict) else None
             ended = (
                 queue_ends[queue_id]
                 if isinstance(queue_ends, list) and queue_id < len(queue_ends)
