@@ -298,6 +298,8 @@ def test_control(built: Built, tmp_path: Path) -> None:
 def test_damage(built: Built, tmp_path: Path, kind: str, damage: str) -> None:
     store, outside, before = _fresh(built, tmp_path)
     target = KINDS[kind](store)
+    if not target.exists():
+        pytest.skip(f"this store has no {kind} (tail.live needs a boot id)")
     DAMAGES[damage](target, outside)
     code, output = _verify(store)
     seen_verify = "clean" if code == 0 else f"exit {code}"

@@ -244,3 +244,12 @@ def test_deleted_key_index_is_reported_and_rebuilt(store_path: Path) -> None:
     with MessageStore.open(store_path) as store:
         assert any(KEYS_FILE in p for p in store.recovery.problems)
         assert len(store.query_by_key("t", "k3")) == 19
+
+
+def test_store_summary_notes_the_deletion(store_path: Path) -> None:
+    from equeue.inspect.summary import summarize_store
+
+    assert summarize_store(store_path).problems == []
+    chunks(store_path / MESSAGES_DIR)[0].unlink()
+    (problem,) = summarize_store(store_path).problems
+    assert problem.kind == "missing chunk" and "0..4095" in problem.reason

@@ -51,10 +51,15 @@ def _int(value: object) -> int | None:
 
 
 def missing_problems(
-    store: StoreFiles, dirs: dict[Path, ChunkDir], checkpoint_before: int | None
+    store: StoreFiles,
+    dirs: dict[Path, ChunkDir],
+    checkpoint_before: int | None,
+    *,
+    check_key_index: bool = True,
 ) -> list[Problem]:
     """What the checkpoint, topics.json and the key index say is missing.
-    ``checkpoint_before``: the checkpoint's log position, read before the chunk listing."""
+    ``checkpoint_before``: the checkpoint's log position, read before the chunk listing;
+    ``check_key_index``: run SQLite's integrity check (else only look for the file)."""
     path = store.path
     problems: list[Problem] = []
     checkpoint_path = path / CHECKPOINT_FILE
@@ -77,7 +82,9 @@ def missing_problems(
         problems += _offset_problems(path, checkpoint, checkpoint_path)
     problems += _topic_problems(path)
     problems += not_regular_problems(path)
-    problems += key_index_problems(path, has_checkpoint=os.path.lexists(checkpoint_path))
+    problems += key_index_problems(
+        path, has_checkpoint=os.path.lexists(checkpoint_path), check=check_key_index
+    )
     return problems
 
 
@@ -204,7 +211,7 @@ def _topic_problems(path: Path) -> list[Problem]:
     return problems
 
 
-def key_index_problems(path: Path, *, has_checkpoint: bool) -> list[Problem]:
+def key_index_problems(path: Path, *, has_checkpoint: bool, check: bool = True) -> list[Problem]:
     """SQLite's integrity check of keys.sqlite (it checks the index against the table)."""
     keys = path / KEYS_FILE
     if not os.path.lexists(keys):
@@ -219,6 +226,8 @@ def key_index_problems(path: Path, *, has_checkpoint: bool) -> list[Problem]:
                 "re-indexes every key from the log",
             )
         ]
+    if not check:
+        return []
     mode = "ro" if writer_running(path) else "ro&immutable=1"
     try:
         db = sqlite3.connect(f"file:{keys}?mode={mode}", uri=True)
