@@ -253,3 +253,15 @@ def test_store_summary_notes_the_deletion(store_path: Path) -> None:
     chunks(store_path / MESSAGES_DIR)[0].unlink()
     (problem,) = summarize_store(store_path).problems
     assert problem.kind == "missing chunk" and "0..4095" in problem.reason
+
+
+def test_deleted_queue_chunk_is_found_from_the_log_without_a_checkpoint(
+    store_path: Path,
+) -> None:
+    """No trace left: the log still holds the messages whose entries are gone."""
+    (store_path / "checkpoint.json").unlink()
+    code, output = verify(store_path)
+    assert code == 1 and "u/0" not in output, output  # only the checkpoint is missing
+    chunks(store_path / QUEUES_DIR / "u" / "0")[0].unlink()
+    code, output = verify(store_path)
+    assert code == 1 and "queue u/0 at offsets 0..341" in output, output

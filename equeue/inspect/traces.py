@@ -20,7 +20,7 @@ from equeue.atomicfile import read_json
 from equeue.errors import EQueueError
 from equeue.format.livetail import LIVE_TAIL_FILE
 from equeue.format.message import QUEUE_RECORD_SIZE
-from equeue.inspect.layout import ChunkDir, Problem, StoreFiles
+from equeue.inspect.layout import ChunkDir, Problem, StoreFiles, chunk_paths
 from equeue.store.losses import topics_from_directories
 from equeue.store.meta import (
     CHECKPOINT_FILE,
@@ -54,11 +54,13 @@ def missing_problems(
     store: StoreFiles,
     dirs: dict[Path, ChunkDir],
     checkpoint_before: int | None,
+    lowest: dict[tuple[str, int], int] | None = None,
     *,
     check_key_index: bool = True,
 ) -> list[Problem]:
     """What the checkpoint, topics.json and the key index say is missing.
     ``checkpoint_before``: the checkpoint's log position, read before the chunk listing;
+    ``lowest``: each queue's lowest offset among the log's records, when the log was walked;
     ``check_key_index``: run SQLite's integrity check (else only look for the file)."""
     path = store.path
     problems: list[Problem] = []
@@ -80,6 +82,7 @@ def missing_problems(
         problems += _log_problems(log, checkpoint, checkpoint_before, checkpoint_path)
         problems += _queue_problems(store, dirs, checkpoint, checkpoint_path)
         problems += _offset_problems(path, checkpoint, checkpoint_path)
+    problems += _unindexed(store, dirs, lowest or {}, {p.file for p in problems})
     problems += _topic_problems(path)
     problems += not_regular_problems(path)
     problems += key_index_problems(
@@ -161,6 +164,37 @@ def _queue_problems(
                         f"{recorded}..{on_disk - 1} were deleted",
                     )
                 )
+    return problems
+
+
+def _unindexed(
+    store: StoreFiles,
+    dirs: dict[Path, ChunkDir],
+    lowest: dict[tuple[str, int], int],
+    reported: set[str],
+) -> list[Problem]:
+    """Queues whose entries start after an offset whose message the log still holds:
+    retention removes a queue chunk only once every entry in it points below the log."""
+    problems = []
+    for (topic, queue_id), offset in sorted(lowest.items()):
+        chunks = dirs.get(store.queue_dir(topic, queue_id))
+        if chunks is None or str(chunks.directory) in reported:
+            continue  # a queue the store lacks (reported per record), or reported above
+        first = chunks.first_position // QUEUE_RECORD_SIZE if chunks.files else None
+        if first is not None and offset >= first:
+            continue
+        if first is None and chunk_paths(chunks.directory):
+            continue  # a live writer's first entry, written since the listing
+        held = f"offsets {offset}..{first - 1}" if first is not None else f"offset {offset} on"
+        problems.append(
+            Problem(
+                str(chunks.directory),
+                None,
+                "missing chunk",
+                f"the log holds messages of queue {topic}/{queue_id} at {held}, but the "
+                "queue has no entries for them: its chunks were deleted",
+            )
+        )
     return problems
 
 

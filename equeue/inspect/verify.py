@@ -103,6 +103,7 @@ class Verifier:
         self._first_number: int | None = None
         self._absent: set[int] = set()  # message chunk numbers looked for and not found
         self._dirs: dict[Path, ChunkDir] = {}  # each directory as it was checked
+        self._lowest: dict[tuple[str, int], int] = {}  # each queue's lowest offset in the log
         # per queue: (chunk number, last message position before that chunk, after it)
         self._previous: dict[tuple[str, int], tuple[int, int | None, int | None]] = {}
 
@@ -126,7 +127,7 @@ class Verifier:
                 problems += self._check_dir(
                     store.queue_dir(topic, queue_id), paths, check, queue=True
                 )
-            problems += missing_problems(store, self._dirs, store.checkpoint)
+            problems += missing_problems(store, self._dirs, store.checkpoint, self._lowest)
         finally:
             for mm in self._maps.values():
                 mm.close()
@@ -365,6 +366,8 @@ class Verifier:
                 )
             )
             return
+        queue = (message.topic, message.queue_id)
+        self._lowest[queue] = min(message.queue_offset, self._lowest.get(queue, 1 << 63))
         why = None
         if message.log_position != position:
             why = f"names position {message.log_position}"
