@@ -15,6 +15,7 @@ the API validates them); the topics' cleanup policies are lost with the file.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,9 +123,12 @@ def _short_queues(store: MessageStore, checkpoint: dict[str, Any], where: str) -
     return problems
 
 
-def topics_from_directories(root: Path) -> tuple[dict[str, int], list[str]]:
+def topics_from_directories(
+    root: Path, known: Collection[str] = ()
+) -> tuple[dict[str, int], list[str]]:
     """{topic: queue count} of the topic directories under ``root`` (queues/) whose queue
-    directories hold chunk files; and what was skipped, and why."""
+    directories hold chunk files, ``known`` topics left out (one listdir for them all);
+    and what was skipped, and why."""
     found: dict[str, int] = {}
     skipped: list[str] = []
     try:
@@ -132,6 +136,8 @@ def topics_from_directories(root: Path) -> tuple[dict[str, int], list[str]]:
     except (FileNotFoundError, NotADirectoryError):
         return found, skipped
     for name in names:
+        if name in known:
+            continue
         path = root / name
         if path.is_symlink() or not path.is_dir():
             continue
@@ -164,7 +170,7 @@ def recover_topics(
     """topics.json's body, with the topics whose queue directories hold chunk files
     added when the file is missing or damaged (``intact`` False) or lacks them; a writer
     writes the result back. Every addition is reported."""
-    found, skipped = topics_from_directories(store.path / QUEUES_DIR)
+    found, skipped = topics_from_directories(store.path / QUEUES_DIR, listed)
     added = {topic: count for topic, count in found.items() if topic not in listed}
     if not added:
         return listed
