@@ -37,6 +37,7 @@ from equeue.inspect.layout import (
     open_store,
     read_queue_entry,
 )
+from equeue.inspect.traces import missing_problems
 
 
 @dataclass
@@ -160,6 +161,9 @@ def summarize_store(path: Path) -> StoreSummary:
         summary = _queue_summary(queue_id, chunks, messages.first_position)
         topics.setdefault(topic, []).append(summary)
         next_offsets[topic, queue_id] = summary.next_offset
+    dirs = {store.messages_dir: messages}
+    dirs |= {store.queue_dir(*key): chunks for key, chunks in queue_dirs.items()}
+    problems += missing_problems(store, dirs, store.checkpoint, check_key_index=False)
     apparent, allocated, files = disk_usage(path)
     return StoreSummary(
         store=str(path),

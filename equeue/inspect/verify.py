@@ -41,6 +41,7 @@ from equeue.format.message import (
     tag_hash,
 )
 from equeue.inspect.layout import (
+    ChunkDir,
     ChunkFile,
     Problem,
     Progress,
@@ -54,6 +55,7 @@ from equeue.inspect.layout import (
     resolve,
     trailing_bytes,
 )
+from equeue.inspect.traces import missing_problems
 
 _RETRIES = 3  # re-reads of a live directory's last chunk before a problem there is believed
 _RETRY_DELAY = 0.05
@@ -101,6 +103,8 @@ class Verifier:
         self._message_size: int | None = None
         self._first_number: int | None = None
         self._absent: set[int] = set()  # message chunk numbers looked for and not found
+        self._dirs: dict[Path, ChunkDir] = {}  # each directory as it was checked
+        self._lowest: dict[tuple[str, int], int] = {}  # each queue's lowest offset in the log
         # per queue: (chunk number, last message position before that chunk, after it)
         self._previous: dict[tuple[str, int], tuple[int, int | None, int | None]] = {}
 
@@ -124,6 +128,7 @@ class Verifier:
                 problems += self._check_dir(
                     store.queue_dir(topic, queue_id), paths, check, queue=True
                 )
+            problems += missing_problems(store, self._dirs, store.checkpoint, self._lowest)
         finally:
             for mm in self._maps.values():
                 mm.close()
@@ -145,7 +150,7 @@ class Verifier:
                 loaded.append(load_chunk_file(path, last=i == len(paths) - 1))
             except FileNotFoundError:
                 continue  # removed by retention since the listing
-        chunks = resolve(directory, loaded)
+        chunks = self._dirs[directory] = resolve(directory, loaded)
         problems = list(chunks.problems)
         for i, cf in enumerate(chunks.files):
             last = i == len(chunks.files) - 1
@@ -385,6 +390,8 @@ class Verifier:
                 )
             )
             return
+        queue = (message.topic, message.queue_id)
+        self._lowest[queue] = min(message.queue_offset, self._lowest.get(queue, 1 << 63))
         why = None
         if message.log_position != position:
             why = f"names position {message.log_position}"

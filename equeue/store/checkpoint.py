@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Any
 
-from equeue.atomicfile import write_json
+from equeue.atomicfile import read_json, write_json
+from equeue.errors import EQueueError
 from equeue.store.meta import CHECKPOINT_FILE
 
 if TYPE_CHECKING:
@@ -25,6 +27,7 @@ def write_checkpoint(store: MessageStore, *, flush: bool, settle: bool = True) -
             store._check_open()
             position = store._messages.committed_position
             queues = {t: [q.next_offset for q in qs] for t, qs in store._queues.items()}
+            traces = loss_traces(store)
             last = store._messages.last_chunk
             if last is not None and last.is_completed:
                 last = None
@@ -56,6 +59,35 @@ def write_checkpoint(store: MessageStore, *, flush: bool, settle: bool = True) -
             write_json(
                 store.path / CHECKPOINT_FILE,
                 {"log_position": position, "queues": queues, "key_index": position}
+                | traces
                 | ({"log_tail": store._log_tail} if store._log_tail is not None else {}),
             )
             store._checkpointed = position
+
+
+def loss_traces(store: MessageStore) -> dict[str, Any]:
+    """What the checkpoint records so that a later open or ``equeue verify`` can tell a
+    file deleted from outside from retention (equeue/store/losses.py): where the log and
+    each queue start, and how many committed offsets exist (they never become fewer).
+    The caller holds the write lock."""
+    return {
+        "log_start": store._messages.first_position,
+        "queue_starts": {t: [q.first_offset for q in qs] for t, qs in store._queues.items()},
+        "committed_offsets": sum(len(qs) for ts in store._offsets.values() for qs in ts.values()),
+    }
+
+
+def note_retention(store: MessageStore, log_start: int) -> None:
+    """Retention, before it deletes chunks: the checkpoint names the log's new start and
+    the queues' new first offsets, so a crash mid-deletion is not reported as a loss.
+    The caller holds the checkpoint lock and the write lock."""
+    path = store.path / CHECKPOINT_FILE
+    body: Any = None
+    with contextlib.suppress(OSError, EQueueError):  # none or damaged: nothing to compare
+        body = read_json(path)
+    if isinstance(body, dict):  # a failed write raises: retention then deletes nothing
+        starts = {
+            t: [q.first_offset_at_or_after(log_start) for q in qs]
+            for t, qs in store._queues.items()
+        }
+        write_json(path, body | {"log_start": log_start, "queue_starts": starts})

@@ -13,11 +13,15 @@ import errno
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
-from equeue.errors import DiskFullError, StoreWriteError
+from equeue.errors import CorruptionError, DiskFullError, StoreWriteError
+from equeue.store.meta import CHECKPOINT_FILE, move_to_recovered
 
 _SQLITE_FULL = 13  # the primary result code for "database or disk is full"
+_SQLITE_BUSY = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED: in use, not damaged
+_SIDE_FILES = ("-wal", "-shm")  # SQLite's, beside the database: they go with it
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (topic TEXT NOT NULL, key TEXT NOT NULL, position INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS keys_by_key ON keys (topic, key, position);
@@ -42,11 +46,22 @@ class KeyIndex:
         self._pending_end = 0
         # The position of the first key of the batch commit() is writing, until it is in.
         self._committing_from: int | None = None
-        if not read_only:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-        row = self._db.execute("SELECT value FROM meta WHERE name='indexed_position'").fetchone()
+        # Set when the file could not be read at open: every query raises it.
+        self.damage: CorruptionError | None = None
+        try:
+            if not read_only:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.executescript(_SCHEMA)
+            row = self._db.execute(
+                "SELECT value FROM meta WHERE name='indexed_position'"
+            ).fetchone()
+            # A cheap probe of both b-trees: a damaged root page fails here, not in a query.
+            self._db.execute("SELECT max(rowid) FROM keys").fetchone()
+            self._db.execute("SELECT 1 FROM keys INDEXED BY keys_by_key LIMIT 1").fetchone()
+        except BaseException:
+            self._db.close()
+            raise
         self.indexed_position: int = row[0] if row else 0
 
     def add(self, topic: str, key: str, position: int) -> None:
@@ -103,12 +118,18 @@ class KeyIndex:
 
     def positions(self, topic: str, key: str, limit: int) -> list[int]:
         """Newest first."""
+        if self.damage is not None:
+            raise self.damage
         self.commit()
         with self._lock:
-            rows = self._db.execute(
-                "SELECT position FROM keys WHERE topic=? AND key=? ORDER BY position DESC LIMIT ?",
-                (topic, key, limit),
-            ).fetchall()
+            try:
+                rows = self._db.execute(
+                    "SELECT position FROM keys WHERE topic=? AND key=? "
+                    "ORDER BY position DESC LIMIT ?",
+                    (topic, key, limit),
+                ).fetchall()
+            except sqlite3.DatabaseError as exc:
+                raise _damaged(self.path, exc) from exc
         return [row[0] for row in rows]
 
     def forget_from(self, position: int) -> None:
@@ -133,3 +154,50 @@ class KeyIndex:
     def close(self) -> None:
         self.commit()
         self._db.close()
+
+
+def _damaged(path: Path, exc: sqlite3.Error) -> CorruptionError:
+    return CorruptionError(
+        f"the key index cannot be read ({exc}); 'equeue verify' checks it, and a writer's "
+        "open moves a damaged one to recovered/ and rebuilds it from the log",
+        file=path,
+    )
+
+
+def _busy(exc: sqlite3.Error) -> bool:
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in _SQLITE_BUSY
+
+
+def open_writer_index(path: Path, problems: list[str]) -> KeyIndex:
+    """The writer's key index. One SQLite cannot read is derived data: it is moved to
+    ``recovered/`` (with its -wal and -shm) and a new, empty one has indexed_position 0,
+    so recovery re-indexes every key from the log (reported in ``problems``)."""
+    if not os.path.lexists(path) and os.path.lexists(path.parent / CHECKPOINT_FILE):
+        problems.append(
+            f"the key index {path} is missing (a writer's open creates it); every key is "
+            "re-indexed from the log"
+        )
+    try:
+        return KeyIndex(path)
+    except sqlite3.DatabaseError as exc:
+        if _busy(exc):
+            raise StoreWriteError(errno.EBUSY, f"the key index {path} is in use: {exc}") from exc
+        failure = exc
+    try:
+        stamp = time.time_ns()
+        moved = [
+            move_to_recovered(side, stamp)
+            for side in [path] + [path.with_name(path.name + s) for s in _SIDE_FILES]
+            if os.path.lexists(side)
+        ]
+        index = KeyIndex(path)
+    except (OSError, sqlite3.Error) as exc:
+        raise StoreWriteError(
+            errno.EIO, f"rebuilding the damaged key index {path} failed: {exc}"
+        ) from exc
+    problems.append(
+        f"the key index {path} cannot be read ({failure}); moved to "
+        f"{', '.join(map(str, moved)) or 'nowhere (it was gone)'}; every key is re-indexed "
+        "from the log"
+    )
+    return index

@@ -99,6 +99,14 @@ def open_identity(
     if not path.exists():
         if not create:
             raise NotAStoreError(f"{directory} is not an equeue store: it has no {IDENTITY_FILE}")
+        found = [n for n in (MESSAGES_DIR, QUEUES_DIR, CHECKPOINT_FILE) if (directory / n).exists()]
+        if found:  # a new identity would change every message id and maybe the shape
+            raise CorruptionError(
+                f"{path} is missing, but the directory holds a store ({', '.join(found)}): "
+                "restore store.json (its store_id is part of every message id) rather than "
+                "create a new store over it",
+                file=path,
+            )
         config = config or StoreConfig()
         store_id = uuid.uuid4().int & 0xFFFFFFFF
         write_json(
@@ -133,9 +141,17 @@ def read_meta(
         if not move_aside:
             problems.append(str(exc))
             return default
-        moved = make_side_dir(directory) / f"{name}.{time.time_ns()}.damaged"
-        os.replace(path, moved)
-        fsync_directory(moved.parent)
-        fsync_directory(directory)
+        moved = move_to_recovered(path)
         problems.append(f"{exc}; moved to {moved}")
         return default
+
+
+def move_to_recovered(path: Path, stamp: int | None = None) -> Path:
+    """Move a damaged file to ``recovered/`` beside it (never deleting it), durably."""
+    directory = path.parent
+    stamp = time.time_ns() if stamp is None else stamp
+    moved = make_side_dir(directory) / f"{path.name}.{stamp}.damaged"
+    os.replace(path, moved)
+    fsync_directory(moved.parent)
+    fsync_directory(directory)
+    return moved

@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from equeue.errors import PositionNotFoundError
+from equeue.store.checkpoint import note_retention
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -19,7 +20,7 @@ def apply_retention(store: MessageStore, now: float) -> int:
 
     With ``retention_respects_consumers`` a chunk also stays until every consumer
     group has committed, on every queue it has committed on, past the chunk's end.
-    The caller holds the store's write lock.
+    The caller holds the checkpoint lock and the store's write lock.
     """
     config = store.config
     messages = store._messages
@@ -29,7 +30,7 @@ def apply_retention(store: MessageStore, now: float) -> int:
     if config.retention is not None:
         cutoff_ns = int((now - config.retention.total_seconds()) * 1e9)
     consumed = _consumed_position(store) if config.retention_respects_consumers else None
-    remove_before = None
+    remove_before = new_start = None
     for chunk in chunks[:-1]:
         footer = chunk.footer
         if footer is None:
@@ -45,6 +46,7 @@ def apply_retention(store: MessageStore, now: float) -> int:
         if consumed is not None and chunk.end_position > consumed:
             break
         remove_before = chunk.end_number + 1
+        new_start = chunk.end_position
         total -= chunk.file_size
     if remove_before is None:
         # A crash may have stopped an earlier run between the log chunks and the queue
@@ -58,6 +60,8 @@ def apply_retention(store: MessageStore, now: float) -> int:
     # chunks holding their messages are gone, recovery cannot rebuild them from the log
     # (and the queue's next offset would move back after a power loss).
     store._flush_queues()
+    assert new_start is not None
+    note_retention(store, new_start)  # first: else a crash mid-way reads as a deletion
     removed = messages.remove_chunks_before(remove_before)
     first = messages.first_position
     for queues in store._queues.values():

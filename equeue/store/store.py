@@ -48,8 +48,9 @@ from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
 from equeue.store.flush import GroupCommit, run_service
-from equeue.store.keyindex import KeyIndex
+from equeue.store.keyindex import KeyIndex, open_writer_index
 from equeue.store.livetail import LiveTailWriter, current_boot_id, read_live_tail
+from equeue.store.losses import losses_at_open, read_topics
 from equeue.store.meta import (
     CHECKPOINT_FILE,
     KEYS_FILE,
@@ -152,6 +153,7 @@ class MessageStore:
         self._policies: dict[str, TopicPolicy] = {}
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
+        self._meta_problems += losses_at_open(self, checkpoint)
         self._keys = self._open_keys()
         self.recovery = RecoveryReport(
             cuts=list(self._messages.recovery_cuts),
@@ -376,7 +378,7 @@ class MessageStore:
         return queue.first_offset, queue.next_offset
 
     def _load_topics(self) -> None:
-        for topic, info in sorted(self._read_meta(TOPICS_FILE, {}).items()):
+        for topic, info in sorted(read_topics(self).items()):
             if int(info["queue_count"]) > len(self._queues.get(topic, ())):
                 self._open_queues(topic, int(info["queue_count"]))
             self._policies[topic] = TopicPolicy.from_json(info, str(self.path / TOPICS_FILE))
@@ -692,7 +694,7 @@ class MessageStore:
         # replacement installed meanwhile would outlive the chunks retention deletes.
         with compaction_commit.commit_lock(self.path):
             self._adopt_compacted_locked()
-            with self._lock:
+            with self._checkpoint_lock, self._lock:  # note_retention rewrites the checkpoint
                 self._check_writable()
                 return apply_retention(self, time.time() if now is None else now)
 
@@ -747,7 +749,7 @@ class MessageStore:
     def _open_keys(self) -> KeyIndex:
         if self.read_only:
             return follow.FollowedKeys(self.path, self._messages)
-        return KeyIndex(self.path / KEYS_FILE)
+        return open_writer_index(self.path / KEYS_FILE, self._meta_problems)
 
     # --- checkpoints and the service thread ------------------------------------
 
