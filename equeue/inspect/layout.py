@@ -124,6 +124,7 @@ def open_store(path: Path) -> StoreFiles:
         raise UsageError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise UsageError(f"{path} is not a store directory (inspect a chunk file with 'inspect')")
+    check_layout(path)  # a link or a file of the wrong kind: StorePathError, nothing read
     if not (path / IDENTITY_FILE).is_file():
         hint = ""
         if any(parse_chunk_file_name(name) for name in os.listdir(path)):
@@ -133,7 +134,6 @@ def open_store(path: Path) -> StoreFiles:
         ).is_file():
             hint = "; the store is a directory above it"
         raise UsageError(f"{path} is not an equeue store: it has no {IDENTITY_FILE}{hint}")
-    check_layout(path)  # a link or a file of the wrong kind: StorePathError, nothing read
     store = StoreFiles(path)
     identity = _read_meta(store, IDENTITY_FILE)
     if isinstance(identity, dict):
