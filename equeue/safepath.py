@@ -60,7 +60,8 @@ def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
     (a directory opens read-only without complaint, and only its reads would fail).
     StorePathError for either; any other OSError is raised as it is."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        # O_NONBLOCK: a FIFO planted there must not hang the open (regular files ignore it).
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
             try:
