@@ -184,6 +184,24 @@ def test_a_planted_link_is_refused_and_nothing_outside_changes(
     assert path.is_symlink() and os.readlink(path) == str(target)
 
 
+@pytest.mark.parametrize("name", ["keys.sqlite-wal", "keys.sqlite-shm", "keys.sqlite-journal"])
+def test_a_link_where_sqlite_keeps_its_side_files_is_refused(
+    store: Path, tmp_path: Path, name: str
+) -> None:
+    """SQLite opens (and writes) these beside keys.sqlite by name, following links."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    sentinel = outside / "sentinel"
+    sentinel.write_bytes(b"not yours" * 100)
+    os.utime(sentinel, ns=(PAST, PAST))
+    os.symlink(sentinel, store / name)
+    before = _tree(outside)
+    errors = [_try_open(store, read_only) for read_only in (False, True)]
+    assert _tree(outside) == before
+    for error in errors:
+        assert isinstance(error, StorePathError) and error.file == str(store / name), error
+
+
 def test_a_linked_recovered_dir_receives_no_cut(store: Path, tmp_path: Path) -> None:
     """Recovery copies what it cuts to messages/recovered/: through a link, that copy
     landed outside the store."""

@@ -145,7 +145,7 @@ def open_store(path: Path) -> StoreFiles:
     if isinstance(topics, dict):
         for topic, info in topics.items():
             try:  # as the store checks it at open: a bad name is reported, never followed
-                ((_, count, _),) = topic_entries({topic: info}, str(path / TOPICS_FILE))
+                ((_, count, _),) = topic_entries({topic: info}, path)
             except CorruptionError as exc:
                 store.problems.append(problem_from(exc, "metadata", path / TOPICS_FILE))
             else:

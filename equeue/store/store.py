@@ -376,8 +376,7 @@ class MessageStore:
         return queue.first_offset, queue.next_offset
 
     def _load_topics(self) -> None:
-        body, where = self._read_meta(TOPICS_FILE, {}), str(self.path / TOPICS_FILE)
-        for topic, count, policy in topic_entries(body, where):
+        for topic, count, policy in topic_entries(self._read_meta(TOPICS_FILE, {}), self.path):
             if count > len(self._queues.get(topic, ())):
                 self._open_queues(topic, count)
             self._policies[topic] = policy
