@@ -47,7 +47,7 @@ def _not_a_directory(path: Path | str) -> StorePathError:
     """ENOTDIR: some directory on the way to ``path`` is something else; name it."""
     for parent in Path(path).parents:
         try:
-            mode = os.lstat(parent).st_mode
+            mode = os.stat(parent).st_mode  # as the lookup saw it: the root may be a link
         except OSError:
             continue
         if not stat.S_ISDIR(mode):
@@ -68,6 +68,8 @@ def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
                 found = os.lstat(path).st_mode
             except OSError:
                 raise exc from None
+            if stat.S_ISREG(found):
+                raise  # not about this entry (a loop of links above it, say)
             raise _refuse(path, found, want_dir=False) from None
         if exc.errno == errno.ENOTDIR:
             raise _not_a_directory(path) from None
@@ -181,8 +183,8 @@ def check_store(root: Path, files: Iterable[str], dirs: Iterable[str]) -> None:
 
 
 def check_chunk_dirs(directories: Iterable[Path]) -> None:
-    """For the inspector, which opens no ChunkManager: each directory (and its parent,
-    a topic's directory for a queue's) as ``check_dir``, its entries as ``check_chunk_dir``."""
+    """For the inspector, which opens no ChunkManager: each directory as ``check_dir``,
+    its entries as ``check_chunk_dir``."""
     for directory in directories:
-        if check_dir(directory.parent) and check_dir(directory):
+        if check_dir(directory):
             check_chunk_dir(directory, os.listdir(directory))

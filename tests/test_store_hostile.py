@@ -163,6 +163,19 @@ def test_control_the_built_store_opens_and_verifies(
     capsys.readouterr()
 
 
+def test_control_the_store_root_may_be_a_link(
+    store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The root is the caller's choice (/var/lib/x -> /data/x): only links inside are refused."""
+    link = tmp_path / "link"
+    os.symlink(store, link)
+    for read_only in (False, True):
+        with MessageStore.open(link, read_only=read_only) as opened:
+            assert opened.queue_range("t", 1) == (0, MESSAGES // 2)
+    assert main(["verify", str(link)]) == 0
+    capsys.readouterr()
+
+
 # --- item 10: symbolic links ------------------------------------------------------------
 
 

@@ -153,6 +153,8 @@ def open_store(path: Path) -> StoreFiles:
     else:
         store.topics_known = False
     _add_queue_directories(store)
+    for topic in store.topics:  # before anything under them is looked at
+        check_dir(path / QUEUES_DIR / topic)
     check_chunk_dirs([store.messages_dir] + [store.queue_dir(t, q) for t, q in store.queues()])
     offsets = _read_meta(store, OFFSETS_FILE, default={})
     if isinstance(offsets, dict):
