@@ -291,6 +291,40 @@ def test_control_a_valid_topics_entry_still_opens(store: Path) -> None:
         assert opened.queue_ids("t2") == list(range(1024))
 
 
+BAD_OFFSETS: list[object] = [
+    [],
+    {"": {"t": {"0": 1}}},
+    {"g" * 256: {"t": {"0": 1}}},
+    {"g": {"../x": {"0": 1}}},
+    {"g": {"t": {"x": 1}}},
+    {"g": {"t": {"-1": 1}}},
+    {"g": {"t": {"5000": 1}}},
+    {"g": {"t": {"0": -1}}},
+    {"g": {"t": {"0": "1"}}},
+    {"g": {"t": {"0": True}}},
+    {"g": {"t": 5}},
+]
+
+
+@pytest.mark.parametrize("body", BAD_OFFSETS, ids=[str(b)[:40] for b in BAD_OFFSETS])
+def test_a_crafted_offsets_entry_is_refused(store: Path, body: object) -> None:
+    """Before, these opened, and consumer_groups() raised a raw ValueError or handed out
+    what commit_offset() would have refused."""
+    write_json(store / "offsets.json", body)
+    inside = snapshot(store)
+    for read_only in (False, True):
+        error = _try_open(store, read_only)
+        assert isinstance(error, CorruptionError), error
+        assert str(store / "offsets.json") in str(error) and "bad consumer offsets" in str(error)
+    assert snapshot(store) == inside
+
+
+def test_control_valid_offsets_still_open(store: Path) -> None:
+    write_json(store / "offsets.json", {"g": {"t": {"0": 5, "1": 0}}, "h": {"x": {"1023": 7}}})
+    with MessageStore.open(store, read_only=True) as opened:
+        assert opened.consumer_groups() == {"g": {"t": {0: 5, 1: 0}}, "h": {"x": {1023: 7}}}
+
+
 # --- item 11: versions -------------------------------------------------------------------
 
 

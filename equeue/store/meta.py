@@ -19,10 +19,18 @@ from typing import IO, Any
 from equeue.atomicfile import read_json, write_json
 from equeue.chunks.chunk import fsync_directory
 from equeue.chunks.recovery import make_side_dir
-from equeue.errors import ConfigError, CorruptionError, NotAStoreError, StoreLockedError
+from equeue.errors import (
+    ConfigError,
+    CorruptionError,
+    EQueueError,
+    NotAStoreError,
+    StoreLockedError,
+)
 from equeue.format.chunk import RECOVERED_DIR
 from equeue.format.livetail import LIVE_TAIL_FILE
+from equeue.format.message import MAX_NAME_BYTES
 from equeue.safepath import check_store, open_fd, open_file
+from equeue.store import validate
 from equeue.store.config import StoreConfig
 
 STORE_FORMAT = 1
@@ -172,12 +180,13 @@ def _is_int(value: object) -> bool:
 def read_meta(
     directory: Path, name: str, default: Any, problems: list[str], *, move_aside: bool
 ) -> Any:
-    """A metadata file's body, or ``default`` if it is missing or damaged (reported)."""
+    """A metadata file's body, or ``default`` if it is missing or damaged (reported).
+    A body that checks out but holds what the API would refuse raises CorruptionError."""
     path = directory / name
     if not path.exists():
         return default
     try:
-        return read_json(path)
+        body = read_json(path)
     except CorruptionError as exc:
         if not move_aside:
             problems.append(str(exc))
@@ -188,3 +197,27 @@ def read_meta(
         fsync_directory(directory)
         problems.append(f"{exc}; moved to {moved}")
         return default
+    return check_offsets(body, path) if name == OFFSETS_FILE else body
+
+
+def check_offsets(body: Any, path: Path) -> dict[str, dict[str, dict[str, int]]]:
+    """offsets.json's body, each name and offset checked as commit_offset() checks them;
+    a checksummed file with a bad entry was not written by equeue: the open is refused."""
+    try:
+        if not isinstance(body, dict):
+            raise ConfigError(f"it holds {type(body).__name__}, not consumer groups")
+        for group, topics in body.items():
+            if not group or len(group.encode()) > MAX_NAME_BYTES or not isinstance(topics, dict):
+                raise ConfigError(f"bad group {group[:80]!r}: {str(topics)[:80]}")
+            for topic, queues in topics.items():
+                validate.check_topic(topic)
+                if not isinstance(queues, dict):
+                    raise ConfigError(f"bad queues of {topic!r}: {str(queues)[:80]}")
+                for queue_id, offset in queues.items():
+                    if not (queue_id.isdecimal() and queue_id.isascii() and int(queue_id) < 1024):
+                        raise ConfigError(f"bad queue id {queue_id[:80]!r} of topic {topic!r}")
+                    if not _is_int(offset) or offset < 0:
+                        raise ConfigError(f"bad offset {offset!r} of {topic!r}/{queue_id}")
+    except (EQueueError, UnicodeEncodeError) as exc:
+        raise CorruptionError(f"bad consumer offsets ({exc})", file=path, offset=0) from None
+    return body
