@@ -215,6 +215,20 @@ def test_a_link_where_sqlite_keeps_its_side_files_is_refused(
         assert isinstance(error, StorePathError) and error.file == str(store / name), error
 
 
+def test_a_linked_compaction_staging_dir_is_refused(store: Path, tmp_path: Path) -> None:
+    """A writable open rolls committed staging directories forward (renaming their files
+    into messages/) and deletes the others: never one reached through a link."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_bytes(b"keep me")
+    link = store / "compaction" / "20260101T000000-0badf00d"
+    os.symlink(outside, link)
+    before = _tree(outside)
+    error = _try_open(store, False)
+    assert _tree(outside) == before
+    assert isinstance(error, StorePathError) and error.file == str(link), error
+
+
 def test_a_linked_recovered_dir_receives_no_cut(store: Path, tmp_path: Path) -> None:
     """Recovery copies what it cuts to messages/recovered/: through a link, that copy
     landed outside the store."""
