@@ -17,6 +17,7 @@ import xxhash
 
 from equeue.chunks.chunk import fsync_directory, write_error
 from equeue.errors import ChecksumMismatchError, CorruptionError
+from equeue.safepath import check_removable, open_file, opener
 
 
 def _canonical(body: Any) -> bytes:
@@ -29,7 +30,7 @@ def write_json(path: Path, body: Any) -> None:
     ).encode()
     temp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(temp, "wb") as f:
+        with open(temp, "xb", opener=opener) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -42,7 +43,8 @@ def write_json(path: Path, body: Any) -> None:
 
 def read_json(path: Path) -> Any:
     """The body stored in ``path``; CorruptionError if it does not check out."""
-    raw = path.read_bytes()
+    with open_file(path, "rb") as f:
+        raw = f.read()
     try:
         doc = json.loads(raw)
         stored, body = doc["xxh64"], doc["body"]
@@ -69,4 +71,5 @@ def _hex_or_none(value: object) -> int | None:
 
 def remove_temp_files(directory: Path) -> None:
     for entry in directory.glob("*.tmp"):
+        check_removable(entry)
         entry.unlink(missing_ok=True)

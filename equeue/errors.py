@@ -177,6 +177,17 @@ class StoreLockedError(EQueueError):
     """Another process (or handle) holds the store's writer lock."""
 
 
+class StorePathError(EQueueError):
+    """A path inside the store is not what the store made there: a symbolic link (never
+    followed: it could lead outside the store), or a file where a directory belongs, or
+    the reverse. Nothing was read or written through it."""
+
+    def __init__(self, reason: str, *, file: str | os.PathLike[str]) -> None:
+        self.reason = reason
+        self.file = os.fspath(file)
+        super().__init__(f"{self.file} {reason}")
+
+
 class NotAStoreError(EQueueError, FileNotFoundError):
     """The path holds no equeue store (no store.json) and was not to be created."""
 

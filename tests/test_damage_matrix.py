@@ -175,39 +175,17 @@ HARMLESS = {
     (LIVE_TAIL_FILE, "delete"): "tail.live only speeds up recovery after a crash",
 }
 
-# Cases other branches fix (issue 20): the lead removes each marker at the merge.
-_OPPOSITE = "issue 20 item 12 (a file replaced by a directory, or the reverse, raises a raw "
-_OPPOSITE += "IsADirectoryError/NotADirectoryError), fixed on branch hostile"
-_SYMLINK = "issue 20 item 10 (the store writes through a symlink out of it), fixed on branch "
-_SYMLINK += "hostile"
-XFAIL: dict[tuple[str, str], str] = {
-    (kind, "replace by its opposite"): _OPPOSITE
-    for kind in (
-        IDENTITY_FILE,
-        TOPICS_FILE,
-        OFFSETS_FILE,
-        CHECKPOINT_FILE,
-        LOCK_FILE,
-        "completed message chunk",
-        "ongoing message chunk",
-        "queue chunk",
-        "messages/",
-    )
-} | {
-    (LOCK_FILE, "symlink out"): _SYMLINK,
-    (LIVE_TAIL_FILE, "symlink out"): _SYMLINK,
-    ("messages/", "symlink out"): _SYMLINK,
-}
+
+def _cases() -> list[object]:
+    return list(_each_case())
 
 
-def _cases() -> Iterator[object]:
+def _each_case() -> Iterator[object]:
     for kind in KINDS:
         for damage in DAMAGES:
             if kind in DIRECTORIES and damage in ("flip a bit", "zero 512 bytes", "truncate"):
                 continue  # bytes of a directory: no such damage
-            reason = XFAIL.get((kind, damage))
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            yield pytest.param(kind, damage, id=f"{kind}-{damage}", marks=marks)
+            yield pytest.param(kind, damage, id=f"{kind}-{damage}")
 
 
 # --- what the user sees ------------------------------------------------------------------
@@ -325,10 +303,7 @@ def render_table() -> str:
     ]
     for kind in KINDS:
         for damage in DAMAGES:
-            if (kind, damage) in XFAIL:
-                item = XFAIL[kind, damage].split(" (")[0]
-                lines.append(f"| {kind} | {damage} | ({item}: being fixed) | | |")
-            elif (kind, damage) in OBSERVED:
+            if (kind, damage) in OBSERVED:
                 verify, writer, reader = OBSERVED[kind, damage]
                 lines.append(f"| {kind} | {damage} | {verify} | {writer} | {reader} |")
     return "\n".join([*lines, "", TABLE_END])
@@ -337,7 +312,7 @@ def render_table() -> str:
 def test_docs_table() -> None:
     """Runs last in this file: the docs show what the cases above observed. Write the
     table with EQUEUE_DAMAGE_TABLE=1 (it replaces the one in docs/durability.md)."""
-    if len(OBSERVED) < sum(1 for _ in _cases()) - len(XFAIL):
+    if len(OBSERVED) < len(_cases()):
         pytest.skip("only part of the matrix ran")
     table = render_table()
     docs = DOCS.read_text()

@@ -54,6 +54,7 @@ import equeue.atomicfile
 import equeue.chunks.chunk
 import equeue.chunks.manager
 import equeue.chunks.recovery
+import equeue.safepath
 import equeue.store.keyindex
 from equeue import MessageStore, OutgoingMessage, SendResult, StoreConfig
 from equeue.errors import DiskFullError, MessageNotFoundError, StoreWriteError, TopicNotFoundError
@@ -303,7 +304,9 @@ class SqliteProxy:
 def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
     injected = Faults()
     proxy = OsProxy(injected)
-    for module in (equeue.chunks.chunk, equeue.chunks.manager, equeue.chunks.recovery):
+    for module in (
+        equeue.chunks.chunk, equeue.chunks.manager, equeue.chunks.recovery, equeue.safepath
+    ):  # fmt: skip
         monkeypatch.setattr(module, "os", proxy)
     monkeypatch.setattr(equeue.atomicfile, "os", proxy)
     for module in (equeue.chunks.chunk, equeue.atomicfile):

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from livetail_writer import BATCH, CONFIG, TOPIC, body, has_keys, key
 
+import equeue.store.livetail
 from equeue import MessageStore
 from equeue.chunks.config import MiB
 from equeue.cli import main
@@ -341,10 +342,15 @@ def test_inspect_shows_where_recovery_would_start(
 
 
 def test_a_live_tail_that_cannot_be_written_only_costs_recovery_speed(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Its open fails as a full or read-only file system fails it (a directory in its
+    # place is another matter: StorePathError, tests/test_store_hostile.py).
+    def refused(path: Path, flags: int) -> int:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(equeue.store.livetail, "open_fd", refused)
     path = tmp_path / "s"
-    (path / LIVE_TAIL_FILE).mkdir(parents=True)  # os.open of it fails
     with MessageStore.open(path, CONFIG) as store:
         store.send_batch(TOPIC, [body(i) for i in range(3000)])
         assert store._live_tail is None

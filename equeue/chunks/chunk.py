@@ -44,6 +44,7 @@ from equeue.format.chunk import (
     frame_problem,
     record_checksum,
 )
+from equeue.safepath import open_fd, open_file
 
 _xxh3 = xxhash.xxh3_64_intdigest  # record_checksum() inlined on the hot paths
 _unpack_prefix = FRAME_PREFIX.unpack_from
@@ -191,7 +192,7 @@ class Chunk:
             on_map=on_map,
         )
         try:
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = open_fd(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             try:
                 _preallocate(fd, size)
                 os.pwrite(fd, header.pack(), 0)
@@ -218,7 +219,7 @@ class Chunk:
         mm = self._mm
         if mm is None:
             try:
-                f = open(self.path, "rb")  # noqa: SIM115 - closed below, after mapping
+                f = open_file(self.path, "rb")  # closed below, after mapping
             except FileNotFoundError:
                 raise ChunkRemovedError(
                     f"chunk {self.path} was removed (by retention or compaction) while in use"
@@ -231,7 +232,7 @@ class Chunk:
         return mm
 
     def open_for_write(self) -> None:
-        fd = os.open(self.path, os.O_RDWR)
+        fd = open_fd(self.path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE)
             # No read-around past the end: each fault there would read up to read_ahead_kb

@@ -49,6 +49,7 @@ from equeue.format.chunk import (
     chunk_file_size,
     parse_chunk_file_name,
 )
+from equeue.safepath import check_chunk_dir, check_dir, ensure_dir, open_fd, open_file
 
 if TYPE_CHECKING:
     from equeue.chunks.writer import ChunkWriter
@@ -303,7 +304,7 @@ class ChunkManager:
             chunk = self._chunks[-1]
             local = max(0, position - chunk.start_position)
             chunk.close()
-            fd = os.open(chunk.path, os.O_RDWR)
+            fd = open_fd(chunk.path, os.O_RDWR)
             try:
                 full = chunk_file_size(chunk.header.chunk_data_size)
                 for start, stop, reason in (
@@ -476,7 +477,7 @@ class ChunkManager:
                         victim.release_mapping()
 
     def _load(self) -> None:
-        if not self.directory.exists():
+        if not check_dir(self.directory):
             if self.read_only:
                 return
             try:
@@ -485,11 +486,12 @@ class ChunkManager:
                 missing = [self.directory, *self.directory.parents]
                 missing = missing[: next(i for i, d in enumerate(missing) if d.exists())]
                 for directory in reversed(missing):
-                    directory.mkdir(exist_ok=True)
+                    ensure_dir(directory)
                     fsync_directory(directory.parent)
             except OSError as exc:
                 raise write_error(exc, "creating a chunk directory", self.directory) from exc
         names = sorted(os.listdir(self.directory))
+        check_chunk_dir(self.directory, names)  # before anything is opened or removed
         found: list[tuple[Path, ChunkHeader, int]] = []
         for name in names:
             parsed = parse_chunk_file_name(name)
@@ -521,7 +523,7 @@ class ChunkManager:
         self._tail_hint = self._live_hint = None
 
     def _read_header(self, path: Path) -> ChunkHeader:
-        with open(path, "rb") as f:
+        with open_file(path, "rb") as f:
             header = ChunkHeader.unpack(f.read(HEADER_SIZE), file=str(path))
         config = self.config
         for setting, expected, found in (
@@ -576,7 +578,7 @@ class ChunkManager:
                 f"chunk file is {size} bytes, expected {full}", file=path, offset=size
             )
         at = size - FOOTER_SIZE
-        with open(path, "rb") as f:
+        with open_file(path, "rb") as f:
             f.seek(at)
             raw = f.read(FOOTER_SIZE)
         if last and ChunkFooter.is_blank(raw):
@@ -629,7 +631,7 @@ class ChunkManager:
             return
         size = chunk.path.stat().st_size
         available = max(0, min(chunk.header.chunk_data_size, size - HEADER_SIZE))
-        with open(chunk.path, "rb") as f:
+        with open_file(chunk.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             valid = [
@@ -675,7 +677,7 @@ class ChunkManager:
         size = chunk.path.stat().st_size
         available = max(0, min(chunk.header.chunk_data_size, size - HEADER_SIZE))
         start = min(chunk.data_end, available)
-        with open(chunk.path, "rb") as f:
+        with open_file(chunk.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             if self.config.record_size:
@@ -701,7 +703,7 @@ class ChunkManager:
         full = chunk_file_size(chunk.header.chunk_data_size)
         data_stop = HEADER_SIZE + chunk.header.chunk_data_size
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_fd(path, os.O_RDWR)
             try:
                 size = os.fstat(fd).st_size
                 reason = chunk.scan_problem or "bytes past the last valid record"

@@ -29,6 +29,7 @@ from equeue.format.chunk import (
     RECOVERED_DIR,
     frame_problem,
 )
+from equeue.safepath import ensure_dir, open_file
 
 log = logging.getLogger("equeue.recovery")
 
@@ -279,8 +280,7 @@ def _data_ranges(fd: int, start: int, end: int) -> list[tuple[int, int]]:
 def make_side_dir(directory: Path) -> Path:
     """``directory/recovered``, created durably (its entry fsynced) if it is new."""
     side_dir = directory / RECOVERED_DIR
-    if not side_dir.is_dir():
-        side_dir.mkdir(exist_ok=True)
+    if ensure_dir(side_dir):  # never through a link: the copies would land outside
         fsync_directory(directory)
     return side_dir
 
@@ -300,7 +300,7 @@ def cut_range(
         return None
     side_dir = make_side_dir(path.parent)
     side = side_dir / f"{path.name}.{start}.{time.time_ns()}.cut"
-    with open(side, "wb") as out:
+    with open_file(side, "xb") as out:
         pos = start
         while pos < stop:
             block = os.pread(fd, min(_BLOCK, stop - pos), pos)

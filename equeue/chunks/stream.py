@@ -31,6 +31,7 @@ from equeue.format.chunk import (
     ChunkType,
     frame_problem,
 )
+from equeue.safepath import open_file
 
 BLOCK_SIZE: Final = 4 << 20
 _MAP_BLOCK_ENTRIES: Final = 64 << 10
@@ -53,7 +54,7 @@ class ChunkFile:
         """Read the header and footer. ``data_end`` bounds the records read (a snapshot's
         committed end); an ongoing chunk needs it, since nothing in the file records it."""
         path = Path(path)
-        with open(path, "rb") as f:
+        with open_file(path, "rb") as f:
             header = ChunkHeader.unpack(f.read(HEADER_SIZE), file=str(path))
             size = f.seek(0, 2)
             if size < HEADER_SIZE + FOOTER_SIZE:
@@ -123,13 +124,13 @@ class ChunkFile:
         their logical offsets relative to the chunk's start, from the position map of
         a compacted chunk (checked against the frames); None for any other chunk,
         where a frame's logical offset is its data offset."""
-        with open(self.path, "rb", buffering=0) as f:
+        with open_file(self.path, "rb", buffering=0) as f:
             blocks = _frame_blocks(f, self.path, self.data_end, block_size)
             if not self.header.compacted:
                 for at, buf, offsets in blocks:
                     yield at, buf, offsets, None
                 return
-            with open(self.path, "rb", buffering=0) as m:
+            with open_file(self.path, "rb", buffering=0) as m:
                 entries = _map_entries(m, self.path, HEADER_SIZE + self.data_end, self.map_bytes)
                 for at, buf, offsets in blocks:
                     logicals = []

@@ -47,6 +47,7 @@ from equeue.atomicfile import read_json, write_json
 from equeue.chunks.chunk import fsync_directory
 from equeue.errors import CompactionError, CorruptionError
 from equeue.format.chunk import TEMP_SUFFIX, parse_chunk_file_name
+from equeue.safepath import check_dir, check_file, ensure_dir, open_file
 from equeue.store.meta import COMPACTION_DIR, MESSAGES_DIR, try_writer_lock
 
 if TYPE_CHECKING:  # the store imports this module: numpy (rewrite's) stays out of it
@@ -66,15 +67,14 @@ def compaction_dir(store: Path) -> Path:
 
 def _ensure_dir(store: Path) -> Path:
     directory = compaction_dir(store)
-    if not directory.is_dir():
-        directory.mkdir(exist_ok=True)
+    if ensure_dir(directory):  # never through a link: the locks would be written outside
         fsync_directory(store)
     return directory
 
 
 @contextlib.contextmanager
 def _flock(path: Path, *, blocking: bool, busy: str) -> Iterator[IO[str]]:
-    handle = open(path, "a+")  # noqa: SIM115 - closed below, which releases the lock
+    handle = open_file(path, "a+")  # closed below, which releases the lock
     try:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
@@ -191,6 +191,17 @@ def _apply(store: Path, staging: Path) -> None:
     fsync_directory(compaction_dir(store))
 
 
+def _is_staging(path: Path) -> bool:
+    """A job's staging directory; a link is refused (its files would be installed, or
+    deleted, wherever it leads), as are the lock and marker files as anything else."""
+    if path.name in (JOB_LOCK, COMMIT_LOCK, INSTALLED_FILE):
+        check_file(path)
+        return False
+    if path.is_symlink():
+        check_dir(path)  # raises
+    return path.is_dir()
+
+
 def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     with contextlib.suppress(OSError):
@@ -201,14 +212,14 @@ def recover(store: Path, *, holding_job_lock: bool = False) -> list[str]:
     """Roll committed jobs forward and delete uncommitted staging (unless a job is running,
     other than the caller's own); returns what it did."""
     directory = compaction_dir(store)
-    if not directory.is_dir():
+    if not check_dir(directory):
         return []
     done: list[str] = []
     with commit_lock(store):
         for temp in directory.glob(f"*{TEMP_SUFFIX}"):  # e.g. `installed` cut mid-write
             temp.unlink(missing_ok=True)
         running = not holding_job_lock and job_running(store)
-        for staging in sorted(p for p in directory.iterdir() if p.is_dir()):
+        for staging in sorted(p for p in directory.iterdir() if _is_staging(p)):
             if (staging / MANIFEST_FILE).exists():
                 _apply(store, staging)
                 done.append(f"finished installing the committed compaction {staging.name}")

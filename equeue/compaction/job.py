@@ -58,6 +58,7 @@ from equeue.format.chunk import (
     ChunkType,
     chunk_file_name,
 )
+from equeue.safepath import open_file
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -365,7 +366,7 @@ def _rewrite(
             )
             continue
         file = staging / chunk_file_name(group.start_number, group.version)
-        with open(file, "xb") as f:
+        with open_file(file, "xb") as f:
             f.truncate(group.bytes_after)
         base = group.start_number * data_size
         data_at, map_at = 0, HEADER_SIZE + group.kept_bytes

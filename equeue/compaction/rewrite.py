@@ -42,6 +42,7 @@ from equeue.format.chunk import (
     ChunkType,
     chunk_file_name,
 )
+from equeue.safepath import open_file
 
 _WRITE_BUFFER: Final = 1 << 20
 
@@ -87,7 +88,7 @@ class CompactedChunkWriter:
         )
         self._capacity = chunk_data_size * (end_number - start_number + 1)
         self._ts_offset = timestamp_offset
-        self._file = open(path, "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - closed in finish
+        self._file = open_file(path, "xb", buffering=_WRITE_BUFFER)  # closed in finish
         self._hash = xxhash.xxh3_64()
         self._map = bytearray()
         self._physical = 0
@@ -315,7 +316,7 @@ def write_part(part: Part, removed: Iterable[int], block_size: int = BLOCK_SIZE)
     physical = count = 0
     first_ts: int | None = None
     last_ts: int | None = None
-    with open(part.file, "r+b", buffering=_WRITE_BUFFER) as out:
+    with open_file(part.file, "r+b", buffering=_WRITE_BUFFER) as out:
         out.seek(HEADER_SIZE + part.data_at)
         for kept in kept_blocks(chunk, gone, drop, block_size):
             if physical + kept.size > part.kept_bytes:
@@ -359,7 +360,7 @@ def finish_merged(
     packed = header.pack()
     digest.update(packed)
     end = HEADER_SIZE + physical + count * MAP_ENTRY_SIZE
-    with open(path, "r+b", buffering=0) as f:
+    with open_file(path, "r+b", buffering=0) as f:
         f.write(packed)
         at = HEADER_SIZE
         while at < end:

@@ -247,8 +247,14 @@ class ChunkHeader:
             _HEADER.unpack(buf)
         )
         if version != FORMAT_VERSION:
+            newer = "; open it with a newer equeue" if version > FORMAT_VERSION else ""
             raise CorruptionError(
-                "unsupported chunk format version", file=file, offset=4, expected=1, found=version
+                f"chunk format version {version}, but this equeue library reads version "
+                f"{FORMAT_VERSION}{newer}",
+                file=file,
+                offset=4,
+                expected=FORMAT_VERSION,
+                found=version,
             )
         if ctype not in (ChunkType.VARIABLE, ChunkType.FIXED):
             raise CorruptionError("unknown chunk type", file=file, offset=6, found=ctype)

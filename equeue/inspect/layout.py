@@ -35,6 +35,7 @@ from equeue.format.chunk import (
 )
 from equeue.format.livetail import LiveTail
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
+from equeue.safepath import check_chunk_dirs, check_dir
 from equeue.store.livetail import current_boot_id, read_live_tail
 from equeue.store.meta import (
     CHECKPOINT_FILE,
@@ -43,8 +44,11 @@ from equeue.store.meta import (
     OFFSETS_FILE,
     QUEUES_DIR,
     TOPICS_FILE,
+    check_format,
+    check_layout,
 )
 from equeue.store.recovery import tail_hint
+from equeue.store.topics import topic_entries
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
@@ -122,6 +126,7 @@ def open_store(path: Path) -> StoreFiles:
         raise UsageError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise UsageError(f"{path} is not a store directory (inspect a chunk file with 'inspect')")
+    check_layout(path)  # a link or a file of the wrong kind: StorePathError, nothing read
     if not (path / IDENTITY_FILE).is_file():
         hint = ""
         if any(parse_chunk_file_name(name) for name in os.listdir(path)):
@@ -134,22 +139,25 @@ def open_store(path: Path) -> StoreFiles:
     store = StoreFiles(path)
     identity = _read_meta(store, IDENTITY_FILE)
     if isinstance(identity, dict):
+        check_format(path / IDENTITY_FILE, identity)  # the layout below may not be ours
         store.store_id = _int_or_none(identity.get("store_id"))
         store.chunk_data_size = _int_or_none(identity.get("chunk_data_size"))
         store.queue_chunk_records = _int_or_none(identity.get("queue_chunk_records"))
     topics = _read_meta(store, TOPICS_FILE, default={})
     if isinstance(topics, dict):
         for topic, info in topics.items():
-            count = _int_or_none(info.get("queue_count")) if isinstance(info, dict) else None
-            if count is None:
-                store.problems.append(
-                    Problem(str(path / TOPICS_FILE), None, "metadata", f"bad entry for {topic!r}")
-                )
+            try:  # as the store checks it at open: a bad name is reported, never followed
+                ((_, count, _),) = topic_entries({topic: info}, path)
+            except CorruptionError as exc:
+                store.problems.append(problem_from(exc, "metadata", path / TOPICS_FILE))
             else:
                 store.topics[str(topic)] = count
     else:
         store.topics_known = False
     _add_queue_directories(store)
+    for topic in store.topics:  # before anything under them is looked at
+        check_dir(path / QUEUES_DIR / topic)
+    check_chunk_dirs([store.messages_dir] + [store.queue_dir(t, q) for t, q in store.queues()])
     offsets = _read_meta(store, OFFSETS_FILE, default={})
     if isinstance(offsets, dict):
         store.offsets = offsets
@@ -184,6 +192,8 @@ def _add_queue_directories(store: StoreFiles) -> None:
     if not root.is_dir():
         return
     for topic in sorted(os.listdir(root)):
+        if (root / topic).is_symlink():
+            check_dir(root / topic)  # raises: a link is never followed
         if not (root / topic).is_dir():
             continue
         ids = [int(n) for n in os.listdir(root / topic) if n.isdigit()]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from equeue.errors import CorruptionError, DiskFullError, StoreWriteError
+from equeue.safepath import check_file
 from equeue.store.meta import CHECKPOINT_FILE, move_to_recovered
 
 _SQLITE_FULL = 13  # the primary result code for "database or disk is full"
@@ -34,6 +35,10 @@ class KeyIndex:
         """``immutable``: read-only with no writer running. SQLite then opens the file
         without creating the -wal and -shm files a read-only handle would otherwise leave."""
         self.path = path
+        if str(path) != ":memory:":
+            # SQLite follows links and opens what it finds: check the files it may write.
+            for name in (path.name, f"{path.name}-wal", f"{path.name}-shm", f"{path.name}-journal"):
+                check_file(path.with_name(name))
         if immutable:
             uri = f"file:{path}?mode=ro&immutable=1"
         elif read_only:

@@ -25,6 +25,7 @@ from equeue.format.livetail import (
     LiveTailHeader,
     newest,
 )
+from equeue.safepath import open_fd, open_file
 from equeue.store.keyindex import KeyIndex
 
 log = logging.getLogger("equeue.livetail")
@@ -44,9 +45,9 @@ def current_boot_id() -> uuid.UUID | None:
 def read_live_tail(store: Path, boot_id: uuid.UUID) -> LiveTail | None:
     """The newest whole slot of the store's ``tail.live``, if this boot wrote it."""
     try:
-        with open(store / LIVE_TAIL_FILE, "rb") as f:
+        with open_file(store / LIVE_TAIL_FILE, "rb") as f:
             raw = f.read(FILE_SIZE)
-    except OSError:
+    except OSError:  # a link or a directory there is a StorePathError, raised
         return None
     return newest(raw, boot_id)
 
@@ -64,7 +65,7 @@ class LiveTailWriter:
         path = store / LIVE_TAIL_FILE
         # Rewritten, not fsynced: its slots of an earlier run describe a log this open's
         # recovery may have cut, and the file is never trusted after a reboot anyway.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_fd(path, os.O_RDWR | os.O_CREAT)  # never through a link: it is truncated
         try:
             os.ftruncate(fd, FILE_SIZE)
             os.pwrite(fd, LiveTailHeader(boot_id).pack() + bytes(FILE_SIZE - HEADER_SIZE), 0)

@@ -19,7 +19,18 @@ from typing import IO, Any
 from equeue.atomicfile import read_json, write_json
 from equeue.chunks.chunk import fsync_directory
 from equeue.chunks.recovery import make_side_dir
-from equeue.errors import ConfigError, CorruptionError, NotAStoreError, StoreLockedError
+from equeue.errors import (
+    ConfigError,
+    CorruptionError,
+    EQueueError,
+    NotAStoreError,
+    StoreLockedError,
+)
+from equeue.format.chunk import RECOVERED_DIR
+from equeue.format.livetail import LIVE_TAIL_FILE
+from equeue.format.message import MAX_NAME_BYTES
+from equeue.safepath import check_store, open_fd, open_file
+from equeue.store import validate
 from equeue.store.config import StoreConfig
 
 STORE_FORMAT = 1
@@ -35,11 +46,23 @@ QUEUES_DIR = "queues"  # then <topic>/<queue id>/
 COMPACTION_DIR = "compaction"  # locks, the install marker, staging directories of jobs
 # Settings that shape the files: fixed when the store is created.
 _SHAPE = ("chunk_data_size", "queue_chunk_records")
+# What the store keeps at its root, each checked before anything is opened (safepath).
+_FILES = (
+    IDENTITY_FILE, LOCK_FILE, TOPICS_FILE, OFFSETS_FILE, CHECKPOINT_FILE, LIVE_TAIL_FILE,
+    KEYS_FILE, f"{KEYS_FILE}-wal", f"{KEYS_FILE}-shm", f"{KEYS_FILE}-journal",
+)  # fmt: skip
+_DIRS = (MESSAGES_DIR, QUEUES_DIR, COMPACTION_DIR, RECOVERED_DIR)
+
+
+def check_layout(directory: Path) -> None:
+    """Each of the store's files and directories at its root is what the store makes
+    there, or missing; StorePathError (naming it) for a link or the wrong kind."""
+    check_store(directory, _FILES, _DIRS)
 
 
 def take_lock(directory: Path) -> IO[str]:
     """The writer lock (flock on LOCK, holding the pid); released when the file closes."""
-    handle = open(directory / LOCK_FILE, "a+")  # noqa: SIM115 - held for the store's lifetime
+    handle = open_file(directory / LOCK_FILE, "a+")  # held for the store's lifetime
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -61,7 +84,7 @@ def try_writer_lock(directory: Path) -> IO[str] | None:
     """The writer lock if no writer holds it (the caller closes it soon), else None.
     Unlike ``take_lock`` it leaves the pid in LOCK as it is."""
     try:
-        handle = open(directory / LOCK_FILE, "a+")  # noqa: SIM115 - returned to the caller
+        handle = open_file(directory / LOCK_FILE, "a+")  # returned to the caller
     except FileNotFoundError:
         return None
     try:
@@ -75,7 +98,7 @@ def try_writer_lock(directory: Path) -> IO[str] | None:
 def writer_running(directory: Path) -> bool:
     """Whether a writer holds the store's lock (probed with a shared lock, released at once)."""
     try:
-        fd = os.open(directory / LOCK_FILE, os.O_RDONLY)
+        fd = open_fd(directory / LOCK_FILE, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
@@ -95,6 +118,7 @@ def open_identity(
     Without a configuration, an existing store opens with the shape it was
     created with; a configuration that disagrees with it is refused.
     """
+    check_layout(directory)
     path = directory / IDENTITY_FILE
     if not path.exists():
         if not create:
@@ -115,9 +139,9 @@ def open_identity(
             | {name: getattr(config, name) for name in _SHAPE},
         )
         return store_id, config
-    identity = read_json(path)
+    identity = _check_identity(path, read_json(path))
     if config is None:
-        return int(identity["store_id"]), StoreConfig(**{name: identity[name] for name in _SHAPE})
+        return identity["store_id"], StoreConfig(**{name: identity[name] for name in _SHAPE})
     for name in _SHAPE:
         if identity[name] != getattr(config, name):
             raise ConfigError(
@@ -125,18 +149,52 @@ def open_identity(
                 f"configuration says {name}={getattr(config, name)}; open it with "
                 f"StoreConfig({name}={identity[name]}) or without a configuration"
             )
-    return int(identity["store_id"]), dataclasses.replace(config)
+    return identity["store_id"], dataclasses.replace(config)
+
+
+def _check_identity(path: Path, identity: Any) -> dict[str, Any]:
+    """store.json's fields; a format newer than this library's is refused before
+    anything is written (an older library would rewrite what it does not understand)."""
+    if not isinstance(identity, dict):
+        identity = {}
+    check_format(path, identity)
+    found = identity.get("format", STORE_FORMAT)  # written by every version so far
+    fields = ("store_id", *_SHAPE)
+    bad = [name for name in fields if not _is_int(identity.get(name))]
+    if bad or not _is_int(found) or found < 1:
+        raise CorruptionError(
+            f"{IDENTITY_FILE} must hold a format >= 1 and the integers {', '.join(fields)}; "
+            f"it holds {identity!r}",
+            file=path,
+            offset=0,
+        )
+    return {name: identity[name] for name in fields}
+
+
+def check_format(path: Path, identity: dict[str, Any]) -> None:
+    """ConfigError if store.json says a format newer than this library's."""
+    found = identity.get("format")
+    if isinstance(found, int) and not isinstance(found, bool) and found > STORE_FORMAT:
+        raise ConfigError(
+            f"{path} says store format {found}, but this equeue library reads format "
+            f"{STORE_FORMAT} and older; open the store with a newer equeue (nothing was changed)"
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_meta(
     directory: Path, name: str, default: Any, problems: list[str], *, move_aside: bool
 ) -> Any:
-    """A metadata file's body, or ``default`` if it is missing or damaged (reported)."""
+    """A metadata file's body, or ``default`` if it is missing or damaged (reported).
+    A body that checks out but holds what the API would refuse raises CorruptionError."""
     path = directory / name
     if not path.exists():
         return default
     try:
-        return read_json(path)
+        body = read_json(path)
     except CorruptionError as exc:
         if not move_aside:
             problems.append(str(exc))
@@ -144,6 +202,7 @@ def read_meta(
         moved = move_to_recovered(path)
         problems.append(f"{exc}; moved to {moved}")
         return default
+    return check_offsets(body, path) if name == OFFSETS_FILE else body
 
 
 def move_to_recovered(path: Path, stamp: int | None = None) -> Path:
@@ -155,3 +214,26 @@ def move_to_recovered(path: Path, stamp: int | None = None) -> Path:
     fsync_directory(moved.parent)
     fsync_directory(directory)
     return moved
+
+
+def check_offsets(body: Any, path: Path) -> dict[str, dict[str, dict[str, int]]]:
+    """offsets.json's body, each name and offset checked as commit_offset() checks them;
+    a checksummed file with a bad entry was not written by equeue: the open is refused."""
+    try:
+        if not isinstance(body, dict):
+            raise ConfigError(f"it holds {type(body).__name__}, not consumer groups")
+        for group, topics in body.items():
+            if not group or len(group.encode()) > MAX_NAME_BYTES or not isinstance(topics, dict):
+                raise ConfigError(f"bad group {group[:80]!r}: {str(topics)[:80]}")
+            for topic, queues in topics.items():
+                validate.check_topic(topic)
+                if not isinstance(queues, dict):
+                    raise ConfigError(f"bad queues of {topic!r}: {str(queues)[:80]}")
+                for queue_id, offset in queues.items():
+                    if not (queue_id.isdecimal() and queue_id.isascii() and int(queue_id) < 1024):
+                        raise ConfigError(f"bad queue id {queue_id[:80]!r} of topic {topic!r}")
+                    if not _is_int(offset) or offset < 0:
+                        raise ConfigError(f"bad offset {offset!r} of {topic!r}/{queue_id}")
+    except (EQueueError, UnicodeEncodeError) as exc:
+        raise CorruptionError(f"bad consumer offsets ({exc})", file=path, offset=0) from None
+    return body

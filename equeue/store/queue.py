@@ -10,6 +10,7 @@ from equeue.chunks.recovery import TailCut
 from equeue.errors import ChunkRemovedError, PositionNotFoundError
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
+from equeue.safepath import check_dir
 
 _unpack = QUEUE_RECORD.unpack_from
 _pack = QUEUE_RECORD.pack
@@ -30,6 +31,7 @@ class Queue:
     ) -> None:
         self.topic = topic
         self.queue_id = queue_id
+        check_dir(directory.parent)  # the topic's: ChunkManager would create under a link
         self.manager = ChunkManager(
             directory,
             ChunkManagerConfig(

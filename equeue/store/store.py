@@ -69,7 +69,7 @@ from equeue.store.recovery import (
     tail_hint,
 )
 from equeue.store.reopen import reconcile_at_open
-from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset
+from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset, topic_entries
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
 
@@ -378,10 +378,10 @@ class MessageStore:
         return queue.first_offset, queue.next_offset
 
     def _load_topics(self) -> None:
-        for topic, info in sorted(read_topics(self).items()):
-            if int(info["queue_count"]) > len(self._queues.get(topic, ())):
-                self._open_queues(topic, int(info["queue_count"]))
-            self._policies[topic] = TopicPolicy.from_json(info, str(self.path / TOPICS_FILE))
+        for topic, count, policy in topic_entries(read_topics(self), self.path):
+            if count > len(self._queues.get(topic, ())):
+                self._open_queues(topic, count)
+            self._policies[topic] = policy
 
     def _open_queues(self, topic: str, count: int) -> None:
         queues = self._queues.get(topic, [])

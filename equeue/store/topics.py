@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Final, Literal
 
-from equeue.errors import ConfigError
+from equeue.errors import ConfigError, CorruptionError, EQueueError
+from equeue.store import validate
+from equeue.store.meta import TOPICS_FILE
 
 Cleanup = Literal["delete", "compact"]
 CLEANUPS: Final = ("delete", "compact")
@@ -85,6 +88,31 @@ class TopicPolicy:
             )
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"unreadable topic policy in {where}: {info!r} ({exc})") from exc
+
+
+def topic_entries(body: Any, store: Path) -> list[tuple[str, int, TopicPolicy]]:
+    """(topic, queue count, policy) of each topics.json entry of ``store`` (its ``body``
+    as read), every one checked as
+    create_topic() checks its arguments before any is used: a name there becomes a
+    directory, a count that many queues. A checksummed file with a bad entry was written
+    by something else than equeue, so the open is refused, naming the entry."""
+    path = str(store / TOPICS_FILE)
+    if not isinstance(body, dict):
+        raise CorruptionError(f"holds {type(body).__name__}, not topics", file=path, offset=0)
+    entries = []
+    for topic, info in body.items():
+        try:
+            validate.check_topic(topic)
+            if not isinstance(info, dict):
+                raise ConfigError(f"its entry is {info!r}, not an object")
+            count = validate.check_queue_count(info.get("queue_count"))
+            policy = TopicPolicy.from_json(info, path)
+        except EQueueError as exc:
+            raise CorruptionError(
+                f"bad topic entry {str(topic)[:80]!r} ({exc})", file=path, offset=0
+            ) from None
+        entries.append((topic, count, policy))
+    return sorted(entries)
 
 
 def _check_span(name: str, value: object, *, allow_zero: bool = False) -> None:
