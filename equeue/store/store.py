@@ -27,7 +27,6 @@ from equeue.errors import (
     CompactionError,
     ConfigError,
     CorruptRecordError,
-    InvalidMessageError,
     InvalidTypeError,
     MessageNotFoundError,
     PositionNotFoundError,
@@ -106,7 +105,7 @@ class MessageStore:
 
         Without ``config``, an existing store keeps the chunk sizes it was created with.
         """
-        return cls(Path(path), config, read_only=read_only)
+        return cls(validate.check_open(path, config, read_only), config, read_only=read_only)
 
     def __init__(self, path: Path, config: StoreConfig | None, *, read_only: bool = False) -> None:
         self.path = path
@@ -379,7 +378,9 @@ class MessageStore:
         for topic, info in sorted(self._read_meta(TOPICS_FILE, {}).items()):
             if int(info["queue_count"]) > len(self._queues.get(topic, ())):
                 self._open_queues(topic, int(info["queue_count"]))
-            self._policies[topic] = TopicPolicy.from_json(info, str(self.path / TOPICS_FILE))
+            self._policies[topic] = TopicPolicy.from_json(
+                info, str(self.path / TOPICS_FILE), self._meta_problems
+            )
 
     def _open_queues(self, topic: str, count: int) -> None:
         queues = self._queues.get(topic, [])
@@ -414,7 +415,7 @@ class MessageStore:
         )
 
     def _topic(self, topic: str) -> list[Queue]:
-        queues = self._queues.get(topic)
+        queues = self._queues.get(topic) if isinstance(topic, str) else None
         if queues is None and self.read_only:
             self._load_topics()  # the writer may have created it since
             queues = self._queues.get(topic)
@@ -484,6 +485,7 @@ class MessageStore:
         """Send many messages under one lock acquisition: all are checked first, so one
         bad message rejects the batch and nothing is written."""
         queues, count = self._queues_and_count(topic)
+        items = validate.check_messages(messages)
 
         def check(message: object) -> Checked:
             if isinstance(message, bytes | bytearray | memoryview):
@@ -499,11 +501,11 @@ class MessageStore:
 
         fast = speedups.SPEEDUPS
         if fast is None:
-            checked = [check(message) for message in list(messages)]
+            checked = [check(message) for message in items]
         else:  # the common cases in C, the rest (and every error) by check()
             config = self.config
             checked = fast.check_batch(
-                list(messages),  # a private copy: check() runs Python code
+                items,  # a private copy: check() runs Python code
                 OutgoingMessage, check, validate.check_tag,
                 config.max_message_size, config.chunk_data_size, count,
             )  # fmt: skip
@@ -554,14 +556,13 @@ class MessageStore:
         hash, then exactly). ``wait > 0`` blocks until a message arrives or the time passes.
         """
         queue = self._queue(topic, queue_id)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise InvalidMessageError(f"offset must be an int >= 0, got {offset!r}")
-        if not isinstance(max_count, int) or max_count < 1:
-            raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
+        validate.check_pull(offset, max_count, wait)
         wanted = tag_filter(tags)
         if self.read_only and offset >= queue.next_offset:
-            self._refresh_queue(queue, offset, wait)
-        offset = max(offset, queue.first_offset)
+            offset = self._refresh_queue(queue, offset, wait)
+        # Past the end, the end (as RocketMQ corrects an overflowing offset): else the
+        # caller would go on from there and skip the messages sent up to it.
+        offset = min(max(offset, queue.first_offset), queue.next_offset)
         if wait > 0 and offset >= queue.next_offset and not self.read_only:
             self._wait_for(queue, offset, wait)
         messages, offset = self._log.pull_run(queue, offset, max_count, wanted)
@@ -600,6 +601,7 @@ class MessageStore:
         """Messages of ``topic`` with ``key``, newest first."""
         self._topic(topic)
         validate.check_key(key)
+        validate.check_limit(limit)
         found: list[Message] = []
         for position in self._keys.positions(topic, key, limit):
             try:
@@ -613,8 +615,7 @@ class MessageStore:
     def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
         """The first offset stored at or after ``timestamp`` (binary search over the queue)."""
         queue = self._queue(topic, queue_id)
-        if isinstance(timestamp, dt.datetime):
-            timestamp = timestamp.timestamp()
+        timestamp = validate.check_timestamp(timestamp)
         lo, hi = queue.first_offset, queue.next_offset
         while lo < hi:
             mid = (lo + hi) // 2
@@ -646,13 +647,8 @@ class MessageStore:
 
     def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
         """Record that ``group`` consumed ``topic``/``queue_id`` up to ``offset`` (persisted)."""
-        if not isinstance(group, str) or not group or len(group.encode()) > _MAX_NAME:
-            raise InvalidMessageError(
-                f"group must be a non-empty str of at most 255 bytes: {group!r}"
-            )
-        self._queue(topic, queue_id)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise InvalidMessageError(f"offset must be an int >= 0, got {offset!r}")
+        self._check_writable()  # before the checks: a read-only handle's end may be stale
+        validate.check_commit(group, offset, self._queue(topic, queue_id).next_offset)
         with self._lock:
             self._check_writable()
             offsets = {g: {t: dict(qs) for t, qs in ts.items()} for g, ts in self._offsets.items()}
@@ -675,6 +671,7 @@ class MessageStore:
         """Delete completed message chunks past retention; returns how many were removed."""
         # Checkpoint first: queue entries are flushed lazily, and once the log before
         # them is gone, recovery could no longer rebuild them from it.
+        now = validate.check_now(now)
         self._check_writable()
         self._checkpoint(flush=True)
         return self._retain(now)
@@ -754,19 +751,21 @@ class MessageStore:
             return KeyIndex(Path(":memory:"))  # a store that never indexed a key
         return KeyIndex(path, read_only=True, immutable=not writer_running(self.path))
 
-    def _refresh_queue(self, queue: Queue, offset: int, wait: float) -> None:
+    def _refresh_queue(self, queue: Queue, offset: int, wait: float) -> int:
         """Read-only pulls poll the files (the writer is another process) until a
-        message past ``offset`` shows up or ``wait`` passes."""
+        message past ``offset`` (the queue's end at most) shows up or ``wait`` passes."""
         deadline = time.monotonic() + wait
+        queue.refresh()
+        offset = min(offset, queue.next_offset)  # past the end: wait for the next message
         while True:
-            queue.refresh()
             if offset < queue.next_offset:
                 self._messages.refresh()
-                return
+                return offset
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return
+                return offset
             time.sleep(min(remaining, 0.01))
+            queue.refresh()
 
     # --- checkpoints and the service thread ------------------------------------
 

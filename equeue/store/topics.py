@@ -12,10 +12,14 @@ messages forever (as far as this policy goes; the store-wide
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 from equeue.errors import ConfigError
+from equeue.store.validate import MAX_SPAN, check_span
+
+log = logging.getLogger("equeue.recovery")
 
 Cleanup = Literal["delete", "compact"]
 CLEANUPS: Final = ("delete", "compact")
@@ -40,8 +44,8 @@ class TopicPolicy:
         if self.cleanup not in CLEANUPS:
             raise ConfigError(f"cleanup={self.cleanup!r}; it must be 'delete' or 'compact'")
         if self.retention is not None:
-            _check_span("retention", self.retention)
-        _check_span("delete_retention", self.delete_retention, allow_zero=True)
+            check_span("retention", self.retention)
+        check_span("delete_retention", self.delete_retention, allow_zero=True)
 
     @property
     def compact(self) -> bool:
@@ -70,9 +74,12 @@ class TopicPolicy:
         }
 
     @classmethod
-    def from_json(cls, info: dict[str, Any], where: str) -> TopicPolicy:
+    def from_json(
+        cls, info: dict[str, Any], where: str, problems: list[str] | None = None
+    ) -> TopicPolicy:
         """The policy of a topics.json entry; entries written before policies existed
-        (no "cleanup" field) get the defaults."""
+        (no "cleanup" field) get the defaults. A span longer than MAX_SPAN (older versions
+        accepted up to timedelta.max) is read as MAX_SPAN, and that is added to ``problems``."""
         try:
             retention = info.get("retention_seconds")
             delete_retention = info.get(
@@ -80,15 +87,27 @@ class TopicPolicy:
             )
             return cls(
                 cleanup=info.get("cleanup", "delete"),
-                retention=None if retention is None else dt.timedelta(seconds=float(retention)),
-                delete_retention=dt.timedelta(seconds=float(delete_retention)),
+                retention=None
+                if retention is None
+                else _span("retention", retention, info, where, problems),
+                delete_retention=_span("delete_retention", delete_retention, info, where, problems),
             )
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"unreadable topic policy in {where}: {info!r} ({exc})") from exc
 
 
-def _check_span(name: str, value: object, *, allow_zero: bool = False) -> None:
-    if not isinstance(value, dt.timedelta):
-        raise ConfigError(f"{name} must be a datetime.timedelta, got {type(value).__name__}")
-    if value < dt.timedelta(0) or (value == dt.timedelta(0) and not allow_zero):
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
+def _span(
+    name: str, seconds: object, info: dict[str, Any], where: str, problems: list[str] | None
+) -> dt.timedelta:
+    value = float(seconds)  # type: ignore[arg-type]
+    if not value > MAX_SPAN.total_seconds():  # (NaN is refused by timedelta below)
+        return dt.timedelta(seconds=value)
+    problem = (
+        f"topic policy {info!r} in {where}: {name} of {value:g} seconds is longer than the "
+        f"longest accepted ({MAX_SPAN.days} days); it is read as {MAX_SPAN.days} days "
+        "(create_topic() with a new value rewrites it)"
+    )
+    log.warning("%s", problem)
+    if problems is not None:
+        problems.append(problem)
+    return MAX_SPAN
