@@ -488,16 +488,8 @@ class MessageStore:
         items = validate.check_messages(messages)
 
         def check(message: object) -> Checked:
-            if isinstance(message, bytes | bytearray | memoryview):
-                message = OutgoingMessage(bytes(message))
-            elif isinstance(message, dict):
-                message = OutgoingMessage(**message)
-            elif not isinstance(message, OutgoingMessage):
-                raise InvalidTypeError(
-                    f"send_batch takes bytes, OutgoingMessage or dict items, got "
-                    f"{type(message).__name__}"
-                )
-            return validate.check_message(self.config, topic, count, *message)
+            fields = validate.outgoing(message)
+            return validate.check_message(self.config, topic, count, *fields)
 
         fast = speedups.SPEEDUPS
         if fast is None:
@@ -657,6 +649,7 @@ class MessageStore:
             self._offsets = offsets
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
+        validate.check_names(group, topic, queue_id)
         return self._offsets.get(group, {}).get(topic, {}).get(str(queue_id))
 
     def consumer_groups(self) -> dict[str, dict[str, dict[int, int]]]:

@@ -25,6 +25,7 @@ from equeue.format.message import (
     encode_properties,
     tag_hash,
 )
+from equeue.store.types import OutgoingMessage
 
 if TYPE_CHECKING:
     from equeue.store.config import StoreConfig
@@ -332,3 +333,33 @@ def check_open(path: object, config: object, read_only: object) -> Path:
                 )
             break
     return result
+
+
+def check_names(group: object, topic: object, queue_id: object) -> None:
+    """committed_offset's lookup keys: of the types commit_offset stores."""
+    for name, value, kind in (
+        ("group", group, str),
+        ("topic", topic, str),
+        ("queue_id", queue_id, int),
+    ):
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise InvalidTypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+
+
+def outgoing(message: object) -> OutgoingMessage:
+    """A send_batch item as an OutgoingMessage (its fields are checked by check_message)."""
+    if isinstance(message, OutgoingMessage):
+        return message
+    if isinstance(message, bytes | bytearray | memoryview):
+        return OutgoingMessage(bytes(message))
+    if not isinstance(message, dict):
+        raise InvalidTypeError(
+            f"send_batch takes bytes, OutgoingMessage or dict items, got {type(message).__name__}"
+        )
+    try:
+        return OutgoingMessage(**message)
+    except TypeError as exc:  # a missing body, an unknown field, a key that is no str
+        raise InvalidTypeError(
+            f"a send_batch dict item must have the fields of OutgoingMessage "
+            f"({', '.join(OutgoingMessage._fields)}; body required): {exc}"
+        ) from None
