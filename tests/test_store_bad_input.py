@@ -27,6 +27,7 @@ from equeue.errors import (
     MessageTooLargeError,
     NotAStoreError,
     QueueNotFoundError,
+    StoreWriteError,
     TopicNotFoundError,
 )
 from equeue.store.topics import TopicPolicy
@@ -546,6 +547,8 @@ def test_open_not_a_store_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         (regular / "below", NotAStoreError, "not a directory"),
         ("", NotAStoreError, "empty"),
         ("a\0b", NotAStoreError, "NUL"),
+        ("\ud800", NotAStoreError, "not encodable"),  # (found by tests/test_store_fuzz.py)
+        ("a" * 300, NotAStoreError, "File name too long"),
         (5, InvalidTypeError, "int"),
         (None, InvalidTypeError, "NoneType"),
         (b"store", InvalidTypeError, "bytes"),
@@ -559,6 +562,8 @@ def test_open_not_a_store_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         MessageStore.open(tmp_path / "s", {"chunk_data_size": 4096})  # type: ignore[arg-type]
     with pytest.raises(InvalidTypeError, match="read_only"):
         MessageStore.open(tmp_path / "s", CONFIG, read_only="no")  # type: ignore[arg-type]
+    with pytest.raises(StoreWriteError, match="cannot create the store directory /proc/"):
+        MessageStore.open("/proc/no-such-process/store", CONFIG)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing created
     assert regular.read_bytes() == b"not a store"
     MessageStore.open("s", CONFIG).close()  # the control: a relative path

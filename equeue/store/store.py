@@ -114,7 +114,7 @@ class MessageStore:
         self._meta_problems: list[str] = []
         self._lock_file = None
         if not read_only:
-            path.mkdir(parents=True, exist_ok=True)
+            validate.make_store_dir(path)
             self._lock_file = take_lock(path)
         try:
             self.store_id, self.config = open_identity(path, config, create=not read_only)

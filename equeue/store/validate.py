@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import math
 import os
 import re
@@ -12,11 +13,13 @@ from typing import TYPE_CHECKING
 
 from equeue.errors import (
     ConfigError,
+    DiskFullError,
     InvalidMessageError,
     InvalidTypeError,
     MessageTooLargeError,
     NotAStoreError,
     QueueNotFoundError,
+    StoreWriteError,
 )
 from equeue.format.chunk import FRAME_OVERHEAD
 from equeue.format.message import (
@@ -322,17 +325,35 @@ def check_open(path: object, config: object, read_only: object) -> Path:
         )
     if "\0" in name:
         raise NotAStoreError(f"the store path {name!r} holds a NUL character")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError as exc:
+        raise NotAStoreError(f"the store path {name!r} is not encodable: {exc.reason}") from None
     result = Path(name)
-    for at in (result, *result.parents):  # the nearest that exists must be a directory
-        if at.exists() or at.is_symlink():
-            if not at.is_dir():
-                raise NotAStoreError(
-                    f"{name} is not an equeue store: {at} is not a directory"
-                    if at != result
-                    else f"{name} is not an equeue store: it is not a directory"
-                )
-            break
+    try:
+        for at in (result, *result.parents):  # the nearest that exists must be a directory
+            if at.exists() or at.is_symlink():
+                if not at.is_dir():
+                    raise NotAStoreError(
+                        f"{name} is not an equeue store: {at} is not a directory"
+                        if at != result
+                        else f"{name} is not an equeue store: it is not a directory"
+                    )
+                break
+    except OSError as exc:  # e.g. a name too long, no permission to look
+        if isinstance(exc, NotAStoreError):
+            raise
+        raise NotAStoreError(f"{name} cannot be a store directory: {exc}") from None
     return result
+
+
+def make_store_dir(path: Path) -> None:
+    """Create a writable open's directory; failing, a StoreWriteError (DiskFullError)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        error = DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT) else StoreWriteError
+        raise error(exc.errno, f"cannot create the store directory {path}: {exc}") from None
 
 
 def check_names(group: object, topic: object, queue_id: object) -> None:
