@@ -172,7 +172,8 @@ def files(path: Path) -> dict[str, bytes | None]:
 
 
 @pytest.fixture
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MessageStore]:
+def stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[MessageStore]]:
+    """The writer, and a read-only handle beside it."""
     scratch = tmp_path / "scratch"  # where open() of a junk relative path lands
     scratch.mkdir()
     monkeypatch.chdir(scratch)
@@ -181,7 +182,8 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MessageSt
         for i in range(40):
             s.send("t", b"m%d" % i * 10, tag="g", key=f"k{i % 3}", queue_id=i % 2)
         s.commit_offset("g", "t", 0, 3)
-        yield s
+        with MessageStore.open(tmp_path / "store", read_only=True) as reader:
+            yield [s, reader]
 
 
 def call(store: MessageStore, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -201,22 +203,25 @@ def call(store: MessageStore, name: str, args: tuple[Any, ...], kwargs: dict[str
         HealthCheck.data_too_large,
     ],
 )
-@given(st.lists(calls, min_size=1, max_size=4))
-def test_junk_arguments(store: MessageStore, sequence: list[Any]) -> None:
-    for name, args, kwargs in sequence:
+@given(st.lists(st.tuples(calls, st.sampled_from([0, 0, 1])), min_size=1, max_size=4))
+def test_junk_arguments(stores: list[MessageStore], sequence: list[Any]) -> None:
+    store = stores[0]
+    for (name, args, kwargs), handle in sequence:
         before = files(store.path)
         try:
-            call(store, name, args, kwargs)
+            call(stores[handle], name, args, kwargs)
         except EQueueError:
             assert files(store.path) == before, f"a rejected {name}{args!r} {kwargs!r} wrote"
         except Exception as exc:
-            pytest.fail(f"{name}{args!r} {kwargs!r} raised {exc!r}")
+            which = "the read-only handle's " if handle else ""
+            pytest.fail(f"{which}{name}{args!r} {kwargs!r} raised {exc!r}")
     store.flush()
     assert verify_store(store.path) == []
 
 
-def test_junk_run_ends_clean(store: MessageStore) -> None:
+def test_junk_run_ends_clean(stores: list[MessageStore]) -> None:
     """The control: the store the fuzz test starts from verifies clean and reads back."""
-    store.flush()
-    assert verify_store(store.path) == []
-    assert len(store.pull("t", 0, 0, max_count=100).messages) == 20
+    stores[0].flush()
+    assert verify_store(stores[0].path) == []
+    for store in stores:
+        assert len(store.pull("t", 0, 0, max_count=100).messages) == 20

@@ -416,7 +416,7 @@ class MessageStore:
 
     def _topic(self, topic: str) -> list[Queue]:
         queues = self._queues.get(topic) if isinstance(topic, str) else None
-        if queues is None and self.read_only:
+        if queues is None and self.read_only and isinstance(topic, str):
             self._load_topics()  # the writer may have created it since
             queues = self._queues.get(topic)
         if queues is None:
