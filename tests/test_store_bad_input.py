@@ -626,6 +626,8 @@ def test_topics_json_with_too_long_retention(tmp_path: Path, read_only: bool) ->
         assert all("topics.json" in p and "36500 days" in p for p in problems), problems
         assert "retention of 8.64e+13 seconds" in problems[0], problems
         assert [m.body for m in store.pull("t", 0, 0).messages] == [b"kept"]
+        store.refresh()  # reads topics.json again: reported once
+        assert len(store.recovery.problems) == 2 and len(store._meta_problems) == 2
         if not read_only:
             store.create_topic("t", retention=dt.timedelta(days=2))  # rewrites it
     if not read_only:

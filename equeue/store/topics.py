@@ -107,7 +107,8 @@ def _span(
         f"longest accepted ({MAX_SPAN.days} days); it is read as {MAX_SPAN.days} days "
         "(create_topic() with a new value rewrites it)"
     )
-    log.warning("%s", problem)
-    if problems is not None:
-        problems.append(problem)
+    if problems is None or problem not in problems:  # (a read-only handle rereads the file)
+        log.warning("%s", problem)
+        if problems is not None:
+            problems.append(problem)
     return MAX_SPAN
