@@ -207,6 +207,45 @@ def test_same_errors(
     assert seen[0] == seen[1]
 
 
+BAD_BATCHES: list[Any] = [
+    None,
+    5,
+    b"ab",
+    "ab",
+    {"body": b"x"},
+    [b"ok", None],
+    [b"ok", {}],  # no body
+    [b"ok", {"body": b"x", "colour": "red"}],
+    [b"ok", {1: b"x"}],
+    [b"ok", {"body": b"x", "tag": 5}],
+    [b"ok", ("t",)],
+    [b"ok", OutgoingMessage(b"x", key="\ud800")],
+]
+
+
+@needs_c
+def test_same_errors_for_bad_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """send_batch with a messages argument or an item of the wrong kind: check_batch in
+    C and the Python loop raise the same equeue error, and nothing is written."""
+    seen: dict[str, list[tuple[str, str]]] = {}
+    for kind in ("c", "python"):
+        with monkeypatch.context() as m:
+            if kind == "python":
+                m.setattr(speedups, "SPEEDUPS", None)
+            with MessageStore.open(tmp_path / kind, CONFIG) as store:
+                store.create_topic("t", 3)
+                before = data_areas(tmp_path / kind)
+                for batch in BAD_BATCHES:
+                    with pytest.raises(EQueueError) as caught:
+                        store.send_batch("t", batch)
+                    seen.setdefault(kind, []).append(
+                        (type(caught.value).__name__, str(caught.value))
+                    )
+                assert data_areas(tmp_path / kind) == before
+                assert len(store.send_batch("t", [b"ok", {"body": b"x"}])) == 2  # the control
+    assert seen["c"] == seen["python"]
+
+
 @pytest.mark.usefixtures("code_path")
 def test_damaged_record_reported(tmp_path: Path) -> None:
     """A damaged record in a completed chunk: the C decoder hands it to the Python path,

@@ -6,6 +6,9 @@ of every chunk file, topics and offsets) and the store must go on working.
 
 from __future__ import annotations
 
+import datetime as dt
+import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,17 +17,23 @@ import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue.atomicfile import read_json, write_json
 from equeue.errors import (
     ClosedError,
+    ConfigError,
     EQueueError,
     InvalidMessageError,
     InvalidTypeError,
     MessageTooLargeError,
+    NotAStoreError,
     QueueNotFoundError,
+    StoreWriteError,
     TopicNotFoundError,
 )
+from equeue.store.topics import TopicPolicy
 
 MAX_MESSAGE = 2000
+MAX_SPAN = dt.timedelta(days=36_500)  # the longest retention (docs/compaction.md)
 CONFIG = StoreConfig(
     chunk_data_size=4096,
     queue_chunk_records=400,
@@ -32,6 +41,8 @@ CONFIG = StoreConfig(
     max_message_size=MAX_MESSAGE,
 )
 BUILTIN: dict[type[Exception], type[Exception]] = {
+    ConfigError: ValueError,
+    NotAStoreError: FileNotFoundError,
     InvalidMessageError: ValueError,
     MessageTooLargeError: ValueError,
     InvalidTypeError: TypeError,
@@ -49,7 +60,8 @@ def store(tmp_path: Path) -> Iterator[MessageStore]:
     with MessageStore.open(tmp_path / "store", CONFIG) as s:
         s.create_topic("t")
         for i in range(30):
-            s.send("t", b"m%d" % i * 20, tag="g", key=f"k{i % 4}", properties={"i": str(i)})
+            body, key = b"m%d" % i * 20, f"k{i % 4}"
+            s.send("t", body, tag="g", key=key, properties={"i": str(i)}, queue_id=i % 4)
         s.commit_offset("g", "t", 0, 2)
         yield s
 
@@ -331,6 +343,17 @@ def test_send_batch_bad_message_late_in_a_long_batch(store: MessageStore) -> Non
         pytest.param({"max_count": "5"}, InvalidMessageError, ["max_count"], id="max-count-str"),
         pytest.param({"tags": [1]}, InvalidTypeError, ["tags", "int"], id="tags-int"),
         pytest.param({"tags": ["a", None]}, InvalidTypeError, ["tags"], id="tags-none"),
+        pytest.param({"tags": 5}, InvalidTypeError, ["tags", "iterable"], id="tags-int-alone"),
+        pytest.param({"tags": b"g"}, InvalidTypeError, ["tags", "bytes"], id="tags-bytes"),
+        pytest.param({"tags": ["\ud800"]}, InvalidMessageError, ["UTF-8"], id="tags-surrogate"),
+        pytest.param({"wait": "1"}, InvalidTypeError, ["wait", "str"], id="wait-str"),
+        pytest.param({"wait": None}, InvalidTypeError, ["wait"], id="wait-none"),
+        pytest.param({"wait": 1e300}, InvalidMessageError, ["wait", "86400"], id="wait-huge"),
+        pytest.param({"wait": 2**70}, InvalidMessageError, ["wait", "86400"], id="wait-huge-int"),
+        pytest.param({"wait": -1}, InvalidMessageError, ["wait", "[0,"], id="wait-negative"),
+        pytest.param({"wait": math.nan}, InvalidMessageError, ["wait", "finite"], id="wait-nan"),
+        pytest.param({"wait": math.inf}, InvalidMessageError, ["wait", "finite"], id="wait-inf"),
+        pytest.param({"topic": ["t"]}, InvalidTypeError, ["topic", "list"], id="topic-list"),
     ],
 )
 def test_bad_pull(
@@ -354,6 +377,12 @@ def test_bad_pull(
         pytest.param({"queue_id": 9}, QueueNotFoundError, ["0..3"], id="queue-9"),
         pytest.param({"offset": -5}, InvalidMessageError, ["offset", "-5"], id="offset-negative"),
         pytest.param({"offset": 1.5}, InvalidMessageError, ["offset"], id="offset-float"),
+        pytest.param({"group": "\ud800"}, InvalidMessageError, ["UTF-8"], id="group-surrogate"),
+        pytest.param({"group": ["g"]}, InvalidMessageError, ["group"], id="group-list"),
+        pytest.param({"topic": ["t"]}, InvalidTypeError, ["topic"], id="topic-list"),
+        pytest.param(
+            {"offset": 10**6}, InvalidMessageError, ["past the queue's end", "[0, "], id="past-end"
+        ),
     ],
 )
 def test_bad_commit_offset(
@@ -375,17 +404,46 @@ def test_bad_commit_offset(
         pytest.param({"queue_count": 0}, InvalidMessageError, ["[1, 1024]"], id="count-0"),
         pytest.param({"queue_count": 1025}, InvalidMessageError, ["[1, 1024]"], id="count-1025"),
         pytest.param({"queue_count": "2"}, InvalidTypeError, ["queue_count"], id="count-str"),
+        pytest.param(
+            {"retention": dt.timedelta.max},
+            ConfigError,
+            ["retention", "(0, 36500 days]"],
+            id="retention-max",
+        ),
+        pytest.param(
+            {"retention": MAX_SPAN + dt.timedelta(microseconds=1)},
+            ConfigError,
+            ["retention", "36500 days"],
+            id="retention-just-over",
+        ),
+        pytest.param(
+            {"delete_retention": dt.timedelta.max},
+            ConfigError,
+            ["delete_retention", "[0, 36500 days]"],
+            id="delete-retention-max",
+        ),
+        pytest.param(
+            {"retention": dt.timedelta(0)}, ConfigError, ["retention", "(0, "], id="retention-0"
+        ),
+        pytest.param({"retention": 5}, ConfigError, ["retention", "timedelta"], id="retention-int"),
     ],
 )
 def test_bad_create_topic(
     store: MessageStore, arguments: dict[str, Any], expected: type[Exception], fragments: list[str]
 ) -> None:
     before = snapshot(store)
-    call = {"topic": "new", "queue_count": 2, **arguments}
-    with pytest.raises(Exception) as info:
-        store.create_topic(**call)
-    check_error(info.value, expected, fragments)
-    still_works(store, before)
+    for topic in ("new", "t"):  # a new topic, and a change to an existing one
+        call = {"topic": topic, "queue_count": 4, **arguments}
+        with pytest.raises(Exception) as info:
+            store.create_topic(**call)
+        check_error(info.value, expected, fragments)
+        still_works(store, before)
+        before = snapshot(store)
+    path = store.path
+    store.close()
+    with MessageStore.open(path, CONFIG) as again:  # (a timedelta.max made this fail)
+        assert again.topic_policy("t") == TopicPolicy()
+        assert again.recovery.problems == []
 
 
 def test_bad_query_by_key(store: MessageStore) -> None:
@@ -396,7 +454,229 @@ def test_bad_query_by_key(store: MessageStore) -> None:
         store.query_by_key("t", 5)  # type: ignore[arg-type]
     with pytest.raises(TopicNotFoundError):
         store.query_by_key("nope", "k")
+    for limit, expected, fragment in [
+        (2.5, InvalidTypeError, "float"),
+        (True, InvalidTypeError, "bool"),
+        ("3", InvalidTypeError, "str"),
+        (2**70, InvalidMessageError, "[1, 2147483647]"),
+        (0, InvalidMessageError, "[1, 2147483647]"),
+        (-1, InvalidMessageError, "[1, 2147483647]"),  # (SQLite's "no limit")
+    ]:
+        with pytest.raises(Exception) as info:
+            store.query_by_key("t", "k1", limit=limit)  # type: ignore[arg-type]
+        check_error(info.value, expected, ["limit", fragment])
+    assert len(store.query_by_key("t", "k1", limit=3)) == 3  # the control
     still_works(store, before)
+
+
+@pytest.mark.parametrize(
+    ("timestamp", "expected", "fragments"),
+    [
+        pytest.param("now", InvalidTypeError, ["timestamp", "str"], id="str"),
+        pytest.param(None, InvalidTypeError, ["timestamp", "NoneType"], id="none"),
+        pytest.param(True, InvalidTypeError, ["timestamp", "bool"], id="bool"),
+        pytest.param(math.nan, InvalidMessageError, ["timestamp", "finite"], id="nan"),
+    ],
+)
+def test_bad_offset_for_time(
+    store: MessageStore, timestamp: Any, expected: type[Exception], fragments: list[str]
+) -> None:
+    before = snapshot(store)
+    with pytest.raises(Exception) as info:
+        store.offset_for_time("t", 0, timestamp)
+    check_error(info.value, expected, fragments)
+    assert store.offset_for_time("t", 0, 0) == 0  # the controls
+    assert store.offset_for_time("t", 0, 2**70) == store.queue_range("t", 0)[1]
+    assert store.offset_for_time("t", 0, dt.datetime.now(dt.UTC)) == store.queue_range("t", 0)[1]
+    still_works(store, before)
+
+
+@pytest.mark.parametrize(
+    ("now", "expected", "fragments"),
+    [
+        pytest.param(math.nan, InvalidMessageError, ["now", "finite"], id="nan"),
+        pytest.param(math.inf, InvalidMessageError, ["now", "finite"], id="inf"),
+        pytest.param(1e300, InvalidMessageError, ["now", "out of range"], id="huge"),
+        pytest.param(-1.0, InvalidMessageError, ["now", "out of range"], id="negative"),
+        pytest.param("now", InvalidTypeError, ["now", "str"], id="str"),
+    ],
+)
+def test_bad_apply_retention(
+    tmp_path: Path, now: Any, expected: type[Exception], fragments: list[str]
+) -> None:
+    config = StoreConfig(
+        chunk_data_size=4096, queue_chunk_records=400, retention=dt.timedelta(seconds=1)
+    )
+    with MessageStore.open(tmp_path / "store", config) as store:
+        for i in range(60):  # several chunks, all past retention for a later now
+            store.send("t", b"m%d" % i * 30, queue_id=0)
+        store.commit_offset("g", "t", 0, 1)
+        before = snapshot(store)
+        with pytest.raises(Exception) as info:
+            store.apply_retention(now=now)
+        check_error(info.value, expected, fragments)
+        assert snapshot(store) == before
+        assert store.apply_retention(now=4e9) > 0  # the control: a valid now removes chunks
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        pytest.param(None, "NoneType", id="none"),
+        pytest.param(5, "int", id="int"),
+        pytest.param(b"abc", "bytes", id="bytes"),
+        pytest.param({"body": b"x"}, "dict", id="one-dict"),
+    ],
+)
+def test_send_batch_not_iterable(store: MessageStore, messages: Any, fragment: str) -> None:
+    before = snapshot(store)
+    with pytest.raises(Exception) as info:
+        store.send_batch("t", messages)
+    check_error(info.value, InvalidTypeError, ["send_batch", fragment])
+    assert snapshot(store) == before
+    assert len(store.send_batch("t", iter([b"a", b"b"]))) == 2  # the control: any iterable
+
+
+def test_open_not_a_store_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    regular = tmp_path / "file"
+    regular.write_bytes(b"not a store")
+    monkeypatch.chdir(tmp_path)
+    cases: list[tuple[Any, type[Exception], str]] = [
+        (regular, NotAStoreError, "not a directory"),
+        (str(regular), NotAStoreError, "not a directory"),
+        (regular / "below", NotAStoreError, "not a directory"),
+        ("", NotAStoreError, "empty"),
+        ("a\0b", NotAStoreError, "NUL"),
+        ("\ud800", NotAStoreError, "not encodable"),  # (found by tests/test_store_fuzz.py)
+        ("a" * 300, NotAStoreError, "File name too long"),
+        (5, InvalidTypeError, "int"),
+        (None, InvalidTypeError, "NoneType"),
+        (b"store", InvalidTypeError, "bytes"),
+    ]
+    for read_only in (False, True):
+        for path, expected, fragment in cases:
+            with pytest.raises(Exception) as info:
+                MessageStore.open(path, CONFIG, read_only=read_only)
+            check_error(info.value, expected, [fragment])
+    with pytest.raises(InvalidTypeError, match="config"):
+        MessageStore.open(tmp_path / "s", {"chunk_data_size": 4096})  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="read_only"):
+        MessageStore.open(tmp_path / "s", CONFIG, read_only="no")  # type: ignore[arg-type]
+    with pytest.raises(StoreWriteError, match="cannot create the store directory /proc/"):
+        MessageStore.open("/proc/no-such-process/store", CONFIG)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing created
+    assert regular.read_bytes() == b"not a store"
+    MessageStore.open("s", CONFIG).close()  # the control: a relative path
+    assert (tmp_path / "s" / "store.json").is_file()
+
+
+def test_commit_offset_up_to_the_queue_end(store: MessageStore) -> None:
+    end = store.queue_range("t", 1)[1]
+    store.commit_offset("g", "t", 1, end)  # the end itself: everything consumed
+    assert store.committed_offset("g", "t", 1) == end
+    before = snapshot(store)
+    with pytest.raises(InvalidMessageError, match=rf"\[0, {end}\]"):
+        store.commit_offset("g", "t", 1, end + 1)
+    still_works(store, before)
+    assert store.committed_offset("g", "t", 1) == end
+
+
+# --- retention settings out of range ---------------------------------------------------
+
+
+def test_store_config_retention_range() -> None:
+    from equeue.store import validate
+
+    assert validate.MAX_SPAN == MAX_SPAN
+    for bad in (dt.timedelta.max, MAX_SPAN + dt.timedelta(seconds=1), dt.timedelta(0)):
+        with pytest.raises(ConfigError, match=r"StoreConfig\.retention=.*36500 days"):
+            StoreConfig(retention=bad)
+    assert StoreConfig(retention=MAX_SPAN).retention == MAX_SPAN
+
+
+def test_longest_retention_survives_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 1, retention=MAX_SPAN, delete_retention=MAX_SPAN)
+        store.create_topic("u", 1, retention=MAX_SPAN - dt.timedelta(microseconds=1))
+    with MessageStore.open(path, CONFIG) as store:
+        assert store.topic_policy("t") == TopicPolicy("delete", MAX_SPAN, MAX_SPAN)
+        assert store.topic_policy("u").retention == MAX_SPAN - dt.timedelta(microseconds=1)
+        assert store.recovery.problems == []
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_topics_json_with_too_long_retention(tmp_path: Path, read_only: bool) -> None:
+    """A topics.json an older version wrote with retention=timedelta.max (or inf): the
+    store opens, the span is read as the longest accepted, and the open reports it."""
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 2, retention=dt.timedelta(days=1))
+        store.create_topic("u", 2)
+        store.send("t", b"kept", queue_id=0)
+    topics = read_json(path / "topics.json")
+    topics["t"]["retention_seconds"] = dt.timedelta.max.total_seconds()  # 8.64e13
+    topics["t"]["delete_retention_seconds"] = math.inf
+    write_json(path / "topics.json", topics)  # a valid checksum: what the old version wrote
+    with MessageStore.open(path, CONFIG, read_only=read_only) as store:
+        assert store.topic_policy("t") == TopicPolicy("delete", MAX_SPAN, MAX_SPAN)
+        assert store.topic_policy("u") == TopicPolicy()  # the control
+        problems = store.recovery.problems
+        assert len(problems) == 2, problems
+        assert all("topics.json" in p and "36500 days" in p for p in problems), problems
+        assert "retention of 8.64e+13 seconds" in problems[0], problems
+        assert [m.body for m in store.pull("t", 0, 0).messages] == [b"kept"]
+        store.refresh()  # reads topics.json again: reported once
+        assert len(store.recovery.problems) == 2 and len(store._meta_problems) == 2
+        if not read_only:
+            store.create_topic("t", retention=dt.timedelta(days=2))  # rewrites it
+    if not read_only:
+        with MessageStore.open(path, CONFIG) as store:
+            assert store.topic_policy("t") == TopicPolicy("delete", dt.timedelta(days=2), MAX_SPAN)
+            assert store.recovery.problems == []  # written back as the clamped value
+
+
+# --- pulls past the end -----------------------------------------------------------------
+
+
+def test_pull_past_the_end_returns_the_end(store: MessageStore) -> None:
+    end = store.queue_range("t", 2)[1]
+    for offset in (end, end + 1, end + 10**6, 2**70):
+        result = store.pull("t", 2, offset)
+        assert (result.messages, result.next_offset) == ([], end)
+        result = store.pull("t", 2, offset, tags=["g"])
+        assert (result.messages, result.next_offset) == ([], end)
+    held = store.pull("t", 2, end + 5).next_offset  # a consumer goes on from here
+    sent = store.send("t", b"next", queue_id=2)
+    assert sent.queue_offset == end
+    result = store.pull("t", 2, held)
+    assert [m.body for m in result.messages] == [b"next"]
+    assert result.next_offset == end + 1
+    # The control: from inside the queue, as before.
+    assert store.pull("t", 2, end - 1, max_count=1).next_offset == end
+
+
+@pytest.mark.parametrize("wait", [0.0, 10.0])
+def test_read_only_pull_past_the_end(store: MessageStore, wait: float) -> None:
+    end = store.queue_range("t", 3)[1]
+    with MessageStore.open(store.path, read_only=True) as reader:
+        result = reader.pull("t", 3, end + 1000)
+        assert (result.messages, result.next_offset) == ([], end)
+        sender = threading.Timer(0.2, lambda: store.send("t", b"later", queue_id=3))
+        sender.start()
+        try:
+            if wait:  # waits past the end see the writer's next message
+                result = reader.pull("t", 3, end + 1000, wait=wait)
+            else:
+                sender.join()
+                store.flush()
+                result = reader.pull("t", 3, end + 1000)
+                assert (result.messages, result.next_offset) == ([], end + 1)
+                result = reader.pull("t", 3, end)
+        finally:
+            sender.join()
+        assert [m.body for m in result.messages] == [b"later"]
+        assert result.next_offset == end + 1
 
 
 def test_closed_store_refuses_writes(tmp_path: Path) -> None:

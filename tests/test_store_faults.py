@@ -1050,3 +1050,82 @@ def test_real_file_size_limit(tmp_path: Path) -> None:
     assert out["after"] == "after the limit was lifted", out
     assert out["clean"], out["report"]
     assert out["reopened_as_acked"], out
+
+
+KEY_INDEX_CHILD = r"""
+import json, resource, signal, sys
+from pathlib import Path
+from equeue import MessageStore, StoreConfig
+from equeue.inspect.verify import verify_store
+
+path, limited = Path(sys.argv[1]), sys.argv[2] == "limited"
+config = StoreConfig(
+    chunk_data_size=4096, queue_chunk_records=342, default_queue_count=1, flush="os",
+    key_index_batch=1_000_000,  # keys are written by flush() only
+)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the limit, writes fail with EFBIG
+store = MessageStore.open(path, config)
+store.create_topic("t", 1)
+keys = []
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+if limited:
+    try:  # chunk files (4352 bytes) fit; the key index's WAL soon does not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, hard))
+    except (ValueError, OSError) as exc:
+        print(json.dumps({"skip": f"cannot set RLIMIT_FSIZE: {exc}"}))
+        sys.exit(0)
+failure = None
+for batch in range(100):
+    for i in range(8):
+        keys.append(f"key-{len(keys):05d}-" + "x" * 200)
+        store.send("t", b"v", key=keys[-1], queue_id=0)
+    try:
+        store.flush()
+    except Exception as exc:
+        failure = {
+            "classes": [c.__name__ for c in type(exc).__mro__],
+            "errno": getattr(exc, "errno", None),
+            "message": str(exc),
+        }
+        break
+out = {"failure": failure, "flushes": batch + 1}
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space is freed
+store.flush()
+out["found"] = all(len(store.query_by_key("t", k)) == 1 for k in keys)
+store.close()
+with MessageStore.open(path, config) as store:
+    out["reopened"] = all(len(store.query_by_key("t", k)) == 1 for k in keys)
+    out["clean"] = store.recovery.clean
+out["problems"] = [str(p) for p in verify_store(path)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("limited", [True, False], ids=["limited", "control"])
+def test_key_index_file_size_limit(tmp_path: Path, limited: bool) -> None:
+    """RLIMIT_FSIZE hit by the key index's WAL, in a child process: flush() raises
+    DiskFullError (EFBIG) naming keys.sqlite and what to do, not an I/O error; once the
+    limit is lifted the next flush writes every key. The control never fails."""
+    store = tmp_path / "store"
+    run = subprocess.run(
+        [sys.executable, "-c", KEY_INDEX_CHILD, str(store), "limited" if limited else "none"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert out["found"] and out["reopened"] and out["clean"], out
+    assert out["problems"] == [], out
+    failure = out["failure"]
+    if not limited:
+        assert failure is None and out["flushes"] == 100, out
+        return
+    assert failure is not None, "800 keys of 200 bytes fit a 64 KiB key index"
+    assert "DiskFullError" in failure["classes"], failure
+    assert failure["errno"] == errno.EFBIG, failure
+    assert str(store / "keys.sqlite") in failure["message"], failure
+    assert "ulimit -f" in failure["message"], failure

@@ -262,7 +262,7 @@ CRAFTED: list[tuple[str, object]] = [
     *[("t2", {"queue_count": count}) for count in (100_000, 2000, 0, -1, "3", True, None)],
     ("t2", {"queue_count": 1, "cleanup": "bogus"}),
     ("t2", {"queue_count": 1, "retention_seconds": -5}),
-    ("t2", {"queue_count": 1, "retention_seconds": 1e300}),
+    ("t2", {"queue_count": 1, "retention_seconds": "ten"}),  # 1e300: clamped (item 13)
     ("t2", "not an object"),
 ]
 

@@ -28,6 +28,7 @@ from hypothesis.stateful import (
 )
 
 from equeue import Message, MessageStore, OutgoingMessage, SendResult, StoreConfig
+from equeue.errors import InvalidMessageError
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ class StoreMachine(RuleBasedStateMachine):
         if len(expected) == max_count:
             assert result.next_offset == expected[-1] + 1
         else:
-            assert result.next_offset == max(offset, len(queue))
+            assert result.next_offset == len(queue)  # from past the end too: the end
 
     @rule(topic=st.sampled_from(TOPICS), queue_choice=st.integers(0, 100), pick=st.integers(0, 999))
     def get(self, topic: str, queue_choice: int, pick: int) -> None:
@@ -274,6 +275,13 @@ class StoreMachine(RuleBasedStateMachine):
     )
     def commit_offset(self, group: str, topic: str, queue_choice: int, offset: int) -> None:
         queue_id = self.queue_of(topic, queue_choice)
+        if offset > len(self.model[topic][queue_id]):  # past the queue's end: refused
+            with pytest.raises(InvalidMessageError, match="past the queue's end"):
+                self.s.commit_offset(group, topic, queue_id, offset)
+            assert self.s.committed_offset(group, topic, queue_id) == self.offsets.get(
+                (group, topic, queue_id)
+            )
+            return
         self.s.commit_offset(group, topic, queue_id, offset)
         self.offsets[(group, topic, queue_id)] = offset
         assert self.s.committed_offset(group, topic, queue_id) == offset

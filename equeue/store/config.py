@@ -8,6 +8,7 @@ from equeue.chunks.config import MiB, check_int
 from equeue.errors import ConfigError
 from equeue.format.chunk import MAX_CHUNK_DATA_SIZE, MIN_CHUNK_DATA_SIZE
 from equeue.format.message import QUEUE_RECORD_SIZE
+from equeue.store.validate import check_span
 
 FlushPolicy = Literal["sync", "async", "os"]
 
@@ -75,9 +76,7 @@ class StoreConfig:
         for name in ("auto_create_topics", "retention_respects_consumers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.retention is not None and (
-            not isinstance(self.retention, dt.timedelta) or self.retention <= dt.timedelta(0)
-        ):
-            raise ConfigError(f"retention must be a positive timedelta or None: {self.retention!r}")
+        if self.retention is not None:
+            check_span("StoreConfig.retention", self.retention)
         if self.max_store_bytes is not None:
             check_int("max_store_bytes", self.max_store_bytes, 1, 1 << 62)

@@ -85,7 +85,7 @@ def pull(
         if first is not None and not first.path.exists():
             follow_log(store)  # retention ran: start where the writer's pull would
     if offset >= queue.next_offset:
-        _wait_for_entries(store, queue, offset, wait)
+        offset = _wait_for_entries(store, queue, offset, wait)
     attempts = 1
     while True:
         try:
@@ -100,19 +100,24 @@ def pull(
             follow_log(store)
 
 
-def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: float) -> None:
+def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: float) -> int:
     """Poll the files (the writer is another process) until an entry past ``offset``
-    shows up or ``wait`` passes."""
+    (the queue's end at most: past it, the next message) shows up or ``wait`` passes;
+    returns the offset to read from."""
     deadline = time.monotonic() + wait
+    queue.refresh()
+    # Past the end, the end (as the writer's pull): else the caller would go on from
+    # there and skip the messages sent up to it.
+    offset = min(offset, queue.next_offset)
     while True:
-        queue.refresh()
         if offset < queue.next_offset:
             follow_log(store, queue)
-            return
+            return offset
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return
+            return offset
         time.sleep(min(remaining, 0.01))
+        queue.refresh()
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import sqlite3
 import threading
 import time
@@ -23,6 +24,8 @@ from equeue.store.meta import CHECKPOINT_FILE, move_to_recovered
 _SQLITE_FULL = 13  # the primary result code for "database or disk is full"
 _SQLITE_BUSY = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED: in use, not damaged
 _SIDE_FILES = ("-wal", "-shm")  # SQLite's, beside the database: they go with it
+# The most a write of SQLite can add to a file: a WAL frame of the largest page size.
+_LARGEST_WRITE = 65536 + 24
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (topic TEXT NOT NULL, key TEXT NOT NULL, position INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS keys_by_key ON keys (topic, key, position);
@@ -112,14 +115,30 @@ class KeyIndex:
             except sqlite3.Error as exc:
                 # Kept for the next commit, in order; _committing_from stays until one succeeds.
                 self._pending[:0] = batch
-                full = getattr(exc, "sqlite_errorcode", 0) & 0xFF == _SQLITE_FULL
-                code = errno.ENOSPC if full else errno.EIO
-                raise (DiskFullError if full else StoreWriteError)(
-                    code,
-                    f"writing the key index {self.path} failed: {exc} ({os.strerror(code)})",
-                ) from exc
+                raise self._write_error(exc) from exc
             self._committing_from = None
             self.indexed_position = end
+
+    def _write_error(self, exc: sqlite3.Error) -> StoreWriteError:
+        """The error for a failed write: DiskFullError when the disk is full (SQLITE_FULL,
+        or no free block) or a file of the index reached RLIMIT_FSIZE (SQLite reports
+        EFBIG as a plain I/O error: the sizes tell)."""
+        code = errno.EIO
+        if getattr(exc, "sqlite_errorcode", 0) & 0xFF == _SQLITE_FULL or _no_space(self.path):
+            code = errno.ENOSPC
+        elif _at_size_limit(self.path):
+            code = errno.EFBIG
+        if code == errno.EIO:
+            return StoreWriteError(
+                code, f"writing the key index {self.path} failed: {exc} ({os.strerror(code)})"
+            )
+        return DiskFullError(
+            code,
+            f"writing the key index {self.path} failed: {exc} ({os.strerror(code)}); free "
+            "space on its file system"
+            + (" or raise the file size limit (ulimit -f)" if code == errno.EFBIG else "")
+            + ": the keys are kept and the next flush or checkpoint writes them",
+        )
 
     def positions(self, topic: str, key: str, limit: int) -> list[int]:
         """Newest first."""
@@ -140,21 +159,29 @@ class KeyIndex:
     def forget_from(self, position: int) -> None:
         """Recovery: drop rows at or after ``position`` (committed early by a query, or
         pointing past a cut in the log); they are re-indexed from the log."""
-        with self._lock, self._db:
+        with self._lock:
             self._pending = []
             self._committing_from = None
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM keys WHERE position >= ?", (position,))
-            self._db.execute(
-                "INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (position,)
+            self._write(
+                ("DELETE FROM keys WHERE position >= ?", (position,)),
+                ("INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (position,)),
             )
         self.indexed_position = position
 
     def forget_below(self, position: int) -> None:
         """Retention removed the log below ``position``."""
-        with self._lock, self._db:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM keys WHERE position < ?", (position,))
+        with self._lock:
+            self._write(("DELETE FROM keys WHERE position < ?", (position,)))
+
+    def _write(self, *statements: tuple[str, tuple[int]]) -> None:
+        """One transaction; the caller holds ``_lock``."""
+        try:
+            with self._db:
+                self._db.execute("BEGIN")
+                for sql, parameters in statements:
+                    self._db.execute(sql, parameters)
+        except sqlite3.Error as exc:
+            raise self._write_error(exc) from exc
 
     def close(self) -> None:
         self.commit()
@@ -206,3 +233,25 @@ def open_writer_index(path: Path, problems: list[str]) -> KeyIndex:
         "from the log"
     )
     return index
+
+
+def _no_space(path: Path) -> bool:
+    try:
+        return os.statvfs(path.parent).f_bavail == 0
+    except OSError:
+        return False
+
+
+def _at_size_limit(path: Path) -> bool:
+    """A file of the index is within one write of the process's file size limit."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return False
+    for suffix in ("", "-wal", "-journal"):
+        try:
+            size = os.stat(f"{path}{suffix}").st_size
+        except OSError:
+            continue
+        if size + _LARGEST_WRITE > limit:
+            return True
+    return False

@@ -24,11 +24,11 @@ from equeue.format.message import (
     TAG_HASH,
     TAG_HASH_OFFSET,
     decode_properties,
-    tag_hash,
 )
 from equeue.store.append import message_id
 from equeue.store.queue import Queue
 from equeue.store.types import Message
+from equeue.store.validate import check_tag
 
 
 class LogReader:
@@ -253,9 +253,13 @@ def tag_filter(tags: str | Iterable[str] | None) -> dict[int, set[str]] | None:
         return None
     if isinstance(tags, str):
         tags = [tags]
+    elif isinstance(tags, bytes | bytearray | memoryview | dict) or not hasattr(tags, "__iter__"):
+        raise InvalidTypeError(
+            f"tags must be None, a str or an iterable of str, got {type(tags).__name__}"
+        )
     wanted: dict[int, set[str]] = {}
     for tag in tags:
         if not isinstance(tag, str):
             raise InvalidTypeError(f"tags must be str values, got {type(tag).__name__}")
-        wanted.setdefault(tag_hash(tag), set()).add(tag)
+        wanted.setdefault(check_tag(tag)[1], set()).add(tag)  # (refuses what cannot be sent)
     return wanted

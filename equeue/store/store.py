@@ -27,7 +27,6 @@ from equeue.errors import (
     CompactionError,
     ConfigError,
     CorruptRecordError,
-    InvalidMessageError,
     InvalidTypeError,
     MessageNotFoundError,
     PositionNotFoundError,
@@ -106,7 +105,7 @@ class MessageStore:
 
         Without ``config``, an existing store keeps the chunk sizes it was created with.
         """
-        return cls(Path(path), config, read_only=read_only)
+        return cls(validate.check_open(path, config, read_only), config, read_only=read_only)
 
     def __init__(self, path: Path, config: StoreConfig | None, *, read_only: bool = False) -> None:
         self.path = path
@@ -115,7 +114,7 @@ class MessageStore:
         self._meta_problems: list[str] = []
         self._lock_file = None
         if not read_only:
-            path.mkdir(parents=True, exist_ok=True)
+            validate.make_store_dir(path)
             self._lock_file = take_lock(path)
         try:
             self.store_id, self.config = open_identity(path, config, create=not read_only)
@@ -378,7 +377,9 @@ class MessageStore:
         return queue.first_offset, queue.next_offset
 
     def _load_topics(self) -> None:
-        for topic, count, policy in topic_entries(read_topics(self), self.path):
+        for topic, count, policy in topic_entries(
+            read_topics(self), self.path, self._meta_problems
+        ):
             if count > len(self._queues.get(topic, ())):
                 self._open_queues(topic, count)
             self._policies[topic] = policy
@@ -417,8 +418,8 @@ class MessageStore:
 
     def _topic(self, topic: str) -> list[Queue]:
         self._check_open()  # every read by topic; one attribute on the pull path
-        queues = self._queues.get(topic)
-        if queues is None and self.read_only:
+        queues = self._queues.get(topic) if isinstance(topic, str) else None
+        if queues is None and self.read_only and isinstance(topic, str):
             self._load_topics()  # the writer may have created it since
             queues = self._queues.get(topic)
         if queues is None:
@@ -487,26 +488,19 @@ class MessageStore:
         """Send many messages under one lock acquisition: all are checked first, so one
         bad message rejects the batch and nothing is written."""
         queues, count = self._queues_and_count(topic)
+        items = validate.check_messages(messages)
 
         def check(message: object) -> Checked:
-            if isinstance(message, bytes | bytearray | memoryview):
-                message = OutgoingMessage(bytes(message))
-            elif isinstance(message, dict):
-                message = OutgoingMessage(**message)
-            elif not isinstance(message, OutgoingMessage):
-                raise InvalidTypeError(
-                    f"send_batch takes bytes, OutgoingMessage or dict items, got "
-                    f"{type(message).__name__}"
-                )
-            return validate.check_message(self.config, topic, count, *message)
+            fields = validate.outgoing(message)
+            return validate.check_message(self.config, topic, count, *fields)
 
         fast = speedups.SPEEDUPS
         if fast is None:
-            checked = [check(message) for message in list(messages)]
+            checked = [check(message) for message in items]
         else:  # the common cases in C, the rest (and every error) by check()
             config = self.config
             checked = fast.check_batch(
-                list(messages),  # a private copy: check() runs Python code
+                items,  # a private copy: check() runs Python code
                 OutgoingMessage, check, validate.check_tag,
                 config.max_message_size, config.chunk_data_size, count,
             )  # fmt: skip
@@ -557,14 +551,13 @@ class MessageStore:
         hash, then exactly). ``wait > 0`` blocks until a message arrives or the time passes.
         """
         queue = self._queue(topic, queue_id)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise InvalidMessageError(f"offset must be an int >= 0, got {offset!r}")
-        if not isinstance(max_count, int) or max_count < 1:
-            raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
+        validate.check_pull(offset, max_count, wait)
         wanted = tag_filter(tags)
         if self.read_only:
             return follow.pull(self, queue, offset, max_count, wanted, wait)
-        offset = max(offset, queue.first_offset)
+        # Past the end, the end (as RocketMQ corrects an overflowing offset): else the
+        # caller would go on from there and skip the messages sent up to it.
+        offset = min(max(offset, queue.first_offset), queue.next_offset)
         if wait > 0 and offset >= queue.next_offset:
             self._wait_for(queue, offset, wait)
         messages, offset = self._log.pull_run(queue, offset, max_count, wanted)
@@ -604,6 +597,7 @@ class MessageStore:
         """Messages of ``topic`` with ``key``, newest first."""
         self._topic(topic)
         validate.check_key(key)
+        validate.check_limit(limit)
         found: list[Message] = []
         for position in self._keys.positions(topic, key, limit):
             try:
@@ -617,8 +611,7 @@ class MessageStore:
     def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
         """The first offset stored at or after ``timestamp`` (binary search over the queue)."""
         queue = self._queue(topic, queue_id)
-        if isinstance(timestamp, dt.datetime):
-            timestamp = timestamp.timestamp()
+        timestamp = validate.check_timestamp(timestamp)
         lo, hi = queue.first_offset, queue.next_offset
         while lo < hi:
             mid = (lo + hi) // 2
@@ -651,13 +644,8 @@ class MessageStore:
 
     def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
         """Record that ``group`` consumed ``topic``/``queue_id`` up to ``offset`` (persisted)."""
-        if not isinstance(group, str) or not group or len(group.encode()) > _MAX_NAME:
-            raise InvalidMessageError(
-                f"group must be a non-empty str of at most 255 bytes: {group!r}"
-            )
-        self._queue(topic, queue_id)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise InvalidMessageError(f"offset must be an int >= 0, got {offset!r}")
+        self._check_writable()  # before the checks: a read-only handle's end may be stale
+        validate.check_commit(group, offset, self._queue(topic, queue_id).next_offset)
         with self._lock:
             self._check_writable()
             offsets = {g: {t: dict(qs) for t, qs in ts.items()} for g, ts in self._offsets.items()}
@@ -667,6 +655,7 @@ class MessageStore:
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
         self._check_open()
+        validate.check_names(group, topic, queue_id)
         return self._offsets.get(group, {}).get(topic, {}).get(str(queue_id))
 
     def consumer_groups(self) -> dict[str, dict[str, dict[int, int]]]:
@@ -682,6 +671,7 @@ class MessageStore:
         """Delete completed message chunks past retention; returns how many were removed."""
         # Checkpoint first: queue entries are flushed lazily, and once the log before
         # them is gone, recovery could no longer rebuild them from it.
+        now = validate.check_now(now)
         self._check_writable()
         self._checkpoint(flush=True)
         return self._retain(now)

@@ -12,6 +12,7 @@ messages forever (as far as this policy goes; the store-wide
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -19,6 +20,9 @@ from typing import Any, Final, Literal
 from equeue.errors import ConfigError, CorruptionError, EQueueError
 from equeue.store import validate
 from equeue.store.meta import TOPICS_FILE
+from equeue.store.validate import MAX_SPAN, check_span
+
+log = logging.getLogger("equeue.recovery")
 
 Cleanup = Literal["delete", "compact"]
 CLEANUPS: Final = ("delete", "compact")
@@ -43,8 +47,8 @@ class TopicPolicy:
         if self.cleanup not in CLEANUPS:
             raise ConfigError(f"cleanup={self.cleanup!r}; it must be 'delete' or 'compact'")
         if self.retention is not None:
-            _check_span("retention", self.retention)
-        _check_span("delete_retention", self.delete_retention, allow_zero=True)
+            check_span("retention", self.retention)
+        check_span("delete_retention", self.delete_retention, allow_zero=True)
 
     @property
     def compact(self) -> bool:
@@ -73,9 +77,12 @@ class TopicPolicy:
         }
 
     @classmethod
-    def from_json(cls, info: dict[str, Any], where: str) -> TopicPolicy:
+    def from_json(
+        cls, info: dict[str, Any], where: str, problems: list[str] | None = None
+    ) -> TopicPolicy:
         """The policy of a topics.json entry; entries written before policies existed
-        (no "cleanup" field) get the defaults."""
+        (no "cleanup" field) get the defaults. A span longer than MAX_SPAN (older versions
+        accepted up to timedelta.max) is read as MAX_SPAN, and that is added to ``problems``."""
         try:
             retention = info.get("retention_seconds")
             delete_retention = info.get(
@@ -83,14 +90,18 @@ class TopicPolicy:
             )
             return cls(
                 cleanup=info.get("cleanup", "delete"),
-                retention=None if retention is None else dt.timedelta(seconds=float(retention)),
-                delete_retention=dt.timedelta(seconds=float(delete_retention)),
+                retention=None
+                if retention is None
+                else _span("retention", retention, info, where, problems),
+                delete_retention=_span("delete_retention", delete_retention, info, where, problems),
             )
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"unreadable topic policy in {where}: {info!r} ({exc})") from exc
 
 
-def topic_entries(body: Any, store: Path) -> list[tuple[str, int, TopicPolicy]]:
+def topic_entries(
+    body: Any, store: Path, problems: list[str] | None = None
+) -> list[tuple[str, int, TopicPolicy]]:
     """(topic, queue count, policy) of each topics.json entry of ``store`` (its ``body``
     as read), every one checked as
     create_topic() checks its arguments before any is used: a name there becomes a
@@ -106,7 +117,7 @@ def topic_entries(body: Any, store: Path) -> list[tuple[str, int, TopicPolicy]]:
             if not isinstance(info, dict):
                 raise ConfigError(f"its entry is {info!r}, not an object")
             count = validate.check_queue_count(info.get("queue_count"))
-            policy = TopicPolicy.from_json(info, path)
+            policy = TopicPolicy.from_json(info, path, problems)
         except EQueueError as exc:
             raise CorruptionError(
                 f"bad topic entry {str(topic)[:80]!r} ({exc})", file=path, offset=0
@@ -115,8 +126,19 @@ def topic_entries(body: Any, store: Path) -> list[tuple[str, int, TopicPolicy]]:
     return sorted(entries)
 
 
-def _check_span(name: str, value: object, *, allow_zero: bool = False) -> None:
-    if not isinstance(value, dt.timedelta):
-        raise ConfigError(f"{name} must be a datetime.timedelta, got {type(value).__name__}")
-    if value < dt.timedelta(0) or (value == dt.timedelta(0) and not allow_zero):
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
+def _span(
+    name: str, seconds: object, info: dict[str, Any], where: str, problems: list[str] | None
+) -> dt.timedelta:
+    value = float(seconds)  # type: ignore[arg-type]
+    if not value > MAX_SPAN.total_seconds():  # (NaN is refused by timedelta below)
+        return dt.timedelta(seconds=value)
+    problem = (
+        f"topic policy {info!r} in {where}: {name} of {value:g} seconds is longer than the "
+        f"longest accepted ({MAX_SPAN.days} days); it is read as {MAX_SPAN.days} days "
+        "(create_topic() with a new value rewrites it)"
+    )
+    if problems is None or problem not in problems:  # (a read-only handle rereads the file)
+        log.warning("%s", problem)
+        if problems is not None:
+            problems.append(problem)
+    return MAX_SPAN

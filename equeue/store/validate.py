@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import errno
+import math
+import os
 import re
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equeue.errors import (
+    ConfigError,
+    DiskFullError,
     InvalidMessageError,
     InvalidTypeError,
     MessageTooLargeError,
+    NotAStoreError,
     QueueNotFoundError,
+    StoreWriteError,
 )
 from equeue.format.chunk import FRAME_OVERHEAD
 from equeue.format.message import (
@@ -19,6 +28,7 @@ from equeue.format.message import (
     encode_properties,
     tag_hash,
 )
+from equeue.store.types import OutgoingMessage
 
 if TYPE_CHECKING:
     from equeue.store.config import StoreConfig
@@ -181,3 +191,196 @@ def check_message(
             f"{config.chunk_data_size}; raise StoreConfig.chunk_data_size"
         )
     return (body, tag_bytes, hashed, key_bytes, key, props, code, queue_id)  # type: ignore[return-value]
+
+
+# --- arguments of the other public methods -----------------------------------------------
+
+# The longest retention or delete_retention: 100 years. total_seconds() of a longer
+# timedelta is a float that does not convert back (timedelta.max overflows on reopen).
+MAX_SPAN = dt.timedelta(days=36_500)
+# apply_retention(now=...): stored times are int64 nanoseconds, so later times mean nothing.
+_MAX_NOW = (1 << 63) / 1e9
+MAX_WAIT = 86_400.0  # pull(wait=...): one day; a longer wait is a loop of pulls
+
+
+def check_span(name: str, value: object, *, allow_zero: bool = False) -> dt.timedelta:
+    if not isinstance(value, dt.timedelta):
+        raise ConfigError(f"{name} must be a datetime.timedelta, got {type(value).__name__}")
+    low = "[0" if allow_zero else "(0"
+    if (
+        value < dt.timedelta(0)
+        or (value == dt.timedelta(0) and not allow_zero)
+        or (value > MAX_SPAN)
+    ):
+        raise ConfigError(
+            f"{name}={value!r} is out of range; it must lie in {low}, {MAX_SPAN.days} days]"
+            + ("" if allow_zero else " (or be None: keep messages forever)")
+        )
+    return value
+
+
+def _number(name: str, value: object) -> int | float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidTypeError(f"{name} must be an int or a float, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidMessageError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
+def check_offset(offset: object) -> int:
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise InvalidMessageError(f"offset must be an int >= 0, got {offset!r}")
+    return offset
+
+
+def check_pull(offset: object, max_count: object, wait: object) -> None:
+    check_offset(offset)
+    if not isinstance(max_count, int) or max_count < 1:
+        raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
+    if (type(wait) is not float or not 0.0 <= wait <= MAX_WAIT) and not (
+        0 <= _number("wait", wait) <= MAX_WAIT
+    ):
+        raise InvalidMessageError(f"wait={wait!r} seconds must lie in [0, {MAX_WAIT:g}]")
+
+
+def check_commit(group: object, offset: object, next_offset: int) -> None:
+    if not isinstance(group, str) or not group or len(utf8(group, "group")) > MAX_NAME_BYTES:
+        raise InvalidMessageError(f"group must be a non-empty str of at most 255 bytes: {group!r}")
+    check_offset(offset)
+    if offset > next_offset:  # type: ignore[operator]
+        raise InvalidMessageError(
+            f"offset {offset} is past the queue's end: a committed offset lies in "
+            f"[0, {next_offset}] (the queue's next offset)"
+        )
+
+
+def check_limit(limit: object) -> int:
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        raise InvalidTypeError(f"limit must be an int, got {type(limit).__name__}")
+    if not 1 <= limit <= _INT32 - 1:
+        raise InvalidMessageError(
+            f"limit={limit} is out of range; it must lie in [1, {_INT32 - 1}]"
+        )
+    return limit
+
+
+def check_timestamp(timestamp: object) -> int | float:
+    """Seconds since the epoch, from a number or a datetime (naive: local time)."""
+    if isinstance(timestamp, dt.datetime):
+        try:
+            return timestamp.timestamp()
+        except (ValueError, OverflowError, OSError) as exc:
+            raise InvalidMessageError(f"timestamp {timestamp!r} has no epoch time: {exc}") from None
+    if not isinstance(timestamp, int | float) or isinstance(timestamp, bool):
+        raise InvalidTypeError(
+            f"timestamp must be seconds since the epoch (int or float) or a datetime, "
+            f"got {type(timestamp).__name__}"
+        )
+    return _number("timestamp", timestamp)
+
+
+def check_now(now: object) -> float | None:
+    if now is not None and not 0 <= _number("now", now) <= _MAX_NOW:
+        raise InvalidMessageError(
+            f"now={now!r} is out of range; it must be None or seconds since the epoch in "
+            f"[0, {_MAX_NOW:.0f}]"
+        )
+    return None if now is None else float(now)  # type: ignore[arg-type]
+
+
+def check_messages(messages: object) -> list[object]:
+    """send_batch's messages as a list (an iterable's items taken once)."""
+    if isinstance(messages, str | bytes | bytearray | memoryview | dict):
+        raise InvalidTypeError(
+            f"send_batch takes an iterable of messages, got {type(messages).__name__}"
+        )
+    try:
+        items = iter(messages)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidTypeError(
+            f"send_batch takes an iterable of messages, got {type(messages).__name__}"
+        ) from None
+    return list(items)
+
+
+def check_open(path: object, config: object, read_only: object) -> Path:
+    """The store directory MessageStore.open was given, refused unless it can be one."""
+    from equeue.store.config import StoreConfig
+
+    if not isinstance(path, str | os.PathLike):
+        raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if config is not None and not isinstance(config, StoreConfig):
+        raise InvalidTypeError(f"config must be a StoreConfig or None, got {type(config).__name__}")
+    if not isinstance(read_only, bool):
+        raise InvalidTypeError(f"read_only must be a bool, got {type(read_only).__name__}")
+    try:
+        name = os.fspath(path)
+    except TypeError as exc:
+        raise InvalidTypeError(f"path: {exc}") from None
+    if isinstance(name, bytes):
+        raise InvalidTypeError("path must be a str or os.PathLike of str, got bytes")
+    if not name:
+        raise NotAStoreError(
+            "the store path is empty; it would name the working directory (pass '.' for that)"
+        )
+    if "\0" in name:
+        raise NotAStoreError(f"the store path {name!r} holds a NUL character")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError as exc:
+        raise NotAStoreError(f"the store path {name!r} is not encodable: {exc.reason}") from None
+    result = Path(name)
+    try:
+        for at in (result, *result.parents):  # the nearest that exists must be a directory
+            if at.exists() or at.is_symlink():
+                if not at.is_dir():
+                    raise NotAStoreError(
+                        f"{name} is not an equeue store: {at} is not a directory"
+                        if at != result
+                        else f"{name} is not an equeue store: it is not a directory"
+                    )
+                break
+    except OSError as exc:  # e.g. a name too long, no permission to look
+        if isinstance(exc, NotAStoreError):
+            raise
+        raise NotAStoreError(f"{name} cannot be a store directory: {exc}") from None
+    return result
+
+
+def make_store_dir(path: Path) -> None:
+    """Create a writable open's directory; failing, a StoreWriteError (DiskFullError)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        error = DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT) else StoreWriteError
+        raise error(exc.errno, f"cannot create the store directory {path}: {exc}") from None
+
+
+def check_names(group: object, topic: object, queue_id: object) -> None:
+    """committed_offset's lookup keys: of the types commit_offset stores."""
+    for name, value, kind in (
+        ("group", group, str),
+        ("topic", topic, str),
+        ("queue_id", queue_id, int),
+    ):
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise InvalidTypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+
+
+def outgoing(message: object) -> OutgoingMessage:
+    """A send_batch item as an OutgoingMessage (its fields are checked by check_message)."""
+    if isinstance(message, OutgoingMessage):
+        return message
+    if isinstance(message, bytes | bytearray | memoryview):
+        return OutgoingMessage(bytes(message))
+    if not isinstance(message, dict):
+        raise InvalidTypeError(
+            f"send_batch takes bytes, OutgoingMessage or dict items, got {type(message).__name__}"
+        )
+    try:
+        return OutgoingMessage(**message)
+    except TypeError as exc:  # a missing body, an unknown field, a key that is no str
+        raise InvalidTypeError(
+            f"a send_batch dict item must have the fields of OutgoingMessage "
+            f"({', '.join(OutgoingMessage._fields)}; body required): {exc}"
+        ) from None
