@@ -28,6 +28,7 @@ IDENTITY_FILE = "store.json"
 LOCK_FILE = "LOCK"
 TOPICS_FILE = "topics.json"
 OFFSETS_FILE = "offsets.json"
+CONSUMERS_DIR = "consumers"  # GROUP.json: offsets committed by read-only handles
 CHECKPOINT_FILE = "checkpoint.json"
 KEYS_FILE = "keys.sqlite"
 MESSAGES_DIR = "messages"
