@@ -312,6 +312,27 @@ def test_read_only_commits_are_seen_by_every_handle(store: MessageStore) -> None
         assert group_offsets(fresh, "g") == {0: 5, 1: 3, 2: 1, 3: 0}
 
 
+@pytest.mark.parametrize("read_only", [False, True], ids=["writer", "read-only"])
+def test_two_consumers_of_a_group_never_move_its_offset_back(
+    store: MessageStore, read_only: bool
+) -> None:
+    """The farther consumer's commit wins, whichever commits last."""
+    send_to(store, 0, 10)
+    handles = [MessageStore.open(store.path, read_only=True) for _ in range(2)]
+    try:
+        owners = handles if read_only else [store, store]
+        ahead, behind = (owner.consumer("g", "t") for owner in owners)
+        assert len(ahead.poll(8)) == 8 and len(behind.poll(3)) == 3
+        ahead.close()
+        assert store.committed_offset("g", "t", 0) == 8
+        behind.close()  # commits 3 after the other's 8
+        assert store.committed_offset("g", "t", 0) == 8
+        assert handles[0].committed_offset("g", "t", 0) == 8
+    finally:
+        for handle in handles:
+            handle.close()
+
+
 def test_group_names_of_any_kind_get_their_own_file(store: MessageStore) -> None:
     send_to(store, 0, 1)
     names = ["a/b", "..", ".hidden", "ünï cødé", "%%", "x" * 255, "é" * 127]
@@ -566,12 +587,12 @@ def _plant(kind: str, store_path: Path, outside: Path) -> Path:
     target = directory / "g.json"
     if kind == "flipped":
         raw = bytearray(target.read_bytes())
-        raw[raw.index(b'"offsets"') + 14] ^= 0x01  # a digit of an offset
+        raw[raw.index(b'"0": 5') + 5] ^= 0x01  # offset 5 reads 4: valid JSON, bad checksum
         target.write_bytes(bytes(raw))
     elif kind == "truncated":
         target.write_bytes(target.read_bytes()[:20])
-    elif kind == "link":
-        target.unlink()
+    elif kind == "link":  # to a valid group file: read through the link, it would count
+        target.replace(outside)
         target.symlink_to(outside)
     elif kind == "directory":
         target.unlink()
@@ -579,9 +600,8 @@ def _plant(kind: str, store_path: Path, outside: Path) -> Path:
     elif kind == "renamed":  # a valid file of group g under another group's name
         target.rename(directory / "h.json")
         return directory / "h.json"
-    elif kind == "dir-link":
-        for entry in directory.iterdir():
-            entry.unlink()
+    elif kind == "dir-link":  # to a directory holding a valid group file
+        target.replace(outside.parent / "g.json")
         directory.rmdir()
         directory.symlink_to(outside.parent)
         return directory
