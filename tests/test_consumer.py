@@ -657,14 +657,22 @@ def test_hostile_group_file(tmp_path: Path, kind: str, capsys: pytest.CaptureFix
     assert snapshot(outside.parent) == outside_before
 
 
-def test_offsets_json_stays_the_writers_only(store: MessageStore) -> None:
-    """A read-only consumer never writes offsets.json (the writer rewrites it from memory)."""
+def test_consumers_commit_to_their_group_file_only(store: MessageStore) -> None:
+    """offsets.json is commit_offset's: a consumer, on the writer's handle or a read-only
+    one, commits to consumers/GROUP.json (off the send lock)."""
     send_to(store, 0, 2)
     store.commit_offset("w", "t", 0, 1)
     before = (store.path / OFFSETS_FILE).read_bytes()
+    assert _consume_all(store, "g") == 2
     with MessageStore.open(store.path, read_only=True) as reader:
-        assert _consume_all(reader, "g") == 2
+        assert _consume_all(reader, "h") == 2
     assert (store.path / OFFSETS_FILE).read_bytes() == before
+    assert sorted(os.listdir(store.path / CONSUMERS_DIR)) == ["g.json", "h.json"]
+    assert store.consumer_groups() == {
+        "w": {"t": {0: 1}},
+        "g": {"t": {0: 2, 1: 0, 2: 0, 3: 0}},
+        "h": {"t": {0: 2, 1: 0, 2: 0, 3: 0}},
+    }
 
 
 def test_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,9 +17,9 @@ messages) and by ``close()``; so after a crash the messages handed out since the
 commit, at most one batch (``batch_size``, over all queues), come again: at least
 once. Without ``auto_commit`` only ``commit()`` commits.
 
-Where commits go: see equeue/store/offsets.py (``offsets.json`` from the writer's
-handle, ``consumers/GROUP.json`` from a read-only one; a group's offset never moves
-back through a consumer's commit).
+Where commits go: ``consumers/GROUP.json``, from the writer's handle or a read-only
+one (equeue/store/offsets.py); a group's offset never moves back through a consumer's
+commit.
 """
 
 from __future__ import annotations
@@ -239,10 +239,8 @@ class Consumer:
         }
         if not changed:
             return
-        if self.store.read_only:
-            group_offsets.commit_group_file(self.store.path, self.group, changed)
-        else:
-            group_offsets.advance_writer_offsets(self.store, self.group, changed)
+        self.store._check_open()
+        group_offsets.commit_group_file(self.store.path, self.group, changed)
         self._committed.update(changed)
 
     def _fetch(self, limit: int, timeout: float | None) -> list[tuple[Message, int]]:

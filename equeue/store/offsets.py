@@ -1,15 +1,16 @@
 """Consumer offsets: the writer's ``offsets.json`` and the group files of consumers in
 other processes (``consumers/``), read together as one view.
 
-Only the writer rewrites ``offsets.json`` (from its memory, under its lock), so a
-consumer on a ``read_only`` handle commits to a file of its own group instead,
-``consumers/<group>.json``, replaced atomically (``write_json``) under an ``flock`` on
-the ``consumers/`` directory, which orders every process's commits. Every handle reads
-a group's committed offset on a queue as the larger of the two files' values, so a
-commit from any process is seen by all, and a group's offset never moves back through
-a consumer's commit (two consumers of one group each commit how far they got, and the
-farther one wins). ``commit_offset`` on the writer sets an offset explicitly, also
-lower: it drops the group's entry for that queue from the group file first.
+Only the writer rewrites ``offsets.json`` (``commit_offset``, from its memory, under
+its lock), so the consumer loop, which also runs on ``read_only`` handles in other
+processes, commits to a file of its group instead, ``consumers/<group>.json``,
+replaced atomically (``write_json``) under an ``flock`` on the ``consumers/``
+directory, which orders every process's commits (and keeps the fsyncs of a commit off
+the writer's send lock). Every handle reads a group's committed offset on a queue as
+the larger of the two files' values, so a commit from any process is seen by all, and
+a group's offset never moves back through a consumer's commit (two consumers of one
+group each commit how far they got, and the farther one wins). ``commit_offset`` sets
+an offset explicitly, also lower: it drops the group file's higher entry first.
 
 Nothing here follows a symbolic link: the directory and its files are opened with
 ``O_NOFOLLOW``. A file that is a link, not a regular file, not named as its group's
@@ -352,7 +353,7 @@ def _write(directory: Path, group: str, offsets: dict[str, dict[str, int]]) -> N
 
 
 def commit_group_file(store_path: Path, group: str, positions: dict[tuple[str, int], int]) -> None:
-    """A read-only handle's commit: each queue's offset raised to ``positions``' (never
+    """A consumer's commit: each queue's offset raised to ``positions``' (never
     lowered), under the directory's lock."""
     directory = store_path / CONSUMERS_DIR
     with _locked_dir(store_path, create=True) as dir_fd:
@@ -366,26 +367,6 @@ def commit_group_file(store_path: Path, group: str, positions: dict[tuple[str, i
                 changed = True
         if changed:
             _write(directory, group, offsets)
-
-
-def advance_writer_offsets(
-    store: MessageStore, group: str, positions: dict[tuple[str, int], int]
-) -> None:
-    """A writer handle's consumer commit: ``offsets.json``, each queue's offset raised
-    (never lowered) in one write."""
-    with store._lock:
-        store._check_writable()
-        offsets = {g: {t: dict(qs) for t, qs in ts.items()} for g, ts in store._offsets.items()}
-        mine = offsets.setdefault(group, {})
-        changed = False
-        for (topic, queue_id), offset in positions.items():
-            queues = mine.setdefault(topic, {})
-            if offset > queues.get(str(queue_id), -1):
-                queues[str(queue_id)] = offset
-                changed = True
-        if changed:
-            write_json(store.path / OFFSETS_FILE, offsets)  # raises: nothing changed
-            store._offsets = offsets
 
 
 def set_offset(store: MessageStore, group: str, topic: str, queue_id: int, offset: int) -> None:
