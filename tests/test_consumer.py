@@ -191,6 +191,17 @@ def test_start_modes(store: MessageStore) -> None:
     assert group_offsets(store, "g") == {0: 10, 1: 0, 2: 0, 3: 2}
 
 
+def test_an_offset_committed_past_the_end_starts_at_the_end(store: MessageStore) -> None:
+    send_to(store, 0, 3)
+    with store.consumer("g", "t") as consumer:
+        consumer.poll()
+    store._offsets = {"g": {"t": {"0": 50}}}  # as an older equeue let commit_offset write
+    with store.consumer("g", "t", timeout=0) as consumer:
+        assert list(consumer) == []
+        send_to(store, 0, 1)
+        assert places(list(consumer)) == [(0, 3)]  # not skipped: the queue's end was 3
+
+
 def test_a_queue_the_topic_gains_is_consumed_from_its_start(store: MessageStore) -> None:
     consumer = store.consumer("g", "t", start="latest", timeout=0)
     store.create_topic("t", 5)
@@ -562,13 +573,20 @@ def _consume_all(handle: MessageStore, group: str) -> int:
 
 
 def test_undamaged_group_files_report_nothing(store: MessageStore, capsys: Any) -> None:
+    """The control of the hostile cases; also the temp files a killed commit leaves: ignored,
+    and removed by a writable open once a minute old."""
     send_to(store, 0, 3)
     with MessageStore.open(store.path, read_only=True) as reader:
         assert _consume_all(reader, "g") == 3
     store.close()
+    fresh, stale = (store.path / CONSUMERS_DIR / f"g.json.{n}.tmp" for n in ("1a", "2b"))
+    fresh.write_bytes(b'{"xxh64": "torn')
+    stale.write_bytes(b"")
+    os.utime(stale, (time.time() - 120, time.time() - 120))
     with MessageStore.open(store.path) as reopened:
         assert reopened.recovery.problems == []
         assert group_offsets(reopened, "g") == {0: 3, 1: 0, 2: 0, 3: 0}
+    assert fresh.exists() and not stale.exists()
     assert cli_main(["verify", str(store.path)]) == 0
     capsys.readouterr()
     assert cli_main(["inspect", "--json", str(store.path)]) == 0

@@ -220,8 +220,8 @@ class Consumer:
                     at = following
                 elif start == "earliest" or offset is None:
                     at = first
-                else:
-                    at = offset
+                else:  # past the end (committed by hand): RocketMQ's correction
+                    at = min(offset, following)
                 self._positions[key] = self._processed[key] = at
                 if offset is not None:
                     self._committed[key] = offset
