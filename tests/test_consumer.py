@@ -615,6 +615,9 @@ def _plant(kind: str, store_path: Path, outside: Path) -> Path:
     elif kind == "directory":
         target.unlink()
         target.mkdir()
+    elif kind == "huge":  # a sparse 1 GiB file: refused by its size, never read whole
+        with open(target, "r+b") as f:
+            f.truncate(1 << 30)
     elif kind == "renamed":  # a valid file of group g under another group's name
         target.rename(directory / "h.json")
         return directory / "h.json"
@@ -626,7 +629,7 @@ def _plant(kind: str, store_path: Path, outside: Path) -> Path:
     return target
 
 
-HOSTILE = ["flipped", "truncated", "link", "directory", "renamed", "dir-link"]
+HOSTILE = ["flipped", "truncated", "link", "directory", "huge", "renamed", "dir-link"]
 
 
 @pytest.mark.parametrize("kind", HOSTILE)

@@ -55,6 +55,8 @@ _LONG_NAME = 160
 # A temp file older than this was left by a process killed while committing.
 _STALE_TEMP_SECONDS = 60.0
 _MAX_QUEUES = 1024  # validate.check_queue_count's limit
+# Far above any group's offsets (a few dozen bytes per queue): a larger file is not ours.
+_MAX_FILE_BYTES = 64 << 20
 _IDENTITY = tuple[int, int, int]
 
 
@@ -130,6 +132,11 @@ def _read_file(dir_fd: int, name: str, path: Path) -> tuple[_IDENTITY, str, dict
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptionError("is not a regular file, not a consumer group file", file=path)
+        if st.st_size > _MAX_FILE_BYTES:
+            raise CorruptionError(
+                f"is {st.st_size} bytes, more than a consumer group file holds ({_MAX_FILE_BYTES})",
+                file=path,
+            )
         with os.fdopen(os.dup(fd), "rb") as f:
             raw = f.read()
     finally:
