@@ -44,7 +44,11 @@ def write_json(path: Path, body: Any) -> None:
 def read_json(path: Path) -> Any:
     """The body stored in ``path``; CorruptionError if it does not check out."""
     with open_file(path, "rb") as f:
-        raw = f.read()
+        return decode_json(f.read(), path)
+
+
+def decode_json(raw: bytes, path: Path) -> Any:
+    """The body of a metadata file's bytes ``raw``, read from ``path``."""
     try:
         doc = json.loads(raw)
         stored, body = doc["xxh64"], doc["body"]

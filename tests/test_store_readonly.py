@@ -313,6 +313,7 @@ def _closed_calls(message_id: str) -> dict[str, Callable[[MessageStore], object]
         "queue_ids": lambda s: s.queue_ids("t"),
         "committed_offset": lambda s: s.committed_offset("g", "t", 0),
         "consumer_groups": lambda s: s.consumer_groups(),
+        "consumer": lambda s: s.consumer("g", "t", timeout=0),
         "refresh": lambda s: s.refresh(),
         "topic_policy": lambda s: s.topic_policy("t"),
         "send": lambda s: s.send("t", b"x"),

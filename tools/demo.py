@@ -52,17 +52,9 @@ def produce(store: MessageStore, count: int, rng: random.Random) -> dict[str, in
 
 
 def consume(store: MessageStore, group: str, topic: str, tags: list[str] | None) -> int:
-    seen = 0
-    for queue_id in store.queue_ids(topic):
-        offset = store.committed_offset(group, topic, queue_id) or 0
-        while True:
-            result = store.pull(topic, queue_id, offset, max_count=256, tags=tags)
-            seen += len(result.messages)
-            if result.next_offset == offset:
-                break
-            offset = result.next_offset
-        store.commit_offset(group, topic, queue_id, offset)
-    return seen
+    """The consumer loop, from the group's committed offsets until none is left."""
+    with store.consumer(group, topic, tags=tags, batch_size=256, timeout=0) as consumer:
+        return sum(1 for _ in consumer)
 
 
 def why_not_replace(path: Path) -> str | None:

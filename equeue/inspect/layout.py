@@ -39,6 +39,7 @@ from equeue.safepath import check_chunk_dirs, check_dir
 from equeue.store.livetail import current_boot_id, read_live_tail
 from equeue.store.meta import (
     CHECKPOINT_FILE,
+    CONSUMERS_DIR,
     IDENTITY_FILE,
     MESSAGES_DIR,
     OFFSETS_FILE,
@@ -47,6 +48,7 @@ from equeue.store.meta import (
     check_format,
     check_layout,
 )
+from equeue.store.offsets import GroupFiles
 from equeue.store.recovery import tail_hint
 from equeue.store.topics import topic_entries
 
@@ -161,6 +163,7 @@ def open_store(path: Path) -> StoreFiles:
     offsets = _read_meta(store, OFFSETS_FILE, default={})
     if isinstance(offsets, dict):
         store.offsets = offsets
+    _add_group_files(store)
     checkpoint = _read_meta(store, CHECKPOINT_FILE, default={})
     if isinstance(checkpoint, dict):
         store.checkpoint = _int_or_none(checkpoint.get("log_position"))
@@ -179,6 +182,22 @@ def _read_meta(store: StoreFiles, name: str, default: Any = None) -> Any:
     except CorruptionError as exc:
         store.problems.append(problem_from(exc, "metadata", path))
         return None
+
+
+def _add_group_files(store: StoreFiles) -> None:
+    """The offsets read-only consumers committed (consumers/), as every handle reads them:
+    per queue, the larger value; a file that is not a group's is a problem."""
+    files = GroupFiles(store.path, [], writer=False)
+    for group, topics in files.scan().items():
+        mine = store.offsets.setdefault(group, {})
+        for topic, queues in topics.items():
+            into = mine.setdefault(topic, {})
+            for queue_id, offset in queues.items():
+                if not isinstance(into.get(queue_id), int) or offset > into[queue_id]:
+                    into[queue_id] = offset
+    for exc, done in files.found:
+        where = exc.file or str(store.path / CONSUMERS_DIR)
+        store.problems.append(Problem(where, exc.offset, "metadata", f"{describe(exc)}; {done}"))
 
 
 def _int_or_none(value: object) -> int | None:

@@ -39,6 +39,7 @@ IDENTITY_FILE = "store.json"
 LOCK_FILE = "LOCK"
 TOPICS_FILE = "topics.json"
 OFFSETS_FILE = "offsets.json"
+CONSUMERS_DIR = "consumers"  # GROUP.json: the offsets consumer loops commit
 CHECKPOINT_FILE = "checkpoint.json"
 KEYS_FILE = "keys.sqlite"
 MESSAGES_DIR = "messages"
@@ -51,7 +52,7 @@ _FILES = (
     IDENTITY_FILE, LOCK_FILE, TOPICS_FILE, OFFSETS_FILE, CHECKPOINT_FILE, LIVE_TAIL_FILE,
     KEYS_FILE, f"{KEYS_FILE}-wal", f"{KEYS_FILE}-shm", f"{KEYS_FILE}-journal",
 )  # fmt: skip
-_DIRS = (MESSAGES_DIR, QUEUES_DIR, COMPACTION_DIR, RECOVERED_DIR)
+_DIRS = (MESSAGES_DIR, QUEUES_DIR, COMPACTION_DIR, RECOVERED_DIR, CONSUMERS_DIR)
 
 
 def check_layout(directory: Path) -> None:

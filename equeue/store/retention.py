@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from equeue.errors import PositionNotFoundError
 from equeue.store.checkpoint import note_retention
+from equeue.store.offsets import committed
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -76,7 +77,7 @@ def apply_retention(store: MessageStore, now: float) -> int:
 def _consumed_position(store: MessageStore) -> int:
     """The lowest log position some consumer group still has to read."""
     lowest = store._messages.committed_position
-    for groups in store._offsets.values():
+    for groups in committed(store).values():  # also what read-only consumers committed
         for topic, offsets in groups.items():
             for queue_id, offset in offsets.items():
                 queues = store._queues.get(topic)

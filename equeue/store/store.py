@@ -43,9 +43,11 @@ from equeue.format.message import (
     decode_message_id,
 )
 from equeue.store import follow, validate
+from equeue.store import offsets as group_offsets
 from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
+from equeue.store.consumer import Consumer, Start
 from equeue.store.flush import GroupCommit, run_service
 from equeue.store.keyindex import KeyIndex, open_writer_index
 from equeue.store.livetail import LiveTailWriter, current_boot_id, read_live_tail
@@ -61,6 +63,7 @@ from equeue.store.meta import (
     read_meta,
     take_lock,
 )
+from equeue.store.offsets import GroupFiles
 from equeue.store.queue import Queue
 from equeue.store.reads import LogReader, tag_filter
 from equeue.store.recovery import (
@@ -90,7 +93,8 @@ class MessageStore:
     One writer per directory: a second writable open, from any process, raises
     StoreLockedError. ``read_only=True`` opens beside a running writer and sees
     what it has written (pulls pick up new messages; ``refresh()`` new topics and
-    consumer offsets); it never changes a file and does no recovery.
+    consumer offsets); it does no recovery and changes no file but its consumers'
+    commits (``consumers/``, see ``consumer()``).
     """
 
     @classmethod
@@ -153,6 +157,7 @@ class MessageStore:
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
         self._meta_problems += losses_at_open(self, checkpoint)
+        self._group_files = GroupFiles(path, self._meta_problems, writer=not read_only)
         self._keys = self._open_keys()
         self.recovery = RecoveryReport(
             cuts=list(self._messages.recovery_cuts),
@@ -643,27 +648,38 @@ class MessageStore:
     # --- consumer offsets ----------------------------------------------------
 
     def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
-        """Record that ``group`` consumed ``topic``/``queue_id`` up to ``offset`` (persisted)."""
+        """Set ``group``'s offset on ``topic``/``queue_id`` (persisted), also lower: a reset."""
         self._check_writable()  # before the checks: a read-only handle's end may be stale
         validate.check_commit(group, offset, self._queue(topic, queue_id).next_offset)
         with self._lock:
             self._check_writable()
-            offsets = {g: {t: dict(qs) for t, qs in ts.items()} for g, ts in self._offsets.items()}
-            offsets.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
-            write_json(self.path / OFFSETS_FILE, offsets)  # raises: nothing changed
-            self._offsets = offsets
+            group_offsets.set_offset(self, group, topic, queue_id, offset)
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
         self._check_open()
         validate.check_names(group, topic, queue_id)
-        return self._offsets.get(group, {}).get(topic, {}).get(str(queue_id))
+        return group_offsets.committed(self).get(group, {}).get(topic, {}).get(str(queue_id))
 
     def consumer_groups(self) -> dict[str, dict[str, dict[int, int]]]:
-        self._check_open()
-        return {
-            g: {t: {int(q): o for q, o in qs.items()} for t, qs in ts.items()}
-            for g, ts in self._offsets.items()
-        }
+        return group_offsets.by_queue_id(group_offsets.committed(self))
+
+    def consumer(
+        self,
+        group: str,
+        topics: str | Iterable[str],
+        *,
+        tags: str | Iterable[str] | None = None,
+        start: Start = "committed",
+        auto_commit: bool = True,
+        batch_size: int = 32,
+        timeout: float | None = None,
+    ) -> Consumer:
+        """A loop over every queue of ``topics`` that commits ``group``'s offsets, at least
+        once; also on a read-only handle (equeue/store/consumer.py says how)."""
+        return Consumer(
+            self, group, topics, tags=tags, start=start, auto_commit=auto_commit,
+            batch_size=batch_size, timeout=timeout,
+        )  # fmt: skip
 
     # --- retention -----------------------------------------------------------
 

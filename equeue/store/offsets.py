@@ -1,0 +1,417 @@
+"""Consumer offsets: the writer's ``offsets.json`` and the group files of consumers in
+other processes (``consumers/``), read together as one view.
+
+Only the writer rewrites ``offsets.json`` (``commit_offset``, from its memory, under
+its lock), so the consumer loop, which also runs on ``read_only`` handles in other
+processes, commits to a file of its group instead, ``consumers/<group>.json``,
+replaced atomically (``write_json``) under an ``flock`` on the ``consumers/``
+directory, which orders every process's commits (and keeps the fsyncs of a commit off
+the writer's send lock). Every handle reads a group's committed offset on a queue as
+the larger of the two files' values, so a commit from any process is seen by all, and
+a group's offset never moves back through a consumer's commit (two consumers of one
+group each commit how far they got, and the farther one wins). ``commit_offset`` sets
+an offset explicitly, also lower: it drops the group file's higher entry first.
+
+Nothing here follows a symbolic link: the directory and its files are opened with
+``O_NOFOLLOW``. A file that is a link, not a regular file, not named as its group's
+file would be, or whose checksum or entries do not check out is reported and ignored;
+a writable open moves it to ``consumers/recovered/``, and a commit onto it raises
+``CorruptionError`` until then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import xxhash
+
+from equeue.atomicfile import decode_json, write_json
+from equeue.chunks.chunk import fsync_directory, write_error
+from equeue.errors import CorruptionError, EQueueError, InvalidMessageError
+from equeue.format.chunk import RECOVERED_DIR, TEMP_SUFFIX
+from equeue.format.message import MAX_NAME_BYTES
+from equeue.store import validate
+from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE, read_meta
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+log = logging.getLogger("equeue.consumer")
+
+# group -> topic -> queue id (decimal str, as in offsets.json) -> committed offset
+Offsets = dict[str, dict[str, dict[str, int]]]
+# A file name longer than this (a long group name, percent-encoded) ends in a hash.
+_LONG_NAME = 160
+# A temp file older than this was left by a process killed while committing.
+_STALE_TEMP_SECONDS = 60.0
+_MAX_QUEUES = 1024  # validate.check_queue_count's limit
+# Far above any group's offsets (a few dozen bytes per queue): a larger file is not ours.
+_MAX_FILE_BYTES = 64 << 20
+_IDENTITY = tuple[int, int, int]
+
+
+def check_group(group: object) -> str:
+    """A group name as ``commit_offset`` takes it: a non-empty str of at most 255 bytes."""
+    if (
+        not isinstance(group, str)
+        or not group
+        or len(validate.utf8(group, "group")) > MAX_NAME_BYTES
+    ):
+        raise InvalidMessageError(f"group must be a non-empty str of at most 255 bytes: {group!r}")
+    return group
+
+
+def file_name(group: str) -> str:
+    """The group's file in ``consumers/``: its name percent-encoded (any group name is a
+    safe file name), a hash in place of the end of a long one."""
+    quoted = quote(group, safe="")
+    if len(quoted) > _LONG_NAME:  # "%%" never occurs in quote()'s output
+        quoted = f"{quoted[:100]}%%{xxhash.xxh64_hexdigest(group.encode())}"
+    return quoted + ".json"
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+def _identity(st: os.stat_result) -> _IDENTITY:
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _check_body(body: Any, name: str, path: Path) -> tuple[str, dict[str, dict[str, int]]]:
+    """(group, its offsets) of a group file's body; CorruptionError naming the file."""
+    try:
+        if not isinstance(body, dict) or not isinstance(body.get("offsets"), dict):
+            raise InvalidMessageError("it holds no {'group': ..., 'offsets': {...}}")
+        group = check_group(body.get("group"))
+        if file_name(group) != name:
+            raise InvalidMessageError(f"it holds group {group!r}, whose file is {file_name(group)}")
+        offsets: dict[str, dict[str, int]] = body["offsets"]
+        for topic, queues in offsets.items():
+            validate.check_topic(topic)
+            if not isinstance(queues, dict):
+                raise InvalidMessageError(f"the queues of {topic!r} are not a mapping")
+            for queue_id, offset in queues.items():
+                if (
+                    not (queue_id.isascii() and queue_id.isdecimal())
+                    or int(queue_id) >= _MAX_QUEUES
+                ):
+                    raise InvalidMessageError(f"bad queue id {queue_id[:40]!r} of {topic!r}")
+                if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                    raise InvalidMessageError(f"bad offset {offset!r} of {topic}/{queue_id}")
+    except EQueueError as exc:
+        raise CorruptionError(f"bad consumer group file ({exc})", file=path, offset=0) from None
+    return group, offsets
+
+
+def _read_file(dir_fd: int, name: str, path: Path) -> tuple[_IDENTITY, str, dict[str, Any]]:
+    """(identity, group, offsets) of one group file, opened without following a link;
+    FileNotFoundError if it is gone, CorruptionError if it is not a group file."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptionError(
+                "is a symbolic link, not a consumer group file (equeue follows no link "
+                "inside a store)",
+                file=path,
+            ) from None
+        if exc.errno == errno.ENOENT:
+            raise
+        raise CorruptionError(f"cannot be read ({exc.strerror})", file=path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptionError("is not a regular file, not a consumer group file", file=path)
+        if st.st_size > _MAX_FILE_BYTES:
+            raise CorruptionError(
+                f"is {st.st_size} bytes, more than a consumer group file holds ({_MAX_FILE_BYTES})",
+                file=path,
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read()
+    finally:
+        os.close(fd)
+    group, offsets = _check_body(decode_json(raw, path), name, path)
+    return _identity(st), group, offsets
+
+
+def _open_dir(directory: Path) -> int | None:
+    """A descriptor of ``consumers/``; None if there is none. CorruptionError if it is a
+    link or not a directory."""
+    try:
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CorruptionError(
+                "is a symbolic link or a file where the store keeps its consumer group "
+                "files (a directory); they are ignored",
+                file=directory,
+            ) from None
+        raise CorruptionError(f"cannot be read ({exc.strerror})", file=directory) from None
+
+
+class GroupFiles:
+    """A handle's view of ``consumers/``: each group file parsed once per version
+    (inode, size, mtime), so a lookup costs a directory listing."""
+
+    def __init__(self, store_path: Path, problems: list[str], *, writer: bool) -> None:
+        self.store_path = store_path
+        self.directory = store_path / CONSUMERS_DIR
+        self._parsed: dict[str, tuple[_IDENTITY, str, dict[str, Any]]] = {}
+        self._reported: set[str] = set()
+        self._offsets_identity: _IDENTITY | None = None
+        # What the last scan found wrong: (the error, what was done about it).
+        self.found: list[tuple[CorruptionError, str]] = []
+        self.scan(move_aside=writer)
+        problems.extend(self.problems)
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"{exc}; {done}" for exc, done in self.found]
+
+    def scan(self, *, move_aside: bool = False) -> Offsets:
+        """Every readable group file's offsets; what is wrong goes to ``problems`` (logged
+        once) and, with ``move_aside`` (a writer's open), to ``consumers/recovered/``."""
+        problems: list[tuple[CorruptionError, str]] = []
+        groups: Offsets = {}
+        try:
+            dir_fd = _open_dir(self.directory)
+        except CorruptionError as exc:
+            self._report([(exc, "ignored")])
+            return groups
+        if dir_fd is None:
+            self._report([])
+            return groups
+        try:
+            with _dir_lock(dir_fd) if move_aside else contextlib.nullcontext():
+                for entry in os.scandir(dir_fd):
+                    found = self._entry(dir_fd, entry, move_aside, problems)
+                    if found is not None:
+                        groups[found[0]] = found[1]
+        finally:
+            os.close(dir_fd)
+        self._report(problems)
+        return groups
+
+    def _entry(
+        self,
+        dir_fd: int,
+        entry: os.DirEntry[str],
+        move_aside: bool,
+        problems: list[tuple[CorruptionError, str]],
+    ) -> tuple[str, dict[str, Any]] | None:
+        name = entry.name
+        path = self.directory / name
+        if name == RECOVERED_DIR:
+            return None
+        if name.endswith(TEMP_SUFFIX):  # a commit in flight, or one a kill interrupted
+            if move_aside:
+                with contextlib.suppress(OSError):
+                    if time.time() - entry.stat(follow_symlinks=False).st_mtime > (
+                        _STALE_TEMP_SECONDS
+                    ):
+                        os.unlink(name, dir_fd=dir_fd)
+            return None
+        try:
+            if not name.endswith(".json"):
+                raise CorruptionError("is not a consumer group file (GROUP.json)", file=path)
+            st = entry.stat(follow_symlinks=False)
+            cached = self._parsed.get(name)
+            if cached is not None and cached[0] == _identity(st) and stat.S_ISREG(st.st_mode):
+                return cached[1], cached[2]
+            parsed = _read_file(dir_fd, name, path)
+        except FileNotFoundError:  # replaced or moved aside meanwhile
+            return None
+        except CorruptionError as exc:
+            self._parsed.pop(name, None)
+            if not move_aside:
+                problems.append((exc, "ignored"))
+                return None
+            try:
+                moved = _move_aside(self.directory, dir_fd, name)
+            except OSError as failed:
+                problems.append((exc, f"ignored (moving it aside failed: {failed})"))
+            else:
+                problems.append((exc, f"moved to {moved}"))
+            return None
+        self._parsed[name] = parsed
+        return parsed[1], parsed[2]
+
+    def _report(self, found: list[tuple[CorruptionError, str]]) -> None:
+        self.found = found
+        for problem in self.problems:
+            if problem not in self._reported:
+                self._reported.add(problem)
+                log.warning("consumer offsets: %s", problem)
+
+    def writer_offsets(self, store: MessageStore) -> Offsets:
+        """``offsets.json`` as the writer keeps it; a read-only handle re-reads it when
+        it changed (one stat), so its view follows the writer's commits."""
+        if store.read_only:
+            path = store.path / OFFSETS_FILE
+            try:
+                identity: _IDENTITY | None = _identity(os.stat(path, follow_symlinks=False))
+            except OSError:
+                identity = None
+            if identity != self._offsets_identity:
+                problems: list[str] = []  # the open reported them already
+                store._offsets = read_meta(store.path, OFFSETS_FILE, {}, problems, move_aside=False)
+                self._offsets_identity = identity
+        return store._offsets
+
+
+def committed(store: MessageStore) -> Offsets:
+    """Every group's committed offsets as this handle sees them: per queue, the larger of
+    ``offsets.json``'s and the group file's value."""
+    store._check_open()
+    files = store._group_files
+    merged = {
+        g: {t: dict(qs) for t, qs in ts.items()} for g, ts in files.writer_offsets(store).items()
+    }
+    for group, topics in files.scan().items():
+        mine = merged.setdefault(group, {})
+        for topic, queues in topics.items():
+            into = mine.setdefault(topic, {})
+            for queue_id, offset in queues.items():
+                if offset > into.get(queue_id, -1):
+                    into[queue_id] = offset
+    return merged
+
+
+def by_queue_id(offsets: Offsets) -> dict[str, dict[str, dict[int, int]]]:
+    return {
+        g: {t: {int(q): o for q, o in qs.items()} for t, qs in ts.items()}
+        for g, ts in offsets.items()
+    }
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _dir_lock(dir_fd: int) -> Iterator[None]:
+    """The ``flock`` that orders commits to ``consumers/`` across processes (released
+    when the descriptor closes, also by a kill)."""
+    fcntl.flock(dir_fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(dir_fd, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _locked_dir(store_path: Path, *, create: bool) -> Iterator[int | None]:
+    """``consumers/`` opened and locked; None if there is none (and not ``create``), or,
+    unless ``create``, if it is no directory (every reader ignores it then)."""
+    directory = store_path / CONSUMERS_DIR
+    try:
+        dir_fd = _open_dir(directory)
+    except CorruptionError:
+        if create:
+            raise
+        dir_fd = None
+    if dir_fd is None and create:
+        try:
+            directory.mkdir(exist_ok=True)
+            fsync_directory(store_path)
+        except OSError as exc:
+            raise write_error(exc, "creating", directory) from exc
+        dir_fd = _open_dir(directory)
+    if dir_fd is None:
+        yield None
+        return
+    try:
+        with _dir_lock(dir_fd):
+            yield dir_fd
+    finally:
+        os.close(dir_fd)
+
+
+def _current(dir_fd: int, directory: Path, group: str) -> dict[str, dict[str, int]]:
+    """The group file's offsets (none yet: empty); CorruptionError if it is damaged."""
+    name = file_name(group)
+    try:
+        return _read_file(dir_fd, name, directory / name)[2]
+    except FileNotFoundError:
+        return {}
+    except CorruptionError as exc:
+        raise CorruptionError(
+            f"{exc.reason}; a writable open of the store moves it to {RECOVERED_DIR}/, "
+            "then commits go on",
+            file=exc.file,
+            offset=exc.offset,
+        ) from None
+
+
+def _write(directory: Path, group: str, offsets: dict[str, dict[str, int]]) -> None:
+    write_json(directory / file_name(group), {"group": group, "offsets": offsets})
+
+
+def commit_group_file(store_path: Path, group: str, positions: dict[tuple[str, int], int]) -> None:
+    """A consumer's commit: each queue's offset raised to ``positions``' (never
+    lowered), under the directory's lock."""
+    directory = store_path / CONSUMERS_DIR
+    with _locked_dir(store_path, create=True) as dir_fd:
+        assert dir_fd is not None
+        offsets = _current(dir_fd, directory, group)
+        changed = False
+        for (topic, queue_id), offset in positions.items():
+            queues = offsets.setdefault(topic, {})
+            if offset > queues.get(str(queue_id), -1):
+                queues[str(queue_id)] = offset
+                changed = True
+        if changed:
+            _write(directory, group, offsets)
+
+
+def set_offset(store: MessageStore, group: str, topic: str, queue_id: int, offset: int) -> None:
+    """``commit_offset``'s write (the caller holds the write lock): ``offsets.json`` set
+    to ``offset``, and a higher value in the group's file dropped first, so the explicit
+    offset is what every handle reads (a reset). A failure leaves both files as they were."""
+    offsets = {g: {t: dict(qs) for t, qs in ts.items()} for g, ts in store._offsets.items()}
+    offsets.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
+    with _locked_dir(store.path, create=False) as dir_fd:
+        before: dict[str, dict[str, int]] | None = None
+        if dir_fd is not None:
+            directory = store.path / CONSUMERS_DIR
+            with contextlib.suppress(CorruptionError):  # damaged: ignored by every reader
+                current = _current(dir_fd, directory, group)
+                if current.get(topic, {}).get(str(queue_id), -1) > offset:
+                    before = {t: dict(qs) for t, qs in current.items()}
+                    del current[topic][str(queue_id)]
+                    _write(directory, group, current)
+        try:
+            write_json(store.path / OFFSETS_FILE, offsets)
+        except BaseException:
+            if before is not None:
+                _write(store.path / CONSUMERS_DIR, group, before)
+            raise
+    store._offsets = offsets
+
+
+def _move_aside(directory: Path, dir_fd: int, name: str) -> Path:
+    """``consumers/recovered/NAME.<ns>.damaged`` (the entry renamed, never followed)."""
+    side = directory / RECOVERED_DIR
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(RECOVERED_DIR, dir_fd=dir_fd)
+    moved = side / f"{name}.{time.time_ns()}.damaged"
+    side_fd = os.open(RECOVERED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        os.rename(name, moved.name, src_dir_fd=dir_fd, dst_dir_fd=side_fd)
+        os.fsync(side_fd)
+        os.fsync(dir_fd)
+    finally:
+        os.close(side_fd)
+    return moved
