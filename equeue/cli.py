@@ -164,17 +164,20 @@ def _run_records(args: argparse.Namespace) -> int:
     shown = 0
 
     def show(records: Iterator[Record]) -> bool:
-        """Print ``records``; False once --limit is reached."""
+        """Print ``records``; False as soon as --limit is reached (a follower would
+        otherwise wait for one more message before noticing)."""
         nonlocal shown
+        if args.limit is not None and shown >= args.limit:
+            return False
         for record in records:
-            if args.limit is not None and shown >= args.limit:
-                return False
             if args.json:
                 print(json.dumps(record.to_json()), flush=True)
             else:
                 print(("\n" if shown else "") + render_record(record), flush=True)
             shown += 1
-        return args.limit is None or shown < args.limit
+            if args.limit is not None and shown >= args.limit:
+                return False
+        return True
 
     try:
         if args.queue is not None:

@@ -150,20 +150,29 @@ def test_follow_from_a_queue_offset_past_its_end(tmp_path: Path, followers: list
 
 
 def test_follow_with_limit_stops_by_itself(tmp_path: Path) -> None:
+    """--limit ends a follower as soon as it has printed that many messages: among those
+    already there, or at the last new one (not at the one after it)."""
     path = tmp_path / "store"
     with MessageStore.open(path, CONFIG) as writer:
         sent = send(writer, "orders", 3, 0)
-    done = subprocess.run(
-        [sys.executable, "-m", "equeue", "records", str(path), "-f", "--limit", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=READ_TIMEOUT,
-        check=False,
-    )
-    assert (done.returncode, done.stderr) == (0, "")
-    assert [json.loads(line)["message_id"] for line in done.stdout.splitlines()] == [
-        s.message_id for s in sent[:2]
-    ]
+        done = subprocess.run(
+            [sys.executable, "-m", "equeue", "records", str(path), "-f", "--limit", "2", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=READ_TIMEOUT,
+            check=False,
+        )
+        assert (done.returncode, done.stderr) == (0, "")
+        assert [json.loads(line)["message_id"] for line in done.stdout.splitlines()] == [
+            s.message_id for s in sent[:2]
+        ]
+        follower = Follower(path, "--limit", "5")
+        assert ids(follower.take(3)) == [s.message_id for s in sent]
+        sent += send(writer, "orders", 2, 3)
+        assert ids(follower.take(2)) == [s.message_id for s in sent[3:]]
+        assert follower.process.wait(timeout=READ_TIMEOUT) == 0  # no sixth message needed
+        assert follower.stop() == (0, "")
+        assert follower.lines.get_nowait() is None
 
 
 def test_records_tag_filter(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
