@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from test_cli import snapshot
 
 from equeue import MessageStore, SendResult, StoreConfig
 from equeue.cli import main
+from equeue.inspect.follow import POLL_SECONDS
 
 # Small chunks: the messages sent while following roll the log over several times.
 CONFIG = StoreConfig(chunk_data_size=4096, queue_chunk_records=400, default_queue_count=2)
@@ -215,3 +217,20 @@ def test_follow_goes_on_after_retention_removes_chunks(
         later = send(writer, "orders", 60, 60)
         assert ids(follower.take(60)) == [s.message_id for s in later]
         assert follower.stop() == (0, "")
+
+
+def test_follow_changes_nothing_in_the_store(tmp_path: Path) -> None:
+    """Like every inspector command, a follower reads only: no file is created or changed
+    (the store's writer is gone; a key index exists)."""
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as writer:
+        sent = send(writer, "orders", 5, 0)
+        writer.flush()
+    before = snapshot(path)
+    follower = Follower(path)
+    try:
+        assert ids(follower.take(5)) == [s.message_id for s in sent]
+        time.sleep(POLL_SECONDS * 3)  # a few rounds of refresh and pull
+    finally:
+        assert follower.stop() == (0, "")
+    assert snapshot(path) == before
