@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all install test lint typecheck demo bench clean
+.PHONY: all install test lint typecheck demo bench clean check-java
 
 all: test
 
@@ -28,7 +28,19 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
-demo: $(STAMP)
+# The demo's last steps run Spark, which needs Java: say so before anything starts.
+# (equeue compact checks the version itself: 17 or newer.)
+check-java:
+	@if [ -n "$$JAVA_HOME" ]; then java="$$JAVA_HOME/bin/java"; else java=$$(command -v java); fi; \
+	if [ -z "$$java" ] || [ ! -x "$$java" ]; then \
+		echo "make demo: the demo compacts its store with Spark, which needs Java 17:" \
+			"no java on PATH, and JAVA_HOME is unset or has no bin/java." \
+			"Install it (apt install openjdk-17-jre-headless) or set JAVA_HOME;" \
+			"without Java, '$(PY) tools/demo.py ./demo-store' runs the rest." >&2; \
+		exit 1; \
+	fi
+
+demo: check-java $(STAMP)
 	$(PY) tools/demo.py ./demo-store
 	$(VENV)/bin/equeue compact ./demo-store --master 'local[2]'
 	$(VENV)/bin/equeue verify ./demo-store

@@ -14,19 +14,28 @@ import argparse
 import json
 import os
 import sys
-import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from equeue import __version__
 from equeue.errors import CorruptionError, EQueueError, NotAStoreError
+from equeue.inspect.follow import POLL_SECONDS, Follower
 from equeue.inspect.layout import UsageError, open_store
-from equeue.inspect.records import Filters, RecordSource, parse_position, parse_time
+from equeue.inspect.records import (
+    Filters,
+    Record,
+    RecordSource,
+    check_queue,
+    parse_position,
+    parse_time,
+)
 from equeue.inspect.render import (
-    WIDTH,
     ProgressBar,
+    fill,
     human_size,
+    is_terminal,
     render_file,
     render_problems,
     render_record,
@@ -83,7 +92,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(summary.to_json())
         else:
-            print(render_store(summary))
+            print(render_store(summary, wrap=is_terminal(sys.stdout)))
         return EXIT_OK
     if not path.exists():
         raise UsageError(f"{path}: no such file or directory")
@@ -91,7 +100,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(file_summary.to_json())
     else:
-        print(render_file(file_summary))
+        print(render_file(file_summary, wrap=is_terminal(sys.stdout)))
     return EXIT_OK
 
 
@@ -118,6 +127,19 @@ def _configure_records(parser: argparse.ArgumentParser) -> None:
         metavar="TIME",
         help="stored at or after TIME (ISO-8601, UTC if no zone; or unix seconds)",
     )
+    filters.add_argument(
+        "--tag",
+        action="append",
+        metavar="TAG",
+        help="only messages with tag TAG (repeat for any of several; '' for untagged)",
+    )
+    parser.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="then keep printing new messages as they are written, until Ctrl-C "
+        f"(polls every {POLL_SECONDS:g} s)",
+    )
 
 
 def _run_records(args: argparse.Namespace) -> int:
@@ -129,25 +151,51 @@ def _run_records(args: argparse.Namespace) -> int:
         raise UsageError("--from and --queue/--offset are two ways to start; give one")
     store = open_store(args.store)
     since = parse_time(args.since) if args.since is not None else None
+    tags = frozenset(args.tag) if args.tag is not None else None
+    start = parse_position(args.start, store) if args.start is not None else 0
+    if args.queue is not None:
+        check_queue(store, args.topic, args.queue)
+    # The follower first: it takes each queue's end now, and the walk below then reaches
+    # at least as far (see Follower).
+    follower = None
+    if args.follow:
+        follower = Follower(args.store, args.topic, args.queue, args.offset or 0)
     source = RecordSource(store)
     shown = 0
-    try:
-        if args.queue is not None:
-            filters = Filters(key=args.key, since_ns=since)
-            records = source.from_queue(args.topic, args.queue, args.offset or 0, filters)
-        else:
-            start = parse_position(args.start, store) if args.start is not None else 0
-            records = source.from_position(start, Filters(args.topic, args.key, since))
+
+    def show(records: Iterator[Record]) -> bool:
+        """Print ``records``; False as soon as --limit is reached (a follower would
+        otherwise wait for one more message before noticing)."""
+        nonlocal shown
+        if args.limit is not None and shown >= args.limit:
+            return False
         for record in records:
-            if args.limit is not None and shown >= args.limit:
-                break
             if args.json:
                 print(json.dumps(record.to_json()), flush=True)
             else:
                 print(("\n" if shown else "") + render_record(record), flush=True)
             shown += 1
+            if args.limit is not None and shown >= args.limit:
+                return False
+        return True
+
+    try:
+        if args.queue is not None:
+            filters = Filters(key=args.key, since_ns=since, tags=tags)
+            more = show(source.from_queue(args.topic, args.queue, args.offset or 0, filters))
+        else:
+            filters = Filters(args.topic, args.key, since, tags)
+            more = show(source.from_position(start, filters))
+        if follower is not None and more:
+            show(follower.records(max(source.walked, start - 1), filters))
+    except KeyboardInterrupt:
+        if follower is None:
+            raise
+        return EXIT_OK  # how --follow is meant to end
     finally:
         source.close()
+        if follower is not None:
+            follower.close()
     if not shown and not args.json:
         print("no records", file=sys.stderr)
     return EXIT_OK
@@ -181,7 +229,8 @@ def _run_verify(args: argparse.Namespace) -> int:
             }
         )
     else:
-        for line in render_problems(problems):
+        wrap = is_terminal(sys.stdout)
+        for line in render_problems(problems, wrap=wrap):
             print(line)
         if problems:
             print()
@@ -192,7 +241,7 @@ def _run_verify(args: argparse.Namespace) -> int:
             f"{_plural(verifier.queue_chunks, 'queue chunk')} "
             f"({human_size(verifier.bytes_total)})."
         )
-        print(textwrap.fill(checked, WIDTH))
+        print(fill(checked, wrap=wrap))
         found = _plural(len(problems), "problem", none="No problems")
         print(f"{found} found.")
     return EXIT_PROBLEMS if problems else EXIT_OK
@@ -219,14 +268,19 @@ def _configure_compact(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-merge", action="store_true", help="one replacement per chunk, never merged"
     )
+    parser.add_argument(
+        "--verbose", action="store_true", help="show Spark's own log and the JVM's warnings"
+    )
 
 
 def _run_compact(args: argparse.Namespace) -> int:
     from equeue.compaction.job import compact
+    from equeue.spark.java import require_spark
 
     if not (args.store / IDENTITY_FILE).exists():
         raise NotAStoreError(f"{args.store} is not an equeue store (no store.json)")
     now = parse_time(args.now) / 1e9 if args.now is not None else None
+    require_spark()  # before any work: without Java, one line and nothing done
 
     def progress(line: str) -> None:
         print(f"[compact] {line}", file=sys.stderr, flush=True)
@@ -238,6 +292,7 @@ def _run_compact(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         merge=not args.no_merge,
         progress=progress,
+        quiet=not args.verbose,
     )
     if args.json:
         _print_json(report.as_dict())
@@ -264,7 +319,7 @@ def _run_compact(args: argparse.Namespace) -> int:
         f"{human_size(report.bytes_after)}, {report.records_kept} messages kept, "
         f"{report.records_removed} removed, in {report.seconds:.1f} s."
     )
-    print(textwrap.fill(summary, WIDTH))
+    print(fill(summary, wrap=is_terminal(sys.stdout)))
     return EXIT_OK
 
 
@@ -296,15 +351,32 @@ COMMANDS: list[Command] = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but its usage errors come to main() (as _ArgumentError), which
+    prints them as it prints every error: JSON with --json."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _ArgumentError(self, message)
+
+
+class _ArgumentError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
 def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="equeue",
         description="Look inside an equeue store (read-only: safe beside a running writer), "
         "and compact it.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     # --json on every subcommand, so it may follow the command like its other options.
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--json", action="store_true", help="machine-readable output (errors too, on stderr)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in commands:
         child = sub.add_parser(
@@ -315,11 +387,27 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     return parser
 
 
-def _error(message: str) -> None:
-    print(f"equeue: error: {message}", file=sys.stderr)
+def _error(message: str, path: str | None, as_json: bool) -> None:
+    """One line on stderr; with --json a JSON object, so that stdout holds only results."""
+    if as_json:
+        print(json.dumps({"error": message, "path": path}), file=sys.stderr)
+    else:
+        print(f"equeue: error: {message}", file=sys.stderr)
+
+
+def _path_of(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """The file an error names, else the store or file the command was given."""
+    found = getattr(exc, "file", None)  # CorruptionError, CompactionError
+    if found is None and isinstance(exc, OSError):
+        found = exc.filename
+    if found is None:
+        found = getattr(args, "store", None) or getattr(args, "path", None)
+    return None if found is None else os.fsdecode(found)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -327,20 +415,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             (args.parser if args.command else parser).error(
                 "unrecognized arguments: " + " ".join(extra)
             )
-    except SystemExit as exc:  # argparse has printed the usage and its message
+    except SystemExit as exc:  # --help or --version has been printed
         return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except _ArgumentError as exc:
+        if not as_json:
+            exc.parser.print_usage(sys.stderr)
+        _error(str(exc), None, as_json)
+        return EXIT_USAGE
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        _error("a command is required: " + ", ".join(c.name for c in COMMANDS))
+        if not as_json:
+            parser.print_usage(sys.stderr)
+        _error("a command is required: " + ", ".join(c.name for c in COMMANDS), None, as_json)
         return EXIT_USAGE
     try:
         code: int = args.run(args)
         return code
     except (UsageError, NotAStoreError) as exc:
-        _error(str(exc))
+        _error(str(exc), _path_of(exc, args), as_json)
         return EXIT_USAGE
     except CorruptionError as exc:
-        _error(f"{exc} (run 'equeue verify STORE' to list every problem)")
+        message = f"{exc} (run 'equeue verify STORE' to list every problem)"
+        _error(message, _path_of(exc, args), as_json)
         return EXIT_PROBLEMS
     except BrokenPipeError:
         # The reader went away (`equeue records STORE | head`): stop quietly, and keep
@@ -349,10 +444,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_PROBLEMS
     except (EQueueError, OSError) as exc:
-        _error(str(exc))
+        _error(str(exc), _path_of(exc, args), as_json)
         return EXIT_PROBLEMS
     except KeyboardInterrupt:
-        _error("interrupted")
+        _error("interrupted", None, as_json)
         return 130
 
 

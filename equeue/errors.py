@@ -192,6 +192,10 @@ class NotAStoreError(EQueueError, FileNotFoundError):
     """The path holds no equeue store (no store.json) and was not to be created."""
 
 
+class SparkUnavailableError(EQueueError):
+    """Spark cannot start here: no Java runtime (17 or newer), or pyspark is missing."""
+
+
 class CompactionError(EQueueError):
     """The compaction job could not go on; the store keeps its chunks as they were."""
 

@@ -13,18 +13,24 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    """local[2], tuned to start fast: a cold JVM costs seconds, so every Spark test shares it."""
+    """local[2], tuned to start fast: a cold JVM costs seconds, so every Spark test shares it.
+    Without Java (or pyspark) the tests that use it are skipped, saying so; any other
+    failure to start is an error."""
+    from equeue.errors import SparkUnavailableError
     from equeue.spark import session
 
-    spark = session(
-        "local[2]",
-        app_name="equeue-tests",
-        shuffle_partitions=2,
-        config={
-            "spark.ui.enabled": "false",
-            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
-        },
-    )
+    try:
+        spark = session(
+            "local[2]",
+            app_name="equeue-tests",
+            shuffle_partitions=2,
+            config={
+                "spark.ui.enabled": "false",
+                "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            },
+        )
+    except SparkUnavailableError as exc:
+        pytest.skip(str(exc))
     spark.sparkContext.setLogLevel("ERROR")
     yield spark
     spark.stop()

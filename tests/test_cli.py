@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 import pytest
 
@@ -123,8 +124,12 @@ def snapshot(path: Path) -> dict[str, tuple[bytes, int]]:
 # --- running the command -------------------------------------------------------------
 
 
-def run(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
+def run(
+    capsys: pytest.CaptureFixture[str], *args: str | Path, terminal: bool = False
+) -> tuple[int, str, str]:
+    """``terminal``: stdout says it is one (sentences are wrapped only for a terminal)."""
+    with mock.patch.object(sys.stdout, "isatty", return_value=terminal):
+        code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     return code, out, err
@@ -228,7 +233,7 @@ def test_inspect_store_notes_damage_and_still_summarises(
     assert [(p["kind"], p["file"], p["offset"]) for p in doc["problems"]] == [
         ("header", str(first), 0)
     ]
-    code, out, _ = run(capsys, "inspect", store)
+    code, out, _ = run(capsys, "inspect", store, terminal=True)
     assert code == 0 and "Problems noticed (1)" in out and "the header is damaged" in out
     assert_fits(out, store)
 
@@ -383,7 +388,7 @@ def test_verify_healthy_store(capsys: pytest.CaptureFixture[str], store: Path) -
     assert doc["clean"] and doc["problems"] == []
     assert doc["records"] == doc["queue_entries"] == ORDERS + 1
     assert doc["message_chunks"] == len(message_chunks(store)) and doc["queue_chunks"] == 3
-    code, out, _ = run(capsys, "verify", store)
+    code, out, _ = run(capsys, "verify", store, terminal=True)
     assert code == 0 and out.rstrip().endswith("No problems found.")
     assert_fits(out, store)
 
@@ -399,7 +404,7 @@ def test_verify_torn_tail(capsys: pytest.CaptureFixture[str], store: Path) -> No
         ("torn tail", str(path), end)
     ]
     assert "recovery would cut" in doc["problems"][0]["reason"]
-    code, out, _ = run(capsys, "verify", store)
+    code, out, _ = run(capsys, "verify", store, terminal=True)
     assert code == 1
     assert f"{path} at offset {end} (0x{end:x})" in out and "torn tail:" in out
     assert "1 problem found." in out

@@ -126,12 +126,14 @@ def compact(
     dry_run: bool = False,
     merge: bool = True,
     progress: Progress | None = None,
+    quiet: bool = False,
 ) -> CompactionReport:
     """Compact the completed chunks of ``store``; safe beside a running writer and readers.
 
     ``spark`` is used as given; otherwise a session is made for ``master`` (None:
-    what spark-submit set, else ``local[*]``). ``now`` (seconds since the epoch)
-    is when retention and tombstone expiry are measured from.
+    what spark-submit set, else ``local[*]``; ``quiet``: its JVM's output out of sight,
+    see equeue.spark.session). ``now`` (seconds since the epoch) is when retention and
+    tombstone expiry are measured from.
     """
     say = progress or (lambda _: None)
     started = time.monotonic()
@@ -157,7 +159,7 @@ def compact(
         if spark is None:
             from equeue.spark import session
 
-            spark = session(master, app_name="equeue-compact")
+            spark = session(master, app_name="equeue-compact", quiet=quiet)
         else:
             from equeue.spark import register
 

@@ -37,12 +37,14 @@ class Filters:
     topic: str | None = None
     key: str | None = None
     since_ns: int | None = None
+    tags: frozenset[str] | None = None  # any of these tags ("" for none), as pull's tags=
 
     def match(self, message: MessageLogRecord) -> bool:
         return (
             (self.topic is None or message.topic == self.topic)
             and (self.key is None or message.key == self.key)
             and (self.since_ns is None or message.stored_ns >= self.since_ns)
+            and (self.tags is None or message.tag in self.tags)
         )
 
 
@@ -144,6 +146,7 @@ class RecordSource:
     def __init__(self, store: StoreFiles) -> None:
         self.store = store
         self._managers: list[ChunkManager] = []
+        self.walked = -1  # the last log position a walk reached, matched or not
 
     def close(self) -> None:
         for manager in self._managers:
@@ -192,6 +195,7 @@ class RecordSource:
         for at, payload in ChunkReader(manager).iter_from(start):
             if at < position:
                 continue
+            self.walked = at
             record = self._record(at, payload, manager)
             if filters.match(record.message):
                 yield record
@@ -199,12 +203,7 @@ class RecordSource:
     def from_queue(
         self, topic: str, queue_id: int, offset: int, filters: Filters
     ) -> Iterator[Record]:
-        if topic not in self.store.topics:
-            known = ", ".join(sorted(self.store.topics)) or "none"
-            raise UsageError(f"no topic {topic!r} in {self.store.path} (topics: {known})")
-        count = self.store.topics[topic]
-        if not 0 <= queue_id < count:
-            raise UsageError(f"topic {topic!r} has queues 0..{count - 1}, not {queue_id}")
+        check_queue(self.store, topic, queue_id)
         # The queue first: on a live store every entry read then points at a message
         # that was written before the message chunks are loaded.
         queue = self._open(self.store.queue_dir(topic, queue_id))
@@ -226,6 +225,16 @@ class RecordSource:
                     f"position {entry.message_position}, which holds no message ({exc})",
                     file=str(queue.get_chunk_for(at).path),
                 ) from exc
+            self.walked = entry.message_position
             record = self._record(entry.message_position, payload, messages)
             if filters.match(record.message):
                 yield record
+
+
+def check_queue(store: StoreFiles, topic: str, queue_id: int) -> None:
+    if topic not in store.topics:
+        known = ", ".join(sorted(store.topics)) or "none"
+        raise UsageError(f"no topic {topic!r} in {store.path} (topics: {known})")
+    count = store.topics[topic]
+    if not 0 <= queue_id < count:
+        raise UsageError(f"topic {topic!r} has queues 0..{count - 1}, not {queue_id}")

@@ -1,6 +1,9 @@
 """Human output: tables that fit 80 columns, sizes in KiB/MiB, times in ISO-8601 UTC.
 
-``--json`` output does not come through here: it carries the raw numbers.
+Sentences (problems, summaries) are wrapped at 80 columns only for a terminal
+(``wrap=True``): in a pipe or a file a line break inside a sentence ("43475" /
+"removed") would split what grep and the reader look for. ``--json`` output does not
+come through here: it carries the raw numbers.
 """
 
 from __future__ import annotations
@@ -75,7 +78,21 @@ def table(
     return [line(headers)] + [line(row) for row in rows]
 
 
-def _wrap(text: str, indent: str) -> list[str]:
+def is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except ValueError:  # a closed stream
+        return False
+
+
+def fill(text: str, *, wrap: bool) -> str:
+    """``text`` wrapped at WIDTH when ``wrap`` (a terminal), else whole on one line."""
+    return textwrap.fill(text, WIDTH, break_on_hyphens=False) if wrap else text
+
+
+def _wrap(text: str, indent: str, wrap: bool) -> list[str]:
+    if not wrap:
+        return [indent + text]
     return textwrap.wrap(
         text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False
     ) or [indent]
@@ -87,18 +104,18 @@ def _where(problem: Problem) -> str:
     return f"{problem.file} at offset {problem.offset} (0x{problem.offset:x})"
 
 
-def render_problems(problems: Sequence[Problem], indent: str = "") -> list[str]:
+def render_problems(problems: Sequence[Problem], indent: str = "", *, wrap: bool) -> list[str]:
     lines: list[str] = []
     for problem in problems:
         lines.append(indent + _where(problem))  # whole, so it can be copied: a path is data
-        lines += _wrap(f"{problem.kind}: {problem.reason}", indent + "  ")
+        lines += _wrap(f"{problem.kind}: {problem.reason}", indent + "  ", wrap)
     return lines
 
 
 # --- inspect STORE ------------------------------------------------------------------
 
 
-def render_store(s: StoreSummary) -> str:
+def render_store(s: StoreSummary, *, wrap: bool) -> str:
     store_id = f"{s.store_id:08x}" if s.store_id is not None else "unknown"
     sizes = (
         f"chunk data size {human_size(s.chunk_data_size)}"
@@ -145,7 +162,7 @@ def render_store(s: StoreSummary) -> str:
                 where = f"{numbers} (by its file name): the header is damaged"
             else:
                 where = f"{numbers}, positions {c.start_position} .. {c.end_position}"
-            lines += [row, *_wrap(where, "    ")]
+            lines += [row, *_wrap(where, "    ", wrap)]
             if c.first_stored_ns is not None:
                 lines.append(
                     f"    stored {human_time(c.first_stored_ns)} .. {human_time(c.last_stored_ns)}"
@@ -189,7 +206,7 @@ def render_store(s: StoreSummary) -> str:
         lines.append("  none")
     if s.problems:
         lines += ["", f"Problems noticed ({len(s.problems)}); 'equeue verify' checks everything:"]
-        lines += render_problems(s.problems, "  ")
+        lines += render_problems(s.problems, "  ", wrap=wrap)
     return "\n".join(lines)
 
 
@@ -226,7 +243,7 @@ def _fields(fields: dict[str, object]) -> list[str]:
     ]
 
 
-def render_file(f: FileSummary) -> str:
+def render_file(f: FileSummary, *, wrap: bool) -> str:
     lines = [
         f"File     {f.file}",
         f"Kind     {f.kind}, {f.state}",
@@ -257,10 +274,10 @@ def render_file(f: FileSummary) -> str:
             f"Stored   {human_time(f.first_timestamp_ns)} .. {human_time(f.last_timestamp_ns)}"
         )
     if f.scan_problem:
-        lines += _wrap(f"Scan     stopped early: {f.scan_problem}", "")
+        lines += _wrap(f"Scan     stopped early: {f.scan_problem}", "", wrap)
     if f.problems:
         lines += ["", f"Problems ({len(f.problems)})"]
-        lines += render_problems(f.problems, "  ")
+        lines += render_problems(f.problems, "  ", wrap=wrap)
     return "\n".join(lines)
 
 
@@ -306,7 +323,7 @@ class ProgressBar:
     def __init__(self, stream: TextIO, label: str) -> None:
         self.stream = stream
         self.label = label
-        self.enabled = stream.isatty()
+        self.enabled = is_terminal(stream)
         self._drawn = 0.0
 
     def __call__(self, done: int, total: int) -> None:

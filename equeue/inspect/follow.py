@@ -1,0 +1,103 @@
+"""``equeue records --follow``: keep printing messages as a writer in another process
+adds them, like ``tail -f``.
+
+New messages come through a read-only ``MessageStore`` (its public ``pull`` and
+``refresh``), so the follower moves on as read-only handles do: across rollovers,
+past chunks that retention removed, onto chunks compaction installed, and to topics
+created after it started. The messages already in the store are printed first by
+the log or queue walk of records.py; ``Follower`` is created before that walk, so
+that together they print every message once (see ``records``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+from equeue.format.message import MessageLogRecord
+from equeue.inspect.records import Filters, Record
+from equeue.store import Message, MessageStore
+
+# The longest a new message waits before it is printed (when nothing is arriving).
+POLL_SECONDS: Final = 0.2
+# Messages taken from one queue per round: a busy queue cannot starve the others.
+_BATCH: Final = 256
+
+
+def _record(message: Message) -> Record:
+    # The API gives times as float seconds: back to ns, exact to well under a microsecond.
+    return Record(
+        message.message_id,
+        MessageLogRecord(
+            log_position=message.position,
+            topic=message.topic,
+            queue_id=message.queue_id,
+            queue_offset=message.queue_offset,
+            body=message.body,
+            stored_ns=round(message.stored_at * 1e9),
+            created_ns=round(message.created_at * 1e9),
+            tag=message.tag,
+            key=message.key,
+            properties=message.properties,
+            code=message.code,
+        ),
+    )
+
+
+class Follower:
+    """The queues of ``topic`` (all topics when None; queue ``queue_id`` alone when
+    given), each from where it ends now: create it before walking what the store holds."""
+
+    def __init__(
+        self, path: Path, topic: str | None, queue_id: int | None, offset: int = 0
+    ) -> None:
+        self._store = MessageStore.open(path, read_only=True)
+        self._topic = topic
+        self._queue_id = queue_id
+        self._next: dict[tuple[str, int], int] = {}
+        for topic_queue in self._queues():
+            end = self._store.queue_range(*topic_queue)[1]
+            self._next[topic_queue] = max(end, offset) if queue_id is not None else end
+
+    def close(self) -> None:
+        self._store.close()
+
+    def _queues(self) -> list[tuple[str, int]]:
+        topics = self._store.topics()
+        if self._topic is not None:
+            topics = [self._topic] if self._topic in topics else []
+        return [
+            (topic, queue_id)
+            for topic in topics
+            for queue_id in self._store.queue_ids(topic)
+            if self._queue_id is None or queue_id == self._queue_id
+        ]
+
+    def records(self, after: int, filters: Filters) -> Iterator[Record]:
+        """Every new message past log position ``after`` (the walk before printed those
+        up to it) that ``filters`` keeps; never ends (stop it with KeyboardInterrupt).
+
+        Each round takes what every queue holds past where it stopped and prints it in
+        log order; a queue that appeared since (a new topic) is read from its start."""
+        refreshed = time.monotonic()
+        while True:
+            if time.monotonic() - refreshed >= POLL_SECONDS:
+                self._store.refresh()  # new topics, and chunks retention removed
+                refreshed = time.monotonic()
+            arrived: list[Message] = []
+            for topic, queue_id in self._queues():
+                offset = self._next.get((topic, queue_id), 0)
+                result = self._store.pull(topic, queue_id, offset, max_count=_BATCH)
+                self._next[(topic, queue_id)] = result.next_offset
+                arrived += result.messages
+            if not arrived:
+                time.sleep(POLL_SECONDS)
+                continue
+            for message in sorted(arrived, key=lambda m: m.position):
+                if message.position <= after:
+                    continue  # the walk has seen it
+                record = _record(message)
+                if filters.match(record.message):
+                    yield record
