@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from code_paths import code_path  # noqa: F401 - the fixture
 from store_helpers import Sent, assert_all_readable, frame_size, pull_all, send, send_batch
 
 import equeue.atomicfile
@@ -938,6 +939,102 @@ def test_commit_offset_when_disk_full(
     with MessageStore.open(path, CONFIG) as store:
         assert store.recovery.clean
         assert store.committed_offset("g", "t", 0) == 5
+
+
+# --- an allocation step ------------------------------------------------------------------------
+
+# Chunks far larger than a step: the log and the queue chunks allocate their disk a page at
+# a time (StoreConfig.alloc_step), so the trigger send is the one that needs a new step.
+STEP_CONFIG = StoreConfig(
+    chunk_data_size=1 << 20,
+    queue_chunk_records=100_000,
+    default_queue_count=2,
+    flush="os",
+    alloc_step=4096,
+)
+STEP_ERRORS = [
+    pytest.param(errno.ENOSPC, id="ENOSPC"),
+    pytest.param(errno.EFBIG, id="EFBIG"),
+    pytest.param(errno.EIO, id="EIO"),
+    pytest.param(None, id="control"),
+]
+
+
+def _brink_of_step(store: MessageStore, acked: list[Sent], scenario: str) -> Path:
+    """Send until the trigger send must allocate the next step of the log chunk (or of
+    queue t/0's chunk) before writing, and not of the other; the file to fail."""
+    log = store._messages.last_chunk
+    queue = store._queues["t"][0].manager.last_chunk
+    assert log is not None and queue is not None
+    frame = trigger_frame("t") * (2 if scenario == "log-batch" else 1)
+    while True:
+        log_room = log.writable_end - log.data_end
+        queue_room = queue.writable_end - queue.data_end
+        if scenario == "queue-send" and queue_room < 12 and log_room >= frame:
+            return queue.path
+        # a batch: its second message is the one that crosses
+        first_fits = scenario == "send" or log_room >= trigger_frame("t")
+        if scenario != "queue-send" and log_room < frame and queue_room >= 2 * 12 and first_fits:
+            return log.path
+        small = scenario == "queue-send" or log_room > 4 * frame
+        if scenario != "queue-send" and queue_room < 3 * 12:
+            acked.append(send(store, "t", b"q", queue_id=0))  # the queue passes its step first
+            continue
+        body = b"s" if small else b"f" * (len(FAILED_BODY) // 4)
+        acked.append(send(store, "t", body, queue_id=0 if scenario == "queue-send" else 1))
+
+
+@pytest.mark.usefixtures("code_path")
+@pytest.mark.parametrize("error", STEP_ERRORS)
+@pytest.mark.parametrize("scenario", ["send", "log-batch", "queue-send"])
+def test_send_at_an_allocation_step(
+    tmp_path: Path, faults: Faults, scenario: str, error: int | None
+) -> None:
+    """The send that needs the next step of a chunk's disk (fallocate) when the disk is
+    full: DiskFullError (ENOSPC and EFBIG; EIO a StoreWriteError) naming the chunk,
+    before anything is written, nothing acknowledged lost; the same store sends again
+    once space is freed (a batch: what was stored before the step is in ``sent``)."""
+    path = tmp_path / "store"
+    with opened(path, STEP_CONFIG) as store:
+        store.create_topic("t", 2)
+        acked = [send(store, "t", b"first", queue_id=0)]
+        target = _brink_of_step(store, acked, scenario)
+        before = queue_ranges(store)
+        rule = faults.add("allocate", is_path(target.resolve()), error)
+        batch = [
+            OutgoingMessage(FAILED_BODY, key=FAILED_KEY, queue_id=0),
+            OutgoingMessage(FAILED_BODY[:-1] + b"2", key=FAILED_KEY, queue_id=0),
+        ]
+        raised: BaseException | None = None
+        try:
+            if scenario == "log-batch":
+                acked += send_batch(store, "t", batch)
+            else:
+                acked.append(send(store, "t", FAILED_BODY, key=FAILED_KEY, queue_id=0))
+        except Exception as exc:
+            raised = exc
+        faults.clear()
+        assert rule.hits, f"the send allocated nothing in {target} ({scenario})"
+        if error is None:
+            assert raised is None, f"the control send failed: {raised!r}"
+        else:
+            assert isinstance(raised, StoreWriteError), f"raised {raised!r}"
+            assert isinstance(raised, DiskFullError) == (error != errno.EIO), repr(raised)
+            assert raised.errno == error and str(target.resolve()) in str(raised), str(raised)
+            assert "alloc_step" in str(raised), str(raised)
+            stored = raised.sent if scenario == "log-batch" else []
+            assert len(stored) == (1 if scenario == "log-batch" else 0), stored
+            acked += [Sent(r, m.body, key=m.key) for r, m in zip(stored, batch, strict=False)]
+            first, end = before[("t", 0)]
+            before[("t", 0)] = (first, end + len(stored))
+            check_nothing_visible(store, before, acked, "t", batch[len(stored) :])
+        assert_all_readable(store, acked)
+        acked.append(send(store, "t", RETRY_BODY, key=RETRY_KEY, queue_id=0))
+        acked.append(send(store, "t", b"and one more", queue_id=1))
+        assert_all_readable(store, acked)
+        check_keys(store, acked)
+        store.close()
+    reopen_and_check(path, acked, STEP_CONFIG)
 
 
 # --- a real limit ------------------------------------------------------------------------------
