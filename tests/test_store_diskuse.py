@@ -29,8 +29,10 @@ from crash_writer import CONFIG_ENV, store_config
 from store_helpers import Sent, assert_all_readable, send, send_batch
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue.cli import main
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD_SIZE
+from equeue.inspect.render import human_size
 from equeue.inspect.summary import summarize_store
 
 MiB = 1 << 20
@@ -203,3 +205,19 @@ def test_sigkill_across_allocation_steps(
     assert end // step >= 5, f"the sends crossed only {end // step} steps"
     verdict = verify_recovered_store(store, store_config(policy), exp)
     assert not verdict.problems, describe_problems(verdict.problems)
+
+
+def test_verify_counts_what_it_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``equeue verify`` reports the bytes it checked (each chunk's header, records and
+    footer), not the chunk files' sizes: 36 messages over 3 topics are a few KiB, where
+    it used to say 336.1 MiB."""
+    path = tmp_path / "store"
+    with MessageStore.open(path) as store:
+        sent = [send(store, f"t{i % 3}", b"message %d" % i) for i in range(36)]
+    chunk_files = [p for p in path.rglob("chunk-*") if parse_chunk_file_name(p.name)]
+    read = HEADER_SIZE * len(chunk_files) + sum(s.frame_size + QUEUE_RECORD_SIZE for s in sent)
+    assert main(["verify", "--json", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["records"], report["bytes"]) == (36, read)
+    assert main(["verify", str(path)]) == 0
+    assert f"({human_size(read)})" in capsys.readouterr().out
