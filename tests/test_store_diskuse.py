@@ -132,6 +132,27 @@ def test_whole_chunk_preallocation_exceeds_the_bound(tmp_path: Path, example: st
     assert on_disk(path) > 10 * bound, (on_disk(path), bound)
 
 
+@pytest.mark.parametrize("alloc_step", [512 << 10, 0])
+def test_completed_chunks_keep_only_their_data(tmp_path: Path, alloc_step: int) -> None:
+    """A chunk completed because a 300 KB record did not fit had blocks allocated ahead
+    of its data: on completion they are given back (a hole, read as zeros), so every
+    completed chunk holds its header, data and footer pages and no more, and reads the
+    same. The control (whole chunks) keeps them all, which the check would catch."""
+    path = tmp_path / "store"
+    config = StoreConfig(chunk_data_size=MiB, alloc_step=alloc_step)
+    with MessageStore.open(path, config) as store:
+        sent = [send(store, "t", bytes([65 + i % 26]) * 300_000) for i in range(13)]
+        completed = [c for c in store._messages if c.is_completed]
+        assert len(completed) == 4
+        for chunk in completed:
+            used = -(-(HEADER_SIZE + chunk.data_end) // 4096) * 4096 + 4096
+            held = os.stat(chunk.path).st_blocks * 512
+            assert (held <= used) == (alloc_step != 0), (chunk, held, used)
+    with MessageStore.open(path, config) as store:
+        assert store.recovery.clean, store.recovery
+        assert_all_readable(store, sent)
+
+
 @pytest.mark.usefixtures("code_path")
 def test_every_write_stays_within_the_allocated_blocks(tmp_path: Path) -> None:
     """Sends and batches of mixed sizes across many steps: after each, no chunk being

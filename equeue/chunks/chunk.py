@@ -15,6 +15,7 @@ from pathlib import Path
 import xxhash
 
 from equeue.chunks.prefault import PREFAULTER, WINDOW
+from equeue.chunks.space import punch_hole
 from equeue.errors import (
     ChunkRemovedError,
     CompactedAwayError,
@@ -528,6 +529,13 @@ class Chunk:
                 raise
         self.synced_end = self.data_end
         self.footer = footer
+        if self._alloc_step:
+            # The blocks allocated ahead of the data are not needed any more (space.py);
+            # first the prefaulter lets go, so it cannot fault the hole back in.
+            if self._address:
+                PREFAULTER.forget(self._address)
+            start = _round_page(HEADER_SIZE + self.data_end)
+            punch_hole(self._fd, start, (at // _PAGE * _PAGE) - start)
         return footer
 
     def _timestamps(self) -> tuple[int | None, int | None]:
