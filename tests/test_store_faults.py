@@ -960,74 +960,60 @@ STEP_ERRORS = [
 ]
 
 
-def _brink_of_step(store: MessageStore, acked: list[Sent], scenario: str) -> Path:
-    """Send until the trigger send must allocate the next step of the log chunk (or of
-    queue t/0's chunk) before writing, and not of the other; the file to fail."""
-    log = store._messages.last_chunk
-    queue = store._queues["t"][0].manager.last_chunk
-    assert log is not None and queue is not None
-    frame = trigger_frame("t") * (2 if scenario == "log-batch" else 1)
-    while True:
-        log_room = log.writable_end - log.data_end
-        queue_room = queue.writable_end - queue.data_end
-        if scenario == "queue-send" and queue_room < 12 and log_room >= frame:
-            return queue.path
-        # a batch: its second message is the one that crosses
-        first_fits = scenario == "send" or log_room >= trigger_frame("t")
-        if scenario != "queue-send" and log_room < frame and queue_room >= 2 * 12 and first_fits:
-            return log.path
-        small = scenario == "queue-send" or log_room > 4 * frame
-        if scenario != "queue-send" and queue_room < 3 * 12:
-            acked.append(send(store, "t", b"q", queue_id=0))  # the queue passes its step first
-            continue
-        body = b"s" if small else b"f" * (len(FAILED_BODY) // 4)
-        acked.append(send(store, "t", body, queue_id=0 if scenario == "queue-send" else 1))
-
-
 @pytest.mark.usefixtures("code_path")
 @pytest.mark.parametrize("error", STEP_ERRORS)
 @pytest.mark.parametrize("scenario", ["send", "log-batch", "queue-send"])
 def test_send_at_an_allocation_step(
     tmp_path: Path, faults: Faults, scenario: str, error: int | None
 ) -> None:
-    """The send that needs the next step of a chunk's disk (fallocate) when the disk is
-    full: DiskFullError (ENOSPC and EFBIG; EIO a StoreWriteError) naming the chunk,
-    before anything is written, nothing acknowledged lost; the same store sends again
-    once space is freed (a batch: what was stored before the step is in ``sent``)."""
+    """The disk fills up while a chunk is written: every allocation of the log chunk's
+    (or queue t/0's chunk's) next blocks fails from now on. The sends go on into what
+    was allocated ahead of the writer, then the one that needs more raises DiskFullError
+    (ENOSPC and EFBIG; EIO a StoreWriteError) naming the chunk, before anything of it is
+    written; nothing acknowledged is lost, and the same store sends again once space
+    is freed (a batch: what was stored before the step is in ``sent``)."""
     path = tmp_path / "store"
     with opened(path, STEP_CONFIG) as store:
         store.create_topic("t", 2)
         acked = [send(store, "t", b"first", queue_id=0)]
-        target = _brink_of_step(store, acked, scenario)
-        before = queue_ranges(store)
-        rule = faults.add("allocate", is_path(target.resolve()), error)
-        batch = [
-            OutgoingMessage(FAILED_BODY, key=FAILED_KEY, queue_id=0),
-            OutgoingMessage(FAILED_BODY[:-1] + b"2", key=FAILED_KEY, queue_id=0),
-        ]
+        target = store._queues["t"][0].manager if scenario == "queue-send" else store._messages
+        chunk = target.last_chunk
+        assert chunk is not None
+        rule = faults.add("allocate", is_path(chunk.path.resolve()), error)
         raised: BaseException | None = None
-        try:
-            if scenario == "log-batch":
-                acked += send_batch(store, "t", batch)
-            else:
-                acked.append(send(store, "t", FAILED_BODY, key=FAILED_KEY, queue_id=0))
-        except Exception as exc:
-            raised = exc
+        failed: list[OutgoingMessage] = []
+        before = queue_ranges(store)
+        for i in range(3000):  # up to a window's worth of sends (and a step) beyond
+            before = queue_ranges(store)
+            body = b"F%05d " % i + (b"" if scenario == "queue-send" else b"x" * 1000)
+            key = f"step-key-{i}"
+            failed = [OutgoingMessage(body + b"%d" % n, key=key, queue_id=0) for n in (1, 2)]
+            try:
+                if scenario == "log-batch":
+                    acked += send_batch(store, "t", failed)
+                else:
+                    acked.append(send(store, "t", failed[0].body, key=key, queue_id=0))
+            except Exception as exc:
+                raised = exc
+                break
+            if error is None and rule.hits and chunk.writable_end > chunk.data_end + 4096:
+                break  # the control: it allocated its next blocks, and sends go on
         faults.clear()
-        assert rule.hits, f"the send allocated nothing in {target} ({scenario})"
+        assert rule.hits, f"the sends allocated nothing in {chunk.path} ({scenario})"
         if error is None:
             assert raised is None, f"the control send failed: {raised!r}"
         else:
             assert isinstance(raised, StoreWriteError), f"raised {raised!r}"
             assert isinstance(raised, DiskFullError) == (error != errno.EIO), repr(raised)
-            assert raised.errno == error and str(target.resolve()) in str(raised), str(raised)
+            assert raised.errno == error and str(chunk.path.resolve()) in str(raised), raised
             assert "alloc_step" in str(raised), str(raised)
             stored = raised.sent if scenario == "log-batch" else []
-            assert len(stored) == (1 if scenario == "log-batch" else 0), stored
-            acked += [Sent(r, m.body, key=m.key) for r, m in zip(stored, batch, strict=False)]
+            assert len(stored) <= 1, stored
+            acked += [Sent(r, m.body, key=m.key) for r, m in zip(stored, failed, strict=False)]
             first, end = before[("t", 0)]
             before[("t", 0)] = (first, end + len(stored))
-            check_nothing_visible(store, before, acked, "t", batch[len(stored) :])
+            unacked = failed[len(stored) :] if scenario == "log-batch" else failed[:1]
+            check_nothing_visible(store, before, acked, "t", unacked)
         assert_all_readable(store, acked)
         acked.append(send(store, "t", RETRY_BODY, key=RETRY_KEY, queue_id=0))
         acked.append(send(store, "t", b"and one more", queue_id=1))

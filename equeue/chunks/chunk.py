@@ -134,6 +134,9 @@ class Chunk:
         # Queue chunks hold 12-byte entries: a log-sized window would keep a MiB or two of
         # each resident for a few hundred KiB of entries a second.
         self._window = WINDOW if not header.record_size else _FIXED_WINDOW
+        if header.record_size and alloc_step:
+            # Faulted in no further than a step ahead: the queue's slack on disk stays a step.
+            self._window = min(_FIXED_WINDOW, max(_round_page(alloc_step), 2 * _PAGE))
         # Called under the write lock each time the writer passes a half window (the
         # store's LiveTailWriter.advance, for the log's chunks).
         self.on_advance: Callable[[Chunk], None] | None = None
@@ -294,12 +297,13 @@ class Chunk:
         window behind it."""
         start = ((HEADER_SIZE + offset) // _PAGE) * _PAGE
         stop = min(start + self._window, HEADER_SIZE + self.data_size)
-        if stop > HEADER_SIZE + self.writable_end and self._window <= self._alloc_step:
-            # The next step now, so the window is allocated before it is faulted in. A full
-            # disk is left to the write that needs the space: that one raises, before it
-            # writes anything (this record is already published).
+        if stop > HEADER_SIZE + self.writable_end and self._alloc_step:
+            # The window's blocks now, so it is allocated before it is faulted in (and a
+            # step beyond, if steps are larger than windows). A full disk is left to the
+            # write that needs the space: that one raises, before it writes anything (this
+            # record is already published).
             with contextlib.suppress(StoreWriteError):
-                self.reserve(stop - HEADER_SIZE)
+                self.reserve(stop - HEADER_SIZE, ahead=self._window < self._alloc_step)
         if PREFAULTER.enabled:
             # Never past the allocated blocks: faulting in a hole allocates it, and a full
             # disk there would go unnoticed until writeback.
@@ -357,14 +361,16 @@ class Chunk:
 
     # --- writing -------------------------------------------------------------
 
-    def reserve(self, end: int) -> None:
+    def reserve(self, end: int, *, ahead: bool = True) -> None:
         """Allocate the file's blocks up to data offset ``end`` (at most ``data_size``)
-        and a step beyond, before the writer writes there; under the write lock. A full
-        disk raises DiskFullError with nothing written: a write into the mapping that
-        meets it would be a SIGBUS."""
+        and, if ``ahead``, a step beyond, before the writer writes there; under the write
+        lock. A full disk raises DiskFullError with nothing written: a write into the
+        mapping that meets it would be a SIGBUS."""
         start = HEADER_SIZE + self.writable_end
         want = HEADER_SIZE + end
         step = min(self._alloc_step, max(want, _MIN_STEP)) or self.data_size
+        if not ahead:
+            step = 0
         stop = min(_round_page(want + step), HEADER_SIZE + self.data_size)
         if stop <= start:
             return
