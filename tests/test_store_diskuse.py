@@ -29,6 +29,7 @@ from crash_writer import CONFIG_ENV, store_config
 from store_helpers import Sent, assert_all_readable, send, send_batch
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue.chunks.chunk import Chunk
 from equeue.cli import main
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD_SIZE
@@ -156,29 +157,50 @@ def test_completed_chunks_keep_only_their_data(tmp_path: Path, alloc_step: int) 
 
 
 @pytest.mark.usefixtures("code_path")
-def test_every_write_stays_within_the_allocated_blocks(tmp_path: Path) -> None:
-    """Sends and batches of mixed sizes across many steps: after each, no chunk being
-    written has data past its allocated end, and the blocks under the data are allocated
-    (the file system holds at least the data)."""
+def test_every_write_stays_within_the_allocated_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sends and batches of mixed sizes (some of 720 KB, more than the window allocated
+    ahead of the writer) across many steps: no write path (Python, the C Sender, the C
+    batch run) publishes data past the chunk's allocated end (``data_end`` is watched as
+    each path sets it, right after writing the bytes), and the blocks under the data are
+    allocated."""
+    past: list[tuple[str, int, int]] = []
+
+    def get(chunk: Chunk) -> int:
+        return int(chunk.__dict__["_watched_end"])
+
+    def set_(chunk: Chunk, value: int) -> None:
+        limit = chunk.__dict__.get("writable_end")
+        if chunk.__dict__.get("_writable") and limit is not None and value > limit:
+            past.append((chunk.path.name, value, limit))
+        chunk.__dict__["_watched_end"] = value
+
+    monkeypatch.setattr(Chunk, "data_end", property(get, set_), raising=False)
     path = tmp_path / "store"
-    config = StoreConfig(chunk_data_size=MiB, queue_chunk_records=5_000, alloc_step=4096)
+    config = StoreConfig(chunk_data_size=4 * MiB, queue_chunk_records=5_000, alloc_step=4096)
     sent: list[Sent] = []
     with MessageStore.open(path, config) as store:
         store.create_topic("t", 3)
         for i in range(400):
             if i % 5 == 4:
-                batch = [OutgoingMessage(b"b%d-%d " % (i, j) * (1 + j * 40)) for j in range(12)]
+                # every fifth batch 800 KB, past the room allocated ahead too
+                repeat = 12_000 if i % 25 == 24 else 40
+                batch = [OutgoingMessage(b"b%d-%d " % (i, j) * (1 + j * repeat)) for j in range(12)]
                 sent += send_batch(store, "t", batch)
             else:
-                sent.append(send(store, "t", b"s%d " % i * (1 + i % 90), key=f"k{i % 7}"))
+                # one in 13 longer than the room the prefault keeps allocated ahead (its
+                # window, 512 KiB)
+                body = b"s%d " % i * (1 + i % 90) if i % 13 else b"L%03d " % i * 120_000
+                sent.append(send(store, "t", body, key=f"k{i % 7}"))
             writing = [store._messages.last_chunk]
             writing += [q.manager.last_chunk for q in store._queues["t"]]
             for chunk in writing:
                 if chunk is None or chunk.is_completed:
                     continue
-                assert chunk.data_end <= chunk.writable_end <= chunk.data_size, chunk
                 blocks = os.stat(chunk.path).st_blocks * 512
                 assert blocks >= HEADER_SIZE + chunk.data_end, (chunk, blocks)
+        assert past == [], f"data published past the allocated end: {past[:5]}"
         assert_all_readable(store, sent)
     with MessageStore.open(path, config) as store:
         assert store.recovery.clean, store.recovery
