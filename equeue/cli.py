@@ -224,7 +224,7 @@ def _run_verify(args: argparse.Namespace) -> int:
                 "records": verifier.records,
                 "queue_chunks": verifier.queue_chunks,
                 "queue_entries": verifier.queue_entries,
-                "bytes": verifier.bytes_total,
+                "bytes": verifier.bytes_read,
                 "problems": [p.to_json() for p in problems],
             }
         )
@@ -239,7 +239,7 @@ def _run_verify(args: argparse.Namespace) -> int:
             f"{_plural(verifier.message_chunks, 'message chunk')} and "
             f"{_plural(verifier.queue_entries, 'queue entry', 'queue entries')} in "
             f"{_plural(verifier.queue_chunks, 'queue chunk')} "
-            f"({human_size(verifier.bytes_total)})."
+            f"({human_size(verifier.bytes_read)})."
         )
         print(fill(checked, wrap=wrap))
         found = _plural(len(problems), "problem", none="No problems")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import json
 import os
 import random
 import re
@@ -56,6 +57,7 @@ MAX_BATCH = 6
 RETENTION_CHUNKS = 3  # --retention: the log chunks max_store_bytes keeps
 QUIET_PRODUCER = 3  # --retention: it pauses now and then (alone on its queue, b/0)
 EXIT_THREAD_FAILED = 3
+CONFIG_ENV = "EQUEUE_CRASH_CONFIG"  # JSON: StoreConfig settings over store_config's
 
 _HEAD = re.compile(rb"p(\d+)s(\d+):")
 
@@ -70,6 +72,8 @@ def store_config(policy: str, **overrides: int) -> StoreConfig:
         "flush_interval_ms": 20,
         "key_index_batch": 32,  # the service checkpoints often
     }
+    # A test's variant of the layout (tests/test_store_diskuse.py), for writer and checker.
+    settings.update(json.loads(os.environ.get(CONFIG_ENV, "{}")))
     settings.update(overrides)
     return StoreConfig(flush=policy, **settings)  # type: ignore[arg-type]
 

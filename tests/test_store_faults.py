@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from code_paths import code_path  # noqa: F401 - the fixture
 from store_helpers import Sent, assert_all_readable, frame_size, pull_all, send, send_batch
 
 import equeue.atomicfile
@@ -941,6 +942,88 @@ def test_commit_offset_when_disk_full(
     with MessageStore.open(path, CONFIG) as store:
         assert store.recovery.clean
         assert store.committed_offset("g", "t", 0) == 5
+
+
+# --- an allocation step ------------------------------------------------------------------------
+
+# Chunks far larger than a step: the log and the queue chunks allocate their disk a page at
+# a time (StoreConfig.alloc_step), so the trigger send is the one that needs a new step.
+STEP_CONFIG = StoreConfig(
+    chunk_data_size=1 << 20,
+    queue_chunk_records=100_000,
+    default_queue_count=2,
+    flush="os",
+    alloc_step=4096,
+)
+STEP_ERRORS = [
+    pytest.param(errno.ENOSPC, id="ENOSPC"),
+    pytest.param(errno.EFBIG, id="EFBIG"),
+    pytest.param(errno.EIO, id="EIO"),
+    pytest.param(None, id="control"),
+]
+
+
+@pytest.mark.usefixtures("code_path")
+@pytest.mark.parametrize("error", STEP_ERRORS)
+@pytest.mark.parametrize("scenario", ["send", "log-batch", "queue-send"])
+def test_send_at_an_allocation_step(
+    tmp_path: Path, faults: Faults, scenario: str, error: int | None
+) -> None:
+    """The disk fills up while a chunk is written: every allocation of the log chunk's
+    (or queue t/0's chunk's) next blocks fails from now on. The sends go on into what
+    was allocated ahead of the writer, then the one that needs more raises DiskFullError
+    (ENOSPC and EFBIG; EIO a StoreWriteError) naming the chunk, before anything of it is
+    written; nothing acknowledged is lost, and the same store sends again once space
+    is freed (a batch: what was stored before the step is in ``sent``)."""
+    path = tmp_path / "store"
+    with opened(path, STEP_CONFIG) as store:
+        store.create_topic("t", 2)
+        acked = [send(store, "t", b"first", queue_id=0)]
+        target = store._queues["t"][0].manager if scenario == "queue-send" else store._messages
+        chunk = target.last_chunk
+        assert chunk is not None
+        rule = faults.add("allocate", is_path(chunk.path.resolve()), error)
+        raised: BaseException | None = None
+        failed: list[OutgoingMessage] = []
+        before = queue_ranges(store)
+        for i in range(3000):  # up to a window's worth of sends (and a step) beyond
+            before = queue_ranges(store)
+            body = b"F%05d " % i + (b"" if scenario == "queue-send" else b"x" * 1000)
+            key = f"step-key-{i}"
+            failed = [OutgoingMessage(body + b"%d" % n, key=key, queue_id=0) for n in (1, 2)]
+            try:
+                if scenario == "log-batch":
+                    acked += send_batch(store, "t", failed)
+                else:
+                    acked.append(send(store, "t", failed[0].body, key=key, queue_id=0))
+            except Exception as exc:
+                raised = exc
+                break
+            if error is None and rule.hits and chunk.writable_end > chunk.data_end + 4096:
+                break  # the control: it allocated its next blocks, and sends go on
+        faults.clear()
+        assert rule.hits, f"the sends allocated nothing in {chunk.path} ({scenario})"
+        if error is None:
+            assert raised is None, f"the control send failed: {raised!r}"
+        else:
+            assert isinstance(raised, StoreWriteError), f"raised {raised!r}"
+            assert isinstance(raised, DiskFullError) == (error != errno.EIO), repr(raised)
+            assert raised.errno == error and str(chunk.path.resolve()) in str(raised), raised
+            assert "alloc_step" in str(raised), str(raised)
+            stored = raised.sent if scenario == "log-batch" else []
+            assert len(stored) <= 1, stored
+            acked += [Sent(r, m.body, key=m.key) for r, m in zip(stored, failed, strict=False)]
+            first, end = before[("t", 0)]
+            before[("t", 0)] = (first, end + len(stored))
+            unacked = failed[len(stored) :] if scenario == "log-batch" else failed[:1]
+            check_nothing_visible(store, before, acked, "t", unacked)
+        assert_all_readable(store, acked)
+        acked.append(send(store, "t", RETRY_BODY, key=RETRY_KEY, queue_id=0))
+        acked.append(send(store, "t", b"and one more", queue_id=1))
+        assert_all_readable(store, acked)
+        check_keys(store, acked)
+        store.close()
+    reopen_and_check(path, acked, STEP_CONFIG)
 
 
 # --- a real limit ------------------------------------------------------------------------------

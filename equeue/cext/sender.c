@@ -11,7 +11,7 @@
  * None (nothing written, the lock released) hands the send to the Python path: a new
  * topic, a field to check in Python, a chunk to complete or create, a closed store. */
 
-static PyObject *S_acquire, *S_release, *S_chunk, *S_data_end, *S_data_size, *S_base, *S_mm,
+static PyObject *S_acquire, *S_release, *S_chunk, *S_data_end, *S_writable_end, *S_base, *S_mm,
     *S_record_count, *S_prefault_mark, *S_prefault, *S_writer, *S_next_offset, *S_closed,
     *S_flush_error, *S_waiting, *S_wake, *S_add, *S_time_ns;
 
@@ -19,7 +19,7 @@ int intern_names(void) {
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     INTERN(S_acquire, "acquire") INTERN(S_release, "release") INTERN(S_chunk, "_chunk")
-    INTERN(S_data_end, "data_end") INTERN(S_data_size, "data_size") INTERN(S_base, "base")
+    INTERN(S_data_end, "data_end") INTERN(S_writable_end, "writable_end") INTERN(S_base, "base")
     INTERN(S_mm, "_mm") INTERN(S_record_count, "record_count")
     INTERN(S_prefault_mark, "_prefault_mark") INTERN(S_prefault, "_prefault")
     INTERN(S_writer, "_writer") INTERN(S_next_offset, "next_offset") INTERN(S_closed, "_closed")
@@ -137,7 +137,8 @@ static int publish_one(PyObject *chunk, Py_ssize_t end) {
     return 0;
 }
 
-/* A chunk open for writing and its data end, size and mapping (new references), or 0
+/* A chunk open for writing and its data end, writable end (as size: Chunk.writable_end,
+ * up to where its blocks are allocated) and mapping (new references), or 0
  * when there is none (writer._chunk is None, or not mapped), or -1 with an exception. */
 typedef struct {
     PyObject *chunk, *mm;
@@ -161,7 +162,7 @@ static int open_chunk(PyObject *writer, Open *out) {
     out->chunk = chunk;
     out->mm = mm;
     if ((out->end = ssize_attr(chunk, S_data_end)) < 0 ||
-        (out->size = ssize_attr(chunk, S_data_size)) < 0) {
+        (out->size = ssize_attr(chunk, S_writable_end)) < 0) {
         Py_CLEAR(out->chunk);
         Py_CLEAR(out->mm);
         return -1;
@@ -195,7 +196,8 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
     if (!PyBytes_Check(topic_bytes)) goto fallback;
     if ((r = open_chunk(s->writer, &log)) <= 0) goto fallback_or_fail;
     Py_ssize_t length = c->length + PyBytes_GET_SIZE(topic_bytes);
-    if (log.end + length + FRAME_OVERHEAD > log.size) goto fallback; /* a new chunk */
+    /* Past the allocated blocks: Chunk.reserve or a new chunk, on the Python path */
+    if (log.end + length + FRAME_OVERHEAD > log.size) goto fallback;
 
     Py_ssize_t q, turn = -1;
     if (c->queue_id != Py_None) {
@@ -216,7 +218,7 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
     if ((qwriter = PyObject_GetAttr(queue, S_writer)) == NULL) goto fail;
     if (qwriter == Py_None) goto fallback; /* the property creates it */
     if ((r = open_chunk(qwriter, &entries)) <= 0) goto fallback_or_fail;
-    if (entries.end + QUEUE_RECORD > entries.size) goto fallback; /* make_room() */
+    if (entries.end + QUEUE_RECORD > entries.size) goto fallback; /* Queue.make_room() */
     Py_ssize_t offset = ssize_attr(queue, S_next_offset);
     if (offset < 0) goto fail;
     PyObject *position_base = PyObject_GetAttr(log.chunk, S_base);

@@ -233,7 +233,9 @@ typedef struct {
  * Frames the run of checked messages from checked[i] that fit the log chunk (data
  * offsets start..room) and their queues' current chunks, appending a SendResult per
  * message to results; then writes their queue entries, after every frame. Nothing is
- * published: the caller raises data_end of each chunk it wrote. taken[q] is the
+ * published: the caller raises data_end of each chunk it wrote. room and queue_sizes
+ * are the chunks' writable ends (Chunk.writable_end): nothing is written where no disk
+ * block is allocated yet. taken[q] is the
  * number of entries written to queue q, keyed the (key, position) of keyed messages.
  * queue_maps[q] is None when queue q has no chunk (it then takes nothing). */
 PyObject *write_run(PyObject *self, PyObject *args) {

@@ -15,6 +15,7 @@ from pathlib import Path
 import xxhash
 
 from equeue.chunks.prefault import PREFAULTER, WINDOW
+from equeue.chunks.space import punch_hole
 from equeue.errors import (
     ChunkRemovedError,
     CompactedAwayError,
@@ -22,6 +23,7 @@ from equeue.errors import (
     DiskFullError,
     PositionNotFoundError,
     StoreWriteError,
+    location,
 )
 from equeue.format.chunk import (
     _FRAME_PACKERS,
@@ -52,8 +54,12 @@ _unpack_suffix = FRAME_SUFFIX.unpack_from
 _PAGE = mmap.PAGESIZE
 Records = Generator[tuple[int, bytes], None, int]
 # The window of chunks of fixed-size records. Not smaller: without the C accelerator
-# each prefault request costs the writer two GIL hand-offs (prefault.py).
+# each prefault request costs the writer two GIL hand-offs (prefault.py). Allocated in
+# steps, their window is a step (32 KiB for a queue): a request per 2,730 entries.
 _FIXED_WINDOW = 256 << 10
+# A chunk's first allocation step (ChunkManagerConfig.alloc_step); each later one is as
+# large as the chunk's data so far, up to alloc_step: few fallocate calls, little slack.
+_MIN_STEP = 64 << 10
 _ticks = itertools.count(1)  # recency for the LRU of read maps; next() is atomic in CPython
 
 
@@ -92,6 +98,7 @@ class Chunk:
         record_count: int,
         max_record_size: int,
         on_map: Callable[[Chunk], None],
+        alloc_step: int = 0,
     ) -> None:
         self.path = path
         self.header = header
@@ -107,6 +114,10 @@ class Chunk:
         # which at open also covers what recovery found in the page cache.
         self.synced_end = data_end
         self.record_count = record_count
+        # The data offset up to which the file's blocks are allocated, for the writer:
+        # every write stays below it, and reserve() moves it before a write would not.
+        self.writable_end = data_end
+        self._alloc_step = alloc_step  # 0: the whole chunk at once
         self.last_used = 0
         self.scan_problem: str | None = None  # why recovery's scan stopped, if not at a clean end
         self._max_record_size = max_record_size
@@ -125,6 +136,9 @@ class Chunk:
         # Queue chunks hold 12-byte entries: a log-sized window would keep a MiB or two of
         # each resident for a few hundred KiB of entries a second.
         self._window = WINDOW if not header.record_size else _FIXED_WINDOW
+        if header.record_size and alloc_step:
+            # Faulted in no further than a step ahead: the queue's slack on disk stays a step.
+            self._window = min(_FIXED_WINDOW, max(_round_page(alloc_step), 2 * _PAGE))
         # Called under the write lock each time the writer passes a half window (the
         # store's LiveTailWriter.advance, for the log's chunks).
         self.on_advance: Callable[[Chunk], None] | None = None
@@ -175,8 +189,10 @@ class Chunk:
         version: int,
         max_record_size: int,
         on_map: Callable[[Chunk], None],
+        alloc_step: int = 0,
     ) -> Chunk:
-        """Temp file, preallocate, header, fsync, rename, fsync the directory."""
+        """Temp file, preallocate (the first step), header, fsync, rename, fsync the
+        directory."""
         final = directory / chunk_file_name(header.chunk_start_number, version)
         temp = directory / f"{final.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
         size = chunk_file_size(header.chunk_data_size)
@@ -190,11 +206,21 @@ class Chunk:
             record_count=0,
             max_record_size=max_record_size,
             on_map=on_map,
+            alloc_step=alloc_step,
         )
+        # Full size from the start, so positions and the footer's place never change; the
+        # blocks past the first step are allocated as the writer nears them (reserve()).
+        first = size
+        if alloc_step:
+            first = min(_round_page(HEADER_SIZE + min(alloc_step, _MIN_STEP)), size)
         try:
             fd = open_fd(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             try:
-                _preallocate(fd, size)
+                if not _allocate(fd, 0, first):
+                    first = size  # no fallocate here: a sparse file, as before
+                    os.ftruncate(fd, size)
+                elif first < size:
+                    os.ftruncate(fd, size)
                 os.pwrite(fd, header.pack(), 0)
                 os.fsync(fd)
             finally:
@@ -205,6 +231,7 @@ class Chunk:
             renamed = True
             fsync_directory(directory)
             chunk.open_for_write()
+            chunk.writable_end = min(first - HEADER_SIZE, chunk.data_size)
         except OSError as exc:
             # Undo it all, so that a retry (once space is freed) starts from nothing:
             # a chunk file left behind would block the next creation.
@@ -247,6 +274,9 @@ class Chunk:
             raise
         self._fd = fd
         self._writable = True
+        # What lies past the data is not known to be allocated: the first write allocates
+        # from there (fallocate leaves blocks already allocated as they are).
+        self.writable_end = self.data_end
         if PREFAULTER.enabled:
             self._address = PREFAULTER.address_of(self._mm)
         # The first window is asked for by the first append, not here: a store opened
@@ -267,9 +297,19 @@ class Chunk:
         """The writer passed ``offset`` (called once per half window, also by the C
         Sender): ask for the window after it to be faulted in, and release what lies a
         window behind it."""
+        start = ((HEADER_SIZE + offset) // _PAGE) * _PAGE
+        stop = min(start + self._window, HEADER_SIZE + self.data_size)
+        if stop > HEADER_SIZE + self.writable_end and self._alloc_step:
+            # The window's blocks now, so it is allocated before it is faulted in (and a
+            # step beyond, if steps are larger than windows). A full disk is left to the
+            # write that needs the space: that one raises, before it writes anything (this
+            # record is already published).
+            with contextlib.suppress(StoreWriteError):
+                self.reserve(stop - HEADER_SIZE, ahead=self._window < self._alloc_step)
         if PREFAULTER.enabled:
-            start = ((HEADER_SIZE + offset) // _PAGE) * _PAGE
-            stop = min(start + self._window, HEADER_SIZE + self.data_size)
+            # Never past the allocated blocks: faulting in a hole allocates it, and a full
+            # disk there would go unnoticed until writeback.
+            stop = min(stop, HEADER_SIZE + self.writable_end)
             PREFAULTER.request(self._address, self._address + start, stop - start)
         self._prefault_mark = offset + self._window // 2
         self.release_behind(offset - self._window // 2, offset)
@@ -323,6 +363,31 @@ class Chunk:
 
     # --- writing -------------------------------------------------------------
 
+    def reserve(self, end: int, *, ahead: bool = True) -> None:
+        """Allocate the file's blocks up to data offset ``end`` (at most ``data_size``)
+        and, if ``ahead``, a step beyond, before the writer writes there; under the write
+        lock. A full disk raises DiskFullError with nothing written: a write into the
+        mapping that meets it would be a SIGBUS."""
+        start = HEADER_SIZE + self.writable_end
+        want = HEADER_SIZE + end
+        step = min(self._alloc_step, max(want, _MIN_STEP)) or self.data_size
+        if not ahead:
+            step = 0
+        stop = min(_round_page(want + step), HEADER_SIZE + self.data_size)
+        if stop <= start:
+            return
+        try:
+            if not _allocate(self._fd, start, stop - start):
+                stop = HEADER_SIZE + self.data_size  # no fallocate here: sparse, as before
+        except OSError as exc:
+            raise write_error(
+                exc,
+                f"allocating {stop - start} bytes of disk (ChunkManagerConfig.alloc_step="
+                f"{self._alloc_step}) {location(None, start)}",
+                self.path,
+            ) from exc
+        self.writable_end = stop - HEADER_SIZE
+
     def try_append(self, record: bytes) -> int:
         """Append one variable-size record; its chunk-relative offset, or -1 if it does not fit.
 
@@ -331,8 +396,10 @@ class Chunk:
         n = len(record)
         offset = self.data_end
         end = offset + n + FRAME_OVERHEAD
-        if end > self.data_size:
-            return -1
+        if end > self.writable_end:
+            if end > self.data_size:
+                return -1
+            self.reserve(end)
         pack = _FRAME_PACKERS.get(n) or frame_packer(n)
         pack(self._mm, HEADER_SIZE + offset, n, record, _xxh3(record) & CHECKSUM_MASK, n)
         self.record_count += 1
@@ -360,8 +427,10 @@ class Chunk:
     def try_append_fixed(self, record: bytes) -> int:
         offset = self.data_end
         end = offset + len(record)
-        if end > self.data_size:
-            return -1
+        if end > self.writable_end:
+            if end > self.data_size:
+                return -1
+            self.reserve(end)
         self._mm[HEADER_SIZE + offset : HEADER_SIZE + end] = record  # type: ignore[index]
         self.record_count += 1
         self.data_end = end
@@ -454,6 +523,11 @@ class Chunk:
             checksum=hasher.intdigest(),
         )
         at = len(mm) - FOOTER_SIZE
+        try:  # the footer's block (a hole until now), so writing it cannot meet a full disk
+            _allocate(self._fd, at, FOOTER_SIZE)
+        except OSError as exc:
+            what = f"allocating the footer {location(None, at)}"
+            raise write_error(exc, what, self.path) from exc
         mm[at:] = footer.pack()
         with self._flush_lock:
             try:
@@ -463,6 +537,13 @@ class Chunk:
                 raise
         self.synced_end = self.data_end
         self.footer = footer
+        if self._alloc_step:
+            # The blocks allocated ahead of the data are not needed any more (space.py);
+            # first the prefaulter lets go, so it cannot fault the hole back in.
+            if self._address:
+                PREFAULTER.forget(self._address)
+            start = _round_page(HEADER_SIZE + self.data_end)
+            punch_hole(self._fd, start, (at // _PAGE * _PAGE) - start)
         return footer
 
     def _timestamps(self) -> tuple[int | None, int | None]:
@@ -680,10 +761,16 @@ class Chunk:
                 mm.close()
 
 
-def _preallocate(fd: int, size: int) -> None:
+def _allocate(fd: int, offset: int, length: int) -> bool:
+    """posix_fallocate; False where the file system cannot (the file stays sparse there)."""
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, offset, length)
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
-        os.ftruncate(fd, size)  # file systems without fallocate: a sparse file of full size
+        return False
+    return True
+
+
+def _round_page(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE

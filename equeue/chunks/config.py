@@ -29,6 +29,18 @@ class ChunkManagerConfig:
     ``False`` a process crash loses nothing (the bytes are in the page cache),
     but a power loss or kernel crash loses what was written since the last
     ``flush()``.
+
+    ``alloc_step`` is how far ahead of the writer a chunk's disk blocks are
+    allocated (``posix_fallocate``), so that a write into the mapping never
+    meets a full disk (SIGBUS) and a full disk is a ``DiskFullError`` before
+    anything is written. The file has its full size from the start (sparse
+    past what is allocated). A step starts at 64 KiB and doubles with the
+    chunk's data up to ``alloc_step``: the disk holds the data plus at most
+    about one step per chunk being written. What it risks: a smaller step
+    costs an fallocate call more often (tens of µs each, under the write
+    lock) and may fragment the file; a larger one leaves more unused space
+    allocated. 0 allocates each chunk whole when it is created (the disk use
+    of earlier versions: a 256 MiB chunk for one message).
     """
 
     chunk_data_size: int = 256 * MiB
@@ -37,12 +49,14 @@ class ChunkManagerConfig:
     sync_flush: bool = False
     timestamp_offset: int | None = None  # where an i64 ns timestamp sits in each payload
     max_open_chunks: int = 8  # completed chunks kept mapped at once (an LRU)
+    alloc_step: int = 4 * MiB
 
     def __post_init__(self) -> None:
         check_int("chunk_data_size", self.chunk_data_size, MIN_CHUNK_DATA_SIZE, MAX_CHUNK_DATA_SIZE)
         check_int("record_size", self.record_size, 0, self.chunk_data_size)
         check_int("max_record_size", self.max_record_size, 1, MAX_RECORD_LENGTH)
         check_int("max_open_chunks", self.max_open_chunks, 1, 1 << 16)
+        check_int("alloc_step", self.alloc_step, 0, MAX_CHUNK_DATA_SIZE)
         if not isinstance(self.sync_flush, bool):
             raise ConfigError(f"sync_flush must be a bool, got {self.sync_flush!r}")
         if self.record_size and self.chunk_data_size % self.record_size:

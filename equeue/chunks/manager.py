@@ -224,6 +224,7 @@ class ChunkManager:
                 version=0,
                 max_record_size=config.max_record_size,
                 on_map=self._mapped,
+                alloc_step=config.alloc_step,
             )
             chunk.on_advance = self.on_advance
             self._install(chunk)
@@ -561,6 +562,7 @@ class ChunkManager:
             record_count=0,
             max_record_size=self.config.max_record_size,
             on_map=self._mapped,
+            alloc_step=self.config.alloc_step,
         )
         self._start_at_hint(chunk)
         self._rescan_tail(chunk)

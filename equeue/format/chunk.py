@@ -5,10 +5,11 @@ A chunk file is::
     [header 128 B][data area: chunk_data_size B][footer 128 B]            (ongoing or completed)
     [header 128 B][data: physical size][position map][footer 128 B]       (compacted)
 
-Ongoing and completed chunks are preallocated to their full size at creation
-and never change size; the footer always occupies the last 128 bytes of the
-file, so it is found without reading anything else. All integers are
-little-endian.
+Ongoing and completed chunks have their full size from creation and never
+change size (their disk blocks are allocated in steps as the data grows: the
+file is sparse past them, and reads there return zeros); the footer always
+occupies the last 128 bytes of the file, so it is found without reading
+anything else. All integers are little-endian.
 
 Header (written once, at creation, before the file gets its final name)::
 

@@ -132,8 +132,8 @@ def render_store(s: StoreSummary, *, wrap: bool) -> str:
         f"Id       {store_id}, {sizes}",
         f"Log      positions {s.first_position} .. {s.end_position}, {s.records} records, "
         f"checkpoint {checkpoint}",
-        f"On disk  {human_size(s.allocated_bytes)} allocated, {human_size(s.apparent_bytes)} "
-        f"apparent, {s.file_count} files",
+        f"On disk  {human_size(s.allocated_bytes)} allocated for {human_size(s.data_bytes)} of "
+        f"data, {human_size(s.apparent_bytes)} apparent, {s.file_count} files",
         "",
         f"Message chunks ({len(s.message_chunks)})",
     ]

@@ -6,7 +6,8 @@ Both are plain dataclasses with raw numbers (bytes, ns); render.py makes them hu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -103,6 +104,9 @@ class StoreSummary:
     apparent_bytes: int
     allocated_bytes: int
     file_count: int
+    # What the files hold: each chunk's header, data, position map and footer, and the
+    # other files whole; allocated_bytes less this is the room allocated ahead of writers.
+    data_bytes: int = 0
     problems: list[Problem] = field(default_factory=list)  # noticed in passing; see verify
 
     def to_json(self) -> dict[str, Any]:
@@ -165,6 +169,7 @@ def summarize_store(path: Path) -> StoreSummary:
     dirs |= {store.queue_dir(*key): chunks for key, chunks in queue_dirs.items()}
     problems += missing_problems(store, dirs, store.checkpoint, check_key_index=False)
     apparent, allocated, files = disk_usage(path)
+    chunk_files = [*messages.files, *(cf for chunks in queue_dirs.values() for cf in chunks.files)]
     return StoreSummary(
         store=str(path),
         store_id=store.store_id,
@@ -181,8 +186,29 @@ def summarize_store(path: Path) -> StoreSummary:
         apparent_bytes=apparent,
         allocated_bytes=allocated,
         file_count=files,
+        data_bytes=data_bytes(path, chunk_files),
         problems=problems,
     )
+
+
+def data_bytes(path: Path, chunk_files: Iterable[ChunkFile]) -> int:
+    """The bytes the store's files hold (StoreSummary.data_bytes), not their nominal size:
+    a chunk file is as large as a full chunk from its creation on."""
+    chunks = {cf.path: cf for cf in chunk_files}
+    total = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            file = Path(root, name)
+            cf = chunks.get(file)
+            if cf is None:
+                try:
+                    total += os.lstat(file).st_size
+                except FileNotFoundError:
+                    continue  # removed by the writer meanwhile
+            elif cf.header is not None:
+                footer = FOOTER_SIZE if cf.footer is not None else 0
+                total += HEADER_SIZE + cf.data_end + cf.map_bytes + footer
+    return total
 
 
 def _queue_summary(queue_id: int, chunks: ChunkDir, first_message: int) -> QueueSummary:

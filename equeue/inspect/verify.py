@@ -95,7 +95,8 @@ class Verifier:
         self.records = 0
         self.queue_chunks = 0
         self.queue_entries = 0
-        self.bytes_total = 0
+        self.bytes_total = 0  # the chunk files' sizes, for progress: each is a full chunk's
+        self.bytes_read = 0  # what was checked: headers, data, position maps, footers
         self._done = 0
         self._store = StoreFiles(path)
         self._maps: dict[Path, mmap.mmap] = {}
@@ -166,6 +167,9 @@ class Verifier:
                     break
                 result = check(cf, last)
             problems += sorted(result.problems, key=lambda p: -1 if p.offset is None else p.offset)
+            if cf.header is not None:
+                footer = FOOTER_SIZE if cf.footer is not None else 0
+                self.bytes_read += HEADER_SIZE + cf.data_end + cf.map_bytes + footer
             if queue:
                 self.queue_chunks += 1
                 self.queue_entries += result.records

@@ -168,7 +168,9 @@ class Appender:
         if fast is not None:
             return self._run_fast(fast, chunk, topic, queues, checked, i, results)
         topic_bytes = self._topic_bytes[topic]
-        base, start, room = chunk.base, chunk.data_end, chunk.data_size
+        # Up to the allocated end: the message that passes it goes through append(),
+        # which allocates the next step (Chunk.reserve) before writing.
+        base, start, room = chunk.base, chunk.data_end, chunk.writable_end
         end = start
         fixed = MESSAGE_HEAD_SIZE + len(topic_bytes) + FRAME_OVERHEAD
         count = len(queues)
@@ -241,7 +243,7 @@ class Appender:
             current = queue.current_chunk()
             maps.append(current.writable_mapping() if current is not None else None)
             ends.append(current.data_end if current is not None else 0)
-            sizes.append(current.data_size if current is not None else 0)
+            sizes.append(current.writable_end if current is not None else 0)
         now = time.time_ns()
         before = len(results)
         stop: int
@@ -249,7 +251,7 @@ class Appender:
         keyed: list[tuple[str, int]]
         try:
             stop, end, turn, taken, keyed = fast.write_run(
-                chunk.writable_mapping(), HEADER_SIZE, chunk.data_end, chunk.data_size,
+                chunk.writable_mapping(), HEADER_SIZE, chunk.data_end, chunk.writable_end,
                 chunk.base, now, topic, self._topic_bytes[topic], checked, i,
                 self._round_robin[topic], maps, ends, sizes,
                 [queue.next_offset for queue in queues], self._id_prefix, SendResult,

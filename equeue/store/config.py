@@ -37,6 +37,12 @@ class StoreConfig:
       the last ``flush()`` or ``close()``.
 
     docs/durability.md says exactly what each policy can lose.
+
+    ``alloc_step`` (bytes) is how far ahead of the writer the log's disk blocks
+    are allocated (queue chunks: 32 KiB at most), so the disk holds the data
+    plus a few MiB, and a full disk is a ``DiskFullError`` before anything is
+    written. 0 allocates every chunk whole at creation (256 MiB for the first
+    message); ChunkManagerConfig.alloc_step says what each choice risks.
     """
 
     chunk_data_size: int = 256 * MiB
@@ -54,6 +60,7 @@ class StoreConfig:
     retention_respects_consumers: bool = False
     max_open_chunks: int = 8
     key_index_batch: int = 10_000  # keys buffered before one index transaction
+    alloc_step: int = 4 * MiB
 
     def __post_init__(self) -> None:
         check_int("chunk_data_size", self.chunk_data_size, MIN_CHUNK_DATA_SIZE, MAX_CHUNK_DATA_SIZE)
@@ -71,6 +78,7 @@ class StoreConfig:
         check_int("max_properties_size", self.max_properties_size, 0, 1 << 20)
         check_int("max_open_chunks", self.max_open_chunks, 1, 1 << 16)
         check_int("key_index_batch", self.key_index_batch, 1, 1 << 24)
+        check_int("alloc_step", self.alloc_step, 0, MAX_CHUNK_DATA_SIZE)
         if self.flush not in ("sync", "async", "os"):
             raise ConfigError(f"flush={self.flush!r}; it must be 'sync', 'async' or 'os'")
         for name in ("auto_create_topics", "retention_respects_consumers"):

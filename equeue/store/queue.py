@@ -13,6 +13,9 @@ from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.safepath import check_dir
 
 _unpack = QUEUE_RECORD.unpack_from
+# A queue chunk's disk is allocated this far ahead of its entries (2,730 of them): with
+# its header and footer blocks, under 64 KiB of slack per queue written to.
+QUEUE_ALLOC_STEP = 32 << 10
 _pack = QUEUE_RECORD.pack
 
 
@@ -28,6 +31,7 @@ class Queue:
         *,
         max_open_chunks: int,
         read_only: bool = False,
+        alloc_step: int = QUEUE_ALLOC_STEP,
     ) -> None:
         self.topic = topic
         self.queue_id = queue_id
@@ -38,6 +42,7 @@ class Queue:
                 chunk_data_size=records_per_chunk * QUEUE_RECORD_SIZE,
                 record_size=QUEUE_RECORD_SIZE,
                 max_open_chunks=max_open_chunks,
+                alloc_step=min(alloc_step, QUEUE_ALLOC_STEP),  # 0: whole chunks
             ),
             read_only=read_only,
         )
@@ -86,14 +91,16 @@ class Queue:
         chunk = writer._chunk
         if chunk is None or chunk.data_end + QUEUE_RECORD_SIZE > chunk.data_size:
             writer.complete()
-            writer.add_new_chunk()
+            chunk = writer.add_new_chunk()
+        if chunk.data_end + QUEUE_RECORD_SIZE > chunk.writable_end:
+            chunk.reserve(chunk.data_end + QUEUE_RECORD_SIZE)  # its disk blocks, the same way
 
     def free_slots(self) -> int:
         """Entries the current queue chunk still has room for (0 if there is none yet)."""
         chunk = self._writer._chunk if self._writer is not None else None
         if chunk is None:
             return 0
-        return (chunk.data_size - chunk.data_end) // QUEUE_RECORD_SIZE
+        return (chunk.writable_end - chunk.data_end) // QUEUE_RECORD_SIZE
 
     def refresh(self) -> None:
         """Read-only: see the entries the writer appended since."""

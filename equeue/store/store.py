@@ -400,6 +400,7 @@ class MessageStore:
                     self.config.queue_chunk_records,
                     max_open_chunks=self.config.max_open_chunks,
                     read_only=self.read_only,
+                    alloc_step=self.config.alloc_step,
                 )
             )
         self._queues[topic] = queues
@@ -727,6 +728,7 @@ class MessageStore:
                 + 3 * _MAX_NAME,
                 timestamp_offset=STORED_TIME_OFFSET,
                 max_open_chunks=config.max_open_chunks,
+                alloc_step=config.alloc_step,
             ),
             read_only=self.read_only,
             tail_hint=hint,
