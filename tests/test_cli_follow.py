@@ -234,3 +234,24 @@ def test_follow_changes_nothing_in_the_store(tmp_path: Path) -> None:
     finally:
         assert follower.stop() == (0, "")
     assert snapshot(path) == before
+
+
+def test_follow_keeps_log_order_when_a_queue_holds_more_than_a_batch(
+    tmp_path: Path, followers: list[Follower]
+) -> None:
+    """Two queues fill faster than the follower looks: one round finds more than a batch
+    (256) in one of them. Printing a round's pulls sorted put the other queue's later
+    messages before the first queue's rest; the follower holds back what lies past a
+    cut batch."""
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as writer:
+        writer.create_topic("two", 2)
+        first = writer.send("two", b"first", queue_id=0)
+        follower = Follower(path)
+        followers.append(follower)
+        assert ids(follower.take(1)) == [first.message_id]
+        sent = [writer.send("two", b"m%d" % i, queue_id=int(i % 8 == 0)) for i in range(1200)]
+        followed = follower.take(len(sent))
+        assert [r["position"] for r in followed] == [s.position for s in sent]
+        assert follower.stop() == (0, "")
+    assert follower.lines.get_nowait() is None

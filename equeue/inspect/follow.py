@@ -24,6 +24,7 @@ from equeue.store import Message, MessageStore
 POLL_SECONDS: Final = 0.2
 # Messages taken from one queue per round: a busy queue cannot starve the others.
 _BATCH: Final = 256
+_NO_CUT: Final = 1 << 63  # above every log position
 
 
 def _record(message: Message) -> Record:
@@ -77,27 +78,50 @@ class Follower:
 
     def records(self, after: int, filters: Filters) -> Iterator[Record]:
         """Every new message past log position ``after`` (the walk before printed those
-        up to it) that ``filters`` keeps; never ends (stop it with KeyboardInterrupt).
+        up to it) that ``filters`` keeps, in log order; never ends (stop it with
+        KeyboardInterrupt).
 
-        Each round takes what every queue holds past where it stopped and prints it in
-        log order; a queue that appeared since (a new topic) is read from its start."""
-        refreshed = time.monotonic()
+        Each round pulls every queue past where it stopped, then looks for topics created
+        meanwhile and pulls those too. Messages are written in position order, so every
+        message up to the highest position of the first pass was written before that
+        pass (or the held messages of earlier rounds), and the second pass holds those of
+        new queues: up to there (and no further than a queue whose batch was cut short) a
+        round can print in log order. The rest is held for the next round."""
+        held: list[Message] = []
         while True:
-            if time.monotonic() - refreshed >= POLL_SECONDS:
-                self._store.refresh()  # new topics, and chunks retention removed
-                refreshed = time.monotonic()
-            arrived: list[Message] = []
-            for topic, queue_id in self._queues():
-                offset = self._next.get((topic, queue_id), 0)
-                result = self._store.pull(topic, queue_id, offset, max_count=_BATCH)
-                self._next[(topic, queue_id)] = result.next_offset
-                arrived += result.messages
-            if not arrived:
+            known = self._queues()
+            arrived, cut = self._pull(known)
+            if not arrived and not held:
                 time.sleep(POLL_SECONDS)
+                self._store.refresh()  # new topics, and chunks retention removed
                 continue
-            for message in sorted(arrived, key=lambda m: m.position):
+            # Held messages were pulled in earlier rounds: also written before this pass.
+            first_pass = max(m.position for m in held + arrived)
+            self._store.refresh()
+            more, more_cut = self._pull([q for q in self._queues() if q not in set(known)])
+            arrived += more
+            limit = min(first_pass, cut, more_cut)
+            pending = sorted(held + arrived, key=lambda m: m.position)
+            held = [m for m in pending if m.position > limit]
+            for message in pending:
+                if message.position > limit:
+                    break
                 if message.position <= after:
                     continue  # the walk has seen it
                 record = _record(message)
                 if filters.match(record.message):
                     yield record
+
+    def _pull(self, queues: list[tuple[str, int]]) -> tuple[list[Message], int]:
+        """What ``queues`` hold past where each stopped, and the lowest last position of
+        a queue that may hold more (its batch was full; a large number when none was)."""
+        arrived: list[Message] = []
+        cut = _NO_CUT
+        for topic, queue_id in queues:
+            offset = self._next.get((topic, queue_id), 0)
+            result = self._store.pull(topic, queue_id, offset, max_count=_BATCH)
+            self._next[(topic, queue_id)] = result.next_offset
+            arrived += result.messages
+            if len(result.messages) == _BATCH:
+                cut = min(cut, result.messages[-1].position)
+        return arrived, cut
