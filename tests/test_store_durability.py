@@ -27,6 +27,7 @@ from equeue.errors import (
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.store.flush import GroupCommit
+from equeue.store.meta import take_lock
 
 SMALL = {"chunk_data_size": 64 * 1024, "queue_chunk_records": 1024}
 
@@ -348,6 +349,69 @@ def test_second_writer_in_another_process_is_refused(tmp_path: Path) -> None:
         holder.stdin.close()
         holder.wait(10)
     MessageStore.open(path).close()  # the lock went with the process
+
+
+_QUERY = """
+import os, sys
+from pathlib import Path
+from equeue import MessageStore
+from equeue.store.meta import writer_running
+reader = MessageStore.open(sys.argv[1], read_only=True)
+print("ready", flush=True)
+count = 0
+while not os.path.exists(sys.argv[2]):
+    if sys.argv[3] == "query":
+        reader.query_by_key("t", "k", 1)
+    else:  # the probe each query (and verify) makes, alone: many more per second
+        writer_running(Path(sys.argv[1]))
+    count += 1
+print(count, flush=True)
+"""
+
+
+def test_readers_querying_keys_never_refuse_a_writers_open(tmp_path: Path) -> None:
+    """Each query_by_key of a read-only handle probes LOCK (is a writer running?) with a
+    shared lock for an instant; a writer's open meeting that probe waits it out rather
+    than raise StoreLockedError naming the previous writer's pid."""
+    path, stop = tmp_path / "s", tmp_path / "stop"
+    with MessageStore.open(path, config()) as store:
+        store.send("t", b"v", key="k")
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _QUERY, str(path), str(stop), how],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for how in ("query", "probe")
+    ]
+    refused = []
+    try:
+        for reader in readers:
+            assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 3
+        for _ in range(100):
+            if time.monotonic() > deadline:
+                break
+            try:
+                MessageStore.open(path).close()
+            except StoreLockedError as exc:
+                refused.append(str(exc))
+                break  # one is the failure; no need to go on
+        # The lock alone, many more times a second than whole opens (the part that waits).
+        for _ in range(3000 if not refused else 0):
+            try:
+                take_lock(path).close()
+            except StoreLockedError as exc:
+                refused.append(str(exc))
+                break
+    finally:
+        stop.touch()
+        queries = [int(r.communicate(timeout=30)[0]) for r in readers]
+    assert refused == []
+    assert all(queries), queries  # the readers did query meanwhile
+    # Control: a writer that holds the store still refuses the open, naming its pid.
+    with MessageStore.open(path), pytest.raises(StoreLockedError, match=f"pid {os.getpid()}"):
+        MessageStore.open(path)
 
 
 def test_second_writer_in_this_process_is_refused(tmp_path: Path) -> None:

@@ -363,6 +363,29 @@ def test_a_newer_store_format_is_refused_and_nothing_written(
     MessageStore.open(store).close()
 
 
+@pytest.mark.parametrize("lock", ["kept", "missing"])
+def test_a_newer_store_format_leaves_lock_as_it_was(store: Path, lock: str) -> None:
+    """The refusal says "nothing was changed": LOCK too (its pid and mtime, or its absence)."""
+    identity = json.loads((store / "store.json").read_bytes())["body"]
+    write_json(store / "store.json", identity | {"format": 2})
+    path = store / "LOCK"
+    if lock == "missing":
+        path.unlink()
+    else:
+        path.write_text("12345")
+        os.utime(path, ns=(PAST, PAST))
+    with pytest.raises(ConfigError, match="store format 2"):
+        MessageStore.open(store)
+    if lock == "missing":
+        assert not os.path.lexists(path)
+    else:
+        assert path.read_text() == "12345" and path.stat().st_mtime_ns == PAST
+    # Control: the format this library writes opens, and the writer's pid is in LOCK.
+    write_json(store / "store.json", identity)
+    with MessageStore.open(store):
+        assert path.read_text() == str(os.getpid())
+
+
 def test_store_json_without_its_fields_is_an_equeue_error(store: Path) -> None:
     identity = json.loads((store / "store.json").read_bytes())["body"]
     missing = {k: v for k, v in identity.items() if k != "store_id"}

@@ -16,6 +16,7 @@ from readonly_writer import body, key_for
 from store_helpers import pull_all, snapshot
 
 from equeue import Message, MessageStore, StoreConfig
+from equeue.cli import main
 from equeue.compaction.job import compact
 from equeue.errors import ChunkRemovedError, ClosedError, ReadOnlyError
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
@@ -164,6 +165,55 @@ def test_read_only_handle_opened_before_the_writer_starts_sees_its_keys(
         assert bodies(reader.query_by_key("t", "K")) == sent([3, 2, 1, 0])
         reader.refresh()
         assert bodies(reader.query_by_key("t", "K")) == sent([3, 2, 1, 0])
+
+
+def _zero_a_page_the_wal_does_not_replace(keys: Path) -> None:
+    """Damage SQLite sees: what the WAL holds a newer copy of is not read from the file."""
+    wal = (keys.parent / (KEYS_FILE + "-wal")).read_bytes()
+    page_size = int.from_bytes(wal[8:12], "big")
+    frame = 24 + page_size
+    in_wal = {int.from_bytes(wal[i : i + 4], "big") for i in range(32, len(wal), frame)}
+    page = min(set(range(1, keys.stat().st_size // page_size + 1)) - in_wal)
+    with open(keys, "r+b") as f:
+        f.seek((page - 1) * page_size)
+        f.write(bytes(512))
+
+
+@pytest.mark.parametrize("damage", ["none", "zeroed"])
+@pytest.mark.parametrize("shm", ["kept", "deleted"])
+def test_verify_reads_a_killed_writers_key_index_as_a_reader_does(
+    tmp_path: Path, writers: list[Writer], capsys: pytest.CaptureFixture[str], shm: str, damage: str
+) -> None:
+    """A killed writer of a new store leaves even its tables in keys.sqlite-wal only:
+    verify reads that WAL (readonly_shm=1), or without its -shm the database file alone
+    (where the tables need not be yet), and changes no file. Control: a damaged
+    keys.sqlite (a writer closed, then a second one was killed) is still reported."""
+    path = tmp_path / "s"
+    if damage == "zeroed":
+        first = Writer(path, **SMALL)
+        writers.append(first)
+        first("send t 0 100 -")
+        first.close()  # its tables and keys are in keys.sqlite
+    writer = Writer(path, **SMALL)
+    writers.append(writer)
+    writer("send t 0 50 -")
+    writer("flush")
+    writer.kill()
+    keys = path / KEYS_FILE
+    assert (path / (KEYS_FILE + "-wal")).stat().st_size > 0
+    if damage == "zeroed":
+        _zero_a_page_the_wal_does_not_replace(keys)
+    if shm == "deleted":
+        (path / (KEYS_FILE + "-shm")).unlink()
+    before = snapshot(path, skip=())
+    capsys.readouterr()
+    status = main(["verify", str(path)])
+    out = capsys.readouterr().out
+    assert snapshot(path, skip=()) == before  # bytes and names: nothing written
+    if damage == "none":
+        assert status == 0 and "No problems found" in out, out
+    else:
+        assert status == 1 and str(keys) in out and "key index" in out, out
 
 
 # --- item 5: retention under a read-only handle ------------------------------------

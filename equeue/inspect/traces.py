@@ -21,6 +21,7 @@ from equeue.errors import EQueueError
 from equeue.format.livetail import LIVE_TAIL_FILE
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.inspect.layout import ChunkDir, Problem, StoreFiles, chunk_paths
+from equeue.store.keysread import keys_state, keys_uri, wal_unread
 from equeue.store.losses import topics_from_directories
 from equeue.store.meta import (
     CHECKPOINT_FILE,
@@ -31,7 +32,6 @@ from equeue.store.meta import (
     OFFSETS_FILE,
     QUEUES_DIR,
     TOPICS_FILE,
-    writer_running,
 )
 
 _FILES = (IDENTITY_FILE, TOPICS_FILE, OFFSETS_FILE, CHECKPOINT_FILE, LOCK_FILE)
@@ -262,31 +262,53 @@ def key_index_problems(path: Path, *, has_checkpoint: bool, check: bool = True) 
         ]
     if not check:
         return []
-    mode = "ro" if writer_running(path) else "ro&immutable=1"
+    # Opened as a read-only handle opens it (nothing written), whatever the writer did.
+    state = keys_state(keys)
+    uri = keys_uri(keys, state)
     try:
-        db = sqlite3.connect(f"file:{keys}?mode={mode}", uri=True)
+        rows = _integrity(uri, tables=not wal_unread(state, uri))
+    except sqlite3.Error:
+        # A -shm SQLite cannot use read-only (e.g. the writer started or stopped): the
+        # database file alone, as a read-only handle falls back to it.
+        uri = keys_uri(keys, state, fallback=True)
         try:
-            rows = db.execute("PRAGMA integrity_check").fetchall()
-            for table in ("keys", "meta"):
-                db.execute(f"SELECT count(*) FROM {table}").fetchone()
-        finally:
-            db.close()
-    except sqlite3.Error as exc:
-        rows = [(f"unreadable: {exc}",)]
+            rows = _integrity(uri, tables=not wal_unread(state, uri))
+        except sqlite3.Error as exc:
+            rows = [(f"unreadable: {exc}",)]
     bad = [str(row[0]) for row in rows if row and row[0] != "ok"]
     if not bad:
         return []
     more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+    unread = (
+        f" (the database file alone: {keys.name}-wal cannot be read without creating its -shm)"
+        if wal_unread(state, uri)
+        else ""
+    )
     return [
         Problem(
             str(keys),
             None,
             "key index",
-            f"SQLite's integrity check fails: {'; '.join(bad[:3])}{more}; move it out of "
-            "the store and a writer's open re-indexes every key from the log (one SQLite "
-            "cannot open, the open moves to recovered/ itself)",
+            f"SQLite's integrity check fails: {'; '.join(bad[:3])}{more}{unread}; move it "
+            "out of the store and a writer's open re-indexes every key from the log (one "
+            "SQLite cannot open, the open moves to recovered/ itself)",
         )
     ]
+
+
+def _integrity(uri: str, *, tables: bool) -> list[tuple[str]]:
+    """SQLite's integrity check of ``uri``; ``tables``: the index's tables must be there
+    (not when a WAL that is not read may be what creates them)."""
+    db = sqlite3.connect(uri, uri=True)
+    try:
+        rows: list[tuple[str]] = db.execute("PRAGMA integrity_check").fetchall()
+        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        for table in ("keys", "meta"):
+            if tables or table in names:
+                db.execute(f"SELECT count(*) FROM {table}").fetchone()
+    finally:
+        db.close()
+    return rows
 
 
 def not_regular_problems(path: Path) -> list[Problem]:

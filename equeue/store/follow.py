@@ -6,7 +6,6 @@ the log. A read-only handle never changes a file of the store.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 import time
@@ -19,7 +18,8 @@ from equeue.errors import ChunkRemovedError, CorruptionError, CorruptRecordError
 from equeue.format.chunk import FRAME_OVERHEAD
 from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
 from equeue.store.keyindex import KeyIndex
-from equeue.store.meta import KEYS_FILE, OFFSETS_FILE, writer_running
+from equeue.store.keysread import KeysState, keys_state, keys_uri
+from equeue.store.meta import KEYS_FILE, OFFSETS_FILE
 from equeue.store.queue import Queue
 from equeue.store.types import PullResult
 
@@ -120,33 +120,14 @@ def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: floa
         queue.refresh()
 
 
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    """(inode, size, mtime) of a file, None if there is none."""
-    try:
-        stat = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
-
-
 class FollowedKeys(KeyIndex):
     """The key index as a read-only handle sees it: what SQLite holds, opened so that
     no file changes, plus the keys of the log past the index's ``indexed_position``,
     read from the log itself (the writer indexes keys in batches, at checkpoints).
 
-    How SQLite is opened depends on the writer, checked again before each query:
-
-    - a writer runs: ``mode=ro``; the writer keeps the -wal and -shm files, and this
-      handle shares the -shm with it, as every WAL reader must (while the writer opens
-      or closes and either file is missing, ``immutable=1``: mode=ro would create them);
-    - no writer and no -wal file: ``immutable=1``; every commit is in the database file;
-    - no writer, a -wal and its -shm (a killed writer, or one that closed while a reader
-      had the file open): ``readonly_shm=1``; SQLite reads the WAL into private memory
-      and writes nothing (``mode=ro`` alone would write the -shm, and create both files
-      when they are missing);
-    - no writer, a -wal but no -shm: the WAL cannot be read without creating the -shm,
-      so only the database file is read (``immutable=1``) and the log is read from the
-      position that file says is indexed: slower, but every key is found.
+    SQLite is opened as equeue/store/keysread.py says, checked again before each query;
+    without a -shm a WAL cannot be read without writing, so the log is read from the
+    position the database file says is indexed: slower, but every key is found.
 
     A query that SQLite fails is tried again reopened, then on the database file alone.
     """
@@ -165,33 +146,13 @@ class FollowedKeys(KeyIndex):
         self._tail_from = self._tail_to = 0
         self._db, self._state = self._open(fallback=False)
 
-    def _current_state(self) -> tuple[object, ...]:
-        """What decides how SQLite is opened; a change means reopening. Without a writer
-        the database file's identity counts too: one that starts may change it."""
-        running = writer_running(self.path.parent)
-        file = _identity(self.path)
-        if file is None:
-            return running, None, False, False
-        wal = _identity(self.path.with_name(self.path.name + "-wal"))
-        shm = _identity(self.path.with_name(self.path.name + "-shm")) is not None
-        if running:
-            # Its -wal and -shm are missing only while it opens or closes; mode=ro would
-            # then create them.
-            return True, True, wal is not None, shm
-        return False, file, wal is not None and wal[1] > 0, shm
+    def _current_state(self) -> KeysState:
+        return keys_state(self.path)
 
-    def _open(self, *, fallback: bool) -> tuple[sqlite3.Connection, tuple[object, ...]]:
+    def _open(self, *, fallback: bool) -> tuple[sqlite3.Connection, KeysState]:
         """``fallback``: the database file alone, whatever the state (the log has the rest)."""
         state = self._current_state()
-        running, file, wal, shm = state
-        if file is None:
-            uri = "file::memory:"  # a store that never indexed a key (yet)
-        elif running and wal and shm and not fallback:
-            uri = f"file:{self.path}?mode=ro"
-        elif not running and wal and shm and not fallback:
-            uri = f"file:{self.path}?mode=ro&readonly_shm=1"
-        else:
-            uri = f"file:{self.path}?mode=ro&immutable=1"
+        uri = keys_uri(self.path, state, fallback=fallback)
         try:
             db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         except sqlite3.Error as exc:

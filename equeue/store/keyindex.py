@@ -34,33 +34,23 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 
 
 class KeyIndex:
-    def __init__(self, path: Path, *, read_only: bool = False, immutable: bool = False) -> None:
-        """``immutable``: read-only with no writer running. SQLite then opens the file
-        without creating the -wal and -shm files a read-only handle would otherwise leave."""
+    def __init__(self, path: Path) -> None:
         self.path = path
         if str(path) != ":memory:":
             # SQLite follows links and opens what it finds: check the files it may write.
             for name in (path.name, f"{path.name}-wal", f"{path.name}-shm", f"{path.name}-journal"):
                 check_file(path.with_name(name))
-        if immutable:
-            uri = f"file:{path}?mode=ro&immutable=1"
-        elif read_only:
-            uri = f"file:{path}?mode=ro"
-        else:
-            uri = f"file:{path}"
+        uri = f"file:{path}"
         self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         self._pending: list[tuple[str, str, int]] = []
         self._pending_end = 0
         # The position of the first key of the batch commit() is writing, until it is in.
         self._committing_from: int | None = None
-        # Set when the file could not be read at open: every query raises it.
-        self.damage: CorruptionError | None = None
         try:
-            if not read_only:
-                self._db.execute("PRAGMA journal_mode=WAL")
-                self._db.execute("PRAGMA synchronous=NORMAL")
-                self._db.executescript(_SCHEMA)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
             row = self._db.execute(
                 "SELECT value FROM meta WHERE name='indexed_position'"
             ).fetchone()
@@ -142,8 +132,6 @@ class KeyIndex:
 
     def positions(self, topic: str, key: str, limit: int) -> list[int]:
         """Newest first."""
-        if self.damage is not None:
-            raise self.damage
         self.commit()
         with self._lock:
             try:

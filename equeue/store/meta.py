@@ -53,6 +53,9 @@ _FILES = (
     KEYS_FILE, f"{KEYS_FILE}-wal", f"{KEYS_FILE}-shm", f"{KEYS_FILE}-journal",
 )  # fmt: skip
 _DIRS = (MESSAGES_DIR, QUEUES_DIR, COMPACTION_DIR, RECOVERED_DIR, CONSUMERS_DIR)
+# How long a writer's open waits for LOCK: readers' probes hold it for microseconds, a
+# writer for its lifetime.
+_LOCK_WAIT = 0.2
 
 
 def check_layout(directory: Path) -> None:
@@ -62,23 +65,44 @@ def check_layout(directory: Path) -> None:
 
 
 def take_lock(directory: Path) -> IO[str]:
-    """The writer lock (flock on LOCK, holding the pid); released when the file closes."""
+    """The writer lock (flock on LOCK, holding the pid); released when the file closes.
+    A store of a newer format is refused first, leaving LOCK as it is."""
+    _refuse_newer_format(directory)
     handle = open_file(directory / LOCK_FILE, "a+")  # held for the store's lifetime
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise StoreLockedError(
-            f"store {directory} is open for writing by pid {holder}; open it with "
-            "read_only=True or close the other handle"
-        ) from None
+    deadline = time.monotonic() + _LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            # Readers probe the lock for an instant (writer_running): wait that out.
+            if time.monotonic() < deadline:
+                time.sleep(0.001)
+                continue
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise StoreLockedError(
+                f"store {directory} is open for writing by pid {holder}; open it with "
+                "read_only=True or close the other handle"
+            ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
+
+
+def _refuse_newer_format(directory: Path) -> None:
+    """ConfigError for a store.json of a newer format, read before anything is written;
+    a missing or damaged one is left to open_identity (which runs under the lock)."""
+    path = directory / IDENTITY_FILE
+    try:
+        identity = read_json(path)
+    except (OSError, EQueueError):
+        return
+    if isinstance(identity, dict):
+        check_format(path, identity)
 
 
 def try_writer_lock(directory: Path) -> IO[str] | None:
