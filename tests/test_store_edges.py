@@ -122,7 +122,7 @@ def test_topics_json_that_is_not_an_object_is_moved_aside_and_rebuilt(small_stor
     with MessageStore.open(small_store) as store:
         assert store.topics() == ["t"]
         assert len(store.pull("t", 0, 0).messages) == 5
-        (problem,) = [p for p in store.recovery.problems if "list, not topics" in p]
+        (problem,) = [p for p in store.recovery.problems if "list, not an object of topics" in p]
         assert "moved to" in problem
     (moved,) = (small_store / "recovered").glob("topics.json.*.damaged")
     assert read_json(moved) == ["t"]  # kept, not overwritten

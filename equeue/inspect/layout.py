@@ -158,7 +158,7 @@ def open_store(path: Path) -> StoreFiles:
     else:
         store.topics_known = False
         if topics is not None:  # checksummed, but not written by equeue
-            why = f"the body is {type(topics).__name__}, not topics"
+            why = f"its body is a {type(topics).__name__}, not an object of topics"
             store.problems.append(Problem(str(path / TOPICS_FILE), None, "metadata", why))
     _add_queue_directories(store)
     for topic in store.topics:  # before anything under them is looked at

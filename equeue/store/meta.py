@@ -197,7 +197,8 @@ def read_meta(
     try:
         body = read_json(path)
         if name == TOPICS_FILE and not isinstance(body, dict):  # as damaged: rebuilt
-            raise CorruptionError(f"the body is {type(body).__name__}, not topics", file=path)
+            what = type(body).__name__
+            raise CorruptionError(f"its body is a {what}, not an object of topics", file=path)
     except CorruptionError as exc:
         if not move_aside:
             problems.append(str(exc))
