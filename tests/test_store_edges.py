@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
+from test_store_readonly import SMALL, Writer, writers  # noqa: F401 - the fixture
 
 from equeue import MessageStore, PullResult, StoreConfig
 from equeue.atomicfile import read_json, write_json
@@ -105,6 +106,30 @@ def test_reader_reports_messages_the_writers_retention_removed(tmp_path: Path) -
         ]
         assert reader.offset_for_time("t", 0, 0) == retained_from
         assert writer.offset_for_time("t", 0, 0) == retained_from
+
+
+def test_reader_reports_removed_messages_of_a_writer_process(
+    tmp_path: Path,
+    writers: list[Writer],  # noqa: F811 - the fixture
+) -> None:
+    path = tmp_path / "s"
+    writer = Writer(path, **SMALL, max_store_bytes=12 * MIN_CHUNK_DATA_SIZE, flush="async")
+    writers.append(writer)
+    writer("send t 0 60 -")
+    writer("flush")
+    with MessageStore.open(path, read_only=True) as reader:
+        old = reader.pull("t", 0, 0, max_count=100).messages  # maps their chunks
+        assert len(old) == 60
+        first = writer("run 20")["t/0"][0]  # sends and applies retention
+        assert first > 60
+        time.sleep(2 * follow._LOOK_EVERY)
+        for message in (old[0], old[-1]):  # no refresh() nor pull() in between
+            with pytest.raises(ChunkRemovedError):
+                reader.get(message.message_id)
+        assert reader.offset_for_time("t", 0, 0) == first
+        (kept,) = reader.pull("t", 0, first, max_count=1).messages  # control
+        assert reader.get(kept.message_id) == kept
+    writer.close()
 
 
 # --- topics.json whose checksummed body is not an object ----------------------------------

@@ -56,11 +56,12 @@ def follow_log(store: MessageStore, only: Queue | None = None) -> None:
         _skip_removed(queue, log_first)
 
 
-def look(store: MessageStore, only: Queue | None = None) -> None:
+def look(store: MessageStore) -> None:
     """A read-only handle's reads (pull, read, get, query_by_key, offset_for_time) first
     look, every ``_LOOK_EVERY`` at most, whether retention removed the first chunk: if so
-    they follow the log (and ``only``, else every queue), so that a removed message is
-    reported as removed, as the writer's reads report it, not read from a mapping kept."""
+    they follow the log and every queue (the next look finds the new first chunk), so a
+    removed message is reported as removed, as the writer's reads report it, rather than
+    read from a mapping this handle kept."""
     if not store.read_only:
         return
     log = store._messages
@@ -69,7 +70,7 @@ def look(store: MessageStore, only: Queue | None = None) -> None:
         log.looked_at = now
         first = log.first_chunk
         if first is not None and not first.path.exists():
-            follow_log(store, only)  # retention ran: start where the writer's pull would
+            follow_log(store)  # retention ran: start where the writer's pull would
 
 
 def _skip_removed(queue: Queue, log_first: int) -> None:

@@ -620,7 +620,7 @@ class MessageStore:
         """The first offset stored at or after ``timestamp`` (binary search over the queue)."""
         queue = self._queue(topic, queue_id)
         timestamp = validate.check_timestamp(timestamp)
-        follow.look(self, queue)
+        follow.look(self)
         lo, hi = queue.first_offset, queue.next_offset
         while lo < hi:
             mid = (lo + hi) // 2
