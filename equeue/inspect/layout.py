@@ -37,6 +37,7 @@ from equeue.format.livetail import LiveTail
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.safepath import check_chunk_dirs, check_dir
 from equeue.store.livetail import current_boot_id, read_live_tail
+from equeue.store.losses import scan_topic_dir
 from equeue.store.meta import (
     CHECKPOINT_FILE,
     CONSUMERS_DIR,
@@ -156,6 +157,9 @@ def open_store(path: Path) -> StoreFiles:
                 store.topics[str(topic)] = count
     else:
         store.topics_known = False
+        if topics is not None:  # checksummed, but not written by equeue
+            why = f"its body is a {type(topics).__name__}, not an object of topics"
+            store.problems.append(Problem(str(path / TOPICS_FILE), None, "metadata", why))
     _add_queue_directories(store)
     for topic in store.topics:  # before anything under them is looked at
         check_dir(path / QUEUES_DIR / topic)
@@ -215,7 +219,9 @@ def _add_queue_directories(store: StoreFiles) -> None:
             check_dir(root / topic)  # raises: a link is never followed
         if not (root / topic).is_dir():
             continue
-        ids = [int(n) for n in os.listdir(root / topic) if n.isdigit()]
+        # Names checked as the store checks them, which never opens the others (verify
+        # reports them: traces._topic_problems).
+        ids, _ = scan_topic_dir(root / topic, [])
         if ids:
             store.topics[topic] = max(store.topics.get(topic, 0), max(ids) + 1)
 

@@ -56,6 +56,23 @@ def follow_log(store: MessageStore, only: Queue | None = None) -> None:
         _skip_removed(queue, log_first)
 
 
+def look(store: MessageStore) -> None:
+    """A read-only handle's reads (pull, read, get, query_by_key, offset_for_time) first
+    look, every ``_LOOK_EVERY`` at most, whether retention removed the first chunk: if so
+    they follow the log and every queue (the next look finds the new first chunk), so a
+    removed message is reported as removed, as the writer's reads report it, rather than
+    read from a mapping this handle kept."""
+    if not store.read_only:
+        return
+    log = store._messages
+    now = time.monotonic()
+    if now - log.looked_at >= _LOOK_EVERY:
+        log.looked_at = now
+        first = log.first_chunk
+        if first is not None and not first.path.exists():
+            follow_log(store)  # retention ran: start where the writer's pull would
+
+
 def _skip_removed(queue: Queue, log_first: int) -> None:
     if log_first == 0 or queue.first_offset >= queue.next_offset:
         return
@@ -77,13 +94,7 @@ def pull(
 ) -> PullResult:
     """A read-only pull: it polls for new entries, and a chunk retention removed under
     it makes it follow the log and go on from the queue's new first offset."""
-    log = store._messages
-    now = time.monotonic()
-    if now - log.looked_at >= _LOOK_EVERY:
-        log.looked_at = now
-        first = log.first_chunk
-        if first is not None and not first.path.exists():
-            follow_log(store)  # retention ran: start where the writer's pull would
+    look(store)
     if offset >= queue.next_offset:
         offset = _wait_for_entries(store, queue, offset, wait)
     attempts = 1
@@ -117,6 +128,7 @@ def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: floa
         if remaining <= 0:
             return offset
         time.sleep(min(remaining, 0.01))
+        store._check_open()  # closed meanwhile: ClosedError naming the store, not a file
         queue.refresh()
 
 

@@ -141,27 +141,39 @@ def topics_from_directories(
         path = root / name
         if path.is_symlink() or not path.is_dir():
             continue
-        try:
-            validate.check_topic(name)
-        except EQueueError as exc:
-            skipped.append(f"{path}: not a topic name ({exc})")
-            continue
-        ids: list[int] = []
-        holds_chunks = False
-        for entry in sorted(os.listdir(path)):
-            queue_dir = path / entry
-            if queue_dir.is_symlink() or not queue_dir.is_dir():
-                continue
-            if not entry.isdecimal() or str(int(entry)) != entry or int(entry) >= MAX_QUEUES:
-                skipped.append(f"{queue_dir}: not a queue id (0..{MAX_QUEUES - 1})")
-                continue
-            ids.append(int(entry))
-            holds_chunks = holds_chunks or any(
-                parse_chunk_file_name(n) for n in os.listdir(queue_dir)
-            )
+        bad: list[tuple[Path, str]] = []
+        ids, holds_chunks = scan_topic_dir(path, bad)
+        skipped += [f"{where}: {why}" for where, why in bad]
         if ids and holds_chunks:  # empty directories: a create_topic that did not finish
             found[name] = max(ids) + 1
     return found, skipped
+
+
+def scan_topic_dir(path: Path, skipped: list[tuple[Path, str]]) -> tuple[list[int], bool]:
+    """The queue ids of the directories in the topic directory ``path`` (its name and
+    theirs checked as the API checks a topic and a queue id), and whether one of them
+    holds chunk files; what is not a topic's or a queue's is added to ``skipped`` with
+    why (the store never opens it; the inspector reports it)."""
+    try:
+        validate.check_topic(path.name)
+    except EQueueError as exc:
+        skipped.append((path, f"not a topic name ({exc})"))
+        return [], False
+    ids: list[int] = []
+    holds_chunks = False
+    for entry in sorted(os.listdir(path)):
+        queue_dir = path / entry
+        if queue_dir.is_symlink() or not queue_dir.is_dir():
+            continue
+        # ASCII digits only ("²".isdigit(), and int() refuses it), no leading zero, and
+        # bounded: 99999999 must not make a reader walk 10**8 queues.
+        valid = entry.isascii() and entry.isdecimal() and str(int(entry)) == entry
+        if not valid or int(entry) >= MAX_QUEUES:
+            skipped.append((queue_dir, f"not a queue id (0..{MAX_QUEUES - 1})"))
+            continue
+        ids.append(int(entry))
+        holds_chunks = holds_chunks or any(parse_chunk_file_name(n) for n in os.listdir(queue_dir))
+    return ids, holds_chunks
 
 
 def recover_topics(

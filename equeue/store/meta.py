@@ -220,6 +220,9 @@ def read_meta(
         return default
     try:
         body = read_json(path)
+        if name == TOPICS_FILE and not isinstance(body, dict):  # as damaged: rebuilt
+            what = type(body).__name__
+            raise CorruptionError(f"its body is a {what}, not an object of topics", file=path)
     except CorruptionError as exc:
         if not move_aside:
             problems.append(str(exc))
@@ -242,8 +245,12 @@ def move_to_recovered(path: Path, stamp: int | None = None) -> Path:
 
 
 def check_offsets(body: Any, path: Path) -> dict[str, dict[str, dict[str, int]]]:
-    """offsets.json's body, each name and offset checked as commit_offset() checks them;
-    a checksummed file with a bad entry was not written by equeue: the open is refused."""
+    """offsets.json's body, each entry's form checked as commit_offset() checks it (names,
+    a queue id below 1024, an offset >= 0); a checksummed file with a bad entry was not
+    written by equeue: the open is refused. An offset is not bounded by its queue's end,
+    nor a queue id by the topic's queue count: commit_offset() writes the file before the
+    log is durable (flush='async'), so a crash can leave a queue ending before an offset
+    committed earlier; a pull from past the end starts at the end, losing nothing."""
     try:
         if not isinstance(body, dict):
             raise ConfigError(f"it holds {type(body).__name__}, not consumer groups")

@@ -574,7 +574,8 @@ class MessageStore:
         with self._arrived:
             self._waiting += 1
             try:
-                while queue.next_offset <= offset and not self._closed:
+                while queue.next_offset <= offset:
+                    self._check_open()  # close() wakes this wait: the pull fails as a late one
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return
@@ -586,6 +587,7 @@ class MessageStore:
         self._check_open()
         if not isinstance(position, int) or isinstance(position, bool):
             raise InvalidTypeError(f"position must be an int, got {type(position).__name__}")
+        follow.look(self)
         try:
             return self._log.read(position)
         except (PositionNotFoundError, CorruptRecordError) as exc:
@@ -604,6 +606,7 @@ class MessageStore:
         self._topic(topic)
         validate.check_key(key)
         validate.check_limit(limit)
+        follow.look(self)
         found: list[Message] = []
         for position in self._keys.positions(topic, key, limit):
             try:
@@ -618,6 +621,7 @@ class MessageStore:
         """The first offset stored at or after ``timestamp`` (binary search over the queue)."""
         queue = self._queue(topic, queue_id)
         timestamp = validate.check_timestamp(timestamp)
+        follow.look(self)
         lo, hi = queue.first_offset, queue.next_offset
         while lo < hi:
             mid = (lo + hi) // 2

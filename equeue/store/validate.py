@@ -235,7 +235,7 @@ def check_offset(offset: object) -> int:
 
 def check_pull(offset: object, max_count: object, wait: object) -> None:
     check_offset(offset)
-    if not isinstance(max_count, int) or max_count < 1:
+    if not isinstance(max_count, int) or isinstance(max_count, bool) or max_count < 1:
         raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
     if (type(wait) is not float or not 0.0 <= wait <= MAX_WAIT) and not (
         0 <= _number("wait", wait) <= MAX_WAIT
