@@ -18,10 +18,10 @@ from store_helpers import Sent, pull_all, send
 
 from equeue import MessageStore, StoreConfig
 from equeue.cli import main
-from equeue.errors import CorruptionError
-from equeue.format.chunk import HEADER_SIZE
+from equeue.errors import CorruptionError, CorruptRecordError
+from equeue.format.chunk import FRAME_SUFFIX, HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
-from equeue.store.meta import QUEUES_DIR
+from equeue.store.meta import MESSAGES_DIR, QUEUES_DIR
 
 CONFIG = StoreConfig(
     chunk_data_size=4096, queue_chunk_records=342, flush="os", retention=dt.timedelta(hours=1)
@@ -122,4 +122,27 @@ def test_undamaged_queue_is_not_rebuilt(tmp_path: Path, retention: bool) -> None
         assert not any("rebuilt" in p or "damaged" in p for p in store.recovery.problems)
         assert store.recovery.redispatched == 0
         assert store.queue_range("u", 0)[1] == 400
+    assert not (path / QUEUES_DIR / "u" / "0" / "recovered").exists()
+
+
+def test_damaged_message_record_does_not_rebuild_its_queue(tmp_path: Path) -> None:
+    """A bit flipped in the body of the message a queue chunk's first entry points at is
+    no evidence against the entry: the queue stays, that message alone is unreadable."""
+    path = tmp_path / "store"
+    sent = _build(path, retention=False)
+    first = sent[0]
+    number, local = divmod(first.position, CONFIG.chunk_data_size)
+    chunk = next((path / MESSAGES_DIR).glob(f"chunk-{number:012d}.*"))
+    at = HEADER_SIZE + local + first.frame_size - FRAME_SUFFIX.size - 1  # the body's last byte
+    with open(chunk, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+    with MessageStore.open(path, CONFIG) as store:
+        assert not any("rebuilt" in p or "damaged" in p for p in store.recovery.problems)
+        assert store.queue_range("u", 0) == (0, 400)
+        with pytest.raises(CorruptRecordError):
+            store.pull("u", 0, 0, max_count=1)
+        assert store.pull("u", 0, 1, max_count=1).messages[0].body == sent[1].body
     assert not (path / QUEUES_DIR / "u" / "0" / "recovered").exists()

@@ -106,7 +106,10 @@ def check_queues(store: MessageStore, checkpoint: dict[str, Any]) -> None:
 
 
 def _wrong_entry(store: MessageStore, queue: Queue) -> str | None:
-    """Why the first or last entry of a completed chunk is wrong, or None."""
+    """Why the first or last entry of a completed chunk is wrong, or None: a spot check,
+    two record heads per queue chunk, so the open's cost stays per chunk, not per entry
+    (``equeue verify`` checks every entry). Entries past the log's end are re-dispatch's
+    to cut, entries below its start retention's."""
     log_first = store._messages.first_position
     log_end = store._messages.committed_position
     for chunk in list(queue.manager)[:-1]:
@@ -117,30 +120,32 @@ def _wrong_entry(store: MessageStore, queue: Queue) -> str | None:
             if not queue.first_offset <= offset < queue.next_offset:
                 continue
             position, tag = queue.entry(offset)
-            if log_first <= position < log_end:
-                try:
-                    payload = store._reader.read(position)
-                except (CorruptionError, PositionError):
-                    payload = b""
-                whole = len(payload) >= MESSAGE_HEAD_SIZE
-                head = MESSAGE_HEAD.unpack_from(payload) if whole else None
-                tl = head[8] if head is not None else 0
-                name = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl]
-                if head is None or (head[0], head[3], head[4], head[6], name) != (
-                    position, offset, queue.queue_id, tag, queue.topic.encode()
-                ):  # fmt: skip
-                    at = HEADER_SIZE + offset * QUEUE_RECORD_SIZE - chunk.base
-                    where = location(chunk.path, at)
-                    return (
-                        f"its entry for offset {offset} {where} points at position {position}, "
-                        "which does not hold that offset's message"
-                    )
-            elif position >= log_end:
+            if not log_first <= position < log_end:
+                continue
+            found = _head_at(store, position)
+            if found is not None and found != (position, queue.topic, queue.queue_id, offset, tag):
+                at = HEADER_SIZE + offset * QUEUE_RECORD_SIZE - chunk.base
                 return (
-                    f"its entry for offset {offset} points at position {position}, past the "
-                    f"log's end {log_end}"
+                    f"its entry for offset {offset} {location(chunk.path, at)} points at "
+                    f"position {position}, which holds no message of that offset"
                 )
     return None
+
+
+def _head_at(store: MessageStore, position: int) -> tuple[int, str, int, int, int] | None:
+    """(position, topic, queue id, queue offset, tag hash) of the record at ``position``;
+    None where it fails its checks (a damaged record, or the entry points inside one):
+    that is no proof the entry is wrong, and rebuilding the queue past a damaged record
+    could lose the entries after it; reads report it instead."""
+    try:
+        payload = store._reader.read(position)
+    except (CorruptionError, PositionError):
+        return None
+    if len(payload) < MESSAGE_HEAD_SIZE:
+        return (-1, "", -1, -1, 0)  # not a message record
+    head = MESSAGE_HEAD.unpack_from(payload)
+    topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + head[8]]
+    return head[0], topic.decode(errors="replace"), head[4], head[3], head[6]
 
 
 def start_rebuilt(queue: Queue, offset: int, log_first: int) -> bool:
