@@ -146,3 +146,28 @@ def test_damaged_message_record_does_not_rebuild_its_queue(tmp_path: Path) -> No
             store.pull("u", 0, 0, max_count=1)
         assert store.pull("u", 0, 1, max_count=1).messages[0].body == sent[1].body
     assert not (path / QUEUES_DIR / "u" / "0" / "recovered").exists()
+
+
+def test_rebuilt_queue_whose_messages_retention_removed_keeps_its_next_offset(
+    tmp_path: Path,
+) -> None:
+    """The log holds none of the queue's messages: the rebuilt queue is empty and starts
+    at the checkpoint's next offset, so the next send does not reuse an offset."""
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("v", 1)
+        store.create_topic("u", 1)
+        for i in range(10):
+            send(store, "v", b"v%d" % i)
+        for i in range(200):
+            send(store, "u", b"m%d" % i)
+        assert store.apply_retention(now=time.time() + 7200) > 0
+        assert store.queue_range("v", 0) == (10, 10)
+    chunk = sorted((path / QUEUES_DIR / "v" / "0").glob("chunk-*"))[0]
+    _zero_header(chunk)
+    with MessageStore.open(path, CONFIG) as store:
+        assert store.queue_range("v", 0) == (10, 10)
+        assert any("v/0" in p and "was rebuilt" in p for p in store.recovery.problems)
+        assert send(store, "v", b"next").offset == 10
+    assert list((chunk.parent / "recovered").glob(f"{chunk.name}.*.damaged"))
+    assert main(["verify", str(path)]) == 0
