@@ -47,6 +47,7 @@ class Queue:
             read_only=read_only,
         )
         self._writer: ChunkWriter | None = None
+        self.rebuilt = False  # its chunks were set aside at open: re-dispatch rebuilds it
         self.first_offset = self.manager.first_position // QUEUE_RECORD_SIZE
         # A plain attribute, raised only after an entry is in place, so readers may use it.
         self.next_offset = self.manager.committed_position // QUEUE_RECORD_SIZE

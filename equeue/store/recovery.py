@@ -35,6 +35,7 @@ from equeue.format.message import (
 )
 from equeue.store.keyindex import KeyIndex
 from equeue.store.queue import Queue
+from equeue.store.queuerebuild import start_rebuilt
 
 log = logging.getLogger("equeue.recovery")
 
@@ -179,6 +180,8 @@ def redispatch(
                 report.cuts += queue.cut_from(qoff)
                 following = queue.next_offset
                 in_place = False
+            if qoff > following and start_rebuilt(queue, qoff, log_first):
+                following = queue.next_offset
             if qoff == following:
                 queue.append(position, th)
                 report.redispatched += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from equeue.store.queuerebuild import check_queues, finish_rebuilt
 from equeue.store.recovery import recovery_start, redispatch, redispatch_start
 
 if TYPE_CHECKING:
@@ -30,7 +31,10 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
             "log_position": max(skipped_to, position if isinstance(position, int) else 0)
         }
         store._keys.indexed_position = max(store._keys.indexed_position, skipped_to)
+    check_queues(store, checkpoint)
     start = recovery_start(checkpoint, store._messages, store._queues, store.recovery)
+    if any(q.rebuilt for qs in store._queues.values() for q in qs):
+        start = store._messages.first_position
     if (
         skipped_to is not None
         and redispatch_start(start, store._keys, store._messages) < skipped_to
@@ -57,6 +61,7 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
     # acknowledged messages sent between the two.
     recorded = None if from_live else checkpoint.get("queues")
     redispatch(store._reader, start, store._queues, store._keys, store.recovery, recorded)
+    finish_rebuilt(store, checkpoint.get("queues"))
     first = store._messages.first_position
     # A log from 0 lost nothing to retention: no search over (maybe damaged) entries.
     if first > 0:

@@ -57,7 +57,6 @@ from equeue.store.meta import (
     KEYS_FILE,
     MESSAGES_DIR,
     OFFSETS_FILE,
-    QUEUES_DIR,
     TOPICS_FILE,
     open_identity,
     read_meta,
@@ -65,6 +64,7 @@ from equeue.store.meta import (
 )
 from equeue.store.offsets import GroupFiles
 from equeue.store.queue import Queue
+from equeue.store.queuerebuild import open_queue
 from equeue.store.reads import LogReader, tag_filter
 from equeue.store.recovery import (
     RecoveryReport,
@@ -392,17 +392,7 @@ class MessageStore:
     def _open_queues(self, topic: str, count: int) -> None:
         queues = self._queues.get(topic, [])
         for queue_id in range(len(queues), count):
-            queues.append(
-                Queue(
-                    self.path / QUEUES_DIR / topic / str(queue_id),
-                    topic,
-                    queue_id,
-                    self.config.queue_chunk_records,
-                    max_open_chunks=self.config.max_open_chunks,
-                    read_only=self.read_only,
-                    alloc_step=self.config.alloc_step,
-                )
-            )
+            queues.append(open_queue(self, topic, queue_id))
         self._queues[topic] = queues
         if self._live_tail is not None:
             for queue in queues:
