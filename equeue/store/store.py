@@ -544,24 +544,49 @@ class MessageStore:
         max_count: int = 32,
         tags: str | Iterable[str] | None = None,
         wait: float = 0.0,
+        *,
+        max_bytes: int | None = None,
     ) -> PullResult:
-        """Up to ``max_count`` messages from ``offset`` on; ``next_offset`` is where to go on.
+        """Up to ``max_count`` messages of a queue from ``offset`` on, in offset order, and
+        ``next_offset``, where to go on (an offset past the queue's end reads as its end).
 
-        ``tags`` keeps only messages with one of these tags (compared by the stored
-        hash, then exactly). ``wait > 0`` blocks until a message arrives or the time passes.
+        ``tags`` keeps only messages with one of these tags (None or "*": every message;
+        an empty list is refused). ``wait`` > 0 (seconds) blocks until a matching message
+        arrives or the time passes. ``max_bytes`` stops before the bodies would add up to
+        more, but returns the first message whatever its size. Raises TopicNotFoundError,
+        QueueNotFoundError, InvalidMessageError/InvalidTypeError for bad arguments, and a
+        CorruptionError naming the file if a record is damaged.
         """
         queue = self._queue(topic, queue_id)
-        validate.check_pull(offset, max_count, wait)
+        validate.check_pull(offset, max_count, wait, max_bytes)
         wanted = tag_filter(tags)
+        result = self._pull_once(queue, offset, max_count, wanted, wait, max_bytes)
+        if result or wait <= 0:
+            return result
+        # Entries the filter skipped arrived, but no message it keeps: wait on.
+        deadline = time.monotonic() + wait
+        while not result and (remaining := deadline - time.monotonic()) > 0 and not self._closed:
+            offset = result.next_offset
+            result = self._pull_once(queue, offset, max_count, wanted, remaining, max_bytes)
+        return result
+
+    def _pull_once(
+        self,
+        queue: Queue,
+        offset: int,
+        max_count: int,
+        wanted: dict[int, set[str]] | None,
+        wait: float,
+        max_bytes: int | None,
+    ) -> PullResult:
         if self.read_only:
-            return follow.pull(self, queue, offset, max_count, wanted, wait)
+            return follow.pull(self, queue, offset, max_count, wanted, wait, max_bytes)
         # Past the end, the end (as RocketMQ corrects an overflowing offset): else the
         # caller would go on from there and skip the messages sent up to it.
         offset = min(max(offset, queue.first_offset), queue.next_offset)
         if wait > 0 and offset >= queue.next_offset:
             self._wait_for(queue, offset, wait)
-        messages, offset = self._log.pull_run(queue, offset, max_count, wanted)
-        return PullResult(messages, offset)
+        return PullResult(*self._log.pull_run(queue, offset, max_count, wanted, max_bytes))
 
     def _wait_for(self, queue: Queue, offset: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

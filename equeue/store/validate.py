@@ -233,10 +233,14 @@ def check_offset(offset: object) -> int:
     return offset
 
 
-def check_pull(offset: object, max_count: object, wait: object) -> None:
+def check_pull(offset: object, max_count: object, wait: object, max_bytes: object = None) -> None:
     check_offset(offset)
     if not isinstance(max_count, int) or max_count < 1:
         raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
+    if max_bytes is not None and (
+        not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1
+    ):
+        raise InvalidMessageError(f"max_bytes must be None or an int >= 1, got {max_bytes!r}")
     if (type(wait) is not float or not 0.0 <= wait <= MAX_WAIT) and not (
         0 <= _number("wait", wait) <= MAX_WAIT
     ):

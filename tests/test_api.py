@@ -1,0 +1,183 @@
+"""The API as a Python user meets it: errors importable from the package, a pull result
+that is a sequence of its messages, tag filters that wait, ``max_bytes``, docstrings and
+the store's repr."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from code_paths import code_path  # noqa: F401 - the fixture
+
+import equeue
+import equeue.errors
+from equeue import InvalidMessageError, MessageStore, PullResult, StoreConfig
+
+SMALL: dict[str, Any] = {"chunk_data_size": 64 * 1024, "queue_chunk_records": 400}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[MessageStore]:
+    with MessageStore.open(tmp_path / "s", StoreConfig(**SMALL)) as s:
+        s.create_topic("t", 1)
+        yield s
+
+
+# --- errors from the package --------------------------------------------------
+
+
+def test_every_error_class_is_exported_from_the_package() -> None:
+    classes = {
+        name
+        for name, value in vars(equeue.errors).items()
+        if inspect.isclass(value)
+        and issubclass(value, Exception)
+        and value.__module__ == "equeue.errors"
+    }
+    assert "StoreLockedError" in classes  # control: the scan finds the errors
+    missing = sorted(
+        name for name in classes if getattr(equeue, name, None) is not getattr(equeue.errors, name)
+    )
+    assert not missing, f"not importable from equeue: {missing}"
+    assert not classes - set(equeue.__all__), "equeue.__all__ lacks error classes"
+    assert all(hasattr(equeue, name) for name in equeue.__all__)
+
+
+def test_store_locked_error_is_caught_from_the_package(tmp_path: Path) -> None:
+    from equeue import StoreLockedError
+
+    with MessageStore.open(tmp_path / "s"), pytest.raises(StoreLockedError):
+        MessageStore.open(tmp_path / "s")
+
+
+# --- PullResult ----------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("code_path")
+def test_pull_result_is_a_sequence_of_its_messages(store: MessageStore) -> None:
+    sent = [store.send("t", b"m%d" % i) for i in range(3)]
+    result = store.pull("t", 0, 0, max_count=10)
+    assert len(result) == 3 and bool(result)
+    assert [m.body for m in result] == [b"m0", b"m1", b"m2"]
+    assert result[0].message_id == sent[0].message_id and result[-1].body == b"m2"
+    assert result.messages == list(result) and result.next_offset == 3
+    empty = store.pull("t", 0, 3)
+    assert not empty and len(empty) == 0 and list(empty) == [] and empty.next_offset == 3
+    assert "3 messages" in repr(result) and "next_offset=3" in repr(result)
+    assert result == PullResult(list(result), 3) and result != empty
+
+
+@pytest.mark.usefixtures("code_path")
+def test_pull_loop_with_walrus_ends(store: MessageStore) -> None:
+    store.send_batch("t", [b"x"] * 10)
+    offset, seen, rounds = 0, 0, 0
+    while batch := store.pull("t", 0, offset, max_count=3):
+        seen += len(batch)
+        offset = batch.next_offset
+        rounds += 1
+        assert rounds < 10, "the loop did not end"
+    assert seen == 10 and rounds == 4
+
+
+# --- tags and wait -------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("code_path")
+def test_empty_tag_list_is_refused(store: MessageStore) -> None:
+    store.send("t", b"a", tag="A")
+    empties: list[Any] = [[], (), set(), iter([])]
+    for empty in empties:
+        with pytest.raises(InvalidMessageError, match="tags=None"):
+            store.pull("t", 0, 0, tags=empty)
+    assert len(store.pull("t", 0, 0, tags=None)) == 1  # control
+    assert len(store.pull("t", 0, 0, tags=["A"])) == 1
+
+
+def _send_later(store: MessageStore, items: list[tuple[float, str]]) -> threading.Thread:
+    def run() -> None:
+        for delay, tag in items:
+            time.sleep(delay)
+            store.send("t", tag.encode(), tag=tag)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.usefixtures("code_path")
+@pytest.mark.parametrize("read_only", [False, True])
+def test_wait_with_tags_waits_for_a_matching_message(
+    store: MessageStore, tmp_path: Path, read_only: bool
+) -> None:
+    reader = MessageStore.open(store.path, read_only=True) if read_only else store
+    try:
+        # a non-matching message arrives first, then the matching one
+        thread = _send_later(store, [(0.05, "B"), (0.15, "A")])
+        result = reader.pull("t", 0, 0, tags=["A"], wait=20)
+        thread.join()
+        assert [m.tag for m in result.messages] == ["A"]
+        assert result.next_offset == 2
+        # control: nothing matching arrives, the wait ends at its deadline, past the skips
+        thread = _send_later(store, [(0.02, "B")])
+        result = reader.pull("t", 0, 2, tags=["A"], wait=0.3)
+        thread.join()
+        assert not result.messages and result.next_offset == 3
+    finally:
+        if read_only:
+            reader.close()
+
+
+# --- max_bytes -----------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("code_path")
+@pytest.mark.parametrize("tags", [None, ["A"]])
+def test_max_bytes_stops_before_the_bodies_exceed_it(
+    store: MessageStore, tags: list[str] | None
+) -> None:
+    sizes = [100, 200, 300, 5000, 10, 10]
+    store.send_batch("t", [{"body": b"x" * n, "tag": "A"} for n in sizes])
+    result = store.pull("t", 0, 0, max_count=100, tags=tags, max_bytes=650)
+    assert [len(m.body) for m in result] == [100, 200, 300]
+    assert result.next_offset == 3
+    result = store.pull("t", 0, 3, max_count=100, tags=tags, max_bytes=650)
+    assert [len(m.body) for m in result] == [5000]  # one at least, whatever its size
+    assert result.next_offset == 4
+    result = store.pull("t", 0, 4, max_count=100, tags=tags, max_bytes=650)
+    assert [len(m.body) for m in result] == [10, 10] and result.next_offset == 6
+    # control: without max_bytes, all of them
+    assert len(store.pull("t", 0, 0, max_count=100, tags=tags)) == 6
+    # exactly full
+    assert len(store.pull("t", 0, 0, max_count=100, tags=tags, max_bytes=600)) == 3
+
+
+@pytest.mark.usefixtures("code_path")
+def test_max_bytes_in_a_long_run(store: MessageStore) -> None:
+    store.send_batch("t", [b"y" * 10] * 1000)  # more than one run of entries (256)
+    offset, got = 0, 0
+    while batch := store.pull("t", 0, offset, max_count=10_000, max_bytes=3000):
+        assert len(batch) == 300 or batch.next_offset == 1000
+        got += len(batch)
+        offset = batch.next_offset
+    assert got == 1000
+
+
+@pytest.mark.usefixtures("code_path")
+def test_max_bytes_read_only(store: MessageStore) -> None:
+    store.send_batch("t", [b"z" * 100] * 5)
+    store.flush()
+    with MessageStore.open(store.path, read_only=True) as reader:
+        result = reader.pull("t", 0, 0, max_count=10, max_bytes=250)
+        assert len(result) == 2 and result.next_offset == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "10", True])
+def test_bad_max_bytes_is_refused(store: MessageStore, bad: Any) -> None:
+    store.send("t", b"a")
+    with pytest.raises(InvalidMessageError, match="max_bytes"):
+        store.pull("t", 0, 0, max_bytes=bad)
