@@ -181,3 +181,37 @@ def test_bad_max_bytes_is_refused(store: MessageStore, bad: Any) -> None:
     store.send("t", b"a")
     with pytest.raises(InvalidMessageError, match="max_bytes"):
         store.pull("t", 0, 0, max_bytes=bad)
+
+
+# --- docstrings and repr ---------------------------------------------------------
+
+
+def test_public_methods_and_result_types_have_docstrings() -> None:
+    from equeue import Message, RecoveryReport, SendResult
+
+    names = [n for n in vars(MessageStore) if not n.startswith("_")]
+    assert {"send", "get", "read", "topics", "queue_ids", "committed_offset"} <= set(names)
+    missing = [n for n in names if not (getattr(MessageStore, n).__doc__ or "").strip()]
+    assert not missing, f"MessageStore methods without a docstring: {missing}"
+    for kind in (Message, PullResult, SendResult, RecoveryReport):
+        doc = kind.__doc__ or ""  # (a NamedTuple's own is "Name(field, ...)")
+        assert doc.strip() and not doc.startswith(kind.__name__ + "("), kind
+    assert "problems" in (RecoveryReport.__doc__ or "")  # store.recovery's fields
+    assert "seconds" in (Message.__doc__ or "") and "seconds" in (SendResult.__doc__ or "")
+    for method in ("send", "get", "read", "pull"):
+        assert "Raises" in (getattr(MessageStore, method).__doc__ or ""), method
+
+
+def test_store_repr_says_path_mode_and_topics_without_io(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    store = MessageStore.open(path, StoreConfig(**SMALL))
+    store.create_topic("a")
+    store.create_topic("b")
+    text = repr(store)
+    assert str(path) in text and "read-write" in text and "2 topics" in text
+    with MessageStore.open(path, read_only=True) as reader:
+        assert "read-only" in repr(reader) and "2 topics" in repr(reader)
+    store.close()
+    assert "closed" in repr(store)
+    (path / "topics.json").unlink()  # no I/O: the repr does not look at the files
+    assert "2 topics" in repr(store)

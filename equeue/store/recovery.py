@@ -41,7 +41,17 @@ log = logging.getLogger("equeue.recovery")
 
 @dataclass
 class RecoveryReport:
-    """What opening the store found and did; empty after a clean shutdown."""
+    """What opening the store found and did (``store.recovery``); ``clean`` after a clean
+    shutdown.
+
+    ``cuts``: torn tails cut from chunk files (TailCut: file, offset, bytes; the cut bytes
+    are copied to ``recovered/`` first); ``problems``: one sentence per loss or damage
+    found, naming the file (each also logged); ``compactions``: interrupted compaction
+    installs finished or undone; ``redispatched``: messages written after the last
+    checkpoint whose queue entries were rebuilt from the log; ``reindexed_keys``: keys
+    added back to the key index; ``start_position``: the log position recovery scanned
+    from. A read-only handle does no recovery: its report holds only what it saw.
+    """
 
     cuts: list[TailCut] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)

@@ -91,6 +91,8 @@ class MessageStore:
     StoreLockedError. ``read_only=True`` opens beside a running writer and sees
     what it has written (pulls pick up new messages; ``refresh()`` new topics and
     consumer offsets); it never changes a file and does no recovery.
+
+    ``store.recovery`` (a RecoveryReport) says what opening found and did.
     """
 
     @classmethod
@@ -232,6 +234,10 @@ class MessageStore:
 
     # --- lifecycle -----------------------------------------------------------
 
+    def __repr__(self) -> str:  # no I/O: what the handle holds
+        mode = "closed" if self._closed else "read-only" if self.read_only else "read-write"
+        return f"<MessageStore {str(self.path)!r} {mode}, {len(self._queues)} topics>"
+
     def __enter__(self) -> MessageStore:
         return self
 
@@ -365,10 +371,12 @@ class MessageStore:
         return self._policies.get(topic, TopicPolicy())
 
     def topics(self) -> list[str]:
+        """The names of the store's topics, sorted. Raises ClosedError once closed."""
         self._check_open()
         return sorted(self._queues)
 
     def queue_ids(self, topic: str) -> list[int]:
+        """The queue ids of ``topic``: 0 to its queue count - 1. Raises TopicNotFoundError."""
         return list(range(len(self._topic(topic))))
 
     def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
@@ -468,6 +476,16 @@ class MessageStore:
         code: int = 0,
         queue_id: int | None = None,
     ) -> SendResult:
+        """Append one message to ``topic`` (created on first use unless auto_create_topics
+        is off) and return where it went: SendResult (message id, queue id and offset, log
+        position, stored_at in seconds). ``queue_id`` None: round robin over the queues.
+        Durable as ``StoreConfig.flush`` says when it returns.
+
+        Raises InvalidMessageError/InvalidTypeError for a bad argument,
+        MessageTooLargeError past ``max_message_size`` / ``max_properties_size``,
+        TopicNotFoundError, QueueNotFoundError, DiskFullError or StoreWriteError (nothing
+        written), ReadOnlyError or ClosedError.
+        """
         sender = self._sender
         if sender is not None:  # the common case, whole in C: cext/sender.c
             result = sender.send(topic, body, tag, key, properties, code, queue_id)
@@ -602,6 +620,10 @@ class MessageStore:
                 self._waiting -= 1
 
     def read(self, position: int) -> Message:
+        """The message at log ``position`` (a byte offset in the message log, as
+        SendResult.position and Message.position give it). Raises MessageNotFoundError if
+        no message starts there, ChunkRemovedError if retention removed it,
+        CompactedAwayError if compaction did, a CorruptionError naming the file if damaged."""
         self._check_open()
         if not isinstance(position, int) or isinstance(position, bool):
             raise InvalidTypeError(f"position must be an int, got {type(position).__name__}")
@@ -613,6 +635,9 @@ class MessageStore:
             raise MessageNotFoundError(f"no message at position {position}: {exc}") from exc
 
     def get(self, message_id: str) -> Message:
+        """The message with this id (24 hex digits: this store's id and the log position;
+        no index is consulted). Raises MessageNotFoundError for an id of another store or
+        of no message, and what ``read`` raises."""
         decoded = decode_message_id(message_id)
         if decoded is None or decoded[0] != self.store_id:
             raise MessageNotFoundError(f"{message_id!r} is not a message id of this store")
@@ -679,11 +704,15 @@ class MessageStore:
             self._offsets = offsets
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
+        """The offset ``group`` last committed for the queue (the next offset it will
+        consume), or None if it never committed one. A read-only handle sees the writer's
+        commits as of its last ``refresh()``. Raises InvalidMessageError for a bad name."""
         self._check_open()
         validate.check_names(group, topic, queue_id)
         return self._offsets.get(group, {}).get(topic, {}).get(str(queue_id))
 
     def consumer_groups(self) -> dict[str, dict[str, dict[int, int]]]:
+        """Every committed offset: {group: {topic: {queue id: offset}}}."""
         self._check_open()
         return {
             g: {t: {int(q): o for q, o in qs.items()} for t, qs in ts.items()}
