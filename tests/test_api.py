@@ -215,3 +215,40 @@ def test_store_repr_says_path_mode_and_topics_without_io(tmp_path: Path) -> None
     assert "closed" in repr(store)
     (path / "topics.json").unlink()  # no I/O: the repr does not look at the files
     assert "2 topics" in repr(store)
+
+
+# --- reopening adopts the store's layout --------------------------------------------
+
+
+def test_reopen_adopts_the_stores_layout_when_unset(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with MessageStore.open(path, StoreConfig(**SMALL)) as store:
+        store.send("t", b"kept")
+    with MessageStore.open(path, StoreConfig(flush="os")) as store:
+        assert store.config.chunk_data_size == SMALL["chunk_data_size"]
+        assert store.config.queue_chunk_records == SMALL["queue_chunk_records"]
+        assert store.config.flush == "os"
+        assert [m.body for m in store.pull("t", 0, 0)] == [b"kept"]
+    with MessageStore.open(path, StoreConfig(queue_chunk_records=400)) as store:  # same: ok
+        assert store.config.chunk_data_size == SMALL["chunk_data_size"]
+    with MessageStore.open(path) as store:
+        assert store.config.layout == (SMALL["chunk_data_size"], SMALL["queue_chunk_records"])
+
+
+def test_reopen_refuses_an_explicit_conflicting_layout(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with MessageStore.open(path, StoreConfig(**SMALL)) as store:
+        store.send("t", b"kept")
+    before = sorted(p.name for p in path.rglob("*") if p.name != "LOCK")
+    default = StoreConfig().layout.chunk_data_size  # explicit, though the default value
+    for bad in ({"chunk_data_size": default}, {"queue_chunk_records": 800}):
+        with pytest.raises(equeue.ConfigError, match=f"{next(iter(bad))}=") as caught:
+            MessageStore.open(path, StoreConfig(**bad))
+        assert str(path) in str(caught.value) and "unset" in str(caught.value)
+    assert sorted(p.name for p in path.rglob("*") if p.name != "LOCK") == before
+
+
+def test_new_store_gets_the_default_layout(tmp_path: Path) -> None:
+    with MessageStore.open(tmp_path / "s", StoreConfig(flush="os")) as store:
+        assert store.config.chunk_data_size == 256 * 1024 * 1024
+        assert store.config.queue_chunk_records == 1_000_000

@@ -196,7 +196,7 @@ class MessageStore:
                 self, self._lock, self._writer, self._queues, self._topic_bytes,
                 self._round_robin, self._keys, self._id_prefix, SendResult,
                 validate.check_tag, xxhash.xxh32_intdigest, time, HEADER_SIZE,
-                config.max_message_size, config.chunk_data_size,
+                config.max_message_size, config.layout.chunk_data_size,
             )  # fmt: skip
         # send() takes the whole C path unless sends must wait for a group commit; the
         # checks are C's whenever it is built.
@@ -400,7 +400,7 @@ class MessageStore:
                     self.path / QUEUES_DIR / topic / str(queue_id),
                     topic,
                     queue_id,
-                    self.config.queue_chunk_records,
+                    self.config.layout.queue_chunk_records,
                     max_open_chunks=self.config.max_open_chunks,
                     read_only=self.read_only,
                 )
@@ -520,7 +520,7 @@ class MessageStore:
             checked = fast.check_batch(
                 items,  # a private copy: check() runs Python code
                 OutgoingMessage, check, validate.check_tag,
-                config.max_message_size, config.chunk_data_size, count,
+                config.max_message_size, config.layout.chunk_data_size, count,
             )  # fmt: skip
         return self._store(topic, queues, checked)
 
@@ -758,7 +758,7 @@ class MessageStore:
         self._messages = ChunkManager(
             self.path / MESSAGES_DIR,
             ChunkManagerConfig(
-                chunk_data_size=config.chunk_data_size,
+                chunk_data_size=config.layout.chunk_data_size,
                 max_record_size=config.max_message_size
                 + config.max_properties_size
                 + MESSAGE_HEAD_SIZE

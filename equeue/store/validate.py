@@ -185,10 +185,10 @@ def check_message(
         MESSAGE_HEAD_SIZE + len(tag_bytes) + len(key_bytes) + len(props) + len(body)
         + MAX_NAME_BYTES
     )  # fmt: skip
-    if size + FRAME_OVERHEAD > config.chunk_data_size:
+    if size + FRAME_OVERHEAD > config.layout.chunk_data_size:
         raise InvalidMessageError(
             f"a message of about {size} bytes does not fit a chunk of chunk_data_size="
-            f"{config.chunk_data_size}; raise StoreConfig.chunk_data_size"
+            f"{config.layout.chunk_data_size}; raise StoreConfig.chunk_data_size"
         )
     return (body, tag_bytes, hashed, key_bytes, key, props, code, queue_id)  # type: ignore[return-value]
 
