@@ -241,7 +241,8 @@ def test_reopen_refuses_an_explicit_conflicting_layout(tmp_path: Path) -> None:
         store.send("t", b"kept")
     before = sorted(p.name for p in path.rglob("*") if p.name != "LOCK")
     default = StoreConfig().layout.chunk_data_size  # explicit, though the default value
-    for bad in ({"chunk_data_size": default}, {"queue_chunk_records": 800}):
+    bads: list[dict[str, Any]] = [{"chunk_data_size": default}, {"queue_chunk_records": 800}]
+    for bad in bads:
         with pytest.raises(equeue.ConfigError, match=f"{next(iter(bad))}=") as caught:
             MessageStore.open(path, StoreConfig(**bad))
         assert str(path) in str(caught.value) and "unset" in str(caught.value)
