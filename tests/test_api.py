@@ -4,6 +4,7 @@ the store's repr."""
 
 from __future__ import annotations
 
+import datetime as dt
 import inspect
 import threading
 import time
@@ -13,10 +14,13 @@ from typing import Any
 
 import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import equeue
 import equeue.errors
 from equeue import InvalidMessageError, MessageStore, PullResult, StoreConfig
+from equeue.store.times import epoch_ns, parse_time
 
 SMALL: dict[str, Any] = {"chunk_data_size": 64 * 1024, "queue_chunk_records": 400}
 
@@ -253,3 +257,72 @@ def test_new_store_gets_the_default_layout(tmp_path: Path) -> None:
     with MessageStore.open(tmp_path / "s", StoreConfig(flush="os")) as store:
         assert store.config.chunk_data_size == 256 * 1024 * 1024
         assert store.config.queue_chunk_records == 1_000_000
+
+
+# --- times: one rule, exact offset_for_time ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MessageStore, list[Any]]]:
+    with MessageStore.open(tmp_path_factory.mktemp("timed") / "s", StoreConfig(**SMALL)) as s:
+        s.create_topic("t", 1)
+        sent = [s.send("t", b"%d" % i) for i in range(120)]  # many share a microsecond
+        sent += s.send_batch("t", [b"b"] * 40)
+        sent += [s.send("t", b"%d" % i) for i in range(40)]
+        yield s, sent
+
+
+@settings(max_examples=150, deadline=None)
+@given(index=st.integers(0, 199), as_datetime=st.booleans(), shift_us=st.integers(-2, 2))
+def test_offset_for_time_is_exact_for_what_a_message_shows(
+    timed: tuple[MessageStore, list[Any]], index: int, as_datetime: bool, shift_us: int
+) -> None:
+    store, _ = timed
+    stored = [m.stored_at for m in store.pull("t", 0, 0, max_count=1000)]
+    assert len(stored) == 200
+    view: Any
+    if as_datetime:  # as a user sees a message's time, and a few microseconds around it
+        when: Any = dt.datetime.fromtimestamp(stored[index], dt.UTC)
+        when += dt.timedelta(microseconds=shift_us)
+        view = [dt.datetime.fromtimestamp(s, dt.UTC) for s in stored]
+    else:
+        when = stored[index] + shift_us * 1e-6
+        view = stored
+    expected = next((i for i, v in enumerate(view) if v >= when), len(view))
+    assert store.offset_for_time("t", 0, when) == expected
+    if shift_us == 0:
+        assert expected <= index and view[expected] == view[index]
+
+
+def test_offset_for_time_finds_each_message_by_its_datetime(
+    timed: tuple[MessageStore, list[Any]],
+) -> None:
+    """The issue's case: 38 of 102 were off by one through microsecond rounding."""
+    store, _ = timed
+    messages = store.pull("t", 0, 0, max_count=1000).messages
+    wrong = []
+    for m in messages:
+        when = dt.datetime.fromtimestamp(m.stored_at, dt.UTC)
+        found = store.offset_for_time("t", 0, when)
+        first = next(x for x in messages if dt.datetime.fromtimestamp(x.stored_at, dt.UTC) == when)
+        if found != first.queue_offset:
+            wrong.append(m.queue_offset)
+    assert not wrong, f"{len(wrong)} of {len(messages)} off"
+
+
+def test_naive_datetimes_are_refused_everywhere(timed: tuple[MessageStore, list[Any]]) -> None:
+    store, _ = timed
+    naive = dt.datetime(2024, 5, 1, 12, 0)
+    with pytest.raises(InvalidMessageError, match="no time zone"):
+        store.offset_for_time("t", 0, naive)
+    with pytest.raises(InvalidMessageError, match="no time zone"):
+        parse_time("2024-05-01T12:00:00")
+    with pytest.raises(InvalidMessageError, match="no time zone"):
+        epoch_ns(naive)
+    # control: aware datetimes, epoch seconds and zoned text all work, and agree
+    aware = naive.replace(tzinfo=dt.UTC)
+    ns = 1714564800 * 10**9
+    assert parse_time("2024-05-01T12:00:00Z") == parse_time("2024-05-01T14:00:00+02:00") == ns
+    assert parse_time("1714564800") == epoch_ns(aware) == epoch_ns(1714564800) == ns
+    assert parse_time("1714564800.000000001") == ns + 1
+    assert store.offset_for_time("t", 0, aware) == store.offset_for_time("t", 0, 1714564800) == 0

@@ -37,12 +37,11 @@ from equeue.errors import (
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import (
     MAX_NAME_BYTES,
-    MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
     STORED_TIME_OFFSET,
     decode_message_id,
 )
-from equeue.store import follow, validate
+from equeue.store import follow, times, validate
 from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
@@ -659,36 +658,10 @@ class MessageStore:
         return found
 
     def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
-        """The first offset stored at or after ``timestamp`` (binary search over the queue)."""
-        queue = self._queue(topic, queue_id)
-        timestamp = validate.check_timestamp(timestamp)
-        lo, hi = queue.first_offset, queue.next_offset
-        while lo < hi:
-            mid = (lo + hi) // 2
-            found = self._stored_at_or_after(queue, mid, hi)
-            if found is None:  # every offset in [mid, hi) was compacted away
-                hi = mid
-                continue
-            at, stored = found
-            # Compare as stored_at is exposed (float seconds), so a message's own
-            # stored_at finds that message despite float rounding.
-            if stored / 1e9 < timestamp:
-                lo = at + 1
-            else:
-                hi = mid
-        found = self._stored_at_or_after(queue, lo, queue.next_offset)  # lo may be compacted
-        return queue.next_offset if found is None else found[0]
-
-    def _stored_at_or_after(self, queue: Queue, offset: int, stop: int) -> tuple[int, int] | None:
-        """(offset, stored ns) of the first message at or after ``offset`` (before ``stop``)
-        that compaction left."""
-        for at in range(offset, stop):
-            try:
-                payload = self._reader.read(queue.entry(at)[0])
-            except (ChunkRemovedError, CompactedAwayError):  # retention ran meanwhile
-                continue
-            return at, MESSAGE_HEAD.unpack_from(payload)[1]
-        return None
+        """The first offset of the queue stored at or after ``timestamp``: seconds since the
+        epoch or an aware datetime (a naive one is refused: equeue.store.times). The
+        queue's next offset if none is. Raises InvalidMessageError, TopicNotFoundError."""
+        return times.offset_for_time(self, topic, queue_id, timestamp)
 
     # --- consumer offsets ----------------------------------------------------
 

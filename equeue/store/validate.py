@@ -269,15 +269,10 @@ def check_limit(limit: object) -> int:
 
 
 def check_timestamp(timestamp: object) -> int | float:
-    """Seconds since the epoch, from a number or a datetime (naive: local time)."""
-    if isinstance(timestamp, dt.datetime):
-        try:
-            return timestamp.timestamp()
-        except (ValueError, OverflowError, OSError) as exc:
-            raise InvalidMessageError(f"timestamp {timestamp!r} has no epoch time: {exc}") from None
+    """Seconds since the epoch (a datetime is checked by equeue.store.times first)."""
     if not isinstance(timestamp, int | float) or isinstance(timestamp, bool):
         raise InvalidTypeError(
-            f"timestamp must be seconds since the epoch (int or float) or a datetime, "
+            f"timestamp must be seconds since the epoch (int or float) or an aware datetime, "
             f"got {type(timestamp).__name__}"
         )
     return _number("timestamp", timestamp)
