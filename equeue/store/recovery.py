@@ -139,8 +139,10 @@ def redispatch(
     keys: KeyIndex,
     report: RecoveryReport,
     recorded: dict[str, Any] | None = None,
+    deleted: dict[str, int] | None = None,
 ) -> None:
-    """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets."""
+    """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets,
+    ``deleted`` {topic: log position of its deletion}: earlier records of it are skipped."""
     # Keys: rows at or past the index's own mark may be duplicates (a query commits
     # pending keys early) or point past a cut in the log; drop and re-index them.
     start = redispatch_start(start, keys, reader.manager)  # before forget_from moves it
@@ -172,6 +174,8 @@ def redispatch(
                 payload
             )
             topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl].decode(errors="replace")
+            if deleted and position < deleted.get(topic, 0):
+                continue  # a deleted topic's record (delete_topic): not queued, not a problem
             topic_queues = queues.get(topic)
             if pos != position or topic_queues is None or not 0 <= qid < len(topic_queues):
                 report.problems.append(

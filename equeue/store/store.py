@@ -41,7 +41,7 @@ from equeue.format.message import (
     STORED_TIME_OFFSET,
     decode_message_id,
 )
-from equeue.store import follow, times, validate
+from equeue.store import deletion, follow, times, validate
 from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
@@ -67,7 +67,15 @@ from equeue.store.recovery import (
     tail_hint,
 )
 from equeue.store.reopen import reconcile_at_open
-from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset, topic_entries
+from equeue.store.topics import (
+    UNSET,
+    Cleanup,
+    TopicPolicy,
+    _Unset,
+    deletions,
+    topic_entries,
+    topics_body,
+)
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
 
@@ -153,6 +161,8 @@ class MessageStore:
         self._policies: dict[str, TopicPolicy] = {}
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
+        if not read_only:
+            deletion.finish_deletions(self, checkpoint)  # a deletion a crash interrupted
         self._meta_problems += losses_at_open(self, checkpoint)
         self._keys = self._open_keys()
         self.recovery = RecoveryReport(
@@ -364,6 +374,13 @@ class MessageStore:
                     self._policies.pop(topic, None)
                 raise
 
+    def delete_topic(self, topic: str) -> None:
+        """Delete ``topic``: its queues and its consumer groups' offsets (crash-safe: a
+        crash leaves the topic or none of it). Its records stay in the log until retention
+        but are never seen again; a topic created under the name starts empty. Raises
+        TopicNotFoundError, ReadOnlyError, StoreWriteError (equeue/store/deletion.py)."""
+        deletion.delete_topic(self, topic)
+
     def topic_policy(self, topic: str) -> TopicPolicy:
         """What the compaction batch may remove from ``topic``."""
         self._topic(topic)
@@ -384,9 +401,9 @@ class MessageStore:
         return queue.first_offset, queue.next_offset
 
     def _load_topics(self) -> None:
-        for topic, count, policy in topic_entries(
-            read_topics(self), self.path, self._meta_problems
-        ):
+        body = read_topics(self)
+        self._deleted: dict[str, int] = deletions(body)
+        for topic, count, policy in topic_entries(body, self.path, self._meta_problems):
             if count > len(self._queues.get(topic, ())):
                 self._open_queues(topic, count)
             self._policies[topic] = policy
@@ -412,16 +429,8 @@ class MessageStore:
         self._round_robin.setdefault(topic, 0)
 
     def _save_topics(self) -> None:
-        write_json(
-            self.path / TOPICS_FILE,
-            {
-                topic: {
-                    "queue_count": len(queues),
-                    **self._policies.get(topic, TopicPolicy()).to_json(),
-                }
-                for topic, queues in self._queues.items()
-            },
-        )
+        counts = {topic: len(queues) for topic, queues in self._queues.items()}
+        write_json(self.path / TOPICS_FILE, topics_body(counts, self._policies, self._deleted))
 
     def _topic(self, topic: str) -> list[Queue]:
         self._check_open()  # every read by topic; one attribute on the pull path
@@ -648,12 +657,13 @@ class MessageStore:
         validate.check_key(key)
         validate.check_limit(limit)
         found: list[Message] = []
+        since = self._deleted.get(topic, 0)  # older records: a deleted topic's
         for position in self._keys.positions(topic, key, limit):
             try:
                 message = self._log.read(position)
             except (ChunkRemovedError, CompactedAwayError):
                 continue
-            if message.key == key and message.topic == topic:
+            if message.key == key and message.topic == topic and position >= since:
                 found.append(message)
         return found
 
