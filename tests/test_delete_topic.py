@@ -102,6 +102,25 @@ def test_recovery_skips_a_deleted_topics_records_after_a_crash(tmp_path: Path) -
         assert [m.body for m in store.query_by_key("gone", "k0", 100)] == [b"new"]
 
 
+def test_a_read_only_handle_follows_a_deletion(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    _fill(path)
+    with MessageStore.open(path) as writer, MessageStore.open(path, read_only=True) as reader:
+        assert len(reader.pull("gone", 0, 0, 100)) == 10  # control
+        writer.delete_topic("gone")
+        reader.refresh()
+        assert reader.topics() == ["kept"]
+        with pytest.raises(TopicNotFoundError):
+            reader.pull("gone", 0, 0)
+        writer.create_topic("gone", 1)
+        writer.send("gone", b"new", key="k0")
+        writer.flush()
+        reader.refresh()
+        assert [m.body for m in reader.pull("gone", 0, 0, 100)] == [b"new"]
+        assert [m.body for m in reader.query_by_key("gone", "k0")] == [b"new"]
+        _check_kept(reader)
+
+
 def test_delete_topic_refusals(tmp_path: Path) -> None:
     path = tmp_path / "s"
     _fill(path)

@@ -73,6 +73,17 @@ def finish_deletions(store: MessageStore, checkpoint: dict[str, Any]) -> None:
             _finish(store, topic, checkpoint)
 
 
+def follow_deletions(store: MessageStore, before: dict[str, int]) -> None:
+    """A read-only handle: forget the topics deleted since it last read topics.json (a
+    topic created again is then opened anew, as the writer made it)."""
+    for topic, position in store._deleted.items():
+        if before.get(topic) != position and topic in store._queues:
+            for queue in store._queues.pop(topic):
+                queue.close()
+            for table in (store._topic_bytes, store._round_robin, store._policies):
+                table.pop(topic, None)
+
+
 def _finish(store: MessageStore, topic: str, checkpoint: dict[str, Any] | None = None) -> None:
     """Drop the deleted topic's consumer offsets, then its queue directories."""
     if any(topic in topics for topics in store._offsets.values()):

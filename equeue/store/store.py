@@ -118,6 +118,7 @@ class MessageStore:
 
     def __init__(self, path: Path, config: StoreConfig | None, *, read_only: bool = False) -> None:
         self.path = path
+        self._deleted: dict[str, int] = {}  # topic: log position of its deletion
         self.read_only = read_only
         self._closed = False
         self._meta_problems: list[str] = []
@@ -402,7 +403,9 @@ class MessageStore:
 
     def _load_topics(self) -> None:
         body = read_topics(self)
-        self._deleted: dict[str, int] = deletions(body)
+        before, self._deleted = getattr(self, "_deleted", {}), deletions(body)
+        if self.read_only:
+            deletion.follow_deletions(self, before)
         for topic, count, policy in topic_entries(body, self.path, self._meta_problems):
             if count > len(self._queues.get(topic, ())):
                 self._open_queues(topic, count)
