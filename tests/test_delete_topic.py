@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
 
 from equeue import MessageStore, ReadOnlyError, StoreConfig, TopicNotFoundError
+from equeue.store import validate
 
 CHILD = Path(__file__).with_name("delete_topic_child.py")
 CONFIG = StoreConfig(chunk_data_size=64 * 1024, queue_chunk_records=400, flush="os")
@@ -190,3 +193,51 @@ def test_sigkill_at_each_step_of_a_deletion(tmp_path: Path) -> None:
     assert outcomes[True] and outcomes[False]  # both sides of the commit point were hit
     args: Any = (len(calls), outcomes)
     print("calls, outcomes:", *args)
+
+
+def test_a_send_that_waited_for_the_lock_through_a_deletion(tmp_path: Path) -> None:
+    """A send holds the topic's queues while it waits for the write lock; if the topic
+    was deleted meanwhile, it writes nothing into the closed queues."""
+    path = tmp_path / "s"
+    _fill(path)
+    with MessageStore.open(path) as store:
+        stale = store._queues["gone"]
+        store.delete_topic("gone")
+        end = store._messages.committed_position
+        fields = validate.check_message(store.config, "gone", 2, b"late", "", None, None, 0, None)
+        with pytest.raises(TopicNotFoundError, match="deleted while this send waited"):
+            store._store("gone", stale, [fields])
+        assert store._messages.committed_position == end  # nothing written
+        assert store.topics() == ["kept"]
+
+
+@pytest.mark.usefixtures("code_path")
+def test_sends_racing_a_deletion(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    _fill(path)
+    outcomes: list[str] = []
+    with MessageStore.open(path) as store:
+        stop = threading.Event()
+
+        def send() -> None:
+            while not stop.is_set():
+                try:
+                    store.send("gone", b"racing", queue_id=0)
+                    outcomes.append("sent")
+                except TopicNotFoundError:
+                    outcomes.append("refused")
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        time.sleep(0.05)
+        store.delete_topic("gone")
+        time.sleep(0.05)
+        stop.set()
+        thread.join()
+        # the sends after the deletion created the topic again, with only their messages
+        assert outcomes.count("sent") >= 1
+        racing = [m.body for q in store.queue_ids("gone") for m in store.pull("gone", q, 0, 10**5)]
+        assert set(racing) <= {b"racing"}
+        _check_kept(store)
+    with MessageStore.open(path) as store:
+        assert not store.recovery.problems
