@@ -41,7 +41,7 @@ from equeue.format.message import (
     STORED_TIME_OFFSET,
     decode_message_id,
 )
-from equeue.store import deletion, follow, times, validate
+from equeue.store import deletion, follow, pulling, times, validate
 from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
@@ -589,46 +589,10 @@ class MessageStore:
         queue = self._queue(topic, queue_id)
         validate.check_pull(offset, max_count, wait, max_bytes)
         wanted = tag_filter(tags)
-        result = self._pull_once(queue, offset, max_count, wanted, wait, max_bytes)
+        result = pulling.pull_once(self, queue, offset, max_count, wanted, wait, max_bytes)
         if result or wait <= 0:
             return result
-        # Entries the filter skipped arrived, but no message it keeps: wait on.
-        deadline = time.monotonic() + wait
-        while not result and (remaining := deadline - time.monotonic()) > 0 and not self._closed:
-            offset = result.next_offset
-            result = self._pull_once(queue, offset, max_count, wanted, remaining, max_bytes)
-        return result
-
-    def _pull_once(
-        self,
-        queue: Queue,
-        offset: int,
-        max_count: int,
-        wanted: dict[int, set[str]] | None,
-        wait: float,
-        max_bytes: int | None,
-    ) -> PullResult:
-        if self.read_only:
-            return follow.pull(self, queue, offset, max_count, wanted, wait, max_bytes)
-        # Past the end, the end (as RocketMQ corrects an overflowing offset): else the
-        # caller would go on from there and skip the messages sent up to it.
-        offset = min(max(offset, queue.first_offset), queue.next_offset)
-        if wait > 0 and offset >= queue.next_offset:
-            self._wait_for(queue, offset, wait)
-        return PullResult(*self._log.pull_run(queue, offset, max_count, wanted, max_bytes))
-
-    def _wait_for(self, queue: Queue, offset: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with self._arrived:
-            self._waiting += 1
-            try:
-                while queue.next_offset <= offset and not self._closed:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return
-                    self._arrived.wait(remaining)
-            finally:
-                self._waiting -= 1
+        return pulling.wait_on(self, queue, result, max_count, wanted, wait, max_bytes)
 
     def read(self, position: int) -> Message:
         """The message at log ``position`` (a byte offset in the message log, as
