@@ -403,7 +403,7 @@ class MessageStore:
 
     def _load_topics(self) -> None:
         body = read_topics(self)
-        before, self._deleted = getattr(self, "_deleted", {}), deletions(body)
+        before, self._deleted = self._deleted, deletions(body)
         if self.read_only:
             deletion.follow_deletions(self, before)
         for topic, count, policy in topic_entries(body, self.path, self._meta_problems):
