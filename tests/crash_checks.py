@@ -333,7 +333,7 @@ def observe(store: MessageStore) -> Observation:
                 except EQueueError as exc:
                     problems.append(f"{where}: read/get raised {exc!r}")
             entries, queue_problems = walk_queue(
-                store.path / "queues" / topic / str(queue_id), config.queue_chunk_records
+                store.path / "queues" / topic / str(queue_id), config.layout.queue_chunk_records
             )
             problems += queue_problems
             pulled = [(m.position, tag_hash(m.tag)) for m in messages]
@@ -356,7 +356,7 @@ def observe(store: MessageStore) -> Observation:
                     f"{m.queue_offset} where seq {i} was due (a gap, duplicate or reordering)"
                 )
                 break
-    records, log_problems = walk_log(store.path / "messages", config.chunk_data_size)
+    records, log_problems = walk_log(store.path / "messages", config.layout.chunk_data_size)
     problems += log_problems
     unchecked: Counter[QueueKey] = Counter()
     for position, payload in records:

@@ -122,7 +122,7 @@ def message_chunk_files(path: Path) -> list[Path]:
 @pytest.mark.usefixtures("code_path")
 def test_chunk_file_streams_what_the_manager_reads(tmp_path: Path) -> None:
     fill(tmp_path)
-    config = ChunkManagerConfig(chunk_data_size=SMALL.chunk_data_size, timestamp_offset=8)
+    config = ChunkManagerConfig(chunk_data_size=SMALL.layout.chunk_data_size, timestamp_offset=8)
     with ChunkManager(tmp_path / "messages", config, read_only=True) as manager:
         for chunk in manager:
             streamed = list(ChunkFile.open(chunk.path, chunk.data_end).records(block_size=300))
@@ -174,7 +174,7 @@ def test_rewrite_keeps_positions_and_reports_removed_ones(tmp_path: Path) -> Non
     for f in files:
         f.unlink()
     shutil.move(staging / result.file_name, tmp_path / "messages" / result.file_name)
-    config = ChunkManagerConfig(chunk_data_size=SMALL.chunk_data_size, timestamp_offset=8)
+    config = ChunkManagerConfig(chunk_data_size=SMALL.layout.chunk_data_size, timestamp_offset=8)
     with ChunkManager(tmp_path / "messages", config, read_only=True) as manager:
         merged = manager.get_chunk(1)
         assert merged.header.compacted and manager.get_chunk(0) is merged
@@ -481,8 +481,8 @@ def test_second_job_rewrites_merged_files_where_newer_keys_arrived(
         p
         for p in removed
         for c in merged
-        if p >= (c.start_number + 1) * SMALL.chunk_data_size
-        if p < (c.end_number + 1) * SMALL.chunk_data_size
+        if p >= (c.start_number + 1) * SMALL.layout.chunk_data_size
+        if p < (c.end_number + 1) * SMALL.layout.chunk_data_size
     ]
     assert in_merged  # past the first chunk number of a merged file
     report = compact(tmp_path, spark=spark, now=now)
@@ -572,7 +572,7 @@ def test_expired_tombstone_stays_while_an_older_value_of_its_key_survives(
     is left alone; K's expired tombstone in a later, rewritten chunk must then stay, or
     K's old value becomes its final value again. Control: J's tombstone, whose older
     value is in a rewritten chunk, goes with it."""
-    size = SMALL.chunk_data_size
+    size = SMALL.layout.chunk_data_size
     with MessageStore.open(tmp_path, SMALL) as store:
         store.create_topic("kv", 1, cleanup="compact")
         store.send("kv", b"old K", key="K")
@@ -599,7 +599,7 @@ def test_offset_for_time_skips_offsets_compacted_away(tmp_path: Path, spark: Spa
     """Issue 20 item 19: offset_for_time returned offsets compaction removed. Now it
     returns the first surviving offset stored at or after the time (as before compaction
     when nothing was removed: the control)."""
-    size = SMALL.chunk_data_size
+    size = SMALL.layout.chunk_data_size
     with MessageStore.open(tmp_path, SMALL) as store:
         store.create_topic("kv", 1, cleanup="compact")
         sent = [store.send("kv", b"v" * 40, key="dup") for _ in range(30)]
@@ -722,7 +722,7 @@ def test_time_retention_passes_a_chunk_compaction_emptied(
     """A chunk whose every record compaction removed has a footer without timestamps;
     time-based retention stopped at it and never removed the expired chunks after it.
     The control: before compaction, retention removes the same expired chunks."""
-    size = SMALL.chunk_data_size
+    size = SMALL.layout.chunk_data_size
     config = StoreConfig(chunk_data_size=size, flush="os", retention=dt.timedelta(hours=1))
     with MessageStore.open(tmp_path, SMALL) as store:
         store.create_topic("d", 1, retention=dt.timedelta(seconds=30))

@@ -317,7 +317,7 @@ def test_the_job_compacted_while_the_producer_ran(live: Live) -> None:
     assert live.early_last_chunk in rewritten
     ongoing = live.snapshot.chunks[-1]
     assert ongoing.start_number not in rewritten
-    assert max(live.sent) > ongoing.start_number * CONFIG.chunk_data_size + ongoing.data_end
+    assert max(live.sent) > ongoing.start_number * CONFIG.layout.chunk_data_size + ongoing.data_end
     assert live.consumer.pulls > 0
 
 
@@ -341,7 +341,7 @@ def test_nothing_lost_nothing_corrupt(live: Live) -> None:
     for position in gone:
         out = outgoing(sent[position][0])
         assert out.topic == COMPACTED and out.key is not None, (position, out)
-        assert position // CONFIG.chunk_data_size in rewritten, position
+        assert position // CONFIG.layout.chunk_data_size in rewritten, position
         assert newest[(out.topic, out.key)] > position
     # Every key's newest message survives.
     assert len(newest) == 2 * KEYS and all(p in final for p in newest.values())
@@ -441,7 +441,7 @@ def test_read_only_view_adopts_the_replacements_when_it_reads(live: Live) -> Non
 def test_read_only_view_opened_before_keeps_reading(live: Live) -> None:
     early = live.early
     known = {p: m for p, m in live.final.items() if p < live.early_known}
-    in_last = [p for p in known if p // CONFIG.chunk_data_size == live.early_last_chunk]
+    in_last = [p for p in known if p // CONFIG.layout.chunk_data_size == live.early_last_chunk]
     assert in_last  # survivors in the chunk that was ongoing when the view opened
     pulled: dict[int, Message] = {}
     for topic in early.topics():

@@ -131,7 +131,7 @@ def test_damaged_message_record_does_not_rebuild_its_queue(tmp_path: Path) -> No
     path = tmp_path / "store"
     sent = _build(path, retention=False)
     first = sent[0]
-    number, local = divmod(first.position, CONFIG.chunk_data_size)
+    number, local = divmod(first.position, CONFIG.layout.chunk_data_size)
     chunk = next((path / MESSAGES_DIR).glob(f"chunk-{number:012d}.*"))
     at = HEADER_SIZE + local + first.frame_size - FRAME_SUFFIX.size - 1  # the body's last byte
     with open(chunk, "r+b") as f:

@@ -303,7 +303,8 @@ def test_pulls_keep_a_window_of_what_they_read(
             monkeypatch.setattr("equeue.chunks.chunk.Chunk.release_behind", lambda *a: None)
         offset, pulled = 0, 0
         while True:
-            messages, offset = store.pull("t", 0, offset, max_count=256)
+            batch = store.pull("t", 0, offset, max_count=256)
+            messages, offset = batch.messages, batch.next_offset
             if not messages:
                 break
             pulled += len(messages)

@@ -16,10 +16,11 @@ import xxhash
 import equeue.format.message
 import equeue.store.reads
 import equeue.store.validate
-from equeue import Message, MessageStore, OutgoingMessage, SendResult, StoreConfig
+from equeue import Message, MessageStore, OutgoingMessage, PullResult, SendResult, StoreConfig
 from equeue.errors import (
     ChunkRemovedError,
     ConfigError,
+    InvalidMessageError,
     MessageNotFoundError,
     PositionError,
     StoreLockedError,
@@ -107,7 +108,7 @@ def test_send_pull_round_trip_every_field(store: MessageStore) -> None:
     assert store.get(sent.message_id) == message
     assert store.read(sent.position) == message
     for other in (0, 1, 3):
-        assert store.pull("orders", other, 0) == ([], 0)
+        assert store.pull("orders", other, 0) == PullResult([], 0)
 
 
 def test_send_defaults_and_edge_values(store: MessageStore) -> None:
@@ -303,7 +304,8 @@ def test_pull_tag_filter(store: MessageStore) -> None:
     assert bodies(("C",)) == [4]
     assert bodies("") == [2]
     assert bodies("missing") == []
-    assert bodies([]) == []
+    with pytest.raises(InvalidMessageError, match="empty"):  # not "match nothing"
+        bodies([])
     assert bodies(None) == list(range(7))
     assert bodies("*") == list(range(7))
     assert bodies("A", offset=1) == [3, 6]
@@ -389,7 +391,7 @@ def test_pull_wait_times_out_empty(store: MessageStore) -> None:
     store.create_topic("t")
     store.send("t", b"other queue", queue_id=0)
     result = store.pull("t", 1, 0, wait=0.2)
-    assert result == ([], 0)
+    assert result == PullResult([], 0)
     # A message already there is returned at once.
     store.send("t", b"here", queue_id=1)
     assert [m.body for m in store.pull("t", 1, 0, wait=30.0).messages] == [b"here"]

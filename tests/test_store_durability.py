@@ -310,8 +310,10 @@ def test_open_without_config_keeps_the_stores_shape(tmp_path: Path) -> None:
     with MessageStore.open(path) as store:
         assert store.config.chunk_data_size == SMALL["chunk_data_size"]
         assert store.pull("t", store.send("t", b"y", queue_id=0).queue_id, 0).messages
+    with MessageStore.open(path, StoreConfig()) as store:  # unset: the store's own
+        assert store.config.chunk_data_size == SMALL["chunk_data_size"]
     with pytest.raises(ConfigError, match="chunk_data_size"):
-        MessageStore.open(path, StoreConfig())
+        MessageStore.open(path, StoreConfig(chunk_data_size=StoreConfig().layout.chunk_data_size))
 
 
 # --- one writer, read-only handles ------------------------------------------------------

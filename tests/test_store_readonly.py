@@ -369,6 +369,7 @@ def _closed_calls(message_id: str) -> dict[str, Callable[[MessageStore], object]
         "send": lambda s: s.send("t", b"x"),
         "send_batch": lambda s: s.send_batch("t", [b"x"]),
         "create_topic": lambda s: s.create_topic("u", 1),
+        "delete_topic": lambda s: s.delete_topic("u"),  # (made by the call above)
         "commit_offset": lambda s: s.commit_offset("g", "t", 0, 1),
         "flush": lambda s: s.flush(),
         "apply_retention": lambda s: s.apply_retention(),

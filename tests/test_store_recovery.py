@@ -454,7 +454,7 @@ def test_redispatch_in_c_decides_as_the_python_loop(
     zero_queue_tail(crashed, "u", 0, 25)
     damaged = next(r for r in phase_b if (r.topic, r.queue_id) == ("t", 2))
     queue_chunk = chunk_files(crashed / "queues" / "t" / "2")[-1]
-    first = int(queue_chunk.name.split("-")[1].split(".")[0]) * CONFIG.queue_chunk_records
+    first = int(queue_chunk.name.split("-")[1].split(".")[0]) * CONFIG.layout.queue_chunk_records
     flip_byte(queue_chunk, HEADER_SIZE + (damaged.queue_offset - first) * 12 + 8)  # tag hash
     outcomes = []
     counting = _CountingSpeedups(speedups.SPEEDUPS)

@@ -355,7 +355,14 @@ static PyObject *Sender_send(Sender *s, PyObject *const *args, Py_ssize_t nargs)
     PyObject *acquired = PyObject_CallMethodNoArgs(s->lock, S_acquire);
     if (acquired == NULL) goto out;
     Py_DECREF(acquired);
-    result = send_locked(s, topic, queues, &c);
+    /* delete_topic may have closed these queues while this send waited for the lock:
+     * the Python path looks the topic up again */
+    PyObject *now_queues = PyDict_GetItemWithError(s->queues, topic);
+    if (now_queues != queues) {
+        result = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    } else {
+        result = send_locked(s, topic, queues, &c);
+    }
     if (release_lock(s) < 0) Py_CLEAR(result);
     if (result != NULL && result != Py_None) { /* wake pulls waiting for a message */
         PyObject *waiting = PyObject_GetAttr(s->store, S_waiting);

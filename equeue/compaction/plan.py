@@ -60,7 +60,7 @@ def take_snapshot(store: str | Path) -> Snapshot:
         return Snapshot(
             store=str(Path(store).resolve()),
             store_id=opened.store_id,
-            chunk_data_size=opened.config.chunk_data_size,
+            chunk_data_size=opened.config.layout.chunk_data_size,
             checkpoint_position=checkpointed,
             chunks=[
                 SnapshotChunk(

@@ -82,12 +82,14 @@ class Follower:
         KeyboardInterrupt).
 
         Each round pulls every queue past where it stopped, then looks for topics created
-        meanwhile and pulls those too. Messages are written in position order, so every
-        message up to the highest position of the first pass was written before that
-        pass (or the held messages of earlier rounds), and the second pass holds those of
-        new queues: up to there (and no further than a queue whose batch was cut short) a
-        round can print in log order. The rest is held for the next round."""
+        meanwhile and pulls those too. The pulls are not one snapshot (a writer goes on
+        between them), but messages are written in position order: every message up to
+        the highest position seen before this round (the walk's end, or a pull of an
+        earlier round) was written before this round's first pull, so this round holds
+        all of them, but for a queue whose batch was cut short. Up to there a round
+        prints, in log order; the rest is held and printed by a later round."""
         held: list[Message] = []
+        seen = after  # the highest position known written before the next round starts
         while True:
             known = self._queues()
             arrived, cut = self._pull(known)
@@ -95,12 +97,11 @@ class Follower:
                 time.sleep(POLL_SECONDS)
                 self._store.refresh()  # new topics, and chunks retention removed
                 continue
-            # Held messages were pulled in earlier rounds: also written before this pass.
-            first_pass = max(m.position for m in held + arrived)
             self._store.refresh()
             more, more_cut = self._pull([q for q in self._queues() if q not in set(known)])
             arrived += more
-            limit = min(first_pass, cut, more_cut)
+            limit = min(seen, cut, more_cut)
+            seen = max([seen, *(m.position for m in arrived)])
             pending = sorted(held + arrived, key=lambda m: m.position)
             held = [m for m in pending if m.position > limit]
             for message in pending:

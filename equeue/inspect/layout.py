@@ -150,11 +150,12 @@ def open_store(path: Path) -> StoreFiles:
     if isinstance(topics, dict):
         for topic, info in topics.items():
             try:  # as the store checks it at open: a bad name is reported, never followed
-                ((_, count, _),) = topic_entries({topic: info}, path)
+                entries = topic_entries({topic: info}, path)  # none: a deleted topic
             except CorruptionError as exc:
                 store.problems.append(problem_from(exc, "metadata", path / TOPICS_FILE))
             else:
-                store.topics[str(topic)] = count
+                for _, count, _ in entries:
+                    store.topics[str(topic)] = count
     else:
         store.topics_known = False
         if topics is not None:  # checksummed, but not written by equeue

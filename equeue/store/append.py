@@ -20,7 +20,7 @@ import xxhash
 from equeue import speedups
 from equeue.chunks import ChunkWriter
 from equeue.chunks.chunk import Chunk
-from equeue.errors import ClosedError, StoreWriteError
+from equeue.errors import ClosedError, StoreWriteError, TopicNotFoundError
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
 from equeue.format.message import (
     FLAG_HAS_KEY,
@@ -80,6 +80,11 @@ class Appender:
     ) -> list[SendResult]:
         if self._closed():
             raise ClosedError(f"store {self._store_path} is closed")
+        if queues[0].closed:  # delete_topic ran while this send waited for the lock
+            raise TopicNotFoundError(
+                f"topic {topic!r} in {self._store_path} was deleted while this send waited; "
+                "nothing was written"
+            )
         if self._sender is not None and len(checked) == 1:
             # None (nothing written) when it needs a new chunk: append() below does it
             result = self._sender.write_checked(topic, queues, checked[0])

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from equeue.chunks.config import MiB, check_int
 from equeue.errors import ConfigError
@@ -11,6 +11,15 @@ from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.store.validate import check_span
 
 FlushPolicy = Literal["sync", "async", "os"]
+DEFAULT_CHUNK_DATA_SIZE = 256 * MiB
+DEFAULT_QUEUE_CHUNK_RECORDS = 1_000_000
+
+
+class Layout(NamedTuple):
+    """The file shape of a configuration, unset values read as a new store's defaults."""
+
+    chunk_data_size: int
+    queue_chunk_records: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,7 +27,10 @@ class StoreConfig:
     """Settings of a message store; every field has a documented default.
 
     ``chunk_data_size`` and ``queue_chunk_records`` shape the files and are
-    fixed when the store is created: reopening with other values is refused.
+    fixed when the store is created. Left unset (None), a new store gets the
+    defaults (256 MiB, 1,000,000 records) and an existing one keeps its own;
+    an explicit value that differs from the store's is refused (ConfigError).
+    ``store.config`` holds the values in use.
 
     Durability (``flush``), by what each policy risks:
 
@@ -45,8 +57,8 @@ class StoreConfig:
     message); ChunkManagerConfig.alloc_step says what each choice risks.
     """
 
-    chunk_data_size: int = 256 * MiB
-    queue_chunk_records: int = 1_000_000
+    chunk_data_size: int | None = None  # DEFAULT_CHUNK_DATA_SIZE for a new store
+    queue_chunk_records: int | None = None  # DEFAULT_QUEUE_CHUNK_RECORDS for a new store
     default_queue_count: int = 4
     auto_create_topics: bool = True
     flush: FlushPolicy = "async"
@@ -62,14 +74,28 @@ class StoreConfig:
     key_index_batch: int = 10_000  # keys buffered before one index transaction
     alloc_step: int = 4 * MiB
 
-    def __post_init__(self) -> None:
-        check_int("chunk_data_size", self.chunk_data_size, MIN_CHUNK_DATA_SIZE, MAX_CHUNK_DATA_SIZE)
-        check_int(
-            "queue_chunk_records",
-            self.queue_chunk_records,
-            -(-MIN_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE),  # rounded up: chunks of >= the minimum
-            MAX_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE,
+    @property
+    def layout(self) -> Layout:
+        """The chunk sizes as ints (``store.config``'s are those of the store)."""
+        return Layout(
+            DEFAULT_CHUNK_DATA_SIZE if self.chunk_data_size is None else self.chunk_data_size,
+            DEFAULT_QUEUE_CHUNK_RECORDS
+            if self.queue_chunk_records is None
+            else self.queue_chunk_records,
         )
+
+    def __post_init__(self) -> None:
+        if self.chunk_data_size is not None:
+            check_int(
+                "chunk_data_size", self.chunk_data_size, MIN_CHUNK_DATA_SIZE, MAX_CHUNK_DATA_SIZE
+            )
+        if self.queue_chunk_records is not None:
+            check_int(
+                "queue_chunk_records",
+                self.queue_chunk_records,
+                -(-MIN_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE),  # rounded up: chunks >= the minimum
+                MAX_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE,
+            )
         check_int("default_queue_count", self.default_queue_count, 1, 1024)
         check_int("flush_interval_ms", self.flush_interval_ms, 1, 3_600_000)
         check_int("flush_least_pages", self.flush_least_pages, 0, 1 << 20)

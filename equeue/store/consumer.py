@@ -290,7 +290,7 @@ class Consumer:
             except ChunkRemovedError:  # retention removed it between range and pull
                 if attempt == _ATTEMPTS - 1:
                     raise
-        messages, following = result
+        messages, following = result.messages, result.next_offset
         first = max(first, store.queue_range(topic, queue_id)[0])
         reached = messages[0].queue_offset if messages else following
         if at < min(first, reached):

@@ -91,6 +91,7 @@ def pull(
     max_count: int,
     wanted: dict[int, set[str]] | None,
     wait: float,
+    max_bytes: int | None = None,
 ) -> PullResult:
     """A read-only pull: it polls for new entries, and a chunk retention removed under
     it makes it follow the log and go on from the queue's new first offset."""
@@ -101,7 +102,7 @@ def pull(
     while True:
         try:
             messages, next_offset = store._log.pull_run(
-                queue, max(offset, queue.first_offset), max_count, wanted
+                queue, max(offset, queue.first_offset), max_count, wanted, max_bytes
             )
             return PullResult(messages, next_offset)
         except ChunkRemovedError:

@@ -140,8 +140,8 @@ def open_identity(
 ) -> tuple[int, StoreConfig]:
     """(store id, the configuration to use). A new store records its id and shape.
 
-    Without a configuration, an existing store opens with the shape it was
-    created with; a configuration that disagrees with it is refused.
+    A layout setting left unset (None) takes the store's own (a new store's: the
+    defaults); only a value set explicitly that differs from the store's is refused.
     """
     check_layout(directory)
     path = directory / IDENTITY_FILE
@@ -158,6 +158,7 @@ def open_identity(
             )
         config = config or StoreConfig()
         store_id = uuid.uuid4().int & 0xFFFFFFFF
+        config = dataclasses.replace(config, **config.layout._asdict())
         write_json(
             path,
             {"format": STORE_FORMAT, "store_id": store_id}
@@ -165,16 +166,18 @@ def open_identity(
         )
         return store_id, config
     identity = _check_identity(path, read_json(path))
-    if config is None:
-        return identity["store_id"], StoreConfig(**{name: identity[name] for name in _SHAPE})
-    for name in _SHAPE:
-        if identity[name] != getattr(config, name):
+    config = config or StoreConfig()
+    for name in _SHAPE:  # unset: the store's own; set: it must be the store's
+        given = getattr(config, name)
+        if given is not None and identity[name] != given:
             raise ConfigError(
                 f"store {directory} was created with {name}={identity[name]}, but the "
-                f"configuration says {name}={getattr(config, name)}; open it with "
-                f"StoreConfig({name}={identity[name]}) or without a configuration"
+                f"configuration says {name}={given}; leave {name} unset (None) to use "
+                f"the store's, or set StoreConfig({name}={identity[name]})"
             )
-    return identity["store_id"], dataclasses.replace(config)
+    return identity["store_id"], dataclasses.replace(
+        config, **{name: identity[name] for name in _SHAPE}
+    )
 
 
 def _check_identity(path: Path, identity: Any) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class Queue:
         self.topic = topic
         self.queue_id = queue_id
         check_dir(directory.parent)  # the topic's: ChunkManager would create under a link
+        self.closed = False
         self.manager = ChunkManager(
             directory,
             ChunkManagerConfig(
@@ -203,4 +204,5 @@ class Queue:
             self._writer.flush(least_bytes)
 
     def close(self) -> None:
+        self.closed = True  # (a send that waited for the lock checks it: delete_topic)
         self.manager.close()

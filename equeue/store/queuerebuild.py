@@ -52,7 +52,7 @@ def _queue(store: MessageStore, directory: Path, topic: str, queue_id: int) -> Q
         directory,
         topic,
         queue_id,
-        store.config.queue_chunk_records,
+        store.config.layout.queue_chunk_records,
         max_open_chunks=store.config.max_open_chunks,
         read_only=store.read_only,
         alloc_step=store.config.alloc_step,

@@ -13,6 +13,7 @@ from equeue.errors import (
     ChunkRemovedError,
     CompactedAwayError,
     CorruptRecordError,
+    InvalidMessageError,
     InvalidTypeError,
     PositionNotFoundError,
 )
@@ -45,13 +46,24 @@ class LogReader:
         return self.decode(position, self._reader.read(position))
 
     def pull_run(
-        self, queue: Queue, offset: int, max_count: int, wanted: dict[int, set[str]] | None
+        self,
+        queue: Queue,
+        offset: int,
+        max_count: int,
+        wanted: dict[int, set[str]] | None,
+        max_bytes: int | None = None,
     ) -> tuple[list[Message], int]:
         """A pull's messages from ``offset`` on, each checked against its queue entry (topic,
-        queue, offset, tag hash), and the offset to go on from."""
+        queue, offset, tag hash), and the offset to go on from. With ``max_bytes``, the run
+        stops before its bodies would add up to more (after one message at least)."""
         messages: list[Message] = []
         fast = speedups.SPEEDUPS
+        budget, counted = max_bytes, 0  # bytes left; messages counted against it
         while len(messages) < max_count:
+            if budget is not None and counted < len(messages):
+                budget, counted, offset = _trim(messages, counted, budget, offset)
+                if budget <= 0:
+                    return messages, offset
             entries = queue.entries(offset, max_count if wanted is None else 256)
             if not entries:
                 break
@@ -92,6 +104,8 @@ class LogReader:
                 if len(messages) == max_count:
                     break
             offset = max(offset, queue.first_offset)
+        if budget is not None and counted < len(messages):
+            offset = _trim(messages, counted, budget, offset)[2]
         return messages, offset
 
     def wrong_message(
@@ -247,6 +261,20 @@ class LogReader:
         )
 
 
+def _trim(messages: list[Message], counted: int, budget: int, offset: int) -> tuple[int, int, int]:
+    """Count ``messages[counted:]`` against ``budget`` bytes of bodies, cutting before the
+    first that does not fit (never the pull's first message). Returns (the bytes left,
+    <= 0 when the pull is full; the messages counted; the offset to go on from)."""
+    for i in range(counted, len(messages)):
+        size = len(messages[i].body)
+        if size > budget and i > 0:
+            offset = messages[i].queue_offset
+            del messages[i:]
+            return 0, i, offset
+        budget -= size
+    return budget, len(messages), offset
+
+
 def tag_filter(tags: str | Iterable[str] | None) -> dict[int, set[str]] | None:
     """{tag hash: tags} for a tag filter; None means every message."""
     if tags is None or tags == "*":
@@ -262,4 +290,9 @@ def tag_filter(tags: str | Iterable[str] | None) -> dict[int, set[str]] | None:
         if not isinstance(tag, str):
             raise InvalidTypeError(f"tags must be str values, got {type(tag).__name__}")
         wanted.setdefault(check_tag(tag)[1], set()).add(tag)  # (refuses what cannot be sent)
+    if not wanted:  # a filter that keeps nothing is a mistake, not a query
+        raise InvalidMessageError(
+            "tags is empty, which would match no message; pass tags=None (or '*') for "
+            "every message, or the tags to keep"
+        )
     return wanted

@@ -42,7 +42,17 @@ log = logging.getLogger("equeue.recovery")
 
 @dataclass
 class RecoveryReport:
-    """What opening the store found and did; empty after a clean shutdown."""
+    """What opening the store found and did (``store.recovery``); ``clean`` after a clean
+    shutdown.
+
+    ``cuts``: torn tails cut from chunk files (TailCut: file, offset, bytes; the cut bytes
+    are copied to ``recovered/`` first); ``problems``: one sentence per loss or damage
+    found, naming the file (each also logged); ``compactions``: interrupted compaction
+    installs finished or undone; ``redispatched``: messages written after the last
+    checkpoint whose queue entries were rebuilt from the log; ``reindexed_keys``: keys
+    added back to the key index; ``start_position``: the log position recovery scanned
+    from. A read-only handle does no recovery: its report holds only what it saw.
+    """
 
     cuts: list[TailCut] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -130,8 +140,10 @@ def redispatch(
     keys: KeyIndex,
     report: RecoveryReport,
     recorded: dict[str, Any] | None = None,
+    deleted: dict[str, int] | None = None,
 ) -> None:
-    """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets."""
+    """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets,
+    ``deleted`` {topic: log position of its deletion}: earlier records of it are skipped."""
     # Keys: rows at or past the index's own mark may be duplicates (a query commits
     # pending keys early) or point past a cut in the log; drop and re-index them.
     start = redispatch_start(start, keys, reader.manager)  # before forget_from moves it
@@ -163,6 +175,8 @@ def redispatch(
                 payload
             )
             topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl].decode(errors="replace")
+            if deleted and position < deleted.get(topic, 0):
+                continue  # a deleted topic's record (delete_topic): not queued, not a problem
             topic_queues = queues.get(topic)
             if pos != position or topic_queues is None or not 0 <= qid < len(topic_queues):
                 report.problems.append(

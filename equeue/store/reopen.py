@@ -60,7 +60,9 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
     # (redispatch), not where the older checkpoint said: that would cut entries of
     # acknowledged messages sent between the two.
     recorded = None if from_live else checkpoint.get("queues")
-    redispatch(store._reader, start, store._queues, store._keys, store.recovery, recorded)
+    redispatch(
+        store._reader, start, store._queues, store._keys, store.recovery, recorded, store._deleted
+    )
     finish_rebuilt(store, checkpoint.get("queues"))
     first = store._messages.first_position
     # A log from 0 lost nothing to retention: no search over (maybe damaged) entries.

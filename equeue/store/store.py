@@ -37,12 +37,11 @@ from equeue.errors import (
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import (
     MAX_NAME_BYTES,
-    MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
     STORED_TIME_OFFSET,
     decode_message_id,
 )
-from equeue.store import follow, validate
+from equeue.store import deletion, follow, pulling, times, validate
 from equeue.store import offsets as group_offsets
 from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
@@ -71,7 +70,15 @@ from equeue.store.recovery import (
     tail_hint,
 )
 from equeue.store.reopen import reconcile_at_open
-from equeue.store.topics import UNSET, Cleanup, TopicPolicy, _Unset, topic_entries
+from equeue.store.topics import (
+    UNSET,
+    Cleanup,
+    TopicPolicy,
+    _Unset,
+    deletions,
+    topic_entries,
+    topics_body,
+)
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
 
@@ -95,6 +102,8 @@ class MessageStore:
     what it has written (pulls pick up new messages; ``refresh()`` new topics and
     consumer offsets); it does no recovery and changes no file but its consumers'
     commits (``consumers/``, see ``consumer()``).
+
+    ``store.recovery`` (a RecoveryReport) says what opening found and did.
     """
 
     @classmethod
@@ -113,6 +122,7 @@ class MessageStore:
 
     def __init__(self, path: Path, config: StoreConfig | None, *, read_only: bool = False) -> None:
         self.path = path
+        self._deleted: dict[str, int] = {}  # topic: log position of its deletion
         self.read_only = read_only
         self._closed = False
         self._meta_problems: list[str] = []
@@ -156,6 +166,8 @@ class MessageStore:
         self._policies: dict[str, TopicPolicy] = {}
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
+        if not read_only:
+            deletion.finish_deletions(self, checkpoint)  # a deletion a crash interrupted
         self._meta_problems += losses_at_open(self, checkpoint)
         self._group_files = GroupFiles(path, self._meta_problems, writer=not read_only)
         self._keys = self._open_keys()
@@ -199,7 +211,7 @@ class MessageStore:
                 self, self._lock, self._writer, self._queues, self._topic_bytes,
                 self._round_robin, self._keys, self._id_prefix, SendResult,
                 validate.check_tag, xxhash.xxh32_intdigest, time, HEADER_SIZE,
-                config.max_message_size, config.chunk_data_size,
+                config.max_message_size, config.layout.chunk_data_size,
             )  # fmt: skip
         # send() takes the whole C path unless sends must wait for a group commit; the
         # checks are C's whenever it is built.
@@ -236,6 +248,10 @@ class MessageStore:
         self._service.start()
 
     # --- lifecycle -----------------------------------------------------------
+
+    def __repr__(self) -> str:  # no I/O: what the handle holds
+        mode = "closed" if self._closed else "read-only" if self.read_only else "read-write"
+        return f"<MessageStore {str(self.path)!r} {mode}, {len(self._queues)} topics>"
 
     def __enter__(self) -> MessageStore:
         return self
@@ -364,16 +380,25 @@ class MessageStore:
                     self._policies.pop(topic, None)
                 raise
 
+    def delete_topic(self, topic: str) -> None:
+        """Delete ``topic``: its queues and its consumer groups' offsets (crash-safe: a
+        crash leaves the topic or none of it). Its records stay in the log until retention
+        but are never seen again; a topic created under the name starts empty. Raises
+        TopicNotFoundError, ReadOnlyError, StoreWriteError (equeue/store/deletion.py)."""
+        deletion.delete_topic(self, topic)
+
     def topic_policy(self, topic: str) -> TopicPolicy:
         """What the compaction batch may remove from ``topic``."""
         self._topic(topic)
         return self._policies.get(topic, TopicPolicy())
 
     def topics(self) -> list[str]:
+        """The names of the store's topics, sorted. Raises ClosedError once closed."""
         self._check_open()
         return sorted(self._queues)
 
     def queue_ids(self, topic: str) -> list[int]:
+        """The queue ids of ``topic``: 0 to its queue count - 1. Raises TopicNotFoundError."""
         return list(range(len(self._topic(topic))))
 
     def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
@@ -382,9 +407,11 @@ class MessageStore:
         return queue.first_offset, queue.next_offset
 
     def _load_topics(self) -> None:
-        for topic, count, policy in topic_entries(
-            read_topics(self), self.path, self._meta_problems
-        ):
+        body = read_topics(self)
+        before, self._deleted = self._deleted, deletions(body)
+        if self.read_only:
+            deletion.follow_deletions(self, before)
+        for topic, count, policy in topic_entries(body, self.path, self._meta_problems):
             if count > len(self._queues.get(topic, ())):
                 self._open_queues(topic, count)
             self._policies[topic] = policy
@@ -401,16 +428,8 @@ class MessageStore:
         self._round_robin.setdefault(topic, 0)
 
     def _save_topics(self) -> None:
-        write_json(
-            self.path / TOPICS_FILE,
-            {
-                topic: {
-                    "queue_count": len(queues),
-                    **self._policies.get(topic, TopicPolicy()).to_json(),
-                }
-                for topic, queues in self._queues.items()
-            },
-        )
+        counts = {topic: len(queues) for topic, queues in self._queues.items()}
+        write_json(self.path / TOPICS_FILE, topics_body(counts, self._policies, self._deleted))
 
     def _topic(self, topic: str) -> list[Queue]:
         self._check_open()  # every read by topic; one attribute on the pull path
@@ -464,6 +483,16 @@ class MessageStore:
         code: int = 0,
         queue_id: int | None = None,
     ) -> SendResult:
+        """Append one message to ``topic`` (created on first use unless auto_create_topics
+        is off) and return where it went: SendResult (message id, queue id and offset, log
+        position, stored_at in seconds). ``queue_id`` None: round robin over the queues.
+        Durable as ``StoreConfig.flush`` says when it returns.
+
+        Raises InvalidMessageError/InvalidTypeError for a bad argument,
+        MessageTooLargeError past ``max_message_size`` / ``max_properties_size``,
+        TopicNotFoundError, QueueNotFoundError, DiskFullError or StoreWriteError (nothing
+        written), ReadOnlyError or ClosedError.
+        """
         sender = self._sender
         if sender is not None:  # the common case, whole in C: cext/sender.c
             result = sender.send(topic, body, tag, key, properties, code, queue_id)
@@ -498,7 +527,7 @@ class MessageStore:
             checked = fast.check_batch(
                 items,  # a private copy: check() runs Python code
                 OutgoingMessage, check, validate.check_tag,
-                config.max_message_size, config.chunk_data_size, count,
+                config.max_message_size, config.layout.chunk_data_size, count,
             )  # fmt: skip
         return self._store(topic, queues, checked)
 
@@ -540,40 +569,32 @@ class MessageStore:
         max_count: int = 32,
         tags: str | Iterable[str] | None = None,
         wait: float = 0.0,
+        *,
+        max_bytes: int | None = None,
     ) -> PullResult:
-        """Up to ``max_count`` messages from ``offset`` on; ``next_offset`` is where to go on.
+        """Up to ``max_count`` messages of a queue from ``offset`` on, in offset order, and
+        ``next_offset``, where to go on (an offset past the queue's end reads as its end).
 
-        ``tags`` keeps only messages with one of these tags (compared by the stored
-        hash, then exactly). ``wait > 0`` blocks until a message arrives or the time passes.
+        ``tags`` keeps only messages with one of these tags (None or "*": every message;
+        an empty list is refused). ``wait`` > 0 (seconds) blocks until a matching message
+        arrives or the time passes. ``max_bytes`` stops before the bodies would add up to
+        more, but returns the first message whatever its size. Raises TopicNotFoundError,
+        QueueNotFoundError, InvalidMessageError/InvalidTypeError for bad arguments, and a
+        CorruptionError naming the file if a record is damaged.
         """
         queue = self._queue(topic, queue_id)
-        validate.check_pull(offset, max_count, wait)
+        validate.check_pull(offset, max_count, wait, max_bytes)
         wanted = tag_filter(tags)
-        if self.read_only:
-            return follow.pull(self, queue, offset, max_count, wanted, wait)
-        # Past the end, the end (as RocketMQ corrects an overflowing offset): else the
-        # caller would go on from there and skip the messages sent up to it.
-        offset = min(max(offset, queue.first_offset), queue.next_offset)
-        if wait > 0 and offset >= queue.next_offset:
-            self._wait_for(queue, offset, wait)
-        messages, offset = self._log.pull_run(queue, offset, max_count, wanted)
-        return PullResult(messages, offset)
-
-    def _wait_for(self, queue: Queue, offset: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with self._arrived:
-            self._waiting += 1
-            try:
-                while queue.next_offset <= offset:
-                    self._check_open()  # close() wakes this wait: the pull fails as a late one
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return
-                    self._arrived.wait(remaining)
-            finally:
-                self._waiting -= 1
+        result = pulling.pull_once(self, queue, offset, max_count, wanted, wait, max_bytes)
+        if result or wait <= 0:
+            return result
+        return pulling.wait_on(self, queue, result, max_count, wanted, wait, max_bytes)
 
     def read(self, position: int) -> Message:
+        """The message at log ``position`` (a byte offset in the message log, as
+        SendResult.position and Message.position give it). Raises MessageNotFoundError if
+        no message starts there, ChunkRemovedError if retention removed it,
+        CompactedAwayError if compaction did, a CorruptionError naming the file if damaged."""
         self._check_open()
         if not isinstance(position, int) or isinstance(position, bool):
             raise InvalidTypeError(f"position must be an int, got {type(position).__name__}")
@@ -586,6 +607,9 @@ class MessageStore:
             raise MessageNotFoundError(f"no message at position {position}: {exc}") from exc
 
     def get(self, message_id: str) -> Message:
+        """The message with this id (24 hex digits: this store's id and the log position;
+        no index is consulted). Raises MessageNotFoundError for an id of another store or
+        of no message, and what ``read`` raises."""
         decoded = decode_message_id(message_id)
         if decoded is None or decoded[0] != self.store_id:
             raise MessageNotFoundError(f"{message_id!r} is not a message id of this store")
@@ -598,47 +622,22 @@ class MessageStore:
         validate.check_limit(limit)
         follow.look(self)
         found: list[Message] = []
+        since = self._deleted.get(topic, 0)  # older records: a deleted topic's
         for position in self._keys.positions(topic, key, limit):
             try:
                 message = self._log.read(position)
             except (ChunkRemovedError, CompactedAwayError):
                 continue
-            if message.key == key and message.topic == topic:
+            if message.key == key and message.topic == topic and position >= since:
                 found.append(message)
         return found
 
     def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
-        """The first offset stored at or after ``timestamp`` (binary search over the queue)."""
-        queue = self._queue(topic, queue_id)
-        timestamp = validate.check_timestamp(timestamp)
-        follow.look(self)
-        lo, hi = queue.first_offset, queue.next_offset
-        while lo < hi:
-            mid = (lo + hi) // 2
-            found = self._stored_at_or_after(queue, mid, hi)
-            if found is None:  # every offset in [mid, hi) was compacted away
-                hi = mid
-                continue
-            at, stored = found
-            # Compare as stored_at is exposed (float seconds), so a message's own
-            # stored_at finds that message despite float rounding.
-            if stored / 1e9 < timestamp:
-                lo = at + 1
-            else:
-                hi = mid
-        found = self._stored_at_or_after(queue, lo, queue.next_offset)  # lo may be compacted
-        return queue.next_offset if found is None else found[0]
-
-    def _stored_at_or_after(self, queue: Queue, offset: int, stop: int) -> tuple[int, int] | None:
-        """(offset, stored ns) of the first message at or after ``offset`` (before ``stop``)
-        that compaction left."""
-        for at in range(offset, stop):
-            try:
-                payload = self._reader.read(queue.entry(at)[0])
-            except (ChunkRemovedError, CompactedAwayError):  # retention ran meanwhile
-                continue
-            return at, MESSAGE_HEAD.unpack_from(payload)[1]
-        return None
+        """The first offset of the queue stored at or after ``timestamp``: seconds since the
+        epoch or an aware datetime (a naive one is refused: equeue.store.times). The
+        queue's next offset if none is. Raises InvalidMessageError, TopicNotFoundError."""
+        follow.look(self)  # read-only: a chunk retention removed is reported as removed
+        return times.offset_for_time(self, topic, queue_id, timestamp)
 
     # --- consumer offsets ----------------------------------------------------
 
@@ -651,11 +650,16 @@ class MessageStore:
             group_offsets.set_offset(self, group, topic, queue_id, offset)
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
+        """The offset ``group`` last committed for the queue (the next offset it will
+        consume), or None if it never committed one. A read-only handle sees the writer's
+        commits as of its last ``refresh()``. Raises InvalidMessageError for a bad name."""
         self._check_open()
         validate.check_names(group, topic, queue_id)
         return group_offsets.committed(self).get(group, {}).get(topic, {}).get(str(queue_id))
 
     def consumer_groups(self) -> dict[str, dict[str, dict[int, int]]]:
+        """Every committed offset: {group: {topic: {queue id: offset}}}."""
+        self._check_open()
         return group_offsets.by_queue_id(group_offsets.committed(self))
 
     def consumer(
@@ -715,7 +719,7 @@ class MessageStore:
         self._messages = ChunkManager(
             self.path / MESSAGES_DIR,
             ChunkManagerConfig(
-                chunk_data_size=config.chunk_data_size,
+                chunk_data_size=config.layout.chunk_data_size,
                 max_record_size=config.max_message_size
                 + config.max_properties_size
                 + MESSAGE_HEAD_SIZE

@@ -27,6 +27,9 @@ log = logging.getLogger("equeue.recovery")
 Cleanup = Literal["delete", "compact"]
 CLEANUPS: Final = ("delete", "compact")
 DEFAULT_DELETE_RETENTION: Final = dt.timedelta(hours=24)
+# topics.json: the log position of a topic's latest deletion; its records before it
+# belong to the deleted topic (a deleted topic not created again keeps only this field).
+DELETED_BEFORE: Final = "deleted_before"
 
 
 class _Unset:
@@ -116,6 +119,9 @@ def topic_entries(
             validate.check_topic(topic)
             if not isinstance(info, dict):
                 raise ConfigError(f"its entry is {info!r}, not an object")
+            _deleted_before(info)
+            if "queue_count" not in info and DELETED_BEFORE in info:
+                continue  # deleted, not created again
             count = validate.check_queue_count(info.get("queue_count"))
             policy = TopicPolicy.from_json(info, path, problems)
         except EQueueError as exc:
@@ -142,3 +148,35 @@ def _span(
         if problems is not None:
             problems.append(problem)
     return MAX_SPAN
+
+
+def _deleted_before(info: dict[str, Any]) -> int | None:
+    value = info.get(DELETED_BEFORE)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ConfigError(f"{DELETED_BEFORE}={value!r} is not a log position")
+    return value
+
+
+def deletions(body: Any) -> dict[str, int]:
+    """{topic: log position of its deletion} of topics.json's body (checked by
+    ``topic_entries``, which the store calls first)."""
+    if not isinstance(body, dict):
+        return {}
+    found = {}
+    for topic, info in body.items():
+        if isinstance(info, dict) and isinstance(info.get(DELETED_BEFORE), int):
+            found[topic] = info[DELETED_BEFORE]
+    return found
+
+
+def topics_body(
+    counts: dict[str, int], policies: dict[str, TopicPolicy], deleted: dict[str, int]
+) -> dict[str, Any]:
+    """topics.json's body: each topic's queue count and policy, and the deletions."""
+    body: dict[str, Any] = {
+        topic: {"queue_count": count, **policies.get(topic, TopicPolicy()).to_json()}
+        for topic, count in counts.items()
+    }
+    for topic, position in deleted.items():
+        body.setdefault(topic, {})[DELETED_BEFORE] = position
+    return body

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple, overload
 
 
 class SendResult(NamedTuple):
+    """Where ``send`` stored a message (``send_batch`` returns one per message).
+
+    ``message_id``: 24 hex digits (store id, log position), for ``get``;
+    ``queue_id``/``queue_offset``: its place in the topic's queue, for ``pull``;
+    ``position``: its byte position in the message log, for ``read``;
+    ``stored_at``: seconds since the epoch (float, from the stored int64 nanoseconds).
+    """
+
     message_id: str
     topic: str
     queue_id: int
@@ -15,6 +24,13 @@ class SendResult(NamedTuple):
 
 
 class Message(NamedTuple):
+    """A stored message, as ``pull``, ``get``, ``read`` and ``query_by_key`` return it.
+
+    ``key`` is None for a message sent without one; ``code`` is the sender's int;
+    ``created_at`` and ``stored_at`` are seconds since the epoch (floats from int64
+    nanoseconds: when the message was made, and when it was appended to the log).
+    """
+
     message_id: str
     topic: str
     queue_id: int
@@ -29,9 +45,43 @@ class Message(NamedTuple):
     stored_at: float
 
 
-class PullResult(NamedTuple):
-    messages: list[Message]
-    next_offset: int
+class PullResult:
+    """What ``pull`` returns: the messages, and ``next_offset``, the queue offset to pull
+    from next (past the last message returned, or past entries the tag filter skipped).
+
+    It is a sequence of its messages: ``len(result)``, ``for m in result``,
+    ``result[0]``; an empty result is false, so ``while batch := store.pull(...)``
+    stops when the queue has nothing more.
+    """
+
+    __slots__ = ("messages", "next_offset")
+
+    def __init__(self, messages: list[Message], next_offset: int) -> None:
+        self.messages = messages
+        self.next_offset = next_offset
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self.messages)
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Message]: ...
+    def __getitem__(self, index: int | slice) -> Message | list[Message]:
+        return self.messages[index]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PullResult):
+            return NotImplemented
+        return self.messages == other.messages and self.next_offset == other.next_offset
+
+    __hash__ = None  # type: ignore[assignment]  # (it holds a list)
+
+    def __repr__(self) -> str:
+        return f"PullResult({len(self.messages)} messages, next_offset={self.next_offset})"
 
 
 class OutgoingMessage(NamedTuple):

@@ -185,10 +185,10 @@ def check_message(
         MESSAGE_HEAD_SIZE + len(tag_bytes) + len(key_bytes) + len(props) + len(body)
         + MAX_NAME_BYTES
     )  # fmt: skip
-    if size + FRAME_OVERHEAD > config.chunk_data_size:
+    if size + FRAME_OVERHEAD > config.layout.chunk_data_size:
         raise InvalidMessageError(
             f"a message of about {size} bytes does not fit a chunk of chunk_data_size="
-            f"{config.chunk_data_size}; raise StoreConfig.chunk_data_size"
+            f"{config.layout.chunk_data_size}; raise StoreConfig.chunk_data_size"
         )
     return (body, tag_bytes, hashed, key_bytes, key, props, code, queue_id)  # type: ignore[return-value]
 
@@ -233,10 +233,14 @@ def check_offset(offset: object) -> int:
     return offset
 
 
-def check_pull(offset: object, max_count: object, wait: object) -> None:
+def check_pull(offset: object, max_count: object, wait: object, max_bytes: object = None) -> None:
     check_offset(offset)
     if not isinstance(max_count, int) or isinstance(max_count, bool) or max_count < 1:
         raise InvalidMessageError(f"max_count must be an int >= 1, got {max_count!r}")
+    if max_bytes is not None and (
+        not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1
+    ):
+        raise InvalidMessageError(f"max_bytes must be None or an int >= 1, got {max_bytes!r}")
     if (type(wait) is not float or not 0.0 <= wait <= MAX_WAIT) and not (
         0 <= _number("wait", wait) <= MAX_WAIT
     ):
@@ -265,15 +269,10 @@ def check_limit(limit: object) -> int:
 
 
 def check_timestamp(timestamp: object) -> int | float:
-    """Seconds since the epoch, from a number or a datetime (naive: local time)."""
-    if isinstance(timestamp, dt.datetime):
-        try:
-            return timestamp.timestamp()
-        except (ValueError, OverflowError, OSError) as exc:
-            raise InvalidMessageError(f"timestamp {timestamp!r} has no epoch time: {exc}") from None
+    """Seconds since the epoch (a datetime is checked by equeue.store.times first)."""
     if not isinstance(timestamp, int | float) or isinstance(timestamp, bool):
         raise InvalidTypeError(
-            f"timestamp must be seconds since the epoch (int or float) or a datetime, "
+            f"timestamp must be seconds since the epoch (int or float) or an aware datetime, "
             f"got {type(timestamp).__name__}"
         )
     return _number("timestamp", timestamp)

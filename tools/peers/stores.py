@@ -105,10 +105,11 @@ class EqueueStore(Store):
             pull = self.store.pull
             offset = 0
             while offset < count:
-                messages, offset = pull(TOPIC, 0, offset, min(256, count - offset))
-                if not messages:
+                batch = pull(TOPIC, 0, offset, min(256, count - offset))
+                if not batch:
                     break
-                yield [m.body for m in messages]
+                offset = batch.next_offset
+                yield [m.body for m in batch]
             self.store.commit_offset("bench-consumer", TOPIC, 0, offset)
 
         return chain.from_iterable(batches())

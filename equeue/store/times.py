@@ -1,0 +1,114 @@
+"""Times given to the API and the CLI, under one rule, and ``offset_for_time``'s search.
+
+The rule: a time is seconds since the epoch (an int or float, as ``time.time()`` and
+``Message.stored_at``), an aware ``datetime``, or, as text (the CLI), unix seconds or
+ISO-8601 naming its zone ("Z", "+02:00"). A naive datetime, or ISO text without a zone,
+is refused: local time or UTC would both be a guess, and a wrong guess moves a
+consumer by hours without a word.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from equeue.errors import ChunkRemovedError, CompactedAwayError, InvalidMessageError
+from equeue.format.message import MESSAGE_HEAD
+from equeue.store import validate
+from equeue.store.queue import Queue
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_NAIVE = (
+    "has no time zone; give an aware datetime (datetime.now(UTC), "
+    "dt.replace(tzinfo=...)) or seconds since the epoch"
+)
+
+
+def check_time(value: object) -> float | int | dt.datetime:
+    """``value`` if it is a time under the rule (module docstring), else an equeue error."""
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise InvalidMessageError(f"time {value.isoformat()} {_NAIVE}")
+        return value
+    return validate.check_timestamp(value)
+
+
+def epoch_ns(value: object) -> int:
+    """A time under the rule as integer nanoseconds since the epoch (a datetime exactly:
+    it has microseconds; a float as exactly as its binary value allows)."""
+    value = check_time(value)
+    if isinstance(value, dt.datetime):
+        return (value - _EPOCH) // dt.timedelta(microseconds=1) * 1000
+    if isinstance(value, int):
+        return value * 10**9
+    return int(decimal.Decimal(value) * 10**9)
+
+
+def parse_time(text: str) -> int:
+    """Integer nanoseconds since the epoch from text: unix seconds ("1700000000.5",
+    exact to the nanosecond) or ISO-8601 with a zone ("2024-05-01T12:00:00Z"). Naive
+    ISO text is refused (InvalidMessageError), as a naive datetime is by the API."""
+    try:
+        return int(decimal.Decimal(text.strip()) * 10**9)  # Decimal: a float rounds the ns
+    except (decimal.InvalidOperation, ValueError, OverflowError):
+        pass
+    try:
+        when = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise InvalidMessageError(
+            f"cannot read time {text!r}: give ISO-8601 with a zone (2024-05-01T12:00:00Z) "
+            "or unix seconds"
+        ) from None
+    if when.tzinfo is None:
+        raise InvalidMessageError(f"time {text!r} {_NAIVE.replace('datetime', 'time')}; add Z")
+    return epoch_ns(when)
+
+
+def _before(when: float | int | dt.datetime) -> Callable[[int], bool]:
+    """Whether a message stored at these nanoseconds comes before ``when``, compared as
+    the user sees the message's time: ``stored_at`` (float seconds) against a number,
+    ``datetime.fromtimestamp(stored_at, UTC)`` (microseconds) against a datetime. So a
+    message's own stored_at, or that datetime, finds that message, rounding and all."""
+    if isinstance(when, dt.datetime):
+        return lambda ns: dt.datetime.fromtimestamp(ns / 1e9, dt.UTC) < when
+    return lambda ns: ns / 1e9 < when
+
+
+def offset_for_time(store: MessageStore, topic: str, queue_id: int, when: object) -> int:
+    """The first offset of the queue whose message was stored at or after ``when``
+    (binary search over the queue; offsets compaction removed are skipped)."""
+    queue = store._queue(topic, queue_id)
+    before = _before(check_time(when))
+    lo, hi = queue.first_offset, queue.next_offset
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = _stored_at_or_after(store, queue, mid, hi)
+        if found is None:  # every offset in [mid, hi) was compacted away
+            hi = mid
+            continue
+        at, stored = found
+        if before(stored):
+            lo = at + 1
+        else:
+            hi = mid
+    found = _stored_at_or_after(store, queue, lo, queue.next_offset)  # lo may be compacted
+    return queue.next_offset if found is None else found[0]
+
+
+def _stored_at_or_after(
+    store: MessageStore, queue: Queue, offset: int, stop: int
+) -> tuple[int, int] | None:
+    """(offset, stored ns) of the first message at or after ``offset`` (before ``stop``)
+    that compaction left."""
+    for at in range(offset, stop):
+        try:
+            payload = store._reader.read(queue.entry(at)[0])
+        except (ChunkRemovedError, CompactedAwayError):  # retention ran meanwhile
+            continue
+        return at, MESSAGE_HEAD.unpack_from(payload)[1]
+    return None
