@@ -720,6 +720,8 @@ def test_live_store_beside_a_writer(store: Path, live: MessageStore) -> None:
         (["records", "{store}", "--topic", "nope", "--queue", "0"], "no topic 'nope'"),
         (["records", "{store}", "--topic", "orders", "--queue", "7"], "queues 0..1"),
         (["records", "{store}", "--since", "yesterday"], "cannot read time"),
+        # One rule with the API (equeue.store.times): a time without a zone is refused.
+        (["records", "{store}", "--since", "2024-05-01T12:00:00"], "add Z"),
         (["records", "{store}", "--from", "banana"], "neither a log position"),
         (["records", "{store}", "--from", "00000001" + "0" * 16], "not of this store"),
         (["records", "{store}", "--limit", "-1"], "is negative"),

@@ -6,8 +6,6 @@ repair, no temp-file removal, read-only maps) and takes no lock.
 
 from __future__ import annotations
 
-import datetime as dt
-import decimal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from equeue.errors import (
     CompactedAwayError,
     CorruptionError,
     CorruptRecordError,
+    InvalidMessageError,
     PositionNotFoundError,
 )
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE, MAX_RECORD_LENGTH, ChunkHeader
@@ -30,6 +29,7 @@ from equeue.format.message import (
     encode_message_id,
 )
 from equeue.inspect.layout import StoreFiles, UsageError, chunk_paths
+from equeue.store import times
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,20 +86,12 @@ def body_text(body: bytes) -> str | None:
 
 
 def parse_time(text: str) -> int:
-    """ns since the epoch from ISO-8601 (UTC unless it names a zone) or unix seconds."""
+    """ns since the epoch, by the API's one rule (equeue.store.times.parse_time): unix
+    seconds or ISO-8601 naming a zone; a time without one is refused, not guessed."""
     try:
-        return int(decimal.Decimal(text) * 10**9)  # Decimal: a float would round the ns
-    except (decimal.InvalidOperation, ValueError, OverflowError):
-        pass
-    try:
-        when = dt.datetime.fromisoformat(text)
-    except ValueError:
-        raise UsageError(
-            f"cannot read time {text!r}: give ISO-8601 (2024-05-01T12:00:00Z) or unix seconds"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)
-    return int(when.timestamp() * 1e9)
+        return times.parse_time(text)
+    except InvalidMessageError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_position(text: str, store: StoreFiles) -> int:
