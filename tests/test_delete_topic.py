@@ -32,6 +32,9 @@ def _fill(path: Path) -> None:
         store.commit_offset("g", "gone", 0, 4)
         store.commit_offset("g", "kept", 0, 7)
         store.commit_offset("h", "gone", 1, 2)
+    with MessageStore.open(path, read_only=True) as reader:  # a group file: consumers/c.json
+        with reader.consumer("c", "gone", timeout=0) as consumer:
+            assert len(list(consumer)) == 20
 
 
 def _bodies(store: MessageStore, topic: str) -> list[bytes]:
@@ -52,6 +55,7 @@ def _check_gone_or_whole(store: MessageStore) -> bool:
         assert sorted(_bodies(store, "gone")) == sorted(b"old %d" % i for i in range(20))
         assert store.committed_offset("g", "gone", 0) == 4
         assert store.committed_offset("h", "gone", 1) == 2
+        assert store.consumer_groups()["c"] == {"gone": {0: 10, 1: 10}}
         return False
     assert not (store.path / "queues" / "gone").exists()
     assert "gone" not in str(store.consumer_groups())
@@ -66,6 +70,9 @@ def _check_created_again(store: MessageStore) -> None:
     assert _bodies(store, "gone") == [b"new"]
     assert [m.body for m in store.query_by_key("gone", "k0", 100)] == [b"new"]
     assert store.committed_offset("g", "gone", 0) is None
+    assert store.committed_offset("c", "gone", 0) is None  # the group file forgot it too
+    with store.consumer("c", "gone", timeout=0) as consumer:  # so it reads the new one
+        assert [m.body for m in consumer] == [b"new"]
 
 
 @pytest.mark.usefixtures("code_path")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from equeue.atomicfile import read_json, write_json
 from equeue.chunks.chunk import fsync_directory
 from equeue.errors import EQueueError, StoreWriteError, TopicNotFoundError
+from equeue.store import offsets as group_offsets
 from equeue.store import validate
 from equeue.store.meta import CHECKPOINT_FILE, OFFSETS_FILE, QUEUES_DIR, TOPICS_FILE
 from equeue.store.topics import topics_body
@@ -85,7 +86,8 @@ def follow_deletions(store: MessageStore, before: dict[str, int]) -> None:
 
 
 def _finish(store: MessageStore, topic: str, checkpoint: dict[str, Any] | None = None) -> None:
-    """Drop the deleted topic's consumer offsets, then its queue directories."""
+    """Drop the deleted topic's consumer offsets (offsets.json, then the group files),
+    then its queue directories."""
     if any(topic in topics for topics in store._offsets.values()):
         offsets = {
             group: {t: dict(qs) for t, qs in topics.items() if t != topic}
@@ -102,6 +104,7 @@ def _finish(store: MessageStore, topic: str, checkpoint: dict[str, Any] | None =
         write_json(store.path / OFFSETS_FILE, offsets)
         store._offsets = offsets
         _step("offsets dropped")
+    group_offsets.drop_topic(store.path, topic)  # the consumer loops' group files
     directory = store.path / QUEUES_DIR / topic
     if not os.path.lexists(directory):
         return

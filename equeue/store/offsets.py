@@ -376,6 +376,25 @@ def commit_group_file(store_path: Path, group: str, positions: dict[tuple[str, i
             _write(directory, group, offsets)
 
 
+def drop_topic(store_path: Path, topic: str) -> None:
+    """``delete_topic``'s: ``topic``'s offsets dropped from every group file, under the
+    directory's lock (a file that cannot be read is left to a writable open, which moves
+    it aside); run again by the open that finishes an interrupted deletion."""
+    directory = store_path / CONSUMERS_DIR
+    with _locked_dir(store_path, create=False) as dir_fd:
+        if dir_fd is None:
+            return
+        for name in sorted(os.listdir(dir_fd)):
+            if not name.endswith(".json"):
+                continue
+            try:
+                _, group, offsets = _read_file(dir_fd, name, directory / name)
+            except (FileNotFoundError, CorruptionError):
+                continue
+            if topic in offsets:
+                _write(directory, group, {t: qs for t, qs in offsets.items() if t != topic})
+
+
 def set_offset(store: MessageStore, group: str, topic: str, queue_id: int, offset: int) -> None:
     """``commit_offset``'s write (the caller holds the write lock): ``offsets.json`` set
     to ``offset``, and a higher value in the group's file dropped first, so the explicit
