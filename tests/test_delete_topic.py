@@ -32,9 +32,12 @@ def _fill(path: Path) -> None:
         store.commit_offset("g", "gone", 0, 4)
         store.commit_offset("g", "kept", 0, 7)
         store.commit_offset("h", "gone", 1, 2)
-    with MessageStore.open(path, read_only=True) as reader:  # a group file: consumers/c.json
-        with reader.consumer("c", "gone", timeout=0) as consumer:
-            assert len(list(consumer)) == 20
+    # A group file, consumers/c.json, written by a consumer loop of a read-only handle.
+    with (
+        MessageStore.open(path, read_only=True) as reader,
+        reader.consumer("c", "gone", timeout=0) as consumer,
+    ):
+        assert len(list(consumer)) == 20
 
 
 def _bodies(store: MessageStore, topic: str) -> list[bytes]:
