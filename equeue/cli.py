@@ -125,7 +125,7 @@ def _configure_records(parser: argparse.ArgumentParser) -> None:
     filters.add_argument(
         "--since",
         metavar="TIME",
-        help="stored at or after TIME (ISO-8601, UTC if no zone; or unix seconds)",
+        help="stored at or after TIME (ISO-8601 with a zone, or unix seconds)",
     )
     filters.add_argument(
         "--tag",
@@ -263,7 +263,8 @@ def _configure_compact(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--now",
         metavar="TIME",
-        help="measure retention and tombstone expiry from TIME (ISO-8601 or unix seconds)",
+        help="measure retention and tombstone expiry from TIME (ISO-8601 with a zone, or "
+        "unix seconds)",
     )
     parser.add_argument(
         "--no-merge", action="store_true", help="one replacement per chunk, never merged"

@@ -170,7 +170,14 @@ def test_compact_is_quiet_unless_verbose(tmp_path: Path) -> None:
         assert noise not in out + err
     assert "WARN" not in out + err
     code, out, err = equeue_command(
-        "compact", store, "--master", "local[2]", "--verbose", "--dry-run", "--now", "2100-01-01"
+        "compact",
+        store,
+        "--master",
+        "local[2]",
+        "--verbose",
+        "--dry-run",
+        "--now",
+        "2100-01-01T00:00:00Z",
     )
     assert code == 0, err
     assert "Using Spark's default log4j profile" in err  # Spark's own log is back
