@@ -32,8 +32,11 @@ SPARK_NOISE = (
 
 def without_java(tmp_path: Path) -> dict[str, str]:
     """This environment with every PATH directory holding a java replaced by a copy (of
-    symbolic links) without it, and JAVA_HOME unset."""
-    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    symbolic links) without it, JAVA_HOME unset."""
+    # Not the settings of a make that runs these tests (make test): a nested make would
+    # print its "Entering directory" lines, as a user's make does not.
+    unset = ("JAVA_HOME", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     directories = []
     for n, directory in enumerate(env.get("PATH", "").split(os.pathsep)):
         if os.path.lexists(os.path.join(directory, "java")):
