@@ -251,3 +251,31 @@ def test_sends_racing_a_deletion(tmp_path: Path) -> None:
         _check_kept(store)
     with MessageStore.open(path) as store:
         assert not store.recovery.problems
+
+
+def test_a_pull_waiting_through_a_deletion_fails(tmp_path: Path) -> None:
+    """A pull waiting on a queue that delete_topic closed returned that queue's offsets
+    once a send to the topic created again woke it: a caller going on from there skipped
+    the new topic's first messages. It raises TopicNotFoundError now."""
+    path = tmp_path / "s"
+    _fill(path)
+    with MessageStore.open(path) as store:
+        end = store.queue_range("gone", 0)[1]
+        outcome: list[object] = []
+
+        def wait() -> None:
+            try:
+                outcome.append(store.pull("gone", 0, end, wait=30))
+            except TopicNotFoundError as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        while not store._waiting:  # the pull is waiting
+            time.sleep(0.001)
+        store.delete_topic("gone")
+        store.create_topic("gone", 1)
+        store.send("gone", b"new", queue_id=0)
+        waiter.join(timeout=30)
+        assert len(outcome) == 1 and isinstance(outcome[0], TopicNotFoundError), outcome
+        assert [m.body for m in store.pull("gone", 0, 0)] == [b"new"]  # the control

@@ -9,6 +9,7 @@ import io
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
@@ -220,3 +221,25 @@ def test_pull_refuses_a_bool_max_count(small_store: Path, max_count: bool) -> No
         with pytest.raises(InvalidMessageError, match="max_count"):
             store.pull("t", 0, 0, max_count=max_count)
         assert [m.body for m in store.pull("t", 0, 0, max_count=1).messages] == [b"m0"]
+
+
+@pytest.mark.parametrize("tags", [None, ["wanted"]])
+def test_pull_waits_once_for_its_whole_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tags: list[str] | None
+) -> None:
+    """pull(wait=W) with nothing arriving waited W in its first pull, then W again from a
+    fresh deadline for a matching message: 2W in all. One deadline serves both now."""
+    from equeue.store import pulling
+
+    waits: list[float] = []
+    real = pulling._wait_for
+
+    def recording(store: MessageStore, queue: Any, offset: int, timeout: float) -> None:
+        waits.append(timeout)
+        real(store, queue, offset, timeout)
+
+    monkeypatch.setattr(pulling, "_wait_for", recording)
+    with MessageStore.open(tmp_path / "s") as store:
+        store.create_topic("t", 1)
+        assert len(store.pull("t", 0, 0, tags=tags, wait=0.2)) == 0
+    assert waits and sum(waits) <= 0.2 + 1e-6, waits

@@ -44,6 +44,9 @@ def delete_topic(store: MessageStore, topic: str) -> None:
         queues = store._queues.get(topic)
         if queues is None:
             raise TopicNotFoundError(f"no topic {topic!r} in {store.path}")
+        # The log durable up to the position recorded: after a power loss a shorter log
+        # would put the records of a topic created again below it, hidden as deleted ones.
+        store._writer.flush()
         deleted = store._deleted | {topic: store._messages.committed_position}
         counts = {t: len(qs) for t, qs in store._queues.items() if t != topic}
         # The commit point; a failed write raises with nothing changed.
@@ -59,6 +62,7 @@ def delete_topic(store: MessageStore, topic: str) -> None:
             except Exception as exc:  # the files go anyway
                 failure = failure or exc
         _finish(store, topic)
+    store._wake()  # pulls waiting on the closed queues fail now, not at their deadline
     store._checkpoint(flush=True)  # records the store without the topic
     _step("done")
     if failure is not None:

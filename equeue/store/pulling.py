@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from equeue.errors import TopicNotFoundError
 from equeue.store import follow
 from equeue.store.queue import Queue
 from equeue.store.types import PullResult
@@ -30,6 +31,11 @@ def pull_once(
     offset = min(max(offset, queue.first_offset), queue.next_offset)
     if wait > 0 and offset >= queue.next_offset:
         _wait_for(store, queue, offset, wait)
+        store._check_open()  # close() closed the queue too: ClosedError first
+        if queue.closed:  # delete_topic ran meanwhile: this queue's offsets mean nothing now
+            raise TopicNotFoundError(
+                f"topic {queue.topic!r} was deleted while this pull waited, in {store.path}"
+            )
     return PullResult(*store._log.pull_run(queue, offset, max_count, wanted, max_bytes))
 
 
@@ -39,12 +45,11 @@ def wait_on(
     result: PullResult,
     max_count: int,
     wanted: dict[int, set[str]] | None,
-    wait: float,
+    deadline: float,
     max_bytes: int | None,
 ) -> PullResult:
     """After an empty pull: entries the tag filter skipped arrived, but no message it
-    keeps; pull on from past them until one does or ``wait`` seconds have passed."""
-    deadline = time.monotonic() + wait
+    keeps; pull on from past them until one does or the pull's ``deadline`` (monotonic)."""
     while not result and (remaining := deadline - time.monotonic()) > 0:
         store._check_open()
         offset = result.next_offset
@@ -57,7 +62,7 @@ def _wait_for(store: MessageStore, queue: Queue, offset: int, timeout: float) ->
     with store._arrived:
         store._waiting += 1
         try:
-            while queue.next_offset <= offset:
+            while queue.next_offset <= offset and not queue.closed:  # delete_topic wakes it
                 store._check_open()  # close() wakes this wait: the pull fails as a late one
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

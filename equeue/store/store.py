@@ -585,10 +585,11 @@ class MessageStore:
         queue = self._queue(topic, queue_id)
         validate.check_pull(offset, max_count, wait, max_bytes)
         wanted = tag_filter(tags)
+        deadline = time.monotonic() + wait  # one deadline for every wait of this pull
         result = pulling.pull_once(self, queue, offset, max_count, wanted, wait, max_bytes)
-        if result or wait <= 0:
+        if wait <= 0 or result:
             return result
-        return pulling.wait_on(self, queue, result, max_count, wanted, wait, max_bytes)
+        return pulling.wait_on(self, queue, result, max_count, wanted, deadline, max_bytes)
 
     def read(self, position: int) -> Message:
         """The message at log ``position`` (a byte offset in the message log, as
