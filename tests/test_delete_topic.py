@@ -5,6 +5,7 @@ none of it (tests/delete_topic_child.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -279,3 +280,34 @@ def test_a_pull_waiting_through_a_deletion_fails(tmp_path: Path) -> None:
         waiter.join(timeout=30)
         assert len(outcome) == 1 and isinstance(outcome[0], TopicNotFoundError), outcome
         assert [m.body for m in store.pull("gone", 0, 0)] == [b"new"]  # the control
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["writer's handle", "read-only"])
+def test_a_consumer_open_through_a_deletion_starts_the_new_topic_over(
+    tmp_path: Path, read_only: bool
+) -> None:
+    """A consumer that read the old topic committed its offsets again after the deletion
+    (the group file forgot them, the consumer did not), so it and every later consumer of
+    the group skipped the re-created topic's first messages."""
+    path = tmp_path / "s"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 1)
+        for i in range(10):
+            store.send("t", b"old %d" % i)
+        with contextlib.ExitStack() as stack:
+            handle = (
+                stack.enter_context(MessageStore.open(path, read_only=True)) if read_only else store
+            )
+            consumer = stack.enter_context(handle.consumer("g", "t", timeout=0))
+            assert len(consumer.poll(10)) == 10
+            store.delete_topic("t")
+            store.create_topic("t", 1)
+            for i in range(3):
+                store.send("t", b"new %d" % i)
+            if read_only:
+                handle.refresh()  # a reader learns of the deletion here, or at its next open
+            assert [m.body for m in consumer.poll(10)] == [b"new 0", b"new 1", b"new 2"]
+        assert store.consumer_groups()["g"] == {"t": {0: 3}}  # the old topic's 10 is gone
+        with store.consumer("g", "t", timeout=0) as later:
+            store.send("t", b"new 3")
+            assert [m.body for m in later] == [b"new 3"]

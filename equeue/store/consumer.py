@@ -113,6 +113,9 @@ class Consumer:
         self._pending: list[tuple[Message, int]] = []  # handed out, not yet processed
         self._turn = 0
         self._closed = False
+        # Each topic's deletion marker when its queues were added: a topic deleted since
+        # (and maybe created again) starts over (_forget_deleted).
+        self._deleted: dict[str, int | None] = {t: store._deleted.get(t) for t in self.topics}
         self._add_queues(start)
 
     # --- the loop ----------------------------------------------------------------------
@@ -231,7 +234,22 @@ class Consumer:
             self._processed[(message.topic, message.queue_id)] = after
         self._pending.clear()
 
+    def _forget_deleted(self) -> None:
+        """Forget the queues of a topic deleted since they were added: their offsets and
+        messages are the old topic's (a topic created again is read from its start)."""
+        for topic in self.topics:
+            marker = self.store._deleted.get(topic)
+            if marker == self._deleted[topic]:
+                continue
+            self._deleted[topic] = marker
+            for table in (self._positions, self._processed, self._committed):
+                for key in [key for key in table if key[0] == topic]:
+                    del table[key]
+            self._undelivered = deque(i for i in self._undelivered if i[0].topic != topic)
+            self._pending = [i for i in self._pending if i[0].topic != topic]
+
     def _commit_processed(self) -> None:
+        self._forget_deleted()
         changed = {
             key: offset
             for key, offset in self._processed.items()
@@ -240,7 +258,7 @@ class Consumer:
         if not changed:
             return
         self.store._check_open()
-        group_offsets.commit_group_file(self.store.path, self.group, changed)
+        group_offsets.commit_group_file(self.store.path, self.group, changed, self._deleted)
         self._committed.update(changed)
 
     def _fetch(self, limit: int, timeout: float | None) -> list[tuple[Message, int]]:
@@ -256,6 +274,7 @@ class Consumer:
                 return self._fetch_once(limit)
 
     def _fetch_once(self, limit: int) -> list[tuple[Message, int]]:
+        self._forget_deleted()
         if len(self._positions) < sum(len(self.store.queue_ids(t)) for t in self.topics):
             self._add_queues("committed")
         keys = list(self._positions)

@@ -35,13 +35,14 @@ from urllib.parse import quote
 
 import xxhash
 
-from equeue.atomicfile import decode_json, write_json
+from equeue.atomicfile import decode_json, read_json, write_json
 from equeue.chunks.chunk import fsync_directory, write_error
 from equeue.errors import CorruptionError, EQueueError, InvalidMessageError
 from equeue.format.chunk import RECOVERED_DIR, TEMP_SUFFIX
 from equeue.format.message import MAX_NAME_BYTES
 from equeue.store import validate
-from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE, read_meta
+from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE, TOPICS_FILE, read_meta
+from equeue.store.topics import deletions
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -359,12 +360,23 @@ def _write(directory: Path, group: str, offsets: dict[str, dict[str, int]]) -> N
     write_json(directory / file_name(group), {"group": group, "offsets": offsets})
 
 
-def commit_group_file(store_path: Path, group: str, positions: dict[tuple[str, int], int]) -> None:
+def commit_group_file(
+    store_path: Path,
+    group: str,
+    positions: dict[tuple[str, int], int],
+    deleted: dict[str, int | None] | None = None,
+) -> None:
     """A consumer's commit: each queue's offset raised to ``positions``' (never
-    lowered), under the directory's lock."""
+    lowered), under the directory's lock. ``deleted`` is each topic's deletion marker
+    as the consumer knew it: a topic deleted since (topics.json says otherwise) is left
+    out, as its offsets belong to the old topic (delete_topic drops them from the files
+    under the same lock, after its topics.json write)."""
     directory = store_path / CONSUMERS_DIR
     with _locked_dir(store_path, create=True) as dir_fd:
         assert dir_fd is not None
+        if deleted is not None:
+            now = _deletions(store_path)
+            positions = {k: v for k, v in positions.items() if now.get(k[0]) == deleted.get(k[0])}
         offsets = _current(dir_fd, directory, group)
         changed = False
         for (topic, queue_id), offset in positions.items():
@@ -393,6 +405,15 @@ def drop_topic(store_path: Path, topic: str) -> None:
                 continue
             if topic in offsets:
                 _write(directory, group, {t: qs for t, qs in offsets.items() if t != topic})
+
+
+def _deletions(store_path: Path) -> dict[str, int]:
+    """topics.json's deletion markers; none when it cannot be read (a writable open
+    rebuilds it, and reports that)."""
+    try:
+        return deletions(read_json(store_path / TOPICS_FILE))
+    except (OSError, EQueueError):
+        return {}
 
 
 def set_offset(store: MessageStore, group: str, topic: str, queue_id: int, offset: int) -> None:
