@@ -104,28 +104,24 @@ def open_file(path: Path | str, mode: str, buffering: int = -1) -> IO[Any]:
 def check_file(path: Path | str) -> bool:
     """Whether the store file ``path`` exists (False: it does not); StorePathError if
     it is a link, a directory or anything but a regular file."""
-    try:
-        found = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return False
-    except NotADirectoryError:
-        raise _not_a_directory(path) from None
-    if not stat.S_ISREG(found):
-        raise _refuse(path, found, want_dir=False)
-    return True
+    return _check_kind(path, want_dir=False)
 
 
 def check_dir(path: Path | str) -> bool:
     """Whether the store directory ``path`` exists (False: it does not); StorePathError
     if it is a link or not a directory."""
+    return _check_kind(path, want_dir=True)
+
+
+def _check_kind(path: Path | str, *, want_dir: bool) -> bool:
     try:
         found = os.lstat(path).st_mode
     except FileNotFoundError:
         return False
     except NotADirectoryError:
         raise _not_a_directory(path) from None
-    if not stat.S_ISDIR(found):
-        raise _refuse(path, found, want_dir=True)
+    if not (stat.S_ISDIR(found) if want_dir else stat.S_ISREG(found)):
+        raise _refuse(path, found, want_dir=want_dir)
     return True
 
 
