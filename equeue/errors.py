@@ -211,3 +211,31 @@ class CompactionError(EQueueError):
         self.offset = offset
         where = _where(file, offset)
         super().__init__(f"{reason} {where}" if where else reason)
+
+
+# --- Spark: the data source, the streaming source, the sink -----------------
+
+
+class SparkOptionError(EQueueError, ValueError):
+    """An option given to ``format("equeue")`` is unknown or out of range; the message
+    names the option, what it was and what it may be."""
+
+
+class SparkSchemaError(EQueueError, ValueError):
+    """Rows written to the equeue sink have a shape it cannot store (a missing ``body``,
+    a column of an unsupported type, an unknown column)."""
+
+
+class SparkClusterError(EQueueError):
+    """The executors cannot run equeue's tasks: equeue does not import there, their Python
+    is another minor version than the driver's, or they cannot see the store."""
+
+
+class DataLossError(EQueueError):
+    """Offsets a streaming query was to read are gone (retention, compaction or a deleted
+    topic) and ``failOnDataLoss`` is true."""
+
+
+class SinkCommitError(EQueueError):
+    """The sink could not append a job's staged rows; what it appended is recorded, and the
+    next commit of the same job appends only the rest."""

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def register(spark: SparkSession) -> None:
     """Make ``spark.read.format("equeue").load(STORE)`` available in ``spark``."""
-    from equeue.spark.source import EqueueDataSource
+    from equeue.spark.datasource import EqueueDataSource
 
     spark.dataSource.register(EqueueDataSource)
 

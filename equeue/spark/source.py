@@ -23,8 +23,7 @@ from typing import Any, Final
 
 import pyarrow as pa
 import xxhash
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
-from pyspark.sql.types import StructType
+from pyspark.sql.datasource import DataSourceReader, InputPartition
 
 from equeue.chunks.stream import ChunkFile
 from equeue.format.chunk import FRAME_OVERHEAD
@@ -93,16 +92,8 @@ def store_snapshot(store: str) -> tuple[int, list[tuple[str, int]]]:
         return opened.store_id, chunks
 
 
-class EqueueDataSource(DataSource):
-    @classmethod
-    def name(cls) -> str:
-        return "equeue"
-
-    def schema(self) -> str:
-        return META_SCHEMA if self.options.get("fields") == "meta" else MESSAGE_SCHEMA
-
-    def reader(self, schema: StructType) -> DataSourceReader:
-        return EqueueReader(dict(self.options))
+def schema_for(options: dict[str, str]) -> str:
+    return META_SCHEMA if options.get("fields") == "meta" else MESSAGE_SCHEMA
 
 
 class EqueueReader(DataSourceReader):
