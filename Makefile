@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all install test lint typecheck demo bench clean check-java
+.PHONY: all install test lint typecheck demo pipeline bench clean check-java
 
 all: test
 
@@ -44,6 +44,11 @@ demo: check-java $(STAMP)
 	$(PY) tools/demo.py ./demo-store
 	$(VENV)/bin/equeue compact ./demo-store --master 'local[2]'
 	$(VENV)/bin/equeue verify ./demo-store
+
+# Orders stream from a producer process through a Structured Streaming query into
+# per-minute Parquet, with compaction beside it, for about 30 s on local[2].
+pipeline: check-java $(STAMP)
+	$(PY) tools/pipeline_example.py --seconds 30
 
 bench: $(STAMP)
 	$(PY) tools/bench_chunks.py
