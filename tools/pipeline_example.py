@@ -75,19 +75,6 @@ def run(store: Path, out: Path, seconds: float) -> int:
     with MessageStore.open(store, config) as created:
         created.create_topic(ORDERS, 4)
         created.create_topic(PRICES, 2, cleanup="compact")
-    totals = out / "producer.json"
-    producer = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--produce",
-            str(store),
-            "--seconds",
-            str(seconds),
-            "--report",
-            str(totals),
-        ]
-    )
     spark = session("local[2]", app_name="equeue-pipeline", quiet=True)
     spark.sparkContext.setLogLevel("ERROR")
 
@@ -125,7 +112,7 @@ def run(store: Path, out: Path, seconds: float) -> int:
     stop = threading.Event()
 
     def compact_beside() -> None:
-        while not stop.wait(8.0):
+        while not stop.wait(5.0):
             report = compact(store, spark=spark)
             compactions.append(
                 f"{report.chunks_rewritten} chunks rewritten, {report.records_removed:,} records "
@@ -134,10 +121,24 @@ def run(store: Path, out: Path, seconds: float) -> int:
 
     started = time.monotonic()
     query = start(available_now=False)
+    # The producer starts once the query runs, so that the stream reads a growing store.
+    totals = out / "producer.json"
+    producer = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--produce",
+            str(store),
+            "--seconds",
+            str(seconds),
+            "--report",
+            str(totals),
+        ]
+    )
     compactor = threading.Thread(target=compact_beside, name="compaction")
     compactor.start()
     producer.wait()
-    stop.set()
+    stop.set()  # (the compaction under way finishes first)
     compactor.join()
     query.stop()
     restarted = start(available_now=True)  # from the checkpoint: exactly where it stopped
