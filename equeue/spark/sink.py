@@ -39,6 +39,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from equeue import speedups
 from equeue.atomicfile import write_json
 from equeue.chunks.chunk import fsync_directory
 from equeue.errors import (
@@ -228,19 +229,38 @@ class _Sink:
         staged = pa.RecordBatch.from_arrays(
             [body, tag, key, properties, queue_id], schema=STAGED_SCHEMA
         )
-        for i, row in enumerate(_rows(staged)):
-            try:
-                if row.body is None:
-                    raise SparkSchemaError("its body is null; every message needs a body")
-                validate.check_message(
-                    self.config, self.topic, self.queue_count, row.body, row.tag, row.key,
-                    row.properties, 0, row.queue_id,
+        if staged.column(0).null_count:
+            index = staged.column(0).is_null().to_pylist().index(True)
+            raise SparkSchemaError(
+                f"the equeue sink cannot send row {first + index} of partition {partition} to "
+                f"topic {self.topic!r}: its body is null; every message needs a body"
+            )
+        config, topic, count = self.config, self.topic, self.queue_count
+
+        def check(message: object) -> object:
+            return validate.check_message(config, topic, count, *validate.outgoing(message))
+
+        messages = _outgoing(staged)
+        try:
+            fast = speedups.SPEEDUPS
+            if fast is None:
+                for message in messages:
+                    check(message)
+            else:  # as send_batch checks: the common cases in C, the rest by check()
+                fast.check_batch(
+                    messages, OutgoingMessage, check, validate.check_tag,
+                    config.max_message_size, config.layout.chunk_data_size, count,
                 )  # fmt: skip
-            except EQueueError as exc:
-                raise type(exc)(
-                    f"the equeue sink cannot send row {first + i} of partition {partition} "
-                    f"to topic {self.topic!r}: {exc}"
-                ) from None
+        except EQueueError:  # which row: check them one by one
+            for i, message in enumerate(messages):
+                try:
+                    check(message)
+                except EQueueError as exc:
+                    raise type(exc)(
+                        f"the equeue sink cannot send row {first + i} of partition {partition} "
+                        f"to topic {topic!r}: {exc}"
+                    ) from None
+            raise
         return staged
 
     # --- the driver -------------------------------------------------------------
@@ -378,12 +398,15 @@ def _rows(batch: pa.RecordBatch) -> Iterator[_Row]:
 
 
 def _outgoing(batch: pa.RecordBatch) -> list[OutgoingMessage]:
-    bodies, tags, keys, properties, queue_ids = (c.to_pylist() for c in batch.columns)
-    if batch.column(3).null_count == batch.num_rows:
-        properties = [None] * batch.num_rows
-    else:
-        properties = [None if p is None else dict(p) for p in properties]
+    bodies, tags, keys, properties, queue_ids = (_values(c) for c in batch.columns)
+    properties = [None if p is None else dict(p) for p in properties]
     return list(map(OutgoingMessage, bodies, tags, keys, properties, repeat(0), queue_ids))
+
+
+def _values(column: pa.Array) -> list[Any]:
+    if column.null_count == len(column):  # an absent column: no conversion (most of the time)
+        return [None] * len(column)
+    return column.to_pylist()  # type: ignore[no-any-return]
 
 
 def _batches(incoming: Incoming, intent: Intent) -> Iterator[pa.RecordBatch]:
