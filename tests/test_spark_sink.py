@@ -20,7 +20,8 @@ from equeue.atomicfile import write_json
 from equeue.errors import CorruptionError
 from equeue.spark import ledger
 from equeue.spark.ledger import INCOMING_DIR, Incoming, Job
-from equeue.spark.sink import KILL_AFTER_ENV, KILL_TASK_ENV, commit
+from equeue.spark.sink import KILL_TASK_ENV
+from equeue.spark.sinkcommit import KILL_AFTER_ENV, commit
 from equeue.store.types import Message
 
 if TYPE_CHECKING:
@@ -318,7 +319,7 @@ def test_a_commit_killed_before_its_ledger_entry_is_finished_by_any_later_commit
     import pyarrow as pa
 
     from equeue.spark.ledger import Intent
-    from equeue.spark.sink import STAGED_SCHEMA
+    from equeue.spark.sinkcommit import STAGED_SCHEMA
 
     store = new_store(tmp_path / "s")
     job = Job("interrupted")

@@ -5,18 +5,16 @@ A store has one writer, so tasks never append: each stages its rows (checked as
 driver's commit appends every task's file through one MessageStore handle, all or
 nothing, recorded in a ledger so that a re-run of the job (``jobId``) or of a streaming
 epoch appends nothing twice. The commit protocol and what a crash leaves at each step:
-docs/spark-sink.md; the files: ledger.py.
+docs/spark-sink.md; the commit: sinkcommit.py; the files: ledger.py.
 """
 
 from __future__ import annotations
 
-import heapq
 import os
 import signal
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import repeat
 from pathlib import Path
 from typing import Any, Final
 
@@ -47,44 +45,30 @@ from equeue.errors import (
     SinkCommitError,
     SparkOptionError,
     SparkSchemaError,
-    StoreLockedError,
 )
-from equeue.safepath import check_dir, check_file, open_fd, open_file
+from equeue.safepath import check_dir, check_file, open_fd
 from equeue.spark.datasource import store_path
 from equeue.spark.ledger import (
     INTENT_FILE,
     KEEP_FILE,
     STAGED_SUFFIX,
     Incoming,
-    Intent,
     Job,
     valid_job_id,
 )
+from equeue.spark.sinkcommit import STAGED_SCHEMA, commit, outgoing
 from equeue.store.config import StoreConfig
-from equeue.store.meta import LOCK_FILE
 from equeue.store.store import MessageStore
-from equeue.store.types import Message, OutgoingMessage
+from equeue.store.types import OutgoingMessage
 
 _INTS: Final = (ByteType, ShortType, IntegerType, LongType)
 ACCEPTED: Final = (
     "body (binary or string, required), key (string), tag (string), "
     "properties (map<string,string>), queue_id (an integer type)"
 )
-STAGED_SCHEMA: Final = pa.schema(
-    [
-        ("body", pa.binary()),
-        ("tag", pa.string()),
-        ("key", pa.string()),
-        ("properties", pa.map_(pa.string(), pa.string())),
-        ("queue_id", pa.int32()),
-    ]
-)
-# Tests only (tests/sink_child.py): the commit SIGKILLs its process once it appended this
-# many rows; "P:N": the first attempt of partition P's task SIGKILLs its Python worker once
-# it staged N rows (its temp file written in part).
-KILL_AFTER_ENV: Final = "EQUEUE_SINK_KILL_AFTER_ROWS"
+# Tests only (tests/sink_child.py): "P:N": the first attempt of partition P's task SIGKILLs
+# its Python worker once it staged N rows (its temp file written in part).
 KILL_TASK_ENV: Final = "EQUEUE_SINK_KILL_TASK"
-_PULL: Final = 1024
 
 
 def check_schema(schema: StructType) -> None:
@@ -240,7 +224,7 @@ class _Sink:
         def check(message: object) -> object:
             return validate.check_message(config, topic, count, *validate.outgoing(message))
 
-        messages = _outgoing(staged)
+        messages = outgoing(staged)
         try:
             fast = speedups.SPEEDUPS
             if fast is None:
@@ -367,159 +351,3 @@ def _store_facts(store: str, topic: str) -> tuple[StoreConfig, int]:
                 "auto_create_topics is off; create it first (MessageStore.create_topic)"
             )
         return opened.config, opened.config.default_queue_count
-
-
-# --- the commit ---------------------------------------------------------------------
-
-
-@dataclass
-class _Row:
-    body: bytes | None
-    tag: str
-    key: str | None
-    properties: dict[str, str] | None
-    queue_id: int | None
-
-    def matches(self, message: Message) -> bool:
-        return (
-            message.body == self.body
-            and message.tag == self.tag
-            and message.key == self.key
-            and message.properties == (self.properties or {})
-            and (self.queue_id is None or message.queue_id == self.queue_id)
-        )
-
-
-def _rows(batch: pa.RecordBatch) -> Iterator[_Row]:
-    columns = [batch.column(i).to_pylist() for i in range(5)]
-    for body, tag, key, properties, queue_id in zip(*columns, strict=True):
-        props = None if properties is None else dict(properties)
-        yield _Row(body, tag, key, props, queue_id)
-
-
-def _outgoing(batch: pa.RecordBatch) -> list[OutgoingMessage]:
-    bodies, tags, keys, properties, queue_ids = (_values(c) for c in batch.columns)
-    properties = [None if p is None else dict(p) for p in properties]
-    return list(map(OutgoingMessage, bodies, tags, keys, properties, repeat(0), queue_ids))
-
-
-def _values(column: pa.Array) -> list[Any]:
-    if column.null_count == len(column):  # an absent column: no conversion (most of the time)
-        return [None] * len(column)
-    return column.to_pylist()  # type: ignore[no-any-return]
-
-
-def _batches(incoming: Incoming, intent: Intent) -> Iterator[pa.RecordBatch]:
-    directory = incoming.job_dir(intent.job)
-    for name, rows in intent.files:
-        path = directory / name
-        with open_file(path, "rb") as f:
-            reader = pa.ipc.open_file(f)
-            found = 0
-            for i in range(reader.num_record_batches):
-                batch = reader.get_batch(i)
-                found += batch.num_rows
-                yield batch
-        if found != rows:
-            raise SinkCommitError(
-                f"staged file {path} holds {found} rows, its task reported {rows}: "
-                "it was changed after the task wrote it"
-            )
-
-
-def commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> None:
-    """Append ``job``'s staged ``files`` to ``topic`` through one writer, all or nothing;
-    first finish every commit a crash interrupted (their intents)."""
-    incoming = Incoming(store)
-    with _open_writer(store, job) as opened:
-        for path in incoming.pending_intents():
-            intent = Intent.read(path)
-            if intent.job != job:
-                _finish(opened, incoming, intent)
-        if incoming.committed(job):
-            incoming.remove_job_dir(job)  # a re-run: its rows are in the store already
-            return
-        intent_path = incoming.job_dir(job) / INTENT_FILE
-        if intent_path.exists():  # an earlier run of this job began appending: finish it
-            intent = Intent.read(intent_path)
-        else:
-            if not files:
-                incoming.record(job)
-                incoming.remove_job_dir(job)
-                return
-            offsets = []
-            if topic in opened.topics():
-                offsets = [opened.queue_range(topic, q)[1] for q in opened.queue_ids(topic)]
-            intent = Intent(job, topic, files, offsets)
-            incoming.make_job_dir(job)
-            incoming.write_intent(intent)
-        _finish(opened, incoming, intent)
-
-
-def _open_writer(store: str, job: Job) -> MessageStore:
-    try:
-        return MessageStore.open(store)
-    except StoreLockedError:
-        holder = "?"
-        try:
-            with open_file(Path(store) / LOCK_FILE, "rb") as f:
-                holder = f.read().decode(errors="replace").strip() or "?"
-        except OSError:
-            pass
-        raise SinkCommitError(
-            f"the store at {store} is open for writing by another process (pid {holder}): the "
-            "sink appends through its own writer; stop that writer (or open it read_only=True) "
-            f"and run the {job.describe()} again; its staged rows stay in "
-            f"{Incoming(store).job_dir(job)}"
-        ) from None
-
-
-def _finish(opened: MessageStore, incoming: Incoming, intent: Intent) -> None:
-    """Append what of ``intent`` the log does not hold yet, flush, record, clean up."""
-    done = _appended(opened, incoming, intent)
-    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
-    appended = 0
-    for batch in _batches(incoming, intent):
-        if done >= batch.num_rows:
-            done -= batch.num_rows
-            continue
-        messages = _outgoing(batch.slice(done))
-        done = 0
-        opened.send_batch(intent.topic, messages)
-        appended += len(messages)
-        if kill_after and appended >= kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-    opened.flush()
-    incoming.record(intent.job)
-    incoming.remove_job_dir(intent.job)
-
-
-def _appended(opened: MessageStore, incoming: Incoming, intent: Intent) -> int:
-    """How many of the intent's rows lead the log after its recorded queue offsets:
-    the topic's messages since then, merged in log order, compared with the rows in
-    order up to the first that differs."""
-    if intent.topic not in opened.topics():
-        return 0
-    total = sum(rows for _, rows in intent.files)
-
-    def queue(queue_id: int) -> Iterator[Message]:
-        offset = intent.offsets[queue_id] if queue_id < len(intent.offsets) else 0
-        seen = 0
-        while seen < total:
-            pulled = opened.pull(intent.topic, queue_id, offset, min(_PULL, total - seen))
-            if not pulled:
-                return
-            yield from pulled
-            seen += len(pulled)
-            offset = pulled.next_offset
-
-    stored = heapq.merge(
-        *(queue(q) for q in opened.queue_ids(intent.topic)), key=lambda m: m.position
-    )
-    matched = 0
-    rows = (row for batch in _batches(incoming, intent) for row in _rows(batch))
-    for row, message in zip(rows, stored, strict=False):
-        if not row.matches(message):
-            break
-        matched += 1
-    return matched
