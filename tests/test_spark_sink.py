@@ -343,3 +343,60 @@ def test_a_commit_killed_before_its_ledger_entry_is_finished_by_any_later_commit
     assert Incoming(store).committed(job) and incoming(store) == ["ledger.json"]
     commit(str(store), job, "t", [])  # the job itself, again: nothing twice
     assert len(stored(store, "t")) == 4
+
+
+def test_a_reader_in_another_process_follows_the_commit(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    store = new_store(tmp_path / "s")
+    rows = 200_000
+    reader = subprocess.Popen(
+        [sys.executable, str(HERE / "sink_reader.py"), str(store), "t", str(rows), "120"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == "ready\n"
+        df = spark.range(0, rows, numPartitions=2).selectExpr("cast(id as string) as body")
+        save(df, store)
+        out, _ = reader.communicate(timeout=150)
+    finally:
+        reader.kill()
+    found = json.loads(out)
+    assert reader.returncode == 0 and found["read"] == rows and found["twice"] == 0
+    assert any(0 < total < rows for total in found["totals"])  # it read during the append
+
+
+@pytest.mark.parametrize(
+    ("column", "values", "expected"),
+    [
+        ("tag", ["ok", "x" * 300, "ok"], "InvalidMessageError: the equeue sink cannot send row 1"),
+        ("body", ["a", None, "c"], "SparkSchemaError: the equeue sink cannot send row 1"),
+        ("queue_id", [0, 9, 1], "QueueNotFoundError: the equeue sink cannot send row 1"),
+        ("queue_id", [0, 2**40, 1], "queue_id 1099511627776 is out of range for its 4 queues"),
+    ],
+)
+def test_a_task_refuses_a_row_send_would_refuse_and_stages_nothing(
+    tmp_path: Path, column: str, values: list[object], expected: str
+) -> None:
+    """In the task (here without Spark): the first bad row is named, nothing is staged."""
+    import pyarrow as pa
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from equeue.spark.sink import EqueueWriter
+
+    store = new_store(tmp_path / "s")
+    spark_kind, arrow_kind = (
+        (LongType(), pa.int64()) if column == "queue_id" else (StringType(), pa.string())
+    )
+    schema = StructType([StructField(column, spark_kind)])
+    arrays = [pa.array(values, arrow_kind)]
+    if column != "body":
+        schema = StructType([StructField("body", StringType()), *schema.fields])
+        arrays.insert(0, pa.array(["a", "b", "c"]))
+    batch = pa.RecordBatch.from_arrays(arrays, names=schema.fieldNames())
+    writer = EqueueWriter({"path": str(store), "topic": "t"}, schema, False)
+    with pytest.raises(Exception) as caught:
+        writer.stage(writer.job, iter([batch]))
+    assert expected in f"{type(caught.value).__name__}: {caught.value}"
+    assert incoming(store) == []

@@ -42,6 +42,7 @@ from equeue.atomicfile import write_json
 from equeue.chunks.chunk import fsync_directory
 from equeue.errors import (
     EQueueError,
+    QueueNotFoundError,
     SinkCommitError,
     SparkOptionError,
     SparkSchemaError,
@@ -207,9 +208,16 @@ class _Sink:
         tag = column("tag", pa.string()).fill_null("")
         key = column("key", pa.string())
         properties = column("properties", STAGED_SCHEMA.field("properties").type)
-        queue_id = (
-            column("queue_id", pa.int32()) if "queue_id" in names else pa.nulls(n, pa.int32())
-        )
+        try:
+            queue_id = column("queue_id", pa.int32())
+        except pa.ArrowInvalid:  # a long past int32: no queue has that id
+            values = batch.column("queue_id").to_pylist()
+            index = next(i for i, v in enumerate(values) if v is not None and abs(v) >= 2**31)
+            raise QueueNotFoundError(
+                f"the equeue sink cannot send row {first + index} of partition {partition} to "
+                f"topic {self.topic!r}: queue_id {values[index]} is out of range for its "
+                f"{self.queue_count} queues; create_topic() can raise the queue count"
+            ) from None
         staged = pa.RecordBatch.from_arrays(
             [body, tag, key, properties, queue_id], schema=STAGED_SCHEMA
         )
