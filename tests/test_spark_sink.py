@@ -400,3 +400,18 @@ def test_a_task_refuses_a_row_send_would_refuse_and_stages_nothing(
         writer.stage(writer.job, iter([batch]))
     assert expected in f"{type(caught.value).__name__}: {caught.value}"
     assert incoming(store) == []
+
+
+def test_an_intent_of_a_job_the_ledger_records_is_only_removed(tmp_path: Path) -> None:
+    """A commit killed after its ledger entry, before removing its directory: the next
+    commit appends nothing of it, whatever the log holds (here retention could have taken
+    the job's messages: none are past the recorded offsets)."""
+    store = new_store(tmp_path / "s")
+    job = Job("done")
+    directory = Incoming(store).make_job_dir(job)
+    name = "0-1-" + "cd" * 16 + ".arrow"
+    (directory / name).write_bytes(b"not read")
+    Incoming(store).write_intent(ledger.Intent(job, "t", [(name, 5)], []))
+    Incoming(store).record(job)
+    commit(str(store), Job("next"), "t", [])
+    assert stored(store, "t") == [] and incoming(store) == ["ledger.json"]
