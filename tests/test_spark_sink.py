@@ -415,3 +415,28 @@ def test_an_intent_of_a_job_the_ledger_records_is_only_removed(tmp_path: Path) -
     Incoming(store).record(job)
     commit(str(store), Job("next"), "t", [])
     assert stored(store, "t") == [] and incoming(store) == ["ledger.json"]
+
+
+def test_no_staged_write_follows_a_link_out_of_the_store(tmp_path: Path) -> None:
+    """incoming/ (or a job's directory) replaced by a link to elsewhere: the task refuses
+    to stage through it and nothing is written there; control: without the link it stages."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from equeue.errors import StorePathError
+    from equeue.spark.sink import EqueueWriter
+
+    store, elsewhere = new_store(tmp_path / "s"), tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    schema = StructType([StructField("body", StringType())])
+    writer = EqueueWriter({"path": str(store), "topic": "t", "jobId": "j"}, schema, False)
+    batch = pa.RecordBatch.from_pydict({"body": ["a", "b"]})
+    for link in (store / INCOMING_DIR, store / INCOMING_DIR / "batch-j"):
+        link.symlink_to(elsewhere)
+        with pytest.raises(StorePathError, match="is a symbolic link"):
+            writer.stage(writer.job, iter([batch]))
+        assert os.listdir(elsewhere) == []
+        link.unlink()
+        (store / INCOMING_DIR).mkdir(exist_ok=True)
+    staged = writer.stage(writer.job, iter([batch]))
+    assert staged.rows == 2 and (store / INCOMING_DIR / "batch-j" / staged.name).is_file()
