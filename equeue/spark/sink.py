@@ -39,7 +39,7 @@ from pyspark.sql.types import (
 
 from equeue import speedups
 from equeue.atomicfile import write_json
-from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.chunk import fsync_directory, write_error
 from equeue.errors import (
     EQueueError,
     QueueNotFoundError,
@@ -186,6 +186,8 @@ class _Sink:
             out = None
             os.rename(directory / (name + ".tmp"), directory / name)
             fsync_directory(directory)
+        except OSError as exc:  # (a StorePathError is no OSError: it goes as it is)
+            raise write_error(exc, "staging the task's rows", incoming.root / job.dir_name) from exc
         finally:
             if out is not None:
                 out.close()

@@ -25,7 +25,7 @@ from typing import Any, Final
 import pyarrow as pa
 
 from equeue.errors import EQueueError, SinkCommitError, StoreLockedError
-from equeue.safepath import open_file
+from equeue.safepath import check_file, open_file
 from equeue.spark.ledger import INTENT_FILE, Incoming, Intent, Job
 from equeue.store.meta import LOCK_FILE
 from equeue.store.store import MessageStore
@@ -111,6 +111,16 @@ def _batches(incoming: Incoming, intent: Intent) -> Iterator[pa.RecordBatch]:
 def commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> None:
     """Append ``job``'s staged ``files`` to ``topic`` through one writer, all or nothing;
     first finish every commit a crash interrupted (their intents)."""
+    try:
+        _commit(store, job, topic, files)
+    except OSError as exc:  # listing or removing staged files (writes raise StoreWriteError)
+        raise SinkCommitError(
+            f"the commit of {job.describe()} to {store} failed: {exc}; what it appended is "
+            "recorded in its intent, and the next sink commit to the store appends the rest"
+        ) from exc
+
+
+def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> None:
     incoming = Incoming(store)
     with _open_writer(store, job) as opened:
         for path in incoming.pending_intents():
@@ -121,7 +131,7 @@ def commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> No
             incoming.remove_job_dir(job)  # a re-run: its rows are in the store already
             return
         intent_path = incoming.job_dir(job) / INTENT_FILE
-        if intent_path.exists():  # an earlier run of this job began appending: finish it
+        if check_file(intent_path):  # an earlier run of this job began appending: finish it
             intent = Intent.read(intent_path)
         else:
             if not files:
