@@ -440,3 +440,27 @@ def test_no_staged_write_follows_a_link_out_of_the_store(tmp_path: Path) -> None
         (store / INCOMING_DIR).mkdir(exist_ok=True)
     staged = writer.stage(writer.job, iter([batch]))
     assert staged.rows == 2 and (store / INCOMING_DIR / "batch-j" / staged.name).is_file()
+
+
+def test_the_sink_appends_past_what_retention_removed(tmp_path: Path, spark: SparkSession) -> None:
+    """After retention removed the first job's chunks, the next job's rows go after the
+    last offsets (none reused), each once."""
+    import datetime as dt
+    import time
+
+    from equeue import StoreConfig
+
+    store = tmp_path / "s"
+    with MessageStore.open(store, StoreConfig(chunk_data_size=64 * 1024)) as opened:
+        opened.create_topic("t", 2)
+    first = spark.range(0, 6000, numPartitions=2).selectExpr("cast(id as string) as body")
+    save(first, store, jobId="first")
+    with MessageStore.open(store, StoreConfig(retention=dt.timedelta(hours=1))) as opened:
+        assert opened.apply_retention(now=time.time() + 7200) > 0
+        ends = [opened.queue_range("t", q)[1] for q in opened.queue_ids("t")]
+        assert sum(end - opened.queue_range("t", q)[0] for q, end in enumerate(ends)) < 6000
+    second = spark.range(6000, 9000, numPartitions=2).selectExpr("cast(id as string) as body")
+    save(second, store, jobId="second")
+    later = [m for m in stored(store, "t") if int(m.body) >= 6000]
+    assert Counter(int(m.body) for m in later) == Counter(range(6000, 9000))
+    assert all(m.queue_offset >= ends[m.queue_id] for m in later)
