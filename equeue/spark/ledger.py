@@ -1,0 +1,241 @@
+"""The sink's files under ``STORE/incoming/``: staged rows, intents and the ledger.
+
+``incoming/<job>/`` holds one job's (or one streaming epoch's) staged rows, Arrow IPC
+files the tasks wrote (``<partition>-<attempt>-<uuid>.arrow``, first as ``.tmp``), and,
+once the driver's commit starts appending, ``intent.json``: the job, its files in the
+order they are appended, and each queue's next offset before the append. ``ledger.json``
+records the jobs appended in full (batch jobs by ``jobId``, the latest ``LEDGER_JOBS``;
+streaming writers by their checkpoint, with the highest epoch committed).
+
+Everything read back from these files is checked like API input: a job or file name
+that could not have been written here (``../``, a slash) is a CorruptionError naming
+the file, never a path that is followed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from equeue.atomicfile import read_json, write_json
+from equeue.chunks.chunk import fsync_directory
+from equeue.errors import CorruptionError, StorePathError
+from equeue.safepath import check_dir, check_file, ensure_dir
+
+INCOMING_DIR: Final = "incoming"
+LEDGER_FILE: Final = "ledger.json"
+INTENT_FILE: Final = "intent.json"
+KEEP_FILE: Final = "kept.json"  # a commit failed before appending: abort() keeps the files
+STAGED_SUFFIX: Final = ".arrow"
+# Batch jobs remembered by jobId; a re-run of a job older than the latest this many
+# appends again. Streaming writers keep one entry each, the latest this many writers.
+LEDGER_JOBS: Final = 1000
+
+_JOB_ID: Final = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+_WRITER: Final = re.compile(r"[0-9a-f]{16}")
+_STAGED: Final = re.compile(r"[0-9]{1,10}-[0-9]{1,20}-[0-9a-f]{32}\.arrow")
+_JOB_DIR: Final = re.compile(
+    r"(batch-[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|stream-[0-9a-f]{16}-[0-9]{1,19})"
+)
+
+
+def valid_job_id(job_id: str) -> bool:
+    return _JOB_ID.fullmatch(job_id) is not None
+
+
+def valid_staged_name(name: str) -> bool:
+    return _STAGED.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A batch job (``batch`` None, ``key`` its jobId) or a streaming epoch (``key`` the
+    writer: a hash of its checkpoint location; ``batch`` the epoch)."""
+
+    key: str
+    batch: int | None = None
+    checkpoint: str = ""
+
+    @property
+    def dir_name(self) -> str:
+        if self.batch is None:
+            return f"batch-{self.key}"
+        return f"stream-{self.key}-{self.batch}"
+
+    def describe(self) -> str:
+        if self.batch is None:
+            return f"job {self.key}"
+        return f"epoch {self.batch} of the streaming query checkpointed at {self.checkpoint}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "batch": self.batch, "checkpoint": self.checkpoint}
+
+    @classmethod
+    def from_json(cls, body: Any, path: Path) -> Job:
+        try:
+            key, batch, checkpoint = body["key"], body["batch"], body["checkpoint"]
+        except (KeyError, TypeError) as exc:
+            raise CorruptionError(f"sink intent without a job ({exc})", file=path) from exc
+        if batch is None:
+            ok = isinstance(key, str) and valid_job_id(key)
+        else:
+            ok = isinstance(key, str) and _WRITER.fullmatch(key) is not None
+            ok = ok and type(batch) is int and 0 <= batch < 2**63
+        if not ok or not isinstance(checkpoint, str):
+            raise CorruptionError(f"sink intent names no valid job: {body!r}", file=path)
+        return cls(key, batch, checkpoint)
+
+
+@dataclass(frozen=True)
+class Intent:
+    job: Job
+    topic: str
+    files: list[tuple[str, int]]  # (staged file name, rows), in append order
+    offsets: list[int]  # each queue's next offset before the append ([]: no topic yet)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job.to_json(),
+            "topic": self.topic,
+            "files": [list(f) for f in self.files],
+            "offsets": self.offsets,
+        }
+
+    @classmethod
+    def read(cls, path: Path) -> Intent:
+        body = read_json(path)
+        if not isinstance(body, dict):
+            raise CorruptionError("sink intent is not a JSON object", file=path)
+        job = Job.from_json(body.get("job"), path)
+        topic, files, offsets = body.get("topic"), body.get("files"), body.get("offsets")
+        good = isinstance(topic, str) and isinstance(files, list) and isinstance(offsets, list)
+        good = good and all(
+            isinstance(f, list)
+            and len(f) == 2
+            and isinstance(f[0], str)
+            and valid_staged_name(f[0])
+            and type(f[1]) is int
+            and f[1] >= 0
+            for f in files or []
+        )
+        good = good and all(type(o) is int and o >= 0 for o in offsets or [])
+        if not good:
+            raise CorruptionError(f"sink intent is malformed: {body!r}", file=path)
+        assert isinstance(topic, str) and isinstance(files, list) and isinstance(offsets, list)
+        return cls(job, topic, [(str(n), int(r)) for n, r in files], list(offsets))
+
+
+class Incoming:
+    """``STORE/incoming/``: the staging directories and the ledger."""
+
+    def __init__(self, store: str | os.PathLike[str]) -> None:
+        self.root = Path(store) / INCOMING_DIR
+        self.ledger_path = self.root / LEDGER_FILE
+
+    def job_dir(self, job: Job) -> Path:
+        return self.root / job.dir_name
+
+    def make_root(self) -> None:
+        """Create (if need be) ``incoming/``, checked as the store checks its own."""
+        if not check_dir(self.root.parent):
+            raise StorePathError("is no store directory (it does not exist)", file=self.root.parent)
+        if ensure_dir(self.root):
+            fsync_directory(self.root.parent)
+
+    def make_job_dir(self, job: Job) -> Path:
+        self.make_root()
+        if ensure_dir(self.job_dir(job)):
+            fsync_directory(self.root)
+        return self.job_dir(job)
+
+    def pending_intents(self) -> list[Path]:
+        """The intents of commits a crash (or a failure) interrupted, oldest first."""
+        if not check_dir(self.root):
+            return []
+        found = []
+        for name in os.listdir(self.root):
+            if _JOB_DIR.fullmatch(name) is None:
+                continue
+            path = self.root / name / INTENT_FILE
+            if check_dir(self.root / name) and check_file(path):
+                found.append((os.lstat(path).st_mtime_ns, path))
+        return [path for _, path in sorted(found)]
+
+    def remove_job_dir(self, job: Job) -> None:
+        """Remove a job's staged files (also a killed task's ``.tmp``), intent and
+        directory; a link there is removed, never followed."""
+        directory = self.job_dir(job)
+        if not check_dir(directory):
+            return
+        for name in os.listdir(directory):
+            path = directory / name
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                raise StorePathError("is a directory where the sink stages files", file=path)
+            path.unlink(missing_ok=True)
+        os.rmdir(directory)
+        fsync_directory(self.root)
+
+    # --- the ledger -----------------------------------------------------------
+
+    def read_ledger(self) -> dict[str, Any]:
+        if not check_file(self.ledger_path):
+            return {"jobs": {}, "streams": {}}
+        body = read_json(self.ledger_path)
+        jobs = body.get("jobs") if isinstance(body, dict) else None
+        streams = body.get("streams") if isinstance(body, dict) else None
+        good = isinstance(jobs, dict) and isinstance(streams, dict)
+        good = good and all(
+            valid_job_id(k) and isinstance(v, (int, float)) for k, v in (jobs or {}).items()
+        )
+        good = good and all(
+            _WRITER.fullmatch(k) is not None
+            and isinstance(v, dict)
+            and type(v.get("batch")) is int
+            and isinstance(v.get("at"), (int, float))
+            for k, v in (streams or {}).items()
+        )
+        if not good:
+            raise CorruptionError(f"sink ledger is malformed: {body!r}", file=self.ledger_path)
+        assert isinstance(body, dict)
+        return body
+
+    def committed(self, job: Job) -> bool:
+        ledger = self.read_ledger()
+        if job.batch is None:
+            return job.key in ledger["jobs"]
+        entry = ledger["streams"].get(job.key)
+        return entry is not None and int(entry["batch"]) >= job.batch
+
+    def record(self, job: Job) -> None:
+        """Record ``job`` as appended in full (atomic), dropping the oldest entries past
+        ``LEDGER_JOBS`` so the ledger stays small."""
+        self.make_root()
+        ledger = self.read_ledger()
+        now = time.time()
+        if job.batch is None:
+            jobs: dict[str, float] = ledger["jobs"]
+            jobs.pop(job.key, None)
+            jobs[job.key] = now
+            ledger["jobs"] = _latest(jobs, lambda v: float(v))
+        else:
+            streams: dict[str, Any] = ledger["streams"]
+            entry = streams.get(job.key)
+            if entry is None or int(entry["batch"]) < job.batch:
+                streams[job.key] = {"batch": job.batch, "at": now, "checkpoint": job.checkpoint}
+            ledger["streams"] = _latest(streams, lambda v: float(v["at"]))
+        write_json(self.ledger_path, ledger)
+
+    def write_intent(self, intent: Intent) -> None:
+        write_json(self.job_dir(intent.job) / INTENT_FILE, intent.to_json())
+
+
+def _latest(entries: dict[str, Any], when: Any) -> dict[str, Any]:
+    if len(entries) <= LEDGER_JOBS:
+        return entries
+    kept = sorted(entries.items(), key=lambda item: when(item[1]))[-LEDGER_JOBS:]
+    return dict(kept)

@@ -1,0 +1,363 @@
+"""``df.write.format("equeue")`` and ``df.writeStream.format("equeue")``: rows into a store.
+
+A store has one writer, so tasks never append: each stages its rows (checked as
+``send`` would check them) in an Arrow IPC file under ``STORE/incoming/<job>/``, and the
+driver's commit appends every task's file through one MessageStore handle, all or
+nothing, recorded in a ledger so that a re-run of the job (``jobId``) or of a streaming
+epoch appends nothing twice. The commit protocol and what a crash leaves at each step:
+docs/spark-sink.md; the commit: sinkcommit.py; the files: ledger.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import pyarrow as pa
+import xxhash
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    ByteType,
+    DataType,
+    IntegerType,
+    LongType,
+    MapType,
+    ShortType,
+    StringType,
+    StructType,
+)
+
+from equeue import speedups
+from equeue.atomicfile import write_json
+from equeue.chunks.chunk import fsync_directory, write_error
+from equeue.errors import (
+    EQueueError,
+    QueueNotFoundError,
+    SinkCommitError,
+    SparkOptionError,
+    SparkSchemaError,
+)
+from equeue.safepath import check_dir, check_file, open_fd
+from equeue.spark.datasource import store_path
+from equeue.spark.ledger import (
+    INTENT_FILE,
+    KEEP_FILE,
+    STAGED_SUFFIX,
+    Incoming,
+    Job,
+    valid_job_id,
+)
+from equeue.spark.sinkcommit import STAGED_SCHEMA, commit, outgoing
+from equeue.store.config import StoreConfig
+from equeue.store.store import MessageStore
+from equeue.store.types import OutgoingMessage
+
+_INTS: Final = (ByteType, ShortType, IntegerType, LongType)
+ACCEPTED: Final = (
+    "body (binary or string, required), key (string), tag (string), "
+    "properties (map<string,string>), queue_id (an integer type)"
+)
+# Tests only (tests/sink_child.py): "P:N": the first attempt of partition P's task SIGKILLs
+# its Python worker once it staged N rows (its temp file written in part).
+KILL_TASK_ENV: Final = "EQUEUE_SINK_KILL_TASK"
+
+
+def check_schema(schema: StructType) -> None:
+    """SparkSchemaError unless the rows have the shape a message has."""
+    names = [f.name for f in schema.fields]
+    if "body" not in names:
+        raise SparkSchemaError(
+            f"the equeue sink needs a body column; the rows have {names or 'no columns'} "
+            f"(accepted: {ACCEPTED})"
+        )
+    for field in schema.fields:
+        if not _accepts(field.name, field.dataType):
+            what = (
+                "is not a column of a message"
+                if field.name not in ("body", "key", "tag", "properties", "queue_id", "topic")
+                else "has a type the sink cannot store"
+            )
+            hint = ' (the topic is an option: .option("topic", T))' if field.name == "topic" else ""
+            raise SparkSchemaError(
+                f"column {field.name!r} of type {field.dataType.simpleString()} {what}{hint}; "
+                f"the equeue sink accepts {ACCEPTED}"
+            )
+
+
+def _accepts(name: str, kind: DataType) -> bool:
+    if name == "body":
+        return isinstance(kind, (BinaryType, StringType))
+    if name in ("key", "tag"):
+        return isinstance(kind, StringType)
+    if name == "properties":
+        return (
+            isinstance(kind, MapType)
+            and isinstance(kind.keyType, StringType)
+            and isinstance(kind.valueType, StringType)
+        )
+    if name == "queue_id":
+        return isinstance(kind, _INTS)
+    return False
+
+
+def _option(options: dict[str, str], name: str) -> str | None:
+    """Spark hands options over case-insensitively (lower-cased keys)."""
+    for key, value in options.items():
+        if key.lower() == name.lower():
+            return value
+    return None
+
+
+@dataclass
+class StagedFile(WriterCommitMessage):
+    name: str  # "" for a task that had no rows
+    rows: int
+    bytes: int
+
+
+class _Sink:
+    """What the batch and the streaming writer share: the checks on the driver, the
+    staging in tasks, the commit."""
+
+    def __init__(self, options: dict[str, str], schema: StructType, overwrite: bool) -> None:
+        check_schema(schema)
+        if overwrite:
+            raise SparkOptionError(
+                "the equeue sink only appends: a message log cannot be overwritten "
+                '(use mode("append"), or outputMode("append"/"update") for a stream)'
+            )
+        self.store = store_path(options)
+        topic = _option(options, "topic")
+        if not topic:
+            raise SparkOptionError(
+                'the equeue sink needs option("topic", NAME): the topic the rows are sent to'
+            )
+        self.topic = topic
+        self.config, self.queue_count = _store_facts(self.store, topic)
+
+    # --- tasks ----------------------------------------------------------------
+
+    def stage(self, job: Job, batches: Iterator[pa.RecordBatch]) -> StagedFile:
+        """Write this task's rows to ``incoming/<job>/``: a temp file, fsynced, renamed."""
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
+        attempt = context.taskAttemptId() if context is not None else 0
+        kill = _task_kill(context)
+        incoming = Incoming(self.store)
+        name = f"{partition}-{attempt}-{uuid.uuid4().hex}{STAGED_SUFFIX}"
+        rows = 0
+        directory: Path | None = None
+        out: Any = None
+        writer: pa.ipc.RecordBatchFileWriter | None = None
+        try:
+            for batch in batches:
+                staged = self._checked(batch, partition, rows)
+                if staged.num_rows == 0:
+                    continue
+                if writer is None:
+                    directory = incoming.make_job_dir(job)
+                    fd = open_fd(directory / (name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                    out = os.fdopen(fd, "wb")
+                    writer = pa.ipc.new_file(out, STAGED_SCHEMA)
+                writer.write_batch(staged)
+                rows += staged.num_rows
+                if kill and rows >= kill:
+                    out.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if writer is None or directory is None:
+                return StagedFile("", 0, 0)
+            writer.close()
+            out.flush()
+            os.fsync(out.fileno())
+            size = out.tell()
+            out.close()
+            out = None
+            os.rename(directory / (name + ".tmp"), directory / name)
+            fsync_directory(directory)
+        except OSError as exc:  # (a StorePathError is no OSError: it goes as it is)
+            raise write_error(exc, "staging the task's rows", incoming.root / job.dir_name) from exc
+        finally:
+            if out is not None:
+                out.close()
+        return StagedFile(name, rows, size)
+
+    def _checked(self, batch: pa.RecordBatch, partition: int, first: int) -> pa.RecordBatch:
+        """The batch in the staged layout, every row checked as ``send`` checks it (so a
+        bad row fails its task, and the job appends nothing)."""
+        from equeue.store import validate
+
+        n = batch.num_rows
+        names = batch.schema.names
+
+        def column(name: str, kind: pa.DataType) -> pa.Array:
+            if name not in names:
+                return pa.nulls(n, kind)
+            return batch.column(name).cast(kind)
+
+        body = column("body", pa.binary())
+        tag = column("tag", pa.string()).fill_null("")
+        key = column("key", pa.string())
+        properties = column("properties", STAGED_SCHEMA.field("properties").type)
+        try:
+            queue_id = column("queue_id", pa.int32())
+        except pa.ArrowInvalid:  # a long past int32: no queue has that id
+            values = batch.column("queue_id").to_pylist()
+            index = next(i for i, v in enumerate(values) if v is not None and abs(v) >= 2**31)
+            raise QueueNotFoundError(
+                f"the equeue sink cannot send row {first + index} of partition {partition} to "
+                f"topic {self.topic!r}: queue_id {values[index]} is out of range for its "
+                f"{self.queue_count} queues; create_topic() can raise the queue count"
+            ) from None
+        staged = pa.RecordBatch.from_arrays(
+            [body, tag, key, properties, queue_id], schema=STAGED_SCHEMA
+        )
+        if staged.column(0).null_count:
+            index = staged.column(0).is_null().to_pylist().index(True)
+            raise SparkSchemaError(
+                f"the equeue sink cannot send row {first + index} of partition {partition} to "
+                f"topic {self.topic!r}: its body is null; every message needs a body"
+            )
+        config, topic, count = self.config, self.topic, self.queue_count
+
+        def check(message: object) -> object:
+            return validate.check_message(config, topic, count, *validate.outgoing(message))
+
+        messages = outgoing(staged)
+        try:
+            fast = speedups.SPEEDUPS
+            if fast is None:
+                for message in messages:
+                    check(message)
+            else:  # as send_batch checks: the common cases in C, the rest by check()
+                fast.check_batch(
+                    messages, OutgoingMessage, check, validate.check_tag,
+                    config.max_message_size, config.layout.chunk_data_size, count,
+                )  # fmt: skip
+        except EQueueError:  # which row: check them one by one
+            for i, message in enumerate(messages):
+                try:
+                    check(message)
+                except EQueueError as exc:
+                    raise type(exc)(
+                        f"the equeue sink cannot send row {first + i} of partition {partition} "
+                        f"to topic {topic!r}: {exc}"
+                    ) from None
+            raise
+        return staged
+
+    # --- the driver -------------------------------------------------------------
+
+    def commit_job(self, job: Job, messages: list[WriterCommitMessage | None]) -> None:
+        files = [(m.name, m.rows) for m in messages if isinstance(m, StagedFile) and m.name]
+        try:
+            commit(self.store, job, self.topic, files)
+        except SinkCommitError as exc:
+            # Spark calls abort() next, in another process: a file tells it to keep them.
+            incoming = Incoming(self.store)
+            if check_dir(incoming.job_dir(job)):
+                write_json(incoming.job_dir(job) / KEEP_FILE, {"reason": str(exc)})
+            raise
+
+    def abort_job(self, job: Job) -> None:
+        """Remove the job's staged files, unless its commit began appending (an intent: they
+        stay for the next commit to finish it, all or nothing) or could not open the store
+        (they stay for a re-run of the job, whose commit replaces them)."""
+        incoming = Incoming(self.store)
+        directory = incoming.job_dir(job)
+        if check_file(directory / INTENT_FILE) or check_file(directory / KEEP_FILE):
+            return
+        incoming.remove_job_dir(job)
+
+
+def _task_kill(context: Any) -> int:
+    """The row count after which this task attempt SIGKILLs itself (KILL_TASK_ENV), or 0."""
+    hook = os.environ.get(KILL_TASK_ENV)
+    if not hook or context is None or context.attemptNumber() != 0:
+        return 0
+    partition, rows = (int(part) for part in hook.split(":"))
+    return rows if context.partitionId() == partition else 0
+
+
+class EqueueWriter(_Sink, DataSourceArrowWriter):
+    def __init__(self, options: dict[str, str], schema: StructType, overwrite: bool) -> None:
+        super().__init__(options, schema, overwrite)
+        job_id = _option(options, "jobId")
+        if job_id is not None and not valid_job_id(job_id):
+            raise SparkOptionError(
+                f"option jobId={job_id!r}: it must be 1 to 128 letters, digits, '.', '_' or "
+                "'-', not starting with '.'"
+            )
+        self.job = Job(job_id or uuid.uuid4().hex)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedFile:
+        return self.stage(self.job, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        self.commit_job(self.job, messages)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        self.abort_job(self.job)
+
+
+class EqueueStreamWriter(_Sink, DataSourceStreamArrowWriter):
+    def __init__(self, options: dict[str, str], schema: StructType, overwrite: bool) -> None:
+        super().__init__(options, schema, overwrite)
+        checkpoint = _option(options, "checkpointLocation")
+        if not checkpoint:
+            raise SparkOptionError(
+                "the equeue sink needs the query's checkpoint location as an option: "
+                'writeStream.option("checkpointLocation", DIR); it names the query, so that '
+                "an epoch re-run after a restart appends nothing twice"
+            )
+        self.checkpoint = os.path.abspath(checkpoint)
+        self.writer_key = xxhash.xxh64_hexdigest(self.checkpoint.encode())
+
+    def _job(self, batch_id: int) -> Job:
+        return Job(self.writer_key, batch_id, self.checkpoint)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedFile:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        epoch = context.getLocalProperty("streaming.sql.batchId") if context else None
+        if epoch is None:
+            raise SinkCommitError("the equeue sink's task does not know its streaming epoch")
+        return self.stage(self._job(int(epoch)), iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self.commit_job(self._job(batchId), messages)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self.abort_job(self._job(batchId))
+
+
+def _store_facts(store: str, topic: str) -> tuple[StoreConfig, int]:
+    """The store's limits and the topic's queue count (its default count if it is to be
+    created on the first send); SparkOptionError if it cannot be sent to."""
+    from equeue.store import validate
+
+    try:
+        validate.check_topic(topic)
+    except EQueueError as exc:
+        raise SparkOptionError(f"option topic={topic!r}: {exc}") from None
+    with MessageStore.open(store, read_only=True) as opened:
+        if topic in opened.topics():
+            return opened.config, len(opened.queue_ids(topic))
+        if not opened.config.auto_create_topics:
+            raise SparkOptionError(
+                f"option topic={topic!r}: no such topic in {store}, and the store's "
+                "auto_create_topics is off; create it first (MessageStore.create_topic)"
+            )
+        return opened.config, opened.config.default_queue_count

@@ -1,0 +1,232 @@
+"""The sink's commit, on the driver: a job's staged rows appended through one writer.
+
+1. Open the store for writing (SinkCommitError in one line if another process holds it).
+2. Finish every commit a crash interrupted (an ``intent.json`` under ``incoming/``).
+3. A job the ledger records as committed (a re-run) appends nothing: its files go.
+4. Write the intent (atomic): the job, its staged files in order, each queue's next
+   offset. Then append, flush, record the job in the ledger (atomic), remove its files.
+
+Finishing an intent first counts the job's rows already in the log: the topic's messages
+past the recorded offsets, merged in log order, compared with the staged rows in order
+up to the first that differs; only the rest is appended.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import repeat
+from pathlib import Path
+from typing import Any, Final
+
+import pyarrow as pa
+
+from equeue.errors import EQueueError, SinkCommitError, StoreLockedError
+from equeue.safepath import check_file, open_file
+from equeue.spark.ledger import INTENT_FILE, Incoming, Intent, Job
+from equeue.store.meta import LOCK_FILE
+from equeue.store.store import MessageStore
+from equeue.store.types import Message, OutgoingMessage
+
+STAGED_SCHEMA: Final = pa.schema(
+    [
+        ("body", pa.binary()),
+        ("tag", pa.string()),
+        ("key", pa.string()),
+        ("properties", pa.map_(pa.string(), pa.string())),
+        ("queue_id", pa.int32()),
+    ]
+)
+# Tests only (tests/sink_child.py): the commit SIGKILLs its process once it appended this
+# many rows.
+KILL_AFTER_ENV: Final = "EQUEUE_SINK_KILL_AFTER_ROWS"
+_PULL: Final = 1024
+
+
+@dataclass
+class _Row:
+    body: bytes | None
+    tag: str
+    key: str | None
+    properties: dict[str, str] | None
+    queue_id: int | None
+
+    def matches(self, message: Message) -> bool:
+        return (
+            message.body == self.body
+            and message.tag == self.tag
+            and message.key == self.key
+            and message.properties == (self.properties or {})
+            and (self.queue_id is None or message.queue_id == self.queue_id)
+        )
+
+
+def _rows(batch: pa.RecordBatch) -> Iterator[_Row]:
+    columns = [batch.column(i).to_pylist() for i in range(5)]
+    for body, tag, key, properties, queue_id in zip(*columns, strict=True):
+        props = None if properties is None else dict(properties)
+        yield _Row(body, tag, key, props, queue_id)
+
+
+def outgoing(batch: pa.RecordBatch) -> list[OutgoingMessage]:
+    bodies, tags, keys, properties, queue_ids = (_values(c) for c in batch.columns)
+    properties = [None if p is None else dict(p) for p in properties]
+    return list(map(OutgoingMessage, bodies, tags, keys, properties, repeat(0), queue_ids))
+
+
+def _values(column: pa.Array) -> list[Any]:
+    if column.null_count == len(column):  # an absent column: no conversion (most of the time)
+        return [None] * len(column)
+    return column.to_pylist()  # type: ignore[no-any-return]
+
+
+def _batches(incoming: Incoming, intent: Intent) -> Iterator[pa.RecordBatch]:
+    directory = incoming.job_dir(intent.job)
+    for name, rows in intent.files:
+        path = directory / name
+        found = 0
+        try:
+            with open_file(path, "rb") as f:
+                reader = pa.ipc.open_file(f)
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    found += batch.num_rows
+                    yield batch
+        except (OSError, pa.ArrowException) as exc:
+            raise SinkCommitError(
+                f"cannot read the staged rows of {intent.job.describe()} in {path} ({exc}); "
+                f"the intent {directory / INTENT_FILE} names it: restore the file, or remove "
+                "the directory to give up the job's rows not appended yet"
+            ) from None
+        if found != rows:
+            raise SinkCommitError(
+                f"staged file {path} holds {found} rows, its task reported {rows}: "
+                "it was changed after the task wrote it"
+            )
+
+
+def commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> None:
+    """Append ``job``'s staged ``files`` to ``topic`` through one writer, all or nothing;
+    first finish every commit a crash interrupted (their intents)."""
+    try:
+        _commit(store, job, topic, files)
+    except OSError as exc:  # listing or removing staged files (writes raise StoreWriteError)
+        raise SinkCommitError(
+            f"the commit of {job.describe()} to {store} failed: {exc}; what it appended is "
+            "recorded in its intent, and the next sink commit to the store appends the rest"
+        ) from exc
+
+
+def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> None:
+    incoming = Incoming(store)
+    with _open_writer(store, job) as opened:
+        for path in incoming.pending_intents():
+            intent = Intent.read(path)
+            if intent.job != job:
+                _finish(opened, incoming, intent)
+        if incoming.committed(job):
+            incoming.remove_job_dir(job)  # a re-run: its rows are in the store already
+            return
+        intent_path = incoming.job_dir(job) / INTENT_FILE
+        if check_file(intent_path):  # an earlier run of this job began appending: finish it
+            intent = Intent.read(intent_path)
+        else:
+            if not files:
+                incoming.record(job)
+                incoming.remove_job_dir(job)
+                return
+            offsets = []
+            if topic in opened.topics():
+                offsets = [opened.queue_range(topic, q)[1] for q in opened.queue_ids(topic)]
+            intent = Intent(job, topic, files, offsets)
+            incoming.make_job_dir(job)
+            incoming.write_intent(intent)
+        _finish(opened, incoming, intent)
+
+
+def _open_writer(store: str, job: Job) -> MessageStore:
+    try:
+        return MessageStore.open(store)
+    except StoreLockedError:
+        holder = "?"
+        try:
+            with open_file(Path(store) / LOCK_FILE, "rb") as f:
+                holder = f.read().decode(errors="replace").strip() or "?"
+        except OSError:
+            pass
+        raise SinkCommitError(
+            f"the store at {store} is open for writing by another process (pid {holder}): the "
+            "sink appends through its own writer; stop that writer (or open it read_only=True) "
+            f"and run the {job.describe()} again; its staged rows stay in "
+            f"{Incoming(store).job_dir(job)}"
+        ) from None
+
+
+def _finish(opened: MessageStore, incoming: Incoming, intent: Intent) -> None:
+    """Append what of ``intent`` the log does not hold yet, flush, record, clean up."""
+    if incoming.committed(intent.job):  # killed after its ledger entry: only clean up
+        incoming.remove_job_dir(intent.job)
+        return
+    try:
+        _append_rest(opened, incoming, intent)
+    except SinkCommitError:
+        raise
+    except EQueueError as exc:
+        raise SinkCommitError(
+            f"appending the rows of {intent.job.describe()} to {opened.path} failed part way "
+            f"({exc}); the intent {incoming.job_dir(intent.job) / INTENT_FILE} records the "
+            "rows: the next sink commit to this store appends the rest, none twice"
+        ) from exc
+
+
+def _append_rest(opened: MessageStore, incoming: Incoming, intent: Intent) -> None:
+    done = _appended(opened, incoming, intent)
+    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
+    appended = 0
+    for batch in _batches(incoming, intent):
+        if done >= batch.num_rows:
+            done -= batch.num_rows
+            continue
+        messages = outgoing(batch.slice(done))
+        done = 0
+        opened.send_batch(intent.topic, messages)
+        appended += len(messages)
+        if kill_after and appended >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    opened.flush()
+    incoming.record(intent.job)
+    incoming.remove_job_dir(intent.job)
+
+
+def _appended(opened: MessageStore, incoming: Incoming, intent: Intent) -> int:
+    """How many of the intent's rows lead the log after its recorded queue offsets:
+    the topic's messages since then, merged in log order, compared with the rows in
+    order up to the first that differs."""
+    if intent.topic not in opened.topics():
+        return 0
+    total = sum(rows for _, rows in intent.files)
+
+    def queue(queue_id: int) -> Iterator[Message]:
+        offset = intent.offsets[queue_id] if queue_id < len(intent.offsets) else 0
+        seen = 0
+        while seen < total:
+            pulled = opened.pull(intent.topic, queue_id, offset, min(_PULL, total - seen))
+            if not pulled:
+                return
+            yield from pulled
+            seen += len(pulled)
+            offset = pulled.next_offset
+
+    stored = heapq.merge(
+        *(queue(q) for q in opened.queue_ids(intent.topic)), key=lambda m: m.position
+    )
+    matched = 0
+    rows = (row for batch in _batches(incoming, intent) for row in _rows(batch))
+    for row, message in zip(rows, stored, strict=False):
+        if not row.matches(message):
+            break
+        matched += 1
+    return matched

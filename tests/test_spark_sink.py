@@ -1,0 +1,466 @@
+"""The Spark sink: rows of a DataFrame or a stream appended to a store through one writer,
+all or nothing, exactly once across task kills, a killed commit, aborted jobs and a
+restarted streaming query."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from sink_child import frame
+
+from equeue import MessageStore
+from equeue.atomicfile import write_json
+from equeue.errors import CorruptionError
+from equeue.spark import ledger
+from equeue.spark.ledger import INCOMING_DIR, Incoming, Job
+from equeue.spark.sink import KILL_TASK_ENV
+from equeue.spark.sinkcommit import KILL_AFTER_ENV, commit
+from equeue.store.types import Message
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+HERE = Path(__file__).parent
+
+
+def stored(path: Path, topic: str) -> list[Message]:
+    """Every message of ``topic``, queue by queue, in offset order."""
+    with MessageStore.open(path, read_only=True) as store:
+        if topic not in store.topics():
+            return []
+        found: list[Message] = []
+        for queue_id in store.queue_ids(topic):
+            offset, end = store.queue_range(topic, queue_id)
+            for _ in range(end - offset + 1):  # bounded: one pull returns one message at least
+                pulled = store.pull(topic, queue_id, offset, max_count=8192)
+                if not pulled:
+                    break
+                found += pulled.messages
+                offset = pulled.next_offset
+        return found
+
+
+def new_store(path: Path) -> Path:
+    MessageStore.open(path).close()
+    return path
+
+
+def incoming(path: Path) -> list[str]:
+    root = path / INCOMING_DIR
+    return sorted(os.listdir(root)) if root.exists() else []
+
+
+def save(df: DataFrame, path: Path, topic: str = "t", **options: str) -> None:
+    writer = df.write.format("equeue").option("topic", topic).mode("append")
+    for name, value in options.items():
+        writer = writer.option(name, value)
+    writer.save(str(path))
+
+
+def test_a_million_rows_from_four_partitions_are_each_stored_once(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    store = new_store(tmp_path / "s")
+    rows = 1_000_000
+    df = spark.range(0, rows, numPartitions=4).selectExpr(
+        "cast(id as string) as body", "concat('g', cast(id % 3 as string)) as tag"
+    )
+    save(df, store)
+    seen = bytearray(rows)  # one byte per row: how often it was read back
+    wrong = []
+    with MessageStore.open(store, read_only=True) as opened:
+        for queue_id in opened.queue_ids("t"):
+            offset, end = opened.queue_range("t", queue_id)
+            while offset < end:  # bounded: every pull returns at least one message
+                pulled = opened.pull("t", queue_id, offset, max_count=1024)
+                for m in pulled:
+                    n = int(m.body)
+                    seen[n] += 1
+                    if m.tag != f"g{n % 3}" or m.key is not None:
+                        wrong.append(m)
+                offset = pulled.next_offset
+    assert seen == bytearray([1]) * rows and wrong == []
+    assert incoming(store) == ["ledger.json"]  # the staged files went with the commit
+
+
+def test_every_column_reaches_the_store(tmp_path: Path, spark: SparkSession) -> None:
+    store = new_store(tmp_path / "s")
+    df = spark.createDataFrame(
+        [
+            (bytearray(b"\x00\xffraw"), "k1", "a", {"p": "1", "q": "2"}, 2),
+            (bytearray(b"plain"), None, None, None, None),
+            (bytearray(b""), "k3", "c", {}, 0),
+        ],
+        "body binary, key string, tag string, properties map<string,string>, queue_id int",
+    ).coalesce(1)
+    save(df, store, topic="cols")
+    got = sorted(stored(store, "cols"), key=lambda m: m.position)
+    assert [(m.body, m.key, m.tag, m.properties) for m in got] == [
+        (b"\x00\xffraw", "k1", "a", {"p": "1", "q": "2"}),
+        (b"plain", None, "", {}),
+        (b"", "k3", "c", {}),
+    ]
+    assert got[0].queue_id == 2 and got[2].queue_id == 0
+    strings = spark.createDataFrame([("héllo",)], "body string")
+    save(strings, store, topic="text")
+    assert [m.body for m in stored(store, "text")] == ["héllo".encode()]
+
+
+@pytest.mark.parametrize(
+    ("schema", "options", "expected"),
+    [
+        ("key string", {}, "SparkSchemaError: the equeue sink needs a body column"),
+        ("body string, value string", {}, "column 'value' of type string is not a column"),
+        ("body string, key int", {}, "column 'key' of type int has a type the sink cannot"),
+        (
+            "body binary, properties map<string,int>",
+            {},
+            "column 'properties' of type map<string,int> has a type",
+        ),
+        ("body binary, topic string", {}, 'the topic is an option: .option("topic", T)'),
+        ("body binary", {"topic": ""}, 'SparkOptionError: the equeue sink needs option("topic"'),
+        ("body binary", {"jobId": "../x"}, "SparkOptionError: option jobId='../x'"),
+        ("body binary", {"mode": "overwrite"}, "a message log cannot be overwritten"),
+    ],
+)
+def test_rows_of_other_shapes_are_refused_before_any_task_runs(
+    tmp_path: Path, spark: SparkSession, schema: str, options: dict[str, str], expected: str
+) -> None:
+    store = new_store(tmp_path / "s")
+    df = spark.createDataFrame([], schema)
+    writer = df.write.format("equeue").mode(options.pop("mode", "append"))
+    writer = writer.option("topic", options.pop("topic", "t"))
+    for name, value in options.items():
+        writer = writer.option(name, value)
+    with pytest.raises(Exception) as caught:
+        writer.save(str(store))
+    assert expected in str(caught.value)
+    assert incoming(store) == []  # no task ran: nothing was staged
+
+
+def test_a_failing_task_aborts_the_job_and_appends_nothing(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    store = new_store(tmp_path / "s")
+    # Row 39_999 (the last partition) has a tag longer than a tag may be: its task fails
+    # after the other partitions staged their rows.
+    df = spark.range(0, 40_000, numPartitions=4).selectExpr(
+        "cast(id as string) as body", "if(id = 39999, repeat('x', 300), 'ok') as tag"
+    )
+    with pytest.raises(Exception) as caught:
+        save(df, store, jobId="bad")
+    assert "InvalidMessageError: the equeue sink cannot send row 9999 of partition 3" in str(
+        caught.value
+    )
+    assert "tag is 300 bytes UTF-8" in str(caught.value)
+    assert stored(store, "t") == []
+    assert incoming(store) == []  # abort() removed the staged files of the other tasks
+    # Control: the same job without the bad row commits every row.
+    save(df.where("id < 39999"), store, jobId="bad")
+    assert len(stored(store, "t")) == 39_999
+
+
+def test_a_rerun_of_a_job_id_appends_nothing_twice(tmp_path: Path, spark: SparkSession) -> None:
+    store = new_store(tmp_path / "s")
+    df = spark.range(0, 5000, numPartitions=2).selectExpr("cast(id as string) as body")
+    save(df, store, jobId="daily-2026-11-25")
+    save(df, store, jobId="daily-2026-11-25")
+    assert len(stored(store, "t")) == 5000
+    save(df, store)  # no jobId: a job of its own
+    assert len(stored(store, "t")) == 10_000
+
+
+def test_a_task_killed_mid_write_and_a_commit_killed_mid_append(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """One driver subprocess (local[2,4]: tasks are retried): partition 1's Python worker
+    is SIGKILLed after staging 4000 of its rows, and its retry stages them again; the
+    commit's process is SIGKILLed after appending 12_000 of the 40_000 rows. Re-running
+    the job (same jobId, here) appends the rest: every row exactly once."""
+    store = new_store(tmp_path / "s")
+    rows = 40_000
+    env = dict(os.environ, **{KILL_TASK_ENV: "1:4000", KILL_AFTER_ENV: "12000"})
+    child = subprocess.run(
+        [sys.executable, str(HERE / "sink_child.py"), str(store), "j1", str(rows)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode != 0 and "Python worker exited unexpectedly" in child.stderr
+    job_dir = store / INCOMING_DIR / "batch-j1"
+    intent = json.loads((job_dir / "intent.json").read_text())["body"]
+    assert sorted(n for _, n in intent["files"]) == [10_000] * 4
+    # The killed attempt's temp file (its first 4000 rows) is there, never appended.
+    (temp,) = [n for n in os.listdir(job_dir) if n.endswith(".tmp")]
+    assert temp.startswith("1-") and temp.removesuffix(".tmp") not in dict(intent["files"])
+    partial = len(stored(store, "t"))
+    assert 12_000 <= partial < rows  # the commit died part way
+    save(frame(spark, rows), store, jobId="j1")
+    messages = stored(store, "t")
+    assert Counter(int(m.body) for m in messages) == Counter(range(rows))
+    assert all(m.key == f"k{int(m.body) % 97}" for m in messages)
+    assert incoming(store) == ["ledger.json"]  # the temp file went with the job's directory
+
+
+def test_a_store_open_for_writing_elsewhere_fails_the_commit_in_one_line(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    store = new_store(tmp_path / "s")
+    df = spark.range(0, 1000, numPartitions=2).selectExpr("cast(id as string) as body")
+    with MessageStore.open(store) as held:
+        held.send("t", b"held")
+        with pytest.raises(Exception) as caught:
+            save(df, store, jobId="locked")
+    said = str(caught.value).splitlines()
+    lines = [line for line in said if line.startswith("equeue.errors.SinkCommitError: ")]
+    assert (
+        lines
+        and (
+            f"the store at {store} is open for writing by another process (pid {os.getpid()}): "
+            "the sink appends through its own writer"
+        )
+        in lines[0]
+    )
+    assert "batch-locked" in lines[0]
+    assert [m.body for m in stored(store, "t")] == [b"held"]
+    staged = os.listdir(store / INCOMING_DIR / "batch-locked")
+    assert len([n for n in staged if n.endswith(".arrow")]) == 2  # kept for a retry
+    save(df, store, jobId="locked")  # the writer is gone: the re-run commits
+    assert len(stored(store, "t")) == 1001
+    assert incoming(store) == ["ledger.json"]
+
+
+def test_a_streaming_query_restarted_from_its_checkpoint_stores_every_row_once(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    store = new_store(tmp_path / "s")
+    source, checkpoint = tmp_path / "in", tmp_path / "checkpoint"
+    source.mkdir()
+
+    def add_file(number: int) -> None:
+        lines = "".join(f"{number * 1000 + i}\n" for i in range(1000))
+        (source / f"{number:03d}.txt").write_text(lines)
+
+    def run() -> None:
+        query = (
+            spark.readStream.option("maxFilesPerTrigger", 1)
+            .text(str(source))
+            .selectExpr("value as body")
+            .writeStream.format("equeue")
+            .option("topic", "s")
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start(str(store))
+        )
+        assert query.awaitTermination(120)
+        assert query.exception() is None
+
+    for number in range(2):
+        add_file(number)
+    run()  # epochs 0 and 1
+    assert len(stored(store, "s")) == 2000
+    # As if the driver died after the sink's commit but before Spark recorded it: Spark
+    # runs epoch 1 again on restart, and the sink's ledger lets nothing in twice.
+    (checkpoint / "commits" / "1").unlink()
+    (checkpoint / "commits" / ".1.crc").unlink(missing_ok=True)  # (Hadoop's checksum)
+    add_file(2)
+    run()
+    assert (checkpoint / "commits" / "1").exists()  # epoch 1 was run again
+    bodies = Counter(int(m.body) for m in stored(store, "s"))
+    assert bodies == Counter(range(3000))
+    body = json.loads((store / INCOMING_DIR / "ledger.json").read_text())["body"]
+    (entry,) = body["streams"].values()
+    assert entry["batch"] == 2 and entry["checkpoint"] == str(checkpoint)
+
+
+def test_the_ledger_keeps_the_latest_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ledger, "LEDGER_JOBS", 3)
+    files = Incoming(tmp_path)
+    for number in range(5):
+        files.record(Job(f"job{number}"))
+    for number in range(5):
+        files.record(Job("00000000000000a" + str(number), batch=number, checkpoint="/c"))
+    files.record(Job("00000000000000a4", batch=2, checkpoint="/c"))  # an older epoch
+    assert [files.committed(Job(f"job{n}")) for n in range(5)] == [False, False, True, True, True]
+    body = files.read_ledger()
+    assert len(body["streams"]) == 3 and body["streams"]["00000000000000a4"]["batch"] == 4
+
+
+@pytest.mark.parametrize(
+    "files",
+    [[["../../escape.arrow", 1]], [["0-0-" + "0" * 32 + ".arrow/../x", 1]], [["a", -1]]],
+)
+def test_an_intent_naming_files_outside_its_directory_is_refused(
+    tmp_path: Path, files: list[list[object]]
+) -> None:
+    store = new_store(tmp_path / "s")
+    job = Job("forged")
+    Incoming(store).make_job_dir(job)
+    intent = {"job": job.to_json(), "topic": "t", "files": files, "offsets": []}
+    write_json(store / INCOMING_DIR / job.dir_name / "intent.json", intent)
+    with pytest.raises(CorruptionError, match="sink intent is malformed"):
+        commit(str(store), Job("other"), "t", [])
+    assert stored(store, "t") == []
+
+
+def test_a_commit_killed_before_its_ledger_entry_is_finished_by_any_later_commit(
+    tmp_path: Path,
+) -> None:
+    """Without Spark: a staged job whose intent is written (as a killed commit leaves it) is
+    rolled forward by the next commit of another job, and appended once."""
+    import pyarrow as pa
+
+    from equeue.spark.ledger import Intent
+    from equeue.spark.sinkcommit import STAGED_SCHEMA
+
+    store = new_store(tmp_path / "s")
+    job = Job("interrupted")
+    directory = Incoming(store).make_job_dir(job)
+    name = "0-7-" + "ab" * 16 + ".arrow"
+    batch = pa.RecordBatch.from_pydict(
+        {"body": [b"a", b"b", b"c"], "tag": ["", "", ""], "key": [None, None, None],
+         "properties": [None, None, None], "queue_id": [0, 0, 0]},
+        schema=STAGED_SCHEMA,
+    )  # fmt: skip
+    with pa.OSFile(str(directory / name), "wb") as out, pa.ipc.new_file(out, batch.schema) as w:
+        w.write_batch(batch)
+    with MessageStore.open(store) as opened:
+        opened.create_topic("t", 2)
+        opened.send("t", b"before", queue_id=0)
+        offsets = [opened.queue_range("t", q)[1] for q in opened.queue_ids("t")]
+        opened.send("t", b"a", queue_id=0)  # the killed commit's first row made it
+    Incoming(store).write_intent(Intent(job, "t", [(name, 3)], offsets))
+    commit(str(store), Job("next"), "t", [])
+    assert [m.body for m in stored(store, "t")] == [b"before", b"a", b"b", b"c"]
+    assert Incoming(store).committed(job) and incoming(store) == ["ledger.json"]
+    commit(str(store), job, "t", [])  # the job itself, again: nothing twice
+    assert len(stored(store, "t")) == 4
+
+
+def test_a_reader_in_another_process_follows_the_commit(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    store = new_store(tmp_path / "s")
+    rows = 200_000
+    reader = subprocess.Popen(
+        [sys.executable, str(HERE / "sink_reader.py"), str(store), "t", str(rows), "120"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == "ready\n"
+        df = spark.range(0, rows, numPartitions=2).selectExpr("cast(id as string) as body")
+        save(df, store)
+        out, _ = reader.communicate(timeout=150)
+    finally:
+        reader.kill()
+    found = json.loads(out)
+    assert reader.returncode == 0 and found["read"] == rows and found["twice"] == 0
+    assert any(0 < total < rows for total in found["totals"])  # it read during the append
+
+
+@pytest.mark.parametrize(
+    ("column", "values", "expected"),
+    [
+        ("tag", ["ok", "x" * 300, "ok"], "InvalidMessageError: the equeue sink cannot send row 1"),
+        ("body", ["a", None, "c"], "SparkSchemaError: the equeue sink cannot send row 1"),
+        ("queue_id", [0, 9, 1], "QueueNotFoundError: the equeue sink cannot send row 1"),
+        ("queue_id", [0, 2**40, 1], "queue_id 1099511627776 is out of range for its 4 queues"),
+    ],
+)
+def test_a_task_refuses_a_row_send_would_refuse_and_stages_nothing(
+    tmp_path: Path, column: str, values: list[object], expected: str
+) -> None:
+    """In the task (here without Spark): the first bad row is named, nothing is staged."""
+    import pyarrow as pa
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from equeue.spark.sink import EqueueWriter
+
+    store = new_store(tmp_path / "s")
+    spark_kind, arrow_kind = (
+        (LongType(), pa.int64()) if column == "queue_id" else (StringType(), pa.string())
+    )
+    schema = StructType([StructField(column, spark_kind)])
+    arrays = [pa.array(values, arrow_kind)]
+    if column != "body":
+        schema = StructType([StructField("body", StringType()), *schema.fields])
+        arrays.insert(0, pa.array(["a", "b", "c"]))
+    batch = pa.RecordBatch.from_arrays(arrays, names=schema.fieldNames())
+    writer = EqueueWriter({"path": str(store), "topic": "t"}, schema, False)
+    with pytest.raises(Exception) as caught:
+        writer.stage(writer.job, iter([batch]))
+    assert expected in f"{type(caught.value).__name__}: {caught.value}"
+    assert incoming(store) == []
+
+
+def test_an_intent_of_a_job_the_ledger_records_is_only_removed(tmp_path: Path) -> None:
+    """A commit killed after its ledger entry, before removing its directory: the next
+    commit appends nothing of it, whatever the log holds (here retention could have taken
+    the job's messages: none are past the recorded offsets)."""
+    store = new_store(tmp_path / "s")
+    job = Job("done")
+    directory = Incoming(store).make_job_dir(job)
+    name = "0-1-" + "cd" * 16 + ".arrow"
+    (directory / name).write_bytes(b"not read")
+    Incoming(store).write_intent(ledger.Intent(job, "t", [(name, 5)], []))
+    Incoming(store).record(job)
+    commit(str(store), Job("next"), "t", [])
+    assert stored(store, "t") == [] and incoming(store) == ["ledger.json"]
+
+
+def test_no_staged_write_follows_a_link_out_of_the_store(tmp_path: Path) -> None:
+    """incoming/ (or a job's directory) replaced by a link to elsewhere: the task refuses
+    to stage through it and nothing is written there; control: without the link it stages."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from equeue.errors import StorePathError
+    from equeue.spark.sink import EqueueWriter
+
+    store, elsewhere = new_store(tmp_path / "s"), tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    schema = StructType([StructField("body", StringType())])
+    writer = EqueueWriter({"path": str(store), "topic": "t", "jobId": "j"}, schema, False)
+    batch = pa.RecordBatch.from_pydict({"body": ["a", "b"]})
+    for link in (store / INCOMING_DIR, store / INCOMING_DIR / "batch-j"):
+        link.symlink_to(elsewhere)
+        with pytest.raises(StorePathError, match="is a symbolic link"):
+            writer.stage(writer.job, iter([batch]))
+        assert os.listdir(elsewhere) == []
+        link.unlink()
+        (store / INCOMING_DIR).mkdir(exist_ok=True)
+    staged = writer.stage(writer.job, iter([batch]))
+    assert staged.rows == 2 and (store / INCOMING_DIR / "batch-j" / staged.name).is_file()
+
+
+def test_the_sink_appends_past_what_retention_removed(tmp_path: Path, spark: SparkSession) -> None:
+    """After retention removed the first job's chunks, the next job's rows go after the
+    last offsets (none reused), each once."""
+    import datetime as dt
+    import time
+
+    from equeue import StoreConfig
+
+    store = tmp_path / "s"
+    with MessageStore.open(store, StoreConfig(chunk_data_size=64 * 1024)) as opened:
+        opened.create_topic("t", 2)
+    first = spark.range(0, 6000, numPartitions=2).selectExpr("cast(id as string) as body")
+    save(first, store, jobId="first")
+    with MessageStore.open(store, StoreConfig(retention=dt.timedelta(hours=1))) as opened:
+        assert opened.apply_retention(now=time.time() + 7200) > 0
+        ends = [opened.queue_range("t", q)[1] for q in opened.queue_ids("t")]
+        assert sum(end - opened.queue_range("t", q)[0] for q, end in enumerate(ends)) < 6000
+    second = spark.range(6000, 9000, numPartitions=2).selectExpr("cast(id as string) as body")
+    save(second, store, jobId="second")
+    later = [m for m in stored(store, "t") if int(m.body) >= 6000]
+    assert Counter(int(m.body) for m in later) == Counter(range(6000, 9000))
+    assert all(m.queue_offset >= ends[m.queue_id] for m in later)
