@@ -49,10 +49,12 @@ from pyspark.sql.types import StructType
 from equeue.errors import (
     DataLossError,
     EQueueError,
+    PositionError,
     SparkOptionError,
     SparkSchemaError,
     TopicNotFoundError,
 )
+from equeue.format.message import MESSAGE_HEAD
 from equeue.spark.source import MESSAGE_SCHEMA
 
 if TYPE_CHECKING:
@@ -265,9 +267,8 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
         if self._store is None:
             self._store = MessageStore.open(self.options.path, read_only=True)
-        else:
-            self._store.refresh()
         store = self._store
+        store.refresh()  # (also on a new handle: see read_range)
         out: dict[str, dict[str, tuple[int, int]]] = {}
         for topic in store.topics():
             if not self.options.matches(topic):
@@ -459,6 +460,10 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
     topic, queue, offset, end = part.topic, part.queue_id, part.start, part.end
     with MessageStore.open(options.path, read_only=True) as store:
         try:
+            # A read-only handle's queue_range is right only after a refresh: just opened,
+            # it gives the first offset the queue files hold, though retention removed
+            # the messages of some of them.
+            store.refresh()
             first = store.queue_range(topic, queue)[0]
         except EQueueError as exc:  # TopicNotFoundError: deleted since the batch was planned
             loss(f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: {exc}")
@@ -476,12 +481,11 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                     f"but the queue ends at {pulled.next_offset} in {options.path} (the writer "
                     "lost messages it had made visible, or the topic was created again)"
                 )
-            for message in pulled.messages:
-                if message.queue_offset >= end:
-                    break
+            kept = [m for m in pulled.messages if m.queue_offset < end]
+            for message, times in zip(kept, _times(store, kept), strict=True):
                 if message.queue_offset > offset:
                     holes.append((offset, message.queue_offset))
-                _append(columns, message)
+                _append(columns, message, times)
                 offset = message.queue_offset + 1
                 if len(columns[0]) == BATCH_ROWS:
                     yield _batch(columns)
@@ -503,7 +507,24 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                 loss(lost_message(options.path, topic, queue, a, b))
 
 
-def _append(columns: list[list[Any]], m: Message) -> None:
+def _times(store: MessageStore, messages: list[Message]) -> list[tuple[int, int]]:
+    """(created, stored) of each message in µs, cut from the int64 nanoseconds of its record
+    as the batch source cuts them: Message's float seconds cannot give them exactly (a
+    float holds 1.7e18 ns to about 240 ns), and the two sources must give equal rows."""
+    manager = store._messages  # (the public API gives the times only as floats)
+    unpack = MESSAGE_HEAD.unpack_from
+    out: list[tuple[int, int]] = []
+    for m in messages:
+        try:
+            chunk = manager.get_chunk_for(m.position)
+            head = unpack(chunk.read_at(m.position - chunk.base))
+            out.append((head[2] // 1000, head[1] // 1000))
+        except PositionError:  # removed since the pull read it: the float's nearest µs
+            out.append((round(m.created_at * 1_000_000), round(m.stored_at * 1_000_000)))
+    return out
+
+
+def _append(columns: list[list[Any]], m: Message, times: tuple[int, int]) -> None:
     values = (
         m.topic,
         m.queue_id,
@@ -514,8 +535,7 @@ def _append(columns: list[list[Any]], m: Message) -> None:
         m.key,
         list(m.properties.items()),
         m.body,
-        round(m.created_at * 1_000_000),  # seconds to the µs of Spark timestamps
-        round(m.stored_at * 1_000_000),
+        *times,
     )
     for column, value in zip(columns, values, strict=True):
         column.append(value)
