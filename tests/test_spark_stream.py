@@ -386,6 +386,101 @@ def test_data_loss_warnings_name_queue_and_offsets(
     assert all("failOnDataLoss=false" in s for s in said)
 
 
+def test_retention_while_a_task_reads_is_data_loss_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention removing offsets between a task's look at the queue's start and its pulls:
+    the pull skips them, and the task tells them from compaction's holes by the queue's
+    first offset after the read."""
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config(6 * 4096)) as writer:
+        produce(writer, 0, 1000)
+        writer.apply_retention()
+        first, end = writer.queue_range("payments", 1)
+    assert first > 5
+    refresh = MessageStore.refresh
+    calls: list[int] = []
+
+    def late(self: MessageStore) -> None:  # the first look misses the removal
+        calls.append(1)
+        if len(calls) > 1:
+            refresh(self)
+
+    monkeypatch.setattr(MessageStore, "refresh", late)
+    options = reader(store, topics="payments").options
+    with pytest.raises(DataLossError, match=f"offsets 5 to {first - 1} were removed"):
+        list(read_range(options, QueueRange("payments", 1, 5, end)))
+    assert len(calls) == 2
+
+
+def test_deleted_and_recreated_topics_are_data_loss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 100)
+    strict = reader(store, topics="orders,payments", startingOffsets="latest")
+    lenient = reader(store, topics="orders,payments", failOnDataLoss="false")
+    begin = strict.initialOffset()
+    assert begin["payments"] == {"0": 20, "1": 20}
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.delete_topic("payments")
+    with pytest.raises(DataLossError, match=r"'payments'.*no longer holds it"):
+        strict.latestOffset(begin, ReadAllAvailable())
+    with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):
+        assert "payments" not in lenient.latestOffset(begin, ReadAllAvailable())
+    assert "no longer holds it" in caplog.text
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.create_topic("payments", 2)
+        for i in range(3):
+            writer.send("payments", b"again %d" % i, queue_id=0)
+    with pytest.raises(DataLossError, match="queue now ends at 3"):
+        strict.latestOffset(begin, ReadAllAvailable())
+    end = lenient.latestOffset(begin, ReadAllAvailable())
+    assert end["payments"] == {"0": 3, "1": 0}  # read again from the new topic's start
+    parts = lenient.partitions(begin, end)
+    assert [(p.topic, p.queue_id, p.start, p.end) for p in parts if p.topic == "payments"] == [
+        ("payments", 0, 0, 3)
+    ]
+    strict.stop()
+    lenient.stop()
+
+
+def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 50)
+    following = reader(store, topicPattern="or.*s", startingOffsets="latest")
+    begin = following.initialOffset()
+    assert begin == {"orders": {"0": 10, "1": 10, "2": 10}}  # not "other"
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.create_topic("orders", 4)
+        writer.send("orders", b"in the new queue", queue_id=3)
+        writer.create_topic("oranges", 1)
+        writer.send("oranges", b"a new topic")
+        writer.send("others", b"not matched")
+    end = following.latestOffset(begin, ReadAllAvailable())
+    assert end == {"oranges": {"0": 1}, "orders": {"0": 10, "1": 10, "2": 10, "3": 1}}
+    parts = following.partitions(begin, end)
+    assert sorted((p.topic, p.queue_id, p.start, p.end) for p in parts) == [
+        ("oranges", 0, 0, 1),
+        ("orders", 3, 0, 1),
+    ]
+    got = [b for p in parts for b in read_range(following.options, p)]  # type: ignore[arg-type]
+    assert sorted(v.as_py() for b in got for v in b.column("body")) == [
+        b"a new topic",
+        b"in the new queue",
+    ]
+    following.stop()
+
+
 # --- (e) compaction underneath -----------------------------------------------------------
 
 
@@ -507,3 +602,12 @@ def _no_stray_queries(request: pytest.FixtureRequest) -> Iterator[None]:
         spark = request.getfixturevalue("spark")
         for query in spark.streams.active:
             query.stop()
+
+
+def test_docs_table_names_every_option() -> None:
+    from equeue.spark.stream import OPTIONS
+
+    text = (HERE.parent / "docs" / "spark.md").read_text()
+    section = text[text.index("## Streaming source") :]
+    for name in OPTIONS:
+        assert name == "path" or f"| `{name}` |" in section, f"docs/spark.md misses {name}"
