@@ -473,7 +473,7 @@ def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None
         ("oranges", 0, 0, 1),
         ("orders", 3, 0, 1),
     ]
-    got = [b for p in parts for b in read_range(following.options, p)]  # type: ignore[arg-type]
+    got = [b for p in parts for b in read_range(following.options, p)]
     assert sorted(v.as_py() for b in got for v in b.column("body")) == [
         b"a new topic",
         b"in the new queue",

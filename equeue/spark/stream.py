@@ -391,8 +391,8 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             raise DataLossError(message + "; set failOnDataLoss=false to skip what is gone")
         log.warning("%s; skipped (failOnDataLoss=false)", message)
 
-    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        out: list[InputPartition] = []
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[QueueRange]:
+        out: list[QueueRange] = []
         ranges: dict[str, dict[str, tuple[int, int]]] | None = None
         for topic, queues in end.items():
             for queue, stop in queues.items():
