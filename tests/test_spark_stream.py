@@ -481,6 +481,25 @@ def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None
     following.stop()
 
 
+def test_a_range_past_the_queues_end_is_data_loss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch planned to an offset the queue no longer reaches (a writer that lost what it
+    had shown, a topic created again): the task says so instead of returning short."""
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 50)  # 10 per queue
+    strict = reader(store, topics="orders")
+    with pytest.raises(DataLossError, match="offsets 10 to 14 were planned but the queue ends"):
+        list(read_range(strict.options, QueueRange("orders", 0, 0, 15)))
+    lenient = reader(store, topics="orders", failOnDataLoss="false")
+    with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):
+        got = list(read_range(lenient.options, QueueRange("orders", 0, 0, 15)))
+    assert sum(b.num_rows for b in got) == 10
+    assert "offsets 10 to 14 were planned" in caplog.text
+
+
 # --- (e) compaction underneath -----------------------------------------------------------
 
 

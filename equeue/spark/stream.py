@@ -474,13 +474,21 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
         holes: list[tuple[int, int]] = []  # offsets with no message: compaction's, or lost
         columns: list[list[Any]] = [[] for _ in _ARROW]
         while offset < end:
-            pulled = store.pull(topic, queue, offset, min(end - offset, PULL_COUNT))
+            try:
+                pulled = store.pull(topic, queue, offset, min(end - offset, PULL_COUNT))
+            except TopicNotFoundError as exc:  # deleted while this task read it
+                loss(
+                    f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: {exc}"
+                )
+                holes = []
+                break
             if pulled.next_offset <= offset:
-                raise DataLossError(
+                loss(
                     f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} were planned "
                     f"but the queue ends at {pulled.next_offset} in {options.path} (the writer "
                     "lost messages it had made visible, or the topic was created again)"
                 )
+                break
             kept = [m for m in pulled.messages if m.queue_offset < end]
             for message, times in zip(kept, _times(store, kept), strict=True):
                 if message.queue_offset > offset:
@@ -501,7 +509,10 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
             # may be what retention removed while this task read (a compaction hole there
             # is reported too: the records around it are gone, it cannot be told apart).
             store.refresh()
-            now_first = store.queue_range(topic, queue)[0]
+            try:
+                now_first = store.queue_range(topic, queue)[0]
+            except TopicNotFoundError:
+                now_first = end  # deleted meanwhile: every hole is gone for good
             gone = [(a, min(b, now_first)) for a, b in holes if a < now_first]
             for a, b in gone:
                 loss(lost_message(options.path, topic, queue, a, b))
