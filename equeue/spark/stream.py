@@ -56,10 +56,10 @@ from equeue.errors import (
 )
 from equeue.format.message import MESSAGE_HEAD
 from equeue.spark.source import MESSAGE_SCHEMA
+from equeue.store.types import Message
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
-    from equeue.store.types import Message
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +472,8 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
             loss(lost_message(options.path, topic, queue, offset, min(first, end)))
             offset = first
         holes: list[tuple[int, int]] = []  # offsets with no message: compaction's, or lost
-        columns: list[list[Any]] = [[] for _ in _ARROW]
+        pending: list[Message] = []
+        stamps: list[tuple[int, int]] = []
         while offset < end:
             try:
                 pulled = store.pull(topic, queue, offset, min(end - offset, PULL_COUNT))
@@ -490,20 +491,21 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                 )
                 break
             kept = [m for m in pulled.messages if m.queue_offset < end]
-            for message, times in zip(kept, _times(store, kept), strict=True):
+            for message in kept:
                 if message.queue_offset > offset:
                     holes.append((offset, message.queue_offset))
-                _append(columns, message, times)
                 offset = message.queue_offset + 1
-                if len(columns[0]) == BATCH_ROWS:
-                    yield _batch(columns)
-                    columns = [[] for _ in _ARROW]
+            pending += kept
+            stamps += _times(store, kept)
             if pulled.next_offset > offset:
                 stop = min(pulled.next_offset, end)
                 holes.append((offset, stop))
                 offset = stop
-        if columns[0]:
-            yield _batch(columns)
+            while len(pending) >= BATCH_ROWS:
+                yield _batch(pending[:BATCH_ROWS], stamps[:BATCH_ROWS])
+                del pending[:BATCH_ROWS], stamps[:BATCH_ROWS]
+        if pending:
+            yield _batch(pending, stamps)
         if holes:
             # Retention removes a queue's oldest offsets: a hole now below its first offset
             # may be what retention removed while this task read (a compaction hole there
@@ -525,34 +527,32 @@ def _times(store: MessageStore, messages: list[Message]) -> list[tuple[int, int]
     manager = store._messages  # (the public API gives the times only as floats)
     unpack = MESSAGE_HEAD.unpack_from
     out: list[tuple[int, int]] = []
-    for m in messages:
+    i = 0
+    while i < len(messages):  # a run of messages in one chunk at a time
         try:
-            chunk = manager.get_chunk_for(m.position)
-            head = unpack(chunk.read_at(m.position - chunk.base))
-            out.append((head[2] // 1000, head[1] // 1000))
+            chunk = manager.get_chunk_for(messages[i].position)
+            base, stop = chunk.base, chunk.end_position
+            j = i + 1
+            while j < len(messages) and messages[j].position < stop:
+                j += 1
+            heads = [unpack(p) for p in chunk.read_many([m.position - base for m in messages[i:j]])]
+            out += [(head[2] // 1000, head[1] // 1000) for head in heads]
+            i = j
         except PositionError:  # removed since the pull read it: the float's nearest µs
+            m = messages[i]
             out.append((round(m.created_at * 1_000_000), round(m.stored_at * 1_000_000)))
+            i += 1
     return out
 
 
-def _append(columns: list[list[Any]], m: Message, times: tuple[int, int]) -> None:
-    values = (
-        m.topic,
-        m.queue_id,
-        m.queue_offset,
-        m.position,
-        m.message_id,
-        m.tag,
-        m.key,
-        list(m.properties.items()),
-        m.body,
-        *times,
-    )
-    for column, value in zip(columns, values, strict=True):
-        column.append(value)
+_FIELD: Final = {name: i for i, name in enumerate(Message._fields)}
 
 
-def _batch(columns: list[list[Any]]) -> pa.RecordBatch:
+def _batch(messages: list[Message], stamps: list[tuple[int, int]]) -> pa.RecordBatch:
+    """The rows of ``messages`` (the columns are Message's fields by name, but the times)."""
+    fields = list(zip(*messages, strict=True))
+    columns: list[Sequence[Any]] = [fields[_FIELD[name]] for name in _ARROW.names[:-2]]
+    columns += list(zip(*stamps, strict=True))
     return pa.RecordBatch.from_arrays(
         [pa.array(values, field.type) for values, field in zip(columns, _ARROW, strict=True)],
         schema=_ARROW,
