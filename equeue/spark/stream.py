@@ -1,0 +1,562 @@
+"""``spark.readStream.format("equeue")``: a store's topics as a Structured Streaming source.
+
+Modelled on Spark's Kafka source. An offset is ``{topic: {queue_id: next_offset}}`` (queue
+ids as strings: Spark keeps offsets as JSON in the query's checkpoint), so a query
+restarted from its checkpoint goes on exactly where its last committed batch ended, and a
+batch run again reads the same ranges. A micro-batch has one partition per
+(topic, queue, start, end); executors read it through a read-only ``MessageStore``
+beside the writer.
+
+Options (names case-insensitive, as Spark passes them):
+
+- ``topics`` (comma-separated names) or ``topicPattern`` (a regular expression the whole
+  topic name must match): exactly one. Topics matching the pattern and queues that
+  appear while the query runs are read from their first offset, as Kafka reads new
+  partitions.
+- ``startingOffsets``: ``earliest``, ``latest`` (default) or JSON
+  ``{"topic": {"0": 23, "1": -2}}``, -2 for a queue's earliest, -1 for its latest; a queue
+  the JSON leaves out starts at its earliest. Only a new query uses it.
+- ``maxOffsetsPerTrigger``: at most this many offsets per micro-batch, split fairly over
+  the queues that have some; ``minOffsetsPerTrigger`` with ``maxTriggerDelay`` (default
+  15 m): wait for at least that many, but no longer than the delay.
+- ``failOnDataLoss`` (default true): offsets the query was to read are gone (retention
+  removed them, the topic was deleted or re-created) -> DataLossError; false: a warning
+  and the query goes on from the first offset there is. Holes compaction leaves in a
+  queue's offsets are not data loss: the records compacted away are not read, as a
+  consumer's pull skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    ReadMinRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from equeue.errors import (
+    DataLossError,
+    EQueueError,
+    PositionError,
+    SparkOptionError,
+    SparkSchemaError,
+    TopicNotFoundError,
+)
+from equeue.format.message import MESSAGE_HEAD
+from equeue.spark.source import MESSAGE_SCHEMA
+from equeue.store.types import Message
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+log = logging.getLogger(__name__)
+
+Offsets = dict[str, dict[str, int]]  # topic -> queue id (a string) -> next offset
+
+EARLIEST: Final = -2
+LATEST: Final = -1
+PULL_COUNT: Final = 4096  # messages per pull on an executor
+BATCH_ROWS: Final = 16_384  # rows per Arrow record batch
+DEFAULT_TRIGGER_DELAY: Final = 15 * 60.0  # seconds, as Kafka's maxTriggerDelay
+OPTIONS: Final = (
+    "path",
+    "topics",
+    "topicPattern",
+    "startingOffsets",
+    "maxOffsetsPerTrigger",
+    "minOffsetsPerTrigger",
+    "maxTriggerDelay",
+    "failOnDataLoss",
+)
+_KNOWN: Final = {name.lower(): name for name in OPTIONS}
+_DELAY: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*")
+_UNIT: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+_ARROW: Final = pa.schema(
+    [
+        ("topic", pa.string()),
+        ("queue_id", pa.int32()),
+        ("queue_offset", pa.int64()),
+        ("position", pa.int64()),
+        ("message_id", pa.string()),
+        ("tag", pa.string()),
+        ("key", pa.string()),
+        ("properties", pa.map_(pa.string(), pa.string())),
+        ("body", pa.binary()),
+        ("created_at", pa.timestamp("us", tz="UTC")),
+        ("stored_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+class QueueRange(InputPartition):
+    """Offsets [start, end) of one queue: what one task of a micro-batch reads."""
+
+    def __init__(self, topic: str, queue_id: int, start: int, end: int) -> None:
+        super().__init__((topic, queue_id, start, end))
+        self.topic = topic
+        self.queue_id = queue_id
+        self.start = start
+        self.end = end
+
+
+class StreamOptions:
+    """The options, checked once (on the driver, and again where a task builds its reader)."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        given = {key.lower(): value for key, value in options.items()}
+        for key in given:
+            if key not in _KNOWN:
+                raise SparkOptionError(
+                    f"readStream.format('equeue'): unknown option {key!r}; the options are "
+                    + ", ".join(OPTIONS)
+                )
+        path = given.get("path")
+        if not path:
+            raise SparkOptionError(
+                'readStream.format("equeue") needs the store directory: .load("/path/to/store")'
+            )
+        self.path = path
+        topics, pattern = given.get("topics"), given.get("topicpattern")
+        if (topics is None) == (pattern is None):
+            raise SparkOptionError(
+                "readStream.format('equeue') needs exactly one of the options 'topics' (names, "
+                "comma-separated) and 'topicPattern' (a regular expression), got "
+                + ("both" if topics is not None else "neither")
+            )
+        self.topics: list[str] | None = None
+        self.pattern: re.Pattern[str] | None = None
+        if topics is not None:
+            self.topics = sorted({t.strip() for t in topics.split(",") if t.strip()})
+            if not self.topics:
+                raise SparkOptionError(f"option topics={topics!r}: it names no topic")
+        else:
+            try:
+                self.pattern = re.compile(pattern or "")
+            except re.error as exc:
+                raise SparkOptionError(
+                    f"option topicPattern={pattern!r} is not a regular expression: {exc}"
+                ) from None
+        self.starting = given.get("startingoffsets", "latest")
+        self.starting_json: dict[str, dict[str, int]] | None = None
+        if self.starting not in ("earliest", "latest"):
+            self.starting_json = _offsets_json(self.starting)
+        self.max_offsets = _count(given, "maxOffsetsPerTrigger")
+        self.min_offsets = _count(given, "minOffsetsPerTrigger")
+        self.max_delay = _delay(given.get("maxtriggerdelay"))
+        if (
+            self.max_offsets is not None
+            and self.min_offsets is not None
+            and self.min_offsets > self.max_offsets
+        ):
+            raise SparkOptionError(
+                f"option minOffsetsPerTrigger={self.min_offsets} is more than "
+                f"maxOffsetsPerTrigger={self.max_offsets}"
+            )
+        fail = given.get("failondataloss", "true").strip().lower()
+        if fail not in ("true", "false"):
+            raise SparkOptionError(
+                f"option failOnDataLoss={given['failondataloss']!r}: it must be true or false"
+            )
+        self.fail_on_data_loss = fail == "true"
+
+    def matches(self, topic: str) -> bool:
+        if self.topics is not None:
+            return topic in self.topics
+        assert self.pattern is not None
+        return self.pattern.fullmatch(topic) is not None
+
+
+def _offsets_json(text: str) -> dict[str, dict[str, int]]:
+    def bad(why: str) -> SparkOptionError:
+        return SparkOptionError(
+            f"option startingOffsets={text!r}: {why}; it must be 'earliest', 'latest' or JSON "
+            'like {"topic": {"0": 23, "1": -2}} (-2: the earliest offset, -1: the latest)'
+        )
+
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        raise bad("not JSON") from None
+    if not isinstance(parsed, dict):
+        raise bad("not a JSON object")
+    out: dict[str, dict[str, int]] = {}
+    for topic, queues in parsed.items():
+        if not isinstance(queues, dict):
+            raise bad(f"topic {topic!r} maps to {queues!r}, not to an object of queue ids")
+        out[topic] = {}
+        for queue, offset in queues.items():
+            if not (isinstance(queue, str) and queue.isdigit()):
+                raise bad(f"queue id {queue!r} of topic {topic!r} is not a number")
+            if type(offset) is not int or offset < EARLIEST:
+                raise bad(f"offset {offset!r} of {topic}/{queue} is not -2, -1 or an offset")
+            out[topic][str(int(queue))] = offset
+    return out
+
+
+def _count(given: Mapping[str, str], name: str) -> int | None:
+    text = given.get(name.lower())
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise SparkOptionError(f"option {name}={text!r}: it must be a whole number of at least 1")
+    return value
+
+
+def _delay(text: str | None) -> float:
+    if text is None:
+        return DEFAULT_TRIGGER_DELAY
+    match = _DELAY.fullmatch(text)
+    if match is None:
+        raise SparkOptionError(
+            f"option maxTriggerDelay={text!r}: it must be a duration like '15m', '30s', '500ms'"
+        )
+    return float(match.group(1)) * _UNIT[match.group(2) or "ms"]
+
+
+def ordered(offsets: Mapping[str, Mapping[str, int]]) -> Offsets:
+    """``offsets`` with topics and queues in one order: Spark compares offsets as JSON text,
+    so an unchanged offset must serialize the same."""
+    return {
+        t: {q: offsets[t][q] for q in sorted(offsets[t], key=int)}
+        for t in sorted(offsets)
+        if offsets[t]
+    }
+
+
+class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    def __init__(self, options: dict[str, str], schema: StructType) -> None:
+        self.options = StreamOptions(options)
+        names = [field.name for field in schema.fields]
+        if names != _ARROW.names:
+            raise SparkSchemaError(
+                f"readStream.format('equeue') gives the columns {', '.join(_ARROW.names)} "
+                f"(the batch source's: {MESSAGE_SCHEMA}); a schema of {names} was asked for"
+            )
+        self.schema = schema
+        self._store: MessageStore | None = None
+        self._target: Offsets | None = None  # Trigger.AvailableNow: where the query ends
+        self._last_batch = time.monotonic()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_store"] = None  # (a task opens its own)
+        return state
+
+    # --- the driver ----------------------------------------------------------
+
+    def _ranges(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """(first, next) offset of every queue of the topics read, as the store has them now."""
+        from equeue.store.store import MessageStore
+
+        if self._store is None:
+            self._store = MessageStore.open(self.options.path, read_only=True)
+        store = self._store
+        store.refresh()  # (also on a new handle: see read_range)
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        for topic in store.topics():
+            if not self.options.matches(topic):
+                continue
+            try:
+                out[topic] = {str(q): store.queue_range(topic, q) for q in store.queue_ids(topic)}
+            except TopicNotFoundError:
+                continue  # deleted meanwhile
+        return out
+
+    def initialOffset(self) -> dict[str, Any]:
+        ranges = self._ranges()
+        wanted = self.options.starting_json
+        out: Offsets = {}
+        for topic, queues in ranges.items():
+            out[topic] = {}
+            for queue, (first, next_) in queues.items():
+                if wanted is not None:
+                    offset = wanted.get(topic, {}).get(queue, EARLIEST)
+                else:
+                    offset = EARLIEST if self.options.starting == "earliest" else LATEST
+                if offset > next_:
+                    raise SparkOptionError(
+                        f"option startingOffsets: offset {offset} of {topic}/{queue} is past the "
+                        f"queue's end {next_} in {self.options.path}"
+                    )
+                if offset == EARLIEST:
+                    offset = first
+                elif offset == LATEST:
+                    offset = next_
+                out[topic][queue] = offset
+        if wanted is not None:
+            for topic, named in wanted.items():
+                for queue in named:
+                    if queue not in ranges.get(topic, {}):
+                        raise SparkOptionError(
+                            f"option startingOffsets names {topic}/{queue}, which "
+                            f"{self.options.path} does not hold (or the query does not read)"
+                        )
+        return ordered(out)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {t: {q: r[1] for q, r in qs.items()} for t, qs in self._ranges().items()}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.options.max_offsets is not None:
+            return ReadMaxRows(self.options.max_offsets)
+        if self.options.min_offsets is not None:
+            return ReadMinRows(self.options.min_offsets)
+        return ReadAllAvailable()
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        return ordered({t: {q: r[1] for q, r in qs.items()} for t, qs in self._ranges().items()})
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        ranges = self._ranges()
+        bases: Offsets = {}  # where each queue's next batch begins
+        ends: Offsets = {}  # how far it may go
+        for topic in sorted(set(start) | set(ranges)):
+            known = start.get(topic, {})
+            queues = ranges.get(topic)
+            if queues is None:
+                self._lost_topic(topic, known)
+                continue
+            for queue in sorted(set(known) | set(queues), key=int):
+                if queue not in queues:
+                    self._lost_topic(topic, {queue: known[queue]})
+                    continue
+                first, next_ = queues[queue]
+                base = known.get(queue)
+                if base is None:
+                    base = first  # a new topic or queue: from its start, as Kafka's new partitions
+                elif base > next_:
+                    base = self._went_back(topic, queue, base, first, next_)
+                elif base < first:
+                    base = self._removed(topic, queue, base, first)
+                if self._target is not None:
+                    next_ = max(base, min(next_, self._target.get(topic, {}).get(queue, base)))
+                bases.setdefault(topic, {})[queue] = base
+                ends.setdefault(topic, {})[queue] = next_
+        available = {(t, q): ends[t][q] - b for t, qs in bases.items() for q, b in qs.items()}
+        total = sum(available.values())
+        if isinstance(limit, ReadAllAvailable):
+            takes = available
+        else:
+            # Trigger.AvailableNow ends at its target: waiting for more would never end.
+            least = None if self._target is not None else self.options.min_offsets
+            waited = time.monotonic() - self._last_batch
+            if least is not None and total < least and waited < self.options.max_delay:
+                return ordered(start)
+            most = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+            takes = fair_shares(available, most)
+        end = {t: {q: b + takes[(t, q)] for q, b in qs.items()} for t, qs in bases.items()}
+        if ordered(end) != ordered(start):
+            self._last_batch = time.monotonic()
+        return ordered(end)
+
+    def _lost_topic(self, topic: str, queues: Mapping[str, int]) -> None:
+        """Queues the query was reading are gone (their topic was deleted)."""
+        what = f"topic {topic!r} (queues {', '.join(sorted(queues, key=int))})"
+        self._loss(
+            f"{what} was read up to offsets {dict(queues)}, but {self.options.path} no longer "
+            "holds it (deleted)"
+        )
+
+    def _went_back(self, topic: str, queue: str, base: int, first: int, next_: int) -> int:
+        self._loss(
+            f"topic {topic!r} queue {queue}: the query was to read from offset {base}, but the "
+            f"queue now ends at {next_} (the topic was deleted and created again) in "
+            f"{self.options.path}"
+        )
+        return first
+
+    def _removed(self, topic: str, queue: str, base: int, first: int) -> int:
+        self._loss(lost_message(self.options.path, topic, queue, base, first))
+        return first
+
+    def _loss(self, message: str) -> None:
+        if self.options.fail_on_data_loss:
+            raise DataLossError(message + "; set failOnDataLoss=false to skip what is gone")
+        log.warning("%s; skipped (failOnDataLoss=false)", message)
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[QueueRange]:
+        out: list[QueueRange] = []
+        ranges: dict[str, dict[str, tuple[int, int]]] | None = None
+        for topic, queues in end.items():
+            for queue, stop in queues.items():
+                begin = start.get(topic, {}).get(queue)
+                if begin is None or begin > stop:
+                    # A queue that appeared in this batch (or was created again): from its
+                    # first offset, as latestOffset counted it.
+                    ranges = self._ranges() if ranges is None else ranges
+                    begin = min(ranges.get(topic, {}).get(queue, (stop, stop))[0], stop)
+                if begin < stop:
+                    out.append(QueueRange(topic, int(queue), begin, stop))
+        return out
+
+    def commit(self, end: dict[str, Any]) -> None:
+        return  # the offsets live in Spark's checkpoint; the store keeps no state for us
+
+    def stop(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # --- the executors -------------------------------------------------------
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, QueueRange)
+        return read_range(self.options, partition)
+
+
+def fair_shares(available: Mapping[tuple[str, str], int], limit: int | None) -> dict[Any, int]:
+    """At most ``limit`` offsets in all, each queue an equal share of what is left once the
+    queues with less than their share have all they have (a queue with a backlog cannot
+    starve the others, as Kafka's proportional split would let it)."""
+    if limit is None or sum(available.values()) <= limit:
+        return dict(available)
+    takes: dict[Any, int] = {}
+    left = limit
+    order = sorted(available, key=lambda k: (available[k], k))
+    for i, key in enumerate(order):
+        share = left // (len(order) - i)
+        if i == len(order) - 1:
+            share = left
+        takes[key] = min(available[key], share)
+        left -= takes[key]
+    return takes
+
+
+def lost_message(path: str, topic: str, queue: str | int, wanted: int, first: int) -> str:
+    return (
+        f"topic {topic!r} queue {queue}: offsets {wanted} to {first - 1} were removed "
+        f"(retention, or the topic was deleted) before the query read them: it wanted offset "
+        f"{wanted}, the first one available is {first}, in {path}"
+    )
+
+
+def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBatch]:
+    """The messages of ``part`` as Arrow record batches; offsets compaction removed are left
+    out, offsets retention removed are data loss."""
+    from equeue.store.store import MessageStore
+
+    def loss(message: str) -> None:
+        if options.fail_on_data_loss:
+            raise DataLossError(message + "; set failOnDataLoss=false to skip what is gone")
+        log.warning("%s; skipped (failOnDataLoss=false)", message)
+
+    topic, queue, offset, end = part.topic, part.queue_id, part.start, part.end
+    with MessageStore.open(options.path, read_only=True) as store:
+        try:
+            # A read-only handle's queue_range is right only after a refresh: just opened,
+            # it gives the first offset the queue files hold, though retention removed
+            # the messages of some of them.
+            store.refresh()
+            first = store.queue_range(topic, queue)[0]
+        except EQueueError as exc:  # TopicNotFoundError: deleted since the batch was planned
+            loss(f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: {exc}")
+            return
+        if offset < first:
+            loss(lost_message(options.path, topic, queue, offset, min(first, end)))
+            offset = first
+        holes: list[tuple[int, int]] = []  # offsets with no message: compaction's, or lost
+        pending: list[Message] = []
+        stamps: list[tuple[int, int]] = []
+        while offset < end:
+            try:
+                pulled = store.pull(topic, queue, offset, min(end - offset, PULL_COUNT))
+            except TopicNotFoundError as exc:  # deleted while this task read it
+                loss(
+                    f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: {exc}"
+                )
+                holes = []
+                break
+            if pulled.next_offset <= offset:
+                loss(
+                    f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} were planned "
+                    f"but the queue ends at {pulled.next_offset} in {options.path} (the writer "
+                    "lost messages it had made visible, or the topic was created again)"
+                )
+                break
+            kept = [m for m in pulled.messages if m.queue_offset < end]
+            for message in kept:
+                if message.queue_offset > offset:
+                    holes.append((offset, message.queue_offset))
+                offset = message.queue_offset + 1
+            pending += kept
+            stamps += _times(store, kept)
+            if pulled.next_offset > offset:
+                stop = min(pulled.next_offset, end)
+                holes.append((offset, stop))
+                offset = stop
+            while len(pending) >= BATCH_ROWS:
+                yield _batch(pending[:BATCH_ROWS], stamps[:BATCH_ROWS])
+                del pending[:BATCH_ROWS], stamps[:BATCH_ROWS]
+        if pending:
+            yield _batch(pending, stamps)
+        if holes:
+            # Retention removes a queue's oldest offsets: a hole now below its first offset
+            # may be what retention removed while this task read (a compaction hole there
+            # is reported too: the records around it are gone, it cannot be told apart).
+            store.refresh()
+            try:
+                now_first = store.queue_range(topic, queue)[0]
+            except TopicNotFoundError:
+                now_first = end  # deleted meanwhile: every hole is gone for good
+            gone = [(a, min(b, now_first)) for a, b in holes if a < now_first]
+            for a, b in gone:
+                loss(lost_message(options.path, topic, queue, a, b))
+
+
+def _times(store: MessageStore, messages: list[Message]) -> list[tuple[int, int]]:
+    """(created, stored) of each message in µs, cut from the int64 nanoseconds of its record
+    as the batch source cuts them: Message's float seconds cannot give them exactly (a
+    float holds 1.7e18 ns to about 240 ns), and the two sources must give equal rows."""
+    manager = store._messages  # (the public API gives the times only as floats)
+    unpack = MESSAGE_HEAD.unpack_from
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < len(messages):  # a run of messages in one chunk at a time
+        try:
+            chunk = manager.get_chunk_for(messages[i].position)
+            base, stop = chunk.base, chunk.end_position
+            j = i + 1
+            while j < len(messages) and messages[j].position < stop:
+                j += 1
+            heads = [unpack(p) for p in chunk.read_many([m.position - base for m in messages[i:j]])]
+            out += [(head[2] // 1000, head[1] // 1000) for head in heads]
+            i = j
+        except PositionError:  # removed since the pull read it: the float's nearest µs
+            m = messages[i]
+            out.append((round(m.created_at * 1_000_000), round(m.stored_at * 1_000_000)))
+            i += 1
+    return out
+
+
+_FIELD: Final = {name: i for i, name in enumerate(Message._fields)}
+
+
+def _batch(messages: list[Message], stamps: list[tuple[int, int]]) -> pa.RecordBatch:
+    """The rows of ``messages`` (the columns are Message's fields by name, but the times)."""
+    fields = list(zip(*messages, strict=True))
+    columns: list[Sequence[Any]] = [fields[_FIELD[name]] for name in _ARROW.names[:-2]]
+    columns += list(zip(*stamps, strict=True))
+    return pa.RecordBatch.from_arrays(
+        [pa.array(values, field.type) for values, field in zip(columns, _ARROW, strict=True)],
+        schema=_ARROW,
+    )
+
+
+__all__ = ["MESSAGE_SCHEMA", "EqueueStreamReader", "QueueRange", "StreamOptions", "fair_shares"]

@@ -1,0 +1,659 @@
+"""The streaming source: ``spark.readStream.format("equeue")`` against live stores, with a
+producer process writing, queries stopped and restarted from their checkpoints, retention
+and compaction running underneath, and one run on ``local-cluster``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from stream_producer import QUEUES, body_of, create, produce, queue_of, topic_of
+from stream_producer import config as producer_config
+
+from equeue import MessageStore, StoreConfig
+from equeue.compaction.job import compact
+from equeue.errors import DataLossError, SparkOptionError, SparkSchemaError
+from equeue.spark.stream import EqueueStreamReader, QueueRange, fair_shares, read_range
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming.query import StreamingQuery
+
+HERE = Path(__file__).parent
+PRODUCER = HERE / "stream_producer.py"
+CLUSTER_CHILD = HERE / "stream_cluster_child.py"
+WAIT = 120  # seconds any one query may take before the test gives up on it
+
+Row = tuple[str, int, int, bytes]  # topic, queue id, queue offset, body
+Batches = dict[int, list[Row]]  # batch id -> its rows, as an idempotent sink keeps them
+
+
+def stored(path: Path, topics: tuple[str, ...] = tuple(QUEUES)) -> dict[tuple[str, int], list[Row]]:
+    """Every message of ``topics`` a consumer can pull now, by queue, in offset order."""
+    out: dict[tuple[str, int], list[Row]] = {}
+    with MessageStore.open(path, read_only=True) as store:
+        for topic in topics:
+            for queue in store.queue_ids(topic):
+                rows: list[Row] = []
+                offset = 0
+                for _ in range(10_000):
+                    pulled = store.pull(topic, queue, offset, 1000)
+                    rows += [(m.topic, m.queue_id, m.queue_offset, m.body) for m in pulled]
+                    if pulled.next_offset == offset:
+                        break
+                    offset = pulled.next_offset
+                out[(topic, queue)] = rows
+    return out
+
+
+def by_queue(batches: Batches) -> dict[tuple[str, int], list[Row]]:
+    """The rows of every batch by queue, in batch order then offset order."""
+    out: dict[tuple[str, int], list[Row]] = {}
+    for batch_id in sorted(batches):
+        for row in sorted(batches[batch_id], key=lambda r: (r[0], r[1], r[2])):
+            out.setdefault((row[0], row[1]), []).append(row)
+    return out
+
+
+def assert_in_order(batches: Batches) -> None:
+    """Each queue's offsets rise strictly from one batch to the next: nothing read twice,
+    nothing out of order."""
+    for key, rows in by_queue(batches).items():
+        offsets = [r[2] for r in rows]
+        assert offsets == sorted(set(offsets)), f"queue {key} read out of order: {offsets}"
+
+
+def start(
+    spark: SparkSession,
+    store: Path | str,
+    checkpoint: Path,
+    batches: Batches,
+    *,
+    available_now: bool = True,
+    parquet: Path | None = None,
+    **options: str | int,
+) -> StreamingQuery:
+    """A query of ``options`` whose foreachBatch keeps each batch's rows by batch id (a batch
+    run again replaces what it gave: the idempotent sink Spark's exactly-once needs), and
+    with ``parquet`` writes each batch there too, as ``batch=N`` (overwritten on a re-run)."""
+
+    def sink(df: DataFrame, batch_id: int) -> None:
+        rows = df.select("topic", "queue_id", "queue_offset", "body").collect()
+        if parquet is not None:
+            df.write.mode("overwrite").parquet(str(parquet / f"batch={batch_id}"))
+        batches[batch_id] = [(r[0], r[1], r[2], bytes(r[3])) for r in rows]
+
+    reader = spark.readStream.format("equeue")
+    for name, value in options.items():
+        reader = reader.option(name, str(value))
+    writer = reader.load(str(store)).writeStream.foreachBatch(sink)
+    writer = writer.option("checkpointLocation", str(checkpoint))
+    if available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime="200 milliseconds")
+    return writer.start()
+
+
+def run(spark: SparkSession, store: Path | str, checkpoint: Path, **options: Any) -> Batches:
+    """One Trigger.AvailableNow run to its end: the batches it ran."""
+    batches: Batches = {}
+    query = start(spark, store, checkpoint, batches, **options)
+    assert query.awaitTermination(WAIT), "the AvailableNow query did not finish"
+    return batches
+
+
+def rows(batches: Batches) -> list[Row]:
+    return sorted(r for b in batches.values() for r in b)
+
+
+def expected(queues: dict[tuple[str, int], list[Row]]) -> list[Row]:
+    return sorted(r for rs in queues.values() for r in rs)
+
+
+def producer(store: Path, *args: str | int | Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(PRODUCER), str(store), *map(str, args)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(process: subprocess.Popen[str]) -> str:
+    out, _ = process.communicate(timeout=WAIT)
+    assert process.returncode == 0, f"the producer failed ({process.returncode}): {out}"
+    return out
+
+
+def wait_for(condition: Callable[[], bool], what: str, query: StreamingQuery) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert query.exception() is None, query.exception()
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.1)
+
+
+# --- (a) a producer process, a stop mid-stream, a restart: exactly once, in order --------
+
+
+def test_restart_from_checkpoint_reads_every_message_once_per_queue_in_order(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    store, checkpoint, out, gate = (tmp_path / n for n in ("store", "ck", "out", "gate"))
+    create(store)
+    sending = producer(store, "--count", 900, "--gate", gate, "--gate-at", 450, "--pause-ms", 20)
+    first: Batches = {}
+    query = start(
+        spark, store, checkpoint, first, available_now=False, parquet=out,
+        topics="orders,payments", startingOffsets="earliest", maxOffsetsPerTrigger=100,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: sum(map(len, first.values())) >= 100, "100 rows", query)
+        assert sending.poll() is None  # mid-stream: the producer is still at work (or gated)
+    finally:
+        query.stop()
+    read_first = sum(map(len, first.values()))
+    assert 100 <= read_first < 900
+    gate.touch()
+    finish(sending)
+    second = run(spark, store, checkpoint, parquet=out, topics="orders,payments")
+    assert second
+    for again in set(first) & set(second):  # the stop cut it short before its commit:
+        assert sorted(second[again]) == sorted(first[again])  # run again, the same rows
+    batches = {**first, **second}  # (and the idempotent sink keeps them once)
+    want = stored(store)
+    assert sum(map(len, want.values())) == 900
+    assert {r[3] for r in rows(batches)} == {body_of(i) for i in range(900)}
+    assert rows(batches) == expected(want)  # each message exactly once
+    assert_in_order(batches)
+    assert by_queue(batches) == want
+    on_disk = spark.read.parquet(str(out)).select("topic", "queue_id", "queue_offset", "body")
+    assert sorted((r[0], r[1], r[2], bytes(r[3])) for r in on_disk.collect()) == expected(want)
+
+
+def test_stream_rows_equal_the_batch_sources_rows(tmp_path: Path, spark: SparkSession) -> None:
+    """Every column, as spark.read.format("equeue") gives it (the same schema)."""
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 200)
+        writer.send("orders", b"", tag="t", key=None, properties={}, queue_id=1)
+    got: list[tuple[Any, ...]] = []
+    query = (
+        spark.readStream.format("equeue").option("topicPattern", "orders|payments")
+        .option("startingOffsets", "earliest").load(str(store))
+        .writeStream.foreachBatch(lambda df, _: got.extend(tuple(r) for r in df.collect()))
+        .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start()
+    )  # fmt: skip
+    assert query.awaitTermination(WAIT)
+    batch = spark.read.format("equeue").load(str(store)).where("topic != 'other'")
+    streamed = spark.readStream.format("equeue").option("topics", "orders").load(str(store))
+    assert streamed.schema == batch.schema
+    assert sorted(got) == sorted(tuple(r) for r in batch.collect())
+    assert len(got) == 201
+
+
+# --- (b) admission control ---------------------------------------------------------------
+
+
+def test_max_offsets_per_trigger_bounds_every_batch_split_fairly(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 500)  # 100 in each of the 5 queues
+    batches = run(
+        spark, store, tmp_path / "ck", topics="orders,payments", startingOffsets="earliest",
+        maxOffsetsPerTrigger=120,
+    )  # fmt: skip
+    sizes = [len(batches[b]) for b in sorted(batches)]
+    assert sizes == [120, 120, 120, 120, 20]
+    for b in sorted(batches)[:4]:  # 24 from each queue: none waits behind another
+        per_queue = by_queue({b: batches[b]})
+        assert sorted(map(len, per_queue.values())) == [24] * 5
+    assert rows(batches) == expected(stored(store))
+
+
+def test_fair_shares_give_the_small_queues_all_and_split_the_rest() -> None:
+    available = {("a", "0"): 5, ("a", "1"): 100, ("b", "0"): 100, ("b", "1"): 0}
+    assert fair_shares(available, 60) == {
+        ("b", "1"): 0,
+        ("a", "0"): 5,
+        ("a", "1"): 27,
+        ("b", "0"): 28,
+    }
+    assert fair_shares(available, None) == available
+    assert fair_shares(available, 1000) == available
+    assert sum(fair_shares({("a", str(q)): 10 for q in range(3)}, 1).values()) == 1
+
+
+def reader(store: Path, **options: str) -> EqueueStreamReader:
+    return EqueueStreamReader({"path": str(store), **options}, stream_schema())
+
+
+def stream_schema() -> Any:
+    """The schema Spark hands the reader: the batch source's (MESSAGE_SCHEMA)."""
+    from pyspark.sql.types import (
+        BinaryType,
+        IntegerType,
+        LongType,
+        MapType,
+        StringType,
+        StructField,
+        StructType,
+        TimestampType,
+    )
+
+    s, ts = StringType(), TimestampType()
+    return StructType(
+        [
+            StructField("topic", s),
+            StructField("queue_id", IntegerType()),
+            StructField("queue_offset", LongType()),
+            StructField("position", LongType()),
+            StructField("message_id", s),
+            StructField("tag", s),
+            StructField("key", s),
+            StructField("properties", MapType(s, s)),
+            StructField("body", BinaryType()),
+            StructField("created_at", ts),
+            StructField("stored_at", ts),
+        ]
+    )
+
+
+def test_min_offsets_per_trigger_waits_until_max_trigger_delay(tmp_path: Path) -> None:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMinRows
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 10)
+    waiting = reader(store, topics="orders", startingOffsets="earliest", minOffsetsPerTrigger="50")
+    begin = waiting.initialOffset()
+    assert waiting.latestOffset(begin, ReadMinRows(50)) == begin  # 6 < 50: no batch yet
+    assert waiting.latestOffset(begin, ReadAllAvailable()) != begin  # the engine's limit wins
+    late = reader(
+        store, topics="orders", startingOffsets="earliest", minOffsetsPerTrigger="50",
+        maxTriggerDelay="0ms",
+    )  # fmt: skip
+    assert late.latestOffset(begin, ReadMinRows(50)) == {"orders": {"0": 2, "1": 2, "2": 2}}
+    waiting.stop()
+    late.stop()
+
+
+# --- (c) startingOffsets -----------------------------------------------------------------
+
+
+def test_starting_offsets_latest_and_json(tmp_path: Path, spark: SparkSession) -> None:
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 500)
+    latest = tmp_path / "latest"
+    assert rows(run(spark, store, latest, topics="orders,payments")) == []  # latest: default
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 500, 50)
+    new = rows(run(spark, store, latest, topics="orders,payments"))
+    assert sorted(r[3] for r in new) == sorted(body_of(i) for i in range(500, 550))
+    starting = {"orders": {"0": 90, "1": -1}, "payments": {"1": -2}}
+    picked = run(
+        spark, store, tmp_path / "json", topicPattern="ord.*|pay.*",
+        startingOffsets=json.dumps(starting),
+    )  # fmt: skip
+    want = stored(store)
+    want[("orders", 0)] = [r for r in want[("orders", 0)] if r[2] >= 90]
+    want[("orders", 1)] = []  # latest: nothing until more is sent
+    assert by_queue(picked) == {k: v for k, v in want.items() if v}
+
+
+# --- (d) retention underneath ------------------------------------------------------------
+
+
+def test_retention_underneath_fails_with_data_loss_or_skips_with_a_warning(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """A writer process with retention (6 chunks kept) runs on while a query with
+    failOnDataLoss=false reads it too slowly (50 offsets a batch): it skips what retention
+    took and ends with every message the store still holds, each once. The same query with
+    true, restarted after it, fails naming the queue and offsets."""
+    store, checkpoint = tmp_path / "store", tmp_path / "ck"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 100)
+    options = {"topics": "orders,payments", "startingOffsets": "earliest"}
+    assert len(rows(run(spark, store, checkpoint, **options))) == 100
+    skipping = tmp_path / "ck-false"
+    shutil.copytree(checkpoint, skipping)
+    sending = producer(
+        store, "--first", 100, "--count", 1000, "--max-store-bytes", 6 * 4096, "--pause-ms", 20
+    )
+    rest: Batches = {}
+    query = start(
+        spark, store, skipping, rest, available_now=False, failOnDataLoss="false",
+        maxOffsetsPerTrigger=50, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+    try:
+        finish(sending)
+        kept = stored(store)
+        last = {k: v[-1][2] for k, v in kept.items()}
+
+        def caught_up() -> bool:
+            read = by_queue(rest)
+            return all(k in read and read[k][-1][2] == v for k, v in last.items())
+
+        wait_for(caught_up, "the query to reach the store's end", query)
+    finally:
+        query.stop()
+    got = rows(rest)
+    assert len(got) == len(set(got)) < 1000  # nothing twice; what retention took, skipped
+    assert set(expected(kept)) <= set(got)  # all that is left
+    for topic, queue, _, body in got:  # and only real messages
+        i = int(body.split()[1])
+        assert (topic_of(i), queue_of(i), body) == (topic, queue, body_of(i))
+    assert_in_order(rest)
+    assert min(r[2] for r in kept[("orders", 0)]) > 20  # the first query stopped at 20
+    from pyspark.errors import StreamingQueryException
+
+    with pytest.raises(StreamingQueryException) as caught:
+        run(spark, store, checkpoint, **options)
+    said = str(caught.value)
+    assert "DataLossError" in said and "failOnDataLoss=false" in said
+    assert "it wanted offset 20, the first one available is" in said
+
+
+def test_data_loss_warnings_name_queue_and_offsets(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What failOnDataLoss=false logs on the driver (planning) and in a task (reading), and
+    the error true raises there: the driver's and the executors' code run here in-process."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config(6 * 4096)) as writer:
+        produce(writer, 0, 1000)
+        writer.apply_retention()
+    with MessageStore.open(store, read_only=True) as opened:
+        opened.refresh()  # (a read-only handle's first offsets are right after a refresh)
+        first = opened.queue_range("payments", 1)[0]
+        end = opened.queue_range("payments", 1)[1]
+        old = {"payments": {"0": opened.queue_range("payments", 0)[0], "1": 5}}
+    assert first > 5
+    failing = reader(store, topics="payments")
+    with pytest.raises(DataLossError, match=f"queue 1: offsets 5 to {first - 1} were removed"):
+        failing.latestOffset(old, ReadAllAvailable())
+    with pytest.raises(DataLossError, match=f"first one available is {first}"):
+        list(read_range(failing.options, QueueRange("payments", 1, 5, end)))
+    failing.stop()
+    skipping = reader(store, topics="payments", failOnDataLoss="false")
+    with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):
+        latest = skipping.latestOffset(old, ReadAllAvailable())
+        read = list(read_range(skipping.options, QueueRange("payments", 1, 5, end)))
+    skipping.stop()
+    assert latest["payments"]["1"] == end
+    assert sum(b.num_rows for b in read) == end - first
+    said = [r.getMessage() for r in caplog.records]
+    assert (
+        len([s for s in said if f"it wanted offset 5, the first one available is {first}" in s])
+        == 2
+    )
+    assert all("failOnDataLoss=false" in s for s in said)
+
+
+def test_retention_while_a_task_reads_is_data_loss_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention removing offsets between a task's look at the queue's start and its pulls:
+    the pull skips them, and the task tells them from compaction's holes by the queue's
+    first offset after the read."""
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config(6 * 4096)) as writer:
+        produce(writer, 0, 1000)
+        writer.apply_retention()
+        first, end = writer.queue_range("payments", 1)
+    assert first > 5
+    refresh = MessageStore.refresh
+    calls: list[int] = []
+
+    def late(self: MessageStore) -> None:  # the first look misses the removal
+        calls.append(1)
+        if len(calls) > 1:
+            refresh(self)
+
+    monkeypatch.setattr(MessageStore, "refresh", late)
+    options = reader(store, topics="payments").options
+    with pytest.raises(DataLossError, match=f"offsets 5 to {first - 1} were removed"):
+        list(read_range(options, QueueRange("payments", 1, 5, end)))
+    assert len(calls) == 2
+
+
+def test_deleted_and_recreated_topics_are_data_loss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 100)
+    strict = reader(store, topics="orders,payments", startingOffsets="latest")
+    lenient = reader(store, topics="orders,payments", failOnDataLoss="false")
+    begin = strict.initialOffset()
+    assert begin["payments"] == {"0": 20, "1": 20}
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.delete_topic("payments")
+    with pytest.raises(DataLossError, match=r"'payments'.*no longer holds it"):
+        strict.latestOffset(begin, ReadAllAvailable())
+    with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):
+        assert "payments" not in lenient.latestOffset(begin, ReadAllAvailable())
+    assert "no longer holds it" in caplog.text
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.create_topic("payments", 2)
+        for i in range(3):
+            writer.send("payments", b"again %d" % i, queue_id=0)
+    with pytest.raises(DataLossError, match="queue now ends at 3"):
+        strict.latestOffset(begin, ReadAllAvailable())
+    end = lenient.latestOffset(begin, ReadAllAvailable())
+    assert end["payments"] == {"0": 3, "1": 0}  # read again from the new topic's start
+    parts = lenient.partitions(begin, end)
+    assert [(p.topic, p.queue_id, p.start, p.end) for p in parts if p.topic == "payments"] == [
+        ("payments", 0, 0, 3)
+    ]
+    strict.stop()
+    lenient.stop()
+
+
+def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 50)
+    following = reader(store, topicPattern="or.*s", startingOffsets="latest")
+    begin = following.initialOffset()
+    assert begin == {"orders": {"0": 10, "1": 10, "2": 10}}  # not "other"
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.create_topic("orders", 4)
+        writer.send("orders", b"in the new queue", queue_id=3)
+        writer.create_topic("oranges", 1)
+        writer.send("oranges", b"a new topic")
+        writer.send("others", b"not matched")
+    end = following.latestOffset(begin, ReadAllAvailable())
+    assert end == {"oranges": {"0": 1}, "orders": {"0": 10, "1": 10, "2": 10, "3": 1}}
+    parts = following.partitions(begin, end)
+    assert sorted((p.topic, p.queue_id, p.start, p.end) for p in parts) == [
+        ("oranges", 0, 0, 1),
+        ("orders", 3, 0, 1),
+    ]
+    got = [b for p in parts for b in read_range(following.options, p)]
+    assert sorted(v.as_py() for b in got for v in b.column("body")) == [
+        b"a new topic",
+        b"in the new queue",
+    ]
+    following.stop()
+
+
+def test_a_range_past_the_queues_end_is_data_loss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch planned to an offset the queue no longer reaches (a writer that lost what it
+    had shown, a topic created again): the task says so instead of returning short."""
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 50)  # 10 per queue
+    strict = reader(store, topics="orders")
+    with pytest.raises(DataLossError, match="offsets 10 to 14 were planned but the queue ends"):
+        list(read_range(strict.options, QueueRange("orders", 0, 0, 15)))
+    lenient = reader(store, topics="orders", failOnDataLoss="false")
+    with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):
+        got = list(read_range(lenient.options, QueueRange("orders", 0, 0, 15)))
+    assert sum(b.num_rows for b in got) == 10
+    assert "offsets 10 to 14 were planned" in caplog.text
+
+
+# --- (e) compaction underneath -----------------------------------------------------------
+
+
+def test_compaction_holes_are_not_data_loss(tmp_path: Path, spark: SparkSession) -> None:
+    store, checkpoint = tmp_path / "store", tmp_path / "ck"
+    small = StoreConfig(chunk_data_size=8 * 1024, flush="os")
+    with MessageStore.open(store, small) as writer:
+        writer.create_topic("k", 2, cleanup="compact")
+        for i in range(100):
+            writer.send("k", b"first %d" % i, key=f"key-{i % 10}")
+    options = {"topics": "k", "startingOffsets": "earliest", "failOnDataLoss": "true"}
+    before = by_queue(run(spark, store, checkpoint, **options))
+    assert sum(map(len, before.values())) == 100
+    stopped = {k: v[-1][2] + 1 for k, v in before.items()}  # where the checkpoint stands
+    with MessageStore.open(store, small) as writer:
+        for i in range(600):
+            writer.send("k", b"later %d" % i + b"y" * 40, key=f"key-{i % 10}")
+    report = compact(store, spark=spark, now=time.time() + 1)
+    assert report.records_removed > 100  # unread records too: holes past the checkpoint
+    survivors = stored(store, ("k",))
+    rest = run(spark, store, checkpoint, **options)
+    unread = {k: [r for r in v if r[2] >= stopped[k]] for k, v in survivors.items()}
+    assert rows(rest) == expected(unread)
+    assert len(rows(rest)) < 600  # there were holes, and they were skipped, not lost
+    assert_in_order(rest)
+
+
+# --- (f) local-cluster, from a relative path ---------------------------------------------
+
+
+def test_local_cluster_reads_a_relative_store(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE.parent), str(HERE), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(CLUSTER_CHILD), str(HERE.parent)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rows"] == result["expected"] == 300
+    assert result["same"] is True
+    assert result["executors"] >= 2
+    print(f"local-cluster streaming run: {took:.1f} s")
+
+
+# --- (g) options ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({}, "'topics'"),
+        ({"topics": "orders", "topicPattern": "o.*"}, "'topicPattern'"),
+        ({"topicPattern": "(unclosed"}, "topicPattern"),
+        ({"topics": " , "}, "topics"),
+        ({"topics": "orders", "startingOffsets": "newest"}, "startingOffsets"),
+        ({"topics": "orders", "startingOffsets": '{"orders": {"x": 1}}'}, "startingOffsets"),
+        ({"topics": "orders", "startingOffsets": '{"orders": {"0": -3}}'}, "startingOffsets"),
+        ({"topics": "orders", "maxOffsetsPerTrigger": "0"}, "maxOffsetsPerTrigger"),
+        ({"topics": "orders", "maxOffsetsPerTrigger": "ten"}, "maxOffsetsPerTrigger"),
+        (
+            {"topics": "orders", "maxOffsetsPerTrigger": "5", "minOffsetsPerTrigger": "9"},
+            "minOffsetsPerTrigger",
+        ),
+        ({"topics": "orders", "maxTriggerDelay": "soon"}, "maxTriggerDelay"),
+        ({"topics": "orders", "failOnDataLoss": "maybe"}, "failOnDataLoss"),
+        ({"topics": "orders", "maxOffsetPerTrigger": "5"}, "maxoffsetpertrigger"),
+    ],
+)
+def test_bad_option_is_refused_naming_it(
+    tmp_path: Path, options: dict[str, str], named: str
+) -> None:
+    with pytest.raises(SparkOptionError, match=named):
+        reader(tmp_path, **options)
+
+
+def test_starting_offsets_outside_the_store_are_refused(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    create(store)
+    past = reader(store, topics="orders", startingOffsets='{"orders": {"0": 5}}')
+    with pytest.raises(SparkOptionError, match="past the queue's end 0"):
+        past.initialOffset()
+    unknown = reader(store, topics="orders", startingOffsets='{"orders": {"7": 0}}')
+    with pytest.raises(SparkOptionError, match="orders/7"):
+        unknown.initialOffset()
+    past.stop()
+    unknown.stop()
+
+
+def test_a_schema_other_than_the_sources_is_refused(tmp_path: Path) -> None:
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    with pytest.raises(SparkSchemaError, match="body"):
+        EqueueStreamReader(
+            {"path": str(tmp_path), "topics": "a"}, StructType([StructField("body", StringType())])
+        )
+
+
+def test_bad_option_through_spark_names_the_option(tmp_path: Path, spark: SparkSession) -> None:
+    store = tmp_path / "store"
+    create(store)
+    with pytest.raises(Exception) as caught:
+        run(spark, store, tmp_path / "ck", topics="orders", topicPattern="o.*")
+    assert "SparkOptionError" in str(caught.value)
+    assert "exactly one of the options 'topics'" in str(caught.value)
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_queries(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that failed with a query running must not leave it to the next test."""
+    yield
+    if "spark" in request.fixturenames:
+        spark = request.getfixturevalue("spark")
+        for query in spark.streams.active:
+            query.stop()
+
+
+def test_docs_table_names_every_option() -> None:
+    from equeue.spark.stream import OPTIONS
+
+    text = (HERE.parent / "docs" / "spark.md").read_text()
+    section = text[text.index("## Streaming source") :]
+    for name in OPTIONS:
+        assert name == "path" or f"| `{name}` |" in section, f"docs/spark.md misses {name}"
