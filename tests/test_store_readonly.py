@@ -244,6 +244,9 @@ def test_read_only_handle_follows_retention(tmp_path: Path, writers: list[Writer
         # Deterministic first: retention removes what the reader has seen (and mapped).
         ranges = writer("run 20")  # sends to both queues in turn, applying retention
         assert ranges["t/0"][0] > 60  # retention removed every message the reader pulled
+        with MessageStore.open(path, read_only=True) as fresh:  # just opened: no refresh
+            for queue_id in (0, 1):
+                assert list(fresh.queue_range("t", queue_id)) == ranges[f"t/{queue_id}"]
         result = reader.pull("t", 0, 0, max_count=5)  # as a writer's pull: from the first
         assert [m.queue_offset for m in result.messages] == list(
             range(ranges["t/0"][0], ranges["t/0"][0] + 5)

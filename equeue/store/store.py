@@ -195,6 +195,9 @@ class MessageStore:
         self._sender: Any = None
         self._check_in_c: Any = None
         if read_only:
+            # The writer moved its queues' first offsets past the messages its retention
+            # removed; the queue files still hold those entries, so move them here too.
+            follow.follow_log(self)
             return
         self._log_tail: dict[str, Any] | None = reconcile_at_open(self, checkpoint)
         self._writer = ChunkWriter(self._messages)
