@@ -31,19 +31,23 @@ from equeue.spark.preflight import run_probes, verdict
 # A node's Python without equeue: of the PYTHONPATH Spark gives its workers it keeps
 # Spark's zips (and --py-files'), not this equeue's directory; -S leaves out the venv's
 # .pth files, one of which installs this equeue (editable); the venv's other packages
-# (numpy, pyarrow, ...) stay importable.
+# (numpy, pyarrow, ...) stay importable. From /: `python -m` puts the working directory
+# first on the path, and a local worker's is the driver's (a checkout, maybe).
 WITHOUT_EQUEUE = """#!/bin/sh
+cd /
 PYTHONPATH=$(echo "$PYTHONPATH" | tr : '\\n' | grep -E '[.](zip|jar)$' | paste -sd: -):{site}
 export PYTHONPATH
 exec {python} -S "$@"
 """
 
 
-def without_equeue(name: str) -> str:
-    with open(name, "w") as f:
+def without_equeue(path: str) -> str:
+    """Writes a script at ``path`` running this Python as a node without equeue would (to
+    be a pythonExec); returns its absolute path."""
+    with open(path, "w") as f:
         f.write(WITHOUT_EQUEUE.format(python=sys.executable, site=sysconfig.get_paths()["purelib"]))
-    os.chmod(name, 0o755)
-    return os.path.abspath(name)
+    os.chmod(path, 0o755)
+    return os.path.abspath(path)
 
 
 def _marker(_: Iterable[int]) -> Iterator[str]:

@@ -146,7 +146,9 @@ def run_probes(
 
 
 _MISMATCH: Final = re.compile(r"different version:? (\d+\.\d+) than that in driver:? (\d+\.\d+)")
-_IMPORT: Final = re.compile(r"\b((?:ModuleNotFound|Import)Error: [^\n]*)")
+_IMPORT: Final = re.compile(
+    r"\b(ModuleNotFoundError: No module named '[^'\n]*'|ImportError: [^\n]*)"
+)
 _ERROR: Final = re.compile(r"\b([A-Z]\w*(?:Error|Exception): [^\n]*)")
 
 
