@@ -31,13 +31,13 @@ from equeue.spark.preflight import run_probes, verdict
 # A node's Python without equeue: of the PYTHONPATH Spark gives its workers it keeps
 # Spark's zips (and --py-files'), not this equeue's directory; -S leaves out the venv's
 # .pth files, one of which installs this equeue (editable); the venv's other packages
-# (numpy, pyarrow, ...) stay importable. From /: `python -m` puts the working directory
-# first on the path, and a local worker's is the driver's (a checkout, maybe).
+# (numpy, pyarrow, ...) stay importable. -P: `python -m` would put the working
+# directory first on the path, and a local worker's is the driver's (a checkout, maybe);
+# not `cd`, since an executor finds --py-files by paths relative to its own.
 WITHOUT_EQUEUE = """#!/bin/sh
-cd /
 PYTHONPATH=$(echo "$PYTHONPATH" | tr : '\\n' | grep -E '[.](zip|jar)$' | paste -sd: -):{site}
 export PYTHONPATH
-exec {python} -S "$@"
+exec {python} -S -P "$@"
 """
 
 
@@ -84,6 +84,8 @@ def run(now: float, executor_path: str, other_pythons: list[str]) -> dict[str, A
             # starts without equeue and the preflight's task can say what it lacks.
             "spark.python.daemon.module": "pyspark.daemon",
             "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            # The failures below fail at once, not after four attempts.
+            "spark.task.maxFailures": "1",
         },
         quiet=True,
     )
