@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from equeue import MessageStore, StoreConfig
 from equeue.compaction.job import compact
@@ -43,7 +44,7 @@ def main() -> int:
         build(work / "template", args.messages)
         spark = session(args.master, app_name="bench-preflight", quiet=True)
         spark.sparkContext.setLogLevel("ERROR")
-        module = sys.modules["equeue.spark.preflight"]
+        module: Any = sys.modules["equeue.spark.preflight"]  # (equeue.spark.preflight: the function)
         real = module.preflight
         stub = [ExecutorReport("stub", "3", None, False, None, None, None)]
         compact(shutil.copytree(work / "template", work / "warm"), spark=spark, now=time.time())
