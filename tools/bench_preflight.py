@@ -44,7 +44,7 @@ def main() -> int:
         build(work / "template", args.messages)
         spark = session(args.master, app_name="bench-preflight", quiet=True)
         spark.sparkContext.setLogLevel("ERROR")
-        module: Any = sys.modules["equeue.spark.preflight"]  # (equeue.spark.preflight: the function)
+        module: Any = sys.modules["equeue.spark.preflight"]  # the module, not the function
         real = module.preflight
         stub = [ExecutorReport("stub", "3", None, False, None, None, None)]
         compact(shutil.copytree(work / "template", work / "warm"), spark=spark, now=time.time())
