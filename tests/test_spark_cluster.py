@@ -231,6 +231,27 @@ def test_preflight_in_local_mode_and_an_unwritable_directory(
     )
 
 
+def test_preflight_names_a_python_the_executors_do_not_have(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """PYSPARK_PYTHON naming a path the nodes lack: Spark cannot start a worker."""
+    from equeue.errors import SparkClusterError
+
+    fill(tmp_path / "s", messages=20)
+    context = spark.sparkContext
+    python = context.pythonExec
+    context.pythonExec = str(tmp_path / "no-python")
+    try:
+        with pytest.raises(SparkClusterError) as caught:
+            preflight(spark, tmp_path / "s")
+    finally:
+        context.pythonExec = python
+    assert str(caught.value) == (
+        f"executors cannot run {tmp_path / 'no-python'} (No such file or directory): set "
+        f"PYSPARK_PYTHON or spark.pyspark.python to a Python {DRIVER} every node has"
+    )
+
+
 def test_probe_runs_and_reports_in_a_python_without_equeue(tmp_path: Path) -> None:
     """The task's function needs only the standard library: its own source, run by a
     Python that has no equeue (-I: no PYTHONPATH; -S: no site-packages)."""

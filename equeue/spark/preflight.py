@@ -7,6 +7,7 @@ traceback per attempt. ``preflight`` runs one small job first, a task per task s
 
 - ``executors cannot import equeue (ModuleNotFoundError: ...): ...``
 - ``executors run Python 3.12, the driver 3.11: ...``
+- ``executors cannot run /opt/py/bin/python (No such file or directory): ...``
 - ``executors cannot see /x/store/store.json (FileNotFoundError on node-2): ...``
 - ``executors cannot write /x/store/compaction (PermissionError on node-2): ...``
 
@@ -149,6 +150,7 @@ _MISMATCH: Final = re.compile(r"different version:? (\d+\.\d+) than that in driv
 _IMPORT: Final = re.compile(
     r"\b(ModuleNotFoundError: No module named '[^'\n]*'|ImportError: [^\n]*)"
 )
+_NO_PROGRAM: Final = re.compile(r'Cannot run program "([^"\n]+)": error=\d+, ([^\n]+)')
 _ERROR: Final = re.compile(r"\b([A-Z]\w*(?:Error|Exception): [^\n]*)")
 
 
@@ -170,6 +172,12 @@ def _failed_task(text: str, driver: str) -> str:
     found = _MISMATCH.search(text)
     if found is not None:
         return _mismatch(found.group(1), found.group(2))
+    found = _NO_PROGRAM.search(text)
+    if found is not None:  # PYSPARK_PYTHON names a Python the nodes do not have
+        return (
+            f"executors cannot run {found.group(1)} ({found.group(2).strip()}): set "
+            f"PYSPARK_PYTHON or spark.pyspark.python to a Python {driver} every node has"
+        )
     found = _IMPORT.search(text)
     if found is not None:  # a worker (or the daemon forking it) could not start
         return f"executors cannot import equeue ({found.group(1).strip()}): {_INSTALL}"
