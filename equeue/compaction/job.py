@@ -170,6 +170,9 @@ def compact(
         if spark is None:
             from equeue.spark import session
 
+            if ship_equeue:  # pyspark's daemon: equeue's (local masters) would need equeue
+                # before the zip is on the workers' path (it is added per task)
+                config = {"spark.python.daemon.module": "pyspark.daemon", **(config or {})}
             spark = session(master, app_name="equeue-compact", config=config, quiet=quiet)
         else:
             from equeue.spark import register
