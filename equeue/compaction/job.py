@@ -170,8 +170,10 @@ def compact(
         if spark is None:
             from equeue.spark import session
 
-            if ship_equeue:  # pyspark's daemon: equeue's (local masters) would need equeue
-                # before the zip is on the workers' path (it is added per task)
+            if ship_equeue:
+                # A local master's workers are forked by equeue's daemon (see session),
+                # which would import equeue before the zip reaches their path (with each
+                # task); pyspark's own daemon needs none.
                 config = {"spark.python.daemon.module": "pyspark.daemon", **(config or {})}
             spark = session(master, app_name="equeue-compact", config=config, quiet=quiet)
         else:
