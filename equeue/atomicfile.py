@@ -28,6 +28,12 @@ def write_json(path: Path, body: Any) -> None:
     data = json.dumps(
         {"xxh64": xxhash.xxh64_hexdigest(_canonical(body)), "body": body}, sort_keys=True
     ).encode()
+    write_bytes(path, data)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or what it held before, never a part: a temporary file,
+    fsynced, renamed over it."""
     temp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(temp, "xb", opener=opener) as f:

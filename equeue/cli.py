@@ -272,6 +272,38 @@ def _configure_compact(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verbose", action="store_true", help="show Spark's own log and the JVM's warnings"
     )
+    parser.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Spark setting for the job's session, as spark-submit's --conf (repeatable)",
+    )
+    parser.add_argument(
+        "--py-files",
+        action="append",
+        default=[],
+        metavar="FILES",
+        help="comma-separated .py, .zip or .egg files added to the executors' Python path "
+        "(repeatable)",
+    )
+    parser.add_argument(
+        "--ship-equeue",
+        action="store_true",
+        help="zip this equeue package and add it to the executors' Python path, for nodes "
+        "without equeue installed. The C accelerator cannot load from a zip: executors then "
+        "run the pure-Python paths, and the zip hides an equeue installed on the nodes",
+    )
+
+
+def _spark_conf(pairs: list[str]) -> dict[str, str]:
+    config = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--conf {pair!r}: expected KEY=VALUE, e.g. spark.executor.memory=4g")
+        config[key.strip()] = value
+    return config
 
 
 def _run_compact(args: argparse.Namespace) -> int:
@@ -281,6 +313,11 @@ def _run_compact(args: argparse.Namespace) -> int:
     if not (args.store / IDENTITY_FILE).exists():
         raise NotAStoreError(f"{args.store} is not an equeue store (no store.json)")
     now = parse_time(args.now) / 1e9 if args.now is not None else None
+    config = _spark_conf(args.conf)
+    py_files = [f for files in args.py_files for f in files.split(",") if f]
+    for file in py_files:
+        if not os.path.isfile(file):
+            raise UsageError(f"--py-files: {file} is not a file")
     require_spark()  # before any work: without Java, one line and nothing done
 
     def progress(line: str) -> None:
@@ -294,6 +331,9 @@ def _run_compact(args: argparse.Namespace) -> int:
         merge=not args.no_merge,
         progress=progress,
         quiet=not args.verbose,
+        config=config,
+        py_files=py_files,
+        ship_equeue=args.ship_equeue,
     )
     if args.json:
         _print_json(report.as_dict())

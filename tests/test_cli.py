@@ -480,6 +480,59 @@ def compacted_store(store: Path, spark: SparkSession) -> Path:
     return max(replacements, key=lambda p: p.stat().st_size)  # one with survivors
 
 
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--conf", "spark.executor.memory"], "--conf 'spark.executor.memory': expected KEY=VALUE"),
+        (["--conf", "=4g"], "--conf '=4g': expected KEY=VALUE"),
+        (["--py-files", "a.zip"], "--py-files: a.zip is not a file"),
+    ],
+)
+def test_compact_refuses_a_bad_conf_or_py_file_before_starting_spark(
+    capsys: pytest.CaptureFixture[str], store: Path, option: list[str], said: str
+) -> None:
+    before = snapshot(store)
+    with mock.patch("equeue.spark.java.require_spark", side_effect=AssertionError("started")):
+        code, _, err = run(capsys, "compact", store, *option)
+    assert code == 2
+    (line,) = err.splitlines()
+    assert line.startswith(f"equeue: error: {said}")
+    assert snapshot(store) == before
+
+
+def test_compact_says_in_one_line_that_executors_cannot_import_equeue(
+    capsys: pytest.CaptureFixture[str], store: Path, tmp_path: Path, spark: SparkSession
+) -> None:
+    """The executors' Python has no equeue (this local session's daemon, which forks the
+    workers, is equeue's: it is what fails there). One line, exit 1, no traceback, and
+    nothing in the store changed but the job's lock files."""
+    from spark_cluster_child import without_equeue
+
+    before = snapshot(store)
+    context = spark.sparkContext
+    python = context.pythonExec
+    context.pythonExec = without_equeue(str(tmp_path / "python-without-equeue"))
+    try:
+        code, out, err = run(capsys, "compact", store, "--now", "2100-01-01T00:00:00Z")
+    finally:
+        context.pythonExec = python
+    assert (code, out) == (1, ""), err
+    assert [line for line in err.splitlines() if not line.startswith("[compact] ")] == [
+        "equeue: error: executors cannot import equeue (ModuleNotFoundError: No module named "
+        "'equeue'): install equeue on the nodes or ship it (equeue compact --ship-equeue, or "
+        "ship_equeue(spark) from equeue.spark.preflight)"
+    ]
+    assert "[compact] pass 1" not in err
+    jobs = str(store / "compaction")
+    after = snapshot(store)
+    assert set(after) - set(before) <= {jobs, f"{jobs}/JOB.lock", f"{jobs}/COMMIT.lock"}
+    assert {k: v for k, v in after.items() if not k.startswith(jobs)} == before
+    # The control: the same command with the session's own Python compacts.
+    code, out, err = run(capsys, "compact", store, "--now", "2100-01-01T00:00:00Z", "--json")
+    assert code == 0 and json.loads(out)["chunks_eligible"] > 0
+    assert "[compact] preflight: " in err
+
+
 def test_verify_compacted_chunk(
     capsys: pytest.CaptureFixture[str], store: Path, spark: SparkSession
 ) -> None:

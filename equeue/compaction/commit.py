@@ -120,7 +120,9 @@ def job_running(store: Path) -> bool:
 
 
 def new_staging(store: Path) -> Path:
-    directory = _ensure_dir(store)
+    """A new staging directory, as an absolute path: the job's tasks write into it from
+    other working directories."""
+    directory = _ensure_dir(Path(os.path.abspath(store)))
     staging = directory / f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     fsync_directory(directory)

@@ -127,17 +127,28 @@ def compact(
     merge: bool = True,
     progress: Progress | None = None,
     quiet: bool = False,
+    config: dict[str, str] | None = None,
+    py_files: list[str] | None = None,
+    ship_equeue: bool = False,
 ) -> CompactionReport:
     """Compact the completed chunks of ``store``; safe beside a running writer and readers.
 
     ``spark`` is used as given; otherwise a session is made for ``master`` (None:
     what spark-submit set, else ``local[*]``; ``quiet``: its JVM's output out of sight,
-    see equeue.spark.session). ``now`` (seconds since the epoch) is when retention and
-    tombstone expiry are measured from.
+    ``config``: Spark settings; see equeue.spark.session). ``py_files`` (.py, .zip,
+    .egg) are added to the executors' Python path, and with ``ship_equeue`` a zip of
+    this equeue package (see equeue.spark.preflight.ship_equeue). Before pass 1 a
+    preflight checks that the executors import equeue, run the driver's Python minor
+    version, see the store and can write its compaction/ directory (SparkClusterError
+    otherwise). ``now`` (seconds since the epoch) is when retention and tombstone expiry
+    are measured from.
     """
     say = progress or (lambda _: None)
     started = time.monotonic()
-    store = Path(store)
+    # Absolute once, here: every path the tasks get is made from it, and executors run
+    # in other working directories. Not resolved (symlinks kept): the path the user gave
+    # is the one every node mounts.
+    store = Path(os.path.abspath(store))
     report = CompactionReport(str(store), time.time() if now is None else now, dry_run)
     # A dry run creates and changes nothing in the store, lock files included: it only
     # reads, like any read-only open, and leaves an interrupted install to the next job.
@@ -159,11 +170,22 @@ def compact(
         if spark is None:
             from equeue.spark import session
 
-            spark = session(master, app_name="equeue-compact", quiet=quiet)
+            if ship_equeue:
+                # A local master's workers are forked by equeue's daemon (see session),
+                # which would import equeue before the zip reaches their path (with each
+                # task); pyspark's own daemon needs none.
+                config = {"spark.python.daemon.module": "pyspark.daemon", **(config or {})}
+            spark = session(master, app_name="equeue-compact", config=config, quiet=quiet)
         else:
             from equeue.spark import register
 
             register(spark)
+        _ship(spark, py_files or [], ship_equeue, say)
+        from equeue.spark.preflight import preflight, summary
+
+        # A dry run writes nothing, so it needs no write access.
+        where = None if dry_run else str(commit.compaction_dir(store))
+        say(f"preflight: {summary(preflight(spark, store, write_dir=where))}")
         tick = time.monotonic()
         say(
             f"pass 1: reading the metadata of {_mib(report.bytes_read)} "
@@ -206,6 +228,17 @@ def compact(
             raise
     report.seconds = time.monotonic() - started
     return report
+
+
+def _ship(spark: SparkSession, py_files: list[str], equeue: bool, say: Progress) -> None:
+    for path in py_files:
+        spark.sparkContext.addPyFile(os.path.abspath(path))
+        say(f"shipping {path} to the executors")
+    if equeue:
+        from equeue.spark.preflight import ship_equeue
+
+        shipped = ship_equeue(spark)
+        say(f"shipping equeue as {shipped} (executors run its pure-Python paths)")
 
 
 def _decide(spark: SparkSession, snapshot: Snapshot, now: float) -> RDD[tuple[int, bytes]]:

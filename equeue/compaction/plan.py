@@ -10,6 +10,7 @@ the checkpoint, only so their keys supersede older messages.
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,13 +59,15 @@ def take_snapshot(store: str | Path) -> Snapshot:
         chunks = list(opened._messages)
         last = chunks[-1] if chunks else None
         return Snapshot(
-            store=str(Path(store).resolve()),
+            store=os.path.abspath(store),
             store_id=opened.store_id,
             chunk_data_size=opened.config.layout.chunk_data_size,
             checkpoint_position=checkpointed,
             chunks=[
                 SnapshotChunk(
-                    path=str(c.path.resolve()),
+                    # Absolute (tasks run in other working directories), not resolved:
+                    # the path the user gave is the one every node mounts.
+                    path=os.path.abspath(c.path),
                     # Only records up to the checkpoint are known durable: a newer message
                     # that could still be lost to a power cut must not supersede an older
                     # one that compaction would remove for good.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from equeue.errors import SparkUnavailableError
 from equeue.spark.java import require_spark
+from equeue.spark.preflight import preflight as preflight  # equeue.spark.preflight(spark, store)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
