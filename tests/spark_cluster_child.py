@@ -1,9 +1,10 @@
 """Run by tests/test_spark_cluster.py in a process of its own (one SparkContext per
 process, the tests' is local[2]), in the directory holding the stores it names by
-RELATIVE paths: r (read by the data source), c1 (compacted through the API), c2 (by
-the ``equeue compact`` command, shipping equeue and marker.zip). Everything runs on
-``local-cluster[2,1,1024]``: two executor JVMs in their own working directories, each
-with its own Python workers, as on a cluster. Prints what it saw as one JSON object.
+RELATIVE paths: r (read by the data source and by a streaming query), c1 (compacted
+through the API), c2 (by the ``equeue compact`` command, shipping equeue and
+marker.zip). Everything runs on ``local-cluster[2,1,1024]``: two executor JVMs in their
+own working directories, each with its own Python workers, as on a cluster. Prints what
+it saw as one JSON object.
 
 argv: NOW (the compaction's clock, unix seconds), the executors' PYTHONPATH, and Pythons
 of another minor version (to run as the executors' Python; may be none).
@@ -70,6 +71,31 @@ def _failure(spark: Any, python: str) -> str:
     return "no error"
 
 
+def _stream(spark: Any, store: str) -> list[list[Any]]:
+    """Every row a streaming query (Trigger.AvailableNow) reads from ``store``, relative."""
+    rows: list[list[Any]] = []
+
+    def collect(frame: Any, batch_id: int) -> None:
+        rows.extend(
+            [r.position, r.topic, r.queue_id, r.queue_offset, r.key, r.tag, bytes(r.body).hex()]
+            for r in frame.collect()
+        )
+
+    query = (
+        spark.readStream.format("equeue")
+        .option("topicPattern", ".*")
+        .option("startingOffsets", "earliest")
+        .load(store)  # relative: the driver resolves it, the executors run elsewhere
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", "stream-checkpoint")
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(240)
+    query.stop()
+    return rows
+
+
 def run(now: float, executor_path: str, other_pythons: list[str]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     tick = time.monotonic()
@@ -99,6 +125,8 @@ def run(now: float, executor_path: str, other_pythons: list[str]) -> dict[str, A
         for r in frame.collect()
     ]
     seen["steps"]["read"] = time.monotonic() - tick
+    seen["streamed"] = _stream(spark, "r")
+    seen["steps"]["stream"] = time.monotonic() - tick
     # The path as given, unresolved: the executors' working directories hold no "r".
     seen["unseen"] = verdict(run_probes(spark, "r/store.json"), "r/store.json")
     seen["unimportable"] = _failure(spark, without_equeue("without-equeue.sh"))

@@ -140,6 +140,14 @@ def test_data_source_reads_every_message_from_a_relative_path_on_local_cluster(
     assert rows == cluster.read_expected
 
 
+def test_streaming_source_reads_every_message_from_a_relative_path_on_local_cluster(
+    cluster: ClusterRun,
+) -> None:
+    rows = {row[0]: row for row in cluster.seen["streamed"]}
+    assert len(rows) == len(cluster.seen["streamed"])  # each message once
+    assert rows == cluster.read_expected
+
+
 def test_compaction_from_a_relative_path_on_local_cluster_removes_what_the_model_removes(
     cluster: ClusterRun,
 ) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,6 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 PRODUCER = HERE / "stream_producer.py"
-CLUSTER_CHILD = HERE / "stream_cluster_child.py"
 WAIT = 120  # seconds any one query may take before the test gives up on it
 
 Row = tuple[str, int, int, bytes]  # topic, queue id, queue offset, body
@@ -552,30 +550,8 @@ def test_compaction_holes_are_not_data_loss(tmp_path: Path, spark: SparkSession)
     assert_in_order(rest)
 
 
-# --- (f) local-cluster, from a relative path ---------------------------------------------
-
-
-def test_local_cluster_reads_a_relative_store(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE.parent), str(HERE), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, str(CLUSTER_CHILD), str(HERE.parent)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    took = time.monotonic() - started
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["rows"] == result["expected"] == 300
-    assert result["same"] is True
-    assert result["executors"] >= 2
-    print(f"local-cluster streaming run: {took:.1f} s")
+# --- (f) local-cluster, from a relative path: tests/test_spark_cluster.py runs it, in the one
+# local-cluster process of the tests (a cluster's start costs about 20 s).
 
 
 # --- (g) options ---------------------------------------------------------------------------
