@@ -417,3 +417,38 @@ def test_every_call_on_a_closed_store_raises_closed_error(
     assert snapshot(path, skip=()) == closed
     if read_only:
         assert closed == before
+
+
+def test_read_only_open_racing_retention_lists_the_chunks_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention removing the first chunk files between a read-only open's listing of the
+    log and its reading of their headers: the open lists again and sees what a later open
+    sees (it raised FileNotFoundError, found by the streaming source's retention test)."""
+    from equeue.chunks.manager import ChunkManager
+
+    path = tmp_path / "s"
+    config = StoreConfig(**SMALL, max_store_bytes=6 * MIN_CHUNK_DATA_SIZE)
+    with MessageStore.open(path, config) as writer:
+        for i in range(400):
+            writer.send("t", body("t", 0, i) * 4, key=key_for(i))
+        writer.flush()
+        read_header = ChunkManager._read_header
+        raced: list[Path] = []
+
+        def racing(self: ChunkManager, chunk: Path) -> Any:
+            if not raced and chunk.parent.name == "messages":
+                raced.append(chunk)
+                assert writer.apply_retention() > 0  # removes the file about to be read
+            return read_header(self, chunk)
+
+        monkeypatch.setattr(ChunkManager, "_read_header", racing)
+        with MessageStore.open(path, read_only=True) as reader:
+            got = pull_all(reader)
+            ranges = [reader.queue_range("t", q) for q in reader.queue_ids("t")]
+        monkeypatch.undo()
+        assert raced and not raced[0].exists()
+        assert ranges == [writer.queue_range("t", q) for q in writer.queue_ids("t")]
+        assert 0 < sum(map(len, got.values())) < 400  # retention removed messages
+        with MessageStore.open(path, read_only=True) as later:  # the control
+            assert got == pull_all(later)

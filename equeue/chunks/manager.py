@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from equeue.chunks.chunk import Chunk, fsync_directory, write_error
 from equeue.chunks.config import ChunkManagerConfig
@@ -55,6 +55,10 @@ if TYPE_CHECKING:
     from equeue.chunks.writer import ChunkWriter
 
 log = logging.getLogger("equeue.chunks")
+
+
+# How often a read-only open lists a chunk directory again when a listed file vanished.
+_LIST_ATTEMPTS: Final = 8
 
 
 class ChunkManager:
@@ -491,20 +495,17 @@ class ChunkManager:
                     fsync_directory(directory.parent)
             except OSError as exc:
                 raise write_error(exc, "creating a chunk directory", self.directory) from exc
-        names = sorted(os.listdir(self.directory))
-        check_chunk_dir(self.directory, names)  # before anything is opened or removed
-        found: list[tuple[Path, ChunkHeader, int]] = []
-        for name in names:
-            parsed = parse_chunk_file_name(name)
-            if parsed is not None:
-                path = self.directory / name
-                found.append((path, self._read_header(path), parsed[1]))
-        winners, superseded = _resolve_versions(found)
-        _check_contiguous(winners, self.directory)
-        chunks = [
-            self._open_chunk(path, header, version, last=(i == len(winners) - 1))
-            for i, (path, header, version) in enumerate(winners)
-        ]
+        # A read-only open races the writer's retention and compaction's installs, which
+        # remove files it has just listed: it lists again (the writer's open cannot race).
+        for attempt in range(1 if not self.read_only else _LIST_ATTEMPTS):
+            names = sorted(os.listdir(self.directory))
+            check_chunk_dir(self.directory, names)  # before anything is opened or removed
+            try:
+                chunks, superseded = self._open_listed(names)
+                break
+            except FileNotFoundError:
+                if attempt == _LIST_ATTEMPTS - 1 or not self.read_only:
+                    raise
         # Everything was checked; only now is anything on disk changed.
         if not self.read_only:
             for name in names:
@@ -522,6 +523,21 @@ class ChunkManager:
             chunks[-1].open_for_write()
         # About the chunk ongoing at open only, not ones a refresh finds.
         self._tail_hint = self._live_hint = None
+
+    def _open_listed(self, names: list[str]) -> tuple[list[Chunk], list[Path]]:
+        found: list[tuple[Path, ChunkHeader, int]] = []
+        for name in names:
+            parsed = parse_chunk_file_name(name)
+            if parsed is not None:
+                path = self.directory / name
+                found.append((path, self._read_header(path), parsed[1]))
+        winners, superseded = _resolve_versions(found)
+        _check_contiguous(winners, self.directory)
+        chunks = [
+            self._open_chunk(path, header, version, last=(i == len(winners) - 1))
+            for i, (path, header, version) in enumerate(winners)
+        ]
+        return chunks, superseded
 
     def _read_header(self, path: Path) -> ChunkHeader:
         with open_file(path, "rb") as f:
