@@ -132,7 +132,8 @@ def schema_for(options: Mapping[str, str]) -> str:
     fields = options.get("fields", "messages")
     if fields not in ("messages", "meta"):
         raise SparkOptionError(f"option fields={fields!r}: it must be 'messages' or 'meta'")
-    return META_SCHEMA if fields == "meta" else spark_schema(selected_columns(options))
+    columns = selected_columns(options)
+    return META_SCHEMA if fields == "meta" else spark_schema(columns)
 
 
 class EqueueReader(DataSourceReader):
