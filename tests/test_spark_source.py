@@ -274,7 +274,16 @@ def filters_of(rows: list[dict[str, Any]]) -> st.SearchStrategy[list[Filter]]:
             else shifted.map(lambda v: GreaterThan((column,), v)),
         )
 
-    columns = ["topic", "tag", "key", "queue_id", "queue_offset", "position", "stored_at"]
+    columns = [
+        "topic",
+        "tag",
+        "key",
+        "queue_id",
+        "queue_offset",
+        "position",
+        "stored_at",
+        "created_at",
+    ]
     return st.lists(st.sampled_from(columns).flatmap(one), min_size=1, max_size=4)
 
 

@@ -1,14 +1,25 @@
 """``spark.read.format("equeue").load(STORE)``: a store's messages as a DataFrame.
 
-One partition per chunk file, each streamed once by the Python worker
-(``ChunkFile.records``: one block of memory, never the whole chunk) and
-handed to Spark as Arrow record batches. Options:
+One partition per chunk file (fewer when pushed filters rule chunks out), each read
+once by a Python worker a block at a time (``ChunkFile.frame_blocks``: every frame
+checked, memory bounded by the block) and handed to Spark as Arrow record batches
+built column-wise in bulk (columns.py). Options:
 
 - ``fields``: ``"messages"`` (default, the schema below) or ``"meta"``:
   (chunk, position, topic, key hash, stored_ns, tombstone, size), which skips
   decoding bodies and properties.
+- ``columns``: a comma-separated subset of the message schema, in the order wanted;
+  the DataFrame has only these, and the reader builds only these. Spark (4.3 at
+  least) gives a Python data source no column pruning: without this option every
+  query, ``count()`` too, has every column built and shipped to the JVM, bodies
+  included. ``option("columns", "topic")`` makes ``groupBy("topic").count()`` read
+  no body.
 - ``chunks``: a JSON list of ``[path, data_end]`` to read instead of listing
   the store (the compaction job passes the snapshot it planned with).
+
+Filters are pushed down (Spark >= 4.1, ``spark.sql.python.filterPushdown.enabled``,
+which ``equeue.spark.register`` sets; see filters.py for what is taken and
+``plan`` for what it saves).
 
 Without ``chunks`` the store is opened read-only on the driver, beside a
 running writer if there is one; its ongoing chunk is read up to the
