@@ -133,6 +133,7 @@ def main() -> None:
         ),
     ]
     df(None).count()  # warm-up: the Python workers and the JVM's first query
+    load_before = os.getloadavg()[0]
     times: dict[tuple[str, bool], list[float]] = {}
     reference: list[float] = []
     answers: dict[tuple[str, bool], Any] = {}
@@ -163,7 +164,8 @@ def main() -> None:
     print(
         f"\nStore: {total / MiB:.0f} MiB of chunk data, {messages} messages, "
         f"{args.chunk_mib} MiB chunks, last position {last}; local[2]; "
-        f"median (range) of {args.rounds} rounds, s\n"
+        f"median (range) of {args.rounds} rounds, s; 1-minute load average "
+        f"{load_before:.1f} before the rounds, {os.getloadavg()[0]:.1f} after\n"
     )
     print("| query | all columns, s | `columns`, s | MiB/s (all) | chunk bytes read |")
     print("|---|---|---|---|---|")

@@ -98,17 +98,24 @@ _ARROW_META: Final = pa.schema(
 
 
 class ChunkPartition(InputPartition):
-    """A chunk to read: all its records up to ``data_end``, or only those at the data
-    offsets ``at`` (from the key index or a queue's index)."""
+    """A chunk to read: all its records up to ``data_end``."""
 
-    def __init__(
-        self, path: str, data_end: int, store_id: int, at: list[int] | None = None
-    ) -> None:
+    def __init__(self, path: str, data_end: int, store_id: int) -> None:
         super().__init__(path)
         self.path = path
         self.data_end = data_end
         self.store_id = store_id
-        self.at = at
+
+
+class IndexedPartition(InputPartition):
+    """Records an index named (the key index, a queue's index), in a range of chunks: for
+    each, (path, data_end, data offsets of the records). One task reads a few records of
+    many chunks where a partition per chunk would cost a task each."""
+
+    def __init__(self, reads: list[tuple[str, int, list[int]]], store_id: int) -> None:
+        super().__init__(reads[0][0])
+        self.reads = reads
+        self.store_id = store_id
 
 
 def store_snapshot(store: str) -> tuple[int, list[tuple[str, int]]]:
@@ -165,16 +172,15 @@ class EqueueReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         if self.chunks_json is not None:
             chunks = [(str(p), int(e)) for p, e in json.loads(self.chunks_json)]
-            parts = [ChunkPartition(p, e, self.store_id) for p, e in chunks]
-        else:
-            if not self.store:
-                raise SparkOptionError(
-                    'load(STORE) needs the store directory: .load("/path/to/store")'
-                )
-            parts = plan(self.store, self.pushed)
-        return parts
+            return [ChunkPartition(p, e, self.store_id) for p, e in chunks]
+        if not self.store:
+            raise SparkOptionError('load(STORE) needs the store directory: .load("/path/to/store")')
+        return plan(self.store, self.pushed)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        keep = self.pushed.keep if self.pushed else None
+        if isinstance(partition, IndexedPartition):
+            return indexed(partition, self.columns, keep)
         if not isinstance(partition, ChunkPartition):
             # Spark reads a plan of no partitions (filters no chunk can match) as one
             # partition of its own making.
@@ -182,13 +188,10 @@ class EqueueReader(DataSourceReader):
         chunk = ChunkFile.open(partition.path, partition.data_end)
         if self.meta:
             return meta_batches(chunk)
-        keep = self.pushed.keep if self.pushed else None
-        if partition.at is not None:
-            return records_at(chunk, partition.at, partition.store_id, self.columns, keep)
         return scan(chunk, partition.store_id, self.columns, keep)
 
 
-def plan(store: str, pushed: Pushed) -> list[ChunkPartition]:
+def plan(store: str, pushed: Pushed) -> list[InputPartition]:
     """The partitions of a read of ``store`` now: one per chunk, less the chunks whose
     footer's stored-time range misses a pushed ``stored_at`` range, and only the indexed
     records where a key filter or one queue (topic and queue_id) narrows the read."""
@@ -202,7 +205,9 @@ def plan(store: str, pushed: Pushed) -> list[ChunkPartition]:
         lo, hi = pushed.range("stored_at")
         chunks = [c for c in chunks if _may_hold(c, lo, hi)]
         positions = indexed_positions(opened, pushed)
-    parts: list[ChunkPartition] = []
+    parts: list[InputPartition] = []
+    reads: list[tuple[str, int, list[int]]] = []
+    count = 0
     for c in chunks:
         if positions is None:
             parts.append(ChunkPartition(str(c.path), c.data_end, store_id))
@@ -216,7 +221,13 @@ def plan(store: str, pushed: Pushed) -> list[ChunkPartition]:
             parts.append(ChunkPartition(str(c.path), c.data_end, store_id))
             continue
         at = [p - base for p in positions[first:last] if p - base < c.data_end]
-        parts.append(ChunkPartition(str(c.path), c.data_end, store_id, at))
+        reads.append((str(c.path), c.data_end, at))
+        count += len(at)
+        if count >= INDEXED_PER_PARTITION:
+            parts.append(IndexedPartition(reads, store_id))
+            reads, count = [], 0
+    if reads:
+        parts.append(IndexedPartition(reads, store_id))
     return parts
 
 
@@ -233,6 +244,7 @@ def _may_hold(chunk: ChunkFile, lo: int | None, hi: int | None) -> bool:
     return hi is None or footer.first_timestamp // 1000 <= hi
 
 
+INDEXED_PER_PARTITION: Final = 1 << 16  # records an index names, per task (about)
 QUEUE_INDEX_LIMIT: Final = 1 << 20  # more entries than this: a scan is no dearer
 
 
@@ -285,6 +297,13 @@ def scan(
     return chunk_batches(chunk, store_id, columns, keep)
 
 
+def indexed(
+    partition: IndexedPartition, columns: Sequence[str], keep: RowFilter | None
+) -> Iterator[pa.RecordBatch]:
+    for path, data_end, at in partition.reads:
+        yield from records_at(ChunkFile.open(path, data_end), at, partition.store_id, columns, keep)
+
+
 def records_at(
     chunk: ChunkFile,
     at: Sequence[int],
@@ -308,9 +327,12 @@ def records_at(
                 room = chunk.data_end - offset - FRAME_OVERHEAD
                 frame = os.pread(fd, n + FRAME_OVERHEAD, where) if 0 < n <= room else head
                 problem = frame_problem(frame, 0, len(frame), MAX_RECORD_LENGTH)
-                if problem is not None:
+                reason = None if problem is None else problem[0]
+                if reason is None and not _adds_up(frame):
+                    reason = "message record lengths do not add up to the record size"
+                if reason is not None:
                     raise CorruptRecordError(
-                        f"no valid record where an index points: {problem[0]}",
+                        f"no valid record where an index points: {reason}",
                         file=path,
                         offset=where,
                     )
@@ -322,6 +344,15 @@ def records_at(
             batch = block_batch(b"".join(frames), packed, 0, chunk, store_id, columns, keep)
             if batch is not None:
                 yield batch
+
+
+def _adds_up(frame: bytes) -> bool:
+    """The message head's lengths add up to the checked frame's payload length."""
+    n = len(frame) - FRAME_OVERHEAD
+    if n < MESSAGE_HEAD_SIZE:
+        return False
+    head = MESSAGE_HEAD.unpack_from(frame, FRAME_PREFIX_SIZE)
+    return bool(MESSAGE_HEAD_SIZE + sum(head[8:13]) == n)
 
 
 def meta_batches(chunk: ChunkFile, batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
