@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench_compaction import cpu_seconds
+
 from equeue import MessageStore, OutgoingMessage, StoreConfig
 
 BODY_SIZE = 1024
@@ -64,10 +66,12 @@ def pull_loop(path: Path) -> tuple[int, dict[str, int]]:
     return sum(per_topic.values()), dict(per_topic)
 
 
-def store_bytes(path: Path) -> int:
+def store_bytes(path: Path) -> tuple[int, int]:
+    """(the chunks' data bytes, the chunks)."""
     from equeue.spark.source import store_snapshot
 
-    return sum(end for _, end in store_snapshot(str(path))[1])
+    snapshot = store_snapshot(str(path))[1]
+    return sum(end for _, end in snapshot), len(snapshot)
 
 
 def bytes_read(path: Path, filters: list[Any]) -> tuple[int, int]:
@@ -84,10 +88,19 @@ def bytes_read(path: Path, filters: list[Any]) -> tuple[int, int]:
     return source.READ_BYTES[0] - before, len(parts)
 
 
+OTHERS: list[float] = []  # cores the rest of the machine used during each timed run
+
+
 def timed(run: Callable[[], Any]) -> tuple[float, Any]:
+    """Wall seconds of ``run`` (and, in OTHERS, the CPU the machine spent meanwhile outside
+    this process tree: the JVM and its Python workers descend from it)."""
+    machine, _, own = cpu_seconds(os.getpid())
     start = time.perf_counter()
     out = run()
-    return time.perf_counter() - start, out
+    seconds = time.perf_counter() - start
+    machine_after, _, own_after = cpu_seconds(os.getpid())
+    OTHERS.append(max(0.0, (machine_after - machine) - (own_after - own)) / seconds)
+    return seconds, out
 
 
 def main() -> None:
@@ -102,7 +115,7 @@ def main() -> None:
         start = time.perf_counter()
         build(path, args.size_mib, args.chunk_mib)
         print(f"built {path} in {time.perf_counter() - start:.0f} s")
-    total = store_bytes(path)
+    total, chunks = store_bytes(path)
 
     from pyspark.sql.datasource import EqualTo, GreaterThan
 
@@ -163,9 +176,11 @@ def main() -> None:
 
     print(
         f"\nStore: {total / MiB:.0f} MiB of chunk data, {messages} messages, "
-        f"{args.chunk_mib} MiB chunks, last position {last}; local[2]; "
+        f"{chunks} chunks, last position {last}; local[2]; "
         f"median (range) of {args.rounds} rounds, s; 1-minute load average "
-        f"{load_before:.1f} before the rounds, {os.getloadavg()[0]:.1f} after\n"
+        f"{load_before:.1f} before the rounds, {os.getloadavg()[0]:.1f} after; other "
+        f"processes used {statistics.median(OTHERS):.2f} cores (median over the timed runs; "
+        f"{min(OTHERS):.2f} to {max(OTHERS):.2f}) of the machine's 2\n"
     )
     print("| query | all columns, s | `columns`, s | MiB/s (all) | chunk bytes read |")
     print("|---|---|---|---|---|")
@@ -179,7 +194,7 @@ def main() -> None:
         read = "100 %"
         if name in share:
             got, parts = share[name]
-            read = f"{100 * got / total:.2f} % ({got / MiB:.1f} MiB, {parts} partitions)"
+            read = f"{100 * got / total:.3f} % ({got / 1024:,.0f} KiB, {parts} partitions)"
         print(f"| {name} | {cell(full)} | {cell(narrowed)} (`{columns}`) | {rate:.0f} | {read} |")
     spark.stop()
 
