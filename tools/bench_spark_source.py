@@ -6,7 +6,9 @@ Queries: ``count()``, ``groupBy("topic").count()``, a full scan with bodies
 (``sum(length(body))``), a ``key = ...`` query and a ``stored_at > ...`` query (the last
 0.5 % of the messages), each without and with the ``columns`` option (the columns the
 query needs). The two forms alternate, the first of them swapped every round; each
-figure is the median of ``--rounds`` (default 3), with the range. The SparkSession's
+figure is the median of ``--rounds`` (default 3), with the range; "CPU s" is the
+median CPU time of the whole process tree (driver, JVM, Python workers), which
+contention on a shared machine moves far less than wall time. The SparkSession's
 start and one warm-up query are not timed. For the pushed-down queries, the chunk bytes
 a read takes are counted by running the planned partitions in this process.
 
@@ -89,6 +91,7 @@ def bytes_read(path: Path, filters: list[Any]) -> tuple[int, int]:
 
 
 OTHERS: list[float] = []  # cores the rest of the machine used during each timed run
+CPU: list[float] = []  # CPU seconds of this process tree (driver, JVM, workers) in each
 
 
 def timed(run: Callable[[], Any]) -> tuple[float, Any]:
@@ -100,6 +103,7 @@ def timed(run: Callable[[], Any]) -> tuple[float, Any]:
     seconds = time.perf_counter() - start
     machine_after, _, own_after = cpu_seconds(os.getpid())
     OTHERS.append(max(0.0, (machine_after - machine) - (own_after - own)) / seconds)
+    CPU.append(own_after - own)
     return seconds, out
 
 
@@ -149,16 +153,19 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     times: dict[tuple[str, bool], list[float]] = {}
     reference: list[float] = []
+    cpu: dict[tuple[str, bool], list[float]] = {}
     answers: dict[tuple[str, bool], Any] = {}
     for round_ in range(args.rounds):
         seconds, (messages, _) = timed(lambda: pull_loop(path))
         reference.append(seconds)
+        cpu.setdefault(("pull", False), []).append(CPU[-1])
         for name, columns, query in queries:
             order = [False, True] if round_ % 2 == 0 else [True, False]
             for narrow in order:
                 frame = df(columns if narrow else None)
                 seconds, answer = timed(lambda q=query, f=frame: q(f))  # type: ignore[misc]
                 times.setdefault((name, narrow), []).append(seconds)
+                cpu.setdefault((name, narrow), []).append(CPU[-1])
                 answers[(name, narrow)] = answer
     for name, _, _ in queries:
         assert answers[(name, False)] == answers[(name, True)], name
@@ -182,10 +189,17 @@ def main() -> None:
         f"processes used {statistics.median(OTHERS):.2f} cores (median over the timed runs; "
         f"{min(OTHERS):.2f} to {max(OTHERS):.2f}) of the machine's 2\n"
     )
-    print("| query | all columns, s | `columns`, s | MiB/s (all) | chunk bytes read |")
-    print("|---|---|---|---|---|")
+
+    def used(key: tuple[str, bool]) -> str:
+        return f"{statistics.median(cpu[key]):.1f}"
+
     print(
-        f"| reference: Python `pull` loop, 1 process | {cell(reference)} | | "
+        "| query | all columns, s | CPU s | `columns`, s | CPU s | MiB/s (all) | chunk bytes read |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| reference: Python `pull` loop, 1 process | {cell(reference)} | "
+        f"{used(('pull', False))} | | | "
         f"{total / MiB / statistics.median(reference):.0f} | 100 % |"
     )
     for name, columns, _ in queries:
@@ -195,7 +209,10 @@ def main() -> None:
         if name in share:
             got, parts = share[name]
             read = f"{100 * got / total:.3f} % ({got / 1024:,.0f} KiB, {parts} partitions)"
-        print(f"| {name} | {cell(full)} | {cell(narrowed)} (`{columns}`) | {rate:.0f} | {read} |")
+        print(
+            f"| {name} | {cell(full)} | {used((name, False))} | {cell(narrowed)} (`{columns}`) "
+            f"| {used((name, True))} | {rate:.0f} | {read} |"
+        )
     spark.stop()
 
 
