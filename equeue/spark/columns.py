@@ -61,9 +61,6 @@ SPARK_TYPES: Final = {
     "created_at": "timestamp",
     "stored_at": "timestamp",
 }
-# What a pushed filter looks at: the columns built before bodies and properties.
-HEAD_COLUMNS: Final = ("topic", "queue_id", "queue_offset", "position", "tag", "key")
-
 RowFilter = Callable[[Mapping[str, pa.Array]], pa.Array]
 
 

@@ -72,11 +72,7 @@ from equeue.spark.filters import Pushed
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
 
-MESSAGE_SCHEMA: Final = (
-    "topic string, queue_id int, queue_offset long, position long, message_id string, "
-    "tag string, key string, properties map<string,string>, body binary, "
-    "created_at timestamp, stored_at timestamp"
-)
+MESSAGE_SCHEMA: Final = spark_schema(COLUMN_NAMES)  # the streaming source's too
 META_SCHEMA: Final = (
     "chunk long, position long, topic string, key_hash_hi long, key_hash_lo long, "
     "stored_ns long, tombstone boolean, size int"
