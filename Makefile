@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) tools/bench_durable.py
 	$(PY) tools/bench_peers.py
 	$(PY) tools/bench_compaction.py --markdown
+	$(PY) tools/bench_spark_source.py
 
 clean:
 	rm -rf $(VENV) demo-store .mypy_cache .pytest_cache .ruff_cache build equeue/*.so

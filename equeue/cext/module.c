@@ -1,6 +1,7 @@
 /* equeue._speedups: the store's hot loops in C. One file per concern: write.c (checking
  * and framing sends), sender.c (a whole single send), read.c (pulls), recover.c (open
- * after a crash), prefault.c (the thread faulting pages in ahead of the writer), xxh3.h
+ * after a crash), arrowcols.c (the Spark source's Arrow columns), prefault.c (the thread
+ * faulting pages in ahead of the writer), xxh3.h
  * (the record checksum, inlined where used); speedups.h is what they share.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
@@ -73,6 +74,8 @@ static PyMethodDef methods[] = {
     {"collect", collect, METH_VARARGS, NULL},
     {"scan_frames", scan_frames, METH_VARARGS, NULL},
     {"frame_offsets", frame_offsets, METH_VARARGS, NULL},
+    {"record_columns", record_columns, METH_VARARGS, NULL},
+    {"record_bodies", record_bodies, METH_VARARGS, NULL},
     {"match_run", match_run, METH_VARARGS, NULL},
     {"last_nonzero", last_nonzero, METH_VARARGS, NULL},
     {"prefault_request", prefault_request, METH_VARARGS, NULL},

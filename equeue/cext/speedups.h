@@ -140,6 +140,8 @@ PyObject *write_run(PyObject *self, PyObject *args);
 PyObject *decode_run(PyObject *self, PyObject *args);
 PyObject *collect(PyObject *self, PyObject *args);
 PyObject *frame_offsets(PyObject *self, PyObject *args);
+PyObject *record_columns(PyObject *self, PyObject *args);
+PyObject *record_bodies(PyObject *self, PyObject *args);
 PyObject *scan_frames(PyObject *self, PyObject *args);
 PyObject *match_run(PyObject *self, PyObject *args);
 PyObject *last_nonzero(PyObject *self, PyObject *args);

@@ -23,6 +23,10 @@ def register(spark: SparkSession) -> None:
     """Make ``spark.read.format("equeue").load(STORE)`` available in ``spark``."""
     from equeue.spark.datasource import EqueueDataSource
 
+    # The batch source implements pushFilters, which Spark refuses to plan unless this is
+    # on (DATA_SOURCE_PUSHDOWN_DISABLED): a session that registers EqueueDataSource itself
+    # must set it too.
+    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
     spark.dataSource.register(EqueueDataSource)
 
 

@@ -5,7 +5,7 @@ A store has one writer, so tasks never append: each stages its rows (checked as
 driver's commit appends every task's file through one MessageStore handle, all or
 nothing, recorded in a ledger so that a re-run of the job (``jobId``) or of a streaming
 epoch appends nothing twice. The commit protocol and what a crash leaves at each step:
-docs/spark-sink.md; the commit: sinkcommit.py; the files: ledger.py.
+docs/spark.md ("Sink"); the commit: sinkcommit.py; the files: ledger.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,25 @@
 """``spark.read.format("equeue").load(STORE)``: a store's messages as a DataFrame.
 
-One partition per chunk file, each streamed once by the Python worker
-(``ChunkFile.records``: one block of memory, never the whole chunk) and
-handed to Spark as Arrow record batches. Options:
+One partition per chunk file (fewer when pushed filters rule chunks out), each read
+once by a Python worker a block at a time (``ChunkFile.frame_blocks``: every frame
+checked, memory bounded by the block) and handed to Spark as Arrow record batches
+built column-wise in bulk (columns.py). Options:
 
 - ``fields``: ``"messages"`` (default, the schema below) or ``"meta"``:
   (chunk, position, topic, key hash, stored_ns, tombstone, size), which skips
   decoding bodies and properties.
+- ``columns``: a comma-separated subset of the message schema, in the order wanted;
+  the DataFrame has only these, and the reader builds only these. Spark (4.3 at
+  least) gives a Python data source no column pruning: without this option every
+  query, ``count()`` too, has every column built and shipped to the JVM, bodies
+  included. ``option("columns", "topic")`` makes ``groupBy("topic").count()`` read
+  no body.
 - ``chunks``: a JSON list of ``[path, data_end]`` to read instead of listing
   the store (the compaction job passes the snapshot it planned with).
+
+Filters are pushed down (Spark >= 4.1, ``spark.sql.python.filterPushdown.enabled``,
+which ``equeue.spark.register`` sets; see filters.py for what is taken and
+``plan`` for what it saves).
 
 Without ``chunks`` the store is opened read-only on the driver, beside a
 running writer if there is one; its ongoing chunk is read up to the
@@ -17,50 +28,57 @@ committed end seen then.
 
 from __future__ import annotations
 
+import bisect
 import json
-from collections.abc import Iterator, Sequence
-from typing import Any, Final
+import os
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
 import xxhash
-from pyspark.sql.datasource import DataSourceReader, InputPartition
+from pyspark.sql.datasource import DataSourceReader, Filter, InputPartition
 
 from equeue.chunks.stream import ChunkFile
-from equeue.format.chunk import FRAME_OVERHEAD
+from equeue.errors import (
+    CorruptRecordError,
+    InvalidMessageError,
+    InvalidTypeError,
+    SparkOptionError,
+)
+from equeue.format.chunk import (
+    FRAME_OVERHEAD,
+    FRAME_PREFIX,
+    FRAME_PREFIX_SIZE,
+    HEADER_SIZE,
+    MAX_RECORD_LENGTH,
+    frame_problem,
+)
 from equeue.format.message import (
     FLAG_HAS_KEY,
     MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
-    decode_properties,
-    encode_message_id,
 )
+from equeue.safepath import open_file
+from equeue.spark.columns import (
+    COLUMN_NAMES,
+    RowFilter,
+    block_batch,
+    chunk_batches,
+    spark_schema,
+)
+from equeue.spark.filters import Pushed
 
-MESSAGE_SCHEMA: Final = (
-    "topic string, queue_id int, queue_offset long, position long, message_id string, "
-    "tag string, key string, properties map<string,string>, body binary, "
-    "created_at timestamp, stored_at timestamp"
-)
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+MESSAGE_SCHEMA: Final = spark_schema(COLUMN_NAMES)  # the streaming source's too
 META_SCHEMA: Final = (
     "chunk long, position long, topic string, key_hash_hi long, key_hash_lo long, "
     "stored_ns long, tombstone boolean, size int"
 )
 BATCH_ROWS: Final = 16_384
 
-_ARROW_MESSAGE: Final = pa.schema(
-    [
-        ("topic", pa.string()),
-        ("queue_id", pa.int32()),
-        ("queue_offset", pa.int64()),
-        ("position", pa.int64()),
-        ("message_id", pa.string()),
-        ("tag", pa.string()),
-        ("key", pa.string()),
-        ("properties", pa.map_(pa.string(), pa.string())),
-        ("body", pa.binary()),
-        ("created_at", pa.timestamp("us", tz="UTC")),
-        ("stored_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
 _ARROW_META: Final = pa.schema(
     [
         ("chunk", pa.int64()),
@@ -76,10 +94,23 @@ _ARROW_META: Final = pa.schema(
 
 
 class ChunkPartition(InputPartition):
+    """A chunk to read: all its records up to ``data_end``."""
+
     def __init__(self, path: str, data_end: int, store_id: int) -> None:
         super().__init__(path)
         self.path = path
         self.data_end = data_end
+        self.store_id = store_id
+
+
+class IndexedPartition(InputPartition):
+    """Records an index named (the key index, a queue's index), in a range of chunks: for
+    each, (path, data_end, data offsets of the records). One task reads a few records of
+    many chunks where a partition per chunk would cost a task each."""
+
+    def __init__(self, reads: list[tuple[str, int, list[int]]], store_id: int) -> None:
+        super().__init__(reads[0][0])
+        self.reads = reads
         self.store_id = store_id
 
 
@@ -92,36 +123,232 @@ def store_snapshot(store: str) -> tuple[int, list[tuple[str, int]]]:
         return opened.store_id, chunks
 
 
-def schema_for(options: dict[str, str]) -> str:
-    return META_SCHEMA if options.get("fields") == "meta" else MESSAGE_SCHEMA
+def selected_columns(options: Mapping[str, str]) -> tuple[str, ...]:
+    """The ``columns`` option: a comma-separated subset of the message schema, in the
+    order given (default: all of it)."""
+    given = options.get("columns")
+    if given is None:
+        return COLUMN_NAMES
+    names = tuple(n.strip() for n in given.split(","))
+    unknown = [n for n in names if n not in COLUMN_NAMES]
+    if unknown or not names or len(set(names)) != len(names):
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "a name twice or none"
+        raise SparkOptionError(
+            f"option columns={given!r} has {what}; it takes a comma-separated subset of "
+            f"{', '.join(COLUMN_NAMES)}"
+        )
+    if options.get("fields") == "meta":
+        raise SparkOptionError('option columns does not go with fields="meta" (fixed columns)')
+    return names
+
+
+def schema_for(options: Mapping[str, str]) -> str:
+    fields = options.get("fields", "messages")
+    if fields not in ("messages", "meta"):
+        raise SparkOptionError(f"option fields={fields!r}: it must be 'messages' or 'meta'")
+    columns = selected_columns(options)
+    return META_SCHEMA if fields == "meta" else spark_schema(columns)
 
 
 class EqueueReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
+        schema_for(options)  # the option checks
         self.store = options.get("path")
         self.meta = options.get("fields") == "meta"
-        fields = options.get("fields", "messages")
-        if fields not in ("messages", "meta"):
-            raise ValueError(f"option fields={fields!r}: it must be 'messages' or 'meta'")
+        self.columns = selected_columns(options)
         self.chunks_json = options.get("chunks")
         self.store_id = int(options.get("store_id", "0"))
+        self.pushed = Pushed()
+
+    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
+        if self.meta:
+            return filters
+        return list(self.pushed.take(filters))
 
     def partitions(self) -> Sequence[InputPartition]:
         if self.chunks_json is not None:
             chunks = [(str(p), int(e)) for p, e in json.loads(self.chunks_json)]
-            store_id = self.store_id
-        else:
-            if not self.store:
-                raise ValueError('load(STORE) needs the store directory: .load("/path/to/store")')
-            store_id, chunks = store_snapshot(self.store)
-        return [ChunkPartition(path, end, store_id) for path, end in chunks]
+            return [ChunkPartition(p, e, self.store_id) for p, e in chunks]
+        if not self.store:
+            raise SparkOptionError('load(STORE) needs the store directory: .load("/path/to/store")')
+        return plan(self.store, self.pushed)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, ChunkPartition)
+        keep = self.pushed.keep if self.pushed else None
+        if isinstance(partition, IndexedPartition):
+            return indexed(partition, self.columns, keep)
+        if not isinstance(partition, ChunkPartition):
+            # Spark reads a plan of no partitions (filters no chunk can match) as one
+            # partition of its own making.
+            return iter(())
         chunk = ChunkFile.open(partition.path, partition.data_end)
         if self.meta:
             return meta_batches(chunk)
-        return message_batches(chunk, partition.store_id)
+        return scan(chunk, partition.store_id, self.columns, keep)
+
+
+def plan(store: str, pushed: Pushed) -> list[InputPartition]:
+    """The partitions of a read of ``store`` now: one per chunk, less the chunks whose
+    footer's stored-time range misses a pushed ``stored_at`` range, and only the indexed
+    records where a key filter or one queue (topic and queue_id) narrows the read."""
+    from equeue.store.store import MessageStore
+
+    if pushed.nothing():
+        return []
+    with MessageStore.open(store, read_only=True) as opened:
+        store_id = opened.store_id
+        chunks = [ChunkFile.open(c.path, c.data_end) for c in opened._messages]
+        lo, hi = pushed.range("stored_at")
+        chunks = [c for c in chunks if _may_hold(c, lo, hi)]
+        positions = indexed_positions(opened, pushed)
+    parts: list[InputPartition] = []
+    reads: list[tuple[str, int, list[int]]] = []
+    count = 0
+    for c in chunks:
+        if positions is None:
+            parts.append(ChunkPartition(str(c.path), c.data_end, store_id))
+            continue
+        base = c.header.chunk_start_number * c.header.chunk_data_size
+        first = bisect.bisect_left(positions, base)
+        last = bisect.bisect_left(positions, base + c.logical_end)
+        if first == last:
+            continue
+        if c.compacted:  # its position map would translate them: read it all, filtered
+            parts.append(ChunkPartition(str(c.path), c.data_end, store_id))
+            continue
+        at = [p - base for p in positions[first:last] if p - base < c.data_end]
+        reads.append((str(c.path), c.data_end, at))
+        count += len(at)
+        if count >= INDEXED_PER_PARTITION:
+            parts.append(IndexedPartition(reads, store_id))
+            reads, count = [], 0
+    if reads:
+        parts.append(IndexedPartition(reads, store_id))
+    return parts
+
+
+def _may_hold(chunk: ChunkFile, lo: int | None, hi: int | None) -> bool:
+    """Whether a chunk may hold records stored in [lo, hi] (µs). A completed chunk's
+    footer has its first and last records' stored times; stored times follow the log's
+    order (the writer's clock, as retention and offset_for_time also take them), so the
+    chunk holds none outside that range. The ongoing chunk has no footer yet: read."""
+    footer = chunk.footer
+    if footer is None or footer.first_timestamp is None or footer.last_timestamp is None:
+        return True
+    if lo is not None and footer.last_timestamp // 1000 < lo:
+        return False
+    return hi is None or footer.first_timestamp // 1000 <= hi
+
+
+INDEXED_PER_PARTITION: Final = 1 << 16  # records an index names, per task (about)
+QUEUE_INDEX_LIMIT: Final = 1 << 20  # more entries than this: a scan is no dearer
+
+
+def indexed_positions(opened: MessageStore, pushed: Pushed) -> list[int] | None:
+    """The sorted log positions of every record the filters can match, from the key index
+    (``key`` = / IN, per topic) or the queues' index (``topic`` and ``queue_id`` = / IN,
+    with a ``queue_offset`` range or not); None where no index narrows the read."""
+    topics = pushed.values.get("topic")
+    existing = set(opened.topics())
+    keys = pushed.values.get("key")
+    if keys is not None:
+        found: set[int] = set()
+        for topic in sorted(existing if topics is None else existing & topics):
+            for key in sorted(keys):
+                try:
+                    messages = opened.query_by_key(topic, key, limit=_INT32_MAX - 1)
+                except (InvalidMessageError, InvalidTypeError):
+                    continue  # a key no message can have (too long, ...)
+                found.update(m.position for m in messages)
+        return sorted(found)
+    queue_ids = pushed.values.get("queue_id")
+    if topics is None or queue_ids is None:
+        return None
+    lo, hi = pushed.range("queue_offset")
+    spans: list[tuple[str, int, int, int]] = []
+    for topic in sorted(topics & existing):
+        for queue_id in sorted(set(opened.queue_ids(topic)) & queue_ids):
+            first, end = opened.queue_range(topic, queue_id)
+            start = first if lo is None else max(lo, first)
+            stop = end if hi is None else min(hi + 1, end)
+            if start < stop:
+                spans.append((topic, queue_id, start, stop - start))
+    if sum(count for *_, count in spans) > QUEUE_INDEX_LIMIT:
+        return None
+    found = set()
+    for topic, queue_id, start, count in spans:
+        # The queue's entries, as pull reads them (no public call gives positions alone).
+        entries = opened._queue(topic, queue_id).entries(start, count)
+        found.update(position for position, _ in entries if position >= 0)
+    return sorted(found)
+
+
+READ_BYTES = [0]  # chunk bytes the reads of this process took (tests and benchmarks)
+
+
+def scan(
+    chunk: ChunkFile, store_id: int, columns: Sequence[str], keep: RowFilter | None
+) -> Iterator[pa.RecordBatch]:
+    READ_BYTES[0] += chunk.data_end
+    return chunk_batches(chunk, store_id, columns, keep)
+
+
+def indexed(
+    partition: IndexedPartition, columns: Sequence[str], keep: RowFilter | None
+) -> Iterator[pa.RecordBatch]:
+    for path, data_end, at in partition.reads:
+        yield from records_at(ChunkFile.open(path, data_end), at, partition.store_id, columns, keep)
+
+
+def records_at(
+    chunk: ChunkFile,
+    at: Sequence[int],
+    store_id: int,
+    columns: Sequence[str],
+    keep: RowFilter | None,
+) -> Iterator[pa.RecordBatch]:
+    """The records at data offsets ``at`` of a chunk that is not compacted, each frame
+    read alone and checked (lengths, checksum), ``BATCH_ROWS`` to a batch."""
+    path = chunk.path
+    with open_file(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        for first in range(0, len(at), BATCH_ROWS):
+            frames: list[bytes] = []
+            offsets: list[int] = []
+            size = 0
+            for offset in at[first : first + BATCH_ROWS]:
+                where = HEADER_SIZE + offset
+                head = os.pread(fd, FRAME_PREFIX_SIZE, where) if offset >= 0 else b""
+                n = FRAME_PREFIX.unpack(head)[0] if len(head) == FRAME_PREFIX_SIZE else 0
+                room = chunk.data_end - offset - FRAME_OVERHEAD
+                frame = os.pread(fd, n + FRAME_OVERHEAD, where) if 0 < n <= room else head
+                problem = frame_problem(frame, 0, len(frame), MAX_RECORD_LENGTH)
+                reason = None if problem is None else problem[0]
+                if reason is None and not _adds_up(frame):
+                    reason = "message record lengths do not add up to the record size"
+                if reason is not None:
+                    raise CorruptRecordError(
+                        f"no valid record where an index points: {reason}",
+                        file=path,
+                        offset=where,
+                    )
+                READ_BYTES[0] += len(frame)
+                offsets.append(size)
+                frames.append(frame)
+                size += len(frame)
+            packed = struct.pack(f"<{len(offsets)}q", *offsets)
+            batch = block_batch(b"".join(frames), packed, 0, chunk, store_id, columns, keep)
+            if batch is not None:
+                yield batch
+
+
+def _adds_up(frame: bytes) -> bool:
+    """The message head's lengths add up to the checked frame's payload length."""
+    n = len(frame) - FRAME_OVERHEAD
+    if n < MESSAGE_HEAD_SIZE:
+        return False
+    head = MESSAGE_HEAD.unpack_from(frame, FRAME_PREFIX_SIZE)
+    return bool(MESSAGE_HEAD_SIZE + sum(head[8:13]) == n)
 
 
 def meta_batches(chunk: ChunkFile, batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
@@ -167,6 +394,7 @@ def meta_batches(chunk: ChunkFile, batch_rows: int = BATCH_ROWS) -> Iterator[pa.
         yield _meta_batch(number, positions, topics, his, los, stored, tombstones, sizes)
 
 
+_INT32_MAX: Final = (1 << 31) - 1
 _U64: Final = (1 << 64) - 1
 _2_64: Final = 1 << 64
 _I64_MAX: Final = (1 << 63) - 1
@@ -181,47 +409,8 @@ def _meta_batch(number: int, *columns: list[Any]) -> pa.RecordBatch:
 
 
 def message_batches(
-    chunk: ChunkFile, store_id: int, batch_rows: int = BATCH_ROWS
+    chunk: ChunkFile, store_id: int, columns: Sequence[str] = COLUMN_NAMES
 ) -> Iterator[pa.RecordBatch]:
-    unpack = MESSAGE_HEAD.unpack_from
-    rows: list[list[Any]] = [[] for _ in _ARROW_MESSAGE]
-    count = 0
-    for _, payload in chunk.records():
-        (pos, st, created, qoff, qid, _, _, flags, tl, gl, kl, pl, _) = unpack(payload)
-        p = MESSAGE_HEAD_SIZE
-        topic = payload[p : p + tl].decode()
-        p += tl
-        tag = payload[p : p + gl].decode()
-        p += gl
-        key = payload[p : p + kl].decode() if flags & FLAG_HAS_KEY else None
-        p += kl
-        props = list(decode_properties(payload[p : p + pl]).items()) if pl else []
-        p += pl
-        row = (
-            topic,
-            qid,
-            qoff,
-            pos,
-            encode_message_id(store_id, pos),
-            tag,
-            key,
-            props,
-            payload[p:],
-            created // 1000,  # ns to the µs of Spark timestamps
-            st // 1000,
-        )
-        for column, value in zip(rows, row, strict=True):
-            column.append(value)
-        count += 1
-        if count == batch_rows:
-            yield _message_batch(rows)
-            rows, count = [[] for _ in _ARROW_MESSAGE], 0
-    if count:
-        yield _message_batch(rows)
-
-
-def _message_batch(rows: list[list[Any]]) -> pa.RecordBatch:
-    return pa.RecordBatch.from_arrays(
-        [pa.array(values, field.type) for values, field in zip(rows, _ARROW_MESSAGE, strict=True)],
-        schema=_ARROW_MESSAGE,
-    )
+    """Every record of ``chunk`` as record batches of ``columns`` (for other readers of
+    chunks: the streaming source)."""
+    return chunk_batches(chunk, store_id, columns)

@@ -1,0 +1,440 @@
+"""The batch source: Arrow columns built in bulk (C and Python, against a record-by-record
+reference), the ``columns`` option, filter pushdown (rows against a Python reference,
+and the reads it saves), damage reported with file and offset."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pytest
+from code_paths import code_path  # noqa: F401 - the fixture
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pyspark.sql.datasource import (
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    IsNotNull,
+    LessThan,
+    LessThanOrEqual,
+    StringStartsWith,
+)
+
+from equeue import MessageStore, StoreConfig, speedups
+from equeue.chunks.stream import ChunkFile
+from equeue.errors import CorruptionError, CorruptRecordError, SparkOptionError
+from equeue.format.chunk import FRAME_PREFIX_SIZE, HEADER_SIZE, record_checksum
+from equeue.format.message import MessageLogRecord
+from equeue.spark import source
+from equeue.spark.columns import COLUMN_NAMES, record_bodies_py, record_columns_py
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+TOPICS = ("orders", "payments", "audit")
+CONFIG = StoreConfig(chunk_data_size=64 * 1024, default_queue_count=3)
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def fill(path: Path, messages: int = 1500, seed: int = 7) -> None:
+    rng = random.Random(seed)
+    with MessageStore.open(path, CONFIG) as store:
+        for _ in range(messages):
+            store.send(
+                rng.choice(TOPICS),
+                rng.randbytes(rng.choice([0, rng.randrange(1, 300)])),
+                tag=rng.choice(["", "red", "blue"]),
+                key=rng.choice([None, f"k{rng.randrange(25)}", "ключ"]),
+                properties=rng.choice([None, {}, {"a": "1", "é": "ü"}]),
+            )
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("source") / "store"
+    fill(path)
+    return path
+
+
+def reference(path: Path) -> dict[int, dict[str, Any]]:
+    """Every message as a row, by position: each record unpacked alone, as the store's own
+    reads do (MessageLogRecord), not by the code under test."""
+    store_id, chunks = source.store_snapshot(str(path))
+    rows: dict[int, dict[str, Any]] = {}
+    for chunk_path, end in chunks:
+        for _, payload in ChunkFile.open(chunk_path, end).records():
+            r = MessageLogRecord.unpack(payload)
+            rows[r.log_position] = {
+                "topic": r.topic,
+                "queue_id": r.queue_id,
+                "queue_offset": r.queue_offset,
+                "position": r.log_position,
+                "message_id": f"{store_id:08x}{r.log_position:016x}",
+                "tag": r.tag,
+                "key": r.key,
+                "properties": r.properties,
+                "body": r.body,
+                "created_at": r.created_ns // 1000,
+                "stored_at": r.stored_ns // 1000,
+            }
+    return rows
+
+
+def as_rows(batches: Iterator[pa.RecordBatch]) -> dict[int, dict[str, Any]]:
+    rows: dict[int, dict[str, Any]] = {}
+    for batch in batches:
+        for row in batch.cast(batch.schema).to_pylist():
+            for name in ("created_at", "stored_at"):
+                if name in row:
+                    row[name] = (row[name] - EPOCH) // dt.timedelta(microseconds=1)
+            if "properties" in row:
+                row["properties"] = dict(row["properties"])
+            rows[row.get("position", len(rows))] = row
+    return rows
+
+
+def read_in_process(path: Path, filters: list[Filter], **options: str) -> tuple[list[Filter], Any]:
+    """What Spark does with a reader, here: push, plan, read every partition."""
+    reader = source.EqueueReader({"path": str(path.resolve()), **options})
+    left = list(reader.pushFilters(filters))
+    parts = reader.partitions()
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for part in parts:
+            yield from reader.read(part)
+
+    return left, (parts, batches())
+
+
+# --- the columns --------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("code_path")
+def test_batches_equal_the_record_by_record_reference(store: Path) -> None:
+    left, (parts, batches) = read_in_process(store, [])
+    assert left == [] and len(parts) == len(source.store_snapshot(str(store))[1]) > 3
+    assert as_rows(batches) == reference(store)
+
+
+def test_c_and_python_build_the_same_bytes(store: Path) -> None:
+    fast = speedups.SPEEDUPS
+    if fast is None:
+        pytest.skip("the C accelerator is not built")
+    blocks = 0
+    for path, end in source.store_snapshot(str(store))[1]:
+        for _, buf, offsets, _ in ChunkFile.open(path, end).frame_blocks():
+            blocks += 1
+            assert fast.record_columns(buf, offsets, "0badcafe") == record_columns_py(
+                buf, offsets, "0badcafe"
+            )
+            assert fast.record_bodies(buf, offsets) == record_bodies_py(buf, offsets)
+            # A frame whose head's lengths do not add up: both stop at it.
+            third = struct.unpack_from("<q", offsets, 16)[0]
+            bad = bytearray(buf)
+            bad[third + FRAME_PREFIX_SIZE + 52] ^= 1  # the body length
+            got = fast.record_columns(bytes(bad), offsets, "0badcafe")
+            assert got[0] == 2 and got == record_columns_py(bytes(bad), offsets, "0badcafe")
+            assert fast.record_bodies(bytes(bad), offsets)[0] == 2
+            assert record_bodies_py(bytes(bad), offsets)[0] == 2
+    assert blocks > 3
+
+
+def _forge(path: Path, offset: int, payload: bytes) -> None:
+    """Rewrite the frame at data ``offset`` with this payload (same length) and a checksum
+    that matches it: damage no frame check can see."""
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + offset + FRAME_PREFIX_SIZE)
+        f.write(payload + struct.pack("<I", record_checksum(payload)))
+
+
+@pytest.mark.usefixtures("code_path")
+def test_damage_is_reported_with_file_and_offset(tmp_path: Path) -> None:
+    fill(tmp_path, 200)
+    store_id, chunks = source.store_snapshot(str(tmp_path))
+    path, end = chunks[0]
+    chunk = ChunkFile.open(path, end)
+    assert len(as_rows(source.scan(chunk, store_id, COLUMN_NAMES, None))) > 10  # the control
+    records = list(chunk.records())
+    offset, payload = records[5]
+    forged = bytearray(payload)
+    forged[52] ^= 1  # the body length: the head's lengths no longer add up
+    _forge(Path(path), offset, bytes(forged))
+    with pytest.raises(CorruptRecordError, match="do not add up") as forged_error:
+        list(source.scan(ChunkFile.open(path, end), store_id, COLUMN_NAMES, None))
+    assert forged_error.value.file == path and forged_error.value.offset == HEADER_SIZE + offset
+    with pytest.raises(CorruptRecordError, match="do not add up") as forged_error:  # one frame
+        list(source.records_at(ChunkFile.open(path, end), [offset], store_id, ["body"], None))
+    assert forged_error.value.file == path and forged_error.value.offset == HEADER_SIZE + offset
+    # A flipped body byte: the frame's checksum catches it (frame_blocks), never a row.
+    _forge(Path(path), offset, payload)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + offset + FRAME_PREFIX_SIZE + len(payload) - 1)
+        last = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(CorruptionError) as raised:
+        list(source.scan(ChunkFile.open(path, end), store_id, COLUMN_NAMES, None))
+    assert raised.value.file == path and raised.value.offset == HEADER_SIZE + offset
+    # Through an index (a key filter) the same frame is read alone, and checked alike.
+    with pytest.raises(CorruptionError) as raised:
+        list(source.records_at(ChunkFile.open(path, end), [offset], store_id, ["body"], None))
+    assert raised.value.file == path and raised.value.offset == HEADER_SIZE + offset
+
+
+def test_columns_option_builds_only_those(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gathered: list[int] = []
+
+    def spy(buf: bytes, offsets: bytes) -> tuple[int, bytes, bytes]:
+        gathered.append(len(offsets) // 8)
+        return record_bodies_py(buf, offsets)
+
+    monkeypatch.setattr(speedups, "SPEEDUPS", None)  # the Python path, where a spy can sit
+    monkeypatch.setattr("equeue.spark.columns.record_bodies_py", spy)
+    _, (_, batches) = read_in_process(store, [], columns="topic,queue_offset")
+    rows = list(as_rows(batches).values())
+    assert gathered == []  # no body gathered
+    want = reference(store)
+    _, (_, batches) = read_in_process(store, [], columns="body")  # the control
+    assert sum(batch.num_rows for batch in batches) == sum(gathered) == len(want)
+    assert sorted((r["topic"], r["queue_offset"]) for r in rows) == sorted(
+        (r["topic"], r["queue_offset"]) for r in want.values()
+    )
+    assert source.schema_for({"columns": "body, topic"}) == "body binary, topic string"
+    with pytest.raises(SparkOptionError, match=r"unknown 'bodies', 'nope'.*topic, queue_id"):
+        source.schema_for({"columns": "bodies,topic,nope"})
+    with pytest.raises(SparkOptionError, match="twice"):
+        source.schema_for({"columns": "topic,topic"})
+    with pytest.raises(SparkOptionError, match="fields"):
+        source.schema_for({"columns": "topic", "fields": "meta"})
+
+
+# --- filter pushdown ----------------------------------------------------------------
+
+
+def _local(us: int) -> dt.datetime:
+    """A Spark timestamp as Spark hands it to Python: a naive datetime in local time."""
+    return (EPOCH + dt.timedelta(microseconds=us)).astimezone().replace(tzinfo=None)
+
+
+def _value(column: str, v: Any) -> Any:
+    return _local(v) if column in ("stored_at", "created_at") else v
+
+
+def holds(f: Filter, row: dict[str, Any]) -> bool:
+    """Spark's meaning of a filter, on a reference row (NULL compares false)."""
+    column = f.attribute[0]  # type: ignore[attr-defined]
+    v = row[column]
+    if isinstance(f, IsNotNull):
+        return v is not None
+    if v is None:
+        return False
+    if column in ("stored_at", "created_at"):
+        v = _local(v)
+    if isinstance(f, EqualTo):
+        return bool(v == f.value)
+    if isinstance(f, In):
+        return v in f.value
+    if isinstance(f, StringStartsWith):
+        return bool(v.startswith(f.value))
+    compare: Callable[[Any, Any], bool] = {
+        GreaterThan: lambda a, b: a > b,
+        GreaterThanOrEqual: lambda a, b: a >= b,
+        LessThan: lambda a, b: a < b,
+        LessThanOrEqual: lambda a, b: a <= b,
+    }[type(f)]
+    return compare(v, f.value)  # type: ignore[attr-defined]
+
+
+def filters_of(rows: list[dict[str, Any]]) -> st.SearchStrategy[list[Filter]]:
+    """Random ANDed filters of every kind pushed, with values from the rows (and beside)."""
+    near = st.sampled_from(rows)
+
+    def one(column: str) -> st.SearchStrategy[Filter]:
+        value = near.map(lambda r: r[column])
+        if column in ("topic", "tag", "key"):
+            text = st.one_of(value.filter(lambda v: v is not None), st.just("absent"))
+            return st.one_of(
+                text.map(lambda v: EqualTo((column,), v)),
+                st.lists(text, min_size=1, max_size=3).map(lambda vs: In((column,), tuple(vs))),
+                text.map(lambda v: StringStartsWith((column,), v[:1])),  # not taken
+            )
+        shifted = st.tuples(value, st.integers(-1, 1)).map(lambda p: _value(column, p[0] + p[1]))
+        kinds: list[Any] = [GreaterThan, GreaterThanOrEqual, LessThan, LessThanOrEqual, EqualTo]
+        return st.one_of(
+            st.tuples(st.sampled_from(kinds), shifted).map(lambda p: p[0]((column,), p[1])),
+            st.lists(shifted, min_size=1, max_size=3).map(lambda vs: In((column,), tuple(vs)))
+            if column in ("queue_id", "queue_offset")
+            else shifted.map(lambda v: GreaterThan((column,), v)),
+        )
+
+    columns = [
+        "topic",
+        "tag",
+        "key",
+        "queue_id",
+        "queue_offset",
+        "position",
+        "stored_at",
+        "created_at",
+    ]
+    return st.lists(st.sampled_from(columns).flatmap(one), min_size=1, max_size=4)
+
+
+_ROWS: dict[Path, dict[int, dict[str, Any]]] = {}
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_pushed_filters_keep_exactly_the_rows_spark_would(store: Path, data: st.DataObject) -> None:
+    want = _ROWS.setdefault(store, reference(store))
+    filters = data.draw(filters_of(list(want.values())))
+    left, (_, batches) = read_in_process(store, filters)
+    assert all(any(f is g for g in filters) for f in left)  # returned by reference
+    # Only what this reader cannot do comes back: prefixes (and IsNotNull) stay Spark's.
+    assert all(isinstance(f, StringStartsWith) for f in left)
+    got = {p: r for p, r in as_rows(batches).items() if all(holds(f, r) for f in left)}
+    assert got == {p: r for p, r in want.items() if all(holds(f, r) for f in filters)}
+
+
+def test_a_stored_at_range_skips_chunks_by_their_footers(store: Path) -> None:
+    want = reference(store)
+    times = sorted(r["stored_at"] for r in want.values())
+    cut = times[-len(times) // 10]
+    source.READ_BYTES[0] = 0
+    left, (parts, batches) = read_in_process(
+        store, [GreaterThanOrEqual(("stored_at",), _local(cut))]
+    )
+    rows = as_rows(batches)
+    assert left == [] and rows == {p: r for p, r in want.items() if r["stored_at"] >= cut}
+    chunks = source.store_snapshot(str(store))[1]
+    assert 1 <= len(parts) <= 3 < len(chunks)
+    assert source.READ_BYTES[0] == sum(p.data_end for p in parts)
+    # Before every record: nothing skipped; after the last: only the ongoing chunk is read.
+    assert len(
+        read_in_process(store, [GreaterThan(("stored_at",), _local(times[0] - 1))])[1][0]
+    ) == len(chunks)
+    _, (parts, batches) = read_in_process(store, [GreaterThan(("stored_at",), _local(times[-1]))])
+    assert [p.path for p in parts] == [chunks[-1][0]] and as_rows(batches) == {}
+
+
+def test_key_and_queue_filters_read_only_indexed_records(store: Path) -> None:
+    want = reference(store)
+    total = sum(end for _, end in source.store_snapshot(str(store))[1])
+    source.READ_BYTES[0] = 0
+    left, (parts, batches) = read_in_process(store, [EqualTo(("key",), "k3")])
+    rows = as_rows(batches)
+    assert left == [] and rows == {p: r for p, r in want.items() if r["key"] == "k3"}
+    assert len(parts) == 1 and isinstance(parts[0], source.IndexedPartition)
+    frames = sum(len(MessageLogRecord(**_record(r)).pack()) + 12 for r in rows.values())
+    assert source.READ_BYTES[0] == frames < total // 10
+    source.READ_BYTES[0] = 0
+    filters = [
+        EqualTo(("topic",), "orders"),
+        In(("queue_id",), (1,)),
+        GreaterThanOrEqual(("queue_offset",), 20),
+        LessThan(("queue_offset",), 30),
+    ]
+    left, (parts, batches) = read_in_process(store, filters)
+    rows = as_rows(batches)
+    assert left == [] and sorted(r["queue_offset"] for r in rows.values()) == list(range(20, 30))
+    assert {r["topic"] for r in rows.values()} == {"orders"} and len(parts) <= 3
+    assert source.READ_BYTES[0] < total // 20
+    # Filters no record can pass plan nothing.
+    assert read_in_process(store, [EqualTo(("topic",), "a"), EqualTo(("topic",), "b")])[1][0] == []
+    assert read_in_process(store, [EqualTo(("key",), "absent")])[1][0] == []
+
+
+def _record(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "log_position": row["position"],
+        "topic": row["topic"],
+        "queue_id": row["queue_id"],
+        "queue_offset": row["queue_offset"],
+        "body": row["body"],
+        "stored_ns": 0,
+        "created_ns": 0,
+        "tag": row["tag"],
+        "key": row["key"],
+        "properties": row["properties"],
+    }
+
+
+# --- through Spark ------------------------------------------------------------------
+
+
+def test_spark_pushes_filters_and_prunes_partitions(store: Path, spark: SparkSession) -> None:
+    want = reference(store)
+    frame = spark.read.format("equeue").load(str(store))
+    chunks = len(source.store_snapshot(str(store))[1])
+    assert frame.rdd.getNumPartitions() == chunks
+    times = sorted(r["stored_at"] for r in want.values())
+    cut = _local(times[-len(times) // 10])
+    queries: dict[str, Callable[[dict[str, Any]], bool]] = {
+        "topic IN ('orders', 'audit') AND tag = 'red'": lambda r: (
+            r["topic"] in ("orders", "audit") and r["tag"] == "red"
+        ),
+        "key = 'k4'": lambda r: r["key"] == "k4",
+        "topic = 'payments' AND queue_id = 2 AND queue_offset BETWEEN 5 AND 9": lambda r: (
+            r["topic"] == "payments" and r["queue_id"] == 2 and 5 <= r["queue_offset"] <= 9
+        ),
+    }
+    for condition, keep in queries.items():
+        got = {r["position"] for r in frame.filter(condition).select("position").collect()}
+        assert got == {p for p, r in want.items() if keep(r)}, condition
+    late = frame.filter(frame.stored_at > cut)
+    assert late.rdd.getNumPartitions() < chunks
+    assert {r["position"] for r in late.select("position").collect()} == {
+        p for p, r in want.items() if _local(r["stored_at"]) > cut
+    }
+    # The columns option: count and groupBy on topics alone.
+    topics = spark.read.format("equeue").option("columns", "topic").load(str(store))
+    assert topics.columns == ["topic"] and topics.count() == len(want)
+    counts = {r["topic"]: r["count"] for r in topics.groupBy("topic").count().collect()}
+    assert counts == {t: sum(r["topic"] == t for r in want.values()) for t in TOPICS}
+
+
+def test_a_session_without_pushdown_enabled_says_which_setting(
+    store: Path, spark: SparkSession
+) -> None:
+    spark.conf.set("spark.sql.python.filterPushdown.enabled", "false")
+    try:
+        with pytest.raises(Exception, match=r"spark\.sql\.python\.filterPushdown\.enabled"):
+            spark.read.format("equeue").load(str(store)).count()
+    finally:
+        spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    assert spark.read.format("equeue").option("columns", "topic").load(str(store)).count() > 0
+
+
+def test_compacted_chunks_read_by_scan_and_by_key(tmp_path: Path, spark: SparkSession) -> None:
+    """A compacted chunk's records sit at other data offsets than their positions say: a
+    scan takes their positions from the heads, and a key filter reads such a chunk whole."""
+    from equeue.compaction.job import compact
+
+    rng = random.Random(3)
+    with MessageStore.open(tmp_path, StoreConfig(chunk_data_size=8 * 1024, flush="os")) as s:
+        s.create_topic("k", 2, cleanup="compact")
+        for _ in range(400):
+            s.send("k", rng.randbytes(rng.randrange(1, 60)), key=f"key-{rng.randrange(15)}")
+    report = compact(tmp_path, spark=spark, now=time.time() + 1)
+    assert report.records_removed > 0
+    chunks = [ChunkFile.open(p, e) for p, e in source.store_snapshot(str(tmp_path))[1]]
+    assert any(c.compacted for c in chunks)
+    want = reference(tmp_path)
+    _, (_, batches) = read_in_process(tmp_path, [])
+    assert as_rows(batches) == want
+    left, (parts, batches) = read_in_process(tmp_path, [EqualTo(("key",), "key-3")])
+    assert left == [] and as_rows(batches) == {p: r for p, r in want.items() if r["key"] == "key-3"}
+    assert any(isinstance(p, source.ChunkPartition) for p in parts)  # a compacted one, whole
