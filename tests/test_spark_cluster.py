@@ -336,9 +336,23 @@ def test_spark_submit_writes_the_report_to_its_file(tmp_path: Path) -> None:
     output = done.stdout + done.stderr
     assert "[compact] pass 2 done" in output
     assert '"records_removed"' not in output
+    assert "replaced a previously registered data source" not in output  # registered once
     # Spark's INFO log stops where spark.log.level applies: after the SparkContext's banner.
     lines = output.splitlines()
     (warn,) = [i for i, line in enumerate(lines) if line == 'Setting Spark log level to "WARN".']
     assert not [line for line in lines[warn:] if " INFO " in line]
     assert len([line for line in lines if " INFO " in line]) <= 5
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("report")] == ["report.json"]
+
+
+def test_session_gives_the_workers_the_python_its_config_names(
+    spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PySpark reads its workers' Python from PYSPARK_PYTHON only (spark.pyspark.python
+    only under spark-submit): ``equeue compact --conf spark.pyspark.python=X`` was ignored
+    on a standalone cluster, and the preflight's messages name that setting."""
+    from equeue.spark import session
+
+    monkeypatch.setenv("PYSPARK_PYTHON", "/nonexistent/python")
+    assert session(config={"spark.pyspark.python": sys.executable}) is spark
+    assert os.environ["PYSPARK_PYTHON"] == sys.executable

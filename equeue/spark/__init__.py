@@ -27,7 +27,13 @@ def register(spark: SparkSession) -> None:
     # on (DATA_SOURCE_PUSHDOWN_DISABLED): a session that registers EqueueDataSource itself
     # must set it too.
     spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
-    spark.dataSource.register(EqueueDataSource)
+    # Once per session: registering again makes Spark warn that the source was replaced.
+    if spark.conf.get(_REGISTERED, None) != "true":
+        spark.dataSource.register(EqueueDataSource)
+        spark.conf.set(_REGISTERED, "true")
+
+
+_REGISTERED = "spark.equeue.registered"
 
 
 def session(
@@ -50,6 +56,11 @@ def session(
     require_spark()
     from pyspark.sql import SparkSession
 
+    # PySpark takes its workers' Python from PYSPARK_PYTHON alone (outside spark-submit,
+    # spark.pyspark.python is not read): a Python named in ``config`` must go there.
+    named = (config or {}).get("spark.pyspark.python")
+    if named:
+        os.environ["PYSPARK_PYTHON"] = named
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     options: dict[str, bool | float | int | str | None] = {"spark.app.name": app_name}
     if master is not None:

@@ -250,7 +250,8 @@ def summary(reports: list[ExecutorReport]) -> str:
         else "with the C accelerator on some executors only"
     )
     return (
-        f"{len(reports)} preflight tasks on {len(hosts)} hosts ({', '.join(hosts[:4])}"
+        f"{len(reports)} preflight tasks on {len(hosts)} host{'s' if len(hosts) > 1 else ''} "
+        f"({', '.join(hosts[:4])}"
         f"{', ...' if len(hosts) > 4 else ''}): Python {reports[0].python}, equeue from "
         f"{', '.join(where)}, {speed}"
     )
