@@ -40,21 +40,24 @@ INSTALL = (
 )
 
 
+def minor_version(python: str) -> str | None:
+    """'3.12' for a Python that runs; None for one that does not."""
+    done = subprocess.run(
+        [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def other_minor_pythons() -> list[str]:
     """One Python of another minor version than this one, if the machine has one."""
     found = [shutil.which(f"python3.{minor}") for minor in range(10, 15)]
     found += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[0-4]*/bin/python3")))
     for python in found:
-        if python is None:
-            continue
-        done = subprocess.run(
-            [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-        if done.returncode == 0 and done.stdout.strip() != DRIVER:
+        if python is not None and minor_version(python) not in (None, DRIVER):
             return [python]
     return []
 
@@ -179,13 +182,7 @@ def test_preflight_names_a_python_minor_version_mismatch(cluster: ClusterRun) ->
     if not cluster.other_pythons:
         pytest.skip("no Python of another minor version on this machine")
     (python,) = cluster.other_pythons
-    version = subprocess.run(
-        [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout.strip()
+    version = minor_version(python)
     assert cluster.seen["mismatch"] == {
         python: f"executors run Python {version}, the driver {DRIVER}: run the driver with "
         f"Python {version}, or give the executors a Python {DRIVER} (spark.pyspark.python, "
