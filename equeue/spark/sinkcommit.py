@@ -24,7 +24,13 @@ from typing import Any, Final
 
 import pyarrow as pa
 
-from equeue.errors import EQueueError, SinkCommitError, StoreLockedError
+from equeue.errors import (
+    CorruptionError,
+    EQueueError,
+    SinkCommitError,
+    StoreLockedError,
+    StorePathError,
+)
 from equeue.safepath import check_file, open_file
 from equeue.spark.ledger import INTENT_FILE, Incoming, Intent, Job
 from equeue.store.meta import LOCK_FILE
@@ -124,7 +130,7 @@ def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> N
     incoming = Incoming(store)
     with _open_writer(store, job) as opened:
         for path in incoming.pending_intents():
-            intent = Intent.read(path)
+            intent = _read_intent(path)
             if intent.job != job:
                 _finish(opened, incoming, intent)
         if incoming.committed(job):
@@ -132,7 +138,7 @@ def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> N
             return
         intent_path = incoming.job_dir(job) / INTENT_FILE
         if check_file(intent_path):  # an earlier run of this job began appending: finish it
-            intent = Intent.read(intent_path)
+            intent = _read_intent(intent_path)
         else:
             if not files:
                 incoming.record(job)
@@ -147,6 +153,18 @@ def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> N
         _finish(opened, incoming, intent)
 
 
+def _read_intent(path: Path) -> Intent:
+    try:
+        return Intent.read(path)
+    except (CorruptionError, StorePathError) as exc:
+        raise SinkCommitError(
+            f"cannot read the sink intent {path} ({exc}); every sink commit to the store "
+            "finishes the intents under incoming/ first: move its directory "
+            f"{path.parent} out of the store (the rows staged there that the log does not "
+            "hold yet are then given up) or restore the file"
+        ) from None
+
+
 def _open_writer(store: str, job: Job) -> MessageStore:
     try:
         return MessageStore.open(store)
@@ -157,11 +175,16 @@ def _open_writer(store: str, job: Job) -> MessageStore:
                 holder = f.read().decode(errors="replace").strip() or "?"
         except OSError:
             pass
+        again = (
+            "run the write again (its rows are staged anew)"
+            if job.batch is None
+            else "restart the query (it runs the epoch again)"
+        )
         raise SinkCommitError(
             f"the store at {store} is open for writing by another process (pid {holder}): the "
-            "sink appends through its own writer; stop that writer (or open it read_only=True) "
-            f"and run the {job.describe()} again; its staged rows stay in "
-            f"{Incoming(store).job_dir(job)}"
+            "sink appends through its own writer; nothing of the "
+            f"{job.describe()} was appended; stop that writer (or open it read_only=True) "
+            f"and {again}"
         ) from None
 
 
