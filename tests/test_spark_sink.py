@@ -500,6 +500,60 @@ def test_a_commit_killed_before_its_ledger_entry_is_finished_by_any_later_commit
     assert len(stored(store, "t")) == 4
 
 
+@pytest.mark.parametrize("compacted", [True, False])
+def test_finishing_a_commit_after_compaction_appends_each_row_once(
+    tmp_path: Path, spark: SparkSession, compacted: bool
+) -> None:
+    """A commit killed after 400 of its 600 rows (keys k0..k8, every seventh row keyless,
+    some with a queue_id) to a compacted topic; compaction then removes the superseded
+    keys of those 400, leaving holes at their offsets; the next commit appends rows
+    400.. once. Control (not compacted): every row once."""
+    import time
+
+    import pyarrow as pa
+
+    from equeue import StoreConfig
+    from equeue.compaction.job import compact
+    from equeue.spark.ledger import Intent
+    from equeue.spark.sinkcommit import STAGED_SCHEMA, outgoing
+
+    store = tmp_path / "s"
+    rows = 600
+    keys = [None if i % 7 == 0 else f"k{i % 9}" for i in range(rows)]
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "body": [b"%d:" % i + b"x" * 90 for i in range(rows)],
+            "tag": [""] * rows,
+            "key": keys,
+            "properties": [None] * rows,
+            "queue_id": [2 if i % 11 == 0 else None for i in range(rows)],
+        },
+        schema=STAGED_SCHEMA,
+    )
+    job = Job("interrupted")
+    name = "0-3-" + "ef" * 16 + ".arrow"
+    with MessageStore.open(store, StoreConfig(chunk_data_size=8 * 1024)) as opened:
+        opened.create_topic("kv", 3, cleanup="compact")
+        opened.send("kv", b"before", key="b")
+        offsets = [opened.queue_range("kv", q)[1] for q in opened.queue_ids("kv")]
+        opened.send_batch("kv", outgoing(batch.slice(0, 400)))  # what the killed commit sent
+    directory = Incoming(store).make_job_dir(job)
+    with pa.OSFile(str(directory / name), "wb") as out, pa.ipc.new_file(out, batch.schema) as w:
+        w.write_batch(batch)
+    Incoming(store).write_intent(Intent(job, "kv", [(name, rows)], offsets))
+    if compacted:
+        compact(store, spark=spark, now=time.time() + 1)
+        assert len(stored(store, "kv")) < 300  # holes among the 400
+    commit(str(store), Job("next"), "kv", [])
+    got = Counter(m.body for m in stored(store, "kv"))
+    expected = [i for i in range(rows) if not compacted or i >= 400 or keys[i] is None]
+    if compacted:  # the last of each key among the 400 stays too
+        last = {keys[i]: i for i in range(400) if keys[i] is not None}
+        expected += sorted(last.values())
+    assert got == Counter([b"before"] + [b"%d:" % i + b"x" * 90 for i in expected])
+    assert Incoming(store).committed(job) and incoming(store) == ["ledger.json"]
+
+
 def test_a_reader_in_another_process_follows_the_commit(
     tmp_path: Path, spark: SparkSession
 ) -> None:
