@@ -254,7 +254,8 @@ def _appended(opened: MessageStore, incoming: Incoming, intent: Intent) -> int:
     at that offset but more after it (or its end is past it): a message compaction (or
     retention) removed, which queues keep the offset of. A row's queue is known before
     looking when it has a queue_id or a key (``pick_queue`` hashes the key); the round
-    robin's choice is not, but a keyless message is never compacted away."""
+    robin's choice is not, but compaction removes a keyless message only past retention,
+    never as superseded."""
     if intent.topic not in opened.topics():
         return 0
     ids = opened.queue_ids(intent.topic)
