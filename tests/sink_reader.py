@@ -5,7 +5,7 @@
 It follows TOPIC through a read_only handle until it has read ROWS messages (bodies
 "<n>") or TIMEOUT seconds pass, and prints one JSON line: the messages read, how many
 bodies came twice, and the distinct totals it saw on the way (a total strictly between 0
-and ROWS: it read while the commit appended).
+and ROWS: it read while the commit appended). It says "ready" once its handle is open.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from equeue import MessageStore
 
 def main(argv: list[str]) -> int:
     store, topic, rows, timeout = argv[0], argv[1], int(argv[2]), float(argv[3])
-    print("ready", flush=True)
     seen = bytearray(rows)
     read, twice, totals = 0, 0, set()
     deadline = time.monotonic() + timeout
     with MessageStore.open(store, read_only=True) as opened:
+        print("ready", flush=True)  # the handle is open: what it reads it followed
         offsets: dict[int, int] = {}
         while read < rows and time.monotonic() < deadline:
             if topic not in opened.topics():

@@ -5,7 +5,7 @@ files the tasks wrote (``<partition>-<attempt>-<uuid>.arrow``, first as ``.tmp``
 once the driver's commit starts appending, ``intent.json``: the job, its files in the
 order they are appended, and each queue's next offset before the append. ``ledger.json``
 records the jobs appended in full (batch jobs by ``jobId``, the latest ``LEDGER_JOBS``;
-streaming writers by their checkpoint, with the highest epoch committed).
+streaming writers by their query's id, with the highest epoch committed).
 
 Everything read back from these files is checked like API input: a job or file name
 that could not have been written here (``../``, a slash) is a CorruptionError naming
@@ -18,19 +18,18 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from equeue.atomicfile import read_json, write_json
 from equeue.chunks.chunk import fsync_directory
-from equeue.errors import CorruptionError, StorePathError
+from equeue.errors import CorruptionError, SinkCommitError, StorePathError
 from equeue.safepath import check_dir, check_file, ensure_dir
 
 INCOMING_DIR: Final = "incoming"
 LEDGER_FILE: Final = "ledger.json"
 INTENT_FILE: Final = "intent.json"
-KEEP_FILE: Final = "kept.json"  # a commit failed before appending: abort() keeps the files
 STAGED_SUFFIX: Final = ".arrow"
 # Batch jobs remembered by jobId; a re-run of a job older than the latest this many
 # appends again. Streaming writers keep one entry each, the latest this many writers.
@@ -55,11 +54,12 @@ def valid_staged_name(name: str) -> bool:
 @dataclass(frozen=True)
 class Job:
     """A batch job (``batch`` None, ``key`` its jobId) or a streaming epoch (``key`` the
-    writer: a hash of its checkpoint location; ``batch`` the epoch)."""
+    writer: a hash of the query's id, which Spark keeps in its checkpoint; ``batch`` the
+    epoch)."""
 
     key: str
     batch: int | None = None
-    checkpoint: str = ""
+    checkpoint: str = field(default="", compare=False)  # for people: the key names the job
 
     @property
     def dir_name(self) -> str:
@@ -183,7 +183,17 @@ class Incoming:
     # --- the ledger -----------------------------------------------------------
 
     def read_ledger(self) -> dict[str, Any]:
-        if not check_file(self.ledger_path):
+        try:
+            return self._read_ledger()
+        except (CorruptionError, StorePathError, OSError) as exc:
+            raise SinkCommitError(
+                f"cannot read the sink ledger {self.ledger_path} ({exc}); every sink commit to "
+                "the store reads it: restore it, or move it out of the store (a re-run of a "
+                "job or epoch it recorded then appends that job's rows again)"
+            ) from None
+
+    def _read_ledger(self) -> dict[str, Any]:
+        if not os.path.lexists(self.ledger_path):
             return {"jobs": {}, "streams": {}}
         body = read_json(self.ledger_path)
         jobs = body.get("jobs") if isinstance(body, dict) else None

@@ -10,8 +10,11 @@ docs/spark.md ("Sink"); the commit: sinkcommit.py; the files: ledger.py.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +41,6 @@ from pyspark.sql.types import (
 )
 
 from equeue import speedups
-from equeue.atomicfile import write_json
 from equeue.chunks.chunk import fsync_directory, write_error
 from equeue.errors import (
     EQueueError,
@@ -47,11 +49,10 @@ from equeue.errors import (
     SparkOptionError,
     SparkSchemaError,
 )
-from equeue.safepath import check_dir, check_file, open_fd
+from equeue.safepath import check_file, open_fd
 from equeue.spark.datasource import store_path
 from equeue.spark.ledger import (
     INTENT_FILE,
-    KEEP_FILE,
     STAGED_SUFFIX,
     Incoming,
     Job,
@@ -70,6 +71,11 @@ ACCEPTED: Final = (
 # Tests only (tests/sink_child.py): "P:N": the first attempt of partition P's task SIGKILLs
 # its Python worker once it staged N rows (its temp file written in part).
 KILL_TASK_ENV: Final = "EQUEUE_SINK_KILL_TASK"
+# The options each writer takes (Spark hands them lower-cased; it adds ``path`` from
+# save(), and ``queryName`` for a named query).
+BATCH_OPTIONS: Final = ("path", "topic", "jobId")
+STREAM_OPTIONS: Final = ("path", "topic", "checkpointLocation", "queryName")
+_SCHEME: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 
 
 def check_schema(schema: StructType) -> None:
@@ -116,6 +122,18 @@ def _option(options: dict[str, str], name: str) -> str | None:
         if key.lower() == name.lower():
             return value
     return None
+
+
+def _known(options: dict[str, str], names: tuple[str, ...], where: str) -> None:
+    """SparkOptionError for an option the writer does not take (a misspelled ``jobId``
+    would otherwise make each run a job of its own)."""
+    known = {name.lower() for name in names}
+    for key in options:
+        if key.lower() not in known:
+            raise SparkOptionError(
+                f"{where}.format('equeue'): unknown option {key!r}; the options are "
+                + ", ".join(names)
+            )
 
 
 @dataclass
@@ -261,22 +279,15 @@ class _Sink:
 
     def commit_job(self, job: Job, messages: list[WriterCommitMessage | None]) -> None:
         files = [(m.name, m.rows) for m in messages if isinstance(m, StagedFile) and m.name]
-        try:
-            commit(self.store, job, self.topic, files)
-        except SinkCommitError as exc:
-            # Spark calls abort() next, in another process: a file tells it to keep them.
-            incoming = Incoming(self.store)
-            if check_dir(incoming.job_dir(job)):
-                write_json(incoming.job_dir(job) / KEEP_FILE, {"reason": str(exc)})
-            raise
+        commit(self.store, job, self.topic, files)
 
     def abort_job(self, job: Job) -> None:
         """Remove the job's staged files, unless its commit began appending (an intent: they
-        stay for the next commit to finish it, all or nothing) or could not open the store
-        (they stay for a re-run of the job, whose commit replaces them)."""
+        stay for the next commit to finish it, all or nothing). Without an intent nothing of
+        the job is in the log, and a re-run stages its rows anew: the files are of no use."""
         incoming = Incoming(self.store)
         directory = incoming.job_dir(job)
-        if check_file(directory / INTENT_FILE) or check_file(directory / KEEP_FILE):
+        if check_file(directory / INTENT_FILE):
             return
         incoming.remove_job_dir(job)
 
@@ -292,6 +303,7 @@ def _task_kill(context: Any) -> int:
 
 class EqueueWriter(_Sink, DataSourceArrowWriter):
     def __init__(self, options: dict[str, str], schema: StructType, overwrite: bool) -> None:
+        _known(options, BATCH_OPTIONS, "write")
         super().__init__(options, schema, overwrite)
         job_id = _option(options, "jobId")
         if job_id is not None and not valid_job_id(job_id):
@@ -313,16 +325,21 @@ class EqueueWriter(_Sink, DataSourceArrowWriter):
 
 class EqueueStreamWriter(_Sink, DataSourceStreamArrowWriter):
     def __init__(self, options: dict[str, str], schema: StructType, overwrite: bool) -> None:
+        _known(options, STREAM_OPTIONS, "writeStream")
         super().__init__(options, schema, overwrite)
         checkpoint = _option(options, "checkpointLocation")
         if not checkpoint:
             raise SparkOptionError(
                 "the equeue sink needs the query's checkpoint location as an option: "
-                'writeStream.option("checkpointLocation", DIR); it names the query, so that '
-                "an epoch re-run after a restart appends nothing twice"
+                'writeStream.option("checkpointLocation", DIR) (the setting '
+                "spark.sql.streaming.checkpointLocation does not reach a Python sink); the "
+                "query's id there keeps an epoch re-run after a restart from appending twice"
             )
-        self.checkpoint = os.path.abspath(checkpoint)
-        self.writer_key = xxhash.xxh64_hexdigest(self.checkpoint.encode())
+        self.checkpoint = checkpoint_dir(checkpoint)
+        # Read here, on the driver (tasks may run where the checkpoint is not), and again
+        # at each commit: Spark wrote it when the query started, before this writer.
+        self.query_id = query_id(self.checkpoint)
+        self.writer_key = xxhash.xxh64_hexdigest(self.query_id.encode())
 
     def _job(self, batch_id: int) -> Job:
         return Job(self.writer_key, batch_id, self.checkpoint)
@@ -337,10 +354,58 @@ class EqueueStreamWriter(_Sink, DataSourceStreamArrowWriter):
         return self.stage(self._job(int(epoch)), iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        now = query_id(self.checkpoint)
+        if now != self.query_id:
+            raise SinkCommitError(
+                f"the checkpoint {self.checkpoint} now holds query {now}, not {self.query_id} "
+                f"whose epoch {batchId} this is: it was replaced while the query ran; nothing "
+                "of the epoch was appended"
+            )
         self.commit_job(self._job(batchId), messages)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         self.abort_job(self._job(batchId))
+
+
+def checkpoint_dir(location: str) -> str:
+    """The checkpoint directory as a local path: a ``file:`` URI's path; a path without a
+    scheme made absolute (as Spark resolves it, against the driver's working directory).
+    SparkOptionError for another scheme: the sink reads the query's id on the driver."""
+    scheme = _SCHEME.match(location)
+    if scheme is None:
+        return os.path.normpath(os.path.abspath(location))
+    if scheme.group(1).lower() != "file":
+        raise SparkOptionError(
+            f"option checkpointLocation={location!r}: the equeue sink needs the checkpoint on a "
+            "filesystem the driver reads as local files (a path or a file: URI), to read the "
+            "query's id there"
+        )
+    parsed = urllib.parse.urlsplit(location)
+    if parsed.netloc not in ("", "localhost"):
+        raise SparkOptionError(
+            f"option checkpointLocation={location!r}: a file: URI names host "
+            f"{parsed.netloc!r}; the equeue sink needs a local path (file:///dir)"
+        )
+    return os.path.normpath(urllib.parse.unquote(parsed.path))
+
+
+def query_id(checkpoint: str) -> str:
+    """The id of the streaming query checkpointed in ``checkpoint``: Spark writes it to
+    ``metadata`` when the query first starts and keeps it across restarts; a deleted
+    checkpoint gives a new query, a new id."""
+    path = Path(checkpoint) / "metadata"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(65536)
+        found = json.loads(raw.decode().splitlines()[0])["id"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise SinkCommitError(
+            f"cannot read the streaming query's id in {path} ({exc}): Spark writes it when "
+            "the query starts; the option checkpointLocation must be the query's own"
+        ) from None
+    if not isinstance(found, str) or not found:
+        raise SinkCommitError(f"the streaming query's id in {path} is {found!r}, no id")
+    return found
 
 
 def _store_facts(store: str, topic: str) -> tuple[StoreConfig, int]:

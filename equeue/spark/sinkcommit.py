@@ -13,7 +13,6 @@ up to the first that differs; only the rest is appended.
 
 from __future__ import annotations
 
-import heapq
 import os
 import signal
 from collections.abc import Iterator
@@ -24,9 +23,16 @@ from typing import Any, Final
 
 import pyarrow as pa
 
-from equeue.errors import EQueueError, SinkCommitError, StoreLockedError
+from equeue.errors import (
+    CorruptionError,
+    EQueueError,
+    SinkCommitError,
+    StoreLockedError,
+    StorePathError,
+)
 from equeue.safepath import check_file, open_file
 from equeue.spark.ledger import INTENT_FILE, Incoming, Intent, Job
+from equeue.store.append import pick_queue
 from equeue.store.meta import LOCK_FILE
 from equeue.store.store import MessageStore
 from equeue.store.types import Message, OutgoingMessage
@@ -124,7 +130,7 @@ def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> N
     incoming = Incoming(store)
     with _open_writer(store, job) as opened:
         for path in incoming.pending_intents():
-            intent = Intent.read(path)
+            intent = _read_intent(path)
             if intent.job != job:
                 _finish(opened, incoming, intent)
         if incoming.committed(job):
@@ -132,7 +138,7 @@ def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> N
             return
         intent_path = incoming.job_dir(job) / INTENT_FILE
         if check_file(intent_path):  # an earlier run of this job began appending: finish it
-            intent = Intent.read(intent_path)
+            intent = _read_intent(intent_path)
         else:
             if not files:
                 incoming.record(job)
@@ -147,6 +153,18 @@ def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> N
         _finish(opened, incoming, intent)
 
 
+def _read_intent(path: Path) -> Intent:
+    try:
+        return Intent.read(path)
+    except (CorruptionError, StorePathError) as exc:
+        raise SinkCommitError(
+            f"cannot read the sink intent {path} ({exc}); every sink commit to the store "
+            "finishes the intents under incoming/ first: move its directory "
+            f"{path.parent} out of the store (the rows staged there that the log does not "
+            "hold yet are then given up) or restore the file"
+        ) from None
+
+
 def _open_writer(store: str, job: Job) -> MessageStore:
     try:
         return MessageStore.open(store)
@@ -157,11 +175,16 @@ def _open_writer(store: str, job: Job) -> MessageStore:
                 holder = f.read().decode(errors="replace").strip() or "?"
         except OSError:
             pass
+        again = (
+            "run the write again (its rows are staged anew)"
+            if job.batch is None
+            else "restart the query (it runs the epoch again)"
+        )
         raise SinkCommitError(
             f"the store at {store} is open for writing by another process (pid {holder}): the "
-            "sink appends through its own writer; stop that writer (or open it read_only=True) "
-            f"and run the {job.describe()} again; its staged rows stay in "
-            f"{Incoming(store).job_dir(job)}"
+            "sink appends through its own writer; nothing of the "
+            f"{job.describe()} was appended; stop that writer (or open it read_only=True) "
+            f"and {again}"
         ) from None
 
 
@@ -201,32 +224,70 @@ def _append_rest(opened: MessageStore, incoming: Incoming, intent: Intent) -> No
     incoming.remove_job_dir(intent.job)
 
 
+class _Queue:
+    """One queue of the topic past the intent's recorded offset: its next message (pulled
+    as needed) and the offset the intent's next row in this queue would have."""
+
+    def __init__(self, opened: MessageStore, topic: str, queue_id: int, offset: int) -> None:
+        self.opened, self.topic, self.queue_id = opened, topic, queue_id
+        self.expected = offset
+        self.end = opened.queue_range(topic, queue_id)[1]
+        self._next = offset
+        self._pulled: list[Message] = []
+        self.head: Message | None = None
+        self.advance()
+
+    def advance(self) -> None:
+        if not self._pulled:
+            pulled = self.opened.pull(self.topic, self.queue_id, self._next, _PULL)
+            self._pulled = list(reversed(pulled.messages))
+            self._next = pulled.next_offset
+        self.head = self._pulled.pop() if self._pulled else None
+
+
 def _appended(opened: MessageStore, incoming: Incoming, intent: Intent) -> int:
-    """How many of the intent's rows lead the log after its recorded queue offsets:
-    the topic's messages since then, merged in log order, compared with the rows in
-    order up to the first that differs."""
+    """How many of the intent's rows lead the log after its recorded queue offsets.
+
+    The rows went in order, each to its queue at the next offset there, and nothing came
+    between them (the commit held the writer). So row by row: the first message left in log
+    order must be the row, at the offset its queue expects; or the row's queue has nothing
+    at that offset but more after it (or its end is past it): a message compaction (or
+    retention) removed, which queues keep the offset of. A row's queue is known before
+    looking when it has a queue_id or a key (``pick_queue`` hashes the key); the round
+    robin's choice is not, but compaction removes a keyless message only past retention,
+    never as superseded."""
     if intent.topic not in opened.topics():
         return 0
-    total = sum(rows for _, rows in intent.files)
-
-    def queue(queue_id: int) -> Iterator[Message]:
-        offset = intent.offsets[queue_id] if queue_id < len(intent.offsets) else 0
-        seen = 0
-        while seen < total:
-            pulled = opened.pull(intent.topic, queue_id, offset, min(_PULL, total - seen))
-            if not pulled:
-                return
-            yield from pulled
-            seen += len(pulled)
-            offset = pulled.next_offset
-
-    stored = heapq.merge(
-        *(queue(q) for q in opened.queue_ids(intent.topic)), key=lambda m: m.position
-    )
+    ids = opened.queue_ids(intent.topic)
+    queues = {
+        q: _Queue(opened, intent.topic, q, intent.offsets[q] if q < len(intent.offsets) else 0)
+        for q in ids
+    }
     matched = 0
     rows = (row for batch in _batches(incoming, intent) for row in _rows(batch))
-    for row, message in zip(rows, stored, strict=False):
-        if not row.matches(message):
-            break
+    for row in rows:
+        heads = [queue for queue in queues.values() if queue.head is not None]
+        first = min(heads, key=_head_position) if heads else None
+        if row.queue_id is None and row.key is None:  # round robin: the next message or none
+            queue = first
+            if queue is None or queue.head is None or queue.head.queue_offset != queue.expected:
+                break
+        else:
+            queue_id = pick_queue(row.queue_id, row.key, (row.key or "").encode(), len(ids), 0)
+            queue = queues.get(queue_id[0])
+            if queue is None:
+                break
+        head = queue.head
+        if head is not None and head.queue_offset == queue.expected:
+            if queue is not first or not row.matches(head):
+                break
+            queue.advance()
+        elif queue.expected >= (head.queue_offset if head is not None else queue.end):
+            break  # nothing stored at or past the offset: the row was not appended
+        queue.expected += 1
         matched += 1
     return matched
+
+
+def _head_position(queue: _Queue) -> int:
+    return queue.head.position if queue.head is not None else -1
