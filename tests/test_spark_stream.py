@@ -15,13 +15,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from stream_producer import QUEUES, body_of, create, produce, queue_of, topic_of
+from stream_producer import EXIT_GATE_TIMEOUT, QUEUES, body_of, create, produce, queue_of, topic_of
 from stream_producer import config as producer_config
 
 from equeue import MessageStore, StoreConfig
 from equeue.compaction.job import compact
 from equeue.errors import DataLossError, SparkOptionError, SparkSchemaError
-from equeue.spark.stream import EqueueStreamReader, QueueRange, fair_shares, read_range
+from equeue.spark.stream import (
+    FROM,
+    EqueueStreamReader,
+    QueueRange,
+    fair_shares,
+    read_range,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -30,6 +36,9 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 PRODUCER = HERE / "stream_producer.py"
 WAIT = 120  # seconds any one query may take before the test gives up on it
+# The producer waits at its gate longer than the test may wait for the query's first rows
+# (a slow Spark start must not end it before the test checks it is still running).
+GATE_TIMEOUT = 2 * WAIT
 
 Row = tuple[str, int, int, bytes]  # topic, queue id, queue offset, body
 Batches = dict[int, list[Row]]  # batch id -> its rows, as an idempotent sink keeps them
@@ -148,7 +157,10 @@ def test_restart_from_checkpoint_reads_every_message_once_per_queue_in_order(
 ) -> None:
     store, checkpoint, out, gate = (tmp_path / n for n in ("store", "ck", "out", "gate"))
     create(store)
-    sending = producer(store, "--count", 900, "--gate", gate, "--gate-at", 450, "--pause-ms", 20)
+    sending = producer(
+        store, "--count", 900, "--gate", gate, "--gate-at", 450, "--gate-timeout", GATE_TIMEOUT,
+        "--pause-ms", 20,
+    )  # fmt: skip
     first: Batches = {}
     query = start(
         spark, store, checkpoint, first, available_now=False, parquet=out,
@@ -473,6 +485,7 @@ def test_deleted_and_recreated_topics_are_data_loss(
         strict.latestOffset(begin, ReadAllAvailable())
     end = lenient.latestOffset(begin, ReadAllAvailable())
     assert end["payments"] == {"0": 3, "1": 0}  # read again from the new topic's start
+    assert end[FROM] == {"payments": {"0": 0, "1": 0}}
     parts = lenient.partitions(begin, end)
     assert [(p.topic, p.queue_id, p.start, p.end) for p in parts if p.topic == "payments"] == [
         ("payments", 0, 0, 3)
@@ -498,7 +511,12 @@ def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None
         writer.send("oranges", b"a new topic")
         writer.send("others", b"not matched")
     end = following.latestOffset(begin, ReadAllAvailable())
-    assert end == {"oranges": {"0": 1}, "orders": {"0": 10, "1": 10, "2": 10, "3": 1}}
+    assert end == {
+        "oranges": {"0": 1},
+        "orders": {"0": 10, "1": 10, "2": 10, "3": 1},
+        FROM: {"oranges": {"0": 0}, "orders": {"3": 0}},  # where the new queues begin
+    }
+    assert following.latestOffset(end, ReadAllAvailable()) == end  # nothing new: no batch
     parts = following.partitions(begin, end)
     assert sorted((p.topic, p.queue_id, p.start, p.end) for p in parts) == [
         ("oranges", 0, 0, 1),
@@ -510,6 +528,35 @@ def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None
         b"in the new queue",
     ]
     following.stop()
+
+
+def test_a_new_queues_start_is_fixed_when_the_batch_is_planned(tmp_path: Path) -> None:
+    """A queue new in a batch begins where latestOffset counted from, whatever retention
+    does before the batch's partitions are made or made again (a re-run after a restart):
+    the same ranges, and what retention took before the task read it is data loss."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 1000)
+    strict = reader(store, topics="orders,payments", startingOffsets="earliest")
+    begin = {"orders": strict.initialOffset()["orders"]}  # payments: new in the batch
+    end = strict.latestOffset(begin, ReadAllAvailable())
+    assert end[FROM] == {"payments": {"0": 0, "1": 0}}
+    planned = [(p.topic, p.queue_id, p.start, p.end) for p in strict.partitions(begin, end)]
+    assert ("payments", 1, 0, 200) in planned
+    with MessageStore.open(store, producer_config(6 * 4096)) as writer:
+        writer.apply_retention()
+        assert writer.queue_range("payments", 1)[0] > 0
+    again = strict.partitions(begin, end)
+    assert [(p.topic, p.queue_id, p.start, p.end) for p in again] == planned
+    part = next(p for p in again if (p.topic, p.queue_id) == ("payments", 1))
+    with pytest.raises(DataLossError, match=r"queue 1: offsets 0 to [0-9]+ were removed"):
+        list(read_range(strict.options, part))
+    strict.stop()
+    # control: a queue in the start offset begins there, as before
+    assert ("orders", 0, begin["orders"]["0"], end["orders"]["0"]) in planned
 
 
 def test_a_range_past_the_queues_end_is_data_loss(
@@ -562,6 +609,21 @@ def test_compaction_holes_are_not_data_loss(tmp_path: Path, spark: SparkSession)
 # local-cluster process of the tests (a cluster's start costs about 20 s).
 
 
+def test_the_producer_waits_at_its_gate_as_long_as_it_is_told(tmp_path: Path) -> None:
+    store, gate = tmp_path / "store", tmp_path / "gate"
+    create(store)
+    timing_out = producer(
+        store, "--count", 10, "--gate", gate, "--gate-at", 5, "--gate-timeout", "0.2"
+    )
+    out, _ = timing_out.communicate(timeout=WAIT)
+    assert (timing_out.returncode, out) == (EXIT_GATE_TIMEOUT, "GATE\n")
+    gate.touch()  # control: an open gate lets it finish
+    assert (
+        finish(producer(store, "--count", 10, "--gate", gate, "--gate-at", 5)) == "GATE\nDONE 10\n"
+    )
+    assert GATE_TIMEOUT >= WAIT
+
+
 # --- (g) options ---------------------------------------------------------------------------
 
 
@@ -575,6 +637,13 @@ def test_compaction_holes_are_not_data_loss(tmp_path: Path, spark: SparkSession)
         ({"topics": "orders", "startingOffsets": "newest"}, "startingOffsets"),
         ({"topics": "orders", "startingOffsets": '{"orders": {"x": 1}}'}, "startingOffsets"),
         ({"topics": "orders", "startingOffsets": '{"orders": {"0": -3}}'}, "startingOffsets"),
+        ({"topics": "orders", "startingOffsets": '{"orders": {"²": 0}}'}, "queue id '²'"),
+        ({"topics": "orders", "startingOffsets": '{"orders": {"2147483648": 0}}'}, "queue id"),
+        (
+            {"topics": "orders", "startingOffsets": '{"orders": {"0": 9223372036854775808}}'},
+            "offset",
+        ),
+        ({"topics": "orders", "maxTriggerDelay": "1" + "0" * 400 + "s"}, "maxTriggerDelay"),
         ({"topics": "orders", "maxOffsetsPerTrigger": "0"}, "maxOffsetsPerTrigger"),
         ({"topics": "orders", "maxOffsetsPerTrigger": "ten"}, "maxOffsetsPerTrigger"),
         (

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -64,6 +65,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Offsets = dict[str, dict[str, int]]  # topic -> queue id (a string) -> next offset
+# In a batch's end offset: {topic: {queue: offset}} where the batch begins a queue other
+# than at the start offset (a new queue, a topic created again, offsets retention took).
+# Not a topic name: those are [A-Za-z0-9._-].
+FROM: Final = "@from"
 
 EARLIEST: Final = -2
 LATEST: Final = -1
@@ -81,6 +86,8 @@ OPTIONS: Final = (
     "failOnDataLoss",
 )
 _KNOWN: Final = {name.lower(): name for name in OPTIONS}
+_INT32_MAX: Final = (1 << 31) - 1  # the queue_id column is an int, queue_offset a long
+_INT64_MAX: Final = (1 << 63) - 1
 _DELAY: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*")
 _UNIT: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -198,9 +205,10 @@ def _offsets_json(text: str) -> dict[str, dict[str, int]]:
             raise bad(f"topic {topic!r} maps to {queues!r}, not to an object of queue ids")
         out[topic] = {}
         for queue, offset in queues.items():
-            if not (isinstance(queue, str) and queue.isdigit()):
-                raise bad(f"queue id {queue!r} of topic {topic!r} is not a number")
-            if type(offset) is not int or offset < EARLIEST:
+            # isdigit() alone lets "²" through (a digit to Unicode, not to int()).
+            if not (queue.isascii() and queue.isdigit() and int(queue) <= _INT32_MAX):
+                raise bad(f"queue id {queue!r} of topic {topic!r} is not a queue number")
+            if type(offset) is not int or not EARLIEST <= offset <= _INT64_MAX:
                 raise bad(f"offset {offset!r} of {topic}/{queue} is not -2, -1 or an offset")
             out[topic][str(int(queue))] = offset
     return out
@@ -227,17 +235,23 @@ def _delay(text: str | None) -> float:
         raise SparkOptionError(
             f"option maxTriggerDelay={text!r}: it must be a duration like '15m', '30s', '500ms'"
         )
-    return float(match.group(1)) * _UNIT[match.group(2) or "ms"]
+    seconds = float(match.group(1)) * _UNIT[match.group(2) or "ms"]
+    if not math.isfinite(seconds):
+        raise SparkOptionError(f"option maxTriggerDelay={text!r}: it is too long to be a duration")
+    return seconds
 
 
-def ordered(offsets: Mapping[str, Mapping[str, int]]) -> Offsets:
+def ordered(offsets: Mapping[str, Any]) -> dict[str, Any]:
     """``offsets`` with topics and queues in one order: Spark compares offsets as JSON text,
     so an unchanged offset must serialize the same."""
-    return {
+    out: dict[str, Any] = {
         t: {q: offsets[t][q] for q in sorted(offsets[t], key=int)}
         for t in sorted(offsets)
-        if offsets[t]
+        if offsets[t] and t != FROM
     }
+    if offsets.get(FROM):
+        out[FROM] = ordered(offsets[FROM])
+    return out
 
 
 class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -327,7 +341,8 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ranges = self._ranges()
         bases: Offsets = {}  # where each queue's next batch begins
         ends: Offsets = {}  # how far it may go
-        for topic in sorted(set(start) | set(ranges)):
+        moved: Offsets = {}  # queues whose batch does not begin at start's offset
+        for topic in sorted((set(start) - {FROM}) | set(ranges)):
             known = start.get(topic, {})
             queues = ranges.get(topic)
             if queues is None:
@@ -349,6 +364,8 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     next_ = max(base, min(next_, self._target.get(topic, {}).get(queue, base)))
                 bases.setdefault(topic, {})[queue] = base
                 ends.setdefault(topic, {})[queue] = next_
+                if base != known.get(queue):
+                    moved.setdefault(topic, {})[queue] = base
         available = {(t, q): ends[t][q] - b for t, qs in bases.items() for q, b in qs.items()}
         total = sum(available.values())
         if isinstance(limit, ReadAllAvailable):
@@ -361,9 +378,17 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 return ordered(start)
             most = limit.max_rows if isinstance(limit, ReadMaxRows) else None
             takes = fair_shares(available, most)
-        end = {t: {q: b + takes[(t, q)] for q, b in qs.items()} for t, qs in bases.items()}
-        if ordered(end) != ordered(start):
-            self._last_batch = time.monotonic()
+        end: dict[str, Any] = {
+            t: {q: b + takes[(t, q)] for q, b in qs.items()} for t, qs in bases.items()
+        }
+        if ordered(end) == ordered({t: qs for t, qs in start.items() if t != FROM}):
+            return ordered(start)  # nothing new: the same offset, so no batch
+        self._last_batch = time.monotonic()
+        if moved:
+            # Where those queues begin is fixed now, in the batch's end offset (the
+            # checkpoint keeps it): a re-run reads the same rows, and what retention
+            # removes before the task reads is data loss, not a silent skip.
+            end[FROM] = moved
         return ordered(end)
 
     def _lost_topic(self, topic: str, queues: Mapping[str, int]) -> None:
@@ -394,12 +419,15 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[QueueRange]:
         out: list[QueueRange] = []
         ranges: dict[str, dict[str, tuple[int, int]]] | None = None
+        moved = end.get(FROM, {})
         for topic, queues in end.items():
+            if topic == FROM:
+                continue
             for queue, stop in queues.items():
-                begin = start.get(topic, {}).get(queue)
+                begin = moved.get(topic, {}).get(queue, start.get(topic, {}).get(queue))
                 if begin is None or begin > stop:
-                    # A queue that appeared in this batch (or was created again): from its
-                    # first offset, as latestOffset counted it.
+                    # An end offset without FROM (a checkpoint of an older version) for a
+                    # queue that appeared in the batch: from its first offset now.
                     ranges = self._ranges() if ranges is None else ranges
                     begin = min(ranges.get(topic, {}).get(queue, (stop, stop))[0], stop)
                 if begin < stop:
