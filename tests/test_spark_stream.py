@@ -4,6 +4,7 @@ and compaction running underneath, and one run on ``local-cluster``."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import shutil
@@ -14,13 +15,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 import pytest
+from code_paths import code_path  # noqa: F401 - the fixture
 from stream_producer import EXIT_GATE_TIMEOUT, QUEUES, body_of, create, produce, queue_of, topic_of
 from stream_producer import config as producer_config
 
 from equeue import MessageStore, StoreConfig
+from equeue.chunks.stream import ChunkFile
 from equeue.compaction.job import compact
 from equeue.errors import DataLossError, SparkOptionError, SparkSchemaError
+from equeue.spark.source import message_batches, store_snapshot
 from equeue.spark.stream import (
     FROM,
     EqueueStreamReader,
@@ -210,6 +215,38 @@ def test_stream_rows_equal_the_batch_sources_rows(tmp_path: Path, spark: SparkSe
     assert streamed.schema == batch.schema
     assert sorted(got) == sorted(tuple(r) for r in batch.collect())
     assert len(got) == 201
+
+
+@pytest.mark.usefixtures("code_path")
+def test_stream_rows_times_are_the_batch_sources_from_the_messages_ns(tmp_path: Path) -> None:
+    """A message's exact stored times (``created_ns``/``stored_ns``, equal on the C and the
+    Python read paths) and the stream's rows from them: every column as the batch source
+    reads it from the chunk, the times floored to µs as it floors them (no Spark here)."""
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 300)
+    with MessageStore.open(store, read_only=True) as opened:
+        pulled = opened.pull("orders", 1, 0, 1000).messages
+        alone = [opened.read(m.position) for m in pulled[:5]] + [opened.get(pulled[-1].message_id)]
+    assert len(pulled) == 60
+    store_id, chunks = store_snapshot(str(store))
+    columns = ["position", "created_at", "stored_at"]
+    table = pa.Table.from_batches(
+        [b for path, end in chunks for b in message_batches(ChunkFile.open(path, end), store_id)]
+    )
+    truth = {r["position"]: r for r in table.to_pylist()}
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    for m in pulled + alone:
+        assert (m.created_at, m.stored_at) == (m.created_ns / 1e9, m.stored_ns / 1e9)
+        want = truth[m.position]
+        assert want["created_at"] == epoch + dt.timedelta(microseconds=m.created_ns // 1000)
+        assert want["stored_at"] == epoch + dt.timedelta(microseconds=m.stored_ns // 1000)
+    streamed = pa.Table.from_batches(
+        list(read_range(reader(store, topics="orders").options, QueueRange("orders", 1, 0, 60)))
+    )
+    assert streamed.to_pylist() == [truth[m.position] for m in pulled]
+    assert len({r[c] for r in streamed.to_pylist() for c in columns[1:]}) > 1
 
 
 # --- (b) admission control ---------------------------------------------------------------

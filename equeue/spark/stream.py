@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
@@ -50,13 +51,12 @@ from pyspark.sql.types import StructType
 from equeue.errors import (
     DataLossError,
     EQueueError,
-    PositionError,
     SparkOptionError,
     SparkSchemaError,
     TopicNotFoundError,
 )
-from equeue.format.message import MESSAGE_HEAD
-from equeue.spark.source import MESSAGE_SCHEMA
+from equeue.spark.columns import MESSAGE_FIELDS
+from equeue.spark.source import BATCH_ROWS, MESSAGE_SCHEMA
 from equeue.store.types import Message
 
 if TYPE_CHECKING:
@@ -73,7 +73,6 @@ FROM: Final = "@from"
 EARLIEST: Final = -2
 LATEST: Final = -1
 PULL_COUNT: Final = 4096  # messages per pull on an executor
-BATCH_ROWS: Final = 16_384  # rows per Arrow record batch
 DEFAULT_TRIGGER_DELAY: Final = 15 * 60.0  # seconds, as Kafka's maxTriggerDelay
 OPTIONS: Final = (
     "path",
@@ -91,21 +90,7 @@ _INT64_MAX: Final = (1 << 63) - 1
 _DELAY: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*")
 _UNIT: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
-_ARROW: Final = pa.schema(
-    [
-        ("topic", pa.string()),
-        ("queue_id", pa.int32()),
-        ("queue_offset", pa.int64()),
-        ("position", pa.int64()),
-        ("message_id", pa.string()),
-        ("tag", pa.string()),
-        ("key", pa.string()),
-        ("properties", pa.map_(pa.string(), pa.string())),
-        ("body", pa.binary()),
-        ("created_at", pa.timestamp("us", tz="UTC")),
-        ("stored_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
+_ARROW: Final = MESSAGE_FIELDS  # the batch source's columns, all of them
 
 
 class QueueRange(InputPartition):
@@ -501,7 +486,6 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
             offset = first
         holes: list[tuple[int, int]] = []  # offsets with no message: compaction's, or lost
         pending: list[Message] = []
-        stamps: list[tuple[int, int]] = []
         while offset < end:
             try:
                 pulled = store.pull(topic, queue, offset, min(end - offset, PULL_COUNT))
@@ -524,16 +508,15 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                     holes.append((offset, message.queue_offset))
                 offset = message.queue_offset + 1
             pending += kept
-            stamps += _times(store, kept)
             if pulled.next_offset > offset:
                 stop = min(pulled.next_offset, end)
                 holes.append((offset, stop))
                 offset = stop
             while len(pending) >= BATCH_ROWS:
-                yield _batch(pending[:BATCH_ROWS], stamps[:BATCH_ROWS])
-                del pending[:BATCH_ROWS], stamps[:BATCH_ROWS]
+                yield _batch(pending[:BATCH_ROWS])
+                del pending[:BATCH_ROWS]
         if pending:
-            yield _batch(pending, stamps)
+            yield _batch(pending)
         if holes:
             # Retention removes a queue's oldest offsets: a hole now below its first offset
             # may be what retention removed while this task read (a compaction hole there
@@ -548,43 +531,25 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                 loss(lost_message(options.path, topic, queue, a, b))
 
 
-def _times(store: MessageStore, messages: list[Message]) -> list[tuple[int, int]]:
-    """(created, stored) of each message in µs, cut from the int64 nanoseconds of its record
-    as the batch source cuts them: Message's float seconds cannot give them exactly (a
-    float holds 1.7e18 ns to about 240 ns), and the two sources must give equal rows."""
-    manager = store._messages  # (the public API gives the times only as floats)
-    unpack = MESSAGE_HEAD.unpack_from
-    out: list[tuple[int, int]] = []
-    i = 0
-    while i < len(messages):  # a run of messages in one chunk at a time
-        try:
-            chunk = manager.get_chunk_for(messages[i].position)
-            base, stop = chunk.base, chunk.end_position
-            j = i + 1
-            while j < len(messages) and messages[j].position < stop:
-                j += 1
-            heads = [unpack(p) for p in chunk.read_many([m.position - base for m in messages[i:j]])]
-            out += [(head[2] // 1000, head[1] // 1000) for head in heads]
-            i = j
-        except PositionError:  # removed since the pull read it: the float's nearest µs
-            m = messages[i]
-            out.append((round(m.created_at * 1_000_000), round(m.stored_at * 1_000_000)))
-            i += 1
-    return out
+def _batch(messages: list[Message]) -> pa.RecordBatch:
+    """The rows of ``messages``: the columns are Message's fields by name, the times its
+    int64 nanoseconds floored to µs (``us``), as the batch source builds them."""
+    fields = list(zip(*messages, strict=True))
+    columns: list[Any] = [fields[_FIELD[name]] for name in _ARROW.names[:-2]]
+    columns += [us(fields[_FIELD["created_ns"]]), us(fields[_FIELD["stored_ns"]])]
+    return pa.RecordBatch.from_arrays(
+        [pa.array(values, field.type) for values, field in zip(columns, _ARROW, strict=True)],
+        schema=_ARROW,
+    )
 
 
 _FIELD: Final = {name: i for i, name in enumerate(Message._fields)}
 
 
-def _batch(messages: list[Message], stamps: list[tuple[int, int]]) -> pa.RecordBatch:
-    """The rows of ``messages`` (the columns are Message's fields by name, but the times)."""
-    fields = list(zip(*messages, strict=True))
-    columns: list[Sequence[Any]] = [fields[_FIELD[name]] for name in _ARROW.names[:-2]]
-    columns += list(zip(*stamps, strict=True))
-    return pa.RecordBatch.from_arrays(
-        [pa.array(values, field.type) for values, field in zip(columns, _ARROW, strict=True)],
-        schema=_ARROW,
-    )
+def us(nanoseconds: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Int64 nanoseconds to µs, floored: the batch source's conversion (columns.py's
+    ``record_columns_py``, the C accelerator's ``floor_us``), so both give equal rows."""
+    return np.floor_divide(np.asarray(nanoseconds, np.int64), 1000)
 
 
 __all__ = ["MESSAGE_SCHEMA", "EqueueStreamReader", "QueueRange", "StreamOptions", "fair_shares"]
