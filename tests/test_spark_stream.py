@@ -447,8 +447,11 @@ def test_data_loss_warnings_name_queue_and_offsets(
     with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):
         latest = skipping.latestOffset(old, ReadAllAvailable())
         read = list(read_range(skipping.options, QueueRange("payments", 1, 5, end)))
+    parts = skipping.partitions(old, latest)
     skipping.stop()
     assert latest["payments"]["1"] == end
+    assert latest[FROM] == {"payments": {"1": first}}  # the batch reads from there on
+    assert ("payments", 1, first, end) in [(p.topic, p.queue_id, p.start, p.end) for p in parts]
     assert sum(b.num_rows for b in read) == end - first
     said = [r.getMessage() for r in caplog.records]
     assert (

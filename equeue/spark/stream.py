@@ -1,7 +1,8 @@
 """``spark.readStream.format("equeue")``: a store's topics as a Structured Streaming source.
 
 Modelled on Spark's Kafka source. An offset is ``{topic: {queue_id: next_offset}}`` (queue
-ids as strings: Spark keeps offsets as JSON in the query's checkpoint), so a query
+ids as strings: Spark keeps offsets as JSON in the query's checkpoint), and under ``FROM``
+where a batch begins a queue that is not at the start offset (a new queue), so a query
 restarted from its checkpoint goes on exactly where its last committed batch ended, and a
 batch run again reads the same ranges. A micro-batch has one partition per
 (topic, queue, start, end); executors read it through a read-only ``MessageStore``
