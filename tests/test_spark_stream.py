@@ -599,6 +599,29 @@ def test_a_new_queues_start_is_fixed_when_the_batch_is_planned(tmp_path: Path) -
     assert ("orders", 0, begin["orders"]["0"], end["orders"]["0"]) in planned
 
 
+def test_a_new_topics_start_goes_through_the_checkpoint(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """Spark keeps the end offset's FROM in the checkpoint and hands it back: the new topic
+    is read once, from its start, and a run with nothing new runs no batch."""
+    store, checkpoint = tmp_path / "store", tmp_path / "ck"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 50)
+    first = run(spark, store, checkpoint, topics="orders,fresh", startingOffsets="earliest")
+    assert sum(map(len, first.values())) == 30
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.create_topic("fresh", 1)
+        for i in range(3):
+            writer.send("fresh", b"fresh %d" % i)
+    second = run(spark, store, checkpoint, topics="orders,fresh")
+    assert rows(second) == [("fresh", 0, i, b"fresh %d" % i) for i in range(3)]
+    (batch,) = second
+    logged = (checkpoint / "offsets" / str(batch)).read_text()
+    assert '"@from": {"fresh": {"0": 0}}' in logged
+    assert run(spark, store, checkpoint, topics="orders,fresh") == {}
+
+
 def test_a_range_past_the_queues_end_is_data_loss(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
