@@ -1,15 +1,16 @@
 """The streaming tests' producer: a separate process writing into a store while a query reads.
 
     python tests/stream_producer.py STORE --first 0 --count 600 [--gate FILE --gate-at 300]
-        [--max-store-bytes N] [--pause-every 20 --pause-ms 5]
+        [--gate-timeout SECONDS] [--max-store-bytes N] [--pause-every 20 --pause-ms 5]
 
 Message ``i`` (``first <= i < first + count``) goes to ``TOPICS`` round-robin by ``i``
 (``topic_of``, ``queue_of``) with body ``body_of(i)``, key ``k<i % 7>`` and a ``seq`` property; a
 checker knows every message from the store alone. With ``--gate``, after ``--gate-at``
-messages it prints ``GATE`` and waits (60 s at most, else exit 4) until FILE exists, so
-a test can act while the producer is known to be mid-way. With ``--max-store-bytes`` the
-store keeps at most that many bytes of log and the producer applies retention after
-every ``--pause-every`` messages. It prints ``DONE <count>`` and exits 0 at the end.
+messages it prints ``GATE`` and waits (``--gate-timeout`` seconds at most, default 600, else
+exit 4) until FILE exists, so a test can act while the producer is known to be mid-way.
+With ``--max-store-bytes`` the store keeps at most that many bytes of log and the producer
+applies retention after every ``--pause-every`` messages. It prints ``DONE <count>`` and
+exits 0 at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ TOPICS: tuple[str, ...] = ("orders", "orders", "orders", "payments", "payments")
 QUEUES: dict[str, int] = {"orders": 3, "payments": 2}
 CHUNK_DATA_SIZE = MIN_CHUNK_DATA_SIZE  # small chunks: retention and compaction bite early
 EXIT_GATE_TIMEOUT = 4
+GATE_TIMEOUT = 600.0  # seconds at the gate at most (a test passes its own, above its wait)
 
 
 def topic_of(i: int) -> str:
@@ -72,6 +74,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--gate", type=Path)
     parser.add_argument("--gate-at", type=int, default=0)
+    parser.add_argument("--gate-timeout", type=float, default=GATE_TIMEOUT)
     parser.add_argument("--max-store-bytes", type=int)
     parser.add_argument("--pause-every", type=int, default=20)
     parser.add_argument("--pause-ms", type=float, default=0.0)
@@ -82,7 +85,7 @@ def main() -> int:
             if args.gate is not None and sent == args.gate_at:
                 store.flush()
                 print("GATE", flush=True)
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + args.gate_timeout
                 while not args.gate.exists():
                     if time.monotonic() > deadline:
                         return EXIT_GATE_TIMEOUT

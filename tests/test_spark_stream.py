@@ -4,6 +4,7 @@ and compaction running underneath, and one run on ``local-cluster``."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import shutil
@@ -14,14 +15,24 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 import pytest
-from stream_producer import QUEUES, body_of, create, produce, queue_of, topic_of
+from code_paths import code_path  # noqa: F401 - the fixture
+from stream_producer import EXIT_GATE_TIMEOUT, QUEUES, body_of, create, produce, queue_of, topic_of
 from stream_producer import config as producer_config
 
 from equeue import MessageStore, StoreConfig
+from equeue.chunks.stream import ChunkFile
 from equeue.compaction.job import compact
 from equeue.errors import DataLossError, SparkOptionError, SparkSchemaError
-from equeue.spark.stream import EqueueStreamReader, QueueRange, fair_shares, read_range
+from equeue.spark.source import message_batches, store_snapshot
+from equeue.spark.stream import (
+    FROM,
+    EqueueStreamReader,
+    QueueRange,
+    fair_shares,
+    read_range,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -30,6 +41,9 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 PRODUCER = HERE / "stream_producer.py"
 WAIT = 120  # seconds any one query may take before the test gives up on it
+# The producer waits at its gate longer than the test may wait for the query's first rows
+# (a slow Spark start must not end it before the test checks it is still running).
+GATE_TIMEOUT = 2 * WAIT
 
 Row = tuple[str, int, int, bytes]  # topic, queue id, queue offset, body
 Batches = dict[int, list[Row]]  # batch id -> its rows, as an idempotent sink keeps them
@@ -148,7 +162,10 @@ def test_restart_from_checkpoint_reads_every_message_once_per_queue_in_order(
 ) -> None:
     store, checkpoint, out, gate = (tmp_path / n for n in ("store", "ck", "out", "gate"))
     create(store)
-    sending = producer(store, "--count", 900, "--gate", gate, "--gate-at", 450, "--pause-ms", 20)
+    sending = producer(
+        store, "--count", 900, "--gate", gate, "--gate-at", 450, "--gate-timeout", GATE_TIMEOUT,
+        "--pause-ms", 20,
+    )  # fmt: skip
     first: Batches = {}
     query = start(
         spark, store, checkpoint, first, available_now=False, parquet=out,
@@ -198,6 +215,38 @@ def test_stream_rows_equal_the_batch_sources_rows(tmp_path: Path, spark: SparkSe
     assert streamed.schema == batch.schema
     assert sorted(got) == sorted(tuple(r) for r in batch.collect())
     assert len(got) == 201
+
+
+@pytest.mark.usefixtures("code_path")
+def test_stream_rows_times_are_the_batch_sources_from_the_messages_ns(tmp_path: Path) -> None:
+    """A message's exact stored times (``created_ns``/``stored_ns``, equal on the C and the
+    Python read paths) and the stream's rows from them: every column as the batch source
+    reads it from the chunk, the times floored to µs as it floors them (no Spark here)."""
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 300)
+    with MessageStore.open(store, read_only=True) as opened:
+        pulled = opened.pull("orders", 1, 0, 1000).messages
+        alone = [opened.read(m.position) for m in pulled[:5]] + [opened.get(pulled[-1].message_id)]
+    assert len(pulled) == 60
+    store_id, chunks = store_snapshot(str(store))
+    columns = ["position", "created_at", "stored_at"]
+    table = pa.Table.from_batches(
+        [b for path, end in chunks for b in message_batches(ChunkFile.open(path, end), store_id)]
+    )
+    truth = {r["position"]: r for r in table.to_pylist()}
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    for m in pulled + alone:
+        assert (m.created_at, m.stored_at) == (m.created_ns / 1e9, m.stored_ns / 1e9)
+        want = truth[m.position]
+        assert want["created_at"] == epoch + dt.timedelta(microseconds=m.created_ns // 1000)
+        assert want["stored_at"] == epoch + dt.timedelta(microseconds=m.stored_ns // 1000)
+    streamed = pa.Table.from_batches(
+        list(read_range(reader(store, topics="orders").options, QueueRange("orders", 1, 0, 60)))
+    )
+    assert streamed.to_pylist() == [truth[m.position] for m in pulled]
+    assert len({r[c] for r in streamed.to_pylist() for c in columns[1:]}) > 1
 
 
 # --- (b) admission control ---------------------------------------------------------------
@@ -398,8 +447,11 @@ def test_data_loss_warnings_name_queue_and_offsets(
     with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):
         latest = skipping.latestOffset(old, ReadAllAvailable())
         read = list(read_range(skipping.options, QueueRange("payments", 1, 5, end)))
+    parts = skipping.partitions(old, latest)
     skipping.stop()
     assert latest["payments"]["1"] == end
+    assert latest[FROM] == {"payments": {"1": first}}  # the batch reads from there on
+    assert ("payments", 1, first, end) in [(p.topic, p.queue_id, p.start, p.end) for p in parts]
     assert sum(b.num_rows for b in read) == end - first
     said = [r.getMessage() for r in caplog.records]
     assert (
@@ -473,6 +525,7 @@ def test_deleted_and_recreated_topics_are_data_loss(
         strict.latestOffset(begin, ReadAllAvailable())
     end = lenient.latestOffset(begin, ReadAllAvailable())
     assert end["payments"] == {"0": 3, "1": 0}  # read again from the new topic's start
+    assert end[FROM] == {"payments": {"0": 0, "1": 0}}
     parts = lenient.partitions(begin, end)
     assert [(p.topic, p.queue_id, p.start, p.end) for p in parts if p.topic == "payments"] == [
         ("payments", 0, 0, 3)
@@ -498,7 +551,12 @@ def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None
         writer.send("oranges", b"a new topic")
         writer.send("others", b"not matched")
     end = following.latestOffset(begin, ReadAllAvailable())
-    assert end == {"oranges": {"0": 1}, "orders": {"0": 10, "1": 10, "2": 10, "3": 1}}
+    assert end == {
+        "oranges": {"0": 1},
+        "orders": {"0": 10, "1": 10, "2": 10, "3": 1},
+        FROM: {"oranges": {"0": 0}, "orders": {"3": 0}},  # where the new queues begin
+    }
+    assert following.latestOffset(end, ReadAllAvailable()) == end  # nothing new: no batch
     parts = following.partitions(begin, end)
     assert sorted((p.topic, p.queue_id, p.start, p.end) for p in parts) == [
         ("oranges", 0, 0, 1),
@@ -510,6 +568,58 @@ def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None
         b"in the new queue",
     ]
     following.stop()
+
+
+def test_a_new_queues_start_is_fixed_when_the_batch_is_planned(tmp_path: Path) -> None:
+    """A queue new in a batch begins where latestOffset counted from, whatever retention
+    does before the batch's partitions are made or made again (a re-run after a restart):
+    the same ranges, and what retention took before the task read it is data loss."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 1000)
+    strict = reader(store, topics="orders,payments", startingOffsets="earliest")
+    begin = {"orders": strict.initialOffset()["orders"]}  # payments: new in the batch
+    end = strict.latestOffset(begin, ReadAllAvailable())
+    assert end[FROM] == {"payments": {"0": 0, "1": 0}}
+    planned = [(p.topic, p.queue_id, p.start, p.end) for p in strict.partitions(begin, end)]
+    assert ("payments", 1, 0, 200) in planned
+    with MessageStore.open(store, producer_config(6 * 4096)) as writer:
+        writer.apply_retention()
+        assert writer.queue_range("payments", 1)[0] > 0
+    again = strict.partitions(begin, end)
+    assert [(p.topic, p.queue_id, p.start, p.end) for p in again] == planned
+    part = next(p for p in again if (p.topic, p.queue_id) == ("payments", 1))
+    with pytest.raises(DataLossError, match=r"queue 1: offsets 0 to [0-9]+ were removed"):
+        list(read_range(strict.options, part))
+    strict.stop()
+    # control: a queue in the start offset begins there, as before
+    assert ("orders", 0, begin["orders"]["0"], end["orders"]["0"]) in planned
+
+
+def test_a_new_topics_start_goes_through_the_checkpoint(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """Spark keeps the end offset's FROM in the checkpoint and hands it back: the new topic
+    is read once, from its start, and a run with nothing new runs no batch."""
+    store, checkpoint = tmp_path / "store", tmp_path / "ck"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 50)
+    first = run(spark, store, checkpoint, topics="orders,fresh", startingOffsets="earliest")
+    assert sum(map(len, first.values())) == 30
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.create_topic("fresh", 1)
+        for i in range(3):
+            writer.send("fresh", b"fresh %d" % i)
+    second = run(spark, store, checkpoint, topics="orders,fresh")
+    assert rows(second) == [("fresh", 0, i, b"fresh %d" % i) for i in range(3)]
+    (batch,) = second
+    logged = (checkpoint / "offsets" / str(batch)).read_text()
+    assert '"@from": {"fresh": {"0": 0}}' in logged
+    assert run(spark, store, checkpoint, topics="orders,fresh") == {}
 
 
 def test_a_range_past_the_queues_end_is_data_loss(
@@ -562,6 +672,21 @@ def test_compaction_holes_are_not_data_loss(tmp_path: Path, spark: SparkSession)
 # local-cluster process of the tests (a cluster's start costs about 20 s).
 
 
+def test_the_producer_waits_at_its_gate_as_long_as_it_is_told(tmp_path: Path) -> None:
+    store, gate = tmp_path / "store", tmp_path / "gate"
+    create(store)
+    timing_out = producer(
+        store, "--count", 10, "--gate", gate, "--gate-at", 5, "--gate-timeout", "0.2"
+    )
+    out, _ = timing_out.communicate(timeout=WAIT)
+    assert (timing_out.returncode, out) == (EXIT_GATE_TIMEOUT, "GATE\n")
+    gate.touch()  # control: an open gate lets it finish
+    assert (
+        finish(producer(store, "--count", 10, "--gate", gate, "--gate-at", 5)) == "GATE\nDONE 10\n"
+    )
+    assert GATE_TIMEOUT >= WAIT
+
+
 # --- (g) options ---------------------------------------------------------------------------
 
 
@@ -575,6 +700,13 @@ def test_compaction_holes_are_not_data_loss(tmp_path: Path, spark: SparkSession)
         ({"topics": "orders", "startingOffsets": "newest"}, "startingOffsets"),
         ({"topics": "orders", "startingOffsets": '{"orders": {"x": 1}}'}, "startingOffsets"),
         ({"topics": "orders", "startingOffsets": '{"orders": {"0": -3}}'}, "startingOffsets"),
+        ({"topics": "orders", "startingOffsets": '{"orders": {"²": 0}}'}, "queue id '²'"),
+        ({"topics": "orders", "startingOffsets": '{"orders": {"2147483648": 0}}'}, "queue id"),
+        (
+            {"topics": "orders", "startingOffsets": '{"orders": {"0": 9223372036854775808}}'},
+            "offset",
+        ),
+        ({"topics": "orders", "maxTriggerDelay": "1" + "0" * 400 + "s"}, "maxTriggerDelay"),
         ({"topics": "orders", "maxOffsetsPerTrigger": "0"}, "maxOffsetsPerTrigger"),
         ({"topics": "orders", "maxOffsetsPerTrigger": "ten"}, "maxOffsetsPerTrigger"),
         (

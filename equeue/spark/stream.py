@@ -1,7 +1,8 @@
 """``spark.readStream.format("equeue")``: a store's topics as a Structured Streaming source.
 
 Modelled on Spark's Kafka source. An offset is ``{topic: {queue_id: next_offset}}`` (queue
-ids as strings: Spark keeps offsets as JSON in the query's checkpoint), so a query
+ids as strings: Spark keeps offsets as JSON in the query's checkpoint), and under ``FROM``
+where a batch begins a queue that is not at the start offset (a new queue), so a query
 restarted from its checkpoint goes on exactly where its last committed batch ended, and a
 batch run again reads the same ranges. A micro-batch has one partition per
 (topic, queue, start, end); executors read it through a read-only ``MessageStore``
@@ -30,11 +31,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
@@ -49,13 +52,12 @@ from pyspark.sql.types import StructType
 from equeue.errors import (
     DataLossError,
     EQueueError,
-    PositionError,
     SparkOptionError,
     SparkSchemaError,
     TopicNotFoundError,
 )
-from equeue.format.message import MESSAGE_HEAD
-from equeue.spark.source import MESSAGE_SCHEMA
+from equeue.spark.columns import MESSAGE_FIELDS
+from equeue.spark.source import BATCH_ROWS, MESSAGE_SCHEMA
 from equeue.store.types import Message
 
 if TYPE_CHECKING:
@@ -64,11 +66,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Offsets = dict[str, dict[str, int]]  # topic -> queue id (a string) -> next offset
+# In a batch's end offset: {topic: {queue: offset}} where the batch begins a queue other
+# than at the start offset (a new queue, a topic created again, offsets retention took).
+# Not a topic name: those are [A-Za-z0-9._-].
+FROM: Final = "@from"
 
 EARLIEST: Final = -2
 LATEST: Final = -1
 PULL_COUNT: Final = 4096  # messages per pull on an executor
-BATCH_ROWS: Final = 16_384  # rows per Arrow record batch
 DEFAULT_TRIGGER_DELAY: Final = 15 * 60.0  # seconds, as Kafka's maxTriggerDelay
 OPTIONS: Final = (
     "path",
@@ -81,24 +86,12 @@ OPTIONS: Final = (
     "failOnDataLoss",
 )
 _KNOWN: Final = {name.lower(): name for name in OPTIONS}
+_INT32_MAX: Final = (1 << 31) - 1  # the queue_id column is an int, queue_offset a long
+_INT64_MAX: Final = (1 << 63) - 1
 _DELAY: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*")
 _UNIT: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
-_ARROW: Final = pa.schema(
-    [
-        ("topic", pa.string()),
-        ("queue_id", pa.int32()),
-        ("queue_offset", pa.int64()),
-        ("position", pa.int64()),
-        ("message_id", pa.string()),
-        ("tag", pa.string()),
-        ("key", pa.string()),
-        ("properties", pa.map_(pa.string(), pa.string())),
-        ("body", pa.binary()),
-        ("created_at", pa.timestamp("us", tz="UTC")),
-        ("stored_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
+_ARROW: Final = MESSAGE_FIELDS  # the batch source's columns, all of them
 
 
 class QueueRange(InputPartition):
@@ -198,9 +191,10 @@ def _offsets_json(text: str) -> dict[str, dict[str, int]]:
             raise bad(f"topic {topic!r} maps to {queues!r}, not to an object of queue ids")
         out[topic] = {}
         for queue, offset in queues.items():
-            if not (isinstance(queue, str) and queue.isdigit()):
-                raise bad(f"queue id {queue!r} of topic {topic!r} is not a number")
-            if type(offset) is not int or offset < EARLIEST:
+            # isdigit() alone lets "²" through (a digit to Unicode, not to int()).
+            if not (queue.isascii() and queue.isdigit() and int(queue) <= _INT32_MAX):
+                raise bad(f"queue id {queue!r} of topic {topic!r} is not a queue number")
+            if type(offset) is not int or not EARLIEST <= offset <= _INT64_MAX:
                 raise bad(f"offset {offset!r} of {topic}/{queue} is not -2, -1 or an offset")
             out[topic][str(int(queue))] = offset
     return out
@@ -227,17 +221,23 @@ def _delay(text: str | None) -> float:
         raise SparkOptionError(
             f"option maxTriggerDelay={text!r}: it must be a duration like '15m', '30s', '500ms'"
         )
-    return float(match.group(1)) * _UNIT[match.group(2) or "ms"]
+    seconds = float(match.group(1)) * _UNIT[match.group(2) or "ms"]
+    if not math.isfinite(seconds):
+        raise SparkOptionError(f"option maxTriggerDelay={text!r}: it is too long to be a duration")
+    return seconds
 
 
-def ordered(offsets: Mapping[str, Mapping[str, int]]) -> Offsets:
+def ordered(offsets: Mapping[str, Any]) -> dict[str, Any]:
     """``offsets`` with topics and queues in one order: Spark compares offsets as JSON text,
     so an unchanged offset must serialize the same."""
-    return {
+    out: dict[str, Any] = {
         t: {q: offsets[t][q] for q in sorted(offsets[t], key=int)}
         for t in sorted(offsets)
-        if offsets[t]
+        if offsets[t] and t != FROM
     }
+    if offsets.get(FROM):
+        out[FROM] = ordered(offsets[FROM])
+    return out
 
 
 class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -327,7 +327,8 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ranges = self._ranges()
         bases: Offsets = {}  # where each queue's next batch begins
         ends: Offsets = {}  # how far it may go
-        for topic in sorted(set(start) | set(ranges)):
+        moved: Offsets = {}  # queues whose batch does not begin at start's offset
+        for topic in sorted((set(start) - {FROM}) | set(ranges)):
             known = start.get(topic, {})
             queues = ranges.get(topic)
             if queues is None:
@@ -349,6 +350,8 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     next_ = max(base, min(next_, self._target.get(topic, {}).get(queue, base)))
                 bases.setdefault(topic, {})[queue] = base
                 ends.setdefault(topic, {})[queue] = next_
+                if base != known.get(queue):
+                    moved.setdefault(topic, {})[queue] = base
         available = {(t, q): ends[t][q] - b for t, qs in bases.items() for q, b in qs.items()}
         total = sum(available.values())
         if isinstance(limit, ReadAllAvailable):
@@ -361,9 +364,17 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 return ordered(start)
             most = limit.max_rows if isinstance(limit, ReadMaxRows) else None
             takes = fair_shares(available, most)
-        end = {t: {q: b + takes[(t, q)] for q, b in qs.items()} for t, qs in bases.items()}
-        if ordered(end) != ordered(start):
-            self._last_batch = time.monotonic()
+        end: dict[str, Any] = {
+            t: {q: b + takes[(t, q)] for q, b in qs.items()} for t, qs in bases.items()
+        }
+        if ordered(end) == ordered({t: qs for t, qs in start.items() if t != FROM}):
+            return ordered(start)  # nothing new: the same offset, so no batch
+        self._last_batch = time.monotonic()
+        if moved:
+            # Where those queues begin is fixed now, in the batch's end offset (the
+            # checkpoint keeps it): a re-run reads the same rows, and what retention
+            # removes before the task reads is data loss, not a silent skip.
+            end[FROM] = moved
         return ordered(end)
 
     def _lost_topic(self, topic: str, queues: Mapping[str, int]) -> None:
@@ -394,12 +405,15 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[QueueRange]:
         out: list[QueueRange] = []
         ranges: dict[str, dict[str, tuple[int, int]]] | None = None
+        moved = end.get(FROM, {})
         for topic, queues in end.items():
+            if topic == FROM:
+                continue
             for queue, stop in queues.items():
-                begin = start.get(topic, {}).get(queue)
+                begin = moved.get(topic, {}).get(queue, start.get(topic, {}).get(queue))
                 if begin is None or begin > stop:
-                    # A queue that appeared in this batch (or was created again): from its
-                    # first offset, as latestOffset counted it.
+                    # An end offset without FROM (a checkpoint of an older version) for a
+                    # queue that appeared in the batch: from its first offset now.
                     ranges = self._ranges() if ranges is None else ranges
                     begin = min(ranges.get(topic, {}).get(queue, (stop, stop))[0], stop)
                 if begin < stop:
@@ -473,7 +487,6 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
             offset = first
         holes: list[tuple[int, int]] = []  # offsets with no message: compaction's, or lost
         pending: list[Message] = []
-        stamps: list[tuple[int, int]] = []
         while offset < end:
             try:
                 pulled = store.pull(topic, queue, offset, min(end - offset, PULL_COUNT))
@@ -496,16 +509,15 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                     holes.append((offset, message.queue_offset))
                 offset = message.queue_offset + 1
             pending += kept
-            stamps += _times(store, kept)
             if pulled.next_offset > offset:
                 stop = min(pulled.next_offset, end)
                 holes.append((offset, stop))
                 offset = stop
             while len(pending) >= BATCH_ROWS:
-                yield _batch(pending[:BATCH_ROWS], stamps[:BATCH_ROWS])
-                del pending[:BATCH_ROWS], stamps[:BATCH_ROWS]
+                yield _batch(pending[:BATCH_ROWS])
+                del pending[:BATCH_ROWS]
         if pending:
-            yield _batch(pending, stamps)
+            yield _batch(pending)
         if holes:
             # Retention removes a queue's oldest offsets: a hole now below its first offset
             # may be what retention removed while this task read (a compaction hole there
@@ -520,43 +532,25 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                 loss(lost_message(options.path, topic, queue, a, b))
 
 
-def _times(store: MessageStore, messages: list[Message]) -> list[tuple[int, int]]:
-    """(created, stored) of each message in µs, cut from the int64 nanoseconds of its record
-    as the batch source cuts them: Message's float seconds cannot give them exactly (a
-    float holds 1.7e18 ns to about 240 ns), and the two sources must give equal rows."""
-    manager = store._messages  # (the public API gives the times only as floats)
-    unpack = MESSAGE_HEAD.unpack_from
-    out: list[tuple[int, int]] = []
-    i = 0
-    while i < len(messages):  # a run of messages in one chunk at a time
-        try:
-            chunk = manager.get_chunk_for(messages[i].position)
-            base, stop = chunk.base, chunk.end_position
-            j = i + 1
-            while j < len(messages) and messages[j].position < stop:
-                j += 1
-            heads = [unpack(p) for p in chunk.read_many([m.position - base for m in messages[i:j]])]
-            out += [(head[2] // 1000, head[1] // 1000) for head in heads]
-            i = j
-        except PositionError:  # removed since the pull read it: the float's nearest µs
-            m = messages[i]
-            out.append((round(m.created_at * 1_000_000), round(m.stored_at * 1_000_000)))
-            i += 1
-    return out
+def _batch(messages: list[Message]) -> pa.RecordBatch:
+    """The rows of ``messages``: the columns are Message's fields by name, the times its
+    int64 nanoseconds floored to µs (``us``), as the batch source builds them."""
+    fields = list(zip(*messages, strict=True))
+    columns: list[Any] = [fields[_FIELD[name]] for name in _ARROW.names[:-2]]
+    columns += [us(fields[_FIELD["created_ns"]]), us(fields[_FIELD["stored_ns"]])]
+    return pa.RecordBatch.from_arrays(
+        [pa.array(values, field.type) for values, field in zip(columns, _ARROW, strict=True)],
+        schema=_ARROW,
+    )
 
 
 _FIELD: Final = {name: i for i, name in enumerate(Message._fields)}
 
 
-def _batch(messages: list[Message], stamps: list[tuple[int, int]]) -> pa.RecordBatch:
-    """The rows of ``messages`` (the columns are Message's fields by name, but the times)."""
-    fields = list(zip(*messages, strict=True))
-    columns: list[Sequence[Any]] = [fields[_FIELD[name]] for name in _ARROW.names[:-2]]
-    columns += list(zip(*stamps, strict=True))
-    return pa.RecordBatch.from_arrays(
-        [pa.array(values, field.type) for values, field in zip(columns, _ARROW, strict=True)],
-        schema=_ARROW,
-    )
+def us(nanoseconds: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Int64 nanoseconds to µs, floored: the batch source's conversion (columns.py's
+    ``record_columns_py``, the C accelerator's ``floor_us``), so both give equal rows."""
+    return np.floor_divide(np.asarray(nanoseconds, np.int64), 1000)
 
 
 __all__ = ["MESSAGE_SCHEMA", "EqueueStreamReader", "QueueRange", "StreamOptions", "fair_shares"]

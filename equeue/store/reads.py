@@ -258,6 +258,8 @@ class LogReader:
             payload[p + pl :],
             created / 1e9,
             stored / 1e9,
+            created,
+            stored,
         )
 
 

@@ -28,7 +28,9 @@ class Message(NamedTuple):
 
     ``key`` is None for a message sent without one; ``code`` is the sender's int;
     ``created_at`` and ``stored_at`` are seconds since the epoch (floats from int64
-    nanoseconds: when the message was made, and when it was appended to the log).
+    nanoseconds: when the message was made, and when it was appended to the log);
+    ``created_ns`` and ``stored_ns`` are those int64 nanoseconds, exact (a float holds
+    today's times to about 240 ns).
     """
 
     message_id: str
@@ -43,6 +45,8 @@ class Message(NamedTuple):
     body: bytes
     created_at: float
     stored_at: float
+    created_ns: int
+    stored_ns: int
 
 
 class PullResult:
