@@ -112,7 +112,7 @@ PyObject *decode_run(PyObject *self, PyObject *args) {
             PyErr_Clear();
             continue;
         }
-        PyObject *fields[14] = {
+        PyObject *fields[12] = {
             message_id(id_prefix, position),
             topic,
             PyLong_FromLong(get_i32(h + 32)),
@@ -123,12 +123,10 @@ PyObject *decode_run(PyObject *self, PyObject *args) {
             props,
             PyLong_FromLong(get_i32(h + 36)),
             PyBytes_FromStringAndSize(s, bl),
-            PyFloat_FromDouble((double)get_i64(h + 16) / 1e9),
-            PyFloat_FromDouble((double)get_i64(h + 8) / 1e9),
             PyLong_FromLongLong(get_i64(h + 16)),
             PyLong_FromLongLong(get_i64(h + 8)),
         };
-        PyObject *message = new_record((PyTypeObject *)message_type, 14, fields);
+        PyObject *message = new_record((PyTypeObject *)message_type, 12, fields);
         if (message == NULL) goto fail;
         PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)get_u32(h + 40));
         if (pair == NULL) goto fail;

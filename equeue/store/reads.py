@@ -256,8 +256,6 @@ class LogReader:
             props,
             code,
             payload[p + pl :],
-            created / 1e9,
-            stored / 1e9,
             created,
             stored,
         )

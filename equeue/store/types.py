@@ -27,10 +27,10 @@ class Message(NamedTuple):
     """A stored message, as ``pull``, ``get``, ``read`` and ``query_by_key`` return it.
 
     ``key`` is None for a message sent without one; ``code`` is the sender's int;
-    ``created_at`` and ``stored_at`` are seconds since the epoch (floats from int64
-    nanoseconds: when the message was made, and when it was appended to the log);
-    ``created_ns`` and ``stored_ns`` are those int64 nanoseconds, exact (a float holds
-    today's times to about 240 ns).
+    ``created_ns`` and ``stored_ns`` are int64 nanoseconds since the epoch, exact: when
+    the message was made, and when it was appended to the log. ``created_at`` and
+    ``stored_at`` are the same in float seconds (a float holds today's times to about
+    240 ns), computed when asked for: a pull builds no float.
     """
 
     message_id: str
@@ -43,10 +43,16 @@ class Message(NamedTuple):
     properties: dict[str, str]
     code: int
     body: bytes
-    created_at: float
-    stored_at: float
     created_ns: int
     stored_ns: int
+
+    @property
+    def created_at(self) -> float:
+        return self.created_ns / 1e9
+
+    @property
+    def stored_at(self) -> float:
+        return self.stored_ns / 1e9
 
 
 class PullResult:
