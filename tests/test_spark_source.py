@@ -387,6 +387,8 @@ def test_a_deleted_topic_is_left_out_whatever_filter_is_pushed(tmp_path: Path) -
         opened.send("t", b"new2", key="")
     with MessageStore.open(tmp_path, read_only=True) as opened:  # what the store's API gives
         assert [m.body for m in opened.query_by_key("t", "k")] == [b"new1"]
+        by_key = opened.query_by_key("t", "k")
+        assert opened.key_positions("t", "k") == [m.position for m in by_key]
         pulled = [m.body for q in opened.queue_ids("t") for m in opened.pull("t", q, 0).messages]
         assert sorted(pulled) == [b"new1", b"new2"]
     pushes: list[list[Filter]] = [
