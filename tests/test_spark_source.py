@@ -540,8 +540,23 @@ def test_compacted_chunks_read_by_scan_and_by_key(tmp_path: Path, spark: SparkSe
         s.create_topic("k", 2, cleanup="compact")
         for _ in range(400):
             s.send("k", rng.randbytes(rng.randrange(1, 60)), key=f"key-{rng.randrange(15)}")
+    before = reference(tmp_path)
+    # Plans made before the compaction install, read after it (their files replaced).
+    pushes: dict[str, list[Filter]] = {"scan": [], "key": [EqualTo(("key",), "key-3")]}
+    planned = {name: read_in_process(tmp_path, filters) for name, filters in pushes.items()}
     report = compact(tmp_path, spark=spark, now=time.time() + 1)
     assert report.records_removed > 0
+    after = reference(tmp_path)
+    assert len(after) < len(before)
+    gone = [
+        p
+        for _, (parts, _) in planned.values()
+        for p in parts
+        if isinstance(p, source.ChunkPartition) and not Path(p.path).exists()
+    ]
+    assert gone  # the control: the plans name files the install removed
+    assert as_rows(planned["scan"][1][1]) == after  # the survivors, each once
+    assert as_rows(planned["key"][1][1]) == {p: r for p, r in after.items() if r["key"] == "key-3"}
     chunks = [ChunkFile.open(p, e) for p, e in source.store_snapshot(str(tmp_path))[1]]
     assert any(c.compacted for c in chunks)
     want = reference(tmp_path)

@@ -28,8 +28,9 @@ Without ``chunks`` the store is opened read-only on the driver, beside a
 running writer if there is one; its ongoing chunk is read up to the
 committed end seen then. A deleted topic's records (the log keeps them until
 retention) are left out on every path, as pull and query_by_key leave them out.
-A chunk removed between planning and a task (retention, a compaction install)
-fails the task with ChunkRemovedError: re-run the query.
+A chunk a compaction install replaced between planning and a task is read from its
+new version (read_chunk); one retention removed fails the task with
+ChunkRemovedError: re-run the query.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import bisect
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
@@ -61,6 +63,7 @@ from equeue.format.chunk import (
     HEADER_SIZE,
     MAX_RECORD_LENGTH,
     frame_problem,
+    parse_chunk_file_name,
 )
 from equeue.format.message import (
     FLAG_HAS_KEY,
@@ -103,28 +106,38 @@ _ARROW_META: Final = pa.schema(
 )
 
 
+Span = tuple[int, int]  # the log positions [start, end) a chunk file covers
+
+
 class ChunkPartition(InputPartition):
     """A chunk to read: all its records up to ``data_end``. ``deleted``: topic: log position
-    of its deletion (the store's ``deleted_topics()``), the records to leave out."""
+    of its deletion (the store's ``deleted_topics()``), the records to leave out. ``span``:
+    the positions it covers, to find them in a compacted version installed since."""
 
     def __init__(
-        self, path: str, data_end: int, store_id: int, deleted: Mapping[str, int] | None = None
+        self,
+        path: str,
+        data_end: int,
+        store_id: int,
+        deleted: Mapping[str, int] | None = None,
+        span: Span | None = None,
     ) -> None:
         super().__init__(path)
         self.path = path
         self.data_end = data_end
         self.store_id = store_id
         self.deleted = dict(deleted or {})
+        self.span = span
 
 
 class IndexedPartition(InputPartition):
     """Records an index named (the key index, a queue's index), in a range of chunks: for
-    each, (path, data_end, data offsets of the records). One task reads a few records of
-    many chunks where a partition per chunk would cost a task each."""
+    each, (path, data_end, data offsets of the records, span). One task reads a few
+    records of many chunks where a partition per chunk would cost a task each."""
 
     def __init__(
         self,
-        reads: list[tuple[str, int, list[int]]],
+        reads: list[tuple[str, int, list[int], Span]],
         store_id: int,
         deleted: Mapping[str, int] | None = None,
     ) -> None:
@@ -231,15 +244,88 @@ class EqueueReader(DataSourceReader):
             # Spark reads a plan of no partitions (filters no chunk can match) as one
             # partition of its own making.
             return iter(())
-        return _gone_as_removed(partition.path, self._scan(partition, keep))
-
-    def _scan(self, partition: ChunkPartition, keep: RowFilter | None) -> Iterator[pa.RecordBatch]:
-        chunk = ChunkFile.open(partition.path, partition.data_end)
         if self.meta:
-            yield from meta_batches(chunk)
-        else:
-            keep = visible(partition.deleted, keep)
-            yield from scan(chunk, partition.store_id, self.columns, keep)
+            path = partition.path
+            return _gone_as_removed(path, meta_batches(_open_chunk(path, partition.data_end)))
+        store_id, columns = partition.store_id, self.columns
+        return read_chunk(
+            partition.path,
+            partition.data_end,
+            partition.span,
+            visible(partition.deleted, keep),
+            lambda chunk, keep: scan(chunk, store_id, columns, keep),
+            columns,
+            store_id,
+        )
+
+
+def read_chunk(
+    path: str,
+    data_end: int,
+    span: Span | None,
+    keep: RowFilter | None,
+    read: Callable[[ChunkFile, RowFilter | None], Iterator[pa.RecordBatch]],
+    columns: Sequence[str],
+    store_id: int,
+) -> Iterator[pa.RecordBatch]:
+    """``read`` of the chunk file planned. If it is gone: a compaction install replaced it
+    since, and the survivors of its ``span`` are read from the new version (a query then
+    reads that chunk as compacted, as if planned a moment later; each record once, and no
+    record compaction removed); or retention removed it: ChunkRemovedError, re-run."""
+    started = False
+    try:
+        for batch in read(ChunkFile.open(path, data_end), keep):
+            started = True
+            yield batch
+        return
+    except FileNotFoundError:
+        if started or os.path.exists(path):
+            raise _removed(path) from None
+    found = None if span is None else _replacement(path, span)
+    if found is None:
+        raise _removed(path)
+    batches = scan(found, store_id, columns, _within(span, keep))
+    yield from _gone_as_removed(str(found.path), batches)
+
+
+def _replacement(path: str, span: Span) -> ChunkFile | None:
+    """The newest compacted version, beside ``path``, that covers the first position of
+    ``span`` (compaction's replacement has a higher version than the files it replaces,
+    and covers their chunk numbers: equeue/format/chunk.py), or None."""
+    where = Path(path)
+    old = parse_chunk_file_name(where.name)
+    try:
+        names = os.listdir(where.parent)
+    except OSError:
+        return None
+    best: tuple[int, ChunkFile] | None = None
+    for name in names:
+        found = parse_chunk_file_name(name)
+        if old is None or found is None or found[1] <= old[1]:
+            continue
+        try:
+            chunk = ChunkFile.open(where.parent / name)
+        except FileNotFoundError:
+            continue  # replaced again, or retention: the next name, or none
+        header = chunk.header
+        covers = header.start_position <= span[0] < header.end_position
+        if covers and chunk.compacted and (best is None or found[1] > best[0]):
+            best = (found[1], chunk)
+    return None if best is None else best[1]
+
+
+def _within(span: Span | None, keep: RowFilter | None) -> RowFilter | None:
+    """``keep`` and the rows whose position lies in ``span``."""
+    if span is None:
+        return keep
+    lo, hi = span
+
+    def kept(heads: Mapping[str, pa.Array]) -> pa.Array:
+        position = heads["position"]
+        mask = pc.and_(pc.greater_equal(position, lo), pc.less(position, hi))
+        return mask if keep is None else pc.and_kleene(mask, keep(heads))
+
+    return kept
 
 
 def _gone_as_removed(path: str, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -248,8 +334,6 @@ def _gone_as_removed(path: str, batches: Iterator[pa.RecordBatch]) -> Iterator[p
     try:
         yield from batches
     except FileNotFoundError:
-        if os.path.exists(path):
-            raise
         raise _removed(path) from None
 
 
@@ -294,15 +378,16 @@ def plan(store: str, pushed: Pushed) -> list[InputPartition]:
     lo, hi = pushed.range("stored_at")
     chunks: list[ChunkFile] = []
     for path, end in files:
-        chunk = _gone_as_removed_open(path, end)
+        chunk = _open_chunk(path, end)
         if _may_hold(chunk, lo, hi):
             chunks.append(chunk)
     parts: list[InputPartition] = []
-    reads: list[tuple[str, int, list[int]]] = []
+    reads: list[tuple[str, int, list[int], Span]] = []
     count = 0
     for c in chunks:
+        span = (c.header.start_position, c.header.end_position)
         if positions is None:
-            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted))
+            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted, span))
             continue
         base = c.header.chunk_start_number * c.header.chunk_data_size
         first = bisect.bisect_left(positions, base)
@@ -310,10 +395,10 @@ def plan(store: str, pushed: Pushed) -> list[InputPartition]:
         if first == last:
             continue
         if c.compacted:  # its position map would translate them: read it all, filtered
-            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted))
+            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted, span))
             continue
         at = [p - base for p in positions[first:last] if p - base < c.data_end]
-        reads.append((str(c.path), c.data_end, at))
+        reads.append((str(c.path), c.data_end, at, span))
         count += len(at)
         if count >= INDEXED_PER_PARTITION:
             parts.append(IndexedPartition(reads, store_id, deleted))
@@ -323,7 +408,7 @@ def plan(store: str, pushed: Pushed) -> list[InputPartition]:
     return parts
 
 
-def _gone_as_removed_open(path: str, data_end: int) -> ChunkFile:
+def _open_chunk(path: str, data_end: int) -> ChunkFile:
     try:
         return ChunkFile.open(path, data_end)
     except FileNotFoundError:
@@ -399,10 +484,16 @@ def scan(
 def indexed(
     partition: IndexedPartition, columns: Sequence[str], keep: RowFilter | None
 ) -> Iterator[pa.RecordBatch]:
-    for path, data_end, at in partition.reads:
-        chunk = _gone_as_removed_open(path, data_end)
-        batches = records_at(chunk, at, partition.store_id, columns, keep)
-        yield from _gone_as_removed(path, batches)
+    store_id = partition.store_id
+    for path, data_end, at, span in partition.reads:
+        read = _records_reader(at, store_id, columns)
+        yield from read_chunk(path, data_end, span, keep, read, columns, store_id)
+
+
+def _records_reader(
+    at: Sequence[int], store_id: int, columns: Sequence[str]
+) -> Callable[[ChunkFile, RowFilter | None], Iterator[pa.RecordBatch]]:
+    return lambda chunk, keep: records_at(chunk, at, store_id, columns, keep)
 
 
 def records_at(
