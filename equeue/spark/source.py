@@ -279,7 +279,7 @@ def read_chunk(
             yield batch
         return
     except FileNotFoundError:
-        if started or os.path.exists(path):
+        if started:  # (an open file stays readable: not seen, but not assumed away)
             raise _removed(path) from None
     found = None if span is None else _replacement(path, span)
     if found is None:
