@@ -5,6 +5,7 @@ and the reads it saves), damage reported with file and offset."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import random
 import struct
 import time
@@ -31,7 +32,12 @@ from pyspark.sql.datasource import (
 
 from equeue import MessageStore, StoreConfig, speedups
 from equeue.chunks.stream import ChunkFile
-from equeue.errors import CorruptionError, CorruptRecordError, SparkOptionError
+from equeue.errors import (
+    ChunkRemovedError,
+    CorruptionError,
+    CorruptRecordError,
+    SparkOptionError,
+)
 from equeue.format.chunk import FRAME_PREFIX_SIZE, HEADER_SIZE, record_checksum
 from equeue.format.message import MessageLogRecord
 from equeue.spark import source
@@ -60,8 +66,13 @@ def fill(path: Path, messages: int = 1500, seed: int = 7) -> None:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three topics, one of them ("audit") deleted and created again midway: the log
+    still holds the deleted topic's records, which no read may return."""
     path = tmp_path_factory.mktemp("source") / "store"
-    fill(path)
+    fill(path, 750)
+    with MessageStore.open(path) as opened:
+        opened.delete_topic("audit")
+    fill(path, 750, seed=8)
     return path
 
 
@@ -69,10 +80,14 @@ def reference(path: Path) -> dict[int, dict[str, Any]]:
     """Every message as a row, by position: each record unpacked alone, as the store's own
     reads do (MessageLogRecord), not by the code under test."""
     store_id, chunks = source.store_snapshot(str(path))
+    with MessageStore.open(path, read_only=True) as opened:
+        deleted = opened.deleted_topics()
     rows: dict[int, dict[str, Any]] = {}
     for chunk_path, end in chunks:
         for _, payload in ChunkFile.open(chunk_path, end).records():
             r = MessageLogRecord.unpack(payload)
+            if r.log_position < deleted.get(r.topic, 0):
+                continue  # the deleted topic's, as pull and query_by_key hide them
             rows[r.log_position] = {
                 "topic": r.topic,
                 "queue_id": r.queue_id,
@@ -221,12 +236,17 @@ def test_columns_option_builds_only_those(store: Path, monkeypatch: pytest.Monke
 
 
 def _local(us: int) -> dt.datetime:
-    """A Spark timestamp as Spark hands it to Python: a naive datetime in local time."""
+    """A Spark timestamp as ``collect()`` hands it to Python: a naive local datetime."""
     return (EPOCH + dt.timedelta(microseconds=us)).astimezone().replace(tzinfo=None)
 
 
+def _utc(us: int) -> dt.datetime:
+    """A Spark timestamp as Spark 4.3 hands a pushed filter's value: aware, in UTC."""
+    return EPOCH + dt.timedelta(microseconds=us)
+
+
 def _value(column: str, v: Any) -> Any:
-    return _local(v) if column in ("stored_at", "created_at") else v
+    return _utc(v) if column in ("stored_at", "created_at") else v
 
 
 def holds(f: Filter, row: dict[str, Any]) -> bool:
@@ -238,7 +258,7 @@ def holds(f: Filter, row: dict[str, Any]) -> bool:
     if v is None:
         return False
     if column in ("stored_at", "created_at"):
-        v = _local(v)
+        v = _utc(v)
     if isinstance(f, EqualTo):
         return bool(v == f.value)
     if isinstance(f, In):
@@ -357,6 +377,98 @@ def test_key_and_queue_filters_read_only_indexed_records(store: Path) -> None:
     assert read_in_process(store, [EqualTo(("key",), "absent")])[1][0] == []
 
 
+def test_a_deleted_topic_is_left_out_whatever_filter_is_pushed(tmp_path: Path) -> None:
+    with MessageStore.open(tmp_path) as opened:
+        opened.send("t", b"old1", key="k")
+        opened.send("t", b"old2")
+        opened.send("u", b"other", key="k")
+        opened.delete_topic("t")
+        opened.send("t", b"new1", key="k")
+        opened.send("t", b"new2", key="")
+    with MessageStore.open(tmp_path, read_only=True) as opened:  # what the store's API gives
+        assert [m.body for m in opened.query_by_key("t", "k")] == [b"new1"]
+        by_key = opened.query_by_key("t", "k")
+        assert opened.key_positions("t", "k") == [m.position for m in by_key]
+        pulled = [m.body for q in opened.queue_ids("t") for m in opened.pull("t", q, 0).messages]
+        assert sorted(pulled) == [b"new1", b"new2"]
+    pushes: list[list[Filter]] = [
+        [],  # a scan
+        [EqualTo(("topic",), "t")],  # a scan, filtered
+        [EqualTo(("key",), "k")],  # the key index
+        [EqualTo(("topic",), "t"), In(("queue_id",), (0, 1, 2, 3))],  # the queues' index
+        [EqualTo(("topic",), "t"), GreaterThan(("queue_id",), -1)],  # a scan: no index
+    ]
+    for filters in pushes:
+        _, (_, batches) = read_in_process(tmp_path, filters, columns="topic,body")
+        bodies = sorted(r["body"] for r in as_rows(batches).values())
+        want = [b"new1", b"new2"] if filters else [b"new1", b"new2", b"other"]
+        assert bodies == (want if filters != pushes[2] else [b"new1", b"other"]), filters
+
+
+def test_an_index_read_is_batched_by_bytes_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Messages an index names are read a block's bytes at a time, as a scan reads them,
+    not BATCH_ROWS whole messages at once (300 keyed 1 MiB bodies were one 255 MiB
+    batch)."""
+    with MessageStore.open(tmp_path, StoreConfig(chunk_data_size=4 << 20)) as opened:
+        for i in range(40):
+            opened.send("t", bytes([i]) * 20_000, key="k")
+    monkeypatch.setattr(source, "BLOCK_SIZE", 64 * 1024)
+    left, (parts, batches) = read_in_process(tmp_path, [EqualTo(("key",), "k")], columns="body")
+    assert left == [] and isinstance(parts[0], source.IndexedPartition)
+    sizes = [(b.num_rows, sum(len(v) for v in b.column(0).to_pylist())) for b in batches]
+    assert sum(n for n, _ in sizes) == 40 and len(sizes) > 1  # the control: every row
+    assert max(size for _, size in sizes) <= 64 * 1024 + 20_000  # a block, and a frame
+
+
+def test_a_chunk_retention_removed_after_planning_is_named(tmp_path: Path) -> None:
+    config = StoreConfig(chunk_data_size=64 * 1024, retention=dt.timedelta(seconds=1))
+    pushes: list[tuple[str, list[Filter]]] = [("scan", []), ("key", [EqualTo(("key",), "k1")])]
+    for name, filters in pushes:
+        path = tmp_path / name
+        with MessageStore.open(path, config) as opened:
+            for i in range(300):
+                opened.send("t", bytes(900), key=f"k{i % 3}")
+        chunks = source.store_snapshot(str(path))[1]
+        reader = source.EqueueReader({"path": str(path), "columns": "key"})
+        assert list(reader.pushFilters(filters)) == []
+        parts = reader.partitions()
+        # The control: the plan reads every row while its chunks are there.
+        rows = sum(b.num_rows for p in parts for b in reader.read(p))
+        assert rows == (300 if not filters else 100)
+        with MessageStore.open(path, config) as opened:
+            assert opened.apply_retention(now=time.time() + 60) > 0
+            assert len(opened.chunk_files()) == 1 < len(chunks)
+        with pytest.raises(ChunkRemovedError, match=r"chunk-0+\.0+ was removed.*re-run") as e:
+            for part in parts:
+                list(reader.read(part))
+        assert chunks[0][0] in str(e.value)
+
+
+def test_options_are_checked_when_the_reader_is_made(store: Path) -> None:
+    given = {"path": str(store)}
+    for options, problem in [
+        ({"colums": "topic"}, "unknown option 'colums'.*path, fields, columns"),
+        ({"jobId": "x"}, "unknown option 'jobId'"),
+        ({"store_id": "abc"}, "store_id='abc'"),
+        ({"store_id": "²"}, "store_id='²'"),
+        ({"store_id": str(1 << 32)}, "store_id"),
+        ({"chunks": "nope"}, "chunks='nope'.*JSON list"),
+        ({"chunks": "[[1]]"}, "chunks"),
+        ({"chunks": '[["a", -1]]'}, "chunks"),
+        ({"chunks": '{"a": 1}'}, "chunks"),
+    ]:
+        with pytest.raises(SparkOptionError, match=problem):
+            source.EqueueReader({**given, **options})
+    # The control: known options, in any case (Spark's options are case-insensitive).
+    _, chunks = source.store_snapshot(str(store))
+    reader = source.EqueueReader(
+        {**given, "COLUMNS": "topic", "store_id": "7", "chunks": json.dumps(chunks[:1])}
+    )
+    assert len(reader.partitions()) == 1
+
+
 def _record(row: dict[str, Any]) -> dict[str, Any]:
     return {
         "log_position": row["position"],
@@ -428,8 +540,23 @@ def test_compacted_chunks_read_by_scan_and_by_key(tmp_path: Path, spark: SparkSe
         s.create_topic("k", 2, cleanup="compact")
         for _ in range(400):
             s.send("k", rng.randbytes(rng.randrange(1, 60)), key=f"key-{rng.randrange(15)}")
+    before = reference(tmp_path)
+    # Plans made before the compaction install, read after it (their files replaced).
+    pushes: dict[str, list[Filter]] = {"scan": [], "key": [EqualTo(("key",), "key-3")]}
+    planned = {name: read_in_process(tmp_path, filters) for name, filters in pushes.items()}
     report = compact(tmp_path, spark=spark, now=time.time() + 1)
     assert report.records_removed > 0
+    after = reference(tmp_path)
+    assert len(after) < len(before)
+    gone = [
+        p
+        for _, (parts, _) in planned.values()
+        for p in parts
+        if isinstance(p, source.ChunkPartition) and not Path(p.path).exists()
+    ]
+    assert gone  # the control: the plans name files the install removed
+    assert as_rows(planned["scan"][1][1]) == after  # the survivors, each once
+    assert as_rows(planned["key"][1][1]) == {p: r for p, r in after.items() if r["key"] == "key-3"}
     chunks = [ChunkFile.open(p, e) for p, e in source.store_snapshot(str(tmp_path))[1]]
     assert any(c.compacted for c in chunks)
     want = reference(tmp_path)

@@ -78,21 +78,28 @@ _I64: Final = struct.Struct("<q")
 _U64: Final = (1 << 64) - 1  # as C formats a position: its 64 bits, unsigned
 
 
+def adds_up(buf: bytes, offset: int) -> tuple[Any, ...] | None:
+    """The message head of the frame at ``offset`` of ``buf`` if its lengths (head,
+    topic, tag, key, properties, body) add up to the frame's payload length within
+    ``buf``, else None: the check record_columns makes in C (arrowcols.c)."""
+    if offset < 0 or offset > len(buf) - FRAME_PREFIX_SIZE - MESSAGE_HEAD_SIZE:
+        return None
+    (n,) = FRAME_PREFIX.unpack_from(buf, offset)
+    start = offset + FRAME_PREFIX_SIZE
+    if n > len(buf) - start or n < MESSAGE_HEAD_SIZE:
+        return None
+    head = MESSAGE_HEAD.unpack_from(buf, start)
+    return head if MESSAGE_HEAD_SIZE + sum(head[8:13]) == n else None
+
+
 def _heads(buf: bytes, offsets: bytes) -> Iterator[tuple[int, tuple[Any, ...]]]:
     """(payload start, head fields) of each frame whose lengths add up, up to the first
     one that does not (record_columns's ``done``)."""
-    unpack = MESSAGE_HEAD.unpack_from
     for (offset,) in struct.iter_unpack("<q", offsets):
-        if offset < 0 or offset > len(buf) - FRAME_PREFIX_SIZE - MESSAGE_HEAD_SIZE:
+        head = adds_up(buf, offset)
+        if head is None:
             return
-        (n,) = FRAME_PREFIX.unpack_from(buf, offset)
-        start = offset + FRAME_PREFIX_SIZE
-        if n > len(buf) - start or n < MESSAGE_HEAD_SIZE:
-            return
-        head = unpack(buf, start)
-        if MESSAGE_HEAD_SIZE + sum(head[8:13]) != n:
-            return
-        yield start, head
+        yield offset + FRAME_PREFIX_SIZE, head
 
 
 def record_columns_py(buf: bytes, offsets: bytes, id_prefix: str) -> tuple[Any, ...]:

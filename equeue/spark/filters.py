@@ -31,23 +31,23 @@ STRING_COLUMNS: Final = frozenset({"topic", "tag", "key"})
 INT_COLUMNS: Final = frozenset({"queue_id", "queue_offset", "position"})
 TIME_COLUMNS: Final = frozenset({"stored_at", "created_at"})
 _COMPARISONS: Final = (EqualTo, GreaterThan, GreaterThanOrEqual, LessThan, LessThanOrEqual)
-_INT32: Final = (-(1 << 31), (1 << 31) - 1)
+INT32: Final = (-(1 << 31), (1 << 31) - 1)
 _INT64: Final = (-(1 << 63), (1 << 63) - 1)
 _EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _US: Final = dt.timedelta(microseconds=1)
 
 
 def _micros(value: dt.datetime) -> int:
-    """A Spark timestamp literal as µs since the epoch. Spark hands TimestampType values
-    to Python as naive datetimes in the local time zone (as ``collect()`` does), or aware
-    ones; a naive one is read as local time."""
+    """A Spark timestamp literal as µs since the epoch. Spark 4.3 hands a pushed filter's
+    TimestampType value to Python as an aware datetime in UTC; a naive one (as
+    ``collect()`` gives, in the session's local time zone) is read as local time."""
     if value.tzinfo is None:
         value = value.astimezone()  # local time, as Spark converted it
     return (value - _EPOCH) // _US
 
 
 def _limits(kind: pa.DataType) -> tuple[int, int]:
-    return _INT32 if kind == pa.int32() else _INT64
+    return INT32 if kind == pa.int32() else _INT64
 
 
 def _value(column: str, value: Any) -> int | str | None:
@@ -119,7 +119,7 @@ class Pushed:
 
     def _allow(self, column: str, values: frozenset[Any]) -> None:
         if column == "queue_id":  # an int32 column: other values match nothing
-            values = frozenset(v for v in values if _INT32[0] <= v <= _INT32[1])
+            values = frozenset(v for v in values if INT32[0] <= v <= INT32[1])
         old = self.values.get(column)
         self.values[column] = values if old is None else old & values
 

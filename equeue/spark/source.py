@@ -15,7 +15,10 @@ built column-wise in bulk (columns.py). Options:
   included. ``option("columns", "topic")`` makes ``groupBy("topic").count()`` read
   no body.
 - ``chunks``: a JSON list of ``[path, data_end]`` to read instead of listing
-  the store (the compaction job passes the snapshot it planned with).
+  the store (the compaction job passes the snapshot it planned with), with
+  ``store_id`` (the store's id, for ``message_id``).
+
+Other options are refused (SparkOptionError): a misspelt one would be ignored.
 
 Filters are pushed down (Spark >= 4.1, ``spark.sql.python.filterPushdown.enabled``,
 which ``equeue.spark.register`` sets; see filters.py for what is taken and
@@ -23,7 +26,11 @@ which ``equeue.spark.register`` sets; see filters.py for what is taken and
 
 Without ``chunks`` the store is opened read-only on the driver, beside a
 running writer if there is one; its ongoing chunk is read up to the
-committed end seen then.
+committed end seen then. A deleted topic's records (the log keeps them until
+retention) are left out on every path, as pull and query_by_key leave them out.
+A chunk a compaction install replaced between planning and a task is read from its
+new version (read_chunk); one retention removed fails the task with
+ChunkRemovedError: re-run the query.
 """
 
 from __future__ import annotations
@@ -32,15 +39,18 @@ import bisect
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import xxhash
 from pyspark.sql.datasource import DataSourceReader, Filter, InputPartition
 
-from equeue.chunks.stream import ChunkFile
+from equeue.chunks.stream import BLOCK_SIZE, ChunkFile
 from equeue.errors import (
+    ChunkRemovedError,
     CorruptRecordError,
     InvalidMessageError,
     InvalidTypeError,
@@ -53,6 +63,7 @@ from equeue.format.chunk import (
     HEADER_SIZE,
     MAX_RECORD_LENGTH,
     frame_problem,
+    parse_chunk_file_name,
 )
 from equeue.format.message import (
     FLAG_HAS_KEY,
@@ -63,11 +74,12 @@ from equeue.safepath import open_file
 from equeue.spark.columns import (
     COLUMN_NAMES,
     RowFilter,
+    adds_up,
     block_batch,
     chunk_batches,
     spark_schema,
 )
-from equeue.spark.filters import Pushed
+from equeue.spark.filters import INT32, Pushed
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -78,6 +90,7 @@ META_SCHEMA: Final = (
     "stored_ns long, tombstone boolean, size int"
 )
 BATCH_ROWS: Final = 16_384
+OPTIONS: Final = ("path", "fields", "columns", "chunks", "store_id")  # Spark's "path" too
 
 _ARROW_META: Final = pa.schema(
     [
@@ -93,25 +106,45 @@ _ARROW_META: Final = pa.schema(
 )
 
 
-class ChunkPartition(InputPartition):
-    """A chunk to read: all its records up to ``data_end``."""
+Span = tuple[int, int]  # the log positions [start, end) a chunk file covers
 
-    def __init__(self, path: str, data_end: int, store_id: int) -> None:
+
+class ChunkPartition(InputPartition):
+    """A chunk to read: all its records up to ``data_end``. ``deleted``: topic: log position
+    of its deletion (the store's ``deleted_topics()``), the records to leave out. ``span``:
+    the positions it covers, to find them in a compacted version installed since."""
+
+    def __init__(
+        self,
+        path: str,
+        data_end: int,
+        store_id: int,
+        deleted: Mapping[str, int] | None = None,
+        span: Span | None = None,
+    ) -> None:
         super().__init__(path)
         self.path = path
         self.data_end = data_end
         self.store_id = store_id
+        self.deleted = dict(deleted or {})
+        self.span = span
 
 
 class IndexedPartition(InputPartition):
     """Records an index named (the key index, a queue's index), in a range of chunks: for
-    each, (path, data_end, data offsets of the records). One task reads a few records of
-    many chunks where a partition per chunk would cost a task each."""
+    each, (path, data_end, data offsets of the records, span). One task reads a few
+    records of many chunks where a partition per chunk would cost a task each."""
 
-    def __init__(self, reads: list[tuple[str, int, list[int]]], store_id: int) -> None:
+    def __init__(
+        self,
+        reads: list[tuple[str, int, list[int], Span]],
+        store_id: int,
+        deleted: Mapping[str, int] | None = None,
+    ) -> None:
         super().__init__(reads[0][0])
         self.reads = reads
         self.store_id = store_id
+        self.deleted = dict(deleted or {})
 
 
 def store_snapshot(store: str) -> tuple[int, list[tuple[str, int]]]:
@@ -119,8 +152,7 @@ def store_snapshot(store: str) -> tuple[int, list[tuple[str, int]]]:
     from equeue.store.store import MessageStore
 
     with MessageStore.open(store, read_only=True) as opened:
-        chunks = [(str(c.path), c.data_end) for c in opened._messages]
-        return opened.store_id, chunks
+        return opened.store_id, opened.chunk_files()
 
 
 def selected_columns(options: Mapping[str, str]) -> tuple[str, ...]:
@@ -150,14 +182,46 @@ def schema_for(options: Mapping[str, str]) -> str:
     return META_SCHEMA if fields == "meta" else spark_schema(columns)
 
 
+def _chunks_option(given: str) -> list[tuple[str, int]]:
+    try:
+        chunks = json.loads(given)
+        if isinstance(chunks, list):
+            pairs = [(p, e) for p, e in chunks if isinstance(p, str) and _is_int(e) and e >= 0]
+            if len(pairs) == len(chunks):
+                return pairs
+    except (ValueError, TypeError):  # not JSON, an item not a pair
+        pass
+    raise SparkOptionError(
+        f"option chunks={given[:200]!r}: it takes a JSON list of [path, data_end] "
+        "(a string and an integer >= 0)"
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class EqueueReader(DataSourceReader):
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: Mapping[str, str]) -> None:
+        unknown = sorted(k for k in options if k.lower() not in OPTIONS)
+        if unknown:
+            raise SparkOptionError(
+                f"read.format('equeue'): unknown option {unknown[0]!r}; the options are "
+                + ", ".join(OPTIONS)
+            )
         schema_for(options)  # the option checks
         self.store = options.get("path")
         self.meta = options.get("fields") == "meta"
         self.columns = selected_columns(options)
         self.chunks_json = options.get("chunks")
-        self.store_id = int(options.get("store_id", "0"))
+        self.chunks = None if self.chunks_json is None else _chunks_option(self.chunks_json)
+        store_id = options.get("store_id", "0")
+        if not (store_id.isascii() and store_id.isdigit() and int(store_id) < 1 << 32):
+            raise SparkOptionError(
+                f"option store_id={store_id!r}: it takes the store's id, an integer "
+                "from 0 to 2**32 - 1 (a message id's first 8 hex digits)"
+            )
+        self.store_id = int(store_id)
         self.pushed = Pushed()
 
     def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
@@ -166,9 +230,8 @@ class EqueueReader(DataSourceReader):
         return list(self.pushed.take(filters))
 
     def partitions(self) -> Sequence[InputPartition]:
-        if self.chunks_json is not None:
-            chunks = [(str(p), int(e)) for p, e in json.loads(self.chunks_json)]
-            return [ChunkPartition(p, e, self.store_id) for p, e in chunks]
+        if self.chunks is not None:
+            return [ChunkPartition(p, e, self.store_id) for p, e in self.chunks]
         if not self.store:
             raise SparkOptionError('load(STORE) needs the store directory: .load("/path/to/store")')
         return plan(self.store, self.pushed)
@@ -176,15 +239,127 @@ class EqueueReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         keep = self.pushed.keep if self.pushed else None
         if isinstance(partition, IndexedPartition):
-            return indexed(partition, self.columns, keep)
+            return indexed(partition, self.columns, visible(partition.deleted, keep))
         if not isinstance(partition, ChunkPartition):
             # Spark reads a plan of no partitions (filters no chunk can match) as one
             # partition of its own making.
             return iter(())
-        chunk = ChunkFile.open(partition.path, partition.data_end)
         if self.meta:
-            return meta_batches(chunk)
-        return scan(chunk, partition.store_id, self.columns, keep)
+            path = partition.path
+            return _gone_as_removed(path, meta_batches(_open_chunk(path, partition.data_end)))
+        store_id, columns = partition.store_id, self.columns
+        return read_chunk(
+            partition.path,
+            partition.data_end,
+            partition.span,
+            visible(partition.deleted, keep),
+            lambda chunk, keep: scan(chunk, store_id, columns, keep),
+            columns,
+            store_id,
+        )
+
+
+def read_chunk(
+    path: str,
+    data_end: int,
+    span: Span | None,
+    keep: RowFilter | None,
+    read: Callable[[ChunkFile, RowFilter | None], Iterator[pa.RecordBatch]],
+    columns: Sequence[str],
+    store_id: int,
+) -> Iterator[pa.RecordBatch]:
+    """``read`` of the chunk file planned. If it is gone: a compaction install replaced it
+    since, and the survivors of its ``span`` are read from the new version (a query then
+    reads that chunk as compacted, as if planned a moment later; each record once, and no
+    record compaction removed); or retention removed it: ChunkRemovedError, re-run."""
+    started = False
+    try:
+        for batch in read(ChunkFile.open(path, data_end), keep):
+            started = True
+            yield batch
+        return
+    except FileNotFoundError:
+        if started:  # (an open file stays readable: not seen, but not assumed away)
+            raise _removed(path) from None
+    found = None if span is None else _replacement(path, span)
+    if found is None:
+        raise _removed(path)
+    batches = scan(found, store_id, columns, _within(span, keep))
+    yield from _gone_as_removed(str(found.path), batches)
+
+
+def _replacement(path: str, span: Span) -> ChunkFile | None:
+    """The newest compacted version, beside ``path``, that covers the first position of
+    ``span`` (compaction's replacement has a higher version than the files it replaces,
+    and covers their chunk numbers: equeue/format/chunk.py), or None."""
+    where = Path(path)
+    old = parse_chunk_file_name(where.name)
+    try:
+        names = os.listdir(where.parent)
+    except OSError:
+        return None
+    best: tuple[int, ChunkFile] | None = None
+    for name in names:
+        found = parse_chunk_file_name(name)
+        if old is None or found is None or found[1] <= old[1]:
+            continue
+        try:
+            chunk = ChunkFile.open(where.parent / name)
+        except FileNotFoundError:
+            continue  # replaced again, or retention: the next name, or none
+        header = chunk.header
+        covers = header.start_position <= span[0] < header.end_position
+        if covers and chunk.compacted and (best is None or found[1] > best[0]):
+            best = (found[1], chunk)
+    return None if best is None else best[1]
+
+
+def _within(span: Span | None, keep: RowFilter | None) -> RowFilter | None:
+    """``keep`` and the rows whose position lies in ``span``."""
+    if span is None:
+        return keep
+    lo, hi = span
+
+    def kept(heads: Mapping[str, pa.Array]) -> pa.Array:
+        position = heads["position"]
+        mask = pc.and_(pc.greater_equal(position, lo), pc.less(position, hi))
+        return mask if keep is None else pc.and_kleene(mask, keep(heads))
+
+    return kept
+
+
+def _gone_as_removed(path: str, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``batches``, with the chunk file's disappearance (retention or a compaction install
+    removed it after planning) as ChunkRemovedError: the plan's snapshot is gone."""
+    try:
+        yield from batches
+    except FileNotFoundError:
+        raise _removed(path) from None
+
+
+def _removed(path: str) -> ChunkRemovedError:
+    return ChunkRemovedError(
+        f"chunk {path} was removed after the query listed it (retention, or a compaction "
+        "install replacing it): re-run the query to read the store as it is now"
+    )
+
+
+def visible(deleted: Mapping[str, int], keep: RowFilter | None) -> RowFilter | None:
+    """``keep`` and the rows not of a deleted topic: those of a topic in ``deleted``
+    below the position of its deletion are the deleted topic's, hidden as the store's
+    reads hide them (the topic created again starts empty)."""
+    if not deleted:
+        return keep
+    names = pa.array(sorted(deleted), pa.string())
+    since = pa.array([deleted[t] for t in sorted(deleted)], pa.int64())
+
+    def kept(heads: Mapping[str, pa.Array]) -> pa.Array:
+        where = pc.index_in(heads["topic"], value_set=names)
+        least = pc.fill_null(pc.take(since, where), -(1 << 63))
+        mask = pc.greater_equal(heads["position"], least)
+        return mask if keep is None else pc.and_kleene(mask, keep(heads))
+
+    return kept
 
 
 def plan(store: str, pushed: Pushed) -> list[InputPartition]:
@@ -197,16 +372,22 @@ def plan(store: str, pushed: Pushed) -> list[InputPartition]:
         return []
     with MessageStore.open(store, read_only=True) as opened:
         store_id = opened.store_id
-        chunks = [ChunkFile.open(c.path, c.data_end) for c in opened._messages]
-        lo, hi = pushed.range("stored_at")
-        chunks = [c for c in chunks if _may_hold(c, lo, hi)]
+        deleted = opened.deleted_topics()
+        files = opened.chunk_files()
         positions = indexed_positions(opened, pushed)
+    lo, hi = pushed.range("stored_at")
+    chunks: list[ChunkFile] = []
+    for path, end in files:
+        chunk = _open_chunk(path, end)
+        if _may_hold(chunk, lo, hi):
+            chunks.append(chunk)
     parts: list[InputPartition] = []
-    reads: list[tuple[str, int, list[int]]] = []
+    reads: list[tuple[str, int, list[int], Span]] = []
     count = 0
     for c in chunks:
+        span = (c.header.start_position, c.header.end_position)
         if positions is None:
-            parts.append(ChunkPartition(str(c.path), c.data_end, store_id))
+            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted, span))
             continue
         base = c.header.chunk_start_number * c.header.chunk_data_size
         first = bisect.bisect_left(positions, base)
@@ -214,17 +395,25 @@ def plan(store: str, pushed: Pushed) -> list[InputPartition]:
         if first == last:
             continue
         if c.compacted:  # its position map would translate them: read it all, filtered
-            parts.append(ChunkPartition(str(c.path), c.data_end, store_id))
+            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted, span))
             continue
         at = [p - base for p in positions[first:last] if p - base < c.data_end]
-        reads.append((str(c.path), c.data_end, at))
+        reads.append((str(c.path), c.data_end, at, span))
         count += len(at)
         if count >= INDEXED_PER_PARTITION:
-            parts.append(IndexedPartition(reads, store_id))
+            parts.append(IndexedPartition(reads, store_id, deleted))
             reads, count = [], 0
     if reads:
-        parts.append(IndexedPartition(reads, store_id))
+        parts.append(IndexedPartition(reads, store_id, deleted))
     return parts
+
+
+def _open_chunk(path: str, data_end: int) -> ChunkFile:
+    try:
+        return ChunkFile.open(path, data_end)
+    except FileNotFoundError:
+        pass
+    raise _removed(path)
 
 
 def _may_hold(chunk: ChunkFile, lo: int | None, hi: int | None) -> bool:
@@ -256,10 +445,11 @@ def indexed_positions(opened: MessageStore, pushed: Pushed) -> list[int] | None:
         for topic in sorted(existing if topics is None else existing & topics):
             for key in sorted(keys):
                 try:
-                    messages = opened.query_by_key(topic, key, limit=_INT32_MAX - 1)
+                    # Positions alone: reading the messages would hold their bodies.
+                    at = opened.key_positions(topic, key, limit=INT32[1] - 1)
                 except (InvalidMessageError, InvalidTypeError):
                     continue  # a key no message can have (too long, ...)
-                found.update(m.position for m in messages)
+                found.update(at)
         return sorted(found)
     queue_ids = pushed.values.get("queue_id")
     if topics is None or queue_ids is None:
@@ -277,9 +467,7 @@ def indexed_positions(opened: MessageStore, pushed: Pushed) -> list[int] | None:
         return None
     found = set()
     for topic, queue_id, start, count in spans:
-        # The queue's entries, as pull reads them (no public call gives positions alone).
-        entries = opened._queue(topic, queue_id).entries(start, count)
-        found.update(position for position, _ in entries if position >= 0)
+        found.update(opened.queue_positions(topic, queue_id, start, count))
     return sorted(found)
 
 
@@ -296,8 +484,16 @@ def scan(
 def indexed(
     partition: IndexedPartition, columns: Sequence[str], keep: RowFilter | None
 ) -> Iterator[pa.RecordBatch]:
-    for path, data_end, at in partition.reads:
-        yield from records_at(ChunkFile.open(path, data_end), at, partition.store_id, columns, keep)
+    store_id = partition.store_id
+    for path, data_end, at, span in partition.reads:
+        read = _records_reader(at, store_id, columns)
+        yield from read_chunk(path, data_end, span, keep, read, columns, store_id)
+
+
+def _records_reader(
+    at: Sequence[int], store_id: int, columns: Sequence[str]
+) -> Callable[[ChunkFile, RowFilter | None], Iterator[pa.RecordBatch]]:
+    return lambda chunk, keep: records_at(chunk, at, store_id, columns, keep)
 
 
 def records_at(
@@ -308,15 +504,20 @@ def records_at(
     keep: RowFilter | None,
 ) -> Iterator[pa.RecordBatch]:
     """The records at data offsets ``at`` of a chunk that is not compacted, each frame
-    read alone and checked (lengths, checksum), ``BATCH_ROWS`` to a batch."""
+    read alone and checked (lengths, checksum), a batch per ``BATCH_ROWS`` frames or
+    ``BLOCK_SIZE`` bytes of them (whichever comes first; one frame at least), as a scan
+    holds a block: memory stays bounded however large the messages an index names."""
     path = chunk.path
     with open_file(path, "rb", buffering=0) as f:
         fd = f.fileno()
-        for first in range(0, len(at), BATCH_ROWS):
+        first = 0
+        while first < len(at):
             frames: list[bytes] = []
             offsets: list[int] = []
             size = 0
             for offset in at[first : first + BATCH_ROWS]:
+                if frames and size >= BLOCK_SIZE:
+                    break
                 where = HEADER_SIZE + offset
                 head = os.pread(fd, FRAME_PREFIX_SIZE, where) if offset >= 0 else b""
                 n = FRAME_PREFIX.unpack(head)[0] if len(head) == FRAME_PREFIX_SIZE else 0
@@ -324,7 +525,7 @@ def records_at(
                 frame = os.pread(fd, n + FRAME_OVERHEAD, where) if 0 < n <= room else head
                 problem = frame_problem(frame, 0, len(frame), MAX_RECORD_LENGTH)
                 reason = None if problem is None else problem[0]
-                if reason is None and not _adds_up(frame):
+                if reason is None and not adds_up(frame, 0):
                     reason = "message record lengths do not add up to the record size"
                 if reason is not None:
                     raise CorruptRecordError(
@@ -336,19 +537,11 @@ def records_at(
                 offsets.append(size)
                 frames.append(frame)
                 size += len(frame)
+            first += len(frames)
             packed = struct.pack(f"<{len(offsets)}q", *offsets)
             batch = block_batch(b"".join(frames), packed, 0, chunk, store_id, columns, keep)
             if batch is not None:
                 yield batch
-
-
-def _adds_up(frame: bytes) -> bool:
-    """The message head's lengths add up to the checked frame's payload length."""
-    n = len(frame) - FRAME_OVERHEAD
-    if n < MESSAGE_HEAD_SIZE:
-        return False
-    head = MESSAGE_HEAD.unpack_from(frame, FRAME_PREFIX_SIZE)
-    return bool(MESSAGE_HEAD_SIZE + sum(head[8:13]) == n)
 
 
 def meta_batches(chunk: ChunkFile, batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
@@ -394,7 +587,6 @@ def meta_batches(chunk: ChunkFile, batch_rows: int = BATCH_ROWS) -> Iterator[pa.
         yield _meta_batch(number, positions, topics, his, los, stored, tombstones, sizes)
 
 
-_INT32_MAX: Final = (1 << 31) - 1
 _U64: Final = (1 << 64) - 1
 _2_64: Final = 1 << 64
 _I64_MAX: Final = (1 << 63) - 1

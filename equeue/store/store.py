@@ -409,6 +409,26 @@ class MessageStore:
         queue = self._queue(topic, queue_id)
         return queue.first_offset, queue.next_offset
 
+    def queue_positions(self, topic: str, queue_id: int, offset: int, count: int) -> list[int]:
+        """The log positions of up to ``count`` entries of a queue from ``offset`` on, as
+        pull reads them (compaction's holes left out), without reading the messages."""
+        entries = self._queue(topic, queue_id).entries(offset, count)
+        return [position for position, _ in entries if position >= 0]
+
+    def chunk_files(self) -> list[tuple[str, int]]:
+        """(path, committed data end) of each message log chunk now, oldest first: for
+        readers of whole chunk files (the Spark batch source)."""
+        self._check_open()
+        follow.look(self)
+        return [(str(chunk.path), chunk.data_end) for chunk in self._messages]
+
+    def deleted_topics(self) -> dict[str, int]:
+        """Topic: the log position of its deletion. Records of the topic below it are the
+        deleted topic's (the log keeps them until retention); pull and query_by_key never
+        return them, and neither should a reader of chunk files."""
+        self._check_open()
+        return dict(self._deleted)
+
     def _load_topics(self) -> None:
         body = read_topics(self)
         before, self._deleted = self._deleted, deletions(body)
@@ -635,6 +655,17 @@ class MessageStore:
             if message.key == key and message.topic == topic and position >= since:
                 found.append(message)
         return found
+
+    def key_positions(self, topic: str, key: str, limit: int = 32) -> list[int]:
+        """The log positions of ``topic``'s messages with ``key``, newest first, from the
+        key index alone (query_by_key's, no message read): for readers of chunk files,
+        which check every record they read. A position may lie in a chunk removed since."""
+        self._topic(topic)
+        validate.check_key(key)
+        validate.check_limit(limit)
+        follow.look(self)
+        since = self._deleted.get(topic, 0)  # older records: a deleted topic's
+        return [p for p in self._keys.positions(topic, key, limit) if p >= since]
 
     def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
         """The first offset of the queue stored at or after ``timestamp``: seconds since the
