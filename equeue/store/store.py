@@ -25,7 +25,6 @@ from equeue.errors import (
     ClosedError,
     CompactedAwayError,
     CompactionError,
-    ConfigError,
     CorruptRecordError,
     InvalidTypeError,
     MessageNotFoundError,
@@ -41,7 +40,7 @@ from equeue.format.message import (
     STORED_TIME_OFFSET,
     decode_message_id,
 )
-from equeue.store import deletion, follow, pulling, times, validate
+from equeue.store import deletion, follow, pulling, times, topics, validate
 from equeue.store import offsets as group_offsets
 from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
@@ -352,36 +351,7 @@ class MessageStore:
         validate.check_topic(topic)
         with self._lock:
             self._check_writable()
-            current = len(self._queues.get(topic, ()))
-            if queue_count is None:
-                queue_count = current or self.config.default_queue_count
-            count = validate.check_queue_count(queue_count)
-            old_policy = self._policies.get(topic, TopicPolicy())
-            policy = old_policy.changed(cleanup, retention, delete_retention)
-            if count < current:
-                raise ConfigError(
-                    f"topic {topic!r} has {current} queues; a queue count can grow, not shrink "
-                    f"to {count}"
-                )
-            if count == current and policy == old_policy:
-                return
-            previous = list(self._queues.get(topic, ()))
-            try:
-                self._open_queues(topic, count)
-                self._policies[topic] = policy
-                self._save_topics()
-            except BaseException:  # e.g. disk full: the topic stays as it was
-                for queue in self._queues.get(topic, [])[len(previous) :]:
-                    queue.close()
-                if previous:
-                    self._queues[topic] = previous
-                    self._policies[topic] = old_policy
-                else:
-                    self._queues.pop(topic, None)
-                    self._topic_bytes.pop(topic, None)
-                    self._round_robin.pop(topic, None)
-                    self._policies.pop(topic, None)
-                raise
+            topics.create_or_change(self, topic, queue_count, cleanup, retention, delete_retention)
 
     def delete_topic(self, topic: str) -> None:
         """Delete ``topic``: its queues and its consumer groups' offsets (crash-safe: a
@@ -641,18 +611,13 @@ class MessageStore:
 
     def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
         """Messages of ``topic`` with ``key``, newest first."""
-        self._topic(topic)
-        validate.check_key(key)
-        validate.check_limit(limit)
-        follow.look(self)
         found: list[Message] = []
-        since = self._deleted.get(topic, 0)  # older records: a deleted topic's
-        for position in self._keys.positions(topic, key, limit):
+        for position in self.key_positions(topic, key, limit):
             try:
                 message = self._log.read(position)
             except (ChunkRemovedError, CompactedAwayError):
                 continue
-            if message.key == key and message.topic == topic and position >= since:
+            if message.key == key and message.topic == topic:
                 found.append(message)
         return found
 

@@ -15,12 +15,15 @@ import datetime as dt
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from equeue.errors import ConfigError, CorruptionError, EQueueError
 from equeue.store import validate
 from equeue.store.meta import TOPICS_FILE
 from equeue.store.validate import MAX_SPAN, check_span
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
 
 log = logging.getLogger("equeue.recovery")
 
@@ -180,3 +183,45 @@ def topics_body(
     for topic, position in deleted.items():
         body.setdefault(topic, {})[DELETED_BEFORE] = position
     return body
+
+
+def create_or_change(
+    store: MessageStore,
+    topic: str,
+    queue_count: int | None,
+    cleanup: Cleanup | _Unset,
+    retention: dt.timedelta | _Unset | None,
+    delete_retention: dt.timedelta | _Unset,
+) -> None:
+    """``MessageStore.create_topic`` under the write lock: the queue count grows (never
+    shrinks), each cleanup setting given replaces the topic's; a failure (disk full)
+    leaves the topic as it was."""
+    current = len(store._queues.get(topic, ()))
+    if queue_count is None:
+        queue_count = current or store.config.default_queue_count
+    count = validate.check_queue_count(queue_count)
+    old_policy = store._policies.get(topic, TopicPolicy())
+    policy = old_policy.changed(cleanup, retention, delete_retention)
+    if count < current:
+        raise ConfigError(
+            f"topic {topic!r} has {current} queues; a queue count can grow, not shrink to {count}"
+        )
+    if count == current and policy == old_policy:
+        return
+    previous = list(store._queues.get(topic, ()))
+    try:
+        store._open_queues(topic, count)
+        store._policies[topic] = policy
+        store._save_topics()
+    except BaseException:  # e.g. disk full: the topic stays as it was
+        for queue in store._queues.get(topic, [])[len(previous) :]:
+            queue.close()
+        if previous:
+            store._queues[topic] = previous
+            store._policies[topic] = old_policy
+        else:
+            store._queues.pop(topic, None)
+            store._topic_bytes.pop(topic, None)
+            store._round_robin.pop(topic, None)
+            store._policies.pop(topic, None)
+        raise
