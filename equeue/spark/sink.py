@@ -297,8 +297,10 @@ def _task_kill(context: Any) -> int:
     hook = os.environ.get(KILL_TASK_ENV)
     if not hook or context is None or context.attemptNumber() != 0:
         return 0
-    partition, rows = (int(part) for part in hook.split(":"))
-    return rows if context.partitionId() == partition else 0
+    partition, _, rows = hook.partition(":")
+    if not (partition + rows).isascii() or not partition.isdigit() or not rows.isdigit():
+        return 0  # not "P:N": a value set by mistake disarms the failpoint
+    return int(rows) if context.partitionId() == int(partition) else 0
 
 
 class EqueueWriter(_Sink, DataSourceArrowWriter):
