@@ -36,6 +36,7 @@ from equeue.errors import (
     ChunkRemovedError,
     CorruptionError,
     CorruptRecordError,
+    DataLossError,
     SparkOptionError,
 )
 from equeue.format.chunk import FRAME_PREFIX_SIZE, HEADER_SIZE, record_checksum
@@ -564,4 +565,145 @@ def test_compacted_chunks_read_by_scan_and_by_key(tmp_path: Path, spark: SparkSe
     assert as_rows(batches) == want
     left, (parts, batches) = read_in_process(tmp_path, [EqualTo(("key",), "key-3")])
     assert left == [] and as_rows(batches) == {p: r for p, r in want.items() if r["key"] == "key-3"}
+    assert any(isinstance(p, source.ChunkPartition) for p in parts)  # a compacted one, whole
+
+
+# --- startingOffsets / endingOffsets: queue ranges, as Spark's Kafka source reads a batch ---
+
+
+def pulled(path: Path, ranges: dict[tuple[str, int], tuple[int, int]]) -> set[int]:
+    """The positions MessageStore.pull returns for offsets [start, end) of each queue."""
+    found: set[int] = set()
+    with MessageStore.open(path, read_only=True) as opened:
+        for (topic, queue), (start, end) in ranges.items():
+            if end > start:
+                batch = opened.pull(topic, queue, start, end - start).messages
+                found.update(m.position for m in batch if m.queue_offset < end)
+    return found
+
+
+def queue_ends(path: Path, topic: str) -> dict[int, tuple[int, int]]:
+    with MessageStore.open(path, read_only=True) as opened:
+        opened.refresh()
+        return {q: opened.queue_range(topic, q) for q in opened.queue_ids(topic)}
+
+
+def test_offsets_options_read_those_queue_ranges(store: Path) -> None:
+    want = reference(store)
+    total = sum(end for _, end in source.store_snapshot(str(store))[1])
+    ends = queue_ends(store, "orders")
+    assert all(end > 30 for _, end in ends.values())  # the fixture: ranges to cut
+    source.READ_BYTES[0] = 0
+    starting = json.dumps({"orders": {"0": 5, "1": -2}})
+    ending = json.dumps({"orders": {"0": 20, "2": 7}})
+    options = {"topics": "orders", "startingOffsets": starting, "endingOffsets": ending}
+    _, (parts, batches) = read_in_process(store, [], **options)
+    rows = as_rows(batches)
+    ranges = {("orders", 0): (5, 20), ("orders", 1): (0, ends[1][1]), ("orders", 2): (0, 7)}
+    assert set(rows) == pulled(store, ranges) and rows == {p: want[p] for p in rows}
+    assert parts and all(isinstance(p, source.IndexedPartition) for p in parts)
+    frames = sum(len(MessageLogRecord(**_record(r)).pack()) + 12 for r in rows.values())
+    assert source.READ_BYTES[0] == frames < total // 2  # only those records were read
+    # Defaults: earliest to latest of every queue; topics and topicPattern alike.
+    for named in ({"topics": "orders"}, {"topicPattern": "ord.*"}, {"TOPICS": "orders"}):
+        _, (_, batches) = read_in_process(store, [], **named)
+        assert as_rows(batches) == {p: r for p, r in want.items() if r["topic"] == "orders"}
+    _, (_, batches) = read_in_process(store, [], topicPattern="orders|audit", columns="topic")
+    got = [r["topic"] for r in as_rows(batches).values()]
+    assert sorted(got) == sorted(r["topic"] for r in want.values() if r["topic"] != "payments")
+    # With a pushed filter too: the rows both allow.
+    filters: list[Filter] = [EqualTo(("tag",), "red")]
+    _, (_, batches) = read_in_process(store, filters, **options)
+    assert as_rows(batches) == {p: r for p, r in rows.items() if r["tag"] == "red"}
+    # The control: no offsets option reads the whole store, as before.
+    _, (parts, batches) = read_in_process(store, [])
+    assert as_rows(batches) == want and all(isinstance(p, source.ChunkPartition) for p in parts)
+
+
+def test_offsets_options_through_spark(store: Path, spark: SparkSession) -> None:
+    ending = json.dumps({"payments": {"1": 10}})
+    frame = (
+        spark.read.format("equeue")
+        .option("topics", "payments")
+        .option("startingOffsets", json.dumps({"payments": {"1": 3}}))
+        .option("endingOffsets", ending)
+        .load(str(store))
+    )
+    ends = queue_ends(store, "payments")
+    ranges = {
+        ("payments", q): (3 if q == 1 else 0, 10 if q == 1 else e) for q, (_, e) in ends.items()
+    }
+    assert {r["position"] for r in frame.select("position").collect()} == pulled(store, ranges)
+
+
+def test_offsets_options_errors(store: Path, tmp_path: Path) -> None:
+    given = {"path": str(store), "topics": "orders"}
+    made: list[tuple[dict[str, str], str]] = [
+        ({"startingOffsets": "latest"}, "startingOffsets='latest' is not for a batch read"),
+        ({"endingOffsets": "earliest"}, "endingOffsets='earliest' is not for a batch read"),
+        ({"startingOffsets": "{nope"}, "option startingOffsets=.*not JSON"),
+        ({"endingOffsets": '{"orders": {"0": -3}}'}, "option endingOffsets=.*-3"),
+        ({"endingOffsets": '{"orders": {"x": 1}}'}, "option endingOffsets=.*queue id 'x'"),
+        ({"startingOffsets": '{"orders": {"0": -1}}'}, "startingOffsets: offset -1"),
+        ({"endingOffsets": '{"orders": {"0": -2}}'}, "endingOffsets: offset -2"),
+        ({"endingOffsets": '{"payments": {"0": 1}}'}, "names topic 'payments'.*not select"),
+        ({"topicPattern": "o.*"}, "exactly one of .*got both"),
+        ({"chunks": "[]"}, "option chunks does not go with"),
+    ]
+    for options, problem in made:
+        with pytest.raises(SparkOptionError, match=problem):
+            source.EqueueReader({**given, **options})
+    with pytest.raises(SparkOptionError, match=r"exactly one of .*got neither"):
+        source.EqueueReader({"path": str(store), "startingOffsets": "earliest"})
+    with pytest.raises(SparkOptionError, match="failOnDataLoss goes with"):
+        source.EqueueReader({"path": str(store), "failOnDataLoss": "false"})
+    end = queue_ends(store, "orders")[0][1]
+    planned: list[tuple[dict[str, str], str]] = [
+        ({"topics": "orders,absent"}, "names topic 'absent', which .* does not hold"),
+        ({"endingOffsets": '{"orders": {"7": 1}}'}, "orders/7: topic 'orders' .* queues 0 to 2"),
+        (
+            {"startingOffsets": '{"orders": {"0": 9}}', "endingOffsets": '{"orders": {"0": 4}}'},
+            "startingOffsets 9 of orders/0 is past its endingOffsets 4",
+        ),
+        ({"endingOffsets": f'{{"orders": {{"0": {end + 1}}}}}'}, "past the queue's end"),
+    ]
+    for options, problem in planned:
+        reader = source.EqueueReader({**given, **options})
+        with pytest.raises(SparkOptionError, match=problem):
+            reader.partitions()
+    # Offsets retention removed: DataLossError, or with failOnDataLoss=false what is left.
+    config = StoreConfig(chunk_data_size=16 * 1024, retention=dt.timedelta(seconds=1))
+    with MessageStore.open(tmp_path, config) as opened:
+        for i in range(200):
+            opened.send("t", bytes(300), key=f"k{i}")
+        assert opened.apply_retention(now=time.time() + 60) > 0
+    first, end = queue_ends(tmp_path, "t")[0]
+    assert 0 < first < end  # the control: offsets below first are gone, some are left
+    lost = {"topics": "t", "startingOffsets": '{"t": {"0": 0}}'}
+    with pytest.raises(DataLossError, match=r"offsets 0 to .* removed.*failOnDataLoss=false"):
+        source.EqueueReader({"path": str(tmp_path), **lost}).partitions()
+    _, (_, batches) = read_in_process(tmp_path, [], **lost, failOnDataLoss="false")
+    left = pulled(tmp_path, {("t", q): span for q, span in queue_ends(tmp_path, "t").items()})
+    assert set(as_rows(batches)) == left and len(left) < 200
+
+
+def test_offsets_options_on_a_compacted_store(tmp_path: Path, spark: SparkSession) -> None:
+    """Compaction's holes are read as holes: the survivors of the range, as pull gives."""
+    from equeue.compaction.job import compact
+
+    rng = random.Random(5)
+    with MessageStore.open(tmp_path, StoreConfig(chunk_data_size=8 * 1024, flush="os")) as s:
+        s.create_topic("k", 2, cleanup="compact")
+        for _ in range(400):
+            s.send("k", rng.randbytes(rng.randrange(1, 60)), key=f"key-{rng.randrange(15)}")
+    assert compact(tmp_path, spark=spark, now=time.time() + 1).records_removed > 0
+    ends = queue_ends(tmp_path, "k")
+    ranges = {("k", 0): (10, 150), ("k", 1): (0, ends[1][1])}
+    want = pulled(tmp_path, ranges)
+    assert len(want) < 140 + ends[1][1]  # the control: the range has holes
+    options = {"topics": "k", "startingOffsets": '{"k": {"0": 10}}'}
+    _, (parts, batches) = read_in_process(
+        tmp_path, [], **options, endingOffsets='{"k": {"0": 150}}'
+    )
+    assert set(as_rows(batches)) == want
     assert any(isinstance(p, source.ChunkPartition) for p in parts)  # a compacted one, whole

@@ -14,6 +14,13 @@ built column-wise in bulk (columns.py). Options:
   query, ``count()`` too, has every column built and shipped to the JVM, bodies
   included. ``option("columns", "topic")`` makes ``groupBy("topic").count()`` read
   no body.
+- ``topics`` (comma-separated) or ``topicPattern`` (a regular expression), with
+  ``startingOffsets`` (``earliest``, the default, or JSON ``{"topic": {"0": 23}}``, -2
+  the earliest) and ``endingOffsets`` (``latest``, the default, or JSON, -1 the latest;
+  exclusive), as Spark's Kafka source reads a batch: only offsets [start, end) of each
+  queue of those topics, found through the queues' index (offsets.py).
+  ``failOnDataLoss`` (default true): offsets retention removed -> DataLossError; false:
+  what is left is read.
 - ``chunks``: a JSON list of ``[path, data_end]`` to read instead of listing
   the store (the compaction job passes the snapshot it planned with), with
   ``store_id`` (the store's id, for ``message_id``).
@@ -80,6 +87,7 @@ from equeue.spark.columns import (
     spark_schema,
 )
 from equeue.spark.filters import INT32, Pushed
+from equeue.spark.offsets import OffsetBounds, QueueSpans, in_ranges
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -90,7 +98,19 @@ META_SCHEMA: Final = (
     "stored_ns long, tombstone boolean, size int"
 )
 BATCH_ROWS: Final = 16_384
-OPTIONS: Final = ("path", "fields", "columns", "chunks", "store_id")  # Spark's "path" too
+OPTIONS: Final = (  # Spark's "path" too
+    "path",
+    "fields",
+    "columns",
+    "chunks",
+    "store_id",
+    "topics",
+    "topicPattern",
+    "startingOffsets",
+    "endingOffsets",
+    "failOnDataLoss",
+)
+_OPTION_KEYS: Final = frozenset(name.lower() for name in OPTIONS)
 
 _ARROW_META: Final = pa.schema(
     [
@@ -112,7 +132,8 @@ Span = tuple[int, int]  # the log positions [start, end) a chunk file covers
 class ChunkPartition(InputPartition):
     """A chunk to read: all its records up to ``data_end``. ``deleted``: topic: log position
     of its deletion (the store's ``deleted_topics()``), the records to leave out. ``span``:
-    the positions it covers, to find them in a compacted version installed since."""
+    the positions it covers, to find them in a compacted version installed since.
+    ``ranges``: the only queue offsets to keep (startingOffsets/endingOffsets)."""
 
     def __init__(
         self,
@@ -121,6 +142,7 @@ class ChunkPartition(InputPartition):
         store_id: int,
         deleted: Mapping[str, int] | None = None,
         span: Span | None = None,
+        ranges: QueueSpans | None = None,
     ) -> None:
         super().__init__(path)
         self.path = path
@@ -128,6 +150,7 @@ class ChunkPartition(InputPartition):
         self.store_id = store_id
         self.deleted = dict(deleted or {})
         self.span = span
+        self.ranges = ranges
 
 
 class IndexedPartition(InputPartition):
@@ -140,11 +163,13 @@ class IndexedPartition(InputPartition):
         reads: list[tuple[str, int, list[int], Span]],
         store_id: int,
         deleted: Mapping[str, int] | None = None,
+        ranges: QueueSpans | None = None,
     ) -> None:
         super().__init__(reads[0][0])
         self.reads = reads
         self.store_id = store_id
         self.deleted = dict(deleted or {})
+        self.ranges = ranges
 
 
 def store_snapshot(store: str) -> tuple[int, list[tuple[str, int]]]:
@@ -203,7 +228,7 @@ def _is_int(value: object) -> bool:
 
 class EqueueReader(DataSourceReader):
     def __init__(self, options: Mapping[str, str]) -> None:
-        unknown = sorted(k for k in options if k.lower() not in OPTIONS)
+        unknown = sorted(k for k in options if k.lower() not in _OPTION_KEYS)
         if unknown:
             raise SparkOptionError(
                 f"read.format('equeue'): unknown option {unknown[0]!r}; the options are "
@@ -223,6 +248,7 @@ class EqueueReader(DataSourceReader):
             )
         self.store_id = int(store_id)
         self.pushed = Pushed()
+        self.offsets = OffsetBounds.of(options)
 
     def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
         if self.meta:
@@ -234,10 +260,13 @@ class EqueueReader(DataSourceReader):
             return [ChunkPartition(p, e, self.store_id) for p, e in self.chunks]
         if not self.store:
             raise SparkOptionError('load(STORE) needs the store directory: .load("/path/to/store")')
-        return plan(self.store, self.pushed)
+        return plan(self.store, self.pushed, self.offsets)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        keep = self.pushed.keep if self.pushed else None
+        keep: RowFilter | None = self.pushed.keep if self.pushed else None
+        ranges = getattr(partition, "ranges", None)
+        if ranges is not None:
+            keep = in_ranges(ranges, keep)
         if isinstance(partition, IndexedPartition):
             return indexed(partition, self.columns, visible(partition.deleted, keep))
         if not isinstance(partition, ChunkPartition):
@@ -362,19 +391,30 @@ def visible(deleted: Mapping[str, int], keep: RowFilter | None) -> RowFilter | N
     return kept
 
 
-def plan(store: str, pushed: Pushed) -> list[InputPartition]:
+def plan(store: str, pushed: Pushed, offsets: OffsetBounds | None = None) -> list[InputPartition]:
     """The partitions of a read of ``store`` now: one per chunk, less the chunks whose
     footer's stored-time range misses a pushed ``stored_at`` range, and only the indexed
-    records where a key filter or one queue (topic and queue_id) narrows the read."""
+    records where a key filter, one queue (topic and queue_id) or the offsets options
+    narrow the read."""
     from equeue.store.store import MessageStore
 
     if pushed.nothing():
         return []
+    ranges: QueueSpans | None = None
     with MessageStore.open(store, read_only=True) as opened:
         store_id = opened.store_id
         deleted = opened.deleted_topics()
         files = opened.chunk_files()
         positions = indexed_positions(opened, pushed)
+        if offsets is not None:
+            ranges = offsets.spans(opened)
+            if not ranges:
+                return []
+            in_range = queue_index_positions(opened, ranges)
+            if positions is None or in_range is None:
+                positions = in_range if positions is None else positions
+            else:  # both name a superset of the rows: those both name
+                positions = sorted(set(positions).intersection(in_range))
     lo, hi = pushed.range("stored_at")
     chunks: list[ChunkFile] = []
     for path, end in files:
@@ -387,7 +427,7 @@ def plan(store: str, pushed: Pushed) -> list[InputPartition]:
     for c in chunks:
         span = (c.header.start_position, c.header.end_position)
         if positions is None:
-            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted, span))
+            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted, span, ranges))
             continue
         base = c.header.chunk_start_number * c.header.chunk_data_size
         first = bisect.bisect_left(positions, base)
@@ -395,16 +435,16 @@ def plan(store: str, pushed: Pushed) -> list[InputPartition]:
         if first == last:
             continue
         if c.compacted:  # its position map would translate them: read it all, filtered
-            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted, span))
+            parts.append(ChunkPartition(str(c.path), c.data_end, store_id, deleted, span, ranges))
             continue
         at = [p - base for p in positions[first:last] if p - base < c.data_end]
         reads.append((str(c.path), c.data_end, at, span))
         count += len(at)
         if count >= INDEXED_PER_PARTITION:
-            parts.append(IndexedPartition(reads, store_id, deleted))
+            parts.append(IndexedPartition(reads, store_id, deleted, ranges))
             reads, count = [], 0
     if reads:
-        parts.append(IndexedPartition(reads, store_id, deleted))
+        parts.append(IndexedPartition(reads, store_id, deleted, ranges))
     return parts
 
 
@@ -455,19 +495,25 @@ def indexed_positions(opened: MessageStore, pushed: Pushed) -> list[int] | None:
     if topics is None or queue_ids is None:
         return None
     lo, hi = pushed.range("queue_offset")
-    spans: list[tuple[str, int, int, int]] = []
+    spans: QueueSpans = []
     for topic in sorted(topics & existing):
         for queue_id in sorted(set(opened.queue_ids(topic)) & queue_ids):
             first, end = opened.queue_range(topic, queue_id)
             start = first if lo is None else max(lo, first)
             stop = end if hi is None else min(hi + 1, end)
             if start < stop:
-                spans.append((topic, queue_id, start, stop - start))
-    if sum(count for *_, count in spans) > QUEUE_INDEX_LIMIT:
+                spans.append((topic, queue_id, start, stop))
+    return queue_index_positions(opened, spans)
+
+
+def queue_index_positions(opened: MessageStore, spans: QueueSpans) -> list[int] | None:
+    """The sorted log positions of the queues' offsets [start, stop) (compaction's holes
+    left out), from their index; None if there are more than a scan costs."""
+    if sum(stop - start for _, _, start, stop in spans) > QUEUE_INDEX_LIMIT:
         return None
-    found = set()
-    for topic, queue_id, start, count in spans:
-        found.update(opened.queue_positions(topic, queue_id, start, count))
+    found: set[int] = set()
+    for topic, queue_id, start, stop in spans:
+        found.update(opened.queue_positions(topic, queue_id, start, stop - start))
     return sorted(found)
 
 

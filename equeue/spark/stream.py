@@ -145,7 +145,7 @@ class StreamOptions:
         self.starting = given.get("startingoffsets", "latest")
         self.starting_json: dict[str, dict[str, int]] | None = None
         if self.starting not in ("earliest", "latest"):
-            self.starting_json = _offsets_json(self.starting)
+            self.starting_json = offsets_json(self.starting)
         self.max_offsets = _count(given, "maxOffsetsPerTrigger")
         self.min_offsets = _count(given, "minOffsetsPerTrigger")
         self.max_delay = _delay(given.get("maxtriggerdelay"))
@@ -172,10 +172,13 @@ class StreamOptions:
         return self.pattern.fullmatch(topic) is not None
 
 
-def _offsets_json(text: str) -> dict[str, dict[str, int]]:
+def offsets_json(text: str, option: str = "startingOffsets") -> dict[str, dict[str, int]]:
+    """A JSON offsets option (``startingOffsets``; the batch source's ``endingOffsets``
+    too): topic -> queue id (a string) -> offset, -2 the earliest, -1 the latest."""
+
     def bad(why: str) -> SparkOptionError:
         return SparkOptionError(
-            f"option startingOffsets={text!r}: {why}; it must be 'earliest', 'latest' or JSON "
+            f"option {option}={text!r}: {why}; it must be 'earliest', 'latest' or JSON "
             'like {"topic": {"0": 23, "1": -2}} (-2: the earliest offset, -1: the latest)'
         )
 
