@@ -102,7 +102,7 @@ class OffsetBounds:
         default its next offset. Offsets retention removed are data loss (failOnDataLoss)."""
         from equeue.spark.stream import EARLIEST, LATEST, lost_message
 
-        opened.refresh()  # a read-only handle's first offsets are right after a refresh
+        opened.refresh()  # the writer's queues as they are now, if the handle is not new
         path = str(opened.path)
         existing = opened.topics()
         named = self.options.topics or []

@@ -477,9 +477,8 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
     topic, queue, offset, end = part.topic, part.queue_id, part.start, part.end
     with MessageStore.open(options.path, read_only=True) as store:
         try:
-            # A read-only handle's queue_range is right only after a refresh: just opened,
-            # it gives the first offset the queue files hold, though retention removed
-            # the messages of some of them.
+            # Just opened, the handle starts past what retention had removed; the refresh
+            # also takes in a retention run since the open (a test runs one there).
             store.refresh()
             first = store.queue_range(topic, queue)[0]
         except EQueueError as exc:  # TopicNotFoundError: deleted since the batch was planned
