@@ -239,3 +239,52 @@ class DataLossError(EQueueError):
 class SinkCommitError(EQueueError):
     """The sink could not append a job's staged rows; what it appended is recorded, and the
     next commit of the same job appends only the rest."""
+
+
+# --- the broker and its clients -----------------------------------------------
+
+
+class ProtocolError(EQueueError):
+    """A peer sent bytes that are not the equeue wire protocol (docs/protocol.md): a
+    malformed, truncated or oversized frame, an unknown operation, a wrong argument
+    shape, or a protocol version the other side does not speak. The connection that
+    carried it is closed; other connections and the store are not affected."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame's declared length exceeds the receiver's ``max_frame_bytes``."""
+
+
+class AuthenticationError(EQueueError):
+    """The broker refused the connection's token (wrong, or missing where one is needed)."""
+
+
+class LimitExceededError(EQueueError):
+    """A broker limit was reached: connections (``max_connections``) or requests in
+    flight on one connection (``max_in_flight``); the message names the setting."""
+
+
+class ConnectionLostError(EQueueError, ConnectionError):
+    """The connection to the broker broke or could not be made.
+
+    ``unanswered`` lists the sends (as the caller gave them) whose answer never came:
+    each may or may not have been stored. They are not retried by the client; a
+    caller that retries them may store a message twice.
+    """
+
+    unanswered: list[Any]
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.unanswered = []
+
+
+class BrokerError(EQueueError):
+    """The broker failed to serve a request for a reason of its own (a defect, or a
+    store it can no longer use); the message says what it logged."""
+
+
+class GroupError(EQueueError):
+    """A consumer-group request the broker cannot honour: a queue pulled or committed
+    by a consumer that is not its owner in the group's current generation, or a
+    consumer id the group does not know (its session expired)."""

@@ -1,0 +1,157 @@
+"""Framing of the equeue wire protocol (docs/protocol.md is the full description).
+
+A connection is a stream of frames in each direction. A frame::
+
+    offset size type    field
+    0      4    u32 BE  body length N (bytes after this field; 1 <= N <= max_frame_bytes)
+    4      N    msgpack body: one msgpack object (the shapes below)
+
+Bodies, client to broker:
+
+* first frame, the hello: a map ``{"versions": [1], "token": str|nil, "client": str}``
+* then requests: an array ``[request_id: uint, op: str, args: map]``; ``request_id``
+  is chosen by the client, unique among its requests in flight (answers may come in
+  any order: a long-poll pull is answered after later sends).
+
+Bodies, broker to client:
+
+* the welcome (answer to the hello): a map ``{"version": 1, "server": str,
+  "limits": map}``, or an error answer with request id 0, then the broker closes;
+* answers: an array ``[request_id, STATUS_OK, result]`` or
+  ``[request_id, STATUS_ERROR, {"code": str, "message": str}]``. Request id 0 is
+  the connection's own: an error about the connection (a malformed frame, a limit)
+  sent just before the broker closes it.
+
+msgpack: strings are str (UTF-8), bytes are bin; integers up to 64 bits.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Final
+
+import msgpack
+
+from equeue.errors import FrameTooLargeError, ProtocolError
+
+PROTOCOL_VERSION: Final = 1
+SUPPORTED_VERSIONS: Final = (1,)
+
+FRAME_HEADER: Final = struct.Struct(">I")
+FRAME_HEADER_SIZE: Final = FRAME_HEADER.size
+assert FRAME_HEADER_SIZE == 4
+
+STATUS_OK: Final = 0
+STATUS_ERROR: Final = 1
+CONNECTION_REQUEST_ID: Final = 0  # answers about the connection itself, not a request
+
+# Defaults of the limits; the broker announces the ones in force in its welcome.
+DEFAULT_MAX_FRAME_BYTES: Final = 64 * 1024 * 1024  # a send_batch of many 4 MiB messages fits
+MIN_MAX_FRAME_BYTES: Final = 1024
+HELLO_MAX_FRAME_BYTES: Final = 64 * 1024  # before authentication, a stranger gets this much
+DEFAULT_MAX_IN_FLIGHT: Final = 1024
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+
+_packer_options: Final = {"use_bin_type": True}
+
+
+def encode(body: object) -> bytes:
+    """One frame: the header and the msgpack body."""
+    try:
+        payload: bytes = msgpack.packb(body, **_packer_options)
+    except (TypeError, ValueError, OverflowError) as exc:  # a value msgpack cannot carry
+        raise ProtocolError(f"cannot encode a frame body: {exc}") from exc
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def decode_body(payload: bytes | memoryview, where: str) -> Any:
+    """The object of one frame body; ProtocolError naming ``where`` if it is not one
+    whole msgpack object."""
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"{where}: the frame body is not one msgpack object ({exc})") from exc
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"{where}: the frame body is not valid msgpack ({exc})") from exc
+
+
+class FrameReader:
+    """Splits a byte stream into frame bodies, as bytes arrive (any split, any size).
+
+    ``feed`` returns the bodies completed by the new bytes; it raises
+    FrameTooLargeError as soon as a header declares more than ``max_frame_bytes``
+    (before the body is buffered), and ProtocolError for an empty frame. After an
+    error the reader is unusable: the connection must be closed.
+    """
+
+    __slots__ = ("_buffer", "_where", "max_frame_bytes")
+
+    def __init__(self, max_frame_bytes: int, where: str) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+        self._where = where
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += data
+        bodies: list[bytes] = []
+        start = 0
+        end = len(buffer)
+        while end - start >= FRAME_HEADER_SIZE:
+            (length,) = FRAME_HEADER.unpack_from(buffer, start)
+            if length > self.max_frame_bytes:
+                raise FrameTooLargeError(
+                    f"{self._where}: a frame of {length} bytes (header 0x{length:08x}) "
+                    f"exceeds max_frame_bytes={self.max_frame_bytes}"
+                )
+            if length == 0:
+                raise ProtocolError(f"{self._where}: an empty frame (length 0)")
+            body_start = start + FRAME_HEADER_SIZE
+            if end - body_start < length:
+                break
+            bodies.append(bytes(buffer[body_start : body_start + length]))
+            start = body_start + length
+        if start:
+            del buffer[:start]
+        return bodies
+
+    @property
+    def pending(self) -> int:
+        """Bytes received that are not yet a whole frame (a truncated frame at EOF)."""
+        return len(self._buffer)
+
+
+def check_request(body: object, where: str) -> tuple[int, str, dict[str, Any]]:
+    """A request body as (request id, op, args); ProtocolError for any other shape."""
+    if (
+        type(body) is list
+        and len(body) == 3
+        and type(body[0]) is int
+        and body[0] > CONNECTION_REQUEST_ID
+        and type(body[1]) is str
+        and type(body[2]) is dict
+    ):
+        return body[0], body[1], body[2]
+    raise ProtocolError(
+        f"{where}: a request must be [request_id > 0, op string, args map]; got {_shape(body)}"
+    )
+
+
+def check_answer(body: object, where: str) -> tuple[int, int, Any]:
+    """An answer body as (request id, status, result or error map)."""
+    if (
+        type(body) is list
+        and len(body) == 3
+        and type(body[0]) is int
+        and body[0] >= CONNECTION_REQUEST_ID
+        and body[1] in (STATUS_OK, STATUS_ERROR)
+    ):
+        return body[0], body[1], body[2]
+    raise ProtocolError(
+        f"{where}: an answer must be [request_id, status 0|1, payload]; got {_shape(body)}"
+    )
+
+
+def _shape(body: object) -> str:
+    text = repr(body)
+    return text if len(text) <= 80 else text[:77] + "..."

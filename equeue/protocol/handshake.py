@@ -1,0 +1,98 @@
+"""The first frame each way: the client's hello and the broker's welcome.
+
+hello (client to broker), a map::
+
+    key        type          meaning
+    versions   [uint]        protocol versions the client speaks (this package: [1])
+    token      str | nil     the broker's token, where it asks for one (--token-file)
+    client     str           a name for logs and stats (at most 200 characters)
+
+welcome (broker to client), a map::
+
+    version    uint          the version chosen: the highest both speak
+    server     str           "equeue <package version>"
+    limits     map           max_frame_bytes, max_in_flight, max_connections (uint)
+
+A broker that speaks none of the versions, or refuses the token, answers
+``[0, 1, {"code": ..., "message": ...}]`` instead and closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from equeue.errors import ProtocolError
+from equeue.protocol.frames import SUPPORTED_VERSIONS
+
+MAX_CLIENT_NAME = 200
+LIMIT_NAMES = ("max_frame_bytes", "max_in_flight", "max_connections")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    versions: tuple[int, ...] = SUPPORTED_VERSIONS
+    token: str | None = None
+    client: str = ""
+
+    def pack(self) -> dict[str, Any]:
+        return {"versions": list(self.versions), "token": self.token, "client": self.client}
+
+    @classmethod
+    def unpack(cls, body: object, where: str) -> Hello:
+        if type(body) is not dict:
+            raise ProtocolError(f"{where}: the hello must be a map, got {type(body).__name__}")
+        versions = body.get("versions")
+        token = body.get("token")
+        client = body.get("client", "")
+        if (
+            type(versions) is not list
+            or not versions
+            or not all(type(v) is int and v > 0 for v in versions)
+        ):
+            raise ProtocolError(f"{where}: hello 'versions' must be a non-empty list of uints")
+        if token is not None and type(token) is not str:
+            raise ProtocolError(f"{where}: hello 'token' must be a string or nil")
+        if type(client) is not str or len(client) > MAX_CLIENT_NAME:
+            raise ProtocolError(
+                f"{where}: hello 'client' must be a string of at most {MAX_CLIENT_NAME} chars"
+            )
+        return cls(tuple(versions), token, client)
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    version: int
+    server: str
+    limits: dict[str, int] = field(default_factory=dict)
+
+    def pack(self) -> dict[str, Any]:
+        return {"version": self.version, "server": self.server, "limits": dict(self.limits)}
+
+    @classmethod
+    def unpack(cls, body: object, where: str) -> Welcome:
+        if type(body) is not dict:
+            raise ProtocolError(f"{where}: the welcome must be a map, got {type(body).__name__}")
+        version = body.get("version")
+        server = body.get("server")
+        limits = body.get("limits")
+        if type(version) is not int or version not in SUPPORTED_VERSIONS:
+            raise ProtocolError(
+                f"{where}: the broker chose protocol version {version!r}; this client "
+                f"speaks {list(SUPPORTED_VERSIONS)}"
+            )
+        if type(server) is not str or type(limits) is not dict:
+            raise ProtocolError(f"{where}: the welcome needs 'server' (str) and 'limits' (map)")
+        checked: dict[str, int] = {}
+        for name in LIMIT_NAMES:
+            value = limits.get(name)
+            if type(value) is not int or value <= 0:
+                raise ProtocolError(f"{where}: welcome limit {name!r} must be a uint > 0")
+            checked[name] = value
+        return cls(version, server, checked)
+
+
+def choose_version(offered: tuple[int, ...]) -> int | None:
+    """The highest version both sides speak, or None."""
+    common = set(offered) & set(SUPPORTED_VERSIONS)
+    return max(common) if common else None

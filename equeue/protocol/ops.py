@@ -1,0 +1,116 @@
+"""Every request the broker answers: its op name, its arguments and their wire types.
+
+``check_args`` holds a request to this table before the broker acts on it: an unknown
+op, a missing required argument, an argument the op does not take, or one of another
+msgpack type is a ProtocolError (the connection closes: its peer is not speaking the
+protocol). Values of the right type are checked by the store like any API call (a bad
+topic name is an InvalidMessageError answer; the connection stays).
+
+The result of each op is in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from equeue.errors import ProtocolError
+
+NIL: Final = type(None)
+UINT: Final = "uint"  # an int >= 0 (msgpack has no separate unsigned type in Python)
+
+# op -> {argument: (wire types, required)}
+Spec = dict[str, tuple[tuple[object, ...], bool]]
+
+_MESSAGE_ARGS: Final[Spec] = {
+    "body": ((bytes,), True),
+    "tag": ((str,), False),
+    "key": ((str, NIL), False),
+    "properties": ((dict, NIL), False),
+    "code": ((int,), False),
+    "queue_id": ((UINT, NIL), False),
+}
+_QUEUE: Final[Spec] = {"topic": ((str,), True), "queue_id": ((UINT,), True)}
+_MEMBER: Final[Spec] = {"group": ((str,), True), "consumer": ((str,), True)}
+
+OPS: Final[dict[str, Spec]] = {
+    "ping": {},
+    "send": {"topic": ((str,), True), **_MESSAGE_ARGS},
+    "send_batch": {"topic": ((str,), True), "messages": ((list,), True)},
+    "pull": {
+        **_QUEUE,
+        "offset": ((UINT,), True),
+        "max_count": ((UINT,), False),
+        "tags": ((str, list, NIL), False),
+        "wait_ms": ((UINT,), False),
+        "max_bytes": ((UINT, NIL), False),
+        # a pull on behalf of a group member: refused unless it owns the queue
+        "group": ((str,), False),
+        "consumer": ((str,), False),
+    },
+    "get": {"message_id": ((str,), True)},
+    "query_by_key": {"topic": ((str,), True), "key": ((str,), True), "limit": ((UINT,), False)},
+    "offset_for_time": {**_QUEUE, "timestamp": ((float, int), True)},
+    "commit_offset": {
+        **_QUEUE,
+        "group": ((str,), True),
+        "offset": ((UINT,), True),
+        "consumer": ((str,), False),
+    },
+    "committed_offset": {**_QUEUE, "group": ((str,), True)},
+    "create_topic": {"topic": ((str,), True), "queue_count": ((UINT, NIL), False)},
+    "topics": {},
+    "queue_ids": {"topic": ((str,), True)},
+    "queue_range": _QUEUE,
+    "stats": {},
+    # consumer groups (equeue/server/groups.py)
+    "join": {
+        **_MEMBER,
+        "topics": ((list,), True),
+        "session_timeout_ms": ((UINT,), False),
+    },
+    "heartbeat": _MEMBER,
+    "leave": _MEMBER,
+    "nack": {
+        **_MEMBER,
+        "message_id": ((str,), True),
+        "delay_ms": ((UINT, NIL), False),
+    },
+}
+
+
+def check_args(op: str, args: dict[str, Any], where: str) -> Spec:
+    spec = OPS.get(op)
+    if spec is None:
+        raise ProtocolError(f"{where}: unknown op {op[:64]!r}")
+    for name, value in args.items():
+        wanted = spec.get(name)
+        if wanted is None:
+            raise ProtocolError(f"{where}: op {op!r} takes no argument {str(name)[:64]!r}")
+        if not _is(value, wanted[0]):
+            raise ProtocolError(
+                f"{where}: op {op!r} argument {name!r} is a {type(value).__name__}, "
+                f"expected {' or '.join(_type_name(t) for t in wanted[0])}"
+            )
+    for name, (_, required) in spec.items():
+        if required and name not in args:
+            raise ProtocolError(f"{where}: op {op!r} needs argument {name!r}")
+    return spec
+
+
+def _is(value: object, types: tuple[object, ...]) -> bool:
+    kind = type(value)  # not isinstance: a bool is not an int on the wire
+    for wanted in types:
+        if wanted == UINT:
+            if kind is int and value >= 0:  # type: ignore[operator]
+                return True
+        elif kind is wanted:
+            return True
+    return False
+
+
+def _type_name(wanted: object) -> str:
+    if wanted == UINT:
+        return "uint"
+    if wanted is NIL:
+        return "nil"
+    return getattr(wanted, "__name__", str(wanted))

@@ -1,0 +1,98 @@
+"""What the store's results look like on the wire: Message, SendResult, PullResult.
+
+Message, an array of 12 in the order of ``equeue.Message``::
+
+    index field         type
+    0     message_id    str (24 hex digits)
+    1     topic         str
+    2     queue_id      uint
+    3     queue_offset  uint
+    4     position      uint
+    5     tag           str
+    6     key           str | nil
+    7     properties    map str -> str
+    8     code          int
+    9     body          bin
+    10    created_ns    int (ns since the epoch)
+    11    stored_ns     int (ns since the epoch)
+
+SendResult, an array of 6: message_id, topic, queue_id, queue_offset, position,
+stored_at (float64 seconds since the epoch).
+
+PullResult, an array of 2: [messages (array of Message), next_offset (uint)].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from equeue.errors import ProtocolError
+from equeue.store.types import Message, PullResult, SendResult
+
+MESSAGE_FIELDS: Final = len(Message._fields)
+assert MESSAGE_FIELDS == 12
+SEND_RESULT_FIELDS: Final = len(SendResult._fields)
+assert SEND_RESULT_FIELDS == 6
+
+_OPTIONAL_STR: Final = (str, type(None))
+_MESSAGE_TYPES: Final = (str, str, int, int, int, str, _OPTIONAL_STR, dict, int, bytes, int, int)
+_SEND_RESULT_TYPES: Final = (str, str, int, int, int, float)
+
+
+def pack_message(message: Message) -> list[Any]:
+    return list(message)
+
+
+def unpack_message(value: object, where: str) -> Message:
+    fields = _checked(value, _MESSAGE_TYPES, "Message", where)
+    properties = fields[7]
+    if not all(type(k) is str and type(v) is str for k, v in properties.items()):
+        raise ProtocolError(f"{where}: a Message's properties must map strings to strings")
+    return Message._make(fields)
+
+
+def pack_send_result(result: SendResult) -> list[Any]:
+    return list(result)
+
+
+def unpack_send_result(value: object, where: str) -> SendResult:
+    return SendResult._make(_checked(value, _SEND_RESULT_TYPES, "SendResult", where))
+
+
+def pack_pull_result(result: PullResult) -> list[Any]:
+    return [[list(m) for m in result.messages], result.next_offset]
+
+
+def unpack_pull_result(value: object, where: str) -> PullResult:
+    if type(value) is not list or len(value) != 2 or type(value[0]) is not list:
+        raise ProtocolError(f"{where}: a PullResult must be [messages, next_offset]")
+    if type(value[1]) is not int or value[1] < 0:
+        raise ProtocolError(f"{where}: a PullResult's next_offset must be a uint")
+    return PullResult([unpack_message(m, where) for m in value[0]], value[1])
+
+
+def unpack_messages(value: object, where: str) -> list[Message]:
+    if type(value) is not list:
+        raise ProtocolError(f"{where}: expected an array of Message")
+    return [unpack_message(m, where) for m in value]
+
+
+def _checked(
+    value: object, types: tuple[type | tuple[type, ...], ...], what: str, where: str
+) -> list[Any]:
+    if type(value) is not list or len(value) != len(types):
+        raise ProtocolError(f"{where}: a {what} must be an array of {len(types)}")
+    for index, (item, wanted) in enumerate(zip(value, types, strict=True)):
+        # type() is not isinstance(): a bool is not an int on the wire
+        if type(item) is not wanted and not (isinstance(wanted, tuple) and type(item) in wanted):
+            raise ProtocolError(
+                f"{where}: field {index} of a {what} is a {type(item).__name__}, "
+                f"expected {_name(wanted)}"
+            )
+    return value
+
+
+def _name(wanted: type | tuple[type, ...]) -> str:
+    if isinstance(wanted, tuple):
+        return " or ".join(t.__name__ for t in wanted)
+    return wanted.__name__
