@@ -151,7 +151,9 @@ def test_errors_cross_the_wire_as_their_class() -> None:
     assert type(back) is errors.ChecksumMismatchError
     assert back.file is None
     assert str(back) == str(corrupt)
-    assert faults.unpack_error(faults.pack_error(errors.DiskFullError(28, "full")), "t").sent == []
+    full = faults.unpack_error(faults.pack_error(errors.DiskFullError(28, "full")), "t")
+    assert isinstance(full, errors.DiskFullError)
+    assert full.sent == []
 
 
 def test_unexpected_and_unknown_errors_become_broker_errors() -> None:
