@@ -183,3 +183,27 @@ def test_check_args_refuses_every_wrong_shape() -> None:
         ops.check_args("queue_range", {"topic": "t", "queue_id": -1}, "t")
     with pytest.raises(errors.ProtocolError, match="'offset' is a bool"):
         ops.check_args("pull", {"topic": "t", "queue_id": 0, "offset": True}, "t")
+
+
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=3),
+    st.binary(max_size=3), st.lists(st.integers(), max_size=2), st.just({"a": "b"}),
+)  # fmt: skip
+_NAMES = sorted({name for spec in ops.OPS.values() for name in spec} | {"bogus"})
+
+
+@given(
+    op=st.sampled_from(sorted(ops.OPS)),
+    args=st.dictionaries(st.sampled_from(_NAMES), _VALUES, max_size=6),
+)
+def test_check_args_fast_path_agrees_with_the_spec(op: str, args: dict[str, object]) -> None:
+    spec = ops.OPS[op]
+    expected_ok = all(
+        name in spec and ops._is(value, spec[name][0]) for name, value in args.items()
+    ) and all(name in args for name, (_, required) in spec.items() if required)
+    try:
+        ops.check_args(op, args, "t")
+    except errors.ProtocolError:
+        assert not expected_ok
+    else:
+        assert expected_ok

@@ -79,9 +79,24 @@ OPS: Final[dict[str, Spec]] = {
 
 
 def check_args(op: str, args: dict[str, Any], where: str) -> Spec:
-    spec = OPS.get(op)
-    if spec is None:
+    # Every request passes here (~0.2 us): set lookups on tables compiled below; the
+    # slow loop only builds the message of a refusal.
+    compiled = _COMPILED.get(op)
+    if compiled is None:
         raise ProtocolError(f"{where}: unknown op {op[:64]!r}")
+    accepted, uints, required = compiled
+    for name, value in args.items():
+        kinds = accepted.get(name)
+        kind = type(value)
+        if kinds is None or kind not in kinds or (kind is int and value < 0 and name in uints):
+            _refuse(op, args, where)
+    if not required <= args.keys():
+        _refuse(op, args, where)
+    return OPS[op]
+
+
+def _refuse(op: str, args: dict[str, Any], where: str) -> None:
+    spec = OPS[op]
     for name, value in args.items():
         wanted = spec.get(name)
         if wanted is None:
@@ -94,7 +109,19 @@ def check_args(op: str, args: dict[str, Any], where: str) -> Spec:
     for name, (_, required) in spec.items():
         if required and name not in args:
             raise ProtocolError(f"{where}: op {op!r} needs argument {name!r}")
-    return spec
+
+
+def _compile(spec: Spec) -> tuple[dict[str, frozenset[object]], frozenset[str], frozenset[str]]:
+    accepted = {
+        name: frozenset(int if t == UINT else t for t in types) for name, (types, _) in spec.items()
+    }
+    # UINT is the only int an argument takes where it takes one at all ("code" is int)
+    uints = frozenset(name for name, (types, _) in spec.items() if UINT in types)
+    required = frozenset(name for name, (_, needed) in spec.items() if needed)
+    return accepted, uints, required
+
+
+_COMPILED: Final = {op: _compile(spec) for op, spec in OPS.items()}
 
 
 def _is(value: object, types: tuple[object, ...]) -> bool:
