@@ -243,3 +243,68 @@ def test_a_read_only_handle_in_another_process_reads_many_queues(tmp_path: Path)
     assert found == {
         f"{t}/{q}": [body(t, q, r).decode() for r in range(3)] for t in topics for q in range(4)
     }
+
+
+def _many(path: Path, config: StoreConfig, topics: int = 12, hot: int = 0) -> None:
+    """``topics`` topics of 4 queues (more than ``low_config`` keeps open), each queue
+    one message; ``hot`` more to t0/0 (past its first queue chunk of 400 entries)."""
+    with MessageStore.open(path, config) as store:
+        for i in range(topics):
+            store.create_topic(f"t{i}", 4)
+            for q in range(4):
+                store.send(f"t{i}", body(f"t{i}", q, 0), queue_id=q)
+        for i in range(1, hot + 1):
+            store.send("t0", body("t0", 0, i), queue_id=0)
+
+
+def test_a_clean_reopen_opens_no_queue_until_used(tmp_path: Path) -> None:
+    config = low_config(queue_chunk_records=400)
+    _many(tmp_path, config)
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.recovery.problems == []
+        ranges = {
+            (t, q): store.queue_range(t, q) for t in store.topics() for q in store.queue_ids(t)
+        }
+        assert len(ranges) == 48 and set(ranges.values()) == {(0, 1)}
+        assert store._files.opened == 0  # topics(), queue_ids(), queue_range() open nothing
+        assert [m.body for m in store.pull("t5", 2, 0).messages] == [body("t5", 2, 0)]
+        assert store._files.opened == 1
+    small = low_config(queue_chunk_records=400, max_open_files=200)  # 60 stay open
+    with MessageStore.open(tmp_path, small) as store:  # fewer than stay open: opened now
+        assert store._files.opened == 48
+
+
+def test_a_damaged_queue_of_a_clean_store_is_rebuilt_on_first_use(tmp_path: Path) -> None:
+    """Its open was deferred: the damage (a zeroed chunk header) is found, and the queue
+    rebuilt from the log at its offsets, when it is first used; reported in
+    ``recovery.problems``; the next reopen finds nothing."""
+    config = low_config(queue_chunk_records=400)
+    _many(tmp_path, config, hot=450)
+    first = sorted((tmp_path / "queues" / "t0" / "0").glob("chunk-*"))[0]
+    with open(first, "r+b") as f:
+        f.write(bytes(64))
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.recovery.problems == []
+        assert store.queue_range("t0", 0) == (0, 451)
+        got = store.pull("t0", 0, 0, 1000).messages
+        assert [m.body for m in got] == [body("t0", 0, i) for i in range(451)]
+        assert any("t0/0" in p and "was rebuilt" in p for p in store.recovery.problems)
+        assert store.send("t0", b"next", queue_id=0).queue_offset == 451
+    assert list((first.parent / "recovered").glob(f"{first.name}.*.damaged"))
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.recovery.problems == []
+        assert store.queue_range("t0", 0) == (0, 452)
+        assert store.pull("t0", 0, 449, 5).messages[0].body == body("t0", 0, 449)
+
+
+def test_a_deleted_queue_chunk_of_a_clean_store_is_reported_at_open(tmp_path: Path) -> None:
+    """A listing per queue at open: a queue whose chunk files do not cover its recorded
+    offsets is opened (and reported, and rebuilt) by the open itself."""
+    config = low_config(queue_chunk_records=400)
+    _many(tmp_path, config, hot=450)
+    sorted((tmp_path / "queues" / "t0" / "0").glob("chunk-*"))[0].unlink()
+    with MessageStore.open(tmp_path, config) as store:
+        assert any("t0/0" in p and "starts at offset 400" in p for p in store.recovery.problems)
+        assert store.queue_range("t0", 0) == (0, 451)
+        got = store.pull("t0", 0, 0, 1000).messages
+        assert [m.body for m in got] == [body("t0", 0, i) for i in range(451)]

@@ -115,12 +115,16 @@ class QueueFiles:
 
     def plan(self, deleted: dict[str, int]) -> None:
         """At a writer's open, once topics.json's deletions are read: which queues open
-        lazily (``clean_ends``)."""
+        lazily (``clean_ends``): all of them, when there are more than stay open."""
         if self.pending is None:
             return
         checkpoint, log_end = self.pending
         self.pending = None
-        self.known = clean_ends(checkpoint, log_end, deleted)
+        known = clean_ends(checkpoint, log_end, deleted)
+        # As many queues as the cache keeps open are opened, and checked, by the store's
+        # open, as before; past that, opening them all would only close them again.
+        if sum(map(len, known.values())) > self.limit:
+            self.known = known
 
     def opened_store(self) -> None:
         """The writer's open is done: queues created from now on start empty."""
