@@ -22,8 +22,11 @@ from code_paths import code_path  # noqa: F401 - the fixture
 from many_queues_child import body, low_config
 
 from equeue import MessageStore, StoreConfig
+from equeue.atomicfile import read_json, write_json
 from equeue.errors import ConfigError
 from equeue.store.config import open_queue_limit
+from equeue.store.topics import TopicPolicy, topics_body
+from equeue.store.topicsfile import TopicsFile
 
 CHILD = Path(__file__).with_name("many_queues_child.py")
 HERE = Path(__file__).parent
@@ -308,3 +311,26 @@ def test_a_deleted_queue_chunk_of_a_clean_store_is_reported_at_open(tmp_path: Pa
         assert store.queue_range("t0", 0) == (0, 451)
         got = store.pull("t0", 0, 0, 1000).messages
         assert [m.body for m in got] == [body("t0", 0, i) for i in range(451)]
+
+
+def test_topics_file_writes_what_write_json_writes(tmp_path: Path) -> None:
+    """topics.json from cached per-topic pieces (topicsfile.py) is byte for byte what
+    write_json(topics_body(...)) writes, as topics are added, changed and deleted."""
+    file = TopicsFile()
+    counts = {"a": 4, "b.c": 1, "é-ü": 2}
+    policies = {"b.c": TopicPolicy("compact", dt.timedelta(days=1), dt.timedelta(hours=2))}
+    deleted = {"z": 123}
+    for step in range(4):
+        if step == 1:
+            counts["a"] = 6
+            counts["z"] = 1  # created again after its deletion
+        if step == 2:
+            policies["a"] = TopicPolicy(retention=dt.timedelta(seconds=30))
+            del counts["b.c"]
+            deleted["b.c"] = 999
+        if step == 3:
+            counts.clear()
+        file.write(tmp_path / "pieces.json", counts, policies, deleted)
+        write_json(tmp_path / "whole.json", topics_body(counts, policies, deleted))
+        assert (tmp_path / "pieces.json").read_bytes() == (tmp_path / "whole.json").read_bytes()
+        assert read_json(tmp_path / "pieces.json") == topics_body(counts, policies, deleted)

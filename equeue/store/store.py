@@ -15,7 +15,7 @@ from typing import Any
 import xxhash
 
 from equeue import speedups
-from equeue.atomicfile import remove_temp_files, write_json
+from equeue.atomicfile import remove_temp_files
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.chunks.config import MiB
 from equeue.chunks.recovery import TailHint
@@ -77,8 +77,8 @@ from equeue.store.topics import (
     _Unset,
     deletions,
     topic_entries,
-    topics_body,
 )
+from equeue.store.topicsfile import TopicsFile
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
 
@@ -169,6 +169,7 @@ class MessageStore:
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
         self._policies: dict[str, TopicPolicy] = {}
+        self._topics_file = TopicsFile()
         if not read_only:  # queues a clean checkpoint describes are opened on first use
             self._files.pending = (checkpoint, self._messages.committed_position)
         self._load_topics()
@@ -429,7 +430,7 @@ class MessageStore:
 
     def _save_topics(self) -> None:
         counts = {topic: len(queues) for topic, queues in self._queues.items()}
-        write_json(self.path / TOPICS_FILE, topics_body(counts, self._policies, self._deleted))
+        self._topics_file.write(self.path / TOPICS_FILE, counts, self._policies, self._deleted)
 
     def _topic(self, topic: str) -> list[Queue]:
         self._check_open()  # every read by topic; one attribute on the pull path
