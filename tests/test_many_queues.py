@@ -23,6 +23,7 @@ from many_queues_child import body, low_config
 
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import read_json, write_json
+from equeue.cli import main
 from equeue.errors import ConfigError
 from equeue.store.config import open_queue_limit
 from equeue.store.topics import TopicPolicy, topics_body
@@ -334,3 +335,22 @@ def test_topics_file_writes_what_write_json_writes(tmp_path: Path) -> None:
         write_json(tmp_path / "whole.json", topics_body(counts, policies, deleted))
         assert (tmp_path / "pieces.json").read_bytes() == (tmp_path / "whole.json").read_bytes()
         assert read_json(tmp_path / "pieces.json") == topics_body(counts, policies, deleted)
+
+
+def test_inspect_summary_of_many_queues_shows_the_largest_and_totals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = low_config(queue_chunk_records=400)
+    _many(tmp_path, config, hot=7)  # 48 queues; t0/0 holds 8 messages
+    with MessageStore.open(tmp_path, config) as store:
+        for q in range(4):
+            store.commit_offset("g", "t1", q, 0)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("  t") and "/" in line]
+    assert "the 20 largest by messages" in out and len(rows) == 20
+    assert rows[0].split()[:4] == ["t0/0", "0", "8", "8"]
+    assert "all 48 queues: 55 messages, 48 queue chunks, 0 empty" in out
+    assert main(["inspect", "--json", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert sum(len(t["queues"]) for t in summary["topics"]) == 48
