@@ -71,6 +71,7 @@ class QueueFiles:
         self.known: dict[str, list[tuple[int, int]]] = {}
         self.new: tuple[int, int] | None = None
         self.pending: tuple[dict[str, Any], int] | None = None
+        self.log_end = 0  # the log's end at the writer's open
         # The store's checks of a queue whose open it deferred (queuerebuild.py): the spot
         # check of its entries on its first open, and the rebuild of a damaged one.
         self.check: Callable[[Queue], None] | None = None
@@ -120,6 +121,7 @@ class QueueFiles:
             return
         checkpoint, log_end = self.pending
         self.pending = None
+        self.log_end = log_end
         known = clean_ends(checkpoint, log_end, deleted)
         # As many queues as the cache keeps open are opened, and checked, by the store's
         # open, as before; past that, opening them all would only close them again.
@@ -199,6 +201,13 @@ class QueueFiles:
             return
         first, end = expected
         found = manager.committed_position // QUEUE_RECORD_SIZE
+        if found > end and not queue.checked:
+            # Deferred by the store's open: entries past the checkpoint's end are those of
+            # records sent after it (re-dispatch opens the queues it meets a record of,
+            # and checks them). A queue it did not meet keeps those that point below
+            # the log's end at the open, as re-dispatch keeps them.
+            queue.next_offset = found  # (the search's range)
+            end = max(end, queue.first_offset_at_or_after(self.log_end))
         on_disk = manager.first_position // QUEUE_RECORD_SIZE
         if on_disk > first:
             raise CorruptionError(
@@ -231,13 +240,10 @@ class QueueFiles:
 def clean_ends(
     checkpoint: dict[str, Any], log_end: int, deleted: dict[str, int]
 ) -> dict[str, list[tuple[int, int]]]:
-    """Each queue's (first, next offset) as a checkpoint at the log's end recorded them
-    (a close's, or the last flush's before a crash after which nothing was sent): {} if
-    the checkpoint is elsewhere, so that recovery opens and checks every queue. A topic
+    """Each queue's (first, next offset) as the checkpoint recorded them. A topic
     deleted at or after the checkpoint is left out (what it recorded may be the old
     topic's), as are queues the checkpoint does not list (created after it)."""
-    if checkpoint.get("log_position") != log_end:
-        return {}
+    position = checkpoint.get("log_position")
     ends, starts = checkpoint.get("queues"), checkpoint.get("queue_starts")
     if not isinstance(ends, dict) or not isinstance(starts, dict):
         return {}
@@ -246,7 +252,7 @@ def clean_ends(
         s = starts.get(topic)
         if not isinstance(e, list) or not isinstance(s, list) or len(e) != len(s):
             continue
-        if deleted.get(topic, -1) >= log_end:
+        if deleted.get(topic, -1) >= min(log_end, position if isinstance(position, int) else 0):
             continue
         pairs = list(zip(s, e, strict=True))
         if all(_offset(a) and _offset(b) and a <= b for a, b in pairs):

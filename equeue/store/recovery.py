@@ -188,6 +188,7 @@ def redispatch(
                 )
                 continue
             queue = topic_queues[qid]
+            queue.manager  # noqa: B018 (opened first: a deferred queue's end is its files')
             handled.add(queue)
             following = queue.next_offset
             in_place = qoff < following
@@ -371,6 +372,7 @@ class _Matcher:
             self._rows[queue][:3] = [None, 0, 0]
             self._mapped.discard(queue)
         for queue in self._stale:
+            queue.manager  # noqa: B018 (opened first: a deferred queue's end is its files')
             row = self._rows[queue]
             expected = seen.get(queue)
             if expected is None:
