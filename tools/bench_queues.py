@@ -9,6 +9,10 @@ process's, /proc/self/fd) after the sends and after the reopen, RSS after the se
 memory per idle queue is (RSS with N queues - RSS with the smallest count) / the queue
 difference.
 
+``--kill``: a reopen after a SIGKILL of a writer of ``--cold`` queues that sent to 40
+of them after its last checkpoint (how many queues re-dispatch opened, and the time),
+a clean reopen, then ``equeue inspect`` and ``equeue verify`` of that store, timed.
+
 ``--hot``: send/pull throughput to one hot queue with ``--cold`` cold queues beside it
 vs without (alternated A, B, A, B), and a round-robin send over all the cold queues
 (what the open-queue cache's churn costs).
@@ -187,6 +191,76 @@ def hot(args: argparse.Namespace) -> None:
     )
 
 
+def kill_child(directory: Path, queues: int, args: argparse.Namespace) -> None:
+    """Build ``queues`` queues, one send each, a flush (checkpoint), then sends to 40 of
+    them, then SIGKILL this process."""
+    topics = [f"t{i:05d}" for i in range(queues // 4)]
+    store = MessageStore.open(directory, _config(args))
+    for topic in topics:
+        store.create_topic(topic, 4)
+        for q in range(4):
+            store.send(topic, b"x" * 100, queue_id=q)
+    store.flush()
+    for i in range(args.messages // 10):
+        store.send(topics[i % 10], b"y" * 100)
+    os.kill(os.getpid(), 9)
+
+
+def reopen_child(directory: Path, args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    store = MessageStore.open(directory, _config(args))
+    took = time.perf_counter() - started
+    opened = sum(q.checked for qs in store._queues.values() for q in qs)
+    report = store.recovery
+    print(
+        json.dumps(
+            {
+                "reopen_s": took,
+                "queues_opened": opened,
+                "redispatched": report.redispatched,
+                "problems": len(report.problems),
+            }
+        )
+    )
+    store.close()
+
+
+def kill(args: argparse.Namespace) -> None:
+    """Reopen after a SIGKILL with --cold queues; then inspect and verify timed."""
+    directory = Path(tempfile.mkdtemp(prefix="eqbk", dir=args.dir))
+    try:
+        base = [
+            sys.executable,
+            __file__,
+            "--flush",
+            args.flush,
+            "--store",
+            str(directory),
+            "--max-open-files",
+            str(args.max_open_files),
+            "--messages",
+            str(args.messages),
+        ]
+        subprocess.run([*base, "--kill-child", str(args.cold)], timeout=1800)
+        done = subprocess.run([*base, "--reopen-child"], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        print("reopen after SIGKILL:", done.stdout.strip() or done.stderr[-2000:])
+        done = subprocess.run([*base, "--reopen-child"], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        print("clean reopen:", done.stdout.strip() or done.stderr[-2000:])
+        for command in ("inspect", "verify"):
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "equeue", command, str(directory)],
+                                  capture_output=True, text=True, timeout=1800)  # fmt: skip
+            lines = done.stdout.count("\n")
+            print(
+                f"equeue {command}: {time.perf_counter() - started:.2f} s, exit "
+                f"{done.returncode}, {lines} lines of output"
+            )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--queues", type=int, nargs="+", default=[10, 1000, 10000])
@@ -199,11 +273,23 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--rr-messages", type=int, default=40_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--kill", action="store_true", help="reopen after SIGKILL, inspect")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--reopen-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--store", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         child(args.child, args.per_topic, args.store, args)
+        return
+    if args.kill_child is not None:
+        kill_child(args.store, args.kill_child, args)
+        return
+    if args.reopen_child:
+        reopen_child(args.store, args)
+        return
+    if args.kill:
+        kill(args)
         return
     if args.hot:
         hot(args)
