@@ -137,6 +137,10 @@ class QueueFiles:
         known = self.known.get(topic, ())
         return known[queue_id] if queue_id < len(known) else self.new
 
+    def managers(self) -> list[ChunkManager]:
+        """The open queues' chunk managers."""
+        return [m for m in (q._manager for q in list(self._open)) if m is not None]
+
     def forget(self, queue: Queue) -> None:
         """``queue`` was closed for good (store close, delete_topic)."""
         self._open.pop(queue, None)

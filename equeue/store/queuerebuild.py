@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,9 +25,10 @@ from equeue.chunks import ChunkManager
 from equeue.errors import CorruptionError, PositionError, location
 from equeue.format.chunk import HEADER_SIZE, parse_chunk_file_name
 from equeue.format.message import MESSAGE_HEAD, MESSAGE_HEAD_SIZE, QUEUE_RECORD_SIZE
+from equeue.store.config import open_queue_limit
 from equeue.store.meta import QUEUES_DIR, move_to_recovered
 from equeue.store.queue import Queue
-from equeue.store.queuecache import QUEUE_READ_MAPS, files_cover
+from equeue.store.queuecache import QUEUE_READ_MAPS, QueueFiles, files_cover
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -286,3 +288,15 @@ def deferred_checks(
         return rebuild_deferred(store, queue, ends, why)
 
     return check, rebuild
+
+
+def queue_files(store: MessageStore, checkpoint: dict[str, Any]) -> QueueFiles:
+    """The store's cache of open queues, with its lock, an RLock, the store's write lock
+    (queues are opened and closed under it); a writer's checks of deferred queues, and
+    the checkpoint that says which queues its open may defer."""
+    files = QueueFiles(threading.RLock(), open_queue_limit(store.config))
+    files.problems = store._meta_problems
+    if not store.read_only:
+        files.check, files.rebuild = deferred_checks(store)
+        files.pending = (checkpoint, store._messages.committed_position)
+    return files

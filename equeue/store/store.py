@@ -44,7 +44,7 @@ from equeue.store import deletion, follow, pulling, times, topics, validate
 from equeue.store import offsets as group_offsets
 from equeue.store.append import Appender
 from equeue.store.checkpoint import write_checkpoint
-from equeue.store.config import StoreConfig, open_queue_limit
+from equeue.store.config import StoreConfig
 from equeue.store.consumer import Consumer, Start
 from equeue.store.flush import GroupCommit, run_service
 from equeue.store.keyindex import KeyIndex, open_writer_index
@@ -62,8 +62,7 @@ from equeue.store.meta import (
 )
 from equeue.store.offsets import GroupFiles
 from equeue.store.queue import Queue
-from equeue.store.queuecache import QueueFiles
-from equeue.store.queuerebuild import deferred_checks, open_queue
+from equeue.store.queuerebuild import open_queue, queue_files
 from equeue.store.reads import LogReader, tag_filter
 from equeue.store.recovery import (
     RecoveryReport,
@@ -160,18 +159,12 @@ class MessageStore:
         )
         self._open_log(hint, live)
         self._live_tail: LiveTailWriter | None = None  # created once recovery is done
-        # The write lock, an RLock: queues are opened and closed under it (queuecache.py).
-        self._files = QueueFiles(threading.RLock(), open_queue_limit(config))
-        self._files.problems = self._meta_problems
-        if not read_only:
-            self._files.check, self._files.rebuild = deferred_checks(self)
+        self._files = queue_files(self, checkpoint)  # the cache of open queues, the write lock
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
         self._policies: dict[str, TopicPolicy] = {}
         self._topics_file = TopicsFile()
-        if not read_only:  # queues a clean checkpoint describes are opened on first use
-            self._files.pending = (checkpoint, self._messages.committed_position)
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
         if not read_only:
@@ -296,8 +289,7 @@ class MessageStore:
                     self._lock_file.close()
 
     def _chunk_managers(self) -> list[ChunkManager]:
-        opened = [q._manager for qs in self._queues.values() for q in qs]
-        return [self._messages] + [m for m in opened if m is not None]
+        return [self._messages, *self._files.managers()]
 
     def _release_files(self) -> None:
         """Close every file; the first failure is raised after all were tried."""
