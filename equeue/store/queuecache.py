@@ -142,8 +142,10 @@ class QueueFiles:
         return [m for m in (q._manager for q in list(self._open)) if m is not None]
 
     def forget(self, queue: Queue) -> None:
-        """``queue`` was closed for good (store close, delete_topic)."""
-        self._open.pop(queue, None)
+        """``queue`` was closed for good (store close, delete_topic, or a read-only
+        handle following a deletion, without the write lock: hence the lock here)."""
+        with self.lock:
+            self._open.pop(queue, None)
 
     def close_idle(self) -> None:
         """Close every open queue (their entries stay in memory): for benchmarks."""
