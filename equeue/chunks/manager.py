@@ -133,6 +133,20 @@ class ChunkManager:
                     # takes the slow path and raises ClosedError.
                     self._writer._chunk = None
 
+    def release_files(self) -> None:
+        """Let go of every chunk's file descriptor and mapping, unflushed, for a cache of
+        open directories that opens this one again later: a reader that holds a mapping
+        keeps it valid until it drops it (nothing is unmapped here), and a chunk mapped
+        again by such a reader belongs to it alone. The manager is not used again."""
+        with self._lock:
+            for chunk in self._chunks:
+                chunk._on_map = _ignore_map  # no reference back: the manager can be freed
+                chunk.release_mapping()
+            if self._writer is not None:
+                self._writer._chunk = None
+                self._writer = None
+            self._closed = True
+
     # --- lookups -------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -752,6 +766,10 @@ class ChunkManager:
                 os.close(fd)
         except OSError as exc:
             raise write_error(exc, "recovering a chunk", path) from exc
+
+
+def _ignore_map(chunk: Chunk) -> None:
+    return None
 
 
 def _resolve_versions(

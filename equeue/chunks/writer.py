@@ -20,11 +20,12 @@ class ChunkWriter:
     returns; otherwise ``flush()`` makes everything written so far durable.
     """
 
-    def __init__(self, manager: ChunkManager) -> None:
+    def __init__(self, manager: ChunkManager, lock: threading.RLock | None = None) -> None:
         manager._attach_writer(self)
         self.manager = manager
         config = manager.config
-        self._lock = threading.Lock()
+        # A caller's RLock (the store's: it opens queues under the lock it writes under).
+        self._lock: threading.Lock | threading.RLock = lock or threading.Lock()
         self._sync = config.sync_flush
         self._fixed = config.record_size
         # write()'s fast path checks only type and length; fixed-size records (which must
@@ -37,7 +38,7 @@ class ChunkWriter:
         self._chunk: Chunk | None = last if last is not None and not last.is_completed else None
 
     @property
-    def lock(self) -> threading.Lock:
+    def lock(self) -> threading.Lock | threading.RLock:
         """The write lock; hold it to make several writes one atomic step."""
         return self._lock
 

@@ -22,6 +22,10 @@ WIDTH = 80
 _ELLIPSIS = "..."
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
+# Rows of a store summary's queue and consumer group tables; past it, the largest
+# (or most lagging) and totals, so 10,000 queues stay readable.
+TOP_ROWS = 20
+
 
 def human_size(n: int) -> str:
     if abs(n) < 1024:
@@ -172,25 +176,41 @@ def render_store(s: StoreSummary, *, wrap: bool) -> str:
     queue_count = sum(len(t.queues) for t in s.topics)
     lines += ["", f"Topics ({len(s.topics)}, {queue_count} queues)"]
     if s.topics:
+        queues = [(t.topic, q) for t in s.topics for q in t.queues]
+        shown = queues
+        if len(queues) > TOP_ROWS:  # the largest, then totals: a table stays readable
+            shown = sorted(queues, key=lambda tq: (-tq[1].messages, tq[0], tq[1].queue_id))
+            shown = shown[:TOP_ROWS]
+            lines.append(f"  the {TOP_ROWS} largest by messages (--json lists every queue):")
         rows = [
             [
-                f"{t.topic}/{q.queue_id}",
+                f"{topic}/{q.queue_id}",
                 str(q.first_offset),
                 str(q.next_offset),
                 str(q.messages),
                 str(q.chunk_count),
             ]
-            for t in s.topics
-            for q in t.queues
+            for topic, q in shown
         ]
         lines += table(
             ["TOPIC/QUEUE", "FIRST", "NEXT", "MESSAGES", "CHUNKS"], rows, right=(1, 2, 3, 4)
         )
+        if len(queues) > TOP_ROWS:
+            rest = [q for _, q in queues]
+            lines.append(
+                f"  all {len(queues)} queues: {sum(q.messages for q in rest)} messages, "
+                f"{sum(q.chunk_count for q in rest)} queue chunks, "
+                f"{sum(1 for q in rest if q.messages == 0)} empty"
+            )
     else:
         lines.append("  none")
     groups = sorted({g.group for g in s.groups})
     lines += ["", f"Consumer groups ({len(groups)})"]
     if s.groups:
+        lagging = s.groups
+        if len(lagging) > TOP_ROWS:
+            lagging = sorted(lagging, key=lambda g: -(g.lag or 0))[:TOP_ROWS]
+            lines.append(f"  the {TOP_ROWS} most lagging (--json lists every commit):")
         rows = [
             [
                 g.group,
@@ -199,9 +219,13 @@ def render_store(s: StoreSummary, *, wrap: bool) -> str:
                 "-" if g.next_offset is None else str(g.next_offset),
                 "-" if g.lag is None else str(g.lag),
             ]
-            for g in s.groups
+            for g in lagging
         ]
         lines += table(["GROUP", "TOPIC/QUEUE", "COMMITTED", "NEXT", "LAG"], rows, right=(2, 3, 4))
+        if len(s.groups) > TOP_ROWS:
+            lines.append(
+                f"  all {len(s.groups)} commits: total lag {sum(g.lag or 0 for g in s.groups)}"
+            )
     else:
         lines.append("  none")
     if s.problems:

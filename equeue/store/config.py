@@ -8,6 +8,7 @@ from equeue.chunks.config import MiB, check_int
 from equeue.errors import ConfigError
 from equeue.format.chunk import MAX_CHUNK_DATA_SIZE, MIN_CHUNK_DATA_SIZE
 from equeue.format.message import QUEUE_RECORD_SIZE
+from equeue.store.queuecache import FILES_PER_QUEUE
 from equeue.store.validate import check_span
 
 FlushPolicy = Literal["sync", "async", "os"]
@@ -71,6 +72,12 @@ class StoreConfig:
     max_store_bytes: int | None = None
     retention_respects_consumers: bool = False
     max_open_chunks: int = 8
+    # Descriptors the store may hold (queuecache.py): the log's, the key index's and, for
+    # the rest, the queues' (3 per open queue). 256 leaves 768 of the common default
+    # `ulimit -n` of 1,024 to the application (a broker's connections) and keeps 79
+    # queues open; more queues than that are closed and reopened, least recently used
+    # first. A round robin over more queues than stay open pays a reopen per send.
+    max_open_files: int = 256
     key_index_batch: int = 10_000  # keys buffered before one index transaction
     alloc_step: int = 4 * MiB
 
@@ -104,6 +111,14 @@ class StoreConfig:
         check_int("max_properties_size", self.max_properties_size, 0, 1 << 20)
         check_int("max_open_chunks", self.max_open_chunks, 1, 1 << 16)
         check_int("key_index_batch", self.key_index_batch, 1, 1 << 24)
+        check_int("max_open_files", self.max_open_files, 1, 1 << 20)
+        if self.max_open_files < min_open_files(self.max_open_chunks):
+            raise ConfigError(
+                f"max_open_files={self.max_open_files}; it must be at least "
+                f"{min_open_files(self.max_open_chunks)}: the log's "
+                f"{log_files(self.max_open_chunks)} (max_open_chunks + 2), {STORE_FILES} for "
+                f"the store's other files and {MIN_OPEN_QUEUES} open queues of {FILES_PER_QUEUE}"
+            )
         check_int("alloc_step", self.alloc_step, 0, MAX_CHUNK_DATA_SIZE)
         if self.flush not in ("sync", "async", "os"):
             raise ConfigError(f"flush={self.flush!r}; it must be 'sync', 'async' or 'os'")
@@ -114,3 +129,26 @@ class StoreConfig:
             check_span("StoreConfig.retention", self.retention)
         if self.max_store_bytes is not None:
             check_int("max_store_bytes", self.max_store_bytes, 1, 1 << 62)
+
+
+# Descriptors the store holds besides the log's chunks and its queues: the lock file, the
+# live tail, the key index (its database and journal), and the short-lived ones of a
+# metadata write (the file and its directory, for fsync).
+STORE_FILES = 8
+MIN_OPEN_QUEUES = 4  # a send_batch over a topic of 4 queues keeps them all open
+
+
+def log_files(max_open_chunks: int) -> int:
+    """The log's descriptors at most: its mapped chunks, the ongoing one's descriptor and
+    mapping."""
+    return max_open_chunks + 2
+
+
+def min_open_files(max_open_chunks: int) -> int:
+    return log_files(max_open_chunks) + STORE_FILES + MIN_OPEN_QUEUES * FILES_PER_QUEUE
+
+
+def open_queue_limit(config: StoreConfig) -> int:
+    """How many queues may be open at once under ``max_open_files``."""
+    spare = config.max_open_files - log_files(config.max_open_chunks) - STORE_FILES
+    return max(MIN_OPEN_QUEUES, spare // FILES_PER_QUEUE)

@@ -53,7 +53,10 @@ class GroupCommit:
     """
 
     def __init__(
-        self, lock: threading.Lock, flush: Callable[[], None], after: Callable[[], None]
+        self,
+        lock: threading.Lock | threading.RLock,
+        flush: Callable[[], None],
+        after: Callable[[], None],
     ) -> None:
         self._write_lock = lock
         self._flush = flush

@@ -74,6 +74,8 @@ def losses_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> list[str]
         for queue_id, recorded in enumerate(offsets if isinstance(offsets, list) else []):
             if queue_id >= len(queues) or not isinstance(recorded, int):
                 continue
+            if queues[queue_id].deferred:
+                continue  # checked when opened (QueueFiles._check_ends)
             manager = queues[queue_id].manager
             on_disk = manager.first_position // QUEUE_RECORD_SIZE
             if on_disk > recorded:
@@ -115,7 +117,7 @@ def _short_queues(store: MessageStore, checkpoint: dict[str, Any], where: str) -
                 queue = queues[queue_id]
                 if queue.next_offset < recorded:
                     problems.append(
-                        f"queue {topic}/{queue_id} in {queue.manager.directory} ends at offset "
+                        f"queue {topic}/{queue_id} in {queue.directory} ends at offset "
                         f"{queue.next_offset}, but the checkpoint {where} recorded {recorded} "
                         "entries: the rest are missing (a writer's open rebuilds them from "
                         "the log)"

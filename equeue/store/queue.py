@@ -7,10 +7,12 @@ from pathlib import Path
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkWriter
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.recovery import TailCut
-from equeue.errors import ChunkRemovedError, PositionNotFoundError
+from equeue.errors import ChunkRemovedError, ClosedError, PositionNotFoundError
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.safepath import check_dir
+from equeue.store.queuecache import QueueFiles
+from equeue.store.queuecache import ticks as _ticks
 
 _unpack = QUEUE_RECORD.unpack_from
 # A queue chunk's disk is allocated this far ahead of its entries (2,730 of them): with
@@ -20,7 +22,32 @@ _pack = QUEUE_RECORD.pack
 
 
 class Queue:
-    """Offsets are dense: offset q is the q-th message sent to this queue."""
+    """Offsets are dense: offset q is the q-th message sent to this queue.
+
+    Its files are opened on first use and may be closed again by the store's cache of
+    open queues (``QueueFiles``: queuecache.py); ``first_offset`` and ``next_offset``
+    stay in memory, so an idle queue holds no file and no ChunkManager."""
+
+    __slots__ = (
+        "__weakref__",
+        "_alloc_step",
+        "_expected",
+        "_files",
+        "_manager",
+        "_max_open_chunks",
+        "_read_only",
+        "_records",
+        "_writer",
+        "checked",
+        "closed",
+        "directory",
+        "first_offset",
+        "last_used",
+        "next_offset",
+        "queue_id",
+        "rebuilt",
+        "topic",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -32,31 +59,94 @@ class Queue:
         max_open_chunks: int,
         read_only: bool = False,
         alloc_step: int = QUEUE_ALLOC_STEP,
+        files: QueueFiles | None = None,
+        ends: tuple[int, int] | None = None,
     ) -> None:
         self.topic = topic
         self.queue_id = queue_id
-        check_dir(directory.parent)  # the topic's: ChunkManager would create under a link
+        self.directory = directory
         self.closed = False
-        self.manager = ChunkManager(
-            directory,
-            ChunkManagerConfig(
-                chunk_data_size=records_per_chunk * QUEUE_RECORD_SIZE,
-                record_size=QUEUE_RECORD_SIZE,
-                max_open_chunks=max_open_chunks,
-                alloc_step=min(alloc_step, QUEUE_ALLOC_STEP),  # 0: whole chunks
-            ),
-            read_only=read_only,
-        )
-        self._writer: ChunkWriter | None = None
         self.rebuilt = False  # its chunks were set aside at open: re-dispatch rebuilds it
-        self.first_offset = self.manager.first_position // QUEUE_RECORD_SIZE
-        # A plain attribute, raised only after an entry is in place, so readers may use it.
-        self.next_offset = self.manager.committed_position // QUEUE_RECORD_SIZE
+        self.last_used = 0
+        self.checked = False  # opened once in this process (QueueFiles.open's checks done)
+        self._files = files if files is not None else QueueFiles(None, 0)
+        self._records = records_per_chunk
+        self._max_open_chunks = max_open_chunks
+        self._read_only = read_only
+        self._alloc_step = alloc_step
+        self._manager: ChunkManager | None = None
+        self._writer: ChunkWriter | None = None
+        # Where the queue is known to start and end without its files (the checkpoint of
+        # a clean store, or a queue just created): the first open checks its files
+        # against it (QueueFiles.check_ends). None: known once the files are opened.
+        self._expected = ends
+        self.first_offset, self.next_offset = ends or (0, 0)
+        if ends is None:
+            self.manager  # noqa: B018 (opened now: its ends come from its files)
+
+    @property
+    def is_open(self) -> bool:
+        return self._manager is not None
+
+    @property
+    def deferred(self) -> bool:
+        """Not opened since its ends were known: its files are checked against them when
+        it is (QueueFiles._check_ends), not by the store's open."""
+        return self._manager is None and self._expected is not None
+
+    @property
+    def manager(self) -> ChunkManager:
+        """The queue's chunks, opened (through the store's cache of open queues) if the
+        queue's files are closed."""
+        manager = self._manager
+        if manager is None:
+            manager = self._files.open(self)
+        self.last_used = next(_ticks)
+        return manager
+
+    def load(self) -> ChunkManager:
+        """QueueFiles.open, with its lock held: the ChunkManager of the queue's files."""
+        if self.closed:
+            raise ClosedError(f"queue {self.topic}/{self.queue_id} in {self.directory} is closed")
+        check_dir(self.directory.parent)  # the topic's: ChunkManager would create under a link
+        manager = ChunkManager(
+            self.directory,
+            ChunkManagerConfig(
+                chunk_data_size=self._records * QUEUE_RECORD_SIZE,
+                record_size=QUEUE_RECORD_SIZE,
+                max_open_chunks=self._max_open_chunks,
+                alloc_step=min(self._alloc_step, QUEUE_ALLOC_STEP),  # 0: whole chunks
+            ),
+            read_only=self._read_only,
+        )
+        self._manager = manager
+        if self._expected is None:
+            self.first_offset = max(self.first_offset, manager.first_position // QUEUE_RECORD_SIZE)
+            # A plain attribute, raised only after an entry is in place, so readers may use it.
+            self.next_offset = manager.committed_position // QUEUE_RECORD_SIZE
+        return manager
+
+    def release(self) -> bool:
+        """QueueFiles, with its lock (the store's write lock) held: close the queue's files.
+        Mappings a reader still holds stay valid until it drops them. True if entries
+        written since the last flush are not known durable (the cache syncs them later)."""
+        manager, self._manager, self._writer = self._manager, None, None
+        # A writer's queue changes only through this handle; a read-only one reads its
+        # files again when reopened (the writer appended since).
+        self._expected = None if self._read_only else (self.first_offset, self.next_offset)
+        if manager is None:
+            return False
+        last = manager.last_chunk
+        dirty = last is not None and not last.is_completed and last.flushed_end < last.data_end
+        manager.release_files()
+        return dirty
 
     @property
     def writer(self) -> ChunkWriter:
         if self._writer is None:
-            self._writer = ChunkWriter(self.manager)
+            manager = self.manager  # (an open that rebuilds the queue makes the writer)
+            if self._writer is None:
+                self._writer = ChunkWriter(manager)
         return self._writer
 
     def append(self, message_position: int, tag_hash: int) -> int:
@@ -106,9 +196,10 @@ class Queue:
 
     def refresh(self) -> None:
         """Read-only: see the entries the writer appended since."""
-        self.manager.refresh()
-        self.first_offset = max(self.first_offset, self.manager.first_position // QUEUE_RECORD_SIZE)
-        self.next_offset = self.manager.committed_position // QUEUE_RECORD_SIZE
+        manager = self.manager
+        manager.refresh()
+        self.first_offset = max(self.first_offset, manager.first_position // QUEUE_RECORD_SIZE)
+        self.next_offset = manager.committed_position // QUEUE_RECORD_SIZE
 
     def entry(self, offset: int) -> tuple[int, int]:
         """(message position, tag hash) at ``offset``."""
@@ -181,7 +272,10 @@ class Queue:
 
     def remove_chunks_below(self, message_position: int | None) -> int:
         """Retention: drop completed queue chunks whose entries all point below
-        ``message_position``, or, with None, those wholly below ``first_offset``."""
+        ``message_position``, or, with None, those wholly below ``first_offset`` (of an
+        open queue only: retention's every turn must not open every queue)."""
+        if message_position is None and self._manager is None:
+            return 0
         removed = 0
         for chunk in list(self.manager)[:-1]:
             last_offset = (chunk.base + chunk.data_end) // QUEUE_RECORD_SIZE - 1
@@ -205,4 +299,7 @@ class Queue:
 
     def close(self) -> None:
         self.closed = True  # (a send that waited for the lock checks it: delete_topic)
-        self.manager.close()
+        self._files.forget(self)
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.close()

@@ -14,26 +14,43 @@ with an error that names the file and says that a writable open rebuilds it.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from equeue.chunks import ChunkManager
 from equeue.errors import CorruptionError, PositionError, location
 from equeue.format.chunk import HEADER_SIZE, parse_chunk_file_name
 from equeue.format.message import MESSAGE_HEAD, MESSAGE_HEAD_SIZE, QUEUE_RECORD_SIZE
+from equeue.store.config import open_queue_limit
 from equeue.store.meta import QUEUES_DIR, move_to_recovered
 from equeue.store.queue import Queue
+from equeue.store.queuecache import QUEUE_READ_MAPS, QueueFiles, files_cover
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
 
+log = logging.getLogger("equeue.recovery")
 
-def open_queue(store: MessageStore, topic: str, queue_id: int) -> Queue:
+
+def open_queue(
+    store: MessageStore, topic: str, queue_id: int, ends: tuple[int, int] | None = None
+) -> Queue:
     """The queue's chunks, loaded; a writer moves damaged ones aside and starts it empty
-    (``Queue.rebuilt``), for ``reconcile_at_open`` to rebuild from the log."""
+    (``Queue.rebuilt``), for ``reconcile_at_open`` to rebuild from the log. With ``ends``
+    (first, next offset) known, nothing is loaded until it is used (queuecache.py)."""
     directory = store.path / QUEUES_DIR / topic / str(queue_id)
+    if (
+        ends is not None
+        and ends[1]
+        and not files_cover(directory, ends, store.config.layout.queue_chunk_records)
+    ):
+        ends = None  # opened now: its chunks were deleted from outside
     try:
-        return _queue(store, directory, topic, queue_id)
+        return _queue(store, directory, topic, queue_id, ends)
     except CorruptionError as exc:
         if store.read_only:
             raise CorruptionError(
@@ -47,15 +64,23 @@ def open_queue(store: MessageStore, topic: str, queue_id: int) -> Queue:
     return _set_aside(store, directory, topic, queue_id, why, store._meta_problems)
 
 
-def _queue(store: MessageStore, directory: Path, topic: str, queue_id: int) -> Queue:
+def _queue(
+    store: MessageStore,
+    directory: Path,
+    topic: str,
+    queue_id: int,
+    ends: tuple[int, int] | None = None,
+) -> Queue:
     return Queue(
         directory,
         topic,
         queue_id,
         store.config.layout.queue_chunk_records,
-        max_open_chunks=store.config.max_open_chunks,
+        max_open_chunks=QUEUE_READ_MAPS,
         read_only=store.read_only,
         alloc_step=store.config.alloc_step,
+        files=store._files,
+        ends=ends,
     )
 
 
@@ -85,7 +110,7 @@ def check_queues(store: MessageStore, checkpoint: dict[str, Any]) -> None:
     for topic, queues in store._queues.items():
         recorded = starts.get(topic)
         for queue in queues:
-            if queue.rebuilt:
+            if queue.rebuilt or not queue.is_open:  # (not open: checked when opened)
                 continue
             why = None
             first = queue.manager.first_position // QUEUE_RECORD_SIZE
@@ -101,7 +126,7 @@ def check_queues(store: MessageStore, checkpoint: dict[str, Any]) -> None:
             if why is not None:
                 queue.close()
                 queues[queue.queue_id] = _set_aside(
-                    store, queue.manager.directory, topic, queue.queue_id, why,
+                    store, queue.directory, topic, queue.queue_id, why,
                     store.recovery.problems,
                 )  # fmt: skip
 
@@ -186,8 +211,92 @@ def finish_rebuilt(store: MessageStore, recorded: dict[str, Any] | None) -> None
                 # where the checkpoint says it ended, else the next send would reuse offsets.
                 start_rebuilt(queue, expected, log_first)
             store.recovery.problems.append(
-                f"queue {topic}/{queue.queue_id} in {queue.manager.directory} was rebuilt from "
+                f"queue {topic}/{queue.queue_id} in {queue.directory} was rebuilt from "
                 f"the message log: {queue.next_offset - queue.first_offset} entries, offsets "
                 f"[{queue.first_offset}, {queue.next_offset})"
             )
             queue.rebuilt = False
+
+
+def rebuild_deferred(
+    store: MessageStore, queue: Queue, ends: tuple[int, int], why: str
+) -> ChunkManager:
+    """A queue whose open the store's open deferred (queuecache.py) is damaged: as a
+    writable open does (``_set_aside``, re-dispatch, ``finish_rebuilt``), for this queue
+    alone, from the log's first record; with the write lock held. Returns its manager."""
+    directory = queue.directory
+    moved = [
+        move_to_recovered(directory / name)
+        for name in (sorted(os.listdir(directory)) if directory.is_dir() else [])
+        if parse_chunk_file_name(name) is not None
+    ]
+    problems = store._files.problems
+    problems.append(
+        f"queue {queue.topic}/{queue.queue_id} in {directory} is damaged ({why}): its chunk "
+        f"files were moved to {', '.join(str(m) for m in moved) or 'nowhere (none)'}; the "
+        "queue is rebuilt from the message log"
+    )
+    log.warning("recovery: %s", problems[-1])
+    queue._expected = None
+    queue.first_offset = queue.next_offset = 0
+    manager = queue.load()
+    queue.rebuilt = True
+    log_first = store._messages.first_position
+    name = queue.topic.encode()
+    try:
+        for position, payload in store._reader.iter_from(
+            max(log_first, store._deleted.get(queue.topic, 0))
+        ):
+            if len(payload) < MESSAGE_HEAD_SIZE:
+                continue
+            pos, _, _, qoff, qid, _, th, _, tl, *_ = MESSAGE_HEAD.unpack_from(payload)
+            if qid != queue.queue_id or pos != position:
+                continue
+            if payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl] != name:
+                continue
+            if qoff > queue.next_offset:
+                start_rebuilt(queue, qoff, log_first)
+            if qoff == queue.next_offset:
+                queue.append(position, th)
+    except CorruptionError as exc:
+        problems.append(f"rebuilding queue {queue.topic}/{queue.queue_id} stopped at {exc}")
+    if queue.next_offset < ends[1]:
+        start_rebuilt(queue, ends[1], log_first)
+    if log_first > 0:
+        queue.first_offset = queue.first_offset_at_or_after(log_first)
+    queue.rebuilt = False
+    problems.append(
+        f"queue {queue.topic}/{queue.queue_id} in {directory} was rebuilt from the message "
+        f"log: {queue.next_offset - queue.first_offset} entries, offsets "
+        f"[{queue.first_offset}, {queue.next_offset})"
+    )
+    return manager
+
+
+def deferred_checks(
+    store: MessageStore,
+) -> tuple[Callable[[Queue], None], Callable[[Queue, tuple[int, int], str], ChunkManager]]:
+    """QueueFiles.check and .rebuild for a writer: ``check_queues`` and the rebuild of a
+    queue the store's open deferred, run on its first open."""
+
+    def check(queue: Queue) -> None:
+        why = _wrong_entry(store, queue)
+        if why is not None:
+            raise CorruptionError(why, file=str(queue.directory))
+
+    def rebuild(queue: Queue, ends: tuple[int, int], why: str) -> ChunkManager:
+        return rebuild_deferred(store, queue, ends, why)
+
+    return check, rebuild
+
+
+def queue_files(store: MessageStore, checkpoint: dict[str, Any]) -> QueueFiles:
+    """The store's cache of open queues, with its lock, an RLock, the store's write lock
+    (queues are opened and closed under it); a writer's checks of deferred queues, and
+    the checkpoint that says which queues its open may defer."""
+    files = QueueFiles(threading.RLock(), open_queue_limit(store.config))
+    files.problems = store._meta_problems
+    if not store.read_only:
+        files.check, files.rebuild = deferred_checks(store)
+        files.pending = (checkpoint, store._messages.committed_position)
+    return files

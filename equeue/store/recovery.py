@@ -141,9 +141,11 @@ def redispatch(
     report: RecoveryReport,
     recorded: dict[str, Any] | None = None,
     deleted: dict[str, int] | None = None,
+    logged: Iterable[str] = (),
 ) -> None:
     """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets,
-    ``deleted`` {topic: log position of its deletion}: earlier records of it are skipped."""
+    ``deleted`` {topic: log position of its deletion}: earlier records of it are skipped;
+    ``logged``: problems logged already (by queues' chunk managers closed since)."""
     # Keys: rows at or past the index's own mark may be duplicates (a query commits
     # pending keys early) or point past a cut in the log; drop and re-index them.
     start = redispatch_start(start, keys, reader.manager)  # before forget_from moves it
@@ -186,6 +188,7 @@ def redispatch(
                 )
                 continue
             queue = topic_queues[qid]
+            queue.manager  # noqa: B018 (opened first: a deferred queue's end is its files')
             handled.add(queue)
             following = queue.next_offset
             in_place = qoff < following
@@ -222,6 +225,8 @@ def redispatch(
     for topic, topic_queues in queues.items():
         for queue in topic_queues:
             limit = seen.get(queue)
+            if limit is None and queue.deferred:
+                continue  # no record of it past the checkpoint at the log's end
             if limit is None:
                 # No record after ``start`` is this queue's: it ends where the
                 # checkpoint says it did (its entries past that are not backed by the
@@ -248,9 +253,10 @@ def redispatch(
     # Each cut, and each problem a chunk manager found, was logged where it was found.
     logged = {
         p
-        for m in [reader.manager, *(q.manager for qs in queues.values() for q in qs)]
+        for m in [reader.manager, *(q._manager for qs in queues.values() for q in qs)]
+        if m is not None
         for p in m.recovery_problems
-    }
+    } | set(logged)
     for problem in report.problems:
         if problem not in logged:
             log.error("recovery: %s", problem)
@@ -352,13 +358,21 @@ class _Matcher:
                 rows.append([None, 0, 0, -1, queue])
                 self._rows[queue] = rows[-1]
         self._first: dict[Queue, int] = {}  # each queue's first offset past the start
-        self._stale: Iterable[Queue] = list(self._rows)  # rows to refresh before a run
+        # Rows to refresh before a run: none at first, so that a queue is opened only once
+        # a record of it is met (C hands that record to the Python loop, which opens it).
+        self._stale: Iterable[Queue] = []
+        self._mapped: set[Queue] = set()  # rows holding a mapping
 
     def _refresh(self, position: int, seen: dict[Queue, int]) -> None:
         """For each stale queue, the chunk holding the next offset expected after
         ``position`` (its last chunk if that is unknown), as it is now: the Python loop
-        between two runs may have appended or cut entries, and closed a mapping."""
+        between two runs may have appended or cut entries, and closed a mapping. A row
+        whose queue the cache closed lets go of its mapping (its descriptor)."""
+        for queue in [q for q in self._mapped if not q.is_open]:
+            self._rows[queue][:3] = [None, 0, 0]
+            self._mapped.discard(queue)
         for queue in self._stale:
+            queue.manager  # noqa: B018 (opened first: a deferred queue's end is its files')
             row = self._rows[queue]
             expected = seen.get(queue)
             if expected is None:
@@ -374,6 +388,7 @@ class _Matcher:
             else:
                 first = chunk.base // QUEUE_RECORD_SIZE
                 row[:3] = [chunk.mapping(), first, chunk.data_end // QUEUE_RECORD_SIZE]
+                self._mapped.add(queue)
 
     def handled(self, queues: Iterable[Queue]) -> None:
         """The Python loop took records of these queues: their rows are refreshed next."""

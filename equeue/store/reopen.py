@@ -61,13 +61,15 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
     # acknowledged messages sent between the two.
     recorded = None if from_live else checkpoint.get("queues")
     redispatch(
-        store._reader, start, store._queues, store._keys, store.recovery, recorded, store._deleted
-    )
+        store._reader, start, store._queues, store._keys, store.recovery, recorded,
+        store._deleted, store._files.logged,
+    )  # fmt: skip
     finish_rebuilt(store, checkpoint.get("queues"))
     first = store._messages.first_position
     # A log from 0 lost nothing to retention: no search over (maybe damaged) entries.
     if first > 0:
         for queues in store._queues.values():
             for queue in queues:  # retention may have removed messages the queue still indexes
-                queue.first_offset = queue.first_offset_at_or_after(first)
+                if not queue.deferred:  # (its first offset is the checkpoint's, retention's)
+                    queue.first_offset = queue.first_offset_at_or_after(first)
     return log_tail

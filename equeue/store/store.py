@@ -15,7 +15,7 @@ from typing import Any
 import xxhash
 
 from equeue import speedups
-from equeue.atomicfile import remove_temp_files, write_json
+from equeue.atomicfile import remove_temp_files
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.chunks.config import MiB
 from equeue.chunks.recovery import TailHint
@@ -62,7 +62,7 @@ from equeue.store.meta import (
 )
 from equeue.store.offsets import GroupFiles
 from equeue.store.queue import Queue
-from equeue.store.queuerebuild import open_queue
+from equeue.store.queuerebuild import open_queue, queue_files
 from equeue.store.reads import LogReader, tag_filter
 from equeue.store.recovery import (
     RecoveryReport,
@@ -76,8 +76,8 @@ from equeue.store.topics import (
     _Unset,
     deletions,
     topic_entries,
-    topics_body,
 )
+from equeue.store.topicsfile import TopicsFile
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
 
@@ -159,10 +159,12 @@ class MessageStore:
         )
         self._open_log(hint, live)
         self._live_tail: LiveTailWriter | None = None  # created once recovery is done
+        self._files = queue_files(self, checkpoint)  # the cache of open queues, the write lock
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
         self._policies: dict[str, TopicPolicy] = {}
+        self._topics_file = TopicsFile()
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
         if not read_only:
@@ -175,11 +177,9 @@ class MessageStore:
             problems=self._meta_problems + self._messages.recovery_problems,
             compactions=compactions,
         )
-        for queues in self._queues.values():
-            for queue in queues:
-                self.recovery.cuts += queue.manager.recovery_cuts
-                self.recovery.problems += queue.manager.recovery_problems
-        self._lock = threading.Lock()  # replaced by the writer's lock below
+        self.recovery.cuts += self._files.cuts
+        self._files.cuts, self._files.problems = self.recovery.cuts, self.recovery.problems
+        self._lock = self._files.lock  # the one write lock: message record, then queue entry
         self._arrived = threading.Condition(threading.Lock())
         self._waiting = 0
         self._flush_error: StoreWriteError | None = None
@@ -199,8 +199,7 @@ class MessageStore:
             follow.follow_log(self)
             return
         self._log_tail: dict[str, Any] | None = reconcile_at_open(self, checkpoint)
-        self._writer = ChunkWriter(self._messages)
-        self._lock = self._writer.lock  # the one write lock: message record, then queue entry
+        self._writer = ChunkWriter(self._messages, self._files.lock)
         self._group = (
             GroupCommit(self._lock, self._writer.flush, self._wake)
             if config.flush == "sync"
@@ -238,11 +237,13 @@ class MessageStore:
                 )
             else:
                 self._messages.set_on_advance(self._live_tail.advance)
+                self._files.on_sync_failure = self._live_tail.invalidate
                 for manager in self._chunk_managers():
                     manager.set_on_sync_failure(self._live_tail.invalidate)
         # Not settled: what recovery found past the tail is synced by the next
         # checkpoint (the service's within flush_thorough_interval_ms), off this path.
         self._checkpoint(flush=True, settle=False)
+        self._files.opened_store()
         self._service_stop = threading.Event()
         self._service = threading.Thread(
             target=run_service, args=(self, self._service_stop), name="equeue-service", daemon=True
@@ -288,7 +289,7 @@ class MessageStore:
                     self._lock_file.close()
 
     def _chunk_managers(self) -> list[ChunkManager]:
-        return [self._messages] + [q.manager for qs in self._queues.values() for q in qs]
+        return [self._messages, *self._files.managers()]
 
     def _release_files(self) -> None:
         """Close every file; the first failure is raised after all were tried."""
@@ -319,6 +320,7 @@ class MessageStore:
         for queues in list(self._queues.values()):
             for queue in queues:
                 queue.flush(least_bytes)
+        self._files.sync_closed()  # after: what a close left unflushed meanwhile too
 
     def _start_flush(self) -> int:
         """Number a flush attempt as it starts, for ``_set_flush_error``."""
@@ -402,6 +404,7 @@ class MessageStore:
     def _load_topics(self) -> None:
         body = read_topics(self)
         before, self._deleted = self._deleted, deletions(body)
+        self._files.plan(self._deleted)  # at a writer's open
         if self.read_only:
             deletion.follow_deletions(self, before)
         for topic, count, policy in topic_entries(body, self.path, self._meta_problems):
@@ -412,17 +415,14 @@ class MessageStore:
     def _open_queues(self, topic: str, count: int) -> None:
         queues = self._queues.get(topic, [])
         for queue_id in range(len(queues), count):
-            queues.append(open_queue(self, topic, queue_id))
+            queues.append(open_queue(self, topic, queue_id, self._files.ends(topic, queue_id)))
         self._queues[topic] = queues
-        if self._live_tail is not None:
-            for queue in queues:
-                queue.manager.set_on_sync_failure(self._live_tail.invalidate)
         self._topic_bytes[topic] = topic.encode()
         self._round_robin.setdefault(topic, 0)
 
     def _save_topics(self) -> None:
         counts = {topic: len(queues) for topic, queues in self._queues.items()}
-        write_json(self.path / TOPICS_FILE, topics_body(counts, self._policies, self._deleted))
+        self._topics_file.write(self.path / TOPICS_FILE, counts, self._policies, self._deleted)
 
     def _topic(self, topic: str) -> list[Queue]:
         self._check_open()  # every read by topic; one attribute on the pull path

@@ -1,0 +1,301 @@
+"""Benchmark of a store with many queues (issue 25): open files, memory per queue,
+create_topic per queue, close and reopen time.
+
+Each queue count runs in a fresh child process and a fresh store directory: TOPICS
+topics of ``--per-topic`` queues, created with ``create_topic``, then one send to each
+queue, then a close and a reopen. Printed per count: open file descriptors (the
+process's, /proc/self/fd) after the sends and after the reopen, RSS after the sends,
+µs per queue for create_topic and for the first send, close and reopen seconds. The
+memory per idle queue is (RSS with N queues - RSS with the smallest count) / the queue
+difference.
+
+``--kill``: a reopen after a SIGKILL of a writer of ``--cold`` queues that sent to 40
+of them after its last checkpoint (how many queues re-dispatch opened, and the time),
+a clean reopen, then ``equeue inspect`` and ``equeue verify`` of that store, timed.
+
+``--hot``: send/pull throughput to one hot queue with ``--cold`` cold queues beside it
+vs without (alternated A, B, A, B), and a round-robin send over all the cold queues
+(what the open-queue cache's churn costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from equeue import MessageStore, StoreConfig
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _config(args: argparse.Namespace) -> StoreConfig:
+    extra: dict[str, Any] = {}
+    if args.max_open_files:
+        extra["max_open_files"] = args.max_open_files
+    return StoreConfig(flush=args.flush, **extra)
+
+
+def child(queues: int, per_topic: int, directory: Path, args: argparse.Namespace) -> None:
+    topics = [f"t{i:05d}" for i in range(max(1, queues // per_topic))]
+    out: dict[str, Any] = {"queues": len(topics) * per_topic}
+    gc.collect()
+    base_rss = _rss_kib()
+    started = time.perf_counter()
+    store = MessageStore.open(directory, _config(args))
+    out["open_empty_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    for topic in topics:
+        store.create_topic(topic, per_topic)
+    out["create_us_per_queue"] = (time.perf_counter() - started) / out["queues"] * 1e6
+    body = b"x" * 100
+    started = time.perf_counter()
+    for topic in topics:
+        for q in range(per_topic):
+            store.send(topic, body, queue_id=q)
+    out["first_send_us_per_queue"] = (time.perf_counter() - started) / out["queues"] * 1e6
+    gc.collect()
+    out["fds_after_sends"] = _fds()
+    out["rss_kib"] = _rss_kib() - base_rss
+    started = time.perf_counter()
+    store.close()
+    out["close_s"] = time.perf_counter() - started
+    gc.collect()
+    started = time.perf_counter()
+    store = MessageStore.open(directory, _config(args))
+    out["reopen_s"] = time.perf_counter() - started
+    out["fds_after_reopen"] = _fds()
+    started = time.perf_counter()
+    ranges = [store.queue_range(t, q) for t in store.topics() for q in store.queue_ids(t)]
+    out["queue_range_all_s"] = time.perf_counter() - started
+    assert all(r == (0, 1) for r in ranges), "every queue holds its one message"
+    store.close()
+    print(json.dumps(out))
+
+
+def run_counts(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    for count in args.queues:
+        directory = Path(tempfile.mkdtemp(prefix="eqbq", dir=args.dir))
+        try:
+            cmd = [sys.executable, __file__, "--child", str(count), "--per-topic",
+                   str(args.per_topic), "--flush", args.flush, "--store", str(directory),
+                   "--max-open-files", str(args.max_open_files)]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                print(f"{count} queues: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+                results.append({"queues": count, "error": done.stderr.strip().splitlines()[-1]})
+                continue
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    return results
+
+
+def print_counts(results: list[dict[str, Any]]) -> None:
+    ok = [r for r in results if "error" not in r]
+    small = min(ok, key=lambda r: r["queues"]) if ok else None
+    print(
+        f"{'queues':>7} {'fds':>6} {'fds reopen':>10} {'RSS MiB':>8} {'B/queue':>8} "
+        f"{'create µs/q':>11} {'send1 µs/q':>10} {'close s':>8} {'reopen s':>8} {'ranges s':>8}"
+    )
+    for r in results:
+        if "error" in r:
+            print(f"{r['queues']:>7} error: {r['error']}")
+            continue
+        per = ""
+        if small is not None and r["queues"] > small["queues"]:
+            per_queue = (r["rss_kib"] - small["rss_kib"]) * 1024 / (r["queues"] - small["queues"])
+            per = f"{per_queue:.0f}"
+        print(
+            f"{r['queues']:>7} {r['fds_after_sends']:>6} {r['fds_after_reopen']:>10} "
+            f"{r['rss_kib'] / 1024:>8.1f} {per:>8} {r['create_us_per_queue']:>11.0f} "
+            f"{r['first_send_us_per_queue']:>10.0f} {r['close_s']:>8.2f} {r['reopen_s']:>8.2f} "
+            f"{r['queue_range_all_s']:>8.3f}"
+        )
+
+
+def hot(args: argparse.Namespace) -> None:
+    """Hot-queue send and pull rates with and without cold queues, alternated."""
+    body = b"x" * 100
+    count = args.messages
+    rates: dict[str, list[tuple[float, float]]] = {"alone": [], "beside": []}
+    rr: list[float] = []
+    for turn in range(args.repeat * 2):
+        case = "alone" if turn % 2 == 0 else "beside"
+        directory = Path(tempfile.mkdtemp(prefix="eqbh", dir=args.dir))
+        try:
+            with MessageStore.open(directory, _config(args)) as store:
+                store.create_topic("hot", 1)
+                cold = []
+                if case == "beside":
+                    for i in range(args.cold // 4):
+                        store.create_topic(f"c{i:05d}", 4)
+                        cold.append(f"c{i:05d}")
+                    for topic in cold:  # every cold queue written once: its files opened
+                        for q in range(4):
+                            store.send(topic, body, queue_id=q)
+                store.flush()  # the closed queues' entries synced: a steady state
+                started = time.perf_counter()
+                for _ in range(count):
+                    store.send("hot", body)
+                send_rate = count / (time.perf_counter() - started)
+                started = time.perf_counter()
+                offset, pulled = 0, 0
+                while pulled < count:
+                    result = store.pull("hot", 0, offset, 256)
+                    pulled += len(result.messages)
+                    offset = result.next_offset
+                pull_rate = count / (time.perf_counter() - started)
+                rates[case].append((send_rate, pull_rate))
+                if case == "beside":
+                    rounds = max(1, args.rr_messages // len(cold) // 4)
+                    started = time.perf_counter()
+                    for _ in range(rounds):
+                        for topic in cold:
+                            for q in range(4):
+                                store.send(topic, body, queue_id=q)
+                    rr.append(rounds * len(cold) * 4 / (time.perf_counter() - started))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    for case, values in rates.items():
+        sends = [v[0] for v in values]
+        pulls = [v[1] for v in values]
+        print(
+            f"hot queue {case:>6}: send {statistics.median(sends):>9,.0f}/s "
+            f"(min {min(sends):,.0f} max {max(sends):,.0f}), pull "
+            f"{statistics.median(pulls):>9,.0f}/s (min {min(pulls):,.0f} max {max(pulls):,.0f})"
+        )
+    print(
+        f"round-robin send over {args.cold} queues: {statistics.median(rr):,.0f}/s "
+        f"(min {min(rr):,.0f} max {max(rr):,.0f})"
+    )
+
+
+def kill_child(directory: Path, queues: int, args: argparse.Namespace) -> None:
+    """Build ``queues`` queues, one send each, a flush (checkpoint), then sends to 40 of
+    them, then SIGKILL this process."""
+    topics = [f"t{i:05d}" for i in range(queues // 4)]
+    store = MessageStore.open(directory, _config(args))
+    for topic in topics:
+        store.create_topic(topic, 4)
+        for q in range(4):
+            store.send(topic, b"x" * 100, queue_id=q)
+    store.flush()
+    for i in range(args.messages // 10):
+        store.send(topics[i % 10], b"y" * 100)
+    os.kill(os.getpid(), 9)
+
+
+def reopen_child(directory: Path, args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    store = MessageStore.open(directory, _config(args))
+    took = time.perf_counter() - started
+    opened = sum(q.checked for qs in store._queues.values() for q in qs)
+    report = store.recovery
+    print(
+        json.dumps(
+            {
+                "reopen_s": took,
+                "queues_opened": opened,
+                "redispatched": report.redispatched,
+                "problems": len(report.problems),
+            }
+        )
+    )
+    store.close()
+
+
+def kill(args: argparse.Namespace) -> None:
+    """Reopen after a SIGKILL with --cold queues; then inspect and verify timed."""
+    directory = Path(tempfile.mkdtemp(prefix="eqbk", dir=args.dir))
+    try:
+        base = [
+            sys.executable,
+            __file__,
+            "--flush",
+            args.flush,
+            "--store",
+            str(directory),
+            "--max-open-files",
+            str(args.max_open_files),
+            "--messages",
+            str(args.messages),
+        ]
+        subprocess.run([*base, "--kill-child", str(args.cold)], timeout=1800)
+        done = subprocess.run([*base, "--reopen-child"], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        print("reopen after SIGKILL:", done.stdout.strip() or done.stderr[-2000:])
+        done = subprocess.run([*base, "--reopen-child"], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        print("clean reopen:", done.stdout.strip() or done.stderr[-2000:])
+        for command in ("inspect", "verify"):
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "equeue", command, str(directory)],
+                                  capture_output=True, text=True, timeout=1800)  # fmt: skip
+            lines = done.stdout.count("\n")
+            print(
+                f"equeue {command}: {time.perf_counter() - started:.2f} s, exit "
+                f"{done.returncode}, {lines} lines of output"
+            )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--queues", type=int, nargs="+", default=[10, 1000, 10000])
+    parser.add_argument("--per-topic", type=int, default=4)
+    parser.add_argument("--flush", default="async", choices=["sync", "async", "os"])
+    parser.add_argument("--max-open-files", type=int, default=0, help="0: the default")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp"))
+    parser.add_argument("--hot", action="store_true")
+    parser.add_argument("--cold", type=int, default=10000)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--rr-messages", type=int, default=40_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--kill", action="store_true", help="reopen after SIGKILL, inspect")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--reopen-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--store", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args.child, args.per_topic, args.store, args)
+        return
+    if args.kill_child is not None:
+        kill_child(args.store, args.kill_child, args)
+        return
+    if args.reopen_child:
+        reopen_child(args.store, args)
+        return
+    if args.kill:
+        kill(args)
+        return
+    if args.hot:
+        hot(args)
+        return
+    print_counts(run_counts(args))
+
+
+if __name__ == "__main__":
+    main()
