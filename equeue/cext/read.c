@@ -81,10 +81,6 @@ static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long 
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    /* An empty properties dict is not tracked by the garbage collector, and then nothing
-     * the message holds can be part of a reference cycle: untracked, as the collector
-     * itself untracks such plain tuples, so that a pull's messages cost it nothing. */
-    int atomic = !PyObject_GC_IsTracked(props);
     PyObject *fields[12] = {
         message_id(id_prefix, position),
         topic,
@@ -99,8 +95,9 @@ static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long 
         PyLong_FromLongLong(get_i64(h + 16)),
         PyLong_FromLongLong(get_i64(h + 8)),
     };
+    /* (Left tracked by the garbage collector, as the Python path's are: a caller may put
+     * the message itself into its properties dict.) */
     PyObject *message = new_record((PyTypeObject *)message_type, 12, fields);
-    if (message != NULL && atomic && PyObject_GC_IsTracked(message)) PyObject_GC_UnTrack(message);
     *hash = get_u32(h + 40);
     return message;
 }
