@@ -3,7 +3,8 @@ where wall time is not, on a shared machine.
 
 Each case runs twice under ``valgrind --tool=callgrind`` with N and then 2N measured
 operations after the same setup; (Ir(2N) - Ir(N)) / N is one operation's cost without
-the interpreter's start. ``send-SIZE``: N unbatched ``send`` calls; ``pull-SIZE``: 2N
+the interpreter's start. ``send-SIZE``: N unbatched ``send`` calls; ``batch-SIZE``: N
+messages by ``send_batch`` of 1,000; ``pull-SIZE``: 2N
 messages stored by ``send_batch``, then N of them pulled 256 at a time (as
 tools/bench_peers.py's consume). Set EQUEUE_PURE_PYTHON=1 for the Python paths.
 """
@@ -19,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-CASES = ("send-100", "send-1024", "pull-100", "pull-1024")
+CASES = ("send-100", "send-1024", "batch-100", "pull-100", "pull-1024")
 
 
 def child(case: str, count: int, stored: int, directory: Path) -> None:
@@ -33,6 +34,10 @@ def child(case: str, count: int, stored: int, directory: Path) -> None:
             send = store.send
             for _ in range(count):
                 send("t", body)
+            return
+        if op == "batch":
+            for start in range(0, count, 1000):
+                store.send_batch("t", [body] * min(1000, count - start))
             return
         for start in range(0, stored, 1000):
             store.send_batch("t", [body] * min(1000, stored - start))
