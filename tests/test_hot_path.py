@@ -111,13 +111,24 @@ def test_bound_send_same_results_and_errors(
 @needs_c
 def test_send_is_the_c_call_only_where_it_may_be(tmp_path: Path) -> None:
     """Bound on a writable store whose sends do not wait for a group commit; the class's
-    send on a "sync" store, a read-only handle, and once the store is closed."""
+    send on a "sync" store, a read-only handle, a subclass that overrides send, and
+    once the store is closed."""
     with MessageStore.open(tmp_path / "a", CONFIG) as store:
         assert store._sender is not None
         assert store.send == store._sender.call
         with MessageStore.open(tmp_path / "a", read_only=True) as reader:
             assert reader.send.__func__ is MessageStore.send  # type: ignore[attr-defined]
     assert store.send.__func__ is MessageStore.send  # type: ignore[attr-defined]
+
+    class Logged(MessageStore):
+        def send(self, topic: str, body: bytes, **fields: Any) -> Any:
+            sends.append(body)
+            return super().send(topic, body, **fields)
+
+    sends: list[bytes] = []
+    with Logged.open(tmp_path / "c", CONFIG) as logged:
+        logged.send("t", b"through the override")
+    assert sends == [b"through the override"]
     sync = dataclasses.replace(CONFIG, flush="sync")
     with MessageStore.open(tmp_path / "b", sync) as store:
         assert store.send.__func__ is MessageStore.send  # type: ignore[attr-defined]

@@ -218,9 +218,9 @@ class MessageStore:
         # send() takes the whole C path unless sends must wait for a group commit; the
         # checks are C's whenever it is built.
         self._sender = sender if self._group is None else None
-        if self._sender is not None:
-            # store.send IS the C call: no Python frame for a send C stores; it hands
-            # every other send (and every error) to MessageStore.send as given.
+        if self._sender is not None and type(self).send is MessageStore.send:
+            # store.send IS the C call (no Python frame), which hands every other send and
+            # error to MessageStore.send as given; not where a subclass overrides send.
             self.__dict__["send"] = self._sender.call
         self._check_in_c = sender.check if sender is not None else None
         self._appender = Appender(
