@@ -46,6 +46,7 @@ SEND_CALLS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
     ((), {"topic": "t", "body": b"by keyword"}),
     (("t",), {"body": b"body by keyword"}),
     (("t", b"x"), {"colour": "red"}),
+    (("t", b"x"), {"topic": "u"}),
     (("t", b"x", "tag"), {}),  # tag is keyword-only
     (("t",), {}),
     (("t", b"x"), {"tag": 5}),
@@ -102,7 +103,7 @@ def test_bound_send_same_results_and_errors(
     kinds = [kind for kind, _ in fast]
     if read_only:
         # (a call that does not fit the signature is a TypeError before anything else)
-        assert kinds[:-1].count("ReadOnlyError") == len(SEND_CALLS) - 3
+        assert kinds[:-1].count("ReadOnlyError") == len(SEND_CALLS) - 4
     else:  # the control: the list does hold sends that succeed and each kind of refusal
         assert kinds.count("sent") == 7 and "TypeError" in kinds and "InvalidTypeError" in kinds
     assert fast[-1][0] == "ClosedError"
@@ -188,6 +189,27 @@ def test_pull_same_results_and_errors(
     assert fast == slow
     assert fast[-1][0] == "ClosedError" and fast[-2][0] == "TopicNotFoundError"
     assert any(kind == "pull" and got[0] for kind, got in fast)  # the control: messages came
+
+
+@needs_c
+def test_the_c_send_reads_the_clock_python_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C send reads the real clock itself only while ``time.time_ns`` is the builtin;
+    replaced after the store opened (as tests do), the replacement is what it calls."""
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 1)
+        store.send("t", b"first")  # the queue's first chunk: later sends take the C path
+        before = time.time_ns()
+        real = store.send("t", b"real clock")
+        after = time.time_ns()
+        monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
+        fixed = store.send("t", b"fixed clock")
+        _, real_msg, fixed_msg = store.pull("t", 0, 0).messages
+    assert store._sender is None  # closed; it was the C path while open (the control):
+    assert before <= real_msg.stored_ns <= after and real.stored_at == real_msg.stored_ns / 1e9
+    assert fixed_msg.stored_ns == fixed_msg.created_ns == 1_700_000_000_123_456_789
+    assert fixed.stored_at == 1_700_000_000_123_456_789 / 1e9
 
 
 class Probe:
