@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from equeue import MessageStore, StoreConfig, speedups
+from equeue.errors import CorruptRecordError
+from equeue.format.chunk import HEADER_SIZE
 
 needs_c = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator is not built")
 # Small chunks: a few sends of up to 1.5 KiB fill a log chunk, so runs cross chunk boundaries.
@@ -237,3 +239,24 @@ def test_pulled_messages_and_reference_cycles(tmp_path: Path) -> None:
     del with_props
     gc.collect()
     assert gone() is None  # the cycle was found and collected
+
+
+@pytest.mark.usefixtures("code_path")
+def test_entry_naming_another_intact_record(tmp_path: Path) -> None:
+    """A damaged queue entry that names another message's intact record (pull_chunk
+    decodes it, finds it does not match the entry, and stops): the messages before it
+    are returned, and pulling it raises the general path's error naming the queue file."""
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 1)
+        sent = store.send_batch("t", [b"m%d" % i for i in range(6)])
+    queue_chunk = tmp_path / "s" / "queues" / "t" / "0" / "chunk-000000000000.0000"
+    with queue_chunk.open("r+b") as f:
+        f.seek(HEADER_SIZE + 3 * 12)  # offset 3's entry now names offset 1's record
+        f.write((sent[1].position + 1).to_bytes(8, "little", signed=True))
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        before = store.pull("t", 0, 0, max_count=3)
+        assert [m.body for m in before] == [b"m0", b"m1", b"m2"]  # the control
+        with pytest.raises(CorruptRecordError) as caught:
+            store.pull("t", 0, 0, max_count=6)
+        assert "entry for offset 3" in str(caught.value) and queue_chunk.name in str(caught.value)
+        assert [m.body for m in store.pull("t", 0, 4).messages] == [b"m4", b"m5"]
