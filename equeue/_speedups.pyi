@@ -48,6 +48,22 @@ def decode_run(
     decode_properties: Callable[[bytes], dict[str, str]],
     /,
 ) -> list[Any]: ...
+def pull_chunk(
+    mm: Any,
+    data_offset: int,
+    data_end: int,
+    base: int,
+    entries: list[tuple[int, int]],
+    offset: int,
+    queue_id: int,
+    topic: str,
+    room: int,
+    out: list[Any],
+    message_type: type,
+    id_prefix: str,
+    decode_properties: Callable[[bytes], dict[str, str]],
+    /,
+) -> int: ...
 def collect(
     entries: list[tuple[int, int]],
     found: dict[int, tuple[Any, int]],
@@ -77,8 +93,10 @@ class Sender:
         data_offset: int,
         max_body: int,
         chunk_size: int,
+        fallback: Callable[..., Any] | None = None,
         /,
     ) -> None: ...
+    def call(self, topic: object, body: object, /, **fields: object) -> Any: ...
     def send(
         self,
         topic: object,

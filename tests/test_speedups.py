@@ -188,7 +188,8 @@ def test_same_errors(
 ) -> None:
     """Whatever the mix of good and bad fields, both paths accept or reject alike, with
     the same error; a rejected send writes nothing. Under "os" a single send goes through
-    Sender.send, under "sync" through Sender.check and the group commit."""
+    Sender.send (store.send is Sender.call, tests/test_hot_path.py), under "sync" through
+    Sender.check and the group commit."""
     base = tmp_path_factory.mktemp("errors")
     config = dataclasses.replace(CONFIG, flush=flush)
     seen = []

@@ -72,6 +72,7 @@ static PyMethodDef methods[] = {
     {"write_run", write_run, METH_VARARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
+    {"pull_chunk", pull_chunk, METH_VARARGS, NULL},
     {"scan_frames", scan_frames, METH_VARARGS, NULL},
     {"frame_offsets", frame_offsets, METH_VARARGS, NULL},
     {"record_columns", record_columns, METH_VARARGS, NULL},

@@ -23,13 +23,91 @@ static PyObject *decode_cached(Last *last, const char *s, Py_ssize_t len) {
     return str;
 }
 
+/* The record at ``position`` of a chunk whose data area is data[0:data_end] and whose
+ * first position is ``base``, checked (length, suffix, checksum, the head's own
+ * position) and decoded as a Message, with its stored tag hash in *hash; Py_None (a new
+ * reference) where anything is off, for the caller to read the slow way, which raises
+ * the precise error; NULL with an exception for an error not about the record. */
+static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long base,
+                               long long position, Last *topic_cache, Last *tag_cache,
+                               PyObject *message_type, PyObject *id_prefix,
+                               PyObject *decode_props, uint32_t *hash) {
+    /* The positions come from queue entries, which a damaged file can set to anything:
+     * every comparison below is arranged so that no value can overflow. */
+    if (position < base || position - base > (long long)(data_end - FRAME_OVERHEAD - HEAD_SIZE))
+        Py_RETURN_NONE; /* not a record here: the Python path names the problem */
+    long long local = position - base;
+    const char *p = data + local;
+    uint32_t length = get_u32(p);
+    if (length < (uint32_t)HEAD_SIZE ||
+        (long long)length > (long long)data_end - local - FRAME_OVERHEAD)
+        Py_RETURN_NONE;
+    const char *h = p + 4;
+    if (get_u32(h + length + 4) != length) Py_RETURN_NONE;
+    if (get_i64(h) != position) Py_RETURN_NONE;
+    uint32_t tl = (uint8_t)h[45], gl = (uint8_t)h[46], kl = (uint8_t)h[47];
+    uint32_t pl = get_u32(h + 48), bl = get_u32(h + 52);
+    if ((uint64_t)HEAD_SIZE + tl + gl + kl + pl + bl != length) Py_RETURN_NONE;
+    if (checksum(h, (Py_ssize_t)length) != get_u32(h + length)) Py_RETURN_NONE;
+
+    const char *s = h + HEAD_SIZE;
+    PyObject *topic = decode_cached(topic_cache, s, tl);
+    s += tl;
+    PyObject *tag = topic == NULL ? NULL : decode_cached(tag_cache, s, gl);
+    s += gl;
+    PyObject *key = NULL;
+    if (tag != NULL)
+        key = (h[44] & FLAG_HAS_KEY) ? PyUnicode_DecodeUTF8(s, kl, "strict") : Py_NewRef(Py_None);
+    s += kl;
+    PyObject *props = NULL;
+    if (key != NULL) {
+        if (pl == 0) {
+            props = PyDict_New();
+        } else {
+            PyObject *raw = PyBytes_FromStringAndSize(s, pl);
+            props = raw == NULL ? NULL : PyObject_CallOneArg(decode_props, raw);
+            Py_XDECREF(raw);
+        }
+    }
+    s += pl;
+    if (props == NULL) { /* undecodable: the slow path reports it */
+        Py_XDECREF(topic);
+        Py_XDECREF(tag);
+        Py_XDECREF(key);
+        /* Undecodable bytes: left to the slow path. MemoryError, KeyboardInterrupt
+         * and the like are not about the record and go on up. */
+        if (PyErr_ExceptionMatches(PyExc_MemoryError) || !PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *fields[12] = {
+        message_id(id_prefix, position),
+        topic,
+        PyLong_FromLong(get_i32(h + 32)),
+        PyLong_FromLongLong(get_i64(h + 24)),
+        PyLong_FromLongLong(position),
+        tag,
+        key,
+        props,
+        PyLong_FromLong(get_i32(h + 36)),
+        PyBytes_FromStringAndSize(s, bl),
+        PyLong_FromLongLong(get_i64(h + 16)),
+        PyLong_FromLongLong(get_i64(h + 8)),
+    };
+    /* (Left tracked by the garbage collector, as the Python path's are: a caller may put
+     * the message itself into its properties dict.) */
+    PyObject *message = new_record((PyTypeObject *)message_type, 12, fields);
+    *hash = get_u32(h + 40);
+    return message;
+}
+
 /* decode_run(mm, data_offset, data_end, base, positions, message_type, id_prefix,
  *            decode_properties) -> list of (Message, stored tag hash) or None
  *
- * For each position of a chunk that is not compacted: the frame at that data offset
- * checked (length, suffix, checksum, the head's own position) and decoded. None where
- * anything is off; the caller reads that one again the slow way, which raises the
- * precise error. */
+ * For each position of a chunk that is not compacted: decode_record's message and tag
+ * hash, or None where it found the record not intact; the caller reads that one again
+ * the slow way, which raises the precise error. */
 PyObject *decode_run(PyObject *self, PyObject *args) {
     PyObject *mm, *positions, *message_type, *id_prefix, *decode_props;
     Py_ssize_t data_offset, data_end;
@@ -45,8 +123,6 @@ PyObject *decode_run(PyObject *self, PyObject *args) {
     }
     Py_buffer view;
     if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) return NULL;
-    /* The positions come from queue entries, which a damaged file can set to anything:
-     * every comparison below is arranged so that no value can overflow. */
     Py_ssize_t n = PyList_GET_SIZE(positions);
     PyObject *out = PyList_New(n);
     Last topic_cache = {0}, tag_cache = {0};
@@ -62,73 +138,17 @@ PyObject *decode_run(PyObject *self, PyObject *args) {
         long long position =
             PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(positions, i), &overflow);
         if (position == -1 && PyErr_Occurred()) goto fail;
-        if (overflow || position < base ||
-            position - base > (long long)(data_end - FRAME_OVERHEAD - HEAD_SIZE))
-            continue; /* not a record here: the Python path names the problem */
-        long long local = position - base;
-        const char *p = data + local;
-        uint32_t length = get_u32(p);
-        if (length < (uint32_t)HEAD_SIZE ||
-            (long long)length > (long long)data_end - local - FRAME_OVERHEAD)
-            continue;
-        const char *h = p + 4;
-        if (get_u32(h + length + 4) != length) continue;
-        if (get_i64(h) != position) continue;
-        uint32_t tl = (uint8_t)h[45], gl = (uint8_t)h[46], kl = (uint8_t)h[47];
-        uint32_t pl = get_u32(h + 48), bl = get_u32(h + 52);
-        if ((uint64_t)HEAD_SIZE + tl + gl + kl + pl + bl != length) continue;
-        if (checksum(h, (Py_ssize_t)length) != get_u32(h + length)) continue;
-
-        const char *s = h + HEAD_SIZE;
-        PyObject *topic = decode_cached(&topic_cache, s, tl);
-        s += tl;
-        PyObject *tag = topic == NULL ? NULL : decode_cached(&tag_cache, s, gl);
-        s += gl;
-        PyObject *key = NULL;
-        if (tag != NULL)
-            key = (h[44] & FLAG_HAS_KEY) ? PyUnicode_DecodeUTF8(s, kl, "strict")
-                                         : Py_NewRef(Py_None);
-        s += kl;
-        PyObject *props = NULL;
-        if (key != NULL) {
-            if (pl == 0) {
-                props = PyDict_New();
-            } else {
-                PyObject *raw = PyBytes_FromStringAndSize(s, pl);
-                props = raw == NULL ? NULL : PyObject_CallOneArg(decode_props, raw);
-                Py_XDECREF(raw);
-            }
-        }
-        s += pl;
-        if (props == NULL) { /* undecodable: the slow path reports it */
-            Py_XDECREF(topic);
-            Py_XDECREF(tag);
-            Py_XDECREF(key);
-            /* Undecodable bytes: left to the slow path. MemoryError, KeyboardInterrupt
-             * and the like are not about the record and go on up. */
-            if (PyErr_ExceptionMatches(PyExc_MemoryError) ||
-                !PyErr_ExceptionMatches(PyExc_Exception))
-                goto fail;
-            PyErr_Clear();
-            continue;
-        }
-        PyObject *fields[12] = {
-            message_id(id_prefix, position),
-            topic,
-            PyLong_FromLong(get_i32(h + 32)),
-            PyLong_FromLongLong(get_i64(h + 24)),
-            PyLong_FromLongLong(position),
-            tag,
-            key,
-            props,
-            PyLong_FromLong(get_i32(h + 36)),
-            PyBytes_FromStringAndSize(s, bl),
-            PyLong_FromLongLong(get_i64(h + 16)),
-            PyLong_FromLongLong(get_i64(h + 8)),
-        };
-        PyObject *message = new_record((PyTypeObject *)message_type, 12, fields);
+        if (overflow) continue;
+        uint32_t hash = 0;
+        PyObject *message = decode_record(data, data_end, base, position, &topic_cache,
+                                          &tag_cache, message_type, id_prefix, decode_props,
+                                          &hash);
         if (message == NULL) goto fail;
-        PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)get_u32(h + 40));
+        if (message == Py_None) {
+            Py_DECREF(message);
+            continue;
+        }
+        PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)hash);
         if (pair == NULL) goto fail;
         PyList_SET_ITEM(out, i, pair);
         Py_DECREF(Py_None); /* the placeholder it replaces */
@@ -143,6 +163,88 @@ fail:
     Py_XDECREF(out);
     PyBuffer_Release(&view);
     return NULL;
+}
+
+/* --- pull_chunk ----------------------------------------------------------------- */
+
+/* pull_chunk(mm, data_offset, data_end, base, entries, offset, queue_id, topic, room,
+ *            out, message_type, id_prefix, decode_properties) -> taken
+ *
+ * An untagged pull's run through one log chunk (not compacted), without the lists and
+ * dicts of decode_run and collect: from the first of ``entries`` [(position, tag hash)]
+ * (the entry for queue offset ``offset``) on, each record decoded as decode_record does,
+ * checked against its entry (queue offset, queue id, topic, tag hash) and appended to
+ * out, until out holds ``room`` more messages. Stops before the first entry that is
+ * anything else: a position outside this chunk, a record not intact, a message that
+ * does not match its entry; the caller goes on from there (the next chunk, or the
+ * general path, which raises the precise error). Returns how many entries it took. */
+PyObject *pull_chunk(PyObject *self, PyObject *args) {
+    PyObject *mm, *entries, *topic, *out, *message_type, *id_prefix, *decode_props;
+    Py_ssize_t data_offset, data_end, room;
+    long long base, offset, queue_id;
+    if (!PyArg_ParseTuple(args, "OnnLO!LLUnO!O!UO", &mm, &data_offset, &data_end, &base,
+                          &PyList_Type, &entries, &offset, &queue_id, &topic, &room,
+                          &PyList_Type, &out, &PyType_Type, &message_type, &id_prefix,
+                          &decode_props))
+        return NULL;
+    if (!configured()) return NULL;
+    if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
+        PyErr_SetString(PyExc_ValueError, "id_prefix must be ASCII");
+        return NULL;
+    }
+    if (!PyUnicode_CheckExact(topic)) return PyLong_FromLong(0); /* the general path's */
+    Py_buffer view;
+    if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Last topic_cache = {0}, tag_cache = {0};
+    Py_ssize_t taken = -1;
+    if (data_offset < 0 || data_end < 0 || base < 0 || data_offset + data_end > view.len) {
+        PyErr_SetString(PyExc_ValueError, "the data area lies outside the mapping");
+        goto done;
+    }
+    const char *data = (const char *)view.buf + data_offset;
+    /* The topic's str, so that a matching message shares it, as decode_run's do. */
+    topic_cache.str = Py_NewRef(topic);
+    topic_cache.bytes = PyUnicode_AsUTF8AndSize(topic, &topic_cache.len);
+    if (topic_cache.bytes == NULL) goto done;
+    Py_ssize_t k = 0;
+    for (; k < room && k < PyList_GET_SIZE(entries); k++) {
+        PyObject *entry = PyList_GET_ITEM(entries, k);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+            PyErr_SetString(PyExc_TypeError, "queue entries are (position, tag hash) pairs");
+            goto done;
+        }
+        int overflow = 0;
+        long long position = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(entry, 0), &overflow);
+        if (position == -1 && PyErr_Occurred()) goto done;
+        long long hashed = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
+        if (hashed == -1 && PyErr_Occurred()) goto done;
+        if (overflow || position < base || position - base >= (long long)data_end) break;
+        uint32_t hash = 0;
+        PyObject *message = decode_record(data, data_end, base, position, &topic_cache,
+                                          &tag_cache, message_type, id_prefix, decode_props,
+                                          &hash);
+        if (message == NULL) goto done;
+        if (message == Py_None) {
+            Py_DECREF(message);
+            break;
+        }
+        if (PyTuple_GET_ITEM(message, 1) != topic ||
+            PyLong_AsLongLong(PyTuple_GET_ITEM(message, 3)) != offset + k ||
+            PyLong_AsLongLong(PyTuple_GET_ITEM(message, 2)) != queue_id ||
+            (long long)hash != hashed) {
+            Py_DECREF(message);
+            break;
+        }
+        int appended = PyList_Append(out, message);
+        Py_DECREF(message);
+        if (appended < 0) goto done;
+    }
+    taken = k;
+done:
+    Py_XDECREF(topic_cache.str);
+    Py_XDECREF(tag_cache.str);
+    PyBuffer_Release(&view);
+    return taken < 0 ? NULL : PyLong_FromSsize_t(taken);
 }
 
 /* --- collect -------------------------------------------------------------------- */

@@ -1,4 +1,5 @@
 #include "speedups.h"
+#include <time.h>
 
 /* --- Sender: a whole single send in one call ------------------------------------
  *
@@ -13,7 +14,8 @@
 
 static PyObject *S_acquire, *S_release, *S_chunk, *S_data_end, *S_writable_end, *S_base, *S_mm,
     *S_record_count, *S_prefault_mark, *S_prefault, *S_writer, *S_next_offset, *S_closed,
-    *S_flush_error, *S_waiting, *S_wake, *S_add, *S_time_ns;
+    *S_flush_error, *S_waiting, *S_wake, *S_add, *S_time_ns, *S_tag, *S_key, *S_properties,
+    *S_code, *S_queue_id, *S_empty;
 
 int intern_names(void) {
 #define INTERN(var, text) \
@@ -24,7 +26,9 @@ int intern_names(void) {
     INTERN(S_prefault_mark, "_prefault_mark") INTERN(S_prefault, "_prefault")
     INTERN(S_writer, "_writer") INTERN(S_next_offset, "next_offset") INTERN(S_closed, "_closed")
     INTERN(S_flush_error, "_flush_error") INTERN(S_waiting, "_waiting") INTERN(S_wake, "_wake")
-    INTERN(S_add, "add") INTERN(S_time_ns, "time_ns")
+    INTERN(S_add, "add") INTERN(S_time_ns, "time_ns") INTERN(S_tag, "tag") INTERN(S_key, "key")
+    INTERN(S_properties, "properties") INTERN(S_code, "code") INTERN(S_queue_id, "queue_id")
+    INTERN(S_empty, "")
 #undef INTERN
     return 0;
 }
@@ -40,6 +44,9 @@ typedef struct {
     PyObject *keys;        /* KeyIndex: add(topic, key, position) */
     PyObject *id_prefix, *result_type, *tag_check, *xxh32;
     PyObject *clock; /* the time module: time_ns is looked up per send, as Python code does */
+    PyObject *fallback; /* MessageStore.send (the function): what call() hands a send to */
+    PyObject *time_ns; /* the time module's own time_ns (a builtin), or NULL */
+    PyObject *acquire, *release; /* the lock's bound methods */
     Py_ssize_t data_offset, max_body, chunk_size;
 } Sender;
 
@@ -47,7 +54,8 @@ static int Sender_traverse(Sender *s, visitproc visit, void *arg) {
     Py_VISIT(s->store); Py_VISIT(s->lock); Py_VISIT(s->writer); Py_VISIT(s->queues);
     Py_VISIT(s->topic_bytes); Py_VISIT(s->round_robin); Py_VISIT(s->keys);
     Py_VISIT(s->id_prefix); Py_VISIT(s->result_type); Py_VISIT(s->tag_check);
-    Py_VISIT(s->xxh32); Py_VISIT(s->clock);
+    Py_VISIT(s->xxh32); Py_VISIT(s->clock); Py_VISIT(s->fallback); Py_VISIT(s->time_ns); Py_VISIT(s->acquire);
+    Py_VISIT(s->release);
     return 0;
 }
 
@@ -55,7 +63,8 @@ static int Sender_clear(Sender *s) {
     Py_CLEAR(s->store); Py_CLEAR(s->lock); Py_CLEAR(s->writer); Py_CLEAR(s->queues);
     Py_CLEAR(s->topic_bytes); Py_CLEAR(s->round_robin); Py_CLEAR(s->keys);
     Py_CLEAR(s->id_prefix); Py_CLEAR(s->result_type); Py_CLEAR(s->tag_check);
-    Py_CLEAR(s->xxh32); Py_CLEAR(s->clock);
+    Py_CLEAR(s->xxh32); Py_CLEAR(s->clock); Py_CLEAR(s->fallback); Py_CLEAR(s->time_ns); Py_CLEAR(s->acquire);
+    Py_CLEAR(s->release);
     return 0;
 }
 
@@ -66,18 +75,20 @@ static void Sender_dealloc(Sender *s) {
 }
 
 /* Sender(store, lock, writer, queues, topic_bytes, round_robin, keys, id_prefix,
- *        result_type, tag_check, xxh32, clock, data_offset, max_body, chunk_size) */
+ *        result_type, tag_check, xxh32, clock, data_offset, max_body, chunk_size
+ *        [, fallback]) */
 static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
-    PyObject *o[12];
+    PyObject *o[12], *fallback = Py_None;
     Py_ssize_t data_offset, max_body, chunk_size;
     if (!configured()) return -1;
     if (s->store != NULL) { /* send() reads the fields while Python code runs */
         PyErr_SetString(PyExc_TypeError, "a Sender is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OOOO!O!O!OUO!OOOnnn", &o[0], &o[1], &o[2], &PyDict_Type, &o[3],
-                          &PyDict_Type, &o[4], &PyDict_Type, &o[5], &o[6], &o[7], &PyType_Type,
-                          &o[8], &o[9], &o[10], &o[11], &data_offset, &max_body, &chunk_size))
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!OUO!OOOnnn|O", &o[0], &o[1], &o[2], &PyDict_Type,
+                          &o[3], &PyDict_Type, &o[4], &PyDict_Type, &o[5], &o[6], &o[7],
+                          &PyType_Type, &o[8], &o[9], &o[10], &o[11], &data_offset, &max_body,
+                          &chunk_size, &fallback))
         return -1;
     if (!PyUnicode_IS_COMPACT_ASCII(o[7]) ||
         !PyType_IsSubtype((PyTypeObject *)o[8], &PyTuple_Type) || data_offset < 0 ||
@@ -91,15 +102,57 @@ static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
                             &s->topic_bytes, &s->round_robin, &s->keys,    &s->id_prefix,
                             &s->result_type, &s->tag_check, &s->xxh32,     &s->clock};
     for (int i = 0; i < 12; i++) *slots[i] = Py_NewRef(o[i]);
+    s->fallback = fallback == Py_None ? NULL : Py_NewRef(fallback);
+    /* The builtin, whatever the clock module holds now (a test may have replaced it) */
+    PyObject *time_module = PyImport_ImportModule("time");
+    s->time_ns = time_module == NULL ? NULL : PyObject_GetAttr(time_module, S_time_ns);
+    Py_XDECREF(time_module);
+    if (s->time_ns != NULL && !PyCFunction_Check(s->time_ns)) Py_CLEAR(s->time_ns);
+    PyErr_Clear(); /* (without it, every send calls the clock) */
+    s->acquire = PyObject_GetAttr(s->lock, S_acquire);
+    s->release = PyObject_GetAttr(s->lock, S_release);
+    if (s->acquire == NULL || s->release == NULL) {
+        Sender_clear(s);
+        return -1;
+    }
     s->data_offset = data_offset;
     s->max_body = max_body;
     s->chunk_size = chunk_size;
     return 0;
 }
 
+/* Plain instance attributes (Chunk, Queue, ChunkWriter, the store), read and set
+ * through the instance's dict when the type defines nothing of that name (no property,
+ * no slot, no class attribute), which is what generic attribute access would do, with
+ * less work per send; anything else goes through PyObject_GetAttr / PyObject_SetAttr. */
+static inline PyObject **plain_dict(PyObject *obj, PyObject *name) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp->tp_getattro != PyObject_GenericGetAttr || tp->tp_setattro != PyObject_GenericSetAttr ||
+        _PyType_Lookup(tp, name) != NULL)
+        return NULL;
+    PyObject **dict = _PyObject_GetDictPtr(obj);
+    return dict != NULL && *dict != NULL && PyDict_CheckExact(*dict) ? dict : NULL;
+}
+
+static PyObject *get_attr(PyObject *obj, PyObject *name) {
+    PyObject **dict = plain_dict(obj, name);
+    if (dict != NULL) {
+        PyObject *v = PyDict_GetItemWithError(*dict, name);
+        if (v != NULL) return Py_NewRef(v);
+        if (PyErr_Occurred()) return NULL;
+    }
+    return PyObject_GetAttr(obj, name); /* (raises the AttributeError) */
+}
+
+static int set_attr(PyObject *obj, PyObject *name, PyObject *value) {
+    PyObject **dict = plain_dict(obj, name);
+    if (dict != NULL) return PyDict_SetItem(*dict, name, value);
+    return PyObject_SetAttr(obj, name, value);
+}
+
 /* An int attribute as a Py_ssize_t; -1 with an exception if missing or not an int. */
 static Py_ssize_t ssize_attr(PyObject *obj, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = get_attr(obj, name);
     if (v == NULL) return -1;
     Py_ssize_t n = PyLong_AsSsize_t(v);
     Py_DECREF(v);
@@ -111,7 +164,7 @@ static Py_ssize_t ssize_attr(PyObject *obj, PyObject *name) {
 static int set_ssize_attr(PyObject *obj, PyObject *name, Py_ssize_t value) {
     PyObject *v = PyLong_FromSsize_t(value);
     if (v == NULL) return -1;
-    int r = PyObject_SetAttr(obj, name, v);
+    int r = set_attr(obj, name, v);
     Py_DECREF(v);
     return r;
 }
@@ -121,7 +174,7 @@ static int publish_one(PyObject *chunk, Py_ssize_t end) {
     Py_ssize_t count = ssize_attr(chunk, S_record_count);
     if (count < 0 || set_ssize_attr(chunk, S_record_count, count + 1) < 0) return -1;
     if (set_ssize_attr(chunk, S_data_end, end) < 0) return -1;
-    PyObject *mark = PyObject_GetAttr(chunk, S_prefault_mark);
+    PyObject *mark = get_attr(chunk, S_prefault_mark);
     if (mark == NULL) return -1;
     long long m = PyLong_AsLongLong(mark);
     Py_DECREF(mark);
@@ -147,13 +200,13 @@ typedef struct {
 
 static int open_chunk(PyObject *writer, Open *out) {
     *out = (Open){0};
-    PyObject *chunk = PyObject_GetAttr(writer, S_chunk);
+    PyObject *chunk = get_attr(writer, S_chunk);
     if (chunk == NULL) return -1;
     if (chunk == Py_None) {
         Py_DECREF(chunk);
         return 0;
     }
-    PyObject *mm = PyObject_GetAttr(chunk, S_mm);
+    PyObject *mm = get_attr(chunk, S_mm);
     if (mm == NULL || mm == Py_None) {
         Py_DECREF(chunk);
         Py_XDECREF(mm);
@@ -184,7 +237,7 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
     int r;
 
     {
-        PyObject *closed = PyObject_GetAttr(s->store, S_closed);
+        PyObject *closed = get_attr(s->store, S_closed);
         if (closed == NULL) return NULL;
         r = PyObject_IsTrue(closed);
         Py_DECREF(closed);
@@ -215,22 +268,40 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
         turn = q + 1;
     }
     queue = Py_NewRef(PyList_GET_ITEM(queues, q));
-    if ((qwriter = PyObject_GetAttr(queue, S_writer)) == NULL) goto fail;
+    if ((qwriter = get_attr(queue, S_writer)) == NULL) goto fail;
     if (qwriter == Py_None) goto fallback; /* the property creates it */
     if ((r = open_chunk(qwriter, &entries)) <= 0) goto fallback_or_fail;
     if (entries.end + QUEUE_RECORD > entries.size) goto fallback; /* Queue.make_room() */
     Py_ssize_t offset = ssize_attr(queue, S_next_offset);
     if (offset < 0) goto fail;
-    PyObject *position_base = PyObject_GetAttr(log.chunk, S_base);
+    PyObject *position_base = get_attr(log.chunk, S_base);
     if (position_base == NULL) goto fail;
     long long base = PyLong_AsLongLong(position_base);
     Py_DECREF(position_base);
     if (base < 0) goto fallback_or_fail;
-    PyObject *now_obj = PyObject_CallMethodNoArgs(s->clock, S_time_ns);
-    if (now_obj == NULL) goto fail;
-    long long now_ns = PyLong_AsLongLong(now_obj);
-    Py_DECREF(now_obj);
-    if (now_ns == -1 && PyErr_Occurred()) goto fail;
+    long long now_ns;
+    {
+        PyObject *clock = get_attr(s->clock, S_time_ns);
+        if (clock == NULL) goto fail;
+        if (s->time_ns != NULL && PyCFunction_Check(clock) &&
+            PyCFunction_GET_FUNCTION(clock) == PyCFunction_GET_FUNCTION(s->time_ns)) {
+            /* time.time_ns itself: what it would return, without the call */
+            Py_DECREF(clock);
+            struct timespec ts;
+            if (clock_gettime(CLOCK_REALTIME, &ts) != 0) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto fail;
+            }
+            now_ns = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+        } else { /* replaced (a test's fixed clock): called, as Python code calls it */
+            PyObject *now_obj = PyObject_CallNoArgs(clock);
+            Py_DECREF(clock);
+            if (now_obj == NULL) goto fail;
+            now_ns = PyLong_AsLongLong(now_obj);
+            Py_DECREF(now_obj);
+            if (now_ns == -1 && PyErr_Occurred()) goto fail;
+        }
+    }
 
     if (PyObject_GetBuffer(log.mm, &lbuf, PyBUF_WRITABLE) < 0 ||
         PyObject_GetBuffer(entries.mm, &qbuf, PyBUF_WRITABLE) < 0)
@@ -248,6 +319,8 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
                            PyLong_FromLongLong(position),
                            PyFloat_FromDouble((double)now_ns / 1e9)};
     result = new_record((PyTypeObject *)s->result_type, 6, fields);
+    if (result != NULL && PyObject_GC_IsTracked(result)) /* str, ints and a float: no cycle */
+        PyObject_GC_UnTrack(result);
     if (result == NULL) goto fail;
     /* The entry after its frame, once nothing before can fail; then publish the record
      * before the entry, as Appender.append does (and prefault both chunks as
@@ -302,7 +375,7 @@ done:
 static int release_lock(Sender *s) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *r = PyObject_CallMethodNoArgs(s->lock, S_release);
+    PyObject *r = PyObject_CallNoArgs(s->release);
     if (type != NULL) {
         Py_XDECREF(r);
         PyErr_Restore(type, value, tb); /* the first error wins */
@@ -322,12 +395,66 @@ static int sender_ready(Sender *s) {
     return 1;
 }
 
+static PyObject *send_fields(Sender *s, PyObject *const *args);
+
 static PyObject *Sender_send(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
     if (!sender_ready(s)) return NULL;
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "send takes the seven fields of a send");
         return NULL;
     }
+    return send_fields(s, args);
+}
+
+/* call(topic, body, *, tag="", key=None, properties=None, code=0, queue_id=None): the
+ * store's own send when bound to the handle (MessageStore._open), with no Python frame
+ * for a send the C path stores. Anything else, from a keyword it does not know to a send
+ * it hands back (None), goes to MessageStore.send itself, with the arguments as given:
+ * the same result, and the same errors, as a store without this binding. */
+static PyObject *Sender_call(Sender *s, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames) {
+    if (!sender_ready(s)) return NULL;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (s->fallback == NULL) {
+        PyErr_SetString(PyExc_TypeError, "this Sender has no fallback to call");
+        return NULL;
+    }
+    PyObject *fields[7] = {NULL, NULL, S_empty, Py_None, Py_None, ZERO, Py_None};
+    int plain = nargs == 2;
+    if (plain) {
+        fields[0] = args[0];
+        fields[1] = args[1];
+    }
+    for (Py_ssize_t i = 0; plain && i < nkw; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        /* Keywords arrive interned from calls written in Python: identity first. */
+        static PyObject **names[5] = {&S_tag, &S_key, &S_properties, &S_code, &S_queue_id};
+        int slot = -1;
+        for (int k = 0; k < 5 && slot < 0; k++)
+            if (name == *names[k]) slot = k;
+        for (int k = 0; k < 5 && slot < 0; k++)
+            if (PyUnicode_Check(name) && PyUnicode_Compare(name, *names[k]) == 0) slot = k;
+        if (slot < 0) plain = 0; /* the Python signature raises the TypeError */
+        else fields[2 + slot] = args[nargs + i];
+    }
+    if (plain) {
+        PyObject *result = send_fields(s, fields);
+        if (result != Py_None) return result; /* a SendResult, or NULL with the error */
+        Py_DECREF(result);
+    }
+    /* MessageStore.send(store, *args, **kwargs), the arguments as the caller gave them */
+    Py_ssize_t total = nargs + nkw;
+    PyObject *small[8], **full = total + 1 <= 8 ? small : PyMem_New(PyObject *, total + 1);
+    if (full == NULL) return PyErr_NoMemory();
+    full[0] = s->store;
+    for (Py_ssize_t i = 0; i < total; i++) full[i + 1] = args[i];
+    PyObject *result = PyObject_Vectorcall(s->fallback, full, (size_t)(nargs + 1), kwnames);
+    if (full != small) PyMem_Free(full);
+    return result;
+}
+
+static PyObject *send_fields(Sender *s, PyObject *const *args) {
     PyObject *topic = args[0];
     if (!PyUnicode_CheckExact(topic)) Py_RETURN_NONE;
     PyObject *queues = PyDict_GetItemWithError(s->queues, topic);
@@ -345,14 +472,14 @@ static PyObject *Sender_send(Sender *s, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(queues);
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
-    PyObject *flush_error = PyObject_GetAttr(s->store, S_flush_error);
+    PyObject *flush_error = get_attr(s->store, S_flush_error);
     if (flush_error == NULL || flush_error != Py_None) { /* the Python path refuses it */
         result = flush_error == NULL ? NULL : Py_NewRef(Py_None);
         Py_XDECREF(flush_error);
         goto out;
     }
     Py_DECREF(flush_error);
-    PyObject *acquired = PyObject_CallMethodNoArgs(s->lock, S_acquire);
+    PyObject *acquired = PyObject_CallNoArgs(s->acquire);
     if (acquired == NULL) goto out;
     Py_DECREF(acquired);
     /* delete_topic may have closed these queues while this send waited for the lock:
@@ -365,7 +492,7 @@ static PyObject *Sender_send(Sender *s, PyObject *const *args, Py_ssize_t nargs)
     }
     if (release_lock(s) < 0) Py_CLEAR(result);
     if (result != NULL && result != Py_None) { /* wake pulls waiting for a message */
-        PyObject *waiting = PyObject_GetAttr(s->store, S_waiting);
+        PyObject *waiting = get_attr(s->store, S_waiting);
         int w = waiting == NULL ? -1 : PyObject_IsTrue(waiting);
         Py_XDECREF(waiting);
         PyObject *woken = w > 0 ? PyObject_CallMethodNoArgs(s->store, S_wake) : NULL;
@@ -419,6 +546,7 @@ static PyObject *Sender_check(Sender *s, PyObject *const *args, Py_ssize_t nargs
 static PyMethodDef Sender_methods[] = {
     {"check", (PyCFunction)(void (*)(void))Sender_check, METH_FASTCALL, NULL},
     {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL, NULL},
+    {"call", (PyCFunction)(void (*)(void))Sender_call, METH_FASTCALL | METH_KEYWORDS, NULL},
     {"write_checked", (PyCFunction)(void (*)(void))Sender_write_checked, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };

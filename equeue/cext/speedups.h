@@ -139,6 +139,7 @@ PyObject *check_batch(PyObject *self, PyObject *args);
 PyObject *write_run(PyObject *self, PyObject *args);
 PyObject *decode_run(PyObject *self, PyObject *args);
 PyObject *collect(PyObject *self, PyObject *args);
+PyObject *pull_chunk(PyObject *self, PyObject *args);
 PyObject *frame_offsets(PyObject *self, PyObject *args);
 PyObject *record_columns(PyObject *self, PyObject *args);
 PyObject *record_bodies(PyObject *self, PyObject *args);

@@ -5,6 +5,7 @@ point to them, and read a queue's run at a time.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 from equeue import speedups
 from equeue.chunks import ChunkManager, ChunkReader
@@ -13,6 +14,7 @@ from equeue.errors import (
     ChunkRemovedError,
     CompactedAwayError,
     CorruptRecordError,
+    EQueueError,
     InvalidMessageError,
     InvalidTypeError,
     PositionNotFoundError,
@@ -67,6 +69,14 @@ class LogReader:
             entries = queue.entries(offset, max_count if wanted is None else 256)
             if not entries:
                 break
+            if wanted is None and fast is not None:
+                taken = self._pull_chunks(fast, queue, entries, offset, max_count, messages)
+                if taken:
+                    offset += taken
+                    if taken == len(entries) or len(messages) == max_count:
+                        offset = max(offset, queue.first_offset)
+                        continue
+                    del entries[:taken]  # the rest the general path below reads
             kept = [p for p, hashed in entries if wanted is None or hashed in wanted]
             try:
                 found = self.read_run(kept)
@@ -107,6 +117,48 @@ class LogReader:
         if budget is not None and counted < len(messages):
             offset = _trim(messages, counted, budget, offset)[2]
         return messages, offset
+
+    def _pull_chunks(
+        self,
+        fast: ModuleType,
+        queue: Queue,
+        entries: list[tuple[int, int]],
+        offset: int,
+        max_count: int,
+        messages: list[Message],
+    ) -> int:
+        """The untagged pull's common case in C, a log chunk at a time: how many of
+        ``entries`` (from queue offset ``offset``) it took, their messages appended to
+        ``messages``. It stops at anything else (a chunk removed or compacted, a record
+        not intact, a message that does not match its entry), which the general path
+        then reads, and raises about, as it does without this."""
+        manager = self._messages
+        if self.read_only and entries[-1][0] >= manager.committed_position:
+            manager.refresh()
+        taken = 0
+        while taken < len(entries) and len(messages) < max_count:
+            first = entries[taken][0]
+            try:
+                chunk = manager.get_chunk_for(first)
+                if chunk.header.compacted:
+                    break
+                mm = chunk.mapping()
+                chunk.mark_used()  # as read_many does: a chunk in use stays mapped
+            except (EQueueError, OSError):  # the general path meets it again, and says
+                break
+            run = entries[taken:] if taken else entries
+            took = fast.pull_chunk(
+                mm, HEADER_SIZE, chunk.physical_end, chunk.base, run, offset + taken,
+                queue.queue_id, queue.topic, min(max_count - len(messages), len(run)), messages,
+                Message,
+                self._id_prefix, decode_properties,
+            )  # fmt: skip
+            if took:
+                chunk.release_behind(first - chunk.base, run[took - 1][0] - chunk.base)
+            taken += took
+            if took == 0 or (taken < len(entries) and entries[taken][0] < chunk.end_position):
+                break  # not a chunk boundary: the general path reads that entry
+        return taken
 
     def wrong_message(
         self, queue: Queue, offset: int, message: Message, hashed: int, stored_hash: int

@@ -212,11 +212,15 @@ class MessageStore:
                 self, self._lock, self._writer, self._queues, self._topic_bytes,
                 self._round_robin, self._keys, self._id_prefix, SendResult,
                 validate.check_tag, xxhash.xxh32_intdigest, time, HEADER_SIZE,
-                config.max_message_size, config.layout.chunk_data_size,
+                config.max_message_size, config.layout.chunk_data_size, MessageStore.send,
             )  # fmt: skip
         # send() takes the whole C path unless sends must wait for a group commit; the
         # checks are C's whenever it is built.
         self._sender = sender if self._group is None else None
+        if self._sender is not None and type(self).send is MessageStore.send:
+            # store.send IS the C call (no Python frame), which hands every other send and
+            # error to MessageStore.send as given; not where a subclass overrides send.
+            self.__dict__["send"] = self._sender.call
         self._check_in_c = sender.check if sender is not None else None
         self._appender = Appender(
             self._writer,
@@ -281,6 +285,7 @@ class MessageStore:
                 with self._checkpoint_lock, self._lock:  # no checkpoint runs past here
                     self._closed = True
                     self._sender = None  # later sends go straight to ClosedError
+                    self.__dict__.pop("send", None)
                     self._release_files()
             finally:
                 with self._arrived:

@@ -1,0 +1,86 @@
+"""Instructions per `send` and per pulled message under valgrind's callgrind: repeatable
+where wall time is not, on a shared machine.
+
+Each case runs twice under ``valgrind --tool=callgrind`` with N and then 2N measured
+operations after the same setup; (Ir(2N) - Ir(N)) / N is one operation's cost without
+the interpreter's start. ``send-SIZE``: N unbatched ``send`` calls; ``batch-SIZE``: N
+messages by ``send_batch`` of 1,000; ``pull-SIZE``: 2N
+messages stored by ``send_batch``, then N of them pulled 256 at a time (as
+tools/bench_peers.py's consume). Set EQUEUE_PURE_PYTHON=1 for the Python paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CASES = ("send-100", "send-1024", "batch-100", "pull-100", "pull-1024")
+
+
+def child(case: str, count: int, stored: int, directory: Path) -> None:
+    from equeue import MessageStore, StoreConfig
+
+    op, size = case.split("-")
+    body = b"x" * int(size)
+    with MessageStore.open(directory, StoreConfig(flush="async")) as store:
+        store.create_topic("t", 1)
+        if op == "send":
+            send = store.send
+            for _ in range(count):
+                send("t", body)
+            return
+        if op == "batch":
+            for start in range(0, count, 1000):
+                store.send_batch("t", [body] * min(1000, count - start))
+            return
+        for start in range(0, stored, 1000):
+            store.send_batch("t", [body] * min(1000, stored - start))
+        pull = store.pull
+        offset = 0
+        while offset < count:
+            offset = pull("t", 0, offset, min(256, count - offset)).next_offset
+
+
+def instructions(case: str, count: int, stored: int) -> int:
+    directory = Path(tempfile.mkdtemp(prefix="eqcg", dir="/tmp"))
+    out = directory / "callgrind.out"
+    try:
+        subprocess.run(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+             __file__, "--child", case, str(count), str(stored), str(directory / "s")],
+            check=True, capture_output=True, timeout=1800,
+        )  # fmt: skip
+        found = re.search(rb"^summary: (\d+)", out.read_bytes(), re.M)
+        if found is None:
+            raise SystemExit(f"no summary in {out}")
+        return int(found.group(1))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--child", nargs=4, metavar=("CASE", "N", "STORED", "DIR"))
+    parser.add_argument("-n", type=int, default=5_000, help="operations in the short run")
+    parser.add_argument("cases", nargs="*", default=list(CASES))
+    args = parser.parse_args()
+    if args.child:
+        case, n, stored, directory = args.child
+        child(case, int(n), int(stored), Path(directory))
+        return 0
+    n, pure = args.n, os.environ.get("EQUEUE_PURE_PYTHON", "")
+    print(f"{'case':<10} {'Ir/op':>8}  (EQUEUE_PURE_PYTHON={pure!r}, N={n})")
+    for case in args.cases:
+        low, high = instructions(case, n, 2 * n), instructions(case, 2 * n, 2 * n)
+        print(f"{case:<10} {(high - low) / n:>8.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
