@@ -29,18 +29,36 @@ from typing import TYPE_CHECKING, Final
 
 from equeue.errors import InvalidMessageError, InvalidTypeError, TopicNotFoundError
 from equeue.format.message import MAX_NAME_BYTES
+from equeue.protocol.retries import (
+    ATTEMPT,
+    DELAY_TOPIC,
+    DLQ_PREFIX,
+    DUE_MS,
+    GROUP,
+    MOVER_GROUP,
+    ORIGIN_ID,
+    ORIGIN_OFFSET,
+    ORIGIN_QUEUE,
+    ORIGIN_TOPIC,
+    RETRY_PREFIX,
+    dead_letter_topic,
+    restore,
+    retry_topic,
+)
 from equeue.store import validate
 from equeue.store.types import Message, OutgoingMessage
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
 
+__all__ = [  # the names of equeue/protocol/retries.py, for the broker's side
+    "ATTEMPT", "DELAY_TOPIC", "DLQ_PREFIX", "DUE_MS", "GROUP", "MOVER_GROUP", "ORIGIN_ID",
+    "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RETRY_PREFIX", "Retries",
+    "check_group_name", "dead_letter_topic", "restore", "retry_topic",
+]  # fmt: skip
+
 log = logging.getLogger("equeue.retry")
 
-DELAY_TOPIC: Final = "equeue.delay"
-MOVER_GROUP: Final = "equeue.mover"
-RETRY_PREFIX: Final = "equeue.retry."
-DLQ_PREFIX: Final = "equeue.dlq."
 # Seconds a copy waits at each level (RocketMQ's levels from 1 s on, shortened).
 DEFAULT_DELAYS: Final = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 DEFAULT_MAX_RETRIES: Final = 16
@@ -48,22 +66,7 @@ MAX_RETRIES_LIMIT: Final = 1000
 MAX_LEVELS: Final = 64
 MOVE_BATCH: Final = 256  # copies moved per delay queue per tick: a tick stays short
 
-GROUP: Final = "equeue.group"
-ATTEMPT: Final = "equeue.attempt"
-ORIGIN_TOPIC: Final = "equeue.origin.topic"
-ORIGIN_QUEUE: Final = "equeue.origin.queue_id"
-ORIGIN_OFFSET: Final = "equeue.origin.offset"
-ORIGIN_ID: Final = "equeue.origin.id"
-DUE_MS: Final = "equeue.due_ms"
 _OURS: Final = (GROUP, ATTEMPT, ORIGIN_TOPIC, ORIGIN_QUEUE, ORIGIN_OFFSET, ORIGIN_ID, DUE_MS)
-
-
-def retry_topic(group: str) -> str:
-    return RETRY_PREFIX + group
-
-
-def dead_letter_topic(group: str) -> str:
-    return DLQ_PREFIX + group
 
 
 def check_group_name(group: object) -> str:
@@ -103,19 +106,6 @@ def origin(message: Message, group: str) -> tuple[dict[str, str], int]:
         ORIGIN_OFFSET: str(message.queue_offset),
         ORIGIN_ID: message.message_id,
     }, 0
-
-
-def restore(message: Message) -> Message:
-    """A retry copy as its consumer sees it: the original topic, queue id and offset (its
-    message_id stays the copy's, which is what nack takes)."""
-    props = message.properties
-    if not message.topic.startswith(RETRY_PREFIX) or ORIGIN_TOPIC not in props:
-        return message
-    try:
-        queue_id, offset = int(props[ORIGIN_QUEUE]), int(props[ORIGIN_OFFSET])
-    except (KeyError, ValueError):
-        return message
-    return message._replace(topic=props[ORIGIN_TOPIC], queue_id=queue_id, queue_offset=offset)
 
 
 class Retries:
@@ -205,6 +195,7 @@ class Retries:
             for target, batch in batches.items():  # one send (one flush) per group
                 self.ensure(target, 1)
                 store.send_batch(target, batch)
+            store.flush()  # the copies on disk before the cursor says they were moved
             store.commit_offset(MOVER_GROUP, DELAY_TOPIC, queue_id, due[-1].queue_offset + 1)
             moved += len(due)
         self.moved += moved
