@@ -106,3 +106,14 @@ __all__ = [
     "WriterExistsError",
 ]
 __version__ = "0.1.0"
+
+
+def serve(store: object, config: object = None, **settings: object) -> None:
+    """Run the broker on ``store`` (a path or a writable MessageStore) until SIGTERM or
+    SIGINT: equeue.server.serve, imported only when called (asyncio, ssl)."""
+    from equeue.server.serve import serve as run
+
+    run(store, config, **settings)  # type: ignore[arg-type]
+
+
+__all__ += ["serve"]
