@@ -59,6 +59,8 @@ class Connection(asyncio.Protocol):
         self._batching = False
         self._write_scheduled = False
         self._paused = False
+        self._backlog: list[bytes] = []  # frames read but not yet served (backpressure)
+        self._out_bytes = 0
 
     # --- asyncio callbacks ----------------------------------------------------
 
@@ -90,15 +92,27 @@ class Connection(asyncio.Protocol):
         self.broker.holds.drop(self)
 
     def pause_writing(self) -> None:
+        self._paused = True
         if self.transport is not None and not self.closed:
-            self._paused = True
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.closed and self._paused:
-            self._paused = False
-            if not self.broker.draining:
-                self.transport.resume_reading()
+        self._paused = False
+        if self.closed:
+            return
+        if self._backlog:
+            self._batching = True
+            try:
+                self._serve(self._backlog)
+            except ProtocolError as exc:
+                self._fatal(exc)
+            finally:
+                self._batching = False
+                self._write_out()
+                self.broker.after_batch()
+        if not self._paused and not self._backlog and not self.broker.draining:
+            assert self.transport is not None
+            self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -112,16 +126,46 @@ class Connection(asyncio.Protocol):
                 if rest is None:
                     return
                 data = rest
-            for body in self._reader.feed(data):
-                self._request(body)
-                if self.closed:
-                    break
+            bodies = self._reader.feed(data)
+            if self._backlog:  # reading was paused with frames left: they go first
+                self._backlog.extend(bodies)
+                bodies = self._backlog
+            self._serve(bodies)
         except ProtocolError as exc:  # FrameTooLargeError too
             self._fatal(exc)
         finally:
             self._batching = False
             self._write_out()
             broker.after_batch()
+
+    def _serve(self, bodies: list[bytes]) -> None:
+        """Answer ``bodies`` in order until the client's unread answers pass the high-water
+        mark; the rest wait in the backlog for ``resume_writing``. So one read of many
+        small requests with large answers (pulls) cannot make the broker hold more than
+        about ``write_buffer_high`` plus one answer for a client that does not read."""
+        high = self.broker.config.write_buffer_high
+        transport = self.transport
+        assert transport is not None
+        done = 0
+        for body in bodies:
+            done += 1
+            self._request(body)
+            if self.closed:
+                break
+            if self._out_bytes + transport.get_write_buffer_size() > high:
+                self._write_out()  # may call pause_writing
+                if self._paused:
+                    break
+        self._backlog = bodies[done:] if done < len(bodies) and not self.closed else []
+        if self._backlog:
+            transport.pause_reading()
+
+    @property
+    def buffered(self) -> int:
+        """Answer bytes not yet taken by the client's socket, and request bytes not yet served."""
+        transport = self.transport
+        written = transport.get_write_buffer_size() if transport is not None else 0
+        return written + self._out_bytes + sum(map(len, self._backlog)) + self._reader.pending
 
     def eof_received(self) -> bool | None:
         pending = self._reader.pending if self._hello is None else len(self._hello)
@@ -231,6 +275,7 @@ class Connection(asyncio.Protocol):
 
     def _queue(self, frame: bytes) -> None:
         self._out.append(frame)
+        self._out_bytes += len(frame)
         if not self._batching and not self._write_scheduled:
             self._write_scheduled = True
             self.broker.loop.call_soon(self._write_out)
@@ -242,6 +287,7 @@ class Connection(asyncio.Protocol):
             return
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()
+        self._out_bytes = 0
         if self.transport.is_closing():
             return
         self.broker.counters.bytes_out += len(data)

@@ -18,7 +18,7 @@ from equeue.protocol.records import pack_message, pack_pull_result, pack_send_re
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
 from equeue.store.store import MessageStore
-from equeue.store.types import SendResult
+from equeue.store.types import OutgoingMessage, SendResult
 from equeue.store.validate import MAX_WAIT
 
 if TYPE_CHECKING:
@@ -142,18 +142,13 @@ class Handlers:
 
     def send_batch(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         topic = a["topic"]
-        messages = a["messages"]
-        for message in messages:  # each must be a send's arguments but the topic
-            if type(message) is not dict or "topic" in message:
-                raise _shape(
-                    peer, "send_batch", "each message must be a map of send's arguments but topic"
-                )
-            check_args("send", {**message, "topic": topic}, peer.where)
-        results = self.store.send_batch(topic, messages)
-        self.counters.sends += len(results)
-        self.counters.send_requests += 1
+        results = self.store.send_batch(topic, _batch_items(peer, topic, a["messages"]))
+        counters = self.counters
+        counters.sends += len(results)
+        counters.send_requests += 1
+        touched = self.touched
         for sent in results:
-            self.touched.add((sent.topic, sent.queue_id))
+            touched.add((sent.topic, sent.queue_id))
         return self._durable(peer, rid, [pack_send_result(r) for r in results])
 
     # --- reads -----------------------------------------------------------------
@@ -219,5 +214,24 @@ def _pull_args(a: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _shape(peer: Peer, op: str, what: str) -> Exception:
-    return ProtocolError(f"{peer.where}: op {op!r}: {what}")
+def _batch_items(peer: Peer, topic: str, messages: list[Any]) -> list[bytes | OutgoingMessage]:
+    """send_batch's messages, each held to send's argument types (a ProtocolError
+    otherwise, as for a send), as the store takes them fastest: a body alone as bytes."""
+    items: list[bytes | OutgoingMessage] = []
+    append = items.append
+    for message in messages:
+        if type(message) is dict:
+            if len(message) == 1:
+                body = message.get("body")
+                if type(body) is bytes:
+                    append(body)
+                    continue
+            if "topic" not in message:
+                check_args("send", {**message, "topic": topic}, peer.where)
+                append(OutgoingMessage(**message))
+                continue
+        raise ProtocolError(
+            f"{peer.where}: op 'send_batch': each message must be a map of send's arguments "
+            f"but topic, got {type(message).__name__}"
+        )
+    return items

@@ -221,6 +221,7 @@ class Broker:
         return {
             "connections": len(self.connections),
             "in_flight": sum(c.in_flight for c in self.connections),
+            "buffered_bytes": sum(c.buffered for c in self.connections),
             "uptime_s": round(self.loop.time() - self._started, 3)
             if hasattr(self, "_started")
             else 0.0,
