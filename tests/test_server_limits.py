@@ -37,7 +37,7 @@ def test_settings_are_checked() -> None:
         ({"listen": ["tls://127.0.0.1:0"]}, "certificate"),
     ):
         with pytest.raises(ConfigError, match=name):
-            ServerConfig(**bad)  # type: ignore[arg-type]
+            ServerConfig(**bad)
 
 
 def test_in_flight_limit_answers_the_request_and_keeps_the_connection(home: Path) -> None:

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from equeue.errors import BrokerError, InvalidMessageError, ProtocolError
+from equeue.errors import GroupError, InvalidMessageError, ProtocolError
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
 from equeue.server.holds import HeldPull, Holds
@@ -117,7 +117,10 @@ class Handlers:
 
     def _groups(self, peer: Peer) -> Coordinator:
         if self.coordinator is None:
-            raise BrokerError(f"{peer.where}: this broker has no consumer-group coordinator")
+            raise GroupError(
+                f"{peer.where}: consumer groups are not available in this broker's build "
+                "(no equeue/server/groups.py)"
+            )
         return self.coordinator
 
     # --- sends -----------------------------------------------------------------
