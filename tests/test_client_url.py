@@ -25,6 +25,8 @@ from equeue.errors import (
 from equeue.protocol.ops import check_args
 from equeue.store.types import OutgoingMessage
 
+loose: Any = calls  # for calls with arguments of the wrong types
+
 
 def test_urls() -> None:
     assert str(parse_url("unix:/run/eq.sock")) == "unix:/run/eq.sock"
@@ -73,7 +75,7 @@ def test_tls_options_only_with_tls(tmp_path: Path) -> None:
 def test_calls_are_what_the_op_table_accepts() -> None:
     """Every call the clients make passes the broker's own argument check."""
     made = [
-        calls.send("t", bytearray(b"b"), "tag", "k", {"a": "b"}, -5, 3),
+        loose.send("t", bytearray(b"b"), "tag", "k", {"a": "b"}, -5, 3),
         calls.send("t", b"", "", None, None, 0, None),
         calls.send_batch("t", [b"a", OutgoingMessage(b"b", tag="x"), {"body": b"c", "key": "k"}]),
         calls.pull("t", 0, 5, 10, ["a", "b"], 1.5, 100),
@@ -100,50 +102,51 @@ def test_calls_are_what_the_op_table_accepts() -> None:
     assert made[4].wait == 0.001
     assert made[8].args["timestamp"] == 1714521600.0
     assert made[2].unanswered == [b"a", OutgoingMessage(b"b", tag="x"), {"body": b"c", "key": "k"}]
-    assert made[0].unanswered == [OutgoingMessage(bytearray(b"b"), "tag", "k", {"a": "b"}, -5, 3)]
+    given: Any = bytearray(b"b")
+    assert made[0].unanswered == [OutgoingMessage(given, "tag", "k", {"a": "b"}, -5, 3)]
 
 
 @pytest.mark.parametrize(
     ("make", "error"),
     [
-        (lambda: calls.send(1, b"", "", None, None, 0, None), InvalidTypeError),
-        (lambda: calls.send("t", "text", "", None, None, 0, None), InvalidTypeError),
-        (lambda: calls.send("t", b"", 1, None, None, 0, None), InvalidTypeError),
-        (lambda: calls.send("t", b"", "", 1, None, 0, None), InvalidTypeError),
-        (lambda: calls.send("t", b"", "", None, {"a": 1}, 0, None), InvalidTypeError),
-        (lambda: calls.send("t", b"", "", None, [], 0, None), InvalidTypeError),
-        (lambda: calls.send("t", b"", "", None, None, True, None), InvalidTypeError),
-        (lambda: calls.send("t", b"", "", None, None, 1 << 40, None), InvalidMessageError),
-        (lambda: calls.send("t", b"", "", None, None, 0, -1), QueueNotFoundError),
-        (lambda: calls.send("t", b"", "", None, None, 0, 1.0), InvalidTypeError),
-        (lambda: calls.send_batch("t", b"abc"), InvalidTypeError),
-        (lambda: calls.send_batch("t", [b"a", 5]), InvalidTypeError),
-        (lambda: calls.send_batch("t", [{"bod": b"a"}]), InvalidTypeError),
-        (lambda: calls.send_batch("t", 5), InvalidTypeError),
-        (lambda: calls.pull("t", -1, 0, 32, None, 0, None), QueueNotFoundError),
-        (lambda: calls.pull("t", 0, -1, 32, None, 0, None), InvalidMessageError),
-        (lambda: calls.pull("t", 0, 1.5, 32, None, 0, None), InvalidMessageError),
-        (lambda: calls.pull("t", 0, 0, 0, None, 0, None), InvalidMessageError),
-        (lambda: calls.pull("t", 0, 0, 32, None, -1, None), InvalidMessageError),
-        (lambda: calls.pull("t", 0, 0, 32, None, float("nan"), None), InvalidMessageError),
-        (lambda: calls.pull("t", 0, 0, 32, None, "1", None), InvalidTypeError),
-        (lambda: calls.pull("t", 0, 0, 32, b"a", 0, None), InvalidTypeError),
-        (lambda: calls.pull("t", 0, 0, 32, [1], 0, None), InvalidTypeError),
-        (lambda: calls.pull("t", 0, 0, 32, None, 0, 0), InvalidMessageError),
-        (lambda: calls.get(5), MessageNotFoundError),
-        (lambda: calls.query_by_key("t", 5, 1), InvalidTypeError),
-        (lambda: calls.query_by_key("t", "k", 0), InvalidMessageError),
-        (lambda: calls.query_by_key("t", "k", "1"), InvalidTypeError),
-        (lambda: calls.offset_for_time("t", 0, dt.datetime(2024, 5, 1)), InvalidMessageError),
-        (lambda: calls.offset_for_time("t", 0, "now"), InvalidTypeError),
-        (lambda: calls.offset_for_time("t", 0, float("inf")), InvalidMessageError),
-        (lambda: calls.commit_offset(5, "t", 0, 0), InvalidMessageError),
-        (lambda: calls.commit_offset("g", "t", 0, -2), InvalidMessageError),
-        (lambda: calls.committed_offset("g", "t", "0"), InvalidTypeError),
-        (lambda: calls.committed_offset(None, "t", 0), InvalidTypeError),
-        (lambda: calls.create_topic("t", 0), InvalidMessageError),
-        (lambda: calls.create_topic("t", "2"), InvalidTypeError),
-        (lambda: calls.queue_range("t", True), InvalidTypeError),
+        (lambda: loose.send(1, b"", "", None, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", "text", "", None, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", 1, None, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", 1, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, {"a": 1}, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, [], 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, None, True, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, None, 1 << 40, None), InvalidMessageError),
+        (lambda: loose.send("t", b"", "", None, None, 0, -1), QueueNotFoundError),
+        (lambda: loose.send("t", b"", "", None, None, 0, 1.0), InvalidTypeError),
+        (lambda: loose.send_batch("t", b"abc"), InvalidTypeError),
+        (lambda: loose.send_batch("t", [b"a", 5]), InvalidTypeError),
+        (lambda: loose.send_batch("t", [{"bod": b"a"}]), InvalidTypeError),
+        (lambda: loose.send_batch("t", 5), InvalidTypeError),
+        (lambda: loose.pull("t", -1, 0, 32, None, 0, None), QueueNotFoundError),
+        (lambda: loose.pull("t", 0, -1, 32, None, 0, None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 1.5, 32, None, 0, None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 0, 0, None, 0, None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 0, 32, None, -1, None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 0, 32, None, float("nan"), None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 0, 32, None, "1", None), InvalidTypeError),
+        (lambda: loose.pull("t", 0, 0, 32, b"a", 0, None), InvalidTypeError),
+        (lambda: loose.pull("t", 0, 0, 32, [1], 0, None), InvalidTypeError),
+        (lambda: loose.pull("t", 0, 0, 32, None, 0, 0), InvalidMessageError),
+        (lambda: loose.get(5), MessageNotFoundError),
+        (lambda: loose.query_by_key("t", 5, 1), InvalidTypeError),
+        (lambda: loose.query_by_key("t", "k", 0), InvalidMessageError),
+        (lambda: loose.query_by_key("t", "k", "1"), InvalidTypeError),
+        (lambda: loose.offset_for_time("t", 0, dt.datetime(2024, 5, 1)), InvalidMessageError),
+        (lambda: loose.offset_for_time("t", 0, "now"), InvalidTypeError),
+        (lambda: loose.offset_for_time("t", 0, float("inf")), InvalidMessageError),
+        (lambda: loose.commit_offset(5, "t", 0, 0), InvalidMessageError),
+        (lambda: loose.commit_offset("g", "t", 0, -2), InvalidMessageError),
+        (lambda: loose.committed_offset("g", "t", "0"), InvalidTypeError),
+        (lambda: loose.committed_offset(None, "t", 0), InvalidTypeError),
+        (lambda: loose.create_topic("t", 0), InvalidMessageError),
+        (lambda: loose.create_topic("t", "2"), InvalidTypeError),
+        (lambda: loose.queue_range("t", True), InvalidTypeError),
     ],
 )
 def test_arguments_the_wire_cannot_carry_are_refused_before_sending(
@@ -154,7 +157,7 @@ def test_arguments_the_wire_cannot_carry_are_refused_before_sending(
 
 
 def test_a_negative_queue_id_has_no_committed_offset() -> None:
-    assert calls.committed_offset("g", "t", -1) is None
+    assert loose.committed_offset("g", "t", -1) is None
 
 
 def test_a_request_over_the_brokers_frame_limit_is_refused_before_sending() -> None:
