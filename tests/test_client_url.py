@@ -67,7 +67,7 @@ def test_tls_options_only_with_tls(tmp_path: Path) -> None:
     with pytest.raises(InvalidTypeError):
         parse_url(5)  # type: ignore[arg-type]
     with pytest.raises(InvalidTypeError):
-        equeue.connect("unix:/x", timeout="1")  # type: ignore[arg-type]
+        equeue.connect("unix:/x", timeout="1")
     with pytest.raises(ConfigError):
         equeue.connect("unix:/x", connect_timeout=0)
 
