@@ -1,5 +1,9 @@
 """equeue: an embedded, durable message store built on chunk files."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from equeue.errors import (
     AuthenticationError,
     BrokerError,
@@ -54,6 +58,9 @@ from equeue.store import (
     TopicPolicy,
 )
 
+if TYPE_CHECKING:
+    from equeue.client.sync import Client
+
 __all__ = [
     "AuthenticationError",
     "BrokerError",
@@ -106,6 +113,19 @@ __all__ = [
     "WriterExistsError",
 ]
 __version__ = "0.1.0"
+
+
+def connect(url: object, *, token: str | None = None, **options: object) -> Client:
+    """A blocking, thread-safe client of the broker at ``url`` (``unix:PATH``,
+    ``tcp://HOST:PORT``, ``tls://HOST:PORT`` or a store directory): equeue.client.sync,
+    imported only when called (sockets, ssl, msgpack). ``equeue.aio.connect`` is the
+    asyncio client."""
+    from equeue.client.sync import connect as client
+
+    return client(url, token=token, **options)  # type: ignore[arg-type]
+
+
+__all__ += ["connect"]
 
 
 def serve(store: object, config: object = None, **settings: object) -> None:
