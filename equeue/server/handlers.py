@@ -42,9 +42,12 @@ class Coordinator(Protocol):
     """equeue/server/groups.py's GroupCoordinator, as the broker calls it (loop thread)."""
 
     def join(
-        self, group: str, consumer: str, topics: list[str], session_timeout_ms: int | None
+        self, group: str, consumer: str, topics: list[str], session_timeout_ms: int | None,
+        *, max_retries: int | None = None,
+    ) -> dict[str, Any]: ...  # fmt: skip
+    def heartbeat(
+        self, group: str, consumer: str, *, generation: int | None = None
     ) -> dict[str, Any]: ...
-    def heartbeat(self, group: str, consumer: str) -> dict[str, Any]: ...
     def leave(self, group: str, consumer: str) -> None: ...
     def check_owner(self, group: str, consumer: str, topic: str, queue_id: int) -> None: ...
     def nack(self, group: str, consumer: str, message_id: str, delay_ms: int | None) -> None: ...
@@ -104,10 +107,14 @@ class Handlers:
             "queue_range": lambda peer, rid, a: list(store.queue_range(a["topic"], a["queue_id"])),
             "stats": lambda peer, rid, a: self.stats(),
             "join": lambda peer, rid, a: self._groups(peer).join(
-                a["group"], a["consumer"], a["topics"], a.get("session_timeout_ms")
+                a["group"],
+                a["consumer"],
+                a["topics"],
+                a.get("session_timeout_ms"),
+                max_retries=a.get("max_retries"),
             ),
             "heartbeat": lambda peer, rid, a: self._groups(peer).heartbeat(
-                a["group"], a["consumer"]
+                a["group"], a["consumer"], generation=a.get("generation")
             ),
             "leave": lambda peer, rid, a: self._groups(peer).leave(a["group"], a["consumer"]),
             "nack": lambda peer, rid, a: self._groups(peer).nack(
