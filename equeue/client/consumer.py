@@ -91,6 +91,7 @@ class GroupConsumer:
         self._beat_now = threading.Event()
         self._last_commit = time.monotonic()
         self._join()  # errors (unknown topic, bad arguments) here, not at the first message
+        self._maintain()
         self._heartbeat = threading.Thread(
             target=self._beat, name=f"equeue-heartbeat {self.state.consumer}", daemon=True
         )
