@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_helpers import short_dir
 
 import equeue
 from equeue import MessageStore
@@ -18,7 +19,6 @@ from equeue.client.consumer import GroupConsumer
 from equeue.errors import GroupError
 from equeue.protocol.retries import ATTEMPT, ORIGIN_ID, dead_letter_topic
 from equeue.server import BrokerThread
-from tests.server_helpers import short_dir
 
 TOPIC = "orders"
 
