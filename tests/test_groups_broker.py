@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import short_dir
+from server_helpers import raw, short_dir
 
 import equeue
 import equeue.aio
@@ -216,3 +216,33 @@ def test_asyncio_members_split_the_queues_and_retry(broker: tuple[BrokerThread, 
     assert bodies == sorted([b"%d" % i for i in range(30)] + [b"7"])  # 7 once more
     retried = [m for m in got_a + got_b if m.properties.get(ATTEMPT) == "1"]
     assert [(m.body, m.topic) for m in retried] == [(b"7", TOPIC)]
+
+
+def test_hostile_group_requests_get_error_answers(broker: tuple[BrokerThread, str]) -> None:
+    """Values of the right wire type that make no sense are answered with an equeue error
+    (never BrokerError, which would be a builtin exception escaping); the connection and
+    the broker stay up, and nothing was created."""
+    _, url = broker
+    bad: list[tuple[str, dict[str, object], str]] = [
+        ("join", {"group": "g", "consumer": "a", "topics": [1, 2]}, "InvalidTypeError"),
+        ("join", {"group": "g", "consumer": "a", "topics": ["x" * 300]}, "InvalidMessageError"),
+        ("join", {"group": "g", "consumer": "a", "topics": ["../x"]}, "InvalidMessageError"),
+        ("join", {"group": "", "consumer": "a", "topics": [TOPIC]}, "InvalidMessageError"),
+        ("join", {"group": "g", "consumer": "a" * 300, "topics": [TOPIC]}, "InvalidMessageError"),
+        ("join", {"group": "g", "consumer": "a", "topics": [TOPIC] * 100}, "InvalidMessageError"),
+        ("join", {"group": "g", "consumer": "a", "topics": [TOPIC], "session_timeout_ms": 1 << 62},
+         "InvalidMessageError"),
+        ("heartbeat", {"group": "g", "consumer": "a", "generation": 1 << 63}, "GroupError"),
+        ("nack", {"group": "g", "consumer": "a", "message_id": "zz"}, "GroupError"),
+    ]  # fmt: skip
+    with raw(url) as connection:
+        for op, args, code in bad:
+            error = connection.error(op, **args)
+            assert error["code"] == code, (op, args, error)
+        connection.call("join", group="g", consumer="a", topics=[TOPIC])
+        for message_id in ("zz", "0" * 24, "f" * 24, "é" * 24):
+            error = connection.error("nack", group="g", consumer="a", message_id=message_id)
+            assert error["code"] == "MessageNotFoundError", error
+        assert connection.call("ping") is None
+        topics = connection.call("topics")
+    assert topics == ["equeue.retry.g", TOPIC]
