@@ -246,3 +246,35 @@ def test_hostile_group_requests_get_error_answers(broker: tuple[BrokerThread, st
         assert connection.call("ping") is None
         topics = connection.call("topics")
     assert topics == ["equeue.retry.g", TOPIC]
+
+
+def test_member_joins_again_after_a_broker_restart() -> None:
+    """Membership lives in the broker's memory: after a restart the member's next request
+    answers GroupError or a lost connection, it joins again and reads on from the group's
+    committed offsets (what it processed uncommitted comes again: at least once)."""
+    directory = short_dir()
+    thread = None
+    try:
+        with MessageStore.open(directory / "s") as store:
+            store.create_topic(TOPIC, 4)
+        thread = BrokerThread(directory / "s").start()
+        url = thread.urls[0]
+        with equeue.connect(url) as client:
+            client.send_batch(TOPIC, [b"a%d" % i for i in range(10)])
+            consumer = GroupConsumer(client, "g", TOPIC, session_timeout=1.0)
+            try:
+                got = consume(consumer, 10)
+                thread.stop()
+                thread = BrokerThread(directory / "s").start()
+                client.send_batch(TOPIC, [b"b%d" % i for i in range(10)])
+                got += consume(consumer, 10, 20)
+                while (message := consumer.poll(0.5)) is not None:  # the redelivered ones
+                    got.append(message)
+            finally:
+                consumer.close()
+    finally:
+        if thread is not None:
+            thread.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    bodies = {m.body for m in got}
+    assert bodies == {b"%s%d" % (p, i) for p in (b"a", b"b") for i in range(10)}
