@@ -83,7 +83,7 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         stats = call("stats")
         assert isinstance(stats, dict)
         assert stats["connections"] == 1 and stats["sends"] == 3
-        assert stats["groups"]["g"]["topics"]["t"]["queues"]["1"] == {
+        assert stats["groups"]["g"]["queues"]["t/1"] == {
             "committed": 2, "end": 3, "lag": 1,
         }  # fmt: skip
     group_ops = {"join", "heartbeat", "leave", "nack"}  # test_server_groups.py
@@ -207,3 +207,43 @@ def test_thread_runner_stops_cleanly(home: Path) -> None:
     assert not stopper.is_alive()
     c.close()
     assert not (home / "s" / "broker.sock").exists()
+
+
+def test_group_ops_reach_the_coordinator_and_guard_pulls_and_commits(broker: BrokerThread) -> None:
+    with raw(broker.urls[0]) as a, raw(broker.urls[0]) as b:
+        a.call("create_topic", topic="g", queue_count=2)
+        sent = a.call("send", topic="g", body=b"m", queue_id=0)
+        first = a.call("join", group="grp", consumer="a", topics=["g"])
+        assert sorted(map(tuple, first["assignment"])) == [
+            ("equeue.retry.grp", 0),
+            ("g", 0),
+            ("g", 1),
+        ]
+        b.call("join", group="grp", consumer="b", topics=["g"])
+        # a still holds every queue until it applies the new generation
+        refused = b.error("pull", topic="g", queue_id=0, offset=0, group="grp", consumer="b")
+        assert refused["code"] == "GroupError"
+        assert b.error("commit_offset", group="grp", topic="g", queue_id=0, offset=1,
+                       consumer="b")["code"] == "GroupError"  # fmt: skip
+        pulled = a.call("pull", topic="g", queue_id=0, offset=0, group="grp", consumer="a")
+        assert [m[9] for m in pulled[0]] == [b"m"]
+        assert a.call("nack", group="grp", consumer="a", message_id=sent[0], delay_ms=0) is None
+        assert a.call("commit_offset", group="grp", topic="g", queue_id=0, offset=1,
+                      consumer="a") is None  # fmt: skip
+        beat = a.call("heartbeat", group="grp", consumer="a")
+        a.call("heartbeat", group="grp", consumer="a", generation=beat["generation"])
+        assigned = b.call("heartbeat", group="grp", consumer="b")["assignment"]
+        assert assigned and all(tuple(q) not in map(tuple, beat["assignment"]) for q in assigned)
+        stats = a.call("stats")["groups"]["grp"]
+        assert set(stats["members"]) == {"a", "b"} and stats["queues"]["g/0"]["committed"] == 1
+        assert a.call("leave", group="grp", consumer="a") is None
+        assert a.error("heartbeat", group="grp", consumer="a")["code"] == "GroupError"
+    assert (
+        broker.store.queue_range("equeue.retry.grp", 0)[1]
+        + sum(
+            broker.store.queue_range(t, 0)[1]
+            for t in broker.store.topics()
+            if t.startswith("equeue.delay")
+        )
+        >= 1
+    )  # the nacked message went to a retry or delay queue

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from equeue.errors import GroupError, InvalidMessageError, ProtocolError
+from equeue.errors import InvalidMessageError, ProtocolError
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
 from equeue.server.holds import HeldPull, Holds
@@ -41,25 +41,16 @@ class Peer(Protocol):
 class Coordinator(Protocol):
     """equeue/server/groups.py's GroupCoordinator, as the broker calls it (loop thread)."""
 
-    def join(
-        self, group: str, consumer: str, topics: list[str], session_timeout_ms: int | None
-    ) -> dict[str, Any]: ...
-    def heartbeat(self, group: str, consumer: str) -> dict[str, Any]: ...
-    def leave(self, group: str, consumer: str) -> None: ...
+    def call(self, op: str, args: dict[str, Any]) -> Any: ...  # join, heartbeat, leave, nack
     def check_owner(self, group: str, consumer: str, topic: str, queue_id: int) -> None: ...
-    def nack(self, group: str, consumer: str, message_id: str, delay_ms: int | None) -> None: ...
     def tick(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
 
 
-def make_coordinator(store: MessageStore) -> Coordinator | None:
-    """The consumer groups' coordinator, where this build has one."""
-    try:
-        from equeue.server import groups  # type: ignore[attr-defined, unused-ignore]
-    except ImportError:
-        return None
-    coordinator: Coordinator = groups.GroupCoordinator(store)
-    return coordinator
+def make_coordinator(store: MessageStore) -> Coordinator:
+    from equeue.server.groups import GroupCoordinator
+
+    return GroupCoordinator(store)
 
 
 class Handlers:
@@ -68,7 +59,7 @@ class Handlers:
         store: MessageStore,
         holds: Holds,
         commit: CrossClientCommit | None,
-        coordinator: Coordinator | None,
+        coordinator: Coordinator,
         counters: Counters,
         extra_stats: Callable[[], dict[str, Any]],
     ) -> None:
@@ -103,25 +94,15 @@ class Handlers:
             "queue_ids": lambda peer, rid, a: store.queue_ids(a["topic"]),
             "queue_range": lambda peer, rid, a: list(store.queue_range(a["topic"], a["queue_id"])),
             "stats": lambda peer, rid, a: self.stats(),
-            "join": lambda peer, rid, a: self._groups(peer).join(
-                a["group"], a["consumer"], a["topics"], a.get("session_timeout_ms")
-            ),
-            "heartbeat": lambda peer, rid, a: self._groups(peer).heartbeat(
-                a["group"], a["consumer"]
-            ),
-            "leave": lambda peer, rid, a: self._groups(peer).leave(a["group"], a["consumer"]),
-            "nack": lambda peer, rid, a: self._groups(peer).nack(
-                a["group"], a["consumer"], a["message_id"], a.get("delay_ms")
-            ),
+            "join": lambda peer, rid, a: self.coordinator.call("join", a),
+            "heartbeat": lambda peer, rid, a: self.coordinator.call("heartbeat", a),
+            "leave": lambda peer, rid, a: self.coordinator.call("leave", a),
+            "nack": self.nack,
         }
 
-    def _groups(self, peer: Peer) -> Coordinator:
-        if self.coordinator is None:
-            raise GroupError(
-                f"{peer.where}: consumer groups are not available in this broker's build "
-                "(no equeue/server/groups.py)"
-            )
-        return self.coordinator
+    def nack(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        # The retry copy is an append: under --flush sync acknowledged once it is durable.
+        return self._durable(peer, rid, self.coordinator.call("nack", a))
 
     # --- sends -----------------------------------------------------------------
 
@@ -184,7 +165,7 @@ class Handlers:
 
     def _check_owner(self, a: dict[str, Any], topic: str, queue_id: int) -> None:
         group, consumer = a.get("group"), a.get("consumer")
-        if consumer is None or group is None or self.coordinator is None:
+        if consumer is None or group is None:
             return
         self.coordinator.check_owner(group, consumer, topic, queue_id)
 
@@ -203,9 +184,7 @@ class Handlers:
             round(commit.sends_flushed / commit.flushes, 2) if commit and commit.flushes else 0.0
         )
         answer.update(self._extra_stats())
-        answer["groups"] = group_lag(self.store)
-        if self.coordinator is not None:
-            answer["coordinator"] = self.coordinator.stats()
+        answer["groups"] = group_lag(self.store, self.coordinator.stats())
         return answer
 
 

@@ -116,7 +116,6 @@ class Broker:
         self._servers: list[asyncio.AbstractServer] = []
         self._sockets: list[tuple[str, int]] = []  # unix socket files we made: (path, inode)
         self._number = 0
-        self.coordinator: Coordinator | None = None
 
     # --- start ------------------------------------------------------------------
 
@@ -127,7 +126,7 @@ class Broker:
         self.commit = (
             CrossClientCommit(loop, self.store.flush_log) if self.config.flush == "sync" else None
         )
-        self.coordinator = make_coordinator(self.store)
+        self.coordinator: Coordinator = make_coordinator(self.store)
         self.handlers = Handlers(
             self.store, self.holds, self.commit, self.coordinator, self.counters, self._stats
         )
@@ -204,8 +203,7 @@ class Broker:
 
     def _tick(self) -> None:
         try:
-            if self.coordinator is not None:
-                self.coordinator.tick()
+            self.coordinator.tick()
             if self.holds.count:
                 self.holds.poll()
             self._ticks += 1

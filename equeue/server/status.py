@@ -75,9 +75,14 @@ def render_stats(stats: dict[str, Any]) -> str:
     for name, rate in sorted(stats.get("rates", {}).items()):
         lines.append(f"{name}: {rate}")
     for group, info in sorted(stats.get("groups", {}).items()):
-        for topic, lag in sorted(info.get("topics", {}).items()):
-            queues = " ".join(f"{q}:{v['lag']}" for q, v in sorted(lag["queues"].items()))
-            lines.append(f"group {group} topic {topic}: lag {lag['lag']} ({queues})")
-    if "coordinator" in stats:
-        lines.append(f"coordinator: {stats['coordinator']}")
+        lines.append(f"group {group}: lag {info['lag']}")
+        if "generation" in info:
+            lines.append(f"  generation {info['generation']}, topics {', '.join(info['topics'])}")
+        for member, detail in sorted(info.get("members", {}).items()):
+            queues = " ".join(f"{t}/{q}" for t, q in detail["queues"]) or "-"
+            lines.append(f"  member {member}: {queues}")
+        for queue, lag in sorted(info["queues"].items()):
+            lines.append(
+                f"  {queue}: committed {lag['committed']} end {lag['end']} lag {lag['lag']}"
+            )
     return "\n".join(lines)
