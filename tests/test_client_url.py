@@ -12,7 +12,7 @@ import pytest
 
 import equeue
 from equeue.client import calls
-from equeue.client.core import RequestEncoder
+from equeue.client.core import RequestEncoder, given
 from equeue.client.url import parse_url
 from equeue.errors import (
     ConfigError,
@@ -102,8 +102,8 @@ def test_calls_are_what_the_op_table_accepts() -> None:
     assert made[4].wait == 0.001
     assert made[8].args["timestamp"] == 1714521600.0
     assert made[2].unanswered == [b"a", OutgoingMessage(b"b", tag="x"), {"body": b"c", "key": "k"}]
-    given: Any = bytearray(b"b")
-    assert made[0].unanswered == [OutgoingMessage(given, "tag", "k", {"a": "b"}, -5, 3)]
+    body: Any = bytearray(b"b")
+    assert given(made[0].unanswered) == [OutgoingMessage(body, "tag", "k", {"a": "b"}, -5, 3)]
 
 
 @pytest.mark.parametrize(
@@ -116,6 +116,8 @@ def test_calls_are_what_the_op_table_accepts() -> None:
         (lambda: loose.send("t", b"", "", None, {"a": 1}, 0, None), InvalidTypeError),
         (lambda: loose.send("t", b"", "", None, [], 0, None), InvalidTypeError),
         (lambda: loose.send("t", b"", "", None, None, True, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, None, False, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", b"", None, None, 0, None), InvalidTypeError),
         (lambda: loose.send("t", b"", "", None, None, 1 << 40, None), InvalidMessageError),
         (lambda: loose.send("t", b"", "", None, None, 0, -1), QueueNotFoundError),
         (lambda: loose.send("t", b"", "", None, None, 0, 1.0), InvalidTypeError),

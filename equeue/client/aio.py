@@ -20,12 +20,13 @@ from types import TracebackType
 from typing import Any
 
 from equeue.client import args, calls
-from equeue.client.calls import Call
+from equeue.client.calls import Call, Given
 from equeue.client.core import (
     DECODERS,
     AnswerReader,
     RequestEncoder,
     answer_error,
+    given,
     hello_frame,
     lost,
     welcome,
@@ -50,7 +51,7 @@ from equeue.protocol.ops import check_args
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 # request id -> (its future, its messages as given for a send, its deadline)
-_Entry = tuple["asyncio.Future[tuple[int, Any]]", list[Any] | None, float]
+_Entry = tuple["asyncio.Future[tuple[int, Any]]", Given, float]
 
 
 class _Protocol(asyncio.Protocol):
@@ -138,7 +139,7 @@ class _Protocol(asyncio.Protocol):
             self.welcome.set_exception(cause if refused else lost(reason, [], cause))  # type: ignore[arg-type]
         for future, unanswered, _ in self.pending.values():
             if not future.done():
-                future.set_exception(lost(reason, list(unanswered or ()), cause))
+                future.set_exception(lost(reason, given(unanswered), cause))
         self.pending.clear()
 
     def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
@@ -262,7 +263,7 @@ class AsyncClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    async def _send_call(self, call: Call) -> Any:
+    async def _call(self, call: Call, decode: bool = True) -> Any:
         protocol = self._protocol
         if protocol is None or protocol.closed:
             protocol = await self._connected()
@@ -283,10 +284,7 @@ class AsyncClient:
             places.release()
         if status != STATUS_OK:
             raise answer_error(payload, self.url)
-        return payload
-
-    async def _call(self, call: Call) -> Any:
-        return DECODERS[call.op](await self._send_call(call), self.url)
+        return DECODERS[call.op](payload, self.url) if decode else payload
 
     async def request(self, op: str, arguments: dict[str, Any]) -> Any:
         """One request as the protocol has it (docs/protocol.md): its result as msgpack
@@ -295,8 +293,8 @@ class AsyncClient:
             raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
         check_args(op, arguments, f"request to {self.url}")
         wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
-        given = [arguments] if op in ("send", "send_batch") else None
-        return await self._send_call(Call(op, arguments, given, wait))
+        messages = [arguments] if op in ("send", "send_batch") else None
+        return await self._call(Call(op, arguments, messages, wait), decode=False)
 
     # --- MessageStore's methods --------------------------------------------------
 

@@ -26,9 +26,13 @@ from equeue.protocol.frames import (
     decode_body,
 )
 from equeue.protocol.handshake import Hello, Welcome
-from equeue.protocol.records import unpack_message, unpack_messages, unpack_pull_result
-from equeue.protocol.records import unpack_send_result as _send_result
-from equeue.store.types import Message, PullResult, SendResult
+from equeue.protocol.records import (
+    unpack_message,
+    unpack_messages,
+    unpack_pull_result,
+    unpack_send_result,
+)
+from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 # A request is (op, args, what ConnectionLostError.unanswered gets for it: the message
 # as the caller gave it for a send, None for an op that stores nothing).
@@ -136,6 +140,25 @@ def answer_error(payload: object, where: str) -> EQueueError:
 
 
 # --- results: the wire's values as MessageStore returns them ---------------------------
+
+
+_SEND_RESULT_TYPES: Final = (str, str, int, int, int, float)
+
+
+def _send_result(value: Any, where: str) -> SendResult:
+    if type(value) is list and tuple(map(type, value)) == _SEND_RESULT_TYPES:
+        return SendResult._make(value)  # the common case, checked in one comparison
+    return unpack_send_result(value, where)  # the ProtocolError saying what is wrong
+
+
+def given(unanswered: tuple[Any, ...] | list[Any] | None) -> list[Any]:
+    """A request's messages as the caller gave them (a send keeps its fields as a tuple:
+    the OutgoingMessage is made only if the connection breaks)."""
+    if unanswered is None:
+        return []
+    if type(unanswered) is tuple:
+        return [OutgoingMessage._make(unanswered)]
+    return list(unanswered)
 
 
 def _none(value: object, where: str) -> None:

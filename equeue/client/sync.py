@@ -24,9 +24,16 @@ from types import TracebackType
 from typing import Any
 
 from equeue.client import args, calls
-from equeue.client.calls import Call
+from equeue.client.calls import Call, Given
 from equeue.client.connect import RECV_BYTES, connect_with_retries
-from equeue.client.core import DECODERS, AnswerReader, RequestEncoder, answer_error, lost
+from equeue.client.core import (
+    DECODERS,
+    AnswerReader,
+    RequestEncoder,
+    answer_error,
+    given,
+    lost,
+)
 from equeue.client.url import Endpoint, parse_url
 from equeue.errors import (
     ClosedError,
@@ -51,7 +58,7 @@ class _Slot:
 
     __slots__ = ("deadline", "done", "error", "op", "payload", "status", "unanswered")
 
-    def __init__(self, op: str, unanswered: list[Any] | None, deadline: float) -> None:
+    def __init__(self, op: str, unanswered: Given, deadline: float) -> None:
         self.op = op
         self.unanswered = unanswered
         self.deadline = deadline
@@ -188,7 +195,7 @@ class Client:
         with contextlib.suppress(OSError):
             conn.sock.close()
         for slot in conn.pending.values():
-            slot.error = lost(reason, list(slot.unanswered or ()), cause)
+            slot.error = lost(reason, given(slot.unanswered), cause)
             slot.done = True
         conn.pending.clear()
         self._cond.notify_all()
@@ -322,8 +329,8 @@ class Client:
             raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
         check_args(op, arguments, f"request to {self.url}")
         wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
-        given = [arguments] if op in ("send", "send_batch") else None
-        conn, (slot,) = self._submit([Call(op, arguments, given, wait)])
+        messages = [arguments] if op in ("send", "send_batch") else None
+        conn, (slot,) = self._submit([Call(op, arguments, messages, wait)])
         return self._wait(conn, slot)
 
     # --- MessageStore's methods --------------------------------------------------
