@@ -247,3 +247,26 @@ def test_group_ops_reach_the_coordinator_and_guard_pulls_and_commits(broker: Bro
         )
         >= 1
     )  # the nacked message went to a retry or delay queue
+
+
+def test_status_command_prints_the_stats(broker: BrokerThread) -> None:
+    import json
+    import subprocess
+    import sys
+
+    with raw(broker.urls[0]) as c:
+        c.call("send", topic="st", body=b"x", queue_id=0)
+        c.call("commit_offset", group="sg", topic="st", queue_id=0, offset=0)
+    command = [sys.executable, "-m", "equeue", "serve", str(broker.store.path), "--status"]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "connections: 1" in shown.stdout and "group sg: lag 1" in shown.stdout
+    as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
+    stats = json.loads(as_json.stdout)
+    assert stats["groups"]["sg"]["queues"]["st/0"] == {"committed": 0, "end": 1, "lag": 1}
+    assert stats["sends"] >= 1 and "sends_per_s" in stats["rates"]
+    missing = subprocess.run(
+        [*command[:-2], str(broker.store.path.parent / "none"), "--status"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
