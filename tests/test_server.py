@@ -270,3 +270,44 @@ def test_status_command_prints_the_stats(broker: BrokerThread) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
+
+
+READER = """
+import sys
+from equeue import MessageStore
+store = MessageStore.open(sys.argv[1], read_only=True)
+got = [m.body for m in store.pull("ro", 0, 0, 100).messages]
+print("READY", len(got), flush=True)
+offset = len(got)
+while len(got) < 10:
+    result = store.pull("ro", 0, offset, 100, wait=20.0)
+    if not result.messages:
+        break
+    got += [m.body for m in result.messages]
+    offset = result.next_offset
+print(b",".join(got).decode(), flush=True)
+"""
+
+
+def test_a_read_only_handle_in_another_process_follows_the_broker(broker: BrokerThread) -> None:
+    import subprocess
+    import sys
+
+    with raw(broker.urls[0]) as c:
+        c.call("create_topic", topic="ro", queue_count=1)
+        for n in range(5):
+            c.call("send", topic="ro", body=b"m%d" % n)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", READER, str(broker.store.path)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert reader.stdout is not None
+            assert reader.stdout.readline().split() == ["READY", "5"]
+            c.call("send_batch", topic="ro", messages=[{"body": b"m%d" % n} for n in range(5, 10)])
+            out, _ = reader.communicate(timeout=60)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
+    assert out.strip() == ",".join(f"m{n}" for n in range(10))

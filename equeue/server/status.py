@@ -17,6 +17,7 @@ def fetch_stats(
 
     token = read_token(token_file) if token_file else None
     options: dict[str, Any] = {"client_name": "equeue serve --status", "timeout": 10.0}
+    options["connect_timeout"] = 1.0  # a broker that is not running: say so soon
     if cafile:
         options["cafile"] = cafile
     with connect(listen[0] if listen else store, token=token, **options) as client:
