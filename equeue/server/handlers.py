@@ -47,12 +47,6 @@ class Coordinator(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-def make_coordinator(store: MessageStore) -> Coordinator:
-    from equeue.server.groups import GroupCoordinator
-
-    return GroupCoordinator(store)
-
-
 class Handlers:
     def __init__(
         self,
@@ -184,7 +178,8 @@ class Handlers:
             round(commit.sends_flushed / commit.flushes, 2) if commit and commit.flushes else 0.0
         )
         answer.update(self._extra_stats())
-        answer["groups"] = group_lag(self.store, self.coordinator.stats())
+        answer["groups"] = group_lag(self.store)
+        answer["coordinator"] = self.coordinator.stats()  # members, generations, assignments
         return answer
 
 
