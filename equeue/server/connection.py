@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from equeue.errors import (
     AuthenticationError,
@@ -65,8 +65,8 @@ class Connection(asyncio.Protocol):
     # --- asyncio callbacks ----------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods
+        self.transport = transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         if peer:
             self.where += (
