@@ -222,13 +222,17 @@ def test_a_store_handle_the_broker_cannot_serve_is_refused(home: Path) -> None:
     from equeue import StoreConfig
     from equeue.errors import ConfigError
 
-    with MessageStore.open(home / "s", StoreConfig(flush="sync")) as store:
-        with pytest.raises(ConfigError, match="flush='sync'"):
-            BrokerThread(store)
+    with (
+        MessageStore.open(home / "s", StoreConfig(flush="sync")) as store,
+        pytest.raises(ConfigError, match="flush='sync'"),
+    ):
+        BrokerThread(store)
     with MessageStore.open(home / "s") as store:
-        with MessageStore.open(home / "s", read_only=True) as reader:
-            with pytest.raises(ConfigError, match="read-only"):
-                BrokerThread(reader)
+        with (
+            MessageStore.open(home / "s", read_only=True) as reader,
+            pytest.raises(ConfigError, match="read-only"),
+        ):
+            BrokerThread(reader)
         with BrokerThread(store, flush="sync") as running, raw(running.urls[0]) as c:
             c.call("send", topic="t", body=b"x")
         assert store.queue_range("t", 0)[1] + store.queue_range("t", 1)[1] >= 1
