@@ -216,6 +216,8 @@ class Connection(asyncio.Protocol):
                 self._fatal(AuthenticationError(f"{self.where}: the client gave {what}"))
                 return None
         self.client = hello.client
+        if hello.client:  # logs name the client from here on
+            self.where += f" (client {hello.client!r})"
         self._queue(encode(Welcome(version, self.broker.server_name, self.broker.limits).pack()))
         return rest
 

@@ -121,8 +121,6 @@ class Handlers:
         counters.send_requests += 1
         if self.holds.count:
             self.touched.add((sent.topic, sent.queue_id))
-        if self.commit is None:
-            return pack_send_result(sent)
         return self._durable(peer, rid, pack_send_result(sent))
 
     def send_batch(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
