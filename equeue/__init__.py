@@ -126,3 +126,14 @@ def connect(url: object, *, token: str | None = None, **options: object) -> Clie
 
 
 __all__ += ["connect"]
+
+
+def serve(store: object, config: object = None, **settings: object) -> None:
+    """Run the broker on ``store`` (a path or a writable MessageStore) until SIGTERM or
+    SIGINT: equeue.server.serve, imported only when called (asyncio, ssl)."""
+    from equeue.server.serve import serve as run
+
+    run(store, config, **settings)  # type: ignore[arg-type]
+
+
+__all__ += ["serve"]
