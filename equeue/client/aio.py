@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
+import select
 import ssl
 import time
 from collections.abc import Iterable
@@ -142,6 +143,17 @@ class _Protocol(asyncio.Protocol):
                 future.set_exception(lost(reason, given(unanswered), cause))
         self.pending.clear()
 
+    def input_waiting(self) -> bool:
+        """Whether bytes (or the end) wait unread: while idle, the loop may not have run
+        since the broker stopped (a caller blocking it), and a write now would fail."""
+        if self.closed or self.transport is None:
+            return False
+        sock = self.transport.get_extra_info("socket")
+        try:
+            return sock is not None and bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
     def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
         self.pending[request_id] = entry
         self.out.append(frame)
@@ -265,6 +277,11 @@ class AsyncClient:
 
     async def _call(self, call: Call, decode: bool = True) -> Any:
         protocol = self._protocol
+        if protocol is not None and not protocol.pending:
+            for _ in range(4):  # let the loop read it: the end of a broker that went away
+                if not protocol.input_waiting():  # (reading the end takes loop turns)
+                    break
+                await asyncio.sleep(0)
         if protocol is None or protocol.closed:
             protocol = await self._connected()
         assert protocol.encoder is not None and protocol.places is not None

@@ -238,9 +238,14 @@ class Client:
 
     # --- requests ----------------------------------------------------------------
 
-    def _submit(self, batch: list[Call]) -> tuple[_Connection, list[_Slot]]:
-        """Write ``batch``'s requests in one go; their slots, in order."""
+    def _submit(
+        self, batch: list[Call], on: _Connection | None = None
+    ) -> tuple[_Connection, list[_Slot]]:
+        """Write ``batch``'s requests in one go; their slots, in order. ``on``: only on
+        that connection (ConnectionLostError, nothing written, if it broke)."""
         with self._write_lock:
+            if on is not None and (on.broken or self._conn is not on):
+                raise lost(f"the connection to {self.url} broke", [])
             conn = self._connection()
             first = self._next_id
             frames = [conn.encoder.frame(first + i, c.op, c.args) for i, c in enumerate(batch)]
