@@ -16,7 +16,7 @@ import os
 import select
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -303,6 +303,21 @@ class AsyncClient:
             raise answer_error(payload, self.url)
         return DECODERS[call.op](payload, self.url) if decode else payload
 
+    async def _made(self, make: Callable[..., Call], *arguments: Any) -> Call:
+        """``make(*arguments)``; an argument it refuses is reported after the broker
+        reports the topic or queue missing, if it is (calls.Probe: the store's order)."""
+        try:
+            return make(*arguments)
+        except calls.Probe as probe:
+            try:
+                found = await self._call(probe.call)
+            except EQueueError:
+                if probe.judge is None:
+                    raise  # the store's earlier error: the topic or queue is missing
+                raise probe.error from None
+            earlier = probe.judge(found) if probe.judge is not None else None
+            raise (earlier or probe.error) from None
+
     async def request(self, op: str, arguments: dict[str, Any]) -> Any:
         """One request as the protocol has it (docs/protocol.md): its result as msgpack
         decodes it, or its error raised; arguments held to the op table first."""
@@ -334,7 +349,9 @@ class AsyncClient:
     async def send_batch(
         self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
     ) -> list[SendResult]:
-        results: list[SendResult] = await self._call(calls.send_batch(topic, messages))
+        results: list[SendResult] = await self._call(
+            await self._made(calls.send_batch, topic, messages)
+        )
         return results
 
     async def pull(
@@ -349,7 +366,7 @@ class AsyncClient:
         max_bytes: int | None = None,
     ) -> PullResult:
         result: PullResult = await self._call(
-            calls.pull(topic, queue_id, offset, max_count, tags, wait, max_bytes)
+            await self._made(calls.pull, topic, queue_id, offset, max_count, tags, wait, max_bytes)
         )
         return result
 
@@ -358,17 +375,21 @@ class AsyncClient:
         return result
 
     async def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
-        result: list[Message] = await self._call(calls.query_by_key(topic, key, limit))
+        result: list[Message] = await self._call(
+            await self._made(calls.query_by_key, topic, key, limit)
+        )
         return result
 
     async def offset_for_time(
         self, topic: str, queue_id: int, timestamp: float | dt.datetime
     ) -> int:
-        result: int = await self._call(calls.offset_for_time(topic, queue_id, timestamp))
+        result: int = await self._call(
+            await self._made(calls.offset_for_time, topic, queue_id, timestamp)
+        )
         return result
 
     async def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
-        await self._call(calls.commit_offset(group, topic, queue_id, offset))
+        await self._call(await self._made(calls.commit_offset, group, topic, queue_id, offset))
 
     async def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
         call = calls.committed_offset(group, topic, queue_id)
@@ -389,7 +410,9 @@ class AsyncClient:
         return result
 
     async def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
-        result: tuple[int, int] = await self._call(calls.queue_range(topic, queue_id))
+        result: tuple[int, int] = await self._call(
+            await self._made(calls.queue_range, topic, queue_id)
+        )
         return result
 
     async def stats(self) -> dict[str, Any]:

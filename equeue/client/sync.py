@@ -19,7 +19,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -326,6 +326,21 @@ class Client:
         conn, (slot,) = self._submit([call])
         return DECODERS[call.op](self._wait(conn, slot), self.url)
 
+    def _made(self, make: Callable[..., Call], *arguments: Any) -> Call:
+        """``make(*arguments)``; an argument it refuses is reported after the broker
+        reports the topic or queue missing, if it is (calls.Probe: the store's order)."""
+        try:
+            return make(*arguments)
+        except calls.Probe as probe:
+            try:
+                found = self._call(probe.call)
+            except EQueueError:
+                if probe.judge is None:
+                    raise  # the store's earlier error: the topic or queue is missing
+                raise probe.error from None
+            earlier = probe.judge(found) if probe.judge is not None else None
+            raise (earlier or probe.error) from None
+
     def request(self, op: str, arguments: dict[str, Any]) -> Any:
         """One request as the protocol has it (docs/protocol.md): its result as msgpack
         decodes it, or its error raised. The arguments are held to the op table first:
@@ -360,7 +375,7 @@ class Client:
         self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
     ) -> list[SendResult]:
         """One request: the broker stores all or none (as MessageStore.send_batch)."""
-        results: list[SendResult] = self._call(calls.send_batch(topic, messages))
+        results: list[SendResult] = self._call(self._made(calls.send_batch, topic, messages))
         return results
 
     def send_many(
@@ -389,7 +404,7 @@ class Client:
         max_bytes: int | None = None,
     ) -> PullResult:
         result: PullResult = self._call(
-            calls.pull(topic, queue_id, offset, max_count, tags, wait, max_bytes)
+            self._made(calls.pull, topic, queue_id, offset, max_count, tags, wait, max_bytes)
         )
         return result
 
@@ -398,15 +413,15 @@ class Client:
         return result
 
     def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
-        result: list[Message] = self._call(calls.query_by_key(topic, key, limit))
+        result: list[Message] = self._call(self._made(calls.query_by_key, topic, key, limit))
         return result
 
     def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
-        result: int = self._call(calls.offset_for_time(topic, queue_id, timestamp))
+        result: int = self._call(self._made(calls.offset_for_time, topic, queue_id, timestamp))
         return result
 
     def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
-        self._call(calls.commit_offset(group, topic, queue_id, offset))
+        self._call(self._made(calls.commit_offset, group, topic, queue_id, offset))
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
         call = calls.committed_offset(group, topic, queue_id)
@@ -427,7 +442,7 @@ class Client:
         return result
 
     def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
-        result: tuple[int, int] = self._call(calls.queue_range(topic, queue_id))
+        result: tuple[int, int] = self._call(self._made(calls.queue_range, topic, queue_id))
         return result
 
     def stats(self) -> dict[str, Any]:
