@@ -334,3 +334,28 @@ def test_a_read_only_handle_in_another_process_sees_what_clients_sent(
     seen_by_reader = json.loads(child.stdout)
     assert seen_by_reader == seen_by_client
     assert sum(len(v) for v in seen_by_reader.values()) == 100
+
+
+_INHERITED: list[Any] = []  # the parent's client, which a forked child inherits
+
+
+def _send_in_child(n: int) -> str:
+    result: SendResult = _INHERITED[0].send("f", f"child {n}".encode())
+    return result.message_id
+
+
+def test_a_forked_child_gets_its_own_connection(broker: BrokerProcess) -> None:
+    """A client made before a fork (a gunicorn worker, a multiprocessing pool) works in
+    the child and goes on working in the parent: each has its own connection."""
+    import multiprocessing
+
+    with equeue.connect(broker.url) as client:
+        client.send("f", b"parent before")
+        _INHERITED[:] = [client]
+        try:
+            with multiprocessing.get_context("fork").Pool(2) as pool:
+                ids = pool.map(_send_in_child, range(4))
+        finally:
+            _INHERITED.clear()
+        assert client.send("f", b"parent after").topic == "f"
+        assert [client.get(i).body for i in ids] == [f"child {n}".encode() for n in range(4)]

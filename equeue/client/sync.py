@@ -19,6 +19,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
@@ -119,8 +120,24 @@ class Client:
         self._closed = False
         self._next_id = 1
         self._conn: _Connection | None = None
+        _CLIENTS.add(self)
         with self._write_lock:
             self._connection()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's connection is the parent's (its answers go to
+        whichever process reads first), so the child drops its copy of the descriptor
+        (not shutdown: that would end the parent's connection too) and connects anew.
+        The locks are new: another thread may have held them at the fork."""
+        self._write_lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._reading = False
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.broken = True
+            conn.pending.clear()
+            with contextlib.suppress(OSError):
+                conn.sock.close()
 
     # --- the connection ----------------------------------------------------------
 
@@ -480,6 +497,17 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("connected" if self._conn else "disconnected")
         return f"<equeue.Client {self.url} {state}>"
+
+
+_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    for client in list(_CLIENTS):
+        client._after_fork()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def connect(url: str | os.PathLike[str], *, token: str | None = None, **options: Any) -> Client:
