@@ -197,16 +197,46 @@ def test_pipelined_answers_keep_coming(broker: BrokerThread) -> None:
     assert sum(store.queue_range("p", q)[1] for q in store.queue_ids("p")) == count
 
 
-def test_thread_runner_stops_cleanly(home: Path) -> None:
+def test_stopping_answers_held_pulls_then_closes_and_removes_the_socket(home: Path) -> None:
     running = BrokerThread(home / "s").start()
-    url = running.urls[0]
-    c = Raw(url)
-    stopper = threading.Thread(target=running.stop)
-    stopper.start()
-    stopper.join(30)
-    assert not stopper.is_alive()
-    c.close()
+    c = Raw(running.urls[0])
+    try:
+        c.call("create_topic", topic="t", queue_count=1)
+        held = c.request("pull", topic="t", queue_id=0, offset=0, wait_ms=600_000)
+        c.call("ping")  # the pull is held by now
+        stopper = threading.Thread(target=running.stop)
+        stopper.start()
+        assert c.recv() == [held, 0, [[], 0]]  # answered with what there is
+        with pytest.raises(ConnectionError):
+            c.recv()
+        stopper.join(30)
+        assert not stopper.is_alive()
+    finally:
+        c.close()
     assert not (home / "s" / "broker.sock").exists()
+    with MessageStore.open(home / "s") as again:  # closed: the lock is free
+        assert again.topics() == ["t"]
+
+
+def test_a_store_handle_the_broker_cannot_serve_is_refused(home: Path) -> None:
+    from equeue import StoreConfig
+    from equeue.errors import ConfigError
+
+    with (
+        MessageStore.open(home / "s", StoreConfig(flush="sync")) as store,
+        pytest.raises(ConfigError, match="flush='sync'"),
+    ):
+        BrokerThread(store)
+    with MessageStore.open(home / "s") as store:
+        with (
+            MessageStore.open(home / "s", read_only=True) as reader,
+            pytest.raises(ConfigError, match="read-only"),
+        ):
+            BrokerThread(reader)
+        with BrokerThread(store, flush="sync") as running, raw(running.urls[0]) as c:
+            c.call("send", topic="t", body=b"x")
+        assert store.queue_range("t", 0)[1] + store.queue_range("t", 1)[1] >= 1
+        store.send("t", b"still mine")  # the caller's handle stays open after the broker
 
 
 def test_group_ops_reach_the_coordinator_and_guard_pulls_and_commits(broker: BrokerThread) -> None:
@@ -234,8 +264,9 @@ def test_group_ops_reach_the_coordinator_and_guard_pulls_and_commits(broker: Bro
         a.call("heartbeat", group="grp", consumer="a", generation=beat["generation"])
         assigned = b.call("heartbeat", group="grp", consumer="b")["assignment"]
         assert assigned and all(tuple(q) not in map(tuple, beat["assignment"]) for q in assigned)
-        stats = a.call("stats")["groups"]["grp"]
-        assert set(stats["members"]) == {"a", "b"} and stats["queues"]["g/0"]["committed"] == 1
+        stats = a.call("stats")
+        assert set(stats["coordinator"]["grp"]["members"]) == {"a", "b"}
+        assert stats["groups"]["grp"]["queues"]["g/0"]["committed"] == 1
         assert a.call("leave", group="grp", consumer="a") is None
         assert a.error("heartbeat", group="grp", consumer="a")["code"] == "GroupError"
     assert (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from equeue.errors import (
     AuthenticationError,
@@ -65,8 +65,8 @@ class Connection(asyncio.Protocol):
     # --- asyncio callbacks ----------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods
+        self.transport = transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         if peer:
             self.where += (
@@ -216,13 +216,21 @@ class Connection(asyncio.Protocol):
                 self._fatal(AuthenticationError(f"{self.where}: the client gave {what}"))
                 return None
         self.client = hello.client
+        if hello.client:  # logs name the client from here on
+            self.where += f" (client {hello.client!r})"
         self._queue(encode(Welcome(version, self.broker.server_name, self.broker.limits).pack()))
         return rest
 
     def _request(self, body: bytes) -> None:
         where = self.where
         request_id, op, args = check_request(decode_body(body, where), where)
-        check_args(op, args, where)
+        if not (  # the commonest request, a plain send, needs no look at the op table
+            op == "send"
+            and len(args) == 2
+            and type(args.get("topic")) is str
+            and type(args.get("body")) is bytes
+        ):
+            check_args(op, args, where)
         broker = self.broker
         broker.counters.requests += 1
         if self.in_flight >= broker.config.max_in_flight:
@@ -266,6 +274,19 @@ class Connection(asyncio.Protocol):
         self._answer(request_id, STATUS_ERROR, pack_error(exc))
 
     def _answer(self, request_id: int, status: int, payload: Any) -> None:
+        packer = self.broker.packer
+        try:
+            body = packer.pack([request_id, status, payload])
+            frame = FRAME_HEADER.pack(len(body)) + body
+        except Exception:
+            packer.reset()  # what a failed pack left in it
+            frame = b""
+        if not frame:
+            self._answer_encoded(request_id, status, payload)
+        else:
+            self._queue(frame)
+
+    def _answer_encoded(self, request_id: int, status: int, payload: Any) -> None:
         try:
             frame = encode([request_id, status, payload])
         except ProtocolError as exc:  # a result msgpack cannot carry: a defect

@@ -56,11 +56,10 @@ class Counters:
         }
 
 
-def group_lag(store: MessageStore, members: dict[str, Any]) -> dict[str, Any]:
-    """Per consumer group: its lag (messages past its committed offsets) in total and per
-    queue (``"topic/queue_id"``: committed, end, lag), and from the coordinator
-    (``members``, as GroupCoordinator.stats gives it) its generation, topics, members
-    and assignment. Groups that only commit (embedded consumers) have lag alone."""
+def group_lag(store: MessageStore) -> dict[str, Any]:
+    """Per consumer group that committed offsets (through the broker or an embedded
+    consumer): its lag (messages past its committed offsets) in total and per queue
+    (``"topic/queue_id"``: committed, end, lag)."""
     groups: dict[str, Any] = {}
     for group, topics in store.consumer_groups().items():
         total = 0
@@ -75,7 +74,4 @@ def group_lag(store: MessageStore, members: dict[str, Any]) -> dict[str, Any]:
                 total += lag
                 per_queue[f"{topic}/{queue_id}"] = {"committed": committed, "end": end, "lag": lag}
         groups[group] = {"lag": total, "queues": per_queue}
-    for group, info in members.items():
-        entry = groups.setdefault(group, {"lag": sum(info.get("lag", {}).values()), "queues": {}})
-        entry.update({k: v for k, v in info.items() if k != "lag"})
     return groups

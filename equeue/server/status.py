@@ -31,13 +31,15 @@ def render_stats(stats: dict[str, Any]) -> str:
     lines = [f"{key}: {stats[key]}" for key in sorted(stats) if not isinstance(stats[key], dict)]
     for name, rate in sorted(stats.get("rates", {}).items()):
         lines.append(f"{name}: {rate}")
+    members = stats.get("coordinator", {})
     for group, info in sorted(stats.get("groups", {}).items()):
         lines.append(f"group {group}: lag {info['lag']}")
-        if "generation" in info:
-            lines.append(f"  generation {info['generation']}, topics {', '.join(info['topics'])}")
-        for member, detail in sorted(info.get("members", {}).items()):
-            queues = " ".join(f"{t}/{q}" for t, q in detail["queues"]) or "-"
-            lines.append(f"  member {member}: {queues}")
+        live = members.get(group)
+        if live:
+            lines.append(f"  generation {live['generation']}, topics {', '.join(live['topics'])}")
+            for member, detail in sorted(live["members"].items()):
+                queues = " ".join(f"{t}/{q}" for t, q in detail["queues"]) or "-"
+                lines.append(f"  member {member}: {queues}")
         for queue, lag in sorted(info["queues"].items()):
             lines.append(
                 f"  {queue}: committed {lag['committed']} end {lag['end']} lag {lag['lag']}"
