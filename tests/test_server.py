@@ -83,6 +83,7 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         stats = call("stats")
         assert isinstance(stats, dict)
         assert stats["connections"] == 1 and stats["sends"] == 3
+        assert [x["client"] for x in stats["clients"]] == ["test"]
         assert stats["groups"]["g"]["queues"]["t/1"] == {
             "committed": 2, "end": 3, "lag": 1,
         }  # fmt: skip

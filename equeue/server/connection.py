@@ -48,6 +48,7 @@ log = logging.getLogger("equeue.server")
 class Connection(asyncio.Protocol):
     def __init__(self, broker: Broker, listener: str, number: int) -> None:
         self.broker = broker
+        self.number = number
         self.where = f"connection #{number} on {listener}"
         self.transport: asyncio.Transport | None = None
         self.client = ""
