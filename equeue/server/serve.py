@@ -243,7 +243,7 @@ class Broker:
                     "buffered_bytes": c.buffered,
                 }
                 for c in sorted(self.connections, key=lambda c: c.number)[:MAX_LISTED]
-            ],  # fmt: skip
+            ],
         }
 
     # --- run and stop ---------------------------------------------------------------
