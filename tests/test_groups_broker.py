@@ -278,3 +278,28 @@ def test_member_joins_again_after_a_broker_restart() -> None:
         shutil.rmtree(directory, ignore_errors=True)
     bodies = {m.body for m in got}
     assert bodies == {b"%s%d" % (p, i) for p in (b"a", b"b") for i in range(10)}
+
+
+def test_a_member_whose_caller_stalls_gives_its_queues_up(
+    broker: tuple[BrokerThread, str],
+) -> None:
+    """Heartbeats stop once the caller has not asked for a message for max_poll_interval:
+    its queues go to the others after the session timeout; when it comes back it joins
+    again."""
+    _, url = broker
+    with equeue.connect(url) as client:
+        stuck = GroupConsumer(
+            client, "g", TOPIC, session_timeout=0.5, max_poll_interval=0.3, consumer_id="a"
+        )
+        other = GroupConsumer(client, "g", TOPIC, session_timeout=5.0, consumer_id="b")
+        try:
+            deadline = time.monotonic() + 20
+            while len(other.assignment()) < 5:  # a's caller never comes back
+                assert time.monotonic() < deadline, other.assignment()
+                other.poll(0.05)
+            assert client.stats()["coordinator"]["g"]["members"].keys() == {"b"}
+            assert stuck.poll(0.5) is None  # back: it joins again (and gets a share)
+            assert "a" in client.stats()["coordinator"]["g"]["members"]
+        finally:
+            stuck.close()
+            other.close()

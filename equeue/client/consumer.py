@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
+    DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_SESSION_TIMEOUT,
     POLL_WAIT_MS,
     GroupState,
@@ -76,12 +77,14 @@ class GroupConsumer:
         max_retries: int | None = None,
         timeout: float | None = None,
         consumer_id: str | None = None,
+        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
     ) -> None:
         self.client = client
         self.state = GroupState(
             client.url, group, topics, tags=tags, batch_size=batch_size,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
-            session_timeout=session_timeout, max_retries=max_retries, consumer_id=consumer_id,
+            session_timeout=session_timeout, max_poll_interval=max_poll_interval,
+            max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
         self._inflight: dict[Queue, tuple[Future[Any], int, int]] = {}
@@ -120,6 +123,7 @@ class GroupConsumer:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
         state = self.state
         self._check_open()
+        state.last_poll = time.monotonic()
         state.done_with_pending()
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
@@ -232,6 +236,7 @@ class GroupConsumer:
         deadline = None if timeout is None else start + timeout
         while True:
             self._event.clear()
+            state.last_poll = time.monotonic()  # waiting for messages is not stalling
             try:
                 self._maintain()
                 self._harvest()
@@ -323,7 +328,7 @@ class GroupConsumer:
             self._beat_now.clear()
             if self._stop.is_set():
                 return
-            if state.lost:
+            if state.lost or state.stalled():
                 continue
             try:
                 answer = self.client.request("heartbeat", state.heartbeat_args())

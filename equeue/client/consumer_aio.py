@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from equeue.client.consumer import IDLE_COMMIT_SECONDS, MAX_POLLERS, _delay_ms
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
+    DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_SESSION_TIMEOUT,
     POLL_WAIT_MS,
     GroupState,
@@ -57,12 +58,14 @@ class AsyncGroupConsumer:
         max_retries: int | None = None,
         timeout: float | None = None,
         consumer_id: str | None = None,
+        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
     ) -> None:
         self.client = client
         self.state = GroupState(
             client.url, group, topics, tags=tags, batch_size=batch_size,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
-            session_timeout=session_timeout, max_retries=max_retries, consumer_id=consumer_id,
+            session_timeout=session_timeout, max_poll_interval=max_poll_interval,
+            max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
         self._inflight: dict[Queue, tuple[asyncio.Task[Any], int, int]] = {}
@@ -105,6 +108,7 @@ class AsyncGroupConsumer:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
         await self.start()
         state = self.state
+        state.last_poll = time.monotonic()
         state.done_with_pending()
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
@@ -220,6 +224,7 @@ class AsyncGroupConsumer:
         deadline = None if timeout is None else start + timeout
         while True:
             self._event.clear()
+            state.last_poll = time.monotonic()  # waiting for messages is not stalling
             try:
                 await self._maintain()
                 self._harvest()
@@ -319,7 +324,7 @@ class AsyncGroupConsumer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(beat_now.wait(), state.interval())
             beat_now.clear()
-            if state.closed or state.lost:
+            if state.closed or state.lost or state.stalled():
                 continue
             try:
                 answer = await self.client.request("heartbeat", state.heartbeat_args())

@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, Final
@@ -30,6 +31,10 @@ from equeue.store.types import Message
 Queue = tuple[str, int]
 DEFAULT_SESSION_TIMEOUT: Final = 10.0
 DEFAULT_AUTO_COMMIT_INTERVAL: Final = 1.0
+# Kafka's max.poll.interval.ms: a member whose caller has not asked for a message for this
+# long stops heartbeating, so the queues it holds go to the others after its session
+# timeout (a handler stuck for good would hold them, revoked ones too, forever).
+DEFAULT_MAX_POLL_INTERVAL: Final = 300.0
 # A long-poll pull is held this long at most: then the loop looks at its assignment.
 POLL_WAIT_MS: Final = 1000
 
@@ -46,6 +51,7 @@ class GroupState:
         auto_commit: bool,
         auto_commit_interval: float,
         session_timeout: float,
+        max_poll_interval: float,
         max_retries: int | None,
         consumer_id: str | None,
     ) -> None:
@@ -66,6 +72,8 @@ class GroupState:
         self.auto_commit = auto_commit
         self.auto_commit_interval = _seconds(auto_commit_interval, "auto_commit_interval")
         self.session_timeout_ms = int(_seconds(session_timeout, "session_timeout") * 1000)
+        self.max_poll_interval = _seconds(max_poll_interval, "max_poll_interval")
+        self.last_poll = time.monotonic()  # when the caller last asked for a message
         if max_retries is not None and (
             not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
         ):
@@ -108,6 +116,10 @@ class GroupState:
         if self.applied is not None:
             args["generation"] = self.applied
         return args
+
+    def stalled(self) -> bool:
+        """The caller has not asked for a message for max_poll_interval: no heartbeat."""
+        return time.monotonic() - self.last_poll > self.max_poll_interval
 
     def take(self, answer: object) -> bool:
         """Keep an assignment answered by join or heartbeat; True if it is news."""
