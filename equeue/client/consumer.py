@@ -45,6 +45,7 @@ from equeue.errors import (
     EQueueError,
     GroupError,
     InvalidMessageError,
+    ProtocolError,
 )
 from equeue.store.types import Message
 
@@ -258,6 +259,8 @@ class GroupConsumer:
     def _maintain(self) -> None:
         """Join again if the membership was lost; apply the latest assignment."""
         state = self.state
+        if state.failure is not None:
+            raise state.failure
         if state.lost:
             self._join()
         plan = state.plan()
@@ -273,10 +276,8 @@ class GroupConsumer:
             committed = self.client.request(
                 "committed_offset", {"group": state.group, "topic": topic, "queue_id": queue_id}
             )
-            first, following = self.client.request(
-                "queue_range", {"topic": topic, "queue_id": queue_id}
-            )
-            state.add(key, committed, first, following)
+            queue_range = self.client.request("queue_range", {"topic": topic, "queue_id": queue_id})
+            state.add(key, committed, queue_range)
         state.applied = generation
         self._beat_now.set()  # release the dropped queues now, not a heartbeat later
 
@@ -331,16 +332,18 @@ class GroupConsumer:
             if state.lost or state.stalled():
                 continue
             try:
-                answer = self.client.request("heartbeat", state.heartbeat_args())
+                if state.take(self.client.request("heartbeat", state.heartbeat_args())):
+                    self._event.set()
             except GroupError as exc:
                 log.warning("consumer %s: %s", state.consumer, exc)
                 state.lost = True
                 self._event.set()
+            except ProtocolError as exc:  # the broker answered nonsense: the loop raises it
+                state.failure = exc
+                self._event.set()
+                return
             except EQueueError as exc:  # the connection: the client reconnects next time
                 log.info("consumer %s: heartbeat failed: %s", state.consumer, exc)
-            else:
-                if state.take(answer):
-                    self._event.set()
 
 
 def _delay_ms(delay: float) -> int:

@@ -28,7 +28,13 @@ from equeue.client.groupstate import (
     GroupState,
     Queue,
 )
-from equeue.errors import ClosedError, ConnectionLostError, EQueueError, GroupError
+from equeue.errors import (
+    ClosedError,
+    ConnectionLostError,
+    EQueueError,
+    GroupError,
+    ProtocolError,
+)
 from equeue.store.types import Message
 
 log = logging.getLogger("equeue.client.consumer")
@@ -247,6 +253,8 @@ class AsyncGroupConsumer:
 
     async def _maintain(self) -> None:
         state = self.state
+        if state.failure is not None:
+            raise state.failure
         if state.lost:
             await self._join()
         plan = state.plan()
@@ -262,10 +270,10 @@ class AsyncGroupConsumer:
             committed = await self.client.request(
                 "committed_offset", {"group": state.group, "topic": topic, "queue_id": queue_id}
             )
-            first, following = await self.client.request(
+            queue_range = await self.client.request(
                 "queue_range", {"topic": topic, "queue_id": queue_id}
             )
-            state.add(key, committed, first, following)
+            state.add(key, committed, queue_range)
         state.applied = generation
         if self._beat_now is not None:
             self._beat_now.set()
@@ -327,13 +335,15 @@ class AsyncGroupConsumer:
             if state.closed or state.lost or state.stalled():
                 continue
             try:
-                answer = await self.client.request("heartbeat", state.heartbeat_args())
+                if state.take(await self.client.request("heartbeat", state.heartbeat_args())):
+                    event.set()
             except GroupError as exc:
                 log.warning("consumer %s: %s", state.consumer, exc)
                 state.lost = True
                 event.set()
+            except ProtocolError as exc:  # the broker answered nonsense: the loop raises it
+                state.failure = exc
+                event.set()
+                return
             except EQueueError as exc:
                 log.info("consumer %s: heartbeat failed: %s", state.consumer, exc)
-            else:
-                if state.take(answer):
-                    event.set()

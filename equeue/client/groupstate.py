@@ -87,6 +87,7 @@ class GroupState:
         self.lock = threading.Lock()  # the answer, between the heartbeat thread and the loop
         self.answer: dict[str, Any] | None = None
         self.lost = True  # not a member (yet, or any more): join first
+        self.failure: ProtocolError | None = None  # the heartbeat's, raised by the loop
         self.epoch = 0  # memberships so far: a pull sent in an earlier one is ignored
         self.applied: int | None = None
         self.positions: dict[Queue, int] = {}
@@ -149,9 +150,14 @@ class GroupState:
             return None
         wanted: set[Queue] = set()
         for item in answer["assignment"]:
-            if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+            if (
+                type(item) is not list
+                or len(item) != 2
+                or type(item[0]) is not str
+                or type(item[1]) is not int
+            ):
                 raise ProtocolError(f"{self.where}: an assignment lists [topic, queue_id]")
-            wanted.add((item[0], int(item[1])))
+            wanted.add((item[0], item[1]))
         generation: int = answer["generation"]
         held = set(self.positions)
         if generation == self.applied and wanted == held:
@@ -178,7 +184,18 @@ class GroupState:
             self.buffer = deque(item for item in self.buffer if item[1] not in gone)
             self.pending = [item for item in self.pending if item[0] not in gone]
 
-    def add(self, key: Queue, committed: int | None, first: int, following: int) -> None:
+    def add(self, key: Queue, committed: object, queue_range: object) -> None:
+        """Start ``key`` at the group's committed offset (the broker's answers to
+        committed_offset and queue_range), else at its first offset."""
+        if committed is not None and type(committed) is not int:
+            raise ProtocolError(f"{self.where}: a committed offset must be a uint or nil")
+        if (
+            type(queue_range) is not list
+            or len(queue_range) != 2
+            or not all(type(v) is int for v in queue_range)
+        ):
+            raise ProtocolError(f"{self.where}: a queue range must be [first, next]")
+        first, following = queue_range
         at = first if committed is None else min(max(committed, first), following)
         self.positions[key] = self.processed[key] = at
         if committed is not None:
