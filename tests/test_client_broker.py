@@ -305,6 +305,27 @@ def test_a_window_over_the_brokers_in_flight_limit_is_cut_to_it(base: Path) -> N
         results = client.send_many("s", [b"x"] * 500, window=1000)  # no LimitExceeded
         assert len({r.message_id for r in results}) == 500
 
+        client.create_topic("h", 1)
+
+        async def held_pulls() -> list[Any]:
+            """20 long-poll pulls on 8 places: 8 are held by the broker, the others wait
+            for a place (the broker would refuse them with LimitExceededError), 5 of
+            them are cancelled while they wait; one send (another client) answers all."""
+            async with await equeue.aio.connect(small.url) as aio:
+                pulls = [asyncio.ensure_future(aio.pull("h", 0, 0, wait=30)) for _ in range(20)]
+                await asyncio.sleep(0.2)
+                assert not any(task.done() for task in pulls)
+                for task in pulls[10:15]:
+                    task.cancel()
+                client.send("h", b"for all")
+                return await asyncio.wait_for(asyncio.gather(*pulls, return_exceptions=True), 60)
+
+        done = asyncio.run(held_pulls())
+        assert [type(r) for r in done[10:15]] == [asyncio.CancelledError] * 5
+        kept = done[:10] + done[15:]
+        assert all(isinstance(r, PullResult) for r in kept), kept
+        assert {m.body for r in kept for m in r} == {b"for all"}
+
 
 READ_ONLY_CHILD = """
 import json, sys
