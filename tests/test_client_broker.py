@@ -382,3 +382,28 @@ def test_a_forked_child_gets_its_own_connection(broker: BrokerProcess) -> None:
             _INHERITED.clear()
         assert client.send("f", b"parent after").topic == "f"
         assert [client.get(i).body for i in ids] == [f"child {n}".encode() for n in range(4)]
+
+
+def test_a_connection_on_a_descriptor_past_1023(broker: BrokerProcess) -> None:
+    """A busy process has descriptors past select()'s 1023: the clients poll instead."""
+    import os
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"RLIMIT_NOFILE is {soft}")
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with equeue.connect(broker.url) as client:
+            assert client.send("d", b"x").topic == "d"
+            assert client.pull("d", 0, 5, wait=0.05).messages == []  # waits, then empty
+
+            async def with_aio() -> str:
+                async with await equeue.aio.connect(broker.url) as aio:
+                    await aio.ping()
+                    return (await aio.send("d", b"y")).topic
+
+            assert asyncio.run(with_aio()) == "d"
+    finally:
+        for fd in fillers:
+            os.close(fd)

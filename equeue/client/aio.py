@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
-import select
 import ssl
 import time
 from collections import deque
@@ -31,6 +30,7 @@ from equeue.client.core import (
     given,
     hello_frame,
     lost,
+    readable,
     welcome,
 )
 from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
@@ -183,7 +183,7 @@ class _Protocol(asyncio.Protocol):
             return False
         sock = self.transport.get_extra_info("socket")
         try:
-            return sock is not None and bool(select.select([sock], [], [], 0)[0])
+            return sock is not None and readable(sock, 0)
         except (OSError, ValueError):
             return True
 
