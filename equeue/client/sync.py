@@ -277,8 +277,10 @@ class Client:
             try:
                 with conn.io_lock:
                     conn.sock.sendall(data)
-            except OSError as exc:
-                self._break(conn, f"the connection to {self.url} broke while sending: {exc}", exc)
+            except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
+                self._break(conn, f"the connection to {self.url} broke while sending: {exc!r}", exc)
+                if not isinstance(exc, OSError):
+                    raise
         return conn, slots
 
     def _wait(self, conn: _Connection, slot: _Slot) -> Any:
