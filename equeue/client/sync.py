@@ -70,7 +70,9 @@ class _Slot:
 
 
 class _Connection:
-    __slots__ = ("broken", "encoder", "io_lock", "pending", "reader", "sock", "welcome")
+    __slots__ = (
+        "broken", "encoder", "inbuf", "io_lock", "pending", "reader", "sock", "welcome",
+    )  # fmt: skip
 
     def __init__(self, sock: socket.socket, welcome: Welcome, reader: AnswerReader) -> None:
         self.sock = sock
@@ -79,6 +81,7 @@ class _Connection:
         self.encoder = RequestEncoder(welcome.limits["max_frame_bytes"], reader.where)
         self.pending: dict[int, _Slot] = {}
         self.broken = False
+        self.inbuf = memoryview(bytearray(RECV_BYTES))  # read into, by the reader only
         # One SSL object must not read and write in two threads at once.
         tls = isinstance(sock, ssl.SSLSocket)
         self.io_lock: Any = threading.Lock() if tls else contextlib.nullcontext()
@@ -180,7 +183,7 @@ class Client:
         try:
             sock.settimeout(0)  # no request is in flight and no other thread writes now
             try:
-                data = sock.recv(RECV_BYTES)
+                data = conn.inbuf[: sock.recv_into(conn.inbuf)]
             except (BlockingIOError, ssl.SSLWantReadError):  # e.g. a TLS session ticket
                 return False
             except OSError as exc:
@@ -217,7 +220,7 @@ class Client:
         conn.pending.clear()
         self._cond.notify_all()
 
-    def _received(self, conn: _Connection, data: bytes) -> None:
+    def _received(self, conn: _Connection, data: memoryview) -> None:
         """Hand the answers in ``data`` to their slots (EOF and garbage break ``conn``)."""
         if not data:
             self._break(conn, f"the broker at {self.url} closed the connection", None)
@@ -328,7 +331,7 @@ class Client:
                         self._expire(conn, slot)
                 return
             with conn.io_lock:
-                data = sock.recv(RECV_BYTES)
+                data = conn.inbuf[: sock.recv_into(conn.inbuf)]
         except (OSError, ValueError) as exc:  # ValueError: a closed socket
             self._break(conn, f"the connection to {self.url} broke: {exc}", exc)
             return
