@@ -16,6 +16,7 @@ import datetime as dt
 import os
 import socket
 import ssl
+import struct
 import threading
 import time
 import weakref
@@ -85,6 +86,18 @@ class _Connection:
         # One SSL object must not read and write in two threads at once.
         tls = isinstance(sock, ssl.SSLSocket)
         self.io_lock: Any = threading.Lock() if tls else contextlib.nullcontext()
+
+
+def kernel_timeouts(sock: socket.socket, timeout: float) -> None:
+    """Blocking mode with the kernel's send and receive timeouts: Python's own timeout
+    mode polls before every send and receive (two syscalls more per request); reads are
+    polled by the client first anyway. A send or receive blocked past ``timeout`` fails
+    with an OSError (EAGAIN), which closes the connection."""
+    sock.settimeout(None)
+    seconds = int(timeout)
+    value = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
 
 
 def check_timeout(name: str, value: object) -> float:
@@ -161,7 +174,7 @@ class Client:
             sock, welcome, reader = connect_with_retries(
                 self.endpoint, self._token, self._name, self.connect_timeout
             )
-            sock.settimeout(self.timeout)
+            kernel_timeouts(sock, self.timeout)
             conn = self._conn = _Connection(sock, welcome, reader)
         return conn
 
@@ -181,7 +194,7 @@ class Client:
                 return False
             self._reading = True
         try:
-            sock.settimeout(0)  # no request is in flight and no other thread writes now
+            sock.setblocking(False)  # no request is in flight and no other thread writes now
             try:
                 data = conn.inbuf[: sock.recv_into(conn.inbuf)]
             except (BlockingIOError, ssl.SSLWantReadError):  # e.g. a TLS session ticket
@@ -191,7 +204,7 @@ class Client:
                 return True
             finally:
                 if not conn.broken:
-                    sock.settimeout(self.timeout)
+                    sock.setblocking(True)  # (the kernel's timeouts stay)
             self._received(conn, data)
             return True
         finally:
