@@ -4,6 +4,7 @@ non-holder, nack/retry/dead letter, close and leave."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import threading
 import time
@@ -14,8 +15,11 @@ import pytest
 from server_helpers import short_dir
 
 import equeue
+import equeue.aio
 from equeue import MessageStore
 from equeue.client.consumer import GroupConsumer
+from equeue.client.consumer_aio import AsyncGroupConsumer
+from equeue.client.groupstate import Queue
 from equeue.errors import GroupError
 from equeue.protocol.retries import ATTEMPT, ORIGIN_ID, dead_letter_topic
 from equeue.server import BrokerThread
@@ -167,3 +171,48 @@ def test_bad_arguments_are_refused_before_joining(
         with pytest.raises(equeue.errors.InvalidTypeError):
             GroupConsumer(client, "g", TOPIC, batch_size=0.5)  # type: ignore[arg-type]
         assert client.stats()["coordinator"] == {}
+
+
+def test_asyncio_members_split_the_queues_and_retry(broker: tuple[BrokerThread, str]) -> None:
+    thread, url = broker
+    thread.broker.coordinator.retries.delays = (0.2,)  # type: ignore[union-attr]
+
+    async def scenario() -> tuple[list[equeue.Message], list[equeue.Message], list[Queue]]:
+        client = await equeue.aio.connect(url)
+        try:
+            await client.send_batch(TOPIC, [b"%d" % i for i in range(30)])
+            a = AsyncGroupConsumer(client, "g", TOPIC, session_timeout=1.0, consumer_id="a")
+            b = AsyncGroupConsumer(client, "g", [TOPIC], session_timeout=1.0, consumer_id="b")
+            got_a: list[equeue.Message] = []
+            got_b: list[equeue.Message] = []
+            nacked = False
+
+            def take_a(message: equeue.Message) -> None:
+                nonlocal nacked
+                got_a.append(message)
+                if not nacked and message.body == b"7":
+                    nacked = True
+                    raise RuntimeError("retry me")
+
+            async def take_b(message: equeue.Message) -> None:  # a coroutine handler
+                nonlocal nacked
+                got_b.append(message)
+                if not nacked and message.body == b"7":
+                    nacked = True
+                    raise RuntimeError("retry me")
+
+            async with a, b:
+                deadline = time.monotonic() + 20
+                while len(got_a) + len(got_b) < 31 and time.monotonic() < deadline:
+                    await asyncio.gather(a.run(take_a, timeout=0.2), b.run(take_b, timeout=0.2))
+                assigned = b.assignment()
+            return got_a, got_b, assigned
+        finally:
+            await client.close()
+
+    got_a, got_b, assigned = asyncio.run(scenario())
+    assert assigned == [(TOPIC, 2), (TOPIC, 3)]
+    bodies = sorted(m.body for m in got_a + got_b)
+    assert bodies == sorted([b"%d" % i for i in range(30)] + [b"7"])  # 7 once more
+    retried = [m for m in got_a + got_b if m.properties.get(ATTEMPT) == "1"]
+    assert [(m.body, m.topic) for m in retried] == [(b"7", TOPIC)]
