@@ -121,6 +121,7 @@ def test_the_command_line_limits_reach_the_welcome(home: Path) -> None:
         with raw(url) as c:
             assert c.welcome["limits"] == {
                 "max_in_flight": 7, "max_connections": 3, "max_frame_bytes": 100000,
+                "max_batch_messages": 65536, "max_pull_count": 65536,
             }  # fmt: skip
         broker.send_signal(signal.SIGINT)  # as SIGTERM
         assert broker.wait(60) == 0

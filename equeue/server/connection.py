@@ -37,12 +37,14 @@ from equeue.protocol.frames import (
 )
 from equeue.protocol.handshake import Hello, Welcome, choose_version
 from equeue.protocol.ops import check_args
-from equeue.server.handlers import DEFERRED
+from equeue.server.handlers import DEFERRED, Packed
 
 if TYPE_CHECKING:
     from equeue.server.serve import Broker
 
 log = logging.getLogger("equeue.server")
+
+MIN_DECODE_ITEMS = 65536
 
 
 class Connection(asyncio.Protocol):
@@ -63,6 +65,16 @@ class Connection(asyncio.Protocol):
         self._backlog: list[bytes] = []  # frames read but not yet served (backpressure)
         self._out_bytes = 0
         self._ended = False  # the client half-closed: close once every answer is out
+        self._partial = 0  # bytes of a frame begun, counted in broker.partial_bytes
+        self._hello_timer: asyncio.TimerHandle | None = None
+        config = broker.config
+        # Room for a send_batch past its limit to be answered LimitExceededError (the
+        # connection stays), and for a properties map the store would take.
+        self._max_items = max(2 * config.max_batch_messages, MIN_DECODE_ITEMS)
+        self._items_setting = (
+            f"{self._max_items} items (twice max_batch_messages={config.max_batch_messages}, "
+            f"at least {MIN_DECODE_ITEMS})"
+        )
 
     # --- asyncio callbacks ----------------------------------------------------
 
@@ -77,6 +89,9 @@ class Connection(asyncio.Protocol):
         broker = self.broker
         broker.connections.add(self)
         transport.set_write_buffer_limits(high=broker.config.write_buffer_high)
+        self._hello_timer = broker.loop.call_later(
+            broker.config.hello_timeout_ms / 1000, self._hello_expired
+        )
         limit = broker.config.max_connections
         if broker.draining:
             self._fatal(LimitExceededError(f"{self.where}: the broker is shutting down"))
@@ -92,6 +107,21 @@ class Connection(asyncio.Protocol):
         self.closed = True
         self.broker.connections.discard(self)
         self.broker.holds.drop(self)
+        self.broker.partial_bytes -= self._partial
+        self._partial = 0
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+
+    def _hello_expired(self) -> None:
+        self._hello_timer = None
+        if self._hello is not None and not self.closed:
+            limit = self.broker.config.hello_timeout_ms
+            self._fatal(
+                ProtocolError(
+                    f"{self.where}: no hello within {limit} ms of connecting "
+                    f"(hello_timeout_ms={limit}; equeue serve --hello-timeout-ms)"
+                )
+            )
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -131,16 +161,31 @@ class Connection(asyncio.Protocol):
                     return
                 data = rest
             bodies = self._reader.feed(data)
+            self._count_partial()
             if self._backlog:  # reading was paused with frames left: they go first
                 self._backlog.extend(bodies)
                 bodies = self._backlog
             self._serve(bodies)
-        except ProtocolError as exc:  # FrameTooLargeError too
+        except (ProtocolError, LimitExceededError) as exc:  # FrameTooLargeError too
             self._fatal(exc)
         finally:
             self._batching = False
             self._write_out()
             broker.after_batch()
+
+    def _count_partial(self) -> None:
+        """The bytes of the frame begun, against the broker-wide max_partial_frame_bytes."""
+        broker = self.broker
+        pending = self._reader.pending
+        broker.partial_bytes += pending - self._partial
+        self._partial = pending
+        cap = broker.config.max_partial_frame_bytes
+        if pending and broker.partial_bytes > cap:
+            raise LimitExceededError(
+                f"{self.where}: {broker.partial_bytes} bytes of frames begun are buffered over "
+                f"every connection, {pending} of them this one's (max_partial_frame_bytes={cap}; "
+                "equeue serve --max-partial-frame-bytes); closing this connection"
+            )
 
     def _serve(self, bodies: list[bytes]) -> None:
         """Answer ``bodies`` in order until the client's unread answers pass the high-water
@@ -212,6 +257,9 @@ class Connection(asyncio.Protocol):
         )
         rest = bytes(buffer[end:])
         self._hello = None
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
         version = choose_version(hello.versions)
         if version is None:
             raise ProtocolError(
@@ -233,7 +281,9 @@ class Connection(asyncio.Protocol):
 
     def _request(self, body: bytes) -> None:
         where = self.where
-        request_id, op, args = check_request(decode_body(body, where), where)
+        request_id, op, args = check_request(
+            decode_body(body, where, self._max_items, self._items_setting), where
+        )
         if not (  # the commonest request, a plain send, needs no look at the op table
             op == "send"
             and len(args) == 2
@@ -287,6 +337,10 @@ class Connection(asyncio.Protocol):
 
     def _answer(self, request_id: int, status: int, payload: Any) -> None:
         packer = self.broker.packer
+        if type(payload) is Packed:  # [request_id, status, result] around the packed result
+            body = b"\x93" + packer.pack(request_id) + packer.pack(status) + payload.data
+            self._queue(FRAME_HEADER.pack(len(body)) + body)
+            return
         try:
             body = packer.pack([request_id, status, payload])
             frame = FRAME_HEADER.pack(len(body)) + body
