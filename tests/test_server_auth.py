@@ -168,8 +168,8 @@ def test_the_token_file_is_checked_as_opened(home: Path, monkeypatch: pytest.Mon
     exposed.write_text("stolen\n")
     exposed.chmod(0o644)
     outcome: object = None
-    with monkeypatch.context() as patch:  # (os is every module's: undone before asserting)
-        patch.setattr(server_config.os, "lstat", lambda path, **kw: safe)
+    with monkeypatch.context() as patch:  # os is every module's: undone before asserting
+        patch.setattr(os, "lstat", lambda path, **kw: safe)
         try:
             outcome = server_config.read_token(str(exposed))
         except ConfigError as exc:
