@@ -237,3 +237,21 @@ def test_partial_frames_are_bounded_across_connections(home: Path) -> None:
             first.send_raw(b"\x00" * (MiB // 2))  # the first one's frame completes: nil...
             assert first.closed_with()["code"] == "ProtocolError"  # ...is not a request
             assert good.call("stats")["buffered_bytes"] < MiB
+
+
+def test_a_held_pull_wakes_for_appends_the_broker_did_not_make(home: Path) -> None:
+    """A message appended past the broker's handlers (as the retry mover appends) with the
+    held pull's tag, followed by a broker send of another tag: the pull is answered."""
+    with BrokerThread(home / "s") as running, raw(running.urls[0]) as idle:
+        idle.call("create_topic", topic="t", queue_count=1)
+        rid = idle.request("pull", topic="t", queue_id=0, offset=0, tags="want", wait_ms=60_000)
+        with raw(running.urls[0]) as producer:
+            for _ in range(100):
+                if producer.call("stats")["held_pulls"] == 1:
+                    break
+            running.store.send("t", b"moved", tag="want", queue_id=0)
+            producer.call("send", topic="t", body=b"other", tag="other")
+            answers = idle.answers(1)
+        status, (messages, next_offset) = answers[rid]
+        assert status == 0 and [m[9] for m in messages] == [b"moved"]
+        assert next_offset in (1, 2)  # 2: woken after the other send, which it passed over
