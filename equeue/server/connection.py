@@ -338,8 +338,9 @@ class Connection(asyncio.Protocol):
     def _answer(self, request_id: int, status: int, payload: Any) -> None:
         packer = self.broker.packer
         if type(payload) is Packed:  # [request_id, status, result] around the packed result
-            body = b"\x93" + packer.pack(request_id) + packer.pack(status) + payload.data
-            self._queue(FRAME_HEADER.pack(len(body)) + body)
+            head = b"\x93" + packer.pack(request_id) + packer.pack(status)
+            size = len(head) + len(payload.data)
+            self._queue(b"".join((FRAME_HEADER.pack(size), head, payload.data)))  # one copy
             return
         try:
             body = packer.pack([request_id, status, payload])
