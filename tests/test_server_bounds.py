@@ -11,6 +11,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -255,3 +256,19 @@ def test_a_held_pull_wakes_for_appends_the_broker_did_not_make(home: Path) -> No
         status, (messages, next_offset) = answers[rid]
         assert status == 0 and [m[9] for m in messages] == [b"moved"]
         assert next_offset in (1, 2)  # 2: woken after the other send, which it passed over
+
+
+def test_a_full_broker_makes_room_by_closing_a_silent_peer(home: Path) -> None:
+    running = BrokerThread(home / "s", max_connections=2, hello_timeout_ms=60_000)
+    with running:
+        url = running.urls[0]
+        silent = [Raw(url, hello=False) for _ in range(2)]
+        try:
+            time.sleep(1.2)  # the peers have said nothing for longer than EVICT_AFTER_S
+            with raw(url) as c:  # before: LimitExceededError until the peers went away
+                assert c.welcome["version"] == 1 and c.call("ping") is None
+            error = silent[0].closed_with()  # the oldest silent one made room
+            assert error["code"] == "LimitExceededError" and "no hello" in error["message"]
+        finally:
+            for peer in silent:
+                peer.close()

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("equeue.server")
 
 MIN_DECODE_ITEMS = 65536
+EVICT_AFTER_S = 1.0  # a full broker closes a peer silent this long for a new connection
 
 
 class Connection(asyncio.Protocol):
@@ -67,6 +68,7 @@ class Connection(asyncio.Protocol):
         self._ended = False  # the client half-closed: close once every answer is out
         self._partial = 0  # bytes of a frame begun, counted in broker.partial_bytes
         self._hello_timer: asyncio.TimerHandle | None = None
+        self.opened = broker.loop.time()
         config = broker.config
         # Room for a send_batch past its limit to be answered LimitExceededError (the
         # connection stays), and for a properties map the store would take.
@@ -95,13 +97,38 @@ class Connection(asyncio.Protocol):
         limit = broker.config.max_connections
         if broker.draining:
             self._fatal(LimitExceededError(f"{self.where}: the broker is shutting down"))
-        elif len(broker.connections) > limit:
+        elif len(broker.connections) > limit and not self._evict_a_silent_peer():
             self._fatal(
                 LimitExceededError(
                     f"{self.where}: the broker has {limit} connections already "
                     f"(max_connections={limit}; equeue serve --max-connections)"
                 )
             )
+
+    def _evict_a_silent_peer(self) -> bool:
+        """The broker is full: close the connection that has waited longest without a
+        hello, if one has for EVICT_AFTER_S, to make room for this one. So peers that
+        connect and say nothing cannot keep clients out (they are closed after
+        hello_timeout_ms anyway)."""
+        broker = self.broker
+        now = broker.loop.time()
+        silent = [
+            c
+            for c in broker.connections
+            if c is not self and c._hello is not None and not c.closed
+            and now - c.opened >= EVICT_AFTER_S
+        ]  # fmt: skip
+        if not silent:
+            return False
+        oldest = min(silent, key=lambda c: c.number)
+        oldest._fatal(
+            LimitExceededError(
+                f"{oldest.where}: no hello after {now - oldest.opened:.1f} s and the broker is "
+                f"full (max_connections={broker.config.max_connections}): closed to make room"
+            )
+        )
+        broker.connections.discard(oldest)  # its place is this one's from now
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
