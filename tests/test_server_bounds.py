@@ -222,7 +222,10 @@ def test_a_silent_peer_is_closed_after_the_hello_timeout(home: Path) -> None:
 
 def test_partial_frames_are_bounded_across_connections(home: Path) -> None:
     cap = 2 * MiB
-    with BrokerThread(home / "s", max_partial_frame_bytes=cap) as running:
+    with pytest.raises(ConfigError, match="max_partial_frame_bytes"):
+        BrokerThread(home / "s", max_partial_frame_bytes=cap, max_frame_bytes=cap + 1)
+    running = BrokerThread(home / "s", max_partial_frame_bytes=cap, max_frame_bytes=cap)
+    with running:
         url = running.urls[0]
         with raw(url) as first, raw(url) as second, raw(url) as good:
             header = FRAME_HEADER.pack(2 * MiB)

@@ -133,6 +133,11 @@ class ServerConfig:
         check_int(
             "max_partial_frame_bytes", self.max_partial_frame_bytes, HELLO_MAX_FRAME_BYTES, 1 << 40
         )
+        if self.max_partial_frame_bytes < self.max_frame_bytes:
+            raise ConfigError(
+                f"max_partial_frame_bytes={self.max_partial_frame_bytes} is below "
+                f"max_frame_bytes={self.max_frame_bytes}: no frame of that size could arrive"
+            )
         listeners = tuple(parse_listener(url) for url in self.listen)
         object.__setattr__(self, "listeners", listeners)
         tls = [x for x in listeners if x.kind == "tls"]
