@@ -1,0 +1,215 @@
+"""The equeue broker's side of the benchmark: the runners of the ``broker_*`` jobs (in the
+worker processes, through equeue's clients only) and the parent's checks of what the
+broker stored or delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equeue.aio
+
+import equeue
+from brokerbench.jobs import Runner, bodies, result, timed
+
+
+def make(job: dict[str, Any]) -> Runner:
+    kind = job["kind"]
+    if kind == "broker_produce":
+        if job["batch"] > 1 or job["style"] == "send_many":
+            return SyncProduce(job)
+        return AioProduce(job)
+    if kind == "broker_latency":
+        return SyncLatency(job)
+    if kind == "broker_durable":
+        return AioDurable(job)
+    if kind == "broker_consume":
+        return GroupConsume(job)
+    raise ValueError(f"no runner for {kind!r}")
+
+
+class SyncProduce:
+    """The sync client: ``send_batch`` of ``batch`` messages a request, one request at a
+    time; or (batch 1) ``send_many`` with ``window`` requests in flight."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.client = equeue.connect(job["url"])
+        self.bodies = bodies(job["body"])
+
+    def run(self) -> dict[str, Any]:
+        topic, count, batch, cap = (self.job[k] for k in ("topic", "count", "batch", "cap"))
+        body_list, n = self.bodies, len(self.bodies)
+        done = 0
+        t0 = time.perf_counter()
+        stop = t0 + cap
+        if batch > 1:
+            chunk = [body_list[i % n] for i in range(batch)]
+            send_batch = self.client.send_batch
+            while done < count and time.perf_counter() < stop:
+                size = min(batch, count - done)
+                send_batch(topic, chunk[:size] if size < batch else chunk)
+                done += size
+        else:
+            step = self.job["window"] * 10
+            send_many = self.client.send_many
+            while done < count and time.perf_counter() < stop:
+                size = min(step, count - done)
+                chunk = [body_list[i % n] for i in range(size)]
+                send_many(topic, chunk, window=self.job["window"])
+                done += size
+        return result(done, t0, time.perf_counter())
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AioProduce:
+    """The asyncio client, one message per request, ``window`` requests in flight on the
+    one connection (a new send starts as each answer comes)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.loop = asyncio.new_event_loop()
+        self.client = self.loop.run_until_complete(equeue.aio.connect(job["url"]))
+        self.bodies = bodies(job["body"])
+
+    def run(self) -> dict[str, Any]:
+        return self.loop.run_until_complete(self._run())
+
+    async def _run(self) -> dict[str, Any]:
+        topic, count, window, cap = (self.job[k] for k in ("topic", "count", "window", "cap"))
+        body_list, n = self.bodies, len(self.bodies)
+        send = self.client.send
+        t0 = time.perf_counter()
+        stop = t0 + cap
+
+        async def lane(start: int) -> int:
+            done = 0
+            for i in range(start, count, window):
+                await send(topic, body_list[i % n])
+                done += 1
+                if not done % 64 and time.perf_counter() > stop:
+                    break
+            return done
+
+        counts = await asyncio.gather(*(lane(i) for i in range(min(window, count))))
+        return result(sum(counts), t0, time.perf_counter())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+
+
+class SyncLatency:
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.client = equeue.connect(job["url"])
+        self.bodies = bodies(job["body"])
+
+    def run(self) -> dict[str, Any]:
+        topic, count, warmup, cap = (self.job[k] for k in ("topic", "count", "warmup", "cap"))
+        send, body_list, n = self.client.send, self.bodies, len(self.bodies)
+        for i in range(warmup):
+            send(topic, body_list[i % n])
+        return timed(lambda i: send(topic, body_list[i % n]), count, cap)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AioDurable:
+    """``producers`` asyncio tasks, each on its own connection, each one send at a time."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.loop = asyncio.new_event_loop()
+        connecting = [equeue.aio.connect(job["url"]) for _ in range(job["producers"])]
+        self.clients = self.loop.run_until_complete(asyncio.gather(*connecting))
+        self.bodies = bodies(job["body"])
+
+    def run(self) -> dict[str, Any]:
+        return self.loop.run_until_complete(self._run())
+
+    async def _run(self) -> dict[str, Any]:
+        topic, count, cap = self.job["topic"], self.job["count"], self.job["cap"]
+        per_task = -(-count // len(self.clients))
+        body_list, n = self.bodies, len(self.bodies)
+        t0 = time.perf_counter()
+        stop = t0 + cap
+
+        async def produce(client: Any) -> int:
+            done = 0
+            while done < per_task and time.perf_counter() < stop:
+                await client.send(topic, body_list[done % n])
+                done += 1
+            return done
+
+        counts = await asyncio.gather(*(produce(c) for c in self.clients))
+        return result(sum(counts), t0, time.perf_counter())
+
+    def close(self) -> None:
+        async def close_all() -> None:
+            for client in self.clients:
+                await client.close()
+
+        self.loop.run_until_complete(close_all())
+        self.loop.close()
+
+
+class GroupConsume:
+    """One consumer of a consumer group (placeholder until the groups' API lands)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        raise NotImplementedError("the group consumer is not merged yet")
+
+    def run(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+# --- the parent's side ------------------------------------------------------------
+
+
+def check_stored(url: str, topic: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    sent = sum(r["count"] for r in results)
+    with equeue.connect(url) as client:
+        stored = 0
+        for queue_id in client.queue_ids(topic):
+            first, end = client.queue_range(topic, queue_id)
+            stored += end - first
+    if stored != sent:
+        raise ValueError(f"{sent} sends answered, {stored} in the broker's {topic} queues")
+    return {"stored": stored}
+
+
+def fill_job(url: str, topic: str, count: int) -> dict[str, Any]:
+    """100 B messages in send_batch of 100, for a consume case to read (untimed)."""
+    job = {"kind": "broker_produce", "url": url, "topic": topic, "body": 100, "count": count}
+    return job | {"batch": 100, "window": 1, "style": "send_many", "cap": 120.0}
+
+
+def consume_job(
+    url: str, topic: str, group: str, consumer: str, consumers: int, cap: float
+) -> dict[str, Any]:
+    return {"kind": "broker_consume", "url": url, "topic": topic, "group": group} | {
+        "consumer": consumer,
+        "consumers": consumers,
+        "cap": cap,
+    }
+
+
+def check_consumed(
+    url: str, topic: str, group: str, total: int
+) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    def check(results: list[dict[str, Any]]) -> dict[str, Any]:
+        read = sum(r["count"] for r in results)
+        if read < total:
+            raise ValueError(f"{total} filled, {read} consumed")
+        return {"consumed": read, "redelivered": read - total}
+
+    return check
