@@ -1,0 +1,47 @@
+"""``equeue serve STORE --status``: ask a running broker for its stats (with the sync
+client) and print them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from equeue.errors import BrokerError
+from equeue.server.config import read_token
+
+
+def fetch_stats(
+    store: str, listen: list[str], token_file: str | None, cafile: str | None = None
+) -> dict[str, Any]:
+    """The ``stats`` answer of the broker at ``listen[0]``, else at STORE/broker.sock."""
+    from equeue.client.sync import connect
+
+    token = read_token(token_file) if token_file else None
+    options: dict[str, Any] = {"client_name": "equeue serve --status", "timeout": 10.0}
+    options["connect_timeout"] = 1.0  # a broker that is not running: say so soon
+    if cafile:
+        options["cafile"] = cafile
+    with connect(listen[0] if listen else store, token=token, **options) as client:
+        stats = client.stats()
+    if not isinstance(stats, dict):
+        raise BrokerError(f"the broker answered stats with a {type(stats).__name__}, not a map")
+    return stats
+
+
+def render_stats(stats: dict[str, Any]) -> str:
+    lines = [f"{key}: {stats[key]}" for key in sorted(stats) if not isinstance(stats[key], dict)]
+    for name, rate in sorted(stats.get("rates", {}).items()):
+        lines.append(f"{name}: {rate}")
+    members = stats.get("coordinator", {})
+    for group, info in sorted(stats.get("groups", {}).items()):
+        lines.append(f"group {group}: lag {info['lag']}")
+        live = members.get(group)
+        if live:
+            lines.append(f"  generation {live['generation']}, topics {', '.join(live['topics'])}")
+            for member, detail in sorted(live["members"].items()):
+                queues = " ".join(f"{t}/{q}" for t, q in detail["queues"]) or "-"
+                lines.append(f"  member {member}: {queues}")
+        for queue, lag in sorted(info["queues"].items()):
+            lines.append(
+                f"  {queue}: committed {lag['committed']} end {lag['end']} lag {lag['lag']}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""Helpers of the client tests (not a test module): a fake broker speaking a script over
+a real Unix socket, to hand the clients what a real broker never sends."""
+
+from __future__ import annotations
+
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES, FrameReader, decode_body, encode
+
+WELCOME: dict[str, Any] = {
+    "version": 1,
+    "server": "fake",
+    "limits": {"max_frame_bytes": DEFAULT_MAX_FRAME_BYTES, "max_in_flight": 64,
+               "max_connections": 8},
+}  # fmt: skip
+
+
+class Peer:
+    """The fake broker's side of one connection."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = FrameReader(1 << 26, "fake")
+        self.bodies: list[Any] = []
+
+    def recv(self) -> Any:
+        """The next frame body from the client; EOFError when it closed."""
+        while not self.bodies:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise EOFError
+            self.bodies += [decode_body(b, "fake") for b in self.reader.feed(data)]
+        return self.bodies.pop(0)
+
+    def send(self, body: object) -> None:
+        self.sock.sendall(encode(body))
+
+    def raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def welcome(self) -> Any:
+        """Take the hello, send the welcome; the hello."""
+        hello = self.recv()
+        self.send(WELCOME)
+        return hello
+
+
+Script = Callable[[Peer], None]
+
+
+class FakeBroker:
+    """Accepts connections on a Unix socket and runs ``script`` on each, in turn, in a
+    thread; ``connections`` counts them."""
+
+    def __init__(self, script: Script) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+        self.path = self.dir / "fake.sock"
+        self.url = f"unix:{self.path}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(self.path))
+        self.listener.listen(8)
+        self.listener.settimeout(0.1)
+        self.script = script
+        self.connections = 0
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            sock.settimeout(10)
+            try:
+                self.script(Peer(sock))
+            except (EOFError, OSError):
+                pass
+            except BaseException as exc:  # a defect of the script: the test reports it
+                self.errors.append(exc)
+            finally:
+                sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.listener.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> FakeBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        assert not self.errors, self.errors
+
+
+class BrokerProcess:
+    """``equeue serve STORE`` as a child process (the real broker, killable): ``url`` is
+    its Unix socket. ``kill()`` SIGKILLs it, ``start()`` runs it again on the same store;
+    ``stop()`` (SIGTERM, then SIGKILL after 10 s) is for every test's teardown."""
+
+    def __init__(self, store: Path, *options: str) -> None:
+        self.store = store
+        self.options = options
+        self.process: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.start()
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "equeue", "serve", str(self.store), "--quiet"]
+        self._close_streams()
+        with open(self.store.parent / "broker.log", "a") as log:  # (a pipe could fill up)
+            self.process = subprocess.Popen(
+                [*command, *self.options], stdout=subprocess.PIPE, stderr=log, text=True
+            )
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.process.stdout], [], [], 0.5)
+            if ready:
+                line = self.process.stdout.readline()
+                if line.startswith("listening on "):
+                    self.url = line.split()[-1]
+                    return
+                if not line:
+                    break
+            if self.process.poll() is not None:
+                break
+        self.stop()
+        text = (self.store.parent / "broker.log").read_text()
+        raise AssertionError(f"the broker did not start: {text[-2000:]}")
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+        self._close_streams()
+
+    def _close_streams(self) -> None:
+        if self.process is not None and self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        self._close_streams()
+
+    def __enter__(self) -> BrokerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
