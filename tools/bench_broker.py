@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCERS = (1, 4, 16)
 BODIES = (100, 1024)
 CONSUMERS = (1, 4)
+QUEUES = 4  # of a consume case's topic
 BATCH = 100  # messages per send_batch, and XADDs per Redis pipeline
 WINDOW = 100  # unbatched: requests in flight per connection
 FILL_SECONDS = 120.0  # the untimed sends a consume case reads
@@ -98,13 +99,21 @@ class Bench:
         jobs: list[dict[str, Any]],
         server: Server | None = None,
         check: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> None:
         """Run ``jobs`` (one per process, started together) and record the run: messages,
         seconds, rate, the server's and the clients' CPU seconds, latency percentiles."""
         run: dict[str, Any] = {"section": section, **case, "system": system, "repeat": repeat}
-        cpu_before = servers.cpu_seconds(server.pid) if server else 0.0
+        cpu_before = 0.0
+
+        def before() -> None:
+            nonlocal cpu_before
+            if between is not None:
+                between()
+            cpu_before = servers.cpu_seconds(server.pid) if server else 0.0
+
         try:
-            results = self.pool.run(jobs, self.cap)
+            results = self.pool.run(jobs, self.cap, before)
         except JobError as error:
             self.failed(section, case, system, repeat, str(error))
             return
@@ -113,6 +122,8 @@ class Bench:
         run.update(count=count, seconds=seconds, rate=count / seconds if seconds > 0 else 0.0)
         run["capped"] = count < sum(j.get("count", 0) for j in jobs)
         run["client_cpu"] = sum(r["cpu"] for r in results)
+        start = min(r["t0"] for r in results)
+        run["workers"] = [[r["count"], r["t0"] - start, r["t1"] - start] for r in results]
         if server is not None:
             run["server_cpu"] = servers.cpu_seconds(server.pid) - cpu_before
         samples = [s for r in results for s in r.get("samples", ())]
@@ -221,18 +232,19 @@ class Bench:
             self.alternate(systems)
 
     def broker_consume(self, broker: Server, case: Case, r: int) -> None:
+        """The members join an empty topic and wait until each holds its share of the
+        queues (a handover takes heartbeats); then the topic is filled, untimed, and
+        they start."""
         from brokerbench import broker_side
 
         total, n = self.counts.consume, case["consumers"]
         topic, group = self.name("c"), self.name("g")
-        if not self._fill(case, "broker", r, [broker_side.fill_job(broker.url, topic, total)]):
-            return
-        jobs = [
-            broker_side.consume_job(broker.url, topic, group, f"c{i}", n, self.cap)
-            for i in range(n)
-        ]
+        broker_side.create_topic(broker.url, topic, QUEUES)
+        job = broker_side.consume_job(broker.url, topic, group, BATCH, self.cap)
+        jobs = [job | {"consumer": f"c{i}", "members": n} for i in range(n)]
         check = broker_side.check_consumed(broker.url, topic, group, total)
-        self.measure("consume", case, "broker", r, jobs, broker, check)
+        fill = partial(broker_side.fill, broker.url, topic, total, BATCH)
+        self.measure("consume", case, "broker", r, jobs, broker, check, between=fill)
 
     def redis_consume(self, redis: Server, case: Case, r: int) -> None:
         total, n = self.counts.consume, case["consumers"]

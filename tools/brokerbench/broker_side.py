@@ -9,10 +9,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import equeue.aio
-
 import equeue
+import equeue.aio
 from brokerbench.jobs import Runner, bodies, result, timed
+from equeue.client.consumer import GroupConsumer
+
+IDLE_SECONDS = 1.0  # a group consumer stops once nothing came for this long
+SESSION_SECONDS = 3.0  # heartbeats every second: a quicker settling of the members
+SETTLE_SECONDS = 30.0
 
 
 def make(job: dict[str, Any]) -> Runner:
@@ -126,8 +130,13 @@ class AioDurable:
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
         self.loop = asyncio.new_event_loop()
-        connecting = [equeue.aio.connect(job["url"]) for _ in range(job["producers"])]
-        self.clients = self.loop.run_until_complete(asyncio.gather(*connecting))
+
+        async def connect() -> list[equeue.aio.AsyncClient]:
+            return await asyncio.gather(
+                *(equeue.aio.connect(job["url"]) for _ in range(job["producers"]))
+            )
+
+        self.clients = self.loop.run_until_complete(connect())
         self.bodies = bodies(job["body"])
 
     def run(self) -> dict[str, Any]:
@@ -160,16 +169,50 @@ class AioDurable:
 
 
 class GroupConsume:
-    """One consumer of a consumer group (placeholder until the groups' API lands)."""
+    """One member of a consumer group (equeue.client.consumer.GroupConsumer, the blocking
+    loop: long-polls of its assigned queues, commits as it goes and on close), joined
+    before the start; it stops once nothing came for ``idle`` seconds, and its time ends
+    at its last message (the idle wait is not counted)."""
 
     def __init__(self, job: dict[str, Any]) -> None:
-        raise NotImplementedError("the group consumer is not merged yet")
+        self.job = job
+        self.client = equeue.connect(job["url"])
+        self.consumer = GroupConsumer(
+            self.client, job["group"], job["topic"], batch_size=job["batch"],
+            timeout=job["idle"], consumer_id=job["consumer"], session_timeout=SESSION_SECONDS,
+        )  # fmt: skip
+        # Until the group is settled (every member joined, every queue with the holder
+        # it is meant to have): polls of the still empty topic apply the assignments
+        # and release what others are to get, without taking a message.
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while not settled(self.client.stats(), job["group"], job["members"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"group {job['group']} not settled {SETTLE_SECONDS:.0f} s after "
+                    f"{job['consumer']} joined: {self.client.stats().get('coordinator')}"
+                )
+            if self.consumer.poll(0.05) is not None:
+                raise ValueError("a message before the topic was filled")
 
     def run(self) -> dict[str, Any]:
-        raise NotImplementedError
+        done = checked = 0
+        t0 = t1 = time.perf_counter()
+        stop = t0 + self.job["cap"]
+        for message in self.consumer:
+            done += 1
+            checked += len(message.body)
+            if not done % 256:
+                t1 = time.perf_counter()
+                if t1 > stop:
+                    break
+            else:
+                t1 = time.perf_counter()
+        self.consumer.close()  # commits what it handed out
+        return result(done, t0, t1, body_bytes=checked)
 
     def close(self) -> None:
-        pass
+        self.consumer.close()
+        self.client.close()
 
 
 # --- the parent's side ------------------------------------------------------------
@@ -187,29 +230,50 @@ def check_stored(url: str, topic: str, results: list[dict[str, Any]]) -> dict[st
     return {"stored": stored}
 
 
-def fill_job(url: str, topic: str, count: int) -> dict[str, Any]:
-    """100 B messages in send_batch of 100, for a consume case to read (untimed)."""
-    job = {"kind": "broker_produce", "url": url, "topic": topic, "body": 100, "count": count}
-    return job | {"batch": 100, "window": 1, "style": "send_many", "cap": 120.0}
+def settled(stats: dict[str, Any], group: str, members: int) -> bool:
+    state = stats.get("coordinator", {}).get(group)
+    if not state or len(state["members"]) != members:
+        return False
+    return all(
+        holder is not None and holder == target for *_, holder, target in state["assignment"]
+    )
 
 
-def consume_job(
-    url: str, topic: str, group: str, consumer: str, consumers: int, cap: float
-) -> dict[str, Any]:
-    return {"kind": "broker_consume", "url": url, "topic": topic, "group": group} | {
-        "consumer": consumer,
-        "consumers": consumers,
-        "cap": cap,
-    }
+def create_topic(url: str, topic: str, queues: int) -> None:
+    with equeue.connect(url) as client:
+        client.create_topic(topic, queues)
+
+
+def fill(url: str, topic: str, count: int, batch: int) -> None:
+    """``count`` 100 B messages in send_batch of ``batch`` (untimed, for a consume case)."""
+    chunk = bodies(100, batch)
+    with equeue.connect(url) as client:
+        for done in range(0, count, batch):
+            client.send_batch(topic, chunk[: min(batch, count - done)])
+
+
+def consume_job(url: str, topic: str, group: str, batch: int, cap: float) -> dict[str, Any]:
+    job = {"kind": "broker_consume", "url": url, "topic": topic, "group": group}
+    return job | {"batch": batch, "idle": IDLE_SECONDS, "cap": cap}
 
 
 def check_consumed(
     url: str, topic: str, group: str, total: int
 ) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """Everything filled was consumed (more: redelivered after a queue moved between
+    members) and the group's committed offsets reached every queue's end."""
+
     def check(results: list[dict[str, Any]]) -> dict[str, Any]:
         read = sum(r["count"] for r in results)
         if read < total:
             raise ValueError(f"{total} filled, {read} consumed")
+        with equeue.connect(url) as client:
+            for queue_id in client.queue_ids(topic):
+                end = client.queue_range(topic, queue_id)[1]
+                committed = client.committed_offset(group, topic, queue_id)
+                if committed != end:
+                    raise ValueError(f"{group} committed {committed} of {topic}:{queue_id}, "
+                                     f"which ends at {end}")  # fmt: skip
         return {"consumed": read, "redelivered": read - total}
 
     return check

@@ -14,6 +14,7 @@ import multiprocessing
 import multiprocessing.connection
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -72,8 +73,14 @@ class Pool:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, jobs: list[dict[str, Any]], cap: float) -> list[dict[str, Any]]:
-        """Run one job per worker, started together; their results in the jobs' order."""
+    def run(
+        self,
+        jobs: list[dict[str, Any]],
+        cap: float,
+        between: Callable[[], None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Run one job per worker, started together; their results in the jobs' order.
+        ``between`` runs once every worker is set up, before they start (untimed)."""
         if len(jobs) > len(self.conns):
             raise JobError(f"{len(jobs)} jobs for a pool of {len(self.conns)} workers")
         conns = self.conns[: len(jobs)]
@@ -82,6 +89,11 @@ class Pool:
         errors: list[str] = []
         ready = self._collect(conns, "ready", SETUP_SECONDS, errors)
         started = [c for c, r in zip(conns, ready, strict=True) if r is not FAILED]
+        if between is not None and not errors:
+            try:
+                between()
+            except Exception as error:
+                errors.append(f"before the start: {type(error).__name__}: {error}")
         for conn in started:
             conn.send("stop" if errors else "go")
         results: list[Any] = []
