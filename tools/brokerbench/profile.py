@@ -23,12 +23,13 @@ if TYPE_CHECKING:
 
 PARTS = [  # (part, substrings of a frame that mark it), the first match wins
     ("msgpack", ("msgpack",)),
-    ("store (equeue/store, chunks, C accelerator)", ("/equeue/store/", "/equeue/chunks/",
-                                                      "_speedups", "/equeue/format/")),
-    ("protocol (equeue/protocol)", ("/equeue/protocol/",)),
-    ("server (equeue/server)", ("/equeue/server/",)),
-    ("asyncio event loop, selectors, sockets", ("/asyncio/", "selectors.py", "socket.py",
-                                                "libc.so", "epoll", "sendmsg", "recv", "send")),
+    ("store (equeue/store, chunks, C accelerator)", ("equeue/store/", "equeue/chunks/",
+                                                      "_speedups", "equeue/format/")),
+    ("protocol (equeue/protocol)", ("equeue/protocol/",)),
+    ("server (equeue/server)", ("equeue/server/",)),
+    ("asyncio event loop, selectors, sockets", ("asyncio/", "selectors.py", "socket.py",
+                                                "libc.so", "epoll", "sendmsg", "recvmsg",
+                                                "sock_", "_ssl")),
 ]  # fmt: skip
 
 
