@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from brokerbench import report
+from brokerbench.pool import JobError
 
 if TYPE_CHECKING:
     from bench_broker import Bench
@@ -33,6 +34,9 @@ PARTS = [  # (part, substrings of a frame that mark it), the first match wins
 ]  # fmt: skip
 
 
+RATE = 100  # samples a second
+
+
 def py_spy() -> str | None:
     return os.environ.get("PY_SPY") or shutil.which("py-spy")
 
@@ -44,22 +48,59 @@ def part_of(frame: str) -> str:
     return "other (interpreter, GC, the rest)"
 
 
+class Samples:
+    """py-spy's collapsed stacks (``--threads``: the first frame names the thread)."""
+
+    def __init__(self, collapsed: str) -> None:
+        self.stacks: list[tuple[str, list[str], int]] = []  # (thread, frames, samples)
+        for line in collapsed.splitlines():
+            stack, _, count_text = line.rpartition(" ")
+            if not stack or not count_text.isdigit():
+                continue
+            frames = stack.split(";")
+            thread = ""
+            if frames[0].startswith("thread ("):
+                thread = frames.pop(0).partition(": ")[2] or frames[0]
+            if frames:
+                self.stacks.append((thread, frames, int(count_text)))
+
+    def threads(self) -> Counter[str]:
+        found: Counter[str] = Counter()
+        for thread, _, count in self.stacks:
+            found[thread] += count
+        return found
+
+    def summarize(self, thread: str | None = None) -> tuple[int, Counter[str], Counter[str]]:
+        """Samples in all, by the leaf frame's part (self), by the parts on the stack."""
+        total = 0
+        leaf: Counter[str] = Counter()
+        inclusive: Counter[str] = Counter()
+        for name, frames, count in self.stacks:
+            if thread is not None and name != thread:
+                continue
+            total += count
+            leaf[part_of(frames[-1])] += count
+            for part in {part_of(frame) for frame in frames}:
+                inclusive[part] += count
+        return total, leaf, inclusive
+
+    def top_frames(self, thread: str | None = None, count: int = 10) -> list[tuple[str, int]]:
+        """The frames most often on top of the stack (self time), with their samples."""
+        frames: Counter[str] = Counter()
+        for name, stack, samples in self.stacks:
+            if thread is None or name == thread:
+                frames[_short(stack[-1])] += samples
+        return frames.most_common(count)
+
+
 def summarize(collapsed: str) -> tuple[int, Counter[str], Counter[str]]:
-    """Samples in all, by the leaf frame's part (self), by the parts on the stack."""
-    total = 0
-    leaf: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
-    for line in collapsed.splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
-        total += count
-        leaf[part_of(frames[-1])] += count
-        for part in {part_of(frame) for frame in frames}:
-            inclusive[part] += count
-    return total, leaf, inclusive
+    return Samples(collapsed).summarize()
+
+
+def _short(frame: str) -> str:
+    """``name (path/to/file.py:12)`` as ``name (file.py:12)``."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.rsplit('/', 1)[-1]}" if where else name
 
 
 def profile_broker(bench: Bench, broker: Server) -> list[str]:
@@ -79,11 +120,11 @@ def profile_broker(bench: Bench, broker: Server) -> list[str]:
             "--duration",
             str(seconds),
             "--rate",
-            "250",
+            str(RATE),
             "--format",
             "raw",
-            "--native",
-            "--nonblocking",
+            "--native",  # msgpack's C code as itself; native needs blocking samples
+            "--threads",
             "--output",
             str(out),
         ],
@@ -99,6 +140,8 @@ def profile_broker(bench: Bench, broker: Server) -> list[str]:
             for _ in range(4)
         ]
         bench.pool.run(jobs, seconds)
+    except JobError as error:
+        return [f"--profile: the load failed: {' '.join(str(error).split())[:500]}"]
     finally:
         try:
             _, err = spy.communicate(timeout=seconds + 60)
@@ -107,14 +150,24 @@ def profile_broker(bench: Bench, broker: Server) -> list[str]:
             _, err = spy.communicate()
     if spy.returncode != 0 or not out.exists():
         return [f"--profile: py-spy failed ({spy.returncode}): {err.strip()[-500:]}"]
-    total, leaf, inclusive = summarize(out.read_text())
-    if not total:
+    samples = Samples(out.read_text())
+    threads = samples.threads()
+    if not threads:
         return ["--profile: py-spy took no samples of the broker"]
+    loop = "MainThread"  # the event loop's
+    total, leaf, inclusive = samples.summarize(loop)
+    if not total:
+        return [f"--profile: no samples of the event loop thread; threads: {dict(threads)}"]
+    possible = seconds * RATE
+    busy = [f"{name} {n:,} ({n / possible:.0%} of the time)" for name, n in threads.most_common()]
+    tops = [f"{part} {n / total:.0%}" for part, n in leaf.most_common()]
+    anywhere = [f"{part} {n / total:.0%}" for part, n in inclusive.most_common()]
+    frames = [f"`{frame}` {n / total:.0%}" for frame, n in samples.top_frames(loop, 12)]
     lines = [
-        f"Profile of the broker (py-spy, {total:,} samples of its busy time over {seconds} s, "
-        "4 producer processes, 100 B, unbatched): by the frame on top of the stack — "
-        + ", ".join(f"{part} {n / total:.0%}" for part, n in leaf.most_common())
-        + "; on the stack at all — "
-        + ", ".join(f"{part} {n / total:.0%}" for part, n in inclusive.most_common())
+        f"Profile of the broker (py-spy --native at {RATE} Hz for {seconds} s, 4 producer "
+        f"processes, 100 B, unbatched): samples when busy, by thread: {', '.join(busy)}. "
+        f"The event loop thread, by the frame on top of the stack: {', '.join(tops)}; by the "
+        f"parts on the stack at all: {', '.join(anywhere)}.",
+        f"The event loop thread's top frames (self samples): {'; '.join(frames)}",
     ]
     return lines
