@@ -25,6 +25,7 @@ from brokerbench.pool import JobError, Pool  # noqa: E402
 from brokerbench.profile import part_of, summarize  # noqa: E402
 
 REDIS = shutil.which("redis-server") is not None
+DASH = "\u2013"  # the report's empty cell
 PRODUCE = [f"produce {p}p {b}B" for b in (100, 1024) for p in (1, 4, 16)]
 
 
@@ -56,7 +57,7 @@ def runs(smoke: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
 def expected() -> list[tuple[str, str]]:
     wanted = []
     for case in PRODUCE:
-        wanted += [(case, "broker-batch"), (case, "broker-single")]
+        wanted += [(case, "broker-batch"), (case, "broker-single"), (case, "broker-many")]
         if case.startswith("produce 1p"):
             wanted += [(case, "store-batch"), (case, "store-single")]
         if REDIS:
@@ -95,9 +96,9 @@ def test_the_report_has_every_row_and_every_target(smoke: dict[str, Any]) -> Non
         for producers in (1, 4, 16):
             row = next(r for r in rows if r.startswith(f"| {body} | {producers} | "))
             cells = [c.strip() for c in row.strip("|").split("|")]
-            assert cells[2] != "\u2013" and cells[3] != "\u2013", row  # the broker's two
-            assert (cells[4] != "\u2013") == (producers == 1), row  # the store: one process
-            assert (cells[6] != "\u2013") == REDIS, row
+            assert DASH not in cells[2:5], row  # the broker's three
+            assert (cells[5] != DASH) == (producers == 1), row  # the store: one process
+            assert (cells[7] != DASH) == REDIS, row
     assert any(r.startswith("| 4 | ") for r in rows)  # consume, 4 consumer processes
     assert any(r.startswith("| broker, sync client `send` |") for r in rows)
     assert any(r.startswith("| 64 asyncio tasks in 4 process(es) |") for r in rows)
@@ -105,7 +106,7 @@ def test_the_report_has_every_row_and_every_target(smoke: dict[str, Any]) -> Non
         "ahead of Redis Streams in every case measured",
         "durable \u2265 10\u00d7 the fdatasync loop",
         "4 producer processes batched",
-        "unbatched pipelined sends",
+        "unbatched pipelined asyncio sends",
         "p99 round trip < 1 ms",
     ):
         line = next(line for line in report.splitlines() if target in line)

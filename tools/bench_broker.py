@@ -170,6 +170,7 @@ class Bench:
                     systems.append(partial(self.redis_produce, redis, case, batched))
                 if broker is not None:
                     systems.append(partial(self.broker_produce, broker, case, "single", single))
+                    systems.append(partial(self.broker_produce, broker, case, "many", single))
                 if producers == 1:  # the store has one writer process
                     systems.append(partial(self.store_produce, case, "batch", batched))
                     systems.append(partial(self.store_produce, case, "single", single))
@@ -186,7 +187,7 @@ class Bench:
             "body": case["body"],
         }
         job |= {"count": per, "batch": BATCH if mode == "batch" else 1, "window": WINDOW}
-        job |= {"style": self.args.unbatched, "cap": self.cap}
+        job |= {"style": "send_many" if mode == "many" else "aio", "cap": self.cap}
         jobs = [job] * case["producers"]
         self.measure(
             "produce", case, f"broker-{mode}", r, jobs, broker,
@@ -449,13 +450,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, help="runs per system and case (default 2)")
     parser.add_argument("--cap", type=float, default=5.0, help="seconds per run at most (5)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the message counts")
-    parser.add_argument(
-        "--unbatched",
-        choices=("aio", "send_many"),
-        default="aio",
-        help="the broker's unbatched path: the asyncio client with WINDOW sends in flight "
-        "(default), or the sync client's windowed send_many",
-    )
     parser.add_argument("--durable-producers", type=int, default=64)
     parser.add_argument(
         "--durable-procs",
@@ -517,7 +511,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "file_system": report.file_system(args.dir),
         "redis": servers.redis_version(),
         "source": report.source_state(ROOT),
-        "unbatched": args.unbatched,
         "batch": BATCH,
         "window": WINDOW,
         "load_before": load_before,

@@ -35,6 +35,7 @@ PARTS = [  # (part, substrings of a frame that mark it), the first match wins
 
 
 RATE = 100  # samples a second
+OTHER = "other (interpreter, GC, the rest)"
 
 
 def py_spy() -> str | None:
@@ -45,7 +46,7 @@ def part_of(frame: str) -> str:
     for part, marks in PARTS:
         if any(mark in frame for mark in marks):
             return part
-    return "other (interpreter, GC, the rest)"
+    return OTHER
 
 
 class Samples:
@@ -84,17 +85,43 @@ class Samples:
                 inclusive[part] += count
         return total, leaf, inclusive
 
+    def in_kernel(self, thread: str) -> int:
+        """Samples whose top frame is in libc: a system call (send, epoll_wait, fsync, a
+        futex): time in the kernel, or runnable but waiting for a CPU inside it."""
+        return sum(c for name, frames, c in self.stacks if name == thread and _libc(frames[-1]))
+
+    def user(self, thread: str) -> Counter[str]:
+        """Of the samples not in libc: each by the innermost frame of a known part (the
+        interpreter's own frames are passed over), "all" their number."""
+        found: Counter[str] = Counter()
+        for name, frames, count in self.stacks:
+            if name != thread or _libc(frames[-1]):
+                continue
+            found["all"] += count
+            parts = (part_of(frame) for frame in reversed(frames))
+            found[next((p for p in parts if p != OTHER), OTHER)] += count
+        return found
+
     def top_frames(self, thread: str | None = None, count: int = 10) -> list[tuple[str, int]]:
-        """The frames most often on top of the stack (self time), with their samples."""
+        """The frames most often on top of the stack (self time), with their samples; a
+        native frame with the innermost Python frame under it."""
         frames: Counter[str] = Counter()
         for name, stack, samples in self.stacks:
             if thread is None or name == thread:
-                frames[_short(stack[-1])] += samples
+                top = _short(stack[-1])
+                if ".py:" not in stack[-1]:
+                    caller = next((f for f in reversed(stack) if ".py:" in f), None)
+                    top += f" under {_short(caller)}" if caller else ""
+                frames[top] += samples
         return frames.most_common(count)
 
 
 def summarize(collapsed: str) -> tuple[int, Counter[str], Counter[str]]:
     return Samples(collapsed).summarize()
+
+
+def _libc(frame: str) -> bool:
+    return "(libc.so" in frame
 
 
 def _short(frame: str) -> str:
@@ -136,7 +163,7 @@ def profile_broker(bench: Bench, broker: Server) -> list[str]:
         jobs = [
             {"kind": "broker_produce", "url": broker.url, "topic": bench.name("prof")}
             | {"body": 100, "count": 10_000_000, "batch": 1, "window": 100}
-            | {"style": bench.args.unbatched, "cap": float(seconds)}
+            | {"style": "aio", "cap": float(seconds)}
             for _ in range(4)
         ]
         bench.pool.run(jobs, seconds)
@@ -155,19 +182,23 @@ def profile_broker(bench: Bench, broker: Server) -> list[str]:
     if not threads:
         return ["--profile: py-spy took no samples of the broker"]
     loop = "MainThread"  # the event loop's
-    total, leaf, inclusive = samples.summarize(loop)
+    total = samples.summarize(loop)[0]
     if not total:
         return [f"--profile: no samples of the event loop thread; threads: {dict(threads)}"]
     possible = seconds * RATE
     busy = [f"{name} {n:,} ({n / possible:.0%} of the time)" for name, n in threads.most_common()]
-    tops = [f"{part} {n / total:.0%}" for part, n in leaf.most_common()]
-    anywhere = [f"{part} {n / total:.0%}" for part, n in inclusive.most_common()]
-    frames = [f"`{frame}` {n / total:.0%}" for frame, n in samples.top_frames(loop, 12)]
+    kernel = samples.in_kernel(loop)
+    user = samples.user(loop)
+    users = user.pop("all", 0)
+    parts = [f"{part} {n / max(1, users):.0%}" for part, n in user.most_common()]
+    frames = [f"`{frame}` {n / total:.0%}" for frame, n in samples.top_frames(loop, 10)]
     lines = [
-        f"Profile of the broker (py-spy --native at {RATE} Hz for {seconds} s, 4 producer "
-        f"processes, 100 B, unbatched): samples when busy, by thread: {', '.join(busy)}. "
-        f"The event loop thread, by the frame on top of the stack: {', '.join(tops)}; by the "
-        f"parts on the stack at all: {', '.join(anywhere)}.",
+        f"Profile of the broker (py-spy --native --threads at {RATE} Hz for {seconds} s, 4 "
+        f"producer processes, 100 B, asyncio client, 100 in flight each). Samples of a busy "
+        f"thread: {', '.join(busy)}. Of the event loop thread's {total:,}: {kernel / total:.0%} "
+        f"in a system call (libc on top: in the kernel, or runnable and waiting for a CPU "
+        f"there), {users / total:.0%} in user space; of those, by the innermost part on the stack: "
+        f"{', '.join(parts)}.",
         f"The event loop thread's top frames (self samples): {'; '.join(frames)}",
     ]
     return lines
