@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,15 +30,18 @@ Op = Callable[[Any], Any]
 
 
 @pytest.fixture
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    import tempfile
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
-    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
+
+@pytest.fixture
+def broker(base: Path) -> Iterator[BrokerProcess]:
     with BrokerProcess(base / "store") as running:
         yield running
-    import shutil
-
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def norm(value: Any) -> Any:
@@ -290,10 +295,7 @@ def test_send_many_with_a_window_and_threads_sharing_a_sync_client(
         assert client.queue_range("w", 0) == (0, 1500 + 800)
 
 
-def test_a_window_over_the_brokers_in_flight_limit_is_cut_to_it(tmp_path: Path) -> None:
-    import tempfile
-
-    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+def test_a_window_over_the_brokers_in_flight_limit_is_cut_to_it(base: Path) -> None:
     with (
         BrokerProcess(base / "store", "--max-in-flight", "8") as small,
         equeue.connect(small.url) as client,

@@ -83,6 +83,7 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         stats = call("stats")
         assert isinstance(stats, dict)
         assert stats["connections"] == 1 and stats["sends"] == 3
+        assert [x["client"] for x in stats["clients"]] == ["test"]
         assert stats["groups"]["g"]["queues"]["t/1"] == {
             "committed": 2, "end": 3, "lag": 1,
         }  # fmt: skip
@@ -342,3 +343,22 @@ def test_a_read_only_handle_in_another_process_follows_the_broker(broker: Broker
                 reader.kill()
                 reader.wait()
     assert out.strip() == ",".join(f"m{n}" for n in range(10))
+
+
+def test_a_half_closed_client_still_gets_its_deferred_answers(home: Path) -> None:
+    import socket as socket_module
+
+    with BrokerThread(home / "s", flush="sync") as running:
+        c = Raw(running.urls[0])
+        try:
+            c.call("create_topic", topic="t", queue_count=1)
+            held = c.request("pull", topic="t", queue_id=0, offset=0, wait_ms=300)
+            sends = [c.request("send", topic="u", body=b"%d" % n) for n in range(50)]
+            c.sock.shutdown(socket_module.SHUT_WR)  # all sent: now only reading
+            answers = c.answers(51)
+            assert all(answers[rid][0] == 0 for rid in sends)
+            assert answers[held] == (0, [[], 0])  # at its deadline
+            with pytest.raises(ConnectionError):
+                c.recv()  # then the broker closes
+        finally:
+            c.close()

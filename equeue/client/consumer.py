@@ -84,7 +84,7 @@ class GroupConsumer:
             session_timeout=session_timeout, max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
-        self._inflight: dict[Queue, tuple[Future[Any], int]] = {}
+        self._inflight: dict[Queue, tuple[Future[Any], int, int]] = {}
         self._pool = ThreadPoolExecutor(MAX_POLLERS, thread_name_prefix="equeue-pull")
         self._event = threading.Event()  # a pull answered, or the assignment changed
         self._stop = threading.Event()
@@ -277,11 +277,13 @@ class GroupConsumer:
 
     def _harvest(self) -> None:
         state = self.state
-        for key, (future, at) in list(self._inflight.items()):
+        for key, (future, at, epoch) in list(self._inflight.items()):
             if not future.done():
                 continue
             del self._inflight[key]
             error = future.exception()
+            if epoch != state.epoch:
+                continue  # sent before the membership was lost: not ours to judge
             if error is None:
                 state.pulled(key, at, future.result())
             elif key in state.positions:
@@ -295,7 +297,7 @@ class GroupConsumer:
             args = state.pull_args(key, wait_ms)
             future = self._pool.submit(self.client.request, "pull", args)
             future.add_done_callback(lambda _: self._event.set())
-            self._inflight[key] = (future, args["offset"])
+            self._inflight[key] = (future, args["offset"], state.epoch)
 
     def _commit(self, queues: list[Queue] | None) -> None:
         state = self.state

@@ -65,7 +65,7 @@ class AsyncGroupConsumer:
             session_timeout=session_timeout, max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
-        self._inflight: dict[Queue, tuple[asyncio.Task[Any], int]] = {}
+        self._inflight: dict[Queue, tuple[asyncio.Task[Any], int, int]] = {}
         self._event: asyncio.Event | None = None
         self._beat_now: asyncio.Event | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -164,7 +164,7 @@ class AsyncGroupConsumer:
         if state.closed:
             return
         state.closed = True
-        tasks = [task for task, _ in self._inflight.values()]
+        tasks = [entry[0] for entry in self._inflight.values()]
         if self._heartbeat is not None:
             tasks.append(self._heartbeat)
         for task in tasks:
@@ -267,13 +267,15 @@ class AsyncGroupConsumer:
 
     def _harvest(self) -> None:
         state = self.state
-        for key, (task, at) in list(self._inflight.items()):
+        for key, (task, at, epoch) in list(self._inflight.items()):
             if not task.done():
                 continue
             del self._inflight[key]
             if task.cancelled():
                 continue
             error = task.exception()
+            if epoch != state.epoch:
+                continue  # sent before the membership was lost: not ours to judge
             if error is None:
                 state.pulled(key, at, task.result())
             elif key in state.positions:
@@ -290,7 +292,7 @@ class AsyncGroupConsumer:
             args = state.pull_args(key, wait_ms)
             task = asyncio.create_task(self.client.request("pull", args))
             task.add_done_callback(lambda _: event.set())
-            self._inflight[key] = (task, args["offset"])
+            self._inflight[key] = (task, args["offset"], state.epoch)
 
     async def _commit(self, queues: list[Queue] | None) -> None:
         state = self.state

@@ -79,6 +79,7 @@ class GroupState:
         self.lock = threading.Lock()  # the answer, between the heartbeat thread and the loop
         self.answer: dict[str, Any] | None = None
         self.lost = True  # not a member (yet, or any more): join first
+        self.epoch = 0  # memberships so far: a pull sent in an earlier one is ignored
         self.applied: int | None = None
         self.positions: dict[Queue, int] = {}
         self.processed: dict[Queue, int] = {}
@@ -148,6 +149,7 @@ class GroupState:
     def reset(self) -> None:
         """Membership lost: every queue dropped uncommitted (its messages come again)."""
         self.drop(list(self.positions))
+        self.epoch += 1
         self.applied = None
         with self.lock:
             self.answer = None

@@ -48,6 +48,7 @@ log = logging.getLogger("equeue.server")
 class Connection(asyncio.Protocol):
     def __init__(self, broker: Broker, listener: str, number: int) -> None:
         self.broker = broker
+        self.number = number
         self.where = f"connection #{number} on {listener}"
         self.transport: asyncio.Transport | None = None
         self.client = ""
@@ -61,6 +62,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._backlog: list[bytes] = []  # frames read but not yet served (backpressure)
         self._out_bytes = 0
+        self._ended = False  # the client half-closed: close once every answer is out
 
     # --- asyncio callbacks ----------------------------------------------------
 
@@ -110,7 +112,9 @@ class Connection(asyncio.Protocol):
                 self._batching = False
                 self._write_out()
                 self.broker.after_batch()
-        if not self._paused and not self._backlog and not self.broker.draining:
+        if self._ended and not self.in_flight and not self._backlog:
+            self.close()
+        elif not self._paused and not self._backlog and not self.broker.draining:
             assert self.transport is not None
             self.transport.resume_reading()
 
@@ -175,7 +179,13 @@ class Connection(asyncio.Protocol):
                     f"{self.where}: the connection ended inside a frame ({pending} bytes of it)"
                 )
             )
-        return None  # close the transport
+            return None
+        if self.closed or (not self.in_flight and not self._backlog):
+            return None  # close the transport
+        # The client half-closed and waits for its answers (sends awaiting an fdatasync,
+        # held pulls): the connection closes once the last is written.
+        self._ended = True
+        return True
 
     # --- frames ---------------------------------------------------------------
 
@@ -268,6 +278,8 @@ class Connection(asyncio.Protocol):
             self._answer_error(request_id, outcome)
         else:
             self._answer(request_id, STATUS_OK, outcome)
+        if self._ended and not self.in_flight and not self._backlog:
+            self.close()
 
     def _answer_error(self, request_id: int, exc: BaseException) -> None:
         self.broker.counters.errors += 1

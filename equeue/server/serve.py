@@ -39,6 +39,7 @@ log = logging.getLogger("equeue.server")
 
 TICK_S = 0.1  # the group coordinator's tick, held pulls' poll
 SAMPLE_EVERY = 10  # ticks between rate samples
+MAX_LISTED = 100  # connections stats lists one by one
 StoreOrPath = MessageStore | str | os.PathLike[str]
 
 
@@ -234,6 +235,15 @@ class Broker:
             else 0.0,
             "listen": list(self.urls),
             "flush": self.config.flush,
+            "clients": [
+                {
+                    "where": c.where,
+                    "client": c.client,
+                    "in_flight": c.in_flight,
+                    "buffered_bytes": c.buffered,
+                }
+                for c in sorted(self.connections, key=lambda c: c.number)[:MAX_LISTED]
+            ],
         }
 
     # --- run and stop ---------------------------------------------------------------

@@ -28,9 +28,17 @@ def fetch_stats(
 
 
 def render_stats(stats: dict[str, Any]) -> str:
-    lines = [f"{key}: {stats[key]}" for key in sorted(stats) if not isinstance(stats[key], dict)]
+    lines = [
+        f"{key}: {stats[key]}" for key in sorted(stats) if not isinstance(stats[key], dict | list)
+    ]
+    lines.append(f"listen: {' '.join(stats.get('listen', []))}")
     for name, rate in sorted(stats.get("rates", {}).items()):
         lines.append(f"{name}: {rate}")
+    for client in stats.get("clients", []):
+        lines.append(
+            f"{client['where']}: {client['in_flight']} in flight, "
+            f"{client['buffered_bytes']} bytes buffered"
+        )
     members = stats.get("coordinator", {})
     for group, info in sorted(stats.get("groups", {}).items()):
         lines.append(f"group {group}: lag {info['lag']}")
