@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import short_dir
+from server_helpers import raw, short_dir
 
 import equeue
 import equeue.aio
@@ -216,3 +216,90 @@ def test_asyncio_members_split_the_queues_and_retry(broker: tuple[BrokerThread, 
     assert bodies == sorted([b"%d" % i for i in range(30)] + [b"7"])  # 7 once more
     retried = [m for m in got_a + got_b if m.properties.get(ATTEMPT) == "1"]
     assert [(m.body, m.topic) for m in retried] == [(b"7", TOPIC)]
+
+
+def test_hostile_group_requests_get_error_answers(broker: tuple[BrokerThread, str]) -> None:
+    """Values of the right wire type that make no sense are answered with an equeue error
+    (never BrokerError, which would be a builtin exception escaping); the connection and
+    the broker stay up, and nothing was created."""
+    _, url = broker
+    bad: list[tuple[str, dict[str, object], str]] = [
+        ("join", {"group": "g", "consumer": "a", "topics": [1, 2]}, "InvalidTypeError"),
+        ("join", {"group": "g", "consumer": "a", "topics": ["x" * 300]}, "InvalidMessageError"),
+        ("join", {"group": "g", "consumer": "a", "topics": ["../x"]}, "InvalidMessageError"),
+        ("join", {"group": "", "consumer": "a", "topics": [TOPIC]}, "InvalidMessageError"),
+        ("join", {"group": "g", "consumer": "a" * 300, "topics": [TOPIC]}, "InvalidMessageError"),
+        ("join", {"group": "g", "consumer": "a", "topics": [TOPIC] * 100}, "InvalidMessageError"),
+        ("join", {"group": "g", "consumer": "a", "topics": [TOPIC], "session_timeout_ms": 1 << 62},
+         "InvalidMessageError"),
+        ("heartbeat", {"group": "g", "consumer": "a", "generation": 1 << 63}, "GroupError"),
+        ("nack", {"group": "g", "consumer": "a", "message_id": "zz"}, "GroupError"),
+    ]  # fmt: skip
+    with raw(url) as connection:
+        for op, args, code in bad:
+            error = connection.error(op, **args)
+            assert error["code"] == code, (op, args, error)
+        connection.call("join", group="g", consumer="a", topics=[TOPIC])
+        for message_id in ("zz", "0" * 24, "f" * 24, "é" * 24):
+            error = connection.error("nack", group="g", consumer="a", message_id=message_id)
+            assert error["code"] == "MessageNotFoundError", error
+        assert connection.call("ping") is None
+        topics = connection.call("topics")
+    assert topics == ["equeue.retry.g", TOPIC]
+
+
+def test_member_joins_again_after_a_broker_restart() -> None:
+    """Membership lives in the broker's memory: after a restart the member's next request
+    answers GroupError or a lost connection, it joins again and reads on from the group's
+    committed offsets (what it processed uncommitted comes again: at least once)."""
+    directory = short_dir()
+    thread = None
+    try:
+        with MessageStore.open(directory / "s") as store:
+            store.create_topic(TOPIC, 4)
+        thread = BrokerThread(directory / "s").start()
+        url = thread.urls[0]
+        with equeue.connect(url) as client:
+            client.send_batch(TOPIC, [b"a%d" % i for i in range(10)])
+            consumer = GroupConsumer(client, "g", TOPIC, session_timeout=1.0)
+            try:
+                got = consume(consumer, 10)
+                thread.stop()
+                thread = BrokerThread(directory / "s").start()
+                client.send_batch(TOPIC, [b"b%d" % i for i in range(10)])
+                got += consume(consumer, 10, 20)
+                while (message := consumer.poll(0.5)) is not None:  # the redelivered ones
+                    got.append(message)
+            finally:
+                consumer.close()
+    finally:
+        if thread is not None:
+            thread.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    bodies = {m.body for m in got}
+    assert bodies == {b"%s%d" % (p, i) for p in (b"a", b"b") for i in range(10)}
+
+
+def test_a_member_whose_caller_stalls_gives_its_queues_up(
+    broker: tuple[BrokerThread, str],
+) -> None:
+    """Heartbeats stop once the caller has not asked for a message for max_poll_interval:
+    its queues go to the others after the session timeout; when it comes back it joins
+    again."""
+    _, url = broker
+    with equeue.connect(url) as client:
+        stuck = GroupConsumer(
+            client, "g", TOPIC, session_timeout=0.5, max_poll_interval=0.3, consumer_id="a"
+        )
+        other = GroupConsumer(client, "g", TOPIC, session_timeout=5.0, consumer_id="b")
+        try:
+            deadline = time.monotonic() + 20
+            while len(other.assignment()) < 5:  # a's caller never comes back
+                assert time.monotonic() < deadline, other.assignment()
+                other.poll(0.05)
+            assert client.stats()["coordinator"]["g"]["members"].keys() == {"b"}
+            assert stuck.poll(0.5) is None  # back: it joins again (and gets a share)
+            assert "a" in client.stats()["coordinator"]["g"]["members"]
+        finally:
+            stuck.close()
+            other.close()

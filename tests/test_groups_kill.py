@@ -26,7 +26,7 @@ from equeue import MessageStore
 HERE = Path(__file__).parent
 TOPIC = "p"  # broker_producer.py's topic
 GROUP = "workers"
-SESSION = 1.5
+SESSION = 2.4  # the reads right after the kill must come before the handover
 PER_PRODUCER = 20_000  # a bound: the producers are killed long before
 
 
@@ -119,7 +119,8 @@ def test_sigkilled_member_queues_move_and_nothing_is_lost(home: Path) -> None:
         consumed_by_victim = victim.messages()
         with equeue.connect(url) as client:
             committed = {q: client.committed_offset(GROUP, TOPIC, q) or 0 for q in range(8)}
-            assert time.monotonic() - killed_at < SESSION  # read before the handover
+            # before the handover: the last heartbeat may have been SESSION / 3 before the kill
+            assert time.monotonic() - killed_at < SESSION * 2 / 3
         time.sleep(0.5)  # the producers go on while the victim's queues wait
         acks: dict[str, str] = {}
         for number, producer in enumerate(producers):

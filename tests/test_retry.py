@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from equeue import Message, MessageStore
+from equeue import Message, MessageStore, PullResult
 from equeue.errors import GroupError, MessageNotFoundError, StoreWriteError
 from equeue.server import retry
 from equeue.server.groups import GroupCoordinator
@@ -212,3 +213,26 @@ def test_crash_between_move_and_cursor_moves_again(
         assert [m.body for m in everything(store, RETRY)] == [b"m", b"m"]
         coord.tick()
         assert len(everything(store, RETRY)) == 2
+
+
+def test_mover_reads_a_waiting_queue_once_until_its_head_is_due(
+    store: MessageStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coord = coordinator(store, clock)
+    coord.nack("g", "a", store.send("orders", b"x").message_id, 1000)
+    pulls: list[str] = []
+    real_pull = store.pull
+
+    def counting_pull(topic: str, *args: Any, **kwargs: Any) -> PullResult:
+        pulls.append(topic)
+        return real_pull(topic, *args, **kwargs)
+
+    monkeypatch.setattr(store, "pull", counting_pull)
+    for _ in range(5):
+        clock.now += 0.1
+        coord.tick()
+    assert pulls == [retry.DELAY_TOPIC]  # the tick every 100 ms does not read it again
+    clock.now += 0.6
+    coord.tick()
+    assert pulls == [retry.DELAY_TOPIC] * 2
+    assert len(everything(store, RETRY)) == 1

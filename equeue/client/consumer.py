@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
+    DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_SESSION_TIMEOUT,
     POLL_WAIT_MS,
     GroupState,
@@ -44,6 +45,7 @@ from equeue.errors import (
     EQueueError,
     GroupError,
     InvalidMessageError,
+    ProtocolError,
 )
 from equeue.store.types import Message
 
@@ -76,12 +78,14 @@ class GroupConsumer:
         max_retries: int | None = None,
         timeout: float | None = None,
         consumer_id: str | None = None,
+        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
     ) -> None:
         self.client = client
         self.state = GroupState(
             client.url, group, topics, tags=tags, batch_size=batch_size,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
-            session_timeout=session_timeout, max_retries=max_retries, consumer_id=consumer_id,
+            session_timeout=session_timeout, max_poll_interval=max_poll_interval,
+            max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
         self._inflight: dict[Queue, tuple[Future[Any], int, int]] = {}
@@ -120,6 +124,7 @@ class GroupConsumer:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
         state = self.state
         self._check_open()
+        state.last_poll = time.monotonic()
         state.done_with_pending()
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
@@ -232,6 +237,7 @@ class GroupConsumer:
         deadline = None if timeout is None else start + timeout
         while True:
             self._event.clear()
+            state.last_poll = time.monotonic()  # waiting for messages is not stalling
             try:
                 self._maintain()
                 self._harvest()
@@ -253,6 +259,8 @@ class GroupConsumer:
     def _maintain(self) -> None:
         """Join again if the membership was lost; apply the latest assignment."""
         state = self.state
+        if state.failure is not None:
+            raise state.failure
         if state.lost:
             self._join()
         plan = state.plan()
@@ -268,10 +276,8 @@ class GroupConsumer:
             committed = self.client.request(
                 "committed_offset", {"group": state.group, "topic": topic, "queue_id": queue_id}
             )
-            first, following = self.client.request(
-                "queue_range", {"topic": topic, "queue_id": queue_id}
-            )
-            state.add(key, committed, first, following)
+            queue_range = self.client.request("queue_range", {"topic": topic, "queue_id": queue_id})
+            state.add(key, committed, queue_range)
         state.applied = generation
         self._beat_now.set()  # release the dropped queues now, not a heartbeat later
 
@@ -323,19 +329,21 @@ class GroupConsumer:
             self._beat_now.clear()
             if self._stop.is_set():
                 return
-            if state.lost:
+            if state.lost or state.stalled():
                 continue
             try:
-                answer = self.client.request("heartbeat", state.heartbeat_args())
+                if state.take(self.client.request("heartbeat", state.heartbeat_args())):
+                    self._event.set()
             except GroupError as exc:
                 log.warning("consumer %s: %s", state.consumer, exc)
                 state.lost = True
                 self._event.set()
+            except ProtocolError as exc:  # the broker answered nonsense: the loop raises it
+                state.failure = exc
+                self._event.set()
+                return
             except EQueueError as exc:  # the connection: the client reconnects next time
                 log.info("consumer %s: heartbeat failed: %s", state.consumer, exc)
-            else:
-                if state.take(answer):
-                    self._event.set()
 
 
 def _delay_ms(delay: float) -> int:

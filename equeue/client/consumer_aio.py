@@ -22,12 +22,19 @@ from typing import Any, Protocol
 from equeue.client.consumer import IDLE_COMMIT_SECONDS, MAX_POLLERS, _delay_ms
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
+    DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_SESSION_TIMEOUT,
     POLL_WAIT_MS,
     GroupState,
     Queue,
 )
-from equeue.errors import ClosedError, ConnectionLostError, EQueueError, GroupError
+from equeue.errors import (
+    ClosedError,
+    ConnectionLostError,
+    EQueueError,
+    GroupError,
+    ProtocolError,
+)
 from equeue.store.types import Message
 
 log = logging.getLogger("equeue.client.consumer")
@@ -57,12 +64,14 @@ class AsyncGroupConsumer:
         max_retries: int | None = None,
         timeout: float | None = None,
         consumer_id: str | None = None,
+        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
     ) -> None:
         self.client = client
         self.state = GroupState(
             client.url, group, topics, tags=tags, batch_size=batch_size,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
-            session_timeout=session_timeout, max_retries=max_retries, consumer_id=consumer_id,
+            session_timeout=session_timeout, max_poll_interval=max_poll_interval,
+            max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
         self._inflight: dict[Queue, tuple[asyncio.Task[Any], int, int]] = {}
@@ -105,6 +114,7 @@ class AsyncGroupConsumer:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
         await self.start()
         state = self.state
+        state.last_poll = time.monotonic()
         state.done_with_pending()
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
@@ -220,6 +230,7 @@ class AsyncGroupConsumer:
         deadline = None if timeout is None else start + timeout
         while True:
             self._event.clear()
+            state.last_poll = time.monotonic()  # waiting for messages is not stalling
             try:
                 await self._maintain()
                 self._harvest()
@@ -242,6 +253,8 @@ class AsyncGroupConsumer:
 
     async def _maintain(self) -> None:
         state = self.state
+        if state.failure is not None:
+            raise state.failure
         if state.lost:
             await self._join()
         plan = state.plan()
@@ -257,10 +270,10 @@ class AsyncGroupConsumer:
             committed = await self.client.request(
                 "committed_offset", {"group": state.group, "topic": topic, "queue_id": queue_id}
             )
-            first, following = await self.client.request(
+            queue_range = await self.client.request(
                 "queue_range", {"topic": topic, "queue_id": queue_id}
             )
-            state.add(key, committed, first, following)
+            state.add(key, committed, queue_range)
         state.applied = generation
         if self._beat_now is not None:
             self._beat_now.set()
@@ -319,16 +332,18 @@ class AsyncGroupConsumer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(beat_now.wait(), state.interval())
             beat_now.clear()
-            if state.closed or state.lost:
+            if state.closed or state.lost or state.stalled():
                 continue
             try:
-                answer = await self.client.request("heartbeat", state.heartbeat_args())
+                if state.take(await self.client.request("heartbeat", state.heartbeat_args())):
+                    event.set()
             except GroupError as exc:
                 log.warning("consumer %s: %s", state.consumer, exc)
                 state.lost = True
                 event.set()
+            except ProtocolError as exc:  # the broker answered nonsense: the loop raises it
+                state.failure = exc
+                event.set()
+                return
             except EQueueError as exc:
                 log.info("consumer %s: heartbeat failed: %s", state.consumer, exc)
-            else:
-                if state.take(answer):
-                    event.set()

@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, Final
@@ -30,6 +31,10 @@ from equeue.store.types import Message
 Queue = tuple[str, int]
 DEFAULT_SESSION_TIMEOUT: Final = 10.0
 DEFAULT_AUTO_COMMIT_INTERVAL: Final = 1.0
+# Kafka's max.poll.interval.ms: a member whose caller has not asked for a message for this
+# long stops heartbeating, so the queues it holds go to the others after its session
+# timeout (a handler stuck for good would hold them, revoked ones too, forever).
+DEFAULT_MAX_POLL_INTERVAL: Final = 300.0
 # A long-poll pull is held this long at most: then the loop looks at its assignment.
 POLL_WAIT_MS: Final = 1000
 
@@ -46,6 +51,7 @@ class GroupState:
         auto_commit: bool,
         auto_commit_interval: float,
         session_timeout: float,
+        max_poll_interval: float,
         max_retries: int | None,
         consumer_id: str | None,
     ) -> None:
@@ -66,6 +72,8 @@ class GroupState:
         self.auto_commit = auto_commit
         self.auto_commit_interval = _seconds(auto_commit_interval, "auto_commit_interval")
         self.session_timeout_ms = int(_seconds(session_timeout, "session_timeout") * 1000)
+        self.max_poll_interval = _seconds(max_poll_interval, "max_poll_interval")
+        self.last_poll = time.monotonic()  # when the caller last asked for a message
         if max_retries is not None and (
             not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
         ):
@@ -79,6 +87,7 @@ class GroupState:
         self.lock = threading.Lock()  # the answer, between the heartbeat thread and the loop
         self.answer: dict[str, Any] | None = None
         self.lost = True  # not a member (yet, or any more): join first
+        self.failure: ProtocolError | None = None  # the heartbeat's, raised by the loop
         self.epoch = 0  # memberships so far: a pull sent in an earlier one is ignored
         self.applied: int | None = None
         self.positions: dict[Queue, int] = {}
@@ -109,6 +118,10 @@ class GroupState:
             args["generation"] = self.applied
         return args
 
+    def stalled(self) -> bool:
+        """The caller has not asked for a message for max_poll_interval: no heartbeat."""
+        return time.monotonic() - self.last_poll > self.max_poll_interval
+
     def take(self, answer: object) -> bool:
         """Keep an assignment answered by join or heartbeat; True if it is news."""
         if (
@@ -137,9 +150,14 @@ class GroupState:
             return None
         wanted: set[Queue] = set()
         for item in answer["assignment"]:
-            if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+            if (
+                type(item) is not list
+                or len(item) != 2
+                or type(item[0]) is not str
+                or type(item[1]) is not int
+            ):
                 raise ProtocolError(f"{self.where}: an assignment lists [topic, queue_id]")
-            wanted.add((item[0], int(item[1])))
+            wanted.add((item[0], item[1]))
         generation: int = answer["generation"]
         held = set(self.positions)
         if generation == self.applied and wanted == held:
@@ -166,7 +184,18 @@ class GroupState:
             self.buffer = deque(item for item in self.buffer if item[1] not in gone)
             self.pending = [item for item in self.pending if item[0] not in gone]
 
-    def add(self, key: Queue, committed: int | None, first: int, following: int) -> None:
+    def add(self, key: Queue, committed: object, queue_range: object) -> None:
+        """Start ``key`` at the group's committed offset (the broker's answers to
+        committed_offset and queue_range), else at its first offset."""
+        if committed is not None and type(committed) is not int:
+            raise ProtocolError(f"{self.where}: a committed offset must be a uint or nil")
+        if (
+            type(queue_range) is not list
+            or len(queue_range) != 2
+            or not all(type(v) is int for v in queue_range)
+        ):
+            raise ProtocolError(f"{self.where}: a queue range must be [first, next]")
+        first, following = queue_range
         at = first if committed is None else min(max(committed, first), following)
         self.positions[key] = self.processed[key] = at
         if committed is not None:

@@ -164,12 +164,12 @@ class GroupCoordinator:
                 f"for {list(names)}: every member of a group subscribes the same topics "
                 "(use another group name for another subscription)"
             )
-        self.retries.ensure(retry.retry_topic(group), 1)
         if len(others) >= MAX_MEMBERS:
             raise LimitExceededError(
                 f"group {group!r} has {len(others)} members, the most a group may have "
                 f"(MAX_MEMBERS); consumer {consumer!r} was not added"
             )
+        self.retries.ensure(retry.retry_topic(group), 1)
         if state is None:
             state = self._groups[group] = _Group(group)
         self._drop(state, consumer)

@@ -121,6 +121,10 @@ class Retries:
         self.store = store
         self.wall_clock = wall_clock
         self.delays = _check_delays(delays)
+        # The mover's committed cursors, read once: only this mover commits them, and a
+        # committed_offset per queue per tick would merge every group's offsets each time.
+        self._cursors: dict[int, int] = {}
+        self._head_due: dict[int, float] = {}  # the due time of a queue's first copy waiting
         self.moved = 0  # copies moved to retry topics (stats)
         self.dead = 0  # messages sent to dead-letter topics
 
@@ -169,14 +173,18 @@ class Retries:
         moved = 0
         for queue_id in delay_queues:
             first, following = store.queue_range(DELAY_TOPIC, queue_id)
-            cursor = store.committed_offset(MOVER_GROUP, DELAY_TOPIC, queue_id)
-            at = first if cursor is None else max(cursor, first)
-            if at >= following:
+            at = max(self._cursor(queue_id), first)
+            if at > following:  # the topic was deleted and made again: start over
+                at = self._cursors[queue_id] = first
+            if at >= following or self._head_due.get(queue_id, 0) > now_ms:
                 continue
             due: list[Message] = []
             for message in store.pull(DELAY_TOPIC, queue_id, at, MOVE_BATCH):
                 if _due_ms(message) > now_ms:
-                    break  # FIFO by due time: the rest of the queue waits too
+                    # FIFO by due time: the rest of the queue waits too, and until then
+                    # the queue is not read again
+                    self._head_due[queue_id] = _due_ms(message)
+                    break
                 due.append(message)
             if not due:
                 continue
@@ -197,9 +205,17 @@ class Retries:
                 store.send_batch(target, batch)
             store.flush()  # the copies on disk before the cursor says they were moved
             store.commit_offset(MOVER_GROUP, DELAY_TOPIC, queue_id, due[-1].queue_offset + 1)
+            self._cursors[queue_id] = due[-1].queue_offset + 1
             moved += len(due)
         self.moved += moved
         return moved
+
+    def _cursor(self, queue_id: int) -> int:
+        cursor = self._cursors.get(queue_id)
+        if cursor is None:
+            found = self.store.committed_offset(MOVER_GROUP, DELAY_TOPIC, queue_id)
+            cursor = self._cursors[queue_id] = found or 0
+        return cursor
 
     def pending(self) -> int:
         """Copies in the delay queues not moved yet."""
@@ -210,8 +226,7 @@ class Retries:
         total = 0
         for queue_id in delay_queues:
             first, following = self.store.queue_range(DELAY_TOPIC, queue_id)
-            cursor = self.store.committed_offset(MOVER_GROUP, DELAY_TOPIC, queue_id)
-            total += following - (first if cursor is None else max(cursor, first))
+            total += following - max(self._cursor(queue_id), first)
         return total
 
     def _append(
