@@ -510,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kernel": platform.release(),
         "file_system": report.file_system(args.dir),
         "redis": servers.redis_version(),
+        "redis_py": servers.redis_py_version(),
         "source": report.source_state(ROOT),
         "batch": BATCH,
         "window": WINDOW,

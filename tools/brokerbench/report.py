@@ -197,7 +197,7 @@ def _meta_lines(meta: dict[str, Any]) -> str:
             + (" (**--quick**: smoke counts, figures meaningless)" if meta["quick"] else "")
             + f", each run capped at {meta['cap']:g} s (⏱: a run hit the cap)",
             f"- Python {meta['python']}, {meta['cpus']} CPUs, Linux {meta['kernel']}, "
-            f"{meta['file_system']}; Redis {meta['redis']}",
+            f"{meta['file_system']}; Redis {meta['redis']}, {meta['redis_py']}",
             f"- Source: {meta['source']}",
             f"- Load average (1/5/15 min): before {before}, after {after}",
             f"- Wall time: {meta['wall_seconds']:.0f} s",

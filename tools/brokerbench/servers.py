@@ -105,6 +105,17 @@ def redis_version() -> str:
     return out.strip() or "unknown"
 
 
+def redis_py_version() -> str:
+    """redis-py's version, and whether it parses replies with hiredis (C) or in Python."""
+    try:
+        import redis
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:
+        return "redis-py not installed"
+    parser = "hiredis" if HIREDIS_AVAILABLE else "no hiredis: replies parsed in Python"
+    return f"redis-py {redis.__version__} ({parser})"
+
+
 def start_redis(directory: Path, *, durable: bool) -> Server:
     """redis-server on a Unix socket in ``directory``, no TCP port. Not durable: no RDB
     snapshots and no AOF; durable: AOF with ``appendfsync always`` (one fsync per event
