@@ -123,7 +123,11 @@ class Bench:
         run["capped"] = count < sum(j.get("count", 0) for j in jobs)
         run["client_cpu"] = sum(r["cpu"] for r in results)
         start = min(r["t0"] for r in results)
-        run["workers"] = [[r["count"], r["t0"] - start, r["t1"] - start] for r in results]
+        run["workers"] = [  # per process: messages, start and end (s after the first start)
+            [r["count"], r["t0"] - start, r["t1"] - start]
+            + ([r["first"]] if r.get("first") is not None else [])  # to the first message
+            for r in results
+        ]
         if server is not None:
             run["server_cpu"] = servers.cpu_seconds(server.pid) - cpu_before
         samples = [s for r in results for s in r.get("samples", ())]

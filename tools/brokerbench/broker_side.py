@@ -185,7 +185,7 @@ class GroupConsume:
         # it is meant to have): polls of the still empty topic apply the assignments
         # and release what others are to get, without taking a message.
         deadline = time.monotonic() + SETTLE_SECONDS
-        while not settled(self.client.stats(), job["group"], job["members"]):
+        while not settled(self.client.stats(), job["group"], job["members"], self.consumer):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"group {job['group']} not settled {SETTLE_SECONDS:.0f} s after "
@@ -198,7 +198,10 @@ class GroupConsume:
         done = checked = 0
         t0 = t1 = time.perf_counter()
         stop = t0 + self.job["cap"]
+        first = None
         for message in self.consumer:
+            if first is None:
+                first = time.perf_counter() - t0  # the wait for the first message
             done += 1
             checked += len(message.body)
             if not done % 256:
@@ -208,7 +211,7 @@ class GroupConsume:
             else:
                 t1 = time.perf_counter()
         self.consumer.close()  # commits what it handed out
-        return result(done, t0, t1, body_bytes=checked)
+        return result(done, t0, t1, body_bytes=checked, first=first)
 
     def close(self) -> None:
         self.consumer.close()
@@ -230,13 +233,16 @@ def check_stored(url: str, topic: str, results: list[dict[str, Any]]) -> dict[st
     return {"stored": stored}
 
 
-def settled(stats: dict[str, Any], group: str, members: int) -> bool:
+def settled(stats: dict[str, Any], group: str, members: int, member: GroupConsumer) -> bool:
+    """Every member joined, every queue held by its target, and ``member`` pulls just the
+    queues the broker has it hold (the broker's view runs ahead of the member's)."""
     state = stats.get("coordinator", {}).get(group)
     if not state or len(state["members"]) != members:
         return False
-    return all(
-        holder is not None and holder == target for *_, holder, target in state["assignment"]
-    )
+    if any(holder is None or holder != target for *_, holder, target in state["assignment"]):
+        return False
+    held = state["members"].get(member.consumer_id, {}).get("queues", [])
+    return {tuple(queue) for queue in held} == set(member.assignment())
 
 
 def create_topic(url: str, topic: str, queues: int) -> None:

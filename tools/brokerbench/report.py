@@ -150,13 +150,15 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     if consume.cases:
         out += ["#### Consumer group, 100 B (msg/s)", ""]
         out += ["| consumer processes | broker: group consumer | Redis: XREADGROUP + XACK "
-                "| broker / Redis |", "|---|--:|--:|--:|"]  # fmt: skip
+                "| broker / Redis | CPU µs/msg, server / clients: broker | Redis |",
+                "|---|--:|--:|--:|--:|--:|"]  # fmt: skip
         for case in consume.cases:
             first = consume.first(case)
             broker, redis = consume.median(case, "broker"), consume.median(case, "redis")
             out.append(
                 f"| {first['consumers']} | {consume.cell(case, 'broker')} | "
-                f"{consume.cell(case, 'redis')} | {_ratio(broker, redis)} |"
+                f"{consume.cell(case, 'redis')} | {_ratio(broker, redis)} | "
+                f"{_cpus(consume, case, 'broker')} | {_cpus(consume, case, 'redis')} |"
             )
         out.append("")
     latency = Table(runs, "latency")
@@ -226,8 +228,7 @@ def _produce(table: Table, names: dict[str, Any]) -> list[str]:
     for case in table.cases:
         first = table.first(case)
         cells = [
-            f"{table.cpu(case, s, 'server_cpu')} / {table.cpu(case, s, 'client_cpu')}"
-            for s in ("broker-batch", "broker-single", "broker-many", "redis")
+            _cpus(table, case, s) for s in ("broker-batch", "broker-single", "broker-many", "redis")
         ]
         out.append(f"| {_size(first['body'])} | {first['producers']} | " + " | ".join(cells) + " |")
     return [*out, ""]
@@ -236,7 +237,8 @@ def _produce(table: Table, names: dict[str, Any]) -> list[str]:
 def _durable(table: Table) -> list[str]:
     out = ["#### Durable sends, 100 B (msg/s)", ""]
     out += ["| producers | broker `--flush sync` | Redis `appendfsync always` | append + fdatasync "
-            "loop | broker / loop | broker / Redis |", "|---|--:|--:|--:|--:|--:|"]  # fmt: skip
+            "loop | broker / loop | broker / Redis | CPU µs/msg, server / clients: broker "
+            "| Redis |", "|---|--:|--:|--:|--:|--:|--:|--:|"]  # fmt: skip
     for case in table.cases:
         first = table.first(case)
         broker = table.median(case, "broker")
@@ -245,9 +247,14 @@ def _durable(table: Table) -> list[str]:
             f"| {who} | {table.cell(case, 'broker')} | {table.cell(case, 'redis')} | "
             f"{table.cell(case, 'fdatasync')} | "
             f"{_ratio(broker, table.median(case, 'fdatasync'))} | "
-            f"{_ratio(broker, table.median(case, 'redis'))} |"
+            f"{_ratio(broker, table.median(case, 'redis'))} | "
+            f"{_cpus(table, case, 'broker')} | {_cpus(table, case, 'redis')} |"
         )
     return [*out, ""]
+
+
+def _cpus(table: Table, case: str, system: str) -> str:
+    return f"{table.cpu(case, system, 'server_cpu')} / {table.cpu(case, system, 'client_cpu')}"
 
 
 def _size(body: int) -> str:
