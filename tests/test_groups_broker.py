@@ -303,3 +303,35 @@ def test_a_member_whose_caller_stalls_gives_its_queues_up(
         finally:
             stuck.close()
             other.close()
+
+
+def test_revoked_queues_go_at_the_next_message_not_after_the_buffer(
+    broker: tuple[BrokerThread, str],
+) -> None:
+    """A member with a full buffer gives a revoked queue up at its next poll: what it
+    fetched ahead of that queue is dropped (the next holder reads it from the commit)."""
+    _, url = broker
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"%d" % i for i in range(400)])
+        a = GroupConsumer(client, "g", TOPIC, batch_size=100, session_timeout=1.0,
+                          consumer_id="a")  # fmt: skip
+        b = None
+        try:
+            got_a = consume(a, 1)
+            assert len(a.state.buffer) >= 50  # fetched ahead: one pull's 100, one taken
+            b = GroupConsumer(client, "g", TOPIC, session_timeout=1.0, consumer_id="b")
+            deadline = time.monotonic() + 20
+            got_b: list[equeue.Message] = []
+            while len(b.assignment()) < 2:
+                assert time.monotonic() < deadline
+                got_a += consume(a, 1)
+                got_b += consume(b, 1, 0.05)
+            assert len(got_a) < 50  # it did not first hand out what it had fetched ahead
+            got_b += consume(b, 200 - len([m for m in got_a + got_b if m.queue_id in (2, 3)]))
+        finally:
+            if b is not None:
+                b.close()
+            a.close()
+    for queue_id in (2, 3):  # a committed what it processed of them: none twice, none lost
+        offsets = [m.queue_offset for m in got_a + got_b if m.queue_id == queue_id]
+        assert sorted(offsets) == list(range(100))

@@ -126,6 +126,12 @@ class GroupConsumer:
         self._check_open()
         state.last_poll = time.monotonic()
         state.done_with_pending()
+        if state.news or state.lost or state.failure:  # revoked queues go at once
+            try:
+                self._maintain()
+            except (GroupError, ConnectionLostError) as exc:
+                log.warning("consumer %s: %s; joining again", state.consumer, exc)
+                state.lost = True
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval

@@ -116,6 +116,12 @@ class AsyncGroupConsumer:
         state = self.state
         state.last_poll = time.monotonic()
         state.done_with_pending()
+        if state.news or state.lost or state.failure:  # revoked queues go at once
+            try:
+                await self._maintain()
+            except (GroupError, ConnectionLostError) as exc:
+                log.warning("consumer %s: %s; joining again", state.consumer, exc)
+                state.lost = True
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval

@@ -90,6 +90,7 @@ class GroupState:
         self.failure: ProtocolError | None = None  # the heartbeat's, raised by the loop
         self.epoch = 0  # memberships so far: a pull sent in an earlier one is ignored
         self.applied: int | None = None
+        self.news = False  # an answer not applied yet: the loop applies it at the next poll
         self.positions: dict[Queue, int] = {}
         self.processed: dict[Queue, int] = {}
         self.committed: dict[Queue, int] = {}
@@ -133,7 +134,10 @@ class GroupState:
         with self.lock:
             before = self.answer
             self.answer = answer
-        return before is None or before != answer
+        news = before is None or before != answer
+        if news:
+            self.news = True
+        return news
 
     def interval(self) -> float:
         with self.lock:
@@ -146,6 +150,7 @@ class GroupState:
         None when it is applied."""
         with self.lock:
             answer = self.answer
+            self.news = False
         if answer is None:
             return None
         wanted: set[Queue] = set()
