@@ -245,6 +245,12 @@ def settled(stats: dict[str, Any], group: str, members: int, member: GroupConsum
     return {tuple(queue) for queue in held} == set(member.assignment())
 
 
+def flushes(url: str) -> int:
+    """The fdatasyncs of the broker's group commit so far (``--flush sync``)."""
+    with equeue.connect(url) as client:
+        return int(client.stats()["flushes"])
+
+
 def create_topic(url: str, topic: str, queues: int) -> None:
     with equeue.connect(url) as client:
         client.create_topic(topic, queues)

@@ -237,8 +237,8 @@ def _produce(table: Table, names: dict[str, Any]) -> list[str]:
 def _durable(table: Table) -> list[str]:
     out = ["#### Durable sends, 100 B (msg/s)", ""]
     out += ["| producers | broker `--flush sync` | Redis `appendfsync always` | append + fdatasync "
-            "loop | broker / loop | broker / Redis | CPU µs/msg, server / clients: broker "
-            "| Redis |", "|---|--:|--:|--:|--:|--:|--:|--:|"]  # fmt: skip
+            "loop | broker / loop | broker / Redis | broker: sends per fdatasync | CPU µs/msg, "
+            "server / clients: broker | Redis |", "|---|" + "--:|" * 8]  # fmt: skip
     for case in table.cases:
         first = table.first(case)
         broker = table.median(case, "broker")
@@ -247,10 +247,15 @@ def _durable(table: Table) -> list[str]:
             f"| {who} | {table.cell(case, 'broker')} | {table.cell(case, 'redis')} | "
             f"{table.cell(case, 'fdatasync')} | "
             f"{_ratio(broker, table.median(case, 'fdatasync'))} | "
-            f"{_ratio(broker, table.median(case, 'redis'))} | "
+            f"{_ratio(broker, table.median(case, 'redis'))} | {_per_flush(table, case)} | "
             f"{_cpus(table, case, 'broker')} | {_cpus(table, case, 'redis')} |"
         )
     return [*out, ""]
+
+
+def _per_flush(table: Table, case: str) -> str:
+    per = [r["count"] / r["flushes"] for r in table.runs(case, "broker") if r.get("flushes")]
+    return f"{statistics.median(per):.1f}" if per else DASH
 
 
 def _cpus(table: Table, case: str, system: str) -> str:
