@@ -26,8 +26,11 @@ from equeue import MessageStore
 HERE = Path(__file__).parent
 TOPIC = "p"  # broker_producer.py's topic
 GROUP = "workers"
-SESSION = 2.4  # the reads right after the kill must come before the handover
-PER_PRODUCER = 20_000  # a bound: the producers are killed long before
+SESSION = 2.0
+# The victim's: the committed offsets read right after the kill must come before its
+# queues are handed over (at least 2/3 of it after the kill).
+VICTIM_SESSION = 3.0
+PER_PRODUCER = 3000
 
 
 @pytest.fixture
@@ -39,16 +42,14 @@ def home() -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-class Member:
-    """A consumer process and the lines it printed (read by a thread as they come)."""
+class Lines:
+    """A process and the lines it printed, read by a thread as they come (a pipe left
+    unread would stop it once full)."""
 
-    def __init__(self, url: str, name: str, work_ms: float = 0.0) -> None:
-        self.name = name
+    def __init__(self, command: list[str]) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(HERE / "group_consumer_child.py"), url, GROUP, TOPIC, name,
-             "--session", str(SESSION), "--work-ms", str(work_ms)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -58,6 +59,23 @@ class Member:
         for raw in self.process.stdout:
             self.lines.append(raw.decode().rstrip("\n"))
 
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+        self.reader.join(10)
+
+
+class Member(Lines):
+    """A consumer process (tests/group_consumer_child.py)."""
+
+    def __init__(self, url: str, name: str, work_ms: float, session: float) -> None:
+        self.name = name
+        super().__init__(
+            [sys.executable, str(HERE / "group_consumer_child.py"), url, GROUP, TOPIC, name,
+             "--session", str(session), "--work-ms", str(work_ms)]
+        )  # fmt: skip
+
     def messages(self) -> list[tuple[int, int, str]]:
         found = []
         for line in list(self.lines):
@@ -65,12 +83,6 @@ class Member:
                 _, queue_id, offset, message_id = line.split()
                 found.append((int(queue_id), int(offset), message_id))
         return found
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(30)
-        self.reader.join(10)
 
 
 def wait_for(condition: object, what: str, limit: float = 60.0) -> None:
@@ -87,31 +99,24 @@ def test_sigkilled_member_queues_move_and_nothing_is_lost(home: Path) -> None:
         created.create_topic(TOPIC, 8)
     broker, url = start_broker(store)
     members: list[Member] = []
-    producers: list[subprocess.Popen[bytes]] = []
+    producers: list[Lines] = []
     try:
         # c1, the one killed, is slow: it never runs out of messages, so it commits only
         # every auto_commit_interval and dies with messages processed past its commits
-        members = [Member(url, f"c{i}", 4.0 if i == 1 else 0.0) for i in range(3)]
+        members = [
+            Member(url, "c0", 0.0, SESSION),
+            Member(url, "c1", 4.0, VICTIM_SESSION),
+            Member(url, "c2", 0.0, SESSION),
+        ]
         wait_for(lambda: all("READY" in m.lines for m in members), "the members to join")
         producers = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(HERE / "broker_producer.py"),
-                    url,
-                    f"p{i}",
-                    "--limit",
-                    str(PER_PRODUCER),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
+            Lines([sys.executable, str(HERE / "broker_producer.py"), url, f"p{i}",
+                   "--limit", str(PER_PRODUCER)])
             for i in range(2)
-        ]
+        ]  # fmt: skip
         victim = members[1]
         wait_for(lambda: len(victim.messages()) >= 100, "the victim to consume")
         time.sleep(1.2)  # past its auto_commit_interval: it has committed some
-        assert all(p.poll() is None for p in producers), "the producers ended too soon"
         victim.process.send_signal(signal.SIGKILL)
         victim.stop()
         killed_at = time.monotonic()
@@ -119,16 +124,17 @@ def test_sigkilled_member_queues_move_and_nothing_is_lost(home: Path) -> None:
         consumed_by_victim = victim.messages()
         with equeue.connect(url) as client:
             committed = {q: client.committed_offset(GROUP, TOPIC, q) or 0 for q in range(8)}
-            # before the handover: the last heartbeat may have been SESSION / 3 before the kill
-            assert time.monotonic() - killed_at < SESSION * 2 / 3
-        time.sleep(0.5)  # the producers go on while the victim's queues wait
+            # before the handover: its last heartbeat may have come a third of its session
+            # timeout before the kill
+            assert time.monotonic() - killed_at < VICTIM_SESSION * 2 / 3
         acks: dict[str, str] = {}
         for number, producer in enumerate(producers):
-            producer.kill()  # each ack line was one write: what it printed is whole
-            out, _ = producer.communicate(timeout=60)
-            for seq, message_id in acknowledged(out.decode()).items():
+            assert producer.process.wait(120) == 0
+            producer.reader.join(30)
+            assert producer.lines[-1] == f"END {PER_PRODUCER}"
+            for seq, message_id in acknowledged("\n".join(producer.lines)).items():
                 acks[message_id] = f"p{number}:{seq}"
-        assert len(acks) > 1000
+        assert len(acks) == 2 * PER_PRODUCER
         survivors = [members[0], members[2]]
 
         def survivors_ids() -> set[str]:
@@ -143,12 +149,8 @@ def test_sigkilled_member_queues_move_and_nothing_is_lost(home: Path) -> None:
         wait_for(lambda: uncommitted <= survivors_ids(), "the victim's uncommitted messages")
         time.sleep(0.5)  # anything more the survivors print is checked below too
     finally:
-        for producer in producers:
-            if producer.poll() is None:
-                producer.kill()
-            producer.wait(30)
-        for member in members:
-            member.stop()
+        for process in [*producers, *members]:
+            process.stop()
         broker.send_signal(signal.SIGTERM)
         try:
             broker.wait(60)
