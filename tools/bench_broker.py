@@ -153,11 +153,15 @@ class Bench:
     # A case is a dict of what its rows show (``case``, ``body``, ``producers``...); each
     # system of a case is a bound method that takes the repeat's index.
 
-    def alternate(self, systems: list[Go]) -> None:
-        """A/B: the systems of a case in turn, the order reversed on odd repeats."""
+    def alternate(self, section: str, case: Case, systems: list[tuple[str, Go]]) -> None:
+        """A/B: the systems of a case in turn, the order reversed on odd repeats. A run
+        that fails outside its processes (a server gone) is recorded as failed."""
         for repeat in range(self.args.repeat):
-            for go in systems if repeat % 2 == 0 else systems[::-1]:
-                go(repeat)
+            for system, go in systems if repeat % 2 == 0 else systems[::-1]:
+                try:
+                    go(repeat)
+                except Exception as error:
+                    self.failed(section, case, system, repeat, f"{type(error).__name__}: {error}")
 
     def produce(self, broker: Server | None, redis: Server | None) -> None:
         for body in BODIES:
@@ -167,18 +171,34 @@ class Bench:
                 report.progress(case["case"])
                 batched = max(1, self.counts.batched[body] // producers)
                 single = max(1, self.counts.unbatched[body] // producers)
-                systems: list[Go] = []
+                systems: list[tuple[str, Go]] = []
                 if broker is not None:
-                    systems.append(partial(self.broker_produce, broker, case, "batch", batched))
+                    systems.append(
+                        (
+                            "broker-batch",
+                            partial(self.broker_produce, broker, case, "batch", batched),
+                        )
+                    )
                 if redis is not None:
-                    systems.append(partial(self.redis_produce, redis, case, batched))
+                    systems.append(("redis", partial(self.redis_produce, redis, case, batched)))
                 if broker is not None:
-                    systems.append(partial(self.broker_produce, broker, case, "single", single))
-                    systems.append(partial(self.broker_produce, broker, case, "many", single))
+                    systems.append(
+                        (
+                            "broker-single",
+                            partial(self.broker_produce, broker, case, "single", single),
+                        )
+                    )
+                    systems.append(
+                        ("broker-many", partial(self.broker_produce, broker, case, "many", single))
+                    )
                 if producers == 1:  # the store has one writer process
-                    systems.append(partial(self.store_produce, case, "batch", batched))
-                    systems.append(partial(self.store_produce, case, "single", single))
-                self.alternate(systems)
+                    systems.append(
+                        ("store-batch", partial(self.store_produce, case, "batch", batched))
+                    )
+                    systems.append(
+                        ("store-single", partial(self.store_produce, case, "single", single))
+                    )
+                self.alternate("produce", case, systems)
 
     def broker_produce(self, broker: Server, case: Case, mode: str, per: int, r: int) -> None:
         from brokerbench import broker_side  # the client: imported where it is used
@@ -229,12 +249,12 @@ class Bench:
             case: Case = {"case": f"consume {consumers}c 100B", "consumers": consumers}
             case["body"] = 100
             report.progress(case["case"])
-            systems: list[Go] = []
+            systems: list[tuple[str, Go]] = []
             if broker is not None:
-                systems.append(partial(self.broker_consume, broker, case))
+                systems.append(("broker", partial(self.broker_consume, broker, case)))
             if redis is not None:
-                systems.append(partial(self.redis_consume, redis, case))
-            self.alternate(systems)
+                systems.append(("redis", partial(self.redis_consume, redis, case)))
+            self.alternate("consume", case, systems)
 
     def broker_consume(self, broker: Server, case: Case, r: int) -> None:
         """The members join an empty topic and wait until each holds its share of the
@@ -286,17 +306,17 @@ class Bench:
             "warmup": self.counts.warmup,
         }
         job |= {"cap": self.cap, "topic": "lat", "key": "lat"}
-        systems: list[Go] = []
+        systems: list[tuple[str, Go]] = []
         if broker is not None:
             one = job | {"kind": "broker_latency", "url": broker.url}
-            systems.append(partial(self.measure, "latency", case, "broker", jobs=[one],
-                                   server=broker))  # fmt: skip
+            go = partial(self.measure, "latency", case, "broker", jobs=[one], server=broker)
+            systems.append(("broker", go))
         if redis is not None:
             one = job | {"kind": "redis_latency", "socket": str(redis.socket_path)}
-            systems.append(partial(self.measure, "latency", case, "redis", jobs=[one],
-                                   server=redis))  # fmt: skip
-        systems.append(partial(self.store_latency, case, job))
-        self.alternate(systems)
+            go = partial(self.measure, "latency", case, "redis", jobs=[one], server=redis)
+            systems.append(("redis", go))
+        systems.append(("store", partial(self.store_latency, case, job)))
+        self.alternate("latency", case, systems)
 
     def store_latency(self, case: Case, job: dict[str, Any], r: int) -> None:
         directory = self.base / self.name("store")
@@ -326,17 +346,22 @@ class Bench:
                     "producers": tasks // procs,
                     "cap": self.cap,
                 }
-                systems: list[Go] = []
+                systems: list[tuple[str, Go]] = []
                 if broker is not None:
                     job_b = job | {"kind": "broker_durable", "url": broker.url}
-                    systems.append(partial(self.durable_run, case, "broker", broker, job_b))
+                    systems.append(
+                        ("broker", partial(self.durable_run, case, "broker", broker, job_b))
+                    )
                 if redis is not None:
                     job_r = job | {"kind": "redis_durable", "socket": str(redis.socket_path)}
-                    systems.append(partial(self.durable_run, case, "redis", redis, job_r))
+                    systems.append(
+                        ("redis", partial(self.durable_run, case, "redis", redis, job_r))
+                    )
                 loop: dict[str, Any] = {"kind": "fdatasync", "dir": str(directory), "body": 100}
                 loop |= {"count": self.counts.fdatasync, "cap": self.cap}
-                systems.append(partial(self.measure, "durable", case, "fdatasync", jobs=[loop]))
-                self.alternate(systems)
+                go = partial(self.measure, "durable", case, "fdatasync", jobs=[loop])
+                systems.append(("fdatasync", go))
+                self.alternate("durable", case, systems)
         finally:
             for server in (broker, redis):
                 if server is not None:
