@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # brokerbench beside t
 
 from brokerbench import report, servers
 from brokerbench.pool import JobError, Pool
-from brokerbench.profile import profile_broker
+from brokerbench.profile import DURABLE, profile_broker
 from brokerbench.servers import Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -362,6 +362,8 @@ class Bench:
                 go = partial(self.measure, "durable", case, "fdatasync", jobs=[loop])
                 systems.append(("fdatasync", go))
                 self.alternate("durable", case, systems)
+            if self.args.profile and broker is not None:
+                self.notes.extend(profile_broker(self, broker, DURABLE))
         finally:
             for server in (broker, redis):
                 if server is not None:

@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from brokerbench import report
 from brokerbench.pool import JobError
@@ -130,12 +130,26 @@ def _short(frame: str) -> str:
     return f"{name} ({where.rsplit('/', 1)[-1]}" if where else name
 
 
-def profile_broker(bench: Bench, broker: Server) -> list[str]:
-    """Run the unbatched 4-producer case once more under py-spy; the lines for the report."""
+UNBATCHED = "4 producer processes, 100 B, asyncio client, 100 in flight each"
+DURABLE = "--flush sync, 64 asyncio connections in 4 processes, one send at a time each, 100 B"
+
+
+def load_jobs(load: str, url: str, topic: str, seconds: float) -> list[dict[str, Any]]:
+    job = {"kind": "broker_produce", "url": url, "topic": topic, "body": 100}
+    job |= {"count": 10_000_000, "cap": seconds}
+    if load == DURABLE:
+        job |= {"kind": "broker_durable", "producers": 16}
+    else:
+        job |= {"batch": 1, "window": 100, "style": "aio"}
+    return [job] * 4
+
+
+def profile_broker(bench: Bench, broker: Server, load: str = UNBATCHED) -> list[str]:
+    """Run ``load`` against the broker once more under py-spy; the lines for the report."""
     binary = py_spy()
     if binary is None:
         return ["--profile: py-spy not found (pip install py-spy, or PY_SPY=path): no profile"]
-    report.progress("profile: 4 producers, 100 B, unbatched, py-spy on the broker")
+    report.progress(f"profile: py-spy on the broker, {load}")
     out = Path(tempfile.mkdtemp(prefix="spy", dir=bench.base)) / "broker.txt"
     seconds = max(2, int(bench.cap))
     spy = subprocess.Popen(
@@ -160,13 +174,7 @@ def profile_broker(bench: Bench, broker: Server) -> list[str]:
         text=True,
     )
     try:
-        jobs = [
-            {"kind": "broker_produce", "url": broker.url, "topic": bench.name("prof")}
-            | {"body": 100, "count": 10_000_000, "batch": 1, "window": 100}
-            | {"style": "aio", "cap": float(seconds)}
-            for _ in range(4)
-        ]
-        bench.pool.run(jobs, seconds)
+        bench.pool.run(load_jobs(load, broker.url, bench.name("prof"), float(seconds)), seconds)
     except JobError as error:
         return [f"--profile: the load failed: {' '.join(str(error).split())[:500]}"]
     finally:
@@ -186,19 +194,24 @@ def profile_broker(bench: Bench, broker: Server) -> list[str]:
     if not total:
         return [f"--profile: no samples of the event loop thread; threads: {dict(threads)}"]
     possible = seconds * RATE
-    busy = [f"{name} {n:,} ({n / possible:.0%} of the time)" for name, n in threads.most_common()]
+    busy = [f"{name} {n:,} ({n / possible:.0%})" for name, n in threads.most_common()]
     kernel = samples.in_kernel(loop)
     user = samples.user(loop)
     users = user.pop("all", 0)
     parts = [f"{part} {n / max(1, users):.0%}" for part, n in user.most_common()]
     frames = [f"`{frame}` {n / total:.0%}" for frame, n in samples.top_frames(loop, 10)]
     lines = [
-        f"Profile of the broker (py-spy --native --threads at {RATE} Hz for {seconds} s, 4 "
-        f"producer processes, 100 B, asyncio client, 100 in flight each). Samples of a busy "
-        f"thread: {', '.join(busy)}. Of the event loop thread's {total:,}: {kernel / total:.0%} "
+        f"Profile of the broker (py-spy --native --threads at {RATE} Hz for {seconds} s; "
+        f"{load}). Samples by thread, of {possible:,} a thread could have (py-spy leaves out "
+        f"a thread it sees idle, but with --native keeps one waiting in a futex or in "
+        f"epoll_wait): {', '.join(busy)}. Of the event loop thread's {total:,}: {kernel / total:.0%} "
         f"in a system call (libc on top: in the kernel, or runnable and waiting for a CPU "
         f"there), {users / total:.0%} in user space; of those, by the innermost part on the stack: "
         f"{', '.join(parts)}.",
         f"The event loop thread's top frames (self samples): {'; '.join(frames)}",
     ]
+    for name, n in threads.most_common():
+        if name != loop and n >= possible / 20:  # busy at least 5 % of the time
+            top = [f"`{frame}` {k / n:.0%}" for frame, k in samples.top_frames(name, 4)]
+            lines.append(f"Thread {name}'s top frames: {'; '.join(top)}")
     return lines
