@@ -204,10 +204,10 @@ def profile_broker(bench: Bench, broker: Server, load: str = UNBATCHED) -> list[
         f"Profile of the broker (py-spy --native --threads at {RATE} Hz for {seconds} s; "
         f"{load}). Samples by thread, of {possible:,} a thread could have (py-spy leaves out "
         f"a thread it sees idle, but with --native keeps one waiting in a futex or in "
-        f"epoll_wait): {', '.join(busy)}. Of the event loop thread's {total:,}: {kernel / total:.0%} "
-        f"in a system call (libc on top: in the kernel, or runnable and waiting for a CPU "
-        f"there), {users / total:.0%} in user space; of those, by the innermost part on the stack: "
-        f"{', '.join(parts)}.",
+        f"epoll_wait): {', '.join(busy)}. Of the event loop thread's {total:,}: "
+        f"{kernel / total:.0%} in a system call (libc on top: in the kernel, or runnable and "
+        f"waiting for a CPU there), {users / total:.0%} in user space; of those, by the "
+        f"innermost part on the stack: {', '.join(parts)}.",
         f"The event loop thread's top frames (self samples): {'; '.join(frames)}",
     ]
     for name, n in threads.most_common():
