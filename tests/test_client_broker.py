@@ -407,3 +407,27 @@ def test_a_connection_on_a_descriptor_past_1023(broker: BrokerProcess) -> None:
     finally:
         for fd in fillers:
             os.close(fd)
+
+
+def test_send_many_stops_at_an_error_answer_and_says_what_was_stored(
+    broker: BrokerProcess,
+) -> None:
+    """One message of 100 is refused by the store (over max_message_size): send_many
+    raises that error once the sends in flight are answered; ``sent`` are exactly the
+    stored ones, ``unsent`` were never written, and together they are all but it."""
+    from equeue.errors import MessageTooLargeError
+
+    bodies = [f"m{i}".encode() for i in range(100)]
+    bodies[40] = b"x" * (4 * 1024 * 1024 + 1)
+    with equeue.connect(broker.url) as client:
+        client.create_topic("e", 1)
+        with pytest.raises(MessageTooLargeError) as raised:
+            client.send_many("e", bodies, window=16)
+        sent: list[SendResult] = raised.value.sent  # type: ignore[attr-defined]
+        unsent: list[bytes] = raised.value.unsent  # type: ignore[attr-defined]
+        stored = [m.body for m in client.pull("e", 0, 0, max_count=1000)]
+    assert [client_body for client_body in stored] == [b for b in bodies if b in stored]
+    assert len(sent) == len(stored) and len(sent) + 1 + len(unsent) == len(bodies)
+    assert stored[:40] == bodies[:40]  # everything before the refused one
+    assert unsent == bodies[len(bodies) - len(unsent) :] and unsent  # the writing stopped
+    assert bodies[40] not in stored

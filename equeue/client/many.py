@@ -44,7 +44,7 @@ def send_many(client: Client, topic: str, messages: object, window: int) -> list
     written = 0
     conn: _Connection | None = None
     failure: EQueueError | None = None
-    while written < len(batch) or in_flight:
+    while in_flight or (failure is None and written < len(batch)):
         if failure is None and written < len(batch):
             welcome = client.welcome
             room = min(window, welcome.limits["max_in_flight"]) if welcome else window
