@@ -18,8 +18,7 @@ from brokerbench import report
 from brokerbench.pool import JobError
 
 if TYPE_CHECKING:
-    from bench_broker import Bench
-
+    from brokerbench.cases import Bench
     from brokerbench.servers import Server
 
 PARTS = [  # (part, substrings of a frame that mark it), the first match wins
