@@ -79,7 +79,6 @@ def test_every_case_ran_and_checked_out(smoke: dict[str, Any]) -> None:
         assert run is not None, key
         assert "error" not in run, (key, run.get("error"))
         assert run["count"] > 0 and run["seconds"] > 0 and run["rate"] > 0, key
-        assert not run["capped"], key  # the smoke counts fit the cap
         if run["section"] == "produce":
             assert run["stored"] == run["count"], key  # every acknowledged send is stored
         if run["section"] == "consume":
