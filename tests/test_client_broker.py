@@ -305,6 +305,27 @@ def test_a_window_over_the_brokers_in_flight_limit_is_cut_to_it(base: Path) -> N
         results = client.send_many("s", [b"x"] * 500, window=1000)  # no LimitExceeded
         assert len({r.message_id for r in results}) == 500
 
+        client.create_topic("h", 1)
+
+        async def held_pulls() -> list[Any]:
+            """20 long-poll pulls on 8 places: 8 are held by the broker, the others wait
+            for a place (the broker would refuse them with LimitExceededError), 5 of
+            them are cancelled while they wait; one send (another client) answers all."""
+            async with await equeue.aio.connect(small.url) as aio:
+                pulls = [asyncio.ensure_future(aio.pull("h", 0, 0, wait=30)) for _ in range(20)]
+                await asyncio.sleep(0.2)
+                assert not any(task.done() for task in pulls)
+                for task in pulls[10:15]:
+                    task.cancel()
+                client.send("h", b"for all")
+                return await asyncio.wait_for(asyncio.gather(*pulls, return_exceptions=True), 60)
+
+        done = asyncio.run(held_pulls())
+        assert [type(r) for r in done[10:15]] == [asyncio.CancelledError] * 5
+        kept = done[:10] + done[15:]
+        assert all(isinstance(r, PullResult) for r in kept), kept
+        assert {m.body for r in kept for m in r} == {b"for all"}
+
 
 READ_ONLY_CHILD = """
 import json, sys
@@ -361,3 +382,52 @@ def test_a_forked_child_gets_its_own_connection(broker: BrokerProcess) -> None:
             _INHERITED.clear()
         assert client.send("f", b"parent after").topic == "f"
         assert [client.get(i).body for i in ids] == [f"child {n}".encode() for n in range(4)]
+
+
+def test_a_connection_on_a_descriptor_past_1023(broker: BrokerProcess) -> None:
+    """A busy process has descriptors past select()'s 1023: the clients poll instead."""
+    import os
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"RLIMIT_NOFILE is {soft}")
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with equeue.connect(broker.url) as client:
+            assert client.send("d", b"x").topic == "d"
+            assert client.pull("d", 0, 5, wait=0.05).messages == []  # waits, then empty
+
+            async def with_aio() -> str:
+                async with await equeue.aio.connect(broker.url) as aio:
+                    await aio.ping()
+                    return (await aio.send("d", b"y")).topic
+
+            assert asyncio.run(with_aio()) == "d"
+    finally:
+        for fd in fillers:
+            os.close(fd)
+
+
+def test_send_many_stops_at_an_error_answer_and_says_what_was_stored(
+    broker: BrokerProcess,
+) -> None:
+    """One message of 100 is refused by the store (over max_message_size): send_many
+    raises that error once the sends in flight are answered; ``sent`` are exactly the
+    stored ones, ``unsent`` were never written, and together they are all but it."""
+    from equeue.errors import MessageTooLargeError
+
+    bodies = [f"m{i}".encode() for i in range(100)]
+    bodies[40] = b"x" * (4 * 1024 * 1024 + 1)
+    with equeue.connect(broker.url) as client:
+        client.create_topic("e", 1)
+        with pytest.raises(MessageTooLargeError) as raised:
+            client.send_many("e", bodies, window=16)
+        sent: list[SendResult] = raised.value.sent  # type: ignore[attr-defined]
+        unsent: list[bytes] = raised.value.unsent  # type: ignore[attr-defined]
+        stored = [m.body for m in client.pull("e", 0, 0, max_count=1000)]
+    assert [client_body for client_body in stored] == [b for b in bodies if b in stored]
+    assert len(sent) == len(stored) and len(sent) + 1 + len(unsent) == len(bodies)
+    assert stored[:40] == bodies[:40]  # everything before the refused one
+    assert unsent == bodies[len(bodies) - len(unsent) :] and unsent  # the writing stopped
+    assert bodies[40] not in stored
