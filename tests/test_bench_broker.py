@@ -147,3 +147,18 @@ def test_profile_samples_are_summed_by_part() -> None:
     assert leaf["msgpack"] == 3
     assert leaf[part_of("equeue/store/store.py")] == 2
     assert inclusive[part_of("equeue/server/connection.py")] == 10
+
+
+@pytest.mark.skipif(not REDIS, reason="redis-server is not installed")
+def test_redis_settings_are_asked_of_the_server() -> None:
+    from brokerbench.servers import ServerError, check_redis_config, start_redis
+
+    server = start_redis(Path(tempfile.mkdtemp(prefix="eqrd", dir="/tmp")), durable=False)
+    try:
+        check_redis_config(server, durable=False)  # what it was started with
+        with pytest.raises(ServerError, match="appendfsync"):
+            check_redis_config(server, durable=True)  # a row claiming more is refused
+    finally:
+        server.stop()
+        shutil.rmtree(server.socket_path.parent, ignore_errors=True)
+    assert server.proc.returncode is not None

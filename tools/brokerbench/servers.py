@@ -139,7 +139,22 @@ def start_redis(directory: Path, *, durable: bool) -> Server:
         directory / "redis.log",
     )
     server.wait_ready()
+    check_redis_config(server, durable)
     return server
+
+
+def check_redis_config(server: Server, durable: bool) -> None:
+    """The durability the rows claim is the server's: asked of it, not assumed."""
+    import redis
+
+    want = {"appendonly": "yes" if durable else "no", "save": ""}
+    if durable:
+        want["appendfsync"] = "always"
+    with redis.Redis(unix_socket_path=str(server.socket_path), decode_responses=True) as client:
+        found = {name: client.config_get(name).get(name) for name in want}
+    if found != want:
+        server.stop()
+        raise ServerError(f"redis-server runs with {found}, not {want}")
 
 
 def cpu_seconds(pid: int) -> float:
