@@ -1,5 +1,9 @@
 """equeue: an embedded, durable message store built on chunk files."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from equeue.errors import (
     AuthenticationError,
     BrokerError,
@@ -54,6 +58,9 @@ from equeue.store import (
     TopicPolicy,
 )
 
+if TYPE_CHECKING:
+    from equeue.client.sync import Client
+
 __all__ = [
     "AuthenticationError",
     "BrokerError",
@@ -106,3 +113,27 @@ __all__ = [
     "WriterExistsError",
 ]
 __version__ = "0.1.0"
+
+
+def connect(url: object, *, token: str | None = None, **options: object) -> Client:
+    """A blocking, thread-safe client of the broker at ``url`` (``unix:PATH``,
+    ``tcp://HOST:PORT``, ``tls://HOST:PORT`` or a store directory): equeue.client.sync,
+    imported only when called (sockets, ssl, msgpack). ``equeue.aio.connect`` is the
+    asyncio client."""
+    from equeue.client.sync import connect as client
+
+    return client(url, token=token, **options)  # type: ignore[arg-type]
+
+
+__all__ += ["connect"]
+
+
+def serve(store: object, config: object = None, **settings: object) -> None:
+    """Run the broker on ``store`` (a path or a writable MessageStore) until SIGTERM or
+    SIGINT: equeue.server.serve, imported only when called (asyncio, ssl)."""
+    from equeue.server.serve import serve as run
+
+    run(store, config, **settings)  # type: ignore[arg-type]
+
+
+__all__ += ["serve"]

@@ -43,6 +43,7 @@ from equeue.inspect.render import (
 )
 from equeue.inspect.summary import summarize_file, summarize_store
 from equeue.inspect.verify import Verifier
+from equeue.server import cli as server_cli  # argparse only: no asyncio until run
 from equeue.store.meta import IDENTITY_FILE
 
 EXIT_OK = 0
@@ -388,6 +389,12 @@ COMMANDS: list[Command] = [
         "rewrite completed chunks without the messages the topics' cleanup policy removes (Spark)",
         _configure_compact,
         _run_compact,
+    ),
+    Command(
+        "serve",
+        "run the broker: clients in other processes send and pull over a socket",
+        server_cli.configure,
+        server_cli.run,
     ),
 ]
 

@@ -67,8 +67,10 @@ OPS: Final[dict[str, Spec]] = {
         **_MEMBER,
         "topics": ((list,), True),
         "session_timeout_ms": ((UINT,), False),
+        "max_retries": ((UINT,), False),
     },
-    "heartbeat": _MEMBER,
+    # generation: that of the last assignment the member applied (releases revoked queues)
+    "heartbeat": {**_MEMBER, "generation": ((UINT,), False)},
     "leave": _MEMBER,
     "nack": {
         **_MEMBER,

@@ -1,0 +1,422 @@
+"""The asyncio client: ``await equeue.aio.connect(url)``.
+
+Any number of coroutines share one client: each request gets an id and a future, the
+frames written in one loop turn go out in one write, and the answers (in any order)
+resolve their futures. At most the broker's ``max_in_flight`` requests are in flight;
+more wait for a place. A broken connection fails every request in flight on it with
+ConnectionLostError (``unanswered``: the sends among them, as given); the next call
+reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import ssl
+import time
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+from equeue.client import args, calls
+from equeue.client.calls import Call, Given
+from equeue.client.core import (
+    DECODERS,
+    AnswerReader,
+    RequestEncoder,
+    answer_error,
+    given,
+    hello_frame,
+    lost,
+    welcome,
+)
+from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
+from equeue.client.url import Endpoint, parse_url
+from equeue.errors import (
+    ClosedError,
+    ConnectionLostError,
+    EQueueError,
+    InvalidTypeError,
+    ProtocolError,
+)
+from equeue.protocol.frames import (
+    CONNECTION_REQUEST_ID,
+    HELLO_MAX_FRAME_BYTES,
+    STATUS_OK,
+    check_answer,
+)
+from equeue.protocol.handshake import Welcome
+from equeue.protocol.ops import check_args
+from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
+
+# request id -> (its future, its messages as given for a send, its deadline)
+_Entry = tuple["asyncio.Future[tuple[int, Any]]", Given, float]
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, hello: bytes, where: str, timeout: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.where = where
+        self.timeout = timeout
+        self.hello = hello
+        self.transport: asyncio.Transport | None = None
+        self.reader = AnswerReader(HELLO_MAX_FRAME_BYTES, where)
+        self.encoder: RequestEncoder | None = None
+        self.welcome: asyncio.Future[Welcome] = self.loop.create_future()
+        self.pending: dict[int, _Entry] = {}
+        self.out: list[bytes] = []
+        self.flushing = False
+        self.closed = False
+        self.places: asyncio.Semaphore | None = None
+        self.watchdog: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.write(self.hello)
+        self.watchdog = self.loop.call_later(self._tick(), self._watch)
+
+    def _tick(self) -> float:
+        return min(max(self.timeout / 4, 0.01), 1.0)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            bodies = self.reader.feed(data)
+        except ProtocolError as exc:
+            self.fail(f"the broker at {self.where} broke the protocol: {exc}", exc)
+            return
+        pending = self.pending
+        for body in bodies:
+            if not self.welcome.done():
+                try:
+                    found = welcome(body, self.where)
+                except EQueueError as exc:
+                    self.welcome.set_exception(exc)
+                    self.fail(f"the broker at {self.where} refused the connection: {exc}", exc)
+                    return
+                limit = found.limits["max_frame_bytes"]
+                self.reader.max_frame_bytes = limit
+                self.encoder = RequestEncoder(limit, self.where)
+                self.places = asyncio.Semaphore(found.limits["max_in_flight"])
+                self.welcome.set_result(found)
+                continue
+            try:
+                request_id, status, payload = check_answer(body, self.where)
+            except ProtocolError as exc:
+                self.fail(f"the broker at {self.where} broke the protocol: {exc}", exc)
+                return
+            entry = pending.pop(request_id, None)
+            if entry is None:
+                if request_id == CONNECTION_REQUEST_ID:
+                    error = answer_error(payload, self.where)
+                    self.fail(f"the broker at {self.where} closed the connection: {error}", error)
+                else:
+                    error = ProtocolError(
+                        f"{self.where}: an answer to request {request_id}, which is not in flight"
+                    )
+                    self.fail(f"the broker at {self.where} broke the protocol: {error}", error)
+                return
+            future = entry[0]
+            if not future.done():  # (its caller may have been cancelled)
+                future.set_result((status, payload))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f"the broker at {self.where} closed the connection"
+        self.fail(f"{reason}: {exc}" if exc else reason, exc)
+
+    def fail(self, reason: str, cause: BaseException | None) -> None:
+        """Close, and fail each request in flight with ConnectionLostError."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        if self.transport is not None:
+            self.transport.abort()
+        if not self.welcome.done():  # the handshake failed: a broken protocol is no retry
+            refused = isinstance(cause, EQueueError) and not isinstance(cause, ConnectionLostError)
+            self.welcome.set_exception(cause if refused else lost(reason, [], cause))  # type: ignore[arg-type]
+        for future, unanswered, _ in self.pending.values():
+            if not future.done():
+                future.set_exception(lost(reason, given(unanswered), cause))
+        self.pending.clear()
+
+    def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
+        self.pending[request_id] = entry
+        self.out.append(frame)
+        if not self.flushing:
+            self.flushing = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Everything written in this loop turn, in one write."""
+        self.flushing = False
+        if self.closed or self.transport is None:
+            return
+        out = self.out
+        self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+
+    def _watch(self) -> None:
+        now = time.monotonic()
+        for _, _, deadline in self.pending.values():
+            if deadline < now:
+                self.fail(
+                    f"no answer from the broker at {self.where} within timeout="
+                    f"{self.timeout:g}s; the connection is closed",
+                    None,
+                )
+                return
+        if not self.closed:
+            self.watchdog = self.loop.call_later(self._tick(), self._watch)
+
+
+class AsyncClient:
+    """An asyncio connection to an equeue broker with MessageStore's methods, each a
+    coroutine (docs/broker.md). Made by ``await equeue.aio.connect(url)``."""
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        ssl_context: ssl.SSLContext | None = None,
+        cafile: str | os.PathLike[str] | None = None,
+        client_name: str = "",
+    ) -> None:
+        self.endpoint: Endpoint = parse_url(url, ssl_context=ssl_context, cafile=cafile)
+        self.url = str(self.endpoint)
+        if token is not None and not isinstance(token, str):
+            raise InvalidTypeError(f"token must be a str or None, got {type(token).__name__}")
+        self.timeout = check_timeout("timeout", timeout)
+        self.connect_timeout = check_timeout("connect_timeout", connect_timeout)
+        self._hello = hello_frame(
+            token, args.name("client_name", client_name) or f"python-asyncio pid {os.getpid()}"
+        )
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._closed = False
+        self._next_id = 1
+
+    @property
+    def welcome(self) -> Welcome | None:
+        protocol = self._protocol
+        if protocol is None or not protocol.welcome.done() or protocol.welcome.exception():
+            return None
+        return protocol.welcome.result()
+
+    async def _connected(self) -> _Protocol:
+        if self._closed:
+            raise ClosedError(f"the client of {self.url} is closed")
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # one coroutine reconnects, the others wait for it
+            protocol = self._protocol
+            if protocol is None or protocol.closed:
+                protocol = self._protocol = await self._connect()
+            return protocol
+
+    async def _connect(self) -> _Protocol:
+        """Connect and shake hands, retrying a broker that is not (yet) there with a
+        growing pause until connect_timeout; a refusal is not retried."""
+        loop = asyncio.get_running_loop()
+        endpoint = self.endpoint
+        deadline = time.monotonic() + self.connect_timeout
+        delay = 0.02
+        attempts = 0
+        while True:
+            attempts += 1
+            protocol = _Protocol(self._hello, self.url, self.timeout)
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    if endpoint.kind == "unix":
+                        await loop.create_unix_connection(lambda: protocol, endpoint.path)  # noqa: B023
+                    else:
+                        await loop.create_connection(
+                            lambda: protocol, endpoint.host, endpoint.port,  # noqa: B023
+                            ssl=endpoint.ssl_context,
+                            server_hostname=endpoint.host if endpoint.ssl_context else None,
+                        )  # fmt: skip
+                    await protocol.welcome
+                return protocol
+            except ssl.SSLCertVerificationError as exc:
+                protocol.fail("TLS refused", exc)
+                raise lost(
+                    f"{self.url}: the broker's TLS certificate is refused: {exc}", [], exc
+                ) from None
+            except (OSError, ConnectionLostError, TimeoutError) as exc:
+                last: BaseException = exc
+                protocol.fail("connect failed", exc)
+            except BaseException:
+                protocol.fail("connect failed", None)
+                raise
+            if time.monotonic() + delay > deadline:
+                raise lost(
+                    f"cannot connect to the broker at {self.url} within connect_timeout="
+                    f"{self.connect_timeout:g}s ({attempts} attempts): {last!r}",
+                    [],
+                    last,
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _call(self, call: Call, decode: bool = True) -> Any:
+        protocol = self._protocol
+        if protocol is None or protocol.closed:
+            protocol = await self._connected()
+        assert protocol.encoder is not None and protocol.places is not None
+        request_id = self._next_id
+        self._next_id = request_id + 1
+        frame = protocol.encoder.frame(request_id, call.op, call.args)
+        places = protocol.places
+        await places.acquire()
+        try:
+            if protocol.closed:  # (while it waited for a place)
+                raise lost(f"the connection to {self.url} broke", [])
+            future: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
+            deadline = time.monotonic() + self.timeout + call.wait
+            protocol.send(request_id, frame, (future, call.unanswered, deadline))
+            status, payload = await future
+        finally:
+            places.release()
+        if status != STATUS_OK:
+            raise answer_error(payload, self.url)
+        return DECODERS[call.op](payload, self.url) if decode else payload
+
+    async def request(self, op: str, arguments: dict[str, Any]) -> Any:
+        """One request as the protocol has it (docs/protocol.md): its result as msgpack
+        decodes it, or its error raised; arguments held to the op table first."""
+        if not isinstance(op, str) or not isinstance(arguments, dict):
+            raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
+        check_args(op, arguments, f"request to {self.url}")
+        wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
+        messages = [arguments] if op in ("send", "send_batch") else None
+        return await self._call(Call(op, arguments, messages, wait), decode=False)
+
+    # --- MessageStore's methods --------------------------------------------------
+
+    async def send(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        tag: str = "",
+        key: str | None = None,
+        properties: dict[str, str] | None = None,
+        code: int = 0,
+        queue_id: int | None = None,
+    ) -> SendResult:
+        result: SendResult = await self._call(
+            calls.send(topic, body, tag, key, properties, code, queue_id)
+        )
+        return result
+
+    async def send_batch(
+        self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
+    ) -> list[SendResult]:
+        results: list[SendResult] = await self._call(calls.send_batch(topic, messages))
+        return results
+
+    async def pull(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_count: int = 32,
+        tags: str | Iterable[str] | None = None,
+        wait: float = 0.0,
+        *,
+        max_bytes: int | None = None,
+    ) -> PullResult:
+        result: PullResult = await self._call(
+            calls.pull(topic, queue_id, offset, max_count, tags, wait, max_bytes)
+        )
+        return result
+
+    async def get(self, message_id: str) -> Message:
+        result: Message = await self._call(calls.get(message_id))
+        return result
+
+    async def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
+        result: list[Message] = await self._call(calls.query_by_key(topic, key, limit))
+        return result
+
+    async def offset_for_time(
+        self, topic: str, queue_id: int, timestamp: float | dt.datetime
+    ) -> int:
+        result: int = await self._call(calls.offset_for_time(topic, queue_id, timestamp))
+        return result
+
+    async def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        await self._call(calls.commit_offset(group, topic, queue_id, offset))
+
+    async def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
+        call = calls.committed_offset(group, topic, queue_id)
+        if call is None:
+            return None
+        result: int | None = await self._call(call)
+        return result
+
+    async def create_topic(self, topic: str, queue_count: int | None = None) -> None:
+        await self._call(calls.create_topic(topic, queue_count))
+
+    async def topics(self) -> list[str]:
+        result: list[str] = await self._call(calls.topics())
+        return result
+
+    async def queue_ids(self, topic: str) -> list[int]:
+        result: list[int] = await self._call(calls.queue_ids(topic))
+        return result
+
+    async def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
+        result: tuple[int, int] = await self._call(calls.queue_range(topic, queue_id))
+        return result
+
+    async def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(calls.stats())
+        return result
+
+    async def ping(self) -> None:
+        await self._call(calls.ping())
+
+    # --- life --------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close the connection; requests still in flight raise ConnectionLostError."""
+        self._closed = True
+        protocol = self._protocol
+        if protocol is not None:
+            protocol.fail(f"the client of {self.url} was closed", None)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        protocol = self._protocol
+        connected = protocol is not None and not protocol.closed
+        state = "closed" if self._closed else ("connected" if connected else "disconnected")
+        return f"<equeue.aio.AsyncClient {self.url} {state}>"
+
+
+async def connect(
+    url: str | os.PathLike[str], *, token: str | None = None, **options: Any
+) -> AsyncClient:
+    """An asyncio client of the broker at ``url``, connected (options as equeue.connect)."""
+    client = AsyncClient(url, token=token, **options)
+    await client._connected()
+    return client

@@ -1,0 +1,102 @@
+"""Opening a blocking connection to a broker: the socket, TLS, the hello and welcome."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+
+from equeue.client.core import AnswerReader, hello_frame, lost, welcome
+from equeue.client.url import Endpoint
+from equeue.errors import ConnectionLostError, EQueueError, ProtocolError
+from equeue.protocol.frames import HELLO_MAX_FRAME_BYTES
+from equeue.protocol.handshake import Welcome
+
+RECV_BYTES = 1 << 18
+
+
+def open_socket(endpoint: Endpoint, timeout: float) -> socket.socket:
+    """A connected socket (OSError if the broker is not there)."""
+    if endpoint.kind == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(endpoint.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if endpoint.kind == "tls":
+            assert endpoint.ssl_context is not None
+            return endpoint.ssl_context.wrap_socket(sock, server_hostname=endpoint.host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def handshake(
+    sock: socket.socket, token: str | None, client_name: str, where: str
+) -> tuple[Welcome, AnswerReader]:
+    """Hello out, welcome in; the reader then holds the welcome's frame limit. Raises the
+    broker's refusal (AuthenticationError, LimitExceededError, ProtocolError)."""
+    sock.sendall(hello_frame(token, client_name))
+    reader = AnswerReader(HELLO_MAX_FRAME_BYTES, where)
+    while True:
+        data = sock.recv(RECV_BYTES)
+        if not data:
+            raise lost(f"{where}: the broker closed the connection during the handshake", [])
+        bodies = reader.feed(data)
+        if bodies:
+            break
+    found = welcome(bodies[0], where)
+    if len(bodies) > 1 or reader.pending:
+        raise ProtocolError(f"{where}: the broker sent more than its welcome before a request")
+    reader.max_frame_bytes = found.limits["max_frame_bytes"]
+    return found, reader
+
+
+def connect_with_retries(
+    endpoint: Endpoint, token: str | None, client_name: str, connect_timeout: float
+) -> tuple[socket.socket, Welcome, AnswerReader]:
+    """Connect and shake hands, retrying a broker that is not (yet) there with a growing
+    pause until ``connect_timeout``; a refusal (token, version, limit) is not retried."""
+    where = str(endpoint)
+    deadline = time.monotonic() + connect_timeout
+    delay = 0.02
+    attempts = 0
+    while True:
+        attempts += 1
+        remaining = max(deadline - time.monotonic(), 0.001)
+        sock: socket.socket | None = None
+        try:
+            sock = open_socket(endpoint, remaining)
+            sock.settimeout(remaining)
+            found, reader = handshake(sock, token, client_name, where)
+            return sock, found, reader
+        except ssl.SSLCertVerificationError as exc:  # retrying would not change it
+            if sock is not None:
+                sock.close()
+            raise lost(
+                f"{where}: the broker's TLS certificate is refused: {exc}", [], exc
+            ) from None
+        except (OSError, ConnectionLostError) as exc:
+            last: BaseException = exc
+        except EQueueError:
+            if sock is not None:
+                sock.close()
+            raise
+        if sock is not None:
+            sock.close()
+        if time.monotonic() + delay > deadline:
+            raise lost(
+                f"cannot connect to the broker at {where} within connect_timeout="
+                f"{connect_timeout:g}s ({attempts} attempts): {last}",
+                [],
+                last,
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)

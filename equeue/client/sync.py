@@ -1,0 +1,472 @@
+"""The blocking client: ``equeue.connect(url)``. Thread-safe; pipelined (send_many).
+
+Many threads may share one client. Requests are written under a write lock; answers
+are read by whichever waiting thread takes the reader's turn (no thread of its own),
+which hands each answer to the thread waiting for it (matched by request id), so a
+long-poll pull in one thread does not hold up another thread's send.
+
+A broken connection fails every request in flight on it with ConnectionLostError
+(``unanswered``: the sends among them, as given); the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+from equeue.client import args, calls
+from equeue.client.calls import Call, Given
+from equeue.client.connect import RECV_BYTES, connect_with_retries
+from equeue.client.core import (
+    DECODERS,
+    AnswerReader,
+    RequestEncoder,
+    answer_error,
+    given,
+    lost,
+)
+from equeue.client.url import Endpoint, parse_url
+from equeue.errors import (
+    ClosedError,
+    ConfigError,
+    ConnectionLostError,
+    EQueueError,
+    InvalidTypeError,
+    ProtocolError,
+)
+from equeue.protocol.frames import CONNECTION_REQUEST_ID, STATUS_OK, check_answer
+from equeue.protocol.handshake import Welcome
+from equeue.protocol.ops import check_args
+from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
+
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_WINDOW = 256
+
+
+class _Slot:
+    """One request in flight: filled by the reader with the answer or the failure."""
+
+    __slots__ = ("deadline", "done", "error", "op", "payload", "status", "unanswered")
+
+    def __init__(self, op: str, unanswered: Given, deadline: float) -> None:
+        self.op = op
+        self.unanswered = unanswered
+        self.deadline = deadline
+        self.done = False
+        self.status = STATUS_OK
+        self.payload: Any = None
+        self.error: EQueueError | None = None
+
+
+class _Connection:
+    __slots__ = ("broken", "encoder", "io_lock", "pending", "reader", "sock", "welcome")
+
+    def __init__(self, sock: socket.socket, welcome: Welcome, reader: AnswerReader) -> None:
+        self.sock = sock
+        self.welcome = welcome
+        self.reader = reader
+        self.encoder = RequestEncoder(welcome.limits["max_frame_bytes"], reader.where)
+        self.pending: dict[int, _Slot] = {}
+        self.broken = False
+        # One SSL object must not read and write in two threads at once.
+        tls = isinstance(sock, ssl.SSLSocket)
+        self.io_lock: Any = threading.Lock() if tls else contextlib.nullcontext()
+
+
+def check_timeout(name: str, value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidTypeError(f"{name} must be seconds (int or float), got {type(value).__name__}")
+    if not 0 < value < 1e9:
+        raise ConfigError(f"{name}={value!r} seconds must be > 0")
+    return float(value)
+
+
+class Client:
+    """A connection to an equeue broker with MessageStore's methods (docs/broker.md)."""
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        ssl_context: ssl.SSLContext | None = None,
+        cafile: str | os.PathLike[str] | None = None,
+        client_name: str = "",
+    ) -> None:
+        self.endpoint: Endpoint = parse_url(url, ssl_context=ssl_context, cafile=cafile)
+        self.url = str(self.endpoint)
+        if token is not None and not isinstance(token, str):
+            raise InvalidTypeError(f"token must be a str or None, got {type(token).__name__}")
+        self.timeout = check_timeout("timeout", timeout)
+        self.connect_timeout = check_timeout("connect_timeout", connect_timeout)
+        self._token = token
+        self._name = args.name("client_name", client_name) or f"python-sync pid {os.getpid()}"
+        self._write_lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._reading = False
+        self._closed = False
+        self._next_id = 1
+        self._conn: _Connection | None = None
+        with self._write_lock:
+            self._connection()
+
+    # --- the connection ----------------------------------------------------------
+
+    @property
+    def welcome(self) -> Welcome | None:
+        """The broker's welcome on the current connection (its version and limits)."""
+        conn = self._conn
+        return conn.welcome if conn is not None else None
+
+    def _connection(self) -> _Connection:
+        """The open connection (made again if it broke); call under the write lock."""
+        if self._closed:
+            raise ClosedError(f"the client of {self.url} is closed")
+        conn = self._conn
+        if conn is not None and not conn.pending and self._idle_input(conn):
+            conn = self._conn  # the broker went away (or spoke out of turn) while idle
+        if conn is None:
+            sock, welcome, reader = connect_with_retries(
+                self.endpoint, self._token, self._name, self.connect_timeout
+            )
+            sock.settimeout(self.timeout)
+            conn = self._conn = _Connection(sock, welcome, reader)
+        return conn
+
+    def _idle_input(self, conn: _Connection) -> bool:
+        """Read what arrived while nothing was in flight: the end of the stream after the
+        broker stopped, so the next call reconnects instead of failing on a dead socket."""
+        sock = conn.sock
+        pending_tls = isinstance(sock, ssl.SSLSocket) and sock.pending()
+        try:
+            ready = pending_tls or bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            ready = True
+        if not ready:
+            return False
+        with self._cond:
+            if self._reading:
+                return False
+            self._reading = True
+        try:
+            sock.settimeout(0)  # no request is in flight and no other thread writes now
+            try:
+                data = sock.recv(RECV_BYTES)
+            except (BlockingIOError, ssl.SSLWantReadError):  # e.g. a TLS session ticket
+                return False
+            except OSError as exc:
+                self._break(conn, f"the connection to {self.url} broke: {exc}", exc)
+                return True
+            finally:
+                if not conn.broken:
+                    sock.settimeout(self.timeout)
+            self._received(conn, data)
+            return True
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+
+    def _break(self, conn: _Connection, reason: str, cause: BaseException | None) -> None:
+        with self._cond:
+            self._break_locked(conn, reason, cause)
+
+    def _break_locked(self, conn: _Connection, reason: str, cause: BaseException | None) -> None:
+        """Close ``conn`` and fail each request in flight on it with ConnectionLostError."""
+        if conn.broken:
+            return
+        conn.broken = True
+        if self._conn is conn:
+            self._conn = None
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        for slot in conn.pending.values():
+            slot.error = lost(reason, given(slot.unanswered), cause)
+            slot.done = True
+        conn.pending.clear()
+        self._cond.notify_all()
+
+    def _received(self, conn: _Connection, data: bytes) -> None:
+        """Hand the answers in ``data`` to their slots (EOF and garbage break ``conn``)."""
+        if not data:
+            self._break(conn, f"the broker at {self.url} closed the connection", None)
+            return
+        try:
+            bodies = conn.reader.feed(data)
+        except ProtocolError as exc:
+            self._break(conn, f"the broker at {self.url} broke the protocol: {exc}", exc)
+            return
+        with self._cond:
+            for body in bodies:
+                try:
+                    request_id, status, payload = check_answer(body, self.url)
+                except ProtocolError as exc:
+                    self._break_locked(
+                        conn, f"the broker at {self.url} broke the protocol: {exc}", exc
+                    )
+                    return
+                slot = conn.pending.pop(request_id, None)
+                if slot is None:
+                    if request_id == CONNECTION_REQUEST_ID:
+                        error = answer_error(payload, self.url)
+                        text = f"the broker at {self.url} closed the connection: {error}"
+                    else:
+                        error = ProtocolError(f"{self.url}: an answer to request {request_id}, "
+                                              "which is not in flight")  # fmt: skip
+                        text = f"the broker at {self.url} broke the protocol: {error}"
+                    self._break_locked(conn, text, error)
+                    return
+                slot.status = status
+                slot.payload = payload
+                slot.done = True
+            if bodies:
+                self._cond.notify_all()
+
+    # --- requests ----------------------------------------------------------------
+
+    def _submit(self, batch: list[Call]) -> tuple[_Connection, list[_Slot]]:
+        """Write ``batch``'s requests in one go; their slots, in order."""
+        with self._write_lock:
+            conn = self._connection()
+            first = self._next_id
+            frames = [conn.encoder.frame(first + i, c.op, c.args) for i, c in enumerate(batch)]
+            self._next_id = first + len(batch)
+            now = time.monotonic()
+            slots = [_Slot(c.op, c.unanswered, now + self.timeout + c.wait) for c in batch]
+            with self._cond:
+                if conn.broken:  # (broke between the check and now: nothing was written)
+                    raise lost(f"the connection to {self.url} broke", [])
+                conn.pending.update(zip(range(first, first + len(batch)), slots, strict=True))
+            data = frames[0] if len(frames) == 1 else b"".join(frames)
+            try:
+                with conn.io_lock:
+                    conn.sock.sendall(data)
+            except OSError as exc:
+                self._break(conn, f"the connection to {self.url} broke while sending: {exc}", exc)
+        return conn, slots
+
+    def _wait(self, conn: _Connection, slot: _Slot) -> Any:
+        """The decoded-by-msgpack result of ``slot``'s request, or its error raised."""
+        while True:
+            with self._cond:
+                while not slot.done:
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    remaining = slot.deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._expire(conn, slot)
+                    else:
+                        self._cond.wait(remaining)
+                else:
+                    return self._outcome(slot)
+            try:
+                self._read_some(conn, slot)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+
+    def _expire(self, conn: _Connection, slot: _Slot) -> None:
+        self._break_locked(
+            conn,
+            f"no answer from the broker at {self.url} to a {slot.op} request within "
+            f"timeout={self.timeout:g}s; the connection is closed",
+            None,
+        )
+
+    def _read_some(self, conn: _Connection, slot: _Slot) -> None:
+        if conn.broken:
+            return
+        sock = conn.sock
+        remaining = slot.deadline - time.monotonic()
+        try:
+            ready = (isinstance(sock, ssl.SSLSocket) and sock.pending()) or bool(
+                select.select([sock], [], [], max(remaining, 0))[0]
+            )
+            if not ready:
+                if time.monotonic() >= slot.deadline:
+                    with self._cond:
+                        self._expire(conn, slot)
+                return
+            with conn.io_lock:
+                data = sock.recv(RECV_BYTES)
+        except (OSError, ValueError) as exc:  # ValueError: select on a closed socket
+            self._break(conn, f"the connection to {self.url} broke: {exc}", exc)
+            return
+        self._received(conn, data)
+
+    def _outcome(self, slot: _Slot) -> Any:
+        if slot.error is not None:
+            raise slot.error
+        if slot.status != STATUS_OK:
+            raise answer_error(slot.payload, self.url)
+        return slot.payload
+
+    def _call(self, call: Call) -> Any:
+        conn, (slot,) = self._submit([call])
+        return DECODERS[call.op](self._wait(conn, slot), self.url)
+
+    def request(self, op: str, arguments: dict[str, Any]) -> Any:
+        """One request as the protocol has it (docs/protocol.md): its result as msgpack
+        decodes it, or its error raised. The arguments are held to the op table first:
+        ProtocolError (nothing sent) for an unknown op or an argument of a wrong type."""
+        if not isinstance(op, str) or not isinstance(arguments, dict):
+            raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
+        check_args(op, arguments, f"request to {self.url}")
+        wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
+        messages = [arguments] if op in ("send", "send_batch") else None
+        conn, (slot,) = self._submit([Call(op, arguments, messages, wait)])
+        return self._wait(conn, slot)
+
+    # --- MessageStore's methods --------------------------------------------------
+
+    def send(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        tag: str = "",
+        key: str | None = None,
+        properties: dict[str, str] | None = None,
+        code: int = 0,
+        queue_id: int | None = None,
+    ) -> SendResult:
+        result: SendResult = self._call(
+            calls.send(topic, body, tag, key, properties, code, queue_id)
+        )
+        return result
+
+    def send_batch(
+        self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
+    ) -> list[SendResult]:
+        """One request: the broker stores all or none (as MessageStore.send_batch)."""
+        results: list[SendResult] = self._call(calls.send_batch(topic, messages))
+        return results
+
+    def send_many(
+        self,
+        topic: str,
+        messages: Iterable[bytes | OutgoingMessage | dict[str, Any]],
+        *,
+        window: int = DEFAULT_WINDOW,
+    ) -> list[SendResult]:
+        """One send request per message, up to ``window`` in flight before their answers
+        are read; the results in the messages' order. See docs/broker.md for what a
+        failure midway reports (``sent``, ``unanswered``, ``unsent``)."""
+        from equeue.client.many import send_many
+
+        return send_many(self, topic, messages, window)
+
+    def pull(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_count: int = 32,
+        tags: str | Iterable[str] | None = None,
+        wait: float = 0.0,
+        *,
+        max_bytes: int | None = None,
+    ) -> PullResult:
+        result: PullResult = self._call(
+            calls.pull(topic, queue_id, offset, max_count, tags, wait, max_bytes)
+        )
+        return result
+
+    def get(self, message_id: str) -> Message:
+        result: Message = self._call(calls.get(message_id))
+        return result
+
+    def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
+        result: list[Message] = self._call(calls.query_by_key(topic, key, limit))
+        return result
+
+    def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
+        result: int = self._call(calls.offset_for_time(topic, queue_id, timestamp))
+        return result
+
+    def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        self._call(calls.commit_offset(group, topic, queue_id, offset))
+
+    def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
+        call = calls.committed_offset(group, topic, queue_id)
+        if call is None:
+            return None
+        result: int | None = self._call(call)
+        return result
+
+    def create_topic(self, topic: str, queue_count: int | None = None) -> None:
+        self._call(calls.create_topic(topic, queue_count))
+
+    def topics(self) -> list[str]:
+        result: list[str] = self._call(calls.topics())
+        return result
+
+    def queue_ids(self, topic: str) -> list[int]:
+        result: list[int] = self._call(calls.queue_ids(topic))
+        return result
+
+    def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
+        result: tuple[int, int] = self._call(calls.queue_range(topic, queue_id))
+        return result
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call(calls.stats())
+        return result
+
+    def ping(self) -> None:
+        self._call(calls.ping())
+
+    # --- life --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection; requests still in flight raise ConnectionLostError."""
+        with self._cond:
+            self._closed = True
+            conn = self._conn
+            if conn is not None:
+                self._break_locked(conn, f"the client of {self.url} was closed", None)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self._conn else "disconnected")
+        return f"<equeue.Client {self.url} {state}>"
+
+
+def connect(url: str | os.PathLike[str], *, token: str | None = None, **options: Any) -> Client:
+    """A blocking client of the broker at ``url`` (``unix:PATH``, ``tcp://HOST:PORT``,
+    ``tls://HOST:PORT`` or a store directory); options: timeout, connect_timeout,
+    ssl_context, cafile, client_name."""
+    return Client(url, token=token, **options)
+
+
+__all__ = ["Client", "ConnectionLostError", "connect"]

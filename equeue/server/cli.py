@@ -1,0 +1,76 @@
+"""``equeue serve STORE``: run the broker in the foreground (docs/broker.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from equeue.protocol.frames import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_IN_FLIGHT,
+)
+from equeue.server.config import SOCKET_NAME, ServerConfig
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", help="the store directory (created if missing)")
+    parser.add_argument(
+        "--listen", action="append", default=[], metavar="URL",
+        help=f"unix:PATH, tcp://HOST:PORT or tls://HOST:PORT; repeatable (default: "
+        f"unix:STORE/{SOCKET_NAME})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--flush", choices=("sync", "async", "os"), default="async",
+        help="sync: answer a send once an fdatasync covers it (shared by every client); "
+        "async (default): at once, the store flushing in the background; os: at once, "
+        "never flushing by itself",
+    )  # fmt: skip
+    parser.add_argument("--token-file", help="clients must send the token in this file")
+    parser.add_argument("--tls-cert", help="certificate (PEM) for tls:// listeners")
+    parser.add_argument("--tls-key", help="private key (PEM) for tls:// listeners")
+    parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
+    parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT)
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
+    parser.add_argument(
+        "--status", action="store_true",
+        help="print the stats of the broker serving STORE (or at --listen) and exit",
+    )  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="log warnings and errors only")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.status:
+        return status(args)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s equeue serve: %(message)s",
+        stream=sys.stderr,
+    )
+    config = ServerConfig(
+        listen=tuple(args.listen), flush=args.flush, token_file=args.token_file,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_frame_bytes,
+        max_in_flight=args.max_in_flight, max_connections=args.max_connections,
+    )  # fmt: skip
+    from equeue.server.serve import serve
+
+    def ready(urls: list[str]) -> None:
+        for url in urls:
+            print(f"listening on {url}", flush=True)
+
+    serve(args.store, config, ready=ready)
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    from equeue.server.status import fetch_stats, render_stats
+
+    stats: dict[str, Any] = fetch_stats(args.store, args.listen, args.token_file)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print(render_stats(stats))
+    return 0

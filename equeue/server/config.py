@@ -1,0 +1,171 @@
+"""The broker's settings (ServerConfig) and its listeners (``unix:PATH``, ``tcp://HOST:PORT``,
+``tls://HOST:PORT``), checked before anything is opened: a bad one is a ConfigError naming it."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from equeue.chunks.config import MiB, check_int
+from equeue.errors import ConfigError
+from equeue.protocol.frames import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_IN_FLIGHT,
+    HELLO_MAX_FRAME_BYTES,
+    MIN_MAX_FRAME_BYTES,
+)
+
+BrokerFlush = Literal["sync", "async", "os"]
+SOCKET_NAME = "broker.sock"  # the default listener, inside the store directory
+MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the NUL
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    kind: Literal["unix", "tcp", "tls"]
+    path: str = ""  # unix
+    host: str = ""  # tcp, tls
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return (
+            f"unix:{self.path}" if self.kind == "unix" else f"{self.kind}://{self.host}:{self.port}"
+        )
+
+    @property
+    def loopback(self) -> bool:
+        return self.kind == "unix" or is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # any other name may resolve anywhere
+        return False
+
+
+def parse_listener(url: str) -> Listener:
+    """``unix:PATH``, ``tcp://HOST:PORT`` or ``tls://HOST:PORT`` (port 0: any free port)."""
+    if url.startswith("unix:"):
+        path = url[len("unix:") :]
+        if not path:
+            raise ConfigError(f"listener {url!r}: unix: needs a path")
+        if len(os.fsencode(path)) > MAX_UNIX_PATH:
+            raise ConfigError(
+                f"listener {url!r}: a Unix socket path is limited to {MAX_UNIX_PATH} bytes"
+            )
+        return Listener("unix", path=path)
+    for kind in ("tcp", "tls"):
+        prefix = f"{kind}://"
+        if url.startswith(prefix):
+            host, sep, port = url[len(prefix) :].rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ConfigError(f"listener {url!r}: expected {kind}://HOST:PORT (port 0-65535)")
+            return Listener(kind, host=host.strip("[]"), port=int(port))
+    raise ConfigError(f"listener {url!r}: expected unix:PATH, tcp://HOST:PORT or tls://HOST:PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Settings of ``equeue serve`` / ``equeue.serve``; docs/broker.md describes each.
+
+    ``flush`` says when a send is answered: ``"sync"`` after an fdatasync of the message
+    log that covers it (one fdatasync for the sends of every connection that arrived
+    meanwhile: nothing acknowledged is lost, even on power loss); ``"async"`` at once, the
+    store's background thread flushing every ``flush_interval_ms`` (a broker crash loses
+    nothing, a power loss the last interval's sends); ``"os"`` at once, the OS writing
+    back when it likes (a power loss can lose everything since the last checkpoint).
+    """
+
+    listen: tuple[str, ...] = ()  # empty: unix:STORE/broker.sock
+    flush: BrokerFlush = "async"
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # Reading a connection pauses while this many answer bytes wait in its send buffer.
+    write_buffer_high: int = 4 * MiB
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    drain_timeout_ms: int = 10_000  # SIGTERM: how long answers may take to leave
+    listeners: tuple[Listener, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.listen, str):
+            raise ConfigError(f"listen must be a sequence of URLs, got the string {self.listen!r}")
+        object.__setattr__(self, "listen", tuple(self.listen))
+        if self.flush not in ("sync", "async", "os"):
+            raise ConfigError(f"flush={self.flush!r}; it must be 'sync', 'async' or 'os'")
+        check_int(
+            "max_frame_bytes",
+            self.max_frame_bytes,
+            max(MIN_MAX_FRAME_BYTES, HELLO_MAX_FRAME_BYTES),
+            1 << 31,
+        )
+        check_int("max_in_flight", self.max_in_flight, 1, 1 << 20)
+        check_int("max_connections", self.max_connections, 1, 1 << 20)
+        check_int("write_buffer_high", self.write_buffer_high, 1024, 1 << 34)
+        check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 3_600_000)
+        listeners = tuple(parse_listener(url) for url in self.listen)
+        object.__setattr__(self, "listeners", listeners)
+        tls = [x for x in listeners if x.kind == "tls"]
+        if tls and not (self.tls_cert and self.tls_key):
+            raise ConfigError(
+                f"listener {tls[0].url} needs a certificate and key (--tls-cert, --tls-key)"
+            )
+        if (self.tls_cert or self.tls_key) and not tls:
+            raise ConfigError(
+                "--tls-cert/--tls-key given but no tls://HOST:PORT listener would use them"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        exposed = [x for x in listeners if not x.loopback]
+        if exposed and self.token_file is None:
+            raise ConfigError(
+                f"listener {exposed[0].url} is not on a loopback address: refusing to start "
+                "without authentication (give --token-file / token_file)"
+            )
+
+    def listeners_for(self, store_path: Path) -> tuple[Listener, ...]:
+        if self.listeners:
+            return self.listeners
+        return (parse_listener(f"unix:{store_path / SOCKET_NAME}"),)
+
+
+def read_token(path: str) -> str:
+    """The token in ``path``; refused if the file is a symlink, readable or writable by
+    others than its owner and group, or empty."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise ConfigError(f"token file {path}: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise ConfigError(f"token file {path} is a symlink; give the file itself")
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"token file {path} is not a regular file")
+    if info.st_mode & 0o007:
+        raise ConfigError(
+            f"token file {path} is accessible by every user (mode {stat.S_IMODE(info.st_mode):o}); "
+            "chmod o-rwx it"
+        )
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as file:
+            data = file.read(4097)
+    except OSError as exc:
+        raise ConfigError(f"token file {path}: {exc.strerror or exc}") from None
+    try:
+        token = data.decode().strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"token file {path} is not UTF-8 text") from None
+    if not token or len(data) > 4096:
+        raise ConfigError(f"token file {path} must hold one token of 1 to 4096 bytes")
+    return token

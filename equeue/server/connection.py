@@ -1,0 +1,310 @@
+"""One client connection: frames in, requests to the handlers, answers out.
+
+``asyncio.Protocol``, not streams: every frame of one ``data_received`` is parsed and
+answered before its answers leave in one ``transport.write``. Past
+``write_buffer_high`` bytes of answers the client has not read, reading it pauses
+(backpressure: a stalled client holds its own socket buffers, not the broker's
+memory). A frame that is not the protocol closes this connection only, after an error
+answer with request id 0 and one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import TYPE_CHECKING, Any
+
+from equeue.errors import (
+    AuthenticationError,
+    EQueueError,
+    FrameTooLargeError,
+    LimitExceededError,
+    ProtocolError,
+)
+from equeue.protocol.faults import pack_error
+from equeue.protocol.frames import (
+    CONNECTION_REQUEST_ID,
+    FRAME_HEADER,
+    FRAME_HEADER_SIZE,
+    HELLO_MAX_FRAME_BYTES,
+    STATUS_ERROR,
+    STATUS_OK,
+    FrameReader,
+    check_request,
+    decode_body,
+    encode,
+)
+from equeue.protocol.handshake import Hello, Welcome, choose_version
+from equeue.protocol.ops import check_args
+from equeue.server.handlers import DEFERRED
+
+if TYPE_CHECKING:
+    from equeue.server.serve import Broker
+
+log = logging.getLogger("equeue.server")
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, broker: Broker, listener: str, number: int) -> None:
+        self.broker = broker
+        self.where = f"connection #{number} on {listener}"
+        self.transport: asyncio.Transport | None = None
+        self.client = ""
+        self.in_flight = 0
+        self.closed = False
+        self._hello: bytearray | None = bytearray()  # until the hello is accepted
+        self._reader = FrameReader(broker.config.max_frame_bytes, self.where)
+        self._out: list[bytes] = []
+        self._batching = False
+        self._write_scheduled = False
+        self._paused = False
+        self._backlog: list[bytes] = []  # frames read but not yet served (backpressure)
+        self._out_bytes = 0
+
+    # --- asyncio callbacks ----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.where += (
+                f" from {peer[0]}:{peer[1]}" if isinstance(peer, tuple) else f" from {peer}"
+            )
+        broker = self.broker
+        broker.connections.add(self)
+        transport.set_write_buffer_limits(high=broker.config.write_buffer_high)
+        limit = broker.config.max_connections
+        if broker.draining:
+            self._fatal(LimitExceededError(f"{self.where}: the broker is shutting down"))
+        elif len(broker.connections) > limit:
+            self._fatal(
+                LimitExceededError(
+                    f"{self.where}: the broker has {limit} connections already "
+                    f"(max_connections={limit}; equeue serve --max-connections)"
+                )
+            )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.broker.connections.discard(self)
+        self.broker.holds.drop(self)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.closed:
+            return
+        if self._backlog:
+            self._batching = True
+            try:
+                self._serve(self._backlog)
+            except ProtocolError as exc:
+                self._fatal(exc)
+            finally:
+                self._batching = False
+                self._write_out()
+                self.broker.after_batch()
+        if not self._paused and not self._backlog and not self.broker.draining:
+            assert self.transport is not None
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        broker = self.broker
+        broker.counters.bytes_in += len(data)
+        self._batching = True
+        try:
+            if self._hello is not None:
+                rest = self._take_hello(data)
+                if rest is None:
+                    return
+                data = rest
+            bodies = self._reader.feed(data)
+            if self._backlog:  # reading was paused with frames left: they go first
+                self._backlog.extend(bodies)
+                bodies = self._backlog
+            self._serve(bodies)
+        except ProtocolError as exc:  # FrameTooLargeError too
+            self._fatal(exc)
+        finally:
+            self._batching = False
+            self._write_out()
+            broker.after_batch()
+
+    def _serve(self, bodies: list[bytes]) -> None:
+        """Answer ``bodies`` in order until the client's unread answers pass the high-water
+        mark; the rest wait in the backlog for ``resume_writing``. So one read of many
+        small requests with large answers (pulls) cannot make the broker hold more than
+        about ``write_buffer_high`` plus one answer for a client that does not read."""
+        high = self.broker.config.write_buffer_high
+        transport = self.transport
+        assert transport is not None
+        done = 0
+        for body in bodies:
+            done += 1
+            self._request(body)
+            if self.closed:
+                break
+            if self._out_bytes + transport.get_write_buffer_size() > high:
+                self._write_out()  # may call pause_writing
+                if self._paused:
+                    break
+        self._backlog = bodies[done:] if done < len(bodies) and not self.closed else []
+        if self._backlog:
+            transport.pause_reading()
+
+    @property
+    def buffered(self) -> int:
+        """Answer bytes not yet taken by the client's socket, and request bytes not yet served."""
+        transport = self.transport
+        written = transport.get_write_buffer_size() if transport is not None else 0
+        return written + self._out_bytes + sum(map(len, self._backlog)) + self._reader.pending
+
+    def eof_received(self) -> bool | None:
+        pending = self._reader.pending if self._hello is None else len(self._hello)
+        if pending and not self.closed:
+            self._fatal(
+                ProtocolError(
+                    f"{self.where}: the connection ended inside a frame ({pending} bytes of it)"
+                )
+            )
+        return None  # close the transport
+
+    # --- frames ---------------------------------------------------------------
+
+    def _take_hello(self, data: bytes) -> bytes | None:
+        """The bytes after the hello once it is whole and accepted, else None."""
+        buffer = self._hello
+        assert buffer is not None
+        buffer += data
+        if len(buffer) < FRAME_HEADER_SIZE:
+            return None
+        (length,) = FRAME_HEADER.unpack_from(buffer, 0)
+        if length > HELLO_MAX_FRAME_BYTES:
+            raise FrameTooLargeError(
+                f"{self.where}: a hello frame of {length} bytes exceeds {HELLO_MAX_FRAME_BYTES} "
+                "(the limit before the handshake)"
+            )
+        if length == 0:
+            raise ProtocolError(f"{self.where}: an empty frame (length 0)")
+        end = FRAME_HEADER_SIZE + length
+        if len(buffer) < end:
+            return None
+        hello = Hello.unpack(
+            decode_body(bytes(buffer[FRAME_HEADER_SIZE:end]), self.where), self.where
+        )
+        rest = bytes(buffer[end:])
+        self._hello = None
+        version = choose_version(hello.versions)
+        if version is None:
+            raise ProtocolError(
+                f"{self.where}: the client speaks protocol versions {list(hello.versions)[:8]}, "
+                f"this broker {list(self.broker.welcome_versions)}"
+            )
+        token = self.broker.token
+        if token is not None:
+            given = hello.token
+            if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+                what = "no token" if given is None else "a wrong token"
+                self._fatal(AuthenticationError(f"{self.where}: the client gave {what}"))
+                return None
+        self.client = hello.client
+        self._queue(encode(Welcome(version, self.broker.server_name, self.broker.limits).pack()))
+        return rest
+
+    def _request(self, body: bytes) -> None:
+        where = self.where
+        request_id, op, args = check_request(decode_body(body, where), where)
+        check_args(op, args, where)
+        broker = self.broker
+        broker.counters.requests += 1
+        if self.in_flight >= broker.config.max_in_flight:
+            limit = broker.config.max_in_flight
+            self._answer_error(
+                request_id,
+                LimitExceededError(
+                    f"{where}: {limit} requests are in flight on this connection "
+                    f"(max_in_flight={limit}; equeue serve --max-in-flight); wait for answers"
+                ),
+            )
+            return
+        try:
+            result = broker.handlers.ops[op](self, request_id, args)
+        except ProtocolError:
+            raise
+        except EQueueError as exc:
+            self._answer_error(request_id, exc)
+            return
+        except Exception as exc:  # a defect: the client gets BrokerError, the broker lives on
+            log.exception("%s: op %r failed", where, op)
+            self._answer_error(request_id, exc)
+            return
+        if result is DEFERRED:
+            self.in_flight += 1
+        else:
+            self._answer(request_id, STATUS_OK, result)
+
+    def finish(self, request_id: int, outcome: object) -> None:
+        """The answer of a DEFERRED request (a result, or the exception to answer)."""
+        self.in_flight -= 1
+        if self.closed:
+            return
+        if isinstance(outcome, BaseException):
+            self._answer_error(request_id, outcome)
+        else:
+            self._answer(request_id, STATUS_OK, outcome)
+
+    def _answer_error(self, request_id: int, exc: BaseException) -> None:
+        self.broker.counters.errors += 1
+        self._answer(request_id, STATUS_ERROR, pack_error(exc))
+
+    def _answer(self, request_id: int, status: int, payload: Any) -> None:
+        try:
+            frame = encode([request_id, status, payload])
+        except ProtocolError as exc:  # a result msgpack cannot carry: a defect
+            log.error("%s: cannot encode the answer to request %d: %s", self.where, request_id, exc)
+            frame = encode([request_id, STATUS_ERROR, pack_error(exc)])
+        self._queue(frame)
+
+    def _queue(self, frame: bytes) -> None:
+        self._out.append(frame)
+        self._out_bytes += len(frame)
+        if not self._batching and not self._write_scheduled:
+            self._write_scheduled = True
+            self.broker.loop.call_soon(self._write_out)
+
+    def _write_out(self) -> None:
+        self._write_scheduled = False
+        out = self._out
+        if not out or self.transport is None:
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        self._out_bytes = 0
+        if self.transport.is_closing():
+            return
+        self.broker.counters.bytes_out += len(data)
+        self.transport.write(data)
+
+    def _fatal(self, exc: EQueueError) -> None:
+        """Answer ``exc`` about the connection (request id 0) and close it."""
+        if self.closed:
+            return
+        log.warning("%s; closing the connection", exc)
+        self._answer_error(CONNECTION_REQUEST_ID, exc)
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._write_out()
+        if self.transport is not None:
+            self.transport.close()  # after what is buffered has been written

@@ -1,0 +1,382 @@
+"""Consumer groups that share topics: membership, EQueue's average allocation, heartbeats,
+session timeouts and generations (docs/groups.md).
+
+The broker keeps one GroupCoordinator and calls it on its event-loop thread only (no
+locks). Membership lives in memory: a broker restart forgets it, and every member's
+next request answers GroupError, upon which the client joins again.
+
+Allocation: the group's queues, every queue of its topics and of its retry topic
+``equeue.retry.GROUP``, sorted by (topic, queue id), are cut into contiguous slices over
+the members sorted by consumer id, the first ``n % k`` members one queue more (EQueue's
+average allocation). Each rebalance (a member joins, leaves or expires; a topic gains
+queues) starts a new generation with a new *target* allocation.
+
+Per queue one consumer at a time: a queue has at most one *holder*. A queue whose
+target is a member is handed to it only once nobody holds it: its previous holder
+released it, or that holder's session expired. A holder releases a revoked queue by
+a heartbeat whose ``generation`` is the generation of the last assignment it was given
+(it has applied it: it committed what it processed of the queues not in it and stopped
+pulling them). ``check_owner`` (every pull and commit_offset of a member) accepts only
+the holder, so a revoked queue can still get its holder's last commit.
+
+An assignment, as join and heartbeat answer it, lists the queues the member holds and
+is to keep: its target queues that are free or already its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from equeue.errors import (
+    GroupError,
+    InvalidMessageError,
+    InvalidTypeError,
+    TopicNotFoundError,
+)
+from equeue.server import retry
+from equeue.store import validate
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+log = logging.getLogger("equeue.groups")
+
+Queue = tuple[str, int]  # (topic, queue id)
+
+DEFAULT_SESSION_TIMEOUT_MS: Final = 10_000
+MIN_SESSION_TIMEOUT_MS: Final = 200
+MAX_SESSION_TIMEOUT_MS: Final = 600_000
+# Heartbeats come this many times per session timeout: two may be lost in a row.
+HEARTBEATS_PER_SESSION: Final = 3
+MAX_TOPICS: Final = 64  # topics one group subscribes
+MAX_CONSUMER_BYTES: Final = 255
+
+
+@dataclass
+class _Member:
+    topics: tuple[str, ...]
+    session_timeout_ms: int
+    max_retries: int
+    last_seen: float
+    # The last assignment answered to it: (generation, queues). A heartbeat reporting
+    # that generation releases every queue it holds outside those queues.
+    given: tuple[int, frozenset[Queue]] = (0, frozenset())
+
+
+@dataclass
+class _Group:
+    name: str
+    topics: tuple[str, ...] = ()
+    members: dict[str, _Member] = field(default_factory=dict)
+    generation: int = 0
+    queues: list[Queue] = field(default_factory=list)
+    target: dict[Queue, str] = field(default_factory=dict)
+    holders: dict[Queue, str] = field(default_factory=dict)
+
+
+def average_allocation(consumers: Sequence[str], queues: Sequence[Queue]) -> dict[Queue, str]:
+    """EQueue's average allocation: sorted queues in contiguous slices over the sorted
+    consumers, the first ``len(queues) % len(consumers)`` one queue more."""
+    members = sorted(consumers)
+    ordered = sorted(queues)
+    if not members:
+        return {}
+    share, extra = divmod(len(ordered), len(members))
+    target: dict[Queue, str] = {}
+    start = 0
+    for index, consumer in enumerate(members):
+        size = share + (1 if index < extra else 0)
+        for queue in ordered[start : start + size]:
+            target[queue] = consumer
+        start += size
+    return target
+
+
+class GroupCoordinator:
+    """Every consumer group of one broker (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: MessageStore,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        retry_delays: Sequence[float] = retry.DEFAULT_DELAYS,
+        max_retries: int = retry.DEFAULT_MAX_RETRIES,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.max_retries = _check_retries(max_retries)
+        self.retries = retry.Retries(store, wall_clock=wall_clock, delays=retry_delays)
+        self._groups: dict[str, _Group] = {}
+        # One counter for every group: a group that lost its last member and is joined
+        # again never repeats a generation its former members saw.
+        self._generations = 0
+
+    # --- the ops ---------------------------------------------------------------------
+
+    def call(self, op: str, args: dict[str, Any]) -> Any:
+        """The broker's dispatch of a group op (join, heartbeat, leave, nack), its
+        arguments as ``equeue.protocol.ops.check_args`` let them through."""
+        group, consumer = args["group"], args["consumer"]
+        if op == "join":
+            return self.join(
+                group, consumer, args["topics"], args.get("session_timeout_ms"),
+                max_retries=args.get("max_retries"),
+            )  # fmt: skip
+        if op == "heartbeat":
+            return self.heartbeat(group, consumer, generation=args.get("generation"))
+        if op == "leave":
+            return self.leave(group, consumer)
+        if op == "nack":
+            return self.nack(group, consumer, args["message_id"], args.get("delay_ms"))
+        raise InvalidMessageError(f"{op!r} is not a consumer-group op")
+
+    def join(
+        self,
+        group: str,
+        consumer: str,
+        topics: Sequence[str],
+        session_timeout_ms: int | None = None,
+        *,
+        max_retries: int | None = None,
+    ) -> dict[str, Any]:
+        """Add ``consumer`` to ``group`` (again: it starts afresh, holding nothing) and
+        rebalance. Every member of a group subscribes the same topics."""
+        retry.check_group_name(group)
+        _check_consumer(consumer)
+        names = _check_topics(topics)
+        timeout = _check_timeout(session_timeout_ms)
+        retries = self.max_retries if max_retries is None else _check_retries(max_retries)
+        for topic in names:
+            self.store.queue_ids(topic)  # TopicNotFoundError before anything changes
+        state = self._groups.get(group)
+        others = {} if state is None else {c: m for c, m in state.members.items() if c != consumer}
+        if state is not None and others and state.topics != names:
+            raise GroupError(
+                f"group {group!r} consumes {list(state.topics)}; consumer {consumer!r} asked "
+                f"for {list(names)}: every member of a group subscribes the same topics "
+                "(use another group name for another subscription)"
+            )
+        self.retries.ensure(retry.retry_topic(group), 1)
+        if state is None:
+            state = self._groups[group] = _Group(group)
+        self._drop(state, consumer)
+        state.topics = names
+        state.members[consumer] = _Member(names, timeout, retries, self.clock())
+        self._rebalance(state, f"{consumer!r} joined")
+        return self._answer(state, consumer)
+
+    def heartbeat(
+        self, group: str, consumer: str, *, generation: int | None = None
+    ) -> dict[str, Any]:
+        """Keep ``consumer``'s session; ``generation``: that of the last assignment it
+        applied (releases the queues it was told to give up)."""
+        state, member = self._member(group, consumer)
+        member.last_seen = self.clock()
+        if generation is not None and generation == member.given[0]:
+            released = [
+                q for q, holder in state.holders.items()
+                if holder == consumer and q not in member.given[1]
+            ]  # fmt: skip
+            for queue in released:
+                del state.holders[queue]
+            if released:
+                self._grant(state)
+        return self._answer(state, consumer)
+
+    def leave(self, group: str, consumer: str) -> None:
+        """Remove ``consumer`` (it committed what it processed first) and rebalance."""
+        state = self._groups.get(group)
+        if state is None or consumer not in state.members:
+            return  # gone already: leaving twice, or after its session expired
+        self._drop(state, consumer)
+        self._rebalance(state, f"{consumer!r} left")
+
+    def check_owner(self, group: str, consumer: str, topic: str, queue_id: int) -> None:
+        """GroupError unless ``consumer`` holds the queue in ``group`` now."""
+        state, _ = self._member(group, consumer)
+        holder = state.holders.get((topic, queue_id))
+        if holder != consumer:
+            owner = "nobody" if holder is None else f"consumer {holder!r}"
+            raise GroupError(
+                f"consumer {consumer!r} of group {group!r} does not hold {topic}/{queue_id} "
+                f"in generation {state.generation} ({owner} does); heartbeat for the "
+                "current assignment"
+            )
+
+    def nack(self, group: str, consumer: str, message_id: str, delay_ms: int | None) -> None:
+        """Send the message back for a retry after a delay, or to the dead-letter topic
+        once it was retried ``max_retries`` times (equeue/server/retry.py)."""
+        state, member = self._member(group, consumer)
+        message = self.store.get(message_id)
+        self.check_owner(group, consumer, message.topic, message.queue_id)
+        if message.topic != retry.retry_topic(group) and message.topic not in state.topics:
+            raise GroupError(f"message {message_id} of {message.topic} is not group {group!r}'s")
+        self.retries.nack(group, message, delay_ms, member.max_retries)
+
+    def tick(self) -> None:
+        """Expire members past their session timeout, pick up queues topics gained, move
+        retries that are due. The broker calls it about every 100 ms."""
+        now = self.clock()
+        for state in list(self._groups.values()):
+            expired = [c for c, m in state.members.items() if _expired(m, now)]
+            for consumer in expired:
+                log.warning(
+                    "consumer %r of group %r missed its session timeout (%d ms); its queues "
+                    "go to the others", consumer, state.name,
+                    state.members[consumer].session_timeout_ms,
+                )  # fmt: skip
+                self._drop(state, consumer)
+            if expired:
+                self._rebalance(state, f"{', '.join(map(repr, expired))} expired")
+            elif self._queues(state) != state.queues:
+                self._rebalance(state, "its topics' queues changed")
+        self.retries.move_due()
+
+    def stats(self) -> dict[str, Any]:
+        """Per group: generation, topics, members (their queues, how long since their last
+        heartbeat), each queue's holder and target, and its lag (messages past the
+        group's committed offset)."""
+        now = self.clock()
+        result: dict[str, Any] = {}
+        for name, state in self._groups.items():
+            lag: dict[str, int] = {}
+            for topic, queue_id in state.queues:
+                try:
+                    first, following = self.store.queue_range(topic, queue_id)
+                except (TopicNotFoundError, InvalidMessageError):
+                    continue
+                committed = self.store.committed_offset(name, topic, queue_id)
+                lag[f"{topic}/{queue_id}"] = following - max(first, committed or 0)
+            result[name] = {
+                "generation": state.generation,
+                "topics": list(state.topics),
+                "members": {
+                    c: {
+                        "queues": [list(q) for q in state.queues if state.holders.get(q) == c],
+                        "since_heartbeat_ms": int((now - m.last_seen) * 1000),
+                        "session_timeout_ms": m.session_timeout_ms,
+                    }
+                    for c, m in sorted(state.members.items())
+                },
+                "assignment": [
+                    [t, q, state.holders.get((t, q)), state.target.get((t, q))]
+                    for t, q in state.queues
+                ],
+                "lag": lag,
+            }
+        return result
+
+    # --- internals -------------------------------------------------------------------
+
+    def _member(self, group: str, consumer: str) -> tuple[_Group, _Member]:
+        state = self._groups.get(group)
+        member = None if state is None else state.members.get(consumer)
+        if state is None or member is None:
+            raise GroupError(
+                f"group {group!r} has no consumer {consumer!r} (never joined, left, or its "
+                "session timed out, or the broker restarted): join again"
+            )
+        return state, member
+
+    def _drop(self, state: _Group, consumer: str) -> None:
+        state.members.pop(consumer, None)
+        for queue in [q for q, c in state.holders.items() if c == consumer]:
+            del state.holders[queue]
+
+    def _queues(self, state: _Group) -> list[Queue]:
+        queues: list[Queue] = []
+        for topic in (*state.topics, retry.retry_topic(state.name)):
+            try:
+                ids = self.store.queue_ids(topic)
+            except TopicNotFoundError:  # deleted since: nothing to consume there
+                continue
+            queues += [(topic, q) for q in ids]
+        return sorted(queues)
+
+    def _rebalance(self, state: _Group, why: str) -> None:
+        self._generations += 1
+        state.generation = self._generations
+        if not state.members:
+            del self._groups[state.name]
+            log.info("group %r: no members left (%s)", state.name, why)
+            return
+        state.queues = self._queues(state)
+        state.target = average_allocation(list(state.members), state.queues)
+        for queue in [q for q in state.holders if q not in state.target]:
+            del state.holders[queue]  # a queue gone from the group (its topic deleted)
+        self._grant(state)
+        log.info(
+            "group %r: generation %d (%s), %d members, %d queues",
+            state.name, state.generation, why, len(state.members), len(state.queues),
+        )  # fmt: skip
+
+    def _grant(self, state: _Group) -> None:
+        for queue, consumer in state.target.items():
+            if queue not in state.holders:
+                state.holders[queue] = consumer
+
+    def _answer(self, state: _Group, consumer: str) -> dict[str, Any]:
+        member = state.members[consumer]
+        queues = frozenset(
+            q for q, holder in state.holders.items()
+            if holder == consumer and state.target.get(q) == consumer
+        )  # fmt: skip
+        member.given = (state.generation, queues)
+        return {
+            "generation": state.generation,
+            "assignment": [list(q) for q in sorted(queues)],
+            "heartbeat_interval_ms": member.session_timeout_ms // HEARTBEATS_PER_SESSION,
+            "session_timeout_ms": member.session_timeout_ms,
+            "retry_topic": retry.retry_topic(state.name),
+            "dead_letter_topic": retry.dead_letter_topic(state.name),
+        }
+
+
+def _expired(member: _Member, now: float) -> bool:
+    return now - member.last_seen > member.session_timeout_ms / 1000
+
+
+def _check_consumer(consumer: object) -> str:
+    if not isinstance(consumer, str):
+        raise InvalidTypeError(f"consumer must be a str, got {type(consumer).__name__}")
+    size = len(validate.utf8(consumer, "consumer"))
+    if not 1 <= size <= MAX_CONSUMER_BYTES:
+        raise InvalidMessageError(
+            f"consumer id must be 1 to {MAX_CONSUMER_BYTES} bytes UTF-8, got {size}"
+        )
+    return consumer
+
+
+def _check_topics(topics: object) -> tuple[str, ...]:
+    if not isinstance(topics, list | tuple) or not topics:
+        raise InvalidMessageError("a consumer group member needs a non-empty list of topics")
+    if len(topics) > MAX_TOPICS:
+        raise InvalidMessageError(f"{len(topics)} topics; a group subscribes at most {MAX_TOPICS}")
+    return tuple(sorted({validate.check_topic(t) for t in topics}))
+
+
+def _check_timeout(value: object) -> int:
+    if value is None:
+        return DEFAULT_SESSION_TIMEOUT_MS
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidTypeError(f"session_timeout_ms must be an int, got {type(value).__name__}")
+    if not MIN_SESSION_TIMEOUT_MS <= value <= MAX_SESSION_TIMEOUT_MS:
+        raise InvalidMessageError(
+            f"session_timeout_ms={value} must lie in "
+            f"[{MIN_SESSION_TIMEOUT_MS}, {MAX_SESSION_TIMEOUT_MS}]"
+        )
+    return value
+
+
+def _check_retries(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidTypeError(f"max_retries must be an int, got {type(value).__name__}")
+    if not 0 <= value <= retry.MAX_RETRIES_LIMIT:
+        raise InvalidMessageError(f"max_retries={value} must lie in [0, {retry.MAX_RETRIES_LIMIT}]")
+    return value

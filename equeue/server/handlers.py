@@ -1,0 +1,240 @@
+"""Requests to store calls: each op of equeue/protocol/ops.py, on the loop thread.
+
+An op returns its wire result, or DEFERRED when the answer comes later: a send under
+``--flush sync`` (after the fdatasync that covers it, groupcommit.py) or a long-poll
+pull (holds.py); the connection then counts it in flight until ``finish`` is called.
+Errors are raised: the connection answers them with the class name as the code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from equeue.errors import GroupError, InvalidMessageError, ProtocolError
+from equeue.protocol.ops import check_args
+from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
+from equeue.server.holds import HeldPull, Holds
+from equeue.server.stats import Counters, group_lag
+from equeue.store.store import MessageStore
+from equeue.store.types import OutgoingMessage, SendResult
+from equeue.store.validate import MAX_WAIT
+
+if TYPE_CHECKING:
+    from equeue.server.groupcommit import CrossClientCommit
+
+log = logging.getLogger("equeue.server")
+
+DEFERRED: Final = object()
+MS = 1000.0
+
+
+class Peer(Protocol):
+    """What an op needs of the connection it came on."""
+
+    where: str
+
+    def finish(self, request_id: int, outcome: object) -> None: ...
+
+
+class Coordinator(Protocol):
+    """equeue/server/groups.py's GroupCoordinator, as the broker calls it (loop thread)."""
+
+    def join(
+        self, group: str, consumer: str, topics: list[str], session_timeout_ms: int | None
+    ) -> dict[str, Any]: ...
+    def heartbeat(self, group: str, consumer: str) -> dict[str, Any]: ...
+    def leave(self, group: str, consumer: str) -> None: ...
+    def check_owner(self, group: str, consumer: str, topic: str, queue_id: int) -> None: ...
+    def nack(self, group: str, consumer: str, message_id: str, delay_ms: int | None) -> None: ...
+    def tick(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+def make_coordinator(store: MessageStore) -> Coordinator | None:
+    """The consumer groups' coordinator, where this build has one."""
+    try:
+        from equeue.server import groups  # type: ignore[attr-defined, unused-ignore]
+    except ImportError:
+        return None
+    coordinator: Coordinator = groups.GroupCoordinator(store)
+    return coordinator
+
+
+class Handlers:
+    def __init__(
+        self,
+        store: MessageStore,
+        holds: Holds,
+        commit: CrossClientCommit | None,
+        coordinator: Coordinator | None,
+        counters: Counters,
+        extra_stats: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.store = store
+        self.holds = holds
+        self.commit = commit
+        self.coordinator = coordinator
+        self.counters = counters
+        self._extra_stats = extra_stats
+        self.touched: set[tuple[str, int]] = set()  # queues appended to since the last look
+        self.ops: dict[str, Callable[[Peer, int, dict[str, Any]], object]] = {
+            "ping": lambda peer, rid, args: None,
+            "send": self.send,
+            "send_batch": self.send_batch,
+            "pull": self.pull,
+            "get": lambda peer, rid, a: pack_message(store.get(a["message_id"])),
+            "query_by_key": lambda peer, rid, a: [
+                pack_message(m)
+                for m in store.query_by_key(a["topic"], a["key"], a.get("limit", 32))
+            ],
+            "offset_for_time": lambda peer, rid, a: store.offset_for_time(
+                a["topic"], a["queue_id"], a["timestamp"]
+            ),
+            "commit_offset": self.commit_offset,
+            "committed_offset": lambda peer, rid, a: store.committed_offset(
+                a["group"], a["topic"], a["queue_id"]
+            ),
+            "create_topic": lambda peer, rid, a: store.create_topic(
+                a["topic"], a.get("queue_count")
+            ),
+            "topics": lambda peer, rid, a: store.topics(),
+            "queue_ids": lambda peer, rid, a: store.queue_ids(a["topic"]),
+            "queue_range": lambda peer, rid, a: list(store.queue_range(a["topic"], a["queue_id"])),
+            "stats": lambda peer, rid, a: self.stats(),
+            "join": lambda peer, rid, a: self._groups(peer).join(
+                a["group"], a["consumer"], a["topics"], a.get("session_timeout_ms")
+            ),
+            "heartbeat": lambda peer, rid, a: self._groups(peer).heartbeat(
+                a["group"], a["consumer"]
+            ),
+            "leave": lambda peer, rid, a: self._groups(peer).leave(a["group"], a["consumer"]),
+            "nack": lambda peer, rid, a: self._groups(peer).nack(
+                a["group"], a["consumer"], a["message_id"], a.get("delay_ms")
+            ),
+        }
+
+    def _groups(self, peer: Peer) -> Coordinator:
+        if self.coordinator is None:
+            raise GroupError(
+                f"{peer.where}: consumer groups are not available in this broker's build "
+                "(no equeue/server/groups.py)"
+            )
+        return self.coordinator
+
+    # --- sends -----------------------------------------------------------------
+
+    def _durable(self, peer: Peer, rid: int, result: object) -> object:
+        """The answer now, or (``--flush sync``) once an fdatasync covers the append."""
+        commit = self.commit
+        if commit is None:
+            return result
+        commit.add(lambda error: peer.finish(rid, result if error is None else error))
+        return DEFERRED
+
+    def send(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        sent: SendResult = self.store.send(
+            a["topic"], a["body"], tag=a.get("tag", ""), key=a.get("key"),
+            properties=a.get("properties"), code=a.get("code", 0), queue_id=a.get("queue_id"),
+        )  # fmt: skip
+        self.counters.sends += 1
+        self.counters.send_requests += 1
+        self.touched.add((sent.topic, sent.queue_id))
+        return self._durable(peer, rid, pack_send_result(sent))
+
+    def send_batch(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        topic = a["topic"]
+        results = self.store.send_batch(topic, _batch_items(peer, topic, a["messages"]))
+        counters = self.counters
+        counters.sends += len(results)
+        counters.send_requests += 1
+        touched = self.touched
+        for sent in results:
+            touched.add((sent.topic, sent.queue_id))
+        return self._durable(peer, rid, [pack_send_result(r) for r in results])
+
+    # --- reads -----------------------------------------------------------------
+
+    def pull(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        topic, queue_id = a["topic"], a["queue_id"]
+        self._check_owner(a, topic, queue_id)
+        wait_ms = a.get("wait_ms", 0)
+        if wait_ms > MAX_WAIT * MS:
+            raise InvalidMessageError(
+                f"{peer.where}: pull wait_ms={wait_ms} must lie in [0, {MAX_WAIT * MS:.0f}]"
+            )
+        args = _pull_args(a)
+        found = self.store.pull(
+            topic, queue_id, a["offset"], args["max_count"], args["tags"], 0.0,
+            max_bytes=args["max_bytes"],
+        )  # fmt: skip
+        self.counters.pulls += 1
+        if found.messages or wait_ms == 0:
+            return pack_pull_result(found)
+        self.holds.hold(
+            HeldPull(peer, rid, (topic, queue_id), found.next_offset, args), wait_ms / MS
+        )
+        return DEFERRED
+
+    def commit_offset(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        self._check_owner(a, a["topic"], a["queue_id"])
+        self.store.commit_offset(a["group"], a["topic"], a["queue_id"], a["offset"])
+        return None
+
+    def _check_owner(self, a: dict[str, Any], topic: str, queue_id: int) -> None:
+        group, consumer = a.get("group"), a.get("consumer")
+        if consumer is None or group is None or self.coordinator is None:
+            return
+        self.coordinator.check_owner(group, consumer, topic, queue_id)
+
+    # --- stats -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        answer: dict[str, Any] = {name: getattr(c, name) for name in (
+            "requests", "sends", "send_requests", "pulls", "bytes_in", "bytes_out", "errors"
+        )}  # fmt: skip
+        answer["rates"] = c.rates()
+        answer["held_pulls"] = self.holds.count
+        commit = self.commit
+        answer["flushes"] = commit.flushes if commit else 0
+        answer["sends_per_flush"] = (
+            round(commit.sends_flushed / commit.flushes, 2) if commit and commit.flushes else 0.0
+        )
+        answer.update(self._extra_stats())
+        answer["groups"] = group_lag(self.store)
+        if self.coordinator is not None:
+            answer["coordinator"] = self.coordinator.stats()
+        return answer
+
+
+def _pull_args(a: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "max_count": a.get("max_count", 32),
+        "tags": a.get("tags"),
+        "max_bytes": a.get("max_bytes"),
+    }
+
+
+def _batch_items(peer: Peer, topic: str, messages: list[Any]) -> list[bytes | OutgoingMessage]:
+    """send_batch's messages, each held to send's argument types (a ProtocolError
+    otherwise, as for a send), as the store takes them fastest: a body alone as bytes."""
+    items: list[bytes | OutgoingMessage] = []
+    append = items.append
+    for message in messages:
+        if type(message) is dict:
+            if len(message) == 1:
+                body = message.get("body")
+                if type(body) is bytes:
+                    append(body)
+                    continue
+            if "topic" not in message:
+                check_args("send", {**message, "topic": topic}, peer.where)
+                append(OutgoingMessage(**message))
+                continue
+        raise ProtocolError(
+            f"{peer.where}: op 'send_batch': each message must be a map of send's arguments "
+            f"but topic, got {type(message).__name__}"
+        )
+    return items

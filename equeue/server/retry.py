@@ -1,0 +1,253 @@
+"""Retries and the dead-letter topic (RocketMQ's design; docs/groups.md).
+
+A nacked message is copied to the internal topic ``equeue.delay``, whose queue i holds
+the copies waiting ``delays[i]`` seconds: each queue is FIFO by due time, so the mover
+(``move_due``, from the coordinator's tick) reads each from its cursor and stops at the
+first copy not yet due. A due copy is appended to the group's retry topic
+``equeue.retry.GROUP``, whose queues every member of the group consumes with the group's
+own topics. After ``max_retries`` redeliveries the next nack sends the message to
+``equeue.dlq.GROUP``, an ordinary topic.
+
+A copy keeps body, tag, key, code and the sender's properties, and carries these:
+
+* ``equeue.group``: the group; ``equeue.attempt``: how many times it was nacked;
+* ``equeue.origin.topic``, ``equeue.origin.queue_id``, ``equeue.origin.offset``,
+  ``equeue.origin.id``: where the message first was;
+* ``equeue.due_ms``: when it is due (ms since the epoch; copies in ``equeue.delay``).
+
+The mover's cursor in each delay queue is the committed offset of the internal group
+``equeue.mover``, committed after the copies it moved were appended: a crash between
+the two moves them again (at least once), and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final
+
+from equeue.errors import InvalidMessageError, InvalidTypeError, TopicNotFoundError
+from equeue.format.message import MAX_NAME_BYTES
+from equeue.protocol.retries import (
+    ATTEMPT,
+    DELAY_TOPIC,
+    DLQ_PREFIX,
+    DUE_MS,
+    GROUP,
+    MOVER_GROUP,
+    ORIGIN_ID,
+    ORIGIN_OFFSET,
+    ORIGIN_QUEUE,
+    ORIGIN_TOPIC,
+    RETRY_PREFIX,
+    dead_letter_topic,
+    restore,
+    retry_topic,
+)
+from equeue.store import validate
+from equeue.store.types import Message, OutgoingMessage
+
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+__all__ = [  # the names of equeue/protocol/retries.py, for the broker's side
+    "ATTEMPT", "DELAY_TOPIC", "DLQ_PREFIX", "DUE_MS", "GROUP", "MOVER_GROUP", "ORIGIN_ID",
+    "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RETRY_PREFIX", "Retries",
+    "check_group_name", "dead_letter_topic", "restore", "retry_topic",
+]  # fmt: skip
+
+log = logging.getLogger("equeue.retry")
+
+# Seconds a copy waits at each level (RocketMQ's levels from 1 s on, shortened).
+DEFAULT_DELAYS: Final = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+DEFAULT_MAX_RETRIES: Final = 16
+MAX_RETRIES_LIMIT: Final = 1000
+MAX_LEVELS: Final = 64
+MOVE_BATCH: Final = 256  # copies moved per delay queue per tick: a tick stays short
+
+_OURS: Final = (GROUP, ATTEMPT, ORIGIN_TOPIC, ORIGIN_QUEUE, ORIGIN_OFFSET, ORIGIN_ID, DUE_MS)
+
+
+def check_group_name(group: object) -> str:
+    """A group of the broker names topics after itself, so it follows the topic rule."""
+    if not isinstance(group, str):
+        raise InvalidTypeError(f"group must be a str, got {type(group).__name__}")
+    if len(group.encode(errors="replace")) > MAX_NAME_BYTES - len(RETRY_PREFIX):
+        raise InvalidMessageError(
+            f"group {group[:40]!r}... is too long: a broker's group name is at most "
+            f"{MAX_NAME_BYTES - len(RETRY_PREFIX)} bytes (it names {RETRY_PREFIX}GROUP)"
+        )
+    try:
+        validate.check_topic(group)
+    except InvalidMessageError as exc:
+        raise InvalidMessageError(
+            f"group {group!r}: a broker's group name follows the topic rule, as it names "
+            f"the topics {RETRY_PREFIX}GROUP and {DLQ_PREFIX}GROUP ({exc})"
+        ) from None
+    return group
+
+
+def origin(message: Message, group: str) -> tuple[dict[str, str], int]:
+    """The properties naming where ``message`` first was, and its attempts so far: a
+    copy in the group's retry topic carries them, any other message is its own origin."""
+    props = message.properties
+    if message.topic == retry_topic(group):
+        try:
+            attempt = int(props[ATTEMPT])
+            found = {k: props[k] for k in (ORIGIN_TOPIC, ORIGIN_QUEUE, ORIGIN_OFFSET, ORIGIN_ID)}
+            int(found[ORIGIN_QUEUE]), int(found[ORIGIN_OFFSET])
+            return found, max(0, attempt)
+        except (KeyError, ValueError):
+            log.warning("message %s in %s lacks its retry properties", message.message_id, group)
+    return {
+        ORIGIN_TOPIC: message.topic,
+        ORIGIN_QUEUE: str(message.queue_id),
+        ORIGIN_OFFSET: str(message.queue_offset),
+        ORIGIN_ID: message.message_id,
+    }, 0
+
+
+class Retries:
+    """Delay queues, the mover, dead letters."""
+
+    def __init__(
+        self,
+        store: MessageStore,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        delays: Sequence[float] = DEFAULT_DELAYS,
+    ) -> None:
+        self.store = store
+        self.wall_clock = wall_clock
+        self.delays = _check_delays(delays)
+        self.moved = 0  # copies moved to retry topics (stats)
+        self.dead = 0  # messages sent to dead-letter topics
+
+    def nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
+        """Schedule ``message`` (of ``group``) for a retry, or dead-letter it."""
+        found, attempts = origin(message, group)
+        attempt = attempts + 1
+        props = {k: v for k, v in message.properties.items() if k not in _OURS}
+        props.update(found)
+        props[GROUP] = group
+        props[ATTEMPT] = str(attempt)
+        if attempt > max_retries:
+            self._append(dead_letter_topic(group), message, props, None)
+            self.dead += 1
+            log.info("message %s of group %r: dead-lettered", found[ORIGIN_ID], group)
+            return
+        if delay_ms == 0:  # no wait: straight to the retry topic
+            self._append(retry_topic(group), message, props, None)
+            return
+        level = self.level(attempt, delay_ms)
+        props[DUE_MS] = str(int(self.wall_clock() * 1000 + self.delays[level] * 1000))
+        self.ensure(DELAY_TOPIC, len(self.delays))
+        self.store.send(
+            DELAY_TOPIC, message.body, tag=message.tag, key=message.key, properties=props,
+            code=message.code, queue_id=level,
+        )  # fmt: skip
+
+    def level(self, attempt: int, delay_ms: int | None) -> int:
+        """The delay queue of a retry: the shortest level of at least ``delay_ms``, else
+        (None) the attempt's own level, the last for every attempt past it."""
+        if delay_ms is None:
+            return min(attempt - 1, len(self.delays) - 1)
+        for index, seconds in enumerate(self.delays):
+            if seconds * 1000 >= delay_ms:
+                return index
+        return len(self.delays) - 1
+
+    def move_due(self) -> int:
+        """Append every due copy to its group's retry topic; how many were moved."""
+        store = self.store
+        try:
+            delay_queues = store.queue_ids(DELAY_TOPIC)
+        except TopicNotFoundError:
+            return 0
+        now_ms = self.wall_clock() * 1000
+        moved = 0
+        for queue_id in delay_queues:
+            first, following = store.queue_range(DELAY_TOPIC, queue_id)
+            cursor = store.committed_offset(MOVER_GROUP, DELAY_TOPIC, queue_id)
+            at = first if cursor is None else max(cursor, first)
+            if at >= following:
+                continue
+            due: list[Message] = []
+            for message in store.pull(DELAY_TOPIC, queue_id, at, MOVE_BATCH):
+                if _due_ms(message) > now_ms:
+                    break  # FIFO by due time: the rest of the queue waits too
+                due.append(message)
+            if not due:
+                continue
+            batches: dict[str, list[OutgoingMessage]] = {}
+            for message in due:
+                group = message.properties.get(GROUP, "")
+                try:
+                    target = retry_topic(check_group_name(group))
+                except InvalidMessageError:
+                    log.warning("%s in %s names no group; dropped", message.message_id, DELAY_TOPIC)
+                    continue
+                props = {k: v for k, v in message.properties.items() if k != DUE_MS}
+                batches.setdefault(target, []).append(
+                    OutgoingMessage(message.body, message.tag, message.key, props, message.code)
+                )
+            for target, batch in batches.items():  # one send (one flush) per group
+                self.ensure(target, 1)
+                store.send_batch(target, batch)
+            store.flush()  # the copies on disk before the cursor says they were moved
+            store.commit_offset(MOVER_GROUP, DELAY_TOPIC, queue_id, due[-1].queue_offset + 1)
+            moved += len(due)
+        self.moved += moved
+        return moved
+
+    def pending(self) -> int:
+        """Copies in the delay queues not moved yet."""
+        try:
+            delay_queues = self.store.queue_ids(DELAY_TOPIC)
+        except TopicNotFoundError:
+            return 0
+        total = 0
+        for queue_id in delay_queues:
+            first, following = self.store.queue_range(DELAY_TOPIC, queue_id)
+            cursor = self.store.committed_offset(MOVER_GROUP, DELAY_TOPIC, queue_id)
+            total += following - (first if cursor is None else max(cursor, first))
+        return total
+
+    def _append(
+        self, topic: str, message: Message, props: dict[str, str], queue_id: int | None
+    ) -> None:
+        self.ensure(topic, 1)
+        self.store.send(
+            topic, message.body, tag=message.tag, key=message.key, properties=props,
+            code=message.code, queue_id=queue_id,
+        )  # fmt: skip
+
+    def ensure(self, topic: str, queue_count: int) -> None:
+        try:
+            if len(self.store.queue_ids(topic)) >= queue_count:
+                return
+        except TopicNotFoundError:
+            pass
+        self.store.create_topic(topic, queue_count)
+
+
+def _due_ms(message: Message) -> float:
+    try:
+        return float(message.properties[DUE_MS])
+    except (KeyError, ValueError):
+        return 0.0  # not ours, or damaged: due now rather than never
+
+
+def _check_delays(delays: Sequence[float]) -> tuple[float, ...]:
+    try:
+        values = tuple(float(d) for d in delays)
+    except (TypeError, ValueError):
+        raise InvalidTypeError("retry_delays must be a sequence of seconds") from None
+    if not 1 <= len(values) <= MAX_LEVELS or not all(0 < d <= 86400 * 7 for d in values):
+        raise InvalidMessageError(
+            f"retry_delays must hold 1 to {MAX_LEVELS} delays in (0, 604800] seconds: {values}"
+        )
+    if list(values) != sorted(values):
+        raise InvalidMessageError(f"retry_delays must be increasing: {values}")
+    return values

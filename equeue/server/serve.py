@@ -1,0 +1,374 @@
+"""The broker: listeners, connections, the loop's periodic work, and draining on SIGTERM.
+
+Everything touching the store runs on the event loop thread (the broker is the store's
+only writer; an append is microseconds in C), except the fdatasyncs of ``--flush sync``
+(groupcommit.py's thread). Blocking ``serve()`` is ``equeue serve``;
+``BrokerThread`` runs one in a thread (tests, embedding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import ssl
+import stat
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from equeue.errors import ConfigError
+from equeue.protocol.frames import SUPPORTED_VERSIONS
+from equeue.server.config import Listener, ServerConfig, read_token
+from equeue.server.connection import Connection
+from equeue.server.groupcommit import CrossClientCommit
+from equeue.server.handlers import Coordinator, Handlers, make_coordinator
+from equeue.server.holds import HeldPull, Holds
+from equeue.server.stats import Counters
+from equeue.store.config import StoreConfig
+from equeue.store.store import MessageStore
+from equeue.store.types import PullResult
+
+log = logging.getLogger("equeue.server")
+
+TICK_S = 0.1  # the group coordinator's tick, held pulls' poll
+SAMPLE_EVERY = 10  # ticks between rate samples
+StoreOrPath = MessageStore | str | os.PathLike[str]
+
+
+def open_store(store: StoreOrPath, flush: str) -> tuple[MessageStore, bool]:
+    """The store to serve, and whether the broker opened it (and so closes it)."""
+    if isinstance(store, MessageStore):
+        if store.read_only:
+            raise ConfigError(f"cannot serve {store.path}: the handle is read-only")
+        if store.config.flush == "sync":
+            raise ConfigError(
+                f"cannot serve {store.path} opened with flush='sync': its group commit would "
+                "block the broker's event loop on every fdatasync; open it with flush='async' "
+                "and give the broker flush='sync' (it commits across clients itself)"
+            )
+        return store, False
+    # Under --flush sync the broker flushes itself; the store's service flushes the rest.
+    policy = "os" if flush == "os" else "async"
+    return MessageStore.open(store, StoreConfig(flush=policy)), True  # type: ignore[arg-type]
+
+
+def _tls_context(config: ServerConfig) -> ssl.SSLContext | None:
+    if not config.tls_cert:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"cannot load the TLS certificate {config.tls_cert} / key {config.tls_key}: {exc}"
+        ) from None
+    return context
+
+
+def _claim_socket_path(path: str) -> None:
+    """Remove a stale socket of a broker that died; refuse anything else at ``path``."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a socket"
+        raise ConfigError(f"cannot listen on unix:{path}: it exists and is {kind}; remove it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nobody listens: a socket a killed broker left
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on unix:{path}: probing it failed: {exc}") from None
+    finally:
+        probe.close()
+    raise ConfigError(f"cannot listen on unix:{path}: another process is listening on it")
+
+
+class Broker:
+    def __init__(self, store: StoreOrPath, config: ServerConfig | None = None) -> None:
+        self.config = config = config or ServerConfig()
+        self.token = read_token(config.token_file) if config.token_file else None
+        self._tls = _tls_context(config)
+        self.store, self._owns_store = open_store(store, config.flush)
+        self.listeners = config.listeners_for(self.store.path)
+        self.urls: list[str] = []
+        self.connections: set[Connection] = set()
+        self.counters = Counters()
+        self.draining = False
+        self.limits = {
+            "max_frame_bytes": config.max_frame_bytes,
+            "max_in_flight": config.max_in_flight,
+            "max_connections": config.max_connections,
+        }
+        self.welcome_versions = SUPPORTED_VERSIONS
+        from equeue import __version__
+
+        self.server_name = f"equeue {__version__}"
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sockets: list[tuple[str, int]] = []  # unix socket files we made: (path, inode)
+        self._number = 0
+        self.coordinator: Coordinator | None = None
+
+    # --- start ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop = loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self.holds = Holds(loop, self.store, self._answer_held)
+        self.commit = (
+            CrossClientCommit(loop, self.store.flush_log) if self.config.flush == "sync" else None
+        )
+        self.coordinator = make_coordinator(self.store)
+        self.handlers = Handlers(
+            self.store, self.holds, self.commit, self.coordinator, self.counters, self._stats
+        )
+        try:
+            for listener in self.listeners:
+                await self._listen(listener)
+        except BaseException:
+            await self._close_servers()
+            raise
+        self._ticks = 0
+        self._ticker = loop.call_later(TICK_S, self._tick)
+        log.info(
+            "serving %s on %s (flush=%s)", self.store.path, " ".join(self.urls), self.config.flush
+        )
+
+    def _factory(self, url: str) -> Callable[[], Connection]:
+        def make() -> Connection:
+            self._number += 1
+            return Connection(self, url, self._number)
+
+        return make
+
+    async def _listen(self, listener: Listener) -> None:
+        loop = self.loop
+        if listener.kind == "unix":
+            path = listener.path
+            _claim_socket_path(path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(path)
+                # Before listen(): until then a connect is refused, so nobody gets in
+                # between bind() (the umask's mode) and here.
+                os.chmod(path, 0o600)
+                inode = os.stat(path).st_ino
+            except OSError as exc:
+                sock.close()
+                raise ConfigError(f"cannot listen on unix:{path}: {exc.strerror or exc}") from None
+            self._sockets.append((path, inode))
+            server = await loop.create_unix_server(self._factory(listener.url), sock=sock)
+            self.urls.append(listener.url)
+        else:
+            tls = self._tls if listener.kind == "tls" else None
+            try:
+                server = await loop.create_server(
+                    self._factory(listener.url), listener.host, listener.port, ssl=tls,
+                    reuse_address=True,
+                )  # fmt: skip
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot listen on {listener.url}: {exc.strerror or exc}"
+                ) from None
+            port = server.sockets[0].getsockname()[1]
+            host = f"[{listener.host}]" if ":" in listener.host else listener.host
+            self.urls.append(f"{listener.kind}://{host}:{port}")
+        self._servers.append(server)
+
+    # --- the loop's work ----------------------------------------------------------
+
+    def after_batch(self) -> None:
+        """After a connection's data: wake held pulls on the queues appended to."""
+        touched = self.handlers.touched
+        if touched:
+            if self.holds.count:
+                self.holds.arrived(touched)
+            touched.clear()
+
+    def _answer_held(self, held: HeldPull, outcome: PullResult | BaseException) -> None:
+        from equeue.protocol.records import pack_pull_result
+
+        held.owner.finish(
+            held.request_id,
+            outcome if isinstance(outcome, BaseException) else pack_pull_result(outcome),
+        )
+
+    def _tick(self) -> None:
+        try:
+            if self.coordinator is not None:
+                self.coordinator.tick()
+            if self.holds.count:
+                self.holds.poll()
+            self._ticks += 1
+            if self._ticks % SAMPLE_EVERY == 0:
+                self.counters.sample()
+        except Exception:
+            log.exception("the broker's periodic work failed")
+        finally:
+            if not self.draining:
+                self._ticker = self.loop.call_later(TICK_S, self._tick)
+
+    def _stats(self) -> dict[str, Any]:
+        return {
+            "connections": len(self.connections),
+            "in_flight": sum(c.in_flight for c in self.connections),
+            "buffered_bytes": sum(c.buffered for c in self.connections),
+            "uptime_s": round(self.loop.time() - self._started, 3)
+            if hasattr(self, "_started")
+            else 0.0,
+            "listen": list(self.urls),
+            "flush": self.config.flush,
+        }
+
+    # --- run and stop ---------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """From any thread: drain and stop."""
+        loop = getattr(self, "loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._stop.set)
+
+    async def run(
+        self, ready: Callable[[list[str]], None] | None = None, *, signals: bool = False
+    ) -> None:
+        """Start, serve until ``request_stop`` (or SIGTERM/SIGINT with ``signals``), drain."""
+        try:
+            await self.start()
+        except BaseException:
+            self._close_store()
+            raise
+        self._started = self.loop.time()
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.loop.add_signal_handler(sig, self._stop.set)
+        try:
+            if ready is not None:
+                ready(list(self.urls))
+            await self._stop.wait()
+            log.info("stopping: draining %d connections", len(self.connections))
+        finally:
+            await self._drain()
+
+    async def _drain(self) -> None:
+        """Stop accepting, answer what is in flight, flush, close the store, remove sockets."""
+        self.draining = True
+        with contextlib.suppress(AttributeError):
+            self._ticker.cancel()
+        for server in self._servers:
+            server.close()
+        for connection in list(self.connections):
+            if connection.transport is not None and not connection.closed:
+                connection.transport.pause_reading()
+        self.holds.answer_all()
+        if self.commit is not None:
+            await self.commit.drain()
+        for connection in list(self.connections):
+            connection.close()
+        deadline = self.loop.time() + self.config.drain_timeout_ms / 1000
+        while self.connections and self.loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for connection in list(self.connections):  # answers a stalled client never read
+            if connection.transport is not None:
+                connection.transport.abort()
+        await self._close_servers()
+        if self.commit is not None:
+            self.commit.close()
+        self._close_store()
+
+    async def _close_servers(self) -> None:
+        for server in self._servers:
+            server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        for path, inode in self._sockets:
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_ino == inode:  # still ours
+                    os.unlink(path)
+        self._sockets.clear()
+
+    def _close_store(self) -> None:
+        if self._owns_store:
+            self.store.close()
+        elif not self.store._closed:
+            self.store.flush()
+
+
+def serve(
+    store: StoreOrPath,
+    config: ServerConfig | None = None,
+    *,
+    ready: Callable[[list[str]], None] | None = None,
+    **settings: Any,
+) -> None:
+    """Serve ``store`` (a path or a writable MessageStore) until SIGTERM/SIGINT (in the
+    main thread) and drain; ``settings`` are ServerConfig's (listen, flush, ...)."""
+    if config is None:
+        config = ServerConfig(**settings)
+    elif settings:
+        raise ConfigError("give either a ServerConfig or its settings, not both")
+    broker = Broker(store, config)
+    signals = threading.current_thread() is threading.main_thread()
+    asyncio.run(broker.run(ready, signals=signals))
+
+
+class BrokerThread:
+    """A broker on its own thread and loop: ``with BrokerThread(path, ...) as broker:``.
+    ``urls`` are where it listens (a tcp port 0 resolved)."""
+
+    def __init__(
+        self, store: StoreOrPath, config: ServerConfig | None = None, **settings: Any
+    ) -> None:
+        self.broker = Broker(store, config or ServerConfig(**settings))
+        self.urls: list[str] = []
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="equeue-broker", daemon=True)
+
+    @property
+    def store(self) -> MessageStore:
+        return self.broker.store
+
+    def _run(self) -> None:
+        def ready(urls: list[str]) -> None:
+            self.urls = urls
+            self._ready.set()
+
+        try:
+            asyncio.run(self.broker.run(ready))
+        except BaseException as exc:
+            self._error = exc
+            log.exception("the broker thread failed")
+        finally:
+            self._ready.set()
+
+    def start(self, timeout: float = 30.0) -> BrokerThread:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the broker did not start within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.broker.request_stop()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the broker did not stop within {timeout} s")
+
+    def __enter__(self) -> BrokerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["Broker", "BrokerThread", "serve"]

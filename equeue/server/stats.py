@@ -1,0 +1,77 @@
+"""The broker's counters and the ``stats`` op's answer (docs/protocol.md, "stats")."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from equeue.store.store import MessageStore
+
+RATE_WINDOW_S = 5.0  # rates are over about the last this many seconds
+_COUNTERS = ("requests", "sends", "send_requests", "pulls", "bytes_in", "bytes_out", "errors")
+
+
+class Counters:
+    __slots__ = (
+        "_samples",
+        "bytes_in",
+        "bytes_out",
+        "errors",
+        "pulls",
+        "requests",
+        "send_requests",
+        "sends",
+        "started",
+    )
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.sends = 0  # messages appended (a send_batch counts each)
+        self.send_requests = 0
+        self.pulls = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.errors = 0  # error answers
+        self.started = time.monotonic()
+        self._samples: deque[tuple[float, tuple[int, ...]]] = deque()
+
+    def totals(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in _COUNTERS)
+
+    def sample(self) -> None:
+        """Called about once a second from the loop."""
+        now = time.monotonic()
+        self._samples.append((now, self.totals()))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+
+    def rates(self) -> dict[str, float]:
+        now, totals = time.monotonic(), self.totals()
+        then, before = self._samples[0] if self._samples else (self.started, (0,) * len(_COUNTERS))
+        span = max(now - then, 1e-3)
+        return {
+            f"{name}_per_s": round((totals[i] - before[i]) / span, 1)
+            for i, name in enumerate(_COUNTERS)
+        }
+
+
+def group_lag(store: MessageStore) -> dict[str, Any]:
+    """Per consumer group and topic: each queue's committed offset, end and lag."""
+    groups: dict[str, Any] = {}
+    for group, topics in store.consumer_groups().items():
+        by_topic: dict[str, Any] = {}
+        for topic, queues in topics.items():
+            total = 0
+            per_queue: dict[str, Any] = {}
+            for queue_id, committed in sorted(queues.items()):
+                try:
+                    end = store.queue_range(topic, queue_id)[1]
+                except Exception:  # a topic deleted since: no lag to speak of
+                    continue
+                lag = max(end - committed, 0)
+                total += lag
+                per_queue[str(queue_id)] = {"committed": committed, "end": end, "lag": lag}
+            by_topic[topic] = {"lag": total, "queues": per_queue}
+        groups[group] = {"topics": by_topic}
+    return groups

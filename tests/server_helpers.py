@@ -1,0 +1,102 @@
+"""Raw-socket access to a broker for the server tests: frames from equeue/protocol only,
+so these tests do not depend on the clients."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from equeue.protocol.frames import FrameReader, check_answer, decode_body, encode
+
+TIMEOUT_S = 20.0
+
+
+def short_dir() -> Path:
+    """A directory whose socket paths fit in sun_path (tmp_path may be too long)."""
+    return Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+
+
+class Raw:
+    """One connection speaking the protocol by hand."""
+
+    def __init__(self, url: str, *, hello: bool = True, token: str | None = None) -> None:
+        if url.startswith("unix:"):
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(TIMEOUT_S)
+            self.sock.connect(url[5:])
+        else:
+            host, port = url.split("://")[1].rsplit(":", 1)
+            self.sock = socket.create_connection((host, int(port)), TIMEOUT_S)
+        self.reader = FrameReader(1 << 30, "test")
+        self.bodies: list[Any] = []
+        self.next_id = 1
+        self.welcome: Any = None
+        if hello:
+            self.sock.sendall(encode({"versions": [1], "token": token, "client": "test"}))
+            self.welcome = self.recv()
+
+    def recv(self) -> Any:
+        """The next frame body; ConnectionError at EOF."""
+        while not self.bodies:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise ConnectionError("the broker closed the connection")
+            self.bodies += [decode_body(b, "test") for b in self.reader.feed(data)]
+        return self.bodies.pop(0)
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def request(self, op: str, **args: Any) -> int:
+        rid = self.next_id
+        self.next_id += 1
+        self.sock.sendall(encode([rid, op, args]))
+        return rid
+
+    def answers(self, count: int) -> dict[int, tuple[int, Any]]:
+        found: dict[int, tuple[int, Any]] = {}
+        while len(found) < count:
+            rid, status, payload = check_answer(self.recv(), "test")
+            found[rid] = (status, payload)
+        return found
+
+    def call(self, op: str, **args: Any) -> Any:
+        """The result; AssertionError carrying the error map if the answer is an error."""
+        rid = self.request(op, **args)
+        got_id, status, payload = check_answer(self.recv(), "test")
+        assert got_id == rid, (got_id, rid)
+        if status != 0:
+            raise AssertionError(payload)
+        return payload
+
+    def error(self, op: str, **args: Any) -> dict[str, str]:
+        rid = self.request(op, **args)
+        got_id, status, payload = check_answer(self.recv(), "test")
+        assert (got_id, status) == (rid, 1), (got_id, status, payload)
+        return payload  # type: ignore[no-any-return]
+
+    def closed_with(self) -> dict[str, str]:
+        """The connection error (request id 0) the broker sent before closing."""
+        rid, status, payload = check_answer(self.recv(), "test")
+        assert (rid, status) == (0, 1), (rid, status, payload)
+        try:
+            extra = self.recv()
+        except (ConnectionError, OSError):
+            return payload  # type: ignore[no-any-return]
+        raise AssertionError(f"the connection stayed open: {extra!r}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextmanager
+def raw(url: str, **kwargs: Any) -> Iterator[Raw]:
+    connection = Raw(url, **kwargs)
+    try:
+        yield connection
+    finally:
+        connection.close()

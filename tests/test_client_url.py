@@ -1,0 +1,174 @@
+"""Broker urls and the clients' argument checks, without a broker."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ssl
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+import equeue
+from equeue.client import calls
+from equeue.client.core import RequestEncoder, given
+from equeue.client.url import parse_url
+from equeue.errors import (
+    ConfigError,
+    FrameTooLargeError,
+    InvalidMessageError,
+    InvalidTypeError,
+    MessageNotFoundError,
+    QueueNotFoundError,
+)
+from equeue.protocol.ops import check_args
+from equeue.store.types import OutgoingMessage
+
+loose: Any = calls  # for calls with arguments of the wrong types
+
+
+def test_urls() -> None:
+    assert str(parse_url("unix:/run/eq.sock")) == "unix:/run/eq.sock"
+    assert parse_url("unix:///run/eq.sock").path == "/run/eq.sock"
+    assert parse_url("unix:rel/eq.sock").path == "rel/eq.sock"
+    tcp = parse_url("tcp://127.0.0.1:7070")
+    assert (tcp.kind, tcp.host, tcp.port) == ("tcp", "127.0.0.1", 7070)
+    v6 = parse_url("tcp://[::1]:7070")
+    assert (v6.host, str(v6)) == ("::1", "tcp://[::1]:7070")
+    tls = parse_url("tls://localhost:7443")
+    assert tls.kind == "tls" and isinstance(tls.ssl_context, ssl.SSLContext)
+    context = ssl.create_default_context()
+    assert parse_url("tls://h:1", ssl_context=context).ssl_context is context
+
+
+def test_a_store_directory_means_its_broker_socket(tmp_path: Path) -> None:
+    assert parse_url(tmp_path).path == str(tmp_path / "broker.sock")
+    assert parse_url(str(tmp_path / "x.sock")).path == str(tmp_path / "x.sock")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "", "unix:", "tcp://host", "tcp://:80", "tcp://h:0", "tcp://h:99999", "tcp://h:x",
+        "tcp://h:1/path", "tcp://u@h:1", "http://h:1", "unix:/" + "a" * 120,
+    ],
+)  # fmt: skip
+def test_bad_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_url(url)
+
+
+def test_tls_options_only_with_tls(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a tls"):
+        parse_url("tcp://h:1", cafile="x.pem")
+    with pytest.raises(ConfigError, match="cafile"):
+        parse_url("tls://h:1", cafile=tmp_path / "missing.pem")
+    with pytest.raises(InvalidTypeError):
+        parse_url(5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError):
+        equeue.connect("unix:/x", timeout="1")
+    with pytest.raises(ConfigError):
+        equeue.connect("unix:/x", connect_timeout=0)
+
+
+def test_calls_are_what_the_op_table_accepts() -> None:
+    """Every call the clients make passes the broker's own argument check."""
+    made = [
+        loose.send("t", bytearray(b"b"), "tag", "k", {"a": "b"}, -5, 3),
+        calls.send("t", b"", "", None, None, 0, None),
+        calls.send_batch("t", [b"a", OutgoingMessage(b"b", tag="x"), {"body": b"c", "key": "k"}]),
+        calls.pull("t", 0, 5, 10, ["a", "b"], 1.5, 100),
+        calls.pull("t", 0, 0, 32, "a", 0.0001, None),
+        calls.get("0" * 24),
+        calls.query_by_key("t", "k", 3),
+        calls.offset_for_time("t", 0, 1.5),
+        calls.offset_for_time("t", 0, dt.datetime(2024, 5, 1, tzinfo=dt.UTC)),
+        calls.commit_offset("g", "t", 1, 2),
+        calls.create_topic("t", 4),
+        calls.create_topic("t", None),
+        calls.topics(),
+        calls.queue_ids("t"),
+        calls.queue_range("t", 2),
+        calls.stats(),
+        calls.ping(),
+    ]
+    committed = calls.committed_offset("g", "t", 0)
+    assert committed is not None
+    for call in [*made, committed]:
+        check_args(call.op, call.args, "test")
+        msgpack.packb(call.args, use_bin_type=True)
+    assert made[4].args["wait_ms"] == 1  # a wait > 0 stays > 0
+    assert made[4].wait == 0.001
+    assert made[8].args["timestamp"] == 1714521600.0
+    assert made[2].unanswered == [b"a", OutgoingMessage(b"b", tag="x"), {"body": b"c", "key": "k"}]
+    body: Any = bytearray(b"b")
+    assert given(made[0].unanswered) == [OutgoingMessage(body, "tag", "k", {"a": "b"}, -5, 3)]
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda: loose.send(1, b"", "", None, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", "text", "", None, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", 1, None, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", 1, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, {"a": 1}, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, [], 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, None, True, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, None, False, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", b"", None, None, 0, None), InvalidTypeError),
+        (lambda: loose.send("t", b"", "", None, None, 1 << 40, None), InvalidMessageError),
+        (lambda: loose.send("t", b"", "", None, None, 0, -1), QueueNotFoundError),
+        (lambda: loose.send("t", b"", "", None, None, 0, 1.0), InvalidTypeError),
+        (lambda: loose.send_batch("t", b"abc"), InvalidTypeError),
+        (lambda: loose.send_batch("t", [b"a", 5]), InvalidTypeError),
+        (lambda: loose.send_batch("t", [{"bod": b"a"}]), InvalidTypeError),
+        (lambda: loose.send_batch("t", 5), InvalidTypeError),
+        (lambda: loose.pull("t", -1, 0, 32, None, 0, None), QueueNotFoundError),
+        (lambda: loose.pull("t", 0, -1, 32, None, 0, None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 1.5, 32, None, 0, None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 0, 0, None, 0, None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 0, 32, None, -1, None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 0, 32, None, float("nan"), None), InvalidMessageError),
+        (lambda: loose.pull("t", 0, 0, 32, None, "1", None), InvalidTypeError),
+        (lambda: loose.pull("t", 0, 0, 32, b"a", 0, None), InvalidTypeError),
+        (lambda: loose.pull("t", 0, 0, 32, [1], 0, None), InvalidTypeError),
+        (lambda: loose.pull("t", 0, 0, 32, None, 0, 0), InvalidMessageError),
+        (lambda: loose.get(5), MessageNotFoundError),
+        (lambda: loose.query_by_key("t", 5, 1), InvalidTypeError),
+        (lambda: loose.query_by_key("t", "k", 0), InvalidMessageError),
+        (lambda: loose.query_by_key("t", "k", "1"), InvalidTypeError),
+        (lambda: loose.offset_for_time("t", 0, dt.datetime(2024, 5, 1)), InvalidMessageError),
+        (lambda: loose.offset_for_time("t", 0, "now"), InvalidTypeError),
+        (lambda: loose.offset_for_time("t", 0, float("inf")), InvalidMessageError),
+        (lambda: loose.commit_offset(5, "t", 0, 0), InvalidMessageError),
+        (lambda: loose.commit_offset("g", "t", 0, -2), InvalidMessageError),
+        (lambda: loose.committed_offset("g", "t", "0"), InvalidTypeError),
+        (lambda: loose.committed_offset(None, "t", 0), InvalidTypeError),
+        (lambda: loose.create_topic("t", 0), InvalidMessageError),
+        (lambda: loose.create_topic("t", "2"), InvalidTypeError),
+        (lambda: loose.queue_range("t", True), InvalidTypeError),
+    ],
+)
+def test_arguments_the_wire_cannot_carry_are_refused_before_sending(
+    make: Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        make()
+
+
+def test_a_negative_queue_id_has_no_committed_offset() -> None:
+    assert loose.committed_offset("g", "t", -1) is None
+
+
+def test_a_request_over_the_brokers_frame_limit_is_refused_before_sending() -> None:
+    encoder = RequestEncoder(1024, "unix:/x")
+    assert len(encoder.frame(1, "send", {"topic": "t", "body": b"x" * 900})) < 1024
+    with pytest.raises(FrameTooLargeError, match="max_frame_bytes=1024"):
+        encoder.frame(2, "send", {"topic": "t", "body": b"x" * 1100})
+    with pytest.raises(InvalidMessageError, match="UTF-8"):
+        encoder.frame(3, "send", {"topic": "t\ud800", "body": b""})
+    with pytest.raises(InvalidTypeError):
+        encoder.frame(4, "send", {"topic": object()})
+    assert encoder.frame(5, "ping", {})  # the encoder still works after a refusal

@@ -1,0 +1,251 @@
+"""The group coordinator (equeue/server/groups.py) with an injected clock, on a real store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from equeue import MessageStore
+from equeue.errors import (
+    GroupError,
+    InvalidMessageError,
+    InvalidTypeError,
+    TopicNotFoundError,
+)
+from equeue.server.groups import GroupCoordinator, average_allocation
+from equeue.server.retry import retry_topic
+
+RETRY = retry_topic("g")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[MessageStore]:
+    with MessageStore.open(tmp_path / "s") as s:
+        s.create_topic("orders", 8)
+        yield s
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def coord(store: MessageStore, clock: Clock) -> GroupCoordinator:
+    return GroupCoordinator(store, clock=clock, wall_clock=clock)
+
+
+def queues(answer: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(t, q) for t, q in answer["assignment"]]
+
+
+def orders(*ids: int) -> list[tuple[str, int]]:
+    return [("orders", i) for i in ids]
+
+
+def test_average_allocation_contiguous_slices_first_ones_larger() -> None:
+    qs = orders(*range(8))
+    got = average_allocation(["c", "a", "b"], list(reversed(qs)))
+    assert [q for q in qs if got[q] == "a"] == orders(0, 1, 2)
+    assert [q for q in qs if got[q] == "b"] == orders(3, 4, 5)
+    assert [q for q in qs if got[q] == "c"] == orders(6, 7)
+    assert average_allocation([], qs) == {}
+    assert average_allocation(["a", "b", "c"], orders(0)) == {("orders", 0): "a"}
+
+
+def test_single_member_gets_every_queue_and_the_retry_queue(
+    coord: GroupCoordinator, store: MessageStore
+) -> None:
+    answer = coord.join("g", "a", ["orders"], 1000)
+    assert answer["generation"] == 1
+    assert sorted(queues(answer)) == sorted([*orders(*range(8)), (RETRY, 0)])
+    assert answer["heartbeat_interval_ms"] == 333
+    assert answer["session_timeout_ms"] == 1000
+    assert store.queue_ids(RETRY) == [0]  # the join made the group's retry topic
+
+
+def test_revoked_queue_waits_for_its_holder_to_release_it(coord: GroupCoordinator) -> None:
+    first = coord.join("g", "a", ["orders"], 1000)
+    second = coord.join("g", "b", ["orders"], 1000)
+    assert second["generation"] == 2
+    # Queues sort as (equeue.retry.g, 0), (orders, 0..7): a takes the first 5, b the rest,
+    # but a still holds them all until it applies generation 2.
+    assert queues(second) == []
+    with pytest.raises(GroupError, match="does not hold orders/7"):
+        coord.check_owner("g", "b", "orders", 7)
+    coord.check_owner("g", "a", "orders", 7)  # its last commit is still accepted
+    # a's heartbeat reporting generation 1 (what it applied) releases nothing
+    a_new = coord.heartbeat("g", "a", generation=first["generation"])
+    assert a_new["generation"] == 2
+    assert queues(a_new) == [(RETRY, 0), *orders(0, 1, 2, 3)]
+    assert queues(coord.heartbeat("g", "b")) == []
+    coord.check_owner("g", "a", "orders", 7)
+    # a applies generation 2 and says so: orders/4..7 go to b on its next heartbeat
+    coord.heartbeat("g", "a", generation=2)
+    with pytest.raises(GroupError):
+        coord.check_owner("g", "a", "orders", 7)
+    assert queues(coord.heartbeat("g", "b")) == orders(4, 5, 6, 7)
+    coord.check_owner("g", "b", "orders", 7)
+
+
+def test_release_by_an_older_answer_of_the_same_generation(coord: GroupCoordinator) -> None:
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    # a reports generation 2 before it was ever answered 2: that releases nothing
+    coord.heartbeat("g", "a", generation=2)
+    assert queues(coord.heartbeat("g", "b")) == []
+    coord.join("g", "c", ["orders"], 1000)  # generation 3 before a applied 2
+    # a applied 2 (the last answer it got): it released what 2 took from it, no more
+    third = coord.heartbeat("g", "a", generation=2)
+    assert third["generation"] == 3
+    assert queues(coord.heartbeat("g", "b")) == orders(4)  # 2 and 3 are a's still
+    coord.check_owner("g", "a", "orders", 3)
+    assert queues(coord.heartbeat("g", "c")) == orders(5, 6, 7)
+    coord.heartbeat("g", "a", generation=3)
+    assert queues(coord.heartbeat("g", "b")) == orders(2, 3, 4)
+
+
+def test_expired_member_queues_move_after_the_session_timeout(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 2000)
+    for _ in range(3):
+        clock.now += 0.6
+        coord.heartbeat("g", "b")
+        coord.tick()
+    # a sent nothing for 1.8 s > 1 s: expired, and b gets everything at once
+    with pytest.raises(GroupError, match="join again"):
+        coord.heartbeat("g", "a")
+    answer = coord.heartbeat("g", "b")
+    assert answer["generation"] == 3
+    assert sorted(queues(answer)) == sorted([*orders(*range(8)), (RETRY, 0)])
+
+
+def test_not_expired_at_exactly_the_timeout(coord: GroupCoordinator, clock: Clock) -> None:
+    coord.join("g", "a", ["orders"], 1000)
+    clock.now += 1.0
+    coord.tick()
+    assert coord.heartbeat("g", "a")["generation"] == 1
+    clock.now += 1.001
+    coord.tick()
+    with pytest.raises(GroupError):
+        coord.heartbeat("g", "a")
+    assert coord.stats() == {}  # the group without members is forgotten
+
+
+def test_leave_hands_queues_over_at_once(coord: GroupCoordinator) -> None:
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    coord.leave("g", "a")
+    coord.leave("g", "a")  # twice: nothing happens
+    answer = coord.heartbeat("g", "b")
+    assert answer["generation"] == 3 and len(answer["assignment"]) == 9
+
+
+def test_rejoin_starts_afresh(coord: GroupCoordinator) -> None:
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    # a restarted under the same id: it holds nothing any more, b gets its slice now
+    again = coord.join("g", "a", ["orders"], 1000)
+    assert again["generation"] == 3
+    assert queues(again) == [(RETRY, 0), *orders(0, 1, 2, 3)]
+    assert queues(coord.heartbeat("g", "b")) == orders(4, 5, 6, 7)
+
+
+def test_topic_gaining_queues_rebalances_on_tick(
+    coord: GroupCoordinator, store: MessageStore
+) -> None:
+    coord.join("g", "a", ["orders"], 1000)
+    coord.tick()
+    assert coord.heartbeat("g", "a")["generation"] == 1
+    store.create_topic("orders", 10)
+    coord.tick()
+    answer = coord.heartbeat("g", "a")
+    assert answer["generation"] == 2 and orders(8, 9)[1] in queues(answer)
+
+
+def test_deleted_topic_leaves_the_assignment(coord: GroupCoordinator, store: MessageStore) -> None:
+    store.create_topic("other", 2)
+    coord.join("g", "a", ["orders", "other"], 1000)
+    store.delete_topic("other")
+    coord.tick()
+    answer = coord.heartbeat("g", "a")
+    assert [t for t, _ in queues(answer) if t == "other"] == []
+    assert answer["generation"] == 2
+
+
+def test_members_must_subscribe_the_same_topics(
+    coord: GroupCoordinator, store: MessageStore
+) -> None:
+    store.create_topic("other", 2)
+    coord.join("g", "a", ["orders"], 1000)
+    with pytest.raises(GroupError, match="same topics"):
+        coord.join("g", "b", ["orders", "other"], 1000)
+    assert coord.heartbeat("g", "a")["generation"] == 1  # nothing changed
+    # the only member may change the group's topics by joining again
+    assert len(coord.join("g", "a", ["other", "orders"], 1000)["assignment"]) == 11
+
+
+def test_bad_joins_change_nothing(coord: GroupCoordinator, store: MessageStore) -> None:
+    with pytest.raises(TopicNotFoundError):
+        coord.join("g", "a", ["missing"], 1000)
+    with pytest.raises(InvalidMessageError, match="topic rule"):
+        coord.join("g/x", "a", ["orders"], 1000)
+    with pytest.raises(InvalidMessageError, match="session_timeout_ms=5"):
+        coord.join("g", "a", ["orders"], 5)
+    with pytest.raises(InvalidMessageError, match="non-empty list"):
+        coord.join("g", "a", [], 1000)
+    with pytest.raises(InvalidMessageError, match="consumer id"):
+        coord.join("g", "", ["orders"], 1000)
+    with pytest.raises(InvalidTypeError):
+        coord.join("g", "a", ["orders"], 1000, max_retries=True)
+    with pytest.raises(InvalidMessageError, match="max_retries=-1"):
+        coord.join("g", "a", ["orders"], 1000, max_retries=-1)
+    assert store.topics() == ["orders"]  # no retry topic made
+    assert coord.stats() == {}
+
+
+def test_unknown_members_are_refused(coord: GroupCoordinator) -> None:
+    with pytest.raises(GroupError, match="has no consumer 'a'"):
+        coord.heartbeat("g", "a")
+    with pytest.raises(GroupError):
+        coord.check_owner("g", "a", "orders", 0)
+    coord.leave("g", "a")  # leaving a group one is not in: nothing to do
+
+
+def test_call_dispatches_the_wire_ops(coord: GroupCoordinator) -> None:
+    answer = coord.call(
+        "join", {"group": "g", "consumer": "a", "topics": ["orders"], "max_retries": 2}
+    )
+    assert answer["session_timeout_ms"] == 10_000
+    assert answer["retry_topic"] == RETRY and answer["dead_letter_topic"] == "equeue.dlq.g"
+    assert coord.call("heartbeat", {"group": "g", "consumer": "a", "generation": 1})
+    assert coord.call("leave", {"group": "g", "consumer": "a"}) is None
+    with pytest.raises(InvalidMessageError):
+        coord.call("pull", {"group": "g", "consumer": "a"})
+
+
+def test_stats_members_holders_and_lag(coord: GroupCoordinator, store: MessageStore) -> None:
+    for i in range(5):
+        store.send("orders", b"x", queue_id=i % 2)
+    store.commit_offset("g", "orders", 0, 1)
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    stats = coord.stats()["g"]
+    assert stats["generation"] == 2
+    assert stats["lag"]["orders/0"] == 2 and stats["lag"]["orders/1"] == 2
+    assert stats["lag"]["orders/5"] == 0
+    assert ["orders", 7, "a", "b"] in stats["assignment"]  # held by a, target b
+    assert stats["members"]["b"]["queues"] == []

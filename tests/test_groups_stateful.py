@@ -1,0 +1,199 @@
+"""A hypothesis state machine against the group coordinator: members join, leave,
+heartbeat (reporting, or not yet, the assignment they applied), apply their last
+answer, die silently; time passes; topics gain queues. After every step:
+
+* the coordinator's members are those the model expects alive (joined, not left, not
+  silent past their session timeout at a tick);
+* the target is the average allocation of the live members over the group's queues;
+* what live members pull (the assignment each applied) never overlaps, and each queue
+  a member pulls is one it holds (check_owner passes): a revoked queue is not handed on
+  before its holder released it or expired;
+* once every member applied its answer twice, each pulls exactly its target slice.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from equeue import MessageStore
+from equeue.errors import GroupError
+from equeue.server.groups import GroupCoordinator, average_allocation
+
+CONSUMERS = ["c0", "c1", "c2", "c3", "c4"]
+TIMEOUT_MS = 1000
+Q = tuple[str, int]
+
+
+@dataclass
+class Client:
+    last_seen: float
+    answer: tuple[int, frozenset[Q]]  # the last assignment answered
+    applied: int | None = None  # the generation of the assignment it pulls
+    pulling: frozenset[Q] = field(default_factory=frozenset)
+    alive: bool = True  # False: the process died, it sends nothing more
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Groups(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="eqg", dir="/tmp")
+        self.store = MessageStore.open(Path(self.dir) / "s")
+        self.store.create_topic("t", 5)
+        self.clock = Clock()
+        self.coord = GroupCoordinator(self.store, clock=self.clock, wall_clock=self.clock)
+        self.clients: dict[str, Client] = {}  # members the model expects the group to have
+        self.generation = 0
+        self.queue_count = 5  # the topic's, at the group's last rebalance
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _took(self, consumer: str, answer: dict[str, object]) -> None:
+        generation = answer["generation"]
+        assert isinstance(generation, int) and generation >= self.generation
+        self.generation = generation
+        assignment = answer["assignment"]
+        assert isinstance(assignment, list)
+        self.clients[consumer].answer = (generation, frozenset((t, q) for t, q in assignment))
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def join(self, consumer: str) -> None:
+        before = self.generation
+        self.clients[consumer] = Client(self.clock.now, (0, frozenset()))  # (re)started
+        self._took(consumer, self.coord.join("g", consumer, ["t"], TIMEOUT_MS))
+        assert self.generation == before + 1
+        self.queue_count = len(self.store.queue_ids("t"))
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def leave(self, consumer: str) -> None:
+        client = self.clients.get(consumer)
+        if client is None or not client.alive:
+            return
+        before = self.generation
+        self.coord.leave("g", consumer)
+        del self.clients[consumer]
+        self.generation = before + 1
+        self.queue_count = len(self.store.queue_ids("t"))
+
+    @rule(consumer=st.sampled_from(CONSUMERS), report=st.booleans())
+    def heartbeat(self, consumer: str, report: bool) -> None:
+        client = self.clients.get(consumer)
+        if client is None or not client.alive:
+            return
+        generation = client.applied if report else None
+        client.last_seen = self.clock.now
+        self._took(consumer, self.coord.heartbeat("g", consumer, generation=generation))
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def apply(self, consumer: str) -> None:
+        client = self.clients.get(consumer)
+        if client is None or not client.alive:
+            return
+        client.applied, client.pulling = client.answer
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def die(self, consumer: str) -> None:
+        client = self.clients.get(consumer)
+        if client is not None:
+            client.alive = False
+
+    @rule(seconds=st.sampled_from([0.1, 0.4, 0.9, 1.5]))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.now += seconds
+        self.tick()
+
+    @rule()
+    def tick(self) -> None:
+        expired = [
+            c for c, m in self.clients.items() if self.clock.now - m.last_seen > TIMEOUT_MS / 1000
+        ]
+        grown = len(self.store.queue_ids("t")) != self.queue_count
+        before = self.generation
+        self.coord.tick()
+        for consumer in expired:
+            del self.clients[consumer]
+        if expired or (grown and self.clients):
+            self.generation = before + 1
+            self.queue_count = len(self.store.queue_ids("t"))
+            stats = self.coord.stats().get("g")
+            assert stats is None or stats["generation"] == self.generation
+
+    @rule(count=st.integers(min_value=5, max_value=9))
+    def topic_grows(self, count: int) -> None:
+        self.store.create_topic("t", max(count, len(self.store.queue_ids("t"))))
+
+    @rule()
+    def settle(self) -> None:
+        for _ in range(2):
+            for consumer, client in list(self.clients.items()):
+                if client.alive:
+                    self.heartbeat(consumer, True)
+                    self.apply(consumer)
+        alive = [c for c, m in self.clients.items() if m.alive]
+        if len(alive) != len(self.clients):
+            return  # a dead member's queues wait for its expiry
+        self.tick()  # queues the topic gained
+        for _ in range(3):  # apply, report; hand over; the new holder hears of it
+            for consumer in alive:
+                self.heartbeat(consumer, True)
+                self.apply(consumer)
+        target = self._target()
+        for consumer in alive:
+            want = frozenset(q for q, c in target.items() if c == consumer)
+            assert self.clients[consumer].pulling == want, consumer
+
+    def _queues(self) -> list[Q]:
+        return [("equeue.retry.g", 0), *(("t", q) for q in self.store.queue_ids("t"))]
+
+    def _target(self) -> dict[Q, str]:
+        return average_allocation(list(self.clients), self._queues())
+
+    @invariant()
+    def members_are_the_expected_ones(self) -> None:
+        stats = self.coord.stats().get("g")
+        members = set() if stats is None else set(stats["members"])
+        assert members == set(self.clients)
+        for consumer in set(CONSUMERS) - members:
+            try:
+                self.coord.heartbeat("g", consumer)
+            except GroupError:
+                continue
+            raise AssertionError(f"{consumer} is not a member, yet its heartbeat was answered")
+
+    @invariant()
+    def target_is_the_average_allocation(self) -> None:
+        stats = self.coord.stats().get("g")
+        if stats is None:
+            return
+        target = {(t, q): want for t, q, _, want in stats["assignment"]}
+        queues = sorted(target)
+        assert target == average_allocation(list(self.clients), queues)
+
+    @invariant()
+    def one_consumer_per_queue(self) -> None:
+        seen: dict[Q, str] = {}
+        for consumer, client in self.clients.items():
+            for queue in client.pulling:
+                assert queue not in seen, f"{queue} pulled by {seen[queue]} and {consumer}"
+                seen[queue] = consumer
+                self.coord.check_owner("g", consumer, *queue)
+
+
+Groups.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestGroups = Groups.TestCase

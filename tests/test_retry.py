@@ -1,0 +1,214 @@
+"""Retries and dead letters (equeue/server/retry.py) through the coordinator, with an
+injected clock, on a real store that is also closed and reopened between ticks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from equeue import Message, MessageStore
+from equeue.errors import GroupError, MessageNotFoundError, StoreWriteError
+from equeue.server import retry
+from equeue.server.groups import GroupCoordinator
+
+RETRY = retry.retry_topic("g")
+DLQ = retry.dead_letter_topic("g")
+DELAYS = (1.0, 5.0, 30.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[MessageStore]:
+    with MessageStore.open(tmp_path / "s") as s:
+        s.create_topic("orders", 2)
+        yield s
+
+
+def coordinator(store: MessageStore, clock: Clock, max_retries: int = 3) -> GroupCoordinator:
+    coord = GroupCoordinator(
+        store, clock=clock, wall_clock=clock, retry_delays=DELAYS, max_retries=max_retries
+    )
+    coord.join("g", "a", ["orders"], 600_000)
+    return coord
+
+
+def everything(store: MessageStore, topic: str) -> list[Message]:
+    found: list[Message] = []
+    for queue_id in store.queue_ids(topic):
+        found += store.pull(topic, queue_id, 0, 1000).messages
+    return found
+
+
+def test_nack_waits_its_level_then_comes_back_in_the_retry_topic(
+    store: MessageStore, clock: Clock
+) -> None:
+    coord = coordinator(store, clock)
+    sent = store.send("orders", b"pay", tag="t", key="k", properties={"user": "1"}, code=7)
+    coord.nack("g", "a", sent.message_id, None)
+    delayed = everything(store, retry.DELAY_TOPIC)
+    assert [m.queue_id for m in delayed] == [0]  # attempt 1: the first level
+    assert delayed[0].properties[retry.DUE_MS] == str(int((clock.now + 1.0) * 1000))
+    clock.now += 0.999
+    coord.tick()
+    assert everything(store, RETRY) == []
+    clock.now += 0.002
+    coord.tick()
+    (copy,) = everything(store, RETRY)
+    assert (copy.body, copy.tag, copy.key, copy.code) == (b"pay", "t", "k", 7)
+    assert copy.properties == {
+        "user": "1",
+        retry.GROUP: "g",
+        retry.ATTEMPT: "1",
+        retry.ORIGIN_TOPIC: "orders",
+        retry.ORIGIN_QUEUE: str(sent.queue_id),
+        retry.ORIGIN_OFFSET: str(sent.queue_offset),
+        retry.ORIGIN_ID: sent.message_id,
+    }
+    restored = retry.restore(copy)
+    assert (restored.topic, restored.queue_id, restored.queue_offset) == (
+        "orders", sent.queue_id, sent.queue_offset,
+    )  # fmt: skip
+    assert restored.message_id == copy.message_id
+    coord.tick()
+    assert len(everything(store, RETRY)) == 1  # moved once
+
+
+def test_attempts_climb_the_levels_then_the_dead_letter_topic(
+    store: MessageStore, clock: Clock
+) -> None:
+    coord = coordinator(store, clock, max_retries=3)
+    message_id = store.send("orders", b"x", queue_id=1).message_id
+    levels = []
+    for attempt in range(1, 4):
+        coord.nack("g", "a", message_id, None)
+        delayed = everything(store, retry.DELAY_TOPIC)[-1]
+        levels.append(delayed.queue_id)
+        clock.now += DELAYS[delayed.queue_id]
+        coord.tick()
+        copy = everything(store, RETRY)[-1]
+        assert copy.properties[retry.ATTEMPT] == str(attempt)
+        message_id = copy.message_id
+    assert levels == [0, 1, 2]
+    assert DLQ not in store.topics()
+    coord.nack("g", "a", message_id, None)  # the 4th nack: past max_retries=3
+    (dead,) = everything(store, DLQ)
+    assert dead.properties[retry.ATTEMPT] == "4"
+    assert dead.properties[retry.ORIGIN_TOPIC] == "orders"
+    assert dead.properties[retry.ORIGIN_QUEUE] == "1"
+    assert retry.DUE_MS not in dead.properties
+    assert len(everything(store, retry.DELAY_TOPIC)) == 3  # nothing more was delayed
+    assert DLQ in store.topics() and store.queue_ids(DLQ) == [0]
+
+
+def test_max_retries_zero_dead_letters_at_once(store: MessageStore, clock: Clock) -> None:
+    coord = coordinator(store, clock, max_retries=0)
+    coord.nack("g", "a", store.send("orders", b"x").message_id, 50)
+    assert len(everything(store, DLQ)) == 1
+    assert retry.DELAY_TOPIC not in store.topics()
+
+
+def test_given_delays_round_up_to_a_level(store: MessageStore, clock: Clock) -> None:
+    coord = coordinator(store, clock)
+    for delay_ms in (1, 1000, 1001, 30_000, 99_000_000):
+        coord.nack("g", "a", store.send("orders", b"x").message_id, delay_ms)
+    assert [m.queue_id for m in everything(store, retry.DELAY_TOPIC)] == [0, 0, 1, 2, 2]
+    coord.nack("g", "a", store.send("orders", b"now").message_id, 0)
+    assert [m.body for m in everything(store, RETRY)] == [b"now"]  # no delay queue
+
+
+def test_nack_by_a_non_holder_writes_nothing(store: MessageStore, clock: Clock) -> None:
+    coord = coordinator(store, clock)
+    store.create_topic("other", 1)
+    sent = store.send("orders", b"x", queue_id=1)
+    coord.join("g", "b", ["orders"], 600_000)  # orders/1 is b's target, a holds it still
+    with pytest.raises(GroupError, match="does not hold orders/1"):
+        coord.nack("g", "b", sent.message_id, None)
+    with pytest.raises(GroupError, match="has no consumer"):
+        coord.nack("g", "z", sent.message_id, None)
+    with pytest.raises(MessageNotFoundError):
+        coord.nack("g", "a", "f" * 24, None)
+    assert retry.DELAY_TOPIC not in store.topics()
+    assert everything(store, RETRY) == []
+
+
+def test_hostile_properties_in_the_retry_topic(store: MessageStore, clock: Clock) -> None:
+    """A message put into the retry topic by hand, with retry properties that do not
+    parse, is its own origin; a delay copy whose due time does not parse is due now."""
+    coord = coordinator(store, clock)
+    bad = {retry.ATTEMPT: "many", retry.ORIGIN_QUEUE: "x", retry.ORIGIN_TOPIC: "orders"}
+    sent = store.send(RETRY, b"odd", properties=bad)
+    assert retry.restore(store.get(sent.message_id)).topic == RETRY
+    coord.nack("g", "a", sent.message_id, None)
+    (delayed,) = everything(store, retry.DELAY_TOPIC)
+    assert delayed.properties[retry.ATTEMPT] == "1"
+    assert delayed.properties[retry.ORIGIN_TOPIC] == RETRY
+    store.send(retry.DELAY_TOPIC, b"due?", properties={retry.DUE_MS: "soon"}, queue_id=1)
+    store.send(retry.DELAY_TOPIC, b"no group", properties={retry.DUE_MS: "0"}, queue_id=2)
+    coord.tick()  # "soon" and no group: moved now / dropped; the real copy waits
+    assert [m.body for m in everything(store, RETRY)] == [b"odd"]
+    assert coord.retries.pending() == 1
+
+
+def test_mover_restart_neither_loses_nor_moves_again(tmp_path: Path, clock: Clock) -> None:
+    path = tmp_path / "s"
+    with MessageStore.open(path) as store:
+        store.create_topic("orders", 2)
+        coord = coordinator(store, clock)
+        for i in range(6):
+            sent = store.send("orders", b"%d" % i, queue_id=0)
+            coord.nack("g", "a", sent.message_id, 1000 if i < 3 else 5000)
+        clock.now += 1.0
+        coord.tick()  # the 1 s ones
+        assert [m.body for m in everything(store, RETRY)] == [b"0", b"1", b"2"]
+    # a new broker on the reopened store: the cursor was persisted
+    with MessageStore.open(path) as store:
+        coord = coordinator(store, clock)
+        coord.tick()
+        assert [m.body for m in everything(store, RETRY)] == [b"0", b"1", b"2"]
+        assert coord.retries.pending() == 3
+        clock.now += 4.0
+        coord.tick()
+        assert [m.body for m in everything(store, RETRY)] == [b"0", b"1", b"2", b"3", b"4", b"5"]
+        assert coord.retries.pending() == 0
+
+
+def test_crash_between_move_and_cursor_moves_again(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mover appends, then commits its cursor: failing in between (a crash) moves
+    the copies a second time after the restart (at least once), never loses them."""
+    path = tmp_path / "s"
+    with MessageStore.open(path) as store:
+        store.create_topic("orders", 2)
+        coord = coordinator(store, clock)
+        coord.nack("g", "a", store.send("orders", b"m").message_id, 1000)
+        clock.now += 1.0
+
+        def fail(*args: object) -> None:
+            raise StoreWriteError(5, "simulated crash before the cursor is committed")
+
+        monkeypatch.setattr(store, "commit_offset", fail)
+        with pytest.raises(StoreWriteError):
+            coord.tick()
+        assert [m.body for m in everything(store, RETRY)] == [b"m"]
+    monkeypatch.undo()
+    with MessageStore.open(path) as store:
+        coord = coordinator(store, clock)
+        coord.tick()
+        assert [m.body for m in everything(store, RETRY)] == [b"m", b"m"]
+        coord.tick()
+        assert len(everything(store, RETRY)) == 2

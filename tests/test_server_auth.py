@@ -1,0 +1,148 @@
+"""Authentication and TLS: a wrong or missing token is refused, a listener off loopback
+does not start without one, a token file others can read is refused, TLS round-trips."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_helpers import Raw, raw, short_dir
+
+from equeue.errors import ConfigError
+from equeue.protocol.frames import FrameReader, check_answer, decode_body, encode
+from equeue.server import BrokerThread, ServerConfig
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    directory = short_dir()
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def token_file(home: Path, mode: int = 0o600) -> Path:
+    path = home / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_a_wrong_or_missing_token_is_refused(home: Path) -> None:
+    with BrokerThread(home / "s", token_file=str(token_file(home))) as running:
+        url = running.urls[0]
+        for given in (None, "wrong", TOKEN + "x", ""):
+            c = Raw(url, hello=False)
+            try:
+                c.send_raw(encode({"versions": [1], "token": given, "client": "t"}))
+                error = c.closed_with()
+            finally:
+                c.close()
+            assert error["code"] == "AuthenticationError", error
+        with raw(url, token=TOKEN) as c:
+            assert c.welcome["version"] == 1
+            assert c.call("ping") is None
+
+
+def test_token_file_rules(home: Path) -> None:
+    with pytest.raises(ConfigError, match="every user"):
+        BrokerThread(home / "s", token_file=str(token_file(home, 0o644)))
+    real = token_file(home)
+    link = home / "link"
+    link.symlink_to(real)
+    with pytest.raises(ConfigError, match="symlink"):
+        BrokerThread(home / "s", token_file=str(link))
+    with pytest.raises(ConfigError, match="token file"):
+        BrokerThread(home / "s", token_file=str(home / "missing"))
+    (home / "empty").write_text("\n")
+    (home / "empty").chmod(0o600)
+    with pytest.raises(ConfigError, match="one token"):
+        BrokerThread(home / "s", token_file=str(home / "empty"))
+
+
+def test_a_listener_off_loopback_needs_a_token(home: Path) -> None:
+    for url in ("tcp://0.0.0.0:0", "tcp://[::]:0", "tcp://example.com:7000"):
+        with pytest.raises(ConfigError, match="without authentication"):
+            ServerConfig(listen=(url,))
+    ServerConfig(listen=("tcp://127.0.0.1:0", "tcp://localhost:0", "tcp://[::1]:0"))
+    # The command refuses too, before listening anywhere.
+    done = subprocess.run(
+        [sys.executable, "-m", "equeue", "serve", str(home / "s"), "--listen", "tcp://0.0.0.0:0"],
+        capture_output=True, text=True, timeout=60, env={**os.environ},
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "without authentication" in done.stderr
+    assert "listening" not in done.stdout
+
+
+def test_loopback_tcp_round_trip(home: Path) -> None:
+    with BrokerThread(home / "s", listen=["tcp://127.0.0.1:0"]) as running:
+        (url,) = running.urls
+        assert url.startswith("tcp://127.0.0.1:") and not url.endswith(":0")
+        with raw(url) as c:
+            assert c.call("send", topic="t", body=b"x")[1] == "t"
+
+
+def _self_signed(home: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a self-signed certificate")
+    cert, key = home / "cert.pem", home / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_tls_round_trip_with_a_token(home: Path) -> None:
+    cert, key = _self_signed(home)
+    with BrokerThread(
+        home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key),
+        token_file=str(token_file(home)),
+    ) as running:  # fmt: skip
+        (url,) = running.urls
+        port = int(url.rsplit(":", 1)[1])
+        context = ssl.create_default_context(cafile=str(cert))
+        with (
+            socket.create_connection(("127.0.0.1", port), 20) as plain,
+            context.wrap_socket(plain, server_hostname="localhost") as sock,
+        ):
+            assert sock.version() in ("TLSv1.2", "TLSv1.3")
+            reader = FrameReader(1 << 20, "test")
+
+            def recv() -> object:
+                while True:
+                    bodies = reader.feed(sock.recv(1 << 16))
+                    if bodies:
+                        return decode_body(bodies[0], "test")
+
+            sock.sendall(encode({"versions": [1], "token": TOKEN, "client": "tls"}))
+            assert recv()["version"] == 1  # type: ignore[index]
+            sock.sendall(encode([1, "send", {"topic": "t", "body": b"over tls"}]))
+            rid, status, result = check_answer(recv(), "test")
+            assert (rid, status, result[1]) == (1, 0, "t")
+        # plain TCP to the TLS port is not served
+        with socket.create_connection(("127.0.0.1", port), 20) as plain:
+            plain.sendall(encode({"versions": [1], "token": TOKEN, "client": "plain"}))
+            assert plain.recv(100)[:1] in (b"", b"\x15")  # closed, or a TLS alert
+
+
+def test_tls_rules(home: Path) -> None:
+    with pytest.raises(ConfigError, match="would use them"):
+        ServerConfig(tls_cert="c", tls_key="k")
+    bad = home / "bad.pem"
+    bad.write_text("not a certificate")
+    with pytest.raises(ConfigError, match="cannot load the TLS certificate"):
+        BrokerThread(home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(bad), tls_key=str(bad))

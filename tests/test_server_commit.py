@@ -1,0 +1,113 @@
+"""--flush sync across clients: sends of many connections share each fdatasync of the
+message log, and no send is answered before an fdatasync that started after its append
+has ended (equeue/server/groupcommit.py)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_helpers import raw, short_dir
+
+from equeue.errors import StoreWriteError
+from equeue.protocol.records import unpack_send_result
+from equeue.server import BrokerThread
+
+CLIENTS = 16
+SENDS = 40  # per client
+WINDOW = 4  # sends in flight per client
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    directory = short_dir()
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class FlushSpy:
+    """Wraps the store's flush_log: counts fdatasyncs, and after each one publishes the
+    log position every append before it had reached (what it made durable at least)."""
+
+    def __init__(self, running: BrokerThread) -> None:
+        store = running.store
+        self.real = store.flush_log
+        self.messages = store._messages
+        self.calls = 0
+        self.durable = 0  # log position below which everything is known flushed
+        self.lock = threading.Lock()
+        store.flush_log = self  # type: ignore[method-assign]
+
+    def __call__(self) -> None:
+        start = self.messages.committed_position  # everything appended before this flush
+        time.sleep(0.002)  # a slow disk: an answer sent before its flush would show
+        self.real()
+        with self.lock:
+            self.calls += 1
+            self.durable = max(self.durable, start)
+
+
+def test_many_clients_share_fdatasyncs_and_none_is_answered_early(home: Path) -> None:
+    running = BrokerThread(home / "s", flush="sync")
+    spy = FlushSpy(running)
+    early: list[tuple[int, int]] = []
+    positions: list[int] = []
+    failures: list[BaseException] = []
+
+    def client(number: int) -> None:
+        try:
+            with raw(running.urls[0]) as c:
+                sent = answered = 0
+                while answered < SENDS:
+                    while sent < SENDS and sent - answered < WINDOW:
+                        c.request("send", topic="t", body=b"%d:%d" % (number, sent))
+                        sent += 1
+                    _, status, payload = c.recv()
+                    assert status == 0, payload
+                    answered += 1
+                    position = unpack_send_result(payload, "test").position
+                    with spy.lock:
+                        durable = spy.durable
+                    if position >= durable:
+                        early.append((position, durable))
+                    positions.append(position)
+        except BaseException as exc:
+            failures.append(exc)
+
+    with running:
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(CLIENTS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        with raw(running.urls[0]) as c:
+            stats = c.call("stats")
+    assert not failures, failures[0]
+    total = CLIENTS * SENDS
+    assert len(positions) == total
+    assert early == []  # every answer came after an fdatasync covering its append
+    assert spy.calls >= 1
+    assert spy.calls * 4 <= total, f"{spy.calls} fdatasyncs for {total} sends"
+    assert stats["flushes"] == spy.calls
+    assert stats["sends_per_flush"] == pytest.approx(total / spy.calls, rel=0.01)
+
+
+def test_a_failed_flush_answers_its_sends_with_the_error(home: Path) -> None:
+    running = BrokerThread(home / "s", flush="sync")
+    store = running.store
+
+    def failing() -> None:
+        raise StoreWriteError(5, "fdatasync of the test's log failed (EIO)")
+
+    store.flush_log = failing  # type: ignore[method-assign]
+    with running, raw(running.urls[0]) as c:
+        error = c.error("send", topic="t", body=b"x")
+        assert error["code"] == "StoreWriteError"
+        assert "may be lost" in error["message"] and "EIO" in error["message"]
+        assert c.call("ping") is None

@@ -1,0 +1,109 @@
+"""`equeue serve` as a real process: SIGTERM drains (every acknowledged send stored,
+socket removed, exit 0); SIGKILL under --flush sync loses no acknowledged send. Producers
+are real processes speaking the protocol (tests/broker_producer.py)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_helpers import short_dir
+
+from equeue import MessageStore
+
+PRODUCERS = 3
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    directory = short_dir()
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def start_broker(store: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "equeue", "serve", str(store), "--quiet", *extra],
+        stdout=subprocess.PIPE,
+    )
+    assert broker.stdout is not None
+    line = broker.stdout.readline().decode()
+    if not line.startswith("listening on "):
+        broker.kill()
+        broker.wait()
+        raise AssertionError(f"the broker did not start: {line!r}")
+    return broker, line.split()[-1]
+
+
+def acknowledged(output: str) -> dict[int, str]:
+    acks: dict[int, str] = {}
+    for line in output.splitlines():
+        if line.startswith("A "):
+            _, seq, message_id = line.split()
+            acks[int(seq)] = message_id
+    return acks
+
+
+def run_until(home: Path, stop: signal.Signals, flush: str) -> None:
+    store = home / "s"
+    broker, url = start_broker(store, "--flush", flush)
+    producers: list[subprocess.Popen[bytes]] = []
+    outputs: list[str] = []
+    try:
+        for number in range(PRODUCERS):
+            producers.append(subprocess.Popen(
+                [sys.executable, str(HERE / "broker_producer.py"), url, f"p{number}"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            ))  # fmt: skip
+        # Let them send a while (the sends, not the time, are what is checked).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(1 for _ in store.glob("messages/*")) == 0:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        broker.send_signal(stop)
+        code = broker.wait(60)
+        for producer in producers:
+            out, err = producer.communicate(timeout=60)
+            assert producer.returncode == 0, err.decode()
+            outputs.append(out.decode())
+    finally:
+        for process in [broker, *producers]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    if stop == signal.SIGTERM:
+        assert code == 0
+        assert not (store / "broker.sock").exists()
+    else:
+        assert code == -signal.SIGKILL
+    total = 0
+    with MessageStore.open(store) as reopened:
+        for number, output in enumerate(outputs):
+            acks = acknowledged(output)
+            assert output.rstrip().splitlines()[-1].startswith("END ")
+            assert acks, f"producer {number} saw nothing acknowledged"
+            total += len(acks)
+            for seq, message_id in acks.items():
+                assert reopened.get(message_id).body == f"p{number}:{seq}".encode()
+    assert total >= PRODUCERS
+    if stop == signal.SIGKILL:  # a killed broker's socket is stale: the next one replaces it
+        again, url = start_broker(store)
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(60) == 0
+
+
+def test_sigterm_drains_and_keeps_every_acknowledged_send(home: Path) -> None:
+    run_until(home, signal.SIGTERM, "sync")
+
+
+def test_sigkill_under_flush_sync_loses_no_acknowledged_send(home: Path) -> None:
+    run_until(home, signal.SIGKILL, "sync")
