@@ -42,6 +42,11 @@ def resolved(options: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def through_broker(options: Mapping[str, str]) -> bool:
+    """The ``broker`` option is given: nothing opens the store (viabroker.py)."""
+    return any(key.lower() == "broker" for key in options)
+
+
 class EqueueDataSource(DataSource):
     @classmethod
     def name(cls) -> str:
@@ -63,11 +68,19 @@ class EqueueDataSource(DataSource):
         return EqueueStreamReader(resolved(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        if through_broker(self.options):
+            from equeue.spark.brokersink import EqueueBrokerWriter
+
+            return EqueueBrokerWriter(dict(self.options), schema, overwrite)
         from equeue.spark.sink import EqueueWriter
 
         return EqueueWriter(resolved(self.options), schema, overwrite)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        if through_broker(self.options):
+            from equeue.spark.brokersink import EqueueBrokerStreamWriter
+
+            return EqueueBrokerStreamWriter(dict(self.options), schema, overwrite)
         from equeue.spark.sink import EqueueStreamWriter
 
         return EqueueStreamWriter(resolved(self.options), schema, overwrite)
