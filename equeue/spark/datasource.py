@@ -58,6 +58,10 @@ class EqueueDataSource(DataSource):
         return schema_for(resolved(self.options))
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        if through_broker(self.options):
+            from equeue.spark.brokerread import EqueueBrokerReader
+
+            return EqueueBrokerReader(dict(self.options))
         from equeue.spark.source import EqueueReader
 
         return EqueueReader(resolved(self.options))

@@ -283,13 +283,11 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         store = self._store
         store.refresh()  # (also on a new handle: see read_range)
         out: dict[str, dict[str, tuple[int, int]]] = {}
-        for topic in topics_of(store):
+        for topic in store.topics():
             if not self.options.matches(topic):
                 continue
             try:
-                out[topic] = {
-                    str(q): store.queue_range(topic, q) for q in queue_ids_of(store, topic)
-                }
+                out[topic] = {str(q): store.queue_range(topic, q) for q in store.queue_ids(topic)}
             except TopicNotFoundError:
                 continue  # deleted meanwhile
         return out
@@ -556,16 +554,6 @@ def open_queues(options: StreamOptions) -> MessageStore | BrokerQueues:
     if options.broker is not None:
         return BrokerQueues(options.broker.connect())
     return MessageStore.open(options.path, read_only=True)
-
-
-def topics_of(store: MessageStore | BrokerQueues) -> list[str]:
-    return store.client.topics() if isinstance(store, BrokerQueues) else store.topics()
-
-
-def queue_ids_of(store: MessageStore | BrokerQueues, topic: str) -> list[int]:
-    if isinstance(store, BrokerQueues):
-        return store.client.queue_ids(topic)
-    return store.queue_ids(topic)
 
 
 def _batch(messages: list[Message]) -> pa.RecordBatch:

@@ -125,13 +125,14 @@ class BrokerAddress:
 
 
 class BrokerQueues:
-    """A client with the read-only handle's methods that the streaming source's task loop
-    (stream.read_range) calls: ``pull`` bounded to fit a frame, ``queue_range`` and a
-    ``refresh`` that has nothing to do (the broker's store is the writer's, always
-    current)."""
+    """A client with the read-only handle's methods that the sources plan and read with
+    (stream.py, offsets.py): ``pull`` bounded to fit a frame, ``topics``, ``queue_ids``,
+    ``queue_range``, ``path`` for messages, and a ``refresh`` that has nothing to do (the
+    broker's store is the writer's, always current)."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
+        self.path = f"the store served at {client.url}"  # (for messages)
         welcome = client.welcome
         frame = welcome.limits["max_frame_bytes"] if welcome is not None else 1 << 20
         # Bodies up to half a frame: the headers of up to PULL_COUNT messages fit the rest.
@@ -142,6 +143,12 @@ class BrokerQueues:
 
     def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
         return self.client.queue_range(topic, queue_id)
+
+    def topics(self) -> list[str]:
+        return self.client.topics()
+
+    def queue_ids(self, topic: str) -> list[int]:
+        return self.client.queue_ids(topic)
 
     def refresh(self) -> None:
         return
