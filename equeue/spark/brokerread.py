@@ -21,7 +21,7 @@ from equeue.spark.offsets import OffsetBounds
 from equeue.spark.stream import QueueRange, open_queues, read_range
 
 OPTIONS: Final = (
-    "broker", "tokenFile", "topics", "topicPattern", "startingOffsets", "endingOffsets",
+    "broker", "tokenFile", "caFile", "topics", "topicPattern", "startingOffsets", "endingOffsets",
     "failOnDataLoss",
 )  # fmt: skip
 

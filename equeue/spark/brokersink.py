@@ -26,7 +26,7 @@ from pyspark.sql.types import StructType
 
 from equeue.errors import EQueueError, SparkOptionError
 from equeue.spark.sink import check_schema, checked_rows
-from equeue.spark.viabroker import BROKER, TOKEN_FILE, BrokerAddress, option
+from equeue.spark.viabroker import BROKER, CA_FILE, TOKEN_FILE, BrokerAddress, option
 from equeue.store.config import StoreConfig
 from equeue.store.types import OutgoingMessage
 
@@ -35,9 +35,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BATCH_OPTIONS: Final = (BROKER, TOKEN_FILE, "topic")
+BATCH_OPTIONS: Final = (BROKER, TOKEN_FILE, CA_FILE, "topic")
 # checkpointLocation is Spark's own (the query's); the sink keeps nothing there.
-STREAM_OPTIONS: Final = (BROKER, TOKEN_FILE, "topic", "checkpointLocation", "queryName")
+STREAM_OPTIONS: Final = (
+    BROKER, TOKEN_FILE, CA_FILE, "topic", "checkpointLocation", "queryName",
+)  # fmt: skip
 # A send_batch request carries at most this many bytes of messages (and half the
 # broker's max_frame_bytes): large enough that a request's round trip is small beside
 # its work, small enough that one refused or lost request is little to send again.

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 BROKER: Final = "broker"
 TOKEN_FILE: Final = "tokenFile"
+CA_FILE: Final = "caFile"
 MAX_TOKEN_BYTES: Final = 4096  # as the broker's token file (equeue/server/config.py)
 CLIENT_NAME: Final = "equeue-spark"
 
@@ -44,10 +45,11 @@ def broker_url(options: Mapping[str, str]) -> str | None:
     url = option(options, BROKER)
     token_file = option(options, TOKEN_FILE)
     if url is None:
-        if token_file is not None:
-            raise SparkOptionError(
-                f"option {TOKEN_FILE} is for a broker: give option({BROKER!r}, URL) with it"
-            )
+        for name in (TOKEN_FILE, CA_FILE):
+            if option(options, name) is not None:
+                raise SparkOptionError(
+                    f"option {name} is for a broker: give option({BROKER!r}, URL) with it"
+                )
         return None
     if option(options, "path"):
         raise SparkOptionError(
@@ -59,6 +61,9 @@ def broker_url(options: Mapping[str, str]) -> str | None:
         raise SparkOptionError(
             f"option {BROKER}={url!r}: give unix:PATH, tcp://HOST:PORT or tls://HOST:PORT"
         )
+    ca_file = option(options, CA_FILE)
+    if ca_file is not None and not url.startswith("tls://"):
+        raise SparkOptionError(f"option {CA_FILE} is for a tls:// broker, not {url!r}")
     try:
         parse_url(url)
     except EQueueError as exc:
@@ -101,6 +106,7 @@ class BrokerAddress:
             raise SparkOptionError(f"option {BROKER} is missing")
         self.url = url
         self.token_file = option(options, TOKEN_FILE)
+        self.ca_file = option(options, CA_FILE)  # None: the system's CAs
         read_token(self.token_file)  # on the driver first: a bad path fails the plan
 
     def connect(self) -> Client:
@@ -112,10 +118,12 @@ class BrokerAddress:
             return Client(
                 self.url,
                 token=read_token(self.token_file),
+                cafile=self.ca_file,
                 client_name=f"{CLIENT_NAME} pid {os.getpid()}",
             )
-        except ConfigError as exc:
-            raise SparkOptionError(f"option {BROKER}={self.url!r}: {exc}") from None
+        except ConfigError as exc:  # (the URL was parsed on the driver: a CA file it is)
+            where = f"{CA_FILE}={self.ca_file!r}" if self.ca_file else f"{BROKER}={self.url!r}"
+            raise SparkOptionError(f"option {where}: {exc}") from None
         except EQueueError as exc:
             exc.add_note(f"(format('equeue') option {BROKER}={self.url!r})")
             raise
