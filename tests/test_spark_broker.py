@@ -23,8 +23,6 @@ from equeue.store.types import Message, OutgoingMessage
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-pytest.importorskip("pyspark")
-
 TOKEN = "s3cret-token"
 FRAME = 256 * 1024  # the broker's max_frame_bytes: a task's rows need several requests
 
