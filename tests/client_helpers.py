@@ -3,10 +3,15 @@ a real Unix socket, to hand the clients what a real broker never sends."""
 
 from __future__ import annotations
 
+import select
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,3 +109,68 @@ class FakeBroker:
     def __exit__(self, *exc: object) -> None:
         self.close()
         assert not self.errors, self.errors
+
+
+class BrokerProcess:
+    """``equeue serve STORE`` as a child process (the real broker, killable): ``url`` is
+    its Unix socket. ``kill()`` SIGKILLs it, ``start()`` runs it again on the same store;
+    ``stop()`` (SIGTERM, then SIGKILL after 10 s) is for every test's teardown."""
+
+    def __init__(self, store: Path, *options: str) -> None:
+        self.store = store
+        self.options = options
+        self.process: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.start()
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "equeue", "serve", str(self.store), "--quiet"]
+        self._close_streams()
+        with open(self.store.parent / "broker.log", "a") as log:  # (a pipe could fill up)
+            self.process = subprocess.Popen(
+                [*command, *self.options], stdout=subprocess.PIPE, stderr=log, text=True
+            )
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.process.stdout], [], [], 0.5)
+            if ready:
+                line = self.process.stdout.readline()
+                if line.startswith("listening on "):
+                    self.url = line.split()[-1]
+                    return
+                if not line:
+                    break
+            if self.process.poll() is not None:
+                break
+        self.stop()
+        text = (self.store.parent / "broker.log").read_text()
+        raise AssertionError(f"the broker did not start: {text[-2000:]}")
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+        self._close_streams()
+
+    def _close_streams(self) -> None:
+        if self.process is not None and self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        self._close_streams()
+
+    def __enter__(self) -> BrokerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

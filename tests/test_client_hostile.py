@@ -223,3 +223,16 @@ def test_no_builtin_exception_escapes_random_answers() -> None:
             with pytest.raises(EQueueError):
                 call("sync", fake.url, "topics", timeout=0.5)
             assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_broker_that_never_welcomes_is_connection_lost_after_connect_timeout(
+    kind: str,
+) -> None:
+    def script(peer: Peer) -> None:
+        peer.recv()  # the hello; then silence until the client gives up
+        while True:
+            peer.recv()
+
+    with FakeBroker(script) as fake, pytest.raises(ConnectionLostError, match=fake.url):
+        call(kind, fake.url, "ping", connect_timeout=0.3)

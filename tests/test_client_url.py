@@ -154,8 +154,10 @@ def test_calls_are_what_the_op_table_accepts() -> None:
 def test_arguments_the_wire_cannot_carry_are_refused_before_sending(
     make: Any, error: type[Exception]
 ) -> None:
-    with pytest.raises(error):
+    with pytest.raises((error, calls.Probe)) as raised:  # a Probe: after the broker's lookup
         make()
+    found = raised.value.error if isinstance(raised.value, calls.Probe) else raised.value
+    assert isinstance(found, error)
 
 
 def test_a_negative_queue_id_has_no_committed_offset() -> None:
@@ -172,3 +174,25 @@ def test_a_request_over_the_brokers_frame_limit_is_refused_before_sending() -> N
     with pytest.raises(InvalidTypeError):
         encoder.frame(4, "send", {"topic": object()})
     assert encoder.frame(5, "ping", {})  # the encoder still works after a refusal
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["a", "A-b_c.9", "", ".", "..", "...", "a b", "é", "a/b", "x" * 255, "x" * 256,
+     "t\ud800", "tab\t", "ok."],
+)  # fmt: skip
+def test_topic_names_are_judged_as_the_store_judges_them(name: str) -> None:
+    from equeue.client import args
+    from equeue.format.message import MAX_NAME_BYTES
+    from equeue.store import validate
+
+    assert args.MAX_NAME_BYTES == MAX_NAME_BYTES
+
+    def verdict(check: Any) -> str:
+        try:
+            check(name)
+        except Exception as exc:
+            return type(exc).__name__
+        return "ok"
+
+    assert verdict(args.topic) == verdict(validate.check_topic)

@@ -13,8 +13,10 @@ from equeue.errors import (
     GroupError,
     InvalidMessageError,
     InvalidTypeError,
+    LimitExceededError,
     TopicNotFoundError,
 )
+from equeue.server import groups
 from equeue.server.groups import GroupCoordinator, average_allocation
 from equeue.server.retry import retry_topic
 
@@ -249,3 +251,13 @@ def test_stats_members_holders_and_lag(coord: GroupCoordinator, store: MessageSt
     assert stats["lag"]["orders/5"] == 0
     assert ["orders", 7, "a", "b"] in stats["assignment"]  # held by a, target b
     assert stats["members"]["b"]["queues"] == []
+
+
+def test_member_limit(coord: GroupCoordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(groups, "MAX_MEMBERS", 2)
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    with pytest.raises(LimitExceededError, match="MAX_MEMBERS"):
+        coord.join("g", "c", ["orders"], 1000)
+    assert coord.stats()["g"]["generation"] == 2
+    assert coord.join("g", "b", ["orders"], 1000)["generation"] == 3  # a member may rejoin

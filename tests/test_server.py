@@ -83,7 +83,8 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         stats = call("stats")
         assert isinstance(stats, dict)
         assert stats["connections"] == 1 and stats["sends"] == 3
-        assert stats["groups"]["g"]["topics"]["t"]["queues"]["1"] == {
+        assert [x["client"] for x in stats["clients"]] == ["test"]
+        assert stats["groups"]["g"]["queues"]["t/1"] == {
             "committed": 2, "end": 3, "lag": 1,
         }  # fmt: skip
     group_ops = {"join", "heartbeat", "leave", "nack"}  # test_server_groups.py
@@ -197,13 +198,167 @@ def test_pipelined_answers_keep_coming(broker: BrokerThread) -> None:
     assert sum(store.queue_range("p", q)[1] for q in store.queue_ids("p")) == count
 
 
-def test_thread_runner_stops_cleanly(home: Path) -> None:
+def test_stopping_answers_held_pulls_then_closes_and_removes_the_socket(home: Path) -> None:
     running = BrokerThread(home / "s").start()
-    url = running.urls[0]
-    c = Raw(url)
-    stopper = threading.Thread(target=running.stop)
-    stopper.start()
-    stopper.join(30)
-    assert not stopper.is_alive()
-    c.close()
+    c = Raw(running.urls[0])
+    try:
+        c.call("create_topic", topic="t", queue_count=1)
+        held = c.request("pull", topic="t", queue_id=0, offset=0, wait_ms=600_000)
+        c.call("ping")  # the pull is held by now
+        stopper = threading.Thread(target=running.stop)
+        stopper.start()
+        assert c.recv() == [held, 0, [[], 0]]  # answered with what there is
+        with pytest.raises(ConnectionError):
+            c.recv()
+        stopper.join(30)
+        assert not stopper.is_alive()
+    finally:
+        c.close()
     assert not (home / "s" / "broker.sock").exists()
+    with MessageStore.open(home / "s") as again:  # closed: the lock is free
+        assert again.topics() == ["t"]
+
+
+def test_a_store_handle_the_broker_cannot_serve_is_refused(home: Path) -> None:
+    from equeue import StoreConfig
+    from equeue.errors import ConfigError
+
+    with (
+        MessageStore.open(home / "s", StoreConfig(flush="sync")) as store,
+        pytest.raises(ConfigError, match="flush='sync'"),
+    ):
+        BrokerThread(store)
+    with MessageStore.open(home / "s") as store:
+        with (
+            MessageStore.open(home / "s", read_only=True) as reader,
+            pytest.raises(ConfigError, match="read-only"),
+        ):
+            BrokerThread(reader)
+        with BrokerThread(store, flush="sync") as running, raw(running.urls[0]) as c:
+            c.call("send", topic="t", body=b"x")
+        assert store.queue_range("t", 0)[1] + store.queue_range("t", 1)[1] >= 1
+        store.send("t", b"still mine")  # the caller's handle stays open after the broker
+
+
+def test_group_ops_reach_the_coordinator_and_guard_pulls_and_commits(broker: BrokerThread) -> None:
+    with raw(broker.urls[0]) as a, raw(broker.urls[0]) as b:
+        a.call("create_topic", topic="g", queue_count=2)
+        sent = a.call("send", topic="g", body=b"m", queue_id=0)
+        first = a.call("join", group="grp", consumer="a", topics=["g"])
+        assert sorted(map(tuple, first["assignment"])) == [
+            ("equeue.retry.grp", 0),
+            ("g", 0),
+            ("g", 1),
+        ]
+        b.call("join", group="grp", consumer="b", topics=["g"])
+        # a still holds every queue until it applies the new generation
+        refused = b.error("pull", topic="g", queue_id=0, offset=0, group="grp", consumer="b")
+        assert refused["code"] == "GroupError"
+        assert b.error("commit_offset", group="grp", topic="g", queue_id=0, offset=1,
+                       consumer="b")["code"] == "GroupError"  # fmt: skip
+        pulled = a.call("pull", topic="g", queue_id=0, offset=0, group="grp", consumer="a")
+        assert [m[9] for m in pulled[0]] == [b"m"]
+        assert a.call("nack", group="grp", consumer="a", message_id=sent[0], delay_ms=0) is None
+        assert a.call("commit_offset", group="grp", topic="g", queue_id=0, offset=1,
+                      consumer="a") is None  # fmt: skip
+        beat = a.call("heartbeat", group="grp", consumer="a")
+        a.call("heartbeat", group="grp", consumer="a", generation=beat["generation"])
+        assigned = b.call("heartbeat", group="grp", consumer="b")["assignment"]
+        assert assigned and all(tuple(q) not in map(tuple, beat["assignment"]) for q in assigned)
+        stats = a.call("stats")
+        assert set(stats["coordinator"]["grp"]["members"]) == {"a", "b"}
+        assert stats["groups"]["grp"]["queues"]["g/0"]["committed"] == 1
+        assert a.call("leave", group="grp", consumer="a") is None
+        assert a.error("heartbeat", group="grp", consumer="a")["code"] == "GroupError"
+    assert (
+        broker.store.queue_range("equeue.retry.grp", 0)[1]
+        + sum(
+            broker.store.queue_range(t, 0)[1]
+            for t in broker.store.topics()
+            if t.startswith("equeue.delay")
+        )
+        >= 1
+    )  # the nacked message went to a retry or delay queue
+
+
+def test_status_command_prints_the_stats(broker: BrokerThread) -> None:
+    import json
+    import subprocess
+    import sys
+
+    with raw(broker.urls[0]) as c:
+        c.call("send", topic="st", body=b"x", queue_id=0)
+        c.call("commit_offset", group="sg", topic="st", queue_id=0, offset=0)
+    command = [sys.executable, "-m", "equeue", "serve", str(broker.store.path), "--status"]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "connections: 1" in shown.stdout and "group sg: lag 1" in shown.stdout
+    as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
+    stats = json.loads(as_json.stdout)
+    assert stats["groups"]["sg"]["queues"]["st/0"] == {"committed": 0, "end": 1, "lag": 1}
+    assert stats["sends"] >= 1 and "sends_per_s" in stats["rates"]
+    missing = subprocess.run(
+        [*command[:-2], str(broker.store.path.parent / "none"), "--status"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+
+
+READER = """
+import sys
+from equeue import MessageStore
+store = MessageStore.open(sys.argv[1], read_only=True)
+got = [m.body for m in store.pull("ro", 0, 0, 100).messages]
+print("READY", len(got), flush=True)
+offset = len(got)
+while len(got) < 10:
+    result = store.pull("ro", 0, offset, 100, wait=20.0)
+    if not result.messages:
+        break
+    got += [m.body for m in result.messages]
+    offset = result.next_offset
+print(b",".join(got).decode(), flush=True)
+"""
+
+
+def test_a_read_only_handle_in_another_process_follows_the_broker(broker: BrokerThread) -> None:
+    import subprocess
+    import sys
+
+    with raw(broker.urls[0]) as c:
+        c.call("create_topic", topic="ro", queue_count=1)
+        for n in range(5):
+            c.call("send", topic="ro", body=b"m%d" % n)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", READER, str(broker.store.path)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert reader.stdout is not None
+            assert reader.stdout.readline().split() == ["READY", "5"]
+            c.call("send_batch", topic="ro", messages=[{"body": b"m%d" % n} for n in range(5, 10)])
+            out, _ = reader.communicate(timeout=60)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
+    assert out.strip() == ",".join(f"m{n}" for n in range(10))
+
+
+def test_a_half_closed_client_still_gets_its_deferred_answers(home: Path) -> None:
+    import socket as socket_module
+
+    with BrokerThread(home / "s", flush="sync") as running:
+        c = Raw(running.urls[0])
+        try:
+            c.call("create_topic", topic="t", queue_count=1)
+            held = c.request("pull", topic="t", queue_id=0, offset=0, wait_ms=300)
+            sends = [c.request("send", topic="u", body=b"%d" % n) for n in range(50)]
+            c.sock.shutdown(socket_module.SHUT_WR)  # all sent: now only reading
+            answers = c.answers(51)
+            assert all(answers[rid][0] == 0 for rid in sends)
+            assert answers[held] == (0, [[], 0])  # at its deadline
+            with pytest.raises(ConnectionError):
+                c.recv()  # then the broker closes
+        finally:
+            c.close()

@@ -107,3 +107,25 @@ def test_sigterm_drains_and_keeps_every_acknowledged_send(home: Path) -> None:
 
 def test_sigkill_under_flush_sync_loses_no_acknowledged_send(home: Path) -> None:
     run_until(home, signal.SIGKILL, "sync")
+
+
+def test_the_command_line_limits_reach_the_welcome(home: Path) -> None:
+    from server_helpers import raw
+
+    broker, url = start_broker(
+        home / "s", "--max-in-flight", "7", "--max-connections", "3",
+        "--max-frame-bytes", "100000", "--listen", f"unix:{home / 'b.sock'}",
+    )  # fmt: skip
+    try:
+        assert url == f"unix:{home / 'b.sock'}"
+        with raw(url) as c:
+            assert c.welcome["limits"] == {
+                "max_in_flight": 7, "max_connections": 3, "max_frame_bytes": 100000,
+            }  # fmt: skip
+        broker.send_signal(signal.SIGINT)  # as SIGTERM
+        assert broker.wait(60) == 0
+        assert not (home / "b.sock").exists()
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+            broker.wait()

@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
+import select
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -142,6 +143,17 @@ class _Protocol(asyncio.Protocol):
                 future.set_exception(lost(reason, given(unanswered), cause))
         self.pending.clear()
 
+    def input_waiting(self) -> bool:
+        """Whether bytes (or the end) wait unread: while idle, the loop may not have run
+        since the broker stopped (a caller blocking it), and a write now would fail."""
+        if self.closed or self.transport is None:
+            return False
+        sock = self.transport.get_extra_info("socket")
+        try:
+            return sock is not None and bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
     def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
         self.pending[request_id] = entry
         self.out.append(frame)
@@ -265,6 +277,11 @@ class AsyncClient:
 
     async def _call(self, call: Call, decode: bool = True) -> Any:
         protocol = self._protocol
+        if protocol is not None and not protocol.pending:
+            for _ in range(4):  # let the loop read it: the end of a broker that went away
+                if not protocol.input_waiting():  # (reading the end takes loop turns)
+                    break
+                await asyncio.sleep(0)
         if protocol is None or protocol.closed:
             protocol = await self._connected()
         assert protocol.encoder is not None and protocol.places is not None
@@ -285,6 +302,21 @@ class AsyncClient:
         if status != STATUS_OK:
             raise answer_error(payload, self.url)
         return DECODERS[call.op](payload, self.url) if decode else payload
+
+    async def _made(self, make: Callable[..., Call], *arguments: Any) -> Call:
+        """``make(*arguments)``; an argument it refuses is reported after the broker
+        reports the topic or queue missing, if it is (calls.Probe: the store's order)."""
+        try:
+            return make(*arguments)
+        except calls.Probe as probe:
+            try:
+                found = await self._call(probe.call)
+            except EQueueError:
+                if probe.judge is None:
+                    raise  # the store's earlier error: the topic or queue is missing
+                raise probe.error from None
+            earlier = probe.judge(found) if probe.judge is not None else None
+            raise (earlier or probe.error) from None
 
     async def request(self, op: str, arguments: dict[str, Any]) -> Any:
         """One request as the protocol has it (docs/protocol.md): its result as msgpack
@@ -317,7 +349,9 @@ class AsyncClient:
     async def send_batch(
         self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
     ) -> list[SendResult]:
-        results: list[SendResult] = await self._call(calls.send_batch(topic, messages))
+        results: list[SendResult] = await self._call(
+            await self._made(calls.send_batch, topic, messages)
+        )
         return results
 
     async def pull(
@@ -332,7 +366,7 @@ class AsyncClient:
         max_bytes: int | None = None,
     ) -> PullResult:
         result: PullResult = await self._call(
-            calls.pull(topic, queue_id, offset, max_count, tags, wait, max_bytes)
+            await self._made(calls.pull, topic, queue_id, offset, max_count, tags, wait, max_bytes)
         )
         return result
 
@@ -341,17 +375,21 @@ class AsyncClient:
         return result
 
     async def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
-        result: list[Message] = await self._call(calls.query_by_key(topic, key, limit))
+        result: list[Message] = await self._call(
+            await self._made(calls.query_by_key, topic, key, limit)
+        )
         return result
 
     async def offset_for_time(
         self, topic: str, queue_id: int, timestamp: float | dt.datetime
     ) -> int:
-        result: int = await self._call(calls.offset_for_time(topic, queue_id, timestamp))
+        result: int = await self._call(
+            await self._made(calls.offset_for_time, topic, queue_id, timestamp)
+        )
         return result
 
     async def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
-        await self._call(calls.commit_offset(group, topic, queue_id, offset))
+        await self._call(await self._made(calls.commit_offset, group, topic, queue_id, offset))
 
     async def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
         call = calls.committed_offset(group, topic, queue_id)
@@ -372,7 +410,9 @@ class AsyncClient:
         return result
 
     async def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
-        result: tuple[int, int] = await self._call(calls.queue_range(topic, queue_id))
+        result: tuple[int, int] = await self._call(
+            await self._made(calls.queue_range, topic, queue_id)
+        )
         return result
 
     async def stats(self) -> dict[str, Any]:

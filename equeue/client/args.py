@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
+from functools import lru_cache
 from typing import Any, TypeGuard
 
 from equeue.errors import (
@@ -31,11 +33,37 @@ def is_int(value: object) -> TypeGuard[int]:
     return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
+# The store's rule for a topic name (equeue/store/validate.py, and the format's u8 name
+# length), checked here first as the store does: a bad name is the error a call reports
+# before any other argument's. tests/test_client_url.py holds the two to the same verdicts.
+MAX_NAME_BYTES = 255
+_TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+\Z")
+
+
 def topic(value: object) -> str:
     if type(value) is not str:
         if not isinstance(value, str):
             raise InvalidTypeError(f"topic must be a str, got {type(value).__name__}")
         value = str(value)
+    return _topic(value)
+
+
+@lru_cache(maxsize=1024)
+def _topic(value: str) -> str:
+    if not value:
+        raise InvalidMessageError("topic must not be empty")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(f"topic is not encodable as UTF-8: {exc.reason}") from None
+    if size > MAX_NAME_BYTES:
+        raise InvalidMessageError(
+            f"topic {value[:40]!r}... is {size} bytes; the limit is {MAX_NAME_BYTES}"
+        )
+    if value in (".", ".."):
+        raise InvalidMessageError(f"topic {value!r} is not allowed: it names a directory")
+    if not _TOPIC_RE.match(value):
+        raise InvalidMessageError(f"topic {value!r} has characters outside [A-Za-z0-9._-]")
     return value
 
 

@@ -5,10 +5,11 @@ broker may hold it beyond the client's timeout (a pull's wait)."""
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from equeue.client import args
-from equeue.errors import InvalidTypeError
+from equeue.errors import EQueueError, InvalidTypeError, QueueNotFoundError
 
 # the messages of a send as the caller gave them (a send's fields as a tuple: see
 # core.given), None for an op that stores nothing
@@ -20,6 +21,39 @@ class Call(NamedTuple):
     args: dict[str, Any]
     unanswered: Given
     wait: float = 0.0
+
+
+class Probe(Exception):
+    """An argument refused here, where the store would first have looked the topic or
+    queue up (and refused a missing one): the clients send ``call`` to ask the broker,
+    raise what it raises, and else ``error``. Only on this failure path."""
+
+    def __init__(
+        self,
+        error: EQueueError,
+        call: Call,
+        judge: Callable[[Any], EQueueError | None] | None = None,
+    ) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.call = call
+        # With a judge, the call only informs: its result may name an earlier error
+        # (the judge's), its failure is not reported.
+        self.judge = judge
+
+
+def _queue_of(name: str, queue_id: object) -> int:
+    """A queue id, checked after the topic's lookup as the store does."""
+    try:
+        return args.queue_id(queue_id, name)
+    except EQueueError as exc:
+        raise Probe(exc, Call("queue_ids", {"topic": name}, None)) from None
+
+
+def _probed(error: EQueueError, name: str, queue_id: int | None) -> Probe:
+    if queue_id is None:
+        return Probe(error, Call("queue_ids", {"topic": name}, None))
+    return Probe(error, Call("queue_range", {"topic": name, "queue_id": queue_id}, None))
 
 
 _DEFAULTS = ("", None, None, 0, None)  # a send's tag, key, properties, code, queue_id
@@ -44,8 +78,27 @@ def send(
 def send_batch(topic: str, messages: object) -> Call:
     name = args.topic(topic)
     items = args.batch_items(messages)
-    wire = [args.outgoing(item, name) for item in items]
+    wire: list[dict[str, Any]] = []
+    for item in items:
+        try:
+            wire.append(args.outgoing(item, name))
+        except EQueueError as exc:
+            if not any("queue_id" in fields for fields in wire):
+                raise
+            # The store checks each message in turn against the topic's queue count: an
+            # earlier message's queue id out of range is the error it reports.
+            raise Probe(exc, queue_ids(name), lambda ids: _first_out_of(wire, ids, name)) from None
     return Call("send_batch", {"topic": name, "messages": wire}, items)
+
+
+def _first_out_of(wire: list[dict[str, Any]], ids: list[int], name: str) -> EQueueError | None:
+    for fields in wire:
+        if fields.get("queue_id", 0) >= len(ids):
+            return QueueNotFoundError(
+                f"queue_id {fields['queue_id']} is out of range for topic {name!r} with "
+                f"{len(ids)} queues (0..{len(ids) - 1}); create_topic() can raise the queue count"
+            )
+    return None
 
 
 def pull(
@@ -53,19 +106,19 @@ def pull(
     max_bytes: int | None,
 ) -> Call:  # fmt: skip
     name = args.topic(topic)
-    wire: dict[str, Any] = {
-        "topic": name,
-        "queue_id": args.queue_id(queue_id, name),
-        "offset": args.offset(offset),
-        "max_count": args.positive("max_count", max_count),
-    }
-    if max_bytes is not None:
-        wire["max_bytes"] = args.positive("max_bytes", max_bytes)
-    milliseconds = args.wait_ms(wait)
+    wire: dict[str, Any] = {"topic": name, "queue_id": _queue_of(name, queue_id)}
+    try:
+        wire["offset"] = args.offset(offset)
+        wire["max_count"] = args.positive("max_count", max_count)
+        if max_bytes is not None:
+            wire["max_bytes"] = args.positive("max_bytes", max_bytes)
+        milliseconds = args.wait_ms(wait)
+        if tags is not None:
+            wire["tags"] = args.tags(tags)
+    except EQueueError as exc:
+        raise _probed(exc, name, wire["queue_id"]) from None
     if milliseconds:
         wire["wait_ms"] = milliseconds
-    if tags is not None:
-        wire["tags"] = args.tags(tags)
     return Call("pull", wire, None, milliseconds / 1000)
 
 
@@ -75,31 +128,35 @@ def get(message_id: str) -> Call:
 
 def query_by_key(topic: str, key: str, limit: int) -> Call:
     name = args.topic(topic)
-    return Call(
-        "query_by_key",
-        {"topic": name, "key": args.name("key", key), "limit": args.limit(limit)},
-        None,
-    )
+    try:
+        wire = {"topic": name, "key": args.name("key", key), "limit": args.limit(limit)}
+    except EQueueError as exc:
+        raise _probed(exc, name, None) from None
+    return Call("query_by_key", wire, None)
 
 
 def offset_for_time(topic: str, queue_id: int, timestamp: float | dt.datetime) -> Call:
     name = args.topic(topic)
-    wire = {
-        "topic": name,
-        "queue_id": args.queue_id(queue_id, name),
-        "timestamp": args.timestamp(timestamp),
-    }
-    return Call("offset_for_time", wire, None)
+    number = _queue_of(name, queue_id)
+    try:
+        when = args.timestamp(timestamp)
+    except EQueueError as exc:
+        raise _probed(exc, name, number) from None
+    return Call("offset_for_time", {"topic": name, "queue_id": number, "timestamp": when}, None)
 
 
 def commit_offset(group: str, topic: str, queue_id: int, offset: int) -> Call:
     name = args.topic(topic)
-    wire = {
-        "topic": name,
-        "queue_id": args.queue_id(queue_id, name),
-        "group": args.group(group),
-        "offset": args.offset(offset),
-    }
+    number = _queue_of(name, queue_id)
+    try:
+        wire = {
+            "topic": name,
+            "queue_id": number,
+            "group": args.group(group),
+            "offset": args.offset(offset),
+        }
+    except EQueueError as exc:
+        raise _probed(exc, name, number) from None
     return Call("commit_offset", wire, None)
 
 
@@ -132,7 +189,7 @@ def queue_ids(topic: str) -> Call:
 
 def queue_range(topic: str, queue_id: int) -> Call:
     name = args.topic(topic)
-    return Call("queue_range", {"topic": name, "queue_id": args.queue_id(queue_id, name)}, None)
+    return Call("queue_range", {"topic": name, "queue_id": _queue_of(name, queue_id)}, None)
 
 
 def stats() -> Call:

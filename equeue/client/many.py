@@ -24,7 +24,7 @@ from equeue.errors import ConnectionLostError, EQueueError, InvalidMessageError
 from equeue.store.types import SendResult
 
 if TYPE_CHECKING:
-    from equeue.client.sync import Client, _Slot
+    from equeue.client.sync import Client, _Connection, _Slot
 
 
 def send_many(client: Client, topic: str, messages: object, window: int) -> list[SendResult]:
@@ -42,6 +42,7 @@ def send_many(client: Client, topic: str, messages: object, window: int) -> list
     in_flight: deque[tuple[int, _Slot]] = deque()
     lost: list[int] = []  # written, then the connection broke before their answer
     written = 0
+    conn: _Connection | None = None
     failure: EQueueError | None = None
     while written < len(batch) or in_flight:
         if failure is None and written < len(batch):
@@ -50,7 +51,9 @@ def send_many(client: Client, topic: str, messages: object, window: int) -> list
             count = min(room - len(in_flight), len(batch) - written)
             if count > 0:
                 try:
-                    conn, slots = client._submit(batch[written : written + count])
+                    conn, slots = client._submit(
+                        batch[written : written + count], conn if in_flight else None
+                    )  # (a connection that broke under sends in flight is not replaced)
                 except ConnectionLostError as exc:  # nothing of this part was written
                     failure = exc
                     lost.extend(i for i, _ in in_flight)  # (that connection is gone)
@@ -58,6 +61,7 @@ def send_many(client: Client, topic: str, messages: object, window: int) -> list
                 in_flight.extend(zip(range(written, written + count), slots, strict=True))
                 written += count
         index, slot = in_flight.popleft()
+        assert conn is not None  # (set by the write that put the slot in flight)
         try:
             results[index] = decode(client._wait(conn, slot), client.url)
         except ConnectionLostError as exc:

@@ -19,7 +19,8 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -119,8 +120,24 @@ class Client:
         self._closed = False
         self._next_id = 1
         self._conn: _Connection | None = None
+        _CLIENTS.add(self)
         with self._write_lock:
             self._connection()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's connection is the parent's (its answers go to
+        whichever process reads first), so the child drops its copy of the descriptor
+        (not shutdown: that would end the parent's connection too) and connects anew.
+        The locks are new: another thread may have held them at the fork."""
+        self._write_lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._reading = False
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.broken = True
+            conn.pending.clear()
+            with contextlib.suppress(OSError):
+                conn.sock.close()
 
     # --- the connection ----------------------------------------------------------
 
@@ -238,9 +255,14 @@ class Client:
 
     # --- requests ----------------------------------------------------------------
 
-    def _submit(self, batch: list[Call]) -> tuple[_Connection, list[_Slot]]:
-        """Write ``batch``'s requests in one go; their slots, in order."""
+    def _submit(
+        self, batch: list[Call], on: _Connection | None = None
+    ) -> tuple[_Connection, list[_Slot]]:
+        """Write ``batch``'s requests in one go; their slots, in order. ``on``: only on
+        that connection (ConnectionLostError, nothing written, if it broke)."""
         with self._write_lock:
+            if on is not None and (on.broken or self._conn is not on):
+                raise lost(f"the connection to {self.url} broke", [])
             conn = self._connection()
             first = self._next_id
             frames = [conn.encoder.frame(first + i, c.op, c.args) for i, c in enumerate(batch)]
@@ -321,6 +343,21 @@ class Client:
         conn, (slot,) = self._submit([call])
         return DECODERS[call.op](self._wait(conn, slot), self.url)
 
+    def _made(self, make: Callable[..., Call], *arguments: Any) -> Call:
+        """``make(*arguments)``; an argument it refuses is reported after the broker
+        reports the topic or queue missing, if it is (calls.Probe: the store's order)."""
+        try:
+            return make(*arguments)
+        except calls.Probe as probe:
+            try:
+                found = self._call(probe.call)
+            except EQueueError:
+                if probe.judge is None:
+                    raise  # the store's earlier error: the topic or queue is missing
+                raise probe.error from None
+            earlier = probe.judge(found) if probe.judge is not None else None
+            raise (earlier or probe.error) from None
+
     def request(self, op: str, arguments: dict[str, Any]) -> Any:
         """One request as the protocol has it (docs/protocol.md): its result as msgpack
         decodes it, or its error raised. The arguments are held to the op table first:
@@ -355,7 +392,7 @@ class Client:
         self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
     ) -> list[SendResult]:
         """One request: the broker stores all or none (as MessageStore.send_batch)."""
-        results: list[SendResult] = self._call(calls.send_batch(topic, messages))
+        results: list[SendResult] = self._call(self._made(calls.send_batch, topic, messages))
         return results
 
     def send_many(
@@ -384,7 +421,7 @@ class Client:
         max_bytes: int | None = None,
     ) -> PullResult:
         result: PullResult = self._call(
-            calls.pull(topic, queue_id, offset, max_count, tags, wait, max_bytes)
+            self._made(calls.pull, topic, queue_id, offset, max_count, tags, wait, max_bytes)
         )
         return result
 
@@ -393,15 +430,15 @@ class Client:
         return result
 
     def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
-        result: list[Message] = self._call(calls.query_by_key(topic, key, limit))
+        result: list[Message] = self._call(self._made(calls.query_by_key, topic, key, limit))
         return result
 
     def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
-        result: int = self._call(calls.offset_for_time(topic, queue_id, timestamp))
+        result: int = self._call(self._made(calls.offset_for_time, topic, queue_id, timestamp))
         return result
 
     def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
-        self._call(calls.commit_offset(group, topic, queue_id, offset))
+        self._call(self._made(calls.commit_offset, group, topic, queue_id, offset))
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
         call = calls.committed_offset(group, topic, queue_id)
@@ -422,7 +459,7 @@ class Client:
         return result
 
     def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
-        result: tuple[int, int] = self._call(calls.queue_range(topic, queue_id))
+        result: tuple[int, int] = self._call(self._made(calls.queue_range, topic, queue_id))
         return result
 
     def stats(self) -> dict[str, Any]:
@@ -460,6 +497,17 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("connected" if self._conn else "disconnected")
         return f"<equeue.Client {self.url} {state}>"
+
+
+_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    for client in list(_CLIENTS):
+        client._after_fork()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def connect(url: str | os.PathLike[str], *, token: str | None = None, **options: Any) -> Client:

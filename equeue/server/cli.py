@@ -37,7 +37,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
     parser.add_argument(
         "--status", action="store_true",
-        help="print the stats of the broker serving STORE (or at --listen) and exit",
+        help="print the stats of the broker serving STORE (or at the first --listen; "
+        "--token-file, and --tls-cert as the certificate to trust) and exit",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="log warnings and errors only")
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     from equeue.server.status import fetch_stats, render_stats
 
-    stats: dict[str, Any] = fetch_stats(args.store, args.listen, args.token_file)
+    stats: dict[str, Any] = fetch_stats(args.store, args.listen, args.token_file, args.tls_cert)
     if args.json:
         print(json.dumps(stats, indent=2))
     else:

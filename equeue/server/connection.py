@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from equeue.errors import (
     AuthenticationError,
@@ -48,6 +48,7 @@ log = logging.getLogger("equeue.server")
 class Connection(asyncio.Protocol):
     def __init__(self, broker: Broker, listener: str, number: int) -> None:
         self.broker = broker
+        self.number = number
         self.where = f"connection #{number} on {listener}"
         self.transport: asyncio.Transport | None = None
         self.client = ""
@@ -61,12 +62,13 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._backlog: list[bytes] = []  # frames read but not yet served (backpressure)
         self._out_bytes = 0
+        self._ended = False  # the client half-closed: close once every answer is out
 
     # --- asyncio callbacks ----------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods
+        self.transport = transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         if peer:
             self.where += (
@@ -110,7 +112,9 @@ class Connection(asyncio.Protocol):
                 self._batching = False
                 self._write_out()
                 self.broker.after_batch()
-        if not self._paused and not self._backlog and not self.broker.draining:
+        if self._ended and not self.in_flight and not self._backlog:
+            self.close()
+        elif not self._paused and not self._backlog and not self.broker.draining:
             assert self.transport is not None
             self.transport.resume_reading()
 
@@ -175,7 +179,13 @@ class Connection(asyncio.Protocol):
                     f"{self.where}: the connection ended inside a frame ({pending} bytes of it)"
                 )
             )
-        return None  # close the transport
+            return None
+        if self.closed or (not self.in_flight and not self._backlog):
+            return None  # close the transport
+        # The client half-closed and waits for its answers (sends awaiting an fdatasync,
+        # held pulls): the connection closes once the last is written.
+        self._ended = True
+        return True
 
     # --- frames ---------------------------------------------------------------
 
@@ -216,13 +226,21 @@ class Connection(asyncio.Protocol):
                 self._fatal(AuthenticationError(f"{self.where}: the client gave {what}"))
                 return None
         self.client = hello.client
+        if hello.client:  # logs name the client from here on
+            self.where += f" (client {hello.client!r})"
         self._queue(encode(Welcome(version, self.broker.server_name, self.broker.limits).pack()))
         return rest
 
     def _request(self, body: bytes) -> None:
         where = self.where
         request_id, op, args = check_request(decode_body(body, where), where)
-        check_args(op, args, where)
+        if not (  # the commonest request, a plain send, needs no look at the op table
+            op == "send"
+            and len(args) == 2
+            and type(args.get("topic")) is str
+            and type(args.get("body")) is bytes
+        ):
+            check_args(op, args, where)
         broker = self.broker
         broker.counters.requests += 1
         if self.in_flight >= broker.config.max_in_flight:
@@ -260,12 +278,27 @@ class Connection(asyncio.Protocol):
             self._answer_error(request_id, outcome)
         else:
             self._answer(request_id, STATUS_OK, outcome)
+        if self._ended and not self.in_flight and not self._backlog:
+            self.close()
 
     def _answer_error(self, request_id: int, exc: BaseException) -> None:
         self.broker.counters.errors += 1
         self._answer(request_id, STATUS_ERROR, pack_error(exc))
 
     def _answer(self, request_id: int, status: int, payload: Any) -> None:
+        packer = self.broker.packer
+        try:
+            body = packer.pack([request_id, status, payload])
+            frame = FRAME_HEADER.pack(len(body)) + body
+        except Exception:
+            packer.reset()  # what a failed pack left in it
+            frame = b""
+        if not frame:
+            self._answer_encoded(request_id, status, payload)
+        else:
+            self._queue(frame)
+
+    def _answer_encoded(self, request_id: int, status: int, payload: Any) -> None:
         try:
             frame = encode([request_id, status, payload])
         except ProtocolError as exc:  # a result msgpack cannot carry: a defect

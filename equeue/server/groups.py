@@ -35,6 +35,7 @@ from equeue.errors import (
     GroupError,
     InvalidMessageError,
     InvalidTypeError,
+    LimitExceededError,
     TopicNotFoundError,
 )
 from equeue.server import retry
@@ -54,6 +55,7 @@ MAX_SESSION_TIMEOUT_MS: Final = 600_000
 HEARTBEATS_PER_SESSION: Final = 3
 MAX_TOPICS: Final = 64  # topics one group subscribes
 MAX_CONSUMER_BYTES: Final = 255
+MAX_MEMBERS: Final = 1024  # per group: each join rebalances over every member
 
 
 @dataclass
@@ -163,6 +165,11 @@ class GroupCoordinator:
                 "(use another group name for another subscription)"
             )
         self.retries.ensure(retry.retry_topic(group), 1)
+        if len(others) >= MAX_MEMBERS:
+            raise LimitExceededError(
+                f"group {group!r} has {len(others)} members, the most a group may have "
+                f"(MAX_MEMBERS); consumer {consumer!r} was not added"
+            )
         if state is None:
             state = self._groups[group] = _Group(group)
         self._drop(state, consumer)

@@ -20,12 +20,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from equeue.errors import ConfigError
 from equeue.protocol.frames import SUPPORTED_VERSIONS
 from equeue.server.config import Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
 from equeue.server.groupcommit import CrossClientCommit
-from equeue.server.handlers import Coordinator, Handlers, make_coordinator
+from equeue.server.groups import GroupCoordinator
+from equeue.server.handlers import Handlers
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters
 from equeue.store.config import StoreConfig
@@ -36,6 +39,7 @@ log = logging.getLogger("equeue.server")
 
 TICK_S = 0.1  # the group coordinator's tick, held pulls' poll
 SAMPLE_EVERY = 10  # ticks between rate samples
+MAX_LISTED = 100  # connections stats lists one by one
 StoreOrPath = MessageStore | str | os.PathLike[str]
 
 
@@ -116,7 +120,10 @@ class Broker:
         self._servers: list[asyncio.AbstractServer] = []
         self._sockets: list[tuple[str, int]] = []  # unix socket files we made: (path, inode)
         self._number = 0
-        self.coordinator: Coordinator | None = None
+        # One packer for every answer (the loop is single-threaded): half the cost of packb;
+        # its options are frames.encode's.
+        self.packer = msgpack.Packer(use_bin_type=True)
+        self.coordinator: GroupCoordinator | None = None  # made by start(), on the loop
 
     # --- start ------------------------------------------------------------------
 
@@ -127,9 +134,9 @@ class Broker:
         self.commit = (
             CrossClientCommit(loop, self.store.flush_log) if self.config.flush == "sync" else None
         )
-        self.coordinator = make_coordinator(self.store)
+        self.coordinator = coordinator = GroupCoordinator(self.store)
         self.handlers = Handlers(
-            self.store, self.holds, self.commit, self.coordinator, self.counters, self._stats
+            self.store, self.holds, self.commit, coordinator, self.counters, self._stats
         )
         try:
             for listener in self.listeners:
@@ -203,9 +210,10 @@ class Broker:
         )
 
     def _tick(self) -> None:
+        coordinator = self.coordinator
+        assert coordinator is not None
         try:
-            if self.coordinator is not None:
-                self.coordinator.tick()
+            coordinator.tick()
             if self.holds.count:
                 self.holds.poll()
             self._ticks += 1
@@ -227,6 +235,15 @@ class Broker:
             else 0.0,
             "listen": list(self.urls),
             "flush": self.config.flush,
+            "clients": [
+                {
+                    "where": c.where,
+                    "client": c.client,
+                    "in_flight": c.in_flight,
+                    "buffered_bytes": c.buffered,
+                }
+                for c in sorted(self.connections, key=lambda c: c.number)[:MAX_LISTED]
+            ],
         }
 
     # --- run and stop ---------------------------------------------------------------

@@ -57,21 +57,21 @@ class Counters:
 
 
 def group_lag(store: MessageStore) -> dict[str, Any]:
-    """Per consumer group and topic: each queue's committed offset, end and lag."""
+    """Per consumer group that committed offsets (through the broker or an embedded
+    consumer): its lag (messages past its committed offsets) in total and per queue
+    (``"topic/queue_id"``: committed, end, lag)."""
     groups: dict[str, Any] = {}
     for group, topics in store.consumer_groups().items():
-        by_topic: dict[str, Any] = {}
-        for topic, queues in topics.items():
-            total = 0
-            per_queue: dict[str, Any] = {}
+        total = 0
+        per_queue: dict[str, Any] = {}
+        for topic, queues in sorted(topics.items()):
             for queue_id, committed in sorted(queues.items()):
                 try:
-                    end = store.queue_range(topic, queue_id)[1]
+                    first, end = store.queue_range(topic, queue_id)
                 except Exception:  # a topic deleted since: no lag to speak of
                     continue
-                lag = max(end - committed, 0)
+                lag = max(end - max(committed, first), 0)
                 total += lag
-                per_queue[str(queue_id)] = {"committed": committed, "end": end, "lag": lag}
-            by_topic[topic] = {"lag": total, "queues": per_queue}
-        groups[group] = {"topics": by_topic}
+                per_queue[f"{topic}/{queue_id}"] = {"committed": committed, "end": end, "lag": lag}
+        groups[group] = {"lag": total, "queues": per_queue}
     return groups

@@ -1,0 +1,344 @@
+"""A member of a consumer group through the broker, blocking: ``GroupConsumer(client,
+group, topics)`` (the asyncio twin is equeue/client/consumer_aio.py; docs/groups.md).
+
+The broker divides the queues of the group's topics (and of its retry topic) among the
+members; this loop pulls only the queues the broker assigned it, each pull carrying the
+group and consumer id so the broker refuses a queue it does not hold. Messages come
+in offset order per queue; ``for message in consumer`` blocks until one arrives
+(``timeout``: the iteration ends once none came for that long).
+
+Threads: a heartbeat thread keeps the session (every session_timeout / 3) on the same
+client (the blocking client is thread-safe), also while the caller's code runs; the
+assigned queues are long-polled at once, one pull each in flight, from a small pool of
+threads, so a message in any of them wakes the loop (no busy wait).
+
+At least once: processed offsets are committed (``auto_commit``) when no message came
+for 0.1 s, when every message fetched was handed out and ``auto_commit_interval``
+passed since the last commit, before a queue is given up, and by ``close()``. A member
+that dies without committing leaves its queues at their last commit: the new holder
+gets again what it processed since (at most ``auto_commit_interval`` seconds of work,
+plus the message in hand). ``nack(message, delay=)`` (or an exception from the handler
+of ``run``) sends the message to the group's retry topic for later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, Protocol
+
+from equeue.client.groupstate import (
+    DEFAULT_AUTO_COMMIT_INTERVAL,
+    DEFAULT_SESSION_TIMEOUT,
+    POLL_WAIT_MS,
+    GroupState,
+    Queue,
+)
+from equeue.errors import (
+    ClosedError,
+    ConnectionLostError,
+    EQueueError,
+    GroupError,
+    InvalidMessageError,
+)
+from equeue.store.types import Message
+
+log = logging.getLogger("equeue.client.consumer")
+
+MAX_POLLERS = 64  # pulls in flight at once: queues past it are pulled without a wait
+IDLE_COMMIT_SECONDS = 0.1  # no message for this long: the processed offsets are committed
+
+
+class Requester(Protocol):
+    url: str
+
+    def request(self, op: str, arguments: dict[str, Any]) -> Any: ...
+
+
+class GroupConsumer:
+    """One member of ``group`` consuming ``topics`` through ``client``."""
+
+    def __init__(
+        self,
+        client: Requester,
+        group: str,
+        topics: str | Iterable[str],
+        *,
+        tags: str | Iterable[str] | None = None,
+        batch_size: int = 32,
+        auto_commit: bool = True,
+        auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
+        session_timeout: float = DEFAULT_SESSION_TIMEOUT,
+        max_retries: int | None = None,
+        timeout: float | None = None,
+        consumer_id: str | None = None,
+    ) -> None:
+        self.client = client
+        self.state = GroupState(
+            client.url, group, topics, tags=tags, batch_size=batch_size,
+            auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
+            session_timeout=session_timeout, max_retries=max_retries, consumer_id=consumer_id,
+        )  # fmt: skip
+        self.timeout = timeout
+        self._inflight: dict[Queue, tuple[Future[Any], int, int]] = {}
+        self._pool = ThreadPoolExecutor(MAX_POLLERS, thread_name_prefix="equeue-pull")
+        self._event = threading.Event()  # a pull answered, or the assignment changed
+        self._stop = threading.Event()
+        self._beat_now = threading.Event()
+        self._last_commit = time.monotonic()
+        self._join()  # errors (unknown topic, bad arguments) here, not at the first message
+        self._maintain()
+        self._heartbeat = threading.Thread(
+            target=self._beat, name=f"equeue-heartbeat {self.state.consumer}", daemon=True
+        )
+        self._heartbeat.start()
+
+    @property
+    def consumer_id(self) -> str:
+        return self.state.consumer
+
+    def assignment(self) -> list[Queue]:
+        """The queues this member pulls now."""
+        return sorted(self.state.positions)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Message]:
+        return self
+
+    def __next__(self) -> Message:
+        message = self.poll(self.timeout)
+        if message is None:
+            raise StopIteration
+        return message
+
+    def poll(self, timeout: float | None = 0.0) -> Message | None:
+        """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
+        state = self.state
+        self._check_open()
+        state.done_with_pending()
+        if not state.buffer:
+            if state.auto_commit and time.monotonic() - self._last_commit >= (
+                state.auto_commit_interval
+            ):
+                self._commit_quietly(None)
+            if not self._fetch(timeout):
+                return None
+        return state.next_message()
+
+    def run(
+        self,
+        handler: Callable[[Message], object],
+        *,
+        max_messages: int | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Call ``handler`` on each message; one that raises is nacked (retried after
+        the backoff of its attempt, at last dead-lettered). Ends after ``max_messages``,
+        or once none came for ``timeout`` seconds; returns how many were handled."""
+        handled = 0
+        while max_messages is None or handled < max_messages:
+            message = self.poll(timeout)
+            if message is None:
+                break
+            try:
+                handler(message)
+            except Exception as exc:
+                log.warning("handler failed on %s: %r; nacked", message.message_id, exc)
+                self.nack(message)
+            handled += 1
+        return handled
+
+    def nack(self, message: Message, delay: float | None = None) -> None:
+        """Send ``message`` to the group's retry topic, back after ``delay`` seconds
+        (rounded up to a delay level; None: the level of its attempt; 0: at once); it
+        counts as processed. After max_retries it goes to the dead-letter topic."""
+        self._check_open()
+        args: dict[str, Any] = {**self.state.member_args(), "message_id": message.message_id}
+        if delay is not None:
+            args["delay_ms"] = _delay_ms(delay)
+        try:
+            self.client.request("nack", args)
+        except GroupError as exc:  # not a member any more: it comes again uncommitted
+            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
+            self.state.lost = True
+
+    def commit(self) -> None:
+        """Commit every message handed out so far (it counts as processed)."""
+        self._check_open()
+        self.state.done_with_pending()
+        self._commit(None)
+
+    def close(self) -> None:
+        """Commit what was handed out (with auto_commit), leave the group, stop."""
+        self._close(processed=True)
+
+    def _close(self, *, processed: bool) -> None:
+        state = self.state
+        if state.closed:
+            return
+        state.closed = True
+        self._stop.set()
+        self._beat_now.set()
+        try:
+            if processed:
+                state.done_with_pending()
+            if not state.lost:
+                if state.auto_commit:
+                    self._commit_quietly(None)
+                self.client.request("leave", state.member_args())
+        except EQueueError as exc:  # the broker will expire it: nothing is lost
+            log.warning("consumer %s could not leave cleanly: %s", state.consumer, exc)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._heartbeat.join(timeout=5.0)
+
+    def __enter__(self) -> GroupConsumer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._close(processed=exc_type is None)
+
+    def __repr__(self) -> str:
+        s = self.state
+        return f"<GroupConsumer {s.consumer} group={s.group!r} {len(s.positions)} queues>"
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        state = self.state
+        if state.closed:
+            raise ClosedError(f"the consumer {state.consumer} of {state.group!r} is closed")
+
+    def _join(self) -> None:
+        state = self.state
+        state.reset()
+        state.take(self.client.request("join", state.join_args()))
+        state.lost = False
+
+    def _fetch(self, timeout: float | None) -> bool:
+        """Fill the buffer; False once ``timeout`` passed without a message."""
+        state = self.state
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            self._event.clear()
+            try:
+                self._maintain()
+                self._harvest()
+                if state.buffer:
+                    return True
+                if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
+                    self._commit(None)  # nothing came for a while: commit what is done
+                self._start_pulls()
+            except (GroupError, ConnectionLostError) as exc:
+                log.warning("consumer %s: %s; joining again", state.consumer, exc)
+                state.lost = True
+                self._stop.wait(0.05)
+                continue  # _maintain joins; its errors reach the caller
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            self._event.wait(POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0))
+
+    def _maintain(self) -> None:
+        """Join again if the membership was lost; apply the latest assignment."""
+        state = self.state
+        if state.lost:
+            self._join()
+        plan = state.plan()
+        if plan is None:
+            return
+        generation, revoked, added = plan
+        if revoked:
+            if state.auto_commit:
+                self._commit(revoked)
+            state.drop(revoked)
+        for key in added:
+            topic, queue_id = key
+            committed = self.client.request(
+                "committed_offset", {"group": state.group, "topic": topic, "queue_id": queue_id}
+            )
+            first, following = self.client.request(
+                "queue_range", {"topic": topic, "queue_id": queue_id}
+            )
+            state.add(key, committed, first, following)
+        state.applied = generation
+        self._beat_now.set()  # release the dropped queues now, not a heartbeat later
+
+    def _harvest(self) -> None:
+        state = self.state
+        for key, (future, at, epoch) in list(self._inflight.items()):
+            if not future.done():
+                continue
+            del self._inflight[key]
+            error = future.exception()
+            if epoch != state.epoch:
+                continue  # sent before the membership was lost: not ours to judge
+            if error is None:
+                state.pulled(key, at, future.result())
+            elif key in state.positions:
+                raise error
+
+    def _start_pulls(self) -> None:
+        state = self.state
+        wanted = [k for k in state.positions if k not in self._inflight and state.wants_pull(k)]
+        wait_ms = POLL_WAIT_MS if len(state.positions) <= MAX_POLLERS else 0
+        for key in wanted:
+            args = state.pull_args(key, wait_ms)
+            future = self._pool.submit(self.client.request, "pull", args)
+            future.add_done_callback(lambda _: self._event.set())
+            self._inflight[key] = (future, args["offset"], state.epoch)
+
+    def _commit(self, queues: list[Queue] | None) -> None:
+        state = self.state
+        for (topic, queue_id), offset in state.to_commit(queues).items():
+            self.client.request(
+                "commit_offset",
+                {**state.member_args(), "topic": topic, "queue_id": queue_id, "offset": offset},
+            )
+            state.committed[(topic, queue_id)] = offset
+        self._last_commit = time.monotonic()
+
+    def _commit_quietly(self, queues: list[Queue] | None) -> None:
+        try:
+            self._commit(queues)
+        except (GroupError, ConnectionLostError) as exc:
+            log.warning("consumer %s: commit refused (%s)", self.state.consumer, exc)
+            self.state.lost = True
+
+    def _beat(self) -> None:
+        state = self.state
+        while not self._stop.is_set():
+            self._beat_now.wait(state.interval())
+            self._beat_now.clear()
+            if self._stop.is_set():
+                return
+            if state.lost:
+                continue
+            try:
+                answer = self.client.request("heartbeat", state.heartbeat_args())
+            except GroupError as exc:
+                log.warning("consumer %s: %s", state.consumer, exc)
+                state.lost = True
+                self._event.set()
+            except EQueueError as exc:  # the connection: the client reconnects next time
+                log.info("consumer %s: heartbeat failed: %s", state.consumer, exc)
+            else:
+                if state.take(answer):
+                    self._event.set()
+
+
+def _delay_ms(delay: float) -> int:
+    if not isinstance(delay, int | float) or isinstance(delay, bool) or not 0 <= delay < 1e9:
+        raise InvalidMessageError(f"delay must be seconds >= 0, got {delay!r}")
+    return int(delay * 1000)

@@ -1,0 +1,334 @@
+"""A member of a consumer group through the broker, asyncio: ``async with
+AsyncGroupConsumer(client, group, topics) as consumer: async for message in consumer``.
+
+The blocking loop's twin (equeue/client/consumer.py says what it does; the state is
+equeue/client/groupstate.py): heartbeats are a task, so they go on while the caller's
+code awaits; each assigned queue has one long-poll pull in flight, a task, and the
+first answer wakes the loop. A handler of ``run`` may be a function or a coroutine
+function; one that raises nacks its message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import Any, Protocol
+
+from equeue.client.consumer import IDLE_COMMIT_SECONDS, MAX_POLLERS, _delay_ms
+from equeue.client.groupstate import (
+    DEFAULT_AUTO_COMMIT_INTERVAL,
+    DEFAULT_SESSION_TIMEOUT,
+    POLL_WAIT_MS,
+    GroupState,
+    Queue,
+)
+from equeue.errors import ClosedError, ConnectionLostError, EQueueError, GroupError
+from equeue.store.types import Message
+
+log = logging.getLogger("equeue.client.consumer")
+
+
+class AsyncRequester(Protocol):
+    url: str
+
+    async def request(self, op: str, arguments: dict[str, Any]) -> Any: ...
+
+
+class AsyncGroupConsumer:
+    """One member of ``group`` consuming ``topics`` through an asyncio ``client``; it
+    joins on ``start()`` (or entering ``async with``, or the first message)."""
+
+    def __init__(
+        self,
+        client: AsyncRequester,
+        group: str,
+        topics: str | Iterable[str],
+        *,
+        tags: str | Iterable[str] | None = None,
+        batch_size: int = 32,
+        auto_commit: bool = True,
+        auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
+        session_timeout: float = DEFAULT_SESSION_TIMEOUT,
+        max_retries: int | None = None,
+        timeout: float | None = None,
+        consumer_id: str | None = None,
+    ) -> None:
+        self.client = client
+        self.state = GroupState(
+            client.url, group, topics, tags=tags, batch_size=batch_size,
+            auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
+            session_timeout=session_timeout, max_retries=max_retries, consumer_id=consumer_id,
+        )  # fmt: skip
+        self.timeout = timeout
+        self._inflight: dict[Queue, tuple[asyncio.Task[Any], int, int]] = {}
+        self._event: asyncio.Event | None = None
+        self._beat_now: asyncio.Event | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._last_commit = time.monotonic()
+
+    @property
+    def consumer_id(self) -> str:
+        return self.state.consumer
+
+    def assignment(self) -> list[Queue]:
+        return sorted(self.state.positions)
+
+    async def start(self) -> AsyncGroupConsumer:
+        """Join the group and take the first assignment (errors such as an unknown topic
+        are raised here)."""
+        if self._heartbeat is None:
+            self._check_open()
+            self._event = asyncio.Event()
+            self._beat_now = asyncio.Event()
+            await self._join()
+            await self._maintain()
+            self._heartbeat = asyncio.create_task(self._beat())
+        return self
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self
+
+    async def __anext__(self) -> Message:
+        message = await self.poll(self.timeout)
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    async def poll(self, timeout: float | None = 0.0) -> Message | None:
+        """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
+        await self.start()
+        state = self.state
+        state.done_with_pending()
+        if not state.buffer:
+            if state.auto_commit and time.monotonic() - self._last_commit >= (
+                state.auto_commit_interval
+            ):
+                await self._commit_quietly()
+            if not await self._fetch(timeout):
+                return None
+        return state.next_message()
+
+    async def run(
+        self,
+        handler: Callable[[Message], object | Awaitable[object]],
+        *,
+        max_messages: int | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Call (and await) ``handler`` on each message; one that raises is nacked."""
+        handled = 0
+        while max_messages is None or handled < max_messages:
+            message = await self.poll(timeout)
+            if message is None:
+                break
+            try:
+                result = handler(message)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as exc:
+                log.warning("handler failed on %s: %r; nacked", message.message_id, exc)
+                await self.nack(message)
+            handled += 1
+        return handled
+
+    async def nack(self, message: Message, delay: float | None = None) -> None:
+        """As GroupConsumer.nack: to the retry topic, back after ``delay`` seconds."""
+        self._check_open()
+        args: dict[str, Any] = {**self.state.member_args(), "message_id": message.message_id}
+        if delay is not None:
+            args["delay_ms"] = _delay_ms(delay)
+        try:
+            await self.client.request("nack", args)
+        except GroupError as exc:
+            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
+            self.state.lost = True
+
+    async def commit(self) -> None:
+        self._check_open()
+        self.state.done_with_pending()
+        await self._commit(None)
+
+    async def close(self) -> None:
+        """Commit what was handed out (with auto_commit), leave the group, stop."""
+        await self._close(processed=True)
+
+    async def _close(self, *, processed: bool) -> None:
+        state = self.state
+        if state.closed:
+            return
+        state.closed = True
+        tasks = [entry[0] for entry in self._inflight.values()]
+        if self._heartbeat is not None:
+            tasks.append(self._heartbeat)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        self._inflight.clear()
+        if self._heartbeat is None:
+            return  # never joined
+        try:
+            if processed:
+                state.done_with_pending()
+            if not state.lost:
+                if state.auto_commit:
+                    await self._commit(None)
+                await self.client.request("leave", state.member_args())
+        except EQueueError as exc:
+            log.warning("consumer %s could not leave cleanly: %s", state.consumer, exc)
+
+    async def __aenter__(self) -> AsyncGroupConsumer:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close(processed=exc_type is None)
+
+    def __repr__(self) -> str:
+        s = self.state
+        return f"<AsyncGroupConsumer {s.consumer} group={s.group!r} {len(s.positions)} queues>"
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        state = self.state
+        if state.closed:
+            raise ClosedError(f"the consumer {state.consumer} of {state.group!r} is closed")
+
+    async def _join(self) -> None:
+        state = self.state
+        state.reset()
+        state.take(await self.client.request("join", state.join_args()))
+        state.lost = False
+
+    async def _fetch(self, timeout: float | None) -> bool:
+        state = self.state
+        assert self._event is not None
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            self._event.clear()
+            try:
+                await self._maintain()
+                self._harvest()
+                if state.buffer:
+                    return True
+                if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
+                    await self._commit(None)
+                self._start_pulls()
+            except (GroupError, ConnectionLostError) as exc:
+                log.warning("consumer %s: %s; joining again", state.consumer, exc)
+                state.lost = True
+                await asyncio.sleep(0.05)
+                continue
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            wait = POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), wait)
+
+    async def _maintain(self) -> None:
+        state = self.state
+        if state.lost:
+            await self._join()
+        plan = state.plan()
+        if plan is None:
+            return
+        generation, revoked, added = plan
+        if revoked:
+            if state.auto_commit:
+                await self._commit(revoked)
+            state.drop(revoked)
+        for key in added:
+            topic, queue_id = key
+            committed = await self.client.request(
+                "committed_offset", {"group": state.group, "topic": topic, "queue_id": queue_id}
+            )
+            first, following = await self.client.request(
+                "queue_range", {"topic": topic, "queue_id": queue_id}
+            )
+            state.add(key, committed, first, following)
+        state.applied = generation
+        if self._beat_now is not None:
+            self._beat_now.set()
+
+    def _harvest(self) -> None:
+        state = self.state
+        for key, (task, at, epoch) in list(self._inflight.items()):
+            if not task.done():
+                continue
+            del self._inflight[key]
+            if task.cancelled():
+                continue
+            error = task.exception()
+            if epoch != state.epoch:
+                continue  # sent before the membership was lost: not ours to judge
+            if error is None:
+                state.pulled(key, at, task.result())
+            elif key in state.positions:
+                raise error
+
+    def _start_pulls(self) -> None:
+        state = self.state
+        event = self._event
+        assert event is not None
+        wait_ms = POLL_WAIT_MS if len(state.positions) <= MAX_POLLERS else 0
+        for key in [k for k in state.positions if k not in self._inflight]:
+            if not state.wants_pull(key):
+                continue
+            args = state.pull_args(key, wait_ms)
+            task = asyncio.create_task(self.client.request("pull", args))
+            task.add_done_callback(lambda _: event.set())
+            self._inflight[key] = (task, args["offset"], state.epoch)
+
+    async def _commit(self, queues: list[Queue] | None) -> None:
+        state = self.state
+        for (topic, queue_id), offset in state.to_commit(queues).items():
+            await self.client.request(
+                "commit_offset",
+                {**state.member_args(), "topic": topic, "queue_id": queue_id, "offset": offset},
+            )
+            state.committed[(topic, queue_id)] = offset
+        self._last_commit = time.monotonic()
+
+    async def _commit_quietly(self) -> None:
+        try:
+            await self._commit(None)
+        except (GroupError, ConnectionLostError) as exc:
+            log.warning("consumer %s: commit refused (%s)", self.state.consumer, exc)
+            self.state.lost = True
+
+    async def _beat(self) -> None:
+        state = self.state
+        beat_now, event = self._beat_now, self._event
+        assert beat_now is not None and event is not None
+        while not state.closed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(beat_now.wait(), state.interval())
+            beat_now.clear()
+            if state.closed or state.lost:
+                continue
+            try:
+                answer = await self.client.request("heartbeat", state.heartbeat_args())
+            except GroupError as exc:
+                log.warning("consumer %s: %s", state.consumer, exc)
+                state.lost = True
+                event.set()
+            except EQueueError as exc:
+                log.info("consumer %s: heartbeat failed: %s", state.consumer, exc)
+            else:
+                if state.take(answer):
+                    event.set()

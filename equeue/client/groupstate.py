@@ -1,0 +1,251 @@
+"""What a member of a consumer group knows, without I/O: shared by the blocking loop
+(equeue/client/consumer.py) and the asyncio one (equeue/client/consumer_aio.py).
+
+Per queue it holds: where its next pull starts (``positions``), how far the messages
+handed out and processed go (``processed``), and what it last committed. A message
+handed out is processed once the caller comes back for the next one (or commits, or
+closes). An assignment (the broker's answer to join and heartbeat) is applied between
+messages: the queues it no longer lists are committed (with auto_commit) and dropped,
+the new ones start at the group's committed offset (the queue's first retained offset
+where the group committed none), and the generation applied is reported by the next
+heartbeat, which lets the broker hand the dropped queues on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import socket
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, Final
+
+from equeue.errors import InvalidMessageError, InvalidTypeError, ProtocolError
+from equeue.protocol.records import unpack_pull_result
+from equeue.protocol.retries import restore
+from equeue.store.types import Message
+
+Queue = tuple[str, int]
+DEFAULT_SESSION_TIMEOUT: Final = 10.0
+DEFAULT_AUTO_COMMIT_INTERVAL: Final = 1.0
+# A long-poll pull is held this long at most: then the loop looks at its assignment.
+POLL_WAIT_MS: Final = 1000
+
+
+class GroupState:
+    def __init__(
+        self,
+        where: str,
+        group: str,
+        topics: str | Iterable[str],
+        *,
+        tags: str | Iterable[str] | None,
+        batch_size: int,
+        auto_commit: bool,
+        auto_commit_interval: float,
+        session_timeout: float,
+        max_retries: int | None,
+        consumer_id: str | None,
+    ) -> None:
+        self.where = where
+        if not isinstance(group, str) or not group:
+            raise InvalidTypeError(f"group must be a non-empty str, got {group!r}")
+        self.group = group
+        names = [topics] if isinstance(topics, str) else _strings(topics, "topics")
+        if not names:
+            raise InvalidMessageError("a consumer group member needs at least one topic")
+        self.topics = list(dict.fromkeys(names))
+        self.tags: str | list[str] | None = (
+            tags if tags is None or isinstance(tags, str) else _strings(tags, "tags")
+        )
+        self.batch_size = _count(batch_size, "batch_size")
+        if not isinstance(auto_commit, bool):
+            raise InvalidTypeError(f"auto_commit must be a bool, got {type(auto_commit).__name__}")
+        self.auto_commit = auto_commit
+        self.auto_commit_interval = _seconds(auto_commit_interval, "auto_commit_interval")
+        self.session_timeout_ms = int(_seconds(session_timeout, "session_timeout") * 1000)
+        if max_retries is not None and (
+            not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
+        ):
+            raise InvalidTypeError(f"max_retries must be an int >= 0 or None: {max_retries!r}")
+        self.max_retries = max_retries
+        if consumer_id is None:
+            consumer_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        elif not isinstance(consumer_id, str) or not consumer_id:
+            raise InvalidTypeError(f"consumer_id must be a non-empty str: {consumer_id!r}")
+        self.consumer = consumer_id
+        self.lock = threading.Lock()  # the answer, between the heartbeat thread and the loop
+        self.answer: dict[str, Any] | None = None
+        self.lost = True  # not a member (yet, or any more): join first
+        self.epoch = 0  # memberships so far: a pull sent in an earlier one is ignored
+        self.applied: int | None = None
+        self.positions: dict[Queue, int] = {}
+        self.processed: dict[Queue, int] = {}
+        self.committed: dict[Queue, int] = {}
+        self.buffer: deque[tuple[Message, Queue, int]] = deque()  # (message, queue, after)
+        self.buffered: dict[Queue, int] = {}
+        self.pending: list[tuple[Queue, int]] = []  # handed out, not processed yet
+        self.closed = False
+
+    # --- the broker's answers ----------------------------------------------------------
+
+    def member_args(self) -> dict[str, Any]:
+        return {"group": self.group, "consumer": self.consumer}
+
+    def join_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            **self.member_args(), "topics": self.topics,
+            "session_timeout_ms": self.session_timeout_ms,
+        }  # fmt: skip
+        if self.max_retries is not None:
+            args["max_retries"] = self.max_retries
+        return args
+
+    def heartbeat_args(self) -> dict[str, Any]:
+        args = self.member_args()
+        if self.applied is not None:
+            args["generation"] = self.applied
+        return args
+
+    def take(self, answer: object) -> bool:
+        """Keep an assignment answered by join or heartbeat; True if it is news."""
+        if (
+            not isinstance(answer, dict)
+            or type(answer.get("generation")) is not int
+            or not isinstance(answer.get("assignment"), list)
+        ):
+            raise ProtocolError(f"{self.where}: an assignment must be a map with a generation")
+        with self.lock:
+            before = self.answer
+            self.answer = answer
+        return before is None or before != answer
+
+    def interval(self) -> float:
+        with self.lock:
+            answer = self.answer
+        ms = answer.get("heartbeat_interval_ms") if answer else None
+        return ms / 1000 if isinstance(ms, int) and ms > 0 else self.session_timeout_ms / 3000
+
+    def plan(self) -> tuple[int, list[Queue], list[Queue]] | None:
+        """(generation, queues to drop, queues to add) to apply the latest answer, or
+        None when it is applied."""
+        with self.lock:
+            answer = self.answer
+        if answer is None:
+            return None
+        wanted: set[Queue] = set()
+        for item in answer["assignment"]:
+            if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+                raise ProtocolError(f"{self.where}: an assignment lists [topic, queue_id]")
+            wanted.add((item[0], int(item[1])))
+        generation: int = answer["generation"]
+        held = set(self.positions)
+        if generation == self.applied and wanted == held:
+            return None
+        return generation, sorted(held - wanted), sorted(wanted - held)
+
+    def reset(self) -> None:
+        """Membership lost: every queue dropped uncommitted (its messages come again)."""
+        self.drop(list(self.positions))
+        self.epoch += 1
+        self.applied = None
+        with self.lock:
+            self.answer = None
+        self.lost = True
+
+    # --- queues ------------------------------------------------------------------------
+
+    def drop(self, queues: list[Queue]) -> None:
+        gone = set(queues)
+        for key in gone:
+            for table in (self.positions, self.processed, self.committed, self.buffered):
+                table.pop(key, None)
+        if gone:
+            self.buffer = deque(item for item in self.buffer if item[1] not in gone)
+            self.pending = [item for item in self.pending if item[0] not in gone]
+
+    def add(self, key: Queue, committed: int | None, first: int, following: int) -> None:
+        at = first if committed is None else min(max(committed, first), following)
+        self.positions[key] = self.processed[key] = at
+        if committed is not None:
+            self.committed[key] = committed
+
+    def pull_args(self, key: Queue, wait_ms: int) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "topic": key[0], "queue_id": key[1], "offset": self.positions[key],
+            "max_count": self.batch_size, **self.member_args(),
+        }  # fmt: skip
+        if wait_ms:
+            args["wait_ms"] = wait_ms
+        if self.tags is not None:
+            args["tags"] = self.tags
+        return args
+
+    def wants_pull(self, key: Queue) -> bool:
+        return key in self.positions and not self.buffered.get(key)
+
+    def pulled(self, key: Queue, at: int, answer: object) -> None:
+        """A pull of ``key`` from ``at`` answered: its messages to the buffer (dropped if
+        the queue was dropped or moved on meanwhile)."""
+        if self.positions.get(key) != at:
+            return
+        result = unpack_pull_result(answer, self.where)
+        following = result.next_offset
+        if following <= at:
+            return
+        self.positions[key] = following
+        messages = result.messages
+        if not messages:  # a tag filter passed over them: nothing of it is in hand
+            self.processed[key] = following
+            return
+        for message in messages[:-1]:
+            self.buffer.append((restore(message), key, message.queue_offset + 1))
+        self.buffer.append((restore(messages[-1]), key, following))
+        self.buffered[key] = self.buffered.get(key, 0) + len(messages)
+
+    def next_message(self) -> Message:
+        message, key, after = self.buffer.popleft()
+        self.buffered[key] -= 1
+        self.pending.append((key, after))
+        return message
+
+    def done_with_pending(self) -> None:
+        for key, after in self.pending:
+            if key in self.processed:
+                self.processed[key] = after
+        self.pending.clear()
+
+    def to_commit(self, queues: Iterable[Queue] | None = None) -> dict[Queue, int]:
+        keys = self.processed if queues is None else queues
+        return {
+            key: self.processed[key]
+            for key in keys
+            if key in self.processed and self.processed[key] != self.committed.get(key)
+        }
+
+
+def _strings(values: object, what: str) -> list[str]:
+    if not isinstance(values, Iterable):
+        raise InvalidTypeError(f"{what} must be a str or an iterable of str")
+    found = list(values)
+    if not all(isinstance(v, str) for v in found):
+        raise InvalidTypeError(f"{what} must hold strings only")
+    return found
+
+
+def _count(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidTypeError(f"{what} must be an int, got {type(value).__name__}")
+    if not 1 <= value <= 1 << 16:
+        raise InvalidMessageError(f"{what}={value} must lie in [1, {1 << 16}]")
+    return value
+
+
+def _seconds(value: object, what: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidTypeError(f"{what} must be seconds (an int or a float)")
+    if not 0 <= value < math.inf:
+        raise InvalidMessageError(f"{what}={value!r} must be a finite number of seconds >= 0")
+    return float(value)

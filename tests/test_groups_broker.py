@@ -1,0 +1,218 @@
+"""Consumer groups through a real broker (BrokerThread on a Unix socket) and the blocking
+client: GroupConsumer's loop, rebalancing between members, the broker refusing a
+non-holder, nack/retry/dead letter, close and leave."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_helpers import short_dir
+
+import equeue
+import equeue.aio
+from equeue import MessageStore
+from equeue.client.consumer import GroupConsumer
+from equeue.client.consumer_aio import AsyncGroupConsumer
+from equeue.client.groupstate import Queue
+from equeue.errors import GroupError
+from equeue.protocol.retries import ATTEMPT, ORIGIN_ID, dead_letter_topic
+from equeue.server import BrokerThread
+
+TOPIC = "orders"
+
+
+@pytest.fixture
+def broker() -> Iterator[tuple[BrokerThread, str]]:
+    directory = short_dir()
+    try:
+        with MessageStore.open(directory / "s") as store:
+            store.create_topic(TOPIC, 4)
+        thread = BrokerThread(directory / "s").start()
+        try:
+            yield thread, thread.urls[0]
+        finally:
+            thread.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def consume(consumer: GroupConsumer, count: int, limit: float = 20.0) -> list[equeue.Message]:
+    got: list[equeue.Message] = []
+    deadline = time.monotonic() + limit
+    while len(got) < count and time.monotonic() < deadline:
+        message = consumer.poll(0.2)
+        if message is not None:
+            got.append(message)
+    return got
+
+
+def test_one_member_reads_every_queue_in_order_and_commits(
+    broker: tuple[BrokerThread, str],
+) -> None:
+    _, url = broker
+    with equeue.connect(url) as client:
+        sent = client.send_batch(TOPIC, [b"%d" % i for i in range(40)])
+        with GroupConsumer(client, "g", TOPIC, session_timeout=2.0, batch_size=8) as consumer:
+            assert len(consumer.assignment()) == 5  # 4 queues and the retry queue
+            got = consume(consumer, 40)
+            assert consumer.poll(0.3) is None
+        assert sorted(m.message_id for m in got) == sorted(r.message_id for r in sent)
+        for queue_id in range(4):
+            offsets = [m.queue_offset for m in got if m.queue_id == queue_id]
+            assert offsets == sorted(offsets)
+            assert client.committed_offset("g", TOPIC, queue_id) == len(offsets)
+        # closed: it left the group, so a new member gets everything at once
+        with GroupConsumer(client, "g", TOPIC, session_timeout=2.0) as again:
+            assert len(again.assignment()) == 5
+            assert again.poll(0.3) is None  # everything was committed
+
+
+def test_two_members_split_the_queues_and_hand_over(broker: tuple[BrokerThread, str]) -> None:
+    _, url = broker
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"a%d" % i for i in range(20)])
+        first = GroupConsumer(client, "g", TOPIC, session_timeout=1.0, consumer_id="a")
+        got = consume(first, 20)
+        second = GroupConsumer(client, "g", TOPIC, session_timeout=1.0, consumer_id="b")
+        try:
+            # b's queues come once a applied the new generation (a's loop must run)
+            deadline = time.monotonic() + 10
+            while len(second.assignment()) < 2 and time.monotonic() < deadline:
+                assert first.poll(0.05) is None
+                assert second.poll(0.05) is None
+            assert sorted(first.assignment() + second.assignment()) == sorted(
+                [("equeue.retry.g", 0), *((TOPIC, q) for q in range(4))]
+            )
+            assert second.assignment() == [(TOPIC, 2), (TOPIC, 3)]
+            # b's pull carries the group: the broker refuses it a queue of a's
+            with pytest.raises(GroupError):
+                client.request(
+                    "pull", {"topic": TOPIC, "queue_id": 0, "offset": 0, "group": "g",
+                             "consumer": "b"},
+                )  # fmt: skip
+            client.send_batch(TOPIC, [b"b%d" % i for i in range(8)])
+            more = consume(first, 4, 10) + consume(second, 4, 10)
+        finally:
+            second.close()
+            first.close()
+    assert len(got) == 20
+    assert sorted(m.body for m in more) == sorted(b"b%d" % i for i in range(8))
+
+
+def test_run_nacks_failures_into_retries_then_the_dead_letter_topic(
+    broker: tuple[BrokerThread, str],
+) -> None:
+    thread, url = broker
+    thread.broker.coordinator.retries.delays = (0.2, 0.3)  # type: ignore[union-attr]
+    seen: list[equeue.Message] = []
+    done = threading.Event()
+
+    def handler(message: equeue.Message) -> None:
+        seen.append(message)
+        if message.body == b"bad":
+            if int(message.properties.get(ATTEMPT, "0")) >= 2:
+                done.set()
+            raise ValueError("cannot handle it")
+
+    with equeue.connect(url) as client:
+        bad = client.send(TOPIC, b"bad", key="k")
+        client.send(TOPIC, b"good")
+        with GroupConsumer(client, "g", TOPIC, max_retries=2, session_timeout=2.0) as consumer:
+            deadline = time.monotonic() + 20
+            while not done.is_set() and time.monotonic() < deadline:
+                consumer.run(handler, timeout=0.2)
+        (dead,) = client.pull(dead_letter_topic("g"), 0, 0).messages
+    bads = [m for m in seen if m.body == b"bad"]
+    assert len(bads) == 3  # the first delivery and 2 retries
+    assert [m.properties.get(ATTEMPT) for m in bads] == [None, "1", "2"]
+    # each retry is shown with the original topic, queue and offset
+    assert {(m.topic, m.queue_id, m.queue_offset) for m in bads} == {
+        (TOPIC, bad.queue_id, bad.queue_offset)
+    }
+    assert dead.body == b"bad" and dead.key == "k"
+    assert dead.properties[ATTEMPT] == "3" and dead.properties[ORIGIN_ID] == bad.message_id
+    assert [m.body for m in seen].count(b"good") == 1
+
+
+def test_an_expired_member_joins_again(broker: tuple[BrokerThread, str]) -> None:
+    thread, url = broker
+    with equeue.connect(url) as client:
+        consumer = GroupConsumer(client, "g", TOPIC, session_timeout=0.5, consumer_id="x")
+        try:
+            consumer._stop.set()  # its heartbeats stop: the session expires
+            consumer._beat_now.set()
+            consumer._heartbeat.join(5)
+            deadline = time.monotonic() + 10
+            while "g" in thread.broker.coordinator.stats():  # type: ignore[union-attr]
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            client.send(TOPIC, b"after", queue_id=1)
+            # its next pull is refused (not a member); it joins again and reads on
+            assert [m.body for m in consume(consumer, 1, 10)] == [b"after"]
+        finally:
+            consumer.close()
+
+
+def test_bad_arguments_are_refused_before_joining(
+    broker: tuple[BrokerThread, str], tmp_path: Path
+) -> None:
+    _, url = broker
+    with equeue.connect(url) as client:
+        with pytest.raises(equeue.errors.TopicNotFoundError):
+            GroupConsumer(client, "g", "missing")
+        with pytest.raises(equeue.errors.InvalidMessageError):
+            GroupConsumer(client, "g/h", TOPIC)
+        with pytest.raises(equeue.errors.InvalidTypeError):
+            GroupConsumer(client, "g", TOPIC, batch_size=0.5)  # type: ignore[arg-type]
+        assert client.stats()["coordinator"] == {}
+
+
+def test_asyncio_members_split_the_queues_and_retry(broker: tuple[BrokerThread, str]) -> None:
+    thread, url = broker
+    thread.broker.coordinator.retries.delays = (0.2,)  # type: ignore[union-attr]
+
+    async def scenario() -> tuple[list[equeue.Message], list[equeue.Message], list[Queue]]:
+        client = await equeue.aio.connect(url)
+        try:
+            await client.send_batch(TOPIC, [b"%d" % i for i in range(30)])
+            a = AsyncGroupConsumer(client, "g", TOPIC, session_timeout=1.0, consumer_id="a")
+            b = AsyncGroupConsumer(client, "g", [TOPIC], session_timeout=1.0, consumer_id="b")
+            got_a: list[equeue.Message] = []
+            got_b: list[equeue.Message] = []
+            nacked = False
+
+            def take_a(message: equeue.Message) -> None:
+                nonlocal nacked
+                got_a.append(message)
+                if not nacked and message.body == b"7":
+                    nacked = True
+                    raise RuntimeError("retry me")
+
+            async def take_b(message: equeue.Message) -> None:  # a coroutine handler
+                nonlocal nacked
+                got_b.append(message)
+                if not nacked and message.body == b"7":
+                    nacked = True
+                    raise RuntimeError("retry me")
+
+            async with a, b:
+                deadline = time.monotonic() + 20
+                while len(got_a) + len(got_b) < 31 and time.monotonic() < deadline:
+                    await asyncio.gather(a.run(take_a, timeout=0.2), b.run(take_b, timeout=0.2))
+                assigned = b.assignment()
+            return got_a, got_b, assigned
+        finally:
+            await client.close()
+
+    got_a, got_b, assigned = asyncio.run(scenario())
+    assert assigned == [(TOPIC, 2), (TOPIC, 3)]
+    bodies = sorted(m.body for m in got_a + got_b)
+    assert bodies == sorted([b"%d" % i for i in range(30)] + [b"7"])  # 7 once more
+    retried = [m for m in got_a + got_b if m.properties.get(ATTEMPT) == "1"]
+    assert [(m.body, m.topic) for m in retried] == [(b"7", TOPIC)]

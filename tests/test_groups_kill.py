@@ -1,0 +1,172 @@
+"""A consumer group of 3 processes on a topic of 8 queues, 2 producer processes, a broker
+process (`equeue serve`); one consumer is SIGKILLed mid-run. Every message a producer saw
+acknowledged is consumed; each member sees each queue in offset order; the killed
+member's queues move to the others after its session timeout, and what it had consumed
+past its group's committed offset is consumed again by the others (none lost).
+Producers: tests/broker_producer.py; consumers: tests/group_consumer_child.py."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_helpers import short_dir
+from test_server_kill import acknowledged, start_broker
+
+import equeue
+from equeue import MessageStore
+
+HERE = Path(__file__).parent
+TOPIC = "p"  # broker_producer.py's topic
+GROUP = "workers"
+SESSION = 1.5
+PER_PRODUCER = 20_000  # a bound: the producers are killed long before
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    directory = short_dir()
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class Member:
+    """A consumer process and the lines it printed (read by a thread as they come)."""
+
+    def __init__(self, url: str, name: str, work_ms: float = 0.0) -> None:
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "group_consumer_child.py"), url, GROUP, TOPIC, name,
+             "--session", str(SESSION), "--work-ms", str(work_ms)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            self.lines.append(raw.decode().rstrip("\n"))
+
+    def messages(self) -> list[tuple[int, int, str]]:
+        found = []
+        for line in list(self.lines):
+            if line.startswith("M "):
+                _, queue_id, offset, message_id = line.split()
+                found.append((int(queue_id), int(offset), message_id))
+        return found
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+        self.reader.join(10)
+
+
+def wait_for(condition: object, what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_sigkilled_member_queues_move_and_nothing_is_lost(home: Path) -> None:
+    store = home / "s"
+    with MessageStore.open(store) as created:
+        created.create_topic(TOPIC, 8)
+    broker, url = start_broker(store)
+    members: list[Member] = []
+    producers: list[subprocess.Popen[bytes]] = []
+    try:
+        # c1, the one killed, is slow: it never runs out of messages, so it commits only
+        # every auto_commit_interval and dies with messages processed past its commits
+        members = [Member(url, f"c{i}", 4.0 if i == 1 else 0.0) for i in range(3)]
+        wait_for(lambda: all("READY" in m.lines for m in members), "the members to join")
+        producers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE / "broker_producer.py"),
+                    url,
+                    f"p{i}",
+                    "--limit",
+                    str(PER_PRODUCER),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for i in range(2)
+        ]
+        victim = members[1]
+        wait_for(lambda: len(victim.messages()) >= 100, "the victim to consume")
+        time.sleep(1.2)  # past its auto_commit_interval: it has committed some
+        assert all(p.poll() is None for p in producers), "the producers ended too soon"
+        victim.process.send_signal(signal.SIGKILL)
+        victim.stop()
+        killed_at = time.monotonic()
+        time.sleep(0.3)  # requests it wrote before dying are answered by now
+        consumed_by_victim = victim.messages()
+        with equeue.connect(url) as client:
+            committed = {q: client.committed_offset(GROUP, TOPIC, q) or 0 for q in range(8)}
+            assert time.monotonic() - killed_at < SESSION  # read before the handover
+        time.sleep(0.5)  # the producers go on while the victim's queues wait
+        acks: dict[str, str] = {}
+        for number, producer in enumerate(producers):
+            producer.kill()  # each ack line was one write: what it printed is whole
+            out, _ = producer.communicate(timeout=60)
+            for seq, message_id in acknowledged(out.decode()).items():
+                acks[message_id] = f"p{number}:{seq}"
+        assert len(acks) > 1000
+        survivors = [members[0], members[2]]
+
+        def survivors_ids() -> set[str]:
+            return {mid for m in survivors for _, _, mid in m.messages()}
+
+        victim_ids = {mid for _, _, mid in consumed_by_victim}
+        wait_for(lambda: set(acks) <= survivors_ids() | victim_ids, "every message to be consumed")
+        # what the victim consumed at or past the committed offset comes again to the others
+        uncommitted = {mid for q, off, mid in consumed_by_victim if off >= committed[q]}
+        assert uncommitted, "the victim had committed everything it consumed"
+        assert any(committed[q] for q, _, _ in consumed_by_victim), "it committed nothing"
+        wait_for(lambda: uncommitted <= survivors_ids(), "the victim's uncommitted messages")
+        time.sleep(0.5)  # anything more the survivors print is checked below too
+    finally:
+        for producer in producers:
+            if producer.poll() is None:
+                producer.kill()
+            producer.wait(30)
+        for member in members:
+            member.stop()
+        broker.send_signal(signal.SIGTERM)
+        try:
+            broker.wait(60)
+        finally:
+            if broker.poll() is None:
+                broker.kill()
+                broker.wait()
+    victim_queues = {q for q, _, _ in consumed_by_victim}
+    assert victim_queues, "the victim consumed nothing"
+    for member in survivors:
+        per_queue: dict[int, list[int]] = {}
+        for queue_id, offset, _ in member.messages():
+            per_queue.setdefault(queue_id, []).append(offset)
+        for queue_id, offsets in per_queue.items():
+            assert offsets == sorted(set(offsets)), f"{member.name} queue {queue_id} out of order"
+    # the victim's queues were taken over
+    taken = {q for m in survivors for q, _, _ in m.messages()}
+    assert victim_queues <= taken
+    print(
+        f"{len(acks)} acknowledged; the victim consumed {len(consumed_by_victim)}, "
+        f"{len(uncommitted)} past its commits were consumed again by the others"
+    )
