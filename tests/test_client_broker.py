@@ -305,6 +305,27 @@ def test_a_window_over_the_brokers_in_flight_limit_is_cut_to_it(base: Path) -> N
         results = client.send_many("s", [b"x"] * 500, window=1000)  # no LimitExceeded
         assert len({r.message_id for r in results}) == 500
 
+        client.create_topic("h", 1)
+
+        async def held_pulls() -> list[Any]:
+            """20 long-poll pulls on 8 places: 8 are held by the broker, the others wait
+            for a place (the broker would refuse them with LimitExceededError), 5 of
+            them are cancelled while they wait; one send (another client) answers all."""
+            async with await equeue.aio.connect(small.url) as aio:
+                pulls = [asyncio.ensure_future(aio.pull("h", 0, 0, wait=30)) for _ in range(20)]
+                await asyncio.sleep(0.2)
+                assert not any(task.done() for task in pulls)
+                for task in pulls[10:15]:
+                    task.cancel()
+                client.send("h", b"for all")
+                return await asyncio.wait_for(asyncio.gather(*pulls, return_exceptions=True), 60)
+
+        done = asyncio.run(held_pulls())
+        assert [type(r) for r in done[10:15]] == [asyncio.CancelledError] * 5
+        kept = done[:10] + done[15:]
+        assert all(isinstance(r, PullResult) for r in kept), kept
+        assert {m.body for r in kept for m in r} == {b"for all"}
+
 
 READ_ONLY_CHILD = """
 import json, sys
@@ -361,3 +382,28 @@ def test_a_forked_child_gets_its_own_connection(broker: BrokerProcess) -> None:
             _INHERITED.clear()
         assert client.send("f", b"parent after").topic == "f"
         assert [client.get(i).body for i in ids] == [f"child {n}".encode() for n in range(4)]
+
+
+def test_a_connection_on_a_descriptor_past_1023(broker: BrokerProcess) -> None:
+    """A busy process has descriptors past select()'s 1023: the clients poll instead."""
+    import os
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"RLIMIT_NOFILE is {soft}")
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with equeue.connect(broker.url) as client:
+            assert client.send("d", b"x").topic == "d"
+            assert client.pull("d", 0, 5, wait=0.05).messages == []  # waits, then empty
+
+            async def with_aio() -> str:
+                async with await equeue.aio.connect(broker.url) as aio:
+                    await aio.ping()
+                    return (await aio.send("d", b"y")).topic
+
+            assert asyncio.run(with_aio()) == "d"
+    finally:
+        for fd in fillers:
+            os.close(fd)

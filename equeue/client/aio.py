@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
-import select
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
@@ -30,6 +30,7 @@ from equeue.client.core import (
     given,
     hello_frame,
     lost,
+    readable,
     welcome,
 )
 from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
@@ -44,12 +45,15 @@ from equeue.errors import (
 from equeue.protocol.frames import (
     CONNECTION_REQUEST_ID,
     HELLO_MAX_FRAME_BYTES,
+    STATUS_ERROR,
     STATUS_OK,
     check_answer,
 )
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
+
+_STATUSES: Final = (STATUS_OK, STATUS_ERROR)
 
 # request id -> (its future, its messages as given for a send, its deadline)
 _Entry = tuple["asyncio.Future[tuple[int, Any]]", Given, float]
@@ -69,7 +73,9 @@ class _Protocol(asyncio.Protocol):
         self.out: list[bytes] = []
         self.flushing = False
         self.closed = False
-        self.places: asyncio.Semaphore | None = None
+        self.free = 0  # places for requests in flight: max_in_flight, once welcomed
+        self.queued: deque[asyncio.Future[None]] = deque()  # callers waiting for a place
+        self.welcomed = False
         self.watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -89,7 +95,7 @@ class _Protocol(asyncio.Protocol):
             return
         pending = self.pending
         for body in bodies:
-            if not self.welcome.done():
+            if not self.welcomed:
                 try:
                     found = welcome(body, self.where)
                 except EQueueError as exc:
@@ -99,15 +105,19 @@ class _Protocol(asyncio.Protocol):
                 limit = found.limits["max_frame_bytes"]
                 self.reader.max_frame_bytes = limit
                 self.encoder = RequestEncoder(limit, self.where)
-                self.places = asyncio.Semaphore(found.limits["max_in_flight"])
+                self.free = found.limits["max_in_flight"]
+                self.welcomed = True
                 self.welcome.set_result(found)
                 continue
-            try:
-                request_id, status, payload = check_answer(body, self.where)
-            except ProtocolError as exc:
-                self.fail(f"the broker at {self.where} broke the protocol: {exc}", exc)
-                return
-            entry = pending.pop(request_id, None)
+            if type(body) is list and len(body) == 3 and body[1] in _STATUSES:
+                request_id, status, payload = body  # (a request id of another type: unknown)
+            else:
+                try:
+                    request_id, status, payload = check_answer(body, self.where)
+                except ProtocolError as exc:
+                    self.fail(f"the broker at {self.where} broke the protocol: {exc}", exc)
+                    return
+            entry = pending.pop(request_id, None) if type(request_id) is int else None
             if entry is None:
                 if request_id == CONNECTION_REQUEST_ID:
                     error = answer_error(payload, self.where)
@@ -142,6 +152,29 @@ class _Protocol(asyncio.Protocol):
             if not future.done():
                 future.set_exception(lost(reason, given(unanswered), cause))
         self.pending.clear()
+        while self.queued:  # they find it closed
+            waiter = self.queued.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def place(self) -> None:
+        """Wait until fewer than max_in_flight requests are in flight (or it closed)."""
+        while self.free <= 0 and not self.closed:
+            waiter = self.loop.create_future()
+            self.queued.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if self.free > 0:
+                    self.release()  # (the place it was woken for goes to the next)
+                raise
+
+    def release(self) -> None:
+        while self.queued:
+            waiter = self.queued.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     def input_waiting(self) -> bool:
         """Whether bytes (or the end) wait unread: while idle, the loop may not have run
@@ -150,7 +183,7 @@ class _Protocol(asyncio.Protocol):
             return False
         sock = self.transport.get_extra_info("socket")
         try:
-            return sock is not None and bool(select.select([sock], [], [], 0)[0])
+            return sock is not None and readable(sock, 0)
         except (OSError, ValueError):
             return True
 
@@ -284,21 +317,24 @@ class AsyncClient:
                 await asyncio.sleep(0)
         if protocol is None or protocol.closed:
             protocol = await self._connected()
-        assert protocol.encoder is not None and protocol.places is not None
+        assert protocol.encoder is not None
         request_id = self._next_id
         self._next_id = request_id + 1
         frame = protocol.encoder.frame(request_id, call.op, call.args)
-        places = protocol.places
-        await places.acquire()
+        if protocol.free <= 0:
+            await protocol.place()
+        if protocol.closed:  # (while it waited for a place)
+            raise lost(f"the connection to {self.url} broke; the request was not sent", [])
+        protocol.free -= 1
         try:
-            if protocol.closed:  # (while it waited for a place)
-                raise lost(f"the connection to {self.url} broke", [])
             future: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
             deadline = time.monotonic() + self.timeout + call.wait
             protocol.send(request_id, frame, (future, call.unanswered, deadline))
             status, payload = await future
         finally:
-            places.release()
+            protocol.free += 1
+            if protocol.queued:
+                protocol.release()
         if status != STATUS_OK:
             raise answer_error(payload, self.url)
         return DECODERS[call.op](payload, self.url) if decode else payload

@@ -3,6 +3,7 @@ handshake's frames, result decoding, and the errors a broken connection raises."
 
 from __future__ import annotations
 
+import select
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -111,6 +112,14 @@ class AnswerReader:
     @property
     def pending(self) -> int:
         return len(self._buffer)
+
+
+def readable(sock: Any, timeout: float) -> bool:
+    """Whether ``sock`` has bytes (or its end) to read within ``timeout`` seconds: poll,
+    not select, which refuses a descriptor past 1023 (a busy process has them)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(timeout, 0.0) * 1000))
 
 
 def hello_frame(token: str | None, client_name: str) -> bytes:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
-import select
 import socket
 import ssl
 import threading
@@ -34,6 +33,7 @@ from equeue.client.core import (
     answer_error,
     given,
     lost,
+    readable,
 )
 from equeue.client.url import Endpoint, parse_url
 from equeue.errors import (
@@ -168,7 +168,7 @@ class Client:
         sock = conn.sock
         pending_tls = isinstance(sock, ssl.SSLSocket) and sock.pending()
         try:
-            ready = pending_tls or bool(select.select([sock], [], [], 0)[0])
+            ready = pending_tls or readable(sock, 0)
         except (OSError, ValueError):
             ready = True
         if not ready:
@@ -318,7 +318,7 @@ class Client:
         remaining = slot.deadline - time.monotonic()
         try:
             ready = (isinstance(sock, ssl.SSLSocket) and sock.pending()) or bool(
-                select.select([sock], [], [], max(remaining, 0))[0]
+                readable(sock, remaining)
             )
             if not ready:
                 if time.monotonic() >= slot.deadline:
@@ -327,7 +327,7 @@ class Client:
                 return
             with conn.io_lock:
                 data = sock.recv(RECV_BYTES)
-        except (OSError, ValueError) as exc:  # ValueError: select on a closed socket
+        except (OSError, ValueError) as exc:  # ValueError: a closed socket
             self._break(conn, f"the connection to {self.url} broke: {exc}", exc)
             return
         self._received(conn, data)
