@@ -139,6 +139,12 @@ def test_a_batch_write_through_the_broker_stores_every_row_once_in_queue_order(
         (q, m.queue_offset): (m.message_id, m.body, m.key) for q, ms in queues.items() for m in ms
     }
     assert got == want
+    # Beside the broker (its writer), a read by path through read-only handles in Spark's
+    # workers gives the same rows.
+    by_path = spark.read.format("equeue").option("topics", "w").load(str(broker.store)).collect()
+    assert {
+        (r.queue_id, r.queue_offset): (r.message_id, bytes(r.body), r.key) for r in by_path
+    } == want
 
 
 def test_a_streaming_query_reads_and_writes_through_the_broker(
