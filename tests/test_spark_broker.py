@@ -198,6 +198,21 @@ def test_a_range_read_through_the_broker_keeps_fail_on_data_loss(broker: Broker)
     assert [bytes(b) for batch in batches for b in batch.column("body").to_pylist()] == [b"b"]
 
 
+def test_a_range_of_wide_messages_is_read_in_pulls_that_fit_a_frame(broker: Broker) -> None:
+    """Small bodies, large properties: 512 messages (the first guess for a 256 KiB frame)
+    make a ~400 KiB answer, which the client refuses; the task pulls fewer at a time."""
+    props = {"p": "v" * 700}
+    with broker.client() as client:
+        client.create_topic("wide", 1)
+        for low in range(0, 1500, 200):  # requests within the frame
+            batch = [{"body": b"%d" % i, "properties": props} for i in range(low, low + 200)]
+            client.send_batch("wide", batch)
+    options = StreamOptions({**broker.options(), "topics": "wide"})
+    batches = list(read_range(options, QueueRange("wide", 0, 0, 1500)))
+    bodies = [bytes(b) for batch in batches for b in batch.column("body").to_pylist()]
+    assert bodies == [b"%d" % i for i in range(1500)]
+
+
 def test_the_path_sink_on_a_served_store_names_the_broker_option(
     broker: Broker, spark: SparkSession
 ) -> None:

@@ -15,7 +15,13 @@ import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
-from equeue.errors import ConfigError, EQueueError, SparkOptionError
+from equeue.errors import (
+    ConfigError,
+    ConnectionLostError,
+    EQueueError,
+    FrameTooLargeError,
+    SparkOptionError,
+)
 
 if TYPE_CHECKING:
     from equeue.client.sync import Client
@@ -26,6 +32,7 @@ TOKEN_FILE: Final = "tokenFile"
 CA_FILE: Final = "caFile"
 MAX_TOKEN_BYTES: Final = 4096  # as the broker's token file (equeue/server/config.py)
 CLIENT_NAME: Final = "equeue-spark"
+HEAD_GUESS: Final = 256  # bytes of a pulled message on the wire besides its body
 
 
 def option(options: Mapping[str, str], name: str) -> str | None:
@@ -143,11 +150,25 @@ class BrokerQueues:
         self.path = f"the store served at {client.url}"  # (for messages)
         welcome = client.welcome
         frame = welcome.limits["max_frame_bytes"] if welcome is not None else 1 << 20
-        # Bodies up to half a frame: the headers of up to PULL_COUNT messages fit the rest.
+        # A pull's answer must fit one frame, and the broker bounds only its bodies
+        # (max_bytes): bodies get half the frame, the other fields of ``count`` messages
+        # (HEAD_GUESS bytes each, as a guess) the rest.
         self.max_bytes = max(1, frame // 2)
+        self.count = max(1, frame // 2 // HEAD_GUESS)
 
     def pull(self, topic: str, queue_id: int, offset: int, max_count: int) -> PullResult:
-        return self.client.pull(topic, queue_id, offset, max_count, max_bytes=self.max_bytes)
+        """At most ``max_count`` messages; fewer where their keys and properties would make
+        an answer larger than a frame (then the connection breaks, with
+        FrameTooLargeError as the cause: the pull, which changes nothing, is made again
+        for a quarter as many, and this handle keeps to that)."""
+        while True:
+            count = min(max_count, self.count)
+            try:
+                return self.client.pull(topic, queue_id, offset, count, max_bytes=self.max_bytes)
+            except ConnectionLostError as exc:
+                if not isinstance(exc.__cause__, FrameTooLargeError) or count == 1:
+                    raise
+                self.count = max(1, count // 4)
 
     def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
         return self.client.queue_range(topic, queue_id)
