@@ -213,6 +213,22 @@ def test_a_range_of_wide_messages_is_read_in_pulls_that_fit_a_frame(broker: Brok
     assert bodies == [b"%d" % i for i in range(1500)]
 
 
+def test_a_task_sends_requests_whose_answers_fit_a_frame(broker: Broker) -> None:
+    """Tiny rows to a topic with a long name: a request of as many rows as fit half a
+    frame would be answered with SendResults (each naming the topic) past the frame."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    topic = "t" * 200
+    schema = StructType([StructField("body", StringType())])
+    writer = EqueueBrokerWriter({**broker.options(), "topic": topic}, schema, False)
+    rows = 6000
+    sent = writer.write(iter([pa.record_batch([pa.array(["x"] * rows)], names=["body"])]))
+    assert sent.rows == rows and sent.requests >= 4
+    with broker.client() as client:
+        assert sum(len(ms) for ms in stored(client, topic).values()) == rows
+
+
 def test_the_path_sink_on_a_served_store_names_the_broker_option(
     broker: Broker, spark: SparkSession
 ) -> None:

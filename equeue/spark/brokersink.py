@@ -46,6 +46,8 @@ STREAM_OPTIONS: Final = (
 CHUNK_BYTES: Final = 4 << 20
 CHUNK_ROWS: Final = 16384
 MESSAGE_OVERHEAD: Final = 64  # msgpack map keys and headers of one message, at most
+# A SendResult on the wire besides its topic: the answer to a request must fit a frame too.
+RESULT_BYTES: Final = 80
 # The rows are checked for their shape (tag, key, properties, queue_id) before any is
 # sent; size limits are the broker's store's, which it enforces (a row past them fails
 # its task when its request is refused). These are only the loosest values possible.
@@ -77,10 +79,12 @@ def _known(options: dict[str, str], names: tuple[str, ...], where: str) -> None:
             )
 
 
-def chunks(messages: list[OutgoingMessage], budget: int) -> Iterator[list[OutgoingMessage]]:
-    """``messages`` in runs of at most ``budget`` bytes (as estimated) and CHUNK_ROWS rows;
-    a message larger than the budget goes alone (the client refuses it if no frame holds
-    it, FrameTooLargeError naming the broker's limit)."""
+def chunks(
+    messages: list[OutgoingMessage], budget: int, max_rows: int = CHUNK_ROWS
+) -> Iterator[list[OutgoingMessage]]:
+    """``messages`` in runs of at most ``budget`` bytes (as estimated) and ``max_rows``
+    rows; a message larger than the budget goes alone (the client refuses it if no frame
+    holds it, FrameTooLargeError naming the broker's limit)."""
     run: list[OutgoingMessage] = []
     size = 0
     for message in messages:
@@ -88,7 +92,7 @@ def chunks(messages: list[OutgoingMessage], budget: int) -> Iterator[list[Outgoi
         cost = MESSAGE_OVERHEAD + len(body) + len(tag) + (len(key) if key else 0)
         if properties:
             cost += sum(len(k) + len(v) + 10 for k, v in properties.items())
-        if run and (size + cost > budget or len(run) >= CHUNK_ROWS):
+        if run and (size + cost > budget or len(run) >= max_rows):
             yield run
             run, size = [], 0
         run.append(message)
@@ -144,7 +148,9 @@ class _BrokerSink:
                 if client is None:
                     client = self.address.connect()
                 budget = _budget(client)
-                for run in chunks(messages, budget):
+                # The answer holds a SendResult per row, with the topic in each.
+                rows_max = min(CHUNK_ROWS, budget // (RESULT_BYTES + len(self.topic.encode())))
+                for run in chunks(messages, budget, max(1, rows_max)):
                     client.send_batch(self.topic, run)
                     rows += len(run)
                     requests += 1
