@@ -15,7 +15,7 @@ import pytest
 from server_helpers import short_dir
 
 from equeue.client.sync import Client
-from equeue.errors import DataLossError, SparkOptionError
+from equeue.errors import DataLossError, EQueueError, SparkOptionError
 from equeue.spark.brokersink import EqueueBrokerWriter, chunks
 from equeue.spark.stream import QueueRange, StreamOptions, read_range
 from equeue.store.types import Message, OutgoingMessage
@@ -227,6 +227,52 @@ def test_a_task_sends_requests_whose_answers_fit_a_frame(broker: Broker) -> None
     assert sent.rows == rows and sent.requests >= 4
     with broker.client() as client:
         assert sum(len(ms) for ms in stored(client, topic).values()) == rows
+
+
+def test_a_tls_broker_is_written_and_read_with_ca_file() -> None:
+    """tls:// with a self-signed certificate: caFile names it on every node; without it
+    the system's CAs refuse the broker, and the error says so."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from equeue.server import BrokerThread
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a self-signed certificate")
+    home = short_dir()
+    try:
+        cert, key = home / "cert.pem", home / "key.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+             "-keyout", str(key), "-out", str(cert)],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        with BrokerThread(
+            home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key)
+        ) as running:
+            (url,) = running.urls
+            given = {"broker": url, "caFile": str(cert), "topic": "tls"}
+            schema = StructType([StructField("body", StringType())])
+            writer = EqueueBrokerWriter(given, schema, False)
+            batch = pa.record_batch([pa.array(["a", "b", "c"])], names=["body"])
+            assert writer.write(iter([batch])).rows == 3
+            options = StreamOptions({"broker": url, "caFile": str(cert), "topics": "tls"})
+            with Client(url, cafile=str(cert)) as client:
+                ranges = [(q, *client.queue_range("tls", q)) for q in client.queue_ids("tls")]
+            bodies = [
+                bytes(b)
+                for q, first, end in ranges
+                for part in read_range(options, QueueRange("tls", q, first, end))
+                for b in part.column("body").to_pylist()
+            ]
+            assert sorted(bodies) == [b"a", b"b", b"c"]
+            with pytest.raises(EQueueError, match="CERTIFICATE_VERIFY_FAILED"):
+                EqueueBrokerWriter({"broker": url, "topic": "tls"}, schema, False)
+            with pytest.raises(SparkOptionError, match="option caFile is for a tls:// broker"):
+                EqueueBrokerWriter({**given, "broker": "unix:/x"}, schema, False)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_the_path_sink_on_a_served_store_names_the_broker_option(
