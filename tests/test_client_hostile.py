@@ -6,6 +6,7 @@ came is reported in ``unanswered``."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -236,3 +237,23 @@ def test_a_broker_that_never_welcomes_is_connection_lost_after_connect_timeout(
 
     with FakeBroker(script) as fake, pytest.raises(ConnectionLostError, match=fake.url):
         call(kind, fake.url, "ping", connect_timeout=0.3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_broker_that_stops_reading_is_connection_lost_after_the_timeout(kind: str) -> None:
+    """A send larger than the socket buffers to a broker that never reads: the write
+    blocks (sync) or the answer never comes (aio); after ``timeout`` the connection is
+    closed and the send is reported unanswered."""
+    release = threading.Event()
+
+    def script(peer: Peer) -> None:
+        peer.welcome()
+        release.wait(30)  # reads nothing more
+
+    with FakeBroker(script) as fake:
+        try:
+            with pytest.raises(ConnectionLostError) as raised:
+                call(kind, fake.url, "send", "t", b"x" * (4 << 20), timeout=0.5)
+        finally:
+            release.set()
+    assert [len(m.body) for m in raised.value.unanswered] == [4 << 20]

@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
+from equeue.client.connect import RECV_BYTES
 from equeue.client.core import (
     DECODERS,
     AnswerReader,
@@ -59,7 +60,7 @@ _STATUSES: Final = (STATUS_OK, STATUS_ERROR)
 _Entry = tuple["asyncio.Future[tuple[int, Any]]", Given, float]
 
 
-class _Protocol(asyncio.Protocol):
+class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes per read
     def __init__(self, hello: bytes, where: str, timeout: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.where = where
@@ -77,6 +78,7 @@ class _Protocol(asyncio.Protocol):
         self.queued: deque[asyncio.Future[None]] = deque()  # callers waiting for a place
         self.welcomed = False
         self.watchdog: asyncio.TimerHandle | None = None
+        self.inbuf = memoryview(bytearray(RECV_BYTES))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -87,7 +89,13 @@ class _Protocol(asyncio.Protocol):
     def _tick(self) -> float:
         return min(max(self.timeout / 4, 0.01), 1.0)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.inbuf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self.inbuf[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
         try:
             bodies = self.reader.feed(data)
         except ProtocolError as exc:

@@ -83,7 +83,7 @@ class AnswerReader:
         self.max_frame_bytes = max_frame_bytes
         self.where = where
 
-    def feed(self, data: bytes) -> list[Any]:
+    def feed(self, data: bytes | memoryview) -> list[Any]:
         buffer = self._buffer
         buffer += data
         end = len(buffer)

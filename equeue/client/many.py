@@ -49,7 +49,8 @@ def send_many(client: Client, topic: str, messages: object, window: int) -> list
             welcome = client.welcome
             room = min(window, welcome.limits["max_in_flight"]) if welcome else window
             count = min(room - len(in_flight), len(batch) - written)
-            if count > 0:
+            # Refill a quarter of the window at a time: one write for many requests.
+            if count >= min(max(room // 4, 1), len(batch) - written) or not in_flight:
                 try:
                     conn, slots = client._submit(
                         batch[written : written + count], conn if in_flight else None
@@ -60,18 +61,24 @@ def send_many(client: Client, topic: str, messages: object, window: int) -> list
                     break
                 in_flight.extend(zip(range(written, written + count), slots, strict=True))
                 written += count
-        index, slot = in_flight.popleft()
-        assert conn is not None  # (set by the write that put the slot in flight)
-        try:
-            results[index] = decode(client._wait(conn, slot), client.url)
-        except ConnectionLostError as exc:
-            failure = exc
-            lost.append(index)
-            lost.extend(i for i, _ in in_flight)  # every request on it failed with it
+        assert conn is not None  # (set by the write that put the slots in flight)
+        while in_flight:  # the oldest, then every one answered behind it
+            index, slot = in_flight.popleft()
+            try:
+                results[index] = decode(client._wait(conn, slot), client.url)
+            except ConnectionLostError as exc:
+                failure = exc
+                lost.append(index)
+                lost.extend(i for i, _ in in_flight)  # every request on it failed with it
+                in_flight.clear()
+                break
+            except EQueueError as exc:
+                if failure is None:
+                    failure = exc  # stop writing; the rest in flight are still awaited
+            if in_flight and not in_flight[0][1].done:
+                break
+        if isinstance(failure, ConnectionLostError):
             break
-        except EQueueError as exc:
-            if failure is None:
-                failure = exc  # stop writing; the rest in flight are still awaited
     if failure is None:
         return results  # type: ignore[return-value]  # (every one is filled)
     setattr(failure, "sent", [result for result in results if result is not None])  # noqa: B010

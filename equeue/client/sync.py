@@ -16,6 +16,7 @@ import datetime as dt
 import os
 import socket
 import ssl
+import struct
 import threading
 import time
 import weakref
@@ -70,7 +71,9 @@ class _Slot:
 
 
 class _Connection:
-    __slots__ = ("broken", "encoder", "io_lock", "pending", "reader", "sock", "welcome")
+    __slots__ = (
+        "broken", "encoder", "inbuf", "io_lock", "pending", "reader", "sock", "welcome",
+    )  # fmt: skip
 
     def __init__(self, sock: socket.socket, welcome: Welcome, reader: AnswerReader) -> None:
         self.sock = sock
@@ -79,9 +82,22 @@ class _Connection:
         self.encoder = RequestEncoder(welcome.limits["max_frame_bytes"], reader.where)
         self.pending: dict[int, _Slot] = {}
         self.broken = False
+        self.inbuf = memoryview(bytearray(RECV_BYTES))  # read into, by the reader only
         # One SSL object must not read and write in two threads at once.
         tls = isinstance(sock, ssl.SSLSocket)
         self.io_lock: Any = threading.Lock() if tls else contextlib.nullcontext()
+
+
+def kernel_timeouts(sock: socket.socket, timeout: float) -> None:
+    """Blocking mode with the kernel's send and receive timeouts: Python's own timeout
+    mode polls before every send and receive (two syscalls more per request); reads are
+    polled by the client first anyway. A send or receive blocked past ``timeout`` fails
+    with an OSError (EAGAIN), which closes the connection."""
+    sock.settimeout(None)
+    seconds = int(timeout)
+    value = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
 
 
 def check_timeout(name: str, value: object) -> float:
@@ -158,7 +174,7 @@ class Client:
             sock, welcome, reader = connect_with_retries(
                 self.endpoint, self._token, self._name, self.connect_timeout
             )
-            sock.settimeout(self.timeout)
+            kernel_timeouts(sock, self.timeout)
             conn = self._conn = _Connection(sock, welcome, reader)
         return conn
 
@@ -178,9 +194,9 @@ class Client:
                 return False
             self._reading = True
         try:
-            sock.settimeout(0)  # no request is in flight and no other thread writes now
+            sock.setblocking(False)  # no request is in flight and no other thread writes now
             try:
-                data = sock.recv(RECV_BYTES)
+                data = conn.inbuf[: sock.recv_into(conn.inbuf)]
             except (BlockingIOError, ssl.SSLWantReadError):  # e.g. a TLS session ticket
                 return False
             except OSError as exc:
@@ -188,7 +204,7 @@ class Client:
                 return True
             finally:
                 if not conn.broken:
-                    sock.settimeout(self.timeout)
+                    sock.setblocking(True)  # (the kernel's timeouts stay)
             self._received(conn, data)
             return True
         finally:
@@ -217,7 +233,7 @@ class Client:
         conn.pending.clear()
         self._cond.notify_all()
 
-    def _received(self, conn: _Connection, data: bytes) -> None:
+    def _received(self, conn: _Connection, data: memoryview) -> None:
         """Hand the answers in ``data`` to their slots (EOF and garbage break ``conn``)."""
         if not data:
             self._break(conn, f"the broker at {self.url} closed the connection", None)
@@ -277,8 +293,10 @@ class Client:
             try:
                 with conn.io_lock:
                     conn.sock.sendall(data)
-            except OSError as exc:
-                self._break(conn, f"the connection to {self.url} broke while sending: {exc}", exc)
+            except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
+                self._break(conn, f"the connection to {self.url} broke while sending: {exc!r}", exc)
+                if not isinstance(exc, OSError):
+                    raise
         return conn, slots
 
     def _wait(self, conn: _Connection, slot: _Slot) -> Any:
@@ -326,7 +344,7 @@ class Client:
                         self._expire(conn, slot)
                 return
             with conn.io_lock:
-                data = sock.recv(RECV_BYTES)
+                data = conn.inbuf[: sock.recv_into(conn.inbuf)]
         except (OSError, ValueError) as exc:  # ValueError: a closed socket
             self._break(conn, f"the connection to {self.url} broke: {exc}", exc)
             return
