@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all install test lint typecheck demo pipeline bench clean check-java
+.PHONY: all install test lint typecheck demo pipeline bench bench-redis clean check-java
 
 all: test
 
@@ -50,13 +50,25 @@ demo: check-java $(STAMP)
 pipeline: check-java $(STAMP)
 	$(PY) tools/pipeline_example.py --seconds 30
 
-bench: $(STAMP)
+# tools/bench_broker.py's peer, Redis Streams: Debian's redis-server, installed where
+# missing and possible (root, or sudo without a password); else the tool skips its rows.
+bench-redis:
+	@command -v redis-server >/dev/null 2>&1 || \
+	{ if [ "$$(id -u)" = 0 ]; then sudo=; else sudo="sudo -n"; fi; \
+	  { $$sudo apt-get install -y -qq redis-server || \
+	    { $$sudo apt-get update -qq && $$sudo apt-get install -y -qq redis-server; }; \
+	  } >/dev/null 2>&1; } || \
+	echo "make bench: redis-server is not installed and could not be" \
+		"(apt-get install redis-server): tools/bench_broker.py skips its Redis rows" >&2
+
+bench: $(STAMP) bench-redis
 	$(PY) tools/bench_chunks.py
 	$(PY) tools/bench_store.py
 	$(PY) tools/bench_durable.py
 	$(PY) tools/bench_peers.py
 	$(PY) tools/bench_compaction.py --markdown
 	$(PY) tools/bench_spark_source.py
+	$(PY) tools/bench_broker.py --markdown -
 
 clean:
 	rm -rf $(VENV) demo-store .mypy_cache .pytest_cache .ruff_cache build equeue/*.so

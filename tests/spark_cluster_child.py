@@ -2,7 +2,8 @@
 process, the tests' is local[2]), in the directory holding the stores it names by
 RELATIVE paths: r (read by the data source and by a streaming query), c1 (compacted
 through the API), c2 (by the ``equeue compact`` command, shipping equeue and
-marker.zip). Everything runs on ``local-cluster[2,1,1024]``: two executor JVMs in their
+marker.zip); and, when the test started one (BROKER_ENV), writes and reads through a
+broker. Everything runs on ``local-cluster[2,1,1024]``: two executor JVMs in their
 own working directories, each with its own Python workers, as on a cluster. Prints what
 it saw as one JSON object.
 
@@ -96,6 +97,23 @@ def _stream(spark: Any, store: str) -> list[list[Any]]:
     return rows
 
 
+BROKER_ENV = "EQUEUE_TEST_BROKER"  # the URL of a broker the test started, if any
+BROKER_TOKEN_ENV = "EQUEUE_TEST_BROKER_TOKEN_FILE"  # its token file
+BROKER_ROWS = 400
+
+
+def _through_broker(spark: Any, url: str, token_file: str) -> list[str]:
+    """Rows written by the executors through the broker (topic ``cluster``), then read
+    back by them through it: the bodies the batch source gives."""
+    df = spark.range(0, BROKER_ROWS, numPartitions=2).selectExpr(
+        "concat('k', cast(id % 5 as string)) as key", "cast(id as string) as body"
+    )
+    options = {"broker": url, "tokenFile": token_file}
+    df.write.format("equeue").options(**options).option("topic", "cluster").mode("append").save()
+    read = spark.read.format("equeue").options(**options).option("topics", "cluster").load()
+    return [bytes(r.body).decode() for r in read.collect()]
+
+
 def run(now: float, executor_path: str, other_pythons: list[str]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     tick = time.monotonic()
@@ -127,6 +145,10 @@ def run(now: float, executor_path: str, other_pythons: list[str]) -> dict[str, A
     seen["steps"]["read"] = time.monotonic() - tick
     seen["streamed"] = _stream(spark, "r")
     seen["steps"]["stream"] = time.monotonic() - tick
+    broker = os.environ.get(BROKER_ENV)
+    if broker:
+        seen["broker_read"] = _through_broker(spark, broker, os.environ[BROKER_TOKEN_ENV])
+        seen["steps"]["broker"] = time.monotonic() - tick
     # The path as given, unresolved: the executors' working directories hold no "r".
     seen["unseen"] = verdict(run_probes(spark, "r/store.json"), "r/store.json")
     seen["unimportable"] = _failure(spark, without_equeue("without-equeue.sh"))

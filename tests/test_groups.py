@@ -93,6 +93,9 @@ def test_revoked_queue_waits_for_its_holder_to_release_it(coord: GroupCoordinato
     assert queues(a_new) == [(RETRY, 0), *orders(0, 1, 2, 3)]
     assert queues(coord.heartbeat("g", "b")) == []
     coord.check_owner("g", "a", "orders", 7)
+    coord.heartbeat("g", "a")  # answered 2 but not applied yet (no generation reported)
+    coord.heartbeat("g", "a", generation=1)
+    coord.check_owner("g", "a", "orders", 7)
     # a applies generation 2 and says so: orders/4..7 go to b on its next heartbeat
     coord.heartbeat("g", "a", generation=2)
     with pytest.raises(GroupError):

@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from compaction_model import all_messages, expected_removed
+from server_helpers import short_dir
+from spark_cluster_child import BROKER_ENV, BROKER_ROWS, BROKER_TOKEN_ENV
 from test_compaction import fill, snapshot_messages
+from test_spark_broker import Broker
+from test_spark_broker import stored as all_stored
 
 import equeue
 from equeue import MessageStore
@@ -74,6 +78,7 @@ class ClusterRun:
     directory: Path
     other_pythons: list[str]
     seconds: float
+    broker_stored: list[str]  # the bodies of topic "cluster" in the broker's store
 
 
 @pytest.fixture(scope="module")
@@ -97,17 +102,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> ClusterRun:
         archive.writestr("cluster_marker.py", "VALUE = 'shipped'\n")
     others = other_minor_pythons()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, str(TESTS)]))
-    tick = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, str(TESTS / "spark_cluster_child.py"), str(now), PACKAGE_PARENT, *others],
-        cwd=directory,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    seconds = time.monotonic() - tick
+    home = short_dir()  # the broker's socket path must fit sun_path
+    broker: Broker | None = None
+    try:
+        broker = Broker(home)
+        env[BROKER_ENV] = broker.url
+        env[BROKER_TOKEN_ENV] = str(broker.token_file)
+        tick = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, str(TESTS / "spark_cluster_child.py"), str(now), PACKAGE_PARENT,
+             *others],
+            cwd=directory, env=env, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        seconds = time.monotonic() - tick
+        with broker.client() as client:
+            stored = [m.body.decode() for ms in all_stored(client, "cluster").values() for m in ms]
+    finally:
+        if broker is not None:
+            broker.stop()
+        shutil.rmtree(home, ignore_errors=True)
     if done.returncode != 0:
         pytest.fail(f"the local-cluster run failed:\n{done.stderr[-6000:]}")
     return ClusterRun(
@@ -121,7 +134,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> ClusterRun:
         directory=directory,
         other_pythons=others,
         seconds=seconds,
+        broker_stored=stored,
     )
+
+
+def test_executors_write_and_read_through_a_broker_on_local_cluster(cluster: ClusterRun) -> None:
+    """Executor processes of their own (each reading the token from ``tokenFile``) send
+    the rows to the broker and read them back through it: each row once."""
+    want = sorted(str(i) for i in range(BROKER_ROWS))
+    assert sorted(cluster.broker_stored) == want
+    assert sorted(cluster.seen["broker_read"]) == want
 
 
 def test_preflight_on_local_cluster_passes_and_reports_each_task(cluster: ClusterRun) -> None:

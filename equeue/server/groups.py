@@ -251,6 +251,7 @@ class GroupCoordinator:
         group's committed offset)."""
         now = self.clock()
         result: dict[str, Any] = {}
+        offsets = self.store.consumer_groups() if self._groups else {}  # one read for all
         for name, state in self._groups.items():
             lag: dict[str, int] = {}
             for topic, queue_id in state.queues:
@@ -258,8 +259,8 @@ class GroupCoordinator:
                     first, following = self.store.queue_range(topic, queue_id)
                 except (TopicNotFoundError, InvalidMessageError):
                     continue
-                committed = self.store.committed_offset(name, topic, queue_id)
-                lag[f"{topic}/{queue_id}"] = following - max(first, committed or 0)
+                committed = offsets.get(name, {}).get(topic, {}).get(queue_id, 0)
+                lag[f"{topic}/{queue_id}"] = following - max(first, committed)
             result[name] = {
                 "generation": state.generation,
                 "topics": list(state.topics),

@@ -42,6 +42,11 @@ def resolved(options: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def through_broker(options: Mapping[str, str]) -> bool:
+    """The ``broker`` option is given: nothing opens the store (viabroker.py)."""
+    return any(key.lower() == "broker" for key in options)
+
+
 class EqueueDataSource(DataSource):
     @classmethod
     def name(cls) -> str:
@@ -53,6 +58,10 @@ class EqueueDataSource(DataSource):
         return schema_for(resolved(self.options))
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        if through_broker(self.options):
+            from equeue.spark.brokerread import EqueueBrokerReader
+
+            return EqueueBrokerReader(dict(self.options))
         from equeue.spark.source import EqueueReader
 
         return EqueueReader(resolved(self.options))
@@ -63,11 +72,19 @@ class EqueueDataSource(DataSource):
         return EqueueStreamReader(resolved(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        if through_broker(self.options):
+            from equeue.spark.brokersink import EqueueBrokerWriter
+
+            return EqueueBrokerWriter(dict(self.options), schema, overwrite)
         from equeue.spark.sink import EqueueWriter
 
         return EqueueWriter(resolved(self.options), schema, overwrite)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        if through_broker(self.options):
+            from equeue.spark.brokersink import EqueueBrokerStreamWriter
+
+            return EqueueBrokerStreamWriter(dict(self.options), schema, overwrite)
         from equeue.spark.sink import EqueueStreamWriter
 
         return EqueueStreamWriter(resolved(self.options), schema, overwrite)

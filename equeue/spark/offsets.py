@@ -21,6 +21,7 @@ from equeue.spark.columns import RowFilter
 
 if TYPE_CHECKING:
     from equeue.spark.stream import StreamOptions
+    from equeue.spark.viabroker import BrokerQueues
     from equeue.store.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,10 @@ class OffsetBounds:
                 "the options 'topics' (names, comma-separated) and 'topicPattern' (a regular "
                 "expression), got " + ("both" if "topics" in given else "neither")
             )
-        kept = ("topics", "topicpattern", "failondataloss")
-        stream = StreamOptions(
-            {"path": given.get("path") or "(no path)"} | {k: given[k] for k in kept if k in given}
-        )
+        kept = ("topics", "topicpattern", "failondataloss", "broker", "tokenfile", "cafile")
+        # Through a broker there is no path (viabroker.py: the two are exclusive).
+        where = {} if "broker" in given else {"path": given.get("path") or "(no path)"}
+        stream = StreamOptions(where | {k: given[k] for k in kept if k in given})
         bounds: list[dict[str, dict[str, int]] | None] = []
         for name, default, refused in (
             ("startingOffsets", "earliest", "latest"),
@@ -97,7 +98,7 @@ class OffsetBounds:
             bounds.append(parsed)
         return cls(stream, bounds[0], bounds[1])
 
-    def spans(self, opened: MessageStore) -> QueueSpans:
+    def spans(self, opened: MessageStore | BrokerQueues) -> QueueSpans:
         """Each queue's [start, stop) now: start -2 / default its first offset, stop -1 /
         default its next offset. Offsets retention removed are data loss (failOnDataLoss)."""
         from equeue.spark.stream import EARLIEST, LATEST, lost_message

@@ -59,6 +59,7 @@ from equeue.spark.ledger import (
     valid_job_id,
 )
 from equeue.spark.sinkcommit import STAGED_SCHEMA, commit, outgoing
+from equeue.spark.viabroker import served_at, served_error
 from equeue.store.config import StoreConfig
 from equeue.store.store import MessageStore
 from equeue.store.types import OutgoingMessage
@@ -155,6 +156,9 @@ class _Sink:
                 '(use mode("append"), or outputMode("append"/"update") for a stream)'
             )
         self.store = store_path(options)
+        served = served_at(self.store)
+        if served is not None:
+            raise served_error(self.store, served)
         topic = _option(options, "topic")
         if not topic:
             raise SparkOptionError(
@@ -214,66 +218,8 @@ class _Sink:
     def _checked(self, batch: pa.RecordBatch, partition: int, first: int) -> pa.RecordBatch:
         """The batch in the staged layout, every row checked as ``send`` checks it (so a
         bad row fails its task, and the job appends nothing)."""
-        from equeue.store import validate
-
-        n = batch.num_rows
-        names = batch.schema.names
-
-        def column(name: str, kind: pa.DataType) -> pa.Array:
-            if name not in names:
-                return pa.nulls(n, kind)
-            return batch.column(name).cast(kind)
-
-        body = column("body", pa.binary())
-        tag = column("tag", pa.string()).fill_null("")
-        key = column("key", pa.string())
-        properties = column("properties", STAGED_SCHEMA.field("properties").type)
-        try:
-            queue_id = column("queue_id", pa.int32())
-        except pa.ArrowInvalid:  # a long past int32: no queue has that id
-            values = batch.column("queue_id").to_pylist()
-            index = next(i for i, v in enumerate(values) if v is not None and abs(v) >= 2**31)
-            raise QueueNotFoundError(
-                f"the equeue sink cannot send row {first + index} of partition {partition} to "
-                f"topic {self.topic!r}: queue_id {values[index]} is out of range for its "
-                f"{self.queue_count} queues; create_topic() can raise the queue count"
-            ) from None
-        staged = pa.RecordBatch.from_arrays(
-            [body, tag, key, properties, queue_id], schema=STAGED_SCHEMA
-        )
-        if staged.column(0).null_count:
-            index = staged.column(0).is_null().to_pylist().index(True)
-            raise SparkSchemaError(
-                f"the equeue sink cannot send row {first + index} of partition {partition} to "
-                f"topic {self.topic!r}: its body is null; every message needs a body"
-            )
         config, topic, count = self.config, self.topic, self.queue_count
-
-        def check(message: object) -> object:
-            return validate.check_message(config, topic, count, *validate.outgoing(message))
-
-        messages = outgoing(staged)
-        try:
-            fast = speedups.SPEEDUPS
-            if fast is None:
-                for message in messages:
-                    check(message)
-            else:  # as send_batch checks: the common cases in C, the rest by check()
-                fast.check_batch(
-                    messages, OutgoingMessage, check, validate.check_tag,
-                    config.max_message_size, config.layout.chunk_data_size, count,
-                )  # fmt: skip
-        except EQueueError:  # which row: check them one by one
-            for i, message in enumerate(messages):
-                try:
-                    check(message)
-                except EQueueError as exc:
-                    raise type(exc)(
-                        f"the equeue sink cannot send row {first + i} of partition {partition} "
-                        f"to topic {topic!r}: {exc}"
-                    ) from None
-            raise
-        return staged
+        return checked_rows(batch, config, topic, count, partition, first)[0]
 
     # --- the driver -------------------------------------------------------------
 
@@ -290,6 +236,87 @@ class _Sink:
         if check_file(directory / INTENT_FILE):
             return
         incoming.remove_job_dir(job)
+
+
+def checked_rows(
+    batch: pa.RecordBatch,
+    config: StoreConfig,
+    topic: str,
+    count: int,
+    partition: int,
+    first: int,
+) -> tuple[pa.RecordBatch, list[OutgoingMessage]]:
+    """``batch`` in the staged layout and as messages, every row checked as ``send`` checks
+    it against ``config``'s limits and ``count`` queues; the first bad row raises, named."""
+    from equeue.store import validate
+
+    staged = staged_rows(batch, topic, count, partition, first)
+
+    def check(message: object) -> object:
+        return validate.check_message(config, topic, count, *validate.outgoing(message))
+
+    messages = outgoing(staged)
+    try:
+        fast = speedups.SPEEDUPS
+        if fast is None:
+            for message in messages:
+                check(message)
+        else:  # as send_batch checks: the common cases in C, the rest by check()
+            fast.check_batch(
+                messages, OutgoingMessage, check, validate.check_tag,
+                config.max_message_size, config.layout.chunk_data_size, count,
+            )  # fmt: skip
+    except EQueueError:  # which row: check them one by one
+        for i, message in enumerate(messages):
+            try:
+                check(message)
+            except EQueueError as exc:
+                raise type(exc)(
+                    f"the equeue sink cannot send row {first + i} of partition {partition} "
+                    f"to topic {topic!r}: {exc}"
+                ) from None
+        raise
+    return staged, messages
+
+
+def staged_rows(
+    batch: pa.RecordBatch, topic: str, queue_count: int | None, partition: int, first: int
+) -> pa.RecordBatch:
+    """``batch`` in the staged layout (body, tag, key, properties, queue_id); a null body
+    or a queue_id past int32 raises naming the row (``first``: the rows before it)."""
+    n = batch.num_rows
+    names = batch.schema.names
+
+    def column(name: str, kind: pa.DataType) -> pa.Array:
+        if name not in names:
+            return pa.nulls(n, kind)
+        return batch.column(name).cast(kind)
+
+    body = column("body", pa.binary())
+    tag = column("tag", pa.string()).fill_null("")
+    key = column("key", pa.string())
+    properties = column("properties", STAGED_SCHEMA.field("properties").type)
+    try:
+        queue_id = column("queue_id", pa.int32())
+    except pa.ArrowInvalid:  # a long past int32: no queue has that id
+        values = batch.column("queue_id").to_pylist()
+        index = next(i for i, v in enumerate(values) if v is not None and abs(v) >= 2**31)
+        count = "its" if queue_count is None else f"its {queue_count}"
+        raise QueueNotFoundError(
+            f"the equeue sink cannot send row {first + index} of partition {partition} to "
+            f"topic {topic!r}: queue_id {values[index]} is out of range for {count} queues; "
+            "create_topic() can raise the queue count"
+        ) from None
+    staged = pa.RecordBatch.from_arrays(
+        [body, tag, key, properties, queue_id], schema=STAGED_SCHEMA
+    )
+    if staged.column(0).null_count:
+        index = staged.column(0).is_null().to_pylist().index(True)
+        raise SparkSchemaError(
+            f"the equeue sink cannot send row {first + index} of partition {partition} to "
+            f"topic {topic!r}: its body is null; every message needs a body"
+        )
+    return staged
 
 
 def _task_kill(context: Any) -> int:

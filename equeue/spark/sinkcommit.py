@@ -184,7 +184,8 @@ def _open_writer(store: str, job: Job) -> MessageStore:
             f"the store at {store} is open for writing by another process (pid {holder}): the "
             "sink appends through its own writer; nothing of the "
             f"{job.describe()} was appended; stop that writer (or open it read_only=True) "
-            f"and {again}"
+            f"and {again}, or, if that writer is a broker (equeue serve), write through it "
+            '(option "broker", docs/spark.md "Through a broker")'
         ) from None
 
 

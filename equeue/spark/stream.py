@@ -58,6 +58,7 @@ from equeue.errors import (
 )
 from equeue.spark.columns import MESSAGE_FIELDS
 from equeue.spark.source import BATCH_ROWS, MESSAGE_SCHEMA
+from equeue.spark.viabroker import BrokerQueues
 from equeue.store.types import Message
 
 if TYPE_CHECKING:
@@ -84,6 +85,9 @@ OPTIONS: Final = (
     "minOffsetsPerTrigger",
     "maxTriggerDelay",
     "failOnDataLoss",
+    "broker",
+    "tokenFile",
+    "caFile",
 )
 _KNOWN: Final = {name.lower(): name for name in OPTIONS}
 _INT32_MAX: Final = (1 << 31) - 1  # the queue_id column is an int, queue_offset a long
@@ -116,10 +120,19 @@ class StreamOptions:
                     f"readStream.format('equeue'): unknown option {key!r}; the options are "
                     + ", ".join(OPTIONS)
                 )
+        from equeue.spark.viabroker import BrokerAddress, broker_url
+
+        # Through a broker (viabroker.py) nothing opens the store: the driver plans and the
+        # tasks pull with the client; ``path`` then only names the store in messages.
+        self.broker: BrokerAddress | None = None
         path = given.get("path")
+        if broker_url(given) is not None:
+            self.broker = BrokerAddress(given)
+            path = f"the store served at {self.broker.url}"
         if not path:
             raise SparkOptionError(
                 'readStream.format("equeue") needs the store directory: .load("/path/to/store")'
+                ' (or option("broker", URL) where a broker serves it)'
             )
         self.path = path
         topics, pattern = given.get("topics"), given.get("topicpattern")
@@ -253,7 +266,7 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 f"(the batch source's: {MESSAGE_SCHEMA}); a schema of {names} was asked for"
             )
         self.schema = schema
-        self._store: MessageStore | None = None
+        self._store: MessageStore | BrokerQueues | None = None
         self._target: Offsets | None = None  # Trigger.AvailableNow: where the query ends
         self._last_batch = time.monotonic()
 
@@ -266,10 +279,8 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _ranges(self) -> dict[str, dict[str, tuple[int, int]]]:
         """(first, next) offset of every queue of the topics read, as the store has them now."""
-        from equeue.store.store import MessageStore
-
         if self._store is None:
-            self._store = MessageStore.open(self.options.path, read_only=True)
+            self._store = open_queues(self.options)
         store = self._store
         store.refresh()  # (also on a new handle: see read_range)
         out: dict[str, dict[str, tuple[int, int]]] = {}
@@ -467,7 +478,6 @@ def lost_message(path: str, topic: str, queue: str | int, wanted: int, first: in
 def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBatch]:
     """The messages of ``part`` as Arrow record batches; offsets compaction removed are left
     out, offsets retention removed are data loss."""
-    from equeue.store.store import MessageStore
 
     def loss(message: str) -> None:
         if options.fail_on_data_loss:
@@ -475,7 +485,8 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
         log.warning("%s; skipped (failOnDataLoss=false)", message)
 
     topic, queue, offset, end = part.topic, part.queue_id, part.start, part.end
-    with MessageStore.open(options.path, read_only=True) as store:
+    store = open_queues(options)
+    try:
         try:
             # Just opened, the handle starts past what retention had removed; the refresh
             # also takes in a retention run since the open (a test runs one there).
@@ -532,6 +543,18 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
             gone = [(a, min(b, now_first)) for a, b in holes if a < now_first]
             for a, b in gone:
                 loss(lost_message(options.path, topic, queue, a, b))
+    finally:
+        store.close()
+
+
+def open_queues(options: StreamOptions) -> MessageStore | BrokerQueues:
+    """What the driver plans with and a task reads through: a read-only handle on the
+    store, or a client of the broker serving it (the ``broker`` option)."""
+    from equeue.store.store import MessageStore
+
+    if options.broker is not None:
+        return BrokerQueues(options.broker.connect())
+    return MessageStore.open(options.path, read_only=True)
 
 
 def _batch(messages: list[Message]) -> pa.RecordBatch:

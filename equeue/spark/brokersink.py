@@ -1,0 +1,215 @@
+"""The sink through a broker: ``df.write.format("equeue").option("broker", URL)`` (and
+``writeStream``). Each task sends its rows to the broker itself, in ``send_batch``
+requests that fit the broker's frame limit; the driver's commit has nothing left to do.
+
+At least once, as Spark's Kafka sink: a task attempt that fails after some of its
+requests were answered leaves those rows in the store, and Spark's retry of the task (or
+a streaming epoch run again after a restart) sends them again. The path sink (sink.py)
+keeps its exactly-once ledger; through a broker there is no place for one that the
+tasks' sends and the driver's commit could share (docs/spark.md, "Through a broker").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import StructType
+
+from equeue.errors import EQueueError, SparkOptionError
+from equeue.spark.sink import check_schema, checked_rows
+from equeue.spark.viabroker import BROKER, CA_FILE, TOKEN_FILE, BrokerAddress, option
+from equeue.store.config import StoreConfig
+from equeue.store.types import OutgoingMessage
+
+if TYPE_CHECKING:
+    from equeue.client.sync import Client
+
+log = logging.getLogger(__name__)
+
+BATCH_OPTIONS: Final = (BROKER, TOKEN_FILE, CA_FILE, "topic")
+# checkpointLocation is Spark's own (the query's); the sink keeps nothing there.
+STREAM_OPTIONS: Final = (
+    BROKER, TOKEN_FILE, CA_FILE, "topic", "checkpointLocation", "queryName",
+)  # fmt: skip
+# A send_batch request carries at most this many bytes of messages (and half the
+# broker's max_frame_bytes): large enough that a request's round trip is small beside
+# its work, small enough that one refused or lost request is little to send again.
+CHUNK_BYTES: Final = 4 << 20
+CHUNK_ROWS: Final = 16384
+MESSAGE_OVERHEAD: Final = 64  # msgpack map keys and headers of one message, at most
+# A SendResult on the wire besides its topic: the answer to a request must fit a frame too.
+RESULT_BYTES: Final = 80
+# The rows are checked for their shape (tag, key, properties, queue_id) before any is
+# sent; size limits are the broker's store's, which it enforces (a row past them fails
+# its task when its request is refused). These are only the loosest values possible.
+_LOOSE: Final = StoreConfig(
+    chunk_data_size=1 << 30, max_message_size=1 << 30, max_properties_size=1 << 20
+)
+_MAX_QUEUES: Final = 1 << 16  # a topic not created yet: its count is the broker's store's
+
+
+@dataclass
+class SentRows(WriterCommitMessage):
+    rows: int
+    requests: int
+
+
+def _known(options: dict[str, str], names: tuple[str, ...], where: str) -> None:
+    known = {name.lower() for name in names}
+    for key in options:
+        if key.lower() == "jobid":
+            raise SparkOptionError(
+                f"{where}.format('equeue'): option jobId is not taken through a broker: this "
+                "path is at-least-once (a task Spark runs again sends its rows again) and "
+                "keeps no ledger of jobs; write by the store's path for exactly once"
+            )
+        if key.lower() not in known and key.lower() != "path":  # path: BrokerAddress says
+            raise SparkOptionError(
+                f"{where}.format('equeue') through a broker: unknown option {key!r}; the "
+                "options are " + ", ".join(names)
+            )
+
+
+def chunks(
+    messages: list[OutgoingMessage], budget: int, max_rows: int = CHUNK_ROWS
+) -> Iterator[list[OutgoingMessage]]:
+    """``messages`` in runs of at most ``budget`` bytes (as estimated) and ``max_rows``
+    rows; a message larger than the budget goes alone (the client refuses it if no frame
+    holds it, FrameTooLargeError naming the broker's limit)."""
+    run: list[OutgoingMessage] = []
+    size = 0
+    for message in messages:
+        body, tag, key, properties = message[0], message[1], message[2], message[3]
+        cost = MESSAGE_OVERHEAD + len(body) + len(tag) + (len(key) if key else 0)
+        if properties:
+            cost += sum(len(k) + len(v) + 10 for k, v in properties.items())
+        if run and (size + cost > budget or len(run) >= max_rows):
+            yield run
+            run, size = [], 0
+        run.append(message)
+        size += cost
+    if run:
+        yield run
+
+
+class _BrokerSink:
+    def __init__(self, options: dict[str, str], schema: StructType, overwrite: bool) -> None:
+        check_schema(schema)
+        if overwrite:
+            raise SparkOptionError(
+                "the equeue sink only appends: a message log cannot be overwritten "
+                '(use mode("append"), or outputMode("append"/"update") for a stream)'
+            )
+        self.address = BrokerAddress(options)
+        topic = option(options, "topic")
+        if not topic:
+            raise SparkOptionError(
+                'the equeue sink needs option("topic", NAME): the topic the rows are sent to'
+            )
+        from equeue.store import validate
+
+        try:
+            validate.check_topic(topic)
+        except EQueueError as exc:
+            raise SparkOptionError(f"option topic={topic!r}: {exc}") from None
+        self.topic = topic
+        # On the driver, before any task: the broker answers, takes the token, and says how
+        # many queues the topic has (a row's queue_id is checked against it in the tasks).
+        with self.address.connect() as client:
+            self.queue_count = (
+                len(client.queue_ids(topic)) if topic in client.topics() else _MAX_QUEUES
+            )
+
+    def send(self, batches: Iterator[pa.RecordBatch]) -> SentRows:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
+        attempt = context.attemptNumber() if context is not None else 0
+        rows = requests = 0
+        client: Client | None = None
+        try:
+            for batch in batches:
+                # Each Arrow batch is checked whole before any of it is sent.
+                _, messages = checked_rows(
+                    batch, _LOOSE, self.topic, self.queue_count, partition, rows
+                )
+                if not messages:
+                    continue
+                if client is None:
+                    client = self.address.connect()
+                budget = _budget(client)
+                # The answer holds a SendResult per row, with the topic in each.
+                rows_max = min(CHUNK_ROWS, budget // (RESULT_BYTES + len(self.topic.encode())))
+                for run in chunks(messages, budget, max(1, rows_max)):
+                    client.send_batch(self.topic, run)
+                    rows += len(run)
+                    requests += 1
+        except EQueueError as exc:
+            exc.add_note(
+                f"the equeue sink's task for partition {partition} (attempt {attempt}) had "
+                f"sent {rows} rows to topic {self.topic!r} through {self.address.url}; they "
+                "stay in the store, and a retry of the task sends them again (at-least-once)"
+            )
+            raise
+        finally:
+            if client is not None:
+                client.close()
+        return SentRows(rows, requests)
+
+    def sent(self, messages: list[WriterCommitMessage | None], what: str) -> None:
+        rows = sum(m.rows for m in messages if isinstance(m, SentRows))
+        log.info("%s: %d rows sent to %r through %s", what, rows, self.topic, self.address.url)
+
+    def aborted(self, messages: list[WriterCommitMessage | None], what: str) -> None:
+        rows = sum(m.rows for m in messages if isinstance(m, SentRows))
+        log.warning(
+            "%s failed; %d rows of the tasks that finished (and any a failed task sent) are in "
+            "topic %r through %s: the broker path cannot take them back (at-least-once)",
+            what, rows, self.topic, self.address.url,
+        )  # fmt: skip
+
+
+def _budget(client: Client) -> int:
+    welcome = client.welcome
+    frame = welcome.limits["max_frame_bytes"] if welcome is not None else CHUNK_BYTES
+    return max(1, min(CHUNK_BYTES, frame // 2))
+
+
+class EqueueBrokerWriter(_BrokerSink, DataSourceArrowWriter):
+    def __init__(self, options: dict[str, str], schema: StructType, overwrite: bool) -> None:
+        _known(options, BATCH_OPTIONS, "write")
+        super().__init__(options, schema, overwrite)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> SentRows:
+        return self.send(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        self.sent(messages, "write")
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        self.aborted(messages, "write")
+
+
+class EqueueBrokerStreamWriter(_BrokerSink, DataSourceStreamArrowWriter):
+    def __init__(self, options: dict[str, str], schema: StructType, overwrite: bool) -> None:
+        _known(options, STREAM_OPTIONS, "writeStream")
+        super().__init__(options, schema, overwrite)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> SentRows:
+        return self.send(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self.sent(messages, f"epoch {batchId}")
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self.aborted(messages, f"epoch {batchId}")

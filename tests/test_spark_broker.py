@@ -1,0 +1,355 @@
+"""format("equeue") through a broker (equeue/spark/viabroker.py, brokersink.py,
+brokerread.py): a real `equeue serve` subprocess on a Unix socket with a token, the
+session's local[2] Spark; the tasks reach the store only through the client."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from server_helpers import short_dir
+
+from equeue.client.sync import Client
+from equeue.errors import DataLossError, EQueueError, SparkOptionError
+from equeue.spark.brokersink import EqueueBrokerWriter, chunks
+from equeue.spark.stream import QueueRange, StreamOptions, read_range
+from equeue.store.types import Message, OutgoingMessage
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+TOKEN = "s3cret-token"
+FRAME = 256 * 1024  # the broker's max_frame_bytes: a task's rows need several requests
+
+
+# Where a row of the streaming test came from, as a property of the row it writes.
+FROM = (
+    "map('from', concat(cast(queue_id as string), '/', cast(queue_offset as string))) as properties"
+)
+
+
+class Broker:
+    def __init__(self, home: Path) -> None:
+        self.store = home / "s"
+        self.token_file = home / "token"
+        self.token_file.write_text(TOKEN + "\n")
+        self.token_file.chmod(0o600)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "equeue", "serve", str(self.store), "--quiet",
+             "--token-file", str(self.token_file), "--max-frame-bytes", str(FRAME)],
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().decode()
+        if not line.startswith("listening on "):
+            self.stop()
+            raise AssertionError(f"the broker did not start: {line!r}")
+        self.url = line.split()[-1]
+
+    def client(self) -> Client:
+        return Client(self.url, token=TOKEN)
+
+    def options(self) -> dict[str, str]:
+        return {"broker": self.url, "tokenFile": str(self.token_file)}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[Broker]:
+    home = short_dir()
+    served = None
+    try:
+        served = Broker(home)
+        yield served
+    finally:
+        if served is not None:
+            served.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def stored(client: Client, topic: str) -> dict[int, list[Message]]:
+    """Every message of ``topic``, per queue, pulled through the broker."""
+    out: dict[int, list[Message]] = {}
+    for queue in client.queue_ids(topic):
+        messages: list[Message] = []
+        first, end = client.queue_range(topic, queue)
+        offset = first
+        for _ in range(10_000):  # bounded: at least one message a pull
+            if offset >= end:
+                break
+            pulled = client.pull(topic, queue, offset, 512, max_bytes=FRAME // 2)
+            messages += pulled.messages
+            offset = pulled.next_offset
+        out[queue] = messages
+    return out
+
+
+def spark_error(caught: pytest.ExceptionInfo[BaseException]) -> str:
+    return str(caught.value)
+
+
+def test_a_batch_write_through_the_broker_stores_every_row_once_in_queue_order(
+    broker: Broker, spark: SparkSession
+) -> None:
+    rows = 2000
+    df = spark.range(0, rows, numPartitions=2).selectExpr(
+        "concat('k', cast(id % 7 as string)) as key",
+        "concat(cast(id as string), ':', repeat('x', 500)) as body",
+        "map('id', cast(id as string)) as properties",
+    )
+    with broker.client() as client:
+        before = client.stats()["send_requests"]
+        df.write.format("equeue").options(**broker.options()).option("topic", "w").mode(
+            "append"
+        ).save()
+        requests = client.stats()["send_requests"] - before
+        queues = stored(client, "w")
+    ids = [int(m.properties["id"]) for msgs in queues.values() for m in msgs]
+    assert sorted(ids) == list(range(rows))  # every row once
+    for msgs in queues.values():
+        for m in msgs:
+            assert m.key == f"k{int(m.properties['id']) % 7}"
+            assert m.body == f"{m.properties['id']}:".encode() + b"x" * 500
+        # Spark's partitions are ids [0, 1000) and [1000, 2000): each in its order per queue.
+        for low in (0, 1000):
+            mine = [
+                int(m.properties["id"]) for m in msgs if low <= int(m.properties["id"]) < low + 1000
+            ]
+            assert mine == sorted(mine)
+    # ~1 MiB of rows in requests of at most half the broker's 256 KiB frame limit.
+    assert requests >= 8
+    # The batch source through the broker reads back the same messages, queue by queue.
+    read = (
+        spark.read.format("equeue").options(**broker.options()).option("topics", "w").load()
+    ).collect()
+    got = {(r.queue_id, r.queue_offset): (r.message_id, bytes(r.body), r.key) for r in read}
+    want = {
+        (q, m.queue_offset): (m.message_id, m.body, m.key) for q, ms in queues.items() for m in ms
+    }
+    assert got == want
+    # Beside the broker (its writer), a read by path through read-only handles in Spark's
+    # workers gives the same rows.
+    by_path = spark.read.format("equeue").option("topics", "w").load(str(broker.store)).collect()
+    assert {
+        (r.queue_id, r.queue_offset): (r.message_id, bytes(r.body), r.key) for r in by_path
+    } == want
+
+
+def test_a_streaming_query_reads_and_writes_through_the_broker(
+    broker: Broker, spark: SparkSession, tmp_path: Path
+) -> None:
+    with broker.client() as client:
+        client.create_topic("src", 3)
+        sent = client.send_batch(
+            "src",
+            [OutgoingMessage(f"b{i}".encode(), "", f"k{i}", None, 0, None) for i in range(300)],
+        )
+    query = (
+        spark.readStream.format("equeue").options(**broker.options())
+        .option("topics", "src").option("startingOffsets", "earliest")
+        .option("maxOffsetsPerTrigger", 100).load()
+        .selectExpr("key", "concat(body, cast('!' as binary)) as body", FROM)
+        .writeStream.format("equeue").options(**broker.options()).option("topic", "dst")
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True).start()
+    )  # fmt: skip
+    try:
+        query.awaitTermination(120)
+    finally:
+        query.stop()
+    assert query.exception() is None
+    batches = [p["batchId"] for p in query.recentProgress if p["numInputRows"]]
+    assert len(batches) >= 3  # maxOffsetsPerTrigger=100 over 300 offsets
+    with broker.client() as client:
+        out = [m for ms in stored(client, "dst").values() for m in ms]
+    origin = {f"{r.queue_id}/{r.queue_offset}": r for r in sent}
+    assert sorted(m.properties["from"] for m in out) == sorted(origin)  # each once
+    for m in out:
+        assert m.key is not None
+        index = int(m.key[1:])
+        assert m.body == f"b{index}!".encode()
+        assert origin[m.properties["from"]].message_id == sent[index].message_id
+
+
+def test_a_range_read_through_the_broker_keeps_fail_on_data_loss(broker: Broker) -> None:
+    """Offsets planned that the queue does not hold (the writer lost them): DataLossError,
+    or with failOnDataLoss=false a warning and the messages there are."""
+    with broker.client() as client:
+        client.create_topic("loss", 1)
+        client.send_batch("loss", [b"a", b"b"])
+    part = QueueRange("loss", 0, 1, 5)
+    strict = StreamOptions({**broker.options(), "topics": "loss"})
+    with pytest.raises(DataLossError, match=r"offsets 2 to 4 were planned but the queue ends at 2"):
+        list(read_range(strict, part))
+    lenient = StreamOptions({**broker.options(), "topics": "loss", "failOnDataLoss": "false"})
+    batches = list(read_range(lenient, part))
+    assert [bytes(b) for batch in batches for b in batch.column("body").to_pylist()] == [b"b"]
+
+
+def test_a_range_of_wide_messages_is_read_in_pulls_that_fit_a_frame(broker: Broker) -> None:
+    """Small bodies, large properties: 512 messages (the first guess for a 256 KiB frame)
+    make a ~400 KiB answer, which the client refuses; the task pulls fewer at a time."""
+    props = {"p": "v" * 700}
+    with broker.client() as client:
+        client.create_topic("wide", 1)
+        for low in range(0, 1500, 200):  # requests within the frame
+            batch = [{"body": b"%d" % i, "properties": props} for i in range(low, low + 200)]
+            client.send_batch("wide", batch)
+    options = StreamOptions({**broker.options(), "topics": "wide"})
+    batches = list(read_range(options, QueueRange("wide", 0, 0, 1500)))
+    bodies = [bytes(b) for batch in batches for b in batch.column("body").to_pylist()]
+    assert bodies == [b"%d" % i for i in range(1500)]
+
+
+def test_a_task_sends_requests_whose_answers_fit_a_frame(broker: Broker) -> None:
+    """Tiny rows to a topic with a long name: a request of as many rows as fit half a
+    frame would be answered with SendResults (each naming the topic) past the frame."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    topic = "t" * 200
+    schema = StructType([StructField("body", StringType())])
+    writer = EqueueBrokerWriter({**broker.options(), "topic": topic}, schema, False)
+    rows = 6000
+    sent = writer.write(iter([pa.record_batch([pa.array(["x"] * rows)], names=["body"])]))
+    assert sent.rows == rows and sent.requests >= 4
+    with broker.client() as client:
+        assert sum(len(ms) for ms in stored(client, topic).values()) == rows
+
+
+def test_a_tls_broker_is_written_and_read_with_ca_file() -> None:
+    """tls:// with a self-signed certificate: caFile names it on every node; without it
+    the system's CAs refuse the broker, and the error says so."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from equeue.server import BrokerThread
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a self-signed certificate")
+    home = short_dir()
+    try:
+        cert, key = home / "cert.pem", home / "key.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+             "-keyout", str(key), "-out", str(cert)],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        with BrokerThread(
+            home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key)
+        ) as running:
+            (url,) = running.urls
+            given = {"broker": url, "caFile": str(cert), "topic": "tls"}
+            schema = StructType([StructField("body", StringType())])
+            writer = EqueueBrokerWriter(given, schema, False)
+            batch = pa.record_batch([pa.array(["a", "b", "c"])], names=["body"])
+            assert writer.write(iter([batch])).rows == 3
+            options = StreamOptions({"broker": url, "caFile": str(cert), "topics": "tls"})
+            with Client(url, cafile=str(cert)) as client:
+                ranges = [(q, *client.queue_range("tls", q)) for q in client.queue_ids("tls")]
+            bodies = [
+                bytes(b)
+                for q, first, end in ranges
+                for part in read_range(options, QueueRange("tls", q, first, end))
+                for b in part.column("body").to_pylist()
+            ]
+            assert sorted(bodies) == [b"a", b"b", b"c"]
+            with pytest.raises(EQueueError, match="CERTIFICATE_VERIFY_FAILED"):
+                EqueueBrokerWriter({"broker": url, "topic": "tls"}, schema, False)
+            with pytest.raises(SparkOptionError, match="option caFile is for a tls:// broker"):
+                EqueueBrokerWriter({**given, "broker": "unix:/x"}, schema, False)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_path_sink_on_a_served_store_names_the_broker_option(
+    broker: Broker, spark: SparkSession
+) -> None:
+    df = spark.createDataFrame([("x",)], "body string")
+    with pytest.raises(Exception) as caught:
+        df.write.format("equeue").option("topic", "w").mode("append").save(str(broker.store))
+    text = spark_error(caught)
+    assert f"the store at {broker.store} is served by a broker" in text
+    assert f'.option("broker", "{broker.url}")' in text
+    assert not (broker.store / "incoming").exists()  # refused before any task staged rows
+
+
+def test_a_wrong_token_is_the_authentication_error_in_the_spark_error(
+    broker: Broker, spark: SparkSession, tmp_path: Path
+) -> None:
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token")
+    df = spark.createDataFrame([("x",)], "body string")
+    with broker.client() as client:
+        before = {
+            t: [client.queue_range(t, q) for q in client.queue_ids(t)] for t in client.topics()
+        }
+    with pytest.raises(Exception) as caught:
+        df.write.format("equeue").option("broker", broker.url).option(
+            "tokenFile", str(wrong)
+        ).option("topic", "w").mode("append").save()
+    assert "equeue.errors.AuthenticationError" in spark_error(caught)
+    with pytest.raises(Exception) as caught:
+        spark.read.format("equeue").option("broker", broker.url).option(
+            "topics", "w"
+        ).load().collect()
+    assert "AuthenticationError" in spark_error(caught)  # no token at all
+    with broker.client() as client:
+        after = {
+            t: [client.queue_range(t, q) for q in client.queue_ids(t)] for t in client.topics()
+        }
+    assert after == before
+
+
+def test_the_broker_options_are_checked_on_the_driver(broker: Broker, tmp_path: Path) -> None:
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    schema = StructType([StructField("body", StringType())])
+    given = {**broker.options(), "topic": "w"}
+
+    def refused(options: dict[str, Any], *said: str) -> None:
+        with pytest.raises(SparkOptionError) as caught:
+            EqueueBrokerWriter(options, schema, False)
+        for text in said:
+            assert text in str(caught.value)
+
+    refused({**given, "path": str(broker.store)}, "and the store path", "are exclusive")
+    refused({**given, "broker": "http://x"}, "option broker='http://x'", "unix:PATH")
+    refused({**given, "broker": "tcp://127.0.0.1"}, "needs a host and a port")
+    refused({**given, "tokenFile": str(tmp_path / "none")}, "option tokenFile=", "cannot read it")
+    refused({**given, "jobId": "j1"}, "option jobId is not taken through a broker")
+    refused({**given, "topic": "a/b"}, "option topic='a/b'")
+    refused(
+        {"tokenFile": str(broker.token_file), "topic": "w", "path": "/x"},
+        "option tokenFile is for a broker",
+    )
+    refused({**given, "colour": "red"}, "unknown option 'colour'")
+    with pytest.raises(SparkOptionError, match="option tokenFile"):
+        StreamOptions({"topics": "w", "broker": broker.url, "tokenFile": ""})
+    assert EqueueBrokerWriter(given, schema, False).topic == "w"
+
+
+def test_chunks_stay_within_the_budget() -> None:
+    def message(size: int) -> OutgoingMessage:
+        return OutgoingMessage(b"x" * size, "tag", "key", {"p": "v"}, 0, None)
+
+    messages = [message(100 + i % 300) for i in range(1000)] + [message(5000), message(10)]
+    runs = list(chunks(messages, 4096))
+    assert [m for run in runs for m in run] == messages
+    assert runs[-2:] == [[messages[-2]], [messages[-1]]]  # the big one alone
+    for run in runs:
+        cost = sum(64 + len(m.body) + 3 + 3 + 12 for m in run)
+        assert len(run) == 1 or cost <= 4096
