@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Final
 
 from equeue.chunks.chunk import Chunk, fsync_directory, write_error
 from equeue.chunks.config import ChunkManagerConfig
+from equeue.chunks.footer import read_footer
 from equeue.chunks.recovery import (
     TailCut,
     TailHint,
@@ -34,7 +35,6 @@ from equeue.errors import (
     MissingChunkError,
     PositionNotFoundError,
     ReadOnlyError,
-    TruncatedError,
     WriterExistsError,
     location,
 )
@@ -44,7 +44,6 @@ from equeue.format.chunk import (
     HEADER_SIZE,
     RECOVERED_DIR,
     TEMP_SUFFIX,
-    ChunkFooter,
     ChunkHeader,
     chunk_file_size,
     parse_chunk_file_name,
@@ -571,7 +570,7 @@ class ChunkManager:
 
     def _open_chunk(self, path: Path, header: ChunkHeader, version: int, *, last: bool) -> Chunk:
         size = path.stat().st_size
-        footer = self._read_footer(path, header, size, last=last)
+        footer = read_footer(path, header, size, last=last)
         if footer is not None:
             return Chunk(
                 path,
@@ -598,41 +597,6 @@ class ChunkManager:
         self._rescan_tail(chunk)
         return chunk
 
-    def _read_footer(
-        self, path: Path, header: ChunkHeader, size: int, *, last: bool
-    ) -> ChunkFooter | None:
-        """The footer of a completed chunk; None for the ongoing (last) chunk."""
-        full = chunk_file_size(header.chunk_data_size)
-        if size < HEADER_SIZE + FOOTER_SIZE or (not header.compacted and size != full):
-            if last and not header.compacted:
-                return None  # a short last chunk: scanned and extended by recovery
-            raise TruncatedError(
-                f"chunk file is {size} bytes, expected {full}", file=path, offset=size
-            )
-        at = size - FOOTER_SIZE
-        with open_file(path, "rb") as f:
-            f.seek(at)
-            raw = f.read(FOOTER_SIZE)
-        if last and ChunkFooter.is_blank(raw):
-            return None
-        try:
-            footer = ChunkFooter.unpack(raw, file=str(path), offset=at)
-            if not footer.completed:
-                raise CorruptionError("footer without the completed flag", file=path, offset=at)
-        except CorruptionError:
-            if last and not header.compacted:
-                return None  # torn footer on the last chunk: recovery cuts it and rescans
-            raise
-        if footer.physical_data_size > header.chunk_data_size * (
-            header.chunk_end_number - header.chunk_start_number + 1
-        ):
-            raise CorruptionError(
-                f"footer physical data size {footer.physical_data_size} exceeds the data area",
-                file=path,
-                offset=at + 8,
-            )
-        return footer
-
     def _refresh_tail(self, chunk: Chunk) -> None:
         """Read-only refresh of a chunk we saw ongoing: load its footer if the writer
         completed it since, else rescan its committed end.
@@ -640,7 +604,7 @@ class ChunkManager:
         Rescanning alone would leave a chunk the writer completed "ongoing" here, and
         ChunkReader.iter_from() would stop at its end, never reaching the chunks after it.
         """
-        footer = self._read_footer(chunk.path, chunk.header, chunk.path.stat().st_size, last=True)
+        footer = read_footer(chunk.path, chunk.header, chunk.path.stat().st_size, last=True)
         if footer is None:
             self._rescan_tail(chunk)
             return

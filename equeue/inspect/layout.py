@@ -349,7 +349,7 @@ def load_chunk_file(path: Path, *, last: bool = True) -> ChunkFile:
 
 
 def _read_footer(cf: ChunkFile, f: BinaryIO, *, last: bool) -> None:
-    # Mirrors ChunkManager._read_footer: a non-compacted chunk has its footer only at
+    # Mirrors equeue.chunks.footer.read_footer: a non-compacted chunk has its footer only at
     # full size; a short or long last chunk is ongoing and recovery would resize it.
     header = cf.header
     assert header is not None

@@ -1,7 +1,7 @@
 """The open-time recovery steps of a writable open, after the chunks and topics load:
 where re-dispatch starts (checkpoint, live tail, or earlier for a damaged queue), a
 rescan of the ongoing log chunk when re-dispatch must read before the tail hint, and
-the queues' first offsets after retention."""
+the queues' first offsets after retention. And the close of every file at the end."""
 
 from __future__ import annotations
 
@@ -73,3 +73,19 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
                 if not queue.deferred:  # (its first offset is the checkpoint's, retention's)
                     queue.first_offset = queue.first_offset_at_or_after(first)
     return log_tail
+
+
+def release_files(store: MessageStore) -> None:
+    """Close every file; the first failure is raised after all were tried."""
+    closers = [store._keys.close, store._messages.close]
+    closers += [q.close for qs in store._queues.values() for q in qs]
+    if store._live_tail is not None:
+        closers.append(store._live_tail.close)
+    failure: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except Exception as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure

@@ -68,7 +68,7 @@ from equeue.store.recovery import (
     RecoveryReport,
     tail_hint,
 )
-from equeue.store.reopen import reconcile_at_open
+from equeue.store.reopen import reconcile_at_open, release_files
 from equeue.store.topics import (
     UNSET,
     Cleanup,
@@ -286,7 +286,7 @@ class MessageStore:
                     self._closed = True
                     self._sender = None  # later sends go straight to ClosedError
                     self.__dict__.pop("send", None)
-                    self._release_files()
+                    release_files(self)
             finally:
                 with self._arrived:
                     self._arrived.notify_all()
@@ -295,21 +295,6 @@ class MessageStore:
 
     def _chunk_managers(self) -> list[ChunkManager]:
         return [self._messages, *self._files.managers()]
-
-    def _release_files(self) -> None:
-        """Close every file; the first failure is raised after all were tried."""
-        closers = [self._keys.close, self._messages.close]
-        closers += [q.close for qs in self._queues.values() for q in qs]
-        if self._live_tail is not None:
-            closers.append(self._live_tail.close)
-        failure: BaseException | None = None
-        for close in closers:
-            try:
-                close()
-            except Exception as exc:
-                failure = failure or exc
-        if failure is not None:
-            raise failure
 
     def flush(self) -> None:
         """Make everything sent so far durable, under any flush policy, and checkpoint it."""
