@@ -8,6 +8,7 @@ exactly as it was.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -26,7 +27,14 @@ def _where(file: str | os.PathLike[str] | None, offset: int | None) -> str:
 
 
 class EQueueError(Exception):
-    """Base class of every equeue error."""
+    """Base class of every equeue error.
+
+    ``sent`` and ``unsent``: what ``Client.send_many`` reports on the error it raises,
+    whatever its class (see ConnectionLostError); empty on every other error.
+    """
+
+    sent: Sequence[Any] = ()
+    unsent: Sequence[Any] = ()
 
 
 class ConfigError(EQueueError, ValueError):
@@ -270,13 +278,19 @@ class ConnectionLostError(EQueueError, ConnectionError):
     ``unanswered`` lists the sends (as the caller gave them) whose answer never came:
     each may or may not have been stored. They are not retried by the client; a
     caller that retries them may store a message twice.
+    ``sent`` (send_many): the SendResults of the messages acknowledged, in their order.
+    ``unsent`` (send_many): the messages never written; none is stored.
     """
 
     unanswered: list[Any]
+    sent: list[Any]
+    unsent: list[Any]
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.unanswered = []
+        self.sent = []
+        self.unsent = []
 
 
 class BrokerError(EQueueError):

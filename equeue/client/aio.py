@@ -3,9 +3,10 @@
 Any number of coroutines share one client: each request gets an id and a future, the
 frames written in one loop turn go out in one write, and the answers (in any order)
 resolve their futures. At most the broker's ``max_in_flight`` requests are in flight;
-more wait for a place. A broken connection fails every request in flight on it with
-ConnectionLostError (``unanswered``: the sends among them, as given); the next call
-reconnects.
+more wait for a place. A request holds its place until its answer arrives, also when
+its caller was cancelled (the broker still holds it; the late answer is dropped). A
+broken connection fails every request in flight on it with ConnectionLostError
+(``unanswered``: the sends among them, as given); the next call reconnects.
 """
 
 from __future__ import annotations
@@ -136,6 +137,11 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
                     )
                     self.fail(f"the broker at {self.where} broke the protocol: {error}", error)
                 return
+            # Its place comes back only now: a cancelled caller's request is still held
+            # by the broker until this answer (which is then dropped).
+            self.free += 1
+            if self.queued:
+                self.release()
             future = entry[0]
             if not future.done():  # (its caller may have been cancelled)
                 future.set_result((status, payload))
@@ -333,16 +339,11 @@ class AsyncClient:
             await protocol.place()
         if protocol.closed:  # (while it waited for a place)
             raise lost(f"the connection to {self.url} broke; the request was not sent", [])
-        protocol.free -= 1
-        try:
-            future: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
-            deadline = time.monotonic() + self.timeout + call.wait
-            protocol.send(request_id, frame, (future, call.unanswered, deadline))
-            status, payload = await future
-        finally:
-            protocol.free += 1
-            if protocol.queued:
-                protocol.release()
+        protocol.free -= 1  # given back when its answer arrives (data_received)
+        future: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
+        deadline = time.monotonic() + self.timeout + call.wait
+        protocol.send(request_id, frame, (future, call.unanswered, deadline))
+        status, payload = await future
         if status != STATUS_OK:
             raise answer_error(payload, self.url)
         return DECODERS[call.op](payload, self.url) if decode else payload

@@ -81,8 +81,8 @@ def send_many(client: Client, topic: str, messages: object, window: int) -> list
             break
     if failure is None:
         return results  # type: ignore[return-value]  # (every one is filled)
-    setattr(failure, "sent", [result for result in results if result is not None])  # noqa: B010
-    setattr(failure, "unsent", items[written:])  # noqa: B010
+    failure.sent = [result for result in results if result is not None]
+    failure.unsent = items[written:]
     if isinstance(failure, ConnectionLostError):
         failure.unanswered = [items[i] for i in sorted(lost)]
     raise failure

@@ -1,6 +1,7 @@
 """The blocking client: ``equeue.connect(url)``. Thread-safe; pipelined (send_many).
 
-Many threads may share one client. Requests are written under a write lock; answers
+Many threads may share one client. Requests are written under a write lock, each
+once there is a place for it (at most the broker's ``max_in_flight`` in flight); answers
 are read by whichever waiting thread takes the reader's turn (no thread of its own),
 which hands each answer to the thread waiting for it (matched by request id), so a
 long-poll pull in one thread does not hold up another thread's send.
@@ -68,6 +69,10 @@ class _Slot:
         self.status = STATUS_OK
         self.payload: Any = None
         self.error: EQueueError | None = None
+
+
+def _deadline(slot: _Slot) -> float:
+    return slot.deadline
 
 
 class _Connection:
@@ -277,9 +282,13 @@ class Client:
         """Write ``batch``'s requests in one go; their slots, in order. ``on``: only on
         that connection (ConnectionLostError, nothing written, if it broke)."""
         with self._write_lock:
-            if on is not None and (on.broken or self._conn is not on):
-                raise lost(f"the connection to {self.url} broke", [])
-            conn = self._connection()
+            while True:
+                if on is not None and (on.broken or self._conn is not on):
+                    raise lost(f"the connection to {self.url} broke", [])
+                conn = self._connection()
+                self._wait_for_places(conn, len(batch))
+                if not conn.broken:
+                    break
             first = self._next_id
             frames = [conn.encoder.frame(first + i, c.op, c.args) for i, c in enumerate(batch)]
             self._next_id = first + len(batch)
@@ -298,6 +307,34 @@ class Client:
                 if not isinstance(exc, OSError):
                     raise
         return conn, slots
+
+    def _wait_for_places(self, conn: _Connection, count: int) -> None:
+        """Wait until ``count`` more requests fit in the broker's max_in_flight on
+        ``conn`` (past it the broker refuses them), or it broke; under the write lock, so
+        later writers queue behind. Reads answers itself when no other thread is reading:
+        the requests in flight may be a blocked writer's own (send_many's)."""
+        limit = conn.welcome.limits["max_in_flight"]
+        while True:
+            with self._cond:
+                while True:
+                    pending = conn.pending
+                    if conn.broken or not pending or len(pending) + count <= limit:
+                        return
+                    first = min(pending.values(), key=_deadline)
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    remaining = first.deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._expire(conn, first)
+                    else:
+                        self._cond.wait(remaining)
+            try:
+                self._read_some(conn, first)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
 
     def _wait(self, conn: _Connection, slot: _Slot) -> Any:
         """The decoded-by-msgpack result of ``slot``'s request, or its error raised."""

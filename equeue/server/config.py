@@ -12,6 +12,7 @@ from typing import Literal
 
 from equeue.chunks.config import MiB, check_int
 from equeue.errors import ConfigError
+from equeue.protocol.address import DEFAULT_SOCKET_NAME
 from equeue.protocol.frames import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_FRAME_BYTES,
@@ -21,7 +22,7 @@ from equeue.protocol.frames import (
 )
 
 BrokerFlush = Literal["sync", "async", "os"]
-SOCKET_NAME = "broker.sock"  # the default listener, inside the store directory
+SOCKET_NAME = DEFAULT_SOCKET_NAME  # the default listener, inside the store directory
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the NUL
 
 
