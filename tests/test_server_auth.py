@@ -146,3 +146,36 @@ def test_tls_rules(home: Path) -> None:
     bad.write_text("not a certificate")
     with pytest.raises(ConfigError, match="cannot load the TLS certificate"):
         BrokerThread(home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(bad), tls_key=str(bad))
+
+
+def test_a_token_over_plain_tcp_off_loopback_needs_insecure_token(home: Path) -> None:
+    token = str(token_file(home))
+    for url in ("tcp://0.0.0.0:0", "tcp://example.com:7000"):
+        with pytest.raises(ConfigError, match=r"in clear.*--insecure-token"):
+            ServerConfig(listen=(url,), token_file=token)
+        ServerConfig(listen=(url,), token_file=token, insecure_token=True)  # the risk accepted
+    ServerConfig(listen=("tcp://127.0.0.1:0",), token_file=token)  # loopback: not the network
+    ServerConfig(listen=("tls://0.0.0.0:0",), token_file=token, tls_cert="c", tls_key="k")
+
+
+def test_the_token_file_is_checked_as_opened(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file swapped in between a path check and the open is never read unchecked: the
+    checks are of the opened descriptor (here the path check is made to see a safe file)."""
+    import equeue.server.config as server_config
+
+    safe = os.stat(token_file(home))
+    exposed = home / "exposed"
+    exposed.write_text("stolen\n")
+    exposed.chmod(0o644)
+    outcome: object = None
+    with monkeypatch.context() as patch:  # os is every module's: undone before asserting
+        patch.setattr(os, "lstat", lambda path, **kw: safe)
+        try:
+            outcome = server_config.read_token(str(exposed))
+        except ConfigError as exc:
+            outcome = exc
+    assert isinstance(outcome, ConfigError) and "every user" in str(outcome), outcome
+    fifo = home / "fifo"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(ConfigError, match="not a regular file"):  # and the open did not block
+        server_config.read_token(str(fifo))

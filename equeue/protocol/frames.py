@@ -27,6 +27,7 @@ msgpack: strings are str (UTF-8), bytes are bin; integers up to 64 bits.
 
 from __future__ import annotations
 
+import reprlib
 import struct
 from typing import Any, Final
 
@@ -51,6 +52,12 @@ MIN_MAX_FRAME_BYTES: Final = 1024
 HELLO_MAX_FRAME_BYTES: Final = 64 * 1024  # before authentication, a stranger gets this much
 DEFAULT_MAX_IN_FLIGHT: Final = 1024
 DEFAULT_MAX_CONNECTIONS: Final = 1024
+# One request's work: a send_batch's messages (and any array or map of a request), a
+# pull's messages. A SendResult packs to at most 65 bytes plus its topic's UTF-8.
+DEFAULT_MAX_BATCH_MESSAGES: Final = 65536
+DEFAULT_MAX_PULL_COUNT: Final = 65536
+SEND_RESULT_OVERHEAD: Final = 65
+ANSWER_OVERHEAD: Final = 32  # [request_id, status, ...] around a result, and the header
 
 _packer_options: Final = {"use_bin_type": True}
 
@@ -64,15 +71,22 @@ def encode(body: object) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
 
-def decode_body(payload: bytes | memoryview, where: str) -> Any:
+def decode_body(
+    payload: bytes | memoryview, where: str, max_items: int = -1, setting: str = ""
+) -> Any:
     """The object of one frame body; ProtocolError naming ``where`` if it is not one
-    whole msgpack object."""
+    whole msgpack object. ``max_items`` (the broker's ``setting``) bounds every array and
+    map: past it the decoding stops at that container's header, before building it."""
     try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+        return msgpack.unpackb(
+            payload, raw=False, strict_map_key=True, use_list=True,
+            max_array_len=max_items, max_map_len=max_items,
+        )  # fmt: skip
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"{where}: the frame body is not one msgpack object ({exc})") from exc
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"{where}: the frame body is not valid msgpack ({exc})") from exc
+        limit = f"; no array or map may hold more than {setting}" if setting else ""
+        raise ProtocolError(f"{where}: the frame body is not valid msgpack ({exc}{limit})") from exc
 
 
 class FrameReader:
@@ -152,6 +166,14 @@ def check_answer(body: object, where: str) -> tuple[int, int, Any]:
     )
 
 
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxlist, _short.maxdict = 2, 4, 4
+_short.maxstring = _short.maxother = _short.maxlong = 40
+
+
 def _shape(body: object) -> str:
-    text = repr(body)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """A short description of a body: its type, length and first items, never a repr of
+    the whole (a 60 MB array of nils is 343 MB of text)."""
+    size = f" of {len(body)} items" if isinstance(body, list | dict) else ""
+    text = _short.repr(body)
+    return f"{type(body).__name__}{size} {text if len(text) <= 80 else text[:77] + '...'}"

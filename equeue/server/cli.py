@@ -9,9 +9,11 @@ import sys
 from typing import Any
 
 from equeue.protocol.frames import (
+    DEFAULT_MAX_BATCH_MESSAGES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_PULL_COUNT,
 )
 from equeue.server.config import SOCKET_NAME, ServerConfig
 
@@ -35,6 +37,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
     parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT)
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
+    parser.add_argument("--max-batch-messages", type=int, default=DEFAULT_MAX_BATCH_MESSAGES)
+    parser.add_argument("--max-pull-count", type=int, default=DEFAULT_MAX_PULL_COUNT)
+    parser.add_argument("--hello-timeout-ms", type=int, default=10_000)
+    parser.add_argument("--max-partial-frame-bytes", type=int, default=512 * 1024 * 1024)
+    parser.add_argument(
+        "--insecure-token", action="store_true",
+        help="allow a token over plain tcp:// off loopback (it crosses the network in "
+        "clear: anyone on the path can read and replay it); prefer tls://",
+    )  # fmt: skip
     parser.add_argument(
         "--status", action="store_true",
         help="print the stats of the broker serving STORE (or at the first --listen; "
@@ -55,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         listen=tuple(args.listen), flush=args.flush, token_file=args.token_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_frame_bytes,
         max_in_flight=args.max_in_flight, max_connections=args.max_connections,
+        max_batch_messages=args.max_batch_messages, max_pull_count=args.max_pull_count,
+        hello_timeout_ms=args.hello_timeout_ms,
+        max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
     )  # fmt: skip
     from equeue.server.serve import serve
 

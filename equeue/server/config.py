@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import stat
@@ -14,9 +15,11 @@ from equeue.chunks.config import MiB, check_int
 from equeue.errors import ConfigError
 from equeue.protocol.address import DEFAULT_SOCKET_NAME
 from equeue.protocol.frames import (
+    DEFAULT_MAX_BATCH_MESSAGES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_PULL_COUNT,
     HELLO_MAX_FRAME_BYTES,
     MIN_MAX_FRAME_BYTES,
 )
@@ -97,6 +100,16 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     drain_timeout_ms: int = 10_000  # SIGTERM: how long answers may take to leave
+    # One request's work: messages of a send_batch (and items of any array or map a
+    # request may hold, checked while decoding), messages of a pull's answer.
+    max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES
+    max_pull_count: int = DEFAULT_MAX_PULL_COUNT
+    hello_timeout_ms: int = 10_000  # a connection that has not sent its hello is closed
+    # Bytes of frames begun and not yet whole, over every connection: past it, the
+    # connection whose bytes passed it is closed (LimitExceededError).
+    max_partial_frame_bytes: int = 512 * MiB
+    # A token over plain tcp:// off loopback crosses the network in clear: refused unless this.
+    insecure_token: bool = False
     listeners: tuple[Listener, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -115,6 +128,17 @@ class ServerConfig:
         check_int("max_connections", self.max_connections, 1, 1 << 20)
         check_int("write_buffer_high", self.write_buffer_high, 1024, 1 << 34)
         check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 3_600_000)
+        check_int("max_batch_messages", self.max_batch_messages, 1, 1 << 24)
+        check_int("max_pull_count", self.max_pull_count, 1, 1 << 24)
+        check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)
+        check_int(
+            "max_partial_frame_bytes", self.max_partial_frame_bytes, HELLO_MAX_FRAME_BYTES, 1 << 40
+        )
+        if self.max_partial_frame_bytes < self.max_frame_bytes:
+            raise ConfigError(
+                f"max_partial_frame_bytes={self.max_partial_frame_bytes} is below "
+                f"max_frame_bytes={self.max_frame_bytes}: no frame of that size could arrive"
+            )
         listeners = tuple(parse_listener(url) for url in self.listen)
         object.__setattr__(self, "listeners", listeners)
         tls = [x for x in listeners if x.kind == "tls"]
@@ -134,6 +158,14 @@ class ServerConfig:
                 f"listener {exposed[0].url} is not on a loopback address: refusing to start "
                 "without authentication (give --token-file / token_file)"
             )
+        plain = [x for x in exposed if x.kind == "tcp"]
+        if plain and not self.insecure_token:
+            raise ConfigError(
+                f"listener {plain[0].url} is plain TCP off loopback: the token would cross the "
+                "network in clear in every hello (anyone on the path can read and replay it); "
+                "use tls://HOST:PORT with --tls-cert/--tls-key, or accept that risk with "
+                "--insecure-token / insecure_token=True"
+            )
 
     def listeners_for(self, store_path: Path) -> tuple[Listener, ...]:
         if self.listeners:
@@ -143,26 +175,28 @@ class ServerConfig:
 
 def read_token(path: str) -> str:
     """The token in ``path``; refused if the file is a symlink, readable or writable by
-    others than its owner and group, or empty."""
+    others than its owner and group, or empty. The checks are of the file opened (fstat of
+    its descriptor), so a file swapped in after a check is never read unchecked."""
     try:
-        info = os.lstat(path)
+        # O_NONBLOCK: opening a FIFO put there does not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"token file {path} is a symlink; give the file itself") from None
         raise ConfigError(f"token file {path}: {exc.strerror or exc}") from None
-    if stat.S_ISLNK(info.st_mode):
-        raise ConfigError(f"token file {path} is a symlink; give the file itself")
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"token file {path} is not a regular file")
-    if info.st_mode & 0o007:
-        raise ConfigError(
-            f"token file {path} is accessible by every user (mode {stat.S_IMODE(info.st_mode):o}); "
-            "chmod o-rwx it"
-        )
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as file:
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"token file {path} is not a regular file")
+        if info.st_mode & 0o007:
+            raise ConfigError(
+                f"token file {path} is accessible by every user "
+                f"(mode {stat.S_IMODE(info.st_mode):o}); chmod o-rwx it"
+            )
+        try:
             data = file.read(4097)
-    except OSError as exc:
-        raise ConfigError(f"token file {path}: {exc.strerror or exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"token file {path}: {exc.strerror or exc}") from None
     try:
         token = data.decode().strip()
     except UnicodeDecodeError:

@@ -37,12 +37,15 @@ from equeue.protocol.frames import (
 )
 from equeue.protocol.handshake import Hello, Welcome, choose_version
 from equeue.protocol.ops import check_args
-from equeue.server.handlers import DEFERRED
+from equeue.server.handlers import DEFERRED, Packed
 
 if TYPE_CHECKING:
     from equeue.server.serve import Broker
 
 log = logging.getLogger("equeue.server")
+
+MIN_DECODE_ITEMS = 65536
+EVICT_AFTER_S = 1.0  # a full broker closes a peer silent this long for a new connection
 
 
 class Connection(asyncio.Protocol):
@@ -63,6 +66,17 @@ class Connection(asyncio.Protocol):
         self._backlog: list[bytes] = []  # frames read but not yet served (backpressure)
         self._out_bytes = 0
         self._ended = False  # the client half-closed: close once every answer is out
+        self._partial = 0  # bytes of a frame begun, counted in broker.partial_bytes
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self.opened = broker.loop.time()
+        config = broker.config
+        # Room for a send_batch past its limit to be answered LimitExceededError (the
+        # connection stays), and for a properties map the store would take.
+        self._max_items = max(2 * config.max_batch_messages, MIN_DECODE_ITEMS)
+        self._items_setting = (
+            f"{self._max_items} items (twice max_batch_messages={config.max_batch_messages}, "
+            f"at least {MIN_DECODE_ITEMS})"
+        )
 
     # --- asyncio callbacks ----------------------------------------------------
 
@@ -77,10 +91,13 @@ class Connection(asyncio.Protocol):
         broker = self.broker
         broker.connections.add(self)
         transport.set_write_buffer_limits(high=broker.config.write_buffer_high)
+        self._hello_timer = broker.loop.call_later(
+            broker.config.hello_timeout_ms / 1000, self._hello_expired
+        )
         limit = broker.config.max_connections
         if broker.draining:
             self._fatal(LimitExceededError(f"{self.where}: the broker is shutting down"))
-        elif len(broker.connections) > limit:
+        elif len(broker.connections) > limit and not self._evict_a_silent_peer():
             self._fatal(
                 LimitExceededError(
                     f"{self.where}: the broker has {limit} connections already "
@@ -88,10 +105,50 @@ class Connection(asyncio.Protocol):
                 )
             )
 
+    def _evict_a_silent_peer(self) -> bool:
+        """The broker is full: close the connection that has waited longest without a
+        hello, if one has for EVICT_AFTER_S, to make room for this one. So peers that
+        connect and say nothing cannot keep clients out (they are closed after
+        hello_timeout_ms anyway)."""
+        broker = self.broker
+        now = broker.loop.time()
+        silent = [
+            c
+            for c in broker.connections
+            if c is not self and c._hello is not None and not c.closed
+            and now - c.opened >= EVICT_AFTER_S
+        ]  # fmt: skip
+        if not silent:
+            return False
+        oldest = min(silent, key=lambda c: c.number)
+        oldest._fatal(
+            LimitExceededError(
+                f"{oldest.where}: no hello after {now - oldest.opened:.1f} s and the broker is "
+                f"full (max_connections={broker.config.max_connections}): closed to make room"
+            )
+        )
+        broker.connections.discard(oldest)  # its place is this one's from now
+        return True
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.broker.connections.discard(self)
         self.broker.holds.drop(self)
+        self.broker.partial_bytes -= self._partial
+        self._partial = 0
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+
+    def _hello_expired(self) -> None:
+        self._hello_timer = None
+        if self._hello is not None and not self.closed:
+            limit = self.broker.config.hello_timeout_ms
+            self._fatal(
+                ProtocolError(
+                    f"{self.where}: no hello within {limit} ms of connecting "
+                    f"(hello_timeout_ms={limit}; equeue serve --hello-timeout-ms)"
+                )
+            )
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -131,16 +188,31 @@ class Connection(asyncio.Protocol):
                     return
                 data = rest
             bodies = self._reader.feed(data)
+            self._count_partial()
             if self._backlog:  # reading was paused with frames left: they go first
                 self._backlog.extend(bodies)
                 bodies = self._backlog
             self._serve(bodies)
-        except ProtocolError as exc:  # FrameTooLargeError too
+        except (ProtocolError, LimitExceededError) as exc:  # FrameTooLargeError too
             self._fatal(exc)
         finally:
             self._batching = False
             self._write_out()
             broker.after_batch()
+
+    def _count_partial(self) -> None:
+        """The bytes of the frame begun, against the broker-wide max_partial_frame_bytes."""
+        broker = self.broker
+        pending = self._reader.pending
+        broker.partial_bytes += pending - self._partial
+        self._partial = pending
+        cap = broker.config.max_partial_frame_bytes
+        if pending and broker.partial_bytes > cap:
+            raise LimitExceededError(
+                f"{self.where}: {broker.partial_bytes} bytes of frames begun are buffered over "
+                f"every connection, {pending} of them this one's (max_partial_frame_bytes={cap}; "
+                "equeue serve --max-partial-frame-bytes); closing this connection"
+            )
 
     def _serve(self, bodies: list[bytes]) -> None:
         """Answer ``bodies`` in order until the client's unread answers pass the high-water
@@ -212,6 +284,9 @@ class Connection(asyncio.Protocol):
         )
         rest = bytes(buffer[end:])
         self._hello = None
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
         version = choose_version(hello.versions)
         if version is None:
             raise ProtocolError(
@@ -233,7 +308,9 @@ class Connection(asyncio.Protocol):
 
     def _request(self, body: bytes) -> None:
         where = self.where
-        request_id, op, args = check_request(decode_body(body, where), where)
+        request_id, op, args = check_request(
+            decode_body(body, where, self._max_items, self._items_setting), where
+        )
         if not (  # the commonest request, a plain send, needs no look at the op table
             op == "send"
             and len(args) == 2
@@ -287,6 +364,11 @@ class Connection(asyncio.Protocol):
 
     def _answer(self, request_id: int, status: int, payload: Any) -> None:
         packer = self.broker.packer
+        if type(payload) is Packed:  # [request_id, status, result] around the packed result
+            head = b"\x93" + packer.pack(request_id) + packer.pack(status)
+            size = len(head) + len(payload.data)
+            self._queue(b"".join((FRAME_HEADER.pack(size), head, payload.data)))  # one copy
+            return
         try:
             body = packer.pack([request_id, status, payload])
             frame = FRAME_HEADER.pack(len(body)) + body

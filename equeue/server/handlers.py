@@ -12,22 +12,37 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from equeue.errors import InvalidMessageError, ProtocolError
+import msgpack
+
+from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
+from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
 from equeue.store.store import MessageStore
-from equeue.store.types import OutgoingMessage, SendResult
-from equeue.store.validate import MAX_WAIT
+from equeue.store.types import OutgoingMessage, PullResult, SendResult
+from equeue.store.validate import MAX_WAIT, check_commit
 
 if TYPE_CHECKING:
+    from equeue.server.config import ServerConfig
     from equeue.server.groupcommit import CrossClientCommit
+    from equeue.server.offsetcommit import OffsetCommitter
 
 log = logging.getLogger("equeue.server")
 
 DEFERRED: Final = object()
 MS = 1000.0
+PULL_RESULT_OVERHEAD: Final = 15  # [messages, next_offset]: both headers, a uint64
+
+
+class Packed:
+    """A result already msgpack-encoded (a pull's, measured against max_frame_bytes)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
 
 class Peer(Protocol):
@@ -56,14 +71,19 @@ class Handlers:
         coordinator: Coordinator,
         counters: Counters,
         extra_stats: Callable[[], dict[str, Any]],
+        config: ServerConfig,
+        packer: msgpack.Packer,
+        offsets: OffsetCommitter,
     ) -> None:
         self.store = store
         self.holds = holds
         self.commit = commit
+        self.config = config
+        self.packer = packer
+        self.offsets = offsets
         self.coordinator = coordinator
         self.counters = counters
         self._extra_stats = extra_stats
-        self.touched: set[tuple[str, int]] = set()  # queues appended to since the last look
         self.ops: dict[str, Callable[[Peer, int, dict[str, Any]], object]] = {
             "ping": lambda peer, rid, args: None,
             "send": self.send,
@@ -120,20 +140,44 @@ class Handlers:
         counters.sends += 1
         counters.send_requests += 1
         if self.holds.count:
-            self.touched.add((sent.topic, sent.queue_id))
+            self.holds.note(sent.topic, sent.queue_id, sent.queue_offset, a.get("tag", ""))
         return self._durable(peer, rid, pack_send_result(sent))
 
     def send_batch(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
-        topic = a["topic"]
-        results = self.store.send_batch(topic, _batch_items(peer, topic, a["messages"]))
+        topic, messages = a["topic"], a["messages"]
+        self._check_batch(peer, topic, len(messages))
+        items = _batch_items(peer, topic, messages)
+        results = self.store.send_batch(topic, items)
         counters = self.counters
         counters.sends += len(results)
         counters.send_requests += 1
         if self.holds.count:
-            touched = self.touched
-            for sent in results:
-                touched.add((sent.topic, sent.queue_id))
+            note = self.holds.note
+            for sent, item in zip(results, items, strict=True):
+                tag = "" if type(item) is bytes else item.tag  # type: ignore[union-attr]
+                note(sent.topic, sent.queue_id, sent.queue_offset, tag)
         return self._durable(peer, rid, list(map(pack_send_result, results)))
+
+    def _check_batch(self, peer: Peer, topic: str, count: int) -> None:
+        """Refused before anything is appended: more messages than max_batch_messages, or
+        so many that their answer (a SendResult each) would pass max_frame_bytes."""
+        config = self.config
+        if count > config.max_batch_messages:
+            raise LimitExceededError(
+                f"{peer.where}: a send_batch of {count} messages; at most "
+                f"max_batch_messages={config.max_batch_messages} (equeue serve "
+                "--max-batch-messages); split it"
+            )
+        answer = count * (SEND_RESULT_OVERHEAD + len(topic.encode())) + ANSWER_OVERHEAD
+        if answer > config.max_frame_bytes:
+            fits = (config.max_frame_bytes - ANSWER_OVERHEAD) // (
+                SEND_RESULT_OVERHEAD + len(topic.encode())
+            )
+            raise LimitExceededError(
+                f"{peer.where}: the answer to a send_batch of {count} messages to {topic!r} "
+                f"could take {answer} bytes, past max_frame_bytes={config.max_frame_bytes} "
+                f"(equeue serve --max-frame-bytes); at most {fits} messages to this topic a batch"
+            )
 
     # --- reads -----------------------------------------------------------------
 
@@ -145,23 +189,67 @@ class Handlers:
             raise InvalidMessageError(
                 f"{peer.where}: pull wait_ms={wait_ms} must lie in [0, {MAX_WAIT * MS:.0f}]"
             )
-        args = _pull_args(a)
+        args = self._pull_args(a)
         found = self.store.pull(
             topic, queue_id, a["offset"], args["max_count"], args["tags"], 0.0,
             max_bytes=args["max_bytes"],
         )  # fmt: skip
         self.counters.pulls += 1
         if found.messages or wait_ms == 0:
-            return pack_pull_result(found)
+            return self.fit_pull(found, peer.where)
         self.holds.hold(
             HeldPull(peer, rid, (topic, queue_id), found.next_offset, args), wait_ms / MS
         )
         return DEFERRED
 
+    def _pull_args(self, a: dict[str, Any]) -> dict[str, Any]:
+        """A pull's count and bytes within the broker's bounds: max_pull_count messages,
+        bodies of max_frame_bytes (fit_pull then cuts the answer to the frame)."""
+        config = self.config
+        max_bytes = a.get("max_bytes")
+        return {
+            "max_count": min(a.get("max_count", 32), config.max_pull_count),
+            "tags": a.get("tags"),
+            "max_bytes": config.max_frame_bytes
+            if max_bytes is None
+            else min(max_bytes, config.max_frame_bytes),
+        }
+
+    def fit_pull(self, found: PullResult, where: str) -> Packed:
+        """The pull's answer, packed, cut before the messages that would take it past
+        max_frame_bytes (next_offset then says where to go on)."""
+        packer = self.packer
+        data: bytes = packer.pack(pack_pull_result(found))
+        room = self.config.max_frame_bytes - ANSWER_OVERHEAD
+        if len(data) <= room:
+            return Packed(data)
+        messages = found.messages
+        total, kept = PULL_RESULT_OVERHEAD, 0
+        for message in messages:
+            size = len(packer.pack(pack_message(message)))
+            if total + size > room:
+                if kept == 0:
+                    raise LimitExceededError(
+                        f"{where}: the message at offset {message.queue_offset} of "
+                        f"{message.topic}/{message.queue_id} packs to {size} bytes, more than "
+                        f"a frame may carry (max_frame_bytes={self.config.max_frame_bytes}; "
+                        "equeue serve --max-frame-bytes must exceed the store's "
+                        f"max_message_size={self.store.config.max_message_size} plus its "
+                        "properties)"
+                    )
+                break
+            total += size
+            kept += 1
+        cut = PullResult(messages[:kept], messages[kept].queue_offset)
+        return Packed(packer.pack(pack_pull_result(cut)))
+
     def commit_offset(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
-        self._check_owner(a, a["topic"], a["queue_id"])
-        self.store.commit_offset(a["group"], a["topic"], a["queue_id"], a["offset"])
-        return None
+        group, topic, queue_id, offset = a["group"], a["topic"], a["queue_id"], a["offset"]
+        self._check_owner(a, topic, queue_id)
+        # refused here, as the store would, before anything is handed to the committer
+        check_commit(group, offset, self.store.queue_range(topic, queue_id)[1])
+        self.offsets.add((group, topic, queue_id), offset, lambda error: peer.finish(rid, error))
+        return DEFERRED
 
     def _check_owner(self, a: dict[str, Any], topic: str, queue_id: int) -> None:
         group, consumer = a.get("group"), a.get("consumer")
@@ -187,14 +275,6 @@ class Handlers:
         answer["groups"] = group_lag(self.store)
         answer["coordinator"] = self.coordinator.stats()  # members, generations, assignments
         return answer
-
-
-def _pull_args(a: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "max_count": a.get("max_count", 32),
-        "tags": a.get("tags"),
-        "max_bytes": a.get("max_bytes"),
-    }
 
 
 def _batch_items(peer: Peer, topic: str, messages: list[Any]) -> list[bytes | OutgoingMessage]:

@@ -1,17 +1,20 @@
 """Long-poll pulls held by the broker (EQueue's suspended pull requests).
 
 A pull with ``wait_ms`` whose answer is empty is parked here, no thread per pull: the
-broker is the store's only writer, so it tells ``arrived`` which queues each batch of
-requests appended to, and a parked pull is pulled again then (the store applies its
-tag filter: a message with another tag only moves the pull's offset on). At its
-deadline it is answered with what there is, empty most likely.
+broker is the store's only writer, so its handlers ``note`` each message they append
+(queue, offset, tag), and after each batch of requests ``arrived`` pulls again only the
+parked pulls whose tag filter one of those tags matches: a send nobody waits for costs
+no pull. Appends the broker's handlers did not make (the group coordinator's retry
+mover) show as a gap between the queue's end as last seen and the first offset noted,
+or, at ``poll``, as a queue end past it: then every parked pull of that queue is pulled.
+At its deadline a pull is answered with what there is, empty most likely.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from equeue.store.store import MessageStore
@@ -23,7 +26,7 @@ QueueKey = tuple[str, int]
 
 
 class HeldPull:
-    __slots__ = ("args", "deadline", "key", "offset", "owner", "request_id", "timer")
+    __slots__ = ("args", "deadline", "key", "offset", "owner", "request_id", "tags", "timer")
 
     def __init__(
         self, owner: Any, request_id: int, key: QueueKey, offset: int, args: dict[str, Any]
@@ -33,8 +36,26 @@ class HeldPull:
         self.key = key
         self.offset = offset
         self.args = args  # max_count, tags, max_bytes
+        tags = args["tags"]
+        # the tags it waits for (as the store's tag filter reads them); None: every message
+        self.tags: frozenset[str] | None = (
+            None
+            if tags is None or tags == "*"
+            else frozenset([tags] if type(tags) is str else tags)
+        )
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
+
+
+class Appended:
+    """What the handlers appended to one queue since the last ``arrived``."""
+
+    __slots__ = ("end", "first", "tags")
+
+    def __init__(self, offset: int, tag: str) -> None:
+        self.first = offset
+        self.end = offset + 1
+        self.tags = {tag}
 
 
 Answer = Callable[[HeldPull, PullResult | BaseException], None]
@@ -48,13 +69,30 @@ class Holds:
         self._store = store
         self._answer = answer
         self._by_queue: dict[QueueKey, dict[HeldPull, None]] = {}
+        self._seen: dict[QueueKey, int] = {}  # a queue's end as last seen, while pulls wait on it
+        self.appended: dict[QueueKey, Appended] = {}
         self.count = 0
 
     def hold(self, held: HeldPull, wait_s: float) -> None:
         held.deadline = self._loop.time() + wait_s
         held.timer = self._loop.call_at(held.deadline, self._expire, held)
-        self._by_queue.setdefault(held.key, {})[held] = None
+        key = held.key
+        waiting = self._by_queue.get(key)
+        if waiting is None:
+            self._by_queue[key] = waiting = {}
+            self._seen[key] = held.offset  # its pull read to the queue's end
+        waiting[held] = None
         self.count += 1
+
+    def note(self, topic: str, queue_id: int, offset: int, tag: str) -> None:
+        """A handler appended a message with ``tag`` at ``offset`` of this queue."""
+        key = (topic, queue_id)
+        found = self.appended.get(key)
+        if found is None:
+            self.appended[key] = Appended(offset, tag)
+        else:
+            found.end = max(found.end, offset + 1)
+            found.tags.add(tag)
 
     def _pull(self, held: HeldPull) -> PullResult:
         topic, queue_id = held.key
@@ -71,6 +109,7 @@ class Holds:
         del waiting[held]
         if not waiting:
             del self._by_queue[held.key]
+            self._seen.pop(held.key, None)
         self.count -= 1
         if held.timer is not None:
             held.timer.cancel()
@@ -91,22 +130,34 @@ class Holds:
         held.timer = None
         self._try(held, final=True)
 
-    def arrived(self, keys: Iterable[QueueKey]) -> None:
-        """Messages were appended to these queues: pull their held pulls again."""
-        for key in keys:
+    def arrived(self) -> None:
+        """After a batch of requests: pull again the held pulls that what was ``note``d
+        may answer."""
+        appended, self.appended = self.appended, {}
+        for key, found in appended.items():
             waiting = self._by_queue.get(key)
-            if waiting:
-                for held in list(waiting):
+            if not waiting:
+                continue
+            seen = self._seen.get(key, 0)
+            foreign = found.first > seen  # someone else appended in between
+            self._seen[key] = max(seen, found.end)
+            tags = found.tags
+            for held in list(waiting):
+                if foreign or held.tags is None or not held.tags.isdisjoint(tags):
                     self._try(held, final=False)
 
     def poll(self) -> None:
-        """Look at every queue with held pulls (appends the broker did not see itself:
-        retries the group coordinator moved)."""
+        """Look at every queue with held pulls for appends the handlers did not make
+        (retries the group coordinator moved)."""
         for key, waiting in list(self._by_queue.items()):
             try:
-                end = self._store.queue_range(*key)[1]
+                end: int | None = self._store.queue_range(*key)[1]
             except Exception:  # the pull itself reports it
                 end = None
+            if end is not None and end <= self._seen.get(key, 0):
+                continue
+            if end is not None:
+                self._seen[key] = end
             for held in list(waiting):
                 if end is None or end > held.offset:
                     self._try(held, final=False)
@@ -121,6 +172,7 @@ class Holds:
                     held.timer.cancel()
             if not waiting:
                 del self._by_queue[key]
+                self._seen.pop(key, None)
 
     def answer_all(self) -> None:
         """Draining: answer every held pull with what there is now."""

@@ -23,13 +23,14 @@ from typing import Any
 import msgpack
 
 from equeue.errors import ConfigError
-from equeue.protocol.frames import SUPPORTED_VERSIONS
+from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES, SUPPORTED_VERSIONS
 from equeue.server.config import Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
 from equeue.server.groupcommit import CrossClientCommit
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
 from equeue.server.holds import HeldPull, Holds
+from equeue.server.offsetcommit import OffsetCommitter
 from equeue.server.stats import Counters
 from equeue.store.config import StoreConfig
 from equeue.store.store import MessageStore
@@ -40,11 +41,31 @@ log = logging.getLogger("equeue.server")
 TICK_S = 0.1  # the group coordinator's tick, held pulls' poll
 SAMPLE_EVERY = 10  # ticks between rate samples
 MAX_LISTED = 100  # connections stats lists one by one
+# A Message's fields but body and properties, packed (ids, topic, tag, key of at most
+# 255 bytes each, ints), and the answer around it: a generous bound.
+MESSAGE_OVERHEAD = 2048
 StoreOrPath = MessageStore | str | os.PathLike[str]
 
 
-def open_store(store: StoreOrPath, flush: str) -> tuple[MessageStore, bool]:
-    """The store to serve, and whether the broker opened it (and so closes it)."""
+def _check_frame_carries_a_message(max_frame_bytes: int, store: StoreConfig) -> None:
+    """A pull's answer must be able to carry the largest message the store takes."""
+    needed = store.max_message_size + store.max_properties_size + MESSAGE_OVERHEAD
+    if max_frame_bytes < needed:
+        raise ConfigError(
+            f"max_frame_bytes={max_frame_bytes} cannot carry one message of the store's "
+            f"max_message_size={store.max_message_size} with max_properties_size="
+            f"{store.max_properties_size} of properties ({needed} bytes with the answer's "
+            "overhead): raise --max-frame-bytes, or open the store with a smaller "
+            "StoreConfig.max_message_size"
+        )
+
+
+def open_store(
+    store: StoreOrPath, flush: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> tuple[MessageStore, bool]:
+    """The store to serve, and whether the broker opened it (and so closes it). A store
+    it opens takes messages up to what one frame can carry (at most the store's default);
+    a caller's handle must already fit (ConfigError)."""
     if isinstance(store, MessageStore):
         if store.read_only:
             raise ConfigError(f"cannot serve {store.path}: the handle is read-only")
@@ -54,10 +75,14 @@ def open_store(store: StoreOrPath, flush: str) -> tuple[MessageStore, bool]:
                 "block the broker's event loop on every fdatasync; open it with flush='async' "
                 "and give the broker flush='sync' (it commits across clients itself)"
             )
+        _check_frame_carries_a_message(max_frame_bytes, store.config)
         return store, False
     # Under --flush sync the broker flushes itself; the store's service flushes the rest.
     policy = "os" if flush == "os" else "async"
-    return MessageStore.open(store, StoreConfig(flush=policy)), True  # type: ignore[arg-type]
+    default = StoreConfig()
+    largest = max_frame_bytes - default.max_properties_size - MESSAGE_OVERHEAD
+    config = StoreConfig(flush=policy, max_message_size=min(default.max_message_size, largest))  # type: ignore[arg-type]
+    return MessageStore.open(store, config), True
 
 
 def _tls_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -102,7 +127,7 @@ class Broker:
         self.config = config = config or ServerConfig()
         self.token = read_token(config.token_file) if config.token_file else None
         self._tls = _tls_context(config)
-        self.store, self._owns_store = open_store(store, config.flush)
+        self.store, self._owns_store = open_store(store, config.flush, config.max_frame_bytes)
         self.listeners = config.listeners_for(self.store.path)
         self.urls: list[str] = []
         self.connections: set[Connection] = set()
@@ -112,7 +137,10 @@ class Broker:
             "max_frame_bytes": config.max_frame_bytes,
             "max_in_flight": config.max_in_flight,
             "max_connections": config.max_connections,
+            "max_batch_messages": config.max_batch_messages,
+            "max_pull_count": config.max_pull_count,
         }
+        self.partial_bytes = 0  # of frames begun, over every connection
         self.welcome_versions = SUPPORTED_VERSIONS
         from equeue import __version__
 
@@ -135,9 +163,11 @@ class Broker:
             CrossClientCommit(loop, self.store.flush_log) if self.config.flush == "sync" else None
         )
         self.coordinator = coordinator = GroupCoordinator(self.store)
+        self.offsets = OffsetCommitter(loop, self.store)
         self.handlers = Handlers(
-            self.store, self.holds, self.commit, coordinator, self.counters, self._stats
-        )
+            self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
+            self.config, self.packer, self.offsets,
+        )  # fmt: skip
         try:
             for listener in self.listeners:
                 await self._listen(listener)
@@ -195,19 +225,17 @@ class Broker:
 
     def after_batch(self) -> None:
         """After a connection's data: wake held pulls on the queues appended to."""
-        touched = self.handlers.touched
-        if touched:
-            if self.holds.count:
-                self.holds.arrived(touched)
-            touched.clear()
+        if self.holds.appended:
+            self.holds.arrived()
 
     def _answer_held(self, held: HeldPull, outcome: PullResult | BaseException) -> None:
-        from equeue.protocol.records import pack_pull_result
-
-        held.owner.finish(
-            held.request_id,
-            outcome if isinstance(outcome, BaseException) else pack_pull_result(outcome),
-        )
+        answer: object = outcome
+        if not isinstance(outcome, BaseException):
+            try:
+                answer = self.handlers.fit_pull(outcome, held.owner.where)
+            except Exception as exc:  # a message no frame can carry
+                answer = exc
+        held.owner.finish(held.request_id, answer)
 
     def _tick(self) -> None:
         coordinator = self.coordinator
@@ -288,6 +316,7 @@ class Broker:
         self.holds.answer_all()
         if self.commit is not None:
             await self.commit.drain()
+        await self.offsets.drain()
         for connection in list(self.connections):
             connection.close()
         deadline = self.loop.time() + self.config.drain_timeout_ms / 1000
@@ -299,6 +328,7 @@ class Broker:
         await self._close_servers()
         if self.commit is not None:
             self.commit.close()
+        self.offsets.close()
         self._close_store()
 
     async def _close_servers(self) -> None:

@@ -1,0 +1,108 @@
+"""``commit_offset`` off the event loop: each commit is answered once it is on disk
+(fsynced), but the fsyncs run on one committer thread, and the commits that arrive while
+it writes are written together, one file per group.
+
+A commit that moves a group's offset forward (the usual one) goes to the group's file
+``consumers/<group>.json`` (the store's ``commit_group_file``: under that directory's
+flock, not the store's write lock, so sends never wait for it); every handle reads the
+larger of that file and ``offsets.json``. A commit below the committed offset is a
+reset, which only ``MessageStore.commit_offset`` can do (it rewrites ``offsets.json``
+under the write lock): the rare case, run on the same thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable
+
+from equeue.store import offsets as group_offsets
+from equeue.store.store import MessageStore
+
+log = logging.getLogger("equeue.server")
+
+Release = Callable[[BaseException | None], None]
+Key = tuple[str, str, int]  # group, topic, queue id
+
+
+class OffsetCommitter:
+    """Runs on the loop; the writes run on its one thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, store: MessageStore) -> None:
+        self._loop = loop
+        self._store = store
+        self._waiting: list[tuple[Key, int, Release]] = []
+        self._running: asyncio.Future[dict[Key, BaseException]] | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "equeue-broker-commit")
+        self.writes = 0
+
+    def add(self, key: Key, offset: int, release: Release) -> None:
+        """Call ``release(None)`` once ``offset`` is committed durably (or with the error)."""
+        self._waiting.append((key, offset, release))
+        if self._running is None:
+            self._start()
+
+    def _start(self) -> None:
+        batch, self._waiting = self._waiting, []
+        final = {key: offset for key, offset, _ in batch}  # in arrival order: the last wins
+        future = self._loop.run_in_executor(self._executor, self._write, final)
+        self._running = future
+        future.add_done_callback(lambda done: self._finished(batch, done))
+
+    def _write(self, final: dict[Key, int]) -> dict[Key, BaseException]:
+        """On the committer thread: the errors, by key."""
+        store = self._store
+        errors: dict[Key, BaseException] = {}
+        forward: dict[str, dict[tuple[str, int], int]] = {}
+        for key, offset in final.items():
+            group, topic, queue_id = key
+            try:
+                current = store.committed_offset(group, topic, queue_id)
+                if current is not None and offset < current:
+                    store.commit_offset(group, topic, queue_id, offset)  # a reset
+                    self.writes += 1
+                else:
+                    forward.setdefault(group, {})[(topic, queue_id)] = offset
+            except Exception as exc:
+                errors[key] = exc
+        for group, positions in forward.items():
+            try:
+                group_offsets.commit_group_file(store.path, group, positions)
+                self.writes += 1
+            except Exception as exc:
+                log.error("committing offsets of group %r failed: %s", group, exc)
+                for topic, queue_id in positions:
+                    errors[(group, topic, queue_id)] = exc
+        return errors
+
+    def _finished(
+        self,
+        batch: list[tuple[Key, int, Release]],
+        done: asyncio.Future[dict[Key, BaseException]],
+    ) -> None:
+        self._running = None
+        failed: BaseException | None = None
+        errors: dict[Key, BaseException] = {}
+        if done.cancelled():
+            failed = RuntimeError("the broker stopped before this commit was written")
+        elif (exc := done.exception()) is not None:
+            failed = exc
+        else:
+            errors = done.result()
+        for key, _, release in batch:
+            try:
+                release(failed or errors.get(key))
+            except Exception:  # one connection's failure must not keep the others' answers
+                log.exception("releasing a commit's answer failed")
+        if self._waiting:
+            self._start()
+
+    async def drain(self) -> None:
+        """Until every commit handed over so far is written and answered."""
+        while self._running is not None:
+            await asyncio.wait([self._running])
+            await asyncio.sleep(0)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
