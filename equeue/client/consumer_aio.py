@@ -162,9 +162,14 @@ class AsyncGroupConsumer:
             args["delay_ms"] = _delay_ms(delay)
         try:
             await self.client.request("nack", args)
-        except GroupError as exc:
-            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
+        except EQueueError as exc:
+            # Not known to be retried (a lost connection may or may not have stored the
+            # copy): the membership is reset before anything is committed, so the queues
+            # are read again from their last commit and the message comes again.
             self.state.lost = True
+            if not isinstance(exc, GroupError):
+                raise
+            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
 
     async def commit(self) -> None:
         self._check_open()

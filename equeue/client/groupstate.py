@@ -252,6 +252,8 @@ class GroupState:
         self.pending.clear()
 
     def to_commit(self, queues: Iterable[Queue] | None = None) -> dict[Queue, int]:
+        if self.lost:  # e.g. a nack failed: its queues are read again from their commits
+            return {}
         keys = self.processed if queues is None else queues
         return {
             key: self.processed[key]

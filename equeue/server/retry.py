@@ -27,12 +27,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
-from equeue.errors import InvalidMessageError, InvalidTypeError, TopicNotFoundError
+from equeue.errors import (
+    InvalidMessageError,
+    InvalidTypeError,
+    MessageTooLargeError,
+    TopicNotFoundError,
+)
 from equeue.format.message import MAX_NAME_BYTES
 from equeue.protocol.retries import (
     ATTEMPT,
     DELAY_TOPIC,
     DLQ_PREFIX,
+    DLQ_REASON,
     DUE_MS,
     GROUP,
     MOVER_GROUP,
@@ -40,6 +46,7 @@ from equeue.protocol.retries import (
     ORIGIN_OFFSET,
     ORIGIN_QUEUE,
     ORIGIN_TOPIC,
+    RESERVED_PREFIX,
     RETRY_PREFIX,
     dead_letter_topic,
     restore,
@@ -52,9 +59,9 @@ if TYPE_CHECKING:
     from equeue.store.store import MessageStore
 
 __all__ = [  # the names of equeue/protocol/retries.py, for the broker's side
-    "ATTEMPT", "DELAY_TOPIC", "DLQ_PREFIX", "DUE_MS", "GROUP", "MOVER_GROUP", "ORIGIN_ID",
-    "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RETRY_PREFIX", "Retries",
-    "check_group_name", "dead_letter_topic", "restore", "retry_topic",
+    "ATTEMPT", "DELAY_TOPIC", "DLQ_PREFIX", "DLQ_REASON", "DUE_MS", "GROUP", "MOVER_GROUP",
+    "ORIGIN_ID", "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RESERVED_PREFIX",
+    "RETRY_PREFIX", "Retries", "check_group_name", "dead_letter_topic", "restore", "retry_topic",
 ]  # fmt: skip
 
 log = logging.getLogger("equeue.retry")
@@ -77,6 +84,10 @@ def check_group_name(group: object) -> str:
         raise InvalidMessageError(
             f"group {group[:40]!r}... is too long: a broker's group name is at most "
             f"{MAX_NAME_BYTES - len(RETRY_PREFIX)} bytes (it names {RETRY_PREFIX}GROUP)"
+        )
+    if group.startswith(RESERVED_PREFIX):
+        raise InvalidMessageError(
+            f"group {group!r}: names starting {RESERVED_PREFIX!r} are the broker's own"
         )
     try:
         validate.check_topic(group)
@@ -129,7 +140,23 @@ class Retries:
         self.dead = 0  # messages sent to dead-letter topics
 
     def nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
-        """Schedule ``message`` (of ``group``) for a retry, or dead-letter it."""
+        """Schedule ``message`` (of ``group``) for a retry, or dead-letter it. A message
+        whose properties leave no room for the retry's (the store's max_properties_size)
+        is dead-lettered with the retry's properties alone and ``equeue.dlq.reason``."""
+        try:
+            self._nack(group, message, delay_ms, max_retries)
+        except MessageTooLargeError as exc:
+            found, attempts = origin(message, group)
+            props = {**found, GROUP: group, ATTEMPT: str(attempts + 1)}
+            props[DLQ_REASON] = f"no retry: {exc}"[:1024]
+            self._append(dead_letter_topic(group), message, props, None)
+            self.dead += 1
+            log.warning(
+                "message %s of group %r: dead-lettered without its properties (%s)",
+                found[ORIGIN_ID], group, exc,
+            )  # fmt: skip
+
+    def _nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
         found, attempts = origin(message, group)
         attempt = attempts + 1
         props = {k: v for k, v in message.properties.items() if k not in _OURS}
