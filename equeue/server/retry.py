@@ -16,8 +16,10 @@ A copy keeps body, tag, key, code and the sender's properties, and carries these
 * ``equeue.due_ms``: when it is due (ms since the epoch; copies in ``equeue.delay``).
 
 The mover's cursor in each delay queue is the committed offset of the internal group
-``equeue.mover``, committed after the copies it moved were appended: a crash between
-the two moves them again (at least once), and nothing is lost.
+``equeue.mover``, committed after the copies it moved were appended and the message log
+fdatasynced (``store.flush_log``, once per tick for every delay queue; recovery rebuilds
+queues from the log): a crash between the two moves them again (at least once), and
+nothing is lost. Both run on the broker's loop, once per tick with due copies.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from equeue.protocol.retries import (
     restore,
     retry_topic,
 )
+from equeue.store import offsets as group_offsets
 from equeue.store import validate
 from equeue.store.types import Message, OutgoingMessage
 
@@ -198,6 +201,7 @@ class Retries:
             return 0
         now_ms = self.wall_clock() * 1000
         moved = 0
+        cursors: dict[tuple[str, int], int] = {}
         for queue_id in delay_queues:
             first, following = store.queue_range(DELAY_TOPIC, queue_id)
             at = max(self._cursor(queue_id), first)
@@ -230,12 +234,23 @@ class Retries:
             for target, batch in batches.items():  # one send (one flush) per group
                 self.ensure(target, 1)
                 store.send_batch(target, batch)
-            store.flush()  # the copies on disk before the cursor says they were moved
-            store.commit_offset(MOVER_GROUP, DELAY_TOPIC, queue_id, due[-1].queue_offset + 1)
-            self._cursors[queue_id] = due[-1].queue_offset + 1
+            cursors[(DELAY_TOPIC, queue_id)] = due[-1].queue_offset + 1
             moved += len(due)
+        if cursors:
+            # The copies (and the delay entries they came from) durable in the message
+            # log before the cursors say they were moved: recovery rebuilds the retry
+            # topics' queues from the log, so the log's fdatasync suffices (no checkpoint
+            # of every queue file); one for every delay queue of the tick, then one write
+            # of the mover's offsets file.
+            store.flush_log()
+            self.commit_cursors(cursors)
+            for (_, queue_id), offset in cursors.items():
+                self._cursors[queue_id] = offset
         self.moved += moved
         return moved
+
+    def commit_cursors(self, cursors: dict[tuple[str, int], int]) -> None:
+        group_offsets.commit_group_file(self.store.path, MOVER_GROUP, cursors)
 
     def _cursor(self, queue_id: int) -> int:
         cursor = self._cursors.get(queue_id)
