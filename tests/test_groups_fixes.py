@@ -195,3 +195,71 @@ def test_properties_at_the_limit_are_dead_lettered_not_lost(url: str) -> None:
         assert "equeue.dlq.reason" in dead.properties
         assert client.committed_offset("g", TOPIC, 0) == 2
         assert client.queue_range(retry_topic("g"), 0) == (0, 0)  # delay=0: it would be there
+
+
+class Recorder:
+    """The client, recording every pull's arguments and the pulls in flight at once."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.url = client, client.url
+        self.pulls: list[dict[str, Any]] = []
+        self.inflight = self.most = 0
+
+    def request(self, op: str, arguments: dict[str, Any]) -> Any:
+        if op != "pull":
+            return self.client.request(op, arguments)
+        self.pulls.append(arguments)
+        self.inflight += 1  # the GIL makes these counts exact enough for a maximum
+        self.most = max(self.most, self.inflight)
+        try:
+            return self.client.request(op, arguments)
+        finally:
+            self.inflight -= 1
+
+
+def test_a_member_of_many_queues_long_polls_them_in_turns(url: str) -> None:
+    queues = 70  # past MAX_POLLERS (64): they were pulled without a wait, ~11 k pulls/s
+    with equeue.connect(url) as client:
+        client.create_topic("wide", queues)
+        recorder = Recorder(client)
+        with GroupConsumer(recorder, "g", "wide") as consumer:
+            assert consumer.poll(0.5) is None
+            idle = list(recorder.pulls)
+            client.send("wide", b"last", queue_id=queues - 1)
+            got = consumer.poll(10.0)  # within a round of turns (~1 s); bounded
+            assert got is not None and got.body == b"last"
+        assert idle and all(p.get("wait_ms", 0) > 0 for p in idle)
+        assert recorder.most <= 64
+        assert client.committed_offset("g", "wide", queues - 1) == 1
+
+    async def main() -> tuple[int, list[dict[str, Any]]]:
+        aclient = await equeue.aio.connect(url)
+        pulls: list[dict[str, Any]] = []
+        most = inflight = 0
+
+        class AsyncRecorder:
+            def __init__(self) -> None:
+                self.url = aclient.url
+
+            async def request(self, op: str, arguments: dict[str, Any]) -> Any:
+                nonlocal most, inflight
+                if op == "pull":
+                    pulls.append(arguments)
+                    inflight += 1
+                    most = max(most, inflight)
+                try:
+                    return await aclient.request(op, arguments)
+                finally:
+                    if op == "pull":
+                        inflight -= 1
+
+        try:
+            async with AsyncGroupConsumer(AsyncRecorder(), "h", "wide") as consumer:
+                assert await consumer.poll(0.5) is None
+        finally:
+            await aclient.close()
+        return most, pulls
+
+    most, pulls = asyncio.run(main())
+    assert pulls and all(p.get("wait_ms", 0) > 0 for p in pulls)
+    assert most <= 64
