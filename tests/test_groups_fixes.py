@@ -87,6 +87,25 @@ def test_a_nack_that_failed_is_redelivered_not_committed(url: str) -> None:
         assert client.queue_range(retry_topic("g"), 0) == (0, 0)
 
 
+def test_closed_after_a_failed_nack_it_leaves_uncommitted(url: str) -> None:
+    """Closed right after its nack failed: it commits nothing (the message would be
+    committed past), but leaves, so its queues go on now, not a session timeout later."""
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"m0", b"m1"])
+        consumer = GroupConsumer(NackLostOnce(client), "g", TOPIC, session_timeout=60.0)
+        try:
+            first = consumer.poll(5.0)
+            assert first is not None and first.body == b"m0"
+            with pytest.raises(ConnectionLostError):
+                consumer.nack(first)
+        finally:
+            consumer.close()
+        assert "g" not in client.stats()["coordinator"]
+        assert client.committed_offset("g", TOPIC, 0) is None
+        with client.consumer("g", TOPIC, timeout=1.0) as again:
+            assert [m.body for m in again] == [b"m0", b"m1"]
+
+
 def test_a_nack_that_failed_is_redelivered_asyncio(url: str) -> None:
     class AsyncNackLostOnce:
         def __init__(self, client: Any) -> None:

@@ -208,10 +208,11 @@ class GroupConsumer:
         try:
             if processed:
                 state.done_with_pending()
-            if not state.lost:
-                if state.auto_commit:
-                    self._commit_quietly(None)
-                self.client.request("leave", state.member_args())
+            if not state.lost and state.auto_commit:
+                self._commit_quietly(None)
+            # also when lost (a nack failed): the broker may still count it a member, and
+            # its queues go on at once, from their last commits, not a session later
+            self.client.request("leave", state.member_args())
         except EQueueError as exc:  # the broker will expire it: nothing is lost
             log.warning("consumer %s could not leave cleanly: %s", state.consumer, exc)
         finally:

@@ -202,10 +202,11 @@ class AsyncGroupConsumer:
         try:
             if processed:
                 state.done_with_pending()
-            if not state.lost:
-                if state.auto_commit:
-                    await self._commit(None)
-                await self.client.request("leave", state.member_args())
+            if not state.lost and state.auto_commit:
+                await self._commit(None)
+            # also when lost (a nack failed): the broker may still count it a member, and
+            # its queues go on at once, from their last commits, not a session later
+            await self.client.request("leave", state.member_args())
         except EQueueError as exc:
             log.warning("consumer %s could not leave cleanly: %s", state.consumer, exc)
 
