@@ -17,7 +17,7 @@ from equeue.errors import (
     TopicNotFoundError,
 )
 from equeue.server import groups
-from equeue.server.groups import GroupCoordinator, average_allocation
+from equeue.server.groups import GroupCoordinator, allocate, average_allocation
 from equeue.server.retry import retry_topic
 
 RETRY = retry_topic("g")
@@ -104,6 +104,27 @@ def test_revoked_queue_waits_for_its_holder_to_release_it(coord: GroupCoordinato
     coord.check_owner("g", "b", "orders", 7)
 
 
+@pytest.mark.parametrize("topic", ["alpha", "zeta"])  # before and after equeue.retry.g
+def test_retry_queue_is_allocated_apart_from_the_topic_queues(
+    store: MessageStore, clock: Clock, topic: str
+) -> None:
+    store.create_topic(topic, 4)
+    coord = GroupCoordinator(store, clock=clock, wall_clock=clock)
+    for consumer in "abcd":
+        coord.join("g", consumer, [topic], 1000)
+    for consumer in "abcd":  # each applies the last generation: everything is handed on
+        coord.heartbeat("g", consumer, generation=coord.heartbeat("g", consumer)["generation"])
+    held = {c: queues(coord.heartbeat("g", c)) for c in "abcd"}
+    assert {c: [q for q in qs if q[0] == topic] for c, qs in held.items()} == {
+        c: [(topic, i)] for i, c in enumerate("abcd")
+    }
+    assert [c for c, qs in held.items() if (RETRY, 0) in qs] == ["a"]
+    # the member with fewest topic queues takes the retry queue; several go round-robin
+    got = allocate(["a", "b", "c"], orders(*range(8)), [("r", 0), ("r", 1)])
+    assert [got[("r", 0)], got[("r", 1)]] == ["c", "a"]
+    assert [got[q] for q in orders(*range(8))] == list("aaabbbcc")
+
+
 def test_release_by_an_older_answer_of_the_same_generation(coord: GroupCoordinator) -> None:
     coord.join("g", "a", ["orders"], 1000)
     coord.join("g", "b", ["orders"], 1000)
@@ -114,11 +135,12 @@ def test_release_by_an_older_answer_of_the_same_generation(coord: GroupCoordinat
     # a applied 2 (the last answer it got): it released what 2 took from it, no more
     third = coord.heartbeat("g", "a", generation=2)
     assert third["generation"] == 3
-    assert queues(coord.heartbeat("g", "b")) == orders(4)  # 2 and 3 are a's still
+    assert queues(coord.heartbeat("g", "b")) == orders(4, 5)  # 3 is a's still
     coord.check_owner("g", "a", "orders", 3)
-    assert queues(coord.heartbeat("g", "c")) == orders(5, 6, 7)
+    assert queues(coord.heartbeat("g", "c")) == orders(6, 7)  # and the retry queue
     coord.heartbeat("g", "a", generation=3)
-    assert queues(coord.heartbeat("g", "b")) == orders(2, 3, 4)
+    assert queues(coord.heartbeat("g", "b")) == orders(3, 4, 5)
+    assert queues(coord.heartbeat("g", "c")) == [(RETRY, 0), *orders(6, 7)]
 
 
 def test_expired_member_queues_move_after_the_session_timeout(

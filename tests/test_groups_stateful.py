@@ -4,7 +4,8 @@ answer, die silently; time passes; topics gain queues. After every step:
 
 * the coordinator's members are those the model expects alive (joined, not left, not
   silent past their session timeout at a tick);
-* the target is the average allocation of the live members over the group's queues;
+* the target is the average allocation of the live members over the topic's queues,
+  the retry queue to the member with fewest of them;
 * what live members pull (the assignment each applied) never overlaps, and each queue
   a member pulls is one it holds (check_owner passes): a revoked queue is not handed on
   before its holder released it or expired;
@@ -26,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from equeue import MessageStore
 from equeue.errors import GroupError
-from equeue.server.groups import GroupCoordinator, average_allocation
+from equeue.server.groups import GroupCoordinator, allocate
 
 CONSUMERS = ["c0", "c1", "c2"]
 TIMEOUT_MS = 1000
@@ -196,7 +197,7 @@ class Groups(RuleBasedStateMachine):
         ]
 
     def _target(self) -> dict[Q, str]:
-        return average_allocation(list(self.clients), self._queues())
+        return _allocate(list(self.clients), self._queues())
 
     @invariant()
     def members_are_the_expected_ones(self) -> None:
@@ -217,7 +218,7 @@ class Groups(RuleBasedStateMachine):
             return
         target = {(t, q): want for t, q, _, want in stats["assignment"]}
         queues = sorted(target)
-        assert target == average_allocation(list(self.clients), queues)
+        assert target == _allocate(list(self.clients), queues)
 
     @invariant()
     def one_consumer_per_queue(self) -> None:
@@ -231,3 +232,8 @@ class Groups(RuleBasedStateMachine):
 
 Groups.TestCase.settings = settings(max_examples=150, stateful_step_count=15, deadline=None)
 TestGroups = Groups.TestCase
+
+
+def _allocate(consumers: list[str], queues: list[Q]) -> dict[Q, str]:
+    retry = [q for q in queues if q[0].startswith("equeue.retry.")]
+    return allocate(consumers, [q for q in queues if q not in retry], retry)

@@ -202,7 +202,7 @@ def test_crash_between_move_and_cursor_moves_again(
         def fail(*args: object) -> None:
             raise StoreWriteError(5, "simulated crash before the cursor is committed")
 
-        monkeypatch.setattr(store, "commit_offset", fail)
+        monkeypatch.setattr(coord.retries, "commit_cursors", fail)
         with pytest.raises(StoreWriteError):
             coord.tick()
         assert [m.body for m in everything(store, RETRY)] == [b"m"]
@@ -213,6 +213,40 @@ def test_crash_between_move_and_cursor_moves_again(
         assert [m.body for m in everything(store, RETRY)] == [b"m", b"m"]
         coord.tick()
         assert len(everything(store, RETRY)) == 2
+
+
+def test_mover_fdatasyncs_the_log_once_a_tick_before_its_cursors(
+    store: MessageStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No checkpoint (store.flush fdatasyncs every queue file) on the broker's loop: one
+    fdatasync of the message log covers every delay queue's copies, then the cursors."""
+    coord = coordinator(store, clock)
+    for delay_ms in (1000, 5000, 30_000):  # one copy in each of the three delay queues
+        coord.nack("g", "a", store.send("orders", b"x").message_id, delay_ms)
+    calls: list[str] = []
+
+    def record(name: str, real: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(store, "flush", record("flush", store.flush))
+    monkeypatch.setattr(store, "flush_log", record("flush_log", store.flush_log))
+    monkeypatch.setattr(store, "send_batch", record("send_batch", store.send_batch))
+    monkeypatch.setattr(
+        coord.retries, "commit_cursors", record("commit", coord.retries.commit_cursors)
+    )
+    clock.now += 31.0
+    coord.tick()
+    assert calls == ["send_batch", "send_batch", "send_batch", "flush_log", "commit"]
+    assert [m.body for m in everything(store, RETRY)] == [b"x"] * 3
+    assert [store.committed_offset(retry.MOVER_GROUP, retry.DELAY_TOPIC, q) for q in range(3)] == [
+        1,
+        1,
+        1,
+    ]
 
 
 def test_mover_reads_a_waiting_queue_once_until_its_head_is_due(

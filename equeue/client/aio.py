@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
@@ -54,6 +54,9 @@ from equeue.protocol.frames import (
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
+
+if TYPE_CHECKING:
+    from equeue.client.consumer_aio import AsyncGroupConsumer
 
 _STATUSES: Final = (STATUS_OK, STATUS_ERROR)
 
@@ -466,6 +469,15 @@ class AsyncClient:
 
     async def ping(self) -> None:
         await self._call(calls.ping())
+
+    def consumer(
+        self, group: str, topics: str | Iterable[str], **options: Any
+    ) -> AsyncGroupConsumer:
+        """A member of consumer group ``group`` on this client; it joins on ``start()``
+        or entering ``async with``. ``options`` are AsyncGroupConsumer's."""
+        from equeue.client.consumer_aio import AsyncGroupConsumer
+
+        return AsyncGroupConsumer(self, group, topics, **options)
 
     # --- life --------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ in offset order per queue; ``for message in consumer`` blocks until one arrives
 Threads: a heartbeat thread keeps the session (every session_timeout / 3) on the same
 client (the blocking client is thread-safe), also while the caller's code runs; the
 assigned queues are long-polled at once, one pull each in flight, from a small pool of
-threads, so a message in any of them wakes the loop (no busy wait).
+threads, so a message in any of them wakes the loop (no busy wait); past MAX_POLLERS
+queues they take turns, each pull waiting its share of a second (``poll_wait_ms``).
 
 At least once: processed offsets are committed (``auto_commit``) when no message came
 for 0.1 s, when every message fetched was handed out and ``auto_commit_interval``
@@ -35,9 +36,11 @@ from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_SESSION_TIMEOUT,
+    MAX_POLLERS,
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    poll_wait_ms,
 )
 from equeue.errors import (
     ClosedError,
@@ -51,7 +54,6 @@ from equeue.store.types import Message
 
 log = logging.getLogger("equeue.client.consumer")
 
-MAX_POLLERS = 64  # pulls in flight at once: queues past it are pulled without a wait
 IDLE_COMMIT_SECONDS = 0.1  # no message for this long: the processed offsets are committed
 
 
@@ -174,6 +176,14 @@ class GroupConsumer:
             args["delay_ms"] = _delay_ms(delay)
         try:
             self.client.request("nack", args)
+        except EQueueError as exc:
+            # Not known to be retried (a lost connection may or may not have stored the
+            # copy): the membership is reset before anything is committed, so the queues
+            # are read again from their last commit and the message comes again.
+            self.state.lost = True
+            if not isinstance(exc, GroupError):
+                raise
+            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
         except GroupError as exc:  # not a member any more: it comes again uncommitted
             log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
             self.state.lost = True
@@ -198,10 +208,11 @@ class GroupConsumer:
         try:
             if processed:
                 state.done_with_pending()
-            if not state.lost:
-                if state.auto_commit:
-                    self._commit_quietly(None)
-                self.client.request("leave", state.member_args())
+            if not state.lost and state.auto_commit:
+                self._commit_quietly(None)
+            # also when lost (a nack failed): the broker may still count it a member, and
+            # its queues go on at once, from their last commits, not a session later
+            self.client.request("leave", state.member_args())
         except EQueueError as exc:  # the broker will expire it: nothing is lost
             log.warning("consumer %s could not leave cleanly: %s", state.consumer, exc)
         finally:
@@ -304,7 +315,9 @@ class GroupConsumer:
     def _start_pulls(self) -> None:
         state = self.state
         wanted = [k for k in state.positions if k not in self._inflight and state.wants_pull(k)]
-        wait_ms = POLL_WAIT_MS if len(state.positions) <= MAX_POLLERS else 0
+        # past MAX_POLLERS, the pool's queue takes them in turn (FIFO: a queue answered
+        # goes after those waiting)
+        wait_ms = poll_wait_ms(len(state.positions))
         for key in wanted:
             args = state.pull_args(key, wait_ms)
             future = self._pool.submit(self.client.request, "pull", args)

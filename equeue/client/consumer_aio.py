@@ -19,14 +19,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
-from equeue.client.consumer import IDLE_COMMIT_SECONDS, MAX_POLLERS, _delay_ms
+from equeue.client.consumer import IDLE_COMMIT_SECONDS, _delay_ms
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_SESSION_TIMEOUT,
+    MAX_POLLERS,
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    poll_wait_ms,
 )
 from equeue.errors import (
     ClosedError,
@@ -75,6 +77,7 @@ class AsyncGroupConsumer:
         )  # fmt: skip
         self.timeout = timeout
         self._inflight: dict[Queue, tuple[asyncio.Task[Any], int, int]] = {}
+        self._started: dict[Queue, float] = {}  # when each queue's last pull was sent
         self._event: asyncio.Event | None = None
         self._beat_now: asyncio.Event | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -162,9 +165,14 @@ class AsyncGroupConsumer:
             args["delay_ms"] = _delay_ms(delay)
         try:
             await self.client.request("nack", args)
-        except GroupError as exc:
-            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
+        except EQueueError as exc:
+            # Not known to be retried (a lost connection may or may not have stored the
+            # copy): the membership is reset before anything is committed, so the queues
+            # are read again from their last commit and the message comes again.
             self.state.lost = True
+            if not isinstance(exc, GroupError):
+                raise
+            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
 
     async def commit(self) -> None:
         self._check_open()
@@ -194,10 +202,11 @@ class AsyncGroupConsumer:
         try:
             if processed:
                 state.done_with_pending()
-            if not state.lost:
-                if state.auto_commit:
-                    await self._commit(None)
-                await self.client.request("leave", state.member_args())
+            if not state.lost and state.auto_commit:
+                await self._commit(None)
+            # also when lost (a nack failed): the broker may still count it a member, and
+            # its queues go on at once, from their last commits, not a session later
+            await self.client.request("leave", state.member_args())
         except EQueueError as exc:
             log.warning("consumer %s could not leave cleanly: %s", state.consumer, exc)
 
@@ -304,10 +313,13 @@ class AsyncGroupConsumer:
         state = self.state
         event = self._event
         assert event is not None
-        wait_ms = POLL_WAIT_MS if len(state.positions) <= MAX_POLLERS else 0
-        for key in [k for k in state.positions if k not in self._inflight]:
-            if not state.wants_pull(key):
-                continue
+        # At most MAX_POLLERS pulls in flight (the connection's max_in_flight is shared
+        # with commits and heartbeats), the queues pulled longest ago first.
+        wait_ms = poll_wait_ms(len(state.positions))
+        wanted = [k for k in state.positions if k not in self._inflight and state.wants_pull(k)]
+        wanted.sort(key=lambda k: self._started.get(k, 0.0))
+        for key in wanted[: max(0, MAX_POLLERS - len(self._inflight))]:
+            self._started[key] = time.monotonic()
             args = state.pull_args(key, wait_ms)
             task = asyncio.create_task(self.client.request("pull", args))
             task.add_done_callback(lambda _: event.set())

@@ -37,6 +37,18 @@ DEFAULT_AUTO_COMMIT_INTERVAL: Final = 1.0
 DEFAULT_MAX_POLL_INTERVAL: Final = 300.0
 # A long-poll pull is held this long at most: then the loop looks at its assignment.
 POLL_WAIT_MS: Final = 1000
+MAX_POLLERS: Final = 64  # pulls in flight at once (threads of the blocking loop)
+MIN_POLL_WAIT_MS: Final = 10
+
+
+def poll_wait_ms(queues: int) -> int:
+    """The wait of each pull of a member holding ``queues`` queues. Up to MAX_POLLERS
+    each is long-polled; past it they take turns, MAX_POLLERS at a time, each waiting
+    its share of POLL_WAIT_MS: a round of every queue still takes about POLL_WAIT_MS and
+    an idle member sends about ``queues`` pulls a second (none waiting: thousands)."""
+    if queues <= MAX_POLLERS:
+        return POLL_WAIT_MS
+    return max(MIN_POLL_WAIT_MS, POLL_WAIT_MS * MAX_POLLERS // queues)
 
 
 class GroupState:
@@ -252,6 +264,8 @@ class GroupState:
         self.pending.clear()
 
     def to_commit(self, queues: Iterable[Queue] | None = None) -> dict[Queue, int]:
+        if self.lost:  # e.g. a nack failed: its queues are read again from their commits
+            return {}
         keys = self.processed if queues is None else queues
         return {
             key: self.processed[key]

@@ -23,7 +23,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
@@ -50,6 +50,9 @@ from equeue.protocol.frames import CONNECTION_REQUEST_ID, STATUS_OK, check_answe
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
+
+if TYPE_CHECKING:
+    from equeue.client.consumer import GroupConsumer
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -523,6 +526,13 @@ class Client:
 
     def ping(self) -> None:
         self._call(calls.ping())
+
+    def consumer(self, group: str, topics: str | Iterable[str], **options: Any) -> GroupConsumer:
+        """A member of consumer group ``group`` on this client (joined now); ``options``
+        are GroupConsumer's (equeue/client/consumer.py, docs/groups.md)."""
+        from equeue.client.consumer import GroupConsumer
+
+        return GroupConsumer(self, group, topics, **options)
 
     # --- life --------------------------------------------------------------------
 

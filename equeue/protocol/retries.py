@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from typing import Final
 
+from equeue.errors import InvalidMessageError
 from equeue.store.types import Message
 
 DELAY_TOPIC: Final = "equeue.delay"  # internal: one queue per delay level
 MOVER_GROUP: Final = "equeue.mover"  # internal: the mover's cursor in each delay queue
 RETRY_PREFIX: Final = "equeue.retry."  # + group: what the group consumes again
 DLQ_PREFIX: Final = "equeue.dlq."  # + group: the dead letters, an ordinary topic
+RESERVED_PREFIX: Final = "equeue."  # topics and groups only the broker writes
 
 GROUP: Final = "equeue.group"
 ATTEMPT: Final = "equeue.attempt"  # how many times the message was nacked
@@ -20,6 +22,8 @@ ORIGIN_QUEUE: Final = "equeue.origin.queue_id"
 ORIGIN_OFFSET: Final = "equeue.origin.offset"
 ORIGIN_ID: Final = "equeue.origin.id"
 DUE_MS: Final = "equeue.due_ms"  # copies in DELAY_TOPIC: when due, ms since the epoch
+# A dead letter sent there without the sender's properties: why (they left no room).
+DLQ_REASON: Final = "equeue.dlq.reason"
 
 
 def retry_topic(group: str) -> str:
@@ -28,6 +32,34 @@ def retry_topic(group: str) -> str:
 
 def dead_letter_topic(group: str) -> str:
     return DLQ_PREFIX + group
+
+
+def check_client_write(op: str, args: dict[str, object], where: str) -> None:
+    """Refuse a client's write into the broker's names: a send, send_batch or
+    create_topic to an ``equeue.*`` topic; a commit_offset of an ``equeue.*`` group, in
+    ``equeue.delay``, or in another group's retry topic. Reads stay open (the dead
+    letters are consumed as an ordinary topic, and offsets committed there)."""
+    topic, group = args.get("topic"), args.get("group")
+    if not isinstance(topic, str):
+        return  # check_args refuses it
+    if op == "commit_offset":
+        if isinstance(group, str) and group.startswith(RESERVED_PREFIX):
+            bad = f"group {group!r}"
+        elif topic == DELAY_TOPIC or (
+            topic.startswith(RETRY_PREFIX) and topic != RETRY_PREFIX + str(group)
+        ):
+            bad = f"topic {topic!r} for group {group!r}"
+        else:
+            return
+    elif topic.startswith(RESERVED_PREFIX):
+        bad = f"topic {topic!r}"
+    else:
+        return
+    raise InvalidMessageError(
+        f"{where}: op {op!r} refused: {bad} is the broker's (names starting "
+        f"{RESERVED_PREFIX!r} are reserved for its retries; a client may read them and "
+        "commit its own group's offsets in its retry and dead-letter topics)"
+    )
 
 
 def restore(message: Message) -> Message:

@@ -5,11 +5,14 @@ The broker keeps one GroupCoordinator and calls it on its event-loop thread only
 locks). Membership lives in memory: a broker restart forgets it, and every member's
 next request answers GroupError, upon which the client joins again.
 
-Allocation: the group's queues, every queue of its topics and of its retry topic
-``equeue.retry.GROUP``, sorted by (topic, queue id), are cut into contiguous slices over
-the members sorted by consumer id, the first ``n % k`` members one queue more (EQueue's
-average allocation). Each rebalance (a member joins, leaves or expires; a topic gains
-queues) starts a new generation with a new *target* allocation.
+Allocation: the queues of the group's topics, sorted by (topic, queue id), are cut into
+contiguous slices over the members sorted by consumer id, the first ``n % k`` members one
+queue more (EQueue's average allocation). The queue(s) of its retry topic
+``equeue.retry.GROUP`` are shared out apart, round-robin over the members with the fewest
+topic queues first (ties by consumer id): a retry queue is mostly idle, so counted as a
+topic queue it would leave some member one topic queue short. Each rebalance (a member
+joins, leaves or expires; a topic gains queues) starts a new generation with a new
+*target* allocation.
 
 Per queue one consumer at a time: a queue has at most one *holder*. A queue whose
 target is a member is handed to it only once nobody holds it: its previous holder
@@ -95,6 +98,23 @@ def average_allocation(consumers: Sequence[str], queues: Sequence[Queue]) -> dic
         for queue in ordered[start : start + size]:
             target[queue] = consumer
         start += size
+    return target
+
+
+def allocate(
+    consumers: Sequence[str], queues: Sequence[Queue], retry_queues: Sequence[Queue]
+) -> dict[Queue, str]:
+    """The topic queues by average allocation, then the retry queues round-robin over the
+    members holding fewest topic queues first (see the module docstring)."""
+    target = average_allocation(consumers, queues)
+    if not consumers:
+        return target
+    held = {c: 0 for c in consumers}
+    for consumer in target.values():
+        held[consumer] += 1
+    order = sorted(consumers, key=lambda c: (held[c], c))
+    for index, queue in enumerate(sorted(retry_queues)):
+        target[queue] = order[index % len(order)]
     return target
 
 
@@ -315,7 +335,12 @@ class GroupCoordinator:
             log.info("group %r: no members left (%s)", state.name, why)
             return
         state.queues = self._queues(state)
-        state.target = average_allocation(list(state.members), state.queues)
+        retry_topic = retry.retry_topic(state.name)
+        state.target = allocate(
+            list(state.members),
+            [q for q in state.queues if q[0] != retry_topic],
+            [q for q in state.queues if q[0] == retry_topic],
+        )
         for queue in [q for q in state.holders if q not in state.target]:
             del state.holders[queue]  # a queue gone from the group (its topic deleted)
         self._grant(state)
@@ -366,7 +391,16 @@ def _check_topics(topics: object) -> tuple[str, ...]:
         raise InvalidMessageError("a consumer group member needs a non-empty list of topics")
     if len(topics) > MAX_TOPICS:
         raise InvalidMessageError(f"{len(topics)} topics; a group subscribes at most {MAX_TOPICS}")
-    return tuple(sorted({validate.check_topic(t) for t in topics}))
+    names = tuple(sorted({validate.check_topic(t) for t in topics}))
+    for name in names:
+        # the broker's own topics are read, not consumed by a group, but for dead letters
+        if name.startswith(retry.RESERVED_PREFIX) and not name.startswith(retry.DLQ_PREFIX):
+            raise InvalidMessageError(
+                f"topic {name!r} is the broker's ({retry.RESERVED_PREFIX}*): a group may "
+                f"consume dead letters ({retry.DLQ_PREFIX}GROUP) but not its retry or delay "
+                "topics, which it gets by itself"
+            )
+    return names
 
 
 def _check_timeout(value: object) -> int:

@@ -18,6 +18,7 @@ from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
 from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
+from equeue.protocol.retries import check_client_write
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
 from equeue.store.store import MessageStore
@@ -113,6 +114,8 @@ class Handlers:
             "leave": lambda peer, rid, a: self.coordinator.call("leave", a),
             "nack": self.nack,
         }
+        for op in ("send", "send_batch", "create_topic", "commit_offset"):
+            self.ops[op] = _guarded(op, self.ops[op])
 
     def nack(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         # The retry copy is an append: under --flush sync acknowledged once it is durable.
@@ -275,6 +278,19 @@ class Handlers:
         answer["groups"] = group_lag(self.store)
         answer["coordinator"] = self.coordinator.stats()  # members, generations, assignments
         return answer
+
+
+def _guarded(
+    op: str, handler: Callable[[Peer, int, dict[str, Any]], object]
+) -> Callable[[Peer, int, dict[str, Any]], object]:
+    """A client's write, refused in the broker's reserved ``equeue.*`` names (the
+    coordinator's own writes go to the store directly)."""
+
+    def guarded(peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        check_client_write(op, a, peer.where)
+        return handler(peer, rid, a)
+
+    return guarded
 
 
 def _batch_items(peer: Peer, topic: str, messages: list[Any]) -> list[bytes | OutgoingMessage]:

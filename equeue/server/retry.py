@@ -16,8 +16,10 @@ A copy keeps body, tag, key, code and the sender's properties, and carries these
 * ``equeue.due_ms``: when it is due (ms since the epoch; copies in ``equeue.delay``).
 
 The mover's cursor in each delay queue is the committed offset of the internal group
-``equeue.mover``, committed after the copies it moved were appended: a crash between
-the two moves them again (at least once), and nothing is lost.
+``equeue.mover``, committed after the copies it moved were appended and the message log
+fdatasynced (``store.flush_log``, once per tick for every delay queue; recovery rebuilds
+queues from the log): a crash between the two moves them again (at least once), and
+nothing is lost. Both run on the broker's loop, once per tick with due copies.
 """
 
 from __future__ import annotations
@@ -27,12 +29,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
-from equeue.errors import InvalidMessageError, InvalidTypeError, TopicNotFoundError
+from equeue.errors import (
+    InvalidMessageError,
+    InvalidTypeError,
+    MessageTooLargeError,
+    TopicNotFoundError,
+)
 from equeue.format.message import MAX_NAME_BYTES
 from equeue.protocol.retries import (
     ATTEMPT,
     DELAY_TOPIC,
     DLQ_PREFIX,
+    DLQ_REASON,
     DUE_MS,
     GROUP,
     MOVER_GROUP,
@@ -40,11 +48,13 @@ from equeue.protocol.retries import (
     ORIGIN_OFFSET,
     ORIGIN_QUEUE,
     ORIGIN_TOPIC,
+    RESERVED_PREFIX,
     RETRY_PREFIX,
     dead_letter_topic,
     restore,
     retry_topic,
 )
+from equeue.store import offsets as group_offsets
 from equeue.store import validate
 from equeue.store.types import Message, OutgoingMessage
 
@@ -52,9 +62,9 @@ if TYPE_CHECKING:
     from equeue.store.store import MessageStore
 
 __all__ = [  # the names of equeue/protocol/retries.py, for the broker's side
-    "ATTEMPT", "DELAY_TOPIC", "DLQ_PREFIX", "DUE_MS", "GROUP", "MOVER_GROUP", "ORIGIN_ID",
-    "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RETRY_PREFIX", "Retries",
-    "check_group_name", "dead_letter_topic", "restore", "retry_topic",
+    "ATTEMPT", "DELAY_TOPIC", "DLQ_PREFIX", "DLQ_REASON", "DUE_MS", "GROUP", "MOVER_GROUP",
+    "ORIGIN_ID", "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RESERVED_PREFIX",
+    "RETRY_PREFIX", "Retries", "check_group_name", "dead_letter_topic", "restore", "retry_topic",
 ]  # fmt: skip
 
 log = logging.getLogger("equeue.retry")
@@ -77,6 +87,10 @@ def check_group_name(group: object) -> str:
         raise InvalidMessageError(
             f"group {group[:40]!r}... is too long: a broker's group name is at most "
             f"{MAX_NAME_BYTES - len(RETRY_PREFIX)} bytes (it names {RETRY_PREFIX}GROUP)"
+        )
+    if group.startswith(RESERVED_PREFIX):
+        raise InvalidMessageError(
+            f"group {group!r}: names starting {RESERVED_PREFIX!r} are the broker's own"
         )
     try:
         validate.check_topic(group)
@@ -129,7 +143,23 @@ class Retries:
         self.dead = 0  # messages sent to dead-letter topics
 
     def nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
-        """Schedule ``message`` (of ``group``) for a retry, or dead-letter it."""
+        """Schedule ``message`` (of ``group``) for a retry, or dead-letter it. A message
+        whose properties leave no room for the retry's (the store's max_properties_size)
+        is dead-lettered with the retry's properties alone and ``equeue.dlq.reason``."""
+        try:
+            self._nack(group, message, delay_ms, max_retries)
+        except MessageTooLargeError as exc:
+            found, attempts = origin(message, group)
+            props = {**found, GROUP: group, ATTEMPT: str(attempts + 1)}
+            props[DLQ_REASON] = f"no retry: {exc}"[:1024]
+            self._append(dead_letter_topic(group), message, props, None)
+            self.dead += 1
+            log.warning(
+                "message %s of group %r: dead-lettered without its properties (%s)",
+                found[ORIGIN_ID], group, exc,
+            )  # fmt: skip
+
+    def _nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
         found, attempts = origin(message, group)
         attempt = attempts + 1
         props = {k: v for k, v in message.properties.items() if k not in _OURS}
@@ -171,6 +201,7 @@ class Retries:
             return 0
         now_ms = self.wall_clock() * 1000
         moved = 0
+        cursors: dict[tuple[str, int], int] = {}
         for queue_id in delay_queues:
             first, following = store.queue_range(DELAY_TOPIC, queue_id)
             at = max(self._cursor(queue_id), first)
@@ -203,12 +234,23 @@ class Retries:
             for target, batch in batches.items():  # one send (one flush) per group
                 self.ensure(target, 1)
                 store.send_batch(target, batch)
-            store.flush()  # the copies on disk before the cursor says they were moved
-            store.commit_offset(MOVER_GROUP, DELAY_TOPIC, queue_id, due[-1].queue_offset + 1)
-            self._cursors[queue_id] = due[-1].queue_offset + 1
+            cursors[(DELAY_TOPIC, queue_id)] = due[-1].queue_offset + 1
             moved += len(due)
+        if cursors:
+            # The copies (and the delay entries they came from) durable in the message
+            # log before the cursors say they were moved: recovery rebuilds the retry
+            # topics' queues from the log, so the log's fdatasync suffices (no checkpoint
+            # of every queue file); one for every delay queue of the tick, then one write
+            # of the mover's offsets file.
+            store.flush_log()
+            self.commit_cursors(cursors)
+            for (_, queue_id), offset in cursors.items():
+                self._cursors[queue_id] = offset
         self.moved += moved
         return moved
+
+    def commit_cursors(self, cursors: dict[tuple[str, int], int]) -> None:
+        group_offsets.commit_group_file(self.store.path, MOVER_GROUP, cursors)
 
     def _cursor(self, queue_id: int) -> int:
         cursor = self._cursors.get(queue_id)

@@ -1,0 +1,284 @@
+"""Review fixes of issue 23's groups and retries, through a real broker (BrokerThread on a
+Unix socket): a nack that failed is redelivered, never committed past; the broker's
+reserved ``equeue.*`` names refuse clients' writes but stay readable; ``client.consumer``;
+a message whose properties fill the limit is dead-lettered, not lost."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from server_helpers import short_dir
+
+import equeue
+import equeue.aio
+from equeue import MessageStore
+from equeue.client.consumer import GroupConsumer
+from equeue.client.consumer_aio import AsyncGroupConsumer
+from equeue.errors import ConnectionLostError, InvalidMessageError
+from equeue.protocol.retries import (
+    DELAY_TOPIC,
+    MOVER_GROUP,
+    ORIGIN_ID,
+    dead_letter_topic,
+    retry_topic,
+)
+from equeue.server import BrokerThread
+
+TOPIC = "one"
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    directory = short_dir()
+    try:
+        with MessageStore.open(directory / "s") as store:
+            store.create_topic(TOPIC, 1)
+        thread = BrokerThread(directory / "s").start()
+        try:
+            yield thread.urls[0]
+        finally:
+            thread.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class NackLostOnce:
+    """The client, but the first nack fails as a broker restart fails it."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.url: str = client.url
+        self.failed = 0
+
+    def request(self, op: str, arguments: dict[str, Any]) -> Any:
+        if op == "nack" and not self.failed:
+            self.failed += 1
+            raise ConnectionLostError(f"{self.url}: the connection was lost (test)")
+        return self.client.request(op, arguments)
+
+
+def test_a_nack_that_failed_is_redelivered_not_committed(url: str) -> None:
+    handled: list[bytes] = []
+
+    def handler(message: equeue.Message) -> None:
+        handled.append(message.body)
+        if message.body == b"m1" and handled.count(b"m1") == 1:
+            raise ValueError("the first m1 fails")
+
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"m0", b"m1", b"m2"])
+        flaky = NackLostOnce(client)
+        consumer = GroupConsumer(flaky, "g", TOPIC, session_timeout=3.0)
+        try:
+            with pytest.raises(ConnectionLostError):
+                consumer.run(handler, timeout=5.0)
+            assert flaky.failed == 1
+            assert client.committed_offset("g", TOPIC, 0) in (None, 0, 1)  # not past m1
+            consumer.run(handler, timeout=1.0)  # as a supervisor would call it again
+        finally:
+            consumer.close()
+        assert handled.count(b"m1") == 2  # the failed nack's message came again
+        assert handled[-1] == b"m2"
+        assert client.committed_offset("g", TOPIC, 0) == 3
+        assert client.queue_range(retry_topic("g"), 0) == (0, 0)
+
+
+def test_closed_after_a_failed_nack_it_leaves_uncommitted(url: str) -> None:
+    """Closed right after its nack failed: it commits nothing (the message would be
+    committed past), but leaves, so its queues go on now, not a session timeout later."""
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"m0", b"m1"])
+        consumer = GroupConsumer(NackLostOnce(client), "g", TOPIC, session_timeout=60.0)
+        try:
+            first = consumer.poll(5.0)
+            assert first is not None and first.body == b"m0"
+            with pytest.raises(ConnectionLostError):
+                consumer.nack(first)
+        finally:
+            consumer.close()
+        assert "g" not in client.stats()["coordinator"]
+        assert client.committed_offset("g", TOPIC, 0) is None
+        with client.consumer("g", TOPIC, timeout=1.0) as again:
+            assert [m.body for m in again] == [b"m0", b"m1"]
+
+
+def test_a_nack_that_failed_is_redelivered_asyncio(url: str) -> None:
+    class AsyncNackLostOnce:
+        def __init__(self, client: Any) -> None:
+            self.client, self.url, self.failed = client, client.url, 0
+
+        async def request(self, op: str, arguments: dict[str, Any]) -> Any:
+            if op == "nack" and not self.failed:
+                self.failed += 1
+                raise ConnectionLostError(f"{self.url}: the connection was lost (test)")
+            return await self.client.request(op, arguments)
+
+    handled: list[bytes] = []
+
+    def handler(message: equeue.Message) -> None:
+        handled.append(message.body)
+        if message.body == b"m1" and handled.count(b"m1") == 1:
+            raise ValueError("the first m1 fails")
+
+    async def main() -> None:
+        client = await equeue.aio.connect(url)
+        try:
+            await client.send_batch(TOPIC, [b"m0", b"m1", b"m2"])
+            consumer = AsyncGroupConsumer(AsyncNackLostOnce(client), "g", TOPIC)
+            async with consumer:
+                with pytest.raises(ConnectionLostError):
+                    await consumer.run(handler, timeout=5.0)
+                await consumer.run(handler, timeout=1.0)
+            assert await client.committed_offset("g", TOPIC, 0) == 3
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+    assert handled.count(b"m1") == 2 and handled[-1] == b"m2"
+
+
+def test_client_consumer_methods(url: str) -> None:
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"a", b"b"])
+        with client.consumer("g", TOPIC, session_timeout=2.0, timeout=1.0) as consumer:
+            assert isinstance(consumer, GroupConsumer)
+            assert [m.body for m in consumer] == [b"a", b"b"]
+        assert client.committed_offset("g", TOPIC, 0) == 2
+
+    async def main() -> list[bytes]:
+        client = await equeue.aio.connect(url)
+        try:
+            await client.send(TOPIC, b"c")
+            consumer = client.consumer("h", [TOPIC], timeout=1.0)
+            assert isinstance(consumer, AsyncGroupConsumer)
+            async with consumer:
+                return [m.body async for m in consumer]
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == [b"a", b"b", b"c"]
+
+
+def test_reserved_names_refuse_client_writes_and_stay_readable(url: str) -> None:
+    with equeue.connect(url) as client:
+        client.send(TOPIC, b"poison")
+        with client.consumer("g", TOPIC, max_retries=0, timeout=2.0) as consumer:
+            message = next(iter(consumer))
+            consumer.nack(message)  # max_retries=0: straight to the dead-letter topic
+        dlq = dead_letter_topic("g")
+        topics = client.topics()
+        ranges = {t: client.queue_range(t, 0) for t in topics}
+        refused: list[Callable[[], object]] = [
+            lambda: client.send(DELAY_TOPIC, b"forged", properties={"equeue.group": "g"}),
+            lambda: client.send(retry_topic("g"), b"forged"),
+            lambda: client.send(dlq, b"forged"),
+            lambda: client.send_batch(DELAY_TOPIC, [b"forged"]),
+            lambda: client.create_topic("equeue.mine", 1),
+            lambda: client.commit_offset(MOVER_GROUP, DELAY_TOPIC, 0, 0),
+            lambda: client.commit_offset("g", DELAY_TOPIC, 0, 0),
+            lambda: client.commit_offset("other", retry_topic("g"), 0, 0),
+            lambda: client.consumer("equeue.mover", TOPIC),
+            lambda: client.consumer("x", DELAY_TOPIC),
+            lambda: client.consumer("x", retry_topic("g")),
+        ]
+        for call in refused:
+            with pytest.raises(InvalidMessageError, match=r"reserved|broker"):
+                call()
+        assert client.topics() == topics  # nothing changed
+        assert {t: client.queue_range(t, 0) for t in topics} == ranges
+        # reads: the dead letters are an ordinary topic, consumed by a group of its own
+        (dead,) = client.pull(dlq, 0, 0).messages
+        assert dead.body == b"poison" and dead.properties[ORIGIN_ID] == message.message_id
+        client.commit_offset("g", retry_topic("g"), 0, 0)  # its own group's retry offsets
+        with client.consumer("dead", dlq, timeout=1.0) as reader:
+            assert [m.body for m in reader] == [b"poison"]
+        assert client.committed_offset("dead", dlq, 0) == 1
+
+
+def test_properties_at_the_limit_are_dead_lettered_not_lost(url: str) -> None:
+    big = "v" * 32_763  # with its key, the store's max_properties_size (32768) exactly
+    with equeue.connect(url) as client:
+        client.send(TOPIC, b"big", properties={"k": big})
+        client.send(TOPIC, b"next")
+        with client.consumer("g", TOPIC, timeout=1.0) as consumer:
+            first = next(iter(consumer))
+            consumer.nack(first, delay=0)
+            assert [m.body for m in consumer] == [b"next"]
+        (dead,) = client.pull(dead_letter_topic("g"), 0, 0).messages
+        assert dead.body == b"big"
+        assert dead.properties[ORIGIN_ID] == first.message_id
+        assert "equeue.dlq.reason" in dead.properties
+        assert client.committed_offset("g", TOPIC, 0) == 2
+        assert client.queue_range(retry_topic("g"), 0) == (0, 0)  # delay=0: it would be there
+
+
+class Recorder:
+    """The client, recording every pull's arguments and the pulls in flight at once."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.url = client, client.url
+        self.pulls: list[dict[str, Any]] = []
+        self.inflight = self.most = 0
+
+    def request(self, op: str, arguments: dict[str, Any]) -> Any:
+        if op != "pull":
+            return self.client.request(op, arguments)
+        self.pulls.append(arguments)
+        self.inflight += 1  # the GIL makes these counts exact enough for a maximum
+        self.most = max(self.most, self.inflight)
+        try:
+            return self.client.request(op, arguments)
+        finally:
+            self.inflight -= 1
+
+
+def test_a_member_of_many_queues_long_polls_them_in_turns(url: str) -> None:
+    queues = 70  # past MAX_POLLERS (64): they were pulled without a wait, ~11 k pulls/s
+    with equeue.connect(url) as client:
+        client.create_topic("wide", queues)
+        recorder = Recorder(client)
+        with GroupConsumer(recorder, "g", "wide") as consumer:
+            assert consumer.poll(0.5) is None
+            idle = list(recorder.pulls)
+            client.send("wide", b"last", queue_id=queues - 1)
+            got = consumer.poll(10.0)  # within a round of turns (~1 s); bounded
+            assert got is not None and got.body == b"last"
+        assert idle and all(p.get("wait_ms", 0) > 0 for p in idle)
+        assert recorder.most <= 64
+        assert client.committed_offset("g", "wide", queues - 1) == 1
+
+    async def main() -> tuple[int, list[dict[str, Any]]]:
+        aclient = await equeue.aio.connect(url)
+        pulls: list[dict[str, Any]] = []
+        most = inflight = 0
+
+        class AsyncRecorder:
+            def __init__(self) -> None:
+                self.url = aclient.url
+
+            async def request(self, op: str, arguments: dict[str, Any]) -> Any:
+                nonlocal most, inflight
+                if op == "pull":
+                    pulls.append(arguments)
+                    inflight += 1
+                    most = max(most, inflight)
+                try:
+                    return await aclient.request(op, arguments)
+                finally:
+                    if op == "pull":
+                        inflight -= 1
+
+        try:
+            async with AsyncGroupConsumer(AsyncRecorder(), "h", "wide") as consumer:
+                assert await consumer.poll(0.5) is None
+        finally:
+            await aclient.close()
+        return most, pulls
+
+    most, pulls = asyncio.run(main())
+    assert pulls and all(p.get("wait_ms", 0) > 0 for p in pulls)
+    assert most <= 64
