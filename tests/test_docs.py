@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import equeue
 import equeue.compaction.commit
 import equeue.format.chunk
 import equeue.format.message
 from equeue import MessageStore, StoreConfig
 from equeue.format.chunk import HEADER_SIZE
+from equeue.server import BrokerThread
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -64,3 +68,22 @@ def test_readme_names_the_directory_recovery_copies_cut_bytes_to(tmp_path: Path)
     assert where == "messages/recovered/"
     readme = " ".join((DOCS.parent / "README.md").read_text().split())
     assert f"copying the cut bytes to `{where}`" in readme
+
+
+def test_readme_broker_example_runs_as_written() -> None:
+    """The README's broker example, run against a real broker on the store's socket."""
+    text = (DOCS.parent / "README.md").read_text()
+    code = _python_block(text, "## Many processes: the broker")
+    home = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+    handled: list[bytes] = []
+    try:
+        store = home / "orders-store"
+        with BrokerThread(store):
+            namespace = {"handle": lambda m: handled.append(m.body), "equeue": equeue}
+            # the example runs the consumer until stopped: bound it to the one message
+            code = code.replace("consumer.run(handle)", "consumer.run(handle, max_messages=1)")
+            code = code.replace('"./orders-store"', repr(str(store)))
+            exec(compile(code, "README.md", "exec"), namespace)
+        assert handled == [b"..."]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

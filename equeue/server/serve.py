@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from equeue.errors import ConfigError
+from equeue.errors import BrokerError, ConfigError
 from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES, SUPPORTED_VERSIONS
 from equeue.server.config import Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
@@ -400,7 +400,7 @@ class BrokerThread:
     def start(self, timeout: float = 30.0) -> BrokerThread:
         self._thread.start()
         if not self._ready.wait(timeout):
-            raise TimeoutError(f"the broker did not start within {timeout} s")
+            raise BrokerError(f"the broker did not start within {timeout} s")
         if self._error is not None:
             raise self._error
         return self
