@@ -409,7 +409,7 @@ class BrokerThread:
         self.broker.request_stop()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"the broker did not stop within {timeout} s")
+            raise BrokerError(f"the broker did not stop within {timeout} s")
 
     def __enter__(self) -> BrokerThread:
         return self.start()
