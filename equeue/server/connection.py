@@ -51,7 +51,7 @@ EVICT_AFTER_S = 1.0  # a full broker closes a peer silent this long for a new co
 
 
 READ_BUFFER_BYTES = 256 * 1024  # asyncio's own read size
-_reads = threading.local()
+_per_loop = threading.local()  # a thread runs one event loop at a time
 
 
 def _read_buffer() -> memoryview:
@@ -59,10 +59,34 @@ def _read_buffer() -> memoryview:
     consumed (copied into a FrameReader or the hello) before the loop reads again. One
     buffer, instead of asyncio's fresh 256 KiB bytes object per read (an mmap and munmap
     each)."""
-    view: memoryview | None = getattr(_reads, "view", None)
+    view: memoryview | None = getattr(_per_loop, "view", None)
     if view is None:
-        view = _reads.view = memoryview(bytearray(READ_BUFFER_BYTES))
+        view = _per_loop.view = memoryview(bytearray(READ_BUFFER_BYTES))
     return view
+
+
+def _write_later(connection: Connection) -> None:
+    """Answers made outside a read (durable sends released by a flush, held pulls) leave
+    in one callback for every connection with some, after the callback that made them,
+    instead of a callback per connection: a flush releases one answer to each of many
+    connections."""
+    loop = connection.broker.loop
+    if getattr(_per_loop, "loop", None) is not loop:  # a loop closed with answers unwritten
+        _per_loop.loop, _per_loop.writers = loop, []
+    waiting: list[Connection] = _per_loop.writers
+    if not waiting:
+        loop.call_soon(_write_waiting, waiting)
+    waiting.append(connection)
+
+
+def _write_waiting(waiting: list[Connection]) -> None:
+    connections = waiting[:]
+    waiting.clear()
+    for connection in connections:
+        try:
+            connection._write_out()
+        except Exception:  # one connection's failure must not keep the others' answers
+            log.exception("%s: writing its answers failed", connection.where)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -398,8 +422,10 @@ class Connection(asyncio.BufferedProtocol):
             return
         if isinstance(outcome, BaseException):
             self._answer_error(request_id, outcome)
-        else:
+        elif type(outcome) is Packed:
             self._answer(request_id, STATUS_OK, outcome)
+        else:
+            self._answer_ok(request_id, outcome)
         if self._ended and not self.in_flight and not self._backlog:
             self.close()
 
@@ -422,7 +448,7 @@ class Connection(asyncio.BufferedProtocol):
         self._out_bytes += FRAME_HEADER_SIZE + len(body)
         if not self._batching and not self._write_scheduled:
             self._write_scheduled = True
-            self.broker.loop.call_soon(self._write_out)
+            _write_later(self)
 
     def _answer(self, request_id: int, status: int, payload: Any) -> None:
         packer = self.broker.packer
@@ -455,7 +481,7 @@ class Connection(asyncio.BufferedProtocol):
         self._out_bytes += len(frame)
         if not self._batching and not self._write_scheduled:
             self._write_scheduled = True
-            self.broker.loop.call_soon(self._write_out)
+            _write_later(self)
 
     def _write_out(self) -> None:
         self._write_scheduled = False
