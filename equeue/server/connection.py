@@ -412,8 +412,10 @@ class Connection(asyncio.BufferedProtocol):
             return
         if result is DEFERRED:
             self.in_flight += 1
-        else:
+        elif type(result) is Packed:
             self._answer(request_id, STATUS_OK, result)
+        else:
+            self._answer_ok(request_id, result)
 
     def finish(self, request_id: int, outcome: object) -> None:
         """The answer of a DEFERRED request (a result, or the exception to answer)."""

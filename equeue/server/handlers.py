@@ -177,7 +177,8 @@ class Handlers:
             for sent, item in zip(results, items, strict=True):
                 tag = "" if type(item) is bytes else item.tag  # type: ignore[union-attr]
                 note(sent.topic, sent.queue_id, sent.queue_offset, tag)
-        return self._durable(peer, rid, list(map(pack_send_result, results)))
+        # SendResults are named tuples: msgpack packs each as pack_send_result's array.
+        return self._durable(peer, rid, results)
 
     def _check_batch(self, peer: Peer, topic: str, count: int) -> None:
         """Refused before anything is appended: more messages than max_batch_messages, or
