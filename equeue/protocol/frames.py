@@ -105,7 +105,7 @@ class FrameReader:
         self._buffer = bytearray()
         self._where = where
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes | memoryview) -> list[bytes]:
         buffer = self._buffer
         buffer += data
         bodies: list[bytes] = []

@@ -1,7 +1,8 @@
 """One client connection: frames in, requests to the handlers, answers out.
 
-``asyncio.Protocol``, not streams: every frame of one ``data_received`` is parsed and
-answered before its answers leave in one ``transport.write``. Past
+``asyncio.BufferedProtocol``, not streams: every frame of one read is parsed and
+answered before its answers leave in one ``transport.write``; reads land in one buffer
+per event-loop thread. Past
 ``write_buffer_high`` bytes of answers the client has not read, reading it pauses
 (backpressure: a stalled client holds its own socket buffers, not the broker's
 memory). A frame that is not the protocol closes this connection only, after an error
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, cast
 
 from equeue.errors import (
@@ -48,7 +50,46 @@ MIN_DECODE_ITEMS = 65536
 EVICT_AFTER_S = 1.0  # a full broker closes a peer silent this long for a new connection
 
 
-class Connection(asyncio.Protocol):
+READ_BUFFER_BYTES = 256 * 1024  # asyncio's own read size
+_per_loop = threading.local()  # a thread runs one event loop at a time
+
+
+def _read_buffer() -> memoryview:
+    """The read buffer of this thread's event loop, shared by its connections: each read is
+    consumed (copied into a FrameReader or the hello) before the loop reads again. One
+    buffer, instead of asyncio's fresh 256 KiB bytes object per read (an mmap and munmap
+    each)."""
+    view: memoryview | None = getattr(_per_loop, "view", None)
+    if view is None:
+        view = _per_loop.view = memoryview(bytearray(READ_BUFFER_BYTES))
+    return view
+
+
+def _write_later(connection: Connection) -> None:
+    """Answers made outside a read (durable sends released by a flush, held pulls) leave
+    in one callback for every connection with some, after the callback that made them,
+    instead of a callback per connection: a flush releases one answer to each of many
+    connections."""
+    loop = connection.broker.loop
+    if getattr(_per_loop, "loop", None) is not loop:  # a loop closed with answers unwritten
+        _per_loop.loop, _per_loop.writers = loop, []
+    waiting: list[Connection] = _per_loop.writers
+    if not waiting:
+        loop.call_soon(_write_waiting, waiting)
+    waiting.append(connection)
+
+
+def _write_waiting(waiting: list[Connection]) -> None:
+    connections = waiting[:]
+    waiting.clear()
+    for connection in connections:
+        try:
+            connection._write_out()
+        except Exception:  # one connection's failure must not keep the others' answers
+            log.exception("%s: writing its answers failed", connection.where)
+
+
+class Connection(asyncio.BufferedProtocol):
     def __init__(self, broker: Broker, listener: str, number: int) -> None:
         self.broker = broker
         self.number = number
@@ -70,6 +111,10 @@ class Connection(asyncio.Protocol):
         self._hello_timer: asyncio.TimerHandle | None = None
         self.opened = broker.loop.time()
         config = broker.config
+        self._max_in_flight = config.max_in_flight
+        self._send_plain = broker.handlers.send_plain
+        self._pack = broker.packer.pack
+        self._read_view = _read_buffer()
         # Room for a send_batch past its limit to be answered LimitExceededError (the
         # connection stays), and for a properties map the store would take.
         self._max_items = max(2 * config.max_batch_messages, MIN_DECODE_ITEMS)
@@ -175,7 +220,13 @@ class Connection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.resume_reading()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._read_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self._read_view[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
         if self.closed:
             return
         broker = self.broker
@@ -223,15 +274,19 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         done = 0
+        request = self._request
+        # The transport's buffer changes only by _write_out here: read it after each.
+        room = high - transport.get_write_buffer_size()
         for body in bodies:
             done += 1
-            self._request(body)
+            request(body)
             if self.closed:
                 break
-            if self._out_bytes + transport.get_write_buffer_size() > high:
+            if self._out_bytes > room:
                 self._write_out()  # may call pause_writing
                 if self._paused:
                     break
+                room = high - transport.get_write_buffer_size()
         self._backlog = bodies[done:] if done < len(bodies) and not self.closed else []
         if self._backlog:
             transport.pause_reading()
@@ -261,7 +316,7 @@ class Connection(asyncio.Protocol):
 
     # --- frames ---------------------------------------------------------------
 
-    def _take_hello(self, data: bytes) -> bytes | None:
+    def _take_hello(self, data: bytes | memoryview) -> bytes | None:
         """The bytes after the hello once it is whole and accepted, else None."""
         buffer = self._hello
         assert buffer is not None
@@ -311,14 +366,28 @@ class Connection(asyncio.Protocol):
         request_id, op, args = check_request(
             decode_body(body, where, self._max_items, self._items_setting), where
         )
-        if not (  # the commonest request, a plain send, needs no look at the op table
-            op == "send"
-            and len(args) == 2
-            and type(args.get("topic")) is str
-            and type(args.get("body")) is bytes
-        ):
-            check_args(op, args, where)
         broker = self.broker
+        if op == "send" and len(args) == 2:
+            # The commonest request, a plain send: no op table, no args map past here.
+            topic = args.get("topic")
+            data = args.get("body")
+            if type(topic) is str and type(data) is bytes and self.in_flight < self._max_in_flight:
+                broker.counters.requests += 1
+                try:
+                    result = self._send_plain(self, request_id, topic, data)
+                except EQueueError as exc:
+                    self._answer_error(request_id, exc)
+                    return
+                except Exception as exc:  # a defect: the client gets BrokerError
+                    log.exception("%s: op %r failed", where, op)
+                    self._answer_error(request_id, exc)
+                    return
+                if result is DEFERRED:
+                    self.in_flight += 1
+                else:
+                    self._answer_ok(request_id, result)
+                return
+        check_args(op, args, where)
         broker.counters.requests += 1
         if self.in_flight >= broker.config.max_in_flight:
             limit = broker.config.max_in_flight
@@ -343,8 +412,10 @@ class Connection(asyncio.Protocol):
             return
         if result is DEFERRED:
             self.in_flight += 1
-        else:
+        elif type(result) is Packed:
             self._answer(request_id, STATUS_OK, result)
+        else:
+            self._answer_ok(request_id, result)
 
     def finish(self, request_id: int, outcome: object) -> None:
         """The answer of a DEFERRED request (a result, or the exception to answer)."""
@@ -353,14 +424,33 @@ class Connection(asyncio.Protocol):
             return
         if isinstance(outcome, BaseException):
             self._answer_error(request_id, outcome)
-        else:
+        elif type(outcome) is Packed:
             self._answer(request_id, STATUS_OK, outcome)
+        else:
+            self._answer_ok(request_id, outcome)
         if self._ended and not self.in_flight and not self._backlog:
             self.close()
 
     def _answer_error(self, request_id: int, exc: BaseException) -> None:
         self.broker.counters.errors += 1
         self._answer(request_id, STATUS_ERROR, pack_error(exc))
+
+    def _answer_ok(self, request_id: int, payload: Any) -> None:
+        """A small result's answer (a send's): one pack, the frame in the output list as
+        its header and its body (no concatenation; the write joins them)."""
+        try:
+            body = self._pack((request_id, STATUS_OK, payload))
+        except Exception:
+            self.broker.packer.reset()  # what a failed pack left in it
+            self._answer_encoded(request_id, STATUS_OK, payload)
+            return
+        out = self._out
+        out.append(FRAME_HEADER.pack(len(body)))
+        out.append(body)
+        self._out_bytes += FRAME_HEADER_SIZE + len(body)
+        if not self._batching and not self._write_scheduled:
+            self._write_scheduled = True
+            _write_later(self)
 
     def _answer(self, request_id: int, status: int, payload: Any) -> None:
         packer = self.broker.packer
@@ -393,7 +483,7 @@ class Connection(asyncio.Protocol):
         self._out_bytes += len(frame)
         if not self._batching and not self._write_scheduled:
             self._write_scheduled = True
-            self.broker.loop.call_soon(self._write_out)
+            _write_later(self)
 
     def _write_out(self) -> None:
         self._write_scheduled = False

@@ -18,7 +18,7 @@ from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
 from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
-from equeue.protocol.retries import check_client_write
+from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
 from equeue.store.store import MessageStore
@@ -128,7 +128,25 @@ class Handlers:
         commit = self.commit
         if commit is None:
             return result
-        commit.add(lambda error: peer.finish(rid, result if error is None else error))
+        commit.add(peer, rid, result)
+        return DEFERRED
+
+    def send_plain(self, peer: Peer, rid: int, topic: str, body: bytes) -> object:
+        """A send of a topic and a body alone (the commonest request), as ``send`` answers
+        it: the same checks and counts, without the args map, the op table and the wrapper
+        (connection.py calls it for ``send`` requests of exactly those two arguments)."""
+        if topic.startswith(RESERVED_PREFIX):
+            check_client_write("send", {"topic": topic}, peer.where)
+        sent = self.store.send(topic, body)
+        counters = self.counters
+        counters.sends += 1
+        counters.send_requests += 1
+        if self.holds.count:
+            self.holds.note(topic, sent.queue_id, sent.queue_offset, "")
+        commit = self.commit
+        if commit is None:
+            return sent  # msgpack packs the named tuple as the array pack_send_result makes
+        commit.add(peer, rid, sent)
         return DEFERRED
 
     def send(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
@@ -159,7 +177,8 @@ class Handlers:
             for sent, item in zip(results, items, strict=True):
                 tag = "" if type(item) is bytes else item.tag  # type: ignore[union-attr]
                 note(sent.topic, sent.queue_id, sent.queue_offset, tag)
-        return self._durable(peer, rid, list(map(pack_send_result, results)))
+        # SendResults are named tuples: msgpack packs each as pack_send_result's array.
+        return self._durable(peer, rid, results)
 
     def _check_batch(self, peer: Peer, topic: str, count: int) -> None:
         """Refused before anything is appended: more messages than max_batch_messages, or

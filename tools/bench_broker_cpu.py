@@ -1,0 +1,184 @@
+"""The broker's instructions per message under valgrind's callgrind, without sockets:
+repeatable where CPU seconds on a shared machine are not (issue 23's tuning).
+
+A Broker is started on an event loop and a recorded byte stream is fed to
+``Connection.buffer_updated`` through fake transports (writes counted, not sent), as
+asyncio would after a read. Each case runs twice under ``valgrind --tool=callgrind``,
+with N and 2N measured reads after the same set-up; (Ir(2N) - Ir(N)) / messages is
+one message's cost without the interpreter's start. Cases:
+``send``: reads of 100 plain 100 B ``send`` requests (the pipelined asyncio client);
+``send1``: one send per read; ``batch``: one ``send_batch`` of 100 per read;
+``durable``: ``--flush sync``, 64 connections with one send each per round, each round
+awaiting its fdatasync and answers (the flusher thread's instructions count too).
+``--src DIR`` measures the equeue package under DIR (for before/after); ``--direct``
+runs a case once, timed by ``time.process_time``, without valgrind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CASES = ("send", "send1", "batch", "durable")
+BODY = b"x" * 100
+DURABLE_PEERS = 64
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _read(case: str) -> bytes:
+    from equeue.protocol.frames import encode
+
+    if case == "batch":
+        args: dict[str, Any] = {"topic": "t", "messages": [{"body": BODY}] * 100}
+        return encode([1, "send_batch", args])
+    per_read = 100 if case == "send" else 1
+    return b"".join(encode([1 + i, "send", {"topic": "t", "body": BODY}]) for i in range(per_read))
+
+
+def _feed(connection: Any, data: bytes) -> None:
+    if not hasattr(connection, "get_buffer"):  # a tree before BufferedProtocol
+        connection.data_received(data)
+        return
+    view = connection.get_buffer(len(data))
+    view[: len(data)] = data
+    connection.buffer_updated(len(data))
+
+
+async def _run(case: str, count: int, directory: Path) -> tuple[float, int]:
+    """CPU seconds of the measured part, and messages sent in it."""
+    from equeue.protocol.frames import encode
+    from equeue.protocol.handshake import Hello
+    from equeue.server.config import ServerConfig
+    from equeue.server.connection import Connection
+    from equeue.server.serve import Broker
+
+    config = ServerConfig(flush="sync") if case == "durable" else ServerConfig(flush="async")
+    broker = Broker(directory / "store", config)
+    await broker.start()
+    try:
+        peers = DURABLE_PEERS if case == "durable" else 1
+        connections = []
+        for number in range(peers):
+            connection = Connection(broker, "bench", number + 1)
+            connection.connection_made(FakeTransport())  # type: ignore[arg-type]
+            _feed(connection, encode(Hello(client="bench").pack()))
+            connections.append(connection)
+        # The same read each time (request ids repeat, which the broker allows): no set-up
+        # grows with the count, so the difference of two counts is the broker's alone.
+        read = _read(case)
+        for connection in connections:  # untimed warm-up
+            _feed(connection, read)
+        if broker.commit is not None:
+            await broker.commit.drain()
+        await asyncio.sleep(0)
+        started = time.process_time()
+        started_thread = time.thread_time()
+        for _ in range(count):
+            for connection in connections:
+                _feed(connection, read)
+            if broker.commit is not None:
+                await broker.commit.drain()
+                await asyncio.sleep(0)  # the answers' write callback
+        spent = time.process_time() - started
+        print(f"the loop thread's share: {(time.thread_time() - started_thread) / spent:.0%}")
+        per_read = {"send": 100, "send1": 1, "batch": 100, "durable": 1}[case]
+        return spent, count * per_read * peers
+    finally:
+        broker._ticker.cancel()
+        broker.store.close()
+
+
+def child(case: str, count: int) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="eqcpu", dir="/tmp"))
+    try:
+        spent, messages = asyncio.run(_run(case, count, directory))
+        print(f"{case}: {spent / messages * 1e6:.3f} us CPU per message ({messages} messages)")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def instructions(case: str, count: int, src: Path) -> int:
+    with tempfile.TemporaryDirectory(prefix="eqcg", dir="/tmp") as out:
+        target = Path(out) / "callgrind.out"
+        env = dict(os.environ, PYTHONPATH=str(src))
+        subprocess.run(
+            [
+                "valgrind", "--tool=callgrind", f"--callgrind-out-file={target}",
+                sys.executable, __file__, "--child", case, "--count", str(count),
+            ],
+            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            timeout=3600,
+        )  # fmt: skip
+        found = re.search(r"^summary:\s+(\d+)", target.read_text(), re.MULTILINE)
+        if found is None:
+            raise SystemExit(f"no summary line in {target}")
+        return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", nargs="*", help=f"of {', '.join(CASES)} (default: all)")
+    parser.add_argument("--count", type=int, default=200, help="N: measured reads (rounds)")
+    parser.add_argument("--src", type=Path, action="append", help="a tree holding equeue/")
+    parser.add_argument("--direct", action="store_true", help="no valgrind: CPU seconds")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.child:
+        child(options.child, options.count)
+        return
+    for case in options.cases:
+        if case not in CASES:
+            parser.error(f"no case {case!r}: the cases are {', '.join(CASES)}")
+    sources = options.src or [Path(__file__).resolve().parent.parent]
+    for case in options.cases or CASES:
+        for src in sources:
+            if options.direct:
+                env = dict(os.environ, PYTHONPATH=str(src))
+                argv = [sys.executable, __file__, "--child", case, "--count", str(options.count)]
+                subprocess.run(argv, check=True, env=env, timeout=3600)
+                continue
+            n = options.count
+            per_read = {"send": 100, "send1": 1, "batch": 100, "durable": DURABLE_PEERS}[case]
+            cost = (instructions(case, 2 * n, src) - instructions(case, n, src)) / (n * per_read)
+            print(f"{case:8s} {src}: {cost:,.0f} instructions per message", flush=True)
+
+
+if __name__ == "__main__":
+    main()
