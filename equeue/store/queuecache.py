@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.chunks.chunk import write_error
-from equeue.errors import CorruptionError
+from equeue.errors import CorruptionError, StoreWriteError
 from equeue.format.chunk import parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD_SIZE
 
@@ -58,6 +58,7 @@ class QueueFiles:
         self._open: dict[Queue, None] = {}  # the open queues
         self._unsynced: set[str] = set()  # chunk files closed with unflushed entries
         self._unsynced_lock = threading.Lock()
+        self._failed: tuple[str, StoreWriteError] | None = None  # a failed fdatasync's
         self.on_sync_failure: Callable[[], None] | None = None
         # What opening a queue found and cut (its ChunkManager's recovery), for the store's
         # RecoveryReport: a queue opened at the store's open may be closed before it is made.
@@ -175,7 +176,20 @@ class QueueFiles:
 
     def sync_closed(self) -> None:
         """fdatasync the chunk files closed with unflushed entries (under any lock or
-        none: a file removed since, by retention or delete_topic, needs nothing)."""
+        none: a file removed since, by retention or delete_topic, needs nothing).
+
+        After one failed fdatasync every later call fails too, and the files not synced
+        stay listed: as for an open chunk (``Chunk._fdatasync``), no later fdatasync of
+        that file can vouch for its entries, so no later checkpoint may record them; the
+        store is to be reopened."""
+        if self._failed is not None:
+            path, failure = self._failed
+            raise type(failure)(
+                failure.errno,
+                f"flushing closed queue chunks refused: an earlier fdatasync of {path} "
+                f"failed ({failure}), and no later flush can make its entries durable; "
+                "close and reopen the store",
+            )
         with self._unsynced_lock:
             paths, self._unsynced = self._unsynced, set()
         pending = sorted(paths)
@@ -190,9 +204,12 @@ class QueueFiles:
             try:
                 os.fdatasync(fd)
             except OSError as exc:
+                self._keep(pending[i:])  # this file and every one after it: none synced
+                failure = write_error(exc, "flushing a closed queue chunk", path)
+                self._failed = (path, failure)
                 if self.on_sync_failure is not None:
                     self.on_sync_failure()
-                raise write_error(exc, "flushing a closed queue chunk", path) from exc
+                raise failure from exc
             finally:
                 os.close(fd)
 
