@@ -11,7 +11,10 @@ Queues are opened and closed only under ``lock``, the store's write lock (an RLo
 so a send that holds it opens the queue it writes to): no write is ever in flight
 into a queue being closed, and the C Sender, which reads ``Queue._writer`` under
 the same lock on every send, finds None after a close and hands the send to the
-Python path, which opens the queue again. A reader that took a mapping before the
+Python path, which opens the queue again. Being reentrant, the lock would not stop a
+send re-entered on the thread that holds it (a signal handler's, a callback's): every
+send checks first (``RLock._is_owned``, in C and in Python) and raises
+ReentrantSendError, writing nothing (``reentered``). A reader that took a mapping before the
 close keeps it valid until it drops it: closing drops references, it unmaps nothing
 (``ChunkManager.release_files``).
 
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.chunks.chunk import write_error
-from equeue.errors import CorruptionError, StoreWriteError
+from equeue.errors import CorruptionError, ReentrantSendError, StoreWriteError
 from equeue.format.chunk import parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD_SIZE
 
@@ -262,6 +265,17 @@ class QueueFiles:
         queue.first_offset = max(first, manager.first_position // QUEUE_RECORD_SIZE)
         queue.next_offset = end if found >= end else found
         queue._expected = None
+
+
+def reentered(path: Path, topic: object) -> ReentrantSendError:
+    """A send that found the write lock held by its own thread. The lock is reentrant (a
+    send opens the queue it writes to under it), so it would not block: the inner send
+    would write at the position and queue offset the outer one has taken already."""
+    return ReentrantSendError(
+        f"send to topic {topic!r} of the store in {path} refused: this thread holds the "
+        "store's write lock already, in another send (a send from a signal handler, or from "
+        "a callback that runs inside a send); nothing was written"
+    )
 
 
 def clean_ends(
