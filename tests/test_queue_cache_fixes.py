@@ -17,6 +17,7 @@ from code_paths import code_path  # noqa: F401 - the fixture
 from many_queues_child import body, low_config
 
 from equeue import MessageStore, StoreConfig
+from equeue.chunks import ChunkManager
 from equeue.errors import ReentrantSendError, StoreWriteError
 from equeue.inspect.verify import verify_store
 from equeue.store.meta import CHECKPOINT_FILE
@@ -152,3 +153,42 @@ def test_a_signal_handler_sending_during_sends_leaves_the_store_consistent(
         got = {m.queue_offset: m.body for m in again.pull("t", 1, 0, len(acks)).messages}
     assert got == dict(acks)
     assert verify_store(path) == []
+
+
+def test_a_queue_closed_during_a_checkpoints_flush_is_synced_by_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint's flush of the queues that runs just after a queue's files were closed
+    by the cache (here: inside the close, after ``release_files``) still fdatasyncs that
+    queue's unflushed chunk (the code before listed the file for a later sync only after
+    the close: that flush synced it neither way, and its checkpoint vouched for it)."""
+    store = MessageStore.open(tmp_path / "s", low_config(flush="os"))
+    try:
+        store.send("t0", b"unflushed", queue_id=0)
+        queue = store._queues["t0"][0]
+        manager = queue._manager
+        assert manager is not None and manager.last_chunk is not None
+        path = str(manager.last_chunk.path)
+        real_sync, real_release = os.fdatasync, ChunkManager.release_files
+        synced: list[str] = []
+        in_window: list[bool] = []
+
+        def sync(fd: int) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real_sync(fd)
+
+        def release(self: ChunkManager) -> None:
+            real_release(self)
+            if self is manager:  # the window: closed, and (before the fix) not yet listed
+                store._flush_queues()
+                in_window.append(path in synced)
+
+        monkeypatch.setattr(os, "fdatasync", sync)
+        monkeypatch.setattr(ChunkManager, "release_files", release)
+        for i in range(1, 20):  # more queues than stay open: t0 is closed
+            store.send(f"t{i}", b"x", queue_id=0)
+        monkeypatch.setattr(ChunkManager, "release_files", real_release)
+        assert not queue.is_open
+        assert in_window == [True]
+    finally:
+        store.close()

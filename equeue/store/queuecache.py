@@ -170,12 +170,12 @@ class QueueFiles:
 
     def _close(self, queue: Queue) -> None:
         del self._open[queue]
-        manager = queue._manager
-        last = manager.last_chunk if manager is not None else None
-        if queue.release() and last is not None:
-            with self._unsynced_lock:
-                self._unsynced.add(str(last.path))
+        queue.release(self._remember)
         self.closed += 1
+
+    def _remember(self, path: str) -> None:
+        with self._unsynced_lock:
+            self._unsynced.add(path)
 
     def sync_closed(self) -> None:
         """fdatasync the chunk files closed with unflushed entries (under any lock or
