@@ -6,6 +6,7 @@ signature."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import time
@@ -192,3 +193,21 @@ def test_a_queue_closed_during_a_checkpoints_flush_is_synced_by_it(
         assert in_window == [True]
     finally:
         store.close()
+
+
+@pytest.mark.usefixtures("code_path")
+def test_the_bound_send_keeps_the_signature_and_doc_of_message_store_send(
+    tmp_path: Path,
+) -> None:
+    """``store.send`` (on the C path the accelerator's bound ``Sender.call``) has
+    MessageStore.send's parameters, kinds and defaults, and a docstring, for
+    ``inspect.signature`` and ``help()`` (the C-bound one had neither before)."""
+
+    def shape(signature: inspect.Signature) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
+
+    with MessageStore.open(tmp_path / "s") as store:
+        expected = shape(inspect.signature(MessageStore.send))[1:]  # without self
+        assert shape(inspect.signature(store.send)) == expected
+        assert store.send.__doc__ is not None
+        assert store.send.__doc__.startswith("Append one message to ``topic``")

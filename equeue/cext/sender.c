@@ -557,7 +557,17 @@ static PyObject *Sender_check(Sender *s, PyObject *const *args, Py_ssize_t nargs
 static PyMethodDef Sender_methods[] = {
     {"check", (PyCFunction)(void (*)(void))Sender_check, METH_FASTCALL, NULL},
     {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL, NULL},
-    {"call", (PyCFunction)(void (*)(void))Sender_call, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"call", (PyCFunction)(void (*)(void))Sender_call, METH_FASTCALL | METH_KEYWORDS,
+     /* MessageStore.send's signature (inspect.signature, help()): the store's send is
+      * this method when bound (tests/test_queue_cache_fixes.py compares the two) */
+     "call($self, topic, body, *, tag='', key=None, properties=None, code=0, "
+     "queue_id=None)\n--\n\n"
+     "Append one message to ``topic`` (created on first use unless auto_create_topics\n"
+     "is off) and return where it went: SendResult (message id, queue id and offset, log\n"
+     "position, stored_at in seconds). ``queue_id`` None: round robin over the queues.\n"
+     "Durable as ``StoreConfig.flush`` says when it returns.\n\n"
+     "MessageStore.send, run in C (equeue/cext/sender.c) on a store opened with the\n"
+     "accelerator, flush \"async\" or \"os\"; it raises what MessageStore.send raises."},
     {"write_checked", (PyCFunction)(void (*)(void))Sender_write_checked, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
