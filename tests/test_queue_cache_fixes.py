@@ -110,16 +110,18 @@ def test_a_send_from_a_callback_inside_a_send_is_refused(
 
 
 @pytest.mark.usefixtures("code_path")
+@pytest.mark.parametrize(("flush", "sends"), [("async", 3000), ("sync", 300)])
 def test_a_signal_handler_sending_during_sends_leaves_the_store_consistent(
-    tmp_path: Path,
+    tmp_path: Path, flush: str, sends: int
 ) -> None:
     """A SIGALRM handler sends (every 0.4 ms) while the main thread sends 3,000 messages
-    over queue chunks of 400 entries: each handler send is stored or refused with
-    ReentrantSendError, every acknowledged offset is unique and reads back its own body,
-    and verify finds nothing (the code before acknowledged offsets twice, or failed with
-    an AssertionError or "chunk file exists already", and pulls of the queue failed)."""
+    (300 under flush="sync") over queue chunks of 400 entries: each handler send is
+    stored or refused with ReentrantSendError, every acknowledged offset is unique and
+    reads back its own body, and verify finds nothing (the code before acknowledged
+    offsets twice, or failed with an AssertionError or "chunk file exists already", or
+    hung: re-entered in Chunk._flush_lock, or under "sync" in the group commit's flush)."""
     path = tmp_path / "s"
-    store = MessageStore.open(path, low_config(queue_chunk_records=400))
+    store = MessageStore.open(path, low_config(queue_chunk_records=400, flush=flush))
     acks: list[tuple[int, bytes]] = []
     refused: list[ReentrantSendError] = []
     busy = [False]
@@ -140,7 +142,7 @@ def test_a_signal_handler_sending_during_sends_leaves_the_store_consistent(
     try:
         store.create_topic("t", 2)
         signal.setitimer(signal.ITIMER_REAL, 0.0004, 0.0004)
-        for i in range(3000):
+        for i in range(sends):
             data = b"main%d" % i
             acks.append((store.send("t", data, queue_id=1).queue_offset, data))
     finally:
@@ -149,7 +151,7 @@ def test_a_signal_handler_sending_during_sends_leaves_the_store_consistent(
         store.close()
     offsets = [offset for offset, _ in acks]
     assert len(set(offsets)) == len(offsets)
-    with MessageStore.open(path, low_config(queue_chunk_records=400)) as again:
+    with MessageStore.open(path, low_config(queue_chunk_records=400, flush=flush)) as again:
         assert again.queue_range("t", 1) == (0, len(acks))
         got = {m.queue_offset: m.body for m in again.pull("t", 1, 0, len(acks)).messages}
     assert got == dict(acks)

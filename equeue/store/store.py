@@ -539,7 +539,10 @@ class MessageStore:
                 "is reopened)",
             )
         if self._group is not None:  # "sync": appended and flushed in a batch with others
-            return self._group.submit(lambda: self._appender.append_all(topic, queues, checked))
+            return self._group.submit(
+                lambda: self._appender.append_all(topic, queues, checked),
+                lambda: reentered(self.path, topic),
+            )
         with self._lock:
             results = self._appender.append_all(topic, queues, checked)
         if self._waiting:
