@@ -154,6 +154,11 @@ class DiskFullError(StoreWriteError):
     """The file system has no space left (ENOSPC) or a file size limit was hit."""
 
 
+class ReentrantSendError(EQueueError, RuntimeError):
+    """A send was made on a thread that holds the store's write lock already (from a
+    signal handler or a callback run inside another send); nothing was written."""
+
+
 # --- the message store ------------------------------------------------------
 
 

@@ -12,7 +12,7 @@
  * None (nothing written, the lock released) hands the send to the Python path: a new
  * topic, a field to check in Python, a chunk to complete or create, a closed store. */
 
-static PyObject *S_acquire, *S_release, *S_chunk, *S_data_end, *S_writable_end, *S_base, *S_mm,
+static PyObject *S_acquire, *S_release, *S_is_owned, *S_chunk, *S_data_end, *S_writable_end, *S_base, *S_mm,
     *S_record_count, *S_prefault_mark, *S_prefault, *S_writer, *S_next_offset, *S_closed,
     *S_flush_error, *S_waiting, *S_wake, *S_add, *S_time_ns, *S_tag, *S_key, *S_properties,
     *S_code, *S_queue_id, *S_empty;
@@ -20,7 +20,7 @@ static PyObject *S_acquire, *S_release, *S_chunk, *S_data_end, *S_writable_end, 
 int intern_names(void) {
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    INTERN(S_acquire, "acquire") INTERN(S_release, "release") INTERN(S_chunk, "_chunk")
+    INTERN(S_acquire, "acquire") INTERN(S_release, "release") INTERN(S_is_owned, "_is_owned") INTERN(S_chunk, "_chunk")
     INTERN(S_data_end, "data_end") INTERN(S_writable_end, "writable_end") INTERN(S_base, "base")
     INTERN(S_mm, "_mm") INTERN(S_record_count, "record_count")
     INTERN(S_prefault_mark, "_prefault_mark") INTERN(S_prefault, "_prefault")
@@ -46,7 +46,7 @@ typedef struct {
     PyObject *clock; /* the time module: time_ns is looked up per send, as Python code does */
     PyObject *fallback; /* MessageStore.send (the function): what call() hands a send to */
     PyObject *time_ns; /* the time module's own time_ns (a builtin), or NULL */
-    PyObject *acquire, *release; /* the lock's bound methods */
+    PyObject *acquire, *release, *owned; /* the lock's bound methods (owned: _is_owned) */
     Py_ssize_t data_offset, max_body, chunk_size;
 } Sender;
 
@@ -54,7 +54,7 @@ static int Sender_traverse(Sender *s, visitproc visit, void *arg) {
     Py_VISIT(s->store); Py_VISIT(s->lock); Py_VISIT(s->writer); Py_VISIT(s->queues);
     Py_VISIT(s->topic_bytes); Py_VISIT(s->round_robin); Py_VISIT(s->keys);
     Py_VISIT(s->id_prefix); Py_VISIT(s->result_type); Py_VISIT(s->tag_check);
-    Py_VISIT(s->xxh32); Py_VISIT(s->clock); Py_VISIT(s->fallback); Py_VISIT(s->time_ns); Py_VISIT(s->acquire);
+    Py_VISIT(s->xxh32); Py_VISIT(s->clock); Py_VISIT(s->fallback); Py_VISIT(s->time_ns); Py_VISIT(s->acquire); Py_VISIT(s->owned);
     Py_VISIT(s->release);
     return 0;
 }
@@ -63,7 +63,7 @@ static int Sender_clear(Sender *s) {
     Py_CLEAR(s->store); Py_CLEAR(s->lock); Py_CLEAR(s->writer); Py_CLEAR(s->queues);
     Py_CLEAR(s->topic_bytes); Py_CLEAR(s->round_robin); Py_CLEAR(s->keys);
     Py_CLEAR(s->id_prefix); Py_CLEAR(s->result_type); Py_CLEAR(s->tag_check);
-    Py_CLEAR(s->xxh32); Py_CLEAR(s->clock); Py_CLEAR(s->fallback); Py_CLEAR(s->time_ns); Py_CLEAR(s->acquire);
+    Py_CLEAR(s->xxh32); Py_CLEAR(s->clock); Py_CLEAR(s->fallback); Py_CLEAR(s->time_ns); Py_CLEAR(s->acquire); Py_CLEAR(s->owned);
     Py_CLEAR(s->release);
     return 0;
 }
@@ -111,7 +111,8 @@ static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
     PyErr_Clear(); /* (without it, every send calls the clock) */
     s->acquire = PyObject_GetAttr(s->lock, S_acquire);
     s->release = PyObject_GetAttr(s->lock, S_release);
-    if (s->acquire == NULL || s->release == NULL) {
+    s->owned = PyObject_GetAttr(s->lock, S_is_owned); /* an RLock's */
+    if (s->acquire == NULL || s->release == NULL || s->owned == NULL) {
         Sender_clear(s);
         return -1;
     }
@@ -479,6 +480,16 @@ static PyObject *send_fields(Sender *s, PyObject *const *args) {
         goto out;
     }
     Py_DECREF(flush_error);
+    /* This thread holds the (reentrant) lock already: a send from a signal handler or a
+     * callback inside another send. Acquired, it would not block, and would write where
+     * the outer send is writing: the Python path raises ReentrantSendError. */
+    PyObject *owned = PyObject_CallNoArgs(s->owned);
+    int held = owned == NULL ? -1 : PyObject_IsTrue(owned);
+    Py_XDECREF(owned);
+    if (held != 0) {
+        result = held < 0 ? NULL : Py_NewRef(Py_None);
+        goto out;
+    }
     PyObject *acquired = PyObject_CallNoArgs(s->acquire);
     if (acquired == NULL) goto out;
     Py_DECREF(acquired);
@@ -546,7 +557,17 @@ static PyObject *Sender_check(Sender *s, PyObject *const *args, Py_ssize_t nargs
 static PyMethodDef Sender_methods[] = {
     {"check", (PyCFunction)(void (*)(void))Sender_check, METH_FASTCALL, NULL},
     {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL, NULL},
-    {"call", (PyCFunction)(void (*)(void))Sender_call, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"call", (PyCFunction)(void (*)(void))Sender_call, METH_FASTCALL | METH_KEYWORDS,
+     /* MessageStore.send's signature (inspect.signature, help()): the store's send is
+      * this method when bound (tests/test_queue_cache_fixes.py compares the two) */
+     "call($self, topic, body, *, tag='', key=None, properties=None, code=0, "
+     "queue_id=None)\n--\n\n"
+     "Append one message to ``topic`` (created on first use unless auto_create_topics\n"
+     "is off) and return where it went: SendResult (message id, queue id and offset, log\n"
+     "position, stored_at in seconds). ``queue_id`` None: round robin over the queues.\n"
+     "Durable as ``StoreConfig.flush`` says when it returns.\n\n"
+     "MessageStore.send, run in C (equeue/cext/sender.c) on a store opened with the\n"
+     "accelerator, flush \"async\" or \"os\"; it raises what MessageStore.send raises."},
     {"write_checked", (PyCFunction)(void (*)(void))Sender_write_checked, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -64,10 +64,25 @@ class GroupCommit:
         self._pending: list[_Request] = []
         self._pending_lock = threading.Lock()
         self._leading = False
+        self._submitting: set[int] = set()  # the threads inside submit()
         self.flushes = 0  # how many flushes ran; the benchmark reports sends per flush
 
-    def submit(self, work: Callable[[], R]) -> R:
-        """Run ``work`` under the write lock; return its result once it is durable."""
+    def submit(self, work: Callable[[], R], reentered: Callable[[], BaseException]) -> R:
+        """Run ``work`` under the write lock; return its result once it is durable.
+
+        A submit re-entered on a thread inside one already (a signal handler's send, or
+        a callback's) raises ``reentered()``: as the leader, outside the write lock while
+        it flushes, the thread would wait for itself forever."""
+        me = threading.get_ident()
+        if me in self._submitting:
+            raise reentered()
+        self._submitting.add(me)
+        try:
+            return self._submit(work)
+        finally:
+            self._submitting.discard(me)
+
+    def _submit(self, work: Callable[[], R]) -> R:
         request = _Request(work)
         with self._pending_lock:
             self._pending.append(request)

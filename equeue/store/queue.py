@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkWriter
@@ -126,10 +127,12 @@ class Queue:
             self.next_offset = manager.committed_position // QUEUE_RECORD_SIZE
         return manager
 
-    def release(self) -> bool:
+    def release(self, unsynced: Callable[[str], None] | None = None) -> bool:
         """QueueFiles, with its lock (the store's write lock) held: close the queue's files.
         Mappings a reader still holds stay valid until it drops them. True if entries
-        written since the last flush are not known durable (the cache syncs them later)."""
+        written since the last flush are not known durable: their file goes to
+        ``unsynced`` (the cache syncs it later) before the close, so that a checkpoint's
+        flush that finds the file closed (``Chunk.flush`` skips it) finds it there."""
         manager, self._manager, self._writer = self._manager, None, None
         # A writer's queue changes only through this handle; a read-only one reads its
         # files again when reopened (the writer appended since).
@@ -138,6 +141,8 @@ class Queue:
             return False
         last = manager.last_chunk
         dirty = last is not None and not last.is_completed and last.flushed_end < last.data_end
+        if dirty and unsynced is not None and last is not None:
+            unsynced(str(last.path))
         manager.release_files()
         return dirty
 

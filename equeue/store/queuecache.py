@@ -11,7 +11,10 @@ Queues are opened and closed only under ``lock``, the store's write lock (an RLo
 so a send that holds it opens the queue it writes to): no write is ever in flight
 into a queue being closed, and the C Sender, which reads ``Queue._writer`` under
 the same lock on every send, finds None after a close and hands the send to the
-Python path, which opens the queue again. A reader that took a mapping before the
+Python path, which opens the queue again. Being reentrant, the lock would not stop a
+send re-entered on the thread that holds it (a signal handler's, a callback's): every
+send checks first (``RLock._is_owned``, in C and in Python) and raises
+ReentrantSendError, writing nothing (``reentered``). A reader that took a mapping before the
 close keeps it valid until it drops it: closing drops references, it unmaps nothing
 (``ChunkManager.release_files``).
 
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.chunks.chunk import write_error
-from equeue.errors import CorruptionError
+from equeue.errors import CorruptionError, ReentrantSendError, StoreWriteError
 from equeue.format.chunk import parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD_SIZE
 
@@ -58,6 +61,7 @@ class QueueFiles:
         self._open: dict[Queue, None] = {}  # the open queues
         self._unsynced: set[str] = set()  # chunk files closed with unflushed entries
         self._unsynced_lock = threading.Lock()
+        self._failed: tuple[str, StoreWriteError] | None = None  # a failed fdatasync's
         self.on_sync_failure: Callable[[], None] | None = None
         # What opening a queue found and cut (its ChunkManager's recovery), for the store's
         # RecoveryReport: a queue opened at the store's open may be closed before it is made.
@@ -166,16 +170,29 @@ class QueueFiles:
 
     def _close(self, queue: Queue) -> None:
         del self._open[queue]
-        manager = queue._manager
-        last = manager.last_chunk if manager is not None else None
-        if queue.release() and last is not None:
-            with self._unsynced_lock:
-                self._unsynced.add(str(last.path))
+        queue.release(self._remember)
         self.closed += 1
+
+    def _remember(self, path: str) -> None:
+        with self._unsynced_lock:
+            self._unsynced.add(path)
 
     def sync_closed(self) -> None:
         """fdatasync the chunk files closed with unflushed entries (under any lock or
-        none: a file removed since, by retention or delete_topic, needs nothing)."""
+        none: a file removed since, by retention or delete_topic, needs nothing).
+
+        After one failed fdatasync every later call fails too, and the files not synced
+        stay listed: as for an open chunk (``Chunk._fdatasync``), no later fdatasync of
+        that file can vouch for its entries, so no later checkpoint may record them; the
+        store is to be reopened."""
+        if self._failed is not None:
+            path, failure = self._failed
+            raise type(failure)(
+                failure.errno,
+                f"flushing closed queue chunks refused: an earlier fdatasync of {path} "
+                f"failed ({failure}), and no later flush can make its entries durable; "
+                "close and reopen the store",
+            )
         with self._unsynced_lock:
             paths, self._unsynced = self._unsynced, set()
         pending = sorted(paths)
@@ -190,9 +207,12 @@ class QueueFiles:
             try:
                 os.fdatasync(fd)
             except OSError as exc:
+                self._keep(pending[i:])  # this file and every one after it: none synced
+                failure = write_error(exc, "flushing a closed queue chunk", path)
+                self._failed = (path, failure)
                 if self.on_sync_failure is not None:
                     self.on_sync_failure()
-                raise write_error(exc, "flushing a closed queue chunk", path) from exc
+                raise failure from exc
             finally:
                 os.close(fd)
 
@@ -245,6 +265,17 @@ class QueueFiles:
         queue.first_offset = max(first, manager.first_position // QUEUE_RECORD_SIZE)
         queue.next_offset = end if found >= end else found
         queue._expected = None
+
+
+def reentered(path: Path, topic: object) -> ReentrantSendError:
+    """A send that found the write lock held by its own thread. The lock is reentrant (a
+    send opens the queue it writes to under it), so it would not block: the inner send
+    would write at the position and queue offset the outer one has taken already."""
+    return ReentrantSendError(
+        f"send to topic {topic!r} of the store in {path} refused: this thread holds the "
+        "store's write lock already, in another send (a send from a signal handler, or from "
+        "a callback that runs inside a send); nothing was written"
+    )
 
 
 def clean_ends(

@@ -62,6 +62,7 @@ from equeue.store.meta import (
 )
 from equeue.store.offsets import GroupFiles
 from equeue.store.queue import Queue
+from equeue.store.queuecache import reentered
 from equeue.store.queuerebuild import open_queue, queue_files
 from equeue.store.reads import LogReader, tag_filter
 from equeue.store.recovery import (
@@ -180,6 +181,7 @@ class MessageStore:
         self.recovery.cuts += self._files.cuts
         self._files.cuts, self._files.problems = self.recovery.cuts, self.recovery.problems
         self._lock = self._files.lock  # the one write lock: message record, then queue entry
+        self._lock_owned = self._lock._is_owned  # type: ignore[attr-defined]
         self._arrived = threading.Condition(threading.Lock())
         self._waiting = 0
         self._flush_error: StoreWriteError | None = None
@@ -525,6 +527,8 @@ class MessageStore:
     ) -> list[SendResult]:
         """Append checked messages under the write lock; under "sync", flush the log and
         only the queues written to before returning."""
+        if self._lock_owned():  # the lock is an RLock: re-entered, it would not block
+            raise reentered(self.path, topic)
         if queues is None:
             queues = self._create_for_send(topic)
         if self._flush_error is not None:
@@ -535,7 +539,10 @@ class MessageStore:
                 "is reopened)",
             )
         if self._group is not None:  # "sync": appended and flushed in a batch with others
-            return self._group.submit(lambda: self._appender.append_all(topic, queues, checked))
+            return self._group.submit(
+                lambda: self._appender.append_all(topic, queues, checked),
+                lambda: reentered(self.path, topic),
+            )
         with self._lock:
             results = self._appender.append_all(topic, queues, checked)
         if self._waiting:
