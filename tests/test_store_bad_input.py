@@ -30,6 +30,7 @@ from equeue.errors import (
     StoreWriteError,
     TopicNotFoundError,
 )
+from equeue.inspect.verify import verify_store
 from equeue.store.topics import TopicPolicy
 
 MAX_MESSAGE = 2000
@@ -696,3 +697,24 @@ def test_closed_store_refuses_writes(tmp_path: Path) -> None:
     with MessageStore.open(path, CONFIG) as again:
         assert again.queue_range("t", 0) == (0, 1)
         assert again.committed_offset("g", "t", 0) is None
+
+
+def test_a_store_opened_by_a_relative_path_stays_whole_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that changes directory after opening must not split the store."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    with MessageStore.open("s") as store:
+        store.send("t", b"before")
+        store.commit_offset("g", "t", 0, 1)
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        store.create_topic("u", 2)
+        store.send("u", b"after", queue_id=1)
+        assert store.committed_offset("g", "t", 0) == 1
+        assert store.path == tmp_path / "s"
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    with MessageStore.open(tmp_path / "s") as reopened:
+        assert reopened.topics() == ["t", "u"]
+        assert [m.body for m in reopened.pull("u", 1, 0)] == [b"after"]
+    assert verify_store(tmp_path / "s") == []

@@ -64,7 +64,8 @@ def parse_listener(url: str) -> Listener:
             raise ConfigError(f"listener {url!r}: unix: needs a path")
         if len(os.fsencode(path)) > MAX_UNIX_PATH:
             raise ConfigError(
-                f"listener {url!r}: a Unix socket path is limited to {MAX_UNIX_PATH} bytes"
+                f"listener {url!r}: a Unix socket path is limited to {MAX_UNIX_PATH} bytes; "
+                "listen on a shorter one (--listen unix:PATH, e.g. under /tmp or $XDG_RUNTIME_DIR)"
             )
         return Listener("unix", path=path)
     for kind in ("tcp", "tls"):

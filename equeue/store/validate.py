@@ -328,7 +328,9 @@ def check_open(path: object, config: object, read_only: object) -> Path:
         os.fsencode(name)
     except UnicodeEncodeError as exc:
         raise NotAStoreError(f"the store path {name!r} is not encodable: {exc.reason}") from None
-    result = Path(name)
+    # Absolute once, here: a program that changes its directory later (a daemon) must
+    # not write half the store under the new one.
+    result = Path(name).absolute()
     try:
         for at in (result, *result.parents):  # the nearest that exists must be a directory
             if at.exists() or at.is_symlink():
