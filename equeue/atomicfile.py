@@ -58,7 +58,11 @@ def decode_json(raw: bytes, path: Path) -> Any:
     try:
         doc = json.loads(raw)
         stored, body = doc["xxh64"], doc["body"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except KeyError as exc:  # valid JSON, but not a metadata file's document
+        raise CorruptionError(
+            f"unreadable metadata file (no {exc} field)", file=path, offset=0
+        ) from exc
+    except (ValueError, TypeError) as exc:
         raise CorruptionError(f"unreadable metadata file ({exc})", file=path, offset=0) from exc
     computed = xxhash.xxh64_hexdigest(_canonical(body))
     if stored != computed:

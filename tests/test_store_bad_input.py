@@ -17,10 +17,11 @@ import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig
-from equeue.atomicfile import read_json, write_json
+from equeue.atomicfile import decode_json, read_json, write_json
 from equeue.errors import (
     ClosedError,
     ConfigError,
+    CorruptionError,
     EQueueError,
     InvalidMessageError,
     InvalidTypeError,
@@ -718,3 +719,13 @@ def test_a_store_opened_by_a_relative_path_stays_whole_after_a_chdir(
         assert reopened.topics() == ["t", "u"]
         assert [m.body for m in reopened.pull("u", 1, 0)] == [b"after"]
     assert verify_store(tmp_path / "s") == []
+
+
+@pytest.mark.parametrize(
+    "document,missing", [(b'{"body": {}}', "xxh64"), (b'{"xxh64": "00"}', "body")]
+)
+def test_a_metadata_document_without_a_field_says_which(
+    tmp_path: Path, document: bytes, missing: str
+) -> None:
+    with pytest.raises(CorruptionError, match=f"unreadable metadata file \\(no '{missing}' field"):
+        decode_json(document, tmp_path / "topics.json")
