@@ -270,3 +270,19 @@ def test_mover_reads_a_waiting_queue_once_until_its_head_is_due(
     coord.tick()
     assert pulls == [retry.DELAY_TOPIC] * 2
     assert len(everything(store, RETRY)) == 1
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["control", "damaged"])
+def test_a_damaged_mover_file_is_said_at_start(
+    tmp_path: Path, damaged: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "s"
+    with MessageStore.open(path) as store:
+        retry.Retries(store).commit_cursors({(retry.DELAY_TOPIC, 0): 0})
+    if damaged:
+        (path / "consumers" / f"{retry.MOVER_GROUP}.json").write_text("nonsense")
+    with MessageStore.open(path) as store, caplog.at_level("WARNING", "equeue.retry"):
+        retry.Retries(store)
+    said = [r.getMessage() for r in caplog.records if r.name == "equeue.retry"]
+    assert bool(said) is damaged
+    assert all("delivered again" in text for text in said)

@@ -141,6 +141,14 @@ class Retries:
         self._head_due: dict[int, float] = {}  # the due time of a queue's first copy waiting
         self.moved = 0  # copies moved to retry topics (stats)
         self.dead = 0  # messages sent to dead-letter topics
+        if any(f"{MOVER_GROUP}.json" in problem for problem in store.recovery.problems):
+            # Its cursors are gone with the file: the mover starts each delay queue at its
+            # first retained copy, so copies it had moved already are moved again.
+            log.warning(
+                "the retry mover's cursors (consumers/%s.json) were damaged and set aside: "
+                "delayed retries already moved are delivered again (at least once)",
+                MOVER_GROUP,
+            )
 
     def nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
         """Schedule ``message`` (of ``group``) for a retry, or dead-letter it. A message
