@@ -362,3 +362,18 @@ def test_a_half_closed_client_still_gets_its_deferred_answers(home: Path) -> Non
                 c.recv()  # then the broker closes
         finally:
             c.close()
+
+
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_status_names_a_broker_sock_that_is_no_socket(tmp_path: Path, what: str) -> None:
+    from equeue.errors import BrokerError
+    from equeue.server.status import fetch_stats
+
+    MessageStore.open(tmp_path / "s").close()
+    sock = tmp_path / "s" / "broker.sock"
+    if what == "file":
+        sock.write_bytes(b"")
+    else:
+        sock.mkdir()
+    with pytest.raises(BrokerError, match=r"broker\.sock is not a socket"):
+        fetch_stats(str(tmp_path / "s"), [], None)

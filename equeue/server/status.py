@@ -3,10 +3,12 @@ client) and print them."""
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
 from typing import Any
 
 from equeue.errors import BrokerError
-from equeue.server.config import read_token
+from equeue.server.config import SOCKET_NAME, read_token
 
 
 def fetch_stats(
@@ -15,6 +17,12 @@ def fetch_stats(
     """The ``stats`` answer of the broker at ``listen[0]``, else at STORE/broker.sock."""
     from equeue.client.sync import connect
 
+    if not listen:  # the default socket: say what is there if it is no socket at all
+        default = Path(store) / SOCKET_NAME
+        if (default.exists() or default.is_symlink()) and not stat.S_ISSOCK(
+            default.lstat().st_mode
+        ):
+            raise BrokerError(f"{default} is not a socket: no broker of this store listens there")
     token = read_token(token_file) if token_file else None
     options: dict[str, Any] = {"client_name": "equeue serve --status", "timeout": 10.0}
     options["connect_timeout"] = 1.0  # a broker that is not running: say so soon
