@@ -219,9 +219,16 @@ class Handlers:
         self.counters.pulls += 1
         if found.messages or wait_ms == 0:
             return self.fit_pull(found, peer.where)
-        self.holds.hold(
-            HeldPull(peer, rid, (topic, queue_id), found.next_offset, args), wait_ms / MS
-        )
+        group, consumer = a.get("group"), a.get("consumer")
+        check = None
+        if group is not None and consumer is not None:  # checked again when answered
+            owner = self.coordinator.check_owner
+
+            def check() -> None:
+                owner(group, consumer, topic, queue_id)
+
+        held = HeldPull(peer, rid, (topic, queue_id), found.next_offset, args, check)
+        self.holds.hold(held, wait_ms / MS)
         return DEFERRED
 
     def _pull_args(self, a: dict[str, Any]) -> dict[str, Any]:

