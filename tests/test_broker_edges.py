@@ -79,3 +79,31 @@ def test_a_held_pull_of_the_holder_is_answered_with_the_message(url: str) -> Non
         producer.call("send", topic=TOPIC, body=b"m")
         status, result = a.answers(1)[held]
         assert status == 0 and len(result[0]) == 1
+
+
+def test_error_texts_sent_to_clients_name_files_relative_to_the_store(
+    store_dir: Path, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = str(store_dir)
+    with raw(url) as client:
+        sent = client.call("send", topic=TOPIC, body=b"x")
+        past_end = sent[0][:-2] + "ff"  # a message id whose position lies past the data
+        errors = [
+            client.error("get", message_id=past_end),
+            client.error("pull", topic="nope", queue_id=0, offset=0),
+        ]
+        (store_dir / "consumers").mkdir(exist_ok=True)
+        (store_dir / "consumers" / "g.json").write_text("junk")
+        with caplog.at_level("INFO", logger="equeue.server"):
+            errors.append(client.error("commit_offset", group="g", topic=TOPIC, queue_id=0,
+                                       offset=1))  # fmt: skip
+    texts = [e["message"] for e in errors]
+    assert [e["code"] for e in errors] == [
+        "MessageNotFoundError", "TopicNotFoundError", "CorruptionError"
+    ]  # fmt: skip
+    assert not [t for t in texts if root in t or "/tmp/" in t], texts
+    assert "in messages/chunk-000000000000.0000" in texts[0]
+    assert texts[1] == "no topic 'nope' in the store"
+    assert "in consumers/g.json at offset 0" in texts[2]
+    # the broker's own log keeps the absolute path
+    assert f"{root}/consumers/g.json" in caplog.text

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import msgpack
 
 from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
+from equeue.protocol.faults import hide_store_path
 from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
@@ -77,6 +78,7 @@ class Handlers:
         offsets: OffsetCommitter,
     ) -> None:
         self.store = store
+        hide_store_path(store.path)  # errors sent to clients name files relative to it
         self.holds = holds
         self.commit = commit
         self.config = config
