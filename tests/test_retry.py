@@ -286,3 +286,47 @@ def test_a_damaged_mover_file_is_said_at_start(
     said = [r.getMessage() for r in caplog.records if r.name == "equeue.retry"]
     assert bool(said) is damaged
     assert all("delivered again" in text for text in said)
+
+
+def test_a_message_whose_dead_letter_cannot_fit_is_dead_lettered_cut(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """The store now allows 64 bytes of properties: neither the retry copy nor the
+    reduced dead letter fits. The nack still ends in a dead letter (before: it raised
+    MessageTooLargeError, and the message came back to fail again, for ever)."""
+    from equeue import StoreConfig
+
+    with MessageStore.open(tmp_path / "s", StoreConfig(max_properties_size=64)) as store:
+        store.create_topic("orders", 1)
+        coord = coordinator(store, clock)
+        sent = store.send("orders", b"pay", key="k")
+        coord.nack("g", "a", sent.message_id, None)
+        (dead,) = everything(store, DLQ)
+        assert (dead.body, dead.key) == (b"pay", "k")
+        assert dead.properties[retry.ORIGIN_ID] == sent.message_id
+        assert retry.DLQ_BODY_SIZE not in dead.properties  # the body is whole
+        assert everything(store, retry.DELAY_TOPIC) == []
+
+
+def test_a_body_past_a_lowered_max_message_size_is_dead_lettered_cut(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """A message stored before the store was reopened with a smaller max_message_size:
+    its dead letter carries the body cut to the limit and its size as it was."""
+    from equeue import StoreConfig
+
+    with MessageStore.open(tmp_path / "s") as store:
+        store.create_topic("orders", 1)
+        sent = store.send("orders", b"b" * 3000, properties={"user": "1"})
+        small = store.send("orders", b"s" * 10)
+    with MessageStore.open(tmp_path / "s", StoreConfig(max_message_size=1000)) as store:
+        coord = coordinator(store, clock)
+        coord.nack("g", "a", sent.message_id, None)
+        coord.nack("g", "a", small.message_id, None)  # control: it fits, a delayed retry
+        (dead,) = everything(store, DLQ)
+        assert dead.body == b"b" * 1000
+        assert dead.properties[retry.DLQ_BODY_SIZE] == "3000"
+        assert dead.properties[retry.ORIGIN_ID] == sent.message_id
+        assert dead.properties[retry.ORIGIN_OFFSET] == "0"
+        assert "cut to the store's limits" in dead.properties[retry.DLQ_REASON]
+        assert [m.body for m in everything(store, retry.DELAY_TOPIC)] == [b"s" * 10]

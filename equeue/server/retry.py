@@ -39,6 +39,7 @@ from equeue.format.message import MAX_NAME_BYTES
 from equeue.protocol.retries import (
     ATTEMPT,
     DELAY_TOPIC,
+    DLQ_BODY_SIZE,
     DLQ_PREFIX,
     DLQ_REASON,
     DUE_MS,
@@ -62,8 +63,8 @@ if TYPE_CHECKING:
     from equeue.store.store import MessageStore
 
 __all__ = [  # the names of equeue/protocol/retries.py, for the broker's side
-    "ATTEMPT", "DELAY_TOPIC", "DLQ_PREFIX", "DLQ_REASON", "DUE_MS", "GROUP", "MOVER_GROUP",
-    "ORIGIN_ID", "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RESERVED_PREFIX",
+    "ATTEMPT", "DELAY_TOPIC", "DLQ_BODY_SIZE", "DLQ_PREFIX", "DLQ_REASON", "DUE_MS", "GROUP",
+    "MOVER_GROUP", "ORIGIN_ID", "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RESERVED_PREFIX",
     "RETRY_PREFIX", "Retries", "check_group_name", "dead_letter_topic", "restore", "retry_topic",
 ]  # fmt: skip
 
@@ -153,19 +154,61 @@ class Retries:
     def nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
         """Schedule ``message`` (of ``group``) for a retry, or dead-letter it. A message
         whose properties leave no room for the retry's (the store's max_properties_size)
-        is dead-lettered with the retry's properties alone and ``equeue.dlq.reason``."""
+        is dead-lettered with the retry's properties alone and ``equeue.dlq.reason``; if
+        even that does not fit, with what fits (``_dead_letter_cut``)."""
         try:
             self._nack(group, message, delay_ms, max_retries)
         except MessageTooLargeError as exc:
             found, attempts = origin(message, group)
             props = {**found, GROUP: group, ATTEMPT: str(attempts + 1)}
             props[DLQ_REASON] = f"no retry: {exc}"[:1024]
-            self._append(dead_letter_topic(group), message, props, None)
+            try:
+                self._append(dead_letter_topic(group), message, props, None)
+            except (MessageTooLargeError, InvalidMessageError) as again:
+                self._dead_letter_cut(group, message, props, again)
             self.dead += 1
             log.warning(
                 "message %s of group %r: dead-lettered without its properties (%s)",
                 found[ORIGIN_ID], group, exc,
             )  # fmt: skip
+
+    def _dead_letter_cut(
+        self, group: str, message: Message, props: dict[str, str], error: Exception
+    ) -> None:
+        """The dead letter of a message that cannot be copied whole under the store's
+        limits now (a store reopened with a smaller max_message_size or
+        max_properties_size than it was written with): its body cut to max_message_size,
+        ``equeue.dlq.body_size`` saying by how much, and of the properties (the origin
+        first) those that fit in max_properties_size. It terminates: a nack that failed
+        here would bring the message back, and fail again, for ever."""
+        config = self.store.config
+        body = message.body
+        cut = len(body) > config.max_message_size
+        wanted = {DLQ_BODY_SIZE: str(len(body))} if cut else {}
+        wanted[ORIGIN_ID] = props[ORIGIN_ID]
+        wanted[DLQ_REASON] = f"cut to the store's limits: {error}"[:256]
+        for name, value in props.items():  # the rest in order: topic, queue, offset, ...
+            wanted.setdefault(name, value)
+        kept: dict[str, str] = {}
+        for name, value in wanted.items():
+            trial = {**kept, name: value}
+            try:
+                validate.check_properties(trial, config.max_properties_size)
+            except MessageTooLargeError:
+                continue
+            kept = trial
+        if cut:
+            body = body[: config.max_message_size]
+        self.ensure(dead_letter_topic(group), 1)
+        self.store.send(
+            dead_letter_topic(group), body, tag=message.tag, key=message.key, properties=kept,
+            code=message.code,
+        )  # fmt: skip
+        log.warning(
+            "message %s of group %r: dead-lettered cut to the store's limits (body %d of %d "
+            "bytes, %d of %d properties): %s",
+            props[ORIGIN_ID], group, len(body), len(message.body), len(kept), len(wanted), error,
+        )  # fmt: skip
 
     def _nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
         found, attempts = origin(message, group)
