@@ -5,6 +5,7 @@ texts, offsets retention passed, the retry mover's flush off the loop."""
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from server_helpers import Raw, raw, short_dir
 
 from equeue import MessageStore
 from equeue.protocol.records import unpack_message
+from equeue.protocol.retries import DELAY_TOPIC, MOVER_GROUP, retry_topic
 from equeue.server import BrokerThread
 
 TOPIC = "one"
@@ -107,3 +109,32 @@ def test_error_texts_sent_to_clients_name_files_relative_to_the_store(
     assert "in consumers/g.json at offset 0" in texts[2]
     # the broker's own log keeps the absolute path
     assert f"{root}/consumers/g.json" in caplog.text
+
+
+def test_the_retry_movers_fdatasync_runs_off_the_event_loop(store_dir: Path) -> None:
+    """A delayed retry due: the mover appends it on the loop, fdatasyncs the log and
+    writes its cursor on the committer thread (before: both on the loop)."""
+    threads: list[str] = []
+    with MessageStore.open(store_dir) as store:
+        real = store.flush_log
+
+        def flush_log() -> None:
+            threads.append(threading.current_thread().name)
+            real()
+
+        store.flush_log = flush_log  # type: ignore[method-assign]
+        broker = BrokerThread(store).start()
+        try:
+            with raw(broker.urls[0]) as a:
+                a.call("join", group="g", consumer="a", topics=[TOPIC], session_timeout_ms=5000)
+                sent = a.call("send", topic=TOPIC, body=b"m")
+                a.call("nack", group="g", consumer="a", message_id=sent[0], delay_ms=1)
+                deadline = time.monotonic() + BOUND_S
+                while store.committed_offset(MOVER_GROUP, DELAY_TOPIC, 0) != 1:
+                    assert time.monotonic() < deadline, "the copy was never moved"
+                    time.sleep(0.05)
+                moved = a.call("pull", topic=retry_topic("g"), queue_id=0, offset=0)
+                assert len(moved[0]) == 1
+        finally:
+            broker.stop()
+    assert threads and set(threads) == {"equeue-broker-commit_0"}, threads

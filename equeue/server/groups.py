@@ -139,6 +139,10 @@ class GroupCoordinator:
         # again never repeats a generation its former members saw.
         self._generations = 0
 
+    def persist_with(self, run: Callable[[Callable[[], None]], retry.Job]) -> None:
+        """Run the retry mover's fdatasync and cursor write with ``run`` (off the loop)."""
+        self.retries.background = run
+
     # --- the ops ---------------------------------------------------------------------
 
     def call(self, op: str, args: dict[str, Any]) -> Any:

@@ -62,6 +62,7 @@ class Coordinator(Protocol):
     def check_owner(self, group: str, consumer: str, topic: str, queue_id: int) -> None: ...
     def tick(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+    def persist_with(self, run: Callable[[Callable[[], None]], Any]) -> None: ...
 
 
 class Handlers:
@@ -85,6 +86,7 @@ class Handlers:
         self.packer = packer
         self.offsets = offsets
         self.coordinator = coordinator
+        coordinator.persist_with(offsets.run)  # the retry mover's fdatasync off the loop
         self.counters = counters
         self._extra_stats = extra_stats
         self.ops: dict[str, Callable[[Peer, int, dict[str, Any]], object]] = {

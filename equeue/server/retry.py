@@ -19,7 +19,9 @@ The mover's cursor in each delay queue is the committed offset of the internal g
 ``equeue.mover``, committed after the copies it moved were appended and the message log
 fdatasynced (``store.flush_log``, once per tick for every delay queue; recovery rebuilds
 queues from the log): a crash between the two moves them again (at least once), and
-nothing is lost. Both run on the broker's loop, once per tick with due copies.
+nothing is lost. The appends run on the broker's loop; the fdatasync and the cursor
+write run off it (``background``: the broker's offset committer thread), and no copy is
+moved until they ended.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from equeue.errors import (
     InvalidMessageError,
@@ -69,6 +71,15 @@ __all__ = [  # the names of equeue/protocol/retries.py, for the broker's side
 ]  # fmt: skip
 
 log = logging.getLogger("equeue.retry")
+
+
+class Job(Protocol):
+    """A future of the work run off the loop (asyncio's or concurrent.futures')."""
+
+    def done(self) -> bool: ...
+    def cancelled(self) -> bool: ...
+    def exception(self) -> BaseException | None: ...
+
 
 # Seconds a copy waits at each level (RocketMQ's levels from 1 s on, shortened).
 DEFAULT_DELAYS: Final = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
@@ -140,6 +151,10 @@ class Retries:
         # committed_offset per queue per tick would merge every group's offsets each time.
         self._cursors: dict[int, int] = {}
         self._head_due: dict[int, float] = {}  # the due time of a queue's first copy waiting
+        # Runs the mover's fdatasync and cursor write off the broker's loop (the broker
+        # sets it: OffsetCommitter.run); None: in the caller, before move_due returns.
+        self.background: Callable[[Callable[[], None]], Job] | None = None
+        self._persisting: tuple[Job, dict[tuple[str, int], int]] | None = None
         self.moved = 0  # copies moved to retry topics (stats)
         self.dead = 0  # messages sent to dead-letter topics
         if any(f"{MOVER_GROUP}.json" in problem for problem in store.recovery.problems):
@@ -245,6 +260,8 @@ class Retries:
 
     def move_due(self) -> int:
         """Append every due copy to its group's retry topic; how many were moved."""
+        if self._persisting is not None and not self._persisted():
+            return 0  # the last move is not durable yet: nothing more until it is
         store = self.store
         try:
             delay_queues = store.queue_ids(DELAY_TOPIC)
@@ -288,17 +305,44 @@ class Retries:
             cursors[(DELAY_TOPIC, queue_id)] = due[-1].queue_offset + 1
             moved += len(due)
         if cursors:
-            # The copies (and the delay entries they came from) durable in the message
-            # log before the cursors say they were moved: recovery rebuilds the retry
-            # topics' queues from the log, so the log's fdatasync suffices (no checkpoint
-            # of every queue file); one for every delay queue of the tick, then one write
-            # of the mover's offsets file.
-            store.flush_log()
-            self.commit_cursors(cursors)
-            for (_, queue_id), offset in cursors.items():
-                self._cursors[queue_id] = offset
+            if self.background is None:
+                self._persist(cursors)
+                self._advance(cursors)
+            else:  # off the loop; the next tick that finds it done advances the cursors
+                self._persisting = (self.background(lambda: self._persist(cursors)), cursors)
         self.moved += moved
         return moved
+
+    def _persist(self, cursors: dict[tuple[str, int], int]) -> None:
+        # The copies (and the delay entries they came from) durable in the message log
+        # before the cursors say they were moved: recovery rebuilds the retry topics'
+        # queues from the log, so the log's fdatasync suffices (no checkpoint of every
+        # queue file); one for every delay queue of the tick, then one write of the
+        # mover's offsets file.
+        self.store.flush_log()
+        self.commit_cursors(cursors)
+
+    def _advance(self, cursors: dict[tuple[str, int], int]) -> None:
+        for (_, queue_id), offset in cursors.items():
+            self._cursors[queue_id] = offset
+
+    def _persisted(self) -> bool:
+        """Whether the move persisting off the loop ended (its cursors then advanced;
+        if it failed, its copies are moved again: at least once)."""
+        assert self._persisting is not None
+        job, cursors = self._persisting
+        if not job.done():
+            return False
+        self._persisting = None
+        error = BaseException("cancelled") if job.cancelled() else job.exception()
+        if error is None:
+            self._advance(cursors)
+        else:
+            log.error(
+                "the retry mover could not make its move durable (%s): the copies it "
+                "appended are moved again (at least once)", error,
+            )  # fmt: skip
+        return True
 
     def commit_cursors(self, cursors: dict[tuple[str, int], int]) -> None:
         group_offsets.commit_group_file(self.store.path, MOVER_GROUP, cursors)
