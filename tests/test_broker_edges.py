@@ -4,6 +4,7 @@ texts, offsets retention passed, the retry mover's flush off the loop."""
 
 from __future__ import annotations
 
+import datetime as dt
 import shutil
 import threading
 import time
@@ -13,10 +14,12 @@ from pathlib import Path
 import pytest
 from server_helpers import Raw, raw, short_dir
 
-from equeue import MessageStore
+from equeue import MessageStore, StoreConfig
+from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
 from equeue.protocol.records import unpack_message
 from equeue.protocol.retries import DELAY_TOPIC, MOVER_GROUP, retry_topic
 from equeue.server import BrokerThread
+from equeue.server.status import render_stats
 
 TOPIC = "one"
 BOUND_S = 10.0  # every wait below ends by then
@@ -138,3 +141,63 @@ def test_the_retry_movers_fdatasync_runs_off_the_event_loop(store_dir: Path) -> 
         finally:
             broker.stop()
     assert threads and set(threads) == {"equeue-broker-commit_0"}, threads
+
+
+def _retained_store(path: Path) -> int:
+    """A store whose queue one/0 lost its first offsets to retention, group g committed
+    at 1 below them; the queue's first retained offset."""
+    config = StoreConfig(chunk_data_size=MIN_CHUNK_DATA_SIZE, retention=dt.timedelta(seconds=1))
+    with MessageStore.open(path, config) as store:
+        store.create_topic(TOPIC, 1)
+        store.send_batch(TOPIC, [b"m" * 200] * 400)  # several log chunks
+        store.commit_offset("g", TOPIC, 0, 1)
+        store.apply_retention(time.time() + 3600)
+        first = store.queue_range(TOPIC, 0)[0]
+    assert first > 1
+    return first
+
+
+def test_offsets_retention_removed_before_a_group_read_them_are_counted_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    directory = short_dir()
+    try:
+        first = _retained_store(directory / "s")
+        broker = BrokerThread(directory / "s").start()
+        try:
+            with raw(broker.urls[0]) as a, caplog.at_level("WARNING", logger="equeue.groups"):
+                a.call("join", group="g", consumer="a", topics=[TOPIC], session_timeout_ms=5000)
+                # the member starts at the first retained; a pull from below it (a member
+                # that fell behind) counts nothing twice
+                a.call("pull", topic=TOPIC, queue_id=0, offset=1, group="g", consumer="a")
+                # a member of another group, far behind (no commit): counted at its pull
+                a.call("join", group="h", consumer="a", topics=[TOPIC], session_timeout_ms=5000)
+                a.call("pull", topic=TOPIC, queue_id=0, offset=0, group="h", consumer="a")
+                a.call("pull", topic=TOPIC, queue_id=0, offset=first)  # control: no group
+                stats = a.call("stats")
+        finally:
+            broker.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert stats["groups"]["g"]["skipped"] == {
+        f"{TOPIC}/0": {"count": first - 1, "ranges": [[1, first]]}
+    }
+    assert stats["groups"]["h"]["skipped"] == {
+        f"{TOPIC}/0": {"count": first, "ranges": [[0, first]]}
+    }
+    assert f"offsets 1 to {first - 1} of one/0 were removed by retention" in caplog.text
+    assert caplog.text.count("removed by retention") == 2
+    text = render_stats(stats)
+    assert (
+        f"one/0: {first - 1} removed by retention before consumed (offsets 1..{first - 1})" in text
+    )
+
+
+def test_a_group_within_retention_reports_no_skip(url: str) -> None:
+    """Control: committed offsets inside the retained range, nothing is reported."""
+    with raw(url) as a:
+        a.call("send", topic=TOPIC, body=b"m")
+        a.call("join", group="g", consumer="a", topics=[TOPIC], session_timeout_ms=5000)
+        a.call("pull", topic=TOPIC, queue_id=0, offset=0, group="g", consumer="a")
+        stats = a.call("stats")
+    assert all("skipped" not in info for info in stats["groups"].values())

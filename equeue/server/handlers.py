@@ -63,6 +63,8 @@ class Coordinator(Protocol):
     def tick(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def persist_with(self, run: Callable[[Callable[[], None]], Any]) -> None: ...
+    def note_skip(self, group: str, topic: str, queue_id: int, start: int, first: int) -> None: ...
+    def skips(self) -> dict[str, dict[str, Any]]: ...
 
 
 class Handlers:
@@ -221,6 +223,9 @@ class Handlers:
             max_bytes=args["max_bytes"],
         )  # fmt: skip
         self.counters.pulls += 1
+        offset = a["offset"]
+        if (found.messages[0].queue_offset if found.messages else found.next_offset) > offset:
+            self._skipped(a, topic, queue_id, offset)  # retention, or a tag filter
         if found.messages or wait_ms == 0:
             return self.fit_pull(found, peer.where)
         group, consumer = a.get("group"), a.get("consumer")
@@ -284,6 +289,15 @@ class Handlers:
         self.offsets.add((group, topic, queue_id), offset, lambda error: peer.finish(rid, error))
         return DEFERRED
 
+    def _skipped(self, a: dict[str, Any], topic: str, queue_id: int, offset: int) -> None:
+        """A group member's pull went past offsets: count those retention removed."""
+        group = a.get("group")
+        if group is None or a.get("consumer") is None:
+            return
+        first = self.store.queue_range(topic, queue_id)[0]
+        if offset < first:
+            self.coordinator.note_skip(group, topic, queue_id, offset, first)
+
     def _check_owner(self, a: dict[str, Any], topic: str, queue_id: int) -> None:
         group, consumer = a.get("group"), a.get("consumer")
         if consumer is None or group is None:
@@ -305,7 +319,9 @@ class Handlers:
             round(commit.sends_flushed / commit.flushes, 2) if commit and commit.flushes else 0.0
         )
         answer.update(self._extra_stats())
-        answer["groups"] = group_lag(self.store)
+        answer["groups"] = groups = group_lag(self.store)
+        for group, skipped in self.coordinator.skips().items():  # retention passed them
+            groups.setdefault(group, {"lag": 0, "queues": {}})["skipped"] = skipped
         answer["coordinator"] = self.coordinator.stats()  # members, generations, assignments
         return answer
 
