@@ -201,3 +201,44 @@ def test_a_group_within_retention_reports_no_skip(url: str) -> None:
         a.call("pull", topic=TOPIC, queue_id=0, offset=0, group="g", consumer="a")
         stats = a.call("stats")
     assert all("skipped" not in info for info in stats["groups"].values())
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_broker_starts_on_a_store_with_junk_offsets_and_no_topics_file(
+    store_dir: Path, damaged: bool
+) -> None:
+    """Junk in consumers/*.json (the groups' and the mover's) and topics.json gone: the
+    broker starts, serves the messages, the group reads again from what is left of its
+    offsets (at least once). Control: the same store undamaged."""
+    broker = BrokerThread(store_dir).start()
+    try:
+        with raw(broker.urls[0]) as a:
+            for body in (b"m0", b"m1", b"m2"):
+                a.call("send", topic=TOPIC, body=body)
+            a.call("join", group="g", consumer="a", topics=[TOPIC], session_timeout_ms=5000)
+            a.call("commit_offset", group="g", consumer="a", topic=TOPIC, queue_id=0, offset=2)
+    finally:
+        broker.stop()
+    if damaged:
+        (store_dir / "consumers" / "g.json").write_bytes(b"\xff{junk")
+        (store_dir / "consumers" / "equeue.mover.json").write_text('{"xxh64": 1}')
+        (store_dir / "topics.json").unlink()
+    broker = BrokerThread(store_dir).start()
+    try:
+        problems = broker.store.recovery.problems
+        with raw(broker.urls[0]) as a:
+            topics = a.call("topics")
+            committed = a.call("committed_offset", group="g", topic=TOPIC, queue_id=0)
+            pulled = a.call("pull", topic=TOPIC, queue_id=0, offset=0)
+    finally:
+        broker.stop()
+    assert [unpack_message(m, "t").body for m in pulled[0]] == [b"m0", b"m1", b"m2"]
+    if damaged:
+        # rebuilt from the queue directories: the empty retry topic had none (a join
+        # makes it again)
+        assert topics == [TOPIC]
+        assert committed is None  # set aside: the group reads from the start again
+        assert any("consumers/g.json" in p for p in problems)
+        assert any("topics.json is missing" in p for p in problems)
+    else:
+        assert (topics, committed, problems) == ([retry_topic("g"), TOPIC], 2, [])
