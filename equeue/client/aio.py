@@ -26,6 +26,7 @@ from equeue.client.calls import Call, Given
 from equeue.client.connect import RECV_BYTES
 from equeue.client.core import (
     DECODERS,
+    SEND_OPS,
     AnswerReader,
     RequestEncoder,
     answer_error,
@@ -116,7 +117,7 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
                     return
                 limit = found.limits["max_frame_bytes"]
                 self.reader.max_frame_bytes = limit
-                self.encoder = RequestEncoder(limit, self.where)
+                self.encoder = RequestEncoder(limit, self.where, found.version)
                 self.free = found.limits["max_in_flight"]
                 self.welcomed = True
                 self.welcome.set_result(found)
@@ -373,7 +374,7 @@ class AsyncClient:
             raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
         check_args(op, arguments, f"request to {self.url}")
         wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
-        messages = [arguments] if op in ("send", "send_batch") else None
+        messages = [arguments] if op in SEND_OPS else None
         return await self._call(Call(op, arguments, messages, wait), decode=False)
 
     # --- MessageStore's methods --------------------------------------------------
