@@ -19,7 +19,7 @@ from server_helpers import raw, short_dir
 import equeue
 import equeue.aio
 from equeue import MessageStore, StoreConfig
-from equeue.errors import ConfigError, LimitExceededError, ProtocolError
+from equeue.errors import ConfigError, ConnectionLostError, LimitExceededError, ProtocolError
 from equeue.protocol.frames import BODIES_VERSION
 from equeue.server import BrokerThread
 from equeue.server.config import ServerConfig
@@ -166,3 +166,90 @@ def test_an_event_loop_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> No
         loop_factory("uvloop")
     assert loop_factory("auto")[0] == "asyncio"  # the fallback where it is missing
     assert loop_factory("asyncio")[0] == "asyncio"
+
+
+# --- the asyncio client's coalesced sends ------------------------------------------------
+
+
+def test_concurrent_sends_are_coalesced_and_each_gets_what_the_store_gives(home: Path) -> None:
+    calls = [("t" if i % 3 else "u", f"m{i}".encode()) for i in range(300)]
+
+    async def produce(url: str) -> list[Any]:
+        async with await equeue.aio.connect(url, timeout=20) as client:
+            lanes = [calls[i::30] for i in range(30)]  # 30 tasks, 10 sends each in turn
+
+            async def lane(items: list[tuple[str, bytes]]) -> list[Any]:
+                return [await client.send(topic, body) for topic, body in items]
+
+            done = await asyncio.gather(*(lane(items) for items in lanes))
+            by_call: dict[bytes, Any] = {}
+            for items, results in zip(lanes, done, strict=True):
+                by_call.update((body, r) for (_, body), r in zip(items, results, strict=True))
+            return [by_call[body] for _, body in calls]
+
+    with BrokerThread(home / "store") as broker:
+        results = asyncio.run(produce(broker.urls[0]))
+        stats = broker.broker.handlers.stats()
+        stored = [broker.store.get(r.message_id) for r in results]
+    assert [(m.topic, m.body) for m in stored] == calls
+    assert stats["sends"] == 300 and stats["send_requests"] < 100  # coalesced
+    # Per topic, the queues and offsets of MessageStore.send in the order the broker got
+    # them (the order of the stored positions).
+    with MessageStore.open(home / "model", StoreConfig(flush="async")) as model:
+        for topic in ("t", "u"):
+            mine = sorted((r for r in results if r.topic == topic), key=lambda r: r.position)
+            expected = [model.send(topic, b"x") for _ in mine]
+            assert [(r.queue_id, r.queue_offset) for r in mine] == [
+                (e.queue_id, e.queue_offset) for e in expected
+            ]
+
+
+def test_a_group_refused_whole_is_sent_again_one_by_one(home: Path) -> None:
+    async def produce(url: str) -> list[Any]:
+        async with await equeue.aio.connect(url, timeout=20) as client:
+            await client.create_topic("t", 1)
+            return await asyncio.gather(
+                client.send("t", b"first"),  # alone: nothing is in flight yet
+                client.send("t", b"ok"),  # these three in one send_bodies
+                client.send("t", b"x" * (5 << 20)),  # past the store's max_message_size
+                client.send("t", b"ok2"),
+                return_exceptions=True,
+            )
+
+    with BrokerThread(home / "store") as broker:
+        outcomes = asyncio.run(produce(broker.urls[0]))
+        stored = [m.body for m in broker.store.pull("t", 0, 0, 10).messages]
+    assert [type(o).__name__ for o in outcomes] == [
+        "SendResult", "SendResult", "MessageTooLargeError", "SendResult",
+    ]  # fmt: skip
+    assert stored == [b"first", b"ok", b"ok2"]
+    assert [o.queue_offset for o in outcomes if not isinstance(o, Exception)] == [0, 1, 2]
+
+
+def test_a_broken_connection_names_each_callers_own_message() -> None:
+    seen: list[Any] = []
+
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send({**WELCOME, "version": BODIES_VERSION})
+        seen.extend(peer.recv()[1:] for _ in range(2))  # a send, then a send_bodies
+        # closed without an answer
+
+    async def produce(url: str) -> list[Any]:
+        client = await equeue.aio.connect(url, timeout=5, connect_timeout=1)
+        try:
+            return await asyncio.gather(
+                *(client.send("t", body) for body in (b"a", b"b", b"c")),
+                return_exceptions=True,
+            )
+        finally:
+            await client.close()
+
+    with FakeBroker(script) as fake:
+        outcomes = asyncio.run(produce(fake.url))
+        assert not fake.errors
+    assert seen == [["send", {"topic": "t", "body": b"a"}],
+                    ["send_bodies", {"topic": "t", "bodies": [b"b", b"c"]}]]  # fmt: skip
+    for outcome, body in zip(outcomes, (b"a", b"b", b"c"), strict=True):
+        assert isinstance(outcome, ConnectionLostError)
+        assert [m.body for m in outcome.unanswered] == [body]
