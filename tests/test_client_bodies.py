@@ -6,15 +6,13 @@ broker's event-loop setting (uvloop or asyncio's)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from client_helpers import WELCOME, FakeBroker, Peer
-from server_helpers import raw, short_dir
+from server_helpers import raw, short_home
 
 import equeue
 import equeue.aio
@@ -28,13 +26,7 @@ from equeue.server.loops import loop_factory
 BODIES = [b"a" * 10, b"", b"c" * 300, b"d"]
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 def _both(url: str, topic: str) -> list[Any]:
@@ -208,13 +200,14 @@ def test_a_group_refused_whole_is_sent_again_one_by_one(home: Path) -> None:
     async def produce(url: str) -> list[Any]:
         async with await equeue.aio.connect(url, timeout=20) as client:
             await client.create_topic("t", 1)
-            return await asyncio.gather(
+            outcomes = await asyncio.gather(
                 client.send("t", b"first"),  # alone: nothing is in flight yet
                 client.send("t", b"ok"),  # these three in one send_bodies
                 client.send("t", b"x" * (5 << 20)),  # past the store's max_message_size
                 client.send("t", b"ok2"),
                 return_exceptions=True,
             )
+            return list(outcomes)
 
     with BrokerThread(home / "store") as broker:
         outcomes = asyncio.run(produce(broker.urls[0]))

@@ -175,14 +175,7 @@ class Handlers:
         self._check_batch(peer, topic, len(messages))
         items = _batch_items(peer, topic, messages)
         results = self.store.send_batch(topic, items)
-        counters = self.counters
-        counters.sends += len(results)
-        counters.send_requests += 1
-        if self.holds.count:
-            note = self.holds.note
-            for sent, item in zip(results, items, strict=True):
-                tag = "" if type(item) is bytes else item.tag  # type: ignore[union-attr]
-                note(sent.topic, sent.queue_id, sent.queue_offset, tag)
+        self._batch_sent(results, items)
         # SendResults are named tuples: msgpack packs each as pack_send_result's array.
         return self._durable(peer, rid, results)
 
@@ -194,14 +187,19 @@ class Handlers:
             raise ProtocolError(f"{peer.where}: op 'send_bodies': each body must be bin")
         self._check_batch(peer, topic, len(bodies))
         results = self.store.send_batch(topic, bodies)
+        self._batch_sent(results, bodies)
+        return self._durable(peer, rid, pack_send_columns(topic, results))
+
+    def _batch_sent(self, results: list[SendResult], items: list[Any]) -> None:
+        """Count a batch's sends and wake the pulls held on its queues."""
         counters = self.counters
         counters.sends += len(results)
         counters.send_requests += 1
         if self.holds.count:
             note = self.holds.note
-            for sent in results:
-                note(sent.topic, sent.queue_id, sent.queue_offset, "")
-        return self._durable(peer, rid, pack_send_columns(topic, results))
+            for sent, item in zip(results, items, strict=True):
+                tag = "" if type(item) is bytes else item.tag
+                note(sent.topic, sent.queue_id, sent.queue_offset, tag)
 
     def _check_batch(self, peer: Peer, topic: str, count: int) -> None:
         """Refused before anything is appended: more messages than max_batch_messages, or
