@@ -44,6 +44,11 @@ assert SEND_RESULT_FIELDS == 6
 _OPTIONAL_STR: Final = (str, type(None))
 _MESSAGE_TYPES: Final = (str, str, int, int, int, str, _OPTIONAL_STR, dict, int, bytes, int, int)
 _SEND_RESULT_TYPES: Final = (str, str, int, int, int, float)
+# A Message's field types exactly, with a key and without: one tuple comparison for the
+# common case (a pull answers many), the field-by-field check only for what differs.
+_MESSAGE_EXACT: Final = frozenset(
+    (str, str, int, int, int, str, key, dict, int, bytes, int, int) for key in (str, type(None))
+)
 
 
 def pack_message(message: Message) -> list[Any]:
@@ -51,6 +56,8 @@ def pack_message(message: Message) -> list[Any]:
 
 
 def unpack_message(value: object, where: str) -> Message:
+    if type(value) is list and tuple(map(type, value)) in _MESSAGE_EXACT and not value[7]:
+        return Message._make(value)  # no properties: nothing more to check
     fields = _checked(value, _MESSAGE_TYPES, "Message", where)
     properties = fields[7]
     if not all(type(k) is str and type(v) is str for k, v in properties.items()):
