@@ -41,7 +41,6 @@ class CrossClientCommit:
         self._flush_log = flush_log
         self._waiting: list[Entry] = []
         self._running: asyncio.Future[None] | None = None
-        self._starting = False
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "equeue-broker-flush")
         self.flushes = 0
         self.sends_flushed = 0
@@ -54,16 +53,10 @@ class CrossClientCommit:
         """``peer.finish(request_id, result)`` once what was appended so far is durable
         (or with the flush's error instead of ``result``)."""
         self._waiting.append((peer, request_id, result))
-        if self._running is None and not self._starting:
-            # At the end of this loop turn, not now: the sends of every connection read
-            # in this turn share the fdatasync (as Redis fsyncs once per turn).
-            self._starting = True
-            self._loop.call_soon(self._start)
+        if self._running is None:
+            self._start()
 
     def _start(self) -> None:
-        self._starting = False
-        if self._running is not None or not self._waiting:
-            return
         batch, self._waiting = self._waiting, []
         future = self._loop.run_in_executor(self._executor, self._flush_log)
         self._running = future
@@ -97,10 +90,9 @@ class CrossClientCommit:
 
     async def drain(self) -> None:
         """Until every send handed over so far is released."""
-        while self._running is not None or self._starting:
-            if self._running is not None:
-                await asyncio.wait([self._running])
-            await asyncio.sleep(0)  # _finished runs as the future's callback, _start soon
+        while self._running is not None:
+            await asyncio.wait([self._running])
+            await asyncio.sleep(0)  # _finished runs as the future's callback
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
