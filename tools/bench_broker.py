@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "source": report.source_state(ROOT),
         "batch": BATCH,
         "window": WINDOW,
-        "event_loop": args.event_loop or "(the broker's default)",
+        "event_loop": args.event_loop or "default (--event-loop not given)",
         "client_loop": args.client_loop,
         "load_before": load_before,
         "load_after": os.getloadavg(),
