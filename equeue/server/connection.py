@@ -342,7 +342,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
-        version = choose_version(hello.versions)
+        version = choose_version(hello.versions, self.broker.welcome_versions)
         if version is None:
             raise ProtocolError(
                 f"{self.where}: the client speaks protocol versions {list(hello.versions)[:8]}, "

@@ -18,7 +18,12 @@ from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
 from equeue.protocol.faults import hide_store_path
 from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
 from equeue.protocol.ops import check_args
-from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
+from equeue.protocol.records import (
+    pack_message,
+    pack_pull_result,
+    pack_send_columns,
+    pack_send_result,
+)
 from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
@@ -95,6 +100,7 @@ class Handlers:
             "ping": lambda peer, rid, args: None,
             "send": self.send,
             "send_batch": self.send_batch,
+            "send_bodies": self.send_bodies,
             "pull": self.pull,
             "get": lambda peer, rid, a: pack_message(store.get(a["message_id"])),
             "query_by_key": lambda peer, rid, a: [
@@ -120,7 +126,7 @@ class Handlers:
             "leave": lambda peer, rid, a: self.coordinator.call("leave", a),
             "nack": self.nack,
         }
-        for op in ("send", "send_batch", "create_topic", "commit_offset"):
+        for op in ("send", "send_batch", "send_bodies", "create_topic", "commit_offset"):
             self.ops[op] = _guarded(op, self.ops[op])
 
     def nack(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
@@ -175,16 +181,31 @@ class Handlers:
         self._check_batch(peer, topic, len(messages))
         items = _batch_items(peer, topic, messages)
         results = self.store.send_batch(topic, items)
+        self._batch_sent(results, items)
+        # SendResults are named tuples: msgpack packs each as pack_send_result's array.
+        return self._durable(peer, rid, results)
+
+    def send_bodies(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        """send_batch of bodies alone (protocol version 2): the decoded array goes to the
+        store as it is, and the results go back in columns (records.pack_send_columns)."""
+        topic, bodies = a["topic"], a["bodies"]
+        if not set(map(type, bodies)) <= {bytes}:
+            raise ProtocolError(f"{peer.where}: op 'send_bodies': each body must be bin")
+        self._check_batch(peer, topic, len(bodies))
+        results = self.store.send_batch(topic, bodies)
+        self._batch_sent(results, bodies)
+        return self._durable(peer, rid, pack_send_columns(topic, results))
+
+    def _batch_sent(self, results: list[SendResult], items: list[Any]) -> None:
+        """Count a batch's sends and wake the pulls held on its queues."""
         counters = self.counters
         counters.sends += len(results)
         counters.send_requests += 1
         if self.holds.count:
             note = self.holds.note
             for sent, item in zip(results, items, strict=True):
-                tag = "" if type(item) is bytes else item.tag  # type: ignore[union-attr]
+                tag = "" if type(item) is bytes else item.tag
                 note(sent.topic, sent.queue_id, sent.queue_offset, tag)
-        # SendResults are named tuples: msgpack packs each as pack_send_result's array.
-        return self._durable(peer, rid, results)
 
     def _check_batch(self, peer: Peer, topic: str, count: int) -> None:
         """Refused before anything is appended: more messages than max_batch_messages, or
