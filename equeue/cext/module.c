@@ -99,10 +99,11 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     EMPTY_BYTES = PyBytes_FromStringAndSize("", 0);
     ZERO = PyLong_FromLong(0);
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
-    if (PyType_Ready(&SenderType) < 0) return NULL;
+    if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0) {
+    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
+        PyModule_AddObjectRef(m, "Message", (PyObject *)&MessageType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

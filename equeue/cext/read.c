@@ -23,15 +23,22 @@ static PyObject *decode_cached(Last *last, const char *s, Py_ssize_t len) {
     return str;
 }
 
+typedef struct {
+    PyObject *topic; /* borrowed from the message */
+    long long queue_id, queue_offset;
+    uint32_t hash;
+} Head;
+
 /* The record at ``position`` of a chunk whose data area is data[0:data_end] and whose
  * first position is ``base``, checked (length, suffix, checksum, the head's own
- * position) and decoded as a Message, with its stored tag hash in *hash; Py_None (a new
+ * position) and decoded as a message_type (the C Message, or a NamedTuple class), with its
+ * topic, queue id, queue offset and stored tag hash in *head; Py_None (a new
  * reference) where anything is off, for the caller to read the slow way, which raises
  * the precise error; NULL with an exception for an error not about the record. */
 static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long base,
                                long long position, Last *topic_cache, Last *tag_cache,
                                PyObject *message_type, PyObject *id_prefix,
-                               PyObject *decode_props, uint32_t *hash) {
+                               PyObject *decode_props, Head *head) {
     /* The positions come from queue entries, which a damaged file can set to anything:
      * every comparison below is arranged so that no value can overflow. */
     if (position < base || position - base > (long long)(data_end - FRAME_OVERHEAD - HEAD_SIZE))
@@ -59,10 +66,12 @@ static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long 
     if (tag != NULL)
         key = (h[44] & FLAG_HAS_KEY) ? PyUnicode_DecodeUTF8(s, kl, "strict") : Py_NewRef(Py_None);
     s += kl;
+    /* The C Message makes an empty properties dict when it is first read. */
+    int lazy = message_type == (PyObject *)&MessageType;
     PyObject *props = NULL;
     if (key != NULL) {
         if (pl == 0) {
-            props = PyDict_New();
+            props = lazy ? Py_NewRef(Py_None) : PyDict_New();
         } else {
             PyObject *raw = PyBytes_FromStringAndSize(s, pl);
             props = raw == NULL ? NULL : PyObject_CallOneArg(decode_props, raw);
@@ -81,11 +90,22 @@ static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long 
         PyErr_Clear();
         Py_RETURN_NONE;
     }
+    long long queue_id = get_i32(h + 32), queue_offset = get_i64(h + 24);
+    head->topic = topic;
+    head->queue_id = queue_id;
+    head->queue_offset = queue_offset;
+    head->hash = get_u32(h + 40);
+    if (lazy) {
+        if (props == Py_None) Py_CLEAR(props);
+        return lazy_message(id_prefix, topic, tag, key, props, PyBytes_FromStringAndSize(s, bl),
+                            position, queue_id, queue_offset, get_i32(h + 36), get_i64(h + 16),
+                            get_i64(h + 8));
+    }
     PyObject *fields[12] = {
         message_id(id_prefix, position),
         topic,
-        PyLong_FromLong(get_i32(h + 32)),
-        PyLong_FromLongLong(get_i64(h + 24)),
+        PyLong_FromLongLong(queue_id),
+        PyLong_FromLongLong(queue_offset),
         PyLong_FromLongLong(position),
         tag,
         key,
@@ -95,11 +115,9 @@ static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long 
         PyLong_FromLongLong(get_i64(h + 16)),
         PyLong_FromLongLong(get_i64(h + 8)),
     };
-    /* (Left tracked by the garbage collector, as the Python path's are: a caller may put
-     * the message itself into its properties dict.) */
-    PyObject *message = new_record((PyTypeObject *)message_type, 12, fields);
-    *hash = get_u32(h + 40);
-    return message;
+    /* (A tuple is left tracked by the garbage collector, as the Python path's are: a
+     * caller may put the message itself into its properties dict.) */
+    return new_record((PyTypeObject *)message_type, 12, fields);
 }
 
 /* decode_run(mm, data_offset, data_end, base, positions, message_type, id_prefix,
@@ -139,16 +157,16 @@ PyObject *decode_run(PyObject *self, PyObject *args) {
             PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(positions, i), &overflow);
         if (position == -1 && PyErr_Occurred()) goto fail;
         if (overflow) continue;
-        uint32_t hash = 0;
+        Head head;
         PyObject *message = decode_record(data, data_end, base, position, &topic_cache,
                                           &tag_cache, message_type, id_prefix, decode_props,
-                                          &hash);
+                                          &head);
         if (message == NULL) goto fail;
         if (message == Py_None) {
             Py_DECREF(message);
             continue;
         }
-        PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)hash);
+        PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)head.hash);
         if (pair == NULL) goto fail;
         PyList_SET_ITEM(out, i, pair);
         Py_DECREF(Py_None); /* the placeholder it replaces */
@@ -219,19 +237,17 @@ PyObject *pull_chunk(PyObject *self, PyObject *args) {
         long long hashed = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
         if (hashed == -1 && PyErr_Occurred()) goto done;
         if (overflow || position < base || position - base >= (long long)data_end) break;
-        uint32_t hash = 0;
+        Head head;
         PyObject *message = decode_record(data, data_end, base, position, &topic_cache,
                                           &tag_cache, message_type, id_prefix, decode_props,
-                                          &hash);
+                                          &head);
         if (message == NULL) goto done;
         if (message == Py_None) {
             Py_DECREF(message);
             break;
         }
-        if (PyTuple_GET_ITEM(message, 1) != topic ||
-            PyLong_AsLongLong(PyTuple_GET_ITEM(message, 3)) != offset + k ||
-            PyLong_AsLongLong(PyTuple_GET_ITEM(message, 2)) != queue_id ||
-            (long long)hash != hashed) {
+        if (head.topic != topic || head.queue_offset != offset + k ||
+            head.queue_id != queue_id || (long long)head.hash != hashed) {
             Py_DECREF(message);
             break;
         }
@@ -281,16 +297,11 @@ PyObject *collect(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "found values are (message, tag hash) pairs");
             return NULL;
         }
-        PyObject *message = PyTuple_GET_ITEM(pair, 0);
-        if (!PyTuple_Check(message) || PyTuple_GET_SIZE(message) < 4) {
-            PyErr_SetString(PyExc_TypeError, "messages are Message tuples");
-            return NULL;
-        }
-        int same_topic = PyUnicode_Compare(PyTuple_GET_ITEM(message, 1), topic);
+        PyObject *message = PyTuple_GET_ITEM(pair, 0), *message_topic;
+        long long qoff, qid;
+        if (message_check_fields(message, &message_topic, &qid, &qoff) < 0) return NULL;
+        int same_topic = PyUnicode_Compare(message_topic, topic);
         if (same_topic == -1 && PyErr_Occurred()) return NULL;
-        long long qoff = PyLong_AsLongLong(PyTuple_GET_ITEM(message, 3));
-        long long qid = PyLong_AsLongLong(PyTuple_GET_ITEM(message, 2));
-        if (PyErr_Occurred()) return NULL;
         int same_hash = PyObject_RichCompareBool(PyTuple_GET_ITEM(pair, 1),
                                                  PyTuple_GET_ITEM(entry, 1), Py_EQ);
         if (same_hash < 0) return NULL;
