@@ -40,7 +40,7 @@ def pulled(tmp_path: Path, properties: dict[str, str] | None = None) -> Any:
 def test_c_message_is_the_named_tuples_equal() -> None:
     c, t = Message(*FIELDS), TupleMessage(*FIELDS)
     assert type(c) is not TupleMessage and Message is speedups.SPEEDUPS.Message  # type: ignore[union-attr]
-    assert c == t and t == c and not c != t and c == FIELDS and list(c) == list(t)
+    assert c == t and t == c and (c != t) is False and c == FIELDS and list(c) == list(t)
     assert c != t._replace(code=0) and t._replace(code=0) != c
     assert (c < t._replace(code=0)) == (t < t._replace(code=0))
     assert repr(c) == repr(t) and str(c) == str(t)
@@ -124,7 +124,7 @@ def test_pulled_message_is_untracked_until_its_properties_leave(tmp_path: Path) 
     assert not gc.is_tracked(message)
     assert (message.topic, message.tag, message.key, message.body) == ("t", "tag", "k", b"body")
     assert message.queue_offset == 0 and message.code == -3 and message.created_at > 0
-    assert message.message_id.endswith("%016x" % message.position)
+    assert message.message_id.endswith(f"{message.position:016x}")
     assert not gc.is_tracked(message)
     assert message.properties == {} and gc.is_tracked(message)
     assert message.properties is message.properties  # one dict per message, kept
@@ -186,8 +186,9 @@ def test_untracked_messages_are_freed_by_reference_counting(tmp_path: Path) -> N
             assert len(held) == 1
             probe = Probe()
             gone = weakref.ref(probe)
-            messages[0].properties["probe"] = probe  # the one message tracked now
-            del messages, probe
+            props: dict[str, Any] = messages[0].properties  # that message is tracked now
+            props["probe"] = probe
+            del messages, probe, props
             assert gone() is None and {sys.getrefcount(b) for b in bodies} == {held.pop() - 1}
         finally:
             gc.enable()

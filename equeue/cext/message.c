@@ -394,8 +394,6 @@ PyTypeObject MessageType = {
     .tp_name = "equeue.store.types.Message",
     .tp_basicsize = sizeof(MessageObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_SEQUENCE,
-    .tp_doc = "A stored message, as pull, get, read and query_by_key return it "
-              "(equeue/cext/message.c).",
     .tp_new = message_new,
     .tp_dealloc = (destructor)message_dealloc,
     .tp_traverse = (traverseproc)message_traverse,
@@ -430,4 +428,15 @@ int message_type_ready(void) {
     if (bad) return -1;
     PyType_Modified(&MessageType);
     return 0;
+}
+
+/* message_doc(doc): the NamedTuple's docstring, for the C type's __doc__ (types.py). */
+PyObject *message_doc(PyObject *self, PyObject *doc) {
+    if (!PyUnicode_Check(doc)) {
+        PyErr_SetString(PyExc_TypeError, "the docstring is a str");
+        return NULL;
+    }
+    if (PyDict_SetItemString(MessageType.tp_dict, "__doc__", doc) < 0) return NULL;
+    PyType_Modified(&MessageType);
+    Py_RETURN_NONE;
 }

@@ -73,6 +73,7 @@ static PyMethodDef methods[] = {
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},
+    {"message_doc", message_doc, METH_O, NULL},
     {"scan_frames", scan_frames, METH_VARARGS, NULL},
     {"frame_offsets", frame_offsets, METH_VARARGS, NULL},
     {"record_columns", record_columns, METH_VARARGS, NULL},

@@ -154,6 +154,7 @@ PyObject *write_run(PyObject *self, PyObject *args);
 PyObject *decode_run(PyObject *self, PyObject *args);
 PyObject *collect(PyObject *self, PyObject *args);
 PyObject *pull_chunk(PyObject *self, PyObject *args);
+PyObject *message_doc(PyObject *self, PyObject *doc);
 PyObject *frame_offsets(PyObject *self, PyObject *args);
 PyObject *record_columns(PyObject *self, PyObject *args);
 PyObject *record_bodies(PyObject *self, PyObject *args);

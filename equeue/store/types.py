@@ -64,7 +64,8 @@ class Message(NamedTuple):
 # above either way (messages of both compare equal and unpickle as each other).
 TupleMessage = Message
 if not TYPE_CHECKING and speedups.SPEEDUPS is not None:
-    Message = speedups.SPEEDUPS.Message  # noqa: F811
+    speedups.SPEEDUPS.message_doc(Message.__doc__)
+    Message = speedups.SPEEDUPS.Message
 
 
 class PullResult:
