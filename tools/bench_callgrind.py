@@ -71,11 +71,16 @@ def annotate(out: Path, inclusive: bool) -> dict[str, int]:
     ).stdout  # fmt: skip
     functions: dict[str, int] = {}
     for line in annotated.splitlines():
-        row = re.match(r"\s*([\d,]+) \([\d.]+%\)\s+(\S.*?)(?: \[.*\])?$", line)
-        if row and ":" in row.group(2) and "'" not in row.group(2):  # '2: a recursion level
-            name = row.group(2).rsplit("/", 1)[-1]
-            cost = int(row.group(1).replace(",", ""))
-            functions[name] = max(cost, functions.get(name, 0)) if inclusive else cost
+        row = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S.*?)(?: \[.*\])?$", line)
+        if not row or ":" not in row.group(2):
+            continue
+        name, level = row.group(2).rsplit("/", 1)[-1], "'" in row.group(2)  # f'2: recursion
+        cost = int(row.group(1).replace(",", ""))
+        if inclusive and not level:  # (a nested level's inclusive cost is within the outer's)
+            functions[name] = max(cost, functions.get(name, 0))
+        elif not inclusive:  # every level's own cost is its own
+            name = name.split("'")[0]
+            functions[name] = functions.get(name, 0) + cost
     return functions
 
 

@@ -32,6 +32,8 @@
  * pickling as Message(*fields), which the other path's Message unpickles. Not kept:
  * subclassing, isinstance(m, tuple), tuple concatenation and repetition. */
 #include "speedups.h"
+#include <stddef.h>
+#include <structmember.h>
 
 enum {
     F_ID, F_TOPIC, F_QID, F_QOFF, F_POS, F_TAG, F_KEY, F_PROPS, F_CODE, F_BODY,
@@ -171,12 +173,12 @@ static int message_clear(MessageObject *m) {
     return 0;
 }
 
+/* (No trashcan: a chain of messages runs through their properties dicts, whose own
+ * dealloc bounds the recursion.) */
 static void message_dealloc(MessageObject *m) {
     PyObject_GC_UnTrack(m);
-    Py_TRASHCAN_BEGIN(m, message_dealloc)
     message_clear(m);
     PyObject_GC_Del(m);
-    Py_TRASHCAN_END
 }
 
 static PyObject *get_field(MessageObject *m, void *closure) {
@@ -202,10 +204,22 @@ static PyObject *get_stored_at(MessageObject *m, void *closure) {
     return seconds(m, F_STORED);
 }
 
-#define FIELD_GET(i) {(char *)NULL, (getter)get_field, NULL, NULL, (void *)(intptr_t)(i)}
+/* The fields every message holds from the start are members (T_OBJECT_EX): the
+ * interpreter's specialised attribute load reads them in place; the rest are made on
+ * first read, through get_field. */
+#define FIELD_MEMBER(name, i) \
+    {name, T_OBJECT_EX, offsetof(MessageObject, f) + (i) * sizeof(PyObject *), READONLY, NULL}
+static PyMemberDef members[] = {
+    FIELD_MEMBER("topic", F_TOPIC), FIELD_MEMBER("tag", F_TAG), FIELD_MEMBER("key", F_KEY),
+    FIELD_MEMBER("body", F_BODY),   {NULL, 0, 0, 0, NULL},
+};
+
+#define FIELD_GET(name, i) {name, (getter)get_field, NULL, NULL, (void *)(intptr_t)(i)}
 static PyGetSetDef getset[] = {
-    FIELD_GET(0), FIELD_GET(1), FIELD_GET(2), FIELD_GET(3), FIELD_GET(4), FIELD_GET(5),
-    FIELD_GET(6), FIELD_GET(7), FIELD_GET(8), FIELD_GET(9), FIELD_GET(10), FIELD_GET(11),
+    FIELD_GET("message_id", F_ID), FIELD_GET("queue_id", F_QID),
+    FIELD_GET("queue_offset", F_QOFF), FIELD_GET("position", F_POS),
+    FIELD_GET("properties", F_PROPS), FIELD_GET("code", F_CODE),
+    FIELD_GET("created_ns", F_CREATED), FIELD_GET("stored_ns", F_STORED),
     {"created_at", (getter)get_created_at, NULL, "created_ns in float seconds", NULL},
     {"stored_at", (getter)get_stored_at, NULL, "stored_ns in float seconds", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -405,11 +419,11 @@ PyTypeObject MessageType = {
     .tp_as_sequence = &as_sequence,
     .tp_as_mapping = &as_mapping,
     .tp_getset = getset,
+    .tp_members = members,
     .tp_methods = methods,
 };
 
 int message_type_ready(void) {
-    for (int i = 0; i < NFIELDS; i++) getset[i].name = NAMES[i];
     if (PyType_Ready(&MessageType) < 0) return -1;
     FIELDS_TUPLE = PyTuple_New(NFIELDS);
     if (FIELDS_TUPLE == NULL) return -1;

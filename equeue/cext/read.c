@@ -185,25 +185,26 @@ fail:
 
 /* --- pull_chunk ----------------------------------------------------------------- */
 
-/* pull_chunk(mm, data_offset, data_end, base, entries, offset, queue_id, topic, room,
- *            out, message_type, id_prefix, decode_properties) -> taken
+/* pull_chunk(mm, data_offset, data_end, base, entries, first, offset, queue_id, topic,
+ *            room, out, message_type, id_prefix, decode_properties) -> taken
  *
  * An untagged pull's run through one log chunk (not compacted), without the lists and
- * dicts of decode_run and collect: from the first of ``entries`` [(position, tag hash)]
- * (the entry for queue offset ``offset``) on, each record decoded as decode_record does,
- * checked against its entry (queue offset, queue id, topic, tag hash) and appended to
- * out, until out holds ``room`` more messages. Stops before the first entry that is
- * anything else: a position outside this chunk, a record not intact, a message that
- * does not match its entry; the caller goes on from there (the next chunk, or the
- * general path, which raises the precise error). Returns how many entries it took. */
+ * dicts of decode_run and collect: ``entries`` is a block of raw queue records (the
+ * QUEUE_RECORD layout: int64 position + 1, uint32 tag hash), as the queue file holds
+ * them; from record ``first`` (the entry for queue offset ``offset``) on, each record
+ * the entry names is decoded as decode_record does, checked against its entry (queue
+ * offset, queue id, topic, tag hash) and appended to out, until out holds ``room`` more
+ * messages. Stops before the first entry that is anything else: a position outside
+ * this chunk, a record not intact, a message that does not match its entry; the caller
+ * goes on from there (the next chunk, or the general path, which raises the precise
+ * error). Returns how many entries it took. */
 PyObject *pull_chunk(PyObject *self, PyObject *args) {
     PyObject *mm, *entries, *topic, *out, *message_type, *id_prefix, *decode_props;
-    Py_ssize_t data_offset, data_end, room;
+    Py_ssize_t data_offset, data_end, room, first;
     long long base, offset, queue_id;
-    if (!PyArg_ParseTuple(args, "OnnLO!LLUnO!O!UO", &mm, &data_offset, &data_end, &base,
-                          &PyList_Type, &entries, &offset, &queue_id, &topic, &room,
-                          &PyList_Type, &out, &PyType_Type, &message_type, &id_prefix,
-                          &decode_props))
+    if (!PyArg_ParseTuple(args, "OnnLOnLLUnO!O!UO", &mm, &data_offset, &data_end, &base,
+                          &entries, &first, &offset, &queue_id, &topic, &room, &PyList_Type,
+                          &out, &PyType_Type, &message_type, &id_prefix, &decode_props))
         return NULL;
     if (!configured()) return NULL;
     if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
@@ -211,12 +212,20 @@ PyObject *pull_chunk(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!PyUnicode_CheckExact(topic)) return PyLong_FromLong(0); /* the general path's */
-    Py_buffer view;
-    if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Py_buffer view, block;
+    if (PyObject_GetBuffer(entries, &block, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&block);
+        return NULL;
+    }
     Last topic_cache = {0}, tag_cache = {0};
-    Py_ssize_t taken = -1;
+    Py_ssize_t taken = -1, count = block.len / QUEUE_RECORD;
     if (data_offset < 0 || data_end < 0 || base < 0 || data_offset + data_end > view.len) {
         PyErr_SetString(PyExc_ValueError, "the data area lies outside the mapping");
+        goto done;
+    }
+    if (first < 0 || first > count) {
+        PyErr_SetString(PyExc_ValueError, "first lies outside the entries");
         goto done;
     }
     const char *data = (const char *)view.buf + data_offset;
@@ -225,18 +234,12 @@ PyObject *pull_chunk(PyObject *self, PyObject *args) {
     topic_cache.bytes = PyUnicode_AsUTF8AndSize(topic, &topic_cache.len);
     if (topic_cache.bytes == NULL) goto done;
     Py_ssize_t k = 0;
-    for (; k < room && k < PyList_GET_SIZE(entries); k++) {
-        PyObject *entry = PyList_GET_ITEM(entries, k);
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
-            PyErr_SetString(PyExc_TypeError, "queue entries are (position, tag hash) pairs");
-            goto done;
-        }
-        int overflow = 0;
-        long long position = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(entry, 0), &overflow);
-        if (position == -1 && PyErr_Occurred()) goto done;
-        long long hashed = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
-        if (hashed == -1 && PyErr_Occurred()) goto done;
-        if (overflow || position < base || position - base >= (long long)data_end) break;
+    for (; k < room && first + k < count; k++) {
+        const char *entry = (const char *)block.buf + (first + k) * QUEUE_RECORD;
+        long long stored = get_i64(entry), hashed = get_u32(entry + 8);
+        if (stored <= 0) break; /* (no position) */
+        long long position = stored - 1;
+        if (position < base || position - base >= (long long)data_end) break;
         Head head;
         PyObject *message = decode_record(data, data_end, base, position, &topic_cache,
                                           &tag_cache, message_type, id_prefix, decode_props,
@@ -260,6 +263,7 @@ done:
     Py_XDECREF(topic_cache.str);
     Py_XDECREF(tag_cache.str);
     PyBuffer_Release(&view);
+    PyBuffer_Release(&block);
     return taken < 0 ? NULL : PyLong_FromSsize_t(taken);
 }
 
