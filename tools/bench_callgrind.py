@@ -7,7 +7,8 @@ the interpreter's start. ``send-SIZE``: N unbatched ``send`` calls; ``batch-SIZE
 messages by ``send_batch`` of 1,000; ``pull-SIZE``: 2N
 messages stored by ``send_batch``, then N of them pulled 256 at a time, each batch's
 bodies listed and the batch kept until the next pull returns (as tools/bench_peers.py's
-consume). Set EQUEUE_PURE_PYTHON=1 for the Python paths.
+consume); ``get-SIZE``: as pull, then N ``get`` by message id. Set EQUEUE_PURE_PYTHON=1
+for the Python paths.
 
 ``--top K``: also where one operation's instructions go: the K functions whose own
 (exclusive) cost grew most from the N run to the 2N run, per operation, and the
@@ -25,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-CASES = ("send-100", "send-1024", "batch-100", "pull-100", "pull-1024")
+CASES = ("send-100", "send-1024", "batch-100", "pull-100", "pull-1024", "get-100")
 
 
 def child(case: str, count: int, stored: int, directory: Path) -> None:
@@ -44,8 +45,15 @@ def child(case: str, count: int, stored: int, directory: Path) -> None:
             for start in range(0, count, 1000):
                 store.send_batch("t", [body] * min(1000, count - start))
             return
+        sent = []
         for start in range(0, stored, 1000):
-            store.send_batch("t", [body] * min(1000, stored - start))
+            sent += store.send_batch("t", [body] * min(1000, stored - start))
+        if op == "get":
+            get = store.get
+            for result in sent[:count]:
+                get(result.message_id)
+            return
+        del sent
         pull = store.pull
         offset = 0
         while offset < count:  # as bench_peers' consume: a batch lives until the next pull

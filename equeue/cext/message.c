@@ -161,6 +161,33 @@ static PyObject *message_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     return from_items(v);
 }
 
+/* Message(12 values) without an args tuple or keyword parsing (get, read, query_by_key
+ * and the client build theirs so); anything else goes through message_new. */
+static PyObject *message_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
+                                    PyObject *kwnames) {
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (n == NFIELDS && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0))
+        return from_items(args);
+    PyObject *tuple = PyTuple_New(n);
+    if (tuple == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    PyObject *kwargs = NULL;
+    Py_ssize_t nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nk > 0 && (kwargs = PyDict_New()) != NULL) {
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
+                Py_CLEAR(kwargs);
+                break;
+            }
+        }
+    }
+    PyObject *r = nk > 0 && kwargs == NULL ? NULL
+                                             : message_new((PyTypeObject *)type, tuple, kwargs);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwargs);
+    return r;
+}
+
 static int message_traverse(MessageObject *m, visitproc visit, void *arg) {
     for (int i = 0; i < NFIELDS; i++) Py_VISIT(m->f[i]);
     Py_VISIT(m->id_prefix);
@@ -409,6 +436,7 @@ PyTypeObject MessageType = {
     .tp_basicsize = sizeof(MessageObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_SEQUENCE,
     .tp_new = message_new,
+    .tp_vectorcall = message_vectorcall,
     .tp_dealloc = (destructor)message_dealloc,
     .tp_traverse = (traverseproc)message_traverse,
     .tp_clear = (inquiry)message_clear,
