@@ -68,7 +68,12 @@ static PyObject *field(MessageObject *m, int i) {
         else
             v = PyLong_FromLongLong(m->ints[i]);
         if (v == NULL) return NULL;
-        m->f[i] = v;
+        if (m->f[i] != NULL) { /* made meanwhile (a finalizer the allocation ran): keep one */
+            Py_DECREF(v);
+            v = m->f[i];
+        } else {
+            m->f[i] = v;
+        }
     }
     if (i == F_PROPS && !PyObject_GC_IsTracked((PyObject *)m)) PyObject_GC_Track(m);
     return Py_NewRef(v);
