@@ -40,6 +40,7 @@ typedef struct {
     PyObject *fallback; /* MessageStore.send (the function): what call() hands a send to */
     PyObject *time_ns; /* the time module's own time_ns (a builtin), or NULL */
     PyObject *acquire, *release, *owned; /* the lock's bound methods (owned: _is_owned) */
+    int lock_in_place;                   /* rlock_mirrorable(lock) */
     Py_ssize_t data_offset, max_body, chunk_size;
     /* What the objects held after the last send (sendstate.h): borrowed, each checked
      * against its object's dict before use */
@@ -123,6 +124,7 @@ static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
         Sender_clear(s);
         return -1;
     }
+    s->lock_in_place = rlock_mirrorable(s->lock);
     s->data_offset = data_offset;
     s->max_body = max_body;
     s->chunk_size = chunk_size;
@@ -266,6 +268,7 @@ done:
 
 /* Release the lock, keeping any exception already raised. */
 static int release_lock(Sender *s) {
+    if (s->lock_in_place && rlock_release(s->lock)) return 0;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *r = PyObject_CallNoArgs(s->release);
@@ -350,6 +353,7 @@ static PyObject *Sender_call(Sender *s, PyObject *const *args, size_t nargsf,
 static PyObject *send_fields(Sender *s, PyObject *const *args) {
     PyObject *topic = args[0];
     if (!PyUnicode_CheckExact(topic)) Py_RETURN_NONE;
+    uint64_t queues_version = dict_state(s->queues);
     PyObject *queues = PyDict_GetItemWithError(s->queues, topic);
     if (queues == NULL) {
         if (PyErr_Occurred()) return NULL;
@@ -373,19 +377,28 @@ static PyObject *send_fields(Sender *s, PyObject *const *args) {
     /* This thread holds the (reentrant) lock already: a send from a signal handler or a
      * callback inside another send. Acquired, it would not block, and would write where
      * the outer send is writing: the Python path raises ReentrantSendError. */
-    PyObject *owned = PyObject_CallNoArgs(s->owned);
-    int held = owned == NULL ? -1 : PyObject_IsTrue(owned);
-    Py_XDECREF(owned);
+    int held;
+    if (s->lock_in_place) {
+        held = rlock_owned(s->lock);
+    } else {
+        PyObject *owned = PyObject_CallNoArgs(s->owned);
+        held = owned == NULL ? -1 : PyObject_IsTrue(owned);
+        Py_XDECREF(owned);
+    }
     if (held != 0) {
         result = held < 0 ? NULL : Py_NewRef(Py_None);
         goto out;
     }
-    PyObject *acquired = PyObject_CallNoArgs(s->acquire);
-    if (acquired == NULL) goto out;
-    Py_DECREF(acquired);
+    if (!s->lock_in_place || !rlock_try(s->lock)) {
+        PyObject *acquired = PyObject_CallNoArgs(s->acquire);
+        if (acquired == NULL) goto out;
+        Py_DECREF(acquired);
+    }
     /* delete_topic may have closed these queues while this send waited for the lock:
-     * the Python path looks the topic up again */
-    PyObject *now_queues = PyDict_GetItemWithError(s->queues, topic);
+     * the Python path looks the topic up again (unless the dict did not change) */
+    PyObject *now_queues = queues_version != 0 && dict_state(s->queues) == queues_version
+                               ? queues
+                               : PyDict_GetItemWithError(s->queues, topic);
     if (now_queues != queues) {
         result = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     } else {

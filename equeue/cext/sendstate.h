@@ -93,4 +93,15 @@ WriterCache *writer_cache(WriterCache *table, PyObject *writer);
 int queue_state(QueueSlots *qs, PyObject *queue, PyObject **writer, Py_ssize_t *next_offset);
 int queue_advance(QueueSlots *qs, PyObject *queue, Py_ssize_t next_offset);
 
+/* The write lock, when rlock_mirrorable(lock): held by this thread (rlock_owned), taken
+ * if free (rlock_try: 1, else 0 and nothing done), released (rlock_release: 0 when this
+ * thread does not hold it: the release() method raises the error). */
+int rlock_mirrorable(PyObject *lock);
+int rlock_owned(PyObject *lock);
+int rlock_try(PyObject *lock);
+int rlock_release(PyObject *lock);
+
+/* A dict's version (0 where versions are not used: never equal to assume unchanged). */
+uint64_t dict_state(PyObject *dict);
+
 #endif
