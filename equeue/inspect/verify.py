@@ -114,8 +114,8 @@ class Verifier:
     def run(self) -> list[Problem]:
         store = self._store = open_store(self.path)
         problems = list(store.problems)
-        message_paths = chunk_paths(store.messages_dir)
-        queue_paths = {key: chunk_paths(store.queue_dir(*key)) for key in store.queues()}
+        message_paths = store.chunk_paths(store.messages_dir)
+        queue_paths = {key: store.chunk_paths(store.queue_dir(*key)) for key in store.queues()}
         for paths in [message_paths, *queue_paths.values()]:
             for _, _, path in paths:
                 with contextlib.suppress(FileNotFoundError):
@@ -170,6 +170,7 @@ class Verifier:
             if cf.header is not None:
                 footer = FOOTER_SIZE if cf.footer is not None else 0
                 self.bytes_read += HEADER_SIZE + cf.data_end + cf.map_bytes + footer
+            cf.content = None  # checked: the bytes of 10,000 queues are not kept
             if queue:
                 self.queue_chunks += 1
                 self.queue_entries += result.records
@@ -469,7 +470,7 @@ class Verifier:
         previous = before
         unreadable: dict[str, list[int]] = {}  # reason -> [file offset, first, last, count]
         local = 0
-        mm = map_file(cf.path)
+        mm = cf.content if cf.content is not None else map_file(cf.path)
         try:
             while True:
                 while local + QUEUE_RECORD_SIZE <= end:
@@ -497,7 +498,8 @@ class Verifier:
                 if not ongoing or self._tail_problem(cf, mm, local, last, result):
                     break
         finally:
-            mm.close()
+            if isinstance(mm, mmap.mmap):
+                mm.close()
         for reason, (p, first, final, count) in unreadable.items():
             offsets = (
                 f"offset {first} points"
@@ -511,7 +513,7 @@ class Verifier:
         return result
 
     def _tail_problem(
-        self, cf: ChunkFile, mm: mmap.mmap, local: int, last: bool, result: _Result
+        self, cf: ChunkFile, mm: mmap.mmap | bytes, local: int, last: bool, result: _Result
     ) -> bool:
         """After an ongoing queue chunk's first empty slot: True when the walk is over
         (nothing but zeros follow, or a torn tail, reported); False when a writer has
