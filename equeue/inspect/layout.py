@@ -243,7 +243,7 @@ def _add_queue_directories(store: StoreFiles) -> None:
         # Names checked as the store checks them, which never opens the others (verify
         # reports them: traces._topic_problems).
         bad: list[tuple[Path, str]] = []
-        ids, holds_chunks = store.dir_topics[topic] = scan_topic_dir(root / topic, bad)
+        ids, _ = store.dir_topics[topic] = scan_topic_dir(root / topic, bad)
         store.dir_skipped += bad
         if ids:
             store.topics[topic] = max(store.topics.get(topic, 0), max(ids) + 1)
@@ -487,8 +487,12 @@ def data_checksum(cf: ChunkFile, progress: Callable[[int], None] | None = None) 
 def trailing_bytes(cf: ChunkFile, start: int) -> int:
     """One past the last non-zero byte of the data area from data offset ``start`` on
     (``start`` itself when the rest is zero): bytes past an ongoing chunk's valid end."""
-    if cf.content is not None:
-        return max(start, len(cf.content.rstrip(b"\0")) - HEADER_SIZE)
+    content = cf.content
+    if content is not None:
+        at = HEADER_SIZE + start
+        if at >= len(content) or content[at:] == bytes(len(content) - at):  # a memcmp
+            return start
+        return len(content.rstrip(b"\0")) - HEADER_SIZE
     fd = os.open(cf.path, os.O_RDONLY)
     try:
         stop = HEADER_SIZE + cf.available

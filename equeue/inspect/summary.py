@@ -29,6 +29,7 @@ from equeue.inspect.layout import (
     ChunkDir,
     ChunkFile,
     Problem,
+    Progress,
     StoreFiles,
     UsageError,
     data_checksum,
@@ -145,16 +146,19 @@ def chunk_summary(cf: ChunkFile) -> ChunkSummary:
     )
 
 
-def summarize_store(path: Path) -> StoreSummary:
+def summarize_store(path: Path, progress: Progress | None = None) -> StoreSummary:
+    """``progress``: called with (queues read, queues in all) as the queues are read."""
     store = open_store(path)
     problems = list(store.problems)
     # Queues before messages: on a live store every entry then points at a message
     # written before the message files are read.
-    queue_dirs = {
-        key: load_chunk_dir(directory, store.listings.pop(directory, None))
-        for key in store.queues()
-        for directory in [store.queue_dir(*key)]
-    }
+    keys = list(store.queues())
+    queue_dirs = {}
+    for i, key in enumerate(keys):
+        directory = store.queue_dir(*key)
+        queue_dirs[key] = load_chunk_dir(directory, store.listings.pop(directory, None))
+        if progress is not None and (i % 256 == 0 or i == len(keys) - 1):
+            progress(i + 1, len(keys))
     messages = load_chunk_dir(store.messages_dir, store.listings.pop(store.messages_dir, None))
     problems += messages.problems
     for cf in messages.files:
