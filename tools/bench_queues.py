@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -227,7 +228,8 @@ def reopen_child(directory: Path, args: argparse.Namespace) -> None:
 
 def kill(args: argparse.Namespace) -> None:
     """Reopen after a SIGKILL with --cold queues; then inspect and verify timed."""
-    directory = Path(tempfile.mkdtemp(prefix="eqbk", dir=args.dir))
+    directory = args.keep or Path(tempfile.mkdtemp(prefix="eqbk", dir=args.dir))
+    directory.mkdir(parents=True, exist_ok=True)
     try:
         base = [
             sys.executable,
@@ -248,17 +250,32 @@ def kill(args: argparse.Namespace) -> None:
         done = subprocess.run([*base, "--reopen-child"], capture_output=True, text=True,
                               timeout=600)  # fmt: skip
         print("clean reopen:", done.stdout.strip() or done.stderr[-2000:])
+        time_commands(directory, 1)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def time_commands(directory: Path, repeat: int) -> None:
+    """``equeue inspect`` and ``equeue verify`` of the store, each ``repeat`` times
+    (alternated), timed: wall seconds, and the CPU seconds (user + system) the child
+    used, which the machine's other work disturbs less; the load average beside."""
+    for turn in range(repeat):
         for command in ("inspect", "verify"):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             started = time.perf_counter()
             done = subprocess.run([sys.executable, "-m", "equeue", command, str(directory)],
                                   capture_output=True, text=True, timeout=1800)  # fmt: skip
+            wall = time.perf_counter() - started
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
             lines = done.stdout.count("\n")
             print(
-                f"equeue {command}: {time.perf_counter() - started:.2f} s, exit "
-                f"{done.returncode}, {lines} lines of output"
+                f"equeue {command} (turn {turn + 1}): {wall:.2f} s wall, CPU {user:.2f} s user "
+                f"+ {system:.2f} s system, exit {done.returncode}, {lines} lines of output, "
+                f"load average {os.getloadavg()[0]:.1f}",
+                flush=True,
             )
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> None:
@@ -274,6 +291,8 @@ def main() -> None:
     parser.add_argument("--rr-messages", type=int, default=40_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--kill", action="store_true", help="reopen after SIGKILL, inspect")
+    parser.add_argument("--keep", type=Path, help="--kill: build the store here and keep it")
+    parser.add_argument("--inspect", type=Path, help="time inspect and verify of this store")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--kill-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--reopen-child", action="store_true", help=argparse.SUPPRESS)
@@ -290,6 +309,9 @@ def main() -> None:
         return
     if args.kill:
         kill(args)
+        return
+    if args.inspect is not None:
+        time_commands(args.inspect, args.repeat)
         return
     if args.hot:
         hot(args)
