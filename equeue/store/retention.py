@@ -140,7 +140,9 @@ def _settle_queues(store: MessageStore, first: int, starts: dict[str, list[int]]
                 # (QueueFiles._check_ends): else that open moved the first offset back.
                 queue._expected = (queue.first_offset, queue._expected[1])
             entries = _ClosedEntries(queue) if moved and not queue.is_open else None
-            if moved and (entries is None or entries.below(queue.first_offset)):
+            # An open queue costs nothing to look at: also the chunks a killed run left
+            # below its first offset go (the open moved it past the removed messages).
+            if queue.is_open or (entries is not None and entries.below(queue.first_offset)):
                 queue.remove_chunks_below(first)
             if queue.first_offset >= queue.next_offset:
                 floors[key] = end
