@@ -214,7 +214,7 @@ def read_topics(store: MessageStore) -> dict[str, Any]:
     path = store.path / TOPICS_FILE
     existed = os.path.lexists(path)
     before = len(store._meta_problems)
-    listed = store._read_meta(TOPICS_FILE, {})
+    listed = store._topics_file.read(lambda: store._read_meta(TOPICS_FILE, {}))
     intact = existed and len(store._meta_problems) == before and isinstance(listed, dict)
     return recover_topics(
         store, listed if isinstance(listed, dict) else {}, intact, store._meta_problems
