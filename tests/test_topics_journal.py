@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
+from many_queues_child import body, low_config
 from power_loss_model import Damage, PowerCut, materialize, recording
 
 from equeue import MessageStore, StoreConfig
@@ -44,6 +46,7 @@ from equeue.format.topicsjournal import (
     pack_header,
 )
 from equeue.store import topicsfile
+from equeue.store.config import open_queue_limit
 from equeue.store.meta import TOPICS_FILE
 
 HERE = Path(__file__).parent
@@ -437,3 +440,39 @@ def test_verify_and_inspect_read_the_journal(
     assert main(["verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert str(journal) in out and "'..'" in out, out
+
+
+def test_a_reader_opens_queues_on_use_and_follows_new_topics(tmp_path: Path) -> None:
+    """A read-only handle in another process, under RLIMIT_NOFILE=64, beside a writer of
+    240 queues whose topics are all in the journal: its open opens no more queues than
+    its cache keeps (9: before, all 240); it follows a topic created after it opened,
+    then reads every queue (each opened on first use), within the descriptor bound."""
+    config = low_config()
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(60):
+            store.create_topic(f"t{i:02d}", 4)
+            for q in range(4):
+                store.send(f"t{i:02d}", body(f"t{i:02d}", q, 0), queue_id=q)
+        store.flush()
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "many_queues_child.py"), "follow", str(tmp_path), "64"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "ready", proc.stderr
+            store.create_topic("late", 4)
+            for q in range(4):
+                store.send("late", body("late", q, 0), queue_id=q)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    limit = open_queue_limit(config)
+    assert report["topics_at_open"] == 60 and report["topics"] == 61
+    assert report["opened_at_open"] <= limit < 240, report
+    assert report["opened_before_reads"] <= limit, report  # refresh() opened none
+    assert report["wrong"] == []
+    assert report["most_fds"] <= 64 and report["fds_at_open"] <= 64

@@ -115,7 +115,7 @@ def _short_queues(store: MessageStore, checkpoint: dict[str, Any], where: str) -
         for queue_id, recorded in enumerate(offsets if isinstance(offsets, list) else []):
             if queue_id < len(queues) and isinstance(recorded, int):
                 queue = queues[queue_id]
-                if queue.next_offset < recorded:
+                if not queue.deferred and queue.next_offset < recorded:  # (opened on use)
                     problems.append(
                         f"queue {topic}/{queue_id} in {queue.directory} ends at offset "
                         f"{queue.next_offset}, but the checkpoint {where} recorded {recorded} "

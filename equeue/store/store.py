@@ -433,7 +433,7 @@ class MessageStore:
 
     def _queue(self, topic: str, queue_id: int) -> Queue:
         queues = self._topic(topic)
-        return queues[validate.check_queue_id(queue_id, topic, len(queues))]
+        return follow.fresh(self, queues[validate.check_queue_id(queue_id, topic, len(queues))])
 
     def _queues_and_count(self, topic: object) -> tuple[list[Queue] | None, int]:
         """A send's topic: its queues (None if it is new) and their count, or an error."""
