@@ -476,3 +476,29 @@ def test_a_reader_opens_queues_on_use_and_follows_new_topics(tmp_path: Path) -> 
     assert report["opened_before_reads"] <= limit, report  # refresh() opened none
     assert report["wrong"] == []
     assert report["most_fds"] <= 64 and report["fds_at_open"] <= 64
+
+
+def test_a_reader_reads_again_when_a_fold_replaced_topics_json_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """A reader reads topics.json, then the journal; a fold between the two (topics.json
+    replaced, the journal emptied) would hide the records it folded: the reader sees
+    topics.json replaced and reads both again."""
+    with MessageStore.open(tmp_path, CONFIG) as writer:
+        writer.create_topic("a", 1)
+        writer._topics_file.write(*topicsfile.topics_state(writer))  # a fold: {a}
+        reader = topicsfile.TopicsFile(tmp_path, writer=False)
+        reads = 0
+
+        def read_file() -> object:
+            nonlocal reads
+            reads += 1
+            body = read_json(tmp_path / TOPICS_FILE)
+            if reads == 1:  # between this read and the journal's: a record, then a fold
+                writer.create_topic("b", 2)
+                writer._topics_file.write(*topicsfile.topics_state(writer))
+            return body
+
+        body = reader.read(read_file)
+        assert reads == 2
+        assert isinstance(body, dict) and sorted(body) == ["a", "b"]

@@ -60,7 +60,6 @@ HEADER_SIZE: Final = _HEADER.size
 RECORD_HEAD_SIZE: Final = _RECORD.size
 assert HEADER_SIZE == 16
 assert RECORD_HEAD_SIZE == 40
-MAX_NAME_BYTES: Final = 0xFFFF
 
 HAS_COUNT: Final = 1
 HAS_DELETED: Final = 2
