@@ -238,8 +238,10 @@ def _hostile(path: Path, kind: str) -> int:
     if kind == "junk in the middle":
         journal.write_bytes(good + b"\x07" * 60 + TopicRecord("after", 1).pack())
         return len(good)
-    if kind == "directory name":
-        journal.write_bytes(good + TopicRecord("..", 1).pack())
+    if kind in ("directory name", "path"):
+        journal.write_bytes(
+            good + TopicRecord(".." if kind == "directory name" else "../x", 1).pack()
+        )
         return len(good)
     assert kind == "queue count"
     journal.write_bytes(good + TopicRecord("big", 5000).pack())
@@ -247,7 +249,7 @@ def _hostile(path: Path, kind: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "kind", ["symlink", "magic", "junk in the middle", "directory name", "queue count"]
+    "kind", ["symlink", "magic", "junk in the middle", "directory name", "path", "queue count"]
 )
 def test_a_hostile_journal_is_refused_naming_file_and_offset(tmp_path: Path, kind: str) -> None:
     MessageStore.open(tmp_path, CONFIG).close()
