@@ -105,7 +105,8 @@ def read(directory: Path, nofile: int) -> dict[str, Any]:
 
 def follow(directory: Path, nofile: int) -> dict[str, Any]:
     """Read-only under RLIMIT_NOFILE=``nofile``: open (how many queues that opened), say
-    "ready", wait for the writer's topic "late" (refresh(), bounded), then pull every queue."""
+    "ready", wait for the writer's topic "late" and its messages (refresh(), bounded), then
+    pull every queue."""
     limit(nofile)
     report: dict[str, Any] = {"wrong": []}
     with MessageStore.open(directory, low_config(), read_only=True) as store:
@@ -114,7 +115,9 @@ def follow(directory: Path, nofile: int) -> dict[str, Any]:
         report["fds_at_open"] = fds()
         print("ready", flush=True)
         deadline = time.monotonic() + 60
-        while "late" not in store.topics() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # "late", and the writer's last send to it
+            if "late" in store.topics() and store.queue_range("late", 3)[1] == 1:
+                break
             time.sleep(0.02)
             store.refresh()
         report["opened_before_reads"] = store._files.opened

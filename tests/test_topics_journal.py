@@ -50,7 +50,9 @@ from equeue.store.config import open_queue_limit
 from equeue.store.meta import TOPICS_FILE
 
 HERE = Path(__file__).parent
-CONFIG = StoreConfig(flush="os", max_open_chunks=2)
+CONFIG = StoreConfig(
+    flush="os", max_open_chunks=2, chunk_data_size=1 << 20, queue_chunk_records=1024
+)
 
 NAMES = st.text(st.sampled_from("abcXYZ019._-é"), min_size=1, max_size=40)
 SECONDS = st.floats(0, 3.15e9, allow_nan=False)
@@ -310,7 +312,8 @@ def test_a_failed_append_changes_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 _CREATOR = """
 import sys
 from equeue import MessageStore, StoreConfig
-store = MessageStore.open(sys.argv[1], StoreConfig(flush="os", max_open_chunks=2))
+config = StoreConfig(flush="os", chunk_data_size=1 << 20, queue_chunk_records=1024)
+store = MessageStore.open(sys.argv[1], config)
 for i in range(100_000):
     store.create_topic(f"t{i}", 1 + i % 4)
     if i % 7 == 3:
@@ -475,7 +478,8 @@ def test_a_reader_opens_queues_on_use_and_follows_new_topics(tmp_path: Path) -> 
     limit = open_queue_limit(config)
     assert report["topics_at_open"] == 60 and report["topics"] == 61
     assert report["opened_at_open"] <= limit < 240, report
-    assert report["opened_before_reads"] <= limit, report  # refresh() opened none
+    # refresh() opened none; the wait for late/3's message opened that queue.
+    assert report["opened_before_reads"] <= limit + 1, report
     assert report["wrong"] == []
     assert report["most_fds"] <= 64 and report["fds_at_open"] <= 64
 
