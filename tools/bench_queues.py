@@ -9,6 +9,14 @@ process's, /proc/self/fd) after the sends and after the reopen, RSS after the se
 memory per idle queue is (RSS with N queues - RSS with the smallest count) / the queue
 difference.
 
+``--code DIR ...``: each count run once per source tree DIR (PYTHONPATH of the child),
+alternated, ``--repeat`` times: before/after comparisons in one run. Each child also
+times an fdatasync loop in its store directory (a 60-byte append and its fdatasync,
+``FSYNC_LOOP`` times): what one durable append costs on this disk at that moment; a
+create_topic that commits by one such append cannot be cheaper. And a read-only handle
+opened beside the reopened writer: its open time, descriptors, queues it opened, a
+refresh(), and whether it sees a topic the writer created after it opened.
+
 ``--kill``: a reopen after a SIGKILL of a writer of ``--cold`` queues that sent to 40
 of them after its last checkpoint (how many queues re-dispatch opened, and the time),
 a clean reopen, then ``equeue inspect`` and ``equeue verify`` of that store, timed.
@@ -62,9 +70,51 @@ def _config(args: argparse.Namespace) -> StoreConfig:
     return StoreConfig(flush=args.flush, **extra)
 
 
+FSYNC_LOOP = 2000
+
+
+def fdatasync_loop(directory: Path) -> float:
+    """µs per 60-byte append + fdatasync of a file in ``directory``."""
+    path = directory / "bench.fdatasync"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.fsync(fd)
+        started = time.perf_counter()
+        for _ in range(FSYNC_LOOP):
+            os.write(fd, b"x" * 60)
+            os.fdatasync(fd)
+        return (time.perf_counter() - started) / FSYNC_LOOP * 1e6
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+def reader_beside(store: MessageStore, directory: Path, out: dict[str, Any]) -> None:
+    """A read-only handle opened beside the writer ``store``: open time, descriptors,
+    queues opened; a refresh; a topic created after it opened."""
+    fds = _fds()
+    started = time.perf_counter()
+    reader = MessageStore.open(directory, read_only=True)
+    out["reader_open_s"] = time.perf_counter() - started
+    out["reader_fds"] = _fds() - fds
+    out["reader_queues_opened"] = reader._files.opened
+    store.create_topic("late", 4)
+    store.send("late", b"z", queue_id=3)
+    started = time.perf_counter()
+    reader.refresh()
+    out["reader_refresh_s"] = time.perf_counter() - started
+    out["reader_sees_late"] = "late" in reader.topics() and reader.queue_range("late", 3) == (
+        0,
+        1,
+    )
+    reader.close()
+
+
 def child(queues: int, per_topic: int, directory: Path, args: argparse.Namespace) -> None:
     topics = [f"t{i:05d}" for i in range(max(1, queues // per_topic))]
-    out: dict[str, Any] = {"queues": len(topics) * per_topic}
+    out: dict[str, Any] = {"queues": len(topics) * per_topic, "per_topic": per_topic}
+    out["code"] = str(Path(str(__import__("equeue").__file__)).parent.parent)
+    out["fdatasync_us"] = fdatasync_loop(directory)
     gc.collect()
     base_rss = _rss_kib()
     started = time.perf_counter()
@@ -95,19 +145,26 @@ def child(queues: int, per_topic: int, directory: Path, args: argparse.Namespace
     ranges = [store.queue_range(t, q) for t in store.topics() for q in store.queue_ids(t)]
     out["queue_range_all_s"] = time.perf_counter() - started
     assert all(r == (0, 1) for r in ranges), "every queue holds its one message"
+    reader_beside(store, directory, out)
     store.close()
+    out["fdatasync_us_after"] = fdatasync_loop(directory)
     print(json.dumps(out))
 
 
 def run_counts(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
-    for count in args.queues:
+    codes: list[Path | None] = list(args.code) if args.code else [None]
+    runs = [(c, code) for c in args.queues for _ in range(args.repeat) for code in codes]
+    for count, code in runs if args.code else [(c, None) for c in args.queues]:
         directory = Path(tempfile.mkdtemp(prefix="eqbq", dir=args.dir))
+        env = dict(os.environ)
+        if code is not None:
+            env["PYTHONPATH"] = str(code)
         try:
             cmd = [sys.executable, __file__, "--child", str(count), "--per-topic",
                    str(args.per_topic), "--flush", args.flush, "--store", str(directory),
                    "--max-open-files", str(args.max_open_files)]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
             if done.returncode != 0:
                 print(f"{count} queues: failed\n{done.stderr[-2000:]}", file=sys.stderr)
                 results.append({"queues": count, "error": done.stderr.strip().splitlines()[-1]})
@@ -123,7 +180,9 @@ def print_counts(results: list[dict[str, Any]]) -> None:
     small = min(ok, key=lambda r: r["queues"]) if ok else None
     print(
         f"{'queues':>7} {'fds':>6} {'fds reopen':>10} {'RSS MiB':>8} {'B/queue':>8} "
-        f"{'create µs/q':>11} {'send1 µs/q':>10} {'close s':>8} {'reopen s':>8} {'ranges s':>8}"
+        f"{'create µs/q':>11} {'send1 µs/q':>10} {'close s':>8} {'reopen s':>8} {'ranges s':>8} "
+        f"{'fdatasync µs':>12} {'reader s':>8} {'reader fds':>10} {'reader opened':>13} "
+        f"{'refresh s':>9} {'late':>5}  code"
     )
     for r in results:
         if "error" in r:
@@ -137,7 +196,10 @@ def print_counts(results: list[dict[str, Any]]) -> None:
             f"{r['queues']:>7} {r['fds_after_sends']:>6} {r['fds_after_reopen']:>10} "
             f"{r['rss_kib'] / 1024:>8.1f} {per:>8} {r['create_us_per_queue']:>11.0f} "
             f"{r['first_send_us_per_queue']:>10.0f} {r['close_s']:>8.2f} {r['reopen_s']:>8.2f} "
-            f"{r['queue_range_all_s']:>8.3f}"
+            f"{r['queue_range_all_s']:>8.3f} "
+            f"{r['fdatasync_us']:>5.0f}/{r['fdatasync_us_after']:<6.0f} "
+            f"{r['reader_open_s']:>8.3f} {r['reader_fds']:>10} {r['reader_queues_opened']:>13} "
+            f"{r['reader_refresh_s']:>9.3f} {r['reader_sees_late']!s:>5}  {r['code']}"
         )
 
 
@@ -392,6 +454,7 @@ def main() -> None:
     parser.add_argument("--inspect", type=Path, help="time inspect and verify of this store")
     parser.add_argument("--retention", action="store_true", help="retention over --cold queues")
     parser.add_argument("--compaction", action="store_true", help="compaction, --cold queues")
+    parser.add_argument("--code", type=Path, nargs="+", help="source trees to alternate")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--kill-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--reopen-child", action="store_true", help=argparse.SUPPRESS)

@@ -35,6 +35,7 @@ from equeue.format.chunk import (
 )
 from equeue.format.livetail import LiveTail
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
+from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
 from equeue.inspect.leading import read_leading
 from equeue.safepath import check_chunk_dir, check_dir
 from equeue.store.livetail import current_boot_id, read_live_tail
@@ -53,6 +54,7 @@ from equeue.store.meta import (
 from equeue.store.offsets import GroupFiles
 from equeue.store.recovery import tail_hint
 from equeue.store.topics import topic_entries
+from equeue.store.topicsfile import Journal, replay
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
@@ -105,6 +107,7 @@ class StoreFiles:
     queue_chunk_records: int | None = None
     topics: dict[str, int] = field(default_factory=dict)  # topic -> queue count
     topics_known: bool = True  # False when topics.json was unreadable
+    journal_records: int = 0  # topics.journal's records, not yet folded into topics.json
     offsets: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     checkpoint: int | None = None
     live_tail: LiveTail | None = None  # tail.live, if this boot wrote it
@@ -164,7 +167,7 @@ def open_store(path: Path) -> StoreFiles:
         store.store_id = _int_or_none(identity.get("store_id"))
         store.chunk_data_size = _int_or_none(identity.get("chunk_data_size"))
         store.queue_chunk_records = _int_or_none(identity.get("queue_chunk_records"))
-    topics = _read_meta(store, TOPICS_FILE, default={})
+    topics = _with_journal(store, _read_meta(store, TOPICS_FILE, default={}))
     if isinstance(topics, dict):
         for topic, info in topics.items():
             try:  # as the store checks it at open: a bad name is reported, never followed
@@ -201,6 +204,26 @@ def open_store(path: Path) -> StoreFiles:
     boot = current_boot_id()
     store.live_tail = None if boot is None else read_live_tail(path, boot)
     return store
+
+
+def _with_journal(store: StoreFiles, topics: Any) -> Any:
+    """topics.json's body with topics.journal replayed over it, as the store's open does
+    (equeue/store/topicsfile.py); a torn tail (a writer killed in an append: its open
+    cuts it) and a damaged or hostile journal are problems."""
+    path = store.path / TOPICS_JOURNAL_FILE
+    try:
+        journal = Journal(path).read()
+        store.journal_records = len(journal.records)
+        if journal.tail_reason is not None:
+            why = (
+                f"{journal.size - journal.end} bytes of a torn append ({journal.tail_reason}); "
+                "a writer's open cuts them (copied to recovered/)"
+            )
+            store.problems.append(Problem(str(path), journal.end, "metadata", why))
+        return replay(topics, journal) if isinstance(topics, dict) else topics
+    except CorruptionError as exc:
+        store.problems.append(problem_from(exc, "metadata", path))
+        return topics
 
 
 def _read_meta(store: StoreFiles, name: str, default: Any = None) -> Any:

@@ -20,6 +20,7 @@ from equeue.atomicfile import read_json
 from equeue.errors import EQueueError
 from equeue.format.livetail import LIVE_TAIL_FILE
 from equeue.format.message import QUEUE_RECORD_SIZE
+from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
 from equeue.inspect.layout import ChunkDir, Problem, StoreFiles, chunk_paths
 from equeue.store.keysread import keys_state, keys_uri, wal_unread
 from equeue.store.meta import (
@@ -32,6 +33,7 @@ from equeue.store.meta import (
     QUEUES_DIR,
     TOPICS_FILE,
 )
+from equeue.store.topicsfile import read_topics_body
 
 _FILES = (IDENTITY_FILE, TOPICS_FILE, OFFSETS_FILE, CHECKPOINT_FILE, LOCK_FILE)
 _FILES_MORE = (LIVE_TAIL_FILE, KEYS_FILE)
@@ -228,8 +230,11 @@ def _topic_problems(store: StoreFiles) -> list[Problem]:
     found = {t: max(ids) + 1 for t, (ids, chunks) in store.dir_topics.items() if ids and chunks}
     skipped = [f"{where}: {why}" for where, why in store.dir_skipped]
     topics_path = path / TOPICS_FILE
-    listed = _body(topics_path)  # after the directories: a new topic is listed first
-    if listed is None and os.path.lexists(topics_path):
+    journal = path / TOPICS_JOURNAL_FILE  # (its records: topics not yet in topics.json)
+    try:  # after the directories: a new topic is listed first
+        exists = os.path.lexists(topics_path) or os.path.lexists(journal)
+        listed = read_topics_body(path) if exists else None
+    except (OSError, EQueueError):
         return []  # damaged: open_store reported it
     names = set(listed) if isinstance(listed, dict) else set()
     problems = [
