@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
+import compaction_crash_child
 from compaction_crash_child import _install_kill_switch
 
 from equeue import MessageStore, StoreConfig
@@ -31,6 +32,13 @@ def main(argv: list[str]) -> int:
         for i in range(int(argv[3])):
             store.send("gone", b"past the checkpoint %d" % i, key="k0", queue_id=0)
         store._checkpoint = lambda **_: None  # type: ignore[method-assign]
+    # fdatasync too, named by its file: the deletion's commit point is an append to
+    # topics.journal, synced so.
+    compaction_crash_child.WRAPPED += ("fdatasync",)  # type: ignore[assignment]
+    describe = compaction_crash_child._describe
+    compaction_crash_child._describe = lambda name, args: describe(
+        "fsync" if name == "fdatasync" else name, args
+    )
     _install_kill_switch(mode, k)  # after the open: only the deletion's calls count
     store.delete_topic("gone")
     sys.stdout.write("DONE\n")

@@ -5,6 +5,8 @@ many_queues_child.py write DIR TOPICS NOFILE   under RLIMIT_NOFILE=NOFILE: TOPIC
     close and a reopen that reads them all again; prints a JSON report.
 many_queues_child.py read DIR NOFILE           read-only, beside a writer: every
     queue pulled to its end; prints {"topic/queue": [bodies]} as JSON.
+many_queues_child.py follow DIR NOFILE         read-only, beside a writer: opens,
+    prints "ready", waits for topic "late", pulls every queue; prints a JSON report.
 many_queues_child.py ack DIR TOPICS            sends round-robin over TOPICS topics
     of 4 queues, forever, printing each acknowledged send as "topic queue offset"
     (the parent kills it).
@@ -17,6 +19,7 @@ import json
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +103,36 @@ def read(directory: Path, nofile: int) -> dict[str, Any]:
     return found
 
 
+def follow(directory: Path, nofile: int) -> dict[str, Any]:
+    """Read-only under RLIMIT_NOFILE=``nofile``: open (how many queues that opened), say
+    "ready", wait for the writer's topic "late" and its messages (refresh(), bounded), then
+    pull every queue."""
+    limit(nofile)
+    report: dict[str, Any] = {"wrong": []}
+    with MessageStore.open(directory, low_config(), read_only=True) as store:
+        report["opened_at_open"] = store._files.opened
+        report["topics_at_open"] = len(store.topics())
+        report["fds_at_open"] = fds()
+        print("ready", flush=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # "late", and the writer's last send to it
+            if "late" in store.topics() and store.queue_range("late", 3)[1] == 1:
+                break
+            time.sleep(0.02)
+            store.refresh()
+        report["opened_before_reads"] = store._files.opened
+        for topic in store.topics():
+            for q in store.queue_ids(topic):
+                got = [m.body for m in store.pull(topic, q, 0, 16).messages]
+                if got != [body(topic, q, 0)]:
+                    report["wrong"].append([topic, q, [b.decode() for b in got]])
+                if store.queue_range(topic, q) != (0, 1):
+                    report["wrong"].append([topic, q, store.queue_range(topic, q)])
+        report["topics"] = len(store.topics())
+        report["most_fds"] = fds()
+    return report
+
+
 def ack(directory: Path, topics: int) -> None:
     names = [f"t{i:04d}" for i in range(topics)]
     with MessageStore.open(directory, low_config(max_open_files=60)) as store:
@@ -123,6 +156,8 @@ def main() -> None:
         print(json.dumps(write(directory, int(sys.argv[3]), int(sys.argv[4]))))
     elif mode == "read":
         print(json.dumps(read(directory, int(sys.argv[3]))))
+    elif mode == "follow":
+        print(json.dumps(follow(directory, int(sys.argv[3]))))
     elif mode == "ack":
         ack(directory, int(sys.argv[3]))
 

@@ -11,6 +11,7 @@ import equeue
 import equeue.compaction.commit
 import equeue.format.chunk
 import equeue.format.message
+import equeue.format.topicsjournal
 from equeue import MessageStore, StoreConfig
 from equeue.format.chunk import HEADER_SIZE
 from equeue.server import BrokerThread
@@ -20,7 +21,12 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 def test_format_doc_holds_every_layout_table() -> None:
     text = (DOCS / "format.md").read_text()
-    for module in (equeue.format.chunk, equeue.format.message, equeue.compaction.commit):
+    for module in (
+        equeue.format.chunk,
+        equeue.format.message,
+        equeue.format.topicsjournal,
+        equeue.compaction.commit,
+    ):
         assert module.__doc__ is not None
         assert module.__doc__.strip() in text, f"docs/format.md is stale for {module.__name__}"
 

@@ -320,7 +320,7 @@ def test_a_deleted_queue_chunk_of_a_clean_store_is_reported_at_open(tmp_path: Pa
 def test_topics_file_writes_what_write_json_writes(tmp_path: Path) -> None:
     """topics.json from cached per-topic pieces (topicsfile.py) is byte for byte what
     write_json(topics_body(...)) writes, as topics are added, changed and deleted."""
-    file = TopicsFile()
+    file = TopicsFile(tmp_path, writer=False)
     counts = {"a": 4, "b.c": 1, "é-ü": 2}
     policies = {"b.c": TopicPolicy("compact", dt.timedelta(days=1), dt.timedelta(hours=2))}
     deleted = {"z": 123}
@@ -334,10 +334,10 @@ def test_topics_file_writes_what_write_json_writes(tmp_path: Path) -> None:
             deleted["b.c"] = 999
         if step == 3:
             counts.clear()
-        file.write(tmp_path / "pieces.json", counts, policies, deleted)
+        file.write(counts, policies, deleted)
         write_json(tmp_path / "whole.json", topics_body(counts, policies, deleted))
-        assert (tmp_path / "pieces.json").read_bytes() == (tmp_path / "whole.json").read_bytes()
-        assert read_json(tmp_path / "pieces.json") == topics_body(counts, policies, deleted)
+        assert (tmp_path / "topics.json").read_bytes() == (tmp_path / "whole.json").read_bytes()
+        assert read_json(tmp_path / "topics.json") == topics_body(counts, policies, deleted)
 
 
 def test_inspect_summary_of_many_queues_shows_the_largest_and_totals(

@@ -57,6 +57,7 @@ import equeue.chunks.manager
 import equeue.chunks.recovery
 import equeue.safepath
 import equeue.store.keyindex
+import equeue.store.topicsfile
 from equeue import MessageStore, OutgoingMessage, SendResult, StoreConfig
 from equeue.errors import DiskFullError, MessageNotFoundError, StoreWriteError, TopicNotFoundError
 
@@ -310,6 +311,7 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
     ):  # fmt: skip
         monkeypatch.setattr(module, "os", proxy)
     monkeypatch.setattr(equeue.atomicfile, "os", proxy)
+    monkeypatch.setattr(equeue.store.topicsfile, "os", proxy)
     for module in (equeue.chunks.chunk, equeue.atomicfile):
         monkeypatch.setattr(module, "open", faulty_open(injected), raising=False)
     mmap_module = types.SimpleNamespace(**{k: getattr(mmap, k) for k in dir(mmap)})
@@ -472,20 +474,13 @@ SEAMS: dict[str, Seam] = {
     "new-topic/fallocate-queue-chunk": Seam(
         "new-topic", "allocate", lambda w: is_under(fresh_dir(w)), "preallocating a queue chunk"
     ),
-    "new-topic/create-topics-json": Seam(
-        "new-topic", "create", lambda w: is_temp_of_file(w.store, "topics.json"), "topics.json"
+    # The topic's commit point: one record appended to topics.journal and fdatasynced
+    # (topics.json is rewritten only by a fold: equeue/store/topicsfile.py).
+    "new-topic/write-topics-journal": Seam(
+        "new-topic", "write", lambda w: is_path(w.store / "topics.journal"), "topics.journal"
     ),
-    "new-topic/write-topics-json": Seam(
-        "new-topic", "write", lambda w: is_temp_of_file(w.store, "topics.json"), "topics.json"
-    ),
-    "new-topic/fsync-topics-json": Seam(
-        "new-topic", "sync", lambda w: is_temp_of_file(w.store, "topics.json"), "topics.json"
-    ),
-    "new-topic/rename-topics-json": Seam(
-        "new-topic", "rename", lambda w: is_temp_of_file(w.store, "topics.json"), "topics.json"
-    ),
-    "new-topic/fsync-store-directory": Seam(
-        "new-topic", "dirsync", lambda w: is_path(w.store), "fsync of the store directory"
+    "new-topic/fsync-topics-journal": Seam(
+        "new-topic", "sync", lambda w: is_path(w.store / "topics.journal"), "topics.journal"
     ),
     "send/sync-log": Seam(
         "send",

@@ -1,7 +1,8 @@
 """``delete_topic``: a topic's queues and consumer offsets removed, crash-safe.
 
-The commit point is topics.json: one atomic write drops the topic's entry and records
-the log position of the deletion (``deleted_before``). Before it, a crash leaves the
+The commit point is a record of topics.json's journal (equeue/store/topicsfile.py): one
+fdatasynced append drops the topic's entry and records the log position of the
+deletion (``deleted_before``). Before it, a crash leaves the
 topic as it was; after it, the topic is gone, and a writer's open finishes what the
 crash interrupted (its consumer offsets, its queue directories). The topic's message
 records stay in the log until retention removes them: recovery's re-dispatch skips a
@@ -21,8 +22,7 @@ from equeue.chunks.chunk import fsync_directory
 from equeue.errors import EQueueError, StoreWriteError, TopicNotFoundError
 from equeue.store import offsets as group_offsets
 from equeue.store import validate
-from equeue.store.meta import CHECKPOINT_FILE, OFFSETS_FILE, QUEUES_DIR, TOPICS_FILE
-from equeue.store.topics import topics_body
+from equeue.store.meta import CHECKPOINT_FILE, OFFSETS_FILE, QUEUES_DIR
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -49,8 +49,10 @@ def delete_topic(store: MessageStore, topic: str) -> None:
         store._writer.flush()
         deleted = store._deleted | {topic: store._messages.committed_position}
         counts = {t: len(qs) for t, qs in store._queues.items() if t != topic}
-        # The commit point; a failed write raises with nothing changed.
-        write_json(store.path / TOPICS_FILE, topics_body(counts, store._policies, deleted))
+        # The commit point (a topics journal record); a failed write changes nothing.
+        store._topics_file.record(
+            topic, None, None, deleted[topic], lambda: (counts, store._policies, deleted)
+        )
         _step("committed")
         store._deleted = deleted
         for table in (store._queues, store._topic_bytes, store._round_robin, store._policies):

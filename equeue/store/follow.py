@@ -10,6 +10,7 @@ import sqlite3
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,10 +51,29 @@ def follow_log(store: MessageStore, only: Queue | None = None) -> None:
     gone."""
     store._messages.refresh()
     log_first = store._messages.first_position
-    queues = [only] if only is not None else [q for qs in store._queues.values() for q in qs]
-    for queue in queues:
+    # A closed queue reads its ends from its files when opened again (reader_opened).
+    open_now = [q for qs in store._queues.values() for q in qs if q.is_open]
+    for queue in [only] if only is not None else open_now:
         queue.refresh()
         _skip_removed(queue, log_first)
+
+
+def reader_opened(store: MessageStore) -> Callable[[Queue], None]:
+    """What a read-only handle's cache does to a queue it opens (its ends just read from
+    its files): the first offset moved past entries whose messages retention removed."""
+
+    def opened(queue: Queue) -> None:
+        _skip_removed(queue, store._messages.first_position)
+
+    return opened
+
+
+def fresh(store: MessageStore, queue: Queue) -> Queue:
+    """``queue``, opened if it is a read-only handle's and closed: a closed queue's ends
+    are those of when it was closed, its files' now once opened."""
+    if store.read_only and not queue.is_open:
+        queue.refresh()
+    return queue
 
 
 def look(store: MessageStore) -> None:

@@ -115,7 +115,7 @@ def _short_queues(store: MessageStore, checkpoint: dict[str, Any], where: str) -
         for queue_id, recorded in enumerate(offsets if isinstance(offsets, list) else []):
             if queue_id < len(queues) and isinstance(recorded, int):
                 queue = queues[queue_id]
-                if queue.next_offset < recorded:
+                if not queue.deferred and queue.next_offset < recorded:  # (opened on use)
                     problems.append(
                         f"queue {topic}/{queue_id} in {queue.directory} ends at offset "
                         f"{queue.next_offset}, but the checkpoint {where} recorded {recorded} "
@@ -214,7 +214,7 @@ def read_topics(store: MessageStore) -> dict[str, Any]:
     path = store.path / TOPICS_FILE
     existed = os.path.lexists(path)
     before = len(store._meta_problems)
-    listed = store._read_meta(TOPICS_FILE, {})
+    listed = store._topics_file.read(lambda: store._read_meta(TOPICS_FILE, {}))
     intact = existed and len(store._meta_problems) == before and isinstance(listed, dict)
     return recover_topics(
         store, listed if isinstance(listed, dict) else {}, intact, store._meta_problems

@@ -35,14 +35,15 @@ from urllib.parse import quote
 
 import xxhash
 
-from equeue.atomicfile import decode_json, read_json, write_json
+from equeue.atomicfile import decode_json, write_json
 from equeue.chunks.chunk import fsync_directory, write_error
 from equeue.errors import CorruptionError, EQueueError, InvalidMessageError
 from equeue.format.chunk import RECOVERED_DIR, TEMP_SUFFIX
 from equeue.format.message import MAX_NAME_BYTES
 from equeue.store import validate
-from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE, TOPICS_FILE, read_meta
+from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE, read_meta
 from equeue.store.topics import deletions
+from equeue.store.topicsfile import read_topics_body
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -411,7 +412,7 @@ def _deletions(store_path: Path) -> dict[str, int]:
     """topics.json's deletion markers; none when it cannot be read (a writable open
     rebuilds it, and reports that)."""
     try:
-        return deletions(read_json(store_path / TOPICS_FILE))
+        return deletions(read_topics_body(store_path))
     except (OSError, EQueueError):
         return {}
 

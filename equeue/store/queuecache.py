@@ -80,6 +80,12 @@ class QueueFiles:
         # The store's checks of a queue whose open it deferred (queuerebuild.py): the spot
         # check of its entries on its first open, and the rebuild of a damaged one.
         self.check: Callable[[Queue], None] | None = None
+        # A read-only handle's: its queues past the first ``limit`` are made closed, their
+        # ends unknown (read from their files when first opened), and ``after_open`` moves
+        # a queue opened again past the entries of messages retention removed.
+        self.lazy_reader = False
+        self._made = 0
+        self.after_open: Callable[[Queue], None] | None = None
         self.rebuild: Callable[[Queue, tuple[int, int], str], ChunkManager] | None = None
 
     @property
@@ -94,8 +100,12 @@ class QueueFiles:
             if manager is not None:
                 return manager
             ends, first_open = queue._expected, not queue.checked
+            if queue._read_only:
+                queue._expected = None  # a reader's ends are its files' (the writer's)
             try:
                 manager = queue.load()
+                if self.after_open is not None:
+                    self.after_open(queue)
                 self.cuts += manager.recovery_cuts
                 self.problems += manager.recovery_problems
                 self.logged += manager.recovery_problems  # (each logged as it was found)
@@ -139,7 +149,12 @@ class QueueFiles:
 
     def ends(self, topic: str, queue_id: int) -> tuple[int, int] | None:
         known = self.known.get(topic, ())
-        return known[queue_id] if queue_id < len(known) else self.new
+        if queue_id < len(known):
+            return known[queue_id]
+        if self.lazy_reader:
+            self._made += 1
+            return None if self._made <= self.limit else (0, 0)  # (0, 0): opened on use
+        return self.new
 
     def managers(self) -> list[ChunkManager]:
         """The open queues' chunk managers."""

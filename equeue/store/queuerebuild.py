@@ -25,6 +25,7 @@ from equeue.chunks import ChunkManager
 from equeue.errors import CorruptionError, PositionError, location
 from equeue.format.chunk import HEADER_SIZE, parse_chunk_file_name
 from equeue.format.message import MESSAGE_HEAD, MESSAGE_HEAD_SIZE, QUEUE_RECORD_SIZE
+from equeue.store import follow
 from equeue.store.config import open_queue_limit
 from equeue.store.meta import QUEUES_DIR, move_to_recovered
 from equeue.store.queue import Queue
@@ -299,4 +300,6 @@ def queue_files(store: MessageStore, checkpoint: dict[str, Any]) -> QueueFiles:
     if not store.read_only:
         files.check, files.rebuild = deferred_checks(store)
         files.pending = (checkpoint, store._messages.committed_position)
+    else:  # queues past the cache's room opened on first use (follow.py: reader_opened)
+        files.after_open, files.lazy_reader = follow.reader_opened(store), True
     return files

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from equeue.store.queuerebuild import check_queues, finish_rebuilt
 from equeue.store.recovery import recovery_start, redispatch, redispatch_start
+from equeue.store.topicsfile import topics_state
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -78,6 +79,10 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
 def release_files(store: MessageStore) -> None:
     """Close every file; the first failure is raised after all were tried."""
     closers = [store._keys.close, store._messages.close]
+    if not store.read_only:  # the topics journal folded into topics.json: a clean close
+        closers.append(lambda: store._topics_file.close(*topics_state(store)))
+    else:
+        closers.append(store._topics_file.close_fd)
     closers += [q.close for qs in store._queues.values() for q in qs]
     if store._live_tail is not None:
         closers.append(store._live_tail.close)

@@ -55,7 +55,6 @@ from equeue.store.meta import (
     KEYS_FILE,
     MESSAGES_DIR,
     OFFSETS_FILE,
-    TOPICS_FILE,
     open_identity,
     read_meta,
     take_lock,
@@ -78,7 +77,7 @@ from equeue.store.topics import (
     deletions,
     topic_entries,
 )
-from equeue.store.topicsfile import TopicsFile
+from equeue.store.topicsfile import TopicsFile, save_topic
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import Checked
 
@@ -165,7 +164,7 @@ class MessageStore:
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
         self._policies: dict[str, TopicPolicy] = {}
-        self._topics_file = TopicsFile()
+        self._topics_file = TopicsFile(path, writer=not read_only)
         self._load_topics()
         self._offsets: dict[str, dict[str, dict[str, int]]] = self._read_meta(OFFSETS_FILE, {})
         if not read_only:
@@ -178,7 +177,7 @@ class MessageStore:
             problems=self._meta_problems + self._messages.recovery_problems,
             compactions=compactions,
         )
-        self.recovery.cuts += self._files.cuts
+        self.recovery.cuts += self._files.cuts + self._topics_file.cuts
         self._files.cuts, self._files.problems = self.recovery.cuts, self.recovery.problems
         self._lock = self._files.lock  # the one write lock: message record, then queue entry
         self._lock_owned = self._lock._is_owned  # type: ignore[attr-defined]
@@ -418,9 +417,8 @@ class MessageStore:
         self._topic_bytes[topic] = topic.encode()
         self._round_robin.setdefault(topic, 0)
 
-    def _save_topics(self) -> None:
-        counts = {topic: len(queues) for topic, queues in self._queues.items()}
-        self._topics_file.write(self.path / TOPICS_FILE, counts, self._policies, self._deleted)
+    def _save_topics(self, topic: str) -> None:
+        save_topic(self, topic)  # topics.json's journal (topicsfile.py)
 
     def _topic(self, topic: str) -> list[Queue]:
         self._check_open()  # every read by topic; one attribute on the pull path
@@ -435,7 +433,7 @@ class MessageStore:
 
     def _queue(self, topic: str, queue_id: int) -> Queue:
         queues = self._topic(topic)
-        return queues[validate.check_queue_id(queue_id, topic, len(queues))]
+        return follow.fresh(self, queues[validate.check_queue_id(queue_id, topic, len(queues))])
 
     def _queues_and_count(self, topic: object) -> tuple[list[Queue] | None, int]:
         """A send's topic: its queues (None if it is new) and their count, or an error."""

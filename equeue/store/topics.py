@@ -212,7 +212,7 @@ def create_or_change(
     try:
         store._open_queues(topic, count)
         store._policies[topic] = policy
-        store._save_topics()
+        store._save_topics(topic)
     except BaseException:  # e.g. disk full: the topic stays as it was
         for queue in store._queues.get(topic, [])[len(previous) :]:
             queue.close()

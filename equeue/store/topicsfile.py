@@ -1,57 +1,370 @@
-"""topics.json written from pieces encoded once per topic.
+"""topics.json and its journal (``topics.journal``, layout in equeue/format/topicsjournal.py).
 
-``write_json(path, topics_body(...))`` encodes every topic's entry twice (the canonical
-form the checksum covers, and the file's) on each ``create_topic``: with thousands of
-topics that made creating them quadratic (2,500 topics: 7 ms per create_topic, measured).
-Here each topic's two encodings are kept until its entry changes, and a write joins
-them: the bytes are exactly ``write_json``'s (tests/test_many_queues.py checks it).
+A topic change (``create_topic``, ``delete_topic``) is one record appended to the journal
+and fdatasynced: that append is its commit point. topics.json is rewritten atomically
+("folded": the file, then a fresh journal) when the journal would pass
+``JOURNAL_FOLD_BYTES``, at a writable open that finds records in it, and at a clean
+close. Readers (the store's open, read-only handles, consumer commits, the inspector)
+read topics.json, then replay the journal over it.
+
+topics.json is written from pieces encoded once per topic: ``write_json`` of the whole
+body encodes every entry twice (the canonical form the checksum covers, and the file's)
+on each write; here each topic's two encodings are kept until its entry changes, and a
+write joins them (the bytes are exactly ``write_json``'s: tests/test_many_queues.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
 
 import xxhash
 
-from equeue.atomicfile import write_bytes
+from equeue.atomicfile import read_json, write_bytes, write_json
+from equeue.chunks.chunk import fsync_directory, write_error
+from equeue.chunks.recovery import TailCut, make_side_dir
+from equeue.errors import CorruptionError, EQueueError
+from equeue.format.topicsjournal import (
+    HEADER_SIZE,
+    RECORD_HEAD_SIZE,
+    TOPICS_JOURNAL_FILE,
+    TopicRecord,
+    check_header,
+    pack_header,
+)
+from equeue.safepath import check_file, open_fd, open_file
+from equeue.store import validate
+from equeue.store.meta import TOPICS_FILE
 from equeue.store.topics import TopicPolicy, topics_body
 
+if TYPE_CHECKING:
+    from equeue.store.store import MessageStore
+
+log = logging.getLogger("equeue.recovery")
+
+# The journal is folded into topics.json before it passes this size (about 20,000
+# records of short names): replaying it at an open then takes tens of ms at most.
+JOURNAL_FOLD_BYTES: Final = 1 << 20
+# A read-only handle reads topics.json, then the journal, and accepts the pair if
+# topics.json was not replaced meanwhile (by a fold); else it reads both again.
+_READ_ATTEMPTS: Final = 8
+
+_SIZE_AND_NAME = struct.Struct("<IxxH")  # a record's size and name length (bytes 4..11)
 _Key = tuple[int | None, TopicPolicy | None, int | None]
+_Identity = tuple[int, int, int, int] | None
+_State = tuple[dict[str, int], dict[str, TopicPolicy], dict[str, int]]  # counts, policies, deleted
+
+
+def _identity(path: Path) -> _Identity:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class Journal:
+    """What a read of the journal found: its records, where the valid ones end, and
+    whether bytes follow them (a torn append, or junk, ``tail_reason``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[tuple[int, TopicRecord]] = []  # (file offset, record)
+        self.end = HEADER_SIZE
+        self.size = 0
+        self.exists = False
+        self.tail_reason: str | None = None
+
+    def read(self) -> Journal:
+        file = str(self.path)
+        if not check_file(self.path):  # (a link or a directory: StorePathError)
+            return self
+        self.exists = True
+        with open_file(self.path, "rb") as f:
+            raw = f.read()
+        self.size = len(raw)
+        check_header(raw, file)
+        at = HEADER_SIZE
+        while at < len(raw):
+            try:
+                record, end = TopicRecord.unpack(raw, at, file)
+            except CorruptionError as exc:
+                if not _torn(raw, at):
+                    raise CorruptionError(
+                        f"damaged topics journal record ({exc.reason}), with records after "
+                        "it: not a torn append; move the file aside to open the store (the "
+                        "topics it recorded are then rebuilt from the queue directories, "
+                        "with default policies)",
+                        file=file,
+                        offset=at,
+                    ) from None
+                self.tail_reason = exc.reason
+                break
+            self.records.append((at, record))
+            at = end
+        self.end = at
+        return self
+
+
+def _torn(raw: bytes, at: int) -> bool:
+    """Whether the bad bytes at ``at`` are what an append a crash interrupted leaves: the
+    last thing in the file (a record cut short, zeros where the size grew but the data
+    never came, bytes of a record that did not all reach the disk). A valid record after
+    them means something else damaged or wrote the journal (records are appended only
+    after the one before is synced, and a writer's open cuts a torn one first)."""
+    if not raw[at:].strip(b"\0"):
+        return True
+    head = _SIZE_AND_NAME
+    for start in range(at + 1, len(raw) - RECORD_HEAD_SIZE + 1):
+        size, n = head.unpack_from(raw, start + 4)
+        if size == RECORD_HEAD_SIZE + n and start + size <= len(raw):
+            try:
+                TopicRecord.unpack(raw, start, "")
+            except CorruptionError:
+                continue
+            return False
+    return True
+
+
+def replay(body: dict[str, Any], journal: Journal) -> dict[str, Any]:
+    """topics.json's ``body`` with the journal's records applied, each checked as
+    create_topic() checks its arguments (a name becomes a directory): a record that
+    does not pass raises CorruptionError naming the journal and the record's offset."""
+    if not journal.records:
+        return body
+    merged = dict(body)
+    for at, record in journal.records:
+        try:
+            validate.check_topic(record.topic)
+            if record.queue_count is not None:
+                validate.check_queue_count(record.queue_count)
+                TopicPolicy.from_json(record.to_entry(), str(journal.path))
+            elif record.deleted_before is None:
+                raise CorruptionError("a record with neither a queue count nor a deletion")
+        except EQueueError as exc:
+            raise CorruptionError(
+                f"bad topics journal record for topic {record.topic[:80]!r} ({exc})",
+                file=str(journal.path),
+                offset=at,
+            ) from None
+        merged[record.topic] = record.to_entry()
+    return merged
+
+
+def read_topics_body(store_path: Path) -> Any:
+    """topics.json's body with the journal replayed over it, as a reader sees the store
+    (without the writer's lock): consumer commits, the inspector. Errors as read_json's
+    and ``Journal.read``'s."""
+    path = store_path / TOPICS_FILE
+    return TopicsFile(store_path, writer=False).read(
+        lambda: read_json(path) if os.path.lexists(path) else {}  # (none: a new store's)
+    )
 
 
 class TopicsFile:
-    def __init__(self) -> None:
+    def __init__(self, directory: Path, *, writer: bool) -> None:
+        self.path = directory / TOPICS_FILE
+        self.journal_path = directory / TOPICS_JOURNAL_FILE
+        self._writer = writer
         self._pieces: dict[str, tuple[_Key, str, str]] = {}  # topic: (entry, canonical, file)
+        self._fd: int | None = None  # the journal, open for appends (a writer's)
+        self._size = 0  # the journal's size: where the next record goes
+        self._broken = False  # an append failed: the next change folds instead
+        self._cached: tuple[_Identity, Any] | None = None  # a reader's topics.json
+        self.cuts: list[TailCut] = []
+
+    # --- reading ---------------------------------------------------------------
+
+    def read(self, read_file: Callable[[], Any]) -> Any:
+        """``read_file()`` (topics.json's body) with the journal replayed over it. A writer
+        (at its open) cuts a torn tail, then folds the journal; a reader retries until
+        topics.json was not replaced between its read and the journal's."""
+        if self._writer:
+            body = read_file()
+            journal = Journal(self.journal_path).read()
+            merged = replay(body, journal) if isinstance(body, dict) else body
+            self._open_journal(journal, merged)
+            return merged
+        for attempt in range(_READ_ATTEMPTS):
+            before = _identity(self.path)
+            if self._cached is not None and self._cached[0] == before and before is not None:
+                body = self._cached[1]
+            else:
+                body = read_file()
+            journal = Journal(self.journal_path).read()
+            if _identity(self.path) == before or attempt == _READ_ATTEMPTS - 1:
+                self._cached = (before, body)
+                return replay(body, journal) if isinstance(body, dict) else body
+            self._cached = None
+        raise AssertionError("unreachable")
+
+    # --- writing ---------------------------------------------------------------
+
+    def _open_journal(self, journal: Journal, merged: Any) -> None:
+        """A writer's open: a torn tail copied aside, then records folded into topics.json
+        and a fresh journal started (also when there was none: an older store)."""
+        if journal.tail_reason is not None:
+            self._cut(journal)
+        if journal.records or journal.tail_reason is not None or not journal.exists:
+            if journal.records and isinstance(merged, dict):
+                write_json(self.path, merged)
+            self._reset()
+        else:
+            self._size = journal.size
+            self._open_fd()
+
+    def _cut(self, journal: Journal) -> None:
+        path = journal.path
+        with open_file(path, "rb") as f:
+            f.seek(journal.end)
+            tail = f.read()
+        side = make_side_dir(path.parent) / f"{path.name}.{journal.end}.{time.time_ns()}.cut"
+        with open_file(side, "xb") as out:
+            out.write(tail)
+            out.flush()
+            os.fsync(out.fileno())
+        fsync_directory(side.parent)
+        cut = TailCut(str(path), journal.end, len(tail), str(side), str(journal.tail_reason))
+        log.warning("recovery: %s", cut)
+        self.cuts.append(cut)
+
+    def _open_fd(self) -> None:
+        self.close_fd()
+        self._fd = open_fd(self.journal_path, os.O_WRONLY | os.O_APPEND)
+
+    def _reset(self) -> None:
+        """A fresh journal (its header only), atomically: topics.json holds every record
+        of the old one."""
+        self.close_fd()
+        write_bytes(self.journal_path, pack_header())
+        self._size = HEADER_SIZE
+        self._broken = False
+        self._open_fd()
+
+    def record(
+        self,
+        topic: str,
+        count: int | None,
+        policy: TopicPolicy | None,
+        deleted_at: int | None,
+        state: Callable[[], _State],
+    ) -> None:
+        """Make ``topic``'s entry (its queue count, policy, deletion) durable: one record
+        appended, or a fold of ``state()`` (every topic's) when the journal is full or an
+        earlier append failed. Raises StoreWriteError with the journal as it was."""
+        entry = topics_body(
+            {} if count is None else {topic: count},
+            {} if policy is None else {topic: policy},
+            {} if deleted_at is None else {topic: deleted_at},
+        ).get(topic)
+        if entry is None:  # (no record removes an entry)
+            self.write(*state())
+            return
+        data = TopicRecord.from_entry(topic, entry).pack()
+        if self._fd is None or self._broken or self._size + len(data) > JOURNAL_FOLD_BYTES:
+            self.write(*state())
+            return
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(0, f"short write: {written} of {len(data)} bytes")
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            self._undo()
+            raise write_error(exc, "appending to the topics journal", self.journal_path) from exc
+        self._size += len(data)
+
+    def _undo(self) -> None:
+        """A failed append: its bytes cut off, so that the next is not behind them (else
+        it could never be read); if even that fails, the next change folds."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, self._size)
+            os.fdatasync(self._fd)
+        except OSError:
+            self._broken = True
 
     def write(
+        self, counts: dict[str, int], policies: dict[str, TopicPolicy], deleted: dict[str, int]
+    ) -> None:
+        """Fold: topics.json rewritten with every topic, then a fresh journal. A crash
+        between the two replays the old journal over the new file: the same topics."""
+        canonical: list[str] = []
+        pretty: list[str] = []
+        for topic in sorted(counts.keys() | deleted.keys()):
+            _, one, two = self._piece(topic, counts, policies, deleted)
+            canonical.append(one)
+            pretty.append(two)
+        for topic in self._pieces.keys() - counts.keys() - deleted.keys():
+            del self._pieces[topic]
+        digest = xxhash.xxh64_hexdigest(("{" + ",".join(canonical) + "}").encode())
+        data = '{"body": {' + ", ".join(pretty) + '}, "xxh64": "' + digest + '"}'
+        write_bytes(self.path, data.encode())
+        if self._writer and (self._fd is None or self._size > HEADER_SIZE or self._broken):
+            self._reset()
+
+    def _piece(
         self,
-        path: Path,
+        topic: str,
         counts: dict[str, int],
         policies: dict[str, TopicPolicy],
         deleted: dict[str, int],
+    ) -> tuple[_Key, str, str]:
+        key = (counts.get(topic), policies.get(topic), deleted.get(topic))
+        cached = self._pieces.get(topic)
+        if cached is None or cached[0] != key:
+            one = {topic: counts[topic]} if topic in counts else {}
+            gone = {topic: deleted[topic]} if topic in deleted else {}
+            entry = topics_body(one, policies, gone)[topic]
+            name = json.dumps(topic)
+            cached = (
+                key,
+                name + ":" + json.dumps(entry, sort_keys=True, separators=(",", ":")),
+                name + ": " + json.dumps(entry, sort_keys=True),
+            )
+            self._pieces[topic] = cached
+        return cached
+
+    @property
+    def journal_records(self) -> bool:
+        """Whether the journal holds records topics.json does not (a fold would write)."""
+        return self._size > HEADER_SIZE
+
+    def close(
+        self, counts: dict[str, int], policies: dict[str, TopicPolicy], deleted: dict[str, int]
     ) -> None:
-        canonical: list[str] = []
-        pretty: list[str] = []
-        pieces = self._pieces
-        for topic in sorted(counts.keys() | deleted.keys()):
-            key = (counts.get(topic), policies.get(topic), deleted.get(topic))
-            cached = pieces.get(topic)
-            if cached is None or cached[0] != key:
-                one = {topic: counts[topic]} if topic in counts else {}
-                gone = {topic: deleted[topic]} if topic in deleted else {}
-                entry = topics_body(one, policies, gone)[topic]
-                name = json.dumps(topic)
-                cached = (
-                    key,
-                    name + ":" + json.dumps(entry, sort_keys=True, separators=(",", ":")),
-                    name + ": " + json.dumps(entry, sort_keys=True),
-                )
-                pieces[topic] = cached
-            canonical.append(cached[1])
-            pretty.append(cached[2])
-        for topic in pieces.keys() - counts.keys() - deleted.keys():
-            del pieces[topic]
-        digest = xxhash.xxh64_hexdigest(("{" + ",".join(canonical) + "}").encode())
-        data = '{"body": {' + ", ".join(pretty) + '}, "xxh64": "' + digest + '"}'
-        write_bytes(path, data.encode())
+        """A writer's clean close: the journal folded (the next open replays nothing)."""
+        try:
+            if self._fd is not None and (self.journal_records or self._broken):
+                self.write(counts, policies, deleted)
+        finally:
+            self.close_fd()
+
+    def close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def topics_state(store: MessageStore) -> _State:
+    """Every topic's queue count, policy and deletion: what a fold writes."""
+    counts = {topic: len(queues) for topic, queues in store._queues.items()}
+    return counts, store._policies, store._deleted
+
+
+def save_topic(store: MessageStore, topic: str) -> None:
+    """``create_topic``'s commit point (under the write lock): ``topic`` as it is now."""
+    queues = store._queues.get(topic)
+    store._topics_file.record(
+        topic,
+        len(queues) if queues else None,
+        store._policies.get(topic),
+        store._deleted.get(topic),
+        lambda: topics_state(store),
+    )
