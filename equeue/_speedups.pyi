@@ -152,3 +152,9 @@ def prefault_pending() -> list[int]: ...
 Message: type
 
 def message_doc(doc: str, /) -> None: ...
+
+# equeue.store.types.SendResult when this module loads (equeue/cext/sendresult.c); typed
+# as the NamedTuple there, which it behaves as.
+SendResult: type
+
+def send_result_doc(doc: str, /) -> None: ...

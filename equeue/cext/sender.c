@@ -99,10 +99,12 @@ static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
                           &chunk_size, &fallback))
         return -1;
     if (!PyUnicode_IS_COMPACT_ASCII(o[7]) ||
-        !PyType_IsSubtype((PyTypeObject *)o[8], &PyTuple_Type) || data_offset < 0 ||
+        !(o[8] == (PyObject *)&SendResultType ||
+          PyType_IsSubtype((PyTypeObject *)o[8], &PyTuple_Type)) ||
+        data_offset < 0 ||
         max_body < 0 || chunk_size < 0) {
         PyErr_SetString(PyExc_ValueError,
-                        "Sender: an ASCII id prefix, a tuple result type, sizes >= 0");
+                        "Sender: an ASCII id prefix, SendResult or a tuple type, sizes >= 0");
         return -1;
     }
     Sender_clear(s);
@@ -209,13 +211,17 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
     frame_message((char *)lbuf.buf + s->data_offset + log.end, length, position, now_ns, offset,
                   (int32_t)q, (int32_t)c->code, c->hashed, c->key != Py_None, topic_bytes,
                   c->tag_bytes, c->key_bytes, c->props, c->body);
-    PyObject *fields[6] = {message_id(s->id_prefix, position), Py_NewRef(topic),
-                           PyLong_FromSsize_t(q), PyLong_FromSsize_t(offset),
-                           PyLong_FromLongLong(position),
-                           PyFloat_FromDouble((double)now_ns / 1e9)};
-    result = new_record((PyTypeObject *)s->result_type, 6, fields);
-    if (result != NULL && PyObject_GC_IsTracked(result)) /* str, ints and a float: no cycle */
-        PyObject_GC_UnTrack(result);
+    if (s->result_type == (PyObject *)&SendResultType) { /* id, ints, float made when read */
+        result = lazy_send_result(s->id_prefix, topic, q, offset, position, now_ns, NULL);
+    } else {
+        PyObject *fields[6] = {message_id(s->id_prefix, position), Py_NewRef(topic),
+                               PyLong_FromSsize_t(q), PyLong_FromSsize_t(offset),
+                               PyLong_FromLongLong(position),
+                               PyFloat_FromDouble((double)now_ns / 1e9)};
+        result = new_record((PyTypeObject *)s->result_type, 6, fields);
+        if (result != NULL && PyObject_GC_IsTracked(result)) /* str, ints, a float: no cycle */
+            PyObject_GC_UnTrack(result);
+    }
     if (result == NULL) goto fail;
     /* The entry after its frame, once nothing before can fail; then publish the record
      * before the entry, as Appender.append does (and prefault both chunks as

@@ -155,6 +155,15 @@ PyObject *decode_run(PyObject *self, PyObject *args);
 PyObject *collect(PyObject *self, PyObject *args);
 PyObject *pull_chunk(PyObject *self, PyObject *args);
 PyObject *message_doc(PyObject *self, PyObject *doc);
+
+/* sendresult.c: equeue.store.types.SendResult with the accelerator */
+extern PyTypeObject SendResultType;
+int send_result_type_ready(void);
+/* A result of a send: the id, the ints and (stored_at NULL) the float made when read. */
+PyObject *lazy_send_result(PyObject *id_prefix, PyObject *topic, long long queue_id,
+                           long long queue_offset, long long position, long long stored_ns,
+                           PyObject *stored_at);
+PyObject *send_result_doc(PyObject *self, PyObject *doc);
 PyObject *frame_offsets(PyObject *self, PyObject *args);
 PyObject *record_columns(PyObject *self, PyObject *args);
 PyObject *record_bodies(PyObject *self, PyObject *args);

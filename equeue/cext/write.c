@@ -360,10 +360,15 @@ PyObject *write_run(PyObject *self, PyObject *args) {
             }
             Py_DECREF(pair);
         }
-        PyObject *fields[6] = {message_id(id_prefix, position), Py_NewRef(topic),
-                               PyLong_FromSsize_t(q), PyLong_FromLongLong(offset),
-                               PyLong_FromLongLong(position), Py_NewRef(stored_at)};
-        PyObject *result = new_record((PyTypeObject *)result_type, 6, fields);
+        PyObject *result;
+        if (result_type == (PyObject *)&SendResultType) { /* the batch's one float */
+            result = lazy_send_result(id_prefix, topic, q, offset, position, now_ns, stored_at);
+        } else {
+            PyObject *fields[6] = {message_id(id_prefix, position), Py_NewRef(topic),
+                                   PyLong_FromSsize_t(q), PyLong_FromLongLong(offset),
+                                   PyLong_FromLongLong(position), Py_NewRef(stored_at)};
+            result = new_record((PyTypeObject *)result_type, 6, fields);
+        }
         if (result == NULL || PyList_Append(results, result) < 0) {
             Py_XDECREF(result);
             goto done;

@@ -155,10 +155,11 @@ class Handlers:
         counters.send_requests += 1
         if self.holds.count:
             self.holds.note(topic, sent.queue_id, sent.queue_offset, "")
+        answer = pack_send_result(sent)  # (with the accelerator a SendResult is no tuple)
         commit = self.commit
         if commit is None:
-            return sent  # msgpack packs the named tuple as the array pack_send_result makes
-        commit.add(peer, rid, sent)
+            return answer
+        commit.add(peer, rid, answer)
         return DEFERRED
 
     def send(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
@@ -182,8 +183,7 @@ class Handlers:
         items = _batch_items(peer, topic, messages)
         results = self.store.send_batch(topic, items)
         self._batch_sent(results, items)
-        # SendResults are named tuples: msgpack packs each as pack_send_result's array.
-        return self._durable(peer, rid, results)
+        return self._durable(peer, rid, list(map(pack_send_result, results)))
 
     def send_bodies(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         """send_batch of bodies alone (protocol version 2): the decoded array goes to the

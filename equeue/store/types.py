@@ -25,6 +25,15 @@ class SendResult(NamedTuple):
     stored_at: float  # seconds since the epoch, as time.time()
 
 
+# With the C accelerator, SendResult is its C type (equeue/cext/sendresult.c): the same
+# fields, methods, equality, hash, repr and pickling, but not a tuple; the C send makes
+# its id, ints and float when read. TupleSendResult stays the NamedTuple above either way.
+TupleSendResult = SendResult
+if not TYPE_CHECKING and speedups.SPEEDUPS is not None:
+    speedups.SPEEDUPS.send_result_doc(SendResult.__doc__)
+    SendResult = speedups.SPEEDUPS.SendResult
+
+
 class Message(NamedTuple):
     """A stored message, as ``pull``, ``get``, ``read`` and ``query_by_key`` return it.
 
