@@ -153,6 +153,8 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
     if (log.end + length + FRAME_OVERHEAD > log.size) goto fallback;
 
     Py_ssize_t q, turn = -1;
+    PyObject *old_turn = NULL; /* borrowed: compared only while the dict is unchanged */
+    uint64_t turns_version = 0;
     if (c->queue_id != Py_None) {
         q = PyLong_AsSsize_t(c->queue_id);
         if (q == -1 && PyErr_Occurred()) goto fail;
@@ -164,6 +166,8 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
         if (t == NULL) goto fallback_or_fail;
         turn = PyLong_AsSsize_t(t);
         if (turn < 0) goto fallback_or_fail;
+        old_turn = t;
+        turns_version = dict_state(s->round_robin);
         q = turn % count;
         turn = q + 1;
     }
@@ -237,7 +241,12 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
         goto fail;
     if (turn >= 0) {
         PyObject *t = PyLong_FromSsize_t(turn);
-        if (t == NULL || PyDict_SetItem(s->round_robin, topic, t) < 0) {
+        /* The same int object already there (one queue: the turn stays 1): no change to
+         * make, so none made (the dict unchanged since it was read, so it still holds it) */
+        if (t != NULL && t == old_turn && turns_version != 0 &&
+            dict_state(s->round_robin) == turns_version) {
+            Py_DECREF(t);
+        } else if (t == NULL || PyDict_SetItem(s->round_robin, topic, t) < 0) {
             Py_XDECREF(t);
             goto fail;
         }

@@ -37,6 +37,7 @@ typedef struct {
     int valid;
     Seen writer, chunk;
     PyObject *chunk_obj, *mm; /* borrowed, held by the two dicts above */
+    PyObject *end_obj, *count_obj; /* the chunk dict's data_end and record_count ints */
     Py_ssize_t end, size, count;
     long long base, mark;
 } WriterCache;
