@@ -79,8 +79,13 @@ static Py_ssize_t dict_ssize(PyObject *dict, PyObject *name) {
  * per send. CPython 3.11's int layout (ob_size digits of PyLong_SHIFT bits, the sign
  * in ob_size); elsewhere a new int is stored, as before. 1: done; 0: store a new one. */
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-static int int_overwrite(PyObject *o, Py_ssize_t value) {
+static inline int int_overwrite(PyObject *o, Py_ssize_t value) {
     if (o == NULL || Py_REFCNT(o) != 1 || !PyLong_CheckExact(o) || value <= 256) return 0;
+    if ((size_t)value <= PyLong_MASK) { /* one digit: every counter below 2**30 */
+        if (Py_SIZE(o) != 1) return 0;
+        ((PyLongObject *)o)->ob_digit[0] = (digit)value;
+        return 1;
+    }
     digit d[4];
     Py_ssize_t n = 0;
     for (size_t v = (size_t)value; v != 0 && n < 4; v >>= PyLong_SHIFT)
@@ -90,7 +95,7 @@ static int int_overwrite(PyObject *o, Py_ssize_t value) {
     return 1;
 }
 #else
-static int int_overwrite(PyObject *o, Py_ssize_t value) { return 0; }
+static inline int int_overwrite(PyObject *o, Py_ssize_t value) { return 0; }
 #endif
 
 /* name = value in the remembered dict; *held is the int the dict holds for it after. */
