@@ -52,7 +52,9 @@ typedef struct {
     long long ints[NFIELDS]; /* a decoded message's ints, by field index */
 } MessageObject;
 
-static PyObject *FIELDS_TUPLE; /* _fields */
+static PyObject *tuple_of(PyObject *self);
+static PyObject *from_items(PyObject *const *items);
+static RecordSpec SPEC = {&MessageType, NFIELDS, NULL, tuple_of, from_items};
 
 #define IS_MESSAGE(o) Py_IS_TYPE((o), &MessageType)
 
@@ -92,6 +94,8 @@ static PyObject *as_tuple(MessageObject *m) {
     }
     return t;
 }
+
+static PyObject *tuple_of(PyObject *self) { return as_tuple((MessageObject *)self); }
 
 PyObject *lazy_message(PyObject *id_prefix, PyObject *topic, PyObject *tag, PyObject *key,
                        PyObject *props, PyObject *body, long long position, long long queue_id,
@@ -170,27 +174,9 @@ static PyObject *message_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
  * and the client build theirs so); anything else goes through message_new. */
 static PyObject *message_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
                                     PyObject *kwnames) {
-    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    if (n == NFIELDS && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0))
+    if (PyVectorcall_NARGS(nargsf) == NFIELDS && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0))
         return from_items(args);
-    PyObject *tuple = PyTuple_New(n);
-    if (tuple == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
-    PyObject *kwargs = NULL;
-    Py_ssize_t nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
-    if (nk > 0 && (kwargs = PyDict_New()) != NULL) {
-        for (Py_ssize_t i = 0; i < nk; i++) {
-            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
-                Py_CLEAR(kwargs);
-                break;
-            }
-        }
-    }
-    PyObject *r = nk > 0 && kwargs == NULL ? NULL
-                                             : message_new((PyTypeObject *)type, tuple, kwargs);
-    Py_DECREF(tuple);
-    Py_XDECREF(kwargs);
-    return r;
+    return record_call(&SPEC, args, nargsf, kwnames);
 }
 
 static int message_traverse(MessageObject *m, visitproc visit, void *arg) {
@@ -268,56 +254,18 @@ static PyObject *message_item(MessageObject *m, Py_ssize_t i) {
 }
 
 static PyObject *message_subscript(MessageObject *m, PyObject *key) {
-    if (PyIndex_Check(key)) {
-        Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
-        if (i == -1 && PyErr_Occurred()) return NULL;
-        return message_item(m, i < 0 ? i + NFIELDS : i);
-    }
-    if (!PySlice_Check(key)) {
-        PyErr_Format(PyExc_TypeError, "tuple indices must be integers or slices, not %.200s",
-                     Py_TYPE(key)->tp_name);
-        return NULL;
-    }
-    PyObject *t = as_tuple(m);
-    if (t == NULL) return NULL;
-    PyObject *r = PyObject_GetItem(t, key);
-    Py_DECREF(t);
-    return r;
+    if (!PyIndex_Check(key)) return record_slice(&SPEC, (PyObject *)m, key);
+    Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    return message_item(m, i < 0 ? i + NFIELDS : i);
 }
 
-static int message_contains(MessageObject *m, PyObject *value) {
-    PyObject *t = as_tuple(m);
-    if (t == NULL) return -1;
-    int r = PySequence_Contains(t, value);
-    Py_DECREF(t);
-    return r;
-}
-
-static PyObject *message_iter(MessageObject *m) {
-    PyObject *t = as_tuple(m);
-    if (t == NULL) return NULL;
-    PyObject *it = PyObject_GetIter(t);
-    Py_DECREF(t);
-    return it;
-}
-
+static int message_contains(PyObject *m, PyObject *v) { return record_contains(&SPEC, m, v); }
+static PyObject *message_iter(PyObject *m) { return record_iter(&SPEC, m); }
+static Py_hash_t message_hash(PyObject *m) { return record_hash(&SPEC, m); } /* a TypeError: the dict */
 /* As the tuple of the fields: equal to a NamedTuple Message with equal fields. */
 static PyObject *message_richcompare(PyObject *a, PyObject *b, int op) {
-    if (!IS_MESSAGE(a) || !(IS_MESSAGE(b) || PyTuple_Check(b))) Py_RETURN_NOTIMPLEMENTED;
-    PyObject *ta = as_tuple((MessageObject *)a);
-    PyObject *tb = ta == NULL ? NULL : IS_MESSAGE(b) ? as_tuple((MessageObject *)b) : Py_NewRef(b);
-    PyObject *r = tb == NULL ? NULL : PyObject_RichCompare(ta, tb, op);
-    Py_XDECREF(ta);
-    Py_XDECREF(tb);
-    return r;
-}
-
-static Py_hash_t message_hash(MessageObject *m) {
-    PyObject *t = as_tuple(m);
-    if (t == NULL) return -1;
-    Py_hash_t h = PyObject_Hash(t); /* a TypeError for the dict, as the tuple's */
-    Py_DECREF(t);
-    return h;
+    return record_compare(&SPEC, a, b, op);
 }
 
 static PyObject *message_repr(MessageObject *m) {
@@ -332,85 +280,17 @@ static PyObject *message_repr(MessageObject *m) {
     return r;
 }
 
-static PyObject *message_make(PyObject *cls, PyObject *iterable) {
-    PyObject *t = PySequence_Tuple(iterable);
-    if (t == NULL) return NULL;
-    if (PyTuple_GET_SIZE(t) != NFIELDS) {
-        PyErr_Format(PyExc_TypeError, "Expected %d arguments, got %zd", NFIELDS,
-                     PyTuple_GET_SIZE(t));
-        Py_DECREF(t);
-        return NULL;
-    }
-    PyObject *r = from_items(&PyTuple_GET_ITEM(t, 0));
-    Py_DECREF(t);
-    return r;
+static PyObject *message_make(PyObject *cls, PyObject *it) { return record_make(&SPEC, it); }
+static PyObject *message_asdict(PyObject *m, PyObject *unused) { return record_asdict(&SPEC, m); }
+static PyObject *message_replace(PyObject *m, PyObject *args, PyObject *kwargs) {
+    return record_replace(&SPEC, m, args, kwargs);
 }
-
-static PyObject *message_asdict(MessageObject *m, PyObject *unused) {
-    PyObject *d = PyDict_New();
-    for (int i = 0; d != NULL && i < NFIELDS; i++) {
-        PyObject *v = field(m, i);
-        if (v == NULL || PyDict_SetItem(d, PyTuple_GET_ITEM(FIELDS_TUPLE, i), v) < 0)
-            Py_CLEAR(d);
-        Py_XDECREF(v);
-    }
-    return d;
+static PyObject *message_reduce(PyObject *m, PyObject *unused) { return record_reduce(&SPEC, m); }
+static PyObject *message_count(PyObject *m, PyObject *args) {
+    return record_tuple_method(&SPEC, m, "count", args);
 }
-
-static PyObject *message_replace(MessageObject *m, PyObject *args, PyObject *kwargs) {
-    if (PyTuple_GET_SIZE(args) != 0) {
-        PyErr_SetString(PyExc_TypeError, "_replace() takes field names as keywords only");
-        return NULL;
-    }
-    PyObject *t = as_tuple(m);
-    PyObject *left = t == NULL ? NULL : kwargs == NULL ? PyDict_New() : PyDict_Copy(kwargs);
-    PyObject *r = NULL;
-    if (left == NULL) goto done;
-    for (int i = 0; i < NFIELDS; i++) {
-        PyObject *name = PyTuple_GET_ITEM(FIELDS_TUPLE, i);
-        PyObject *v = PyDict_GetItemWithError(left, name);
-        if (v == NULL && PyErr_Occurred()) goto done;
-        if (v != NULL) {
-            PyTuple_SetItem(t, i, Py_NewRef(v)); /* t is not shared yet */
-            if (PyDict_DelItem(left, name) < 0) goto done;
-        }
-    }
-    if (PyDict_GET_SIZE(left) != 0) {
-        PyObject *names = PySequence_List(left);
-        if (names != NULL) PyErr_Format(PyExc_ValueError, "Got unexpected field names: %R", names);
-        Py_XDECREF(names);
-        goto done;
-    }
-    r = from_items(&PyTuple_GET_ITEM(t, 0));
-done:
-    Py_XDECREF(t);
-    Py_XDECREF(left);
-    return r;
-}
-
-static PyObject *message_reduce(MessageObject *m, PyObject *unused) {
-    PyObject *t = as_tuple(m);
-    if (t == NULL) return NULL;
-    return Py_BuildValue("(ON)", (PyObject *)&MessageType, t);
-}
-
-/* count and index: the tuple's. */
-static PyObject *tuple_method(MessageObject *m, const char *name, PyObject *args) {
-    PyObject *t = as_tuple(m);
-    if (t == NULL) return NULL;
-    PyObject *method = PyObject_GetAttrString(t, name);
-    PyObject *r = method == NULL ? NULL : PyObject_Call(method, args, NULL);
-    Py_XDECREF(method);
-    Py_DECREF(t);
-    return r;
-}
-
-static PyObject *message_count(MessageObject *m, PyObject *args) {
-    return tuple_method(m, "count", args);
-}
-
-static PyObject *message_index(MessageObject *m, PyObject *args) {
-    return tuple_method(m, "index", args);
+static PyObject *message_index(PyObject *m, PyObject *args) {
+    return record_tuple_method(&SPEC, m, "index", args);
 }
 
 static PyMethodDef methods[] = {
@@ -427,7 +307,7 @@ static PyMethodDef methods[] = {
 static PySequenceMethods as_sequence = {
     .sq_length = message_length,
     .sq_item = (ssizeargfunc)message_item,
-    .sq_contains = (objobjproc)message_contains,
+    .sq_contains = message_contains,
 };
 
 static PyMappingMethods as_mapping = {
@@ -446,9 +326,9 @@ PyTypeObject MessageType = {
     .tp_traverse = (traverseproc)message_traverse,
     .tp_clear = (inquiry)message_clear,
     .tp_repr = (reprfunc)message_repr,
-    .tp_hash = (hashfunc)message_hash,
+    .tp_hash = message_hash,
     .tp_richcompare = message_richcompare,
-    .tp_iter = (getiterfunc)message_iter,
+    .tp_iter = message_iter,
     .tp_as_sequence = &as_sequence,
     .tp_as_mapping = &as_mapping,
     .tp_getset = getset,
@@ -456,34 +336,7 @@ PyTypeObject MessageType = {
     .tp_methods = methods,
 };
 
-int message_type_ready(void) {
-    if (PyType_Ready(&MessageType) < 0) return -1;
-    FIELDS_TUPLE = PyTuple_New(NFIELDS);
-    if (FIELDS_TUPLE == NULL) return -1;
-    for (int i = 0; i < NFIELDS; i++) {
-        PyObject *name = PyUnicode_InternFromString(NAMES[i]);
-        if (name == NULL) return -1;
-        PyTuple_SET_ITEM(FIELDS_TUPLE, i, name);
-    }
-    PyObject *defaults = PyDict_New();
-    if (defaults == NULL) return -1;
-    PyObject *dict = MessageType.tp_dict;
-    int bad = PyDict_SetItemString(dict, "_fields", FIELDS_TUPLE) < 0 ||
-              PyDict_SetItemString(dict, "__match_args__", FIELDS_TUPLE) < 0 ||
-              PyDict_SetItemString(dict, "_field_defaults", defaults) < 0;
-    Py_DECREF(defaults);
-    if (bad) return -1;
-    PyType_Modified(&MessageType);
-    return 0;
-}
+int message_type_ready(void) { return record_type_ready(&SPEC, NAMES); }
 
 /* message_doc(doc): the NamedTuple's docstring, for the C type's __doc__ (types.py). */
-PyObject *message_doc(PyObject *self, PyObject *doc) {
-    if (!PyUnicode_Check(doc)) {
-        PyErr_SetString(PyExc_TypeError, "the docstring is a str");
-        return NULL;
-    }
-    if (PyDict_SetItemString(MessageType.tp_dict, "__doc__", doc) < 0) return NULL;
-    PyType_Modified(&MessageType);
-    Py_RETURN_NONE;
-}
+PyObject *message_doc(PyObject *self, PyObject *doc) { return record_doc(&SPEC, doc); }

@@ -36,9 +36,9 @@ typedef struct {
     long long ints[NFIELDS]; /* a C-built result's queue id, offset, position, stored ns */
 } SendResultObject;
 
-static PyObject *FIELDS_TUPLE; /* _fields */
-
-#define IS_RESULT(o) Py_IS_TYPE((o), &SendResultType)
+static PyObject *tuple_of(PyObject *self);
+static PyObject *from_items(PyObject *const *items);
+static RecordSpec SPEC = {&SendResultType, NFIELDS, NULL, tuple_of, from_items};
 
 /* The field, made if not yet (a new reference). */
 static PyObject *field(SendResultObject *r, int i) {
@@ -103,31 +103,15 @@ static PyObject *result_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     return from_items(v);
 }
 
+static PyObject *tuple_of(PyObject *self) { return as_tuple((SendResultObject *)self); }
+
 /* SendResult(6 values) without an args tuple (the client's unpack_send_columns builds
  * them so); anything else goes through result_new. */
 static PyObject *result_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
                                    PyObject *kwnames) {
-    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    if (n == NFIELDS && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0))
+    if (PyVectorcall_NARGS(nargsf) == NFIELDS && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0))
         return from_items(args);
-    PyObject *tuple = PyTuple_New(n);
-    if (tuple == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
-    PyObject *kwargs = NULL;
-    Py_ssize_t nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
-    if (nk > 0 && (kwargs = PyDict_New()) != NULL) {
-        for (Py_ssize_t i = 0; i < nk; i++) {
-            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
-                Py_CLEAR(kwargs);
-                break;
-            }
-        }
-    }
-    PyObject *r = nk > 0 && kwargs == NULL ? NULL
-                                             : result_new((PyTypeObject *)type, tuple, kwargs);
-    Py_DECREF(tuple);
-    Py_XDECREF(kwargs);
-    return r;
+    return record_call(&SPEC, args, nargsf, kwnames);
 }
 
 static void result_dealloc(SendResultObject *r) {
@@ -165,58 +149,17 @@ static PyObject *result_item(SendResultObject *r, Py_ssize_t i) {
 }
 
 static PyObject *result_subscript(SendResultObject *r, PyObject *key) {
-    if (PyIndex_Check(key)) {
-        Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
-        if (i == -1 && PyErr_Occurred()) return NULL;
-        return result_item(r, i < 0 ? i + NFIELDS : i);
-    }
-    if (!PySlice_Check(key)) {
-        PyErr_Format(PyExc_TypeError, "tuple indices must be integers or slices, not %.200s",
-                     Py_TYPE(key)->tp_name);
-        return NULL;
-    }
-    PyObject *t = as_tuple(r);
-    if (t == NULL) return NULL;
-    PyObject *v = PyObject_GetItem(t, key);
-    Py_DECREF(t);
-    return v;
+    if (!PyIndex_Check(key)) return record_slice(&SPEC, (PyObject *)r, key);
+    Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    return result_item(r, i < 0 ? i + NFIELDS : i);
 }
 
-static int result_contains(SendResultObject *r, PyObject *value) {
-    PyObject *t = as_tuple(r);
-    if (t == NULL) return -1;
-    int found = PySequence_Contains(t, value);
-    Py_DECREF(t);
-    return found;
-}
-
-static PyObject *result_iter(SendResultObject *r) {
-    PyObject *t = as_tuple(r);
-    if (t == NULL) return NULL;
-    PyObject *it = PyObject_GetIter(t);
-    Py_DECREF(t);
-    return it;
-}
-
-/* As the tuple of the fields: equal to a NamedTuple SendResult with equal fields. */
-static PyObject *result_richcompare(PyObject *a, PyObject *b, int op) {
-    if (!IS_RESULT(a) || !(IS_RESULT(b) || PyTuple_Check(b))) Py_RETURN_NOTIMPLEMENTED;
-    PyObject *ta = as_tuple((SendResultObject *)a);
-    PyObject *tb = ta == NULL ? NULL
-                   : IS_RESULT(b) ? as_tuple((SendResultObject *)b)
-                                  : Py_NewRef(b);
-    PyObject *r = tb == NULL ? NULL : PyObject_RichCompare(ta, tb, op);
-    Py_XDECREF(ta);
-    Py_XDECREF(tb);
-    return r;
-}
-
-static Py_hash_t result_hash(SendResultObject *r) {
-    PyObject *t = as_tuple(r);
-    if (t == NULL) return -1;
-    Py_hash_t h = PyObject_Hash(t); /* the NamedTuple's: equal results hash alike */
-    Py_DECREF(t);
-    return h;
+static int result_contains(PyObject *r, PyObject *v) { return record_contains(&SPEC, r, v); }
+static PyObject *result_iter(PyObject *r) { return record_iter(&SPEC, r); }
+static Py_hash_t result_hash(PyObject *r) { return record_hash(&SPEC, r); }
+static PyObject *result_compare(PyObject *a, PyObject *b, int op) {
+    return record_compare(&SPEC, a, b, op);
 }
 
 static PyObject *result_repr(SendResultObject *r) {
@@ -230,86 +173,17 @@ static PyObject *result_repr(SendResultObject *r) {
     Py_DECREF(t);
     return s;
 }
-
-static PyObject *result_make(PyObject *cls, PyObject *iterable) {
-    PyObject *t = PySequence_Tuple(iterable);
-    if (t == NULL) return NULL;
-    if (PyTuple_GET_SIZE(t) != NFIELDS) {
-        PyErr_Format(PyExc_TypeError, "Expected %d arguments, got %zd", NFIELDS,
-                     PyTuple_GET_SIZE(t));
-        Py_DECREF(t);
-        return NULL;
-    }
-    PyObject *r = from_items(&PyTuple_GET_ITEM(t, 0));
-    Py_DECREF(t);
-    return r;
+static PyObject *result_make(PyObject *cls, PyObject *it) { return record_make(&SPEC, it); }
+static PyObject *result_asdict(PyObject *r, PyObject *unused) { return record_asdict(&SPEC, r); }
+static PyObject *result_replace(PyObject *r, PyObject *args, PyObject *kwargs) {
+    return record_replace(&SPEC, r, args, kwargs);
 }
-
-static PyObject *result_asdict(SendResultObject *r, PyObject *unused) {
-    PyObject *d = PyDict_New();
-    for (int i = 0; d != NULL && i < NFIELDS; i++) {
-        PyObject *v = field(r, i);
-        if (v == NULL || PyDict_SetItem(d, PyTuple_GET_ITEM(FIELDS_TUPLE, i), v) < 0)
-            Py_CLEAR(d);
-        Py_XDECREF(v);
-    }
-    return d;
+static PyObject *result_reduce(PyObject *r, PyObject *unused) { return record_reduce(&SPEC, r); }
+static PyObject *result_count(PyObject *r, PyObject *args) {
+    return record_tuple_method(&SPEC, r, "count", args);
 }
-
-static PyObject *result_replace(SendResultObject *r, PyObject *args, PyObject *kwargs) {
-    if (PyTuple_GET_SIZE(args) != 0) {
-        PyErr_SetString(PyExc_TypeError, "_replace() takes field names as keywords only");
-        return NULL;
-    }
-    PyObject *t = as_tuple(r);
-    PyObject *left = t == NULL ? NULL : kwargs == NULL ? PyDict_New() : PyDict_Copy(kwargs);
-    PyObject *out = NULL;
-    if (left == NULL) goto done;
-    for (int i = 0; i < NFIELDS; i++) {
-        PyObject *name = PyTuple_GET_ITEM(FIELDS_TUPLE, i);
-        PyObject *v = PyDict_GetItemWithError(left, name);
-        if (v == NULL && PyErr_Occurred()) goto done;
-        if (v != NULL) {
-            PyTuple_SetItem(t, i, Py_NewRef(v)); /* t is not shared yet */
-            if (PyDict_DelItem(left, name) < 0) goto done;
-        }
-    }
-    if (PyDict_GET_SIZE(left) != 0) {
-        PyObject *names = PySequence_List(left);
-        if (names != NULL) PyErr_Format(PyExc_ValueError, "Got unexpected field names: %R", names);
-        Py_XDECREF(names);
-        goto done;
-    }
-    out = from_items(&PyTuple_GET_ITEM(t, 0));
-done:
-    Py_XDECREF(t);
-    Py_XDECREF(left);
-    return out;
-}
-
-static PyObject *result_reduce(SendResultObject *r, PyObject *unused) {
-    PyObject *t = as_tuple(r);
-    if (t == NULL) return NULL;
-    return Py_BuildValue("(ON)", (PyObject *)&SendResultType, t);
-}
-
-/* count and index: the tuple's. */
-static PyObject *tuple_method(SendResultObject *r, const char *name, PyObject *args) {
-    PyObject *t = as_tuple(r);
-    if (t == NULL) return NULL;
-    PyObject *method = PyObject_GetAttrString(t, name);
-    PyObject *out = method == NULL ? NULL : PyObject_Call(method, args, NULL);
-    Py_XDECREF(method);
-    Py_DECREF(t);
-    return out;
-}
-
-static PyObject *result_count(SendResultObject *r, PyObject *args) {
-    return tuple_method(r, "count", args);
-}
-
-static PyObject *result_index(SendResultObject *r, PyObject *args) {
-    return tuple_method(r, "index", args);
+static PyObject *result_index(PyObject *r, PyObject *args) {
+    return record_tuple_method(&SPEC, r, "index", args);
 }
 
 static PyMethodDef methods[] = {
@@ -327,7 +201,7 @@ static PyMethodDef methods[] = {
 static PySequenceMethods as_sequence = {
     .sq_length = result_length,
     .sq_item = (ssizeargfunc)result_item,
-    .sq_contains = (objobjproc)result_contains,
+    .sq_contains = result_contains,
 };
 
 static PyMappingMethods as_mapping = {
@@ -344,9 +218,9 @@ PyTypeObject SendResultType = {
     .tp_vectorcall = result_vectorcall,
     .tp_dealloc = (destructor)result_dealloc,
     .tp_repr = (reprfunc)result_repr,
-    .tp_hash = (hashfunc)result_hash,
-    .tp_richcompare = result_richcompare,
-    .tp_iter = (getiterfunc)result_iter,
+    .tp_hash = result_hash,
+    .tp_richcompare = result_compare,
+    .tp_iter = result_iter,
     .tp_as_sequence = &as_sequence,
     .tp_as_mapping = &as_mapping,
     .tp_getset = getset,
@@ -354,34 +228,7 @@ PyTypeObject SendResultType = {
     .tp_methods = methods,
 };
 
-int send_result_type_ready(void) {
-    if (PyType_Ready(&SendResultType) < 0) return -1;
-    FIELDS_TUPLE = PyTuple_New(NFIELDS);
-    if (FIELDS_TUPLE == NULL) return -1;
-    for (int i = 0; i < NFIELDS; i++) {
-        PyObject *name = PyUnicode_InternFromString(NAMES[i]);
-        if (name == NULL) return -1;
-        PyTuple_SET_ITEM(FIELDS_TUPLE, i, name);
-    }
-    PyObject *defaults = PyDict_New();
-    if (defaults == NULL) return -1;
-    PyObject *dict = SendResultType.tp_dict;
-    int bad = PyDict_SetItemString(dict, "_fields", FIELDS_TUPLE) < 0 ||
-              PyDict_SetItemString(dict, "__match_args__", FIELDS_TUPLE) < 0 ||
-              PyDict_SetItemString(dict, "_field_defaults", defaults) < 0;
-    Py_DECREF(defaults);
-    if (bad) return -1;
-    PyType_Modified(&SendResultType);
-    return 0;
-}
+int send_result_type_ready(void) { return record_type_ready(&SPEC, NAMES); }
 
 /* send_result_doc(doc): the NamedTuple's docstring, for the C type's __doc__ (types.py). */
-PyObject *send_result_doc(PyObject *self, PyObject *doc) {
-    if (!PyUnicode_Check(doc)) {
-        PyErr_SetString(PyExc_TypeError, "the docstring is a str");
-        return NULL;
-    }
-    if (PyDict_SetItemString(SendResultType.tp_dict, "__doc__", doc) < 0) return NULL;
-    PyType_Modified(&SendResultType);
-    Py_RETURN_NONE;
-}
+PyObject *send_result_doc(PyObject *self, PyObject *doc) { return record_doc(&SPEC, doc); }

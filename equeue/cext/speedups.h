@@ -156,6 +156,31 @@ PyObject *collect(PyObject *self, PyObject *args);
 PyObject *pull_chunk(PyObject *self, PyObject *args);
 PyObject *message_doc(PyObject *self, PyObject *doc);
 
+/* record.c: behaving as a NamedTuple of n fields, for Message and SendResult */
+typedef struct {
+    PyTypeObject *type;
+    int n;
+    PyObject *fields; /* _fields, made by record_type_ready */
+    PyObject *(*as_tuple)(PyObject *self); /* the fields, made if not yet */
+    PyObject *(*from_items)(PyObject *const *items); /* an instance of n (borrowed) values */
+} RecordSpec;
+PyObject *record_call(const RecordSpec *spec, PyObject *const *args, size_t nargsf,
+                      PyObject *kwnames);
+PyObject *record_slice(const RecordSpec *spec, PyObject *self, PyObject *key);
+int record_contains(const RecordSpec *spec, PyObject *self, PyObject *value);
+PyObject *record_iter(const RecordSpec *spec, PyObject *self);
+PyObject *record_compare(const RecordSpec *spec, PyObject *a, PyObject *b, int op);
+Py_hash_t record_hash(const RecordSpec *spec, PyObject *self);
+PyObject *record_make(const RecordSpec *spec, PyObject *iterable);
+PyObject *record_asdict(const RecordSpec *spec, PyObject *self);
+PyObject *record_replace(const RecordSpec *spec, PyObject *self, PyObject *args,
+                         PyObject *kwargs);
+PyObject *record_reduce(const RecordSpec *spec, PyObject *self);
+PyObject *record_tuple_method(const RecordSpec *spec, PyObject *self, const char *name,
+                              PyObject *args);
+int record_type_ready(RecordSpec *spec, const char *const *names);
+PyObject *record_doc(const RecordSpec *spec, PyObject *doc);
+
 /* sendresult.c: equeue.store.types.SendResult with the accelerator */
 extern PyTypeObject SendResultType;
 int send_result_type_ready(void);
