@@ -430,7 +430,9 @@ def test_verify_and_inspect_read_the_journal(
     capsys.readouterr()
     assert main(["verify", str(tmp_path)]) == 0, capsys.readouterr().out
     assert main(["inspect", str(tmp_path)]) == 0
-    assert "Topics (1, 2 queues)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Topics (1, 2 queues)" in out
+    assert "1 changes in topics.journal, not yet folded" in out, out
     journal = tmp_path / TOPICS_JOURNAL_FILE
     end = journal.stat().st_size
     with open(journal, "ab") as f:
