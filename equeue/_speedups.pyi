@@ -53,7 +53,8 @@ def pull_chunk(
     data_offset: int,
     data_end: int,
     base: int,
-    entries: list[tuple[int, int]],
+    entries: bytes,
+    first: int,
     offset: int,
     queue_id: int,
     topic: str,
@@ -145,3 +146,9 @@ def prefault_request(mapping: int, address: int, length: int, /) -> bool: ...
 def prefault_forget(mapping: int, /) -> None: ...
 def prefault_supported() -> bool: ...
 def prefault_pending() -> list[int]: ...
+
+# equeue.store.types.Message when this module loads (equeue/cext/message.c); typed as
+# the NamedTuple there, which it behaves as.
+Message: type
+
+def message_doc(doc: str, /) -> None: ...

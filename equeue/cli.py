@@ -49,6 +49,9 @@ from equeue.store.meta import IDENTITY_FILE
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+# A progress line on stderr (a terminal only) once a run has taken this long, in seconds:
+# a quick run stays one screen of output.
+PROGRESS_DELAY = 1.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,11 @@ def _configure_inspect(parser: argparse.ArgumentParser) -> None:
 def _run_inspect(args: argparse.Namespace) -> int:
     path: Path = args.path
     if path.is_dir():
-        summary = summarize_store(path)
+        bar = ProgressBar(sys.stderr, "inspecting", noun="queues", delay=PROGRESS_DELAY)
+        try:
+            summary = summarize_store(path, bar)
+        finally:
+            bar.close()
         if args.json:
             _print_json(summary.to_json())
         else:
@@ -210,7 +217,7 @@ def _configure_verify(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    bar = ProgressBar(sys.stderr, "verifying")
+    bar = ProgressBar(sys.stderr, "verifying", delay=PROGRESS_DELAY)
     verifier = Verifier(args.store, bar)
     try:
         problems = verifier.run()

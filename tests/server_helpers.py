@@ -3,6 +3,7 @@ so these tests do not depend on the clients."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -18,6 +19,15 @@ TIMEOUT_S = 20.0
 def short_dir() -> Path:
     """A directory whose socket paths fit in sun_path (tmp_path may be too long)."""
     return Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+
+
+def short_home() -> Iterator[Path]:
+    """A short_dir, removed afterwards: ``home = pytest.fixture(short_home, name="home")``."""
+    directory = short_dir()
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class Raw:

@@ -25,6 +25,7 @@ import equeue
 import equeue.aio
 from equeue import Message, MessageStore, OutgoingMessage, PullResult, SendResult, StoreConfig
 from equeue.errors import EQueueError
+from equeue.protocol.frames import PROTOCOL_VERSION
 
 Op = Callable[[Any], Any]
 
@@ -171,7 +172,7 @@ def test_every_method_gives_what_the_store_gives(broker: BrokerProcess, tmp_path
         for index, op in enumerate(OPS):
             expected = outcome(op, store)
             assert outcome(op, client) == expected, f"op {index}"
-        assert client.welcome is not None and client.welcome.version == 1
+        assert client.welcome is not None and client.welcome.version == PROTOCOL_VERSION
         client.ping()
         assert client.stats()["connections"] >= 1
     finally:

@@ -24,7 +24,7 @@ from equeue.errors import (
     ProtocolError,
     TopicNotFoundError,
 )
-from equeue.protocol.frames import FRAME_HEADER, encode
+from equeue.protocol.frames import FRAME_HEADER, SUPPORTED_VERSIONS, encode
 
 KINDS = ["sync", "aio"]
 OPTIONS: dict[str, Any] = {"timeout": 2.0, "connect_timeout": 0.5}
@@ -83,9 +83,9 @@ def test_garbage_instead_of_a_welcome_is_a_protocol_error_not_retried(kind: str)
 def test_a_welcome_of_another_version_is_a_protocol_error(kind: str) -> None:
     def script(peer: Peer) -> None:
         peer.recv()
-        peer.send({**WELCOME, "version": 2})
+        peer.send({**WELCOME, "version": 99})
 
-    with FakeBroker(script) as fake, pytest.raises(ProtocolError, match="version 2"):
+    with FakeBroker(script) as fake, pytest.raises(ProtocolError, match="version 99"):
         call(kind, fake.url, "ping")
 
 
@@ -100,7 +100,7 @@ def test_a_refused_token_is_an_authentication_error_not_retried(kind: str) -> No
     with FakeBroker(script) as fake, pytest.raises(AuthenticationError, match="wrong token"):
         call(kind, fake.url, "ping", token="secret")
     assert fake.connections == 1
-    assert hellos[0]["token"] == "secret" and hellos[0]["versions"] == [1]
+    assert hellos[0]["token"] == "secret" and hellos[0]["versions"] == list(SUPPORTED_VERSIONS)
 
 
 @pytest.mark.parametrize("kind", KINDS)

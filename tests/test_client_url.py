@@ -22,6 +22,7 @@ from equeue.errors import (
     MessageNotFoundError,
     QueueNotFoundError,
 )
+from equeue.protocol.frames import PROTOCOL_VERSION
 from equeue.protocol.ops import check_args
 from equeue.store.types import OutgoingMessage
 
@@ -165,7 +166,7 @@ def test_a_negative_queue_id_has_no_committed_offset() -> None:
 
 
 def test_a_request_over_the_brokers_frame_limit_is_refused_before_sending() -> None:
-    encoder = RequestEncoder(1024, "unix:/x")
+    encoder = RequestEncoder(1024, "unix:/x", PROTOCOL_VERSION)
     assert len(encoder.frame(1, "send", {"topic": "t", "body": b"x" * 900})) < 1024
     with pytest.raises(FrameTooLargeError, match="max_frame_bytes=1024"):
         encoder.frame(2, "send", {"topic": "t", "body": b"x" * 1100})

@@ -3,6 +3,9 @@ injected clock, on a real store that is also closed and reopened between ticks."
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -286,3 +289,128 @@ def test_a_damaged_mover_file_is_said_at_start(
     said = [r.getMessage() for r in caplog.records if r.name == "equeue.retry"]
     assert bool(said) is damaged
     assert all("delivered again" in text for text in said)
+
+
+def test_a_message_whose_dead_letter_cannot_fit_is_dead_lettered_cut(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """The store now allows 64 bytes of properties: neither the retry copy nor the
+    reduced dead letter fits. The nack still ends in a dead letter (before: it raised
+    MessageTooLargeError, and the message came back to fail again, for ever)."""
+    from equeue import StoreConfig
+
+    with MessageStore.open(tmp_path / "s", StoreConfig(max_properties_size=64)) as store:
+        store.create_topic("orders", 1)
+        coord = coordinator(store, clock)
+        sent = store.send("orders", b"pay", key="k")
+        coord.nack("g", "a", sent.message_id, None)
+        (dead,) = everything(store, DLQ)
+        assert (dead.body, dead.key) == (b"pay", "k")
+        assert dead.properties[retry.ORIGIN_ID] == sent.message_id
+        assert retry.DLQ_BODY_SIZE not in dead.properties  # the body is whole
+        assert everything(store, retry.DELAY_TOPIC) == []
+
+
+def test_a_body_past_a_lowered_max_message_size_is_dead_lettered_cut(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """A message stored before the store was reopened with a smaller max_message_size:
+    its dead letter carries the body cut to the limit and its size as it was."""
+    from equeue import StoreConfig
+
+    with MessageStore.open(tmp_path / "s") as store:
+        store.create_topic("orders", 1)
+        sent = store.send("orders", b"b" * 3000, properties={"user": "1"})
+        small = store.send("orders", b"s" * 10)
+    with MessageStore.open(tmp_path / "s", StoreConfig(max_message_size=1000)) as store:
+        coord = coordinator(store, clock)
+        coord.nack("g", "a", sent.message_id, None)
+        coord.nack("g", "a", small.message_id, None)  # control: it fits, a delayed retry
+        (dead,) = everything(store, DLQ)
+        assert dead.body == b"b" * 1000
+        assert dead.properties[retry.DLQ_BODY_SIZE] == "3000"
+        assert dead.properties[retry.ORIGIN_ID] == sent.message_id
+        assert dead.properties[retry.ORIGIN_OFFSET] == "0"
+        assert "cut to the store's limits" in dead.properties[retry.DLQ_REASON]
+        assert [m.body for m in everything(store, retry.DELAY_TOPIC)] == [b"s" * 10]
+
+
+def test_mover_persists_off_the_loop_and_moves_nothing_more_until_durable(
+    store: MessageStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the broker runs it (persist_with: its committer thread): the tick appends the
+    copies, the fdatasync then the cursors run on the other thread, and until they ended
+    no tick moves anything (the copies would be moved twice)."""
+    coord = coordinator(store, clock)
+    for delay_ms in (1000, 5000, 30_000):
+        coord.nack("g", "a", store.send("orders", b"x").message_id, delay_ms)
+    executor = concurrent.futures.ThreadPoolExecutor(1, "mover-test")
+    gate = threading.Event()
+    calls: list[tuple[str, str]] = []
+
+    def record(name: str, real: Any, wait: bool = False) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls.append((name, threading.current_thread().name))
+            if wait:
+                assert gate.wait(10.0)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(store, "flush_log", record("flush_log", store.flush_log, wait=True))
+    monkeypatch.setattr(store, "send_batch", record("send_batch", store.send_batch))
+    monkeypatch.setattr(
+        coord.retries, "commit_cursors", record("commit", coord.retries.commit_cursors)
+    )
+    try:
+        coord.persist_with(lambda work: executor.submit(work))
+        clock.now += 31.0
+        assert coord.retries.move_due() == 3
+        here = threading.current_thread().name
+        assert calls[:3] == [("send_batch", here)] * 3
+        assert coord.retries.move_due() == 0  # the fdatasync is held: nothing moves again
+        assert [store.committed_offset(retry.MOVER_GROUP, retry.DELAY_TOPIC, q) for q in
+                range(3)] == [None] * 3  # fmt: skip
+        gate.set()
+        deadline = time.monotonic() + 10.0
+        while len(calls) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        executor.shutdown(wait=True)
+        assert calls[3:] == [("flush_log", "mover-test_0"), ("commit", "mover-test_0")]
+        assert coord.retries.move_due() == 0  # done: the cursors advance, nothing is due
+        assert [m.body for m in everything(store, RETRY)] == [b"x"] * 3
+        assert [store.committed_offset(retry.MOVER_GROUP, retry.DELAY_TOPIC, q) for q in
+                range(3)] == [1, 1, 1]  # fmt: skip
+    finally:
+        gate.set()
+        executor.shutdown(wait=True)
+
+
+def test_a_move_that_failed_off_the_loop_is_moved_again(
+    store: MessageStore, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The cursor write fails on the other thread (a crash there): the copies are moved
+    again (at least once), never lost, and the failure is logged."""
+    coord = coordinator(store, clock)
+    coord.nack("g", "a", store.send("orders", b"m").message_id, 1000)
+    executor = concurrent.futures.ThreadPoolExecutor(1, "mover-test")
+
+    def fail(*args: object) -> None:
+        raise StoreWriteError(5, "simulated failure before the cursor is committed")
+
+    try:
+        coord.persist_with(lambda work: executor.submit(work))
+        monkeypatch.setattr(coord.retries, "commit_cursors", fail)
+        clock.now += 1.0
+        assert coord.retries.move_due() == 1
+        executor.submit(lambda: None).result(10.0)  # the failed job ended before it
+        monkeypatch.undo()
+        assert coord.retries.move_due() == 1
+        executor.submit(lambda: None).result(10.0)
+        assert coord.retries.move_due() == 0
+        assert [m.body for m in everything(store, RETRY)] == [b"m", b"m"]
+        assert "could not make its move durable" in caplog.text
+        assert store.committed_offset(retry.MOVER_GROUP, retry.DELAY_TOPIC, 0) == 1
+    finally:
+        executor.shutdown(wait=True)

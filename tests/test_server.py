@@ -16,7 +16,12 @@ from server_helpers import Raw, raw, short_dir
 from equeue import MessageStore
 from equeue.protocol.frames import encode
 from equeue.protocol.ops import OPS
-from equeue.protocol.records import unpack_message, unpack_pull_result, unpack_send_result
+from equeue.protocol.records import (
+    unpack_message,
+    unpack_pull_result,
+    unpack_send_columns,
+    unpack_send_result,
+)
 from equeue.server import BrokerThread
 
 
@@ -87,6 +92,11 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         assert stats["groups"]["g"]["queues"]["t/1"] == {
             "committed": 2, "end": 3, "lag": 1,
         }  # fmt: skip
+        # protocol version 2's batch of bodies, answered in columns
+        columns = call("send_bodies", topic="u", bodies=[b"a", b"b", b"c"])
+        sent = unpack_send_columns(columns, "test")
+        assert [(r.topic, r.queue_offset) for r in sent] == [("u", 0), ("u", 0), ("u", 0)]
+        assert [call("get", message_id=r.message_id)[9] for r in sent] == [b"a", b"b", b"c"]
     group_ops = {"join", "heartbeat", "leave", "nack"}  # test_server_groups.py
     assert seen | group_ops == set(OPS)
     store = broker.store

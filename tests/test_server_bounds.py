@@ -68,6 +68,22 @@ def test_a_container_past_max_batch_messages_is_not_decoded(home: Path) -> None:
         assert good.call("ping") is None
 
 
+def test_a_frame_of_nested_tiny_objects_is_refused_by_their_count(home: Path) -> None:
+    # each array within max_items, but 40 x 4,000 empty arrays is 160,000 objects: past
+    # the 32 per message of max_batch_messages=1000 a request may hold
+    running = BrokerThread(home / "s", max_batch_messages=1000)
+    with running, raw(running.urls[0]) as good, raw(running.urls[0]) as bomb:
+        inner = b"\xdd" + struct.pack(">I", 1999) + b"\x90" * 1999
+        arrays = b"\xdd" + struct.pack(">I", 80) + inner * 80
+        body = b"\x93\x01\xa4ping\x81\xa1x" + arrays
+        bomb.send_raw(FRAME_HEADER.pack(len(body)) + body)
+        error = bomb.closed_with()
+        assert error["code"] == "ProtocolError"
+        assert "more than 32000 msgpack objects" in error["message"], error
+        assert "--max-batch-messages" in error["message"], error
+        assert good.call("ping") is None
+
+
 def test_send_batch_is_bounded_by_max_batch_messages(home: Path) -> None:
     with BrokerThread(home / "s", max_batch_messages=100) as running, raw(running.urls[0]) as c:
         c.call("create_topic", topic="t", queue_count=1)

@@ -56,6 +56,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="produce,consume,latency,durable",
         help="comma-separated: produce, consume, latency, durable",
     )
+    parser.add_argument(
+        "--event-loop",
+        choices=("auto", "uvloop", "asyncio"),
+        help="the broker's --event-loop (default: none given, the broker's own default)",
+    )
+    parser.add_argument(
+        "--client-loop",
+        choices=("uvloop", "asyncio"),
+        default="asyncio",
+        help="the event loop of the benchmark's asyncio producers (default asyncio)",
+    )
     parser.add_argument("--profile", action="store_true", help="py-spy the broker (unbatched)")
     parser.add_argument(
         "--dir",
@@ -107,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "source": report.source_state(ROOT),
         "batch": BATCH,
         "window": WINDOW,
+        "event_loop": args.event_loop or "default (--event-loop not given)",
+        "client_loop": args.client_loop,
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "wall_seconds": time.perf_counter() - started,

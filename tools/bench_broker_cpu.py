@@ -7,7 +7,8 @@ asyncio would after a read. Each case runs twice under ``valgrind --tool=callgri
 with N and 2N measured reads after the same set-up; (Ir(2N) - Ir(N)) / messages is
 one message's cost without the interpreter's start. Cases:
 ``send``: reads of 100 plain 100 B ``send`` requests (the pipelined asyncio client);
-``send1``: one send per read; ``batch``: one ``send_batch`` of 100 per read;
+``send1``: one send per read; ``batch``: one ``send_batch`` of 100 per read; ``bodies``:
+one ``send_bodies`` of 100 per read (protocol version 2, the clients' batch of bytes);
 ``durable``: ``--flush sync``, 64 connections with one send each per round, each round
 awaiting its fdatasync and answers (the flusher thread's instructions count too).
 ``--src DIR`` measures the equeue package under DIR (for before/after); ``--direct``
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CASES = ("send", "send1", "batch", "durable")
+CASES = ("send", "send1", "batch", "bodies", "durable")
 BODY = b"x" * 100
 DURABLE_PEERS = 64
 
@@ -68,6 +69,8 @@ def _read(case: str) -> bytes:
     if case == "batch":
         args: dict[str, Any] = {"topic": "t", "messages": [{"body": BODY}] * 100}
         return encode([1, "send_batch", args])
+    if case == "bodies":  # protocol version 2: what the clients send for a batch of bytes
+        return encode([1, "send_bodies", {"topic": "t", "bodies": [BODY] * 100}])
     per_read = 100 if case == "send" else 1
     return b"".join(encode([1 + i, "send", {"topic": "t", "body": BODY}]) for i in range(per_read))
 
@@ -118,7 +121,7 @@ async def _run(case: str, count: int, directory: Path) -> tuple[float, int]:
                 await asyncio.sleep(0)  # the answers' write callback
         spent = time.process_time() - started
         print(f"the loop thread's share: {(time.thread_time() - started_thread) / spent:.0%}")
-        per_read = {"send": 100, "send1": 1, "batch": 100, "durable": 1}[case]
+        per_read = {"send": 100, "send1": 1, "batch": 100, "bodies": 100, "durable": 1}[case]
         return spent, count * per_read * peers
     finally:
         broker._ticker.cancel()
@@ -175,7 +178,9 @@ def main() -> None:
                 subprocess.run(argv, check=True, env=env, timeout=3600)
                 continue
             n = options.count
-            per_read = {"send": 100, "send1": 1, "batch": 100, "durable": DURABLE_PEERS}[case]
+            per_read = {"send": 100, "send1": 1, "batch": 100, "bodies": 100}.get(
+                case, DURABLE_PEERS
+            )
             cost = (instructions(case, 2 * n, src) - instructions(case, n, src)) / (n * per_read)
             print(f"{case:8s} {src}: {cost:,.0f} instructions per message", flush=True)
 

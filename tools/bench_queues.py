@@ -21,6 +21,11 @@ refresh(), and whether it sees a topic the writer created after it opened.
 of them after its last checkpoint (how many queues re-dispatch opened, and the time),
 a clean reopen, then ``equeue inspect`` and ``equeue verify`` of that store, timed.
 
+``--inspect STORE``: ``equeue inspect`` and ``equeue verify`` of a store, timed (wall and
+CPU), ``--repeat`` times; ``--kill --keep DIR`` builds the SIGKILLed store there and keeps it.
+``--retention``, ``--compaction``: retention and the compaction job over ``--cold``
+queues, timed (see their functions).
+
 ``--hot``: send/pull throughput to one hot queue with ``--cold`` cold queues beside it
 vs without (alternated A, B, A, B), and a round-robin send over all the cold queues
 (what the open-queue cache's churn costs).
@@ -29,9 +34,11 @@ vs without (alternated A, B, A, B), and a round-robin send over all the cold que
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -289,7 +296,8 @@ def reopen_child(directory: Path, args: argparse.Namespace) -> None:
 
 def kill(args: argparse.Namespace) -> None:
     """Reopen after a SIGKILL with --cold queues; then inspect and verify timed."""
-    directory = Path(tempfile.mkdtemp(prefix="eqbk", dir=args.dir))
+    directory = args.keep or Path(tempfile.mkdtemp(prefix="eqbk", dir=args.dir))
+    directory.mkdir(parents=True, exist_ok=True)
     try:
         base = [
             sys.executable,
@@ -310,15 +318,121 @@ def kill(args: argparse.Namespace) -> None:
         done = subprocess.run([*base, "--reopen-child"], capture_output=True, text=True,
                               timeout=600)  # fmt: skip
         print("clean reopen:", done.stdout.strip() or done.stderr[-2000:])
+        time_commands(directory, 1)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def time_commands(directory: Path, repeat: int) -> None:
+    """``equeue inspect`` and ``equeue verify`` of the store, each ``repeat`` times
+    (alternated), timed: wall seconds, and the CPU seconds (user + system) the child
+    used, which the machine's other work disturbs less; the load average beside."""
+    for turn in range(repeat):
         for command in ("inspect", "verify"):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             started = time.perf_counter()
             done = subprocess.run([sys.executable, "-m", "equeue", command, str(directory)],
                                   capture_output=True, text=True, timeout=1800)  # fmt: skip
+            wall = time.perf_counter() - started
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
             lines = done.stdout.count("\n")
             print(
-                f"equeue {command}: {time.perf_counter() - started:.2f} s, exit "
-                f"{done.returncode}, {lines} lines of output"
+                f"equeue {command} (turn {turn + 1}): {wall:.2f} s wall, CPU {user:.2f} s user "
+                f"+ {system:.2f} s system, exit {done.returncode}, {lines} lines of output, "
+                f"load average {os.getloadavg()[0]:.1f}",
+                flush=True,
             )
+
+
+def retention_bench(args: argparse.Namespace) -> None:
+    """``--retention``: ``--cold`` queues (topics of 4), one message each, then filler
+    to one queue past several 1 MiB log chunks; a store reopened with a size bound so that
+    ``apply_retention`` removes the log chunks holding every queue's message (each
+    queue's first offset moves), timed with the queues it opened; then more filler and a
+    second removal that leaves the many queues as they are (the common case), timed."""
+    directory = Path(tempfile.mkdtemp(prefix="eqbr", dir=args.dir))
+    body = b"r" * 100
+    try:
+        base = {"chunk_data_size": 1 << 20, "flush": args.flush}
+        if args.max_open_files:
+            base["max_open_files"] = args.max_open_files
+        topics = [f"t{i:05d}" for i in range(args.cold // 4)]
+        with MessageStore.open(directory, StoreConfig(**base)) as store:
+            for topic in topics:
+                store.create_topic(topic, 4)
+                for q in range(4):
+                    store.send(topic, body, queue_id=q)
+            store.create_topic("filler", 1)
+            for _ in range(3 * (1 << 20) // 150):
+                store.send("filler", body)
+        bounded = StoreConfig(**base, max_store_bytes=2 << 20)
+        with MessageStore.open(directory, bounded) as store:
+            for step in ("moves every queue", "moves no cold queue"):
+                opened = store._files.opened
+                started = time.perf_counter()
+                removed = store.apply_retention()
+                took = time.perf_counter() - started
+                moved = sum(store.queue_range(t, q)[0] > 0 for t in topics for q in range(4))
+                print(
+                    f"retention over {len(topics) * 4} queues, removal that {step}: "
+                    f"{took:.3f} s, {removed} log chunks removed, {store._files.opened - opened} "
+                    f"queues opened, {moved} queues start past offset 0, load average "
+                    f"{os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+                for _ in range(2 * (1 << 20) // 150):
+                    store.send("filler", body)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def compaction_bench(args: argparse.Namespace) -> None:
+    """``--compaction``: ``--cold`` queues, half of the topics compacted (3 keys a queue),
+    half with a 30 s retention, two messages a queue; the compaction job (a local Spark
+    session, ``local[2]``) timed, then a pull through every queue, then ``verify``."""
+    from equeue.compaction.job import compact
+    from equeue.inspect.verify import verify_store
+
+    directory = Path(tempfile.mkdtemp(prefix="eqbc", dir=args.dir))
+    try:
+        config = StoreConfig(chunk_data_size=1 << 20, flush=args.flush)
+        with MessageStore.open(directory, config) as store:
+            topics = [f"k{i:05d}" if i % 2 else f"d{i:05d}" for i in range(args.cold // 4)]
+            for topic in topics:
+                if topic.startswith("k"):
+                    store.create_topic(topic, 4, cleanup="compact")
+                else:
+                    store.create_topic(topic, 4, retention=dt.timedelta(seconds=30))
+            for round_ in range(2):
+                for topic in topics:
+                    for q in range(4):
+                        key = f"key{(round_ + q) % 3}" if topic.startswith("k") else None
+                        store.send(topic, b"c" * 100, key=key, queue_id=q)
+            store.create_topic("filler", 1)
+            for _ in range(2 * (1 << 20) // 150):  # the chunks above completed
+                store.send("filler", b"f" * 100)
+        started = time.perf_counter()
+        report = compact(directory, master="local[2]", now=time.time() + 60, quiet=True)
+        took = time.perf_counter() - started
+        print(
+            f"compaction over {len(topics) * 4} queues: {took:.1f} s (Spark start included), "
+            f"{report.records_removed} records removed, {report.bytes_before:,} -> "
+            f"{report.bytes_after:,} bytes, load average {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        started = time.perf_counter()
+        pulled = 0
+        with MessageStore.open(directory, config) as store:
+            for topic in topics:
+                for q in range(4):
+                    pulled += len(store.pull(topic, q, 0, 100).messages)
+        print(f"pull through every queue after: {time.perf_counter() - started:.2f} s, "
+              f"{pulled} messages")  # fmt: skip
+        started = time.perf_counter()
+        problems = verify_store(directory)
+        print(f"verify after: {time.perf_counter() - started:.2f} s, {len(problems)} problems")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -336,6 +450,10 @@ def main() -> None:
     parser.add_argument("--rr-messages", type=int, default=40_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--kill", action="store_true", help="reopen after SIGKILL, inspect")
+    parser.add_argument("--keep", type=Path, help="--kill: build the store here and keep it")
+    parser.add_argument("--inspect", type=Path, help="time inspect and verify of this store")
+    parser.add_argument("--retention", action="store_true", help="retention over --cold queues")
+    parser.add_argument("--compaction", action="store_true", help="compaction, --cold queues")
     parser.add_argument("--code", type=Path, nargs="+", help="source trees to alternate")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--kill-child", type=int, help=argparse.SUPPRESS)
@@ -353,6 +471,15 @@ def main() -> None:
         return
     if args.kill:
         kill(args)
+        return
+    if args.inspect is not None:
+        time_commands(args.inspect, args.repeat)
+        return
+    if args.retention:
+        retention_bench(args)
+        return
+    if args.compaction:
+        compaction_bench(args)
         return
     if args.hot:
         hot(args)

@@ -73,6 +73,7 @@ static PyMethodDef methods[] = {
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},
+    {"message_doc", message_doc, METH_O, NULL},
     {"scan_frames", scan_frames, METH_VARARGS, NULL},
     {"frame_offsets", frame_offsets, METH_VARARGS, NULL},
     {"record_columns", record_columns, METH_VARARGS, NULL},
@@ -99,10 +100,11 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     EMPTY_BYTES = PyBytes_FromStringAndSize("", 0);
     ZERO = PyLong_FromLong(0);
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
-    if (PyType_Ready(&SenderType) < 0) return NULL;
+    if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0) {
+    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
+        PyModule_AddObjectRef(m, "Message", (PyObject *)&MessageType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -65,6 +65,15 @@ static void *run(void *unused) {
         drop(0);
         serving = r.mapping;
         pthread_mutex_unlock(&lock);
+        /* The window into the page cache first, by one readahead of exactly that range
+         * (zero pages from allocated, unwritten blocks: no I/O), then mapped writable.
+         * The unwritten tail of a chunk is MADV_RANDOM (Chunk.open_for_write: no
+         * read-around past the data), under which MADV_POPULATE_WRITE alone takes a
+         * one-page major fault per page: 3.7-4.0 µs a page, 3.0-3.1 µs with the
+         * readahead first (ext4, 512 KiB windows). At 1 KiB records the writer outran
+         * this thread less (its own major faults 0.054-0.074 a message, not 0.082-0.099;
+         * its system time 0.53-0.70 µs a message, not 0.73-0.87). */
+        (void)madvise((void *)r.address, r.length, MADV_WILLNEED);
         (void)madvise((void *)r.address, r.length, MADV_POPULATE_WRITE);
         pthread_mutex_lock(&lock);
         serving = 0;

@@ -23,15 +23,22 @@ static PyObject *decode_cached(Last *last, const char *s, Py_ssize_t len) {
     return str;
 }
 
+typedef struct {
+    PyObject *topic; /* borrowed from the message */
+    long long queue_id, queue_offset;
+    uint32_t hash;
+} Head;
+
 /* The record at ``position`` of a chunk whose data area is data[0:data_end] and whose
  * first position is ``base``, checked (length, suffix, checksum, the head's own
- * position) and decoded as a Message, with its stored tag hash in *hash; Py_None (a new
+ * position) and decoded as a message_type (the C Message, or a NamedTuple class), with its
+ * topic, queue id, queue offset and stored tag hash in *head; Py_None (a new
  * reference) where anything is off, for the caller to read the slow way, which raises
  * the precise error; NULL with an exception for an error not about the record. */
 static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long base,
                                long long position, Last *topic_cache, Last *tag_cache,
                                PyObject *message_type, PyObject *id_prefix,
-                               PyObject *decode_props, uint32_t *hash) {
+                               PyObject *decode_props, Head *head) {
     /* The positions come from queue entries, which a damaged file can set to anything:
      * every comparison below is arranged so that no value can overflow. */
     if (position < base || position - base > (long long)(data_end - FRAME_OVERHEAD - HEAD_SIZE))
@@ -59,10 +66,12 @@ static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long 
     if (tag != NULL)
         key = (h[44] & FLAG_HAS_KEY) ? PyUnicode_DecodeUTF8(s, kl, "strict") : Py_NewRef(Py_None);
     s += kl;
+    /* The C Message makes an empty properties dict when it is first read. */
+    int lazy = message_type == (PyObject *)&MessageType;
     PyObject *props = NULL;
     if (key != NULL) {
         if (pl == 0) {
-            props = PyDict_New();
+            props = lazy ? Py_NewRef(Py_None) : PyDict_New();
         } else {
             PyObject *raw = PyBytes_FromStringAndSize(s, pl);
             props = raw == NULL ? NULL : PyObject_CallOneArg(decode_props, raw);
@@ -81,11 +90,22 @@ static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long 
         PyErr_Clear();
         Py_RETURN_NONE;
     }
+    long long queue_id = get_i32(h + 32), queue_offset = get_i64(h + 24);
+    head->topic = topic;
+    head->queue_id = queue_id;
+    head->queue_offset = queue_offset;
+    head->hash = get_u32(h + 40);
+    if (lazy) {
+        if (props == Py_None) Py_CLEAR(props);
+        return lazy_message(id_prefix, topic, tag, key, props, PyBytes_FromStringAndSize(s, bl),
+                            position, queue_id, queue_offset, get_i32(h + 36), get_i64(h + 16),
+                            get_i64(h + 8));
+    }
     PyObject *fields[12] = {
         message_id(id_prefix, position),
         topic,
-        PyLong_FromLong(get_i32(h + 32)),
-        PyLong_FromLongLong(get_i64(h + 24)),
+        PyLong_FromLongLong(queue_id),
+        PyLong_FromLongLong(queue_offset),
         PyLong_FromLongLong(position),
         tag,
         key,
@@ -95,11 +115,9 @@ static PyObject *decode_record(const char *data, Py_ssize_t data_end, long long 
         PyLong_FromLongLong(get_i64(h + 16)),
         PyLong_FromLongLong(get_i64(h + 8)),
     };
-    /* (Left tracked by the garbage collector, as the Python path's are: a caller may put
-     * the message itself into its properties dict.) */
-    PyObject *message = new_record((PyTypeObject *)message_type, 12, fields);
-    *hash = get_u32(h + 40);
-    return message;
+    /* (A tuple is left tracked by the garbage collector, as the Python path's are: a
+     * caller may put the message itself into its properties dict.) */
+    return new_record((PyTypeObject *)message_type, 12, fields);
 }
 
 /* decode_run(mm, data_offset, data_end, base, positions, message_type, id_prefix,
@@ -139,16 +157,16 @@ PyObject *decode_run(PyObject *self, PyObject *args) {
             PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(positions, i), &overflow);
         if (position == -1 && PyErr_Occurred()) goto fail;
         if (overflow) continue;
-        uint32_t hash = 0;
+        Head head;
         PyObject *message = decode_record(data, data_end, base, position, &topic_cache,
                                           &tag_cache, message_type, id_prefix, decode_props,
-                                          &hash);
+                                          &head);
         if (message == NULL) goto fail;
         if (message == Py_None) {
             Py_DECREF(message);
             continue;
         }
-        PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)hash);
+        PyObject *pair = Py_BuildValue("(NI)", message, (unsigned int)head.hash);
         if (pair == NULL) goto fail;
         PyList_SET_ITEM(out, i, pair);
         Py_DECREF(Py_None); /* the placeholder it replaces */
@@ -167,25 +185,26 @@ fail:
 
 /* --- pull_chunk ----------------------------------------------------------------- */
 
-/* pull_chunk(mm, data_offset, data_end, base, entries, offset, queue_id, topic, room,
- *            out, message_type, id_prefix, decode_properties) -> taken
+/* pull_chunk(mm, data_offset, data_end, base, entries, first, offset, queue_id, topic,
+ *            room, out, message_type, id_prefix, decode_properties) -> taken
  *
  * An untagged pull's run through one log chunk (not compacted), without the lists and
- * dicts of decode_run and collect: from the first of ``entries`` [(position, tag hash)]
- * (the entry for queue offset ``offset``) on, each record decoded as decode_record does,
- * checked against its entry (queue offset, queue id, topic, tag hash) and appended to
- * out, until out holds ``room`` more messages. Stops before the first entry that is
- * anything else: a position outside this chunk, a record not intact, a message that
- * does not match its entry; the caller goes on from there (the next chunk, or the
- * general path, which raises the precise error). Returns how many entries it took. */
+ * dicts of decode_run and collect: ``entries`` is a block of raw queue records (the
+ * QUEUE_RECORD layout: int64 position + 1, uint32 tag hash), as the queue file holds
+ * them; from record ``first`` (the entry for queue offset ``offset``) on, each record
+ * the entry names is decoded as decode_record does, checked against its entry (queue
+ * offset, queue id, topic, tag hash) and appended to out, until out holds ``room`` more
+ * messages. Stops before the first entry that is anything else: a position outside
+ * this chunk, a record not intact, a message that does not match its entry; the caller
+ * goes on from there (the next chunk, or the general path, which raises the precise
+ * error). Returns how many entries it took. */
 PyObject *pull_chunk(PyObject *self, PyObject *args) {
     PyObject *mm, *entries, *topic, *out, *message_type, *id_prefix, *decode_props;
-    Py_ssize_t data_offset, data_end, room;
+    Py_ssize_t data_offset, data_end, room, first;
     long long base, offset, queue_id;
-    if (!PyArg_ParseTuple(args, "OnnLO!LLUnO!O!UO", &mm, &data_offset, &data_end, &base,
-                          &PyList_Type, &entries, &offset, &queue_id, &topic, &room,
-                          &PyList_Type, &out, &PyType_Type, &message_type, &id_prefix,
-                          &decode_props))
+    if (!PyArg_ParseTuple(args, "OnnLOnLLUnO!O!UO", &mm, &data_offset, &data_end, &base,
+                          &entries, &first, &offset, &queue_id, &topic, &room, &PyList_Type,
+                          &out, &PyType_Type, &message_type, &id_prefix, &decode_props))
         return NULL;
     if (!configured()) return NULL;
     if (!PyUnicode_IS_COMPACT_ASCII(id_prefix)) {
@@ -193,12 +212,20 @@ PyObject *pull_chunk(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!PyUnicode_CheckExact(topic)) return PyLong_FromLong(0); /* the general path's */
-    Py_buffer view;
-    if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Py_buffer view, block;
+    if (PyObject_GetBuffer(entries, &block, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(mm, &view, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&block);
+        return NULL;
+    }
     Last topic_cache = {0}, tag_cache = {0};
-    Py_ssize_t taken = -1;
+    Py_ssize_t taken = -1, count = block.len / QUEUE_RECORD;
     if (data_offset < 0 || data_end < 0 || base < 0 || data_offset + data_end > view.len) {
         PyErr_SetString(PyExc_ValueError, "the data area lies outside the mapping");
+        goto done;
+    }
+    if (first < 0 || first > count) {
+        PyErr_SetString(PyExc_ValueError, "first lies outside the entries");
         goto done;
     }
     const char *data = (const char *)view.buf + data_offset;
@@ -207,31 +234,23 @@ PyObject *pull_chunk(PyObject *self, PyObject *args) {
     topic_cache.bytes = PyUnicode_AsUTF8AndSize(topic, &topic_cache.len);
     if (topic_cache.bytes == NULL) goto done;
     Py_ssize_t k = 0;
-    for (; k < room && k < PyList_GET_SIZE(entries); k++) {
-        PyObject *entry = PyList_GET_ITEM(entries, k);
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
-            PyErr_SetString(PyExc_TypeError, "queue entries are (position, tag hash) pairs");
-            goto done;
-        }
-        int overflow = 0;
-        long long position = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(entry, 0), &overflow);
-        if (position == -1 && PyErr_Occurred()) goto done;
-        long long hashed = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
-        if (hashed == -1 && PyErr_Occurred()) goto done;
-        if (overflow || position < base || position - base >= (long long)data_end) break;
-        uint32_t hash = 0;
+    for (; k < room && first + k < count; k++) {
+        const char *entry = (const char *)block.buf + (first + k) * QUEUE_RECORD;
+        long long stored = get_i64(entry), hashed = get_u32(entry + 8);
+        if (stored <= 0) break; /* (no position) */
+        long long position = stored - 1;
+        if (position < base || position - base >= (long long)data_end) break;
+        Head head;
         PyObject *message = decode_record(data, data_end, base, position, &topic_cache,
                                           &tag_cache, message_type, id_prefix, decode_props,
-                                          &hash);
+                                          &head);
         if (message == NULL) goto done;
         if (message == Py_None) {
             Py_DECREF(message);
             break;
         }
-        if (PyTuple_GET_ITEM(message, 1) != topic ||
-            PyLong_AsLongLong(PyTuple_GET_ITEM(message, 3)) != offset + k ||
-            PyLong_AsLongLong(PyTuple_GET_ITEM(message, 2)) != queue_id ||
-            (long long)hash != hashed) {
+        if (head.topic != topic || head.queue_offset != offset + k ||
+            head.queue_id != queue_id || (long long)head.hash != hashed) {
             Py_DECREF(message);
             break;
         }
@@ -244,6 +263,7 @@ done:
     Py_XDECREF(topic_cache.str);
     Py_XDECREF(tag_cache.str);
     PyBuffer_Release(&view);
+    PyBuffer_Release(&block);
     return taken < 0 ? NULL : PyLong_FromSsize_t(taken);
 }
 
@@ -281,16 +301,11 @@ PyObject *collect(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "found values are (message, tag hash) pairs");
             return NULL;
         }
-        PyObject *message = PyTuple_GET_ITEM(pair, 0);
-        if (!PyTuple_Check(message) || PyTuple_GET_SIZE(message) < 4) {
-            PyErr_SetString(PyExc_TypeError, "messages are Message tuples");
-            return NULL;
-        }
-        int same_topic = PyUnicode_Compare(PyTuple_GET_ITEM(message, 1), topic);
+        PyObject *message = PyTuple_GET_ITEM(pair, 0), *message_topic;
+        long long qoff, qid;
+        if (message_check_fields(message, &message_topic, &qid, &qoff) < 0) return NULL;
+        int same_topic = PyUnicode_Compare(message_topic, topic);
         if (same_topic == -1 && PyErr_Occurred()) return NULL;
-        long long qoff = PyLong_AsLongLong(PyTuple_GET_ITEM(message, 3));
-        long long qid = PyLong_AsLongLong(PyTuple_GET_ITEM(message, 2));
-        if (PyErr_Occurred()) return NULL;
         int same_hash = PyObject_RichCompareBool(PyTuple_GET_ITEM(pair, 1),
                                                  PyTuple_GET_ITEM(entry, 1), Py_EQ);
         if (same_hash < 0) return NULL;

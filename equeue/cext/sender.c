@@ -1,4 +1,4 @@
-#include "speedups.h"
+#include "sendstate.h"
 #include <time.h>
 
 /* --- Sender: a whole single send in one call ------------------------------------
@@ -12,25 +12,18 @@
  * None (nothing written, the lock released) hands the send to the Python path: a new
  * topic, a field to check in Python, a chunk to complete or create, a closed store. */
 
-static PyObject *S_acquire, *S_release, *S_is_owned, *S_chunk, *S_data_end, *S_writable_end, *S_base, *S_mm,
-    *S_record_count, *S_prefault_mark, *S_prefault, *S_writer, *S_next_offset, *S_closed,
-    *S_flush_error, *S_waiting, *S_wake, *S_add, *S_time_ns, *S_tag, *S_key, *S_properties,
-    *S_code, *S_queue_id, *S_empty;
+static PyObject *S_acquire, *S_release, *S_is_owned, *S_wake, *S_add, *S_tag, *S_key,
+    *S_properties, *S_code, *S_queue_id, *S_empty;
 
 int intern_names(void) {
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    INTERN(S_acquire, "acquire") INTERN(S_release, "release") INTERN(S_is_owned, "_is_owned") INTERN(S_chunk, "_chunk")
-    INTERN(S_data_end, "data_end") INTERN(S_writable_end, "writable_end") INTERN(S_base, "base")
-    INTERN(S_mm, "_mm") INTERN(S_record_count, "record_count")
-    INTERN(S_prefault_mark, "_prefault_mark") INTERN(S_prefault, "_prefault")
-    INTERN(S_writer, "_writer") INTERN(S_next_offset, "next_offset") INTERN(S_closed, "_closed")
-    INTERN(S_flush_error, "_flush_error") INTERN(S_waiting, "_waiting") INTERN(S_wake, "_wake")
-    INTERN(S_add, "add") INTERN(S_time_ns, "time_ns") INTERN(S_tag, "tag") INTERN(S_key, "key")
+    INTERN(S_acquire, "acquire") INTERN(S_release, "release") INTERN(S_is_owned, "_is_owned")
+    INTERN(S_wake, "_wake") INTERN(S_add, "add") INTERN(S_tag, "tag") INTERN(S_key, "key")
     INTERN(S_properties, "properties") INTERN(S_code, "code") INTERN(S_queue_id, "queue_id")
     INTERN(S_empty, "")
 #undef INTERN
-    return 0;
+    return sendstate_names();
 }
 
 typedef struct {
@@ -47,8 +40,22 @@ typedef struct {
     PyObject *fallback; /* MessageStore.send (the function): what call() hands a send to */
     PyObject *time_ns; /* the time module's own time_ns (a builtin), or NULL */
     PyObject *acquire, *release, *owned; /* the lock's bound methods (owned: _is_owned) */
+    int lock_in_place;                   /* rlock_mirrorable(lock) */
     Py_ssize_t data_offset, max_body, chunk_size;
+    /* What the objects held after the last send (sendstate.h): borrowed, each checked
+     * against its object's dict before use */
+    StoreCache store_seen;
+    ClockCache clock_seen;
+    WriterCache log_seen;
+    WriterCache queue_seen[WRITER_CACHE_SLOTS];
+    QueueSlots queue_slots;
 } Sender;
+
+static void forget_state(Sender *s) {
+    s->store_seen.valid = s->clock_seen.valid = s->log_seen.valid = 0;
+    for (int i = 0; i < WRITER_CACHE_SLOTS; i++) s->queue_seen[i].valid = 0;
+    s->queue_slots = (QueueSlots){0};
+}
 
 static int Sender_traverse(Sender *s, visitproc visit, void *arg) {
     Py_VISIT(s->store); Py_VISIT(s->lock); Py_VISIT(s->writer); Py_VISIT(s->queues);
@@ -60,6 +67,7 @@ static int Sender_traverse(Sender *s, visitproc visit, void *arg) {
 }
 
 static int Sender_clear(Sender *s) {
+    forget_state(s);
     Py_CLEAR(s->store); Py_CLEAR(s->lock); Py_CLEAR(s->writer); Py_CLEAR(s->queues);
     Py_CLEAR(s->topic_bytes); Py_CLEAR(s->round_robin); Py_CLEAR(s->keys);
     Py_CLEAR(s->id_prefix); Py_CLEAR(s->result_type); Py_CLEAR(s->tag_check);
@@ -105,7 +113,7 @@ static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
     s->fallback = fallback == Py_None ? NULL : Py_NewRef(fallback);
     /* The builtin, whatever the clock module holds now (a test may have replaced it) */
     PyObject *time_module = PyImport_ImportModule("time");
-    s->time_ns = time_module == NULL ? NULL : PyObject_GetAttr(time_module, S_time_ns);
+    s->time_ns = time_module == NULL ? NULL : PyObject_GetAttrString(time_module, "time_ns");
     Py_XDECREF(time_module);
     if (s->time_ns != NULL && !PyCFunction_Check(s->time_ns)) Py_CLEAR(s->time_ns);
     PyErr_Clear(); /* (without it, every send calls the clock) */
@@ -116,139 +124,28 @@ static int Sender_init(Sender *s, PyObject *args, PyObject *kwargs) {
         Sender_clear(s);
         return -1;
     }
+    s->lock_in_place = rlock_mirrorable(s->lock);
     s->data_offset = data_offset;
     s->max_body = max_body;
     s->chunk_size = chunk_size;
     return 0;
 }
 
-/* Plain instance attributes (Chunk, Queue, ChunkWriter, the store), read and set
- * through the instance's dict when the type defines nothing of that name (no property,
- * no slot, no class attribute), which is what generic attribute access would do, with
- * less work per send; anything else goes through PyObject_GetAttr / PyObject_SetAttr. */
-static inline PyObject **plain_dict(PyObject *obj, PyObject *name) {
-    PyTypeObject *tp = Py_TYPE(obj);
-    if (tp->tp_getattro != PyObject_GenericGetAttr || tp->tp_setattro != PyObject_GenericSetAttr ||
-        _PyType_Lookup(tp, name) != NULL)
-        return NULL;
-    PyObject **dict = _PyObject_GetDictPtr(obj);
-    return dict != NULL && *dict != NULL && PyDict_CheckExact(*dict) ? dict : NULL;
-}
-
-static PyObject *get_attr(PyObject *obj, PyObject *name) {
-    PyObject **dict = plain_dict(obj, name);
-    if (dict != NULL) {
-        PyObject *v = PyDict_GetItemWithError(*dict, name);
-        if (v != NULL) return Py_NewRef(v);
-        if (PyErr_Occurred()) return NULL;
-    }
-    return PyObject_GetAttr(obj, name); /* (raises the AttributeError) */
-}
-
-static int set_attr(PyObject *obj, PyObject *name, PyObject *value) {
-    PyObject **dict = plain_dict(obj, name);
-    if (dict != NULL) return PyDict_SetItem(*dict, name, value);
-    return PyObject_SetAttr(obj, name, value);
-}
-
-/* An int attribute as a Py_ssize_t; -1 with an exception if missing or not an int. */
-static Py_ssize_t ssize_attr(PyObject *obj, PyObject *name) {
-    PyObject *v = get_attr(obj, name);
-    if (v == NULL) return -1;
-    Py_ssize_t n = PyLong_AsSsize_t(v);
-    Py_DECREF(v);
-    if (n < 0 && !PyErr_Occurred())
-        PyErr_Format(PyExc_ValueError, "%R is negative", name);
-    return n;
-}
-
-static int set_ssize_attr(PyObject *obj, PyObject *name, Py_ssize_t value) {
-    PyObject *v = PyLong_FromSsize_t(value);
-    if (v == NULL) return -1;
-    int r = set_attr(obj, name, v);
-    Py_DECREF(v);
-    return r;
-}
-
-/* Chunk.publish(end, 1): count the record, raise data_end, prefault the next window. */
-static int publish_one(PyObject *chunk, Py_ssize_t end) {
-    Py_ssize_t count = ssize_attr(chunk, S_record_count);
-    if (count < 0 || set_ssize_attr(chunk, S_record_count, count + 1) < 0) return -1;
-    if (set_ssize_attr(chunk, S_data_end, end) < 0) return -1;
-    PyObject *mark = get_attr(chunk, S_prefault_mark);
-    if (mark == NULL) return -1;
-    long long m = PyLong_AsLongLong(mark);
-    Py_DECREF(mark);
-    if (m == -1 && PyErr_Occurred()) return -1;
-    if (end > m) {
-        PyObject *end_obj = PyLong_FromSsize_t(end);
-        if (end_obj == NULL) return -1;
-        PyObject *r = PyObject_CallMethodOneArg(chunk, S_prefault, end_obj);
-        Py_DECREF(end_obj);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
-    }
-    return 0;
-}
-
-/* A chunk open for writing and its data end, writable end (as size: Chunk.writable_end,
- * up to where its blocks are allocated) and mapping (new references), or 0
- * when there is none (writer._chunk is None, or not mapped), or -1 with an exception. */
-typedef struct {
-    PyObject *chunk, *mm;
-    Py_ssize_t end, size;
-} Open;
-
-static int open_chunk(PyObject *writer, Open *out) {
-    *out = (Open){0};
-    PyObject *chunk = get_attr(writer, S_chunk);
-    if (chunk == NULL) return -1;
-    if (chunk == Py_None) {
-        Py_DECREF(chunk);
-        return 0;
-    }
-    PyObject *mm = get_attr(chunk, S_mm);
-    if (mm == NULL || mm == Py_None) {
-        Py_DECREF(chunk);
-        Py_XDECREF(mm);
-        return mm == NULL ? -1 : 0;
-    }
-    out->chunk = chunk;
-    out->mm = mm;
-    if ((out->end = ssize_attr(chunk, S_data_end)) < 0 ||
-        (out->size = ssize_attr(chunk, S_writable_end)) < 0) {
-        Py_CLEAR(out->chunk);
-        Py_CLEAR(out->mm);
-        return -1;
-    }
-    return 1;
-}
-
-static void close_open(Open *o) {
-    Py_CLEAR(o->chunk);
-    Py_CLEAR(o->mm);
-}
-
 /* The send itself, with the write lock held: a SendResult, None (nothing written), or
  * NULL with an exception. */
 static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Checked *c) {
     PyObject *result = NULL, *queue = NULL, *qwriter = NULL, *topic_bytes = NULL;
-    Open log = {0}, entries = {0};
+    ChunkView log = {0}, entries = {0};
     Py_buffer lbuf = {0}, qbuf = {0};
     int r;
 
-    {
-        PyObject *closed = get_attr(s->store, S_closed);
-        if (closed == NULL) return NULL;
-        r = PyObject_IsTrue(closed);
-        Py_DECREF(closed);
-        if (r != 0) return r < 0 ? NULL : Py_NewRef(Py_None);
-    }
+    if (store_state(s->store, &s->store_seen) < 0) return NULL;
+    if (s->store_seen.closed) return Py_NewRef(Py_None);
     Py_ssize_t count = PyList_GET_SIZE(queues);
     topic_bytes = Py_XNewRef(PyDict_GetItemWithError(s->topic_bytes, topic));
     if (topic_bytes == NULL) goto fallback_or_fail;
     if (!PyBytes_Check(topic_bytes)) goto fallback;
-    if ((r = open_chunk(s->writer, &log)) <= 0) goto fallback_or_fail;
+    if ((r = writer_view(s->writer, &s->log_seen, 1, &log)) <= 0) goto fallback_or_fail;
     Py_ssize_t length = c->length + PyBytes_GET_SIZE(topic_bytes);
     /* Past the allocated blocks: Chunk.reserve or a new chunk, on the Python path */
     if (log.end + length + FRAME_OVERHEAD > log.size) goto fallback;
@@ -269,20 +166,17 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
         turn = q + 1;
     }
     queue = Py_NewRef(PyList_GET_ITEM(queues, q));
-    if ((qwriter = get_attr(queue, S_writer)) == NULL) goto fail;
+    Py_ssize_t offset;
+    if (queue_state(&s->queue_slots, queue, &qwriter, &offset) < 0) goto fail;
     if (qwriter == Py_None) goto fallback; /* the property creates it */
-    if ((r = open_chunk(qwriter, &entries)) <= 0) goto fallback_or_fail;
+    WriterCache *queue_seen = writer_cache(s->queue_seen, qwriter);
+    if ((r = writer_view(qwriter, queue_seen, 0, &entries)) <= 0) goto fallback_or_fail;
     if (entries.end + QUEUE_RECORD > entries.size) goto fallback; /* Queue.make_room() */
-    Py_ssize_t offset = ssize_attr(queue, S_next_offset);
-    if (offset < 0) goto fail;
-    PyObject *position_base = get_attr(log.chunk, S_base);
-    if (position_base == NULL) goto fail;
-    long long base = PyLong_AsLongLong(position_base);
-    Py_DECREF(position_base);
-    if (base < 0) goto fallback_or_fail;
+    long long base = log.base;
+    if (base < 0) goto fallback;
     long long now_ns;
     {
-        PyObject *clock = get_attr(s->clock, S_time_ns);
+        PyObject *clock = clock_function(s->clock, &s->clock_seen);
         if (clock == NULL) goto fail;
         if (s->time_ns != NULL && PyCFunction_Check(clock) &&
             PyCFunction_GET_FUNCTION(clock) == PyCFunction_GET_FUNCTION(s->time_ns)) {
@@ -331,9 +225,9 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
     put_u32(slot + 8, c->hashed);
     PyBuffer_Release(&qbuf);
     PyBuffer_Release(&lbuf);
-    if (publish_one(log.chunk, log.end + length + FRAME_OVERHEAD) < 0 ||
-        publish_one(entries.chunk, entries.end + QUEUE_RECORD) < 0 ||
-        set_ssize_attr(queue, S_next_offset, offset + 1) < 0)
+    if (view_publish(&s->log_seen, &log, log.end + length + FRAME_OVERHEAD) < 0 ||
+        view_publish(queue_seen, &entries, entries.end + QUEUE_RECORD) < 0 ||
+        queue_advance(&s->queue_slots, queue, offset + 1) < 0)
         goto fail;
     if (turn >= 0) {
         PyObject *t = PyLong_FromSsize_t(turn);
@@ -364,8 +258,8 @@ fail:
 done:
     if (qbuf.obj != NULL) PyBuffer_Release(&qbuf);
     if (lbuf.obj != NULL) PyBuffer_Release(&lbuf);
-    close_open(&log);
-    close_open(&entries);
+    view_clear(&log);
+    view_clear(&entries);
     Py_XDECREF(queue);
     Py_XDECREF(qwriter);
     Py_XDECREF(topic_bytes);
@@ -374,6 +268,7 @@ done:
 
 /* Release the lock, keeping any exception already raised. */
 static int release_lock(Sender *s) {
+    if (s->lock_in_place && rlock_release(s->lock)) return 0;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *r = PyObject_CallNoArgs(s->release);
@@ -458,6 +353,7 @@ static PyObject *Sender_call(Sender *s, PyObject *const *args, size_t nargsf,
 static PyObject *send_fields(Sender *s, PyObject *const *args) {
     PyObject *topic = args[0];
     if (!PyUnicode_CheckExact(topic)) Py_RETURN_NONE;
+    uint64_t queues_version = dict_state(s->queues);
     PyObject *queues = PyDict_GetItemWithError(s->queues, topic);
     if (queues == NULL) {
         if (PyErr_Occurred()) return NULL;
@@ -473,29 +369,36 @@ static PyObject *send_fields(Sender *s, PyObject *const *args) {
         Py_DECREF(queues);
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
-    PyObject *flush_error = get_attr(s->store, S_flush_error);
-    if (flush_error == NULL || flush_error != Py_None) { /* the Python path refuses it */
-        result = flush_error == NULL ? NULL : Py_NewRef(Py_None);
-        Py_XDECREF(flush_error);
+    if (store_state(s->store, &s->store_seen) < 0) goto out;
+    if (s->store_seen.failed) { /* the Python path refuses it */
+        result = Py_NewRef(Py_None);
         goto out;
     }
-    Py_DECREF(flush_error);
     /* This thread holds the (reentrant) lock already: a send from a signal handler or a
      * callback inside another send. Acquired, it would not block, and would write where
      * the outer send is writing: the Python path raises ReentrantSendError. */
-    PyObject *owned = PyObject_CallNoArgs(s->owned);
-    int held = owned == NULL ? -1 : PyObject_IsTrue(owned);
-    Py_XDECREF(owned);
+    int held;
+    if (s->lock_in_place) {
+        held = rlock_owned(s->lock);
+    } else {
+        PyObject *owned = PyObject_CallNoArgs(s->owned);
+        held = owned == NULL ? -1 : PyObject_IsTrue(owned);
+        Py_XDECREF(owned);
+    }
     if (held != 0) {
         result = held < 0 ? NULL : Py_NewRef(Py_None);
         goto out;
     }
-    PyObject *acquired = PyObject_CallNoArgs(s->acquire);
-    if (acquired == NULL) goto out;
-    Py_DECREF(acquired);
+    if (!s->lock_in_place || !rlock_try(s->lock)) {
+        PyObject *acquired = PyObject_CallNoArgs(s->acquire);
+        if (acquired == NULL) goto out;
+        Py_DECREF(acquired);
+    }
     /* delete_topic may have closed these queues while this send waited for the lock:
-     * the Python path looks the topic up again */
-    PyObject *now_queues = PyDict_GetItemWithError(s->queues, topic);
+     * the Python path looks the topic up again (unless the dict did not change) */
+    PyObject *now_queues = queues_version != 0 && dict_state(s->queues) == queues_version
+                               ? queues
+                               : PyDict_GetItemWithError(s->queues, topic);
     if (now_queues != queues) {
         result = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     } else {
@@ -503,9 +406,7 @@ static PyObject *send_fields(Sender *s, PyObject *const *args) {
     }
     if (release_lock(s) < 0) Py_CLEAR(result);
     if (result != NULL && result != Py_None) { /* wake pulls waiting for a message */
-        PyObject *waiting = get_attr(s->store, S_waiting);
-        int w = waiting == NULL ? -1 : PyObject_IsTrue(waiting);
-        Py_XDECREF(waiting);
+        int w = store_state(s->store, &s->store_seen) < 0 ? -1 : s->store_seen.waiting;
         PyObject *woken = w > 0 ? PyObject_CallMethodNoArgs(s->store, S_wake) : NULL;
         if (w < 0 || (w > 0 && woken == NULL)) Py_CLEAR(result);
         Py_XDECREF(woken);

@@ -134,12 +134,27 @@ int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns, 
 extern PyTypeObject SenderType;
 int intern_names(void);
 
+/* message.c: the C Message (equeue.store.types.Message when the accelerator is loaded). */
+extern PyTypeObject MessageType;
+int message_type_ready(void);
+/* A decoded message, untracked, of the given (stolen) fields; props NULL for none. NULL
+ * with an exception (and the fields released) if any field is NULL or it fails. */
+PyObject *lazy_message(PyObject *id_prefix, PyObject *topic, PyObject *tag, PyObject *key,
+                       PyObject *props, PyObject *body, long long position, long long queue_id,
+                       long long queue_offset, long long code, long long created_ns,
+                       long long stored_ns);
+/* A message's (C or tuple) topic (borrowed), queue id and queue offset: 0, or -1 with
+ * an exception. */
+int message_check_fields(PyObject *message, PyObject **topic, long long *queue_id,
+                         long long *queue_offset);
+
 /* The module's functions (module.c lists them). */
 PyObject *check_batch(PyObject *self, PyObject *args);
 PyObject *write_run(PyObject *self, PyObject *args);
 PyObject *decode_run(PyObject *self, PyObject *args);
 PyObject *collect(PyObject *self, PyObject *args);
 PyObject *pull_chunk(PyObject *self, PyObject *args);
+PyObject *message_doc(PyObject *self, PyObject *doc);
 PyObject *frame_offsets(PyObject *self, PyObject *args);
 PyObject *record_columns(PyObject *self, PyObject *args);
 PyObject *record_bodies(PyObject *self, PyObject *args);

@@ -115,6 +115,8 @@ class Prefaulter:
                 self._serving = next(iter(self._requests))
                 address, length = self._requests.pop(self._serving)
             try:
+                # The range into the page cache in one readahead first (prefault.c: why)
+                self._madvise(address, length, mmap.MADV_WILLNEED)
                 self._madvise(address, length, MADV_POPULATE_WRITE)  # a failure faults nothing in
             finally:
                 with self._wakeup:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 import os
 import ssl
 import time
@@ -23,9 +24,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
+from equeue.client.coalesce import Coalescer
 from equeue.client.connect import RECV_BYTES
 from equeue.client.core import (
     DECODERS,
+    SEND_OPS,
     AnswerReader,
     RequestEncoder,
     answer_error,
@@ -45,6 +48,7 @@ from equeue.errors import (
     ProtocolError,
 )
 from equeue.protocol.frames import (
+    BODIES_VERSION,
     CONNECTION_REQUEST_ID,
     HELLO_MAX_FRAME_BYTES,
     STATUS_ERROR,
@@ -65,14 +69,19 @@ _Entry = tuple["asyncio.Future[tuple[int, Any]]", Given, float]
 
 
 class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes per read
-    def __init__(self, hello: bytes, where: str, timeout: float) -> None:
+    def __init__(
+        self, hello: bytes, where: str, timeout: float, next_id: Callable[[], int]
+    ) -> None:
         self.loop = asyncio.get_running_loop()
+        self.next_id = next_id
         self.where = where
         self.timeout = timeout
         self.hello = hello
         self.transport: asyncio.Transport | None = None
         self.reader = AnswerReader(HELLO_MAX_FRAME_BYTES, where)
         self.encoder: RequestEncoder | None = None
+        self.coalescer: Coalescer | None = None  # a broker of protocol version 2 or later
+        self.max_in_flight = 0
         self.welcome: asyncio.Future[Welcome] = self.loop.create_future()
         self.pending: dict[int, _Entry] = {}
         self.out: list[bytes] = []
@@ -116,8 +125,10 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
                     return
                 limit = found.limits["max_frame_bytes"]
                 self.reader.max_frame_bytes = limit
-                self.encoder = RequestEncoder(limit, self.where)
-                self.free = found.limits["max_in_flight"]
+                self.encoder = RequestEncoder(limit, self.where, found.version)
+                self.free = self.max_in_flight = found.limits["max_in_flight"]
+                if found.version >= BODIES_VERSION:
+                    self.coalescer = Coalescer(self, limit)
                 self.welcomed = True
                 self.welcome.set_result(found)
                 continue
@@ -169,6 +180,8 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
             if not future.done():
                 future.set_exception(lost(reason, given(unanswered), cause))
         self.pending.clear()
+        if self.coalescer is not None:
+            self.coalescer.drop(reason)
         while self.queued:  # they find it closed
             waiter = self.queued.popleft()
             if not waiter.done():
@@ -207,15 +220,30 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
     def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
         self.pending[request_id] = entry
         self.out.append(frame)
+        self.schedule()
+
+    def put(self, request_id: int, frame: bytes, future: asyncio.Future[tuple[int, Any]]) -> None:
+        """A coalesced request (its messages are reported by coalesce.py when it breaks)."""
+        self.pending[request_id] = (future, None, time.monotonic() + self.timeout)
+        self.out.append(frame)
+
+    def schedule(self) -> None:
         if not self.flushing:
             self.flushing = True
             self.loop.call_soon(self._flush)
+
+    def give_back(self, places: int) -> None:
+        self.free += places
+        for _ in range(min(places, len(self.queued))):
+            self.release()
 
     def _flush(self) -> None:
         """Everything written in this loop turn, in one write."""
         self.flushing = False
         if self.closed or self.transport is None:
             return
+        if self.coalescer is not None:
+            self.coalescer.emit()
         out = self.out
         self.transport.write(out[0] if len(out) == 1 else b"".join(out))
         out.clear()
@@ -261,7 +289,7 @@ class AsyncClient:
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
         self._closed = False
-        self._next_id = 1
+        self._ids = itertools.count(1).__next__
 
     @property
     def welcome(self) -> Welcome | None:
@@ -291,7 +319,7 @@ class AsyncClient:
         attempts = 0
         while True:
             attempts += 1
-            protocol = _Protocol(self._hello, self.url, self.timeout)
+            protocol = _Protocol(self._hello, self.url, self.timeout, self._ids)
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
                     if endpoint.kind == "unix":
@@ -335,8 +363,7 @@ class AsyncClient:
         if protocol is None or protocol.closed:
             protocol = await self._connected()
         assert protocol.encoder is not None
-        request_id = self._next_id
-        self._next_id = request_id + 1
+        request_id = self._ids()
         frame = protocol.encoder.frame(request_id, call.op, call.args)
         if protocol.free <= 0:
             await protocol.place()
@@ -373,7 +400,7 @@ class AsyncClient:
             raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
         check_args(op, arguments, f"request to {self.url}")
         wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
-        messages = [arguments] if op in ("send", "send_batch") else None
+        messages = [arguments] if op in SEND_OPS else None
         return await self._call(Call(op, arguments, messages, wait), decode=False)
 
     # --- MessageStore's methods --------------------------------------------------
@@ -389,9 +416,19 @@ class AsyncClient:
         code: int = 0,
         queue_id: int | None = None,
     ) -> SendResult:
-        result: SendResult = await self._call(
-            calls.send(topic, body, tag, key, properties, code, queue_id)
-        )
+        call = calls.send(topic, body, tag, key, properties, code, queue_id)
+        protocol = self._protocol
+        if (
+            protocol is not None and protocol.pending and protocol.coalescer is not None
+            and len(call.args) == 2 and not protocol.closed
+        ):  # fmt: skip  # requests in flight: this one joins the loop turn's others
+            if protocol.free <= 0:
+                await protocol.place()
+            if not protocol.closed:
+                protocol.free -= 1
+                assert type(call.unanswered) is tuple
+                return await protocol.coalescer.add(topic, body, call.unanswered)
+        result: SendResult = await self._call(call)
         return result
 
     async def send_batch(

@@ -19,6 +19,7 @@ from equeue.errors import (
 )
 from equeue.protocol.faults import unpack_error
 from equeue.protocol.frames import (
+    BODIES_VERSION,
     CONNECTION_REQUEST_ID,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
@@ -31,13 +32,14 @@ from equeue.protocol.records import (
     unpack_message,
     unpack_messages,
     unpack_pull_result,
+    unpack_send_columns,
     unpack_send_result,
 )
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 # A request is (op, args, what ConnectionLostError.unanswered gets for it: the message
 # as the caller gave it for a send, None for an op that stores nothing).
-SEND_OPS: Final = frozenset({"send", "send_batch"})
+SEND_OPS: Final = frozenset({"send", "send_batch", "send_bodies"})
 
 _pack_header = FRAME_HEADER.pack
 _unpack_header = FRAME_HEADER.unpack_from
@@ -46,14 +48,18 @@ _unpack_header = FRAME_HEADER.unpack_from
 class RequestEncoder:
     """Request frames, one msgpack Packer reused (not thread-safe: one per writer)."""
 
-    __slots__ = ("_packer", "max_frame_bytes", "where")
+    __slots__ = ("_packer", "max_frame_bytes", "version", "where")
 
-    def __init__(self, max_frame_bytes: int, where: str) -> None:
+    def __init__(self, max_frame_bytes: int, where: str, version: int) -> None:
         self._packer = msgpack.Packer(use_bin_type=True)
         self.max_frame_bytes = max_frame_bytes
         self.where = where
+        self.version = version  # the protocol version the broker chose
 
     def frame(self, request_id: int, op: str, args: dict[str, Any]) -> bytes:
+        if op == "send_bodies" and self.version < BODIES_VERSION:  # a broker before it
+            op = "send_batch"
+            args = {"topic": args["topic"], "messages": [{"body": b} for b in args["bodies"]]}
         try:
             payload: bytes = self._packer.pack([request_id, op, args])
         except UnicodeEncodeError as exc:
@@ -190,6 +196,14 @@ def _send_results(value: object, where: str) -> list[SendResult]:
     return [_send_result(item, where) for item in value]
 
 
+def _send_bodies(value: object, where: str) -> list[SendResult]:
+    """The columns of protocol version 2, or (sent as send_batch to a version 1 broker)
+    an array of SendResult arrays."""
+    if type(value) is list and value and type(value[0]) is str:
+        return unpack_send_columns(value, where)
+    return _send_results(value, where)
+
+
 def _strings(value: object, where: str) -> list[str]:
     if type(value) is not list or not all(type(item) is str for item in value):
         raise ProtocolError(f"{where}: expected an array of str")
@@ -231,6 +245,7 @@ DECODERS: Final[dict[str, Decoder]] = {
     "ping": _none,
     "send": _send_result,
     "send_batch": _send_results,
+    "send_bodies": _send_bodies,
     "pull": _pull,
     "get": _message,
     "query_by_key": _messages,

@@ -30,6 +30,7 @@ from equeue.client.calls import Call, Given
 from equeue.client.connect import RECV_BYTES, connect_with_retries
 from equeue.client.core import (
     DECODERS,
+    SEND_OPS,
     AnswerReader,
     RequestEncoder,
     answer_error,
@@ -87,7 +88,8 @@ class _Connection:
         self.sock = sock
         self.welcome = welcome
         self.reader = reader
-        self.encoder = RequestEncoder(welcome.limits["max_frame_bytes"], reader.where)
+        limit = welcome.limits["max_frame_bytes"]
+        self.encoder = RequestEncoder(limit, reader.where, welcome.version)
         self.pending: dict[int, _Slot] = {}
         self.broken = False
         self.inbuf = memoryview(bytearray(RECV_BYTES))  # read into, by the reader only
@@ -424,7 +426,7 @@ class Client:
             raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
         check_args(op, arguments, f"request to {self.url}")
         wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
-        messages = [arguments] if op in ("send", "send_batch") else None
+        messages = [arguments] if op in SEND_OPS else None
         conn, (slot,) = self._submit([Call(op, arguments, messages, wait)])
         return self._wait(conn, slot)
 

@@ -36,7 +36,8 @@ from equeue.format.chunk import (
 from equeue.format.livetail import LiveTail
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
-from equeue.safepath import check_chunk_dirs, check_dir
+from equeue.inspect.leading import read_leading
+from equeue.safepath import check_chunk_dir, check_dir
 from equeue.store.livetail import current_boot_id, read_live_tail
 from equeue.store.losses import scan_topic_dir
 from equeue.store.meta import (
@@ -112,13 +113,30 @@ class StoreFiles:
     live_tail: LiveTail | None = None  # tail.live, if this boot wrote it
     log_tail: TailHint | None = None  # the checkpoint's, where recovery's scan may start
     problems: list[Problem] = field(default_factory=list)
+    # The topic directories as found (queue ids, whether one holds chunk files), and the
+    # names skipped with why: listed once, for open_store and verify's topic checks.
+    dir_topics: dict[str, tuple[list[int], bool]] = field(default_factory=dict)
+    dir_skipped: list[tuple[Path, str]] = field(default_factory=list)
+    # Chunk directories' listings taken by open_store's checks, each handed out once by
+    # chunk_paths (a reader that must see the directory as it is now lists it again).
+    listings: dict[Path, list[str]] = field(default_factory=dict)
+    _queue_dirs: dict[tuple[str, int], Path] = field(default_factory=dict)
 
     @property
     def messages_dir(self) -> Path:
         return self.path / MESSAGES_DIR
 
     def queue_dir(self, topic: str, queue_id: int) -> Path:
-        return self.path / QUEUES_DIR / topic / str(queue_id)
+        key = (topic, queue_id)
+        found = self._queue_dirs.get(key)
+        if found is None:
+            # One parse of a string, not three joins: 10,000 of these per command.
+            found = self._queue_dirs[key] = Path(f"{self.path}/{QUEUES_DIR}/{topic}/{queue_id}")
+        return found
+
+    def chunk_paths(self, directory: Path) -> list[tuple[int, int, Path]]:
+        """chunk_paths(directory), from open_store's listing the first time."""
+        return chunk_paths(directory, self.listings.pop(directory, None))
 
     def queues(self) -> Iterator[tuple[str, int]]:
         for topic in sorted(self.topics):
@@ -167,7 +185,14 @@ def open_store(path: Path) -> StoreFiles:
     _add_queue_directories(store)
     for topic in store.topics:  # before anything under them is looked at
         check_dir(path / QUEUES_DIR / topic)
-    check_chunk_dirs([store.messages_dir] + [store.queue_dir(t, q) for t, q in store.queues()])
+    # A queue directory the topic scan found is a directory, not a link (scan_topic_dir
+    # skips those): only the others are checked again, as safepath.check_chunk_dirs does.
+    seen = {(t, q) for t, (ids, _) in store.dir_topics.items() for q in ids}
+    for key in [None, *store.queues()]:
+        directory = store.messages_dir if key is None else store.queue_dir(*key)
+        if key in seen or check_dir(directory):
+            names = store.listings[directory] = os.listdir(directory)
+            check_chunk_dir(directory, names)
     offsets = _read_meta(store, OFFSETS_FILE, default={})
     if isinstance(offsets, dict):
         store.offsets = offsets
@@ -245,24 +270,11 @@ def _add_queue_directories(store: StoreFiles) -> None:
             continue
         # Names checked as the store checks them, which never opens the others (verify
         # reports them: traces._topic_problems).
-        ids, _ = scan_topic_dir(root / topic, [])
+        bad: list[tuple[Path, str]] = []
+        ids, _ = store.dir_topics[topic] = scan_topic_dir(root / topic, bad)
+        store.dir_skipped += bad
         if ids:
             store.topics[topic] = max(store.topics.get(topic, 0), max(ids) + 1)
-
-
-def disk_usage(path: Path) -> tuple[int, int, int]:
-    """(apparent bytes, allocated bytes, file count) of everything under ``path``."""
-    apparent = allocated = files = 0
-    for root, _dirs, names in os.walk(path):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except FileNotFoundError:
-                continue  # removed by the writer (retention, a temp file) meanwhile
-            apparent += st.st_size
-            allocated += st.st_blocks * 512  # st_blocks counts 512-byte units (POSIX)
-            files += 1
-    return apparent, allocated, files
 
 
 # --- chunk files -------------------------------------------------------------------
@@ -286,6 +298,9 @@ class ChunkFile:
     last_ns: int | None = None
     scan_problem: str | None = None  # why the scan of an ongoing chunk stopped early
     problems: list[Problem] = field(default_factory=list)
+    # The file's leading bytes, past which it holds only zeros, when it was read that way
+    # (leading.py); a reader drops it once done with the chunk.
+    content: bytes | None = None
 
     @property
     def state(self) -> str:
@@ -345,7 +360,8 @@ def load_chunk_file(path: Path, *, last: bool = True) -> ChunkFile:
     "ongoing" (recovery would cut it) rather than damage. FileNotFoundError if the file
     was removed meanwhile (retention on a live store).
     """
-    st = os.stat(path)
+    lead = read_leading(path)
+    st = lead.stat
     parsed = parse_chunk_file_name(path.name)
     cf = ChunkFile(
         path,
@@ -354,6 +370,8 @@ def load_chunk_file(path: Path, *, last: bool = True) -> ChunkFile:
         parsed[0] if parsed else None,
         parsed[1] if parsed else None,
     )
+    if lead.content is not None and _load_leading(cf, lead.content, last=last):
+        return cf
     with open(path, "rb") as f:
         raw_header = f.read(HEADER_SIZE)
         try:
@@ -369,6 +387,35 @@ def load_chunk_file(path: Path, *, last: bool = True) -> ChunkFile:
         cf.records = cf.footer.record_count
         cf.first_ns, cf.last_ns = cf.footer.first_timestamp, cf.footer.last_timestamp
     return cf
+
+
+def _load_leading(cf: ChunkFile, content: bytes, *, last: bool) -> bool:
+    """An ongoing fixed-size chunk (a queue's) from its leading bytes: what the general
+    path finds for it, with no other read. False when the file is of another kind or
+    shape, which the general path reads (and reports on)."""
+    if len(content) < HEADER_SIZE:
+        return False
+    try:
+        header = ChunkHeader.unpack(content[:HEADER_SIZE], file=str(cf.path))
+    except CorruptionError:
+        return False
+    record_size = header.record_size
+    if not last or not record_size or header.compacted:
+        return False  # a blank footer is a problem there, or a map to read, or frames
+    if cf.size != chunk_file_size(header.chunk_data_size) or len(content) > cf.size - FOOTER_SIZE:
+        return False  # a torn file size, or a footer (partly) written
+    cf.header = header
+    cf.footer_blank = True  # the footer area lies in the hole: ongoing, as _read_footer says
+    # Zeros after the content are the file's own bytes (the hole): one empty slot past the
+    # data, so that the scan and the readers find the end inside the buffer.
+    used = len(content) - HEADER_SIZE
+    upto = min(cf.available, (used // record_size + 2) * record_size)
+    if upto > used:
+        content += bytes(upto - used)
+    result = scan_fixed(content, cf.available, record_size)
+    cf.data_end, cf.records, cf.scan_problem = result.data_end, result.record_count, result.problem
+    cf.content = content
+    return True
 
 
 def _read_footer(cf: ChunkFile, f: BinaryIO, *, last: bool) -> None:
@@ -468,6 +515,12 @@ def data_checksum(cf: ChunkFile, progress: Callable[[int], None] | None = None) 
 def trailing_bytes(cf: ChunkFile, start: int) -> int:
     """One past the last non-zero byte of the data area from data offset ``start`` on
     (``start`` itself when the rest is zero): bytes past an ongoing chunk's valid end."""
+    content = cf.content
+    if content is not None:
+        at = HEADER_SIZE + start
+        if at >= len(content) or content[at:] == bytes(len(content) - at):  # a memcmp
+            return start
+        return len(content.rstrip(b"\0")) - HEADER_SIZE
     fd = os.open(cf.path, os.O_RDONLY)
     try:
         stop = HEADER_SIZE + cf.available
@@ -505,12 +558,14 @@ class ChunkDir:
         return last.start_position + last.data_end
 
 
-def chunk_paths(directory: Path) -> list[tuple[int, int, Path]]:
-    """(start number, version, path) of every chunk file, in that order; temp files skipped."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
+def chunk_paths(directory: Path, names: list[str] | None = None) -> list[tuple[int, int, Path]]:
+    """(start number, version, path) of every chunk file, in that order; temp files skipped.
+    ``names``: the directory's listing, if the caller has it."""
+    if names is None:
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return []
     found = []
     for name in names:
         parsed = parse_chunk_file_name(name)
@@ -519,12 +574,14 @@ def chunk_paths(directory: Path) -> list[tuple[int, int, Path]]:
     return sorted(found)
 
 
-def load_chunk_dir(directory: Path) -> ChunkDir:
-    paths = chunk_paths(directory)
+def load_chunk_dir(directory: Path, names: list[str] | None = None) -> ChunkDir:
+    paths = chunk_paths(directory, names)
     loaded: list[ChunkFile] = []
     for i, (_, _, path) in enumerate(paths):
         with contextlib.suppress(FileNotFoundError):  # removed by retention meanwhile
-            loaded.append(load_chunk_file(path, last=i == len(paths) - 1))
+            cf = load_chunk_file(path, last=i == len(paths) - 1)
+            cf.content = None  # a summary of 10,000 queues keeps what it found, not the bytes
+            loaded.append(cf)
     return resolve(directory, loaded)
 
 
@@ -576,6 +633,10 @@ def read_queue_entry(chunks: ChunkDir, offset: int) -> tuple[int, int] | None:
         local = position - cf.start_position
         if local + QUEUE_RECORD_SIZE > cf.data_end:
             return None
+        if cf.content is not None:
+            at = HEADER_SIZE + local
+            stored, tag = QUEUE_RECORD.unpack_from(cf.content, at)
+            return (stored - 1, tag) if stored > 0 else None
         fd = os.open(cf.path, os.O_RDONLY)
         try:
             raw = os.pread(fd, QUEUE_RECORD_SIZE, HEADER_SIZE + local)

@@ -346,21 +346,30 @@ def render_record(record: Record) -> str:
 
 class ProgressBar:
     """A one-line bar on ``stream``, drawn only when it is a terminal (so logs and pipes
-    stay clean), at most ten times a second."""
+    stay clean), at most ten times a second, and only once ``delay`` seconds have passed
+    (a run that ends sooner draws nothing). ``noun``: done and total count these (e.g.
+    "queues"); without it they are bytes."""
 
-    def __init__(self, stream: TextIO, label: str) -> None:
+    def __init__(
+        self, stream: TextIO, label: str, *, noun: str | None = None, delay: float = 0.0
+    ) -> None:
         self.stream = stream
         self.label = label
+        self.noun = noun
         self.enabled = is_terminal(stream)
         self._drawn = 0.0
+        self._from = time.monotonic() + delay
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
-        if not self.enabled or (now - self._drawn < 0.1 and done < total):
+        if not self.enabled or now < self._from or (now - self._drawn < 0.1 and done < total):
             return
         self._drawn = now
         fraction = done / total if total else 1.0
-        text = f" {fraction:4.0%}  {human_size(done)} of {human_size(total)}"
+        if self.noun is None:
+            text = f" {fraction:4.0%}  {human_size(done)} of {human_size(total)}"
+        else:
+            text = f" {fraction:4.0%}  {done:,} of {total:,} {self.noun}"
         room = WIDTH - 1 - len(self.label) - len(text) - 3
         filled = int(room * fraction)
         bar = "#" * filled + "." * (room - filled)

@@ -29,10 +29,10 @@ from equeue.inspect.layout import (
     ChunkDir,
     ChunkFile,
     Problem,
+    Progress,
     StoreFiles,
     UsageError,
     data_checksum,
-    disk_usage,
     load_chunk_dir,
     load_chunk_file,
     open_store,
@@ -147,13 +147,20 @@ def chunk_summary(cf: ChunkFile) -> ChunkSummary:
     )
 
 
-def summarize_store(path: Path) -> StoreSummary:
+def summarize_store(path: Path, progress: Progress | None = None) -> StoreSummary:
+    """``progress``: called with (queues read, queues in all) as the queues are read."""
     store = open_store(path)
     problems = list(store.problems)
     # Queues before messages: on a live store every entry then points at a message
     # written before the message files are read.
-    queue_dirs = {key: load_chunk_dir(store.queue_dir(*key)) for key in store.queues()}
-    messages = load_chunk_dir(store.messages_dir)
+    keys = list(store.queues())
+    queue_dirs = {}
+    for i, key in enumerate(keys):
+        directory = store.queue_dir(*key)
+        queue_dirs[key] = load_chunk_dir(directory, store.listings.pop(directory, None))
+        if progress is not None and (i % 256 == 0 or i == len(keys) - 1):
+            progress(i + 1, len(keys))
+    messages = load_chunk_dir(store.messages_dir, store.listings.pop(store.messages_dir, None))
     problems += messages.problems
     for cf in messages.files:
         problems += cf.problems
@@ -169,8 +176,8 @@ def summarize_store(path: Path) -> StoreSummary:
     dirs = {store.messages_dir: messages}
     dirs |= {store.queue_dir(*key): chunks for key, chunks in queue_dirs.items()}
     problems += missing_problems(store, dirs, store.checkpoint, check_key_index=False)
-    apparent, allocated, files = disk_usage(path)
     chunk_files = [*messages.files, *(cf for chunks in queue_dirs.values() for cf in chunks.files)]
+    apparent, allocated, files, held = disk_use(path, chunk_files)
     return StoreSummary(
         store=str(path),
         store_id=store.store_id,
@@ -187,30 +194,47 @@ def summarize_store(path: Path) -> StoreSummary:
         apparent_bytes=apparent,
         allocated_bytes=allocated,
         file_count=files,
-        data_bytes=data_bytes(path, chunk_files),
+        data_bytes=held,
         journal_records=store.journal_records,
         problems=problems,
     )
 
 
-def data_bytes(path: Path, chunk_files: Iterable[ChunkFile]) -> int:
-    """The bytes the store's files hold (StoreSummary.data_bytes), not their nominal size:
-    a chunk file is as large as a full chunk from its creation on."""
-    chunks = {cf.path: cf for cf in chunk_files}
-    total = 0
-    for root, _dirs, names in os.walk(path):
-        for name in names:
-            file = Path(root, name)
-            cf = chunks.get(file)
-            if cf is None:
+def disk_use(path: Path, chunk_files: Iterable[ChunkFile]) -> tuple[int, int, int, int]:
+    """(apparent bytes, allocated bytes, file count, data bytes) of everything under
+    ``path``, in one walk. Data bytes (StoreSummary.data_bytes) are what the files hold,
+    not their nominal size: a chunk file is as large as a full chunk from its creation
+    on. The chunk files already read are not stat'ed again."""
+    chunks = {str(cf.path): cf for cf in chunk_files}
+    apparent = allocated = files = data = 0
+    pending = [str(path)]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed by the writer (retention) meanwhile
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(entry.path)
+                continue
+            cf = chunks.get(entry.path)
+            if cf is not None:
+                size, blocks = cf.size, cf.allocated
+            else:
                 try:
-                    total += os.lstat(file).st_size
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
-                    continue  # removed by the writer meanwhile
+                    continue  # removed by the writer (retention, a temp file) meanwhile
+                size, blocks = st.st_size, st.st_blocks * 512  # 512-byte units (POSIX)
+            apparent += size
+            allocated += blocks
+            files += 1
+            if cf is None:
+                data += size
             elif cf.header is not None:
                 footer = FOOTER_SIZE if cf.footer is not None else 0
-                total += HEADER_SIZE + cf.data_end + cf.map_bytes + footer
-    return total
+                data += HEADER_SIZE + cf.data_end + cf.map_bytes + footer
+    return apparent, allocated, files, data
 
 
 def _queue_summary(queue_id: int, chunks: ChunkDir, first_message: int) -> QueueSummary:

@@ -23,7 +23,6 @@ from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
 from equeue.inspect.layout import ChunkDir, Problem, StoreFiles, chunk_paths
 from equeue.store.keysread import keys_state, keys_uri, wal_unread
-from equeue.store.losses import topics_from_directories
 from equeue.store.meta import (
     CHECKPOINT_FILE,
     IDENTITY_FILE,
@@ -85,7 +84,7 @@ def missing_problems(
         problems += _queue_problems(store, dirs, checkpoint, checkpoint_path)
         problems += _offset_problems(path, checkpoint, checkpoint_path)
     problems += _unindexed(store, dirs, lowest or {}, {p.file for p in problems})
-    problems += _topic_problems(path)
+    problems += _topic_problems(store)
     problems += not_regular_problems(path)
     problems += key_index_problems(
         path, has_checkpoint=os.path.lexists(checkpoint_path), check=check_key_index
@@ -225,8 +224,11 @@ def _offset_problems(path: Path, checkpoint: dict[str, Any], where: Path) -> lis
     ]
 
 
-def _topic_problems(path: Path) -> list[Problem]:
-    found, skipped = topics_from_directories(path / QUEUES_DIR)
+def _topic_problems(store: StoreFiles) -> list[Problem]:
+    # The directories as open_store listed them: before topics.json is read again here.
+    path = store.path
+    found = {t: max(ids) + 1 for t, (ids, chunks) in store.dir_topics.items() if ids and chunks}
+    skipped = [f"{where}: {why}" for where, why in store.dir_skipped]
     topics_path = path / TOPICS_FILE
     journal = path / TOPICS_JOURNAL_FILE  # (its records: topics not yet in topics.json)
     try:  # after the directories: a new topic is listed first

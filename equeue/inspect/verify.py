@@ -23,11 +23,11 @@ from equeue.format.chunk import (
     FRAME_OVERHEAD,
     FRAME_PREFIX,
     FRAME_PREFIX_SIZE,
-    FRAME_SUFFIX,
     HEADER_SIZE,
     MAP_ENTRY_SIZE,
     ChunkType,
     PositionMapEntry,
+    chunk_file_size,
     frame_problem,
 )
 from equeue.format.message import (
@@ -35,11 +35,11 @@ from equeue.format.message import (
     MESSAGE_HEAD_SIZE,
     QUEUE_RECORD,
     QUEUE_RECORD_SIZE,
-    RECORD_POSITION,
     STORED_TIME_OFFSET,
     MessageLogRecord,
     tag_hash,
 )
+from equeue.inspect.frames import frame_reason, map_lookup, resync, suffix_length
 from equeue.inspect.layout import (
     ChunkDir,
     ChunkFile,
@@ -60,7 +60,6 @@ from equeue.inspect.traces import missing_problems
 _RETRIES = 3  # re-reads of a live directory's last chunk before a problem there is believed
 _RETRY_DELAY = 0.05
 _TICK = 1 << 20  # progress every MiB of data walked
-_POSITION = RECORD_POSITION
 
 
 class _Unreadable(Exception):
@@ -114,10 +113,20 @@ class Verifier:
     def run(self) -> list[Problem]:
         store = self._store = open_store(self.path)
         problems = list(store.problems)
-        message_paths = chunk_paths(store.messages_dir)
-        queue_paths = {key: chunk_paths(store.queue_dir(*key)) for key in store.queues()}
-        for paths in [message_paths, *queue_paths.values()]:
+        message_paths = store.chunk_paths(store.messages_dir)
+        queue_paths = {key: store.chunk_paths(store.queue_dir(*key)) for key in store.queues()}
+        for _, _, path in message_paths:
+            with contextlib.suppress(FileNotFoundError):
+                self.bytes_total += path.stat().st_size
+        # Queue chunks at their nominal size, not stat'ed one by one (10,000 stats): what
+        # progress needs is their share, and a torn one only moves the bar a little.
+        records = store.queue_chunk_records
+        nominal = None if records is None else chunk_file_size(records * QUEUE_RECORD_SIZE)
+        for paths in queue_paths.values():
             for _, _, path in paths:
+                if nominal is not None:
+                    self.bytes_total += nominal
+                    continue
                 with contextlib.suppress(FileNotFoundError):
                     self.bytes_total += path.stat().st_size
         try:
@@ -170,6 +179,7 @@ class Verifier:
             if cf.header is not None:
                 footer = FOOTER_SIZE if cf.footer is not None else 0
                 self.bytes_read += HEADER_SIZE + cf.data_end + cf.map_bytes + footer
+            cf.content = None  # checked: the bytes of 10,000 queues are not kept
             if queue:
                 self.queue_chunks += 1
                 self.queue_entries += result.records
@@ -252,7 +262,7 @@ class Verifier:
                 p += length + FRAME_OVERHEAD
                 continue
             position = base + p - HEADER_SIZE
-            reason = _reason(found)
+            reason = frame_reason(found)
             if p < kept_to:
                 reason += (
                     f"; recovery keeps the records around it, as the tail hint says records "
@@ -267,7 +277,7 @@ class Verifier:
                     return  # the clean end: nothing but zeros follows
                 if frame_problem(mm, p, end, max_length) is None:
                     continue  # a live writer completed the frame meanwhile
-                following = _resync(mm, p + 1, stop, base, max_length)
+                following = resync(mm, p + 1, stop, base, max_length)
                 if following is None:
                     kind = "torn tail" if last else "record"
                     cut = ", which recovery would cut" if last else ""
@@ -297,7 +307,7 @@ class Verifier:
             result.frames_damaged = True
             length = FRAME_PREFIX.unpack_from(mm, p)[0] if p + FRAME_PREFIX_SIZE <= end else 0
             after = p + FRAME_OVERHEAD + length
-            if length > 0 and after <= end and _suffix_length(mm, p, length) == length:
+            if length > 0 and after <= end and suffix_length(mm, p, length) == length:
                 # The length prefix and suffix agree, so the frame's extent is known and
                 # the walk goes on with the next frame.
                 result.problems.append(
@@ -306,7 +316,7 @@ class Verifier:
                 result.records += 1
                 p = after
                 continue
-            following = _resync(mm, p + 1, end, base, max_length)
+            following = resync(mm, p + 1, end, base, max_length)
             skipped = (following if following is not None else end) - p
             where = (
                 f"the next valid record is at position {base + following - HEADER_SIZE}"
@@ -372,7 +382,7 @@ class Verifier:
                         path,
                         p,
                         "record",
-                        f"invalid record at position {position}: {_reason(found)}",
+                        f"invalid record at position {position}: {frame_reason(found)}",
                     )
                 )
                 continue
@@ -469,7 +479,7 @@ class Verifier:
         previous = before
         unreadable: dict[str, list[int]] = {}  # reason -> [file offset, first, last, count]
         local = 0
-        mm = map_file(cf.path)
+        mm = cf.content if cf.content is not None else map_file(cf.path)
         try:
             while True:
                 while local + QUEUE_RECORD_SIZE <= end:
@@ -497,7 +507,8 @@ class Verifier:
                 if not ongoing or self._tail_problem(cf, mm, local, last, result):
                     break
         finally:
-            mm.close()
+            if isinstance(mm, mmap.mmap):
+                mm.close()
         for reason, (p, first, final, count) in unreadable.items():
             offsets = (
                 f"offset {first} points"
@@ -511,7 +522,7 @@ class Verifier:
         return result
 
     def _tail_problem(
-        self, cf: ChunkFile, mm: mmap.mmap, local: int, last: bool, result: _Result
+        self, cf: ChunkFile, mm: mmap.mmap | bytes, local: int, last: bool, result: _Result
     ) -> bool:
         """After an ongoing queue chunk's first empty slot: True when the walk is over
         (nothing but zeros follow, or a torn tail, reported); False when a writer has
@@ -600,7 +611,7 @@ class Verifier:
         mm = self._map(cf)
         local = position - header.start_position
         if header.compacted and cf.footer is not None:
-            physical = _map_lookup(mm, cf, local)
+            physical = map_lookup(mm, cf, local)
             if physical is None:
                 return None, None
             local = physical
@@ -608,7 +619,7 @@ class Verifier:
         p = HEADER_SIZE + local
         found = frame_problem(mm, p, limit, header.chunk_data_size - FRAME_OVERHEAD)
         if found is not None:
-            return None, f"where no valid message record starts ({_reason(found)})"
+            return None, f"where no valid message record starts ({frame_reason(found)})"
         start = p + FRAME_PREFIX_SIZE
         (stored, _, _, qoff, qid, _, hashed, _, tl, *_) = MESSAGE_HEAD.unpack_from(mm, start)
         if stored != position:
@@ -676,66 +687,3 @@ class Verifier:
                     f"0x{footer.checksum:x}, found 0x{computed:x}",
                 )
             )
-
-
-def _reason(found: tuple[str, int | None, int | None]) -> str:
-    reason, expected, got = found
-    if expected is None and got is None:
-        return reason
-    return f"{reason} (expected {_show(expected)}, found {_show(got)})"
-
-
-def _show(value: int | None) -> str:
-    return "nothing" if value is None else f"0x{value:x}"
-
-
-def _suffix_length(mm: mmap.mmap, p: int, length: int) -> int:
-    return int(FRAME_SUFFIX.unpack_from(mm, p + FRAME_PREFIX_SIZE + length)[1])
-
-
-def _resync(mm: mmap.mmap, start: int, stop: int, base: int, max_length: int) -> int | None:
-    """The file offset of the first valid message frame in [start, stop), or None.
-
-    A message record starts with its own log position (an i64), so a frame at file
-    offset q must carry ``base + q - HEADER_SIZE`` there. Within one 64 KiB span of
-    positions the top six bytes of that value are fixed, so a C-speed find() for them
-    yields the few candidates worth a full frame check.
-    """
-    size = _POSITION.size
-    q = start
-    while q < stop:
-        position = base + q - HEADER_SIZE
-        span = min(stop, q + (((position >> 16) + 1) << 16) - position)
-        high = _POSITION.pack(position)[2:]
-        first = q + FRAME_PREFIX_SIZE + 2
-        hit = mm.find(high, first, span + FRAME_PREFIX_SIZE + size)
-        while hit >= 0:
-            candidate = hit - FRAME_PREFIX_SIZE - 2
-            value = _POSITION.unpack_from(mm, candidate + FRAME_PREFIX_SIZE)[0]
-            if (
-                value == base + candidate - HEADER_SIZE
-                and frame_problem(mm, candidate, stop, max_length) is None
-            ):
-                return int(candidate)
-            hit = mm.find(high, hit + 1, span + FRAME_PREFIX_SIZE + size)
-        q = span
-    return None
-
-
-def _map_lookup(mm: mmap.mmap, cf: ChunkFile, local: int) -> int | None:
-    """Physical offset of a compacted chunk's record at logical ``local``; None if removed."""
-    footer = cf.footer
-    assert footer is not None
-    base = HEADER_SIZE + footer.physical_data_size
-    lo, hi = 0, footer.map_entry_count
-    while lo < hi:
-        mid = (lo + hi) // 2
-        at = base + mid * MAP_ENTRY_SIZE
-        entry = PositionMapEntry.unpack(mm[at : at + MAP_ENTRY_SIZE])
-        if entry.logical_offset < local:
-            lo = mid + 1
-        elif entry.logical_offset > local:
-            hi = mid
-        else:
-            return entry.physical_offset
-    return None

@@ -5,14 +5,43 @@ them), so a client raises the same class the store raised in the broker.
 An error the broker did not expect (not an equeue error) goes out as ``BrokerError``
 with its text; a code this client does not know arrives as ``BrokerError`` too, the
 code kept in the message.
+
+A broker registers its store's directory (``hide_store_path``): an error text crossing
+the wire names files relative to the store (``consumers/g.json``) and the store itself
+as "the store", so a remote client learns nothing of the server's file system; the
+broker's own log gets the text with the absolute path.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+
 import equeue.errors as errors_module
 from equeue.errors import BrokerError, EQueueError, ProtocolError
 
+log = logging.getLogger("equeue.server")
+
 MAX_MESSAGE_CHARS = 4096
+
+# Store directories of the brokers of this process, as patterns: the directory followed
+# by a separator (a file in it) or by no further name character (the store itself).
+_hidden: dict[str, re.Pattern[str]] = {}
+
+
+def hide_store_path(path: str | os.PathLike[str]) -> None:
+    """Cut ``path`` (a served store's directory, as given and resolved) from every error
+    text ``pack_error`` makes from now on."""
+    for form in {os.path.abspath(path), os.path.realpath(path)}:
+        if form != os.sep and form not in _hidden:
+            _hidden[form] = re.compile(re.escape(form) + r"(/|(?![\w.-]))")
+
+
+def _store_relative(text: str) -> str:
+    for pattern in sorted(_hidden.values(), key=lambda p: len(p.pattern), reverse=True):
+        text = pattern.sub(lambda m: "" if m.group(1) else "the store", text)
+    return text
 
 
 def pack_error(error: BaseException) -> dict[str, str]:
@@ -20,6 +49,11 @@ def pack_error(error: BaseException) -> dict[str, str]:
         code, text = type(error).__name__, str(error)
     else:
         code, text = BrokerError.__name__, f"{type(error).__name__}: {error}"
+    if _hidden:
+        sent = _store_relative(text)
+        if sent != text:  # the server's log keeps where it was
+            log.info("answered %s: %s", code, text[:MAX_MESSAGE_CHARS])
+            text = sent
     return {"code": code, "message": text[:MAX_MESSAGE_CHARS]}
 
 

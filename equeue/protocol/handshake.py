@@ -3,7 +3,7 @@
 hello (client to broker), a map::
 
     key        type          meaning
-    versions   [uint]        protocol versions the client speaks (this package: [1])
+    versions   [uint]        protocol versions the client speaks (this package: [1, 2])
     token      str | nil     the broker's token, where it asks for one (--token-file)
     client     str           a name for logs and stats (at most 200 characters)
 
@@ -92,7 +92,9 @@ class Welcome:
         return cls(version, server, checked)
 
 
-def choose_version(offered: tuple[int, ...]) -> int | None:
+def choose_version(
+    offered: tuple[int, ...], spoken: tuple[int, ...] = SUPPORTED_VERSIONS
+) -> int | None:
     """The highest version both sides speak, or None."""
-    common = set(offered) & set(SUPPORTED_VERSIONS)
+    common = set(offered) & set(spoken)
     return max(common) if common else None

@@ -36,6 +36,8 @@ OPS: Final[dict[str, Spec]] = {
     "ping": {},
     "send": {"topic": ((str,), True), **_MESSAGE_ARGS},
     "send_batch": {"topic": ((str,), True), "messages": ((list,), True)},
+    # protocol version 2: bodies alone (an array of bin), answered in columns (records.py)
+    "send_bodies": {"topic": ((str,), True), "bodies": ((list,), True)},
     "pull": {
         **_QUEUE,
         "offset": ((UINT,), True),

@@ -20,10 +20,17 @@ SendResult, an array of 6: message_id, topic, queue_id, queue_offset, position,
 stored_at (float64 seconds since the epoch).
 
 PullResult, an array of 2: [messages (array of Message), next_offset (uint)].
+
+The answer to send_bodies (protocol version 2), the SendResults of one topic in columns,
+an array of 6: [topic (str), message_ids (array of str), queue_ids, queue_offsets,
+positions (arrays of uint), stored_at (array of float64)], the five arrays of one
+length, the messages' order. Half the bytes of an array of SendResult arrays to pack
+and decode, and no per-message array.
 """
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any, Final
 
 from equeue.errors import ProtocolError
@@ -37,6 +44,11 @@ assert SEND_RESULT_FIELDS == 6
 _OPTIONAL_STR: Final = (str, type(None))
 _MESSAGE_TYPES: Final = (str, str, int, int, int, str, _OPTIONAL_STR, dict, int, bytes, int, int)
 _SEND_RESULT_TYPES: Final = (str, str, int, int, int, float)
+# A Message's field types exactly, with a key and without: one tuple comparison for the
+# common case (a pull answers many), the field-by-field check only for what differs.
+_MESSAGE_EXACT: Final = frozenset(
+    (str, str, int, int, int, str, key, dict, int, bytes, int, int) for key in (str, type(None))
+)
 
 
 def pack_message(message: Message) -> list[Any]:
@@ -44,6 +56,8 @@ def pack_message(message: Message) -> list[Any]:
 
 
 def unpack_message(value: object, where: str) -> Message:
+    if type(value) is list and tuple(map(type, value)) in _MESSAGE_EXACT and not value[7]:
+        return Message._make(value)  # no properties: nothing more to check
     fields = _checked(value, _MESSAGE_TYPES, "Message", where)
     properties = fields[7]
     if not all(type(k) is str and type(v) is str for k, v in properties.items()):
@@ -57,6 +71,29 @@ def pack_send_result(result: SendResult) -> list[Any]:
 
 def unpack_send_result(value: object, where: str) -> SendResult:
     return SendResult._make(_checked(value, _SEND_RESULT_TYPES, "SendResult", where))
+
+
+def pack_send_columns(topic: str, results: list[SendResult]) -> list[Any]:
+    if not results:
+        return [topic, [], [], [], [], []]
+    ids, _, queue_ids, offsets, positions, stored = zip(*results, strict=True)
+    return [topic, ids, queue_ids, offsets, positions, stored]
+
+
+def unpack_send_columns(value: object, where: str) -> list[SendResult]:
+    if type(value) is not list or len(value) != 6 or type(value[0]) is not str:
+        raise ProtocolError(f"{where}: a send_bodies answer must be [topic, 5 arrays]")
+    topic, ids, queue_ids, offsets, positions, stored = value
+    columns = (ids, queue_ids, offsets, positions, stored)
+    if not all(type(column) is list and len(column) == len(ids) for column in columns):
+        raise ProtocolError(f"{where}: a send_bodies answer's arrays must be of one length")
+    # set(map(type, ...)): a column checked at C speed (a bool is not an int on the wire)
+    if not set(map(type, ids)) <= {str} or not set(map(type, stored)) <= {float}:
+        raise ProtocolError(f"{where}: send_bodies message ids must be str, stored_at float")
+    for column in (queue_ids, offsets, positions):
+        if not set(map(type, column)) <= {int} or (column and min(column) < 0):
+            raise ProtocolError(f"{where}: send_bodies queue ids, offsets, positions: uints")
+    return list(map(SendResult, ids, repeat(topic), queue_ids, offsets, positions, stored))
 
 
 def pack_pull_result(result: PullResult) -> list[Any]:

@@ -24,6 +24,9 @@ ORIGIN_ID: Final = "equeue.origin.id"
 DUE_MS: Final = "equeue.due_ms"  # copies in DELAY_TOPIC: when due, ms since the epoch
 # A dead letter sent there without the sender's properties: why (they left no room).
 DLQ_REASON: Final = "equeue.dlq.reason"
+# A dead letter whose body was cut to the store's max_message_size (a message stored
+# under a larger limit): the body's size as it was; absent, the body is whole.
+DLQ_BODY_SIZE: Final = "equeue.dlq.body_size"
 
 
 def retry_topic(group: str) -> str:

@@ -15,7 +15,7 @@ from equeue.protocol.frames import (
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_PULL_COUNT,
 )
-from equeue.server.config import SOCKET_NAME, ServerConfig
+from equeue.server.config import EVENT_LOOPS, SOCKET_NAME, ServerConfig
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +51,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="print the stats of the broker serving STORE (or at the first --listen; "
         "--token-file, and --tls-cert as the certificate to trust) and exit",
     )  # fmt: skip
+    parser.add_argument(
+        "--event-loop", choices=EVENT_LOOPS, default="auto",
+        help="uvloop (auto: where it is installed) or asyncio's own loop",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="log warnings and errors only")
 
 
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_messages=args.max_batch_messages, max_pull_count=args.max_pull_count,
         hello_timeout_ms=args.hello_timeout_ms,
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
+        event_loop=args.event_loop,
     )  # fmt: skip
     from equeue.server.serve import serve
 

@@ -25,6 +25,8 @@ from equeue.protocol.frames import (
 )
 
 BrokerFlush = Literal["sync", "async", "os"]
+EventLoop = Literal["auto", "uvloop", "asyncio"]
+EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
 SOCKET_NAME = DEFAULT_SOCKET_NAME  # the default listener, inside the store directory
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the NUL
 
@@ -111,6 +113,8 @@ class ServerConfig:
     max_partial_frame_bytes: int = 512 * MiB
     # A token over plain tcp:// off loopback crosses the network in clear: refused unless this.
     insecure_token: bool = False
+    # "auto": uvloop where it is installed (a dependency on Linux and macOS), else asyncio's.
+    event_loop: EventLoop = "auto"
     listeners: tuple[Listener, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -119,6 +123,10 @@ class ServerConfig:
         object.__setattr__(self, "listen", tuple(self.listen))
         if self.flush not in ("sync", "async", "os"):
             raise ConfigError(f"flush={self.flush!r}; it must be 'sync', 'async' or 'os'")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ConfigError(
+                f"event_loop={self.event_loop!r}; it must be 'auto', 'uvloop' or 'asyncio'"
+            )
         check_int(
             "max_frame_bytes",
             self.max_frame_bytes,

@@ -24,6 +24,7 @@ from equeue.errors import (
     LimitExceededError,
     ProtocolError,
 )
+from equeue.protocol.bounded import OBJECTS_PER_MESSAGE, decode_request, max_objects
 from equeue.protocol.faults import pack_error
 from equeue.protocol.frames import (
     CONNECTION_REQUEST_ID,
@@ -121,6 +122,12 @@ class Connection(asyncio.BufferedProtocol):
         self._items_setting = (
             f"{self._max_items} items (twice max_batch_messages={config.max_batch_messages}, "
             f"at least {MIN_DECODE_ITEMS})"
+        )
+        # A frame of tiny objects costs the decoder per object: bounded as a whole too.
+        self._max_objects = max_objects(config.max_batch_messages)
+        self._objects_setting = (
+            f"{OBJECTS_PER_MESSAGE} per message of max_batch_messages="
+            f"{config.max_batch_messages}: --max-batch-messages"
         )
 
     # --- asyncio callbacks ----------------------------------------------------
@@ -342,7 +349,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
-        version = choose_version(hello.versions)
+        version = choose_version(hello.versions, self.broker.welcome_versions)
         if version is None:
             raise ProtocolError(
                 f"{self.where}: the client speaks protocol versions {list(hello.versions)[:8]}, "
@@ -364,7 +371,15 @@ class Connection(asyncio.BufferedProtocol):
     def _request(self, body: bytes) -> None:
         where = self.where
         request_id, op, args = check_request(
-            decode_body(body, where, self._max_items, self._items_setting), where
+            decode_request(
+                body,
+                where,
+                self._max_items,
+                self._items_setting,
+                self._max_objects,
+                self._objects_setting,
+            ),
+            where,
         )
         broker = self.broker
         if op == "send" and len(args) == 2:

@@ -61,6 +61,17 @@ MAX_CONSUMER_BYTES: Final = 255
 MAX_MEMBERS: Final = 1024  # per group: each join rebalances over every member
 
 
+MAX_SKIP_GROUPS: Final = 4096  # groups whose skips the coordinator counts
+MAX_SKIP_RANGES: Final = 4  # the last ranges kept per queue (the count is of all)
+
+
+@dataclass
+class _Skipped:
+    count: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, first) each
+    until: int = 0  # offsets below it are counted
+
+
 @dataclass
 class _Member:
     topics: tuple[str, ...]
@@ -135,9 +146,16 @@ class GroupCoordinator:
         self.max_retries = _check_retries(max_retries)
         self.retries = retry.Retries(store, wall_clock=wall_clock, delays=retry_delays)
         self._groups: dict[str, _Group] = {}
+        # Per group, per queue: offsets retention removed before the group consumed them
+        # (its committed offset, or a member's position, below the queue's first).
+        self.skipped: dict[str, dict[Queue, _Skipped]] = {}
         # One counter for every group: a group that lost its last member and is joined
         # again never repeats a generation its former members saw.
         self._generations = 0
+
+    def persist_with(self, run: Callable[[Callable[[], None]], retry.Job]) -> None:
+        """Run the retry mover's fdatasync and cursor write with ``run`` (off the loop)."""
+        self.retries.background = run
 
     # --- the ops ---------------------------------------------------------------------
 
@@ -246,6 +264,39 @@ class GroupCoordinator:
             raise GroupError(f"message {message_id} of {message.topic} is not group {group!r}'s")
         self.retries.nack(group, message, delay_ms, member.max_retries)
 
+    def note_skip(self, group: str, topic: str, queue_id: int, start: int, first: int) -> None:
+        """The group was to read ``topic``/``queue_id`` from ``start``, but retention
+        removed the offsets before ``first``: count them (once) and warn."""
+        queues = self.skipped.get(group)
+        if queues is None:
+            if len(self.skipped) >= MAX_SKIP_GROUPS:
+                return  # bounded: the warning below still names the first groups
+            queues = self.skipped[group] = {}
+        found = queues.setdefault((topic, queue_id), _Skipped())
+        start = max(start, found.until)  # what an earlier note counted already
+        if start >= first:
+            return
+        found.count += first - start
+        found.ranges = [*found.ranges[-(MAX_SKIP_RANGES - 1) :], (start, first)]
+        found.until = first
+        log.warning(
+            "group %r: offsets %d to %d of %s/%d were removed by retention before the group "
+            "consumed them; it goes on at %d (%d skipped in all on this queue)",
+            group, start, first - 1, topic, queue_id, first, found.count,
+        )  # fmt: skip
+
+    def _check_retained(self, state: _Group, queues: frozenset[Queue]) -> None:
+        """Queues just given to a member: is the group's committed offset below what
+        retention kept (the member then starts at the first retained)?"""
+        for topic, queue_id in queues:
+            try:
+                committed = self.store.committed_offset(state.name, topic, queue_id)
+                first = self.store.queue_range(topic, queue_id)[0]
+            except Exception:  # the member's own reads report it
+                continue
+            if committed is not None and committed < first:
+                self.note_skip(state.name, topic, queue_id, committed, first)
+
     def tick(self) -> None:
         """Expire members past their session timeout, pick up queues topics gained, move
         retries that are due. The broker calls it about every 100 ms."""
@@ -299,6 +350,18 @@ class GroupCoordinator:
                 "lag": lag,
             }
         return result
+
+    def skips(self) -> dict[str, dict[str, Any]]:
+        """Per group (also one with no member now), per ``"topic/queue_id"``: how many
+        offsets retention removed before the group consumed them, and the last ranges
+        (``[start, first)``) since the broker started."""
+        return {
+            name: {
+                f"{t}/{q}": {"count": found.count, "ranges": [list(r) for r in found.ranges]}
+                for (t, q), found in sorted(queues.items())
+            }
+            for name, queues in sorted(self.skipped.items())
+        }
 
     # --- internals -------------------------------------------------------------------
 
@@ -360,7 +423,10 @@ class GroupCoordinator:
             q for q, holder in state.holders.items()
             if holder == consumer and state.target.get(q) == consumer
         )  # fmt: skip
+        added = queues - member.given[1]
         member.given = (state.generation, queues)
+        if added:
+            self._check_retained(state, added)
         return {
             "generation": state.generation,
             "assignment": [list(q) for q in sorted(queues)],

@@ -15,9 +15,15 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import msgpack
 
 from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
+from equeue.protocol.faults import hide_store_path
 from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
 from equeue.protocol.ops import check_args
-from equeue.protocol.records import pack_message, pack_pull_result, pack_send_result
+from equeue.protocol.records import (
+    pack_message,
+    pack_pull_result,
+    pack_send_columns,
+    pack_send_result,
+)
 from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
@@ -61,6 +67,9 @@ class Coordinator(Protocol):
     def check_owner(self, group: str, consumer: str, topic: str, queue_id: int) -> None: ...
     def tick(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+    def persist_with(self, run: Callable[[Callable[[], None]], Any]) -> None: ...
+    def note_skip(self, group: str, topic: str, queue_id: int, start: int, first: int) -> None: ...
+    def skips(self) -> dict[str, dict[str, Any]]: ...
 
 
 class Handlers:
@@ -77,18 +86,21 @@ class Handlers:
         offsets: OffsetCommitter,
     ) -> None:
         self.store = store
+        hide_store_path(store.path)  # errors sent to clients name files relative to it
         self.holds = holds
         self.commit = commit
         self.config = config
         self.packer = packer
         self.offsets = offsets
         self.coordinator = coordinator
+        coordinator.persist_with(offsets.run)  # the retry mover's fdatasync off the loop
         self.counters = counters
         self._extra_stats = extra_stats
         self.ops: dict[str, Callable[[Peer, int, dict[str, Any]], object]] = {
             "ping": lambda peer, rid, args: None,
             "send": self.send,
             "send_batch": self.send_batch,
+            "send_bodies": self.send_bodies,
             "pull": self.pull,
             "get": lambda peer, rid, a: pack_message(store.get(a["message_id"])),
             "query_by_key": lambda peer, rid, a: [
@@ -114,7 +126,7 @@ class Handlers:
             "leave": lambda peer, rid, a: self.coordinator.call("leave", a),
             "nack": self.nack,
         }
-        for op in ("send", "send_batch", "create_topic", "commit_offset"):
+        for op in ("send", "send_batch", "send_bodies", "create_topic", "commit_offset"):
             self.ops[op] = _guarded(op, self.ops[op])
 
     def nack(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
@@ -169,16 +181,31 @@ class Handlers:
         self._check_batch(peer, topic, len(messages))
         items = _batch_items(peer, topic, messages)
         results = self.store.send_batch(topic, items)
+        self._batch_sent(results, items)
+        # SendResults are named tuples: msgpack packs each as pack_send_result's array.
+        return self._durable(peer, rid, results)
+
+    def send_bodies(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        """send_batch of bodies alone (protocol version 2): the decoded array goes to the
+        store as it is, and the results go back in columns (records.pack_send_columns)."""
+        topic, bodies = a["topic"], a["bodies"]
+        if not set(map(type, bodies)) <= {bytes}:
+            raise ProtocolError(f"{peer.where}: op 'send_bodies': each body must be bin")
+        self._check_batch(peer, topic, len(bodies))
+        results = self.store.send_batch(topic, bodies)
+        self._batch_sent(results, bodies)
+        return self._durable(peer, rid, pack_send_columns(topic, results))
+
+    def _batch_sent(self, results: list[SendResult], items: list[Any]) -> None:
+        """Count a batch's sends and wake the pulls held on its queues."""
         counters = self.counters
         counters.sends += len(results)
         counters.send_requests += 1
         if self.holds.count:
             note = self.holds.note
             for sent, item in zip(results, items, strict=True):
-                tag = "" if type(item) is bytes else item.tag  # type: ignore[union-attr]
+                tag = "" if type(item) is bytes else item.tag
                 note(sent.topic, sent.queue_id, sent.queue_offset, tag)
-        # SendResults are named tuples: msgpack packs each as pack_send_result's array.
-        return self._durable(peer, rid, results)
 
     def _check_batch(self, peer: Peer, topic: str, count: int) -> None:
         """Refused before anything is appended: more messages than max_batch_messages, or
@@ -217,11 +244,21 @@ class Handlers:
             max_bytes=args["max_bytes"],
         )  # fmt: skip
         self.counters.pulls += 1
+        offset = a["offset"]
+        if (found.messages[0].queue_offset if found.messages else found.next_offset) > offset:
+            self._skipped(a, topic, queue_id, offset)  # retention, or a tag filter
         if found.messages or wait_ms == 0:
             return self.fit_pull(found, peer.where)
-        self.holds.hold(
-            HeldPull(peer, rid, (topic, queue_id), found.next_offset, args), wait_ms / MS
-        )
+        group, consumer = a.get("group"), a.get("consumer")
+        check = None
+        if group is not None and consumer is not None:  # checked again when answered
+            owner = self.coordinator.check_owner
+
+            def check() -> None:
+                owner(group, consumer, topic, queue_id)
+
+        held = HeldPull(peer, rid, (topic, queue_id), found.next_offset, args, check)
+        self.holds.hold(held, wait_ms / MS)
         return DEFERRED
 
     def _pull_args(self, a: dict[str, Any]) -> dict[str, Any]:
@@ -273,6 +310,15 @@ class Handlers:
         self.offsets.add((group, topic, queue_id), offset, lambda error: peer.finish(rid, error))
         return DEFERRED
 
+    def _skipped(self, a: dict[str, Any], topic: str, queue_id: int, offset: int) -> None:
+        """A group member's pull went past offsets: count those retention removed."""
+        group = a.get("group")
+        if group is None or a.get("consumer") is None:
+            return
+        first = self.store.queue_range(topic, queue_id)[0]
+        if offset < first:
+            self.coordinator.note_skip(group, topic, queue_id, offset, first)
+
     def _check_owner(self, a: dict[str, Any], topic: str, queue_id: int) -> None:
         group, consumer = a.get("group"), a.get("consumer")
         if consumer is None or group is None:
@@ -294,7 +340,9 @@ class Handlers:
             round(commit.sends_flushed / commit.flushes, 2) if commit and commit.flushes else 0.0
         )
         answer.update(self._extra_stats())
-        answer["groups"] = group_lag(self.store)
+        answer["groups"] = groups = group_lag(self.store)
+        for group, skipped in self.coordinator.skips().items():  # retention passed them
+            groups.setdefault(group, {"lag": 0, "queues": {}})["skipped"] = skipped
         answer["coordinator"] = self.coordinator.stats()  # members, generations, assignments
         return answer
 

@@ -8,6 +8,12 @@ no pull. Appends the broker's handlers did not make (the group coordinator's ret
 mover) show as a gap between the queue's end as last seen and the first offset noted,
 or, at ``poll``, as a queue end past it: then every parked pull of that queue is pulled.
 At its deadline a pull is answered with what there is, empty most likely.
+
+A group member's pull is checked for ownership again whenever it is answered (``check``):
+while it was held its member may have lost the queue (its session expired, the queue
+went to another member), and an answer with messages would then give one queue two
+consumers at a time. It is answered with the GroupError instead, upon which the client
+joins again (a queue it no longer holds it ignores).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from equeue.errors import GroupError
 from equeue.store.store import MessageStore
 from equeue.store.types import PullResult
 
@@ -26,10 +33,18 @@ QueueKey = tuple[str, int]
 
 
 class HeldPull:
-    __slots__ = ("args", "deadline", "key", "offset", "owner", "request_id", "tags", "timer")
+    __slots__ = (
+        "args", "check", "deadline", "key", "offset", "owner", "request_id", "tags", "timer",
+    )  # fmt: skip
 
     def __init__(
-        self, owner: Any, request_id: int, key: QueueKey, offset: int, args: dict[str, Any]
+        self,
+        owner: Any,
+        request_id: int,
+        key: QueueKey,
+        offset: int,
+        args: dict[str, Any],
+        check: Callable[[], None] | None = None,
     ) -> None:
         self.owner = owner  # the connection to answer
         self.request_id = request_id
@@ -45,6 +60,8 @@ class HeldPull:
         )
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        # a group member's pull: GroupError unless the member still holds the queue
+        self.check = check
 
 
 class Appended:
@@ -116,6 +133,12 @@ class Holds:
         self._answer(held, outcome)
 
     def _try(self, held: HeldPull, *, final: bool) -> None:
+        if held.check is not None:
+            try:
+                held.check()
+            except GroupError as exc:  # the queue moved while the pull was held
+                self._release(held, exc)
+                return
         try:
             result = self._pull(held)
         except Exception as exc:  # the topic was deleted, the store closed: the pull's answer

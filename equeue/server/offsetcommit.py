@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from equeue.store import offsets as group_offsets
 from equeue.store.store import MessageStore
@@ -35,7 +36,16 @@ class OffsetCommitter:
         self._waiting: list[tuple[Key, int, Release]] = []
         self._running: asyncio.Future[dict[Key, BaseException]] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "equeue-broker-commit")
+        self._jobs: set[asyncio.Future[None]] = set()  # run(): the retry mover's persisting
         self.writes = 0
+
+    def run(self, work: Callable[[], None]) -> asyncio.Future[None]:
+        """``work`` on the committer thread (the retry mover's fdatasync and cursor
+        write, off the loop); ``drain`` waits for it too."""
+        job = self._loop.run_in_executor(self._executor, work)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return job
 
     def add(self, key: Key, offset: int, release: Release) -> None:
         """Call ``release(None)`` once ``offset`` is committed durably (or with the error)."""
@@ -100,8 +110,11 @@ class OffsetCommitter:
 
     async def drain(self) -> None:
         """Until every commit handed over so far is written and answered."""
-        while self._running is not None:
-            await asyncio.wait([self._running])
+        while self._running is not None or self._jobs:
+            waiting: list[asyncio.Future[Any]] = [*self._jobs]
+            if self._running is not None:
+                waiting.append(self._running)
+            await asyncio.wait(waiting)
             await asyncio.sleep(0)
 
     def close(self) -> None:

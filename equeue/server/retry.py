@@ -19,7 +19,9 @@ The mover's cursor in each delay queue is the committed offset of the internal g
 ``equeue.mover``, committed after the copies it moved were appended and the message log
 fdatasynced (``store.flush_log``, once per tick for every delay queue; recovery rebuilds
 queues from the log): a crash between the two moves them again (at least once), and
-nothing is lost. Both run on the broker's loop, once per tick with due copies.
+nothing is lost. The appends run on the broker's loop; the fdatasync and the cursor
+write run off it (``background``: the broker's offset committer thread), and no copy is
+moved until they ended.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from equeue.errors import (
     InvalidMessageError,
@@ -39,6 +41,7 @@ from equeue.format.message import MAX_NAME_BYTES
 from equeue.protocol.retries import (
     ATTEMPT,
     DELAY_TOPIC,
+    DLQ_BODY_SIZE,
     DLQ_PREFIX,
     DLQ_REASON,
     DUE_MS,
@@ -62,12 +65,21 @@ if TYPE_CHECKING:
     from equeue.store.store import MessageStore
 
 __all__ = [  # the names of equeue/protocol/retries.py, for the broker's side
-    "ATTEMPT", "DELAY_TOPIC", "DLQ_PREFIX", "DLQ_REASON", "DUE_MS", "GROUP", "MOVER_GROUP",
-    "ORIGIN_ID", "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RESERVED_PREFIX",
+    "ATTEMPT", "DELAY_TOPIC", "DLQ_BODY_SIZE", "DLQ_PREFIX", "DLQ_REASON", "DUE_MS", "GROUP",
+    "MOVER_GROUP", "ORIGIN_ID", "ORIGIN_OFFSET", "ORIGIN_QUEUE", "ORIGIN_TOPIC", "RESERVED_PREFIX",
     "RETRY_PREFIX", "Retries", "check_group_name", "dead_letter_topic", "restore", "retry_topic",
 ]  # fmt: skip
 
 log = logging.getLogger("equeue.retry")
+
+
+class Job(Protocol):
+    """A future of the work run off the loop (asyncio's or concurrent.futures')."""
+
+    def done(self) -> bool: ...
+    def cancelled(self) -> bool: ...
+    def exception(self) -> BaseException | None: ...
+
 
 # Seconds a copy waits at each level (RocketMQ's levels from 1 s on, shortened).
 DEFAULT_DELAYS: Final = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
@@ -139,6 +151,10 @@ class Retries:
         # committed_offset per queue per tick would merge every group's offsets each time.
         self._cursors: dict[int, int] = {}
         self._head_due: dict[int, float] = {}  # the due time of a queue's first copy waiting
+        # Runs the mover's fdatasync and cursor write off the broker's loop (the broker
+        # sets it: OffsetCommitter.run); None: in the caller, before move_due returns.
+        self.background: Callable[[Callable[[], None]], Job] | None = None
+        self._persisting: tuple[Job, dict[tuple[str, int], int]] | None = None
         self.moved = 0  # copies moved to retry topics (stats)
         self.dead = 0  # messages sent to dead-letter topics
         if any(f"{MOVER_GROUP}.json" in problem for problem in store.recovery.problems):
@@ -153,19 +169,61 @@ class Retries:
     def nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
         """Schedule ``message`` (of ``group``) for a retry, or dead-letter it. A message
         whose properties leave no room for the retry's (the store's max_properties_size)
-        is dead-lettered with the retry's properties alone and ``equeue.dlq.reason``."""
+        is dead-lettered with the retry's properties alone and ``equeue.dlq.reason``; if
+        even that does not fit, with what fits (``_dead_letter_cut``)."""
         try:
             self._nack(group, message, delay_ms, max_retries)
         except MessageTooLargeError as exc:
             found, attempts = origin(message, group)
             props = {**found, GROUP: group, ATTEMPT: str(attempts + 1)}
             props[DLQ_REASON] = f"no retry: {exc}"[:1024]
-            self._append(dead_letter_topic(group), message, props, None)
+            try:
+                self._append(dead_letter_topic(group), message, props, None)
+            except (MessageTooLargeError, InvalidMessageError) as again:
+                self._dead_letter_cut(group, message, props, again)
             self.dead += 1
             log.warning(
                 "message %s of group %r: dead-lettered without its properties (%s)",
                 found[ORIGIN_ID], group, exc,
             )  # fmt: skip
+
+    def _dead_letter_cut(
+        self, group: str, message: Message, props: dict[str, str], error: Exception
+    ) -> None:
+        """The dead letter of a message that cannot be copied whole under the store's
+        limits now (a store reopened with a smaller max_message_size or
+        max_properties_size than it was written with): its body cut to max_message_size,
+        ``equeue.dlq.body_size`` saying by how much, and of the properties (the origin
+        first) those that fit in max_properties_size. It terminates: a nack that failed
+        here would bring the message back, and fail again, for ever."""
+        config = self.store.config
+        body = message.body
+        cut = len(body) > config.max_message_size
+        wanted = {DLQ_BODY_SIZE: str(len(body))} if cut else {}
+        wanted[ORIGIN_ID] = props[ORIGIN_ID]
+        wanted[DLQ_REASON] = f"cut to the store's limits: {error}"[:256]
+        for name, value in props.items():  # the rest in order: topic, queue, offset, ...
+            wanted.setdefault(name, value)
+        kept: dict[str, str] = {}
+        for name, value in wanted.items():
+            trial = {**kept, name: value}
+            try:
+                validate.check_properties(trial, config.max_properties_size)
+            except MessageTooLargeError:
+                continue
+            kept = trial
+        if cut:
+            body = body[: config.max_message_size]
+        self.ensure(dead_letter_topic(group), 1)
+        self.store.send(
+            dead_letter_topic(group), body, tag=message.tag, key=message.key, properties=kept,
+            code=message.code,
+        )  # fmt: skip
+        log.warning(
+            "message %s of group %r: dead-lettered cut to the store's limits (body %d of %d "
+            "bytes, %d of %d properties): %s",
+            props[ORIGIN_ID], group, len(body), len(message.body), len(kept), len(wanted), error,
+        )  # fmt: skip
 
     def _nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
         found, attempts = origin(message, group)
@@ -202,6 +260,8 @@ class Retries:
 
     def move_due(self) -> int:
         """Append every due copy to its group's retry topic; how many were moved."""
+        if self._persisting is not None and not self._persisted():
+            return 0  # the last move is not durable yet: nothing more until it is
         store = self.store
         try:
             delay_queues = store.queue_ids(DELAY_TOPIC)
@@ -245,17 +305,44 @@ class Retries:
             cursors[(DELAY_TOPIC, queue_id)] = due[-1].queue_offset + 1
             moved += len(due)
         if cursors:
-            # The copies (and the delay entries they came from) durable in the message
-            # log before the cursors say they were moved: recovery rebuilds the retry
-            # topics' queues from the log, so the log's fdatasync suffices (no checkpoint
-            # of every queue file); one for every delay queue of the tick, then one write
-            # of the mover's offsets file.
-            store.flush_log()
-            self.commit_cursors(cursors)
-            for (_, queue_id), offset in cursors.items():
-                self._cursors[queue_id] = offset
+            if self.background is None:
+                self._persist(cursors)
+                self._advance(cursors)
+            else:  # off the loop; the next tick that finds it done advances the cursors
+                self._persisting = (self.background(lambda: self._persist(cursors)), cursors)
         self.moved += moved
         return moved
+
+    def _persist(self, cursors: dict[tuple[str, int], int]) -> None:
+        # The copies (and the delay entries they came from) durable in the message log
+        # before the cursors say they were moved: recovery rebuilds the retry topics'
+        # queues from the log, so the log's fdatasync suffices (no checkpoint of every
+        # queue file); one for every delay queue of the tick, then one write of the
+        # mover's offsets file.
+        self.store.flush_log()
+        self.commit_cursors(cursors)
+
+    def _advance(self, cursors: dict[tuple[str, int], int]) -> None:
+        for (_, queue_id), offset in cursors.items():
+            self._cursors[queue_id] = offset
+
+    def _persisted(self) -> bool:
+        """Whether the move persisting off the loop ended (its cursors then advanced;
+        if it failed, its copies are moved again: at least once)."""
+        assert self._persisting is not None
+        job, cursors = self._persisting
+        if not job.done():
+            return False
+        self._persisting = None
+        error = BaseException("cancelled") if job.cancelled() else job.exception()
+        if error is None:
+            self._advance(cursors)
+        else:
+            log.error(
+                "the retry mover could not make its move durable (%s): the copies it "
+                "appended are moved again (at least once)", error,
+            )  # fmt: skip
+        return True
 
     def commit_cursors(self, cursors: dict[tuple[str, int], int]) -> None:
         group_offsets.commit_group_file(self.store.path, MOVER_GROUP, cursors)

@@ -30,6 +30,7 @@ from equeue.server.groupcommit import CrossClientCommit
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
 from equeue.server.holds import HeldPull, Holds
+from equeue.server.loops import run as run_on
 from equeue.server.offsetcommit import OffsetCommitter
 from equeue.server.stats import Counters
 from equeue.store.config import StoreConfig
@@ -141,7 +142,7 @@ class Broker:
             "max_pull_count": config.max_pull_count,
         }
         self.partial_bytes = 0  # of frames begun, over every connection
-        self.welcome_versions = SUPPORTED_VERSIONS
+        self.welcome_versions: tuple[int, ...] = SUPPORTED_VERSIONS
         from equeue import __version__
 
         self.server_name = f"equeue {__version__}"
@@ -364,7 +365,7 @@ def serve(
         raise ConfigError("give either a ServerConfig or its settings, not both")
     broker = Broker(store, config)
     signals = threading.current_thread() is threading.main_thread()
-    asyncio.run(broker.run(ready, signals=signals))
+    run_on(broker.run(ready, signals=signals), config.event_loop)
 
 
 class BrokerThread:
@@ -390,7 +391,7 @@ class BrokerThread:
             self._ready.set()
 
         try:
-            asyncio.run(self.broker.run(ready))
+            run_on(self.broker.run(ready), self.broker.config.event_loop)
         except BaseException as exc:
             self._error = exc
             log.exception("the broker thread failed")

@@ -60,4 +60,10 @@ def render_stats(stats: dict[str, Any]) -> str:
             lines.append(
                 f"  {queue}: committed {lag['committed']} end {lag['end']} lag {lag['lag']}"
             )
+        for queue, skipped in sorted(info.get("skipped", {}).items()):
+            ranges = ", ".join(f"{start}..{end - 1}" for start, end in skipped["ranges"])
+            lines.append(
+                f"  {queue}: {skipped['count']} removed by retention before consumed "
+                f"(offsets {ranges})"
+            )
     return "\n".join(lines)

@@ -77,17 +77,21 @@ def loss_traces(store: MessageStore) -> dict[str, Any]:
     }
 
 
-def note_retention(store: MessageStore, log_start: int) -> None:
+def note_retention(
+    store: MessageStore, log_start: int, starts: dict[str, list[int]] | None = None
+) -> None:
     """Retention, before it deletes chunks: the checkpoint names the log's new start and
-    the queues' new first offsets, so a crash mid-deletion is not reported as a loss.
-    The caller holds the checkpoint lock and the write lock."""
+    the queues' new first offsets (``starts``, if the caller found them), so a crash
+    mid-deletion is not reported as a loss. The caller holds the checkpoint lock and the
+    write lock."""
     path = store.path / CHECKPOINT_FILE
     body: Any = None
     with contextlib.suppress(OSError, EQueueError):  # none or damaged: nothing to compare
         body = read_json(path)
     if isinstance(body, dict):  # a failed write raises: retention then deletes nothing
-        starts = {
-            t: [q.first_offset_at_or_after(log_start) for q in qs]
-            for t, qs in store._queues.items()
-        }
+        if starts is None:
+            starts = {
+                t: [q.first_offset_at_or_after(log_start) for q in qs]
+                for t, qs in store._queues.items()
+            }
         write_json(path, body | {"log_start": log_start, "queue_starts": starts})

@@ -24,6 +24,8 @@ from equeue.format.message import (
     FLAG_HAS_KEY,
     MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
+    QUEUE_RECORD,
+    QUEUE_RECORD_SIZE,
     TAG_HASH,
     TAG_HASH_OFFSET,
     decode_properties,
@@ -66,17 +68,14 @@ class LogReader:
                 budget, counted, offset = _trim(messages, counted, budget, offset)
                 if budget <= 0:
                     return messages, offset
+            if wanted is None and fast is not None:
+                taken = self._pull_chunks(fast, queue, offset, max_count, messages)
+                if taken:  # (where it stopped short, the next round's general path reads)
+                    offset = max(offset + taken, queue.first_offset)
+                    continue
             entries = queue.entries(offset, max_count if wanted is None else 256)
             if not entries:
                 break
-            if wanted is None and fast is not None:
-                taken = self._pull_chunks(fast, queue, entries, offset, max_count, messages)
-                if taken:
-                    offset += taken
-                    if taken == len(entries) or len(messages) == max_count:
-                        offset = max(offset, queue.first_offset)
-                        continue
-                    del entries[:taken]  # the rest the general path below reads
             kept = [p for p, hashed in entries if wanted is None or hashed in wanted]
             try:
                 found = self.read_run(kept)
@@ -119,25 +118,26 @@ class LogReader:
         return messages, offset
 
     def _pull_chunks(
-        self,
-        fast: ModuleType,
-        queue: Queue,
-        entries: list[tuple[int, int]],
-        offset: int,
-        max_count: int,
-        messages: list[Message],
+        self, fast: ModuleType, queue: Queue, offset: int, max_count: int, messages: list[Message]
     ) -> int:
-        """The untagged pull's common case in C, a log chunk at a time: how many of
-        ``entries`` (from queue offset ``offset``) it took, their messages appended to
-        ``messages``. It stops at anything else (a chunk removed or compacted, a record
-        not intact, a message that does not match its entry), which the general path
-        then reads, and raises about, as it does without this."""
-        manager = self._messages
-        if self.read_only and entries[-1][0] >= manager.committed_position:
+        """The untagged pull's common case in C, a log chunk at a time, from the queue's
+        raw entries (no tuple per entry): how many entries from queue offset ``offset``
+        it took, their messages appended to ``messages``. It stops at anything else (a
+        chunk removed or compacted, a record not intact, a message that does not match
+        its entry), which the general path then reads, and raises about, as it does
+        without this."""
+        block = entry_block(queue, offset, max_count - len(messages))
+        count = len(block) // QUEUE_RECORD_SIZE
+        if not count:
+            return 0
+        manager, position = self._messages, QUEUE_RECORD.unpack_from
+        if self.read_only and position(block, len(block) - QUEUE_RECORD_SIZE)[0] > (
+            manager.committed_position
+        ):
             manager.refresh()
         taken = 0
-        while taken < len(entries) and len(messages) < max_count:
-            first = entries[taken][0]
+        while taken < count and len(messages) < max_count:
+            first = position(block, taken * QUEUE_RECORD_SIZE)[0] - 1
             try:
                 chunk = manager.get_chunk_for(first)
                 if chunk.header.compacted:
@@ -146,17 +146,19 @@ class LogReader:
                 chunk.mark_used()  # as read_many does: a chunk in use stays mapped
             except (EQueueError, OSError):  # the general path meets it again, and says
                 break
-            run = entries[taken:] if taken else entries
             took = fast.pull_chunk(
-                mm, HEADER_SIZE, chunk.physical_end, chunk.base, run, offset + taken,
-                queue.queue_id, queue.topic, min(max_count - len(messages), len(run)), messages,
-                Message,
-                self._id_prefix, decode_properties,
+                mm, HEADER_SIZE, chunk.physical_end, chunk.base, block, taken, offset + taken,
+                queue.queue_id, queue.topic, min(max_count - len(messages), count - taken),
+                messages, Message, self._id_prefix, decode_properties,
             )  # fmt: skip
             if took:
-                chunk.release_behind(first - chunk.base, run[took - 1][0] - chunk.base)
+                last = position(block, (taken + took - 1) * QUEUE_RECORD_SIZE)[0] - 1
+                chunk.release_behind(first - chunk.base, last - chunk.base)
             taken += took
-            if took == 0 or (taken < len(entries) and entries[taken][0] < chunk.end_position):
+            if took == 0 or (
+                taken < count
+                and position(block, taken * QUEUE_RECORD_SIZE)[0] - 1 < chunk.end_position
+            ):
                 break  # not a chunk boundary: the general path reads that entry
         return taken
 
@@ -348,3 +350,23 @@ def tag_filter(tags: str | Iterable[str] | None) -> dict[int, set[str]] | None:
             "every message, or the tags to keep"
         )
     return wanted
+
+
+def entry_block(queue: Queue, offset: int, count: int) -> bytes:
+    """Up to ``count`` of the queue's records from ``offset`` on, raw (QUEUE_RECORD:
+    position + 1, tag hash), from one queue chunk: what ``Queue.entries`` decodes, for
+    pull_chunk to read in C. Empty where that chunk is gone (the general path says)."""
+    end = min(queue.next_offset, offset + count)
+    if offset >= end:
+        return b""
+    try:
+        chunk = queue.manager.get_chunk_for(offset * QUEUE_RECORD_SIZE)
+    except ChunkRemovedError:
+        return b""
+    start = HEADER_SIZE + offset * QUEUE_RECORD_SIZE - chunk.base
+    stop = min(end, (chunk.base + chunk.data_end) // QUEUE_RECORD_SIZE)
+    if stop <= offset:
+        return b""
+    block = chunk.mapping()[start : start + (stop - offset) * QUEUE_RECORD_SIZE]
+    chunk.release_behind(start - HEADER_SIZE, start - HEADER_SIZE + len(block))
+    return block

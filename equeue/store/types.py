@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple, overload
+from typing import TYPE_CHECKING, NamedTuple, overload
+
+from equeue import speedups
 
 
 class SendResult(NamedTuple):
@@ -53,6 +55,17 @@ class Message(NamedTuple):
     @property
     def stored_at(self) -> float:
         return self.stored_ns / 1e9
+
+
+# With the C accelerator, Message is its C type (equeue/cext/message.c): the same
+# fields, methods, equality, repr and pickling, but not a tuple; a pulled one makes its
+# id, ints and empty properties dict when read, and is not tracked by the garbage
+# collector until its properties dict is handed out. TupleMessage stays the NamedTuple
+# above either way (messages of both compare equal and unpickle as each other).
+TupleMessage = Message
+if not TYPE_CHECKING and speedups.SPEEDUPS is not None:
+    speedups.SPEEDUPS.message_doc(Message.__doc__)
+    Message = speedups.SPEEDUPS.Message
 
 
 class PullResult:

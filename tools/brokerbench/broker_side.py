@@ -70,13 +70,23 @@ class SyncProduce:
         self.client.close()
 
 
+def new_loop(job: dict[str, Any]) -> asyncio.AbstractEventLoop:
+    """The job's event loop: asyncio's, or uvloop's (``--client-loop uvloop``)."""
+    if job.get("client_loop") == "uvloop":
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    return asyncio.new_event_loop()
+
+
 class AioProduce:
     """The asyncio client, one message per request, ``window`` requests in flight on the
     one connection (a new send starts as each answer comes)."""
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(job)
         self.client = self.loop.run_until_complete(equeue.aio.connect(job["url"]))
         self.bodies = bodies(job["body"])
 
@@ -129,7 +139,7 @@ class AioDurable:
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(job)
 
         async def connect() -> list[equeue.aio.AsyncClient]:
             return await asyncio.gather(

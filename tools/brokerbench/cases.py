@@ -188,6 +188,7 @@ class Bench:
         }
         job |= {"count": per, "batch": BATCH if mode == "batch" else 1, "window": WINDOW}
         job |= {"style": "send_many" if mode == "many" else "aio", "cap": self.cap}
+        job["client_loop"] = self.args.client_loop
         jobs = [job] * case["producers"]
         self.measure(
             "produce", case, f"broker-{mode}", r, jobs, broker,
@@ -325,6 +326,7 @@ class Bench:
                 systems: list[tuple[str, Go]] = []
                 if broker is not None:
                     job_b = job | {"kind": "broker_durable", "url": broker.url}
+                    job_b["client_loop"] = self.args.client_loop
                     systems.append(
                         ("broker", partial(self.durable_run, case, "broker", broker, job_b))
                     )
@@ -368,7 +370,9 @@ class Bench:
     def _start_broker(self, flush: str) -> Server | None:
         store = self.base / f"eq-{flush}"
         try:
-            return servers.start_broker(store, flush, self.base / f"broker-{flush}.log")
+            loop = self.args.event_loop
+            extra = ["--event-loop", loop] if loop else []
+            return servers.start_broker(store, flush, self.base / f"broker-{flush}.log", extra)
         except servers.ServerError as error:
             self.notes.append(f"the broker (--flush {flush}) did not start: {_flat(error)}")
             report.progress(f"broker --flush {flush}: {error}")

@@ -201,6 +201,8 @@ def _meta_lines(meta: dict[str, Any]) -> str:
             f"- Python {meta['python']}, {meta['cpus']} CPUs, Linux {meta['kernel']}, "
             f"{meta['file_system']}; Redis {meta['redis']}, {meta['redis_py']}",
             f"- Source: {meta['source']}",
+            f"- Event loops: the broker's {meta.get('event_loop', '(its default)')}, "
+            f"the asyncio producers' {meta.get('client_loop', 'asyncio')}",
             f"- Load average (1/5/15 min): before {before}, after {after}",
             f"- Wall time: {meta['wall_seconds']:.0f} s",
         ]

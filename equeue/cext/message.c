@@ -1,0 +1,489 @@
+/* equeue.store.types.Message when the accelerator is loaded (types.py binds the name
+ * to this type; the NamedTuple there is the pure-Python path's): a pulled message that
+ * costs two objects (itself and its body) instead of a tuple, an id string, five ints
+ * and a dict, and that the garbage collector does not track until it must.
+ *
+ * Not a tuple subclass, by choice: a tuple's items are read in place by C code all over
+ * the interpreter (comparisons, unpacking, %-formatting, PyArg_Parse*), so an item
+ * cannot be made on demand; and a tuple holding a real dict must be tracked, since a
+ * caller may put the message into that dict (a cycle). Here the fields are slots:
+ *
+ * - made when first read, and kept: the message id (from the store's id prefix and the
+ *   position), the five ints, and an empty properties dict;
+ * - made by the decoder: topic and tag (shared strs), key, body (bytes, a copy: never a
+ *   view of the mapping, which retention or close may unmap), and non-empty properties
+ *   (decoded at once, so that undecodable ones still go to the slow path's error).
+ *
+ * A decoded message starts untracked: its fields are atomic (str, int, bytes, None)
+ * but for the properties dict, which only it references until the dict is handed out.
+ * Every way out for the dict (the attribute, indexing, iteration, comparison, _asdict,
+ * _replace, pickling, repr) goes through field(), which tracks the message first; from
+ * then on a cycle through the dict is found and collected as for any tuple.
+ * (gc.get_referents on an untracked message also shows the dict: a cycle made through
+ * that is not collected, the one way around this.) A message built from Python
+ * (Message(...), _make, _replace, unpickling) holds whatever it was given and is
+ * tracked from the start.
+ *
+ * It behaves as the NamedTuple does: the 12 fields in order as attributes, created_at
+ * and stored_at, len/indexing/slicing (a slice is a tuple)/iteration/unpacking/``in``,
+ * _fields, _field_defaults, __match_args__, _make, _asdict, _replace, count, index,
+ * ==/!=/ordering as the tuple of its fields (so equal to the NamedTuple's messages,
+ * either way round), hash as that tuple's (a TypeError: the dict), the same repr, and
+ * pickling as Message(*fields), which the other path's Message unpickles. Not kept:
+ * subclassing, isinstance(m, tuple), tuple concatenation and repetition. */
+#include "speedups.h"
+#include <stddef.h>
+#include <structmember.h>
+
+enum {
+    F_ID, F_TOPIC, F_QID, F_QOFF, F_POS, F_TAG, F_KEY, F_PROPS, F_CODE, F_BODY,
+    F_CREATED, F_STORED, NFIELDS
+};
+
+static const char *const NAMES[NFIELDS + 1] = {
+    "message_id", "topic", "queue_id", "queue_offset", "position", "tag", "key",
+    "properties", "code", "body", "created_ns", "stored_ns", NULL,
+};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *f[NFIELDS]; /* NULL: not made yet (decoded messages only) */
+    PyObject *id_prefix;  /* for the id of a decoded message; NULL for one built in Python */
+    long long ints[NFIELDS]; /* a decoded message's ints, by field index */
+} MessageObject;
+
+static PyObject *FIELDS_TUPLE; /* _fields */
+
+#define IS_MESSAGE(o) Py_IS_TYPE((o), &MessageType)
+
+/* The field, made if not yet (a new reference); the message is tracked before its
+ * properties dict leaves it. */
+static PyObject *field(MessageObject *m, int i) {
+    PyObject *v = m->f[i];
+    if (v == NULL) {
+        if (i == F_ID)
+            v = message_id(m->id_prefix, m->ints[F_POS]);
+        else if (i == F_PROPS)
+            v = PyDict_New();
+        else
+            v = PyLong_FromLongLong(m->ints[i]);
+        if (v == NULL) return NULL;
+        if (m->f[i] != NULL) { /* made meanwhile (a finalizer the allocation ran): keep one */
+            Py_DECREF(v);
+            v = m->f[i];
+        } else {
+            m->f[i] = v;
+        }
+    }
+    if (i == F_PROPS && !PyObject_GC_IsTracked((PyObject *)m)) PyObject_GC_Track(m);
+    return Py_NewRef(v);
+}
+
+static PyObject *as_tuple(MessageObject *m) {
+    PyObject *t = PyTuple_New(NFIELDS);
+    if (t == NULL) return NULL;
+    for (int i = 0; i < NFIELDS; i++) {
+        PyObject *v = field(m, i);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return t;
+}
+
+PyObject *lazy_message(PyObject *id_prefix, PyObject *topic, PyObject *tag, PyObject *key,
+                       PyObject *props, PyObject *body, long long position, long long queue_id,
+                       long long queue_offset, long long code, long long created_ns,
+                       long long stored_ns) {
+    if (topic == NULL || tag == NULL || key == NULL || body == NULL) goto fail;
+    MessageObject *m = PyObject_GC_New(MessageObject, &MessageType);
+    if (m == NULL) goto fail;
+    memset(m->f, 0, sizeof m->f);
+    m->f[F_TOPIC] = topic;
+    m->f[F_TAG] = tag;
+    m->f[F_KEY] = key;
+    m->f[F_PROPS] = props; /* NULL: empty, made when read */
+    m->f[F_BODY] = body;
+    m->id_prefix = Py_NewRef(id_prefix);
+    m->ints[F_POS] = position;
+    m->ints[F_QID] = queue_id;
+    m->ints[F_QOFF] = queue_offset;
+    m->ints[F_CODE] = code;
+    m->ints[F_CREATED] = created_ns;
+    m->ints[F_STORED] = stored_ns;
+    return (PyObject *)m; /* untracked: see the top */
+fail:
+    Py_XDECREF(topic);
+    Py_XDECREF(tag);
+    Py_XDECREF(key);
+    Py_XDECREF(props);
+    Py_XDECREF(body);
+    return NULL;
+}
+
+/* A message of the given fields (borrowed), tracked. */
+static PyObject *from_items(PyObject *const *items) {
+    MessageObject *m = PyObject_GC_New(MessageObject, &MessageType);
+    if (m == NULL) return NULL;
+    for (int i = 0; i < NFIELDS; i++) m->f[i] = Py_NewRef(items[i]);
+    m->id_prefix = NULL;
+    PyObject_GC_Track(m);
+    return (PyObject *)m;
+}
+
+int message_check_fields(PyObject *obj, PyObject **topic, long long *queue_id,
+                         long long *queue_offset) {
+    PyObject *qid, *qoff;
+    if (IS_MESSAGE(obj)) {
+        MessageObject *m = (MessageObject *)obj;
+        *topic = m->f[F_TOPIC];
+        qid = m->f[F_QID];
+        qoff = m->f[F_QOFF];
+        if (qid == NULL) *queue_id = m->ints[F_QID];
+        if (qoff == NULL) *queue_offset = m->ints[F_QOFF];
+    } else if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) >= 4) {
+        *topic = PyTuple_GET_ITEM(obj, 1);
+        qid = PyTuple_GET_ITEM(obj, 2);
+        qoff = PyTuple_GET_ITEM(obj, 3);
+    } else {
+        PyErr_SetString(PyExc_TypeError, "messages are Message objects");
+        return -1;
+    }
+    if (qid != NULL && (*queue_id = PyLong_AsLongLong(qid)) == -1 && PyErr_Occurred()) return -1;
+    if (qoff != NULL && (*queue_offset = PyLong_AsLongLong(qoff)) == -1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+static PyObject *message_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *v[NFIELDS];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOOOOO:Message", (char **)NAMES,
+                                     &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7],
+                                     &v[8], &v[9], &v[10], &v[11]))
+        return NULL;
+    return from_items(v);
+}
+
+/* Message(12 values) without an args tuple or keyword parsing (get, read, query_by_key
+ * and the client build theirs so); anything else goes through message_new. */
+static PyObject *message_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
+                                    PyObject *kwnames) {
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (n == NFIELDS && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0))
+        return from_items(args);
+    PyObject *tuple = PyTuple_New(n);
+    if (tuple == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    PyObject *kwargs = NULL;
+    Py_ssize_t nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nk > 0 && (kwargs = PyDict_New()) != NULL) {
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
+                Py_CLEAR(kwargs);
+                break;
+            }
+        }
+    }
+    PyObject *r = nk > 0 && kwargs == NULL ? NULL
+                                             : message_new((PyTypeObject *)type, tuple, kwargs);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwargs);
+    return r;
+}
+
+static int message_traverse(MessageObject *m, visitproc visit, void *arg) {
+    for (int i = 0; i < NFIELDS; i++) Py_VISIT(m->f[i]);
+    Py_VISIT(m->id_prefix);
+    return 0;
+}
+
+static int message_clear(MessageObject *m) {
+    for (int i = 0; i < NFIELDS; i++) Py_CLEAR(m->f[i]);
+    Py_CLEAR(m->id_prefix);
+    return 0;
+}
+
+/* (No trashcan: a chain of messages runs through their properties dicts, whose own
+ * dealloc bounds the recursion.) */
+static void message_dealloc(MessageObject *m) {
+    PyObject_GC_UnTrack(m);
+    message_clear(m);
+    PyObject_GC_Del(m);
+}
+
+static PyObject *get_field(MessageObject *m, void *closure) {
+    if (!IS_MESSAGE(m)) return NULL;
+    return field(m, (int)(intptr_t)closure);
+}
+
+static PyObject *seconds(MessageObject *m, int i) {
+    PyObject *ns = field(m, i);
+    if (ns == NULL) return NULL;
+    PyObject *scale = PyFloat_FromDouble(1e9);
+    PyObject *s = scale == NULL ? NULL : PyNumber_TrueDivide(ns, scale); /* as ns / 1e9 */
+    Py_XDECREF(scale);
+    Py_DECREF(ns);
+    return s;
+}
+
+static PyObject *get_created_at(MessageObject *m, void *closure) {
+    return seconds(m, F_CREATED);
+}
+
+static PyObject *get_stored_at(MessageObject *m, void *closure) {
+    return seconds(m, F_STORED);
+}
+
+/* The fields every message holds from the start are members (T_OBJECT_EX): the
+ * interpreter's specialised attribute load reads them in place; the rest are made on
+ * first read, through get_field. */
+#define FIELD_MEMBER(name, i) \
+    {name, T_OBJECT_EX, offsetof(MessageObject, f) + (i) * sizeof(PyObject *), READONLY, NULL}
+static PyMemberDef members[] = {
+    FIELD_MEMBER("topic", F_TOPIC), FIELD_MEMBER("tag", F_TAG), FIELD_MEMBER("key", F_KEY),
+    FIELD_MEMBER("body", F_BODY),   {NULL, 0, 0, 0, NULL},
+};
+
+#define FIELD_GET(name, i) {name, (getter)get_field, NULL, NULL, (void *)(intptr_t)(i)}
+static PyGetSetDef getset[] = {
+    FIELD_GET("message_id", F_ID), FIELD_GET("queue_id", F_QID),
+    FIELD_GET("queue_offset", F_QOFF), FIELD_GET("position", F_POS),
+    FIELD_GET("properties", F_PROPS), FIELD_GET("code", F_CODE),
+    FIELD_GET("created_ns", F_CREATED), FIELD_GET("stored_ns", F_STORED),
+    {"created_at", (getter)get_created_at, NULL, "created_ns in float seconds", NULL},
+    {"stored_at", (getter)get_stored_at, NULL, "stored_ns in float seconds", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static Py_ssize_t message_length(PyObject *self) { return NFIELDS; }
+
+static PyObject *message_item(MessageObject *m, Py_ssize_t i) {
+    if (i < 0 || i >= NFIELDS) {
+        PyErr_SetString(PyExc_IndexError, "tuple index out of range");
+        return NULL;
+    }
+    return field(m, (int)i);
+}
+
+static PyObject *message_subscript(MessageObject *m, PyObject *key) {
+    if (PyIndex_Check(key)) {
+        Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+        if (i == -1 && PyErr_Occurred()) return NULL;
+        return message_item(m, i < 0 ? i + NFIELDS : i);
+    }
+    if (!PySlice_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "tuple indices must be integers or slices, not %.200s",
+                     Py_TYPE(key)->tp_name);
+        return NULL;
+    }
+    PyObject *t = as_tuple(m);
+    if (t == NULL) return NULL;
+    PyObject *r = PyObject_GetItem(t, key);
+    Py_DECREF(t);
+    return r;
+}
+
+static int message_contains(MessageObject *m, PyObject *value) {
+    PyObject *t = as_tuple(m);
+    if (t == NULL) return -1;
+    int r = PySequence_Contains(t, value);
+    Py_DECREF(t);
+    return r;
+}
+
+static PyObject *message_iter(MessageObject *m) {
+    PyObject *t = as_tuple(m);
+    if (t == NULL) return NULL;
+    PyObject *it = PyObject_GetIter(t);
+    Py_DECREF(t);
+    return it;
+}
+
+/* As the tuple of the fields: equal to a NamedTuple Message with equal fields. */
+static PyObject *message_richcompare(PyObject *a, PyObject *b, int op) {
+    if (!IS_MESSAGE(a) || !(IS_MESSAGE(b) || PyTuple_Check(b))) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *ta = as_tuple((MessageObject *)a);
+    PyObject *tb = ta == NULL ? NULL : IS_MESSAGE(b) ? as_tuple((MessageObject *)b) : Py_NewRef(b);
+    PyObject *r = tb == NULL ? NULL : PyObject_RichCompare(ta, tb, op);
+    Py_XDECREF(ta);
+    Py_XDECREF(tb);
+    return r;
+}
+
+static Py_hash_t message_hash(MessageObject *m) {
+    PyObject *t = as_tuple(m);
+    if (t == NULL) return -1;
+    Py_hash_t h = PyObject_Hash(t); /* a TypeError for the dict, as the tuple's */
+    Py_DECREF(t);
+    return h;
+}
+
+static PyObject *message_repr(MessageObject *m) {
+    PyObject *t = as_tuple(m);
+    if (t == NULL) return NULL;
+    PyObject *const *v = &PyTuple_GET_ITEM(t, 0);
+    PyObject *r = PyUnicode_FromFormat(
+        "Message(message_id=%R, topic=%R, queue_id=%R, queue_offset=%R, position=%R, "
+        "tag=%R, key=%R, properties=%R, code=%R, body=%R, created_ns=%R, stored_ns=%R)",
+        v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11]);
+    Py_DECREF(t);
+    return r;
+}
+
+static PyObject *message_make(PyObject *cls, PyObject *iterable) {
+    PyObject *t = PySequence_Tuple(iterable);
+    if (t == NULL) return NULL;
+    if (PyTuple_GET_SIZE(t) != NFIELDS) {
+        PyErr_Format(PyExc_TypeError, "Expected %d arguments, got %zd", NFIELDS,
+                     PyTuple_GET_SIZE(t));
+        Py_DECREF(t);
+        return NULL;
+    }
+    PyObject *r = from_items(&PyTuple_GET_ITEM(t, 0));
+    Py_DECREF(t);
+    return r;
+}
+
+static PyObject *message_asdict(MessageObject *m, PyObject *unused) {
+    PyObject *d = PyDict_New();
+    for (int i = 0; d != NULL && i < NFIELDS; i++) {
+        PyObject *v = field(m, i);
+        if (v == NULL || PyDict_SetItem(d, PyTuple_GET_ITEM(FIELDS_TUPLE, i), v) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
+static PyObject *message_replace(MessageObject *m, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "_replace() takes field names as keywords only");
+        return NULL;
+    }
+    PyObject *t = as_tuple(m);
+    PyObject *left = t == NULL ? NULL : kwargs == NULL ? PyDict_New() : PyDict_Copy(kwargs);
+    PyObject *r = NULL;
+    if (left == NULL) goto done;
+    for (int i = 0; i < NFIELDS; i++) {
+        PyObject *name = PyTuple_GET_ITEM(FIELDS_TUPLE, i);
+        PyObject *v = PyDict_GetItemWithError(left, name);
+        if (v == NULL && PyErr_Occurred()) goto done;
+        if (v != NULL) {
+            PyTuple_SetItem(t, i, Py_NewRef(v)); /* t is not shared yet */
+            if (PyDict_DelItem(left, name) < 0) goto done;
+        }
+    }
+    if (PyDict_GET_SIZE(left) != 0) {
+        PyObject *names = PySequence_List(left);
+        if (names != NULL) PyErr_Format(PyExc_ValueError, "Got unexpected field names: %R", names);
+        Py_XDECREF(names);
+        goto done;
+    }
+    r = from_items(&PyTuple_GET_ITEM(t, 0));
+done:
+    Py_XDECREF(t);
+    Py_XDECREF(left);
+    return r;
+}
+
+static PyObject *message_reduce(MessageObject *m, PyObject *unused) {
+    PyObject *t = as_tuple(m);
+    if (t == NULL) return NULL;
+    return Py_BuildValue("(ON)", (PyObject *)&MessageType, t);
+}
+
+/* count and index: the tuple's. */
+static PyObject *tuple_method(MessageObject *m, const char *name, PyObject *args) {
+    PyObject *t = as_tuple(m);
+    if (t == NULL) return NULL;
+    PyObject *method = PyObject_GetAttrString(t, name);
+    PyObject *r = method == NULL ? NULL : PyObject_Call(method, args, NULL);
+    Py_XDECREF(method);
+    Py_DECREF(t);
+    return r;
+}
+
+static PyObject *message_count(MessageObject *m, PyObject *args) {
+    return tuple_method(m, "count", args);
+}
+
+static PyObject *message_index(MessageObject *m, PyObject *args) {
+    return tuple_method(m, "index", args);
+}
+
+static PyMethodDef methods[] = {
+    {"_make", (PyCFunction)message_make, METH_O | METH_CLASS, "A Message of an iterable's 12 values."},
+    {"_asdict", (PyCFunction)message_asdict, METH_NOARGS, "The fields as a dict."},
+    {"_replace", (PyCFunction)(void (*)(void))message_replace, METH_VARARGS | METH_KEYWORDS,
+     "A new Message with the named fields replaced."},
+    {"__reduce__", (PyCFunction)message_reduce, METH_NOARGS, NULL},
+    {"count", (PyCFunction)message_count, METH_VARARGS, NULL},
+    {"index", (PyCFunction)message_index, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods as_sequence = {
+    .sq_length = message_length,
+    .sq_item = (ssizeargfunc)message_item,
+    .sq_contains = (objobjproc)message_contains,
+};
+
+static PyMappingMethods as_mapping = {
+    .mp_length = message_length,
+    .mp_subscript = (binaryfunc)message_subscript,
+};
+
+PyTypeObject MessageType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "equeue.store.types.Message",
+    .tp_basicsize = sizeof(MessageObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_SEQUENCE,
+    .tp_new = message_new,
+    .tp_vectorcall = message_vectorcall,
+    .tp_dealloc = (destructor)message_dealloc,
+    .tp_traverse = (traverseproc)message_traverse,
+    .tp_clear = (inquiry)message_clear,
+    .tp_repr = (reprfunc)message_repr,
+    .tp_hash = (hashfunc)message_hash,
+    .tp_richcompare = message_richcompare,
+    .tp_iter = (getiterfunc)message_iter,
+    .tp_as_sequence = &as_sequence,
+    .tp_as_mapping = &as_mapping,
+    .tp_getset = getset,
+    .tp_members = members,
+    .tp_methods = methods,
+};
+
+int message_type_ready(void) {
+    if (PyType_Ready(&MessageType) < 0) return -1;
+    FIELDS_TUPLE = PyTuple_New(NFIELDS);
+    if (FIELDS_TUPLE == NULL) return -1;
+    for (int i = 0; i < NFIELDS; i++) {
+        PyObject *name = PyUnicode_InternFromString(NAMES[i]);
+        if (name == NULL) return -1;
+        PyTuple_SET_ITEM(FIELDS_TUPLE, i, name);
+    }
+    PyObject *defaults = PyDict_New();
+    if (defaults == NULL) return -1;
+    PyObject *dict = MessageType.tp_dict;
+    int bad = PyDict_SetItemString(dict, "_fields", FIELDS_TUPLE) < 0 ||
+              PyDict_SetItemString(dict, "__match_args__", FIELDS_TUPLE) < 0 ||
+              PyDict_SetItemString(dict, "_field_defaults", defaults) < 0;
+    Py_DECREF(defaults);
+    if (bad) return -1;
+    PyType_Modified(&MessageType);
+    return 0;
+}
+
+/* message_doc(doc): the NamedTuple's docstring, for the C type's __doc__ (types.py). */
+PyObject *message_doc(PyObject *self, PyObject *doc) {
+    if (!PyUnicode_Check(doc)) {
+        PyErr_SetString(PyExc_TypeError, "the docstring is a str");
+        return NULL;
+    }
+    if (PyDict_SetItemString(MessageType.tp_dict, "__doc__", doc) < 0) return NULL;
+    PyType_Modified(&MessageType);
+    Py_RETURN_NONE;
+}

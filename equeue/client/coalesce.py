@@ -1,0 +1,192 @@
+"""The asyncio client's plain sends, coalesced per loop turn (protocol version 2).
+
+While requests are in flight, ``send(topic, body)`` calls without other arguments made
+in one loop turn go to the broker as one ``send_bodies`` request per topic (in their
+order; a group holds at most ``max_in_flight`` sends and half ``max_frame_bytes`` of
+bodies), instead of a request each: the broker appends them with one ``send_batch``
+and answers in columns, each caller gets its own SendResult, as MessageStore.send would
+give it in that order (the queues are chosen per message, round robin, either way).
+
+Errors stay per send. A group the store refuses whole before appending anything (a
+body too large, a reserved or missing topic, a limit) is sent again one request per
+send, so each caller gets its own answer (nothing of the group was stored: send_batch
+checks every message first). Any other error (a failed write or flush) is every send's
+of the group, as it would be for each alone. A broken connection raises
+ConnectionLostError in each caller with its own message as ``unanswered``.
+
+Each coalesced send holds a place of ``max_in_flight`` until its group is answered, so
+the client never has more requests in flight than the broker allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import TYPE_CHECKING, Any, Final
+
+from equeue.client.core import DECODERS, answer_error, lost
+from equeue.errors import (
+    ConnectionLostError,
+    EQueueError,
+    InvalidMessageError,
+    InvalidTypeError,
+    LimitExceededError,
+    ProtocolError,
+    QueueNotFoundError,
+    TopicNotFoundError,
+)
+from equeue.protocol.frames import STATUS_OK
+from equeue.store.types import OutgoingMessage, SendResult
+
+if TYPE_CHECKING:
+    from equeue.client.aio import _Protocol
+
+# Refused before anything was appended: each send of the group is tried alone.
+REFUSED_WHOLE: Final = (
+    InvalidMessageError, InvalidTypeError, TopicNotFoundError, QueueNotFoundError,
+    LimitExceededError,
+)  # fmt: skip
+BODY_OVERHEAD: Final = 5  # a bin's header at most
+
+# (the body, its caller's future, the send as given: calls.send's tuple)
+Sub = tuple[bytes, "asyncio.Future[SendResult]", tuple[Any, ...]]
+
+
+class Coalescer:
+    """The sends of the current loop turn, by topic; ``emit`` turns them into requests."""
+
+    __slots__ = ("_bytes", "_groups", "_protocol", "_sealed", "budget")
+
+    def __init__(self, protocol: _Protocol, max_frame_bytes: int) -> None:
+        self._protocol = protocol
+        self._groups: dict[str, list[Sub]] = {}
+        self._bytes: dict[str, int] = {}
+        self._sealed: list[tuple[str, list[Sub]]] = []
+        self.budget = max_frame_bytes // 2
+
+    def add(self, topic: str, body: bytes, given: tuple[Any, ...]) -> asyncio.Future[SendResult]:
+        protocol = self._protocol
+        future: asyncio.Future[SendResult] = protocol.loop.create_future()
+        group = self._groups.get(topic)
+        size = len(body) + BODY_OVERHEAD
+        if group is not None and (
+            self._bytes[topic] + size > self.budget or len(group) >= protocol.max_in_flight
+        ):
+            self._sealed.append((topic, group))
+            group = None
+        if group is None:
+            group = self._groups[topic] = []
+            self._bytes[topic] = 0
+        group.append((body, future, given))
+        self._bytes[topic] += size
+        protocol.schedule()
+        return future
+
+    def emit(self) -> None:
+        """Every group as a request frame, in the order the groups were begun."""
+        if not self._groups:
+            return
+        groups = self._sealed + list(self._groups.items())
+        self._sealed = []
+        self._groups = {}
+        self._bytes = {}
+        for topic, group in groups:
+            self.request(topic, group)
+
+    def drop(self, reason: str) -> None:
+        """The connection broke before the turn's groups were written: none was sent."""
+        groups = self._sealed + list(self._groups.items())
+        self._sealed, self._groups, self._bytes = [], {}, {}
+        for _, group in groups:
+            _fail(group, lost(f"{reason}; the send was not written", [], None))
+
+    def request(self, topic: str, group: list[Sub]) -> None:
+        protocol = self._protocol
+        encoder = protocol.encoder
+        assert encoder is not None
+        request_id = protocol.next_id()
+        op = "send" if len(group) == 1 else "send_bodies"
+        try:
+            if op == "send":
+                frame = encoder.frame(request_id, op, {"topic": topic, "body": group[0][0]})
+            else:
+                bodies = [sub[0] for sub in group]
+                frame = encoder.frame(request_id, op, {"topic": topic, "bodies": bodies})
+        except EQueueError as exc:  # (a body past max_frame_bytes: a group of one)
+            protocol.give_back(len(group))
+            _fail(group, exc)
+            return
+        answered: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
+        answered.add_done_callback(_Answer(self, topic, group, op))
+        protocol.put(request_id, frame, answered)
+
+    async def resend(self, topic: str, group: list[Sub]) -> None:
+        """Each send of a group refused whole, alone (each holds a place again)."""
+        protocol = self._protocol
+        for sub in group:
+            if sub[1].done():  # its caller was cancelled: it is not sent
+                continue
+            await protocol.place()
+            if protocol.closed:
+                sub[1].set_exception(lost(f"the connection to {protocol.where} broke", [], None))
+                continue
+            protocol.free -= 1
+            self.request(topic, [sub])
+            protocol.schedule()
+
+
+class _Answer:
+    """The group's answer, to each caller (a done callback of the request's future)."""
+
+    __slots__ = ("coalescer", "group", "op", "topic")
+
+    def __init__(self, coalescer: Coalescer, topic: str, group: list[Sub], op: str) -> None:
+        self.coalescer, self.topic, self.group, self.op = coalescer, topic, group, op
+
+    def __call__(self, answered: asyncio.Future[tuple[int, Any]]) -> None:
+        group = self.group
+        protocol = self.coalescer._protocol
+        protocol.give_back(len(group) - 1)  # (the request's own place: data_received)
+        if answered.cancelled():
+            return
+        exc = answered.exception()
+        if isinstance(exc, ConnectionLostError):
+            for _, future, given in group:
+                if not future.done():
+                    error = lost(str(exc), [OutgoingMessage._make(given)], exc.__cause__)
+                    future.set_exception(error)
+            return
+        if exc is not None:
+            _fail(group, exc)
+            return
+        status, payload = answered.result()
+        if status != STATUS_OK:
+            error = answer_error(payload, protocol.where)
+            if len(group) > 1 and isinstance(error, REFUSED_WHOLE):
+                pending = [sub for sub in group if not sub[1].done()]
+                protocol.loop.create_task(self.coalescer.resend(self.topic, pending))
+                return
+            _fail(group, error)
+            return
+        try:
+            found = DECODERS[self.op](payload, protocol.where)
+            results: list[SendResult] = [found] if self.op == "send" else found
+            if len(results) != len(group):
+                raise ProtocolError(
+                    f"{protocol.where}: {len(results)} results for a send_bodies of {len(group)}"
+                )
+        except ProtocolError as error:
+            _fail(group, error)
+            protocol.fail(f"the broker at {protocol.where} broke the protocol: {error}", error)
+            return
+        for (_, future, _), result in zip(group, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+
+def _fail(group: list[Sub], error: BaseException) -> None:
+    first = True
+    for _, future, _ in group:
+        if not future.done():
+            future.set_exception(error if first else copy.copy(error))
+            first = False

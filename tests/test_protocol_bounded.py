@@ -1,0 +1,68 @@
+"""equeue/protocol/bounded.py: a request body's msgpack objects bounded in number, not
+only each container's length (a frame of tiny nested objects decodes slowly and big)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from equeue.errors import ProtocolError
+from equeue.protocol.bounded import PLAIN_BELOW, decode_request, max_objects
+from equeue.protocol.frames import decode_body
+
+SETTING = "max_objects (the test's)"
+
+
+def _array(items: list[bytes]) -> bytes:
+    return b"\xdd" + len(items).to_bytes(4, "big") + b"".join(items)
+
+
+def nested_empty_arrays(outer: int, inner: int) -> bytes:
+    return _array([_array([b"\x90"] * inner)] * outer)
+
+
+def test_a_body_of_more_objects_than_the_bound_is_refused_naming_the_setting() -> None:
+    body = nested_empty_arrays(40, 4000)  # 160 k objects in 160 KB, each array bounded
+    assert len(decode_body(body, "peer", 5000, "s")) == 40  # every container within 5000
+    with pytest.raises(ProtocolError) as refused:
+        decode_request(body, "peer 7", 5000, "s", 100_000, SETTING)
+    text = str(refused.value)
+    assert text.startswith("peer 7: a frame body of ") and "more than 100000" in text
+    assert SETTING in text
+
+
+def test_maps_count_their_pairs() -> None:
+    maps = msgpack.packb([{f"k{i}": {} for i in range(1000)} for _ in range(100)])
+    assert len(maps) > PLAIN_BELOW
+    with pytest.raises(ProtocolError, match="more than 100000 msgpack objects"):
+        decode_request(maps, "peer", 5000, "s", 100_000, SETTING)
+    assert len(decode_request(maps, "peer", 5000, "s", 400_000, SETTING)) == 100
+
+
+def _batch(count: int) -> list[object]:
+    return [
+        1, "send_batch",
+        {"topic": "t", "messages": [
+            {"body": b"x" * 20, "key": "k", "tag": "t",
+             "properties": {str(p): "v" for p in range(7)}}
+            for _ in range(count)
+        ]},
+    ]  # fmt: skip
+
+
+def test_a_batch_within_the_bound_decodes_as_decode_body_does() -> None:
+    batch = _batch(4096)
+    body = msgpack.packb(batch)
+    assert len(body) > max(PLAIN_BELOW, max_objects(4096))  # the counted way
+    assert decode_request(body, "p", 8192, "s", max_objects(4096), SETTING) == batch
+    assert decode_body(body, "p", 8192, "s") == batch
+
+
+def test_a_small_body_decodes_plain_and_malformed_ones_are_protocol_errors() -> None:
+    small = nested_empty_arrays(10, 100)  # 1 k objects, fewer bytes than PLAIN_BELOW
+    assert len(decode_request(small, "p", 5000, "s", 10, SETTING)) == 10  # cannot exceed
+    body = msgpack.packb(_batch(4096))
+    with pytest.raises(ProtocolError, match=r"not valid msgpack \(Unpack failed: incomplete input"):
+        decode_request(body[:-1], "p", 8192, "s", max_objects(4096), SETTING)
+    with pytest.raises(ProtocolError, match="no array or map may hold more than s"):
+        decode_request(body, "p", 100, "s", max_objects(4096), SETTING)
