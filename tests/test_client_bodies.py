@@ -17,8 +17,15 @@ from server_helpers import raw, short_home
 import equeue
 import equeue.aio
 from equeue import MessageStore, StoreConfig
-from equeue.errors import ConfigError, ConnectionLostError, LimitExceededError, ProtocolError
-from equeue.protocol.frames import BODIES_VERSION
+from equeue.client.coalesce import Coalescer
+from equeue.errors import (
+    ConfigError,
+    ConnectionLostError,
+    LimitExceededError,
+    ProtocolError,
+    StorePathError,
+)
+from equeue.protocol.frames import BODIES_VERSION, STATUS_ERROR, STATUS_OK
 from equeue.server import BrokerThread
 from equeue.server.config import ServerConfig
 from equeue.server.loops import loop_factory
@@ -219,6 +226,19 @@ def test_a_group_refused_whole_is_sent_again_one_by_one(home: Path) -> None:
     assert [o.queue_offset for o in outcomes if not isinstance(o, Exception)] == [0, 1, 2]
 
 
+async def _sends(url: str, bodies: tuple[bytes, ...]) -> list[Any]:
+    """A send of each body to topic t in one loop turn, from the asyncio client: the
+    first alone, the others one send_bodies; each one's result or error."""
+    client = await equeue.aio.connect(url, timeout=5, connect_timeout=1)
+    try:
+        async with asyncio.timeout(10):  # (a caller never answered fails the test)
+            return await asyncio.gather(
+                *(client.send("t", body) for body in bodies), return_exceptions=True
+            )
+    finally:
+        await client.close()
+
+
 def test_a_broken_connection_names_each_callers_own_message() -> None:
     seen: list[Any] = []
 
@@ -228,21 +248,94 @@ def test_a_broken_connection_names_each_callers_own_message() -> None:
         seen.extend(peer.recv()[1:] for _ in range(2))  # a send, then a send_bodies
         # closed without an answer
 
-    async def produce(url: str) -> list[Any]:
-        client = await equeue.aio.connect(url, timeout=5, connect_timeout=1)
-        try:
-            return await asyncio.gather(
-                *(client.send("t", body) for body in (b"a", b"b", b"c")),
-                return_exceptions=True,
-            )
-        finally:
-            await client.close()
-
     with FakeBroker(script) as fake:
-        outcomes = asyncio.run(produce(fake.url))
+        outcomes = asyncio.run(_sends(fake.url, (b"a", b"b", b"c")))
         assert not fake.errors
     assert seen == [["send", {"topic": "t", "body": b"a"}],
                     ["send_bodies", {"topic": "t", "bodies": [b"b", b"c"]}]]  # fmt: skip
     for outcome, body in zip(outcomes, (b"a", b"b", b"c"), strict=True):
         assert isinstance(outcome, ConnectionLostError)
         assert [m.body for m in outcome.unanswered] == [body]
+
+
+def test_an_error_whose_class_takes_keyword_arguments_reaches_every_caller_of_the_group() -> None:
+    # StorePathError.__init__ requires file=: an error from the wire is built without it,
+    # and each caller of the group gets its own instance of it (none is left waiting).
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send({**WELCOME, "version": BODIES_VERSION})
+        first, group = peer.recv(), peer.recv()
+        assert group[1:] == ["send_bodies", {"topic": "t", "bodies": [b"b", b"c", b"d"]}]
+        peer.send([first[0], STATUS_OK, ["t", "id", 0, 0, 0, 1.0]])
+        refused = {"code": "StorePathError", "message": "queues/t/0 is a symbolic link"}
+        peer.send([group[0], STATUS_ERROR, refused])
+        peer.recv()  # until the client closes
+
+    with FakeBroker(script) as fake:
+        outcomes = asyncio.run(_sends(fake.url, (b"a", b"b", b"c", b"d")))
+        assert not fake.errors
+    assert type(outcomes[0]).__name__ == "SendResult"
+    errors = outcomes[1:]
+    assert all(type(e) is StorePathError for e in errors), errors
+    assert [str(e) for e in errors] == ["queues/t/0 is a symbolic link"] * 3
+    assert len({id(e) for e in errors}) == 3  # each caller its own
+
+
+class _Parked:
+    """The protocol as Coalescer.resend sees it, with no place free until ``open``: the
+    resend waits in place() as it does behind other sends."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.where, self.max_in_flight = loop, "fake", 4
+        self.free, self.closed = 0, False
+        self.waiters: list[asyncio.Future[None]] = []
+
+    async def place(self) -> None:
+        while self.free <= 0 and not self.closed:
+            waiter = self.loop.create_future()
+            self.waiters.append(waiter)
+            await waiter
+
+    def open(self, *, closed: bool) -> None:
+        self.closed, self.free = closed, 0 if closed else 4
+        for waiter in self.waiters:
+            waiter.set_result(None)
+
+    def schedule(self) -> None:
+        pass
+
+
+class _Recording(Coalescer):
+    """Records the bodies it would send (one request each) instead of sending them."""
+
+    requested: list[bytes]
+
+    def request(self, topic: str, group: list[Any]) -> None:
+        self.requested.append(group[0][0])
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_caller_cancelled_while_its_resend_waits_is_skipped(closed: bool) -> None:
+    # A group refused whole is sent again one by one, each send waiting for a place. A
+    # caller cancelled meanwhile is neither sent nor answered; the others still are (when
+    # the connection broke meanwhile: ConnectionLostError).
+    async def run() -> tuple[Any, list[Any], list[bytes]]:
+        loop = asyncio.get_running_loop()
+        protocol = _Parked(loop)
+        coalescer = _Recording(protocol, 1 << 20)  # type: ignore[arg-type]
+        requested = coalescer.requested = []
+        bodies = (b"a", b"b", b"c")
+        futures = [loop.create_future() for _ in bodies]
+        group = [(body, f, (body, "t")) for body, f in zip(bodies, futures, strict=True)]
+        task = loop.create_task(coalescer.resend("t", group))
+        for _ in range(10):  # until it waits for a place
+            await asyncio.sleep(0)
+        assert protocol.waiters and not requested
+        futures[0].cancel()
+        protocol.open(closed=closed)
+        await asyncio.wait_for(task, 5)
+        return task.exception(), [f.done() for f in futures], requested
+
+    error, done, requested = asyncio.run(run())
+    assert error is None and done == [True, closed, closed]
+    assert requested == ([] if closed else [b"b", b"c"])

@@ -101,7 +101,7 @@ def test_bad_topic_policy_is_refused_and_changes_nothing(
 ) -> None:
     with MessageStore.open(tmp_path, SMALL) as store:
         store.create_topic("a", 1)
-        before = (tmp_path / "topics.json").read_bytes()
+        before = (tmp_path / "topics.journal").read_bytes()  # (topics.json: at a fold)
         with pytest.raises(ConfigError):
             store.create_topic("a", 3, **settings_)
         with pytest.raises(ConfigError):
@@ -109,7 +109,8 @@ def test_bad_topic_policy_is_refused_and_changes_nothing(
         assert store.topics() == ["a"]
         assert store.queue_ids("a") == [0]
         assert store.topic_policy("a") == TopicPolicy()
-        assert (tmp_path / "topics.json").read_bytes() == before
+        assert (tmp_path / "topics.journal").read_bytes() == before
+        assert not (tmp_path / "topics.json").exists()
 
 
 # --- streaming reads and the rewrite ------------------------------------------------

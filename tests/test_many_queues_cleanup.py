@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from compaction_model import all_messages, expected_removed
 from many_queues_child import low_config
 
@@ -228,3 +229,52 @@ def test_compaction_over_1000_queues_keeps_every_survivor_where_it_was(
     assert {Path(p.file) for p in problems if p.kind != "queue entry"} == {target}, problems
     pointing = [p for p in problems if p.kind == "queue entry"]
     assert len(pointing) == 1 and "where no valid message record starts" in pointing[0].reason
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_removal_of_log_chunks_does_not_trust_a_deferred_queues_unchecked_entries(
+    tmp_path: Path, damaged: bool
+) -> None:
+    """A queue whose open the store's open deferred has had none of its checks: the
+    first offset retention finds for it by preads comes only from entries that point
+    at their own messages. Damaged (its second chunk's first entry, which the search
+    reads first, moved to the queue's first message, a record retention removes): the
+    queue is opened, found damaged and rebuilt, as before the preads; the first offset
+    stays the first whose message the log holds (before: one past the damaged entry,
+    343 where 225 was right, 118 live messages skipped, and the checkpoint kept it). The
+    control opens only the queue that has a chunk to remove."""
+    config = low_config(chunk_data_size=64 * 1024, queue_chunk_records=RECORDS)
+    hot, count = ("t00", 0), 2 * RECORDS + 1  # the search's first probe: offset RECORDS
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(10):  # 40 queues: more than stay open, so the next open defers them
+            store.create_topic(f"t{i:02d}", 4)
+            for q in range(1, 4):
+                store.send(f"t{i:02d}", b"x", queue_id=q)
+        bodies = [_body(*hot, n) + b"." * 140 for n in range(count)]
+        sent = store.send_batch(hot[0], [OutgoingMessage(b, queue_id=0) for b in bodies])
+        positions = [r.position for r in sent]
+    if damaged:
+        chunk = sorted((tmp_path / "queues" / "t00" / "0").glob("chunk-*"))[1]
+        with open(chunk, "r+b") as f:
+            f.seek(HEADER_SIZE)
+            f.write((positions[0] + 1).to_bytes(8, "little"))
+    retained = low_config(
+        chunk_data_size=64 * 1024, queue_chunk_records=RECORDS, max_store_bytes=160 * 1024
+    )
+    with MessageStore.open(tmp_path, retained) as store:
+        assert store._queue(*hot).deferred
+        opened = store._files.opened
+        assert store.apply_retention() > 0
+        first_log = store._messages.first_position
+        expected = sum(p < first_log for p in positions)
+        assert 0 < expected < RECORDS  # the probed entry (offset RECORDS) is live
+        assert store.queue_range(*hot) == (expected, count)
+        got = store.pull(*hot, expected, count).messages
+        assert [m.position for m in got] == positions[expected:]
+        rebuilt = [p for p in store.recovery.problems if "t00/0" in p and "was rebuilt" in p]
+        assert len(rebuilt) == damaged
+        if not damaged:
+            assert store._files.opened - opened <= 1
+    with MessageStore.open(tmp_path, retained) as store:
+        assert store.recovery.problems == []
+        assert store.queue_range(*hot) == (expected, count)

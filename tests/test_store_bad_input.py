@@ -74,8 +74,8 @@ def snapshot(store: MessageStore) -> Snapshot:
         for path in sorted((store.path / sub).rglob("*")):
             if path.is_file():
                 files[str(path.relative_to(store.path))] = path.read_bytes()
-    for name in ("topics.json", "offsets.json"):
-        files[name] = (store.path / name).read_bytes()
+    for name in ("topics.json", "topics.journal", "offsets.json"):  # (topics.json: at a fold)
+        files[name] = (store.path / name).read_bytes() if (store.path / name).exists() else b""
     ranges = {(t, q): store.queue_range(t, q) for t in store.topics() for q in store.queue_ids(t)}
     return (store.topics(), ranges, store.consumer_groups(), files)
 

@@ -152,6 +152,7 @@ def test_after_a_failed_fdatasync_sends_are_refused_until_the_store_is_reopened(
 def test_async_does_not_flush_per_send(tmp_path: Path, fdatasyncs: list[int]) -> None:
     cfg = config(flush="async", flush_interval_ms=60_000, flush_thorough_interval_ms=60_000)
     with MessageStore.open(tmp_path / "s", cfg) as store:
+        store.create_topic("t")  # (its commit point is an fdatasync: topics.journal)
         fdatasyncs.clear()
         for i in range(200):
             store.send("t", b"m%d" % i)
@@ -186,6 +187,7 @@ def test_async_thorough_flush_and_checkpoint(tmp_path: Path) -> None:
 def test_os_policy_never_flushes_by_itself(tmp_path: Path, fdatasyncs: list[int]) -> None:
     cfg = config(flush="os", flush_interval_ms=5, flush_thorough_interval_ms=20)
     with MessageStore.open(tmp_path / "s", cfg) as store:
+        store.create_topic("t")  # (its commit point is an fdatasync: topics.journal)
         fdatasyncs.clear()
         store.send_batch("t", [b"x" * 1000] * 40)
         time.sleep(0.15)
@@ -233,6 +235,7 @@ def test_disk_full_error_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         raise OSError(errno.ENOSPC, "injected: no space left")
 
     with MessageStore.open(tmp_path / "s", config(flush="sync")) as store:
+        store.create_topic("t")  # the send's own fdatasync fails, not the topic's
         monkeypatch.setattr(os, "fdatasync", full)
         with pytest.raises(StoreWriteError) as info:
             store.send("t", b"x")

@@ -26,8 +26,9 @@ from hypothesis import strategies as st
 from many_queues_child import body, low_config
 from power_loss_model import Damage, PowerCut, materialize, recording
 
-from equeue import MessageStore, StoreConfig
+from equeue import MessageStore, StoreConfig, atomicfile
 from equeue.atomicfile import read_json
+from equeue.chunks.chunk import write_error
 from equeue.cli import main
 from equeue.errors import (
     ChecksumMismatchError,
@@ -97,10 +98,12 @@ def test_record_bytes_are_the_documented_table() -> None:
         86400.0,
     )
     assert raw[40:] == b"ab"
-    header = pack_header()
-    assert header[:8] == MAGIC and struct.unpack_from("<I", header, 8)[0] == 1
-    assert struct.unpack_from("<I", header, 12)[0] == xxhash.xxh32_intdigest(header[:12])
-    check_header(header, "f")
+    header = pack_header(7)
+    assert struct.unpack_from("<8sIQ", header) == (MAGIC, 2, 7)
+    assert struct.unpack_from("<I", header, 20)[0] == xxhash.xxh32_intdigest(header[:20])
+    assert check_header(header, "f") == (7, HEADER_SIZE)
+    old = MAGIC + struct.pack("<I", 1)  # version 1: no generation, records from 16
+    assert check_header(old + struct.pack("<I", xxhash.xxh32_intdigest(old)), "f") == (0, 16)
 
 
 def test_unpack_refuses_damage_with_file_and_offset() -> None:
@@ -126,9 +129,13 @@ def _journal(path: Path) -> bytes:
     return (path / TOPICS_JOURNAL_FILE).read_bytes()
 
 
+def _generation(path: Path) -> int:
+    return topicsfile.file_generation(path / TOPICS_FILE)
+
+
 def test_create_and_delete_append_records_and_a_clean_close_folds(tmp_path: Path) -> None:
     with MessageStore.open(tmp_path, CONFIG) as store:
-        assert _journal(tmp_path) == pack_header()  # created at the open
+        assert _journal(tmp_path) == pack_header(_generation(tmp_path))  # created at the open
         store.create_topic("a", 4)
         store.create_topic("b", 1, cleanup="compact")
         store.send("b", b"x", key="k")
@@ -145,7 +152,7 @@ def test_create_and_delete_append_records_and_a_clean_close_folds(tmp_path: Path
         assert len(raw) == HEADER_SIZE + sum(RECORD_HEAD_SIZE + 1 for _ in records)
         assert not (tmp_path / TOPICS_FILE).exists()  # no fold yet: 4 appends only
         deleted = store.deleted_topics()
-    assert _journal(tmp_path) == pack_header()  # the close folded it
+    assert _journal(tmp_path) == pack_header(_generation(tmp_path))  # the close folded it
     body = read_json(tmp_path / TOPICS_FILE)
     assert body["a"]["queue_count"] == 4 and body["b"]["queue_count"] == 2
     with MessageStore.open(tmp_path, CONFIG) as store:
@@ -172,9 +179,10 @@ def test_journal_folds_past_its_bound(tmp_path: Path, monkeypatch: pytest.Monkey
         assert again.topics() == [f"t{i:02d}" for i in range(13)]
 
 
-def test_a_fold_cut_short_replays_the_old_journal_over_the_new_file(tmp_path: Path) -> None:
+def test_a_fold_cut_short_leaves_an_old_journal_that_is_not_replayed(tmp_path: Path) -> None:
     """A crash between a fold's topics.json and its fresh journal: the old journal's
-    records, replayed over a file that holds them, change nothing (deleted, created again)."""
+    generation is below the file's, so its records are not replayed (deleted, created
+    again), and the open replaces it."""
     with MessageStore.open(tmp_path, CONFIG) as store:
         store.create_topic("a", 1)
         store.send("a", b"x")
@@ -188,6 +196,24 @@ def test_a_fold_cut_short_replays_the_old_journal_over_the_new_file(tmp_path: Pa
         assert store.topics() == ["a", "c"] and store.queue_ids("a") == [0, 1, 2]
         assert store.deleted_topics() == expected
         assert not store.recovery.problems and not store.recovery.cuts
+
+
+def test_a_version_1_journal_is_replayed_and_replaced(tmp_path: Path) -> None:
+    """A journal the first version wrote (no generation: generation 0) over a topics.json
+    without one: replayed, then replaced by a version-2 journal at the writable open."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("a", 2)
+        records = _journal(tmp_path)[HEADER_SIZE:]
+        store._topics_file.close_fd()  # (no fold at the close)
+    head = MAGIC + struct.pack("<I", 1)
+    old = head + struct.pack("<I", xxhash.xxh32_intdigest(head)) + records
+    (tmp_path / TOPICS_JOURNAL_FILE).write_bytes(old)
+    with MessageStore.open(tmp_path, read_only=True) as reader:
+        assert reader.topics() == ["a"]
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.topics() == ["a"] and store.queue_ids("a") == [0, 1]
+        assert _generation(tmp_path) == 1
+        assert _journal(tmp_path) == pack_header(1)
 
 
 @pytest.mark.parametrize("tail", ["none", "half", "zeros", "flipped"])
@@ -219,7 +245,7 @@ def test_a_torn_tail_is_cut_copied_aside_and_reported(
             assert [(c.offset, c.length) for c in cuts] == [(end, len(extra))]
             assert Path(cuts[0].side_file).read_bytes() == extra
             assert any("topics.journal" in r.getMessage() for r in caplog.records)
-        assert _journal(tmp_path) == pack_header()  # folded at the open
+        assert _journal(tmp_path) == pack_header(_generation(tmp_path))  # folded at the open
     reader.refresh()
     assert reader.topics() == ["kept"]
     reader.close()
@@ -294,7 +320,7 @@ def test_a_failed_append_changes_nothing(tmp_path: Path, monkeypatch: pytest.Mon
         assert store.topics() == ["a"] and _journal(tmp_path) == before
         assert not (tmp_path / TOPICS_FILE).exists()
         store.create_topic("c", 1)  # folded: no append to the journal that failed
-        assert _journal(tmp_path) == pack_header()
+        assert _journal(tmp_path) == pack_header(_generation(tmp_path))
         assert sorted(read_json(tmp_path / TOPICS_FILE)) == ["a", "c"]
         monkeypatch.setattr(os, "fdatasync", real)
         store.delete_topic("a")  # appended again
@@ -305,6 +331,81 @@ def test_a_failed_append_changes_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     with MessageStore.open(tmp_path, CONFIG) as again:
         assert again.topics() == ["c"] and list(again.deleted_topics()) == ["a"]
         assert not again.recovery.problems
+
+
+def _journal_writes_fail(path: Path, data: bytes) -> None:
+    """topicsfile's write_bytes with the disk full for topics.journal (a fold's second
+    write) only."""
+    if path.name == TOPICS_JOURNAL_FILE:
+        raise write_error(OSError(errno.ENOSPC, "No space left on device"), "writing", path)
+    _real_write_bytes(path, data)
+
+
+_real_write_bytes = atomicfile.write_bytes
+
+
+@pytest.mark.parametrize("change", ["delete keep", "delete tt", "create cc"])
+def test_a_fold_whose_fresh_journal_fails_has_made_the_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """A change that folds (the journal full) and whose fresh journal cannot be written:
+    topics.json holds the change, so the call returns and memory has it too. The old
+    journal stays beside the new file; its generation is older, so no reader and no open
+    replays it ("tt": its create record there would bring the deleted topic back)."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.send("keep", b"m1")
+    bound = len(_journal(tmp_path)) + 2 * (RECORD_HEAD_SIZE + 2)
+    monkeypatch.setattr(topicsfile, "JOURNAL_FOLD_BYTES", bound)
+    store = MessageStore.open(tmp_path, CONFIG)
+    try:
+        store.create_topic("tt", 4)
+        store.create_topic("aa", 1)  # the journal is full: the next change folds
+        old = _journal(tmp_path)
+        with monkeypatch.context() as m:
+            m.setattr(topicsfile, "write_bytes", _journal_writes_fail)
+            verb, topic = change.split()
+            if verb == "delete":
+                store.delete_topic(topic)
+            else:
+                store.create_topic(topic, 2)
+        expected = sorted({"keep", "tt", "aa"} ^ {topic})  # (one removed, or "cc" added)
+        assert store.topics() == expected
+        assert _journal(tmp_path) == old  # left: the fold wrote topics.json only
+        listed = topicsfile.read_topics_body(tmp_path)  # a reader, as consumer commits read
+        assert sorted(t for t, e in listed.items() if "queue_count" in e) == expected
+        with MessageStore.open(tmp_path, read_only=True) as reader:
+            assert reader.topics() == expected
+        assert topicsfile.Journal(tmp_path / TOPICS_JOURNAL_FILE).read().stale
+    finally:
+        store.close()  # (no fold: the journal is not open; as after a crash)
+    assert _journal(tmp_path) == old
+    with MessageStore.open(tmp_path, CONFIG) as again:
+        assert again.topics() == expected and not again.recovery.problems
+        if topic == "tt":
+            assert "tt" in again.deleted_topics()
+        if topic != "keep":
+            assert [m.body for m in again.pull("keep", 0, 0, 10).messages] == [b"m1"]
+        assert _journal(tmp_path) == pack_header(_generation(tmp_path))  # replaced
+
+
+def test_a_journal_larger_than_a_writer_leaves_is_refused_unread(tmp_path: Path) -> None:
+    """A writer folds before the journal passes JOURNAL_FOLD_BYTES: a larger one (here
+    sparse zeros) is refused, naming the file and its size, before it is read whole by
+    the open or by a reader; one of the largest size a writer can leave is read."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("a", 1)
+    journal = tmp_path / TOPICS_JOURNAL_FILE
+    limit = topicsfile.JOURNAL_FOLD_BYTES + RECORD_HEAD_SIZE + 0xFFFF
+    os.truncate(journal, limit + 1)
+    with pytest.raises(CorruptionError, match=f"{limit + 1} bytes") as caught:
+        topicsfile.read_topics_body(tmp_path)
+    assert caught.value.file == str(journal)
+    with pytest.raises(CorruptionError, match=f"{limit + 1} bytes"):
+        MessageStore.open(tmp_path, CONFIG)
+    os.truncate(journal, limit)  # the control: zeros after the header, a torn append
+    assert list(topicsfile.read_topics_body(tmp_path)) == ["a"]
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.topics() == ["a"] and len(store.recovery.cuts) == 1
 
 
 # --- crashes -----------------------------------------------------------------------------
@@ -430,7 +531,9 @@ def test_verify_and_inspect_read_the_journal(
     capsys.readouterr()
     assert main(["verify", str(tmp_path)]) == 0, capsys.readouterr().out
     assert main(["inspect", str(tmp_path)]) == 0
-    assert "Topics (1, 2 queues)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Topics (1, 2 queues)" in out
+    assert "1 changes in topics.journal, not yet folded" in out, out
     journal = tmp_path / TOPICS_JOURNAL_FILE
     end = journal.stat().st_size
     with open(journal, "ab") as f:

@@ -224,6 +224,9 @@ def hot(args: argparse.Namespace) -> None:
                         for q in range(4):
                             store.send(topic, body, queue_id=q)
                 store.flush()  # the closed queues' entries synced: a steady state
+                # and the kernel's writeback of the cold queues' 20,000 new files done
+                # (both cases), so it does not run beside the timed part
+                os.sync()
                 started = time.perf_counter()
                 for _ in range(count):
                     store.send("hot", body)
@@ -254,9 +257,66 @@ def hot(args: argparse.Namespace) -> None:
             f"(min {min(sends):,.0f} max {max(sends):,.0f}), pull "
             f"{statistics.median(pulls):>9,.0f}/s (min {min(pulls):,.0f} max {max(pulls):,.0f})"
         )
+        print(f"  each turn (send, pull): {[(round(a), round(b)) for a, b in values]}")
     print(
         f"round-robin send over {args.cold} queues: {statistics.median(rr):,.0f}/s "
         f"(min {min(rr):,.0f} max {max(rr):,.0f})"
+    )
+
+
+def hot_reopened(args: argparse.Namespace) -> None:
+    """The hot queue's pull and send CPU time in fresh processes over reopened stores: one
+    with the hot queue alone, one with ``--cold`` written queues beside it (alternated,
+    ``--repeat`` times). Apart from what building the cold queues leaves in the process
+    and the page cache, which the in-run ``--hot`` figures carry."""
+    base = Path(tempfile.mkdtemp(prefix="eqbr", dir=args.dir))
+    stores = {"alone": base / "alone", "beside": base / "beside"}
+    try:
+        for case, directory in stores.items():
+            cold = 0 if case == "alone" else args.cold
+            _hot_child(args, "build", directory, cold)
+        os.sync()
+        for _ in range(args.repeat):
+            for case, directory in stores.items():
+                print(f"hot queue {case:>6}, reopened: {_hot_child(args, 'time', directory, 0)}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _hot_child(args: argparse.Namespace, mode: str, directory: Path, cold: int) -> str:
+    command = [sys.executable, __file__, "--hot-child", mode, "--store", str(directory)]
+    command += ["--cold", str(cold), "--messages", str(args.messages)]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def hot_child(mode: str, directory: Path, args: argparse.Namespace) -> None:
+    body = b"x" * 100
+    with MessageStore.open(directory, _config(args)) as store:
+        if mode == "build":
+            store.create_topic("hot", 1)
+            for i in range(args.cold // 4):
+                store.create_topic(f"c{i:05d}", 4)
+                for q in range(4):
+                    store.send(f"c{i:05d}", body, queue_id=q)
+            for _ in range(args.messages):
+                store.send("hot", body)
+            return
+        pulls = []
+        for _ in range(5):
+            started, offset, pulled = time.process_time(), 0, 0
+            while pulled < args.messages:
+                result = store.pull("hot", 0, offset, 256)
+                pulled += len(result.messages)
+                offset = result.next_offset
+            pulls.append(time.process_time() - started)
+        started = time.process_time()
+        for _ in range(args.messages):
+            store.send("hot", body)
+        send = time.process_time() - started
+    per = 1e9 / args.messages
+    print(
+        f"pull CPU ns/msg {statistics.median(pulls) * per:.0f} (5 passes: "
+        f"{', '.join(f'{p * per:.0f}' for p in pulls)}), send CPU ns/msg {send * per:.0f}"
     )
 
 
@@ -445,6 +505,8 @@ def main() -> None:
     parser.add_argument("--max-open-files", type=int, default=0, help="0: the default")
     parser.add_argument("--dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--hot", action="store_true")
+    parser.add_argument("--hot-reopened", action="store_true", help="hot queue CPU, reopened")
+    parser.add_argument("--hot-child", help=argparse.SUPPRESS)
     parser.add_argument("--cold", type=int, default=10000)
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--rr-messages", type=int, default=40_000)
@@ -462,6 +524,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.child is not None:
         child(args.child, args.per_topic, args.store, args)
+        return
+    if args.hot_child is not None:
+        hot_child(args.hot_child, args.store, args)
+        return
+    if args.hot_reopened:
+        hot_reopened(args)
         return
     if args.kill_child is not None:
         kill_child(args.store, args.kill_child, args)

@@ -10,9 +10,11 @@ give it in that order (the queues are chosen per message, round robin, either wa
 Errors stay per send. A group the store refuses whole before appending anything (a
 body too large, a reserved or missing topic, a limit) is sent again one request per
 send, so each caller gets its own answer (nothing of the group was stored: send_batch
-checks every message first). Any other error (a failed write or flush) is every send's
-of the group, as it would be for each alone. A broken connection raises
-ConnectionLostError in each caller with its own message as ``unanswered``.
+checks every message first); a caller cancelled while its send waits for a place again
+is not sent. Any other error (a failed write or flush, a refused store path) is every
+send's of the group, as it would be for each alone: each caller gets its own instance of
+it (``_twin``). A broken connection raises ConnectionLostError in each caller with its
+own message as ``unanswered``.
 
 Each coalesced send holds a place of ``max_in_flight`` until its group is answered, so
 the client never has more requests in flight than the broker allows.
@@ -21,7 +23,6 @@ the client never has more requests in flight than the broker allows.
 from __future__ import annotations
 
 import asyncio
-import copy
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
@@ -127,6 +128,8 @@ class Coalescer:
             if sub[1].done():  # its caller was cancelled: it is not sent
                 continue
             await protocol.place()
+            if sub[1].done():  # cancelled while it waited
+                continue
             if protocol.closed:
                 sub[1].set_exception(lost(f"the connection to {protocol.where} broke", [], None))
                 continue
@@ -188,5 +191,24 @@ def _fail(group: list[Sub], error: BaseException) -> None:
     first = True
     for _, future, _ in group:
         if not future.done():
-            future.set_exception(error if first else copy.copy(error))
+            future.set_exception(error if first else _twin(error))
             first = False
+
+
+def _twin(error: BaseException) -> BaseException:
+    """Another instance of ``error``, for another caller (one raised in several tasks
+    would gather each one's traceback). Built as faults.unpack_error builds an error from
+    the wire, without its __init__: copy.copy calls ``cls(*args)``, which fails for a
+    class taking keyword arguments (StorePathError's file=), and would leave the rest of
+    the group unanswered."""
+    cls = type(error)
+    try:
+        twin = cls.__new__(cls, *error.args)
+        twin.__dict__.update(
+            (name, list(value) if type(value) is list else value)  # (unanswered: its own)
+            for name, value in error.__dict__.items()
+        )
+    except Exception:  # (a class no error of ours is): the callers share the one
+        return error
+    twin.__cause__ = error.__cause__
+    return twin

@@ -7,16 +7,26 @@ directory's fsync): two fsyncs a change. A record appended here costs one fdatas
 topics.json is rewritten only when the journal outgrows its bound, at a writable open
 that finds records, and at a clean close ("folding"). Each record holds a topic's whole
 entry as topics.json would (its queue count, its policy, its deletion), never a
-difference, so replaying records over a topics.json that already holds them changes
-nothing: a crash between a fold's topics.json and its fresh journal loses nothing.
+difference.
+
+Each fold has a generation, written into topics.json (a top-level ``"generation"``,
+none meaning 0) and into the fresh journal's header. A journal whose generation is
+below topics.json's was folded into it already (a crash, or a failed write, between a
+fold's topics.json and its fresh journal; or a reader between the two renames): it is
+not replayed (its records could be older than the file's entry for the topic the fold
+changed), and a writer's open replaces it.
 
 File (little-endian)::
 
     offset size type    field
     0      8    bytes   magic b"EQTOPJ01"
-    8      4    u32     format version (1)
-    12     4    u32     xxh32 of bytes 0..11
-    16     ...  records, back to back, up to the end of the file
+    8      4    u32     format version (2)
+    12     8    u64     generation: that of the topics.json this journal follows
+    20     4    u32     xxh32 of bytes 0..19
+    24     ...  records, back to back, up to the end of the file
+
+Version 1 (written by the first equeue with the journal) had no generation (bytes
+12..15 its checksum, records from 16): it reads as generation 0.
 
 Record (40 + n bytes)::
 
@@ -52,13 +62,14 @@ from equeue.errors import ChecksumMismatchError, CorruptionError, TruncatedError
 
 TOPICS_JOURNAL_FILE: Final = "topics.journal"
 MAGIC: Final = b"EQTOPJ01"
-VERSION: Final = 1
+VERSION: Final = 2
 
-_HEADER = struct.Struct("<8sII")
+_HEADER = struct.Struct("<8sIQI")
+_HEADER_V1 = struct.Struct("<8sII")
 _RECORD = struct.Struct("<IIBxHIQdd")
 HEADER_SIZE: Final = _HEADER.size
 RECORD_HEAD_SIZE: Final = _RECORD.size
-assert HEADER_SIZE == 16
+assert HEADER_SIZE == 24
 assert RECORD_HEAD_SIZE == 40
 
 HAS_COUNT: Final = 1
@@ -68,26 +79,31 @@ COMPACT: Final = 8
 _FLAGS: Final = HAS_COUNT | HAS_DELETED | HAS_RETENTION | COMPACT
 
 
-def pack_header() -> bytes:
-    head = _HEADER.pack(MAGIC, VERSION, 0)[:12]
+def pack_header(generation: int = 0) -> bytes:
+    head = _HEADER.pack(MAGIC, VERSION, generation, 0)[:20]
     return head + struct.pack("<I", xxhash.xxh32_intdigest(head))
 
 
-def check_header(raw: bytes, file: str) -> None:
-    """CorruptionError (naming ``file``, offset 0) unless ``raw`` starts with a whole header."""
-    if len(raw) < HEADER_SIZE:
+def check_header(raw: bytes, file: str) -> tuple[int, int]:
+    """The journal's generation and where its records start; CorruptionError (naming
+    ``file``, offset 0) unless ``raw`` starts with a whole header."""
+    version = _HEADER_V1.unpack_from(raw)[1] if len(raw) >= _HEADER_V1.size else VERSION
+    size = _HEADER_V1.size if version == 1 else HEADER_SIZE
+    if len(raw) < size:
         raise TruncatedError(
-            f"a topics journal of {len(raw)} bytes is shorter than its header "
-            f"({HEADER_SIZE} bytes)",
+            f"a topics journal of {len(raw)} bytes is shorter than its header ({size} bytes)",
             file=file,
             offset=0,
         )
-    magic, version, checksum = _HEADER.unpack_from(raw)
+    if version == 1:
+        (magic, version, checksum), generation = _HEADER_V1.unpack_from(raw), 0
+    else:
+        magic, version, generation, checksum = _HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptionError(
             "not a topics journal (bad magic)", file=file, offset=0, expected=MAGIC, found=magic
         )
-    computed = xxhash.xxh32_intdigest(raw[:12])
+    computed = xxhash.xxh32_intdigest(raw[: size - 4])
     if checksum != computed:
         raise ChecksumMismatchError(
             "topics journal header checksum mismatch",
@@ -96,12 +112,13 @@ def check_header(raw: bytes, file: str) -> None:
             expected=checksum,
             found=computed,
         )
-    if version != VERSION:
+    if version not in (1, VERSION):
         raise CorruptionError(
-            f"topics journal format version {version}; this equeue reads {VERSION}",
+            f"topics journal format version {version}; this equeue reads 1 and {VERSION}",
             file=file,
             offset=8,
         )
+    return generation, size
 
 
 @dataclass(frozen=True, slots=True)

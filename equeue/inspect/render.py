@@ -138,9 +138,13 @@ def render_store(s: StoreSummary, *, wrap: bool) -> str:
         f"checkpoint {checkpoint}",
         f"On disk  {human_size(s.allocated_bytes)} allocated for {human_size(s.data_bytes)} of "
         f"data, {human_size(s.apparent_bytes)} apparent, {s.file_count} files",
-        "",
-        f"Message chunks ({len(s.message_chunks)})",
     ]
+    if s.journal_records:  # a writer killed (or running) since its last fold
+        lines.append(
+            f"Topics   {s.journal_records} changes in topics.journal, not yet folded into "
+            "topics.json (a writable open folds them)"
+        )
+    lines += ["", f"Message chunks ({len(s.message_chunks)})"]
     if s.message_chunks:
         rows = [
             [

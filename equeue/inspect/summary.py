@@ -107,6 +107,7 @@ class StoreSummary:
     # What the files hold: each chunk's header, data, position map and footer, and the
     # other files whole; allocated_bytes less this is the room allocated ahead of writers.
     data_bytes: int = 0
+    journal_records: int = 0  # topics.journal's records not yet folded into topics.json
     problems: list[Problem] = field(default_factory=list)  # noticed in passing; see verify
 
     def to_json(self) -> dict[str, Any]:
@@ -194,6 +195,7 @@ def summarize_store(path: Path, progress: Progress | None = None) -> StoreSummar
         allocated_bytes=allocated,
         file_count=files,
         data_bytes=held,
+        journal_records=store.journal_records,
         problems=problems,
     )
 

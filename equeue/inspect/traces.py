@@ -237,13 +237,18 @@ def _topic_problems(store: StoreFiles) -> list[Problem]:
     except (OSError, EQueueError):
         return []  # damaged: open_store reported it
     names = set(listed) if isinstance(listed, dict) else set()
+    absent = f"{TOPICS_FILE} " + (
+        "does not list it" if os.path.lexists(topics_path) else "is missing"
+    )
+    if os.path.lexists(journal):
+        absent += f" and {TOPICS_JOURNAL_FILE} does not list it"
     problems = [
         Problem(
             str(path / QUEUES_DIR / topic),
             None,
             "missing topic",
             f"topic {topic!r} has queue directories with chunk files, but "
-            f"{TOPICS_FILE} {'does not list it' if listed is not None else 'is missing'}: "
+            f"{absent}: "
             "a writer's open rebuilds it from the directories (its cleanup policy is lost)",
         )
         for topic in sorted(set(found) - names)

@@ -159,6 +159,18 @@ def _wrong_entry(store: MessageStore, queue: Queue) -> str | None:
     return None
 
 
+def points_at_its_message(
+    store: MessageStore, queue: Queue, offset: int, position: int, tag: int
+) -> bool:
+    """Whether the entry at ``offset`` (``position``, ``tag``) points at a record of the
+    log that is its own message: what the spot check (``_wrong_entry``) asks of a chunk's
+    first and last entries, asked of an entry read without opening the queue (retention's
+    preads). False also where the record cannot be read: no proof either way."""
+    if not store._messages.first_position <= position < store._messages.committed_position:
+        return False
+    return _head_at(store, position) == (position, queue.topic, queue.queue_id, offset, tag)
+
+
 def _head_at(store: MessageStore, position: int) -> tuple[int, str, int, int, int] | None:
     """(position, topic, queue id, queue offset, tag hash) of the record at ``position``;
     None where it fails its checks (a damaged record, or the entry points inside one):

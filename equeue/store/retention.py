@@ -12,6 +12,7 @@ from equeue.format.chunk import HEADER_SIZE, parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.store.checkpoint import note_retention
 from equeue.store.offsets import committed
+from equeue.store.queuerebuild import points_at_its_message
 
 if TYPE_CHECKING:
     from equeue.store.queue import Queue
@@ -119,7 +120,7 @@ def _first_offsets(store: MessageStore, first: int) -> dict[str, list[int]]:
             if queue.first_offset >= queue.next_offset or (floor is not None and floor >= first):
                 found.append(queue.first_offset)
                 continue
-            offset = None if queue.is_open else _search_closed(queue, first)
+            offset = None if queue.is_open else _search_closed(store, queue, first)
             found.append(queue.first_offset_at_or_after(first) if offset is None else offset)
     return starts
 
@@ -139,7 +140,7 @@ def _settle_queues(store: MessageStore, first: int, starts: dict[str, list[int]]
                 # What the queue's next open checks its files against and starts from
                 # (QueueFiles._check_ends): else that open moved the first offset back.
                 queue._expected = (queue.first_offset, queue._expected[1])
-            entries = _ClosedEntries(queue) if moved and not queue.is_open else None
+            entries = _ClosedEntries(store, queue) if moved and not queue.is_open else None
             # An open queue costs nothing to look at: also the chunks a killed run left
             # below its first offset go (the open moved it past the removed messages).
             if queue.is_open or (entries is not None and entries.below(queue.first_offset)):
@@ -147,7 +148,7 @@ def _settle_queues(store: MessageStore, first: int, starts: dict[str, list[int]]
             if queue.first_offset >= queue.next_offset:
                 floors[key] = end
             elif moved or key not in floors:
-                position = (entries or _ClosedEntries(queue)).position(queue.first_offset)
+                position = (entries or _ClosedEntries(store, queue)).position(queue.first_offset)
                 if position is not None:
                     floors[key] = max(first, position)
 
@@ -155,9 +156,16 @@ def _settle_queues(store: MessageStore, first: int, starts: dict[str, list[int]]
 class _ClosedEntries:
     """Entries of a queue read from its chunk files with pread: what retention needs of
     a closed queue (a first offset), without the open a ChunkManager makes (a listing,
-    every chunk header, a scan and a mapping of the ongoing chunk)."""
+    every chunk header, a scan and a mapping of the ongoing chunk).
 
-    def __init__(self, queue: Queue) -> None:
+    Nor are the open's checks made: of a queue not opened yet in this process (its open
+    deferred by the store's, ``Queue.checked``), an entry counts only where it points at
+    its own message (else None: the caller opens the queue, which checks it, and rebuilds
+    it if damaged), so a damaged entry cannot move the first offset, the floor and the
+    checkpoint's ``queue_starts``."""
+
+    def __init__(self, store: MessageStore, queue: Queue) -> None:
+        self.store = store
         self.queue = queue
         self.chunk_size = queue._records * QUEUE_RECORD_SIZE
         self.files: dict[int, str] = {}
@@ -201,15 +209,23 @@ class _ClosedEntries:
             os.close(fd)
         if len(raw) < QUEUE_RECORD_SIZE:
             return None
-        stored = int(QUEUE_RECORD.unpack(raw)[0])
-        return stored - 1 if stored > 0 else None
+        stored, tag = QUEUE_RECORD.unpack(raw)
+        position = int(stored) - 1
+        if position < 0:
+            return None
+        if not self.queue.checked and not points_at_its_message(
+            self.store, self.queue, offset, position, int(tag)
+        ):
+            return None
+        return position
 
 
-def _search_closed(queue: Queue, first: int) -> int | None:
+def _search_closed(store: MessageStore, queue: Queue, first: int) -> int | None:
     """A closed queue's first offset whose message is at or after ``first``, by a binary
     search of preads; None if an entry does not read as one (a damaged entry, which
-    Queue.first_offset_at_or_after scans past)."""
-    entries = _ClosedEntries(queue)
+    Queue.first_offset_at_or_after scans past, or one of an unchecked queue that does
+    not point at its message: the open checks it)."""
+    entries = _ClosedEntries(store, queue)
     lo, hi = queue.first_offset, queue.next_offset
     while lo < hi:
         mid = (lo + hi) // 2

@@ -5,7 +5,9 @@ and fdatasynced: that append is its commit point. topics.json is rewritten atomi
 ("folded": the file, then a fresh journal) when the journal would pass
 ``JOURNAL_FOLD_BYTES``, at a writable open that finds records in it, and at a clean
 close. Readers (the store's open, read-only handles, consumer commits, the inspector)
-read topics.json, then replay the journal over it.
+read topics.json, then replay the journal over it, unless the journal's generation is
+below topics.json's (a fold that wrote topics.json but not yet, or never, its fresh
+journal: the old journal is folded in already, and older than the file).
 
 topics.json is written from pieces encoded once per topic: ``write_json`` of the whole
 body encodes every entry twice (the canonical form the checksum covers, and the file's)
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 import time
 from collections.abc import Callable
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import xxhash
 
-from equeue.atomicfile import read_json, write_bytes, write_json
+from equeue.atomicfile import read_json, write_bytes
 from equeue.chunks.chunk import fsync_directory, write_error
 from equeue.chunks.recovery import TailCut, make_side_dir
 from equeue.errors import CorruptionError, EQueueError
@@ -51,6 +54,11 @@ log = logging.getLogger("equeue.recovery")
 # The journal is folded into topics.json before it passes this size (about 20,000
 # records of short names): replaying it at an open then takes tens of ms at most.
 JOURNAL_FOLD_BYTES: Final = 1 << 20
+# The longest record (a name's length is a u16): a journal past the bound by more than
+# one of these was not written by a writer (which folds first), and is not read.
+_MAX_RECORD: Final = RECORD_HEAD_SIZE + 0xFFFF
+# topics.json starts with its fold's generation (none: 0, a file no fold wrote).
+_GENERATION = re.compile(rb'\{"generation": (\d{1,20}), ')
 # A read-only handle reads topics.json, then the journal, and accepts the pair if
 # topics.json was not replaced meanwhile (by a fold); else it reads both again.
 _READ_ATTEMPTS: Final = 8
@@ -80,6 +88,8 @@ class Journal:
         self.size = 0
         self.exists = False
         self.tail_reason: str | None = None
+        self.generation = 0
+        self.stale = False  # folded into topics.json already: its records are not replayed
 
     def read(self) -> Journal:
         file = str(self.path)
@@ -87,10 +97,23 @@ class Journal:
             return self
         self.exists = True
         with open_file(self.path, "rb") as f:
-            raw = f.read()
+            limit = JOURNAL_FOLD_BYTES + _MAX_RECORD
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise CorruptionError(
+                    f"a topics journal of {size} bytes, more than a writer leaves ({limit}: "
+                    "it folds at JOURNAL_FOLD_BYTES); move the file aside to open the store "
+                    "(the topics it recorded are then rebuilt from the queue directories)",
+                    file=file,
+                    offset=limit,
+                )
+            raw = f.read(limit + 1)
         self.size = len(raw)
-        check_header(raw, file)
-        at = HEADER_SIZE
+        self.generation, at = check_header(raw, file)
+        self.end = at
+        # topics.json's generation, read after the journal: a reader that saw topics.json
+        # unchanged around both reads (TopicsFile.read) compares the pair it read.
+        self.stale = self.generation < file_generation(self.path.parent / TOPICS_FILE)
         while at < len(raw):
             try:
                 record, end = TopicRecord.unpack(raw, at, file)
@@ -109,7 +132,20 @@ class Journal:
             self.records.append((at, record))
             at = end
         self.end = at
+        if self.stale:
+            self.records = []
         return self
+
+
+def file_generation(path: Path) -> int:
+    """The generation at the start of topics.json (0: none, or no file)."""
+    try:
+        with open_file(path, "rb") as f:
+            head = f.read(64)
+    except FileNotFoundError:
+        return 0
+    found = _GENERATION.match(head)
+    return int(found[1]) if found else 0
 
 
 def _torn(raw: bytes, at: int) -> bool:
@@ -176,6 +212,7 @@ class TopicsFile:
         self._fd: int | None = None  # the journal, open for appends (a writer's)
         self._size = 0  # the journal's size: where the next record goes
         self._broken = False  # an append failed: the next change folds instead
+        self._generation = 0  # the last fold's (topics.json's and the journal's)
         self._cached: tuple[_Identity, Any] | None = None  # a reader's topics.json
         self.cuts: list[TailCut] = []
 
@@ -189,6 +226,7 @@ class TopicsFile:
             body = read_file()
             journal = Journal(self.journal_path).read()
             merged = replay(body, journal) if isinstance(body, dict) else body
+            self._generation = max(journal.generation, file_generation(self.path))
             self._open_journal(journal, merged)
             return merged
         for attempt in range(_READ_ATTEMPTS):
@@ -208,13 +246,17 @@ class TopicsFile:
 
     def _open_journal(self, journal: Journal, merged: Any) -> None:
         """A writer's open: a torn tail copied aside, then records folded into topics.json
-        and a fresh journal started (also when there was none: an older store)."""
+        and a fresh journal started (also when there was none, or an older version's, or
+        one topics.json holds already)."""
         if journal.tail_reason is not None:
             self._cut(journal)
-        if journal.records or journal.tail_reason is not None or not journal.exists:
+        fresh = journal.exists and journal.end == HEADER_SIZE and not journal.stale
+        if journal.records or journal.tail_reason is not None or not fresh:
             if journal.records and isinstance(merged, dict):
-                write_json(self.path, merged)
-            self._reset()
+                canonical = json.dumps(merged, sort_keys=True, separators=(",", ":"))
+                self._write_file(json.dumps(merged, sort_keys=True), canonical)  # and _reset
+            else:
+                self._reset()
         else:
             self._size = journal.size
             self._open_fd()
@@ -242,7 +284,7 @@ class TopicsFile:
         """A fresh journal (its header only), atomically: topics.json holds every record
         of the old one."""
         self.close_fd()
-        write_bytes(self.journal_path, pack_header())
+        write_bytes(self.journal_path, pack_header(self._generation))
         self._size = HEADER_SIZE
         self._broken = False
         self._open_fd()
@@ -257,7 +299,8 @@ class TopicsFile:
     ) -> None:
         """Make ``topic``'s entry (its queue count, policy, deletion) durable: one record
         appended, or a fold of ``state()`` (every topic's) when the journal is full or an
-        earlier append failed. Raises StoreWriteError with the journal as it was."""
+        earlier append failed. Raises StoreWriteError with topics.json and the journal as
+        they were."""
         entry = topics_body(
             {} if count is None else {topic: count},
             {} if policy is None else {topic: policy},
@@ -293,8 +336,10 @@ class TopicsFile:
     def write(
         self, counts: dict[str, int], policies: dict[str, TopicPolicy], deleted: dict[str, int]
     ) -> None:
-        """Fold: topics.json rewritten with every topic, then a fresh journal. A crash
-        between the two replays the old journal over the new file: the same topics."""
+        """Fold: topics.json rewritten with every topic (and the next generation), then a
+        fresh journal. Once topics.json is renamed the change is made: a fresh journal
+        that cannot be written is logged, not raised (the old one, of an older
+        generation, is not replayed; the next change folds again)."""
         canonical: list[str] = []
         pretty: list[str] = []
         for topic in sorted(counts.keys() | deleted.keys()):
@@ -303,11 +348,28 @@ class TopicsFile:
             pretty.append(two)
         for topic in self._pieces.keys() - counts.keys() - deleted.keys():
             del self._pieces[topic]
-        digest = xxhash.xxh64_hexdigest(("{" + ",".join(canonical) + "}").encode())
-        data = '{"body": {' + ", ".join(pretty) + '}, "xxh64": "' + digest + '"}'
-        write_bytes(self.path, data.encode())
-        if self._writer and (self._fd is None or self._size > HEADER_SIZE or self._broken):
-            self._reset()
+        self._write_file("{" + ", ".join(pretty) + "}", "{" + ",".join(canonical) + "}")
+
+    def _write_file(self, pretty: str, canonical: str) -> None:
+        """topics.json: write_json's bytes, after a writer's generation (from 1)."""
+        digest = xxhash.xxh64_hexdigest(canonical.encode())
+        generation = self._generation + 1 if self._writer else 0
+        head = f'{{"generation": {generation}, ' if generation else "{"
+        write_bytes(
+            self.path, (head + '"body": ' + pretty + ', "xxh64": "' + digest + '"}').encode()
+        )
+        if not self._writer:
+            return
+        self._generation = generation
+        if self._fd is None or self._size > HEADER_SIZE or self._broken:
+            try:
+                self._reset()
+            except (OSError, EQueueError) as exc:
+                log.warning(
+                    "topics.json written, its fresh journal not (%s): next change folds", exc
+                )
+                self.close_fd()
+                self._broken = True
 
     def _piece(
         self,
