@@ -5,14 +5,12 @@ threads sharing one TLS connection (reads and writes never in two threads at onc
 from __future__ import annotations
 
 import asyncio
-import shutil
 import ssl
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import short_dir
+from server_helpers import short_home
 from test_server_auth import TOKEN, _self_signed, token_file
 
 import equeue
@@ -20,14 +18,7 @@ import equeue.aio
 from equeue.errors import AuthenticationError, ConnectionLostError
 from equeue.server import BrokerThread
 
-
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 def test_tls_with_a_token(home: Path) -> None:

@@ -7,17 +7,16 @@ Producers: tests/broker_producer.py; consumers: tests/group_consumer_child.py.""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from server_helpers import short_dir
+from server_helpers import short_home
 from test_server_kill import acknowledged, start_broker
 
 import equeue
@@ -34,13 +33,7 @@ VICTIM_SESSION = 3.0
 PER_PRODUCER = 3000
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 class Lines:

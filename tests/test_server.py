@@ -3,7 +3,6 @@ store would; errors come back as the store's class names and the connection stay
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_helpers import Raw, raw, short_dir
+from server_helpers import Raw, raw, short_home
 
 from equeue import MessageStore
 from equeue.protocol.frames import encode
@@ -24,14 +23,7 @@ from equeue.protocol.records import (
 )
 from equeue.server import BrokerThread
 
-
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 @pytest.fixture

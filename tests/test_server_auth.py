@@ -9,11 +9,10 @@ import socket
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import Raw, raw, short_dir
+from server_helpers import Raw, raw, short_home
 
 from equeue.errors import ConfigError
 from equeue.protocol.frames import FrameReader, check_answer, decode_body, encode
@@ -22,13 +21,7 @@ from equeue.server import BrokerThread, ServerConfig
 TOKEN = "s3cret-token"
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 def token_file(home: Path, mode: int = 0o600) -> Path:

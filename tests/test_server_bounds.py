@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from server_helpers import Raw, raw, short_dir
+from server_helpers import Raw, raw, short_home
 
 from equeue import MessageStore
 from equeue.errors import ConfigError
@@ -28,13 +26,7 @@ from equeue.store.config import StoreConfig
 MiB = 1 << 20
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 class Counted:

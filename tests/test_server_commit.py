@@ -5,14 +5,12 @@ has ended (equeue/server/groupcommit.py)."""
 from __future__ import annotations
 
 import functools
-import shutil
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import raw, short_dir
+from server_helpers import raw, short_home
 
 from equeue import MessageStore
 from equeue.errors import EQueueError, StoreWriteError
@@ -24,13 +22,7 @@ SENDS = 40  # per client
 WINDOW = 4  # sends in flight per client
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 class FlushSpy:

@@ -10,16 +10,14 @@ fdatasync fails)."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import short_dir
+from server_helpers import short_home
 
 from equeue import MessageStore
 
@@ -27,13 +25,7 @@ PRODUCERS = 3
 HERE = Path(__file__).parent
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 def start_broker(store: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:

@@ -4,26 +4,17 @@ memory."""
 
 from __future__ import annotations
 
-import shutil
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import Raw, raw, short_dir
+from server_helpers import Raw, raw, short_home
 
 from equeue.errors import ConfigError
 from equeue.protocol.frames import FRAME_HEADER, HELLO_MAX_FRAME_BYTES, encode
 from equeue.server import BrokerThread, ServerConfig
 
-
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 def test_settings_are_checked() -> None:
