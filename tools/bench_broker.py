@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # brokerbench beside t
 
 from brokerbench import report, servers
 from brokerbench.cases import BATCH, WINDOW, Bench
+from peers.meta import file_system, source_state
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,10 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "kernel": platform.release(),
-        "file_system": report.file_system(args.dir),
+        "file_system": file_system(args.dir),
         "redis": servers.redis_version(),
         "redis_py": servers.redis_py_version(),
-        "source": report.source_state(ROOT),
+        "source": source_state(),
         "batch": BATCH,
         "window": WINDOW,
         "event_loop": args.event_loop or "default (--event-loop not given)",

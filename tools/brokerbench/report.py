@@ -3,13 +3,9 @@ targets of issue 23 and whether each was met, and the progress lines on stderr."
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 PRODUCE_COLUMNS = [
@@ -59,34 +55,6 @@ def describe(run: dict[str, Any]) -> str:
     if "error" in run:
         text += f" ERROR {run['error'][:300]}"
     return text
-
-
-def file_system(path: Path) -> str:
-    target = os.path.realpath(path)
-    best: tuple[str, str, str] | None = None
-    with contextlib.suppress(OSError), open("/proc/mounts", encoding="utf-8") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) < 3:
-                continue
-            inside = target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")
-            if inside and (best is None or len(parts[1]) >= len(best[1])):
-                best = (parts[0], parts[1], parts[2])
-    return "unknown" if best is None else f"{best[2]} ({best[0]})"
-
-
-def source_state(root: Path) -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.rstrip("\n")
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        changed = git("status", "--porcelain", "--", "equeue").splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "not a git checkout"
-    return f"{commit}" + (", equeue/ modified" if changed else ", equeue/ unmodified")
 
 
 class Table:
