@@ -136,14 +136,24 @@ class StoreLatency:
         self.store.close()
 
 
-class RedisProduce:
-    """XADD through redis-py pipelines (transaction=False) of ``batch`` commands: Redis has
-    no many-entries XADD, so this is its batch; each XADD is its own command and reply."""
+class _RedisJob:
+    """One redis-py connection over the server's Unix socket, checked with a PING."""
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
         self.client = redis.Redis(unix_socket_path=job["socket"])
         self.client.ping()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RedisProduce(_RedisJob):
+    """XADD through redis-py pipelines (transaction=False) of ``batch`` commands: Redis has
+    no many-entries XADD, so this is its batch; each XADD is its own command and reply."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        super().__init__(job)
         self.bodies = bodies(job["body"])
 
     def run(self) -> dict[str, Any]:
@@ -168,19 +178,11 @@ class RedisProduce:
                 break
         return result(done, t0, time.perf_counter())
 
-    def close(self) -> None:
-        self.client.close()
 
-
-class RedisConsume:
+class RedisConsume(_RedisJob):
     """One consumer of a Redis consumer group: XREADGROUP of ``batch`` entries, and the
     XACK of a batch in the same pipeline as the next XREADGROUP (one round trip each);
     stops when the stream has nothing more for the group (it was filled beforehand)."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.job = job
-        self.client = redis.Redis(unix_socket_path=job["socket"])
-        self.client.ping()
 
     def run(self) -> dict[str, Any]:
         key, group, name, batch, cap = (
@@ -214,17 +216,12 @@ class RedisConsume:
             acked += int(self.client.xack(key, group, *ids))
         return result(done, t0, time.perf_counter(), acked=acked, body_bytes=checked)
 
-    def close(self) -> None:
-        self.client.close()
 
-
-class RedisLatency:
+class RedisLatency(_RedisJob):
     """One XADD at a time, each timed; nothing else on the connection."""
 
     def __init__(self, job: dict[str, Any]) -> None:
-        self.job = job
-        self.client = redis.Redis(unix_socket_path=job["socket"])
-        self.client.ping()
+        super().__init__(job)
         self.bodies = bodies(job["body"])
 
     def run(self) -> dict[str, Any]:
@@ -238,9 +235,6 @@ class RedisLatency:
         for i in range(warmup):
             xadd(key, {FIELD: body_list[i % n]})
         return timed(lambda i: xadd(key, {FIELD: body_list[i % n]}), count, cap)
-
-    def close(self) -> None:
-        self.client.close()
 
 
 class RedisDurable:
