@@ -30,6 +30,7 @@ from equeue.client.calls import Call, Given
 from equeue.client.connect import RECV_BYTES, connect_with_retries
 from equeue.client.core import (
     DECODERS,
+    PULL_OPS,
     SEND_OPS,
     AnswerReader,
     RequestEncoder,
@@ -425,7 +426,7 @@ class Client:
         if not isinstance(op, str) or not isinstance(arguments, dict):
             raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
         check_args(op, arguments, f"request to {self.url}")
-        wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
+        wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
         messages = [arguments] if op in SEND_OPS else None
         conn, (slot,) = self._submit([Call(op, arguments, messages, wait)])
         return self._wait(conn, slot)
