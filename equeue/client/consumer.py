@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
+    DEFAULT_PREFETCH,
     DEFAULT_SESSION_TIMEOUT,
     MAX_POLLERS,
     POLL_WAIT_MS,
@@ -74,6 +75,7 @@ class GroupConsumer:
         *,
         tags: str | Iterable[str] | None = None,
         batch_size: int = 32,
+        prefetch: int = DEFAULT_PREFETCH,
         auto_commit: bool = True,
         auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
         session_timeout: float = DEFAULT_SESSION_TIMEOUT,
@@ -84,7 +86,7 @@ class GroupConsumer:
     ) -> None:
         self.client = client
         self.state = GroupState(
-            client.url, group, topics, tags=tags, batch_size=batch_size,
+            client.url, group, topics, tags=tags, batch_size=batch_size, prefetch=prefetch,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
             max_retries=max_retries, consumer_id=consumer_id,
@@ -125,15 +127,32 @@ class GroupConsumer:
     def poll(self, timeout: float | None = 0.0) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
         state = self.state
-        self._check_open()
-        state.last_poll = time.monotonic()
-        state.done_with_pending()
+        if state.closed:
+            self._check_open()
+        state.last_poll = now = time.monotonic()
+        if state.handed is not None:
+            state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
             try:
                 self._maintain()
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
+        if state.buffer:  # the common case: a message at hand
+            if state.refill:  # a pull answered, or a queue run low: take it, pull again
+                self._refill()
+            if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
+                self._commit_quietly(None)
+            buffer = state.buffer
+            if buffer:  # (state.next_message, inline: this runs once a message)
+                item = buffer.popleft()
+                key = item[1]
+                left = state.buffered[key] - 1
+                state.buffered[key] = left
+                if left == state.low_water:
+                    state.refill = True
+                state.handed = item
+                return item[0]
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval
@@ -258,11 +277,11 @@ class GroupConsumer:
             try:
                 self._maintain()
                 self._harvest()
+                self._start_pulls()  # (with messages at hand too: the next batches)
                 if state.buffer:
                     return True
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
                     self._commit(None)  # nothing came for a while: commit what is done
-                self._start_pulls()
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
@@ -272,6 +291,23 @@ class GroupConsumer:
             if remaining is not None and remaining <= 0:
                 return False
             self._event.wait(POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0))
+
+    def _answered(self, _: object) -> None:
+        self.state.refill = True  # (a plain flag: poll looks at it at every message)
+        self._event.set()
+
+    def _refill(self) -> None:
+        """Take the pulls answered and send the next of every queue run low, without
+        waiting (the buffer still holds messages)."""
+        state = self.state
+        state.refill = False
+        self._event.clear()
+        try:
+            self._harvest()
+            self._start_pulls()
+        except (GroupError, ConnectionLostError) as exc:
+            log.warning("consumer %s: %s; joining again", state.consumer, exc)
+            state.lost = True
 
     def _maintain(self) -> None:
         """Join again if the membership was lost; apply the latest assignment."""
@@ -314,14 +350,20 @@ class GroupConsumer:
 
     def _start_pulls(self) -> None:
         state = self.state
-        wanted = [k for k in state.positions if k not in self._inflight and state.wants_pull(k)]
+        inflight, epoch = self._inflight, state.epoch
+        # (a pull sent before the membership was lost is ignored when answered: it does
+        # not hold up the queue's pulls now)
+        wanted = [
+            k for k in state.positions
+            if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
+        ]  # fmt: skip
         # past MAX_POLLERS, the pool's queue takes them in turn (FIFO: a queue answered
         # goes after those waiting)
         wait_ms = poll_wait_ms(len(state.positions))
         for key in wanted:
             args = state.pull_args(key, wait_ms)
-            future = self._pool.submit(self.client.request, "pull", args)
-            future.add_done_callback(lambda _: self._event.set())
+            future = self._pool.submit(self.client.request, "pull_columns", args)
+            future.add_done_callback(self._answered)
             self._inflight[key] = (future, args["offset"], state.epoch)
 
     def _commit(self, queues: list[Queue] | None) -> None:

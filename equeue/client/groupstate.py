@@ -21,11 +21,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Any, Final
 
 from equeue.errors import InvalidMessageError, InvalidTypeError, ProtocolError
-from equeue.protocol.records import unpack_pull_result
-from equeue.protocol.retries import restore
+from equeue.protocol.pullcols import unpack_any
+from equeue.protocol.retries import RETRY_PREFIX, restore
 from equeue.store.types import Message
 
 Queue = tuple[str, int]
@@ -39,6 +40,11 @@ DEFAULT_MAX_POLL_INTERVAL: Final = 300.0
 POLL_WAIT_MS: Final = 1000
 MAX_POLLERS: Final = 64  # pulls in flight at once (threads of the blocking loop)
 MIN_POLL_WAIT_MS: Final = 10
+# Batches of a queue a member holds at most, handed-out ones not counted: its buffered
+# messages and the one pull in flight. 2: the next pull is sent as soon as the queue's
+# buffer holds no more than one batch, so it is answered while that batch is handled.
+DEFAULT_PREFETCH: Final = 2
+MAX_PREFETCH: Final = 64
 
 
 def poll_wait_ms(queues: int) -> int:
@@ -60,6 +66,7 @@ class GroupState:
         *,
         tags: str | Iterable[str] | None,
         batch_size: int,
+        prefetch: int = DEFAULT_PREFETCH,
         auto_commit: bool,
         auto_commit_interval: float,
         session_timeout: float,
@@ -79,6 +86,13 @@ class GroupState:
             tags if tags is None or isinstance(tags, str) else _strings(tags, "tags")
         )
         self.batch_size = _count(batch_size, "batch_size")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool):
+            raise InvalidTypeError(f"prefetch must be an int, got {type(prefetch).__name__}")
+        if not 1 <= prefetch <= MAX_PREFETCH:
+            raise InvalidMessageError(f"prefetch={prefetch} must lie in [1, {MAX_PREFETCH}]")
+        # a queue is pulled again once no more than this many of its messages wait here
+        self.low_water = (prefetch - 1) * self.batch_size
+        self.refill = False  # a queue's buffer fell to low_water: pull it again
         if not isinstance(auto_commit, bool):
             raise InvalidTypeError(f"auto_commit must be a bool, got {type(auto_commit).__name__}")
         self.auto_commit = auto_commit
@@ -108,7 +122,8 @@ class GroupState:
         self.committed: dict[Queue, int] = {}
         self.buffer: deque[tuple[Message, Queue, int]] = deque()  # (message, queue, after)
         self.buffered: dict[Queue, int] = {}
-        self.pending: list[tuple[Queue, int]] = []  # handed out, not processed yet
+        # the message handed out last, not processed yet: (message, queue, after)
+        self.handed: tuple[Message, Queue, int] | None = None
         self.closed = False
 
     # --- the broker's answers ----------------------------------------------------------
@@ -199,7 +214,8 @@ class GroupState:
                 table.pop(key, None)
         if gone:
             self.buffer = deque(item for item in self.buffer if item[1] not in gone)
-            self.pending = [item for item in self.pending if item[0] not in gone]
+            if self.handed is not None and self.handed[1] in gone:
+                self.handed = None
 
     def add(self, key: Queue, committed: object, queue_range: object) -> None:
         """Start ``key`` at the group's committed offset (the broker's answers to
@@ -230,14 +246,14 @@ class GroupState:
         return args
 
     def wants_pull(self, key: Queue) -> bool:
-        return key in self.positions and not self.buffered.get(key)
+        return key in self.positions and self.buffered.get(key, 0) <= self.low_water
 
     def pulled(self, key: Queue, at: int, answer: object) -> None:
         """A pull of ``key`` from ``at`` answered: its messages to the buffer (dropped if
         the queue was dropped or moved on meanwhile)."""
         if self.positions.get(key) != at:
             return
-        result = unpack_pull_result(answer, self.where)
+        result = unpack_any(answer, self.where)
         following = result.next_offset
         if following <= at:
             return
@@ -246,22 +262,34 @@ class GroupState:
         if not messages:  # a tag filter passed over them: nothing of it is in hand
             self.processed[key] = following
             return
-        for message in messages[:-1]:
-            self.buffer.append((restore(message), key, message.queue_offset + 1))
-        self.buffer.append((restore(messages[-1]), key, following))
+        # each message with the offset processed once it is: the next, or for the last
+        # where the pull goes on (past entries a tag filter skipped)
+        afters = [m.queue_offset + 1 for m in messages]
+        afters[-1] = following
+        if key[0].startswith(RETRY_PREFIX):  # retry copies: their original places
+            messages = list(map(restore, messages))
+        self.buffer.extend(zip(messages, repeat(key), afters))  # (repeat: no strict)
         self.buffered[key] = self.buffered.get(key, 0) + len(messages)
 
     def next_message(self) -> Message:
-        message, key, after = self.buffer.popleft()
-        self.buffered[key] -= 1
-        self.pending.append((key, after))
-        return message
+        item = self.buffer.popleft()
+        key = item[1]
+        left = self.buffered[key] - 1
+        self.buffered[key] = left
+        if left == self.low_water:
+            self.refill = True
+        self.handed = item
+        return item[0]
 
     def done_with_pending(self) -> None:
-        for key, after in self.pending:
+        """The message handed out last is processed (the caller came back, commits or
+        closes)."""
+        handed = self.handed
+        if handed is not None:
+            self.handed = None
+            key = handed[1]
             if key in self.processed:
-                self.processed[key] = after
-        self.pending.clear()
+                self.processed[key] = handed[2]
 
     def to_commit(self, queues: Iterable[Queue] | None = None) -> dict[Queue, int]:
         if self.lost:  # e.g. a nack failed: its queues are read again from their commits
