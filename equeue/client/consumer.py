@@ -56,6 +56,9 @@ from equeue.store.types import Message
 log = logging.getLogger("equeue.client.consumer")
 
 IDLE_COMMIT_SECONDS = 0.1  # no message for this long: the processed offsets are committed
+# While messages are at hand, a queue whose last (quick) pull found nothing is pulled
+# again after this long at the earliest: what arrives there waits at most this much more.
+IDLE_RECHECK_SECONDS = 0.05
 
 
 class Requester(Protocol):
@@ -92,7 +95,10 @@ class GroupConsumer:
             max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
-        self._inflight: dict[Queue, tuple[Future[Any], int, int]] = {}
+        # per queue: its pull in flight, the offset and membership it was sent in, and
+        # whether it was a quick one (no wait)
+        self._inflight: dict[Queue, tuple[Future[Any], int, int, bool]] = {}
+        self._idle: dict[Queue, float] = {}  # a quick pull found nothing: not before then
         self._pool = ThreadPoolExecutor(MAX_POLLERS, thread_name_prefix="equeue-pull")
         self._event = threading.Event()  # a pull answered, or the assignment changed
         self._stop = threading.Event()
@@ -304,7 +310,7 @@ class GroupConsumer:
         self._event.clear()
         try:
             self._harvest()
-            self._start_pulls()
+            self._start_pulls(quick=True)
         except (GroupError, ConnectionLostError) as exc:
             log.warning("consumer %s: %s; joining again", state.consumer, exc)
             state.lost = True
@@ -336,7 +342,7 @@ class GroupConsumer:
 
     def _harvest(self) -> None:
         state = self.state
-        for key, (future, at, epoch) in list(self._inflight.items()):
+        for key, (future, at, epoch, quick) in list(self._inflight.items()):
             if not future.done():
                 continue
             del self._inflight[key]
@@ -344,27 +350,35 @@ class GroupConsumer:
             if epoch != state.epoch:
                 continue  # sent before the membership was lost: not ours to judge
             if error is None:
-                state.pulled(key, at, future.result())
+                if not state.pulled(key, at, future.result()) and quick:
+                    self._idle[key] = time.monotonic() + IDLE_RECHECK_SECONDS
             elif key in state.positions:
                 raise error
 
-    def _start_pulls(self) -> None:
+    def _start_pulls(self, *, quick: bool = False) -> None:
+        """Pull the queues that want it. ``quick`` (messages are at hand): without a
+        wait, and not the queues a quick pull found empty within IDLE_RECHECK_SECONDS.
+        Long polls are for a member with nothing to do: each pull waiting in the blocking
+        client wakes at every answer on the connection, so a busy member keeps none."""
         state = self.state
         inflight, epoch = self._inflight, state.epoch
+        now = time.monotonic() if quick else 0.0
+        idle = self._idle
         # (a pull sent before the membership was lost is ignored when answered: it does
         # not hold up the queue's pulls now)
         wanted = [
             k for k in state.positions
             if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
+            and not (quick and idle.get(k, 0.0) > now)
         ]  # fmt: skip
         # past MAX_POLLERS, the pool's queue takes them in turn (FIFO: a queue answered
         # goes after those waiting)
-        wait_ms = poll_wait_ms(len(state.positions))
+        wait_ms = 0 if quick else poll_wait_ms(len(state.positions))
         for key in wanted:
             args = state.pull_args(key, wait_ms)
             future = self._pool.submit(self.client.request, "pull_columns", args)
             future.add_done_callback(self._answered)
-            self._inflight[key] = (future, args["offset"], state.epoch)
+            self._inflight[key] = (future, args["offset"], state.epoch, quick)
 
     def _commit(self, queues: list[Queue] | None) -> None:
         state = self.state

@@ -248,20 +248,20 @@ class GroupState:
     def wants_pull(self, key: Queue) -> bool:
         return key in self.positions and self.buffered.get(key, 0) <= self.low_water
 
-    def pulled(self, key: Queue, at: int, answer: object) -> None:
+    def pulled(self, key: Queue, at: int, answer: object) -> int:
         """A pull of ``key`` from ``at`` answered: its messages to the buffer (dropped if
-        the queue was dropped or moved on meanwhile)."""
+        the queue was dropped or moved on meanwhile); how many."""
         if self.positions.get(key) != at:
-            return
+            return 0
         result = unpack_any(answer, self.where)
         following = result.next_offset
         if following <= at:
-            return
+            return 0
         self.positions[key] = following
         messages = result.messages
         if not messages:  # a tag filter passed over them: nothing of it is in hand
             self.processed[key] = following
-            return
+            return 0
         # each message with the offset processed once it is: the next, or for the last
         # where the pull goes on (past entries a tag filter skipped)
         afters = [m.queue_offset + 1 for m in messages]
@@ -270,6 +270,7 @@ class GroupState:
             messages = list(map(restore, messages))
         self.buffer.extend(zip(messages, repeat(key), afters))  # (repeat: no strict)
         self.buffered[key] = self.buffered.get(key, 0) + len(messages)
+        return len(messages)
 
     def next_message(self) -> Message:
         item = self.buffer.popleft()
