@@ -32,10 +32,10 @@ def main() -> int:
         assert first is not None
         deadline = time.monotonic() + 10
         # the first batch, and (prefetch) the next pull of that queue, taken in
-        while len(consumer.state.buffer) < 9 and time.monotonic() < deadline:
+        while consumer.state.held() < 9 and time.monotonic() < deadline:
             consumer._refill()
             time.sleep(0.01)
-        held = len(consumer.state.buffer)
+        held = consumer.state.held()
         print(f"GOT {first.queue_id} {first.queue_offset} HOLDS {held}", flush=True)
         time.sleep(60)
     return 0

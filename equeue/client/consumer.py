@@ -151,14 +151,15 @@ class GroupConsumer:
                 self._commit_quietly(None)
             buffer = state.buffer
             if buffer:  # (state.next_message, inline: this runs once a message)
-                item = buffer.popleft()
-                key = item[1]
-                left = state.buffered[key] - 1
-                state.buffered[key] = left
-                if left == state.low_water:
+                batch = buffer[0]
+                i = batch.next
+                message = batch.messages[i]
+                batch.next = i = i + 1
+                if i == batch.count:  # handed out whole: its queue may want its next pull
+                    buffer.popleft()
                     state.refill = True
-                state.handed = item
-                return item[0]
+                state.handed = batch
+                return message
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval

@@ -21,7 +21,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from itertools import repeat
 from typing import Any, Final
 
 from equeue.errors import InvalidMessageError, InvalidTypeError, ProtocolError
@@ -118,12 +117,13 @@ class GroupState:
         self.applied: int | None = None
         self.news = False  # an answer not applied yet: the loop applies it at the next poll
         self.positions: dict[Queue, int] = {}
-        self.processed: dict[Queue, int] = {}
+        # where each queue's processed messages end: an offset, or the Batch of the last
+        # one (its offset worked out when asked: processed() and to_commit)
+        self.processed: dict[Queue, int | Batch] = {}
         self.committed: dict[Queue, int] = {}
-        self.buffer: deque[tuple[Message, Queue, int]] = deque()  # (message, queue, after)
-        self.buffered: dict[Queue, int] = {}
-        # the message handed out last, not processed yet: (message, queue, after)
-        self.handed: tuple[Message, Queue, int] | None = None
+        self.buffer: deque[Batch] = deque()  # pulls' answers, each until handed out whole
+        # the batch of the message handed out last, not processed yet (its ``next``)
+        self.handed: Batch | None = None
         self.closed = False
 
     # --- the broker's answers ----------------------------------------------------------
@@ -210,11 +210,11 @@ class GroupState:
     def drop(self, queues: list[Queue]) -> None:
         gone = set(queues)
         for key in gone:
-            for table in (self.positions, self.processed, self.committed, self.buffered):
+            for table in (self.positions, self.processed, self.committed):
                 table.pop(key, None)
         if gone:
-            self.buffer = deque(item for item in self.buffer if item[1] not in gone)
-            if self.handed is not None and self.handed[1] in gone:
+            self.buffer = deque(batch for batch in self.buffer if batch.key not in gone)
+            if self.handed is not None and self.handed.key in gone:
                 self.handed = None
 
     def add(self, key: Queue, committed: object, queue_range: object) -> None:
@@ -246,7 +246,15 @@ class GroupState:
         return args
 
     def wants_pull(self, key: Queue) -> bool:
-        return key in self.positions and self.buffered.get(key, 0) <= self.low_water
+        return key in self.positions and self.buffered(key) <= self.low_water
+
+    def buffered(self, key: Queue) -> int:
+        """Messages of ``key`` fetched and not handed out yet."""
+        return sum(b.count - b.next for b in self.buffer if b.key == key)
+
+    def held(self) -> int:
+        """Messages fetched and not handed out yet."""
+        return sum(b.count - b.next for b in self.buffer)
 
     def pulled(self, key: Queue, at: int, answer: object) -> int:
         """A pull of ``key`` from ``at`` answered: its messages to the buffer (dropped if
@@ -260,47 +268,69 @@ class GroupState:
         self.positions[key] = following
         messages = result.messages
         if not messages:  # a tag filter passed over them: nothing of it is in hand
-            self.processed[key] = following
+            handed = self.handed
+            if not (handed is not None and handed.key == key) and not self.buffered(key):
+                self.processed[key] = following  # (else: once what is at hand is)
             return 0
-        # each message with the offset processed once it is: the next, or for the last
-        # where the pull goes on (past entries a tag filter skipped)
-        afters = [m.queue_offset + 1 for m in messages]
-        afters[-1] = following
         if key[0].startswith(RETRY_PREFIX):  # retry copies: their original places
             messages = list(map(restore, messages))
-        self.buffer.extend(zip(messages, repeat(key), afters))  # (repeat: no strict)
-        self.buffered[key] = self.buffered.get(key, 0) + len(messages)
+        self.buffer.append(Batch(messages, key, following))
         return len(messages)
 
     def next_message(self) -> Message:
-        item = self.buffer.popleft()
-        key = item[1]
-        left = self.buffered[key] - 1
-        self.buffered[key] = left
-        if left == self.low_water:
+        """The next message (the buffer holds one). GroupConsumer.poll has this inline."""
+        batch = self.buffer[0]
+        i = batch.next
+        message = batch.messages[i]
+        batch.next = i = i + 1
+        if i == batch.count:  # handed out whole: its queue may want its next pull
+            self.buffer.popleft()
             self.refill = True
-        self.handed = item
-        return item[0]
+        self.handed = batch
+        return message
 
     def done_with_pending(self) -> None:
         """The message handed out last is processed (the caller came back, commits or
         closes)."""
-        handed = self.handed
-        if handed is not None:
+        batch = self.handed
+        if batch is not None:
             self.handed = None
-            key = handed[1]
-            if key in self.processed:
-                self.processed[key] = handed[2]
+            batch.done = batch.next
+            if batch.key in self.processed:
+                self.processed[batch.key] = batch
+
+    def processed_offset(self, key: Queue) -> int:
+        found = self.processed[key]
+        return found if type(found) is int else found.after()  # type: ignore[union-attr]
 
     def to_commit(self, queues: Iterable[Queue] | None = None) -> dict[Queue, int]:
         if self.lost:  # e.g. a nack failed: its queues are read again from their commits
             return {}
-        keys = self.processed if queues is None else queues
-        return {
-            key: self.processed[key]
-            for key in keys
-            if key in self.processed and self.processed[key] != self.committed.get(key)
-        }
+        keys = list(self.processed if queues is None else queues)
+        offsets = {key: self.processed_offset(key) for key in keys if key in self.processed}
+        return {key: at for key, at in offsets.items() if at != self.committed.get(key)}
+
+
+class Batch:
+    """One pull's messages in the buffer, handed out in turn from ``next``."""
+
+    __slots__ = ("count", "done", "following", "key", "messages", "next")
+
+    def __init__(self, messages: list[Message], key: Queue, following: int) -> None:
+        self.messages = messages
+        self.count = len(messages)
+        self.key = key
+        self.following = following  # where the queue's next pull starts
+        self.next = 0  # the next to hand out
+        self.done = 0  # how many are processed
+
+    def after(self) -> int:
+        """Where the processed ones end: after the last (past entries a tag filter
+        skipped, for the last of the batch)."""
+        done = self.done
+        if done == self.count:
+            return self.following
+        return self.messages[done - 1].queue_offset + 1 if done else self.messages[0].queue_offset
 
 
 def _strings(values: object, what: str) -> list[str]:
