@@ -12,10 +12,13 @@ client (the blocking client is thread-safe), also while the caller's code runs; 
 assigned queues are long-polled at once, one pull each in flight, from a small pool of
 threads, so a message in any of them wakes the loop (no busy wait); past MAX_POLLERS
 queues they take turns, each pull waiting its share of a second (``poll_wait_ms``).
+Prefetch: a queue is pulled again once at most (prefetch - 1) x batch_size of its
+messages wait in the buffer, so its next batch is on the way while this one is handled;
+while messages are at hand those pulls do not wait (see _start_pulls).
 
 At least once: processed offsets are committed (``auto_commit``) when no message came
-for 0.1 s, when every message fetched was handed out and ``auto_commit_interval``
-passed since the last commit, before a queue is given up, and by ``close()``. A member
+for 0.1 s, when ``auto_commit_interval`` passed since the last commit (also while the
+buffer never runs empty), before a queue is given up, and by ``close()``. A member
 that dies without committing leaves its queues at their last commit: the new holder
 gets again what it processed since (at most ``auto_commit_interval`` seconds of work,
 plus the message in hand). ``nack(message, delay=)`` (or an exception from the handler
