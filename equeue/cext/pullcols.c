@@ -17,6 +17,7 @@
  *   another length, a message id column): the Python path then decodes it or raises the
  *   ProtocolError that says what is wrong. */
 #include "speedups.h"
+#include <stddef.h>
 
 enum { C_NEXT, C_TOPIC, C_QID, C_PREFIX, C_IDS, C_OFFSETS, C_POSITIONS, C_CREATED,
        C_STORED, C_BODIES, C_TAGS, C_KEYS, C_CODES, C_PROPS, NCOLUMNS };
@@ -185,6 +186,17 @@ static Py_ssize_t read_row(PyObject *message, PyObject *topic, long long queue_i
     return bound;
 }
 
+/* An array of the rows' long long field at ``field`` (offsetof in Row). */
+static char *w_ints(char *p, const Row *rows, Py_ssize_t n, size_t field) {
+    p = W_ARRAY(p, (size_t)n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v;
+        memcpy(&v, (const char *)&rows[i] + field, sizeof v);
+        p = w_int(p, v);
+    }
+    return p;
+}
+
 PyObject *pack_pull_columns(PyObject *self, PyObject *args) {
     PyObject *messages, *topic, *id_prefix;
     long long next_offset, queue_id;
@@ -235,14 +247,10 @@ PyObject *pack_pull_columns(PyObject *self, PyObject *args) {
     p = w_int(p, queue_id);
     p = w_bytes(p, (const char *)PyUnicode_1BYTE_DATA(id_prefix), pl, 1);
     p = w_u8(p, 0xc0); /* ids: each is the prefix and its position */
-    p = W_ARRAY(p, (size_t)kept);
-    for (Py_ssize_t i = 0; i < kept; i++) p = w_int(p, rows[i].qoff);
-    p = W_ARRAY(p, (size_t)kept);
-    for (Py_ssize_t i = 0; i < kept; i++) p = w_int(p, rows[i].pos);
-    p = W_ARRAY(p, (size_t)kept);
-    for (Py_ssize_t i = 0; i < kept; i++) p = w_int(p, rows[i].created);
-    p = W_ARRAY(p, (size_t)kept);
-    for (Py_ssize_t i = 0; i < kept; i++) p = w_int(p, rows[i].stored);
+    p = w_ints(p, rows, kept, offsetof(Row, qoff));
+    p = w_ints(p, rows, kept, offsetof(Row, pos));
+    p = w_ints(p, rows, kept, offsetof(Row, created));
+    p = w_ints(p, rows, kept, offsetof(Row, stored));
     p = W_ARRAY(p, (size_t)kept);
     for (Py_ssize_t i = 0; i < kept; i++)
         p = w_bytes(p, PyBytes_AS_STRING(rows[i].body), PyBytes_GET_SIZE(rows[i].body), 0);
@@ -259,12 +267,7 @@ PyObject *pack_pull_columns(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < kept; i++)
             p = rows[i].key == Py_None ? w_u8(p, 0xc0) : w_str(p, rows[i].key);
     }
-    if (same_code) {
-        p = w_int(p, kept ? rows[0].code : 0);
-    } else {
-        p = W_ARRAY(p, (size_t)kept);
-        for (Py_ssize_t i = 0; i < kept; i++) p = w_int(p, rows[i].code);
-    }
+    p = same_code ? w_int(p, kept ? rows[0].code : 0) : w_ints(p, rows, kept, offsetof(Row, code));
     if (!props) {
         p = w_u8(p, 0xc0);
     } else {
