@@ -416,8 +416,10 @@ def test_send_many_stops_at_an_error_answer_and_says_what_was_stored(
     """One message of 100 is refused by the store (over max_message_size): send_many
     raises that error once the chunks in flight are answered; ``sent`` are exactly the
     stored ones, ``unsent`` the others (the refused chunk's, and those never written)."""
+    from equeue.client.many import PARTS
     from equeue.errors import MessageTooLargeError
 
+    chunk = 16 // PARTS  # the window's chunks: one starts at 40
     bodies = [f"m{i}".encode() for i in range(100)]
     bodies[40] = b"x" * (4 * 1024 * 1024 + 1)
     with equeue.connect(broker.url) as client:
@@ -428,7 +430,7 @@ def test_send_many_stops_at_an_error_answer_and_says_what_was_stored(
         unsent = list(raised.value.unsent)
         stored = client.pull("e", 0, 0, max_count=1000).messages
     # Changed with send_many's chunks (equeue/client/many.py): a chunk is all or nothing,
-    # so the refused message's chunk-mates (41..43: chunks of 16 // 4) are unsent with it,
+    # so the refused message's chunk-mates (41.. in its chunk) are unsent with it,
     # and sent + unsent now hold every message (the refused one was in neither before).
     assert [(r.message_id, r.queue_offset) for r in sent] == [
         (m.message_id, m.queue_offset) for m in stored
@@ -436,5 +438,5 @@ def test_send_many_stops_at_an_error_answer_and_says_what_was_stored(
     assert [m.body for m in stored] == [b for b in bodies if b not in unsent]
     assert len(sent) + len(unsent) == len(bodies)
     assert [m.body for m in stored[:40]] == bodies[:40]  # everything before the refused chunk
-    assert unsent[:4] == bodies[40:44]  # the refused chunk
-    assert unsent[4:] == bodies[len(bodies) - len(unsent) + 4 :] and unsent[4:]  # it stopped
+    assert unsent[:chunk] == bodies[40 : 40 + chunk]  # the refused chunk
+    assert unsent[chunk:] == bodies[len(bodies) - len(unsent) + chunk :] and unsent[chunk:]
