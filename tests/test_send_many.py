@@ -24,6 +24,7 @@ from test_client_reconnect import wait_for_progress
 import equeue
 from equeue import MessageStore, OutgoingMessage, StoreConfig
 from equeue.client.many import PARTS
+from equeue.client.sync import Client
 from equeue.errors import (
     ConnectionLostError,
     EQueueError,
@@ -117,8 +118,8 @@ def _body(item: Any) -> bytes:
     return item.body if isinstance(item, OutgoingMessage) else item["body"]
 
 
-def _stored(client: equeue.Client, topic: str) -> dict[tuple[int, int], bytes]:
-    found = {}
+def _stored(client: Client, topic: str) -> dict[tuple[int, int], bytes]:
+    found: dict[tuple[int, int], bytes] = {}
     for queue_id in client.queue_ids(topic):
         offset = 0
         for _ in range(1000):  # (bounded)
@@ -130,7 +131,7 @@ def _stored(client: equeue.Client, topic: str) -> dict[tuple[int, int], bytes]:
     return found
 
 
-def check_outcome(client: equeue.Client, topic: str, items: list[Any], window: int) -> None:
+def check_outcome(client: Client, topic: str, items: list[Any], window: int) -> None:
     """send_many ``items``; the store holds exactly ``sent``, and ``sent`` + ``unsent``
     (no connection is lost here) are every message once, in order."""
     bad = [i for i, item in enumerate(items) if getattr(item, "bad", False)]
