@@ -24,7 +24,8 @@ from pathlib import Path
 CLIENT = r"""
 import json, os, sys, time
 import equeue
-url, count, size, window, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+url = sys.argv[1]
+count, size, window, pid = map(int, sys.argv[2:6])
 def broker_cpu():
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for tree in options.trees:
                 found = run_one(tree, options.count, size, options.window)
                 print(
-                    f"{size:5d} B  round {round_}  {str(tree):20s} {found['rate']:10,.0f} msg/s"
+                    f"{size:5d} B  round {round_}  {tree!s:20s} {found['rate']:10,.0f} msg/s"
                     f"  client {found['client_us']:5.2f} us  broker {found['server_us']:5.2f} us"
                     f"  load {os.getloadavg()[0]:.1f}",
                     flush=True,
