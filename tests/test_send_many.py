@@ -9,31 +9,20 @@ from __future__ import annotations
 import contextlib
 import itertools
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from client_helpers import BrokerProcess, FakeBroker, Peer
+from client_helpers import BrokerProcess, FakeBroker, Peer, send_many_killed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import short_dir, short_home
-from test_client_reconnect import wait_for_progress
 
 import equeue
-from equeue import MessageStore, OutgoingMessage, StoreConfig
+from equeue import MessageStore, OutgoingMessage, StoreConfig, errors
 from equeue.client.many import PARTS
 from equeue.client.sync import Client
-from equeue.errors import (
-    ConnectionLostError,
-    EQueueError,
-    FrameTooLargeError,
-    InvalidMessageError,
-    InvalidTypeError,
-    ProtocolError,
-    QueueNotFoundError,
-)
 from equeue.protocol.frames import STATUS_OK
 from equeue.server import BrokerThread
 
@@ -137,8 +126,8 @@ def check_outcome(client: Client, topic: str, items: list[Any], window: int) -> 
     bad = [i for i, item in enumerate(items) if getattr(item, "bad", False)]
     try:
         results = client.send_many(topic, [item.value for item in items], window=window)
-    except EQueueError as exc:
-        error: EQueueError | None = exc
+    except errors.EQueueError as exc:
+        error: errors.EQueueError | None = exc
         sent, unsent, unanswered = list(exc.sent), list(exc.unsent), list(exc.unanswered)
     else:
         error, sent, unsent, unanswered = None, results, [], []
@@ -157,7 +146,9 @@ def check_outcome(client: Client, topic: str, items: list[Any], window: int) -> 
     if not bad:
         assert error is None
         return
-    assert isinstance(error, InvalidMessageError | QueueNotFoundError | FrameTooLargeError)
+    assert isinstance(
+        error, errors.InvalidMessageError | errors.QueueNotFoundError | errors.FrameTooLargeError
+    )
     assert set(bad) <= set(unsent_at)  # no bad message is stored
     first = bad[0]
     assert set(range(max(0, first - window))) <= set(sent_at)  # before its chunk: sent
@@ -233,9 +224,9 @@ def test_a_wrong_count_of_results_breaks_the_connection_and_is_unanswered() -> N
 
     with FakeBroker(script) as fake, equeue.connect(fake.url) as client:
         bodies = [b"a", b"b", b"c", b"d"]
-        with pytest.raises(ConnectionLostError) as raised:
+        with pytest.raises(errors.ConnectionLostError) as raised:
             client.send_many("w", bodies, window=4 * PARTS)
-        assert isinstance(raised.value.__cause__, ProtocolError)
+        assert isinstance(raised.value.__cause__, errors.ProtocolError)
         assert "3 results to a send_bodies of 4" in str(raised.value)
         assert (raised.value.sent, raised.value.unsent) == ([], [])
         assert raised.value.unanswered == bodies
@@ -244,7 +235,7 @@ def test_a_wrong_count_of_results_breaks_the_connection_and_is_unanswered() -> N
 def test_arguments_refused_before_sending_leave_everything_unsent(roomy: BrokerThread) -> None:
     with equeue.connect(roomy.urls[0]) as client:
         items: list[Any] = [b"a", 5, b"c"]
-        with pytest.raises(InvalidTypeError) as raised:
+        with pytest.raises(errors.InvalidTypeError) as raised:
             client.send_many("a", items)
         assert (raised.value.sent, raised.value.unsent) == ([], items)
         assert "a" not in client.topics()
@@ -258,29 +249,14 @@ def test_after_a_sigkill_sent_is_stored_and_unsent_is_not(home: Path) -> None:
     path = home / "store"
     bodies = [f"k{i}".encode() for i in range(300_000)]
     control = [f"c{i}".encode() for i in range(3000)]
-    outcome: dict[str, Any] = {}
     with BrokerProcess(path, "--flush", "sync") as broker:
         client = equeue.connect(broker.url, connect_timeout=10)
         try:
             client.create_topic("k", QUEUES)
             control_results = client.send_many("c", control, window=100)
-
-            def produce() -> None:
-                try:
-                    outcome["results"] = client.send_many("k", bodies, window=100)
-                except ConnectionLostError as exc:
-                    outcome["error"] = exc
-
-            producer = threading.Thread(target=produce)
-            producer.start()
-            try:
-                wait_for_progress(broker.url, "k", 5000)
-                broker.kill()
-            finally:
-                producer.join(120)
+            error = send_many_killed(broker, client, "k", bodies, 100, 5000)
         finally:
             client.close()
-    error = outcome["error"]  # (300k sends take far longer than the kill)
     sent, unsent, unanswered = error.sent, list(error.unsent), list(error.unanswered)
     assert unanswered, "a chunk was in flight at the kill"
     assert sent and unsent
