@@ -210,6 +210,23 @@ def test_a_chunk_is_never_refused_for_its_size() -> None:
     assert stats["sends"] == 300
 
 
+def test_a_chunk_of_many_properties_stays_within_the_objects_a_request_may_hold() -> None:
+    """max_batch_messages=100 bounds a request body past 64 KiB to 3,200 msgpack objects
+    (equeue/protocol/bounded.py; past it the broker closes the connection): 200
+    messages of 13 properties each (34 objects a message as the broker counts them) go
+    in chunks under it."""
+    with (
+        _served(max_batch_messages=100) as broker,
+        equeue.connect(broker.urls[0]) as client,
+    ):
+        properties = {f"p{n}": "v" for n in range(13)}
+        items = [{"body": b"%04d" % n + b"x" * 1000, "properties": properties} for n in range(200)]
+        results = client.send_many("o", items, window=200)
+        assert [broker.store.get(r.message_id).body for r in results] == [
+            item["body"] for item in items
+        ]
+
+
 def test_a_wrong_count_of_results_breaks_the_connection_and_is_unanswered() -> None:
     """A broker (fake, version 1) answering a chunk of 4 with 3 SendResults: which ones
     were stored cannot be known, so the chunk is unanswered, the connection closed."""

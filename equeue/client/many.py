@@ -271,9 +271,11 @@ def _packed_bound(fields: dict[str, Any]) -> int:
 
 
 def _objects(fields: dict[str, Any]) -> int:
-    """The msgpack objects of a message's wire map, as the broker counts them."""
+    """The msgpack objects of a message's wire map as the broker counts them
+    (bounded.decode_request): the map's keys and values and itself, its properties map's
+    and itself, and its place in the messages' array."""
     properties = fields.get("properties")
-    return 1 + 2 * len(fields) + (2 * len(properties) if properties else 0)
+    return 2 + 2 * len(fields) + (2 * len(properties) + 1 if properties else 0)
 
 
 def _report(
