@@ -227,6 +227,40 @@ def test_a_chunk_of_many_properties_stays_within_the_objects_a_request_may_hold(
         ]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    body=st.binary(max_size=300),
+    tag=st.text(max_size=40),
+    key=st.none() | st.text(max_size=40),
+    properties=st.none() | st.dictionaries(st.text(max_size=20), st.text(max_size=20)),
+    code=st.integers(-(1 << 31), (1 << 31) - 1),
+    queue_id=st.none() | st.integers(0, (1 << 64) - 1),
+)
+def test_a_chunk_cut_counts_at_least_the_bytes_and_exactly_the_objects_of_a_message(
+    body: bytes, tag: str, key: str | None, properties: dict[str, str] | None, code: int,
+    queue_id: int | None,
+) -> None:  # fmt: skip
+    """_cut's estimates against msgpack itself and the broker's object count."""
+    import msgpack
+
+    from equeue.client import args, many
+    from equeue.protocol.bounded import decode_request
+
+    fields = args.message(body, tag, key, properties, code, queue_id, "t")
+    try:
+        packed = msgpack.packb([fields], use_bin_type=True)
+    except UnicodeEncodeError:
+        return  # (a surrogate: the encoder refuses the chunk, as tested above)
+    assert many._packed_bound(fields) >= len(packed) - 1  # (- the array's header)
+    # The message in an array beside a padding (past PLAIN_BELOW, so objects are
+    # counted): the array's own object and the padding's place, 2 more.
+    padded = msgpack.packb([fields, b"x" * 70_000], use_bin_type=True)
+    objects = many._objects(fields) + 2
+    decode_request(padded, "t", 1 << 16, "", objects, "")
+    with pytest.raises(errors.ProtocolError, match="msgpack objects"):
+        decode_request(padded, "t", 1 << 16, "", objects - 1, "")
+
+
 def test_a_wrong_count_of_results_breaks_the_connection_and_is_unanswered() -> None:
     """A broker (fake, version 1) answering a chunk of 4 with 3 SendResults: which ones
     were stored cannot be known, so the chunk is unanswered, the connection closed."""

@@ -275,7 +275,7 @@ def _objects(fields: dict[str, Any]) -> int:
     (bounded.decode_request): the map's keys and values and itself, its properties map's
     and itself, and its place in the messages' array."""
     properties = fields.get("properties")
-    return 2 + 2 * len(fields) + (2 * len(properties) + 1 if properties else 0)
+    return 2 + 2 * len(fields) + (0 if properties is None else 2 * len(properties) + 1)
 
 
 def _report(
