@@ -119,13 +119,20 @@ static PyObject *atomic(int i, PyObject *v) {
 }
 
 /* A result of the given fields (borrowed), each as atomic() takes it (Python's
- * SendResult(...), _make, _replace and unpickling all come here). */
+ * SendResult(...), _make, _replace and unpickling all come here; the client's results,
+ * of exact str, int and float values, take the first loop only). */
 static PyObject *from_items(PyObject *const *items) {
     SendResultObject *r = PyObject_New(SendResultObject, &SendResultType);
     if (r == NULL) return NULL;
-    memset(r->f, 0, sizeof r->f);
     r->id_prefix = NULL;
-    for (int i = 0; i < NFIELDS; i++) {
+    int i = 0;
+    for (; i < NFIELDS; i++) {
+        PyTypeObject *t = Py_TYPE(items[i]);
+        if (t != &PyUnicode_Type && t != &PyLong_Type && t != &PyFloat_Type) break;
+        r->f[i] = Py_NewRef(items[i]);
+    }
+    for (int j = i; j < NFIELDS; j++) r->f[j] = NULL; /* (for the dealloc of a refusal) */
+    for (; i < NFIELDS; i++) {
         if ((r->f[i] = atomic(i, items[i])) == NULL) {
             Py_DECREF(r);
             return NULL;
