@@ -62,6 +62,11 @@ def _damage(path: Path, kind: str) -> None:
         _higher_digit(raw, raw.index(b'"generation": ') + len(b'"generation": '))
     elif kind == "generation key":
         raw[raw.index(b"generation")] ^= 0x01  # "fenaration": no generation at all
+    elif kind == "generation past u64":  # crafted, with a checksum that matches
+        big = 10**20 - 1
+        check = f"{xxhash.xxh32_intdigest(b'generation %d' % big):08x}".encode()
+        start = raw.index(b'"body": ')
+        raw[:start] = b'{"generation": %d, "generation_xxh32": "%s", ' % (big, check)
     elif kind == "checksum":
         at = raw.index(b'"generation_xxh32": "') + len(b'"generation_xxh32": "')
         raw[at] = ord("0") if raw[at] != ord("0") else ord("1")
@@ -81,7 +86,9 @@ def _files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("kind", ["generation raised", "generation key", "checksum"])
+@pytest.mark.parametrize(
+    "kind", ["generation raised", "generation key", "checksum", "generation past u64"]
+)
 def test_a_damaged_generation_is_refused_naming_the_file_and_field(
     tmp_path: Path, kind: str
 ) -> None:

@@ -26,6 +26,8 @@ import xxhash
 from equeue.errors import ChecksumMismatchError, CorruptionError
 from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
 
+# One fold per topic change at most: a writer never gets near.
+MAX_GENERATION: Final = 1 << 63
 # Enough bytes for either head: 20 digits of generation and the checksum field.
 HEAD_BYTES: Final = 96
 _CHECKED: Final = re.compile(
@@ -38,6 +40,19 @@ _REMEDY: Final = (
     "restore topics.json, or move it out of the store: the open then rebuilds the topics "
     f"from the queue directories and replays {TOPICS_JOURNAL_FILE} over them"
 )
+
+
+def _bounded(generation: int, file: str) -> int:
+    """CorruptionError for a generation no writer reaches (one a fold would overflow: the
+    journal's header holds it as a u64)."""
+    if generation >= MAX_GENERATION:
+        raise CorruptionError(
+            f"topics.json's field generation is {generation}, past {MAX_GENERATION}: no "
+            f"fold writes that many; {_REMEDY}",
+            file=file,
+            offset=0,
+        )
+    return generation
 
 
 def _check(generation: int) -> str:
@@ -68,10 +83,10 @@ def read_generation(head: bytes, file: str) -> int:
                 expected=int(checked[2], 16),
                 found=int(_check(generation), 16),
             )
-        return generation
+        return _bounded(generation, file)
     unchecked = _UNCHECKED.match(head)
     if unchecked is not None:
-        return int(unchecked[1])
+        return _bounded(int(unchecked[1]), file)
     if head.startswith(_NONE) or _KEY.match(head) is None:
         return 0
     raise CorruptionError(
