@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -177,7 +181,7 @@ def test_old_markers_go_at_the_next_abort_or_commit(tmp_path: Path) -> None:
         if name.startswith("batch-old.") or name == "notes.txt":
             os.utime(markers / name, (stale, stale))
     writer = _batch_writer(store)
-    writer.commit([])  # a commit (of no rows) prunes
+    writer.commit([])  # a commit (of no rows) tidies
     assert sorted(n.split(".")[0] for n in os.listdir(markers)) == ["batch-young", "notes"]
 
 
@@ -196,3 +200,58 @@ def test_an_abort_marker_is_never_written_through_a_link(tmp_path: Path) -> None
         writer.abort([])
     assert os.listdir(elsewhere) == []
     assert (store / INCOMING_DIR / "batch-bad" / staged.name).is_file()
+
+
+# A task of the writer on stdin: once staging, it waits for a line, then stages one batch and is
+# SIGKILLed before its file is renamed (Spark kills the tasks of a job it cancels).
+KILLED_TASK = """
+import os, pickle, signal, sys
+import pyarrow as pa
+writer = pickle.load(sys.stdin.buffer)
+def rows():
+    print("staging", flush=True)  # past the task's first look for its run's marker
+    sys.stdin.readline()
+    yield pa.RecordBatch.from_pydict({"body": ["x"] * 100})
+    os.kill(os.getpid(), signal.SIGKILL)
+writer.stage(writer.job, rows())
+"""
+
+
+def test_a_task_killed_after_the_abort_is_cleaned_up_by_the_next_commit(tmp_path: Path) -> None:
+    """The task (another process) starts, Spark aborts the run, the task makes the job's
+    directory again, writes its temp file and is SIGKILLed before it could see the
+    marker: the next sink commit to the store (another job) removes the file and the
+    directory (named with the aborted run's token); control: a re-run's file stays."""
+    store = tmp_path / "s"
+    MessageStore.open(store).close()
+    writer = _batch_writer(store)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    task = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TASK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert task.stdin is not None
+        task.stdin.write(pickle.dumps(writer))
+        task.stdin.flush()
+        assert task.stdout is not None and task.stdout.readline() == b"staging\n"
+        writer.abort([])
+        task.stdin.write(b"go\n")
+        task.stdin.close()
+        assert task.wait(60) == -signal.SIGKILL
+    finally:
+        if task.poll() is None:
+            task.kill()
+            task.wait(10)
+        if task.stdout is not None:
+            task.stdout.close()
+    job_dir = store / INCOMING_DIR / "batch-bad"
+    (left,) = os.listdir(job_dir)
+    assert left.endswith(".arrow.tmp") and f"-{writer.run}-" in left
+    rerun = _batch_writer(store)
+    kept = rerun.stage(rerun.job, iter(_batches(0)))  # a re-run of the job, not committed yet
+    other = EqueueWriter({"path": str(store), "topic": "t", "jobId": "other"}, SCHEMA, False)
+    other.commit([other.stage(other.job, iter(_batches(ROWS)))])
+    assert os.listdir(job_dir) == [kept.name]  # the killed task's file went, the re-run's not
+    rerun.commit([kept])
+    assert _bodies(store) == list(range(2 * ROWS))
+    assert _incoming(store) == [aborted.ABORTED_DIR, "ledger.json"]

@@ -1,7 +1,7 @@
 """The sink's files under ``STORE/incoming/``: staged rows, intents and the ledger.
 
 ``incoming/<job>/`` holds one job's (or one streaming epoch's) staged rows, Arrow IPC
-files the tasks wrote (``<partition>-<attempt>-<uuid>.arrow``, first as ``.tmp``), and,
+files the tasks wrote (``<partition>-<attempt>-<run>-<uuid>.arrow``, first as ``.tmp``), and,
 once the driver's commit starts appending, ``intent.json``: the job, its files in the
 order they are appended, and each queue's next offset before the append. ``ledger.json``
 records the jobs appended in full (batch jobs by ``jobId``, the latest ``LEDGER_JOBS``;
@@ -41,7 +41,9 @@ _CREATE_ATTEMPTS: Final = 3
 
 _JOB_ID: Final = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _WRITER: Final = re.compile(r"[0-9a-f]{16}")
-_STAGED: Final = re.compile(r"[0-9]{1,10}-[0-9]{1,20}-[0-9a-f]{32}\.arrow")
+# <partition>-<attempt>-<run>-<uuid>.arrow (the run's token: aborted.py; a name without one
+# is an earlier version's)
+_STAGED: Final = re.compile(r"[0-9]{1,10}-[0-9]{1,20}-([0-9a-f]{32}-)?[0-9a-f]{32}\.arrow")
 _JOB_DIR: Final = re.compile(
     r"(batch-[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|stream-[0-9a-f]{16}-[0-9]{1,19})"
 )
@@ -49,6 +51,10 @@ _JOB_DIR: Final = re.compile(
 
 def valid_job_id(job_id: str) -> bool:
     return _JOB_ID.fullmatch(job_id) is not None
+
+
+def valid_job_dir(name: str) -> bool:
+    return _JOB_DIR.fullmatch(name) is not None
 
 
 def valid_staged_name(name: str) -> bool:
@@ -163,7 +169,7 @@ class Incoming:
             return []
         found = []
         for name in os.listdir(self.root):
-            if _JOB_DIR.fullmatch(name) is None:
+            if not valid_job_dir(name):
                 continue
             path = self.root / name / INTENT_FILE
             if check_dir(self.root / name) and check_file(path):
@@ -213,6 +219,10 @@ class Incoming:
         for path in (directory / name, directory / (name + ".tmp")):
             check_file(path)  # (a link or a directory there: StorePathError, nothing removed)
             path.unlink(missing_ok=True)
+        self.remove_if_empty(directory)
+
+    def remove_if_empty(self, directory: Path) -> None:
+        """Remove a job's ``directory`` unless a file is in it (or it is gone already)."""
         try:
             os.rmdir(directory)
         except OSError as exc:

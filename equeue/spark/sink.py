@@ -50,7 +50,7 @@ from equeue.errors import (
     SparkSchemaError,
 )
 from equeue.safepath import check_file
-from equeue.spark.aborted import aborted, mark_aborted, new_run, prune_markers
+from equeue.spark.aborted import aborted, mark_aborted, new_run, tidy
 from equeue.spark.datasource import store_path
 from equeue.spark.ledger import (
     INTENT_FILE,
@@ -182,7 +182,9 @@ class _Sink:
         attempt = context.taskAttemptId() if context is not None else 0
         kill = _task_kill(context)
         incoming = Incoming(self.store)
-        name = f"{partition}-{attempt}-{uuid.uuid4().hex}{STAGED_SUFFIX}"
+        if aborted(incoming, job, self.run):  # (Spark aborted the run before it started)
+            return StagedFile("", 0, 0)
+        name = f"{partition}-{attempt}-{self.run}-{uuid.uuid4().hex}{STAGED_SUFFIX}"
         rows = 0
         directory: Path | None = None
         out: Any = None
@@ -243,7 +245,7 @@ class _Sink:
         First the run's abort marker, for its tasks still staging (aborted.py)."""
         incoming = Incoming(self.store)
         mark_aborted(incoming, job, self.run)
-        prune_markers(incoming)
+        tidy(incoming)
         directory = incoming.job_dir(job)
         if check_file(directory / INTENT_FILE):
             return
