@@ -3,7 +3,7 @@
 topics.json is a metadata file (equeue/atomicfile.py: ``{"body": ..., "xxh64": ...}``,
 the hash over the body only). A writer's fold puts two fields before ``"body"``::
 
-    {"generation": 7, "generation_xxh32": "1b3f0c2a", "body": {...}, "xxh64": "..."}
+    {"generation": 7, "generation_xxh32": "f6dd0489", "body": {...}, "xxh64": "..."}
 
 ``generation_xxh32`` is the xxh32 (hex, 8 digits) of ``b"generation 7"``. The generation
 decides whether topics.journal is replayed (equeue/store/topicsfile.py: not when its
