@@ -463,9 +463,10 @@ class Client:
         *,
         window: int = DEFAULT_WINDOW,
     ) -> list[SendResult]:
-        """One send request per message, up to ``window`` in flight before their answers
-        are read; the results in the messages' order. See docs/broker.md for what a
-        failure midway reports (``sent``, ``unanswered``, ``unsent``)."""
+        """The messages in chunks of consecutive ones (one send_bodies or send_batch
+        request each, all or nothing each), at most ``window`` messages in flight; the
+        results in the messages' order. What a failure midway reports (``sent``,
+        ``unsent``, ``unanswered``): equeue/client/many.py, docs/client.md."""
         from equeue.client.many import send_many
 
         return send_many(self, topic, messages, window)
