@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -296,3 +297,25 @@ def test_a_killed_members_prefetched_messages_go_to_the_others(home: Path) -> No
             got = [m.body for m in other]
         assert got == bodies  # the handed-out one and the prefetched ones: all again
         assert client.committed_offset("g", "t", 0) == 40
+
+
+def test_a_prefetched_answer_that_skipped_entries_commits_nothing_unhandled(home: Path) -> None:
+    """The prefetch pull of a tag-filtered queue comes back empty (it passed over other
+    tags' entries) while the first batch is still at hand: the commit that follows
+    counts only what was handed out, not past the batch."""
+    with BrokerThread(home / "s") as running, equeue.connect(running.urls[0]) as client:
+        client.create_topic("t", 1)
+        client.send_batch("t", [{"body": b"a%d" % i, "tag": "a"} for i in range(5)])
+        client.send_batch("t", [{"body": b"b%d" % i, "tag": "b"} for i in range(5)])
+        with client.consumer(
+            "g", "t", tags="a", batch_size=5, prefetch=2, auto_commit_interval=0.0
+        ) as consumer:
+            first = consumer.poll(5.0)
+            assert first is not None and first.body == b"a0"
+            for _ in range(500):  # bounded: the prefetch pull's answer, in the buffer's view
+                if consumer._inflight and all(f.done() for f, *_ in consumer._inflight.values()):
+                    break
+                time.sleep(0.01)
+            second = consumer.poll(5.0)  # takes that answer in, then commits (interval 0)
+            assert second is not None and second.body == b"a1"
+            assert client.committed_offset("g", "t", 0) == 1  # a0 processed; a1..a4 not
