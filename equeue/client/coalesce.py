@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
 from equeue.errors import (
-    ConnectionLostError,
     EQueueError,
     InvalidMessageError,
     InvalidTypeError,
@@ -49,14 +48,19 @@ REFUSED_WHOLE: Final = (
 )  # fmt: skip
 BODY_OVERHEAD: Final = 5  # a bin's header at most
 
-# (the body, its caller's future, the send as given: calls.send's tuple)
-Sub = tuple[bytes, "asyncio.Future[SendResult]", tuple[Any, ...]]
+# (the body, its caller's future, the send as given: calls.send's tuple, or None for a
+# plain send of the body alone)
+Sub = tuple[bytes, "asyncio.Future[SendResult]", tuple[Any, ...] | None]
 
 
 class Coalescer:
-    """The sends of the current loop turn, by topic; ``emit`` turns them into requests."""
+    """The sends of the current loop turn, by topic; ``emit`` turns them into requests.
 
-    __slots__ = ("_bytes", "_groups", "_protocol", "_sealed", "budget")
+    A send made while nothing is in flight or begun goes alone, as a ``send`` (the
+    first of a burst is not held back for the others; one send at a time stays one
+    request each)."""
+
+    __slots__ = ("_bytes", "_groups", "_new_future", "_protocol", "_sealed", "budget")
 
     def __init__(self, protocol: _Protocol, max_frame_bytes: int) -> None:
         self._protocol = protocol
@@ -64,28 +68,43 @@ class Coalescer:
         self._bytes: dict[str, int] = {}
         self._sealed: list[tuple[str, list[Sub]]] = []
         self.budget = max_frame_bytes // 2
+        self._new_future = protocol.loop.create_future
 
-    def add(self, topic: str, body: bytes, given: tuple[Any, ...]) -> asyncio.Future[SendResult]:
+    @property
+    def begun(self) -> bool:
+        """Whether sends wait for this loop turn's end to be written."""
+        return bool(self._groups or self._sealed)
+
+    def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult]:
+        """A plain send of ``body`` (its place already taken): its caller's future."""
         protocol = self._protocol
-        future: asyncio.Future[SendResult] = protocol.loop.create_future()
-        group = self._groups.get(topic)
+        future: asyncio.Future[SendResult] = self._new_future()
+        groups = self._groups
+        group = groups.get(topic)
         size = len(body) + BODY_OVERHEAD
-        if group is not None and (
-            self._bytes[topic] + size > self.budget or len(group) >= protocol.max_in_flight
-        ):
-            self._sealed.append((topic, group))
-            group = None
         if group is None:
-            group = self._groups[topic] = []
-            self._bytes[topic] = 0
-        group.append((body, future, given))
-        self._bytes[topic] += size
-        protocol.schedule()
+            if not protocol.pending and not groups and not self._sealed:  # alone
+                self._sealed.append((topic, [(body, future, None)]))
+                if not protocol.flushing:
+                    protocol.schedule()
+                return future
+            group = groups[topic] = []
+            self._bytes[topic] = size
+        else:
+            total = self._bytes[topic] + size
+            if total > self.budget or len(group) >= protocol.max_in_flight:
+                self._sealed.append((topic, group))
+                group = groups[topic] = []
+                total = size
+            self._bytes[topic] = total
+        group.append((body, future, None))
+        if not protocol.flushing:
+            protocol.schedule()
         return future
 
     def emit(self) -> None:
         """Every group as a request frame, in the order the groups were begun."""
-        if not self._groups:
+        if not self._groups and not self._sealed:
             return
         groups = self._sealed + list(self._groups.items())
         self._sealed = []
@@ -106,20 +125,18 @@ class Coalescer:
         encoder = protocol.encoder
         assert encoder is not None
         request_id = protocol.next_id()
-        op = "send" if len(group) == 1 else "send_bodies"
+        single = len(group) == 1
         try:
-            if op == "send":
-                frame = encoder.frame(request_id, op, {"topic": topic, "body": group[0][0]})
+            if single:
+                frame = encoder.frame(request_id, "send", {"topic": topic, "body": group[0][0]})
             else:
                 bodies = [sub[0] for sub in group]
-                frame = encoder.frame(request_id, op, {"topic": topic, "bodies": bodies})
+                frame = encoder.frame(request_id, "send_bodies", {"topic": topic, "bodies": bodies})
         except EQueueError as exc:  # (a body past max_frame_bytes: a group of one)
             protocol.give_back(len(group))
             _fail(group, exc)
             return
-        answered: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
-        answered.add_done_callback(_Answer(self, topic, group, op))
-        protocol.put(request_id, frame, answered)
+        protocol.put(request_id, frame, Answer(self, topic, group, single))
 
     async def resend(self, topic: str, group: list[Sub]) -> None:
         """Each send of a group refused whole, alone (each holds a place again)."""
@@ -138,31 +155,29 @@ class Coalescer:
             protocol.schedule()
 
 
-class _Answer:
-    """The group's answer, to each caller (a done callback of the request's future)."""
+def _outgoing(sub: Sub) -> OutgoingMessage:
+    return OutgoingMessage(sub[0]) if sub[2] is None else OutgoingMessage._make(sub[2])
 
-    __slots__ = ("coalescer", "group", "op", "topic")
 
-    def __init__(self, coalescer: Coalescer, topic: str, group: list[Sub], op: str) -> None:
-        self.coalescer, self.topic, self.group, self.op = coalescer, topic, group, op
+class Answer:
+    """A group's request in flight: its answer, or its connection's end, to each caller
+    (called by the protocol as it reads the answer: no future of its own)."""
 
-    def __call__(self, answered: asyncio.Future[tuple[int, Any]]) -> None:
+    __slots__ = ("coalescer", "group", "single", "topic")
+
+    def __init__(self, coalescer: Coalescer, topic: str, group: list[Sub], single: bool) -> None:
+        self.coalescer, self.topic, self.group, self.single = coalescer, topic, group, single
+
+    def lost(self, reason: str, cause: BaseException | None) -> None:
+        for sub in self.group:
+            if not sub[1].done():
+                sub[1].set_exception(lost(reason, [_outgoing(sub)], cause))
+
+    def answered(self, status: int, payload: Any) -> None:
         group = self.group
         protocol = self.coalescer._protocol
-        protocol.give_back(len(group) - 1)  # (the request's own place: data_received)
-        if answered.cancelled():
-            return
-        exc = answered.exception()
-        if isinstance(exc, ConnectionLostError):
-            for _, future, given in group:
-                if not future.done():
-                    error = lost(str(exc), [OutgoingMessage._make(given)], exc.__cause__)
-                    future.set_exception(error)
-            return
-        if exc is not None:
-            _fail(group, exc)
-            return
-        status, payload = answered.result()
+        if len(group) > 1:
+            protocol.give_back(len(group) - 1)  # (the request's own place: answers())
         if status != STATUS_OK:
             error = answer_error(payload, protocol.where)
             if len(group) > 1 and isinstance(error, REFUSED_WHOLE):
@@ -172,17 +187,21 @@ class _Answer:
             _fail(group, error)
             return
         try:
-            found = DECODERS[self.op](payload, protocol.where)
-            results: list[SendResult] = [found] if self.op == "send" else found
-            if len(results) != len(group):
-                raise ProtocolError(
-                    f"{protocol.where}: {len(results)} results for a send_bodies of {len(group)}"
-                )
+            if self.single:
+                results: list[SendResult] = [DECODERS["send"](payload, protocol.where)]
+            else:
+                results = DECODERS["send_bodies"](payload, protocol.where)
+                if len(results) != len(group):
+                    raise ProtocolError(
+                        f"{protocol.where}: {len(results)} results for a send_bodies of "
+                        f"{len(group)}"
+                    )
         except ProtocolError as error:
             _fail(group, error)
             protocol.fail(f"the broker at {protocol.where} broke the protocol: {error}", error)
             return
-        for (_, future, _), result in zip(group, results, strict=True):
+        for sub, result in zip(group, results, strict=True):
+            future = sub[1]
             if not future.done():
                 future.set_result(result)
 
