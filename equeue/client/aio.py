@@ -67,11 +67,6 @@ _STATUSES: Final = (STATUS_OK, STATUS_ERROR)
 # request id -> (its future, or a coalesced group's Answer; its messages as given for a
 # send; its deadline)
 _Entry = tuple["asyncio.Future[tuple[int, Any]] | Answer", Given, float]
-# A send with these (tag, key, properties, code, queue_id) is plain: it may be coalesced.
-_PLAIN: Final = ("", None, None, 0, None)
-# A connection silent for longer is asked whether its end waits unread before an idle
-# send (input_waiting); heard from more recently, it was alive as good as now.
-HEARD_RECENTLY: Final = 0.002
 
 
 class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes per read
@@ -437,20 +432,16 @@ class AsyncClient:
     ) -> SendResult:
         protocol = self._protocol
         if (
-            protocol is not None and type(body) is bytes and type(topic) is str
-            and type(code) is int and (tag, key, properties, code, queue_id) == _PLAIN
-            and protocol.coalescer is not None and not protocol.closed
+            protocol is not None and key is None and properties is None and queue_id is None
+            and tag == "" and code == 0 and type(code) is int and type(body) is bytes
+            and type(topic) is str and protocol.coalescer is not None and not protocol.closed
         ):  # fmt: skip  # a plain send on a live connection: the loop turn's group
-            coalescer = protocol.coalescer
-            busy = bool(protocol.pending or coalescer.begun)
-            # Idle, it goes alone (the idle check below, as any request); the broker
-            # heard from just now needs no asking whether its end waits unread.
-            if busy or time.monotonic() - protocol.heard < HEARD_RECENTLY:
-                if protocol.free <= 0:
-                    await protocol.place()
-                if not protocol.closed:
-                    protocol.free -= 1
-                    return await coalescer.add(topic, body)
+            if protocol.free <= 0:
+                await protocol.place()
+            if not protocol.closed:
+                future = protocol.coalescer.add(topic, body)
+                if future is not None:
+                    return await future
         call = calls.send(topic, body, tag, key, properties, code, queue_id)
         result: SendResult = await self._call(call)
         return result

@@ -23,6 +23,8 @@ the client never has more requests in flight than the broker allows.
 from __future__ import annotations
 
 import asyncio
+import time
+from asyncio import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
@@ -47,10 +49,27 @@ REFUSED_WHOLE: Final = (
     LimitExceededError,
 )  # fmt: skip
 BODY_OVERHEAD: Final = 5  # a bin's header at most
+# An idle connection silent for longer is asked whether its end waits unread before a
+# send (AsyncClient._call: input_waiting); heard from more recently, it was alive as good
+# as now (the broker may go away just after either).
+HEARD_RECENTLY: Final = 0.002
+_decode_send = DECODERS["send"]
+_decode_bodies = DECODERS["send_bodies"]
 
 # (the body, its caller's future, the send as given: calls.send's tuple, or None for a
 # plain send of the body alone)
 Sub = tuple[bytes, "asyncio.Future[SendResult]", tuple[Any, ...] | None]
+
+
+class _Group:
+    """One topic's sends of this loop turn: their bodies and callers, in order."""
+
+    __slots__ = ("bodies", "futures", "size")
+
+    def __init__(self, body: bytes, future: asyncio.Future[SendResult]) -> None:
+        self.bodies = [body]
+        self.futures = [future]
+        self.size = len(body) + BODY_OVERHEAD
 
 
 class Coalescer:
@@ -60,83 +79,89 @@ class Coalescer:
     first of a burst is not held back for the others; one send at a time stays one
     request each)."""
 
-    __slots__ = ("_bytes", "_groups", "_new_future", "_protocol", "_sealed", "budget")
+    __slots__ = ("_loop", "_protocol", "budget", "groups", "sealed")
 
     def __init__(self, protocol: _Protocol, max_frame_bytes: int) -> None:
         self._protocol = protocol
-        self._groups: dict[str, list[Sub]] = {}
-        self._bytes: dict[str, int] = {}
-        self._sealed: list[tuple[str, list[Sub]]] = []
+        self._loop = protocol.loop
+        self.groups: dict[str, _Group] = {}  # the open group of each topic
+        self.sealed: list[tuple[str, _Group]] = []  # full ones, and sends alone
         self.budget = max_frame_bytes // 2
-        self._new_future = protocol.loop.create_future
 
-    @property
-    def begun(self) -> bool:
-        """Whether sends wait for this loop turn's end to be written."""
-        return bool(self._groups or self._sealed)
-
-    def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult]:
-        """A plain send of ``body`` (its place already taken): its caller's future."""
+    def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult] | None:
+        """A plain send of ``body`` on a place its caller took: its caller's future;
+        None (the place given back) for an idle connection not heard from recently,
+        whose send goes as any request (after its check for an end waiting unread)."""
         protocol = self._protocol
-        future: asyncio.Future[SendResult] = self._new_future()
-        groups = self._groups
+        groups = self.groups
         group = groups.get(topic)
-        size = len(body) + BODY_OVERHEAD
-        if group is None:
-            if not protocol.pending and not groups and not self._sealed:  # alone
-                self._sealed.append((topic, [(body, future, None)]))
-                if not protocol.flushing:
-                    protocol.schedule()
+        if group is not None:
+            size = group.size + len(body) + BODY_OVERHEAD
+            if size <= self.budget and len(group.futures) < protocol.max_in_flight:
+                future: asyncio.Future[SendResult] = Future(loop=self._loop)
+                group.bodies.append(body)
+                group.futures.append(future)
+                group.size = size
                 return future
-            group = groups[topic] = []
-            self._bytes[topic] = size
-        else:
-            total = self._bytes[topic] + size
-            if total > self.budget or len(group) >= protocol.max_in_flight:
-                self._sealed.append((topic, group))
-                group = groups[topic] = []
-                total = size
-            self._bytes[topic] = total
-        group.append((body, future, None))
+            self.sealed.append((topic, group))
+        elif not groups and not self.sealed and not protocol.pending:  # alone
+            if protocol.heard < time.monotonic() - HEARD_RECENTLY:
+                return None
+            future = Future(loop=self._loop)
+            self.sealed.append((topic, _Group(body, future)))
+            protocol.free -= 1
+            protocol.schedule()
+            return future
+        future = Future(loop=self._loop)
+        groups[topic] = _Group(body, future)
+        protocol.free -= 1
         if not protocol.flushing:
             protocol.schedule()
         return future
 
     def emit(self) -> None:
         """Every group as a request frame, in the order the groups were begun."""
-        if not self._groups and not self._sealed:
+        if not self.groups and not self.sealed:
             return
-        groups = self._sealed + list(self._groups.items())
-        self._sealed = []
-        self._groups = {}
-        self._bytes = {}
+        groups = self.sealed + list(self.groups.items())
+        self.sealed = []
+        self.groups = {}
         for topic, group in groups:
-            self.request(topic, group)
+            self._request(topic, group.bodies, group.futures, None)
 
     def drop(self, reason: str) -> None:
         """The connection broke before the turn's groups were written: none was sent."""
-        groups = self._sealed + list(self._groups.items())
-        self._sealed, self._groups, self._bytes = [], {}, {}
+        groups = self.sealed + list(self.groups.items())
+        self.sealed, self.groups = [], {}
         for _, group in groups:
-            _fail(group, lost(f"{reason}; the send was not written", [], None))
+            _fail(group.futures, lost(f"{reason}; the send was not written", [], None))
 
     def request(self, topic: str, group: list[Sub]) -> None:
+        bodies = [sub[0] for sub in group]
+        self._request(topic, bodies, [sub[1] for sub in group], [sub[2] for sub in group])
+
+    def _request(
+        self,
+        topic: str,
+        bodies: list[bytes],
+        futures: list[asyncio.Future[SendResult]],
+        givens: list[tuple[Any, ...] | None] | None,
+    ) -> None:
         protocol = self._protocol
         encoder = protocol.encoder
         assert encoder is not None
         request_id = protocol.next_id()
-        single = len(group) == 1
+        single = len(bodies) == 1
         try:
             if single:
-                frame = encoder.frame(request_id, "send", {"topic": topic, "body": group[0][0]})
+                frame = encoder.frame(request_id, "send", {"topic": topic, "body": bodies[0]})
             else:
-                bodies = [sub[0] for sub in group]
                 frame = encoder.frame(request_id, "send_bodies", {"topic": topic, "bodies": bodies})
         except EQueueError as exc:  # (a body past max_frame_bytes: a group of one)
-            protocol.give_back(len(group))
-            _fail(group, exc)
+            protocol.give_back(len(bodies))
+            _fail(futures, exc)
             return
-        protocol.put(request_id, frame, Answer(self, topic, group, single))
+        protocol.put(request_id, frame, Answer(self, topic, bodies, futures, givens))
 
     async def resend(self, topic: str, group: list[Sub]) -> None:
         """Each send of a group refused whole, alone (each holds a place again)."""
@@ -155,60 +180,70 @@ class Coalescer:
             protocol.schedule()
 
 
-def _outgoing(sub: Sub) -> OutgoingMessage:
-    return OutgoingMessage(sub[0]) if sub[2] is None else OutgoingMessage._make(sub[2])
-
-
 class Answer:
     """A group's request in flight: its answer, or its connection's end, to each caller
     (called by the protocol as it reads the answer: no future of its own)."""
 
-    __slots__ = ("coalescer", "group", "single", "topic")
+    __slots__ = ("bodies", "coalescer", "futures", "givens", "topic")
 
-    def __init__(self, coalescer: Coalescer, topic: str, group: list[Sub], single: bool) -> None:
-        self.coalescer, self.topic, self.group, self.single = coalescer, topic, group, single
+    def __init__(
+        self,
+        coalescer: Coalescer,
+        topic: str,
+        bodies: list[bytes],
+        futures: list[asyncio.Future[SendResult]],
+        givens: list[tuple[Any, ...] | None] | None,
+    ) -> None:
+        self.coalescer, self.topic, self.bodies, self.futures = coalescer, topic, bodies, futures
+        self.givens = givens  # None: every send of the body alone
+
+    def subs(self) -> list[Sub]:
+        givens = self.givens or [None] * len(self.bodies)
+        return list(zip(self.bodies, self.futures, givens, strict=True))
 
     def lost(self, reason: str, cause: BaseException | None) -> None:
-        for sub in self.group:
-            if not sub[1].done():
-                sub[1].set_exception(lost(reason, [_outgoing(sub)], cause))
+        for body, future, given in self.subs():
+            if not future.done():
+                sent = OutgoingMessage(body) if given is None else OutgoingMessage._make(given)
+                future.set_exception(lost(reason, [sent], cause))
 
     def answered(self, status: int, payload: Any) -> None:
-        group = self.group
+        futures = self.futures
+        count = len(futures)
         protocol = self.coalescer._protocol
-        if len(group) > 1:
-            protocol.give_back(len(group) - 1)  # (the request's own place: answers())
+        if count > 1:
+            protocol.give_back(count - 1)  # (the request's own place: answers())
         if status != STATUS_OK:
             error = answer_error(payload, protocol.where)
-            if len(group) > 1 and isinstance(error, REFUSED_WHOLE):
-                pending = [sub for sub in group if not sub[1].done()]
+            if count > 1 and isinstance(error, REFUSED_WHOLE):
+                pending = [sub for sub in self.subs() if not sub[1].done()]
                 protocol.loop.create_task(self.coalescer.resend(self.topic, pending))
                 return
-            _fail(group, error)
+            _fail(futures, error)
             return
         try:
-            if self.single:
-                results: list[SendResult] = [DECODERS["send"](payload, protocol.where)]
+            if count == 1:
+                results: list[SendResult] = [_decode_send(payload, protocol.where)]
             else:
-                results = DECODERS["send_bodies"](payload, protocol.where)
-                if len(results) != len(group):
+                results = _decode_bodies(payload, protocol.where)
+                if len(results) != count:
                     raise ProtocolError(
-                        f"{protocol.where}: {len(results)} results for a send_bodies of "
-                        f"{len(group)}"
+                        f"{protocol.where}: {len(results)} results for a send_bodies of {count}"
                     )
         except ProtocolError as error:
-            _fail(group, error)
+            _fail(futures, error)
             protocol.fail(f"the broker at {protocol.where} broke the protocol: {error}", error)
             return
-        for sub, result in zip(group, results, strict=True):
-            future = sub[1]
-            if not future.done():
+        for future, result in zip(futures, results, strict=True):
+            try:  # noqa: SIM105  (suppress() would be a context manager per send)
                 future.set_result(result)
+            except InvalidStateError:  # its caller was cancelled
+                pass
 
 
-def _fail(group: list[Sub], error: BaseException) -> None:
+def _fail(futures: list[asyncio.Future[SendResult]], error: BaseException) -> None:
     first = True
-    for _, future, _ in group:
+    for future in futures:
         if not future.done():
             future.set_exception(error if first else _twin(error))
             first = False
