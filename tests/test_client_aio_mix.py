@@ -1,0 +1,165 @@
+"""The asyncio client's fast path for plain sends (the loop turn's group, answered from
+the read): a random mix of sends, send_batches, refused calls and cancellations, all
+started in one loop turn on one client of a real broker, each caller getting its own
+outcome, the one MessageStore gives for that call; and the client on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import equeue.aio
+from equeue import MessageStore, SendResult, StoreConfig
+from equeue.errors import EQueueError
+from equeue.server import BrokerThread
+
+_EXAMPLES = itertools.count()
+TOPICS = ("a", "b")  # created by the fixture, 2 and 1 queues
+# (kind, topic, options, cancel after this many loop turns or None); the body is made
+# unique per call by the test
+CALL = st.tuples(
+    st.sampled_from(["send", "send", "send", "batch"]),
+    st.sampled_from(["a", "a", "b", "bad topic"]),
+    st.sampled_from([{}, {}, {}, {"tag": "x"}, {"key": "k"}, {"queue_id": 0}, {"queue_id": 7},
+                     {"body": "not bytes"}, {"batch_bad": True}]),
+    st.sampled_from([None, None, None, 0, 1, 2]),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[BrokerThread, MessageStore]]:
+    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
+    model = MessageStore.open(base / "model", StoreConfig(flush="async"))
+    try:
+        with BrokerThread(base / "store") as broker:
+            for store in (broker.store, model):
+                store.create_topic("a", 2)
+                store.create_topic("b", 1)
+            yield broker, model
+    finally:
+        model.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _invoke(target: Any, kind: str, topic: str, options: dict[str, Any], body: bytes) -> Any:
+    """The call on a client (a coroutine) or on MessageStore (its result)."""
+    options = dict(options)
+    if kind == "batch":
+        bad = options.pop("batch_bad", False)
+        items: list[Any] = [body + b".0", body + b".1"] + (["not bytes"] if bad else [])
+        return target.send_batch(topic, items)
+    options.pop("batch_bad", None)
+    return target.send(topic, options.pop("body", body), **options)
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        result = call()
+    except EQueueError as exc:
+        return type(exc).__name__
+    return "ok" if isinstance(result, (SendResult, list)) else result
+
+
+async def _run_all(url: str, calls: list[tuple[Any, ...]], tag: int) -> list[Any]:
+    """Every call started in one loop turn on one client; each caller's outcome."""
+    async with await equeue.aio.connect(url, timeout=30) as client:
+        await client.ping()  # (the fast path needs a welcomed connection)
+
+        async def one(index: int, kind: str, topic: str, options: dict[str, Any]) -> Any:
+            return await _invoke(client, kind, topic, options, f"{tag}:{index}".encode())
+
+        tasks = [
+            asyncio.ensure_future(one(i, kind, topic, options))
+            for i, (kind, topic, options, _) in enumerate(calls)
+        ]
+        for turn in range(3):  # cancel each after its number of loop turns
+            for task, (_, _, _, cancel) in zip(tasks, calls, strict=True):
+                if cancel == turn:
+                    task.cancel()
+            await asyncio.sleep(0)
+        async with asyncio.timeout(30):  # (a caller never answered fails the test)
+            return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(calls=st.lists(CALL, min_size=1, max_size=30))
+def test_a_random_mix_through_one_client_gets_every_caller_its_own_outcome(
+    pair: tuple[BrokerThread, MessageStore], calls: list[tuple[Any, ...]]
+) -> None:
+    broker, model = pair
+    tag = next(_EXAMPLES)  # (bodies unique across examples)
+    outcomes = asyncio.run(_run_all(broker.urls[0], calls, tag))
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len({id(e) for e in errors}) == len(errors)  # each caller its own instance
+    for index, ((kind, topic, options, cancel), got) in enumerate(
+        zip(calls, outcomes, strict=True)
+    ):
+        body = f"{tag}:{index}".encode()
+        if isinstance(got, asyncio.CancelledError):
+            assert cancel is not None
+            continue
+        expected = _outcome(lambda: _invoke(model, kind, topic, options, body))  # noqa: B023
+        if expected != "ok":
+            assert type(got).__name__ == expected, (kind, topic, options, got)
+            continue
+        results = got if kind == "batch" else [got]
+        assert isinstance(got, (SendResult, list)), (kind, topic, options, got)
+        bodies = [body + b".0", body + b".1"] if kind == "batch" else [body]
+        for result, sent in zip(results, bodies, strict=True):
+            stored = broker.store.get(result.message_id)  # the caller's own message
+            assert (stored.body, stored.topic) == (sent, topic)
+            assert (stored.queue_id, stored.queue_offset) == (
+                result.queue_id,
+                result.queue_offset,
+            )
+            if kind == "batch":  # (its options are not used)
+                continue
+            assert stored.tag == options.get("tag", "") and stored.key == options.get("key")
+            if "queue_id" in options:
+                assert result.queue_id == options["queue_id"]
+    # Stored once each: no send went twice (a cancelled one may have gone once).
+    held: list[bytes] = []
+    for topic in TOPICS:
+        for queue_id in broker.store.queue_ids(topic):
+            offset = 0
+            while batch := broker.store.pull(topic, queue_id, offset, max_count=1000):
+                held += [m.body for m in batch if m.body.startswith(f"{tag}:".encode())]
+                offset = batch.next_offset
+    assert len(held) == len(set(held))
+
+
+def test_the_asyncio_client_runs_on_uvloop(tmp_path: Path) -> None:
+    # uvloop's transports are not asyncio.Transport subclasses: an isinstance check in
+    # connection_made refused every connection (a connect_timeout after 5 s).
+    uvloop = pytest.importorskip("uvloop")
+    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+
+    async def produce(url: str) -> list[Any]:
+        async with await equeue.aio.connect(url, timeout=20, connect_timeout=5) as client:
+            first = await client.send("u", b"alone")
+            rest = await asyncio.gather(*(client.send("u", b"%d" % i) for i in range(50)))
+            return [first, *rest, (await client.pull("u", first.queue_id, 0)).messages[0].body]
+
+    try:
+        with BrokerThread(base / "store") as broker:
+            loop = uvloop.new_event_loop()
+            try:
+                found = loop.run_until_complete(produce(broker.urls[0]))
+            finally:
+                loop.close()
+            assert all(type(r) is SendResult for r in found[:-1])
+            assert found[-1] == b"alone"
+            assert broker.store.get(found[1].message_id).body == b"0"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
