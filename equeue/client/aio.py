@@ -259,8 +259,18 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         if self.coalescer is not None:
             self.coalescer.emit()
         out = self.out
-        self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-        out.clear()
+        if out:  # (none: the turn's only group could not be encoded, its callers told)
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
+    def write_now(self) -> None:
+        """The one frame of an idle connection, written at once (one write either way:
+        a later send of this turn finds it in flight and goes in the turn's group)."""
+        if self.flushing or self.transport is None:
+            self.schedule()
+        elif self.out:
+            self.transport.write(self.out[0] if len(self.out) == 1 else b"".join(self.out))
+            self.out.clear()
 
     def _watch(self) -> None:
         now = time.monotonic()

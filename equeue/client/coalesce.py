@@ -75,9 +75,9 @@ class _Group:
 class Coalescer:
     """The sends of the current loop turn, by topic; ``emit`` turns them into requests.
 
-    A send made while nothing is in flight or begun goes alone, as a ``send`` (the
-    first of a burst is not held back for the others; one send at a time stays one
-    request each)."""
+    A send made while nothing is in flight or begun goes alone, as a ``send`` written
+    at once (the first of a burst is not held back for the others; one send at a time
+    stays one request and one write each, with no callback of the loop between)."""
 
     __slots__ = ("_loop", "_protocol", "budget", "groups", "sealed")
 
@@ -85,7 +85,7 @@ class Coalescer:
         self._protocol = protocol
         self._loop = protocol.loop
         self.groups: dict[str, _Group] = {}  # the open group of each topic
-        self.sealed: list[tuple[str, _Group]] = []  # full ones, and sends alone
+        self.sealed: list[tuple[str, _Group]] = []  # full ones, still to be written
         self.budget = max_frame_bytes // 2
 
     def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult] | None:
@@ -108,9 +108,9 @@ class Coalescer:
             if protocol.heard < time.monotonic() - HEARD_RECENTLY:
                 return None
             future = Future(loop=self._loop)
-            self.sealed.append((topic, _Group(body, future)))
             protocol.free -= 1
-            protocol.schedule()
+            self._request(topic, [body], [future], None)
+            protocol.write_now()
             return future
         future = Future(loop=self._loop)
         groups[topic] = _Group(body, future)
