@@ -52,7 +52,7 @@ BODY_OVERHEAD: Final = 5  # a bin's header at most
 # An idle connection silent for longer is asked whether its end waits unread before a
 # send (AsyncClient._call: input_waiting); heard from more recently, it was alive as good
 # as now (the broker may go away just after either).
-HEARD_RECENTLY: Final = 0.002
+HEARD_RECENTLY: Final = 0.02
 _decode_send = DECODERS["send"]
 _decode_bodies = DECODERS["send_bodies"]
 
