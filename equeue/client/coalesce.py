@@ -79,11 +79,10 @@ class Coalescer:
     at once (the first of a burst is not held back for the others; one send at a time
     stays one request and one write each, with no callback of the loop between)."""
 
-    __slots__ = ("_loop", "_protocol", "budget", "groups", "sealed")
+    __slots__ = ("_protocol", "budget", "groups", "sealed")
 
     def __init__(self, protocol: _Protocol, max_frame_bytes: int) -> None:
         self._protocol = protocol
-        self._loop = protocol.loop
         self.groups: dict[str, _Group] = {}  # the open group of each topic
         self.sealed: list[tuple[str, _Group]] = []  # full ones, still to be written
         self.budget = max_frame_bytes // 2
@@ -98,7 +97,9 @@ class Coalescer:
         if group is not None:
             size = group.size + len(body) + BODY_OVERHEAD
             if size <= self.budget and len(group.futures) < protocol.max_in_flight:
-                future: asyncio.Future[SendResult] = Future(loop=self._loop)
+                # Future(): the running loop (the caller's, the connection's), found in
+                # C; Future(loop=...) would build a keyword dict per send.
+                future: asyncio.Future[SendResult] = Future()
                 group.bodies.append(body)
                 group.futures.append(future)
                 group.size = size
@@ -107,12 +108,12 @@ class Coalescer:
         elif not groups and not self.sealed and not protocol.pending:  # alone
             if protocol.heard < time.monotonic() - HEARD_RECENTLY:
                 return None
-            future = Future(loop=self._loop)
+            future = Future()
             protocol.free -= 1
             self._request(topic, [body], [future], None)
             protocol.write_now()
             return future
-        future = Future(loop=self._loop)
+        future = Future()
         groups[topic] = _Group(body, future)
         protocol.free -= 1
         if not protocol.flushing:
