@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -14,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from client_helpers import WELCOME, FakeBroker, Peer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import equeue.aio
 from equeue import MessageStore, SendResult, StoreConfig
-from equeue.errors import EQueueError
+from equeue.errors import EQueueError, FrameTooLargeError, ProtocolError
+from equeue.protocol.frames import BODIES_VERSION, STATUS_OK
 from equeue.server import BrokerThread
 
 _EXAMPLES = itertools.count()
@@ -163,3 +166,76 @@ def test_the_asyncio_client_runs_on_uvloop(tmp_path: Path) -> None:
             assert broker.store.get(found[1].message_id).body == b"0"
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _script_welcome(peer: Peer, max_frame_bytes: int = 1 << 20) -> None:
+    peer.recv()
+    limits = {**WELCOME["limits"], "max_frame_bytes": max_frame_bytes}
+    peer.send({**WELCOME, "version": BODIES_VERSION, "limits": limits})
+
+
+def test_a_groups_answer_of_the_wrong_length_fails_each_caller_and_the_connection() -> None:
+    # A broker answering a send_bodies of 3 with 2 results: each of the 3 callers gets
+    # its own ProtocolError (none left waiting, none given another's result), and the
+    # connection is closed; the next call connects again.
+    def script(peer: Peer) -> None:
+        _script_welcome(peer)
+        first, group = peer.recv(), peer.recv()
+        assert group[1:] == ["send_bodies", {"topic": "t", "bodies": [b"b", b"c", b"d"]}]
+        peer.send([first[0], STATUS_OK, ["t", "id", 0, 0, 0, 1.0]])
+        peer.send([group[0], STATUS_OK, ["t", ["i1", "i2"], [0, 0], [1, 2], [1, 2], [1.0, 1.0]]])
+        peer.recv()  # until the client closes
+
+    async def run(url: str) -> tuple[list[Any], list[Any]]:
+        client = await equeue.aio.connect(url, timeout=5, connect_timeout=5)
+        try:
+            async with asyncio.timeout(10):
+                outcomes = await asyncio.gather(
+                    *(client.send("t", body) for body in (b"a", b"b", b"c", b"d")),
+                    return_exceptions=True,
+                )
+                protocol = client._protocol
+                assert protocol is not None
+                return list(outcomes), [protocol.closed, protocol.pending]
+        finally:
+            await client.close()
+
+    with FakeBroker(script) as fake:
+        outcomes, (closed, pending) = asyncio.run(run(fake.url))
+    assert type(outcomes[0]) is SendResult
+    errors = outcomes[1:]
+    assert all(type(e) is ProtocolError for e in errors), errors
+    assert "2 results for a send_bodies of 3" in str(errors[0])
+    assert len({id(e) for e in errors}) == 3
+    assert closed and not pending
+
+
+def test_a_lone_send_past_max_frame_bytes_fails_alone_and_the_turn_writes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The turn's only request could not be encoded: its caller gets FrameTooLargeError
+    # and the loop's write of the turn finds nothing to write (it raised IndexError in a
+    # loop callback before); the connection stays and the next send goes.
+    def script(peer: Peer) -> None:
+        _script_welcome(peer, max_frame_bytes=1024)
+        ping = peer.recv()
+        peer.send([ping[0], STATUS_OK, None])
+        for _ in range(2):  # the send in flight, then the big one's turn: only the next
+            request = peer.recv()
+            assert request[1:] == ["send", {"topic": "t", "body": b"small"}], request
+            peer.send([request[0], STATUS_OK, ["t", "id", 0, 0, 0, 1.0]])
+        peer.recv()  # until the client closes
+
+    async def run(url: str) -> list[Any]:
+        async with await equeue.aio.connect(url, timeout=5, connect_timeout=5) as client:
+            await client.ping()
+            async with asyncio.timeout(10):
+                in_flight = asyncio.ensure_future(client.send("t", b"small"))
+                await asyncio.sleep(0)  # written: in flight
+                big = await asyncio.gather(client.send("t", b"x" * 2000), return_exceptions=True)
+                return [await in_flight, *big, await client.send("t", b"small")]
+
+    with caplog.at_level(logging.ERROR), FakeBroker(script) as fake:
+        outcomes = asyncio.run(run(fake.url))
+    assert [type(o) for o in outcomes] == [SendResult, FrameTooLargeError, SendResult]
+    assert not [r for r in caplog.records if "Exception in callback" in r.getMessage()]
