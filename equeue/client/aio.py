@@ -259,7 +259,7 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         if self.coalescer is not None:
             self.coalescer.emit()
         out = self.out
-        if out:  # (none: the turn's only group could not be encoded, its callers told)
+        if out:  # (none: the turn's only group could not be encoded; nothing to write)
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
             out.clear()
 
