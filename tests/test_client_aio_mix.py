@@ -9,8 +9,8 @@ import asyncio
 import itertools
 import logging
 import shutil
-import time
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
