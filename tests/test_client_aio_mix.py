@@ -6,6 +6,7 @@ outcome, the one MessageStore gives for that call; and the client on uvloop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import shutil
@@ -42,16 +43,14 @@ CALL = st.tuples(
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[BrokerThread, MessageStore]]:
     base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
-    model = MessageStore.open(base / "model", StoreConfig(flush="async"))
-    try:
-        with BrokerThread(base / "store") as broker:
-            for store in (broker.store, model):
-                store.create_topic("a", 2)
-                store.create_topic("b", 1)
-            yield broker, model
-    finally:
-        model.close()
-        shutil.rmtree(base, ignore_errors=True)
+    with contextlib.ExitStack() as stack:  # (undone in reverse: the directory last)
+        stack.callback(shutil.rmtree, base, ignore_errors=True)
+        model = stack.enter_context(MessageStore.open(base / "model", StoreConfig(flush="async")))
+        broker = stack.enter_context(BrokerThread(base / "store"))
+        for store in (broker.store, model):
+            store.create_topic("a", 2)
+            store.create_topic("b", 1)
+        yield broker, model
 
 
 def _invoke(target: Any, kind: str, topic: str, options: dict[str, Any], body: bytes) -> Any:
