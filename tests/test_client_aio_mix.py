@@ -90,7 +90,14 @@ async def _run_all(url: str, calls: list[tuple[Any, ...]], tag: int) -> list[Any
                     task.cancel()
             await asyncio.sleep(0)
         async with asyncio.timeout(30):  # (a caller never answered fails the test)
-            return list(await asyncio.gather(*tasks, return_exceptions=True))
+            outcomes = list(await asyncio.gather(*tasks, return_exceptions=True))
+            protocol = client._protocol
+            assert protocol is not None
+            while protocol.pending:  # (cancelled callers' requests: still answered)
+                await asyncio.sleep(0.001)
+        # Every place came back, none twice: a send holds one until its group's answer.
+        assert (protocol.free, protocol.closed) == (protocol.max_in_flight, False)
+        return outcomes
 
 
 @settings(

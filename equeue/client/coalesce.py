@@ -88,9 +88,9 @@ class Coalescer:
         self.budget = max_frame_bytes // 2
 
     def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult] | None:
-        """A plain send of ``body`` on a place its caller took: its caller's future;
-        None (the place given back) for an idle connection not heard from recently,
-        whose send goes as any request (after its check for an end waiting unread)."""
+        """A plain send of ``body``, taking a place (one is free): its caller's future;
+        None (no place taken) for an idle connection not heard from recently, whose
+        send goes as any request (after its check for an end waiting unread)."""
         protocol = self._protocol
         groups = self.groups
         group = groups.get(topic)
@@ -103,6 +103,7 @@ class Coalescer:
                 group.bodies.append(body)
                 group.futures.append(future)
                 group.size = size
+                protocol.free -= 1
                 return future
             self.sealed.append((topic, group))
         elif not groups and not self.sealed and not protocol.pending:  # alone
