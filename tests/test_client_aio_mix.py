@@ -248,3 +248,34 @@ def test_a_send_past_max_frame_bytes_fails_alone_and_the_connection_stays(
         outcomes = asyncio.run(run(fake.url))
     assert [type(o) for o in outcomes] == [SendResult, FrameTooLargeError, SendResult]
     assert not [r for r in caplog.records if "Exception in callback" in r.getMessage()]
+
+
+def test_coalesced_sends_keep_to_a_small_max_in_flight() -> None:
+    # 30 coroutines sending in turn through a broker allowing 4 requests in flight: a
+    # send holds a place until its group is answered, so groups stay within 4 sends
+    # and no request is refused with LimitExceededError; every place comes back.
+    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+
+    async def produce(url: str) -> tuple[list[Any], int, int]:
+        async with await equeue.aio.connect(url, timeout=20) as client:
+            await client.ping()
+
+            async def lane(n: int) -> list[Any]:
+                return [await client.send("p", b"%d.%d" % (n, i)) for i in range(5)]
+
+            async with asyncio.timeout(30):
+                done = await asyncio.gather(*(lane(n) for n in range(30)))
+            protocol = client._protocol
+            assert protocol is not None
+            return [r for results in done for r in results], protocol.free, len(protocol.pending)
+
+    try:
+        with BrokerThread(base / "store", max_in_flight=4) as broker:
+            results, free, pending = asyncio.run(produce(broker.urls[0]))
+            bodies = [broker.store.get(r.message_id).body for r in results]
+            stats = broker.broker.handlers.stats()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert bodies == [b"%d.%d" % (n, i) for n in range(30) for i in range(5)]
+    assert (free, pending) == (4, 0)
+    assert stats["sends"] == 150 and stats["send_requests"] < 150  # coalesced
