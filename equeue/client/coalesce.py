@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from asyncio import Future, InvalidStateError
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
@@ -165,7 +166,7 @@ class Coalescer:
             return
         protocol.put(request_id, frame, Answer(self, topic, bodies, futures, givens))
 
-    async def resend(self, topic: str, group: list[Sub]) -> None:
+    async def resend(self, topic: str, group: Sequence[Sub]) -> None:
         """Each send of a group refused whole, alone (each holds a place again)."""
         protocol = self._protocol
         for sub in group:
