@@ -20,11 +20,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
-from equeue.client.coalesce import Coalescer
+from equeue.client.coalesce import Answer, Coalescer
 from equeue.client.connect import RECV_BYTES
 from equeue.client.core import (
     DECODERS,
@@ -65,8 +65,9 @@ if TYPE_CHECKING:
 
 _STATUSES: Final = (STATUS_OK, STATUS_ERROR)
 
-# request id -> (its future, its messages as given for a send, its deadline)
-_Entry = tuple["asyncio.Future[tuple[int, Any]]", Given, float]
+# request id -> (its future, or a coalesced group's Answer; its messages as given for a
+# send; its deadline)
+_Entry = tuple["asyncio.Future[tuple[int, Any]] | Answer", Given, float]
 
 
 class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes per read
@@ -93,11 +94,12 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         self.welcomed = False
         self.watchdog: asyncio.TimerHandle | None = None
         self.inbuf = memoryview(bytearray(RECV_BYTES))
+        self.heard = 0.0  # time.monotonic() when the broker's bytes last arrived
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.write(self.hello)
+        # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check)
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.write(self.hello)
         self.watchdog = self.loop.call_later(self._tick(), self._watch)
 
     def _tick(self) -> float:
@@ -110,29 +112,36 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         self.data_received(self.inbuf[:nbytes])
 
     def data_received(self, data: bytes | memoryview) -> None:
+        self.heard = time.monotonic()
         try:
             bodies = self.reader.feed(data)
         except ProtocolError as exc:
             self.fail(f"the broker at {self.where} broke the protocol: {exc}", exc)
             return
+        if self.welcomed:
+            self.answers(bodies)
+            return
+        for index, body in enumerate(bodies):
+            try:
+                found = welcome(body, self.where)
+            except EQueueError as exc:
+                self.welcome.set_exception(exc)
+                self.fail(f"the broker at {self.where} refused the connection: {exc}", exc)
+                return
+            limit = found.limits["max_frame_bytes"]
+            self.reader.max_frame_bytes = limit
+            self.encoder = RequestEncoder(limit, self.where, found.version)
+            self.free = self.max_in_flight = found.limits["max_in_flight"]
+            if found.version >= BODIES_VERSION:
+                self.coalescer = Coalescer(self, limit)
+            self.welcomed = True
+            self.welcome.set_result(found)
+            self.answers(bodies[index + 1 :])
+            return
+
+    def answers(self, bodies: list[Any]) -> None:
         pending = self.pending
         for body in bodies:
-            if not self.welcomed:
-                try:
-                    found = welcome(body, self.where)
-                except EQueueError as exc:
-                    self.welcome.set_exception(exc)
-                    self.fail(f"the broker at {self.where} refused the connection: {exc}", exc)
-                    return
-                limit = found.limits["max_frame_bytes"]
-                self.reader.max_frame_bytes = limit
-                self.encoder = RequestEncoder(limit, self.where, found.version)
-                self.free = self.max_in_flight = found.limits["max_in_flight"]
-                if found.version >= BODIES_VERSION:
-                    self.coalescer = Coalescer(self, limit)
-                self.welcomed = True
-                self.welcome.set_result(found)
-                continue
             if type(body) is list and len(body) == 3 and body[1] in _STATUSES:
                 request_id, status, payload = body  # (a request id of another type: unknown)
             else:
@@ -157,9 +166,11 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
             self.free += 1
             if self.queued:
                 self.release()
-            future = entry[0]
-            if not future.done():  # (its caller may have been cancelled)
-                future.set_result((status, payload))
+            target = entry[0]
+            if isinstance(target, Answer):  # a coalesced group: each caller its own result
+                target.answered(status, payload)
+            elif not target.done():  # (its caller may have been cancelled)
+                target.set_result((status, payload))
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f"the broker at {self.where} closed the connection"
@@ -177,10 +188,13 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         if not self.welcome.done():  # the handshake failed: a broken protocol is no retry
             refused = isinstance(cause, EQueueError) and not isinstance(cause, ConnectionLostError)
             self.welcome.set_exception(cause if refused else lost(reason, [], cause))  # type: ignore[arg-type]
-        for future, unanswered, _ in self.pending.values():
-            if not future.done():
-                future.set_exception(lost(reason, given(unanswered), cause))
+        pending = list(self.pending.values())
         self.pending.clear()
+        for target, unanswered, _ in pending:
+            if isinstance(target, Answer):
+                target.lost(reason, cause)
+            elif not target.done():
+                target.set_exception(lost(reason, given(unanswered), cause))
         if self.coalescer is not None:
             self.coalescer.drop(reason)
         while self.queued:  # they find it closed
@@ -223,9 +237,9 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         self.out.append(frame)
         self.schedule()
 
-    def put(self, request_id: int, frame: bytes, future: asyncio.Future[tuple[int, Any]]) -> None:
+    def put(self, request_id: int, frame: bytes, answer: Answer) -> None:
         """A coalesced request (its messages are reported by coalesce.py when it breaks)."""
-        self.pending[request_id] = (future, None, time.monotonic() + self.timeout)
+        self.pending[request_id] = (answer, None, time.monotonic() + self.timeout)
         self.out.append(frame)
 
     def schedule(self) -> None:
@@ -246,8 +260,18 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         if self.coalescer is not None:
             self.coalescer.emit()
         out = self.out
-        self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-        out.clear()
+        if out:  # (none: the turn's only group could not be encoded; nothing to write)
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
+    def write_now(self) -> None:
+        """The one frame of an idle connection, written at once (one write either way:
+        a later send of this turn finds it in flight and goes in the turn's group)."""
+        if self.flushing or self.transport is None:
+            self.schedule()
+        elif self.out:
+            self.transport.write(self.out[0] if len(self.out) == 1 else b"".join(self.out))
+            self.out.clear()
 
     def _watch(self) -> None:
         now = time.monotonic()
@@ -417,18 +441,19 @@ class AsyncClient:
         code: int = 0,
         queue_id: int | None = None,
     ) -> SendResult:
-        call = calls.send(topic, body, tag, key, properties, code, queue_id)
         protocol = self._protocol
         if (
-            protocol is not None and protocol.pending and protocol.coalescer is not None
-            and len(call.args) == 2 and not protocol.closed
-        ):  # fmt: skip  # requests in flight: this one joins the loop turn's others
+            protocol is not None and key is None and properties is None and queue_id is None
+            and tag == "" and code == 0 and type(code) is int and type(body) is bytes
+            and type(topic) is str and protocol.coalescer is not None and not protocol.closed
+        ):  # fmt: skip  # a plain send on a live connection: the loop turn's group
             if protocol.free <= 0:
                 await protocol.place()
             if not protocol.closed:
-                protocol.free -= 1
-                assert type(call.unanswered) is tuple
-                return await protocol.coalescer.add(topic, body, call.unanswered)
+                future = protocol.coalescer.add(topic, body)
+                if future is not None:
+                    return await future
+        call = calls.send(topic, body, tag, key, properties, code, queue_id)
         result: SendResult = await self._call(call)
         return result
 

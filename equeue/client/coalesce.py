@@ -23,11 +23,13 @@ the client never has more requests in flight than the broker allows.
 from __future__ import annotations
 
 import asyncio
+import time
+from asyncio import Future, InvalidStateError
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
 from equeue.errors import (
-    ConnectionLostError,
     EQueueError,
     InvalidMessageError,
     InvalidTypeError,
@@ -48,80 +50,123 @@ REFUSED_WHOLE: Final = (
     LimitExceededError,
 )  # fmt: skip
 BODY_OVERHEAD: Final = 5  # a bin's header at most
+# An idle connection silent for longer is asked whether its end waits unread before a
+# send (AsyncClient._call: input_waiting); heard from more recently, it was alive as good
+# as now (the broker may go away just after either).
+HEARD_RECENTLY: Final = 0.02
+_decode_send = DECODERS["send"]
+_decode_bodies = DECODERS["send_bodies"]
 
-# (the body, its caller's future, the send as given: calls.send's tuple)
-Sub = tuple[bytes, "asyncio.Future[SendResult]", tuple[Any, ...]]
+# (the body, its caller's future, the send as given: calls.send's tuple, or None for a
+# plain send of the body alone)
+Sub = tuple[bytes, "asyncio.Future[SendResult]", tuple[Any, ...] | None]
+
+
+class _Group:
+    """One topic's sends of this loop turn: their bodies and callers, in order."""
+
+    __slots__ = ("bodies", "futures", "size")
+
+    def __init__(self, body: bytes, future: asyncio.Future[SendResult]) -> None:
+        self.bodies = [body]
+        self.futures = [future]
+        self.size = len(body) + BODY_OVERHEAD
 
 
 class Coalescer:
-    """The sends of the current loop turn, by topic; ``emit`` turns them into requests."""
+    """The sends of the current loop turn, by topic; ``emit`` turns them into requests.
 
-    __slots__ = ("_bytes", "_groups", "_protocol", "_sealed", "budget")
+    A send made while nothing is in flight or begun goes alone, as a ``send`` written
+    at once (the first of a burst is not held back for the others; one send at a time
+    stays one request and one write each, with no callback of the loop between)."""
+
+    __slots__ = ("_protocol", "budget", "groups", "sealed")
 
     def __init__(self, protocol: _Protocol, max_frame_bytes: int) -> None:
         self._protocol = protocol
-        self._groups: dict[str, list[Sub]] = {}
-        self._bytes: dict[str, int] = {}
-        self._sealed: list[tuple[str, list[Sub]]] = []
+        self.groups: dict[str, _Group] = {}  # the open group of each topic
+        self.sealed: list[tuple[str, _Group]] = []  # full ones, still to be written
         self.budget = max_frame_bytes // 2
 
-    def add(self, topic: str, body: bytes, given: tuple[Any, ...]) -> asyncio.Future[SendResult]:
+    def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult] | None:
+        """A plain send of ``body``, taking a place (one is free): its caller's future;
+        None (no place taken) for an idle connection not heard from recently, whose
+        send goes as any request (after its check for an end waiting unread)."""
         protocol = self._protocol
-        future: asyncio.Future[SendResult] = protocol.loop.create_future()
-        group = self._groups.get(topic)
-        size = len(body) + BODY_OVERHEAD
-        if group is not None and (
-            self._bytes[topic] + size > self.budget or len(group) >= protocol.max_in_flight
-        ):
-            self._sealed.append((topic, group))
-            group = None
-        if group is None:
-            group = self._groups[topic] = []
-            self._bytes[topic] = 0
-        group.append((body, future, given))
-        self._bytes[topic] += size
-        protocol.schedule()
+        groups = self.groups
+        group = groups.get(topic)
+        if group is not None:
+            size = group.size + len(body) + BODY_OVERHEAD
+            if size <= self.budget and len(group.futures) < protocol.max_in_flight:
+                # Future(): the running loop (the caller's, the connection's), found in
+                # C; Future(loop=...) would build a keyword dict per send.
+                future: asyncio.Future[SendResult] = Future()
+                group.bodies.append(body)
+                group.futures.append(future)
+                group.size = size
+                protocol.free -= 1
+                return future
+            self.sealed.append((topic, group))
+        elif not groups and not self.sealed and not protocol.pending:  # alone
+            if protocol.heard < time.monotonic() - HEARD_RECENTLY:
+                return None
+            future = Future()
+            protocol.free -= 1
+            self._request(topic, [body], [future], None)
+            protocol.write_now()
+            return future
+        future = Future()
+        groups[topic] = _Group(body, future)
+        protocol.free -= 1
+        if not protocol.flushing:
+            protocol.schedule()
         return future
 
     def emit(self) -> None:
         """Every group as a request frame, in the order the groups were begun."""
-        if not self._groups:
+        if not self.groups and not self.sealed:
             return
-        groups = self._sealed + list(self._groups.items())
-        self._sealed = []
-        self._groups = {}
-        self._bytes = {}
+        groups = self.sealed + list(self.groups.items())
+        self.sealed = []
+        self.groups = {}
         for topic, group in groups:
-            self.request(topic, group)
+            self._request(topic, group.bodies, group.futures, None)
 
     def drop(self, reason: str) -> None:
         """The connection broke before the turn's groups were written: none was sent."""
-        groups = self._sealed + list(self._groups.items())
-        self._sealed, self._groups, self._bytes = [], {}, {}
+        groups = self.sealed + list(self.groups.items())
+        self.sealed, self.groups = [], {}
         for _, group in groups:
-            _fail(group, lost(f"{reason}; the send was not written", [], None))
+            _fail(group.futures, lost(f"{reason}; the send was not written", [], None))
 
     def request(self, topic: str, group: list[Sub]) -> None:
+        bodies = [sub[0] for sub in group]
+        self._request(topic, bodies, [sub[1] for sub in group], [sub[2] for sub in group])
+
+    def _request(
+        self,
+        topic: str,
+        bodies: list[bytes],
+        futures: list[asyncio.Future[SendResult]],
+        givens: list[tuple[Any, ...] | None] | None,
+    ) -> None:
         protocol = self._protocol
         encoder = protocol.encoder
         assert encoder is not None
         request_id = protocol.next_id()
-        op = "send" if len(group) == 1 else "send_bodies"
+        single = len(bodies) == 1
         try:
-            if op == "send":
-                frame = encoder.frame(request_id, op, {"topic": topic, "body": group[0][0]})
+            if single:
+                frame = encoder.frame(request_id, "send", {"topic": topic, "body": bodies[0]})
             else:
-                bodies = [sub[0] for sub in group]
-                frame = encoder.frame(request_id, op, {"topic": topic, "bodies": bodies})
+                frame = encoder.frame(request_id, "send_bodies", {"topic": topic, "bodies": bodies})
         except EQueueError as exc:  # (a body past max_frame_bytes: a group of one)
-            protocol.give_back(len(group))
-            _fail(group, exc)
+            protocol.give_back(len(bodies))
+            _fail(futures, exc)
             return
-        answered: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
-        answered.add_done_callback(_Answer(self, topic, group, op))
-        protocol.put(request_id, frame, answered)
+        protocol.put(request_id, frame, Answer(self, topic, bodies, futures, givens))
 
-    async def resend(self, topic: str, group: list[Sub]) -> None:
+    async def resend(self, topic: str, group: Sequence[Sub]) -> None:
         """Each send of a group refused whole, alone (each holds a place again)."""
         protocol = self._protocol
         for sub in group:
@@ -138,58 +183,70 @@ class Coalescer:
             protocol.schedule()
 
 
-class _Answer:
-    """The group's answer, to each caller (a done callback of the request's future)."""
+class Answer:
+    """A group's request in flight: its answer, or its connection's end, to each caller
+    (called by the protocol as it reads the answer: no future of its own)."""
 
-    __slots__ = ("coalescer", "group", "op", "topic")
+    __slots__ = ("bodies", "coalescer", "futures", "givens", "topic")
 
-    def __init__(self, coalescer: Coalescer, topic: str, group: list[Sub], op: str) -> None:
-        self.coalescer, self.topic, self.group, self.op = coalescer, topic, group, op
+    def __init__(
+        self,
+        coalescer: Coalescer,
+        topic: str,
+        bodies: list[bytes],
+        futures: list[asyncio.Future[SendResult]],
+        givens: list[tuple[Any, ...] | None] | None,
+    ) -> None:
+        self.coalescer, self.topic, self.bodies, self.futures = coalescer, topic, bodies, futures
+        self.givens = givens  # None: every send of the body alone
 
-    def __call__(self, answered: asyncio.Future[tuple[int, Any]]) -> None:
-        group = self.group
+    def subs(self) -> list[Sub]:
+        givens = self.givens or [None] * len(self.bodies)
+        return list(zip(self.bodies, self.futures, givens, strict=True))
+
+    def lost(self, reason: str, cause: BaseException | None) -> None:
+        for body, future, given in self.subs():
+            if not future.done():
+                sent = OutgoingMessage(body) if given is None else OutgoingMessage._make(given)
+                future.set_exception(lost(reason, [sent], cause))
+
+    def answered(self, status: int, payload: Any) -> None:
+        futures = self.futures
+        count = len(futures)
         protocol = self.coalescer._protocol
-        protocol.give_back(len(group) - 1)  # (the request's own place: data_received)
-        if answered.cancelled():
-            return
-        exc = answered.exception()
-        if isinstance(exc, ConnectionLostError):
-            for _, future, given in group:
-                if not future.done():
-                    error = lost(str(exc), [OutgoingMessage._make(given)], exc.__cause__)
-                    future.set_exception(error)
-            return
-        if exc is not None:
-            _fail(group, exc)
-            return
-        status, payload = answered.result()
+        if count > 1:
+            protocol.give_back(count - 1)  # (the request's own place: answers())
         if status != STATUS_OK:
             error = answer_error(payload, protocol.where)
-            if len(group) > 1 and isinstance(error, REFUSED_WHOLE):
-                pending = [sub for sub in group if not sub[1].done()]
+            if count > 1 and isinstance(error, REFUSED_WHOLE):
+                pending = [sub for sub in self.subs() if not sub[1].done()]
                 protocol.loop.create_task(self.coalescer.resend(self.topic, pending))
                 return
-            _fail(group, error)
+            _fail(futures, error)
             return
         try:
-            found = DECODERS[self.op](payload, protocol.where)
-            results: list[SendResult] = [found] if self.op == "send" else found
-            if len(results) != len(group):
-                raise ProtocolError(
-                    f"{protocol.where}: {len(results)} results for a send_bodies of {len(group)}"
-                )
+            if count == 1:
+                results: list[SendResult] = [_decode_send(payload, protocol.where)]
+            else:
+                results = _decode_bodies(payload, protocol.where)
+                if len(results) != count:
+                    raise ProtocolError(
+                        f"{protocol.where}: {len(results)} results for a send_bodies of {count}"
+                    )
         except ProtocolError as error:
-            _fail(group, error)
+            _fail(futures, error)
             protocol.fail(f"the broker at {protocol.where} broke the protocol: {error}", error)
             return
-        for (_, future, _), result in zip(group, results, strict=True):
-            if not future.done():
+        for future, result in zip(futures, results, strict=True):
+            try:  # noqa: SIM105  (suppress() would be a context manager per send)
                 future.set_result(result)
+            except InvalidStateError:  # its caller was cancelled
+                pass
 
 
-def _fail(group: list[Sub], error: BaseException) -> None:
+def _fail(futures: list[asyncio.Future[SendResult]], error: BaseException) -> None:
     first = True
-    for _, future, _ in group:
+    for future in futures:
         if not future.done():
             future.set_exception(error if first else _twin(error))
             first = False
