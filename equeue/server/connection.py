@@ -40,6 +40,7 @@ from equeue.protocol.frames import (
 )
 from equeue.protocol.handshake import Hello, Welcome, choose_version
 from equeue.protocol.ops import check_args
+from equeue.server.groupcommit import Entry
 from equeue.server.handlers import DEFERRED, Packed
 
 if TYPE_CHECKING:
@@ -87,6 +88,28 @@ def _write_waiting(waiting: list[Connection]) -> None:
         try:
             connection._write_out()
         except Exception:  # one connection's failure must not keep the others' answers
+            log.exception("%s: writing its answers failed", connection.where)
+
+
+def release_durable(batch: list[Entry], error: BaseException | None) -> None:
+    """The answers of one group commit's fdatasync (groupcommit.py), in the loop callback
+    that got them: each connection's answers are queued, then written in one
+    ``transport.write`` per connection right here, not in a further callback."""
+    written: list[Connection] = []
+    for peer, request_id, result in batch:
+        connection = cast(Connection, peer)
+        try:
+            if not connection._batching:
+                connection._batching = True  # queue, do not schedule a write
+                written.append(connection)
+            connection.finish(request_id, result if error is None else error)
+        except Exception:  # one connection's failure must not keep the others' answers
+            log.exception("%s: answering a durable send failed", connection.where)
+    for connection in written:
+        connection._batching = False
+        try:
+            connection._write_out()
+        except Exception:
             log.exception("%s: writing its answers failed", connection.where)
 
 
