@@ -65,7 +65,7 @@ class CrossClientCommit:
         self._waiting: list[Entry] = []
         self._sleeping = False  # the flusher waits on _wake for answers (under _lock)
         self._stopping = False
-        self._taken = 0  # batches the flusher took whose answers are not given (under _lock)
+        self._taken = 0  # sends in batches the flusher took, not yet answered (under _lock)
         self._released_one: asyncio.Event | None = None  # drain() waits on it
         self.flushes = 0
         self.sends_flushed = 0
@@ -99,7 +99,7 @@ class CrossClientCommit:
                 if not self._waiting:  # stopping, and nothing left
                     return
                 batch, self._waiting = self._waiting, []
-                self._taken += 1
+                self._taken += len(batch)
             error: BaseException | None = None
             try:
                 self._flush_log()
@@ -115,7 +115,7 @@ class CrossClientCommit:
 
     def _released(self, batch: list[Entry], error: BaseException | None) -> None:
         with self._lock:
-            self._taken -= 1
+            self._taken -= len(batch)
         if error is None:
             self.flushes += 1
             self.sends_flushed += len(batch)
