@@ -136,6 +136,7 @@ class Connection(asyncio.BufferedProtocol):
         self.opened = broker.loop.time()
         config = broker.config
         self._max_in_flight = config.max_in_flight
+        self._max_frame_bytes = config.max_frame_bytes
         self._send_plain = broker.handlers.send_plain
         self._pack = broker.packer.pack
         self._read_view = _read_buffer()
@@ -268,6 +269,15 @@ class Connection(asyncio.BufferedProtocol):
                 if rest is None:
                     return
                 data = rest
+            size = len(data)
+            if size > FRAME_HEADER_SIZE and not self._backlog and not self._reader.pending:
+                # One whole frame and nothing before it: the read of a client with one
+                # request in flight (a durable producer, a round trip). No reader buffer,
+                # no list: the frame reader's checks, then the request as _serve would.
+                (length,) = FRAME_HEADER.unpack_from(data, 0)
+                if length == size - FRAME_HEADER_SIZE and length <= self._max_frame_bytes:
+                    self._request(bytes(data[FRAME_HEADER_SIZE:]))
+                    return
             bodies = self._reader.feed(data)
             self._count_partial()
             if self._backlog:  # reading was paused with frames left: they go first
