@@ -48,12 +48,12 @@ async def produce(url: str, name: str, tasks: int, limit: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("url")
-    parser.add_argument("name")
+    for name in ("url", "name"):
+        parser.add_argument(name)
     parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument("--limit", type=int, default=5000)
-    args = parser.parse_args()
-    acked = asyncio.run(produce(args.url, args.name, args.tasks, args.limit))
+    given = parser.parse_args()
+    acked = asyncio.run(produce(given.url, given.name, given.tasks, given.limit))
     os.write(1, f"END {acked}\n".encode())
     return 0 if acked else 3
 

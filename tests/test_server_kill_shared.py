@@ -33,7 +33,6 @@ def run_until(home: Path, stop: signal.Signals) -> None:
     store = home / "s"
     broker, url = start_broker(store, "--flush", "sync")
     producers: list[subprocess.Popen[bytes]] = []
-    outputs: list[str] = []
     try:
         for number in range(PRODUCERS):
             argv = [sys.executable, str(HERE / "aio_shared_producer.py"), url, f"p{number}"]
@@ -52,10 +51,9 @@ def run_until(home: Path, stop: signal.Signals) -> None:
         assert sends > 2 * requests, f"{sends} sends in {requests} requests: not coalesced"
         broker.send_signal(stop)
         code = broker.wait(60)
-        for producer in producers:
-            out, err = producer.communicate(timeout=120)
-            assert producer.returncode == 0, err.decode()[-2000:]
-            outputs.append(out.decode())
+        ends = [(p, *p.communicate(timeout=120)) for p in producers]
+        assert all(p.returncode == 0 for p, _, _ in ends), [e.decode()[-2000:] for *_, e in ends]
+        outputs = [out.decode() for _, out, _ in ends]
     finally:
         for process in [broker, *producers]:
             if process.poll() is None:

@@ -188,19 +188,10 @@ class AioDurable:
         self.loop.close()
 
 
-class AioDurableShared:
+class AioDurableShared(AioProduce):
     """``producers`` asyncio tasks sharing one ``equeue.aio.connect`` client (the shared
     reading: the natural way to write it; the client pipelines, and the sends of one loop
     turn go as one ``send_bodies`` request), each task one send at a time."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.job = job
-        self.loop = new_loop(job)
-        self.client = self.loop.run_until_complete(equeue.aio.connect(job["url"]))
-        self.bodies = bodies(job["body"])
-
-    def run(self) -> dict[str, Any]:
-        return self.loop.run_until_complete(self._run())
 
     async def _run(self) -> dict[str, Any]:
         topic, count, cap, tasks = (self.job[k] for k in ("topic", "count", "cap", "producers"))
@@ -212,10 +203,6 @@ class AioDurableShared:
             *(produce_durable(send, topic, per_task, self.bodies, stop) for _ in range(tasks))
         )
         return result(sum(counts), t0, time.perf_counter())
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.client.close())
-        self.loop.close()
 
 
 class GroupConsume:

@@ -39,9 +39,8 @@ def new_loop(name: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-class Echo(asyncio.BufferedProtocol):
+class _Buffered(asyncio.BufferedProtocol):
     def __init__(self) -> None:
-        self.pending = b""
         self.transport: asyncio.Transport | None = None
         self.view = memoryview(bytearray(READ_BYTES))
 
@@ -50,6 +49,10 @@ class Echo(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view
+
+
+class Echo(_Buffered):
+    pending = b""
 
     def buffer_updated(self, nbytes: int) -> None:
         data = self.pending + self.view[:nbytes]
@@ -72,18 +75,9 @@ def serve(path: str, loop_name: str) -> None:
         loop.close()
 
 
-class Caller(asyncio.BufferedProtocol):
-    def __init__(self) -> None:
-        self.waiter: asyncio.Future[None] | None = None
-        self.got = 0
-        self.transport: asyncio.Transport | None = None
-        self.view = memoryview(bytearray(READ_BYTES))
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view
+class Caller(_Buffered):
+    waiter: asyncio.Future[None] | None = None
+    got = 0
 
     def buffer_updated(self, nbytes: int) -> None:
         self.got += nbytes
