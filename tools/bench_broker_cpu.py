@@ -13,6 +13,13 @@ one ``send_bodies`` of 100 per read (protocol version 2, the clients' batch of b
 awaiting its fdatasync and answers (the flusher thread's instructions count too).
 ``--src DIR`` measures the equeue package under DIR (for before/after); ``--direct``
 runs a case once, timed by ``time.process_time``, without valgrind.
+
+``--process`` (durable only) measures a real ``equeue serve --flush sync`` instead: for each
+``--src`` in turn, alternated ``--rounds`` times, a broker process of that tree on its Unix
+socket and ``DURABLE_PEERS`` asyncio tasks in this process, each on its own connection,
+each one send at a time (this tree's client, the same for every broker), ``--count`` sends
+each; the broker's user and system CPU from ``/proc/PID/stat`` per send, its fdatasyncs
+(stats) and the rate.
 """
 
 from __future__ import annotations
@@ -137,6 +144,63 @@ def child(case: str, count: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+async def _drive(url: str, sends: int) -> tuple[int, float]:
+    import equeue.aio
+
+    clients = await asyncio.gather(*(equeue.aio.connect(url) for _ in range(DURABLE_PEERS)))
+
+    async def lane(client: Any, count: int) -> None:
+        for _ in range(count):
+            await client.send("t", BODY)
+
+    try:
+        await asyncio.gather(*(lane(c, 20) for c in clients))  # warm-up, untimed
+        flushes = int((await clients[0].stats())["flushes"])
+        started = time.perf_counter()
+        await asyncio.gather(*(lane(c, sends) for c in clients))
+        wall = time.perf_counter() - started
+        return int((await clients[0].stats())["flushes"]) - flushes, wall
+    finally:
+        for client in clients:
+            await client.close()
+
+
+def _cpu(pid: int) -> tuple[float, float]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def process(src: Path, sends: int) -> str:
+    """One real broker of tree ``src``, loaded by DURABLE_PEERS connections."""
+    directory = Path(tempfile.mkdtemp(prefix="eqpc", dir="/tmp"))
+    env = dict(os.environ, PYTHONPATH=str(src))
+    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", "sync"]
+    broker = subprocess.Popen([*argv, "--quiet"], env=env, stdout=subprocess.PIPE)
+    try:
+        assert broker.stdout is not None
+        line = broker.stdout.readline().decode()
+        if not line.startswith("listening on "):
+            raise SystemExit(f"the broker of {src} did not start: {line!r}")
+        url = line.split()[-1]
+        user0, system0 = _cpu(broker.pid)
+        flushes, wall = asyncio.run(_drive(url, sends))
+        user, system = _cpu(broker.pid)
+    finally:
+        broker.terminate()
+        broker.wait(60)
+        shutil.rmtree(directory, ignore_errors=True)
+    # the warm-up's CPU is in the figures too: its 20 sends a peer are counted with them
+    total = DURABLE_PEERS * (sends + 20)
+    per = 1e6 / total
+    return (
+        f"{src}: {DURABLE_PEERS * sends / wall:,.0f} sends/s, broker CPU per send "
+        f"{(user - user0 + system - system0) * per:.1f} us (user {(user - user0) * per:.1f}, "
+        f"system {(system - system0) * per:.1f}), {DURABLE_PEERS * sends / max(flushes, 1):.1f} "
+        f"sends per fdatasync, load {os.getloadavg()[0]:.1f}"
+    )
+
+
 def instructions(case: str, count: int, src: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="eqcg", dir="/tmp") as out:
         target = Path(out) / "callgrind.out"
@@ -161,6 +225,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=200, help="N: measured reads (rounds)")
     parser.add_argument("--src", type=Path, action="append", help="a tree holding equeue/")
     parser.add_argument("--direct", action="store_true", help="no valgrind: CPU seconds")
+    parser.add_argument("--process", action="store_true", help="durable: a real broker")
+    parser.add_argument("--rounds", type=int, default=3, help="--process: A/B rounds")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
@@ -170,6 +236,11 @@ def main() -> None:
         if case not in CASES:
             parser.error(f"no case {case!r}: the cases are {', '.join(CASES)}")
     sources = options.src or [Path(__file__).resolve().parent.parent]
+    if options.process:
+        for round_ in range(options.rounds):  # A/B, B/A, ...
+            for src in sources if round_ % 2 == 0 else sources[::-1]:
+                print(process(src, options.count), flush=True)
+        return
     for case in options.cases or CASES:
         for src in sources:
             if options.direct:

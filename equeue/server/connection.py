@@ -40,6 +40,7 @@ from equeue.protocol.frames import (
 )
 from equeue.protocol.handshake import Hello, Welcome, choose_version
 from equeue.protocol.ops import check_args
+from equeue.server.groupcommit import Entry
 from equeue.server.handlers import DEFERRED, Packed
 
 if TYPE_CHECKING:
@@ -90,6 +91,28 @@ def _write_waiting(waiting: list[Connection]) -> None:
             log.exception("%s: writing its answers failed", connection.where)
 
 
+def release_durable(batch: list[Entry], error: BaseException | None) -> None:
+    """The answers of one group commit's fdatasync (groupcommit.py), in the loop callback
+    that got them: each connection's answers are queued, then written in one
+    ``transport.write`` per connection right here, not in a further callback."""
+    written: list[Connection] = []
+    for peer, request_id, result in batch:
+        connection = cast(Connection, peer)
+        try:
+            if not connection._batching:
+                connection._batching = True  # queue, do not schedule a write
+                written.append(connection)
+            connection.finish(request_id, result if error is None else error)
+        except Exception:  # one connection's failure must not keep the others' answers
+            log.exception("%s: answering a durable send failed", connection.where)
+    for connection in written:
+        connection._batching = False
+        try:
+            connection._write_out()
+        except Exception:
+            log.exception("%s: writing its answers failed", connection.where)
+
+
 class Connection(asyncio.BufferedProtocol):
     def __init__(self, broker: Broker, listener: str, number: int) -> None:
         self.broker = broker
@@ -113,6 +136,7 @@ class Connection(asyncio.BufferedProtocol):
         self.opened = broker.loop.time()
         config = broker.config
         self._max_in_flight = config.max_in_flight
+        self._max_frame_bytes = config.max_frame_bytes
         self._send_plain = broker.handlers.send_plain
         self._pack = broker.packer.pack
         self._read_view = _read_buffer()
@@ -245,6 +269,15 @@ class Connection(asyncio.BufferedProtocol):
                 if rest is None:
                     return
                 data = rest
+            size = len(data)
+            if size > FRAME_HEADER_SIZE and not self._backlog and not self._reader.pending:
+                # One whole frame and nothing before it: the read of a client with one
+                # request in flight (a durable producer, a round trip). No reader buffer,
+                # no list: the frame reader's checks, then the request as _serve would.
+                (length,) = FRAME_HEADER.unpack_from(data, 0)
+                if length == size - FRAME_HEADER_SIZE and length <= self._max_frame_bytes:
+                    self._request(bytes(data[FRAME_HEADER_SIZE:]))
+                    return
             bodies = self._reader.feed(data)
             self._count_partial()
             if self._backlog:  # reading was paused with frames left: they go first

@@ -1,11 +1,20 @@
 """``--flush sync`` across clients: one fdatasync covers the sends of every connection.
 
 Sends are appended on the event loop thread (the broker is the store's only writer)
-and their answers kept back. One flusher thread fdatasyncs the message log; the batch
-it releases is exactly the answers appended before that fdatasync was started, since
-the loop hands them over when it starts it. Sends arriving meanwhile wait for the
-next one, so the more clients send, the more each fdatasync covers (RocketMQ's
-GroupCommitService, across processes instead of threads).
+and their answers kept back in a list. One flusher thread, the broker's own, takes the
+whole list, fdatasyncs the message log, and hands the list back to the loop in one
+``call_soon_threadsafe``; the loop writes the answers. What a flush releases is exactly
+the answers added before the flusher took the list, whose appends all came before it
+(an answer is added after its append), so every answer leaves after an fdatasync that
+started after its append. Sends arriving meanwhile wait for the next flush, so the more
+clients send, the more each fdatasync covers (RocketMQ's GroupCommitService, across
+processes instead of threads).
+
+Wake-ups: the flusher keeps flushing while answers keep waiting (after a flush it takes
+the next list at once); only when it finds none does it sleep, and the loop wakes it
+(one futex wake) for the first answer after that. So a busy broker pays one
+``call_soon_threadsafe`` a flush and nothing per send; a thread pool paid a submit, a
+future and a callback for every flush and woke the worker every time.
 
 A waiting answer is a (peer, request id, result) tuple, not a closure per send: at tens
 of thousands of durable sends a second the broker's CPU per send is the limit.
@@ -14,8 +23,8 @@ of thousands of durable sends a second the broker's CPU per send is the limit.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -31,68 +40,118 @@ class Waiter(Protocol):
 
 
 Entry = tuple[Waiter, int, object]  # the peer, the request id, the answer once durable
+Release = Callable[[list[Entry], BaseException | None], None]
 
 
 class CrossClientCommit:
-    """Runs on the loop; ``flush_log`` runs on its one thread."""
+    """``add`` and ``drain`` run on the loop; ``flush_log`` runs on the flusher thread.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, flush_log: Callable[[], None]) -> None:
+    ``release(batch, error)`` (on the loop) answers a flushed batch; by default each
+    entry's ``peer.finish(request_id, result or the error)``. The broker passes
+    connection.release_durable, which writes the answers without a callback per
+    connection."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        flush_log: Callable[[], None],
+        release: Release | None = None,
+    ) -> None:
         self._loop = loop
         self._flush_log = flush_log
+        self._release_batch = release or finish_each
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._waiting: list[Entry] = []
-        self._running: asyncio.Future[None] | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, "equeue-broker-flush")
+        self._sleeping = False  # the flusher waits on _wake for answers (under _lock)
+        self._stopping = False
+        self._taken = 0  # sends in batches the flusher took, not yet answered (under _lock)
+        self._released_one: asyncio.Event | None = None  # drain() waits on it
         self.flushes = 0
         self.sends_flushed = 0
+        self._thread = threading.Thread(target=self._run, name="equeue-broker-flush", daemon=True)
+        self._thread.start()
 
     @property
     def pending(self) -> int:
-        return len(self._waiting)
+        with self._lock:
+            return len(self._waiting) + self._taken
 
     def add(self, peer: Waiter, request_id: int, result: object) -> None:
         """``peer.finish(request_id, result)`` once what was appended so far is durable
         (or with the flush's error instead of ``result``)."""
-        self._waiting.append((peer, request_id, result))
-        if self._running is None:
-            self._start()
+        with self._lock:
+            self._waiting.append((peer, request_id, result))
+            if self._sleeping:
+                self._sleeping = False
+                self._wake.notify()
 
-    def _start(self) -> None:
-        batch, self._waiting = self._waiting, []
-        future = self._loop.run_in_executor(self._executor, self._flush_log)
-        self._running = future
-        future.add_done_callback(lambda done: self._finished(batch, done))
+    # --- the flusher thread ---------------------------------------------------------
 
-    def _finished(self, batch: list[Entry], done: asyncio.Future[None]) -> None:
-        self._running = None
-        error: BaseException | None = None
-        if done.cancelled():
-            error = StoreWriteError(0, "the broker stopped before this send's flush ran")
-        elif (exc := done.exception()) is not None:
-            log.error(
-                "flushing the message log failed; %d sends answered with it: %s", len(batch), exc
-            )
-            if isinstance(exc, StoreWriteError):
-                error = type(exc)(
-                    exc.errno, f"the flush of this send failed, it may be lost: {exc}"
-                )
-            else:
+    def _run(self) -> None:
+        wake, loop = self._wake, self._loop
+        while True:
+            with wake:
+                while not self._waiting and not self._stopping:
+                    self._sleeping = True
+                    wake.wait()
+                self._sleeping = False
+                if not self._waiting:  # stopping, and nothing left
+                    return
+                batch, self._waiting = self._waiting, []
+                self._taken += len(batch)
+            error: BaseException | None = None
+            try:
+                self._flush_log()
+            except BaseException as exc:  # answered to the batch's clients, on the loop
                 error = exc
-        else:
+            try:
+                loop.call_soon_threadsafe(self._released, batch, error)
+            except RuntimeError:  # the loop closed: nobody is left to answer
+                log.error("the event loop closed with %d durable answers unsent", len(batch))
+                return
+
+    # --- back on the loop -------------------------------------------------------------
+
+    def _released(self, batch: list[Entry], error: BaseException | None) -> None:
+        with self._lock:
+            self._taken -= len(batch)
+        if error is None:
             self.flushes += 1
             self.sends_flushed += len(batch)
-        for peer, request_id, result in batch:
-            try:
-                peer.finish(request_id, result if error is None else error)
-            except Exception:  # one connection's failure must not keep the others' answers
-                log.exception("releasing a durable send's answer failed")
-        if self._waiting:
-            self._start()
+        else:
+            log.error(
+                "flushing the message log failed; %d sends answered with it: %s",
+                len(batch), error,
+            )  # fmt: skip
+            if isinstance(error, StoreWriteError):
+                error = type(error)(
+                    error.errno, f"the flush of this send failed, it may be lost: {error}"
+                )
+        try:
+            self._release_batch(batch, error)
+        except Exception:  # a defect: the others' answers must still go
+            log.exception("releasing %d durable answers failed", len(batch))
+        if self._released_one is not None:
+            self._released_one.set()
 
     async def drain(self) -> None:
         """Until every send handed over so far is released."""
-        while self._running is not None:
-            await asyncio.wait([self._running])
-            await asyncio.sleep(0)  # _finished runs as the future's callback
+        while self.pending:
+            self._released_one = released = asyncio.Event()
+            await released.wait()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Stop the flusher once what is waiting is flushed (its answers need the loop)."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+
+def finish_each(batch: list[Entry], error: BaseException | None) -> None:
+    for peer, request_id, result in batch:
+        try:
+            peer.finish(request_id, result if error is None else error)
+        except Exception:  # one connection's failure must not keep the others' answers
+            log.exception("releasing a durable send's answer failed")

@@ -25,7 +25,7 @@ import msgpack
 from equeue.errors import BrokerError, ConfigError
 from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES, SUPPORTED_VERSIONS
 from equeue.server.config import Listener, ServerConfig, read_token
-from equeue.server.connection import Connection
+from equeue.server.connection import Connection, release_durable
 from equeue.server.groupcommit import CrossClientCommit
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
@@ -161,7 +161,9 @@ class Broker:
         self._stop = asyncio.Event()
         self.holds = Holds(loop, self.store, self._answer_held)
         self.commit = (
-            CrossClientCommit(loop, self.store.flush_log) if self.config.flush == "sync" else None
+            CrossClientCommit(loop, self.store.flush_log, release_durable)
+            if self.config.flush == "sync"
+            else None
         )
         self.coordinator = coordinator = GroupCoordinator(self.store)
         self.offsets = OffsetCommitter(loop, self.store)
@@ -174,6 +176,8 @@ class Broker:
                 await self._listen(listener)
         except BaseException:
             await self._close_servers()
+            if self.commit is not None:
+                self.commit.close()  # its flusher thread
             raise
         self._ticks = 0
         self._ticker = loop.call_later(TICK_S, self._tick)

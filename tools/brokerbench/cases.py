@@ -324,17 +324,22 @@ class Bench:
                     "cap": self.cap,
                 }
                 systems: list[tuple[str, Go]] = []
-                if broker is not None:
-                    job_b = job | {"kind": "broker_durable", "url": broker.url}
-                    job_b["client_loop"] = self.args.client_loop
-                    systems.append(
-                        ("broker", partial(self.durable_run, case, "broker", broker, job_b))
-                    )
-                if redis is not None:
-                    job_r = job | {"kind": "redis_durable", "socket": str(redis.socket_path)}
-                    systems.append(
-                        ("redis", partial(self.durable_run, case, "redis", redis, job_r))
-                    )
+                # Both readings of "64 concurrent producers": a connection per task
+                # (``broker``, ``redis``), and the tasks of a process sharing one client
+                # (``broker-shared``: one equeue.aio client; ``redis-shared``: one
+                # redis.asyncio.Redis and its pool).
+                for shared in (False, True):
+                    suffix = "-shared" if shared else ""
+                    if broker is not None:
+                        job_b = job | {"kind": "broker_durable", "url": broker.url}
+                        job_b |= {"client_loop": self.args.client_loop, "shared": shared}
+                        go = partial(self.durable_run, case, "broker" + suffix, broker, job_b)
+                        systems.append(("broker" + suffix, go))
+                    if redis is not None:
+                        job_r = job | {"kind": "redis_durable", "socket": str(redis.socket_path)}
+                        job_r["shared"] = shared
+                        go = partial(self.durable_run, case, "redis" + suffix, redis, job_r)
+                        systems.append(("redis" + suffix, go))
                 loop: dict[str, Any] = {"kind": "fdatasync", "dir": str(directory), "body": 100}
                 loop |= {"count": self.counts.fdatasync, "cap": self.cap}
                 go = partial(self.measure, "durable", case, "fdatasync", jobs=[loop])
@@ -352,16 +357,21 @@ class Bench:
     ) -> None:
         name = self.name("d")
         jobs = [job | {"topic": name, "key": name}] * case["processes"]
-        if system == "redis":
+        if system.startswith("redis"):
             self.measure("durable", case, system, r, jobs, server, _redis_len(server, name))
             return
         from brokerbench import broker_side
 
-        # The broker's group commit: its fdatasyncs over the run, from its stats.
+        # What the clients saw acknowledged is stored; the group commit's fdatasyncs over
+        # the run, from the broker's stats.
         before: list[int] = []
+
+        def check(results: list[dict[str, Any]]) -> dict[str, Any]:
+            found = broker_side.check_stored(server.url, name, results)
+            return found | {"flushes": broker_side.flushes(server.url) - before[0]}
+
         self.measure(
-            "durable", case, system, r, jobs, server,
-            lambda _: {"flushes": broker_side.flushes(server.url) - before[0]},
+            "durable", case, system, r, jobs, server, check,
             between=lambda: before.append(broker_side.flushes(server.url)),
         )  # fmt: skip
 

@@ -237,20 +237,38 @@ class RedisLatency(_RedisJob):
         return timed(lambda i: xadd(key, {FIELD: body_list[i % n]}), count, cap)
 
 
+async def _xadd_durable(
+    client: Any, key: str, per_task: int, body_list: list[bytes], stop: float
+) -> int:
+    """One producer task: one XADD at a time, each awaited, until ``per_task`` or ``stop``."""
+    done, n = 0, len(body_list)
+    while done < per_task and time.perf_counter() < stop:
+        await client.xadd(key, {FIELD: body_list[done % n]})
+        done += 1
+    return done
+
+
 class RedisDurable:
-    """``producers`` asyncio tasks in this process, each on its own connection, each one
-    XADD at a time (awaiting its reply): Redis's concurrency under ``appendfsync always``."""
+    """``producers`` asyncio tasks in this process, each one XADD at a time (awaiting its
+    reply): Redis's concurrency under ``appendfsync always``. Per connection (``shared``
+    false): a ``single_connection_client`` each. Shared: one ``redis.asyncio.Redis`` for
+    all the tasks, whose pool lends each concurrent command a connection of its own (the
+    pool is filled with ``producers`` connections before the timed part)."""
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
         self.loop = asyncio.new_event_loop()
+        tasks, path = job["producers"], job["socket"]
 
         async def connect() -> list[redis.asyncio.Redis]:
             # made inside the loop that uses them: redis-py binds its futures to it
-            clients = [
-                redis.asyncio.Redis(unix_socket_path=job["socket"], single_connection_client=True)
-                for _ in range(job["producers"])
-            ]
+            if job.get("shared"):
+                clients = [redis.asyncio.Redis(unix_socket_path=path)] * tasks
+            else:
+                clients = [
+                    redis.asyncio.Redis(unix_socket_path=path, single_connection_client=True)
+                    for _ in range(tasks)
+                ]
             await asyncio.gather(*(c.ping() for c in clients))
             return clients
 
@@ -263,23 +281,16 @@ class RedisDurable:
     async def _run(self) -> dict[str, Any]:
         key, count, cap = self.job["key"], self.job["count"], self.job["cap"]
         per_task = -(-count // len(self.clients))
-        body_list, n = self.bodies, len(self.bodies)
         t0 = time.perf_counter()
         stop = t0 + cap
-
-        async def produce(client: redis.asyncio.Redis) -> int:
-            done = 0
-            while done < per_task and time.perf_counter() < stop:
-                await client.xadd(key, {FIELD: body_list[done % n]})
-                done += 1
-            return done
-
-        counts = await asyncio.gather(*(produce(c) for c in self.clients))
+        counts = await asyncio.gather(
+            *(_xadd_durable(c, key, per_task, self.bodies, stop) for c in self.clients)
+        )
         return result(sum(counts), t0, time.perf_counter())
 
     def close(self) -> None:
         async def close_all() -> None:
-            for client in self.clients:
+            for client in {id(c): c for c in self.clients}.values():
                 await client.aclose()
 
         self.loop.run_until_complete(close_all())
