@@ -70,6 +70,7 @@ static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_O, NULL},
     {"check_batch", check_batch, METH_VARARGS, NULL},
     {"write_run", write_run, METH_VARARGS, NULL},
+    {"pack_columns", pack_columns, METH_O, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},

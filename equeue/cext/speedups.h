@@ -155,6 +155,7 @@ PyObject *decode_run(PyObject *self, PyObject *args);
 PyObject *collect(PyObject *self, PyObject *args);
 PyObject *pull_chunk(PyObject *self, PyObject *args);
 PyObject *message_doc(PyObject *self, PyObject *doc);
+PyObject *pack_columns(PyObject *self, PyObject *columns); /* batch.c */
 
 /* record.c: behaving as a NamedTuple of n fields, for Message and SendResult */
 typedef struct {
