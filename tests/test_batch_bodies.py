@@ -99,9 +99,7 @@ def test_c_batches_write_the_bytes_of_the_python_path(
         assert sorted(pulled) == sorted(b for batch in batches for b in batch)
 
 
-@pytest.mark.parametrize(
-    "bad", [b"x" * 5000, "text", None], ids=["too large", "str", "None"]
-)
+@pytest.mark.parametrize("bad", [b"x" * 5000, "text", None], ids=["too large", "str", "None"])
 def test_a_rejected_batch_of_bodies_writes_nothing(tmp_path: Path, bad: object) -> None:
     config = StoreConfig(chunk_data_size=8192, max_message_size=4096, flush="async")
     with MessageStore.open(tmp_path / "s", config) as store:
