@@ -24,7 +24,7 @@ from test_speedups import data_areas
 
 from equeue import MessageStore, StoreConfig, speedups
 from equeue.client import Client
-from equeue.errors import InvalidTypeError, MessageTooLargeError
+from equeue.errors import InvalidTypeError, MessageTooLargeError, ProtocolError
 from equeue.protocol.records import pack_columns, unpack_send_columns
 from equeue.server import BrokerThread
 from equeue.store import bodies
@@ -216,3 +216,38 @@ def test_columns_pack_as_msgpack_packs_them() -> None:
     assert unpack_send_columns(decoded, "test") == columns.results()
     odd = columns._replace(queue_ids=[True] * 20)  # not the answer's types: msgpack packs it
     assert pack_columns(odd, packer) == msgpack.packb(list(odd), use_bin_type=True)
+
+
+GOOD = ["t", ["a" * 24, "b" * 24], [0, 3], [5, 2**64 - 1], [2**63, 7], [1.5, 2.5]]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        GOOD,
+        ["t", [], [], [], [], []],
+        [*GOOD[:2], [True, 3], *GOOD[3:]],  # a bool is no uint on the wire
+        [*GOOD[:3], [-1, 2], *GOOD[4:]],
+        [*GOOD[:5], [1.5, 2]],
+        [*GOOD[:1], ["a", 1], *GOOD[2:]],
+        [*GOOD[:2], [0], *GOOD[3:]],  # columns of unequal length
+        [1, *GOOD[1:]],
+        GOOD[:5],
+        ("t", *GOOD[1:]),
+    ],
+)
+def test_columns_read_back_as_the_python_checks_read_them(
+    monkeypatch: pytest.MonkeyPatch, value: object
+) -> None:
+    """The clients' C reading of a send_bodies answer (results_of_columns) takes what the
+    Python checks take, and hands back the rest for them to refuse."""
+
+    def outcome() -> object:
+        try:
+            return unpack_send_columns(value, "test")
+        except ProtocolError as exc:
+            return str(exc)
+
+    fast = outcome()
+    monkeypatch.setattr(speedups, "SPEEDUPS", None)
+    assert outcome() == fast

@@ -372,3 +372,62 @@ fail:
     PyMem_Free(o.buf);
     return NULL;
 }
+
+/* --- the answer read back (the clients): records.unpack_send_columns --- */
+
+/* results_of_columns(value, result_type) -> list of result_type(id, topic, queue id,
+ * offset, position, stored_at), or None when value is not [str, five lists of one
+ * length] of str ids, uints below 2**63 (exact ints: a bool is not one) and floats:
+ * the Python code then says what is wrong. */
+PyObject *results_of_columns(PyObject *self, PyObject *args) {
+    PyObject *value, *result_type;
+    if (!PyArg_ParseTuple(args, "OO", &value, &result_type)) return NULL;
+    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) != 6 ||
+        !PyUnicode_CheckExact(PyList_GET_ITEM(value, 0)))
+        Py_RETURN_NONE;
+    PyObject *cols[5];
+    for (int k = 0; k < 5; k++) {
+        cols[k] = PyList_GET_ITEM(value, k + 1);
+        if (!PyList_CheckExact(cols[k])) Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(cols[0]);
+    for (int k = 1; k < 5; k++)
+        if (PyList_GET_SIZE(cols[k]) != n) Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyUnicode_CheckExact(PyList_GET_ITEM(cols[0], i)) ||
+            !PyFloat_CheckExact(PyList_GET_ITEM(cols[4], i)))
+            Py_RETURN_NONE;
+        for (int k = 1; k < 4; k++) {
+            PyObject *v = PyList_GET_ITEM(cols[k], i);
+            if (!PyLong_CheckExact(v)) Py_RETURN_NONE;
+            int overflow = 0;
+            long long u = PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (overflow || u < 0) {
+                PyErr_Clear();
+                Py_RETURN_NONE;
+            }
+        }
+    }
+    PyObject *topic = PyList_GET_ITEM(value, 0), *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *fields[6] = {PyList_GET_ITEM(cols[0], i), topic, PyList_GET_ITEM(cols[1], i),
+                               PyList_GET_ITEM(cols[2], i), PyList_GET_ITEM(cols[3], i),
+                               PyList_GET_ITEM(cols[4], i)};
+        PyObject *r = PyObject_Vectorcall(result_type, fields, 6, NULL);
+        if (r == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, r);
+    }
+    return out;
+}
+
+/* all_bytes(items) -> whether items is a non-empty list of bytes objects alone. */
+PyObject *all_bytes(PyObject *self, PyObject *items) {
+    if (!PyList_CheckExact(items) || PyList_GET_SIZE(items) == 0) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++)
+        if (!PyBytes_CheckExact(PyList_GET_ITEM(items, i))) Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}

@@ -71,6 +71,8 @@ static PyMethodDef methods[] = {
     {"check_batch", check_batch, METH_VARARGS, NULL},
     {"write_run", write_run, METH_VARARGS, NULL},
     {"pack_columns", pack_columns, METH_O, NULL},
+    {"results_of_columns", results_of_columns, METH_VARARGS, NULL},
+    {"all_bytes", all_bytes, METH_O, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},

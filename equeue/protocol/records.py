@@ -90,7 +90,20 @@ def pack_send_columns(topic: str, results: list[SendResult]) -> list[Any]:
     return list(SendColumns.of(topic, results))
 
 
+def all_bytes(items: list[Any]) -> bool:
+    """Whether a batch is bodies alone (sent as send_bodies): a C loop when built."""
+    fast = speedups.SPEEDUPS
+    if fast is not None:
+        return bool(fast.all_bytes(items))
+    return bool(items) and set(map(type, items)) == {bytes}
+
+
 def unpack_send_columns(value: object, where: str) -> list[SendResult]:
+    fast = speedups.SPEEDUPS
+    if fast is not None:  # checked and built in C; None: the checks below say what is wrong
+        results = fast.results_of_columns(value, SendResult)
+        if results is not None:
+            return results  # type: ignore[no-any-return]
     if type(value) is not list or len(value) != 6 or type(value[0]) is not str:
         raise ProtocolError(f"{where}: a send_bodies answer must be [topic, 5 arrays]")
     topic, ids, queue_ids, offsets, positions, stored = value
