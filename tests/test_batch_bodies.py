@@ -7,7 +7,6 @@ send_bodies answers what MessageStore.send_batch returns."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import msgpack
 import pytest
 from crash_checks import run_kill_iteration
 from crash_writer import PLAIN_ENV, POLICIES
-from server_helpers import short_dir
+from server_helpers import short_home
 from test_speedups import data_areas
 
 from equeue import MessageStore, StoreConfig, speedups
@@ -179,21 +178,15 @@ def test_a_read_only_handle_in_another_process_sees_body_batches(tmp_path: Path)
                 reader.kill()
 
 
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 def test_the_broker_answers_send_bodies_as_send_batch_returns(
-    short_tmp: Path, fixed_clock: None
+    home: Path, fixed_clock: None
 ) -> None:
     batches = [[body(100 * b + i) for i in range(100)] for b in range(5)]
-    expected = send_all(short_tmp / "local", batches, False)
-    broker = BrokerThread(MessageStore.open(short_tmp / "served", CONFIG)).start()
+    expected = send_all(home / "local", batches, False)
+    broker = BrokerThread(MessageStore.open(home / "served", CONFIG)).start()
     try:
         with Client(broker.urls[0]) as client:
             client.create_topic("t", 3)
