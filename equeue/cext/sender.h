@@ -4,6 +4,8 @@
 #define EQUEUE_CEXT_SENDER_H
 #include "sendstate.h"
 
+#include <time.h>
+
 typedef struct {
     PyObject_HEAD
     PyObject *store;       /* MessageStore: _closed, _flush_error, _waiting, _wake() */
@@ -30,7 +32,30 @@ typedef struct {
 } Sender;
 
 /* time.time_ns() as the Python path calls it: 0, or -1 with an exception. */
-int sender_clock(Sender *s, long long *now_ns);
+static inline int sender_clock(Sender *s, long long *now_ns) {
+    PyObject *clock = clock_function(s->clock, &s->clock_seen);
+    if (clock == NULL) return -1;
+    if (s->time_ns != NULL && PyCFunction_Check(clock) &&
+        PyCFunction_GET_FUNCTION(clock) == PyCFunction_GET_FUNCTION(s->time_ns)) {
+        /* time.time_ns itself: what it would return, without the call */
+        Py_DECREF(clock);
+        struct timespec ts;
+        if (clock_gettime(CLOCK_REALTIME, &ts) != 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        *now_ns = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+        return 0;
+    }
+    /* replaced (a test's fixed clock): called, as Python code calls it */
+    PyObject *now_obj = PyObject_CallNoArgs(clock);
+    Py_DECREF(clock);
+    if (now_obj == NULL) return -1;
+    *now_ns = PyLong_AsLongLong(now_obj);
+    Py_DECREF(now_obj);
+    return *now_ns == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 
 /* batch.c: Sender.append_bodies and Sender.plain_bodies */
 PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t nargs);
