@@ -27,7 +27,7 @@ from equeue.errors import InvalidTypeError, MessageTooLargeError, ProtocolError
 from equeue.protocol.records import pack_columns, unpack_send_columns
 from equeue.server import BrokerThread
 from equeue.store import bodies
-from equeue.store.bodies import send_columns
+from equeue.store.bodies import send_columns, send_packed
 from equeue.store.types import SendColumns
 
 needs_c = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator is not built")
@@ -96,6 +96,25 @@ def test_c_batches_write_the_bytes_of_the_python_path(
         assert store.recovery.clean
         pulled = [m.body for q in range(3) for m in store.pull("t", q, 0, 1000).messages]
         assert sorted(pulled) == sorted(b for batch in batches for b in batch)
+
+
+@needs_c
+def test_the_packed_answer_is_the_columns_packed(tmp_path: Path, fixed_clock: None) -> None:
+    """send_packed (the broker's, written by the C append as it goes) gives the bytes
+    pack_columns gives for send_columns' columns, across rollovers (whose bodies go
+    through Appender.append and are packed in Python)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    batches = [[body(100 * b + i) for i in range(100)] for b in range(8)]
+    with (
+        MessageStore.open(tmp_path / "a", CONFIG) as a,
+        MessageStore.open(tmp_path / "b", CONFIG) as b,
+    ):
+        for batch in batches:
+            packed = send_packed(a, "t", batch)
+            columns = send_columns(b, "t", batch)
+            ids = [a._id_prefix + i[8:] for i in columns.message_ids]
+            assert packed == pack_columns(columns._replace(message_ids=ids), packer)
+        assert send_packed(a, "t", [b"ok", "not bytes"]) is None
 
 
 @pytest.mark.parametrize("bad", [b"x" * 5000, "text", None], ids=["too large", "str", "None"])

@@ -51,6 +51,64 @@ static void close_queue(QueueRun *r) {
     Py_CLEAR(r->writer);
 }
 
+/* --- the columns packed as they go (msgpack, as records.pack_columns packs them) --- */
+
+static inline void put_be(char *p, uint64_t v, int n) {
+    for (int k = n - 1; k >= 0; k--, v >>= 8) p[k] = (char)(v & 0xff);
+}
+
+/* A uint's msgpack encoding at p (9 bytes of room): its length. */
+static inline Py_ssize_t put_uint(char *p, uint64_t u) {
+    if (u <= 0x7f) {
+        p[0] = (char)u;
+        return 1;
+    }
+    int n = u <= 0xff ? 1 : u <= 0xffff ? 2 : u <= 0xffffffffULL ? 4 : 8;
+    p[0] = (char)(n == 1 ? 0xcc : n == 2 ? 0xcd : n == 4 ? 0xce : 0xcf);
+    put_be(p + 1, u, n);
+    return 1 + n;
+}
+
+/* The most bytes one message adds to each packed column. */
+static void packed_room(PyObject *id_prefix, Py_ssize_t *per) {
+    per[0] = 3 + PyUnicode_GET_LENGTH(id_prefix) + 16; /* str16 header at most */
+    per[1] = per[2] = per[3] = per[4] = 9;
+}
+
+/* One message's id, queue id, offset, position and stored_at appended (packed) at
+ * pos[k] of the five bytearrays, which have the room (packed_room). */
+static void add_packed(PyObject *const *cols, Py_ssize_t *pos, PyObject *id_prefix,
+                       Py_ssize_t q, int64_t offset, int64_t position, double stored) {
+    static const char hex[] = "0123456789abcdef";
+    char *p = PyByteArray_AS_STRING(cols[0]) + pos[0];
+    Py_ssize_t plen = PyUnicode_GET_LENGTH(id_prefix), len = plen + 16, h;
+    if (len <= 31) {
+        p[0] = (char)(0xa0 | len);
+        h = 1;
+    } else if (len <= 0xff) {
+        p[0] = (char)0xd9;
+        p[1] = (char)len;
+        h = 2;
+    } else {
+        p[0] = (char)0xda;
+        put_be(p + 1, (uint64_t)len, 2);
+        h = 3;
+    }
+    memcpy(p + h, PyUnicode_1BYTE_DATA(id_prefix), (size_t)plen);
+    uint64_t v = (uint64_t)position;
+    for (int d = 15; d >= 0; d--, v >>= 4) p[h + plen + d] = hex[v & 15];
+    pos[0] += h + len;
+    pos[1] += put_uint(PyByteArray_AS_STRING(cols[1]) + pos[1], (uint64_t)q);
+    pos[2] += put_uint(PyByteArray_AS_STRING(cols[2]) + pos[2], (uint64_t)offset);
+    pos[3] += put_uint(PyByteArray_AS_STRING(cols[3]) + pos[3], (uint64_t)position);
+    uint64_t bits;
+    memcpy(&bits, &stored, 8);
+    p = PyByteArray_AS_STRING(cols[4]) + pos[4];
+    p[0] = (char)0xcb;
+    put_be(p + 1, bits, 8);
+    pos[4] += 9;
+}
+
 /* Appends one message's results: to the five columns (ids, queue ids, offsets,
  * positions, stored_at), or (ncols 1) a SendResult to the one list. */
 static int add_columns(Sender *s, PyObject *topic, PyObject *const *cols, int ncols,
@@ -83,7 +141,9 @@ static int add_columns(Sender *s, PyObject *topic, PyObject *const *cols, int nc
 /* append_bodies(topic, queues, bodies, start, columns) -> the index reached.
  * The caller holds the write lock, and checked every body (bytes within max_body and
  * the chunk size) before any was written. columns: a list of five lists (ids, queue
- * ids, offsets, positions, stored_at), or of one (a SendResult each), appended to. */
+ * ids, offsets, positions, stored_at), or of one (a SendResult each), appended to; or
+ * of five bytearrays, to which each value is appended msgpack-encoded (what
+ * pack_columns writes for the columns' items). */
 PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
     if (s->store == NULL || nargs != 5 || !PyUnicode_Check(args[0]) ||
         !PyList_CheckExact(args[1]) || PyList_GET_SIZE(args[1]) < 1 ||
@@ -98,18 +158,21 @@ PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t narg
         return Py_NewRef(args[3]);
     PyObject *topic = args[0], *queues = Py_NewRef(args[1]), *bodies = Py_NewRef(args[2]);
     PyObject *cols[5];
-    Py_ssize_t before[5];
+    Py_ssize_t before[5], pos[5], per[5];
     int ncols = (int)PyList_GET_SIZE(args[4]);
+    int packed = ncols == 5 && PyByteArray_CheckExact(PyList_GET_ITEM(args[4], 0));
     for (int k = 0; k < ncols; k++) {
         cols[k] = PyList_GET_ITEM(args[4], k);
-        if (!PyList_CheckExact(cols[k])) {
+        if (packed ? !PyByteArray_CheckExact(cols[k]) : !PyList_CheckExact(cols[k])) {
             Py_DECREF(queues);
             Py_DECREF(bodies);
-            PyErr_SetString(PyExc_TypeError, "append_bodies: the columns are lists");
+            PyErr_SetString(PyExc_TypeError,
+                            "append_bodies: the columns are five lists or five bytearrays");
             return NULL;
         }
-        before[k] = PyList_GET_SIZE(cols[k]);
+        before[k] = pos[k] = packed ? PyByteArray_GET_SIZE(cols[k]) : PyList_GET_SIZE(cols[k]);
     }
+    if (packed) packed_room(s->id_prefix, per);
     Py_ssize_t start = PyLong_AsSsize_t(args[3]), i = start;
     Py_ssize_t count = PyList_GET_SIZE(queues), n = PyList_GET_SIZE(bodies);
     PyObject *topic_bytes = NULL, *stored = NULL, *result = NULL;
@@ -146,6 +209,9 @@ PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t narg
     }
     char *data = (char *)lbuf.buf + s->data_offset;
     Py_ssize_t topic_len = PyBytes_GET_SIZE(topic_bytes), end = log.end;
+    for (int k = 0; packed && k < 5; k++) /* room for every body; cut to pos[k] after */
+        if (PyByteArray_Resize(cols[k], before[k] + (n - start) * per[k]) < 0) goto out;
+    double stored_at = (double)now_ns / 1e9;
     for (; i < n; i++) {
         PyObject *body = PyList_GET_ITEM(bodies, i);
         if (!PyBytes_CheckExact(body)) {
@@ -161,7 +227,9 @@ PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t narg
         int64_t offset = r->next_offset + r->taken, position = log.base + end;
         frame_message(data + end, length, position, now_ns, offset, (int32_t)q, 0, 0, 0,
                       topic_bytes, EMPTY_BYTES, EMPTY_BYTES, EMPTY_BYTES, body);
-        if (add_columns(s, topic, cols, ncols, q, offset, position, now_ns, stored) < 0)
+        if (packed)
+            add_packed(cols, pos, s->id_prefix, q, offset, position, stored_at);
+        else if (add_columns(s, topic, cols, ncols, q, offset, position, now_ns, stored) < 0)
             goto out;
         entries[done++] = (BodyEntry){q, position};
         r->taken++;
@@ -212,10 +280,14 @@ out:
     Py_XDECREF(topic_bytes);
     if (!ok || result == NULL) Py_CLEAR(result);
     if (result == NULL && !published) { /* none of this run was sent */
-        for (int k = 0; k < ncols; k++)
-            if (PyList_GET_SIZE(cols[k]) > before[k])
+        for (int k = 0; k < ncols; k++) {
+            if (packed) pos[k] = before[k];
+            else if (PyList_GET_SIZE(cols[k]) > before[k])
                 PyList_SetSlice(cols[k], before[k], PyList_GET_SIZE(cols[k]), NULL);
+        }
     }
+    for (int k = 0; packed && k < 5; k++) /* (shrinking: cannot fail) */
+        if (PyByteArray_GET_SIZE(cols[k]) != pos[k]) PyByteArray_Resize(cols[k], pos[k]);
     Py_DECREF(queues);
     Py_DECREF(bodies);
     return result;
@@ -256,10 +328,6 @@ static int out_room(Out *o, Py_ssize_t n) {
     o->buf = buf;
     o->cap = cap;
     return 0;
-}
-
-static inline void put_be(char *p, uint64_t v, int n) {
-    for (int k = n - 1; k >= 0; k--, v >>= 8) p[k] = (char)(v & 0xff);
 }
 
 /* A header of a fix/8/16/32 family (fix: n <= fix_max, marked fix_base | n). */

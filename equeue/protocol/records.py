@@ -30,6 +30,7 @@ and decode, and no per-message array.
 
 from __future__ import annotations
 
+import io
 from itertools import repeat
 from typing import Any, Final
 
@@ -84,6 +85,30 @@ def pack_columns(columns: SendColumns, packer: msgpack.Packer) -> bytes:
     if packed is None:
         packed = packer.pack(list(columns))
     return packed  # type: ignore[no-any-return]
+
+
+def packed_fields(sent: SendResult) -> list[bytes]:
+    """One result's column values, each msgpack-encoded (the items of packed columns)."""
+    return [msgpack.packb(v) for v in (sent[0], *sent[2:])]
+
+
+def packed_answer(topic: str, count: int, columns: list[bytearray]) -> bytes:
+    """The send_bodies answer around five columns of ``count`` packed items each:
+    what pack_columns gives for the same results."""
+    head = (
+        bytes([0x90 | count])
+        if count <= 15
+        else b"\xdc" + count.to_bytes(2, "big")
+        if count <= 0xFFFF
+        else b"\xdd" + count.to_bytes(4, "big")
+    )
+    return b"".join([b"\x96", msgpack.packb(topic), *(head + bytes(c) for c in columns)])
+
+
+def unpack_packed(topic: str, columns: list[bytearray]) -> list[SendResult]:
+    """The results in packed columns (a failed batch's ``sent``)."""
+    values = [list(msgpack.Unpacker(io.BytesIO(bytes(c)))) for c in columns]
+    return list(map(SendResult, values[0], repeat(topic), *values[1:]))
 
 
 def pack_send_columns(topic: str, results: list[SendResult]) -> list[Any]:

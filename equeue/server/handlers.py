@@ -27,7 +27,7 @@ from equeue.protocol.records import (
 from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
-from equeue.store.bodies import plain, send_columns
+from equeue.store.bodies import plain, send_columns, send_packed
 from equeue.store.store import MessageStore
 from equeue.store.types import OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import MAX_WAIT, check_commit
@@ -195,6 +195,13 @@ class Handlers:
         if not plain(store, bodies) and not set(map(type, bodies)) <= {bytes}:
             raise ProtocolError(f"{peer.where}: op 'send_bodies': each body must be bin")
         self._check_batch(peer, topic, len(bodies))
+        if not self.holds.count:  # the answer packed as the C append goes
+            packed = send_packed(store, topic, bodies)
+            if packed is not None:
+                counters = self.counters
+                counters.sends += len(bodies)
+                counters.send_requests += 1
+                return self._durable(peer, rid, Packed(packed))
         columns = send_columns(store, topic, bodies)
         counters = self.counters
         counters.sends += len(bodies)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from equeue.errors import StoreWriteError
+from equeue.protocol.records import packed_answer, packed_fields, unpack_packed
 from equeue.store.queue import Queue
 from equeue.store.types import SendColumns, SendResult
 
@@ -33,15 +34,19 @@ def plain(store: MessageStore, items: list[Any]) -> bool:
     return sender is not None and bool(sender.plain_bodies(items))
 
 
-def appending(store: MessageStore, topic: str, items: list[Any], as_columns: bool) -> Append[Any]:
-    """What MessageStore._store runs under the write lock for checked plain bodies:
-    their SendResults, or (as_columns) their SendColumns."""
+def appending(store: MessageStore, topic: str, items: list[Any], kind: str) -> Append[Any]:
+    """What MessageStore._locked runs under the write lock for checked plain bodies:
+    their SendResults (kind "results"), SendColumns ("columns"), or the broker's answer
+    packed as records.pack_columns packs those columns ("packed", bytes)."""
     appender = store._appender
 
-    def append(queues: list[Queue]) -> list[SendResult] | SendColumns:
+    def append(queues: list[Queue]) -> list[SendResult] | SendColumns | bytes:
         appender.check_open(topic, queues)
         sender = appender.sender
-        lists: list[list[Any]] = [[], [], [], [], []] if as_columns else [[]]
+        lists: list[Any] = (
+            [[]] if kind == "results" else [bytearray() for _ in range(5)]
+            if kind == "packed" else [[], [], [], [], []]
+        )  # fmt: skip
         done, count = 0, len(items)
         try:
             while done < count:
@@ -50,16 +55,22 @@ def appending(store: MessageStore, topic: str, items: list[Any], as_columns: boo
                     sent = appender.append(
                         topic, queues, items[done], b"", 0, b"", None, b"", 0, None
                     )
-                    if as_columns:
-                        for column, value in zip(lists, _fields(sent), strict=True):
-                            column.append(value)
-                    else:
+                    if kind == "results":
                         lists[0].append(sent)
+                    else:
+                        fields = packed_fields(sent) if kind == "packed" else _fields(sent)
+                        for column, value in zip(lists, fields, strict=True):
+                            column += value if kind == "packed" else [value]
                     done += 1
         except StoreWriteError as exc:  # a batch cut short by the disk: what was stored
-            exc.sent = SendColumns(topic, *lists).results() if as_columns else lists[0]
+            exc.sent = (
+                lists[0] if kind == "results" else unpack_packed(topic, lists)
+                if kind == "packed" else SendColumns(topic, *lists).results()
+            )  # fmt: skip
             raise
-        return SendColumns(topic, *lists) if as_columns else lists[0]
+        if kind == "packed":
+            return packed_answer(topic, count, lists)
+        return SendColumns(topic, *lists) if kind == "columns" else lists[0]
 
     return append
 
@@ -73,5 +84,16 @@ def send_columns(store: MessageStore, topic: str, items: list[bytes]) -> SendCol
     if not plain(store, items):
         return SendColumns.of(topic, store.send_batch(topic, items))
     queues, _ = store._queues_and_count(topic)
-    columns: SendColumns = store._locked(topic, queues, appending(store, topic, items, True))
+    columns: SendColumns = store._locked(topic, queues, appending(store, topic, items, "columns"))
     return columns
+
+
+def send_packed(store: MessageStore, topic: str, items: list[bytes]) -> bytes | None:
+    """``send_columns`` with the columns msgpack-encoded as the broker answers them
+    (records.pack_columns's bytes), written by the C append as it goes: no object per
+    message. None (nothing sent) unless the bodies are plain and the accelerator built."""
+    if not plain(store, items):
+        return None
+    queues, _ = store._queues_and_count(topic)
+    packed: bytes = store._locked(topic, queues, appending(store, topic, items, "packed"))
+    return packed

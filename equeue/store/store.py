@@ -511,7 +511,7 @@ class MessageStore:
 
         fast = speedups.SPEEDUPS
         if bodies.plain(self, items):  # bytes alone: one C call per run (store/bodies.py)
-            return self._locked(topic, queues, bodies.appending(self, topic, items, False))
+            return self._locked(topic, queues, bodies.appending(self, topic, items, "results"))
         if fast is None:
             checked = [check(message) for message in items]
         else:  # the common cases in C, the rest (and every error) by check()
