@@ -114,7 +114,8 @@ def test_the_packed_answer_is_the_columns_packed(tmp_path: Path, fixed_clock: No
             columns = send_columns(b, "t", batch)
             ids = [a._id_prefix + i[8:] for i in columns.message_ids]
             assert packed == pack_columns(columns._replace(message_ids=ids), packer)
-        assert send_packed(a, "t", [b"ok", "not bytes"]) is None
+        not_bodies: list[Any] = [b"ok", "not bytes"]
+        assert send_packed(a, "t", not_bodies) is None
 
 
 @pytest.mark.parametrize("bad", [b"x" * 5000, "text", None], ids=["too large", "str", "None"])
