@@ -29,12 +29,14 @@ def _where(file: str | os.PathLike[str] | None, offset: int | None) -> str:
 class EQueueError(Exception):
     """Base class of every equeue error.
 
-    ``sent`` and ``unsent``: what ``Client.send_many`` reports on the error it raises,
-    whatever its class (see ConnectionLostError); empty on every other error.
+    ``sent``, ``unsent`` and ``unanswered``: what ``Client.send_many`` reports on the
+    error it raises, whatever its class (equeue/client/many.py); empty on every other
+    error but ConnectionLostError's ``unanswered``.
     """
 
     sent: Sequence[Any] = ()
     unsent: Sequence[Any] = ()
+    unanswered: Sequence[Any] = ()
 
 
 class ConfigError(EQueueError, ValueError):
@@ -284,7 +286,7 @@ class ConnectionLostError(EQueueError, ConnectionError):
     each may or may not have been stored. They are not retried by the client; a
     caller that retries them may store a message twice.
     ``sent`` (send_many): the SendResults of the messages acknowledged, in their order.
-    ``unsent`` (send_many): the messages never written; none is stored.
+    ``unsent`` (send_many): the messages not stored (refused, or never written).
     """
 
     unanswered: list[Any]

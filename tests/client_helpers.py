@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import equeue
+from equeue.errors import ConnectionLostError
 from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES, FrameReader, decode_body, encode
 
 WELCOME: dict[str, Any] = {
@@ -174,3 +176,39 @@ class BrokerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_for_progress(url: str, topic: str, least: int) -> None:
+    """Until the broker holds ``least`` messages of ``topic`` (bounded: 60 s)."""
+    with equeue.connect(url) as watcher:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ids = watcher.queue_ids(topic)
+            if sum(watcher.queue_range(topic, q)[1] for q in ids) >= least:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"no progress on {topic}")
+
+
+def send_many_killed(
+    broker: BrokerProcess, client: Any, topic: str, bodies: list[bytes], window: int, least: int
+) -> ConnectionLostError:
+    """``client.send_many(topic, bodies)`` in a thread, the broker SIGKILLed once it holds
+    ``least`` of them: the ConnectionLostError send_many raised."""
+    outcome: dict[str, Any] = {}
+
+    def produce() -> None:
+        try:
+            outcome["results"] = client.send_many(topic, bodies, window=window)
+        except ConnectionLostError as exc:
+            outcome["error"] = exc
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        wait_for_progress(broker.url, topic, least)
+        broker.kill()
+    finally:
+        producer.join(120)
+    error: ConnectionLostError = outcome["error"]  # (the sends take far longer than the kill)
+    return error

@@ -414,10 +414,12 @@ def test_send_many_stops_at_an_error_answer_and_says_what_was_stored(
     broker: BrokerProcess,
 ) -> None:
     """One message of 100 is refused by the store (over max_message_size): send_many
-    raises that error once the sends in flight are answered; ``sent`` are exactly the
-    stored ones, ``unsent`` were never written, and together they are all but it."""
+    raises that error once the chunks in flight are answered; ``sent`` are exactly the
+    stored ones, ``unsent`` the others (the refused chunk's, and those never written)."""
+    from equeue.client.many import PARTS
     from equeue.errors import MessageTooLargeError
 
+    chunk = 16 // PARTS  # the window's chunks: one starts at 40
     bodies = [f"m{i}".encode() for i in range(100)]
     bodies[40] = b"x" * (4 * 1024 * 1024 + 1)
     with equeue.connect(broker.url) as client:
@@ -426,9 +428,15 @@ def test_send_many_stops_at_an_error_answer_and_says_what_was_stored(
             client.send_many("e", bodies, window=16)
         sent = raised.value.sent
         unsent = list(raised.value.unsent)
-        stored = [m.body for m in client.pull("e", 0, 0, max_count=1000)]
-    assert [client_body for client_body in stored] == [b for b in bodies if b in stored]
-    assert len(sent) == len(stored) and len(sent) + 1 + len(unsent) == len(bodies)
-    assert stored[:40] == bodies[:40]  # everything before the refused one
-    assert unsent == bodies[len(bodies) - len(unsent) :] and unsent  # the writing stopped
-    assert bodies[40] not in stored
+        stored = client.pull("e", 0, 0, max_count=1000).messages
+    # Changed with send_many's chunks (equeue/client/many.py): a chunk is all or nothing,
+    # so the refused message's chunk-mates (41.. in its chunk) are unsent with it,
+    # and sent + unsent now hold every message (the refused one was in neither before).
+    assert [(r.message_id, r.queue_offset) for r in sent] == [
+        (m.message_id, m.queue_offset) for m in stored
+    ]  # sent is exactly what the store holds
+    assert [m.body for m in stored] == [b for b in bodies if b not in unsent]
+    assert len(sent) + len(unsent) == len(bodies)
+    assert [m.body for m in stored[:40]] == bodies[:40]  # everything before the refused chunk
+    assert unsent[:chunk] == bodies[40 : 40 + chunk]  # the refused chunk
+    assert unsent[chunk:] == bodies[len(bodies) - len(unsent) + chunk :] and unsent[chunk:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from client_helpers import BrokerProcess
+from client_helpers import BrokerProcess, send_many_killed
 
 import equeue
 import equeue.aio
@@ -39,18 +38,6 @@ def stored_bodies(client: Client, topic: str) -> Counter[bytes]:
             found.update(m.body for m in batch)
             offset = batch.next_offset
     return found
-
-
-def wait_for_progress(url: str, topic: str, least: int) -> None:
-    """Until the broker holds ``least`` messages of ``topic`` (bounded: 60 s)."""
-    with equeue.connect(url) as watcher:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            ids = watcher.queue_ids(topic)
-            if sum(watcher.queue_range(topic, q)[1] for q in ids) >= least:
-                return
-            time.sleep(0.01)
-    raise AssertionError(f"no progress on {topic}")
 
 
 def test_the_next_call_after_a_restart_reconnects(base: Path) -> None:
@@ -87,25 +74,10 @@ def test_the_next_call_after_a_restart_reconnects(base: Path) -> None:
 
 def test_sends_in_flight_at_a_kill_are_unanswered_and_never_sent_twice(base: Path) -> None:
     bodies = [f"k{i}".encode() for i in range(400_000)]
-    outcome: dict[str, Any] = {}
     with BrokerProcess(base / "store", "--flush", "sync") as broker:
         client = equeue.connect(broker.url, connect_timeout=10)
         client.create_topic("k", 2)
-
-        def produce() -> None:
-            try:
-                outcome["results"] = client.send_many("k", bodies, window=256)
-            except ConnectionLostError as exc:
-                outcome["error"] = exc
-
-        producer = threading.Thread(target=produce)
-        producer.start()
-        try:
-            wait_for_progress(broker.url, "k", 2000)
-            broker.kill()
-        finally:
-            producer.join(120)
-        error = outcome["error"]  # (400k sends take far longer than the kill)
+        error = send_many_killed(broker, client, "k", bodies, 256, 2000)
         unanswered, unsent = error.unanswered, error.unsent
         assert unanswered, "a send was in flight at the kill"
         assert len(error.sent) + len(unanswered) + len(unsent) == len(bodies)

@@ -225,7 +225,7 @@ class Recorder:
         self.inflight = self.most = 0
 
     def request(self, op: str, arguments: dict[str, Any]) -> Any:
-        if op != "pull":
+        if op not in ("pull", "pull_columns"):  # (pull_columns: protocol version 3)
             return self.client.request(op, arguments)
         self.pulls.append(arguments)
         self.inflight += 1  # the GIL makes these counts exact enough for a maximum
@@ -262,14 +262,14 @@ def test_a_member_of_many_queues_long_polls_them_in_turns(url: str) -> None:
 
             async def request(self, op: str, arguments: dict[str, Any]) -> Any:
                 nonlocal most, inflight
-                if op == "pull":
+                if op in ("pull", "pull_columns"):
                     pulls.append(arguments)
                     inflight += 1
                     most = max(most, inflight)
                 try:
                     return await aclient.request(op, arguments)
                 finally:
-                    if op == "pull":
+                    if op in ("pull", "pull_columns"):
                         inflight -= 1
 
         try:

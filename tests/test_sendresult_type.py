@@ -11,6 +11,7 @@ import os
 import pickle
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from equeue import MessageStore, SendResult, StoreConfig, speedups
+from equeue.errors import InvalidTypeError
 from equeue.protocol.records import pack_send_columns, pack_send_result, unpack_send_columns
 from equeue.store.types import TupleSendResult
 
@@ -173,3 +175,51 @@ def test_pickled_between_the_c_and_the_pure_python_process(tmp_path: Path) -> No
     back = pickle.loads(done.stdout)
     assert type(back) is SendResult and back == one._replace(queue_offset=5)
     assert back != one and pickle.loads(pickle.dumps(one)) == one
+
+
+class _Reduced:
+    """Pickles as SendResult(*fields): what a pickle from elsewhere may hold."""
+
+    def __init__(self, fields: tuple[Any, ...]) -> None:
+        self.fields = fields
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return SendResult, self.fields
+
+
+class _Sentinel:
+    pass
+
+
+class _Text(str):  # a str subclass's instance has a __dict__: a cycle can run through it
+    pass
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda v: SendResult(FIELDS[0], "t", 1, 7, 74, v),
+        lambda v: SendResult(FIELDS[0], "t", 1, 7, 74, stored_at=v),
+        lambda v: SendResult._make((*FIELDS[:5], v)),
+        lambda v: SendResult(*FIELDS)._replace(stored_at=v),
+        lambda v: pickle.loads(pickle.dumps(_Reduced((*FIELDS[:5], v)))),
+    ],
+)
+def test_a_container_that_could_refer_back_is_refused(build: Callable[[Any], Any]) -> None:
+    """The C type is not known to the garbage collector: a hand-built result holding a
+    container that refers back to it was never freed (a leak). Every way to build one
+    refuses a value that is not a str, int, float, bool or None, naming the field (the
+    sentinel in the container is freed with it), and keeps a str subclass's instance as
+    its plain str."""
+    for value in (1.5, 7, "s", True, None):  # the control: atomic values are taken
+        assert build(value)[5] == value
+    box: list[Any] = [_Sentinel()]
+    alive = weakref.ref(box[0])
+    with pytest.raises(InvalidTypeError, match="SendResult field stored_at is a list"):
+        box.append(build(box))  # (the cycle, before: box -> result -> box)
+    del box
+    gc.collect()
+    assert alive() is None
+    text = _Text("x")  # kept as the plain str: nothing to refer back through
+    assert type(build(text)[5]) is str and build(text)[5] == "x"

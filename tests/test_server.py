@@ -13,6 +13,7 @@ import pytest
 from server_helpers import Raw, raw, short_home
 
 from equeue import MessageStore
+from equeue.protocol import pullcols
 from equeue.protocol.frames import encode
 from equeue.protocol.ops import OPS
 from equeue.protocol.records import (
@@ -62,6 +63,8 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         pulled = unpack_pull_result(call("pull", topic="t", queue_id=1, offset=0), "test")
         assert [m.body for m in pulled.messages] == [b"one", b"two", b"three"]
         assert pulled.next_offset == 3
+        columns = pullcols.unpack(call("pull_columns", topic="t", queue_id=1, offset=0), "test")
+        assert columns == pulled  # protocol version 3: the same pull, in columns
         tagged = unpack_pull_result(
             call("pull", topic="t", queue_id=1, offset=0, tags=["b"], max_count=5), "test"
         )

@@ -21,6 +21,7 @@ from equeue import MessageStore
 from equeue.atomicfile import write_json
 from equeue.errors import SinkCommitError, SparkOptionError
 from equeue.spark import ledger
+from equeue.spark.aborted import ABORTED_DIR
 from equeue.spark.ledger import INCOMING_DIR, Incoming, Job
 from equeue.spark.sink import KILL_TASK_ENV
 from equeue.spark.sinkcommit import KILL_AFTER_ENV, commit
@@ -165,7 +166,8 @@ def test_a_failing_task_aborts_the_job_and_appends_nothing(
     )
     assert "tag is 300 bytes UTF-8" in str(caught.value)
     assert stored(store, "t") == []
-    assert incoming(store) == []  # abort() removed the staged files of the other tasks
+    # abort() removed the staged files of the other tasks, leaving the run's abort marker
+    assert incoming(store) == [ABORTED_DIR]
     # Control: the same job without the bad row commits every row.
     save(df.where("id < 39999"), store, jobId="bad")
     assert len(stored(store, "t")) == 39_999
@@ -211,7 +213,8 @@ def test_a_task_killed_mid_write_and_a_commit_killed_mid_append(
     messages = stored(store, "t")
     assert Counter(int(m.body) for m in messages) == Counter(range(rows))
     assert all(m.key == f"k{int(m.body) % 97}" for m in messages)
-    assert incoming(store) == ["ledger.json"]  # the temp file went with the job's directory
+    # the temp file went with the job's directory; Spark aborted the first run (its marker)
+    assert incoming(store) == [ABORTED_DIR, "ledger.json"]
 
 
 def test_a_store_open_for_writing_elsewhere_fails_the_commit_in_one_line(
@@ -236,10 +239,10 @@ def test_a_store_open_for_writing_elsewhere_fails_the_commit_in_one_line(
     assert "nothing of the job locked was appended" in lines[0]
     assert "run the write again (its rows are staged anew)" in lines[0]
     assert [m.body for m in stored(store, "t")] == [b"held"]
-    assert incoming(store) == []  # abort() removed the staged files: nothing will use them
+    assert incoming(store) == [ABORTED_DIR]  # abort() removed the staged files (a marker left)
     save(df, store)  # the writer is gone: a re-run (here a job of its own) commits
     assert len(stored(store, "t")) == 1001
-    assert incoming(store) == ["ledger.json"]
+    assert incoming(store) == [ABORTED_DIR, "ledger.json"]
 
 
 def test_a_streaming_query_restarted_from_its_checkpoint_stores_every_row_once(

@@ -161,6 +161,18 @@ int message_check_fields(PyObject *obj, PyObject **topic, long long *queue_id,
     return 0;
 }
 
+/* A C Message's 12 field slots (borrowed; NULL: not made yet, its value then in ints[]
+ * or, for the id, from *id_prefix and the position; NULL props: empty): 1, or 0 for
+ * another object (pullcols.c packs a pull's answer from these without making them). */
+int message_slots(PyObject *obj, PyObject **fields, long long *ints, PyObject **id_prefix) {
+    if (!IS_MESSAGE(obj)) return 0;
+    MessageObject *m = (MessageObject *)obj;
+    memcpy(fields, m->f, sizeof m->f);
+    memcpy(ints, m->ints, sizeof m->ints);
+    *id_prefix = m->id_prefix;
+    return 1;
+}
+
 static PyObject *message_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *v[NFIELDS];
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOOOOO:Message", (char **)NAMES,

@@ -84,6 +84,8 @@ static PyMethodDef methods[] = {
     {"record_bodies", record_bodies, METH_VARARGS, NULL},
     {"match_run", match_run, METH_VARARGS, NULL},
     {"last_nonzero", last_nonzero, METH_VARARGS, NULL},
+    {"pack_pull_columns", pack_pull_columns, METH_VARARGS, NULL},
+    {"unpack_pull_columns", unpack_pull_columns, METH_VARARGS, NULL},
     {"prefault_request", prefault_request, METH_VARARGS, NULL},
     {"prefault_forget", prefault_forget, METH_O, NULL},
     {"prefault_supported", prefault_supported, METH_NOARGS, NULL},

@@ -8,8 +8,12 @@
  * first read, and kept (a sender that only checks it was stored pays for none of them).
  * send_batch hands every result the same stored_at float. Every field is atomic (str,
  * int, float), so the type is not known to the garbage collector at all: no GC header,
- * no collection counted per send. (A SendResult built from Python holds what it was
- * given: one holding a container that refers back to it is never collected.)
+ * no collection counted per send. A SendResult built from Python (SendResult(...),
+ * _make, _replace, unpickling) is held to that too: a str, int or float subclass's
+ * instance is kept as its plain value, and anything but a str, int, float, bool or None
+ * raises equeue.errors.InvalidTypeError, since a container there could refer back to the
+ * result and that cycle would never be collected. (The NamedTuple, a pure process's
+ * SendResult, keeps whatever it is given: a tuple is collected.)
  *
  * Not a tuple subclass, for the same reasons as message.c's Message; it behaves as the
  * NamedTuple does: the 6 fields in order as attributes, len/indexing/slicing/iteration/
@@ -86,12 +90,54 @@ PyObject *lazy_send_result(PyObject *id_prefix, PyObject *topic, long long queue
     return (PyObject *)r;
 }
 
-/* A result of the given fields (borrowed). */
+/* equeue.errors.InvalidTypeError naming the field and its type; NULL. */
+static PyObject *refuse(int i, PyObject *v) {
+    PyObject *errors = PyImport_ImportModule("equeue.errors");
+    PyObject *cls = errors == NULL ? NULL : PyObject_GetAttrString(errors, "InvalidTypeError");
+    Py_XDECREF(errors);
+    if (cls == NULL) return NULL;
+    PyErr_Format(cls,
+                 "SendResult field %s is a %.100s: a SendResult holds str, int, float, bool or "
+                 "None values only (what a send returns; a container could refer back to it, "
+                 "and the garbage collector does not look into a SendResult)",
+                 NAMES[i], Py_TYPE(v)->tp_name);
+    Py_DECREF(cls);
+    return NULL;
+}
+
+/* Field i's value as a result holds it (a new reference): an exact str, int, float, bool
+ * or None as it is; a subclass's instance of str, int or float (which may carry a
+ * __dict__, a way back to the result) as the plain value; else InvalidTypeError. */
+static PyObject *atomic(int i, PyObject *v) {
+    if (PyUnicode_CheckExact(v) || PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
+        PyBool_Check(v) || v == Py_None)
+        return Py_NewRef(v);
+    if (PyUnicode_Check(v)) return PyUnicode_FromObject(v);
+    if (PyLong_Check(v)) return PyNumber_Index(v); /* (an exact int, __index__ not called) */
+    if (PyFloat_Check(v)) return PyFloat_FromDouble(PyFloat_AS_DOUBLE(v));
+    return refuse(i, v);
+}
+
+/* A result of the given fields (borrowed), each as atomic() takes it (Python's
+ * SendResult(...), _make, _replace and unpickling all come here; the client's results,
+ * of exact str, int and float values, take the first loop only). */
 static PyObject *from_items(PyObject *const *items) {
     SendResultObject *r = PyObject_New(SendResultObject, &SendResultType);
     if (r == NULL) return NULL;
-    for (int i = 0; i < NFIELDS; i++) r->f[i] = Py_NewRef(items[i]);
     r->id_prefix = NULL;
+    int i = 0;
+    for (; i < NFIELDS; i++) {
+        PyTypeObject *t = Py_TYPE(items[i]);
+        if (t != &PyUnicode_Type && t != &PyLong_Type && t != &PyFloat_Type) break;
+        r->f[i] = Py_NewRef(items[i]);
+    }
+    for (int j = i; j < NFIELDS; j++) r->f[j] = NULL; /* (for the dealloc of a refusal) */
+    for (; i < NFIELDS; i++) {
+        if ((r->f[i] = atomic(i, items[i])) == NULL) {
+            Py_DECREF(r);
+            return NULL;
+        }
+    }
     return (PyObject *)r;
 }
 

@@ -148,6 +148,12 @@ PyObject *lazy_message(PyObject *id_prefix, PyObject *topic, PyObject *tag, PyOb
 int message_check_fields(PyObject *message, PyObject **topic, long long *queue_id,
                          long long *queue_offset);
 
+/* A C Message's field slots (message.c): 1, or 0 for another object. */
+int message_slots(PyObject *obj, PyObject **fields, long long *ints, PyObject **id_prefix);
+/* pullcols.c: a pull's answer in columns (protocol version 3). */
+PyObject *pack_pull_columns(PyObject *self, PyObject *args);
+PyObject *unpack_pull_columns(PyObject *self, PyObject *args);
+
 /* The module's functions (module.c lists them). */
 PyObject *check_batch(PyObject *self, PyObject *args);
 PyObject *write_run(PyObject *self, PyObject *args);

@@ -28,6 +28,7 @@ from equeue.client.coalesce import Coalescer
 from equeue.client.connect import RECV_BYTES
 from equeue.client.core import (
     DECODERS,
+    PULL_OPS,
     SEND_OPS,
     AnswerReader,
     RequestEncoder,
@@ -399,7 +400,7 @@ class AsyncClient:
         if not isinstance(op, str) or not isinstance(arguments, dict):
             raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
         check_args(op, arguments, f"request to {self.url}")
-        wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
+        wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
         messages = [arguments] if op in SEND_OPS else None
         return await self._call(Call(op, arguments, messages, wait), decode=False)
 

@@ -124,7 +124,7 @@ def pull(
         raise _probed(exc, name, wire["queue_id"]) from None
     if milliseconds:
         wire["wait_ms"] = milliseconds
-    return Call("pull", wire, None, milliseconds / 1000)
+    return Call("pull_columns", wire, None, milliseconds / 1000)  # "pull" to a broker < v3
 
 
 def get(message_id: str) -> Call:

@@ -12,10 +12,13 @@ client (the blocking client is thread-safe), also while the caller's code runs; 
 assigned queues are long-polled at once, one pull each in flight, from a small pool of
 threads, so a message in any of them wakes the loop (no busy wait); past MAX_POLLERS
 queues they take turns, each pull waiting its share of a second (``poll_wait_ms``).
+Prefetch: a queue is pulled again once at most (prefetch - 1) x batch_size of its
+messages wait in the buffer, so its next batch is on the way while this one is handled;
+while messages are at hand those pulls do not wait (see _start_pulls).
 
 At least once: processed offsets are committed (``auto_commit``) when no message came
-for 0.1 s, when every message fetched was handed out and ``auto_commit_interval``
-passed since the last commit, before a queue is given up, and by ``close()``. A member
+for 0.1 s, when ``auto_commit_interval`` passed since the last commit (also while the
+buffer never runs empty), before a queue is given up, and by ``close()``. A member
 that dies without committing leaves its queues at their last commit: the new holder
 gets again what it processed since (at most ``auto_commit_interval`` seconds of work,
 plus the message in hand). ``nack(message, delay=)`` (or an exception from the handler
@@ -35,6 +38,7 @@ from typing import Any, Protocol
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
+    DEFAULT_PREFETCH,
     DEFAULT_SESSION_TIMEOUT,
     MAX_POLLERS,
     POLL_WAIT_MS,
@@ -55,6 +59,9 @@ from equeue.store.types import Message
 log = logging.getLogger("equeue.client.consumer")
 
 IDLE_COMMIT_SECONDS = 0.1  # no message for this long: the processed offsets are committed
+# While messages are at hand, a queue whose last (quick) pull found nothing is pulled
+# again after this long at the earliest: what arrives there waits at most this much more.
+IDLE_RECHECK_SECONDS = 0.05
 
 
 class Requester(Protocol):
@@ -74,6 +81,7 @@ class GroupConsumer:
         *,
         tags: str | Iterable[str] | None = None,
         batch_size: int = 32,
+        prefetch: int = DEFAULT_PREFETCH,
         auto_commit: bool = True,
         auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
         session_timeout: float = DEFAULT_SESSION_TIMEOUT,
@@ -84,13 +92,16 @@ class GroupConsumer:
     ) -> None:
         self.client = client
         self.state = GroupState(
-            client.url, group, topics, tags=tags, batch_size=batch_size,
+            client.url, group, topics, tags=tags, batch_size=batch_size, prefetch=prefetch,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
             max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
-        self._inflight: dict[Queue, tuple[Future[Any], int, int]] = {}
+        # per queue: its pull in flight, the offset and membership it was sent in, and
+        # whether it was a quick one (no wait)
+        self._inflight: dict[Queue, tuple[Future[Any], int, int, bool]] = {}
+        self._idle: dict[Queue, float] = {}  # a quick pull found nothing: not before then
         self._pool = ThreadPoolExecutor(MAX_POLLERS, thread_name_prefix="equeue-pull")
         self._event = threading.Event()  # a pull answered, or the assignment changed
         self._stop = threading.Event()
@@ -125,15 +136,33 @@ class GroupConsumer:
     def poll(self, timeout: float | None = 0.0) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
         state = self.state
-        self._check_open()
-        state.last_poll = time.monotonic()
-        state.done_with_pending()
+        if state.closed:
+            self._check_open()
+        state.last_poll = now = time.monotonic()
+        if state.handed is not None:
+            state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
             try:
                 self._maintain()
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
+        if state.buffer:  # the common case: a message at hand
+            if state.refill:  # a pull answered, or a queue run low: take it, pull again
+                self._refill()
+            if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
+                self._commit_quietly(None)
+            buffer = state.buffer
+            if buffer:  # (state.next_message, inline: this runs once a message)
+                batch = buffer[0]
+                i = batch.next
+                message = batch.messages[i]
+                batch.next = i = i + 1
+                if i == batch.count:  # handed out whole: its queue may want its next pull
+                    buffer.popleft()
+                    state.refill = True
+                state.handed = batch
+                return message
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval
@@ -258,11 +287,11 @@ class GroupConsumer:
             try:
                 self._maintain()
                 self._harvest()
+                self._start_pulls()  # (with messages at hand too: the next batches)
                 if state.buffer:
                     return True
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
                     self._commit(None)  # nothing came for a while: commit what is done
-                self._start_pulls()
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
@@ -272,6 +301,23 @@ class GroupConsumer:
             if remaining is not None and remaining <= 0:
                 return False
             self._event.wait(POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0))
+
+    def _answered(self, _: object) -> None:
+        self.state.refill = True  # (a plain flag: poll looks at it at every message)
+        self._event.set()
+
+    def _refill(self) -> None:
+        """Take the pulls answered and send the next of every queue run low, without
+        waiting (the buffer still holds messages)."""
+        state = self.state
+        state.refill = False
+        self._event.clear()
+        try:
+            self._harvest()
+            self._start_pulls(quick=True)
+        except (GroupError, ConnectionLostError) as exc:
+            log.warning("consumer %s: %s; joining again", state.consumer, exc)
+            state.lost = True
 
     def _maintain(self) -> None:
         """Join again if the membership was lost; apply the latest assignment."""
@@ -300,7 +346,7 @@ class GroupConsumer:
 
     def _harvest(self) -> None:
         state = self.state
-        for key, (future, at, epoch) in list(self._inflight.items()):
+        for key, (future, at, epoch, quick) in list(self._inflight.items()):
             if not future.done():
                 continue
             del self._inflight[key]
@@ -308,21 +354,35 @@ class GroupConsumer:
             if epoch != state.epoch:
                 continue  # sent before the membership was lost: not ours to judge
             if error is None:
-                state.pulled(key, at, future.result())
+                if not state.pulled(key, at, future.result()) and quick:
+                    self._idle[key] = time.monotonic() + IDLE_RECHECK_SECONDS
             elif key in state.positions:
                 raise error
 
-    def _start_pulls(self) -> None:
+    def _start_pulls(self, *, quick: bool = False) -> None:
+        """Pull the queues that want it. ``quick`` (messages are at hand): without a
+        wait, and not the queues a quick pull found empty within IDLE_RECHECK_SECONDS.
+        Long polls are for a member with nothing to do: each pull waiting in the blocking
+        client wakes at every answer on the connection, so a busy member keeps none."""
         state = self.state
-        wanted = [k for k in state.positions if k not in self._inflight and state.wants_pull(k)]
+        inflight, epoch = self._inflight, state.epoch
+        now = time.monotonic() if quick else 0.0
+        idle = self._idle
+        # (a pull sent before the membership was lost is ignored when answered: it does
+        # not hold up the queue's pulls now)
+        wanted = [
+            k for k in state.positions
+            if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
+            and not (quick and idle.get(k, 0.0) > now)
+        ]  # fmt: skip
         # past MAX_POLLERS, the pool's queue takes them in turn (FIFO: a queue answered
         # goes after those waiting)
-        wait_ms = poll_wait_ms(len(state.positions))
+        wait_ms = 0 if quick else poll_wait_ms(len(state.positions))
         for key in wanted:
             args = state.pull_args(key, wait_ms)
-            future = self._pool.submit(self.client.request, "pull", args)
-            future.add_done_callback(lambda _: self._event.set())
-            self._inflight[key] = (future, args["offset"], state.epoch)
+            future = self._pool.submit(self.client.request, "pull_columns", args)
+            future.add_done_callback(self._answered)
+            self._inflight[key] = (future, args["offset"], state.epoch, quick)
 
     def _commit(self, queues: list[Queue] | None) -> None:
         state = self.state

@@ -23,6 +23,7 @@ from equeue.client.consumer import IDLE_COMMIT_SECONDS, _delay_ms
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
+    DEFAULT_PREFETCH,
     DEFAULT_SESSION_TIMEOUT,
     MAX_POLLERS,
     POLL_WAIT_MS,
@@ -60,6 +61,7 @@ class AsyncGroupConsumer:
         *,
         tags: str | Iterable[str] | None = None,
         batch_size: int = 32,
+        prefetch: int = DEFAULT_PREFETCH,
         auto_commit: bool = True,
         auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
         session_timeout: float = DEFAULT_SESSION_TIMEOUT,
@@ -70,7 +72,7 @@ class AsyncGroupConsumer:
     ) -> None:
         self.client = client
         self.state = GroupState(
-            client.url, group, topics, tags=tags, batch_size=batch_size,
+            client.url, group, topics, tags=tags, batch_size=batch_size, prefetch=prefetch,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
             max_retries=max_retries, consumer_id=consumer_id,
@@ -115,16 +117,27 @@ class AsyncGroupConsumer:
 
     async def poll(self, timeout: float | None = 0.0) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
-        await self.start()
+        if self._heartbeat is None:
+            await self.start()
         state = self.state
-        state.last_poll = time.monotonic()
-        state.done_with_pending()
+        if state.closed:
+            self._check_open()
+        state.last_poll = now = time.monotonic()
+        if state.handed is not None:
+            state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
             try:
                 await self._maintain()
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
+        if state.buffer:  # the common case: a message at hand
+            if state.refill:  # a pull answered, or a queue run low: take it, pull again
+                self._refill()
+            if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
+                await self._commit_quietly()
+            if state.buffer:
+                return state.next_message()
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval
@@ -249,11 +262,11 @@ class AsyncGroupConsumer:
             try:
                 await self._maintain()
                 self._harvest()
+                self._start_pulls()  # (with messages at hand too: the next batches)
                 if state.buffer:
                     return True
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
                     await self._commit(None)
-                self._start_pulls()
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
@@ -265,6 +278,25 @@ class AsyncGroupConsumer:
             wait = POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event.wait(), wait)
+
+    def _answered(self, _: object) -> None:
+        self.state.refill = True  # (a plain flag: poll looks at it at every message)
+        if self._event is not None:
+            self._event.set()
+
+    def _refill(self) -> None:
+        """Take the pulls answered and send the next of every queue run low, without
+        waiting (the buffer still holds messages)."""
+        state = self.state
+        state.refill = False
+        if self._event is not None:
+            self._event.clear()
+        try:
+            self._harvest()
+            self._start_pulls()
+        except (GroupError, ConnectionLostError) as exc:
+            log.warning("consumer %s: %s; joining again", state.consumer, exc)
+            state.lost = True
 
     async def _maintain(self) -> None:
         state = self.state
@@ -316,13 +348,22 @@ class AsyncGroupConsumer:
         # At most MAX_POLLERS pulls in flight (the connection's max_in_flight is shared
         # with commits and heartbeats), the queues pulled longest ago first.
         wait_ms = poll_wait_ms(len(state.positions))
-        wanted = [k for k in state.positions if k not in self._inflight and state.wants_pull(k)]
+        inflight, epoch = self._inflight, state.epoch
+        # (a pull sent before the membership was lost is ignored when answered: it does
+        # not hold up the queue's pulls now)
+        wanted = [
+            k for k in state.positions
+            if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
+        ]  # fmt: skip
         wanted.sort(key=lambda k: self._started.get(k, 0.0))
         for key in wanted[: max(0, MAX_POLLERS - len(self._inflight))]:
+            old = inflight.get(key)
+            if old is not None:  # of an earlier membership: its answer would be ignored
+                old[0].cancel()
             self._started[key] = time.monotonic()
             args = state.pull_args(key, wait_ms)
-            task = asyncio.create_task(self.client.request("pull", args))
-            task.add_done_callback(lambda _: event.set())
+            task = asyncio.create_task(self.client.request("pull_columns", args))
+            task.add_done_callback(self._answered)
             self._inflight[key] = (task, args["offset"], state.epoch)
 
     async def _commit(self, queues: list[Queue] | None) -> None:

@@ -20,6 +20,7 @@ from equeue.errors import (
 from equeue.protocol.faults import unpack_error
 from equeue.protocol.frames import (
     BODIES_VERSION,
+    COLUMNS_VERSION,
     CONNECTION_REQUEST_ID,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
@@ -28,6 +29,7 @@ from equeue.protocol.frames import (
     decode_body,
 )
 from equeue.protocol.handshake import Hello, Welcome
+from equeue.protocol.pullcols import unpack_any as _pull_columns
 from equeue.protocol.records import (
     unpack_message,
     unpack_messages,
@@ -40,6 +42,7 @@ from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 # A request is (op, args, what ConnectionLostError.unanswered gets for it: the message
 # as the caller gave it for a send, None for an op that stores nothing).
 SEND_OPS: Final = frozenset({"send", "send_batch", "send_bodies"})
+PULL_OPS: Final = frozenset({"pull", "pull_columns"})  # held by the broker up to wait_ms
 
 _pack_header = FRAME_HEADER.pack
 _unpack_header = FRAME_HEADER.unpack_from
@@ -60,6 +63,8 @@ class RequestEncoder:
         if op == "send_bodies" and self.version < BODIES_VERSION:  # a broker before it
             op = "send_batch"
             args = {"topic": args["topic"], "messages": [{"body": b} for b in args["bodies"]]}
+        elif op == "pull_columns" and self.version < COLUMNS_VERSION:  # answered as a pull
+            op = "pull"
         try:
             payload: bytes = self._packer.pack([request_id, op, args])
         except UnicodeEncodeError as exc:
@@ -247,6 +252,7 @@ DECODERS: Final[dict[str, Decoder]] = {
     "send_batch": _send_results,
     "send_bodies": _send_bodies,
     "pull": _pull,
+    "pull_columns": _pull_columns,
     "get": _message,
     "query_by_key": _messages,
     "offset_for_time": _uint,

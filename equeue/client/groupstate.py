@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from equeue.errors import InvalidMessageError, InvalidTypeError, ProtocolError
-from equeue.protocol.records import unpack_pull_result
-from equeue.protocol.retries import restore
+from equeue.protocol.pullcols import unpack_any
+from equeue.protocol.retries import RETRY_PREFIX, restore
 from equeue.store.types import Message
 
 Queue = tuple[str, int]
@@ -39,6 +39,11 @@ DEFAULT_MAX_POLL_INTERVAL: Final = 300.0
 POLL_WAIT_MS: Final = 1000
 MAX_POLLERS: Final = 64  # pulls in flight at once (threads of the blocking loop)
 MIN_POLL_WAIT_MS: Final = 10
+# Batches of a queue a member holds at most, handed-out ones not counted: its buffered
+# messages and the one pull in flight. 2: the next pull is sent as soon as the queue's
+# buffer holds no more than one batch, so it is answered while that batch is handled.
+DEFAULT_PREFETCH: Final = 2
+MAX_PREFETCH: Final = 64
 
 
 def poll_wait_ms(queues: int) -> int:
@@ -60,6 +65,7 @@ class GroupState:
         *,
         tags: str | Iterable[str] | None,
         batch_size: int,
+        prefetch: int = DEFAULT_PREFETCH,
         auto_commit: bool,
         auto_commit_interval: float,
         session_timeout: float,
@@ -79,6 +85,13 @@ class GroupState:
             tags if tags is None or isinstance(tags, str) else _strings(tags, "tags")
         )
         self.batch_size = _count(batch_size, "batch_size")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool):
+            raise InvalidTypeError(f"prefetch must be an int, got {type(prefetch).__name__}")
+        if not 1 <= prefetch <= MAX_PREFETCH:
+            raise InvalidMessageError(f"prefetch={prefetch} must lie in [1, {MAX_PREFETCH}]")
+        # a queue is pulled again once no more than this many of its messages wait here
+        self.low_water = (prefetch - 1) * self.batch_size
+        self.refill = False  # a queue's buffer fell to low_water: pull it again
         if not isinstance(auto_commit, bool):
             raise InvalidTypeError(f"auto_commit must be a bool, got {type(auto_commit).__name__}")
         self.auto_commit = auto_commit
@@ -104,11 +117,13 @@ class GroupState:
         self.applied: int | None = None
         self.news = False  # an answer not applied yet: the loop applies it at the next poll
         self.positions: dict[Queue, int] = {}
-        self.processed: dict[Queue, int] = {}
+        # where each queue's processed messages end: an offset, or the Batch of the last
+        # one (its offset worked out when asked: processed() and to_commit)
+        self.processed: dict[Queue, int | Batch] = {}
         self.committed: dict[Queue, int] = {}
-        self.buffer: deque[tuple[Message, Queue, int]] = deque()  # (message, queue, after)
-        self.buffered: dict[Queue, int] = {}
-        self.pending: list[tuple[Queue, int]] = []  # handed out, not processed yet
+        self.buffer: deque[Batch] = deque()  # pulls' answers, each until handed out whole
+        # the batch of the message handed out last, not processed yet (its ``next``)
+        self.handed: Batch | None = None
         self.closed = False
 
     # --- the broker's answers ----------------------------------------------------------
@@ -195,11 +210,12 @@ class GroupState:
     def drop(self, queues: list[Queue]) -> None:
         gone = set(queues)
         for key in gone:
-            for table in (self.positions, self.processed, self.committed, self.buffered):
+            for table in (self.positions, self.processed, self.committed):
                 table.pop(key, None)
         if gone:
-            self.buffer = deque(item for item in self.buffer if item[1] not in gone)
-            self.pending = [item for item in self.pending if item[0] not in gone]
+            self.buffer = deque(batch for batch in self.buffer if batch.key not in gone)
+            if self.handed is not None and self.handed.key in gone:
+                self.handed = None
 
     def add(self, key: Queue, committed: object, queue_range: object) -> None:
         """Start ``key`` at the group's committed offset (the broker's answers to
@@ -230,48 +246,91 @@ class GroupState:
         return args
 
     def wants_pull(self, key: Queue) -> bool:
-        return key in self.positions and not self.buffered.get(key)
+        return key in self.positions and self.buffered(key) <= self.low_water
 
-    def pulled(self, key: Queue, at: int, answer: object) -> None:
+    def buffered(self, key: Queue) -> int:
+        """Messages of ``key`` fetched and not handed out yet."""
+        return sum(b.count - b.next for b in self.buffer if b.key == key)
+
+    def held(self) -> int:
+        """Messages fetched and not handed out yet."""
+        return sum(b.count - b.next for b in self.buffer)
+
+    def pulled(self, key: Queue, at: int, answer: object) -> int:
         """A pull of ``key`` from ``at`` answered: its messages to the buffer (dropped if
-        the queue was dropped or moved on meanwhile)."""
+        the queue was dropped or moved on meanwhile); how many."""
         if self.positions.get(key) != at:
-            return
-        result = unpack_pull_result(answer, self.where)
+            return 0
+        result = unpack_any(answer, self.where)
         following = result.next_offset
         if following <= at:
-            return
+            return 0
         self.positions[key] = following
         messages = result.messages
         if not messages:  # a tag filter passed over them: nothing of it is in hand
-            self.processed[key] = following
-            return
-        for message in messages[:-1]:
-            self.buffer.append((restore(message), key, message.queue_offset + 1))
-        self.buffer.append((restore(messages[-1]), key, following))
-        self.buffered[key] = self.buffered.get(key, 0) + len(messages)
+            handed = self.handed
+            if not (handed is not None and handed.key == key) and not self.buffered(key):
+                self.processed[key] = following  # (else: once what is at hand is)
+            return 0
+        if key[0].startswith(RETRY_PREFIX):  # retry copies: their original places
+            messages = list(map(restore, messages))
+        self.buffer.append(Batch(messages, key, following))
+        return len(messages)
 
     def next_message(self) -> Message:
-        message, key, after = self.buffer.popleft()
-        self.buffered[key] -= 1
-        self.pending.append((key, after))
+        """The next message (the buffer holds one). GroupConsumer.poll has this inline."""
+        batch = self.buffer[0]
+        i = batch.next
+        message = batch.messages[i]
+        batch.next = i = i + 1
+        if i == batch.count:  # handed out whole: its queue may want its next pull
+            self.buffer.popleft()
+            self.refill = True
+        self.handed = batch
         return message
 
     def done_with_pending(self) -> None:
-        for key, after in self.pending:
-            if key in self.processed:
-                self.processed[key] = after
-        self.pending.clear()
+        """The message handed out last is processed (the caller came back, commits or
+        closes)."""
+        batch = self.handed
+        if batch is not None:
+            self.handed = None
+            batch.done = batch.next
+            if batch.key in self.processed:
+                self.processed[batch.key] = batch
+
+    def processed_offset(self, key: Queue) -> int:
+        found = self.processed[key]
+        return found if type(found) is int else found.after()  # type: ignore[union-attr]
 
     def to_commit(self, queues: Iterable[Queue] | None = None) -> dict[Queue, int]:
         if self.lost:  # e.g. a nack failed: its queues are read again from their commits
             return {}
-        keys = self.processed if queues is None else queues
-        return {
-            key: self.processed[key]
-            for key in keys
-            if key in self.processed and self.processed[key] != self.committed.get(key)
-        }
+        keys = list(self.processed if queues is None else queues)
+        offsets = {key: self.processed_offset(key) for key in keys if key in self.processed}
+        return {key: at for key, at in offsets.items() if at != self.committed.get(key)}
+
+
+class Batch:
+    """One pull's messages in the buffer, handed out in turn from ``next``."""
+
+    __slots__ = ("count", "done", "following", "key", "messages", "next")
+
+    def __init__(self, messages: list[Message], key: Queue, following: int) -> None:
+        self.messages = messages
+        self.count = len(messages)
+        self.key = key
+        self.following = following  # where the queue's next pull starts
+        self.next = 0  # the next to hand out
+        self.done = 0  # how many are processed
+
+    def after(self) -> int:
+        """Where the processed ones end: after the last (past entries a tag filter
+        skipped, for the last of the batch)."""
+        done = self.done
+        if done == self.count:
+            return self.following
+        return self.messages[done - 1].queue_offset + 1 if done else self.messages[0].queue_offset
 
 
 def _strings(values: object, what: str) -> list[str]:

@@ -30,6 +30,7 @@ from equeue.client.calls import Call, Given
 from equeue.client.connect import RECV_BYTES, connect_with_retries
 from equeue.client.core import (
     DECODERS,
+    PULL_OPS,
     SEND_OPS,
     AnswerReader,
     RequestEncoder,
@@ -425,7 +426,7 @@ class Client:
         if not isinstance(op, str) or not isinstance(arguments, dict):
             raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
         check_args(op, arguments, f"request to {self.url}")
-        wait = arguments.get("wait_ms", 0) / 1000 if op == "pull" else 0.0
+        wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
         messages = [arguments] if op in SEND_OPS else None
         conn, (slot,) = self._submit([Call(op, arguments, messages, wait)])
         return self._wait(conn, slot)
@@ -462,9 +463,10 @@ class Client:
         *,
         window: int = DEFAULT_WINDOW,
     ) -> list[SendResult]:
-        """One send request per message, up to ``window`` in flight before their answers
-        are read; the results in the messages' order. See docs/broker.md for what a
-        failure midway reports (``sent``, ``unanswered``, ``unsent``)."""
+        """The messages in chunks of consecutive ones (one send_bodies or send_batch
+        request each, all or nothing each), at most ``window`` messages in flight; the
+        results in the messages' order. What a failure midway reports (``sent``,
+        ``unsent``, ``unanswered``): equeue/client/many.py, docs/client.md."""
         from equeue.client.many import send_many
 
         return send_many(self, topic, messages, window)

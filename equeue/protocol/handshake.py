@@ -11,7 +11,8 @@ welcome (broker to client), a map::
 
     version    uint          the version chosen: the highest both speak
     server     str           "equeue <package version>"
-    limits     map           max_frame_bytes, max_in_flight, max_connections (uint)
+    limits     map           max_frame_bytes, max_in_flight, max_connections (uint);
+                             max_batch_messages, max_pull_count (uint, kept if present)
 
 A broker that speaks none of the versions, or refuses the token, answers
 ``[0, 1, {"code": ..., "message": ...}]`` instead and closes.
@@ -27,6 +28,9 @@ from equeue.protocol.frames import SUPPORTED_VERSIONS
 
 MAX_CLIENT_NAME = 200
 LIMIT_NAMES = ("max_frame_bytes", "max_in_flight", "max_connections")
+# Announced by every broker of this package, but not required of one: a client that needs
+# one (send_many's chunks: max_batch_messages) assumes the protocol's default without it.
+OPTIONAL_LIMIT_NAMES = ("max_batch_messages", "max_pull_count")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,10 @@ class Welcome:
             if type(value) is not int or value <= 0:
                 raise ProtocolError(f"{where}: welcome limit {name!r} must be a uint > 0")
             checked[name] = value
+        for name in OPTIONAL_LIMIT_NAMES:
+            value = limits.get(name)
+            if type(value) is int and value > 0:
+                checked[name] = value
         return cls(version, server, checked)
 
 

@@ -31,6 +31,17 @@ _MESSAGE_ARGS: Final[Spec] = {
 }
 _QUEUE: Final[Spec] = {"topic": ((str,), True), "queue_id": ((UINT,), True)}
 _MEMBER: Final[Spec] = {"group": ((str,), True), "consumer": ((str,), True)}
+_PULL: Final[Spec] = {
+    **_QUEUE,
+    "offset": ((UINT,), True),
+    "max_count": ((UINT,), False),
+    "tags": ((str, list, NIL), False),
+    "wait_ms": ((UINT,), False),
+    "max_bytes": ((UINT, NIL), False),
+    # a pull on behalf of a group member: refused unless it owns the queue
+    "group": ((str,), False),
+    "consumer": ((str,), False),
+}
 
 OPS: Final[dict[str, Spec]] = {
     "ping": {},
@@ -38,17 +49,9 @@ OPS: Final[dict[str, Spec]] = {
     "send_batch": {"topic": ((str,), True), "messages": ((list,), True)},
     # protocol version 2: bodies alone (an array of bin), answered in columns (records.py)
     "send_bodies": {"topic": ((str,), True), "bodies": ((list,), True)},
-    "pull": {
-        **_QUEUE,
-        "offset": ((UINT,), True),
-        "max_count": ((UINT,), False),
-        "tags": ((str, list, NIL), False),
-        "wait_ms": ((UINT,), False),
-        "max_bytes": ((UINT, NIL), False),
-        # a pull on behalf of a group member: refused unless it owns the queue
-        "group": ((str,), False),
-        "consumer": ((str,), False),
-    },
+    "pull": _PULL,
+    # protocol version 3: the same pull, answered in columns (pullcols.py)
+    "pull_columns": _PULL,
     "get": {"message_id": ((str,), True)},
     "query_by_key": {"topic": ((str,), True), "key": ((str,), True), "limit": ((UINT,), False)},
     "offset_for_time": {**_QUEUE, "timestamp": ((float, int), True)},

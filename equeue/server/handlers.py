@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import msgpack
 
 from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
+from equeue.protocol import pullcols
 from equeue.protocol.faults import hide_store_path
 from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
 from equeue.protocol.ops import check_args
@@ -29,7 +30,7 @@ from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
 from equeue.store.bodies import plain, send_columns, send_packed
 from equeue.store.store import MessageStore
-from equeue.store.types import OutgoingMessage, PullResult, SendResult
+from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import MAX_WAIT, check_commit
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class Handlers:
         self.coordinator = coordinator
         coordinator.persist_with(offsets.run)  # the retry mover's fdatasync off the loop
         self.counters = counters
+        self._id_prefix = f"{store.store_id:08x}"  # a message id: this, then its position
         self._extra_stats = extra_stats
         self.ops: dict[str, Callable[[Peer, int, dict[str, Any]], object]] = {
             "ping": lambda peer, rid, args: None,
@@ -103,6 +105,7 @@ class Handlers:
             "send_batch": self.send_batch,
             "send_bodies": self.send_bodies,
             "pull": self.pull,
+            "pull_columns": self.pull_columns,
             "get": lambda peer, rid, a: pack_message(store.get(a["message_id"])),
             "query_by_key": lambda peer, rid, a: [
                 pack_message(m)
@@ -253,6 +256,13 @@ class Handlers:
     # --- reads -----------------------------------------------------------------
 
     def pull(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        return self._pull(peer, rid, a, columns=False)
+
+    def pull_columns(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        """pull, answered in columns (protocol version 3: protocol/pullcols.py)."""
+        return self._pull(peer, rid, a, columns=True)
+
+    def _pull(self, peer: Peer, rid: int, a: dict[str, Any], *, columns: bool) -> object:
         topic, queue_id = a["topic"], a["queue_id"]
         self._check_owner(a, topic, queue_id)
         wait_ms = a.get("wait_ms", 0)
@@ -270,6 +280,8 @@ class Handlers:
         if (found.messages[0].queue_offset if found.messages else found.next_offset) > offset:
             self._skipped(a, topic, queue_id, offset)  # retention, or a tag filter
         if found.messages or wait_ms == 0:
+            if columns:
+                return self.fit_columns(found, peer.where, topic, queue_id)
             return self.fit_pull(found, peer.where)
         group, consumer = a.get("group"), a.get("consumer")
         check = None
@@ -280,6 +292,9 @@ class Handlers:
                 owner(group, consumer, topic, queue_id)
 
         held = HeldPull(peer, rid, (topic, queue_id), found.next_offset, args, check)
+        if columns:  # (else serve.py's fit_pull packs it, as a pull's)
+            where = peer.where
+            held.pack = lambda result: self.fit_columns(result, where, topic, queue_id)
         self.holds.hold(held, wait_ms / MS)
         return DEFERRED
 
@@ -296,9 +311,23 @@ class Handlers:
             else min(max_bytes, config.max_frame_bytes),
         }
 
-    def fit_pull(self, found: PullResult, where: str) -> Packed:
+    def fit_columns(self, found: PullResult, where: str, topic: str, queue_id: int) -> Packed:
+        """A pull_columns answer, packed (in C where the accelerator is loaded), cut before
+        the messages that would take it past max_frame_bytes."""
+        room = self.config.max_frame_bytes - ANSWER_OVERHEAD
+        data, _ = pullcols.pack(found, topic, queue_id, self._id_prefix, room)
+        if data is None:
+            first = found.messages[0]
+            raise self._too_large(first, len(first.body), where)
+        return Packed(data)
+
+    def fit_pull(self, found: PullResult | Packed, where: str) -> Packed:
         """The pull's answer, packed, cut before the messages that would take it past
-        max_frame_bytes (next_offset then says where to go on)."""
+        max_frame_bytes (next_offset then says where to go on). (A Packed one, a held
+        pull_columns answered by holds.py, as it is.)"""
+        if type(found) is Packed:
+            return found
+        assert isinstance(found, PullResult)
         packer = self.packer
         data: bytes = packer.pack(pack_pull_result(found))
         room = self.config.max_frame_bytes - ANSWER_OVERHEAD
@@ -310,19 +339,22 @@ class Handlers:
             size = len(packer.pack(pack_message(message)))
             if total + size > room:
                 if kept == 0:
-                    raise LimitExceededError(
-                        f"{where}: the message at offset {message.queue_offset} of "
-                        f"{message.topic}/{message.queue_id} packs to {size} bytes, more than "
-                        f"a frame may carry (max_frame_bytes={self.config.max_frame_bytes}; "
-                        "equeue serve --max-frame-bytes must exceed the store's "
-                        f"max_message_size={self.store.config.max_message_size} plus its "
-                        "properties)"
-                    )
+                    raise self._too_large(message, size, where)
                 break
             total += size
             kept += 1
         cut = PullResult(messages[:kept], messages[kept].queue_offset)
         return Packed(packer.pack(pack_pull_result(cut)))
+
+    def _too_large(self, message: Message, size: int, where: str) -> LimitExceededError:
+        return LimitExceededError(
+            f"{where}: the message at offset {message.queue_offset} of "
+            f"{message.topic}/{message.queue_id} packs to {size} bytes or more, more than "
+            f"a frame may carry (max_frame_bytes={self.config.max_frame_bytes}; "
+            "equeue serve --max-frame-bytes must exceed the store's "
+            f"max_message_size={self.store.config.max_message_size} plus its "
+            "properties)"
+        )
 
     def commit_offset(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         group, topic, queue_id, offset = a["group"], a["topic"], a["queue_id"], a["offset"]

@@ -34,7 +34,8 @@ QueueKey = tuple[str, int]
 
 class HeldPull:
     __slots__ = (
-        "args", "check", "deadline", "key", "offset", "owner", "request_id", "tags", "timer",
+        "args", "check", "deadline", "key", "offset", "owner", "pack", "request_id", "tags",
+        "timer",
     )  # fmt: skip
 
     def __init__(
@@ -62,6 +63,8 @@ class HeldPull:
         self.timer: asyncio.TimerHandle | None = None
         # a group member's pull: GroupError unless the member still holds the queue
         self.check = check
+        # a pull_columns: its answer packed here (errors too: a message no frame carries)
+        self.pack: Callable[[PullResult], object] | None = None
 
 
 class Appended:
@@ -75,7 +78,9 @@ class Appended:
         self.tags = {tag}
 
 
-Answer = Callable[[HeldPull, PullResult | BaseException], None]
+# The outcome: the PullResult, the exception to answer, or (a pull_columns) the packed
+# answer, which the broker's fit_pull passes on as it is.
+Answer = Callable[[HeldPull, Any], None]
 
 
 class Holds:
@@ -130,7 +135,13 @@ class Holds:
         self.count -= 1
         if held.timer is not None:
             held.timer.cancel()
-        self._answer(held, outcome)
+        answer: object = outcome
+        if held.pack is not None and not isinstance(outcome, BaseException):
+            try:
+                answer = held.pack(outcome)
+            except Exception as exc:  # a message no frame can carry
+                answer = exc
+        self._answer(held, answer)
 
     def _try(self, held: HeldPull, *, final: bool) -> None:
         if held.check is not None:

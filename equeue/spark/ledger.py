@@ -1,7 +1,7 @@
 """The sink's files under ``STORE/incoming/``: staged rows, intents and the ledger.
 
 ``incoming/<job>/`` holds one job's (or one streaming epoch's) staged rows, Arrow IPC
-files the tasks wrote (``<partition>-<attempt>-<uuid>.arrow``, first as ``.tmp``), and,
+files the tasks wrote (``<partition>-<attempt>-<run>-<uuid>.arrow``, first as ``.tmp``), and,
 once the driver's commit starts appending, ``intent.json``: the job, its files in the
 order they are appended, and each queue's next offset before the append. ``ledger.json``
 records the jobs appended in full (batch jobs by ``jobId``, the latest ``LEDGER_JOBS``;
@@ -14,6 +14,7 @@ the file, never a path that is followed.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -25,7 +26,7 @@ from typing import Any, Final
 from equeue.atomicfile import read_json, write_json
 from equeue.chunks.chunk import fsync_directory
 from equeue.errors import CorruptionError, SinkCommitError, StorePathError
-from equeue.safepath import check_dir, check_file, ensure_dir
+from equeue.safepath import check_dir, check_file, ensure_dir, open_fd
 
 INCOMING_DIR: Final = "incoming"
 LEDGER_FILE: Final = "ledger.json"
@@ -34,10 +35,15 @@ STAGED_SUFFIX: Final = ".arrow"
 # Batch jobs remembered by jobId; a re-run of a job older than the latest this many
 # appends again. Streaming writers keep one entry each, the latest this many writers.
 LEDGER_JOBS: Final = 1000
+# How often a task makes its job's directory and file, or a removal lists the directory,
+# when a task of an aborted run removes or adds a file meanwhile.
+_CREATE_ATTEMPTS: Final = 3
 
 _JOB_ID: Final = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _WRITER: Final = re.compile(r"[0-9a-f]{16}")
-_STAGED: Final = re.compile(r"[0-9]{1,10}-[0-9]{1,20}-[0-9a-f]{32}\.arrow")
+# <partition>-<attempt>-<run>-<uuid>.arrow (the run's token: aborted.py; a name without one
+# is an earlier version's)
+_STAGED: Final = re.compile(r"[0-9]{1,10}-[0-9]{1,20}-([0-9a-f]{32}-)?[0-9a-f]{32}\.arrow")
 _JOB_DIR: Final = re.compile(
     r"(batch-[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|stream-[0-9a-f]{16}-[0-9]{1,19})"
 )
@@ -45,6 +51,10 @@ _JOB_DIR: Final = re.compile(
 
 def valid_job_id(job_id: str) -> bool:
     return _JOB_ID.fullmatch(job_id) is not None
+
+
+def valid_job_dir(name: str) -> bool:
+    return _JOB_DIR.fullmatch(name) is not None
 
 
 def valid_staged_name(name: str) -> bool:
@@ -159,25 +169,66 @@ class Incoming:
             return []
         found = []
         for name in os.listdir(self.root):
-            if _JOB_DIR.fullmatch(name) is None:
+            if not valid_job_dir(name):
                 continue
             path = self.root / name / INTENT_FILE
             if check_dir(self.root / name) and check_file(path):
                 found.append((os.lstat(path).st_mtime_ns, path))
         return [path for _, path in sorted(found)]
 
+    def create_staged(self, job: Job, name: str) -> tuple[Path, int]:
+        """The job's directory (made if need be) and a new file ``name`` there, open for
+        writing. A task of an aborted run (sink.py) removes the directory once it is empty,
+        maybe between the two steps: then both are done again."""
+        for attempt in range(_CREATE_ATTEMPTS):
+            directory = self.make_job_dir(job)
+            try:
+                return directory, open_fd(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            except FileNotFoundError:
+                if attempt == _CREATE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def remove_job_dir(self, job: Job) -> None:
         """Remove a job's staged files (also a killed task's ``.tmp``), intent and
-        directory; a link there is removed, never followed."""
+        directory; a link there is removed, never followed. A file a task of an aborted
+        run staged meanwhile is removed too, or, if it comes after the last listing, left
+        to that task (it removes what it staged once it sees its run's abort marker)."""
+        directory = self.job_dir(job)
+        for _ in range(_CREATE_ATTEMPTS):
+            if not check_dir(directory):
+                return
+            try:
+                _empty(directory)
+                os.rmdir(directory)
+            except FileNotFoundError:  # removed meanwhile (a file, or the directory)
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ENOTEMPTY:  # a file staged after the listing
+                    continue
+                raise
+            fsync_directory(self.root)
+            return
+
+    def remove_staged(self, job: Job, name: str) -> None:
+        """Remove one staged file (and its ``.tmp``) of ``job``, and the job's directory if
+        that leaves it empty (another task's file, or an intent, keeps it)."""
         directory = self.job_dir(job)
         if not check_dir(directory):
             return
-        for name in os.listdir(directory):
-            path = directory / name
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                raise StorePathError("is a directory where the sink stages files", file=path)
+        for path in (directory / name, directory / (name + ".tmp")):
+            check_file(path)  # (a link or a directory there: StorePathError, nothing removed)
             path.unlink(missing_ok=True)
-        os.rmdir(directory)
+        self.remove_if_empty(directory)
+
+    def remove_if_empty(self, directory: Path) -> None:
+        """Remove a job's ``directory`` unless a file is in it (or it is gone already)."""
+        try:
+            os.rmdir(directory)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.ENOENT):
+                raise
+            return
         fsync_directory(self.root)
 
     # --- the ledger -----------------------------------------------------------
@@ -242,6 +293,14 @@ class Incoming:
 
     def write_intent(self, intent: Intent) -> None:
         write_json(self.job_dir(intent.job) / INTENT_FILE, intent.to_json())
+
+
+def _empty(directory: Path) -> None:
+    for name in os.listdir(directory):
+        path = directory / name
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            raise StorePathError("is a directory where the sink stages files", file=path)
+        path.unlink(missing_ok=True)
 
 
 def _latest(entries: dict[str, Any], when: Any) -> dict[str, Any]:

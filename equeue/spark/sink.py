@@ -49,7 +49,8 @@ from equeue.errors import (
     SparkOptionError,
     SparkSchemaError,
 )
-from equeue.safepath import check_file, open_fd
+from equeue.safepath import check_file
+from equeue.spark.aborted import aborted, mark_aborted, new_run, tidy
 from equeue.spark.datasource import store_path
 from equeue.spark.ledger import (
     INTENT_FILE,
@@ -166,6 +167,9 @@ class _Sink:
             )
         self.topic = topic
         self.config, self.queue_count = _store_facts(self.store, topic)
+        # This run's token: the tasks and the commit or abort get it with the pickled
+        # writer; abort() marks the run with it (aborted.py).
+        self.run = new_run()
 
     # --- tasks ----------------------------------------------------------------
 
@@ -178,7 +182,9 @@ class _Sink:
         attempt = context.taskAttemptId() if context is not None else 0
         kill = _task_kill(context)
         incoming = Incoming(self.store)
-        name = f"{partition}-{attempt}-{uuid.uuid4().hex}{STAGED_SUFFIX}"
+        if aborted(incoming, job, self.run):  # (Spark aborted the run before it started)
+            return StagedFile("", 0, 0)
+        name = f"{partition}-{attempt}-{self.run}-{uuid.uuid4().hex}{STAGED_SUFFIX}"
         rows = 0
         directory: Path | None = None
         out: Any = None
@@ -189,8 +195,7 @@ class _Sink:
                 if staged.num_rows == 0:
                     continue
                 if writer is None:
-                    directory = incoming.make_job_dir(job)
-                    fd = open_fd(directory / (name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                    directory, fd = incoming.create_staged(job, name + ".tmp")
                     out = os.fdopen(fd, "wb")
                     writer = pa.ipc.new_file(out, STAGED_SCHEMA)
                 writer.write_batch(staged)
@@ -209,10 +214,16 @@ class _Sink:
             os.rename(directory / (name + ".tmp"), directory / name)
             fsync_directory(directory)
         except OSError as exc:  # (a StorePathError is no OSError: it goes as it is)
+            if aborted(incoming, job, self.run):  # abort() removed the temp file under it
+                incoming.remove_staged(job, name)
+                return StagedFile("", 0, 0)
             raise write_error(exc, "staging the task's rows", incoming.root / job.dir_name) from exc
         finally:
             if out is not None:
                 out.close()
+        if aborted(incoming, job, self.run):  # the run was aborted while this task staged
+            incoming.remove_staged(job, name)
+            return StagedFile("", 0, 0)
         return StagedFile(name, rows, size)
 
     def _checked(self, batch: pa.RecordBatch, partition: int, first: int) -> pa.RecordBatch:
@@ -230,8 +241,11 @@ class _Sink:
     def abort_job(self, job: Job) -> None:
         """Remove the job's staged files, unless its commit began appending (an intent: they
         stay for the next commit to finish it, all or nothing). Without an intent nothing of
-        the job is in the log, and a re-run stages its rows anew: the files are of no use."""
+        the job is in the log, and a re-run stages its rows anew: the files are of no use.
+        First the run's abort marker, for its tasks still staging (aborted.py)."""
         incoming = Incoming(self.store)
+        mark_aborted(incoming, job, self.run)
+        tidy(incoming)
         directory = incoming.job_dir(job)
         if check_file(directory / INTENT_FILE):
             return

@@ -31,6 +31,7 @@ from equeue.errors import (
     StorePathError,
 )
 from equeue.safepath import check_file, open_file
+from equeue.spark.aborted import tidy
 from equeue.spark.ledger import INTENT_FILE, Incoming, Intent, Job
 from equeue.store.append import pick_queue
 from equeue.store.meta import LOCK_FILE
@@ -129,6 +130,7 @@ def commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> No
 def _commit(store: str, job: Job, topic: str, files: list[tuple[str, int]]) -> None:
     incoming = Incoming(store)
     with _open_writer(store, job) as opened:
+        tidy(incoming)
         for path in incoming.pending_intents():
             intent = _read_intent(path)
             if intent.job != job:

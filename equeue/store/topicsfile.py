@@ -7,7 +7,9 @@ and fdatasynced: that append is its commit point. topics.json is rewritten atomi
 close. Readers (the store's open, read-only handles, consumer commits, the inspector)
 read topics.json, then replay the journal over it, unless the journal's generation is
 below topics.json's (a fold that wrote topics.json but not yet, or never, its fresh
-journal: the old journal is folded in already, and older than the file).
+journal: the old journal is folded in already, and older than the file). topics.json's
+generation has a checksum of its own: a damaged one is a CorruptionError, never a
+journal skipped (equeue/format/topicsjson.py).
 
 topics.json is written from pieces encoded once per topic: ``write_json`` of the whole
 body encodes every entry twice (the canonical form the checksum covers, and the file's)
@@ -20,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import struct
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from equeue.format.topicsjournal import (
     check_header,
     pack_header,
 )
+from equeue.format.topicsjson import HEAD_BYTES, pack_head, read_generation
 from equeue.safepath import check_file, open_fd, open_file
 from equeue.store import validate
 from equeue.store.meta import TOPICS_FILE
@@ -57,8 +59,6 @@ JOURNAL_FOLD_BYTES: Final = 1 << 20
 # The longest record (a name's length is a u16): a journal past the bound by more than
 # one of these was not written by a writer (which folds first), and is not read.
 _MAX_RECORD: Final = RECORD_HEAD_SIZE + 0xFFFF
-# topics.json starts with its fold's generation (none: 0, a file no fold wrote).
-_GENERATION = re.compile(rb'\{"generation": (\d{1,20}), ')
 # A read-only handle reads topics.json, then the journal, and accepts the pair if
 # topics.json was not replaced meanwhile (by a fold); else it reads both again.
 _READ_ATTEMPTS: Final = 8
@@ -138,14 +138,14 @@ class Journal:
 
 
 def file_generation(path: Path) -> int:
-    """The generation at the start of topics.json (0: none, or no file)."""
+    """The generation at the start of topics.json (0: none, or no file); CorruptionError
+    naming the file and the field if it is damaged (equeue/format/topicsjson.py)."""
     try:
         with open_file(path, "rb") as f:
-            head = f.read(64)
+            head = f.read(HEAD_BYTES)
     except FileNotFoundError:
         return 0
-    found = _GENERATION.match(head)
-    return int(found[1]) if found else 0
+    return read_generation(head, str(path))
 
 
 def _torn(raw: bytes, at: int) -> bool:
@@ -351,10 +351,11 @@ class TopicsFile:
         self._write_file("{" + ", ".join(pretty) + "}", "{" + ",".join(canonical) + "}")
 
     def _write_file(self, pretty: str, canonical: str) -> None:
-        """topics.json: write_json's bytes, after a writer's generation (from 1)."""
+        """topics.json: write_json's bytes, after a writer's generation (from 1) and its
+        checksum (equeue/format/topicsjson.py)."""
         digest = xxhash.xxh64_hexdigest(canonical.encode())
         generation = self._generation + 1 if self._writer else 0
-        head = f'{{"generation": {generation}, ' if generation else "{"
+        head = pack_head(generation)
         write_bytes(
             self.path, (head + '"body": ' + pretty + ', "xxh64": "' + digest + '"}').encode()
         )

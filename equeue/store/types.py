@@ -31,6 +31,10 @@ class SendResult(NamedTuple):
 # its id, ints and float when read. TupleSendResult stays the NamedTuple above either way.
 TupleSendResult = SendResult
 if not TYPE_CHECKING and speedups.SPEEDUPS is not None:
+    # pickle finds a class by its module and __qualname__: this module's SendResult is the
+    # C type here, so the NamedTuple is pickled by the name it has here (a pure process
+    # binds TupleSendResult too). __name__ stays: the repr is the NamedTuple's.
+    TupleSendResult.__qualname__ = "TupleSendResult"
     speedups.SPEEDUPS.send_result_doc(SendResult.__doc__)
     SendResult = speedups.SPEEDUPS.SendResult
 
@@ -99,6 +103,7 @@ class Message(NamedTuple):
 # above either way (messages of both compare equal and unpickle as each other).
 TupleMessage = Message
 if not TYPE_CHECKING and speedups.SPEEDUPS is not None:
+    TupleMessage.__qualname__ = "TupleMessage"  # pickled by this name (as TupleSendResult)
     speedups.SPEEDUPS.message_doc(Message.__doc__)
     Message = speedups.SPEEDUPS.Message
 
