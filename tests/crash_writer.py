@@ -58,6 +58,9 @@ RETENTION_CHUNKS = 3  # --retention: the log chunks max_store_bytes keeps
 QUIET_PRODUCER = 3  # --retention: it pauses now and then (alone on its queue, b/0)
 EXIT_THREAD_FAILED = 3
 CONFIG_ENV = "EQUEUE_CRASH_CONFIG"  # JSON: StoreConfig settings over store_config's
+# "1": QUIET_PRODUCER (alone on b/0, one queue) sends bodies alone, every send a
+# send_batch of bytes (the C batch append, store/bodies.py); the checkers read it too.
+PLAIN_ENV = "EQUEUE_CRASH_PLAIN"
 
 _HEAD = re.compile(rb"p(\d+)s(\d+):")
 
@@ -117,12 +120,16 @@ def parse_body(body: bytes) -> tuple[int, int] | None:
     return producer, seq
 
 
+def plain(producer: int) -> bool:
+    return producer == QUIET_PRODUCER and os.environ.get(PLAIN_ENV) == "1"
+
+
 def tag_of(producer: int, seq: int) -> str:
-    return f"t{seq % 3}"
+    return "" if plain(producer) else f"t{seq % 3}"
 
 
 def key_of(producer: int, seq: int) -> str | None:
-    return f"k{producer}.{seq % 4}" if seq % 2 == 0 else None
+    return f"k{producer}.{seq % 4}" if seq % 2 == 0 and not plain(producer) else None
 
 
 def keys_of(producer: int) -> list[str]:
@@ -130,11 +137,11 @@ def keys_of(producer: int) -> list[str]:
 
 
 def properties_of(producer: int, seq: int) -> dict[str, str]:
-    return {"seq": str(seq), "p": str(producer)} if seq % 5 == 0 else {}
+    return {"seq": str(seq), "p": str(producer)} if seq % 5 == 0 and not plain(producer) else {}
 
 
 def code_of(producer: int, seq: int) -> int:
-    return seq % 1000 - 500
+    return 0 if plain(producer) else seq % 1000 - 500
 
 
 def outgoing(producer: int, seq: int) -> OutgoingMessage:
@@ -152,6 +159,8 @@ def outgoing(producer: int, seq: int) -> OutgoingMessage:
 def send(store: MessageStore, producer: int, seq: int, count: int) -> list[SendResult]:
     """Messages seq..seq+count-1 of ``producer``: one send, or one send_batch."""
     topic, _ = PRODUCERS[producer]
+    if plain(producer):
+        return store.send_batch(topic, [make_body(producer, s) for s in range(seq, seq + count)])
     if count == 1:
         m = outgoing(producer, seq)
         return [

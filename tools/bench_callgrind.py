@@ -4,11 +4,11 @@ where wall time is not, on a shared machine.
 Each case runs twice under ``valgrind --tool=callgrind`` with N and then 2N measured
 operations after the same setup; (Ir(2N) - Ir(N)) / N is one operation's cost without
 the interpreter's start. ``send-SIZE``: N unbatched ``send`` calls; ``batch-SIZE``: N
-messages by ``send_batch`` of 1,000; ``pull-SIZE``: 2N
-messages stored by ``send_batch``, then N of them pulled 256 at a time, each batch's
-bodies listed and the batch kept until the next pull returns (as tools/bench_peers.py's
-consume); ``get-SIZE``: as pull, then N ``get`` by message id. Set EQUEUE_PURE_PYTHON=1
-for the Python paths.
+messages by ``send_batch`` of 1,000; ``b100-SIZE``: by ``send_batch`` of 100 (the
+broker's batch); ``pull-SIZE``: 2N messages stored by ``send_batch``, then N of them
+pulled 256 at a time, each batch's bodies listed and the batch kept until the next pull
+returns (as tools/bench_peers.py's consume); ``get-SIZE``: as pull, then N ``get`` by
+message id. Set EQUEUE_PURE_PYTHON=1 for the Python paths.
 
 ``--top K``: also where one operation's instructions go: the K functions whose own
 (exclusive) cost grew most from the N run to the 2N run, per operation, and the
@@ -26,7 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-CASES = ("send-100", "send-1024", "batch-100", "pull-100", "pull-1024", "get-100")
+CASES = (
+    "send-100", "send-1024", "batch-100", "b100-100", "b100-1024", "pull-100", "pull-1024",
+    "get-100",
+)  # fmt: skip
 
 
 def child(case: str, count: int, stored: int, directory: Path) -> None:
@@ -41,9 +44,10 @@ def child(case: str, count: int, stored: int, directory: Path) -> None:
             for _ in range(count):
                 send("t", body)
             return
-        if op == "batch":
-            for start in range(0, count, 1000):
-                store.send_batch("t", [body] * min(1000, count - start))
+        if op in ("batch", "b100"):
+            step = 1000 if op == "batch" else 100
+            for start in range(0, count, step):
+                store.send_batch("t", [body] * min(step, count - start))
             return
         sent = []
         for start in range(0, stored, 1000):

@@ -1,4 +1,4 @@
-#include "sendstate.h"
+#include "sender.h"
 #include <time.h>
 
 /* --- Sender: a whole single send in one call ------------------------------------
@@ -26,30 +26,6 @@ int intern_names(void) {
     return sendstate_names();
 }
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *store;       /* MessageStore: _closed, _flush_error, _waiting, _wake() */
-    PyObject *lock;        /* the write lock */
-    PyObject *writer;      /* the log's ChunkWriter */
-    PyObject *queues;      /* the store's dict: topic -> list[Queue] */
-    PyObject *topic_bytes; /* the store's dict: topic -> its UTF-8 bytes */
-    PyObject *round_robin; /* the store's dict: topic -> next turn */
-    PyObject *keys;        /* KeyIndex: add(topic, key, position) */
-    PyObject *id_prefix, *result_type, *tag_check, *xxh32;
-    PyObject *clock; /* the time module: time_ns is looked up per send, as Python code does */
-    PyObject *fallback; /* MessageStore.send (the function): what call() hands a send to */
-    PyObject *time_ns; /* the time module's own time_ns (a builtin), or NULL */
-    PyObject *acquire, *release, *owned; /* the lock's bound methods (owned: _is_owned) */
-    int lock_in_place;                   /* rlock_mirrorable(lock) */
-    Py_ssize_t data_offset, max_body, chunk_size;
-    /* What the objects held after the last send (sendstate.h): borrowed, each checked
-     * against its object's dict before use */
-    StoreCache store_seen;
-    ClockCache clock_seen;
-    WriterCache log_seen;
-    WriterCache queue_seen[WRITER_CACHE_SLOTS];
-    QueueSlots queue_slots;
-} Sender;
 
 static void forget_state(Sender *s) {
     s->store_seen.valid = s->clock_seen.valid = s->log_seen.valid = 0;
@@ -181,28 +157,7 @@ static PyObject *send_locked(Sender *s, PyObject *topic, PyObject *queues, Check
     long long base = log.base;
     if (base < 0) goto fallback;
     long long now_ns;
-    {
-        PyObject *clock = clock_function(s->clock, &s->clock_seen);
-        if (clock == NULL) goto fail;
-        if (s->time_ns != NULL && PyCFunction_Check(clock) &&
-            PyCFunction_GET_FUNCTION(clock) == PyCFunction_GET_FUNCTION(s->time_ns)) {
-            /* time.time_ns itself: what it would return, without the call */
-            Py_DECREF(clock);
-            struct timespec ts;
-            if (clock_gettime(CLOCK_REALTIME, &ts) != 0) {
-                PyErr_SetFromErrno(PyExc_OSError);
-                goto fail;
-            }
-            now_ns = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-        } else { /* replaced (a test's fixed clock): called, as Python code calls it */
-            PyObject *now_obj = PyObject_CallNoArgs(clock);
-            Py_DECREF(clock);
-            if (now_obj == NULL) goto fail;
-            now_ns = PyLong_AsLongLong(now_obj);
-            Py_DECREF(now_obj);
-            if (now_ns == -1 && PyErr_Occurred()) goto fail;
-        }
-    }
+    if (sender_clock(s, &now_ns) < 0) goto fail;
 
     if (PyObject_GetBuffer(log.mm, &lbuf, PyBUF_WRITABLE) < 0 ||
         PyObject_GetBuffer(entries.mm, &qbuf, PyBUF_WRITABLE) < 0)
@@ -485,6 +440,8 @@ static PyMethodDef Sender_methods[] = {
      "MessageStore.send, run in C (equeue/cext/sender.c) on a store opened with the\n"
      "accelerator, flush \"async\" or \"os\"; it raises what MessageStore.send raises."},
     {"write_checked", (PyCFunction)(void (*)(void))Sender_write_checked, METH_FASTCALL, NULL},
+    {"append_bodies", (PyCFunction)(void (*)(void))Sender_append_bodies, METH_FASTCALL, NULL},
+    {"plain_bodies", (PyCFunction)Sender_plain_bodies, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -279,22 +279,22 @@ int writer_view(PyObject *writer, WriterCache *wc, int want_base, ChunkView *out
     return 1;
 }
 
-/* Chunk.publish(end, 1): count the record, raise data_end, prefault the next window. */
-int view_publish(WriterCache *wc, ChunkView *v, Py_ssize_t end) {
+/* Chunk.publish(end, n): count the records, raise data_end, prefault the next window. */
+int view_publish_n(WriterCache *wc, ChunkView *v, Py_ssize_t end, Py_ssize_t n) {
     long long mark;
     if (wc->valid && v->chunk == wc->chunk_obj && seen_valid(v->chunk, &wc->chunk)) {
-        if (dict_set_ssize(&wc->chunk, &wc->count_obj, S_record_count, wc->count + 1) < 0 ||
+        if (dict_set_ssize(&wc->chunk, &wc->count_obj, S_record_count, wc->count + n) < 0 ||
             dict_set_ssize(&wc->chunk, &wc->end_obj, S_data_end, end) < 0) {
             wc->valid = 0;
             return -1;
         }
-        wc->count++;
+        wc->count += n;
         wc->end = end;
         mark = wc->mark;
     } else {
         wc->valid = 0;
         Py_ssize_t count = ssize_attr(v->chunk, S_record_count);
-        if (count < 0 || set_ssize_attr(v->chunk, S_record_count, count + 1) < 0) return -1;
+        if (count < 0 || set_ssize_attr(v->chunk, S_record_count, count + n) < 0) return -1;
         if (set_ssize_attr(v->chunk, S_data_end, end) < 0) return -1;
         if (longlong_attr(v->chunk, S_prefault_mark, &mark) < 0) return -1;
     }
@@ -308,6 +308,10 @@ int view_publish(WriterCache *wc, ChunkView *v, Py_ssize_t end) {
         Py_DECREF(r);
     }
     return 0;
+}
+
+int view_publish(WriterCache *wc, ChunkView *v, Py_ssize_t end) {
+    return view_publish_n(wc, v, end, 1);
 }
 
 WriterCache *writer_cache(WriterCache *table, PyObject *writer) {

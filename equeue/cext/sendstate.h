@@ -87,6 +87,8 @@ int writer_view(PyObject *writer, WriterCache *wc, int want_base, ChunkView *out
 void view_clear(ChunkView *v);
 /* Chunk.publish(end, 1) of v's chunk, remembered in wc; 0, or -1 with an exception. */
 int view_publish(WriterCache *wc, ChunkView *v, Py_ssize_t end);
+/* Chunk.publish(end, n) */
+int view_publish_n(WriterCache *wc, ChunkView *v, Py_ssize_t end, Py_ssize_t n);
 
 WriterCache *writer_cache(WriterCache *table, PyObject *writer);
 /* queue._writer (new reference; None: the Python path) and queue.next_offset: 0, or -1

@@ -161,6 +161,10 @@ PyObject *decode_run(PyObject *self, PyObject *args);
 PyObject *collect(PyObject *self, PyObject *args);
 PyObject *pull_chunk(PyObject *self, PyObject *args);
 PyObject *message_doc(PyObject *self, PyObject *doc);
+/* batch.c: a batch of bodies' answer in columns, packed and read back */
+PyObject *pack_columns(PyObject *self, PyObject *columns);
+PyObject *results_of_columns(PyObject *self, PyObject *args);
+PyObject *all_bytes(PyObject *self, PyObject *items);
 
 /* record.c: behaving as a NamedTuple of n fields, for Message and SendResult */
 typedef struct {

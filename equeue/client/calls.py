@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from equeue.client import args
 from equeue.errors import EQueueError, InvalidTypeError, QueueNotFoundError
+from equeue.protocol.records import all_bytes
 
 # the messages of a send as the caller gave them (a send's fields as a tuple: see
 # core.given), None for an op that stores nothing
@@ -78,7 +79,7 @@ def send(
 def send_batch(topic: str, messages: object) -> Call:
     name = args.topic(topic)
     items = args.batch_items(messages)
-    if items and set(map(type, items)) == {bytes}:
+    if all_bytes(items):
         # Bodies alone: send_bodies, the list as it is (RequestEncoder sends it as
         # send_batch to a broker of protocol version 1).
         return Call("send_bodies", {"topic": name, "bodies": items}, items)

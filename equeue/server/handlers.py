@@ -20,14 +20,15 @@ from equeue.protocol.faults import hide_store_path
 from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import (
+    pack_columns,
     pack_message,
     pack_pull_result,
-    pack_send_columns,
     pack_send_result,
 )
 from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import Counters, group_lag
+from equeue.store.bodies import plain, send_columns, send_packed
 from equeue.store.store import MessageStore
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 from equeue.store.validate import MAX_WAIT, check_commit
@@ -190,14 +191,35 @@ class Handlers:
 
     def send_bodies(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         """send_batch of bodies alone (protocol version 2): the decoded array goes to the
-        store as it is, and the results go back in columns (records.pack_send_columns)."""
+        store as it is, and the results go back in columns (records.pack_columns), made
+        as columns by the store (bodies.send_columns): no object per message."""
         topic, bodies = a["topic"], a["bodies"]
-        if not set(map(type, bodies)) <= {bytes}:
+        store = self.store
+        if not plain(store, bodies) and not set(map(type, bodies)) <= {bytes}:
             raise ProtocolError(f"{peer.where}: op 'send_bodies': each body must be bin")
         self._check_batch(peer, topic, len(bodies))
-        results = self.store.send_batch(topic, bodies)
-        self._batch_sent(results, bodies)
-        return self._durable(peer, rid, pack_send_columns(topic, results))
+        if not self.holds.count:  # the answer packed as the C append goes
+            packed = send_packed(store, topic, bodies)
+            if packed is not None:
+                counters = self.counters
+                counters.sends += len(bodies)
+                counters.send_requests += 1
+                return self._durable(peer, rid, Packed(packed))
+        columns = send_columns(store, topic, bodies)
+        counters = self.counters
+        counters.sends += len(bodies)
+        counters.send_requests += 1
+        if self.holds.count and bodies:
+            # Per queue, its first and last offset of the batch: what a note per message
+            # leaves (offsets rise within a queue, every tag is "")
+            queue_ids, offsets = columns.queue_ids, columns.queue_offsets
+            last = dict(zip(queue_ids, offsets, strict=True))
+            first = dict(zip(reversed(queue_ids), reversed(offsets), strict=True))
+            note = self.holds.note
+            for queue_id, offset in first.items():
+                note(topic, queue_id, offset, "")
+                note(topic, queue_id, last[queue_id], "")
+        return self._durable(peer, rid, Packed(pack_columns(columns, self.packer)))
 
     def _batch_sent(self, results: list[SendResult], items: list[Any]) -> None:
         """Count a batch's sends and wake the pulls held on its queues."""

@@ -75,9 +75,12 @@ class Appender:
         self._closed = closed
         self._sender = sender  # _speedups.Sender, for single sends (write_checked)
 
-    def append_all(
-        self, topic: str, queues: list[Queue], checked: list[Checked]
-    ) -> list[SendResult]:
+    @property
+    def sender(self) -> Any:
+        return self._sender
+
+    def check_open(self, topic: str, queues: list[Queue]) -> None:
+        """Under the write lock, before a batch's first write."""
         if self._closed():
             raise ClosedError(f"store {self._store_path} is closed")
         if queues[0].closed:  # delete_topic ran while this send waited for the lock
@@ -85,6 +88,11 @@ class Appender:
                 f"topic {topic!r} in {self._store_path} was deleted while this send waited; "
                 "nothing was written"
             )
+
+    def append_all(
+        self, topic: str, queues: list[Queue], checked: list[Checked]
+    ) -> list[SendResult]:
+        self.check_open(topic, queues)
         if self._sender is not None and len(checked) == 1:
             # None (nothing written) when it needs a new chunk: append() below does it
             result = self._sender.write_checked(topic, queues, checked[0])

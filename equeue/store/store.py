@@ -40,9 +40,10 @@ from equeue.format.message import (
     STORED_TIME_OFFSET,
     decode_message_id,
 )
-from equeue.store import deletion, follow, pulling, times, topics, validate
+from equeue.store import bodies, deletion, follow, pulling, times, topics, validate
 from equeue.store import offsets as group_offsets
 from equeue.store.append import Appender
+from equeue.store.bodies import Append, Appended
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
 from equeue.store.consumer import Consumer, Start
@@ -509,6 +510,8 @@ class MessageStore:
             return validate.check_message(self.config, topic, count, *fields)
 
         fast = speedups.SPEEDUPS
+        if bodies.plain(self, items):  # bytes alone: one C call per run (store/bodies.py)
+            return self._locked(topic, queues, bodies.appending(self, topic, items, "results"))
         if fast is None:
             checked = [check(message) for message in items]
         else:  # the common cases in C, the rest (and every error) by check()
@@ -523,6 +526,9 @@ class MessageStore:
     def _store(
         self, topic: str, queues: list[Queue] | None, checked: list[Checked]
     ) -> list[SendResult]:
+        return self._locked(topic, queues, lambda q: self._appender.append_all(topic, q, checked))
+
+    def _locked(self, topic: str, queues: list[Queue] | None, append: Append[Appended]) -> Appended:
         """Append checked messages under the write lock; under "sync", flush the log and
         only the queues written to before returning."""
         if self._lock_owned():  # the lock is an RLock: re-entered, it would not block
@@ -537,12 +543,9 @@ class MessageStore:
                 "is reopened)",
             )
         if self._group is not None:  # "sync": appended and flushed in a batch with others
-            return self._group.submit(
-                lambda: self._appender.append_all(topic, queues, checked),
-                lambda: reentered(self.path, topic),
-            )
+            return self._group.submit(lambda: append(queues), lambda: reentered(self.path, topic))
         with self._lock:
-            results = self._appender.append_all(topic, queues, checked)
+            results = append(queues)
         if self._waiting:
             self._wake()
         return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple, overload
 
 from equeue import speedups
@@ -36,6 +37,31 @@ if not TYPE_CHECKING and speedups.SPEEDUPS is not None:
     TupleSendResult.__qualname__ = "TupleSendResult"
     speedups.SPEEDUPS.send_result_doc(SendResult.__doc__)
     SendResult = speedups.SPEEDUPS.SendResult
+
+
+class SendColumns(NamedTuple):
+    """The SendResults of one batch to one topic as columns, in the messages' order (the
+    broker's ``send_bodies`` answer): a list per field, no object per message."""
+
+    topic: str
+    message_ids: list[str]
+    queue_ids: list[int]
+    queue_offsets: list[int]
+    positions: list[int]
+    stored_at: list[float]
+
+    def results(self) -> list[SendResult]:
+        return list(
+            map(SendResult, self.message_ids, repeat(self.topic), self.queue_ids,
+                self.queue_offsets, self.positions, self.stored_at)
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, topic: str, results: list[SendResult]) -> SendColumns:
+        if not results:
+            return cls(topic, [], [], [], [], [])
+        ids, _, queue_ids, offsets, positions, stored = map(list, zip(*results, strict=True))
+        return cls(topic, ids, queue_ids, offsets, positions, stored)
 
 
 class Message(NamedTuple):
