@@ -31,6 +31,7 @@ from equeue.protocol.frames import (
 from equeue.protocol.handshake import Hello, Welcome
 from equeue.protocol.pullcols import unpack_any as _pull_columns
 from equeue.protocol.records import (
+    columns_answer,
     unpack_message,
     unpack_messages,
     unpack_pull_result,
@@ -87,12 +88,15 @@ class RequestEncoder:
 class AnswerReader:
     """Frame bodies from the broker's byte stream, decoded (any split of the bytes)."""
 
-    __slots__ = ("_buffer", "max_frame_bytes", "where")
+    __slots__ = ("_buffer", "columns", "max_frame_bytes", "where")
 
     def __init__(self, max_frame_bytes: int, where: str) -> None:
         self._buffer = bytearray()
         self.max_frame_bytes = max_frame_bytes
         self.where = where
+        # Request ids of send_bodies in flight: their answers read by columns_answer (C),
+        # straight from the frame's bytes into SendResults, when of the expected form
+        self.columns: set[int] = set()
 
     def feed(self, data: bytes | memoryview) -> list[Any]:
         buffer = self._buffer
@@ -112,7 +116,11 @@ class AnswerReader:
                 body_start = start + FRAME_HEADER_SIZE
                 if end - body_start < length:
                     break
-                bodies.append(decode_body(view[body_start : body_start + length], self.where))
+                with view[body_start : body_start + length] as payload:
+                    body = columns_answer(payload, self.columns) if self.columns else None
+                    if body is None:
+                        body = decode_body(payload, self.where)
+                bodies.append(body)
                 start = body_start + length
         finally:
             view.release()
@@ -203,7 +211,11 @@ def _send_results(value: object, where: str) -> list[SendResult]:
 
 def _send_bodies(value: object, where: str) -> list[SendResult]:
     """The columns of protocol version 2, or (sent as send_batch to a version 1 broker)
-    an array of SendResult arrays."""
+    an array of SendResult arrays; a tuple: the results AnswerReader read in C (msgpack
+    makes no tuple)."""
+    if type(value) is tuple:
+        results: list[SendResult] = value[0]
+        return results
     if type(value) is list and value and type(value[0]) is str:
         return unpack_send_columns(value, where)
     return _send_results(value, where)

@@ -264,6 +264,8 @@ class Client:
                     )
                     return
                 slot = conn.pending.pop(request_id, None)
+                if conn.reader.columns:
+                    conn.reader.columns.discard(request_id)
                 if slot is None:
                     if request_id == CONNECTION_REQUEST_ID:
                         error = answer_error(payload, self.url)
@@ -304,6 +306,9 @@ class Client:
                 if conn.broken:  # (broke between the check and now: nothing was written)
                     raise lost(f"the connection to {self.url} broke", [])
                 conn.pending.update(zip(range(first, first + len(batch)), slots, strict=True))
+                for i, c in enumerate(batch):
+                    if c.op == "send_bodies":  # its answer read in C (AnswerReader.columns)
+                        conn.reader.columns.add(first + i)
             data = frames[0] if len(frames) == 1 else b"".join(frames)
             try:
                 with conn.io_lock:

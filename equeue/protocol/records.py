@@ -123,6 +123,14 @@ def all_bytes(items: list[Any]) -> bool:
     return bool(items) and set(map(type, items)) == {bytes}
 
 
+def columns_answer(payload: bytes | memoryview, request_ids: set[int]) -> Any:
+    """A frame body answering one of ``request_ids`` (send_bodies) with its columns, read
+    in C into ``[request id, 0, (SendResults,)]``; None (decode it with msgpack) when it
+    is not exactly that answer's form or the accelerator is not built."""
+    fast = speedups.SPEEDUPS
+    return None if fast is None else fast.columns_answer(payload, request_ids)
+
+
 def unpack_send_columns(value: object, where: str) -> list[SendResult]:
     fast = speedups.SPEEDUPS
     if fast is not None:  # checked and built in C; None: the checks below say what is wrong

@@ -1,0 +1,206 @@
+/* columns_answer(frame, rids) -> [request id, 0, (results,)] or None: the client's read of
+ * a send_bodies answer (SendColumns packed by the broker: [topic, ids, queue ids, offsets,
+ * positions, stored_at]) straight from the frame's bytes, for a request id in ``rids``.
+ *
+ * msgpack would make a str per id, three ints and a float per message and six lists,
+ * and results_of_columns a SendResult of them; here each SendResult is made as the C send
+ * makes its own (lazy_send_result: the batch's one id prefix, the ints as C values, the
+ * id and ints made when read). It takes only what it can reproduce exactly: every id the
+ * same ASCII prefix followed by the 16 lowercase hex digits of its position, uints below
+ * 2**63, float64 stored times, one length for every column, nothing after the value.
+ * Anything else (or a request id not in ``rids``) is None: the caller decodes the frame
+ * with msgpack and the Python checks say what is wrong. The tuple marks the value as
+ * already read: msgpack never makes one (use_list). */
+#include "speedups.h"
+
+typedef struct {
+    const unsigned char *p, *end;
+} Cursor;
+
+static inline int take(Cursor *c, Py_ssize_t n) { return c->end - c->p >= n; }
+
+static inline uint64_t get_be(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int k = 0; k < n; k++) v = (v << 8) | p[k];
+    return v;
+}
+
+/* A msgpack uint (below 2**63): 1, else 0. */
+static int read_uint(Cursor *c, uint64_t *v) {
+    if (!take(c, 1)) return 0;
+    unsigned char b = *c->p;
+    if (b <= 0x7f) {
+        *v = b;
+        c->p += 1;
+        return 1;
+    }
+    int n = b == 0xcc ? 1 : b == 0xcd ? 2 : b == 0xce ? 4 : b == 0xcf ? 8 : 0;
+    if (n == 0 || !take(c, 1 + n)) return 0;
+    *v = get_be(c->p + 1, n);
+    c->p += 1 + n;
+    return *v <= (uint64_t)INT64_MAX;
+}
+
+/* An array header: its length, or -1. */
+static Py_ssize_t read_array(Cursor *c) {
+    if (!take(c, 1)) return -1;
+    unsigned char b = *c->p;
+    if ((b & 0xf0) == 0x90) {
+        c->p += 1;
+        return b & 0x0f;
+    }
+    int n = b == 0xdc ? 2 : b == 0xdd ? 4 : 0;
+    if (n == 0 || !take(c, 1 + n)) return -1;
+    uint64_t v = get_be(c->p + 1, n);
+    c->p += 1 + n;
+    return (Py_ssize_t)v;
+}
+
+/* A str header: its length (the bytes there), or -1. */
+static Py_ssize_t read_str(Cursor *c) {
+    if (!take(c, 1)) return -1;
+    unsigned char b = *c->p;
+    if ((b & 0xe0) == 0xa0) {
+        c->p += 1;
+        return take(c, b & 0x1f) ? (Py_ssize_t)(b & 0x1f) : -1;
+    }
+    int n = b == 0xd9 ? 1 : b == 0xda ? 2 : b == 0xdb ? 4 : 0;
+    if (n == 0 || !take(c, 1 + n)) return -1;
+    Py_ssize_t len = (Py_ssize_t)get_be(c->p + 1, n);
+    c->p += 1 + n;
+    return take(c, len) ? len : -1;
+}
+
+static inline int hex_value(unsigned char ch) {
+    return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+}
+
+typedef struct {
+    uint64_t hex, q, offset, position;
+    double stored;
+} Row;
+
+/* The results, or None (not this answer's exact form), or NULL (an error). */
+static PyObject *read_columns(Cursor *c) {
+    PyObject *topic = NULL, *prefix = NULL, *out = NULL, *stored = NULL;
+    Row *rows = NULL;
+    if (read_array(c) != 6) goto none;
+    Py_ssize_t tlen = read_str(c);
+    if (tlen < 0) goto none;
+    topic = PyUnicode_DecodeUTF8((const char *)c->p, tlen, NULL);
+    if (topic == NULL) {
+        PyErr_Clear();
+        goto none;
+    }
+    c->p += tlen;
+    Py_ssize_t n = read_array(c);
+    /* every message takes at least 14 bytes of the frame: no huge allocation from a
+     * forged count */
+    if (n < 0 || n > (c->end - c->p) / 14) goto none;
+    rows = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Row));
+    if (rows == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    const unsigned char *first = NULL;
+    Py_ssize_t idlen = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len = read_str(c);
+        if (len < 16 || (idlen >= 0 && len != idlen)) goto none;
+        if (first == NULL) {
+            first = c->p;
+            idlen = len;
+            for (Py_ssize_t k = 0; k < len - 16; k++)
+                if (first[k] >= 0x80) goto none;
+        } else if (memcmp(c->p, first, (size_t)(len - 16)) != 0) {
+            goto none;
+        }
+        uint64_t h = 0;
+        for (int k = 0; k < 16; k++) {
+            int d = hex_value(c->p[len - 16 + k]);
+            if (d < 0) goto none;
+            h = (h << 4) | (uint64_t)d;
+        }
+        rows[i].hex = h;
+        c->p += len;
+    }
+    for (int col = 0; col < 3; col++) {
+        if (read_array(c) != n) goto none;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t v;
+            if (!read_uint(c, &v)) goto none;
+            if (col == 0) rows[i].q = v;
+            else if (col == 1) rows[i].offset = v;
+            else rows[i].position = v;
+        }
+    }
+    if (read_array(c) != n) goto none;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!take(c, 9) || c->p[0] != 0xcb || rows[i].hex != rows[i].position) goto none;
+        uint64_t bits = get_be(c->p + 1, 8);
+        memcpy(&rows[i].stored, &bits, 8);
+        c->p += 9;
+    }
+    if (c->p != c->end) goto none;
+    prefix = PyUnicode_DecodeASCII((const char *)(first ? first : c->p), first ? idlen - 16 : 0,
+                                   NULL);
+    out = prefix == NULL ? NULL : PyList_New(n);
+    if (out == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* one float for a run of equal stored times (a batch has one) */
+        if (stored == NULL || memcmp(&PyFloat_AS_DOUBLE(stored), &rows[i].stored, 8) != 0) {
+            Py_XDECREF(stored);
+            if ((stored = PyFloat_FromDouble(rows[i].stored)) == NULL) goto fail;
+        }
+        PyObject *r = lazy_send_result(prefix, topic, (long long)rows[i].q,
+                                       (long long)rows[i].offset, (long long)rows[i].position,
+                                       0, stored);
+        if (r == NULL) goto fail;
+        PyList_SET_ITEM(out, i, r);
+    }
+    goto done;
+none:
+    Py_CLEAR(out);
+    out = Py_NewRef(Py_None);
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyMem_Free(rows);
+    Py_XDECREF(stored);
+    Py_XDECREF(prefix);
+    Py_XDECREF(topic);
+    return out;
+}
+
+PyObject *columns_answer(PyObject *self, PyObject *args) {
+    Py_buffer frame;
+    PyObject *rids;
+    if (!PyArg_ParseTuple(args, "y*O!", &frame, &PySet_Type, &rids)) return NULL;
+    Cursor c = {frame.buf, (const unsigned char *)frame.buf + frame.len};
+    PyObject *result = NULL, *rid = NULL, *results = NULL;
+    uint64_t id;
+    if (read_array(&c) != 3 || !read_uint(&c, &id) || !take(&c, 1) || *c.p != 0x00) {
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    c.p += 1;
+    rid = PyLong_FromUnsignedLongLong(id);
+    int known = rid == NULL ? -1 : PySet_Contains(rids, rid);
+    if (known <= 0) {
+        if (known == 0) result = Py_NewRef(Py_None);
+        goto out;
+    }
+    results = read_columns(&c);
+    if (results == NULL) goto out;
+    if (results == Py_None) {
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    result = Py_BuildValue("[OiN]", rid, 0, PyTuple_Pack(1, results));
+out:
+    Py_XDECREF(results);
+    Py_XDECREF(rid);
+    PyBuffer_Release(&frame);
+    return result;
+}
