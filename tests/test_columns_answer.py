@@ -17,6 +17,7 @@ from server_helpers import short_home
 
 import equeue
 import equeue.client.core as core
+import equeue.protocol.records as records
 from equeue import MessageStore, StoreConfig, speedups
 from equeue.errors import ProtocolError
 from equeue.protocol.records import columns_answer, unpack_send_columns
@@ -166,7 +167,7 @@ def _broker(request: pytest.FixtureRequest, home: Path, monkeypatch: pytest.Monk
     if request.node.name != "test_against_a_real_broker_every_result_names_its_stored_message":
         yield
         return
-    real = core.columns_answer
+    real = records.columns_answer
 
     def counted(payload: Any, ids: set[int]) -> Any:
         body = real(payload, ids)
