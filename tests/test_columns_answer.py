@@ -19,8 +19,9 @@ import equeue
 import equeue.client.core as core
 import equeue.protocol.records as records
 from equeue import MessageStore, StoreConfig, speedups
-from equeue.errors import ProtocolError
-from equeue.protocol.records import columns_answer, unpack_send_columns
+from equeue.errors import FrameTooLargeError, InvalidMessageError, ProtocolError
+from equeue.protocol.frames import BODIES_VERSION
+from equeue.protocol.records import bodies_request, columns_answer, unpack_send_columns
 from equeue.server import BrokerThread
 
 pytestmark = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the accelerator is not built")
@@ -184,3 +185,43 @@ def _broker(request: pytest.FixtureRequest, home: Path, monkeypatch: pytest.Monk
         finally:
             client.close()
             BROKER = CLIENT = None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rid=st.integers(0, 2**64 - 1),
+    topic=st.text(max_size=300),
+    bodies=st.lists(
+        st.binary(max_size=300) | st.sampled_from([b"", b"x" * 255, b"y" * 256, b"z" * 65536]),
+        max_size=40,
+    ),
+)
+def test_the_c_request_is_the_bytes_msgpack_writes(
+    rid: int, topic: str, bodies: list[bytes]
+) -> None:
+    payload = msgpack.packb([rid, "send_bodies", {"topic": topic, "bodies": bodies}])
+    assert bodies_request(rid, topic, bodies) == struct.pack(">I", len(payload)) + payload
+
+
+@pytest.mark.parametrize(
+    ("rid", "topic", "bodies"),
+    [
+        (1, "t", [b"x", "not bytes"]),
+        (1, "t", [b"x", bytearray(b"y")]),
+        (1, "\udc80", [b"x"]),  # not encodable as UTF-8
+        (-1, "t", [b"x"]),
+        (2**64, "t", [b"x"]),
+        (1, "t", (b"x",)),
+    ],
+)
+def test_a_request_c_cannot_write_goes_to_msgpack(rid: Any, topic: Any, bodies: Any) -> None:
+    assert bodies_request(rid, topic, bodies) is None
+
+
+def test_a_request_past_max_frame_bytes_is_refused_as_before() -> None:
+    encoder = core.RequestEncoder(1000, "here", BODIES_VERSION)
+    assert len(encoder.frame(3, "send_bodies", {"topic": "t", "bodies": [b"x" * 900]})) > 900
+    with pytest.raises(FrameTooLargeError, match="max_frame_bytes=1000"):
+        encoder.frame(3, "send_bodies", {"topic": "t", "bodies": [b"x" * 1000]})
+    with pytest.raises(InvalidMessageError, match="UTF-8"):
+        encoder.frame(3, "send_bodies", {"topic": "\udc80", "bodies": [b"x"]})

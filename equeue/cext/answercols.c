@@ -12,6 +12,7 @@
  * with msgpack and the Python checks say what is wrong. The tuple marks the value as
  * already read: msgpack never makes one (use_list). */
 #include "speedups.h"
+#include "hex16.h"
 
 typedef struct {
     const unsigned char *p, *end;
@@ -71,12 +72,9 @@ static Py_ssize_t read_str(Cursor *c) {
     return take(c, len) ? len : -1;
 }
 
-static inline int hex_value(unsigned char ch) {
-    return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
-}
-
 typedef struct {
-    uint64_t hex, q, offset, position;
+    const unsigned char *tail; /* the id's last 16 bytes, in the frame */
+    uint64_t q, offset, position;
     double stored;
 } Row;
 
@@ -115,13 +113,7 @@ static PyObject *read_columns(Cursor *c) {
         } else if (memcmp(c->p, first, (size_t)(len - 16)) != 0) {
             goto none;
         }
-        uint64_t h = 0;
-        for (int k = 0; k < 16; k++) {
-            int d = hex_value(c->p[len - 16 + k]);
-            if (d < 0) goto none;
-            h = (h << 4) | (uint64_t)d;
-        }
-        rows[i].hex = h;
+        rows[i].tail = c->p + len - 16;
         c->p += len;
     }
     for (int col = 0; col < 3; col++) {
@@ -136,7 +128,9 @@ static PyObject *read_columns(Cursor *c) {
     }
     if (read_array(c) != n) goto none;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!take(c, 9) || c->p[0] != 0xcb || rows[i].hex != rows[i].position) goto none;
+        char digits[16]; /* the id must be the one its position makes */
+        put_hex16(digits, rows[i].position);
+        if (!take(c, 9) || c->p[0] != 0xcb || memcmp(digits, rows[i].tail, 16) != 0) goto none;
         uint64_t bits = get_be(c->p + 1, 8);
         memcpy(&rows[i].stored, &bits, 8);
         c->p += 9;
@@ -203,4 +197,102 @@ out:
     Py_XDECREF(rid);
     PyBuffer_Release(&frame);
     return result;
+}
+
+/* --- the request: bodies_request(request id, topic, bodies) -> the whole frame (its
+ * 4-byte length, then [request id, "send_bodies", {"topic": topic, "bodies": bodies}]
+ * as msgpack.Packer(use_bin_type=True) packs it, byte for byte), or None when topic is
+ * not an exact str encodable as UTF-8 or bodies not a list of exact bytes (the caller
+ * packs it with msgpack, which says what is wrong). One allocation, one copy a body. */
+
+static Py_ssize_t head_size(Py_ssize_t n, Py_ssize_t fix_max, int has8) {
+    return n <= fix_max ? 1 : (has8 && n <= 0xff) ? 2 : n <= 0xffff ? 3 : 5;
+}
+
+/* A str/bin/array header (fix family at fix_base when n <= fix_max, -1: none; the
+ * 8/16/32 markers, m8 0 for none): its length. */
+static Py_ssize_t put_head(char *p, uint64_t n, int fix_base, long long fix_max, int m8,
+                           int m16, int m32) {
+    if ((long long)n <= fix_max) {
+        p[0] = (char)(fix_base | (int)n);
+        return 1;
+    }
+    if (m8 && n <= 0xff) {
+        p[0] = (char)m8;
+        p[1] = (char)n;
+        return 2;
+    }
+    if (n <= 0xffff) {
+        p[0] = (char)m16;
+        put_be_n(p + 1, n, 2);
+        return 3;
+    }
+    p[0] = (char)m32;
+    put_be_n(p + 1, n, 4);
+    return 5;
+}
+
+PyObject *bodies_request(PyObject *self, PyObject *args) {
+    PyObject *rid_obj, *topic, *bodies;
+    if (!PyArg_ParseTuple(args, "OOO", &rid_obj, &topic, &bodies)) return NULL;
+    if (!PyLong_CheckExact(rid_obj) || !PyUnicode_CheckExact(topic) ||
+        !PyList_CheckExact(bodies))
+        Py_RETURN_NONE;
+    unsigned long long rid = PyLong_AsUnsignedLongLong(rid_obj);
+    if (rid == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t tlen;
+    const char *tutf8 = PyUnicode_AsUTF8AndSize(topic, &tlen);
+    if (tutf8 == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if ((uint64_t)tlen > 0xffffffffULL) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(bodies);
+    if ((uint64_t)n > 0xffffffffULL) Py_RETURN_NONE;
+    static const char OP[] = "\xabsend_bodies\x82\xa5topic";
+    static const char KEY[] = "\xa6" "bodies";
+    int rid_size = rid <= 0x7f ? 0 : rid <= 0xff ? 1 : rid <= 0xffff ? 2 : rid <= 0xffffffffULL ? 4 : 8;
+    /* 0x93, rid, op and the map's first key, topic, "bodies", the array */
+    Py_ssize_t size = 2 + rid_size + (Py_ssize_t)sizeof OP - 1 + head_size(tlen, 31, 1) + tlen +
+                      (Py_ssize_t)sizeof KEY - 1 + head_size(n, 15, 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(bodies, i);
+        if (!PyBytes_CheckExact(b)) Py_RETURN_NONE;
+        Py_ssize_t len = PyBytes_GET_SIZE(b);
+        if ((uint64_t)len > 0xffffffffULL) Py_RETURN_NONE;
+        size += head_size(len, -1, 1) + len;
+    }
+    if (size - 4 > (Py_ssize_t)0xffffffffLL) Py_RETURN_NONE; /* the caller refuses it */
+    PyObject *frame = PyBytes_FromStringAndSize(NULL, 4 + size);
+    if (frame == NULL) return NULL;
+    char *start = PyBytes_AS_STRING(frame), *p = start + 4;
+    *p++ = (char)0x93;
+    if (rid_size == 0) {
+        *p++ = (char)rid;
+    } else {
+        int k = rid_size;
+        *p++ = (char)(k == 1 ? 0xcc : k == 2 ? 0xcd : k == 4 ? 0xce : 0xcf);
+        put_be_n(p, rid, k);
+        p += k;
+    }
+    memcpy(p, OP, sizeof OP - 1);
+    p += sizeof OP - 1;
+    p += put_head(p, (uint64_t)tlen, 0xa0, 31, 0xd9, 0xda, 0xdb);
+    memcpy(p, tutf8, (size_t)tlen);
+    p += tlen;
+    memcpy(p, KEY, sizeof KEY - 1);
+    p += sizeof KEY - 1;
+    p += put_head(p, (uint64_t)n, 0x90, 15, 0, 0xdc, 0xdd);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(bodies, i);
+        Py_ssize_t len = PyBytes_GET_SIZE(b);
+        p += put_head(p, (uint64_t)len, 0, -1, 0xc4, 0xc5, 0xc6);
+        memcpy(p, PyBytes_AS_STRING(b), (size_t)len);
+        p += len;
+    }
+    put_be_n(start, (uint64_t)size, 4); /* (p - start == 4 + size) */
+    return frame;
 }

@@ -10,6 +10,7 @@
  * its queue chunk's, and the caller sends that body through Appender.append, which
  * completes, creates or reserves chunks exactly as for any send, then calls again. */
 #include "sender.h"
+#include "hex16.h"
 
 /* One queue as the batch writes it: opened on its first message. */
 typedef struct {
@@ -53,9 +54,7 @@ static void close_queue(QueueRun *r) {
 
 /* --- the columns packed as they go (msgpack, as records.pack_columns packs them) --- */
 
-static inline void put_be(char *p, uint64_t v, int n) {
-    for (int k = n - 1; k >= 0; k--, v >>= 8) p[k] = (char)(v & 0xff);
-}
+static inline void put_be(char *p, uint64_t v, int n) { put_be_n(p, v, n); }
 
 /* A uint's msgpack encoding at p (9 bytes of room): its length. */
 static inline Py_ssize_t put_uint(char *p, uint64_t u) {
@@ -79,7 +78,6 @@ static void packed_room(PyObject *id_prefix, Py_ssize_t *per) {
  * pos[k] of the five bytearrays, which have the room (packed_room). */
 static void add_packed(PyObject *const *cols, Py_ssize_t *pos, PyObject *id_prefix,
                        Py_ssize_t q, int64_t offset, int64_t position, double stored) {
-    static const char hex[] = "0123456789abcdef";
     char *p = PyByteArray_AS_STRING(cols[0]) + pos[0];
     Py_ssize_t plen = PyUnicode_GET_LENGTH(id_prefix), len = plen + 16, h;
     if (len <= 31) {
@@ -95,8 +93,7 @@ static void add_packed(PyObject *const *cols, Py_ssize_t *pos, PyObject *id_pref
         h = 3;
     }
     memcpy(p + h, PyUnicode_1BYTE_DATA(id_prefix), (size_t)plen);
-    uint64_t v = (uint64_t)position;
-    for (int d = 15; d >= 0; d--, v >>= 4) p[h + plen + d] = hex[v & 15];
+    put_hex16(p + h + plen, (uint64_t)position);
     pos[0] += h + len;
     pos[1] += put_uint(PyByteArray_AS_STRING(cols[1]) + pos[1], (uint64_t)q);
     pos[2] += put_uint(PyByteArray_AS_STRING(cols[2]) + pos[2], (uint64_t)offset);

@@ -166,6 +166,7 @@ PyObject *pack_columns(PyObject *self, PyObject *columns);
 PyObject *results_of_columns(PyObject *self, PyObject *args);
 PyObject *all_bytes(PyObject *self, PyObject *items);
 PyObject *columns_answer(PyObject *self, PyObject *args);
+PyObject *bodies_request(PyObject *self, PyObject *args);
 
 /* record.c: behaving as a NamedTuple of n fields, for Message and SendResult */
 typedef struct {

@@ -31,6 +31,7 @@ from equeue.protocol.frames import (
 from equeue.protocol.handshake import Hello, Welcome
 from equeue.protocol.pullcols import unpack_any as _pull_columns
 from equeue.protocol.records import (
+    bodies_request,
     columns_answer,
     unpack_message,
     unpack_messages,
@@ -64,6 +65,10 @@ class RequestEncoder:
         if op == "send_bodies" and self.version < BODIES_VERSION:  # a broker before it
             op = "send_batch"
             args = {"topic": args["topic"], "messages": [{"body": b} for b in args["bodies"]]}
+        elif op == "send_bodies" and len(args) == 2:  # written in C, the bytes msgpack's
+            frame = bodies_request(request_id, args["topic"], args["bodies"])
+            if frame is not None and len(frame) - FRAME_HEADER_SIZE <= self.max_frame_bytes:
+                return frame  # (past the limit: the path below says so)
         elif op == "pull_columns" and self.version < COLUMNS_VERSION:  # answered as a pull
             op = "pull"
         try:

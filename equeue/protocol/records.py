@@ -123,6 +123,14 @@ def all_bytes(items: list[Any]) -> bool:
     return bool(items) and set(map(type, items)) == {bytes}
 
 
+def bodies_request(request_id: int, topic: str, bodies: list[bytes]) -> bytes | None:
+    """The whole frame of a send_bodies request (its length header, then the msgpack
+    Packer(use_bin_type=True) writes), written in C; None (pack it with msgpack) when
+    the topic is not a str encodable as UTF-8 or a body not bytes, or no accelerator."""
+    fast = speedups.SPEEDUPS
+    return None if fast is None else fast.bodies_request(request_id, topic, bodies)
+
+
 def columns_answer(payload: bytes | memoryview, request_ids: set[int]) -> Any:
     """A frame body answering one of ``request_ids`` (send_bodies) with its columns, read
     in C into ``[request id, 0, (SendResults,)]``; None (decode it with msgpack) when it
