@@ -102,7 +102,10 @@ def packed_answer(topic: str, count: int, columns: list[bytearray]) -> bytes:
         if count <= 0xFFFF
         else b"\xdd" + count.to_bytes(4, "big")
     )
-    return b"".join([b"\x96", msgpack.packb(topic), *(head + bytes(c) for c in columns)])
+    parts = [b"\x96", msgpack.packb(topic)]
+    for column in columns:  # (joined as they are: one copy of each)
+        parts += (head, column)
+    return b"".join(parts)
 
 
 def unpack_packed(topic: str, columns: list[bytearray]) -> list[SendResult]:

@@ -195,11 +195,12 @@ class Handlers:
         as columns by the store (bodies.send_columns): no object per message."""
         topic, bodies = a["topic"], a["bodies"]
         store = self.store
-        if not plain(store, bodies) and not set(map(type, bodies)) <= {bytes}:
+        checked = plain(store, bodies)
+        if not checked and not set(map(type, bodies)) <= {bytes}:
             raise ProtocolError(f"{peer.where}: op 'send_bodies': each body must be bin")
         self._check_batch(peer, topic, len(bodies))
-        if not self.holds.count:  # the answer packed as the C append goes
-            packed = send_packed(store, topic, bodies)
+        if checked and not self.holds.count:  # the answer packed as the C append goes
+            packed = send_packed(store, topic, bodies, checked=True)
             if packed is not None:
                 counters = self.counters
                 counters.sends += len(bodies)

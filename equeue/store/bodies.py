@@ -88,11 +88,14 @@ def send_columns(store: MessageStore, topic: str, items: list[bytes]) -> SendCol
     return columns
 
 
-def send_packed(store: MessageStore, topic: str, items: list[bytes]) -> bytes | None:
+def send_packed(
+    store: MessageStore, topic: str, items: list[bytes], checked: bool = False
+) -> bytes | None:
     """``send_columns`` with the columns msgpack-encoded as the broker answers them
     (records.pack_columns's bytes), written by the C append as it goes: no object per
-    message. None (nothing sent) unless the bodies are plain and the accelerator built."""
-    if not plain(store, items):
+    message. None (nothing sent) unless the bodies are plain and the accelerator built.
+    ``checked``: the caller found ``plain(store, items)`` true (not checked again)."""
+    if not checked and not plain(store, items):
         return None
     queues, _ = store._queues_and_count(topic)
     packed: bytes = store._locked(topic, queues, appending(store, topic, items, "packed"))
