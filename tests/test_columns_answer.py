@@ -5,12 +5,16 @@ for anything it cannot reproduce exactly or that is malformed."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
+from client_helpers import BrokerProcess
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import short_home
@@ -19,7 +23,12 @@ import equeue
 import equeue.client.core as core
 import equeue.protocol.records as records
 from equeue import MessageStore, StoreConfig, speedups
-from equeue.errors import FrameTooLargeError, InvalidMessageError, ProtocolError
+from equeue.errors import (
+    ConnectionLostError,
+    FrameTooLargeError,
+    InvalidMessageError,
+    ProtocolError,
+)
 from equeue.protocol.frames import BODIES_VERSION
 from equeue.protocol.records import bodies_request, columns_answer, unpack_send_columns
 from equeue.server import BrokerThread
@@ -225,3 +234,47 @@ def test_a_request_past_max_frame_bytes_is_refused_as_before() -> None:
         encoder.frame(3, "send_bodies", {"topic": "t", "bodies": [b"x" * 1000]})
     with pytest.raises(InvalidMessageError, match="UTF-8"):
         encoder.frame(3, "send_bodies", {"topic": "\udc80", "bodies": [b"x"]})
+
+
+def test_after_a_sigkill_under_flush_sync_every_acknowledged_batch_is_stored(home: Path) -> None:
+    """Three sync clients, each send_batch of 100 bodies one request at a time (the answers
+    read in C), against ``equeue serve --flush sync``, SIGKILLed once 3,000 are
+    acknowledged: every acknowledged message is in the reopened store where its
+    SendResult says. Control: the batch acknowledged before the producers started."""
+    acked: list[list[tuple[Any, bytes]]] = [[] for _ in range(3)]
+    stop = threading.Event()
+
+    def produce(k: int, url: str) -> None:
+        with contextlib.suppress(ConnectionLostError), equeue.connect(url, timeout=20) as client:
+            for b in range(2000):  # bounded: the kill comes long before
+                if stop.is_set():
+                    return
+                bodies = [f"p{k}-{b}-{i}".encode() * (1 + i % 3) for i in range(100)]
+                acked[k] += zip(client.send_batch("t", bodies), bodies, strict=True)
+
+    with BrokerProcess(home / "store", "--flush", "sync") as broker:
+        with equeue.connect(broker.url) as client:
+            control = client.send_batch("t", [b"control"] * 100)
+        producers = [threading.Thread(target=produce, args=(k, broker.url)) for k in range(3)]
+        for producer in producers:
+            producer.start()
+        try:
+            deadline = time.monotonic() + 60
+            while sum(map(len, acked)) < 3000 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            broker.kill()
+        finally:
+            stop.set()
+            for producer in producers:
+                producer.join(60)
+    assert sum(map(len, acked)) >= 3000
+    with MessageStore.open(home / "store", StoreConfig(flush="async")) as store:
+        for sent in control:
+            assert store.get(sent.message_id).body == b"control"
+        for sent, body in (pair for lane in acked for pair in lane):
+            message = store.get(sent.message_id)
+            assert (message.body, message.queue_id, message.queue_offset) == (
+                body,
+                sent.queue_id,
+                sent.queue_offset,
+            )
