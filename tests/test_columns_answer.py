@@ -17,7 +17,7 @@ import pytest
 from client_helpers import BrokerProcess
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_helpers import short_home
+from server_helpers import raw, short_home
 
 import equeue
 import equeue.client.core as core
@@ -29,7 +29,7 @@ from equeue.errors import (
     InvalidMessageError,
     ProtocolError,
 )
-from equeue.protocol.frames import BODIES_VERSION
+from equeue.protocol.frames import BODIES_VERSION, check_answer
 from equeue.protocol.records import bodies_request, columns_answer, unpack_send_columns
 from equeue.server import BrokerThread
 
@@ -278,3 +278,35 @@ def test_after_a_sigkill_under_flush_sync_every_acknowledged_batch_is_stored(hom
                 sent.queue_id,
                 sent.queue_offset,
             )
+
+
+def _request(payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + payload
+
+
+GOOD_REQUEST = msgpack.packb([1, "send_bodies", {"topic": "t", "bodies": [b"a", b"b", b"c"]}])
+HOSTILE_REQUESTS = {
+    "an array of 5 holding 3": GOOD_REQUEST.replace(b"\x93\xc4", b"\x95\xc4"),
+    "an array of 2 holding 3": GOOD_REQUEST.replace(b"\x93\xc4", b"\x92\xc4"),
+    "a body cut short": GOOD_REQUEST[:-1],
+    "a bin longer than the frame": GOOD_REQUEST[:-2] + b"\xc4\x09c",
+    "a str body": msgpack.packb([1, "send_bodies", {"topic": "t", "bodies": [b"a", "b"]}]),
+    "a map body": msgpack.packb([1, "send_bodies", {"topic": "t", "bodies": [b"a", {}]}]),
+}
+
+
+@pytest.mark.parametrize("what", list(HOSTILE_REQUESTS))
+def test_a_hostile_send_bodies_frame_closes_only_its_connection(home: Path, what: str) -> None:
+    with BrokerThread(home / "store") as broker:
+        url = broker.urls[0]
+        with raw(url) as c, raw(url) as other:
+            assert c.call("ping") is None  # the control: a good request on the same path
+            c.send_raw(_request(HOSTILE_REQUESTS[what]))
+            body = c.recv()
+            assert body[1] == 1 and body[2]["code"] == ProtocolError.__name__, body
+            with pytest.raises((ConnectionError, OSError)):
+                c.recv()  # closed
+            assert other.call("ping") is None
+            assert "t" not in broker.store.topics()  # nothing stored
+            other.send_raw(_request(GOOD_REQUEST))
+            assert len(check_answer(other.recv(), "test")[2][1]) == 3
