@@ -24,7 +24,7 @@ from client_helpers import BrokerProcess
 
 import equeue
 import equeue.aio
-from equeue.errors import ConnectionLostError
+from equeue.errors import ClosedError, ConnectionLostError
 
 CALLERS = 32
 CONNECT_TIMEOUT = 0.5
@@ -175,3 +175,33 @@ def test_control_a_live_broker_is_not_reconnected(base: Path, connects: list[obj
         sent = asyncio.run(tasks())
         assert len(connects) == 2  # the asyncio client's one connect
         assert len({r.message_id for r in sent}) == CALLERS
+
+
+def test_aio_a_cancelled_waiter_or_close_ends_no_one_elses_wait(
+    base: Path, connects: list[object]
+) -> None:
+    async def scenario() -> None:
+        with BrokerProcess(base / "store") as broker:
+            client = await equeue.aio.connect(broker.url, connect_timeout=CONNECT_TIMEOUT)
+            broker.kill()
+            for _ in range(200):  # the loop reads the end of the stream (bounded)
+                if "disconnected" in repr(client):
+                    break
+                await asyncio.sleep(0.01)
+            connects.clear()
+            waiting = [asyncio.create_task(client.ping()) for _ in range(4)]
+            await asyncio.sleep(0.05)  # (they wait for the one attempt)
+            waiting[0].cancel()
+            results = await asyncio.gather(*waiting, return_exceptions=True)
+            assert isinstance(results[0], asyncio.CancelledError)
+            assert all(isinstance(r, ConnectionLostError) for r in results[1:]), results
+            first = results[1]
+            assert isinstance(first, ConnectionLostError)
+            assert len(connects) <= attempts_of(first)  # one attempt, not cancelled
+            closing = [asyncio.create_task(client.ping()) for _ in range(4)]
+            await asyncio.sleep(0.05)
+            await client.close()  # ends the attempt: its waiters learn the client closed
+            ended = await asyncio.gather(*closing, return_exceptions=True)
+            assert all(isinstance(r, ClosedError) for r in ended), ended
+
+    asyncio.run(scenario())
