@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import socket
 import ssl
 import time
@@ -102,3 +103,16 @@ def connect_with_retries(
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+def again(failure: EQueueError, unsent: list[object]) -> EQueueError:
+    """A caller's own copy of a failed connect's error (each raise adds its own
+    traceback), its ``unsent`` the caller's messages: nothing of them was written."""
+    if isinstance(failure, ConnectionLostError):
+        fresh: EQueueError = lost(str(failure), [], failure.__cause__)
+    else:  # a refusal (a token, a version, a limit): the same class and message
+        fresh = copy.copy(failure)
+        fresh.__cause__ = failure.__cause__
+    if isinstance(fresh, ConnectionLostError):
+        fresh.unsent = list(unsent)
+    return fresh
