@@ -7,17 +7,15 @@ queue) must commit the retry queue after the last copy processed. Through a real
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
-from collections.abc import Iterator
 
 import msgpack
 import pytest
-from server_helpers import short_dir
+import test_groups_fixes
+from test_groups_broker import consume
 
 import equeue
 import equeue.aio
-from equeue import MessageStore
 from equeue.client.consumer import GroupConsumer
 from equeue.client.consumer_aio import AsyncGroupConsumer
 from equeue.client.groupstate import Batch, GroupState
@@ -31,40 +29,15 @@ from equeue.protocol.retries import (
     dead_letter_topic,
     retry_topic,
 )
-from equeue.server import BrokerThread
 from equeue.store.types import Message
 
-TOPIC = "one"
+url = test_groups_fixes.url  # the fixture: a broker's URL, its topic "one" of 1 queue
+TOPIC = test_groups_fixes.TOPIC
 SENT = 20
 LONG = 3600.0  # no auto-commit of its own: the test's commit() is the mid-batch one
 # the original offsets of the nacked messages: below the retry queue's end (a wrong
 # commit lands silently on another copy) and past it (the broker refuses it)
 NACKED = {"low": range(1, 6), "high": range(15, 20)}
-
-
-@pytest.fixture
-def url() -> Iterator[str]:
-    directory = short_dir()
-    try:
-        with MessageStore.open(directory / "s") as store:
-            store.create_topic(TOPIC, 1)
-        thread = BrokerThread(directory / "s").start()
-        try:
-            yield thread.urls[0]
-        finally:
-            thread.stop()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _collect(consumer: GroupConsumer, count: int, seconds: float) -> list[equeue.Message]:
-    got: list[equeue.Message] = []
-    deadline = time.monotonic() + seconds
-    while len(got) < count and time.monotonic() < deadline:
-        message = consumer.poll(0.5)
-        if message is not None:
-            got.append(message)
-    return got
 
 
 @pytest.mark.parametrize("where", sorted(NACKED))
@@ -74,7 +47,7 @@ def test_a_mid_batch_commit_of_retry_copies_loses_none(url: str, where: str) -> 
         client.send_batch(TOPIC, [b"m%d" % i for i in range(SENT)])
         first = GroupConsumer(client, "g", TOPIC, auto_commit_interval=LONG, max_retries=1)
         try:
-            for message in _collect(first, SENT, 10.0):
+            for message in consume(first, SENT, 10.0):
                 if message.topic == TOPIC and message.queue_offset in nacked:
                     first.nack(message, delay=0)  # copies at retry offsets 0..4
         finally:
@@ -84,7 +57,7 @@ def test_a_mid_batch_commit_of_retry_copies_loses_none(url: str, where: str) -> 
         # every copy is stored before this member joins: one pull, one batch of 5
         second = GroupConsumer(client, "g", TOPIC, auto_commit_interval=LONG, max_retries=1)
         try:
-            kept, again = _collect(second, 2, 10.0)
+            kept, again = consume(second, 2, 10.0)
             # handed out at their original places
             assert (kept.topic, kept.queue_id, kept.queue_offset) == (TOPIC, 0, nacked[0])
             assert (again.topic, again.queue_offset) == (TOPIC, nacked[1])
@@ -96,7 +69,7 @@ def test_a_mid_batch_commit_of_retry_copies_loses_none(url: str, where: str) -> 
         assert client.committed_offset("g", retry_topic("g"), 0) == 2
 
         with GroupConsumer(client, "g", TOPIC, auto_commit_interval=LONG) as third:
-            rest = _collect(third, len(nacked) - 2, 10.0)
+            rest = consume(third, len(nacked) - 2, 10.0)
             assert third.poll(0.3) is None
         assert sorted(m.body for m in rest) == sorted(b"m%d" % i for i in nacked[2:])
         assert client.committed_offset("g", retry_topic("g"), 0) == len(nacked)

@@ -76,12 +76,16 @@ def _race(monkeypatch: pytest.MonkeyPatch, store: Path, race: str) -> tuple[Path
 RACES = ["renamed", "removed", "directory gone"]
 
 
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    MessageStore.open(tmp_path / "s").close()
+    return tmp_path / "s"
+
+
 @pytest.mark.parametrize("race", RACES)
 def test_another_jobs_commit_is_not_failed_by_the_race(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: str
+    store: Path, monkeypatch: pytest.MonkeyPatch, race: str
 ) -> None:
-    store = tmp_path / "s"
-    MessageStore.open(store).close()
     job_dir, fired = _race(monkeypatch, store, race)
     other = _writer(store, "other")
     other.commit([other.stage(other.job, iter(_rows()))])
@@ -100,10 +104,8 @@ def test_another_jobs_commit_is_not_failed_by_the_race(
 
 @pytest.mark.parametrize("race", RACES)
 def test_another_jobs_abort_still_removes_its_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: str
+    store: Path, monkeypatch: pytest.MonkeyPatch, race: str
 ) -> None:
-    store = tmp_path / "s"
-    MessageStore.open(store).close()
     failing = _writer(store, "failing")
     failing.stage(failing.job, iter(_rows()))
     assert os.listdir(store / INCOMING_DIR / "batch-failing")
