@@ -539,9 +539,9 @@ class MessageStore:
         if self._flush_error is not None:  # same class: DiskFullError stays DiskFullError
             raise type(self._flush_error)(
                 self._flush_error.errno,
-                f"refusing the send: the last background flush failed ({self._flush_error}); "
-                "sends resume once a flush succeeds (after a failed fdatasync: once the store "
-                "is reopened)",
+                f"refusing the send: the last group-commit or background flush failed "
+                f"({self._flush_error}); after a failed fdatasync close and reopen the store to "
+                "send again (other errors: sends resume once a flush succeeds)",
             )
         if self._group is not None:  # "sync": appended and flushed in a batch with others
             return self._group.submit(lambda: append(queues), lambda: reentered(self.path, topic))
