@@ -54,7 +54,8 @@ def flush_recorded(host: FlushRecorder, flush: Callable[[], None]) -> None:
         host._set_flush_error(exc, host._start_flush())
         # Same class (DiskFullError stays DiskFullError), saying what to do.
         raise type(exc)(
-            exc.errno, f"{exc}; every later send is refused until the store is reopened"
+            exc.errno,
+            f"{exc.strerror or exc}; every later send is refused until the store is reopened",
         ) from exc
 
 
