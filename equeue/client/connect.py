@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import socket
 import ssl
 import time
@@ -110,8 +109,14 @@ def again(failure: EQueueError, unsent: list[object]) -> EQueueError:
     traceback), its ``unsent`` the caller's messages: nothing of them was written."""
     if isinstance(failure, ConnectionLostError):
         fresh: EQueueError = lost(str(failure), [], failure.__cause__)
-    else:  # a refusal (a token, a version, a limit): the same class and message
-        fresh = copy.copy(failure)
+    else:  # a refusal (a token, a version, a limit): the same class, message and fields
+        # Built as faults.unpack_error builds one, not by copy.copy: that calls cls(*args),
+        # and some classes' __init__ take required keyword arguments (StorePathError: file).
+        cls = type(failure)
+        fresh = cls.__new__(cls)
+        Exception.__init__(fresh, *failure.args)
+        fields = vars(failure).items()
+        fresh.__dict__.update({k: list(v) if type(v) is list else v for k, v in fields})
         fresh.__cause__ = failure.__cause__
     if isinstance(fresh, ConnectionLostError):
         fresh.unsent = list(unsent)

@@ -147,7 +147,8 @@ class Client:
         self._closed = False
         self._next_id = 1
         self._conn: _Connection | None = None
-        self._failed: tuple[int, EQueueError | None] = (0, None)  # connects failed, the last
+        # Connect attempts made, and the last one's error (None: it succeeded).
+        self._failed: tuple[int, EQueueError | None] = (0, None)
         _CLIENTS.add(self)
         with self._write_lock:
             self._connection()
@@ -177,9 +178,11 @@ class Client:
 
     def _connection(self, failed: int | None = None) -> _Connection:
         """The open connection (made again if it broke); call under the write lock.
-        ``failed``: the count of failed connects when the caller began to wait for the
-        lock; if one failed since, the caller gets its failure instead of a try of its
-        own (one attempt at a time, not one connect_timeout per waiting thread)."""
+        ``failed``: the count of connect attempts when the caller began to wait for the
+        lock; if exactly one was made since and it failed, the caller gets its failure
+        instead of a try of its own (one attempt at a time, not one connect_timeout per
+        waiting thread). After any other attempt (one that succeeded, or more than one)
+        the caller tries: a failure from before a later success is stale."""
         if self._closed:
             raise ClosedError(f"the client of {self.url} is closed")
         conn = self._conn
@@ -187,7 +190,7 @@ class Client:
             conn = self._conn  # the broker went away (or spoke out of turn) while idle
         if conn is None:
             count, last = self._failed
-            if failed is not None and count != failed and last is not None:
+            if failed is not None and count == failed + 1 and last is not None:
                 raise again(last, [])
             try:
                 sock, welcome, reader = connect_with_retries(
@@ -196,6 +199,7 @@ class Client:
             except EQueueError as exc:
                 self._failed = (count + 1, exc)
                 raise
+            self._failed = (count + 1, None)
             kernel_timeouts(sock, self.timeout)
             conn = self._conn = _Connection(sock, welcome, reader)
         return conn
