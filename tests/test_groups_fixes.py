@@ -282,3 +282,18 @@ def test_a_member_of_many_queues_long_polls_them_in_turns(url: str) -> None:
     most, pulls = asyncio.run(main())
     assert pulls and all(p.get("wait_ms", 0) > 0 for p in pulls)
     assert most <= 64
+
+
+def test_the_blocking_member_sends_no_long_poll_while_messages_are_at_hand(url: str) -> None:
+    """Review 30a, finding 3: the pull sent right after an answer filled the buffer (at
+    offset 32, 32 messages at hand) was a 1 s long poll; it goes without a wait, and
+    long polls are left to a member with nothing at hand (the first pull here)."""
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"m%d" % i for i in range(40)])
+        recorder = Recorder(client)
+        with GroupConsumer(recorder, "g", TOPIC, batch_size=32) as consumer:
+            got = [consumer.poll(5.0) for _ in range(40)]
+        assert [m.body for m in got if m is not None] == [b"m%d" % i for i in range(40)]
+        pulls = [(p["offset"], p.get("wait_ms", 0)) for p in recorder.pulls if p["topic"] == TOPIC]
+        assert pulls[0] == (0, 1000)  # nothing at hand: a long poll (POLL_WAIT_MS)
+        assert [wait for at, wait in pulls if at == 32] == [0]  # 32 at hand: no wait

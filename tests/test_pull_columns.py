@@ -6,6 +6,8 @@ and a broker of different versions still talk (pull to a broker before version 3
 
 from __future__ import annotations
 
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 from client_helpers import WELCOME, FakeBroker, Peer
 from hypothesis import HealthCheck, given, settings
@@ -319,3 +322,63 @@ def test_a_prefetched_answer_that_skipped_entries_commits_nothing_unhandled(home
             second = consumer.poll(5.0)  # takes that answer in, then commits (interval 0)
             assert second is not None and second.body == b"a1"
             assert client.committed_offset("g", "t", 0) == 1  # a0 processed; a1..a4 not
+
+
+def test_c_and_python_cut_an_answer_at_the_same_message(home: Path) -> None:
+    """Review 30a, finding 4: the Python packer counts a message's bound as the C one
+    does (a nil key 1 byte, the topic once), so both keep the same messages at every
+    room; neither passes it. Control: with ids not of the prefix (Python only: an ids
+    column), the answer stays within room too."""
+    from equeue import speedups
+
+    fast = speedups.SPEEDUPS
+    assert fast is not None, "the C accelerator is not built"
+    rnd = random.Random(30)
+    with MessageStore.open(home / "s") as store:
+        store.create_topic("t-topic", 1)
+        for _ in range(120):
+            store.send(
+                "t-topic", rnd.randbytes(rnd.choice([0, 1, 31, 32, 255, 256, 70_000])),
+                tag=rnd.choice(["", "a", "é" * 40]), key=rnd.choice([None, "", "k" * 255]),
+                properties=rnd.choice(
+                    [None, {}, {"p": "v" * rnd.randint(0, 40)}, {str(j): "x" for j in range(20)}]
+                ),
+                code=rnd.choice([0, -1, -33, 2**31 - 1, -(2**31)]),
+            )  # fmt: skip
+        result = store.pull("t-topic", 0, 0, max_count=120)
+        prefix = f"{store.store_id:08x}"
+    messages = list(result.messages)
+    rooms = [*range(0, 3000, 13), *range(3000, 3_000_000, 29_989)]
+    cuts = 0
+    for room in rooms:
+        packed = fast.pack_pull_columns(messages, result.next_offset, "t-topic", 0, prefix, room)
+        assert packed is not None  # the store's own messages: C packs them
+        data, kept = pullcols._pack(messages, result.next_offset, "t-topic", 0, prefix, room)
+        assert packed[1] == kept, f"room {room}: C keeps {packed[1]}, Python {kept}"
+        for found in (packed[0], data):
+            assert found is None or len(found) <= room
+        cuts += 0 < kept < len(messages)
+        other, kept = pullcols._pack(messages, result.next_offset, "t-topic", 0, "ffffffff", room)
+        assert other is None or len(other) <= room
+        if other is not None:
+            assert pullcols._unpack(msgpack.unpackb(other), "t").messages == messages[:kept]
+    assert cuts > 50  # most rooms cut the answer somewhere
+
+
+def test_the_message_field_order_is_declared_once_for_c() -> None:
+    """Review 30a, finding 5: message.c keeps a Message's slots by an enum that
+    pullcols.c read through message_slots from a copy of its own; now one enum in
+    speedups.h, in the order of Message._fields, and no C file declares another."""
+    cext = Path(pullcols.__file__).parent.parent / "cext"
+    header = (cext / "speedups.h").read_text()
+    found = re.search(r"enum \{([^}]*\bMSG_NFIELDS\b[^}]*)\}", header)
+    assert found is not None, "speedups.h declares no MSG_* enum of the Message's fields"
+    names = [n.strip() for n in found[1].split(",") if n.strip()]
+    short = {
+        "message_id": "ID", "topic": "TOPIC", "queue_id": "QID", "queue_offset": "QOFF",
+        "position": "POS", "tag": "TAG", "key": "KEY", "properties": "PROPS", "code": "CODE",
+        "body": "BODY", "created_ns": "CREATED", "stored_ns": "STORED",
+    }  # fmt: skip
+    assert names == [f"MSG_{short[f]}" for f in Message._fields] + ["MSG_NFIELDS"]
+    for source in sorted(cext.glob("*.c")):
+        assert not re.search(r"\bF_PROPS\b", source.read_text()), f"{source.name}: a copy"

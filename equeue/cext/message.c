@@ -35,26 +35,21 @@
 #include <stddef.h>
 #include <structmember.h>
 
-enum {
-    F_ID, F_TOPIC, F_QID, F_QOFF, F_POS, F_TAG, F_KEY, F_PROPS, F_CODE, F_BODY,
-    F_CREATED, F_STORED, NFIELDS
-};
-
-static const char *const NAMES[NFIELDS + 1] = {
+static const char *const NAMES[MSG_NFIELDS + 1] = {
     "message_id", "topic", "queue_id", "queue_offset", "position", "tag", "key",
     "properties", "code", "body", "created_ns", "stored_ns", NULL,
 };
 
 typedef struct {
     PyObject_HEAD
-    PyObject *f[NFIELDS]; /* NULL: not made yet (decoded messages only) */
+    PyObject *f[MSG_NFIELDS]; /* NULL: not made yet (decoded messages only) */
     PyObject *id_prefix;  /* for the id of a decoded message; NULL for one built in Python */
-    long long ints[NFIELDS]; /* a decoded message's ints, by field index */
+    long long ints[MSG_NFIELDS]; /* a decoded message's ints, by field index */
 } MessageObject;
 
 static PyObject *tuple_of(PyObject *self);
 static PyObject *from_items(PyObject *const *items);
-static RecordSpec SPEC = {&MessageType, NFIELDS, NULL, tuple_of, from_items};
+static RecordSpec SPEC = {&MessageType, MSG_NFIELDS, NULL, tuple_of, from_items};
 
 #define IS_MESSAGE(o) Py_IS_TYPE((o), &MessageType)
 
@@ -63,9 +58,9 @@ static RecordSpec SPEC = {&MessageType, NFIELDS, NULL, tuple_of, from_items};
 static PyObject *field(MessageObject *m, int i) {
     PyObject *v = m->f[i];
     if (v == NULL) {
-        if (i == F_ID)
-            v = message_id(m->id_prefix, m->ints[F_POS]);
-        else if (i == F_PROPS)
+        if (i == MSG_ID)
+            v = message_id(m->id_prefix, m->ints[MSG_POS]);
+        else if (i == MSG_PROPS)
             v = PyDict_New();
         else
             v = PyLong_FromLongLong(m->ints[i]);
@@ -77,14 +72,14 @@ static PyObject *field(MessageObject *m, int i) {
             m->f[i] = v;
         }
     }
-    if (i == F_PROPS && !PyObject_GC_IsTracked((PyObject *)m)) PyObject_GC_Track(m);
+    if (i == MSG_PROPS && !PyObject_GC_IsTracked((PyObject *)m)) PyObject_GC_Track(m);
     return Py_NewRef(v);
 }
 
 static PyObject *as_tuple(MessageObject *m) {
-    PyObject *t = PyTuple_New(NFIELDS);
+    PyObject *t = PyTuple_New(MSG_NFIELDS);
     if (t == NULL) return NULL;
-    for (int i = 0; i < NFIELDS; i++) {
+    for (int i = 0; i < MSG_NFIELDS; i++) {
         PyObject *v = field(m, i);
         if (v == NULL) {
             Py_DECREF(t);
@@ -105,18 +100,18 @@ PyObject *lazy_message(PyObject *id_prefix, PyObject *topic, PyObject *tag, PyOb
     MessageObject *m = PyObject_GC_New(MessageObject, &MessageType);
     if (m == NULL) goto fail;
     memset(m->f, 0, sizeof m->f);
-    m->f[F_TOPIC] = topic;
-    m->f[F_TAG] = tag;
-    m->f[F_KEY] = key;
-    m->f[F_PROPS] = props; /* NULL: empty, made when read */
-    m->f[F_BODY] = body;
+    m->f[MSG_TOPIC] = topic;
+    m->f[MSG_TAG] = tag;
+    m->f[MSG_KEY] = key;
+    m->f[MSG_PROPS] = props; /* NULL: empty, made when read */
+    m->f[MSG_BODY] = body;
     m->id_prefix = Py_NewRef(id_prefix);
-    m->ints[F_POS] = position;
-    m->ints[F_QID] = queue_id;
-    m->ints[F_QOFF] = queue_offset;
-    m->ints[F_CODE] = code;
-    m->ints[F_CREATED] = created_ns;
-    m->ints[F_STORED] = stored_ns;
+    m->ints[MSG_POS] = position;
+    m->ints[MSG_QID] = queue_id;
+    m->ints[MSG_QOFF] = queue_offset;
+    m->ints[MSG_CODE] = code;
+    m->ints[MSG_CREATED] = created_ns;
+    m->ints[MSG_STORED] = stored_ns;
     return (PyObject *)m; /* untracked: see the top */
 fail:
     Py_XDECREF(topic);
@@ -131,7 +126,7 @@ fail:
 static PyObject *from_items(PyObject *const *items) {
     MessageObject *m = PyObject_GC_New(MessageObject, &MessageType);
     if (m == NULL) return NULL;
-    for (int i = 0; i < NFIELDS; i++) m->f[i] = Py_NewRef(items[i]);
+    for (int i = 0; i < MSG_NFIELDS; i++) m->f[i] = Py_NewRef(items[i]);
     m->id_prefix = NULL;
     PyObject_GC_Track(m);
     return (PyObject *)m;
@@ -142,11 +137,11 @@ int message_check_fields(PyObject *obj, PyObject **topic, long long *queue_id,
     PyObject *qid, *qoff;
     if (IS_MESSAGE(obj)) {
         MessageObject *m = (MessageObject *)obj;
-        *topic = m->f[F_TOPIC];
-        qid = m->f[F_QID];
-        qoff = m->f[F_QOFF];
-        if (qid == NULL) *queue_id = m->ints[F_QID];
-        if (qoff == NULL) *queue_offset = m->ints[F_QOFF];
+        *topic = m->f[MSG_TOPIC];
+        qid = m->f[MSG_QID];
+        qoff = m->f[MSG_QOFF];
+        if (qid == NULL) *queue_id = m->ints[MSG_QID];
+        if (qoff == NULL) *queue_offset = m->ints[MSG_QOFF];
     } else if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) >= 4) {
         *topic = PyTuple_GET_ITEM(obj, 1);
         qid = PyTuple_GET_ITEM(obj, 2);
@@ -164,7 +159,8 @@ int message_check_fields(PyObject *obj, PyObject **topic, long long *queue_id,
 /* A C Message's 12 field slots (borrowed; NULL: not made yet, its value then in ints[]
  * or, for the id, from *id_prefix and the position; NULL props: empty): 1, or 0 for
  * another object (pullcols.c packs a pull's answer from these without making them). */
-int message_slots(PyObject *obj, PyObject **fields, long long *ints, PyObject **id_prefix) {
+int message_slots(PyObject *obj, PyObject *fields[MSG_NFIELDS], long long ints[MSG_NFIELDS],
+                  PyObject **id_prefix) {
     if (!IS_MESSAGE(obj)) return 0;
     MessageObject *m = (MessageObject *)obj;
     memcpy(fields, m->f, sizeof m->f);
@@ -174,7 +170,7 @@ int message_slots(PyObject *obj, PyObject **fields, long long *ints, PyObject **
 }
 
 static PyObject *message_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *v[NFIELDS];
+    PyObject *v[MSG_NFIELDS];
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOOOOO:Message", (char **)NAMES,
                                      &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7],
                                      &v[8], &v[9], &v[10], &v[11]))
@@ -186,19 +182,20 @@ static PyObject *message_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
  * and the client build theirs so); anything else goes through message_new. */
 static PyObject *message_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
                                     PyObject *kwnames) {
-    if (PyVectorcall_NARGS(nargsf) == NFIELDS && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0))
+    if (PyVectorcall_NARGS(nargsf) == MSG_NFIELDS &&
+        (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0))
         return from_items(args);
     return record_call(&SPEC, args, nargsf, kwnames);
 }
 
 static int message_traverse(MessageObject *m, visitproc visit, void *arg) {
-    for (int i = 0; i < NFIELDS; i++) Py_VISIT(m->f[i]);
+    for (int i = 0; i < MSG_NFIELDS; i++) Py_VISIT(m->f[i]);
     Py_VISIT(m->id_prefix);
     return 0;
 }
 
 static int message_clear(MessageObject *m) {
-    for (int i = 0; i < NFIELDS; i++) Py_CLEAR(m->f[i]);
+    for (int i = 0; i < MSG_NFIELDS; i++) Py_CLEAR(m->f[i]);
     Py_CLEAR(m->id_prefix);
     return 0;
 }
@@ -227,11 +224,11 @@ static PyObject *seconds(MessageObject *m, int i) {
 }
 
 static PyObject *get_created_at(MessageObject *m, void *closure) {
-    return seconds(m, F_CREATED);
+    return seconds(m, MSG_CREATED);
 }
 
 static PyObject *get_stored_at(MessageObject *m, void *closure) {
-    return seconds(m, F_STORED);
+    return seconds(m, MSG_STORED);
 }
 
 /* The fields every message holds from the start are members (T_OBJECT_EX): the
@@ -240,25 +237,25 @@ static PyObject *get_stored_at(MessageObject *m, void *closure) {
 #define FIELD_MEMBER(name, i) \
     {name, T_OBJECT_EX, offsetof(MessageObject, f) + (i) * sizeof(PyObject *), READONLY, NULL}
 static PyMemberDef members[] = {
-    FIELD_MEMBER("topic", F_TOPIC), FIELD_MEMBER("tag", F_TAG), FIELD_MEMBER("key", F_KEY),
-    FIELD_MEMBER("body", F_BODY),   {NULL, 0, 0, 0, NULL},
+    FIELD_MEMBER("topic", MSG_TOPIC), FIELD_MEMBER("tag", MSG_TAG), FIELD_MEMBER("key", MSG_KEY),
+    FIELD_MEMBER("body", MSG_BODY),   {NULL, 0, 0, 0, NULL},
 };
 
 #define FIELD_GET(name, i) {name, (getter)get_field, NULL, NULL, (void *)(intptr_t)(i)}
 static PyGetSetDef getset[] = {
-    FIELD_GET("message_id", F_ID), FIELD_GET("queue_id", F_QID),
-    FIELD_GET("queue_offset", F_QOFF), FIELD_GET("position", F_POS),
-    FIELD_GET("properties", F_PROPS), FIELD_GET("code", F_CODE),
-    FIELD_GET("created_ns", F_CREATED), FIELD_GET("stored_ns", F_STORED),
+    FIELD_GET("message_id", MSG_ID), FIELD_GET("queue_id", MSG_QID),
+    FIELD_GET("queue_offset", MSG_QOFF), FIELD_GET("position", MSG_POS),
+    FIELD_GET("properties", MSG_PROPS), FIELD_GET("code", MSG_CODE),
+    FIELD_GET("created_ns", MSG_CREATED), FIELD_GET("stored_ns", MSG_STORED),
     {"created_at", (getter)get_created_at, NULL, "created_ns in float seconds", NULL},
     {"stored_at", (getter)get_stored_at, NULL, "stored_ns in float seconds", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static Py_ssize_t message_length(PyObject *self) { return NFIELDS; }
+static Py_ssize_t message_length(PyObject *self) { return MSG_NFIELDS; }
 
 static PyObject *message_item(MessageObject *m, Py_ssize_t i) {
-    if (i < 0 || i >= NFIELDS) {
+    if (i < 0 || i >= MSG_NFIELDS) {
         PyErr_SetString(PyExc_IndexError, "tuple index out of range");
         return NULL;
     }
@@ -269,7 +266,7 @@ static PyObject *message_subscript(MessageObject *m, PyObject *key) {
     if (!PyIndex_Check(key)) return record_slice(&SPEC, (PyObject *)m, key);
     Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
     if (i == -1 && PyErr_Occurred()) return NULL;
-    return message_item(m, i < 0 ? i + NFIELDS : i);
+    return message_item(m, i < 0 ? i + MSG_NFIELDS : i);
 }
 
 static int message_contains(PyObject *m, PyObject *v) { return record_contains(&SPEC, m, v); }

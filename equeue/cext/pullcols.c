@@ -21,9 +21,6 @@
 
 enum { C_NEXT, C_TOPIC, C_QID, C_PREFIX, C_IDS, C_OFFSETS, C_POSITIONS, C_CREATED,
        C_STORED, C_BODIES, C_TAGS, C_KEYS, C_CODES, C_PROPS, NCOLUMNS };
-/* The C Message's field order (message.c). */
-enum { F_ID, F_TOPIC, F_QID, F_QOFF, F_POS, F_TAG, F_KEY, F_PROPS, F_CODE, F_BODY,
-       F_CREATED, F_STORED, NFIELDS };
 
 /* --- msgpack writing -------------------------------------------------------------- */
 
@@ -119,52 +116,55 @@ static Py_ssize_t props_bound(PyObject *props) {
 }
 
 /* Row ``i`` from a message (a C Message's slots, or a tuple's items) and the most bytes
- * its columns take; -1: not one this packs. */
+ * its columns take; -1: not one this packs. pullcols.py's _pack and _bound count the
+ * same (ROW_BOUND, KEY_HEAD, PROPS_BOUND, ENTRY_BOUND, HEAD_BOUND there): change both
+ * (tests/test_pull_columns.py checks that both cut an answer at the same message). */
 static Py_ssize_t read_row(PyObject *message, PyObject *topic, long long queue_id,
                            PyObject *id_prefix, Row *r) {
-    PyObject *f[NFIELDS], *prefix = NULL;
-    long long ints[NFIELDS];
+    PyObject *f[MSG_NFIELDS], *prefix = NULL;
+    long long ints[MSG_NFIELDS];
     if (message_slots(message, f, ints, &prefix)) {
         /* a slot made (or given from Python) is read as the value it holds */
-        if ((f[F_QID] && !as_ll(f[F_QID], &ints[F_QID])) ||
-            (f[F_QOFF] && !as_ll(f[F_QOFF], &ints[F_QOFF])) ||
-            (f[F_POS] && !as_ll(f[F_POS], &ints[F_POS])) ||
-            (f[F_CODE] && !as_ll(f[F_CODE], &ints[F_CODE])) ||
-            (f[F_CREATED] && !as_ll(f[F_CREATED], &ints[F_CREATED])) ||
-            (f[F_STORED] && !as_ll(f[F_STORED], &ints[F_STORED])))
+        if ((f[MSG_QID] && !as_ll(f[MSG_QID], &ints[MSG_QID])) ||
+            (f[MSG_QOFF] && !as_ll(f[MSG_QOFF], &ints[MSG_QOFF])) ||
+            (f[MSG_POS] && !as_ll(f[MSG_POS], &ints[MSG_POS])) ||
+            (f[MSG_CODE] && !as_ll(f[MSG_CODE], &ints[MSG_CODE])) ||
+            (f[MSG_CREATED] && !as_ll(f[MSG_CREATED], &ints[MSG_CREATED])) ||
+            (f[MSG_STORED] && !as_ll(f[MSG_STORED], &ints[MSG_STORED])))
             return -1;
-    } else if (PyTuple_Check(message) && PyTuple_GET_SIZE(message) == NFIELDS) {
-        for (int i = 0; i < NFIELDS; i++) f[i] = PyTuple_GET_ITEM(message, i);
-        for (int i = F_QID; i <= F_STORED; i++)
-            if (i != F_TAG && i != F_KEY && i != F_PROPS && i != F_BODY &&
+    } else if (PyTuple_Check(message) && PyTuple_GET_SIZE(message) == MSG_NFIELDS) {
+        for (int i = 0; i < MSG_NFIELDS; i++) f[i] = PyTuple_GET_ITEM(message, i);
+        for (int i = MSG_QID; i <= MSG_STORED; i++)
+            if (i != MSG_TAG && i != MSG_KEY && i != MSG_PROPS && i != MSG_BODY &&
                 !as_ll(f[i], &ints[i]))
                 return -1;
     } else {
         return -1;
     }
-    if (f[F_TOPIC] == NULL || !same_str(f[F_TOPIC], topic) || ints[F_QID] != queue_id) return -1;
-    if (ints[F_QOFF] < 0 || ints[F_POS] < 0) return -1;
-    if (f[F_ID] != NULL || prefix == NULL || !same_str(prefix, id_prefix)) {
+    if (f[MSG_TOPIC] == NULL || !same_str(f[MSG_TOPIC], topic) || ints[MSG_QID] != queue_id)
+        return -1;
+    if (ints[MSG_QOFF] < 0 || ints[MSG_POS] < 0) return -1;
+    if (f[MSG_ID] != NULL || prefix == NULL || !same_str(prefix, id_prefix)) {
         /* an id made or given: it must read as the prefix and the position */
-        PyObject *want = message_id(id_prefix, ints[F_POS]);
+        PyObject *want = message_id(id_prefix, ints[MSG_POS]);
         if (want == NULL) return -1;
-        int same = f[F_ID] != NULL && same_str(f[F_ID], want);
+        int same = f[MSG_ID] != NULL && same_str(f[MSG_ID], want);
         Py_DECREF(want);
         if (!same) return -1;
     }
-    r->body = f[F_BODY];
-    r->tag = f[F_TAG];
-    r->key = f[F_KEY];
-    r->props = f[F_PROPS];
+    r->body = f[MSG_BODY];
+    r->tag = f[MSG_TAG];
+    r->key = f[MSG_KEY];
+    r->props = f[MSG_PROPS];
     if (r->body == NULL || !PyBytes_CheckExact(r->body) || r->tag == NULL ||
         !PyUnicode_CheckExact(r->tag) || r->key == NULL ||
         (r->key != Py_None && !PyUnicode_CheckExact(r->key)))
         return -1;
-    r->qoff = ints[F_QOFF];
-    r->pos = ints[F_POS];
-    r->created = ints[F_CREATED];
-    r->stored = ints[F_STORED];
-    r->code = ints[F_CODE];
+    r->qoff = ints[MSG_QOFF];
+    r->pos = ints[MSG_POS];
+    r->created = ints[MSG_CREATED];
+    r->stored = ints[MSG_STORED];
+    r->code = ints[MSG_CODE];
     Py_ssize_t n, bound = 4 * 9 + 9 + 5 + PyBytes_GET_SIZE(r->body); /* ints, code, body */
     if (utf8(r->tag, &n) == NULL) return -1;
     bound += 5 + n;

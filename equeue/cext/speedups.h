@@ -148,8 +148,17 @@ PyObject *lazy_message(PyObject *id_prefix, PyObject *topic, PyObject *tag, PyOb
 int message_check_fields(PyObject *message, PyObject **topic, long long *queue_id,
                          long long *queue_offset);
 
-/* A C Message's field slots (message.c): 1, or 0 for another object. */
-int message_slots(PyObject *obj, PyObject **fields, long long *ints, PyObject **id_prefix);
+/* The C Message's fields in order (equeue/store/types.py's Message._fields): message.c
+ * keeps its slots and ints by these, pullcols.c reads them through message_slots. The
+ * one list of them: a field added or moved here is so for both. */
+enum {
+    MSG_ID, MSG_TOPIC, MSG_QID, MSG_QOFF, MSG_POS, MSG_TAG, MSG_KEY, MSG_PROPS, MSG_CODE,
+    MSG_BODY, MSG_CREATED, MSG_STORED, MSG_NFIELDS
+};
+/* A C Message's field slots and ints (message.c), copied into the caller's arrays of
+ * MSG_NFIELDS: 1, or 0 for another object. */
+int message_slots(PyObject *obj, PyObject *fields[MSG_NFIELDS], long long ints[MSG_NFIELDS],
+                  PyObject **id_prefix);
 /* pullcols.c: a pull's answer in columns (protocol version 3). */
 PyObject *pack_pull_columns(PyObject *self, PyObject *args);
 PyObject *unpack_pull_columns(PyObject *self, PyObject *args);

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import Answer, Coalescer
-from equeue.client.connect import RECV_BYTES
+from equeue.client.connect import RECV_BYTES, again
 from equeue.client.core import (
     DECODERS,
     PULL_OPS,
@@ -188,6 +188,7 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         if not self.welcome.done():  # the handshake failed: a broken protocol is no retry
             refused = isinstance(cause, EQueueError) and not isinstance(cause, ConnectionLostError)
             self.welcome.set_exception(cause if refused else lost(reason, [], cause))  # type: ignore[arg-type]
+            self.welcome.exception()  # (retrieved: a connect that failed never awaits it)
         pending = list(self.pending.values())
         self.pending.clear()
         for target, unanswered, _ in pending:
@@ -312,7 +313,7 @@ class AsyncClient:
             token, args.name("client_name", client_name) or f"python-asyncio pid {os.getpid()}"
         )
         self._protocol: _Protocol | None = None
-        self._connecting: asyncio.Lock | None = None
+        self._reconnect: asyncio.Task[_Protocol] | None = None  # the attempt under way
         self._closed = False
         self._ids = itertools.count(1).__next__
 
@@ -323,16 +324,38 @@ class AsyncClient:
             return None
         return protocol.welcome.result()
 
-    async def _connected(self) -> _Protocol:
+    async def _connected(self, unsent: Given = None) -> _Protocol:
+        """The open connection, made again if it broke. One attempt runs at a time, and
+        every caller that finds the connection broken meanwhile waits for it: a failed
+        attempt fails each of them (its own error, ``unsent`` its messages) without a
+        try of its own; a call after that tries again."""
         if self._closed:
             raise ClosedError(f"the client of {self.url} is closed")
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:  # one coroutine reconnects, the others wait for it
-            protocol = self._protocol
-            if protocol is None or protocol.closed:
-                protocol = self._protocol = await self._connect()
+        protocol = self._protocol
+        if protocol is not None and not protocol.closed:
             return protocol
+        attempt = self._reconnect
+        if attempt is None:
+            attempt = self._reconnect = asyncio.get_running_loop().create_task(self._attempt())
+        try:  # (shielded: a caller cancelled does not end the others' attempt)
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            if attempt.cancelled() and self._closed:  # close() ended the attempt
+                raise ClosedError(f"the client of {self.url} was closed") from None
+            raise
+        except EQueueError as exc:
+            raise again(exc, given(unsent)) from exc.__cause__
+
+    async def _attempt(self) -> _Protocol:
+        try:
+            protocol = await self._connect()
+        finally:
+            self._reconnect = None  # (before the callers waiting for it resume)
+        if self._closed:  # close() came while the handshake finished
+            protocol.fail(f"the client of {self.url} was closed", None)
+            raise ClosedError(f"the client of {self.url} is closed")
+        self._protocol = protocol
+        return protocol
 
     async def _connect(self) -> _Protocol:
         """Connect and shake hands, retrying a broker that is not (yet) there with a
@@ -386,14 +409,16 @@ class AsyncClient:
                     break
                 await asyncio.sleep(0)
         if protocol is None or protocol.closed:
-            protocol = await self._connected()
+            protocol = await self._connected(call.unanswered)
         assert protocol.encoder is not None
         request_id = self._ids()
         frame = protocol.encoder.frame(request_id, call.op, call.args)
         if protocol.free <= 0:
             await protocol.place()
         if protocol.closed:  # (while it waited for a place)
-            raise lost(f"the connection to {self.url} broke; the request was not sent", [])
+            error = lost(f"the connection to {self.url} broke; the request was not sent", [])
+            error.unsent = given(call.unanswered)
+            raise error
         protocol.free -= 1  # given back when its answer arrives (data_received)
         future: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
         deadline = time.monotonic() + self.timeout + call.wait
@@ -547,6 +572,8 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the connection; requests still in flight raise ConnectionLostError."""
         self._closed = True
+        if self._reconnect is not None:
+            self._reconnect.cancel()
         protocol = self._protocol
         if protocol is not None:
             protocol.fail(f"the client of {self.url} was closed", None)

@@ -102,3 +102,22 @@ def connect_with_retries(
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+def again(failure: EQueueError, unsent: list[object]) -> EQueueError:
+    """A caller's own copy of a failed connect's error (each raise adds its own
+    traceback), its ``unsent`` the caller's messages: nothing of them was written."""
+    if isinstance(failure, ConnectionLostError):
+        fresh: EQueueError = lost(str(failure), [], failure.__cause__)
+    else:  # a refusal (a token, a version, a limit): the same class, message and fields
+        # Built as faults.unpack_error builds one, not by copy.copy: that calls cls(*args),
+        # and some classes' __init__ take required keyword arguments (StorePathError: file).
+        cls = type(failure)
+        fresh = cls.__new__(cls)
+        Exception.__init__(fresh, *failure.args)
+        fields = vars(failure).items()
+        fresh.__dict__.update({k: list(v) if type(v) is list else v for k, v in fields})
+        fresh.__cause__ = failure.__cause__
+    if isinstance(fresh, ConnectionLostError):
+        fresh.unsent = list(unsent)
+    return fresh

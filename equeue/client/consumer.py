@@ -287,7 +287,8 @@ class GroupConsumer:
             try:
                 self._maintain()
                 self._harvest()
-                self._start_pulls()  # (with messages at hand too: the next batches)
+                # the next batches: long polls only with nothing at hand (_start_pulls)
+                self._start_pulls(quick=bool(state.buffer))
                 if state.buffer:
                     return True
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:

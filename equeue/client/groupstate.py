@@ -272,9 +272,13 @@ class GroupState:
             if not (handed is not None and handed.key == key) and not self.buffered(key):
                 self.processed[key] = following  # (else: once what is at hand is)
             return 0
-        if key[0].startswith(RETRY_PREFIX):  # retry copies: their original places
-            messages = list(map(restore, messages))
-        self.buffer.append(Batch(messages, key, following))
+        if key[0].startswith(RETRY_PREFIX):
+            # retry copies are handed out at their original places, but the retry queue
+            # is committed at its own offsets: the copies' are kept for Batch.after
+            offsets = [m.queue_offset for m in messages]
+            self.buffer.append(Batch(list(map(restore, messages)), key, following, offsets))
+        else:
+            self.buffer.append(Batch(messages, key, following))
         return len(messages)
 
     def next_message(self) -> Message:
@@ -314,10 +318,19 @@ class GroupState:
 class Batch:
     """One pull's messages in the buffer, handed out in turn from ``next``."""
 
-    __slots__ = ("count", "done", "following", "key", "messages", "next")
+    __slots__ = ("count", "done", "following", "key", "messages", "next", "offsets")
 
-    def __init__(self, messages: list[Message], key: Queue, following: int) -> None:
+    def __init__(
+        self,
+        messages: list[Message],
+        key: Queue,
+        following: int,
+        offsets: list[int] | None = None,
+    ) -> None:
         self.messages = messages
+        # the messages' offsets in ``key`` where they differ from their queue_offset (retry
+        # copies, restored to their original topic's place): None, they are the same
+        self.offsets = offsets
         self.count = len(messages)
         self.key = key
         self.following = following  # where the queue's next pull starts
@@ -330,6 +343,9 @@ class Batch:
         done = self.done
         if done == self.count:
             return self.following
+        offsets = self.offsets
+        if offsets is not None:
+            return offsets[done - 1] + 1 if done else offsets[0]
         return self.messages[done - 1].queue_offset + 1 if done else self.messages[0].queue_offset
 
 

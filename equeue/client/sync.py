@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
-from equeue.client.connect import RECV_BYTES, connect_with_retries
+from equeue.client.connect import RECV_BYTES, again, connect_with_retries
 from equeue.client.core import (
     DECODERS,
     PULL_OPS,
@@ -147,6 +147,8 @@ class Client:
         self._closed = False
         self._next_id = 1
         self._conn: _Connection | None = None
+        # Connect attempts made, and the last one's error (None: it succeeded).
+        self._failed: tuple[int, EQueueError | None] = (0, None)
         _CLIENTS.add(self)
         with self._write_lock:
             self._connection()
@@ -174,17 +176,30 @@ class Client:
         conn = self._conn
         return conn.welcome if conn is not None else None
 
-    def _connection(self) -> _Connection:
-        """The open connection (made again if it broke); call under the write lock."""
+    def _connection(self, failed: int | None = None) -> _Connection:
+        """The open connection (made again if it broke); call under the write lock.
+        ``failed``: the count of connect attempts when the caller began to wait for the
+        lock; if exactly one was made since and it failed, the caller gets its failure
+        instead of a try of its own (one attempt at a time, not one connect_timeout per
+        waiting thread). After any other attempt (one that succeeded, or more than one)
+        the caller tries: a failure from before a later success is stale."""
         if self._closed:
             raise ClosedError(f"the client of {self.url} is closed")
         conn = self._conn
         if conn is not None and not conn.pending and self._idle_input(conn):
             conn = self._conn  # the broker went away (or spoke out of turn) while idle
         if conn is None:
-            sock, welcome, reader = connect_with_retries(
-                self.endpoint, self._token, self._name, self.connect_timeout
-            )
+            count, last = self._failed
+            if failed is not None and count == failed + 1 and last is not None:
+                raise again(last, [])
+            try:
+                sock, welcome, reader = connect_with_retries(
+                    self.endpoint, self._token, self._name, self.connect_timeout
+                )
+            except EQueueError as exc:
+                self._failed = (count + 1, exc)
+                raise
+            self._failed = (count + 1, None)
             kernel_timeouts(sock, self.timeout)
             conn = self._conn = _Connection(sock, welcome, reader)
         return conn
@@ -289,11 +304,16 @@ class Client:
     ) -> tuple[_Connection, list[_Slot]]:
         """Write ``batch``'s requests in one go; their slots, in order. ``on``: only on
         that connection (ConnectionLostError, nothing written, if it broke)."""
+        failed = self._failed[0]
         with self._write_lock:
             while True:
                 if on is not None and (on.broken or self._conn is not on):
                     raise lost(f"the connection to {self.url} broke", [])
-                conn = self._connection()
+                try:
+                    conn = self._connection(failed)
+                except ConnectionLostError as exc:  # nothing of the batch was written
+                    exc.unsent = [m for c in batch for m in given(c.unanswered)]
+                    raise
                 self._wait_for_places(conn, len(batch))
                 if not conn.broken:
                     break

@@ -11,9 +11,9 @@ difference.
 
 Each fold has a generation, written into topics.json (a top-level ``"generation"``,
 none meaning 0, checksummed: equeue/format/topicsjson.py) and into the fresh journal's
-header. A journal whose generation is
-below topics.json's was folded into it already (a crash, or a failed write, between a
-fold's topics.json and its fresh journal; or a reader between the two renames): it is
+header. A journal whose generation is below topics.json's was folded into it already (a
+crash, or a failed write, between a fold's topics.json and its fresh journal; or a
+reader between the two renames): it is
 not replayed (its records could be older than the file's entry for the topic the fold
 changed), and a writer's open replaces it.
 

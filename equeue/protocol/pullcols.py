@@ -37,11 +37,21 @@ from equeue.protocol.records import unpack_pull_result
 from equeue.store.types import Message, PullResult
 
 COLUMNS: Final = 14
-# The most bytes a message adds to the answer, but for its strings, body and properties
-# (four ints, a code, and the heads of its body, tag and key): what the C packer counts.
-ROW_BOUND: Final = 4 * 9 + 9 + 5 + 5 + 5
-# The answer's own: its head, next_offset, the heads of topic, prefix and columns.
+# What a message adds to the answer at most, counted as the C packer counts it
+# (equeue/cext/pullcols.c, read_row and pack_pull_columns) so that both cut an answer at
+# the same message (tests/test_pull_columns.py compares them): ROW_BOUND for its four
+# ints, its code and the heads of its body and tag; a key's head (KEY_HEAD) or nil (1);
+# with properties, PROPS_BOUND for the [index, map] item and ENTRY_BOUND an entry.
+ROW_BOUND: Final = 4 * 9 + 9 + 5 + 5
+KEY_HEAD: Final = 5
+PROPS_BOUND: Final = 1 + 9 + 5
+ENTRY_BOUND: Final = 5 + 5
+# The answer's own, topic and id prefix aside, as the C packer counts it: the array head,
+# next_offset, the heads of topic and prefix, queue_id, nil ids, 8 column heads, and 5.
 HEAD_BOUND: Final = 1 + 9 + 5 + 9 + 5 + 1 + 8 * 5 + 5
+# Only Python packs an ids column (C leaves such answers to it): its head, and each
+# message's id in it then counts 5 + its bytes.
+IDS_HEAD: Final = 5
 
 
 def pack(
@@ -65,11 +75,15 @@ def _pack(
     messages: list[Message], next_offset: int, topic: str, queue_id: int, id_prefix: str,
     room: int,
 ) -> tuple[bytes | None, int]:  # fmt: skip
-    total = HEAD_BOUND + 2 * len(topic.encode()) + len(id_prefix)
+    total = HEAD_BOUND + len(topic.encode()) + len(id_prefix.encode())
     kept = 0
+    # once one id is not of the prefix, an ids column holds every message's id
+    own_ids, id_bytes = False, IDS_HEAD
     for message in messages:
-        total += _bound(message, id_prefix)
-        if total > room:
+        total += _bound(message)
+        id_bytes += 5 + len(message.message_id.encode())
+        own_ids = own_ids or message.message_id != _id(id_prefix, message.position)
+        if total + (id_bytes if own_ids else 0) > room:
             break
         kept += 1
     if messages and not kept:
@@ -103,15 +117,12 @@ def _once(column: list[Any], empty: object) -> object:
     return column[0] if column.count(column[0]) == len(column) else column
 
 
-def _bound(message: Message, id_prefix: str) -> int:
+def _bound(message: Message) -> int:
     size = ROW_BOUND + len(message.body) + len(message.tag.encode())
-    if message.key is not None:
-        size += len(message.key.encode())
+    size += 1 if message.key is None else KEY_HEAD + len(message.key.encode())
     if message.properties:
-        size += 1 + 9 + 5 + sum(10 + len(k.encode()) + len(v.encode())
-                                for k, v in message.properties.items())  # fmt: skip
-    if message.message_id != _id(id_prefix, message.position):
-        size += 5 + len(message.message_id.encode())
+        size += PROPS_BOUND + sum(ENTRY_BOUND + len(k.encode()) + len(v.encode())
+                                  for k, v in message.properties.items())  # fmt: skip
     return size
 
 

@@ -165,13 +165,13 @@ class Broker:
             if self.config.flush == "sync"
             else None
         )
-        self.coordinator = coordinator = GroupCoordinator(self.store)
-        self.offsets = OffsetCommitter(loop, self.store)
-        self.handlers = Handlers(
-            self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
-            self.config, self.packer, self.offsets,
-        )  # fmt: skip
-        try:
+        try:  # from here on a failure must stop the flusher thread the commit started
+            self.coordinator = coordinator = GroupCoordinator(self.store)
+            self.offsets = OffsetCommitter(loop, self.store)
+            self.handlers = Handlers(
+                self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
+                self.config, self.packer, self.offsets,
+            )  # fmt: skip
             for listener in self.listeners:
                 await self._listen(listener)
         except BaseException:

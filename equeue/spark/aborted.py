@@ -16,6 +16,7 @@ store removes it (``tidy``), and the markers older than ``ABORTED_KEEP_SECONDS``
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Final
 
 from equeue.chunks.chunk import fsync_directory
+from equeue.errors import EQueueError
 from equeue.safepath import check_dir, check_file, ensure_dir, open_fd
 from equeue.spark.ledger import INTENT_FILE, Incoming, Job, valid_job_dir
 
@@ -32,6 +34,7 @@ ABORTED_DIR: Final = "aborted"
 # A task still staging this long after its run's abort leaves its file (a day: Spark
 # kills the tasks it cancels within seconds, spark.python.task.killTimeout).
 ABORTED_KEEP_SECONDS: Final = 86_400.0
+log = logging.getLogger(__name__)
 _MARKER: Final = re.compile(r"(?P<job>(batch|stream)-[A-Za-z0-9._-]{1,140})\.(?P<run>[0-9a-f]{32})")
 
 
@@ -60,23 +63,35 @@ def aborted(incoming: Incoming, job: Job, run: str) -> bool:
 
 def tidy(incoming: Incoming, now: float | None = None) -> None:
     """At an abort or a commit: remove what tasks of aborted runs left (``sweep``), then
-    the markers older than ABORTED_KEEP_SECONDS (only files named as markers)."""
+    the markers older than ABORTED_KEEP_SECONDS (only files named as markers).
+
+    Best effort: the tasks of those runs may still be renaming and removing their files
+    and directories meanwhile (a name listed may be gone by its lstat, a directory by
+    its listing), and what one sweep could not remove the next one does, so no error
+    here fails the commit or abort it runs in front of: it is logged."""
     directory = incoming.root / ABORTED_DIR
-    if not check_dir(directory):
+    try:
+        names = os.listdir(directory) if check_dir(directory) else []
+    except FileNotFoundError:
+        return
+    except (OSError, EQueueError) as exc:
+        log.warning("abort markers in %s not tidied: %s", directory, exc)
         return
     cutoff = (time.time() if now is None else now) - ABORTED_KEEP_SECONDS
-    for name in os.listdir(directory):
+    for name in names:
         found = _MARKER.fullmatch(name)
         if found is None or not valid_job_dir(found["job"]):
             continue
-        _sweep(incoming, found["job"], found["run"])
         path = directory / name
         try:
+            _sweep(incoming, found["job"], found["run"])
             st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                path.unlink(missing_ok=True)
         except FileNotFoundError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-            path.unlink(missing_ok=True)
+        except (OSError, EQueueError) as exc:
+            log.warning("what the aborted run %s left not tidied: %s", path, exc)
 
 
 def _sweep(incoming: Incoming, job_dir: str, run: str) -> None:
@@ -88,9 +103,15 @@ def _sweep(incoming: Incoming, job_dir: str, run: str) -> None:
     if not check_dir(directory) or check_file(directory / INTENT_FILE):
         return
     removed = False
-    for name in os.listdir(directory):
+    for name in os.listdir(directory):  # (FileNotFoundError: a task removed it, tidy goes on)
         path = directory / name
-        if f"-{run}-" in name and not stat.S_ISDIR(os.lstat(path).st_mode):
+        if f"-{run}-" not in name:
+            continue
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:  # its task renamed or removed it since the listing
+            continue
+        if not stat.S_ISDIR(mode):
             path.unlink(missing_ok=True)
             removed = True
     if removed:

@@ -38,6 +38,27 @@ class _Request:
         self.done.acquire()  # released when the request is durable, failed, or must lead
 
 
+class FlushRecorder(Protocol):
+    def _start_flush(self) -> int: ...
+    def _set_flush_error(self, error: StoreWriteError | None, attempt: int) -> None: ...
+
+
+def flush_recorded(host: FlushRecorder, flush: Callable[[], None]) -> None:
+    """Run a log flush that acknowledges sends (GroupCommit's, the broker's): a failure is
+    kept as the store's flush error, as a failed service turn is, so every later send is
+    refused before anything is written instead of being stored, delivered, and answered
+    "may be lost". A chunk's failed fdatasync is sticky, so only a reopen clears it."""
+    try:
+        flush()
+    except StoreWriteError as exc:
+        host._set_flush_error(exc, host._start_flush())
+        # Same class (DiskFullError stays DiskFullError), saying what to do.
+        raise type(exc)(
+            exc.errno,
+            f"{exc.strerror or exc}; every later send is refused until the store is reopened",
+        ) from exc
+
+
 class GroupCommit:
     """flush="sync": sends are queued, and one thread appends a whole batch and flushes it.
 

@@ -47,7 +47,7 @@ from equeue.store.bodies import Append, Appended
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
 from equeue.store.consumer import Consumer, Start
-from equeue.store.flush import GroupCommit, run_service
+from equeue.store.flush import GroupCommit, flush_recorded, run_service
 from equeue.store.keyindex import KeyIndex, open_writer_index
 from equeue.store.livetail import LiveTailWriter, current_boot_id, read_live_tail
 from equeue.store.losses import losses_at_open, read_topics
@@ -203,7 +203,7 @@ class MessageStore:
         self._log_tail: dict[str, Any] | None = reconcile_at_open(self, checkpoint)
         self._writer = ChunkWriter(self._messages, self._files.lock)
         self._group = (
-            GroupCommit(self._lock, self._writer.flush, self._wake)
+            GroupCommit(self._lock, lambda: flush_recorded(self, self._writer.flush), self._wake)
             if config.flush == "sync"
             else None
         )
@@ -307,9 +307,10 @@ class MessageStore:
 
     def flush_log(self) -> None:
         """fdatasync the message log up to every append so far (safe beside appends): what
-        flush="sync" does per batch, for a caller batching acknowledgments (the broker)."""
+        flush="sync" does per batch, for a caller batching acknowledgments (the broker).
+        A failure refuses every later send, nothing written, until the store is reopened."""
         self._check_writable()
-        self._writer.flush()
+        flush_recorded(self, self._writer.flush)
 
     def _flush_log(self, least_bytes: int = 0) -> None:
         self._writer.flush(least_bytes)
@@ -529,18 +530,18 @@ class MessageStore:
         return self._locked(topic, queues, lambda q: self._appender.append_all(topic, q, checked))
 
     def _locked(self, topic: str, queues: list[Queue] | None, append: Append[Appended]) -> Appended:
-        """Append checked messages under the write lock; under "sync", flush the log and
-        only the queues written to before returning."""
+        """Append checked messages under the write lock; under "sync", flush the log before
+        returning (the queues are a derived index: flush.py)."""
         if self._lock_owned():  # the lock is an RLock: re-entered, it would not block
             raise reentered(self.path, topic)
         if queues is None:
             queues = self._create_for_send(topic)
-        if self._flush_error is not None:
-            raise StoreWriteError(
+        if self._flush_error is not None:  # same class: DiskFullError stays DiskFullError
+            raise type(self._flush_error)(
                 self._flush_error.errno,
-                f"refusing the send: the last background flush failed ({self._flush_error}); "
-                "sends resume once a flush succeeds (after a failed fdatasync: once the store "
-                "is reopened)",
+                f"refusing the send: the last group-commit or background flush failed "
+                f"({self._flush_error}); after a failed fdatasync close and reopen the store to "
+                "send again (other errors: sends resume once a flush succeeds)",
             )
         if self._group is not None:  # "sync": appended and flushed in a batch with others
             return self._group.submit(lambda: append(queues), lambda: reentered(self.path, topic))
