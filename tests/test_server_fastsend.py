@@ -13,7 +13,7 @@ import itertools
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import pytest
@@ -29,6 +29,7 @@ from equeue.server.config import ServerConfig
 from equeue.server.connection import Connection
 from equeue.server.serve import Broker
 
+Flush = Literal["sync", "async"]
 UNPACK = msgpack.unpackb  # the answers' decoder, not counted by the test that counts
 pytestmark = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the fast path is C")
 
@@ -85,7 +86,7 @@ def _normal(answer: list[Any]) -> list[Any]:
     return [rid, status, payload]
 
 
-async def _serve(directory: Path, reads: list[bytes], fast: bool, flush: str) -> tuple[Any, ...]:
+async def _serve(directory: Path, reads: list[bytes], fast: bool, flush: Flush) -> tuple[Any, ...]:
     broker = Broker(directory, ServerConfig(flush=flush))
     await broker.start()
     try:
@@ -103,7 +104,7 @@ async def _serve(directory: Path, reads: list[bytes], fast: bool, flush: str) ->
             if broker.commit is not None:
                 await broker.commit.drain()
             await asyncio.sleep(0)  # answers written in a callback
-        _welcome, *frames = FrameReader(1 << 30, "t").feed(transport.data)
+        _welcome, *frames = FrameReader(1 << 30, "t").feed(bytes(transport.data))
         answers = [_normal(UNPACK(b)) for b in frames]
         store = broker.store
         stored = []
@@ -162,7 +163,7 @@ def streams(draw: st.DrawFn) -> list[bytes]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reads=streams(), flush=st.sampled_from(["async", "sync"]))
 def test_the_fast_path_answers_and_stores_as_the_general_path(
-    reads: list[bytes], flush: str
+    reads: list[bytes], flush: Flush
 ) -> None:
     directory = short_dir()
     try:
