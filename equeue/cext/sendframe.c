@@ -104,10 +104,14 @@ static PyObject *parse(const unsigned char *p, const unsigned char *end) {
 /* send_frame(buffer, nbytes, max_frame_bytes): the first nbytes of buffer as one whole
  * frame (its length field is nbytes - 4, at most max_frame_bytes) holding a plain send,
  * as (request_id, topic, body); else None. */
-PyObject *send_frame(PyObject *self, PyObject *args) {
-    PyObject *buffer;
-    Py_ssize_t nbytes, max_frame;
-    if (!PyArg_ParseTuple(args, "Onn", &buffer, &nbytes, &max_frame)) return NULL;
+PyObject *send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send_frame(buffer, nbytes, max_frame_bytes)");
+        return NULL;
+    }
+    PyObject *buffer = args[0];
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]), max_frame = PyLong_AsSsize_t(args[2]);
+    if ((nbytes == -1 || max_frame == -1) && PyErr_Occurred()) return NULL;
     Py_buffer view;
     if (get_range(buffer, &view, 0, nbytes) < 0) return NULL;
     PyObject *out = Py_None;
@@ -178,9 +182,12 @@ static int put_str(unsigned char **q, PyObject *s, Py_ssize_t room) {
 
 /* send_answer(request_id, result): the whole answer frame of a send, or None when a
  * field is not of the type a SendResult holds (the caller packs it with msgpack). */
-PyObject *send_answer(PyObject *self, PyObject *args) {
-    PyObject *rid, *result;
-    if (!PyArg_ParseTuple(args, "OO", &rid, &result)) return NULL;
+PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "send_answer(request_id, result)");
+        return NULL;
+    }
+    PyObject *rid = args[0], *result = args[1];
     PyObject *f[6] = {NULL};
     PyObject *out = NULL;
     for (int i = 0; i < 6; i++) {

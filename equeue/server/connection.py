@@ -104,6 +104,13 @@ def release_durable(batch: list[Entry], error: BaseException | None) -> None:
             if not connection._batching:
                 connection._batching = True  # queue, do not schedule a write
                 written.append(connection)
+            if type(result) is bytes and error is None and not connection._ended:
+                # finish() of a plain send's answer frame, inline: the commonest by far
+                connection.in_flight -= 1
+                if not connection.closed:
+                    connection._out.append(result)
+                    connection._out_bytes += len(result)
+                continue
             connection.finish(request_id, result if error is None else error)
         except Exception:  # one connection's failure must not keep the others' answers
             log.exception("%s: answering a durable send failed", connection.where)
