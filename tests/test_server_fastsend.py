@@ -42,18 +42,6 @@ class Recorder:
         self.protocol: Connection | None = None
         self.closing = False
 
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return default
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def is_closing(self) -> bool:
-        return self.closing
-
     def write(self, data: bytes) -> None:
         self.data += data
 
@@ -64,11 +52,18 @@ class Recorder:
 
     abort = close
 
-    def pause_reading(self) -> None:
-        pass
+    def is_closing(self) -> bool:
+        return self.closing
 
-    def resume_reading(self) -> None:
-        pass
+    def get_write_buffer_size(self) -> int:
+        return 0  # never full: no backpressure here
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def __getattr__(self, name: str) -> Any:
+        # set_write_buffer_limits, pause_reading, resume_reading: nothing to do
+        return lambda *args, **kwargs: None
 
 
 def _feed(connection: Connection, read: bytes) -> None:
