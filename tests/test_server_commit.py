@@ -92,6 +92,23 @@ def test_many_clients_share_fdatasyncs_and_none_is_answered_early(home: Path) ->
     assert stats["sends_per_flush"] == pytest.approx(total / spy.calls, rel=0.01)
 
 
+def test_sends_per_flush_counts_messages_not_requests(home: Path) -> None:
+    """A send_bodies of 40 and a send_batch of 7 count 40 and 7, a plain send and a send
+    with a tag 1 each: sends_per_flush is messages per fdatasync (it counted the requests
+    before, 4 here)."""
+    running = BrokerThread(home / "s", flush="sync")
+    spy = FlushSpy(running)
+    with running, raw(running.urls[0]) as c:
+        c.call("send_bodies", topic="t", bodies=[b"b%d" % i for i in range(40)])
+        c.call("send_batch", topic="t", messages=[{"body": b"m"}] * 7)
+        c.call("send", topic="t", body=b"p")
+        c.call("send", topic="t", body=b"q", tag="x")
+        stats = c.call("stats")
+    assert stats["sends"] == 49
+    assert stats["flushes"] == spy.calls >= 1
+    assert stats["sends_per_flush"] == pytest.approx(49 / spy.calls, abs=0.01)
+
+
 def test_a_failed_flush_answers_its_sends_with_the_error(home: Path) -> None:
     running = BrokerThread(home / "s", flush="sync")
     store = running.store

@@ -172,6 +172,9 @@ PyObject *pull_chunk(PyObject *self, PyObject *args);
 PyObject *message_doc(PyObject *self, PyObject *doc);
 /* batch.c: a batch of bodies' answer in columns, packed and read back */
 PyObject *pack_columns(PyObject *self, PyObject *columns);
+PyObject *send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* sendframe.c: the plain send */
+PyObject *send_body(PyObject *self, PyObject *body);
+PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *results_of_columns(PyObject *self, PyObject *args);
 PyObject *all_bytes(PyObject *self, PyObject *items);
 PyObject *columns_answer(PyObject *self, PyObject *args);

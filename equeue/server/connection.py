@@ -15,8 +15,10 @@ import asyncio
 import hmac
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from equeue import speedups
 from equeue.errors import (
     AuthenticationError,
     EQueueError,
@@ -97,11 +99,18 @@ def release_durable(batch: list[Entry], error: BaseException | None) -> None:
     ``transport.write`` per connection right here, not in a further callback."""
     written: list[Connection] = []
     for peer, request_id, result in batch:
-        connection = cast(Connection, peer)
+        connection: Connection = peer  # type: ignore[assignment]  # (no cast call per send)
         try:
             if not connection._batching:
                 connection._batching = True  # queue, do not schedule a write
                 written.append(connection)
+            if type(result) is bytes and error is None and not connection._ended:
+                # finish() of a plain send's answer frame, inline: the commonest by far
+                connection.in_flight -= 1
+                if not connection.closed:
+                    connection._out.append(result)
+                    connection._out_bytes += len(result)
+                continue
             connection.finish(request_id, result if error is None else error)
         except Exception:  # one connection's failure must not keep the others' answers
             log.exception("%s: answering a durable send failed", connection.where)
@@ -137,7 +146,12 @@ class Connection(asyncio.BufferedProtocol):
         config = broker.config
         self._max_in_flight = config.max_in_flight
         self._max_frame_bytes = config.max_frame_bytes
-        self._send_plain = broker.handlers.send_plain
+        # Any: its result is a frame (bytes) or DEFERRED, no cast per send
+        self._send_plain: Callable[[Connection, int, str, bytes], Any] = broker.handlers.send_plain
+        fast = speedups.SPEEDUPS
+        # C readers of a plain send (cext/sendframe.c); None: every frame the general way
+        self._send_frame = fast.send_frame if fast is not None else None
+        self._send_body = fast.send_body if fast is not None else None
         self._pack = broker.packer.pack
         self._read_view = _read_buffer()
         # Room for a send_batch past its limit to be answered LimitExceededError (the
@@ -255,7 +269,53 @@ class Connection(asyncio.BufferedProtocol):
         return self._read_view
 
     def buffer_updated(self, nbytes: int) -> None:
+        parse = self._send_frame
+        if (
+            parse is not None
+            and self._hello is None  # authenticated
+            and not self._partial  # no frame begun in an earlier read
+            and not self._backlog
+            and not self.closed
+        ):
+            # A read that is exactly one frame holding a plain send (a producer with one
+            # send in flight): read in C, answered with the frame send_plain makes.
+            plain = parse(self._read_view, nbytes, self._max_frame_bytes)
+            if plain is not None and self.in_flight < self._max_in_flight:
+                self._plain_send(nbytes, *plain)
+                return
         self.data_received(self._read_view[:nbytes])
+
+    def _plain_send(self, nbytes: int, request_id: int, topic: str, body: bytes) -> None:
+        """What data_received and _request do for that read, without the frame reader,
+        msgpack, the output list and the write callback."""
+        broker = self.broker
+        counters = broker.counters
+        counters.bytes_in += nbytes
+        counters.requests += 1
+        try:
+            frame = self._send_plain(self, request_id, topic, body)
+        except Exception as exc:  # not appended; a defect gets BrokerError, the broker lives on
+            if not isinstance(exc, EQueueError):
+                log.exception("%s: op 'send' failed", self.where)
+            self._batching = True
+            try:
+                self._answer_error(request_id, exc)
+            finally:
+                self._batching = False
+                self._write_out()
+            return
+        if frame is DEFERRED:
+            self.in_flight += 1
+        elif self._out:  # answers made outside a read wait for their write: join them
+            self._queue(frame)
+            self._write_out()
+        else:
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                counters.bytes_out += len(frame)
+                transport.write(frame)
+        if broker.holds.appended:
+            broker.holds.arrived()
 
     def data_received(self, data: bytes | memoryview) -> None:
         if self.closed:
@@ -403,6 +463,13 @@ class Connection(asyncio.BufferedProtocol):
 
     def _request(self, body: bytes) -> None:
         where = self.where
+        parse = self._send_body
+        plain = parse(body) if parse is not None else None
+        if plain is not None:
+            request_id, topic, data = plain
+            if self.in_flight < self._max_in_flight:
+                self._send(request_id, topic, data)
+                return
         request_id, op, args = check_request(
             decode_request(
                 body,
@@ -420,20 +487,7 @@ class Connection(asyncio.BufferedProtocol):
             topic = args.get("topic")
             data = args.get("body")
             if type(topic) is str and type(data) is bytes and self.in_flight < self._max_in_flight:
-                broker.counters.requests += 1
-                try:
-                    result = self._send_plain(self, request_id, topic, data)
-                except EQueueError as exc:
-                    self._answer_error(request_id, exc)
-                    return
-                except Exception as exc:  # a defect: the client gets BrokerError
-                    log.exception("%s: op %r failed", where, op)
-                    self._answer_error(request_id, exc)
-                    return
-                if result is DEFERRED:
-                    self.in_flight += 1
-                else:
-                    self._answer_ok(request_id, result)
+                self._send(request_id, topic, data)
                 return
         check_args(op, args, where)
         broker.counters.requests += 1
@@ -465,12 +519,31 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self._answer_ok(request_id, result)
 
+    def _send(self, request_id: int, topic: str, data: bytes) -> None:
+        """A plain send within a read (its answer is queued; the read writes them)."""
+        self.broker.counters.requests += 1
+        try:
+            result = self._send_plain(self, request_id, topic, data)
+        except EQueueError as exc:
+            self._answer_error(request_id, exc)
+            return
+        except Exception as exc:  # a defect: the client gets BrokerError
+            log.exception("%s: op 'send' failed", self.where)
+            self._answer_error(request_id, exc)
+            return
+        if result is DEFERRED:
+            self.in_flight += 1
+        else:
+            self._queue(result)
+
     def finish(self, request_id: int, outcome: object) -> None:
         """The answer of a DEFERRED request (a result, or the exception to answer)."""
         self.in_flight -= 1
         if self.closed:
             return
-        if isinstance(outcome, BaseException):
+        if type(outcome) is bytes:  # a whole answer frame (Handlers.send_plain)
+            self._queue(outcome)
+        elif isinstance(outcome, BaseException):
             self._answer_error(request_id, outcome)
         elif type(outcome) is Packed:
             self._answer(request_id, STATUS_OK, outcome)

@@ -66,9 +66,10 @@ class CrossClientCommit:
         self._sleeping = False  # the flusher waits on _wake for answers (under _lock)
         self._stopping = False
         self._taken = 0  # sends in batches the flusher took, not yet answered (under _lock)
+        self._messages = 0  # messages appended by the waiting answers' requests (under _lock)
         self._released_one: asyncio.Event | None = None  # drain() waits on it
         self.flushes = 0
-        self.sends_flushed = 0
+        self.sends_flushed = 0  # messages, not requests: a send_bodies of 40 counts 40
         self._thread = threading.Thread(target=self._run, name="equeue-broker-flush", daemon=True)
         self._thread.start()
 
@@ -77,11 +78,13 @@ class CrossClientCommit:
         with self._lock:
             return len(self._waiting) + self._taken
 
-    def add(self, peer: Waiter, request_id: int, result: object) -> None:
+    def add(self, peer: Waiter, request_id: int, result: object, messages: int = 1) -> None:
         """``peer.finish(request_id, result)`` once what was appended so far is durable
-        (or with the flush's error instead of ``result``)."""
+        (or with the flush's error instead of ``result``); ``messages``: how many the
+        request appended, for sends_flushed."""
         with self._lock:
             self._waiting.append((peer, request_id, result))
+            self._messages += messages
             if self._sleeping:
                 self._sleeping = False
                 self._wake.notify()
@@ -99,6 +102,7 @@ class CrossClientCommit:
                 if not self._waiting:  # stopping, and nothing left
                     return
                 batch, self._waiting = self._waiting, []
+                messages, self._messages = self._messages, 0
                 self._taken += len(batch)
             error: BaseException | None = None
             try:
@@ -106,19 +110,19 @@ class CrossClientCommit:
             except BaseException as exc:  # answered to the batch's clients, on the loop
                 error = exc
             try:
-                loop.call_soon_threadsafe(self._released, batch, error)
+                loop.call_soon_threadsafe(self._released, batch, messages, error)
             except RuntimeError:  # the loop closed: nobody is left to answer
                 log.error("the event loop closed with %d durable answers unsent", len(batch))
                 return
 
     # --- back on the loop -------------------------------------------------------------
 
-    def _released(self, batch: list[Entry], error: BaseException | None) -> None:
+    def _released(self, batch: list[Entry], messages: int, error: BaseException | None) -> None:
         with self._lock:
             self._taken -= len(batch)
         if error is None:
             self.flushes += 1
-            self.sends_flushed += len(batch)
+            self.sends_flushed += messages
         else:
             log.error(
                 "flushing the message log failed; %d sends answered with it: %s",

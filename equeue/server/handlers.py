@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgpack
 
+from equeue import speedups
 from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
 from equeue.protocol import pullcols
 from equeue.protocol.faults import hide_store_path
-from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD
+from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD, STATUS_OK, encode
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import (
     pack_columns,
@@ -97,6 +98,9 @@ class Handlers:
         self.coordinator = coordinator
         coordinator.persist_with(offsets.run)  # the retry mover's fdatasync off the loop
         self.counters = counters
+        self._sends_added = 0  # counters.sends as of the last answer handed to commit
+        fast = speedups.SPEEDUPS
+        self._send_answer = fast.send_answer if fast is not None else None
         self._id_prefix = f"{store.store_id:08x}"  # a message id: this, then its position
         self._extra_stats = extra_stats
         self.ops: dict[str, Callable[[Peer, int, dict[str, Any]], object]] = {
@@ -144,13 +148,20 @@ class Handlers:
         commit = self.commit
         if commit is None:
             return result
-        commit.add(peer, rid, result)
+        # The messages this request appended: what send, send_batch or send_bodies added
+        # to counters.sends just before (send_plain keeps _sends_added in step); a nack's
+        # retry copy is not counted in sends but is one message.
+        sends = self.counters.sends
+        commit.add(peer, rid, result, max(sends - self._sends_added, 1))
+        self._sends_added = sends
         return DEFERRED
 
     def send_plain(self, peer: Peer, rid: int, topic: str, body: bytes) -> object:
         """A send of a topic and a body alone (the commonest request), as ``send`` answers
         it: the same checks and counts, without the args map, the op table and the wrapper
-        (connection.py calls it for ``send`` requests of exactly those two arguments)."""
+        (connection.py calls it for ``send`` requests of exactly those two arguments).
+        The result is the answer's whole frame (bytes, the header included): the only
+        result of an op that is bytes, so the connection queues it as it is."""
         if topic.startswith(RESERVED_PREFIX):
             check_client_write("send", {"topic": topic}, peer.where)
         sent = self.store.send(topic, body)
@@ -159,11 +170,15 @@ class Handlers:
         counters.send_requests += 1
         if self.holds.count:
             self.holds.note(topic, sent.queue_id, sent.queue_offset, "")
-        answer = pack_send_result(sent)  # (with the accelerator a SendResult is no tuple)
+        # The whole answer frame, made here: the connection queues it as it is.
+        frame = self._send_answer(rid, sent) if self._send_answer is not None else None
+        if frame is None:
+            frame = encode([rid, STATUS_OK, pack_send_result(sent)])
         commit = self.commit
         if commit is None:
-            return answer
-        commit.add(peer, rid, answer)
+            return frame
+        commit.add(peer, rid, frame)
+        self._sends_added = counters.sends
         return DEFERRED
 
     def send(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:

@@ -1,0 +1,225 @@
+/* The broker's plain send, the commonest request, without msgpack's general decoder and
+ * packer (equeue/server/connection.py): a request body of exactly
+ *     [request_id > 0, "send", {"topic": str, "body": bin}]   (either key order)
+ * is read into (request_id, topic, body), and its answer, [request_id, 0, SendResult as
+ * an array], is written as one whole frame, byte for byte what msgpack.Packer(
+ * use_bin_type=True) writes behind a 4-byte big-endian length. Anything else (another
+ * op, more arguments, another encoding msgpack also reads, such as a map16 of 2 or a
+ * signed int id, a topic that is not UTF-8, trailing bytes) gives None, and the broker
+ * decodes the frame the general way, which answers or refuses it as it always did. */
+#include "speedups.h"
+
+static inline uint64_t get_be(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+/* The length of a str (kind 's') or bin ('b') at p, its bytes at *data; -1 if p is not
+ * one or it runs past end. */
+static Py_ssize_t take_raw(const unsigned char **p, const unsigned char *end, char kind,
+                           const unsigned char **data) {
+    const unsigned char *q = *p;
+    if (q >= end) return -1;
+    unsigned c = *q++;
+    int n;
+    uint64_t len;
+    if (kind == 's' && (c & 0xe0) == 0xa0) {
+        len = c & 0x1f;
+        n = 0;
+    } else {
+        int base = kind == 's' ? 0xd9 : 0xc4;
+        if (c < (unsigned)base || c > (unsigned)base + 2) return -1;
+        n = 1 << (c - (unsigned)base); /* 1, 2, 4 length bytes */
+        if (end - q < n) return -1;
+        len = get_be(q, n);
+        q += n;
+    }
+    if ((uint64_t)(end - q) < len) return -1;
+    *data = q;
+    *p = q + len;
+    return (Py_ssize_t)len;
+}
+
+/* The tuple, None (not a plain send in the encoding read here), or NULL with an error
+ * (memory). */
+static PyObject *parse(const unsigned char *p, const unsigned char *end) {
+    if (end - p < 8 || p[0] != 0x93) Py_RETURN_NONE;
+    p++;
+    uint64_t rid;
+    unsigned c = *p++;
+    if (c <= 0x7f)
+        rid = c;
+    else if (c >= 0xcc && c <= 0xcf) {
+        int n = 1 << (c - 0xcc);
+        if (end - p < n) Py_RETURN_NONE;
+        rid = get_be(p, n);
+        p += n;
+    } else
+        Py_RETURN_NONE;
+    if (rid == 0) Py_RETURN_NONE; /* the connection's own id: the general path refuses it */
+    if (end - p < 6 || memcmp(p, "\xa4send\x82", 6) != 0) Py_RETURN_NONE;
+    p += 6;
+    const unsigned char *topic = NULL, *body = NULL;
+    Py_ssize_t topic_len = -1, body_len = -1;
+    for (int i = 0; i < 2; i++) {
+        const unsigned char *key;
+        Py_ssize_t n = take_raw(&p, end, 's', &key);
+        if (n == 5 && memcmp(key, "topic", 5) == 0 && topic == NULL) {
+            topic_len = take_raw(&p, end, 's', &topic);
+            if (topic_len < 0) Py_RETURN_NONE;
+        } else if (n == 4 && memcmp(key, "body", 4) == 0 && body == NULL) {
+            body_len = take_raw(&p, end, 'b', &body);
+            if (body_len < 0) Py_RETURN_NONE;
+        } else
+            Py_RETURN_NONE;
+    }
+    if (p != end || topic == NULL || body == NULL) Py_RETURN_NONE;
+    PyObject *t = PyUnicode_DecodeUTF8((const char *)topic, topic_len, "strict");
+    if (t == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *b = PyBytes_FromStringAndSize((const char *)body, body_len);
+    PyObject *r = b == NULL ? NULL : PyLong_FromUnsignedLongLong(rid);
+    if (r == NULL) {
+        Py_DECREF(t);
+        Py_XDECREF(b);
+        return NULL;
+    }
+    PyObject *out = PyTuple_New(3);
+    if (out == NULL) {
+        Py_DECREF(t);
+        Py_DECREF(b);
+        Py_DECREF(r);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, r);
+    PyTuple_SET_ITEM(out, 1, t);
+    PyTuple_SET_ITEM(out, 2, b);
+    return out;
+}
+
+/* send_frame(buffer, nbytes, max_frame_bytes): the first nbytes of buffer as one whole
+ * frame (its length field is nbytes - 4, at most max_frame_bytes) holding a plain send,
+ * as (request_id, topic, body); else None. */
+PyObject *send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send_frame(buffer, nbytes, max_frame_bytes)");
+        return NULL;
+    }
+    PyObject *buffer = args[0];
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]), max_frame = PyLong_AsSsize_t(args[2]);
+    if ((nbytes == -1 || max_frame == -1) && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (get_range(buffer, &view, 0, nbytes) < 0) return NULL;
+    PyObject *out = Py_None;
+    Py_INCREF(out);
+    const unsigned char *p = view.buf;
+    if (nbytes > 4) {
+        uint64_t length = get_be(p, 4);
+        if ((Py_ssize_t)length == nbytes - 4 && (Py_ssize_t)length <= max_frame) {
+            Py_DECREF(out);
+            out = parse(p + 4, p + nbytes);
+        }
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+/* send_body(body): a frame body (bytes) holding a plain send, as send_frame reads it. */
+PyObject *send_body(PyObject *self, PyObject *body) {
+    if (!PyBytes_CheckExact(body)) Py_RETURN_NONE;
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(body);
+    return parse(p, p + PyBytes_GET_SIZE(body));
+}
+
+static int put_uint(unsigned char **q, PyObject *v) {
+    if (!PyLong_CheckExact(v)) return 0;
+    unsigned long long u = PyLong_AsUnsignedLongLong(v);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    unsigned char *p = *q;
+    if (u <= 0x7f) {
+        *p++ = (unsigned char)u;
+    } else {
+        int n = u <= 0xff ? 1 : u <= 0xffff ? 2 : u <= 0xffffffffULL ? 4 : 8;
+        *p++ = (unsigned char)(n == 1 ? 0xcc : n == 2 ? 0xcd : n == 4 ? 0xce : 0xcf);
+        for (int i = n - 1; i >= 0; i--) *p++ = (unsigned char)(u >> (8 * i));
+    }
+    *q = p;
+    return 1;
+}
+
+static int put_str(unsigned char **q, PyObject *s, Py_ssize_t room) {
+    if (!PyUnicode_CheckExact(s)) return 0;
+    Py_ssize_t n;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(s, &n);
+    if (utf8 == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (n > room) return 0;
+    unsigned char *p = *q;
+    if (n <= 31)
+        *p++ = (unsigned char)(0xa0 | n);
+    else if (n <= 0xff) {
+        *p++ = 0xd9;
+        *p++ = (unsigned char)n;
+    } else if (n <= 0xffff) {
+        *p++ = 0xda;
+        *p++ = (unsigned char)(n >> 8);
+        *p++ = (unsigned char)n;
+    } else
+        return 0;
+    memcpy(p, utf8, (size_t)n);
+    *q = p + n;
+    return 1;
+}
+
+/* send_answer(request_id, result): the whole answer frame of a send, or None when a
+ * field is not of the type a SendResult holds (the caller packs it with msgpack). */
+PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "send_answer(request_id, result)");
+        return NULL;
+    }
+    PyObject *rid = args[0], *result = args[1];
+    PyObject *f[6] = {NULL};
+    PyObject *out = NULL;
+    for (int i = 0; i < 6; i++) {
+        f[i] = PySequence_GetItem(result, i);
+        if (f[i] == NULL) {
+            PyErr_Clear();
+            goto plain;
+        }
+    }
+    unsigned char buf[4 + 1 + 9 + 1 + 1 + 2 * (2 + 255) + 3 * 9 + 9];
+    unsigned char *q = buf + 4;
+    *q++ = 0x93;
+    if (!put_uint(&q, rid)) goto plain;
+    *q++ = 0x00; /* STATUS_OK */
+    *q++ = 0x96;
+    if (!put_str(&q, f[0], 255) || !put_str(&q, f[1], 255)) goto plain;
+    for (int i = 2; i < 5; i++)
+        if (!put_uint(&q, f[i])) goto plain;
+    if (!PyFloat_CheckExact(f[5])) goto plain;
+    double d = PyFloat_AS_DOUBLE(f[5]);
+    uint64_t bits;
+    memcpy(&bits, &d, 8);
+    *q++ = 0xcb;
+    for (int i = 7; i >= 0; i--) *q++ = (unsigned char)(bits >> (8 * i));
+    uint32_t length = (uint32_t)(q - buf - 4);
+    for (int i = 0; i < 4; i++) buf[i] = (unsigned char)(length >> (8 * (3 - i)));
+    out = PyBytes_FromStringAndSize((const char *)buf, q - buf);
+    goto done;
+plain:
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    for (int i = 0; i < 6; i++) Py_XDECREF(f[i]);
+    return out;
+}

@@ -1,0 +1,228 @@
+"""The broker's plain-send fast path (cext/sendframe.c, Connection.buffer_updated and
+_request) against the general path: the same reads give the same answers and the same
+store, and a hostile frame through it closes only its own connection.
+
+The reads are fed to Connection.buffer_updated as asyncio would after a socket read,
+through a transport that records what is written, so each example decides exactly where
+the reads split (a real socket may merge them); the hostile frames go over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_helpers import raw, short_dir
+
+from equeue import speedups
+from equeue.protocol.frames import FRAME_HEADER, FrameReader, encode
+from equeue.protocol.handshake import Hello
+from equeue.server import BrokerThread
+from equeue.server.config import ServerConfig
+from equeue.server.connection import Connection
+from equeue.server.serve import Broker
+
+Flush = Literal["sync", "async"]
+UNPACK = msgpack.unpackb  # the answers' decoder, not counted by the test that counts
+pytestmark = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the fast path is C")
+
+
+class Recorder:
+    """A transport that keeps what is written; closing ends the connection."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.protocol: Connection | None = None
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def close(self) -> None:
+        if not self.closing and self.protocol is not None:
+            self.closing = True
+            self.protocol.connection_lost(None)
+
+    abort = close
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # never full: no backpressure here
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def __getattr__(self, name: str) -> Any:
+        # set_write_buffer_limits, pause_reading, resume_reading: nothing to do
+        return lambda *args, **kwargs: None
+
+
+def _feed(connection: Connection, read: bytes) -> None:
+    view = connection.get_buffer(len(read))
+    view[: len(read)] = read
+    connection.buffer_updated(len(read))
+
+
+def _normal(answer: list[Any]) -> list[Any]:
+    """An answer without what differs between two stores: the store id in a message id,
+    the stored time."""
+    rid, status, payload = answer
+    if status == 0 and type(payload) is list and len(payload) == 6:
+        payload = [payload[0][8:], *payload[1:5]]
+    return [rid, status, payload]
+
+
+async def _serve(directory: Path, reads: list[bytes], fast: bool, flush: Flush) -> tuple[Any, ...]:
+    broker = Broker(directory, ServerConfig(flush=flush))
+    await broker.start()
+    try:
+        transport = Recorder()
+        connection = Connection(broker, "test", 1)
+        transport.protocol = connection
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        if not fast:
+            connection._send_frame = connection._send_body = None
+        _feed(connection, encode(Hello(client="t").pack()))
+        for read in reads:
+            if connection.closed:
+                break
+            _feed(connection, read)
+            if broker.commit is not None:
+                await broker.commit.drain()
+            await asyncio.sleep(0)  # answers written in a callback
+        _welcome, *frames = FrameReader(1 << 30, "t").feed(bytes(transport.data))
+        answers = [_normal(UNPACK(b)) for b in frames]
+        store = broker.store
+        stored = []
+        for topic in sorted(store.topics()):
+            for queue_id in store.queue_ids(topic):
+                found = store.pull(topic, queue_id, 0, 10_000)
+                stored += [(topic, queue_id, m.queue_offset, m.body, m.tag) for m in found.messages]
+        counters = broker.counters
+        return answers, stored, counters.totals()[:3], counters.errors, connection.closed
+    finally:
+        await broker._drain()
+
+
+PLAIN_TOPICS = ["t", "topic-ü", "equeue.retry.x", "", "a/b", "x" * 300]
+REQUEST_IDS = st.one_of(st.integers(1, 300), st.integers(1, (1 << 64) - 1), st.just(0))
+
+
+@st.composite
+def frames(draw: st.DrawFn) -> bytes:
+    kind = draw(st.integers(0, 9))
+    rid = draw(REQUEST_IDS)
+    topic = draw(st.sampled_from(PLAIN_TOPICS))
+    body = draw(st.binary(max_size=300))
+    if kind <= 5:  # a plain send, either key order
+        args = {"topic": topic, "body": body} if kind % 2 else {"body": body, "topic": topic}
+        return encode([rid, "send", args])
+    if kind == 6:
+        return encode([rid, "send", {"topic": topic, "body": body, "tag": "a"}])
+    if kind == 7:
+        return encode([rid, "ping", {}])
+    if kind == 8:  # a plain send's bytes, damaged
+        frame = bytearray(encode([rid, "send", {"topic": topic, "body": body}]))
+        at = draw(st.integers(4, len(frame) - 1))
+        frame[at] = draw(st.integers(0, 255))
+        return bytes(frame)
+    return encode([rid, "send", {"topic": topic, "body": "text"}])  # a wrong type: fatal
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> list[bytes]:
+    """The frames' bytes split into reads: at frame boundaries (a read that is one frame,
+    the fast path's) and at random points."""
+    parts = draw(st.lists(frames(), min_size=1, max_size=12))
+    data = b"".join(parts)
+    cuts: set[int] = set()
+    end = 0
+    for part in parts:
+        end += len(part)
+        if draw(st.booleans()):
+            cuts.add(end)
+    cuts |= set(draw(st.lists(st.integers(1, len(data) - 1), max_size=4)))
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(data)), len(data)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reads=streams(), flush=st.sampled_from(["async", "sync"]))
+def test_the_fast_path_answers_and_stores_as_the_general_path(
+    reads: list[bytes], flush: Flush
+) -> None:
+    directory = short_dir()
+    try:
+        fast = asyncio.run(_serve(directory / "fast", reads, True, flush))
+        general = asyncio.run(_serve(directory / "general", reads, False, flush))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert fast == general
+
+
+def test_a_one_frame_read_takes_the_fast_path() -> None:
+    """The control of the test above: the fast path is taken at all (send_plain's frame
+    written directly, no general decoding)."""
+    directory = short_dir()
+    calls: list[bytes] = []
+    real = msgpack.unpackb
+
+    def counting(data: bytes, **kwargs: Any) -> Any:
+        calls.append(bytes(data))
+        return real(data, **kwargs)
+
+    read = encode([5, "send", {"topic": "t", "body": b"x"}])
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(msgpack, "unpackb", counting)
+            fast = asyncio.run(_serve(directory / "fast", [read], True, "async"))
+            decoded_fast = len(calls)
+            asyncio.run(_serve(directory / "general", [read], False, "async"))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert fast[0][0][:2] == [5, 0] and fast[1] == [("t", 0, 0, b"x", "")]
+    assert decoded_fast == 1  # the hello only
+    assert len(calls) == 3  # the general path: its hello and the send; (the fast one's hello)
+
+
+def test_hostile_plain_send_frames_close_only_their_connection() -> None:
+    """Damaged plain-send frames, each a whole read on a real socket: each is answered
+    or closes its connection, and a client on another connection is served throughout."""
+    rng = random.Random(2330)
+    directory = short_dir()
+    running = BrokerThread(directory / "s", flush="sync")
+    try:
+        with running, raw(running.urls[0]) as good:
+            outcomes = {"answered": 0, "closed": 0}
+            for case in range(150):
+                frame = bytearray(encode([case + 1, "send", {"topic": "fz", "body": b"b" * 40}]))
+                for _ in range(rng.randint(1, 3)):
+                    frame[rng.randrange(4, len(frame))] = rng.randrange(256)
+                if rng.random() < 0.2:  # the length field too (empty, too large)
+                    FRAME_HEADER.pack_into(frame, 0, rng.choice([0, 1 << 31]))
+                with raw(running.urls[0]) as c:
+                    c.send_raw(bytes(frame))
+                    c.sock.settimeout(5)
+                    try:
+                        c.request("ping")
+                        rid = c.recv()[0]
+                        outcomes["answered" if rid != 0 else "closed"] += 1
+                    except TimeoutError:
+                        raise AssertionError(f"no answer, not closed: {bytes(frame)!r}") from None
+                    except OSError:  # ConnectionError too: closed (after an error answer)
+                        outcomes["closed"] += 1
+                assert good.call("ping") is None
+            sent = good.call("send", topic="ok", body=b"y")
+            assert sent[1] == "ok"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert outcomes["answered"] and outcomes["closed"], outcomes
