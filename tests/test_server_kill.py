@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from server_helpers import short_home
 
+import equeue
 from equeue import MessageStore
 
 PRODUCERS = 3
@@ -62,11 +63,15 @@ def run_until(home: Path, stop: signal.Signals, flush: str) -> None:
                 [sys.executable, str(HERE / "broker_producer.py"), url, f"p{number}"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             ))  # fmt: skip
-        # Let them send a while (the sends, not the time, are what is checked).
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sum(1 for _ in store.glob("messages/*")) == 0:
-            time.sleep(0.05)
-        time.sleep(0.5)
+        # Let them send a while (the sends, not the time, are what is checked): until every
+        # producer is connected (and this client) and sends were answered (at most ~30 s; a
+        # loaded machine can take seconds to start a producer, so not a fixed sleep).
+        with equeue.connect(url) as client:
+            for _ in range(600):
+                stats = client.stats()
+                if stats["connections"] > PRODUCERS and stats["sends"] >= 200 * PRODUCERS:
+                    break
+                time.sleep(0.05)
         broker.send_signal(stop)
         code = broker.wait(60)
         for producer in producers:
