@@ -339,3 +339,22 @@ def test_a_caller_cancelled_while_its_resend_waits_is_skipped(closed: bool) -> N
     error, done, requested = asyncio.run(run())
     assert error is None and done == [True, closed, closed]
     assert requested == ([] if closed else [b"b", b"c"])
+
+
+def test_request_of_send_bodies_gives_the_columns_msgpack_decodes(home: Path) -> None:
+    """request() promises the result as msgpack decodes it: for send_bodies the columns
+    [topic, ids, queue_ids, offsets, positions, stored_at], not the C reader's SendResults;
+    and a send_batch of bytes on the same client still gets its SendResults."""
+    with BrokerThread(home / "store") as broker:
+        client = equeue.connect(broker.urls[0], timeout=20)
+        try:
+            answer = client.request("send_bodies", {"topic": "t", "bodies": [b"a", b"b"]})
+            results = client.send_batch("t", [b"c", b"d"])
+        finally:
+            client.close()
+    assert isinstance(answer, list) and len(answer) == 6
+    topic, ids, queue_ids, offsets, positions, stored = answer
+    assert topic == "t" and len(ids) == 2 and all(isinstance(i, str) for i in ids)
+    assert [len(c) for c in (queue_ids, offsets, positions, stored)] == [2, 2, 2, 2]
+    assert positions[0] == 0 and all(isinstance(q, int) for q in queue_ids + offsets)
+    assert [r.topic for r in results] == ["t", "t"] and results[0].position > positions[1]

@@ -300,10 +300,12 @@ class Client:
     # --- requests ----------------------------------------------------------------
 
     def _submit(
-        self, batch: list[Call], on: _Connection | None = None
+        self, batch: list[Call], on: _Connection | None = None, *, columns: bool = True
     ) -> tuple[_Connection, list[_Slot]]:
         """Write ``batch``'s requests in one go; their slots, in order. ``on``: only on
-        that connection (ConnectionLostError, nothing written, if it broke)."""
+        that connection (ConnectionLostError, nothing written, if it broke). ``columns``:
+        send_bodies answers read in C into SendResults (only for callers that decode them
+        with DECODERS; request() gives what msgpack decodes)."""
         failed = self._failed[0]
         with self._write_lock:
             while True:
@@ -327,7 +329,7 @@ class Client:
                     raise lost(f"the connection to {self.url} broke", [])
                 conn.pending.update(zip(range(first, first + len(batch)), slots, strict=True))
                 for i, c in enumerate(batch):
-                    if c.op == "send_bodies":  # its answer read in C (AnswerReader.columns)
+                    if columns and c.op == "send_bodies":  # answer read in C (reader.columns)
                         conn.reader.columns.add(first + i)
             data = frames[0] if len(frames) == 1 else b"".join(frames)
             try:
@@ -453,7 +455,7 @@ class Client:
         check_args(op, arguments, f"request to {self.url}")
         wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
         messages = [arguments] if op in SEND_OPS else None
-        conn, (slot,) = self._submit([Call(op, arguments, messages, wait)])
+        conn, (slot,) = self._submit([Call(op, arguments, messages, wait)], columns=False)
         return self._wait(conn, slot)
 
     # --- MessageStore's methods --------------------------------------------------
