@@ -9,6 +9,7 @@ import contextlib
 import struct
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +210,7 @@ def test_the_c_request_is_the_bytes_msgpack_writes(
     rid: int, topic: str, bodies: list[bytes]
 ) -> None:
     payload = msgpack.packb([rid, "send_bodies", {"topic": topic, "bodies": bodies}])
-    assert bodies_request(rid, topic, bodies) == struct.pack(">I", len(payload)) + payload
+    assert bodies_request(rid, topic, bodies, 2**31) == struct.pack(">I", len(payload)) + payload
 
 
 @pytest.mark.parametrize(
@@ -224,7 +225,7 @@ def test_the_c_request_is_the_bytes_msgpack_writes(
     ],
 )
 def test_a_request_c_cannot_write_goes_to_msgpack(rid: Any, topic: Any, bodies: Any) -> None:
-    assert bodies_request(rid, topic, bodies) is None
+    assert bodies_request(rid, topic, bodies, 2**31) is None
 
 
 def test_a_request_past_max_frame_bytes_is_refused_as_before() -> None:
@@ -234,6 +235,31 @@ def test_a_request_past_max_frame_bytes_is_refused_as_before() -> None:
         encoder.frame(3, "send_bodies", {"topic": "t", "bodies": [b"x" * 1000]})
     with pytest.raises(InvalidMessageError, match="UTF-8"):
         encoder.frame(3, "send_bodies", {"topic": "\udc80", "bodies": [b"x"]})
+
+
+def test_an_oversized_request_is_refused_before_its_frame_is_built() -> None:
+    """Over max_frame_bytes: FrameTooLargeError naming the limit and the setting, with
+    neither the C frame nor msgpack's built (tracemalloc's peak stays below one body);
+    at the limit exactly: msgpack's bytes."""
+    bodies = [b"x" * (1 << 20)] * 8
+    args = {"topic": "t", "bodies": bodies}
+    size = len(msgpack.packb([3, "send_bodies", args]))
+    assert bodies_request(3, "t", bodies, size - 1) == size
+    assert bodies_request(3, "t", bodies, 2**40) is not None  # (the length field's limit)
+    at_limit = core.RequestEncoder(size, "here", BODIES_VERSION).frame(3, "send_bodies", args)
+    assert at_limit == struct.pack(">I", size) + msgpack.packb([3, "send_bodies", args])
+    encoder = core.RequestEncoder(size - 1, "here", BODIES_VERSION)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FrameTooLargeError) as refused:
+            encoder.frame(3, "send_bodies", args)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f"request of {size} bytes" in str(refused.value)
+    assert f"max_frame_bytes={size - 1}" in str(refused.value)
+    assert "a broker setting" in str(refused.value)
+    assert peak < 1 << 20
 
 
 def test_after_a_sigkill_under_flush_sync_every_acknowledged_batch_is_stored(home: Path) -> None:

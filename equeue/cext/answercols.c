@@ -228,9 +228,11 @@ out:
     return result;
 }
 
-/* --- the request: bodies_request(request id, topic, bodies) -> the whole frame (its
- * 4-byte length, then [request id, "send_bodies", {"topic": topic, "bodies": bodies}]
- * as msgpack.Packer(use_bin_type=True) packs it, byte for byte), or None when topic is
+/* --- the request: bodies_request(request id, topic, bodies, max_frame_bytes) -> the
+ * whole frame (its 4-byte length, then [request id, "send_bodies", {"topic": topic,
+ * "bodies": bodies}] as msgpack.Packer(use_bin_type=True) packs it, byte for byte); the
+ * body's size (an int) when it is over max_frame_bytes or the length field's 2**32-1,
+ * checked before anything is allocated (the caller refuses it); or None when topic is
  * not an exact str encodable as UTF-8 or bodies not a list of exact bytes (the caller
  * packs it with msgpack, which says what is wrong). One allocation, one copy a body. */
 
@@ -263,7 +265,9 @@ static Py_ssize_t put_head(char *p, uint64_t n, int fix_base, long long fix_max,
 
 PyObject *bodies_request(PyObject *self, PyObject *args) {
     PyObject *rid_obj, *topic, *bodies;
-    if (!PyArg_ParseTuple(args, "OOO", &rid_obj, &topic, &bodies)) return NULL;
+    Py_ssize_t max_frame_bytes;
+    if (!PyArg_ParseTuple(args, "OOOn", &rid_obj, &topic, &bodies, &max_frame_bytes))
+        return NULL;
     if (!PyLong_CheckExact(rid_obj) || !PyUnicode_CheckExact(topic) ||
         !PyList_CheckExact(bodies))
         Py_RETURN_NONE;
@@ -294,7 +298,9 @@ PyObject *bodies_request(PyObject *self, PyObject *args) {
         if ((uint64_t)len > 0xffffffffULL) Py_RETURN_NONE;
         size += head_size(len, -1, 1) + len;
     }
-    if (size - 4 > (Py_ssize_t)0xffffffffLL) Py_RETURN_NONE; /* the caller refuses it */
+    /* size is the body's length, what the 4-byte length field holds */
+    if (size > max_frame_bytes || size > (Py_ssize_t)0xffffffffLL)
+        return PyLong_FromSsize_t(size);
     PyObject *frame = PyBytes_FromStringAndSize(NULL, 4 + size);
     if (frame == NULL) return NULL;
     char *start = PyBytes_AS_STRING(frame), *p = start + 4;

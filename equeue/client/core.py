@@ -66,9 +66,11 @@ class RequestEncoder:
             op = "send_batch"
             args = {"topic": args["topic"], "messages": [{"body": b} for b in args["bodies"]]}
         elif op == "send_bodies" and len(args) == 2:  # written in C, the bytes msgpack's
-            frame = bodies_request(request_id, args["topic"], args["bodies"])
-            if frame is not None and len(frame) - FRAME_HEADER_SIZE <= self.max_frame_bytes:
-                return frame  # (past the limit: the path below says so)
+            frame = bodies_request(request_id, args["topic"], args["bodies"], self.max_frame_bytes)
+            if type(frame) is bytes:
+                return frame
+            if type(frame) is int:  # its size, over the limit: refused before it is built
+                raise self._too_large(op, frame)
         elif op == "pull_columns" and self.version < COLUMNS_VERSION:  # answered as a pull
             op = "pull"
         try:
@@ -82,12 +84,15 @@ class RequestEncoder:
             self._packer = msgpack.Packer(use_bin_type=True)
             raise InvalidTypeError(f"{op}: an argument the wire cannot carry: {exc}") from None
         if len(payload) > self.max_frame_bytes:
-            raise FrameTooLargeError(
-                f"{self.where}: a {op} request of {len(payload)} bytes exceeds the broker's "
-                f"max_frame_bytes={self.max_frame_bytes} (its welcome's limit; a broker "
-                "setting); split the batch"
-            )
+            raise self._too_large(op, len(payload))
         return _pack_header(len(payload)) + payload
+
+    def _too_large(self, op: str, size: int) -> FrameTooLargeError:
+        return FrameTooLargeError(
+            f"{self.where}: a {op} request of {size} bytes exceeds the broker's "
+            f"max_frame_bytes={self.max_frame_bytes} (its welcome's limit; a broker "
+            "setting); split the batch"
+        )
 
 
 class AnswerReader:

@@ -126,12 +126,19 @@ def all_bytes(items: list[Any]) -> bool:
     return bool(items) and set(map(type, items)) == {bytes}
 
 
-def bodies_request(request_id: int, topic: str, bodies: list[bytes]) -> bytes | None:
+def bodies_request(
+    request_id: int, topic: str, bodies: list[bytes], max_frame_bytes: int
+) -> bytes | int | None:
     """The whole frame of a send_bodies request (its length header, then the msgpack
-    Packer(use_bin_type=True) writes), written in C; None (pack it with msgpack) when
-    the topic is not a str encodable as UTF-8 or a body not bytes, or no accelerator."""
+    Packer(use_bin_type=True) writes), written in C; the body's size when over
+    max_frame_bytes (or 2**32-1), nothing allocated (the caller refuses it); None (pack it
+    with msgpack) when the topic is not a str encodable as UTF-8 or a body not bytes, or
+    no accelerator."""
     fast = speedups.SPEEDUPS
-    return None if fast is None else fast.bodies_request(request_id, topic, bodies)
+    if fast is None:
+        return None
+    frame: bytes | int | None = fast.bodies_request(request_id, topic, bodies, max_frame_bytes)
+    return frame
 
 
 def columns_answer(payload: bytes | memoryview, request_ids: set[int]) -> Any:
