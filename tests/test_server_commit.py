@@ -109,6 +109,24 @@ def test_sends_per_flush_counts_messages_not_requests(home: Path) -> None:
     assert stats["sends_per_flush"] == pytest.approx(49 / spy.calls, abs=0.01)
 
 
+def test_an_empty_batch_counts_no_message_in_sends_per_flush(home: Path) -> None:
+    """An empty send_bodies and an empty send_batch append nothing: 0 messages each (they
+    counted 1 each before), so only the plain send's 1 is in sends_flushed."""
+    running = BrokerThread(home / "s", flush="sync")
+    spy = FlushSpy(running)
+    with running, raw(running.urls[0]) as c:
+        assert c.call("send_bodies", topic="t", bodies=[])[0] == "t"
+        assert c.call("send_batch", topic="t", messages=[]) == []
+        c.call("send", topic="t", body=b"p")
+        stats = c.call("stats")
+        commit = running.broker.handlers.commit
+        assert commit is not None
+        flushed = commit.sends_flushed
+    assert (stats["sends"], flushed) == (1, 1)
+    assert stats["flushes"] == spy.calls >= 1
+    assert stats["sends_per_flush"] == pytest.approx(1 / spy.calls, abs=0.01)
+
+
 def test_a_failed_flush_answers_its_sends_with_the_error(home: Path) -> None:
     running = BrokerThread(home / "s", flush="sync")
     store = running.store

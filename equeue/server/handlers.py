@@ -98,7 +98,6 @@ class Handlers:
         self.coordinator = coordinator
         coordinator.persist_with(offsets.run)  # the retry mover's fdatasync off the loop
         self.counters = counters
-        self._sends_added = 0  # counters.sends as of the last answer handed to commit
         fast = speedups.SPEEDUPS
         self._send_answer = fast.send_answer if fast is not None else None
         self._id_prefix = f"{store.store_id:08x}"  # a message id: this, then its position
@@ -139,21 +138,17 @@ class Handlers:
 
     def nack(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         # The retry copy is an append: under --flush sync acknowledged once it is durable.
-        return self._durable(peer, rid, self.coordinator.call("nack", a))
+        return self._durable(peer, rid, self.coordinator.call("nack", a), 1)
 
     # --- sends -----------------------------------------------------------------
 
-    def _durable(self, peer: Peer, rid: int, result: object) -> object:
-        """The answer now, or (``--flush sync``) once an fdatasync covers the append."""
+    def _durable(self, peer: Peer, rid: int, result: object, messages: int) -> object:
+        """The answer now, or (``--flush sync``) once an fdatasync covers the append of
+        ``messages`` (for sends_per_flush: a nack's retry copy is one, an empty batch 0)."""
         commit = self.commit
         if commit is None:
             return result
-        # The messages this request appended: what send, send_batch or send_bodies added
-        # to counters.sends just before (send_plain keeps _sends_added in step); a nack's
-        # retry copy is not counted in sends but is one message.
-        sends = self.counters.sends
-        commit.add(peer, rid, result, max(sends - self._sends_added, 1))
-        self._sends_added = sends
+        commit.add(peer, rid, result, messages)
         return DEFERRED
 
     def send_plain(self, peer: Peer, rid: int, topic: str, body: bytes) -> object:
@@ -177,8 +172,7 @@ class Handlers:
         commit = self.commit
         if commit is None:
             return frame
-        commit.add(peer, rid, frame)
-        self._sends_added = counters.sends
+        commit.add(peer, rid, frame, 1)
         return DEFERRED
 
     def send(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
@@ -194,7 +188,7 @@ class Handlers:
         counters.send_requests += 1
         if self.holds.count:
             self.holds.note(sent.topic, sent.queue_id, sent.queue_offset, a.get("tag", ""))
-        return self._durable(peer, rid, pack_send_result(sent))
+        return self._durable(peer, rid, pack_send_result(sent), 1)
 
     def send_batch(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         topic, messages = a["topic"], a["messages"]
@@ -202,7 +196,7 @@ class Handlers:
         items = _batch_items(peer, topic, messages)
         results = self.store.send_batch(topic, items)
         self._batch_sent(results, items)
-        return self._durable(peer, rid, list(map(pack_send_result, results)))
+        return self._durable(peer, rid, list(map(pack_send_result, results)), len(results))
 
     def send_bodies(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         """send_batch of bodies alone (protocol version 2): the decoded array goes to the
@@ -220,7 +214,7 @@ class Handlers:
                 counters = self.counters
                 counters.sends += len(bodies)
                 counters.send_requests += 1
-                return self._durable(peer, rid, Packed(packed))
+                return self._durable(peer, rid, Packed(packed), len(bodies))
         columns = send_columns(store, topic, bodies)
         counters = self.counters
         counters.sends += len(bodies)
@@ -235,7 +229,7 @@ class Handlers:
             for queue_id, offset in first.items():
                 note(topic, queue_id, offset, "")
                 note(topic, queue_id, last[queue_id], "")
-        return self._durable(peer, rid, Packed(pack_columns(columns, self.packer)))
+        return self._durable(peer, rid, Packed(pack_columns(columns, self.packer)), len(bodies))
 
     def _batch_sent(self, results: list[SendResult], items: list[Any]) -> None:
         """Count a batch's sends and wake the pulls held on its queues."""
