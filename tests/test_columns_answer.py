@@ -77,7 +77,7 @@ rows = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(
-    rid=st.integers(0, MAX),
+    rid=st.integers(0, 2**64 - 1),
     topic=st.text(max_size=40),
     prefix=st.text(st.characters(max_codepoint=127), max_size=40),
     rows=rows,

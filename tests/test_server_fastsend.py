@@ -22,7 +22,14 @@ from hypothesis import strategies as st
 from server_helpers import raw, short_dir
 
 from equeue import speedups
-from equeue.protocol.frames import FRAME_HEADER, FrameReader, encode
+from equeue.protocol.frames import (
+    FRAME_HEADER,
+    STATUS_ERROR,
+    STATUS_OK,
+    FrameReader,
+    check_request,
+    encode,
+)
 from equeue.protocol.handshake import Hello
 from equeue.server import BrokerThread
 from equeue.server.config import ServerConfig
@@ -226,3 +233,23 @@ def test_hostile_plain_send_frames_close_only_their_connection() -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     assert outcomes["answered"] and outcomes["closed"], outcomes
+
+
+@pytest.mark.parametrize("rid", [1, 2**63 - 1, 2**63, 2**64 - 1])
+def test_the_c_parsers_take_every_request_id_the_general_path_takes(rid: int) -> None:
+    """The broker's plain-send reader and the client's send_bodies answer reader both take
+    ids up to 2**64-1, as check_request does (the answer reader stopped at 2**63-1); the
+    answers written in C carry frames.STATUS_OK (msgpack_min.h's MP_STATUS_OK)."""
+    fast = speedups.SPEEDUPS
+    assert fast is not None
+    request = msgpack.packb([rid, "send", {"topic": "t", "body": b"x"}])
+    assert check_request(msgpack.unpackb(request), "here")[0] == rid
+    assert fast.send_body(request) == (rid, "t", b"x")
+    value = ["t", ["0bffcd16" + "0" * 16], [0], [0], [0], [1.5]]
+    read = fast.columns_answer(msgpack.packb([rid, STATUS_OK, value]), {rid})
+    assert read is not None and read[:2] == [rid, STATUS_OK]
+    assert fast.columns_answer(msgpack.packb([rid, STATUS_ERROR, value]), {rid}) is None
+    result = ("t", "0bffcd16" + "0" * 16, 1, 2, 3, 1.5)
+    answer = fast.send_answer(rid, result)
+    assert answer == encode([rid, STATUS_OK, list(result)])
+    assert msgpack.unpackb(answer[FRAME_HEADER.size :])[1] == STATUS_OK

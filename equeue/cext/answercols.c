@@ -13,6 +13,7 @@
  * already read: msgpack never makes one (use_list). */
 #include "speedups.h"
 #include "hex16.h"
+#include "msgpack_min.h"
 
 typedef struct {
     const unsigned char *p, *end;
@@ -20,27 +21,8 @@ typedef struct {
 
 static inline int take(Cursor *c, Py_ssize_t n) { return c->end - c->p >= n; }
 
-static inline uint64_t get_be(const unsigned char *p, int n) {
-    if (n == 8) {
-        uint64_t v;
-        memcpy(&v, p, 8);
-        return __builtin_bswap64(v);
-    }
-    if (n == 4) {
-        uint32_t v;
-        memcpy(&v, p, 4);
-        return __builtin_bswap32(v);
-    }
-    if (n == 2) {
-        uint16_t v;
-        memcpy(&v, p, 2);
-        return __builtin_bswap16(v);
-    }
-    return p[0]; /* n == 1 */
-}
-
-/* A msgpack uint (below 2**63): 1, else 0. */
-static inline __attribute__((always_inline)) int read_uint(Cursor *c, uint64_t *v) {
+/* A msgpack uint (any, up to 2**64-1): 1, else 0. */
+static inline __attribute__((always_inline)) int read_uint64(Cursor *c, uint64_t *v) {
     if (!take(c, 1)) return 0;
     unsigned char b = *c->p;
     if (b <= 0x7f) {
@@ -52,7 +34,12 @@ static inline __attribute__((always_inline)) int read_uint(Cursor *c, uint64_t *
     if (n == 0 || !take(c, 1 + n)) return 0;
     *v = get_be(c->p + 1, n);
     c->p += 1 + n;
-    return *v <= (uint64_t)INT64_MAX;
+    return 1;
+}
+
+/* A msgpack uint below 2**63 (a column's value, held as int64): 1, else 0. */
+static inline __attribute__((always_inline)) int read_uint(Cursor *c, uint64_t *v) {
+    return read_uint64(c, v) && *v <= (uint64_t)INT64_MAX;
 }
 
 /* An array header: its length, or -1. */
@@ -203,7 +190,7 @@ PyObject *columns_answer(PyObject *self, PyObject *args) {
     Cursor c = {frame.buf, (const unsigned char *)frame.buf + frame.len};
     PyObject *result = NULL, *rid = NULL, *results = NULL;
     uint64_t id;
-    if (read_array(&c) != 3 || !read_uint(&c, &id) || !take(&c, 1) || *c.p != 0x00) {
+    if (read_array(&c) != 3 || !read_uint64(&c, &id) || !take(&c, 1) || *c.p != MP_STATUS_OK) {
         result = Py_NewRef(Py_None);
         goto out;
     }
@@ -240,29 +227,6 @@ static Py_ssize_t head_size(Py_ssize_t n, Py_ssize_t fix_max, int has8) {
     return n <= fix_max ? 1 : (has8 && n <= 0xff) ? 2 : n <= 0xffff ? 3 : 5;
 }
 
-/* A str/bin/array header (fix family at fix_base when n <= fix_max, -1: none; the
- * 8/16/32 markers, m8 0 for none): its length. */
-static Py_ssize_t put_head(char *p, uint64_t n, int fix_base, long long fix_max, int m8,
-                           int m16, int m32) {
-    if ((long long)n <= fix_max) {
-        p[0] = (char)(fix_base | (int)n);
-        return 1;
-    }
-    if (m8 && n <= 0xff) {
-        p[0] = (char)m8;
-        p[1] = (char)n;
-        return 2;
-    }
-    if (n <= 0xffff) {
-        p[0] = (char)m16;
-        put_be_n(p + 1, n, 2);
-        return 3;
-    }
-    p[0] = (char)m32;
-    put_be_n(p + 1, n, 4);
-    return 5;
-}
-
 PyObject *bodies_request(PyObject *self, PyObject *args) {
     PyObject *rid_obj, *topic, *bodies;
     Py_ssize_t max_frame_bytes;
@@ -285,11 +249,11 @@ PyObject *bodies_request(PyObject *self, PyObject *args) {
     if ((uint64_t)tlen > 0xffffffffULL) Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(bodies);
     if ((uint64_t)n > 0xffffffffULL) Py_RETURN_NONE;
-    static const char OP[] = "\xabsend_bodies\x82\xa5topic";
+    static const char OP[] = MP_OP_SEND_BODIES "\x82\xa5topic";
     static const char KEY[] = "\xa6" "bodies";
-    int rid_size = rid <= 0x7f ? 0 : rid <= 0xff ? 1 : rid <= 0xffff ? 2 : rid <= 0xffffffffULL ? 4 : 8;
+    int rid_size = rid <= 0x7f ? 1 : rid <= 0xff ? 2 : rid <= 0xffff ? 3 : rid <= 0xffffffffULL ? 5 : 9;
     /* 0x93, rid, op and the map's first key, topic, "bodies", the array */
-    Py_ssize_t size = 2 + rid_size + (Py_ssize_t)sizeof OP - 1 + head_size(tlen, 31, 1) + tlen +
+    Py_ssize_t size = 1 + rid_size + (Py_ssize_t)sizeof OP - 1 + head_size(tlen, 31, 1) + tlen +
                       (Py_ssize_t)sizeof KEY - 1 + head_size(n, 15, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(bodies, i);
@@ -305,14 +269,7 @@ PyObject *bodies_request(PyObject *self, PyObject *args) {
     if (frame == NULL) return NULL;
     char *start = PyBytes_AS_STRING(frame), *p = start + 4;
     *p++ = (char)0x93;
-    if (rid_size == 0) {
-        *p++ = (char)rid;
-    } else {
-        int k = rid_size;
-        *p++ = (char)(k == 1 ? 0xcc : k == 2 ? 0xcd : k == 4 ? 0xce : 0xcf);
-        put_be_n(p, rid, k);
-        p += k;
-    }
+    p += put_uint(p, rid);
     memcpy(p, OP, sizeof OP - 1);
     p += sizeof OP - 1;
     p += put_head(p, (uint64_t)tlen, 0xa0, 31, 0xd9, 0xda, 0xdb);

@@ -11,6 +11,7 @@
  * completes, creates or reserves chunks exactly as for any send, then calls again. */
 #include "sender.h"
 #include "hex16.h"
+#include "msgpack_min.h"
 
 /* One queue as the batch writes it: opened on its first message. */
 typedef struct {
@@ -55,18 +56,6 @@ static void close_queue(QueueRun *r) {
 /* --- the columns packed as they go (msgpack, as records.pack_columns packs them) --- */
 
 static inline void put_be(char *p, uint64_t v, int n) { put_be_n(p, v, n); }
-
-/* A uint's msgpack encoding at p (9 bytes of room): its length. */
-static inline Py_ssize_t put_uint(char *p, uint64_t u) {
-    if (u <= 0x7f) {
-        p[0] = (char)u;
-        return 1;
-    }
-    int n = u <= 0xff ? 1 : u <= 0xffff ? 2 : u <= 0xffffffffULL ? 4 : 8;
-    p[0] = (char)(n == 1 ? 0xcc : n == 2 ? 0xcd : n == 4 ? 0xce : 0xcf);
-    put_be(p + 1, u, n);
-    return 1 + n;
-}
 
 /* The most bytes one message adds to each packed column. */
 static void packed_room(PyObject *id_prefix, Py_ssize_t *per) {
@@ -328,26 +317,10 @@ static int out_room(Out *o, Py_ssize_t n) {
 }
 
 /* A header of a fix/8/16/32 family (fix: n <= fix_max, marked fix_base | n). */
-static int pack_head(Out *o, uint64_t n, int fix_base, uint64_t fix_max, int m8, int m16,
+static int pack_head(Out *o, uint64_t n, int fix_base, long long fix_max, int m8, int m16,
                      int m32) {
     if (out_room(o, 9) < 0) return -1;
-    char *p = o->buf + o->len;
-    if (n <= fix_max) {
-        p[0] = (char)(fix_base | (int)n);
-        o->len += 1;
-    } else if (m8 && n <= 0xff) {
-        p[0] = (char)m8;
-        p[1] = (char)n;
-        o->len += 2;
-    } else if (n <= 0xffff) {
-        p[0] = (char)m16;
-        put_be(p + 1, n, 2);
-        o->len += 3;
-    } else {
-        p[0] = (char)m32;
-        put_be(p + 1, n, 4);
-        o->len += 5;
-    }
+    o->len += put_head(o->buf + o->len, n, fix_base, fix_max, m8, m16, m32);
     return 0;
 }
 
@@ -371,16 +344,7 @@ static int pack_uint(Out *o, PyObject *v) {
         return 0;
     }
     if (out_room(o, 9) < 0) return -1;
-    char *p = o->buf + o->len;
-    if (u <= 0x7f) {
-        p[0] = (char)u;
-        o->len += 1;
-    } else {
-        int n = u <= 0xff ? 1 : u <= 0xffff ? 2 : u <= 0xffffffffULL ? 4 : 8;
-        p[0] = (char)(n == 1 ? 0xcc : n == 2 ? 0xcd : n == 4 ? 0xce : 0xcf);
-        put_be(p + 1, u, n);
-        o->len += 1 + n;
-    }
+    o->len += put_uint(o->buf + o->len, u);
     return 1;
 }
 

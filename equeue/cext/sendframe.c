@@ -8,12 +8,8 @@
  * signed int id, a topic that is not UTF-8, trailing bytes) gives None, and the broker
  * decodes the frame the general way, which answers or refuses it as it always did. */
 #include "speedups.h"
+#include "msgpack_min.h"
 
-static inline uint64_t get_be(const unsigned char *p, int n) {
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-    return v;
-}
 
 /* The length of a str (kind 's') or bin ('b') at p, its bytes at *data; -1 if p is not
  * one or it runs past end. */
@@ -58,7 +54,7 @@ static PyObject *parse(const unsigned char *p, const unsigned char *end) {
     } else
         Py_RETURN_NONE;
     if (rid == 0) Py_RETURN_NONE; /* the connection's own id: the general path refuses it */
-    if (end - p < 6 || memcmp(p, "\xa4send\x82", 6) != 0) Py_RETURN_NONE;
+    if (end - p < 6 || memcmp(p, MP_OP_SEND "\x82", 6) != 0) Py_RETURN_NONE;
     p += 6;
     const unsigned char *topic = NULL, *body = NULL;
     Py_ssize_t topic_len = -1, body_len = -1;
@@ -135,22 +131,15 @@ PyObject *send_body(PyObject *self, PyObject *body) {
     return parse(p, p + PyBytes_GET_SIZE(body));
 }
 
-static int put_uint(unsigned char **q, PyObject *v) {
+/* An exact int in 0 .. 2**64-1 written at *q (advanced): 1, else 0. */
+static int put_int(unsigned char **q, PyObject *v) {
     if (!PyLong_CheckExact(v)) return 0;
     unsigned long long u = PyLong_AsUnsignedLongLong(v);
     if (u == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
         return 0;
     }
-    unsigned char *p = *q;
-    if (u <= 0x7f) {
-        *p++ = (unsigned char)u;
-    } else {
-        int n = u <= 0xff ? 1 : u <= 0xffff ? 2 : u <= 0xffffffffULL ? 4 : 8;
-        *p++ = (unsigned char)(n == 1 ? 0xcc : n == 2 ? 0xcd : n == 4 ? 0xce : 0xcf);
-        for (int i = n - 1; i >= 0; i--) *p++ = (unsigned char)(u >> (8 * i));
-    }
-    *q = p;
+    *q += put_uint((char *)*q, u);
     return 1;
 }
 
@@ -200,12 +189,12 @@ PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     unsigned char buf[4 + 1 + 9 + 1 + 1 + 2 * (2 + 255) + 3 * 9 + 9];
     unsigned char *q = buf + 4;
     *q++ = 0x93;
-    if (!put_uint(&q, rid)) goto plain;
-    *q++ = 0x00; /* STATUS_OK */
+    if (!put_int(&q, rid)) goto plain;
+    *q++ = MP_STATUS_OK;
     *q++ = 0x96;
     if (!put_str(&q, f[0], 255) || !put_str(&q, f[1], 255)) goto plain;
     for (int i = 2; i < 5; i++)
-        if (!put_uint(&q, f[i])) goto plain;
+        if (!put_int(&q, f[i])) goto plain;
     if (!PyFloat_CheckExact(f[5])) goto plain;
     double d = PyFloat_AS_DOUBLE(f[5]);
     uint64_t bits;
