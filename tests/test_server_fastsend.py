@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from server_helpers import raw, short_dir
 
 from equeue import speedups
+from equeue.errors import StoreWriteError
 from equeue.protocol.frames import (
     FRAME_HEADER,
     STATUS_ERROR,
@@ -33,7 +34,8 @@ from equeue.protocol.frames import (
 from equeue.protocol.handshake import Hello
 from equeue.server import BrokerThread
 from equeue.server.config import ServerConfig
-from equeue.server.connection import Connection
+from equeue.server.connection import Connection, release_durable
+from equeue.server.handlers import Frame
 from equeue.server.serve import Broker
 
 Flush = Literal["sync", "async"]
@@ -253,3 +255,40 @@ def test_the_c_parsers_take_every_request_id_the_general_path_takes(rid: int) ->
     answer = fast.send_answer(rid, result)
     assert answer == encode([rid, STATUS_OK, list(result)])
     assert msgpack.unpackb(answer[FRAME_HEADER.size :])[1] == STATUS_OK
+
+
+async def _release(directory: Path) -> tuple[list[Any], int]:
+    """Deferred answers released as a group commit releases them: a result that is
+    bytes, a Frame, and a Frame whose flush failed; the answers decoded, and in_flight."""
+    broker = Broker(directory, ServerConfig(flush="sync"))
+    await broker.start()
+    try:
+        transport = Recorder()
+        connection = Connection(broker, "test", 1)
+        transport.protocol = connection
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        _feed(connection, encode(Hello(client="t").pack()))
+        connection.in_flight += 3
+        release_durable(
+            [(connection, 5, b"a body"), (connection, 6, Frame(encode([6, 0, "x"])))], None
+        )
+        failed = StoreWriteError(5, "fdatasync failed (EIO)")
+        release_durable([(connection, 7, Frame(encode([7, 0, "y"])))], failed)
+        _welcome, *frames = FrameReader(1 << 30, "t").feed(bytes(transport.data))
+        return [UNPACK(b) for b in frames], connection.in_flight
+    finally:
+        await broker._drain()
+
+
+def test_only_a_frame_is_queued_raw_and_release_durable_finishes_each_answer() -> None:
+    """A deferred result that is bytes is an answer's value (msgpack bin), not a frame
+    (it was written raw, desynchronizing the client); a Frame is written as it is; a
+    failed flush answers its request id with the error."""
+    directory = short_dir()
+    try:
+        answers, in_flight = asyncio.run(_release(directory / "s"))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert answers[:2] == [[5, STATUS_OK, b"a body"], [6, STATUS_OK, "x"]]
+    assert answers[2][:2] == [7, STATUS_ERROR] and "EIO" in answers[2][2]["message"]
+    assert (len(answers), in_flight) == (3, 0)

@@ -43,7 +43,7 @@ from equeue.protocol.frames import (
 from equeue.protocol.handshake import Hello, Welcome, choose_version
 from equeue.protocol.ops import check_args
 from equeue.server.groupcommit import Entry
-from equeue.server.handlers import DEFERRED, Packed
+from equeue.server.handlers import DEFERRED, Frame, Packed
 
 if TYPE_CHECKING:
     from equeue.server.serve import Broker
@@ -104,13 +104,6 @@ def release_durable(batch: list[Entry], error: BaseException | None) -> None:
             if not connection._batching:
                 connection._batching = True  # queue, do not schedule a write
                 written.append(connection)
-            if type(result) is bytes and error is None and not connection._ended:
-                # finish() of a plain send's answer frame, inline: the commonest by far
-                connection.in_flight -= 1
-                if not connection.closed:
-                    connection._out.append(result)
-                    connection._out_bytes += len(result)
-                continue
             connection.finish(request_id, result if error is None else error)
         except Exception:  # one connection's failure must not keep the others' answers
             log.exception("%s: answering a durable send failed", connection.where)
@@ -541,8 +534,8 @@ class Connection(asyncio.BufferedProtocol):
         self.in_flight -= 1
         if self.closed:
             return
-        if type(outcome) is bytes:  # a whole answer frame (Handlers.send_plain)
-            self._queue(outcome)
+        if type(outcome) is Frame:  # a whole answer frame (Handlers.send_plain)
+            self._queue(outcome.data)
         elif isinstance(outcome, BaseException):
             self._answer_error(request_id, outcome)
         elif type(outcome) is Packed:

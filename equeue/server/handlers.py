@@ -55,6 +55,17 @@ class Packed:
         self.data = data
 
 
+class Frame:
+    """A whole answer frame, its header included (a plain send's under --flush sync):
+    finish() queues it as it is. A type of its own so that no other result that is bytes
+    (a body, say) can be taken for a frame and written raw."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
 class Peer(Protocol):
     """What an op needs of the connection it came on."""
 
@@ -155,8 +166,8 @@ class Handlers:
         """A send of a topic and a body alone (the commonest request), as ``send`` answers
         it: the same checks and counts, without the args map, the op table and the wrapper
         (connection.py calls it for ``send`` requests of exactly those two arguments).
-        The result is the answer's whole frame (bytes, the header included): the only
-        result of an op that is bytes, so the connection queues it as it is."""
+        The result is the answer's whole frame (bytes, the header included), or under
+        --flush sync DEFERRED with the frame handed to commit as a Frame."""
         if topic.startswith(RESERVED_PREFIX):
             check_client_write("send", {"topic": topic}, peer.where)
         sent = self.store.send(topic, body)
@@ -172,7 +183,7 @@ class Handlers:
         commit = self.commit
         if commit is None:
             return frame
-        commit.add(peer, rid, frame, 1)
+        commit.add(peer, rid, Frame(frame), 1)
         return DEFERRED
 
     def send(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
