@@ -90,14 +90,19 @@ def _normal(answer: list[Any]) -> list[Any]:
     return [rid, status, payload]
 
 
+def _connect(broker: Broker) -> tuple[Connection, Recorder]:
+    transport = Recorder()
+    connection = Connection(broker, "test", 1)
+    transport.protocol = connection
+    connection.connection_made(transport)  # type: ignore[arg-type]
+    return connection, transport
+
+
 async def _serve(directory: Path, reads: list[bytes], fast: bool, flush: Flush) -> tuple[Any, ...]:
     broker = Broker(directory, ServerConfig(flush=flush))
     await broker.start()
     try:
-        transport = Recorder()
-        connection = Connection(broker, "test", 1)
-        transport.protocol = connection
-        connection.connection_made(transport)  # type: ignore[arg-type]
+        connection, transport = _connect(broker)
         if not fast:
             connection._send_frame = connection._send_body = None
         _feed(connection, encode(Hello(client="t").pack()))
@@ -263,10 +268,7 @@ async def _release(directory: Path) -> tuple[list[Any], int]:
     broker = Broker(directory, ServerConfig(flush="sync"))
     await broker.start()
     try:
-        transport = Recorder()
-        connection = Connection(broker, "test", 1)
-        transport.protocol = connection
-        connection.connection_made(transport)  # type: ignore[arg-type]
+        connection, transport = _connect(broker)
         _feed(connection, encode(Hello(client="t").pack()))
         connection.in_flight += 3
         release_durable(
