@@ -535,7 +535,12 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         if type(outcome) is Frame:  # a whole answer frame (Handlers.send_plain)
-            self._queue(outcome.data)
+            data = outcome.data
+            if self._batching:  # in release_durable, which writes them (the commonest)
+                self._out.append(data)
+                self._out_bytes += len(data)
+            else:
+                self._queue(data)
         elif isinstance(outcome, BaseException):
             self._answer_error(request_id, outcome)
         elif type(outcome) is Packed:
