@@ -155,6 +155,7 @@ class Client:
         self._write_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._reading = False
+        self._waiting = 0  # threads in self._cond.wait: notify only when there are some
         self._closed = False
         self._next_id = 1
         self._conn: _Connection | None = None
@@ -172,6 +173,7 @@ class Client:
         self._write_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._reading = False
+        self._waiting = 0
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.broken = True
@@ -252,7 +254,7 @@ class Client:
         finally:
             with self._cond:
                 self._reading = False
-                self._cond.notify_all()
+                self._notify()
 
     def _break(self, conn: _Connection, reason: str, cause: BaseException | None) -> None:
         with self._cond:
@@ -273,7 +275,7 @@ class Client:
             slot.error = lost(reason, given(slot.unanswered), cause)
             slot.done = True
         conn.pending.clear()
-        self._cond.notify_all()
+        self._notify()
 
     def _received(self, conn: _Connection, data: memoryview) -> None:
         """Hand the answers in ``data`` to their slots (EOF and garbage break ``conn``)."""
@@ -312,7 +314,7 @@ class Client:
                 slot.done = True
             if bodies:
                 conn.quiet_at = time.monotonic()
-                self._cond.notify_all()
+                self._notify()
 
     # --- requests ----------------------------------------------------------------
 
@@ -364,6 +366,8 @@ class Client:
         later writers queue behind. Reads answers itself when no other thread is reading:
         the requests in flight may be a blocked writer's own (send_many's)."""
         limit = conn.welcome.limits["max_in_flight"]
+        if len(conn.pending) + count <= limit:  # (under the write lock only readers take
+            return  # from pending: a stale length overstates, never understates)
         while True:
             with self._cond:
                 while True:
@@ -378,13 +382,13 @@ class Client:
                     if remaining <= 0:
                         self._expire(conn, first)
                     else:
-                        self._cond.wait(remaining)
+                        self._sleep(remaining)
             try:
                 self._read_some(conn, first)
             finally:
                 with self._cond:
                     self._reading = False
-                    self._cond.notify_all()
+                    self._notify()
 
     def _wait(self, conn: _Connection, slot: _Slot) -> Any:
         """The decoded-by-msgpack result of ``slot``'s request, or its error raised."""
@@ -398,7 +402,7 @@ class Client:
                     if remaining <= 0:
                         self._expire(conn, slot)
                     else:
-                        self._cond.wait(remaining)
+                        self._sleep(remaining)
                 else:
                     return self._outcome(slot)
             try:
@@ -406,7 +410,23 @@ class Client:
             finally:
                 with self._cond:
                     self._reading = False
-                    self._cond.notify_all()
+                    self._notify()
+                    done = slot.done
+            if done:  # (a slot done stays as it is: read without the condition)
+                return self._outcome(slot)
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait on the condition (held) up to ``seconds``, counted for _notify."""
+        self._waiting += 1
+        try:
+            self._cond.wait(seconds)
+        finally:
+            self._waiting -= 1
+
+    def _notify(self) -> None:
+        """Wake the waiting threads (the condition held); none waiting: nothing to do."""
+        if self._waiting:
+            self._cond.notify_all()
 
     def _expire(self, conn: _Connection, slot: _Slot) -> None:
         self._break_locked(
