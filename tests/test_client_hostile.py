@@ -6,6 +6,7 @@ came is reported in ``unanswered``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -257,3 +258,19 @@ def test_a_broker_that_stops_reading_is_connection_lost_after_the_timeout(kind: 
         finally:
             release.set()
     assert [len(m.body) for m in raised.value.unanswered] == [4 << 20]
+
+
+def test_a_held_pull_outlives_the_kernel_timeout_of_a_direct_read() -> None:
+    # The sync reader blocks in recv under SO_RCVTIMEO (the client's timeout, 0.3 s); a
+    # pull held by the broker for its wait_ms may take longer: that EAGAIN is no expiry.
+    def script(peer: Peer) -> None:
+        peer.welcome()
+        request_id = peer.recv()[0]
+        time.sleep(0.6)
+        peer.send([request_id, 0, {"held": True}])
+        with contextlib.suppress(OSError, EOFError):
+            peer.recv()
+
+    with FakeBroker(script) as fake, equeue.connect(fake.url, timeout=0.3) as client:
+        arguments = {"topic": "t", "queue_id": 0, "offset": 0, "max_count": 1, "wait_ms": 900}
+        assert client.request("pull", arguments) == {"held": True}

@@ -59,6 +59,14 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_WINDOW = 256
+# A connection idle this long (seconds) is polled before the next request, so one the
+# broker closed meanwhile is made anew instead of failing the request; back-to-back
+# requests skip the poll (a syscall each): a close in that gap fails like one in flight.
+IDLE_CHECK = 0.001
+# A reader whose request has at least this share of the timeout left blocks in recv with
+# the kernel's timeout (SO_RCVTIMEO, the client's timeout) instead of polling first: its
+# expiry is late by at most the rest of the timeout, this 1 % of it.
+DIRECT_READ = 0.99
 
 
 class _Slot:
@@ -82,7 +90,8 @@ def _deadline(slot: _Slot) -> float:
 
 class _Connection:
     __slots__ = (
-        "broken", "encoder", "inbuf", "io_lock", "pending", "reader", "sock", "welcome",
+        "broken", "encoder", "inbuf", "io_lock", "pending", "plain", "quiet_at", "reader",
+        "sock", "welcome",
     )  # fmt: skip
 
     def __init__(self, sock: socket.socket, welcome: Welcome, reader: AnswerReader) -> None:
@@ -97,6 +106,8 @@ class _Connection:
         # One SSL object must not read and write in two threads at once.
         tls = isinstance(sock, ssl.SSLSocket)
         self.io_lock: Any = threading.Lock() if tls else contextlib.nullcontext()
+        self.plain = not tls  # read with a blocking recv (the kernel's timeout), no poll
+        self.quiet_at = time.monotonic()  # when the last answer was read
 
 
 def kernel_timeouts(sock: socket.socket, timeout: float) -> None:
@@ -144,6 +155,7 @@ class Client:
         self._write_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._reading = False
+        self._waiting = 0  # threads in self._cond.wait: notify only when there are some
         self._closed = False
         self._next_id = 1
         self._conn: _Connection | None = None
@@ -161,6 +173,7 @@ class Client:
         self._write_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._reading = False
+        self._waiting = 0
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.broken = True
@@ -186,7 +199,12 @@ class Client:
         if self._closed:
             raise ClosedError(f"the client of {self.url} is closed")
         conn = self._conn
-        if conn is not None and not conn.pending and self._idle_input(conn):
+        if (
+            conn is not None
+            and not conn.pending
+            and time.monotonic() - conn.quiet_at >= IDLE_CHECK
+            and self._idle_input(conn)
+        ):
             conn = self._conn  # the broker went away (or spoke out of turn) while idle
         if conn is None:
             count, last = self._failed
@@ -236,7 +254,7 @@ class Client:
         finally:
             with self._cond:
                 self._reading = False
-                self._cond.notify_all()
+                self._notify()
 
     def _break(self, conn: _Connection, reason: str, cause: BaseException | None) -> None:
         with self._cond:
@@ -257,7 +275,7 @@ class Client:
             slot.error = lost(reason, given(slot.unanswered), cause)
             slot.done = True
         conn.pending.clear()
-        self._cond.notify_all()
+        self._notify()
 
     def _received(self, conn: _Connection, data: memoryview) -> None:
         """Hand the answers in ``data`` to their slots (EOF and garbage break ``conn``)."""
@@ -295,7 +313,8 @@ class Client:
                 slot.payload = payload
                 slot.done = True
             if bodies:
-                self._cond.notify_all()
+                conn.quiet_at = time.monotonic()
+                self._notify()
 
     # --- requests ----------------------------------------------------------------
 
@@ -347,6 +366,8 @@ class Client:
         later writers queue behind. Reads answers itself when no other thread is reading:
         the requests in flight may be a blocked writer's own (send_many's)."""
         limit = conn.welcome.limits["max_in_flight"]
+        if len(conn.pending) + count <= limit:  # (under the write lock only readers take
+            return  # from pending: a stale length overstates, never understates)
         while True:
             with self._cond:
                 while True:
@@ -361,13 +382,13 @@ class Client:
                     if remaining <= 0:
                         self._expire(conn, first)
                     else:
-                        self._cond.wait(remaining)
+                        self._sleep(remaining)
             try:
                 self._read_some(conn, first)
             finally:
                 with self._cond:
                     self._reading = False
-                    self._cond.notify_all()
+                    self._notify()
 
     def _wait(self, conn: _Connection, slot: _Slot) -> Any:
         """The decoded-by-msgpack result of ``slot``'s request, or its error raised."""
@@ -381,7 +402,7 @@ class Client:
                     if remaining <= 0:
                         self._expire(conn, slot)
                     else:
-                        self._cond.wait(remaining)
+                        self._sleep(remaining)
                 else:
                     return self._outcome(slot)
             try:
@@ -389,7 +410,23 @@ class Client:
             finally:
                 with self._cond:
                     self._reading = False
-                    self._cond.notify_all()
+                    self._notify()
+                    done = slot.done
+            if done:  # (a slot done stays as it is: read without the condition)
+                return self._outcome(slot)
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait on the condition (held) up to ``seconds``, counted for _notify."""
+        self._waiting += 1
+        try:
+            self._cond.wait(seconds)
+        finally:
+            self._waiting -= 1
+
+    def _notify(self) -> None:
+        """Wake the waiting threads (the condition held); none waiting: nothing to do."""
+        if self._waiting:
+            self._cond.notify_all()
 
     def _expire(self, conn: _Connection, slot: _Slot) -> None:
         self._break_locked(
@@ -405,16 +442,23 @@ class Client:
         sock = conn.sock
         remaining = slot.deadline - time.monotonic()
         try:
-            ready = (isinstance(sock, ssl.SSLSocket) and sock.pending()) or bool(
-                readable(sock, remaining)
-            )
-            if not ready:
-                if time.monotonic() >= slot.deadline:
-                    with self._cond:
-                        self._expire(conn, slot)
-                return
+            if not (conn.plain and remaining >= DIRECT_READ * self.timeout):
+                ready = (isinstance(sock, ssl.SSLSocket) and sock.pending()) or bool(
+                    readable(sock, remaining)
+                )
+                if not ready:
+                    if time.monotonic() >= slot.deadline:
+                        with self._cond:
+                            self._expire(conn, slot)
+                    return
             with conn.io_lock:
                 data = conn.inbuf[: sock.recv_into(conn.inbuf)]
+        except BlockingIOError:  # the kernel's timeout (EAGAIN) on a direct read
+            if time.monotonic() < slot.deadline:
+                return  # (a pull's wait: it has longer)
+            with self._cond:
+                self._expire(conn, slot)
+            return
         except (OSError, ValueError) as exc:  # ValueError: a closed socket
             self._break(conn, f"the connection to {self.url} broke: {exc}", exc)
             return
