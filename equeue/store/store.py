@@ -225,15 +225,9 @@ class MessageStore:
             self.__dict__["send"] = self._sender.call
         self._check_in_c = sender.check if sender is not None else None
         self._appender = Appender(
-            self._writer,
-            self._keys,
-            self._id_prefix,
-            self._topic_bytes,
-            self._round_robin,
-            self.path,
-            lambda: self._closed,
-            sender,
-        )
+            self._writer, self._keys, self._id_prefix, self._topic_bytes, self._round_robin,
+            self.path, lambda: self._closed, sender,
+        )  # fmt: skip
         if boot is not None:
             try:
                 self._live_tail = LiveTailWriter(path, boot, self._keys)
