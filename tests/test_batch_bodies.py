@@ -23,7 +23,7 @@ from test_speedups import data_areas
 
 from equeue import MessageStore, StoreConfig, speedups
 from equeue.client import Client
-from equeue.errors import InvalidTypeError, MessageTooLargeError, ProtocolError
+from equeue.errors import InvalidTypeError, MessageTooLargeError, ProtocolError, ReadOnlyError
 from equeue.protocol.records import pack_columns, unpack_send_columns
 from equeue.server import BrokerThread
 from equeue.store import bodies
@@ -264,3 +264,19 @@ def test_columns_read_back_as_the_python_checks_read_them(
     fast = outcome()
     monkeypatch.setattr(speedups, "SPEEDUPS", None)
     assert outcome() == fast
+
+
+def test_a_read_only_handle_refuses_the_columns_sends_with_read_only_error(
+    tmp_path: Path,
+) -> None:
+    with MessageStore.open(tmp_path / "s") as store:
+        store.create_topic("t", 2)
+    with MessageStore.open(tmp_path / "s", read_only=True) as reader:
+        for send in (send_columns, send_packed):
+            with pytest.raises(ReadOnlyError, match="opened read-only"):
+                send(reader, "t", [b"x", b"y"])
+        assert reader.queue_range("t", 0) == (0, 0)
+    with MessageStore.open(tmp_path / "s") as store:  # control: a writer sends them
+        columns = send_columns(store, "t", [b"x", b"y"])
+        assert len(columns.queue_ids) == 2
+        assert sum(end - first for first, end in map(store.queue_range, "tt", (0, 1))) == 2

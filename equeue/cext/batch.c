@@ -5,7 +5,8 @@
  * It is Appender._run (write_run) without the checked 8-tuple per message and without a
  * SendResult per message: the chunk state comes from the Sender's remembered views
  * (sendstate.h), as a single send reads it, and the results go into five column lists.
- * What it writes is what Appender.append writes for each body, byte for byte: it stops
+ * What it writes is what Appender.append writes for each body, byte for byte but for the
+ * stored time (one clock reading per run, where Appender reads it per message): it stops
  * (returns the index reached) where a body does not fit the log chunk's allocated end or
  * its queue chunk's, and the caller sends that body through Appender.append, which
  * completes, creates or reserves chunks exactly as for any send, then calls again. */

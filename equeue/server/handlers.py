@@ -211,8 +211,9 @@ class Handlers:
 
     def send_bodies(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         """send_batch of bodies alone (protocol version 2): the decoded array goes to the
-        store as it is, and the results go back in columns (records.pack_columns), made
-        as columns by the store (bodies.send_columns): no object per message."""
+        store as it is, and the results go back in columns (records.pack_columns): packed
+        by the C append as it goes (bodies.send_packed, no object per message) unless a
+        pull is held, when the columns (bodies.send_columns) say which pulls to wake."""
         topic, bodies = a["topic"], a["bodies"]
         store = self.store
         checked = plain(store, bodies)

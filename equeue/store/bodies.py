@@ -5,8 +5,10 @@ checked before any is written (as any batch); then, under the write lock, each r
 bodies that fits the current log chunk and queue chunks is framed, entered and
 published by one C call (``Sender.append_bodies``, equeue/cext/batch.c), and a body
 that needs a chunk completed, created or reserved goes through ``Appender.append`` as a
-single send does. The bytes on disk are those the checked-tuple path writes.
-``send_columns`` answers in columns (SendColumns) and makes no object per message.
+single send does. The bytes on disk are those the checked-tuple path writes, but for
+the stored time (read once per run). ``send_columns`` answers in columns (SendColumns:
+a list per field, so an id string and ints per message); ``send_packed`` answers with
+the columns already msgpack-encoded, no object per message.
 Without the accelerator, both go through ``send_batch``'s Python path.
 """
 
@@ -81,6 +83,7 @@ def _fields(sent: SendResult) -> tuple[str, int, int, int, float]:
 
 def send_columns(store: MessageStore, topic: str, items: list[bytes]) -> SendColumns:
     """``store.send_batch(topic, items)`` of bytes, its results as SendColumns."""
+    store._check_writable()  # (a read-only handle has no appender to ask)
     if not plain(store, items):
         return SendColumns.of(topic, store.send_batch(topic, items))
     queues, _ = store._queues_and_count(topic)
@@ -95,6 +98,7 @@ def send_packed(
     (records.pack_columns's bytes), written by the C append as it goes: no object per
     message. None (nothing sent) unless the bodies are plain and the accelerator built.
     ``checked``: the caller found ``plain(store, items)`` true (not checked again)."""
+    store._check_writable()
     if not checked and not plain(store, items):
         return None
     queues, _ = store._queues_and_count(topic)
