@@ -134,11 +134,13 @@ static int add_columns(Sender *s, PyObject *topic, PyObject *const *cols, int nc
 PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
     if (s->store == NULL || nargs != 5 || !PyUnicode_Check(args[0]) ||
         !PyList_CheckExact(args[1]) || PyList_GET_SIZE(args[1]) < 1 ||
-        !PyList_CheckExact(args[2]) || !PyLong_Check(args[3]) ||
+        !(PyList_CheckExact(args[2]) || Py_IS_TYPE(args[2], &BodySpansType)) ||
+        !PyLong_Check(args[3]) ||
         !PyList_CheckExact(args[4]) ||
         (PyList_GET_SIZE(args[4]) != 5 && PyList_GET_SIZE(args[4]) != 1)) {
         PyErr_SetString(PyExc_TypeError,
-                        "append_bodies(topic, queues, bodies, start, [five lists] or [a list])");
+                        "append_bodies(topic, queues, bodies (a list or BodySpans), start, "
+                        "[five lists] or [a list])");
         return NULL;
     }
     if (!PyUnicode_CheckExact(args[0])) /* a str subclass: Appender.append stores it */
@@ -161,7 +163,10 @@ PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t narg
     }
     if (packed) packed_room(s->id_prefix, per);
     Py_ssize_t start = PyLong_AsSsize_t(args[3]), i = start;
-    Py_ssize_t count = PyList_GET_SIZE(queues), n = PyList_GET_SIZE(bodies);
+    /* spans: the bodies where they lie in the request's frame (bodyspans.c) */
+    BodySpans *spans = Py_IS_TYPE(bodies, &BodySpansType) ? (BodySpans *)bodies : NULL;
+    Py_ssize_t count = PyList_GET_SIZE(queues);
+    Py_ssize_t n = spans != NULL ? spans->n : PyList_GET_SIZE(bodies);
     PyObject *topic_bytes = NULL, *stored = NULL, *result = NULL;
     ChunkView log = {0};
     Py_buffer lbuf = {0};
@@ -200,20 +205,29 @@ PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t narg
         if (PyByteArray_Resize(cols[k], before[k] + (n - start) * per[k]) < 0) goto out;
     double stored_at = (double)now_ns / 1e9;
     for (; i < n; i++) {
-        PyObject *body = PyList_GET_ITEM(bodies, i);
-        if (!PyBytes_CheckExact(body)) {
-            PyErr_SetString(PyExc_TypeError, "append_bodies takes checked bytes bodies");
-            goto out;
+        const char *body;
+        Py_ssize_t body_len;
+        if (spans != NULL) {
+            body = PyBytes_AS_STRING(spans->frame) + spans->at[2 * i];
+            body_len = spans->at[2 * i + 1];
+        } else {
+            PyObject *item = PyList_GET_ITEM(bodies, i);
+            if (!PyBytes_CheckExact(item)) {
+                PyErr_SetString(PyExc_TypeError, "append_bodies takes checked bytes bodies");
+                goto out;
+            }
+            body = PyBytes_AS_STRING(item);
+            body_len = PyBytes_GET_SIZE(item);
         }
-        Py_ssize_t length = HEAD_SIZE + topic_len + PyBytes_GET_SIZE(body);
+        Py_ssize_t length = HEAD_SIZE + topic_len + body_len;
         if (end + length + FRAME_OVERHEAD > log.size) break; /* Chunk.reserve, a new chunk */
         Py_ssize_t q = turn % count;
         QueueRun *r = &runs[q];
         if (r->state == 0 && open_queue(s, queues, q, r) < 0) goto out;
         if (r->state < 0 || r->taken >= r->free) break; /* Queue.make_room() */
         int64_t offset = r->next_offset + r->taken, position = log.base + end;
-        frame_message(data + end, length, position, now_ns, offset, (int32_t)q, 0, 0, 0,
-                      topic_bytes, EMPTY_BYTES, EMPTY_BYTES, EMPTY_BYTES, body);
+        frame_raw(data + end, length, position, now_ns, offset, (int32_t)q, 0, 0, 0, topic_bytes,
+                  EMPTY_BYTES, EMPTY_BYTES, EMPTY_BYTES, body, body_len);
         if (packed)
             add_packed(cols, pos, s->id_prefix, q, offset, position, stored_at);
         else if (add_columns(s, topic, cols, ncols, q, offset, position, now_ns, stored) < 0)
@@ -280,19 +294,28 @@ out:
     return result;
 }
 
-/* plain_bodies(items) -> whether items is a non-empty list of bytes bodies that the
- * checks of a send pass as they are (check_batch's plain case: within max_body, and the
- * record within a chunk with the longest topic): the bodies append_bodies takes. */
+/* plain_bodies(items) -> whether items is a non-empty list of bytes bodies (or a
+ * BodySpans) that the checks of a send pass as they are (check_batch's plain case:
+ * within max_body, and the record within a chunk with the longest topic): the bodies
+ * append_bodies takes. */
 PyObject *Sender_plain_bodies(Sender *s, PyObject *items) {
     if (s->store == NULL) {
         PyErr_SetString(PyExc_TypeError, "Sender.__init__ was not called");
         return NULL;
     }
-    if (!PyList_CheckExact(items) || PyList_GET_SIZE(items) == 0) Py_RETURN_FALSE;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        PyObject *body = PyList_GET_ITEM(items, i);
-        if (!PyBytes_CheckExact(body)) Py_RETURN_FALSE;
-        Py_ssize_t size = PyBytes_GET_SIZE(body);
+    BodySpans *spans = Py_IS_TYPE(items, &BodySpansType) ? (BodySpans *)items : NULL;
+    if (spans == NULL && !PyList_CheckExact(items)) Py_RETURN_FALSE;
+    Py_ssize_t n = spans != NULL ? spans->n : PyList_GET_SIZE(items);
+    if (n == 0) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t size;
+        if (spans != NULL)
+            size = spans->at[2 * i + 1];
+        else {
+            PyObject *body = PyList_GET_ITEM(items, i);
+            if (!PyBytes_CheckExact(body)) Py_RETURN_FALSE;
+            size = PyBytes_GET_SIZE(body);
+        }
         if (size > s->max_body || HEAD_SIZE + size + MAX_NAME + FRAME_OVERHEAD > s->chunk_size)
             Py_RETURN_FALSE;
     }

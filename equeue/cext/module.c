@@ -78,6 +78,7 @@ static PyMethodDef methods[] = {
     {"all_bytes", all_bytes, METH_O, NULL},
     {"columns_answer", columns_answer, METH_VARARGS, NULL},
     {"bodies_request", bodies_request, METH_VARARGS, NULL},
+    {"bodies_body", bodies_body, METH_O, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},
@@ -112,7 +113,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     ZERO = PyLong_FromLong(0);
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
     if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0 ||
-        send_result_type_ready() < 0)
+        send_result_type_ready() < 0 || body_spans_ready() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -129,6 +129,11 @@ PyObject *checked_tuple(PyObject *body, PyObject *tag, PyObject *key, PyObject *
 int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns, int64_t offset,
                   int32_t q, int32_t code, uint32_t hashed, int has_key, PyObject *topic_bytes,
                   PyObject *tag_bytes, PyObject *key_bytes, PyObject *props, PyObject *body);
+/* frame_message with the body as bytes at body (a request frame's, bodyspans.c) */
+int frame_raw(char *p, Py_ssize_t length, int64_t position, int64_t now_ns, int64_t offset,
+              int32_t q, int32_t code, uint32_t hashed, int has_key, PyObject *topic_bytes,
+              PyObject *tag_bytes, PyObject *key_bytes, PyObject *props, const char *body,
+              Py_ssize_t bl);
 
 /* sender.c */
 extern PyTypeObject SenderType;
@@ -179,6 +184,16 @@ PyObject *results_of_columns(PyObject *self, PyObject *args);
 PyObject *all_bytes(PyObject *self, PyObject *items);
 PyObject *columns_answer(PyObject *self, PyObject *args);
 PyObject *bodies_request(PyObject *self, PyObject *args);
+/* bodyspans.c: a send_bodies request's bodies where they lie in its frame (the broker) */
+typedef struct {
+    PyObject_HEAD
+    PyObject *frame;  /* the request's frame body (bytes) */
+    Py_ssize_t n;
+    Py_ssize_t *at;   /* per body, its offset in frame and its length */
+} BodySpans;
+extern PyTypeObject BodySpansType;
+int body_spans_ready(void);
+PyObject *bodies_body(PyObject *self, PyObject *body);
 
 /* record.c: behaving as a NamedTuple of n fields, for Message and SendResult */
 typedef struct {

@@ -151,13 +151,12 @@ fail:
 
 /* Writes the frame of one message record at p: length, the 56-byte head, topic, tag,
  * key, properties, body, checksum, length again (equeue.format.message/chunk). */
-int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns,
-                         int64_t offset, int32_t q, int32_t code, uint32_t hashed, int has_key,
-                         PyObject *topic_bytes, PyObject *tag_bytes, PyObject *key_bytes,
-                         PyObject *props, PyObject *body) {
+int frame_raw(char *p, Py_ssize_t length, int64_t position, int64_t now_ns, int64_t offset,
+              int32_t q, int32_t code, uint32_t hashed, int has_key, PyObject *topic_bytes,
+              PyObject *tag_bytes, PyObject *key_bytes, PyObject *props, const char *body,
+              Py_ssize_t bl) {
     Py_ssize_t topic_len = PyBytes_GET_SIZE(topic_bytes), tl = PyBytes_GET_SIZE(tag_bytes);
     Py_ssize_t kl = PyBytes_GET_SIZE(key_bytes), pl = PyBytes_GET_SIZE(props);
-    Py_ssize_t bl = PyBytes_GET_SIZE(body);
     put_u32(p, (uint32_t)length);
     char *h = p + 4;
     put_i64(h + 0, position);
@@ -182,11 +181,20 @@ int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns,
     w += kl;
     memcpy(w, PyBytes_AS_STRING(props), (size_t)pl);
     w += pl;
-    memcpy(w, PyBytes_AS_STRING(body), (size_t)bl);
+    memcpy(w, body, (size_t)bl);
     w += bl;
     put_u32(w, checksum(h, length));
     put_u32(w + 4, (uint32_t)length);
     return 0;
+}
+
+/* frame_raw with the body a bytes object. */
+int frame_message(char *p, Py_ssize_t length, int64_t position, int64_t now_ns,
+                  int64_t offset, int32_t q, int32_t code, uint32_t hashed, int has_key,
+                  PyObject *topic_bytes, PyObject *tag_bytes, PyObject *key_bytes,
+                  PyObject *props, PyObject *body) {
+    return frame_raw(p, length, position, now_ns, offset, q, code, hashed, has_key, topic_bytes,
+                     tag_bytes, key_bytes, props, PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body));
 }
 
 /* The fields of a checked 8-tuple (all borrowed), or -1 with TypeError. */

@@ -145,6 +145,7 @@ class Connection(asyncio.BufferedProtocol):
         # C readers of a plain send (cext/sendframe.c); None: every frame the general way
         self._send_frame = fast.send_frame if fast is not None else None
         self._send_body = fast.send_body if fast is not None else None
+        self._bodies_body = fast.bodies_body if fast is not None else None  # (send_bodies)
         self._pack = broker.packer.pack
         self._read_view = _read_buffer()
         # Room for a send_batch past its limit to be answered LimitExceededError (the
@@ -463,6 +464,8 @@ class Connection(asyncio.BufferedProtocol):
             if self.in_flight < self._max_in_flight:
                 self._send(request_id, topic, data)
                 return
+        elif self._bodies_body is not None and self._send_bodies(body):
+            return
         request_id, op, args = check_request(
             decode_request(
                 body,
@@ -511,6 +514,35 @@ class Connection(asyncio.BufferedProtocol):
             self._answer(request_id, STATUS_OK, result)
         else:
             self._answer_ok(request_id, result)
+
+    def _send_bodies(self, body: bytes) -> bool:
+        """A send_bodies read by C from the frame, its bodies left there (cext/bodyspans.c,
+        handlers.send_spans): True when answered; False, nothing done, to decode the
+        frame and serve it the general way (that path's own checks, answers, refusals)."""
+        assert self._bodies_body is not None
+        read = self._bodies_body(body)
+        if read is None or self.in_flight >= self._max_in_flight:
+            return False
+        request_id, topic, bodies = read
+        broker = self.broker
+        try:
+            result = broker.handlers.send_spans(self, request_id, topic, bodies)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # as _request answers send_bodies' failures
+            if not isinstance(exc, EQueueError):
+                log.exception("%s: op 'send_bodies' failed", self.where)
+            broker.counters.requests += 1
+            self._answer_error(request_id, exc)
+            return True
+        if result is None:
+            return False
+        broker.counters.requests += 1
+        if result is DEFERRED:
+            self.in_flight += 1
+        else:
+            self._answer(request_id, STATUS_OK, result)
+        return True
 
     def _send(self, request_id: int, topic: str, data: bytes) -> None:
         """A plain send within a read (its answer is queued; the read writes them)."""

@@ -9,7 +9,7 @@ Errors are raised: the connection answers them with the class name as the code.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgpack
@@ -242,6 +242,28 @@ class Handlers:
                 note(topic, queue_id, offset, "")
                 note(topic, queue_id, last[queue_id], "")
         return self._durable(peer, rid, Packed(pack_columns(columns, self.packer)), len(bodies))
+
+    def send_spans(self, peer: Peer, rid: int, topic: str, bodies: Sequence[bytes]) -> object:
+        """A send_bodies read by C from its frame (connection.py, cext/bodyspans.c): the
+        bodies stay where they lie in the frame until the C append frames them into the
+        log chunk, no bytes object each. What send_bodies answers where it packs as it
+        goes; None (nothing done) anywhere else (a reserved topic, a held pull, a batch
+        past its limits, a body past max_body), and the caller decodes the frame and
+        serves it the general way, which answers or refuses it as send_bodies does."""
+        store = self.store
+        if self.holds.count or topic.startswith(RESERVED_PREFIX) or not plain(store, bodies):
+            return None
+        try:
+            self._check_batch(peer, topic, len(bodies))
+        except LimitExceededError:
+            return None
+        packed = send_packed(store, topic, bodies, checked=True)
+        if packed is None:
+            return None
+        counters = self.counters
+        counters.sends += len(bodies)
+        counters.send_requests += 1
+        return self._durable(peer, rid, Packed(packed), len(bodies))
 
     def _batch_sent(self, results: list[SendResult], items: list[Any]) -> None:
         """Count a batch's sends and wake the pulls held on its queues."""

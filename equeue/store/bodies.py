@@ -14,7 +14,7 @@ Without the accelerator, both go through ``send_batch``'s Python path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from equeue.errors import StoreWriteError
@@ -29,14 +29,14 @@ Appended = TypeVar("Appended")
 Append = Callable[[list[Queue]], Appended]
 
 
-def plain(store: MessageStore, items: list[Any]) -> bool:
+def plain(store: MessageStore, items: Sequence[Any]) -> bool:
     """Whether every item is a bytes body the checks of a send pass as it is (in C:
     Sender.plain_bodies). False without the accelerator."""
     sender = store._appender.sender
     return sender is not None and bool(sender.plain_bodies(items))
 
 
-def appending(store: MessageStore, topic: str, items: list[Any], kind: str) -> Append[Any]:
+def appending(store: MessageStore, topic: str, items: Sequence[Any], kind: str) -> Append[Any]:
     """What MessageStore._locked runs under the write lock for checked plain bodies:
     their SendResults (kind "results"), SendColumns ("columns"), or the broker's answer
     packed as records.pack_columns packs those columns ("packed", bytes)."""
@@ -92,7 +92,7 @@ def send_columns(store: MessageStore, topic: str, items: list[bytes]) -> SendCol
 
 
 def send_packed(
-    store: MessageStore, topic: str, items: list[bytes], checked: bool = False
+    store: MessageStore, topic: str, items: Sequence[bytes], checked: bool = False
 ) -> bytes | None:
     """``send_columns`` with the columns msgpack-encoded as the broker answers them
     (records.pack_columns's bytes), written by the C append as it goes: no object per

@@ -1,0 +1,172 @@
+/* The broker's send_bodies without msgpack's decoder (equeue/server/handlers.py
+ * send_spans): a request body of exactly
+ *     [request_id > 0, "send_bodies", {"topic": str, "bodies": [bin, ...]}]  (either key
+ * order, at least one body) is read into (request_id, topic, BodySpans), where BodySpans
+ * holds the frame and each body's offset and length in it: no bytes object per body.
+ * Sender.append_bodies (batch.c) frames them into the log chunk from there. Anything
+ * else (another op or encoding msgpack also reads, an empty array, a body that is not
+ * bin, a topic that is not UTF-8, trailing bytes) gives None, and the broker decodes the
+ * frame the general way, which answers or refuses it as it always did. A BodySpans is a
+ * sequence of bytes to Python (len, [i] copies that body out): the store's Python path
+ * takes it where it takes a list of bodies. */
+#include "speedups.h"
+#include "msgpack_min.h"
+
+static void spans_dealloc(BodySpans *self) {
+    Py_XDECREF(self->frame);
+    PyMem_Free(self->at);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t spans_length(BodySpans *self) { return self->n; }
+
+static PyObject *spans_item(BodySpans *self, Py_ssize_t i) {
+    if (i < 0 || i >= self->n) {
+        PyErr_SetString(PyExc_IndexError, "BodySpans index out of range");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(self->frame) + self->at[2 * i],
+                                     self->at[2 * i + 1]);
+}
+
+static PySequenceMethods spans_sequence = {
+    .sq_length = (lenfunc)spans_length,
+    .sq_item = (ssizeargfunc)spans_item,
+};
+
+PyTypeObject BodySpansType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "equeue._speedups.BodySpans",
+    .tp_basicsize = sizeof(BodySpans),
+    .tp_dealloc = (destructor)spans_dealloc,
+    .tp_as_sequence = &spans_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A send_bodies request's bodies, where they lie in its frame.",
+};
+
+int body_spans_ready(void) { return PyType_Ready(&BodySpansType); }
+
+/* The length of a str (kind 's') or bin ('b') header at *p (advanced past it), its
+ * bytes then following; -1 if p is not one or they run past end. */
+static Py_ssize_t raw_head(const unsigned char **p, const unsigned char *end, char kind) {
+    const unsigned char *q = *p;
+    if (q >= end) return -1;
+    unsigned c = *q++;
+    uint64_t len;
+    if (kind == 's' && (c & 0xe0) == 0xa0)
+        len = c & 0x1f;
+    else {
+        unsigned base = kind == 's' ? 0xd9 : 0xc4;
+        if (c < base || c > base + 2) return -1;
+        int n = 1 << (c - base); /* 1, 2, 4 length bytes */
+        if (end - q < n) return -1;
+        len = get_be(q, n);
+        q += n;
+    }
+    if ((uint64_t)(end - q) < len) return -1;
+    *p = q;
+    return (Py_ssize_t)len;
+}
+
+/* The bodies array at *p (advanced past it) as a new BodySpans of frame; None (new
+ * reference) when it is not a non-empty array of bin alone; NULL on no memory. */
+static PyObject *read_spans(PyObject *frame, const unsigned char **p, const unsigned char *end) {
+    const unsigned char *q = *p, *base = (const unsigned char *)PyBytes_AS_STRING(frame);
+    if (q >= end) Py_RETURN_NONE;
+    unsigned c = *q++;
+    uint64_t n;
+    if ((c & 0xf0) == 0x90)
+        n = c & 0x0f;
+    else if (c == 0xdc || c == 0xdd) {
+        int k = c == 0xdc ? 2 : 4;
+        if (end - q < k) Py_RETURN_NONE;
+        n = get_be(q, k);
+        q += k;
+    } else
+        Py_RETURN_NONE;
+    if (n == 0 || n > (uint64_t)(end - q)) Py_RETURN_NONE; /* a body takes a byte at least */
+    BodySpans *spans = PyObject_New(BodySpans, &BodySpansType);
+    if (spans == NULL) return NULL;
+    spans->frame = Py_NewRef(frame);
+    spans->n = (Py_ssize_t)n;
+    spans->at = PyMem_Malloc((size_t)n * 2 * sizeof(Py_ssize_t));
+    if (spans->at == NULL) {
+        Py_DECREF(spans);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)n; i++) {
+        Py_ssize_t len = raw_head(&q, end, 'b');
+        if (len < 0) {
+            Py_DECREF(spans);
+            Py_RETURN_NONE;
+        }
+        spans->at[2 * i] = q - base;
+        spans->at[2 * i + 1] = len;
+        q += len;
+    }
+    *p = q;
+    return (PyObject *)spans;
+}
+
+/* bodies_body(body): a frame body (bytes) holding a send_bodies request as
+ * (request_id, topic, BodySpans); else None. */
+PyObject *bodies_body(PyObject *self, PyObject *frame) {
+    if (!PyBytes_CheckExact(frame)) Py_RETURN_NONE;
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(frame);
+    const unsigned char *end = p + PyBytes_GET_SIZE(frame);
+    if (end - p < 16 || p[0] != 0x93) Py_RETURN_NONE;
+    p++;
+    uint64_t rid;
+    unsigned c = *p++;
+    if (c <= 0x7f)
+        rid = c;
+    else if (c >= 0xcc && c <= 0xcf) {
+        int n = 1 << (c - 0xcc);
+        if (end - p < n) Py_RETURN_NONE;
+        rid = get_be(p, n);
+        p += n;
+    } else
+        Py_RETURN_NONE;
+    if (rid == 0) Py_RETURN_NONE; /* the connection's own id: the general path refuses it */
+    if (end - p < 13 || memcmp(p, MP_OP_SEND_BODIES "\x82", 13) != 0) Py_RETURN_NONE;
+    p += 13;
+    const unsigned char *topic = NULL;
+    Py_ssize_t topic_len = -1;
+    PyObject *spans = NULL, *t = NULL, *r = NULL;
+    for (int i = 0; i < 2; i++) {
+        Py_ssize_t n = raw_head(&p, end, 's');
+        if (n == 5 && memcmp(p, "topic", 5) == 0 && topic == NULL) {
+            p += 5;
+            topic_len = raw_head(&p, end, 's');
+            if (topic_len < 0) goto none;
+            topic = p;
+            p += topic_len;
+        } else if (n == 6 && memcmp(p, "bodies", 6) == 0 && spans == NULL) {
+            p += 6;
+            spans = read_spans(frame, &p, end);
+            if (spans == NULL) return NULL;
+            if (spans == Py_None) goto none;
+        } else
+            goto none;
+    }
+    if (p != end) goto none;
+    t = PyUnicode_DecodeUTF8((const char *)topic, topic_len, "strict");
+    if (t == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) goto fail;
+        PyErr_Clear();
+        goto none;
+    }
+    r = PyLong_FromUnsignedLongLong(rid);
+    if (r == NULL) goto fail;
+    PyObject *out = PyTuple_Pack(3, r, t, spans);
+    Py_DECREF(r);
+    Py_DECREF(t);
+    Py_DECREF(spans);
+    return out;
+none:
+    Py_XDECREF(spans);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(spans);
+    Py_XDECREF(t);
+    return NULL;
+}
