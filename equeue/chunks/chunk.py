@@ -15,6 +15,7 @@ from pathlib import Path
 import xxhash
 
 from equeue.chunks.prefault import PREFAULTER, WINDOW
+from equeue.chunks.runninghash import RunningHash
 from equeue.chunks.space import punch_hole
 from equeue.errors import (
     ChunkRemovedError,
@@ -133,6 +134,7 @@ class Chunk:
         self._failed: tuple[int, str, StoreWriteError] | None = None
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
+        self._hashed: RunningHash | None = None  # the footer's checksum as the writer goes
         # Queue chunks hold 12-byte entries: a log-sized window would keep a MiB or two of
         # each resident for a few hundred KiB of entries a second.
         self._window = WINDOW if not header.record_size else _FIXED_WINDOW
@@ -282,6 +284,8 @@ class Chunk:
         # The first window is asked for by the first append, not here: a store opened
         # only to read (or to recover and close) then maps none of it.
         self._prefault_mark = self.data_end - 1
+        # A new chunk is hashed as it fills; one resumed after a reopen, all at complete().
+        self._hashed = RunningHash() if self.data_end == 0 else None
 
     def mark_used(self) -> None:
         """Recency for the LRU of read mappings (ChunkManager closes the least recent)."""
@@ -297,6 +301,8 @@ class Chunk:
         """The writer passed ``offset`` (called once per half window, also by the C
         Sender): ask for the window after it to be faulted in, and release what lies a
         window behind it."""
+        if self._hashed is not None and self._mm is not None:  # fresh, not all at complete()
+            self._hashed.follow(self._mm, HEADER_SIZE + offset)
         start = ((HEADER_SIZE + offset) // _PAGE) * _PAGE
         stop = min(start + self._window, HEADER_SIZE + self.data_size)
         if stop > HEADER_SIZE + self.writable_end and self._alloc_step:
@@ -502,13 +508,13 @@ class Chunk:
         mm = self._mm
         assert mm is not None and self._writable, "complete() on a chunk not open for writing"
         self.flush()
-        hasher = xxhash.xxh3_64()
+        hasher, start = self._hashed.rest() if self._hashed else (xxhash.xxh3_64(), 0)
         end = HEADER_SIZE + self.data_end
         with memoryview(mm) as view:
             # A window at a time, releasing what lies a window behind, so completing a
             # chunk does not fault all of it back in at once.
             step = self._window
-            for at in range(0, end, step):
+            for at in range(start, end, step):
                 hasher.update(view[at : min(end, at + step)])
                 self._release(at + step - HEADER_SIZE)
         first, last = self._timestamps()
