@@ -110,8 +110,13 @@ def decode_properties(data: bytes | memoryview) -> dict[str, str]:
     return result
 
 
+def message_id_prefix(store_id: int) -> str:
+    """A message id's first 8 hex digits, its store's id; the position's 16 follow."""
+    return f"{store_id:08x}"
+
+
 def encode_message_id(store_id: int, position: int) -> str:
-    return f"{store_id:08x}{position:016x}"
+    return f"{message_id_prefix(store_id)}{position:016x}"
 
 
 def decode_message_id(message_id: str) -> tuple[int, int] | None:

@@ -16,6 +16,7 @@ import msgpack
 
 from equeue import speedups
 from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
+from equeue.format.message import message_id_prefix
 from equeue.protocol import pullcols
 from equeue.protocol.faults import hide_store_path
 from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD, STATUS_OK, encode
@@ -111,7 +112,7 @@ class Handlers:
         self.counters = counters
         fast = speedups.SPEEDUPS
         self._send_answer = fast.send_answer if fast is not None else None
-        self._id_prefix = f"{store.store_id:08x}"  # a message id: this, then its position
+        self._id_prefix = message_id_prefix(store.store_id)
         self._extra_stats = extra_stats
         self.ops: dict[str, Callable[[Peer, int, dict[str, Any]], object]] = {
             "ping": lambda peer, rid, args: None,

@@ -29,6 +29,7 @@ from equeue.format.message import (
     MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
     decode_properties,
+    message_id_prefix,
 )
 
 _UTC_US: Final = pa.timestamp("us", tz="UTC")
@@ -184,7 +185,7 @@ def head_arrays(
     which holds data from data offset ``at``), and "_props": the (row, start, length)
     triples of the records with properties. Raises CorruptionError naming the record
     whose lengths do not add up, or a string that is not UTF-8."""
-    prefix = f"{store_id:08x}"
+    prefix = message_id_prefix(store_id)
     fast = speedups.SPEEDUPS
     build = record_columns_py if fast is None else fast.record_columns
     (done, qid, qoff, pos, created, stored, to, td, go, gd, ko, kd, kv, ids, props) = build(

@@ -39,6 +39,7 @@ from equeue.format.message import (
     MESSAGE_HEAD_SIZE,
     STORED_TIME_OFFSET,
     decode_message_id,
+    message_id_prefix,
 )
 from equeue.store import bodies, deletion, follow, pulling, times, topics, validate
 from equeue.store import offsets as group_offsets
@@ -146,7 +147,7 @@ class MessageStore:
             # Before the chunks load: a job that committed is rolled forward first, so
             # the log is never seen half old, half compacted.
             compactions = compaction_commit.recover(path)
-        self._id_prefix = f"{self.store_id:08x}"
+        self._id_prefix = message_id_prefix(self.store_id)
         checkpoint = self._read_meta(CHECKPOINT_FILE, {})
         if not isinstance(checkpoint, dict):
             checkpoint = {}
