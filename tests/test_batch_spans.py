@@ -1,7 +1,7 @@
 """The broker's send_bodies read in C from the frame, its bodies left there
 (cext/bodyspans.c, handlers.send_spans): what msgpack reads, the same answers and bytes
-on disk as the general path, nothing stored for a refused request, and what a SIGKILL
-or a read-only reader in another process sees."""
+on disk as the general path, nothing stored for a refused request, and what a read-only
+reader in another process sees (a SIGKILL mid-batch: test_columns_answer.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,6 @@ from typing import Any
 
 import msgpack
 import pytest
-from client_helpers import BrokerProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import raw, short_dir, short_home
@@ -26,7 +24,6 @@ from test_speedups import data_areas
 
 import equeue
 from equeue import MessageStore, StoreConfig, speedups
-from equeue.errors import ConnectionLostError
 from equeue.protocol.frames import check_answer
 from equeue.server import BrokerThread
 from equeue.server.handlers import Handlers
@@ -229,52 +226,6 @@ def test_the_frame_path_answers_and_writes_as_the_general_path(
         assert used == len(plain)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def test_after_a_sigkill_mid_batch_every_acknowledged_batch_is_there(home: Path) -> None:
-    """``equeue serve --flush async`` (the batched case's broker) SIGKILLed while three
-    sync clients send_batch 100 bodies at a time: reopened, every acknowledged message is
-    where its SendResult says, every queue's offsets dense with no torn record (recovery
-    cuts at most the tail being written). Control: the batch before the producers."""
-    acked: list[list[tuple[Any, bytes]]] = [[] for _ in range(3)]
-    stop = threading.Event()
-
-    def produce(k: int, url: str) -> None:
-        with contextlib.suppress(ConnectionLostError), equeue.connect(url, timeout=20) as client:
-            for b in range(3000):  # bounded: the kill comes long before
-                if stop.is_set():
-                    return
-                bodies = [f"p{k}-{b}-{i}".encode() * (1 + i % 5) for i in range(100)]
-                acked[k] += zip(client.send_batch("t", bodies), bodies, strict=True)
-
-    with BrokerProcess(home / "store", "--flush", "async") as broker:
-        with equeue.connect(broker.url) as client:
-            client.create_topic("t", 4)
-            control = client.send_batch("t", [b"control"] * 100)
-        producers = [threading.Thread(target=produce, args=(k, broker.url)) for k in range(3)]
-        for producer in producers:
-            producer.start()
-        try:
-            deadline = time.monotonic() + 60
-            while sum(map(len, acked)) < 20_000 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            broker.kill()
-        finally:
-            stop.set()
-            for producer in producers:
-                producer.join(60)
-    assert sum(map(len, acked)) >= 20_000
-    with MessageStore.open(home / "store", StoreConfig(flush="async")) as store:
-        assert [store.get(sent.message_id).body for sent in control] == [b"control"] * 100
-        for sent, body in (pair for lane in acked for pair in lane):
-            message = store.get(sent.message_id)
-            assert (message.body, message.queue_id, message.queue_offset) == (
-                body, sent.queue_id, sent.queue_offset,
-            )  # fmt: skip
-        for q in store.queue_ids("t"):
-            first, end = store.queue_range("t", q)
-            offsets = [m.queue_offset for m in store.pull("t", q, first, 100_000).messages]
-            assert offsets == list(range(first, end))
 
 
 READER = """

@@ -113,20 +113,8 @@ PyObject *bodies_body(PyObject *self, PyObject *frame) {
     if (!PyBytes_CheckExact(frame)) Py_RETURN_NONE;
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(frame);
     const unsigned char *end = p + PyBytes_GET_SIZE(frame);
-    if (end - p < 16 || p[0] != 0x93) Py_RETURN_NONE;
-    p++;
     uint64_t rid;
-    unsigned c = *p++;
-    if (c <= 0x7f)
-        rid = c;
-    else if (c >= 0xcc && c <= 0xcf) {
-        int n = 1 << (c - 0xcc);
-        if (end - p < n) Py_RETURN_NONE;
-        rid = get_be(p, n);
-        p += n;
-    } else
-        Py_RETURN_NONE;
-    if (rid == 0) Py_RETURN_NONE; /* the connection's own id: the general path refuses it */
+    if (end - p < 16 || !take_request_id(&p, end, &rid)) Py_RETURN_NONE;
     if (end - p < 13 || memcmp(p, MP_OP_SEND_BODIES "\x82", 13) != 0) Py_RETURN_NONE;
     p += 13;
     const unsigned char *topic = NULL;

@@ -32,6 +32,28 @@ static inline uint64_t get_be(const unsigned char *p, int n) {
     return p[0]; /* n == 1 */
 }
 
+/* A request body's head: [, an array of 3, then the request id, a positive uint. 1 with
+ * *p past them and the id in *rid; else 0 (the id 0 is the connection's own: the
+ * general path refuses it). (sendframe.c, bodyspans.c) */
+static inline int take_request_id(const unsigned char **p, const unsigned char *end,
+                                  uint64_t *rid) {
+    const unsigned char *q = *p;
+    if (end - q < 2 || q[0] != 0x93) return 0;
+    unsigned c = q[1];
+    q += 2;
+    if (c <= 0x7f)
+        *rid = c;
+    else if (c >= 0xcc && c <= 0xcf) {
+        int n = 1 << (c - 0xcc);
+        if (end - q < n) return 0;
+        *rid = get_be(q, n);
+        q += n;
+    } else
+        return 0;
+    *p = q;
+    return *rid != 0;
+}
+
 /* u's shortest msgpack uint encoding at p (9 bytes of room), as msgpack.Packer writes
  * it: its length. */
 static inline Py_ssize_t put_uint(char *p, uint64_t u) {

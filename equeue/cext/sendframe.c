@@ -40,20 +40,8 @@ static Py_ssize_t take_raw(const unsigned char **p, const unsigned char *end, ch
 /* The tuple, None (not a plain send in the encoding read here), or NULL with an error
  * (memory). */
 static PyObject *parse(const unsigned char *p, const unsigned char *end) {
-    if (end - p < 8 || p[0] != 0x93) Py_RETURN_NONE;
-    p++;
     uint64_t rid;
-    unsigned c = *p++;
-    if (c <= 0x7f)
-        rid = c;
-    else if (c >= 0xcc && c <= 0xcf) {
-        int n = 1 << (c - 0xcc);
-        if (end - p < n) Py_RETURN_NONE;
-        rid = get_be(p, n);
-        p += n;
-    } else
-        Py_RETURN_NONE;
-    if (rid == 0) Py_RETURN_NONE; /* the connection's own id: the general path refuses it */
+    if (end - p < 8 || !take_request_id(&p, end, &rid)) Py_RETURN_NONE;
     if (end - p < 6 || memcmp(p, MP_OP_SEND "\x82", 6) != 0) Py_RETURN_NONE;
     p += 6;
     const unsigned char *topic = NULL, *body = NULL;
