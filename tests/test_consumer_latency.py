@@ -20,6 +20,7 @@ from client_helpers import BrokerProcess
 import equeue
 from equeue import OutgoingMessage
 from equeue.client.consumer import GroupConsumer
+from equeue.client.sync import Client
 
 BUSY, IDLE = 0, 1
 PRELOAD = 2400
@@ -40,7 +41,7 @@ def broker() -> Iterator[BrokerProcess]:
 class Counting:
     """The client, counting the pulls of each queue (the consumer's Requester)."""
 
-    def __init__(self, client: equeue.Client) -> None:
+    def __init__(self, client: Client) -> None:
         self.client = client
         self.url = client.url
         self.pulls: Counter[tuple[str, int]] = Counter()
