@@ -65,6 +65,8 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+PyObject *trim_run(PyObject *self, PyObject *args); /* trim.c */
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
     {"xxh3_64", py_xxh3_64, METH_O, NULL},
@@ -95,6 +97,7 @@ static PyMethodDef methods[] = {
     {"prefault_forget", prefault_forget, METH_O, NULL},
     {"prefault_supported", prefault_supported, METH_NOARGS, NULL},
     {"prefault_pending", prefault_pending, METH_NOARGS, NULL},
+    {"trim_run", trim_run, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
