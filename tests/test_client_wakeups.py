@@ -18,6 +18,7 @@ import pytest
 from client_helpers import BrokerProcess
 
 import equeue
+from equeue.errors import ConnectionLostError
 
 
 @pytest.fixture
@@ -140,5 +141,40 @@ def test_many_threads_mixing_long_polls_and_round_trips_all_get_their_answers(
         assert not errors, errors
         assert got == {"long": 4, "ping": 6, "empty": 4, "send": 2}
         assert sum(client.queue_range("m", q)[1] for q in range(4)) == 100
+    finally:
+        client.close()
+
+
+def test_a_broker_killed_under_held_polls_wakes_every_waiting_thread(
+    broker: BrokerProcess,
+) -> None:
+    """Each thread asleep for its answer gets ConnectionLostError from the break, not
+    after its own deadline (600 s + its wait: past the 60 s the test waits)."""
+    client = equeue.connect(broker.url, timeout=600)
+    client.create_topic("k", 6)
+    errors: list[BaseException] = []
+
+    def poll(queue_id: int) -> None:
+        try:
+            client.pull("k", queue_id, 0, 1, wait=20.0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        held = [threading.Thread(target=poll, args=(q,), daemon=True) for q in range(6)]
+        for t in held:
+            t.start()
+        for _ in range(500):  # (bounded: 10 s) until the broker holds every long poll
+            if client.stats()["held_pulls"] == 6:
+                break
+            time.sleep(0.02)
+        broker.kill()
+        end = time.monotonic() + 60
+        for t in held:
+            t.join(max(0.0, end - time.monotonic()))
+        assert not any(t.is_alive() for t in held)
+        assert len(errors) == 6 and all(isinstance(e, ConnectionLostError) for e in errors)
+        broker.start()
+        client.ping()  # the next call reconnects
     finally:
         client.close()
