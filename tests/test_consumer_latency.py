@@ -5,17 +5,14 @@ a real broker."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from client_helpers import BrokerProcess
+from client_helpers import BrokerProcess, temporary_broker
 
 import equeue
 from equeue import OutgoingMessage
@@ -30,12 +27,8 @@ ROUNDS, EVERY = 5, 400  # a message to the idle queue after every EVERY busy one
 
 @pytest.fixture
 def broker() -> Iterator[BrokerProcess]:
-    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
-    try:
-        with BrokerProcess(base / "store") as running:
-            yield running
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with temporary_broker() as running:
+        yield running
 
 
 class Counting:

@@ -24,6 +24,10 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # brokerbench beside this file
+
+from brokerbench.servers import start_broker
+
 
 def child(url: str, threads: int, calls: int, held: int) -> None:
     import equeue
@@ -71,15 +75,11 @@ def child(url: str, threads: int, calls: int, held: int) -> None:
 def measure(src: Path, threads: int, calls: int, held: int, trace: bool) -> str:
     directory = Path(tempfile.mkdtemp(prefix="eqwk", dir="/tmp"))
     env = dict(os.environ, PYTHONPATH=str(src))
-    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--quiet"]
-    broker = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE)
+    os.environ["PYTHONPATH"] = str(src)  # (the broker's tree: start_broker's child inherits)
+    broker = start_broker(directory / "s", "async", directory / "broker.log")
     out = directory / "strace.txt"
     try:
-        assert broker.stdout is not None
-        line = broker.stdout.readline().decode()
-        if not line.startswith("listening on "):
-            raise SystemExit(f"the broker of {src} did not start: {line!r}")
-        url = line.split()[-1]
+        url = broker.url
         argv = [sys.executable, __file__, "--child", url, "--threads", str(threads),
                 "--calls", str(calls), "--held", str(held)]  # fmt: skip
         if trace:
@@ -98,8 +98,7 @@ def measure(src: Path, threads: int, calls: int, held: int, trace: bool) -> str:
             text += f", futex calls {futexes / n:.2f}/call (traced: slower)"
         return text + f", load {os.getloadavg()[0]:.1f}"
     finally:
-        broker.terminate()
-        broker.wait(60)
+        broker.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 
