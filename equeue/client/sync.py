@@ -444,10 +444,16 @@ class Client:
         self._cond.release()
         try:
             waiter.acquire(True, seconds)
-        finally:
+        except BaseException:  # (a KeyboardInterrupt) the turn may have come to this thread
             self._cond.acquire()
-            if sleepers.get(slot) is waiter:  # the time ran out: not woken
+            if sleepers.get(slot) is waiter:
                 del sleepers[slot]
+            if not self._reading:
+                self._hand_over()
+            raise
+        self._cond.acquire()
+        if sleepers.get(slot) is waiter:  # the time ran out: not woken
+            del sleepers[slot]
 
     def _hand_over(self) -> None:
         """The reader's turn ended (self._cond held): wake one thread still waiting for
