@@ -24,6 +24,8 @@
  */
 #include "speedups.h"
 
+PyObject *trim_run(PyObject *self, PyObject *args); /* trim.c: a pull's byte budget */
+
 /* From equeue.format via configure(). */
 Py_ssize_t HEAD_SIZE = -1;
 Py_ssize_t FRAME_OVERHEAD = -1;
@@ -64,8 +66,6 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong(h);
 }
-
-PyObject *trim_run(PyObject *self, PyObject *args); /* trim.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
