@@ -75,6 +75,9 @@ def collect(
     out: list[Any],
     /,
 ) -> tuple[int, int]: ...
+def trim_run(
+    messages: list[Any], counted: int, budget: int, offset: int, /
+) -> tuple[int, int, int]: ...
 
 class Sender:
     def __init__(

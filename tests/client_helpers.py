@@ -3,6 +3,7 @@ a real Unix socket, to hand the clients what a real broker never sends."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import shutil
 import signal
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,18 @@ class BrokerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def temporary_broker(*options: str) -> Iterator[BrokerProcess]:
+    """A BrokerProcess on a new store in a new directory under /tmp (short enough for
+    its socket's path), stopped and removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+    try:
+        with BrokerProcess(base / "store", *options) as running:
+            yield running
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def wait_for_progress(url: str, topic: str, least: int) -> None:

@@ -7,8 +7,9 @@ the interpreter's start. ``send-SIZE``: N unbatched ``send`` calls; ``batch-SIZE
 messages by ``send_batch`` of 1,000; ``b100-SIZE``: by ``send_batch`` of 100 (the
 broker's batch); ``pull-SIZE``: 2N messages stored by ``send_batch``, then N of them
 pulled 256 at a time, each batch's bodies listed and the batch kept until the next pull
-returns (as tools/bench_peers.py's consume); ``get-SIZE``: as pull, then N ``get`` by
-message id. Set EQUEUE_PURE_PYTHON=1 for the Python paths.
+returns (as tools/bench_peers.py's consume); ``bpull-SIZE``: as pull, 100 at a time with
+``max_bytes`` (the broker's pull: its frame limit, each body counted); ``get-SIZE``: as
+pull, then N ``get`` by message id. Set EQUEUE_PURE_PYTHON=1 for the Python paths.
 
 ``--top K``: also where one operation's instructions go: the K functions whose own
 (exclusive) cost grew most from the N run to the 2N run, per operation, and the
@@ -28,12 +29,13 @@ from pathlib import Path
 
 CASES = (
     "send-100", "send-1024", "batch-100", "b100-100", "b100-1024", "pull-100", "pull-1024",
-    "get-100",
+    "bpull-100", "get-100",
 )  # fmt: skip
 
 
 def child(case: str, count: int, stored: int, directory: Path) -> None:
     from equeue import MessageStore, StoreConfig
+    from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES
 
     op, size = case.split("-")
     body = b"x" * int(size)
@@ -60,8 +62,9 @@ def child(case: str, count: int, stored: int, directory: Path) -> None:
         del sent
         pull = store.pull
         offset = 0
+        step, limit = (100, DEFAULT_MAX_FRAME_BYTES) if op == "bpull" else (256, None)
         while offset < count:  # as bench_peers' consume: a batch lives until the next pull
-            batch = pull("t", 0, offset, min(256, count - offset))
+            batch = pull("t", 0, offset, min(step, count - offset), max_bytes=limit)
             offset = batch.next_offset
             bodies = [m.body for m in batch]
         del batch, bodies

@@ -24,6 +24,8 @@
  */
 #include "speedups.h"
 
+PyObject *trim_run(PyObject *self, PyObject *args); /* trim.c: a pull's byte budget */
+
 /* From equeue.format via configure(). */
 Py_ssize_t HEAD_SIZE = -1;
 Py_ssize_t FRAME_OVERHEAD = -1;
@@ -96,6 +98,7 @@ static PyMethodDef methods[] = {
     {"prefault_forget", prefault_forget, METH_O, NULL},
     {"prefault_supported", prefault_supported, METH_NOARGS, NULL},
     {"prefault_pending", prefault_pending, METH_NOARGS, NULL},
+    {"trim_run", trim_run, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

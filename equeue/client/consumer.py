@@ -13,8 +13,14 @@ assigned queues are long-polled at once, one pull each in flight, from a small p
 threads, so a message in any of them wakes the loop (no busy wait); past MAX_POLLERS
 queues they take turns, each pull waiting its share of a second (``poll_wait_ms``).
 Prefetch: a queue is pulled again once at most (prefetch - 1) x batch_size of its
-messages wait in the buffer, so its next batch is on the way while this one is handled;
-while messages are at hand those pulls do not wait (see _start_pulls).
+messages wait in the buffer, so its next batch is on the way while this one is handled.
+While messages are at hand, a queue whose last pull brought a whole batch is pulled
+without a wait; one whose last pull brought less (it was drained) is long-polled: the
+broker holds the pull until a message arrives there (about one pull a second while the
+queue stays empty), so what arrives on an idle queue joins the buffer at once, behind
+the batches already in it. Past MAX_POLLERS queues a held pull would keep a thread from
+the others: there, while messages are at hand, pulls do not wait and an empty queue is
+pulled again IDLE_RECHECK_SECONDS later at the earliest (see _start_pulls).
 
 At least once: processed offsets are committed (``auto_commit``) when no message came
 for 0.1 s, when ``auto_commit_interval`` passed since the last commit (also while the
@@ -59,8 +65,10 @@ from equeue.store.types import Message
 log = logging.getLogger("equeue.client.consumer")
 
 IDLE_COMMIT_SECONDS = 0.1  # no message for this long: the processed offsets are committed
-# While messages are at hand, a queue whose last (quick) pull found nothing is pulled
-# again after this long at the earliest: what arrives there waits at most this much more.
+# While messages are at hand and the member holds more than MAX_POLLERS queues, a queue
+# whose last pull found nothing is pulled again (without a wait) after this long at the
+# earliest: what arrives there waits at most this much more. Up to MAX_POLLERS queues it
+# is long-polled instead.
 IDLE_RECHECK_SECONDS = 0.05
 
 
@@ -98,10 +106,13 @@ class GroupConsumer:
             max_retries=max_retries, consumer_id=consumer_id,
         )  # fmt: skip
         self.timeout = timeout
-        # per queue: its pull in flight, the offset and membership it was sent in, and
-        # whether it was a quick one (no wait)
-        self._inflight: dict[Queue, tuple[Future[Any], int, int, bool]] = {}
-        self._idle: dict[Queue, float] = {}  # a quick pull found nothing: not before then
+        # per queue: its pull in flight, the offset and membership it was sent in
+        self._inflight: dict[Queue, tuple[Future[Any], int, int]] = {}
+        # the queues whose last pull brought less than a batch: long-polled (_start_pulls)
+        self._drained: set[Queue] = set()
+        # the queues whose last pull found nothing, and when to pull them again at the
+        # earliest while messages are at hand past MAX_POLLERS queues
+        self._idle: dict[Queue, float] = {}
         self._pool = ThreadPoolExecutor(MAX_POLLERS, thread_name_prefix="equeue-pull")
         self._event = threading.Event()  # a pull answered, or the assignment changed
         self._stop = threading.Event()
@@ -347,7 +358,8 @@ class GroupConsumer:
 
     def _harvest(self) -> None:
         state = self.state
-        for key, (future, at, epoch, quick) in list(self._inflight.items()):
+        idle, drained, whole = self._idle, self._drained, state.batch_size
+        for key, (future, at, epoch) in list(self._inflight.items()):
             if not future.done():
                 continue
             del self._inflight[key]
@@ -355,35 +367,45 @@ class GroupConsumer:
             if epoch != state.epoch:
                 continue  # sent before the membership was lost: not ours to judge
             if error is None:
-                if not state.pulled(key, at, future.result()) and quick:
-                    self._idle[key] = time.monotonic() + IDLE_RECHECK_SECONDS
+                count = state.pulled(key, at, future.result())
+                if count >= whole:
+                    drained.discard(key)
+                    idle.pop(key, None)
+                else:
+                    drained.add(key)
+                    if not count:
+                        idle[key] = time.monotonic() + IDLE_RECHECK_SECONDS
             elif key in state.positions:
                 raise error
 
     def _start_pulls(self, *, quick: bool = False) -> None:
-        """Pull the queues that want it. ``quick`` (messages are at hand): without a
-        wait, and not the queues a quick pull found empty within IDLE_RECHECK_SECONDS.
-        Long polls are for a member with nothing to do: each pull waiting in the blocking
-        client wakes at every answer on the connection, so a busy member keeps none."""
+        """Pull the queues that want it, long-polled (a held pull costs the blocking
+        client nothing while it waits: only the thread an answer is for wakes). But
+        ``quick`` (messages are at hand): a queue whose last pull brought a whole batch
+        without a wait (more are likely there); past MAX_POLLERS queues, where a held pull
+        would keep a pool thread from a queue with messages, every queue without a wait,
+        and one whose last pull found nothing only once its IDLE_RECHECK_SECONDS passed."""
         state = self.state
         inflight, epoch = self._inflight, state.epoch
-        now = time.monotonic() if quick else 0.0
         idle = self._idle
+        recheck = quick and len(state.positions) > MAX_POLLERS
+        wait_ms = 0 if recheck else poll_wait_ms(len(state.positions))
+        drained = self._drained if quick and not recheck else None
+        now = time.monotonic() if recheck else 0.0
         # (a pull sent before the membership was lost is ignored when answered: it does
         # not hold up the queue's pulls now)
         wanted = [
             k for k in state.positions
             if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
-            and not (quick and idle.get(k, 0.0) > now)
+            and not (recheck and idle.get(k, 0.0) > now)
         ]  # fmt: skip
         # past MAX_POLLERS, the pool's queue takes them in turn (FIFO: a queue answered
         # goes after those waiting)
-        wait_ms = 0 if quick else poll_wait_ms(len(state.positions))
         for key in wanted:
-            args = state.pull_args(key, wait_ms)
+            args = state.pull_args(key, wait_ms if drained is None or key in drained else 0)
             future = self._pool.submit(self.client.request, "pull_columns", args)
             future.add_done_callback(self._answered)
-            self._inflight[key] = (future, args["offset"], state.epoch, quick)
+            self._inflight[key] = (future, args["offset"], state.epoch)
 
     def _commit(self, queues: list[Queue] | None) -> None:
         state = self.state

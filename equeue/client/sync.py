@@ -4,7 +4,10 @@ Many threads may share one client. Requests are written under a write lock, each
 once there is a place for it (at most the broker's ``max_in_flight`` in flight); answers
 are read by whichever waiting thread takes the reader's turn (no thread of its own),
 which hands each answer to the thread waiting for it (matched by request id), so a
-long-poll pull in one thread does not hold up another thread's send.
+long-poll pull in one thread does not hold up another thread's send. A waiting thread
+sleeps on a lock of its own: an answer wakes the one thread it is for, the end of a
+reader's turn wakes one other waiting thread to take it (not every thread at every
+answer).
 
 A broken connection fails every request in flight on it with ConnectionLostError
 (``unanswered``: the sends among them, as given); the next call reconnects.
@@ -21,6 +24,7 @@ import struct
 import threading
 import time
 import weakref
+from _thread import LockType, allocate_lock
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -153,9 +157,11 @@ class Client:
         self._token = token
         self._name = args.name("client_name", client_name) or f"python-sync pid {os.getpid()}"
         self._write_lock = threading.Lock()
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Lock()  # guards the slots, the sleepers and _reading
         self._reading = False
-        self._waiting = 0  # threads in self._cond.wait: notify only when there are some
+        # the threads asleep in _sleep, by the slot each waits for (None: the writer
+        # waiting for a place in max_in_flight), each on a lock of its own, held until woken
+        self._sleepers: dict[_Slot | None, LockType] = {}
         self._closed = False
         self._next_id = 1
         self._conn: _Connection | None = None
@@ -171,9 +177,9 @@ class Client:
         (not shutdown: that would end the parent's connection too) and connects anew.
         The locks are new: another thread may have held them at the fork."""
         self._write_lock = threading.Lock()
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Lock()
         self._reading = False
-        self._waiting = 0
+        self._sleepers = {}
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.broken = True
@@ -254,7 +260,7 @@ class Client:
         finally:
             with self._cond:
                 self._reading = False
-                self._notify()
+                self._hand_over()
 
     def _break(self, conn: _Connection, reason: str, cause: BaseException | None) -> None:
         with self._cond:
@@ -275,7 +281,10 @@ class Client:
             slot.error = lost(reason, given(slot.unanswered), cause)
             slot.done = True
         conn.pending.clear()
-        self._notify()
+        sleepers = self._sleepers
+        for waiter in sleepers.values():  # each looks again: done, or the next reader
+            waiter.release()
+        sleepers.clear()
 
     def _received(self, conn: _Connection, data: memoryview) -> None:
         """Hand the answers in ``data`` to their slots (EOF and garbage break ``conn``)."""
@@ -287,6 +296,7 @@ class Client:
         except ProtocolError as exc:
             self._break(conn, f"the broker at {self.url} broke the protocol: {exc}", exc)
             return
+        sleepers = self._sleepers
         with self._cond:
             for body in bodies:
                 try:
@@ -312,9 +322,16 @@ class Client:
                 slot.status = status
                 slot.payload = payload
                 slot.done = True
+                if sleepers:
+                    waiter = sleepers.pop(slot, None)  # only the thread it is for
+                    if waiter is not None:
+                        waiter.release()
             if bodies:
                 conn.quiet_at = time.monotonic()
-                self._notify()
+                if sleepers:  # a place in max_in_flight came free for a blocked writer
+                    waiter = sleepers.pop(None, None)
+                    if waiter is not None:
+                        waiter.release()
 
     # --- requests ----------------------------------------------------------------
 
@@ -382,13 +399,13 @@ class Client:
                     if remaining <= 0:
                         self._expire(conn, first)
                     else:
-                        self._sleep(remaining)
+                        self._sleep(None, remaining)
             try:
                 self._read_some(conn, first)
             finally:
                 with self._cond:
                     self._reading = False
-                    self._notify()
+                    self._hand_over()
 
     def _wait(self, conn: _Connection, slot: _Slot) -> Any:
         """The decoded-by-msgpack result of ``slot``'s request, or its error raised."""
@@ -402,31 +419,55 @@ class Client:
                     if remaining <= 0:
                         self._expire(conn, slot)
                     else:
-                        self._sleep(remaining)
+                        self._sleep(slot, remaining)
                 else:
                     return self._outcome(slot)
+            leaving = True
             try:
                 self._read_some(conn, slot)
+                leaving = slot.done
             finally:
                 with self._cond:
                     self._reading = False
-                    self._notify()
-                    done = slot.done
-            if done:  # (a slot done stays as it is: read without the condition)
+                    if leaving:  # (staying: this thread reads on, no one to wake)
+                        self._hand_over()
+            if leaving:  # (a slot done stays as it is: read without the lock)
                 return self._outcome(slot)
 
-    def _sleep(self, seconds: float) -> None:
-        """Wait on the condition (held) up to ``seconds``, counted for _notify."""
-        self._waiting += 1
+    def _sleep(self, slot: _Slot | None, seconds: float) -> None:
+        """Sleep (self._cond held, released meanwhile) until woken for ``slot`` (None:
+        for a place in max_in_flight), or for the reader's turn, or ``seconds`` passed."""
+        waiter = allocate_lock()
+        waiter.acquire()
+        sleepers = self._sleepers
+        sleepers[slot] = waiter
+        self._cond.release()
         try:
-            self._cond.wait(seconds)
-        finally:
-            self._waiting -= 1
+            waiter.acquire(True, seconds)
+        except BaseException:  # (a KeyboardInterrupt) the turn may have come to this thread
+            self._cond.acquire()
+            if sleepers.get(slot) is waiter:
+                del sleepers[slot]
+            if not self._reading:
+                self._hand_over()
+            raise
+        self._cond.acquire()
+        if sleepers.get(slot) is waiter:  # the time ran out: not woken
+            del sleepers[slot]
 
-    def _notify(self) -> None:
-        """Wake the waiting threads (the condition held); none waiting: nothing to do."""
-        if self._waiting:
-            self._cond.notify_all()
+    def _hand_over(self) -> None:
+        """The reader's turn ended (self._cond held): wake one thread still waiting for
+        its answer to take the turn, and the writer waiting for a place (if any), which
+        may take it instead or go on once there is room."""
+        sleepers = self._sleepers
+        if not sleepers:
+            return
+        writer = sleepers.pop(None, None)
+        if writer is not None:
+            writer.release()
+        if sleepers:
+            first = next(iter(sleepers))
+            sleepers.pop(first).release()
 
     def _expire(self, conn: _Connection, slot: _Slot) -> None:
         self._break_locked(
