@@ -17,6 +17,7 @@ import itertools
 import os
 import ssl
 import time
+from asyncio import Future
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
-from equeue.client.coalesce import Answer, Coalescer
+from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer
 from equeue.client.connect import RECV_BYTES, again
 from equeue.client.core import (
     DECODERS,
@@ -58,12 +59,15 @@ from equeue.protocol.frames import (
 )
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
+from equeue.protocol.plainsend import send_frame as _send_frame
+from equeue.protocol.plainsend import send_result as _send_result
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
     from equeue.client.consumer_aio import AsyncGroupConsumer
 
 _STATUSES: Final = (STATUS_OK, STATUS_ERROR)
+_decode_send = DECODERS["send"]
 
 # request id -> (its future, or a coalesced group's Answer; its messages as given for a
 # send; its deadline)
@@ -95,6 +99,9 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         self.watchdog: asyncio.TimerHandle | None = None
         self.inbuf = memoryview(bytearray(RECV_BYTES))
         self.heard = 0.0  # time.monotonic() when the broker's bytes last arrived
+        # (request id, topic, future) of the send `direct` wrote: its answer is looked for
+        # in the next read (None: read the general way)
+        self.waiting: tuple[int, str, asyncio.Future[Any]] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check)
@@ -109,6 +116,25 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         return self.inbuf
 
     def buffer_updated(self, nbytes: int) -> None:
+        waiting = self.waiting
+        if waiting is not None:
+            self.waiting = None
+            request_id, topic, future = waiting
+            result = (
+                _send_result(
+                    self.inbuf, nbytes, request_id, topic, self.reader.max_frame_bytes
+                )  # (None: not exactly its answer, whole)
+                if _send_result is not None and not self.reader.pending
+                else None
+            )
+            if result is not None and self.pending.pop(request_id, None) is not None:
+                self.heard = time.monotonic()
+                self.free += 1
+                if self.queued:
+                    self.release()
+                if not future.done():  # (its caller may have been cancelled)
+                    future.set_result(result)
+                return
         self.data_received(self.inbuf[:nbytes])
 
     def data_received(self, data: bytes | memoryview) -> None:
@@ -232,6 +258,34 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
             return sock is not None and readable(sock, 0)
         except (OSError, ValueError):
             return True
+
+    def direct(self, topic: str, body: bytes) -> asyncio.Future[Any] | None:
+        """A plain send on an idle connection heard from recently (the one send in flight
+        of a task with a connection of its own): its frame made in C and written at once,
+        its answer read in C by ``buffer_updated``, the future given the SendResult (or,
+        read the general way, ``(status, payload)`` as ``_call``'s). None: nothing done,
+        the coalescer's or the general path takes it (no accelerator, something in
+        flight or queued, a frame past max_frame_bytes, a topic not UTF-8)."""
+        coalescer = self.coalescer
+        if (
+            self.pending or self.flushing or self.closed or _send_frame is None
+            or self.free <= 0 or self.transport is None or not self.welcomed
+            or (coalescer is not None and (coalescer.groups or coalescer.sealed))
+        ):  # fmt: skip
+            return None
+        now = time.monotonic()
+        if self.heard < now - HEARD_RECENTLY:  # (AsyncClient._call asks first)
+            return None
+        request_id = self.next_id()
+        frame = _send_frame(request_id, topic, body, self.reader.max_frame_bytes)
+        if type(frame) is not bytes:
+            return None
+        future: asyncio.Future[Any] = Future()  # (the running loop, found in C)
+        self.pending[request_id] = (future, (body, "", None, None, 0, None), now + self.timeout)
+        self.free -= 1
+        self.waiting = (request_id, topic, future)
+        self.transport.write(frame)
+        return future
 
     def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
         self.pending[request_id] = entry
@@ -471,8 +525,17 @@ class AsyncClient:
             protocol is not None and key is None and properties is None and queue_id is None
             and tag == "" and code == 0 and type(code) is int and type(body) is bytes
             and type(topic) is str and protocol.coalescer is not None and not protocol.closed
-        ):  # fmt: skip  # a plain send on a live connection: the loop turn's group
-            if protocol.free <= 0:
+        ):  # fmt: skip  # a plain send on a live connection
+            alone = protocol.direct(topic, body)
+            if alone is not None:  # alone on its connection: written at once
+                answer = await alone
+                if type(answer) is not tuple:
+                    return cast(SendResult, answer)
+                status, payload = answer  # (read the general way)
+                if status != STATUS_OK:
+                    raise answer_error(payload, self.url)
+                return cast(SendResult, _decode_send(payload, self.url))
+            if protocol.free <= 0:  # the loop turn's group
                 await protocol.place()
             if not protocol.closed:
                 future = protocol.coalescer.add(topic, body)
