@@ -127,6 +127,13 @@ static Py_ssize_t cur_str(Cur *c, const unsigned char **s) {
 
 /* The str of the n bytes at s (UTF-8); NULL with no error set when they are not. */
 static PyObject *utf8_str(const unsigned char *s, Py_ssize_t n) {
+    unsigned char any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) any |= s[i];
+    if (any < 0x80) { /* ASCII (a message id always): copied as it is */
+        PyObject *ascii = PyUnicode_New(n, 127);
+        if (ascii != NULL) memcpy(PyUnicode_1BYTE_DATA(ascii), s, (size_t)n);
+        return ascii;
+    }
     PyObject *str = PyUnicode_DecodeUTF8((const char *)s, n, NULL);
     if (str == NULL) PyErr_Clear();
     return str;

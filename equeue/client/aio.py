@@ -70,8 +70,8 @@ _STATUSES: Final = (STATUS_OK, STATUS_ERROR)
 _decode_send = DECODERS["send"]
 
 # request id -> (its future, or a coalesced group's Answer; its messages as given for a
-# send; its deadline)
-_Entry = tuple["asyncio.Future[tuple[int, Any]] | Answer", Given, float]
+# send, or the body alone of a plain send written by `direct`; its deadline)
+_Entry = tuple["asyncio.Future[Any] | Answer", Given | bytes, float]
 
 
 class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes per read
@@ -99,9 +99,10 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         self.watchdog: asyncio.TimerHandle | None = None
         self.inbuf = memoryview(bytearray(RECV_BYTES))
         self.heard = 0.0  # time.monotonic() when the broker's bytes last arrived
-        # (request id, topic, future) of the send `direct` wrote: its answer is looked for
-        # in the next read (None: read the general way)
-        self.waiting: tuple[int, str, asyncio.Future[Any]] | None = None
+        # The request id and topic of the send `direct` wrote: its answer is looked for in
+        # the next read (0: read the general way)
+        self.waiting = 0
+        self.waiting_topic = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check)
@@ -116,24 +117,21 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         return self.inbuf
 
     def buffer_updated(self, nbytes: int) -> None:
-        waiting = self.waiting
-        if waiting is not None:
-            self.waiting = None
-            request_id, topic, future = waiting
-            result = (
-                _send_result(
-                    self.inbuf, nbytes, request_id, topic, self.reader.max_frame_bytes
-                )  # (None: not exactly its answer, whole)
-                if _send_result is not None and not self.reader.pending
-                else None
-            )
-            if result is not None and self.pending.pop(request_id, None) is not None:
+        request_id = self.waiting
+        if request_id:
+            self.waiting = 0
+            result = _send_result(  # type: ignore[misc]  # (set with `waiting`)
+                self.inbuf, nbytes, request_id, self.waiting_topic, self.reader.max_frame_bytes
+            )  # (None: not exactly its answer, whole)
+            entry = self.pending.pop(request_id, None) if result is not None else None
+            if entry is not None:
                 self.heard = time.monotonic()
+                future = entry[0]  # (a future: `direct`'s entry)
                 self.free += 1
                 if self.queued:
                     self.release()
-                if not future.done():  # (its caller may have been cancelled)
-                    future.set_result(result)
+                if not future.done():  # type: ignore[union-attr]  # (its caller cancelled)
+                    future.set_result(result)  # type: ignore[union-attr]
                 return
         self.data_received(self.inbuf[:nbytes])
 
@@ -221,7 +219,12 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
             if isinstance(target, Answer):
                 target.lost(reason, cause)
             elif not target.done():
-                target.set_exception(lost(reason, given(unanswered), cause))
+                sent = (
+                    [OutgoingMessage(unanswered)]
+                    if type(unanswered) is bytes
+                    else given(unanswered)  # type: ignore[arg-type]
+                )
+                target.set_exception(lost(reason, sent, cause))
         if self.coalescer is not None:
             self.coalescer.drop(reason)
         while self.queued:  # they find it closed
@@ -269,9 +272,9 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         coalescer = self.coalescer
         if (
             self.pending or self.flushing or self.closed or _send_frame is None
-            or self.free <= 0 or self.transport is None or not self.welcomed
+            or self.free <= 0 or not self.welcomed or self.reader.pending
             or (coalescer is not None and (coalescer.groups or coalescer.sealed))
-        ):  # fmt: skip
+        ):  # fmt: skip  # (a byte unread: the next read is no whole answer of its own)
             return None
         now = time.monotonic()
         if self.heard < now - HEARD_RECENTLY:  # (AsyncClient._call asks first)
@@ -281,10 +284,11 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         if type(frame) is not bytes:
             return None
         future: asyncio.Future[Any] = Future()  # (the running loop, found in C)
-        self.pending[request_id] = (future, (body, "", None, None, 0, None), now + self.timeout)
+        self.pending[request_id] = (future, body, now + self.timeout)
         self.free -= 1
-        self.waiting = (request_id, topic, future)
-        self.transport.write(frame)
+        self.waiting = request_id
+        self.waiting_topic = topic
+        self.transport.write(frame)  # type: ignore[union-attr]  # (welcomed: it is set)
         return future
 
     def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
@@ -524,7 +528,7 @@ class AsyncClient:
         if (
             protocol is not None and key is None and properties is None and queue_id is None
             and tag == "" and code == 0 and type(code) is int and type(body) is bytes
-            and type(topic) is str and protocol.coalescer is not None and not protocol.closed
+            and type(topic) is str and not protocol.closed
         ):  # fmt: skip  # a plain send on a live connection
             alone = protocol.direct(topic, body)
             if alone is not None:  # alone on its connection: written at once
@@ -535,12 +539,14 @@ class AsyncClient:
                 if status != STATUS_OK:
                     raise answer_error(payload, self.url)
                 return cast(SendResult, _decode_send(payload, self.url))
-            if protocol.free <= 0:  # the loop turn's group
-                await protocol.place()
-            if not protocol.closed:
-                future = protocol.coalescer.add(topic, body)
-                if future is not None:
-                    return await future
+            coalescer = protocol.coalescer
+            if coalescer is not None:  # the loop turn's group
+                if protocol.free <= 0:
+                    await protocol.place()
+                if not protocol.closed:
+                    future = coalescer.add(topic, body)
+                    if future is not None:
+                        return await future
         call = calls.send(topic, body, tag, key, properties, code, queue_id)
         result: SendResult = await self._call(call)
         return result
