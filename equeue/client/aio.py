@@ -530,7 +530,8 @@ class AsyncClient:
             and tag == "" and code == 0 and type(code) is int and type(body) is bytes
             and type(topic) is str and not protocol.closed
         ):  # fmt: skip  # a plain send on a live connection
-            alone = protocol.direct(topic, body)
+            # (pending: the pipelined case's sends, coalesced, pay no call here)
+            alone = None if protocol.pending else protocol.direct(topic, body)
             if alone is not None:  # alone on its connection: written at once
                 answer = await alone
                 if type(answer) is not tuple:
