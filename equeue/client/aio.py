@@ -272,7 +272,7 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         coalescer = self.coalescer
         if (
             self.pending or self.flushing or self.closed or _send_frame is None
-            or self.free <= 0 or not self.welcomed or self.reader.pending
+            or self.free <= 0 or not self.welcomed or self.reader._buffer
             or (coalescer is not None and (coalescer.groups or coalescer.sealed))
         ):  # fmt: skip  # (a byte unread: the next read is no whole answer of its own)
             return None
@@ -534,8 +534,8 @@ class AsyncClient:
             alone = None if protocol.pending else protocol.direct(topic, body)
             if alone is not None:  # alone on its connection: written at once
                 answer = await alone
-                if type(answer) is not tuple:
-                    return cast(SendResult, answer)
+                if type(answer) is not tuple:  # the SendResult, read in C
+                    return answer  # type: ignore[no-any-return]
                 status, payload = answer  # (read the general way)
                 if status != STATUS_OK:
                     raise answer_error(payload, self.url)
