@@ -205,7 +205,6 @@ def test_sends_one_at_a_time_per_connection_are_read_in_c_and_stored(
         )  # fmt: skip
 
 
-@needs_c
 def test_a_refused_direct_send_raises_the_brokers_error_and_the_client_goes_on(
     broker: BrokerThread,
 ) -> None:
@@ -241,7 +240,6 @@ def _answer_script(answer: Any, gate: threading.Event | None = None) -> Any:
     return script
 
 
-@needs_c
 def test_an_answer_in_two_reads_is_read_the_general_way() -> None:
     def answer(peer: Peer, request_id: int) -> None:
         frame = encode([request_id, 0, RESULT])
@@ -260,7 +258,6 @@ def test_an_answer_in_two_reads_is_read_the_general_way() -> None:
         assert asyncio.run(main(fake.url)) == [SendResult(*RESULT)] * 3
 
 
-@needs_c
 def test_a_direct_send_whose_connection_breaks_is_reported_unanswered() -> None:
     def answer(peer: Peer, request_id: int) -> None:
         peer.raw(encode([request_id, 0, RESULT])[:-3])
@@ -279,7 +276,6 @@ def test_a_direct_send_whose_connection_breaks_is_reported_unanswered() -> None:
         asyncio.run(main(fake.url))
 
 
-@needs_c
 def test_a_cancelled_direct_send_keeps_its_place_until_answered() -> None:
     gate = threading.Event()
 
