@@ -67,6 +67,10 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* clientsend.c: the asyncio client's plain send, one in flight */
+PyObject *client_send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
     {"xxh3_64", py_xxh3_64, METH_O, NULL},
@@ -81,6 +85,9 @@ static PyMethodDef methods[] = {
     {"columns_answer", columns_answer, METH_VARARGS, NULL},
     {"bodies_request", bodies_request, METH_VARARGS, NULL},
     {"bodies_body", bodies_body, METH_O, NULL},
+    {"client_send_frame", (PyCFunction)(void (*)(void))client_send_frame, METH_FASTCALL, NULL},
+    {"client_send_result", (PyCFunction)(void (*)(void))client_send_result, METH_FASTCALL,
+     NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},

@@ -17,6 +17,7 @@ import itertools
 import os
 import ssl
 import time
+from asyncio import Future
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from equeue.client import args, calls
 from equeue.client.calls import Call, Given
-from equeue.client.coalesce import Answer, Coalescer
+from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer
 from equeue.client.connect import RECV_BYTES, again
 from equeue.client.core import (
     DECODERS,
@@ -58,16 +59,19 @@ from equeue.protocol.frames import (
 )
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
+from equeue.protocol.plainsend import send_frame as _send_frame
+from equeue.protocol.plainsend import send_result as _send_result
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
     from equeue.client.consumer_aio import AsyncGroupConsumer
 
 _STATUSES: Final = (STATUS_OK, STATUS_ERROR)
+_decode_send = DECODERS["send"]
 
 # request id -> (its future, or a coalesced group's Answer; its messages as given for a
-# send; its deadline)
-_Entry = tuple["asyncio.Future[tuple[int, Any]] | Answer", Given, float]
+# send, or the body alone of a plain send written by `direct`; its deadline)
+_Entry = tuple["asyncio.Future[Any] | Answer", Given | bytes, float]
 
 
 class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes per read
@@ -95,6 +99,10 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         self.watchdog: asyncio.TimerHandle | None = None
         self.inbuf = memoryview(bytearray(RECV_BYTES))
         self.heard = 0.0  # time.monotonic() when the broker's bytes last arrived
+        # The request id and topic of the send `direct` wrote: its answer is looked for in
+        # the next read (0: read the general way)
+        self.waiting = 0
+        self.waiting_topic = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check)
@@ -109,6 +117,22 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         return self.inbuf
 
     def buffer_updated(self, nbytes: int) -> None:
+        request_id = self.waiting
+        if request_id:
+            self.waiting = 0
+            result = _send_result(  # type: ignore[misc]  # (set with `waiting`)
+                self.inbuf, nbytes, request_id, self.waiting_topic, self.reader.max_frame_bytes
+            )  # (None: not exactly its answer, whole)
+            entry = self.pending.pop(request_id, None) if result is not None else None
+            if entry is not None:
+                self.heard = time.monotonic()
+                future = entry[0]  # (a future: `direct`'s entry)
+                self.free += 1
+                if self.queued:
+                    self.release()
+                if not future.done():  # type: ignore[union-attr]  # (its caller cancelled)
+                    future.set_result(result)  # type: ignore[union-attr]
+                return
         self.data_received(self.inbuf[:nbytes])
 
     def data_received(self, data: bytes | memoryview) -> None:
@@ -195,7 +219,12 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
             if isinstance(target, Answer):
                 target.lost(reason, cause)
             elif not target.done():
-                target.set_exception(lost(reason, given(unanswered), cause))
+                sent = (
+                    [OutgoingMessage(unanswered)]
+                    if type(unanswered) is bytes
+                    else given(unanswered)  # type: ignore[arg-type]
+                )
+                target.set_exception(lost(reason, sent, cause))
         if self.coalescer is not None:
             self.coalescer.drop(reason)
         while self.queued:  # they find it closed
@@ -232,6 +261,35 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
             return sock is not None and readable(sock, 0)
         except (OSError, ValueError):
             return True
+
+    def direct(self, topic: str, body: bytes) -> asyncio.Future[Any] | None:
+        """A plain send on an idle connection heard from recently (the one send in flight
+        of a task with a connection of its own): its frame made in C and written at once,
+        its answer read in C by ``buffer_updated``, the future given the SendResult (or,
+        read the general way, ``(status, payload)`` as ``_call``'s). None: nothing done,
+        the coalescer's or the general path takes it (no accelerator, something in
+        flight or queued, a frame past max_frame_bytes, a topic not UTF-8)."""
+        coalescer = self.coalescer
+        if (
+            self.pending or self.flushing or self.closed or _send_frame is None
+            or self.free <= 0 or not self.welcomed or self.reader._buffer
+            or (coalescer is not None and (coalescer.groups or coalescer.sealed))
+        ):  # fmt: skip  # (a byte unread: the next read is no whole answer of its own)
+            return None
+        now = time.monotonic()
+        if self.heard < now - HEARD_RECENTLY:  # (AsyncClient._call asks first)
+            return None
+        request_id = self.next_id()
+        frame = _send_frame(request_id, topic, body, self.reader.max_frame_bytes)
+        if type(frame) is not bytes:
+            return None
+        future: asyncio.Future[Any] = Future()  # (the running loop, found in C)
+        self.pending[request_id] = (future, body, now + self.timeout)
+        self.free -= 1
+        self.waiting = request_id
+        self.waiting_topic = topic
+        self.transport.write(frame)  # type: ignore[union-attr]  # (welcomed: it is set)
+        return future
 
     def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
         self.pending[request_id] = entry
@@ -470,14 +528,26 @@ class AsyncClient:
         if (
             protocol is not None and key is None and properties is None and queue_id is None
             and tag == "" and code == 0 and type(code) is int and type(body) is bytes
-            and type(topic) is str and protocol.coalescer is not None and not protocol.closed
-        ):  # fmt: skip  # a plain send on a live connection: the loop turn's group
-            if protocol.free <= 0:
-                await protocol.place()
-            if not protocol.closed:
-                future = protocol.coalescer.add(topic, body)
-                if future is not None:
-                    return await future
+            and type(topic) is str and not protocol.closed
+        ):  # fmt: skip  # a plain send on a live connection
+            # (pending: the pipelined case's sends, coalesced, pay no call here)
+            alone = None if protocol.pending else protocol.direct(topic, body)
+            if alone is not None:  # alone on its connection: written at once
+                answer = await alone
+                if type(answer) is not tuple:  # the SendResult, read in C
+                    return answer  # type: ignore[no-any-return]
+                status, payload = answer  # (read the general way)
+                if status != STATUS_OK:
+                    raise answer_error(payload, self.url)
+                return cast(SendResult, _decode_send(payload, self.url))
+            coalescer = protocol.coalescer
+            if coalescer is not None:  # the loop turn's group
+                if protocol.free <= 0:
+                    await protocol.place()
+                if not protocol.closed:
+                    future = coalescer.add(topic, body)
+                    if future is not None:
+                        return await future
         call = calls.send(topic, body, tag, key, properties, code, queue_id)
         result: SendResult = await self._call(call)
         return result

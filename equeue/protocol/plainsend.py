@@ -1,0 +1,34 @@
+"""The asyncio client's plain send with one request in flight on its connection, in C
+(equeue/cext/clientsend.c): the request frame written whole and the answer read straight
+from the connection's read buffer, without msgpack's Packer and Unpacker, the frame
+reader or the answer dispatch. Both give None for anything but the common, valid case;
+the caller then takes the general path (RequestEncoder, AnswerReader), which produces
+the same bytes and results, or the precise error.
+
+``send_frame(request_id, topic, body, max_frame_bytes) -> bytes | int | None``: the whole
+frame of ``[request_id, "send", {"topic": topic, "body": body}]``, RequestEncoder.frame's
+bytes; an int (the payload's size, nothing built) when over max_frame_bytes.
+
+``send_result(buffer, nbytes, request_id, topic, max_frame_bytes) -> SendResult | None``:
+the result when the first nbytes of buffer are exactly the one frame answering
+``request_id`` with status OK and a SendResult.
+
+Both are None (the names, not a function) without the accelerator: the client binds
+them once, and a call is one C call with no Python frame around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from equeue import speedups
+
+_fast = speedups.SPEEDUPS
+
+send_frame: Final[Callable[[int, str, bytes, int], bytes | int | None] | None] = (
+    None if _fast is None else _fast.client_send_frame
+)
+send_result: Final[Callable[[Any, int, int, str, int], Any] | None] = (
+    None if _fast is None else _fast.client_send_result
+)

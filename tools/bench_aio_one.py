@@ -1,0 +1,130 @@
+"""The asyncio client's CPU per send against a real ``equeue serve`` (issue 23): ``--conns``
+connections in one process, each ``--depth`` tasks sending one at a time (64 x 1: the
+durable case's "a connection per task"; 1 x 100: the pipelined case), 100 B bodies.
+
+    python tools/bench_aio_one.py [--src DIR ...] [--flush async|sync] [--loop asyncio|uvloop]
+        [--conns 64] [--depth 1] [--count 20000] [--rounds 2] [--callgrind]
+
+For each ``--src`` tree in turn (alternated ``--rounds`` times) a client process of that
+tree's ``equeue`` (PYTHONPATH) runs against one broker (this tree's), and prints its
+``time.process_time()`` per send over the timed sends (after 2,000 warm-up sends). With
+``--callgrind`` the client runs under ``valgrind --tool=callgrind`` twice, ``--count`` N
+and 2N sends after the same set-up: (Ir(2N) - Ir(N)) / N instructions per send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from brokerbench.servers import start_broker
+
+BODY = b"x" * 100
+WARMUP = 2000
+
+
+async def _client(url: str, conns: int, depth: int, count: int) -> float:
+    import equeue.aio
+
+    clients = [await equeue.aio.connect(url) for _ in range(conns)]
+
+    async def one(client: equeue.aio.AsyncClient, n: int) -> None:
+        send = client.send
+        for _ in range(n):
+            await send("t", BODY)
+
+    async def round_(total: int) -> None:
+        per = -(-total // (conns * depth))
+        await asyncio.gather(*(one(c, per) for c in clients for _ in range(depth)))
+
+    await round_(WARMUP)
+    t0 = time.process_time()
+    await round_(count)
+    spent = time.process_time() - t0
+    for client in clients:
+        await client.close()
+    return spent / (-(-count // (conns * depth)) * conns * depth) * 1e6
+
+
+def child(url: str, conns: int, depth: int, count: int, loop_name: str) -> None:
+    if loop_name == "uvloop":
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    print(f"cpu_us {loop.run_until_complete(_client(url, conns, depth, count)):.2f}")
+    loop.close()
+
+
+def _run(src: str, argv: list[str], callgrind: Path | None) -> str:
+    env = dict(os.environ, PYTHONPATH=src)
+    cmd = [sys.executable, __file__, "--child", *argv]
+    if callgrind is not None:
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *cmd]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=True)
+    return out.stdout + out.stderr
+
+
+def _ir(path: Path) -> int:
+    match = re.search(r"^summary: (\d+)", path.read_text(), re.M)
+    assert match, path
+    return int(match.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--src", action="append")
+    parser.add_argument("--flush", default="async")
+    parser.add_argument("--loop", default="asyncio")
+    parser.add_argument("--conns", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--count", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--callgrind", action="store_true")
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.conns, args.depth, args.count, args.loop)
+        return
+    srcs = args.src or [str(Path(__file__).resolve().parent.parent)]
+    with tempfile.TemporaryDirectory(prefix="eqa", dir="/tmp") as tmp:
+        store = Path(tmp) / "s"
+        store.mkdir()
+        server = start_broker(store, args.flush, Path(tmp) / "log")
+        try:
+            import equeue
+
+            with equeue.connect(server.url) as admin:
+                admin.create_topic("t", 4)
+            shape = ["--conns", str(args.conns), "--depth", str(args.depth), "--loop", args.loop]
+            for _ in range(args.rounds):
+                for src in srcs:
+                    if args.callgrind:
+                        irs = []
+                        for n in (args.count, 2 * args.count):
+                            out = Path(tmp) / "cg.out"
+                            _run(src, [server.url, *shape, "--count", str(n)], out)
+                            irs.append(_ir(out))
+                        per = (irs[1] - irs[0]) / args.count
+                        print(f"{src}: {per:,.0f} instructions per send", flush=True)
+                    else:
+                        out_text = _run(src, [server.url, *shape, "--count", str(args.count)], None)
+                        print(
+                            f"{src}: {out_text.strip()} µs/send  load {os.getloadavg()[0]:.2f}",
+                            flush=True,
+                        )
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
