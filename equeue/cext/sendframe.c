@@ -169,12 +169,43 @@ static int put_str(unsigned char **q, PyObject *s, Py_ssize_t room) {
     return 1;
 }
 
-/* send_answer(request_id, result): the whole answer frame of a send, or None when a
- * field is not of the type a SendResult holds (the caller packs it with msgpack). */
+/* A bytes object of type kind (bytes or a subclass without a __dict__, such as the
+ * broker's Frame) holding data: made as bytes.__new__ makes a subclass's, without the
+ * call of kind(...) and its copy of an intermediate bytes. */
+static PyObject *bytes_of(PyTypeObject *kind, const char *data, Py_ssize_t n) {
+    if (kind == &PyBytes_Type) return PyBytes_FromStringAndSize(data, n);
+    PyObject *out = kind->tp_alloc(kind, n);
+    if (out == NULL) return NULL;
+    memcpy(PyBytes_AS_STRING(out), data, (size_t)n);
+    PyBytes_AS_STRING(out)[n] = '\0';
+    /* "not hashed yet", as bytes_subtype_new sets it (tp_alloc zeroed it: a hash of 0) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    ((PyBytesObject *)out)->ob_shash = -1;
+#pragma GCC diagnostic pop
+    return out;
+}
+
+/* send_answer(request_id, result[, kind]): the whole answer frame of a send, as bytes or
+ * as kind (a bytes subclass with __slots__ = (): the durable answer the broker keeps until
+ * its fdatasync, connection.py), or None when a field is not of the type a SendResult
+ * holds (the caller packs it with msgpack). */
 PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "send_answer(request_id, result)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send_answer(request_id, result[, kind])");
         return NULL;
+    }
+    PyTypeObject *kind = &PyBytes_Type;
+    if (nargs == 3) {
+        PyObject *k = args[2];
+        if (!PyType_Check(k) || !PyType_IsSubtype((PyTypeObject *)k, &PyBytes_Type) ||
+            ((PyTypeObject *)k)->tp_dictoffset != 0) {
+            PyErr_SetString(PyExc_TypeError,
+                            "send_answer: kind must be bytes or a bytes subclass with "
+                            "__slots__ = ()");
+            return NULL;
+        }
+        kind = (PyTypeObject *)k;
     }
     PyObject *rid = args[0], *result = args[1];
     PyObject *f[6] = {NULL};
@@ -203,7 +234,7 @@ PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     for (int i = 7; i >= 0; i--) *q++ = (unsigned char)(bits >> (8 * i));
     uint32_t length = (uint32_t)(q - buf - 4);
     for (int i = 0; i < 4; i++) buf[i] = (unsigned char)(length >> (8 * (3 - i)));
-    out = PyBytes_FromStringAndSize((const char *)buf, q - buf);
+    out = bytes_of(kind, (const char *)buf, q - buf);
     goto done;
 plain:
     out = Py_None;
