@@ -104,7 +104,7 @@ async def _serve(directory: Path, reads: list[bytes], fast: bool, flush: Flush) 
     try:
         connection, transport = _connect(broker)
         if not fast:
-            connection._send_frame = connection._send_body = None
+            connection._plain_send = connection._send_body = None
         _feed(connection, encode(Hello(client="t").pack()))
         for read in reads:
             if connection.closed:

@@ -186,28 +186,9 @@ static PyObject *bytes_of(PyTypeObject *kind, const char *data, Py_ssize_t n) {
     return out;
 }
 
-/* send_answer(request_id, result[, kind]): the whole answer frame of a send, as bytes or
- * as kind (a bytes subclass with __slots__ = (): the durable answer the broker keeps until
- * its fdatasync, connection.py), or None when a field is not of the type a SendResult
- * holds (the caller packs it with msgpack). */
-PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 && nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "send_answer(request_id, result[, kind])");
-        return NULL;
-    }
-    PyTypeObject *kind = &PyBytes_Type;
-    if (nargs == 3) {
-        PyObject *k = args[2];
-        if (!PyType_Check(k) || !PyType_IsSubtype((PyTypeObject *)k, &PyBytes_Type) ||
-            ((PyTypeObject *)k)->tp_dictoffset != 0) {
-            PyErr_SetString(PyExc_TypeError,
-                            "send_answer: kind must be bytes or a bytes subclass with "
-                            "__slots__ = ()");
-            return NULL;
-        }
-        kind = (PyTypeObject *)k;
-    }
-    PyObject *rid = args[0], *result = args[1];
+/* The whole answer frame of a send (request_id, result: a SendResult) as kind, None when
+ * a field is not of the type a SendResult holds, NULL with an error (memory). */
+static PyObject *answer_of(PyObject *rid, PyObject *result, PyTypeObject *kind) {
     PyObject *f[6] = {NULL};
     PyObject *out = NULL;
     for (int i = 0; i < 6; i++) {
@@ -241,5 +222,92 @@ plain:
     Py_INCREF(out);
 done:
     for (int i = 0; i < 6; i++) Py_XDECREF(f[i]);
+    return out;
+}
+
+/* kind of a send_answer/plain_send argument: bytes, or a bytes subclass without a __dict__
+ * (the broker's Frame); NULL with TypeError else. */
+static PyTypeObject *answer_kind(PyObject *k) {
+    if (!PyType_Check(k) || !PyType_IsSubtype((PyTypeObject *)k, &PyBytes_Type) ||
+        ((PyTypeObject *)k)->tp_dictoffset != 0) {
+        PyErr_SetString(PyExc_TypeError,
+                        "kind must be bytes or a bytes subclass with __slots__ = ()");
+        return NULL;
+    }
+    return (PyTypeObject *)k;
+}
+
+/* send_answer(request_id, result[, kind]): the whole answer frame of a send, as bytes or
+ * as kind (a bytes subclass with __slots__ = (): the durable answer the broker keeps until
+ * its fdatasync, connection.py), or None when a field is not of the type a SendResult
+ * holds (the caller packs it with msgpack). */
+PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send_answer(request_id, result[, kind])");
+        return NULL;
+    }
+    PyTypeObject *kind = nargs == 3 ? answer_kind(args[2]) : &PyBytes_Type;
+    return kind == NULL ? NULL : answer_of(args[0], args[1], kind);
+}
+
+/* plain_send(buffer, nbytes, max_frame_bytes, send, kind, reserved): send_frame's read of
+ * a plain send, appended by send(topic, body) (the store's C sender) and answered, in one
+ * call (connection.py's buffer_updated: no Python frame per send between the read and the
+ * append). (request_id, result, frame): the frame as kind, or None when the result's fields
+ * are not what send_answer packs; (request_id, None, exception) when send raised an
+ * Exception (nothing appended; the caller answers it); None when the read is not one
+ * plain send or its topic starts with reserved (the general path answers those). */
+PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyUnicode_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "plain_send(buffer, nbytes, max_frame_bytes, send, kind, reserved)");
+        return NULL;
+    }
+    PyTypeObject *kind = answer_kind(args[4]);
+    if (kind == NULL) return NULL;
+    PyObject *read = send_frame(self, args, 3);
+    if (read == NULL || read == Py_None) return read;
+    PyObject *rid = PyTuple_GET_ITEM(read, 0), *topic = PyTuple_GET_ITEM(read, 1);
+    Py_ssize_t reserved = PyUnicode_Tailmatch(topic, args[5], 0, PY_SSIZE_T_MAX, -1);
+    if (reserved != 0) {
+        Py_DECREF(read);
+        if (reserved < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *call[2] = {topic, PyTuple_GET_ITEM(read, 2)};
+    PyObject *result = PyObject_Vectorcall(args[3], call, 2, NULL), *third;
+    if (result == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* KeyboardInterrupt and the like */
+            Py_DECREF(read);
+            return NULL;
+        }
+        PyObject *type, *tb;
+        PyErr_Fetch(&type, &third, &tb);
+        PyErr_NormalizeException(&type, &third, &tb);
+        if (tb != NULL) PyException_SetTraceback(third, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        result = Py_None;
+        Py_INCREF(result);
+    } else {
+        third = answer_of(rid, result, kind);
+        if (third == NULL) {
+            Py_DECREF(result);
+            Py_DECREF(read);
+            return NULL;
+        }
+    }
+    Py_INCREF(rid);
+    Py_DECREF(read);
+    PyObject *out = PyTuple_New(3);
+    if (out == NULL) {
+        Py_DECREF(rid);
+        Py_DECREF(result);
+        Py_DECREF(third);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, rid);
+    PyTuple_SET_ITEM(out, 1, result);
+    PyTuple_SET_ITEM(out, 2, third);
     return out;
 }
