@@ -61,8 +61,7 @@ static int add_frame(PyObject *groups, PyObject *where, PyObject *peer, PyObject
 }
 
 /* frames_by_peer(batch, kind): [(peer, data, count), ...] in the order each peer first
- * appears, data the peer's frames joined in batch order (the frame itself when it has
- * one), count how many; None when an entry is not a 3-tuple whose result is exactly of
+ * appears, data the peer's frames joined in batch order (bytes), count how many; None when an entry is not a 3-tuple whose result is exactly of
  * type kind (the caller then answers the batch entry by entry). */
 PyObject *frames_by_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_CheckExact(args[0]) || !PyType_Check(args[1])) {
@@ -104,12 +103,11 @@ PyObject *frames_by_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *group = PyList_GET_ITEM(groups, j);
         PyObject *frames = PyList_GET_ITEM(group, 1);
         PyObject *data;
-        if (PyList_CheckExact(frames)) {
+        if (PyList_CheckExact(frames)) /* exact bytes either way: uvloop's write takes a
+                                          * bytes subclass through a memoryview cast */
             data = _PyBytes_Join(EMPTY_BYTES, frames);
-        } else {
-            data = frames;
-            Py_INCREF(data);
-        }
+        else
+            data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(frames), PyBytes_GET_SIZE(frames));
         PyObject *item = data == NULL ? NULL : PyTuple_New(3);
         if (item == NULL) {
             Py_XDECREF(data);
