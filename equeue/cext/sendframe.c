@@ -37,6 +37,21 @@ static Py_ssize_t take_raw(const unsigned char **p, const unsigned char *end, ch
     return (Py_ssize_t)len;
 }
 
+/* (a, b, c), taking the three references; NULL (and them released) without memory. */
+static PyObject *triple(PyObject *a, PyObject *b, PyObject *c) {
+    PyObject *out = PyTuple_New(3);
+    if (out == NULL) {
+        Py_DECREF(a);
+        Py_DECREF(b);
+        Py_DECREF(c);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, a);
+    PyTuple_SET_ITEM(out, 1, b);
+    PyTuple_SET_ITEM(out, 2, c);
+    return out;
+}
+
 /* The tuple, None (not a plain send in the encoding read here), or NULL with an error
  * (memory). */
 static PyObject *parse(const unsigned char *p, const unsigned char *end) {
@@ -84,17 +99,7 @@ static PyObject *parse(const unsigned char *p, const unsigned char *end) {
         Py_XDECREF(b);
         return NULL;
     }
-    PyObject *out = PyTuple_New(3);
-    if (out == NULL) {
-        Py_DECREF(t);
-        Py_DECREF(b);
-        Py_DECREF(r);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(out, 0, r);
-    PyTuple_SET_ITEM(out, 1, t);
-    PyTuple_SET_ITEM(out, 2, b);
-    return out;
+    return triple(r, t, b);
 }
 
 /* send_frame(buffer, nbytes, max_frame_bytes): the first nbytes of buffer as one whole
@@ -299,15 +304,5 @@ PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     Py_INCREF(rid);
     Py_DECREF(read);
-    PyObject *out = PyTuple_New(3);
-    if (out == NULL) {
-        Py_DECREF(rid);
-        Py_DECREF(result);
-        Py_DECREF(third);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(out, 0, rid);
-    PyTuple_SET_ITEM(out, 1, result);
-    PyTuple_SET_ITEM(out, 2, third);
-    return out;
+    return triple(rid, result, third);
 }
