@@ -284,7 +284,8 @@ def main() -> None:
             print(
                 f"durable process {src}: {per:,.0f} instructions per send (broker, user space; "
                 f"{DURABLE_PEERS * n / max(flushes2 - flushes1, 1):.1f} sends per fdatasync "
-                "in the difference)",
+                f"in the difference; raw: N={n} {small} Ir {flushes1} flushes, "
+                f"2N {large} Ir {flushes2} flushes)",
                 flush=True,
             )
         return
