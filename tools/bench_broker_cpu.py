@@ -178,8 +178,10 @@ def _broker(src: Path, directory: Path, prefix: list[str]) -> tuple[subprocess.P
     """A broker of tree ``src`` (``prefix``: valgrind's argv, or none) and its URL."""
     env = dict(os.environ, PYTHONPATH=str(src))
     argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", "sync"]
+    # cwd: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH;
+    # run from a worktree, every "src" would be that worktree's equeue
     broker = subprocess.Popen(
-        [*prefix, *argv, "--quiet"],
+        [*prefix, *argv, "--quiet"], cwd=directory,
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if prefix else None,
     )  # fmt: skip
     assert broker.stdout is not None
