@@ -104,7 +104,7 @@ async def _serve(directory: Path, reads: list[bytes], fast: bool, flush: Flush) 
     try:
         connection, transport = _connect(broker)
         if not fast:
-            connection._send_frame = connection._send_body = None
+            connection._plain_send = connection._send_body = None
         _feed(connection, encode(Hello(client="t").pack()))
         for read in reads:
             if connection.closed:
@@ -294,3 +294,99 @@ def test_only_a_frame_is_queued_raw_and_release_durable_finishes_each_answer() -
     assert answers[:2] == [[5, STATUS_OK, b"a body"], [6, STATUS_OK, "x"]]
     assert answers[2][:2] == [7, STATUS_ERROR] and "EIO" in answers[2][2]["message"]
     assert (len(answers), in_flight) == (3, 0)
+
+
+class CountingRecorder(Recorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        assert type(data) is bytes  # uvloop takes anything else through a memoryview cast
+        super().write(data)
+
+
+def _answers(transport: Recorder) -> list[Any]:
+    return [UNPACK(b) for b in FrameReader(1 << 30, "t").feed(bytes(transport.data))]
+
+
+async def _grouped(directory: Path) -> dict[str, Any]:
+    """One flushed batch of plain sends' Frames for four connections: one with two answers
+    (apart in the batch), one with one, one closed, one half-closed by its client."""
+    broker = Broker(directory, ServerConfig(flush="sync"))
+    await broker.start()
+    try:
+        peers = []
+        for _ in range(4):
+            transport = CountingRecorder()
+            connection = Connection(broker, "test", 1)
+            transport.protocol = connection
+            connection.connection_made(transport)  # type: ignore[arg-type]
+            _feed(connection, encode(Hello(client="t").pack()))
+            transport.data.clear()  # the welcome
+            transport.writes = 0
+            peers.append((connection, transport))
+        (one, _), (two, _), (gone, gone_t), (ended, _) = peers
+        one.in_flight, two.in_flight, gone.in_flight, ended.in_flight = 2, 1, 1, 1
+        gone_t.close()
+        assert ended.eof_received() is True  # waits for its answer
+        frame = {rid: Frame(encode([rid, STATUS_OK, f"r{rid}"])) for rid in range(1, 6)}
+        batch = [(one, 1, frame[1]), (two, 2, frame[2]), (one, 3, frame[3])]
+        batch += [(gone, 4, frame[4]), (ended, 5, frame[5])]
+        fast = speedups.SPEEDUPS
+        assert fast is not None
+        grouped = fast.frames_by_peer(batch, Frame)
+        connections = [c for c, _ in peers]
+        welcomes = broker.counters.bytes_out
+        release_durable(batch, None)  # type: ignore[arg-type]
+        return {
+            "grouped": [(connections.index(c), d, n) for c, d, n in grouped],
+            "answers": [_answers(t) for _, t in peers],
+            "writes": [t.writes for _, t in peers],
+            "in_flight": [c.in_flight for c, _ in peers],
+            "ended_closed": ended.closed,
+            "bytes_out": broker.counters.bytes_out - welcomes,
+            "sizes": sum(len(frame[r]) for r in (1, 2, 3, 5)),
+        }
+    finally:
+        await broker._drain()
+
+
+def test_release_durable_writes_each_connections_frames_joined_in_order_once() -> None:
+    """A flushed batch of Frames alone goes by connection (cext/release.c): a connection's
+    answers in batch order in one write of exact bytes, a closed connection's dropped (its
+    in_flight still counted down), a half-closed client closed after its last answer."""
+    directory = short_dir()
+    try:
+        seen = asyncio.run(_grouped(directory / "s"))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert [(i, n) for i, _, n in seen["grouped"]] == [(0, 2), (1, 1), (2, 1), (3, 1)]
+    assert all(type(d) is bytes for _, d, _ in seen["grouped"])
+    assert seen["answers"] == [
+        [[1, STATUS_OK, "r1"], [3, STATUS_OK, "r3"]],
+        [[2, STATUS_OK, "r2"]],
+        [],
+        [[5, STATUS_OK, "r5"]],
+    ]
+    assert seen["writes"] == [1, 1, 0, 1]
+    assert seen["in_flight"] == [0, 0, 0, 0]
+    assert seen["ended_closed"] is True
+    assert seen["bytes_out"] == seen["sizes"]
+
+
+def test_frames_by_peer_leaves_any_other_batch_to_the_answer_by_answer_path() -> None:
+    fast = speedups.SPEEDUPS
+    assert fast is not None
+    peer = object()
+    framed = Frame(b"\x00\x00\x00\x01\xc0")
+    assert fast.frames_by_peer([], Frame) == []
+    assert fast.frames_by_peer([(peer, 1, framed), (peer, 2, b"a body")], Frame) is None
+    assert fast.frames_by_peer([(peer, 1, framed, 0)], Frame) is None
+    assert fast.frames_by_peer([[peer, 1, framed]], Frame) is None
+    with pytest.raises(TypeError):
+        fast.frames_by_peer((peer, 1, framed), Frame)
+    unhashable: list[Any] = []
+    with pytest.raises(TypeError):
+        fast.frames_by_peer([(unhashable, 1, framed)], Frame)

@@ -19,7 +19,10 @@ runs a case once, timed by ``time.process_time``, without valgrind.
 socket and ``DURABLE_PEERS`` asyncio tasks in this process, each on its own connection,
 each one send at a time (this tree's client, the same for every broker), ``--count`` sends
 each; the broker's user and system CPU from ``/proc/PID/stat`` per send, its fdatasyncs
-(stats) and the rate.
+(stats) and the rate. ``--process --callgrind``: the same real broker under callgrind,
+with ``--count`` N and 2N sends per connection, (Ir(2N) - Ir(N)) / sends: its user-space
+instructions per durable send, uvloop and the sockets' Python included, the kernel not
+(repeatable where CPU seconds on a loaded machine are not).
 """
 
 from __future__ import annotations
@@ -171,18 +174,52 @@ def _cpu(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def _broker(src: Path, directory: Path, prefix: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """A broker of tree ``src`` (``prefix``: valgrind's argv, or none) and its URL."""
+    env = dict(os.environ, PYTHONPATH=str(src))
+    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", "sync"]
+    # cwd: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH;
+    # run from a worktree, every "src" would be that worktree's equeue
+    broker = subprocess.Popen(
+        [*prefix, *argv, "--quiet"], cwd=directory,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if prefix else None,
+    )  # fmt: skip
+    assert broker.stdout is not None
+    line = broker.stdout.readline().decode()
+    if not line.startswith("listening on "):
+        broker.kill()
+        broker.wait(60)
+        raise SystemExit(f"the broker of {src} did not start: {line!r}")
+    return broker, line.split()[-1]
+
+
+def process_instructions(src: Path, sends: int) -> tuple[int, int]:
+    """A real broker of tree ``src`` under callgrind, ``sends`` durable sends from each of
+    DURABLE_PEERS connections: its user-space instructions (start and drain included)
+    and its fdatasyncs."""
+    directory = Path(tempfile.mkdtemp(prefix="eqpg", dir="/tmp"))
+    target = directory / "callgrind.out"
+    prefix = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={target}"]
+    broker, url = _broker(src, directory, prefix)
+    try:
+        flushes, _wall = asyncio.run(_drive(url, sends))
+    finally:
+        broker.terminate()  # a drain: callgrind writes its counts at the exit
+        broker.wait(600)
+    try:
+        found = re.search(r"^summary:\s+(\d+)", target.read_text(), re.MULTILINE)
+        if found is None:
+            raise SystemExit(f"no summary line in {target}")
+        return int(found.group(1)), flushes
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def process(src: Path, sends: int) -> str:
     """One real broker of tree ``src``, loaded by DURABLE_PEERS connections."""
     directory = Path(tempfile.mkdtemp(prefix="eqpc", dir="/tmp"))
-    env = dict(os.environ, PYTHONPATH=str(src))
-    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", "sync"]
-    broker = subprocess.Popen([*argv, "--quiet"], env=env, stdout=subprocess.PIPE)
+    broker, url = _broker(src, directory, [])
     try:
-        assert broker.stdout is not None
-        line = broker.stdout.readline().decode()
-        if not line.startswith("listening on "):
-            raise SystemExit(f"the broker of {src} did not start: {line!r}")
-        url = line.split()[-1]
         user0, system0 = _cpu(broker.pid)
         flushes, wall = asyncio.run(_drive(url, sends))
         user, system = _cpu(broker.pid)
@@ -226,6 +263,9 @@ def main() -> None:
     parser.add_argument("--src", type=Path, action="append", help="a tree holding equeue/")
     parser.add_argument("--direct", action="store_true", help="no valgrind: CPU seconds")
     parser.add_argument("--process", action="store_true", help="durable: a real broker")
+    parser.add_argument(
+        "--callgrind", action="store_true", help="--process: instructions under callgrind"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="--process: A/B rounds")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -236,6 +276,21 @@ def main() -> None:
         if case not in CASES:
             parser.error(f"no case {case!r}: the cases are {', '.join(CASES)}")
     sources = options.src or [Path(__file__).resolve().parent.parent]
+    if options.process and options.callgrind:
+        n = options.count
+        for src in sources:
+            (small, flushes1), (large, flushes2) = (
+                process_instructions(src, c) for c in (n, 2 * n)
+            )
+            per = (large - small) / (DURABLE_PEERS * n)
+            print(
+                f"durable process {src}: {per:,.0f} instructions per send (broker, user space; "
+                f"{DURABLE_PEERS * n / max(flushes2 - flushes1, 1):.1f} sends per fdatasync "
+                f"in the difference; raw: N={n} {small} Ir {flushes1} flushes, "
+                f"2N {large} Ir {flushes2} flushes)",
+                flush=True,
+            )
+        return
     if options.process:
         for round_ in range(options.rounds):  # A/B, B/A, ...
             for src in sources if round_ % 2 == 0 else sources[::-1]:

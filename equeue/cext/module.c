@@ -1,7 +1,8 @@
 /* equeue._speedups: the store's hot loops in C. One file per concern: write.c (checking
  * and framing sends), sender.c (a whole single send), read.c (pulls), recover.c (open
  * after a crash), arrowcols.c (the Spark source's Arrow columns), prefault.c (the thread
- * faulting pages in ahead of the writer), xxh3.h
+ * faulting pages in ahead of the writer), sendframe.c (the broker's plain send), release.c
+ * (the broker's durable answers after their fdatasync), xxh3.h
  * (the record checksum, inlined where used); speedups.h is what they share.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
@@ -80,6 +81,8 @@ static PyMethodDef methods[] = {
     {"send_frame", (PyCFunction)(void (*)(void))send_frame, METH_FASTCALL, NULL},
     {"send_body", send_body, METH_O, NULL},
     {"send_answer", (PyCFunction)(void (*)(void))send_answer, METH_FASTCALL, NULL},
+    {"plain_send", (PyCFunction)(void (*)(void))plain_send, METH_FASTCALL, NULL},
+    {"frames_by_peer", (PyCFunction)(void (*)(void))frames_by_peer, METH_FASTCALL, NULL},
     {"results_of_columns", results_of_columns, METH_VARARGS, NULL},
     {"all_bytes", all_bytes, METH_O, NULL},
     {"columns_answer", columns_answer, METH_VARARGS, NULL},

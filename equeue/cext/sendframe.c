@@ -37,6 +37,21 @@ static Py_ssize_t take_raw(const unsigned char **p, const unsigned char *end, ch
     return (Py_ssize_t)len;
 }
 
+/* (a, b, c), taking the three references; NULL (and them released) without memory. */
+static PyObject *triple(PyObject *a, PyObject *b, PyObject *c) {
+    PyObject *out = PyTuple_New(3);
+    if (out == NULL) {
+        Py_DECREF(a);
+        Py_DECREF(b);
+        Py_DECREF(c);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, a);
+    PyTuple_SET_ITEM(out, 1, b);
+    PyTuple_SET_ITEM(out, 2, c);
+    return out;
+}
+
 /* The tuple, None (not a plain send in the encoding read here), or NULL with an error
  * (memory). */
 static PyObject *parse(const unsigned char *p, const unsigned char *end) {
@@ -72,17 +87,7 @@ static PyObject *parse(const unsigned char *p, const unsigned char *end) {
         Py_XDECREF(b);
         return NULL;
     }
-    PyObject *out = PyTuple_New(3);
-    if (out == NULL) {
-        Py_DECREF(t);
-        Py_DECREF(b);
-        Py_DECREF(r);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(out, 0, r);
-    PyTuple_SET_ITEM(out, 1, t);
-    PyTuple_SET_ITEM(out, 2, b);
-    return out;
+    return triple(r, t, b);
 }
 
 /* send_frame(buffer, nbytes, max_frame_bytes): the first nbytes of buffer as one whole
@@ -157,14 +162,26 @@ static int put_str(unsigned char **q, PyObject *s, Py_ssize_t room) {
     return 1;
 }
 
-/* send_answer(request_id, result): the whole answer frame of a send, or None when a
- * field is not of the type a SendResult holds (the caller packs it with msgpack). */
-PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "send_answer(request_id, result)");
-        return NULL;
-    }
-    PyObject *rid = args[0], *result = args[1];
+/* A bytes object of type kind (bytes or a subclass without a __dict__, such as the
+ * broker's Frame) holding data: made as bytes.__new__ makes a subclass's, without the
+ * call of kind(...) and its copy of an intermediate bytes. */
+static PyObject *bytes_of(PyTypeObject *kind, const char *data, Py_ssize_t n) {
+    if (kind == &PyBytes_Type) return PyBytes_FromStringAndSize(data, n);
+    PyObject *out = kind->tp_alloc(kind, n);
+    if (out == NULL) return NULL;
+    memcpy(PyBytes_AS_STRING(out), data, (size_t)n);
+    PyBytes_AS_STRING(out)[n] = '\0';
+    /* "not hashed yet", as bytes_subtype_new sets it (tp_alloc zeroed it: a hash of 0) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    ((PyBytesObject *)out)->ob_shash = -1;
+#pragma GCC diagnostic pop
+    return out;
+}
+
+/* The whole answer frame of a send (request_id, result: a SendResult) as kind, None when
+ * a field is not of the type a SendResult holds, NULL with an error (memory). */
+static PyObject *answer_of(PyObject *rid, PyObject *result, PyTypeObject *kind) {
     PyObject *f[6] = {NULL};
     PyObject *out = NULL;
     for (int i = 0; i < 6; i++) {
@@ -191,7 +208,7 @@ PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     for (int i = 7; i >= 0; i--) *q++ = (unsigned char)(bits >> (8 * i));
     uint32_t length = (uint32_t)(q - buf - 4);
     for (int i = 0; i < 4; i++) buf[i] = (unsigned char)(length >> (8 * (3 - i)));
-    out = PyBytes_FromStringAndSize((const char *)buf, q - buf);
+    out = bytes_of(kind, (const char *)buf, q - buf);
     goto done;
 plain:
     out = Py_None;
@@ -199,4 +216,81 @@ plain:
 done:
     for (int i = 0; i < 6; i++) Py_XDECREF(f[i]);
     return out;
+}
+
+/* kind of a send_answer/plain_send argument: bytes, or a bytes subclass without a __dict__
+ * (the broker's Frame); NULL with TypeError else. */
+static PyTypeObject *answer_kind(PyObject *k) {
+    if (!PyType_Check(k) || !PyType_IsSubtype((PyTypeObject *)k, &PyBytes_Type) ||
+        ((PyTypeObject *)k)->tp_dictoffset != 0) {
+        PyErr_SetString(PyExc_TypeError,
+                        "kind must be bytes or a bytes subclass with __slots__ = ()");
+        return NULL;
+    }
+    return (PyTypeObject *)k;
+}
+
+/* send_answer(request_id, result[, kind]): the whole answer frame of a send, as bytes or
+ * as kind (a bytes subclass with __slots__ = (): the durable answer the broker keeps until
+ * its fdatasync, connection.py), or None when a field is not of the type a SendResult
+ * holds (the caller packs it with msgpack). */
+PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send_answer(request_id, result[, kind])");
+        return NULL;
+    }
+    PyTypeObject *kind = nargs == 3 ? answer_kind(args[2]) : &PyBytes_Type;
+    return kind == NULL ? NULL : answer_of(args[0], args[1], kind);
+}
+
+/* plain_send(buffer, nbytes, max_frame_bytes, send, kind, reserved): send_frame's read of
+ * a plain send, appended by send(topic, body) (the store's C sender) and answered, in one
+ * call (connection.py's buffer_updated: no Python frame per send between the read and the
+ * append). (request_id, result, frame): the frame as kind, or None when the result's fields
+ * are not what send_answer packs; (request_id, None, exception) when send raised an
+ * Exception (nothing appended; the caller answers it); None when the read is not one
+ * plain send or its topic starts with reserved (the general path answers those). */
+PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyUnicode_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "plain_send(buffer, nbytes, max_frame_bytes, send, kind, reserved)");
+        return NULL;
+    }
+    PyTypeObject *kind = answer_kind(args[4]);
+    if (kind == NULL) return NULL;
+    PyObject *read = send_frame(self, args, 3);
+    if (read == NULL || read == Py_None) return read;
+    PyObject *rid = PyTuple_GET_ITEM(read, 0), *topic = PyTuple_GET_ITEM(read, 1);
+    Py_ssize_t reserved = PyUnicode_Tailmatch(topic, args[5], 0, PY_SSIZE_T_MAX, -1);
+    if (reserved != 0) {
+        Py_DECREF(read);
+        if (reserved < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *call[2] = {topic, PyTuple_GET_ITEM(read, 2)};
+    PyObject *result = PyObject_Vectorcall(args[3], call, 2, NULL), *third;
+    if (result == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* KeyboardInterrupt and the like */
+            Py_DECREF(read);
+            return NULL;
+        }
+        PyObject *type, *tb;
+        PyErr_Fetch(&type, &third, &tb);
+        PyErr_NormalizeException(&type, &third, &tb);
+        if (tb != NULL) PyException_SetTraceback(third, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        result = Py_None;
+        Py_INCREF(result);
+    } else {
+        third = answer_of(rid, result, kind);
+        if (third == NULL) {
+            Py_DECREF(result);
+            Py_DECREF(read);
+            return NULL;
+        }
+    }
+    Py_INCREF(rid);
+    Py_DECREF(read);
+    return triple(rid, result, third);
 }

@@ -180,6 +180,8 @@ PyObject *pack_columns(PyObject *self, PyObject *columns);
 PyObject *send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* sendframe.c: the plain send */
 PyObject *send_body(PyObject *self, PyObject *body);
 PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *frames_by_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* release.c */
 PyObject *results_of_columns(PyObject *self, PyObject *args);
 PyObject *all_bytes(PyObject *self, PyObject *items);
 PyObject *columns_answer(PyObject *self, PyObject *args);

@@ -42,6 +42,8 @@ from equeue.protocol.frames import (
 )
 from equeue.protocol.handshake import Hello, Welcome, choose_version
 from equeue.protocol.ops import check_args
+from equeue.protocol.records import pack_send_result
+from equeue.protocol.retries import RESERVED_PREFIX
 from equeue.server.groupcommit import Entry
 from equeue.server.handlers import DEFERRED, Frame, Packed
 
@@ -53,6 +55,11 @@ log = logging.getLogger("equeue.server")
 MIN_DECODE_ITEMS = 65536
 EVICT_AFTER_S = 1.0  # a full broker closes a peer silent this long for a new connection
 
+
+# (batch, Frame) -> [(connection, joined frames, count)] or None (cext/release.c)
+by_peer: Callable[[list[Entry], type], list[tuple[Any, bytes, int]] | None] | None = (
+    speedups.SPEEDUPS.frames_by_peer if speedups.SPEEDUPS is not None else None
+)
 
 READ_BUFFER_BYTES = 256 * 1024  # asyncio's own read size
 _per_loop = threading.local()  # a thread runs one event loop at a time
@@ -95,8 +102,43 @@ def _write_waiting(waiting: list[Connection]) -> None:
 
 def release_durable(batch: list[Entry], error: BaseException | None) -> None:
     """The answers of one group commit's fdatasync (groupcommit.py), in the loop callback
-    that got them: each connection's answers are queued, then written in one
-    ``transport.write`` per connection right here, not in a further callback."""
+    that got them, written in one ``transport.write`` per connection right here, not in a
+    further callback.
+
+    The commonest batch, plain sends' answers alone (each a Frame, made whole at append
+    time by the C packer), is grouped by connection in C (cext/release.c), each one's
+    frames joined: the Python below runs once per connection, not once per send (at one
+    send in flight per connection it was the broker's largest share of Python per durable
+    send, issue 23). Any other batch, or a failed flush, goes answer by answer."""
+    grouped = by_peer(batch, Frame) if by_peer is not None and error is None else None
+    if grouped is None:
+        _release_each(batch, error)
+        return
+    written = 0
+    for connection, data, count in grouped:
+        try:
+            connection.in_flight -= count
+            transport = connection.transport
+            if (
+                connection._out  # answers queued before these go first
+                or connection._ended  # to close after its last answer
+                or connection._batching
+                or connection.closed
+                or transport is None
+            ):
+                connection._released(data)
+            elif not transport.is_closing():
+                written += len(data)
+                transport.write(data)
+        except Exception:  # one connection's failure must not keep the others' answers
+            log.exception("%s: writing its answers failed", connection.where)
+    if written:
+        grouped[0][0].broker.counters.bytes_out += written
+
+
+def _release_each(batch: list[Entry], error: BaseException | None) -> None:
+    """release_durable answer by answer: each connection's answers queued (finish), then
+    written, one write per connection."""
     written: list[Connection] = []
     for peer, request_id, result in batch:
         connection: Connection = peer  # type: ignore[assignment]  # (no cast call per send)
@@ -143,9 +185,12 @@ class Connection(asyncio.BufferedProtocol):
         self._send_plain: Callable[[Connection, int, str, bytes], Any] = broker.handlers.send_plain
         fast = speedups.SPEEDUPS
         # C readers of a plain send (cext/sendframe.c); None: every frame the general way
-        self._send_frame = fast.send_frame if fast is not None else None
+        self._plain_send = fast.plain_send if fast is not None else None
         self._send_body = fast.send_body if fast is not None else None
         self._bodies_body = fast.bodies_body if fast is not None else None  # (send_bodies)
+        self._store = broker.store
+        self._commit = broker.handlers.commit  # None unless --flush sync
+        self._answer_kind = bytes if self._commit is None else Frame
         self._pack = broker.packer.pack
         self._read_view = _read_buffer()
         # Room for a send_batch past its limit to be answered LimitExceededError (the
@@ -263,53 +308,70 @@ class Connection(asyncio.BufferedProtocol):
         return self._read_view
 
     def buffer_updated(self, nbytes: int) -> None:
-        parse = self._send_frame
+        plain = self._plain_send
         if (
-            parse is not None
+            plain is not None
             and self._hello is None  # authenticated
             and not self._partial  # no frame begun in an earlier read
             and not self._backlog
             and not self.closed
+            and self.in_flight < self._max_in_flight
         ):
             # A read that is exactly one frame holding a plain send (a producer with one
-            # send in flight): read in C, answered with the frame send_plain makes.
-            plain = parse(self._read_view, nbytes, self._max_frame_bytes)
-            if plain is not None and self.in_flight < self._max_in_flight:
-                self._plain_send(nbytes, *plain)
+            # send in flight): read, appended and its answer packed in one C call
+            # (cext/sendframe.c), then what Handlers.send_plain does after its append,
+            # inline: no frame reader, msgpack, output list or write callback, and no
+            # Python call per send between the read and the append (issue 23).
+            got = plain(
+                self._read_view, nbytes, self._max_frame_bytes, self._store.send,
+                self._answer_kind, RESERVED_PREFIX,
+            )  # fmt: skip
+            if got is not None:
+                request_id, sent, frame = got
+                broker = self.broker
+                counters = broker.counters
+                counters.bytes_in += nbytes
+                counters.requests += 1
+                if sent is None:  # frame is the exception; nothing was appended
+                    self._plain_send_failed(request_id, frame)
+                    return
+                counters.sends += 1
+                counters.send_requests += 1
+                holds = broker.holds
+                if holds.count:
+                    holds.note(sent.topic, sent.queue_id, sent.queue_offset, "")
+                if frame is None:  # a result send_answer does not pack
+                    frame = self._answer_kind(
+                        encode([request_id, STATUS_OK, pack_send_result(sent)])
+                    )
+                commit = self._commit
+                if commit is not None:  # answered after the fdatasync covering it
+                    commit.add(self, request_id, frame, 1)
+                    self.in_flight += 1
+                elif self._out:  # answers made outside a read wait for their write: join
+                    self._queue(frame)
+                    self._write_out()
+                else:
+                    transport = self.transport
+                    if transport is not None and not transport.is_closing():
+                        counters.bytes_out += len(frame)
+                        transport.write(frame)
+                if holds.appended:
+                    holds.arrived()
                 return
         self.data_received(self._read_view[:nbytes])
 
-    def _plain_send(self, nbytes: int, request_id: int, topic: str, body: bytes) -> None:
-        """What data_received and _request do for that read, without the frame reader,
-        msgpack, the output list and the write callback."""
-        broker = self.broker
-        counters = broker.counters
-        counters.bytes_in += nbytes
-        counters.requests += 1
+    def _plain_send_failed(self, request_id: int, exc: Exception) -> None:
+        """A plain send of buffer_updated refused (nothing appended): its error answer; a
+        defect gets BrokerError, logged."""
+        if not isinstance(exc, EQueueError):
+            log.error("%s: op 'send' failed", self.where, exc_info=exc)
+        self._batching = True
         try:
-            frame = self._send_plain(self, request_id, topic, body)
-        except Exception as exc:  # not appended; a defect gets BrokerError, the broker lives on
-            if not isinstance(exc, EQueueError):
-                log.exception("%s: op 'send' failed", self.where)
-            self._batching = True
-            try:
-                self._answer_error(request_id, exc)
-            finally:
-                self._batching = False
-                self._write_out()
-            return
-        if frame is DEFERRED:
-            self.in_flight += 1
-        elif self._out:  # answers made outside a read wait for their write: join them
-            self._queue(frame)
+            self._answer_error(request_id, exc)
+        finally:
+            self._batching = False
             self._write_out()
-        else:
-            transport = self.transport
-            if transport is not None and not transport.is_closing():
-                counters.bytes_out += len(frame)
-                transport.write(frame)
-        if broker.holds.appended:
-            broker.holds.arrived()
 
     def data_received(self, data: bytes | memoryview) -> None:
         if self.closed:
@@ -567,7 +629,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         if type(outcome) is Frame:  # a whole answer frame (Handlers.send_plain)
-            data = outcome.data
+            data: bytes = outcome
             if self._batching:  # in release_durable, which writes them (the commonest)
                 self._out.append(data)
                 self._out_bytes += len(data)
@@ -579,6 +641,19 @@ class Connection(asyncio.BufferedProtocol):
             self._answer(request_id, STATUS_OK, outcome)
         else:
             self._answer_ok(request_id, outcome)
+        if self._ended and not self.in_flight and not self._backlog:
+            self.close()
+
+    def _released(self, data: bytes) -> None:
+        """release_durable's joined answers for a connection with more to do than write
+        them: answers queued before them go first; a half-closed client is closed after
+        its last answer."""
+        if self.closed:
+            return
+        self._out.append(data)
+        self._out_bytes += len(data)
+        if not self._batching:
+            self._write_out()
         if self._ended and not self.in_flight and not self._backlog:
             self.close()
 

@@ -56,15 +56,13 @@ class Packed:
         self.data = data
 
 
-class Frame:
+class Frame(bytes):
     """A whole answer frame, its header included (a plain send's under --flush sync):
-    finish() queues it as it is. A type of its own so that no other result that is bytes
-    (a body, say) can be taken for a frame and written raw."""
+    queued and written as it is. A type of its own so that no other result that is bytes
+    (a body, say) can be taken for a frame and written raw; a bytes subclass so that the
+    C answer packer makes it directly (cext/sendframe.c), with no wrapper per send."""
 
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    __slots__ = ()
 
 
 class Peer(Protocol):
@@ -168,7 +166,8 @@ class Handlers:
         it: the same checks and counts, without the args map, the op table and the wrapper
         (connection.py calls it for ``send`` requests of exactly those two arguments).
         The result is the answer's whole frame (bytes, the header included), or under
-        --flush sync DEFERRED with the frame handed to commit as a Frame."""
+        --flush sync DEFERRED with the frame handed to commit as a Frame (connection.py's
+        release_durable writes it as it is)."""
         if topic.startswith(RESERVED_PREFIX):
             check_client_write("send", {"topic": topic}, peer.where)
         sent = self.store.send(topic, body)
@@ -177,14 +176,17 @@ class Handlers:
         counters.send_requests += 1
         if self.holds.count:
             self.holds.note(topic, sent.queue_id, sent.queue_offset, "")
-        # The whole answer frame, made here: the connection queues it as it is.
-        frame = self._send_answer(rid, sent) if self._send_answer is not None else None
-        if frame is None:
-            frame = encode([rid, STATUS_OK, pack_send_result(sent)])
+        # The whole answer frame, made here: the connection queues it as it is; under
+        # --flush sync a Frame made by the C packer itself (no wrapper per send).
         commit = self.commit
+        kind = bytes if commit is None else Frame
+        pack = self._send_answer
+        frame = pack(rid, sent, kind) if pack is not None else None
+        if frame is None:
+            frame = kind(encode([rid, STATUS_OK, pack_send_result(sent)]))
         if commit is None:
             return frame
-        commit.add(peer, rid, Frame(frame), 1)
+        commit.add(peer, rid, frame, 1)
         return DEFERRED
 
     def send(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
