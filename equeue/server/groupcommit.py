@@ -23,14 +23,15 @@ still on their way), and every fdatasync costs the broker ~80-120 µs of CPU. So
 flush that released N answers to more than one connection, the flusher expects those N
 connections to send again, besides the M sends that arrived during that fdatasync (every
 send it knows to be in flight), and before its next fdatasync waits until N + M are
-waiting, or the wait's bound passes, or the broker drains or stops. Waits that end by
-their count merge the cohorts into one flush a round. It never waits when the last flush
-answered one connection (a lone sender, or one pipelining client: its next send is not
-made later), nor after it slept idle longer than ``STALE_S`` (the expectation is old), nor
-after a failed flush (the store refuses the sends it expected).
-A send arriving during the wait joins the flush, which starts after it: the ordering
-above is unchanged. The wait risks latency only (at most the bound per flush), never
-durability: nothing is answered before its fdatasync.
+waiting, or the wait's bound passes (``group_commit_wait_us``, and at most
+``WAIT_PER_FDATASYNC`` times the last fdatasync's duration), or the broker drains or
+stops. Waits that end by their count merge the cohorts into one flush a round. It never
+waits when the last flush answered one connection (a lone sender, or one pipelining
+client: its next send is not made later), nor after it slept idle longer than
+``STALE_S`` (the expectation is old), nor after a failed flush (the store refuses the
+sends it expected). A send arriving during the wait joins the flush, which starts after
+it: the ordering above is unchanged. The wait risks latency only (at most the bound per
+flush), never durability: nothing is answered before its fdatasync.
 
 A waiting answer is a (peer, request id, result) tuple, not a closure per send: at tens
 of thousands of durable sends a second the broker's CPU per send is the limit.
@@ -59,6 +60,11 @@ class Waiter(Protocol):
 Entry = tuple[Waiter, int, object]  # the peer, the request id, the answer once durable
 Release = Callable[[list[Entry], BaseException | None], None]
 
+# The wait lasts at most this many times the last fdatasync, besides group_commit_wait_us:
+# on a fast disk (the broker's CPU the limit) a batch grows ~3x and the connections not
+# yet back keep the loop busy meanwhile; on a slow one (the disk the limit) it waits for
+# every send in flight, up to group_commit_wait_us, and each fdatasync covers them all.
+WAIT_PER_FDATASYNC = 2.0
 STALE_S = 0.01  # idle this long, the flusher no longer expects the last flush's senders
 NEVER = 1 << 62  # _wake_at when the flusher is busy: no add wakes it
 
@@ -78,10 +84,12 @@ class CrossClientCommit:
         release: Release | None = None,
         wait_us: int = 0,
         stale_s: float = STALE_S,
+        wait_per_fdatasync: float = WAIT_PER_FDATASYNC,
     ) -> None:
         self._loop = loop
         self._max_wait = wait_us / 1e6  # the group-commit wait's bound (0: never wait)
         self._stale = stale_s
+        self._per_fdatasync = wait_per_fdatasync
         self._flush_log = flush_log
         self._release_batch = release or finish_each
         self._lock = threading.Lock()
@@ -124,6 +132,7 @@ class CrossClientCommit:
     def _run(self) -> None:
         wake, loop = self._wake, self._loop
         expect = 0  # sends in flight after the last flush, when it answered several connections
+        took = 0.0  # the last fdatasync's duration (s)
         while True:
             with wake:
                 if not self._waiting and not self._stopping:
@@ -134,7 +143,7 @@ class CrossClientCommit:
                     if time.monotonic() - slept > self._stale:
                         expect = 0
                 if self._waiting and expect > len(self._waiting):
-                    self._wait_for(expect)
+                    self._wait_for(expect, min(self._max_wait, self._per_fdatasync * took))
                 self._wake_at = NEVER
                 if not self._waiting:  # stopping, and nothing left
                     return
@@ -142,10 +151,12 @@ class CrossClientCommit:
                 messages, self._messages = self._messages, 0
                 self._taken += len(batch)
             error: BaseException | None = None
+            began = time.monotonic()
             try:
                 self._flush_log()
             except BaseException as exc:  # answered to the batch's clients, on the loop
                 error = exc
+            took = time.monotonic() - began
             expect = expected(batch) if self._max_wait and error is None else 0
             if expect:  # and the sends that came during this flush: every one in flight
                 expect += len(self._waiting)
@@ -156,11 +167,11 @@ class CrossClientCommit:
                 log.error("the event loop closed with %d durable answers unsent", len(batch))
                 return
 
-    def _wait_for(self, expect: int) -> None:
-        """Under _lock, on the flusher: until ``expect`` answers wait, the bound passes, or
-        drain/close asks for the flush now."""
+    def _wait_for(self, expect: int, bound: float) -> None:
+        """Under _lock, on the flusher: until ``expect`` answers wait, ``bound`` seconds
+        pass, or drain/close asks for the flush now."""
         self.waits += 1
-        deadline = time.monotonic() + self._max_wait
+        deadline = time.monotonic() + bound
         while len(self._waiting) < expect and not (self._stopping or self._hurry):
             left = deadline - time.monotonic()
             if left <= 0:
