@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from test_groupcommit_order import _until
 
 from equeue.errors import ConfigError
 from equeue.server.config import ServerConfig
@@ -102,14 +103,6 @@ class Sender:
             asyncio.get_running_loop().call_later(self.delay * step, self._add)
         else:
             self._add()
-
-
-async def _until(check: object, what: str) -> None:
-    for _ in range(int(LIMIT_S / 0.002)):
-        if callable(check) and check():
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def _rounds(connections: int, sends: int, wait_us: int) -> tuple[Flushes, CrossClientCommit]:
