@@ -17,12 +17,12 @@ class HeldFlush:
     """A flush_log the test opens and closes: each call notes how many sends were appended
     when it started, and the sends it made durable when it ends."""
 
-    def __init__(self, appended: list[int]) -> None:
+    def __init__(self, appended: list[int], flushes: int = 3) -> None:
         self.appended = appended
         self.durable = 0  # sends [0, durable) are covered by a finished flush
         self.calls = 0
-        self.started = [threading.Event() for _ in range(3)]
-        self.proceed = [threading.Event() for _ in range(3)]
+        self.started = [threading.Event() for _ in range(flushes)]
+        self.proceed = [threading.Event() for _ in range(flushes)]
 
     def __call__(self) -> None:
         n = self.calls
@@ -127,3 +127,57 @@ def test_close_stops_the_flusher_thread() -> None:
 
     commit = asyncio.run(scenario())
     assert not commit._thread.is_alive()
+
+
+async def _waiting_scenario() -> tuple[list[Peer], HeldFlush, CrossClientCommit]:
+    """The group-commit wait (a bound no test reaches): sends added during the wait join
+    the flush that follows it; a send added while that flush runs waits for the next."""
+    loop = asyncio.get_running_loop()
+    appended: list[int] = []
+    flush = HeldFlush(appended, 5)
+    a, b, c = Peer(flush), Peer(flush), Peer(flush)
+    commit = CrossClientCommit(
+        loop, flush, wait_us=60_000_000, stale_s=600.0, wait_per_fdatasync=1e12
+    )
+
+    def send(peer: Peer) -> None:
+        appended.append(len(appended))  # the append comes before the answer is handed over
+        commit.add(peer, appended[-1], "ok")
+
+    try:
+        send(a)  # 0
+        assert await asyncio.to_thread(flush.started[0].wait, WAIT_S)
+        send(b)  # 1
+        send(c)  # 2
+        flush.proceed[0].set()  # flush 0 answered a alone: no wait before flush 1 (b, c)
+        assert await asyncio.to_thread(flush.started[1].wait, WAIT_S)
+        await _until(lambda: a.answers, "a's first answer")
+        send(a)  # 3, during flush 1: with b's and c's next sends, three are expected
+        flush.proceed[1].set()
+        await _until(lambda: commit.waits == 1, "the flusher to wait")
+        send(b)  # 4, during the wait: not yet the expected count
+        await asyncio.sleep(0.05)  # room for a wrong flush to start
+        assert not flush.started[2].is_set() and commit.pending == 2
+        send(c)  # 5: the count is there, flush 2 starts after it
+        assert await asyncio.to_thread(flush.started[2].wait, WAIT_S)
+        send(a)  # 6, while flush 2 runs: for flush 3
+        flush.proceed[2].set()
+        await _until(lambda: len(c.answers) == 2, "c's second answer")
+        await asyncio.sleep(0.05)  # room for a wrong release of send 6 to show
+        assert [x[0] for x in a.answers] == [0, 3], a.answers
+        flush.proceed[3].set()
+        await asyncio.wait_for(commit.drain(), WAIT_S)
+    finally:
+        for event in flush.proceed:
+            event.set()
+        commit.close()
+    return [a, b, c], flush, commit
+
+
+def test_sends_added_during_the_wait_join_the_flush_after_it_and_no_earlier() -> None:
+    peers, flush, commit = asyncio.run(_waiting_scenario())
+    assert [[x[0] for x in p.answers] for p in peers] == [[0, 3, 6], [1, 4], [2, 5]]
+    for peer in peers:
+        for seq, outcome, durable in peer.answers:
+            assert outcome == "ok" and seq < durable, f"send {seq} answered at {durable}"
+    assert flush.calls == 4 and commit.waits_full == 1

@@ -52,15 +52,22 @@ def acknowledged(output: str) -> dict[int, str]:
     return acks
 
 
-def run_until(home: Path, stop: signal.Signals, flush: str) -> None:
+def run_until(
+    home: Path,
+    stop: signal.Signals,
+    flush: str,
+    broker_args: tuple[str, ...] = (),
+    producer_args: tuple[str, ...] = (),
+) -> None:
     store = home / "s"
-    broker, url = start_broker(store, "--flush", flush)
+    broker, url = start_broker(store, "--flush", flush, *broker_args)
     producers: list[subprocess.Popen[bytes]] = []
     outputs: list[str] = []
     try:
         for number in range(PRODUCERS):
             producers.append(subprocess.Popen(
-                [sys.executable, str(HERE / "broker_producer.py"), url, f"p{number}"],
+                [sys.executable, str(HERE / "broker_producer.py"), url, f"p{number}",
+                 *producer_args],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             ))  # fmt: skip
         # Let them send a while (the sends, not the time, are what is checked): until every

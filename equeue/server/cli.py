@@ -15,7 +15,12 @@ from equeue.protocol.frames import (
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_PULL_COUNT,
 )
-from equeue.server.config import EVENT_LOOPS, SOCKET_NAME, ServerConfig
+from equeue.server.config import (
+    DEFAULT_GROUP_COMMIT_WAIT_US,
+    EVENT_LOOPS,
+    SOCKET_NAME,
+    ServerConfig,
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +35,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="sync: answer a send once an fdatasync covers it (shared by every client); "
         "async (default): at once, the store flushing in the background; os: at once, "
         "never flushing by itself",
+    )  # fmt: skip
+    parser.add_argument(
+        "--group-commit-wait-us", type=int, default=DEFAULT_GROUP_COMMIT_WAIT_US, metavar="US",
+        help="--flush sync: the most an fdatasync waits for the sends the previous one's "
+        "answers should bring back from several connections, so one covers more (0: never; "
+        f"default {DEFAULT_GROUP_COMMIT_WAIT_US}); risks latency, never durability",
     )  # fmt: skip
     parser.add_argument("--token-file", help="clients must send the token in this file")
     parser.add_argument("--tls-cert", help="certificate (PEM) for tls:// listeners")
@@ -73,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_messages=args.max_batch_messages, max_pull_count=args.max_pull_count,
         hello_timeout_ms=args.hello_timeout_ms,
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
-        event_loop=args.event_loop,
+        event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
     )  # fmt: skip
     from equeue.server.serve import serve
 

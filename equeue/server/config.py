@@ -24,6 +24,8 @@ from equeue.protocol.frames import (
     MIN_MAX_FRAME_BYTES,
 )
 
+DEFAULT_GROUP_COMMIT_WAIT_US = 0  # off: measured no gain (docs/benchmarks.md, round 5)
+MAX_GROUP_COMMIT_WAIT_US = 100_000
 BrokerFlush = Literal["sync", "async", "os"]
 EventLoop = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
@@ -103,6 +105,10 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     drain_timeout_ms: int = 10_000  # SIGTERM: how long answers may take to leave
+    # --flush sync: the most an fdatasync waits for the sends the previous one's answers
+    # are expected to bring back from several connections (groupcommit.py); 0: never
+    # waits. Risks latency (at most this per flush), never durability.
+    group_commit_wait_us: int = DEFAULT_GROUP_COMMIT_WAIT_US
     # One request's work: messages of a send_batch (and items of any array or map a
     # request may hold, checked while decoding), messages of a pull's answer.
     max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES
@@ -137,6 +143,7 @@ class ServerConfig:
         check_int("max_connections", self.max_connections, 1, 1 << 20)
         check_int("write_buffer_high", self.write_buffer_high, 1024, 1 << 34)
         check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 3_600_000)
+        check_int("group_commit_wait_us", self.group_commit_wait_us, 0, MAX_GROUP_COMMIT_WAIT_US)
         check_int("max_batch_messages", self.max_batch_messages, 1, 1 << 24)
         check_int("max_pull_count", self.max_pull_count, 1, 1 << 24)
         check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)

@@ -161,7 +161,9 @@ class Broker:
         self._stop = asyncio.Event()
         self.holds = Holds(loop, self.store, self._answer_held)
         self.commit = (
-            CrossClientCommit(loop, self.store.flush_log, release_durable)
+            CrossClientCommit(
+                loop, self.store.flush_log, release_durable, self.config.group_commit_wait_us
+            )
             if self.config.flush == "sync"
             else None
         )
