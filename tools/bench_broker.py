@@ -63,6 +63,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the broker's --event-loop (default: none given, the broker's own default)",
     )
     parser.add_argument(
+        "--group-commit-wait-us",
+        type=int,
+        help="the --flush sync broker's --group-commit-wait-us (default: its own, 0)",
+    )
+    parser.add_argument(
         "--client-loop",
         choices=("uvloop", "asyncio"),
         default="asyncio",
@@ -121,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "window": WINDOW,
         "event_loop": args.event_loop or "default (--event-loop not given)",
         "client_loop": args.client_loop,
+        "group_commit_wait_us": args.group_commit_wait_us,
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "wall_seconds": time.perf_counter() - started,

@@ -382,6 +382,9 @@ class Bench:
         try:
             loop = self.args.event_loop
             extra = ["--event-loop", loop] if loop else []
+            wait = self.args.group_commit_wait_us
+            if flush == "sync" and wait is not None:
+                extra += ["--group-commit-wait-us", str(wait)]
             return servers.start_broker(store, flush, self.base / f"broker-{flush}.log", extra)
         except servers.ServerError as error:
             self.notes.append(f"the broker (--flush {flush}) did not start: {_flat(error)}")

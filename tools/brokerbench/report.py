@@ -177,6 +177,8 @@ def _meta_lines(meta: dict[str, Any]) -> str:
             f"- Source: {meta['source']}",
             f"- Event loops: the broker's {meta.get('event_loop', '(its default)')}, "
             f"the asyncio producers' {meta.get('client_loop', 'asyncio')}",
+            f"- The --flush sync broker's group-commit wait: "
+            f"{_wait_text(meta.get('group_commit_wait_us'))}",
             f"- Load average (1/5/15 min): before {before}, after {after}",
             f"- Wall time: {meta['wall_seconds']:.0f} s",
         ]
@@ -353,3 +355,9 @@ def summary(runs: list[dict[str, Any]]) -> str:
     lines = [f"{len(runs)} runs, {len(failed)} failed"]
     lines += [f"FAILED {r['case']} {r['system']}: {r['error'][:500]}" for r in failed]
     return "\n".join(lines)
+
+
+def _wait_text(wait: object) -> str:
+    if wait is None:
+        return "its default (--group-commit-wait-us not given)"
+    return f"--group-commit-wait-us {wait}"

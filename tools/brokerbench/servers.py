@@ -22,14 +22,16 @@ class ServerError(Exception):
 
 
 class Server:
-    def __init__(self, name: str, argv: list[str], socket_path: Path, log: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], socket_path: Path, log: Path, cwd: Path | None = None
+    ) -> None:
         self.name = name
         self.socket_path = socket_path
         self.log = log
         self.argv = argv
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd
             )
 
     @property
@@ -79,10 +81,19 @@ class Server:
 
 
 def start_broker(store: Path, flush: str, log: Path, extra: list[str] | None = None) -> Server:
-    """``equeue serve STORE --flush FLUSH`` on its default listener, ``STORE/broker.sock``."""
+    """``equeue serve STORE --flush FLUSH`` on its default listener, ``STORE/broker.sock``.
+
+    Started in the store's parent directory: ``python -m`` puts its working directory
+    first on sys.path, ahead of PYTHONPATH, so a run started in another checkout would
+    serve that checkout's equeue instead of the one PYTHONPATH (or the install) names."""
+    store = store.resolve()
     argv = [sys.executable, "-m", "equeue", "serve", str(store), "--flush", flush]
     server = Server(
-        f"equeue serve --flush {flush}", argv + (extra or []), store / "broker.sock", log
+        f"equeue serve --flush {flush}",
+        argv + (extra or []),
+        store / "broker.sock",
+        log,
+        cwd=store.parent,
     )
     server.wait_ready()
     return server
