@@ -6,13 +6,17 @@ the chunk from its start (the stall of a batched broker's loop at each 256 MiB).
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
 import xxhash
 
 from equeue import MessageStore, StoreConfig
+from equeue.chunks import chunk as chunkmod
+from equeue.chunks import space
 from equeue.chunks.chunk import Chunk
+from equeue.errors import DiskFullError
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, ChunkFooter
 from equeue.inspect.verify import verify_store
 
@@ -67,3 +71,42 @@ def test_footers_hashed_as_the_writer_goes_are_the_whole_chunks_hash(
     assert all(start > 0 for start in started[:resumed])
     assert started[resumed:][0] == 0 or resumed == len(started)
     assert verify_store(path) == []
+
+
+@pytest.mark.parametrize("footer_fails", [False, True])
+def test_a_complete_retried_after_its_footer_failed_hashes_the_chunk_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, footer_fails: bool
+) -> None:
+    # The footer's block allocation meets a full disk once (after the rest was hashed);
+    # the next send completes the chunk again: its footer must still be the chunk's hash.
+    # Control: no failure, the same sends, the same checks.
+    real = space.allocate
+    armed = {"fail": False, "failed": 0}
+
+    def allocate(fd: int, offset: int, length: int) -> bool:
+        if armed["fail"] and length == FOOTER_SIZE:
+            armed["fail"] = False
+            armed["failed"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(chunkmod, "_allocate", allocate)
+    path = tmp_path / "s"
+    refused = 0
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 1)
+        for i in range(20_000):  # 1 MiB log chunks: several complete
+            armed["fail"] = armed["fail"] or (footer_fails and i == 9000)
+            try:
+                store.send("t", b"x" * 100)
+            except DiskFullError:
+                refused += 1
+    assert armed["failed"] == refused == int(footer_fails)
+    footers = _footers(path)
+    assert len(footers) >= 3
+    for file, footer, data in footers:
+        whole = xxhash.xxh3_64_intdigest(data[: HEADER_SIZE + footer.physical_data_size])
+        assert footer.checksum == whole, file
+    assert verify_store(path) == []
+    with MessageStore.open(path, CONFIG) as store:
+        assert store.queue_range("t", 0)[1] == 20_000 - refused

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import xxhash
 
+from equeue.chunks.footer import footer_timestamps
 from equeue.chunks.prefault import PREFAULTER, WINDOW
-from equeue.chunks.runninghash import RunningHash
+from equeue.chunks.runninghash import RunningHash, chunk_checksum
+from equeue.chunks.space import allocate as _allocate  # (patched by tests, by that name)
 from equeue.chunks.space import punch_hole
 from equeue.errors import (
     ChunkRemovedError,
@@ -38,7 +40,6 @@ from equeue.format.chunk import (
     MAP_ENTRY,
     MAP_ENTRY_SIZE,
     TEMP_SUFFIX,
-    TIMESTAMP,
     ChunkFooter,
     ChunkHeader,
     chunk_file_name,
@@ -508,16 +509,14 @@ class Chunk:
         mm = self._mm
         assert mm is not None and self._writable, "complete() on a chunk not open for writing"
         self.flush()
-        hasher, start = self._hashed.rest() if self._hashed else (xxhash.xxh3_64(), 0)
-        end = HEADER_SIZE + self.data_end
-        with memoryview(mm) as view:
-            # A window at a time, releasing what lies a window behind, so completing a
-            # chunk does not fault all of it back in at once.
-            step = self._window
-            for at in range(start, end, step):
-                hasher.update(view[at : min(end, at + step)])
-                self._release(at + step - HEADER_SIZE)
-        first, last = self._timestamps()
+        checksum = chunk_checksum(
+            self._hashed,
+            mm,
+            HEADER_SIZE + self.data_end,
+            self._window,
+            lambda at: self._release(at - HEADER_SIZE),
+        )
+        first, last = footer_timestamps(mm, self.header, self.data_end, self.record_count)
         footer = ChunkFooter(
             completed=True,
             physical_data_size=self.data_end,
@@ -526,7 +525,7 @@ class Chunk:
             record_count=self.record_count,
             first_timestamp=first,
             last_timestamp=last,
-            checksum=hasher.intdigest(),
+            checksum=checksum,
         )
         at = len(mm) - FOOTER_SIZE
         try:  # the footer's block (a hole until now), so writing it cannot meet a full disk
@@ -551,21 +550,6 @@ class Chunk:
             start = _round_page(HEADER_SIZE + self.data_end)
             punch_hole(self._fd, start, (at // _PAGE * _PAGE) - start)
         return footer
-
-    def _timestamps(self) -> tuple[int | None, int | None]:
-        ts_off = self.header.timestamp_offset
-        if ts_off is None or self.record_count == 0:
-            return None, None
-        mm = self.mapping()
-        end = HEADER_SIZE + self.data_end
-        if self.header.record_size:
-            frame, last_start = 0, end - self.header.record_size
-        else:  # the last frame's length suffix says where that frame starts
-            (length,) = FRAME_PREFIX.unpack_from(mm, end - FRAME_PREFIX_SIZE)
-            frame, last_start = FRAME_PREFIX_SIZE, end - length - FRAME_OVERHEAD
-        (first,) = TIMESTAMP.unpack_from(mm, HEADER_SIZE + frame + ts_off)
-        (last,) = TIMESTAMP.unpack_from(mm, last_start + frame + ts_off)
-        return first, last
 
     # --- reading -------------------------------------------------------------
 
@@ -765,17 +749,6 @@ class Chunk:
             # A reader may still hold a view; then the mapping dies with it.
             with contextlib.suppress(BufferError):
                 mm.close()
-
-
-def _allocate(fd: int, offset: int, length: int) -> bool:
-    """posix_fallocate; False where the file system cannot (the file stays sparse there)."""
-    try:
-        os.posix_fallocate(fd, offset, length)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        return False
-    return True
 
 
 def _round_page(n: int) -> int:

@@ -1,11 +1,23 @@
-"""Reading a chunk file's footer at open, with the checks a completed chunk must pass."""
+"""A chunk file's footer: reading it at open, with the checks a completed chunk must pass,
+and the first and last timestamps ``Chunk.complete`` writes into it."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 from equeue.errors import CorruptionError, TruncatedError
-from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, ChunkFooter, ChunkHeader, chunk_file_size
+from equeue.format.chunk import (
+    FOOTER_SIZE,
+    FRAME_OVERHEAD,
+    FRAME_PREFIX,
+    FRAME_PREFIX_SIZE,
+    HEADER_SIZE,
+    TIMESTAMP,
+    ChunkFooter,
+    ChunkHeader,
+    chunk_file_size,
+)
 from equeue.safepath import open_file
 
 
@@ -39,3 +51,22 @@ def read_footer(path: Path, header: ChunkHeader, size: int, *, last: bool) -> Ch
             offset=at + 8,
         )
     return footer
+
+
+def footer_timestamps(
+    mm: mmap.mmap, header: ChunkHeader, data_end: int, record_count: int
+) -> tuple[int | None, int | None]:
+    """The first and last records' timestamps of a chunk's data (None, None where its
+    records carry none, or it has no record)."""
+    ts_off = header.timestamp_offset
+    if ts_off is None or record_count == 0:
+        return None, None
+    end = HEADER_SIZE + data_end
+    if header.record_size:
+        frame, last_start = 0, end - header.record_size
+    else:  # the last frame's length suffix says where that frame starts
+        (length,) = FRAME_PREFIX.unpack_from(mm, end - FRAME_PREFIX_SIZE)
+        frame, last_start = FRAME_PREFIX_SIZE, end - length - FRAME_OVERHEAD
+    (first,) = TIMESTAMP.unpack_from(mm, HEADER_SIZE + frame + ts_off)
+    (last,) = TIMESTAMP.unpack_from(mm, last_start + frame + ts_off)
+    return first, last

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Callable
 
 import xxhash
 
@@ -38,5 +39,23 @@ class RunningHash:
                 self.upto = stop
 
     def rest(self) -> tuple[xxhash.xxh3_64, int]:
-        """The hasher and where it stopped, for ``complete`` to finish."""
-        return self._hasher, self.upto
+        """A copy of the hasher and where it stopped, for ``complete`` to finish. A copy:
+        a ``complete`` that fails after hashing (its footer's block meeting a full disk)
+        is called again by the next write, and must hash the rest once, not twice."""
+        with self._lock:
+            return self._hasher.copy(), self.upto
+
+
+def chunk_checksum(
+    hashed: RunningHash | None, mm: mmap.mmap, end: int, step: int, release: Callable[[int], None]
+) -> int:
+    """The footer's checksum of the file's first ``end`` bytes: what ``hashed`` has not
+    taken yet (all of them without it), a window (``step``) at a time, calling ``release``
+    with the file offset a window behind, so completing a chunk does not fault all of it
+    back in at once."""
+    hasher, start = hashed.rest() if hashed is not None else (xxhash.xxh3_64(), 0)
+    with memoryview(mm) as view:
+        for at in range(start, end, step):
+            hasher.update(view[at : min(end, at + step)])
+            release(at + step)
+    return hasher.intdigest()

@@ -1,4 +1,5 @@
-"""Giving back the disk blocks a completed chunk does not use.
+"""A chunk file's disk blocks: allocating them (``allocate``), and giving back those a
+completed chunk does not use (``punch_hole``).
 
 A chunk's blocks are allocated in steps ahead of its writer (Chunk.reserve), so when a
 record does not fit and the chunk is completed, the blocks between its data and its
@@ -13,7 +14,9 @@ else changes).
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
+import os
 
 log = logging.getLogger("equeue.chunks")
 
@@ -42,5 +45,16 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
     mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
     if _fallocate(fd, mode, offset, length) != 0:
         log.debug("punching a hole failed: errno %d", ctypes.get_errno())
+        return False
+    return True
+
+
+def allocate(fd: int, offset: int, length: int) -> bool:
+    """posix_fallocate; False where the file system cannot (the file stays sparse there)."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
         return False
     return True
