@@ -43,7 +43,7 @@ NOW_NS = 1_700_000_000_123_456_789
 def _read(frame: bytes) -> Any:
     """bodies_body's reading as msgpack would give it, or None."""
     assert speedups.SPEEDUPS is not None
-    read = speedups.SPEEDUPS.bodies_body(frame)
+    read = speedups.SPEEDUPS.bodies_body(frame, 1 << 24)
     if read is None:
         return None
     rid, topic, spans = read
@@ -272,3 +272,59 @@ def test_a_read_only_handle_in_another_process_reads_batches_as_they_arrive(home
             reader.kill()
             reader.wait(10)
     assert {int(q): bodies for q, bodies in json.loads(out).items()} == expected
+
+
+def test_bodies_past_the_limit_are_left_to_the_general_path() -> None:
+    assert speedups.SPEEDUPS is not None
+    read = speedups.SPEEDUPS.bodies_body
+    for count in (1, 3, 100):
+        frame = msgpack.packb([7, "send_bodies", {"topic": "t", "bodies": [b""] * count}])
+        assert len(read(frame, count)[2]) == count
+        assert read(frame, count - 1) is None
+
+
+# A frame of 4,000,000 empty bodies (2 bytes each): before, bodies_body took 16 bytes a
+# body (61 MiB) before the limit refused it. The broker in a process of its own, its peak
+# memory (ru_maxrss) taken around the refusal.
+_FLOOD = """
+import resource, struct, sys, tempfile
+from pathlib import Path
+from server_helpers import raw
+from equeue import MessageStore, StoreConfig
+from equeue.protocol.frames import check_answer
+from equeue.server import BrokerThread
+n = 4_000_000
+body = (b"\\x93\\x01\\xabsend_bodies\\x82\\xa5topic\\xa1t\\xa6bodies\\xdd" + struct.pack(">I", n)
+        + b"\\xc4\\x00" * n)
+path = Path(sys.argv[1]) / "s"
+with MessageStore.open(path, StoreConfig(flush="async")) as store, BrokerThread(store) as broker:
+    store.create_topic("t", 1)
+    with raw(broker.urls[0]) as connection:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        connection.send_raw(len(body).to_bytes(4, "big") + body)
+        rid, status, error = check_answer(connection.recv(), "test")
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(json.dumps([rid, status, error, grew << 10, len(body), store.queue_range("t", 0)]))
+"""
+
+
+def test_a_frame_of_many_empty_bodies_is_refused_without_memory_per_body() -> None:
+    directory = short_dir()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", "import json\n" + _FLOOD, str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    rid, status, error, grew, size, queue = json.loads(out)
+    assert (rid, status, error["code"]) == (0, 1, "ProtocolError")
+    assert "4000000 exceeds max_array_len(131072)" in error["message"]  # the decoder's refusal
+    assert "max_batch_messages=65536" in error["message"]
+    assert queue == [0, 0]
+    # The frame read and copied, a few times its size (measured 22 MiB); not 16 B a body
+    assert grew < 4_000_000 * 12, (grew, size)

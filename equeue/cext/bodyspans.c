@@ -68,8 +68,10 @@ static Py_ssize_t raw_head(const unsigned char **p, const unsigned char *end, ch
 }
 
 /* The bodies array at *p (advanced past it) as a new BodySpans of frame; None (new
- * reference) when it is not a non-empty array of bin alone; NULL on no memory. */
-static PyObject *read_spans(PyObject *frame, const unsigned char **p, const unsigned char *end) {
+ * reference) when it is not a non-empty array of bin alone, or holds more than max
+ * bodies; NULL on no memory. */
+static PyObject *read_spans(PyObject *frame, const unsigned char **p, const unsigned char *end,
+                            uint64_t max) {
     const unsigned char *q = *p, *base = (const unsigned char *)PyBytes_AS_STRING(frame);
     if (q >= end) Py_RETURN_NONE;
     unsigned c = *q++;
@@ -83,7 +85,11 @@ static PyObject *read_spans(PyObject *frame, const unsigned char **p, const unsi
         q += k;
     } else
         Py_RETURN_NONE;
-    if (n == 0 || n > (uint64_t)(end - q)) Py_RETURN_NONE; /* a body takes a byte at least */
+    /* A body takes two bytes at least (an empty bin), so the bytes left bound the count,
+     * but only to the frame's size: the spans take 16 bytes a body, and the request is
+     * refused past max anyway (max_batch_messages). More than that, nothing is allocated:
+     * the general path refuses it (its decoder's limit on items). */
+    if (n == 0 || n > max || n > (uint64_t)(end - q) / 2) Py_RETURN_NONE;
     BodySpans *spans = PyObject_New(BodySpans, &BodySpansType);
     if (spans == NULL) return NULL;
     spans->frame = Py_NewRef(frame);
@@ -107,9 +113,16 @@ static PyObject *read_spans(PyObject *frame, const unsigned char **p, const unsi
     return (PyObject *)spans;
 }
 
-/* bodies_body(body): a frame body (bytes) holding a send_bodies request as
- * (request_id, topic, BodySpans); else None. */
-PyObject *bodies_body(PyObject *self, PyObject *frame) {
+/* bodies_body(body, max_bodies): a frame body (bytes) holding a send_bodies request of
+ * at most max_bodies bodies as (request_id, topic, BodySpans); else None. */
+PyObject *bodies_body(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "bodies_body(body: bytes, max_bodies: int)");
+        return NULL;
+    }
+    PyObject *frame = args[0];
+    unsigned long long max = PyLong_AsUnsignedLongLong(args[1]);
+    if (max == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     if (!PyBytes_CheckExact(frame)) Py_RETURN_NONE;
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(frame);
     const unsigned char *end = p + PyBytes_GET_SIZE(frame);
@@ -130,7 +143,7 @@ PyObject *bodies_body(PyObject *self, PyObject *frame) {
             p += topic_len;
         } else if (n == 6 && memcmp(p, "bodies", 6) == 0 && spans == NULL) {
             p += 6;
-            spans = read_spans(frame, &p, end);
+            spans = read_spans(frame, &p, end, max);
             if (spans == NULL) return NULL;
             if (spans == Py_None) goto none;
         } else

@@ -87,7 +87,7 @@ static PyMethodDef methods[] = {
     {"all_bytes", all_bytes, METH_O, NULL},
     {"columns_answer", columns_answer, METH_VARARGS, NULL},
     {"bodies_request", bodies_request, METH_VARARGS, NULL},
-    {"bodies_body", bodies_body, METH_O, NULL},
+    {"bodies_body", (PyCFunction)(void (*)(void))bodies_body, METH_FASTCALL, NULL},
     {"client_send_frame", (PyCFunction)(void (*)(void))client_send_frame, METH_FASTCALL, NULL},
     {"client_send_result", (PyCFunction)(void (*)(void))client_send_result, METH_FASTCALL,
      NULL},

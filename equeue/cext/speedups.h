@@ -195,7 +195,7 @@ typedef struct {
 } BodySpans;
 extern PyTypeObject BodySpansType;
 int body_spans_ready(void);
-PyObject *bodies_body(PyObject *self, PyObject *body);
+PyObject *bodies_body(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* record.c: behaving as a NamedTuple of n fields, for Message and SendResult */
 typedef struct {

@@ -188,6 +188,7 @@ class Connection(asyncio.BufferedProtocol):
         self._plain_send = fast.plain_send if fast is not None else None
         self._send_body = fast.send_body if fast is not None else None
         self._bodies_body = fast.bodies_body if fast is not None else None  # (send_bodies)
+        self._max_bodies = config.max_batch_messages  # (more: not read in C, nothing allocated)
         self._store = broker.store
         self._commit = broker.handlers.commit  # None unless --flush sync
         self._answer_kind = bytes if self._commit is None else Frame
@@ -582,7 +583,7 @@ class Connection(asyncio.BufferedProtocol):
         handlers.send_spans): True when answered; False, nothing done, to decode the
         frame and serve it the general way (that path's own checks, answers, refusals)."""
         assert self._bodies_body is not None
-        read = self._bodies_body(body)
+        read = self._bodies_body(body, self._max_bodies)
         if read is None or self.in_flight >= self._max_in_flight:
             return False
         request_id, topic, bodies = read
