@@ -390,3 +390,72 @@ def test_frames_by_peer_leaves_any_other_batch_to_the_answer_by_answer_path() ->
     unhashable: list[Any] = []
     with pytest.raises(TypeError):
         fast.frames_by_peer([(unhashable, 1, framed)], Frame)
+
+
+@pytest.mark.parametrize("failure", [MemoryError, RuntimeError])
+def test_a_grouping_that_fails_leaves_the_batch_to_the_answer_by_answer_path(
+    monkeypatch: pytest.MonkeyPatch, failure: type[Exception]
+) -> None:
+    """frames_by_peer raising (no memory; release.c's "the batch changed") lost every
+    answer of the flushed batch, and their connections' in_flight stayed counted."""
+    import equeue.server.connection as connection_module
+
+    def fails(batch: object, kind: object) -> None:
+        raise failure("frames_by_peer failed")
+
+    monkeypatch.setattr(connection_module, "by_peer", fails)
+    directory = short_dir()
+    try:
+        seen = asyncio.run(_grouped(directory / "s"))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert seen["answers"] == [
+        [[1, STATUS_OK, "r1"], [3, STATUS_OK, "r3"]],
+        [[2, STATUS_OK, "r2"]],
+        [],
+        [[5, STATUS_OK, "r5"]],
+    ]
+    assert seen["writes"] == [1, 1, 0, 1]  # exact bytes each (CountingRecorder)
+    assert seen["in_flight"] == [0, 0, 0, 0]
+    assert seen["ended_closed"] is True
+    assert seen["bytes_out"] == seen["sizes"]
+
+
+async def _mixed(directory: Path) -> tuple[list[list[Any]], list[int], list[int]]:
+    """A flushed batch of a Frame and a deferred value (a send_bodies' result): answer by
+    answer (finish, _write_out), each connection with one answer."""
+    broker = Broker(directory, ServerConfig(flush="sync"))
+    await broker.start()
+    try:
+        peers = []
+        for _ in range(2):
+            transport = CountingRecorder()
+            connection = Connection(broker, "test", 1)
+            transport.protocol = connection
+            connection.connection_made(transport)  # type: ignore[arg-type]
+            _feed(connection, encode(Hello(client="t").pack()))
+            transport.data.clear()
+            transport.writes = 0
+            connection.in_flight = 1
+            peers.append((connection, transport))
+        (one, _), (two, _) = peers
+        batch = [(one, 1, Frame(encode([1, STATUS_OK, "r1"]))), (two, 2, "r2")]
+        release_durable(batch, None)  # type: ignore[arg-type]
+        return (
+            [_answers(t) for _, t in peers],
+            [t.writes for _, t in peers],
+            [c.in_flight for c, _ in peers],
+        )
+    finally:
+        await broker._drain()
+
+
+def test_a_lone_frame_answered_by_finish_is_written_as_exact_bytes() -> None:
+    directory = short_dir()
+    try:
+        answers, writes, in_flight = asyncio.run(_mixed(directory / "s"))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert answers == [[[1, STATUS_OK, "r1"]], [[2, STATUS_OK, "r2"]]]
+    assert writes == [1, 1]  # exact bytes each (CountingRecorder)
+    assert in_flight == [0, 0]

@@ -110,7 +110,12 @@ def release_durable(batch: list[Entry], error: BaseException | None) -> None:
     frames joined: the Python below runs once per connection, not once per send (at one
     send in flight per connection it was the broker's largest share of Python per durable
     send, issue 23). Any other batch, or a failed flush, goes answer by answer."""
-    grouped = by_peer(batch, Frame) if by_peer is not None and error is None else None
+    grouped = None
+    if by_peer is not None and error is None:
+        try:
+            grouped = by_peer(batch, Frame)
+        except Exception:  # (no memory; "the batch changed"): nothing answered or counted yet
+            log.exception("grouping %d durable answers by connection failed", len(batch))
     if grouped is None:
         _release_each(batch, error)
         return
@@ -717,7 +722,9 @@ class Connection(asyncio.BufferedProtocol):
         out = self._out
         if not out or self.transport is None:
             return
-        data = out[0] if len(out) == 1 else b"".join(out)
+        # A lone Frame (finish, per answer) joined too: exact bytes, which uvloop writes
+        # without a memoryview cast (join copies a lone bytes subclass)
+        data = out[0] if len(out) == 1 and type(out[0]) is bytes else b"".join(out)
         out.clear()
         self._out_bytes = 0
         if self.transport.is_closing():
