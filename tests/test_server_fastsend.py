@@ -9,6 +9,7 @@ the reads split (a real socket may merge them); the hostile frames go over real 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import random
 import shutil
@@ -459,3 +460,41 @@ def test_a_lone_frame_answered_by_finish_is_written_as_exact_bytes() -> None:
     assert answers == [[[1, STATUS_OK, "r1"]], [[2, STATUS_OK, "r2"]]]
     assert writes == [1, 1]  # exact bytes each (CountingRecorder)
     assert in_flight == [0, 0]
+
+
+class _NoMemory(bytes):
+    __slots__ = ()
+
+
+def _allocation_fails(kind: type) -> None:
+    """kind's tp_alloc made PyErr_NoMemory (it takes no arguments, ignores the two it gets:
+    a NULL with MemoryError), found in the type object by its current value."""
+    address = ctypes.cast(ctypes.pythonapi.PyType_GenericAlloc, ctypes.c_void_p).value
+    slots = (ctypes.c_void_p * (type.__basicsize__ // 8)).from_address(id(kind))
+    found = [i for i, value in enumerate(slots) if value == address]
+    assert len(found) == 1
+    slots[found[0]] = ctypes.cast(ctypes.pythonapi.PyErr_NoMemory, ctypes.c_void_p).value
+
+
+def test_a_plain_send_whose_answer_cannot_be_packed_is_still_answered() -> None:
+    """The answer's allocation failing after the append (no memory): the result with no
+    frame, for the caller to pack (connection.py's `frame is None`), not an exception
+    that closed the connection with the message stored and unanswered."""
+    fast = speedups.SPEEDUPS
+    assert fast is not None
+    _allocation_fails(_NoMemory)
+    with pytest.raises(MemoryError):
+        _NoMemory(b"x")  # the injection works
+    result = ("t", "00000000000000000000000000000001", 0, 5, 64, 1.5)
+    assert type(fast.send_answer(9, result)) is bytes  # bytes are made as they were
+    sent: list[tuple[str, bytes]] = []
+
+    def send(topic: str, body: bytes) -> tuple[Any, ...]:
+        sent.append((topic, body))
+        return result
+
+    frame = encode([9, "send", {"topic": "t", "body": b"a body"}])
+    buffer = bytearray(frame)
+    got = fast.plain_send(buffer, len(frame), 1 << 20, send, _NoMemory, "equeue.")
+    assert got == (9, result, None)
+    assert sent == [("t", b"a body")]

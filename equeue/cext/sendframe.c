@@ -247,9 +247,12 @@ PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
  * a plain send, appended by send(topic, body) (the store's C sender) and answered, in one
  * call (connection.py's buffer_updated: no Python frame per send between the read and the
  * append). (request_id, result, frame): the frame as kind, or None when the result's fields
- * are not what send_answer packs; (request_id, None, exception) when send raised an
- * Exception (nothing appended; the caller answers it); None when the read is not one
- * plain send or its topic starts with reserved (the general path answers those). */
+ * are not what send_answer packs or packing it failed (no memory: the message is stored,
+ * so it must be answered; the caller packs it); (request_id, None, exception) when send
+ * raised an Exception (nothing appended; the caller answers it); None when the read is not
+ * one plain send or its topic starts with reserved (the general path answers those). Past
+ * a successful send only the 3-tuple itself can fail (no memory for it): MemoryError, the
+ * message stored and unanswered, as any MemoryError in the broker's loop. */
 PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || !PyUnicode_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError,
@@ -285,9 +288,14 @@ PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     } else {
         third = answer_of(rid, result, kind);
         if (third == NULL) {
-            Py_DECREF(result);
-            Py_DECREF(read);
-            return NULL;
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                Py_DECREF(result);
+                Py_DECREF(read);
+                return NULL;
+            }
+            PyErr_Clear(); /* appended: answered all the same, packed by the caller */
+            third = Py_None;
+            Py_INCREF(third);
         }
     }
     Py_INCREF(rid);
