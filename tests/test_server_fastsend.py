@@ -470,7 +470,8 @@ def _allocation_fails(kind: type) -> None:
     """kind's tp_alloc made PyErr_NoMemory (it takes no arguments, ignores the two it gets:
     a NULL with MemoryError), found in the type object by its current value."""
     address = ctypes.cast(ctypes.pythonapi.PyType_GenericAlloc, ctypes.c_void_p).value
-    slots = (ctypes.c_void_p * (type.__basicsize__ // 8)).from_address(id(kind))
+    size: int = type.__basicsize__  # type: ignore[assignment]  # (typeshed: a method)
+    slots = (ctypes.c_void_p * (size // 8)).from_address(id(kind))
     found = [i for i, value in enumerate(slots) if value == address]
     assert len(found) == 1
     slots[found[0]] = ctypes.cast(ctypes.pythonapi.PyErr_NoMemory, ctypes.c_void_p).value
