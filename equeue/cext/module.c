@@ -1,9 +1,15 @@
 /* equeue._speedups: the store's hot loops in C. One file per concern: write.c (checking
- * and framing sends), sender.c (a whole single send), read.c (pulls), recover.c (open
- * after a crash), arrowcols.c (the Spark source's Arrow columns), prefault.c (the thread
- * faulting pages in ahead of the writer), sendframe.c (the broker's plain send), release.c
- * (the broker's durable answers after their fdatasync), xxh3.h
- * (the record checksum, inlined where used); speedups.h is what they share.
+ * and framing sends), sender.c and sendstate.c (a whole single send, and what it keeps
+ * between sends), batch.c (a batch of plain bodies), read.c (pulls), trim.c (a pull's
+ * byte budget), pullcols.c (a pull's answer in columns), message.c, sendresult.c and
+ * record.c (the Message and SendResult types), recover.c (open after a crash),
+ * arrowcols.c (the Spark source's Arrow columns), prefault.c (the thread faulting pages
+ * in ahead of the writer), sendframe.c (the broker's plain send), bodyspans.c (the
+ * broker's send_bodies read from its frame), release.c (the broker's durable answers
+ * after their fdatasync), answercols.c (the clients' send_bodies request and answer),
+ * clientsend.c (the asyncio client's plain send), xxh3.h (the record checksum, inlined
+ * where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several use);
+ * speedups.h is what they share.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
  * falls back to the pure-Python paths otherwise (or when EQUEUE_PURE_PYTHON is
