@@ -312,22 +312,28 @@ def _answers(transport: Recorder) -> list[Any]:
     return [UNPACK(b) for b in FrameReader(1 << 30, "t").feed(bytes(transport.data))]
 
 
+def _greeted(broker: Broker, count: int) -> list[tuple[Connection, CountingRecorder]]:
+    """count connections past their hello, their transports' records cleared."""
+    peers = []
+    for _ in range(count):
+        transport = CountingRecorder()
+        connection = Connection(broker, "test", 1)
+        transport.protocol = connection
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        _feed(connection, encode(Hello(client="t").pack()))
+        transport.data.clear()  # the welcome
+        transport.writes = 0
+        peers.append((connection, transport))
+    return peers
+
+
 async def _grouped(directory: Path) -> dict[str, Any]:
     """One flushed batch of plain sends' Frames for four connections: one with two answers
     (apart in the batch), one with one, one closed, one half-closed by its client."""
     broker = Broker(directory, ServerConfig(flush="sync"))
     await broker.start()
     try:
-        peers = []
-        for _ in range(4):
-            transport = CountingRecorder()
-            connection = Connection(broker, "test", 1)
-            transport.protocol = connection
-            connection.connection_made(transport)  # type: ignore[arg-type]
-            _feed(connection, encode(Hello(client="t").pack()))
-            transport.data.clear()  # the welcome
-            transport.writes = 0
-            peers.append((connection, transport))
+        peers = _greeted(broker, 4)
         (one, _), (two, _), (gone, gone_t), (ended, _) = peers
         one.in_flight, two.in_flight, gone.in_flight, ended.in_flight = 2, 1, 1, 1
         gone_t.close()
@@ -428,17 +434,9 @@ async def _mixed(directory: Path) -> tuple[list[list[Any]], list[int], list[int]
     broker = Broker(directory, ServerConfig(flush="sync"))
     await broker.start()
     try:
-        peers = []
-        for _ in range(2):
-            transport = CountingRecorder()
-            connection = Connection(broker, "test", 1)
-            transport.protocol = connection
-            connection.connection_made(transport)  # type: ignore[arg-type]
-            _feed(connection, encode(Hello(client="t").pack()))
-            transport.data.clear()
-            transport.writes = 0
+        peers = _greeted(broker, 2)
+        for connection, _ in peers:
             connection.in_flight = 1
-            peers.append((connection, transport))
         (one, _), (two, _) = peers
         batch = [(one, 1, Frame(encode([1, STATUS_OK, "r1"]))), (two, 2, "r2")]
         release_durable(batch, None)  # type: ignore[arg-type]
