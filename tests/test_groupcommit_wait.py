@@ -10,14 +10,19 @@ so the flush counts depend on the logic, not on timing; every wait in a test is 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from test_groupcommit_order import _until
 
+import equeue
 from equeue.errors import ConfigError
-from equeue.server.config import ServerConfig
+from equeue.server import BrokerThread
+from equeue.server.config import BrokerFlush, ServerConfig
 from equeue.server.groupcommit import CrossClientCommit, expected
 
 LONG_US = 60_000_000  # a bound no test reaches: its wait ends by count, drain or close
@@ -222,6 +227,39 @@ def test_drain_flushes_what_waits_without_finishing_the_wait() -> None:
     asyncio.run(scenario())
 
 
+def test_after_drain_the_flusher_neither_waits_nor_counts_a_wait() -> None:
+    """Draining, no expected send will come: a lone send after a flush of several
+    connections is flushed at once, and ``waits`` (the stats' group_commit_waits) stays 0
+    (before: it counted a wait that did not happen, one per lone send)."""
+
+    async def scenario() -> CrossClientCommit:
+        flushes = Flushes()
+        commit = _commit(flushes, LONG_US)
+        try:
+            await asyncio.wait_for(commit.drain(), LIMIT_S)  # from here on the broker stops
+            senders = [Sender(commit, flushes, 0) for _ in range(4)]
+            for _ in range(5):
+                for _ in range(200):  # until a flush answered several connections: it
+                    # expects more (the flusher may take the four one by one: go again)
+                    for sender in senders:
+                        sender.more(1)
+                    await asyncio.wait_for(
+                        asyncio.gather(*(s.done.wait() for s in senders)), LIMIT_S
+                    )
+                    if commit.expecting >= 2:
+                        break
+                else:
+                    raise AssertionError("no flush answered several connections in 200 rounds")
+                senders[0].more(1)  # alone: flushed without waiting (not in 60 s)
+                await asyncio.wait_for(senders[0].done.wait(), LIMIT_S)
+        finally:
+            commit.close()
+        return commit
+
+    commit = asyncio.run(scenario())
+    assert (commit.waits, commit.waits_full) == (0, 0)
+
+
 def test_close_during_a_wait_flushes_and_answers_what_waits() -> None:
     async def scenario() -> Sender:
         flushes, commit, senders = await _start_waiting()
@@ -262,3 +300,36 @@ def test_expected_counts_a_batch_of_several_connections_and_not_of_one() -> None
 def test_a_bad_group_commit_wait_is_a_config_error_naming_it(value: object) -> None:
     with pytest.raises(ConfigError, match="group_commit_wait_us"):
         ServerConfig(group_commit_wait_us=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flush", ["async", "os"])
+def test_a_wait_without_flush_sync_is_a_config_error_naming_both(flush: BrokerFlush) -> None:
+    # the wait is the broker's group commit's, which only --flush sync has: not ignored
+    with pytest.raises(ConfigError, match=f"group_commit_wait_us=500 .*flush='{flush}'"):
+        ServerConfig(flush=flush, group_commit_wait_us=500)
+    assert ServerConfig(flush=flush, group_commit_wait_us=0).group_commit_wait_us == 0
+    assert ServerConfig(flush="sync", group_commit_wait_us=500).group_commit_wait_us == 500
+
+
+def test_the_broker_logs_the_wait_and_counts_its_waits_in_stats(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    home = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
+    try:
+        with caplog.at_level("INFO", logger="equeue.server"):
+            broker = BrokerThread(
+                home / "s", flush="sync", group_commit_wait_us=700, listen=[f"unix:{home}/b"]
+            ).start()
+        try:
+            with equeue.connect(broker.urls[0]) as client:
+                client.send("t", b"m")
+                stats = client.stats()
+        finally:
+            broker.stop()
+    finally:
+        shutil.rmtree(home)
+    assert "(flush=sync, group commit wait 700 µs)" in caplog.text
+    # one connection's sends: never waited for, but counted (0) beside flushes
+    assert (stats["flushes"], stats["group_commit_waits"], stats["group_commit_waits_full"]) == (
+        1, 0, 0,
+    )  # fmt: skip

@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from server_helpers import short_home
@@ -58,7 +60,10 @@ def run_until(
     flush: str,
     broker_args: tuple[str, ...] = (),
     producer_args: tuple[str, ...] = (),
+    seen: Callable[[dict[str, Any]], bool] = lambda stats: True,
 ) -> None:
+    """``seen``: what the broker's stats must show (besides every producer answered)
+    before the signal."""
     store = home / "s"
     broker, url = start_broker(store, "--flush", flush, *broker_args)
     producers: list[subprocess.Popen[bytes]] = []
@@ -76,9 +81,14 @@ def run_until(
         with equeue.connect(url) as client:
             for _ in range(600):
                 stats = client.stats()
-                if stats["connections"] > PRODUCERS and stats["sends"] >= 200 * PRODUCERS:
+                if (
+                    stats["connections"] > PRODUCERS
+                    and stats["sends"] >= 200 * PRODUCERS
+                    and seen(stats)
+                ):
                     break
                 time.sleep(0.05)
+            assert seen(stats), stats
         broker.send_signal(stop)
         code = broker.wait(60)
         for producer in producers:

@@ -144,6 +144,12 @@ class ServerConfig:
         check_int("write_buffer_high", self.write_buffer_high, 1024, 1 << 34)
         check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 3_600_000)
         check_int("group_commit_wait_us", self.group_commit_wait_us, 0, MAX_GROUP_COMMIT_WAIT_US)
+        if self.group_commit_wait_us and self.flush != "sync":  # it would be silently ignored
+            raise ConfigError(
+                f"group_commit_wait_us={self.group_commit_wait_us} (--group-commit-wait-us) "
+                f"only applies to flush='sync' (--flush sync, the broker's group commit); "
+                f"got flush={self.flush!r}"
+            )
         check_int("max_batch_messages", self.max_batch_messages, 1, 1 << 24)
         check_int("max_pull_count", self.max_pull_count, 1, 1 << 24)
         check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)

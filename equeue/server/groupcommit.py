@@ -106,8 +106,10 @@ class CrossClientCommit:
         self.flushes = 0
         self.sends_flushed = 0  # messages, not requests: a send_bodies of 40 counts 40
         self.expecting = 0  # what the flusher expects after its last flush (for tests)
-        self.waits = 0  # flushes that waited for expected sends (the flusher's; for tests, tools)
-        self.waits_full = 0  # ... of which the expected count arrived before the bound
+        # flushes that waited for expected sends, and of those the ones whose count arrived
+        # before the bound (the rest cost latency); written by the flusher, read by stats
+        self.waits = 0
+        self.waits_full = 0
         self._thread = threading.Thread(target=self._run, name="equeue-broker-flush", daemon=True)
         self._thread.start()
 
@@ -142,6 +144,8 @@ class CrossClientCommit:
                         wake.wait()
                     if time.monotonic() - slept > self._stale:
                         expect = 0
+                if self._hurry or self._stopping:  # draining or stopping: no sends will come
+                    expect = 0
                 if self._waiting and expect > len(self._waiting):
                     self._wait_for(expect, min(self._max_wait, self._per_fdatasync * took))
                 self._wake_at = NEVER
@@ -159,7 +163,8 @@ class CrossClientCommit:
             took = time.monotonic() - began
             expect = expected(batch) if self._max_wait and error is None else 0
             if expect:  # and the sends that came during this flush: every one in flight
-                expect += len(self._waiting)
+                with self._lock:
+                    expect += len(self._waiting)
             self.expecting = expect
             try:
                 loop.call_soon_threadsafe(self._released, batch, messages, error)

@@ -440,6 +440,10 @@ class Handlers:
         answer["sends_per_flush"] = (
             round(commit.sends_flushed / commit.flushes, 2) if commit and commit.flushes else 0.0
         )
+        # the group-commit wait's: flushes that waited, and of those the ones whose expected
+        # sends all came before the bound (the others are its latency cost)
+        answer["group_commit_waits"] = commit.waits if commit else 0
+        answer["group_commit_waits_full"] = commit.waits_full if commit else 0
         answer.update(self._extra_stats())
         answer["groups"] = groups = group_lag(self.store)
         for group, skipped in self.coordinator.skips().items():  # retention passed them

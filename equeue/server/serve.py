@@ -183,9 +183,11 @@ class Broker:
             raise
         self._ticks = 0
         self._ticker = loop.call_later(TICK_S, self._tick)
+        wait = self.config.group_commit_wait_us if self.commit is not None else 0
         log.info(
-            "serving %s on %s (flush=%s)", self.store.path, " ".join(self.urls), self.config.flush
-        )
+            "serving %s on %s (flush=%s%s)", self.store.path, " ".join(self.urls),
+            self.config.flush, f", group commit wait {wait} µs" if wait else "",
+        )  # fmt: skip
 
     def _factory(self, url: str) -> Callable[[], Connection]:
         def make() -> Connection:
