@@ -6,6 +6,11 @@ arguments, alternated (``--rounds``): a noisy machine moves rates, much less CPU
 
 Each run: a fresh store in /tmp, ``equeue serve --flush async`` and the client both run
 from that tree (PYTHONPATH), one warm-up ``send_many`` of a tenth, then the measured one.
+Both start in the run's temporary directory: ``python -m`` and ``python -c`` put their
+working directory first on sys.path, ahead of PYTHONPATH, so started in a checkout they
+would both run that checkout's equeue; the client's ``equeue.__file__`` is checked to lie
+under the tree asked for (the broker resolves its import the same way, from the same
+directory and PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 CLIENT = r"""
 import json, os, sys, time
@@ -41,12 +47,13 @@ print(json.dumps({"rate": len(messages) / wall, "client_us": cpu / len(messages)
 """
 
 
-def run_one(tree: Path, count: int, size: int, window: int) -> dict[str, float]:
+def run_one(tree: Path, count: int, size: int, window: int) -> dict[str, Any]:
+    tree = tree.resolve()  # the children start elsewhere: a relative tree would miss
     home = Path(tempfile.mkdtemp(prefix="eqbench", dir="/tmp"))
     env = {**os.environ, "PYTHONPATH": str(tree)}
     serve = [sys.executable, "-m", "equeue", "serve", str(home / "s"), "--quiet"]
     broker = subprocess.Popen(
-        [*serve, "--flush", "async"], stdout=subprocess.PIPE, text=True, env=env
+        [*serve, "--flush", "async"], stdout=subprocess.PIPE, text=True, env=env, cwd=home
     )
     try:
         assert broker.stdout is not None
@@ -57,9 +64,11 @@ def run_one(tree: Path, count: int, size: int, window: int) -> dict[str, float]:
         args = [url, str(count), str(size), str(window), str(broker.pid)]
         out = subprocess.run(
             [sys.executable, "-c", CLIENT, *args],
-            env=env, capture_output=True, text=True, timeout=600, check=True,
+            env=env, cwd=home, capture_output=True, text=True, timeout=600, check=True,
         )  # fmt: skip
-        found: dict[str, float] = json.loads(out.stdout)
+        found: dict[str, Any] = json.loads(out.stdout)
+        if not Path(found["file"]).resolve().is_relative_to(tree):
+            raise RuntimeError(f"asked to measure {tree}, but the client ran {found['file']}")
         return found
     finally:
         broker.terminate()
