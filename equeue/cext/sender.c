@@ -29,7 +29,7 @@ int intern_names(void) {
 
 static void forget_state(Sender *s) {
     s->store_seen.valid = s->clock_seen.valid = s->log_seen.valid = 0;
-    for (int i = 0; i < WRITER_CACHE_SLOTS; i++) s->queue_seen[i].valid = 0;
+    for (int i = 0; i < WRITER_CACHE_SLOTS; i++) s->queue_seen[i] = (WriterCache){0};
     s->queue_slots = (QueueSlots){0};
 }
 
