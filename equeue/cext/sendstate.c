@@ -302,6 +302,8 @@ PyObject *clock_function(PyObject *clock, ClockCache *cc) {
 
 /* --- chunks open for writing --- */
 
+Py_ssize_t sendstate_rereads[2];
+
 void view_clear(ChunkView *v) {
     Py_CLEAR(v->chunk);
     Py_CLEAR(v->mm);
@@ -341,14 +343,50 @@ static void remember(PyObject *writer, WriterCache *wc, ChunkView *v) {
     wc->valid = 1;
 }
 
+/* The chunk's dict changed, but perhaps not in what a send uses: a flush (flushed_end,
+ * synced_end, by the flusher thread or the group commit, once per fdatasync) or a read
+ * (last_used). Its six fields looked up again in the dict, the same dict of an unchanged
+ * type: when each is what was remembered, so is the rest (about 300 instructions, where
+ * a re-read is about 3,000). 1: still valid, at the dict's new version. */
+static int chunk_recheck(WriterCache *wc) {
+    PyObject *chunk = wc->chunk_obj;
+    Seen *seen = &wc->chunk;
+    if (Py_TYPE(chunk) != seen->type || !type_unchanged(seen->type, seen->tp_version))
+        return 0;
+    PyObject **dict = _PyObject_GetDictPtr(chunk);
+    if (dict == NULL || *dict != seen->dict || dict_version(seen->dict) == 0) return 0;
+    PyObject *d = seen->dict;
+    PyObject *mark = PyDict_GetItemWithError(d, S_prefault_mark);
+    int same = PyDict_GetItemWithError(d, S_mm) == wc->mm &&
+               PyDict_GetItemWithError(d, S_data_end) == wc->end_obj &&
+               PyDict_GetItemWithError(d, S_record_count) == wc->count_obj &&
+               dict_ssize(d, S_data_end) == wc->end && dict_ssize(d, S_record_count) == wc->count &&
+               dict_ssize(d, S_writable_end) == wc->size && mark != NULL &&
+               PyLong_CheckExact(mark) && PyLong_AsLongLong(mark) == wc->mark &&
+               (wc->base < 0 || (long long)dict_ssize(d, S_base) == wc->base);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!same) return 0;
+    STAT("chunk: rechecked, unchanged");
+    seen->version = dict_version(d);
+#ifdef EQUEUE_SENDSTATE_STATS
+    Py_XSETREF(seen->snap, snap_of(d));
+#endif
+    return 1;
+}
+
 int writer_view(PyObject *writer, WriterCache *wc, int want_base, ChunkView *out) {
     *out = (ChunkView){0};
     if (wc->valid && seen_valid(writer, &wc->writer, want_base ? "log writer" : "queue writer") &&
-        seen_valid(wc->chunk_obj, &wc->chunk, want_base ? "log chunk" : "queue chunk")) {
+        (seen_valid(wc->chunk_obj, &wc->chunk, want_base ? "log chunk" : "queue chunk") ||
+         chunk_recheck(wc))) {
         *out = (ChunkView){Py_NewRef(wc->chunk_obj), Py_NewRef(wc->mm), wc->end, wc->size,
                            wc->count, wc->base, wc->mark};
         return 1;
     }
+    sendstate_rereads[want_base ? 0 : 1]++;
     STAT(want_base ? (wc->valid ? "log view: re-read (changed)" : "log view: re-read (not remembered)")
                    : (wc->valid ? "queue view: re-read (changed)" : "queue view: re-read (not remembered)"));
     wc->valid = 0;
@@ -382,7 +420,8 @@ int writer_view(PyObject *writer, WriterCache *wc, int want_base, ChunkView *out
 /* Chunk.publish(end, n): count the records, raise data_end, prefault the next window. */
 int view_publish_n(WriterCache *wc, ChunkView *v, Py_ssize_t end, Py_ssize_t n) {
     long long mark;
-    if (wc->valid && v->chunk == wc->chunk_obj && seen_valid(v->chunk, &wc->chunk, "publish chunk")) {
+    if (wc->valid && v->chunk == wc->chunk_obj &&
+        (seen_valid(v->chunk, &wc->chunk, "publish chunk") || chunk_recheck(wc))) {
         if (dict_set_ssize(&wc->chunk, &wc->count_obj, S_record_count, wc->count + n) < 0 ||
             dict_set_ssize(&wc->chunk, &wc->end_obj, S_data_end, end) < 0) {
             wc->valid = 0;

@@ -50,8 +50,8 @@ typedef struct {
  * address's own, so that two writers whose addresses hash alike do not take turns in
  * one slot (each send to either re-read all its attributes: half the sends of a broker
  * with 4 queues, about 2,500 instructions each). Past that, a collision costs a re-read. */
-#define WRITER_CACHE_SLOTS 32
-#define WRITER_CACHE_PROBE 4
+#define WRITER_CACHE_SLOTS 128
+#define WRITER_CACHE_PROBE 8
 
 /* A slot (__slots__: Queue._writer, next_offset) of one type, read and set in place. */
 typedef struct {
@@ -94,6 +94,9 @@ PyObject *clock_function(PyObject *clock, ClockCache *cc);
  * writing: the Python path), -1 with an exception. want_base: read Chunk.base too. */
 int writer_view(PyObject *writer, WriterCache *wc, int want_base, ChunkView *out);
 void view_clear(ChunkView *v);
+/* Views read through attribute lookups, not remembered ones, by this process: the log's
+ * and the queues' (Sender.rereads, for tests that a state stays remembered). */
+extern Py_ssize_t sendstate_rereads[2];
 /* Chunk.publish(end, 1) of v's chunk, remembered in wc; 0, or -1 with an exception. */
 int view_publish(WriterCache *wc, ChunkView *v, Py_ssize_t end);
 /* Chunk.publish(end, n) */
