@@ -347,7 +347,9 @@ static void remember(PyObject *writer, WriterCache *wc, ChunkView *v) {
  * synced_end, by the flusher thread or the group commit, once per fdatasync) or a read
  * (last_used). Its six fields looked up again in the dict, the same dict of an unchanged
  * type: when each is what was remembered, so is the rest (about 300 instructions, where
- * a re-read is about 3,000). 1: still valid, at the dict's new version. */
+ * a re-read is about 3,000). 1: still valid, at the dict's new version. Called only
+ * where chunk_obj is alive: the writer's dict found unchanged (it holds the chunk), or
+ * the send's own reference to it (view_publish_n). */
 static int chunk_recheck(WriterCache *wc) {
     PyObject *chunk = wc->chunk_obj;
     Seen *seen = &wc->chunk;

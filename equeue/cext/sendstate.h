@@ -9,7 +9,9 @@
  * object's instance dict is the same dict at the same version (CPython bumps a dict's
  * version on every change of a value, whoever makes it: Python code, the Python path of
  * a send, a rollover, a close, an eviction) and its type is unchanged; otherwise the
- * send reads the attributes as before and remembers them again. Pointers here are
+ * send reads the attributes as before and remembers them again (a chunk's dict changed
+ * by a flush or a read, not in the fields a send uses, is rechecked field by field
+ * instead: chunk_recheck). Pointers here are
  * borrowed: each is dereferenced only once the dict that holds it was found unchanged,
  * starting from an object the send holds (the Sender's writer, the queue in the topic's
  * list), so a freed object is never touched. */
