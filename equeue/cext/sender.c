@@ -29,7 +29,7 @@ int intern_names(void) {
 
 static void forget_state(Sender *s) {
     s->store_seen.valid = s->clock_seen.valid = s->log_seen.valid = 0;
-    for (int i = 0; i < WRITER_CACHE_SLOTS; i++) s->queue_seen[i].valid = 0;
+    for (int i = 0; i < WRITER_CACHE_SLOTS; i++) s->queue_seen[i] = (WriterCache){0};
     s->queue_slots = (QueueSlots){0};
 }
 
@@ -445,6 +445,17 @@ static PyMethodDef Sender_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *Sender_rereads(Sender *s, void *closure) {
+    (void)s, (void)closure;
+    return Py_BuildValue("(nn)", sendstate_rereads[0], sendstate_rereads[1]);
+}
+
+static PyGetSetDef Sender_getset[] = {
+    {"rereads", (getter)Sender_rereads, NULL,
+     "(log, queue): chunk views this process read by attribute, not remembered", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 PyTypeObject SenderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "equeue._speedups.Sender",
@@ -456,4 +467,5 @@ PyTypeObject SenderType = {
     .tp_traverse = (traverseproc)Sender_traverse,
     .tp_clear = (inquiry)Sender_clear,
     .tp_methods = Sender_methods,
+    .tp_getset = Sender_getset,
 };

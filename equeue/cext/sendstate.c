@@ -31,6 +31,64 @@ static inline uint64_t dict_version(PyObject *d) { return ((PyDictObject *)d)->m
 static inline uint64_t dict_version(PyObject *d) { (void)d; return 0; }
 #endif
 
+/* -DEQUEUE_SENDSTATE_STATS: how often a remembered dict was found changed, and which
+ * keys changed (a diagnosis build only; written to $EQUEUE_SENDSTATE_STATS at exit). */
+#ifdef EQUEUE_SENDSTATE_STATS
+static PyObject *stat_counts; /* "site: what" -> count */
+static void stat_bump(const char *what) {
+    if (stat_counts == NULL && (stat_counts = PyDict_New()) == NULL) { PyErr_Clear(); return; }
+    PyObject *k = PyUnicode_FromString(what);
+    PyObject *old = k ? PyDict_GetItem(stat_counts, k) : NULL;
+    PyObject *n = PyLong_FromLong(old ? PyLong_AsLong(old) + 1 : 1);
+    if (k && n) PyDict_SetItem(stat_counts, k, n);
+    Py_XDECREF(k); Py_XDECREF(n); PyErr_Clear();
+}
+static void stat_write(void) {
+    const char *path = getenv("EQUEUE_SENDSTATE_STATS");
+    if (path == NULL || stat_counts == NULL) return;
+    FILE *f = fopen(path, "a");
+    if (f == NULL) return;
+    PyObject *k, *v; Py_ssize_t pos = 0;
+    fprintf(f, "--- pid %d\n", (int)getpid());
+    while (PyDict_Next(stat_counts, &pos, &k, &v))
+        fprintf(f, "%ld %s\n", PyLong_AsLong(v), PyUnicode_AsUTF8(k));
+    fclose(f);
+}
+/* A snapshot of a remembered dict: key -> (id, int value or None) */
+static PyObject *snap_of(PyObject *dict) {
+    PyObject *snap = PyDict_New(), *k, *v; Py_ssize_t pos = 0;
+    while (snap && PyDict_Next(dict, &pos, &k, &v)) {
+        PyObject *t = Py_BuildValue("(nO)", (Py_ssize_t)v, PyLong_CheckExact(v) ? v : Py_None);
+        PyObject *iv = PyLong_CheckExact(v) ? PyNumber_Positive(v) : NULL;
+        if (iv) { Py_DECREF(t); t = Py_BuildValue("(nN)", (Py_ssize_t)v, iv); }
+        if (t) PyDict_SetItem(snap, k, t);
+        Py_XDECREF(t);
+    }
+    PyErr_Clear();
+    return snap;
+}
+static void snap_diff(const char *site, PyObject *snap, PyObject *dict) {
+    char buf[200];
+    PyObject *k, *v; Py_ssize_t pos = 0;
+    if (snap == NULL) return;
+    while (PyDict_Next(dict, &pos, &k, &v)) {
+        PyObject *t = PyDict_GetItem(snap, k);
+        int changed = t == NULL || PyTuple_GET_ITEM(t, 0) == NULL ||
+            PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 0)) != (Py_ssize_t)v ||
+            (PyLong_CheckExact(v) && PyObject_RichCompareBool(PyTuple_GET_ITEM(t, 1), v, Py_EQ) != 1);
+        if (changed) {
+            snprintf(buf, sizeof buf, "%s: changed %s", site, PyUnicode_AsUTF8(k));
+            stat_bump(buf);
+        }
+    }
+    PyErr_Clear();
+}
+static int stat_registered;
+#define STAT(what) stat_bump(what)
+#else
+#define STAT(what) ((void)0)
+#endif
+
 static inline int type_plain(PyTypeObject *tp) {
     return tp->tp_getattro == PyObject_GenericGetAttr &&
            tp->tp_setattro == PyObject_GenericSetAttr;
@@ -49,16 +107,46 @@ static int seen_fill(PyObject *obj, Seen *seen, PyObject *const *names, int n) {
     if (!(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) || tp->tp_version_tag == 0) return 0;
     PyObject **dict = _PyObject_GetDictPtr(obj);
     if (dict == NULL || *dict == NULL || !PyDict_CheckExact(*dict)) return 0;
+#ifdef EQUEUE_SENDSTATE_STATS
+    PyObject *snap = seen->snap;
+    *seen = (Seen){*dict, dict_version(*dict), tp, tp->tp_version_tag, snap_of(*dict)};
+    Py_XDECREF(snap);
+    if (!stat_registered) stat_registered = Py_AtExit(stat_write) == 0;
+#else
     *seen = (Seen){*dict, dict_version(*dict), tp, tp->tp_version_tag};
+#endif
     return 1;
 }
 
-static inline int seen_valid(PyObject *obj, const Seen *seen) {
+#ifdef EQUEUE_SENDSTATE_STATS
+#define seen_valid(obj, seen, site) seen_valid_stat(obj, seen, site)
+static int seen_valid_stat(PyObject *obj, const Seen *seen, const char *site) {
+    char buf[120];
+    snprintf(buf, sizeof buf, "%s: checked", site);
+    stat_bump(buf);
+    PyObject **dict = _PyObject_GetDictPtr(obj);
+    const char *why = NULL;
+    if (Py_TYPE(obj) != seen->type || !type_unchanged(seen->type, seen->tp_version))
+        why = "type";
+    else if (dict == NULL || *dict != seen->dict)
+        why = "another dict";
+    else if (dict_version(*dict) != seen->version)
+        why = "version";
+    if (why == NULL) return 1;
+    snprintf(buf, sizeof buf, "%s: failed (%s)", site, why);
+    stat_bump(buf);
+    if (dict != NULL && *dict != NULL && *dict == seen->dict) snap_diff(site, seen->snap, *dict);
+    return 0;
+}
+#else
+static inline int seen_valid(PyObject *obj, const Seen *seen, const char *site) {
+    (void)site;
     if (Py_TYPE(obj) != seen->type || !type_unchanged(seen->type, seen->tp_version))
         return 0;
     PyObject **dict = _PyObject_GetDictPtr(obj);
     return dict != NULL && *dict == seen->dict && dict_version(*dict) == seen->version;
 }
+#endif
 
 /* An exact int value of a remembered dict, or -1 (not to be remembered). */
 static Py_ssize_t dict_ssize(PyObject *dict, PyObject *name) {
@@ -100,12 +188,20 @@ static inline int int_overwrite(PyObject *o, Py_ssize_t value) { return 0; }
 
 /* name = value in the remembered dict; *held is the int the dict holds for it after. */
 static int dict_set_ssize(Seen *seen, PyObject **held, PyObject *name, Py_ssize_t value) {
-    if (int_overwrite(*held, value)) return 0; /* (the dict unchanged: its version too) */
+    if (int_overwrite(*held, value)) { /* (the dict unchanged: its version too) */
+#ifdef EQUEUE_SENDSTATE_STATS
+        Py_XSETREF(seen->snap, snap_of(seen->dict));
+#endif
+        return 0;
+    }
     PyObject *v = PyLong_FromSsize_t(value);
     if (v == NULL) return -1;
     int r = PyDict_SetItem(seen->dict, name, v);
     Py_DECREF(v);
     seen->version = dict_version(seen->dict); /* this change is the send's own */
+#ifdef EQUEUE_SENDSTATE_STATS
+    Py_XSETREF(seen->snap, snap_of(seen->dict));
+#endif
     *held = r < 0 ? NULL : v; /* (borrowed: the dict holds it while unchanged) */
     return r;
 }
@@ -164,7 +260,8 @@ static int longlong_attr(PyObject *obj, PyObject *name, long long *out) {
 /* --- the store and the clock --- */
 
 int store_state(PyObject *store, StoreCache *sc) {
-    if (sc->valid && seen_valid(store, &sc->seen)) return 0;
+    if (sc->valid && seen_valid(store, &sc->seen, "store")) return 0;
+    STAT(sc->valid ? "store: re-read (changed)" : "store: re-read (not remembered)");
     sc->valid = 0;
     PyObject *closed = get_attr(store, S_closed);
     PyObject *error = closed == NULL ? NULL : get_attr(store, S_flush_error);
@@ -205,6 +302,8 @@ PyObject *clock_function(PyObject *clock, ClockCache *cc) {
 
 /* --- chunks open for writing --- */
 
+Py_ssize_t sendstate_rereads[2];
+
 void view_clear(ChunkView *v) {
     Py_CLEAR(v->chunk);
     Py_CLEAR(v->mm);
@@ -244,13 +343,54 @@ static void remember(PyObject *writer, WriterCache *wc, ChunkView *v) {
     wc->valid = 1;
 }
 
+/* The chunk's dict changed, but perhaps not in what a send uses: a flush (flushed_end,
+ * synced_end, by the flusher thread or the group commit, once per fdatasync) or a read
+ * (last_used). Its six fields looked up again in the dict, the same dict of an unchanged
+ * type: when each is what was remembered, so is the rest (about 300 instructions, where
+ * a re-read is about 3,000). 1: still valid, at the dict's new version. Called only
+ * where chunk_obj is alive: the writer's dict found unchanged (it holds the chunk), or
+ * the send's own reference to it (view_publish_n). */
+static int chunk_recheck(WriterCache *wc) {
+    PyObject *chunk = wc->chunk_obj;
+    Seen *seen = &wc->chunk;
+    if (Py_TYPE(chunk) != seen->type || !type_unchanged(seen->type, seen->tp_version))
+        return 0;
+    PyObject **dict = _PyObject_GetDictPtr(chunk);
+    if (dict == NULL || *dict != seen->dict || dict_version(seen->dict) == 0) return 0;
+    PyObject *d = seen->dict;
+    PyObject *mark = PyDict_GetItemWithError(d, S_prefault_mark);
+    int same = PyDict_GetItemWithError(d, S_mm) == wc->mm &&
+               PyDict_GetItemWithError(d, S_data_end) == wc->end_obj &&
+               PyDict_GetItemWithError(d, S_record_count) == wc->count_obj &&
+               dict_ssize(d, S_data_end) == wc->end && dict_ssize(d, S_record_count) == wc->count &&
+               dict_ssize(d, S_writable_end) == wc->size && mark != NULL &&
+               PyLong_CheckExact(mark) && PyLong_AsLongLong(mark) == wc->mark &&
+               (wc->base < 0 || (long long)dict_ssize(d, S_base) == wc->base);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!same) return 0;
+    STAT("chunk: rechecked, unchanged");
+    seen->version = dict_version(d);
+#ifdef EQUEUE_SENDSTATE_STATS
+    Py_XSETREF(seen->snap, snap_of(d));
+#endif
+    return 1;
+}
+
 int writer_view(PyObject *writer, WriterCache *wc, int want_base, ChunkView *out) {
     *out = (ChunkView){0};
-    if (wc->valid && seen_valid(writer, &wc->writer) && seen_valid(wc->chunk_obj, &wc->chunk)) {
+    if (wc->valid && seen_valid(writer, &wc->writer, want_base ? "log writer" : "queue writer") &&
+        (seen_valid(wc->chunk_obj, &wc->chunk, want_base ? "log chunk" : "queue chunk") ||
+         chunk_recheck(wc))) {
         *out = (ChunkView){Py_NewRef(wc->chunk_obj), Py_NewRef(wc->mm), wc->end, wc->size,
                            wc->count, wc->base, wc->mark};
         return 1;
     }
+    sendstate_rereads[want_base ? 0 : 1]++;
+    STAT(want_base ? (wc->valid ? "log view: re-read (changed)" : "log view: re-read (not remembered)")
+                   : (wc->valid ? "queue view: re-read (changed)" : "queue view: re-read (not remembered)"));
     wc->valid = 0;
     PyObject *chunk = get_attr(writer, S_chunk);
     if (chunk == NULL) return -1;
@@ -282,7 +422,8 @@ int writer_view(PyObject *writer, WriterCache *wc, int want_base, ChunkView *out
 /* Chunk.publish(end, n): count the records, raise data_end, prefault the next window. */
 int view_publish_n(WriterCache *wc, ChunkView *v, Py_ssize_t end, Py_ssize_t n) {
     long long mark;
-    if (wc->valid && v->chunk == wc->chunk_obj && seen_valid(v->chunk, &wc->chunk)) {
+    if (wc->valid && v->chunk == wc->chunk_obj &&
+        (seen_valid(v->chunk, &wc->chunk, "publish chunk") || chunk_recheck(wc))) {
         if (dict_set_ssize(&wc->chunk, &wc->count_obj, S_record_count, wc->count + n) < 0 ||
             dict_set_ssize(&wc->chunk, &wc->end_obj, S_data_end, end) < 0) {
             wc->valid = 0;
@@ -298,7 +439,9 @@ int view_publish_n(WriterCache *wc, ChunkView *v, Py_ssize_t end, Py_ssize_t n) 
         if (set_ssize_attr(v->chunk, S_data_end, end) < 0) return -1;
         if (longlong_attr(v->chunk, S_prefault_mark, &mark) < 0) return -1;
     }
+    STAT("publish");
     if (end > mark) { /* Python code, which moves the mark: read again next time */
+        STAT("publish: prefault");
         wc->valid = 0;
         PyObject *end_obj = PyLong_FromSsize_t(end);
         if (end_obj == NULL) return -1;
@@ -315,8 +458,24 @@ int view_publish(WriterCache *wc, ChunkView *v, Py_ssize_t end) {
 }
 
 WriterCache *writer_cache(WriterCache *table, PyObject *writer) {
-    uintptr_t h = (uintptr_t)writer * (uintptr_t)0x9E3779B97F4A7C15ULL;
-    return &table[(h >> 40) % WRITER_CACHE_SLOTS];
+    uintptr_t h = ((uintptr_t)writer * (uintptr_t)0x9E3779B97F4A7C15ULL) >> 40;
+    for (int i = 0; i < WRITER_CACHE_PROBE; i++) {
+        WriterCache *wc = &table[(h + i) % WRITER_CACHE_SLOTS];
+        if (wc->owner == writer) return wc;
+    }
+    /* Not there: a slot of the probe never used, else one holding nothing valid, else
+     * the writer's own slot, taken over */
+    WriterCache *wc = NULL;
+    for (int pass = 0; pass < 2 && wc == NULL; pass++)
+        for (int i = 0; i < WRITER_CACHE_PROBE && wc == NULL; i++) {
+            WriterCache *free = &table[(h + i) % WRITER_CACHE_SLOTS];
+            if (pass == 0 ? free->owner == NULL : !free->valid) wc = free;
+        }
+    if (wc == NULL) wc = &table[h % WRITER_CACHE_SLOTS];
+    STAT(wc->owner == NULL ? "queue cache: slot taken (free)" : "queue cache: slot taken over");
+    wc->valid = 0; /* another writer's state until writer_view fills it */
+    wc->owner = writer;
+    return wc;
 }
 
 /* --- queues: __slots__, read and set in place --- */

@@ -9,7 +9,9 @@
  * object's instance dict is the same dict at the same version (CPython bumps a dict's
  * version on every change of a value, whoever makes it: Python code, the Python path of
  * a send, a rollover, a close, an eviction) and its type is unchanged; otherwise the
- * send reads the attributes as before and remembers them again. Pointers here are
+ * send reads the attributes as before and remembers them again (a chunk's dict changed
+ * by a flush or a read, not in the fields a send uses, is rechecked field by field
+ * instead: chunk_recheck). Pointers here are
  * borrowed: each is dereferenced only once the dict that holds it was found unchanged,
  * starting from an object the send holds (the Sender's writer, the queue in the topic's
  * list), so a freed object is never touched. */
@@ -23,6 +25,9 @@ typedef struct {
     uint64_t version;
     PyTypeObject *type;
     unsigned int tp_version;
+#ifdef EQUEUE_SENDSTATE_STATS
+    PyObject *snap; /* the dict's keys and values when remembered (diagnosis only) */
+#endif
 } Seen;
 
 /* A chunk open for writing, as one send uses it (new references, for the send). */
@@ -35,6 +40,7 @@ typedef struct {
 /* What a ChunkWriter (writer._chunk) and its chunk held after the last send. */
 typedef struct {
     int valid;
+    const void *owner; /* the writer this entry is for: an address, compared, never followed */
     Seen writer, chunk;
     PyObject *chunk_obj, *mm; /* borrowed, held by the two dicts above */
     PyObject *end_obj, *count_obj; /* the chunk dict's data_end and record_count ints */
@@ -42,7 +48,12 @@ typedef struct {
     long long base, mark;
 } WriterCache;
 
-#define WRITER_CACHE_SLOTS 16 /* queue writers, by address; a collision costs a re-read */
+/* Queue writers, by address: an entry is looked for in WRITER_CACHE_PROBE slots from the
+ * address's own, so that two writers whose addresses hash alike do not take turns in
+ * one slot (each send to either re-read all its attributes: half the sends of a broker
+ * with 4 queues, about 2,500 instructions each). Past that, a collision costs a re-read. */
+#define WRITER_CACHE_SLOTS 128
+#define WRITER_CACHE_PROBE 8
 
 /* A slot (__slots__: Queue._writer, next_offset) of one type, read and set in place. */
 typedef struct {
@@ -85,6 +96,9 @@ PyObject *clock_function(PyObject *clock, ClockCache *cc);
  * writing: the Python path), -1 with an exception. want_base: read Chunk.base too. */
 int writer_view(PyObject *writer, WriterCache *wc, int want_base, ChunkView *out);
 void view_clear(ChunkView *v);
+/* Views read through attribute lookups, not remembered ones, by this process: the log's
+ * and the queues' (Sender.rereads, for tests that a state stays remembered). */
+extern Py_ssize_t sendstate_rereads[2];
 /* Chunk.publish(end, 1) of v's chunk, remembered in wc; 0, or -1 with an exception. */
 int view_publish(WriterCache *wc, ChunkView *v, Py_ssize_t end);
 /* Chunk.publish(end, n) */
