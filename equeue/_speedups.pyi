@@ -100,6 +100,8 @@ class Sender:
         fallback: Callable[..., Any] | None = None,
         /,
     ) -> None: ...
+    @property
+    def rereads(self) -> tuple[int, int]: ...  # sends that read the (log, queue) chunk again
     def call(self, topic: object, body: object, /, **fields: object) -> Any: ...
     def send(
         self,
