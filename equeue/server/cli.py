@@ -37,10 +37,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "never flushing by itself",
     )  # fmt: skip
     parser.add_argument(
-        "--group-commit-wait-us", type=int, default=DEFAULT_GROUP_COMMIT_WAIT_US, metavar="US",
+        "--group-commit-wait-us", type=int, default=None, metavar="US",
         help="--flush sync: the most an fdatasync waits for the sends the previous one's "
         "answers should bring back from several connections, so one covers more (0: never; "
-        f"default {DEFAULT_GROUP_COMMIT_WAIT_US}); risks latency, never durability",
+        f"default {DEFAULT_GROUP_COMMIT_WAIT_US} under --flush sync); risks latency, never "
+        "durability",
     )  # fmt: skip
     parser.add_argument("--token-file", help="clients must send the token in this file")
     parser.add_argument("--tls-cert", help="certificate (PEM) for tls:// listeners")

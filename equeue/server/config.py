@@ -24,7 +24,8 @@ from equeue.protocol.frames import (
     MIN_MAX_FRAME_BYTES,
 )
 
-DEFAULT_GROUP_COMMIT_WAIT_US = 0  # off: measured no gain (docs/benchmarks.md, round 5)
+# Under --flush sync; 0 otherwise (docs/benchmarks.md, "Group commit wait": measured on)
+DEFAULT_GROUP_COMMIT_WAIT_US = 500
 MAX_GROUP_COMMIT_WAIT_US = 100_000
 BrokerFlush = Literal["sync", "async", "os"]
 EventLoop = Literal["auto", "uvloop", "asyncio"]
@@ -107,8 +108,9 @@ class ServerConfig:
     drain_timeout_ms: int = 10_000  # SIGTERM: how long answers may take to leave
     # --flush sync: the most an fdatasync waits for the sends the previous one's answers
     # are expected to bring back from several connections (groupcommit.py); 0: never
-    # waits. Risks latency (at most this per flush), never durability.
-    group_commit_wait_us: int = DEFAULT_GROUP_COMMIT_WAIT_US
+    # waits; None: DEFAULT_GROUP_COMMIT_WAIT_US under flush="sync", else 0. Risks latency
+    # (at most this, and twice the last fdatasync, per flush), never durability.
+    group_commit_wait_us: int | None = None
     # One request's work: messages of a send_batch (and items of any array or map a
     # request may hold, checked while decoding), messages of a pull's answer.
     max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES
@@ -143,6 +145,9 @@ class ServerConfig:
         check_int("max_connections", self.max_connections, 1, 1 << 20)
         check_int("write_buffer_high", self.write_buffer_high, 1024, 1 << 34)
         check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 3_600_000)
+        if self.group_commit_wait_us is None:
+            default = DEFAULT_GROUP_COMMIT_WAIT_US if self.flush == "sync" else 0
+            object.__setattr__(self, "group_commit_wait_us", default)
         check_int("group_commit_wait_us", self.group_commit_wait_us, 0, MAX_GROUP_COMMIT_WAIT_US)
         if self.group_commit_wait_us and self.flush != "sync":  # it would be silently ignored
             raise ConfigError(

@@ -162,7 +162,7 @@ class Broker:
         self.holds = Holds(loop, self.store, self._answer_held)
         self.commit = (
             CrossClientCommit(
-                loop, self.store.flush_log, release_durable, self.config.group_commit_wait_us
+                loop, self.store.flush_log, release_durable, self.config.group_commit_wait_us or 0
             )
             if self.config.flush == "sync"
             else None
