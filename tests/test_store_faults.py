@@ -55,6 +55,7 @@ import equeue.atomicfile
 import equeue.chunks.chunk
 import equeue.chunks.manager
 import equeue.chunks.recovery
+import equeue.chunks.space
 import equeue.safepath
 import equeue.store.keyindex
 import equeue.store.topicsfile
@@ -307,7 +308,8 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
     injected = Faults()
     proxy = OsProxy(injected)
     for module in (
-        equeue.chunks.chunk, equeue.chunks.manager, equeue.chunks.recovery, equeue.safepath
+        equeue.chunks.chunk, equeue.chunks.manager, equeue.chunks.recovery, equeue.chunks.space,
+        equeue.safepath,
     ):  # fmt: skip
         monkeypatch.setattr(module, "os", proxy)
     monkeypatch.setattr(equeue.atomicfile, "os", proxy)
