@@ -157,7 +157,8 @@ class Client:
         self._token = token
         self._name = args.name("client_name", client_name) or f"python-sync pid {os.getpid()}"
         self._write_lock = threading.Lock()
-        self._cond = threading.Lock()  # guards the slots, the sleepers and _reading
+        # guards the slots, the sleepers and _reading; an RLock for _sleep's _is_owned
+        self._cond = threading.RLock()
         self._reading = False
         # the threads asleep in _sleep, by the slot each waits for (None: the writer
         # waiting for a place in max_in_flight), each on a lock of its own, held until woken
@@ -177,7 +178,7 @@ class Client:
         (not shutdown: that would end the parent's connection too) and connects anew.
         The locks are new: another thread may have held them at the fork."""
         self._write_lock = threading.Lock()
-        self._cond = threading.Lock()
+        self._cond = threading.RLock()
         self._reading = False
         self._sleepers = {}
         conn, self._conn = self._conn, None
@@ -436,24 +437,38 @@ class Client:
 
     def _sleep(self, slot: _Slot | None, seconds: float) -> None:
         """Sleep (self._cond held, released meanwhile) until woken for ``slot`` (None:
-        for a place in max_in_flight), or for the reader's turn, or ``seconds`` passed."""
+        for a place in max_in_flight), or for the reader's turn, or ``seconds`` passed.
+
+        A KeyboardInterrupt may land anywhere here: in the wait, as a call returns (just
+        after the release, just after the re-acquire) or in an acquire of a contended
+        ``_cond`` (which then is not held). Whatever happens, this returns or raises with
+        ``_cond`` held by this thread exactly once (the caller's ``with`` releases it), its
+        waiter no longer registered, and the reader's turn passed on if it came to this
+        thread: the other sleepers' answers may already be in the socket."""
         waiter = allocate_lock()
         waiter.acquire()
         sleepers = self._sleepers
         sleepers[slot] = waiter
-        self._cond.release()
+        cond = self._cond
+        failure: BaseException | None = None
         try:
+            cond.release()
             waiter.acquire(True, seconds)
-        except BaseException:  # (a KeyboardInterrupt) the turn may have come to this thread
-            self._cond.acquire()
-            if sleepers.get(slot) is waiter:
-                del sleepers[slot]
-            if not self._reading:
-                self._hand_over()
-            raise
-        self._cond.acquire()
-        if sleepers.get(slot) is waiter:  # the time ran out: not woken
+        except BaseException as exc:
+            failure = exc
+        while True:  # (an RLock: whether this thread holds it is known, also after a raise)
+            try:
+                if cond._is_owned():  # type: ignore[attr-defined]
+                    break
+                cond.acquire()
+            except BaseException as exc:  # interrupted, holding it or not: asked again
+                failure = failure or exc
+        if sleepers.get(slot) is waiter:  # the time ran out, or interrupted: not woken
             del sleepers[slot]
+        if failure is not None:
+            if not self._reading:  # the turn may have come to this thread
+                self._hand_over()
+            raise failure
 
     def _hand_over(self) -> None:
         """The reader's turn ended (self._cond held): wake one thread still waiting for
