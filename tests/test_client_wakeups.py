@@ -2,13 +2,10 @@
 thread it is for (and the end of a reader's turn one thread to take it), not every
 waiting thread; no thread is left asleep with its answer read (many threads mixing
 round trips, long polls answered by sends and long polls that time out; a broker
-killed under held polls; a thread interrupted in its sleep or as it is handed the
-reader's turn)."""
+killed under held polls). Interrupted threads: test_client_interrupts.py."""
 
 from __future__ import annotations
 
-import _thread
-import sys
 import threading
 import time
 from collections import Counter
@@ -19,7 +16,6 @@ import pytest
 from client_helpers import BrokerProcess, temporary_broker
 
 import equeue
-from equeue.client import sync
 from equeue.errors import ConnectionLostError
 
 
@@ -176,133 +172,3 @@ def test_a_broker_killed_under_held_polls_wakes_every_waiting_thread(
         client.ping()  # the next call reconnects
     finally:
         client.close()
-
-
-class _Trap:
-    """Where the thread named "victim" gets a KeyboardInterrupt (once each): "wait" in its
-    timed wait once woken; "released" as _sleep's release of _cond returns; "acquired" as
-    its re-acquire returns once woken (CPython checks signals as a call returns);
-    "contended" in that acquire before it gets the lock (an acquire is interruptible)."""
-
-    def __init__(self, points: tuple[str, ...]) -> None:
-        self.points = set(points)
-        self.woken = False
-        self.unheld: list[str] = []  # the threads that released _cond without holding it
-
-    def fire(self, point: str) -> bool:
-        if point in self.points and threading.current_thread().name == "victim":
-            self.points.remove(point)
-            return True
-        return False
-
-
-class _Waiter:
-    """The victim's sleeper lock (sync.allocate_lock's)."""
-
-    def __init__(self, trap: _Trap) -> None:
-        self.lock = _thread.allocate_lock()
-        self.trap = trap
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        got = self.lock.acquire(blocking, timeout)
-        if timeout != -1 and got:
-            self.trap.woken = True
-            if self.trap.fire("wait"):
-                raise KeyboardInterrupt
-        return got
-
-    def release(self) -> None:
-        self.lock.release()
-
-
-class _Cond:
-    """The client's _cond (an RLock), raising where the trap says."""
-
-    def __init__(self, trap: _Trap) -> None:
-        self.lock = threading.RLock()
-        self.trap = trap
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if self.trap.woken and self.trap.fire("contended"):
-            raise KeyboardInterrupt
-        got = self.lock.acquire(blocking, timeout)
-        if self.trap.woken and self.trap.fire("acquired"):
-            raise KeyboardInterrupt
-        return got
-
-    def release(self) -> None:
-        if not self.lock._is_owned():  # type: ignore[attr-defined]
-            self.trap.unheld.append(threading.current_thread().name)
-        self.lock.release()
-        if sys._getframe(1).f_code.co_name == "_sleep" and self.trap.fire("released"):
-            raise KeyboardInterrupt
-
-    def _is_owned(self) -> bool:
-        return bool(self.lock._is_owned())  # type: ignore[attr-defined]
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-@pytest.mark.parametrize(
-    "points",
-    [("wait",), ("released",), ("acquired",), ("contended",), ("wait", "contended")],
-    ids="+".join,
-)
-def test_a_thread_interrupted_in_its_sleep_passes_the_turn_on(
-    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, points: tuple[str, ...]
-) -> None:
-    """The "victim" is interrupted asleep behind "reader" (at "released") or as the reader's
-    turn is handed to it: it gets KeyboardInterrupt (not RuntimeError from a release of a
-    lock it does not hold), no thread releases _cond unheld, and "last" is handed the turn
-    and reads its answer (left asleep, it would wake at its 600 s deadline)."""
-    client = equeue.connect(broker.url, timeout=600)
-    other = equeue.connect(broker.url)
-    client.create_topic("h", 3)
-    trap = _Trap(points)
-    client._cond = _Cond(trap)  # type: ignore[assignment]
-    outcome: dict[str, object] = {}
-    real = _thread.allocate_lock
-
-    def allocate() -> Any:
-        return _Waiter(trap) if threading.current_thread().name == "victim" else real()
-
-    monkeypatch.setattr(sync, "allocate_lock", allocate)
-
-    def poll(queue_id: int) -> None:
-        try:
-            outcome[threading.current_thread().name] = len(
-                client.pull("h", queue_id, 0, 1, wait=30.0)
-            )
-        except BaseException as exc:
-            outcome[threading.current_thread().name] = exc
-
-    def held(count: int) -> None:
-        for _ in range(500):  # (bounded: 10 s)
-            if other.stats()["held_pulls"] == count:
-                return
-            time.sleep(0.02)
-
-    names = ("reader", "victim", "last")
-    threads = [threading.Thread(target=poll, args=(q,), name=n, daemon=True)
-               for q, n in enumerate(names)]  # fmt: skip
-    try:
-        for count, t in enumerate(threads, 1):  # in turn: the reader, then two asleep
-            t.start()
-            held(count)
-        other.send("h", b"x", queue_id=0)  # the reader's answer: the turn goes to "victim"
-        threads[0].join(20)
-        threads[1].join(20)
-        assert outcome["reader"] == 1
-        assert isinstance(outcome["victim"], KeyboardInterrupt), outcome
-        other.send("h", b"x", queue_id=2)  # read only if "last" was handed the turn
-        threads[2].join(20)
-        assert outcome.get("last") == 1, outcome
-        assert not trap.points and not trap.unheld, (trap.points, trap.unheld)
-        assert not client._sleepers and not client._reading
-    finally:
-        client.close()
-        other.close()
