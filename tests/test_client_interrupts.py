@@ -31,8 +31,9 @@ class _Trap:
     timed wait once woken; "released" as _sleep's release of _cond returns; "acquired" as
     its re-acquire returns once woken (CPython checks signals as a call returns);
     "contended" in that acquire before it gets the lock (an acquire is interruptible).
-    As the reader: "turn" as the release of _cond returns after it took the turn; "read"
-    as its read of answers returns; "end" in the acquire that ends its turn."""
+    "submit" as the release of _cond returns after its request was registered, before it
+    was written. As the reader: "turn" as the release of _cond returns after it took the
+    turn; "read" as its read of answers returns; "end" in the acquire that ends its turn."""
 
     def __init__(self, points: tuple[str, ...], client: Any = None) -> None:
         self.points = set(points)
@@ -96,6 +97,8 @@ class _Cond:
         if caller == "__exit__":  # (a with block's end)
             caller = sys._getframe(2).f_code.co_name
         if caller == "_sleep" and self.trap.fire("released"):
+            raise KeyboardInterrupt
+        if caller == "_submit" and self.trap.fire("submit"):  # (its request registered)
             raise KeyboardInterrupt
         if caller == "_wait" and self.trap.fire("turn"):  # (it leaves the with: its turn)
             raise KeyboardInterrupt
@@ -264,3 +267,33 @@ def test_a_reader_interrupted_hands_in_what_it_read_and_passes_the_turn_on(
     finally:
         client.close()
         other.close()
+
+
+def test_a_thread_interrupted_before_its_request_is_written_leaves_no_orphan(
+    broker: BrokerProcess,
+) -> None:
+    """An interrupt between the registering of a request and its writing: nothing waits
+    for that request, which the broker never got; left registered it would count against
+    max_in_flight and, at its deadline, close the connection as "no answer"."""
+    client = equeue.connect(broker.url, timeout=600)
+    trap = _Trap(("submit",), client)
+    client._cond = _Cond(trap)  # type: ignore[assignment]
+    outcome: list[BaseException] = []
+
+    def victim() -> None:
+        try:
+            client.ping()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        thread = threading.Thread(target=victim, name="victim", daemon=True)
+        thread.start()
+        thread.join(20)
+        assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt), outcome
+        assert not trap.points and not trap.unheld
+        conn = client._conn
+        assert conn is None or not conn.pending  # (closed, its request failed, or none)
+        assert client.topics() == []  # the next call goes on (reconnecting)
+    finally:
+        client.close()

@@ -367,18 +367,22 @@ class Client:
             self._next_id = first + len(batch)
             now = time.monotonic()
             slots = [_Slot(c.op, c.unanswered, now + self.timeout + c.wait) for c in batch]
-            with self._cond:
-                if conn.broken:  # (broke between the check and now: nothing was written)
-                    raise lost(f"the connection to {self.url} broke", [])
-                conn.pending.update(zip(range(first, first + len(batch)), slots, strict=True))
-                for i, c in enumerate(batch):
-                    if columns and c.op == "send_bodies":  # answer read in C (reader.columns)
-                        conn.reader.columns.add(first + i)
             data = frames[0] if len(frames) == 1 else b"".join(frames)
+            registered = False
             try:
+                with self._cond:
+                    if conn.broken:  # (broke between the check and now: nothing was written)
+                        raise lost(f"the connection to {self.url} broke", [])
+                    registered = True  # (before: an interrupt as update returns is no orphan)
+                    conn.pending.update(zip(range(first, first + len(batch)), slots, strict=True))
+                    for i, c in enumerate(batch):
+                        if columns and c.op == "send_bodies":  # answer read in C (reader.columns)
+                            conn.reader.columns.add(first + i)
                 with conn.io_lock:
                     conn.sock.sendall(data)
             except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
+                if not registered:
+                    raise
                 self._break(conn, f"the connection to {self.url} broke while sending: {exc!r}", exc)
                 if not isinstance(exc, OSError):
                     raise
