@@ -493,13 +493,19 @@ class Client:
     def _end_turn(self, hand_over: bool) -> None:
         """The reader's turn (this thread's) ends: given up, and passed on if
         ``hand_over``, also when an interrupt lands here (raised after)."""
-        failure = self._hold()
+        cond = self._cond
+        failure: BaseException | None = None
+        try:
+            cond.acquire()
+        except BaseException as exc:  # (held or not: _hold knows)
+            failure = exc
+            self._hold()
         try:
             self._reading = False
-            if hand_over:
+            if hand_over and self._sleepers:
                 self._hand_over()
         finally:
-            self._cond.release()
+            cond.release()
         if failure is not None:
             raise failure
 
@@ -563,7 +569,11 @@ class Client:
             elif reading and not conn.plain:  # (TLS reads in Python: bytes may be lost)
                 self._interrupted(conn, exc)
             raise
-        self._hand_in(conn, conn.inbuf[: got[0]])
+        try:
+            self._received(conn, conn.inbuf[: got[0]])
+        except BaseException as exc:  # answers read, some perhaps not handed over
+            self._interrupted(conn, exc)
+            raise
 
     def _hand_in(self, conn: _Connection, data: memoryview) -> None:
         try:
