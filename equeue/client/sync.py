@@ -408,11 +408,7 @@ class Client:
                         if not self._reading:
                             self._reading = turn = True
                             break
-                        remaining = first.deadline - time.monotonic()
-                        if remaining <= 0:
-                            self._expire(conn, first)
-                        else:
-                            self._sleep(None, remaining)
+                        self._doze(conn, first, None)
                 self._read_some(conn, first)
             finally:
                 if turn:
@@ -430,11 +426,7 @@ class Client:
                             # after it, even as the with's release returns, ends the turn)
                             self._reading = turn = leaving = True
                             break
-                        remaining = slot.deadline - time.monotonic()
-                        if remaining <= 0:
-                            self._expire(conn, slot)
-                        else:
-                            self._sleep(slot, remaining)
+                        self._doze(conn, slot, slot)
                     else:
                         return self._outcome(slot)
                 self._read_some(conn, slot)
@@ -444,6 +436,15 @@ class Client:
                     self._end_turn(leaving)
             if leaving:  # (a slot done stays as it is: read without the lock)
                 return self._outcome(slot)
+
+    def _doze(self, conn: _Connection, due: _Slot, slot: _Slot | None) -> None:
+        """Another thread reads: sleep (for ``slot``, see _sleep) until ``due``'s deadline,
+        or close the connection if it passed."""
+        remaining = due.deadline - time.monotonic()
+        if remaining <= 0:
+            self._expire(conn, due)
+        else:
+            self._sleep(slot, remaining)
 
     def _sleep(self, slot: _Slot | None, seconds: float) -> None:
         """Sleep (self._cond held, released meanwhile) until woken for ``slot`` (None:
