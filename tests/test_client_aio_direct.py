@@ -27,6 +27,8 @@ from equeue.client.core import DECODERS, AnswerReader, RequestEncoder
 from equeue.errors import ConnectionLostError, FrameTooLargeError, InvalidMessageError
 from equeue.protocol import plainsend
 from equeue.protocol.frames import PROTOCOL_VERSION, encode
+from equeue.protocol.handshake import LIMIT_CEILING, LIMIT_NAMES, OPTIONAL_LIMIT_NAMES
+from equeue.protocol.records import pack_send_columns
 from equeue.server import BrokerThread
 from equeue.store.types import OutgoingMessage, SendResult
 
@@ -307,3 +309,62 @@ def test_a_cancelled_direct_send_keeps_its_place_until_answered() -> None:
 
     with FakeBroker(_answer_script(answer, gate)) as fake:
         asyncio.run(main(fake.url))
+
+
+@needs_c
+@pytest.mark.parametrize("limit", [2**63 - 1, 2**63, 2**64 - 1, 2**100])
+def test_the_c_paths_take_a_limit_past_a_c_integer_as_no_limit(limit: int) -> None:
+    # Not OverflowError (a builtin, reaching the client's caller): the 4-byte length
+    # field stays the bound. A limit below 0 lets nothing through.
+    assert speedups.SPEEDUPS is not None and plainsend.send_frame is not None
+    frame = plainsend.send_frame(1, "t", b"x", limit)
+    assert frame == plainsend.send_frame(1, "t", b"x", 1 << 20)
+    assert type(frame) is bytes and _read(frame, len(frame), 1, limit) == _general(frame, 1)
+    assert plainsend.send_frame(1, "t", b"x", -limit) == len(frame) - 4  # the size: too big
+    assert _read(frame, len(frame), 1, -limit) is None
+    bodies = speedups.SPEEDUPS.bodies_request
+    assert bodies(1, "t", [b"x"], limit) == bodies(1, "t", [b"x"], 1 << 20)
+    assert type(bodies(1, "t", [b"x"], -limit)) is int
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_welcome_with_limits_past_the_frame_length_is_held_to_it(loop: str) -> None:
+    """A broker announcing max_frame_bytes (and the rest) of 2**63 or more: plain sends
+    (direct, and sent together: send_bodies) are written and answered, no builtin
+    OverflowError; the client holds every limit to the longest frame."""
+    new_loop = asyncio.new_event_loop
+    if loop == "uvloop":
+        new_loop = pytest.importorskip("uvloop").new_event_loop
+    huge = {name: 2**64 - 1 for name in (*LIMIT_NAMES, *OPTIONAL_LIMIT_NAMES)}
+    welcome = {**WELCOME_NOW, "limits": {**huge, "max_frame_bytes": 2**63}}
+
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send(welcome)
+        while True:
+            request_id, op, arguments = peer.recv()
+            if op == "send_bodies":  # (sends together: one request, made in C)
+                results = [SendResult(*RESULT)] * len(arguments["bodies"])
+                peer.send([request_id, 0, pack_send_columns("t", results)])
+            else:
+                peer.send([request_id, 0, RESULT])
+
+    async def main(url: str) -> list[Any]:
+        client = await equeue.aio.connect(url, timeout=5)
+        try:
+            alone = [await client.send("t", b"x") for _ in range(3)]
+            together = await asyncio.gather(*(client.send("t", b"y") for _ in range(3)))
+            found = client.welcome
+            assert found is not None and set(found.limits.values()) == {LIMIT_CEILING}
+            return [*alone, *together]
+        finally:
+            await client.close()
+
+    with FakeBroker(script) as fake:
+        running = new_loop()
+        try:
+            assert running.run_until_complete(main(fake.url)) == [SendResult(*RESULT)] * 6
+        finally:
+            running.close()
+        with equeue.connect(fake.url, timeout=5) as client:  # the blocking client too
+            assert client.send("t", b"z") == SendResult(*RESULT)

@@ -2,11 +2,10 @@
 thread it is for (and the end of a reader's turn one thread to take it), not every
 waiting thread; no thread is left asleep with its answer read (many threads mixing
 round trips, long polls answered by sends and long polls that time out; a broker
-killed under held polls; a thread interrupted as it is handed the reader's turn)."""
+killed under held polls). Interrupted threads: test_client_interrupts.py."""
 
 from __future__ import annotations
 
-import _thread
 import threading
 import time
 from collections import Counter
@@ -17,7 +16,6 @@ import pytest
 from client_helpers import BrokerProcess, temporary_broker
 
 import equeue
-from equeue.client import sync
 from equeue.errors import ConnectionLostError
 
 
@@ -174,67 +172,3 @@ def test_a_broker_killed_under_held_polls_wakes_every_waiting_thread(
         client.ping()  # the next call reconnects
     finally:
         client.close()
-
-
-class _Interrupted:
-    """A waiter lock whose timed wait, once woken, raises KeyboardInterrupt: a signal
-    arriving just as its thread is handed the reader's turn."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if timeout == -1:
-            return self.lock.acquire(blocking)
-        self.lock.acquire(blocking, timeout)
-        raise KeyboardInterrupt
-
-    def release(self) -> None:
-        self.lock.release()
-
-
-def test_a_thread_interrupted_as_it_is_handed_the_turn_passes_it_on(
-    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    client = equeue.connect(broker.url, timeout=600)  # (a sleeper left asleep stays so)
-    other = equeue.connect(broker.url)
-    client.create_topic("h", 3)
-    outcome: dict[str, object] = {}
-    real = _thread.allocate_lock
-
-    def allocate() -> Any:
-        return _Interrupted() if threading.current_thread().name == "victim" else real()
-
-    monkeypatch.setattr(sync, "allocate_lock", allocate)
-
-    def poll(queue_id: int) -> None:
-        try:
-            outcome[threading.current_thread().name] = len(
-                client.pull("h", queue_id, 0, 1, wait=30.0)
-            )
-        except BaseException as exc:
-            outcome[threading.current_thread().name] = exc
-
-    def held(count: int) -> None:
-        for _ in range(500):  # (bounded: 10 s)
-            if other.stats()["held_pulls"] == count:
-                return
-            time.sleep(0.02)
-
-    names = ("reader", "victim", "last")
-    threads = [threading.Thread(target=poll, args=(q,), name=n, daemon=True)
-               for q, n in enumerate(names)]  # fmt: skip
-    try:
-        for count, t in enumerate(threads, 1):  # in turn: the reader, then two asleep
-            t.start()
-            held(count)
-        other.send("h", b"x", queue_id=0)  # the reader's answer: the turn goes to "victim"
-        threads[0].join(30)
-        threads[1].join(30)
-        assert outcome["reader"] == 1 and isinstance(outcome["victim"], KeyboardInterrupt)
-        other.send("h", b"x", queue_id=2)  # read only if "last" was handed the turn
-        threads[2].join(30)
-        assert outcome.get("last") == 1, outcome
-    finally:
-        client.close()
-        other.close()

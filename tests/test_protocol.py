@@ -116,6 +116,25 @@ def test_welcome_with_an_unknown_version_is_refused() -> None:
         handshake.Welcome.unpack({"version": 1, "server": "x", "limits": {}}, "t")
 
 
+def test_welcome_limits_are_held_to_the_longest_frame() -> None:
+    # More means nothing on a 4-byte length field; no broker of ours announces more (its
+    # settings stop at 2**31): a client takes the ceiling. Not above 0: refused, said.
+    limits = {name: 2**64 - 1 for name in handshake.LIMIT_NAMES}
+    limits |= {"max_in_flight": 64, "max_pull_count": 2**32, "max_batch_messages": 2**32 - 1}
+    found = handshake.Welcome.unpack({"version": 1, "server": "x", "limits": limits}, "t")
+    assert found.limits == {
+        "max_frame_bytes": 2**32 - 1,
+        "max_in_flight": 64,
+        "max_connections": 2**32 - 1,
+        "max_pull_count": 2**32 - 1,
+        "max_batch_messages": 2**32 - 1,
+    }
+    assert handshake.LIMIT_CEILING == 2**32 - 1
+    limits["max_in_flight"] = -5
+    with pytest.raises(errors.ProtocolError, match=r"peer: welcome limit 'max_in_flight'.*-5"):
+        handshake.Welcome.unpack({"version": 1, "server": "x", "limits": limits}, "peer")
+
+
 def test_records_round_trip_through_msgpack() -> None:
     def wire(value: object) -> object:
         return msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False)

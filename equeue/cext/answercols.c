@@ -228,9 +228,10 @@ static Py_ssize_t head_size(Py_ssize_t n, Py_ssize_t fix_max, int has8) {
 }
 
 PyObject *bodies_request(PyObject *self, PyObject *args) {
-    PyObject *rid_obj, *topic, *bodies;
+    PyObject *rid_obj, *topic, *bodies, *limit;
     Py_ssize_t max_frame_bytes;
-    if (!PyArg_ParseTuple(args, "OOOn", &rid_obj, &topic, &bodies, &max_frame_bytes))
+    if (!PyArg_ParseTuple(args, "OOOO", &rid_obj, &topic, &bodies, &limit) ||
+        get_limit(limit, &max_frame_bytes) < 0)
         return NULL;
     if (!PyLong_CheckExact(rid_obj) || !PyUnicode_CheckExact(topic) ||
         !PyList_CheckExact(bodies))

@@ -41,8 +41,8 @@ PyObject *client_send_frame(PyObject *self, PyObject *const *args, Py_ssize_t na
         Py_RETURN_NONE;
     }
     if (id == 0) Py_RETURN_NONE;
-    Py_ssize_t max = PyLong_AsSsize_t(args[3]);
-    if (max == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t max;
+    if (get_limit(args[3], &max) < 0) return NULL;
     Py_ssize_t tlen;
     const char *tbytes = PyUnicode_AsUTF8AndSize(topic, &tlen);
     if (tbytes == NULL) {
@@ -147,8 +147,8 @@ PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
     if (nbytes == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t max = PyLong_AsSsize_t(args[4]);
-    if (max == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t max;
+    if (get_limit(args[4], &max) < 0) return NULL;
     PyObject *rid_obj = args[2], *topic = args[3];
     if (!PyLong_CheckExact(rid_obj) || !PyUnicode_CheckExact(topic)) Py_RETURN_NONE;
     unsigned long long rid = PyLong_AsUnsignedLongLong(rid_obj);

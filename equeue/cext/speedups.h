@@ -45,6 +45,18 @@ static inline int get_range(PyObject *buf, Py_buffer *view, Py_ssize_t start,
     return 0;
 }
 
+/* A frame limit given as a Python int (max_frame_bytes) in *limit: 0, or -1 with
+ * TypeError for a non-int. Past Py_ssize_t's range is no limit (PY_SSIZE_T_MAX: the
+ * 4-byte length field still caps a frame), below 0 allows nothing (0); never an
+ * OverflowError, which would reach the client's caller as a builtin. */
+static inline int get_limit(PyObject *value, Py_ssize_t *limit) {
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *limit = overflow > 0 ? PY_SSIZE_T_MAX : (overflow < 0 || v < 0) ? 0 : (Py_ssize_t)v;
+    return 0;
+}
+
 /* The payload length of the frame at data + offset if it is whole before end, its
  * length is non-zero and at most max_length, and its suffix and checksum match (the
  * frame of format/chunk.py: length, payload, checksum, length); else 0. */

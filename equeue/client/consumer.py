@@ -298,7 +298,8 @@ class GroupConsumer:
             try:
                 self._maintain()
                 self._harvest()
-                # the next batches: long polls only with nothing at hand (_start_pulls)
+                # the next batches (_start_pulls): with messages at hand, long polls for
+                # the drained queues only; past MAX_POLLERS queues, none
                 self._start_pulls(quick=bool(state.buffer))
                 if state.buffer:
                     return True
@@ -319,8 +320,11 @@ class GroupConsumer:
         self._event.set()
 
     def _refill(self) -> None:
-        """Take the pulls answered and send the next of every queue run low, without
-        waiting (the buffer still holds messages)."""
+        """Take the pulls answered and send the next of every queue run low (the buffer
+        still holds messages, so the caller does not wait): a queue whose last pull
+        brought a whole batch is pulled without a wait, a drained one long-polled (held by
+        the broker up to its wait); past MAX_POLLERS queues every one without a wait, one
+        whose last pull found nothing only once IDLE_RECHECK_SECONDS passed."""
         state = self.state
         state.refill = False
         self._event.clear()

@@ -11,6 +11,11 @@ answer).
 
 A broken connection fails every request in flight on it with ConnectionLostError
 (``unanswered``: the sends among them, as given); the next call reconnects.
+
+A KeyboardInterrupt reaches the thread it lands in wherever it lands; the other threads
+go on: the reader's turn is passed on, answers read are handed in first, and where
+bytes may be lost with it (a write cut short, a TLS read, the handing in itself) the
+connection is closed instead, failing its requests as above.
 """
 
 from __future__ import annotations
@@ -94,8 +99,8 @@ def _deadline(slot: _Slot) -> float:
 
 class _Connection:
     __slots__ = (
-        "broken", "encoder", "inbuf", "io_lock", "pending", "plain", "quiet_at", "reader",
-        "sock", "welcome",
+        "broken", "encoder", "inbuf", "inbufs", "io_lock", "pending", "plain", "quiet_at",
+        "reader", "sock", "welcome",
     )  # fmt: skip
 
     def __init__(self, sock: socket.socket, welcome: Welcome, reader: AnswerReader) -> None:
@@ -107,6 +112,7 @@ class _Connection:
         self.pending: dict[int, _Slot] = {}
         self.broken = False
         self.inbuf = memoryview(bytearray(RECV_BYTES))  # read into, by the reader only
+        self.inbufs = (self.inbuf,)  # (for map: _read_some)
         # One SSL object must not read and write in two threads at once.
         tls = isinstance(sock, ssl.SSLSocket)
         self.io_lock: Any = threading.Lock() if tls else contextlib.nullcontext()
@@ -157,7 +163,8 @@ class Client:
         self._token = token
         self._name = args.name("client_name", client_name) or f"python-sync pid {os.getpid()}"
         self._write_lock = threading.Lock()
-        self._cond = threading.Lock()  # guards the slots, the sleepers and _reading
+        # guards the slots, the sleepers and _reading; an RLock for _sleep's _is_owned
+        self._cond = threading.RLock()
         self._reading = False
         # the threads asleep in _sleep, by the slot each waits for (None: the writer
         # waiting for a place in max_in_flight), each on a lock of its own, held until woken
@@ -177,7 +184,7 @@ class Client:
         (not shutdown: that would end the parent's connection too) and connects anew.
         The locks are new: another thread may have held them at the fork."""
         self._write_lock = threading.Lock()
-        self._cond = threading.Lock()
+        self._cond = threading.RLock()
         self._reading = False
         self._sleepers = {}
         conn, self._conn = self._conn, None
@@ -239,11 +246,12 @@ class Client:
             ready = True
         if not ready:
             return False
-        with self._cond:
-            if self._reading:
-                return False
-            self._reading = True
+        turn = False
         try:
+            with self._cond:
+                if self._reading:
+                    return False
+                self._reading = turn = True  # (no call between: no interrupt lands there)
             sock.setblocking(False)  # no request is in flight and no other thread writes now
             try:
                 data = conn.inbuf[: sock.recv_into(conn.inbuf)]
@@ -258,9 +266,8 @@ class Client:
             self._received(conn, data)
             return True
         finally:
-            with self._cond:
-                self._reading = False
-                self._hand_over()
+            if turn:
+                self._end_turn(True)
 
     def _break(self, conn: _Connection, reason: str, cause: BaseException | None) -> None:
         with self._cond:
@@ -360,18 +367,22 @@ class Client:
             self._next_id = first + len(batch)
             now = time.monotonic()
             slots = [_Slot(c.op, c.unanswered, now + self.timeout + c.wait) for c in batch]
-            with self._cond:
-                if conn.broken:  # (broke between the check and now: nothing was written)
-                    raise lost(f"the connection to {self.url} broke", [])
-                conn.pending.update(zip(range(first, first + len(batch)), slots, strict=True))
-                for i, c in enumerate(batch):
-                    if columns and c.op == "send_bodies":  # answer read in C (reader.columns)
-                        conn.reader.columns.add(first + i)
             data = frames[0] if len(frames) == 1 else b"".join(frames)
+            registered = False
             try:
+                with self._cond:
+                    if conn.broken:  # (broke between the check and now: nothing was written)
+                        raise lost(f"the connection to {self.url} broke", [])
+                    registered = True  # (before: an interrupt as update returns is no orphan)
+                    conn.pending.update(zip(range(first, first + len(batch)), slots, strict=True))
+                    for i, c in enumerate(batch):
+                        if columns and c.op == "send_bodies":  # answer read in C (reader.columns)
+                            conn.reader.columns.add(first + i)
                 with conn.io_lock:
                     conn.sock.sendall(data)
             except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
+                if not registered:
+                    raise
                 self._break(conn, f"the connection to {self.url} broke while sending: {exc!r}", exc)
                 if not isinstance(exc, OSError):
                     raise
@@ -386,74 +397,118 @@ class Client:
         if len(conn.pending) + count <= limit:  # (under the write lock only readers take
             return  # from pending: a stale length overstates, never understates)
         while True:
-            with self._cond:
-                while True:
-                    pending = conn.pending
-                    if conn.broken or not pending or len(pending) + count <= limit:
-                        return
-                    first = min(pending.values(), key=_deadline)
-                    if not self._reading:
-                        self._reading = True
-                        break
-                    remaining = first.deadline - time.monotonic()
-                    if remaining <= 0:
-                        self._expire(conn, first)
-                    else:
-                        self._sleep(None, remaining)
+            turn = False
             try:
+                with self._cond:
+                    while True:
+                        pending = conn.pending
+                        if conn.broken or not pending or len(pending) + count <= limit:
+                            return
+                        first = min(pending.values(), key=_deadline)
+                        if not self._reading:
+                            self._reading = turn = True
+                            break
+                        self._doze(conn, first, None)
                 self._read_some(conn, first)
             finally:
-                with self._cond:
-                    self._reading = False
-                    self._hand_over()
+                if turn:
+                    self._end_turn(True)
 
     def _wait(self, conn: _Connection, slot: _Slot) -> Any:
         """The decoded-by-msgpack result of ``slot``'s request, or its error raised."""
         while True:
-            with self._cond:
-                while not slot.done:
-                    if not self._reading:
-                        self._reading = True
-                        break
-                    remaining = slot.deadline - time.monotonic()
-                    if remaining <= 0:
-                        self._expire(conn, slot)
-                    else:
-                        self._sleep(slot, remaining)
-                else:
-                    return self._outcome(slot)
-            leaving = True
+            turn = leaving = False
             try:
+                with self._cond:
+                    while not slot.done:
+                        if not self._reading:
+                            # (turn set with _reading, no call between: an interrupt
+                            # after it, even as the with's release returns, ends the turn)
+                            self._reading = turn = leaving = True
+                            break
+                        self._doze(conn, slot, slot)
+                    else:
+                        return self._outcome(slot)
                 self._read_some(conn, slot)
                 leaving = slot.done
             finally:
-                with self._cond:
-                    self._reading = False
-                    if leaving:  # (staying: this thread reads on, no one to wake)
-                        self._hand_over()
+                if turn:  # (staying: this thread reads on, no one to wake)
+                    self._end_turn(leaving)
             if leaving:  # (a slot done stays as it is: read without the lock)
                 return self._outcome(slot)
 
+    def _doze(self, conn: _Connection, due: _Slot, slot: _Slot | None) -> None:
+        """Another thread reads: sleep (for ``slot``, see _sleep) until ``due``'s deadline,
+        or close the connection if it passed."""
+        remaining = due.deadline - time.monotonic()
+        if remaining <= 0:
+            self._expire(conn, due)
+        else:
+            self._sleep(slot, remaining)
+
     def _sleep(self, slot: _Slot | None, seconds: float) -> None:
         """Sleep (self._cond held, released meanwhile) until woken for ``slot`` (None:
-        for a place in max_in_flight), or for the reader's turn, or ``seconds`` passed."""
+        for a place in max_in_flight), or for the reader's turn, or ``seconds`` passed.
+
+        A KeyboardInterrupt may land anywhere here: in the wait, as a call returns (just
+        after the release, just after the re-acquire) or in an acquire of a contended
+        ``_cond`` (which then is not held). Whatever happens, this returns or raises with
+        ``_cond`` held by this thread exactly once (the caller's ``with`` releases it), its
+        waiter no longer registered, and the reader's turn passed on if it came to this
+        thread: the other sleepers' answers may already be in the socket."""
         waiter = allocate_lock()
         waiter.acquire()
         sleepers = self._sleepers
         sleepers[slot] = waiter
-        self._cond.release()
+        cond = self._cond
+        failure: BaseException | None = None
         try:
+            cond.release()
             waiter.acquire(True, seconds)
-        except BaseException:  # (a KeyboardInterrupt) the turn may have come to this thread
-            self._cond.acquire()
-            if sleepers.get(slot) is waiter:
-                del sleepers[slot]
-            if not self._reading:
-                self._hand_over()
-            raise
-        self._cond.acquire()
-        if sleepers.get(slot) is waiter:  # the time ran out: not woken
+        except BaseException as exc:
+            failure = exc
+        failure = self._hold() or failure
+        if sleepers.get(slot) is waiter:  # the time ran out, or interrupted: not woken
             del sleepers[slot]
+        if failure is not None:
+            if not self._reading:  # the turn may have come to this thread
+                self._hand_over()
+            raise failure
+
+    def _hold(self) -> BaseException | None:
+        """Take ``_cond`` if this thread does not hold it, whatever interrupts the taking
+        (an acquire of a contended lock raises without it, a call returning raises with
+        it: _cond is an RLock, so which is known); the interrupt, to raise once the state
+        it guards is right again."""
+        cond = self._cond
+        failure: BaseException | None = None
+        while True:
+            try:
+                if cond._is_owned():  # type: ignore[attr-defined]
+                    return failure
+                cond.acquire()
+            except BaseException as exc:
+                if failure is None:
+                    failure = exc
+
+    def _end_turn(self, hand_over: bool) -> None:
+        """The reader's turn (this thread's) ends: given up, and passed on if
+        ``hand_over``, also when an interrupt lands here (raised after)."""
+        cond = self._cond
+        failure: BaseException | None = None
+        try:
+            cond.acquire()
+        except BaseException as exc:  # (held or not: _hold knows)
+            failure = exc
+            self._hold()
+        try:
+            self._reading = False
+            if hand_over and self._sleepers:
+                self._hand_over()
+        finally:
+            cond.release()
+        if failure is not None:
+            raise failure
 
     def _hand_over(self) -> None:
         """The reader's turn ended (self._cond held): wake one thread still waiting for
@@ -482,6 +537,8 @@ class Client:
             return
         sock = conn.sock
         remaining = slot.deadline - time.monotonic()
+        reading = False
+        got: list[int] = []
         try:
             if not (conn.plain and remaining >= DIRECT_READ * self.timeout):
                 ready = (isinstance(sock, ssl.SSLSocket) and sock.pending()) or bool(
@@ -492,8 +549,12 @@ class Client:
                         with self._cond:
                             self._expire(conn, slot)
                     return
+            reading = True
             with conn.io_lock:
-                data = conn.inbuf[: sock.recv_into(conn.inbuf)]
+                # The count is stored by C code (list.extend of map): an interrupt (a
+                # KeyboardInterrupt) raised as recv_into returns leaves it known, one
+                # raised in recv_into (in its wait) leaves got empty, nothing read.
+                got.extend(map(sock.recv_into, conn.inbufs))
         except BlockingIOError:  # the kernel's timeout (EAGAIN) on a direct read
             if time.monotonic() < slot.deadline:
                 return  # (a pull's wait: it has longer)
@@ -503,7 +564,31 @@ class Client:
         except (OSError, ValueError) as exc:  # ValueError: a closed socket
             self._break(conn, f"the connection to {self.url} broke: {exc}", exc)
             return
-        self._received(conn, data)
+        except BaseException as exc:
+            if got:  # interrupted as the read returned: its answers are handed over first
+                self._hand_in(conn, conn.inbuf[: got[0]])
+            elif reading and not conn.plain:  # (TLS reads in Python: bytes may be lost)
+                self._interrupted(conn, exc)
+            raise
+        try:
+            self._received(conn, conn.inbuf[: got[0]])
+        except BaseException as exc:  # answers read, some perhaps not handed over
+            self._interrupted(conn, exc)
+            raise
+
+    def _hand_in(self, conn: _Connection, data: memoryview) -> None:
+        try:
+            self._received(conn, data)
+        except BaseException as exc:  # answers read, some perhaps not handed over
+            self._interrupted(conn, exc)
+            raise
+
+    def _interrupted(self, conn: _Connection, exc: BaseException) -> None:
+        """An interrupt (a KeyboardInterrupt) where bytes read may be lost with it, and
+        with them answers other threads wait for: the connection is closed and every
+        request in flight on it fails (ConnectionLostError: outcome unknown); the next
+        call reconnects."""
+        self._break(conn, f"reading from {self.url} was interrupted ({exc!r})", exc)
 
     def _outcome(self, slot: _Slot) -> Any:
         if slot.error is not None:

@@ -14,6 +14,12 @@ welcome (broker to client), a map::
     limits     map           max_frame_bytes, max_in_flight, max_connections (uint);
                              max_batch_messages, max_pull_count (uint, kept if present)
 
+A client takes a limit above LIMIT_CEILING (2**32 - 1, the longest frame the 4-byte
+length field can carry) as LIMIT_CEILING: more means nothing on this wire (no frame, and
+so no batch, pull or window of requests, can be longer), no broker of this package
+announces more (its settings' maxima are 2**31 and below), and the client's C paths take
+a limit as a C integer.
+
 A broker that speaks none of the versions, or refuses the token, answers
 ``[0, 1, {"code": ..., "message": ...}]`` instead and closes.
 """
@@ -24,13 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from equeue.errors import ProtocolError
-from equeue.protocol.frames import SUPPORTED_VERSIONS
+from equeue.protocol.frames import FRAME_HEADER_SIZE, SUPPORTED_VERSIONS
 
 MAX_CLIENT_NAME = 200
 LIMIT_NAMES = ("max_frame_bytes", "max_in_flight", "max_connections")
 # Announced by every broker of this package, but not required of one: a client that needs
 # one (send_many's chunks: max_batch_messages) assumes the protocol's default without it.
 OPTIONAL_LIMIT_NAMES = ("max_batch_messages", "max_pull_count")
+LIMIT_CEILING = (1 << 8 * FRAME_HEADER_SIZE) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +98,14 @@ class Welcome:
         for name in LIMIT_NAMES:
             value = limits.get(name)
             if type(value) is not int or value <= 0:
-                raise ProtocolError(f"{where}: welcome limit {name!r} must be a uint > 0")
-            checked[name] = value
+                raise ProtocolError(
+                    f"{where}: welcome limit {name!r} must be a uint > 0, got {value!r}"
+                )
+            checked[name] = min(value, LIMIT_CEILING)
         for name in OPTIONAL_LIMIT_NAMES:
             value = limits.get(name)
             if type(value) is int and value > 0:
-                checked[name] = value
+                checked[name] = min(value, LIMIT_CEILING)
         return cls(version, server, checked)
 
 
