@@ -10,6 +10,7 @@ so the flush counts depend on the logic, not on timing; every wait in a test is 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import tempfile
 import threading
@@ -309,6 +310,16 @@ def test_a_wait_without_flush_sync_is_a_config_error_naming_both(flush: BrokerFl
         ServerConfig(flush=flush, group_commit_wait_us=500)
     assert ServerConfig(flush=flush, group_commit_wait_us=0).group_commit_wait_us == 0
     assert ServerConfig(flush="sync", group_commit_wait_us=500).group_commit_wait_us == 500
+
+
+def test_the_default_wait_follows_the_flush_also_through_replace() -> None:
+    # None is resolved when read, not stored: replace() with another flush gets its default
+    # (a stored 500 made replace(flush="async") a ConfigError, and a stored 0 kept sync at 0).
+    sync = ServerConfig(flush="sync")
+    assert (sync.commit_wait_us, ServerConfig().commit_wait_us) == (500, 0)
+    assert dataclasses.replace(sync, flush="async").commit_wait_us == 0
+    assert dataclasses.replace(ServerConfig(), flush="sync").commit_wait_us == 500
+    assert ServerConfig(flush="sync", group_commit_wait_us=0).commit_wait_us == 0
 
 
 def test_the_broker_logs_the_wait_and_counts_its_waits_in_stats(

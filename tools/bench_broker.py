@@ -65,7 +65,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--group-commit-wait-us",
         type=int,
-        help="the --flush sync broker's --group-commit-wait-us (default: its own, 0)",
+        help="the --flush sync broker's --group-commit-wait-us (default: its own, 500)",
     )
     parser.add_argument(
         "--client-loop",

@@ -125,6 +125,15 @@ class ServerConfig:
     event_loop: EventLoop = "auto"
     listeners: tuple[Listener, ...] = field(init=False, default=())
 
+    @property
+    def commit_wait_us(self) -> int:
+        """The group-commit wait in effect: the setting, or by default 500 µs under
+        flush="sync" and 0 otherwise (resolved here, not stored, so that
+        ``dataclasses.replace(config, flush=...)`` gets the new flush's default)."""
+        if self.group_commit_wait_us is not None:
+            return self.group_commit_wait_us
+        return DEFAULT_GROUP_COMMIT_WAIT_US if self.flush == "sync" else 0
+
     def __post_init__(self) -> None:
         if isinstance(self.listen, str):
             raise ConfigError(f"listen must be a sequence of URLs, got the string {self.listen!r}")
@@ -145,10 +154,9 @@ class ServerConfig:
         check_int("max_connections", self.max_connections, 1, 1 << 20)
         check_int("write_buffer_high", self.write_buffer_high, 1024, 1 << 34)
         check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 3_600_000)
-        if self.group_commit_wait_us is None:
-            default = DEFAULT_GROUP_COMMIT_WAIT_US if self.flush == "sync" else 0
-            object.__setattr__(self, "group_commit_wait_us", default)
-        check_int("group_commit_wait_us", self.group_commit_wait_us, 0, MAX_GROUP_COMMIT_WAIT_US)
+        if self.group_commit_wait_us is not None:  # None stays None: see commit_wait_us
+            wait = self.group_commit_wait_us
+            check_int("group_commit_wait_us", wait, 0, MAX_GROUP_COMMIT_WAIT_US)
         if self.group_commit_wait_us and self.flush != "sync":  # it would be silently ignored
             raise ConfigError(
                 f"group_commit_wait_us={self.group_commit_wait_us} (--group-commit-wait-us) "

@@ -162,7 +162,7 @@ class Broker:
         self.holds = Holds(loop, self.store, self._answer_held)
         self.commit = (
             CrossClientCommit(
-                loop, self.store.flush_log, release_durable, self.config.group_commit_wait_us or 0
+                loop, self.store.flush_log, release_durable, self.config.commit_wait_us
             )
             if self.config.flush == "sync"
             else None
@@ -183,7 +183,7 @@ class Broker:
             raise
         self._ticks = 0
         self._ticker = loop.call_later(TICK_S, self._tick)
-        wait = self.config.group_commit_wait_us if self.commit is not None else 0
+        wait = self.config.commit_wait_us if self.commit is not None else 0
         log.info(
             "serving %s on %s (flush=%s%s)", self.store.path, " ".join(self.urls),
             self.config.flush, f", group commit wait {wait} µs" if wait else "",
