@@ -53,7 +53,10 @@ static inline int get_limit(PyObject *value, Py_ssize_t *limit) {
     int overflow;
     long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
     if (v == -1 && PyErr_Occurred()) return -1;
-    *limit = overflow > 0 ? PY_SSIZE_T_MAX : (overflow < 0 || v < 0) ? 0 : (Py_ssize_t)v;
+    /* (a value past Py_ssize_t, as 2**32-1 is on a 32-bit build, is no limit too) */
+    *limit = overflow > 0 || v > (long long)PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX
+             : (overflow < 0 || v < 0)                     ? 0
+                                                           : (Py_ssize_t)v;
     return 0;
 }
 
