@@ -297,3 +297,129 @@ def test_a_thread_interrupted_before_its_request_is_written_leaves_no_orphan(
         assert client.topics() == []  # the next call goes on (reconnecting)
     finally:
         client.close()
+
+
+class _EntryTrap:
+    """A KeyboardInterrupt at the entry of the function named ``name`` (once), in the
+    thread it is set in: CPython raises a pending SIGINT at every function's RESUME, before
+    its body runs; a trace function raising on the "call" event models that point."""
+
+    def __init__(self, name: str, after: str = "") -> None:
+        self.name = name
+        self.after = after  # (name ""): at the first function entered after this one's
+        self.fired = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or self.fired:
+            return
+        name = frame.f_code.co_name
+        if self.after and name == self.after:
+            self.after = ""
+        elif not self.after and (name == self.name or not self.name):
+            self.fired = 1
+            raise KeyboardInterrupt
+
+    def run(self, call: Any) -> BaseException | None:
+        sys.settrace(self)
+        try:
+            call()
+        except BaseException as exc:
+            return exc
+        finally:
+            sys.settrace(None)
+        return None
+
+
+def test_an_interrupt_at_the_entry_of_end_turn_gives_the_turn_up(broker: BrokerProcess) -> None:
+    """The reader's turn is given up even if the interrupt lands before the function
+    ending it runs: left taken, every later call on every thread waited out its timeout."""
+    client = equeue.connect(broker.url, timeout=600)
+    try:
+        client.create_topic("t", 1)
+        trap = _EntryTrap("_end_turn")
+        failure = trap.run(lambda: client.send("t", b"x"))
+        assert trap.fired and isinstance(failure, KeyboardInterrupt), failure
+        assert not client._reading
+        done: list[int] = []
+
+        def ping() -> None:
+            client.ping()
+            done.append(1)
+
+        thread = threading.Thread(target=ping, daemon=True)
+        thread.start()
+        thread.join(20)
+        assert done == [1]
+        assert client.topics() == ["t"]
+    finally:
+        client.close()
+
+
+def test_a_break_interrupted_midway_fails_the_waiting_request(broker: BrokerProcess) -> None:
+    """An interrupt inside the closing of a connection (at the entry of the socket's
+    close): the thread waiting for its answer on it gets ConnectionLostError; it looped
+    at 100 % CPU on the broken connection before (the requests were failed after it)."""
+    client = equeue.connect(broker.url, timeout=600)
+    outcome: list[BaseException | None] = []
+
+    def poll() -> None:
+        try:
+            client.pull("t", 0, 0, 1, None, 3.0)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        client.create_topic("t", 1)
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        for _ in range(200):  # (bounded: its long poll is in flight within 10 s)
+            conn = client._conn
+            if conn is not None and conn.pending:
+                break
+            time.sleep(0.05)
+        assert conn is not None and conn.pending
+        trap = _EntryTrap("close")  # (the socket's: the requests are failed before it)
+        failure = trap.run(lambda: client._break(conn, "broke (test)", None))
+        assert trap.fired and isinstance(failure, KeyboardInterrupt), failure
+        thread.join(20)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], equeue.ConnectionLostError), outcome
+        assert client.topics() == ["t"]  # the next call reconnects
+    finally:
+        client.close()
+
+
+def test_an_interrupt_as_a_woken_sleeper_retakes_the_lock(broker: BrokerProcess) -> None:
+    """An interrupt at the entry of the first function a sleeper calls once woken (it was
+    _hold, which took _cond again): the caller gets KeyboardInterrupt (a RuntimeError for
+    releasing a lock it did not hold, before), its sleeper is not left registered, and
+    the reader goes on."""
+    client = equeue.connect(broker.url, timeout=600)
+    polled: list[BaseException | None] = []
+
+    def poll() -> None:
+        try:
+            client.pull("t", 0, 0, 1, None, 2.0)
+            polled.append(None)
+        except BaseException as exc:
+            polled.append(exc)
+
+    try:
+        client.create_topic("t", 1)
+        reader = threading.Thread(target=poll, daemon=True)
+        reader.start()
+        for _ in range(200):  # (bounded: the reader holds the turn in its long poll)
+            if client._reading:
+                break
+            time.sleep(0.05)
+        assert client._reading
+        trap = _EntryTrap("", after="_sleep")
+        failure = trap.run(client.ping)
+        assert trap.fired and isinstance(failure, KeyboardInterrupt), repr(failure)
+        reader.join(20)
+        assert polled == [None]
+        assert not client._sleepers and not client._reading
+        assert client.topics() == ["t"]
+    finally:
+        client.close()
