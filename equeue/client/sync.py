@@ -414,6 +414,8 @@ class Client:
                     else:
                         break
                 self._read_some(conn, slot)
+                if slot.done:  # (its own answer read: no second round under the lock)
+                    break
         finally:
             if turn:  # (given up inline: no function's entry before, no interrupt lands)
                 self._reading = False
