@@ -297,3 +297,185 @@ def test_a_thread_interrupted_before_its_request_is_written_leaves_no_orphan(
         assert client.topics() == []  # the next call goes on (reconnecting)
     finally:
         client.close()
+
+
+class _EntryTrap:
+    """A KeyboardInterrupt at the entry of the function named ``name`` (once), in the
+    thread it is set in: CPython raises a pending SIGINT at every function's RESUME, before
+    its body runs; a trace function raising on the "call" event models that point."""
+
+    def __init__(self, name: str, after: str = "") -> None:
+        self.name = name
+        self.after = after  # (name ""): at the first function entered after this one's
+        self.fired = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or self.fired:
+            return
+        name = frame.f_code.co_name
+        if self.after and name == self.after:
+            self.after = ""
+        elif not self.after and (name == self.name or not self.name):
+            self.fired = 1
+            raise KeyboardInterrupt
+
+    def run(self, call: Any) -> BaseException | None:
+        sys.settrace(self)
+        try:
+            call()
+        except BaseException as exc:
+            return exc
+        finally:
+            sys.settrace(None)
+        return None
+
+
+def _polling(
+    client: Any, topic: str, queue_id: int, wait: float, name: str
+) -> tuple[threading.Thread, dict[str, BaseException | None]]:
+    """A thread long-polling ``topic``'s queue; ``outcome[name]``: None or what it raised."""
+
+    def poll() -> None:
+        try:
+            client.pull(topic, queue_id, 0, 1, None, wait)
+            outcome[name] = None
+        except BaseException as exc:
+            outcome[name] = exc
+
+    outcome: dict[str, BaseException | None] = {}
+    thread = threading.Thread(target=poll, name=name, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _until(ready: Any) -> bool:
+    for _ in range(200):  # (bounded: 10 s)
+        if ready():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_an_interrupt_at_the_entry_of_end_turn_gives_the_turn_up(broker: BrokerProcess) -> None:
+    """The reader's turn is given up even if the interrupt lands before the function
+    ending it runs: left taken, every later call on every thread waited out its timeout."""
+    client = equeue.connect(broker.url, timeout=600)
+    try:
+        client.create_topic("t", 1)
+        trap = _EntryTrap("_end_turn")
+        failure = trap.run(lambda: client.send("t", b"x"))
+        assert trap.fired and isinstance(failure, KeyboardInterrupt), failure
+        assert not client._reading
+        done: list[int] = []
+
+        def ping() -> None:
+            client.ping()
+            done.append(1)
+
+        thread = threading.Thread(target=ping, daemon=True)
+        thread.start()
+        thread.join(20)
+        assert done == [1]
+        assert client.topics() == ["t"]
+    finally:
+        client.close()
+
+
+def test_a_break_interrupted_midway_fails_the_waiting_request(broker: BrokerProcess) -> None:
+    """An interrupt inside the closing of a connection (at the entry of the socket's
+    close): the thread waiting for its answer on it gets ConnectionLostError; it looped
+    at 100 % CPU on the broken connection before (the requests were failed after it)."""
+    client = equeue.connect(broker.url, timeout=600)
+    try:
+        client.create_topic("t", 1)
+        thread, thread_out = _polling(client, "t", 0, 3.0, "poll")
+        assert _until(lambda: client._conn is not None and client._conn.pending)
+        conn = client._conn
+        assert conn is not None
+        trap = _EntryTrap("close")  # (the socket's: the requests are failed before it)
+        interrupt = trap.run(lambda: client._break(conn, "broke (test)", None))
+        assert trap.fired and isinstance(interrupt, KeyboardInterrupt), interrupt
+        thread.join(20)
+        assert not thread.is_alive()
+        failure = thread_out["poll"]
+        assert isinstance(failure, equeue.ConnectionLostError), failure
+        assert client.topics() == ["t"]  # the next call reconnects
+    finally:
+        client.close()
+
+
+def test_an_interrupt_as_a_woken_sleeper_retakes_the_lock(broker: BrokerProcess) -> None:
+    """An interrupt at the entry of the first function a sleeper calls once woken (it was
+    _hold, which took _cond again): the caller gets KeyboardInterrupt (a RuntimeError for
+    releasing a lock it did not hold, before), its sleeper is not left registered, and
+    the reader goes on."""
+    client = equeue.connect(broker.url, timeout=600)
+    try:
+        client.create_topic("t", 1)
+        reader, reader_out = _polling(client, "t", 0, 2.0, "reader")
+        assert _until(lambda: client._reading)  # the reader holds the turn in its long poll
+        trap = _EntryTrap("", after="_sleep")
+        failure = trap.run(client.ping)
+        assert trap.fired and isinstance(failure, KeyboardInterrupt), repr(failure)
+        reader.join(20)
+        assert reader_out == {"reader": None}
+        assert not client._sleepers and not client._reading
+        assert client.topics() == ["t"]
+    finally:
+        client.close()
+
+
+def test_a_request_left_undone_on_a_broken_connection_fails(broker: BrokerProcess) -> None:
+    """A sleeper whose request is left undone on a connection marked broken (what a
+    close cut short leaves): it gets ConnectionLostError with its request as unanswered,
+    where it looped at 100 % CPU before (taking the turn, reading nothing, again)."""
+    client = equeue.connect(broker.url, timeout=600)
+    try:
+        client.create_topic("u", 2)
+        reader, _ = _polling(client, "u", 0, 2.0, "reader")
+        assert _until(lambda: client._reading)  # the reader holds the turn
+        sleeper, sleeper_out = _polling(client, "u", 1, 2.0, "sleeper")
+        assert _until(lambda: client._sleepers)  # asleep behind it
+        conn = client._conn
+        assert conn is not None and client._sleepers
+        with client._cond:  # broken, its requests not failed, the sleeper woken
+            conn.broken = True
+            for waiter in client._sleepers.values():
+                waiter.release()
+            client._sleepers.clear()
+        sleeper.join(20)
+        reader.join(20)
+        assert not sleeper.is_alive() and not reader.is_alive()
+        failure = sleeper_out["sleeper"]
+        assert isinstance(failure, equeue.ConnectionLostError), failure
+        assert failure.unanswered == []  # (a pull: no messages of the caller's)
+    finally:
+        client.close()
+
+
+def test_an_interrupt_at_the_entry_of_the_break_after_a_cut_write_leaves_no_orphan(
+    broker: BrokerProcess,
+) -> None:
+    """An interrupt after the request was registered (its write not done), then another
+    at the entry of the close that follows: the close is done anyway, so no request is
+    left registered on a connection still in use."""
+    client = equeue.connect(broker.url, timeout=600)
+    trap = _Trap(("submit",), client)
+    client._cond = _Cond(trap)  # type: ignore[assignment]
+    outcome: list[BaseException | None] = []
+
+    def victim() -> None:
+        outcome.append(_EntryTrap("_break").run(client.ping))
+
+    try:
+        conn = client._conn
+        assert conn is not None
+        thread = threading.Thread(target=victim, name="victim", daemon=True)
+        thread.start()
+        thread.join(20)
+        assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt), outcome
+        assert not trap.points
+        assert conn.broken and not conn.pending
+        assert client.topics() == []  # the next call goes on (reconnecting)
+    finally:
+        client.close()

@@ -35,19 +35,20 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from equeue.client import args, calls
-from equeue.client.calls import Call, Given
-from equeue.client.connect import RECV_BYTES, again, connect_with_retries
+from equeue.client.calls import Call
+from equeue.client.connect import again, connect_with_retries
 from equeue.client.core import (
     DECODERS,
     PULL_OPS,
     SEND_OPS,
-    AnswerReader,
-    RequestEncoder,
     answer_error,
     given,
     lost,
     readable,
 )
+from equeue.client.inflight import _Connection as _Connection
+from equeue.client.inflight import _deadline
+from equeue.client.inflight import _Slot as _Slot
 from equeue.client.url import Endpoint, parse_url
 from equeue.errors import (
     ClosedError,
@@ -76,48 +77,6 @@ IDLE_CHECK = 0.001
 # the kernel's timeout (SO_RCVTIMEO, the client's timeout) instead of polling first: its
 # expiry is late by at most the rest of the timeout, this 1 % of it.
 DIRECT_READ = 0.99
-
-
-class _Slot:
-    """One request in flight: filled by the reader with the answer or the failure."""
-
-    __slots__ = ("deadline", "done", "error", "op", "payload", "status", "unanswered")
-
-    def __init__(self, op: str, unanswered: Given, deadline: float) -> None:
-        self.op = op
-        self.unanswered = unanswered
-        self.deadline = deadline
-        self.done = False
-        self.status = STATUS_OK
-        self.payload: Any = None
-        self.error: EQueueError | None = None
-
-
-def _deadline(slot: _Slot) -> float:
-    return slot.deadline
-
-
-class _Connection:
-    __slots__ = (
-        "broken", "encoder", "inbuf", "inbufs", "io_lock", "pending", "plain", "quiet_at",
-        "reader", "sock", "welcome",
-    )  # fmt: skip
-
-    def __init__(self, sock: socket.socket, welcome: Welcome, reader: AnswerReader) -> None:
-        self.sock = sock
-        self.welcome = welcome
-        self.reader = reader
-        limit = welcome.limits["max_frame_bytes"]
-        self.encoder = RequestEncoder(limit, reader.where, welcome.version)
-        self.pending: dict[int, _Slot] = {}
-        self.broken = False
-        self.inbuf = memoryview(bytearray(RECV_BYTES))  # read into, by the reader only
-        self.inbufs = (self.inbuf,)  # (for map: _read_some)
-        # One SSL object must not read and write in two threads at once.
-        tls = isinstance(sock, ssl.SSLSocket)
-        self.io_lock: Any = threading.Lock() if tls else contextlib.nullcontext()
-        self.plain = not tls  # read with a blocking recv (the kernel's timeout), no poll
-        self.quiet_at = time.monotonic()  # when the last answer was read
 
 
 def kernel_timeouts(sock: socket.socket, timeout: float) -> None:
@@ -266,8 +225,9 @@ class Client:
             self._received(conn, data)
             return True
         finally:
-            if turn:
-                self._end_turn(True)
+            if turn:  # (given up inline: no function's entry before, no interrupt lands)
+                self._reading = False
+                self._end_turn()
 
     def _break(self, conn: _Connection, reason: str, cause: BaseException | None) -> None:
         with self._cond:
@@ -277,21 +237,29 @@ class Client:
         """Close ``conn`` and fail each request in flight on it with ConnectionLostError."""
         if conn.broken:
             return
-        conn.broken = True
-        if self._conn is conn:
-            self._conn = None
-        with contextlib.suppress(OSError):
-            conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
-        with contextlib.suppress(OSError):
-            conn.sock.close()
-        for slot in conn.pending.values():
-            slot.error = lost(reason, given(slot.unanswered), cause)
-            slot.done = True
-        conn.pending.clear()
-        sleepers = self._sleepers
-        for waiter in sleepers.values():  # each looks again: done, or the next reader
-            waiter.release()
-        sleepers.clear()
+        pending = conn.pending  # (the errors first: an interrupt there changes nothing)
+        errors = [lost(reason, given(slot.unanswered), cause) for slot in pending.values()]
+        try:
+            for slot, error in zip(pending.values(), errors, strict=True):
+                slot.error = error
+                slot.done = True
+        finally:  # (an interrupt in it: _wait fails a request left on a broken connection)
+            conn.broken = True
+            if self._conn is conn:
+                self._conn = None
+            try:
+                pending.clear()
+                sleepers = self._sleepers
+                while sleepers:  # each looks again: done, or the next reader
+                    sleepers.popitem()[1].release()
+            finally:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+                except OSError:
+                    pass
+                finally:  # (socket.close is Python: an interrupt at its entry leaves only it)
+                    with contextlib.suppress(OSError):
+                        conn.sock.close()
 
     def _received(self, conn: _Connection, data: memoryview) -> None:
         """Hand the answers in ``data`` to their slots (EOF and garbage break ``conn``)."""
@@ -383,9 +351,17 @@ class Client:
             except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
                 if not registered:
                     raise
-                self._break(conn, f"the connection to {self.url} broke while sending: {exc!r}", exc)
+                again: BaseException | None = None
+                while not conn.broken:  # (an interrupt in _break, at its entry: again)
+                    try:
+                        text = f"the connection to {self.url} broke while sending: {exc!r}"
+                        self._break(conn, text, exc)
+                    except BaseException as second:
+                        again = again or second
                 if not isinstance(exc, OSError):
                     raise
+                if again is not None:
+                    raise again from exc
         return conn, slots
 
     def _wait_for_places(self, conn: _Connection, count: int) -> None:
@@ -411,31 +387,40 @@ class Client:
                         self._doze(conn, first, None)
                 self._read_some(conn, first)
             finally:
-                if turn:
-                    self._end_turn(True)
+                if turn:  # (given up inline: no function's entry before, no interrupt lands)
+                    self._reading = False
+                    self._end_turn()
 
     def _wait(self, conn: _Connection, slot: _Slot) -> Any:
         """The decoded-by-msgpack result of ``slot``'s request, or its error raised."""
-        while True:
-            turn = leaving = False
-            try:
+        turn = False  # (the reader's turn, kept while this thread reads on for its answer)
+        try:
+            while True:
                 with self._cond:
                     while not slot.done:
+                        if conn.broken:  # (a close interrupted midway: no answer comes)
+                            slot.error = lost(f"the connection to {self.url} broke",
+                                              given(slot.unanswered))  # fmt: skip
+                            slot.done = True
+                            continue
+                        if turn:
+                            break
                         if not self._reading:
                             # (turn set with _reading, no call between: an interrupt
                             # after it, even as the with's release returns, ends the turn)
-                            self._reading = turn = leaving = True
+                            self._reading = turn = True
                             break
                         self._doze(conn, slot, slot)
                     else:
-                        return self._outcome(slot)
+                        break
                 self._read_some(conn, slot)
-                leaving = slot.done
-            finally:
-                if turn:  # (staying: this thread reads on, no one to wake)
-                    self._end_turn(leaving)
-            if leaving:  # (a slot done stays as it is: read without the lock)
-                return self._outcome(slot)
+                if slot.done:  # (its own answer read: no second round under the lock)
+                    break
+        finally:
+            if turn:  # (given up inline: no function's entry before, no interrupt lands)
+                self._reading = False
+                self._end_turn()
+        return self._outcome(slot)  # (a slot done stays as it is: read without the lock)
 
     def _doze(self, conn: _Connection, due: _Slot, slot: _Slot | None) -> None:
         """Another thread reads: sleep (for ``slot``, see _sleep) until ``due``'s deadline,
@@ -467,43 +452,39 @@ class Client:
             waiter.acquire(True, seconds)
         except BaseException as exc:
             failure = exc
-        failure = self._hold() or failure
-        if sleepers.get(slot) is waiter:  # the time ran out, or interrupted: not woken
-            del sleepers[slot]
+        while True:  # (inline: an interrupt at a function's entry would leave _cond free)
+            try:
+                if not cond._is_owned():  # type: ignore[attr-defined]
+                    cond.acquire()  # (a contended acquire raises without it: again)
+                    continue
+                if sleepers.get(slot) is waiter:  # the time ran out, or interrupted
+                    del sleepers[slot]
+                break
+            except BaseException as exc:
+                if failure is None:
+                    failure = exc
         if failure is not None:
             if not self._reading:  # the turn may have come to this thread
                 self._hand_over()
             raise failure
 
-    def _hold(self) -> BaseException | None:
-        """Take ``_cond`` if this thread does not hold it, whatever interrupts the taking
-        (an acquire of a contended lock raises without it, a call returning raises with
-        it: _cond is an RLock, so which is known); the interrupt, to raise once the state
-        it guards is right again."""
+    def _end_turn(self) -> None:
+        """The reader's turn (this thread's) was given up (``_reading`` reset by the
+        caller, inline: an interrupt at this function's entry must not leave it taken):
+        pass it on, also when an interrupt lands here (raised after). An interrupt at the
+        entry of this one leaves the sleepers to take it at their deadlines."""
         cond = self._cond
         failure: BaseException | None = None
-        while True:
+        while True:  # (inline: a function's entry here would leave _cond unheld)
             try:
                 if cond._is_owned():  # type: ignore[attr-defined]
-                    return failure
+                    break
                 cond.acquire()
-            except BaseException as exc:
+            except BaseException as exc:  # (held or not: _is_owned knows)
                 if failure is None:
                     failure = exc
-
-    def _end_turn(self, hand_over: bool) -> None:
-        """The reader's turn (this thread's) ends: given up, and passed on if
-        ``hand_over``, also when an interrupt lands here (raised after)."""
-        cond = self._cond
-        failure: BaseException | None = None
         try:
-            cond.acquire()
-        except BaseException as exc:  # (held or not: _hold knows)
-            failure = exc
-            self._hold()
-        try:
-            self._reading = False
-            if hand_over and self._sleepers:
+            if self._sleepers:
                 self._hand_over()
         finally:
             cond.release()
