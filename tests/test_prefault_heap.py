@@ -27,12 +27,8 @@ import resource, sys, tempfile
 import equeue
 assert equeue.__file__.startswith(sys.argv[3]), equeue.__file__
 from equeue import MessageStore, speedups
-if sys.argv[1] == "python":
-    speedups.SPEEDUPS = None
-    import equeue.chunks.prefault as prefault
-    prefault.PREFAULTER = prefault.Prefaulter(in_c=False)
-    import equeue.chunks.chunk as chunk
-    chunk.PREFAULTER = prefault.PREFAULTER
+from equeue.chunks.prefault import PREFAULTER
+assert (PREFAULTER._in_c is None) == (sys.argv[1] == "python")
 if sys.argv[1] != "none":
     store = MessageStore.open(tempfile.mkdtemp(prefix="eqh", dir=sys.argv[2]))
     store.create_topic("t", 1)
@@ -52,6 +48,9 @@ def faults_a_round(mode: str) -> float:
     first on sys.path)."""
     tree = str(Path(equeue.__file__).parent.parent)
     env = dict(os.environ, PYTHONPATH=tree)
+    env.pop("EQUEUE_PURE_PYTHON", None)
+    if mode == "python":  # the Python prefault thread (ctypes): prefault.py's _keep_heap
+        env["EQUEUE_PURE_PYTHON"] = "1"
     with tempfile.TemporaryDirectory(prefix="eqh", dir="/tmp") as scratch:
         out = subprocess.run(
             [sys.executable, "-c", SCRIPT, mode, scratch, tree],
