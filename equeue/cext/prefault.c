@@ -95,7 +95,8 @@ static void *run(void *unused) {
  * shrank and regrew its heap for nearly every read: 0.4 anonymous faults and a brk a
  * message, ~35 % of the event loop's samples (perf), 1.3-1.8 us of the broker's 4.3-5.6
  * a message (docs/benchmarks.md, "1 KiB sends": round 7). Set once, when the process's
- * first chunk is written (a store writer: the broker, or an application's own store):
+ * first chunk is written (a store writer: the broker, or an application's own store)
+ * and the prefault thread starts (a kernel without MADV_POPULATE_WRITE: neither):
  *   - the trim threshold to TRIM_KEEP: at most that much free heap stays mapped;
  *   - the mmap threshold to MMAP_FROM (setting the first freezes glibc's own moving of
  *     this one, which it would otherwise raise after freeing a large block): frames up
