@@ -22,6 +22,7 @@ from server_helpers import short_dir
 
 import equeue
 from equeue import Message, MessageStore, StoreConfig
+from equeue.client.sync import Client
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
 from equeue.server import BrokerThread
 
@@ -38,7 +39,7 @@ def _until(ready: object, what: str) -> None:
 class Polling:
     """A GroupConsumer polled by a thread: what it got, and what it raised."""
 
-    def __init__(self, client: equeue.Client, group: str, topic: str) -> None:
+    def __init__(self, client: Client, group: str, topic: str) -> None:
         self.consumer = client.consumer(group, topic, session_timeout=5.0, batch_size=8)
         self.got: list[Message] = []
         self.errors: list[BaseException] = []
@@ -95,7 +96,7 @@ def test_retention_under_a_held_pull_and_a_committed_offset(home: Path, retained
                 _until(lambda: len(g.got) == 50, "g to consume 50")
                 _until(lambda: client.committed_offset("g", "quiet", 0) == 50, "g's commit")
                 time.sleep(0.3)  # its pull is held now (drained queue)
-                for i in range(400):
+                for _ in range(400):
                     client.send("busy", b"b" * 100)
                 if retained:
                     assert store.apply_retention(time.time() + 3600) > 0
@@ -156,7 +157,10 @@ def test_a_member_killed_while_long_polling_loses_nothing(home: Path, kill: bool
             gk.wait_for(lambda: held() == [2, 2], "the queues to be divided", members, BOUND_S)
             before = {client.send(gk.TOPIC, b"before %d" % i, queue_id=i % 4).message_id
                       for i in range(8)}  # fmt: skip
-            seen = lambda: {mid for m in members for _, _, mid in m.messages()}  # noqa: E731
+
+            def seen() -> set[str]:
+                return {mid for m in members for _, _, mid in m.messages()}
+
             gk.wait_for(lambda: before <= seen(), "the first 8 to be consumed", members, BOUND_S)
             assert {q for q, _, _ in victim.messages()}, "the victim holds no queue"
             time.sleep(0.5)  # committed (idle 0.1 s), and every queue's pull held
@@ -168,7 +172,10 @@ def test_a_member_killed_while_long_polling_loses_nothing(home: Path, kill: bool
             assert victim.process.wait(BOUND_S) == (-9 if kill else 0)
             after = {client.send(gk.TOPIC, b"after %d" % i, queue_id=i % 4).message_id
                      for i in range(40)}  # fmt: skip
-            got = lambda: {mid for _, _, mid in survivor.messages()}  # noqa: E731
+
+            def got() -> set[str]:
+                return {mid for _, _, mid in survivor.messages()}
+
             gk.wait_for(lambda: after <= got(), "the survivor to get all 40", members, BOUND_S)
             assert held() == [4]
             assert survivor.process.poll() is None  # no traceback
