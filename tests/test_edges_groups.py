@@ -183,3 +183,55 @@ def test_a_member_killed_while_long_polling_loses_nothing(home: Path, kill: bool
         for member in members:
             member.stop()
         broker.stop()
+
+
+def test_a_compaction_under_a_long_polling_group(home: Path, spark: object) -> None:
+    """A compacted topic (10 keys, 300 messages) consumed by group g, which then
+    long-polls it drained; a compaction job (Spark, this process) rewrites its completed
+    chunks under the live broker, which adopts them. 10 more sends: g gets offsets 300..309
+    exactly; group late, joining afterwards from 0, gets no offset the job removed, each
+    key's last value, and the new ones, in order, without an error."""
+    from equeue.compaction.job import compact
+
+    config = StoreConfig(chunk_data_size=16 * 1024, flush="async", flush_interval_ms=20)
+    store = MessageStore.open(home / "s", config)
+    store.create_topic("k", 1, cleanup="compact")
+    broker = BrokerThread(store).start()
+    try:
+        with equeue.connect(broker.urls[0]) as client:
+            for i in range(300):
+                client.send("k", b"v%03d" % i + b"." * 100, key=f"k{i % 10}")
+            g = Polling(client, "g", "k")
+            try:
+                _until(lambda: len(g.got) == 300, "g to consume 300")
+                store.flush()
+                report = compact(home / "s", spark=spark)  # type: ignore[arg-type]
+                assert report.records_removed > 200
+
+                def adopted() -> bool:  # offset 0 (k0's first value) is gone from a pull
+                    return store.pull("k", 0, 0, 1).messages[0].queue_offset > 0
+
+                _until(adopted, "the broker to adopt the job's chunks")
+                for i in range(300, 310):
+                    client.send("k", b"v%03d" % i + b"." * 100, key=f"k{i % 10}")
+                _until(lambda: len(g.got) >= 310 or g.errors, "g to consume 10 more")
+                time.sleep(0.2)
+                assert not g.errors, g.errors
+                assert g.offsets() == list(range(310))
+                late = Polling(client, "late", "k")
+                try:
+                    _until(lambda: late.offsets()[-1:] == [309], "late to reach the end")
+                    assert not late.errors, late.errors
+                    offsets = late.offsets()
+                    assert offsets == sorted(set(offsets)) and len(offsets) < 100
+                    last = {m.key: m.body for m in late.got}
+                    assert last == {f"k{i % 10}": b"v%03d" % i + b"." * 100
+                                    for i in range(300, 310)}  # fmt: skip
+                    assert set(range(290, 310)) <= set(offsets)  # each key's last two
+                finally:
+                    late.close()
+            finally:
+                g.close()
+    finally:
+        broker.stop()
+        store.close()
