@@ -8,6 +8,7 @@ member leaves cleanly."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import shutil
 import signal
@@ -15,12 +16,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import test_groups_kill as gk
 from server_helpers import short_dir
 
 import equeue
+import equeue.aio
 from equeue import Message, MessageStore, StoreConfig
 from equeue.client.sync import Client
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
@@ -65,6 +68,38 @@ class Polling:
         self.consumer.close()
 
 
+class AioPolling:
+    """Polling's asyncio twin: an AsyncGroupConsumer on a client of its own, polled by an
+    event loop in a thread."""
+
+    def __init__(self, url: str, group: str, topic: str) -> None:
+        self.got: list[Message] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        args = (url, group, topic)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(*args),))
+        self._thread.start()
+
+    async def _run(self, url: str, group: str, topic: str) -> None:
+        try:
+            async with await equeue.aio.connect(url) as client:
+                options: dict[str, Any] = {"session_timeout": 5.0, "batch_size": 8}
+                async with client.consumer(group, topic, **options) as consumer:
+                    while not self._stop.is_set():
+                        message = await consumer.poll(0.1)
+                        if message is not None:
+                            self.got.append(message)
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def offsets(self) -> list[int]:
+        return [m.queue_offset for m in self.got]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(BOUND_S)
+
+
 @pytest.fixture
 def home() -> Iterator[Path]:
     directory = short_dir()
@@ -74,8 +109,11 @@ def home() -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.parametrize("kind", ["sync", "aio"])
 @pytest.mark.parametrize("retained", [False, True], ids=["control", "retention"])
-def test_retention_under_a_held_pull_and_a_committed_offset(home: Path, retained: bool) -> None:
+def test_retention_under_a_held_pull_and_a_committed_offset(
+    home: Path, retained: bool, kind: str
+) -> None:
     """Group g consumes quiet/0 (50 messages) and long-polls it, drained; group late
     committed at 10 and is away. Then 400 sends to busy complete every chunk holding
     quiet's messages and retention (1 s, applied as of an hour later) removes them all:
@@ -86,12 +124,15 @@ def test_retention_under_a_held_pull_and_a_committed_offset(home: Path, retained
     store.create_topic("quiet", 1)
     store.create_topic("busy", 1)
     broker = BrokerThread(store).start()
+    url = broker.urls[0]
     try:
-        with equeue.connect(broker.urls[0]) as client:
+        with equeue.connect(url) as client:
             for i in range(50):
                 client.send("quiet", b"quiet %d" % i)
             client.commit_offset("late", "quiet", 0, 10)
-            g = Polling(client, "g", "quiet")
+            g: Polling | AioPolling = (
+                Polling(client, "g", "quiet") if kind == "sync" else AioPolling(url, "g", "quiet")
+            )
             try:
                 _until(lambda: len(g.got) == 50, "g to consume 50")
                 _until(lambda: client.committed_offset("g", "quiet", 0) == 50, "g's commit")
@@ -108,7 +149,11 @@ def test_retention_under_a_held_pull_and_a_committed_offset(home: Path, retained
                 assert not g.errors, g.errors
                 assert g.offsets() == list(range(70))
                 assert [m.body for m in g.got] == [b"quiet %d" % i for i in range(70)]
-                late = Polling(client, "late", "quiet")
+                late: Polling | AioPolling = (
+                    Polling(client, "late", "quiet")
+                    if kind == "sync"
+                    else AioPolling(url, "late", "quiet")
+                )
                 try:
                     _until(lambda: len(late.got) >= (20 if retained else 60), "late to consume")
                     time.sleep(0.2)
