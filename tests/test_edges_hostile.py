@@ -34,13 +34,24 @@ def body(i: int) -> bytes:
     return b"m%04d" % i + b"x" * 100
 
 
-@pytest.fixture
-def store() -> Iterator[Path]:
+@pytest.fixture(scope="module")
+def pristine() -> Iterator[Path]:
     directory = short_dir()
     try:
         with MessageStore.open(directory / "s", CONFIG) as created:
             created.create_topic("t", 1)
             created.send_batch("t", [body(i) for i in range(COUNT)])
+        yield directory / "s"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def store(pristine: Path) -> Iterator[Path]:
+    """A copy of the pristine store (closed cleanly) for one test to damage."""
+    directory = short_dir()
+    try:
+        shutil.copytree(pristine, directory / "s", symlinks=True)
         yield directory / "s"
     finally:
         shutil.rmtree(directory, ignore_errors=True)

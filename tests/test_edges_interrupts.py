@@ -17,7 +17,7 @@ from client_helpers import BrokerProcess, temporary_broker
 import equeue
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def broker() -> Iterator[BrokerProcess]:
     with temporary_broker() as running:
         yield running
