@@ -17,6 +17,7 @@ import datetime as dt
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from equeue import MessageStore, StoreConfig
@@ -47,6 +48,33 @@ def prepare(store: MessageStore) -> None:
     if "t" not in store.topics():
         store.create_topic("t", 1)
         store.create_topic("d", 1, retention=dt.timedelta(seconds=30))
+
+
+class Retaining:
+    """``store.apply_retention()`` in a loop on a thread of its own until ``stop()``:
+    retention running underneath a test's writes. ``removed``: what each call removed."""
+
+    def __init__(self, store: MessageStore, pause: float = 0.002) -> None:
+        self.removed: list[int] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(store, pause), daemon=True)
+        self._thread.start()
+
+    def _run(self, store: MessageStore, pause: float) -> None:
+        try:
+            while not self._stop.is_set():
+                self.removed.append(store.apply_retention())
+                self._stop.wait(pause)
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def stop(self) -> int:
+        """Stop; the chunks removed in all (a failure of the loop raised here)."""
+        self._stop.set()
+        self._thread.join(20)
+        assert not self.errors, self.errors
+        return sum(self.removed)
 
 
 def _say(line: str) -> None:

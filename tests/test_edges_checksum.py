@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from edges_writer import CHUNK, body, config, prepare, topic_of
+from edges_writer import CHUNK, Retaining, body, config, prepare, topic_of
 from store_helpers import frame_size, message_file
 
 from equeue import MessageStore
@@ -119,30 +118,15 @@ def test_retention_deletes_chunks_while_the_writer_completes_others(tmp_path: Pa
     """max_store_bytes of 3 chunks and apply_retention in a loop on another thread while
     this one completes 6 chunks: every chunk left verifies, what is left of t reads."""
     acks = run_writer(tmp_path, "kill")
-    stop = threading.Event()
-    removed: list[int] = []
-    errors: list[BaseException] = []
     limit = config(max_store_bytes=3 * (CHUNK + 8192))
     with MessageStore.open(tmp_path, limit) as store:
         prepare(store)
-
-        def retain() -> None:
-            try:
-                while not stop.is_set():
-                    removed.append(store.apply_retention())
-                    stop.wait(0.002)
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=retain, daemon=True)
-        thread.start()
+        retaining = Retaining(store)
         try:
             fill(store, 6, len(acks))
         finally:
-            stop.set()
-            thread.join(20)
-        assert not errors, errors
-        assert sum(removed) > 0, "retention removed nothing"
+            removed = retaining.stop()
+        assert removed > 0, "retention removed nothing"
         first = store.queue_range("t", 0)[0]
         reads_back(store, [a for a in acks if a[1] == "t" and a[2] >= first])
     assert verify_store(tmp_path) == []

@@ -7,13 +7,12 @@ Control: the same without retention."""
 
 from __future__ import annotations
 
-import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import short_dir
+from edges_writer import Retaining
+from server_helpers import short_home
 
 import equeue
 from equeue import MessageStore, StoreConfig
@@ -25,13 +24,7 @@ CHUNK = 16 * 1024
 SENDERS, EACH = 4, 150
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 @pytest.mark.parametrize("retained", [False, True], ids=["control", "retention"])
@@ -45,8 +38,6 @@ def test_group_commit_with_retention_underneath(home: Path, retained: bool) -> N
     broker = BrokerThread(store, flush="sync", group_commit_wait_us=500).start()
     acks: dict[int, list[int]] = {q: [] for q in range(SENDERS)}
     errors: list[BaseException] = []
-    removed: list[int] = []
-    stop = threading.Event()
 
     def send(q: int) -> None:
         try:
@@ -57,26 +48,14 @@ def test_group_commit_with_retention_underneath(home: Path, retained: bool) -> N
         except BaseException as exc:
             errors.append(exc)
 
-    def retain() -> None:
-        try:
-            while not stop.is_set():
-                removed.append(store.apply_retention())
-                stop.wait(0.005)
-        except BaseException as exc:
-            errors.append(exc)
-
     try:
+        retaining = Retaining(store, 0.005) if retained else None
         threads = [threading.Thread(target=send, args=(q,)) for q in range(SENDERS)]
-        keeper = threading.Thread(target=retain)
-        if retained:
-            keeper.start()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(60)
-        stop.set()
-        if retained:
-            keeper.join(20)
+        removed = retaining.stop() if retaining is not None else 0
         assert not errors, errors
         with equeue.connect(broker.urls[0]) as client:
             stats = client.stats()
@@ -89,7 +68,7 @@ def test_group_commit_with_retention_underneath(home: Path, retained: bool) -> N
                     b"%d/%d " % (q, i) + b"." * 400 for i in range(first, EACH)
                 ]
         assert stats["group_commit_waits"] > 0, stats
-        assert (sum(removed) > 0) == retained
+        assert (removed > 0) == retained
     finally:
         broker.stop()
         store.close()

@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import test_groups_kill as gk
-from server_helpers import short_dir
+from server_helpers import short_home
 
 import equeue
 import equeue.aio
 from equeue import Message, MessageStore, StoreConfig
-from equeue.client.sync import Client
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
 from equeue.server import BrokerThread
 
@@ -40,57 +37,41 @@ def _until(ready: object, what: str) -> None:
 
 
 class Polling:
-    """A GroupConsumer polled by a thread: what it got, and what it raised."""
+    """A member of ``group`` on a client of its own (``kind``: the blocking one, or the
+    asyncio one in an event loop of its own), polled by a thread: what it got, and what
+    it raised."""
 
-    def __init__(self, client: Client, group: str, topic: str) -> None:
-        self.consumer = client.consumer(group, topic, session_timeout=5.0, batch_size=8)
-        self.got: list[Message] = []
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                message = self.consumer.poll(0.1)
-                if message is not None:
-                    self.got.append(message)
-        except BaseException as exc:
-            self.errors.append(exc)
-
-    def offsets(self) -> list[int]:
-        return [m.queue_offset for m in self.got]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(BOUND_S)
-        self.consumer.close()
-
-
-class AioPolling:
-    """Polling's asyncio twin: an AsyncGroupConsumer on a client of its own, polled by an
-    event loop in a thread."""
-
-    def __init__(self, url: str, group: str, topic: str) -> None:
+    def __init__(self, url: str, group: str, topic: str, kind: str = "sync") -> None:
         self.got: list[Message] = []
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
         args = (url, group, topic)
-        self._thread = threading.Thread(target=asyncio.run, args=(self._run(*args),))
+        if kind == "sync":
+            self._thread = threading.Thread(target=self._run, args=args)
+        else:
+            self._thread = threading.Thread(target=asyncio.run, args=(self._run_aio(*args),))
         self._thread.start()
 
-    async def _run(self, url: str, group: str, topic: str) -> None:
+    def _run(self, url: str, group: str, topic: str) -> None:
         try:
-            async with await equeue.aio.connect(url) as client:
-                options: dict[str, Any] = {"session_timeout": 5.0, "batch_size": 8}
-                async with client.consumer(group, topic, **options) as consumer:
-                    while not self._stop.is_set():
-                        message = await consumer.poll(0.1)
-                        if message is not None:
-                            self.got.append(message)
+            with equeue.connect(url) as client, client.consumer(group, topic, **OPTIONS) as c:
+                while not self._stop.is_set():
+                    self._got(c.poll(0.1))
         except BaseException as exc:
             self.errors.append(exc)
+
+    async def _run_aio(self, url: str, group: str, topic: str) -> None:
+        try:
+            client = await equeue.aio.connect(url)
+            async with client, client.consumer(group, topic, **OPTIONS) as consumer:
+                while not self._stop.is_set():
+                    self._got(await consumer.poll(0.1))
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def _got(self, message: Message | None) -> None:
+        if message is not None:
+            self.got.append(message)
 
     def offsets(self) -> list[int]:
         return [m.queue_offset for m in self.got]
@@ -100,13 +81,10 @@ class AioPolling:
         self._thread.join(BOUND_S)
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+OPTIONS: dict[str, Any] = {"session_timeout": 5.0, "batch_size": 8}
+
+
+home = pytest.fixture(short_home, name="home")
 
 
 @pytest.mark.parametrize("kind", ["sync", "aio"])
@@ -130,9 +108,7 @@ def test_retention_under_a_held_pull_and_a_committed_offset(
             for i in range(50):
                 client.send("quiet", b"quiet %d" % i)
             client.commit_offset("late", "quiet", 0, 10)
-            g: Polling | AioPolling = (
-                Polling(client, "g", "quiet") if kind == "sync" else AioPolling(url, "g", "quiet")
-            )
+            g = Polling(url, "g", "quiet", kind)
             try:
                 _until(lambda: len(g.got) == 50, "g to consume 50")
                 _until(lambda: client.committed_offset("g", "quiet", 0) == 50, "g's commit")
@@ -149,11 +125,7 @@ def test_retention_under_a_held_pull_and_a_committed_offset(
                 assert not g.errors, g.errors
                 assert g.offsets() == list(range(70))
                 assert [m.body for m in g.got] == [b"quiet %d" % i for i in range(70)]
-                late: Polling | AioPolling = (
-                    Polling(client, "late", "quiet")
-                    if kind == "sync"
-                    else AioPolling(url, "late", "quiet")
-                )
+                late = Polling(url, "late", "quiet", kind)
                 try:
                     _until(lambda: len(late.got) >= (20 if retained else 60), "late to consume")
                     time.sleep(0.2)
@@ -246,7 +218,7 @@ def test_a_compaction_under_a_long_polling_group(home: Path, spark: object) -> N
         with equeue.connect(broker.urls[0]) as client:
             for i in range(300):
                 client.send("k", b"v%03d" % i + b"." * 100, key=f"k{i % 10}")
-            g = Polling(client, "g", "k")
+            g = Polling(broker.urls[0], "g", "k")
             try:
                 _until(lambda: len(g.got) == 300, "g to consume 300")
                 store.flush()
@@ -263,7 +235,7 @@ def test_a_compaction_under_a_long_polling_group(home: Path, spark: object) -> N
                 time.sleep(0.2)
                 assert not g.errors, g.errors
                 assert g.offsets() == list(range(310))
-                late = Polling(client, "late", "k")
+                late = Polling(broker.urls[0], "late", "k")
                 try:
                     _until(lambda: late.offsets()[-1:] == [309], "late to reach the end")
                     assert not late.errors, late.errors
