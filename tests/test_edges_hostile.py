@@ -20,7 +20,13 @@ from server_helpers import short_dir
 
 import equeue
 from equeue import MessageStore, StoreConfig
-from equeue.errors import EQueueError, MissingChunkError, StorePathError, TruncatedError
+from equeue.errors import (
+    CorruptRecordError,
+    EQueueError,
+    MissingChunkError,
+    StorePathError,
+    TruncatedError,
+)
 from equeue.inspect.verify import verify_store
 from equeue.server import BrokerThread
 
@@ -172,13 +178,24 @@ def test_a_damaged_file_the_start_repairs_is_served_and_reported(store: Path, na
     assert verify_store(store) == []
 
 
-@pytest.mark.parametrize("name", ["control", "truncated", "zero-length", "deleted", "queue"])
+SERVED: dict[str, type[EQueueError]] = {
+    "truncated": TruncatedError,
+    "zero-length": TruncatedError,
+    "deleted": MissingChunkError,
+    "queue": TruncatedError,
+    "swapped": CorruptRecordError,  # (another chunk's bytes: no fix needed, said before)
+    "fifo": StorePathError,
+}
+
+
+@pytest.mark.parametrize("name", ["control", *SERVED])
 def test_a_file_damaged_while_served_fails_its_pulls_naming_it(store: Path, name: str) -> None:
-    """Log chunk 2 (not mapped any more: max_open_chunks=4) cut to 2000 bytes, emptied
-    or deleted by hand under the broker, or queue chunk 0 cut short: the pulls of its
-    messages fail with TruncatedError / MissingChunkError naming it (before: a
-    BrokerError carrying a ValueError or struct.error, or, deleted, its 29 messages
-    skipped without a word); every other message is served."""
+    """Log chunk 2 (not mapped any more: max_open_chunks=4) cut to 2000 bytes, emptied,
+    deleted, overwritten by chunk 5's bytes or replaced by a FIFO by hand under the
+    broker, or queue chunk 0 cut short: the pulls of its messages fail with an equeue
+    error naming it (before: a BrokerError carrying a ValueError or struct.error, or,
+    deleted, its 29 messages skipped without a word; swapped and FIFO were said before
+    too); every other message is served."""
     broker = BrokerThread(store).start()
     try:
         assert len(_pull_all(broker.urls[0])[0]) == COUNT  # maps every chunk once
@@ -189,6 +206,10 @@ def test_a_file_damaged_while_served_fails_its_pulls_naming_it(store: Path, name
             os.truncate(path, 0)
         elif name == "deleted":
             path.unlink()
+        elif name == "swapped":
+            shutil.copy(_log(store, 5), path)
+        elif name == "fifo":
+            _fifo(path)
         bodies, errors = _pull_all(broker.urls[0])
     finally:
         broker.stop()
@@ -196,9 +217,8 @@ def test_a_file_damaged_while_served_fails_its_pulls_naming_it(store: Path, name
         assert not errors and len(bodies) == COUNT + 1
         return
     assert errors
-    expected = MissingChunkError if name == "deleted" else TruncatedError
     for error in errors:
-        assert type(error) is expected, repr(error)
+        assert type(error) is SERVED[name], repr(error)
         assert path.relative_to(store).as_posix() in str(error), error
     lost = 342 if name == "queue" else len(errors)
     assert len(bodies) == COUNT + 1 - lost  # (the earlier pull's "served on" too)
