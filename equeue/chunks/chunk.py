@@ -24,8 +24,10 @@ from equeue.errors import (
     CompactedAwayError,
     CorruptRecordError,
     DiskFullError,
+    MissingChunkError,
     PositionNotFoundError,
     StoreWriteError,
+    TruncatedError,
     location,
 )
 from equeue.format.chunk import (
@@ -136,6 +138,10 @@ class Chunk:
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
         self._hashed: RunningHash | None = None  # the footer's checksum as the writer goes
+        # The writer's manager keeps this file until it removes the chunk itself
+        # (retention, a compaction's replacement): a file gone meanwhile is damage, not
+        # a removal (a read-only view cannot tell: the writer removes files under it).
+        self.kept = False
         # Queue chunks hold 12-byte entries: a log-sized window would keep a MiB or two of
         # each resident for a few hundred KiB of entries a second.
         self._window = WINDOW if not header.record_size else _FIXED_WINDOW
@@ -251,10 +257,30 @@ class Chunk:
             try:
                 f = open_file(self.path, "rb")  # closed below, after mapping
             except FileNotFoundError:
+                if self.kept:
+                    raise MissingChunkError(
+                        "the chunk file is missing: the store did not remove it (deleted "
+                        "while the store was open?)",
+                        file=self.path,
+                    ) from None
                 raise ChunkRemovedError(
                     f"chunk {self.path} was removed (by retention or compaction) while in use"
                 ) from None
             with f:
+                # Cut short since it was opened (by hand: the store never shrinks a file
+                # it keeps): said here, naming it, instead of a ValueError from mmap (an
+                # empty file) or from the readers (data outside the mapping). The ongoing
+                # chunk's file may be short (a read-only view does not extend it): only
+                # the data scanned must be there.
+                size = os.fstat(f.fileno()).st_size
+                want = self.file_size if self.footer is not None else HEADER_SIZE + self.data_end
+                if size < want:
+                    raise TruncatedError(
+                        f"chunk file is {size} bytes, expected {want} (cut short while the "
+                        "store was open)",
+                        file=self.path,
+                        offset=size,
+                    )
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._mm = mm
             self.last_used = next(_ticks)

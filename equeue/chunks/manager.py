@@ -281,6 +281,7 @@ class ChunkManager:
                     self._by_number.pop(n, None)
                 removed.append(chunk)
             for chunk in removed:
+                chunk.kept = False  # (before the unlink: a reader holding it is told why)
                 chunk.release_mapping()
                 chunk.path.unlink(missing_ok=True)
                 log.info("removed chunk %s", chunk.path)
@@ -424,6 +425,7 @@ class ChunkManager:
                     chunk = self._open_chunk(path, header, parsed[1], last=False)
                 except FileNotFoundError:
                     continue  # superseded, or removed by retention, meanwhile
+                chunk.kept = not self.read_only
                 at = self._chunks.index(olds[0])
                 self._chunks[at : at + len(olds)] = [chunk]
                 for n in range(chunk.start_number, chunk.end_number + 1):
@@ -431,6 +433,7 @@ class ChunkManager:
                 replaced += olds
                 log.info("adopted %s in place of %s", name, [c.path.name for c in olds])
             for old in replaced:
+                old.kept = False
                 old.release_mapping()
                 if not self.read_only:
                     old.path.unlink(missing_ok=True)
@@ -479,6 +482,7 @@ class ChunkManager:
 
     def _install(self, chunk: Chunk) -> None:
         chunk.on_sync_failure = self.on_sync_failure
+        chunk.kept = not self.read_only  # (a read-only view's files go with the writer's say)
         self._chunks.append(chunk)
         for n in range(chunk.start_number, chunk.end_number + 1):
             self._by_number[n] = chunk

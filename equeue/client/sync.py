@@ -20,6 +20,7 @@ connection is closed instead, failing its requests as above.
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import datetime as dt
 import os
@@ -77,6 +78,10 @@ IDLE_CHECK = 0.001
 # the kernel's timeout (SO_RCVTIMEO, the client's timeout) instead of polling first: its
 # expiry is late by at most the rest of the timeout, this 1 % of it.
 DIRECT_READ = 0.99
+# A thread asleep behind the reader looks again this often (seconds) whether the turn is
+# free: an interrupt at the entry of _end_turn or _hand_over gives the turn up without
+# waking anyone, and the answers may then sit unread until each sleeper's deadline.
+TURN_CHECK = 1.0
 
 
 def kernel_timeouts(sock: socket.socket, timeout: float) -> None:
@@ -257,9 +262,18 @@ class Client:
                     conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
                 except OSError:
                     pass
-                finally:  # (socket.close is Python: an interrupt at its entry leaves only it)
-                    with contextlib.suppress(OSError):
-                        conn.sock.close()
+                finally:
+                    sock = conn.sock
+                    try:
+                        sock.close()
+                    except OSError:
+                        pass
+                    except BaseException:  # at socket.close's entry (it is Python): the
+                        # descriptor stayed open until collected; the C close has no entry
+                        if isinstance(sock, _socket.socket):
+                            with contextlib.suppress(OSError):
+                                _socket.socket.close(sock)
+                        raise
 
     def _received(self, conn: _Connection, data: memoryview) -> None:
         """Hand the answers in ``data`` to their slots (EOF and garbage break ``conn``)."""
@@ -423,13 +437,13 @@ class Client:
         return self._outcome(slot)  # (a slot done stays as it is: read without the lock)
 
     def _doze(self, conn: _Connection, due: _Slot, slot: _Slot | None) -> None:
-        """Another thread reads: sleep (for ``slot``, see _sleep) until ``due``'s deadline,
-        or close the connection if it passed."""
+        """Another thread reads: sleep (for ``slot``, see _sleep) until ``due``'s deadline
+        (at most TURN_CHECK at a time), or close the connection if it passed."""
         remaining = due.deadline - time.monotonic()
         if remaining <= 0:
             self._expire(conn, due)
         else:
-            self._sleep(slot, remaining)
+            self._sleep(slot, remaining if remaining < TURN_CHECK else TURN_CHECK)
 
     def _sleep(self, slot: _Slot | None, seconds: float) -> None:
         """Sleep (self._cond held, released meanwhile) until woken for ``slot`` (None:
@@ -472,7 +486,8 @@ class Client:
         """The reader's turn (this thread's) was given up (``_reading`` reset by the
         caller, inline: an interrupt at this function's entry must not leave it taken):
         pass it on, also when an interrupt lands here (raised after). An interrupt at the
-        entry of this one leaves the sleepers to take it at their deadlines."""
+        entry of this one (or of _hand_over) wakes no one: the sleepers take the turn when
+        they look again (TURN_CHECK)."""
         cond = self._cond
         failure: BaseException | None = None
         while True:  # (inline: a function's entry here would leave _cond unheld)

@@ -1,0 +1,88 @@
+"""Interrupts at the two entries review 31 left open in the blocking client: the entry of
+the function that passes the reader's turn on (``_end_turn``, ``_hand_over``) and the
+entry of the socket's ``close`` in a connection's closing. A real broker; the interrupt
+is raised by a trace function at the named function's entry (test_client_interrupts'
+``_EntryTrap``, where CPython raises a pending SIGINT)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+import test_client_interrupts as ti
+from client_helpers import BrokerProcess, temporary_broker
+
+import equeue
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[BrokerProcess]:
+    with temporary_broker() as running:
+        yield running
+
+
+@pytest.mark.parametrize("entry", ["", "_end_turn", "_hand_over"], ids=["control", "end", "hand"])
+def test_a_sleeper_is_not_left_asleep_when_the_turn_is_dropped(
+    broker: BrokerProcess, entry: str
+) -> None:
+    """The reader (a long poll) is interrupted at the entry of the function that passes
+    its turn on, while another thread sleeps waiting for its own long poll's answer: that
+    one still gets its answer soon after it arrives (before: only at its deadline, the
+    client's timeout of 600 s plus the wait). Control: no interrupt."""
+    client = equeue.connect(broker.url, timeout=600)
+    try:
+        client.create_topic("u", 2)
+        outcome: list[BaseException | None] = []
+        trap = ti._EntryTrap(entry or "no such function")
+
+        def victim() -> None:
+            outcome.append(trap.run(lambda: client.pull("u", 0, 0, 1, None, 0.4)))
+
+        reader = threading.Thread(target=victim, name="victim", daemon=True)
+        reader.start()
+        assert ti._until(lambda: client._reading)  # the victim holds the turn
+        sleeper, sleeper_out = ti._polling(client, "u", 1, 1.2, "sleeper")
+        assert ti._until(lambda: client._sleepers)  # asleep behind it
+        reader.join(20)
+        assert len(outcome) == 1
+        if entry:
+            assert trap.fired and isinstance(outcome[0], KeyboardInterrupt), outcome
+        else:
+            assert outcome == [None]
+        sleeper.join(20)
+        assert not sleeper.is_alive(), "the sleeper was left asleep past its answer"
+        assert sleeper_out == {"sleeper": None}
+        assert not client._reading and not client._sleepers
+        assert client.topics() == ["u"]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("interrupt", [False, True], ids=["control", "at-close"])
+def test_a_close_interrupted_at_the_sockets_close_leaks_no_descriptor(
+    broker: BrokerProcess, interrupt: bool
+) -> None:
+    """The descriptor of a connection being closed is closed even if an interrupt lands
+    at the entry of the socket's close (socket.socket.close is Python code): before, it
+    stayed open until the socket object was collected."""
+    client = equeue.connect(broker.url, timeout=600)
+    try:
+        conn = client._conn
+        assert conn is not None
+        fd = conn.sock.fileno()
+        assert fd >= 0
+        trap = ti._EntryTrap("close" if interrupt else "no such function")
+        failure = trap.run(lambda: client._break(conn, "broke (test)", None))
+        if trap.fired:
+            assert isinstance(failure, KeyboardInterrupt), failure
+        else:
+            assert failure is None
+        assert conn.broken
+        assert conn.sock.fileno() == -1, "the descriptor is still open"
+        with pytest.raises(OSError):  # (nothing in this test opens another meanwhile)
+            os.fstat(fd)
+        client.ping()  # the next call reconnects
+    finally:
+        client.close()
