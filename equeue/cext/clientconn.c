@@ -28,15 +28,36 @@ PyObject *clientsend_frame(unsigned long long id, PyObject *topic, PyObject *bod
 PyObject *clientsend_result(const unsigned char *p, Py_ssize_t nbytes, uint64_t rid,
                             PyObject *topic, Py_ssize_t max);
 
+/* The fields Python code reads and writes often are objects (T_OBJECT_EX: CPython 3.11
+ * specializes their attribute access as it does __slots__'; not a T_DOUBLE's or T_BOOL's):
+ * free (int), heard (float), closed, flushing and welcomed (bools). */
 typedef struct {
     PyObject_HEAD
     PyObject *inbuf, *pending, *queued, *waiting_topic, *transport, *next_id, *reader,
-        *coalescer;
+        *coalescer, *free, *heard, *closed, *flushing, *welcomed;
     unsigned long long waiting;
-    double heard, timeout, recent;
-    Py_ssize_t free, limit, read_in_c;
-    char closed, flushing, welcomed;
+    double timeout, recent;
+    Py_ssize_t limit, read_in_c;
 } Conn;
+
+#define OBJECTS(X)                                                                        \
+    X(inbuf) X(pending) X(queued) X(waiting_topic) X(transport) X(next_id) X(reader)      \
+    X(coalescer) X(free) X(heard) X(closed) X(flushing) X(welcomed)
+
+/* free + delta as the field's new int: 0, -1 (an error set). */
+static int add_free(Conn *self, long delta) {
+    Py_ssize_t now = self->free == NULL ? 0 : PyLong_AsSsize_t(self->free);
+    if (now == -1 && PyErr_Occurred()) return -1;
+    PyObject *next = PyLong_FromSsize_t(now + delta);
+    if (next == NULL) return -1;
+    Py_XSETREF(self->free, next);
+    return 0;
+}
+
+/* Whether a field holds a true value: 1, 0 (also unset), -1. */
+static int truth(PyObject *value) {
+    return value == NULL ? 0 : value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
+}
 
 static PyObject *FUTURE; /* asyncio.Future: Future() finds the running loop in C */
 static PyObject *S_WRITE, *S_DONE, *S_SET_RESULT, *S_RELEASE, *S_DATA_RECEIVED, *S_BUFFER,
@@ -89,8 +110,10 @@ static int answered(Conn *self, Py_ssize_t nbytes) {
         goto out;
     }
     found = -1;
-    self->heard = monotonic();
-    self->free += 1;
+    PyObject *heard = PyFloat_FromDouble(monotonic());
+    if (heard == NULL) goto out;
+    Py_XSETREF(self->heard, heard);
+    if (add_free(self, 1) < 0) goto out;
     self->read_in_c += 1;
     if (self->queued != NULL) {
         int waiters = PyObject_IsTrue(self->queued);
@@ -152,18 +175,29 @@ static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *topic = args[0], *body = args[1];
     if (!PyUnicode_CheckExact(topic) || !PyBytes_CheckExact(body) || self->pending == NULL ||
-        !PyDict_CheckExact(self->pending) || PyDict_GET_SIZE(self->pending) || self->flushing ||
-        self->closed || self->free <= 0 || !self->welcomed || self->transport == NULL ||
-        self->next_id == NULL || self->reader == NULL)
+        !PyDict_CheckExact(self->pending) || PyDict_GET_SIZE(self->pending) ||
+        self->transport == NULL || self->next_id == NULL || self->reader == NULL ||
+        self->free == NULL || self->heard == NULL)
         Py_RETURN_NONE;
-    int busy = holds(self->reader, S_BUFFER); /* (a byte unread: no answer whole alone) */
+    int busy = truth(self->flushing);
+    if (busy == 0) busy = truth(self->closed);
+    if (busy == 0) {
+        int welcomed = truth(self->welcomed);
+        busy = welcomed < 0 ? -1 : !welcomed;
+    }
+    if (busy == 0) {
+        Py_ssize_t free = PyLong_AsSsize_t(self->free);
+        busy = free == -1 && PyErr_Occurred() ? -1 : free <= 0;
+    }
+    if (busy == 0) busy = holds(self->reader, S_BUFFER); /* (a byte unread: no answer alone) */
     if (busy == 0 && self->coalescer != NULL && self->coalescer != Py_None) {
         busy = holds(self->coalescer, S_GROUPS);
         if (busy == 0) busy = holds(self->coalescer, S_SEALED);
     }
     if (busy) return busy < 0 ? NULL : Py_NewRef(Py_None);
-    double now = monotonic();
-    if (self->heard < now - self->recent) Py_RETURN_NONE; /* (AsyncClient._call asks first) */
+    double now = monotonic(), heard = PyFloat_AsDouble(self->heard);
+    if (heard == -1.0 && PyErr_Occurred()) return NULL;
+    if (heard < now - self->recent) Py_RETURN_NONE; /* (AsyncClient._call asks first) */
     PyObject *rid = PyObject_CallNoArgs(self->next_id);
     if (rid == NULL) return NULL;
     unsigned long long id = PyLong_Check(rid) ? PyLong_AsUnsignedLongLong(rid) : 0;
@@ -188,9 +222,8 @@ static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs
     if ((future = PyObject_CallNoArgs(FUTURE)) == NULL ||
         (deadline = PyFloat_FromDouble(now + self->timeout)) == NULL ||
         (entry = PyTuple_Pack(3, future, body, deadline)) == NULL ||
-        PyDict_SetItem(self->pending, rid, entry) < 0)
+        PyDict_SetItem(self->pending, rid, entry) < 0 || add_free(self, -1) < 0)
         goto done;
-    self->free -= 1;
     self->waiting = id;
     Py_INCREF(topic);
     Py_XSETREF(self->waiting_topic, topic);
@@ -208,26 +241,16 @@ done:
 }
 
 static int conn_traverse(Conn *self, visitproc visit, void *arg) {
-    Py_VISIT(self->inbuf);
-    Py_VISIT(self->pending);
-    Py_VISIT(self->queued);
-    Py_VISIT(self->waiting_topic);
-    Py_VISIT(self->transport);
-    Py_VISIT(self->next_id);
-    Py_VISIT(self->reader);
-    Py_VISIT(self->coalescer);
+#define VISIT(name) Py_VISIT(self->name);
+    OBJECTS(VISIT)
+#undef VISIT
     return 0;
 }
 
 static int conn_clear(Conn *self) {
-    Py_CLEAR(self->inbuf);
-    Py_CLEAR(self->pending);
-    Py_CLEAR(self->queued);
-    Py_CLEAR(self->waiting_topic);
-    Py_CLEAR(self->transport);
-    Py_CLEAR(self->next_id);
-    Py_CLEAR(self->reader);
-    Py_CLEAR(self->coalescer);
+#define CLEAR(name) Py_CLEAR(self->name);
+    OBJECTS(CLEAR)
+#undef CLEAR
     return 0;
 }
 
@@ -244,15 +267,11 @@ static PyMethodDef conn_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-#define M(name, type) {#name, type, offsetof(Conn, name), 0, NULL}
+#define M(name, type) {#name, type, offsetof(Conn, name), 0, NULL},
+#define OBJECT_MEMBER(name) M(name, T_OBJECT_EX)
 static PyMemberDef conn_members[] = {
-    M(inbuf, T_OBJECT),       M(pending, T_OBJECT),   M(queued, T_OBJECT),
-    M(waiting_topic, T_OBJECT), M(transport, T_OBJECT), M(next_id, T_OBJECT),
-    M(reader, T_OBJECT),      M(coalescer, T_OBJECT), M(waiting, T_ULONGLONG),
-    M(heard, T_DOUBLE),       M(timeout, T_DOUBLE),   M(recent, T_DOUBLE),
-    M(free, T_PYSSIZET),      M(limit, T_PYSSIZET),   M(read_in_c, T_PYSSIZET),
-    M(closed, T_BOOL),        M(flushing, T_BOOL),    M(welcomed, T_BOOL),
-    {NULL, 0, 0, 0, NULL},
+    OBJECTS(OBJECT_MEMBER) M(waiting, T_ULONGLONG) M(timeout, T_DOUBLE) M(recent, T_DOUBLE)
+    M(limit, T_PYSSIZET) M(read_in_c, T_PYSSIZET) {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject ConnType = {
