@@ -215,3 +215,7 @@ def client_send_frame(
 def client_send_result(
     buffer: Any, nbytes: int, request_id: int, topic: str, max_frame_bytes: int, /
 ) -> Any: ...
+
+# The asyncio client's connection state and its direct path (equeue/cext/clientconn.c):
+# the base class of equeue/client/aio.py's _Protocol (its fields: aio.py's _PyConn)
+def client_conn_type() -> type: ...
