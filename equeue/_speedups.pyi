@@ -208,6 +208,10 @@ def bodies_request(
 ) -> bytes | int | None: ...
 def columns_answer(frame: bytes | memoryview, rids: set[int], /) -> list[Any] | None: ...
 
+# The asyncio client's connection state and its direct path (equeue/cext/clientconn.c):
+# the base class of equeue/client/aio.py's _Protocol (its fields: aio.py's _PyConn)
+def client_conn_type() -> type: ...
+
 # The asyncio client's plain send (equeue/cext/clientsend.c)
 def client_send_frame(
     request_id: int, topic: str, body: bytes, max_frame_bytes: int, /

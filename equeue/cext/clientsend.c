@@ -26,23 +26,10 @@
 
 #define HEAD_ROOM 32 /* 0x93, the id (9), "send" (5), 0x82, "topic" (6), str head (5), "body" (5), bin head (5) */
 
-PyObject *client_send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError,
-                        "client_send_frame(request_id, topic, body, max_frame_bytes)");
-        return NULL;
-    }
-    PyObject *rid = args[0], *topic = args[1], *body = args[2];
-    if (!PyLong_CheckExact(rid) || !PyUnicode_CheckExact(topic) || !PyBytes_CheckExact(body))
-        Py_RETURN_NONE;
-    unsigned long long id = PyLong_AsUnsignedLongLong(rid);
-    if (id == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    if (id == 0) Py_RETURN_NONE;
-    Py_ssize_t max;
-    if (get_limit(args[3], &max) < 0) return NULL;
+/* The frame of request id `id` (1 .. 2**64-1): bytes | int (the payload's size, over
+ * max) | None (a topic not UTF-8, a size past msgpack's); NULL with an error set. */
+PyObject *clientsend_frame(unsigned long long id, PyObject *topic, PyObject *body,
+                           Py_ssize_t max) {
     Py_ssize_t tlen;
     const char *tbytes = PyUnicode_AsUTF8AndSize(topic, &tlen);
     if (tbytes == NULL) {
@@ -80,6 +67,26 @@ PyObject *client_send_frame(PyObject *self, PyObject *const *args, Py_ssize_t na
     o += mid_len;
     memcpy(o, PyBytes_AS_STRING(body), (size_t)blen);
     return out;
+}
+
+PyObject *client_send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "client_send_frame(request_id, topic, body, max_frame_bytes)");
+        return NULL;
+    }
+    PyObject *rid = args[0], *topic = args[1], *body = args[2];
+    if (!PyLong_CheckExact(rid) || !PyUnicode_CheckExact(topic) || !PyBytes_CheckExact(body))
+        Py_RETURN_NONE;
+    unsigned long long id = PyLong_AsUnsignedLongLong(rid);
+    if (id == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (id == 0) Py_RETURN_NONE;
+    Py_ssize_t max;
+    if (get_limit(args[3], &max) < 0) return NULL;
+    return clientsend_frame(id, topic, body, max);
 }
 
 typedef struct {
@@ -139,29 +146,13 @@ static PyObject *utf8_str(const unsigned char *s, Py_ssize_t n) {
     return str;
 }
 
-PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "client_send_result(buffer, nbytes, request_id, "
-                                         "topic, max_frame_bytes)");
-        return NULL;
-    }
-    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
-    if (nbytes == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t max;
-    if (get_limit(args[4], &max) < 0) return NULL;
-    PyObject *rid_obj = args[2], *topic = args[3];
-    if (!PyLong_CheckExact(rid_obj) || !PyUnicode_CheckExact(topic)) Py_RETURN_NONE;
-    unsigned long long rid = PyLong_AsUnsignedLongLong(rid_obj);
-    if (rid == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+/* The SendResult in the first nbytes of p when they are exactly the answer to `rid`
+ * (see client_send_result), else None; NULL with an error set. */
+PyObject *clientsend_result(const unsigned char *p, Py_ssize_t nbytes, uint64_t rid,
+                            PyObject *topic, Py_ssize_t max) {
     PyObject *out = NULL;
     PyObject *items[6] = {NULL};
-    if (nbytes < 5 || nbytes > view.len) goto none;
-    const unsigned char *p = (const unsigned char *)view.buf;
+    if (nbytes < 5) goto none;
     uint64_t length = get_be(p, 4);
     if (length == 0 || length > (uint64_t)max || length + 4 != (uint64_t)nbytes) goto none;
     Cur c = {p + 4, p + nbytes};
@@ -203,6 +194,31 @@ fail:
     out = NULL;
 done:
     for (int i = 0; i < 6; i++) Py_XDECREF(items[i]);
+    return out;
+}
+
+PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "client_send_result(buffer, nbytes, request_id, "
+                                         "topic, max_frame_bytes)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t max;
+    if (get_limit(args[4], &max) < 0) return NULL;
+    PyObject *rid_obj = args[2], *topic = args[3];
+    if (!PyLong_CheckExact(rid_obj) || !PyUnicode_CheckExact(topic)) Py_RETURN_NONE;
+    unsigned long long rid = PyLong_AsUnsignedLongLong(rid_obj);
+    if (rid == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *out = nbytes > view.len ? Py_NewRef(Py_None)
+                                      : clientsend_result((const unsigned char *)view.buf,
+                                                          nbytes, rid, topic, max);
     PyBuffer_Release(&view);
     return out;
 }

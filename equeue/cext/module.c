@@ -77,6 +77,7 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
 /* clientsend.c: the asyncio client's plain send, one in flight */
 PyObject *client_send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -97,6 +98,7 @@ static PyMethodDef methods[] = {
     {"client_send_frame", (PyCFunction)(void (*)(void))client_send_frame, METH_FASTCALL, NULL},
     {"client_send_result", (PyCFunction)(void (*)(void))client_send_result, METH_FASTCALL,
      NULL},
+    {"client_conn_type", client_conn_type, METH_NOARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},

@@ -17,7 +17,6 @@ import itertools
 import os
 import ssl
 import time
-from asyncio import Future
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -59,8 +58,7 @@ from equeue.protocol.frames import (
 )
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
-from equeue.protocol.plainsend import send_frame as _send_frame
-from equeue.protocol.plainsend import send_result as _send_result
+from equeue.protocol.plainsend import conn_type as _conn_type
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
@@ -74,7 +72,57 @@ _decode_send = DECODERS["send"]
 _Entry = tuple["asyncio.Future[Any] | Answer", Given | bytes, float]
 
 
-class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes per read
+class _PyConn:
+    """ClientConn's fields (equeue/cext/clientconn.c; the base instead when built) and
+    its methods without the accelerator: no direct send, every read the general way."""
+
+    inbuf: memoryview
+    pending: dict[int, _Entry]
+    queued: deque[asyncio.Future[None]]  # callers waiting for a place
+    transport: asyncio.Transport | None
+    next_id: Callable[[], int]
+    reader: AnswerReader
+    coalescer: Coalescer | None  # a broker of protocol version 2 or later
+    # The request id and topic of the send `direct` wrote: its answer is looked for in
+    # the next read (0: read the general way)
+    waiting: int
+    waiting_topic: str
+    heard: float  # time.monotonic() when the broker's bytes last arrived
+    timeout: float
+    recent: float  # HEARD_RECENTLY
+    free: int  # places for requests in flight: max_in_flight, once welcomed
+    limit: int  # max_frame_bytes, the welcome's once welcomed
+    read_in_c: int  # answers read by ClientConn.buffer_updated
+    closed: bool
+    flushing: bool
+    welcomed: bool
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.inbuf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self.inbuf[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        raise NotImplementedError
+
+    def direct(self, topic: str, body: bytes) -> asyncio.Future[Any] | None:
+        """A plain send on an idle connection heard from within ``recent`` (the one send
+        in flight of a task with a connection of its own): its frame made in C and
+        written at once, its answer read in C by ``buffer_updated``, the future given the
+        SendResult (or, read the general way, ``(status, payload)`` as ``_call``'s).
+        None: nothing done, the coalescer's or the general path takes it (here always;
+        in C: something in flight or queued, a frame past the limit, a topic not UTF-8)."""
+        return None
+
+
+if TYPE_CHECKING:
+    _Conn = _PyConn
+else:
+    _Conn = _PyConn if _conn_type is None else _conn_type
+
+
+class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
     def __init__(
         self, hello: bytes, where: str, timeout: float, next_id: Callable[[], int]
     ) -> None:
@@ -82,27 +130,28 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
         self.next_id = next_id
         self.where = where
         self.timeout = timeout
+        self.recent = HEARD_RECENTLY
         self.hello = hello
-        self.transport: asyncio.Transport | None = None
+        self.transport = None
         self.reader = AnswerReader(HELLO_MAX_FRAME_BYTES, where)
+        self.limit = HELLO_MAX_FRAME_BYTES
         self.encoder: RequestEncoder | None = None
-        self.coalescer: Coalescer | None = None  # a broker of protocol version 2 or later
+        self.coalescer = None
         self.max_in_flight = 0
         self.welcome: asyncio.Future[Welcome] = self.loop.create_future()
-        self.pending: dict[int, _Entry] = {}
+        self.pending = {}
         self.out: list[bytes] = []
         self.flushing = False
         self.closed = False
-        self.free = 0  # places for requests in flight: max_in_flight, once welcomed
-        self.queued: deque[asyncio.Future[None]] = deque()  # callers waiting for a place
+        self.free = 0
+        self.queued = deque()
         self.welcomed = False
         self.watchdog: asyncio.TimerHandle | None = None
         self.inbuf = memoryview(bytearray(RECV_BYTES))
-        self.heard = 0.0  # time.monotonic() when the broker's bytes last arrived
-        # The request id and topic of the send `direct` wrote: its answer is looked for in
-        # the next read (0: read the general way)
+        self.heard = 0.0
         self.waiting = 0
         self.waiting_topic = ""
+        self.read_in_c = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check)
@@ -112,28 +161,6 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
 
     def _tick(self) -> float:
         return min(max(self.timeout / 4, 0.01), 1.0)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.inbuf
-
-    def buffer_updated(self, nbytes: int) -> None:
-        request_id = self.waiting
-        if request_id:
-            self.waiting = 0
-            result = _send_result(  # type: ignore[misc]  # (set with `waiting`)
-                self.inbuf, nbytes, request_id, self.waiting_topic, self.reader.max_frame_bytes
-            )  # (None: not exactly its answer, whole)
-            entry = self.pending.pop(request_id, None) if result is not None else None
-            if entry is not None:
-                self.heard = time.monotonic()
-                future = entry[0]  # (a future: `direct`'s entry)
-                self.free += 1
-                if self.queued:
-                    self.release()
-                if not future.done():  # type: ignore[union-attr]  # (its caller cancelled)
-                    future.set_result(result)  # type: ignore[union-attr]
-                return
-        self.data_received(self.inbuf[:nbytes])
 
     def data_received(self, data: bytes | memoryview) -> None:
         self.heard = time.monotonic()
@@ -153,7 +180,7 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
                 self.fail(f"the broker at {self.where} refused the connection: {exc}", exc)
                 return
             limit = found.limits["max_frame_bytes"]
-            self.reader.max_frame_bytes = limit
+            self.reader.max_frame_bytes = self.limit = limit
             self.encoder = RequestEncoder(limit, self.where, found.version)
             self.free = self.max_in_flight = found.limits["max_in_flight"]
             if found.version >= BODIES_VERSION:
@@ -261,35 +288,6 @@ class _Protocol(asyncio.BufferedProtocol):  # reads into one buffer: no bytes pe
             return sock is not None and readable(sock, 0)
         except (OSError, ValueError):
             return True
-
-    def direct(self, topic: str, body: bytes) -> asyncio.Future[Any] | None:
-        """A plain send on an idle connection heard from recently (the one send in flight
-        of a task with a connection of its own): its frame made in C and written at once,
-        its answer read in C by ``buffer_updated``, the future given the SendResult (or,
-        read the general way, ``(status, payload)`` as ``_call``'s). None: nothing done,
-        the coalescer's or the general path takes it (no accelerator, something in
-        flight or queued, a frame past max_frame_bytes, a topic not UTF-8)."""
-        coalescer = self.coalescer
-        if (
-            self.pending or self.flushing or self.closed or _send_frame is None
-            or self.free <= 0 or not self.welcomed or self.reader._buffer
-            or (coalescer is not None and (coalescer.groups or coalescer.sealed))
-        ):  # fmt: skip  # (a byte unread: the next read is no whole answer of its own)
-            return None
-        now = time.monotonic()
-        if self.heard < now - HEARD_RECENTLY:  # (AsyncClient._call asks first)
-            return None
-        request_id = self.next_id()
-        frame = _send_frame(request_id, topic, body, self.reader.max_frame_bytes)
-        if type(frame) is not bytes:
-            return None
-        future: asyncio.Future[Any] = Future()  # (the running loop, found in C)
-        self.pending[request_id] = (future, body, now + self.timeout)
-        self.free -= 1
-        self.waiting = request_id
-        self.waiting_topic = topic
-        self.transport.write(frame)  # type: ignore[union-attr]  # (welcomed: it is set)
-        return future
 
     def send(self, request_id: int, frame: bytes, entry: _Entry) -> None:
         self.pending[request_id] = entry

@@ -13,7 +13,11 @@ bytes; an int (the payload's size, nothing built) when over max_frame_bytes.
 the result when the first nbytes of buffer are exactly the one frame answering
 ``request_id`` with status OK and a SendResult.
 
-Both are None (the names, not a function) without the accelerator: the client binds
+``conn_type``: equeue/cext/clientconn.c's ClientConn, the base of the asyncio client's
+protocol: its connection state as C fields and ``get_buffer``, ``buffer_updated`` and
+``direct`` (the send above and its answer) without a Python frame.
+
+All are None (the names, not a function) without the accelerator: the client binds
 them once, and a call is one C call with no Python frame around it.
 """
 
@@ -32,3 +36,4 @@ send_frame: Final[Callable[[int, str, bytes, int], bytes | int | None] | None] =
 send_result: Final[Callable[[Any, int, int, str, int], Any] | None] = (
     None if _fast is None else _fast.client_send_result
 )
+conn_type: Final[type | None] = None if _fast is None else _fast.client_conn_type()

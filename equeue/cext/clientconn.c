@@ -1,0 +1,309 @@
+/* The asyncio client's connection state where its one-send-in-flight path reads and
+ * writes it (equeue/client/aio.py: _Protocol's base, from client_conn_type(); wrapped by
+ * equeue/protocol/plainsend.py). Three methods without a Python frame each:
+ *
+ * get_buffer(sizehint) -> the read buffer (`inbuf`, the same one every read).
+ *
+ * buffer_updated(nbytes): when `waiting` names the send `direct` wrote and the read is
+ *     exactly its OK answer (clientsend_result), the pending entry taken, `heard` and
+ *     `free` updated, `release()` called if callers wait for a place, and the future given
+ *     the SendResult (unless done: its caller was cancelled); anything else goes to
+ *     `data_received(inbuf[:nbytes])`, the general read. `read_in_c` counts the first.
+ *
+ * direct(topic, body) -> future | None: the plain send of an idle connection heard from
+ *     within `recent` seconds: nothing pending, no write scheduled (`flushing`), not
+ *     closed, a place free, welcomed, no byte of a frame held by `reader`, no coalesced
+ *     group open or sealed (`coalescer`); then the id from `next_id()`, the frame made in
+ *     C (within `limit`), the entry (future, body, deadline) in `pending`, one place
+ *     taken and `transport.write(frame)`. None: nothing done (the id may be used up).
+ *
+ * The other fields are the Python subclass's, kept here so these methods read them as C
+ * fields; `time.monotonic()` is clock_gettime(CLOCK_MONOTONIC) on Linux, used directly. */
+#include "speedups.h"
+#include <structmember.h>
+#include <time.h>
+
+PyObject *clientsend_frame(unsigned long long id, PyObject *topic, PyObject *body,
+                           Py_ssize_t max);
+PyObject *clientsend_result(const unsigned char *p, Py_ssize_t nbytes, uint64_t rid,
+                            PyObject *topic, Py_ssize_t max);
+
+/* The fields Python code reads and writes often are objects (T_OBJECT_EX: CPython 3.11
+ * specializes their attribute access as it does __slots__'; not a T_DOUBLE's or T_BOOL's):
+ * free (int), heard (float), closed, flushing and welcomed (bools). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *inbuf, *pending, *queued, *waiting_topic, *transport, *next_id, *reader,
+        *coalescer, *free, *heard, *closed, *flushing, *welcomed;
+    unsigned long long waiting;
+    double timeout, recent;
+    Py_ssize_t limit, read_in_c;
+} Conn;
+
+#define OBJECTS(X)                                                                        \
+    X(inbuf) X(pending) X(queued) X(waiting_topic) X(transport) X(next_id) X(reader)      \
+    X(coalescer) X(free) X(heard) X(closed) X(flushing) X(welcomed)
+
+/* free + delta as the field's new int: 0, -1 (an error set). */
+static int add_free(Conn *self, long delta) {
+    Py_ssize_t now = self->free == NULL ? 0 : PyLong_AsSsize_t(self->free);
+    if (now == -1 && PyErr_Occurred()) return -1;
+    PyObject *next = PyLong_FromSsize_t(now + delta);
+    if (next == NULL) return -1;
+    Py_XSETREF(self->free, next);
+    return 0;
+}
+
+/* Whether a field holds a true value: 1, 0 (also unset), -1. */
+static int truth(PyObject *value) {
+    return value == NULL ? 0 : value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
+}
+
+static PyObject *FUTURE; /* asyncio.Future: Future() finds the running loop in C */
+static PyObject *S_WRITE, *S_DONE, *S_SET_RESULT, *S_RELEASE, *S_DATA_RECEIVED, *S_BUFFER,
+    *S_GROUPS, *S_SEALED;
+
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static PyObject *conn_get_buffer(Conn *self, PyObject *sizehint) {
+    if (self->inbuf == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the connection has no read buffer");
+        return NULL;
+    }
+    return Py_NewRef(self->inbuf);
+}
+
+/* The answer read in C: 1 (the future given it), 0 (not it: read the general way), -1. */
+static int answered(Conn *self, Py_ssize_t nbytes) {
+    unsigned long long rid = self->waiting;
+    self->waiting = 0;
+    if (self->waiting_topic == NULL || self->pending == NULL || !PyDict_Check(self->pending))
+        return 0;
+    Py_buffer view;
+    if (PyObject_GetBuffer(self->inbuf, &view, PyBUF_SIMPLE) < 0) return -1;
+    PyObject *result = nbytes > view.len ? Py_NewRef(Py_None)
+                                         : clientsend_result((const unsigned char *)view.buf,
+                                                             nbytes, rid, self->waiting_topic,
+                                                             self->limit);
+    PyBuffer_Release(&view);
+    if (result == NULL) return -1;
+    if (result == Py_None) {
+        Py_DECREF(result);
+        return 0;
+    }
+    int found = 0;
+    PyObject *key = PyLong_FromUnsignedLongLong(rid), *entry = NULL;
+    if (key == NULL) goto out;
+    entry = PyDict_GetItemWithError(self->pending, key);
+    if (entry == NULL) {
+        found = PyErr_Occurred() ? -1 : 0; /* (no longer in flight: the general read says so) */
+        goto out;
+    }
+    Py_INCREF(entry);
+    if (PyDict_DelItem(self->pending, key) < 0 || !PyTuple_Check(entry) ||
+        PyTuple_GET_SIZE(entry) < 1) {
+        found = PyErr_Occurred() ? -1 : 0;
+        goto out;
+    }
+    found = -1;
+    PyObject *heard = PyFloat_FromDouble(monotonic());
+    if (heard == NULL) goto out;
+    Py_XSETREF(self->heard, heard);
+    if (add_free(self, 1) < 0) goto out;
+    self->read_in_c += 1;
+    if (self->queued != NULL) {
+        int waiters = PyObject_IsTrue(self->queued);
+        if (waiters < 0) goto out;
+        if (waiters) {
+            PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, S_RELEASE);
+            if (r == NULL) goto out;
+            Py_DECREF(r);
+        }
+    }
+    PyObject *future = PyTuple_GET_ITEM(entry, 0);
+    PyObject *done = PyObject_CallMethodNoArgs(future, S_DONE);
+    if (done == NULL) goto out;
+    int is_done = PyObject_IsTrue(done);
+    Py_DECREF(done);
+    if (is_done < 0) goto out;
+    if (!is_done) { /* (done: its caller was cancelled) */
+        PyObject *r = PyObject_CallMethodOneArg(future, S_SET_RESULT, result);
+        if (r == NULL) goto out;
+        Py_DECREF(r);
+    }
+    found = 1;
+out:
+    Py_XDECREF(key);
+    Py_XDECREF(entry);
+    Py_DECREF(result);
+    return found;
+}
+
+static PyObject *conn_buffer_updated(Conn *self, PyObject *arg) {
+    Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    if (self->inbuf == NULL) return conn_get_buffer(self, arg); /* (the error) */
+    if (self->waiting) {
+        int got = answered(self, nbytes);
+        if (got < 0) return NULL;
+        if (got) Py_RETURN_NONE;
+    }
+    PyObject *data = PySequence_GetSlice(self->inbuf, 0, nbytes);
+    if (data == NULL) return NULL;
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, S_DATA_RECEIVED, data);
+    Py_DECREF(data);
+    return r;
+}
+
+/* Whether attribute `name` of `owner` holds anything (len > 0): 1, 0, -1. */
+static int holds(PyObject *owner, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(owner, name);
+    if (value == NULL) return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "direct(topic, body)");
+        return NULL;
+    }
+    PyObject *topic = args[0], *body = args[1];
+    if (!PyUnicode_CheckExact(topic) || !PyBytes_CheckExact(body) || self->pending == NULL ||
+        !PyDict_CheckExact(self->pending) || PyDict_GET_SIZE(self->pending) ||
+        self->transport == NULL || self->next_id == NULL || self->reader == NULL ||
+        self->free == NULL || self->heard == NULL)
+        Py_RETURN_NONE;
+    int busy = truth(self->flushing);
+    if (busy == 0) busy = truth(self->closed);
+    if (busy == 0) {
+        int welcomed = truth(self->welcomed);
+        busy = welcomed < 0 ? -1 : !welcomed;
+    }
+    if (busy == 0) {
+        Py_ssize_t free = PyLong_AsSsize_t(self->free);
+        busy = free == -1 && PyErr_Occurred() ? -1 : free <= 0;
+    }
+    if (busy == 0) busy = holds(self->reader, S_BUFFER); /* (a byte unread: no answer alone) */
+    if (busy == 0 && self->coalescer != NULL && self->coalescer != Py_None) {
+        busy = holds(self->coalescer, S_GROUPS);
+        if (busy == 0) busy = holds(self->coalescer, S_SEALED);
+    }
+    if (busy) return busy < 0 ? NULL : Py_NewRef(Py_None);
+    double now = monotonic(), heard = PyFloat_AsDouble(self->heard);
+    if (heard == -1.0 && PyErr_Occurred()) return NULL;
+    if (heard < now - self->recent) Py_RETURN_NONE; /* (AsyncClient._call asks first) */
+    PyObject *rid = PyObject_CallNoArgs(self->next_id);
+    if (rid == NULL) return NULL;
+    unsigned long long id = PyLong_Check(rid) ? PyLong_AsUnsignedLongLong(rid) : 0;
+    if (id == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        id = 0;
+    }
+    PyObject *frame = id ? clientsend_frame(id, topic, body, self->limit) : Py_NewRef(Py_None);
+    PyObject *future = NULL, *entry = NULL, *deadline = NULL, *out = NULL;
+    if (frame == NULL) goto done;
+    if (!PyBytes_CheckExact(frame)) { /* over the limit, or not for C: the general path */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (FUTURE == NULL) {
+        PyObject *asyncio = PyImport_ImportModule("asyncio");
+        if (asyncio == NULL) goto done;
+        FUTURE = PyObject_GetAttrString(asyncio, "Future");
+        Py_DECREF(asyncio);
+        if (FUTURE == NULL) goto done;
+    }
+    if ((future = PyObject_CallNoArgs(FUTURE)) == NULL ||
+        (deadline = PyFloat_FromDouble(now + self->timeout)) == NULL ||
+        (entry = PyTuple_Pack(3, future, body, deadline)) == NULL ||
+        PyDict_SetItem(self->pending, rid, entry) < 0 || add_free(self, -1) < 0)
+        goto done;
+    self->waiting = id;
+    Py_INCREF(topic);
+    Py_XSETREF(self->waiting_topic, topic);
+    PyObject *r = PyObject_CallMethodOneArg(self->transport, S_WRITE, frame);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+    out = Py_NewRef(future);
+done:
+    Py_DECREF(rid);
+    Py_XDECREF(frame);
+    Py_XDECREF(future);
+    Py_XDECREF(entry);
+    Py_XDECREF(deadline);
+    return out;
+}
+
+static int conn_traverse(Conn *self, visitproc visit, void *arg) {
+#define VISIT(name) Py_VISIT(self->name);
+    OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int conn_clear(Conn *self) {
+#define CLEAR(name) Py_CLEAR(self->name);
+    OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void conn_dealloc(Conn *self) {
+    PyObject_GC_UnTrack(self);
+    conn_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef conn_methods[] = {
+    {"get_buffer", (PyCFunction)conn_get_buffer, METH_O, NULL},
+    {"buffer_updated", (PyCFunction)conn_buffer_updated, METH_O, NULL},
+    {"direct", (PyCFunction)(void (*)(void))conn_direct, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+#define M(name, type) {#name, type, offsetof(Conn, name), 0, NULL},
+#define OBJECT_MEMBER(name) M(name, T_OBJECT_EX)
+static PyMemberDef conn_members[] = {
+    OBJECTS(OBJECT_MEMBER) M(waiting, T_ULONGLONG) M(timeout, T_DOUBLE) M(recent, T_DOUBLE)
+    M(limit, T_PYSSIZET) M(read_in_c, T_PYSSIZET) {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ConnType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "equeue._speedups.ClientConn",
+    .tp_basicsize = sizeof(Conn),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)conn_dealloc,
+    .tp_traverse = (traverseproc)conn_traverse,
+    .tp_clear = (inquiry)conn_clear,
+    .tp_methods = conn_methods,
+    .tp_members = conn_members,
+};
+
+/* client_conn_type() -> the type (made ready on the first call). */
+PyObject *client_conn_type(PyObject *self, PyObject *unused) {
+    if (S_WRITE == NULL) {
+        if ((S_WRITE = PyUnicode_InternFromString("write")) == NULL ||
+            (S_DONE = PyUnicode_InternFromString("done")) == NULL ||
+            (S_SET_RESULT = PyUnicode_InternFromString("set_result")) == NULL ||
+            (S_RELEASE = PyUnicode_InternFromString("release")) == NULL ||
+            (S_DATA_RECEIVED = PyUnicode_InternFromString("data_received")) == NULL ||
+            (S_BUFFER = PyUnicode_InternFromString("_buffer")) == NULL ||
+            (S_GROUPS = PyUnicode_InternFromString("groups")) == NULL ||
+            (S_SEALED = PyUnicode_InternFromString("sealed")) == NULL) {
+            Py_CLEAR(S_WRITE);
+            return NULL;
+        }
+        if (PyType_Ready(&ConnType) < 0) {
+            Py_CLEAR(S_WRITE);
+            return NULL;
+        }
+    }
+    return Py_NewRef((PyObject *)&ConnType);
+}
