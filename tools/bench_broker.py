@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--client-loop",
         choices=("uvloop", "asyncio"),
         default="asyncio",
-        help="the event loop of the benchmark's asyncio producers (default asyncio)",
+        help="the event loop of the asyncio producers, ours and redis-py's (default asyncio)",
     )
     parser.add_argument("--profile", action="store_true", help="py-spy the broker (unbatched)")
     parser.add_argument(

@@ -11,7 +11,7 @@ from typing import Any
 
 import equeue
 import equeue.aio
-from brokerbench.jobs import Runner, bodies, result, timed
+from brokerbench.jobs import Runner, bodies, new_loop, result, timed
 from equeue.client.consumer import GroupConsumer
 
 IDLE_SECONDS = 1.0  # a group consumer stops once nothing came for this long
@@ -68,16 +68,6 @@ class SyncProduce:
 
     def close(self) -> None:
         self.client.close()
-
-
-def new_loop(job: dict[str, Any]) -> asyncio.AbstractEventLoop:
-    """The job's event loop: asyncio's, or uvloop's (``--client-loop uvloop``)."""
-    if job.get("client_loop") == "uvloop":
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        return loop
-    return asyncio.new_event_loop()
 
 
 class AioProduce:

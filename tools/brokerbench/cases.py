@@ -337,7 +337,7 @@ class Bench:
                         systems.append(("broker" + suffix, go))
                     if redis is not None:
                         job_r = job | {"kind": "redis_durable", "socket": str(redis.socket_path)}
-                        job_r["shared"] = shared
+                        job_r |= {"client_loop": self.args.client_loop, "shared": shared}
                         go = partial(self.durable_run, case, "redis" + suffix, redis, job_r)
                         systems.append(("redis" + suffix, go))
                 loop: dict[str, Any] = {"kind": "fdatasync", "dir": str(directory), "body": 100}

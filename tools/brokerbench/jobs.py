@@ -248,6 +248,17 @@ async def _xadd_durable(
     return done
 
 
+def new_loop(job: dict[str, Any]) -> asyncio.AbstractEventLoop:
+    """The job's event loop: asyncio's, or uvloop's (``--client-loop uvloop``: the asyncio
+    producers of both systems, ours and redis-py's, run on the same loop)."""
+    if job.get("client_loop") == "uvloop":
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    return asyncio.new_event_loop()
+
+
 class RedisDurable:
     """``producers`` asyncio tasks in this process, each one XADD at a time (awaiting its
     reply): Redis's concurrency under ``appendfsync always``. Per connection (``shared``
@@ -257,7 +268,7 @@ class RedisDurable:
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(job)
         tasks, path = job["producers"], job["socket"]
 
         async def connect() -> list[redis.asyncio.Redis]:
