@@ -127,3 +127,122 @@ done:
     Py_XDECREF(where);
     return out;
 }
+
+static PyObject *S_in_flight, *S_out, *S_ended, *S_batching, *S_closed, *S_transport,
+    *S_is_closing, *S_write, *S_bytes_out;
+
+/* peer's frames written the common way: its in_flight counted down, data written unless
+ * its transport is closing; 1 done (*written counts the bytes), 0 when the connection
+ * has more to do than that (answers queued, half-closed, closed, in a batch, no
+ * transport: nothing done), -1 with an error after in_flight was counted down. */
+static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssize_t *written) {
+    PyObject *d = PyObject_GenericGetDict(peer, NULL);
+    if (d == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int done = 0;
+    PyObject *v = PyDict_GetItemWithError(d, S_out), *transport;
+    if (v == NULL || !PyList_CheckExact(v) || PyList_GET_SIZE(v) != 0) goto out;
+    if (PyDict_GetItemWithError(d, S_ended) != Py_False ||
+        PyDict_GetItemWithError(d, S_batching) != Py_False ||
+        PyDict_GetItemWithError(d, S_closed) != Py_False)
+        goto out;
+    transport = PyDict_GetItemWithError(d, S_transport);
+    v = PyDict_GetItemWithError(d, S_in_flight);
+    if (transport == NULL || transport == Py_None || v == NULL || !PyLong_CheckExact(v))
+        goto out;
+    PyObject *less = PyNumber_Subtract(v, count);
+    done = -1;
+    if (less == NULL) goto out;
+    int failed = PyDict_SetItem(d, S_in_flight, less);
+    Py_DECREF(less);
+    if (failed < 0) goto out;
+    Py_INCREF(transport);
+    PyObject *closing = PyObject_CallMethodNoArgs(transport, S_is_closing);
+    int is = closing == NULL ? -1 : PyObject_IsTrue(closing);
+    Py_XDECREF(closing);
+    if (is == 0) { /* counted before the write, as _write_out counts */
+        *written += PyBytes_GET_SIZE(data);
+        PyObject *r = PyObject_CallMethodOneArg(transport, S_write, data);
+        is = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(transport);
+    done = is < 0 ? -1 : 1;
+out:
+    Py_DECREF(d);
+    return done;
+}
+
+/* release_frames(batch, kind, counters, other, failed): release_durable's common case
+ * whole in C. A batch of kind frames alone (frames_by_peer's) is grouped by connection;
+ * each connection's frames go out in one transport.write with its in_flight counted
+ * down, counters.bytes_out counted once; other(connection, data, count) for a connection
+ * with more to do (connection.py's Python path), failed(connection, exception) for a
+ * connection whose write raised (logged there; the others are answered all the same).
+ * False, nothing done, when the batch is not frames alone; an error only before
+ * anything was answered or counted (the grouping). */
+PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "release_frames(batch, kind, counters, other, failed)");
+        return NULL;
+    }
+    PyObject *grouped = frames_by_peer(self, args, 2);
+    if (grouped == NULL) return NULL;
+    if (grouped == Py_None) {
+        Py_DECREF(grouped);
+        Py_RETURN_FALSE;
+    }
+    /* From here on every connection is answered: nothing may raise out. */
+    Py_ssize_t written = 0;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(grouped); j++) {
+        PyObject *item = PyList_GET_ITEM(grouped, j);
+        PyObject *peer = PyTuple_GET_ITEM(item, 0), *data = PyTuple_GET_ITEM(item, 1),
+                 *count = PyTuple_GET_ITEM(item, 2);
+        int done = write_common(peer, data, count, &written);
+        PyObject *r = NULL;
+        if (done == 0) {
+            PyObject *call[3] = {peer, data, count};
+            r = PyObject_Vectorcall(args[3], call, 3, NULL);
+        } else if (done > 0) {
+            continue;
+        }
+        if (r == NULL) { /* other() raised, or the write did */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+            PyObject *call[2] = {peer, value != NULL ? value : Py_None};
+            r = PyObject_Vectorcall(args[4], call, 2, NULL);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (r == NULL) PyErr_WriteUnraisable(args[4]);
+        }
+        Py_XDECREF(r);
+    }
+    Py_DECREF(grouped);
+    if (written) {
+        PyObject *old = PyObject_GetAttr(args[2], S_bytes_out), *size = NULL, *sum = NULL;
+        if (old != NULL && (size = PyLong_FromSsize_t(written)) != NULL &&
+            (sum = PyNumber_InPlaceAdd(old, size)) != NULL)
+            PyObject_SetAttr(args[2], S_bytes_out, sum);
+        Py_XDECREF(old);
+        Py_XDECREF(size);
+        Py_XDECREF(sum);
+        if (PyErr_Occurred()) PyErr_WriteUnraisable(args[2]);
+    }
+    Py_RETURN_TRUE;
+}
+
+int release_ready(void) {
+#define NAME(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    NAME(S_in_flight, "in_flight") NAME(S_out, "_out") NAME(S_ended, "_ended")
+    NAME(S_batching, "_batching") NAME(S_closed, "closed") NAME(S_transport, "transport")
+    NAME(S_is_closing, "is_closing") NAME(S_write, "write") NAME(S_bytes_out, "bytes_out")
+#undef NAME
+    return 0;
+}
