@@ -227,6 +227,7 @@ class SendLane:
         max_in_flight: int,
         kind: type[bytes],
         reserved: str,
+        commit: Any,
         counters: Any,
         holds: Any,
         /,

@@ -360,3 +360,30 @@ def test_a_client_leaving_with_durable_answers_pending_does_not_disturb_the_othe
         assert len(bodies) == 100
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_c_built_send_result_is_answered_as_its_fields_pack(read_first: bool) -> None:
+    """send_answer packs a C send's result from its C values (sendframe.c's
+    answer_of_values), the fields never made: byte for byte what msgpack packs of the
+    fields, whether or not they were read before, for send and send_batch (one stored_at
+    shared) results, large positions and ids included."""
+    from equeue import MessageStore
+    from equeue.store.types import SendResult
+
+    fast = speedups.SPEEDUPS
+    assert fast is not None
+    directory = short_dir()
+    try:
+        with MessageStore.open(directory / "s") as store:
+            results = [store.send("t", b"x" * n) for n in (1, 200, 3000)]
+            results += store.send_batch("t.batch", [b"a", b"b"])
+            assert all(type(r) is SendResult for r in results)
+            for rid, result in zip((1, 2**40, 2**64 - 1, 7, 8), results, strict=True):
+                if read_first:
+                    tuple(result)
+                answer = fast.send_answer(rid, result)
+                assert answer == encode([rid, STATUS_OK, list(result)])
+                assert fast.send_answer(rid, result, Frame) == answer
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

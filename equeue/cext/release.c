@@ -128,36 +128,46 @@ done:
     return out;
 }
 
-static PyObject *S_in_flight, *S_out, *S_ended, *S_batching, *S_closed, *S_transport,
-    *S_is_closing, *S_write, *S_bytes_out;
+static PyObject *S_is_closing, *S_write, *S_bytes_out;
+
+/* The Connection slots write_common reads (and in_flight, which it writes), by their
+ * offsets in the last peer type seen (sendlane.c's slot_offset): a dict look-up costs
+ * more in C than Python's specialized attribute read. */
+enum { O_OUT, O_ENDED, O_BATCHING, O_CLOSED, O_TRANSPORT, O_IN_FLIGHT, O_COUNT };
+static const char *const SLOT_NAMES[O_COUNT] = {"_out",   "_ended",    "_batching",
+                                                "closed", "transport", "in_flight"};
+static PyObject *slot_names[O_COUNT];
+static PyTypeObject *known_type; /* held */
+static Py_ssize_t at[O_COUNT];   /* at[0] -1: that type has not these slots */
+Py_ssize_t slot_offset(PyTypeObject *type, PyObject *name); /* sendlane.c */
+PyObject *plus(PyObject *value, Py_ssize_t delta);          /* sendlane.c */
+#define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
 
 /* peer's frames written the common way: its in_flight counted down, data written unless
  * its transport is closing; 1 done (*written counts the bytes), 0 when the connection
  * has more to do than that (answers queued, half-closed, closed, in a batch, no
  * transport: nothing done), -1 with an error after in_flight was counted down. */
 static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssize_t *written) {
-    PyObject *d = PyObject_GenericGetDict(peer, NULL);
-    if (d == NULL) {
-        PyErr_Clear();
-        return 0;
+    if (Py_TYPE(peer) != known_type) {
+        Py_XSETREF(known_type, (PyTypeObject *)Py_NewRef(Py_TYPE(peer)));
+        int all = 1;
+        for (int i = 0; i < O_COUNT; i++)
+            all &= (at[i] = slot_offset(known_type, slot_names[i])) >= 0;
+        if (!all) at[0] = -1;
     }
-    int done = 0;
-    PyObject *v = PyDict_GetItemWithError(d, S_out), *transport;
-    if (v == NULL || !PyList_CheckExact(v) || PyList_GET_SIZE(v) != 0) goto out;
-    if (PyDict_GetItemWithError(d, S_ended) != Py_False ||
-        PyDict_GetItemWithError(d, S_batching) != Py_False ||
-        PyDict_GetItemWithError(d, S_closed) != Py_False)
-        goto out;
-    transport = PyDict_GetItemWithError(d, S_transport);
-    v = PyDict_GetItemWithError(d, S_in_flight);
-    if (transport == NULL || transport == Py_None || v == NULL || !PyLong_CheckExact(v))
-        goto out;
-    PyObject *less = PyNumber_Subtract(v, count);
-    done = -1;
-    if (less == NULL) goto out;
-    int failed = PyDict_SetItem(d, S_in_flight, less);
-    Py_DECREF(less);
-    if (failed < 0) goto out;
+    if (at[0] < 0) return 0;
+    PyObject *v = SLOT(peer, at[O_OUT]);
+    if (v == NULL || !PyList_CheckExact(v) || PyList_GET_SIZE(v) != 0) return 0;
+    if (SLOT(peer, at[O_ENDED]) != Py_False || SLOT(peer, at[O_BATCHING]) != Py_False ||
+        SLOT(peer, at[O_CLOSED]) != Py_False)
+        return 0;
+    PyObject *transport = SLOT(peer, at[O_TRANSPORT]);
+    PyObject **in_flight = &SLOT(peer, at[O_IN_FLIGHT]);
+    if (transport == NULL || transport == Py_None || *in_flight == NULL) return 0;
+    Py_ssize_t n = PyLong_AsSsize_t(count);
+    PyObject *less = n == -1 ? NULL : plus(*in_flight, -n);
+    if (less == NULL) return -1;
+    Py_SETREF(*in_flight, less);
     Py_INCREF(transport);
     PyObject *closing = PyObject_CallMethodNoArgs(transport, S_is_closing);
     int is = closing == NULL ? -1 : PyObject_IsTrue(closing);
@@ -169,10 +179,7 @@ static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssiz
         Py_XDECREF(r);
     }
     Py_DECREF(transport);
-    done = is < 0 ? -1 : 1;
-out:
-    Py_DECREF(d);
-    return done;
+    return is < 0 ? -1 : 1;
 }
 
 /* release_frames(batch, kind, counters, other, failed): release_durable's common case
@@ -240,9 +247,9 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 int release_ready(void) {
 #define NAME(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    NAME(S_in_flight, "in_flight") NAME(S_out, "_out") NAME(S_ended, "_ended")
-    NAME(S_batching, "_batching") NAME(S_closed, "closed") NAME(S_transport, "transport")
     NAME(S_is_closing, "is_closing") NAME(S_write, "write") NAME(S_bytes_out, "bytes_out")
 #undef NAME
+    for (int i = 0; i < O_COUNT; i++)
+        if ((slot_names[i] = PyUnicode_InternFromString(SLOT_NAMES[i])) == NULL) return -1;
     return 0;
 }

@@ -166,6 +166,13 @@ def _release_each(batch: list[Entry], error: BaseException | None) -> None:
 
 
 class Connection(asyncio.BufferedProtocol):
+    # The state the C read and release paths read on every send (cext/sendlane.c,
+    # release.c) in slots, at fixed offsets; everything else in the instance dict.
+    __slots__ = (
+        "__dict__", "__weakref__", "_backlog", "_batching", "_ended", "_hello", "_out",
+        "_partial", "_plain_send", "_store", "closed", "in_flight", "transport",
+    )  # fmt: skip
+
     def __init__(self, broker: Broker, listener: str, number: int) -> None:
         self.broker = broker
         self.number = number
@@ -207,7 +214,8 @@ class Connection(asyncio.BufferedProtocol):
             # instance's own, in C, take a read without a Python frame (cext/sendlane.c)
             lane = fast.SendLane(
                 self, self._read_view, self._max_frame_bytes, self._max_in_flight,
-                self._answer_kind, RESERVED_PREFIX, broker.counters, broker.holds,
+                self._answer_kind, RESERVED_PREFIX, self._commit, broker.counters,
+                broker.holds,
             )  # fmt: skip
             self.__dict__["buffer_updated"] = lane
             self.__dict__["get_buffer"] = lane.get_buffer
