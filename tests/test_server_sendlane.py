@@ -387,3 +387,45 @@ def test_a_c_built_send_result_is_answered_as_its_fields_pack(read_first: bool) 
                 assert fast.send_answer(rid, result, Frame) == answer
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _lone(directory: Path, frames_in_c: bool) -> tuple[list[Any], list[int], list[int]]:
+    """Lone answers (in_flight 1) and a connection whose in_flight undercounts its answers
+    in the batch (not the broker's state, but the order must hold)."""
+    import equeue.server.connection as module
+
+    broker = Broker(directory, ServerConfig(flush="sync"))
+    await broker.start()
+    try:
+        peers = _greeted(broker, 3)
+        (a, _), (b, _), (c, _) = peers
+        a.in_flight, b.in_flight, c.in_flight = 1, 1, 2
+        frame = {rid: Frame(encode([rid, STATUS_OK, f"r{rid}"])) for rid in range(1, 6)}
+        batch = [(a, 1, frame[1]), (b, 2, frame[2]), (c, 3, frame[3]), (b, 4, frame[4])]
+        batch.append((c, 5, frame[5]))
+        saved = module.release_frames
+        if not frames_in_c:
+            module.release_frames = None
+        try:
+            release_durable(batch, None)  # type: ignore[arg-type]
+        finally:
+            module.release_frames = saved
+        return (
+            [[x[0] for x in _answers(t)] for _c, t in peers],
+            [t.writes for _c, t in peers],
+            [x.in_flight for x, _t in peers],
+        )
+    finally:
+        await broker._drain()
+
+
+def test_lone_answers_are_written_as_they_are_and_in_batch_order() -> None:
+    directory = short_dir()
+    try:
+        in_c = asyncio.run(_lone(directory / "c", True))
+        python = asyncio.run(_lone(directory / "py", False))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert in_c[0] == python[0] == [[1], [2, 4], [3, 5]]
+    assert in_c[2] == python[2] == [0, -1, 0]
+    assert in_c[1] == [1, 2, 1]  # b, in_flight 1 with two answers: each written alone

@@ -128,7 +128,7 @@ done:
     return out;
 }
 
-static PyObject *S_is_closing, *S_write, *S_bytes_out;
+static PyObject *S_is_closing, *S_write, *S_bytes_out, *ONE_ANSWER;
 
 /* The Connection slots write_common reads (and in_flight, which it writes), by their
  * offsets in the last peer type seen (sendlane.c's slot_offset): a dict look-up costs
@@ -147,7 +147,8 @@ PyObject *plus(PyObject *value, Py_ssize_t delta);          /* sendlane.c */
  * its transport is closing; 1 done (*written counts the bytes), 0 when the connection
  * has more to do than that (answers queued, half-closed, closed, in a batch, no
  * transport: nothing done), -1 with an error after in_flight was counted down. */
-static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssize_t *written) {
+/* 1 when peer's type has the slots (at[] their offsets), else 0. */
+static int has_slots(PyObject *peer) {
     if (Py_TYPE(peer) != known_type) {
         Py_XSETREF(known_type, (PyTypeObject *)Py_NewRef(Py_TYPE(peer)));
         int all = 1;
@@ -155,7 +156,11 @@ static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssiz
             all &= (at[i] = slot_offset(known_type, slot_names[i])) >= 0;
         if (!all) at[0] = -1;
     }
-    if (at[0] < 0) return 0;
+    return at[0] >= 0;
+}
+
+static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssize_t *written) {
+    if (!has_slots(peer)) return 0;
     PyObject *v = SLOT(peer, at[O_OUT]);
     if (v == NULL || !PyList_CheckExact(v) || PyList_GET_SIZE(v) != 0) return 0;
     if (SLOT(peer, at[O_ENDED]) != Py_False || SLOT(peer, at[O_BATCHING]) != Py_False ||
@@ -190,58 +195,112 @@ static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssiz
  * connection whose write raised (logged there; the others are answered all the same).
  * False, nothing done, when the batch is not frames alone; an error only before
  * anything was answered or counted (the grouping). */
+/* write_common for one peer, other() when it has more to do, failed() when that
+ * raised; never an error out. */
+static void release_one(PyObject *const *args, PyObject *peer, PyObject *data, PyObject *count,
+                        Py_ssize_t *written) {
+    int done = write_common(peer, data, count, written);
+    if (done > 0) return;
+    PyObject *r = NULL;
+    if (done == 0) {
+        PyObject *call[3] = {peer, data, count};
+        r = PyObject_Vectorcall(args[3], call, 3, NULL);
+    }
+    if (r == NULL) { /* other() raised, or the write did */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+        PyObject *call[2] = {peer, value != NULL ? value : Py_None};
+        r = PyObject_Vectorcall(args[4], call, 2, NULL);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        if (r == NULL) PyErr_WriteUnraisable(args[4]);
+    }
+    Py_XDECREF(r);
+}
+
+/* release_frames(batch, kind, counters, other, failed): release_durable's common case
+ * whole in C. A batch of kind frames alone is answered by connection: a connection with
+ * this one answer in flight (in_flight 1: a client with one send at a time, the commonest)
+ * gets its frame as it is, the others their frames joined in batch order
+ * (frames_by_peer); each connection's in one transport.write with its in_flight counted
+ * down, counters.bytes_out counted once; other(connection, data, count) for a connection
+ * with more to do (connection.py's Python path), failed(connection, exception) for a
+ * connection whose write raised (logged there; the others are answered all the same).
+ * False, nothing done, when the batch is not frames alone; an error only before anything
+ * was answered or counted (the grouping). */
 PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
+    if (nargs != 5 || !PyList_CheckExact(args[0]) || !PyType_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError,
-                        "release_frames(batch, kind, counters, other, failed)");
+                        "release_frames(batch: list, kind: type, counters, other, failed)");
         return NULL;
     }
-    PyObject *grouped = frames_by_peer(self, args, 2);
-    if (grouped == NULL) return NULL;
-    if (grouped == Py_None) {
-        Py_DECREF(grouped);
-        Py_RETURN_FALSE;
+    PyObject *batch = args[0];
+    PyTypeObject *kind = (PyTypeObject *)args[1];
+    Py_ssize_t n = PyList_GET_SIZE(batch);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(batch, i);
+        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 3 ||
+            Py_TYPE(PyTuple_GET_ITEM(e, 2)) != kind)
+            Py_RETURN_FALSE;
+    }
+    /* The lone answers apart (only reads: nothing may run Python code before the
+     * grouping, which may fail), the rest grouped. */
+    PyObject *singles = PyList_New(0), *rest = PyList_New(0), *grouped = NULL;
+    if (singles == NULL || rest == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(batch, i), *peer = PyTuple_GET_ITEM(e, 0), *v;
+        int lone = has_slots(peer) && (v = SLOT(peer, at[O_IN_FLIGHT])) != NULL &&
+                   PyLong_CheckExact(v) && Py_SIZE(v) == 1 && PyLong_AsLong(v) == 1;
+        if (PyList_Append(lone ? singles : rest, e) < 0) goto fail;
+    }
+    if (PyList_GET_SIZE(rest) != 0) {
+        PyObject *call[2] = {rest, args[1]};
+        grouped = frames_by_peer(self, call, 2);
+        if (grouped == NULL) goto fail;
+        if (grouped == Py_None) { /* (cannot be: checked above) */
+            Py_CLEAR(grouped);
+            PyErr_SetString(PyExc_RuntimeError, "release_frames: the batch changed");
+            goto fail;
+        }
     }
     /* From here on every connection is answered: nothing may raise out. */
     Py_ssize_t written = 0;
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(grouped); j++) {
-        PyObject *item = PyList_GET_ITEM(grouped, j);
-        PyObject *peer = PyTuple_GET_ITEM(item, 0), *data = PyTuple_GET_ITEM(item, 1),
-                 *count = PyTuple_GET_ITEM(item, 2);
-        int done = write_common(peer, data, count, &written);
-        PyObject *r = NULL;
-        if (done == 0) {
-            PyObject *call[3] = {peer, data, count};
-            r = PyObject_Vectorcall(args[3], call, 3, NULL);
-        } else if (done > 0) {
-            continue;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(singles); j++) {
+        PyObject *e = PyList_GET_ITEM(singles, j), *frame = PyTuple_GET_ITEM(e, 2);
+        /* exact bytes: uvloop's write takes a bytes subclass through a memoryview cast */
+        PyObject *data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(frame),
+                                                   PyBytes_GET_SIZE(frame));
+        if (data == NULL) { /* (no memory) the Frame itself */
+            PyErr_Clear();
+            data = Py_NewRef(frame);
         }
-        if (r == NULL) { /* other() raised, or the write did */
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
-            PyObject *call[2] = {peer, value != NULL ? value : Py_None};
-            r = PyObject_Vectorcall(args[4], call, 2, NULL);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            if (r == NULL) PyErr_WriteUnraisable(args[4]);
-        }
-        Py_XDECREF(r);
+        release_one(args, PyTuple_GET_ITEM(e, 0), data, ONE_ANSWER, &written);
+        Py_DECREF(data);
     }
-    Py_DECREF(grouped);
+    for (Py_ssize_t j = 0; grouped != NULL && j < PyList_GET_SIZE(grouped); j++) {
+        PyObject *item = PyList_GET_ITEM(grouped, j);
+        release_one(args, PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1),
+                    PyTuple_GET_ITEM(item, 2), &written);
+    }
+    Py_DECREF(singles);
+    Py_DECREF(rest);
+    Py_XDECREF(grouped);
     if (written) {
-        PyObject *old = PyObject_GetAttr(args[2], S_bytes_out), *size = NULL, *sum = NULL;
-        if (old != NULL && (size = PyLong_FromSsize_t(written)) != NULL &&
-            (sum = PyNumber_InPlaceAdd(old, size)) != NULL)
+        PyObject *old = PyObject_GetAttr(args[2], S_bytes_out), *sum = NULL;
+        if (old != NULL && (sum = plus(old, written)) != NULL)
             PyObject_SetAttr(args[2], S_bytes_out, sum);
         Py_XDECREF(old);
-        Py_XDECREF(size);
         Py_XDECREF(sum);
         if (PyErr_Occurred()) PyErr_WriteUnraisable(args[2]);
     }
     Py_RETURN_TRUE;
+fail:
+    Py_XDECREF(singles);
+    Py_XDECREF(rest);
+    return NULL;
 }
 
 int release_ready(void) {
@@ -249,6 +308,7 @@ int release_ready(void) {
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     NAME(S_is_closing, "is_closing") NAME(S_write, "write") NAME(S_bytes_out, "bytes_out")
 #undef NAME
+    if ((ONE_ANSWER = PyLong_FromLong(1)) == NULL) return -1;
     for (int i = 0; i < O_COUNT; i++)
         if ((slot_names[i] = PyUnicode_InternFromString(SLOT_NAMES[i])) == NULL) return -1;
     return 0;
