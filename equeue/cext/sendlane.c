@@ -19,7 +19,7 @@
 #include "speedups.h"
 #include <structmember.h>
 
-PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+int plain_send_parts(PyObject *const *args, PyObject *out[3]); /* sendframe.c */
 
 enum { C_BYTES_IN, C_REQUESTS, C_SENDS, C_SEND_REQUESTS, C_BYTES_OUT, C_COUNT };
 static const char *const COUNTER_NAMES[C_COUNT] = {"bytes_in", "requests", "sends",
@@ -141,9 +141,8 @@ static PyObject *call_class(Lane *self, PyObject *name, PyObject *arg1, PyObject
 /* A plain send's tail when it is the common one (the answer packed, no held pulls, and
  * under --flush async no answers queued): 1 done, 0 for Connection._plain_sent, -1 with
  * an error. */
-static int common_tail(Lane *self, Py_ssize_t nbytes, PyObject *got) {
-    PyObject *rid = PyTuple_GET_ITEM(got, 0), *sent = PyTuple_GET_ITEM(got, 1),
-             *frame = PyTuple_GET_ITEM(got, 2), *c = self->connection;
+static int common_tail(Lane *self, Py_ssize_t nbytes, PyObject *got[3]) {
+    PyObject *rid = got[0], *sent = got[1], *frame = got[2], *c = self->connection;
     if (sent == Py_None || frame == Py_None) return 0;
     PyObject *h = self->holds_dict, *v;
     if (h == NULL || !is_zero(PyDict_GetItemWithError(h, S_count))) return 0;
@@ -215,16 +214,23 @@ static PyObject *lane_call(PyObject *op, PyObject *const *args, size_t nargsf,
     PyObject *send = PyObject_GetAttr(store, S_send);
     if (send == NULL) return NULL;
     PyObject *call[6] = {self->view, nbytes, self->max_frame, send, self->kind, self->reserved};
-    PyObject *got = plain_send(NULL, call, 6), *out = NULL;
+    PyObject *got[3], *out = NULL;
+    int read = plain_send_parts(call, got);
     Py_DECREF(send);
-    if (got == Py_None) { /* not one plain send: the frame reader */
-        out = call_class(self, S_read_general, nbytes, NULL);
-    } else if (got != NULL) {
-        int done = common_tail(self, n, got);
-        if (done == 0) out = call_class(self, S_plain_sent, nbytes, got);
-        else if (done > 0) out = Py_NewRef(Py_None);
+    if (read == 0) /* not one plain send: the frame reader */
+        return call_class(self, S_read_general, nbytes, NULL);
+    if (read < 0) return NULL;
+    int done = common_tail(self, n, got);
+    if (done == 0) { /* Connection._plain_sent(nbytes, (request_id, result, frame)) */
+        PyObject *tuple = PyTuple_Pack(3, got[0], got[1], got[2]);
+        if (tuple != NULL) out = call_class(self, S_plain_sent, nbytes, tuple);
+        Py_XDECREF(tuple);
+    } else if (done > 0) {
+        out = Py_NewRef(Py_None);
     }
-    Py_XDECREF(got);
+    Py_DECREF(got[0]);
+    Py_DECREF(got[1]);
+    Py_DECREF(got[2]);
     return out;
 }
 
