@@ -245,6 +245,19 @@ def test_answers_queued_before_a_plain_send_go_first(flush: Flush) -> None:
     assert lane == python
 
 
+def _release_durable(batch: list[Any], frames_in_c: bool) -> None:
+    """release_durable, with release_frames (C) or without (the Python it replaces)."""
+    import equeue.server.connection as module
+
+    saved = module.release_frames
+    if not frames_in_c:
+        module.release_frames = None
+    try:
+        release_durable(batch, None)
+    finally:
+        module.release_frames = saved
+
+
 class FailingRecorder(CountingRecorder):
     def write(self, data: bytes) -> None:
         raise OSError(32, "a write failed (EPIPE)")
@@ -268,15 +281,7 @@ async def _release_mixed(directory: Path, frames_in_c: bool) -> dict[str, Any]:
         batch = [(c, 2 * i + k + 1, frame[2 * i + k + 1]) for k in range(2) for i, (c, _) in
                  enumerate(peers)]  # fmt: skip
         out_before = broker.counters.bytes_out
-        import equeue.server.connection as module
-
-        saved = module.release_frames
-        if not frames_in_c:
-            module.release_frames = None
-        try:
-            release_durable(batch, None)  # type: ignore[arg-type]
-        finally:
-            module.release_frames = saved
+        _release_durable(batch, frames_in_c)
         batching._batching = False
         batching._write_out()
         return {
@@ -392,8 +397,6 @@ def test_a_c_built_send_result_is_answered_as_its_fields_pack(read_first: bool) 
 async def _lone(directory: Path, frames_in_c: bool) -> tuple[list[Any], list[int], list[int]]:
     """Lone answers (in_flight 1) and a connection whose in_flight undercounts its answers
     in the batch (not the broker's state, but the order must hold)."""
-    import equeue.server.connection as module
-
     broker = Broker(directory, ServerConfig(flush="sync"))
     await broker.start()
     try:
@@ -403,13 +406,7 @@ async def _lone(directory: Path, frames_in_c: bool) -> tuple[list[Any], list[int
         frame = {rid: Frame(encode([rid, STATUS_OK, f"r{rid}"])) for rid in range(1, 6)}
         batch = [(a, 1, frame[1]), (b, 2, frame[2]), (c, 3, frame[3]), (b, 4, frame[4])]
         batch.append((c, 5, frame[5]))
-        saved = module.release_frames
-        if not frames_in_c:
-            module.release_frames = None
-        try:
-            release_durable(batch, None)  # type: ignore[arg-type]
-        finally:
-            module.release_frames = saved
+        _release_durable(batch, frames_in_c)
         return (
             [[x[0] for x in _answers(t)] for _c, t in peers],
             [t.writes for _c, t in peers],

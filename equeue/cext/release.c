@@ -60,9 +60,22 @@ static int add_frame(PyObject *groups, PyObject *where, PyObject *peer, PyObject
     return 0;
 }
 
+/* 1 when every entry of batch is a (peer, request_id, result) tuple whose result is
+ * exactly of type kind, else 0. */
+static int all_frames(PyObject *batch, PyTypeObject *kind) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch); i++) {
+        PyObject *e = PyList_GET_ITEM(batch, i);
+        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 3 ||
+            Py_TYPE(PyTuple_GET_ITEM(e, 2)) != kind)
+            return 0;
+    }
+    return 1;
+}
+
 /* frames_by_peer(batch, kind): [(peer, data, count), ...] in the order each peer first
- * appears, data the peer's frames joined in batch order (bytes), count how many; None when an entry is not a 3-tuple whose result is exactly of
- * type kind (the caller then answers the batch entry by entry). */
+ * appears, data the peer's frames joined in batch order (bytes), count how many; None
+ * when an entry is not a 3-tuple whose result is exactly of type kind (the caller then
+ * answers the batch entry by entry). */
 PyObject *frames_by_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_CheckExact(args[0]) || !PyType_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "frames_by_peer(batch: list, kind: type)");
@@ -70,13 +83,7 @@ PyObject *frames_by_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *batch = args[0];
     PyTypeObject *kind = (PyTypeObject *)args[1];
-    Py_ssize_t n = PyList_GET_SIZE(batch);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *e = PyList_GET_ITEM(batch, i);
-        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 3 ||
-            Py_TYPE(PyTuple_GET_ITEM(e, 2)) != kind)
-            Py_RETURN_NONE;
-    }
+    if (!all_frames(batch, kind)) Py_RETURN_NONE;
     PyObject *groups = PyList_New(0);
     PyObject *where = PyDict_New();
     PyObject *out = NULL, *last = NULL;
@@ -238,14 +245,8 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     PyObject *batch = args[0];
-    PyTypeObject *kind = (PyTypeObject *)args[1];
     Py_ssize_t n = PyList_GET_SIZE(batch);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *e = PyList_GET_ITEM(batch, i);
-        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 3 ||
-            Py_TYPE(PyTuple_GET_ITEM(e, 2)) != kind)
-            Py_RETURN_FALSE;
-    }
+    if (!all_frames(batch, (PyTypeObject *)args[1])) Py_RETURN_FALSE;
     /* The lone answers apart (only reads: nothing may run Python code before the
      * grouping, which may fail), the rest grouped. */
     PyObject *singles = PyList_New(0), *rest = PyList_New(0), *grouped = NULL;
