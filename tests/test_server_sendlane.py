@@ -271,7 +271,8 @@ async def _release_mixed(directory: Path, frames_in_c: bool) -> dict[str, Any]:
     try:
         peers = _greeted(broker, 4)
         (queued, _), (failing, _), (batching, _), _plain = peers
-        failing.transport = FailingRecorder()  # type: ignore[assignment]
+        failing.transport = broken = FailingRecorder()  # type: ignore[assignment]
+        broken.protocol = failing  # (closed at the drain like the others)
         for connection, _t in peers:
             connection.in_flight = 2
         queued._out.append(encode([50, STATUS_OK, "before"]))
