@@ -219,3 +219,22 @@ def client_send_frame(
 def client_send_result(
     buffer: Any, nbytes: int, request_id: int, topic: str, max_frame_bytes: int, /
 ) -> Any: ...
+
+class SendLane:
+    """A connection's buffer_updated and get_buffer in C (cext/sendlane.c)."""
+
+    def __init__(
+        self,
+        connection: Any,
+        view: memoryview,
+        max_frame_bytes: int,
+        max_in_flight: int,
+        kind: type[bytes],
+        reserved: str,
+        commit: Any,
+        counters: Any,
+        holds: Any,
+        /,
+    ) -> None: ...
+    def __call__(self, nbytes: int, /) -> None: ...
+    def get_buffer(self, sizehint: int, /) -> memoryview: ...

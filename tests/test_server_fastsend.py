@@ -403,14 +403,14 @@ def test_frames_by_peer_leaves_any_other_batch_to_the_answer_by_answer_path() ->
 def test_a_grouping_that_fails_leaves_the_batch_to_the_answer_by_answer_path(
     monkeypatch: pytest.MonkeyPatch, failure: type[Exception]
 ) -> None:
-    """frames_by_peer raising (no memory; release.c's "the batch changed") lost every
-    answer of the flushed batch, and their connections' in_flight stayed counted."""
+    """release_frames' grouping raising (no memory; release.c's "the batch changed") lost
+    every answer of the flushed batch, and their connections' in_flight stayed counted."""
     import equeue.server.connection as connection_module
 
-    def fails(batch: object, kind: object) -> None:
-        raise failure("frames_by_peer failed")
+    def fails(*args: object) -> None:
+        raise failure("release_frames failed")
 
-    monkeypatch.setattr(connection_module, "by_peer", fails)
+    monkeypatch.setattr(connection_module, "release_frames", fails)
     directory = short_dir()
     try:
         seen = asyncio.run(_grouped(directory / "s"))

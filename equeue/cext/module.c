@@ -76,6 +76,10 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *arg) {
 
 /* clientsend.c: the asyncio client's plain send, one in flight */
 PyObject *client_send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+int send_lane_ready(void); /* sendlane.c: a connection's reads */
+int release_ready(void);   /* release.c */
+PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+extern PyTypeObject SendLaneType;
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 
@@ -90,6 +94,7 @@ static PyMethodDef methods[] = {
     {"send_answer", (PyCFunction)(void (*)(void))send_answer, METH_FASTCALL, NULL},
     {"plain_send", (PyCFunction)(void (*)(void))plain_send, METH_FASTCALL, NULL},
     {"frames_by_peer", (PyCFunction)(void (*)(void))frames_by_peer, METH_FASTCALL, NULL},
+    {"release_frames", (PyCFunction)(void (*)(void))release_frames, METH_FASTCALL, NULL},
     {"results_of_columns", results_of_columns, METH_VARARGS, NULL},
     {"all_bytes", all_bytes, METH_O, NULL},
     {"columns_answer", columns_answer, METH_VARARGS, NULL},
@@ -134,13 +139,15 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     ZERO = PyLong_FromLong(0);
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
     if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0 ||
-        send_result_type_ready() < 0 || body_spans_ready() < 0)
+        send_result_type_ready() < 0 || body_spans_ready() < 0 || send_lane_ready() < 0 ||
+        release_ready() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
         PyModule_AddObjectRef(m, "Message", (PyObject *)&MessageType) < 0 ||
-        PyModule_AddObjectRef(m, "SendResult", (PyObject *)&SendResultType) < 0) {
+        PyModule_AddObjectRef(m, "SendResult", (PyObject *)&SendResultType) < 0 ||
+        PyModule_AddObjectRef(m, "SendLane", (PyObject *)&SendLaneType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

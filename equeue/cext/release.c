@@ -60,9 +60,22 @@ static int add_frame(PyObject *groups, PyObject *where, PyObject *peer, PyObject
     return 0;
 }
 
+/* 1 when every entry of batch is a (peer, request_id, result) tuple whose result is
+ * exactly of type kind, else 0. */
+static int all_frames(PyObject *batch, PyTypeObject *kind) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch); i++) {
+        PyObject *e = PyList_GET_ITEM(batch, i);
+        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 3 ||
+            Py_TYPE(PyTuple_GET_ITEM(e, 2)) != kind)
+            return 0;
+    }
+    return 1;
+}
+
 /* frames_by_peer(batch, kind): [(peer, data, count), ...] in the order each peer first
- * appears, data the peer's frames joined in batch order (bytes), count how many; None when an entry is not a 3-tuple whose result is exactly of
- * type kind (the caller then answers the batch entry by entry). */
+ * appears, data the peer's frames joined in batch order (bytes), count how many; None
+ * when an entry is not a 3-tuple whose result is exactly of type kind (the caller then
+ * answers the batch entry by entry). */
 PyObject *frames_by_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_CheckExact(args[0]) || !PyType_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "frames_by_peer(batch: list, kind: type)");
@@ -70,13 +83,7 @@ PyObject *frames_by_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *batch = args[0];
     PyTypeObject *kind = (PyTypeObject *)args[1];
-    Py_ssize_t n = PyList_GET_SIZE(batch);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *e = PyList_GET_ITEM(batch, i);
-        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 3 ||
-            Py_TYPE(PyTuple_GET_ITEM(e, 2)) != kind)
-            Py_RETURN_NONE;
-    }
+    if (!all_frames(batch, kind)) Py_RETURN_NONE;
     PyObject *groups = PyList_New(0);
     PyObject *where = PyDict_New();
     PyObject *out = NULL, *last = NULL;
@@ -126,4 +133,184 @@ done:
     Py_XDECREF(groups);
     Py_XDECREF(where);
     return out;
+}
+
+static PyObject *S_is_closing, *S_write, *S_bytes_out, *ONE_ANSWER;
+
+/* The Connection slots write_common reads (and in_flight, which it writes), by their
+ * offsets in the last peer type seen (sendlane.c's slot_offset): a dict look-up costs
+ * more in C than Python's specialized attribute read. */
+enum { O_OUT, O_ENDED, O_BATCHING, O_CLOSED, O_TRANSPORT, O_IN_FLIGHT, O_COUNT };
+static const char *const SLOT_NAMES[O_COUNT] = {"_out",   "_ended",    "_batching",
+                                                "closed", "transport", "in_flight"};
+static PyObject *slot_names[O_COUNT];
+static PyTypeObject *known_type; /* held */
+static Py_ssize_t at[O_COUNT];   /* at[0] -1: that type has not these slots */
+Py_ssize_t slot_offset(PyTypeObject *type, PyObject *name); /* sendlane.c */
+PyObject *plus(PyObject *value, Py_ssize_t delta);          /* sendlane.c */
+#define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
+
+/* peer's frames written the common way: its in_flight counted down, data written unless
+ * its transport is closing; 1 done (*written counts the bytes), 0 when the connection
+ * has more to do than that (answers queued, half-closed, closed, in a batch, no
+ * transport: nothing done), -1 with an error after in_flight was counted down. */
+/* 1 when peer's type has the slots (at[] their offsets), else 0. */
+static int has_slots(PyObject *peer) {
+    if (Py_TYPE(peer) != known_type) {
+        Py_XSETREF(known_type, (PyTypeObject *)Py_NewRef(Py_TYPE(peer)));
+        int all = 1;
+        for (int i = 0; i < O_COUNT; i++)
+            all &= (at[i] = slot_offset(known_type, slot_names[i])) >= 0;
+        if (!all) at[0] = -1;
+    }
+    return at[0] >= 0;
+}
+
+static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssize_t *written) {
+    if (!has_slots(peer)) return 0;
+    PyObject *v = SLOT(peer, at[O_OUT]);
+    if (v == NULL || !PyList_CheckExact(v) || PyList_GET_SIZE(v) != 0) return 0;
+    if (SLOT(peer, at[O_ENDED]) != Py_False || SLOT(peer, at[O_BATCHING]) != Py_False ||
+        SLOT(peer, at[O_CLOSED]) != Py_False)
+        return 0;
+    PyObject *transport = SLOT(peer, at[O_TRANSPORT]);
+    PyObject **in_flight = &SLOT(peer, at[O_IN_FLIGHT]);
+    if (transport == NULL || transport == Py_None || *in_flight == NULL) return 0;
+    Py_ssize_t n = PyLong_AsSsize_t(count);
+    PyObject *less = n == -1 ? NULL : plus(*in_flight, -n);
+    if (less == NULL) return -1;
+    Py_SETREF(*in_flight, less);
+    Py_INCREF(transport);
+    PyObject *closing = PyObject_CallMethodNoArgs(transport, S_is_closing);
+    int is = closing == NULL ? -1 : PyObject_IsTrue(closing);
+    Py_XDECREF(closing);
+    if (is == 0) { /* counted before the write, as _write_out counts */
+        *written += PyBytes_GET_SIZE(data);
+        PyObject *r = PyObject_CallMethodOneArg(transport, S_write, data);
+        is = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(transport);
+    return is < 0 ? -1 : 1;
+}
+
+/* release_frames(batch, kind, counters, other, failed): release_durable's common case
+ * whole in C. A batch of kind frames alone (frames_by_peer's) is grouped by connection;
+ * each connection's frames go out in one transport.write with its in_flight counted
+ * down, counters.bytes_out counted once; other(connection, data, count) for a connection
+ * with more to do (connection.py's Python path), failed(connection, exception) for a
+ * connection whose write raised (logged there; the others are answered all the same).
+ * False, nothing done, when the batch is not frames alone; an error only before
+ * anything was answered or counted (the grouping). */
+/* write_common for one peer, other() when it has more to do, failed() when that
+ * raised; never an error out. */
+static void release_one(PyObject *const *args, PyObject *peer, PyObject *data, PyObject *count,
+                        Py_ssize_t *written) {
+    int done = write_common(peer, data, count, written);
+    if (done > 0) return;
+    PyObject *r = NULL;
+    if (done == 0) {
+        PyObject *call[3] = {peer, data, count};
+        r = PyObject_Vectorcall(args[3], call, 3, NULL);
+    }
+    if (r == NULL) { /* other() raised, or the write did */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+        PyObject *call[2] = {peer, value != NULL ? value : Py_None};
+        r = PyObject_Vectorcall(args[4], call, 2, NULL);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        if (r == NULL) PyErr_WriteUnraisable(args[4]);
+    }
+    Py_XDECREF(r);
+}
+
+/* release_frames(batch, kind, counters, other, failed): release_durable's common case
+ * whole in C. A batch of kind frames alone is answered by connection: a connection with
+ * this one answer in flight (in_flight 1: a client with one send at a time, the commonest)
+ * gets its frame as it is, the others their frames joined in batch order
+ * (frames_by_peer); each connection's in one transport.write with its in_flight counted
+ * down, counters.bytes_out counted once; other(connection, data, count) for a connection
+ * with more to do (connection.py's Python path), failed(connection, exception) for a
+ * connection whose write raised (logged there; the others are answered all the same).
+ * False, nothing done, when the batch is not frames alone; an error only before anything
+ * was answered or counted (the grouping). */
+PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_CheckExact(args[0]) || !PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "release_frames(batch: list, kind: type, counters, other, failed)");
+        return NULL;
+    }
+    PyObject *batch = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(batch);
+    if (!all_frames(batch, (PyTypeObject *)args[1])) Py_RETURN_FALSE;
+    /* The lone answers apart (only reads: nothing may run Python code before the
+     * grouping, which may fail), the rest grouped. */
+    PyObject *singles = PyList_New(0), *rest = PyList_New(0), *grouped = NULL;
+    if (singles == NULL || rest == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(batch, i), *peer = PyTuple_GET_ITEM(e, 0), *v;
+        int lone = has_slots(peer) && (v = SLOT(peer, at[O_IN_FLIGHT])) != NULL &&
+                   PyLong_CheckExact(v) && Py_SIZE(v) == 1 && PyLong_AsLong(v) == 1;
+        if (PyList_Append(lone ? singles : rest, e) < 0) goto fail;
+    }
+    if (PyList_GET_SIZE(rest) != 0) {
+        PyObject *call[2] = {rest, args[1]};
+        grouped = frames_by_peer(self, call, 2);
+        if (grouped == NULL) goto fail;
+        if (grouped == Py_None) { /* (cannot be: checked above) */
+            Py_CLEAR(grouped);
+            PyErr_SetString(PyExc_RuntimeError, "release_frames: the batch changed");
+            goto fail;
+        }
+    }
+    /* From here on every connection is answered: nothing may raise out. */
+    Py_ssize_t written = 0;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(singles); j++) {
+        PyObject *e = PyList_GET_ITEM(singles, j), *frame = PyTuple_GET_ITEM(e, 2);
+        /* exact bytes: uvloop's write takes a bytes subclass through a memoryview cast */
+        PyObject *data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(frame),
+                                                   PyBytes_GET_SIZE(frame));
+        if (data == NULL) { /* (no memory) the Frame itself */
+            PyErr_Clear();
+            data = Py_NewRef(frame);
+        }
+        release_one(args, PyTuple_GET_ITEM(e, 0), data, ONE_ANSWER, &written);
+        Py_DECREF(data);
+    }
+    for (Py_ssize_t j = 0; grouped != NULL && j < PyList_GET_SIZE(grouped); j++) {
+        PyObject *item = PyList_GET_ITEM(grouped, j);
+        release_one(args, PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1),
+                    PyTuple_GET_ITEM(item, 2), &written);
+    }
+    Py_DECREF(singles);
+    Py_DECREF(rest);
+    Py_XDECREF(grouped);
+    if (written) {
+        PyObject *old = PyObject_GetAttr(args[2], S_bytes_out), *sum = NULL;
+        if (old != NULL && (sum = plus(old, written)) != NULL)
+            PyObject_SetAttr(args[2], S_bytes_out, sum);
+        Py_XDECREF(old);
+        Py_XDECREF(sum);
+        if (PyErr_Occurred()) PyErr_WriteUnraisable(args[2]);
+    }
+    Py_RETURN_TRUE;
+fail:
+    Py_XDECREF(singles);
+    Py_XDECREF(rest);
+    return NULL;
+}
+
+int release_ready(void) {
+#define NAME(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    NAME(S_is_closing, "is_closing") NAME(S_write, "write") NAME(S_bytes_out, "bytes_out")
+#undef NAME
+    if ((ONE_ANSWER = PyLong_FromLong(1)) == NULL) return -1;
+    for (int i = 0; i < O_COUNT; i++)
+        if ((slot_names[i] = PyUnicode_InternFromString(SLOT_NAMES[i])) == NULL) return -1;
+    return 0;
 }

@@ -52,12 +52,12 @@ static PyObject *triple(PyObject *a, PyObject *b, PyObject *c) {
     return out;
 }
 
-/* The tuple, None (not a plain send in the encoding read here), or NULL with an error
- * (memory). */
-static PyObject *parse(const unsigned char *p, const unsigned char *end) {
+/* 1 with out = (request_id, topic, body) (new references), 0 when not a plain send in
+ * the encoding read here, -1 with an error (memory). */
+static int parse_parts(const unsigned char *p, const unsigned char *end, PyObject *out[3]) {
     uint64_t rid;
-    if (end - p < 8 || !take_request_id(&p, end, &rid)) Py_RETURN_NONE;
-    if (end - p < 6 || memcmp(p, MP_OP_SEND "\x82", 6) != 0) Py_RETURN_NONE;
+    if (end - p < 8 || !take_request_id(&p, end, &rid)) return 0;
+    if (end - p < 6 || memcmp(p, MP_OP_SEND "\x82", 6) != 0) return 0;
     p += 6;
     const unsigned char *topic = NULL, *body = NULL;
     Py_ssize_t topic_len = -1, body_len = -1;
@@ -66,55 +66,75 @@ static PyObject *parse(const unsigned char *p, const unsigned char *end) {
         Py_ssize_t n = take_raw(&p, end, 's', &key);
         if (n == 5 && memcmp(key, "topic", 5) == 0 && topic == NULL) {
             topic_len = take_raw(&p, end, 's', &topic);
-            if (topic_len < 0) Py_RETURN_NONE;
+            if (topic_len < 0) return 0;
         } else if (n == 4 && memcmp(key, "body", 4) == 0 && body == NULL) {
             body_len = take_raw(&p, end, 'b', &body);
-            if (body_len < 0) Py_RETURN_NONE;
+            if (body_len < 0) return 0;
         } else
-            Py_RETURN_NONE;
+            return 0;
     }
-    if (p != end || topic == NULL || body == NULL) Py_RETURN_NONE;
+    if (p != end || topic == NULL || body == NULL) return 0;
     PyObject *t = PyUnicode_DecodeUTF8((const char *)topic, topic_len, "strict");
     if (t == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return NULL;
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return -1;
         PyErr_Clear();
-        Py_RETURN_NONE;
+        return 0;
     }
     PyObject *b = PyBytes_FromStringAndSize((const char *)body, body_len);
     PyObject *r = b == NULL ? NULL : PyLong_FromUnsignedLongLong(rid);
     if (r == NULL) {
         Py_DECREF(t);
         Py_XDECREF(b);
-        return NULL;
+        return -1;
     }
-    return triple(r, t, b);
+    out[0] = r;
+    out[1] = t;
+    out[2] = b;
+    return 1;
 }
+
+/* The tuple, None (not a plain send in the encoding read here), or NULL with an error
+ * (memory). */
+static PyObject *parse(const unsigned char *p, const unsigned char *end) {
+    PyObject *out[3];
+    int got = parse_parts(p, end, out);
+    if (got < 0) return NULL;
+    if (got == 0) Py_RETURN_NONE;
+    return triple(out[0], out[1], out[2]);
+}
+
 
 /* send_frame(buffer, nbytes, max_frame_bytes): the first nbytes of buffer as one whole
  * frame (its length field is nbytes - 4, at most max_frame_bytes) holding a plain send,
  * as (request_id, topic, body); else None. */
+/* send_frame's read as parse_parts gives it. */
+static int send_frame_parts(PyObject *const *args, PyObject *out[3]) {
+    PyObject *buffer = args[0];
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]), max_frame = PyLong_AsSsize_t(args[2]);
+    if ((nbytes == -1 || max_frame == -1) && PyErr_Occurred()) return -1;
+    Py_buffer view;
+    if (get_range(buffer, &view, 0, nbytes) < 0) return -1;
+    int got = 0;
+    const unsigned char *p = view.buf;
+    if (nbytes > 4) {
+        uint64_t length = get_be(p, 4);
+        if ((Py_ssize_t)length == nbytes - 4 && (Py_ssize_t)length <= max_frame)
+            got = parse_parts(p + 4, p + nbytes, out);
+    }
+    PyBuffer_Release(&view);
+    return got;
+}
+
 PyObject *send_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "send_frame(buffer, nbytes, max_frame_bytes)");
         return NULL;
     }
-    PyObject *buffer = args[0];
-    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]), max_frame = PyLong_AsSsize_t(args[2]);
-    if ((nbytes == -1 || max_frame == -1) && PyErr_Occurred()) return NULL;
-    Py_buffer view;
-    if (get_range(buffer, &view, 0, nbytes) < 0) return NULL;
-    PyObject *out = Py_None;
-    Py_INCREF(out);
-    const unsigned char *p = view.buf;
-    if (nbytes > 4) {
-        uint64_t length = get_be(p, 4);
-        if ((Py_ssize_t)length == nbytes - 4 && (Py_ssize_t)length <= max_frame) {
-            Py_DECREF(out);
-            out = parse(p + 4, p + nbytes);
-        }
-    }
-    PyBuffer_Release(&view);
-    return out;
+    PyObject *out[3];
+    int got = send_frame_parts(args, out);
+    if (got < 0) return NULL;
+    if (got == 0) Py_RETURN_NONE;
+    return triple(out[0], out[1], out[2]);
 }
 
 /* send_body(body): a frame body (bytes) holding a plain send, as send_frame reads it. */
@@ -181,9 +201,64 @@ static PyObject *bytes_of(PyTypeObject *kind, const char *data, Py_ssize_t n) {
 
 /* The whole answer frame of a send (request_id, result: a SendResult) as kind, None when
  * a field is not of the type a SendResult holds, NULL with an error (memory). */
+int send_result_fields(PyObject *obj, PyObject *f[6], PyObject **id_prefix,
+                       long long ints[6]); /* sendresult.c */
+
+/* The frame of a SendResult (the C type) packed from its fields in place, and where the C
+ * send has not made them yet from its C values (no id string, ints or float made, no
+ * PySequence_GetItem: ~1.5 k instructions a send): the bytes answer_of's general way
+ * writes for the same fields. NULL with no error when a value is not what that way packs
+ * (the caller goes the general way), NULL with an error (memory). */
+static PyObject *answer_of_fields(PyObject *rid, PyObject *result, PyTypeObject *kind) {
+    static const char hex[] = "0123456789abcdef";
+    PyObject *f[6], *prefix;
+    long long ints[6];
+    if (!send_result_fields(result, f, &prefix, ints)) return NULL;
+    unsigned char buf[4 + 1 + 9 + 1 + 1 + 2 * (2 + 255) + 3 * 9 + 9];
+    unsigned char *q = buf + 4;
+    *q++ = 0x93;
+    if (!put_int(&q, rid)) return NULL;
+    *q++ = MP_STATUS_OK;
+    *q++ = 0x96;
+    if (f[0] != NULL) {
+        if (!put_str(&q, f[0], 255)) return NULL;
+    } else { /* message_id(prefix, position), as a fixstr */
+        Py_ssize_t plen = PyUnicode_GET_LENGTH(prefix);
+        if (!PyUnicode_IS_COMPACT_ASCII(prefix) || plen + 16 > 31) return NULL;
+        *q++ = (unsigned char)(0xa0 | (plen + 16));
+        memcpy(q, PyUnicode_1BYTE_DATA(prefix), (size_t)plen);
+        uint64_t v = (uint64_t)ints[4];
+        for (int i = 15; i >= 0; i--) {
+            q[plen + i] = (unsigned char)hex[v & 15];
+            v >>= 4;
+        }
+        q += plen + 16;
+    }
+    if (f[1] == NULL || !put_str(&q, f[1], 255)) return NULL;
+    for (int i = 2; i < 5; i++) {
+        if (f[i] != NULL) {
+            if (!put_int(&q, f[i])) return NULL;
+        } else if (ints[i] < 0) { /* (put_int's general way refuses these too) */
+            return NULL;
+        } else {
+            q += put_uint((char *)q, (uint64_t)ints[i]);
+        }
+    }
+    if (f[5] != NULL && !PyFloat_CheckExact(f[5])) return NULL;
+    double d = f[5] != NULL ? PyFloat_AS_DOUBLE(f[5]) : (double)ints[5] / 1e9; /* as field() */
+    uint64_t bits;
+    memcpy(&bits, &d, 8);
+    *q++ = 0xcb;
+    for (int i = 7; i >= 0; i--) *q++ = (unsigned char)(bits >> (8 * i));
+    uint32_t length = (uint32_t)(q - buf - 4);
+    for (int i = 0; i < 4; i++) buf[i] = (unsigned char)(length >> (8 * (3 - i)));
+    return bytes_of(kind, (const char *)buf, q - buf);
+}
+
 static PyObject *answer_of(PyObject *rid, PyObject *result, PyTypeObject *kind) {
     PyObject *f[6] = {NULL};
-    PyObject *out = NULL;
+    PyObject *out = answer_of_fields(rid, result, kind);
+    if (out != NULL || PyErr_Occurred()) return out;
     for (int i = 0; i < 6; i++) {
         f[i] = PySequence_GetItem(result, i);
         if (f[i] == NULL) {
@@ -253,29 +328,31 @@ PyObject *send_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
  * one plain send or its topic starts with reserved (the general path answers those). Past
  * a successful send only the 3-tuple itself can fail (no memory for it): MemoryError, the
  * message stored and unanswered, as any MemoryError in the broker's loop. */
-PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 || !PyUnicode_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "plain_send(buffer, nbytes, max_frame_bytes, send, kind, reserved)");
-        return NULL;
+/* plain_send's work, its answer in out (new references) instead of a tuple: 1 with out,
+ * 0 for None, -1 with an error (sendlane.c calls it for every read). */
+int plain_send_parts(PyObject *const *args, PyObject *out[3]) {
+    if (!PyUnicode_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "plain_send: reserved must be a str");
+        return -1;
     }
     PyTypeObject *kind = answer_kind(args[4]);
-    if (kind == NULL) return NULL;
-    PyObject *read = send_frame(self, args, 3);
-    if (read == NULL || read == Py_None) return read;
-    PyObject *rid = PyTuple_GET_ITEM(read, 0), *topic = PyTuple_GET_ITEM(read, 1);
+    if (kind == NULL) return -1;
+    PyObject *read[3];
+    int got = send_frame_parts(args, read);
+    if (got <= 0) return got;
+    PyObject *rid = read[0], *topic = read[1];
     Py_ssize_t reserved = PyUnicode_Tailmatch(topic, args[5], 0, PY_SSIZE_T_MAX, -1);
+    PyObject *result = NULL, *third = NULL;
     if (reserved != 0) {
-        Py_DECREF(read);
-        if (reserved < 0) return NULL;
-        Py_RETURN_NONE;
+        got = reserved < 0 ? -1 : 0;
+        goto done;
     }
-    PyObject *call[2] = {topic, PyTuple_GET_ITEM(read, 2)};
-    PyObject *result = PyObject_Vectorcall(args[3], call, 2, NULL), *third;
+    PyObject *call[2] = {topic, read[2]};
+    result = PyObject_Vectorcall(args[3], call, 2, NULL);
     if (result == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* KeyboardInterrupt and the like */
-            Py_DECREF(read);
-            return NULL;
+            got = -1;
+            goto done;
         }
         PyObject *type, *tb;
         PyErr_Fetch(&type, &third, &tb);
@@ -283,22 +360,38 @@ PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         if (tb != NULL) PyException_SetTraceback(third, tb);
         Py_XDECREF(type);
         Py_XDECREF(tb);
-        result = Py_None;
-        Py_INCREF(result);
+        result = Py_NewRef(Py_None);
     } else {
         third = answer_of(rid, result, kind);
         if (third == NULL) {
             if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-                Py_DECREF(result);
-                Py_DECREF(read);
-                return NULL;
+                Py_CLEAR(result);
+                got = -1;
+                goto done;
             }
             PyErr_Clear(); /* appended: answered all the same, packed by the caller */
-            third = Py_None;
-            Py_INCREF(third);
+            third = Py_NewRef(Py_None);
         }
     }
-    Py_INCREF(rid);
-    Py_DECREF(read);
-    return triple(rid, result, third);
+    out[0] = Py_NewRef(rid);
+    out[1] = result;
+    out[2] = third;
+done:
+    Py_DECREF(read[0]);
+    Py_DECREF(read[1]);
+    Py_DECREF(read[2]);
+    return got;
+}
+
+PyObject *plain_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "plain_send(buffer, nbytes, max_frame_bytes, send, kind, reserved)");
+        return NULL;
+    }
+    PyObject *out[3];
+    int got = plain_send_parts(args, out);
+    if (got < 0) return NULL;
+    if (got == 0) Py_RETURN_NONE;
+    return triple(out[0], out[1], out[2]);
 }

@@ -278,3 +278,18 @@ int send_result_type_ready(void) { return record_type_ready(&SPEC, NAMES); }
 
 /* send_result_doc(doc): the NamedTuple's docstring, for the C type's __doc__ (types.py). */
 PyObject *send_result_doc(PyObject *self, PyObject *doc) { return record_doc(&SPEC, doc); }
+
+/* A SendResult's fields for a packer that reads them in place (sendframe.c's answer_of):
+ * 1 with f[i] each field (borrowed) or NULL where a C-built result has not made it yet,
+ * whose value is then ints[i] (queue id, offset, position; stored_at: ints[5] ns) and,
+ * for the id, *id_prefix (borrowed) and ints[4]; 0 for any other object. */
+int send_result_fields(PyObject *obj, PyObject *f[6], PyObject **id_prefix, long long ints[6]) {
+    if (!Py_IS_TYPE(obj, &SendResultType)) return 0;
+    SendResultObject *r = (SendResultObject *)obj;
+    for (int i = 0; i < NFIELDS; i++) {
+        f[i] = r->f[i];
+        ints[i] = r->ints[i];
+    }
+    *id_prefix = r->id_prefix;
+    return r->id_prefix != NULL || (f[F_ID] && f[F_QID] && f[F_QOFF] && f[F_POS] && f[F_STORED]);
+}

@@ -56,9 +56,9 @@ MIN_DECODE_ITEMS = 65536
 EVICT_AFTER_S = 1.0  # a full broker closes a peer silent this long for a new connection
 
 
-# (batch, Frame) -> [(connection, joined frames, count)] or None (cext/release.c)
-by_peer: Callable[[list[Entry], type], list[tuple[Any, bytes, int]] | None] | None = (
-    speedups.SPEEDUPS.frames_by_peer if speedups.SPEEDUPS is not None else None
+# (batch, Frame, counters, other, failed) -> whether it answered the batch (cext/release.c)
+release_frames: Callable[[list[Entry], type, Any, Any, Any], bool] | None = (
+    speedups.SPEEDUPS.release_frames if speedups.SPEEDUPS is not None else None
 )
 
 READ_BUFFER_BYTES = 256 * 1024  # asyncio's own read size
@@ -106,39 +106,42 @@ def release_durable(batch: list[Entry], error: BaseException | None) -> None:
     further callback.
 
     The commonest batch, plain sends' answers alone (each a Frame, made whole at append
-    time by the C packer), is grouped by connection in C (cext/release.c), each one's
-    frames joined: the Python below runs once per connection, not once per send (at one
-    send in flight per connection it was the broker's largest share of Python per durable
-    send, issue 23). Any other batch, or a failed flush, goes answer by answer."""
-    grouped = None
-    if by_peer is not None and error is None:
+    time by the C packer), is answered in C (cext/release.c): grouped by connection, each
+    one's frames joined, its in_flight counted down and one write, no Python per
+    connection (at one send in flight per connection the Python loop was the broker's
+    largest share of Python per durable send, issue 23); a connection with more to do
+    goes through _release_one. Any other batch, or a failed flush, goes answer by
+    answer."""
+    if release_frames is not None and error is None and batch:
+        counters = batch[0][0].broker.counters  # type: ignore[attr-defined]
         try:
-            grouped = by_peer(batch, Frame)
+            if release_frames(batch, Frame, counters, _release_one, _write_failed):
+                return
         except Exception:  # (no memory; "the batch changed"): nothing answered or counted yet
             log.exception("grouping %d durable answers by connection failed", len(batch))
-    if grouped is None:
-        _release_each(batch, error)
-        return
-    written = 0
-    for connection, data, count in grouped:
-        try:
-            connection.in_flight -= count
-            transport = connection.transport
-            if (
-                connection._out  # answers queued before these go first
-                or connection._ended  # to close after its last answer
-                or connection._batching
-                or connection.closed
-                or transport is None
-            ):
-                connection._released(data)
-            elif not transport.is_closing():
-                written += len(data)
-                transport.write(data)
-        except Exception:  # one connection's failure must not keep the others' answers
-            log.exception("%s: writing its answers failed", connection.where)
-    if written:
-        grouped[0][0].broker.counters.bytes_out += written
+    _release_each(batch, error)
+
+
+def _release_one(connection: Connection, data: bytes, count: int) -> None:
+    """release_frames' answers for a connection with more to do than a write: answers
+    queued before these go first; closed or half-closed, _released decides."""
+    connection.in_flight -= count
+    transport = connection.transport
+    if (
+        connection._out  # answers queued before these go first
+        or connection._ended  # to close after its last answer
+        or connection._batching
+        or connection.closed
+        or transport is None
+    ):
+        connection._released(data)
+    elif not transport.is_closing():
+        connection.broker.counters.bytes_out += len(data)
+        transport.write(data)
+
+
+def _write_failed(connection: Connection, error: BaseException) -> None:
+    log.error("%s: writing its answers failed", connection.where, exc_info=error)
 
 
 def _release_each(batch: list[Entry], error: BaseException | None) -> None:
@@ -163,6 +166,13 @@ def _release_each(batch: list[Entry], error: BaseException | None) -> None:
 
 
 class Connection(asyncio.BufferedProtocol):
+    # The state the C read and release paths read on every send (cext/sendlane.c,
+    # release.c) in slots, at fixed offsets; everything else in the instance dict.
+    __slots__ = (
+        "__dict__", "__weakref__", "_backlog", "_batching", "_ended", "_hello", "_out",
+        "_partial", "_plain_send", "_store", "closed", "in_flight", "transport",
+    )  # fmt: skip
+
     def __init__(self, broker: Broker, listener: str, number: int) -> None:
         self.broker = broker
         self.number = number
@@ -199,6 +209,16 @@ class Connection(asyncio.BufferedProtocol):
         self._answer_kind = bytes if self._commit is None else Frame
         self._pack = broker.packer.pack
         self._read_view = _read_buffer()
+        if fast is not None:
+            # uvloop keeps protocol.buffer_updated and get_buffer as bound methods: the
+            # instance's own, in C, take a read without a Python frame (cext/sendlane.c)
+            lane = fast.SendLane(
+                self, self._read_view, self._max_frame_bytes, self._max_in_flight,
+                self._answer_kind, RESERVED_PREFIX, self._commit, broker.counters,
+                broker.holds,
+            )  # fmt: skip
+            self.__dict__["buffer_updated"] = lane
+            self.__dict__["get_buffer"] = lane.get_buffer
         # Room for a send_batch past its limit to be answered LimitExceededError (the
         # connection stays), and for a properties map the store would take.
         self._max_items = max(2 * config.max_batch_messages, MIN_DECODE_ITEMS)
@@ -314,6 +334,9 @@ class Connection(asyncio.BufferedProtocol):
         return self._read_view
 
     def buffer_updated(self, nbytes: int) -> None:
+        """A read of ``nbytes`` into the read buffer (uvloop, asyncio). With the C
+        accelerator the instance's own buffer_updated, a SendLane (cext/sendlane.c), takes
+        the commonest read in C and calls this for the rest."""
         plain = self._plain_send
         if (
             plain is not None
@@ -325,47 +348,53 @@ class Connection(asyncio.BufferedProtocol):
         ):
             # A read that is exactly one frame holding a plain send (a producer with one
             # send in flight): read, appended and its answer packed in one C call
-            # (cext/sendframe.c), then what Handlers.send_plain does after its append,
-            # inline: no frame reader, msgpack, output list or write callback, and no
-            # Python call per send between the read and the append (issue 23).
+            # (cext/sendframe.c), then what Handlers.send_plain does after its append:
+            # no frame reader, msgpack, output list or write callback (issue 23).
             got = plain(
                 self._read_view, nbytes, self._max_frame_bytes, self._store.send,
                 self._answer_kind, RESERVED_PREFIX,
             )  # fmt: skip
             if got is not None:
-                request_id, sent, frame = got
-                broker = self.broker
-                counters = broker.counters
-                counters.bytes_in += nbytes
-                counters.requests += 1
-                if sent is None:  # frame is the exception; nothing was appended
-                    self._plain_send_failed(request_id, frame)
-                    return
-                counters.sends += 1
-                counters.send_requests += 1
-                holds = broker.holds
-                if holds.count:
-                    holds.note(sent.topic, sent.queue_id, sent.queue_offset, "")
-                if frame is None:  # a result send_answer does not pack
-                    frame = self._answer_kind(
-                        encode([request_id, STATUS_OK, pack_send_result(sent)])
-                    )
-                commit = self._commit
-                if commit is not None:  # answered after the fdatasync covering it
-                    commit.add(self, request_id, frame, 1)
-                    self.in_flight += 1
-                elif self._out:  # answers made outside a read wait for their write: join
-                    self._queue(frame)
-                    self._write_out()
-                else:
-                    transport = self.transport
-                    if transport is not None and not transport.is_closing():
-                        counters.bytes_out += len(frame)
-                        transport.write(frame)
-                if holds.appended:
-                    holds.arrived()
+                self._plain_sent(nbytes, got)
                 return
+        self._read_general(nbytes)
+
+    def _read_general(self, nbytes: int) -> None:
         self.data_received(self._read_view[:nbytes])
+
+    def _plain_sent(self, nbytes: int, got: tuple[int, Any, Any]) -> None:
+        """After plain_send appended (or refused) the read's send: count it, note held
+        pulls, and hand the answer to the group commit or write it. SendLane does the
+        commonest case of this in C (cext/sendlane.c) and must stay in step with it."""
+        request_id, sent, frame = got
+        broker = self.broker
+        counters = broker.counters
+        counters.bytes_in += nbytes
+        counters.requests += 1
+        if sent is None:  # frame is the exception; nothing was appended
+            self._plain_send_failed(request_id, frame)
+            return
+        counters.sends += 1
+        counters.send_requests += 1
+        holds = broker.holds
+        if holds.count:
+            holds.note(sent.topic, sent.queue_id, sent.queue_offset, "")
+        if frame is None:  # a result send_answer does not pack
+            frame = self._answer_kind(encode([request_id, STATUS_OK, pack_send_result(sent)]))
+        commit = self._commit
+        if commit is not None:  # answered after the fdatasync covering it
+            commit.add(self, request_id, frame, 1)
+            self.in_flight += 1
+        elif self._out:  # answers made outside a read wait for their write: join
+            self._queue(frame)
+            self._write_out()
+        else:
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                counters.bytes_out += len(frame)
+                transport.write(frame)
+        if holds.appended:
+            holds.arrived()
 
     def _plain_send_failed(self, request_id: int, exc: Exception) -> None:
         """A plain send of buffer_updated refused (nothing appended): its error answer; a

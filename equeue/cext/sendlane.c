@@ -1,0 +1,353 @@
+/* SendLane: a broker connection's buffer_updated and get_buffer in C (equeue/server/
+ * connection.py). uvloop keeps protocol.buffer_updated and protocol.get_buffer as bound
+ * methods and calls them for every read; the Connection puts a SendLane in its instance
+ * dict under both names, so a read costs no Python frame unless it is unusual.
+ *
+ * A read that is exactly one plain send (a producer with one send in flight, issue 23's
+ * durable case) is read, appended and answered by plain_send (sendframe.c), then counted
+ * and handed to the group commit (commit.add, --flush sync) or written (--flush async)
+ * here, as Connection._plain_sent does. Everything else goes to the Python methods,
+ * which decide as before: a connection not in the state the fast path needs
+ * (Connection.buffer_updated, the class's function), a read that is not a plain send
+ * (Connection._read_general), and a plain send whose tail is not the common one (an
+ * error, held pulls to note, answers queued, an answer C did not pack:
+ * Connection._plain_sent). The connection's state is read on every call (the Python code
+ * changes it) from the __slots__ Connection keeps it in, by their offsets: a dict look-up
+ * costs ~100 instructions in C where Python's specialized attribute read costs ~10; the
+ * Counters' slots are written the same way. A connection type without those slots (not
+ * the broker's) goes to Connection.buffer_updated every read. */
+#include "speedups.h"
+#include <structmember.h>
+
+int plain_send_parts(PyObject *const *args, PyObject *out[3]); /* sendframe.c */
+
+enum { C_BYTES_IN, C_REQUESTS, C_SENDS, C_SEND_REQUESTS, C_BYTES_OUT, C_COUNT };
+static const char *const COUNTER_NAMES[C_COUNT] = {"bytes_in", "requests", "sends",
+                                                   "send_requests", "bytes_out"};
+/* The connection's slots the lane reads (and in_flight, which it writes). */
+enum { O_PLAIN, O_HELLO, O_PARTIAL, O_BACKLOG, O_CLOSED, O_IN_FLIGHT, O_STORE, O_OUT,
+       O_TRANSPORT, O_COUNT };
+static const char *const SLOT_NAMES[O_COUNT] = {"_plain_send", "_hello", "_partial",
+                                                "_backlog", "closed", "in_flight",
+                                                "_store", "_out", "transport"};
+static PyObject *counter_names[C_COUNT], *slot_names[O_COUNT];
+static PyObject *S_send, *S_count, *S_appended, *S_add_name, *S_is_closing, *S_write,
+    *S_buffer_updated, *S_read_general, *S_plain_sent, *ONE;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *connection;
+    PyObject *view;     /* the read buffer get_buffer returns */
+    PyObject *max_frame;
+    Py_ssize_t max_in_flight;
+    PyObject *kind;     /* the answer's type: bytes, or Frame under --flush sync */
+    PyObject *reserved; /* topics under it: the general path */
+    PyObject *commit;   /* the group commit (--flush sync), or None */
+    PyObject *counters;
+    Py_ssize_t counter_at[C_COUNT]; /* a counter's slot in counters, or -1: by attribute */
+    Py_ssize_t at[O_COUNT];         /* the connection's slots; at[0] -1: no fast path */
+    PyObject *holds_dict;
+} Lane;
+
+#define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
+
+/* The offset of type's writable object slot name (a __slots__ entry), or -1. */
+Py_ssize_t slot_offset(PyTypeObject *type, PyObject *name) {
+    PyObject *d = _PyType_Lookup(type, name); /* borrowed */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    if (m->type != T_OBJECT_EX || (m->flags & READONLY) || !PyType_IsSubtype(type, PyDescr_TYPE(d)))
+        return -1;
+    return m->offset;
+}
+
+/* value + delta for an int value (the commonest: no overflow, one C long long), NULL
+ * with an error. */
+PyObject *plus(PyObject *value, Py_ssize_t delta) {
+    if (PyLong_CheckExact(value)) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (!overflow && v < (1LL << 62) && v > -(1LL << 62)) return PyLong_FromLongLong(v + delta);
+    }
+    PyObject *d = PyLong_FromSsize_t(delta);
+    if (d == NULL) return NULL;
+    PyObject *sum = PyNumber_Add(value, d);
+    Py_DECREF(d);
+    return sum;
+}
+
+/* counters.<which> += delta: 0, or -1 with an error. */
+static int bump(Lane *self, int which, Py_ssize_t delta) {
+    Py_ssize_t at = self->counter_at[which];
+    if (at < 0) {
+        PyObject *old = PyObject_GetAttr(self->counters, counter_names[which]);
+        if (old == NULL) return -1;
+        PyObject *sum = plus(old, delta);
+        Py_DECREF(old);
+        if (sum == NULL) return -1;
+        int failed = PyObject_SetAttr(self->counters, counter_names[which], sum);
+        Py_DECREF(sum);
+        return failed;
+    }
+    PyObject **slot = &SLOT(self->counters, at);
+    if (*slot == NULL) {
+        PyErr_Format(PyExc_AttributeError, "%s", COUNTER_NAMES[which]);
+        return -1;
+    }
+    PyObject *sum = plus(*slot, delta);
+    if (sum == NULL) return -1;
+    Py_SETREF(*slot, sum);
+    return 0;
+}
+
+static inline int is_zero(PyObject *v) {
+    return v != NULL && PyLong_CheckExact(v) && Py_SIZE(v) == 0;
+}
+
+/* The connection can take a read the fast way: authenticated, no frame begun, nothing
+ * waiting, open, under max_in_flight, and the C readers not switched off. */
+static int ready(Lane *self) {
+    PyObject *c = self->connection, *v;
+    if (self->at[0] < 0) return 0;
+    if ((v = SLOT(c, self->at[O_PLAIN])) == NULL || v == Py_None) return 0;
+    if (SLOT(c, self->at[O_HELLO]) != Py_None) return 0;
+    if (!is_zero(SLOT(c, self->at[O_PARTIAL]))) return 0;
+    v = SLOT(c, self->at[O_BACKLOG]);
+    if (v == NULL || !PyList_CheckExact(v) || PyList_GET_SIZE(v) != 0) return 0;
+    if (SLOT(c, self->at[O_CLOSED]) != Py_False) return 0;
+    v = SLOT(c, self->at[O_IN_FLIGHT]);
+    if (v == NULL || !PyLong_CheckExact(v)) return 0;
+    int overflow;
+    long long in_flight = PyLong_AsLongLongAndOverflow(v, &overflow);
+    return !overflow && in_flight < self->max_in_flight;
+}
+
+/* Connection.<name>(connection, *args) looked up on the class: the instance's dict holds
+ * this lane under buffer_updated. */
+static PyObject *call_class(Lane *self, PyObject *name, PyObject *arg1, PyObject *arg2) {
+    PyObject *function = _PyType_Lookup(Py_TYPE(self->connection), name); /* borrowed */
+    if (function == NULL) {
+        PyErr_Format(PyExc_AttributeError, "the connection has no %U", name);
+        return NULL;
+    }
+    Py_INCREF(function);
+    PyObject *args[3] = {self->connection, arg1, arg2};
+    PyObject *out = PyObject_Vectorcall(function, args, arg2 == NULL ? 2 : 3, NULL);
+    Py_DECREF(function);
+    return out;
+}
+
+/* A plain send's tail when it is the common one (the answer packed, no held pulls, and
+ * under --flush async no answers queued): 1 done, 0 for Connection._plain_sent, -1 with
+ * an error. */
+static int common_tail(Lane *self, Py_ssize_t nbytes, PyObject *got[3]) {
+    PyObject *rid = got[0], *sent = got[1], *frame = got[2], *c = self->connection;
+    if (sent == Py_None || frame == Py_None) return 0;
+    PyObject *h = self->holds_dict, *v;
+    if (h == NULL || !is_zero(PyDict_GetItemWithError(h, S_count))) return 0;
+    v = PyDict_GetItemWithError(h, S_appended);
+    if (v == NULL || !PyDict_CheckExact(v) || PyDict_GET_SIZE(v) != 0) return 0;
+    PyObject *transport = NULL;
+    if (self->commit == Py_None) { /* answers queued before this one: they go first (Python) */
+        v = SLOT(c, self->at[O_OUT]);
+        if (v == NULL || !PyList_CheckExact(v) || PyList_GET_SIZE(v) != 0) return 0;
+        transport = SLOT(c, self->at[O_TRANSPORT]);
+        if (transport == NULL) return 0;
+    }
+    if (bump(self, C_BYTES_IN, nbytes) < 0 || bump(self, C_REQUESTS, 1) < 0 ||
+        bump(self, C_SENDS, 1) < 0 || bump(self, C_SEND_REQUESTS, 1) < 0)
+        return -1;
+    if (self->commit != Py_None) { /* answered after the fdatasync covering it */
+        PyObject *args[5] = {self->commit, c, rid, frame, ONE};
+        PyObject *r = PyObject_VectorcallMethod(S_add_name, args,
+                                                5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        PyObject **slot = &SLOT(c, self->at[O_IN_FLIGHT]);
+        if (*slot == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "in_flight");
+            return -1;
+        }
+        PyObject *more = plus(*slot, 1);
+        if (more == NULL) return -1;
+        Py_SETREF(*slot, more);
+        return 1;
+    }
+    if (transport == Py_None) return 1;
+    Py_INCREF(transport);
+    PyObject *closing = PyObject_CallMethodNoArgs(transport, S_is_closing);
+    int is = closing == NULL ? -1 : PyObject_IsTrue(closing);
+    Py_XDECREF(closing);
+    if (is == 0) {
+        is = bump(self, C_BYTES_OUT, PyBytes_GET_SIZE(frame));
+        if (is == 0) {
+            PyObject *r = PyObject_CallMethodOneArg(transport, S_write, frame);
+            is = r == NULL ? -1 : 0;
+            Py_XDECREF(r);
+        }
+    }
+    Py_DECREF(transport);
+    return is < 0 ? -1 : 1;
+}
+
+static PyObject *lane_call(PyObject *op, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames) {
+    Lane *self = (Lane *)op;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "buffer_updated(nbytes)");
+        return NULL;
+    }
+    if (self->connection == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the SendLane was cleared");
+        return NULL;
+    }
+    PyObject *nbytes = args[0];
+    if (!PyLong_CheckExact(nbytes) || !ready(self))
+        return call_class(self, S_buffer_updated, nbytes, NULL);
+    Py_ssize_t n = PyLong_AsSsize_t(nbytes);
+    PyObject *store = SLOT(self->connection, self->at[O_STORE]);
+    if (n < 0 || store == NULL) {
+        PyErr_Clear();
+        return call_class(self, S_buffer_updated, nbytes, NULL);
+    }
+    PyObject *send = PyObject_GetAttr(store, S_send);
+    if (send == NULL) return NULL;
+    PyObject *call[6] = {self->view, nbytes, self->max_frame, send, self->kind, self->reserved};
+    PyObject *got[3], *out = NULL;
+    int read = plain_send_parts(call, got);
+    Py_DECREF(send);
+    if (read == 0) /* not one plain send: the frame reader */
+        return call_class(self, S_read_general, nbytes, NULL);
+    if (read < 0) return NULL;
+    int done = common_tail(self, n, got);
+    if (done == 0) { /* Connection._plain_sent(nbytes, (request_id, result, frame)) */
+        PyObject *tuple = PyTuple_Pack(3, got[0], got[1], got[2]);
+        if (tuple != NULL) out = call_class(self, S_plain_sent, nbytes, tuple);
+        Py_XDECREF(tuple);
+    } else if (done > 0) {
+        out = Py_NewRef(Py_None);
+    }
+    Py_DECREF(got[0]);
+    Py_DECREF(got[1]);
+    Py_DECREF(got[2]);
+    return out;
+}
+
+static PyObject *lane_get_buffer(PyObject *op, PyObject *sizehint) {
+    Lane *self = (Lane *)op;
+    if (self->view == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the SendLane was cleared");
+        return NULL;
+    }
+    return Py_NewRef(self->view);
+}
+
+/* SendLane(connection, view, max_frame_bytes, max_in_flight, kind, reserved, commit,
+ * counters, holds) */
+static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *connection, *view, *max_frame, *kind, *reserved, *commit, *counters, *holds;
+    Py_ssize_t max_in_flight;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "SendLane takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOOnOUOOO:SendLane", &connection, &view, &max_frame,
+                          &max_in_flight, &kind, &reserved, &commit, &counters, &holds))
+        return NULL;
+    if (!PyLong_Check(max_frame) || !PyType_Check(kind)) {
+        PyErr_SetString(PyExc_TypeError, "SendLane: max_frame_bytes an int, kind a type");
+        return NULL;
+    }
+    PyObject *holds_dict = PyObject_GenericGetDict(holds, NULL);
+    if (holds_dict == NULL) return NULL;
+    Lane *self = PyObject_GC_New(Lane, type);
+    if (self == NULL) {
+        Py_DECREF(holds_dict);
+        return NULL;
+    }
+    self->vectorcall = lane_call;
+    self->connection = Py_NewRef(connection);
+    self->view = Py_NewRef(view);
+    self->max_frame = Py_NewRef(max_frame);
+    self->max_in_flight = max_in_flight;
+    self->kind = Py_NewRef(kind);
+    self->reserved = Py_NewRef(reserved);
+    self->commit = Py_NewRef(commit);
+    self->counters = Py_NewRef(counters);
+    self->holds_dict = holds_dict;
+    for (int i = 0; i < C_COUNT; i++)
+        self->counter_at[i] = slot_offset(Py_TYPE(counters), counter_names[i]);
+    int all = 1;
+    for (int i = 0; i < O_COUNT; i++)
+        all &= (self->at[i] = slot_offset(Py_TYPE(connection), slot_names[i])) >= 0;
+    if (!all) self->at[0] = -1;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static int lane_traverse(PyObject *op, visitproc visit, void *arg) {
+    Lane *self = (Lane *)op;
+    Py_VISIT(self->connection);
+    Py_VISIT(self->view);
+    Py_VISIT(self->max_frame);
+    Py_VISIT(self->kind);
+    Py_VISIT(self->reserved);
+    Py_VISIT(self->commit);
+    Py_VISIT(self->counters);
+    Py_VISIT(self->holds_dict);
+    return 0;
+}
+
+static int lane_clear(PyObject *op) {
+    Lane *self = (Lane *)op;
+    Py_CLEAR(self->connection);
+    Py_CLEAR(self->view);
+    Py_CLEAR(self->max_frame);
+    Py_CLEAR(self->kind);
+    Py_CLEAR(self->reserved);
+    Py_CLEAR(self->commit);
+    Py_CLEAR(self->counters);
+    Py_CLEAR(self->holds_dict);
+    return 0;
+}
+
+static void lane_dealloc(PyObject *op) {
+    PyObject_GC_UnTrack(op);
+    lane_clear(op);
+    PyObject_GC_Del(op);
+}
+
+static PyMethodDef lane_methods[] = {
+    {"get_buffer", lane_get_buffer, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject SendLaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "equeue._speedups.SendLane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Lane, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = lane_new,
+    .tp_traverse = lane_traverse,
+    .tp_clear = lane_clear,
+    .tp_dealloc = lane_dealloc,
+    .tp_methods = lane_methods,
+};
+
+int send_lane_ready(void) {
+#define NAME(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    NAME(S_send, "send") NAME(S_count, "count") NAME(S_appended, "appended")
+    NAME(S_add_name, "add") NAME(S_is_closing, "is_closing") NAME(S_write, "write")
+    NAME(S_buffer_updated, "buffer_updated") NAME(S_read_general, "_read_general")
+    NAME(S_plain_sent, "_plain_sent")
+#undef NAME
+    for (int i = 0; i < C_COUNT; i++)
+        if ((counter_names[i] = PyUnicode_InternFromString(COUNTER_NAMES[i])) == NULL) return -1;
+    for (int i = 0; i < O_COUNT; i++)
+        if ((slot_names[i] = PyUnicode_InternFromString(SLOT_NAMES[i])) == NULL) return -1;
+    if ((ONE = PyLong_FromLong(1)) == NULL) return -1;
+    return PyType_Ready(&SendLaneType);
+}
