@@ -31,14 +31,9 @@ LIMIT_S = 20.0
 
 
 def _commit(flush_log: Callable[[], None], wait_us: int) -> CrossClientCommit:
-    # never stale (a loaded machine's slow loop turn must not drop the expectation here),
-    # and not bounded by the fake flush's duration, only by wait_us
+    # not bounded by the fake flush's duration, only by wait_us
     return CrossClientCommit(
-        asyncio.get_running_loop(),
-        flush_log,
-        wait_us=wait_us,
-        stale_s=LIMIT_S * 10,
-        wait_per_fdatasync=1e12,
+        asyncio.get_running_loop(), flush_log, wait_us=wait_us, wait_per_fdatasync=1e12
     )
 
 
@@ -128,16 +123,16 @@ async def _rounds(connections: int, sends: int, wait_us: int) -> tuple[Flushes, 
 
 def test_several_connections_share_one_flush_a_round_once_the_wait_has_their_count() -> None:
     connections, sends = 16, 30
-    flushes, commit = asyncio.run(_rounds(connections, sends, LONG_US))
-    # The first flush takes what was added when the flusher woke (1 to 16 sends), the
-    # second the others; once a flush answered several connections, the flusher waits for
-    # every send in flight: one flush a round, though their sends come back one by one.
+    # a 5 ms bound: at the end the last sends wait for ones that finished sending
+    flushes, commit = asyncio.run(_rounds(connections, sends, 5_000))
+    # Once a flush answered several connections, the next waits until no more sends are
+    # expected back than came during that flush (here the fake fdatasync is short: few or
+    # none): one or two flushes a round, though the sends come back one by one (with
+    # the wait off one run made 133 flushes for these 30 rounds).
     assert commit.flushes == flushes.calls
-    assert sends <= flushes.calls <= sends + 3, flushes.covered
+    assert sends <= flushes.calls <= 2 * sends + 3, flushes.covered
     assert commit.sends_flushed == connections * sends
-    assert commit.waits_full == commit.waits  # every wait ended by its count
-    steady = [b - a for a, b in zip(flushes.covered, flushes.covered[1:], strict=False)][-5:]
-    assert steady == [connections] * 5, flushes.covered
+    assert commit.waits_full >= 1
 
 
 def test_without_the_wait_the_flusher_never_waits() -> None:
@@ -265,8 +260,9 @@ def test_close_during_a_wait_flushes_and_answers_what_waits() -> None:
     async def scenario() -> Sender:
         flushes, commit, senders = await _start_waiting()
         calls = flushes.calls
-        await asyncio.wait_for(asyncio.to_thread(commit.close), LIMIT_S)
-        assert not commit._thread.is_alive() and flushes.calls == calls + 1
+        commit.close()  # on the loop, as the broker does
+        assert not commit._sync._thread.is_alive()  # type: ignore[attr-defined]
+        assert flushes.calls == calls + 1
         await asyncio.wait_for(senders[0].done.wait(), LIMIT_S)  # its answer, on the loop
         return senders[0]
 
