@@ -22,6 +22,7 @@ from equeue import MessageStore, StoreConfig
 from equeue.errors import StoreWriteError
 from equeue.server import flushers
 from equeue.server.groupcommit import CrossClientCommit, finish_each
+from equeue.store.flush import log_sync_target, log_synced
 
 LIMIT_S = 20.0
 SMALL = {"chunk_data_size": 64 * 1024, "queue_chunk_records": 1024}
@@ -44,7 +45,7 @@ class Spy:
         self.store = store
         self.events: list[tuple[Any, ...]] = []
         self.fail_with: int | None = None
-        self.real_target, self.real_synced = flushers.log_sync_target, flushers.log_synced
+        self.real_target, self.real_synced = log_sync_target, log_synced
         monkeypatch.setattr(flushers, "log_sync_target", self.target)
         monkeypatch.setattr(flushers, "log_synced", self.synced)
 
