@@ -9,7 +9,8 @@ appends all came before the fdatasync started (an answer is added after its appe
 every answer leaves after an fdatasync that started after its append. Sends arriving
 meanwhile wait for the next flush, so the more clients send, the more each fdatasync
 covers (RocketMQ's GroupCommitService, across processes instead of threads). One flush
-is in progress at a time; the decisions are the loop's, so a send costs a list append.
+is in progress at a time, and the next is handed over before the last one's answers are
+written; the decisions are the loop's, so a send costs a list append and two counts.
 
 When a flush is due (``group_commit_wait_us``, PostgreSQL's ``commit_delay`` made
 adaptive): with many connections each with one send in flight, flushing as soon as
@@ -17,17 +18,20 @@ anything waits splits them into small cohorts, and every fdatasync costs the bro
 So the loop keeps count of the sends it expects back: each answer of a flush that went to
 more than one connection is expected to bring one (a lone sender, or one pipelining
 client, is never waited for: its next send is not made later); each send that arrives
-takes one off. With no flush in progress, the next starts once a share (``cohort``, by
-default half) of the sends in flight (those waiting and those expected) waits, or when
-the wait's bound passes (``group_commit_wait_us``, and at most ``WAIT_PER_FDATASYNC``
-times the last fdatasync; the expectation is then dropped), or the broker drains or
-stops. Half, not all: two cohorts take turns, one in its fdatasync while the loop reads
-the other and the clients handle the first's answers, instead of one cohort a round
-with the loop, the clients and the disk each idle while the others work. A send
-arriving during the wait joins the flush, which starts after it: the ordering above is
-unchanged. The wait risks latency only (at most the bound per flush), never durability:
-nothing is answered before its fdatasync. With ``group_commit_wait_us`` 0 a flush starts
-whenever none is in progress and something waits.
+takes one off. With no flush in progress, the next starts once no more are expected than
+the slack, or when the wait's bound passes (``group_commit_wait_us``, and at most
+``WAIT_PER_FDATASYNC`` times the last fdatasync; the expectation is then dropped), or the
+broker drains or stops. The slack (``_overlap``): where a round of sends (every one in
+flight arriving, at the rate they came) takes more than ``OVERLAP_PER_FDATASYNC``
+fdatasyncs, as many as arrived during the last fdatasync: those few would come during
+the next one anyway, so they join the one after, and each fdatasync overlaps the loop
+reading the next cohort and the clients handling the last one's answers. Else (a slow
+disk) 0: one fdatasync a round covering every send in flight, since two cohorts would
+halve what each covers. A send arriving during the wait joins the flush, which starts
+after it: the ordering above is unchanged. The wait risks latency only (at most the bound
+per flush), never durability: nothing is answered before its fdatasync. With
+``group_commit_wait_us`` 0 a flush starts whenever none is in progress and something
+waits.
 
 A waiting answer is a (peer, request id, result) tuple, not a closure per send: at tens
 of thousands of durable sends a second the broker's CPU per send is the limit.
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -60,6 +65,8 @@ Release = Callable[[list[Entry], BaseException | None], None]
 # not yet back keep the loop busy; on a slow one (the disk the limit) it waits for the
 # cohort, up to group_commit_wait_us.
 WAIT_PER_FDATASYNC = 2.0
+# Cohorts overlap only where a round of sends takes longer than this many fdatasyncs.
+OVERLAP_PER_FDATASYNC = 3.0
 
 
 class CrossClientCommit:
@@ -90,7 +97,9 @@ class CrossClientCommit:
         self._flushing: list[Entry] | None = None  # the batch in fdatasync
         self._flushing_messages = 0
         self._back = 0  # sends expected back from answers released to several connections
-        self._during = 0  # sends that arrived during the last fdatasync
+        self._slack = 0  # the next flush starts once no more than this many are expected
+        self._arrived = 0  # sends added since the last flush ended
+        self._last_end = time.monotonic()  # when the last flush ended (on the loop)
         self._took = 0.0  # the last fdatasync's seconds
         self._waited = False  # the bound's timer is armed
         self._hurry = False  # draining or closing: no wait
@@ -102,6 +111,7 @@ class CrossClientCommit:
         # before the bound (the rest cost latency)
         self.waits = 0
         self.waits_full = 0
+        self.overlapped = 0  # flushes after which the next was to overlap (_overlap)
         self._sync: Sync = make_sync(loop, flush_log, self._released, store)
 
     @property
@@ -120,6 +130,7 @@ class CrossClientCommit:
         waiting = self._waiting
         waiting.append((peer, request_id, result))
         self._messages += messages
+        self._arrived += 1
         if self._back:
             self._back -= 1
         if self._flushing is None and self._due():
@@ -131,7 +142,7 @@ class CrossClientCommit:
         waiting = len(self._waiting)
         if not waiting or self._closing:
             return False
-        if self._hurry or self._back <= self._during:
+        if self._hurry or self._back <= self._slack:
             if self._waited:
                 self.waits_full += 1
             return True
@@ -165,12 +176,14 @@ class CrossClientCommit:
             return
         self._flushing = None
         self._took = took
-        self._during = len(self._waiting)
+        during = len(self._waiting)  # the sends that arrived during this fdatasync
         if error is None:
             self.flushes += 1
             self.sends_flushed += messages
             if self._max_wait:  # (draining, _due ignores it)
                 self._back += expected(batch)
+            self._slack = self._overlap(during, took)
+            self.overlapped += self._slack > 0
         else:
             self._back = 0  # the store refuses the sends it expected
             log.error(
@@ -189,6 +202,21 @@ class CrossClientCommit:
             log.exception("releasing %d durable answers failed", len(batch))
         if self._released_one is not None:
             self._released_one.set()
+
+    def _overlap(self, during: int, took: float) -> int:
+        """The sends still expected at which the next flush starts: as many as came during
+        this fdatasync when it is short beside a round (the time every send in flight
+        takes to arrive, at the rate they arrived since the last flush ended): two
+        cohorts' fdatasyncs then overlap the loop's reading of the other, and the
+        stragglers join the next. Else 0: wait for every expected send, one fdatasync a
+        round (a slow disk: two cohorts would halve what each covers)."""
+        now = time.monotonic()
+        cycle, self._last_end = now - self._last_end, now
+        arrived, self._arrived = self._arrived, 0
+        if not during or arrived <= 0 or cycle <= 0:
+            return 0
+        round_s = (self._back + during) * cycle / arrived
+        return during if OVERLAP_PER_FDATASYNC * took < round_s else 0
 
     async def drain(self) -> None:
         """Until every send handed over so far is released; from now on the loop does not
@@ -209,8 +237,9 @@ class CrossClientCommit:
         if sync.ended:
             log.info(
                 "group commit: %d fdatasyncs by the %s, %.0f µs each, handled on the loop "
-                "%.0f µs after their end on average", sync.ended, type(sync).__name__,
-                sync.synced_s / sync.ended * 1e6, sync.woke_s / sync.ended * 1e6,
+                "%.0f µs after their end on average; %d followed by an overlapping cohort",
+                sync.ended, type(sync).__name__, sync.synced_s / sync.ended * 1e6,
+                sync.woke_s / sync.ended * 1e6, self.overlapped,
             )  # fmt: skip
         if self._waiting:
             self._flushing, self._waiting = self._waiting, []
