@@ -225,3 +225,28 @@ def test_the_c_flusher_is_used_only_where_it_does_what_flush_log_would(
     finally:
         monkeypatch.undo()
         store.close()
+
+
+def test_close_with_a_c_fdatasync_in_progress_answers_its_batch_after_it(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = MessageStore.open(base / "s", StoreConfig(**SMALL))  # type: ignore[arg-type]
+    try:
+        spy = Spy(monkeypatch, store)
+
+        async def scenario() -> Connection:
+            commit = CrossClientCommit(asyncio.get_running_loop(), store.flush_log, store=store)
+            conn = Connection(0, store, spy, 1)
+            conn.commit = commit
+            conn.send()  # nothing in progress, nothing expected: its fdatasync starts now
+            assert commit._flushing is not None and not conn.answers
+            commit.close()  # on the loop, as the broker does: waits for that fdatasync
+            assert commit.pending == 0
+            return conn
+
+        conn = asyncio.run(scenario())
+        assert len(conn.answers) == 1 and not isinstance(conn.answers[0], Exception)
+        assert [e[0] for e in spy.events] == ["add", "target", "synced", "answer"]
+        assert spy.events[2][1] == 0
+    finally:
+        store.close()

@@ -163,12 +163,15 @@ class CSync:
 
     def _ended(self) -> None:
         outcome = self._flusher.collect()
-        if outcome is None or self._target is None:
-            return
-        error_no, took, ended = outcome
+        if outcome is not None and self._target is not None:
+            self._finish(*outcome)
+
+    def _finish(self, error_no: int, took: float, ended: float) -> None:
+        """The bookkeeping of the fdatasync of ``_target`` that ended, then ``done``."""
         self.ended += 1
         self.synced_s += took
         self.woke_s += time.monotonic() - ended
+        assert self._target is not None
         chunk, end = self._target
         self._target = None
         error: BaseException | None = None
@@ -203,17 +206,10 @@ class CSync:
             flusher.close()
             self._deliver()
             return
-        chunk, end = self._target
         while (outcome := flusher.collect()) is None:  # the thread is in fdatasync
             time.sleep(0.0002)
         flusher.close()
-        self._target = None
-        error: BaseException | None = None
-        try:
-            log_synced(self._store, chunk, end, outcome[0])
-        except BaseException as exc:
-            error = exc
-        self._done(error, outcome[1])
+        self._finish(*outcome)
 
 
 def make_sync(
