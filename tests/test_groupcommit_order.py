@@ -138,7 +138,9 @@ async def _waiting_scenario() -> tuple[list[Peer], HeldFlush, CrossClientCommit]
     appended: list[int] = []
     flush = HeldFlush(appended, 5)
     a, b, c = Peer(flush), Peer(flush), Peer(flush)
-    commit = CrossClientCommit(loop, flush, wait_us=60_000_000, wait_per_fdatasync=1e12)
+    commit = CrossClientCommit(
+        loop, flush, wait_us=60_000_000, wait_per_fdatasync=1e12, overlap_per_fdatasync=1.0
+    )
 
     def send(peer: Peer) -> None:
         appended.append(len(appended))  # the append comes before the answer is handed over

@@ -340,3 +340,37 @@ def test_the_broker_logs_the_wait_and_counts_its_waits_in_stats(
     assert (stats["flushes"], stats["group_commit_waits"], stats["group_commit_waits_full"]) == (
         1, 0, 0,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [-1, 1001, 1.5, "3"])
+def test_a_bad_group_commit_overlap_is_a_config_error_naming_it(value: object) -> None:
+    with pytest.raises(ConfigError, match="group_commit_overlap"):
+        ServerConfig(flush="sync", group_commit_overlap=value)  # type: ignore[arg-type]
+    assert ServerConfig(flush="sync", group_commit_overlap=3).group_commit_overlap == 3
+
+
+def test_without_overlap_a_flush_waits_for_every_expected_send() -> None:
+    """The default (group_commit_overlap 0): after a flush of several connections, no
+    flush starts while any expected send is still out, however many came meanwhile."""
+
+    async def scenario() -> CrossClientCommit:
+        flushes, commit, senders = await _start_waiting()  # one expected send came: waits
+        try:
+            calls = flushes.calls
+            for sender in senders[1:]:
+                if commit.expecting == 1:  # this one is the last expected
+                    break
+                sender.more(1)
+                await asyncio.sleep(0.05)  # room for a wrong flush to start
+                assert flushes.calls == calls and commit.expecting >= 1
+            else:
+                raise AssertionError("the last expected send was never the next")
+            sender.more(1)
+            await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in senders)), LIMIT_S)
+            assert flushes.calls >= calls + 1
+        finally:
+            commit.close()
+        return commit
+
+    commit = asyncio.run(scenario())
+    assert commit.waits_full >= 1

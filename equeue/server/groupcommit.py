@@ -21,14 +21,15 @@ client, is never waited for: its next send is not made later); each send that ar
 takes one off. With no flush in progress, the next starts once no more are expected than
 the slack, or when the wait's bound passes (``group_commit_wait_us``, and at most
 ``WAIT_PER_FDATASYNC`` times the last fdatasync; the expectation is then dropped), or the
-broker drains or stops. The slack (``_overlap``): where a round of sends (every one in
-flight arriving, at the rate they came) takes more than ``OVERLAP_PER_FDATASYNC``
-fdatasyncs, as many as arrived during the last fdatasync: those few would come during
-the next one anyway, so they join the one after, and each fdatasync overlaps the loop
-reading the next cohort and the clients handling the last one's answers. Else (a slow
-disk) 0: one fdatasync a round covering every send in flight, since two cohorts would
-halve what each covers. A send arriving during the wait joins the flush, which starts
-after it: the ordering above is unchanged. The wait risks latency only (at most the bound
+broker drains or stops. The slack (``_overlap``; 0 unless ``overlap_per_fdatasync``, the
+broker's ``group_commit_overlap``, is set): where a round of sends (every one in flight
+arriving, at the rate they came) takes more than that many fdatasyncs, as many as
+arrived during the last fdatasync: those few would come during the next one anyway, so
+they join the one after, and each fdatasync overlaps the loop reading the next cohort
+and the clients handling the last one's answers. Else (or a slow disk) 0: one fdatasync
+a round covering every send in flight; two cohorts would halve what each covers. A
+send arriving during the wait joins the flush, which starts after it: the ordering above
+is unchanged. The wait risks latency only (at most the bound
 per flush), never durability: nothing is answered before its fdatasync. With
 ``group_commit_wait_us`` 0 a flush starts whenever none is in progress and something
 waits.
@@ -85,12 +86,14 @@ class CrossClientCommit:
         release: Release | None = None,
         wait_us: int = 0,
         wait_per_fdatasync: float = WAIT_PER_FDATASYNC,
+        overlap_per_fdatasync: float = OVERLAP_PER_FDATASYNC,
         store: object = None,
     ) -> None:
         self._loop = loop
         self._flush_log = flush_log
         self._max_wait = wait_us / 1e6  # the group-commit wait's bound (0: never wait)
         self._per_fdatasync = wait_per_fdatasync
+        self._overlap_per = overlap_per_fdatasync
         self._release_batch = release or finish_each
         self._waiting: list[Entry] = []
         self._messages = 0  # messages appended by the waiting answers' requests
@@ -213,10 +216,10 @@ class CrossClientCommit:
         now = time.monotonic()
         cycle, self._last_end = now - self._last_end, now
         arrived, self._arrived = self._arrived, 0
-        if not during or arrived <= 0 or cycle <= 0:
+        if not self._overlap_per or not during or arrived <= 0 or cycle <= 0:
             return 0
         round_s = (self._back + during) * cycle / arrived
-        return during if OVERLAP_PER_FDATASYNC * took < round_s else 0
+        return during if self._overlap_per * took < round_s else 0
 
     async def drain(self) -> None:
         """Until every send handed over so far is released; from now on the loop does not

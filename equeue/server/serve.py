@@ -166,6 +166,7 @@ class Broker:
                 self.store.flush_log,
                 release_durable,
                 self.config.commit_wait_us,
+                overlap_per_fdatasync=self.config.group_commit_overlap,
                 store=self.store,
             )
             if self.config.flush == "sync"
