@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
+import equeue
 from equeue import MessageStore, StoreConfig
 from equeue.errors import StoreWriteError
-from equeue.server import flushers
+from equeue.server import BrokerThread, flushers
 from equeue.server.groupcommit import CrossClientCommit, finish_each
 from equeue.store.flush import log_sync_target, log_synced
 
@@ -250,3 +251,44 @@ def test_close_with_a_c_fdatasync_in_progress_answers_its_batch_after_it(
         assert spy.events[2][1] == 0
     finally:
         store.close()
+
+
+def test_a_broker_whose_c_fdatasync_fails_answers_the_error_and_refuses_later_sends(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a real broker and client: the C flusher's failed fdatasync (of a pipe,
+    EINVAL) answers the send it covered "may be lost", and every later send is refused
+    with nothing stored (test_durable_flush_failure.py does the same on the Python
+    flusher thread, which its os.fdatasync injector selects)."""
+    read_end, write_end = os.pipe()
+    armed: list[int] = []
+
+    def target(host: Any) -> Any:
+        got = log_sync_target(host)
+        if got is not None and armed:
+            armed.clear()
+            return got[0], read_end, got[2]
+        return got
+
+    monkeypatch.setattr(flushers, "log_sync_target", target)
+    try:
+        with (
+            BrokerThread(base / "s", flush="sync", listen=[f"unix:{base}/b.sock"]) as broker,
+            equeue.connect(broker.urls[0]) as client,
+        ):
+            client.create_topic("t", 1)
+            assert client.send("t", b"one").queue_offset == 0  # the control: answered
+            armed.append(1)
+            with pytest.raises(StoreWriteError, match=r"may be lost.*refused until the store"):
+                client.send("t", b"two")
+            end = client.queue_range("t", 0)
+            for body in (b"three", b"four"):
+                with pytest.raises(StoreWriteError, match="refusing the send"):
+                    client.send("t", body)
+            assert client.queue_range("t", 0) == end  # nothing stored by the refused sends
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    with MessageStore.open(base / "s") as store:  # reopened: sending resumes
+        assert store.pull("t", 0, 0, max_count=10).messages[0].body == b"one"
+        store.send("t", b"after the reopen", queue_id=0)
