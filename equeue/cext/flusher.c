@@ -14,6 +14,7 @@
  * a reused number. A timerfd (µs resolution, which the loops' own timers lack: uvloop
  * truncates to ms) bounds the group-commit wait.
  */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include "speedups.h"
 
 #include <errno.h>
@@ -25,6 +26,8 @@
 #include <sys/timerfd.h>
 #include <time.h>
 #include <unistd.h>
+
+#define FLUSHER_THREAD_NAME "equeue-flush" /* at most 15 bytes */
 
 typedef struct {
     PyObject_HEAD
@@ -52,6 +55,7 @@ static double now_s(void) {
 
 static void *run(void *arg) {
     Flusher *self = arg;
+    pthread_setname_np(pthread_self(), FLUSHER_THREAD_NAME); /* ps, /proc/PID/task/N/comm */
     pthread_mutex_lock(&self->lock);
     for (;;) {
         while (self->job < 0 && !self->stopping) pthread_cond_wait(&self->wake, &self->lock);

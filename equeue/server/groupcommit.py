@@ -66,8 +66,9 @@ Release = Callable[[list[Entry], BaseException | None], None]
 # not yet back keep the loop busy; on a slow one (the disk the limit) it waits for the
 # cohort, up to group_commit_wait_us.
 WAIT_PER_FDATASYNC = 2.0
-# Cohorts overlap only where a round of sends takes longer than this many fdatasyncs.
-OVERLAP_PER_FDATASYNC = 3.0
+# Cohorts overlap only where a round of sends takes longer than this many fdatasyncs (the
+# broker's group_commit_overlap); 0: never, one fdatasync a round (the default).
+OVERLAP_PER_FDATASYNC = 0.0
 
 
 class CrossClientCommit:
