@@ -126,18 +126,20 @@ def test_close_stops_the_flusher_thread() -> None:
         return commit
 
     commit = asyncio.run(scenario())
-    assert not commit._thread.is_alive()
+    assert not commit._sync._thread.is_alive()  # type: ignore[attr-defined]
 
 
 async def _waiting_scenario() -> tuple[list[Peer], HeldFlush, CrossClientCommit]:
-    """The group-commit wait (a bound no test reaches): sends added during the wait join
-    the flush that follows it; a send added while that flush runs waits for the next."""
+    """The group-commit wait (a bound no test reaches): after a flush that answered several
+    connections, the next starts once no more sends are expected than came during that
+    flush; sends added during the wait join it; a send added while it runs waits for the
+    next."""
     loop = asyncio.get_running_loop()
     appended: list[int] = []
     flush = HeldFlush(appended, 5)
     a, b, c = Peer(flush), Peer(flush), Peer(flush)
     commit = CrossClientCommit(
-        loop, flush, wait_us=60_000_000, stale_s=600.0, wait_per_fdatasync=1e12
+        loop, flush, wait_us=60_000_000, wait_per_fdatasync=1e12, overlap_per_fdatasync=1.0
     )
 
     def send(peer: Peer) -> None:
@@ -152,19 +154,22 @@ async def _waiting_scenario() -> tuple[list[Peer], HeldFlush, CrossClientCommit]
         flush.proceed[0].set()  # flush 0 answered a alone: no wait before flush 1 (b, c)
         assert await asyncio.to_thread(flush.started[1].wait, WAIT_S)
         await _until(lambda: a.answers, "a's first answer")
-        send(a)  # 3, during flush 1: with b's and c's next sends, three are expected
+        send(a)  # 3, during flush 1 (which answers b and c: two sends are expected back)
         flush.proceed[1].set()
+        # one send (3) came during flush 1: the next starts once at most one is expected
         await _until(lambda: commit.waits == 1, "the flusher to wait")
-        send(b)  # 4, during the wait: not yet the expected count
         await asyncio.sleep(0.05)  # room for a wrong flush to start
-        assert not flush.started[2].is_set() and commit.pending == 2
-        send(c)  # 5: the count is there, flush 2 starts after it
+        assert not flush.started[2].is_set() and commit.pending == 1
+        send(b)  # 4: one expected is left, flush 2 starts after it (3, 4)
         assert await asyncio.to_thread(flush.started[2].wait, WAIT_S)
-        send(a)  # 6, while flush 2 runs: for flush 3
+        send(c)  # 5, while flush 2 runs: for flush 3
         flush.proceed[2].set()
-        await _until(lambda: len(c.answers) == 2, "c's second answer")
-        await asyncio.sleep(0.05)  # room for a wrong release of send 6 to show
-        assert [x[0] for x in a.answers] == [0, 3], a.answers
+        await _until(lambda: commit.waits == 2, "the flusher to wait again")
+        await asyncio.sleep(0.05)  # room for a wrong release of send 5, or a wrong flush
+        assert [x[0] for x in c.answers] == [2], c.answers
+        assert not flush.started[3].is_set() and commit.pending == 1
+        send(a)  # 6: flush 3 (5, 6)
+        assert await asyncio.to_thread(flush.started[3].wait, WAIT_S)
         flush.proceed[3].set()
         await asyncio.wait_for(commit.drain(), WAIT_S)
     finally:
@@ -180,4 +185,4 @@ def test_sends_added_during_the_wait_join_the_flush_after_it_and_no_earlier() ->
     for peer in peers:
         for seq, outcome, durable in peer.answers:
             assert outcome == "ok" and seq < durable, f"send {seq} answered at {durable}"
-    assert flush.calls == 4 and commit.waits_full == 1
+    assert flush.calls == 4 and commit.waits == commit.waits_full == 2

@@ -31,14 +31,9 @@ LIMIT_S = 20.0
 
 
 def _commit(flush_log: Callable[[], None], wait_us: int) -> CrossClientCommit:
-    # never stale (a loaded machine's slow loop turn must not drop the expectation here),
-    # and not bounded by the fake flush's duration, only by wait_us
+    # not bounded by the fake flush's duration, only by wait_us
     return CrossClientCommit(
-        asyncio.get_running_loop(),
-        flush_log,
-        wait_us=wait_us,
-        stale_s=LIMIT_S * 10,
-        wait_per_fdatasync=1e12,
+        asyncio.get_running_loop(), flush_log, wait_us=wait_us, wait_per_fdatasync=1e12
     )
 
 
@@ -128,16 +123,16 @@ async def _rounds(connections: int, sends: int, wait_us: int) -> tuple[Flushes, 
 
 def test_several_connections_share_one_flush_a_round_once_the_wait_has_their_count() -> None:
     connections, sends = 16, 30
-    flushes, commit = asyncio.run(_rounds(connections, sends, LONG_US))
-    # The first flush takes what was added when the flusher woke (1 to 16 sends), the
-    # second the others; once a flush answered several connections, the flusher waits for
-    # every send in flight: one flush a round, though their sends come back one by one.
+    # a 5 ms bound: at the end the last sends wait for ones that finished sending
+    flushes, commit = asyncio.run(_rounds(connections, sends, 5_000))
+    # Once a flush answered several connections, the next waits until no more sends are
+    # expected back than came during that flush (here the fake fdatasync is short: few or
+    # none): one or two flushes a round, though the sends come back one by one (with
+    # the wait off one run made 133 flushes for these 30 rounds).
     assert commit.flushes == flushes.calls
-    assert sends <= flushes.calls <= sends + 3, flushes.covered
+    assert sends <= flushes.calls <= 2 * sends + 3, flushes.covered
     assert commit.sends_flushed == connections * sends
-    assert commit.waits_full == commit.waits  # every wait ended by its count
-    steady = [b - a for a, b in zip(flushes.covered, flushes.covered[1:], strict=False)][-5:]
-    assert steady == [connections] * 5, flushes.covered
+    assert commit.waits_full >= 1
 
 
 def test_without_the_wait_the_flusher_never_waits() -> None:
@@ -265,8 +260,9 @@ def test_close_during_a_wait_flushes_and_answers_what_waits() -> None:
     async def scenario() -> Sender:
         flushes, commit, senders = await _start_waiting()
         calls = flushes.calls
-        await asyncio.wait_for(asyncio.to_thread(commit.close), LIMIT_S)
-        assert not commit._thread.is_alive() and flushes.calls == calls + 1
+        commit.close()  # on the loop, as the broker does
+        assert not commit._sync._thread.is_alive()  # type: ignore[attr-defined]
+        assert flushes.calls == calls + 1
         await asyncio.wait_for(senders[0].done.wait(), LIMIT_S)  # its answer, on the loop
         return senders[0]
 
@@ -344,3 +340,37 @@ def test_the_broker_logs_the_wait_and_counts_its_waits_in_stats(
     assert (stats["flushes"], stats["group_commit_waits"], stats["group_commit_waits_full"]) == (
         1, 0, 0,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [-1, 1001, 1.5, "3"])
+def test_a_bad_group_commit_overlap_is_a_config_error_naming_it(value: object) -> None:
+    with pytest.raises(ConfigError, match="group_commit_overlap"):
+        ServerConfig(flush="sync", group_commit_overlap=value)  # type: ignore[arg-type]
+    assert ServerConfig(flush="sync", group_commit_overlap=3).group_commit_overlap == 3
+
+
+def test_without_overlap_a_flush_waits_for_every_expected_send() -> None:
+    """The default (group_commit_overlap 0): after a flush of several connections, no
+    flush starts while any expected send is still out, however many came meanwhile."""
+
+    async def scenario() -> CrossClientCommit:
+        flushes, commit, senders = await _start_waiting()  # one expected send came: waits
+        try:
+            calls = flushes.calls
+            for sender in senders[1:]:
+                if commit.expecting == 1:  # this one is the last expected
+                    break
+                sender.more(1)
+                await asyncio.sleep(0.05)  # room for a wrong flush to start
+                assert flushes.calls == calls and commit.expecting >= 1
+            else:
+                raise AssertionError("the last expected send was never the next")
+            sender.more(1)
+            await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in senders)), LIMIT_S)
+            assert flushes.calls >= calls + 1
+        finally:
+            commit.close()
+        return commit
+
+    commit = asyncio.run(scenario())
+    assert commit.waits_full >= 1

@@ -3,6 +3,7 @@ thread: a long-lived process that retries BrokerThread.start() does not collect 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import shutil
 import tempfile
@@ -31,8 +32,20 @@ def base() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def flushers() -> int:
-    return sum(t.name == "equeue-broker-flush" for t in threading.enumerate())
+def flushers() -> set[int]:
+    """The OS thread ids of the broker's flusher threads: the Python one (ThreadSync), or
+    the C one (equeue/cext/flusher.c, named equeue-flush at the OS level). Ids, not a
+    count: a C flusher another test left to the garbage collector may end meanwhile."""
+    found = {
+        t.native_id
+        for t in threading.enumerate()
+        if t.name == "equeue-broker-flush" and t.native_id is not None
+    }
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if comm.read_text().strip() == "equeue-flush":
+                found.add(int(comm.parent.name))
+    return found
 
 
 @pytest.mark.parametrize("failing", ["GroupCoordinator", "OffsetCommitter", "Handlers"])
@@ -51,9 +64,9 @@ def test_a_failed_start_stops_the_flusher_thread(
         broker._thread.join(10)
         assert not broker._thread.is_alive()
         assert broker.store._closed  # the failed start closed the store ...
-    assert flushers() == before  # ... and stopped each flusher thread it started
+    assert flushers() <= before  # ... and stopped each flusher thread it started
     monkeypatch.undo()
     with BrokerThread(base / "s", flush="sync", listen=[f"unix:{base}/ok.sock"]) as broker:
-        assert flushers() == before + 1  # control: a started broker has one
+        assert len(flushers() - before) == 1  # control: a started broker has one
         assert isinstance(broker.store, MessageStore)
-    assert flushers() == before
+    assert flushers() <= before

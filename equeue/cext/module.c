@@ -140,14 +140,15 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
     if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0 ||
         send_result_type_ready() < 0 || body_spans_ready() < 0 || send_lane_ready() < 0 ||
-        release_ready() < 0)
+        release_ready() < 0 || PyType_Ready(&FlusherType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
         PyModule_AddObjectRef(m, "Message", (PyObject *)&MessageType) < 0 ||
         PyModule_AddObjectRef(m, "SendResult", (PyObject *)&SendResultType) < 0 ||
-        PyModule_AddObjectRef(m, "SendLane", (PyObject *)&SendLaneType) < 0) {
+        PyModule_AddObjectRef(m, "SendLane", (PyObject *)&SendLaneType) < 0 ||
+        PyModule_AddObjectRef(m, "Flusher", (PyObject *)&FlusherType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

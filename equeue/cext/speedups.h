@@ -150,6 +150,9 @@ int frame_raw(char *p, Py_ssize_t length, int64_t position, int64_t now_ns, int6
               PyObject *tag_bytes, PyObject *key_bytes, PyObject *props, const char *body,
               Py_ssize_t bl);
 
+/* flusher.c: the broker's group-commit fdatasync thread */
+extern PyTypeObject FlusherType;
+
 /* sender.c */
 extern PyTypeObject SenderType;
 int intern_names(void);

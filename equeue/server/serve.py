@@ -162,7 +162,12 @@ class Broker:
         self.holds = Holds(loop, self.store, self._answer_held)
         self.commit = (
             CrossClientCommit(
-                loop, self.store.flush_log, release_durable, self.config.commit_wait_us
+                loop,
+                self.store.flush_log,
+                release_durable,
+                self.config.commit_wait_us,
+                overlap_per_fdatasync=self.config.group_commit_overlap,
+                store=self.store,
             )
             if self.config.flush == "sync"
             else None

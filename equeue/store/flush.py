@@ -12,11 +12,14 @@ with a plain append + fdatasync loop.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from equeue.chunks.chunk import Chunk, write_error
+from equeue.chunks.writer import ChunkWriter
 from equeue.errors import ClosedError, StoreWriteError
 from equeue.store.config import StoreConfig
 
@@ -231,3 +234,56 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
         except Exception:  # the service must outlive any one failure; the next turn retries
             log.exception("background service step failed")
             failed = True
+
+
+class LogSyncHost(FlushRecorder, Protocol):
+    """What the broker's C flusher needs from the store (MessageStore)."""
+
+    _writer: ChunkWriter
+
+    def _check_writable(self) -> None: ...
+
+
+def log_sync_target(host: LogSyncHost) -> tuple[Chunk, int, int] | None:
+    """``flush_log`` split for a flusher that fdatasyncs on a thread of its own, with no
+    GIL (the broker's, equeue/cext/flusher.c): on the loop, what to fdatasync now to make
+    every append so far durable: (the log's current chunk, its descriptor, its data end);
+    None if nothing is to be synced (no append since the last flush, or every append is in
+    a completed chunk: completing fdatasyncs it). Raises what ``flush_log`` would (a
+    closed or read-only store; a chunk whose earlier fdatasync failed, recorded)."""
+    host._check_writable()
+    chunk = host._writer._chunk
+    if chunk is None:
+        return None
+    if chunk._failed is not None:  # sticky: refused without an fdatasync, as flush_log does
+        flush_recorded(host, lambda: chunk._fdatasync("flushing a chunk"))
+    end = chunk.data_end
+    if end <= chunk.flushed_end or chunk._fd < 0:  # covered already; closed: completed
+        return None
+    return chunk, chunk._fd, end
+
+
+def log_synced(host: LogSyncHost, chunk: Chunk, end: int, error: int) -> None:
+    """After the fdatasync of ``log_sync_target``'s descriptor (``error``: its errno, 0 if
+    it succeeded): the chunk's bookkeeping a successful ``Chunk.flush`` does, or what its
+    failure does (the chunk's sticky failure, its callback, the store's flush error); then
+    raises that failure as ``flush_log`` does. Lock-free: the flushed ends only grow
+    (another flush's lower end written meanwhile costs one redundant fdatasync later)."""
+    if error == 0:
+        if end > chunk.flushed_end:
+            chunk.flushed_end = end
+        if end > chunk.synced_end:
+            chunk.synced_end = end
+        chunk._release(end)
+        return
+    exc = OSError(error, os.strerror(error))
+    failure = write_error(exc, "flushing a chunk", chunk.path)
+    if chunk._failed is None:
+        chunk._failed = (chunk.flushed_end, exc.strerror or str(exc), failure)
+    if chunk.on_sync_failure is not None:
+        chunk.on_sync_failure()
+
+    def failed() -> None:
+        raise failure from exc
+
+    flush_recorded(host, failed)
