@@ -34,3 +34,14 @@ def test_sigkill_during_waits_loses_no_acknowledged_send(home: Path) -> None:
 
 def test_sigterm_during_waits_drains_every_answer(home: Path) -> None:
     run_until(home, signal.SIGTERM, "sync", LONGEST_WAIT, ONE_IN_FLIGHT, waited)
+
+
+def test_sigkill_with_overlapping_cohorts_loses_no_acknowledged_send(home: Path) -> None:
+    """``--group-commit-overlap 1`` (the flag reaches the broker and cohorts overlapped:
+    the stats count them) and a SIGKILL."""
+    overlap = ("--group-commit-overlap", "1")
+    run_until(home, signal.SIGKILL, "sync", overlap, ONE_IN_FLIGHT, overlapped)
+
+
+def overlapped(stats: dict[str, Any]) -> bool:
+    return bool(stats["group_commit_overlapped"] > 0)

@@ -68,6 +68,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the --flush sync broker's --group-commit-wait-us (default: its own, 500)",
     )
     parser.add_argument(
+        "--group-commit-overlap",
+        type=int,
+        help="the --flush sync broker's --group-commit-overlap (default: its own, 0: off)",
+    )
+    parser.add_argument(
         "--client-loop",
         choices=("uvloop", "asyncio"),
         default="asyncio",
@@ -127,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "event_loop": args.event_loop or "default (--event-loop not given)",
         "client_loop": args.client_loop,
         "group_commit_wait_us": args.group_commit_wait_us,
+        "group_commit_overlap": args.group_commit_overlap,
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "wall_seconds": time.perf_counter() - started,

@@ -43,6 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"default {DEFAULT_GROUP_COMMIT_WAIT_US} under --flush sync); risks latency, never "
         "durability",
     )  # fmt: skip
+    parser.add_argument(
+        "--group-commit-overlap", type=int, default=0, metavar="N",
+        help="--flush sync: where a round of sends takes more than N fdatasyncs, start the "
+        "next one before the round's last sends are back (0, the default: never); risks "
+        "latency for those sends, never durability",
+    )  # fmt: skip
     parser.add_argument("--token-file", help="clients must send the token in this file")
     parser.add_argument("--tls-cert", help="certificate (PEM) for tls:// listeners")
     parser.add_argument("--tls-key", help="private key (PEM) for tls:// listeners")
@@ -86,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         hello_timeout_ms=args.hello_timeout_ms,
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
         event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
+        group_commit_overlap=args.group_commit_overlap,
     )  # fmt: skip
     from equeue.server.serve import serve
 

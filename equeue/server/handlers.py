@@ -444,6 +444,9 @@ class Handlers:
         # sends all came before the bound (the others are its latency cost)
         answer["group_commit_waits"] = commit.waits if commit else 0
         answer["group_commit_waits_full"] = commit.waits_full if commit else 0
+        # --group-commit-overlap: flushes after which the next started before a round's
+        # last sends were back (overlapping cohorts)
+        answer["group_commit_overlapped"] = commit.overlapped if commit else 0
         answer.update(self._extra_stats())
         answer["groups"] = groups = group_lag(self.store)
         for group, skipped in self.coordinator.skips().items():  # retention passed them

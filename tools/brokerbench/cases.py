@@ -385,6 +385,9 @@ class Bench:
             wait = self.args.group_commit_wait_us
             if flush == "sync" and wait is not None:
                 extra += ["--group-commit-wait-us", str(wait)]
+            overlap = self.args.group_commit_overlap
+            if flush == "sync" and overlap is not None:
+                extra += ["--group-commit-overlap", str(overlap)]
             return servers.start_broker(store, flush, self.base / f"broker-{flush}.log", extra)
         except servers.ServerError as error:
             self.notes.append(f"the broker (--flush {flush}) did not start: {_flat(error)}")

@@ -178,7 +178,12 @@ def _meta_lines(meta: dict[str, Any]) -> str:
             f"- Event loops: the broker's {meta.get('event_loop', '(its default)')}, "
             f"the asyncio producers' {meta.get('client_loop', 'asyncio')}",
             f"- The --flush sync broker's group-commit wait: "
-            f"{_wait_text(meta.get('group_commit_wait_us'))}",
+            f"{_wait_text(meta.get('group_commit_wait_us'))}"
+            + (
+                f", --group-commit-overlap {meta['group_commit_overlap']}"
+                if meta.get("group_commit_overlap") is not None
+                else ""
+            ),
             f"- Load average (1/5/15 min): before {before}, after {after}",
             f"- Wall time: {meta['wall_seconds']:.0f} s",
         ]
