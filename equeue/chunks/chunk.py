@@ -15,6 +15,7 @@ from pathlib import Path
 import xxhash
 
 from equeue.chunks.footer import footer_timestamps
+from equeue.chunks.missing import removal_explains
 from equeue.chunks.prefault import PREFAULTER, WINDOW
 from equeue.chunks.runninghash import RunningHash, chunk_checksum
 from equeue.chunks.space import allocate as _allocate  # (patched by tests, by that name)
@@ -140,8 +141,10 @@ class Chunk:
         self._hashed: RunningHash | None = None  # the footer's checksum as the writer goes
         # The writer's manager keeps this file until it removes the chunk itself
         # (retention, a compaction's replacement): a file gone meanwhile is damage, not
-        # a removal (a read-only view cannot tell: the writer removes files under it).
+        # a removal. A read-only view's chunk (in_view) is judged from the directory
+        # (missing.py): the writer removes files under it, oldest first or replaced.
         self.kept = False
+        self.in_view = False
         # Queue chunks hold 12-byte entries: a log-sized window would keep a MiB or two of
         # each resident for a few hundred KiB of entries a second.
         self._window = WINDOW if not header.record_size else _FIXED_WINDOW
@@ -257,7 +260,10 @@ class Chunk:
             try:
                 f = open_file(self.path, "rb")  # closed below, after mapping
             except FileNotFoundError:
-                if self.kept:
+                if self.kept or (
+                    self.in_view
+                    and not removal_explains(self.path, self.start_number, self.version)
+                ):
                     raise MissingChunkError(
                         "the chunk file is missing: the store did not remove it (deleted "
                         "while the store was open?)",
@@ -275,9 +281,11 @@ class Chunk:
                 size = os.fstat(f.fileno()).st_size
                 want = self.file_size if self.footer is not None else HEADER_SIZE + self.data_end
                 if size < want:
+                    # (The ongoing chunk's want is the data scanned: a minimum.)
+                    least = "" if self.footer is not None else "at least "
                     raise TruncatedError(
-                        f"chunk file is {size} bytes, expected {want} (cut short while the "
-                        "store was open)",
+                        f"chunk file is {size} bytes, expected {least}{want} (cut short while "
+                        "the store was open)",
                         file=self.path,
                         offset=size,
                     )

@@ -125,6 +125,7 @@ class ChunkManager:
                     self._chunks[-1].flush()
             finally:  # a failed flush is raised, but the files are released all the same
                 for chunk in self._chunks:
+                    chunk.kept = chunk.in_view = False  # a pull holding it may see a removal
                     chunk.close()
                 self._closed = True
                 if self._writer is not None:
@@ -140,6 +141,7 @@ class ChunkManager:
         with self._lock:
             for chunk in self._chunks:
                 chunk._on_map = _ignore_map  # no reference back: the manager can be freed
+                chunk.kept = chunk.in_view = False  # the next manager says what it removes
                 chunk.release_mapping()
             if self._writer is not None:
                 self._writer._chunk = None
@@ -310,6 +312,7 @@ class ChunkManager:
                 chunk = self._chunks.pop()
                 for n in range(chunk.start_number, chunk.end_number + 1):
                     self._by_number.pop(n, None)
+                chunk.kept = False
                 chunk.close()
                 side_dir = make_side_dir(self.directory)
                 side = side_dir / f"{chunk.path.name}.{time.time_ns()}.cut"
@@ -482,7 +485,8 @@ class ChunkManager:
 
     def _install(self, chunk: Chunk) -> None:
         chunk.on_sync_failure = self.on_sync_failure
-        chunk.kept = not self.read_only  # (a read-only view's files go with the writer's say)
+        chunk.kept = not self.read_only
+        chunk.in_view = self.read_only
         self._chunks.append(chunk)
         for n in range(chunk.start_number, chunk.end_number + 1):
             self._by_number[n] = chunk
