@@ -20,7 +20,6 @@
 
 #include <errno.h>
 #ifdef __GLIBC__
-#include <malloc.h>
 #endif
 #include <pthread.h>
 #include <sys/mman.h>
@@ -83,33 +82,6 @@ static void *run(void *unused) {
         pthread_cond_broadcast(&served);
     }
     return NULL;
-}
-
-/* A writer's heap kept, not handed back to the kernel after each large free.
- *
- * glibc returns the free top of its heap to the kernel (brk) once it passes the trim
- * threshold, 128 KiB until a large mmapped block has been freed; the next allocation
- * takes the pages back, each with a zero-filling page fault. The broker allocates a
- * frame per request: a send_bodies of ~48 sends of 1 KiB (the asyncio client's loop
- * turn) is ~50 KB, and two or three of them freed together passed the threshold, so it
- * shrank and regrew its heap for nearly every read: 0.4 anonymous faults and a brk a
- * message, ~35 % of the event loop's samples (perf), 1.3-1.8 us of the broker's 4.3-5.6
- * a message (docs/benchmarks.md, "1 KiB sends": round 7). Set once, when the process's
- * first chunk is written (a store writer: the broker, or an application's own store)
- * and the prefault thread starts (a kernel without MADV_POPULATE_WRITE: neither):
- *   - the trim threshold to TRIM_KEEP: at most that much free heap stays mapped;
- *   - the mmap threshold to MMAP_FROM (setting the first freezes glibc's own moving of
- *     this one, which it would otherwise raise after freeing a large block): frames up
- *     to it come from the heap and are reused, larger ones are mapped and unmapped.
- * Both within what glibc's own dynamic thresholds reach (32 MiB and 64 MiB). */
-#define TRIM_KEEP (64u << 20)
-#define MMAP_FROM (4u << 20)
-
-static void keep_heap(void) {
-#ifdef __GLIBC__
-    (void)mallopt(M_MMAP_THRESHOLD, (int)MMAP_FROM);
-    (void)mallopt(M_TRIM_THRESHOLD, (int)TRIM_KEEP);
-#endif
 }
 
 static int probe(void) {
@@ -177,7 +149,6 @@ PyObject *prefault_request(PyObject *self, PyObject *args) {
         pending[pending_count++] = (Request){mapping, address, (size_t)length};
         if (!started) {
             static int registered;
-            keep_heap();
             pthread_t thread;
             pthread_attr_t attr;
             if (!registered) registered = pthread_atfork(NULL, NULL, after_fork_in_child) == 0;

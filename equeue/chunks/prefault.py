@@ -26,10 +26,6 @@ log = logging.getLogger("equeue.prefault")
 
 MADV_POPULATE_WRITE = 23
 WINDOW = 512 << 10
-# glibc's mallopt parameters and what a writer process sets them to (prefault.c,
-# keep_heap: why) when its first chunk is written.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-TRIM_KEEP, MMAP_FROM = 64 << 20, 4 << 20
 
 
 def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -92,7 +88,6 @@ class Prefaulter:
             self._requests.pop(mapping, None)  # re-inserted last: the queue stays fair
             self._requests[mapping] = (address, length)
             if self._thread is None:
-                _keep_heap()
                 self._thread = threading.Thread(
                     target=self._run, name="equeue-prefault", daemon=True
                 )
@@ -127,16 +122,6 @@ class Prefaulter:
                 with self._wakeup:
                     self._serving = None
                     self._wakeup.notify_all()
-
-
-def _keep_heap() -> None:
-    """prefault.c's keep_heap without the accelerator: glibc only (mallopt)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc: its own allocator's ways
-        return
-    mallopt(M_MMAP_THRESHOLD, MMAP_FROM)
-    mallopt(M_TRIM_THRESHOLD, TRIM_KEEP)
 
 
 PREFAULTER = Prefaulter()

@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s equeue serve: %(message)s",
         stream=sys.stderr,
     )
+    # Process-wide malloc settings: here, in a process equeue owns, never in the library.
+    from equeue.server.heap import keep_heap
+
+    keep_heap()
     config = ServerConfig(
         listen=tuple(args.listen), flush=args.flush, token_file=args.token_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_frame_bytes,
