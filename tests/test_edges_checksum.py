@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -132,6 +133,24 @@ def test_retention_deletes_chunks_while_the_writer_completes_others(tmp_path: Pa
     assert verify_store(tmp_path) == []
 
 
+def _read_lines(proc: subprocess.Popen[str], count: int, timeout: float = 60) -> list[str]:
+    """``count`` lines of the child's stdout, read on a thread joined with a bound: a child
+    that hangs is killed (its pipe's EOF ends the reading) and the test fails."""
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    lines: list[str] = []
+    reading = threading.Thread(
+        target=lambda: lines.extend(stdout.readline() for _ in range(count)), daemon=True
+    )
+    reading.start()
+    reading.join(timeout)
+    if reading.is_alive():
+        proc.kill()
+        reading.join(20)
+        raise AssertionError(f"the writer printed {len(lines)} of {count} lines in {timeout} s")
+    return lines
+
+
 def test_a_read_only_view_beside_a_live_writer_sees_what_it_acknowledged(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(WRITER), str(tmp_path), "hold", str(COUNT)],
@@ -139,7 +158,7 @@ def test_a_read_only_view_beside_a_live_writer_sees_what_it_acknowledged(tmp_pat
     )  # fmt: skip
     try:
         assert proc.stdout is not None and proc.stdin is not None
-        lines = [proc.stdout.readline() for _ in range(COUNT + 1)]
+        lines = _read_lines(proc, COUNT + 1)
         assert lines[-1] == "READY\n", (lines[-1], proc.stderr and proc.stderr.read())
         acks = acks_of("".join(lines))
         with MessageStore.open(tmp_path, read_only=True) as view:
