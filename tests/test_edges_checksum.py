@@ -147,7 +147,8 @@ def _read_lines(proc: subprocess.Popen[str], count: int, timeout: float = 60) ->
     if reading.is_alive():
         proc.kill()
         reading.join(20)
-        raise AssertionError(f"the writer printed {len(lines)} of {count} lines in {timeout} s")
+        printed = sum(1 for line in lines if line)
+        raise AssertionError(f"the writer printed {printed} of {count} lines in {timeout} s")
     return lines
 
 
