@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from server_helpers import short_dir
+from server_helpers import short_home
 
 from equeue import MessageStore, StoreConfig
 from equeue.chunks import chunk as chunkmod
@@ -36,13 +35,7 @@ def body(i: int) -> bytes:
     return b"m%04d" % i + b"x" * 100
 
 
-@pytest.fixture
-def directory() -> Iterator[Path]:
-    path = short_dir()
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+directory = pytest.fixture(short_home, name="directory")
 
 
 def _filled(path: Path) -> MessageStore:

@@ -7,10 +7,10 @@ zero-filled page by page, where the heap was trimmed (glibc's defaults), not whe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -123,30 +123,25 @@ def test_the_helper_leaves_malloc_to_the_environment(name: str) -> None:
 def _serve_log(scratch: str, **extra: str) -> str:
     """A real `equeue serve` on a fresh store, stopped once it listens: its log."""
     log_path = Path(scratch) / "serve.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "equeue", "serve", f"{scratch}/s"],
-            stdout=subprocess.PIPE, stderr=log, text=True, cwd=scratch, env=_env(**extra),
-        )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        deadline = time.monotonic() + 30
-        line = ""
-        while time.monotonic() < deadline and not line.startswith("listening on "):
-            if select.select([process.stdout], [], [], 0.5)[0]:
-                line = process.stdout.readline()
-                if not line:
-                    break
-        assert line.startswith("listening on "), log_path.read_text()[-2000:]
-    finally:
-        process.send_signal(signal.SIGTERM)
+    with open(log_path, "w") as log, subprocess.Popen(
+        [sys.executable, "-m", "equeue", "serve", f"{scratch}/s"],
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=scratch, env=_env(**extra),
+    ) as process:  # fmt: skip
         try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        if process.stdout is not None:
-            process.stdout.close()
+            assert process.stdout is not None
+            deadline = time.monotonic() + 30
+            line = ""
+            while time.monotonic() < deadline and not line.startswith("listening on "):
+                if select.select([process.stdout], [], [], 0.5)[0]:
+                    line = process.stdout.readline()
+                    if not line:
+                        break  # (it exited)
+            assert line.startswith("listening on "), log_path.read_text()[-2000:]
+        finally:
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+            process.kill()  # (nothing if it has exited)
     return log_path.read_text()
 
 
