@@ -134,3 +134,26 @@ def test_control_a_read_only_view_skips_the_writers_retention(directory: Path) -
             assert [m.body for m in pulled] == [body(i) for i in range(first, COUNT + 1)]
     finally:
         writer.close()
+
+
+def test_a_read_only_view_takes_a_queue_file_gone_for_a_removal(
+    directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A topic's deletion removes a queue's files in no particular order: the view, whose
+    pull holds queue chunk 2 when its file goes first (chunks 0 and 1 still there), must
+    not call that damage."""
+    path = directory / "s"
+    _filled(path).close()
+    with MessageStore.open(path, CONFIG, read_only=True) as view:
+
+        def other_threads() -> None:
+            os.unlink(path / "queues" / "t" / "0" / "chunk-000000000002.0000")
+
+        _meanwhile(monkeypatch, other_threads)
+        try:
+            view.pull("t", 0, 700, 10)
+        except ChunkRemovedError:
+            pass
+        finally:
+            monkeypatch.undo()
+        assert not (path / "queues" / "t" / "0" / "chunk-000000000002.0000").exists()

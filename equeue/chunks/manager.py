@@ -486,7 +486,9 @@ class ChunkManager:
     def _install(self, chunk: Chunk) -> None:
         chunk.on_sync_failure = self.on_sync_failure
         chunk.kept = not self.read_only
-        chunk.in_view = self.read_only
+        # A view judges a missing log chunk (missing.py), not a queue's: a topic's deletion
+        # removes a queue's files in no order, which the directory cannot tell from damage.
+        chunk.in_view = self.read_only and not self.config.record_size
         self._chunks.append(chunk)
         for n in range(chunk.start_number, chunk.end_number + 1):
             self._by_number[n] = chunk
