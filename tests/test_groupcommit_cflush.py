@@ -50,8 +50,8 @@ class Spy:
         monkeypatch.setattr(flushers, "log_sync_target", self.target)
         monkeypatch.setattr(flushers, "log_synced", self.synced)
 
-    def target(self, host: Any) -> Any:
-        got = self.real_target(host)
+    def target(self, host: Any, own: Any) -> Any:
+        got = self.real_target(host, own)
         if got is None:  # nothing unsynced: everything committed is durable already
             self.events.append(("target", self.store._messages.committed_position, False))
             return None
@@ -263,8 +263,8 @@ def test_a_broker_whose_c_fdatasync_fails_answers_the_error_and_refuses_later_se
     read_end, write_end = os.pipe()
     armed: list[int] = []
 
-    def target(host: Any) -> Any:
-        got = log_sync_target(host)
+    def target(host: Any, own: Any) -> Any:
+        got = log_sync_target(host, own)
         if got is not None and armed:
             armed.clear()
             return got[0], read_end, got[2]
