@@ -30,7 +30,7 @@ from equeue.server import BrokerThread, flushers
 from equeue.server.groupcommit import CrossClientCommit
 from equeue.store.flush import OwnDescriptor, log_sync_target
 
-pytestmark = pytest.mark.skipif(flushers.Flusher is None, reason="no C accelerator")
+speedups = pytest.importorskip("equeue._speedups", reason="no C accelerator")
 
 LIMIT_S = 20.0
 SMALL = StoreConfig(chunk_data_size=64 * 1024, queue_chunk_records=1024)
@@ -181,10 +181,12 @@ def test_a_chunk_path_swapped_under_the_store_is_not_synced_and_refuses_sends(
         store.close()  # the chunk itself did not fail: its close flushes it
 
 
-def _pipe_fdatasync(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+def _pipe_fdatasync(monkeypatch: pytest.MonkeyPatch, opened: list[int]) -> Callable[[], None]:
     """For the C flusher: arm() makes its next fdatasync go to a pipe (EINVAL, a real
     failed fdatasync)."""
     read_end, write_end = os.pipe()
+    os.close(write_end)  # fdatasync of the read end fails all the same
+    opened.append(read_end)
     armed: list[int] = []
 
     def target(host: Any, own: Any) -> Any:
@@ -218,7 +220,16 @@ def _thread_fdatasync(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
 def test_a_failed_group_commit_keeps_refusing_sends_after_the_service_ran(
     base: Path, monkeypatch: pytest.MonkeyPatch, flusher: str
 ) -> None:
-    arm = (_pipe_fdatasync if flusher == "c" else _thread_fdatasync)(monkeypatch)
+    opened: list[int] = []
+    arm = _pipe_fdatasync(monkeypatch, opened) if flusher == "c" else _thread_fdatasync(monkeypatch)
+    try:
+        _refusing_after_service_turns(base, flusher, arm)
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _refusing_after_service_turns(base: Path, flusher: str, arm: Callable[[], None]) -> None:
     # the broker's store flushes "async": its service turns every 20 ms here
     store = MessageStore.open(base / "s", StoreConfig(flush="async", flush_interval_ms=20))
     with (
@@ -238,6 +249,8 @@ def test_a_failed_group_commit_keeps_refusing_sends_after_the_service_ran(
             with pytest.raises(StoreWriteError, match="refusing the send"):
                 client.send("t", body)
         assert client.queue_range("t", 0) == end  # nothing stored by the refused sends
+    with pytest.raises(StoreWriteError):  # the broker leaves a store it was given open
+        store.close()
 
 
 def test_a_store_subclass_overriding_flush_log_gets_the_python_flusher(base: Path) -> None:
@@ -269,7 +282,7 @@ def _flusher_task_status() -> str:
 
 
 def test_the_c_thread_blocks_every_signal() -> None:
-    flusher = flushers.Flusher()
+    flusher = speedups.Flusher()
     try:
         blocked = next(
             line for line in _flusher_task_status().splitlines() if line.startswith("SigBlk:")
@@ -283,17 +296,13 @@ def test_the_c_thread_blocks_every_signal() -> None:
 
 
 def test_a_forked_child_frees_its_copy_without_joining_the_parents_thread() -> None:
-    flusher = flushers.Flusher()
+    flusher = speedups.Flusher()
     pid = os.fork()
     if pid == 0:  # the child: its copy thinks a thread runs
         code = 1
         try:
-            try:
-                flusher.start(0)
-            except RuntimeError:
-                code = 2
-            del flusher
-            code = 0 if code == 2 else 3
+            del flusher  # the parent's thread is not here to join
+            code = 0
         finally:
             os._exit(code)
     try:
@@ -308,4 +317,23 @@ def test_a_forked_child_frees_its_copy_without_joining_the_parents_thread() -> N
         if status is None:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
+        flusher.close()
+
+
+def test_a_forked_child_cannot_start_a_flush_on_its_copy() -> None:
+    flusher = speedups.Flusher()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                flusher.start(0)
+            except RuntimeError as exc:
+                code = 0 if "forked" in str(exc) else 2
+        finally:
+            os._exit(code)  # no finalisation: the copy is not freed here
+    try:
+        _, raw = os.waitpid(pid, 0)  # start() never blocks
+        assert os.waitstatus_to_exitcode(raw) == 0
+    finally:
         flusher.close()

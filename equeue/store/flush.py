@@ -320,8 +320,12 @@ def log_sync_target(host: LogSyncHost, own: OwnDescriptor) -> tuple[Chunk, int, 
     end = chunk.data_end
     if end <= chunk.flushed_end or chunk._fd < 0:  # covered already; closed: completed
         return None
-    if own._chunk is not chunk:  # a failure to open it: the sends cannot be made durable
-        flush_recorded(host, lambda: own.of(chunk))
+    if own._chunk is not chunk:
+
+        def open_own() -> None:  # a failure: the sends cannot be made durable, recorded
+            own.of(chunk)
+
+        flush_recorded(host, open_own)
     fd = own.of(chunk)
     if chunk._failed is not None:  # failed before the open: its description missed it
         flush_recorded(host, lambda: chunk._fdatasync("flushing a chunk"))
