@@ -21,9 +21,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from groupcommit_helpers import pipe_fdatasync
 
 import equeue
 from equeue import MessageStore, StoreConfig
@@ -183,25 +183,6 @@ def test_a_chunk_path_swapped_under_the_store_is_not_synced_and_refuses_sends(
         store.close()  # the chunk itself did not fail: its close flushes it
 
 
-def _pipe_fdatasync(monkeypatch: pytest.MonkeyPatch, opened: list[int]) -> Callable[[], None]:
-    """For the C flusher: arm() makes its next fdatasync go to a pipe (EINVAL, a real
-    failed fdatasync)."""
-    read_end, write_end = os.pipe()
-    os.close(write_end)  # fdatasync of the read end fails all the same
-    opened.append(read_end)
-    armed: list[int] = []
-
-    def target(host: Any, own: Any) -> Any:
-        got = log_sync_target(host, own)
-        if got is not None and armed:
-            armed.clear()
-            return got[0], read_end, got[2]
-        return got
-
-    monkeypatch.setattr(flushers, "log_sync_target", target)
-    return lambda: armed.append(1)
-
-
 def _thread_fdatasync(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """For the Python flusher thread (selected by a replaced os.fdatasync): arm() makes
     its next fdatasync fail with EIO (only that thread's: not the service's)."""
@@ -223,7 +204,7 @@ def test_a_failed_group_commit_keeps_refusing_sends_after_the_service_ran(
     base: Path, monkeypatch: pytest.MonkeyPatch, flusher: str
 ) -> None:
     opened: list[int] = []
-    arm = _pipe_fdatasync(monkeypatch, opened) if flusher == "c" else _thread_fdatasync(monkeypatch)
+    arm = pipe_fdatasync(monkeypatch, opened) if flusher == "c" else _thread_fdatasync(monkeypatch)
     try:
         _refusing_after_service_turns(base, flusher, arm)
     finally:
