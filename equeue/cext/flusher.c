@@ -63,7 +63,6 @@ static double now_s(void) {
 
 static void *run(void *arg) {
     Flusher *self = arg;
-    pthread_setname_np(pthread_self(), FLUSHER_THREAD_NAME); /* ps, /proc/PID/task/N/comm */
     pthread_mutex_lock(&self->lock);
     for (;;) {
         while (self->job < 0 && !self->stopping) pthread_cond_wait(&self->wake, &self->lock);
@@ -126,6 +125,9 @@ static int Flusher_init(Flusher *self, PyObject *args, PyObject *kwds) {
     }
     self->running = 1;
     self->owner = getpid();
+    /* named here, not by the thread: the name (ps, /proc/PID/task/N/comm) is there as soon
+     * as Flusher() returns */
+    pthread_setname_np(self->thread, FLUSHER_THREAD_NAME);
     return 0;
 }
 
