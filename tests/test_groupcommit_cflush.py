@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from groupcommit_helpers import pipe_fdatasync
 
 import equeue
 from equeue import MessageStore, StoreConfig
@@ -50,8 +51,8 @@ class Spy:
         monkeypatch.setattr(flushers, "log_sync_target", self.target)
         monkeypatch.setattr(flushers, "log_synced", self.synced)
 
-    def target(self, host: Any) -> Any:
-        got = self.real_target(host)
+    def target(self, host: Any, own: Any) -> Any:
+        got = self.real_target(host, own)
         if got is None:  # nothing unsynced: everything committed is durable already
             self.events.append(("target", self.store._messages.committed_position, False))
             return None
@@ -260,17 +261,8 @@ def test_a_broker_whose_c_fdatasync_fails_answers_the_error_and_refuses_later_se
     EINVAL) answers the send it covered "may be lost", and every later send is refused
     with nothing stored (test_durable_flush_failure.py does the same on the Python
     flusher thread, which its os.fdatasync injector selects)."""
-    read_end, write_end = os.pipe()
-    armed: list[int] = []
-
-    def target(host: Any) -> Any:
-        got = log_sync_target(host)
-        if got is not None and armed:
-            armed.clear()
-            return got[0], read_end, got[2]
-        return got
-
-    monkeypatch.setattr(flushers, "log_sync_target", target)
+    opened: list[int] = []
+    arm = pipe_fdatasync(monkeypatch, opened)
     try:
         with (
             BrokerThread(base / "s", flush="sync", listen=[f"unix:{base}/b.sock"]) as broker,
@@ -278,7 +270,7 @@ def test_a_broker_whose_c_fdatasync_fails_answers_the_error_and_refuses_later_se
         ):
             client.create_topic("t", 1)
             assert client.send("t", b"one").queue_offset == 0  # the control: answered
-            armed.append(1)
+            arm()
             with pytest.raises(StoreWriteError, match=r"may be lost.*refused until the store"):
                 client.send("t", b"two")
             end = client.queue_range("t", 0)
@@ -287,8 +279,8 @@ def test_a_broker_whose_c_fdatasync_fails_answers_the_error_and_refuses_later_se
                     client.send("t", body)
             assert client.queue_range("t", 0) == end  # nothing stored by the refused sends
     finally:
-        os.close(read_end)
-        os.close(write_end)
+        for fd in opened:
+            os.close(fd)
     with MessageStore.open(base / "s") as store:  # reopened: sending resumes
         assert store.pull("t", 0, 0, max_count=10).messages[0].body == b"one"
         store.send("t", b"after the reopen", queue_id=0)

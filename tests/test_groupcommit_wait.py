@@ -30,10 +30,14 @@ LONG_US = 60_000_000  # a bound no test reaches: its wait ends by count, drain o
 LIMIT_S = 20.0
 
 
-def _commit(flush_log: Callable[[], None], wait_us: int) -> CrossClientCommit:
+def _commit(flush_log: Callable[[], None], wait_us: int, overlap: float = 0) -> CrossClientCommit:
     # not bounded by the fake flush's duration, only by wait_us
     return CrossClientCommit(
-        asyncio.get_running_loop(), flush_log, wait_us=wait_us, wait_per_fdatasync=1e12
+        asyncio.get_running_loop(),
+        flush_log,
+        wait_us=wait_us,
+        wait_per_fdatasync=1e12,
+        overlap_per_fdatasync=overlap,
     )
 
 
@@ -106,9 +110,11 @@ class Sender:
             self._add()
 
 
-async def _rounds(connections: int, sends: int, wait_us: int) -> tuple[Flushes, CrossClientCommit]:
+async def _rounds(
+    connections: int, sends: int, wait_us: int, overlap: float = 0
+) -> tuple[Flushes, CrossClientCommit]:
     flushes = Flushes()
-    commit = _commit(flushes, wait_us)
+    commit = _commit(flushes, wait_us, overlap)
     try:
         # the i-th connection's next send comes 0.3 * i ms after its answer
         senders = [Sender(commit, flushes, sends, 0.0003 * i) for i in range(connections)]
@@ -123,8 +129,23 @@ async def _rounds(connections: int, sends: int, wait_us: int) -> tuple[Flushes, 
 
 def test_several_connections_share_one_flush_a_round_once_the_wait_has_their_count() -> None:
     connections, sends = 16, 30
+    flushes, commit = asyncio.run(_rounds(connections, sends, LONG_US))
+    # The first flush takes what was added when the flusher woke (1 to 16 sends), the
+    # second the others; once a flush answered several connections, the flusher waits for
+    # every send in flight (no overlapping cohorts, the default): one flush a round,
+    # though their sends come back one by one.
+    assert commit.flushes == flushes.calls
+    assert sends <= flushes.calls <= sends + 3, flushes.covered
+    assert commit.sends_flushed == connections * sends
+    assert commit.waits_full == commit.waits  # every wait ended by its count
+    steady = [b - a for a, b in zip(flushes.covered, flushes.covered[1:], strict=False)][-5:]
+    assert steady == [connections] * 5, flushes.covered
+
+
+def test_with_overlapping_cohorts_a_round_takes_one_or_two_flushes() -> None:
+    connections, sends = 16, 30
     # a 5 ms bound: at the end the last sends wait for ones that finished sending
-    flushes, commit = asyncio.run(_rounds(connections, sends, 5_000))
+    flushes, commit = asyncio.run(_rounds(connections, sends, 5_000, overlap=3))
     # Once a flush answered several connections, the next waits until no more sends are
     # expected back than came during that flush (here the fake fdatasync is short: few or
     # none): one or two flushes a round, though the sends come back one by one (with

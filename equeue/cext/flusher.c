@@ -13,14 +13,21 @@
  * dup'ed, so a chunk completed and closed by the loop meanwhile cannot hand this thread
  * a reused number. A timerfd (µs resolution, which the loops' own timers lack: uvloop
  * truncates to ms) bounds the group-commit wait.
+ *
+ * Linux only (eventfd, timerfd, pthread_setname_np): elsewhere Flusher() raises
+ * NotImplementedError and the broker uses its Python flusher thread (flushers.py), while
+ * the rest of the accelerator still builds.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "speedups.h"
+
+#ifdef __linux__
 
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
@@ -45,6 +52,7 @@ typedef struct {
     double took;  /* its fdatasync's seconds */
     double ended; /* when it ended (CLOCK_MONOTONIC, time.monotonic()'s clock) */
     int stopping;
+    pid_t owner; /* the process that started the thread: a forked child has no thread */
 } Flusher;
 
 static double now_s(void) {
@@ -55,7 +63,6 @@ static double now_s(void) {
 
 static void *run(void *arg) {
     Flusher *self = arg;
-    pthread_setname_np(pthread_self(), FLUSHER_THREAD_NAME); /* ps, /proc/PID/task/N/comm */
     pthread_mutex_lock(&self->lock);
     for (;;) {
         while (self->job < 0 && !self->stopping) pthread_cond_wait(&self->wake, &self->lock);
@@ -64,7 +71,12 @@ static void *run(void *arg) {
         self->job = -1;
         pthread_mutex_unlock(&self->lock);
         double began = now_s();
-        int error = fdatasync(fd) == 0 ? 0 : errno;
+        /* EINTR is no write failure (Python's os.fdatasync retries it too: PEP 475); on
+         * NFS, CIFS or FUSE a signal can interrupt it, though this thread blocks them all */
+        int rc;
+        do rc = fdatasync(fd);
+        while (rc < 0 && errno == EINTR);
+        int error = rc == 0 ? 0 : errno;
         double ended = now_s();
         close(fd);
         pthread_mutex_lock(&self->lock);
@@ -99,13 +111,23 @@ static int Flusher_init(Flusher *self, PyObject *args, PyObject *kwds) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    /* Every signal blocked on the thread (it inherits the mask): the process's signals
+     * go to the threads that handle them, as before there was this one. */
+    sigset_t all, before;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &before);
     int rc = pthread_create(&self->thread, NULL, run, self);
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
     if (rc != 0) {
         errno = rc;
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
     self->running = 1;
+    self->owner = getpid();
+    /* named here, not by the thread: the name (ps, /proc/PID/task/N/comm) is there as soon
+     * as Flusher() returns */
+    pthread_setname_np(self->thread, FLUSHER_THREAD_NAME);
     return 0;
 }
 
@@ -129,6 +151,12 @@ static PyObject *Flusher_start(Flusher *self, PyObject *arg) {
     }
     if (!self->running) {
         PyErr_SetString(PyExc_RuntimeError, "the flusher is closed");
+        return NULL;
+    }
+    if (self->owner != getpid()) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "the flusher was started in the parent of this forked process, its "
+                        "thread does not run here");
         return NULL;
     }
     pthread_mutex_lock(&self->lock);
@@ -190,6 +218,15 @@ static PyObject *Flusher_expired(Flusher *self, PyObject *unused) {
 }
 
 static void stop(Flusher *self) {
+    if (self->running && self->owner != getpid()) {
+        /* A forked child's copy: the thread (and whoever held the lock at the fork) is the
+         * parent's; joining it would block forever. Only this process's descriptors go. */
+        self->running = 0;
+        if (self->job >= 0) close(self->job);
+        self->job = -1;
+        pthread_mutex_init(&self->lock, NULL);
+        pthread_cond_init(&self->wake, NULL);
+    }
     if (self->running) {
         pthread_mutex_lock(&self->lock);
         self->stopping = 1;
@@ -251,3 +288,25 @@ PyTypeObject FlusherType = {
     .tp_methods = Flusher_methods,
     .tp_getset = Flusher_getset,
 };
+
+#else /* not Linux: the type exists, and says it is unsupported */
+
+typedef struct {
+    PyObject_HEAD
+} Flusher;
+
+static int Flusher_init(Flusher *self, PyObject *args, PyObject *kwds) {
+    PyErr_SetString(PyExc_NotImplementedError,
+                    "the C group-commit flusher needs Linux (eventfd, timerfd)");
+    return -1;
+}
+
+PyTypeObject FlusherType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "equeue._speedups.Flusher",
+    .tp_basicsize = sizeof(Flusher),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Flusher_init,
+};
+
+#endif

@@ -10,8 +10,10 @@ consequences) is done on the loop (equeue/store/flush.py: log_sync_target, log_s
 and hands the outcome back with ``call_soon_threadsafe``. It needs the GIL after each
 fdatasync, which the loop holds through a busy turn. The broker uses it where the C
 flusher would bypass what the caller put in place: ``store.flush_log`` or
-``os.fdatasync`` replaced (a fault injector, the power-loss model of the tests), or no C
-accelerator; its wait's bound is a loop timer (ms resolution)."""
+``os.fdatasync`` replaced (a fault injector, the power-loss model of the tests),
+``flush_log`` overridden by a subclass of MessageStore, no C accelerator, or not Linux;
+its wait's bound is a loop timer (ms resolution). The choice is made once, when the
+broker starts: a fault injector installed after that is not seen by the C thread."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from equeue.chunks.chunk import Chunk
-from equeue.store.flush import LogSyncHost, log_sync_target, log_synced
+from equeue.store.flush import LogSyncHost, OwnDescriptor, log_sync_target, log_synced
+from equeue.store.store import MessageStore
 
 Done = Callable[[BaseException | None, float], None]  # the error or None, fdatasync's seconds
 
@@ -131,6 +134,7 @@ class CSync:
         self._store = store
         self._done = done
         self._flusher = flusher = Flusher()
+        self._own = OwnDescriptor()  # the C thread's own description of the chunk (errseq)
         self._target: tuple[Chunk, int] | None = None  # the chunk in fdatasync, its end
         self._expired: Callable[[], None] | None = None
         self._outcome: tuple[BaseException | None, float] | None = None  # not yet delivered
@@ -141,7 +145,7 @@ class CSync:
 
     def start(self) -> None:
         try:
-            target = log_sync_target(self._store)
+            target = log_sync_target(self._store, self._own)
             if target is not None:
                 chunk, fd, end = target
                 self._flusher.start(fd)
@@ -204,11 +208,13 @@ class CSync:
                     self._loop.remove_reader(fd)
         if self._target is None:
             flusher.close()
+            self._own.close()
             self._deliver()
             return
         while (outcome := flusher.collect()) is None:  # the thread is in fdatasync
             time.sleep(0.0002)
         flusher.close()
+        self._own.close()
         self._finish(*outcome)
 
 
@@ -219,12 +225,20 @@ def make_sync(
     store: Any = None,
 ) -> Sync:
     """CSync for ``store`` where it does what ``flush_log`` would (see the module's
-    docstring), else ThreadSync."""
+    docstring), else ThreadSync. Decided here, once."""
     own = (
         store is not None
         and Flusher is not None
-        and getattr(flush_log, "__func__", None) is getattr(type(store), "flush_log", None)
+        # MessageStore's own flush_log, which log_sync_target/log_synced mirror; not a
+        # subclass's override (a store shipping its log, a test's fault injector)
+        and getattr(flush_log, "__func__", None) is MessageStore.flush_log
+        and type(store).flush_log is MessageStore.flush_log
         and getattr(flush_log, "__self__", None) is store
         and isinstance(os.fdatasync, types.BuiltinFunctionType)
     )
-    return CSync(loop, store, done) if own else ThreadSync(loop, flush_log, done)
+    if own:
+        try:
+            return CSync(loop, store, done)
+        except NotImplementedError:  # not Linux: the accelerator has no C flusher there
+            pass
+    return ThreadSync(loop, flush_log, done)

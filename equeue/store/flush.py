@@ -11,6 +11,7 @@ with a plain append + fdatasync loop.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -27,6 +28,10 @@ log = logging.getLogger("equeue.flush")
 
 R = TypeVar("R")
 PAGE_SIZE = 4096  # flush_least_pages counts pages of this size
+# The attempt number a failed log fdatasync is recorded under (_set_flush_error keeps the
+# outcome of the latest-started attempt): no later attempt reaches it, so no later service
+# turn or flush that succeeds clears it, only a reopen (a new store) does.
+STICKY_ATTEMPT = 1 << 62
 
 
 class _Request:
@@ -50,11 +55,13 @@ def flush_recorded(host: FlushRecorder, flush: Callable[[], None]) -> None:
     """Run a log flush that acknowledges sends (GroupCommit's, the broker's): a failure is
     kept as the store's flush error, as a failed service turn is, so every later send is
     refused before anything is written instead of being stored, delivered, and answered
-    "may be lost". A chunk's failed fdatasync is sticky, so only a reopen clears it."""
+    "may be lost". A chunk's failed fdatasync is sticky, so only a reopen clears it: a
+    later service turn that skips that chunk (fewer than flush_least_pages unflushed) and
+    succeeds must not let the next send into it (recorded under STICKY_ATTEMPT)."""
     try:
         flush()
     except StoreWriteError as exc:
-        host._set_flush_error(exc, host._start_flush())
+        host._set_flush_error(exc, STICKY_ATTEMPT)
         # Same class (DiskFullError stays DiskFullError), saying what to do.
         raise type(exc)(
             exc.errno,
@@ -244,13 +251,66 @@ class LogSyncHost(FlushRecorder, Protocol):
     def _check_writable(self) -> None: ...
 
 
-def log_sync_target(host: LogSyncHost) -> tuple[Chunk, int, int] | None:
+class OwnDescriptor:
+    """The broker's C flusher's own open file description of the log's current chunk, one
+    per chunk (an open per chunk, not per flush).
+
+    Linux reports a writeback error to each open file description once (errseq,
+    ``f_wb_err``): a dup of the chunk's descriptor shares it with ``Chunk.flush`` (a
+    rollover's complete() on the loop, the background service), so an EIO one of those
+    was told of could reach the C thread's concurrent fdatasync as success. A description
+    of its own is told of every error since it was opened, whoever else was told."""
+
+    def __init__(self) -> None:
+        self._chunk: Chunk | None = None
+        self._fd = -1
+
+    def of(self, chunk: Chunk) -> int:
+        if chunk is not self._chunk:
+            self.close()
+            self._fd = _open_own(chunk)
+            self._chunk = chunk
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._chunk = -1, None
+
+
+def _open_own(chunk: Chunk) -> int:
+    """Open ``chunk``'s file again, checked to be the same file (never a symlink or another
+    file put at its path). Under the chunk's flush lock: no fdatasync of it runs meanwhile,
+    so an error reported before the open is in ``chunk._failed`` already (the caller looks
+    after), and one after it is reported to this description too."""
+    with chunk._flush_lock:
+        try:
+            fd = os.open(chunk.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise write_error(exc, "opening a chunk for the broker's flusher", chunk.path) from exc
+        try:
+            mine, its = os.fstat(fd), os.fstat(chunk._fd)
+        except OSError as exc:
+            os.close(fd)
+            raise write_error(exc, "opening a chunk for the broker's flusher", chunk.path) from exc
+        if (mine.st_dev, mine.st_ino) != (its.st_dev, its.st_ino):
+            os.close(fd)
+            raise StoreWriteError(
+                errno.ESTALE,
+                f"opening a chunk for the broker's flusher: {chunk.path} is no longer the file "
+                "the store writes (replaced or renamed under it); its sends cannot be made "
+                "durable, close and reopen the store",
+            )
+        return fd
+
+
+def log_sync_target(host: LogSyncHost, own: OwnDescriptor) -> tuple[Chunk, int, int] | None:
     """``flush_log`` split for a flusher that fdatasyncs on a thread of its own, with no
     GIL (the broker's, equeue/cext/flusher.c): on the loop, what to fdatasync now to make
-    every append so far durable: (the log's current chunk, its descriptor, its data end);
-    None if nothing is to be synced (no append since the last flush, or every append is in
-    a completed chunk: completing fdatasyncs it). Raises what ``flush_log`` would (a
-    closed or read-only store; a chunk whose earlier fdatasync failed, recorded)."""
+    every append so far durable: (the log's current chunk, ``own``'s descriptor of it, its
+    data end); None if nothing is to be synced (no append since the last flush, or every
+    append is in a completed chunk: completing fdatasyncs it). Raises what ``flush_log``
+    would (a closed or read-only store; a chunk whose earlier fdatasync failed, recorded)."""
     host._check_writable()
     chunk = host._writer._chunk
     if chunk is None:
@@ -260,7 +320,16 @@ def log_sync_target(host: LogSyncHost) -> tuple[Chunk, int, int] | None:
     end = chunk.data_end
     if end <= chunk.flushed_end or chunk._fd < 0:  # covered already; closed: completed
         return None
-    return chunk, chunk._fd, end
+    if own._chunk is not chunk:
+
+        def open_own() -> None:  # a failure: the sends cannot be made durable, recorded
+            own.of(chunk)
+
+        flush_recorded(host, open_own)
+    fd = own.of(chunk)
+    if chunk._failed is not None:  # failed before the open: its description missed it
+        flush_recorded(host, lambda: chunk._fdatasync("flushing a chunk"))
+    return chunk, fd, end
 
 
 def log_synced(host: LogSyncHost, chunk: Chunk, end: int, error: int) -> None:
@@ -269,6 +338,10 @@ def log_synced(host: LogSyncHost, chunk: Chunk, end: int, error: int) -> None:
     failure does (the chunk's sticky failure, its callback, the store's flush error); then
     raises that failure as ``flush_log`` does. Lock-free: the flushed ends only grow
     (another flush's lower end written meanwhile costs one redundant fdatasync later)."""
+    if error == 0 and chunk._failed is not None:
+        # Another fdatasync of the chunk failed meanwhile (a rollover's complete(), the
+        # service): nothing it covered may be claimed durable, this batch's data included.
+        flush_recorded(host, lambda: chunk._fdatasync("flushing a chunk"))
     if error == 0:
         if end > chunk.flushed_end:
             chunk.flushed_end = end
