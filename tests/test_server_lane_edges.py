@@ -82,8 +82,8 @@ def test_a_write_raising_keyboardinterrupt_is_not_swallowed_by_release_frames(
     """Review 32a F1: release_frames logged any exception of a write as a failed write and
     returned; the Python loop it replaces catches Exception only. Now a KeyboardInterrupt
     or SystemExit goes out of release_durable, C and Python alike, and in C the other
-    connection of the batch is answered and bytes_out counted first (lone answers, in_flight 1, and
-    grouped ones, in_flight 2)."""
+    connection of the batch is answered and bytes_out counted first (lone answers,
+    in_flight 1, and grouped ones, in_flight 2)."""
     directory = short_dir()
     try:
         python = asyncio.run(_interrupted(directory / "p", raises, in_flight, False))
