@@ -193,6 +193,14 @@ def plain_send(
 
 # The broker's durable answers after their fdatasync (equeue/cext/release.c)
 def frames_by_peer(batch: list[Any], kind: type, /) -> list[tuple[Any, bytes, int]] | None: ...
+def release_frames(
+    batch: list[Any],
+    kind: type,
+    counters: Any,
+    other: Callable[[Any, bytes, int], None],
+    failed: Callable[[Any, BaseException], None],
+    /,
+) -> bool: ...
 
 # The broker's send_bodies read from its frame (equeue/cext/bodyspans.c)
 @type_check_only  # (its type is not a module attribute)

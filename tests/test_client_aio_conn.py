@@ -2,23 +2,27 @@
 aio.py's ``_Protocol``): its direct sends and the answers it reads in C under a SIGKILL
 of the real broker with 64 connections waiting, a restart, and a hostile broker whose
 answer to a direct send is broken; the outcomes are those of any send (equeue errors,
-the send reported unanswered and not sent again)."""
+the send reported unanswered and not sent again), and an answer read in C waking a caller
+waiting for a place."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import threading
 from typing import Any
 
 import pytest
 from client_helpers import WELCOME, FakeBroker, Peer, temporary_broker
+from server_helpers import short_dir
 
 import equeue.aio
 from equeue import MessageStore, speedups
 from equeue.errors import ConnectionLostError, EQueueError, ProtocolError
 from equeue.protocol.frames import FRAME_HEADER, PROTOCOL_VERSION, encode
+from equeue.server import BrokerThread
 from equeue.store.types import OutgoingMessage, SendResult
 
 needs_c = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="no C accelerator")
@@ -262,3 +266,38 @@ def test_no_builtin_exception_from_random_answers_to_direct_sends() -> None:
     with FakeBroker(script) as fake:
         seen = asyncio.run(main(fake.url))
     assert len(seen) == len(replies) and "ConnectionLostError" in seen
+
+
+@needs_c
+@pytest.mark.parametrize("flush", ["async", "sync"])
+def test_an_answer_read_in_c_releases_a_caller_waiting_for_the_only_place(flush: str) -> None:
+    """Review 32a F5: at a broker's max_in_flight 1 a direct send takes the only place and
+    the concurrent sends wait in ``queued``; the answer ClientConn reads in C frees the
+    place and must wake the next caller (answered() calls release()). 3 rounds of 4
+    concurrent sends on one client all answered (a hang guard of 30 s, not a timing),
+    some answers read in C, nothing left waiting."""
+
+    async def run(url: str) -> tuple[list[str], int, int, int]:
+        client = await equeue.aio.connect(url, timeout=10)
+        try:
+            protocol = client._protocol
+            assert protocol is not None
+            ids: list[str] = []
+            async with asyncio.timeout(30):
+                await client.send("t", b"warm")
+                assert protocol.max_in_flight == 1
+                for round_ in range(3):
+                    sends = (client.send("t", b"%d-%d" % (round_, i)) for i in range(4))
+                    ids += [r.message_id for r in await asyncio.gather(*sends)]
+            return ids, protocol.read_in_c, len(protocol.queued), protocol.free
+        finally:
+            await client.close()
+
+    directory = short_dir()
+    try:
+        with BrokerThread(directory / "s", flush=flush, max_in_flight=1) as running:
+            ids, read_in_c, waiting, free = asyncio.run(run(running.urls[0]))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert len(set(ids)) == 12
+    assert read_in_c > 0 and waiting == 0 and free == 1

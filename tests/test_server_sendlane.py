@@ -128,7 +128,9 @@ def test_the_lane_answers_counts_and_stores_as_python_and_the_general_path(
     reads: list[bytes], flush: Flush
 ) -> None:
     """Every counter (a stats request between sends sees them), answer, in_flight and the
-    store, through SendLane, Connection.buffer_updated's fast path and the general one."""
+    store, through SendLane, Connection.buffer_updated's fast path and the general one.
+    (All three release --flush sync answers through release_frames, C: its equivalence
+    with the Python release rests on the release tests below.)"""
     directory = short_dir()
     try:
         seen = {
@@ -263,24 +265,28 @@ class FailingRecorder(CountingRecorder):
         raise OSError(32, "a write failed (EPIPE)")
 
 
-async def _release_mixed(directory: Path, frames_in_c: bool) -> dict[str, Any]:
-    """One flushed batch: a connection with answers queued, one whose write raises, one
-    in a read's batch, and one plain."""
+async def _release_mixed(directory: Path, frames_in_c: bool, in_flight: int) -> dict[str, Any]:
+    """One flushed batch, in_flight answers each (1: release_frames' lone path, the
+    commonest; 2: its grouped one): a connection with answers queued, one whose write
+    raises, one in a read's batch, one half-closed (_ended), one closed, and one plain."""
     broker = Broker(directory, ServerConfig(flush="sync"))
     await broker.start()
     try:
-        peers = _greeted(broker, 4)
-        (queued, _), (failing, _), (batching, _), _plain = peers
+        peers = _greeted(broker, 6)
+        (queued, _), (failing, _), (batching, _), (ended, _), (_closed, gone), _plain = peers
         failing.transport = broken = FailingRecorder()  # type: ignore[assignment]
         broken.protocol = failing  # (closed at the drain like the others)
         for connection, _t in peers:
-            connection.in_flight = 2
+            connection.in_flight = in_flight
         queued._out.append(encode([50, STATUS_OK, "before"]))
         queued._out_bytes = len(queued._out[0])
         batching._batching = True
-        frame = {rid: Frame(encode([rid, STATUS_OK, f"r{rid}"])) for rid in range(1, 9)}
-        batch = [(c, 2 * i + k + 1, frame[2 * i + k + 1]) for k in range(2) for i, (c, _) in
-                 enumerate(peers)]  # fmt: skip
+        ended._ended = True
+        gone.close()  # (connection_lost: its answers after it are dropped)
+        count = len(peers) * in_flight
+        frame = {rid: Frame(encode([rid, STATUS_OK, f"r{rid}"])) for rid in range(1, count + 1)}
+        batch = [(c, in_flight * i + k + 1, frame[in_flight * i + k + 1])
+                 for k in range(in_flight) for i, (c, _) in enumerate(peers)]  # fmt: skip
         out_before = broker.counters.bytes_out
         _release_durable(batch, frames_in_c)
         batching._batching = False
@@ -295,25 +301,29 @@ async def _release_mixed(directory: Path, frames_in_c: bool) -> dict[str, Any]:
         await broker._drain()
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
 def test_release_frames_leaves_the_rare_connections_to_python_and_survives_a_failed_write(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, in_flight: int
 ) -> None:
     directory = short_dir()
     try:
         with caplog.at_level(logging.ERROR, logger="equeue.server"):
-            in_c = asyncio.run(_release_mixed(directory / "c", True))
-        python = asyncio.run(_release_mixed(directory / "py", False))
+            in_c = asyncio.run(_release_mixed(directory / "c", True, in_flight))
+        python = asyncio.run(_release_mixed(directory / "py", False, in_flight))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    assert in_c["answers"] == [[50, 1, 2], [], [5, 6], [7, 8]]
-    assert in_c["in_flight"] == [0, 0, 0, 0]
+    rids = [list(range(in_flight * i + 1, in_flight * (i + 1) + 1)) for i in range(6)]
+    assert in_c["answers"] == [[50, *rids[0]], [], rids[2], rids[3], [], rids[5]]
+    assert in_c["in_flight"] == [0] * 6
+    assert in_c["closed"] == [False, False, False, True, True, False]
     assert "writing its answers failed" in caplog.text and "EPIPE" in caplog.text
     assert in_c == python
 
 
 def test_a_closed_connection_and_its_lane_are_collected() -> None:
-    """The lane and the connection refer to each other (its instance dict holds the lane):
-    the cycle is the garbage collector's (SendLane's traverse and clear)."""
+    """The lane and the connection refer to each other (its instance dict holds the lane)
+    until connection_lost takes the lane out; either way the connection goes (SendLane's
+    traverse and clear; test_server_lane_edges.py: freed with the GC off)."""
 
     async def run(directory: Path) -> weakref.ref[Connection]:
         broker = Broker(directory, ServerConfig(flush="sync"))
@@ -371,9 +381,11 @@ def test_a_client_leaving_with_durable_answers_pending_does_not_disturb_the_othe
 @pytest.mark.parametrize("read_first", [False, True])
 def test_a_c_built_send_result_is_answered_as_its_fields_pack(read_first: bool) -> None:
     """send_answer packs a C send's result from its C values (sendframe.c's
-    answer_of_values), the fields never made: byte for byte what msgpack packs of the
+    answer_of_fields), the fields never made: byte for byte what msgpack packs of the
     fields, whether or not they were read before, for send and send_batch (one stored_at
-    shared) results, large positions and ids included."""
+    shared) results and request ids up to 2**64 - 1. (A fresh store's positions and
+    offsets are small; a topic long enough to need answer_of_fields' fallback is refused
+    by the store: review 32a tried 250-400 byte topics, all answered the same.)"""
     from equeue import MessageStore
     from equeue.store.types import SendResult
 

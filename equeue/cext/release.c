@@ -194,25 +194,36 @@ static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssiz
     return is < 0 ? -1 : 1;
 }
 
-/* release_frames(batch, kind, counters, other, failed): release_durable's common case
- * whole in C. A batch of kind frames alone (frames_by_peer's) is grouped by connection;
- * each connection's frames go out in one transport.write with its in_flight counted
- * down, counters.bytes_out counted once; other(connection, data, count) for a connection
- * with more to do (connection.py's Python path), failed(connection, exception) for a
- * connection whose write raised (logged there; the others are answered all the same).
- * False, nothing done, when the batch is not frames alone; an error only before
- * anything was answered or counted (the grouping). */
+/* The error set, kept in type, value and tb when none is kept yet, else unraisable. */
+static void keep(PyObject **type, PyObject **value, PyObject **tb) {
+    if (*type != NULL) {
+        PyErr_WriteUnraisable(NULL);
+        return;
+    }
+    PyErr_Fetch(type, value, tb);
+}
+
+/* v (an exact int) is 1: the small-int singleton, or any other int of that value (the
+ * public API: an int's layout is CPython's own and changed in 3.12). */
+static inline int is_one(PyObject *v) {
+    if (v == ONE_ANSWER) return 1;
+    int overflow;
+    return PyLong_AsLongLongAndOverflow(v, &overflow) == 1 && !overflow;
+}
+
 /* write_common for one peer, other() when it has more to do, failed() when that
- * raised; never an error out. */
-static void release_one(PyObject *const *args, PyObject *peer, PyObject *data, PyObject *count,
-                        Py_ssize_t *written) {
+ * raised an Exception; -1 with the error kept for any other (KeyboardInterrupt,
+ * SystemExit: the Python loop it replaces catches Exception only), else 0. */
+static int release_one(PyObject *const *args, PyObject *peer, PyObject *data, PyObject *count,
+                       Py_ssize_t *written) {
     int done = write_common(peer, data, count, written);
-    if (done > 0) return;
+    if (done > 0) return 0;
     PyObject *r = NULL;
     if (done == 0) {
         PyObject *call[3] = {peer, data, count};
         r = PyObject_Vectorcall(args[3], call, 3, NULL);
     }
+    if (r == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) return -1;
     if (r == NULL) { /* other() raised, or the write did */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
@@ -226,6 +237,7 @@ static void release_one(PyObject *const *args, PyObject *peer, PyObject *data, P
         if (r == NULL) PyErr_WriteUnraisable(args[4]);
     }
     Py_XDECREF(r);
+    return 0;
 }
 
 /* release_frames(batch, kind, counters, other, failed): release_durable's common case
@@ -235,9 +247,11 @@ static void release_one(PyObject *const *args, PyObject *peer, PyObject *data, P
  * (frames_by_peer); each connection's in one transport.write with its in_flight counted
  * down, counters.bytes_out counted once; other(connection, data, count) for a connection
  * with more to do (connection.py's Python path), failed(connection, exception) for a
- * connection whose write raised (logged there; the others are answered all the same).
- * False, nothing done, when the batch is not frames alone; an error only before anything
- * was answered or counted (the grouping). */
+ * connection whose write raised an Exception (logged there; the others are answered all
+ * the same). False, nothing done, when the batch is not frames alone; an error before
+ * anything was answered or counted (the grouping), or, once every connection was
+ * answered and bytes_out counted, the first KeyboardInterrupt/SystemExit (not an
+ * Exception) a write raised: re-raised, as the Python loop let it through. */
 PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_CheckExact(args[0]) || !PyType_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError,
@@ -254,7 +268,7 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = PyList_GET_ITEM(batch, i), *peer = PyTuple_GET_ITEM(e, 0), *v;
         int lone = has_slots(peer) && (v = SLOT(peer, at[O_IN_FLIGHT])) != NULL &&
-                   PyLong_CheckExact(v) && Py_SIZE(v) == 1 && PyLong_AsLong(v) == 1;
+                   PyLong_CheckExact(v) && is_one(v);
         if (PyList_Append(lone ? singles : rest, e) < 0) goto fail;
     }
     if (PyList_GET_SIZE(rest) != 0) {
@@ -267,8 +281,10 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             goto fail;
         }
     }
-    /* From here on every connection is answered: nothing may raise out. */
+    /* From here on every connection is answered: nothing raises out but a BaseException
+     * a write raised, kept until the end (the first; a later one is unraisable). */
     Py_ssize_t written = 0;
+    PyObject *kept_type = NULL, *kept = NULL, *kept_tb = NULL;
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(singles); j++) {
         PyObject *e = PyList_GET_ITEM(singles, j), *frame = PyTuple_GET_ITEM(e, 2);
         /* exact bytes: uvloop's write takes a bytes subclass through a memoryview cast */
@@ -278,13 +294,15 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             PyErr_Clear();
             data = Py_NewRef(frame);
         }
-        release_one(args, PyTuple_GET_ITEM(e, 0), data, ONE_ANSWER, &written);
+        if (release_one(args, PyTuple_GET_ITEM(e, 0), data, ONE_ANSWER, &written) < 0)
+            keep(&kept_type, &kept, &kept_tb);
         Py_DECREF(data);
     }
     for (Py_ssize_t j = 0; grouped != NULL && j < PyList_GET_SIZE(grouped); j++) {
         PyObject *item = PyList_GET_ITEM(grouped, j);
-        release_one(args, PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1),
-                    PyTuple_GET_ITEM(item, 2), &written);
+        if (release_one(args, PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1),
+                        PyTuple_GET_ITEM(item, 2), &written) < 0)
+            keep(&kept_type, &kept, &kept_tb);
     }
     Py_DECREF(singles);
     Py_DECREF(rest);
@@ -296,6 +314,10 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         Py_XDECREF(old);
         Py_XDECREF(sum);
         if (PyErr_Occurred()) PyErr_WriteUnraisable(args[2]);
+    }
+    if (kept_type != NULL) {
+        PyErr_Restore(kept_type, kept, kept_tb);
+        return NULL;
     }
     Py_RETURN_TRUE;
 fail:

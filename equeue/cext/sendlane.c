@@ -48,6 +48,7 @@ typedef struct {
     Py_ssize_t counter_at[C_COUNT]; /* a counter's slot in counters, or -1: by attribute */
     Py_ssize_t at[O_COUNT];         /* the connection's slots; at[0] -1: no fast path */
     PyObject *holds_dict;
+    PyObject *plain; /* _plain_send when the lane was made (the C plain_send) */
 } Lane;
 
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
@@ -101,8 +102,13 @@ static int bump(Lane *self, int which, Py_ssize_t delta) {
     return 0;
 }
 
+/* v is the int 0: the small-int singleton, or any other int of that value (the public
+ * API: an int's layout is CPython's own, Py_SIZE of an int is not its digits from 3.12). */
 static inline int is_zero(PyObject *v) {
-    return v != NULL && PyLong_CheckExact(v) && Py_SIZE(v) == 0;
+    if (v == ZERO) return 1;
+    if (v == NULL || !PyLong_CheckExact(v)) return 0;
+    int overflow;
+    return PyLong_AsLongLongAndOverflow(v, &overflow) == 0 && !overflow;
 }
 
 /* The connection can take a read the fast way: authenticated, no frame begun, nothing
@@ -110,7 +116,9 @@ static inline int is_zero(PyObject *v) {
 static int ready(Lane *self) {
     PyObject *c = self->connection, *v;
     if (self->at[0] < 0) return 0;
-    if ((v = SLOT(c, self->at[O_PLAIN])) == NULL || v == Py_None) return 0;
+    /* The lane calls plain_send_parts itself: a _plain_send replaced since (None, a spy)
+     * is the Python path's to call. */
+    if (SLOT(c, self->at[O_PLAIN]) != self->plain) return 0;
     if (SLOT(c, self->at[O_HELLO]) != Py_None) return 0;
     if (!is_zero(SLOT(c, self->at[O_PARTIAL]))) return 0;
     v = SLOT(c, self->at[O_BACKLOG]);
@@ -282,6 +290,9 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     for (int i = 0; i < O_COUNT; i++)
         all &= (self->at[i] = slot_offset(Py_TYPE(connection), slot_names[i])) >= 0;
     if (!all) self->at[0] = -1;
+    PyObject *plain = all ? SLOT(connection, self->at[O_PLAIN]) : NULL;
+    if (plain == NULL || plain == Py_None) self->at[0] = -1;
+    self->plain = Py_XNewRef(plain);
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -296,6 +307,7 @@ static int lane_traverse(PyObject *op, visitproc visit, void *arg) {
     Py_VISIT(self->commit);
     Py_VISIT(self->counters);
     Py_VISIT(self->holds_dict);
+    Py_VISIT(self->plain);
     return 0;
 }
 
@@ -309,6 +321,7 @@ static int lane_clear(PyObject *op) {
     Py_CLEAR(self->commit);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->holds_dict);
+    Py_CLEAR(self->plain);
     return 0;
 }
 

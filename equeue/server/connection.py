@@ -209,9 +209,16 @@ class Connection(asyncio.BufferedProtocol):
         self._answer_kind = bytes if self._commit is None else Frame
         self._pack = broker.packer.pack
         self._read_view = _read_buffer()
-        if fast is not None:
+        cls = type(self)
+        if (
+            fast is not None
+            and cls.buffer_updated is Connection.buffer_updated
+            and cls.get_buffer is Connection.get_buffer
+        ):
             # uvloop keeps protocol.buffer_updated and get_buffer as bound methods: the
-            # instance's own, in C, take a read without a Python frame (cext/sendlane.c)
+            # instance's own, in C, take a read without a Python frame (cext/sendlane.c).
+            # Not for a subclass's own buffer_updated/get_buffer (the lane would bypass
+            # them); the lane reads through plain_send only while _plain_send is it.
             lane = fast.SendLane(
                 self, self._read_view, self._max_frame_bytes, self._max_in_flight,
                 self._answer_kind, RESERVED_PREFIX, self._commit, broker.counters,
@@ -287,6 +294,11 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        # The lane refers to this connection: out of the instance dict, so a closed
+        # connection is freed by its last reference, not left to the cyclic GC. No read
+        # comes after connection_lost.
+        self.__dict__.pop("buffer_updated", None)
+        self.__dict__.pop("get_buffer", None)
         self.broker.connections.discard(self)
         self.broker.holds.drop(self)
         self.broker.partial_bytes -= self._partial
