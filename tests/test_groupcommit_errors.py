@@ -329,3 +329,80 @@ def test_a_forked_child_cannot_start_a_flush_on_its_copy() -> None:
         assert os.waitstatus_to_exitcode(raw) == 0
     finally:
         flusher.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "resumes"), [(errno.EMFILE, True), (errno.ENFILE, True), (errno.EACCES, False)]
+)
+def test_the_flushers_failed_open_refuses_until_a_flush_succeeds_when_transient(
+    base: Path, monkeypatch: pytest.MonkeyPatch, code: int, resumes: bool
+) -> None:
+    """Review 32d F1: the C flusher opening a chunk of its own for a moment out of
+    descriptors fails that batch only (nothing failed to reach the disk): the next flush
+    opens again, the sends resume once a service turn succeeds. Any other open failure
+    refuses every later send until a reopen, as a failed fdatasync does (the control)."""
+    from equeue.store import flush as flush_module
+
+    real = flush_module._open_own
+    armed: list[int] = []
+
+    def open_own(chunk: object) -> int:
+        if armed:
+            armed.clear()
+            raise StoreWriteError(code, f"[Errno {code}] {os.strerror(code)}: injected")
+        return real(chunk)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(flush_module, "_open_own", open_own)
+    store = MessageStore.open(base / "s", StoreConfig(flush="async", flush_interval_ms=20))
+    with (
+        BrokerThread(store, flush="sync", listen=[f"unix:{base}/b.sock"]) as broker,
+        equeue.connect(broker.urls[0]) as client,
+    ):
+        assert isinstance(broker.broker.commit._sync, flushers.CSync)  # type: ignore[union-attr]
+        client.create_topic("t", 1)
+        armed.append(1)  # the first flush opens the log chunk for the flusher
+        with pytest.raises(StoreWriteError, match="refused until"):
+            client.send("t", b"one")
+        time.sleep(0.3)  # about 15 service turns
+        if resumes:
+            assert client.send("t", b"two").queue_offset == 1  # "one" was stored
+        else:
+            with pytest.raises(StoreWriteError, match="refusing the send"):
+                client.send("t", b"two")
+    store.close()  # nothing failed to reach the disk: the close's own fdatasync succeeds
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_a_failed_log_fdatasync_under_async_flush_refuses_sends_until_a_reopen(
+    base: Path, monkeypatch: pytest.MonkeyPatch, fail: bool
+) -> None:
+    """Review 32d F2: flush="async", ``flush()`` fails on the log's chunk (EIO): every
+    later send is refused, also after the service's turns that skip the log (fewer than
+    flush_least_pages unflushed) succeed; nothing more is stored into the chunk no flush
+    can make durable. The control (no failure): the same sends are stored."""
+    config = StoreConfig(flush="async", flush_interval_ms=20, flush_thorough_interval_ms=200)
+    store = MessageStore.open(base / "s", config)
+    try:
+        store.create_topic("t", 1)
+        store.send("t", b"x")
+        if fail:
+            _fail_next_fdatasync(monkeypatch)
+            with pytest.raises(StoreWriteError):
+                store.flush()
+        stored = refused = 0
+        deadline = time.monotonic() + 0.5  # ~25 service turns
+        while time.monotonic() < deadline:
+            try:
+                store.send("t", b"y")
+                stored += 1
+            except StoreWriteError:
+                refused += 1
+            time.sleep(0.005)
+        assert (stored == 0) == fail and (refused == 0) != fail, (stored, refused)
+        assert store.queue_range("t", 0) == (0, 1 + stored)
+    finally:
+        if fail:
+            with pytest.raises(StoreWriteError):
+                store.close()
+        else:
+            store.close()

@@ -32,6 +32,8 @@ PAGE_SIZE = 4096  # flush_least_pages counts pages of this size
 # outcome of the latest-started attempt): no later attempt reaches it, so no later service
 # turn or flush that succeeds clears it, only a reopen (a new store) does.
 STICKY_ATTEMPT = 1 << 62
+# Why the broker's flusher may fail to open a chunk for a moment (log_sync_target)
+TRANSIENT_OPEN_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR})
 
 
 class _Request:
@@ -51,21 +53,24 @@ class FlushRecorder(Protocol):
     def _set_flush_error(self, error: StoreWriteError | None, attempt: int) -> None: ...
 
 
-def flush_recorded(host: FlushRecorder, flush: Callable[[], None]) -> None:
+def flush_recorded(host: FlushRecorder, flush: Callable[[], None], sticky: bool = True) -> None:
     """Run a log flush that acknowledges sends (GroupCommit's, the broker's): a failure is
     kept as the store's flush error, as a failed service turn is, so every later send is
     refused before anything is written instead of being stored, delivered, and answered
     "may be lost". A chunk's failed fdatasync is sticky, so only a reopen clears it: a
     later service turn that skips that chunk (fewer than flush_least_pages unflushed) and
-    succeeds must not let the next send into it (recorded under STICKY_ATTEMPT)."""
+    succeeds must not let the next send into it (recorded under STICKY_ATTEMPT).
+    ``sticky`` false: a failure that synced nothing and lost nothing (the broker's flusher
+    could not open the chunk: too many open files), refused only until a later flush
+    succeeds, as a failed service turn is."""
     try:
         flush()
     except StoreWriteError as exc:
-        host._set_flush_error(exc, STICKY_ATTEMPT)
+        host._set_flush_error(exc, STICKY_ATTEMPT if sticky else host._start_flush())
+        until = "the store is reopened" if sticky else "a flush succeeds"
         # Same class (DiskFullError stays DiskFullError), saying what to do.
         raise type(exc)(
-            exc.errno,
-            f"{exc.strerror or exc}; every later send is refused until the store is reopened",
+            exc.errno, f"{exc.strerror or exc}; every later send is refused until {until}"
         ) from exc
 
 
@@ -221,12 +226,12 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
             if time.monotonic() - last_thorough >= thorough_interval or host._checkpoint_due():
                 host._checkpoint(flush=config.flush != "os")
                 last_thorough = time.monotonic()
-                host._set_flush_error(None, attempt)
+                _turn_succeeded(host, attempt)
                 host._apply_retention_in_service()
             elif flush_async:
                 host._flush_log(least)
                 host._flush_queues(least)
-                host._set_flush_error(None, attempt)
+                _turn_succeeded(host, attempt)
             host._adopt_compacted(blocking=False)
         except ClosedError:
             return
@@ -236,11 +241,38 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
                 "fdatasync: until the store is reopened): %s",
                 exc,
             )
-            host._set_flush_error(exc, attempt)
+            record_flush_failure(host, exc, attempt)
             failed = True
         except Exception:  # the service must outlive any one failure; the next turn retries
             log.exception("background service step failed")
             failed = True
+
+
+def _turn_succeeded(host: ServiceHost, attempt: int) -> None:
+    """A service turn's flushes succeeded: lift the store's flush error, unless the log's
+    current chunk has a failed fdatasync (sticky; a flush() or an earlier turn failed it,
+    and this turn skipped the log: fewer than flush_least_pages unflushed): then refuse
+    every later send until a reopen, as the broker's group commit does (flush_recorded),
+    instead of storing sends into a chunk no flush can make durable."""
+    failure = _failed_log(host)
+    if failure is None:
+        host._set_flush_error(None, attempt)
+    else:
+        host._set_flush_error(failure, STICKY_ATTEMPT)
+
+
+def record_flush_failure(host: FlushRecorder, exc: StoreWriteError, attempt: int) -> None:
+    """A failed flush (a service turn's, ``flush()``'s) as the store's flush error: sends
+    are refused until a later flush succeeds, or until a reopen if the log's chunk failed
+    its fdatasync (sticky: no later flush can make what it holds durable)."""
+    host._set_flush_error(exc, attempt if _failed_log(host) is None else STICKY_ATTEMPT)
+
+
+def _failed_log(host: FlushRecorder) -> StoreWriteError | None:
+    """The failure of the log's current chunk's fdatasync, if one failed (Chunk._failed)."""
+    chunk = getattr(getattr(host, "_writer", None), "_chunk", None)
+    failed = getattr(chunk, "_failed", None)
+    return None if failed is None else failed[2]
 
 
 class LogSyncHost(FlushRecorder, Protocol):
@@ -321,11 +353,17 @@ def log_sync_target(host: LogSyncHost, own: OwnDescriptor) -> tuple[Chunk, int, 
     if end <= chunk.flushed_end or chunk._fd < 0:  # covered already; closed: completed
         return None
     if own._chunk is not chunk:
-
-        def open_own() -> None:  # a failure: the sends cannot be made durable, recorded
+        try:
             own.of(chunk)
+        except StoreWriteError as exc:  # this batch not made durable, recorded
+            failure = exc
 
-        flush_recorded(host, open_own)
+            def failed_open() -> None:
+                raise failure
+
+            # Out of descriptors or memory: nothing failed to reach the disk, the next flush
+            # opens again. A file replaced at the chunk's path: refused until a reopen.
+            flush_recorded(host, failed_open, sticky=exc.errno not in TRANSIENT_OPEN_ERRORS)
     fd = own.of(chunk)
     if chunk._failed is not None:  # failed before the open: its description missed it
         flush_recorded(host, lambda: chunk._fdatasync("flushing a chunk"))

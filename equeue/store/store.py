@@ -48,7 +48,7 @@ from equeue.store.bodies import Append, Appended
 from equeue.store.checkpoint import write_checkpoint
 from equeue.store.config import StoreConfig
 from equeue.store.consumer import Consumer, Start
-from equeue.store.flush import GroupCommit, flush_recorded, run_service
+from equeue.store.flush import GroupCommit, flush_recorded, record_flush_failure, run_service
 from equeue.store.keyindex import KeyIndex, open_writer_index
 from equeue.store.livetail import LiveTailWriter, current_boot_id, read_live_tail
 from equeue.store.losses import losses_at_open, read_topics
@@ -297,7 +297,11 @@ class MessageStore:
         """Make everything sent so far durable, under any flush policy, and checkpoint it."""
         self._check_writable()
         attempt = self._start_flush()
-        self._checkpoint(flush=True)
+        try:
+            self._checkpoint(flush=True)
+        except StoreWriteError as exc:  # later sends refused (until a reopen: a failed log)
+            record_flush_failure(self, exc, attempt)
+            raise
         self._set_flush_error(None, attempt)
 
     def flush_log(self) -> None:
