@@ -58,6 +58,9 @@ before = faults()
 for _ in range(20):
     held = [bytes(50_000 + i) for i in range(100)]
     del held
+if answer is None:  # did anything of the library's call keep_heap?
+    from equeue.server import heap
+    answer = heap._decided
 print((faults() - before) / 20, answer)
 """
 
@@ -99,12 +102,27 @@ def test_control_a_process_that_wrote_no_store_trims_its_heap() -> None:
 
 @pytest.mark.parametrize("mode", ["c", "python", "broker"])
 def test_the_library_leaves_the_heap_alone(mode: str) -> None:
+    """A store writer (C or Python prefault thread) and a BrokerThread never call
+    keep_heap. (Not by the faults a round: whether glibc trims depends on what else lies at
+    the heap's top, which differs between installs; a clean clone's venv gave 226-230 here
+    where this checkout's gave > 600.)"""
     from equeue import speedups
 
     if mode == "c" and speedups.SPEEDUPS is None:
         pytest.skip("the C accelerator is not built")
-    # Seen before keep_heap moved out of the prefault thread: ~60 faults a round (c, python).
-    assert faults_a_round(mode)[0] > 600
+    assert faults_a_round(mode)[1] == "None"
+
+
+def test_nothing_but_the_helper_changes_malloc() -> None:
+    """No mallopt anywhere else in the package, C or Python (keep_heap was first in
+    prefault.c, where a spy in Python cannot see it)."""
+    package = Path(equeue.__file__).parent
+    callers = sorted(
+        str(path.relative_to(package))
+        for path in [*package.rglob("*.py"), *package.rglob("*.c")]
+        if "mallopt" in path.read_text(encoding="utf-8")
+    )
+    assert callers == ["server/heap.py"]
 
 
 def test_the_helper_keeps_the_heap() -> None:
@@ -115,9 +133,8 @@ def test_the_helper_keeps_the_heap() -> None:
 
 @pytest.mark.parametrize("name", sorted(MALLOC_ENVIRONMENTS))
 def test_the_helper_leaves_malloc_to_the_environment(name: str) -> None:
-    faults, answer = faults_a_round("helper", **{name: MALLOC_ENVIRONMENTS[name]})
-    assert answer == "False"
-    assert faults > 600
+    # (the faults a round are the environment's setting's, not a measure of the helper)
+    assert faults_a_round("helper", **{name: MALLOC_ENVIRONMENTS[name]})[1] == "False"
 
 
 def _serve_log(scratch: str, **extra: str) -> str:
