@@ -131,7 +131,9 @@ def test_control_a_read_only_view_skips_the_writers_retention(directory: Path) -
             assert writer.apply_retention(time.time() + 3600) > 0
             first = writer.queue_range("t", 0)[0]
             pulled = view.pull("t", 0, first, COUNT).messages  # no error: a removal
-            assert [m.body for m in pulled] == [body(i) for i in range(first, COUNT + 1)]
+            # (the send just made may not be visible to the view yet: flush="async")
+            expected = [body(i) for i in range(first, COUNT + 1)]
+            assert [m.body for m in pulled] in (expected, expected[:-1])
     finally:
         writer.close()
 

@@ -269,7 +269,8 @@ def test_a_failed_fdatasync_withdraws_the_live_tail(
         with pytest.raises(StoreWriteError):
             store.flush()
         assert read_live_tail(tmp_path / "s", BOOT) is None
-        store.send_batch(TOPIC, [body(i) for i in range(3000, 6000)])
+        with pytest.raises(StoreWriteError, match="refusing the send"):  # until a reopen
+            store.send_batch(TOPIC, [body(i) for i in range(3000, 6000)])
         assert read_live_tail(tmp_path / "s", BOOT) is None  # and none is written after
     finally:
         monkeypatch.undo()
