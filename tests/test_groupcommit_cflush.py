@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from groupcommit_helpers import pipe_fdatasync
+from server_helpers import short_home
 
 import equeue
 from equeue import MessageStore, StoreConfig
@@ -31,11 +29,7 @@ SMALL = {"chunk_data_size": 64 * 1024, "queue_chunk_records": 1024}
 BODY = b"b" * 900  # 8 connections x 40 sends: about five 64 KiB chunks
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = pytest.fixture(short_home, name="base")  # a short path: Unix sockets in it
 
 
 class Spy:

@@ -16,14 +16,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from groupcommit_helpers import pipe_fdatasync
+from server_helpers import short_home
 
 import equeue
 from equeue import MessageStore, StoreConfig
@@ -38,11 +38,7 @@ LIMIT_S = 20.0
 SMALL = StoreConfig(chunk_data_size=64 * 1024, queue_chunk_records=1024)
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = pytest.fixture(short_home, name="base")  # a short path: Unix sockets in it
 
 
 class Peer:
