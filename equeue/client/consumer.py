@@ -33,6 +33,7 @@ of ``run``) sends the message to the group's retry topic for later.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -78,6 +79,30 @@ class Requester(Protocol):
     def request(self, op: str, arguments: dict[str, Any]) -> Any: ...
 
 
+class _Inline:
+    """A pull without a wait written by the loop's own thread (the blocking client's
+    start_request): no pool thread to wake, no Future, no callback. Its answer is read by
+    whichever thread reads the connection next, at the latest by the loop when its
+    buffer runs empty (_fetch): the broker answers such a pull at once."""
+
+    __slots__ = ("client", "started")
+
+    def __init__(self, client: Any, started: object) -> None:
+        self.client = client
+        self.started = started
+
+    def done(self) -> bool:
+        return bool(self.client.answered(self.started))
+
+    def result(self) -> Any:
+        return self.client.finish_request(self.started)
+
+    def wait(self) -> None:
+        """Until answered; its error (if any) is raised by result(), in _harvest."""
+        with contextlib.suppress(Exception):
+            self.client.finish_request(self.started)
+
+
 class GroupConsumer:
     """One member of ``group`` consuming ``topics`` through ``client``."""
 
@@ -107,7 +132,9 @@ class GroupConsumer:
         )  # fmt: skip
         self.timeout = timeout
         # per queue: its pull in flight, the offset and membership it was sent in
-        self._inflight: dict[Queue, tuple[Future[Any], int, int]] = {}
+        self._inflight: dict[Queue, tuple[Future[Any] | _Inline, int, int]] = {}
+        # the blocking client writes a pull without a wait from this thread (_Inline)
+        self._inline = client if hasattr(client, "start_request") else None
         # the queues whose last pull brought less than a batch: long-polled (_start_pulls)
         self._drained: set[Queue] = set()
         # the queues whose last pull found nothing, and when to pull them again at the
@@ -303,6 +330,11 @@ class GroupConsumer:
                 self._start_pulls(quick=bool(state.buffer))
                 if state.buffer:
                     return True
+                unread = [p for p, _, _ in self._inflight.values() if type(p) is _Inline]
+                if unread and not all(p.done() for p in unread):
+                    # pulls without a wait are answered at once: read them, not a second
+                    next(p for p in unread if not p.done()).wait()
+                    continue
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
                     self._commit(None)  # nothing came for a while: commit what is done
             except (GroupError, ConnectionLostError) as exc:
@@ -363,24 +395,26 @@ class GroupConsumer:
     def _harvest(self) -> None:
         state = self.state
         idle, drained, whole = self._idle, self._drained, state.batch_size
-        for key, (future, at, epoch) in list(self._inflight.items()):
-            if not future.done():
+        for key, (pull, at, epoch) in list(self._inflight.items()):
+            if not pull.done():
                 continue
             del self._inflight[key]
-            error = future.exception()
+            try:
+                answer = pull.result()
+            except Exception:
+                if epoch == state.epoch and key in state.positions:
+                    raise
+                continue  # sent before the membership was lost, or for a queue dropped
             if epoch != state.epoch:
                 continue  # sent before the membership was lost: not ours to judge
-            if error is None:
-                count = state.pulled(key, at, future.result())
-                if count >= whole:
-                    drained.discard(key)
-                    idle.pop(key, None)
-                else:
-                    drained.add(key)
-                    if not count:
-                        idle[key] = time.monotonic() + IDLE_RECHECK_SECONDS
-            elif key in state.positions:
-                raise error
+            count = state.pulled(key, at, answer)
+            if count >= whole:
+                drained.discard(key)
+                idle.pop(key, None)
+            else:
+                drained.add(key)
+                if not count:
+                    idle[key] = time.monotonic() + IDLE_RECHECK_SECONDS
 
     def _start_pulls(self, *, quick: bool = False) -> None:
         """Pull the queues that want it, long-polled (a held pull costs the blocking
@@ -405,11 +439,16 @@ class GroupConsumer:
         ]  # fmt: skip
         # past MAX_POLLERS, the pool's queue takes them in turn (FIFO: a queue answered
         # goes after those waiting)
+        inline = self._inline
         for key in wanted:
             args = state.pull_args(key, wait_ms if drained is None or key in drained else 0)
+            if inline is not None and "wait_ms" not in args:
+                pull = _Inline(inline, inline.start_request("pull_columns", args))
+                self._inflight[key] = (pull, args["offset"], epoch)
+                continue
             future = self._pool.submit(self.client.request, "pull_columns", args)
             future.add_done_callback(self._answered)
-            self._inflight[key] = (future, args["offset"], state.epoch)
+            self._inflight[key] = (future, args["offset"], epoch)
 
     def _commit(self, queues: list[Queue] | None) -> None:
         state = self.state

@@ -624,6 +624,25 @@ class Client:
         conn, (slot,) = self._submit([Call(op, arguments, messages, wait)], columns=False)
         return self._wait(conn, slot)
 
+    def start_request(self, op: str, arguments: dict[str, Any]) -> tuple[_Connection, _Slot]:
+        """``request`` written without waiting for its answer (as request, ProtocolError,
+        nothing sent, for a wrong op or argument): whichever thread reads next hands the
+        answer in (``answered``), ``finish_request`` gives it (reading it if none did).
+        The group consumer pulls this way from its own thread, no pool thread woken."""
+        check_args(op, arguments, f"request to {self.url}")
+        wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
+        conn, (slot,) = self._submit([Call(op, arguments, None, wait)], columns=False)
+        return conn, slot
+
+    @staticmethod
+    def answered(started: tuple[_Connection, _Slot]) -> bool:
+        return started[1].done
+
+    def finish_request(self, started: tuple[_Connection, _Slot]) -> Any:
+        """The result of a ``start_request`` (its error raised), waiting for it."""
+        conn, slot = started
+        return self._outcome(slot) if slot.done else self._wait(conn, slot)
+
     # --- MessageStore's methods --------------------------------------------------
 
     def send(
