@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -145,6 +146,8 @@ class GroupConsumer:
         self._stop = threading.Event()
         self._beat_now = threading.Event()
         self._last_commit = time.monotonic()
+        # when the next commit is due with auto_commit (never without): poll compares once
+        self._commit_due = self._last_commit + self._commit_every()
         self._join()  # errors (unknown topic, bad arguments) here, not at the first message
         self._maintain()
         self._heartbeat = threading.Thread(
@@ -163,7 +166,10 @@ class GroupConsumer:
     # --- the loop ----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Message]:
-        return self
+        # a generator: resuming it costs less than a call of __next__ a message
+        poll = self.poll
+        while (message := poll(self.timeout)) is not None:
+            yield message
 
     def __next__(self) -> Message:
         message = self.poll(self.timeout)
@@ -177,8 +183,31 @@ class GroupConsumer:
         if state.closed:
             self._check_open()
         state.last_poll = now = time.monotonic()
-        if state.handed is not None:
-            state.done_with_pending()
+        batch = state.handed
+        if batch is not None:  # processed (state.done_with_pending, inline: once a message)
+            state.handed = None
+            if not batch.done and batch.key in state.processed:
+                state.processed[batch.key] = batch  # (the batch works its offset out)
+            batch.done = batch.next
+        buffer = state.buffer
+        if (
+            buffer
+            and now < self._commit_due
+            and not (state.refill or state.news or state.lost or state.failure)
+        ):  # the common case: a message at hand, nothing else to do
+            batch = buffer[0]
+            i = batch.next
+            message = batch.messages[i]
+            batch.next = i = i + 1
+            if i == batch.count:  # handed out whole: its queue may want its next pull
+                buffer.popleft()
+                state.refill = True
+            state.handed = batch
+            return message
+        return self._poll(timeout, now)
+
+    def _poll(self, timeout: float | None, now: float) -> Message | None:
+        state = self.state
         if state.news or state.lost or state.failure:  # revoked queues go at once
             try:
                 self._maintain()
@@ -188,23 +217,12 @@ class GroupConsumer:
         if state.buffer:  # the common case: a message at hand
             if state.refill:  # a pull answered, or a queue run low: take it, pull again
                 self._refill()
-            if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
+            if now >= self._commit_due:
                 self._commit_quietly(None)
-            buffer = state.buffer
-            if buffer:  # (state.next_message, inline: this runs once a message)
-                batch = buffer[0]
-                i = batch.next
-                message = batch.messages[i]
-                batch.next = i = i + 1
-                if i == batch.count:  # handed out whole: its queue may want its next pull
-                    buffer.popleft()
-                    state.refill = True
-                state.handed = batch
-                return message
+            if state.buffer:
+                return state.next_message()
         if not state.buffer:
-            if state.auto_commit and time.monotonic() - self._last_commit >= (
-                state.auto_commit_interval
-            ):
+            if time.monotonic() >= self._commit_due:
                 self._commit_quietly(None)
             if not self._fetch(timeout):
                 return None
@@ -459,6 +477,11 @@ class GroupConsumer:
             )
             state.committed[(topic, queue_id)] = offset
         self._last_commit = time.monotonic()
+        self._commit_due = self._last_commit + self._commit_every()
+
+    def _commit_every(self) -> float:
+        state = self.state
+        return state.auto_commit_interval if state.auto_commit else math.inf
 
     def _commit_quietly(self, queues: list[Queue] | None) -> None:
         try:

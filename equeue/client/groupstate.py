@@ -282,7 +282,7 @@ class GroupState:
         return len(messages)
 
     def next_message(self) -> Message:
-        """The next message (the buffer holds one). GroupConsumer.poll has this inline."""
+        """The next message (the buffer holds one). GroupConsumer.poll has it inline."""
         batch = self.buffer[0]
         i = batch.next
         message = batch.messages[i]
@@ -299,9 +299,10 @@ class GroupState:
         batch = self.handed
         if batch is not None:
             self.handed = None
-            batch.done = batch.next
-            if batch.key in self.processed:
+            # the batch works its offset out (after()): put in once, at its first message
+            if not batch.done and batch.key in self.processed:
                 self.processed[batch.key] = batch
+            batch.done = batch.next
 
     def processed_offset(self, key: Queue) -> int:
         found = self.processed[key]
