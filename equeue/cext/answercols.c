@@ -14,63 +14,7 @@
 #include "speedups.h"
 #include "hex16.h"
 #include "msgpack_min.h"
-
-typedef struct {
-    const unsigned char *p, *end;
-} Cursor;
-
-static inline int take(Cursor *c, Py_ssize_t n) { return c->end - c->p >= n; }
-
-/* A msgpack uint (any, up to 2**64-1): 1, else 0. */
-static inline __attribute__((always_inline)) int read_uint64(Cursor *c, uint64_t *v) {
-    if (!take(c, 1)) return 0;
-    unsigned char b = *c->p;
-    if (b <= 0x7f) {
-        *v = b;
-        c->p += 1;
-        return 1;
-    }
-    int n = b == 0xcc ? 1 : b == 0xcd ? 2 : b == 0xce ? 4 : b == 0xcf ? 8 : 0;
-    if (n == 0 || !take(c, 1 + n)) return 0;
-    *v = get_be(c->p + 1, n);
-    c->p += 1 + n;
-    return 1;
-}
-
-/* A msgpack uint below 2**63 (a column's value, held as int64): 1, else 0. */
-static inline __attribute__((always_inline)) int read_uint(Cursor *c, uint64_t *v) {
-    return read_uint64(c, v) && *v <= (uint64_t)INT64_MAX;
-}
-
-/* An array header: its length, or -1. */
-static Py_ssize_t read_array(Cursor *c) {
-    if (!take(c, 1)) return -1;
-    unsigned char b = *c->p;
-    if ((b & 0xf0) == 0x90) {
-        c->p += 1;
-        return b & 0x0f;
-    }
-    int n = b == 0xdc ? 2 : b == 0xdd ? 4 : 0;
-    if (n == 0 || !take(c, 1 + n)) return -1;
-    uint64_t v = get_be(c->p + 1, n);
-    c->p += 1 + n;
-    return (Py_ssize_t)v;
-}
-
-/* A str header: its length (the bytes there), or -1. */
-static inline __attribute__((always_inline)) Py_ssize_t read_str(Cursor *c) {
-    if (!take(c, 1)) return -1;
-    unsigned char b = *c->p;
-    if ((b & 0xe0) == 0xa0) {
-        c->p += 1;
-        return take(c, b & 0x1f) ? (Py_ssize_t)(b & 0x1f) : -1;
-    }
-    int n = b == 0xd9 ? 1 : b == 0xda ? 2 : b == 0xdb ? 4 : 0;
-    if (n == 0 || !take(c, 1 + n)) return -1;
-    Py_ssize_t len = (Py_ssize_t)get_be(c->p + 1, n);
-    c->p += 1 + n;
-    return take(c, len) ? len : -1;
-}
+#include "cursor.h"
 
 /* Whether the n bytes at a and b are equal: 8 at a time (an id prefix is 8 bytes). */
 static inline int same_prefix(const unsigned char *a, const unsigned char *b, Py_ssize_t n) {
@@ -158,7 +102,8 @@ static PyObject *read_columns(Cursor *c) {
     if (out == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         /* one float for a run of equal stored times (a batch has one) */
-        if (stored == NULL || memcmp(&PyFloat_AS_DOUBLE(stored), &rows[i].stored, 8) != 0) {
+        double last = stored == NULL ? 0.0 : PyFloat_AS_DOUBLE(stored);
+        if (stored == NULL || memcmp(&last, &rows[i].stored, 8) != 0) {
             Py_XDECREF(stored);
             if ((stored = PyFloat_FromDouble(rows[i].stored)) == NULL) goto fail;
         }

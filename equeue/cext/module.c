@@ -98,6 +98,7 @@ static PyMethodDef methods[] = {
     {"results_of_columns", results_of_columns, METH_VARARGS, NULL},
     {"all_bytes", all_bytes, METH_O, NULL},
     {"columns_answer", columns_answer, METH_VARARGS, NULL},
+    {"pull_answer", pull_answer, METH_VARARGS, NULL},
     {"bodies_request", bodies_request, METH_VARARGS, NULL},
     {"bodies_body", (PyCFunction)(void (*)(void))bodies_body, METH_FASTCALL, NULL},
     {"client_send_frame", (PyCFunction)(void (*)(void))client_send_frame, METH_FASTCALL, NULL},

@@ -203,6 +203,7 @@ PyObject *frames_by_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 PyObject *results_of_columns(PyObject *self, PyObject *args);
 PyObject *all_bytes(PyObject *self, PyObject *items);
 PyObject *columns_answer(PyObject *self, PyObject *args);
+PyObject *pull_answer(PyObject *self, PyObject *args);
 PyObject *bodies_request(PyObject *self, PyObject *args);
 /* bodyspans.c: a send_bodies request's bodies where they lie in its frame (the broker) */
 typedef struct {

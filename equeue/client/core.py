@@ -29,6 +29,7 @@ from equeue.protocol.frames import (
     decode_body,
 )
 from equeue.protocol.handshake import Hello, Welcome
+from equeue.protocol.pullcols import pull_answer
 from equeue.protocol.pullcols import unpack_any as _pull_columns
 from equeue.protocol.records import (
     bodies_request,
@@ -98,7 +99,7 @@ class RequestEncoder:
 class AnswerReader:
     """Frame bodies from the broker's byte stream, decoded (any split of the bytes)."""
 
-    __slots__ = ("_buffer", "columns", "max_frame_bytes", "where")
+    __slots__ = ("_buffer", "columns", "max_frame_bytes", "pulls", "where")
 
     def __init__(self, max_frame_bytes: int, where: str) -> None:
         self._buffer = bytearray()
@@ -107,6 +108,9 @@ class AnswerReader:
         # Request ids of send_bodies in flight: their answers read by columns_answer (C),
         # straight from the frame's bytes into SendResults, when of the expected form
         self.columns: set[int] = set()
+        # Request ids of pull_columns in flight whose caller takes a pull_answer tuple
+        # (the group consumer's start_request): read in C straight into Messages
+        self.pulls: set[int] = set()
 
     def feed(self, data: bytes | memoryview) -> list[Any]:
         buffer = self._buffer
@@ -128,6 +132,8 @@ class AnswerReader:
                     break
                 with view[body_start : body_start + length] as payload:
                     body = columns_answer(payload, self.columns) if self.columns else None
+                    if body is None and self.pulls:
+                        body = pull_answer(payload, self.pulls)
                     if body is None:
                         body = decode_body(payload, self.where)
                 bodies.append(body)

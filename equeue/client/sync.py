@@ -298,6 +298,8 @@ class Client:
                 slot = conn.pending.pop(request_id, None)
                 if conn.reader.columns:
                     conn.reader.columns.discard(request_id)
+                if conn.reader.pulls:
+                    conn.reader.pulls.discard(request_id)
                 if slot is None:
                     if request_id == CONNECTION_REQUEST_ID:
                         error = answer_error(payload, self.url)
@@ -325,12 +327,18 @@ class Client:
     # --- requests ----------------------------------------------------------------
 
     def _submit(
-        self, batch: list[Call], on: _Connection | None = None, *, columns: bool = True
+        self,
+        batch: list[Call],
+        on: _Connection | None = None,
+        *,
+        columns: bool = True,
+        pulls: bool = False,
     ) -> tuple[_Connection, list[_Slot]]:
         """Write ``batch``'s requests in one go; their slots, in order. ``on``: only on
         that connection (ConnectionLostError, nothing written, if it broke). ``columns``:
         send_bodies answers read in C into SendResults (only for callers that decode them
-        with DECODERS; request() gives what msgpack decodes)."""
+        with DECODERS; request() gives what msgpack decodes). ``pulls``: pull_columns
+        answers read in C (pull_answer; only for start_request)."""
         failed = self._failed[0]
         with self._write_lock:
             while True:
@@ -360,6 +368,8 @@ class Client:
                     for i, c in enumerate(batch):
                         if columns and c.op == "send_bodies":  # answer read in C (reader.columns)
                             conn.reader.columns.add(first + i)
+                        elif pulls and c.op == "pull_columns":  # the same (reader.pulls)
+                            conn.reader.pulls.add(first + i)
                 with conn.io_lock:
                     conn.sock.sendall(data)
             except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
@@ -628,10 +638,12 @@ class Client:
         """``request`` written without waiting for its answer (as request, ProtocolError,
         nothing sent, for a wrong op or argument): whichever thread reads next hands the
         answer in (``answered``), ``finish_request`` gives it (reading it if none did).
-        The group consumer pulls this way from its own thread, no pool thread woken."""
+        The group consumer pulls this way from its own thread, no pool thread woken; a
+        pull_columns answer may come as pull_answer's tuple (pullcols.unpack_any)."""
         check_args(op, arguments, f"request to {self.url}")
         wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
-        conn, (slot,) = self._submit([Call(op, arguments, None, wait)], columns=False)
+        call = Call(op, arguments, None, wait)
+        conn, (slot,) = self._submit([call], columns=False, pulls=True)
         return conn, slot
 
     @staticmethod

@@ -130,9 +130,21 @@ def _id(prefix: str, position: int) -> str:
     return f"{prefix}{position:016x}"
 
 
+def pull_answer(payload: bytes | memoryview, request_ids: set[int]) -> Any:
+    """A frame body answering one of ``request_ids`` (pull_columns) in the common form
+    (no ids, keys or properties columns; one tag and code), read in C into ``[request id,
+    0, (Messages, next_offset)]``; None (decode it with msgpack) for any other answer or
+    where the accelerator is not built."""
+    fast = speedups.SPEEDUPS
+    return None if fast is None else fast.pull_answer(payload, request_ids)
+
+
 def unpack_any(value: object, where: str) -> PullResult:
     """A pull_columns answer, or a pull's (an array of 2: what a broker before version 3
-    answers, the client having sent ``pull`` to it instead)."""
+    answers, the client having sent ``pull`` to it instead); a tuple: read by
+    pull_answer already."""
+    if type(value) is tuple:
+        return PullResult(*value)
     if type(value) is list and len(value) == 2:
         return unpack_pull_result(value, where)
     return unpack(value, where)
