@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from client_helpers import WELCOME, FakeBroker, Peer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import short_dir
@@ -21,9 +22,9 @@ from test_pull_columns import HOSTILE
 import equeue
 from equeue import speedups
 from equeue.client.consumer import GroupConsumer
-from equeue.errors import EQueueError
+from equeue.errors import EQueueError, ProtocolError
 from equeue.protocol import pullcols
-from equeue.protocol.frames import decode_body
+from equeue.protocol.frames import COLUMNS_VERSION, decode_body
 from equeue.server import BrokerThread
 from equeue.store.types import Message, PullResult
 
@@ -174,3 +175,39 @@ def test_start_request_pulls_give_what_a_pull_gives(broker: BrokerThread) -> Non
         assert client.committed_offset("g", "sr", 0) == 4
         conn = client._conn
         assert conn is not None and not conn.reader.pulls  # (each id out as its answer came)
+
+
+def test_a_hostile_answer_to_a_pull_of_the_loops_own_thread_is_a_protocol_error() -> None:
+    """A fake broker answers the member's first pull (a long poll, from a pool thread)
+    with a whole batch, so its next pull goes without a wait from the loop's own thread
+    (start_request); that one is answered with nonsense: the loop hands out the batch,
+    then raises ProtocolError (no builtin exception), and the fake saw the inline pull."""
+    good = [
+        _message(i, {"offset": i, "position": i, "tag": "", "key": None, "properties": {},
+                     "code": 0, "created": 1, "stored": 2, "body": b"m%d" % i}, "ab")
+        for i in range(2)
+    ]  # fmt: skip
+    data, _ = pullcols._pack(good, 2, "t", 0, "ab", 1 << 20)
+    pulls: list[dict[str, Any]] = []
+    join = {"generation": 1, "assignment": [["t", 0]], "heartbeat_interval_ms": 1000}
+
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send({**WELCOME, "version": COLUMNS_VERSION})
+        while True:
+            request_id, op, args = peer.recv()
+            answer: Any = {"join": join, "heartbeat": join, "queue_range": [0, 10]}.get(op)
+            if op == "pull_columns":
+                pulls.append(args)
+                answer = msgpack.unpackb(data) if len(pulls) == 1 else HOSTILE[2][1]
+            peer.send([request_id, 0, answer])
+
+    with FakeBroker(script) as fake, equeue.connect(fake.url, timeout=5) as client:
+        with GroupConsumer(client, "g", "t", batch_size=2) as consumer:
+            assert [m.body for m in (consumer.poll(2.0), consumer.poll(2.0)) if m] == [
+                b"m0", b"m1",
+            ]  # fmt: skip
+            with pytest.raises(ProtocolError, match="pull_columns"):
+                consumer.poll(2.0)
+        assert not fake.errors
+    assert [("wait_ms" in p, p["offset"]) for p in pulls[:2]] == [(True, 0), (False, 2)]
