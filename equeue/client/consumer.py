@@ -148,6 +148,7 @@ class GroupConsumer:
         self._last_commit = time.monotonic()
         # when the next commit is due with auto_commit (never without): poll compares once
         self._commit_due = self._last_commit + self._commit_every()
+        self._settled: object = None  # the broker's answer last found applied (_maintain)
         self._join()  # errors (unknown topic, bad arguments) here, not at the first message
         self._maintain()
         self._heartbeat = threading.Thread(
@@ -392,8 +393,12 @@ class GroupConsumer:
             raise state.failure
         if state.lost:
             self._join()
+        answer = state.answer  # (replaced whole by take(), never changed in place)
+        if answer is not None and answer is self._settled:
+            return  # that answer is applied: plan() would say so, at a lock and two sets
         plan = state.plan()
         if plan is None:
+            self._settled = answer
             return
         generation, revoked, added = plan
         if revoked:
