@@ -297,3 +297,20 @@ def test_the_blocking_member_sends_no_long_poll_while_messages_are_at_hand(url: 
         pulls = [(p["offset"], p.get("wait_ms", 0)) for p in recorder.pulls if p["topic"] == TOPIC]
         assert pulls[0] == (0, 1000)  # nothing at hand: a long poll (POLL_WAIT_MS)
         assert [wait for at, wait in pulls if at == 32] == [0]  # 32 at hand: no wait
+
+
+def test_run_stops_at_max_messages_and_iteration_goes_on_from_there(url: str) -> None:
+    """run() and iteration share one generator (poll's common case inline): run stops
+    after max_messages without polling the next (its last message stays in hand until
+    commit), max_messages=0 takes none, and iteration then goes on in order."""
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"%d" % i for i in range(10)])
+        seen: list[bytes] = []
+        with GroupConsumer(client, "runs", TOPIC, batch_size=4, timeout=0.5) as consumer:
+            assert consumer.run(lambda m: seen.append(m.body), max_messages=3) == 3
+            assert consumer.run(lambda m: seen.append(m.body), max_messages=0) == 0
+            assert seen == [b"0", b"1", b"2"]
+            consumer.commit()  # the third, in hand, counts as processed now
+            assert client.committed_offset("runs", TOPIC, 0) == 3
+            assert [m.body for m in consumer] == [b"%d" % i for i in range(3, 10)]
+        assert client.committed_offset("runs", TOPIC, 0) == 10

@@ -167,10 +167,7 @@ class GroupConsumer:
     # --- the loop ----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Message]:
-        # a generator: resuming it costs less than a call of __next__ a message
-        poll = self.poll
-        while (message := poll(self.timeout)) is not None:
-            yield message
+        return self._messages(None, own=True)
 
     def __next__(self) -> Message:
         message = self.poll(self.timeout)
@@ -178,33 +175,50 @@ class GroupConsumer:
             raise StopIteration
         return message
 
+    def _messages(self, timeout: float | None, *, own: bool) -> Iterator[Message]:
+        """poll(timeout) (own: poll(self.timeout)) until it gives None, as a generator
+        with poll's common case inline: resuming it costs less than a call a message."""
+        state = self.state
+        monotonic = time.monotonic
+        while True:
+            if state.closed:
+                self._check_open()
+            state.last_poll = now = monotonic()
+            batch = state.handed
+            if batch is not None:  # processed (state.done_with_pending, inline)
+                state.handed = None
+                if not batch.done and batch.key in state.processed:
+                    state.processed[batch.key] = batch  # (the batch works its offset out)
+                batch.done = batch.next
+            buffer = state.buffer
+            if (
+                buffer
+                and now < self._commit_due
+                and not (state.refill or state.news or state.lost or state.failure)
+            ):  # a message at hand, nothing else to do (state.next_message, inline)
+                batch = buffer[0]
+                i = batch.next
+                message = batch.messages[i]
+                batch.next = i = i + 1
+                if i == batch.count:  # handed out whole: its queue may want its next pull
+                    buffer.popleft()
+                    state.refill = True
+                state.handed = batch
+                yield message
+                continue
+            found = self._poll(self.timeout if own else timeout, now)
+            if found is None:
+                return
+            yield found
+
     def poll(self, timeout: float | None = 0.0) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
         state = self.state
         if state.closed:
             self._check_open()
         state.last_poll = now = time.monotonic()
-        batch = state.handed
-        if batch is not None:  # processed (state.done_with_pending, inline: once a message)
-            state.handed = None
-            if not batch.done and batch.key in state.processed:
-                state.processed[batch.key] = batch  # (the batch works its offset out)
-            batch.done = batch.next
-        buffer = state.buffer
-        if (
-            buffer
-            and now < self._commit_due
-            and not (state.refill or state.news or state.lost or state.failure)
-        ):  # the common case: a message at hand, nothing else to do
-            batch = buffer[0]
-            i = batch.next
-            message = batch.messages[i]
-            batch.next = i = i + 1
-            if i == batch.count:  # handed out whole: its queue may want its next pull
-                buffer.popleft()
-                state.refill = True
-            state.handed = batch
-            return message
+        if state.handed is not None:
+            state.done_with_pending()
         return self._poll(timeout, now)
 
     def _poll(self, timeout: float | None, now: float) -> Message | None:
@@ -240,16 +254,17 @@ class GroupConsumer:
         the backoff of its attempt, at last dead-lettered). Ends after ``max_messages``,
         or once none came for ``timeout`` seconds; returns how many were handled."""
         handled = 0
-        while max_messages is None or handled < max_messages:
-            message = self.poll(timeout)
-            if message is None:
-                break
+        if max_messages is not None and max_messages <= 0:
+            return 0
+        for message in self._messages(timeout, own=False):
             try:
                 handler(message)
             except Exception as exc:
                 log.warning("handler failed on %s: %r; nacked", message.message_id, exc)
                 self.nack(message)
             handled += 1
+            if handled == max_messages:  # (the next is not polled: this one stays in hand)
+                break
         return handled
 
     def nack(self, message: Message, delay: float | None = None) -> None:
