@@ -7,16 +7,14 @@ to the msgpack path (None), never read differently."""
 from __future__ import annotations
 
 import random
-import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 import pytest
+import test_pull_columns
 from client_helpers import WELCOME, FakeBroker, Peer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import short_dir
 from test_pull_columns import HOSTILE
 
 import equeue
@@ -28,6 +26,7 @@ from equeue.protocol.frames import COLUMNS_VERSION, decode_body
 from equeue.server import BrokerThread
 from equeue.store.types import Message, PullResult
 
+broker = test_pull_columns.broker  # its module-scoped BrokerThread fixture
 pytestmark = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator is not built")
 
 INT64 = 2**63 - 1
@@ -140,16 +139,6 @@ def test_other_answers_are_left_to_msgpack() -> None:
     for what, answer in HOSTILE:  # the shapes pullcols.unpack refuses: msgpack's path says so
         frame = _frame(msgpack.packb(answer, use_bin_type=True))
         assert pullcols.pull_answer(frame, {RID}) is None, what
-
-
-@pytest.fixture(scope="module")
-def broker() -> Iterator[BrokerThread]:
-    directory = short_dir()
-    try:
-        with BrokerThread(directory / "s") as running:
-            yield running
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_start_request_pulls_give_what_a_pull_gives(broker: BrokerThread) -> None:

@@ -128,12 +128,15 @@ done:
     return out;
 }
 
-PyObject *columns_answer(PyObject *self, PyObject *args) {
+/* columns_answer and pull_answer (pullanswer.c): the frame's [request id, status, value]
+ * with ``read`` reading the value, for a request id in the set given, an OK status and
+ * a value ``read`` takes (else None: msgpack decodes the frame). */
+PyObject *answer_frame(PyObject *args, PyObject *(*read)(Cursor *)) {
     Py_buffer frame;
     PyObject *rids;
     if (!PyArg_ParseTuple(args, "y*O!", &frame, &PySet_Type, &rids)) return NULL;
     Cursor c = {frame.buf, (const unsigned char *)frame.buf + frame.len};
-    PyObject *result = NULL, *rid = NULL, *results = NULL;
+    PyObject *result = NULL, *rid = NULL, *value = NULL;
     uint64_t id;
     if (read_array(&c) != 3 || !read_uint64(&c, &id) || !take(&c, 1) || *c.p != MP_STATUS_OK) {
         result = Py_NewRef(Py_None);
@@ -146,18 +149,31 @@ PyObject *columns_answer(PyObject *self, PyObject *args) {
         if (known == 0) result = Py_NewRef(Py_None);
         goto out;
     }
-    results = read_columns(&c);
-    if (results == NULL) goto out;
-    if (results == Py_None) {
+    value = read(&c);
+    if (value == NULL) goto out;
+    if (value == Py_None) {
         result = Py_NewRef(Py_None);
         goto out;
     }
-    result = Py_BuildValue("[OiN]", rid, 0, PyTuple_Pack(1, results));
+    result = Py_BuildValue("[OiO]", rid, 0, value);
 out:
-    Py_XDECREF(results);
+    Py_XDECREF(value);
     Py_XDECREF(rid);
     PyBuffer_Release(&frame);
     return result;
+}
+
+/* (results,): the tuple marks them as read */
+static PyObject *read_columns_tuple(Cursor *c) {
+    PyObject *results = read_columns(c);
+    if (results == NULL || results == Py_None) return results;
+    PyObject *one = PyTuple_Pack(1, results);
+    Py_DECREF(results);
+    return one;
+}
+
+PyObject *columns_answer(PyObject *self, PyObject *args) {
+    return answer_frame(args, read_columns_tuple);
 }
 
 /* --- the request: bodies_request(request id, topic, bodies, max_frame_bytes) -> the

@@ -61,4 +61,7 @@ static inline __attribute__((always_inline)) Py_ssize_t read_str(Cursor *c) {
     return take(c, len) ? len : -1;
 }
 
+/* The answer frame's head read, its value read by ``read`` (answercols.c). */
+PyObject *answer_frame(PyObject *args, PyObject *(*read)(Cursor *));
+
 #endif

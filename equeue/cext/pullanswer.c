@@ -154,34 +154,4 @@ done:
     return out;
 }
 
-PyObject *pull_answer(PyObject *self, PyObject *args) {
-    Py_buffer frame;
-    PyObject *rids;
-    if (!PyArg_ParseTuple(args, "y*O!", &frame, &PySet_Type, &rids)) return NULL;
-    Cursor c = {frame.buf, (const unsigned char *)frame.buf + frame.len};
-    PyObject *result = NULL, *rid = NULL, *value = NULL;
-    uint64_t id;
-    if (read_array(&c) != 3 || !read_uint64(&c, &id) || !take(&c, 1) || *c.p != MP_STATUS_OK) {
-        result = Py_NewRef(Py_None);
-        goto out;
-    }
-    c.p += 1;
-    rid = PyLong_FromUnsignedLongLong(id);
-    int known = rid == NULL ? -1 : PySet_Contains(rids, rid);
-    if (known <= 0) {
-        if (known == 0) result = Py_NewRef(Py_None);
-        goto out;
-    }
-    value = read_pull(&c);
-    if (value == NULL) goto out;
-    if (value == Py_None) {
-        result = Py_NewRef(Py_None);
-        goto out;
-    }
-    result = Py_BuildValue("[OiO]", rid, 0, value);
-out:
-    Py_XDECREF(value);
-    Py_XDECREF(rid);
-    PyBuffer_Release(&frame);
-    return result;
-}
+PyObject *pull_answer(PyObject *self, PyObject *args) { return answer_frame(args, read_pull); }
