@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -314,3 +316,29 @@ def test_run_stops_at_max_messages_and_iteration_goes_on_from_there(url: str) ->
             assert client.committed_offset("runs", TOPIC, 0) == 3
             assert [m.body for m in consumer] == [b"%d" % i for i in range(3, 10)]
         assert client.committed_offset("runs", TOPIC, 0) == 10
+
+
+def test_a_long_poll_written_while_busy_still_wakes_the_idle_loop(url: str) -> None:
+    """A queue found drained while messages are at hand is long-polled from the loop's own
+    thread (start_request, no pool thread); once the buffer runs empty with only such
+    long polls in flight, pool threads take them over, so a message arriving is handed
+    out at once, not after a heartbeat (every 10 s here) happens to read the connection.
+    (Before the take-over the last poll gave None: nobody read the answer.)"""
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"b%d" % i for i in range(20)])  # batches of 8, 8, 4
+        with GroupConsumer(
+            client, "g2", TOPIC, batch_size=8, session_timeout=30.0, auto_commit=False
+        ) as consumer:  # (no commit request to read the connection meanwhile)
+            got = [consumer.poll(5.0)]
+            # meanwhile the retry queue's first long poll (from a pool thread, nothing was
+            # at hand then) ends: its next one, as TOPIC's after the batch of 4, is inline
+            time.sleep(1.5)
+            got += [consumer.poll(5.0) for _ in range(19)]
+            assert [m.body for m in got if m is not None] == [b"b%d" % i for i in range(20)]
+            late = threading.Timer(0.3, client.send, (TOPIC, b"late"))
+            late.start()
+            try:
+                message = consumer.poll(3.0)
+            finally:
+                late.join()
+            assert message is not None and message.body == b"late"

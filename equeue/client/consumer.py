@@ -81,16 +81,19 @@ class Requester(Protocol):
 
 
 class _Inline:
-    """A pull without a wait written by the loop's own thread (the blocking client's
-    start_request): no pool thread to wake, no Future, no callback. Its answer is read by
-    whichever thread reads the connection next, at the latest by the loop when its
-    buffer runs empty (_fetch): the broker answers such a pull at once."""
+    """A pull written by the loop's own thread while messages are at hand (the blocking
+    client's start_request): no pool thread to wake, no Future, no callback. Its answer
+    is read by whichever thread reads the connection next, at the latest by the loop
+    when its buffer runs empty (_fetch): there it reads the answer of a pull without a
+    wait (given at once), and hands a long poll (``waits``) to a pool thread to wait for,
+    so that whichever answer comes first wakes it."""
 
-    __slots__ = ("client", "started")
+    __slots__ = ("client", "started", "waits")
 
-    def __init__(self, client: Any, started: object) -> None:
+    def __init__(self, client: Any, started: object, waits: bool) -> None:
         self.client = client
         self.started = started
+        self.waits = waits
 
     def done(self) -> bool:
         return bool(self.client.answered(self.started))
@@ -364,10 +367,7 @@ class GroupConsumer:
                 self._start_pulls(quick=bool(state.buffer))
                 if state.buffer:
                     return True
-                unread = [p for p, _, _ in self._inflight.values() if type(p) is _Inline]
-                if unread and not all(p.done() for p in unread):
-                    # pulls without a wait are answered at once: read them, not a second
-                    next(p for p in unread if not p.done()).wait()
+                if self._unread():
                     continue
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
                     self._commit(None)  # nothing came for a while: commit what is done
@@ -380,6 +380,24 @@ class GroupConsumer:
             if remaining is not None and remaining <= 0:
                 return False
             self._event.wait(POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0))
+
+    def _unread(self) -> bool:
+        """The buffer ran empty: read the answer of a pull of this thread's without a
+        wait (True: harvest it); a pool thread waits for each long poll of its (so any
+        answer sets the event _fetch waits on)."""
+        inflight = self._inflight
+        unread = [(k, p) for k, (p, _, _) in inflight.items() if type(p) is _Inline]
+        for _, pull in unread:
+            if not pull.waits and not pull.done():
+                pull.wait()  # answered at once: read it here, not a second later
+                return True
+        for key, pull in unread:
+            if not pull.done():
+                _, at, epoch = inflight[key]
+                future = self._pool.submit(pull.result)
+                future.add_done_callback(self._answered)
+                inflight[key] = (future, at, epoch)
+        return False
 
     def _answered(self, _: object) -> None:
         self.state.refill = True  # (a plain flag: poll looks at it at every message)
@@ -480,8 +498,9 @@ class GroupConsumer:
         inline = self._inline
         for key in wanted:
             args = state.pull_args(key, wait_ms if drained is None or key in drained else 0)
-            if inline is not None and "wait_ms" not in args:
-                pull = _Inline(inline, inline.start_request("pull_columns", args))
+            waits = "wait_ms" in args
+            if inline is not None and (quick or not waits):  # (this thread's: _Inline)
+                pull = _Inline(inline, inline.start_request("pull_columns", args), waits)
                 self._inflight[key] = (pull, args["offset"], epoch)
                 continue
             future = self._pool.submit(self.client.request, "pull_columns", args)
