@@ -90,13 +90,13 @@ class _Inline:
 
     __slots__ = ("client", "started", "waits")
 
-    def __init__(self, client: Any, started: object, waits: bool) -> None:
+    def __init__(self, client: Any, started: Any, waits: bool) -> None:
         self.client = client
         self.started = started
         self.waits = waits
 
     def done(self) -> bool:
-        return bool(self.client.answered(self.started))
+        return bool(self.started[1].done)
 
     def result(self) -> Any:
         return self.client.finish_request(self.started)

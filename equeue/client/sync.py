@@ -298,8 +298,7 @@ class Client:
                 slot = conn.pending.pop(request_id, None)
                 if conn.reader.columns:
                     conn.reader.columns.discard(request_id)
-                if conn.reader.pulls:
-                    conn.reader.pulls.discard(request_id)
+                conn.reader.pulls.discard(request_id)
                 if slot is None:
                     if request_id == CONNECTION_REQUEST_ID:
                         error = answer_error(payload, self.url)
@@ -327,18 +326,13 @@ class Client:
     # --- requests ----------------------------------------------------------------
 
     def _submit(
-        self,
-        batch: list[Call],
-        on: _Connection | None = None,
-        *,
-        columns: bool = True,
+        self, batch: list[Call], on: _Connection | None = None, *, columns: bool = True,
         pulls: bool = False,
-    ) -> tuple[_Connection, list[_Slot]]:
+    ) -> tuple[_Connection, list[_Slot]]:  # fmt: skip
         """Write ``batch``'s requests in one go; their slots, in order. ``on``: only on
         that connection (ConnectionLostError, nothing written, if it broke). ``columns``:
         send_bodies answers read in C into SendResults (only for callers that decode them
-        with DECODERS; request() gives what msgpack decodes). ``pulls``: pull_columns
-        answers read in C (pull_answer; only for start_request)."""
+        with DECODERS; request() gives what msgpack decodes); ``pulls``: pull_columns'."""
         failed = self._failed[0]
         with self._write_lock:
             while True:
@@ -635,20 +629,13 @@ class Client:
         return self._wait(conn, slot)
 
     def start_request(self, op: str, arguments: dict[str, Any]) -> tuple[_Connection, _Slot]:
-        """``request`` written without waiting for its answer (as request, ProtocolError,
-        nothing sent, for a wrong op or argument): whichever thread reads next hands the
-        answer in (``answered``), ``finish_request`` gives it (reading it if none did).
-        The group consumer pulls this way from its own thread, no pool thread woken; a
-        pull_columns answer may come as pull_answer's tuple (pullcols.unpack_any)."""
+        """``request`` without waiting: whichever thread reads next hands the answer in
+        (the slot's ``done``), ``finish_request`` gives it (the group consumer's pulls; a
+        pull_columns answer may come as pull_answer's tuple: pullcols.unpack_any)."""
         check_args(op, arguments, f"request to {self.url}")
         wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
-        call = Call(op, arguments, None, wait)
-        conn, (slot,) = self._submit([call], columns=False, pulls=True)
+        conn, (slot,) = self._submit([Call(op, arguments, None, wait)], columns=False, pulls=True)
         return conn, slot
-
-    @staticmethod
-    def answered(started: tuple[_Connection, _Slot]) -> bool:
-        return started[1].done
 
     def finish_request(self, started: tuple[_Connection, _Slot]) -> Any:
         """The result of a ``start_request`` (its error raised), waiting for it."""
