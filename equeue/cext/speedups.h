@@ -207,13 +207,17 @@ PyObject *bodies_request(PyObject *self, PyObject *args);
 /* bodyspans.c: a send_bodies request's bodies where they lie in its frame (the broker) */
 typedef struct {
     PyObject_HEAD
-    PyObject *frame;  /* the request's frame body (bytes) */
+    PyObject *frame;  /* what holds the bytes: the frame body (bytes), or the read buffer */
+    const char *base; /* where the offsets count from (in frame's bytes) */
     Py_ssize_t n;
-    Py_ssize_t *at;   /* per body, its offset in frame and its length */
+    Py_ssize_t *at;   /* per body, its offset from base and its length */
 } BodySpans;
 extern PyTypeObject BodySpansType;
 int body_spans_ready(void);
 PyObject *bodies_body(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *bodies_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *answer_around(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *packed_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* batch.c */
 
 /* record.c: behaving as a NamedTuple of n fields, for Message and SendResult */
 typedef struct {
