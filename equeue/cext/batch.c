@@ -125,6 +125,31 @@ static int add_columns(Sender *s, PyObject *topic, PyObject *const *cols, int nc
     return ok && PyList_Append(cols[4], stored) == 0 ? 0 : -1;
 }
 
+/* frame_raw for a plain body (no tag, key, properties or code): the same bytes, without
+ * the three empty copies (a call each: ~50 instructions a message of ~1,400). */
+static inline void frame_plain(char *p, Py_ssize_t length, int64_t position, int64_t now_ns,
+                               int64_t offset, int32_t q, const char *topic,
+                               Py_ssize_t topic_len, const char *body, Py_ssize_t bl) {
+    put_u32(p, (uint32_t)length);
+    char *h = p + 4;
+    put_i64(h + 0, position);
+    put_i64(h + 8, now_ns);
+    put_i64(h + 16, now_ns);
+    put_i64(h + 24, offset);
+    put_i32(h + 32, q);
+    memset(h + 36, 0, 9); /* code, hashed key, flags */
+    h[45] = (char)topic_len;
+    memset(h + 46, 0, 6); /* tag and key lengths, properties' length */
+    put_u32(h + 52, (uint32_t)bl);
+    char *w = h + HEAD_SIZE;
+    memcpy(w, topic, (size_t)topic_len);
+    w += topic_len;
+    memcpy(w, body, (size_t)bl);
+    w += bl;
+    put_u32(w, checksum(h, length));
+    put_u32(w + 4, (uint32_t)length);
+}
+
 /* append_bodies(topic, queues, bodies, start, columns) -> the index reached.
  * The caller holds the write lock, and checked every body (bytes within max_body and
  * the chunk size) before any was written. columns: a list of five lists (ids, queue
@@ -201,6 +226,7 @@ PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t narg
     }
     char *data = (char *)lbuf.buf + s->data_offset;
     Py_ssize_t topic_len = PyBytes_GET_SIZE(topic_bytes), end = log.end;
+    const char *topic_chars = PyBytes_AS_STRING(topic_bytes);
     for (int k = 0; packed && k < 5; k++) /* room for every body; cut to pos[k] after */
         if (PyByteArray_Resize(cols[k], before[k] + (n - start) * per[k]) < 0) goto out;
     double stored_at = (double)now_ns / 1e9;
@@ -226,8 +252,8 @@ PyObject *Sender_append_bodies(Sender *s, PyObject *const *args, Py_ssize_t narg
         if (r->state == 0 && open_queue(s, queues, q, r) < 0) goto out;
         if (r->state < 0 || r->taken >= r->free) break; /* Queue.make_room() */
         int64_t offset = r->next_offset + r->taken, position = log.base + end;
-        frame_raw(data + end, length, position, now_ns, offset, (int32_t)q, 0, 0, 0, topic_bytes,
-                  EMPTY_BYTES, EMPTY_BYTES, EMPTY_BYTES, body, body_len);
+        frame_plain(data + end, length, position, now_ns, offset, (int32_t)q, topic_chars,
+                    topic_len, body, body_len);
         if (packed)
             add_packed(cols, pos, s->id_prefix, q, offset, position, stored_at);
         else if (add_columns(s, topic, cols, ncols, q, offset, position, now_ns, stored) < 0)
