@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_broker_cpu
+
 BATCH = 100
 WARMUP = 200
 
@@ -55,19 +58,7 @@ client.close()
 
 
 def _broker(src: Path, directory: Path, prefix: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    env = dict(os.environ, PYTHONPATH=str(src))
-    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--quiet"]
-    broker = subprocess.Popen(
-        [*prefix, *argv], cwd=directory, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL if prefix else None,
-    )  # fmt: skip
-    assert broker.stdout is not None
-    line = broker.stdout.readline().decode()
-    if not line.startswith("listening on "):
-        broker.kill()
-        broker.wait(60)
-        raise SystemExit(f"the broker of {src} did not start: {line!r}")
-    return broker, line.split()[-1]
+    return bench_broker_cpu._broker(src, directory, prefix, flush="async")
 
 
 def _produce(

@@ -130,13 +130,7 @@ static int add_columns(Sender *s, PyObject *topic, PyObject *const *cols, int nc
 static inline void frame_plain(char *p, Py_ssize_t length, int64_t position, int64_t now_ns,
                                int64_t offset, int32_t q, const char *topic,
                                Py_ssize_t topic_len, const char *body, Py_ssize_t bl) {
-    put_u32(p, (uint32_t)length);
-    char *h = p + 4;
-    put_i64(h + 0, position);
-    put_i64(h + 8, now_ns);
-    put_i64(h + 16, now_ns);
-    put_i64(h + 24, offset);
-    put_i32(h + 32, q);
+    char *h = put_record_start(p, length, position, now_ns, offset, q);
     memset(h + 36, 0, 9); /* code, hashed key, flags */
     h[45] = (char)topic_len;
     memset(h + 46, 0, 6); /* tag and key lengths, properties' length */

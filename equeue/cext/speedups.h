@@ -25,6 +25,21 @@ int configured(void);
 static inline void put_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline void put_i32(char *p, int32_t v) { memcpy(p, &v, 4); }
 static inline void put_i64(char *p, int64_t v) { memcpy(p, &v, 8); }
+
+/* A record frame's length and the first fields of its head (position, created and stored
+ * time, queue offset, queue id): frame_raw's and append_bodies' frame_plain's start.
+ * Returns the head. */
+static inline char *put_record_start(char *p, Py_ssize_t length, int64_t position,
+                                     int64_t now_ns, int64_t offset, int32_t q) {
+    put_u32(p, (uint32_t)length);
+    char *h = p + 4;
+    put_i64(h + 0, position);
+    put_i64(h + 8, now_ns);
+    put_i64(h + 16, now_ns);
+    put_i64(h + 24, offset);
+    put_i32(h + 32, q);
+    return h;
+}
 static inline uint32_t get_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline int32_t get_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline int64_t get_i64(const char *p) { int64_t v; memcpy(&v, p, 8); return v; }

@@ -405,14 +405,9 @@ class Connection(asyncio.BufferedProtocol):
         except Exception as exc:  # as _send_bodies answers send_bodies' failures
             counters.bytes_in += nbytes
             counters.requests += 1
-            if not isinstance(exc, EQueueError):
-                log.error("%s: op 'send_bodies' failed", self.where, exc_info=exc)
-            self._batching = True
             try:
-                self._answer_error(request_id, exc)
+                self._plain_send_failed(request_id, exc, "send_bodies")
             finally:
-                self._batching = False
-                self._write_out()
                 broker.after_batch()
             return True
         if result is None:
@@ -421,14 +416,8 @@ class Connection(asyncio.BufferedProtocol):
         counters.requests += 1
         if result is DEFERRED:
             self.in_flight += 1
-        elif self._out:  # answers made outside a read wait for their write: join
-            self._queue(result)
-            self._write_out()
         else:
-            transport = self.transport
-            if transport is not None and not transport.is_closing():
-                counters.bytes_out += len(result)
-                transport.write(result)
+            self._write_frame(result)
         if broker.holds.appended:
             broker.holds.arrived()
         return True
@@ -456,22 +445,28 @@ class Connection(asyncio.BufferedProtocol):
         if commit is not None:  # answered after the fdatasync covering it
             commit.add(self, request_id, frame, 1)
             self.in_flight += 1
-        elif self._out:  # answers made outside a read wait for their write: join
-            self._queue(frame)
-            self._write_out()
         else:
-            transport = self.transport
-            if transport is not None and not transport.is_closing():
-                counters.bytes_out += len(frame)
-                transport.write(frame)
+            self._write_frame(frame)
         if holds.appended:
             holds.arrived()
 
-    def _plain_send_failed(self, request_id: int, exc: Exception) -> None:
-        """A plain send of buffer_updated refused (nothing appended): its error answer; a
-        defect gets BrokerError, logged."""
+    def _write_frame(self, frame: bytes) -> None:
+        """An answer's whole frame, made within a read: written now, or joined to the
+        answers made outside a read that wait for their write."""
+        if self._out:
+            self._queue(frame)
+            self._write_out()
+            return
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            self.broker.counters.bytes_out += len(frame)
+            transport.write(frame)
+
+    def _plain_send_failed(self, request_id: int, exc: Exception, op: str = "send") -> None:
+        """A plain send of buffer_updated (or a send_bodies read whole, _spans_read)
+        refused: its error answer; a defect gets BrokerError, logged."""
         if not isinstance(exc, EQueueError):
-            log.error("%s: op 'send' failed", self.where, exc_info=exc)
+            log.error("%s: op %r failed", self.where, op, exc_info=exc)
         self._batching = True
         try:
             self._answer_error(request_id, exc)
