@@ -21,12 +21,13 @@ from server_helpers import raw, short_home
 
 import equeue
 from equeue import MessageStore, StoreConfig, speedups
-from equeue.errors import BrokerError
+from equeue.errors import BrokerError, ClosedError, ReadOnlyError
 from equeue.protocol import records
 from equeue.protocol.frames import check_answer
 from equeue.server import BrokerThread
 from equeue.server import handlers as handlers_module
 from equeue.server.connection import Connection
+from equeue.store.bodies import send_packed
 
 pytestmark = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="the C accelerator is not built")
 home = pytest.fixture(short_home, name="home")
@@ -230,3 +231,18 @@ def test_a_failure_in_the_append_is_answered_and_the_broker_goes_on(
             rid, status, error = check_answer(c.recv(), "test")
             assert (rid, status, error["code"]) == (0, 1, "ProtocolError")
         assert len(client.send_batch("t", [b"still"] * 3)) == 3
+
+
+def test_checked_packed_sends_refuse_a_closed_or_read_only_store(home: Path) -> None:
+    """send_packed(checked=True) (send_spans' call) leaves the writable check to the
+    topic's look-up: a read_only handle still gets ReadOnlyError, a closed store
+    ClosedError, nothing written. Control: the writer's send goes through."""
+    with MessageStore.open(home / "s", CONFIG) as store:
+        assert send_packed(store, "t", [b"x"], checked=True) is not None  # control
+        with MessageStore.open(home / "s", read_only=True) as reader:
+            with pytest.raises(ReadOnlyError):
+                send_packed(reader, "t", [b"x"], checked=True)
+    with pytest.raises(ClosedError):
+        send_packed(store, "t", [b"x"], checked=True)
+    with MessageStore.open(home / "s", CONFIG) as store:
+        assert sum(store.queue_range("t", q)[1] for q in store.queue_ids("t")) == 1
