@@ -239,9 +239,11 @@ def test_checked_packed_sends_refuse_a_closed_or_read_only_store(home: Path) -> 
     ClosedError, nothing written. Control: the writer's send goes through."""
     with MessageStore.open(home / "s", CONFIG) as store:
         assert send_packed(store, "t", [b"x"], checked=True) is not None  # control
-        with MessageStore.open(home / "s", read_only=True) as reader:
-            with pytest.raises(ReadOnlyError):
-                send_packed(reader, "t", [b"x"], checked=True)
+        with (
+            MessageStore.open(home / "s", read_only=True) as reader,
+            pytest.raises(ReadOnlyError),
+        ):
+            send_packed(reader, "t", [b"x"], checked=True)
     with pytest.raises(ClosedError):
         send_packed(store, "t", [b"x"], checked=True)
     with MessageStore.open(home / "s", CONFIG) as store:
