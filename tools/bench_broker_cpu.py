@@ -174,10 +174,13 @@ def _cpu(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def _broker(src: Path, directory: Path, prefix: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    """A broker of tree ``src`` (``prefix``: valgrind's argv, or none) and its URL."""
+def _broker(
+    src: Path, directory: Path, prefix: list[str], flush: str = "sync"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A broker of tree ``src`` (``prefix``: valgrind's argv, or none) and its URL
+    (tools/bench_batch_cpu.py's too, with ``flush`` async)."""
     env = dict(os.environ, PYTHONPATH=str(src))
-    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", "sync"]
+    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", flush]
     # cwd: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH;
     # run from a worktree, every "src" would be that worktree's equeue
     broker = subprocess.Popen(

@@ -25,8 +25,7 @@ static PyObject *spans_item(BodySpans *self, Py_ssize_t i) {
         PyErr_SetString(PyExc_IndexError, "BodySpans index out of range");
         return NULL;
     }
-    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(self->frame) + self->at[2 * i],
-                                     self->at[2 * i + 1]);
+    return PyBytes_FromStringAndSize(self->base + self->at[2 * i], self->at[2 * i + 1]);
 }
 
 static PySequenceMethods spans_sequence = {
@@ -67,12 +66,12 @@ static Py_ssize_t raw_head(const unsigned char **p, const unsigned char *end, ch
     return (Py_ssize_t)len;
 }
 
-/* The bodies array at *p (advanced past it) as a new BodySpans of frame; None (new
- * reference) when it is not a non-empty array of bin alone, or holds more than max
- * bodies; NULL on no memory. */
-static PyObject *read_spans(PyObject *frame, const unsigned char **p, const unsigned char *end,
-                            uint64_t max) {
-    const unsigned char *q = *p, *base = (const unsigned char *)PyBytes_AS_STRING(frame);
+/* The bodies array at *p (advanced past it) as a new BodySpans of owner's bytes from
+ * base on; None (new reference) when it is not a non-empty array of bin alone, or holds
+ * more than max bodies; NULL on no memory. */
+static PyObject *read_spans(PyObject *owner, const unsigned char *base, const unsigned char **p,
+                            const unsigned char *end, uint64_t max) {
+    const unsigned char *q = *p;
     if (q >= end) Py_RETURN_NONE;
     unsigned c = *q++;
     uint64_t n;
@@ -92,7 +91,8 @@ static PyObject *read_spans(PyObject *frame, const unsigned char **p, const unsi
     if (n == 0 || n > max || n > (uint64_t)(end - q) / 2) Py_RETURN_NONE;
     BodySpans *spans = PyObject_New(BodySpans, &BodySpansType);
     if (spans == NULL) return NULL;
-    spans->frame = Py_NewRef(frame);
+    spans->frame = Py_NewRef(owner);
+    spans->base = (const char *)base;
     spans->n = (Py_ssize_t)n;
     spans->at = PyMem_Malloc((size_t)n * 2 * sizeof(Py_ssize_t));
     if (spans->at == NULL) {
@@ -113,19 +113,11 @@ static PyObject *read_spans(PyObject *frame, const unsigned char **p, const unsi
     return (PyObject *)spans;
 }
 
-/* bodies_body(body, max_bodies): a frame body (bytes) holding a send_bodies request of
- * at most max_bodies bodies as (request_id, topic, BodySpans); else None. */
-PyObject *bodies_body(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "bodies_body(body: bytes, max_bodies: int)");
-        return NULL;
-    }
-    PyObject *frame = args[0];
-    unsigned long long max = PyLong_AsUnsignedLongLong(args[1]);
-    if (max == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    if (!PyBytes_CheckExact(frame)) Py_RETURN_NONE;
-    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(frame);
-    const unsigned char *end = p + PyBytes_GET_SIZE(frame);
+/* The send_bodies request body from p to end (owner's bytes) as (request_id, topic,
+ * BodySpans); None when it is not one (see the top); NULL on an error. */
+static PyObject *read_request(PyObject *owner, const unsigned char *p, const unsigned char *end,
+                              uint64_t max) {
+    const unsigned char *base = p;
     uint64_t rid;
     if (end - p < 16 || !take_request_id(&p, end, &rid)) Py_RETURN_NONE;
     if (end - p < 13 || memcmp(p, MP_OP_SEND_BODIES "\x82", 13) != 0) Py_RETURN_NONE;
@@ -143,7 +135,7 @@ PyObject *bodies_body(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             p += topic_len;
         } else if (n == 6 && memcmp(p, "bodies", 6) == 0 && spans == NULL) {
             p += 6;
-            spans = read_spans(frame, &p, end, max);
+            spans = read_spans(owner, base, &p, end, max);
             if (spans == NULL) return NULL;
             if (spans == Py_None) goto none;
         } else
@@ -170,4 +162,73 @@ fail:
     Py_XDECREF(spans);
     Py_XDECREF(t);
     return NULL;
+}
+
+/* bodies_body(body, max_bodies): a frame body (bytes) holding a send_bodies request of
+ * at most max_bodies bodies as (request_id, topic, BodySpans); else None. */
+PyObject *bodies_body(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "bodies_body(body: bytes, max_bodies: int)");
+        return NULL;
+    }
+    PyObject *frame = args[0];
+    unsigned long long max = PyLong_AsUnsignedLongLong(args[1]);
+    if (max == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (!PyBytes_CheckExact(frame)) Py_RETURN_NONE;
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(frame);
+    return read_request(frame, p, p + PyBytes_GET_SIZE(frame), max);
+}
+
+/* bodies_read(view, nbytes, max_frame_bytes, max_bodies): the first nbytes of view (the
+ * broker connection's read buffer, a memoryview) when they are exactly one frame, of at
+ * most max_frame_bytes, holding a send_bodies request of at most max_bodies bodies, as
+ * (request_id, topic, BodySpans): the spans point into the buffer itself (no copy of the
+ * frame), valid until the next read into it, so the caller appends them before it
+ * returns and keeps nothing. Else None, and the caller reads the frame the general way.
+ * The BodySpans holds the memoryview: the buffer cannot be resized while it lives. */
+PyObject *bodies_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyMemoryView_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "bodies_read(view: memoryview, nbytes, max_frame_bytes, max_bodies)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]), max_frame = PyLong_AsSsize_t(args[2]);
+    unsigned long long max = PyLong_AsUnsignedLongLong(args[3]);
+    if ((nbytes == -1 || max_frame == -1 || max == (unsigned long long)-1) && PyErr_Occurred())
+        return NULL;
+    Py_buffer *view = PyMemoryView_GET_BUFFER(args[0]);
+    if (nbytes <= 4 || nbytes > view->len || !PyBuffer_IsContiguous(view, 'C'))
+        Py_RETURN_NONE;
+    const unsigned char *p = (const unsigned char *)view->buf;
+    uint64_t length = get_be(p, 4);
+    if (length != (uint64_t)(nbytes - 4) || length > (uint64_t)max_frame) Py_RETURN_NONE;
+    return read_request(args[0], p + 4, p + nbytes, max);
+}
+
+/* answer_around(request_id, result): the whole frame of the answer [request_id, 0,
+ * result] where result is the msgpack-encoded value (bytes): the 4-byte length, the
+ * array's head, the id, the OK status, then result's bytes; one allocation, one copy. */
+PyObject *answer_around(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyLong_CheckExact(args[0]) || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "answer_around(request_id: int, result: bytes)");
+        return NULL;
+    }
+    unsigned long long rid = PyLong_AsUnsignedLongLong(args[0]);
+    if (rid == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t len = PyBytes_GET_SIZE(args[1]);
+    char head[16];
+    head[0] = (char)0x93;
+    Py_ssize_t h = 1 + put_uint(head + 1, rid);
+    head[h++] = (char)MP_STATUS_OK;
+    if ((uint64_t)(h + len) > 0xffffffffULL) {
+        PyErr_SetString(PyExc_OverflowError, "answer_around: the frame's length passes 2**32-1");
+        return NULL;
+    }
+    PyObject *frame = PyBytes_FromStringAndSize(NULL, 4 + h + len);
+    if (frame == NULL) return NULL;
+    char *out = PyBytes_AS_STRING(frame);
+    put_be_n(out, (uint64_t)(h + len), 4);
+    memcpy(out + 4, head, (size_t)h);
+    memcpy(out + 4 + h, PyBytes_AS_STRING(args[1]), (size_t)len);
+    return frame;
 }

@@ -1,23 +1,32 @@
 /* Helpers of the batched send path (batch.c, answercols.c): a position's 16 lowercase hex
- * digits two at a time (a message id's tail, as message_id writes it), and big-endian
+ * digits eight at a time (a message id's tail, as message_id writes it), and big-endian
  * stores of 2, 4 or 8 bytes in one go. */
 #ifndef EQUEUE_HEX16_H
 #define EQUEUE_HEX16_H
 #include <stdint.h>
 #include <string.h>
 
-static const char HEX_PAIRS[513] =
-    "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
-    "202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f"
-    "404142434445464748494a4b4c4d4e4f505152535455565758595a5b5c5d5e5f"
-    "606162636465666768696a6b6c6d6e6f707172737475767778797a7b7c7d7e7f"
-    "808182838485868788898a8b8c8d8e8f909192939495969798999a9b9c9d9e9f"
-    "a0a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4b5b6b7b8b9babbbcbdbebf"
-    "c0c1c2c3c4c5c6c7c8c9cacbcccdcecfd0d1d2d3d4d5d6d7d8d9dadbdcdddedf"
-    "e0e1e2e3e4e5e6e7e8e9eaebecedeeeff0f1f2f3f4f5f6f7f8f9fafbfcfdfeff";
+/* x's 8 hex digits as 8 ASCII bytes, the first digit in the lowest byte (SWAR: each
+ * nibble spread to a byte, then '0'..'9' or 'a'..'f' in one go; ~15 instructions where
+ * the table takes ~30). */
+static inline uint64_t hex8(uint32_t x) {
+    uint64_t v = x;
+    v = ((v & 0xffff0000ULL) << 16) | (v & 0xffffULL);
+    v = ((v & 0x0000ff000000ff00ULL) << 8) | (v & 0x000000ff000000ffULL);
+    v = ((v & 0x00f000f000f000f0ULL) << 4) | (v & 0x000f000f000f000fULL);
+    /* a nibble of 10..15 gets bit 4 set by adding 6: 'a' - '0' - 10 (39) more */
+    uint64_t letters = ((v + 0x0606060606060606ULL) >> 4) & 0x0101010101010101ULL;
+    v += 0x3030303030303030ULL + letters * 39;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    v = __builtin_bswap64(v); /* the first digit at the lowest address */
+#endif
+    return v;
+}
 
 static inline void put_hex16(char *p, uint64_t v) {
-    for (int k = 7; k >= 0; k--, v >>= 8) memcpy(p + 2 * k, HEX_PAIRS + 2 * (v & 0xff), 2);
+    uint64_t hi = hex8((uint32_t)(v >> 32)), lo = hex8((uint32_t)v);
+    memcpy(p, &hi, 8);
+    memcpy(p + 8, &lo, 8);
 }
 
 /* v's low n bytes (n: 1, 2, 4 or 8) big-endian at p. */

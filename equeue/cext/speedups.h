@@ -25,6 +25,21 @@ int configured(void);
 static inline void put_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline void put_i32(char *p, int32_t v) { memcpy(p, &v, 4); }
 static inline void put_i64(char *p, int64_t v) { memcpy(p, &v, 8); }
+
+/* A record frame's length and the first fields of its head (position, created and stored
+ * time, queue offset, queue id): frame_raw's and append_bodies' frame_plain's start.
+ * Returns the head. */
+static inline char *put_record_start(char *p, Py_ssize_t length, int64_t position,
+                                     int64_t now_ns, int64_t offset, int32_t q) {
+    put_u32(p, (uint32_t)length);
+    char *h = p + 4;
+    put_i64(h + 0, position);
+    put_i64(h + 8, now_ns);
+    put_i64(h + 16, now_ns);
+    put_i64(h + 24, offset);
+    put_i32(h + 32, q);
+    return h;
+}
 static inline uint32_t get_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline int32_t get_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline int64_t get_i64(const char *p) { int64_t v; memcpy(&v, p, 8); return v; }
@@ -208,13 +223,17 @@ PyObject *bodies_request(PyObject *self, PyObject *args);
 /* bodyspans.c: a send_bodies request's bodies where they lie in its frame (the broker) */
 typedef struct {
     PyObject_HEAD
-    PyObject *frame;  /* the request's frame body (bytes) */
+    PyObject *frame;  /* what holds the bytes: the frame body (bytes), or the read buffer */
+    const char *base; /* where the offsets count from (in frame's bytes) */
     Py_ssize_t n;
-    Py_ssize_t *at;   /* per body, its offset in frame and its length */
+    Py_ssize_t *at;   /* per body, its offset from base and its length */
 } BodySpans;
 extern PyTypeObject BodySpansType;
 int body_spans_ready(void);
 PyObject *bodies_body(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *bodies_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *answer_around(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *packed_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* batch.c */
 
 /* record.c: behaving as a NamedTuple of n fields, for Message and SendResult */
 typedef struct {

@@ -157,13 +157,7 @@ int frame_raw(char *p, Py_ssize_t length, int64_t position, int64_t now_ns, int6
               Py_ssize_t bl) {
     Py_ssize_t topic_len = PyBytes_GET_SIZE(topic_bytes), tl = PyBytes_GET_SIZE(tag_bytes);
     Py_ssize_t kl = PyBytes_GET_SIZE(key_bytes), pl = PyBytes_GET_SIZE(props);
-    put_u32(p, (uint32_t)length);
-    char *h = p + 4;
-    put_i64(h + 0, position);
-    put_i64(h + 8, now_ns);
-    put_i64(h + 16, now_ns);
-    put_i64(h + 24, offset);
-    put_i32(h + 32, q);
+    char *h = put_record_start(p, length, position, now_ns, offset, q);
     put_i32(h + 36, code);
     put_u32(h + 40, hashed);
     h[44] = (char)(has_key ? FLAG_HAS_KEY : 0);

@@ -94,7 +94,11 @@ def packed_fields(sent: SendResult) -> list[bytes]:
 
 def packed_answer(topic: str, count: int, columns: list[bytearray]) -> bytes:
     """The send_bodies answer around five columns of ``count`` packed items each:
-    what pack_columns gives for the same results."""
+    what pack_columns gives for the same results (in C when built: one allocation)."""
+    fast = speedups.SPEEDUPS
+    packed = fast.packed_answer(topic, count, columns) if fast is not None else None
+    if packed is not None:
+        return packed  # type: ignore[no-any-return]
     head = (
         bytes([0x90 | count])
         if count <= 15

@@ -203,6 +203,7 @@ class Connection(asyncio.BufferedProtocol):
         self._plain_send = fast.plain_send if fast is not None else None
         self._send_body = fast.send_body if fast is not None else None
         self._bodies_body = fast.bodies_body if fast is not None else None  # (send_bodies)
+        self._bodies_read = fast.bodies_read if fast is not None else None  # (a read of one)
         self._max_bodies = config.max_batch_messages  # (more: not read in C, nothing allocated)
         self._store = broker.store
         self._commit = broker.handlers.commit  # None unless --flush sync
@@ -372,7 +373,54 @@ class Connection(asyncio.BufferedProtocol):
         self._read_general(nbytes)
 
     def _read_general(self, nbytes: int) -> None:
+        read = self._bodies_read
+        if (
+            read is not None
+            and self._hello is None
+            and not self._partial
+            and not self._backlog
+            and not self.closed
+            and self.in_flight < self._max_in_flight
+        ):
+            # A read that is exactly one send_bodies frame (a producer's send_batch, one
+            # request at a time): its bodies appended from the read buffer itself
+            # (cext/bodyspans.c), no copy of the frame, no frame reader (issue 23).
+            got = read(self._read_view, nbytes, self._max_frame_bytes, self._max_bodies)
+            if got is not None and self._spans_read(nbytes, got):
+                return
         self.data_received(self._read_view[:nbytes])
+
+    def _spans_read(self, nbytes: int, got: tuple[int, str, Any]) -> bool:
+        """What data_received and _send_bodies do for a read of one send_bodies frame:
+        True when answered; False, nothing done or counted, to read it the general way."""
+        request_id, topic, bodies = got
+        broker = self.broker
+        counters = broker.counters
+        try:
+            result = broker.handlers.send_spans(self, request_id, topic, bodies)
+        except ProtocolError as exc:
+            counters.bytes_in += nbytes
+            self._fatal(exc)
+            return True
+        except Exception as exc:  # as _send_bodies answers send_bodies' failures
+            counters.bytes_in += nbytes
+            counters.requests += 1
+            try:
+                self._plain_send_failed(request_id, exc, "send_bodies")
+            finally:
+                broker.after_batch()
+            return True
+        if result is None:
+            return False
+        counters.bytes_in += nbytes
+        counters.requests += 1
+        if result is DEFERRED:
+            self.in_flight += 1
+        else:
+            self._write_frame(result)
+        if broker.holds.appended:
+            broker.holds.arrived()
+        return True
 
     def _plain_sent(self, nbytes: int, got: tuple[int, Any, Any]) -> None:
         """After plain_send appended (or refused) the read's send: count it, note held
@@ -397,22 +445,28 @@ class Connection(asyncio.BufferedProtocol):
         if commit is not None:  # answered after the fdatasync covering it
             commit.add(self, request_id, frame, 1)
             self.in_flight += 1
-        elif self._out:  # answers made outside a read wait for their write: join
-            self._queue(frame)
-            self._write_out()
         else:
-            transport = self.transport
-            if transport is not None and not transport.is_closing():
-                counters.bytes_out += len(frame)
-                transport.write(frame)
+            self._write_frame(frame)
         if holds.appended:
             holds.arrived()
 
-    def _plain_send_failed(self, request_id: int, exc: Exception) -> None:
-        """A plain send of buffer_updated refused (nothing appended): its error answer; a
-        defect gets BrokerError, logged."""
+    def _write_frame(self, frame: bytes) -> None:
+        """An answer's whole frame, made within a read: written now, or joined to the
+        answers made outside a read that wait for their write."""
+        if self._out:
+            self._queue(frame)
+            self._write_out()
+            return
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            self.broker.counters.bytes_out += len(frame)
+            transport.write(frame)
+
+    def _plain_send_failed(self, request_id: int, exc: Exception, op: str = "send") -> None:
+        """A plain send of buffer_updated (or a send_bodies read whole, _spans_read)
+        refused: its error answer; a defect gets BrokerError, logged."""
         if not isinstance(exc, EQueueError):
-            log.error("%s: op 'send' failed", self.where, exc_info=exc)
+            log.error("%s: op %r failed", self.where, op, exc_info=exc)
         self._batching = True
         try:
             self._answer_error(request_id, exc)
@@ -649,8 +703,8 @@ class Connection(asyncio.BufferedProtocol):
         broker.counters.requests += 1
         if result is DEFERRED:
             self.in_flight += 1
-        else:
-            self._answer(request_id, STATUS_OK, result)
+        else:  # the answer's whole frame
+            self._queue(result)
         return True
 
     def _send(self, request_id: int, topic: str, data: bytes) -> None:

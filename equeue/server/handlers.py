@@ -19,7 +19,13 @@ from equeue.errors import InvalidMessageError, LimitExceededError, ProtocolError
 from equeue.format.message import message_id_prefix
 from equeue.protocol import pullcols
 from equeue.protocol.faults import hide_store_path
-from equeue.protocol.frames import ANSWER_OVERHEAD, SEND_RESULT_OVERHEAD, STATUS_OK, encode
+from equeue.protocol.frames import (
+    ANSWER_OVERHEAD,
+    FRAME_HEADER,
+    SEND_RESULT_OVERHEAD,
+    STATUS_OK,
+    encode,
+)
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import (
     pack_columns,
@@ -110,6 +116,7 @@ class Handlers:
         self.counters = counters
         fast = speedups.SPEEDUPS
         self._send_answer = fast.send_answer if fast is not None else None
+        self._answer_around = fast.answer_around if fast is not None else _answer_around
         self._id_prefix = message_id_prefix(store.store_id)
         self._extra_stats = extra_stats
         self.ops: dict[str, Callable[[Peer, int, dict[str, Any]], object]] = {
@@ -246,27 +253,36 @@ class Handlers:
                 note(topic, queue_id, last[queue_id], "")
         return self._durable(peer, rid, Packed(pack_columns(columns, self.packer)), len(bodies))
 
-    def send_spans(self, peer: Peer, rid: int, topic: str, bodies: Sequence[bytes]) -> object:
+    def send_spans(self, peer: Peer, rid: int, topic: str, bodies: Sequence[bytes]) -> Any:
         """A send_bodies read by C from its frame (connection.py, cext/bodyspans.c): the
-        bodies stay where they lie in the frame until the C append frames them into the
-        log chunk, no bytes object each. What send_bodies answers where it packs as it
-        goes; None (nothing done) anywhere else (a reserved topic, a held pull, a batch
+        bodies stay where they lie in the frame (or the read buffer) until the C append
+        frames them into the log chunk, no bytes object each. Its answer's whole frame
+        (bytes, the length header included: answer_around), or DEFERRED under --flush
+        sync; None (nothing done) anywhere else (a reserved topic, a held pull, a batch
         past its limits, a body past max_body), and the caller decodes the frame and
         serves it the general way, which answers or refuses it as send_bodies does."""
         store = self.store
         if self.holds.count or topic.startswith(RESERVED_PREFIX) or not plain(store, bodies):
             return None
-        try:
-            self._check_batch(peer, topic, len(bodies))
-        except LimitExceededError:
+        count = len(bodies)
+        config = self.config
+        # _check_batch's limits, inline: past either, the general path refuses it
+        if count > config.max_batch_messages or (
+            count * (SEND_RESULT_OVERHEAD + len(topic.encode())) + ANSWER_OVERHEAD
+            > config.max_frame_bytes
+        ):
             return None
         packed = send_packed(store, topic, bodies, checked=True)
         if packed is None:
             return None
         counters = self.counters
-        counters.sends += len(bodies)
+        counters.sends += count
         counters.send_requests += 1
-        return self._durable(peer, rid, Packed(packed), len(bodies))
+        commit = self.commit
+        if commit is None:
+            return self._answer_around(rid, packed)
+        commit.add(peer, rid, Packed(packed), count)
+        return DEFERRED
 
     def _batch_sent(self, results: list[SendResult], items: list[Any]) -> None:
         """Count a batch's sends and wake the pulls held on its queues."""
@@ -493,3 +509,9 @@ def _batch_items(peer: Peer, topic: str, messages: list[Any]) -> list[bytes | Ou
             f"but topic, got {type(message).__name__}"
         )
     return items
+
+
+def _answer_around(rid: int, packed: bytes) -> bytes:
+    """speedups.answer_around in Python: the whole frame of [rid, STATUS_OK, packed]."""
+    body: bytes = b"\x93" + msgpack.packb(rid) + msgpack.packb(STATUS_OK) + packed
+    return FRAME_HEADER.pack(len(body)) + body

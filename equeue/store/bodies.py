@@ -45,8 +45,9 @@ def appending(store: MessageStore, topic: str, items: Sequence[Any], kind: str) 
     def append(queues: list[Queue]) -> list[SendResult] | SendColumns | bytes:
         appender.check_open(topic, queues)
         sender = appender.sender
-        lists: list[Any] = (
-            [[]] if kind == "results" else [bytearray() for _ in range(5)]
+        lists: list[Any] = (  # (literals: a comprehension is a call of its own)
+            [[]] if kind == "results"
+            else [bytearray(), bytearray(), bytearray(), bytearray(), bytearray()]
             if kind == "packed" else [[], [], [], [], []]
         )  # fmt: skip
         done, count = 0, len(items)
@@ -98,9 +99,10 @@ def send_packed(
     (records.pack_columns's bytes), written by the C append as it goes: no object per
     message. None (nothing sent) unless the bodies are plain and the accelerator built.
     ``checked``: the caller found ``plain(store, items)`` true (not checked again)."""
-    store._check_writable()
-    if not checked and not plain(store, items):
-        return None
-    queues, _ = store._queues_and_count(topic)
+    if not checked:
+        store._check_writable()
+        if not plain(store, items):
+            return None
+    queues, _ = store._queues_and_count(topic)  # (checks the handle is writable first)
     packed: bytes = store._locked(topic, queues, appending(store, topic, items, "packed"))
     return packed
