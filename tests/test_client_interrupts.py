@@ -17,7 +17,7 @@ import pytest
 from client_helpers import BrokerProcess, temporary_broker
 
 import equeue
-from equeue.client import sync
+from equeue.client import turns
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ class _Trap:
 
 
 class _Waiter:
-    """The victim's sleeper lock (sync.allocate_lock's)."""
+    """The victim's sleeper lock (turns.allocate_lock's)."""
 
     def __init__(self, trap: _Trap) -> None:
         self.lock = _thread.allocate_lock()
@@ -136,7 +136,7 @@ def test_a_thread_interrupted_in_its_sleep_passes_the_turn_on(
     def allocate() -> Any:
         return _Waiter(trap) if threading.current_thread().name == "victim" else real()
 
-    monkeypatch.setattr(sync, "allocate_lock", allocate)
+    monkeypatch.setattr(turns, "allocate_lock", allocate)
 
     def poll(queue_id: int) -> None:
         try:

@@ -405,12 +405,12 @@ def test_a_grouping_that_fails_leaves_the_batch_to_the_answer_by_answer_path(
 ) -> None:
     """release_frames' grouping raising (no memory; release.c's "the batch changed") lost
     every answer of the flushed batch, and their connections' in_flight stayed counted."""
-    import equeue.server.connection as connection_module
+    import equeue.server.release as release_module
 
     def fails(*args: object) -> None:
         raise failure("release_frames failed")
 
-    monkeypatch.setattr(connection_module, "release_frames", fails)
+    monkeypatch.setattr(release_module, "release_frames", fails)
     directory = short_dir()
     try:
         seen = asyncio.run(_grouped(directory / "s"))

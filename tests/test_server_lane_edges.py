@@ -19,7 +19,7 @@ import pytest
 from server_helpers import raw, short_dir
 from test_server_fastsend import CountingRecorder, Recorder, _answers, _connect, _feed, _greeted
 
-import equeue.server.connection as module
+import equeue.server.release as module
 from equeue import speedups
 from equeue.protocol.frames import STATUS_OK, encode
 from equeue.protocol.handshake import Hello

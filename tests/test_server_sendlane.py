@@ -249,7 +249,7 @@ def test_answers_queued_before_a_plain_send_go_first(flush: Flush) -> None:
 
 def _release_durable(batch: list[Any], frames_in_c: bool) -> None:
     """release_durable, with release_frames (C) or without (the Python it replaces)."""
-    import equeue.server.connection as module
+    import equeue.server.release as module
 
     saved = module.release_frames
     if not frames_in_c:

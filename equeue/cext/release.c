@@ -1,5 +1,5 @@
 /* The broker's durable answers after a group commit's fdatasync (equeue/server/
- * connection.py, release_durable): a flushed batch of (peer, request_id, result) entries
+ * release.py, release_durable): a flushed batch of (peer, request_id, result) entries
  * whose results are all whole answer frames (the broker's Frame, a bytes subclass made by
  * send_answer) is grouped by peer here, each peer's frames joined in batch order, so the
  * Python loop that writes them runs once per connection instead of once per send. At one
@@ -246,7 +246,7 @@ static int release_one(PyObject *const *args, PyObject *peer, PyObject *data, Py
  * gets its frame as it is, the others their frames joined in batch order
  * (frames_by_peer); each connection's in one transport.write with its in_flight counted
  * down, counters.bytes_out counted once; other(connection, data, count) for a connection
- * with more to do (connection.py's Python path), failed(connection, exception) for a
+ * with more to do (release.py's _release_one), failed(connection, exception) for a
  * connection whose write raised an Exception (logged there; the others are answered all
  * the same). False, nothing done, when the batch is not frames alone; an error before
  * anything was answered or counted (the grouping), or, once every connection was

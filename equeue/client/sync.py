@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import weakref
-from _thread import LockType, allocate_lock
+from _thread import LockType
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -50,6 +50,8 @@ from equeue.client.core import (
 from equeue.client.inflight import _Connection as _Connection
 from equeue.client.inflight import _deadline
 from equeue.client.inflight import _Slot as _Slot
+from equeue.client.turns import TURN_CHECK as TURN_CHECK
+from equeue.client.turns import Turns
 from equeue.client.url import Endpoint, parse_url
 from equeue.errors import (
     ClosedError,
@@ -78,10 +80,6 @@ IDLE_CHECK = 0.001
 # the kernel's timeout (SO_RCVTIMEO, the client's timeout) instead of polling first: its
 # expiry is late by at most the rest of the timeout, this 1 % of it.
 DIRECT_READ = 0.99
-# A thread asleep behind the reader looks again this often (seconds) whether the turn is
-# free: an interrupt at the entry of _end_turn or _hand_over gives the turn up without
-# waking anyone, and the answers may then sit unread until each sleeper's deadline.
-TURN_CHECK = 1.0
 
 
 def kernel_timeouts(sock: socket.socket, timeout: float) -> None:
@@ -104,7 +102,7 @@ def check_timeout(name: str, value: object) -> float:
     return float(value)
 
 
-class Client:
+class Client(Turns):
     """A connection to an equeue broker with MessageStore's methods (docs/broker.md)."""
 
     def __init__(
@@ -439,90 +437,6 @@ class Client:
                 self._reading = False
                 self._end_turn()
         return self._outcome(slot)  # (a slot done stays as it is: read without the lock)
-
-    def _doze(self, conn: _Connection, due: _Slot, slot: _Slot | None) -> None:
-        """Another thread reads: sleep (for ``slot``, see _sleep) until ``due``'s deadline
-        (at most TURN_CHECK at a time), or close the connection if it passed."""
-        remaining = due.deadline - time.monotonic()
-        if remaining <= 0:
-            self._expire(conn, due)
-        else:
-            self._sleep(slot, remaining if remaining < TURN_CHECK else TURN_CHECK)
-
-    def _sleep(self, slot: _Slot | None, seconds: float) -> None:
-        """Sleep (self._cond held, released meanwhile) until woken for ``slot`` (None:
-        for a place in max_in_flight), or for the reader's turn, or ``seconds`` passed.
-
-        A KeyboardInterrupt may land anywhere here: in the wait, as a call returns (just
-        after the release, just after the re-acquire) or in an acquire of a contended
-        ``_cond`` (which then is not held). Whatever happens, this returns or raises with
-        ``_cond`` held by this thread exactly once (the caller's ``with`` releases it), its
-        waiter no longer registered, and the reader's turn passed on if it came to this
-        thread: the other sleepers' answers may already be in the socket."""
-        waiter = allocate_lock()
-        waiter.acquire()
-        sleepers = self._sleepers
-        sleepers[slot] = waiter
-        cond = self._cond
-        failure: BaseException | None = None
-        try:
-            cond.release()
-            waiter.acquire(True, seconds)
-        except BaseException as exc:
-            failure = exc
-        while True:  # (inline: an interrupt at a function's entry would leave _cond free)
-            try:
-                if not cond._is_owned():  # type: ignore[attr-defined]
-                    cond.acquire()  # (a contended acquire raises without it: again)
-                    continue
-                if sleepers.get(slot) is waiter:  # the time ran out, or interrupted
-                    del sleepers[slot]
-                break
-            except BaseException as exc:
-                if failure is None:
-                    failure = exc
-        if failure is not None:
-            if not self._reading:  # the turn may have come to this thread
-                self._hand_over()
-            raise failure
-
-    def _end_turn(self) -> None:
-        """The reader's turn (this thread's) was given up (``_reading`` reset by the
-        caller, inline: an interrupt at this function's entry must not leave it taken):
-        pass it on, also when an interrupt lands here (raised after). An interrupt at the
-        entry of this one (or of _hand_over) wakes no one: the sleepers take the turn when
-        they look again (TURN_CHECK)."""
-        cond = self._cond
-        failure: BaseException | None = None
-        while True:  # (inline: a function's entry here would leave _cond unheld)
-            try:
-                if cond._is_owned():  # type: ignore[attr-defined]
-                    break
-                cond.acquire()
-            except BaseException as exc:  # (held or not: _is_owned knows)
-                if failure is None:
-                    failure = exc
-        try:
-            if self._sleepers:
-                self._hand_over()
-        finally:
-            cond.release()
-        if failure is not None:
-            raise failure
-
-    def _hand_over(self) -> None:
-        """The reader's turn ended (self._cond held): wake one thread still waiting for
-        its answer to take the turn, and the writer waiting for a place (if any), which
-        may take it instead or go on once there is room."""
-        sleepers = self._sleepers
-        if not sleepers:
-            return
-        writer = sleepers.pop(None, None)
-        if writer is not None:
-            writer.release()
-        if sleepers:
-            first = next(iter(sleepers))
-            sleepers.pop(first).release()
 
     def _expire(self, conn: _Connection, slot: _Slot) -> None:
         self._break_locked(

@@ -12,7 +12,6 @@ answer with request id 0 and one log line.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -20,9 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from equeue import speedups
 from equeue.errors import (
-    AuthenticationError,
     EQueueError,
-    FrameTooLargeError,
     LimitExceededError,
     ProtocolError,
 )
@@ -32,20 +29,19 @@ from equeue.protocol.frames import (
     CONNECTION_REQUEST_ID,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
-    HELLO_MAX_FRAME_BYTES,
     STATUS_ERROR,
     STATUS_OK,
     FrameReader,
     check_request,
-    decode_body,
     encode,
 )
-from equeue.protocol.handshake import Hello, Welcome, choose_version
 from equeue.protocol.ops import check_args
 from equeue.protocol.records import pack_send_result
 from equeue.protocol.retries import RESERVED_PREFIX
-from equeue.server.groupcommit import Entry
+from equeue.server.admission import evict_a_silent_peer, take_hello
 from equeue.server.handlers import DEFERRED, Frame, Packed
+from equeue.server.release import release_durable as release_durable
+from equeue.server.release import write_later
 
 if TYPE_CHECKING:
     from equeue.server.serve import Broker
@@ -53,13 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("equeue.server")
 
 MIN_DECODE_ITEMS = 65536
-EVICT_AFTER_S = 1.0  # a full broker closes a peer silent this long for a new connection
 
-
-# (batch, Frame, counters, other, failed) -> whether it answered the batch (cext/release.c)
-release_frames: Callable[[list[Entry], type, Any, Any, Any], bool] | None = (
-    speedups.SPEEDUPS.release_frames if speedups.SPEEDUPS is not None else None
-)
 
 READ_BUFFER_BYTES = 256 * 1024  # asyncio's own read size
 _per_loop = threading.local()  # a thread runs one event loop at a time
@@ -74,95 +64,6 @@ def _read_buffer() -> memoryview:
     if view is None:
         view = _per_loop.view = memoryview(bytearray(READ_BUFFER_BYTES))
     return view
-
-
-def _write_later(connection: Connection) -> None:
-    """Answers made outside a read (durable sends released by a flush, held pulls) leave
-    in one callback for every connection with some, after the callback that made them,
-    instead of a callback per connection: a flush releases one answer to each of many
-    connections."""
-    loop = connection.broker.loop
-    if getattr(_per_loop, "loop", None) is not loop:  # a loop closed with answers unwritten
-        _per_loop.loop, _per_loop.writers = loop, []
-    waiting: list[Connection] = _per_loop.writers
-    if not waiting:
-        loop.call_soon(_write_waiting, waiting)
-    waiting.append(connection)
-
-
-def _write_waiting(waiting: list[Connection]) -> None:
-    connections = waiting[:]
-    waiting.clear()
-    for connection in connections:
-        try:
-            connection._write_out()
-        except Exception:  # one connection's failure must not keep the others' answers
-            log.exception("%s: writing its answers failed", connection.where)
-
-
-def release_durable(batch: list[Entry], error: BaseException | None) -> None:
-    """The answers of one group commit's fdatasync (groupcommit.py), in the loop callback
-    that got them, written in one ``transport.write`` per connection right here, not in a
-    further callback.
-
-    The commonest batch, plain sends' answers alone (each a Frame, made whole at append
-    time by the C packer), is answered in C (cext/release.c): grouped by connection, each
-    one's frames joined, its in_flight counted down and one write, no Python per
-    connection (at one send in flight per connection the Python loop was the broker's
-    largest share of Python per durable send, issue 23); a connection with more to do
-    goes through _release_one. Any other batch, or a failed flush, goes answer by
-    answer."""
-    if release_frames is not None and error is None and batch:
-        counters = batch[0][0].broker.counters  # type: ignore[attr-defined]
-        try:
-            if release_frames(batch, Frame, counters, _release_one, _write_failed):
-                return
-        except Exception:  # (no memory; "the batch changed"): nothing answered or counted yet
-            log.exception("grouping %d durable answers by connection failed", len(batch))
-    _release_each(batch, error)
-
-
-def _release_one(connection: Connection, data: bytes, count: int) -> None:
-    """release_frames' answers for a connection with more to do than a write: answers
-    queued before these go first; closed or half-closed, _released decides."""
-    connection.in_flight -= count
-    transport = connection.transport
-    if (
-        connection._out  # answers queued before these go first
-        or connection._ended  # to close after its last answer
-        or connection._batching
-        or connection.closed
-        or transport is None
-    ):
-        connection._released(data)
-    elif not transport.is_closing():
-        connection.broker.counters.bytes_out += len(data)
-        transport.write(data)
-
-
-def _write_failed(connection: Connection, error: BaseException) -> None:
-    log.error("%s: writing its answers failed", connection.where, exc_info=error)
-
-
-def _release_each(batch: list[Entry], error: BaseException | None) -> None:
-    """release_durable answer by answer: each connection's answers queued (finish), then
-    written, one write per connection."""
-    written: list[Connection] = []
-    for peer, request_id, result in batch:
-        connection: Connection = peer  # type: ignore[assignment]  # (no cast call per send)
-        try:
-            if not connection._batching:
-                connection._batching = True  # queue, do not schedule a write
-                written.append(connection)
-            connection.finish(request_id, result if error is None else error)
-        except Exception:  # one connection's failure must not keep the others' answers
-            log.exception("%s: answering a durable send failed", connection.where)
-    for connection in written:
-        connection._batching = False
-        try:
-            connection._write_out()
-        except Exception:
-            log.exception("%s: writing its answers failed", connection.where)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -260,38 +161,13 @@ class Connection(asyncio.BufferedProtocol):
         limit = broker.config.max_connections
         if broker.draining:
             self._fatal(LimitExceededError(f"{self.where}: the broker is shutting down"))
-        elif len(broker.connections) > limit and not self._evict_a_silent_peer():
+        elif len(broker.connections) > limit and not evict_a_silent_peer(self):
             self._fatal(
                 LimitExceededError(
                     f"{self.where}: the broker has {limit} connections already "
                     f"(max_connections={limit}; equeue serve --max-connections)"
                 )
             )
-
-    def _evict_a_silent_peer(self) -> bool:
-        """The broker is full: close the connection that has waited longest without a
-        hello, if one has for EVICT_AFTER_S, to make room for this one. So peers that
-        connect and say nothing cannot keep clients out (they are closed after
-        hello_timeout_ms anyway)."""
-        broker = self.broker
-        now = broker.loop.time()
-        silent = [
-            c
-            for c in broker.connections
-            if c is not self and c._hello is not None and not c.closed
-            and now - c.opened >= EVICT_AFTER_S
-        ]  # fmt: skip
-        if not silent:
-            return False
-        oldest = min(silent, key=lambda c: c.number)
-        oldest._fatal(
-            LimitExceededError(
-                f"{oldest.where}: no hello after {now - oldest.opened:.1f} s and the broker is "
-                f"full (max_connections={broker.config.max_connections}): closed to make room"
-            )
-        )
-        broker.connections.discard(oldest)  # its place is this one's from now
-        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -482,7 +358,7 @@ class Connection(asyncio.BufferedProtocol):
         self._batching = True
         try:
             if self._hello is not None:
-                rest = self._take_hello(data)
+                rest = take_hello(self, data)
                 if rest is None:
                     return
                 data = rest
@@ -572,51 +448,6 @@ class Connection(asyncio.BufferedProtocol):
         return True
 
     # --- frames ---------------------------------------------------------------
-
-    def _take_hello(self, data: bytes | memoryview) -> bytes | None:
-        """The bytes after the hello once it is whole and accepted, else None."""
-        buffer = self._hello
-        assert buffer is not None
-        buffer += data
-        if len(buffer) < FRAME_HEADER_SIZE:
-            return None
-        (length,) = FRAME_HEADER.unpack_from(buffer, 0)
-        if length > HELLO_MAX_FRAME_BYTES:
-            raise FrameTooLargeError(
-                f"{self.where}: a hello frame of {length} bytes exceeds {HELLO_MAX_FRAME_BYTES} "
-                "(the limit before the handshake)"
-            )
-        if length == 0:
-            raise ProtocolError(f"{self.where}: an empty frame (length 0)")
-        end = FRAME_HEADER_SIZE + length
-        if len(buffer) < end:
-            return None
-        hello = Hello.unpack(
-            decode_body(bytes(buffer[FRAME_HEADER_SIZE:end]), self.where), self.where
-        )
-        rest = bytes(buffer[end:])
-        self._hello = None
-        if self._hello_timer is not None:
-            self._hello_timer.cancel()
-            self._hello_timer = None
-        version = choose_version(hello.versions, self.broker.welcome_versions)
-        if version is None:
-            raise ProtocolError(
-                f"{self.where}: the client speaks protocol versions {list(hello.versions)[:8]}, "
-                f"this broker {list(self.broker.welcome_versions)}"
-            )
-        token = self.broker.token
-        if token is not None:
-            given = hello.token
-            if given is None or not hmac.compare_digest(given.encode(), token.encode()):
-                what = "no token" if given is None else "a wrong token"
-                self._fatal(AuthenticationError(f"{self.where}: the client gave {what}"))
-                return None
-        self.client = hello.client
-        if hello.client:  # logs name the client from here on
-            self.where += f" (client {hello.client!r})"
-        self._queue(encode(Welcome(version, self.broker.server_name, self.broker.limits).pack()))
-        return rest
 
     def _request(self, body: bytes) -> None:
         where = self.where
@@ -777,7 +608,7 @@ class Connection(asyncio.BufferedProtocol):
         self._out_bytes += FRAME_HEADER_SIZE + len(body)
         if not self._batching and not self._write_scheduled:
             self._write_scheduled = True
-            _write_later(self)
+            write_later(self)
 
     def _answer(self, request_id: int, status: int, payload: Any) -> None:
         packer = self.broker.packer
@@ -810,7 +641,7 @@ class Connection(asyncio.BufferedProtocol):
         self._out_bytes += len(frame)
         if not self._batching and not self._write_scheduled:
             self._write_scheduled = True
-            _write_later(self)
+            write_later(self)
 
     def _write_out(self) -> None:
         self._write_scheduled = False

@@ -76,7 +76,7 @@ class CrossClientCommit:
 
     ``release(batch, error)`` (on the loop) answers a flushed batch; by default each
     entry's ``peer.finish(request_id, result or the error)``. The broker passes
-    connection.release_durable, which writes the answers without a callback per
+    release.release_durable, which writes the answers without a callback per
     connection. ``store``: the store whose ``flush_log`` this is, for the C flusher
     (flushers.make_sync says when it is used)."""
 

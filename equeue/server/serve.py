@@ -25,13 +25,14 @@ import msgpack
 from equeue.errors import BrokerError, ConfigError
 from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES, SUPPORTED_VERSIONS
 from equeue.server.config import Listener, ServerConfig, read_token
-from equeue.server.connection import Connection, release_durable
+from equeue.server.connection import Connection
 from equeue.server.groupcommit import CrossClientCommit
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.loops import run as run_on
 from equeue.server.offsetcommit import OffsetCommitter
+from equeue.server.release import release_durable
 from equeue.server.stats import Counters
 from equeue.store.config import StoreConfig
 from equeue.store.store import MessageStore

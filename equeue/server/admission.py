@@ -1,0 +1,96 @@
+"""Admitting a connection: its hello (protocol version, token, client name) and room for
+it in a full broker.
+
+Each runs once per connection (take_hello until the hello is whole): out of
+connection.py, which serves the requests that follow.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING
+
+from equeue.errors import AuthenticationError, FrameTooLargeError, LimitExceededError, ProtocolError
+from equeue.protocol.frames import (
+    FRAME_HEADER,
+    FRAME_HEADER_SIZE,
+    HELLO_MAX_FRAME_BYTES,
+    decode_body,
+    encode,
+)
+from equeue.protocol.handshake import Hello, Welcome, choose_version
+
+if TYPE_CHECKING:
+    from equeue.server.connection import Connection
+
+EVICT_AFTER_S = 1.0  # a full broker closes a peer silent this long for a new connection
+
+
+def evict_a_silent_peer(conn: Connection) -> bool:
+    """The broker is full: close the conn that has waited longest without a
+    hello, if one has for EVICT_AFTER_S, to make room for this one. So peers that
+    connect and say nothing cannot keep clients out (they are closed after
+    hello_timeout_ms anyway)."""
+    broker = conn.broker
+    now = broker.loop.time()
+    silent = [
+        c
+        for c in broker.connections
+        if c is not conn and c._hello is not None and not c.closed
+        and now - c.opened >= EVICT_AFTER_S
+    ]  # fmt: skip
+    if not silent:
+        return False
+    oldest = min(silent, key=lambda c: c.number)
+    oldest._fatal(
+        LimitExceededError(
+            f"{oldest.where}: no hello after {now - oldest.opened:.1f} s and the broker is "
+            f"full (max_connections={broker.config.max_connections}): closed to make room"
+        )
+    )
+    broker.connections.discard(oldest)  # its place is this one's from now
+    return True
+
+
+def take_hello(conn: Connection, data: bytes | memoryview) -> bytes | None:
+    """The bytes after the hello once it is whole and accepted, else None."""
+    buffer = conn._hello
+    assert buffer is not None
+    buffer += data
+    if len(buffer) < FRAME_HEADER_SIZE:
+        return None
+    (length,) = FRAME_HEADER.unpack_from(buffer, 0)
+    if length > HELLO_MAX_FRAME_BYTES:
+        raise FrameTooLargeError(
+            f"{conn.where}: a hello frame of {length} bytes exceeds {HELLO_MAX_FRAME_BYTES} "
+            "(the limit before the handshake)"
+        )
+    if length == 0:
+        raise ProtocolError(f"{conn.where}: an empty frame (length 0)")
+    end = FRAME_HEADER_SIZE + length
+    if len(buffer) < end:
+        return None
+    hello = Hello.unpack(decode_body(bytes(buffer[FRAME_HEADER_SIZE:end]), conn.where), conn.where)
+    rest = bytes(buffer[end:])
+    conn._hello = None
+    if conn._hello_timer is not None:
+        conn._hello_timer.cancel()
+        conn._hello_timer = None
+    version = choose_version(hello.versions, conn.broker.welcome_versions)
+    if version is None:
+        raise ProtocolError(
+            f"{conn.where}: the client speaks protocol versions {list(hello.versions)[:8]}, "
+            f"this broker {list(conn.broker.welcome_versions)}"
+        )
+    token = conn.broker.token
+    if token is not None:
+        given = hello.token
+        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+            what = "no token" if given is None else "a wrong token"
+            conn._fatal(AuthenticationError(f"{conn.where}: the client gave {what}"))
+            return None
+    conn.client = hello.client
+    if hello.client:  # logs name the client from here on
+        conn.where += f" (client {hello.client!r})"
+    conn._queue(encode(Welcome(version, conn.broker.server_name, conn.broker.limits).pack()))
+    return rest
