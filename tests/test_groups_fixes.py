@@ -397,8 +397,9 @@ def test_a_client_with_its_own_request_sees_every_pull(url: str) -> None:
     """Review 33a, 5: a subclass overriding request is not bypassed by the inline pulls
     (start_request): the pull at offset 32, written while messages are at hand, goes
     through its request too."""
-    with OwnRequest(url) as client:
-        client.pulls = []
+    client = OwnRequest(url)
+    client.pulls = []
+    with client:
         client.send_batch(TOPIC, [b"m%d" % i for i in range(40)])
         with GroupConsumer(client, "g", TOPIC, batch_size=32) as consumer:
             got = [consumer.poll(5.0) for _ in range(40)]
@@ -422,17 +423,22 @@ def test_poll_returns_at_its_timeout_while_the_loops_own_pull_is_answered_late(
 
     def slow(self: Handlers, peer: Any, rid: int, a: dict[str, Any]) -> Any:
         result = pull_columns(self, peer, rid, a)
-        if a.get("topic") == TOPIC and not a.get("wait_ms") and a.get("offset", 0) > 0:
-            if result is not DEFERRED and not late:  # (its loop stays free meanwhile)
-                loop = asyncio.get_running_loop()
+        if (
+            a.get("topic") == TOPIC
+            and not a.get("wait_ms")
+            and a.get("offset", 0) > 0
+            and result is not DEFERRED
+            and not late
+        ):  # the loop's own pull at 32, held back (the broker's loop stays free)
+            loop = asyncio.get_running_loop()
 
-                def release() -> None:
-                    if not released.is_set():
-                        released.set()
-                        loop.call_soon_threadsafe(peer.finish, rid, result)
+            def release() -> None:
+                if not released.is_set():
+                    released.set()
+                    loop.call_soon_threadsafe(peer.finish, rid, result)
 
-                late.append(release)
-                return DEFERRED
+            late.append(release)
+            return DEFERRED
         return result
 
     monkeypatch.setattr(Handlers, "pull_columns", slow)  # (before the broker takes it)
@@ -452,3 +458,28 @@ def test_poll_returns_at_its_timeout_while_the_loops_own_pull_is_answered_late(
             finally:
                 timer.cancel()
         assert [m.body for m in got if m is not None] == [b"m%d" % i for i in range(40)]
+
+
+def test_a_news_flag_set_after_the_answer_was_settled_is_cleared(url: str) -> None:
+    """Review 33a, 2: take() sets news after storing its answer, outside the lock, so the
+    flag can come after the loop found that answer applied (_settled). The next
+    _maintain clears it (it was left set: every message then went through _maintain
+    until the next heartbeat), and a news flag with a new answer still settles it."""
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"m%d" % i for i in range(200)])
+        with GroupConsumer(client, "g", TOPIC, batch_size=50, session_timeout=30.0) as c:
+            it = iter(c)
+            got = [next(it).body]
+            state = c.state
+            assert c._settled is state.answer
+            state.news = True  # the heartbeat thread's late store of the flag
+            got += [next(it).body for _ in range(100)]
+            assert state.news is False  # (before the fix: still True)
+            assert c._settled is state.answer
+            with state.lock:  # a heartbeat's answer (a new object, equal): applied once
+                assert state.answer is not None
+                state.answer = dict(state.answer)
+            state.news = True
+            got += [next(it).body for _ in range(99)]
+            assert state.news is False and c._settled is state.answer
+        assert got == [b"m%d" % i for i in range(200)]

@@ -153,7 +153,7 @@ class GroupConsumer:
         # the blocking client writes a pull without a wait from this thread (_Inline)
         # (only the exact Client, or one whose request is Client's: a wrapper's own
         # request, metrics or faults, sees every pull)
-        self._inline = client if _inline_capable(client) else None
+        self._inline: Any = client if _inline_capable(client) else None
         # the queues whose last pull brought less than a batch: long-polled (_start_pulls)
         self._drained: set[Queue] = set()
         # the queues whose last pull found nothing, and when to pull them again at the
