@@ -9,6 +9,7 @@ is answered and the broker goes on."""
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -248,3 +249,57 @@ def test_checked_packed_sends_refuse_a_closed_or_read_only_store(home: Path) -> 
         send_packed(store, "t", [b"x"], checked=True)
     with MessageStore.open(home / "s", CONFIG) as store:
         assert sum(store.queue_range("t", q)[1] for q in store.queue_ids("t")) == 1
+
+
+def test_a_released_view_is_refused_not_read() -> None:
+    body = msgpack.packb([5, "send_bodies", {"topic": "t", "bodies": [b"a"]}])
+    frame = struct.pack(">I", len(body)) + body
+    view = _in_buffer(frame)
+    assert _spans(_fast().bodies_read(view, len(frame), 1 << 20, 10)) == (5, "t", [b"a"])
+    view.release()  # (its buffer may be freed: never read through it)
+    with pytest.raises(ValueError, match="released"):
+        _fast().bodies_read(view, len(frame), 1 << 20, 10)
+    # a view that is not contiguous is left to the general path, as before
+    assert _fast().bodies_read(_in_buffer(frame)[::2], 9, 1 << 20, 10) is None
+
+
+def test_with_a_pull_held_each_batch_is_parsed_once(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """send_spans refuses every batch while a pull is held (each send is noted for the
+    holds): then the read is not parsed by C at all (neither bodies_read nor
+    bodies_body, nor send_spans called), only once by msgpack; without one, every batch
+    goes through send_spans once (the control). Both store every message."""
+    calls = {"send_spans": 0}
+    send_spans = handlers_module.Handlers.send_spans
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls["send_spans"] += 1
+        return send_spans(self, *args)
+
+    monkeypatch.setattr(handlers_module.Handlers, "send_spans", counting)
+    with (
+        MessageStore.open(home / "store", CONFIG) as store,
+        BrokerThread(store) as broker,
+        equeue.connect(broker.urls[0]) as producer,
+        equeue.connect(broker.urls[0], timeout=10.0) as waiter,
+    ):
+        producer.create_topic("one", 1)
+        producer.create_topic("idle", 1)
+        for _ in range(5):  # the control: no pull held
+            producer.send_batch("one", [b"x" * 100] * 100)
+        assert calls["send_spans"] == 5
+        held = waiter.start_request(
+            "pull_columns", {"topic": "idle", "queue_id": 0, "offset": 0, "wait_ms": 8000}
+        )
+        for _ in range(500):  # (bounded: until the broker holds it)
+            if broker.broker.holds.count:
+                break
+            time.sleep(0.01)
+        assert broker.broker.holds.count == 1
+        for _ in range(10):
+            producer.send_batch("one", [b"y" * 100] * 100)
+        assert calls["send_spans"] == 5  # 20 more before the fix (two refusals a batch)
+        producer.send("idle", b"wake")  # the held pull answered
+        waiter.finish_request(held)
+        assert len(store.pull("one", 0, 0, 2000).messages) == 1500

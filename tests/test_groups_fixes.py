@@ -6,6 +6,7 @@ a message whose properties fill the limit is dead-lettered, not lost."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
 import time
@@ -20,6 +21,7 @@ import equeue.aio
 from equeue import MessageStore
 from equeue.client.consumer import GroupConsumer
 from equeue.client.consumer_aio import AsyncGroupConsumer
+from equeue.client.sync import Client
 from equeue.errors import ConnectionLostError, InvalidMessageError
 from equeue.protocol.retries import (
     DELAY_TOPIC,
@@ -29,12 +31,13 @@ from equeue.protocol.retries import (
     retry_topic,
 )
 from equeue.server import BrokerThread
+from equeue.server.handlers import DEFERRED, Handlers
 
 TOPIC = "one"
 
 
-@pytest.fixture
-def url() -> Iterator[str]:
+@contextlib.contextmanager
+def _broker() -> Iterator[str]:
     directory = short_dir()
     try:
         with MessageStore.open(directory / "s") as store:
@@ -46,6 +49,12 @@ def url() -> Iterator[str]:
             thread.stop()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    with _broker() as url:
+        yield url
 
 
 class NackLostOnce:
@@ -286,17 +295,46 @@ def test_a_member_of_many_queues_long_polls_them_in_turns(url: str) -> None:
     assert most <= 64
 
 
-def test_the_blocking_member_sends_no_long_poll_while_messages_are_at_hand(url: str) -> None:
+@pytest.mark.parametrize("how", ["wrapper", "inline"])
+def test_the_blocking_member_sends_no_long_poll_while_messages_are_at_hand(
+    url: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Review 30a, finding 3: the pull sent right after an answer filled the buffer (at
     offset 32, 32 messages at hand) was a 1 s long poll; it goes without a wait, and
-    long polls are left to a member with nothing at hand (the first pull here)."""
+    long polls are left to a member with nothing at hand (the first pull here). Through
+    a wrapper (its request sees every pull: pool threads) and through the Client itself
+    (review 33a, 5: the pull at 32 written by the loop's own thread, start_request)."""
     with equeue.connect(url) as client:
         client.send_batch(TOPIC, [b"m%d" % i for i in range(40)])
         recorder = Recorder(client)
-        with GroupConsumer(recorder, "g", TOPIC, batch_size=32) as consumer:
+        inline: list[dict[str, Any]] = []
+        requester: Any = recorder
+        if how == "inline":  # the class's own methods, recording: still the exact Client
+            start_request, request = Client.start_request, Client.request
+
+            def recording(self: Client, op: str, arguments: dict[str, Any]) -> Any:
+                if op == "pull_columns":
+                    inline.append(arguments)
+                return start_request(self, op, arguments)
+
+            def by_request(self: Client, op: str, arguments: dict[str, Any]) -> Any:
+                if op == "pull_columns":
+                    recorder.pulls.append(arguments)
+                return request(self, op, arguments)
+
+            monkeypatch.setattr(Client, "start_request", recording)
+            monkeypatch.setattr(Client, "request", by_request)
+            requester = client
+        with GroupConsumer(requester, "g", TOPIC, batch_size=32) as consumer:
             got = [consumer.poll(5.0) for _ in range(40)]
         assert [m.body for m in got if m is not None] == [b"m%d" % i for i in range(40)]
         pulls = [(p["offset"], p.get("wait_ms", 0)) for p in recorder.pulls if p["topic"] == TOPIC]
+        if how == "inline":
+            written = [(p["offset"], p.get("wait_ms", 0)) for p in inline if p["topic"] == TOPIC]
+            assert (32, 0) in written  # the loop's own thread wrote it
+            pulls = sorted(pulls + written)
+        else:
+            assert not inline
         assert pulls[0] == (0, 1000)  # nothing at hand: a long poll (POLL_WAIT_MS)
         assert [wait for at, wait in pulls if at == 32] == [0]  # 32 at hand: no wait
 
@@ -342,3 +380,106 @@ def test_a_long_poll_written_while_busy_still_wakes_the_idle_loop(url: str) -> N
             finally:
                 late.join()
             assert message is not None and message.body == b"late"
+
+
+class OwnRequest(Client):
+    """A Client whose own request counts the pulls (metrics, fault injection)."""
+
+    pulls: list[dict[str, Any]]
+
+    def request(self, op: str, arguments: dict[str, Any]) -> Any:
+        if op == "pull_columns":
+            self.pulls.append(arguments)
+        return super().request(op, arguments)
+
+
+def test_a_client_with_its_own_request_sees_every_pull(url: str) -> None:
+    """Review 33a, 5: a subclass overriding request is not bypassed by the inline pulls
+    (start_request): the pull at offset 32, written while messages are at hand, goes
+    through its request too."""
+    client = OwnRequest(url)
+    client.pulls = []
+    with client:
+        client.send_batch(TOPIC, [b"m%d" % i for i in range(40)])
+        with GroupConsumer(client, "g", TOPIC, batch_size=32) as consumer:
+            got = [consumer.poll(5.0) for _ in range(40)]
+        assert [m.body for m in got if m is not None] == [b"m%d" % i for i in range(40)]
+        pulls = [(p["offset"], p.get("wait_ms", 0)) for p in client.pulls if p["topic"] == TOPIC]
+        assert pulls[0] == (0, 1000)
+        assert (32, 0) in pulls  # before the fix start_request wrote it: not seen here
+
+
+def test_poll_returns_at_its_timeout_while_the_loops_own_pull_is_answered_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 33a, 1: the buffer runs empty while the pull the loop's own thread wrote
+    (no wait, at offset 32) is unanswered, the broker holding its answer back (released
+    by the test, or by a timer 3 s on): poll(0.2) gives None before it is released
+    (before the fix poll read on until the answer came: the timer's), and the late
+    answer's messages come after, once each, in order."""
+    pull_columns = Handlers.pull_columns
+    late: list[Callable[[], None]] = []
+    released = threading.Event()
+
+    def slow(self: Handlers, peer: Any, rid: int, a: dict[str, Any]) -> Any:
+        result = pull_columns(self, peer, rid, a)
+        if (
+            a.get("topic") == TOPIC
+            and not a.get("wait_ms")
+            and a.get("offset", 0) > 0
+            and result is not DEFERRED
+            and not late
+        ):  # the loop's own pull at 32, held back (the broker's loop stays free)
+            loop = asyncio.get_running_loop()
+
+            def release() -> None:
+                if not released.is_set():
+                    released.set()
+                    loop.call_soon_threadsafe(peer.finish, rid, result)
+
+            late.append(release)
+            return DEFERRED
+        return result
+
+    monkeypatch.setattr(Handlers, "pull_columns", slow)  # (before the broker takes it)
+    with _broker() as url, equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"m%d" % i for i in range(40)])
+        with GroupConsumer(client, "g", TOPIC, batch_size=32, session_timeout=30.0) as c:
+            got = [c.poll(5.0) for _ in range(32)]
+            timer = threading.Timer(3.0, lambda: [release() for release in late])
+            timer.start()
+            try:
+                assert c.poll(0.2) is None
+                assert late  # the loop's own pull at 32 was held back
+                assert not released.is_set()  # poll(0.2) returned before the answer came
+                late[0]()
+                got += [c.poll(5.0) for _ in range(8)]
+                assert c.poll(0.3) is None  # nothing twice
+            finally:
+                timer.cancel()
+        assert [m.body for m in got if m is not None] == [b"m%d" % i for i in range(40)]
+
+
+def test_a_news_flag_set_after_the_answer_was_settled_is_cleared(url: str) -> None:
+    """Review 33a, 2: take() sets news after storing its answer, outside the lock, so the
+    flag can come after the loop found that answer applied (_settled). The next
+    _maintain clears it (it was left set: every message then went through _maintain
+    until the next heartbeat), and a news flag with a new answer still settles it."""
+    with equeue.connect(url) as client:
+        client.send_batch(TOPIC, [b"m%d" % i for i in range(200)])
+        with GroupConsumer(client, "g", TOPIC, batch_size=50, session_timeout=30.0) as c:
+            it = iter(c)
+            got = [next(it).body]
+            state = c.state
+            assert c._settled is state.answer
+            state.news = True  # the heartbeat thread's late store of the flag
+            got += [next(it).body for _ in range(100)]
+            assert state.news is False  # (before the fix: still True)
+            assert c._settled is state.answer
+            with state.lock:  # a heartbeat's answer (a new object, equal): applied once
+                assert state.answer is not None
+                state.answer = dict(state.answer)
+            state.news = True
+            got += [next(it).body for _ in range(99)]
+            assert state.news is False and c._settled is state.answer
+        assert got == [b"m%d" % i for i in range(200)]

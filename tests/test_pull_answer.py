@@ -7,6 +7,7 @@ to the msgpack path (None), never read differently."""
 from __future__ import annotations
 
 import random
+import struct
 from typing import Any
 
 import msgpack
@@ -20,6 +21,7 @@ from test_pull_columns import HOSTILE
 import equeue
 from equeue import speedups
 from equeue.client.consumer import GroupConsumer
+from equeue.client.core import AnswerReader
 from equeue.errors import EQueueError, ProtocolError
 from equeue.protocol import pullcols
 from equeue.protocol.frames import COLUMNS_VERSION, decode_body
@@ -200,3 +202,19 @@ def test_a_hostile_answer_to_a_pull_of_the_loops_own_thread_is_a_protocol_error(
                 consumer.poll(2.0)
         assert not fake.errors
     assert [("wait_ms" in p, p["offset"]) for p in pulls[:2]] == [(True, 0), (False, 2)]
+
+
+@pytest.mark.parametrize("columns", [set(), {RID + 1}])
+def test_a_pull_answer_alone_in_a_read_is_read_by_pull_answer(columns: set[int]) -> None:
+    """Review 33a, 3: a read holding exactly one whole answer (read where it lies, not
+    buffered) is read by pull_answer when it answers a start_request pull, also with a
+    send_batch in flight (columns), as when it comes with other bytes (the control)."""
+    body = _plain()
+    frame = struct.pack(">I", len(body)) + body
+    for data in ([frame], [frame[:5], frame[5:]]):  # alone in its read; split: buffered
+        reader = AnswerReader(1 << 20, "test")
+        reader.columns, reader.pulls = set(columns), {RID}
+        bodies = [b for part in data for b in reader.feed(memoryview(part))]
+        assert len(bodies) == 1 and bodies[0][:2] == [RID, 0]
+        assert type(bodies[0][2]) is tuple  # pull_answer's (before the fix: msgpack's list)
+        assert pullcols.unpack_any(bodies[0][2], "test") == _by_msgpack(body)

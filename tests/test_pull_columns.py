@@ -332,7 +332,8 @@ def test_c_and_python_cut_an_answer_at_the_same_message(home: Path) -> None:
     from equeue import speedups
 
     fast = speedups.SPEEDUPS
-    assert fast is not None, "the C accelerator is not built"
+    if fast is None:  # (EQUEUE_PURE_PYTHON=1: no C to compare with)
+        pytest.skip("the C accelerator is not built")
     rnd = random.Random(30)
     with MessageStore.open(home / "s") as store:
         store.create_topic("t-topic", 1)

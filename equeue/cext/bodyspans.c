@@ -196,13 +196,24 @@ PyObject *bodies_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long max = PyLong_AsUnsignedLongLong(args[3]);
     if ((nbytes == -1 || max_frame == -1 || max == (unsigned long long)-1) && PyErr_Occurred())
         return NULL;
-    Py_buffer *view = PyMemoryView_GET_BUFFER(args[0]);
-    if (nbytes <= 4 || nbytes > view->len || !PyBuffer_IsContiguous(view, 'C'))
+    /* Taken through the buffer protocol, not PyMemoryView_GET_BUFFER: a released view
+     * raises ValueError here (its buffer may be freed), a non-contiguous one BufferError
+     * (read the general way: None). */
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_BufferError)) return NULL;
+        PyErr_Clear();
         Py_RETURN_NONE;
-    const unsigned char *p = (const unsigned char *)view->buf;
-    uint64_t length = get_be(p, 4);
-    if (length != (uint64_t)(nbytes - 4) || length > (uint64_t)max_frame) Py_RETURN_NONE;
-    return read_request(args[0], p + 4, p + nbytes, max);
+    }
+    PyObject *read = NULL;
+    const unsigned char *p = (const unsigned char *)view.buf;
+    if (nbytes <= 4 || nbytes > view.len || get_be(p, 4) != (uint64_t)(nbytes - 4) ||
+        (uint64_t)(nbytes - 4) > (uint64_t)max_frame)
+        read = Py_NewRef(Py_None);
+    else
+        read = read_request(args[0], p + 4, p + nbytes, max);
+    PyBuffer_Release(&view);
+    return read;
 }
 
 /* answer_around(request_id, result): the whole frame of the answer [request_id, 0,

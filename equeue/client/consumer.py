@@ -101,10 +101,23 @@ class _Inline:
     def result(self) -> Any:
         return self.client.finish_request(self.started)
 
-    def wait(self) -> None:
-        """Until answered; its error (if any) is raised by result(), in _harvest."""
+    def wait(self, until: float) -> bool:
+        """Until answered or ``until`` (time.monotonic()) passed: whether answered; its
+        error (if any) is raised by result(), in _harvest."""
         with contextlib.suppress(Exception):
-            self.client.finish_request(self.started)
+            self.client.finish_request(self.started, until)
+        return self.done()
+
+
+def _inline_capable(client: object) -> bool:
+    """Whether ``client`` is the blocking Client with its own ``request`` (not a subclass
+    or proxy overriding it): only then are pulls written by start_request."""
+    from equeue.client.sync import Client  # (sync imports nothing of the consumer's)
+
+    kind = type(client)
+    return kind is Client or (
+        isinstance(client, Client) and getattr(kind, "request", None) is Client.request
+    )
 
 
 class GroupConsumer:
@@ -138,7 +151,9 @@ class GroupConsumer:
         # per queue: its pull in flight, the offset and membership it was sent in
         self._inflight: dict[Queue, tuple[Future[Any] | _Inline, int, int]] = {}
         # the blocking client writes a pull without a wait from this thread (_Inline)
-        self._inline = client if hasattr(client, "start_request") else None
+        # (only the exact Client, or one whose request is Client's: a wrapper's own
+        # request, metrics or faults, sees every pull)
+        self._inline: Any = client if _inline_capable(client) else None
         # the queues whose last pull brought less than a batch: long-polled (_start_pulls)
         self._drained: set[Queue] = set()
         # the queues whose last pull found nothing, and when to pull them again at the
@@ -367,7 +382,7 @@ class GroupConsumer:
                 self._start_pulls(quick=bool(state.buffer))
                 if state.buffer:
                     return True
-                if self._unread():
+                if self._unread(deadline):
                     continue
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
                     self._commit(None)  # nothing came for a while: commit what is done
@@ -381,16 +396,23 @@ class GroupConsumer:
                 return False
             self._event.wait(POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0))
 
-    def _unread(self) -> bool:
+    def _unread(self, deadline: float | None) -> bool:
         """The buffer ran empty: read the answer of a pull of this thread's without a
-        wait (True: harvest it); a pool thread waits for each long poll of its (so any
-        answer sets the event _fetch waits on)."""
+        wait (True: harvest it), but not past ``deadline`` (poll's timeout) nor a second
+        (the loop's _maintain and commits); a pool thread waits for each long poll of its,
+        and for a quick pull not answered by then (so any answer sets the event _fetch
+        waits on, and _harvest applies it once, in order)."""
         inflight = self._inflight
         unread = [(k, p) for k, (p, _, _) in inflight.items() if type(p) is _Inline]
         for _, pull in unread:
             if not pull.waits and not pull.done():
-                pull.wait()  # answered at once: read it here, not a second later
-                return True
+                until = time.monotonic() + 1.0
+                if deadline is not None and deadline < until:
+                    until = deadline
+                # answered at once as a rule: read it here, not a second later
+                if pull.wait(until):
+                    return True
+                break
         for key, pull in unread:
             if not pull.done():
                 _, at, epoch = inflight[key]
@@ -426,6 +448,11 @@ class GroupConsumer:
             raise state.failure
         if state.lost:
             self._join()
+        # news cleared before the answer is read, also for the short cut below: take()
+        # stores its answer, then sets news (outside the lock), so a news set after this
+        # stays set for an answer read here or later; left set, every message would come
+        # here until the next heartbeat
+        state.news = False
         answer = state.answer  # (replaced whole by take(), never changed in place)
         if answer is not None and answer is self._settled:
             return  # that answer is applied: plan() would say so, at a lock and two sets

@@ -115,13 +115,15 @@ class AnswerReader:
     def feed(self, data: bytes | memoryview) -> list[Any]:
         buffer = self._buffer
         size = len(data)
-        if not buffer and self.columns and size > FRAME_HEADER_SIZE:
-            # One whole answer alone in the read (a send_batch's, one request at a time):
-            # read where it lies, not copied into the buffer first
+        if not buffer and (self.columns or self.pulls) and size > FRAME_HEADER_SIZE:
+            # One whole answer alone in the read (a send_batch's, one request at a time,
+            # or a pull's): read where it lies, not copied into the buffer first
             (length,) = _unpack_header(data, 0)
             if length == size - FRAME_HEADER_SIZE and length <= self.max_frame_bytes:
                 with memoryview(data) as whole, whole[FRAME_HEADER_SIZE:] as payload:
-                    body = columns_answer(payload, self.columns)
+                    body = columns_answer(payload, self.columns) if self.columns else None
+                    if body is None and self.pulls:
+                        body = pull_answer(payload, self.pulls)
                     if body is None:
                         body = decode_body(payload, self.where)
                 return [body]

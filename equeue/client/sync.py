@@ -407,8 +407,10 @@ class Client(Turns):
                     self._reading = False
                     self._end_turn()
 
-    def _wait(self, conn: _Connection, slot: _Slot) -> Any:
-        """The decoded-by-msgpack result of ``slot``'s request, or its error raised."""
+    def _wait(self, conn: _Connection, slot: _Slot, until: float | None = None) -> Any:
+        """The decoded-by-msgpack result of ``slot``'s request, or its error raised. With
+        ``until`` (time.monotonic()): None once it passed with no answer yet (slot.done
+        says; the connection is not closed for it, only at the slot's own deadline)."""
         turn = False  # (the reader's turn, kept while this thread reads on for its answer)
         try:
             while True:
@@ -426,12 +428,20 @@ class Client(Turns):
                             # after it, even as the with's release returns, ends the turn)
                             self._reading = turn = True
                             break
-                        self._doze(conn, slot, slot)
+                        if until is None or slot.deadline <= until:
+                            self._doze(conn, slot, slot)
+                            continue
+                        left = until - time.monotonic()
+                        if left <= 0:
+                            return None
+                        self._sleep(slot, left if left < TURN_CHECK else TURN_CHECK)
                     else:
                         break
-                self._read_some(conn, slot)
+                self._read_some(conn, slot, until)
                 if slot.done:  # (its own answer read: no second round under the lock)
                     break
+                if until is not None and time.monotonic() >= until:
+                    return None
         finally:
             if turn:  # (given up inline: no function's entry before, no interrupt lands)
                 self._reading = False
@@ -446,11 +456,12 @@ class Client(Turns):
             None,
         )
 
-    def _read_some(self, conn: _Connection, slot: _Slot) -> None:
+    def _read_some(self, conn: _Connection, slot: _Slot, until: float | None = None) -> None:
         if conn.broken:
             return
         sock = conn.sock
-        remaining = slot.deadline - time.monotonic()
+        end = slot.deadline if until is None or until > slot.deadline else until
+        remaining = end - time.monotonic()
         reading = False
         got: list[int] = []
         try:
@@ -551,10 +562,11 @@ class Client(Turns):
         conn, (slot,) = self._submit([Call(op, arguments, None, wait)], columns=False, pulls=True)
         return conn, slot
 
-    def finish_request(self, started: tuple[_Connection, _Slot]) -> Any:
-        """The result of a ``start_request`` (its error raised), waiting for it."""
+    def finish_request(self, started: tuple[_Connection, _Slot], until: float | None = None) -> Any:
+        """The result of a ``start_request`` (its error raised), waiting for it; with
+        ``until`` (time.monotonic()) at most until then: None if not answered by then."""
         conn, slot = started
-        return self._outcome(slot) if slot.done else self._wait(conn, slot)
+        return self._outcome(slot) if slot.done else self._wait(conn, slot, until)
 
     # --- MessageStore's methods --------------------------------------------------
 

@@ -257,10 +257,12 @@ class Connection(asyncio.BufferedProtocol):
             and not self._backlog
             and not self.closed
             and self.in_flight < self._max_in_flight
+            and not self.broker.holds.count
         ):
             # A read that is exactly one send_bodies frame (a producer's send_batch, one
             # request at a time): its bodies appended from the read buffer itself
-            # (cext/bodyspans.c), no copy of the frame, no frame reader (issue 23).
+            # (cext/bodyspans.c), no copy of the frame, no frame reader (issue 23). Not
+            # while a pull is held: send_spans refuses every batch then (each is noted).
             got = read(self._read_view, nbytes, self._max_frame_bytes, self._max_bodies)
             if got is not None and self._spans_read(nbytes, got):
                 return
@@ -514,8 +516,10 @@ class Connection(asyncio.BufferedProtocol):
         handlers.send_spans): True when answered; False, nothing done, to decode the
         frame and serve it the general way (that path's own checks, answers, refusals)."""
         assert self._bodies_body is not None
+        if self.broker.holds.count or self.in_flight >= self._max_in_flight:
+            return False  # (send_spans refuses every batch while a pull is held)
         read = self._bodies_body(body, self._max_bodies)
-        if read is None or self.in_flight >= self._max_in_flight:
+        if read is None:
             return False
         request_id, topic, bodies = read
         broker = self.broker
