@@ -19,7 +19,7 @@ from server_helpers import short_dir
 import equeue
 import equeue.aio
 from equeue import MessageStore
-from equeue.client.consumer import GroupConsumer
+from equeue.client.consumer import GroupConsumer, _Inline
 from equeue.client.consumer_aio import AsyncGroupConsumer
 from equeue.client.sync import Client
 from equeue.errors import ConnectionLostError, InvalidMessageError
@@ -409,6 +409,26 @@ def test_a_client_with_its_own_request_sees_every_pull(url: str) -> None:
         assert (32, 0) in pulls  # before the fix start_request wrote it: not seen here
 
 
+def test_a_request_set_on_the_client_itself_sees_every_pull(url: str) -> None:
+    """Review 33b, 3: a wrapper set on the instance (client.request = wrapper), not only a
+    subclass's override, keeps the pulls on its request (the type alone said inline)."""
+    seen: list[dict[str, Any]] = []
+    with equeue.connect(url) as client:
+        request = client.request
+
+        def recording(op: str, arguments: dict[str, Any]) -> Any:
+            seen.append(arguments)
+            return request(op, arguments)
+
+        client.request = recording  # type: ignore[method-assign]
+        client.send_batch(TOPIC, [b"m%d" % i for i in range(40)])
+        with GroupConsumer(client, "g", TOPIC, batch_size=32) as consumer:
+            got = [consumer.poll(5.0) for _ in range(40)]
+        assert [m.body for m in got if m is not None] == [b"m%d" % i for i in range(40)]
+        pulls = [(p.get("offset"), p.get("wait_ms", 0)) for p in seen if p.get("topic") == TOPIC]
+        assert (32, 0) in pulls  # before the fix start_request wrote it: not seen here
+
+
 def test_poll_returns_at_its_timeout_while_the_loops_own_pull_is_answered_late(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -452,6 +472,10 @@ def test_poll_returns_at_its_timeout_while_the_loops_own_pull_is_answered_late(
                 assert c.poll(0.2) is None
                 assert late  # the loop's own pull at 32 was held back
                 assert not released.is_set()  # poll(0.2) returned before the answer came
+                # ... and left that pull the loop's own (review 33b, 1: handed to the pool,
+                # it queued behind the long polls, a round per batch past 64 queues)
+                kept = [p for p, _, _ in c._inflight.values() if type(p) is _Inline]
+                assert [p.waits for p in kept] == [False]
                 late[0]()
                 got += [c.poll(5.0) for _ in range(8)]
                 assert c.poll(0.3) is None  # nothing twice

@@ -85,8 +85,8 @@ class _Inline:
     client's start_request): no pool thread to wake, no Future, no callback. Its answer
     is read by whichever thread reads the connection next, at the latest by the loop
     when its buffer runs empty (_fetch): there it reads the answer of a pull without a
-    wait (given at once), and hands a long poll (``waits``) to a pool thread to wait for,
-    so that whichever answer comes first wakes it."""
+    wait (given at once) for at most the caller's time, and hands a long poll (``waits``)
+    to a pool thread to wait for, so that whichever answer comes first wakes it."""
 
     __slots__ = ("client", "started", "waits")
 
@@ -114,10 +114,10 @@ def _inline_capable(client: object) -> bool:
     or proxy overriding it): only then are pulls written by start_request."""
     from equeue.client.sync import Client  # (sync imports nothing of the consumer's)
 
-    kind = type(client)
-    return kind is Client or (
-        isinstance(client, Client) and getattr(kind, "request", None) is Client.request
-    )
+    # (the bound method's function: a subclass's override and one set on the instance
+    # both differ from Client.request)
+    method = getattr(client, "request", None)
+    return isinstance(client, Client) and getattr(method, "__func__", None) is Client.request
 
 
 class GroupConsumer:
@@ -398,27 +398,29 @@ class GroupConsumer:
 
     def _unread(self, deadline: float | None) -> bool:
         """The buffer ran empty: read the answer of a pull of this thread's without a
-        wait (True: harvest it), but not past ``deadline`` (poll's timeout) nor a second
-        (the loop's _maintain and commits); a pool thread waits for each long poll of its,
-        and for a quick pull not answered by then (so any answer sets the event _fetch
-        waits on, and _harvest applies it once, in order)."""
+        wait (True: harvest it, or go round again), for at most a second at a time (the
+        loop's _maintain and commits) and not past ``deadline`` (poll's timeout: then the
+        pull stays this thread's, read by the next poll); a pool thread waits for each
+        long poll of its, so that any answer sets the event _fetch waits on. A quick pull
+        is never handed to the pool: behind its long polls (past MAX_POLLERS queues) it
+        would wait a long poll's round with its answer read."""
         inflight = self._inflight
         unread = [(k, p) for k, (p, _, _) in inflight.items() if type(p) is _Inline]
         for _, pull in unread:
-            if not pull.waits and not pull.done():
+            if pull.done():
+                return True  # (answered meanwhile, read by another thread: harvest it)
+        for _, pull in unread:
+            if not pull.waits:
                 until = time.monotonic() + 1.0
                 if deadline is not None and deadline < until:
                     until = deadline
                 # answered at once as a rule: read it here, not a second later
-                if pull.wait(until):
-                    return True
-                break
+                return pull.wait(until) or deadline is None or time.monotonic() < deadline
         for key, pull in unread:
-            if not pull.done():
-                _, at, epoch = inflight[key]
-                future = self._pool.submit(pull.result)
-                future.add_done_callback(self._answered)
-                inflight[key] = (future, at, epoch)
+            _, at, epoch = inflight[key]
+            future = self._pool.submit(pull.result)
+            future.add_done_callback(self._answered)
+            inflight[key] = (future, at, epoch)
         return False
 
     def _answered(self, _: object) -> None:

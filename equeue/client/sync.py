@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from equeue.client import args, calls
+from equeue.client import args, calls, turns
 from equeue.client.calls import Call
 from equeue.client.connect import again, connect_with_retries
 from equeue.client.core import (
@@ -434,7 +434,7 @@ class Client(Turns):
                         left = until - time.monotonic()
                         if left <= 0:
                             return None
-                        self._sleep(slot, left if left < TURN_CHECK else TURN_CHECK)
+                        self._sleep(slot, min(left, turns.TURN_CHECK))
                     else:
                         break
                 self._read_some(conn, slot, until)
