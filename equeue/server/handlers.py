@@ -265,12 +265,7 @@ class Handlers:
         if self.holds.count or topic.startswith(RESERVED_PREFIX) or not plain(store, bodies):
             return None
         count = len(bodies)
-        config = self.config
-        # _check_batch's limits, inline: past either, the general path refuses it
-        if count > config.max_batch_messages or (
-            count * (SEND_RESULT_OVERHEAD + len(topic.encode())) + ANSWER_OVERHEAD
-            > config.max_frame_bytes
-        ):
+        if not self._batch_fits(topic, count):  # the general path refuses it
             return None
         packed = send_packed(store, topic, bodies, checked=True)
         if packed is None:
@@ -295,6 +290,14 @@ class Handlers:
                 tag = "" if type(item) is bytes else item.tag
                 note(sent.topic, sent.queue_id, sent.queue_offset, tag)
 
+    def _batch_fits(self, topic: str, count: int) -> bool:
+        """Within _check_batch's limits (asked without an error: send_spans)."""
+        config = self.config
+        return (
+            count <= config.max_batch_messages
+            and _answer_size(topic, count) <= config.max_frame_bytes
+        )
+
     def _check_batch(self, peer: Peer, topic: str, count: int) -> None:
         """Refused before anything is appended: more messages than max_batch_messages, or
         so many that their answer (a SendResult each) would pass max_frame_bytes."""
@@ -305,7 +308,7 @@ class Handlers:
                 f"max_batch_messages={config.max_batch_messages} (equeue serve "
                 "--max-batch-messages); split it"
             )
-        answer = count * (SEND_RESULT_OVERHEAD + len(topic.encode())) + ANSWER_OVERHEAD
+        answer = _answer_size(topic, count)
         if answer > config.max_frame_bytes:
             fits = (config.max_frame_bytes - ANSWER_OVERHEAD) // (
                 SEND_RESULT_OVERHEAD + len(topic.encode())
@@ -515,3 +518,8 @@ def _answer_around(rid: int, packed: bytes) -> bytes:
     """speedups.answer_around in Python: the whole frame of [rid, STATUS_OK, packed]."""
     body: bytes = b"\x93" + msgpack.packb(rid) + msgpack.packb(STATUS_OK) + packed
     return FRAME_HEADER.pack(len(body)) + body
+
+
+def _answer_size(topic: str, count: int) -> int:
+    """The most bytes the answer to a send_batch of ``count`` messages to ``topic`` takes."""
+    return count * (SEND_RESULT_OVERHEAD + len(topic.encode())) + ANSWER_OVERHEAD
