@@ -381,11 +381,15 @@ def log_synced(host: LogSyncHost, chunk: Chunk, end: int, error: int) -> None:
         # service): nothing it covered may be claimed durable, this batch's data included.
         flush_recorded(host, lambda: chunk._fdatasync("flushing a chunk"))
     if error == 0:
-        if end > chunk.flushed_end:
+        before = chunk.flushed_end
+        if end > before:
             chunk.flushed_end = end
         if end > chunk.synced_end:
             chunk.synced_end = end
-        chunk._release(end)
+        # Once per half window crossed, not per flush: a madvise(MADV_DONTNEED) a flush (43
+        # sends at 64 connections) zapped the page or two flushed since the last one, a TLB
+        # shootdown IPI to the CPU running the flusher or prefault thread each time.
+        chunk.release_behind(before, end)
         return
     exc = OSError(error, os.strerror(error))
     failure = write_error(exc, "flushing a chunk", chunk.path)
