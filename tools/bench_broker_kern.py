@@ -34,9 +34,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_broker_cpu import BODY, DURABLE_PEERS, _broker
 
 Threads = dict[str, dict[str, float]]  # thread name -> figure -> value
-# perf stat --stat's events: a TLB flush (tlb:tlb_flush, all reasons: a local one, or one
-# this CPU does for another's shootdown), context switches, migrations, page faults
-PERF_EVENTS = "tlb:tlb_flush,context-switches,cpu-migrations,page-faults"
+# perf stat --stat's events: TLB flushes (tlb:tlb_flush, all reasons: a local one, or one
+# this CPU does for another's shootdown), context switches, migrations, page faults, and
+# the system calls a flush makes besides fdatasync (counted by tracepoint: cheap, unlike
+# perf trace, which slows every call and so changes who waits for whose lock)
+PERF_EVENTS = ",".join(
+    [
+        "tlb:tlb_flush",
+        "context-switches",
+        "cpu-migrations",
+        "page-faults",
+        *(
+            f"syscalls:sys_enter_{name}"
+            for name in (
+                "futex",
+                "read",
+                "write",
+                "timerfd_settime",
+                "madvise",
+                "epoll_wait",
+                "epoll_pwait",
+                "fdatasync",
+            )
+        ),
+    ]
+)
 # Kernel threads whose work a durable send causes but no broker thread is charged for: the
 # ext4 unwritten-extent conversion and writeback (kworker), soft interrupts.
 KERNEL_THREADS = ("kworker", "ksoftirqd", "jbd2")
@@ -189,7 +211,11 @@ def _stat_table(path: Path, sends: int) -> str:
     out = []
     for thread, counts in sorted(rows.items()):
         if any(counts.values()):
-            shown = ", ".join(f"{k} {v * 100 / sends:.2f}" for k, v in counts.items())
+            shown = ", ".join(
+                f"{k.replace('syscalls:sys_enter_', '')} {v * 100 / sends:.2f}"
+                for k, v in counts.items()
+                if v
+            )
             out.append(f"  {thread:24s} per 100 sends: {shown}")
     return "\n".join(out)
 

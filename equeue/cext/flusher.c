@@ -192,19 +192,17 @@ static PyObject *Flusher_collect(Flusher *self, PyObject *unused) {
     return Py_BuildValue("(idd)", error, took, ended);
 }
 
-/* arm(us): the timer fd becomes readable in us µs (0: disarm). */
+/* arm(us): the timer fd becomes readable in us µs (0: disarm). An expiry not yet read is
+ * dropped: timerfd_settime zeroes the count (Linux's timerfd_setup), so no read first. */
 static PyObject *Flusher_arm(Flusher *self, PyObject *arg) {
     long long us = PyLong_AsLongLong(arg);
     if (us == -1 && PyErr_Occurred()) return NULL;
     if (us < 0) us = 0;
     struct itimerspec spec = {{0, 0}, {(time_t)(us / 1000000), (long)(us % 1000000) * 1000}};
-    uint64_t count;
     if (self->timer_fd < 0) {
         PyErr_SetString(PyExc_RuntimeError, "the flusher is closed");
         return NULL;
     }
-    if (read(self->timer_fd, &count, sizeof count) < 0 && errno != EAGAIN)
-        return PyErr_SetFromErrno(PyExc_OSError); /* an expiry not yet read is dropped */
     if (timerfd_settime(self->timer_fd, 0, &spec, NULL) < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
