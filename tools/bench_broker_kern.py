@@ -59,6 +59,8 @@ PERF_EVENTS = ",".join(
         ),
     ]
 )
+# --record's events (EQ_RECORD_EVENTS: perf record's -e list; default: its cpu clock)
+RECORD_EVENTS = ["-e", os.environ["EQ_RECORD_EVENTS"]] if os.environ.get("EQ_RECORD_EVENTS") else []
 # Kernel threads whose work a durable send causes but no broker thread is charged for: the
 # ext4 unwritten-extent conversion and writeback (kworker), soft interrupts.
 KERNEL_THREADS = ("kworker", "ksoftirqd", "jbd2")
@@ -172,7 +174,8 @@ class Measured:
             )  # fmt: skip
         if self.record is not None:  # kernel call stacks too (root, or perf_event_paranoid -1)
             self._trace = subprocess.Popen(
-                ["perf", "record", "-g", "-p", str(self.pid), "-o", str(self.record)],
+                ["perf", "record", "-g", *RECORD_EVENTS, "-p", str(self.pid),
+                 "-o", str(self.record)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
         if self.stat is not None:
