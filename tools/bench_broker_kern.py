@@ -92,6 +92,18 @@ def _interrupts() -> list[float]:
     return list(counts.values())
 
 
+def _sectors(directory: Path) -> int:
+    """Sectors written to the device holding ``directory`` since boot (anyone's)."""
+    device = os.stat(directory).st_dev
+    block = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve()
+    for stat in (block / "stat", block.parent / "stat"):
+        try:
+            return int(stat.read_text().split()[6])
+        except (OSError, IndexError, ValueError):
+            continue
+    return 0
+
+
 def _machine() -> float:
     """Busy CPU seconds of the whole machine (/proc/stat: all but idle and iowait)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -158,6 +170,7 @@ class Measured:
         self, pid: int, syscalls: Path | None, record: Path | None = None, stat: Path | None = None
     ) -> None:
         self.pid = pid
+        self.home = Path(f"/proc/{pid}/cwd").resolve()
         self.stat = stat
         self.syscalls = syscalls
         self.record = record
@@ -187,12 +200,24 @@ class Measured:
         if self._trace is not None:
             time.sleep(1.0)  # attached before the measured sends
         self.before = _threads(self.pid)
-        self.extra = [_kernel_threads(), _machine(), time.process_time(), *_interrupts()]
+        self.extra = [
+            _kernel_threads(),
+            _machine(),
+            time.process_time(),
+            *_interrupts(),
+            _sectors(self.home),
+        ]
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.after = _threads(self.pid)
-        now = [_kernel_threads(), _machine(), time.process_time(), *_interrupts()]
+        now = [
+            _kernel_threads(),
+            _machine(),
+            time.process_time(),
+            *_interrupts(),
+            _sectors(self.home),
+        ]
         self.extra = [b - a for a, b in zip(self.extra, now, strict=True)]
         if self._trace is not None:
             self._trace.send_signal(signal.SIGINT)
@@ -288,11 +313,13 @@ def run(
         out.append(_row(name, delta, total))
     out.append(_row("all", sums, total))
     workers, machine, clients = (v * 1e6 / total for v in measured.extra[:3])
-    res, cal, tlb = (v * 100 / total for v in measured.extra[3:])
+    res, cal, tlb = (v * 100 / total for v in measured.extra[3:6])
+    written = measured.extra[6] / 2 / max(flushes, 1)
     out.append(
         f"  kernel workers (anyone's) {workers:.2f} us/send; the clients' process "
         f"{clients:.2f}; the whole machine {machine:.2f}; IPIs per 100 sends (anyone's): "
-        f"rescheduling {res:.1f}, function call {cal:.1f}, TLB shootdown {tlb:.1f}"
+        f"rescheduling {res:.1f}, function call {cal:.1f}, TLB shootdown {tlb:.1f}; "
+        f"KiB written to the device per fdatasync (anyone's) {written:.1f}"
     )
     if syscalls:
         out.append(_syscall_table(directory / "trace.txt", total))

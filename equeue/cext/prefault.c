@@ -48,6 +48,43 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;   /* a request arrived */
 static pthread_cond_t served = PTHREAD_COND_INITIALIZER; /* serving went back to 0 */
 
+/* Per mapping, the end of the range populated last (the newest PREFAULT_SLOTS mappings;
+ * one forgotten or pushed out is populated in full again, as before there was this).
+ * Windows overlap by half (Chunk asks for the window past the writer every half window),
+ * and a page already populated whose writeback a flush cleaned since is dirtied again by
+ * MADV_POPULATE_WRITE (a write fault: page_mkwrite): under --flush sync each zero page was
+ * written back twice, each time with a TLB-shootdown IPI to the writer's CPU (folio_mkclean).
+ * Pages before the writer are never released (Chunk._release zaps a window behind it), so
+ * what was populated stays faulted in, or stays written, until the writer passes it. */
+typedef struct {
+    uintptr_t mapping, end;
+} Populated;
+static Populated populated[PREFAULT_SLOTS]; /* under lock */
+static int populated_count;
+
+static int find_populated(uintptr_t mapping) {
+    for (int i = 0; i < populated_count; i++)
+        if (populated[i].mapping == mapping) return i;
+    return -1;
+}
+
+static void forget_populated(uintptr_t mapping) {
+    int i = find_populated(mapping);
+    if (i < 0) return;
+    memmove(&populated[i], &populated[i + 1],
+            (size_t)(populated_count - i - 1) * sizeof(Populated));
+    populated_count--;
+}
+
+static void note_populated(uintptr_t mapping, uintptr_t end) {
+    forget_populated(mapping);
+    if (populated_count == PREFAULT_SLOTS) { /* the oldest goes */
+        memmove(&populated[0], &populated[1], (size_t)(PREFAULT_SLOTS - 1) * sizeof(Populated));
+        populated_count--;
+    }
+    populated[populated_count++] = (Populated){mapping, end};
+}
+
 static void drop(int i) { /* keeps the others in request order */
     memmove(&pending[i], &pending[i + 1], (size_t)(pending_count - i - 1) * sizeof(Request));
     pending_count--;
@@ -66,6 +103,10 @@ static void *run(void *unused) {
         Request r = pending[0];
         drop(0);
         serving = r.mapping;
+        uintptr_t start = r.address, stop = r.address + r.length;
+        int known = find_populated(r.mapping);
+        if (known >= 0 && populated[known].end > start && populated[known].end <= stop)
+            start = populated[known].end; /* the part populated last time is left as it is */
         pthread_mutex_unlock(&lock);
         /* The window into the page cache first, by one readahead of exactly that range
          * (zero pages from allocated, unwritten blocks: no I/O), then mapped writable.
@@ -75,9 +116,14 @@ static void *run(void *unused) {
          * readahead first (ext4, 512 KiB windows). At 1 KiB records the writer outran
          * this thread less (its own major faults 0.054-0.074 a message, not 0.082-0.099;
          * its system time 0.53-0.70 µs a message, not 0.73-0.87). */
-        (void)madvise((void *)r.address, r.length, MADV_WILLNEED);
-        (void)madvise((void *)r.address, r.length, MADV_POPULATE_WRITE);
+        int ok = start >= stop;
+        if (!ok) {
+            (void)madvise((void *)start, stop - start, MADV_WILLNEED);
+            ok = madvise((void *)start, stop - start, MADV_POPULATE_WRITE) == 0;
+        }
         pthread_mutex_lock(&lock);
+        if (ok) /* a failure (ENOMEM, EFAULT) leaves the next request the whole range */
+            note_populated(r.mapping, stop);
         serving = 0;
         pthread_cond_broadcast(&served);
     }
@@ -99,6 +145,7 @@ static void after_fork_in_child(void) {
     pthread_cond_init(&wake, NULL);
     pthread_cond_init(&served, NULL);
     pending_count = 0;
+    populated_count = 0;
     serving = 0;
     started = 0;
 }
@@ -178,6 +225,8 @@ PyObject *prefault_forget(PyObject *self, PyObject *arg) {
     int i = find(mapping);
     if (i >= 0) drop(i);
     while (serving == mapping && mapping != 0) pthread_cond_wait(&served, &lock);
+    forget_populated(mapping); /* after the one served: a new mapping at this address
+                                * starts with nothing populated */
     pthread_mutex_unlock(&lock);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

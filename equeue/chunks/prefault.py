@@ -52,6 +52,9 @@ class Prefaulter:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._serving: int | None = None  # the mapping whose window is being faulted in
+        # By mapping, the end of the range faulted in last: windows overlap by half, and
+        # MADV_POPULATE_WRITE dirties a page again once a flush cleaned it (prefault.c)
+        self._populated: dict[int, int] = {}
         # Probed once: a request failing later (its mapping closed) is no verdict.
         if fast is not None:
             self.enabled = fast.prefault_supported()
@@ -105,6 +108,7 @@ class Prefaulter:
             self._requests.pop(mapping, None)
             while self._serving == mapping:
                 self._wakeup.wait()
+            self._populated.pop(mapping, None)
 
     def _run(self) -> None:
         assert self._madvise is not None
@@ -112,14 +116,24 @@ class Prefaulter:
             with self._wakeup:
                 while not self._requests:
                     self._wakeup.wait()
-                self._serving = next(iter(self._requests))
-                address, length = self._requests.pop(self._serving)
+                self._serving = mapping = next(iter(self._requests))
+                address, length = self._requests.pop(mapping)
+                stop = address + length
+                done = self._populated.get(mapping, address)
+                start = done if address < done <= stop else address
+            ok = start >= stop
             try:
-                # The range into the page cache in one readahead first (prefault.c: why)
-                self._madvise(address, length, mmap.MADV_WILLNEED)
-                self._madvise(address, length, MADV_POPULATE_WRITE)  # a failure faults nothing in
+                if not ok:
+                    # The range into the page cache in one readahead first (prefault.c: why)
+                    self._madvise(start, stop - start, mmap.MADV_WILLNEED)
+                    ok = self._madvise(start, stop - start, MADV_POPULATE_WRITE) == 0
             finally:
                 with self._wakeup:
+                    if ok:
+                        self._populated.pop(mapping, None)
+                        self._populated[mapping] = stop
+                        if len(self._populated) > 64:  # the oldest goes, as in prefault.c
+                            del self._populated[next(iter(self._populated))]
                     self._serving = None
                     self._wakeup.notify_all()
 
