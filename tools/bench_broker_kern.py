@@ -66,7 +66,7 @@ RECORD_EVENTS = ["-e", os.environ["EQ_RECORD_EVENTS"]] if os.environ.get("EQ_REC
 KERNEL_THREADS = ("kworker", "ksoftirqd", "jbd2")
 
 
-def _kernel_threads() -> float:
+def kernel_threads() -> float:
     """The run time (s) of every kernel worker thread on the machine (anyone's work)."""
     total = 0.0
     for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
@@ -92,7 +92,7 @@ def _interrupts() -> list[float]:
     return list(counts.values())
 
 
-def _sectors(directory: Path) -> int:
+def sectors_written(directory: Path) -> int:
     """Sectors written to the device holding ``directory`` since boot (anyone's)."""
     device = os.stat(directory).st_dev
     block = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve()
@@ -201,22 +201,22 @@ class Measured:
             time.sleep(1.0)  # attached before the measured sends
         self.before = _threads(self.pid)
         self.extra = [
-            _kernel_threads(),
+            kernel_threads(),
             _machine(),
             time.process_time(),
             *_interrupts(),
-            _sectors(self.home),
+            sectors_written(self.home),
         ]
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.after = _threads(self.pid)
         now = [
-            _kernel_threads(),
+            kernel_threads(),
             _machine(),
             time.process_time(),
             *_interrupts(),
-            _sectors(self.home),
+            sectors_written(self.home),
         ]
         self.extra = [b - a for a, b in zip(self.extra, now, strict=True)]
         if self._trace is not None:

@@ -19,44 +19,18 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import re
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_broker_kern import kernel_threads, sectors_written
 
 WINDOW = 512 << 10
 PAGE = 4096
 RECORD = b"x" * 100
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
-KERNEL_THREADS = ("kworker", "ksoftirqd", "jbd2")
-
-
-def kernel_threads() -> float:
-    total = 0.0
-    for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
-        try:
-            if not (task / "comm").read_text().startswith(KERNEL_THREADS):
-                continue
-            hit = re.search(
-                r"^se.sum_exec_runtime\s*:\s*([\d.]+)", (task / "sched").read_text(), re.MULTILINE
-            )
-        except OSError:
-            continue
-        if hit:
-            total += float(hit.group(1)) / 1e3
-    return total
-
-
-def sectors_written(directory: Path) -> int:
-    device = os.stat(directory).st_dev
-    try:
-        name = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve()
-        stat = (name / "stat").read_text() if (name / "stat").exists() else ""
-        if not stat:
-            stat = (name.parent / "stat").read_text()
-        return int(stat.split()[6])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def run(mode: str, rounds: int, size: int, directory: Path, zap: bool) -> str:
