@@ -274,12 +274,17 @@ def run(
     syscalls: bool,
     record: Path | None = None,
     stat: bool = False,
+    pin: bool = False,
 ) -> str:
     directory = Path(tempfile.mkdtemp(prefix="eqkn", dir="/tmp"))
     saved = dict(os.environ)
     os.environ.update(env)
     try:
-        broker, url = _broker(src, directory, [])
+        # --pin: the broker's threads on CPU 0, this process's clients on CPU 1
+        broker, url = _broker(src, directory, ["taskset", "-c", "0"] if pin else [])
+        cpus = os.sched_getaffinity(0)
+        if pin:
+            os.sched_setaffinity(0, {1})
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -295,6 +300,7 @@ def run(
     finally:
         broker.terminate()
         broker.wait(60)
+        os.sched_setaffinity(0, cpus)
     total = DURABLE_PEERS * sends
     out = [
         f"{stats}: {total / wall:,.0f} sends/s, {total / max(flushes, 1):.1f} sends per "
@@ -348,6 +354,7 @@ def main() -> None:
     parser.add_argument(
         "--env", action="append", default=[], help="NAME=VALUE for the broker (repeatable)"
     )
+    parser.add_argument("--pin", action="store_true", help="the broker on CPU 0, clients on 1")
     parser.add_argument("--record", type=Path, help="perf record -g of the broker to FILE")
     parser.add_argument(
         "--stat", action="store_true", help=f"perf stat --per-thread: {PERF_EVENTS}"
@@ -358,7 +365,15 @@ def main() -> None:
     for round_ in range(options.rounds):
         for src in sources if round_ % 2 == 0 else sources[::-1]:
             print(
-                run(src, options.count, env, options.syscalls, options.record, options.stat),
+                run(
+                    src,
+                    options.count,
+                    env,
+                    options.syscalls,
+                    options.record,
+                    options.stat,
+                    options.pin,
+                ),
                 flush=True,
             )
 
