@@ -202,6 +202,10 @@ def release_frames(
     /,
 ) -> bool: ...
 
+# The group commit's add as the send lane makes it (equeue/cext/commitadd.c): whether C
+# added it, else commit.add did
+def commit_add(commit: Any, peer: Any, request_id: int, result: Any, messages: int, /) -> bool: ...
+
 # The broker's send_bodies read from its frame (equeue/cext/bodyspans.c)
 @type_check_only  # (its type is not a module attribute)
 class BodySpans:
