@@ -21,6 +21,8 @@ static const char *const NAMES[COMMIT_SLOTS] = {"_waiting", "_messages", "_arriv
                                                 "_back",    "_slack",    "_flushing",
                                                 "_closing", "_hurry",    "_waited"};
 static PyObject *names[COMMIT_SLOTS], *S_add, *S_c_add;
+/* adds made here, in this process (the broker's stats: group_commit_adds_in_c) */
+static unsigned long long adds_in_c;
 
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
 
@@ -95,6 +97,7 @@ static int add_fast(PyObject *commit, const CommitSlots *slots, PyObject *peer,
     Py_SETREF(SLOT(commit, at[K_MESSAGES]), new_messages);
     Py_SETREF(SLOT(commit, at[K_ARRIVED]), new_arrived);
     Py_SETREF(SLOT(commit, at[K_BACK]), new_back);
+    adds_in_c++;
     return 1;
 }
 
@@ -125,6 +128,10 @@ PyObject *py_commit_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int done = commit_add(args[0], &slots, args[1], args[2], args[3], args[4]);
     if (done < 0) return NULL;
     return PyBool_FromLong(done);
+}
+
+PyObject *commit_adds_in_c(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(adds_in_c);
 }
 
 int commit_add_ready(void) {

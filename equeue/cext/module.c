@@ -82,6 +82,7 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 extern PyTypeObject SendLaneType;
 int commit_add_ready(void); /* commitadd.c: the group commit's add */
 PyObject *py_commit_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *commit_adds_in_c(PyObject *self, PyObject *unused);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 
@@ -98,6 +99,7 @@ static PyMethodDef methods[] = {
     {"frames_by_peer", (PyCFunction)(void (*)(void))frames_by_peer, METH_FASTCALL, NULL},
     {"release_frames", (PyCFunction)(void (*)(void))release_frames, METH_FASTCALL, NULL},
     {"commit_add", (PyCFunction)(void (*)(void))py_commit_add, METH_FASTCALL, NULL},
+    {"commit_adds_in_c", commit_adds_in_c, METH_NOARGS, NULL},
     {"results_of_columns", results_of_columns, METH_VARARGS, NULL},
     {"all_bytes", all_bytes, METH_O, NULL},
     {"columns_answer", columns_answer, METH_VARARGS, NULL},
