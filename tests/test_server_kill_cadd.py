@@ -100,7 +100,7 @@ def test_64_connections_lose_no_acknowledged_send(home: Path, kill: bool) -> Non
     broker, url = start_broker(store, "--flush", "sync")
     try:
         fast = speedups.SPEEDUPS
-        assert fast is not None
+        assert fast is not None and fast.__file__ is not None
         # the broker runs this tree's accelerator (PYTHONPATH inherited)
         assert str(Path(fast.__file__).resolve()) in loaded_speedups(broker.pid)
         count = MOST if kill else 50
