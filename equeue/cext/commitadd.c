@@ -67,7 +67,7 @@ static int add_fast(PyObject *commit, const CommitSlots *slots, PyObject *peer,
     if (!ok) return 0;
     PyObject *flushing = SLOT(commit, at[K_FLUSHING]);
     if (flushing == NULL) return 0;
-    if (back > 0) back -= 1; /* what add does before asking _due */
+    if (back != 0) back -= 1; /* what add does before asking _due ("if self._back") */
     if (flushing == Py_None) {
         /* _due with something waiting: closing -> nothing; hurry or the count reached ->
          * start; the bound not armed -> arm it (or start); else nothing. Only "nothing"
