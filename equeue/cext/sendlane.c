@@ -5,7 +5,8 @@
  *
  * A read that is exactly one plain send (a producer with one send in flight, issue 23's
  * durable case) is read, appended and answered by plain_send (sendframe.c), then counted
- * and handed to the group commit (commit.add, --flush sync) or written (--flush async)
+ * and handed to the group commit (commit_add, commitadd.c: its add in C where it decides
+ * nothing, else commit.add; --flush sync) or written (--flush async)
  * here, as Connection._plain_sent does. Everything else goes to the Python methods,
  * which decide as before: a connection not in the state the fast path needs
  * (Connection.buffer_updated, the class's function), a read that is not a plain send
