@@ -202,6 +202,11 @@ def release_frames(
     /,
 ) -> bool: ...
 
+# The group commit's add as the send lane makes it (equeue/cext/commitadd.c): whether C
+# added it, else commit.add did
+def commit_add(commit: Any, peer: Any, request_id: int, result: Any, messages: int, /) -> bool: ...
+def commit_adds_in_c() -> int: ...  # the adds made in C so far, in this process
+
 # The broker's send_bodies read from its frame (equeue/cext/bodyspans.c)
 @type_check_only  # (its type is not a module attribute)
 class BodySpans:

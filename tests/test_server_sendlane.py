@@ -354,7 +354,11 @@ def test_a_closed_connection_and_its_lane_are_collected() -> None:
 def test_a_client_leaving_with_durable_answers_pending_does_not_disturb_the_others() -> None:
     """Over real sockets, --flush sync: clients that send a burst and close (or shut down
     their writing half) before the answers; the broker serves another client throughout
-    and stores every message."""
+    and stores every message of a half-closed client (it reads its answers). A client
+    that closes outright may lose the tail of its burst, never acknowledged: an answer
+    written to its closed socket fails (EPIPE) and closes the connection before the
+    broker read the rest (seen in 1 of 15 runs of 20 rounds, base and branch alike);
+    what the broker read, it stored, in order."""
     directory = short_dir()
     running = BrokerThread(directory / "s", flush="sync")
     try:
@@ -369,11 +373,16 @@ def test_a_client_leaving_with_durable_answers_pending_does_not_disturb_the_othe
                         assert all(status == 0 for status, _ in got.values())
                 assert len(good.call("send", topic="ok", body=b"%d" % round_)) == 6
             stats = good.call("stats")
-            assert stats["sends"] == 20 * 5 + 20
         with MessageStore.open(directory / "s", read_only=True) as reader:
             queues = reader.queue_ids("gone")
             bodies = {m.body for q in queues for m in reader.pull("gone", q, 0, 1000).messages}
-        assert len(bodies) == 100
+        for round_ in range(20):
+            kept = [b"%d-%d" % (round_, i) in bodies for i in range(5)]
+            if round_ % 2:
+                assert all(kept), (round_, kept)
+            else:  # a prefix of the burst: read in order until the connection closed
+                assert kept == sorted(kept, reverse=True), (round_, kept)
+        assert stats["sends"] == len(bodies) + 20 and len(bodies) >= 50
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -196,13 +196,17 @@ def _broker(
     return broker, line.split()[-1]
 
 
-def process_instructions(src: Path, sends: int) -> tuple[int, int]:
+def process_instructions(src: Path, sends: int, keep: Path | None = None) -> tuple[list[int], int]:
     """A real broker of tree ``src`` under callgrind, ``sends`` durable sends from each of
-    DURABLE_PEERS connections: its user-space instructions (start and drain included)
-    and its fdatasyncs."""
+    DURABLE_PEERS connections: its user-space instructions (start and drain included) a
+    thread, in the order they started (the loop's first), and its fdatasyncs. ``keep``: a
+    directory the output files (one a thread, for callgrind_annotate) are copied to."""
     directory = Path(tempfile.mkdtemp(prefix="eqpg", dir="/tmp"))
     target = directory / "callgrind.out"
-    prefix = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={target}"]
+    prefix = [
+        "valgrind", "--tool=callgrind", "--separate-threads=yes",
+        f"--callgrind-out-file={target}",
+    ]  # fmt: skip
     broker, url = _broker(src, directory, prefix)
     try:
         flushes, _wall = asyncio.run(_drive(url, sends))
@@ -210,10 +214,19 @@ def process_instructions(src: Path, sends: int) -> tuple[int, int]:
         broker.terminate()  # a drain: callgrind writes its counts at the exit
         broker.wait(600)
     try:
-        found = re.search(r"^summary:\s+(\d+)", target.read_text(), re.MULTILINE)
-        if found is None:
-            raise SystemExit(f"no summary line in {target}")
-        return int(found.group(1)), flushes
+        threads = []
+        outputs = sorted(directory.glob("callgrind.out-*"))
+        for output in outputs:
+            found = re.search(r"^summary:\s+(\d+)", output.read_text(), re.MULTILINE)
+            if found is None:
+                raise SystemExit(f"no summary line in {output}")
+            threads.append(int(found.group(1)))
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(output, keep / f"{output.name}.{sends}")
+        if not outputs:
+            raise SystemExit(f"no callgrind output in {directory}")
+        return threads, flushes
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -270,6 +283,9 @@ def main() -> None:
         "--callgrind", action="store_true", help="--process: instructions under callgrind"
     )
     parser.add_argument("--rounds", type=int, default=3, help="--process: A/B rounds")
+    parser.add_argument(
+        "--keep", type=Path, help="--process --callgrind: copy the outputs (a file a thread) here"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
@@ -283,11 +299,16 @@ def main() -> None:
         n = options.count
         for src in sources:
             (small, flushes1), (large, flushes2) = (
-                process_instructions(src, c) for c in (n, 2 * n)
+                process_instructions(src, c, options.keep and options.keep / src.name)
+                for c in (n, 2 * n)
             )
-            per = (large - small) / (DURABLE_PEERS * n)
+            per = (sum(large) - sum(small)) / (DURABLE_PEERS * n)
+            threads = ", ".join(
+                f"{(b - a) / (DURABLE_PEERS * n):,.0f}" for a, b in zip(small, large, strict=False)
+            )
             print(
                 f"durable process {src}: {per:,.0f} instructions per send (broker, user space; "
+                f"a thread: {threads}; "
                 f"{DURABLE_PEERS * n / max(flushes2 - flushes1, 1):.1f} sends per fdatasync "
                 f"in the difference; raw: N={n} {small} Ir {flushes1} flushes, "
                 f"2N {large} Ir {flushes2} flushes)",

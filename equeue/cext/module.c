@@ -80,6 +80,9 @@ int send_lane_ready(void); /* sendlane.c: a connection's reads */
 int release_ready(void);   /* release.c */
 PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject SendLaneType;
+int commit_add_ready(void); /* commitadd.c: the group commit's add */
+PyObject *py_commit_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *commit_adds_in_c(PyObject *self, PyObject *unused);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 
@@ -95,6 +98,8 @@ static PyMethodDef methods[] = {
     {"plain_send", (PyCFunction)(void (*)(void))plain_send, METH_FASTCALL, NULL},
     {"frames_by_peer", (PyCFunction)(void (*)(void))frames_by_peer, METH_FASTCALL, NULL},
     {"release_frames", (PyCFunction)(void (*)(void))release_frames, METH_FASTCALL, NULL},
+    {"commit_add", (PyCFunction)(void (*)(void))py_commit_add, METH_FASTCALL, NULL},
+    {"commit_adds_in_c", commit_adds_in_c, METH_NOARGS, NULL},
     {"results_of_columns", results_of_columns, METH_VARARGS, NULL},
     {"all_bytes", all_bytes, METH_O, NULL},
     {"columns_answer", columns_answer, METH_VARARGS, NULL},
@@ -143,7 +148,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     ZERO = PyLong_FromLong(0);
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
     if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0 ||
-        send_result_type_ready() < 0 || body_spans_ready() < 0 || send_lane_ready() < 0 ||
+        send_result_type_ready() < 0 || body_spans_ready() < 0 || send_lane_ready() < 0 || commit_add_ready() < 0 ||
         release_ready() < 0 || PyType_Ready(&FlusherType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

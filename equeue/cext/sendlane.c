@@ -5,7 +5,8 @@
  *
  * A read that is exactly one plain send (a producer with one send in flight, issue 23's
  * durable case) is read, appended and answered by plain_send (sendframe.c), then counted
- * and handed to the group commit (commit.add, --flush sync) or written (--flush async)
+ * and handed to the group commit (commit_add, commitadd.c: its add in C where it decides
+ * nothing, else commit.add; --flush sync) or written (--flush async)
  * here, as Connection._plain_sent does. Everything else goes to the Python methods,
  * which decide as before: a connection not in the state the fast path needs
  * (Connection.buffer_updated, the class's function), a read that is not a plain send
@@ -17,6 +18,7 @@
  * Counters' slots are written the same way. A connection type without those slots (not
  * the broker's) goes to Connection.buffer_updated every read. */
 #include "speedups.h"
+#include "commitadd.h"
 #include <structmember.h>
 
 int plain_send_parts(PyObject *const *args, PyObject *out[3]); /* sendframe.c */
@@ -31,7 +33,7 @@ static const char *const SLOT_NAMES[O_COUNT] = {"_plain_send", "_hello", "_parti
                                                 "_backlog", "closed", "in_flight",
                                                 "_store", "_out", "transport"};
 static PyObject *counter_names[C_COUNT], *slot_names[O_COUNT];
-static PyObject *S_send, *S_count, *S_appended, *S_add_name, *S_is_closing, *S_write,
+static PyObject *S_send, *S_count, *S_appended, *S_is_closing, *S_write,
     *S_buffer_updated, *S_read_general, *S_plain_sent, *ONE;
 
 typedef struct {
@@ -44,6 +46,7 @@ typedef struct {
     PyObject *kind;     /* the answer's type: bytes, or Frame under --flush sync */
     PyObject *reserved; /* topics under it: the general path */
     PyObject *commit;   /* the group commit (--flush sync), or None */
+    CommitSlots commit_at; /* its slots, for its add in C (commitadd.c) */
     PyObject *counters;
     Py_ssize_t counter_at[C_COUNT]; /* a counter's slot in counters, or -1: by attribute */
     Py_ssize_t at[O_COUNT];         /* the connection's slots; at[0] -1: no fast path */
@@ -167,11 +170,7 @@ static int common_tail(Lane *self, Py_ssize_t nbytes, PyObject *got[3]) {
         bump(self, C_SENDS, 1) < 0 || bump(self, C_SEND_REQUESTS, 1) < 0)
         return -1;
     if (self->commit != Py_None) { /* answered after the fdatasync covering it */
-        PyObject *args[5] = {self->commit, c, rid, frame, ONE};
-        PyObject *r = PyObject_VectorcallMethod(S_add_name, args,
-                                                5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
+        if (commit_add(self->commit, &self->commit_at, c, rid, frame, ONE) < 0) return -1;
         PyObject **slot = &SLOT(c, self->at[O_IN_FLIGHT]);
         if (*slot == NULL) {
             PyErr_SetString(PyExc_AttributeError, "in_flight");
@@ -282,6 +281,7 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     self->kind = Py_NewRef(kind);
     self->reserved = Py_NewRef(reserved);
     self->commit = Py_NewRef(commit);
+    commit_slots(commit, &self->commit_at);
     self->counters = Py_NewRef(counters);
     self->holds_dict = holds_dict;
     for (int i = 0; i < C_COUNT; i++)
@@ -353,7 +353,7 @@ int send_lane_ready(void) {
 #define NAME(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     NAME(S_send, "send") NAME(S_count, "count") NAME(S_appended, "appended")
-    NAME(S_add_name, "add") NAME(S_is_closing, "is_closing") NAME(S_write, "write")
+    NAME(S_is_closing, "is_closing") NAME(S_write, "write")
     NAME(S_buffer_updated, "buffer_updated") NAME(S_read_general, "_read_general")
     NAME(S_plain_sent, "_plain_sent")
 #undef NAME

@@ -35,7 +35,11 @@ per flush), never durability: nothing is answered before its fdatasync. With
 waits.
 
 A waiting answer is a (peer, request id, result) tuple, not a closure per send: at tens
-of thousands of durable sends a second the broker's CPU per send is the limit.
+of thousands of durable sends a second the broker's CPU per send is the limit. For the
+same reason the send lane (cext/sendlane.c) makes ``add`` in C (cext/commitadd.c) where
+it decides nothing: a flush in progress, or the bound armed with more sends expected than
+the slack. It reads and writes the state below at its __slots__' offsets, and calls this
+``add`` in every other case, before changing anything: the policy is this module's.
 """
 
 from __future__ import annotations
@@ -79,6 +83,23 @@ class CrossClientCommit:
     release.release_durable, which writes the answers without a callback per
     connection. ``store``: the store whose ``flush_log`` this is, for the C flusher
     (flushers.make_sync says when it is used)."""
+
+    # the state cext/commitadd.c reads at fixed offsets (no __dict__: nothing set on an
+    # instance can bypass it)
+    __slots__ = (
+        "__weakref__", "_arrived", "_back", "_closing", "_flush_log", "_flushing",
+        "_flushing_messages", "_hurry", "_last_end", "_loop", "_max_wait", "_messages",
+        "_overlap_per", "_per_fdatasync", "_release_batch", "_released_one", "_slack",
+        "_sync", "_took", "_waited", "_waiting", "flushes", "overlapped", "sends_flushed",
+        "waits", "waits_full",
+    )  # fmt: skip
+    # Whether add and _due are the policy commitadd.c mirrors: a subclass overriding
+    # either has its own add called for every send.
+    _c_add = True
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._c_add = cls.add is CrossClientCommit.add and cls._due is CrossClientCommit._due
 
     def __init__(
         self,

@@ -466,6 +466,11 @@ class Handlers:
         # --group-commit-overlap: flushes after which the next started before a round's
         # last sends were back (overlapping cohorts)
         answer["group_commit_overlapped"] = commit.overlapped if commit else 0
+        # the adds the send lane made in C (cext/commitadd.c), in this process (all its
+        # brokers): the rest went through CrossClientCommit.add
+        answer["group_commit_adds_in_c"] = (
+            speedups.SPEEDUPS.commit_adds_in_c() if speedups.SPEEDUPS is not None else 0
+        )
         answer.update(self._extra_stats())
         answer["groups"] = groups = group_lag(self.store)
         for group, skipped in self.coordinator.skips().items():  # retention passed them
