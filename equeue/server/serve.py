@@ -248,12 +248,16 @@ class Broker:
     # --- the loop's work ----------------------------------------------------------
 
     def _release_and_poll(self, batch: list[Entry], error: BaseException | None) -> None:
-        """release_durable, then poll (busypoll.py) while the clients answer back."""
+        """release_durable, then poll (busypoll.py) while the clients answer back: only
+        where the group commit expects sends back from several connections (a lone
+        sender's or a shared client's next batch is no cohort to wait for)."""
         try:
             release_durable(batch, error)
         finally:
-            assert self.busy_poll is not None
-            self.busy_poll.kick()
+            commit = self.commit
+            if commit is not None and commit.expecting:
+                assert self.busy_poll is not None
+                self.busy_poll.kick()
 
     def after_batch(self) -> None:
         """After a connection's data: wake held pulls on the queues appended to."""
