@@ -299,6 +299,9 @@ class Broker:
             else 0.0,
             "listen": list(self.urls),
             "flush": self.config.flush,
+            # --busy-poll-us: times the poll started from idle, loop turns spent polling
+            "busy_poll_starts": self.busy_poll.kicks if self.busy_poll else 0,
+            "busy_polls": self.busy_poll.spins if self.busy_poll else 0,
             "clients": [
                 {
                     "where": c.where,
