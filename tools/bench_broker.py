@@ -73,6 +73,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the --flush sync broker's --group-commit-overlap (default: its own, 0: off)",
     )
     parser.add_argument(
+        "--busy-poll-us",
+        type=int,
+        help="the --flush sync broker's --busy-poll-us (default: its own, 0: off)",
+    )
+    parser.add_argument(
         "--client-loop",
         choices=("uvloop", "asyncio"),
         default="asyncio",
@@ -133,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "client_loop": args.client_loop,
         "group_commit_wait_us": args.group_commit_wait_us,
         "group_commit_overlap": args.group_commit_overlap,
+        "busy_poll_us": args.busy_poll_us,
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "wall_seconds": time.perf_counter() - started,

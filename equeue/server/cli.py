@@ -18,6 +18,7 @@ from equeue.protocol.frames import (
 from equeue.server.config import (
     DEFAULT_GROUP_COMMIT_WAIT_US,
     EVENT_LOOPS,
+    MAX_BUSY_POLL_US,
     SOCKET_NAME,
     ServerConfig,
 )
@@ -48,6 +49,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="--flush sync: where a round of sends takes more than N fdatasyncs, start the "
         "next one before the round's last sends are back (0, the default: never); risks "
         "latency for those sends, never durability",
+    )  # fmt: skip
+    parser.add_argument(
+        "--busy-poll-us", type=int, default=0, metavar="US",
+        help="--flush sync: after a flush's answers are written, keep the event loop polling "
+        "(no sleep) until US µs pass with no request, and while a flush is in progress "
+        f"(0, the default: never; at most {MAX_BUSY_POLL_US}); costs CPU while it polls, "
+        "never durability",
     )  # fmt: skip
     parser.add_argument("--token-file", help="clients must send the token in this file")
     parser.add_argument("--tls-cert", help="certificate (PEM) for tls:// listeners")
@@ -96,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         hello_timeout_ms=args.hello_timeout_ms,
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
         event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
-        group_commit_overlap=args.group_commit_overlap,
+        group_commit_overlap=args.group_commit_overlap, busy_poll_us=args.busy_poll_us,
     )  # fmt: skip
     from equeue.server.serve import serve
 

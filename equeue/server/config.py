@@ -27,6 +27,7 @@ from equeue.protocol.frames import (
 # Under --flush sync; 0 otherwise (docs/benchmarks.md, "Group commit wait": measured on)
 DEFAULT_GROUP_COMMIT_WAIT_US = 500
 MAX_GROUP_COMMIT_WAIT_US = 100_000
+MAX_BUSY_POLL_US = 10_000
 BrokerFlush = Literal["sync", "async", "os"]
 EventLoop = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
@@ -118,6 +119,11 @@ class ServerConfig:
     # without raising the rate (docs/benchmarks.md, "The C flusher and overlapping
     # cohorts"). Risks latency for a round's last sends (at most the wait's bound).
     group_commit_overlap: int = 0
+    # --flush sync: after a flush's answers are written the event loop keeps polling its
+    # sockets (no sleep in epoll) until this many µs pass with no request arriving, and
+    # while a flush is in progress (busypoll.py); 0: never. Costs CPU while it polls,
+    # risks nothing for durability.
+    busy_poll_us: int = 0
     # One request's work: messages of a send_batch (and items of any array or map a
     # request may hold, checked while decoding), messages of a pull's answer.
     max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES
@@ -171,6 +177,13 @@ class ServerConfig:
                 f"got flush={self.flush!r}"
             )
         check_int("group_commit_overlap", self.group_commit_overlap, 0, 1000)
+        check_int("busy_poll_us", self.busy_poll_us, 0, MAX_BUSY_POLL_US)
+        if self.busy_poll_us and self.flush != "sync":  # nothing would start it
+            raise ConfigError(
+                f"busy_poll_us={self.busy_poll_us} (--busy-poll-us) only applies to "
+                f"flush='sync' (--flush sync: it polls after each group commit's answers); "
+                f"got flush={self.flush!r}"
+            )
         check_int("max_batch_messages", self.max_batch_messages, 1, 1 << 24)
         check_int("max_pull_count", self.max_pull_count, 1, 1 << 24)
         check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)

@@ -24,9 +24,10 @@ import msgpack
 
 from equeue.errors import BrokerError, ConfigError
 from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES, SUPPORTED_VERSIONS
+from equeue.server.busypoll import BusyPoll
 from equeue.server.config import Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
-from equeue.server.groupcommit import CrossClientCommit
+from equeue.server.groupcommit import CrossClientCommit, Entry
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
 from equeue.server.holds import HeldPull, Holds
@@ -161,18 +162,26 @@ class Broker:
         self.loop = loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self.holds = Holds(loop, self.store, self._answer_held)
+        sync = self.config.flush == "sync"
+        self.busy_poll = busy = (
+            BusyPoll(loop, self.config.busy_poll_us, self.counters)
+            if sync and self.config.busy_poll_us
+            else None
+        )
         self.commit = (
             CrossClientCommit(
                 loop,
                 self.store.flush_log,
-                release_durable,
+                release_durable if busy is None else self._release_and_poll,
                 self.config.commit_wait_us,
                 overlap_per_fdatasync=self.config.group_commit_overlap,
                 store=self.store,
             )
-            if self.config.flush == "sync"
+            if sync
             else None
         )
+        if busy is not None:
+            busy.commit = self.commit
         try:  # from here on a failure must stop the flusher thread the commit started
             self.coordinator = coordinator = GroupCoordinator(self.store)
             self.offsets = OffsetCommitter(loop, self.store)
@@ -238,6 +247,18 @@ class Broker:
 
     # --- the loop's work ----------------------------------------------------------
 
+    def _release_and_poll(self, batch: list[Entry], error: BaseException | None) -> None:
+        """release_durable, then poll (busypoll.py) while the clients answer back: only
+        where the group commit expects sends back from several connections (a lone
+        sender's or a shared client's next batch is no cohort to wait for)."""
+        try:
+            release_durable(batch, error)
+        finally:
+            commit = self.commit
+            if commit is not None and commit.expecting:
+                assert self.busy_poll is not None
+                self.busy_poll.kick()
+
     def after_batch(self) -> None:
         """After a connection's data: wake held pulls on the queues appended to."""
         if self.holds.appended:
@@ -278,6 +299,9 @@ class Broker:
             else 0.0,
             "listen": list(self.urls),
             "flush": self.config.flush,
+            # --busy-poll-us: times the poll started from idle, loop turns spent polling
+            "busy_poll_starts": self.busy_poll.kicks if self.busy_poll else 0,
+            "busy_polls": self.busy_poll.spins if self.busy_poll else 0,
             "clients": [
                 {
                     "where": c.where,
@@ -323,6 +347,10 @@ class Broker:
         self.draining = True
         with contextlib.suppress(AttributeError):
             self._ticker.cancel()
+        busy = getattr(self, "busy_poll", None)
+        if busy is not None:
+            busy.stop()
+            log.info("busy-poll: started %d times, %d polls", busy.kicks, busy.spins)
         for server in self._servers:
             server.close()
         for connection in list(self.connections):

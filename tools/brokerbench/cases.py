@@ -388,6 +388,9 @@ class Bench:
             overlap = self.args.group_commit_overlap
             if flush == "sync" and overlap is not None:
                 extra += ["--group-commit-overlap", str(overlap)]
+            busy = self.args.busy_poll_us
+            if flush == "sync" and busy is not None:
+                extra += ["--busy-poll-us", str(busy)]
             return servers.start_broker(store, flush, self.base / f"broker-{flush}.log", extra)
         except servers.ServerError as error:
             self.notes.append(f"the broker (--flush {flush}) did not start: {_flat(error)}")

@@ -183,6 +183,11 @@ def _meta_lines(meta: dict[str, Any]) -> str:
                 f", --group-commit-overlap {meta['group_commit_overlap']}"
                 if meta.get("group_commit_overlap") is not None
                 else ""
+            )
+            + (
+                f", --busy-poll-us {meta['busy_poll_us']}"
+                if meta.get("busy_poll_us") is not None
+                else ""
             ),
             f"- Load average (1/5/15 min): before {before}, after {after}",
             f"- Wall time: {meta['wall_seconds']:.0f} s",
