@@ -137,6 +137,11 @@ def test_counters_are_c_integers() -> None:
     assert (counters.sends, counters.bytes_out, counters.errors) == (3, 1 << 40, 0)
     assert counters.totals() == (0, 3, 0, 0, 0, 1 << 40, 0)
     assert not hasattr(counters, "__dict__")
-    with pytest.raises(OverflowError):
+    counters.bytes_in = 5
+    with pytest.raises(OverflowError):  # refused, nothing changed (a T_LONGLONG member wrote -1)
         counters.bytes_in = 1 << 63
-    assert counters.bytes_in == 0
+    with pytest.raises(TypeError):
+        counters.bytes_in = "6"  # type: ignore[assignment]
+    with pytest.raises(TypeError):
+        del counters.bytes_in
+    assert counters.bytes_in == 5
