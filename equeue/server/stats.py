@@ -18,6 +18,14 @@ class _PyCounters:
 
     __slots__ = ("bytes_in", "bytes_out", "errors", "pulls", "requests", "send_requests", "sends")
 
+    requests: int
+    sends: int
+    send_requests: int
+    pulls: int
+    bytes_in: int
+    bytes_out: int
+    errors: int
+
 
 # With the accelerator the counters are C integers (cext/counters.c): the send lane and
 # release_frames add to them with no int made a bump (4 a durable send); Python reads and
