@@ -18,21 +18,13 @@ class _PyCounters:
 
     __slots__ = ("bytes_in", "bytes_out", "errors", "pulls", "requests", "send_requests", "sends")
 
-    requests: int
-    sends: int
-    send_requests: int
-    pulls: int
-    bytes_in: int
-    bytes_out: int
-    errors: int
-
 
 # With the accelerator the counters are C integers (cext/counters.c): the send lane and
 # release_frames add to them with no int made a bump (4 a durable send); Python reads and
 # writes them as ints, as before (a bump from Python costs ~30 ns more: a getset
 # descriptor, not a specialized slot).
-if TYPE_CHECKING:
-    _Base = _PyCounters
+if TYPE_CHECKING:  # (the same ints, typed in _speedups.pyi)
+    from equeue._speedups import CCounters as _Base
 else:
     _Base = _PyCounters if SPEEDUPS is None else SPEEDUPS.CCounters
 
