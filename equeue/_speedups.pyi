@@ -268,3 +268,14 @@ class Flusher:
     def arm(self, us: int) -> None: ...
     def expired(self) -> bool: ...
     def close(self) -> None: ...
+
+class CCounters:
+    """The broker's counters as C integers (cext/counters.c; stats.py's Counters)."""
+
+    requests: int
+    sends: int
+    send_requests: int
+    pulls: int
+    bytes_in: int
+    bytes_out: int
+    errors: int

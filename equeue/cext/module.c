@@ -81,6 +81,8 @@ int release_ready(void);   /* release.c */
 PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject SendLaneType;
 int commit_add_ready(void); /* commitadd.c: the group commit's add */
+int counters_ready(void);   /* counters.c: the broker's counters as C integers */
+extern PyTypeObject CountersType;
 PyObject *py_commit_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *commit_adds_in_c(PyObject *self, PyObject *unused);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -149,7 +151,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
     if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0 ||
         send_result_type_ready() < 0 || body_spans_ready() < 0 || send_lane_ready() < 0 || commit_add_ready() < 0 ||
-        release_ready() < 0 || PyType_Ready(&FlusherType) < 0)
+        release_ready() < 0 || PyType_Ready(&FlusherType) < 0 || counters_ready() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -157,7 +159,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         PyModule_AddObjectRef(m, "Message", (PyObject *)&MessageType) < 0 ||
         PyModule_AddObjectRef(m, "SendResult", (PyObject *)&SendResultType) < 0 ||
         PyModule_AddObjectRef(m, "SendLane", (PyObject *)&SendLaneType) < 0 ||
-        PyModule_AddObjectRef(m, "Flusher", (PyObject *)&FlusherType) < 0) {
+        PyModule_AddObjectRef(m, "Flusher", (PyObject *)&FlusherType) < 0 ||
+        PyModule_AddObjectRef(m, "CCounters", (PyObject *)&CountersType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -147,6 +147,7 @@ static PyObject *slot_names[O_COUNT];
 static PyTypeObject *known_type; /* held */
 static Py_ssize_t at[O_COUNT];   /* at[0] -1: that type has not these slots */
 Py_ssize_t slot_offset(PyTypeObject *type, PyObject *name); /* sendlane.c */
+Py_ssize_t counter_cell(PyTypeObject *type, PyObject *name); /* counters.c */
 PyObject *plus(PyObject *value, Py_ssize_t delta);          /* sendlane.c */
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
 
@@ -307,7 +308,10 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_DECREF(singles);
     Py_DECREF(rest);
     Py_XDECREF(grouped);
-    if (written) {
+    Py_ssize_t cell = written ? counter_cell(Py_TYPE(args[2]), S_bytes_out) : -1;
+    if (cell >= 0) /* a CCounters (counters.c): no int made */
+        *(long long *)((char *)args[2] + cell) += written;
+    else if (written) {
         PyObject *old = PyObject_GetAttr(args[2], S_bytes_out), *sum = NULL;
         if (old != NULL && (sum = plus(old, written)) != NULL)
             PyObject_SetAttr(args[2], S_bytes_out, sum);

@@ -15,13 +15,14 @@
  * Connection._plain_sent). The connection's state is read on every call (the Python code
  * changes it) from the __slots__ Connection keeps it in, by their offsets: a dict look-up
  * costs ~100 instructions in C where Python's specialized attribute read costs ~10; the
- * Counters' slots are written the same way. A connection type without those slots (not
+ * Counters' C integers (counters.c) are added to at their offsets, no int made. A connection type without those slots (not
  * the broker's) goes to Connection.buffer_updated every read. */
 #include "speedups.h"
 #include "commitadd.h"
 #include <structmember.h>
 
 int plain_send_parts(PyObject *const *args, PyObject *out[3]); /* sendframe.c */
+Py_ssize_t counter_cell(PyTypeObject *type, PyObject *name);     /* counters.c */
 
 enum { C_BYTES_IN, C_REQUESTS, C_SENDS, C_SEND_REQUESTS, C_BYTES_OUT, C_COUNT };
 static const char *const COUNTER_NAMES[C_COUNT] = {"bytes_in", "requests", "sends",
@@ -48,7 +49,8 @@ typedef struct {
     PyObject *commit;   /* the group commit (--flush sync), or None */
     CommitSlots commit_at; /* its slots, for its add in C (commitadd.c) */
     PyObject *counters;
-    Py_ssize_t counter_at[C_COUNT]; /* a counter's slot in counters, or -1: by attribute */
+    Py_ssize_t cell_at[C_COUNT];    /* a counter's C integer in counters (counters.c), or -1 */
+    Py_ssize_t counter_at[C_COUNT]; /* else its object slot, or -1: by attribute */
     Py_ssize_t at[O_COUNT];         /* the connection's slots; at[0] -1: no fast path */
     PyObject *holds_dict;
     PyObject *plain; /* _plain_send when the lane was made (the C plain_send) */
@@ -83,6 +85,10 @@ PyObject *plus(PyObject *value, Py_ssize_t delta) {
 
 /* counters.<which> += delta: 0, or -1 with an error. */
 static int bump(Lane *self, int which, Py_ssize_t delta) {
+    if (self->cell_at[which] >= 0) {
+        *(long long *)((char *)self->counters + self->cell_at[which]) += delta;
+        return 0;
+    }
     Py_ssize_t at = self->counter_at[which];
     if (at < 0) {
         PyObject *old = PyObject_GetAttr(self->counters, counter_names[which]);
@@ -284,8 +290,10 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     commit_slots(commit, &self->commit_at);
     self->counters = Py_NewRef(counters);
     self->holds_dict = holds_dict;
-    for (int i = 0; i < C_COUNT; i++)
+    for (int i = 0; i < C_COUNT; i++) {
+        self->cell_at[i] = counter_cell(Py_TYPE(counters), counter_names[i]);
         self->counter_at[i] = slot_offset(Py_TYPE(counters), counter_names[i]);
+    }
     int all = 1;
     for (int i = 0; i < O_COUNT; i++)
         all &= (self->at[i] = slot_offset(Py_TYPE(connection), slot_names[i])) >= 0;

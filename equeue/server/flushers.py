@@ -165,29 +165,33 @@ class CSync:
         if outcome is not None:  # else close() delivered it
             self._done(*outcome)
 
-    def _ended(self) -> None:
-        outcome = self._flusher.collect()
-        if outcome is not None and self._target is not None:
-            self._finish(*outcome)
-
-    def _finish(self, error_no: int, took: float, ended: float) -> None:
-        """The bookkeeping of the fdatasync of ``_target`` that ended, then ``done``."""
+    def _ended(self, outcome: tuple[int, float, float] | None = None) -> None:
+        """The fdatasync of ``_target`` ended (the loop's reader of the eventfd, or close()
+        with the outcome it collected): its bookkeeping, then ``done``. One Python frame a
+        flush: this runs once per fdatasync on the loop."""
+        if outcome is None:
+            outcome = self._flusher.collect()
+            if outcome is None:
+                return
+        target = self._target
+        if target is None:
+            return
+        error_no, took, ended = outcome
         self.ended += 1
         self.synced_s += took
         self.woke_s += time.monotonic() - ended
-        assert self._target is not None
-        chunk, end = self._target
         self._target = None
         error: BaseException | None = None
         try:
-            log_synced(self._store, chunk, end, error_no)
+            log_synced(self._store, target[0], target[1], error_no)
         except BaseException as exc:
             error = exc
         self._done(error, took)
 
     def arm(self, seconds: float, expired: Callable[[], None]) -> None:
         self._expired = expired
-        self._flusher.arm(max(1, round(seconds * 1e6)))
+        us = round(seconds * 1e6)
+        self._flusher.arm(us if us > 0 else 1)
 
     def disarm(self) -> None:
         self._expired = None
@@ -215,7 +219,7 @@ class CSync:
             time.sleep(0.0002)
         flusher.close()
         self._own.close()
-        self._finish(*outcome)
+        self._ended(outcome)
 
 
 def make_sync(

@@ -172,7 +172,9 @@ class CrossClientCommit:
                 self.waits_full += 1
             return True
         if not self._waited:
-            bound = min(self._max_wait, self._per_fdatasync * self._took)
+            bound = self._per_fdatasync * self._took  # at most _max_wait (no min(): a call)
+            if self._max_wait < bound:
+                bound = self._max_wait
             if bound <= 0:
                 return True
             self._waited = True
@@ -207,8 +209,11 @@ class CrossClientCommit:
             self.sends_flushed += messages
             if self._max_wait:  # (draining, _due ignores it)
                 self._back += expected(batch)
-            self._slack = self._overlap(during, took)
-            self.overlapped += self._slack > 0
+            if self._overlap_per:  # (fixed: without it _slack stays 0, _last_end unused)
+                self._slack = self._overlap(during, took)
+                self.overlapped += self._slack > 0
+            else:
+                self._arrived = 0
         else:
             self._back = 0  # the store refuses the sends it expected
             log.error(

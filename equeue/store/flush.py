@@ -364,7 +364,7 @@ def log_sync_target(host: LogSyncHost, own: OwnDescriptor) -> tuple[Chunk, int, 
             # Out of descriptors or memory: nothing failed to reach the disk, the next flush
             # opens again. A file replaced at the chunk's path: refused until a reopen.
             flush_recorded(host, failed_open, sticky=exc.errno not in TRANSIENT_OPEN_ERRORS)
-    fd = own.of(chunk)
+    fd = own._fd if own._chunk is chunk else own.of(chunk)  # (a call less a flush)
     if chunk._failed is not None:  # failed before the open: its description missed it
         flush_recorded(host, lambda: chunk._fdatasync("flushing a chunk"))
     return chunk, fd, end
