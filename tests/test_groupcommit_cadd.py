@@ -227,6 +227,16 @@ def test_c_adds_while_a_flush_is_in_progress_or_the_bound_armed(
     assert len(commit._flushing) == 3 and commit._waiting == []
 
 
+def test_a_count_past_c_long_long_is_not_wrapped(loop: asyncio.AbstractEventLoop) -> None:
+    # review 34a: the sum was not checked, so a huge count stored a wrapped negative
+    assert fast is not None
+    commit, _, _ = make(loop, 60_000_000, 1e12, 0.0)
+    fast.commit_add(commit, Peer("a"), 1, "r1", 1)  # starts a flush: then C adds
+    commit._messages = (1 << 62) - 1
+    fast.commit_add(commit, Peer("b"), 2, "r2", (1 << 63) - 1)
+    assert commit._messages == (1 << 62) - 1 + (1 << 63) - 1
+
+
 def test_a_subclass_changing_the_policy_gets_its_own_add(loop: asyncio.AbstractEventLoop) -> None:
     assert fast is not None
 

@@ -54,6 +54,10 @@ def test_it_is_refused_without_the_group_commit() -> None:
             ServerConfig(flush=flush, busy_poll_us=50)
     assert ServerConfig(flush="async", busy_poll_us=0).busy_poll_us == 0
     assert ServerConfig(flush="sync", busy_poll_us=MAX_BUSY_POLL_US).busy_poll_us == 10_000
+    # with no group-commit wait nothing counts the sends expected back: it would never start
+    with pytest.raises(ConfigError, match=r"group_commit_wait_us=0"):
+        ServerConfig(flush="sync", busy_poll_us=50, group_commit_wait_us=0)
+    assert ServerConfig(flush="sync", busy_poll_us=50, group_commit_wait_us=1).busy_poll_us == 50
 
 
 def test_the_command_line_refuses_a_bad_value(home: Path) -> None:
@@ -89,6 +93,49 @@ async def burst(url: str, sends: int) -> dict[str, int]:
     finally:
         for client in clients:
             await client.close()
+
+
+async def burst_then_stats(url: str, sends: int) -> tuple[dict[str, int], dict[str, int]]:
+    """A durable burst, then a stats request every 2 ms for ~0.3 s: the broker's stats
+    ~0.1 s after the burst and at the end."""
+    clients = await asyncio.gather(*(equeue.aio.connect(url) for _ in range(CONNECTIONS)))
+
+    async def lane(client: equeue.aio.AsyncClient) -> None:
+        for _ in range(sends):
+            await client.send("t", b"x" * 100)
+
+    try:
+        await asyncio.gather(*(lane(c) for c in clients))
+        began = time.monotonic()
+        first: dict[str, int] = {}
+        for _ in range(1000):  # bounded in count and time
+            stats = await clients[0].stats()
+            elapsed = time.monotonic() - began
+            if not first and elapsed >= 0.1:
+                first = stats
+            if elapsed >= 0.4:
+                return first, stats
+            await asyncio.sleep(0.002)
+        return first, await clients[0].stats()
+    finally:
+        for client in clients:
+            await client.close()
+
+
+def test_a_stream_of_stats_does_not_keep_it_polling(home: Path) -> None:
+    # review 34a: any request used to open a new window, so a client asking for stats
+    # every few ms kept the loop polling (72 % of a core) long after the last send
+    broker, url = start(home / "s", "--busy-poll-us", "10000")
+    try:
+        first, last = asyncio.run(burst_then_stats(url, 100))
+        assert first["busy_poll_starts"] >= 1, first  # it polled during the burst
+        assert last["busy_polls"] == first["busy_polls"], (first, last)
+        broker.send_signal(signal.SIGTERM)
+        assert broker.wait(60) == 0
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+            broker.wait()
 
 
 def test_an_idle_broker_stops_polling_after_the_window(home: Path) -> None:

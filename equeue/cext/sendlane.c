@@ -73,8 +73,9 @@ Py_ssize_t slot_offset(PyTypeObject *type, PyObject *name) {
 PyObject *plus(PyObject *value, Py_ssize_t delta) {
     if (PyLong_CheckExact(value)) {
         int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
-        if (!overflow && v < (1LL << 62) && v > -(1LL << 62)) return PyLong_FromLongLong(v + delta);
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow), sum;
+        if (!overflow && !__builtin_add_overflow(v, (long long)delta, &sum))
+            return PyLong_FromLongLong(sum);
     }
     PyObject *d = PyLong_FromSsize_t(delta);
     if (d == NULL) return NULL;

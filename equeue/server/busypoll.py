@@ -7,7 +7,7 @@ reads those, the next fdatasync starts. Between these steps the loop sleeps in
 hypervisor, and every such bubble delays the whole cohort. So after a flush's answers are
 written the loop keeps polling (a callback that re-schedules itself with ``call_soon``:
 uvloop, like asyncio's loop, then polls with a zero timeout) for ``window_us`` past the
-last request it saw or the last flush's end, and while a flush is in progress
+last send it saw or the last flush's end, and while a flush is in progress
 (``CrossClientCommit.pending``, bounded by ``MAX_SPIN_WINDOWS`` windows so a slow disk
 does not keep a core busy for a whole fdatasync). Once the window passes with nothing
 arriving it stops re-scheduling itself: an idle broker sleeps as before.
@@ -24,7 +24,7 @@ import time
 from typing import Protocol
 
 # While sends wait for a flush in progress the spin continues, but for at most this many
-# windows past the last request or flush end (an fdatasync of a slow disk takes ms).
+# windows past the last send or flush end (an fdatasync of a slow disk takes ms).
 MAX_SPIN_WINDOWS = 4
 
 
@@ -34,12 +34,12 @@ class _Commit(Protocol):
 
 
 class _Counters(Protocol):
-    requests: int
+    send_requests: int
 
 
 class BusyPoll:
     """``kick()`` on activity (a flush's answers released); the loop then polls until
-    ``window_us`` passes with no new request."""
+    ``window_us`` passes with no new send."""
 
     __slots__ = ("_counters", "_limit", "_loop", "_seen", "_until", "_window", "active",
                  "commit", "kicks", "spins")  # fmt: skip
@@ -55,7 +55,7 @@ class BusyPoll:
         self._window = window_us / 1e6
         self._counters = counters
         self.commit = commit  # its pending sends keep the spin going (bounded)
-        self._seen = counters.requests
+        self._seen = counters.send_requests
         self._until = 0.0  # poll until then (monotonic seconds)
         self._limit = 0.0  # ... or, while a flush is pending, until then
         self.active = False
@@ -74,9 +74,11 @@ class BusyPoll:
     def _spin(self) -> None:
         self.spins += 1
         now = time.monotonic()
-        requests = self._counters.requests
-        if requests != self._seen:  # something arrived since the last look: a new window
-            self._seen = requests
+        # Only a send opens a new window: the round's sends are what the poll waits for, and a
+        # client's stream of stats or pulls alone must not keep a core busy (review 34a).
+        sends = self._counters.send_requests
+        if sends != self._seen:  # a send arrived since the last look: a new window
+            self._seen = sends
             self._until = now + self._window
             self._limit = now + self._window * MAX_SPIN_WINDOWS
         elif now >= self._until:

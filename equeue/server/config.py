@@ -184,6 +184,12 @@ class ServerConfig:
                 f"flush='sync' (--flush sync: it polls after each group commit's answers); "
                 f"got flush={self.flush!r}"
             )
+        if self.busy_poll_us and self.group_commit_wait_us == 0:  # nothing would start it
+            raise ConfigError(
+                f"busy_poll_us={self.busy_poll_us} (--busy-poll-us) polls while the group "
+                f"commit expects sends back, which it does not count with "
+                f"group_commit_wait_us=0 (--group-commit-wait-us 0): set one of them to 0"
+            )
         check_int("max_batch_messages", self.max_batch_messages, 1, 1 << 24)
         check_int("max_pull_count", self.max_pull_count, 1, 1 << 24)
         check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)
