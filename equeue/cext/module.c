@@ -82,6 +82,7 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 extern PyTypeObject SendLaneType;
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
+PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -108,6 +109,7 @@ static PyMethodDef methods[] = {
     {"client_send_result", (PyCFunction)(void (*)(void))client_send_result, METH_FASTCALL,
      NULL},
     {"client_conn_type", client_conn_type, METH_NOARGS, NULL},
+    {"client_waiter_type", client_waiter_type, METH_NOARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},
