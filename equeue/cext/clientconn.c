@@ -16,8 +16,9 @@
  *     within `recent` seconds: nothing pending, no write scheduled (`flushing`), not
  *     closed, a place free, welcomed, no byte of a frame held by `reader`, no coalesced
  *     group open or sealed (`coalescer`); then the id from `next_id()`, the frame made in
- *     C (within `limit`), the entry (future: a Waiter of `loop`, body, deadline) in
- *     `pending`, one place taken and `transport.write(frame)`. None: nothing done (the id may be used up).
+ *     C (within `limit`), the entry (future: wakeup.c's waiter_for(loop), body,
+ *     deadline) in `pending`, one place taken and `transport.write(frame)`. None:
+ *     nothing done (the id may be used up).
  *
  * The other fields are the Python subclass's, kept here so these methods read them as C
  * fields; `time.monotonic()` is clock_gettime(CLOCK_MONOTONIC) on Linux, used directly. */
@@ -29,8 +30,7 @@ PyObject *clientsend_frame(unsigned long long id, PyObject *topic, PyObject *bod
                            Py_ssize_t max);
 PyObject *clientsend_result(const unsigned char *p, Py_ssize_t nbytes, uint64_t rid,
                             PyObject *topic, Py_ssize_t max);
-int waiter_ready(void); /* wakeup.c: the future `direct` gives */
-PyObject *waiter_new(PyObject *loop);
+PyObject *waiter_for(PyObject *loop); /* wakeup.c: the future `direct` gives */
 int waiter_is(PyObject *object);
 int waiter_finish(PyObject *waiter, PyObject *result, int now);
 
@@ -225,11 +225,11 @@ static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs
         out = Py_NewRef(Py_None);
         goto done;
     }
-    if (self->loop == NULL || waiter_ready() < 0) { /* (no loop: the general path) */
-        out = self->loop == NULL ? Py_NewRef(Py_None) : NULL;
+    if (self->loop == NULL) { /* (no loop: the general path) */
+        out = Py_NewRef(Py_None);
         goto done;
     }
-    if ((future = waiter_new(self->loop)) == NULL ||
+    if ((future = waiter_for(self->loop)) == NULL ||
         (deadline = PyFloat_FromDouble(now + self->timeout)) == NULL ||
         (entry = PyTuple_Pack(3, future, body, deadline)) == NULL ||
         PyDict_SetItem(self->pending, rid, entry) < 0 || add_free(self, -1) < 0)
