@@ -7,7 +7,8 @@ durable case's "a connection per task"; 1 x 100: the pipelined case), 100 B bodi
 
 For each ``--src`` tree in turn (alternated ``--rounds`` times) a client process of that
 tree's ``equeue`` (PYTHONPATH) runs against one broker (this tree's), and prints its
-``time.process_time()`` per send over the timed sends (after 2,000 warm-up sends). With
+``time.process_time()`` per send over the timed sends (after 2,000 warm-up sends), and
+its user and system parts and context switches per send (getrusage). With
 ``--callgrind`` the client runs under ``valgrind --tool=callgrind`` twice, ``--count`` N
 and 2N sends after the same set-up: (Ir(2N) - Ir(N)) / N instructions per send.
 """
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -47,12 +49,19 @@ async def _client(url: str, conns: int, depth: int, count: int) -> float:
         await asyncio.gather(*(one(c, per) for c in clients for _ in range(depth)))
 
     await round_(WARMUP)
-    t0 = time.process_time()
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
     await round_(count)
     spent = time.process_time() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
     for client in clients:
         await client.close()
-    return spent / (-(-count // (conns * depth)) * conns * depth) * 1e6
+    sends = -(-count // (conns * depth)) * conns * depth
+    print(
+        f"user_us {(r1.ru_utime - r0.ru_utime) / sends * 1e6:.2f} "
+        f"sys_us {(r1.ru_stime - r0.ru_stime) / sends * 1e6:.2f} "
+        f"switches {(r1.ru_nvcsw + r1.ru_nivcsw - r0.ru_nvcsw - r0.ru_nivcsw) / sends:.3f}"
+    )
+    return spent / sends * 1e6
 
 
 def _slowed() -> None:
@@ -138,10 +147,8 @@ def main() -> None:
                         print(f"{src}: {per:,.0f} instructions per send", flush=True)
                     else:
                         out_text = _run(src, [server.url, *shape, "--count", str(args.count)], None)
-                        print(
-                            f"{src}: {out_text.strip()} µs/send  load {os.getloadavg()[0]:.2f}",
-                            flush=True,
-                        )
+                        shown = " ".join(out_text.split())
+                        print(f"{src}: {shown} µs/send  load {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             server.stop()
 

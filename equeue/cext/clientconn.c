@@ -7,15 +7,18 @@
  * buffer_updated(nbytes): when `waiting` names the send `direct` wrote and the read is
  *     exactly its OK answer (clientsend_result), the pending entry taken, `heard` and
  *     `free` updated, `release()` called if callers wait for a place, and the future given
- *     the SendResult (unless done: its caller was cancelled); anything else goes to
+ *     the SendResult (unless done: its caller was cancelled), last: wakeup.c's
+ *     waiter_finish runs its task at once when no caller waited for a place and that is
+ *     safe (wakeup.c says when), else schedules it as a Future; anything else goes to
  *     `data_received(inbuf[:nbytes])`, the general read. `read_in_c` counts the first.
  *
  * direct(topic, body) -> future | None: the plain send of an idle connection heard from
  *     within `recent` seconds: nothing pending, no write scheduled (`flushing`), not
  *     closed, a place free, welcomed, no byte of a frame held by `reader`, no coalesced
  *     group open or sealed (`coalescer`); then the id from `next_id()`, the frame made in
- *     C (within `limit`), the entry (future, body, deadline) in `pending`, one place
- *     taken and `transport.write(frame)`. None: nothing done (the id may be used up).
+ *     C (within `limit`), the entry (future: wakeup.c's waiter_for(loop), body,
+ *     deadline) in `pending`, one place taken and `transport.write(frame)`. None:
+ *     nothing done (the id may be used up).
  *
  * The other fields are the Python subclass's, kept here so these methods read them as C
  * fields; `time.monotonic()` is clock_gettime(CLOCK_MONOTONIC) on Linux, used directly. */
@@ -27,6 +30,9 @@ PyObject *clientsend_frame(unsigned long long id, PyObject *topic, PyObject *bod
                            Py_ssize_t max);
 PyObject *clientsend_result(const unsigned char *p, Py_ssize_t nbytes, uint64_t rid,
                             PyObject *topic, Py_ssize_t max);
+PyObject *waiter_for(PyObject *loop); /* wakeup.c: the future `direct` gives */
+int waiter_is(PyObject *object);
+int waiter_finish(PyObject *waiter, PyObject *result, int now);
 
 /* The fields Python code reads and writes often are objects (T_OBJECT_EX: CPython 3.11
  * specializes their attribute access as it does __slots__'; not a T_DOUBLE's or T_BOOL's):
@@ -34,7 +40,7 @@ PyObject *clientsend_result(const unsigned char *p, Py_ssize_t nbytes, uint64_t 
 typedef struct {
     PyObject_HEAD
     PyObject *inbuf, *pending, *queued, *waiting_topic, *transport, *next_id, *reader,
-        *coalescer, *free, *heard, *closed, *flushing, *welcomed;
+        *coalescer, *free, *heard, *closed, *flushing, *welcomed, *loop;
     unsigned long long waiting;
     double timeout, recent;
     Py_ssize_t limit, read_in_c;
@@ -42,7 +48,7 @@ typedef struct {
 
 #define OBJECTS(X)                                                                        \
     X(inbuf) X(pending) X(queued) X(waiting_topic) X(transport) X(next_id) X(reader)      \
-    X(coalescer) X(free) X(heard) X(closed) X(flushing) X(welcomed)
+    X(coalescer) X(free) X(heard) X(closed) X(flushing) X(welcomed) X(loop)
 
 /* free + delta as the field's new int: 0, -1 (an error set). */
 static int add_free(Conn *self, long delta) {
@@ -59,7 +65,6 @@ static int truth(PyObject *value) {
     return value == NULL ? 0 : value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
 }
 
-static PyObject *FUTURE; /* asyncio.Future: Future() finds the running loop in C */
 static PyObject *S_WRITE, *S_DONE, *S_SET_RESULT, *S_RELEASE, *S_DATA_RECEIVED, *S_BUFFER,
     *S_GROUPS, *S_SEALED;
 
@@ -115,8 +120,9 @@ static int answered(Conn *self, Py_ssize_t nbytes) {
     Py_XSETREF(self->heard, heard);
     if (add_free(self, 1) < 0) goto out;
     self->read_in_c += 1;
+    int waiters = 0;
     if (self->queued != NULL) {
-        int waiters = PyObject_IsTrue(self->queued);
+        waiters = PyObject_IsTrue(self->queued);
         if (waiters < 0) goto out;
         if (waiters) {
             PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, S_RELEASE);
@@ -125,6 +131,13 @@ static int answered(Conn *self, Py_ssize_t nbytes) {
         }
     }
     PyObject *future = PyTuple_GET_ITEM(entry, 0);
+    if (waiter_is(future)) {
+        /* Last: the woken task may send again at once. Not with callers waiting for a
+         * place: the one just released comes first, as it would through call_soon. */
+        if (waiter_finish(future, result, !waiters) < 0) goto out;
+        found = 1;
+        goto out;
+    }
     PyObject *done = PyObject_CallMethodNoArgs(future, S_DONE);
     if (done == NULL) goto out;
     int is_done = PyObject_IsTrue(done);
@@ -212,14 +225,11 @@ static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs
         out = Py_NewRef(Py_None);
         goto done;
     }
-    if (FUTURE == NULL) {
-        PyObject *asyncio = PyImport_ImportModule("asyncio");
-        if (asyncio == NULL) goto done;
-        FUTURE = PyObject_GetAttrString(asyncio, "Future");
-        Py_DECREF(asyncio);
-        if (FUTURE == NULL) goto done;
+    if (self->loop == NULL) { /* (no loop: the general path) */
+        out = Py_NewRef(Py_None);
+        goto done;
     }
-    if ((future = PyObject_CallNoArgs(FUTURE)) == NULL ||
+    if ((future = waiter_for(self->loop)) == NULL ||
         (deadline = PyFloat_FromDouble(now + self->timeout)) == NULL ||
         (entry = PyTuple_Pack(3, future, body, deadline)) == NULL ||
         PyDict_SetItem(self->pending, rid, entry) < 0 || add_free(self, -1) < 0)

@@ -87,6 +87,7 @@ PyObject *py_commit_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 PyObject *commit_adds_in_c(PyObject *self, PyObject *unused);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
+PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -115,6 +116,7 @@ static PyMethodDef methods[] = {
     {"client_send_result", (PyCFunction)(void (*)(void))client_send_result, METH_FASTCALL,
      NULL},
     {"client_conn_type", client_conn_type, METH_NOARGS, NULL},
+    {"client_waiter_type", client_waiter_type, METH_NOARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},

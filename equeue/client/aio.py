@@ -76,6 +76,7 @@ class _PyConn:
     """ClientConn's fields (equeue/cext/clientconn.c; the base instead when built) and
     its methods without the accelerator: no direct send, every read the general way."""
 
+    loop: asyncio.AbstractEventLoop  # the future of a direct send is bound to it
     inbuf: memoryview
     pending: dict[int, _Entry]
     queued: deque[asyncio.Future[None]]  # callers waiting for a place
@@ -110,7 +111,9 @@ class _PyConn:
         """A plain send on an idle connection heard from within ``recent`` (the one send
         in flight of a task with a connection of its own): its frame made in C and
         written at once, its answer read in C by ``buffer_updated``, the future given the
-        SendResult (or, read the general way, ``(status, payload)`` as ``_call``'s).
+        SendResult (or, read the general way, ``(status, payload)`` as ``_call``'s). The
+        future is equeue/cext/wakeup.c's, bound to ``loop``: given the answer in C, it
+        wakes its task at once where that is safe, else through call_soon as a Future.
         None: nothing done, the coalescer's or the general path takes it (here always;
         in C: something in flight or queued, a frame past the limit, a topic not UTF-8)."""
         return None

@@ -1,0 +1,501 @@
+"""The waiter of the asyncio client's direct send (equeue/cext/wakeup.c): given its answer
+in C, it runs its task's wake-up at once instead of through call_soon, where that is safe;
+everything a caller sees stays a Future's: cancellation, wait_for / gather / shield /
+wait / create_task, contextvars, errors from the await, KeyboardInterrupt and SystemExit
+from a woken task, sends again from inside the read, debug mode, a broken connection, a
+task on another loop, a caller waiting for the only place. Against a real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import random
+import shutil
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from client_helpers import WELCOME, FakeBroker, Peer, temporary_broker
+from server_helpers import short_dir
+
+import equeue.aio
+from equeue import MessageStore, speedups
+from equeue.errors import ConnectionLostError, TopicNotFoundError
+from equeue.protocol.frames import PROTOCOL_VERSION
+from equeue.server import BrokerThread
+from equeue.store.types import OutgoingMessage, SendResult
+
+needs_c = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="no C accelerator")
+RESULT: list[Any] = ["0123456789abcdef01234567", "t", 1, 2, 3, 1.5e9]
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[BrokerThread]:
+    base = short_dir()
+    try:
+        with BrokerThread(base / "store") as thread:
+            thread.store.create_topic("t", 4)
+            yield thread
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _stored(broker: BrokerThread, result: SendResult) -> bytes:
+    return broker.store.get(result.message_id).body
+
+
+def _settled(client: equeue.aio.AsyncClient) -> bool:
+    """Every place given back, nothing in flight or waiting."""
+    protocol = client._protocol
+    assert protocol is not None
+    return protocol.free == protocol.max_in_flight and not protocol.pending and not protocol.queued
+
+
+class _Counting(asyncio.SelectorEventLoop):
+    soon = 0
+
+    def call_soon(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.soon += 1
+        return super().call_soon(*args, **kwargs)
+
+
+@needs_c
+@pytest.mark.parametrize("mode", ["asyncio", "debug", "uvloop"])
+def test_an_answer_read_in_c_wakes_its_task_without_call_soon(
+    broker: BrokerThread, mode: str
+) -> None:
+    """40 sends one at a time: read in C, each task woken in the read (no call_soon a
+    send; before: one each). In debug mode and on uvloop every wake-up goes through
+    call_soon."""
+    loop: Any = _Counting()
+    if mode == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+
+        class _UVCounting(uvloop.Loop):  # type: ignore[misc,name-defined]
+            soon = 0
+
+            def call_soon(self, *args: Any, **kwargs: Any) -> Any:
+                self.soon += 1
+                return super().call_soon(*args, **kwargs)
+
+        loop.close()
+        loop = _UVCounting()
+    loop.set_debug(mode == "debug")
+
+    async def main() -> tuple[list[SendResult], int, int]:
+        client = await equeue.aio.connect(broker.urls[0])
+        try:
+            await client.send("t", b"warm")
+            before = loop.soon
+            results = [await client.send("t", b"%d" % n) for n in range(40)]
+            protocol = client._protocol
+            assert protocol is not None and _settled(client)
+            return results, loop.soon - before, protocol.read_in_c
+        finally:
+            await client.close()
+
+    try:
+        results, soon, read_in_c = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert [_stored(broker, r) for r in results] == [b"%d" % n for n in range(40)]
+    assert read_in_c >= 30
+    if mode != "asyncio":
+        assert soon >= read_in_c - 1
+    else:
+        assert soon <= 40 - read_in_c + 5  # (the answers read the general way: call_soon)
+
+
+def test_a_cancelled_send_reports_its_message_and_its_late_answer_is_dropped(
+    broker: BrokerThread,
+) -> None:
+    async def main() -> tuple[list[Any], SendResult, bool]:
+        client = await equeue.aio.connect(broker.urls[0])
+        seen: list[Any] = []
+
+        async def one() -> None:
+            try:
+                await client.send("t", b"cancelled")
+            except asyncio.CancelledError as exc:
+                seen.append(exc.args)
+                raise
+
+        try:
+            await client.send("t", b"warm")
+            task = asyncio.get_running_loop().create_task(one())
+            await asyncio.sleep(0)  # (it wrote its send and waits; not read yet)
+            task.cancel("why")
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            after = await client.send("t", b"after")  # (the late answer came first)
+            return seen, after, _settled(client)
+        finally:
+            await client.close()
+
+    seen, after, settled = asyncio.run(main())
+    assert seen == [("why",)] and settled
+    assert _stored(broker, after) == b"after"
+    # the cancelled send was stored all the same (its answer dropped)
+    bodies = [m.body for q in range(4) for m in broker.store.pull("t", q, 0, 10_000).messages]
+    assert b"cancelled" in bodies
+
+
+def test_sends_under_wait_for_gather_shield_wait_and_create_task(broker: BrokerThread) -> None:
+    async def main() -> list[SendResult]:
+        client = await equeue.aio.connect(broker.urls[0])
+        try:
+            out = [await asyncio.wait_for(client.send("t", b"wait_for"), 30)]
+            out += await asyncio.gather(client.send("t", b"gather"))
+            out.append(await asyncio.shield(client.send("t", b"shield")))
+            task = asyncio.get_running_loop().create_task(client.send("t", b"task"))
+            done, _ = await asyncio.wait([task], timeout=30)
+            out.append(done.pop().result())
+            out.append(await asyncio.create_task(client.send("t", b"create_task")))
+            assert _settled(client)
+            return out
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert [_stored(broker, r) for r in results] == [
+        b"wait_for", b"gather", b"shield", b"task", b"create_task"
+    ]  # fmt: skip
+
+
+def test_a_send_past_wait_for_times_out_and_its_late_answer_is_dropped() -> None:
+    """The broker holds the first answer until the second request: wait_for cancels the
+    first send (TimeoutError); its answer, after the second's, is dropped; a third send
+    (alone again, read in C where built) is answered."""
+
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send({**WELCOME, "version": PROTOCOL_VERSION})
+        first = peer.recv()[0]
+        second = peer.recv()[0]
+        peer.send([second, 0, RESULT])
+        peer.send([first, 0, RESULT])
+        while True:
+            peer.send([peer.recv()[0], 0, RESULT])
+
+    async def main(url: str) -> list[Any]:
+        client = await equeue.aio.connect(url, timeout=10)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.send("t", b"first"), 0.2)
+            async with asyncio.timeout(30):
+                second = await client.send("t", b"second")
+                for _ in range(20):  # (until the first answer was read and dropped)
+                    if _settled(client):
+                        break
+                    await asyncio.sleep(0.01)
+                third = await client.send("t", b"third")
+            return [second, third, _settled(client)]
+        finally:
+            await client.close()
+
+    with FakeBroker(script) as fake:
+        second, third, settled = asyncio.run(main(fake.url))
+    assert second == third == SendResult(*RESULT) and settled
+
+
+def test_each_task_sees_its_own_context_after_the_await(broker: BrokerThread) -> None:
+    var: contextvars.ContextVar[int] = contextvars.ContextVar("var", default=-1)
+
+    async def main() -> list[int]:
+        clients = [await equeue.aio.connect(broker.urls[0]) for _ in range(4)]
+        wrong: list[int] = []
+
+        async def one(index: int) -> None:
+            var.set(index)
+            for n in range(10):
+                await clients[index % 4].send("t", b"ctx")
+                if var.get() != index + n:
+                    wrong.append(index)
+                var.set(index + n + 1)  # (kept by the task's context to the next await)
+
+        try:
+            await asyncio.gather(*(one(i * 100) for i in range(8)))
+            assert var.get() == -1  # (the main task's context untouched)
+            return wrong
+        finally:
+            for client in clients:
+                await client.close()
+
+    assert asyncio.run(main()) == []
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_keyboardinterrupt_from_a_woken_task_leaves_the_loop_and_the_client_works_on(
+    broker: BrokerThread, raised: type[BaseException]
+) -> None:
+    loop = asyncio.new_event_loop()
+
+    async def interrupted(client: equeue.aio.AsyncClient) -> None:
+        await client.send("t", b"before the interrupt")
+        raise raised
+
+    try:
+        client = loop.run_until_complete(equeue.aio.connect(broker.urls[0]))
+        try:
+            loop.run_until_complete(client.send("t", b"warm"))
+            task = loop.create_task(interrupted(client))
+            with pytest.raises(raised):
+                loop.run_until_complete(task)
+            assert task.done() and isinstance(task.exception(), raised)
+            result = loop.run_until_complete(client.send("t", b"after"))
+            assert _settled(client)
+        finally:
+            loop.run_until_complete(client.close())
+    finally:
+        loop.close()
+    assert _stored(broker, result) == b"after"
+
+
+def test_a_woken_task_sends_again_on_this_and_another_client(broker: BrokerThread) -> None:
+    """Each send made from inside the read that woke its task (the direct path), on the
+    same and on another connection, by 8 tasks at once."""
+
+    async def main() -> list[tuple[bytes, SendResult]]:
+        a = await equeue.aio.connect(broker.urls[0])
+        b = await equeue.aio.connect(broker.urls[0])
+        out: list[tuple[bytes, SendResult]] = []
+
+        async def one(index: int) -> None:
+            for n in range(10):
+                for name, client in (("a", a), ("a", a), ("b", b)):
+                    body = f"{index}{name}{n}".encode()
+                    out.append((body, await client.send("t", body)))
+
+        try:
+            await asyncio.gather(*(one(i) for i in range(8)))
+            assert _settled(a) and _settled(b)
+            return out
+        finally:
+            await a.close()
+            await b.close()
+
+    sent = asyncio.run(main())
+    assert len(sent) == 240 and len({r.message_id for _, r in sent}) == 240
+    assert all(_stored(broker, result) == body for body, result in sent)
+
+
+@needs_c  # (without it, or with sends in flight: the coalesced path, as before; see client.md)
+def test_a_task_on_another_loop_is_refused_and_the_client_goes_on(broker: BrokerThread) -> None:
+    own = asyncio.new_event_loop()
+    other = asyncio.new_event_loop()
+    try:
+        client = own.run_until_complete(equeue.aio.connect(broker.urls[0]))
+        try:
+            own.run_until_complete(client.send("t", b"warm"))
+            with pytest.raises(RuntimeError, match="different loop"):
+                other.run_until_complete(client.send("t", b"from another loop"))
+            result = own.run_until_complete(client.send("t", b"on its own loop"))
+        finally:
+            own.run_until_complete(client.close())
+    finally:
+        own.close()
+        other.close()
+    assert _stored(broker, result) == b"on its own loop"
+
+
+def test_a_caller_waiting_for_the_only_place_is_not_overtaken() -> None:
+    """max_in_flight 1: a task sending 30 times, one at a time, and a second caller that
+    waits for the place. The place goes to the waiting caller first (as through
+    call_soon), not to the woken sender sending again from inside the read."""
+
+    async def main(url: str) -> tuple[int, int]:
+        client = await equeue.aio.connect(url, timeout=10)
+        done: list[str] = []
+
+        async def many() -> None:
+            for _ in range(30):
+                await client.send("t", b"many")
+            done.append("many")
+
+        async def once() -> None:
+            await client.send("t", b"once")
+            done.append("once")
+
+        try:
+            async with asyncio.timeout(30):
+                await client.send("t", b"warm")
+                first = asyncio.get_running_loop().create_task(many())
+                await asyncio.sleep(0)  # (its first send in flight: the place taken)
+                await asyncio.gather(first, once())
+            assert _settled(client)
+            return done.index("once"), done.index("many")
+        finally:
+            await client.close()
+
+    directory = short_dir()
+    try:
+        with BrokerThread(directory / "s", max_in_flight=1) as running:
+            running.store.create_topic("t", 4)
+            once_at, many_at = asyncio.run(main(running.urls[0]))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert once_at < many_at
+
+
+def test_sends_in_flight_when_the_broker_is_sigkilled_are_reported_or_stored() -> None:
+    """16 tasks on 16 connections sending one at a time under --flush sync, the broker
+    SIGKILLed under them: each send is acknowledged (and found in the store after the
+    restart) or raises ConnectionLostError naming its message; the clients reconnect."""
+    with temporary_broker("--flush", "sync") as running:
+        with equeue.connect(running.url) as admin:
+            admin.create_topic("t", 4)
+        acked: list[tuple[bytes, SendResult]] = []
+        lost: list[tuple[bytes, ConnectionLostError]] = []
+        killed = threading.Event()
+
+        async def main() -> None:
+            clients = [await equeue.aio.connect(running.url, timeout=10) for _ in range(16)]
+
+            async def one(index: int) -> None:
+                for n in range(100_000):  # (bounded: until the kill)
+                    body = f"{index}:{n}".encode()
+                    try:
+                        acked.append((body, await clients[index].send("t", body)))
+                    except ConnectionLostError as exc:
+                        lost.append((body, exc))
+                        return
+                    if n == 50 and index == 0:
+                        await asyncio.to_thread(running.kill)
+                        killed.set()
+
+            try:
+                async with asyncio.timeout(60):
+                    await asyncio.gather(*(one(i) for i in range(16)))
+            finally:
+                for client in clients:
+                    await client.close()
+
+        asyncio.run(main())
+        assert killed.is_set() and len(lost) == 16
+        # in flight at the kill: unanswered; sent after it: unsent (the reconnect failed)
+        named = [[*exc.unanswered, *exc.unsent] == [OutgoingMessage(body)] for body, exc in lost]
+        assert all(named), [(body, exc.unanswered, exc.unsent) for body, exc in lost]
+        assert any(exc.unanswered for _, exc in lost)
+        running.stop()
+        with MessageStore.open(running.store, read_only=True) as store:
+            assert all(store.get(r.message_id).body == body for body, r in acked)
+        running.start()
+
+        async def again() -> SendResult:
+            async with await equeue.aio.connect(running.url) as client:
+                return await client.send("t", b"after the restart")
+
+        assert asyncio.run(again()).topic == "t"
+
+
+def test_random_sends_cancellations_and_broken_connections(broker: BrokerThread) -> None:
+    """Seeded: 12 tasks on 4 clients; each step a send awaited, a send cancelled after 0-2
+    loop turns, or a connection aborted under the sends in flight. Every outcome is a
+    result (stored with its body), CancelledError (a cancelled one) or ConnectionLostError
+    (naming its message); at the end nothing is in flight or waiting on any client."""
+    rng = random.Random(34)
+    bad: list[str] = []
+
+    async def main() -> int:
+        clients = [await equeue.aio.connect(broker.urls[0]) for _ in range(4)]
+        results: list[tuple[bytes, SendResult]] = []
+        unwritten: list[bytes] = []
+
+        async def one(index: int) -> None:
+            for n in range(40):
+                client = clients[rng.randrange(4)]
+                body = f"random {index}:{n}".encode()
+                roll = rng.random()
+                task = asyncio.get_running_loop().create_task(client.send("t", body))
+                if roll < 0.2:
+                    for _ in range(rng.randrange(3)):
+                        await asyncio.sleep(0)
+                    task.cancel()
+                elif roll < 0.25 and client._protocol is not None:
+                    await asyncio.sleep(0)
+                    if client._protocol.transport is not None:
+                        client._protocol.transport.abort()
+                try:
+                    results.append((body, await task))
+                except asyncio.CancelledError:
+                    if roll >= 0.2:
+                        bad.append(f"{body!r} cancelled")
+                except ConnectionLostError as exc:
+                    if [*exc.unanswered, *exc.unsent] == [OutgoingMessage(body)]:
+                        continue
+                    # A coalesced group dropped before it was written names no message
+                    # (coalesce.py's drop, as before): it must not be stored.
+                    if exc.unanswered or exc.unsent:
+                        bad.append(f"{body!r}: {exc.unanswered} {exc.unsent} {exc}")
+                    unwritten.append(body)
+
+        try:
+            async with asyncio.timeout(60):
+                await asyncio.gather(*(one(i) for i in range(12)))
+                for client in clients:
+                    await client.ping()  # (reconnected where it broke)
+                    for _ in range(100):  # (the dropped answers read)
+                        if _settled(client):
+                            break
+                        await asyncio.sleep(0.01)
+                    if not _settled(client):
+                        bad.append(f"{client._protocol} not settled")
+            for body, result in results:
+                if _stored(broker, result) != body:
+                    bad.append(f"{body!r} stored as {_stored(broker, result)!r}")
+            stored = {
+                m.body for q in range(4) for m in broker.store.pull("t", q, 0, 1 << 20).messages
+            }
+            bad.extend(
+                f"{body!r} reported unwritten, stored" for body in unwritten if body in stored
+            )
+            return len(results)
+        finally:
+            for client in clients:
+                await client.close()
+
+    assert asyncio.run(main()) > 100
+    assert bad == []
+
+
+@needs_c
+def test_the_waiter_keeps_the_future_protocol() -> None:
+    waiter_type = speedups.SPEEDUPS.client_waiter_type()  # type: ignore[union-attr]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        w: Any = waiter_type(loop)
+        assert asyncio.isfuture(w) and w.get_loop() is loop and not w.done()
+        with pytest.raises(asyncio.InvalidStateError):
+            w.result()
+        with pytest.raises(asyncio.InvalidStateError):
+            w.exception()
+        called: list[Any] = []
+        w.add_done_callback(called.append)
+        other: Any = len
+        w.add_done_callback(other)
+        assert w.remove_done_callback(other) == 1
+        w.set_result((1, 2))
+        with pytest.raises(asyncio.InvalidStateError):
+            w.set_result(3)
+        assert w.cancel() is False and w.result() == (1, 2) and w.exception() is None
+        await asyncio.sleep(0)
+        assert called == [w]
+        w.add_done_callback(called.append)  # (done: scheduled at once)
+        await asyncio.sleep(0)
+        assert called == [w, w] and await w == (1, 2)
+
+        c: Any = waiter_type(loop)
+        assert c.cancel(msg="m") is True and c.cancelled() and c.cancel() is False
+        with pytest.raises(asyncio.CancelledError, match="m"):
+            c.result()
+        e: Any = waiter_type(loop)
+        with pytest.raises(TypeError):
+            e.set_exception(StopIteration())
+        e.set_exception(TopicNotFoundError("t"))
+        with pytest.raises(TopicNotFoundError):
+            await e
+        assert isinstance(e.exception(), TopicNotFoundError)
+
+    asyncio.run(main())
