@@ -18,7 +18,8 @@
  *     group open or sealed (`coalescer`); then the id from `next_id()`, the frame made in
  *     C (within `limit`), the entry (future: wakeup.c's waiter_for(loop), body,
  *     deadline) in `pending`, one place taken and `transport.write(frame)`. None:
- *     nothing done (the id may be used up).
+ *     nothing done (the id may be used up); also when the running loop is not `loop`
+ *     (a caller on another loop: AsyncClient.send then raises WrongLoopError).
  *
  * The other fields are the Python subclass's, kept here so these methods read them as C
  * fields; `time.monotonic()` is clock_gettime(CLOCK_MONOTONIC) on Linux, used directly. */
@@ -33,6 +34,7 @@ PyObject *clientsend_result(const unsigned char *p, Py_ssize_t nbytes, uint64_t 
 PyObject *waiter_for(PyObject *loop); /* wakeup.c: the future `direct` gives */
 int waiter_is(PyObject *object);
 int waiter_finish(PyObject *waiter, PyObject *result, int now);
+int waiter_on_loop(PyObject *loop);
 
 /* The fields Python code reads and writes often are objects (T_OBJECT_EX: CPython 3.11
  * specializes their attribute access as it does __slots__'; not a T_DOUBLE's or T_BOOL's):
@@ -211,6 +213,9 @@ static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs
     double now = monotonic(), heard = PyFloat_AsDouble(self->heard);
     if (heard == -1.0 && PyErr_Occurred()) return NULL;
     if (heard < now - self->recent) Py_RETURN_NONE; /* (AsyncClient._call asks first) */
+    /* A caller on another loop: nothing written (AsyncClient.send refuses it). */
+    int own = self->loop == NULL ? 0 : waiter_on_loop(self->loop);
+    if (own <= 0) return own < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *rid = PyObject_CallNoArgs(self->next_id);
     if (rid == NULL) return NULL;
     unsigned long long id = PyLong_Check(rid) ? PyLong_AsUnsignedLongLong(rid) : 0;

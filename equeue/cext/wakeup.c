@@ -308,6 +308,16 @@ static int report(Waiter *w, PyObject *cb) {
 
 int waiter_is(PyObject *object) { return Py_IS_TYPE(object, &WaiterType); }
 
+/* Whether `loop` is the running loop of this thread (asyncio._get_running_loop, a C
+ * function of _asyncio: one call): 1, 0, -1. */
+int waiter_on_loop(PyObject *loop) {
+    if (waiter_ready() < 0) return -1;
+    PyObject *running = PyObject_CallNoArgs(RUNNING_LOOP);
+    if (running == NULL) return -1;
+    Py_DECREF(running); /* (only its identity) */
+    return running == loop;
+}
+
 /* The future of a direct send on `loop`'s connection: a Waiter on asyncio's own loops;
  * elsewhere (uvloop) an asyncio.Future, as before: there a Task takes a C Future by its
  * fast path, and the Waiter, which may not run its task at once there, measured ~1.8 k

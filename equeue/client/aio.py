@@ -39,6 +39,7 @@ from equeue.client.core import (
     readable,
     welcome,
 )
+from equeue.client.loops import running_loop, wrong_loop
 from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
 from equeue.client.url import Endpoint, parse_url
 from equeue.errors import (
@@ -394,6 +395,8 @@ class AsyncClient:
         if protocol is not None and not protocol.closed:
             return protocol
         attempt = self._reconnect
+        if attempt is not None and attempt.get_loop() is not running_loop():
+            raise wrong_loop(attempt.get_loop(), self.url)
         if attempt is None:
             attempt = self._reconnect = asyncio.get_running_loop().create_task(self._attempt())
         try:  # (shielded: a caller cancelled does not end the others' attempt)
@@ -462,6 +465,8 @@ class AsyncClient:
 
     async def _call(self, call: Call, decode: bool = True) -> Any:
         protocol = self._protocol
+        if protocol is not None and protocol.loop is not running_loop():
+            raise wrong_loop(protocol.loop, self.url)
         if protocol is not None and not protocol.pending:
             for _ in range(4):  # let the loop read it: the end of a broker that went away
                 if not protocol.input_waiting():  # (reading the end takes loop turns)
@@ -543,6 +548,8 @@ class AsyncClient:
                 return cast(SendResult, _decode_send(payload, self.url))
             coalescer = protocol.coalescer
             if coalescer is not None:  # the loop turn's group
+                if protocol.loop is not running_loop():  # (direct checks it in C)
+                    raise wrong_loop(protocol.loop, self.url)
                 if protocol.free <= 0:
                     await protocol.place()
                 if not protocol.closed:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
 from equeue.errors import (
+    ConnectionLostError,
     EQueueError,
     InvalidMessageError,
     InvalidTypeError,
@@ -133,11 +134,17 @@ class Coalescer:
             self._request(topic, group.bodies, group.futures, None)
 
     def drop(self, reason: str) -> None:
-        """The connection broke before the turn's groups were written: none was sent."""
+        """The connection broke before the turn's groups were written: none was sent;
+        each caller's own error names its send (``unsent``) and its place in the group."""
         groups = self.sealed + list(self.groups.items())
         self.sealed, self.groups = [], {}
-        for _, group in groups:
-            _fail(group.futures, lost(f"{reason}; the send was not written", [], None))
+        for topic, group in groups:
+            count = len(group.futures)
+            for index, (body, future) in enumerate(zip(group.bodies, group.futures, strict=True)):
+                if not future.done():  # (its caller may have been cancelled)
+                    future.set_exception(
+                        unsent(f"{reason}; {_which(index, count, topic)} was not written", body)
+                    )
 
     def request(self, topic: str, group: list[Sub]) -> None:
         bodies = [sub[0] for sub in group]
@@ -176,7 +183,13 @@ class Coalescer:
             if sub[1].done():  # cancelled while it waited
                 continue
             if protocol.closed:
-                sub[1].set_exception(lost(f"the connection to {protocol.where} broke", [], None))
+                sub[1].set_exception(
+                    unsent(
+                        f"the connection to {protocol.where} broke; the send to topic "
+                        f"{topic!r} (refused in a group, to be sent alone) was not written",
+                        sub[0] if sub[2] is None else sub[2],
+                    )
+                )
                 continue
             protocol.free -= 1
             self.request(topic, [sub])
@@ -205,10 +218,15 @@ class Answer:
         return list(zip(self.bodies, self.futures, givens, strict=True))
 
     def lost(self, reason: str, cause: BaseException | None) -> None:
-        for body, future, given in self.subs():
+        subs = self.subs()
+        count = len(subs)
+        for index, (body, future, given) in enumerate(subs):
             if not future.done():
                 sent = OutgoingMessage(body) if given is None else OutgoingMessage._make(given)
-                future.set_exception(lost(reason, [sent], cause))
+                which = _which(index, count, self.topic)
+                future.set_exception(
+                    lost(f"{reason}; {which} got no answer (it may be stored)", [sent], cause)
+                )
 
     def answered(self, status: int, payload: Any) -> None:
         futures = self.futures
@@ -252,6 +270,23 @@ def _fail(futures: list[asyncio.Future[SendResult]], error: BaseException) -> No
             first = False
 
 
+def _which(index: int, count: int, topic: str) -> str:
+    """The send's place in its request, for its caller's error."""
+    if count == 1:
+        return f"the send to topic {topic!r}"
+    return f"send {index + 1} of {count} coalesced into one request to topic {topic!r}"
+
+
+def unsent(reason: str, message: bytes | tuple[Any, ...]) -> EQueueError:
+    """ConnectionLostError for a send not written: ``unsent`` its message, as given."""
+    error = lost(reason, [], None)
+    assert isinstance(error, ConnectionLostError)
+    error.unsent = [
+        OutgoingMessage(message) if type(message) is bytes else OutgoingMessage._make(message)
+    ]
+    return error
+
+
 def _twin(error: BaseException) -> BaseException:
     """Another instance of ``error``, for another caller (one raised in several tasks
     would gather each one's traceback). Built as faults.unpack_error builds an error from
@@ -261,6 +296,12 @@ def _twin(error: BaseException) -> BaseException:
     cls = type(error)
     try:
         twin = cls.__new__(cls, *error.args)
+        # (OSError.__new__ leaves args empty for a class with an __init__ of its own, as
+        # ConnectionLostError and StoreWriteError have: the message would be lost)
+        twin.args = error.args
+        if isinstance(error, OSError):
+            for name in ("errno", "strerror", "filename", "filename2"):
+                setattr(twin, name, getattr(error, name))
         twin.__dict__.update(
             (name, list(value) if type(value) is list else value)  # (unanswered: its own)
             for name, value in error.__dict__.items()
