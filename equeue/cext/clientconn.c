@@ -21,6 +21,9 @@
  *     nothing done (the id may be used up); also when the running loop is not `loop`
  *     (a caller on another loop: AsyncClient.send then raises WrongLoopError).
  *
+ * future() -> an asyncio.Future of `loop` if it is the running loop, else None: the
+ *     coalesced send's (equeue/client/coalesce.py), its loop checked in the same call.
+ *
  * The other fields are the Python subclass's, kept here so these methods read them as C
  * fields; `time.monotonic()` is clock_gettime(CLOCK_MONOTONIC) on Linux, used directly. */
 #include "speedups.h"
@@ -35,6 +38,7 @@ PyObject *waiter_for(PyObject *loop); /* wakeup.c: the future `direct` gives */
 int waiter_is(PyObject *object);
 int waiter_finish(PyObject *waiter, PyObject *result, int now);
 int waiter_on_loop(PyObject *loop);
+PyObject *waiter_future_on(PyObject *loop);
 
 /* The fields Python code reads and writes often are objects (T_OBJECT_EX: CPython 3.11
  * specializes their attribute access as it does __slots__'; not a T_DOUBLE's or T_BOOL's):
@@ -255,6 +259,13 @@ done:
     return out;
 }
 
+/* future() -> an asyncio.Future of `loop` when it is the running loop, else None (a
+ * caller on another loop: the coalescer refuses it before anything is written). */
+static PyObject *conn_future(Conn *self, PyObject *unused) {
+    if (self->loop == NULL) Py_RETURN_NONE;
+    return waiter_future_on(self->loop);
+}
+
 static int conn_traverse(Conn *self, visitproc visit, void *arg) {
 #define VISIT(name) Py_VISIT(self->name);
     OBJECTS(VISIT)
@@ -279,6 +290,7 @@ static PyMethodDef conn_methods[] = {
     {"get_buffer", (PyCFunction)conn_get_buffer, METH_O, NULL},
     {"buffer_updated", (PyCFunction)conn_buffer_updated, METH_O, NULL},
     {"direct", (PyCFunction)(void (*)(void))conn_direct, METH_FASTCALL, NULL},
+    {"future", (PyCFunction)conn_future, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -108,6 +108,11 @@ class _PyConn:
     def data_received(self, data: bytes | memoryview) -> None:
         raise NotImplementedError
 
+    def future(self) -> asyncio.Future[Any] | None:
+        """A future of the running loop if it is ``loop`` (a coalesced send's), else None:
+        the caller is on another loop (in C: the check and the future in one call)."""
+        return asyncio.Future() if self.loop is running_loop() else None
+
     def direct(self, topic: str, body: bytes) -> asyncio.Future[Any] | None:
         """A plain send on an idle connection heard from within ``recent`` (the one send
         in flight of a task with a connection of its own): its frame made in C and
@@ -265,6 +270,8 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
 
     async def place(self) -> None:
         """Wait until fewer than max_in_flight requests are in flight (or it closed)."""
+        if self.loop is not running_loop():  # (before a waiter of this loop is made)
+            raise wrong_loop(self.loop, self.where)
         while self.free <= 0 and not self.closed:
             waiter = self.loop.create_future()
             self.queued.append(waiter)
@@ -548,8 +555,6 @@ class AsyncClient:
                 return cast(SendResult, _decode_send(payload, self.url))
             coalescer = protocol.coalescer
             if coalescer is not None:  # the loop turn's group
-                if protocol.loop is not running_loop():  # (direct checks it in C)
-                    raise wrong_loop(protocol.loop, self.url)
                 if protocol.free <= 0:
                     await protocol.place()
                 if not protocol.closed:

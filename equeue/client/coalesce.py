@@ -13,8 +13,9 @@ send, so each caller gets its own answer (nothing of the group was stored: send_
 checks every message first); a caller cancelled while its send waits for a place again
 is not sent. Any other error (a failed write or flush, a refused store path) is every
 send's of the group, as it would be for each alone: each caller gets its own instance of
-it (``_twin``). A broken connection raises ConnectionLostError in each caller with its
-own message as ``unanswered``.
+it (``_twin``). A broken connection raises ConnectionLostError in each caller, an
+instance of its own naming its send's place in the group, with its message as
+``unanswered`` (written: it may be stored) or ``unsent`` (the group not yet written).
 
 Each coalesced send holds a place of ``max_in_flight`` until its group is answered, so
 the client never has more requests in flight than the broker allows.
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from asyncio import Future, InvalidStateError
+from asyncio import InvalidStateError
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
+from equeue.client.loops import wrong_loop
 from equeue.errors import (
     ConnectionLostError,
     EQueueError,
@@ -99,9 +101,11 @@ class Coalescer:
         if group is not None:
             size = group.size + len(body) + BODY_OVERHEAD
             if size <= self.budget and len(group.futures) < protocol.max_in_flight:
-                # Future(): the running loop (the caller's, the connection's), found in
-                # C; Future(loop=...) would build a keyword dict per send.
-                future: asyncio.Future[SendResult] = Future()
+                # future(): the running loop's, if it is the connection's (one C call:
+                # Future(loop=...) would build a keyword dict per send)
+                future: asyncio.Future[SendResult] | None = protocol.future()
+                if future is None:
+                    raise wrong_loop(protocol.loop, protocol.where)
                 group.bodies.append(body)
                 group.futures.append(future)
                 group.size = size
@@ -111,12 +115,16 @@ class Coalescer:
         elif not groups and not self.sealed and not protocol.pending:  # alone
             if protocol.heard < time.monotonic() - HEARD_RECENTLY:
                 return None
-            future = Future()
+            future = protocol.future()
+            if future is None:
+                raise wrong_loop(protocol.loop, protocol.where)
             protocol.free -= 1
             self._request(topic, [body], [future], None)
             protocol.write_now()
             return future
-        future = Future()
+        future = protocol.future()
+        if future is None:
+            raise wrong_loop(protocol.loop, protocol.where)
         groups[topic] = _Group(body, future)
         protocol.free -= 1
         if not protocol.flushing:
@@ -301,7 +309,8 @@ def _twin(error: BaseException) -> BaseException:
         twin.args = error.args
         if isinstance(error, OSError):
             for name in ("errno", "strerror", "filename", "filename2"):
-                setattr(twin, name, getattr(error, name))
+                if getattr(error, name) is not None:  # (a None set would show in str())
+                    setattr(twin, name, getattr(error, name))
         twin.__dict__.update(
             (name, list(value) if type(value) is list else value)  # (unanswered: its own)
             for name, value in error.__dict__.items()
