@@ -39,7 +39,7 @@ from equeue.client.core import (
     readable,
     welcome,
 )
-from equeue.client.loops import running_loop, wrong_loop
+from equeue.client.loops import close_from_here, running_loop, wrong_loop
 from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
 from equeue.client.url import Endpoint, parse_url
 from equeue.errors import (
@@ -658,8 +658,8 @@ class AsyncClient:
         if self._reconnect is not None:
             self._reconnect.cancel()
         protocol = self._protocol
-        if protocol is not None:
-            protocol.fail(f"the client of {self.url} was closed", None)
+        if protocol is not None:  # (from another loop too: loops.close_from_here)
+            close_from_here(protocol, f"the client of {self.url} was closed")
 
     @property
     def closed(self) -> bool:

@@ -6,11 +6,17 @@ RuntimeError); it is refused before anything is written, with WrongLoopError."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from asyncio.events import _get_running_loop as running_loop  # (C; None outside a loop)
+from typing import TYPE_CHECKING
 
 from equeue.errors import WrongLoopError
 
-__all__ = ["running_loop", "wrong_loop"]
+if TYPE_CHECKING:
+    from equeue.client.aio import _Protocol
+
+__all__ = ["close_from_here", "running_loop", "wrong_loop"]
 
 
 def _name(loop: asyncio.AbstractEventLoop | None) -> str:
@@ -23,8 +29,29 @@ def _name(loop: asyncio.AbstractEventLoop | None) -> str:
 def wrong_loop(own: asyncio.AbstractEventLoop, url: str) -> WrongLoopError:
     """The error of a call made on the running loop to a client of ``own``."""
     return WrongLoopError(
-        f"the asyncio client of {url} was connected on event loop {_name(own)} and is "
-        f"called from a task on {_name(running_loop())}; nothing was sent. A client "
-        "serves the tasks of its own loop only: connect one on each loop "
-        "(equeue.aio.connect)"
+        f"the asyncio client of {url} is called from a task on a different loop "
+        f"({_name(running_loop())}) than the one its connection was made on "
+        f"({_name(own)}); nothing was sent. A client serves the tasks of its own loop "
+        "only: connect one on each loop (equeue.aio.connect)"
     )
+
+
+def close_from_here(protocol: _Protocol, reason: str) -> None:
+    """Close ``protocol`` from the running loop, which may not be its own (``close()`` is
+    allowed from anywhere): on its own loop, or one idle on this thread, at once; on a
+    loop running on another thread, there; on a closed loop (whose callbacks, a future's
+    or the transport's, can no longer run: asyncio would raise RuntimeError) the socket
+    is shut, so the broker sees the end, and the connection marked closed."""
+    loop = protocol.loop
+    if loop is running_loop() or not (loop.is_running() or loop.is_closed()):
+        protocol.fail(reason, None)
+    elif loop.is_closed():
+        protocol.closed = True
+        transport = protocol.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+    else:
+        with contextlib.suppress(RuntimeError):  # (it closed meanwhile: nothing to run)
+            loop.call_soon_threadsafe(protocol.fail, reason, None)
