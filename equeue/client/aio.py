@@ -108,11 +108,6 @@ class _PyConn:
     def data_received(self, data: bytes | memoryview) -> None:
         raise NotImplementedError
 
-    def future(self) -> asyncio.Future[Any] | None:
-        """A future of the running loop if it is ``loop`` (a coalesced send's), else None:
-        the caller is on another loop (in C: the check and the future in one call)."""
-        return asyncio.Future() if self.loop is running_loop() else None
-
     def direct(self, topic: str, body: bytes) -> asyncio.Future[Any] | None:
         """A plain send on an idle connection heard from within ``recent`` (the one send
         in flight of a task with a connection of its own): its frame made in C and

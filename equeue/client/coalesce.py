@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
-from equeue.client.loops import wrong_loop
+from equeue.client.loops import future_of, wrong_loop
 from equeue.errors import (
     ConnectionLostError,
     EQueueError,
@@ -101,9 +101,9 @@ class Coalescer:
         if group is not None:
             size = group.size + len(body) + BODY_OVERHEAD
             if size <= self.budget and len(group.futures) < protocol.max_in_flight:
-                # future(): the running loop's, if it is the connection's (one C call:
-                # Future(loop=...) would build a keyword dict per send)
-                future: asyncio.Future[SendResult] | None = protocol.future()
+                # future_of: a Future of the running loop, if it is the connection's (one
+                # C call; Future(loop=...) would build a keyword dict per send)
+                future: asyncio.Future[SendResult] | None = future_of(protocol)
                 if future is None:
                     raise wrong_loop(protocol.loop, protocol.where)
                 group.bodies.append(body)
@@ -115,14 +115,14 @@ class Coalescer:
         elif not groups and not self.sealed and not protocol.pending:  # alone
             if protocol.heard < time.monotonic() - HEARD_RECENTLY:
                 return None
-            future = protocol.future()
+            future = future_of(protocol)
             if future is None:
                 raise wrong_loop(protocol.loop, protocol.where)
             protocol.free -= 1
             self._request(topic, [body], [future], None)
             protocol.write_now()
             return future
-        future = protocol.future()
+        future = future_of(protocol)
         if future is None:
             raise wrong_loop(protocol.loop, protocol.where)
         groups[topic] = _Group(body, future)

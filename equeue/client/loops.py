@@ -9,14 +9,27 @@ import asyncio
 import contextlib
 import socket
 from asyncio.events import _get_running_loop as running_loop  # (C; None outside a loop)
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from equeue.errors import WrongLoopError
+from equeue.protocol.plainsend import conn_type
 
 if TYPE_CHECKING:
     from equeue.client.aio import _Protocol
 
-__all__ = ["close_from_here", "running_loop", "wrong_loop"]
+__all__ = ["close_from_here", "future_of", "running_loop", "wrong_loop"]
+
+
+def _future_of(protocol: _Protocol) -> asyncio.Future[Any] | None:
+    """A Future of the running loop if it is the connection's, else None (a caller on
+    another loop); in C (ClientConn.future_of) with the accelerator."""
+    return asyncio.Future() if protocol.loop is running_loop() else None
+
+
+future_of: Callable[[_Protocol], asyncio.Future[Any] | None] = (
+    _future_of if conn_type is None else conn_type.future_of  # type: ignore[attr-defined]
+)
 
 
 def _name(loop: asyncio.AbstractEventLoop | None) -> str:
