@@ -151,7 +151,9 @@ class Coalescer:
             for index, (body, future) in enumerate(zip(group.bodies, group.futures, strict=True)):
                 if not future.done():  # (its caller may have been cancelled)
                     future.set_exception(
-                        unsent(f"{reason}; {_which(index, count, topic)} was not written", body)
+                        unsent(
+                            f"{reason}; {_which(index, count, topic)} was not written", body, None
+                        )
                     )
 
     def request(self, topic: str, group: list[Sub]) -> None:
@@ -195,7 +197,8 @@ class Coalescer:
                     unsent(
                         f"the connection to {protocol.where} broke; the send to topic "
                         f"{topic!r} (refused in a group, to be sent alone) was not written",
-                        sub[0] if sub[2] is None else sub[2],
+                        sub[0],
+                        sub[2],
                     )
                 )
                 continue
@@ -230,7 +233,7 @@ class Answer:
         count = len(subs)
         for index, (body, future, given) in enumerate(subs):
             if not future.done():
-                sent = OutgoingMessage(body) if given is None else OutgoingMessage._make(given)
+                sent = _message(body, given)
                 which = _which(index, count, self.topic)
                 future.set_exception(
                     lost(f"{reason}; {which} got no answer (it may be stored)", [sent], cause)
@@ -285,13 +288,19 @@ def _which(index: int, count: int, topic: str) -> str:
     return f"send {index + 1} of {count} coalesced into one request to topic {topic!r}"
 
 
-def unsent(reason: str, message: bytes | tuple[Any, ...]) -> EQueueError:
+def _message(body: bytes, given: tuple[Any, ...] | None) -> OutgoingMessage:
+    """A send as its caller gave it: calls.send's fields, or the body of a plain send (a
+    given of another shape, too: the error must not fail while it is built)."""
+    if given is None or len(given) != len(OutgoingMessage._fields):
+        return OutgoingMessage(body)
+    return OutgoingMessage._make(given)
+
+
+def unsent(reason: str, body: bytes, given: tuple[Any, ...] | None) -> EQueueError:
     """ConnectionLostError for a send not written: ``unsent`` its message, as given."""
     error = lost(reason, [], None)
     assert isinstance(error, ConnectionLostError)
-    error.unsent = [
-        OutgoingMessage(message) if type(message) is bytes else OutgoingMessage._make(message)
-    ]
+    error.unsent = [_message(body, given)]
     return error
 
 
