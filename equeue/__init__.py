@@ -47,6 +47,7 @@ from equeue.errors import (
     TopicNotFoundError,
     TruncatedError,
     WriterExistsError,
+    WrongLoopError,
 )
 from equeue.store import (
     Message,
@@ -113,6 +114,7 @@ __all__ = [
     "TopicPolicy",
     "TruncatedError",
     "WriterExistsError",
+    "WrongLoopError",
 ]
 __version__ = "0.1.0"
 

@@ -300,6 +300,12 @@ class ConnectionLostError(EQueueError, ConnectionError):
         self.unsent = []
 
 
+class WrongLoopError(EQueueError, RuntimeError):
+    """An asyncio client (equeue.aio) was called from a task on an event loop other than
+    the one its connection was made on; nothing was sent, and the client still serves
+    its own loop. Connect a client on each loop."""
+
+
 class BrokerError(EQueueError):
     """The broker failed to serve a request for a reason of its own (a defect, or a
     store it can no longer use); the message says what it logged."""

@@ -27,6 +27,7 @@ typedef struct {
 
 static PyTypeObject WaiterType;
 int waiter_ready(void);
+int waiter_on_loop(PyObject *loop);
 static PyObject *TASK_TYPE, *BASE_LOOP, *FUTURE, *CANCELLED_ERROR, *INVALID_STATE, *RUNNING_LOOP, *CURRENT_TASK;
 static PyObject *S_CALL_SOON, *S_GET_DEBUG, *S_HANDLER, *S_CONTEXT, *S_MESSAGE, *S_EXCEPTION,
     *KW_CONTEXT;
@@ -307,6 +308,24 @@ static int report(Waiter *w, PyObject *cb) {
 }
 
 int waiter_is(PyObject *object) { return Py_IS_TYPE(object, &WaiterType); }
+
+/* An asyncio.Future of the running loop when that is `loop`; None (a new reference)
+ * when another loop (or none) runs: NULL with an error. */
+PyObject *waiter_future_on(PyObject *loop) {
+    int own = waiter_on_loop(loop);
+    if (own <= 0) return own < 0 ? NULL : Py_NewRef(Py_None);
+    return PyObject_CallNoArgs(FUTURE); /* (the running loop, found in C again) */
+}
+
+/* Whether `loop` is the running loop of this thread (asyncio._get_running_loop, a C
+ * function of _asyncio: one call): 1, 0, -1. */
+int waiter_on_loop(PyObject *loop) {
+    if (waiter_ready() < 0) return -1;
+    PyObject *running = PyObject_CallNoArgs(RUNNING_LOOP);
+    if (running == NULL) return -1;
+    Py_DECREF(running); /* (only its identity) */
+    return running == loop;
+}
 
 /* The future of a direct send on `loop`'s connection: a Waiter on asyncio's own loops;
  * elsewhere (uvloop) an asyncio.Future, as before: there a Task takes a C Future by its

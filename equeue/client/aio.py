@@ -39,6 +39,7 @@ from equeue.client.core import (
     readable,
     welcome,
 )
+from equeue.client.loops import close_from_here, running_loop, wrong_loop
 from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
 from equeue.client.url import Endpoint, parse_url
 from equeue.errors import (
@@ -264,6 +265,8 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
 
     async def place(self) -> None:
         """Wait until fewer than max_in_flight requests are in flight (or it closed)."""
+        if self.loop is not running_loop():  # (before a waiter of this loop is made)
+            raise wrong_loop(self.loop, self.where)
         while self.free <= 0 and not self.closed:
             waiter = self.loop.create_future()
             self.queued.append(waiter)
@@ -394,6 +397,8 @@ class AsyncClient:
         if protocol is not None and not protocol.closed:
             return protocol
         attempt = self._reconnect
+        if attempt is not None and attempt.get_loop() is not running_loop():
+            raise wrong_loop(attempt.get_loop(), self.url)
         if attempt is None:
             attempt = self._reconnect = asyncio.get_running_loop().create_task(self._attempt())
         try:  # (shielded: a caller cancelled does not end the others' attempt)
@@ -462,6 +467,8 @@ class AsyncClient:
 
     async def _call(self, call: Call, decode: bool = True) -> Any:
         protocol = self._protocol
+        if protocol is not None and protocol.loop is not running_loop():
+            raise wrong_loop(protocol.loop, self.url)
         if protocol is not None and not protocol.pending:
             for _ in range(4):  # let the loop read it: the end of a broker that went away
                 if not protocol.input_waiting():  # (reading the end takes loop turns)
@@ -646,8 +653,8 @@ class AsyncClient:
         if self._reconnect is not None:
             self._reconnect.cancel()
         protocol = self._protocol
-        if protocol is not None:
-            protocol.fail(f"the client of {self.url} was closed", None)
+        if protocol is not None:  # (from another loop too: loops.close_from_here)
+            close_from_here(protocol, f"the client of {self.url} was closed")
 
     @property
     def closed(self) -> bool:

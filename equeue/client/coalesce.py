@@ -13,8 +13,9 @@ send, so each caller gets its own answer (nothing of the group was stored: send_
 checks every message first); a caller cancelled while its send waits for a place again
 is not sent. Any other error (a failed write or flush, a refused store path) is every
 send's of the group, as it would be for each alone: each caller gets its own instance of
-it (``_twin``). A broken connection raises ConnectionLostError in each caller with its
-own message as ``unanswered``.
+it (``_twin``). A broken connection raises ConnectionLostError in each caller, an
+instance of its own naming its send's place in the group, with its message as
+``unanswered`` (written: it may be stored) or ``unsent`` (the group not yet written).
 
 Each coalesced send holds a place of ``max_in_flight`` until its group is answered, so
 the client never has more requests in flight than the broker allows.
@@ -24,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from asyncio import Future, InvalidStateError
+from asyncio import InvalidStateError
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.client.core import DECODERS, answer_error, lost
+from equeue.client.loops import future_of, wrong_loop
 from equeue.errors import (
+    ConnectionLostError,
     EQueueError,
     InvalidMessageError,
     InvalidTypeError,
@@ -98,9 +101,11 @@ class Coalescer:
         if group is not None:
             size = group.size + len(body) + BODY_OVERHEAD
             if size <= self.budget and len(group.futures) < protocol.max_in_flight:
-                # Future(): the running loop (the caller's, the connection's), found in
-                # C; Future(loop=...) would build a keyword dict per send.
-                future: asyncio.Future[SendResult] = Future()
+                # future_of: a Future of the running loop, if it is the connection's (one
+                # C call; Future(loop=...) would build a keyword dict per send)
+                future: asyncio.Future[SendResult] | None = future_of(protocol)
+                if future is None:
+                    raise wrong_loop(protocol.loop, protocol.where)
                 group.bodies.append(body)
                 group.futures.append(future)
                 group.size = size
@@ -110,12 +115,16 @@ class Coalescer:
         elif not groups and not self.sealed and not protocol.pending:  # alone
             if protocol.heard < time.monotonic() - HEARD_RECENTLY:
                 return None
-            future = Future()
+            future = future_of(protocol)
+            if future is None:
+                raise wrong_loop(protocol.loop, protocol.where)
             protocol.free -= 1
             self._request(topic, [body], [future], None)
             protocol.write_now()
             return future
-        future = Future()
+        future = future_of(protocol)
+        if future is None:
+            raise wrong_loop(protocol.loop, protocol.where)
         groups[topic] = _Group(body, future)
         protocol.free -= 1
         if not protocol.flushing:
@@ -133,11 +142,19 @@ class Coalescer:
             self._request(topic, group.bodies, group.futures, None)
 
     def drop(self, reason: str) -> None:
-        """The connection broke before the turn's groups were written: none was sent."""
+        """The connection broke before the turn's groups were written: none was sent;
+        each caller's own error names its send (``unsent``) and its place in the group."""
         groups = self.sealed + list(self.groups.items())
         self.sealed, self.groups = [], {}
-        for _, group in groups:
-            _fail(group.futures, lost(f"{reason}; the send was not written", [], None))
+        for topic, group in groups:
+            count = len(group.futures)
+            for index, (body, future) in enumerate(zip(group.bodies, group.futures, strict=True)):
+                if not future.done():  # (its caller may have been cancelled)
+                    future.set_exception(
+                        unsent(
+                            f"{reason}; {_which(index, count, topic)} was not written", body, None
+                        )
+                    )
 
     def request(self, topic: str, group: list[Sub]) -> None:
         bodies = [sub[0] for sub in group]
@@ -176,7 +193,14 @@ class Coalescer:
             if sub[1].done():  # cancelled while it waited
                 continue
             if protocol.closed:
-                sub[1].set_exception(lost(f"the connection to {protocol.where} broke", [], None))
+                sub[1].set_exception(
+                    unsent(
+                        f"the connection to {protocol.where} broke; the send to topic "
+                        f"{topic!r} (refused in a group, to be sent alone) was not written",
+                        sub[0],
+                        sub[2],
+                    )
+                )
                 continue
             protocol.free -= 1
             self.request(topic, [sub])
@@ -205,10 +229,15 @@ class Answer:
         return list(zip(self.bodies, self.futures, givens, strict=True))
 
     def lost(self, reason: str, cause: BaseException | None) -> None:
-        for body, future, given in self.subs():
+        subs = self.subs()
+        count = len(subs)
+        for index, (body, future, given) in enumerate(subs):
             if not future.done():
-                sent = OutgoingMessage(body) if given is None else OutgoingMessage._make(given)
-                future.set_exception(lost(reason, [sent], cause))
+                sent = _message(body, given)
+                which = _which(index, count, self.topic)
+                future.set_exception(
+                    lost(f"{reason}; {which} got no answer (it may be stored)", [sent], cause)
+                )
 
     def answered(self, status: int, payload: Any) -> None:
         futures = self.futures
@@ -252,6 +281,29 @@ def _fail(futures: list[asyncio.Future[SendResult]], error: BaseException) -> No
             first = False
 
 
+def _which(index: int, count: int, topic: str) -> str:
+    """The send's place in its request, for its caller's error."""
+    if count == 1:
+        return f"the send to topic {topic!r}"
+    return f"send {index + 1} of {count} coalesced into one request to topic {topic!r}"
+
+
+def _message(body: bytes, given: tuple[Any, ...] | None) -> OutgoingMessage:
+    """A send as its caller gave it: calls.send's fields, or the body of a plain send (a
+    given of another shape, too: the error must not fail while it is built)."""
+    if given is None or len(given) != len(OutgoingMessage._fields):
+        return OutgoingMessage(body)
+    return OutgoingMessage._make(given)
+
+
+def unsent(reason: str, body: bytes, given: tuple[Any, ...] | None) -> EQueueError:
+    """ConnectionLostError for a send not written: ``unsent`` its message, as given."""
+    error = lost(reason, [], None)
+    assert isinstance(error, ConnectionLostError)
+    error.unsent = [_message(body, given)]
+    return error
+
+
 def _twin(error: BaseException) -> BaseException:
     """Another instance of ``error``, for another caller (one raised in several tasks
     would gather each one's traceback). Built as faults.unpack_error builds an error from
@@ -261,6 +313,13 @@ def _twin(error: BaseException) -> BaseException:
     cls = type(error)
     try:
         twin = cls.__new__(cls, *error.args)
+        # (OSError.__new__ leaves args empty for a class with an __init__ of its own, as
+        # ConnectionLostError and StoreWriteError have: the message would be lost)
+        twin.args = error.args
+        if isinstance(error, OSError):
+            for name in ("errno", "strerror", "filename", "filename2"):
+                if getattr(error, name) is not None:  # (a None set would show in str())
+                    setattr(twin, name, getattr(error, name))
         twin.__dict__.update(
             (name, list(value) if type(value) is list else value)  # (unanswered: its own)
             for name, value in error.__dict__.items()
