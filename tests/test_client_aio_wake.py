@@ -499,3 +499,79 @@ def test_the_waiter_keeps_the_future_protocol() -> None:
         assert isinstance(e.exception(), TopicNotFoundError)
 
     asyncio.run(main())
+
+
+@needs_c
+def test_a_callback_whose_eq_removes_callbacks_does_not_crash() -> None:
+    # review 34b: remove_done_callback compared a borrowed entry that the comparison freed
+    waiter_type = speedups.SPEEDUPS.client_waiter_type()  # type: ignore[union-attr]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        w: Any = waiter_type(loop)
+        called: list[Any] = []
+        w.add_done_callback(called.append)
+
+        class Evil:
+            done = False
+
+            def __eq__(self, other: object) -> bool:
+                if not Evil.done:
+                    Evil.done = True
+                    w.remove_done_callback(self)  # frees the entry the outer call compares
+                    [bytes(64) for _ in range(1000)]  # reuse the freed memory
+                return False
+
+            __hash__ = object.__hash__
+
+        w.add_done_callback(Evil())
+        w.add_done_callback(called.append)
+        assert w.remove_done_callback(abs) == 0
+        w.set_result(1)
+        await asyncio.sleep(0)
+        assert called == [w, w]  # the Evil one was removed by its own comparison
+
+    asyncio.run(main())
+
+
+class _DebugInterrupted(asyncio.SelectorEventLoop):
+    armed = False
+
+    def get_debug(self) -> bool:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt("Ctrl-C landing in get_debug()")
+        return super().get_debug()
+
+
+@needs_c
+def test_an_interrupt_while_deciding_the_wake_up_still_wakes_the_task(
+    broker: BrokerThread,
+) -> None:
+    # review 34b: the waiter was marked done before the check that raised, and its task
+    # was never woken (pending for good, and cancel() could not free it)
+    loop = _DebugInterrupted()
+    try:
+        client = loop.run_until_complete(equeue.aio.connect(broker.urls[0]))
+        loop.run_until_complete(client.send("t", b"warm"))
+
+        async def start() -> asyncio.Task[SendResult]:
+            task = loop.create_task(client.send("t", b"woken?"))
+            await asyncio.sleep(0)  # written, awaiting its waiter
+            later = loop.create_future()
+            loop.call_later(0.2, later.set_result, None)
+            loop.armed = True
+            await later
+            return task
+
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(start())
+        loop.armed = False
+        (task,) = [t for t in asyncio.all_tasks(loop) if "send" in repr(t.get_coro())]
+        # (asyncio.wait, not wait_for: a task whose waiter refuses the cancel would hang it)
+        done, _ = loop.run_until_complete(asyncio.wait({task}, timeout=5))
+        assert done == {task}, "the send's task was never woken"
+        assert _stored(broker, task.result()) == b"woken?"
+        loop.run_until_complete(client.close())
+    finally:
+        loop.close()

@@ -141,8 +141,8 @@ static PyObject *w_set_exception(Waiter *w, PyObject *exc) {
 static PyObject *w_cancel(Waiter *w, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *msg = Py_None;
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
-    if (nargs + nkw > 1 || (nkw == 1 && !_PyUnicode_EqualToASCIIString(
-                                            PyTuple_GET_ITEM(kwnames, 0), "msg"))) {
+    if (nargs + nkw > 1 || (nkw == 1 && PyUnicode_CompareWithASCIIString(
+                                            PyTuple_GET_ITEM(kwnames, 0), "msg") != 0)) {
         PyErr_SetString(PyExc_TypeError, "cancel(msg=None)");
         return NULL;
     }
@@ -158,7 +158,8 @@ static PyObject *w_add_done_callback(Waiter *w, PyObject *const *args, Py_ssize_
                                      PyObject *kwnames) {
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     if (nargs != 1 || nkw > 1 ||
-        (nkw == 1 && !_PyUnicode_EqualToASCIIString(PyTuple_GET_ITEM(kwnames, 0), "context"))) {
+        (nkw == 1 &&
+         PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "context") != 0)) {
         PyErr_SetString(PyExc_TypeError, "add_done_callback(fn, *, context=None)");
         return NULL;
     }
@@ -184,30 +185,44 @@ static PyObject *w_add_done_callback(Waiter *w, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+/* Every comparison holds its own references: a callback's __eq__ may run any code, also
+ * on this waiter (review 34b: a borrowed entry freed by it was used after). A list that
+ * such code changed while it was compared is left as that code made it. */
 static PyObject *w_remove_done_callback(Waiter *w, PyObject *fn) {
     Py_ssize_t removed = 0;
-    if (w->cb != NULL) {
-        int eq = PyObject_RichCompareBool(w->cb, fn, Py_EQ);
-        if (eq < 0) return NULL;
-        if (eq) {
+    PyObject *cb = Py_XNewRef(w->cb);
+    if (cb != NULL) {
+        int eq = PyObject_RichCompareBool(cb, fn, Py_EQ);
+        if (eq > 0 && w->cb == cb) {
             Py_CLEAR(w->cb);
             Py_CLEAR(w->ctx);
             removed++;
         }
+        Py_DECREF(cb);
+        if (eq < 0) return NULL;
     }
-    if (w->more != NULL) {
-        PyObject *kept = PyList_New(0);
-        if (kept == NULL) return NULL;
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(w->more); i++) {
-            PyObject *pair = PyList_GET_ITEM(w->more, i);
+    PyObject *more = Py_XNewRef(w->more);
+    if (more != NULL) {
+        Py_ssize_t n = PyList_GET_SIZE(more);
+        PyObject *snapshot = PyList_GetSlice(more, 0, n), *kept = PyList_New(0);
+        Py_ssize_t gone = 0;
+        int failed = snapshot == NULL || kept == NULL;
+        for (Py_ssize_t i = 0; !failed && i < n; i++) {
+            PyObject *pair = PyList_GET_ITEM(snapshot, i); /* held by the snapshot */
             int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(pair, 0), fn, Py_EQ);
-            if (eq < 0 || (!eq && PyList_Append(kept, pair) < 0)) {
-                Py_DECREF(kept);
-                return NULL;
-            }
-            removed += eq;
+            if (eq < 0 || (!eq && PyList_Append(kept, pair) < 0))
+                failed = 1;
+            else
+                gone += eq;
         }
-        Py_SETREF(w->more, kept);
+        if (!failed && w->more == more && PyList_GET_SIZE(more) == n) {
+            Py_SETREF(w->more, Py_NewRef(kept));
+            removed += gone;
+        }
+        Py_XDECREF(snapshot);
+        Py_XDECREF(kept);
+        Py_DECREF(more);
+        if (failed) return NULL;
     }
     return PyLong_FromSsize_t(removed);
 }
@@ -347,7 +362,20 @@ int waiter_finish(PyObject *waiter, PyObject *result, int now) {
     w->state = RESULT;
     Py_XSETREF(w->value, Py_NewRef(result));
     if (now) now = may_run_now(w);
-    if (now <= 0) return now < 0 ? -1 : schedule_all(w);
+    if (now < 0) { /* the check raised (an interrupt in get_debug): the task is still woken,
+                    * as a Future would, and the error goes on (review 34b: it hung) */
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        int scheduled = schedule_all(w);
+        if (scheduled < 0) {
+            Py_XDECREF(type);
+            Py_XDECREF(exc);
+            Py_XDECREF(tb);
+        } else
+            PyErr_Restore(type, exc, tb);
+        return -1;
+    }
+    if (now == 0) return schedule_all(w);
     PyObject *cb = w->cb, *ctx = w->ctx;
     w->cb = w->ctx = NULL;
     int rc = 0;
