@@ -81,23 +81,15 @@ def start(store: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 async def burst(url: str, sends: int) -> dict[str, int]:
-    clients = await asyncio.gather(*(equeue.aio.connect(url) for _ in range(CONNECTIONS)))
-
-    async def lane(client: equeue.aio.AsyncClient) -> None:
-        for _ in range(sends):
-            await client.send("t", b"x" * 100)
-
-    try:
-        await asyncio.gather(*(lane(c) for c in clients))
-        return await clients[0].stats()
-    finally:
-        for client in clients:
-            await client.close()
+    """A durable burst from CONNECTIONS connections: the broker's stats after it."""
+    return (await burst_then_stats(url, sends, stats_for=0.0))[1]
 
 
-async def burst_then_stats(url: str, sends: int) -> tuple[dict[str, int], dict[str, int]]:
-    """A durable burst, then a stats request every 2 ms for ~0.3 s: the broker's stats
-    ~0.1 s after the burst and at the end."""
+async def burst_then_stats(
+    url: str, sends: int, stats_for: float = 0.4
+) -> tuple[dict[str, int], dict[str, int]]:
+    """A durable burst, then a stats request every 2 ms for ``stats_for`` seconds: the
+    broker's stats ~0.1 s after the burst (empty if sooner) and at the end."""
     clients = await asyncio.gather(*(equeue.aio.connect(url) for _ in range(CONNECTIONS)))
 
     async def lane(client: equeue.aio.AsyncClient) -> None:
@@ -113,7 +105,7 @@ async def burst_then_stats(url: str, sends: int) -> tuple[dict[str, int], dict[s
             elapsed = time.monotonic() - began
             if not first and elapsed >= 0.1:
                 first = stats
-            if elapsed >= 0.4:
+            if elapsed >= stats_for:
                 return first, stats
             await asyncio.sleep(0.002)
         return first, await clients[0].stats()
