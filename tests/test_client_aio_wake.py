@@ -575,3 +575,31 @@ def test_an_interrupt_while_deciding_the_wake_up_still_wakes_the_task(
         loop.run_until_complete(client.close())
     finally:
         loop.close()
+
+
+@needs_c
+def test_raising_a_waiters_exception_again_does_not_grow_its_traceback() -> None:
+    # review 34b: each result() added its frame to the exception (1,000 calls: 1,000 entries)
+    waiter_type = speedups.SPEEDUPS.client_waiter_type()  # type: ignore[union-attr]
+
+    def depth(exc: BaseException) -> int:
+        tb, n = exc.__traceback__, 0
+        while tb is not None:
+            tb, n = tb.tb_next, n + 1
+        return n
+
+    async def main() -> list[int]:
+        depths = []
+        for w in (
+            waiter_type(asyncio.get_running_loop()),
+            asyncio.get_running_loop().create_future(),
+        ):
+            w.set_exception(TopicNotFoundError("t"))
+            for _ in range(50):
+                with pytest.raises(TopicNotFoundError) as raised:
+                    w.result()
+            depths.append(depth(raised.value))
+        return depths
+
+    waiter_depth, future_depth = asyncio.run(main())
+    assert waiter_depth == future_depth <= 2

@@ -22,6 +22,7 @@ typedef struct {
     PyObject *loop, *value; /* value: the result, the exception, or the cancel message */
     PyObject *cb, *ctx;     /* the first callback and its context */
     PyObject *more;         /* a list of (cb, ctx) after the first, or NULL */
+    PyObject *tb;           /* the exception's traceback when it was set (Future's _exception_tb) */
     int state, blocking;
 } Waiter;
 
@@ -36,7 +37,7 @@ PyObject *waiter_new(PyObject *loop) {
     Waiter *w = PyObject_GC_New(Waiter, &WaiterType);
     if (w == NULL) return NULL;
     w->loop = Py_NewRef(loop);
-    w->value = w->cb = w->ctx = w->more = NULL;
+    w->value = w->cb = w->ctx = w->more = w->tb = NULL;
     w->state = PENDING;
     w->blocking = 0;
     PyObject_GC_Track(w);
@@ -86,7 +87,11 @@ static void raise_cancelled(Waiter *w) {
 static PyObject *w_result(Waiter *w, PyObject *unused) {
     switch (w->state) {
     case RESULT: return Py_NewRef(w->value);
-    case ERROR: PyErr_SetObject((PyObject *)Py_TYPE(w->value), w->value); return NULL;
+    case ERROR: /* raised with the traceback it had when set, as Future does: each raise
+                 * would otherwise add its frames to the exception (review 34b) */
+        if (PyException_SetTraceback(w->value, w->tb != NULL ? w->tb : Py_None) < 0) return NULL;
+        PyErr_SetObject((PyObject *)Py_TYPE(w->value), w->value);
+        return NULL;
     case CANCELLED: raise_cancelled(w); return NULL;
     default: return invalid("Result is not set.");
     }
@@ -113,6 +118,7 @@ static PyObject *finish(Waiter *w, int state, PyObject *value) {
     if (w->state != PENDING) return invalid("invalid state");
     w->state = state;
     Py_XSETREF(w->value, Py_XNewRef(value));
+    if (state == ERROR) Py_XSETREF(w->tb, PyException_GetTraceback(value));
     if (schedule_all(w) < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -403,6 +409,7 @@ static int w_traverse(Waiter *w, visitproc visit, void *arg) {
     Py_VISIT(w->cb);
     Py_VISIT(w->ctx);
     Py_VISIT(w->more);
+    Py_VISIT(w->tb);
     return 0;
 }
 
@@ -412,6 +419,7 @@ static int w_clear(Waiter *w) {
     Py_CLEAR(w->cb);
     Py_CLEAR(w->ctx);
     Py_CLEAR(w->more);
+    Py_CLEAR(w->tb);
     return 0;
 }
 
