@@ -8,12 +8,14 @@ send is there)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,21 @@ def start(store: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     return start_broker(store, "--flush", "sync", *extra)
 
 
+@contextlib.contextmanager
+def served(store: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``equeue serve --flush sync`` for the block, which then stops it with SIGTERM and
+    requires a clean exit; killed if the block failed before."""
+    broker, url = start(store, *extra)
+    try:
+        yield broker, url
+        broker.send_signal(signal.SIGTERM)
+        assert broker.wait(60) == 0
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+            broker.wait()
+
+
 async def burst(url: str, sends: int) -> dict[str, int]:
     """A durable burst from CONNECTIONS connections: the broker's stats after it."""
     return (await burst_then_stats(url, sends, stats_for=0.0))[1]
@@ -117,23 +134,15 @@ async def burst_then_stats(
 def test_a_stream_of_stats_does_not_keep_it_polling(home: Path) -> None:
     # review 34a: any request used to open a new window, so a client asking for stats
     # every few ms kept the loop polling (72 % of a core) long after the last send
-    broker, url = start(home / "s", "--busy-poll-us", "10000")
-    try:
+    with served(home / "s", "--busy-poll-us", "10000") as (_, url):
         first, last = asyncio.run(burst_then_stats(url, 100))
-        assert first["busy_poll_starts"] >= 1, first  # it polled during the burst
-        assert last["busy_polls"] == first["busy_polls"], (first, last)
-        broker.send_signal(signal.SIGTERM)
-        assert broker.wait(60) == 0
-    finally:
-        if broker.poll() is None:
-            broker.kill()
-            broker.wait()
+    assert first["busy_poll_starts"] >= 1, first  # it polled during the burst
+    assert last["busy_polls"] == first["busy_polls"], (first, last)
 
 
 def test_an_idle_broker_stops_polling_after_the_window(home: Path) -> None:
     # A 5 ms window: well past any round, so the poll surely ran during the burst
-    broker, url = start(home / "s", "--busy-poll-us", "5000")
-    try:
+    with served(home / "s", "--busy-poll-us", "5000") as (broker, url):
         stats = asyncio.run(burst(url, 200))
         assert stats["flushes"] > 0
         # it polled, and stopped and started again between rounds
@@ -149,12 +158,6 @@ def test_an_idle_broker_stops_polling_after_the_window(home: Path) -> None:
         # tick is ~0. A behaviour check, not a speed assertion.
         assert idle < 0.05, f"the idle broker used {idle:.0%} of a core"
         assert after["busy_polls"] == settled["busy_polls"], (settled, after)  # none idle
-        broker.send_signal(signal.SIGTERM)
-        assert broker.wait(60) == 0
-    finally:
-        if broker.poll() is None:
-            broker.kill()
-            broker.wait()
 
 
 def kill_or_drain(home: Path, stop: signal.Signals) -> tuple[int, int, dict[str, int]]:
