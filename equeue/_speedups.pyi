@@ -201,6 +201,7 @@ def release_frames(
     failed: Callable[[Any, BaseException], None],
     /,
 ) -> bool: ...
+def answers_written_directly() -> int: ...  # sent by C to the socket, in this process
 
 # The group commit's add as the send lane makes it (equeue/cext/commitadd.c): whether C
 # added it, else commit.add did

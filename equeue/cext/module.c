@@ -6,7 +6,7 @@
  * arrowcols.c (the Spark source's Arrow columns), prefault.c (the thread faulting pages
  * in ahead of the writer), sendframe.c (the broker's plain send), bodyspans.c (the
  * broker's send_bodies read from its frame), release.c (the broker's durable answers
- * after their fdatasync), answercols.c (the clients' send_bodies request and answer),
+ * after their fdatasync; answerwrite.c sends each to its socket), answercols.c (the clients' send_bodies request and answer),
  * clientsend.c (the asyncio client's plain send), xxh3.h (the record checksum, inlined
  * where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several use);
  * speedups.h is what they share.
@@ -79,6 +79,8 @@ PyObject *client_send_frame(PyObject *self, PyObject *const *args, Py_ssize_t na
 int send_lane_ready(void); /* sendlane.c: a connection's reads */
 int release_ready(void);   /* release.c */
 PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+int answer_write_ready(void); /* answerwrite.c: a durable answer sent by C */
+PyObject *answers_written_directly(PyObject *self, PyObject *unused);
 extern PyTypeObject SendLaneType;
 int commit_add_ready(void); /* commitadd.c: the group commit's add */
 int counters_ready(void);   /* counters.c: the broker's counters as C integers */
@@ -101,6 +103,7 @@ static PyMethodDef methods[] = {
     {"plain_send", (PyCFunction)(void (*)(void))plain_send, METH_FASTCALL, NULL},
     {"frames_by_peer", (PyCFunction)(void (*)(void))frames_by_peer, METH_FASTCALL, NULL},
     {"release_frames", (PyCFunction)(void (*)(void))release_frames, METH_FASTCALL, NULL},
+    {"answers_written_directly", answers_written_directly, METH_NOARGS, NULL},
     {"commit_add", (PyCFunction)(void (*)(void))py_commit_add, METH_FASTCALL, NULL},
     {"commit_adds_in_c", commit_adds_in_c, METH_NOARGS, NULL},
     {"results_of_columns", results_of_columns, METH_VARARGS, NULL},
@@ -153,7 +156,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
     if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0 ||
         send_result_type_ready() < 0 || body_spans_ready() < 0 || send_lane_ready() < 0 || commit_add_ready() < 0 ||
-        release_ready() < 0 || PyType_Ready(&FlusherType) < 0 || counters_ready() < 0)
+        release_ready() < 0 || answer_write_ready() < 0 || PyType_Ready(&FlusherType) < 0 || counters_ready() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -135,7 +135,8 @@ done:
     return out;
 }
 
-static PyObject *S_is_closing, *S_write, *S_bytes_out, *ONE_ANSWER;
+static PyObject *S_is_closing, *S_bytes_out, *S_fd, *ONE_ANSWER;
+int answer_write(PyObject *transport, int fd, PyObject *data); /* answerwrite.c */
 
 /* The Connection slots write_common reads (and in_flight, which it writes), by their
  * offsets in the last peer type seen (sendlane.c's slot_offset): a dict look-up costs
@@ -146,15 +147,12 @@ static const char *const SLOT_NAMES[O_COUNT] = {"_out",   "_ended",    "_batchin
 static PyObject *slot_names[O_COUNT];
 static PyTypeObject *known_type; /* held */
 static Py_ssize_t at[O_COUNT];   /* at[0] -1: that type has not these slots */
+static Py_ssize_t fd_at = -1;    /* its _fd slot (answerwrite.c), or -1: none */
 Py_ssize_t slot_offset(PyTypeObject *type, PyObject *name); /* sendlane.c */
 Py_ssize_t counter_cell(PyTypeObject *type, PyObject *name); /* counters.c */
 PyObject *plus(PyObject *value, Py_ssize_t delta);          /* sendlane.c */
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
 
-/* peer's frames written the common way: its in_flight counted down, data written unless
- * its transport is closing; 1 done (*written counts the bytes), 0 when the connection
- * has more to do than that (answers queued, half-closed, closed, in a batch, no
- * transport: nothing done), -1 with an error after in_flight was counted down. */
 /* 1 when peer's type has the slots (at[] their offsets), else 0. */
 static int has_slots(PyObject *peer) {
     if (Py_TYPE(peer) != known_type) {
@@ -163,10 +161,25 @@ static int has_slots(PyObject *peer) {
         for (int i = 0; i < O_COUNT; i++)
             all &= (at[i] = slot_offset(known_type, slot_names[i])) >= 0;
         if (!all) at[0] = -1;
+        fd_at = slot_offset(known_type, S_fd);
     }
     return at[0] >= 0;
 }
 
+/* The connection's socket for answer_write: its _fd slot, an int >= 0, else -1. */
+static int socket_of(PyObject *peer) {
+    PyObject *v = fd_at >= 0 ? SLOT(peer, fd_at) : NULL;
+    if (v == NULL || !PyLong_CheckExact(v)) return -1;
+    int overflow;
+    long fd = PyLong_AsLongAndOverflow(v, &overflow);
+    return overflow || fd < 0 || fd > INT_MAX ? -1 : (int)fd;
+}
+
+/* peer's frames written the common way: its in_flight counted down, data written unless
+ * its transport is closing (to its socket directly when it can: answerwrite.c); 1 done
+ * (*written counts the bytes), 0 when the connection has more to do than that (answers
+ * queued, half-closed, closed, in a batch, no transport: nothing done), -1 with an error
+ * after in_flight was counted down. */
 static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssize_t *written) {
     if (!has_slots(peer)) return 0;
     PyObject *v = SLOT(peer, at[O_OUT]);
@@ -187,9 +200,7 @@ static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssiz
     Py_XDECREF(closing);
     if (is == 0) { /* counted before the write, as _write_out counts */
         *written += PyBytes_GET_SIZE(data);
-        PyObject *r = PyObject_CallMethodOneArg(transport, S_write, data);
-        is = r == NULL ? -1 : 0;
-        Py_XDECREF(r);
+        is = answer_write(transport, socket_of(peer), data);
     }
     Py_DECREF(transport);
     return is < 0 ? -1 : 1;
@@ -333,7 +344,7 @@ fail:
 int release_ready(void) {
 #define NAME(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    NAME(S_is_closing, "is_closing") NAME(S_write, "write") NAME(S_bytes_out, "bytes_out")
+    NAME(S_is_closing, "is_closing") NAME(S_bytes_out, "bytes_out") NAME(S_fd, "_fd")
 #undef NAME
     if ((ONE_ANSWER = PyLong_FromLong(1)) == NULL) return -1;
     for (int i = 0; i < O_COUNT; i++)

@@ -39,6 +39,7 @@ from equeue.protocol.ops import check_args
 from equeue.protocol.records import pack_send_result
 from equeue.protocol.retries import RESERVED_PREFIX
 from equeue.server.admission import evict_a_silent_peer, take_hello
+from equeue.server.direct import direct_fd
 from equeue.server.handlers import DEFERRED, Frame, Packed
 from equeue.server.release import release_durable as release_durable
 from equeue.server.release import write_later
@@ -70,7 +71,7 @@ class Connection(asyncio.BufferedProtocol):
     # The state the C read and release paths read on every send (cext/sendlane.c,
     # release.c) in slots, at fixed offsets; everything else in the instance dict.
     __slots__ = (
-        "__dict__", "__weakref__", "_backlog", "_batching", "_ended", "_hello", "_out",
+        "__dict__", "__weakref__", "_backlog", "_batching", "_ended", "_fd", "_hello", "_out",
         "_partial", "_plain_send", "_store", "closed", "in_flight", "transport",
     )  # fmt: skip
 
@@ -79,6 +80,7 @@ class Connection(asyncio.BufferedProtocol):
         self.number = number
         self.where = f"connection #{number} on {listener}"
         self.transport: asyncio.Transport | None = None
+        self._fd = -1  # the socket release_frames sends answers on, or -1 (direct.py)
         self.client = ""
         self.in_flight = 0
         self.closed = False
@@ -147,6 +149,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods
         self.transport = transport = cast(asyncio.Transport, transport)
+        self._fd = direct_fd(transport)
         peer = transport.get_extra_info("peername")
         if peer:
             self.where += (
@@ -171,6 +174,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._fd = -1  # the transport closes the socket after this: never written again
         # The lane refers to this connection: out of the instance dict, so a closed
         # connection is freed by its last reference, not left to the cyclic GC. No read
         # comes after connection_lost.

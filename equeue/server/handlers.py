@@ -471,6 +471,10 @@ class Handlers:
         answer["group_commit_adds_in_c"] = (
             speedups.SPEEDUPS.commit_adds_in_c() if speedups.SPEEDUPS is not None else 0
         )
+        # durable answers sent to the socket by C (cext/answerwrite.c), in this process
+        answer["answers_written_directly"] = (
+            speedups.SPEEDUPS.answers_written_directly() if speedups.SPEEDUPS is not None else 0
+        )
         answer.update(self._extra_stats())
         answer["groups"] = groups = group_lag(self.store)
         for group, skipped in self.coordinator.skips().items():  # retention passed them
