@@ -27,7 +27,15 @@
 static PyObject *S_get_write_buffer_size, *S_write;
 static unsigned long long direct_answers; /* whole answers sent here, this process */
 
-/* data (exact bytes) to the peer behind transport (not closing: the caller checked), by
+/* data itself if exact bytes, else (a Frame: a bytes subclass) a copy that is: uvloop's
+ * write takes a bytes subclass through a memoryview cast. New reference, or NULL with an
+ * error (no memory). */
+PyObject *exact_bytes(PyObject *data) {
+    if (PyBytes_CheckExact(data)) return Py_NewRef(data);
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data));
+}
+
+/* data (bytes, or a subclass) to the peer behind transport (not closing: the caller checked), by
  * send(2) on fd when fd >= 0 and the transport has nothing queued, else (or the part
  * send did not take) by transport.write. 0, or -1 with the error a call raised. */
 int answer_write(PyObject *transport, int fd, PyObject *data) {
@@ -50,7 +58,7 @@ int answer_write(PyObject *transport, int fd, PyObject *data) {
             if (n > 0) sent = n;
         }
     }
-    PyObject *rest = sent == 0 ? Py_NewRef(data)
+    PyObject *rest = sent == 0 ? exact_bytes(data)
                                : PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + sent,
                                                            size - sent);
     if (rest == NULL) return -1;

@@ -137,6 +137,7 @@ done:
 
 static PyObject *S_is_closing, *S_bytes_out, *S_fd, *ONE_ANSWER;
 int answer_write(PyObject *transport, int fd, PyObject *data); /* answerwrite.c */
+PyObject *exact_bytes(PyObject *data);                          /* answerwrite.c */
 
 /* The Connection slots write_common reads (and in_flight, which it writes), by their
  * offsets in the last peer type seen (sendlane.c's slot_offset): a dict look-up costs
@@ -232,8 +233,14 @@ static int release_one(PyObject *const *args, PyObject *peer, PyObject *data, Py
     if (done > 0) return 0;
     PyObject *r = NULL;
     if (done == 0) {
-        PyObject *call[3] = {peer, data, count};
+        PyObject *exact = exact_bytes(data);
+        if (exact == NULL) { /* (no memory) the Frame itself */
+            PyErr_Clear();
+            exact = Py_NewRef(data);
+        }
+        PyObject *call[3] = {peer, exact, count};
         r = PyObject_Vectorcall(args[3], call, 3, NULL);
+        Py_DECREF(exact);
     }
     if (r == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) return -1;
     if (r == NULL) { /* other() raised, or the write did */
@@ -298,17 +305,12 @@ PyObject *release_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t written = 0;
     PyObject *kept_type = NULL, *kept = NULL, *kept_tb = NULL;
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(singles); j++) {
-        PyObject *e = PyList_GET_ITEM(singles, j), *frame = PyTuple_GET_ITEM(e, 2);
-        /* exact bytes: uvloop's write takes a bytes subclass through a memoryview cast */
-        PyObject *data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(frame),
-                                                   PyBytes_GET_SIZE(frame));
-        if (data == NULL) { /* (no memory) the Frame itself */
-            PyErr_Clear();
-            data = Py_NewRef(frame);
-        }
-        if (release_one(args, PyTuple_GET_ITEM(e, 0), data, ONE_ANSWER, &written) < 0)
+        PyObject *e = PyList_GET_ITEM(singles, j); /* the Frame as it is: sent directly,
+                                                     * or copied to exact bytes before a
+                                                     * write (answer_write, release_one) */
+        if (release_one(args, PyTuple_GET_ITEM(e, 0), PyTuple_GET_ITEM(e, 2), ONE_ANSWER,
+                        &written) < 0)
             keep(&kept_type, &kept, &kept_tb);
-        Py_DECREF(data);
     }
     for (Py_ssize_t j = 0; grouped != NULL && j < PyList_GET_SIZE(grouped); j++) {
         PyObject *item = PyList_GET_ITEM(grouped, j);
