@@ -24,8 +24,52 @@
 #include <errno.h>
 #include <sys/socket.h>
 
-static PyObject *S_get_write_buffer_size, *S_write;
+static PyObject *S_get_write_buffer_size, *S_write, *S_is_closing;
 static unsigned long long direct_answers; /* whole answers sent here, this process */
+
+/* The transport's is_closing and get_write_buffer_size as its type has them, looked up
+ * once per transport type: calling one with the transport as its first argument is what
+ * transport.is_closing() does when the type's attribute lookup is the generic one, the
+ * instance has no __dict__ to shadow it and the function is a method descriptor (the
+ * test _PyObject_GetMethod makes; uvloop's transports pass it), and skips the look-up
+ * (~90 instructions a call, twice a durable answer). Else NULL: a method call. */
+enum { M_IS_CLOSING, M_BUFFER_SIZE, M_COUNT };
+static PyTypeObject *method_type; /* held */
+static PyObject *methods[M_COUNT]; /* held, or NULL */
+
+static PyObject *call_transport(PyObject *transport, int which) {
+    PyTypeObject *type = Py_TYPE(transport);
+    if (type != method_type) {
+        Py_XSETREF(method_type, (PyTypeObject *)Py_NewRef(type));
+        PyObject *names[M_COUNT] = {S_is_closing, S_get_write_buffer_size};
+        for (int i = 0; i < M_COUNT; i++) {
+            PyObject *f = NULL;
+            if (type->tp_getattro == PyObject_GenericGetAttr && type->tp_dictoffset == 0) {
+                f = _PyType_Lookup(type, names[i]); /* borrowed */
+                if (f != NULL && !PyType_HasFeature(Py_TYPE(f), Py_TPFLAGS_METHOD_DESCRIPTOR))
+                    f = NULL;
+            }
+            Py_XSETREF(methods[i], Py_XNewRef(f));
+        }
+    }
+    PyObject *f = methods[which];
+    if (f == NULL)
+        return PyObject_CallMethodNoArgs(transport,
+                                         which == M_IS_CLOSING ? S_is_closing
+                                                               : S_get_write_buffer_size);
+    Py_INCREF(f); /* (the call may run code that replaces it) */
+    PyObject *r = PyObject_Vectorcall(f, &transport, 1, NULL);
+    Py_DECREF(f);
+    return r;
+}
+
+/* transport.is_closing(): 1, 0, or -1 with an error. */
+int transport_closing(PyObject *transport) {
+    PyObject *r = call_transport(transport, M_IS_CLOSING);
+    int is = r == NULL ? -1 : PyObject_IsTrue(r);
+    Py_XDECREF(r);
+    return is;
+}
 
 /* data itself if exact bytes, else (a Frame: a bytes subclass) a copy that is: uvloop's
  * write takes a bytes subclass through a memoryview cast. New reference, or NULL with an
@@ -41,7 +85,7 @@ PyObject *exact_bytes(PyObject *data) {
 int answer_write(PyObject *transport, int fd, PyObject *data) {
     Py_ssize_t size = PyBytes_GET_SIZE(data), sent = 0;
     if (fd >= 0 && size > 0) {
-        PyObject *queued = PyObject_CallMethodNoArgs(transport, S_get_write_buffer_size);
+        PyObject *queued = call_transport(transport, M_BUFFER_SIZE);
         if (queued == NULL) return -1;
         int empty = queued == ZERO || (PyLong_Check(queued) && PyLong_AsSsize_t(queued) == 0);
         Py_DECREF(queued);
@@ -75,7 +119,8 @@ PyObject *answers_written_directly(PyObject *self, PyObject *unused) {
 
 int answer_write_ready(void) {
     if ((S_get_write_buffer_size = PyUnicode_InternFromString("get_write_buffer_size")) == NULL ||
-        (S_write = PyUnicode_InternFromString("write")) == NULL)
+        (S_write = PyUnicode_InternFromString("write")) == NULL ||
+        (S_is_closing = PyUnicode_InternFromString("is_closing")) == NULL)
         return -1;
     return 0;
 }

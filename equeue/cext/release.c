@@ -135,9 +135,10 @@ done:
     return out;
 }
 
-static PyObject *S_is_closing, *S_bytes_out, *S_fd, *ONE_ANSWER;
+static PyObject *S_bytes_out, *S_fd, *ONE_ANSWER;
 int answer_write(PyObject *transport, int fd, PyObject *data); /* answerwrite.c */
 PyObject *exact_bytes(PyObject *data);                          /* answerwrite.c */
+int transport_closing(PyObject *transport);                     /* answerwrite.c */
 
 /* The Connection slots write_common reads (and in_flight, which it writes), by their
  * offsets in the last peer type seen (sendlane.c's slot_offset): a dict look-up costs
@@ -196,9 +197,7 @@ static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssiz
     if (less == NULL) return -1;
     Py_SETREF(*in_flight, less);
     Py_INCREF(transport);
-    PyObject *closing = PyObject_CallMethodNoArgs(transport, S_is_closing);
-    int is = closing == NULL ? -1 : PyObject_IsTrue(closing);
-    Py_XDECREF(closing);
+    int is = transport_closing(transport);
     if (is == 0) { /* counted before the write, as _write_out counts */
         *written += PyBytes_GET_SIZE(data);
         is = answer_write(transport, socket_of(peer), data);
@@ -346,7 +345,7 @@ fail:
 int release_ready(void) {
 #define NAME(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    NAME(S_is_closing, "is_closing") NAME(S_bytes_out, "bytes_out") NAME(S_fd, "_fd")
+    NAME(S_bytes_out, "bytes_out") NAME(S_fd, "_fd")
 #undef NAME
     if ((ONE_ANSWER = PyLong_FromLong(1)) == NULL) return -1;
     for (int i = 0; i < O_COUNT; i++)
