@@ -1,6 +1,7 @@
 """Durable answers sent to the connection's socket by C (cext/answerwrite.c, server/direct.py):
 in order with the answers that go through the transport, never to a closed or reused
-socket, never over TLS, nothing acknowledged lost after a SIGKILL.
+socket, never over TLS. (A SIGKILL under 64 connections, their answers sent this way:
+tests/test_server_kill_cadd.py.)
 
 Every broker here runs ``--flush sync`` (the answers release_frames writes), on uvloop
 and on asyncio's own loop."""
@@ -8,7 +9,6 @@ and on asyncio's own loop."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
 import ssl
 import time
@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 from server_helpers import Raw, raw, short_home
 from test_server_auth import _self_signed
-from test_server_kill import start_broker
-from test_server_kill_cadd import loaded_speedups, produce, stored
 
 import equeue.aio
 from equeue import speedups
@@ -278,28 +276,3 @@ def test_direct_fd_only_for_a_plain_socket_transport() -> None:
 
     fd, own = asyncio.run(check())
     assert fd == own >= 0
-
-
-def test_sigkill_under_64_connections_loses_no_acknowledged_answer(home: Path) -> None:
-    """``equeue serve --flush sync`` (uvloop), 64 aio connections, one send in flight each,
-    SIGKILLed once 4,000 are acknowledged: answers were sent directly (stats), and every
-    acknowledged send is read back by a read_only store in this process."""
-    store = home / "s"
-    broker, url = start_broker(store, "--flush", "sync")
-    try:
-        fast = speedups.SPEEDUPS
-        assert fast is not None and fast.__file__ is not None
-        assert str(Path(fast.__file__).resolve()) in loaded_speedups(broker.pid)
-        acked, stats = asyncio.run(produce(url, broker, True, 400))
-        code = broker.wait(60)
-    finally:
-        if broker.poll() is None:
-            broker.kill()
-            broker.wait()
-    assert code == -signal.SIGKILL
-    assert stats["answers_written_directly"] > 1000, stats
-    assert len(acked) >= 4000
-    found = stored(store)
-    missing = [body for body in acked if body not in found]
-    assert not missing, f"{len(missing)} acknowledged sends missing, e.g. {missing[:3]}"
-    assert all(found[body] == message_id for body, message_id in acked.items())

@@ -113,6 +113,7 @@ def test_64_connections_lose_no_acknowledged_send(home: Path, kill: bool) -> Non
             broker.kill()
             broker.wait()
     assert stats["group_commit_adds_in_c"] > 0, stats  # the C path was taken
+    assert stats["answers_written_directly"] > 0, stats  # and answers sent by C (answerwrite.c)
     assert code == (-signal.SIGKILL if kill else 0)
     found = stored(store)
     missing = [body for body in acked if body not in found]

@@ -24,7 +24,7 @@
 #include <errno.h>
 #include <sys/socket.h>
 
-static PyObject *S_get_write_buffer_size, *S_write, *S_is_closing;
+static PyObject *S_get_write_buffer_size, *S_write, *S_is_closing, *S_abort;
 static unsigned long long direct_answers; /* whole answers sent here, this process */
 
 /* The transport's is_closing and get_write_buffer_size as its type has them, looked up
@@ -79,9 +79,9 @@ PyObject *exact_bytes(PyObject *data) {
     return PyBytes_FromStringAndSize(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data));
 }
 
-/* data (bytes, or a subclass) to the peer behind transport (not closing: the caller checked), by
- * send(2) on fd when fd >= 0 and the transport has nothing queued, else (or the part
- * send did not take) by transport.write. 0, or -1 with the error a call raised. */
+/* data (bytes, or a subclass) to the peer behind transport (not closing: the caller
+ * checked), by send(2) on fd when fd >= 0 and the transport has nothing queued, else (or
+ * the part send did not take) by transport.write. 0, or -1 with the error a call raised. */
 int answer_write(PyObject *transport, int fd, PyObject *data) {
     Py_ssize_t size = PyBytes_GET_SIZE(data), sent = 0;
     if (fd >= 0 && size > 0) {
@@ -105,7 +105,20 @@ int answer_write(PyObject *transport, int fd, PyObject *data) {
     PyObject *rest = sent == 0 ? exact_bytes(data)
                                : PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + sent,
                                                            size - sent);
-    if (rest == NULL) return -1;
+    if (rest == NULL && sent == 0) { /* (no memory) the Frame itself, as before */
+        PyErr_Clear();
+        rest = Py_NewRef(data);
+    }
+    if (rest == NULL) { /* (no memory) part of the frame sent, the rest nowhere: the peer
+                         * would wait on a cut frame, so the connection is dropped */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *r = PyObject_CallMethodNoArgs(transport, S_abort);
+        if (r == NULL) PyErr_WriteUnraisable(transport);
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb);
+        return -1;
+    }
     PyObject *r = PyObject_CallMethodOneArg(transport, S_write, rest);
     Py_DECREF(rest);
     if (r == NULL) return -1;
@@ -120,7 +133,8 @@ PyObject *answers_written_directly(PyObject *self, PyObject *unused) {
 int answer_write_ready(void) {
     if ((S_get_write_buffer_size = PyUnicode_InternFromString("get_write_buffer_size")) == NULL ||
         (S_write = PyUnicode_InternFromString("write")) == NULL ||
-        (S_is_closing = PyUnicode_InternFromString("is_closing")) == NULL)
+        (S_is_closing = PyUnicode_InternFromString("is_closing")) == NULL ||
+        (S_abort = PyUnicode_InternFromString("abort")) == NULL)
         return -1;
     return 0;
 }

@@ -6,9 +6,9 @@
  * arrowcols.c (the Spark source's Arrow columns), prefault.c (the thread faulting pages
  * in ahead of the writer), sendframe.c (the broker's plain send), bodyspans.c (the
  * broker's send_bodies read from its frame), release.c (the broker's durable answers
- * after their fdatasync; answerwrite.c sends each to its socket), answercols.c (the clients' send_bodies request and answer),
- * clientsend.c (the asyncio client's plain send), xxh3.h (the record checksum, inlined
- * where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several use);
+ * after their fdatasync; answerwrite.c sends each to its socket), answercols.c (the
+ * clients' send_bodies request and answer), clientsend.c (the asyncio client's plain
+ * send), xxh3.h (the record checksum, inlined where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several use);
  * speedups.h is what they share.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
@@ -156,7 +156,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (EMPTY_BYTES == NULL || ZERO == NULL || intern_names() < 0) return NULL;
     if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0 ||
         send_result_type_ready() < 0 || body_spans_ready() < 0 || send_lane_ready() < 0 || commit_add_ready() < 0 ||
-        release_ready() < 0 || answer_write_ready() < 0 || PyType_Ready(&FlusherType) < 0 || counters_ready() < 0)
+        release_ready() < 0 || answer_write_ready() < 0 || PyType_Ready(&FlusherType) < 0 ||
+        counters_ready() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
