@@ -154,8 +154,10 @@ def test_an_answer_behind_a_full_socket_waits_its_turn(home: Path, loop: str) ->
 @pytest.mark.parametrize("loop", LOOPS)
 def test_connections_closing_with_answers_pending(home: Path, loop: str) -> None:
     """Connections that pipeline durable sends and close at once, over and over (their fds
-    freed and reused by the next), while steady connections send and check that each
-    answer carries one of their own request ids: no answer reaches another connection,
+    freed and reused by the next; a third reset, an answer unread; a third closed by the
+broker for a bad frame after its sends), while steady
+    connections send and check that each answer carries one of their own request ids: no
+    answer reaches another connection,
     every acknowledged send is stored, every churned send too (appended before its
     fdatasync; only its answer had nowhere to go)."""
     with BrokerThread(home / "s", flush="sync", event_loop=loop) as running:
@@ -185,13 +187,21 @@ def test_connections_closing_with_answers_pending(home: Path, loop: str) -> None
             for r in range(rounds):
                 c = Raw(url)
                 frames = []
+                if r % 3 == 1:  # a ping's answer left unread: the close is a reset
+                    frames.append(encode([6_000_000, "ping", {}]))
                 for i in range(4):
                     body = b"c%d:%d" % (r, i)
                     frames.append(encode([7_000_000 + i, "send", {"topic": "t", "body": body}]))
                     sent.append(body)
+                if r % 3 == 2:  # the broker closes it (a bad frame) with sends pending
+                    frames.append(b"\x00\x00\x00\x01\xc1")
                 c.send_raw(b"".join(frames))
-                if r % 3 == 0:
-                    c.recv()  # one answer read, three still pending
+                assert isinstance(c.welcome, dict), c.welcome  # its own hello's answer
+                if r % 3 == 0:  # one answer read (its own), three still pending
+                    rid, _, _ = check_answer(c.recv(), "test")
+                    assert 7_000_000 <= rid < 7_000_004, rid
+                elif r % 3 == 1:
+                    time.sleep(0.001)  # (the ping answered before the close)
                 c.close()
             return sent
 
