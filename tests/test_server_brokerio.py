@@ -154,12 +154,13 @@ def test_an_answer_behind_a_full_socket_waits_its_turn(home: Path, loop: str) ->
 @pytest.mark.parametrize("loop", LOOPS)
 def test_connections_closing_with_answers_pending(home: Path, loop: str) -> None:
     """Connections that pipeline durable sends and close at once, over and over (their fds
-        freed and reused by the next; a third reset, an answer unread; a third closed by the
-    broker for a bad frame after its sends), while steady
-        connections send and check that each answer carries one of their own request ids: no
-        answer reaches another connection,
-        every acknowledged send is stored, every churned send too (appended before its
-        fdatasync; only its answer had nowhere to go)."""
+    freed and reused by the next; a third reset, an answer unread; a third closed by the
+    broker for a bad frame after its sends), while steady connections send and check that
+    each answer carries one of their own request ids, and each new connection that its
+    first answer is its hello's: no answer reaches another connection (with the closing,
+    closed and fd guards removed, a new connection got another's answer as its welcome),
+    every acknowledged send is stored, every churned send too (appended before its
+    fdatasync; only its answer had nowhere to go)."""
     with BrokerThread(home / "s", flush="sync", event_loop=loop) as running:
         url = running.urls[0]
         steady_count, rounds = 6, 120
