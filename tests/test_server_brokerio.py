@@ -1,10 +1,10 @@
-"""Durable answers sent to the connection's socket by C (cext/answerwrite.c, server/direct.py):
+"""Answers sent to the connection's socket by C (cext/answerwrite.c, server/direct.py):
 in order with the answers that go through the transport, never to a closed or reused
 socket, never over TLS. (A SIGKILL under 64 connections, their answers sent this way:
 tests/test_server_kill_cadd.py.)
 
-Every broker here runs ``--flush sync`` (the answers release_frames writes), on uvloop
-and on asyncio's own loop."""
+The brokers run ``--flush sync`` (the answers release_frames writes after an fdatasync;
+one test also ``--flush async``: the send lane's), on uvloop and on asyncio's own loop."""
 
 from __future__ import annotations
 
@@ -88,14 +88,16 @@ def bodies_in(store: Any, topic: str = "t") -> set[bytes]:
     return found
 
 
+@pytest.mark.parametrize("flush", ["sync", "async"])
 @pytest.mark.parametrize("loop", LOOPS)
-def test_an_answer_behind_a_full_socket_waits_its_turn(home: Path, loop: str) -> None:
+def test_an_answer_behind_a_full_socket_waits_its_turn(home: Path, loop: str, flush: str) -> None:
     """A client that does not read has ~1 MiB of pull answers queued in its transport (its
     socket full) when its durable send's answer is released: that answer goes after them,
     through the transport, whole; meanwhile other connections are answered directly. Sent
     to the socket at once (no check of the transport's buffer), it would land inside a
-    pull answer and the stalled client's frames would not parse."""
-    with BrokerThread(home / "s", flush="sync", event_loop=loop) as running:
+    pull answer and the stalled client's frames would not parse. Under ``--flush async``
+    the answers sent directly are the send lane's (cext/sendlane.c), at once."""
+    with BrokerThread(home / "s", flush=flush, event_loop=loop) as running:
         url = running.urls[0]
         big = b"x" * 60_000
         with raw(url) as setup:

@@ -1,5 +1,6 @@
-/* The broker's durable answer written to the connection's socket by C (release.c's
- * write_common), not through transport.write.
+/* The broker's answer written to the connection's socket by C (release.c's write_common:
+ * a flush's durable answers; sendlane.c's common_tail: a plain send's under --flush
+ * async), not through transport.write.
  *
  * Why: at one send in flight per connection a flush writes one ~40-byte answer to each
  * connection; uvloop's transport.write (Cython's call, its buffer list, the queued write
@@ -69,6 +70,16 @@ int transport_closing(PyObject *transport) {
     int is = r == NULL ? -1 : PyObject_IsTrue(r);
     Py_XDECREF(r);
     return is;
+}
+
+/* The fd in the int at offset of obj (a Connection's _fd slot), or -1: none there, not
+ * an int, or not a descriptor. */
+int slot_fd(PyObject *obj, Py_ssize_t offset) {
+    PyObject *v = offset >= 0 ? *(PyObject **)((char *)obj + offset) : NULL;
+    if (v == NULL || !PyLong_CheckExact(v)) return -1;
+    int overflow;
+    long fd = PyLong_AsLongAndOverflow(v, &overflow);
+    return overflow || fd < 0 || fd > INT_MAX ? -1 : (int)fd;
 }
 
 /* data itself if exact bytes, else (a Frame: a bytes subclass) a copy that is: uvloop's

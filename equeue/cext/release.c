@@ -139,6 +139,7 @@ static PyObject *S_bytes_out, *S_fd, *ONE_ANSWER;
 int answer_write(PyObject *transport, int fd, PyObject *data); /* answerwrite.c */
 PyObject *exact_bytes(PyObject *data);                          /* answerwrite.c */
 int transport_closing(PyObject *transport);                     /* answerwrite.c */
+int slot_fd(PyObject *obj, Py_ssize_t offset);                  /* answerwrite.c */
 
 /* The Connection slots write_common reads (and in_flight, which it writes), by their
  * offsets in the last peer type seen (sendlane.c's slot_offset): a dict look-up costs
@@ -168,15 +169,6 @@ static int has_slots(PyObject *peer) {
     return at[0] >= 0;
 }
 
-/* The connection's socket for answer_write: its _fd slot, an int >= 0, else -1. */
-static int socket_of(PyObject *peer) {
-    PyObject *v = fd_at >= 0 ? SLOT(peer, fd_at) : NULL;
-    if (v == NULL || !PyLong_CheckExact(v)) return -1;
-    int overflow;
-    long fd = PyLong_AsLongAndOverflow(v, &overflow);
-    return overflow || fd < 0 || fd > INT_MAX ? -1 : (int)fd;
-}
-
 /* peer's frames written the common way: its in_flight counted down, data written unless
  * its transport is closing (to its socket directly when it can: answerwrite.c); 1 done
  * (*written counts the bytes), 0 when the connection has more to do than that (answers
@@ -200,7 +192,7 @@ static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssiz
     int is = transport_closing(transport);
     if (is == 0) { /* counted before the write, as _write_out counts */
         *written += PyBytes_GET_SIZE(data);
-        is = answer_write(transport, socket_of(peer), data);
+        is = answer_write(transport, slot_fd(peer, fd_at), data);
     }
     Py_DECREF(transport);
     return is < 0 ? -1 : 1;

@@ -23,6 +23,9 @@
 
 int plain_send_parts(PyObject *const *args, PyObject *out[3]); /* sendframe.c */
 Py_ssize_t counter_cell(PyTypeObject *type, PyObject *name);     /* counters.c */
+int answer_write(PyObject *transport, int fd, PyObject *data);   /* answerwrite.c */
+int transport_closing(PyObject *transport);                      /* answerwrite.c */
+int slot_fd(PyObject *obj, Py_ssize_t offset);                   /* answerwrite.c */
 
 enum { C_BYTES_IN, C_REQUESTS, C_SENDS, C_SEND_REQUESTS, C_BYTES_OUT, C_COUNT };
 static const char *const COUNTER_NAMES[C_COUNT] = {"bytes_in", "requests", "sends",
@@ -34,7 +37,7 @@ static const char *const SLOT_NAMES[O_COUNT] = {"_plain_send", "_hello", "_parti
                                                 "_backlog", "closed", "in_flight",
                                                 "_store", "_out", "transport"};
 static PyObject *counter_names[C_COUNT], *slot_names[O_COUNT];
-static PyObject *S_send, *S_count, *S_appended, *S_is_closing, *S_write,
+static PyObject *S_send, *S_count, *S_appended, *S_fd,
     *S_buffer_updated, *S_read_general, *S_plain_sent, *ONE;
 
 typedef struct {
@@ -52,6 +55,7 @@ typedef struct {
     Py_ssize_t cell_at[C_COUNT];    /* a counter's C integer in counters (counters.c), or -1 */
     Py_ssize_t counter_at[C_COUNT]; /* else its object slot, or -1: by attribute */
     Py_ssize_t at[O_COUNT];         /* the connection's slots; at[0] -1: no fast path */
+    Py_ssize_t fd_at;               /* its _fd slot (answerwrite.c), or -1: none */
     PyObject *holds_dict;
     PyObject *plain; /* _plain_send when the lane was made (the C plain_send) */
 } Lane;
@@ -190,16 +194,11 @@ static int common_tail(Lane *self, Py_ssize_t nbytes, PyObject *got[3]) {
     }
     if (transport == Py_None) return 1;
     Py_INCREF(transport);
-    PyObject *closing = PyObject_CallMethodNoArgs(transport, S_is_closing);
-    int is = closing == NULL ? -1 : PyObject_IsTrue(closing);
-    Py_XDECREF(closing);
+    int is = transport_closing(transport);
     if (is == 0) {
         is = bump(self, C_BYTES_OUT, PyBytes_GET_SIZE(frame));
-        if (is == 0) {
-            PyObject *r = PyObject_CallMethodOneArg(transport, S_write, frame);
-            is = r == NULL ? -1 : 0;
-            Py_XDECREF(r);
-        }
+        if (is == 0) /* to the socket when the transport has nothing queued */
+            is = answer_write(transport, slot_fd(c, self->fd_at), frame);
     }
     Py_DECREF(transport);
     return is < 0 ? -1 : 1;
@@ -295,6 +294,7 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
         self->cell_at[i] = counter_cell(Py_TYPE(counters), counter_names[i]);
         self->counter_at[i] = slot_offset(Py_TYPE(counters), counter_names[i]);
     }
+    self->fd_at = slot_offset(Py_TYPE(connection), S_fd);
     int all = 1;
     for (int i = 0; i < O_COUNT; i++)
         all &= (self->at[i] = slot_offset(Py_TYPE(connection), slot_names[i])) >= 0;
@@ -362,7 +362,7 @@ int send_lane_ready(void) {
 #define NAME(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     NAME(S_send, "send") NAME(S_count, "count") NAME(S_appended, "appended")
-    NAME(S_is_closing, "is_closing") NAME(S_write, "write")
+    NAME(S_fd, "_fd")
     NAME(S_buffer_updated, "buffer_updated") NAME(S_read_general, "_read_general")
     NAME(S_plain_sent, "_plain_sent")
 #undef NAME
