@@ -7,7 +7,8 @@
  * in ahead of the writer), sendframe.c (the broker's plain send), bodyspans.c (the
  * broker's send_bodies read from its frame), release.c (the broker's durable answers
  * after their fdatasync), answercols.c (the clients' send_bodies request and answer),
- * clientsend.c (the asyncio client's plain send), xxh3.h (the record checksum, inlined
+ * clientsend.c (the asyncio client's plain send), sendcoro.c (AsyncClient.send's
+ * plain case as a coroutine in C), xxh3.h (the record checksum, inlined
  * where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several use);
  * speedups.h is what they share.
  *
@@ -88,6 +89,9 @@ PyObject *commit_adds_in_c(PyObject *self, PyObject *unused);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
+/* sendcoro.c: AsyncClient.send's plain case as a coroutine in C */
+PyObject *client_send_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *client_send_coro_type(PyObject *self, PyObject *unused);
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -117,6 +121,8 @@ static PyMethodDef methods[] = {
      NULL},
     {"client_conn_type", client_conn_type, METH_NOARGS, NULL},
     {"client_waiter_type", client_waiter_type, METH_NOARGS, NULL},
+    {"client_send_method", (PyCFunction)(void (*)(void))client_send_method, METH_FASTCALL, NULL},
+    {"client_send_coro_type", client_send_coro_type, METH_NOARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},

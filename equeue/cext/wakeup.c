@@ -272,6 +272,23 @@ static PyObject *w_iternext(Waiter *w) {
     return NULL;
 }
 
+/* The same as am_send (PyIter_Send, the `await` of a coroutine and sendcoro.c's step):
+ * the result returned, no StopIteration made for it. */
+static PySendResult w_am_send(Waiter *w, PyObject *arg, PyObject **result) {
+    if (w->state == PENDING) {
+        if (!w->blocking) {
+            w->blocking = 1;
+            *result = Py_NewRef(w);
+            return PYGEN_NEXT;
+        }
+        PyErr_SetString(PyExc_RuntimeError, "await wasn't used with future");
+        *result = NULL;
+        return PYGEN_ERROR;
+    }
+    *result = w_result(w, NULL);
+    return *result == NULL ? PYGEN_ERROR : PYGEN_RETURN;
+}
+
 static PyObject *w_repr(Waiter *w) {
     static const char *names[] = {"pending", "finished", "finished", "cancelled"};
     return PyUnicode_FromFormat("<equeue send waiter %s>", names[w->state]);
@@ -459,7 +476,7 @@ static PyGetSetDef w_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyAsyncMethods w_async = {.am_await = PyObject_SelfIter};
+static PyAsyncMethods w_async = {.am_await = PyObject_SelfIter, .am_send = (sendfunc)w_am_send};
 
 static PyTypeObject WaiterType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "equeue._speedups.Waiter",
