@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from client_helpers import WELCOME, FakeBroker, Peer
+from client_helpers import WELCOME, FakeBroker, Peer, temporary_broker, wait_for_progress
 
 import equeue.aio
 from equeue import speedups
@@ -38,9 +38,8 @@ pytestmark = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="no C accelera
 LOOPS = ["asyncio", "uvloop"]
 RESULT: list[Any] = ["0123456789abcdef01234567", "t", 1, 2, 3, 1.5e9]
 WELCOME_NOW = {**WELCOME, "version": PROTOCOL_VERSION}
-py_send: Any = getattr(
-    equeue.aio.AsyncClient.send, "__wrapped__", None
-)  # the async def (today's coroutine)
+# the async def (today's coroutine), which the C method wraps
+py_send: Any = getattr(equeue.aio.AsyncClient.send, "__wrapped__", None)
 
 
 def _run(loop: str, main: Any) -> Any:
@@ -340,7 +339,7 @@ def test_every_other_call_is_the_async_defs_coroutine(broker: BrokerThread, loop
             other.close()
             with pytest.raises(TypeError):
                 client.send("t")  # type: ignore[call-arg,unused-coroutine]
-            # a second send on the connection while the first is in flight: delegated
+            # a second send on the connection while the first is in flight: coalesced
             first, second = client.send("t", b"first"), client.send("t", b"second")
             assert _c_coro(first) and _c_coro(second)
             results = await asyncio.gather(first, second)
@@ -350,6 +349,60 @@ def test_every_other_call_is_the_async_defs_coroutine(broker: BrokerThread, loop
             await client.close()
 
     _run(loop, main)
+
+
+def _script_of(welcome: dict[str, Any], answered: list[int]) -> Any:
+    """Welcome with ``welcome``; each request (a send, or send_bodies of n bodies) answered
+    at once, in order; ``answered`` gets each request's count of messages."""
+
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send(welcome)
+        while True:
+            request_id, op, arguments = peer.recv()
+            if op == "send":
+                answered.append(1)
+                peer.send([request_id, 0, RESULT])
+            else:
+                count = len(arguments["bodies"])
+                answered.append(count)
+                peer.send([request_id, 0, [RESULT] * count])
+
+    return script
+
+
+@pytest.mark.parametrize("case", ["no coalescer", "no place"])
+def test_pipelined_sends_without_a_coalescer_or_a_place_are_the_async_defs(case: str) -> None:
+    """Protocol version 1 (no coalescer): every send after the first is a request of its
+    own (_call); max_in_flight 2: the third of a turn waits for a place (place())."""
+    if case == "no coalescer":
+        welcome = WELCOME
+    else:
+        welcome = {**WELCOME_NOW, "limits": {**WELCOME["limits"], "max_in_flight": 2}}
+    answered: list[int] = []
+
+    async def main(url: str) -> list[SendResult]:
+        client = await equeue.aio.connect(url)
+        try:
+            coros = [client.send("t", b"%d" % n) for n in range(6)]
+            assert all(_c_coro(c) for c in coros)
+            tasks = [asyncio.ensure_future(c) for c in coros]
+            await asyncio.sleep(0)  # (after each one's first step, before any answer)
+            delegated = [inspect.iscoroutine(getattr(c, "cr_await", None)) for c in coros]
+            assert delegated == ([False] + [True] * 5 if case == "no coalescer" else
+                                 [False, False] + [True] * 4)  # fmt: skip
+            return list(await asyncio.gather(*tasks))
+        finally:
+            await client.close()
+
+    with FakeBroker(_script_of(welcome, answered)) as fake:
+        results = _run("asyncio", lambda: main(fake.url))
+    assert results == [SendResult(*RESULT)] * 6
+    assert sum(answered) == 6
+    if case == "no coalescer":
+        assert answered == [1] * 6
+    else:
+        assert max(answered) <= 2 and len(answered) >= 3
 
 
 def test_the_method_looks_like_the_async_def() -> None:
@@ -419,3 +472,52 @@ def test_sends_cancellations_and_lost_connections_mixed(broker: BrokerThread) ->
             assert broker.store.get(result.message_id).body == body
 
     _run("asyncio", main)
+
+
+def test_sends_acknowledged_before_a_sigkill_of_the_broker_are_stored() -> None:
+    """A real ``equeue serve --flush sync`` SIGKILLed while 8 connections send one at a
+    time (the C coroutine's direct path): each send has its result or a
+    ConnectionLostError naming its message; every acknowledged one is there after the
+    restart."""
+    with temporary_broker("--flush", "sync") as running:
+        url = running.url
+        with equeue.connect(url) as admin:
+            admin.create_topic("k", 4)
+
+        def kill() -> None:
+            wait_for_progress(url, "k", 300)
+            running.kill()
+
+        killer = threading.Thread(target=kill, daemon=True)
+
+        async def main() -> tuple[list[SendResult], int]:
+            clients = [await equeue.aio.connect(url, connect_timeout=0.5) for _ in range(8)]
+            acknowledged: list[SendResult] = []
+            lost = 0
+
+            async def one(index: int, client: equeue.aio.AsyncClient) -> None:
+                nonlocal lost
+                for n in range(5000):
+                    body = f"{index}:{n}".encode()
+                    try:
+                        acknowledged.append(await client.send("k", body))
+                    except ConnectionLostError as exc:
+                        assert exc.unanswered + exc.unsent == [OutgoingMessage(body)]
+                        lost += 1
+                        return
+
+            killer.start()
+            try:
+                await asyncio.gather(*(one(i, c) for i, c in enumerate(clients)))
+            finally:
+                for client in clients:
+                    await client.close()
+            return acknowledged, lost
+
+        acknowledged, lost = _run("asyncio", main)
+        killer.join(60)
+        assert lost == 8 and len(acknowledged) >= 300
+        running.start()
+        with equeue.connect(running.url) as after:
+            for result in acknowledged:
+                assert after.get(result.message_id).queue_offset == result.queue_offset

@@ -37,11 +37,12 @@ typedef struct {
     SendMethod *method;
     PyObject *client, *topic, *body; /* until the first step */
     PyObject *inner; /* WAITING: the future's iterator; DELEGATED: py_send's coroutine */
-    int state;
+    int state, decode; /* decode: a direct send's (status, payload) answer is decoded */
 } SendCoro;
 
 static PyTypeObject SendMethodType, SendCoroType;
-static PyObject *S_PROTOCOL, *S_CLOSED, *S_PENDING, *S_DIRECT, *S_THROW, *S_CLOSE;
+static PyObject *S_PROTOCOL, *S_CLOSED, *S_PENDING, *S_DIRECT, *S_THROW, *S_CLOSE, *S_COALESCER,
+    *S_FREE, *S_ADD;
 
 static PyObject *coro_new(SendMethod *m, PyObject *client, PyObject *topic, PyObject *body) {
     SendCoro *c = PyObject_GC_New(SendCoro, &SendCoroType);
@@ -52,6 +53,7 @@ static PyObject *coro_new(SendMethod *m, PyObject *client, PyObject *topic, PyOb
     c->body = Py_NewRef(body);
     c->inner = NULL;
     c->state = CREATED;
+    c->decode = 0;
     PyObject_GC_Track(c);
     return (PyObject *)c;
 }
@@ -74,7 +76,7 @@ static PySendResult step_inner(SendCoro *c, PyObject *value, PyObject **result) 
         *result = r;
         return PYGEN_NEXT;
     }
-    if (status == PYGEN_RETURN && c->state == WAITING && PyTuple_CheckExact(r)) {
+    if (status == PYGEN_RETURN && c->decode && PyTuple_CheckExact(r)) {
         /* (status, payload): read the general way, decoded or raised in Python */
         PyObject *args[2] = {c->client, r};
         PyObject *decoded = PyObject_Vectorcall(c->method->answered, args, 2, NULL);
@@ -110,42 +112,83 @@ static int attr_true(PyObject *owner, PyObject *name) {
     return t;
 }
 
-/* The first step: py_send's direct case, in C; anything else delegated. */
+/* `future` (a new reference) awaited in place: the first step of its iterator. */
+static PySendResult await_future(SendCoro *c, PyObject *future, int decode, PyObject **result) {
+    unaryfunc await = Py_TYPE(future)->tp_as_async ? Py_TYPE(future)->tp_as_async->am_await : NULL;
+    PyObject *inner = await != NULL ? await(future) : NULL;
+    if (await == NULL) PyErr_Format(PyExc_TypeError, "%R is not a future", future);
+    Py_DECREF(future);
+    if (inner == NULL) {
+        finish(c);
+        *result = NULL;
+        return PYGEN_ERROR;
+    }
+    Py_CLEAR(c->topic);
+    Py_CLEAR(c->body);
+    c->inner = inner;
+    c->decode = decode;
+    c->state = WAITING;
+    return step_inner(c, Py_None, result);
+}
+
+/* The first step: py_send's plain cases in C, its order and checks: a live connection;
+ * nothing in flight: direct(); else (or direct() declining) the coalescer's group when a
+ * place is free. Anything else (no connection, closed, no coalescer, no place,
+ * add() declining) is delegated: py_send decides again from the start. */
 static PySendResult first(SendCoro *c, PyObject **result) {
     c->state = RUNNING;
-    PyObject *protocol = PyObject_GetAttr(c->client, S_PROTOCOL);
+    PyObject *protocol = PyObject_GetAttr(c->client, S_PROTOCOL), *future = NULL;
     if (protocol == NULL) goto error;
     if (protocol == Py_None) {
         Py_DECREF(protocol);
         return delegate(c, result);
     }
     int busy = attr_true(protocol, S_CLOSED);
-    if (busy == 0) busy = attr_true(protocol, S_PENDING);
-    PyObject *alone = NULL;
-    if (busy == 0) {
-        PyObject *args[3] = {protocol, c->topic, c->body};
-        alone = PyObject_VectorcallMethod(S_DIRECT, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                          NULL);
-        busy = alone == NULL ? -1 : alone == Py_None;
+    if (busy < 0) goto error_protocol;
+    if (busy) goto delegated;
+    busy = attr_true(protocol, S_PENDING);
+    if (busy < 0) goto error_protocol;
+    PyObject *args[3] = {protocol, c->topic, c->body};
+    if (!busy) { /* alone on its connection: written at once, its answer read in C */
+        future = PyObject_VectorcallMethod(S_DIRECT, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                           NULL);
+        if (future == NULL) goto error_protocol;
+        if (future != Py_None) {
+            Py_DECREF(protocol);
+            return await_future(c, future, 1, result);
+        }
+        Py_CLEAR(future);
     }
+    PyObject *coalescer = PyObject_GetAttr(protocol, S_COALESCER);
+    if (coalescer == NULL) goto error_protocol;
+    if (coalescer == Py_None) {
+        Py_DECREF(coalescer);
+        goto delegated;
+    }
+    PyObject *free = PyObject_GetAttr(protocol, S_FREE);
+    Py_ssize_t places = free == NULL ? -1 : PyLong_Check(free) ? PyLong_AsSsize_t(free) : 0;
+    Py_XDECREF(free);
+    if (places == -1 && PyErr_Occurred()) {
+        Py_DECREF(coalescer);
+        goto error_protocol;
+    }
+    if (places <= 0) { /* (py_send waits for a place) */
+        Py_DECREF(coalescer);
+        goto delegated;
+    }
+    args[0] = coalescer; /* the loop turn's group: add(topic, body) */
+    future = PyObject_VectorcallMethod(S_ADD, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(coalescer);
+    if (future == NULL) goto error_protocol;
     Py_DECREF(protocol);
-    if (busy < 0) goto error;
-    if (busy) {
-        Py_XDECREF(alone);
-        return delegate(c, result);
-    }
-    /* Written: the future awaited here (its __await__: the Waiter itself, a FutureIter) */
-    unaryfunc await = Py_TYPE(alone)->tp_as_async ? Py_TYPE(alone)->tp_as_async->am_await : NULL;
-    PyObject *inner = await != NULL ? await(alone) : NULL;
-    if (await == NULL)
-        PyErr_Format(PyExc_TypeError, "direct() gave %R, not a future", alone);
-    Py_DECREF(alone);
-    if (inner == NULL) goto error;
-    Py_CLEAR(c->topic);
-    Py_CLEAR(c->body);
-    c->inner = inner;
-    c->state = WAITING;
-    return step_inner(c, Py_None, result);
+    if (future != Py_None) return await_future(c, future, 0, result);
+    Py_DECREF(future); /* (an idle connection not heard from recently: py_send's _call) */
+    return delegate(c, result);
+delegated:
+    Py_DECREF(protocol);
+    return delegate(c, result);
+error_protocol:
+    Py_DECREF(protocol);
 error:
     finish(c);
     *result = NULL;
@@ -473,6 +516,9 @@ PyObject *client_send_method(PyObject *self, PyObject *const *args, Py_ssize_t n
             (S_DIRECT = PyUnicode_InternFromString("direct")) == NULL ||
             (S_THROW = PyUnicode_InternFromString("throw")) == NULL ||
             (S_CLOSE = PyUnicode_InternFromString("close")) == NULL ||
+            (S_COALESCER = PyUnicode_InternFromString("coalescer")) == NULL ||
+            (S_FREE = PyUnicode_InternFromString("free")) == NULL ||
+            (S_ADD = PyUnicode_InternFromString("add")) == NULL ||
             PyType_Ready(&SendCoroType) < 0 || PyType_Ready(&SendMethodType) < 0) {
             Py_CLEAR(S_PROTOCOL);
             return NULL;
