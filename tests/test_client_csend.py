@@ -14,14 +14,11 @@ import contextvars
 import gc
 import inspect
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,14 +52,10 @@ def _run(loop: str, main: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def broker() -> Iterator[BrokerThread]:
-    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
-    try:
-        with BrokerThread(base / "store") as thread:
-            thread.store.create_topic("t", 4)
-            yield thread
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerThread]:
+    with BrokerThread(tmp_path_factory.mktemp("cs") / "store") as thread:  # (a short path)
+        thread.store.create_topic("t", 4)
+        yield thread
 
 
 def _stored(broker: BrokerThread) -> int:
