@@ -317,6 +317,39 @@ def test_a_send_whose_connection_breaks_reports_as_the_async_def() -> None:
     assert outcomes[0] == outcomes[1]
 
 
+@pytest.mark.parametrize("answer", ["another request's", "not msgpack", "past the limit"])
+def test_a_hostile_answer_fails_the_send_as_the_async_def(answer: str) -> None:
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send(WELCOME_NOW)
+        request_id = peer.recv()[0]
+        if answer == "another request's":
+            peer.send([request_id + 1000, 0, RESULT])
+        elif answer == "not msgpack":
+            peer.raw(b"\x00\x00\x00\x02\xc1\xc1")
+        else:
+            peer.raw(b"\x7f\xff\xff\xff")
+        peer.recv()  # (until the client closes)
+
+    async def main(url: str, send: Any) -> tuple[type[BaseException], str, Any]:
+        client = await equeue.aio.connect(url)
+        try:
+            with pytest.raises(ConnectionLostError) as raised:
+                await send(client, "t", b"hostile")
+            return type(raised.value), str(raised.value), raised.value.unanswered
+        finally:
+            await client.close()
+
+    with FakeBroker(script) as fake:
+        outcomes = [
+            _run("asyncio", lambda: main(fake.url, send))  # noqa: B023
+            for send in (equeue.aio.AsyncClient.send, py_send)
+        ]
+    assert outcomes[0][2] == [OutgoingMessage(b"hostile")]
+    assert "broke the protocol" in outcomes[0][1]
+    assert outcomes[0] == outcomes[1]
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_every_other_call_is_the_async_defs_coroutine(broker: BrokerThread, loop: str) -> None:
     async def main() -> None:
