@@ -436,7 +436,7 @@ def test_the_method_looks_like_the_async_def() -> None:
     assert asyncio.iscoroutinefunction(send)
     assert inspect.signature(send) == inspect.signature(py_send)
     assert send.__name__ == "send" and send.__qualname__ == "AsyncClient.send"
-    assert send.__doc__ == py_send.__doc__
+    assert (send.__doc__, send.__module__) == (py_send.__doc__, "equeue.client.aio")
 
 
 def test_without_the_accelerator_send_is_the_async_def() -> None:

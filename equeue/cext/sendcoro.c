@@ -455,6 +455,9 @@ static PyObject *method_get(PyObject *self, PyObject *obj, PyObject *type) {
  * __defaults__...) is py_send's; __wrapped__ is py_send (inspect.signature follows it),
  * _is_coroutine asyncio's marker (asyncio.iscoroutinefunction). */
 static PyObject *method_getattro(SendMethod *m, PyObject *name) {
+    if (PyUnicode_CompareWithASCIIString(name, "__doc__") == 0 ||
+        PyUnicode_CompareWithASCIIString(name, "__module__") == 0) /* (the type has its own) */
+        return PyObject_GetAttr(m->py_send, name);
     PyObject *found = PyObject_GenericGetAttr((PyObject *)m, name);
     if (found != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError)) return found;
     PyErr_Clear();
