@@ -291,6 +291,26 @@ def test_errors_are_the_async_defs(broker: BrokerThread, loop: str) -> None:
     _run(loop, main)
 
 
+def _lost_both_ways(script: Any, body: bytes) -> list[tuple[type[BaseException], str, Any]]:
+    """The ConnectionLostError (class, message, unanswered) of one send of ``body`` to a
+    FakeBroker running ``script``: by the C coroutine, then by the async def."""
+
+    async def main(url: str, send: Any) -> tuple[type[BaseException], str, Any]:
+        client = await equeue.aio.connect(url, connect_timeout=0.2)
+        try:
+            with pytest.raises(ConnectionLostError) as raised:
+                await send(client, "t", body)
+            return type(raised.value), str(raised.value), raised.value.unanswered
+        finally:
+            await client.close()
+
+    with FakeBroker(script) as fake:  # (a connection each, in turn: the same url)
+        return [
+            _run("asyncio", lambda: main(fake.url, send))  # noqa: B023
+            for send in (equeue.aio.AsyncClient.send, py_send)
+        ]
+
+
 def test_a_send_whose_connection_breaks_reports_as_the_async_def() -> None:
     def script(peer: Peer) -> None:
         peer.recv()
@@ -299,20 +319,7 @@ def test_a_send_whose_connection_breaks_reports_as_the_async_def() -> None:
         peer.raw(encode([request_id, 0, RESULT])[:-3])
         raise EOFError  # (the fake closes the connection)
 
-    async def main(url: str, send: Any) -> tuple[type[BaseException], str, Any]:
-        client = await equeue.aio.connect(url, connect_timeout=0.2)
-        try:
-            with pytest.raises(ConnectionLostError) as raised:
-                await send(client, "t", b"lost")
-            return type(raised.value), str(raised.value), raised.value.unanswered
-        finally:
-            await client.close()
-
-    with FakeBroker(script) as fake:  # (a connection each, in turn: the same url)
-        outcomes = [
-            _run("asyncio", lambda: main(fake.url, send))  # noqa: B023
-            for send in (equeue.aio.AsyncClient.send, py_send)
-        ]
+    outcomes = _lost_both_ways(script, b"lost")
     assert outcomes[0][2] == [OutgoingMessage(b"lost")]
     assert outcomes[0] == outcomes[1]
 
@@ -331,20 +338,7 @@ def test_a_hostile_answer_fails_the_send_as_the_async_def(answer: str) -> None:
             peer.raw(b"\x7f\xff\xff\xff")
         peer.recv()  # (until the client closes)
 
-    async def main(url: str, send: Any) -> tuple[type[BaseException], str, Any]:
-        client = await equeue.aio.connect(url)
-        try:
-            with pytest.raises(ConnectionLostError) as raised:
-                await send(client, "t", b"hostile")
-            return type(raised.value), str(raised.value), raised.value.unanswered
-        finally:
-            await client.close()
-
-    with FakeBroker(script) as fake:
-        outcomes = [
-            _run("asyncio", lambda: main(fake.url, send))  # noqa: B023
-            for send in (equeue.aio.AsyncClient.send, py_send)
-        ]
+    outcomes = _lost_both_ways(script, b"hostile")
     assert outcomes[0][2] == [OutgoingMessage(b"hostile")]
     assert "broke the protocol" in outcomes[0][1]
     assert outcomes[0] == outcomes[1]
