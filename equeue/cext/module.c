@@ -7,10 +7,10 @@
  * in ahead of the writer), sendframe.c (the broker's plain send), bodyspans.c (the
  * broker's send_bodies read from its frame), release.c (the broker's durable answers
  * after their fdatasync), answercols.c (the clients' send_bodies request and answer),
- * clientsend.c (the asyncio client's plain send), sendcoro.c (AsyncClient.send's
- * plain case as a coroutine in C), xxh3.h (the record checksum, inlined
+ * clientsend.c (the asyncio client's plain send), xxh3.h (the record checksum, inlined
  * where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several use);
- * speedups.h is what they share.
+ * speedups.h is what they share; sendcoro.c is AsyncClient.send's plain case as a
+ * coroutine in C.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
  * falls back to the pure-Python paths otherwise (or when EQUEUE_PURE_PYTHON is
@@ -33,6 +33,9 @@
 #include "speedups.h"
 
 PyObject *trim_run(PyObject *self, PyObject *args); /* trim.c: a pull's byte budget */
+/* sendcoro.c: AsyncClient.send's plain case as a coroutine in C */
+PyObject *client_send_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *client_send_coro_type(PyObject *self, PyObject *unused);
 
 /* From equeue.format via configure(). */
 Py_ssize_t HEAD_SIZE = -1;
@@ -89,9 +92,6 @@ PyObject *commit_adds_in_c(PyObject *self, PyObject *unused);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
-/* sendcoro.c: AsyncClient.send's plain case as a coroutine in C */
-PyObject *client_send_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *client_send_coro_type(PyObject *self, PyObject *unused);
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -121,8 +121,6 @@ static PyMethodDef methods[] = {
      NULL},
     {"client_conn_type", client_conn_type, METH_NOARGS, NULL},
     {"client_waiter_type", client_waiter_type, METH_NOARGS, NULL},
-    {"client_send_method", (PyCFunction)(void (*)(void))client_send_method, METH_FASTCALL, NULL},
-    {"client_send_coro_type", client_send_coro_type, METH_NOARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},
@@ -141,6 +139,8 @@ static PyMethodDef methods[] = {
     {"prefault_supported", prefault_supported, METH_NOARGS, NULL},
     {"prefault_pending", prefault_pending, METH_NOARGS, NULL},
     {"trim_run", trim_run, METH_VARARGS, NULL},
+    {"client_send_method", (PyCFunction)(void (*)(void))client_send_method, METH_FASTCALL, NULL},
+    {"client_send_coro_type", client_send_coro_type, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from equeue.client import args, calls, csend
+from equeue.client import args, calls
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer
 from equeue.client.connect import RECV_BYTES, again
@@ -39,6 +39,7 @@ from equeue.client.core import (
     readable,
     welcome,
 )
+from equeue.client.csend import answered, fast
 from equeue.client.loops import close_from_here, running_loop, wrong_loop
 from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
 from equeue.client.url import Endpoint, parse_url
@@ -520,7 +521,7 @@ class AsyncClient:
 
     # --- MessageStore's methods --------------------------------------------------
 
-    @csend.fast  # (with the accelerator its plain call is a coroutine in C: csend.py)
+    @fast  # (with the accelerator its plain call is a coroutine in C: csend.py)
     async def send(
         self,
         topic: str,
@@ -544,7 +545,7 @@ class AsyncClient:
                 answer = await alone
                 if type(answer) is not tuple:  # the SendResult, read in C
                     return answer  # type: ignore[no-any-return]
-                return csend.answered(self, answer)  # (read the general way)
+                return answered(self, answer)  # (read the general way)
             coalescer = protocol.coalescer
             if coalescer is not None:  # the loop turn's group
                 if protocol.free <= 0:
