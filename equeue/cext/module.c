@@ -9,8 +9,7 @@
  * after their fdatasync), answercols.c (the clients' send_bodies request and answer),
  * clientsend.c (the asyncio client's plain send), xxh3.h (the record checksum, inlined
  * where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several use);
- * speedups.h is what they share; sendcoro.c is AsyncClient.send's plain case as a
- * coroutine in C.
+ * speedups.h is what they share.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
  * falls back to the pure-Python paths otherwise (or when EQUEUE_PURE_PYTHON is
@@ -33,7 +32,8 @@
 #include "speedups.h"
 
 PyObject *trim_run(PyObject *self, PyObject *args); /* trim.c: a pull's byte budget */
-/* sendcoro.c: AsyncClient.send's plain case as a coroutine in C */
+/* sendcoro.c: AsyncClient.send's plain case as a coroutine in C (not in the list above:
+ * the other parts of round 10 rewrite it) */
 PyObject *client_send_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_send_coro_type(PyObject *self, PyObject *unused);
 
