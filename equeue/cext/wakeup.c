@@ -30,6 +30,7 @@ static PyTypeObject WaiterType;
 int waiter_ready(void);
 int waiter_on_loop(PyObject *loop);
 static PyObject *TASK_TYPE, *BASE_LOOP, *FUTURE, *CANCELLED_ERROR, *INVALID_STATE, *RUNNING_LOOP, *CURRENT_TASK;
+static PyObject *BASE_GET_DEBUG, *S_DEBUG;
 static PyObject *S_CALL_SOON, *S_GET_DEBUG, *S_HANDLER, *S_CONTEXT, *S_MESSAGE, *S_EXCEPTION,
     *KW_CONTEXT;
 
@@ -272,9 +273,42 @@ static PyObject *w_iternext(Waiter *w) {
     return NULL;
 }
 
+/* The same as am_send (PyIter_Send, the `await` of a coroutine and sendcoro.c's step):
+ * the result returned, no StopIteration made for it. */
+static PySendResult w_am_send(Waiter *w, PyObject *arg, PyObject **result) {
+    if (w->state == PENDING) {
+        if (!w->blocking) {
+            w->blocking = 1;
+            *result = Py_NewRef(w);
+            return PYGEN_NEXT;
+        }
+        PyErr_SetString(PyExc_RuntimeError, "await wasn't used with future");
+        *result = NULL;
+        return PYGEN_ERROR;
+    }
+    *result = w_result(w, NULL);
+    return *result == NULL ? PYGEN_ERROR : PYGEN_RETURN;
+}
+
 static PyObject *w_repr(Waiter *w) {
     static const char *names[] = {"pending", "finished", "finished", "cancelled"};
     return PyUnicode_FromFormat("<equeue send waiter %s>", names[w->state]);
+}
+
+/* loop.get_debug(): BaseEventLoop's returns `self._debug`, read here directly when the
+ * loop's type has that method (not overridden: a subclass's get_debug is called), without
+ * its Python frame (~600 instructions a send, csend round 10); 1, 0, -1. (A get_debug set
+ * on a loop instance is not looked for.) */
+static int loop_debug(PyObject *loop) {
+    PyObject *debug;
+    if (BASE_GET_DEBUG != NULL && _PyType_Lookup(Py_TYPE(loop), S_GET_DEBUG) == BASE_GET_DEBUG)
+        debug = PyObject_GetAttr(loop, S_DEBUG);
+    else
+        debug = PyObject_CallMethodNoArgs(loop, S_GET_DEBUG);
+    if (debug == NULL) return -1;
+    int on = PyObject_IsTrue(debug);
+    Py_DECREF(debug);
+    return on;
 }
 
 /* 1: the callback may run now (see the top), 0: not, -1: an error. */
@@ -299,10 +333,7 @@ static int may_run_now(Waiter *w) {
     if (current == NULL) return -1;
     Py_DECREF(current);
     if (current != Py_None) return 0;
-    PyObject *debug = PyObject_CallMethodNoArgs(w->loop, S_GET_DEBUG);
-    if (debug == NULL) return -1;
-    int on = PyObject_IsTrue(debug);
-    Py_DECREF(debug);
+    int on = loop_debug(w->loop);
     return on < 0 ? -1 : !on;
 }
 
@@ -459,7 +490,7 @@ static PyGetSetDef w_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyAsyncMethods w_async = {.am_await = PyObject_SelfIter};
+static PyAsyncMethods w_async = {.am_await = PyObject_SelfIter, .am_send = (sendfunc)w_am_send};
 
 static PyTypeObject WaiterType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "equeue._speedups.Waiter",
@@ -496,6 +527,8 @@ int waiter_ready(void) {
         (RUNNING_LOOP = attr("asyncio", "_get_running_loop")) == NULL ||
         (CURRENT_TASK = attr("asyncio", "current_task")) == NULL ||
         (S_GET_DEBUG = PyUnicode_InternFromString("get_debug")) == NULL ||
+        (S_DEBUG = PyUnicode_InternFromString("_debug")) == NULL ||
+        (BASE_GET_DEBUG = PyObject_GetAttr(BASE_LOOP, S_GET_DEBUG)) == NULL ||
         (S_HANDLER = PyUnicode_InternFromString("call_exception_handler")) == NULL ||
         (S_CONTEXT = PyUnicode_InternFromString("context")) == NULL ||
         (S_MESSAGE = PyUnicode_InternFromString("message")) == NULL ||
