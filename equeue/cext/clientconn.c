@@ -40,6 +40,8 @@ int waiter_is(PyObject *object);
 int waiter_finish(PyObject *waiter, PyObject *result, int now);
 int waiter_on_loop(PyObject *loop);
 PyObject *waiter_future_on(PyObject *loop);
+int rawsock_is(PyObject *object); /* rawsock.c: the client's own transport */
+PyObject *rawsock_write(PyObject *object, PyObject *data);
 
 /* The fields Python code reads and writes often are objects (T_OBJECT_EX: CPython 3.11
  * specializes their attribute access as it does __slots__'; not a T_DOUBLE's or T_BOOL's):
@@ -165,10 +167,10 @@ out:
     return found;
 }
 
-static PyObject *conn_buffer_updated(Conn *self, PyObject *arg) {
-    Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
-    if (nbytes == -1 && PyErr_Occurred()) return NULL;
-    if (self->inbuf == NULL) return conn_get_buffer(self, arg); /* (the error) */
+/* buffer_updated(nbytes), also called by rawsock.c's read_ready without a method call. */
+PyObject *clientconn_read(PyObject *conn, Py_ssize_t nbytes) {
+    Conn *self = (Conn *)conn;
+    if (self->inbuf == NULL) return conn_get_buffer(self, NULL); /* (the error) */
     if (self->waiting) {
         int got = answered(self, nbytes);
         if (got < 0) return NULL;
@@ -179,6 +181,24 @@ static PyObject *conn_buffer_updated(Conn *self, PyObject *arg) {
     PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, S_DATA_RECEIVED, data);
     Py_DECREF(data);
     return r;
+}
+
+static PyObject *conn_buffer_updated(Conn *self, PyObject *arg) {
+    Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    return clientconn_read((PyObject *)self, nbytes);
+}
+
+/* For rawsock.c: whether object is a ClientConn (1, 0), and its read buffer (borrowed;
+ * NULL with an error when unset). */
+int clientconn_is(PyObject *object) {
+    return S_WRITE != NULL && PyObject_TypeCheck(object, &ConnType);
+}
+
+PyObject *clientconn_inbuf(PyObject *conn) {
+    PyObject *inbuf = ((Conn *)conn)->inbuf;
+    if (inbuf == NULL) PyErr_SetString(PyExc_RuntimeError, "the connection has no read buffer");
+    return inbuf;
 }
 
 /* Whether attribute `name` of `owner` holds anything (len > 0): 1, 0, -1. */
@@ -249,7 +269,9 @@ static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs
     self->waiting = id;
     Py_INCREF(topic);
     Py_XSETREF(self->waiting_topic, topic);
-    PyObject *r = PyObject_CallMethodOneArg(self->transport, S_WRITE, frame);
+    PyObject *r = rawsock_is(self->transport) ? rawsock_write(self->transport, frame)
+                                              : PyObject_CallMethodOneArg(self->transport,
+                                                                          S_WRITE, frame);
     if (r == NULL) goto done;
     Py_DECREF(r);
     out = Py_NewRef(future);

@@ -88,6 +88,7 @@ PyObject *commit_adds_in_c(PyObject *self, PyObject *unused);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
+PyObject *client_raw_sock_type(PyObject *self, PyObject *unused); /* rawsock.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -117,6 +118,7 @@ static PyMethodDef methods[] = {
      NULL},
     {"client_conn_type", client_conn_type, METH_NOARGS, NULL},
     {"client_waiter_type", client_waiter_type, METH_NOARGS, NULL},
+    {"client_raw_sock_type", client_raw_sock_type, METH_NOARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},
