@@ -21,6 +21,10 @@
  *     nothing done (the id may be used up); also when the running loop is not `loop`
  *     (a caller on another loop: AsyncClient.send then raises WrongLoopError).
  *
+ * clientconn_read(conn, nbytes), clientconn_is, clientconn_inbuf: buffer_updated and the
+ *     buffer as rawsock.c's read_ready calls them (a C call, no method lookup); `direct`
+ *     writes through rawsock_write when the transport is rawsock.c's.
+ *
  * ClientConn.future_of(conn) -> an asyncio.Future of conn's `loop` if it is the running
  *     loop, else None: the coalesced send's (equeue/client/coalesce.py, through
  *     equeue/client/loops.py), its loop checked in the same call.

@@ -7,7 +7,8 @@
  * in ahead of the writer), sendframe.c (the broker's plain send), bodyspans.c (the
  * broker's send_bodies read from its frame), release.c (the broker's durable answers
  * after their fdatasync), answercols.c (the clients' send_bodies request and answer),
- * clientsend.c (the asyncio client's plain send), xxh3.h (the record checksum, inlined
+ * clientsend.c (the asyncio client's plain send), rawsock.c (its own socket transport on
+ * selector loops), xxh3.h (the record checksum, inlined
  * where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several use);
  * speedups.h is what they share.
  *
