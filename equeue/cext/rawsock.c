@@ -16,7 +16,10 @@
  *     whole call is `self._write_slow(data)`. A send error goes to `self._fatal`.
  *
  * Fields: fd (-1 once closed), closing and queued (ints, kept by the subclass),
- * protocol. The syscalls release the GIL, as socket.recv_into and socket.send do. */
+ * protocol. The syscalls keep the GIL (socket.recv_into and socket.send release it): on a
+ * non-blocking socket they never wait, and a recv copies at most the 256 KiB buffer; the
+ * release and retake cost ~200 instructions each, a few % of a send. A write past
+ * UNLOCKED_FROM bytes (a large batch: a longer copy) releases it. */
 #include "speedups.h"
 #include <errno.h>
 #include <structmember.h>
@@ -25,6 +28,8 @@
 int clientconn_is(PyObject *object);          /* clientconn.c */
 PyObject *clientconn_inbuf(PyObject *conn);   /* borrowed; NULL with an error */
 PyObject *clientconn_read(PyObject *conn, Py_ssize_t nbytes);
+
+#define UNLOCKED_FROM (64 * 1024)
 
 typedef struct {
     PyObject_HEAD
@@ -87,13 +92,10 @@ static PyObject *raw_read_ready(RawSock *self, PyObject *unused) {
     }
     ssize_t n;
     int err;
-    int fd = self->fd;
-    Py_BEGIN_ALLOW_THREADS
-    do {
-        n = recv(fd, view.buf, (size_t)view.len, 0);
+    do { /* (the GIL kept: a non-blocking recv of at most the buffer, 256 KiB) */
+        n = recv(self->fd, view.buf, (size_t)view.len, 0);
     } while (n < 0 && errno == EINTR);
     err = errno;
-    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (n > 0) {
         if (conn) {
@@ -127,12 +129,19 @@ PyObject *rawsock_write(PyObject *object, PyObject *data) {
     const char *buf = PyBytes_AS_STRING(data);
     ssize_t n;
     int err, fd = self->fd;
-    Py_BEGIN_ALLOW_THREADS
-    do {
-        n = send(fd, buf, (size_t)len, MSG_NOSIGNAL);
-    } while (n < 0 && errno == EINTR);
-    err = errno;
-    Py_END_ALLOW_THREADS
+    if (len <= UNLOCKED_FROM) {
+        do {
+            n = send(fd, buf, (size_t)len, MSG_NOSIGNAL);
+        } while (n < 0 && errno == EINTR);
+        err = errno;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        do {
+            n = send(fd, buf, (size_t)len, MSG_NOSIGNAL);
+        } while (n < 0 && errno == EINTR);
+        err = errno;
+        Py_END_ALLOW_THREADS
+    }
     if (n == len) Py_RETURN_NONE;
     if (n < 0) {
         if (err != EAGAIN && err != EWOULDBLOCK) {

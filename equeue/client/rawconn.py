@@ -21,6 +21,7 @@ import asyncio
 import logging
 import socket
 from asyncio.selector_events import BaseSelectorEventLoop
+from asyncio.trsock import TransportSocket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,7 @@ class RawTransport(RawSock):
         self.protocol = protocol
         self._loop = loop
         self._sock = sock
-        self._extra: dict[str, Any] = {"socket": sock}
+        self._extra: dict[str, Any] = {"socket": TransportSocket(sock)}  # (asyncio's)
         try:
             self._extra["sockname"] = sock.getsockname()
         except OSError:
