@@ -193,10 +193,12 @@ static PyObject *conn_buffer_updated(Conn *self, PyObject *arg) {
     return clientconn_read((PyObject *)self, nbytes);
 }
 
-/* For rawsock.c: whether object is a ClientConn (1, 0), and its read buffer (borrowed;
+/* For rawsock.c: whether object is a ClientConn or a direct subclass (1, 0: else
+ * rawsock.c calls its methods), and its read buffer (borrowed;
  * NULL with an error when unset). */
-int clientconn_is(PyObject *object) {
-    return S_WRITE != NULL && PyObject_TypeCheck(object, &ConnType);
+int clientconn_is(PyObject *object) { /* (a direct subclass: aio.py's _Protocol) */
+    PyTypeObject *type = Py_TYPE(object);
+    return type == &ConnType || type->tp_base == &ConnType;
 }
 
 PyObject *clientconn_inbuf(PyObject *conn) {
