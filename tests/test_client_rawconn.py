@@ -307,3 +307,44 @@ def test_send_batch_pull_and_a_consumer_over_it() -> None:
     assert offsets == list(range(2000))
     assert pulled == seen == [b"b%d" % i for i in range(2000)]
     assert kind == "RawTransport"
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_an_exception_of_the_protocol_is_reported_as_by_asyncios_transport(
+    own: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protocol's read raising (its data_received replaced): the loop's exception
+    handler gets asyncio's message and the exception, the connection is lost with it,
+    and the request in flight raises ConnectionLostError; the same with asyncio's own
+    transport (``usable`` patched to say no), where the next call reconnects."""
+    if not own:
+        monkeypatch.setattr(rawconn, "usable", lambda *_: False)
+    with temporary_broker() as broker:
+
+        async def main() -> tuple[list[dict[str, Any]], BaseException | None, str, bool]:
+            seen: list[dict[str, Any]] = []
+            asyncio.get_running_loop().set_exception_handler(lambda _, c: seen.append(c))
+            async with await equeue.aio.connect(broker.url) as client:
+                await client.ping()
+                protocol: Any = client._protocol
+                kind = type(protocol.transport).__name__
+
+                def broken(data: object) -> None:
+                    raise RuntimeError("broken read")
+
+                protocol.data_received = broken
+                raised: BaseException | None = None
+                try:
+                    await asyncio.wait_for(client.ping(), 30)
+                except ConnectionLostError as exc:
+                    raised = exc
+                await client.ping()  # (a new connection)
+                return seen, raised, kind, client._protocol is not protocol
+
+        seen, raised, kind, renewed = asyncio.run(main())
+    assert (kind == "RawTransport") is own
+    assert [c["message"] for c in seen] == ["Fatal error: protocol.buffer_updated() call failed."]
+    assert isinstance(seen[0]["exception"], RuntimeError)
+    assert isinstance(raised, ConnectionLostError)
+    assert "broken read" in str(raised)
+    assert renewed

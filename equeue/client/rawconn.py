@@ -293,7 +293,11 @@ async def open_connection(
             raise
     else:
         sock = await _tcp(loop, endpoint.host, endpoint.port)
-    RawTransport(loop, sock, protocol).start()
+    try:
+        RawTransport(loop, sock, protocol).start()
+    except BaseException:  # (connection_made raised: no transport closes it; once is safe)
+        sock.close()
+        raise
 
 
 async def _tcp(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
