@@ -348,3 +348,37 @@ def test_an_exception_of_the_protocol_is_reported_as_by_asyncios_transport(
     assert isinstance(raised, ConnectionLostError)
     assert "broken read" in str(raised)
     assert renewed
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_refused_connect_raises_as_with_asyncios_transport(
+    own: bool, monkeypatch: pytest.MonkeyPatch, home: Path
+) -> None:
+    """No broker at a unix path, and a closed loopback port: after connect_timeout the
+    same ConnectionLostError (its last error FileNotFoundError / ConnectionRefusedError)
+    on both transports, and no socket left open."""
+    if not own:
+        monkeypatch.setattr(rawconn, "usable", lambda *_: False)
+    with socket.socket() as probe:  # a port nothing listens on (closed again at once)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def main() -> list[tuple[str, str]]:
+        found = []
+        for url in (f"unix:{home / 'none.sock'}", f"tcp://127.0.0.1:{port}"):
+            with pytest.raises(ConnectionLostError) as raised:
+                await equeue.aio.connect(url, connect_timeout=0.2)
+            cause = raised.value.__cause__
+            text = str(raised.value)
+            found.append((type(cause).__name__, text[: text.index("(")]))
+        return found
+
+    before = _fds()
+    found = asyncio.run(main())
+    assert _fds() == before
+    assert found == [
+        ("FileNotFoundError", f"cannot connect to the broker at unix:{home / 'none.sock'} "
+         "within connect_timeout=0.2s "),
+        ("ConnectionRefusedError", f"cannot connect to the broker at tcp://127.0.0.1:{port} "
+         "within connect_timeout=0.2s "),
+    ]  # fmt: skip

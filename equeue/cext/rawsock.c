@@ -80,26 +80,40 @@ static PyObject *raw_read_ready(RawSock *self, PyObject *unused) {
     } else {
         buffer = PyObject_CallMethodOneArg(protocol, S_GET_BUFFER, MINUS_ONE);
     }
-    Py_buffer view;
-    if (buffer == NULL || PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) < 0) {
+    /* ClientConn's memoryview read in place (its buffer held by it, held by protocol;
+     * nothing runs Python before the recv ends): ~120 instructions less a read than
+     * PyObject_GetBuffer. */
+    Py_buffer own, *view = NULL;
+    if (conn && buffer != NULL && PyMemoryView_Check(buffer) &&
+        !(((PyMemoryViewObject *)buffer)->flags & _Py_MEMORYVIEW_RELEASED) &&
+        !PyMemoryView_GET_BUFFER(buffer)->readonly &&
+        PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(buffer), 'C')) {
+        view = PyMemoryView_GET_BUFFER(buffer);
+    } else if (buffer != NULL && PyObject_GetBuffer(buffer, &own, PyBUF_WRITABLE) == 0) {
+        view = &own;
+    }
+    if (view == NULL) {
         Py_XDECREF(buffer);
         r = fatal(self, M_PROTOCOL);
         goto out;
     }
-    Py_DECREF(buffer);
-    if (view.len == 0) {
-        PyBuffer_Release(&view);
+    ssize_t n = -1;
+    int err = 0;
+    if (view->len == 0) {
         PyErr_SetString(PyExc_RuntimeError, "get_buffer() returned an empty buffer");
+    } else {
+        do { /* (the GIL kept: a non-blocking recv of at most the buffer, 256 KiB) */
+            n = recv(self->fd, view->buf, (size_t)view->len, 0);
+        } while (n < 0 && errno == EINTR);
+        err = errno;
+    }
+    int empty = view->len == 0;
+    if (view == &own) PyBuffer_Release(&own);
+    Py_DECREF(buffer);
+    if (empty) {
         r = fatal(self, M_PROTOCOL);
         goto out;
     }
-    ssize_t n;
-    int err;
-    do { /* (the GIL kept: a non-blocking recv of at most the buffer, 256 KiB) */
-        n = recv(self->fd, view.buf, (size_t)view.len, 0);
-    } while (n < 0 && errno == EINTR);
-    err = errno;
-    PyBuffer_Release(&view);
     if (n > 0) {
         if (conn) {
             r = clientconn_read(protocol, (Py_ssize_t)n);
