@@ -15,11 +15,12 @@ import signal
 import socket
 import ssl
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from client_helpers import temporary_broker
+from client_helpers import BrokerProcess, temporary_broker
 from server_helpers import short_home
 from test_server_auth import _self_signed
 
@@ -33,6 +34,13 @@ from equeue.store.types import OutgoingMessage
 
 pytestmark = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="no C accelerator")
 home = pytest.fixture(short_home, name="home")
+
+
+@pytest.fixture(scope="module", name="shared")
+def _shared() -> Iterator[BrokerProcess]:
+    """One broker for the tests that neither kill nor restart it (each its own topic)."""
+    with temporary_broker() as broker:
+        yield broker
 
 
 def _transport(client: equeue.aio.AsyncClient) -> Any:
@@ -49,25 +57,24 @@ class _Subclass(asyncio.SelectorEventLoop):
 
 
 @pytest.mark.parametrize("make", [asyncio.new_event_loop, _Subclass, "uvloop"])
-def test_the_own_transport_on_selector_loops_only(make: Any) -> None:
+def test_the_own_transport_on_selector_loops_only(make: Any, shared: BrokerProcess) -> None:
     """asyncio's default loop and a user's subclass of it: RawTransport; uvloop: its own."""
     if make == "uvloop":
         make = pytest.importorskip("uvloop").new_event_loop
     loop = make()
-    with temporary_broker() as broker:
 
-        async def main() -> tuple[str, int]:
-            async with await equeue.aio.connect(broker.url) as client:
-                await client.create_topic("t", 2)
-                sent = await client.send("t", b"over it")
-                assert (await client.get(sent.message_id)).body == b"over it"
-                assert client._protocol is not None
-                return type(_transport(client)).__name__, client._protocol.read_in_c
+    async def main() -> tuple[str, int]:
+        async with await equeue.aio.connect(shared.url) as client:
+            await client.create_topic("t", 2)
+            sent = await client.send("t", b"over it")
+            assert (await client.get(sent.message_id)).body == b"over it"
+            assert client._protocol is not None
+            return type(_transport(client)).__name__, client._protocol.read_in_c
 
-        try:
-            kind, read_in_c = loop.run_until_complete(main())
-        finally:
-            loop.close()
+    try:
+        kind, read_in_c = loop.run_until_complete(main())
+    finally:
+        loop.close()
     fast = isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop)
     assert (kind == "RawTransport") is fast, kind
     assert read_in_c >= 1  # the direct send's answer read in C on either
@@ -201,109 +208,110 @@ def test_sigkill_fails_each_send_in_flight_and_a_restart_takes_the_next(stalled:
     assert type(new).__name__ == "RawTransport"
 
 
-def test_100_connect_close_cycles_leave_no_fd_and_close_from_another_loop() -> None:
+def test_100_connect_close_cycles_leave_no_fd_and_close_from_another_loop(
+    shared: BrokerProcess,
+) -> None:
     """close() on the owning loop, 100 times: the fd count is as before. A client made on
     a loop running in another thread, closed from this thread's loop: its socket is
     closed there (once: the fd count is back, and a send raises ClosedError)."""
-    with temporary_broker() as broker:
 
-        async def cycles() -> None:
-            for _ in range(100):
-                client = await equeue.aio.connect(broker.url)
-                await client.ping()
-                await client.close()
-            await asyncio.sleep(0)  # (connection_lost runs in the next turn)
-            await asyncio.sleep(0)
+    async def cycles() -> None:
+        for _ in range(100):
+            client = await equeue.aio.connect(shared.url)
+            await client.ping()
+            await client.close()
+        await asyncio.sleep(0)  # (connection_lost runs in the next turn)
+        await asyncio.sleep(0)
 
-        asyncio.run(cycles())  # (the loop's own fds come and go with it)
-        before = _fds()
-        asyncio.run(cycles())
-        assert _fds() == before
+    asyncio.run(cycles())  # (the loop's own fds come and go with it)
+    before = _fds()
+    asyncio.run(cycles())
+    assert _fds() == before
 
-        other = asyncio.new_event_loop()
-        thread = threading.Thread(target=other.run_forever)
-        thread.start()
-        try:
-            made = asyncio.run_coroutine_threadsafe(equeue.aio.connect(broker.url), other)
-            client = made.result(30)
-            asyncio.run_coroutine_threadsafe(client.ping(), other).result(30)
-            transport = _transport(client)
-            fd = transport.fd
-            during = _fds()
-            asyncio.run(client.close())  # (from this thread's loop: done on `other`)
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), other).result(30)
-            assert transport.fd == -1
-            assert transport.is_closing()
-            with pytest.raises(OSError):
-                os.fstat(fd)
-            assert _fds() == during - 1
-        finally:
-            other.call_soon_threadsafe(other.stop)
-            thread.join(30)
-            other.close()
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever)
+    thread.start()
+    try:
+        made = asyncio.run_coroutine_threadsafe(equeue.aio.connect(shared.url), other)
+        client = made.result(30)
+        asyncio.run_coroutine_threadsafe(client.ping(), other).result(30)
+        transport = _transport(client)
+        fd = transport.fd
+        during = _fds()
+        asyncio.run(client.close())  # (from this thread's loop: done on `other`)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), other).result(30)
+        assert transport.fd == -1
+        assert transport.is_closing()
+        with pytest.raises(OSError):
+            os.fstat(fd)
+        assert _fds() == during - 1
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        thread.join(30)
+        other.close()
 
 
-def test_a_send_cancelled_while_its_answer_is_in_flight() -> None:
+def test_a_send_cancelled_while_its_answer_is_in_flight(shared: BrokerProcess) -> None:
     """A direct send written, its caller cancelled while the broker (stopped) holds it:
     its late answer is dropped, its place comes back, and the next sends are answered."""
-    with temporary_broker() as broker:
-        pid = broker.process.pid  # type: ignore[union-attr]
+    pid = shared.process.pid  # type: ignore[union-attr]
 
-        async def main() -> tuple[int, int, list[int]]:
-            async with await equeue.aio.connect(broker.url, timeout=60) as client:
-                await client.create_topic("t", 1)
-                await client.send("t", b"warm")
-                protocol: Any = client._protocol
-                free = protocol.free
-                os.kill(pid, signal.SIGSTOP)
-                try:
-                    task = asyncio.ensure_future(client.send("t", b"cancelled"))
-                    await asyncio.sleep(0.01)
-                    assert len(protocol.pending) == 1
-                    task.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await task
-                finally:
-                    os.kill(pid, signal.SIGCONT)
-                for _ in range(500):  # (bounded: until the late answer is read)
-                    if not protocol.pending:
-                        break
-                    await asyncio.sleep(0.01)
-                after = [(await client.send("t", b"n%d" % i)).queue_offset for i in range(3)]
-                return free, protocol.free, after
+    async def main() -> tuple[int, int, list[int]]:
+        async with await equeue.aio.connect(shared.url, timeout=60) as client:
+            await client.create_topic("cancel", 1)
+            await client.send("cancel", b"warm")
+            protocol: Any = client._protocol
+            free = protocol.free
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                task = asyncio.ensure_future(client.send("cancel", b"cancelled"))
+                await asyncio.sleep(0.01)
+                assert len(protocol.pending) == 1
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            for _ in range(500):  # (bounded: until the late answer is read)
+                if not protocol.pending:
+                    break
+                await asyncio.sleep(0.01)
+            after = [(await client.send("cancel", b"n%d" % i)).queue_offset for i in range(3)]
+            return free, protocol.free, after
 
-        free, free_after, after = asyncio.run(main())
+    free, free_after, after = asyncio.run(main())
     assert free_after == free
     assert after == [2, 3, 4]  # (the cancelled send was stored: offset 1)
 
 
-def test_send_batch_pull_and_a_consumer_over_it() -> None:
-    with temporary_broker() as broker:
+def test_send_batch_pull_and_a_consumer_over_it(shared: BrokerProcess) -> None:
+    """2,000 bodies in one send_batch (a frame larger than one write's worth), pulled and
+    consumed by a group member, in order, over the own transport."""
 
-        async def main() -> tuple[list[int], list[bytes], list[bytes], str]:
-            async with await equeue.aio.connect(broker.url) as client:
-                await client.create_topic("t", 1)
-                batch = [b"b%d" % i for i in range(2000)]
-                results = await client.send_batch("t", batch)
-                pulled: list[bytes] = []
-                while len(pulled) < len(batch):  # (bounded: each pull advances)
-                    got = await client.pull("t", 0, len(pulled), max_count=1000)
-                    assert got
-                    pulled += [m.body for m in got]
-                seen: list[bytes] = []
-                async with client.consumer("g", "t") as consumer:
-                    while len(seen) < len(batch):  # (bounded: poll's timeout ends it)
-                        message = await consumer.poll(10)
-                        assert message is not None
-                        seen.append(message.body)
-                return (
-                    [r.queue_offset for r in results],
-                    pulled,
-                    seen,
-                    type(_transport(client)).__name__,
-                )
+    async def main() -> tuple[list[int], list[bytes], list[bytes], str]:
+        async with await equeue.aio.connect(shared.url) as client:
+            await client.create_topic("batch", 1)
+            batch = [b"b%d" % i for i in range(2000)]
+            results = await client.send_batch("batch", batch)
+            pulled: list[bytes] = []
+            while len(pulled) < len(batch):  # (bounded: each pull advances)
+                got = await client.pull("batch", 0, len(pulled), max_count=1000)
+                assert got
+                pulled += [m.body for m in got]
+            seen: list[bytes] = []
+            async with client.consumer("g", "batch") as consumer:
+                while len(seen) < len(batch):  # (bounded: poll's timeout ends it)
+                    message = await consumer.poll(10)
+                    assert message is not None
+                    seen.append(message.body)
+            return (
+                [r.queue_offset for r in results],
+                pulled,
+                seen,
+                type(_transport(client)).__name__,
+            )
 
-        offsets, pulled, seen, kind = asyncio.run(main())
+    offsets, pulled, seen, kind = asyncio.run(main())
     assert offsets == list(range(2000))
     assert pulled == seen == [b"b%d" % i for i in range(2000)]
     assert kind == "RawTransport"
@@ -311,7 +319,7 @@ def test_send_batch_pull_and_a_consumer_over_it() -> None:
 
 @pytest.mark.parametrize("own", [True, False])
 def test_an_exception_of_the_protocol_is_reported_as_by_asyncios_transport(
-    own: bool, monkeypatch: pytest.MonkeyPatch
+    own: bool, monkeypatch: pytest.MonkeyPatch, shared: BrokerProcess
 ) -> None:
     """The protocol's read raising (its data_received replaced): the loop's exception
     handler gets asyncio's message and the exception, the connection is lost with it,
@@ -319,29 +327,28 @@ def test_an_exception_of_the_protocol_is_reported_as_by_asyncios_transport(
     transport (``usable`` patched to say no), where the next call reconnects."""
     if not own:
         monkeypatch.setattr(rawconn, "usable", lambda *_: False)
-    with temporary_broker() as broker:
 
-        async def main() -> tuple[list[dict[str, Any]], BaseException | None, str, bool]:
-            seen: list[dict[str, Any]] = []
-            asyncio.get_running_loop().set_exception_handler(lambda _, c: seen.append(c))
-            async with await equeue.aio.connect(broker.url) as client:
-                await client.ping()
-                protocol: Any = client._protocol
-                kind = type(protocol.transport).__name__
+    async def main() -> tuple[list[dict[str, Any]], BaseException | None, str, bool]:
+        seen: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, c: seen.append(c))
+        async with await equeue.aio.connect(shared.url) as client:
+            await client.ping()
+            protocol: Any = client._protocol
+            kind = type(protocol.transport).__name__
 
-                def broken(data: object) -> None:
-                    raise RuntimeError("broken read")
+            def broken(data: object) -> None:
+                raise RuntimeError("broken read")
 
-                protocol.data_received = broken
-                raised: BaseException | None = None
-                try:
-                    await asyncio.wait_for(client.ping(), 30)
-                except ConnectionLostError as exc:
-                    raised = exc
-                await client.ping()  # (a new connection)
-                return seen, raised, kind, client._protocol is not protocol
+            protocol.data_received = broken
+            raised: BaseException | None = None
+            try:
+                await asyncio.wait_for(client.ping(), 30)
+            except ConnectionLostError as exc:
+                raised = exc
+            await client.ping()  # (a new connection)
+            return seen, raised, kind, client._protocol is not protocol
 
-        seen, raised, kind, renewed = asyncio.run(main())
+    seen, raised, kind, renewed = asyncio.run(main())
     assert (kind == "RawTransport") is own
     assert [c["message"] for c in seen] == ["Fatal error: protocol.buffer_updated() call failed."]
     assert isinstance(seen[0]["exception"], RuntimeError)
