@@ -285,7 +285,7 @@ def test_a_send_cancelled_while_its_answer_is_in_flight(shared: BrokerProcess) -
 
 
 def test_send_batch_pull_and_a_consumer_over_it(shared: BrokerProcess) -> None:
-    """2,000 bodies in one send_batch (a frame larger than one write's worth), pulled and
+    """2,000 bodies in one send_batch, their answer read in one or more reads, pulled and
     consumed by a group member, in order, over the own transport."""
 
     async def main() -> tuple[list[int], list[bytes], list[bytes], str]:
