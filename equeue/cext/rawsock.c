@@ -39,7 +39,7 @@ typedef struct {
 
 static PyTypeObject RawSockType;
 static PyObject *S_GET_BUFFER, *S_BUFFER_UPDATED, *S_EOF, *S_FATAL, *S_WRITE_REST,
-    *S_WRITE_SLOW, *M_READ, *M_PROTOCOL, *M_WRITE, *MINUS_ONE;
+    *S_WRITE_SLOW, *M_READ, *M_PROTOCOL, *M_GET_BUFFER, *M_WRITE, *MINUS_ONE;
 
 /* Whether object is a RawSock or a direct subclass (RawTransport): 1, 0. Not
  * PyObject_TypeCheck: ClientConn.direct asks it of uvloop's transports too, whose MRO
@@ -94,7 +94,7 @@ static PyObject *raw_read_ready(RawSock *self, PyObject *unused) {
     }
     if (view == NULL) {
         Py_XDECREF(buffer);
-        r = fatal(self, M_PROTOCOL);
+        r = fatal(self, M_GET_BUFFER);
         goto out;
     }
     ssize_t n = -1;
@@ -111,7 +111,7 @@ static PyObject *raw_read_ready(RawSock *self, PyObject *unused) {
     if (view == &own) PyBuffer_Release(&own);
     Py_DECREF(buffer);
     if (empty) {
-        r = fatal(self, M_PROTOCOL);
+        r = fatal(self, M_GET_BUFFER);
         goto out;
     }
     if (n > 0) {
@@ -236,6 +236,8 @@ PyObject *client_raw_sock_type(PyObject *self, PyObject *unused) {
                 NULL ||
             (M_PROTOCOL = PyUnicode_InternFromString(
                  "Fatal error: protocol.buffer_updated() call failed.")) == NULL ||
+            (M_GET_BUFFER = PyUnicode_InternFromString(
+                 "Fatal error: protocol.get_buffer() call failed.")) == NULL ||
             (MINUS_ONE = PyLong_FromLong(-1)) == NULL || PyType_Ready(&RawSockType) < 0)
             return NULL;
         if ((S_EOF = PyUnicode_InternFromString("_eof")) == NULL) return NULL; /* last */
