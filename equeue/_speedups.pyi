@@ -232,6 +232,10 @@ def pull_answer(frame: bytes | memoryview, rids: set[int], /) -> list[Any] | Non
 # the base class of equeue/client/aio.py's _Protocol (its fields: aio.py's _PyConn)
 def client_conn_type() -> type: ...
 
+# The asyncio client's own socket transport on selector loops (equeue/cext/rawsock.c):
+# the base class of equeue/client/rawconn.py's RawTransport
+def client_raw_sock_type() -> type: ...
+
 # The future of a direct send, its task woken at once when safe (equeue/cext/wakeup.c):
 # Waiter(loop), asyncio's future protocol
 def client_waiter_type() -> type: ...

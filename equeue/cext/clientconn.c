@@ -21,6 +21,10 @@
  *     nothing done (the id may be used up); also when the running loop is not `loop`
  *     (a caller on another loop: AsyncClient.send then raises WrongLoopError).
  *
+ * clientconn_read(conn, nbytes), clientconn_is, clientconn_inbuf: buffer_updated and the
+ *     buffer as rawsock.c's read_ready calls them (a C call, no method lookup); `direct`
+ *     writes through rawsock_write when the transport is rawsock.c's.
+ *
  * ClientConn.future_of(conn) -> an asyncio.Future of conn's `loop` if it is the running
  *     loop, else None: the coalesced send's (equeue/client/coalesce.py, through
  *     equeue/client/loops.py), its loop checked in the same call.
@@ -40,6 +44,8 @@ int waiter_is(PyObject *object);
 int waiter_finish(PyObject *waiter, PyObject *result, int now);
 int waiter_on_loop(PyObject *loop);
 PyObject *waiter_future_on(PyObject *loop);
+int rawsock_is(PyObject *object); /* rawsock.c: the client's own transport */
+PyObject *rawsock_write(PyObject *object, PyObject *data);
 
 /* The fields Python code reads and writes often are objects (T_OBJECT_EX: CPython 3.11
  * specializes their attribute access as it does __slots__'; not a T_DOUBLE's or T_BOOL's):
@@ -165,10 +171,10 @@ out:
     return found;
 }
 
-static PyObject *conn_buffer_updated(Conn *self, PyObject *arg) {
-    Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
-    if (nbytes == -1 && PyErr_Occurred()) return NULL;
-    if (self->inbuf == NULL) return conn_get_buffer(self, arg); /* (the error) */
+/* buffer_updated(nbytes), also called by rawsock.c's read_ready without a method call. */
+PyObject *clientconn_read(PyObject *conn, Py_ssize_t nbytes) {
+    Conn *self = (Conn *)conn;
+    if (self->inbuf == NULL) return conn_get_buffer(self, NULL); /* (the error) */
     if (self->waiting) {
         int got = answered(self, nbytes);
         if (got < 0) return NULL;
@@ -179,6 +185,26 @@ static PyObject *conn_buffer_updated(Conn *self, PyObject *arg) {
     PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, S_DATA_RECEIVED, data);
     Py_DECREF(data);
     return r;
+}
+
+static PyObject *conn_buffer_updated(Conn *self, PyObject *arg) {
+    Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    return clientconn_read((PyObject *)self, nbytes);
+}
+
+/* For rawsock.c: whether object is a ClientConn or a direct subclass (1, 0: else
+ * rawsock.c calls its methods), and its read buffer (borrowed;
+ * NULL with an error when unset). */
+int clientconn_is(PyObject *object) { /* (a direct subclass: aio.py's _Protocol) */
+    PyTypeObject *type = Py_TYPE(object);
+    return type == &ConnType || type->tp_base == &ConnType;
+}
+
+PyObject *clientconn_inbuf(PyObject *conn) {
+    PyObject *inbuf = ((Conn *)conn)->inbuf;
+    if (inbuf == NULL) PyErr_SetString(PyExc_RuntimeError, "the connection has no read buffer");
+    return inbuf;
 }
 
 /* Whether attribute `name` of `owner` holds anything (len > 0): 1, 0, -1. */
@@ -249,7 +275,9 @@ static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs
     self->waiting = id;
     Py_INCREF(topic);
     Py_XSETREF(self->waiting_topic, topic);
-    PyObject *r = PyObject_CallMethodOneArg(self->transport, S_WRITE, frame);
+    PyObject *r = rawsock_is(self->transport) ? rawsock_write(self->transport, frame)
+                                              : PyObject_CallMethodOneArg(self->transport,
+                                                                          S_WRITE, frame);
     if (r == NULL) goto done;
     Py_DECREF(r);
     out = Py_NewRef(future);

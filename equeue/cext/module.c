@@ -8,9 +8,10 @@
  * broker's send_bodies read from its frame), release.c (the broker's durable answers
  * after their fdatasync; answerwrite.c sends each to its socket), answercols.c (the
  * clients' send_bodies request and answer), clientsend.c (the asyncio client's plain
- * send), sendcoro.c (AsyncClient.send's plain case as a coroutine in C), xxh3.h (the
- * record checksum, inlined where used), msgpack_min.h and hex16.h (the msgpack and hex
- * pieces several use);
+ * send), rawsock.c (its own socket transport on selector loops), sendcoro.c
+ * (AsyncClient.send's plain case as a coroutine in C), xxh3.h (the record checksum,
+ * inlined where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several
+ * use);
  * speedups.h is what they share.
  *
  * Optional: equeue/speedups.py imports this module when it was built and
@@ -96,6 +97,7 @@ PyObject *commit_adds_in_c(PyObject *self, PyObject *unused);
 PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
+PyObject *client_raw_sock_type(PyObject *self, PyObject *unused); /* rawsock.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -126,6 +128,7 @@ static PyMethodDef methods[] = {
      NULL},
     {"client_conn_type", client_conn_type, METH_NOARGS, NULL},
     {"client_waiter_type", client_waiter_type, METH_NOARGS, NULL},
+    {"client_raw_sock_type", client_raw_sock_type, METH_NOARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},
     {"pull_chunk", pull_chunk, METH_VARARGS, NULL},

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from equeue.client import args, calls
+from equeue.client import args, calls, rawconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer
 from equeue.client.connect import RECV_BYTES, again
@@ -434,7 +434,9 @@ class AsyncClient:
             protocol = _Protocol(self._hello, self.url, self.timeout, self._ids)
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    if endpoint.kind == "unix":
+                    if rawconn.usable(loop, endpoint, protocol):  # (own transport, in C)
+                        await rawconn.open_connection(loop, endpoint, protocol)
+                    elif endpoint.kind == "unix":
                         await loop.create_unix_connection(lambda: protocol, endpoint.path)  # noqa: B023
                     else:
                         await loop.create_connection(
