@@ -25,8 +25,8 @@ from asyncio.trsock import TransportSocket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from equeue import speedups
 from equeue.client.url import Endpoint
+from equeue.protocol.plainsend import conn_type, raw_sock_type
 
 if TYPE_CHECKING:
 
@@ -40,9 +40,8 @@ if TYPE_CHECKING:
         def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
 else:
-    _fast = speedups.SPEEDUPS
     # (without the accelerator RawTransport is defined on object and never used)
-    RawSock = object if _fast is None else _fast.client_raw_sock_type()
+    RawSock = object if raw_sock_type is None else raw_sock_type
 
 log = logging.getLogger("asyncio")  # (where asyncio's transports log theirs)
 
@@ -57,8 +56,8 @@ def usable(loop: asyncio.AbstractEventLoop, endpoint: Endpoint, protocol: object
         and endpoint.ssl_context is None
         and endpoint.kind in ("unix", "tcp")
         and isinstance(loop, BaseSelectorEventLoop)
-        and speedups.SPEEDUPS is not None
-        and isinstance(protocol, speedups.SPEEDUPS.client_conn_type())
+        and conn_type is not None
+        and isinstance(protocol, conn_type)
     )
 
 

@@ -16,6 +16,8 @@ the result when the first nbytes of buffer are exactly the one frame answering
 ``conn_type``: equeue/cext/clientconn.c's ClientConn, the base of the asyncio client's
 protocol: its connection state as C fields and ``get_buffer``, ``buffer_updated`` and
 ``direct`` (the send above and its answer) without a Python frame.
+``raw_sock_type``: equeue/cext/rawsock.c's RawSock, the base of the asyncio client's own
+socket transport on selector loops (equeue/client/rawconn.py).
 
 All are None (the names, not a function) without the accelerator: the client binds
 them once, and a call is one C call with no Python frame around it.
@@ -37,3 +39,4 @@ send_result: Final[Callable[[Any, int, int, str, int], Any] | None] = (
     None if _fast is None else _fast.client_send_result
 )
 conn_type: Final[type | None] = None if _fast is None else _fast.client_conn_type()
+raw_sock_type: Final[type | None] = None if _fast is None else _fast.client_raw_sock_type()
