@@ -5,11 +5,15 @@ small send buffer drains in order with pause_writing/resume_writing; a SIGKILLed
 fails each send in flight (written or still queued) naming its message, and a restart
 takes the next; close() from the owning loop and from another loop's thread closes the
 fd once (100 cycles: no fd left); a send cancelled while its answer is in flight;
-send_batch, pull and a consumer group over it."""
+send_batch, pull and a consumer group over it. On a socketpair (no broker), each also
+against asyncio's transport: a write while bytes are queued goes behind them; a write
+that meets a full socket is queued, not lost; a failing get_buffer reported with
+asyncio's message; and a refused connect leaves no reference cycle."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -389,3 +393,201 @@ def test_a_refused_connect_raises_as_with_asyncios_transport(
         ("ConnectionRefusedError", f"cannot connect to the broker at tcp://127.0.0.1:{port} "
          "within connect_timeout=0.2s "),
     ]  # fmt: skip
+
+
+class _Recording(asyncio.BufferedProtocol):
+    """A bare BufferedProtocol for a socketpair (no broker): records what the transport
+    calls; ``get_buffer`` may raise or return an empty buffer."""
+
+    def __init__(self, buffer: Any = None) -> None:
+        self.calls: list[str] = []
+        self.lost: list[BaseException | None] = []
+        self.buffer = bytearray(1024) if buffer is None else buffer
+
+    def get_buffer(self, sizehint: int) -> Any:
+        if isinstance(self.buffer, BaseException):
+            raise self.buffer
+        return self.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.calls.append("buffer_updated")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost.append(exc)
+
+    def pause_writing(self) -> None:
+        self.calls.append("pause")
+
+    def resume_writing(self) -> None:
+        self.calls.append("resume")
+
+
+async def _pair(own: bool, protocol: _Recording) -> tuple[Any, socket.socket]:
+    """A non-blocking socketpair's one end under RawTransport (own) or asyncio's
+    transport (create_connection(sock=)), and the other end, non-blocking, to read."""
+    near, far = socket.socketpair()
+    near.setblocking(False)
+    far.setblocking(False)
+    loop = asyncio.get_running_loop()
+    if own:
+        transport: Any = rawconn.RawTransport(loop, near, protocol)
+        transport.start()
+    else:
+        transport, _ = await loop.create_connection(lambda: protocol, sock=near)
+    assert (type(transport).__name__ == "RawTransport") is own
+    return transport, far
+
+
+def _drain(far: socket.socket, into: bytearray) -> None:
+    """What the kernel holds for ``far`` now, without waiting."""
+    while True:
+        try:
+            chunk = far.recv(1 << 20)
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        into += chunk
+
+
+async def _read_until(far: socket.socket, into: bytearray, size: int) -> None:
+    for _ in range(5000):  # (bounded: 1 ms turns, the transport writing the rest)
+        _drain(far, into)
+        if len(into) >= size:
+            return
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_write_while_bytes_are_queued_goes_behind_them(own: bool) -> None:
+    """1 MB written (more than the socket holds: the rest queued), the peer then reads all
+    the kernel holds, and a marker is written in the same loop turn, before the transport
+    is told the socket is writable: the marker comes after the last queued byte, on both
+    transports (sent at once it would land in the middle, splitting a frame)."""
+
+    async def main() -> tuple[int, int, list[str]]:
+        protocol = _Recording()
+        transport, far = await _pair(own, protocol)
+        try:
+            big = b"A" * 1_000_000
+            transport.write(big)
+            queued = transport.get_write_buffer_size()
+            got = bytearray()
+            _drain(far, got)  # (room in the socket again; the loop has not run)
+            transport.write(b"MARK")
+            await _read_until(far, got, len(big) + 4)
+            return queued, bytes(got).find(b"MARK"), protocol.calls
+        finally:
+            transport.close()
+            await asyncio.sleep(0)
+            far.close()
+
+    queued, where, calls = asyncio.run(main())
+    assert 0 < queued < 1_000_000, queued
+    assert where == 1_000_000, where
+    assert calls == ["pause", "resume"]
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_write_that_meets_a_full_socket_is_queued_not_lost(own: bool) -> None:
+    """8-byte writes (each sent whole or not at all) until one finds the socket full with
+    nothing queued (send() raises EAGAIN, nothing sent): that write is queued whole, and
+    the peer reads every write, in order, on both transports."""
+
+    async def main() -> tuple[int, bytes, bytes]:
+        protocol = _Recording()
+        transport, far = await _pair(own, protocol)
+        try:
+            written: list[bytes] = []
+            while transport.get_write_buffer_size() == 0 and len(written) < 100_000:
+                written.append(b"%08d" % len(written))
+                transport.write(written[-1])
+            queued = transport.get_write_buffer_size()
+            written.append(b"%08d" % len(written))
+            transport.write(written[-1])  # (behind the queued one)
+            want = b"".join(written)
+            got = bytearray()
+            await _read_until(far, got, len(want))
+            return queued, bytes(got), want
+        finally:
+            transport.close()
+            await asyncio.sleep(0)
+            far.close()
+
+    queued, got, want = asyncio.run(main())
+    assert queued == 8  # (the write that met EAGAIN, whole: nothing of it sent)
+    assert len(want) < 800_000
+    assert got == want
+
+
+@pytest.mark.parametrize("own", [True, False])
+@pytest.mark.parametrize("failure", ["raises", "empty"])
+def test_a_failing_get_buffer_is_reported_as_by_asyncios_transport(own: bool, failure: str) -> None:
+    """The protocol's get_buffer raising, or returning an empty buffer, when bytes come:
+    the loop's exception handler gets asyncio's message for it and a RuntimeError, and
+    the connection is lost with that exception, on both transports."""
+
+    async def main() -> tuple[list[dict[str, Any]], list[BaseException | None]]:
+        seen: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, c: seen.append(c))
+        buffer = RuntimeError("no buffer") if failure == "raises" else bytearray()
+        protocol = _Recording(buffer)
+        transport, far = await _pair(own, protocol)
+        try:
+            far.send(b"bytes")
+            for _ in range(500):  # (bounded: until connection_lost has run)
+                if protocol.lost:
+                    break
+                await asyncio.sleep(0.001)
+        finally:
+            transport.close()
+            await asyncio.sleep(0)
+            far.close()
+        return seen, protocol.lost
+
+    seen, lost = asyncio.run(main())
+    assert [c["message"] for c in seen] == ["Fatal error: protocol.get_buffer() call failed."]
+    assert isinstance(seen[0]["exception"], RuntimeError)
+    assert lost == [seen[0]["exception"]]
+
+
+@pytest.mark.parametrize("addresses", [1, 2])
+def test_a_refused_connect_leaves_no_cycle_through_its_errors(addresses: int) -> None:
+    """A connect refused at one address (its error raised) or at two (an OSError naming
+    both): no list still holds the raised error, and the connecting frame (in its
+    traceback) holds none of them: no reference cycle left for the cyclic GC, as asyncio's
+    create_connection leaves none."""
+    ports = []
+    for _ in range(2):  # ports nothing listens on (closed again at once)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+
+    async def main() -> tuple[str, list[str], list[list[Any]]]:
+        loop: Any = asyncio.get_running_loop()
+        real = loop.getaddrinfo
+
+        async def each(host: str, port: int, **kwargs: Any) -> list[Any]:
+            found = [await real(host, p, **kwargs) for p in ports[:addresses]]
+            return [info for infos in found for info in infos]
+
+        loop.getaddrinfo = each
+        with pytest.raises(OSError) as raised:
+            await rawconn._tcp(loop, "127.0.0.1", ports[0])
+        exc = raised.value
+        holders = [type(r).__name__ for r in gc.get_referrers(exc)]
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code is not rawconn._tcp.__code__:
+            tb = tb.tb_next
+        assert tb is not None
+        held = [
+            v
+            for v in tb.tb_frame.f_locals.values()
+            if isinstance(v, list) and any(isinstance(e, BaseException) for e in v)
+        ]
+        return str(exc), holders, held
+
+    text, holders, held = asyncio.run(main())
+    assert text.startswith("Multiple exceptions: " if addresses == 2 else "[Errno 111]"), text
+    assert "list" not in holders, holders
+    assert held == []

@@ -13,7 +13,15 @@ at the same water marks (64 KiB / 16 KiB); the end of input → ``eof_received``
 exception handler (an OSError: logged at debug level only, in debug mode) and
 ``connection_lost(exc)``; ``close()`` and ``abort()`` → ``connection_lost`` in the next
 loop turn, then the socket closed (once). uvloop, TLS and the pure-Python client keep
-asyncio's transport (``usable``)."""
+asyncio's transport (``usable``).
+
+Not all of asyncio.Transport: RawTransport is no subclass of it and has no
+``pause_reading``/``resume_reading``, ``writelines``, ``write_eof``/``can_write_eof`` or
+``set_protocol``, and no "unclosed transport" ResourceWarning in ``__del__`` (the
+socket's own still comes). Nothing calls them: the client uses ``write``, ``abort``
+and ``get_extra_info`` (equeue/client/aio.py, loops.py), ClientConn (clientconn.c)
+``write``; it never stops reading (answers are read as they come), never half-closes
+and never swaps the protocol. A change that needs one adds it here first."""
 
 from __future__ import annotations
 
@@ -320,6 +328,12 @@ async def _tcp(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
-    if len(errors) == 1 or len({str(e) for e in errors}) == 1:
-        raise errors[0]
-    raise OSError("Multiple exceptions: {}".format(", ".join(str(e) for e in errors)))
+    try:
+        if len(errors) == 1 or len({str(e) for e in errors}) == 1:
+            raise errors[0]
+        raise OSError("Multiple exceptions: {}".format(", ".join(str(e) for e in errors)))
+    finally:
+        # The raised exception's traceback holds this frame, whose list holds it (or
+        # the ones it names): a cycle per failed connect, freed only by the cyclic GC.
+        # Emptied here, as asyncio's create_connection drops its list.
+        errors.clear()
