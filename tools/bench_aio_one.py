@@ -1,9 +1,13 @@
 """The asyncio client's CPU per send against a real ``equeue serve`` (issue 23): ``--conns``
 connections in one process, each ``--depth`` tasks sending one at a time (64 x 1: the
-durable case's "a connection per task"; 1 x 100: the pipelined case), 100 B bodies.
+durable case's "a connection per task"; 1 x 100: the pipelined case), ``--body`` bytes
+a message (100; 1024: the produce section's 1 KiB rows). ``--procs P`` (not with
+``--callgrind``) starts P such client processes together (the produce section's 4- and
+16-process rows) and prints each one's figures and their mean.
 
     python tools/bench_aio_one.py [--src DIR ...] [--flush async|sync] [--loop asyncio|uvloop]
-        [--conns 64] [--depth 1] [--count 20000] [--rounds 2] [--callgrind]
+        [--conns 64] [--depth 1] [--body 100] [--procs 1] [--count 20000]
+        [--rounds 2] [--callgrind]
 
 For each ``--src`` tree in turn (alternated ``--rounds`` times) a client process of that
 tree's ``equeue`` (PYTHONPATH) runs against one broker (this tree's), and prints its
@@ -30,11 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from brokerbench.servers import start_broker
 
-BODY = b"x" * 100
 WARMUP = 2000
 
 
-async def _client(url: str, conns: int, depth: int, count: int) -> float:
+async def _client(url: str, conns: int, depth: int, count: int, body: bytes) -> float:
     import equeue.aio
 
     clients = [await equeue.aio.connect(url) for _ in range(conns)]
@@ -42,7 +45,7 @@ async def _client(url: str, conns: int, depth: int, count: int) -> float:
     async def one(client: equeue.aio.AsyncClient, n: int) -> None:
         send = client.send
         for _ in range(n):
-            await send("t", BODY)
+            await send("t", body)
 
     async def round_(total: int) -> None:
         per = -(-total // (conns * depth))
@@ -75,7 +78,7 @@ def _slowed() -> None:
         setattr(module, "HEARD_RECENTLY", 5.0)  # noqa: B010  # (a Final, on purpose)
 
 
-def child(url: str, conns: int, depth: int, count: int, loop_name: str) -> None:
+def child(url: str, conns: int, depth: int, count: int, loop_name: str, body: int) -> None:
     if os.environ.get("EQUEUE_BENCH_VALGRIND"):
         _slowed()
     if loop_name == "uvloop":
@@ -84,7 +87,7 @@ def child(url: str, conns: int, depth: int, count: int, loop_name: str) -> None:
         loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     else:
         loop = asyncio.new_event_loop()
-    print(f"cpu_us {loop.run_until_complete(_client(url, conns, depth, count)):.2f}")
+    print(f"cpu_us {loop.run_until_complete(_client(url, conns, depth, count, b'x' * body)):.2f}")
     loop.close()
 
 
@@ -97,6 +100,31 @@ def _run(src: str, argv: list[str], callgrind: Path | None) -> str:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *cmd]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=True)
     return out.stdout + out.stderr
+
+
+def _run_together(src: str, argv: list[str], procs: int) -> str:
+    """``procs`` clients started at once; each one's figures, then the means."""
+    env = dict(os.environ, PYTHONPATH=src)
+    cmd = [sys.executable, __file__, "--child", *argv]
+    running = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(procs)
+    ]
+    outs = []
+    try:
+        for process in running:
+            outs.append(process.communicate(timeout=900)[0])
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    figures: dict[str, list[float]] = {}
+    for out in outs:
+        for name, value in re.findall(r"(\w+) ([\d.]+)", out):
+            figures.setdefault(name, []).append(float(value))
+    means = " ".join(f"{k} {sum(v) / len(v):.2f}" for k, v in figures.items())
+    return f"mean of {procs}: {means}"
 
 
 def _ir(path: Path) -> int:
@@ -112,6 +140,8 @@ def main() -> None:
     parser.add_argument("--loop", default="asyncio")
     parser.add_argument("--conns", type=int, default=64)
     parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--body", type=int, default=100, help="bytes a message")
+    parser.add_argument("--procs", type=int, default=1, help="client processes at once")
     parser.add_argument("--count", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--callgrind", action="store_true")
@@ -119,7 +149,7 @@ def main() -> None:
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.conns, args.depth, args.count, args.loop)
+        child(args.child, args.conns, args.depth, args.count, args.loop, args.body)
         return
     srcs = args.src or [str(Path(__file__).resolve().parent.parent)]
     with tempfile.TemporaryDirectory(prefix="eqa", dir="/tmp") as tmp:
@@ -132,6 +162,7 @@ def main() -> None:
             with equeue.connect(server.url) as admin:
                 admin.create_topic("t", 4)
             shape = ["--conns", str(args.conns), "--depth", str(args.depth), "--loop", args.loop]
+            shape += ["--body", str(args.body)]
             for _ in range(args.rounds):
                 for src in srcs:
                     if args.callgrind:
@@ -146,7 +177,11 @@ def main() -> None:
                         per = (irs[1] - irs[0]) / args.count
                         print(f"{src}: {per:,.0f} instructions per send", flush=True)
                     else:
-                        out_text = _run(src, [server.url, *shape, "--count", str(args.count)], None)
+                        argv = [server.url, *shape, "--count", str(args.count)]
+                        if args.procs > 1:
+                            out_text = _run_together(src, argv, args.procs)
+                        else:
+                            out_text = _run(src, argv, None)
                         shown = " ".join(out_text.split())
                         print(f"{src}: {shown} µs/send  load {os.getloadavg()[0]:.2f}", flush=True)
         finally:
