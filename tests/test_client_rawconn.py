@@ -426,6 +426,7 @@ async def _pair(own: bool, protocol: _Recording) -> tuple[Any, socket.socket]:
     """A non-blocking socketpair's one end under RawTransport (own) or asyncio's
     transport (create_connection(sock=)), and the other end, non-blocking, to read."""
     near, far = socket.socketpair()
+    near.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)  # (full well before 1 MB)
     near.setblocking(False)
     far.setblocking(False)
     loop = asyncio.get_running_loop()
