@@ -25,6 +25,13 @@
 #include <structmember.h>
 #include <sys/socket.h>
 
+/* Where the headers lack MSG_NOSIGNAL (some BSDs, older macOS SDKs) the module still
+ * builds: CPython ignores SIGPIPE from its start, so a send to a peer that has gone fails
+ * with EPIPE there as well. */
+#ifndef MSG_NOSIGNAL
+#define MSG_NOSIGNAL 0
+#endif
+
 int clientconn_is(PyObject *object);          /* clientconn.c */
 PyObject *clientconn_inbuf(PyObject *conn);   /* borrowed; NULL with an error */
 PyObject *clientconn_read(PyObject *conn, Py_ssize_t nbytes);

@@ -136,7 +136,7 @@ done:
 }
 
 static PyObject *S_bytes_out, *S_fd, *ONE_ANSWER;
-int answer_write(PyObject *transport, int fd, PyObject *data); /* answerwrite.c */
+int answer_write(PyObject *transport, int fd, PyObject *data, Py_ssize_t answers); /* answerwrite.c */
 PyObject *exact_bytes(PyObject *data);                          /* answerwrite.c */
 int transport_closing(PyObject *transport);                     /* answerwrite.c */
 int slot_fd(PyObject *obj, Py_ssize_t offset);                  /* answerwrite.c */
@@ -192,7 +192,7 @@ static int write_common(PyObject *peer, PyObject *data, PyObject *count, Py_ssiz
     int is = transport_closing(transport);
     if (is == 0) { /* counted before the write, as _write_out counts */
         *written += PyBytes_GET_SIZE(data);
-        is = answer_write(transport, slot_fd(peer, fd_at), data);
+        is = answer_write(transport, slot_fd(peer, fd_at), data, n);
     }
     Py_DECREF(transport);
     return is < 0 ? -1 : 1;

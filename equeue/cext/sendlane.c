@@ -23,7 +23,7 @@
 
 int plain_send_parts(PyObject *const *args, PyObject *out[3]); /* sendframe.c */
 Py_ssize_t counter_cell(PyTypeObject *type, PyObject *name);     /* counters.c */
-int answer_write(PyObject *transport, int fd, PyObject *data);   /* answerwrite.c */
+int answer_write(PyObject *transport, int fd, PyObject *data, Py_ssize_t answers); /* answerwrite.c */
 int transport_closing(PyObject *transport);                      /* answerwrite.c */
 int slot_fd(PyObject *obj, Py_ssize_t offset);                   /* answerwrite.c */
 
@@ -198,7 +198,7 @@ static int common_tail(Lane *self, Py_ssize_t nbytes, PyObject *got[3]) {
     if (is == 0) {
         is = bump(self, C_BYTES_OUT, PyBytes_GET_SIZE(frame));
         if (is == 0) /* to the socket when the transport has nothing queued */
-            is = answer_write(transport, slot_fd(c, self->fd_at), frame);
+            is = answer_write(transport, slot_fd(c, self->fd_at), frame, 1);
     }
     Py_DECREF(transport);
     return is < 0 ? -1 : 1;
