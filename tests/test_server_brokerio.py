@@ -91,7 +91,7 @@ def bodies_in(store: Any, topic: str = "t") -> set[bytes]:
 @pytest.mark.parametrize("flush", ["sync", "async"])
 @pytest.mark.parametrize("loop", LOOPS)
 def test_an_answer_behind_a_full_socket_waits_its_turn(home: Path, loop: str, flush: str) -> None:
-    """A client that does not read has ~1 MiB of pull answers queued in its transport (its
+    """A client that does not read has ~2.4 MB of pull answers queued in its transport (its
     socket full) when its durable send's answer is released: that answer goes after them,
     through the transport, whole; meanwhile other connections are answered directly. Sent
     to the socket at once (no check of the transport's buffer), it would land inside a
@@ -227,13 +227,14 @@ def test_connections_closing_with_answers_pending(home: Path, loop: str) -> None
             assert c.call("ping") is None  # the broker lives on
 
 
-def test_tls_answers_go_through_the_transport(home: Path) -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_tls_answers_go_through_the_transport(home: Path, loop: str) -> None:
     """Over TLS the socket carries records, not frames: no connection gets an fd to send
     on, and durable answers arrive decrypted and whole."""
     cert, key = _self_signed(home)
     with BrokerThread(
         home / "s", listen=["tls://127.0.0.1:0", "unix:" + str(home / "u.sock")],
-        tls_cert=str(cert), tls_key=str(key), flush="sync",
+        tls_cert=str(cert), tls_key=str(key), flush="sync", event_loop=loop,
     ) as running:  # fmt: skip
         tls_url, unix_url = running.urls
         port = int(tls_url.rsplit(":", 1)[1])
@@ -263,8 +264,10 @@ def test_tls_answers_go_through_the_transport(home: Path) -> None:
         assert fds["tls"] == -1 and fds["test"] >= 0, fds
 
 
-def test_direct_fd_only_for_a_plain_socket_transport() -> None:
-    """A transport of another kind (or one whose socket is gone) gets -1."""
+@pytest.mark.parametrize("loop", LOOPS)
+def test_direct_fd_only_for_a_plain_socket_transport(loop: str) -> None:
+    """A plain socket transport of either loop gets its socket's fd; a transport of
+    another kind gets -1."""
 
     class Other:
         def get_extra_info(self, name: str) -> Any:
@@ -287,5 +290,7 @@ def test_direct_fd_only_for_a_plain_socket_transport() -> None:
         finally:
             right.close()
 
-    fd, own = asyncio.run(check())
+    factory = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as run:
+        fd, own = run.run(check())
     assert fd == own >= 0

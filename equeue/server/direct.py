@@ -1,11 +1,13 @@
-"""Which connections get their durable answers sent to their socket by C.
+"""Which connections get their answers sent to their socket by C.
 
-release_frames (cext/release.c, answerwrite.c) sends a flush's answer with send(2) on
-the connection's socket when its transport is not closing and has nothing queued,
-instead of ``transport.write`` (uvloop's write was ~1.4 k instructions of the broker
-loop's ~11.8 k a durable send, issue 23). Only where the bytes on the socket are the
-answer itself: a plain Unix or TCP transport of uvloop or asyncio's selector loop, never
-TLS (its socket carries records, not frames) nor a transport this module does not know.
+release_frames (cext/release.c, answerwrite.c) sends a flush's answers, and the send lane
+(cext/sendlane.c) a plain send's answer where there is no group commit (``--flush async``
+or ``os``), with send(2) on the connection's socket when its transport is not closing and
+has nothing queued, instead of ``transport.write`` (uvloop's write was ~1.4 k
+instructions of the broker loop's ~11.8 k a durable send, issue 23). Only where the bytes
+on the socket are the answer itself: a plain Unix or TCP transport of uvloop or asyncio's
+selector loop, never TLS (its socket carries records, not frames) nor a transport this
+module does not know.
 """
 
 from __future__ import annotations

@@ -471,7 +471,9 @@ class Handlers:
         answer["group_commit_adds_in_c"] = (
             speedups.SPEEDUPS.commit_adds_in_c() if speedups.SPEEDUPS is not None else 0
         )
-        # durable answers sent to the socket by C (cext/answerwrite.c), in this process
+        # answers (joined ones counted each) sent whole to the socket by C
+        # (cext/answerwrite.c: a flush's, and the send lane's without a group commit),
+        # in this process
         answer["answers_written_directly"] = (
             speedups.SPEEDUPS.answers_written_directly() if speedups.SPEEDUPS is not None else 0
         )
