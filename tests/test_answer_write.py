@@ -139,15 +139,16 @@ def _fill(sock: socket.socket) -> None:
     raise AssertionError("the socket never filled")
 
 
-KINDS = [SlotTransport, DictTransport]
+@pytest.fixture(name="transport", params=[SlotTransport, DictTransport])
+def _transport(request: pytest.FixtureRequest) -> SlotTransport:
+    kind: type[SlotTransport] = request.param
+    return kind()
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_a_whole_answer_is_sent_and_counted_per_answer(
-    pair: tuple[socket.socket, socket.socket], kind: type[SlotTransport]
+    pair: tuple[socket.socket, socket.socket], transport: SlotTransport
 ) -> None:
     a, b = pair
-    transport = kind()
     frames = [Frame(b"\x00\x00\x00\x01%c" % (65 + i)) for i in range(3)]
     before = _direct()
     assert _release(Peer(transport, a.fileno()), *frames) == []
@@ -155,12 +156,10 @@ def test_a_whole_answer_is_sent_and_counted_per_answer(
     assert _direct() - before == 3  # three answers in one write
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_a_short_write_leaves_only_the_rest_to_the_transport(
-    pair: tuple[socket.socket, socket.socket], kind: type[SlotTransport]
+    pair: tuple[socket.socket, socket.socket], transport: SlotTransport
 ) -> None:
     a, b = pair
-    transport = kind()
     frame = Frame(bytes(range(256)) * 1000)  # far more than the socket takes
     before = _direct()
     assert _release(Peer(transport, a.fileno()), frame) == []
@@ -171,13 +170,11 @@ def test_a_short_write_leaves_only_the_rest_to_the_transport(
     assert _direct() == before
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_a_full_socket_leaves_the_whole_answer_to_the_transport(
-    pair: tuple[socket.socket, socket.socket], kind: type[SlotTransport]
+    pair: tuple[socket.socket, socket.socket], transport: SlotTransport
 ) -> None:
     a, b = pair
     _fill(a)
-    transport = kind()
     frame = Frame(b"\x00\x00\x00\x03abc")
     before = _direct()
     assert _release(Peer(transport, a.fileno()), frame) == []
@@ -222,12 +219,10 @@ def test_a_failed_whole_write_does_not_abort(pair: tuple[socket.socket, socket.s
 
 
 @pytest.mark.parametrize("queued", [RuntimeError("no size"), 1 << 70, -(1 << 70), "0", None, 5])
-@pytest.mark.parametrize("kind", KINDS)
 def test_an_odd_write_buffer_size_leaves_the_answer_to_the_transport(
-    pair: tuple[socket.socket, socket.socket], kind: type[SlotTransport], queued: object
+    pair: tuple[socket.socket, socket.socket], transport: SlotTransport, queued: object
 ) -> None:
     a, b = pair
-    transport = kind()
     transport.queued = queued
     frame = Frame(b"\x00\x00\x00\x03abc")
     assert _release(Peer(transport, a.fileno()), frame) == []
