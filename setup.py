@@ -15,7 +15,16 @@ setup(
             sorted(glob("equeue/cext/*.c")),
             depends=sorted(glob("equeue/cext/*.h")),
             # -pthread: prefault.c starts a thread (glibc before 2.34 keeps it in libpthread).
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread"],
+            # -Werror=implicit-function-declaration: a C API a newer Python no longer
+            # declares (3.13's _PyObject_LookupAttr) fails the build here, not the import.
+            extra_compile_args=[
+                "-O2",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                "-Werror=implicit-function-declaration",
+                "-pthread",
+            ],
             extra_link_args=["-pthread"],
             optional=True,
         )

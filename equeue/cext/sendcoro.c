@@ -19,8 +19,10 @@
  * throw() while waiting raises the exception from here (the Waiter has no throw: what a
  * Python coroutine awaiting it does), the waiter left as it is: a cancelled task's send
  * stays in flight and its answer is dropped by the read. close() is safe in every state.
+ * Every step it passes on runs in state RUNNING: re-entered from the code it runs (send,
+ * throw or close) it raises "coroutine already executing" and never touches `inner`.
  * One never started warns as a Python coroutine does (RuntimeWarning "coroutine ... was
- * never awaited"). */
+ * never awaited"). It has no frame: docs/client.md lists what introspection sees. */
 #include "speedups.h"
 #include <stddef.h>
 
@@ -37,6 +39,7 @@ typedef struct {
     SendMethod *method;
     PyObject *client, *topic, *body; /* until the first step */
     PyObject *inner; /* WAITING: the future's iterator; DELEGATED: py_send's coroutine */
+    PyObject *weakrefs;
     int state, decode; /* decode: a direct send's (status, payload) answer is decoded */
 } SendCoro;
 
@@ -52,6 +55,7 @@ static PyObject *coro_new(SendMethod *m, PyObject *client, PyObject *topic, PyOb
     c->topic = Py_NewRef(topic);
     c->body = Py_NewRef(body);
     c->inner = NULL;
+    c->weakrefs = NULL;
     c->state = CREATED;
     c->decode = 0;
     PyObject_GC_Track(c);
@@ -67,12 +71,17 @@ static void finish(SendCoro *c) {
     Py_CLEAR(c->inner);
 }
 
-/* A step of the inner iterator, its outcome this coroutine's: NEXT keeps waiting, RETURN
- * is the answer (a tuple decoded by `answered`), ERROR ends it. */
-static PySendResult step_inner(SendCoro *c, PyObject *value, PyObject **result) {
-    PyObject *r;
-    PySendResult status = PyIter_Send(c->inner, value, &r);
+/* A step of the inner iterator, its outcome this coroutine's: NEXT keeps waiting (in state
+ * `resume`), RETURN is the answer (a tuple decoded by `answered`), ERROR ends it. Called
+ * in state RUNNING, so a send/throw/close re-entering from the code it runs gets "already
+ * executing" and never reaches `inner`; `inner` is held besides (a Python coroutine's
+ * frame is not freed under it either). */
+static PySendResult step_inner(SendCoro *c, PyObject *value, PyObject **result, int resume) {
+    PyObject *r, *inner = Py_NewRef(c->inner);
+    PySendResult status = PyIter_Send(inner, value, &r);
+    Py_DECREF(inner);
     if (status == PYGEN_NEXT) {
+        c->state = resume;
         *result = r;
         return PYGEN_NEXT;
     }
@@ -99,8 +108,7 @@ static PySendResult delegate(SendCoro *c, PyObject **result) {
         return PYGEN_ERROR;
     }
     c->inner = inner;
-    c->state = DELEGATED;
-    return step_inner(c, Py_None, result);
+    return step_inner(c, Py_None, result, DELEGATED);
 }
 
 /* Whether attribute `name` of `owner` is true: 1, 0, -1. */
@@ -127,8 +135,7 @@ static PySendResult await_future(SendCoro *c, PyObject *future, int decode, PyOb
     Py_CLEAR(c->body);
     c->inner = inner;
     c->decode = decode;
-    c->state = WAITING;
-    return step_inner(c, Py_None, result);
+    return step_inner(c, Py_None, result, WAITING);
 }
 
 /* The first step: py_send's plain cases in C, its order and checks: a live connection;
@@ -206,7 +213,11 @@ static PySendResult coro_am_send(SendCoro *c, PyObject *value, PyObject **result
         }
         return first(c, result);
     case WAITING:
-    case DELEGATED: return step_inner(c, value, result);
+    case DELEGATED: {
+        int resume = c->state;
+        c->state = RUNNING;
+        return step_inner(c, value, result, resume);
+    }
     case RUNNING: PyErr_SetString(PyExc_ValueError, "coroutine already executing"); break;
     default: PyErr_SetString(PyExc_RuntimeError, "cannot reuse already awaited coroutine");
     }
@@ -279,14 +290,20 @@ static PyObject *raise_thrown(PyObject *const *args, Py_ssize_t nargs) {
  * error), 0 (it has none). */
 static int call_inner(SendCoro *c, PyObject *name, PyObject *const *args, Py_ssize_t nargs,
                       PyObject **out) {
-    PyObject *meth;
-    if (_PyObject_LookupAttr(c->inner, name, &meth) < 0) {
+    PyObject *meth, *inner = Py_NewRef(c->inner); /* (held while it runs, as step_inner) */
+#if PY_VERSION_HEX >= 0x030D0000
+    int found = PyObject_GetOptionalAttr(inner, name, &meth);
+#else
+    int found = _PyObject_LookupAttr(inner, name, &meth);
+#endif
+    if (found <= 0) {
+        Py_DECREF(inner);
         *out = NULL;
-        return 1;
+        return found < 0;
     }
-    if (meth == NULL) return 0;
     *out = PyObject_Vectorcall(meth, args, nargs, NULL);
     Py_DECREF(meth);
+    Py_DECREF(inner);
     return 1;
 }
 
@@ -372,6 +389,7 @@ static void coro_dealloc(SendCoro *c) {
     if (c->state == CREATED && PyObject_CallFinalizerFromDealloc((PyObject *)c) < 0)
         return; /* (resurrected) */
     PyObject_GC_UnTrack(c);
+    if (c->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)c);
     coro_clear(c);
     PyObject_GC_Del(c);
 }
@@ -386,6 +404,11 @@ static PyObject *coro_get_await(SendCoro *c, void *unused) {
 }
 static PyObject *coro_get_running(SendCoro *c, void *unused) {
     return PyBool_FromLong(c->state == RUNNING);
+}
+/* (inspect.getcoroutinestate: running, then suspended, then a frame: with no frame a
+ * created one reads CLOSED, as a created one is also not started: docs/client.md) */
+static PyObject *coro_get_suspended(SendCoro *c, void *unused) {
+    return PyBool_FromLong(c->state == WAITING || c->state == DELEGATED);
 }
 static PyObject *coro_get_none(SendCoro *c, void *unused) { Py_RETURN_NONE; }
 static PyObject *coro_get_name(SendCoro *c, void *unused) {
@@ -405,6 +428,8 @@ static PyMethodDef coro_methods[] = {
 static PyGetSetDef coro_getset[] = {
     {"cr_await", (getter)coro_get_await, NULL, NULL, NULL},
     {"cr_running", (getter)coro_get_running, NULL, NULL, NULL},
+    {"cr_suspended", (getter)coro_get_suspended, NULL, NULL, NULL},
+    {"cr_origin", (getter)coro_get_none, NULL, NULL, NULL},
     {"cr_frame", (getter)coro_get_none, NULL, NULL, NULL},
     {"cr_code", (getter)coro_get_none, NULL, NULL, NULL},
     {"__name__", (getter)coro_get_name, NULL, NULL, NULL},
@@ -420,6 +445,7 @@ static PyAsyncMethods coro_async = {
 static PyTypeObject SendCoroType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "equeue._speedups.SendCoro",
     .tp_basicsize = sizeof(SendCoro),
+    .tp_weaklistoffset = offsetof(SendCoro, weakrefs),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_dealloc = (destructor)coro_dealloc,
     .tp_finalize = (destructor)coro_finalize,
