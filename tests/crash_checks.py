@@ -72,6 +72,7 @@ from equeue.format.chunk import (
     record_checksum,
 )
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE, MessageLogRecord, tag_hash
+from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
 
 WRITER = Path(__file__).resolve().with_name("crash_writer.py")
 _U32 = struct.Struct("<I")
@@ -465,12 +466,25 @@ def read_chunk_files(root: Path) -> dict[str, bytes]:
     return found
 
 
+def read_journals(root: Path) -> dict[str, bytes]:
+    """The metadata journals recovery may cut a torn tail from (topics.journal), by
+    relative path: appended in place, so a power cut before their fdatasync can leave a
+    partly written last record."""
+    path = root / TOPICS_JOURNAL_FILE
+    return {TOPICS_JOURNAL_FILE: path.read_bytes()} if path.is_file() else {}
+
+
 def check_cuts(
-    root: Path, before: dict[str, bytes], after: dict[str, bytes], cuts: list[TailCut]
+    root: Path,
+    before: dict[str, bytes],
+    after: dict[str, bytes],
+    cuts: list[TailCut],
+    journals: dict[str, bytes] | None = None,
 ) -> list[str]:
     """Every byte recovery zeroed, changed or moved away lies in a reported cut whose
     side file holds exactly those bytes; only zero bytes may change unreported
-    (recovery re-adding queue entries)."""
+    (recovery re-adding queue entries). A cut of a journal (``journals``: its bytes
+    before recovery) must be its tail, the side file a copy of it."""
     problems: list[str] = []
     working = {rel: bytearray(data) for rel, data in before.items()}
     moved: set[str] = set()
@@ -482,6 +496,16 @@ def check_cuts(
             problems.append(f"a cut names {file}, outside the store")
             continue
         data = working.get(rel)
+        if data is None and journals is not None and rel in journals:
+            journal = journals[rel]
+            if offset + length != len(journal):
+                problems.append(
+                    f"a cut of {rel} at {offset} ({length} bytes) is not its tail "
+                    f"({len(journal)} bytes before recovery)"
+                )
+            elif Path(side).read_bytes() != journal[offset:]:
+                problems.append(f"side file {side} is not a copy of the tail cut from {rel}")
+            continue
         if data is None:
             problems.append(f"a cut names {rel}, which was not a chunk file before recovery")
             continue
@@ -542,6 +566,7 @@ def verify_recovered_store(
     verdict = Verdict()
     problems, stats = verdict.problems, verdict.stats
     before = read_chunk_files(path) if path.exists() else {}
+    journals = read_journals(path) if path.exists() else {}
     exp = exp.copy()
     if control:
         exp.require_acknowledged()  # the page cache held every acknowledged send
@@ -556,7 +581,7 @@ def verify_recovered_store(
         stats["cuts"] += len(report.cuts)
         stats["recovery problems"] += len(report.problems)
         stats["redispatched"] += report.redispatched
-        problems += check_cuts(path, before, read_chunk_files(path), list(report.cuts))
+        problems += check_cuts(path, before, read_chunk_files(path), list(report.cuts), journals)
         obs = observe(store)
         problems += obs.problems
         problems += check_expectation(obs, exp)

@@ -38,7 +38,7 @@ from crash_checks import (
     verify_recovered_store,
 )
 from crash_writer import MAX_BATCH, POLICIES, PRODUCERS, Ack, make_body, send, store_config
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from power_loss_model import (
     ENTRY_KINDS,
@@ -377,6 +377,15 @@ _steps = st.lists(
     cut_at=st.one_of(st.none(), st.integers(1, 100)),
     cut_after=st.booleans(),
     damage=_damage,
+)
+# Found by CI: the cut comes at the fdatasync of topics.journal's first append, whose
+# zeroed pages recovery then cuts (a torn tail of the journal, reported and kept aside).
+@example(
+    policy="sync",
+    steps=[("flush", 0, 0)],
+    cut_at=8,
+    cut_after=False,
+    damage=Damage(pages="zeros", entries="keep", seed=0),
 )
 def test_power_loss_keeps_what_was_flushed(
     policy: str, steps: list[Step], cut_at: int | None, cut_after: bool, damage: Damage
