@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from equeue.chunks.chunk import fsync_directory, write_error
+from equeue.chunks.fileops import fsync_directory, write_error
 from equeue.errors import ChecksumMismatchError, CorruptionError
 from equeue.safepath import check_removable, open_file, opener
 

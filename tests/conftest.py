@@ -39,7 +39,7 @@ def spark() -> Iterator[SparkSession]:
 @pytest.fixture
 def scan_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Where each recovery scan of an ongoing chunk of variable-size records started."""
-    import equeue.chunks.manager as manager_module
+    import equeue.chunks.opening as opening_module
     from equeue.chunks.recovery import ScanResult, scan_variable
 
     starts: list[int] = []
@@ -48,5 +48,5 @@ def scan_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         starts.append(args[3] if len(args) > 3 else 0)
         return scan_variable(*args)
 
-    monkeypatch.setattr(manager_module, "scan_variable", spy)
+    monkeypatch.setattr(opening_module, "scan_variable", spy)
     return starts

@@ -13,8 +13,7 @@ import pytest
 import xxhash
 
 from equeue import MessageStore, StoreConfig
-from equeue.chunks import chunk as chunkmod
-from equeue.chunks import space
+from equeue.chunks import completion, space
 from equeue.chunks.chunk import Chunk
 from equeue.errors import DiskFullError
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, ChunkFooter
@@ -90,7 +89,7 @@ def test_a_complete_retried_after_its_footer_failed_hashes_the_chunk_once(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, offset, length)
 
-    monkeypatch.setattr(chunkmod, "_allocate", allocate)
+    monkeypatch.setattr(completion, "_allocate", allocate)  # the footer's block
     path = tmp_path / "s"
     refused = 0
     with MessageStore.open(path, CONFIG) as store:

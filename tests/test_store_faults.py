@@ -2,11 +2,12 @@
 when it writes, plus one test against a real file size limit.
 
 The calls are replaced where the store's modules look them up: a stand-in for
-the ``os`` module inside equeue.chunks.chunk, equeue.chunks.manager,
-equeue.chunks.recovery and equeue.atomicfile (open, posix_fallocate, ftruncate,
+the ``os`` module inside the chunk's and the manager's modules (equeue.chunks.chunk,
+fileops, mapping, completion, opening, refresh, removal), equeue.chunks.recovery
+and equeue.atomicfile (open, posix_fallocate, ftruncate,
 write, pwrite, pwritev, fsync, fdatasync, rename, replace), a wrapped built-in ``open``
 in the modules that write through file objects, an ``mmap.mmap`` subclass in
-equeue.chunks.chunk (its creation and its flush, the msync), ``os.mkdir`` (the
+equeue.chunks.mapping (its creation and its flush, the msync), ``os.mkdir`` (the
 queue directories of a new topic) and a wrapped SQLite connection (the key
 index). A rule fails (or, in a control, only records) the calls of one kind
 on one file, made by the test's own thread; so every fault hits exactly one
@@ -53,8 +54,13 @@ from store_helpers import Sent, assert_all_readable, frame_size, pull_all, send,
 
 import equeue.atomicfile
 import equeue.chunks.chunk
-import equeue.chunks.manager
+import equeue.chunks.completion
+import equeue.chunks.fileops
+import equeue.chunks.mapping
+import equeue.chunks.opening
 import equeue.chunks.recovery
+import equeue.chunks.refresh
+import equeue.chunks.removal
 import equeue.chunks.space
 import equeue.safepath
 import equeue.store.keyindex
@@ -308,8 +314,9 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
     injected = Faults()
     proxy = OsProxy(injected)
     for module in (
-        equeue.chunks.chunk, equeue.chunks.manager, equeue.chunks.recovery, equeue.chunks.space,
-        equeue.safepath,
+        equeue.chunks.chunk, equeue.chunks.fileops, equeue.chunks.mapping,
+        equeue.chunks.completion, equeue.chunks.opening, equeue.chunks.refresh,
+        equeue.chunks.removal, equeue.chunks.recovery, equeue.chunks.space, equeue.safepath,
     ):  # fmt: skip
         monkeypatch.setattr(module, "os", proxy)
     monkeypatch.setattr(equeue.atomicfile, "os", proxy)
@@ -318,7 +325,7 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[Faults]:
         monkeypatch.setattr(module, "open", faulty_open(injected), raising=False)
     mmap_module = types.SimpleNamespace(**{k: getattr(mmap, k) for k in dir(mmap)})
     mmap_module.mmap = FaultyMmap
-    monkeypatch.setattr(equeue.chunks.chunk, "mmap", mmap_module)
+    monkeypatch.setattr(equeue.chunks.mapping, "mmap", mmap_module)
     monkeypatch.setattr(FaultyMmap, "faults", injected)
     real_mkdir = os.mkdir
 

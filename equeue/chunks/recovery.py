@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 from equeue import speedups
-from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.fileops import fsync_directory
 from equeue.chunks.prefault import WINDOW
 from equeue.format.chunk import (
     FRAME_OVERHEAD,

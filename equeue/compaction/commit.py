@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
 from equeue.atomicfile import read_json, write_json
-from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.fileops import fsync_directory
 from equeue.errors import CompactionError, CorruptionError
 from equeue.format.chunk import TEMP_SUFFIX, parse_chunk_file_name
 from equeue.safepath import check_dir, check_file, ensure_dir, open_file

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Final
 
-from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.fileops import fsync_directory
 from equeue.errors import EQueueError
 from equeue.safepath import check_dir, check_file, ensure_dir, open_fd
 from equeue.spark.ledger import INTENT_FILE, Incoming, Job, valid_job_dir

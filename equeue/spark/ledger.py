@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from equeue.atomicfile import read_json, write_json
-from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.fileops import fsync_directory
 from equeue.errors import CorruptionError, SinkCommitError, StorePathError
 from equeue.safepath import check_dir, check_file, ensure_dir, open_fd
 

@@ -41,7 +41,7 @@ from pyspark.sql.types import (
 )
 
 from equeue import speedups
-from equeue.chunks.chunk import fsync_directory, write_error
+from equeue.chunks.fileops import fsync_directory, write_error
 from equeue.errors import (
     EQueueError,
     QueueNotFoundError,

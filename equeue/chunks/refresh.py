@@ -1,0 +1,152 @@
+"""What changes in a chunk directory after it was opened, taken in: a read-only view's
+refresh (records and chunks a writer added, chunks its retention removed) and, for
+the writer and views alike, the adoption of compacted chunks installed by a
+compaction (adopt_replacements)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from equeue.chunks.chunk import Chunk
+from equeue.chunks.fileops import fsync_directory
+from equeue.chunks.footer import read_footer
+from equeue.chunks.opening import ChunkOpening
+from equeue.format.chunk import ChunkHeader, parse_chunk_file_name
+
+log = logging.getLogger("equeue.chunks")
+
+
+class ChunkRefresh(ChunkOpening):
+    def refresh(self) -> None:
+        """Read-only managers: pick up records and chunks a writer added since."""
+        with self._lock:
+            self._check_open()
+            if not self.read_only:
+                return
+            if not self.directory.exists():
+                return  # opened before any writer created the directory
+            self.adopt_replacements()
+            self._forget_removed()
+            last = self.last_chunk
+            if last is not None and not last.is_completed:
+                try:
+                    self._refresh_tail(last)
+                except FileNotFoundError:  # completed, then removed by retention, meanwhile
+                    self._forget_removed()
+            known = {c.path.name for c in self._chunks}
+            for name in sorted(os.listdir(self.directory)):
+                parsed = parse_chunk_file_name(name)
+                if parsed is None or name in known:
+                    continue
+                expected = self.last_chunk.end_number + 1 if self.last_chunk else parsed[0]
+                if parsed[0] == expected:
+                    path = self.directory / name
+                    try:
+                        header = self._read_header(path)
+                        chunk = self._open_chunk(path, header, parsed[1], last=True)
+                        prev = self.last_chunk
+                        if prev is not None and not prev.is_completed:
+                            self._refresh_tail(prev)
+                    except FileNotFoundError:
+                        break  # removed by retention since the listing: the next refresh
+                    self._install(chunk)
+
+    def _forget_removed(self) -> None:
+        """Read-only: drop the oldest chunks whose files the writer's retention deleted.
+        Readers that hold one's mapping finish with it; later reads of its positions
+        raise ChunkRemovedError."""
+        gone = 0
+        while gone < len(self._chunks) and not self._chunks[gone].path.exists():
+            gone += 1
+        removed, self._chunks = self._chunks[:gone], self._chunks[gone:]
+        # The list first: a lookup that races with this finds a removed chunk's number
+        # below the first chunk (ChunkRemovedError), or that chunk without its file.
+        for chunk in removed:
+            for n in range(chunk.start_number, chunk.end_number + 1):
+                self._by_number.pop(n, None)
+            chunk.release_mapping()
+            log.info("%s was removed by the writer", chunk.path)
+
+    def adopt_replacements(self) -> list[Chunk]:
+        """Swap in compacted chunks installed in the directory since we loaded it.
+
+        A replacement is adopted when it covers exactly a run of our completed
+        chunks, each of a lower version. The chunks it replaces lose their
+        mapping (readers holding it finish with it; ChunkReader.read retries
+        with the replacement) and, unless read-only, their files. Returns them.
+        """
+        replaced: list[Chunk] = []
+        with self._lock:
+            self._check_open()
+            if not self.directory.is_dir():
+                return replaced
+            current = {c.path.name for c in self._chunks}
+            for name in sorted(os.listdir(self.directory)):
+                parsed = parse_chunk_file_name(name)
+                if parsed is None or name in current:
+                    continue
+                path = self.directory / name
+                try:
+                    header = self._read_header(path)
+                except FileNotFoundError:
+                    continue  # a superseded file deleted meanwhile
+                olds = self._replaced_by(header, parsed[1])
+                if not olds:
+                    continue
+                try:
+                    chunk = self._open_chunk(path, header, parsed[1], last=False)
+                except FileNotFoundError:
+                    continue  # superseded, or removed by retention, meanwhile
+                chunk.kept = not self.read_only
+                at = self._chunks.index(olds[0])
+                self._chunks[at : at + len(olds)] = [chunk]
+                for n in range(chunk.start_number, chunk.end_number + 1):
+                    self._by_number[n] = chunk
+                replaced += olds
+                log.info("adopted %s in place of %s", name, [c.path.name for c in olds])
+            for old in replaced:
+                old.kept = False
+                old.release_mapping()
+                if not self.read_only:
+                    old.path.unlink(missing_ok=True)
+            if replaced and not self.read_only:
+                fsync_directory(self.directory)
+        return replaced
+
+    def _replaced_by(self, header: ChunkHeader, version: int) -> list[Chunk]:
+        """The chunks a file covers exactly and outranks; [] if it is not a replacement."""
+        if not header.compacted:
+            return []
+        olds: list[Chunk] = []
+        for n in range(header.chunk_start_number, header.chunk_end_number + 1):
+            chunk = self._by_number.get(n)
+            # A read-only view may still see as ongoing a chunk the writer has completed
+            # (and compaction replaced) since; the writer never has a stale view.
+            completed = chunk is not None and (chunk.is_completed or self.read_only)
+            if chunk is None or not completed or chunk.version >= version:
+                return []
+            if not olds or olds[-1] is not chunk:
+                olds.append(chunk)
+        if (
+            olds[0].start_number != header.chunk_start_number
+            or olds[-1].end_number != header.chunk_end_number
+        ):
+            return []
+        return olds
+
+    def _refresh_tail(self, chunk: Chunk) -> None:
+        """Read-only refresh of a chunk we saw ongoing: load its footer if the writer
+        completed it since, else rescan its committed end.
+
+        Rescanning alone would leave a chunk the writer completed "ongoing" here, and
+        ChunkReader.iter_from() would stop at its end, never reaching the chunks after it.
+        """
+        footer = read_footer(chunk.path, chunk.header, chunk.path.stat().st_size, last=True)
+        if footer is None:
+            self._rescan_tail(chunk)
+            return
+        chunk.data_end = chunk.flushed_end = footer.physical_data_size
+        chunk.record_count = footer.record_count
+        chunk.scan_problem = None
+        chunk.footer = footer
