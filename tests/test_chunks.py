@@ -944,3 +944,15 @@ def test_header_only_last_chunk_after_completed_chunks(tmp_path: Path) -> None:
         assert manager.committed_position == SMALL
         assert ChunkWriter(manager).write(b"resumed") == SMALL
         assert read_all(manager) == [*records, (SMALL, b"resumed")]
+
+
+def test_no_part_of_chunk_defines_a_field_the_c_sender_reads() -> None:
+    # Chunk is assembled from base classes (chunkstate.py, mapping.py, ...). The C Sender
+    # remembers these fields from a chunk's instance dict only while no class in its MRO
+    # defines them (equeue/cext/sendstate.c, seen_fill); a default on a part would make
+    # every send read them by attribute, with no test of the store's results failing.
+    read_by_c = {"_mm", "data_end", "writable_end", "record_count", "_prefault_mark", "base"}
+    defined = {
+        (cls.__name__, name) for cls in Chunk.__mro__ for name in read_by_c & vars(cls).keys()
+    }
+    assert defined == set()
