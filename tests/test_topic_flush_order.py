@@ -220,9 +220,9 @@ def check_recovered(after: Path, run: Run, *, control: bool) -> list[str]:
                 )
         for group, topic, name, queue_id, offset in progress.committed:
             if incarnation.get(topic) == name:
-                got = store.committed_offset(group, topic, queue_id)
-                if got != offset:
-                    problems.append(f"{group}'s committed offset of {topic}/{queue_id} is {got}")
+                committed = store.committed_offset(group, topic, queue_id)
+                if committed != offset:
+                    problems.append(f"{group}'s offset of {topic}/{queue_id} is {committed}")
         if incarnation.get("n") == "again":
             bodies = [m.body for m in store.pull("n", 0, 0, max_count=100).messages]
             first = {s.body for s in progress.acked if s.incarnation == "n"}
