@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from power_loss_model import Damage, DiskImage, PowerCut, materialize, recording
@@ -37,6 +38,7 @@ import equeue.store.store
 from equeue import MessageStore, StoreConfig
 from equeue.cli import main
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
+from equeue.store import topicsfile
 
 CONFIG = StoreConfig(
     flush="sync",
@@ -287,3 +289,46 @@ def test_control_at_every_flush() -> None:
         if problems:
             failures.append(_explain(problems, run))
     assert not failures, f"{len(failures)} cuts failed:\n" + "\n".join(failures[:4])
+
+
+def test_a_consumer_commit_racing_a_creation_is_harmless(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one exception to the rule: a consumer that sees a topic before its record is
+    durable (another thread, between create_topic's table update and its fdatasync; or a
+    read-only handle reading the journal from the page cache) commits offset 0 of each of
+    its queues to consumers/GROUP.json, fsynced, though it processed nothing. The power
+    fails before the record's fdatasync: the group file names a topic no durable record
+    has. The open reports nothing, verify is clean, and the topic made again later is
+    read from its first message."""
+    root = tmp_path / "store"
+    with recording(root) as recorder:
+        store = MessageStore.open(root, CONFIG)
+        record = topicsfile.TopicsFile.record
+
+        def consume_then_cut(self: topicsfile.TopicsFile, topic: str, *args: Any) -> None:
+            if topic == "n":
+                with store.consumer("c", "n", timeout=0.0) as consumer:
+                    assert consumer.poll(4) == []
+                recorder.cut("before topics.journal's fdatasync")
+                raise PowerCut(topic)
+            record(self, topic, *args)
+
+        monkeypatch.setattr(topicsfile.TopicsFile, "record", consume_then_cut)
+        with pytest.raises(PowerCut):
+            store.create_topic("n", 2)
+        monkeypatch.setattr(topicsfile.TopicsFile, "record", record)
+        assert recorder.image is not None
+        _close_quietly(store)
+    after = tmp_path / "after"
+    materialize(recorder.image, after, Damage(pages="old", entries="revert"))
+    assert order_problems(after, MIN_CHUNK_DATA_SIZE) == [
+        "consumers/c.json names topic 'n', which no durable topic record has"
+    ]
+    with MessageStore.open(after, CONFIG) as reopened:
+        assert reopened.recovery.clean and "n" not in reopened.topics()
+        reopened.create_topic("n", 2)
+        reopened.send("n", b"first", queue_id=1)
+        with reopened.consumer("c", "n", timeout=0.0) as consumer:
+            assert [m.body for m in consumer.poll(4)] == [b"first"]
+    assert main(["verify", str(after)]) == 0
