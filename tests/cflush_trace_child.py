@@ -7,8 +7,10 @@ answered (time.monotonic_ns()), its chunk's path and whether it was answered OK.
 ``broker STORE``: a real broker and client; prints each of three sends' outcome.
 ``topics STORE``: a broker (``--flush sync``) and two clients: one sends to topic "t"
 without pause (the C flusher busy when topics are made), the other makes topic "auto" by
-its first send and "made" by the create_topic op and a send; prints each creation's topic
-and when its first request left and its send's answer came (time.monotonic_ns())."""
+its first send and "made" by the create_topic op and a send, then two consumer groups
+join and nack a message each (their retry topics at the join, a dead-letter and the delay
+topic at the nacks); prints each creation's topic and when its first request left and its
+answer came (time.monotonic_ns()), and the topics at the end."""
 
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ async def order(store: MessageStore) -> dict[str, Any]:
 def topics(path: Path) -> dict[str, Any]:
     sock = path.parent / "b.sock"  # the test's short directory
     creations: list[tuple[str, int, int]] = []
+    topics: list[str] = []
     answered = 0
     stop = threading.Event()
     with BrokerThread(path, flush="sync", listen=[f"unix:{sock}"]) as broker:
@@ -101,9 +104,21 @@ def topics(path: Path) -> dict[str, Any]:
             client.create_topic("made", 3)
             client.send("made", b"first", queue_id=2)
             creations.append(("made", begin, time.monotonic_ns()))
+            # A consumer group's topics: its retry topic at the join, the dead-letter
+            # topic at a nack past max_retries, the delay topic at a delayed nack.
+            for group, retries, made in (("d", 0, "equeue.dlq.d"), ("w", 5, "equeue.delay")):
+                begin = time.monotonic_ns()
+                with client.consumer(group, "t", max_retries=retries) as consumer:
+                    message = consumer.poll(LIMIT_S)
+                    creations.append((f"equeue.retry.{group}", begin, time.monotonic_ns()))
+                    assert message is not None
+                    begin = time.monotonic_ns()
+                    consumer.nack(message)  # answered once durable (--flush sync)
+                    creations.append((made, begin, time.monotonic_ns()))
+            topics = client.topics()
         stop.set()
         thread.join(LIMIT_S)
-    return {"flusher": name, "creations": creations, "answered": answered}
+    return {"flusher": name, "creations": creations, "answered": answered, "topics": topics}
 
 
 def main() -> None:
