@@ -4,13 +4,20 @@
 sends again) through the broker's group commit (CrossClientCommit, the C flusher) on a
 store of 64 KiB chunks; prints, as JSON, per send: when its append ended, when it was
 answered (time.monotonic_ns()), its chunk's path and whether it was answered OK.
-``broker STORE``: a real broker and client; prints each of three sends' outcome."""
+``broker STORE``: a real broker and client; prints each of three sends' outcome.
+``topics STORE``: a broker (``--flush sync``) and two clients: one sends to topic "t"
+without pause (the C flusher busy when topics are made), the other makes topic "auto" by
+its first send and "made" by the create_topic op and a send, then two consumer groups
+join and nack a message each (their retry topics at the join, a dead-letter and the delay
+topic at the nacks); prints each creation's topic and when its first request left and its
+answer came (time.monotonic_ns()), and the topics at the end."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ from equeue.server import BrokerThread
 from equeue.server.groupcommit import CrossClientCommit
 
 CONNECTIONS, SENDS, LIMIT_S = 8, 40, 20.0
+BACKGROUND_SENDS = 400  # topics: the most "t" gets
 
 
 class Connection:
@@ -62,8 +70,62 @@ async def order(store: MessageStore) -> dict[str, Any]:
     return {"flusher": type(commit._sync).__name__, "sends": sends}
 
 
+def topics(path: Path) -> dict[str, Any]:
+    sock = path.parent / "b.sock"  # the test's short directory
+    creations: list[tuple[str, int, int]] = []
+    topics: list[str] = []
+    answered = 0
+    stop = threading.Event()
+    with BrokerThread(path, flush="sync", listen=[f"unix:{sock}"]) as broker:
+        name = type(broker.broker.commit._sync).__name__  # type: ignore[union-attr]
+        url = broker.urls[0]
+        with equeue.connect(url) as client:
+            client.create_topic("t", 2)
+
+        def background() -> None:
+            nonlocal answered
+            deadline = time.monotonic() + LIMIT_S
+            with equeue.connect(url) as client:
+                while answered < BACKGROUND_SENDS and time.monotonic() < deadline:
+                    if stop.is_set() and answered >= 50:
+                        break
+                    client.send("t", b"t" * 200)
+                    answered += 1
+
+        thread = threading.Thread(target=background)
+        thread.start()
+        time.sleep(0.05)
+        with equeue.connect(url) as client:
+            begin = time.monotonic_ns()
+            client.send("auto", b"first")  # created by its first send
+            creations.append(("auto", begin, time.monotonic_ns()))
+            time.sleep(0.02)
+            begin = time.monotonic_ns()
+            client.create_topic("made", 3)
+            client.send("made", b"first", queue_id=2)
+            creations.append(("made", begin, time.monotonic_ns()))
+            # A consumer group's topics: its retry topic at the join, the dead-letter
+            # topic at a nack past max_retries, the delay topic at a delayed nack.
+            for group, retries, made in (("d", 0, "equeue.dlq.d"), ("w", 5, "equeue.delay")):
+                begin = time.monotonic_ns()
+                with client.consumer(group, "t", max_retries=retries) as consumer:
+                    message = consumer.poll(LIMIT_S)
+                    creations.append((f"equeue.retry.{group}", begin, time.monotonic_ns()))
+                    assert message is not None
+                    begin = time.monotonic_ns()
+                    consumer.nack(message)  # answered once durable (--flush sync)
+                    creations.append((made, begin, time.monotonic_ns()))
+            topics = client.topics()
+        stop.set()
+        thread.join(LIMIT_S)
+    return {"flusher": name, "creations": creations, "answered": answered, "topics": topics}
+
+
 def main() -> None:
     mode, path = sys.argv[1], Path(sys.argv[2])
+    if mode == "topics":
+        print(json.dumps(topics(path)))
+        return
     if mode == "order":
         store = MessageStore.open(
             path, StoreConfig(chunk_data_size=64 * 1024, queue_chunk_records=1024)

@@ -17,6 +17,7 @@ import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
 
 from equeue import MessageStore, ReadOnlyError, StoreConfig, TopicNotFoundError
+from equeue.cli import main
 from equeue.store import validate
 
 CHILD = Path(__file__).with_name("delete_topic_child.py")
@@ -94,6 +95,29 @@ def test_delete_topic_and_create_it_again(tmp_path: Path) -> None:
         assert _bodies(store, "gone") == [b"new"]
         assert [m.body for m in store.query_by_key("gone", "k0", 100)] == [b"new"]
         _check_kept(store)
+
+
+@pytest.mark.parametrize("again", [0, 1, 3], ids=["deleted", "again-fewer", "again-as-many"])
+def test_verify_leaves_a_deleted_topics_records_alone(
+    tmp_path: Path, again: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A deleted topic's records stay in the log until retention: `equeue verify` skips
+    them as recovery does (before the fix: "belongs to queue gone/1, which the store
+    lacks", and with the topic created again, queue directories "deleted" under it)."""
+    path = tmp_path / "s"
+    _fill(path)
+    with MessageStore.open(path) as store:
+        store.delete_topic("gone")
+        if again:
+            store.create_topic("gone", again)
+            store.send("gone", b"new", queue_id=again - 1)
+    capsys.readouterr()
+    assert main(["verify", str(path)]) == 0, capsys.readouterr().out
+    # The control: a queue of the live topic whose entries are gone is still found.
+    if again:
+        for chunk in (path / "queues" / "gone" / str(again - 1)).glob("chunk-*"):
+            chunk.unlink()
+        assert main(["verify", str(path)]) == 1
 
 
 @pytest.mark.usefixtures("code_path")

@@ -3,7 +3,10 @@ fdatasync's thread, times, outcome and file): every acknowledged send was answer
 fdatasync of its own chunk file that began after its append and succeeded, and the C
 thread fdatasyncs nothing but the log's chunk files (a flusher syncing another descriptor,
 say the directory's, fails this); an fdatasync the C thread sees interrupted (EINTR) is
-retried, not reported as a failed write."""
+retried, not reported as a failed write; a topic made by a send or the create_topic op has
+its topics.journal record fdatasynced before the log fdatasync that releases the send's
+answer begins, once per topic, also a consumer group's retry, dead-letter and delay topics
+(docs/durability.md, "The order of a topic's changes")."""
 
 from __future__ import annotations
 
@@ -94,3 +97,32 @@ def test_an_interrupted_c_fdatasync_is_retried_not_a_failed_write(base: Path) ->
     interrupted = [c for c in calls if c[0] == "equeue-flush" and c[3] == str(4)]  # EINTR
     assert len(interrupted) == 1  # the shim did interrupt one
     assert report["outcomes"] == ["ok 0", "ok 1", "ok 2"], report["outcomes"]
+
+
+def test_a_new_topics_record_is_durable_before_its_first_answer(base: Path) -> None:
+    """While the C flusher is busy with another client's sends (a send's topic, the
+    create_topic op's, a group's retry topic at its join, its dead-letter and delay topics
+    at nacks, which are answered once durable): the journal's fdatasync
+    ends before the log fdatasync that released the answer began (the append came after
+    it), and the journal is fdatasynced once per topic made, by no group commit (the
+    order costs nothing per send). Fails with the journal append's fdatasync removed."""
+    report, calls = _run(base, "topics")
+    assert report["flusher"] == "CSync" and report["answered"] >= 50
+    journal = str((base / "s" / "topics.journal").resolve())
+    messages = str((base / "s" / "messages").resolve())
+    journal_syncs = [(int(b), int(e), rc) for _, b, e, rc, target in calls if target == journal]
+    log_syncs = [
+        (int(b), int(e))
+        for _, b, e, rc, target in calls
+        if os.path.dirname(target) == messages and rc == "0"
+    ]
+    # One record per topic made (tens of group commits ran meanwhile).
+    topics = {"t", *(topic for topic, _, _ in report["creations"])}
+    assert sorted(topics) == report["topics"]
+    assert len(journal_syncs) == len(topics) and all(rc == "0" for *_, rc in journal_syncs)
+    assert len(log_syncs) > 3 * len(journal_syncs)
+    for topic, sent, answered in report["creations"]:
+        made = [end for begin, end, _ in journal_syncs if sent <= begin and end <= answered]
+        assert len(made) == 1, (topic, journal_syncs, sent, answered)
+        if not topic.startswith("equeue.retry."):  # (made by a join: no append)
+            assert any(made[0] <= b and e <= answered for b, e in log_syncs), topic

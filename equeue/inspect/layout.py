@@ -53,7 +53,7 @@ from equeue.store.meta import (
 )
 from equeue.store.offsets import GroupFiles
 from equeue.store.recovery import tail_hint
-from equeue.store.topics import topic_entries
+from equeue.store.topics import deletions, topic_entries
 from equeue.store.topicsfile import Journal, replay
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -107,6 +107,7 @@ class StoreFiles:
     queue_chunk_records: int | None = None
     topics: dict[str, int] = field(default_factory=dict)  # topic -> queue count
     topics_known: bool = True  # False when topics.json was unreadable
+    deleted: dict[str, int] = field(default_factory=dict)  # topic: its deletion's position
     journal_records: int = 0  # topics.journal's records, not yet folded into topics.json
     offsets: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     checkpoint: int | None = None
@@ -169,6 +170,7 @@ def open_store(path: Path) -> StoreFiles:
         store.queue_chunk_records = _int_or_none(identity.get("queue_chunk_records"))
     topics = _with_journal(store, _read_meta(store, TOPICS_FILE, default={}))
     if isinstance(topics, dict):
+        store.deleted = deletions(topics)  # the log keeps their records until retention
         for topic, info in topics.items():
             try:  # as the store checks it at open: a bad name is reported, never followed
                 entries = topic_entries({topic: info}, path)  # none: a deleted topic

@@ -404,29 +404,34 @@ class Verifier:
                 )
             )
             return
+        # A deleted topic's record stays until retention, in no queue (as recovery skips it).
+        deleted = position < self._store.deleted.get(message.topic, 0)
         queue = (message.topic, message.queue_id)
-        self._lowest[queue] = min(message.queue_offset, self._lowest.get(queue, 1 << 63))
+        if not deleted:
+            self._lowest[queue] = min(message.queue_offset, self._lowest.get(queue, 1 << 63))
         why = None
         if message.log_position != position:
             why = f"names position {message.log_position}"
         elif MESSAGE_HEAD.unpack_from(mm, start)[6] != tag_hash(message.tag):
             why = f"has a tag hash that does not match its tag {message.tag!r}"
-        elif not self._has_queue(message.topic, message.queue_id):
+        elif not deleted and not self._has_queue(message.topic, message.queue_id, position):
             why = f"belongs to queue {message.topic}/{message.queue_id}, which the store lacks"
         if why is not None:
             result.problems.append(
                 Problem(path, p, "record", f"the message record at position {position} {why}")
             )
 
-    def _has_queue(self, topic: str, queue_id: int) -> bool:
+    def _has_queue(self, topic: str, queue_id: int, position: int) -> bool:
         store = self._store
         if not store.topics_known:
             return True  # topics.json is damaged (reported): nothing to compare with
         if 0 <= queue_id < store.topics.get(topic, 0):
             return True
-        # A live writer may have created the topic after we read topics.json.
-        store.topics.update(open_store(self.path).topics)
-        return 0 <= queue_id < store.topics.get(topic, 0)
+        # A live writer may have created (or deleted) the topic after we read topics.json.
+        now = open_store(self.path)
+        store.topics.update(now.topics)
+        store.deleted.update(now.deleted)
+        return position < store.deleted.get(topic, 0) or 0 <= queue_id < store.topics.get(topic, 0)
 
     # --- queue chunks ----------------------------------------------------------------
 
