@@ -1,12 +1,13 @@
 """A producer process for the broker's kill and drain tests, speaking the wire protocol
 by hand (equeue/protocol only).
 
-    python tests/broker_producer.py URL NAME [--window W] [--limit N]
+    python tests/broker_producer.py URL NAME [--window W] [--limit N] [--ready FILE]
 
 Sends messages ``NAME:SEQ`` (seq 0, 1, ...) to topic ``p`` with up to W in flight and
 prints, in one write each, ``A <seq> <message id>`` for every send answered OK. Stops
 when the broker closes the connection (or after N sends); exits 0 either way, 3 on
-anything else.
+anything else. ``--ready FILE``: the file is made once the first send is answered OK (a
+test waits for every producer's before it signals the broker).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> int:
     parser.add_argument("name")
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--limit", type=int, default=1_000_000)
+    parser.add_argument("--ready", default=None)
     args = parser.parse_args()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.url[len("unix:") :])
@@ -66,6 +68,9 @@ def main() -> int:
         answered += 1
         if status == 0:
             os.write(1, f"A {seq} {result[0]}\n".encode())
+            if args.ready is not None:
+                open(args.ready, "a").close()
+                args.ready = None
     os.write(1, f"END {answered}\n".encode())
     return 0
 

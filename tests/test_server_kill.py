@@ -72,22 +72,25 @@ def run_until(
         for number in range(PRODUCERS):
             producers.append(subprocess.Popen(
                 [sys.executable, str(HERE / "broker_producer.py"), url, f"p{number}",
-                 *producer_args],
+                 "--ready", str(home / f"ready-{number}"), *producer_args],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             ))  # fmt: skip
         # Let them send a while (the sends, not the time, are what is checked): until every
-        # producer is connected (and this client) and sends were answered (at most ~30 s; a
-        # loaded machine can take seconds to start a producer, so not a fixed sleep).
+        # producer had a send answered (its ready file) and sends were answered (at most
+        # ~60 s; a loaded machine can take seconds to start a producer, so not a fixed sleep;
+        # the sends counted in total alone once let one producer be killed before its first).
+        ready = [home / f"ready-{number}" for number in range(PRODUCERS)]
         with equeue.connect(url) as client:
-            for _ in range(600):
+            for _ in range(1200):
                 stats = client.stats()
                 if (
-                    stats["connections"] > PRODUCERS
+                    all(path.exists() for path in ready)
                     and stats["sends"] >= 200 * PRODUCERS
                     and seen(stats)
                 ):
                     break
                 time.sleep(0.05)
+            assert all(path.exists() for path in ready), [p.name for p in ready if p.exists()]
             assert seen(stats), stats
         broker.send_signal(stop)
         code = broker.wait(60)
