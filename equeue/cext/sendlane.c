@@ -67,6 +67,8 @@ typedef struct {
     Py_ssize_t at[O_COUNT];         /* the connection's slots; at[0] -1: no fast path */
     Py_ssize_t fd_at;               /* its _fd slot (answerwrite.c), or -1: none */
     PyObject *holds_dict;
+    PyObject *appended;    /* holds.appended as no_holds found it (borrowed), or NULL */
+    uint64_t holds_version; /* ...in the holds' dict at this version (3.11) */
     StoreSend store_send; /* the store's send as last found (store_send) */
     PyObject *plain; /* _plain_send when the lane was made (the C plain_send) */
 } Lane;
@@ -171,16 +173,40 @@ static PyObject *call_class(Lane *self, PyObject *name, PyObject *arg1, PyObject
     return out;
 }
 
+#if PY_VERSION_HEX < 0x030C0000
+#define DICT_VERSIONS 1
+static inline uint64_t version_of(PyObject *d) { return ((PyDictObject *)d)->ma_version_tag; }
+#else /* deprecated from 3.12: the dict is read every time */
+#define DICT_VERSIONS 0
+static inline uint64_t version_of(PyObject *d) { (void)d; return 0; }
+#endif
+
+/* No pull is held (holds.count 0) and no append is to be noted for one (holds.appended
+ * an empty dict), read in the holds' dict; on 3.11 while that dict's version is the one
+ * seen then (count, an int, changes only by assignment), only appended's size is read
+ * (appended borrowed: the unchanged dict holds it). */
+static int no_holds(Lane *self) {
+    PyObject *h = self->holds_dict;
+    if (h == NULL) return 0;
+    if (!DICT_VERSIONS || self->appended == NULL || version_of(h) != self->holds_version) {
+        self->appended = NULL;
+        if (!is_zero(PyDict_GetItemWithError(h, S_count))) return 0;
+        PyObject *v = PyDict_GetItemWithError(h, S_appended);
+        if (v == NULL || !PyDict_CheckExact(v)) return 0;
+        self->appended = v;
+        self->holds_version = version_of(h);
+    }
+    return PyDict_GET_SIZE(self->appended) == 0;
+}
+
 /* A plain send's tail when it is the common one (the answer packed, no held pulls, and
  * under --flush async no answers queued): 1 done, 0 for Connection._plain_sent, -1 with
  * an error. */
 static int common_tail(Lane *self, Py_ssize_t nbytes, PyObject *got[3]) {
     PyObject *rid = got[0], *sent = got[1], *frame = got[2], *c = self->connection;
     if (sent == Py_None || frame == Py_None) return 0;
-    PyObject *h = self->holds_dict, *v;
-    if (h == NULL || !is_zero(PyDict_GetItemWithError(h, S_count))) return 0;
-    v = PyDict_GetItemWithError(h, S_appended);
-    if (v == NULL || !PyDict_CheckExact(v) || PyDict_GET_SIZE(v) != 0) return 0;
+    PyObject *v;
+    if (!no_holds(self)) return 0;
     PyObject *transport = NULL;
     if (self->commit == Py_None) { /* answers queued before this one: they go first (Python) */
         v = SLOT(c, self->at[O_OUT]);
@@ -214,14 +240,6 @@ static int common_tail(Lane *self, Py_ssize_t nbytes, PyObject *got[3]) {
     Py_DECREF(transport);
     return is < 0 ? -1 : 1;
 }
-
-#if PY_VERSION_HEX < 0x030C0000
-#define DICT_VERSIONS 1
-static inline uint64_t version_of(PyObject *d) { return ((PyDictObject *)d)->ma_version_tag; }
-#else /* deprecated from 3.12: the dict is read every time */
-#define DICT_VERSIONS 0
-static inline uint64_t version_of(PyObject *d) { (void)d; return 0; }
-#endif
 
 /* store.send (a new reference), as PyObject_GetAttr finds it, without its generic look-up
  * per read (type look-up, instance dict, ~290 instructions a send): MessageStore puts its C
@@ -353,6 +371,8 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     commit_slots(commit, &self->commit_at);
     self->counters = Py_NewRef(counters);
     self->holds_dict = holds_dict;
+    self->appended = NULL;
+    self->holds_version = 0;
     self->store_send = (StoreSend){NULL, NULL, NULL, 0, 0};
     for (int i = 0; i < C_COUNT; i++) {
         self->cell_at[i] = counter_cell(Py_TYPE(counters), counter_names[i]);
@@ -396,6 +416,7 @@ static int lane_clear(PyObject *op) {
     Py_CLEAR(self->commit);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->holds_dict);
+    self->appended = NULL;
     Py_CLEAR(self->store_send.store);
     Py_CLEAR(self->store_send.dict);
     self->store_send.send = NULL;
