@@ -20,7 +20,7 @@ from server_helpers import raw, short_dir
 from test_server_fastsend import CountingRecorder, Recorder, _answers, _connect, _feed, _greeted
 
 import equeue.server.release as module
-from equeue import speedups
+from equeue import MessageStore, speedups
 from equeue.protocol.frames import STATUS_OK, encode
 from equeue.protocol.handshake import Hello
 from equeue.server import BrokerThread
@@ -197,3 +197,58 @@ def test_a_subclass_method_or_a_replaced_plain_send_is_called_not_bypassed(what:
         shutil.rmtree(directory, ignore_errors=True)
     assert calls == [what] * 3
     assert answers == [[rid, STATUS_OK] for rid in range(1, 4)]
+
+
+async def _store_send_changed(directory: Path, how: str) -> tuple[list[str], list[Any], int]:
+    """A send through the lane, then the store's send changed (``how``), then two more:
+    which send the lane called for those, their answers, the messages stored."""
+    calls: list[str] = []
+    broker = Broker(directory, ServerConfig(flush="async"))
+    await broker.start()
+    try:
+        store = broker.store
+        remembered = store.__dict__["send"]  # the C sender's call (MessageStore.__init__)
+        connection, transport = _connect(broker)
+        _feed(connection, encode(Hello(client="t").pack()))
+        with pytest.MonkeyPatch.context() as patch:
+
+            def spy(topic: str, body: bytes, **kwargs: Any) -> Any:
+                calls.append(f"{how} {topic} {body!r}")
+                return remembered(topic, body, **kwargs)
+
+            if how == "deleted":  # the class's send, found once the instance's is gone
+
+                def on_class(self: MessageStore, topic: str, body: bytes, **kwargs: Any) -> Any:
+                    return spy(topic, body, **kwargs)
+
+                patch.setattr(MessageStore, "send", on_class)
+            _feed(connection, encode([1, "send", {"topic": "t", "body": b"1"}]))
+            if how == "replaced":  # the dict changed, the type not
+                store.__dict__["send"] = spy
+            elif how == "deleted":
+                del store.__dict__["send"]
+            else:  # a data descriptor on the class wins over the instance's dict
+                patch.setattr(MessageStore, "send", property(lambda self: spy))
+            for rid in (2, 3):
+                _feed(connection, encode([rid, "send", {"topic": "t", "body": str(rid).encode()}]))
+            stored = sum(len(store.pull("t", q, 0, 100).messages) for q in store.queue_ids("t"))
+        return calls, [a[:2] for a in _answers(transport)[1:]], stored
+    finally:
+        await broker._drain()
+
+
+@pytest.mark.parametrize("how", ["replaced", "deleted", "property"])
+def test_a_store_send_changed_after_the_lane_found_it_is_the_one_called(how: str) -> None:
+    """The lane remembers where it found store.send (cext/sendlane.c, store_send: the
+    store, its dict and its version, the type's version tag) instead of a generic look-up
+    per read: a send replaced in the instance dict, deleted from it (the class's then),
+    or shadowed by a data descriptor on the class after the first read is what the
+    next reads call, as PyObject_GetAttr would find it."""
+    directory = short_dir()
+    try:
+        calls, answers, stored = asyncio.run(_store_send_changed(directory / "s", how))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert calls == [f"{how} t b'2'", f"{how} t b'3'"]
+    assert answers == [[rid, STATUS_OK] for rid in (1, 2, 3)]
+    assert stored == 3

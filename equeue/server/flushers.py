@@ -190,7 +190,7 @@ class CSync:
 
     def arm(self, seconds: float, expired: Callable[[], None]) -> None:
         self._expired = expired
-        us = round(seconds * 1e6)
+        us = int(seconds * 1e6)  # (not round(): a builtin call, 700 instructions a flush)
         self._flusher.arm(us if us > 0 else 1)
 
     def disarm(self) -> None:

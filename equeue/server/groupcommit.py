@@ -286,6 +286,8 @@ def expected(batch: list[Entry]) -> int:
     """The sends a flush of ``batch`` leads the flusher to expect next: one from each of
     its answers, if they went to more than one connection; else none (no wait)."""
     first = batch[0][0]
+    if batch[-1][0] is not first:  # the common answer, a send per connection: no loop
+        return len(batch)
     for peer, _, _ in batch:
         if peer is not first:
             return len(batch)
