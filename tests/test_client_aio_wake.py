@@ -502,6 +502,48 @@ def test_the_waiter_keeps_the_future_protocol() -> None:
 
 
 @needs_c
+def test_the_waiters_task_attributes_by_interned_name_and_by_an_equal_string() -> None:
+    """The names a Task asks for (answered by identity of the interned string, round 11)
+    give what the generic lookup gives for an equal string that is another object."""
+    waiter_type = speedups.SPEEDUPS.client_waiter_type()  # type: ignore[union-attr]
+
+    def fresh(name: str) -> str:
+        made = "".join(list(name))
+        assert made == name and made is not name
+        return made
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for spell in (str, fresh):
+            w: Any = waiter_type(loop)
+            blocking = spell("_asyncio_future_blocking")
+            assert getattr(w, blocking) is False
+            setattr(w, blocking, 1)
+            assert getattr(w, blocking) is True and w._asyncio_future_blocking is True
+            setattr(w, blocking, False)
+            assert w._asyncio_future_blocking is False
+            with pytest.raises(AttributeError, match="cannot delete"):
+                delattr(w, blocking)
+            get_loop = getattr(w, spell("get_loop"))
+            assert get_loop.__self__ is w and get_loop.__name__ == "get_loop"
+            assert get_loop() is loop
+            add = getattr(w, spell("add_done_callback"))
+            assert add.__self__ is w and add.__name__ == "add_done_callback"
+            called: list[Any] = []
+            context = contextvars.copy_context()
+            add(called.append, context=context)
+            w.set_result(7)
+            await asyncio.sleep(0)
+            assert called == [w]
+            with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+                getattr(w, spell("nothing"))
+            with pytest.raises(AttributeError):
+                setattr(w, spell("nothing"), 1)
+
+    asyncio.run(main())
+
+
+@needs_c
 def test_a_callback_whose_eq_removes_callbacks_does_not_crash() -> None:
     # review 34b: remove_done_callback compared a borrowed entry that the comparison freed
     waiter_type = speedups.SPEEDUPS.client_waiter_type()  # type: ignore[union-attr]

@@ -98,6 +98,7 @@ PyObject *client_send_result(PyObject *self, PyObject *const *args, Py_ssize_t n
 PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
 PyObject *client_raw_sock_type(PyObject *self, PyObject *unused); /* rawsock.c */
+PyObject *client_read_mux_type(PyObject *self, PyObject *unused); /* readmux.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -149,6 +150,7 @@ static PyMethodDef methods[] = {
     {"trim_run", trim_run, METH_VARARGS, NULL},
     {"client_send_method", (PyCFunction)(void (*)(void))client_send_method, METH_FASTCALL, NULL},
     {"client_send_coro_type", client_send_coro_type, METH_NOARGS, NULL},
+    {"client_read_mux_type", client_read_mux_type, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

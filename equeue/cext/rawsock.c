@@ -56,6 +56,13 @@ int rawsock_is(PyObject *object) {
     return type == &RawSockType || type->tp_base == &RawSockType;
 }
 
+/* For readmux.c: the descriptor (-1 once closed), and the reader's call. */
+int rawsock_fd(PyObject *object) { return ((RawSock *)object)->fd; }
+
+static PyObject *raw_read_ready(RawSock *self, PyObject *unused);
+
+PyObject *rawsock_read_ready(PyObject *object) { return raw_read_ready((RawSock *)object, NULL); }
+
 /* self._fatal(the raised exception, message): None, or NULL (raised through). */
 static PyObject *fatal(RawSock *self, PyObject *message) {
     if (PyErr_ExceptionMatches(PyExc_SystemExit) || PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))

@@ -470,6 +470,8 @@ static PyObject *w_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     return waiter_new(loop);
 }
 
+enum { GET_LOOP = 4, ADD_DONE = 8 }; /* (w_getattro's: their places below) */
+
 static PyMethodDef w_methods[] = {
     {"result", (PyCFunction)w_result, METH_NOARGS, NULL},
     {"exception", (PyCFunction)w_exception, METH_NOARGS, NULL},
@@ -490,6 +492,26 @@ static PyGetSetDef w_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* What a C Task asks of the future it was given, every step (3.11's task_step_impl, for
+ * a future that is not asyncio's own): `_asyncio_future_blocking` read then set False,
+ * `get_loop` looked up and called, `add_done_callback` looked up and called. Its names
+ * are the interpreter's interned strings, so they are answered here by identity, before
+ * the generic lookup through the type's dict and descriptors; anything else (and these
+ * names given as other string objects) takes the generic way, with the same results. */
+static PyObject *S_BLOCKING, *S_GET_LOOP, *S_ADD_DONE_CALLBACK;
+
+static PyObject *w_getattro(Waiter *w, PyObject *name) {
+    if (name == S_BLOCKING) return PyBool_FromLong(w->blocking);
+    if (name == S_GET_LOOP) return PyCFunction_New(&w_methods[GET_LOOP], (PyObject *)w);
+    if (name == S_ADD_DONE_CALLBACK) return PyCFunction_New(&w_methods[ADD_DONE], (PyObject *)w);
+    return PyObject_GenericGetAttr((PyObject *)w, name);
+}
+
+static int w_setattro(Waiter *w, PyObject *name, PyObject *value) {
+    if (name == S_BLOCKING && value != NULL) return w_set_blocking(w, value, NULL);
+    return PyObject_GenericSetAttr((PyObject *)w, name, value);
+}
+
 static PyAsyncMethods w_async = {.am_await = PyObject_SelfIter, .am_send = (sendfunc)w_am_send};
 
 static PyTypeObject WaiterType = {
@@ -506,6 +528,8 @@ static PyTypeObject WaiterType = {
     .tp_iternext = (iternextfunc)w_iternext,
     .tp_methods = w_methods,
     .tp_getset = w_getset,
+    .tp_getattro = (getattrofunc)w_getattro,
+    .tp_setattro = (setattrofunc)w_setattro,
 };
 
 static PyObject *attr(const char *module, const char *name) {
@@ -533,8 +557,17 @@ int waiter_ready(void) {
         (S_CONTEXT = PyUnicode_InternFromString("context")) == NULL ||
         (S_MESSAGE = PyUnicode_InternFromString("message")) == NULL ||
         (S_EXCEPTION = PyUnicode_InternFromString("exception")) == NULL ||
-        (KW_CONTEXT = PyTuple_Pack(1, S_CONTEXT)) == NULL || PyType_Ready(&WaiterType) < 0)
+        (KW_CONTEXT = PyTuple_Pack(1, S_CONTEXT)) == NULL ||
+        (S_BLOCKING = PyUnicode_InternFromString("_asyncio_future_blocking")) == NULL ||
+        (S_GET_LOOP = PyUnicode_InternFromString("get_loop")) == NULL ||
+        (S_ADD_DONE_CALLBACK = PyUnicode_InternFromString("add_done_callback")) == NULL ||
+        PyType_Ready(&WaiterType) < 0)
         return -1;
+    if (strcmp(w_methods[GET_LOOP].ml_name, "get_loop") != 0 ||
+        strcmp(w_methods[ADD_DONE].ml_name, "add_done_callback") != 0) {
+        PyErr_SetString(PyExc_SystemError, "wakeup.c: w_methods out of step with w_getattro");
+        return -1;
+    }
     if ((S_CALL_SOON = PyUnicode_InternFromString("call_soon")) == NULL) return -1;
     return 0;
 }

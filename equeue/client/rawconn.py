@@ -5,7 +5,8 @@ asyncio's _SelectorSocketTransport runs Python for every read (``_read_ready`` a
 ``_read_ready__get_buffer``: their checks, ``get_buffer``, ``recv_into``,
 ``buffer_updated``) and every write (``write``'s checks, ``send``). Here the loop's
 reader callback and ``write`` are equeue/cext/rawsock.c's (RawSock): one C call each,
-which hands the bytes to ClientConn's ``buffer_updated`` in C. What is rare stays in
+which hands the bytes to ClientConn's ``buffer_updated`` in C; with two or more such
+transports on a loop, one ReadMux reads them all (equeue/client/readers.py). What is rare stays in
 Python below and does what asyncio's transport does: a partial write queued and written
 when the socket is writable (``add_writer``), with ``pause_writing``/``resume_writing``
 at the same water marks (64 KiB / 16 KiB); the end of input → ``eof_received`` and
@@ -33,6 +34,7 @@ from asyncio.trsock import TransportSocket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from equeue.client import readers
 from equeue.client.url import Endpoint
 from equeue.protocol.plainsend import conn_type, raw_sock_type
 
@@ -97,7 +99,7 @@ class RawTransport(RawSock):
         """connection_made, then reads (asyncio's order)."""
         self.protocol.connection_made(self)
         if not self.closing:
-            self._loop.add_reader(self.fd, self.read_ready)
+            readers.start(self._loop, self)
             self._reading = True
 
     # --- asyncio.Transport's methods -----------------------------------------
@@ -269,7 +271,7 @@ class RawTransport(RawSock):
     def _stop_reading(self) -> None:
         if self._reading:
             self._reading = False
-            self._loop.remove_reader(self.fd)
+            readers.stop(self._loop, self)
 
     def _connection_lost(self, exc: BaseException | None) -> None:
         try:

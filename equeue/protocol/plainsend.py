@@ -18,6 +18,8 @@ protocol: its connection state as C fields and ``get_buffer``, ``buffer_updated`
 ``direct`` (the send above and its answer) without a Python frame.
 ``raw_sock_type``: equeue/cext/rawsock.c's RawSock, the base of the asyncio client's own
 socket transport on selector loops (equeue/client/rawconn.py).
+``read_mux_type``: equeue/cext/readmux.c's ReadMux, one loop reader for many of those
+transports (an epoll set); None also where there is no epoll.
 
 All are None (the names, not a function) without the accelerator: the client binds
 them once, and a call is one C call with no Python frame around it.
@@ -40,3 +42,4 @@ send_result: Final[Callable[[Any, int, int, str, int], Any] | None] = (
 )
 conn_type: Final[type | None] = None if _fast is None else _fast.client_conn_type()
 raw_sock_type: Final[type | None] = None if _fast is None else _fast.client_raw_sock_type()
+read_mux_type: Final[type | None] = None if _fast is None else _fast.client_read_mux_type()
