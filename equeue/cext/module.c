@@ -8,7 +8,8 @@
  * broker's send_bodies read from its frame), release.c (the broker's durable answers
  * after their fdatasync; answerwrite.c sends each to its socket), answercols.c (the
  * clients' send_bodies request and answer), clientsend.c (the asyncio client's plain
- * send), rawsock.c (its own socket transport on selector loops), sendcoro.c
+ * send), rawsock.c (its own socket transport on selector loops), readmux.c (one epoll
+ * reader for a loop's connections from the second on), sendcoro.c
  * (AsyncClient.send's plain case as a coroutine in C), xxh3.h (the record checksum,
  * inlined where used), msgpack_min.h and hex16.h (the msgpack and hex pieces several
  * use);
