@@ -1,0 +1,388 @@
+"""One member per consumer id (a join of a live id fences the older member) and a broker
+stall not charged to the members' sessions (docs/groups.md, "Membership and
+allocation"): the coordinator with an injected clock, then real broker and member
+processes (SIGSTOP/SIGCONT)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from client_helpers import BrokerProcess, temporary_broker
+
+import equeue
+from equeue import MessageStore
+from equeue.client.consumer import GroupConsumer
+from equeue.errors import FencedMemberError, GroupError
+from equeue.server import groups
+from equeue.server.groups import GroupCoordinator
+from equeue.server.serve import TICK_S as BROKER_TICK_S
+
+HERE = Path(__file__).resolve().parent
+TOPIC = "orders"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[MessageStore]:
+    with MessageStore.open(tmp_path / "s") as s:
+        s.create_topic(TOPIC, 4)
+        s.send(TOPIC, b"x", queue_id=0)
+        yield s
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def coord(store: MessageStore, clock: Clock) -> GroupCoordinator:
+    return GroupCoordinator(store, clock=clock, wall_clock=clock)
+
+
+def ticking(coord: GroupCoordinator, clock: Clock, seconds: float) -> None:
+    """Time passes as on a broker whose loop runs: a tick every TICK_S."""
+    for _ in range(round(seconds / groups.TICK_S)):
+        clock.now += groups.TICK_S
+        coord.tick()
+
+
+# --- one member per consumer id ------------------------------------------------------
+
+
+def test_a_second_join_of_a_live_id_fences_the_first(
+    coord: GroupCoordinator, store: MessageStore
+) -> None:
+    first = coord.join("g", "w", [TOPIC], 3000)["join_id"]
+    second = coord.join("g", "w", [TOPIC], 3000)["join_id"]
+    assert first != second
+    message_id = store.pull(TOPIC, 0, 0).messages[0].message_id
+    for refused in (
+        lambda: coord.heartbeat("g", "w", join_id=first),
+        lambda: coord.check_owner("g", "w", TOPIC, 0, first),
+        lambda: coord.nack("g", "w", message_id, 0, join_id=first),
+        lambda: coord.leave("g", "w", join_id=first),
+        lambda: coord.call("heartbeat", {"group": "g", "consumer": "w", "join_id": first}),
+    ):
+        with pytest.raises(FencedMemberError, match="joined again from another connection"):
+            refused()
+    # the newer member is untouched: still the only one, holding every queue
+    assert coord.stats()["g"]["members"].keys() == {"w"}
+    answer = coord.heartbeat("g", "w", join_id=second)
+    assert answer["join_id"] == second and len(answer["assignment"]) == 5
+    coord.check_owner("g", "w", TOPIC, 0, second)
+    assert store.queue_range("equeue.retry.g", 0) == (0, 0)  # the fenced nack stored nothing
+    coord.leave("g", "w", join_id=second)
+    assert coord.stats() == {}
+
+
+def test_fenced_is_a_group_error_and_requests_without_join_id_are_the_current_members(
+    coord: GroupCoordinator,
+) -> None:
+    """A client from before join ids sends none: taken as the current member (as before)."""
+    first = coord.join("g", "w", [TOPIC], 3000)["join_id"]
+    coord.join("g", "w", [TOPIC], 3000)
+    assert issubclass(FencedMemberError, GroupError)
+    coord.heartbeat("g", "w")
+    coord.check_owner("g", "w", TOPIC, 0)
+    with pytest.raises(GroupError):
+        coord.heartbeat("g", "w", join_id=first)
+
+
+def test_join_ids_differ_between_coordinators(store: MessageStore, clock: Clock) -> None:
+    """A broker restarted: a member of its earlier run carries a join_id no member of the
+    new run has (each run starts at a random point)."""
+    seen = set()
+    for _ in range(5):
+        fresh = GroupCoordinator(store, clock=clock, wall_clock=clock)
+        seen.add(fresh.join("g", "w", [TOPIC], 3000)["join_id"])
+    assert len(seen) == 5
+
+
+def test_a_member_that_left_or_expired_is_not_fenced_but_gone(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    first = coord.join("g", "w", [TOPIC], 1000)["join_id"]
+    ticking(coord, clock, 1.2)
+    with pytest.raises(GroupError, match="join again") as caught:
+        coord.heartbeat("g", "w", join_id=first)
+    assert not isinstance(caught.value, FencedMemberError)
+
+
+# --- a stalled broker does not expire its members -----------------------------------
+
+
+def test_the_coordinators_tick_is_the_brokers() -> None:
+    assert groups.TICK_S == BROKER_TICK_S
+
+
+def test_a_tick_three_session_timeouts_late_expires_nobody(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    coord.join("g", "a", [TOPIC], 1000)
+    coord.join("g", "b", [TOPIC], 1000)
+    ticking(coord, clock, 0.5)
+    coord.heartbeat("g", "a")
+    coord.heartbeat("g", "b")
+    generation = coord.stats()["g"]["generation"]
+    clock.now += 3.0  # the broker stalled: no tick, no heartbeat read, for 3 timeouts
+    coord.tick()
+    ticking(coord, clock, 0.1)
+    assert coord.stats()["g"]["members"].keys() == {"a", "b"}
+    coord.heartbeat("g", "a")  # their queued heartbeats, read after the late tick
+    coord.heartbeat("g", "b")
+    ticking(coord, clock, 0.5)
+    assert coord.stats()["g"]["generation"] == generation
+
+
+def test_the_stall_is_not_charged_but_the_silence_before_it_is(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    """A member silent for 0.6 s before a 3 s stall (a tick due 0.1 s into it) and 0.4 s
+    after it: 1.1 s of its own silence, past its 1 s timeout."""
+    coord.join("g", "a", [TOPIC], 1000)
+    coord.join("g", "b", [TOPIC], 1000)
+    ticking(coord, clock, 0.6)
+    coord.heartbeat("g", "b")
+    clock.now += 3.0
+    coord.tick()
+    ticking(coord, clock, 0.2)
+    coord.heartbeat("g", "b")
+    assert coord.stats()["g"]["members"].keys() == {"a", "b"}  # 0.9 s silent
+    ticking(coord, clock, 0.2)
+    assert coord.stats()["g"]["members"].keys() == {"b"}
+
+
+def test_a_member_that_stops_heartbeating_is_expired_after_its_timeout(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    """The control: ticks on time, one member silent."""
+    coord.join("g", "a", [TOPIC], 1000)
+    coord.join("g", "b", [TOPIC], 1000)
+    for _ in range(9):  # 0.9 s: not past the timeout yet
+        ticking(coord, clock, 0.1)
+        coord.heartbeat("g", "b")
+    assert coord.stats()["g"]["members"].keys() == {"a", "b"}
+    for _ in range(2):
+        ticking(coord, clock, 0.1)
+        coord.heartbeat("g", "b")
+    assert coord.stats()["g"]["members"].keys() == {"b"}
+    with pytest.raises(GroupError, match="join again"):
+        coord.heartbeat("g", "a")
+
+
+def test_a_slightly_late_tick_forgives_nothing(coord: GroupCoordinator, clock: Clock) -> None:
+    """Ticks LATE_TICK_S apart (a busy loop, no stall): the session is not extended."""
+    coord.join("g", "a", [TOPIC], 1000)
+    coord.tick()
+    for _ in range(4):
+        clock.now += groups.LATE_TICK_S
+        coord.tick()
+    assert coord.stats()["g"]["members"].keys() == {"a"}
+    clock.now += groups.LATE_TICK_S
+    coord.tick()  # 1.25 s silent
+    assert coord.stats() == {}
+
+
+# --- real processes --------------------------------------------------------------------
+
+
+class Member:
+    """tests/group_consumer_child.py: ``M queue offset id`` per message, ``E class text``
+    on an error it stopped for."""
+
+    def __init__(self, url: str, name: str, session: float = 2.0) -> None:
+        self.lines: list[str] = []
+        self.process: subprocess.Popen[bytes]
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "group_consumer_child.py"), url, "g", TOPIC, name,
+             "--session", str(session)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        self.partial = b""
+        self.wait_for(lambda: "READY" in self.lines, 30)
+
+    def read(self, seconds: float = 0.0) -> None:
+        out = self.process.stdout
+        assert out is not None
+        while select.select([out], [], [], seconds)[0]:
+            chunk = os.read(out.fileno(), 1 << 16)  # (not readline: select sees no buffer)
+            if not chunk:
+                return
+            *lines, self.partial = (self.partial + chunk).split(b"\n")
+            self.lines += [line.decode() for line in lines]
+            seconds = 0.0
+
+    def wait_for(self, condition: Any, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert time.monotonic() < deadline, self.lines[-5:]
+            assert self.process.poll() is None or self.process.stdout is not None
+            self.read(0.1)
+
+    def ids(self) -> set[str]:
+        return {line.split()[3] for line in self.lines if line.startswith("M ")}
+
+    def errors(self) -> list[str]:
+        return [line for line in self.lines if line.startswith("E ")]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+        try:
+            code = self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait(10)
+        self.read()
+        return code
+
+
+def committed(url: str) -> int:
+    with equeue.connect(url) as client:
+        return sum(client.committed_offset("g", TOPIC, q) or 0 for q in range(4))
+
+
+def test_two_processes_with_one_consumer_id_the_older_is_fenced() -> None:
+    with temporary_broker() as broker, equeue.connect(broker.url) as client:
+        client.create_topic(TOPIC, 4)
+        older = Member(broker.url, "worker-1")
+        newer: Member | None = None
+        try:
+            client.send_batch(TOPIC, [b"a%d" % i for i in range(200)])
+            older.wait_for(lambda: len(older.ids()) == 200, 30)
+            deadline = time.monotonic() + 20
+            while committed(broker.url) < 200:  # idle: it commits what it processed
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            newer = Member(broker.url, "worker-1")
+            client.send_batch(TOPIC, [b"b%d" % i for i in range(200)])
+            older.wait_for(lambda: older.errors(), 10)
+            newer.wait_for(lambda: len(newer.ids()) == 200, 30)
+            assert older.errors()[0].startswith("E FencedMemberError ")
+            assert "joined again from another connection or process" in older.errors()[0]
+            assert older.stop() == 3
+            assert newer.errors() == []
+            assert len(older.ids()) == 200 and not older.ids() & newer.ids()
+            members = client.stats()["coordinator"]["g"]["members"]
+            assert list(members) == ["worker-1"] and len(members["worker-1"]["queues"]) == 5
+        finally:
+            older.stop()
+            if newer is not None:
+                newer.stop()
+        log = (broker.store.parent / "broker.log").read_text()
+        assert "'worker-1' of group 'g' joined again while its session was live" in log
+
+
+def coordinator(url: str) -> dict[str, Any]:
+    with equeue.connect(url) as client:
+        found: dict[str, Any] = client.stats()["coordinator"]["g"]
+        return found
+
+
+def test_a_broker_stopped_past_the_session_timeout_expires_nobody() -> None:
+    """SIGSTOP of the broker for 2.5 session timeouts, then SIGCONT: both member
+    processes stay members (the generation does not move); the control, one member
+    SIGSTOPped as long, is expired."""
+    with temporary_broker() as broker, equeue.connect(broker.url) as client:
+        client.create_topic(TOPIC, 4)
+        members = [Member(broker.url, name, session=2.0) for name in ("m1", "m2")]
+        try:
+            client.send_batch(TOPIC, [b"a%d" % i for i in range(100)])
+            deadline = time.monotonic() + 20
+            while len(members[0].ids() | members[1].ids()) < 100:
+                assert time.monotonic() < deadline
+                for member in members:
+                    member.read(0.05)
+            time.sleep(1.0)  # their assignments settled, the last handover released
+            before = coordinator(broker.url)
+            assert set(before["members"]) == {"m1", "m2"}
+            process = broker.process
+            assert process is not None
+            os.kill(process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(5.0)
+            finally:
+                os.kill(process.pid, signal.SIGCONT)
+            time.sleep(3.0)  # longer than a session timeout after the resume
+            after = coordinator(broker.url)
+            assert set(after["members"]) == {"m1", "m2"}
+            assert after["generation"] == before["generation"]
+            for member in members:
+                member.read()
+                assert member.errors() == []
+            log = (broker.store.parent / "broker.log").read_text()
+            assert "missed its session timeout" not in log
+            assert "tick came" in log and "late" in log
+
+            # the control: a member process stopped as long is expired
+            os.kill(members[0].process.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 20
+                while set(coordinator(broker.url)["members"]) != {"m2"}:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            finally:
+                os.kill(members[0].process.pid, signal.SIGCONT)
+        finally:
+            for member in members:
+                member.stop()
+
+
+def test_a_fixed_id_member_reads_on_across_a_broker_restart_and_its_own_reconnect() -> None:
+    """Neither a broker restart (the member's next request: 'no consumer', it joins again)
+    nor the client's own lost connection (it joins again over the new one, replacing its
+    own earlier membership) fences the member."""
+    with temporary_broker() as broker:
+        with equeue.connect(broker.url) as client:
+            client.create_topic(TOPIC, 4)
+            client.send_batch(TOPIC, [b"a%d" % i for i in range(10)])
+        with equeue.connect(broker.url) as client:
+            consumer = GroupConsumer(client, "g", TOPIC, session_timeout=2.0, consumer_id="w")
+            got: set[bytes] = set()
+            try:
+                consume(consumer, got, 10)
+                restart(broker)
+                client.send_batch(TOPIC, [b"b%d" % i for i in range(10)])
+                consume(consumer, got, 20)
+                conn = client._conn
+                assert conn is not None
+                conn.sock.shutdown(2)  # the client's own connection lost
+                client.send_batch(TOPIC, [b"c%d" % i for i in range(10)])
+                consume(consumer, got, 30)
+                assert list(client.stats()["coordinator"]["g"]["members"]) == ["w"]
+            finally:
+                consumer.close()
+    assert got == {b"%s%d" % (p, i) for p in (b"a", b"b", b"c") for i in range(10)}
+
+
+def restart(broker: BrokerProcess) -> None:
+    broker.stop()
+    broker.start()
+
+
+def consume(consumer: GroupConsumer, got: set[bytes], total: int, limit: float = 30.0) -> None:
+    """poll (a FencedMemberError would escape) until ``got`` holds ``total`` bodies."""
+    deadline = time.monotonic() + limit
+    while len(got) < total:
+        assert time.monotonic() < deadline, sorted(got)
+        message = consumer.poll(0.2)
+        if message is not None:
+            got.add(message.body)
