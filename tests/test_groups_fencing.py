@@ -5,8 +5,10 @@ processes (SIGSTOP/SIGCONT)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,12 +19,16 @@ from typing import Any
 
 import pytest
 from client_helpers import BrokerProcess, temporary_broker
+from server_helpers import short_dir
 
 import equeue
+import equeue.aio
 from equeue import MessageStore
 from equeue.client.consumer import GroupConsumer
-from equeue.errors import FencedMemberError, GroupError
-from equeue.server import groups
+from equeue.client.consumer_aio import AsyncGroupConsumer
+from equeue.client.groupstate import GroupState
+from equeue.errors import FencedMemberError, GroupError, ProtocolError
+from equeue.server import BrokerThread, groups
 from equeue.server.groups import GroupCoordinator
 from equeue.server.serve import TICK_S as BROKER_TICK_S
 
@@ -386,3 +392,130 @@ def consume(consumer: GroupConsumer, got: set[bytes], total: int, limit: float =
         message = consumer.poll(0.2)
         if message is not None:
             got.add(message.body)
+
+
+# --- the clients' side ---------------------------------------------------------------
+
+
+def member_state() -> GroupState:
+    return GroupState(
+        "test", "g", TOPIC, tags=None, batch_size=8, auto_commit=True,
+        auto_commit_interval=1.0, session_timeout=3.0, max_poll_interval=300.0,
+        max_retries=None, consumer_id="w",
+    )  # fmt: skip
+
+
+def assignment(join_id: int | None, generation: int = 1) -> dict[str, Any]:
+    answer: dict[str, Any] = {"generation": generation, "assignment": [[TOPIC, 0]]}
+    if join_id is not None:
+        answer["join_id"] = join_id
+    return answer
+
+
+def test_the_state_carries_its_join_id_and_ignores_an_earlier_memberships_answers() -> None:
+    state = member_state()
+    state.joined(assignment(7))
+    assert state.member_args() == {"group": "g", "consumer": "w", "join_id": 7}
+    assert state.heartbeat_args()["join_id"] == 7
+    state.add((TOPIC, 0), None, [0, 0])
+    assert state.pull_args((TOPIC, 0), 0)["join_id"] == 7
+    # a heartbeat answer of an earlier join (the loop joined again meanwhile): ignored
+    current = state.answer
+    assert state.take(assignment(6, generation=9)) is False
+    assert state.answer is current
+    assert state.take(assignment(7, generation=2)) is True
+    # a fence of a request of that earlier join: nothing to do
+    error = FencedMemberError("fenced")
+    assert state.fenced(error, {"join_id": 6}) is False and state.failure is None
+    assert state.fenced(error, state.heartbeat_args()) is True and state.failure is error
+    with pytest.raises(ProtocolError, match="join_id"):
+        member_state().joined({**assignment(1), "join_id": "x"})
+
+
+def test_a_broker_without_join_ids_gets_none_sent() -> None:
+    state = member_state()
+    state.joined(assignment(None))
+    assert state.member_args() == {"group": "g", "consumer": "w"}
+    assert state.take(assignment(None, generation=2)) is True
+    state.reset()
+    assert state.join_id is None
+
+
+def test_lose_raises_a_fence_and_marks_other_losses_for_a_join() -> None:
+    state = member_state()
+    state.lost = False
+    state.lose(GroupError("expired"))
+    assert state.lost and state.failure is None
+    error = FencedMemberError("fenced")
+    with pytest.raises(FencedMemberError):
+        state.lose(error)
+    assert state.failure is error
+
+
+@pytest.fixture
+def thread_broker() -> Iterator[str]:
+    directory = short_dir()
+    try:
+        with MessageStore.open(directory / "s") as s:
+            s.create_topic(TOPIC, 4)
+        thread = BrokerThread(directory / "s").start()
+        try:
+            yield thread.urls[0]
+        finally:
+            thread.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_blocking_members_of_one_id_the_older_raises_and_closes_without_leaving(
+    thread_broker: str,
+) -> None:
+    with equeue.connect(thread_broker) as first, equeue.connect(thread_broker) as second:
+        older = GroupConsumer(first, "g", TOPIC, session_timeout=1.0, consumer_id="w")
+        newer = GroupConsumer(second, "g", TOPIC, session_timeout=1.0, consumer_id="w")
+        try:
+            first.send(TOPIC, b"m", queue_id=0)
+            deadline = time.monotonic() + 10
+            with pytest.raises(FencedMemberError, match="joined again"):
+                while time.monotonic() < deadline:
+                    older.poll(0.1)
+            with pytest.raises(FencedMemberError):  # and at every later call
+                older.poll(0)
+            with pytest.raises(FencedMemberError):
+                older.commit()
+            older.close()  # no leave: the newer member stays
+            assert list(first.stats()["coordinator"]["g"]["members"]) == ["w"]
+            got = newer.poll(5.0)
+            assert got is not None and got.body == b"m"
+        finally:
+            older.close()
+            newer.close()
+
+
+def test_asyncio_members_of_one_id_the_older_raises(thread_broker: str) -> None:
+    async def main() -> None:
+        first = await equeue.aio.connect(thread_broker)
+        second = await equeue.aio.connect(thread_broker)
+        older = AsyncGroupConsumer(first, "g", TOPIC, session_timeout=1.0, consumer_id="w")
+        newer = AsyncGroupConsumer(second, "g", TOPIC, session_timeout=1.0, consumer_id="w")
+        try:
+            await older.start()
+            await newer.start()
+            await first.send(TOPIC, b"m", queue_id=0)
+            with pytest.raises(FencedMemberError, match="joined again"):
+                for _ in range(100):  # (bounded: about 10 s)
+                    await older.poll(0.1)
+            with pytest.raises(FencedMemberError):
+                await older.poll(0)
+            await older.close()
+            stats = await second.stats()
+            assert list(stats["coordinator"]["g"]["members"]) == ["w"]
+            got = await newer.poll(5.0)
+            assert got is not None and got.body == b"m"
+        finally:
+            await older.close()
+            await newer.close()
+            await first.close()
+            await second.close()
+
+    asyncio.run(main())
