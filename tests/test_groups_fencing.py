@@ -1,14 +1,14 @@
 """One member per consumer id (a join of a live id fences the older member) and a broker
 stall not charged to the members' sessions (docs/groups.md, "Membership and
-allocation"): the coordinator with an injected clock, then real broker and member
-processes (SIGSTOP/SIGCONT)."""
+allocation"), through real broker and member processes (SIGSTOP/SIGCONT), and the
+clients' side of fencing. The coordinator's side, with an injected clock: the end of
+tests/test_groups.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,191 +19,17 @@ from typing import Any
 
 import pytest
 from client_helpers import BrokerProcess, temporary_broker
-from server_helpers import short_dir
+from group_helpers import broker_thread
 
 import equeue
 import equeue.aio
-from equeue import MessageStore
 from equeue.client.consumer import GroupConsumer
 from equeue.client.consumer_aio import AsyncGroupConsumer
 from equeue.client.groupstate import GroupState
 from equeue.errors import FencedMemberError, GroupError, ProtocolError
-from equeue.server import BrokerThread, groups
-from equeue.server.groups import GroupCoordinator
-from equeue.server.serve import TICK_S as BROKER_TICK_S
 
 HERE = Path(__file__).resolve().parent
 TOPIC = "orders"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[MessageStore]:
-    with MessageStore.open(tmp_path / "s") as s:
-        s.create_topic(TOPIC, 4)
-        s.send(TOPIC, b"x", queue_id=0)
-        yield s
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def coord(store: MessageStore, clock: Clock) -> GroupCoordinator:
-    return GroupCoordinator(store, clock=clock, wall_clock=clock)
-
-
-def ticking(coord: GroupCoordinator, clock: Clock, seconds: float) -> None:
-    """Time passes as on a broker whose loop runs: a tick every TICK_S."""
-    for _ in range(round(seconds / groups.TICK_S)):
-        clock.now += groups.TICK_S
-        coord.tick()
-
-
-# --- one member per consumer id ------------------------------------------------------
-
-
-def test_a_second_join_of_a_live_id_fences_the_first(
-    coord: GroupCoordinator, store: MessageStore
-) -> None:
-    first = coord.join("g", "w", [TOPIC], 3000)["join_id"]
-    second = coord.join("g", "w", [TOPIC], 3000)["join_id"]
-    assert first != second
-    message_id = store.pull(TOPIC, 0, 0).messages[0].message_id
-    for refused in (
-        lambda: coord.heartbeat("g", "w", join_id=first),
-        lambda: coord.check_owner("g", "w", TOPIC, 0, first),
-        lambda: coord.nack("g", "w", message_id, 0, join_id=first),
-        lambda: coord.leave("g", "w", join_id=first),
-        lambda: coord.call("heartbeat", {"group": "g", "consumer": "w", "join_id": first}),
-    ):
-        with pytest.raises(FencedMemberError, match="joined again from another connection"):
-            refused()
-    # the newer member is untouched: still the only one, holding every queue
-    assert coord.stats()["g"]["members"].keys() == {"w"}
-    answer = coord.heartbeat("g", "w", join_id=second)
-    assert answer["join_id"] == second and len(answer["assignment"]) == 5
-    coord.check_owner("g", "w", TOPIC, 0, second)
-    assert store.queue_range("equeue.retry.g", 0) == (0, 0)  # the fenced nack stored nothing
-    coord.leave("g", "w", join_id=second)
-    assert coord.stats() == {}
-
-
-def test_fenced_is_a_group_error_and_requests_without_join_id_are_the_current_members(
-    coord: GroupCoordinator,
-) -> None:
-    """A client from before join ids sends none: taken as the current member (as before)."""
-    first = coord.join("g", "w", [TOPIC], 3000)["join_id"]
-    coord.join("g", "w", [TOPIC], 3000)
-    assert issubclass(FencedMemberError, GroupError)
-    coord.heartbeat("g", "w")
-    coord.check_owner("g", "w", TOPIC, 0)
-    with pytest.raises(GroupError):
-        coord.heartbeat("g", "w", join_id=first)
-
-
-def test_join_ids_differ_between_coordinators(store: MessageStore, clock: Clock) -> None:
-    """A broker restarted: a member of its earlier run carries a join_id no member of the
-    new run has (each run starts at a random point)."""
-    seen = set()
-    for _ in range(5):
-        fresh = GroupCoordinator(store, clock=clock, wall_clock=clock)
-        seen.add(fresh.join("g", "w", [TOPIC], 3000)["join_id"])
-    assert len(seen) == 5
-
-
-def test_a_member_that_left_or_expired_is_not_fenced_but_gone(
-    coord: GroupCoordinator, clock: Clock
-) -> None:
-    first = coord.join("g", "w", [TOPIC], 1000)["join_id"]
-    ticking(coord, clock, 1.2)
-    with pytest.raises(GroupError, match="join again") as caught:
-        coord.heartbeat("g", "w", join_id=first)
-    assert not isinstance(caught.value, FencedMemberError)
-
-
-# --- a stalled broker does not expire its members -----------------------------------
-
-
-def test_the_coordinators_tick_is_the_brokers() -> None:
-    assert groups.TICK_S == BROKER_TICK_S
-
-
-def test_a_tick_three_session_timeouts_late_expires_nobody(
-    coord: GroupCoordinator, clock: Clock
-) -> None:
-    coord.join("g", "a", [TOPIC], 1000)
-    coord.join("g", "b", [TOPIC], 1000)
-    ticking(coord, clock, 0.5)
-    coord.heartbeat("g", "a")
-    coord.heartbeat("g", "b")
-    generation = coord.stats()["g"]["generation"]
-    clock.now += 3.0  # the broker stalled: no tick, no heartbeat read, for 3 timeouts
-    coord.tick()
-    ticking(coord, clock, 0.1)
-    assert coord.stats()["g"]["members"].keys() == {"a", "b"}
-    coord.heartbeat("g", "a")  # their queued heartbeats, read after the late tick
-    coord.heartbeat("g", "b")
-    ticking(coord, clock, 0.5)
-    assert coord.stats()["g"]["generation"] == generation
-
-
-def test_the_stall_is_not_charged_but_the_silence_before_it_is(
-    coord: GroupCoordinator, clock: Clock
-) -> None:
-    """A member silent for 0.6 s before a 3 s stall (a tick due 0.1 s into it) and 0.4 s
-    after it: 1.1 s of its own silence, past its 1 s timeout."""
-    coord.join("g", "a", [TOPIC], 1000)
-    coord.join("g", "b", [TOPIC], 1000)
-    ticking(coord, clock, 0.6)
-    coord.heartbeat("g", "b")
-    clock.now += 3.0
-    coord.tick()
-    ticking(coord, clock, 0.2)
-    coord.heartbeat("g", "b")
-    assert coord.stats()["g"]["members"].keys() == {"a", "b"}  # 0.9 s silent
-    ticking(coord, clock, 0.2)
-    assert coord.stats()["g"]["members"].keys() == {"b"}
-
-
-def test_a_member_that_stops_heartbeating_is_expired_after_its_timeout(
-    coord: GroupCoordinator, clock: Clock
-) -> None:
-    """The control: ticks on time, one member silent."""
-    coord.join("g", "a", [TOPIC], 1000)
-    coord.join("g", "b", [TOPIC], 1000)
-    for _ in range(9):  # 0.9 s: not past the timeout yet
-        ticking(coord, clock, 0.1)
-        coord.heartbeat("g", "b")
-    assert coord.stats()["g"]["members"].keys() == {"a", "b"}
-    for _ in range(2):
-        ticking(coord, clock, 0.1)
-        coord.heartbeat("g", "b")
-    assert coord.stats()["g"]["members"].keys() == {"b"}
-    with pytest.raises(GroupError, match="join again"):
-        coord.heartbeat("g", "a")
-
-
-def test_a_slightly_late_tick_forgives_nothing(coord: GroupCoordinator, clock: Clock) -> None:
-    """Ticks LATE_TICK_S apart (a busy loop, no stall): the session is not extended."""
-    coord.join("g", "a", [TOPIC], 1000)
-    coord.tick()
-    for _ in range(4):
-        clock.now += groups.LATE_TICK_S
-        coord.tick()
-    assert coord.stats()["g"]["members"].keys() == {"a"}
-    clock.now += groups.LATE_TICK_S
-    coord.tick()  # 1.25 s silent
-    assert coord.stats() == {}
 
 
 # --- real processes --------------------------------------------------------------------
@@ -454,17 +280,8 @@ def test_lose_raises_a_fence_and_marks_other_losses_for_a_join() -> None:
 
 @pytest.fixture
 def thread_broker() -> Iterator[str]:
-    directory = short_dir()
-    try:
-        with MessageStore.open(directory / "s") as s:
-            s.create_topic(TOPIC, 4)
-        thread = BrokerThread(directory / "s").start()
-        try:
-            yield thread.urls[0]
-        finally:
-            thread.stop()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with broker_thread(TOPIC, 4) as url:
+        yield url
 
 
 def test_blocking_members_of_one_id_the_older_raises_and_closes_without_leaving(
