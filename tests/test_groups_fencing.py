@@ -197,7 +197,8 @@ def test_a_fixed_id_member_reads_on_across_a_broker_restart_and_its_own_reconnec
                 conn = client._conn
                 assert conn is not None
                 conn.sock.shutdown(2)  # the client's own connection lost
-                client.send_batch(TOPIC, [b"c%d" % i for i in range(10)])
+                with equeue.connect(broker.url) as producer:  # (a send on it would fail)
+                    producer.send_batch(TOPIC, [b"c%d" % i for i in range(10)])
                 consume(consumer, got, 30)
                 assert list(client.stats()["coordinator"]["g"]["members"]) == ["w"]
             finally:
