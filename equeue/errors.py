@@ -315,3 +315,10 @@ class GroupError(EQueueError):
     """A consumer-group request the broker cannot honour: a queue pulled or committed
     by a consumer that is not its owner in the group's current generation, or a
     consumer id the group does not know (its session expired)."""
+
+
+class FencedMemberError(GroupError):
+    """A consumer-group request of a member whose consumer id joined the group again
+    (from another connection or process) while it was live: the newer member replaced
+    it, and the older one must stop (joining again would fence the newer in turn).
+    Consumer ids must be unique among a group's live members (docs/groups.md)."""

@@ -6,7 +6,8 @@ Joins GROUP on TOPIC as consumer NAME through the blocking client, prints ``READ
 once it has its first assignment, then one line per message, in one write each:
 ``M <queue_id> <offset> <message_id>``, then sleeps W ms (its "work": a slow member
 falls behind, so it always has messages processed and not yet committed). Runs until
-killed or its stdin closes.
+killed or its stdin closes; on an equeue error it stops for, prints ``E <class> <text>``
+and exits 3.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 import equeue
 from equeue.client.consumer import GroupConsumer
+from equeue.errors import EQueueError
 
 
 def main() -> int:
@@ -33,23 +35,30 @@ def main() -> int:
     stop = threading.Event()
 
     def watch_stdin() -> None:  # the test closes our stdin: leave cleanly
-        sys.stdin.buffer.read()
+        # (os.read, not sys.stdin's buffer: a daemon thread holding that buffer's lock
+        # aborts the interpreter's exit, when the loop below ends by itself)
+        while os.read(0, 4096):
+            pass
         stop.set()
 
     threading.Thread(target=watch_stdin, daemon=True).start()
     out = sys.stdout.fileno()
-    with equeue.connect(args.url) as client, GroupConsumer(
-        client, args.group, args.topic, session_timeout=args.session, consumer_id=args.name,
-        batch_size=16,
-    ) as consumer:  # fmt: skip
-        os.write(out, b"READY\n")
-        while not stop.is_set():
-            message = consumer.poll(0.2)
-            if message is not None:
-                line = f"M {message.queue_id} {message.queue_offset} {message.message_id}\n"
-                os.write(out, line.encode())
-                if args.work_ms:
-                    time.sleep(args.work_ms / 1000)
+    try:
+        with equeue.connect(args.url) as client, GroupConsumer(
+            client, args.group, args.topic, session_timeout=args.session,
+            consumer_id=args.name, batch_size=16,
+        ) as consumer:  # fmt: skip
+            os.write(out, b"READY\n")
+            while not stop.is_set():
+                message = consumer.poll(0.2)
+                if message is not None:
+                    line = f"M {message.queue_id} {message.queue_offset} {message.message_id}\n"
+                    os.write(out, line.encode())
+                    if args.work_ms:
+                        time.sleep(args.work_ms / 1000)
+    except EQueueError as exc:  # (e.g. fenced: another process joined under its name)
+        os.write(out, f"E {type(exc).__name__} {exc}\n".encode())
+        return 3
     return 0
 
 

@@ -1,4 +1,6 @@
-"""The group coordinator (equeue/server/groups.py) with an injected clock, on a real store."""
+"""The group coordinator (equeue/server/groups.py) with an injected clock, on a real store;
+at the end, fencing a replaced member's join_id and forgiving a broker's stall (their
+processes: tests/test_groups_fencing.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from group_helpers import Clock
 
 from equeue import MessageStore
 from equeue.errors import (
+    FencedMemberError,
     GroupError,
     InvalidMessageError,
     InvalidTypeError,
@@ -19,16 +23,9 @@ from equeue.errors import (
 from equeue.server import groups
 from equeue.server.groups import GroupCoordinator, allocate, average_allocation
 from equeue.server.retry import retry_topic
+from equeue.server.serve import TICK_S as BROKER_TICK_S
 
 RETRY = retry_topic("g")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -149,9 +146,10 @@ def test_expired_member_queues_move_after_the_session_timeout(
     coord.join("g", "a", ["orders"], 1000)
     coord.join("g", "b", ["orders"], 2000)
     for _ in range(3):
-        clock.now += 0.6
+        for _ in range(6):  # a tick every TICK_S (a late one is a broker stall, forgiven)
+            clock.now += groups.TICK_S
+            coord.tick()
         coord.heartbeat("g", "b")
-        coord.tick()
     # a sent nothing for 1.8 s > 1 s: expired, and b gets everything at once
     with pytest.raises(GroupError, match="join again"):
         coord.heartbeat("g", "a")
@@ -162,10 +160,15 @@ def test_expired_member_queues_move_after_the_session_timeout(
 
 def test_not_expired_at_exactly_the_timeout(coord: GroupCoordinator, clock: Clock) -> None:
     coord.join("g", "a", ["orders"], 1000)
-    clock.now += 1.0
-    coord.tick()
+    start = clock.now
+    for step in range(1, 11):  # a tick every TICK_S (a late one is a broker stall, forgiven)
+        clock.now = start + step * groups.TICK_S
+        coord.tick()
     assert coord.heartbeat("g", "a")["generation"] == 1
-    clock.now += 1.001
+    for step in range(1, 11):
+        clock.now = start + 1.0 + step * groups.TICK_S
+        coord.tick()
+    clock.now += 0.001
     coord.tick()
     with pytest.raises(GroupError):
         coord.heartbeat("g", "a")
@@ -286,3 +289,148 @@ def test_member_limit(coord: GroupCoordinator, monkeypatch: pytest.MonkeyPatch) 
         coord.join("g", "c", ["orders"], 1000)
     assert coord.stats()["g"]["generation"] == 2
     assert coord.join("g", "b", ["orders"], 1000)["generation"] == 3  # a member may rejoin
+
+
+def ticking(coord: GroupCoordinator, clock: Clock, seconds: float) -> None:
+    """Time passes as on a broker whose loop runs: a tick every TICK_S."""
+    for _ in range(round(seconds / groups.TICK_S)):
+        clock.now += groups.TICK_S
+        coord.tick()
+
+
+# --- one member per consumer id ------------------------------------------------------
+
+
+def test_a_second_join_of_a_live_id_fences_the_first(
+    coord: GroupCoordinator, store: MessageStore
+) -> None:
+    store.send("orders", b"x", queue_id=0)
+    first = coord.join("g", "w", ["orders"], 3000)["join_id"]
+    second = coord.join("g", "w", ["orders"], 3000)["join_id"]
+    assert first != second
+    message_id = store.pull("orders", 0, 0).messages[0].message_id
+    for refused in (
+        lambda: coord.heartbeat("g", "w", join_id=first),
+        lambda: coord.check_owner("g", "w", "orders", 0, first),
+        lambda: coord.nack("g", "w", message_id, 0, join_id=first),
+        lambda: coord.leave("g", "w", join_id=first),
+        lambda: coord.call("heartbeat", {"group": "g", "consumer": "w", "join_id": first}),
+    ):
+        with pytest.raises(FencedMemberError, match="joined again from another connection"):
+            refused()
+    # the newer member is untouched: still the only one, holding every queue
+    assert coord.stats()["g"]["members"].keys() == {"w"}
+    answer = coord.heartbeat("g", "w", join_id=second)
+    assert answer["join_id"] == second and len(answer["assignment"]) == 9
+    coord.check_owner("g", "w", "orders", 0, second)
+    assert store.queue_range("equeue.retry.g", 0) == (0, 0)  # the fenced nack stored nothing
+    coord.leave("g", "w", join_id=second)
+    assert coord.stats() == {}
+
+
+def test_fenced_is_a_group_error_and_requests_without_join_id_are_the_current_members(
+    coord: GroupCoordinator,
+) -> None:
+    """A client from before join ids sends none: taken as the current member (as before)."""
+    first = coord.join("g", "w", ["orders"], 3000)["join_id"]
+    coord.join("g", "w", ["orders"], 3000)
+    assert issubclass(FencedMemberError, GroupError)
+    coord.heartbeat("g", "w")
+    coord.check_owner("g", "w", "orders", 0)
+    with pytest.raises(GroupError):
+        coord.heartbeat("g", "w", join_id=first)
+
+
+def test_join_ids_differ_between_coordinators(store: MessageStore, clock: Clock) -> None:
+    """A broker restarted: a member of its earlier run carries a join_id no member of the
+    new run has (each run starts at a random point)."""
+    seen = set()
+    for _ in range(5):
+        fresh = GroupCoordinator(store, clock=clock, wall_clock=clock)
+        seen.add(fresh.join("g", "w", ["orders"], 3000)["join_id"])
+    assert len(seen) == 5
+
+
+def test_a_member_that_left_or_expired_is_not_fenced_but_gone(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    first = coord.join("g", "w", ["orders"], 1000)["join_id"]
+    ticking(coord, clock, 1.2)
+    with pytest.raises(GroupError, match="join again") as caught:
+        coord.heartbeat("g", "w", join_id=first)
+    assert not isinstance(caught.value, FencedMemberError)
+
+
+# --- a stalled broker does not expire its members -----------------------------------
+
+
+def test_the_coordinators_tick_is_the_brokers() -> None:
+    assert groups.TICK_S == BROKER_TICK_S
+
+
+def test_a_tick_three_session_timeouts_late_expires_nobody(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    ticking(coord, clock, 0.5)
+    coord.heartbeat("g", "a")
+    coord.heartbeat("g", "b")
+    generation = coord.stats()["g"]["generation"]
+    clock.now += 3.0  # the broker stalled: no tick, no heartbeat read, for 3 timeouts
+    coord.tick()
+    ticking(coord, clock, 0.1)
+    assert coord.stats()["g"]["members"].keys() == {"a", "b"}
+    coord.heartbeat("g", "a")  # their queued heartbeats, read after the late tick
+    coord.heartbeat("g", "b")
+    ticking(coord, clock, 0.5)
+    assert coord.stats()["g"]["generation"] == generation
+
+
+def test_the_stall_is_not_charged_but_the_silence_before_it_is(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    """A member silent for 0.6 s before a 3 s stall (a tick due 0.1 s into it) and 0.4 s
+    after it: 1.1 s of its own silence, past its 1 s timeout."""
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    ticking(coord, clock, 0.6)
+    coord.heartbeat("g", "b")
+    clock.now += 3.0
+    coord.tick()
+    ticking(coord, clock, 0.2)
+    coord.heartbeat("g", "b")
+    assert coord.stats()["g"]["members"].keys() == {"a", "b"}  # 0.9 s silent
+    ticking(coord, clock, 0.2)
+    assert coord.stats()["g"]["members"].keys() == {"b"}
+
+
+def test_a_member_that_stops_heartbeating_is_expired_after_its_timeout(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    """The control: ticks on time, one member silent."""
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    for _ in range(9):  # 0.9 s: not past the timeout yet
+        ticking(coord, clock, 0.1)
+        coord.heartbeat("g", "b")
+    assert coord.stats()["g"]["members"].keys() == {"a", "b"}
+    for _ in range(2):
+        ticking(coord, clock, 0.1)
+        coord.heartbeat("g", "b")
+    assert coord.stats()["g"]["members"].keys() == {"b"}
+    with pytest.raises(GroupError, match="join again"):
+        coord.heartbeat("g", "a")
+
+
+def test_a_slightly_late_tick_forgives_nothing(coord: GroupCoordinator, clock: Clock) -> None:
+    """Ticks LATE_TICK_S apart (a busy loop, no stall): the session is not extended."""
+    coord.join("g", "a", ["orders"], 1000)
+    coord.tick()
+    for _ in range(4):
+        clock.now += groups.LATE_TICK_S
+        coord.tick()
+    assert coord.stats()["g"]["members"].keys() == {"a"}
+    clock.now += groups.LATE_TICK_S
+    coord.tick()  # 1.25 s silent
+    assert coord.stats() == {}

@@ -6,19 +6,16 @@ a message whose properties fill the limit is dead-lettered, not lost."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from server_helpers import short_dir
+from group_helpers import broker_thread
 
 import equeue
 import equeue.aio
-from equeue import MessageStore
 from equeue.client.consumer import GroupConsumer, _Inline
 from equeue.client.consumer_aio import AsyncGroupConsumer
 from equeue.client.sync import Client
@@ -30,30 +27,14 @@ from equeue.protocol.retries import (
     dead_letter_topic,
     retry_topic,
 )
-from equeue.server import BrokerThread
 from equeue.server.handlers import DEFERRED, Handlers
 
 TOPIC = "one"
 
 
-@contextlib.contextmanager
-def _broker() -> Iterator[str]:
-    directory = short_dir()
-    try:
-        with MessageStore.open(directory / "s") as store:
-            store.create_topic(TOPIC, 1)
-        thread = BrokerThread(directory / "s").start()
-        try:
-            yield thread.urls[0]
-        finally:
-            thread.stop()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 @pytest.fixture
 def url() -> Iterator[str]:
-    with _broker() as url:
+    with broker_thread(TOPIC, 1) as url:
         yield url
 
 
@@ -462,7 +443,7 @@ def test_poll_returns_at_its_timeout_while_the_loops_own_pull_is_answered_late(
         return result
 
     monkeypatch.setattr(Handlers, "pull_columns", slow)  # (before the broker takes it)
-    with _broker() as url, equeue.connect(url) as client:
+    with broker_thread(TOPIC, 1) as url, equeue.connect(url) as client:
         client.send_batch(TOPIC, [b"m%d" % i for i in range(40)])
         with GroupConsumer(client, "g", TOPIC, batch_size=32, session_timeout=30.0) as c:
             got = [c.poll(5.0) for _ in range(32)]

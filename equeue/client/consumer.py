@@ -58,6 +58,7 @@ from equeue.errors import (
     ClosedError,
     ConnectionLostError,
     EQueueError,
+    FencedMemberError,
     GroupError,
     InvalidMessageError,
     ProtocolError,
@@ -245,8 +246,8 @@ class GroupConsumer:
             try:
                 self._maintain()
             except (GroupError, ConnectionLostError) as exc:
+                state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
-                state.lost = True
         if state.buffer:  # the common case: a message at hand
             if state.refill:  # a pull answered, or a queue run low: take it, pull again
                 self._refill()
@@ -299,7 +300,7 @@ class GroupConsumer:
             # Not known to be retried (a lost connection may or may not have stored the
             # copy): the membership is reset before anything is committed, so the queues
             # are read again from their last commit and the message comes again.
-            self.state.lost = True
+            self.state.lose(exc)  # (fenced: raised)
             if not isinstance(exc, GroupError):
                 raise
             log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
@@ -311,7 +312,10 @@ class GroupConsumer:
         """Commit every message handed out so far (it counts as processed)."""
         self._check_open()
         self.state.done_with_pending()
-        self._commit(None)
+        try:
+            self._commit(None)
+        except FencedMemberError as exc:
+            self.state.lose(exc)
 
     def close(self) -> None:
         """Commit what was handed out (with auto_commit), leave the group, stop."""
@@ -327,6 +331,8 @@ class GroupConsumer:
         try:
             if processed:
                 state.done_with_pending()
+            if isinstance(state.failure, FencedMemberError):
+                return  # its commits are refused, and its leave would end the newer member
             if not state.lost and state.auto_commit:
                 self._commit_quietly(None)
             # also when lost (a nack failed): the broker may still count it a member, and
@@ -363,7 +369,7 @@ class GroupConsumer:
     def _join(self) -> None:
         state = self.state
         state.reset()
-        state.take(self.client.request("join", state.join_args()))
+        state.joined(self.client.request("join", state.join_args()))
         state.lost = False
 
     def _fetch(self, timeout: float | None) -> bool:
@@ -387,8 +393,8 @@ class GroupConsumer:
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
                     self._commit(None)  # nothing came for a while: commit what is done
             except (GroupError, ConnectionLostError) as exc:
+                state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
-                state.lost = True
                 self._stop.wait(0.05)
                 continue  # _maintain joins; its errors reach the caller
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -440,8 +446,8 @@ class GroupConsumer:
             self._harvest()
             self._start_pulls(quick=True)
         except (GroupError, ConnectionLostError) as exc:
+            state.lose(exc)  # (fenced: raised)
             log.warning("consumer %s: %s; joining again", state.consumer, exc)
-            state.lost = True
 
     def _maintain(self) -> None:
         """Join again if the membership was lost; apply the latest assignment."""
@@ -555,8 +561,8 @@ class GroupConsumer:
         try:
             self._commit(queues)
         except (GroupError, ConnectionLostError) as exc:
+            self.state.lose(exc)  # (fenced: raised)
             log.warning("consumer %s: commit refused (%s)", self.state.consumer, exc)
-            self.state.lost = True
 
     def _beat(self) -> None:
         state = self.state
@@ -567,9 +573,15 @@ class GroupConsumer:
                 return
             if state.lost or state.stalled():
                 continue
+            args = state.heartbeat_args()
             try:
-                if state.take(self.client.request("heartbeat", state.heartbeat_args())):
+                if state.take(self.client.request("heartbeat", args)):
                     self._event.set()
+            except FencedMemberError as exc:
+                if state.fenced(exc, args):  # (else of a membership the loop replaced since)
+                    log.error("consumer %s: %s", state.consumer, exc)
+                    self._event.set()
+                    return
             except GroupError as exc:
                 log.warning("consumer %s: %s", state.consumer, exc)
                 state.lost = True

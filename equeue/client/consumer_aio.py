@@ -35,6 +35,7 @@ from equeue.errors import (
     ClosedError,
     ConnectionLostError,
     EQueueError,
+    FencedMemberError,
     GroupError,
     ProtocolError,
 )
@@ -129,8 +130,8 @@ class AsyncGroupConsumer:
             try:
                 await self._maintain()
             except (GroupError, ConnectionLostError) as exc:
+                state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
-                state.lost = True
         if state.buffer:  # the common case: a message at hand
             if state.refill:  # a pull answered, or a queue run low: take it, pull again
                 self._refill()
@@ -182,7 +183,7 @@ class AsyncGroupConsumer:
             # Not known to be retried (a lost connection may or may not have stored the
             # copy): the membership is reset before anything is committed, so the queues
             # are read again from their last commit and the message comes again.
-            self.state.lost = True
+            self.state.lose(exc)  # (fenced: raised)
             if not isinstance(exc, GroupError):
                 raise
             log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
@@ -190,7 +191,10 @@ class AsyncGroupConsumer:
     async def commit(self) -> None:
         self._check_open()
         self.state.done_with_pending()
-        await self._commit(None)
+        try:
+            await self._commit(None)
+        except FencedMemberError as exc:
+            self.state.lose(exc)
 
     async def close(self) -> None:
         """Commit what was handed out (with auto_commit), leave the group, stop."""
@@ -215,6 +219,8 @@ class AsyncGroupConsumer:
         try:
             if processed:
                 state.done_with_pending()
+            if isinstance(state.failure, FencedMemberError):
+                return  # its commits are refused, and its leave would end the newer member
             if not state.lost and state.auto_commit:
                 await self._commit(None)
             # also when lost (a nack failed): the broker may still count it a member, and
@@ -248,7 +254,7 @@ class AsyncGroupConsumer:
     async def _join(self) -> None:
         state = self.state
         state.reset()
-        state.take(await self.client.request("join", state.join_args()))
+        state.joined(await self.client.request("join", state.join_args()))
         state.lost = False
 
     async def _fetch(self, timeout: float | None) -> bool:
@@ -268,8 +274,8 @@ class AsyncGroupConsumer:
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
                     await self._commit(None)
             except (GroupError, ConnectionLostError) as exc:
+                state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
-                state.lost = True
                 await asyncio.sleep(0.05)
                 continue
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -295,8 +301,8 @@ class AsyncGroupConsumer:
             self._harvest()
             self._start_pulls()
         except (GroupError, ConnectionLostError) as exc:
+            state.lose(exc)  # (fenced: raised)
             log.warning("consumer %s: %s; joining again", state.consumer, exc)
-            state.lost = True
 
     async def _maintain(self) -> None:
         state = self.state
@@ -380,8 +386,8 @@ class AsyncGroupConsumer:
         try:
             await self._commit(None)
         except (GroupError, ConnectionLostError) as exc:
+            self.state.lose(exc)  # (fenced: raised)
             log.warning("consumer %s: commit refused (%s)", self.state.consumer, exc)
-            self.state.lost = True
 
     async def _beat(self) -> None:
         state = self.state
@@ -393,9 +399,15 @@ class AsyncGroupConsumer:
             beat_now.clear()
             if state.closed or state.lost or state.stalled():
                 continue
+            args = state.heartbeat_args()
             try:
-                if state.take(await self.client.request("heartbeat", state.heartbeat_args())):
+                if state.take(await self.client.request("heartbeat", args)):
                     event.set()
+            except FencedMemberError as exc:
+                if state.fenced(exc, args):  # (else of a membership the loop replaced since)
+                    log.error("consumer %s: %s", state.consumer, exc)
+                    event.set()
+                    return
             except GroupError as exc:
                 log.warning("consumer %s: %s", state.consumer, exc)
                 state.lost = True

@@ -9,6 +9,11 @@ messages: the queues it no longer lists are committed (with auto_commit) and dro
 the new ones start at the group's committed offset (the queue's first retained offset
 where the group committed none), and the generation applied is reported by the next
 heartbeat, which lets the broker hand the dropped queues on.
+
+A join is answered a ``join_id`` (a broker from before join ids answers none) that every
+later request of that membership carries: a join of the same consumer id elsewhere
+fences this member (FencedMemberError), which then stops rather than join again (that
+would fence the other in turn, each rejoin dropping the queues uncommitted).
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Final
 
-from equeue.errors import InvalidMessageError, InvalidTypeError, ProtocolError
+from equeue.errors import (
+    EQueueError,
+    FencedMemberError,
+    InvalidMessageError,
+    InvalidTypeError,
+    ProtocolError,
+)
 from equeue.protocol.pullcols import unpack_any
 from equeue.protocol.retries import RETRY_PREFIX, restore
 from equeue.store.types import Message
@@ -112,7 +123,10 @@ class GroupState:
         self.lock = threading.Lock()  # the answer, between the heartbeat thread and the loop
         self.answer: dict[str, Any] | None = None
         self.lost = True  # not a member (yet, or any more): join first
-        self.failure: ProtocolError | None = None  # the heartbeat's, raised by the loop
+        # raised by the loop from now on: the broker's nonsense (ProtocolError), or this
+        # member fenced by another join of its consumer id (FencedMemberError)
+        self.failure: EQueueError | None = None
+        self.join_id: int | None = None  # the join's answer, carried by every request
         self.epoch = 0  # memberships so far: a pull sent in an earlier one is ignored
         self.applied: int | None = None
         self.news = False  # an answer not applied yet: the loop applies it at the next poll
@@ -129,7 +143,10 @@ class GroupState:
     # --- the broker's answers ----------------------------------------------------------
 
     def member_args(self) -> dict[str, Any]:
-        return {"group": self.group, "consumer": self.consumer}
+        join_id = self.join_id
+        if join_id is None:  # (not joined yet, or a broker that answers no join_id)
+            return {"group": self.group, "consumer": self.consumer}
+        return {"group": self.group, "consumer": self.consumer, "join_id": join_id}
 
     def join_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {
@@ -150,8 +167,19 @@ class GroupState:
         """The caller has not asked for a message for max_poll_interval: no heartbeat."""
         return time.monotonic() - self.last_poll > self.max_poll_interval
 
+    def joined(self, answer: object) -> None:
+        """Keep a join's answer: its join_id goes with every later request."""
+        join_id = answer.get("join_id") if isinstance(answer, dict) else None
+        if join_id is not None and (type(join_id) is not int or join_id < 0):
+            raise ProtocolError(f"{self.where}: a join_id must be a uint, got {join_id!r}")
+        with self.lock:
+            self.join_id = join_id
+        self.take(answer)
+
     def take(self, answer: object) -> bool:
-        """Keep an assignment answered by join or heartbeat; True if it is news."""
+        """Keep an assignment answered by join or heartbeat; True if it is news. An
+        answer of an earlier membership (a heartbeat of the heartbeat thread answered
+        after the loop joined again) is ignored."""
         if (
             not isinstance(answer, dict)
             or type(answer.get("generation")) is not int
@@ -159,6 +187,8 @@ class GroupState:
         ):
             raise ProtocolError(f"{self.where}: an assignment must be a map with a generation")
         with self.lock:
+            if self.join_id is not None and answer.get("join_id") != self.join_id:
+                return False
             before = self.answer
             self.answer = answer
         news = before is None or before != answer
@@ -203,7 +233,28 @@ class GroupState:
         self.applied = None
         with self.lock:
             self.answer = None
+            self.join_id = None
         self.lost = True
+
+    def lose(self, error: EQueueError) -> None:
+        """A request of the loop's refused (GroupError) or its connection lost: join again
+        at the next poll. Fenced: raise it, now and at every later poll (the loop's
+        requests are of its current membership; joining again would fence the member
+        that replaced this one)."""
+        if isinstance(error, FencedMemberError):
+            self.failure = error
+            raise error
+        self.lost = True
+
+    def fenced(self, error: FencedMemberError, args: dict[str, Any]) -> bool:
+        """The heartbeat thread's request of ``args`` was fenced: True if that is this
+        membership (the loop raises the error from now on), False if the loop joined
+        again since (the request was of the membership it replaced: nothing to do)."""
+        with self.lock:
+            if args.get("join_id") != self.join_id:
+                return False
+        self.failure = error
+        return True
 
     # --- queues ------------------------------------------------------------------------
 

@@ -31,6 +31,9 @@ _MESSAGE_ARGS: Final[Spec] = {
 }
 _QUEUE: Final[Spec] = {"topic": ((str,), True), "queue_id": ((UINT,), True)}
 _MEMBER: Final[Spec] = {"group": ((str,), True), "consumer": ((str,), True)}
+# join's answer: carried by a member's later requests (docs/groups.md, "one member per
+# consumer id"); a client sends it only to a broker that answered one
+_JOIN_ID: Final[Spec] = {"join_id": ((UINT,), False)}
 _PULL: Final[Spec] = {
     **_QUEUE,
     "offset": ((UINT,), True),
@@ -41,6 +44,7 @@ _PULL: Final[Spec] = {
     # a pull on behalf of a group member: refused unless it owns the queue
     "group": ((str,), False),
     "consumer": ((str,), False),
+    **_JOIN_ID,
 }
 
 OPS: Final[dict[str, Spec]] = {
@@ -60,6 +64,7 @@ OPS: Final[dict[str, Spec]] = {
         "group": ((str,), True),
         "offset": ((UINT,), True),
         "consumer": ((str,), False),
+        **_JOIN_ID,
     },
     "committed_offset": {**_QUEUE, "group": ((str,), True)},
     "create_topic": {"topic": ((str,), True), "queue_count": ((UINT, NIL), False)},
@@ -75,10 +80,11 @@ OPS: Final[dict[str, Spec]] = {
         "max_retries": ((UINT,), False),
     },
     # generation: that of the last assignment the member applied (releases revoked queues)
-    "heartbeat": {**_MEMBER, "generation": ((UINT,), False)},
-    "leave": _MEMBER,
+    "heartbeat": {**_MEMBER, "generation": ((UINT,), False), **_JOIN_ID},
+    "leave": {**_MEMBER, **_JOIN_ID},
     "nack": {
         **_MEMBER,
+        **_JOIN_ID,
         "message_id": ((str,), True),
         "delay_ms": ((UINT, NIL), False),
     },

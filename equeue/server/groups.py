@@ -24,17 +24,30 @@ the holder, so a revoked queue can still get its holder's last commit.
 
 An assignment, as join and heartbeat answer it, lists the queues the member holds and
 is to keep: its target queues that are free or already its own.
+
+One member per consumer id (Kafka's static membership, FENCED_INSTANCE_ID): each join
+is answered a ``join_id`` the member carries in every later group request; a join of an
+id already in the group replaces that member, and a request carrying the replaced
+member's join_id is refused with FencedMemberError (two processes with one consumer id
+would otherwise both hold, pull and commit every queue of that id). A request without
+a join_id (a client from before join ids) is taken as the current member's.
+
+A broker stalled past a session timeout (SIGSTOP, a VM freeze, a long loop turn) reads
+the heartbeats queued meanwhile only after its first tick: a tick that comes late pushes
+every member's last heartbeat forward by the stall, so the stall is not charged to them.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.errors import (
+    FencedMemberError,
     GroupError,
     InvalidMessageError,
     InvalidTypeError,
@@ -59,6 +72,16 @@ HEARTBEATS_PER_SESSION: Final = 3
 MAX_TOPICS: Final = 64  # topics one group subscribes
 MAX_CONSUMER_BYTES: Final = 255
 MAX_MEMBERS: Final = 1024  # per group: each join rebalances over every member
+# How often the broker calls tick() (serve.py's TICK_S). A tick later than LATE_TICK_S
+# after the previous one means the broker's loop stalled: the members' heartbeats of
+# that time wait unread in their sockets, so the stall is not counted against them.
+TICK_S: Final = 0.1
+LATE_TICK_S: Final = 2 * TICK_S + 0.05
+# A stall at least this long is logged (a warning: sessions were extended by it).
+LOGGED_STALL_S: Final = 1.0
+# join ids start at a random point in each run of the broker: a member of an earlier run
+# (before a restart) carries a join_id that no member of this run has, with near certainty
+JOIN_ID_BITS: Final = 48  # (its sums stay below 2**53, exact in any client's numbers)
 
 
 MAX_SKIP_GROUPS: Final = 4096  # groups whose skips the coordinator counts
@@ -78,6 +101,7 @@ class _Member:
     session_timeout_ms: int
     max_retries: int
     last_seen: float
+    join_id: int  # carried by its requests: another join of its consumer id fences them
     # The last assignment answered to it: (generation, queues). A heartbeat reporting
     # that generation releases every queue it holds outside those queues.
     given: tuple[int, frozenset[Queue]] = (0, frozenset())
@@ -152,6 +176,8 @@ class GroupCoordinator:
         # One counter for every group: a group that lost its last member and is joined
         # again never repeats a generation its former members saw.
         self._generations = 0
+        self._join_ids = secrets.randbits(JOIN_ID_BITS)
+        self._last_tick: float | None = None
 
     def persist_with(self, run: Callable[[Callable[[], None]], retry.Job]) -> None:
         """Run the retry mover's fdatasync and cursor write with ``run`` (off the loop)."""
@@ -168,12 +194,17 @@ class GroupCoordinator:
                 group, consumer, args["topics"], args.get("session_timeout_ms"),
                 max_retries=args.get("max_retries"),
             )  # fmt: skip
+        join_id = args.get("join_id")
         if op == "heartbeat":
-            return self.heartbeat(group, consumer, generation=args.get("generation"))
+            return self.heartbeat(
+                group, consumer, generation=args.get("generation"), join_id=join_id
+            )
         if op == "leave":
-            return self.leave(group, consumer)
+            return self.leave(group, consumer, join_id=join_id)
         if op == "nack":
-            return self.nack(group, consumer, args["message_id"], args.get("delay_ms"))
+            return self.nack(
+                group, consumer, args["message_id"], args.get("delay_ms"), join_id=join_id
+            )
         raise InvalidMessageError(f"{op!r} is not a consumer-group op")
 
     def join(
@@ -185,8 +216,9 @@ class GroupCoordinator:
         *,
         max_retries: int | None = None,
     ) -> dict[str, Any]:
-        """Add ``consumer`` to ``group`` (again: it starts afresh, holding nothing) and
-        rebalance. Every member of a group subscribes the same topics."""
+        """Add ``consumer`` to ``group`` (again: it starts afresh, holding nothing, and
+        the member it replaces is fenced) and rebalance. Every member of a group
+        subscribes the same topics."""
         retry.check_group_name(group)
         _check_consumer(consumer)
         names = _check_topics(topics)
@@ -210,18 +242,33 @@ class GroupCoordinator:
         self.retries.ensure(retry.retry_topic(group), 1)
         if state is None:
             state = self._groups[group] = _Group(group)
+        replaced = state.members.get(consumer)
+        now = self.clock()
+        self._join_ids += 1
+        if replaced is not None:
+            log.warning(
+                "consumer %r of group %r joined again while its session was live (join %d, "
+                "last heartbeat %.1f s ago): that member is fenced, its requests are "
+                "refused from now on (join %d); consumer ids must be unique among live members",
+                consumer, group, replaced.join_id, now - replaced.last_seen, self._join_ids,
+            )  # fmt: skip
         self._drop(state, consumer)
         state.topics = names
-        state.members[consumer] = _Member(names, timeout, retries, self.clock())
+        state.members[consumer] = _Member(names, timeout, retries, now, self._join_ids)
         self._rebalance(state, f"{consumer!r} joined")
         return self._answer(state, consumer)
 
     def heartbeat(
-        self, group: str, consumer: str, *, generation: int | None = None
+        self,
+        group: str,
+        consumer: str,
+        *,
+        generation: int | None = None,
+        join_id: int | None = None,
     ) -> dict[str, Any]:
         """Keep ``consumer``'s session; ``generation``: that of the last assignment it
         applied (releases the queues it was told to give up)."""
-        state, member = self._member(group, consumer)
+        state, member = self._member(group, consumer, join_id)
         member.last_seen = self.clock()
         if generation is not None and generation == member.given[0]:
             released = [
@@ -234,17 +281,21 @@ class GroupCoordinator:
                 self._grant(state)
         return self._answer(state, consumer)
 
-    def leave(self, group: str, consumer: str) -> None:
+    def leave(self, group: str, consumer: str, *, join_id: int | None = None) -> None:
         """Remove ``consumer`` (it committed what it processed first) and rebalance."""
         state = self._groups.get(group)
         if state is None or consumer not in state.members:
             return  # gone already: leaving twice, or after its session expired
+        self._member(group, consumer, join_id)  # a fenced member's leave would end another's
         self._drop(state, consumer)
         self._rebalance(state, f"{consumer!r} left")
 
-    def check_owner(self, group: str, consumer: str, topic: str, queue_id: int) -> None:
-        """GroupError unless ``consumer`` holds the queue in ``group`` now."""
-        state, _ = self._member(group, consumer)
+    def check_owner(
+        self, group: str, consumer: str, topic: str, queue_id: int, join_id: int | None = None
+    ) -> None:
+        """GroupError unless ``consumer`` (of ``join_id``, where given) holds the queue in
+        ``group`` now."""
+        state, _ = self._member(group, consumer, join_id)
         holder = state.holders.get((topic, queue_id))
         if holder != consumer:
             owner = "nobody" if holder is None else f"consumer {holder!r}"
@@ -254,12 +305,20 @@ class GroupCoordinator:
                 "current assignment"
             )
 
-    def nack(self, group: str, consumer: str, message_id: str, delay_ms: int | None) -> None:
+    def nack(
+        self,
+        group: str,
+        consumer: str,
+        message_id: str,
+        delay_ms: int | None,
+        *,
+        join_id: int | None = None,
+    ) -> None:
         """Send the message back for a retry after a delay, or to the dead-letter topic
         once it was retried ``max_retries`` times (equeue/server/retry.py)."""
-        state, member = self._member(group, consumer)
+        state, member = self._member(group, consumer, join_id)
         message = self.store.get(message_id)
-        self.check_owner(group, consumer, message.topic, message.queue_id)
+        self.check_owner(group, consumer, message.topic, message.queue_id, join_id)
         if message.topic != retry.retry_topic(group) and message.topic not in state.topics:
             raise GroupError(f"message {message_id} of {message.topic} is not group {group!r}'s")
         self.retries.nack(group, message, delay_ms, member.max_retries)
@@ -299,8 +358,9 @@ class GroupCoordinator:
 
     def tick(self) -> None:
         """Expire members past their session timeout, pick up queues topics gained, move
-        retries that are due. The broker calls it about every 100 ms."""
+        retries that are due. The broker calls it about every 100 ms (TICK_S)."""
         now = self.clock()
+        self._forgive_stall(now)
         for state in list(self._groups.values()):
             expired = [c for c, m in state.members.items() if _expired(m, now)]
             for consumer in expired:
@@ -365,13 +425,39 @@ class GroupCoordinator:
 
     # --- internals -------------------------------------------------------------------
 
-    def _member(self, group: str, consumer: str) -> tuple[_Group, _Member]:
+    def _forgive_stall(self, now: float) -> None:
+        """After a late tick (the broker's loop stalled: this tick may run before the
+        heartbeats queued meanwhile are read), push every member's last heartbeat
+        forward by the stall, not past now: each session is extended by the stall, once."""
+        last, self._last_tick = self._last_tick, now
+        if last is None or now - last <= LATE_TICK_S:
+            return
+        stall = now - last - TICK_S
+        for state in self._groups.values():
+            for member in state.members.values():
+                member.last_seen = min(now, member.last_seen + stall)
+        if stall >= LOGGED_STALL_S and self._groups:
+            log.warning(
+                "the broker's tick came %.1f s late (its loop stalled); the members' "
+                "sessions are extended by that much, not expired for it", stall,
+            )  # fmt: skip
+
+    def _member(
+        self, group: str, consumer: str, join_id: int | None = None
+    ) -> tuple[_Group, _Member]:
         state = self._groups.get(group)
         member = None if state is None else state.members.get(consumer)
         if state is None or member is None:
             raise GroupError(
                 f"group {group!r} has no consumer {consumer!r} (never joined, left, or its "
                 "session timed out, or the broker restarted): join again"
+            )
+        if join_id is not None and join_id != member.join_id:
+            raise FencedMemberError(
+                f"consumer {consumer!r} of group {group!r} joined again from another "
+                f"connection or process (join {member.join_id}); this member (join "
+                f"{join_id}) is fenced: stop it, or give each process its own consumer_id "
+                "(consumer ids must be unique among live members)"
             )
         return state, member
 
@@ -434,6 +520,7 @@ class GroupCoordinator:
             "session_timeout_ms": member.session_timeout_ms,
             "retry_topic": retry.retry_topic(state.name),
             "dead_letter_topic": retry.dead_letter_topic(state.name),
+            "join_id": member.join_id,
         }
 
 

@@ -83,7 +83,9 @@ class Coordinator(Protocol):
     """equeue/server/groups.py's GroupCoordinator, as the broker calls it (loop thread)."""
 
     def call(self, op: str, args: dict[str, Any]) -> Any: ...  # join, heartbeat, leave, nack
-    def check_owner(self, group: str, consumer: str, topic: str, queue_id: int) -> None: ...
+    def check_owner(
+        self, group: str, consumer: str, topic: str, queue_id: int, join_id: int | None = None
+    ) -> None: ...
     def tick(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def persist_with(self, run: Callable[[Callable[[], None]], Any]) -> None: ...
@@ -352,10 +354,10 @@ class Handlers:
         group, consumer = a.get("group"), a.get("consumer")
         check = None
         if group is not None and consumer is not None:  # checked again when answered
-            owner = self.coordinator.check_owner
+            owner, join_id = self.coordinator.check_owner, a.get("join_id")
 
             def check() -> None:
-                owner(group, consumer, topic, queue_id)
+                owner(group, consumer, topic, queue_id, join_id)
 
         held = HeldPull(peer, rid, (topic, queue_id), found.next_offset, args, check)
         if columns:  # (else serve.py's fit_pull packs it, as a pull's)
@@ -443,7 +445,7 @@ class Handlers:
         group, consumer = a.get("group"), a.get("consumer")
         if consumer is None or group is None:
             return
-        self.coordinator.check_owner(group, consumer, topic, queue_id)
+        self.coordinator.check_owner(group, consumer, topic, queue_id, a.get("join_id"))
 
     # --- stats -----------------------------------------------------------------
 
