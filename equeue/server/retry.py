@@ -21,7 +21,13 @@ fdatasynced (``store.flush_log``, once per tick for every delay queue; recovery 
 queues from the log): a crash between the two moves them again (at least once), and
 nothing is lost. The appends run on the broker's loop; the fdatasync and the cursor
 write run off it (``background``: the broker's offset committer thread), and no copy is
-moved until they ended.
+moved until they ended; a failed write is tried again, never the move.
+
+Short of a crash no copy is moved twice: a level's copies are sent a run of one group
+at a time, in offset order, and the cursor passes each run once it is appended, so a
+failure anywhere leaves it right after what was appended. A copy the store refuses (a
+limit lowered since it was delayed) is dead-lettered and passed; any other failure (a
+full disk) stops the tick and is tried again at the next.
 """
 
 from __future__ import annotations
@@ -239,7 +245,7 @@ class Retries:
         )  # fmt: skip
         return (
             f"cut to the store's limits (body {len(body)} of {len(message.body)} bytes, "
-            f"{len(kept)} of {len(wanted)} properties: {error})"
+            f"{len(kept)} of {len(wanted)} properties; equeue.dlq.reason says why)"
         )
 
     def _nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
