@@ -218,8 +218,9 @@ class Retries:
         limits now (a store reopened with a smaller max_message_size or
         max_properties_size than it was written with): its body cut to max_message_size,
         ``equeue.dlq.body_size`` saying by how much, and of the properties (the origin
-        first) those that fit in max_properties_size. It terminates: a nack that failed
-        here would bring the message back, and fail again, for ever."""
+        first) those that fit in max_properties_size; what was cut, for the caller's log.
+        It terminates: a nack that failed here would bring the message back, and fail
+        again, for ever (and a due copy would block its delay level)."""
         config = self.store.config
         body = message.body
         cut = len(body) > config.max_message_size
