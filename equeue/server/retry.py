@@ -21,7 +21,13 @@ fdatasynced (``store.flush_log``, once per tick for every delay queue; recovery 
 queues from the log): a crash between the two moves them again (at least once), and
 nothing is lost. The appends run on the broker's loop; the fdatasync and the cursor
 write run off it (``background``: the broker's offset committer thread), and no copy is
-moved until they ended.
+moved until they ended; a failed write is tried again, never the move.
+
+Short of a crash no copy is moved twice: a level's copies are sent a run of one group
+at a time, in offset order, and the cursor passes each run once it is appended, so a
+failure anywhere leaves it right after what was appended. A copy the store refuses (a
+limit lowered since it was delayed) is dead-lettered and passed; any other failure (a
+full disk) stops the tick and is tried again at the next.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final, Protocol
 
 from equeue.errors import (
+    EQueueError,
     InvalidMessageError,
     InvalidTypeError,
     MessageTooLargeError,
+    StoreWriteError,
     TopicNotFoundError,
 )
 from equeue.format.message import MAX_NAME_BYTES
@@ -87,6 +95,11 @@ DEFAULT_MAX_RETRIES: Final = 16
 MAX_RETRIES_LIMIT: Final = 1000
 MAX_LEVELS: Final = 64
 MOVE_BATCH: Final = 256  # copies moved per delay queue per tick: a tick stays short
+FAILURE_REPEAT_S: Final = 60.0  # a mover failing every tick is logged again this often
+# A message the store refuses for what it is (past max_message_size or
+# max_properties_size, lowered since it was stored); anything else it raises is the
+# store's state (a full disk, a failed write, closing) and passes.
+_REFUSALS: Final = (InvalidMessageError, InvalidTypeError)
 
 _OURS: Final = (GROUP, ATTEMPT, ORIGIN_TOPIC, ORIGIN_QUEUE, ORIGIN_OFFSET, ORIGIN_ID, DUE_MS)
 
@@ -154,7 +167,13 @@ class Retries:
         # Runs the mover's fdatasync and cursor write off the broker's loop (the broker
         # sets it: OffsetCommitter.run); None: in the caller, before move_due returns.
         self.background: Callable[[Callable[[], None]], Job] | None = None
-        self._persisting: tuple[Job, dict[tuple[str, int], int]] | None = None
+        self._persisting: Job | None = None
+        # Cursors moved past whose write failed (or has not run): written before any
+        # further move, so what they cover is never moved again.
+        self._unsaved: dict[tuple[str, int], int] = {}
+        self._failure: str | None = None  # what fails, while the mover fails
+        self._failure_said = 0.0  # time.monotonic() when it was last logged
+        self._failed_ticks = 0
         self.moved = 0  # copies moved to retry topics (stats)
         self.dead = 0  # messages sent to dead-letter topics
         if any(f"{MOVER_GROUP}.json" in problem for problem in store.recovery.problems):
@@ -177,25 +196,31 @@ class Retries:
             found, attempts = origin(message, group)
             props = {**found, GROUP: group, ATTEMPT: str(attempts + 1)}
             props[DLQ_REASON] = f"no retry: {exc}"[:1024]
-            try:
-                self._append(dead_letter_topic(group), message, props, None)
-            except (MessageTooLargeError, InvalidMessageError) as again:
-                self._dead_letter_cut(group, message, props, again)
+            how = self._dead_letter(group, message, props)
             self.dead += 1
             log.warning(
-                "message %s of group %r: dead-lettered without its properties (%s)",
-                found[ORIGIN_ID], group, exc,
+                "message %s of group %r: dead-lettered without its properties, %s (%s)",
+                found[ORIGIN_ID], group, how, exc,
             )  # fmt: skip
+
+    def _dead_letter(self, group: str, message: Message, props: dict[str, str]) -> str:
+        """Append the dead letter whole if the store takes it, else cut; says which."""
+        try:
+            self._append(dead_letter_topic(group), message, props, None)
+        except InvalidMessageError as again:  # MessageTooLargeError among them
+            return self._dead_letter_cut(group, message, props, again)
+        return "whole"
 
     def _dead_letter_cut(
         self, group: str, message: Message, props: dict[str, str], error: Exception
-    ) -> None:
+    ) -> str:
         """The dead letter of a message that cannot be copied whole under the store's
         limits now (a store reopened with a smaller max_message_size or
         max_properties_size than it was written with): its body cut to max_message_size,
         ``equeue.dlq.body_size`` saying by how much, and of the properties (the origin
-        first) those that fit in max_properties_size. It terminates: a nack that failed
-        here would bring the message back, and fail again, for ever."""
+        first) those that fit in max_properties_size; what was cut, for the caller's log.
+        It terminates: a nack that failed here would bring the message back, and fail
+        again, for ever (and a due copy would block its delay level)."""
         config = self.store.config
         body = message.body
         cut = len(body) > config.max_message_size
@@ -219,11 +244,10 @@ class Retries:
             dead_letter_topic(group), body, tag=message.tag, key=message.key, properties=kept,
             code=message.code,
         )  # fmt: skip
-        log.warning(
-            "message %s of group %r: dead-lettered cut to the store's limits (body %d of %d "
-            "bytes, %d of %d properties): %s",
-            props[ORIGIN_ID], group, len(body), len(message.body), len(kept), len(wanted), error,
-        )  # fmt: skip
+        return (
+            f"cut to the store's limits (body {len(body)} of {len(message.body)} bytes, "
+            f"{len(kept)} of {len(wanted)} properties; equeue.dlq.reason says why)"
+        )
 
     def _nack(self, group: str, message: Message, delay_ms: int | None, max_retries: int) -> None:
         found, attempts = origin(message, group)
@@ -259,90 +283,178 @@ class Retries:
         return len(self.delays) - 1
 
     def move_due(self) -> int:
-        """Append every due copy to its group's retry topic; how many were moved."""
-        if self._persisting is not None and not self._persisted():
+        """Append every due copy to its group's retry topic; how many were moved. A copy
+        the store refuses for what it is goes to the dead-letter topic; any other failure
+        (a full disk, a failed write) stops the move where it failed, keeps what was
+        moved, and is tried again at the next tick: no copy is appended twice."""
+        if not self._durable():
             return 0  # the last move is not durable yet: nothing more until it is
-        store = self.store
-        try:
-            delay_queues = store.queue_ids(DELAY_TOPIC)
-        except TopicNotFoundError:
-            return 0
-        now_ms = self.wall_clock() * 1000
-        moved = 0
+        before = self.moved
         cursors: dict[tuple[str, int], int] = {}
+        try:
+            self._move(cursors)
+        except EQueueError as exc:  # the store's state, not a copy's: the next tick retries
+            self._failing("could not append a due copy", exc)
+        else:
+            self._working()
+        finally:  # the cursors of what was appended before any failure, too
+            if cursors:
+                self._unsaved.update(cursors)
+                self._save()
+        return self.moved - before
+
+    def _move(self, cursors: dict[tuple[str, int], int]) -> None:
+        try:
+            delay_queues = self.store.queue_ids(DELAY_TOPIC)
+        except TopicNotFoundError:
+            return
+        now_ms = self.wall_clock() * 1000
         for queue_id in delay_queues:
-            first, following = store.queue_range(DELAY_TOPIC, queue_id)
-            at = max(self._cursor(queue_id), first)
-            if at > following:  # the topic was deleted and made again: start over
-                at = self._cursors[queue_id] = first
-            if at >= following or self._head_due.get(queue_id, 0) > now_ms:
-                continue
-            due: list[Message] = []
-            for message in store.pull(DELAY_TOPIC, queue_id, at, MOVE_BATCH):
-                if _due_ms(message) > now_ms:
-                    # FIFO by due time: the rest of the queue waits too, and until then
-                    # the queue is not read again
-                    self._head_due[queue_id] = _due_ms(message)
-                    break
-                due.append(message)
-            if not due:
-                continue
-            batches: dict[str, list[OutgoingMessage]] = {}
-            for message in due:
-                group = message.properties.get(GROUP, "")
-                try:
-                    target = retry_topic(check_group_name(group))
-                except InvalidMessageError:
+            due = self._due(queue_id, now_ms)
+            if due:
+                self._move_level(queue_id, due, cursors)
+
+    def _due(self, queue_id: int, now_ms: float) -> list[Message]:
+        first, following = self.store.queue_range(DELAY_TOPIC, queue_id)
+        at = max(self._cursor(queue_id), first)
+        if at > following:  # the topic was deleted and made again: start over
+            at = self._cursors[queue_id] = first
+        if at >= following or self._head_due.get(queue_id, 0) > now_ms:
+            return []
+        due: list[Message] = []
+        for message in self.store.pull(DELAY_TOPIC, queue_id, at, MOVE_BATCH):
+            if _due_ms(message) > now_ms:
+                # FIFO by due time: the rest of the queue waits too, and until then the
+                # queue is not read again
+                self._head_due[queue_id] = _due_ms(message)
+                break
+            due.append(message)
+        return due
+
+    def _move_level(
+        self, queue_id: int, due: list[Message], cursors: dict[tuple[str, int], int]
+    ) -> None:
+        """One send per run of consecutive copies of one group, in offset order, the
+        cursor passing each run as soon as it is appended: whatever fails, the cursor
+        stands right after what was appended (a batch per group would append copies past
+        one that failed, and move them again)."""
+        for group, run in _runs(due):
+            if group is None:
+                for message in run:
                     log.warning("%s in %s names no group; dropped", message.message_id, DELAY_TOPIC)
-                    continue
-                props = {k: v for k, v in message.properties.items() if k != DUE_MS}
-                batches.setdefault(target, []).append(
-                    OutgoingMessage(message.body, message.tag, message.key, props, message.code)
-                )
-            for target, batch in batches.items():  # one send (one flush) per group
-                self.ensure(target, 1)
-                store.send_batch(target, batch)
-            cursors[(DELAY_TOPIC, queue_id)] = due[-1].queue_offset + 1
-            moved += len(due)
-        if cursors:
-            if self.background is None:
-                self._persist(cursors)
-                self._advance(cursors)
-            else:  # off the loop; the next tick that finds it done advances the cursors
-                self._persisting = (self.background(lambda: self._persist(cursors)), cursors)
-        self.moved += moved
-        return moved
+                self._pass(queue_id, run[-1], cursors)
+                continue
+            target = retry_topic(group)
+            self.ensure(target, 1)
+            try:
+                self.store.send_batch(target, [_copy(message) for message in run])
+            except _REFUSALS:  # nothing written: find the copy (or copies) refused
+                self._move_one_by_one(queue_id, group, run, cursors)
+                continue
+            except StoreWriteError as exc:  # a batch cut short: what it stored is moved
+                if exc.sent:
+                    self.moved += len(exc.sent)
+                    self._pass(queue_id, run[len(exc.sent) - 1], cursors)
+                raise
+            self.moved += len(run)
+            self._pass(queue_id, run[-1], cursors)
+
+    def _move_one_by_one(
+        self, queue_id: int, group: str, run: list[Message], cursors: dict[tuple[str, int], int]
+    ) -> None:
+        target = retry_topic(group)
+        for message in run:
+            try:
+                self.store.send_batch(target, [_copy(message)])
+                self.moved += 1
+            except _REFUSALS as exc:
+                self._dead_letter_refused(group, message, exc)
+            self._pass(queue_id, message, cursors)
+
+    def _dead_letter_refused(self, group: str, message: Message, error: Exception) -> None:
+        """A due copy the store refuses (past a limit lowered since it was delayed): it
+        would block its level for every group, so it is dead-lettered as a nack that
+        cannot be retried is (whole, else cut to the store's limits)."""
+        props = {k: v for k, v in message.properties.items() if k != DUE_MS}
+        props.setdefault(ORIGIN_ID, message.message_id)
+        props[DLQ_REASON] = f"not moved to {retry_topic(group)}: {error}"[:1024]
+        how = self._dead_letter(group, message, props)
+        self.dead += 1
+        log.warning(
+            "a due retry of group %r (message %s, first at %s/%s offset %s) was refused by "
+            "the store: %s; dead-lettered to %s %s. The limits are StoreConfig."
+            "max_message_size and max_properties_size (equeue serve --max-frame-bytes)",
+            group, props[ORIGIN_ID], props.get(ORIGIN_TOPIC, "?"), props.get(ORIGIN_QUEUE, "?"),
+            props.get(ORIGIN_OFFSET, "?"), error, dead_letter_topic(group), how,
+        )  # fmt: skip
+
+    def _pass(self, queue_id: int, message: Message, cursors: dict[tuple[str, int], int]) -> None:
+        """The cursor past ``message``, appended (or dead-lettered, or dropped): in memory
+        at once, so no later tick moves it again; on disk once the log is flushed."""
+        offset = message.queue_offset + 1
+        cursors[(DELAY_TOPIC, queue_id)] = self._cursors[queue_id] = offset
+
+    def _durable(self) -> bool:
+        """Whether every move so far is durable (its cursors written after the log's
+        fdatasync); if the last attempt failed, it is tried again now."""
+        job = self._persisting
+        if job is not None:
+            if not job.done():
+                return False
+            self._persisting = None
+            error = BaseException("cancelled") if job.cancelled() else job.exception()
+            if error is None:
+                self._unsaved = {}
+            else:
+                self._failing("could not make its move durable", error)
+        if self._unsaved:
+            self._save()
+        return not self._unsaved and self._persisting is None
+
+    def _save(self) -> None:
+        cursors = dict(self._unsaved)
+        if self.background is not None:  # off the loop; a later tick sees how it ended
+            self._persisting = self.background(lambda: self._persist(cursors))
+            return
+        try:
+            self._persist(cursors)
+        except (EQueueError, OSError) as exc:
+            self._failing("could not make its move durable", exc)
+        else:
+            self._unsaved = {}
 
     def _persist(self, cursors: dict[tuple[str, int], int]) -> None:
         # The copies (and the delay entries they came from) durable in the message log
         # before the cursors say they were moved: recovery rebuilds the retry topics'
         # queues from the log, so the log's fdatasync suffices (no checkpoint of every
         # queue file); one for every delay queue of the tick, then one write of the
-        # mover's offsets file.
+        # mover's offsets file. A failed fdatasync fails every later one (chunk.py), so a
+        # retry never writes cursors past copies that may be lost.
         self.store.flush_log()
         self.commit_cursors(cursors)
 
-    def _advance(self, cursors: dict[tuple[str, int], int]) -> None:
-        for (_, queue_id), offset in cursors.items():
-            self._cursors[queue_id] = offset
+    def _failing(self, what: str, error: BaseException) -> None:
+        """Logged once when the mover starts failing, then once a minute while it keeps
+        failing (it is tried again every tick), and once when it works again."""
+        self._failed_ticks += 1
+        now = time.monotonic()
+        if self._failure is not None and now - self._failure_said < FAILURE_REPEAT_S:
+            return
+        log.error(
+            "the retry mover %s (%s)%s: it keeps what it moved, moves nothing twice and tries "
+            "again every tick (said again once a minute while it fails, and when it works)",
+            what, error,
+            f", failing for {self._failed_ticks} ticks" if self._failure is not None else "",
+        )  # fmt: skip
+        self._failure, self._failure_said = what, now
 
-    def _persisted(self) -> bool:
-        """Whether the move persisting off the loop ended (its cursors then advanced;
-        if it failed, its copies are moved again: at least once)."""
-        assert self._persisting is not None
-        job, cursors = self._persisting
-        if not job.done():
-            return False
-        self._persisting = None
-        error = BaseException("cancelled") if job.cancelled() else job.exception()
-        if error is None:
-            self._advance(cursors)
-        else:
-            log.error(
-                "the retry mover could not make its move durable (%s): the copies it "
-                "appended are moved again (at least once)", error,
+    def _working(self) -> None:
+        if self._failure is not None and not self._unsaved:
+            log.warning(
+                "the retry mover works again after %d failed ticks (%s)",
+                self._failed_ticks, self._failure,
             )  # fmt: skip
-        return True
+            self._failure, self._failed_ticks = None, 0
 
     def commit_cursors(self, cursors: dict[tuple[str, int], int]) -> None:
         group_offsets.commit_group_file(self.store.path, MOVER_GROUP, cursors)
@@ -382,6 +494,31 @@ class Retries:
         except TopicNotFoundError:
             pass
         self.store.create_topic(topic, queue_count)
+
+
+def _runs(due: list[Message]) -> list[tuple[str | None, list[Message]]]:
+    """``due`` cut into runs of consecutive copies of one group (None: a copy naming
+    no valid group), in order."""
+    runs: list[tuple[str | None, list[Message]]] = []
+    valid: dict[str, str | None] = {}
+    for message in due:
+        name = message.properties.get(GROUP, "")
+        if name not in valid:
+            try:
+                valid[name] = check_group_name(name)
+            except InvalidMessageError:
+                valid[name] = None
+        group = valid[name]
+        if runs and runs[-1][0] == group:
+            runs[-1][1].append(message)
+        else:
+            runs.append((group, [message]))
+    return runs
+
+
+def _copy(message: Message) -> OutgoingMessage:
+    props = {k: v for k, v in message.properties.items() if k != DUE_MS}
+    return OutgoingMessage(message.body, message.tag, message.key, props, message.code)
 
 
 def _due_ms(message: Message) -> float:

@@ -33,6 +33,7 @@ from equeue.server.handlers import Handlers
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.loops import run as run_on
 from equeue.server.offsetcommit import OffsetCommitter
+from equeue.server.periodic import PeriodicJobs
 from equeue.server.release import release_durable
 from equeue.server.stats import Counters
 from equeue.store.config import StoreConfig
@@ -197,6 +198,7 @@ class Broker:
                 self.commit.close()  # its flusher thread
             raise
         self._ticks = 0
+        self._periodic = PeriodicJobs(log)
         self._ticker = loop.call_later(TICK_S, self._tick)
         wait = self.config.commit_wait_us if self.commit is not None else 0
         log.info(
@@ -276,15 +278,14 @@ class Broker:
     def _tick(self) -> None:
         coordinator = self.coordinator
         assert coordinator is not None
-        try:
-            coordinator.tick()
+        periodic = self._periodic
+        try:  # each its own try: a failing mover must not starve held pulls and the rates
+            periodic.run("group tick (expiry, retries)", coordinator.tick)
             if self.holds.count:
-                self.holds.poll()
+                periodic.run("poll of held pulls", self.holds.poll)
             self._ticks += 1
             if self._ticks % SAMPLE_EVERY == 0:
-                self.counters.sample()
-        except Exception:
-            log.exception("the broker's periodic work failed")
+                periodic.run("stats sample", self.counters.sample)
         finally:
             if not self.draining:
                 self._ticker = self.loop.call_later(TICK_S, self._tick)
