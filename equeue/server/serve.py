@@ -18,6 +18,7 @@ import ssl
 import stat
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -38,6 +39,7 @@ from equeue.server.stats import Counters
 from equeue.store.config import StoreConfig
 from equeue.store.store import MessageStore
 from equeue.store.types import PullResult
+from equeue.store.validate import check_open
 
 log = logging.getLogger("equeue.server")
 
@@ -125,13 +127,30 @@ def _claim_socket_path(path: str) -> None:
     raise ConfigError(f"cannot listen on unix:{path}: another process is listening on it")
 
 
+def _store_path(store: StoreOrPath) -> Path:
+    """Where the store is (or will be), as MessageStore.open names it (and refuses it:
+    a path that cannot be a store directory, NotAStoreError)."""
+    if isinstance(store, MessageStore):
+        return store.path
+    return check_open(store, None, False)
+
+
 class Broker:
     def __init__(self, store: StoreOrPath, config: ServerConfig | None = None) -> None:
         self.config = config = config or ServerConfig()
         self.token = read_token(config.token_file) if config.token_file else None
         self._tls = _tls_context(config)
+        # The listeners before the store: a refused one (a socket path too long) leaves
+        # nothing created, opened or locked (docs/broker.md: checked before anything opens).
+        self.listeners = config.listeners_for(_store_path(store))
         self.store, self._owns_store = open_store(store, config.flush, config.max_frame_bytes)
-        self.listeners = config.listeners_for(self.store.path)
+        try:
+            self._set_up(config)
+        except BaseException:  # a store this broker opened must not stay open and locked
+            self._close_store()
+            raise
+
+    def _set_up(self, config: ServerConfig) -> None:
         self.urls: list[str] = []
         self.connections: set[Connection] = set()
         self.counters = Counters()
