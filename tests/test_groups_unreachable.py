@@ -106,21 +106,40 @@ def bounded(served: ServedStore, call: Callable[[], Any]) -> tuple[str, Any]:
     return outcome, value
 
 
-def drain_sync(consumer: Any, count: int) -> int:
-    got = 0
+def collect(consumer: Any, done: Callable[[list[bytes]], bool]) -> list[bytes]:
+    """The bodies polled until ``done(bodies)``, at most 200 polls of 0.2 s."""
+    bodies: list[bytes] = []
     for _ in range(200):
-        if got == count:
+        if done(bodies):
             break
-        if consumer.poll(0.2) is not None:
-            got += 1
-    return got
+        if (message := consumer.poll(0.2)) is not None:
+            bodies.append(message.body)
+    return bodies
+
+
+async def collect_aio(consumer: Any, done: Callable[[list[bytes]], bool]) -> list[bytes]:
+    bodies: list[bytes] = []
+    for _ in range(200):
+        if done(bodies):
+            break
+        if (message := await consumer.poll(0.2)) is not None:
+            bodies.append(message.body)
+    return bodies
+
+
+def ten(bodies: list[bytes]) -> bool:
+    return len(bodies) == 10
+
+
+def after(bodies: list[bytes]) -> bool:
+    return b"after" in bodies
 
 
 def test_a_blocking_members_poll_ends_while_its_broker_is_gone(served: ServedStore) -> None:
     client = equeue.connect(str(served.store), connect_timeout=CONNECT_TIMEOUT)
     consumer = client.consumer("g", TOPIC, session_timeout=2.0)
     try:
-        assert drain_sync(consumer, 10) == 10
+        assert len(collect(consumer, ten)) == 10
         served.kill()
         # poll(timeout): the rejoin's error, not a wait for ever
         outcome, error = bounded(served, lambda: consumer.poll(POLL_TIMEOUT))
@@ -133,14 +152,7 @@ def test_a_blocking_members_poll_ends_while_its_broker_is_gone(served: ServedSto
         served.start()
         with equeue.connect(str(served.store)) as producer:
             producer.send(TOPIC, b"after")
-        bodies = []
-        for _ in range(100):
-            message = consumer.poll(0.5)
-            if message is not None:
-                bodies.append(message.body)
-                if message.body == b"after":
-                    break
-        assert b"after" in bodies
+        assert after(collect(consumer, after))
     finally:
         consumer.close()
         client.close()
@@ -154,7 +166,7 @@ def test_a_blocking_member_rides_through_a_broker_restarted_in_time(
     client = equeue.connect(str(served.store), connect_timeout=30.0)
     consumer = client.consumer("g", TOPIC, session_timeout=2.0, auto_commit=False)
     try:
-        assert drain_sync(consumer, 10) == 10
+        assert len(collect(consumer, ten)) == 10
         served.kill()
         served.start(wait=False)  # the poll below finds it down, then back
         outcome, message = bounded(served, lambda: consumer.poll(25.0))
@@ -171,13 +183,7 @@ def test_an_asyncio_members_poll_ends_while_its_broker_is_gone(served: ServedSto
         consumer = client.consumer("g", TOPIC, session_timeout=2.0)
         try:
             await consumer.start()
-            got = 0
-            for _ in range(200):
-                if got == 10:
-                    break
-                if await consumer.poll(0.2) is not None:
-                    got += 1
-            assert got == 10
+            assert len(await collect_aio(consumer, ten)) == 10
             served.kill()
             for timeout in (POLL_TIMEOUT, None):  # poll(None): after the first failed rejoin
                 try:
@@ -192,14 +198,7 @@ def test_an_asyncio_members_poll_ends_while_its_broker_is_gone(served: ServedSto
             served.start()
             with equeue.connect(str(served.store)) as producer:
                 producer.send(TOPIC, b"after")
-            bodies = []
-            for _ in range(100):
-                message = await consumer.poll(0.5)
-                if message is not None:
-                    bodies.append(message.body)
-                    if message.body == b"after":
-                        break
-            assert b"after" in bodies
+            assert after(await collect_aio(consumer, after))
         finally:
             await consumer.close()
             await client.close()
@@ -215,13 +214,7 @@ def test_an_asyncio_member_rides_through_a_broker_restarted_in_time(
         consumer = client.consumer("g", TOPIC, session_timeout=2.0, auto_commit=False)
         try:
             await consumer.start()
-            got = 0
-            for _ in range(200):
-                if got == 10:
-                    break
-                if await consumer.poll(0.2) is not None:
-                    got += 1
-            assert got == 10
+            assert len(await collect_aio(consumer, ten)) == 10
             served.kill()
             served.start(wait=False)
             message = await asyncio.wait_for(consumer.poll(25.0), WATCHDOG_S + 25.0)
