@@ -243,6 +243,7 @@ class GroupConsumer:
     def _poll(self, timeout: float | None, now: float) -> Message | None:
         state = self.state
         if state.news or state.lost or state.failure:  # revoked queues go at once
+            self._rejoin()
             try:
                 self._maintain()
             except (GroupError, ConnectionLostError) as exc:
@@ -372,6 +373,15 @@ class GroupConsumer:
         state.joined(self.client.request("join", state.join_args()))
         state.lost = False
 
+    def _rejoin(self) -> None:
+        """Join again if the membership was lost. Its errors reach the caller: a
+        ConnectionLostError (the broker unreachable for the client's connect_timeout) or
+        a refusal. Caught and retried, a poll would never end while the broker is gone;
+        the consumer stays usable, its next poll joins again."""
+        state = self.state
+        if state.lost and state.failure is None:  # (a failure: _maintain raises it)
+            self._join()
+
     def _fetch(self, timeout: float | None) -> bool:
         """Fill the buffer; False once ``timeout`` passed without a message."""
         state = self.state
@@ -380,6 +390,7 @@ class GroupConsumer:
         while True:
             self._event.clear()
             state.last_poll = time.monotonic()  # waiting for messages is not stalling
+            self._rejoin()
             try:
                 self._maintain()
                 self._harvest()
@@ -396,7 +407,9 @@ class GroupConsumer:
                 state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 self._stop.wait(0.05)
-                continue  # _maintain joins; its errors reach the caller
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False  # (the caller's time holds; its next poll joins again)
+                continue  # _rejoin joins; its errors reach the caller
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False

@@ -127,6 +127,7 @@ class AsyncGroupConsumer:
         if state.handed is not None:
             state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
+            await self._rejoin()
             try:
                 await self._maintain()
             except (GroupError, ConnectionLostError) as exc:
@@ -257,6 +258,14 @@ class AsyncGroupConsumer:
         state.joined(await self.client.request("join", state.join_args()))
         state.lost = False
 
+    async def _rejoin(self) -> None:
+        """As GroupConsumer._rejoin: join again if the membership was lost; a
+        ConnectionLostError (the broker unreachable for connect_timeout) or a refusal
+        reaches the caller, and the next poll joins again."""
+        state = self.state
+        if state.lost and state.failure is None:  # (a failure: _maintain raises it)
+            await self._join()
+
     async def _fetch(self, timeout: float | None) -> bool:
         state = self.state
         assert self._event is not None
@@ -265,6 +274,7 @@ class AsyncGroupConsumer:
         while True:
             self._event.clear()
             state.last_poll = time.monotonic()  # waiting for messages is not stalling
+            await self._rejoin()
             try:
                 await self._maintain()
                 self._harvest()
@@ -277,7 +287,9 @@ class AsyncGroupConsumer:
                 state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 await asyncio.sleep(0.05)
-                continue
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False  # (the caller's time holds; its next poll joins again)
+                continue  # _rejoin joins; its errors reach the caller
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False

@@ -21,6 +21,7 @@ from equeue.server.config import (
     MAX_BUSY_POLL_US,
     SOCKET_NAME,
     ServerConfig,
+    parse_duration,
 )
 
 
@@ -68,6 +69,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hello-timeout-ms", type=int, default=10_000)
     parser.add_argument("--max-partial-frame-bytes", type=int, default=512 * 1024 * 1024)
     parser.add_argument(
+        "--retention", metavar="DURATION",
+        help="remove whole log chunks whose newest message is older than this (90s, 15m, "
+        "2h, 7d; no unit: seconds), after each of the store's checkpoints (every 10 s); "
+        "default: keep every message",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-store-bytes", type=int, default=None, metavar="N",
+        help="remove the oldest log chunks while the store is over N bytes (each log chunk "
+        "counted at its full size); default: no limit",
+    )  # fmt: skip
+    parser.add_argument(
+        "--retention-respects-consumers", action="store_true",
+        help="with --retention or --max-store-bytes: remove a chunk only once every "
+        "consumer group committed past it",
+    )  # fmt: skip
+    parser.add_argument(
         "--insecure-token", action="store_true",
         help="allow a token over plain tcp:// off loopback (it crosses the network in "
         "clear: anyone on the path can read and replay it); prefer tls://",
@@ -105,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
         event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
         group_commit_overlap=args.group_commit_overlap, busy_poll_us=args.busy_poll_us,
+        retention=None if args.retention is None else parse_duration(args.retention, "--retention"),
+        max_store_bytes=args.max_store_bytes,
+        retention_respects_consumers=args.retention_respects_consumers,
     )  # fmt: skip
     from equeue.server.serve import serve
 

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import errno
 import ipaddress
+import math
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +26,7 @@ from equeue.protocol.frames import (
     HELLO_MAX_FRAME_BYTES,
     MIN_MAX_FRAME_BYTES,
 )
+from equeue.store.validate import MAX_SPAN, check_span
 
 # Under --flush sync; 0 otherwise (docs/benchmarks.md, "Group commit wait": measured on)
 DEFAULT_GROUP_COMMIT_WAIT_US = 500
@@ -33,6 +37,9 @@ EventLoop = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
 SOCKET_NAME = DEFAULT_SOCKET_NAME  # the default listener, inside the store directory
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the NUL
+# --retention: a number with an optional unit (no unit: seconds)
+DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([smhd]?)\s*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +143,14 @@ class ServerConfig:
     insecure_token: bool = False
     # "auto": uvloop where it is installed (a dependency on Linux and macOS), else asyncio's.
     event_loop: EventLoop = "auto"
+    # The retention of a store the broker opens (StoreConfig's fields of the same names;
+    # a caller's handle keeps its own: these with a handle are a ConfigError). Whole log
+    # chunks are removed after each of the store's checkpoints while older than
+    # ``retention`` or while the store is over ``max_store_bytes``; with
+    # ``retention_respects_consumers`` only once every group committed past them.
+    retention: dt.timedelta | None = None
+    max_store_bytes: int | None = None
+    retention_respects_consumers: bool = False
     listeners: tuple[Listener, ...] = field(init=False, default=())
 
     @property
@@ -201,6 +216,7 @@ class ServerConfig:
                 f"max_partial_frame_bytes={self.max_partial_frame_bytes} is below "
                 f"max_frame_bytes={self.max_frame_bytes}: no frame of that size could arrive"
             )
+        self._check_retention()
         listeners = tuple(parse_listener(url) for url in self.listen)
         object.__setattr__(self, "listeners", listeners)
         tls = [x for x in listeners if x.kind == "tls"]
@@ -229,10 +245,52 @@ class ServerConfig:
                 "--insecure-token / insecure_token=True"
             )
 
+    def _check_retention(self) -> None:
+        """As StoreConfig checks them, the message naming the option too."""
+        if self.retention is not None:
+            check_span("retention (--retention)", self.retention)
+        if self.max_store_bytes is not None:
+            check_int("max_store_bytes (--max-store-bytes)", self.max_store_bytes, 1, 1 << 62)
+        respects = self.retention_respects_consumers
+        if not isinstance(respects, bool):
+            raise ConfigError(
+                f"retention_respects_consumers (--retention-respects-consumers) must be a "
+                f"bool, got {respects!r}"
+            )
+        if respects and self.retention is None and self.max_store_bytes is None:  # ignored
+            raise ConfigError(
+                "retention_respects_consumers (--retention-respects-consumers) only applies "
+                "with retention (--retention) or max_store_bytes (--max-store-bytes)"
+            )
+
+    @property
+    def sets_retention(self) -> bool:
+        """Whether any retention setting differs from its default (no retention)."""
+        return (
+            self.retention is not None
+            or self.max_store_bytes is not None
+            or self.retention_respects_consumers
+        )
+
     def listeners_for(self, store_path: Path) -> tuple[Listener, ...]:
         if self.listeners:
             return self.listeners
         return (parse_listener(f"unix:{store_path / SOCKET_NAME}"),)
+
+
+def parse_duration(text: str, option: str) -> dt.timedelta:
+    """``90``, ``90s``, ``15m``, ``2h``, ``7d`` (a number, decimals allowed, and an
+    optional unit; no unit: seconds) as a timedelta; ConfigError naming ``option``."""
+    match = _DURATION.fullmatch(text)
+    if match is None:
+        raise ConfigError(
+            f"{option} {text!r}: expected a duration such as 90, 90s, 15m, 2h or 7d "
+            "(no unit: seconds)"
+        )
+    seconds = float(match.group(1)) * DURATION_UNITS[match.group(2)]
+    if not math.isfinite(seconds) or seconds > MAX_SPAN.total_seconds():
+        raise ConfigError(f"{option} {text!r} is longer than {MAX_SPAN.days} days")
+    return dt.timedelta(seconds=seconds)
 
 
 def read_token(path: str) -> str:

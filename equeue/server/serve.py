@@ -18,12 +18,13 @@ import ssl
 import stat
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from equeue.errors import BrokerError, ConfigError
-from equeue.protocol.frames import DEFAULT_MAX_FRAME_BYTES, SUPPORTED_VERSIONS
+from equeue.protocol.frames import SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
@@ -36,9 +37,10 @@ from equeue.server.offsetcommit import OffsetCommitter
 from equeue.server.periodic import PeriodicJobs
 from equeue.server.release import release_durable
 from equeue.server.stats import Counters
-from equeue.store.config import StoreConfig
+from equeue.store.config import FlushPolicy, StoreConfig
 from equeue.store.store import MessageStore
 from equeue.store.types import PullResult
+from equeue.store.validate import check_open
 
 log = logging.getLogger("equeue.server")
 
@@ -64,13 +66,20 @@ def _check_frame_carries_a_message(max_frame_bytes: int, store: StoreConfig) -> 
         )
 
 
-def open_store(
-    store: StoreOrPath, flush: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-) -> tuple[MessageStore, bool]:
+def open_store(store: StoreOrPath, config: ServerConfig) -> tuple[MessageStore, bool]:
     """The store to serve, and whether the broker opened it (and so closes it). A store
-    it opens takes messages up to what one frame can carry (at most the store's default);
-    a caller's handle must already fit (ConfigError)."""
+    it opens takes messages up to what one frame can carry (at most the store's default)
+    and the config's retention; a caller's handle must already fit (ConfigError), and
+    keeps its own retention (a retention setting beside it is a ConfigError)."""
+    max_frame_bytes = config.max_frame_bytes
     if isinstance(store, MessageStore):
+        if config.sets_retention:  # it would be silently ignored
+            raise ConfigError(
+                f"cannot serve {store.path} with retention settings (--retention, "
+                "--max-store-bytes, --retention-respects-consumers): they apply to a store "
+                "the broker opens; open the handle with StoreConfig(retention=..., "
+                "max_store_bytes=..., retention_respects_consumers=...) instead"
+            )
         if store.read_only:
             raise ConfigError(f"cannot serve {store.path}: the handle is read-only")
         if store.config.flush == "sync":
@@ -82,11 +91,15 @@ def open_store(
         _check_frame_carries_a_message(max_frame_bytes, store.config)
         return store, False
     # Under --flush sync the broker flushes itself; the store's service flushes the rest.
-    policy = "os" if flush == "os" else "async"
+    policy: FlushPolicy = "os" if config.flush == "os" else "async"
     default = StoreConfig()
     largest = max_frame_bytes - default.max_properties_size - MESSAGE_OVERHEAD
-    config = StoreConfig(flush=policy, max_message_size=min(default.max_message_size, largest))  # type: ignore[arg-type]
-    return MessageStore.open(store, config), True
+    store_config = StoreConfig(
+        flush=policy, max_message_size=min(default.max_message_size, largest),
+        retention=config.retention, max_store_bytes=config.max_store_bytes,
+        retention_respects_consumers=config.retention_respects_consumers,
+    )  # fmt: skip
+    return MessageStore.open(store, store_config), True
 
 
 def _tls_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -126,13 +139,30 @@ def _claim_socket_path(path: str) -> None:
     raise ConfigError(f"cannot listen on unix:{path}: another process is listening on it")
 
 
+def _store_path(store: StoreOrPath) -> Path:
+    """Where the store is (or will be), as MessageStore.open names it (and refuses it:
+    a path that cannot be a store directory, NotAStoreError)."""
+    if isinstance(store, MessageStore):
+        return store.path
+    return check_open(store, None, False)
+
+
 class Broker:
     def __init__(self, store: StoreOrPath, config: ServerConfig | None = None) -> None:
         self.config = config = config or ServerConfig()
         self.token = read_token(config.token_file) if config.token_file else None
         self._tls = _tls_context(config)
-        self.store, self._owns_store = open_store(store, config.flush, config.max_frame_bytes)
-        self.listeners = config.listeners_for(self.store.path)
+        # The listeners before the store: a refused one (a socket path too long) leaves
+        # nothing created, opened or locked (docs/broker.md: checked before anything opens).
+        self.listeners = config.listeners_for(_store_path(store))
+        self.store, self._owns_store = open_store(store, config)
+        try:
+            self._set_up(config)
+        except BaseException:  # a store this broker opened must not stay open and locked
+            self._close_store()
+            raise
+
+    def _set_up(self, config: ServerConfig) -> None:
         self.urls: list[str] = []
         self.connections: set[Connection] = set()
         self.counters = Counters()
