@@ -29,6 +29,7 @@ from equeue.client.groupstate import (
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    long_polls,
     poll_wait_ms,
 )
 from equeue.errors import (
@@ -84,6 +85,7 @@ class AsyncGroupConsumer:
         self._beat_now: asyncio.Event | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._last_commit = time.monotonic()
+        self._pollers = MAX_POLLERS  # pulls in flight at most: long_polls, once joined
 
     @property
     def consumer_id(self) -> str:
@@ -100,6 +102,7 @@ class AsyncGroupConsumer:
             self._event = asyncio.Event()
             self._beat_now = asyncio.Event()
             await self._join()
+            self._pollers = long_polls(self.client)  # (the welcome is known now)
             await self._maintain()
             self._heartbeat = asyncio.create_task(self._beat())
         return self
@@ -131,18 +134,20 @@ class AsyncGroupConsumer:
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
+        # the commits a poll makes stop at its deadline (after one request at least)
+        until = None if timeout is None else now + timeout
         if state.buffer:  # the common case: a message at hand
             if state.refill:  # a pull answered, or a queue run low: take it, pull again
                 self._refill()
             if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
-                await self._commit_quietly()
+                await self._commit_quietly(until)
             if state.buffer:
                 return state.next_message()
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval
             ):
-                await self._commit_quietly()
+                await self._commit_quietly(until)
             if not await self._fetch(timeout):
                 return None
         return state.next_message()
@@ -266,7 +271,7 @@ class AsyncGroupConsumer:
                 if state.buffer:
                     return True
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
-                    await self._commit(None)
+                    await self._commit(None, deadline)  # (within the poll's timeout)
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
@@ -345,9 +350,10 @@ class AsyncGroupConsumer:
         state = self.state
         event = self._event
         assert event is not None
-        # At most MAX_POLLERS pulls in flight (the connection's max_in_flight is shared
-        # with commits and heartbeats), the queues pulled longest ago first.
-        wait_ms = poll_wait_ms(len(state.positions))
+        # At most ``pollers`` pulls in flight (the connection's max_in_flight is shared
+        # with commits and heartbeats: long_polls), the queues pulled longest ago first.
+        pollers = self._pollers
+        wait_ms = poll_wait_ms(len(state.positions), pollers)
         inflight, epoch = self._inflight, state.epoch
         # (a pull sent before the membership was lost is ignored when answered: it does
         # not hold up the queue's pulls now)
@@ -356,7 +362,7 @@ class AsyncGroupConsumer:
             if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
         ]  # fmt: skip
         wanted.sort(key=lambda k: self._started.get(k, 0.0))
-        for key in wanted[: max(0, MAX_POLLERS - len(self._inflight))]:
+        for key in wanted[: max(0, pollers - len(self._inflight))]:
             old = inflight.get(key)
             if old is not None:  # of an earlier membership: its answer would be ignored
                 old[0].cancel()
@@ -366,9 +372,15 @@ class AsyncGroupConsumer:
             task.add_done_callback(self._answered)
             self._inflight[key] = (task, args["offset"], state.epoch)
 
-    async def _commit(self, queues: list[Queue] | None) -> None:
+    async def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
+        """Commit what is processed of ``queues`` (None: all); past ``until`` (a poll's
+        deadline) no further request is sent: the rest stays due, for the next poll."""
         state = self.state
+        sent = False
         for (topic, queue_id), offset in state.to_commit(queues).items():
+            if sent and until is not None and time.monotonic() >= until:
+                return  # (_last_commit unchanged: the rest is due at the next poll)
+            sent = True
             await self.client.request(
                 "commit_offset",
                 {**state.member_args(), "topic": topic, "queue_id": queue_id, "offset": offset},
@@ -376,9 +388,9 @@ class AsyncGroupConsumer:
             state.committed[(topic, queue_id)] = offset
         self._last_commit = time.monotonic()
 
-    async def _commit_quietly(self) -> None:
+    async def _commit_quietly(self, until: float | None) -> None:
         try:
-            await self._commit(None)
+            await self._commit(None, until)
         except (GroupError, ConnectionLostError) as exc:
             log.warning("consumer %s: commit refused (%s)", self.state.consumer, exc)
             self.state.lost = True
