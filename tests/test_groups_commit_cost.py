@@ -282,3 +282,72 @@ def test_a_member_holds_at_most_max_in_flight_less_two_long_polls(loop: str) -> 
                 got = asyncio.run(main())
         assert all(m is not None for m in got)
         assert 1 <= sampler.most <= 2
+
+
+WIDE = 64  # queues of the pipelined-commit tests
+
+
+@pytest.mark.parametrize("loop", ["blocking", "asyncio"])
+def test_commits_are_pipelined_into_few_fsyncd_writes(loop: str) -> None:
+    # before: one commit_offset at a time, each its own offsets-file write and fsync
+    # (WIDE writes); now up to COMMIT_WINDOW in flight, written together by the broker
+    directory = short_dir()
+    try:
+        with MessageStore.open(directory / "s") as store:
+            store.create_topic("many", WIDE)
+            for q in range(WIDE):
+                store.send("many", b"x", queue_id=q)
+        thread = BrokerThread(directory / "s").start()
+        try:
+            url, committer = thread.urls[0], thread.broker.offsets
+            if loop == "blocking":
+                with equeue.connect(url) as client:
+                    consumer = GroupConsumer(client, "g", "many", auto_commit_interval=3600.0)
+                    try:
+                        got = 0
+                        for _ in range(20 * WIDE):  # poll(0.05): no idle commit (0.1 s)
+                            got += consumer.poll(0.05) is not None
+                            if got == WIDE:
+                                break
+                        before = committer.writes
+                        consumer.commit()
+                        writes = committer.writes - before
+                    finally:
+                        consumer.close()
+                    committed = [client.committed_offset("g", "many", q) for q in range(WIDE)]
+            else:
+
+                async def main() -> tuple[int, int, list[int | None]]:
+                    aclient = await equeue.aio.connect(url)
+                    try:
+                        consumer = AsyncGroupConsumer(
+                            aclient, "g", "many", auto_commit_interval=3600.0
+                        )
+                        await consumer.start()
+                        try:
+                            got = 0
+                            for _ in range(20 * WIDE):
+                                got += await consumer.poll(0.05) is not None
+                                if got == WIDE:
+                                    break
+                            before = committer.writes
+                            await consumer.commit()
+                            writes = committer.writes - before
+                        finally:
+                            await consumer.close()
+                        return (
+                            got,
+                            writes,
+                            [await aclient.committed_offset("g", "many", q) for q in range(WIDE)],
+                        )
+                    finally:
+                        await aclient.close()
+
+                got, writes, committed = asyncio.run(main())
+        finally:
+            thread.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert got == WIDE
+    assert committed == [1] * WIDE
+    assert 1 <= writes <= WIDE // 4  # (2-3 seen)

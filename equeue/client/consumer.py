@@ -69,6 +69,10 @@ from equeue.store.types import Message
 log = logging.getLogger("equeue.client.consumer")
 
 IDLE_COMMIT_SECONDS = 0.1  # no message for this long: the processed offsets are committed
+# commit_offset requests in flight at once: the broker's committer writes those that
+# arrive while it writes in one file write and fsync per group (a request a queue, one
+# after another, was an fsync each: ~9 ms a queue)
+COMMIT_WINDOW = 64
 # While messages are at hand and the member holds more than _pollers queues, a queue
 # whose last pull found nothing is pulled again (without a wait) after this long at the
 # earliest: what arrives there waits at most this much more. Up to _pollers queues it
@@ -546,23 +550,54 @@ class GroupConsumer:
             self._inflight[key] = (future, args["offset"], epoch)
 
     def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
-        """Commit what is processed of ``queues`` (None: all), a request a queue; past
-        ``until`` (a poll's deadline, time.monotonic()) no further request is sent, so a
-        poll is not held past its timeout: the rest stays due, for the next poll."""
+        """Commit what is processed of ``queues`` (None: all), a request a queue, up to
+        COMMIT_WINDOW of them in flight at once (the broker writes the commits that
+        arrive while it writes in one file write and fsync); past ``until`` (a poll's
+        deadline, time.monotonic()) no further window is sent, so a poll is not held
+        past its timeout: the rest stays due, for the next poll. A requester other than
+        the blocking Client itself (a wrapper) gets them one at a time."""
         state = self.state
-        sent = False
-        for (topic, queue_id), offset in state.to_commit(queues).items():
-            if sent and until is not None and time.monotonic() >= until:
+        due = list(state.to_commit(queues).items())
+        window = COMMIT_WINDOW if self._inline is not None else 1
+        for first in range(0, len(due), window):
+            if first and until is not None and time.monotonic() >= until:
                 self._commit_due = time.monotonic()  # (the rest: at the next poll)
                 return
-            sent = True
-            self.client.request(
-                "commit_offset",
-                {**state.member_args(), "topic": topic, "queue_id": queue_id, "offset": offset},
-            )
-            state.committed[(topic, queue_id)] = offset
+            self._commit_window(due[first : first + window])
         self._last_commit = time.monotonic()
         self._commit_due = self._last_commit + self._commit_every()
+
+    def _commit_window(self, part: list[tuple[Queue, int]]) -> None:
+        state = self.state
+        inline = self._inline
+        if inline is None or len(part) == 1:
+            for key, offset in part:
+                self.client.request("commit_offset", state.commit_args(key, offset))
+                state.committed[key] = offset
+            return
+        started: list[tuple[Queue, int, Any]] = []
+        failure: EQueueError | None = None
+        for key, offset in part:
+            try:
+                started.append(
+                    (
+                        key,
+                        offset,
+                        inline.start_request("commit_offset", state.commit_args(key, offset)),
+                    )
+                )
+            except EQueueError as exc:  # not written: those started are still answered
+                failure = exc
+                break
+        for key, offset, request in started:
+            try:
+                inline.finish_request(request)
+            except EQueueError as exc:
+                failure = failure or exc
+                continue
+            state.committed[key] = offset
+        if failure is not None:
+            raise failure
 
     def _commit_every(self) -> float:
         state = self.state

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
-from equeue.client.consumer import IDLE_COMMIT_SECONDS, _delay_ms
+from equeue.client.aio import AsyncClient
+from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, _delay_ms
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
@@ -373,19 +374,29 @@ class AsyncGroupConsumer:
             self._inflight[key] = (task, args["offset"], state.epoch)
 
     async def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
-        """Commit what is processed of ``queues`` (None: all); past ``until`` (a poll's
-        deadline) no further request is sent: the rest stays due, for the next poll."""
+        """Commit what is processed of ``queues`` (None: all), up to COMMIT_WINDOW
+        requests in flight at once (one at a time through a wrapper: the blocking
+        loop's _commit says why); past ``until`` (a poll's deadline) no further window
+        is sent: the rest stays due, for the next poll."""
         state = self.state
-        sent = False
-        for (topic, queue_id), offset in state.to_commit(queues).items():
-            if sent and until is not None and time.monotonic() >= until:
+        due = list(state.to_commit(queues).items())
+        window = COMMIT_WINDOW if isinstance(self.client, AsyncClient) else 1
+        for first in range(0, len(due), window):
+            if first and until is not None and time.monotonic() >= until:
                 return  # (_last_commit unchanged: the rest is due at the next poll)
-            sent = True
-            await self.client.request(
-                "commit_offset",
-                {**state.member_args(), "topic": topic, "queue_id": queue_id, "offset": offset},
+            part = due[first : first + window]
+            outcomes = await asyncio.gather(
+                *(self.client.request("commit_offset", state.commit_args(k, o)) for k, o in part),
+                return_exceptions=True,
             )
-            state.committed[(topic, queue_id)] = offset
+            failure: BaseException | None = None
+            for (key, offset), outcome in zip(part, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    failure = failure or outcome
+                else:
+                    state.committed[key] = offset
+            if failure is not None:
+                raise failure
         self._last_commit = time.monotonic()
 
     async def _commit_quietly(self, until: float | None) -> None:

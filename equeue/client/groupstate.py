@@ -254,6 +254,9 @@ class GroupState:
         # is processed past the start is committed.
         self.committed[key] = at if committed is None else committed
 
+    def commit_args(self, key: Queue, offset: int) -> dict[str, Any]:
+        return {**self.member_args(), "topic": key[0], "queue_id": key[1], "offset": offset}
+
     def pull_args(self, key: Queue, wait_ms: int) -> dict[str, Any]:
         args: dict[str, Any] = {
             "topic": key[0], "queue_id": key[1], "offset": self.positions[key],
