@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import threading
 import time
 from collections import Counter
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from server_helpers import short_dir
+from server_helpers import short_home
 
 import equeue
 import equeue.aio
@@ -32,18 +31,20 @@ SLOW_COMMIT_S = 0.05  # a commit_offset of the slow wrappers: a busy broker's fs
 
 
 @contextlib.contextmanager
-def _broker(**settings: Any) -> Iterator[BrokerThread]:
-    directory = short_dir()
-    try:
+def _broker(topic: str = TOPIC, queues: int = QUEUES, **settings: Any) -> Iterator[BrokerThread]:
+    """A broker over a new store holding ``topic``, with one message in each of its
+    ``queues`` where ``topic`` is not TOPIC."""
+    with contextlib.contextmanager(short_home)() as directory:
         with MessageStore.open(directory / "s") as store:
-            store.create_topic(TOPIC, QUEUES)
+            store.create_topic(topic, queues)
+            if topic != TOPIC:
+                for q in range(queues):
+                    store.send(topic, b"x", queue_id=q)
         thread = BrokerThread(directory / "s", **settings).start()
         try:
             yield thread
         finally:
             thread.stop()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
@@ -291,63 +292,50 @@ WIDE = 64  # queues of the pipelined-commit tests
 def test_commits_are_pipelined_into_few_fsyncd_writes(loop: str) -> None:
     # before: one commit_offset at a time, each its own offsets-file write and fsync
     # (WIDE writes); now up to COMMIT_WINDOW in flight, written together by the broker
-    directory = short_dir()
-    try:
-        with MessageStore.open(directory / "s") as store:
-            store.create_topic("many", WIDE)
-            for q in range(WIDE):
-                store.send("many", b"x", queue_id=q)
-        thread = BrokerThread(directory / "s").start()
-        try:
-            url, committer = thread.urls[0], thread.broker.offsets
-            if loop == "blocking":
-                with equeue.connect(url) as client:
-                    consumer = GroupConsumer(client, "g", "many", auto_commit_interval=3600.0)
+    with _broker("many", WIDE) as thread:
+        url, committer = thread.urls[0], thread.broker.offsets
+        if loop == "blocking":
+            with equeue.connect(url) as client:
+                consumer = GroupConsumer(client, "g", "many", auto_commit_interval=3600.0)
+                try:
+                    got = 0
+                    for _ in range(20 * WIDE):  # poll(0.05): no idle commit (0.1 s)
+                        got += consumer.poll(0.05) is not None
+                        if got == WIDE:
+                            break
+                    before = committer.writes
+                    consumer.commit()
+                    writes = committer.writes - before
+                finally:
+                    consumer.close()
+                committed = [client.committed_offset("g", "many", q) for q in range(WIDE)]
+        else:
+
+            async def main() -> tuple[int, int, list[int | None]]:
+                aclient = await equeue.aio.connect(url)
+                try:
+                    consumer = AsyncGroupConsumer(aclient, "g", "many", auto_commit_interval=3600.0)
+                    await consumer.start()
                     try:
                         got = 0
-                        for _ in range(20 * WIDE):  # poll(0.05): no idle commit (0.1 s)
-                            got += consumer.poll(0.05) is not None
+                        for _ in range(20 * WIDE):
+                            got += await consumer.poll(0.05) is not None
                             if got == WIDE:
                                 break
                         before = committer.writes
-                        consumer.commit()
+                        await consumer.commit()
                         writes = committer.writes - before
                     finally:
-                        consumer.close()
-                    committed = [client.committed_offset("g", "many", q) for q in range(WIDE)]
-            else:
+                        await consumer.close()
+                    return (
+                        got,
+                        writes,
+                        [await aclient.committed_offset("g", "many", q) for q in range(WIDE)],
+                    )
+                finally:
+                    await aclient.close()
 
-                async def main() -> tuple[int, int, list[int | None]]:
-                    aclient = await equeue.aio.connect(url)
-                    try:
-                        consumer = AsyncGroupConsumer(
-                            aclient, "g", "many", auto_commit_interval=3600.0
-                        )
-                        await consumer.start()
-                        try:
-                            got = 0
-                            for _ in range(20 * WIDE):
-                                got += await consumer.poll(0.05) is not None
-                                if got == WIDE:
-                                    break
-                            before = committer.writes
-                            await consumer.commit()
-                            writes = committer.writes - before
-                        finally:
-                            await consumer.close()
-                        return (
-                            got,
-                            writes,
-                            [await aclient.committed_offset("g", "many", q) for q in range(WIDE)],
-                        )
-                    finally:
-                        await aclient.close()
-
-                got, writes, committed = asyncio.run(main())
-        finally:
-            thread.stop()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+            got, writes, committed = asyncio.run(main())
     assert got == WIDE
     assert committed == [1] * WIDE
     assert 1 <= writes <= WIDE // 4  # (2-3 seen)

@@ -7,12 +7,10 @@ client before sending, as the store refuses it."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import short_dir
+from server_helpers import short_home
 
 import equeue
 import equeue.aio
@@ -24,13 +22,7 @@ from equeue.store.validate import MAX_WAIT
 FRAME = 65536  # the smallest max_frame_bytes: the broker lowers max_message_size to 30720
 
 
-@pytest.fixture
-def directory() -> Iterator[Path]:
-    path = short_dir()
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+directory = pytest.fixture(short_home, name="directory")
 
 
 def _refusal(url: str) -> tuple[str, tuple[int, int]]:
