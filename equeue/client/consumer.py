@@ -256,7 +256,7 @@ class GroupConsumer:
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
-        # the commits a poll makes stop at its deadline (at least one request is sent:
+        # the commits a poll makes stop at its deadline (one window of them at least:
         # each poll makes progress); the rest go at the next
         until = None if timeout is None else now + timeout
         if state.buffer:  # the common case: a message at hand
@@ -578,14 +578,9 @@ class GroupConsumer:
         started: list[tuple[Queue, int, Any]] = []
         failure: EQueueError | None = None
         for key, offset in part:
+            args = state.commit_args(key, offset)
             try:
-                started.append(
-                    (
-                        key,
-                        offset,
-                        inline.start_request("commit_offset", state.commit_args(key, offset)),
-                    )
-                )
+                started.append((key, offset, inline.start_request("commit_offset", args)))
             except EQueueError as exc:  # not written: those started are still answered
                 failure = exc
                 break

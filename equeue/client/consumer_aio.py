@@ -135,7 +135,7 @@ class AsyncGroupConsumer:
             except (GroupError, ConnectionLostError) as exc:
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
                 state.lost = True
-        # the commits a poll makes stop at its deadline (after one request at least)
+        # the commits a poll makes stop at its deadline (after one window at least)
         until = None if timeout is None else now + timeout
         if state.buffer:  # the common case: a message at hand
             if state.refill:  # a pull answered, or a queue run low: take it, pull again
