@@ -306,7 +306,10 @@ def test_status_command_prints_the_stats(broker: BrokerThread) -> None:
         [*command[:-2], str(broker.store.path.parent / "none"), "--status"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    # a usage error (exit 2, as the inspector's), not a socket that refused to connect
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "no store or broker socket at" in missing.stderr
+    assert "cannot connect" not in missing.stderr
 
 
 READER = """

@@ -23,6 +23,7 @@ from equeue.errors import (
     QueueNotFoundError,
 )
 from equeue.store.types import OutgoingMessage
+from equeue.store.validate import MAX_WAIT
 
 _INT32 = 1 << 31
 _UINT64 = 1 << 64
@@ -186,8 +187,12 @@ def wait_ms(wait: object) -> int:
     """pull's wait, seconds → whole milliseconds (rounded up: a wait > 0 stays one)."""
     if not isinstance(wait, int | float) or isinstance(wait, bool):
         raise InvalidTypeError(f"wait must be an int or a float, got {type(wait).__name__}")
-    if not math.isfinite(wait) or not 0 <= wait < 1e12:
-        raise InvalidMessageError(f"wait={wait!r} seconds must be a finite number >= 0")
+    # the broker's bound (the store's): a longer wait was sent and refused by the broker
+    if not math.isfinite(wait) or not 0 <= wait <= MAX_WAIT:
+        raise InvalidMessageError(
+            f"pull wait={wait!r} seconds must lie in [0, {MAX_WAIT:g}] (one day: a longer "
+            "wait is a loop of pulls)"
+        )
     return math.ceil(wait * 1000)
 
 

@@ -10,15 +10,17 @@ in offset order per queue; ``for message in consumer`` blocks until one arrives
 Threads: a heartbeat thread keeps the session (every session_timeout / 3) on the same
 client (the blocking client is thread-safe), also while the caller's code runs; the
 assigned queues are long-polled at once, one pull each in flight, from a small pool of
-threads, so a message in any of them wakes the loop (no busy wait); past MAX_POLLERS
+threads, so a message in any of them wakes the loop (no busy wait); past ``pollers``
 queues they take turns, each pull waiting its share of a second (``poll_wait_ms``).
+``pollers`` is MAX_POLLERS, or the broker's max_in_flight less 2 where that is fewer
+(``long_polls``): a held pull holds a place, and a heartbeat and a commit need one each.
 Prefetch: a queue is pulled again once at most (prefetch - 1) x batch_size of its
 messages wait in the buffer, so its next batch is on the way while this one is handled.
 While messages are at hand, a queue whose last pull brought a whole batch is pulled
 without a wait; one whose last pull brought less (it was drained) is long-polled: the
 broker holds the pull until a message arrives there (about one pull a second while the
 queue stays empty), so what arrives on an idle queue joins the buffer at once, behind
-the batches already in it. Past MAX_POLLERS queues a held pull would keep a thread from
+the batches already in it. Past ``pollers`` queues a held pull would keep a thread from
 the others: there, while messages are at hand, pulls do not wait and an empty queue is
 pulled again IDLE_RECHECK_SECONDS later at the earliest (see _start_pulls).
 
@@ -48,10 +50,10 @@ from equeue.client.groupstate import (
     DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_PREFETCH,
     DEFAULT_SESSION_TIMEOUT,
-    MAX_POLLERS,
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    long_polls,
     poll_wait_ms,
 )
 from equeue.errors import (
@@ -68,9 +70,13 @@ from equeue.store.types import Message
 log = logging.getLogger("equeue.client.consumer")
 
 IDLE_COMMIT_SECONDS = 0.1  # no message for this long: the processed offsets are committed
-# While messages are at hand and the member holds more than MAX_POLLERS queues, a queue
+# commit_offset requests in flight at once: the broker's committer writes those that
+# arrive while it writes in one file write and fsync per group (a request a queue, one
+# after another, was an fsync each: ~9 ms a queue)
+COMMIT_WINDOW = 64
+# While messages are at hand and the member holds more than _pollers queues, a queue
 # whose last pull found nothing is pulled again (without a wait) after this long at the
-# earliest: what arrives there waits at most this much more. Up to MAX_POLLERS queues it
+# earliest: what arrives there waits at most this much more. Up to _pollers queues it
 # is long-polled instead.
 IDLE_RECHECK_SECONDS = 0.05
 
@@ -158,9 +164,8 @@ class GroupConsumer:
         # the queues whose last pull brought less than a batch: long-polled (_start_pulls)
         self._drained: set[Queue] = set()
         # the queues whose last pull found nothing, and when to pull them again at the
-        # earliest while messages are at hand past MAX_POLLERS queues
+        # earliest while messages are at hand past ``_pollers`` queues
         self._idle: dict[Queue, float] = {}
-        self._pool = ThreadPoolExecutor(MAX_POLLERS, thread_name_prefix="equeue-pull")
         self._event = threading.Event()  # a pull answered, or the assignment changed
         self._stop = threading.Event()
         self._beat_now = threading.Event()
@@ -169,6 +174,10 @@ class GroupConsumer:
         self._commit_due = self._last_commit + self._commit_every()
         self._settled: object = None  # the broker's answer last found applied (_maintain)
         self._join()  # errors (unknown topic, bad arguments) here, not at the first message
+        # pulls held at once, a pool thread each: the broker's max_in_flight (known once
+        # connected) less places for a heartbeat and a commit (long_polls)
+        self._pollers = long_polls(client)
+        self._pool = ThreadPoolExecutor(self._pollers, thread_name_prefix="equeue-pull")
         self._maintain()
         self._heartbeat = threading.Thread(
             target=self._beat, name=f"equeue-heartbeat {self.state.consumer}", daemon=True
@@ -249,16 +258,20 @@ class GroupConsumer:
             except (GroupError, ConnectionLostError) as exc:
                 state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
+        # the commits a poll makes stop at its deadline (one window of them at least:
+        # each poll makes progress); the rest go at the next
+        until = None if timeout is None else now + timeout
+
         if state.buffer:  # the common case: a message at hand
             if state.refill:  # a pull answered, or a queue run low: take it, pull again
                 self._refill()
             if now >= self._commit_due:
-                self._commit_quietly(None)
+                self._commit_quietly(None, until)
             if state.buffer:
                 return state.next_message()
         if not state.buffer:
             if time.monotonic() >= self._commit_due:
-                self._commit_quietly(None)
+                self._commit_quietly(None, until)
             if not self._fetch(timeout):
                 return None
         return state.next_message()
@@ -395,14 +408,15 @@ class GroupConsumer:
                 self._maintain()
                 self._harvest()
                 # the next batches (_start_pulls): with messages at hand, long polls for
-                # the drained queues only; past MAX_POLLERS queues, none
+                # the drained queues only; past _pollers queues, none
                 self._start_pulls(quick=bool(state.buffer))
                 if state.buffer:
                     return True
                 if self._unread(deadline):
                     continue
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
-                    self._commit(None)  # nothing came for a while: commit what is done
+                    # nothing came for a while: commit what is done, within the timeout
+                    self._commit(None, deadline)
             except (GroupError, ConnectionLostError) as exc:
                 state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
@@ -421,7 +435,7 @@ class GroupConsumer:
         loop's _maintain and commits) and not past ``deadline`` (poll's timeout: then the
         pull stays this thread's, read by the next poll); a pool thread waits for each
         long poll of its, so that any answer sets the event _fetch waits on. A quick pull
-        is never handed to the pool: behind its long polls (past MAX_POLLERS queues) it
+        is never handed to the pool: behind its long polls (past _pollers queues) it
         would wait a long poll's round with its answer read."""
         inflight = self._inflight
         unread = [(k, p) for k, (p, _, _) in inflight.items() if type(p) is _Inline]
@@ -450,7 +464,7 @@ class GroupConsumer:
         """Take the pulls answered and send the next of every queue run low (the buffer
         still holds messages, so the caller does not wait): a queue whose last pull
         brought a whole batch is pulled without a wait, a drained one long-polled (held by
-        the broker up to its wait); past MAX_POLLERS queues every one without a wait, one
+        the broker up to its wait); past _pollers queues every one without a wait, one
         whose last pull found nothing only once IDLE_RECHECK_SECONDS passed."""
         state = self.state
         state.refill = False
@@ -524,14 +538,14 @@ class GroupConsumer:
         """Pull the queues that want it, long-polled (a held pull costs the blocking
         client nothing while it waits: only the thread an answer is for wakes). But
         ``quick`` (messages are at hand): a queue whose last pull brought a whole batch
-        without a wait (more are likely there); past MAX_POLLERS queues, where a held pull
+        without a wait (more are likely there); past _pollers queues, where a held pull
         would keep a pool thread from a queue with messages, every queue without a wait,
         and one whose last pull found nothing only once its IDLE_RECHECK_SECONDS passed."""
         state = self.state
         inflight, epoch = self._inflight, state.epoch
         idle = self._idle
-        recheck = quick and len(state.positions) > MAX_POLLERS
-        wait_ms = 0 if recheck else poll_wait_ms(len(state.positions))
+        recheck = quick and len(state.positions) > self._pollers
+        wait_ms = 0 if recheck else poll_wait_ms(len(state.positions), self._pollers)
         drained = self._drained if quick and not recheck else None
         now = time.monotonic() if recheck else 0.0
         # (a pull sent before the membership was lost is ignored when answered: it does
@@ -541,7 +555,7 @@ class GroupConsumer:
             if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
             and not (recheck and idle.get(k, 0.0) > now)
         ]  # fmt: skip
-        # past MAX_POLLERS, the pool's queue takes them in turn (FIFO: a queue answered
+        # past _pollers, the pool's queue takes them in turn (FIFO: a queue answered
         # goes after those waiting)
         inline = self._inline
         for key in wanted:
@@ -555,24 +569,58 @@ class GroupConsumer:
             future.add_done_callback(self._answered)
             self._inflight[key] = (future, args["offset"], epoch)
 
-    def _commit(self, queues: list[Queue] | None) -> None:
+    def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
+        """Commit what is processed of ``queues`` (None: all), a request a queue, up to
+        COMMIT_WINDOW of them in flight at once (the broker writes the commits that
+        arrive while it writes in one file write and fsync); past ``until`` (a poll's
+        deadline, time.monotonic()) no further window is sent, so a poll is not held
+        past its timeout: the rest stays due, for the next poll. A requester other than
+        the blocking Client itself (a wrapper) gets them one at a time."""
         state = self.state
-        for (topic, queue_id), offset in state.to_commit(queues).items():
-            self.client.request(
-                "commit_offset",
-                {**state.member_args(), "topic": topic, "queue_id": queue_id, "offset": offset},
-            )
-            state.committed[(topic, queue_id)] = offset
+        due = list(state.to_commit(queues).items())
+        window = COMMIT_WINDOW if self._inline is not None else 1
+        for first in range(0, len(due), window):
+            if first and until is not None and time.monotonic() >= until:
+                self._commit_due = time.monotonic()  # (the rest: at the next poll)
+                return
+            self._commit_window(due[first : first + window])
         self._last_commit = time.monotonic()
         self._commit_due = self._last_commit + self._commit_every()
+
+    def _commit_window(self, part: list[tuple[Queue, int]]) -> None:
+        state = self.state
+        inline = self._inline
+        if inline is None or len(part) == 1:
+            for key, offset in part:
+                self.client.request("commit_offset", state.commit_args(key, offset))
+                state.committed[key] = offset
+            return
+        started: list[tuple[Queue, int, Any]] = []
+        failure: EQueueError | None = None
+        for key, offset in part:
+            args = state.commit_args(key, offset)
+            try:
+                started.append((key, offset, inline.start_request("commit_offset", args)))
+            except EQueueError as exc:  # not written: those started are still answered
+                failure = exc
+                break
+        for key, offset, request in started:
+            try:
+                inline.finish_request(request)
+            except EQueueError as exc:
+                failure = failure or exc
+                continue
+            state.committed[key] = offset
+        if failure is not None:
+            raise failure
 
     def _commit_every(self) -> float:
         state = self.state
         return state.auto_commit_interval if state.auto_commit else math.inf
 
-    def _commit_quietly(self, queues: list[Queue] | None) -> None:
+    def _commit_quietly(self, queues: list[Queue] | None, until: float | None = None) -> None:
         try:
-            self._commit(queues)
+            self._commit(queues, until)
         except (GroupError, ConnectionLostError) as exc:
             self.state.lose(exc)  # (fenced: raised)
             log.warning("consumer %s: commit refused (%s)", self.state.consumer, exc)

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
-from equeue.client.consumer import IDLE_COMMIT_SECONDS, _delay_ms
+from equeue.client.aio import AsyncClient
+from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, _delay_ms
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
@@ -29,6 +30,7 @@ from equeue.client.groupstate import (
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    long_polls,
     poll_wait_ms,
 )
 from equeue.errors import (
@@ -85,6 +87,7 @@ class AsyncGroupConsumer:
         self._beat_now: asyncio.Event | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._last_commit = time.monotonic()
+        self._pollers = MAX_POLLERS  # pulls in flight at most: long_polls, once joined
 
     @property
     def consumer_id(self) -> str:
@@ -101,6 +104,7 @@ class AsyncGroupConsumer:
             self._event = asyncio.Event()
             self._beat_now = asyncio.Event()
             await self._join()
+            self._pollers = long_polls(self.client)  # (the welcome is known now)
             await self._maintain()
             self._heartbeat = asyncio.create_task(self._beat())
         return self
@@ -133,18 +137,21 @@ class AsyncGroupConsumer:
             except (GroupError, ConnectionLostError) as exc:
                 state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
+        # the commits a poll makes stop at its deadline (after one window at least)
+        until = None if timeout is None else now + timeout
+
         if state.buffer:  # the common case: a message at hand
             if state.refill:  # a pull answered, or a queue run low: take it, pull again
                 self._refill()
             if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
-                await self._commit_quietly()
+                await self._commit_quietly(until)
             if state.buffer:
                 return state.next_message()
         if not state.buffer:
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval
             ):
-                await self._commit_quietly()
+                await self._commit_quietly(until)
             if not await self._fetch(timeout):
                 return None
         return state.next_message()
@@ -282,7 +289,7 @@ class AsyncGroupConsumer:
                 if state.buffer:
                     return True
                 if state.auto_commit and time.monotonic() - start >= IDLE_COMMIT_SECONDS:
-                    await self._commit(None)
+                    await self._commit(None, deadline)  # (within the poll's timeout)
             except (GroupError, ConnectionLostError) as exc:
                 state.lose(exc)  # (fenced: raised)
                 log.warning("consumer %s: %s; joining again", state.consumer, exc)
@@ -363,9 +370,10 @@ class AsyncGroupConsumer:
         state = self.state
         event = self._event
         assert event is not None
-        # At most MAX_POLLERS pulls in flight (the connection's max_in_flight is shared
-        # with commits and heartbeats), the queues pulled longest ago first.
-        wait_ms = poll_wait_ms(len(state.positions))
+        # At most ``pollers`` pulls in flight (the connection's max_in_flight is shared
+        # with commits and heartbeats: long_polls), the queues pulled longest ago first.
+        pollers = self._pollers
+        wait_ms = poll_wait_ms(len(state.positions), pollers)
         inflight, epoch = self._inflight, state.epoch
         # (a pull sent before the membership was lost is ignored when answered: it does
         # not hold up the queue's pulls now)
@@ -374,7 +382,7 @@ class AsyncGroupConsumer:
             if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
         ]  # fmt: skip
         wanted.sort(key=lambda k: self._started.get(k, 0.0))
-        for key in wanted[: max(0, MAX_POLLERS - len(self._inflight))]:
+        for key in wanted[: max(0, pollers - len(self._inflight))]:
             old = inflight.get(key)
             if old is not None:  # of an earlier membership: its answer would be ignored
                 old[0].cancel()
@@ -384,19 +392,35 @@ class AsyncGroupConsumer:
             task.add_done_callback(self._answered)
             self._inflight[key] = (task, args["offset"], state.epoch)
 
-    async def _commit(self, queues: list[Queue] | None) -> None:
+    async def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
+        """Commit what is processed of ``queues`` (None: all), up to COMMIT_WINDOW
+        requests in flight at once (one at a time through a wrapper: the blocking
+        loop's _commit says why); past ``until`` (a poll's deadline) no further window
+        is sent: the rest stays due, for the next poll."""
         state = self.state
-        for (topic, queue_id), offset in state.to_commit(queues).items():
-            await self.client.request(
-                "commit_offset",
-                {**state.member_args(), "topic": topic, "queue_id": queue_id, "offset": offset},
+        due = list(state.to_commit(queues).items())
+        window = COMMIT_WINDOW if isinstance(self.client, AsyncClient) else 1
+        for first in range(0, len(due), window):
+            if first and until is not None and time.monotonic() >= until:
+                return  # (_last_commit unchanged: the rest is due at the next poll)
+            part = due[first : first + window]
+            outcomes = await asyncio.gather(
+                *(self.client.request("commit_offset", state.commit_args(k, o)) for k, o in part),
+                return_exceptions=True,
             )
-            state.committed[(topic, queue_id)] = offset
+            failure: BaseException | None = None
+            for (key, offset), outcome in zip(part, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    failure = failure or outcome
+                else:
+                    state.committed[key] = offset
+            if failure is not None:
+                raise failure
         self._last_commit = time.monotonic()
 
-    async def _commit_quietly(self) -> None:
+    async def _commit_quietly(self, until: float | None) -> None:
         try:
-            await self._commit(None)
+            await self._commit(None, until)
         except (GroupError, ConnectionLostError) as exc:
             self.state.lose(exc)  # (fenced: raised)
             log.warning("consumer %s: commit refused (%s)", self.state.consumer, exc)

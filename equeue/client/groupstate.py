@@ -57,14 +57,31 @@ DEFAULT_PREFETCH: Final = 2
 MAX_PREFETCH: Final = 64
 
 
-def poll_wait_ms(queues: int) -> int:
-    """The wait of each pull of a member holding ``queues`` queues. Up to MAX_POLLERS
-    each is long-polled; past it they take turns, MAX_POLLERS at a time, each waiting
+# Places of the broker's max_in_flight a member leaves free of long polls: a heartbeat's
+# and a commit's (a held pull holds its place until answered: with every place held,
+# they would wait behind the pulls' waits).
+FREE_PLACES: Final = 2
+
+
+def long_polls(client: object) -> int:
+    """How many pulls a member holds in flight at once (``pollers``): MAX_POLLERS, but
+    FREE_PLACES fewer than the broker's max_in_flight (the welcome's, on ``client``'s
+    connection) and one at least. A client that shows no welcome (a wrapper): MAX_POLLERS."""
+    limits = getattr(getattr(client, "welcome", None), "limits", None)
+    limit = limits.get("max_in_flight") if isinstance(limits, dict) else None
+    if type(limit) is not int:
+        return MAX_POLLERS
+    return max(1, min(MAX_POLLERS, limit - FREE_PLACES))
+
+
+def poll_wait_ms(queues: int, pollers: int = MAX_POLLERS) -> int:
+    """The wait of each pull of a member holding ``queues`` queues. Up to ``pollers``
+    each is long-polled; past it they take turns, ``pollers`` at a time, each waiting
     its share of POLL_WAIT_MS: a round of every queue still takes about POLL_WAIT_MS and
     an idle member sends about ``queues`` pulls a second (none waiting: thousands)."""
-    if queues <= MAX_POLLERS:
+    if queues <= pollers:
         return POLL_WAIT_MS
-    return max(MIN_POLL_WAIT_MS, POLL_WAIT_MS * MAX_POLLERS // queues)
+    return max(MIN_POLL_WAIT_MS, POLL_WAIT_MS * pollers // queues)
 
 
 class GroupState:
@@ -282,8 +299,14 @@ class GroupState:
         first, following = queue_range
         at = first if committed is None else min(max(committed, first), following)
         self.positions[key] = self.processed[key] = at
-        if committed is not None:
-            self.committed[key] = committed
+        # Where the group committed none, its start counts as committed: committing it
+        # would say nothing ("earliest" is the start anyway), and it cost a fsync'd
+        # request a queue at a member's first idle poll (1024 queues: 11-15 s). Only what
+        # is processed past the start is committed.
+        self.committed[key] = at if committed is None else committed
+
+    def commit_args(self, key: Queue, offset: int) -> dict[str, Any]:
+        return {**self.member_args(), "topic": key[0], "queue_id": key[1], "offset": offset}
 
     def pull_args(self, key: Queue, wait_ms: int) -> dict[str, Any]:
         args: dict[str, Any] = {

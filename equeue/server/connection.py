@@ -41,6 +41,7 @@ from equeue.protocol.retries import RESERVED_PREFIX
 from equeue.server.admission import evict_a_silent_peer, take_hello
 from equeue.server.direct import direct_fd
 from equeue.server.handlers import DEFERRED, Frame, Packed
+from equeue.server.limitnote import name_broker_setting
 from equeue.server.release import release_durable as release_durable
 from equeue.server.release import write_later
 
@@ -598,7 +599,11 @@ class Connection(asyncio.BufferedProtocol):
             self.close()
 
     def _answer_error(self, request_id: int, exc: BaseException) -> None:
-        self.broker.counters.errors += 1
+        broker = self.broker
+        broker.counters.errors += 1
+        exc = name_broker_setting(
+            exc, broker.store, broker._owns_store, broker.config.max_frame_bytes
+        )
         self._answer(request_id, STATUS_ERROR, pack_error(exc))
 
     def _answer_ok(self, request_id: int, payload: Any) -> None:

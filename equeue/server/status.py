@@ -3,11 +3,12 @@ client) and print them."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 from typing import Any
 
-from equeue.errors import BrokerError
+from equeue.errors import BrokerError, NotAStoreError
 from equeue.server.config import SOCKET_NAME, read_token
 
 
@@ -18,6 +19,11 @@ def fetch_stats(
     from equeue.client.sync import connect
 
     if not listen:  # the default socket: say what is there if it is no socket at all
+        if not os.path.lexists(store):  # (else taken for a socket path: "cannot connect")
+            raise NotAStoreError(
+                f"no store or broker socket at {store}: --status takes the store directory "
+                f"a broker serves (or its {SOCKET_NAME}), or --listen URL"
+            )
         default = Path(store) / SOCKET_NAME
         if (default.exists() or default.is_symlink()) and not stat.S_ISSOCK(
             default.lstat().st_mode

@@ -118,6 +118,11 @@ def check_properties(properties: object, limit: int) -> bytes:
     return encoded
 
 
+# what a refused body's error names as its limit (a broker that lowered the limit names
+# its own setting instead: equeue/server/limitnote.py)
+BODY_LIMIT_SETTING = "(StoreConfig.max_message_size)"
+
+
 def check_body(body: object, limit: int) -> bytes:
     if type(body) is not bytes:
         if not isinstance(body, bytearray | memoryview):
@@ -125,7 +130,7 @@ def check_body(body: object, limit: int) -> bytes:
         body = bytes(body)
     if len(body) > limit:
         raise MessageTooLargeError(
-            f"body is {len(body)} bytes; the limit is {limit} (StoreConfig.max_message_size)"
+            f"body is {len(body)} bytes; the limit is {limit} {BODY_LIMIT_SETTING}"
         )
     return body
 
