@@ -325,6 +325,7 @@ class GroupConsumer:
     def commit(self) -> None:
         """Commit every message handed out so far (it counts as processed)."""
         self._check_open()
+        self.state.raise_if_fenced()
         self.state.done_with_pending()
         try:
             self._commit(None)

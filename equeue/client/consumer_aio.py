@@ -198,6 +198,7 @@ class AsyncGroupConsumer:
 
     async def commit(self) -> None:
         self._check_open()
+        self.state.raise_if_fenced()
         self.state.done_with_pending()
         try:
             await self._commit(None)

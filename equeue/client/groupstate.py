@@ -263,6 +263,12 @@ class GroupState:
             raise error
         self.lost = True
 
+    def raise_if_fenced(self) -> None:
+        """A fenced member's commit raises, also with nothing to commit (a queue never
+        moved past its start sends no request that the broker could refuse)."""
+        if isinstance(self.failure, FencedMemberError):
+            raise self.failure
+
     def fenced(self, error: FencedMemberError, args: dict[str, Any]) -> bool:
         """The heartbeat thread's request of ``args`` was fenced: True if that is this
         membership (the loop raises the error from now on), False if the loop joined
