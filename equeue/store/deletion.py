@@ -18,7 +18,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from equeue.atomicfile import read_json, write_json
-from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.fileops import fsync_directory
 from equeue.errors import EQueueError, StoreWriteError, TopicNotFoundError
 from equeue.store import offsets as group_offsets
 from equeue.store import validate

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from equeue.chunks.chunk import Chunk, write_error
+from equeue.chunks.chunk import Chunk
+from equeue.chunks.fileops import write_error
 from equeue.chunks.writer import ChunkWriter
 from equeue.errors import ClosedError, StoreWriteError
 from equeue.store.config import StoreConfig

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from equeue.atomicfile import read_json, write_json
-from equeue.chunks.chunk import fsync_directory
+from equeue.chunks.fileops import fsync_directory
 from equeue.chunks.recovery import make_side_dir
 from equeue.errors import (
     ConfigError,

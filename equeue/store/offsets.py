@@ -36,7 +36,7 @@ from urllib.parse import quote
 import xxhash
 
 from equeue.atomicfile import decode_json, write_json
-from equeue.chunks.chunk import fsync_directory, write_error
+from equeue.chunks.fileops import fsync_directory, write_error
 from equeue.errors import CorruptionError, EQueueError, InvalidMessageError
 from equeue.format.chunk import RECOVERED_DIR, TEMP_SUFFIX
 from equeue.format.message import MAX_NAME_BYTES

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
-from equeue.chunks.chunk import write_error
+from equeue.chunks.fileops import write_error
 from equeue.errors import CorruptionError, ReentrantSendError, StoreWriteError
 from equeue.format.chunk import parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD_SIZE

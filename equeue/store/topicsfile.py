@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 import xxhash
 
 from equeue.atomicfile import read_json, write_bytes
-from equeue.chunks.chunk import fsync_directory, write_error
+from equeue.chunks.fileops import fsync_directory, write_error
 from equeue.chunks.recovery import TailCut, make_side_dir
 from equeue.errors import CorruptionError, EQueueError
 from equeue.format.topicsjournal import (
