@@ -12,6 +12,7 @@ its message, a restart takes the next sends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 from typing import Any
@@ -114,6 +115,61 @@ def test_the_second_transport_on_a_loop_puts_both_behind_one_reader() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("per_loop", [1, 2, 3])
+def test_a_loop_dropped_with_transports_open_frees_them(per_loop: int) -> None:
+    """asyncio.run ending with the client's transports unclosed (an exception path, a
+    cancelled task): once the loop is collected its transports' sockets are closed (the
+    far ends read EOF), one reader of its own or behind the mux. The per-loop state held
+    its loop from a WeakKeyDictionary's value once: every such socket stayed open."""
+    import gc
+
+    fars: list[socket.socket] = []
+
+    async def leave_open() -> None:
+        for _ in range(per_loop):
+            fars.append(_pair(_Recording())[1])
+
+    for _ in range(5):
+        asyncio.run(leave_open())
+    gc.collect()
+    gc.collect()
+    closed = 0
+    for far in fars:
+        far.settimeout(5.0)  # (EOF at once once freed; a socket left open times out)
+        with contextlib.suppress(TimeoutError):
+            closed += far.recv(1) == b""
+        far.close()
+    assert closed == len(fars)
+
+
+def test_the_mux_reads_in_a_context_of_its_own() -> None:
+    """The reads behind the mux run in a context of their own, not in that of the task
+    which opened the loop's second transport."""
+    import contextvars
+
+    mark: contextvars.ContextVar[str] = contextvars.ContextVar("mark", default="none")
+    seen: list[str] = []
+
+    async def main() -> None:
+        a, a_far = _pair(_Recording(on_read=lambda _: seen.append(mark.get())))
+
+        async def opener() -> tuple[Any, socket.socket]:
+            mark.set("opener")
+            return _pair(_Recording(on_read=lambda _: seen.append(mark.get())))
+
+        b, b_far = await asyncio.create_task(opener())
+        a_far.send(b"a")
+        b_far.send(b"b")
+        await _turns()
+        for transport, far in ((a, a_far), (b, b_far)):
+            transport.close()
+            far.close()
+        await _turns()
+
+    asyncio.run(main())
+    assert seen == ["none", "none"]
+
+
 def test_a_read_that_aborts_another_transport_of_the_same_turn() -> None:
     """a's read aborts b, whose bytes came in the same turn: b is not read, and is lost
     once (with no error, as abort() gives); a and c read theirs."""
@@ -189,7 +245,9 @@ def test_16_clients_on_one_loop_against_the_broker() -> None:
             clients = [await equeue.aio.connect(broker.url) for _ in range(16)]
             await clients[0].create_topic("t", 4)
             assert all(type(c._protocol.transport).__name__ == "RawTransport" for c in clients)  # type: ignore[union-attr]
-            muxed = readers._BY_LOOP[asyncio.get_running_loop()].mux
+            state = readers._readers_of(asyncio.get_running_loop(), make=False)
+            assert state is not None
+            muxed = state.mux
             assert muxed is not None and len(muxed) == 16
 
             async def producer(index: int, client: equeue.aio.AsyncClient) -> list[Any]:
@@ -206,7 +264,8 @@ def test_16_clients_on_one_loop_against_the_broker() -> None:
             for client in clients[1:]:
                 await client.close()
             await _turns()
-            assert readers._BY_LOOP[asyncio.get_running_loop()].mux is None
+            state = readers._readers_of(asyncio.get_running_loop(), make=False)
+            assert state is not None and state.mux is None
             return len(done[0]), [r for results in done for r in results]
 
         first, results = asyncio.run(main())

@@ -24,7 +24,7 @@ reader of the transport's own would."""
 from __future__ import annotations
 
 import asyncio
-import weakref
+import contextvars
 from typing import Any, Protocol
 
 from equeue.protocol.plainsend import read_mux_type
@@ -44,30 +44,45 @@ class _Readers:
         self.mux: Any = None  # ReadMux, once a second transport reads
 
 
-_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Readers] = (
-    weakref.WeakKeyDictionary()
-)
+# The state is an attribute of the loop, not a value of a dict keyed by it: the transports
+# it holds hold their loop, so a WeakKeyDictionary's entry would keep the loop (and every
+# unclosed client's socket and the epoll descriptor) alive for ever; as an attribute it is
+# an ordinary cycle that the collector frees with the loop (review 36-2 H1).
+_ATTRIBUTE = "_equeue_readers"
+
+
+def _readers_of(loop: asyncio.AbstractEventLoop, *, make: bool) -> _Readers | None:
+    readers = getattr(loop, _ATTRIBUTE, None)
+    if type(readers) is _Readers or not make:
+        return readers if type(readers) is _Readers else None
+    readers = _Readers()
+    try:
+        setattr(loop, _ATTRIBUTE, readers)
+    except (AttributeError, TypeError):  # a loop that takes no attribute: no sharing
+        return None
+    return readers
 
 
 def start(loop: asyncio.AbstractEventLoop, transport: Readable) -> None:
     """``transport``'s reads start on ``loop``."""
-    if read_mux_type is None:
+    mux_type = read_mux_type
+    readers = None if mux_type is None else _readers_of(loop, make=True)
+    if readers is None or mux_type is None:
         loop.add_reader(transport.fd, transport.read_ready)
         return
-    readers = _BY_LOOP.get(loop)
-    if readers is None:
-        readers = _BY_LOOP[loop] = _Readers()
     if readers.mux is not None:
         readers.mux.add(transport)
     elif readers.alone is None:
         loop.add_reader(transport.fd, transport.read_ready)
         readers.alone = transport
     else:
-        alone, mux = readers.alone, read_mux_type()
+        alone, mux = readers.alone, mux_type()
         try:
             mux.add(alone)
             mux.add(transport)
-            loop.add_reader(mux.fileno(), mux.ready)
+            # in a context of its own: the reads of every transport run in it, not in
+            # the context of the task that happened to open the second connection
+            contextvars.Context().run(loop.add_reader, mux.fileno(), mux.ready)
         except BaseException:
             mux.close()  # (the first is still the loop's reader: nothing changed)
             raise
@@ -79,7 +94,7 @@ def start(loop: asyncio.AbstractEventLoop, transport: Readable) -> None:
 
 def stop(loop: asyncio.AbstractEventLoop, transport: Readable) -> None:
     """``transport``'s reads end on ``loop`` (before its socket is closed)."""
-    readers = None if read_mux_type is None else _BY_LOOP.get(loop)
+    readers = None if read_mux_type is None else _readers_of(loop, make=False)
     if readers is not None and readers.mux is not None and readers.mux.remove(transport):
         if not len(readers.mux):
             mux, readers.mux = readers.mux, None
