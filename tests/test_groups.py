@@ -423,6 +423,22 @@ def test_a_member_that_stops_heartbeating_is_expired_after_its_timeout(
         coord.heartbeat("g", "a")
 
 
+def test_ticks_always_late_by_less_than_half_a_session_extend_nothing(
+    coord: GroupCoordinator, clock: Clock
+) -> None:
+    """A loaded broker whose every tick comes 0.3 s late, a 1 s session: a silent member
+    is expired after about its timeout, not after several (each late tick once extended
+    every session by its lateness: a dead member aged 0.1 s a tick)."""
+    coord.join("g", "a", ["orders"], 1000)
+    coord.join("g", "b", ["orders"], 1000)
+    coord.tick()
+    for _ in range(3):  # 1.2 s
+        clock.now += groups.TICK_S + 0.3
+        coord.heartbeat("g", "b")
+        coord.tick()
+    assert coord.stats()["g"]["members"].keys() == {"b"}
+
+
 def test_a_slightly_late_tick_forgives_nothing(coord: GroupCoordinator, clock: Clock) -> None:
     """Ticks LATE_TICK_S apart (a busy loop, no stall): the session is not extended."""
     coord.join("g", "a", ["orders"], 1000)

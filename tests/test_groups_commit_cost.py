@@ -87,46 +87,57 @@ def _committed(client: Any, group: str) -> dict[int, int | None]:
     return {q: client.committed_offset(group, TOPIC, q) for q in range(QUEUES)}
 
 
-def test_a_new_member_commits_only_what_it_processed(url: str) -> None:
-    # before the fix: its first idle poll committed every queue's start, QUEUES + 1
-    # requests (the retry queue too), 1024 queues took 11-15 s
+def test_a_new_member_commits_each_queue_start_once_then_only_what_it_processed(
+    url: str,
+) -> None:
+    """A queue the group never committed has its start committed (what tells retention
+    with retention_respects_consumers that the group reads it: taking the start as
+    committed without a request left a joined member's unread messages unprotected,
+    review 36-2 H2), once; after that only what is processed."""
     with equeue.connect(url) as client:
         counting = Counting(client)
         with GroupConsumer(counting, "g", TOPIC) as consumer:
+            for _ in range(50):  # bounded: each idle poll commits a window at least
+                assert consumer.poll(0.3) is None
+                if not consumer.state.to_commit():
+                    break
+            assert _committed(client, "g") == dict.fromkeys(range(QUEUES), 0)
+            starts = counting.ops["commit_offset"]
             assert consumer.poll(0.3) is None
-            assert consumer.poll(0.3) is None
-            assert counting.ops["commit_offset"] == 0
+            assert counting.ops["commit_offset"] == starts  # nothing new: nothing sent
             client.send(TOPIC, b"one", queue_id=5)
             got = consumer.poll(10.0)  # bounded: a long poll's round is ~1 s
             assert got is not None and got.body == b"one"
             assert consumer.poll(0.3) is None  # processed, then the idle commit
-            assert counting.ops["commit_offset"] == 1
-        assert counting.ops["commit_offset"] == 1  # close() had nothing more to commit
-        assert _committed(client, "g") == {q: 1 if q == 5 else None for q in range(QUEUES)}
+            assert counting.ops["commit_offset"] == starts + 1
+        assert counting.ops["commit_offset"] == starts + 1  # close(): nothing more
+        assert _committed(client, "g") == {q: 1 if q == 5 else 0 for q in range(QUEUES)}
 
 
-def test_a_new_asyncio_member_commits_only_what_it_processed(url: str) -> None:
+def test_a_new_asyncio_member_commits_each_queue_start_once(url: str) -> None:
     async def main() -> tuple[int, int, dict[int, int | None]]:
         aclient = await equeue.aio.connect(url)
         try:
             counting = AsyncCounting(aclient)
             async with AsyncGroupConsumer(counting, "h", TOPIC) as consumer:
-                assert await consumer.poll(0.3) is None
-                assert await consumer.poll(0.3) is None
-                idle = counting.ops["commit_offset"]
+                for _ in range(50):
+                    assert await consumer.poll(0.3) is None
+                    if not consumer.state.to_commit():
+                        break
+                starts = counting.ops["commit_offset"]
                 await aclient.send(TOPIC, b"one", queue_id=5)
                 got = await consumer.poll(10.0)
                 assert got is not None and got.body == b"one"
                 assert await consumer.poll(0.3) is None
             committed = {q: await aclient.committed_offset("h", TOPIC, q) for q in range(QUEUES)}
-            return idle, counting.ops["commit_offset"], committed
+            return starts, counting.ops["commit_offset"], committed
         finally:
             await aclient.close()
 
-    idle, total, committed = asyncio.run(main())
-    assert idle == 0
-    assert total == 1
-    assert committed == {q: 1 if q == 5 else None for q in range(QUEUES)}
+    starts, total, committed = asyncio.run(main())
+    assert starts >= QUEUES  # every queue's start (and the retry queue's)
+    assert total == starts + 1
+    assert committed == {q: 1 if q == 5 else 0 for q in range(QUEUES)}
 
 
 def test_a_member_starting_at_a_commit_commits_only_past_it(url: str) -> None:
@@ -139,7 +150,7 @@ def test_a_member_starting_at_a_commit_commits_only_past_it(url: str) -> None:
             got = [consumer.poll(10.0) for _ in range(QUEUES - 1)]
             assert all(m is not None and m.queue_id != 3 for m in got)
             assert consumer.poll(0.3) is None
-        assert counting.ops["commit_offset"] == QUEUES - 1
+        assert counting.ops["commit_offset"] == QUEUES  # QUEUES - 1 and the retry queue's start
         assert _committed(client, "g") == dict.fromkeys(range(QUEUES), 1)
 
 
@@ -164,7 +175,8 @@ def test_the_commits_a_poll_makes_stop_at_its_timeout(url: str) -> None:
             assert got == QUEUES
             consumer.poll(0.0)  # the last one processed
             pending = len(consumer.state.to_commit())
-            assert pending == QUEUES and counting.ops["commit_offset"] == 0
+            # every queue and the retry queue's start (no idle commit: polls of 0.05 s)
+            assert pending == QUEUES + 1 and counting.ops["commit_offset"] == 0
             counting.slow = True
             assert consumer.poll(0.2) is None
             first = counting.ops["commit_offset"]
@@ -176,7 +188,7 @@ def test_the_commits_a_poll_makes_stop_at_its_timeout(url: str) -> None:
                     break
                 assert consumer.poll(0.2) is None
             assert not consumer.state.to_commit()
-            assert counting.ops["commit_offset"] == QUEUES
+            assert counting.ops["commit_offset"] == QUEUES + 1
         finally:
             consumer.close()
         assert _committed(client, "g") == dict.fromkeys(range(QUEUES), 1)
@@ -199,7 +211,7 @@ def test_the_commits_an_asyncio_poll_makes_stop_at_its_timeout(url: str) -> None
                         break
                 assert got == QUEUES
                 await consumer.poll(0.0)
-                assert len(consumer.state.to_commit()) == QUEUES
+                assert len(consumer.state.to_commit()) == QUEUES + 1  # and the retry queue
                 assert counting.ops["commit_offset"] == 0
                 counting.slow = True
                 assert await consumer.poll(0.2) is None
@@ -218,7 +230,7 @@ def test_the_commits_an_asyncio_poll_makes_stop_at_its_timeout(url: str) -> None
 
     first, total, committed = asyncio.run(main())
     assert 1 <= first <= 0.2 / SLOW_COMMIT_S + 1
-    assert total == QUEUES
+    assert total == QUEUES + 1
     assert committed == dict.fromkeys(range(QUEUES), 1)
 
 

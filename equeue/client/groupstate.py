@@ -305,11 +305,12 @@ class GroupState:
         first, following = queue_range
         at = first if committed is None else min(max(committed, first), following)
         self.positions[key] = self.processed[key] = at
-        # Where the group committed none, its start counts as committed: committing it
-        # would say nothing ("earliest" is the start anyway), and it cost a fsync'd
-        # request a queue at a member's first idle poll (1024 queues: 11-15 s). Only what
-        # is processed past the start is committed.
-        self.committed[key] = at if committed is None else committed
+        # Where the group committed none, its start is left due: committed at the next
+        # commit (in windows, within a poll's timeout), it is what tells retention with
+        # retention_respects_consumers that the group reads this queue; a start taken as
+        # committed left a joined member's unread messages unprotected (review 36-2 H2).
+        if committed is not None:
+            self.committed[key] = committed
 
     def commit_args(self, key: Queue, offset: int) -> dict[str, Any]:
         return {**self.member_args(), "topic": key[0], "queue_id": key[1], "offset": offset}

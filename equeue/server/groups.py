@@ -427,15 +427,21 @@ class GroupCoordinator:
 
     def _forgive_stall(self, now: float) -> None:
         """After a late tick (the broker's loop stalled: this tick may run before the
-        heartbeats queued meanwhile are read), push every member's last heartbeat
-        forward by the stall, not past now: each session is extended by the stall, once."""
+        heartbeats queued meanwhile are read), push the last heartbeat of every member
+        whose session the stall could end forward by the stall, not past now: each such
+        session is extended by the stall, once. Only a stall of half a member's session
+        timeout or more counts (a member heartbeats every third of it, so a shorter
+        stall cannot expire a live one): ticks that are always a little late (a loaded
+        broker) would otherwise extend every session at each tick, and a dead member
+        expired only after several times its timeout (review 36-2 M1)."""
         last, self._last_tick = self._last_tick, now
         if last is None or now - last <= LATE_TICK_S:
             return
         stall = now - last - TICK_S
         for state in self._groups.values():
             for member in state.members.values():
-                member.last_seen = min(now, member.last_seen + stall)
+                if stall * 2000 >= member.session_timeout_ms:
+                    member.last_seen = min(now, member.last_seen + stall)
         if stall >= LOGGED_STALL_S and self._groups:
             log.warning(
                 "the broker's tick came %.1f s late (its loop stalled); the members' "
