@@ -318,9 +318,6 @@ class GroupConsumer:
             if not isinstance(exc, GroupError):
                 raise
             log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
-        except GroupError as exc:  # not a member any more: it comes again uncommitted
-            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
-            self.state.lost = True
 
     def commit(self) -> None:
         """Commit every message handed out so far (it counts as processed)."""
