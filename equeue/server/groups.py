@@ -34,7 +34,8 @@ a join_id (a client from before join ids) is taken as the current member's.
 
 A broker stalled past a session timeout (SIGSTOP, a VM freeze, a long loop turn) reads
 the heartbeats queued meanwhile only after its first tick: a tick that comes late pushes
-every member's last heartbeat forward by the stall, so the stall is not charged to them.
+the last heartbeat of every member whose session the stall could end (half its timeout or
+more) forward by the stall, so the stall is not charged to them.
 """
 
 from __future__ import annotations
