@@ -58,13 +58,17 @@ def decode_json(raw: bytes, path: Path) -> Any:
     try:
         doc = json.loads(raw)
         stored, body = doc["xxh64"], doc["body"]
+        computed = xxhash.xxh64_hexdigest(_canonical(body))
     except KeyError as exc:  # valid JSON, but not a metadata file's document
         raise CorruptionError(
             f"unreadable metadata file (no {exc} field)", file=path, offset=0
         ) from exc
     except (ValueError, TypeError) as exc:
         raise CorruptionError(f"unreadable metadata file ({exc})", file=path, offset=0) from exc
-    computed = xxhash.xxh64_hexdigest(_canonical(body))
+    except RecursionError:  # arrays or objects nested past the interpreter's limit
+        raise CorruptionError(
+            "unreadable metadata file (nested too deeply to decode)", file=path, offset=0
+        ) from None
     if stored != computed:
         raise ChecksumMismatchError(
             "metadata checksum mismatch",

@@ -317,6 +317,8 @@ BAD_OFFSETS: list[object] = [
     {"g": {"t": {"0": "1"}}},
     {"g": {"t": {"0": True}}},
     {"g": {"t": 5}},
+    {"g": {"t": {"0": 1 << 63}}},  # past an int64: no wire nor queue position holds it
+    {"g": {"t": {"0": 1 << 70}}},
 ]
 
 
@@ -333,10 +335,26 @@ def test_a_crafted_offsets_entry_is_refused(store: Path, body: object) -> None:
     assert snapshot(store) == inside
 
 
-def test_control_valid_offsets_still_open(store: Path) -> None:
+@pytest.mark.parametrize("body", BAD_OFFSETS, ids=[str(b)[:40] for b in BAD_OFFSETS])
+def test_verify_reports_an_offsets_entry_the_open_refuses(
+    store: Path, body: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, verify exited 0 ("No problems found") on an offsets.json whose entry
+    refused every open, though the refusal told the operator to run verify (review 37a A8)."""
+    write_json(store / "offsets.json", body)
+    assert main(["verify", str(store)]) == 1
+    out = capsys.readouterr().out
+    assert str(store / "offsets.json") in out and "bad consumer offsets" in out, out
+
+
+def test_control_valid_offsets_still_open(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_json(store / "offsets.json", {"g": {"t": {"0": 5, "1": 0}}, "h": {"x": {"1023": 7}}})
     with MessageStore.open(store, read_only=True) as opened:
         assert opened.consumer_groups() == {"g": {"t": {0: 5, 1: 0}}, "h": {"x": {1023: 7}}}
+    write_json(store / "offsets.json", {"g": {"t": {"0": (1 << 63) - 1}}})  # the bound
+    with MessageStore.open(store, read_only=True) as opened:
+        assert opened.consumer_groups() == {"g": {"t": {0: (1 << 63) - 1}}}
+    assert main(["verify", str(store)]) == 0, capsys.readouterr().out
 
 
 # --- item 11: versions -------------------------------------------------------------------

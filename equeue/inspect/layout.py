@@ -50,6 +50,7 @@ from equeue.store.meta import (
     TOPICS_FILE,
     check_format,
     check_layout,
+    check_offsets,
 )
 from equeue.store.offsets import GroupFiles
 from equeue.store.recovery import tail_hint
@@ -231,7 +232,10 @@ def _with_journal(store: StoreFiles, topics: Any) -> Any:
 def _read_meta(store: StoreFiles, name: str, default: Any = None) -> Any:
     path = store.path / name
     try:
-        return read_json(path)
+        body = read_json(path)
+        # offsets.json's entries are checked as the store's open checks them: one it
+        # refuses is a problem here too
+        return check_offsets(body, path) if name == OFFSETS_FILE else body
     except FileNotFoundError:
         return default
     except CorruptionError as exc:

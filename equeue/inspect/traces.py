@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from equeue.atomicfile import read_json
-from equeue.errors import EQueueError
+from equeue.errors import CorruptionError, EQueueError
 from equeue.format.livetail import LIVE_TAIL_FILE
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
@@ -32,6 +32,7 @@ from equeue.store.meta import (
     OFFSETS_FILE,
     QUEUES_DIR,
     TOPICS_FILE,
+    check_offsets,
 )
 from equeue.store.topicsfile import read_topics_body
 
@@ -208,8 +209,12 @@ def _offset_problems(path: Path, checkpoint: dict[str, Any], where: Path) -> lis
     if offsets is None and os.path.lexists(offsets_path):
         return []  # damaged: open_store reported it
     have = 0
-    if isinstance(offsets, dict):
-        have = sum(len(qs) for ts in offsets.values() if isinstance(ts, dict) for qs in ts.values())
+    if offsets is not None:
+        try:
+            checked = check_offsets(offsets, offsets_path)
+        except CorruptionError:
+            return []  # an entry the open refuses: open_store reported it
+        have = sum(len(queues) for topics in checked.values() for queues in topics.values())
     if have >= recorded:
         return []
     state = "is missing" if offsets is None else f"holds {have}"

@@ -441,7 +441,7 @@ def query_id(checkpoint: str) -> str:
         with open(path, "rb") as f:
             raw = f.read(65536)
         found = json.loads(raw.decode().splitlines()[0])["id"]
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise SinkCommitError(
             f"cannot read the streaming query's id in {path} ({exc}): Spark writes it when "
             "the query starts; the option checkpointLocation must be the query's own"

@@ -214,7 +214,7 @@ def _chunks_option(given: str) -> list[tuple[str, int]]:
             pairs = [(p, e) for p, e in chunks if isinstance(p, str) and _is_int(e) and e >= 0]
             if len(pairs) == len(chunks):
                 return pairs
-    except (ValueError, TypeError):  # not JSON, an item not a pair
+    except (ValueError, TypeError, RecursionError):  # not JSON, an item not a pair; too deep
         pass
     raise SparkOptionError(
         f"option chunks={given[:200]!r}: it takes a JSON list of [path, data_end] "

@@ -197,7 +197,7 @@ def offsets_json(text: str, option: str = "startingOffsets") -> dict[str, dict[s
 
     try:
         parsed = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise bad("not JSON") from None
     if not isinstance(parsed, dict):
         raise bad("not a JSON object")

@@ -249,7 +249,7 @@ def move_to_recovered(path: Path, stamp: int | None = None) -> Path:
 
 def check_offsets(body: Any, path: Path) -> dict[str, dict[str, dict[str, int]]]:
     """offsets.json's body, each entry's form checked as commit_offset() checks it (names,
-    a queue id below 1024, an offset >= 0); a checksummed file with a bad entry was not
+    a queue id below 1024, an offset in 0..2**63-1); a checksummed file with a bad entry was not
     written by equeue: the open is refused. An offset is not bounded by its queue's end,
     nor a queue id by the topic's queue count: commit_offset() writes the file before the
     log is durable (flush='async'), so a crash can leave a queue ending before an offset
@@ -267,7 +267,7 @@ def check_offsets(body: Any, path: Path) -> dict[str, dict[str, dict[str, int]]]
                 for queue_id, offset in queues.items():
                     if not (queue_id.isdecimal() and queue_id.isascii() and int(queue_id) < 1024):
                         raise ConfigError(f"bad queue id {queue_id[:80]!r} of topic {topic!r}")
-                    if not _is_int(offset) or offset < 0:
+                    if not _is_int(offset) or not 0 <= offset <= validate.MAX_FILE_OFFSET:
                         raise ConfigError(f"bad offset {offset!r} of {topic!r}/{queue_id}")
     except (EQueueError, UnicodeEncodeError) as exc:
         raise CorruptionError(f"bad consumer offsets ({exc})", file=path, offset=0) from None

@@ -108,7 +108,11 @@ def _check_body(body: Any, name: str, path: Path) -> tuple[str, dict[str, dict[s
                     or int(queue_id) >= _MAX_QUEUES
                 ):
                     raise InvalidMessageError(f"bad queue id {queue_id[:40]!r} of {topic!r}")
-                if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                if (
+                    not isinstance(offset, int)
+                    or isinstance(offset, bool)
+                    or not 0 <= offset <= validate.MAX_FILE_OFFSET
+                ):
                     raise InvalidMessageError(f"bad offset {offset!r} of {topic}/{queue_id}")
     except EQueueError as exc:
         raise CorruptionError(f"bad consumer group file ({exc})", file=path, offset=0) from None

@@ -30,6 +30,10 @@ from equeue.format.message import (
 )
 from equeue.store.types import OutgoingMessage
 
+# The largest offset a metadata file may hold for a queue (an int64, as the wire and the
+# queue chunks' positions carry it): a file's larger offset was not written by equeue.
+MAX_FILE_OFFSET = (1 << 63) - 1
+
 if TYPE_CHECKING:
     from equeue.store.config import StoreConfig
 

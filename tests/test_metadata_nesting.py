@@ -1,0 +1,99 @@
+"""Metadata files a hostile or broken tool wrote (review 37a A1, A3): JSON nested past the
+interpreter's recursion limit, and a group file's offset past an int64. Each must take the
+path a damaged file takes (reported, set aside by a writer, rebuilt where the store can),
+never a builtin RecursionError, and never reach a consumer as an offset no wire holds.
+The control for each: the same file filled with random bytes, a damage the store already
+handled."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from equeue import MessageStore, StoreConfig
+from equeue.atomicfile import write_json
+from equeue.cli import main
+from equeue.errors import EQueueError
+
+CONFIG = StoreConfig(chunk_data_size=4096, queue_chunk_records=400, default_queue_count=2)
+GROUP_FILE = "consumers/g.json"
+FILES = ["topics.json", "checkpoint.json", "offsets.json", GROUP_FILE]
+DEEP = b"[" * 200_000  # json.loads raises RecursionError long before the end
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("base") / "store"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 2)
+        for i in range(40):
+            store.send("t", f"message {i}".encode(), key=f"k{i % 3}", queue_id=i % 2)
+        store.commit_offset("h", "t", 0, 4)
+    (path / "consumers").mkdir(exist_ok=True)
+    write_json(path / GROUP_FILE, {"group": "g", "offsets": {"t": {"0": 3}}})
+    return path
+
+
+def _copy(built: Path, tmp_path: Path, name: str, content: bytes) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(built, store)
+    (store / name).write_bytes(content)
+    return store
+
+
+def _outcome(store: Path, read_only: bool) -> str:
+    try:
+        with MessageStore.open(store, read_only=read_only) as opened:
+            opened.pull("t", 0, 0)
+            return "opened"
+    except EQueueError as exc:
+        return type(exc).__name__
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_deeply_nested_json_takes_the_damaged_file_path(
+    built: Path, tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: read-only opens and every CLI command ended in a bare RecursionError, and the
+    broker would not start, where random bytes in the same file were reported and handled."""
+    deep = _copy(built, tmp_path / "deep", name, DEEP)
+    control = _copy(built, tmp_path / "control", name, os.urandom(len(DEEP)))
+    for read_only in (True, False):
+        assert _outcome(deep, read_only) == _outcome(control, read_only), (name, read_only)
+    for command in ("verify", "inspect"):
+        codes = [main([command, str(store)]) for store in (deep, control)]
+        out, err = capsys.readouterr()
+        assert codes[0] == codes[1], (command, out, err)
+        assert "RecursionError" not in out + err and "Traceback" not in err
+    assert main(["verify", str(_copy(built, tmp_path / "deep2", name, DEEP))]) == 1
+    out = capsys.readouterr().out
+    assert "nested too deeply" in out, out
+
+
+def test_control_the_built_store_verifies(built: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(built)]) == 0, capsys.readouterr().out
+    with MessageStore.open(built, read_only=True) as opened:
+        assert opened.committed_offset("g", "t", 0) == 3
+
+
+@pytest.mark.parametrize("offset", [1 << 63, 1 << 70])
+def test_a_group_file_offset_past_an_int64_is_a_damaged_file(
+    built: Path, tmp_path: Path, offset: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: it passed every check; verify exited 0 and each member of the group failed
+    with "cannot encode a frame body" at every poll."""
+    store = tmp_path / "store"
+    shutil.copytree(built, store)
+    write_json(store / GROUP_FILE, {"group": "g", "offsets": {"t": {"0": offset}}})
+    assert main(["verify", str(store)]) == 1
+    assert str(store / GROUP_FILE) in capsys.readouterr().out
+    with MessageStore.open(store, read_only=True) as opened:
+        assert opened.committed_offset("g", "t", 0) is None
+        assert any(GROUP_FILE in problem for problem in opened.recovery.problems)
+    with MessageStore.open(store) as opened:  # a writer sets it aside, as any damaged one
+        assert opened.committed_offset("g", "t", 0) is None
+    assert not (store / GROUP_FILE).exists()
+    assert [p.name.split(".")[0] for p in (store / "consumers/recovered").iterdir()] == ["g"]
