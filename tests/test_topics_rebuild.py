@@ -21,6 +21,7 @@ import xxhash
 from equeue import MessageStore
 from equeue.errors import CorruptionError, StoreLockedError
 from equeue.format.topicsjournal import HEADER_SIZE, TOPICS_JOURNAL_FILE, TopicRecord
+from equeue.store.topicsfile import JOURNAL_READ_LIMIT
 from equeue.store.topicsrebuild import rebuild_topics
 
 ROOT = Path(__file__).parent.parent
@@ -202,3 +203,24 @@ def test_the_broker_refuses_with_the_remedy_then_serves_after_a_rebuild(tmp_path
     deadline = time.monotonic() + 5
     while (store / "broker.sock").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def test_a_journal_past_the_size_a_writer_leaves_is_copied_whole_and_its_rest_reported(
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "s"
+    MessageStore.open(store).close()
+    journal = store / TOPICS_JOURNAL_FILE
+    with journal.open("ab") as f:
+        f.write(TopicRecord("big", 2).pack())
+    os.truncate(journal, JOURNAL_READ_LIMIT + 10)  # (sparse zeros)
+    with pytest.raises(CorruptionError, match="rebuild-topics"):
+        MessageStore.open(store)
+    report = rebuild_topics(store)
+    assert [r.topic for r in report.replayed] == ["big"]
+    assert (report.skipped[-1].offset, report.skipped[-1].length) == (JOURNAL_READ_LIMIT, 10)
+    assert report.skipped[-2].reason == "zeros"
+    assert report.side_file is not None
+    assert os.path.getsize(report.side_file) == JOURNAL_READ_LIMIT + 10
+    with MessageStore.open(store) as opened:
+        assert opened.topics() == ["big"]

@@ -111,10 +111,10 @@ class Journal:
             if size > limit:
                 raise CorruptionError(
                     f"a topics journal of {size} bytes, more than a writer leaves ({limit}: "
-                    "it folds at JOURNAL_FOLD_BYTES); move the file aside to open the store "
-                    "(the topics it recorded are then rebuilt from the queue directories)",
+                    "it folds at JOURNAL_FOLD_BYTES)",
                     file=file,
                     offset=limit,
+                    remedy=REBUILD_REMEDY,
                 )
             raw = f.read(limit + 1)
         self.size = len(raw)

@@ -119,8 +119,8 @@ def rebuild_topics(store: str | os.PathLike[str]) -> RebuildReport:
         if not check_file(journal_path):  # (none: the next writable open makes one)
             return report
         with open_file(journal_path, "rb") as f:
-            raw = f.read(JOURNAL_READ_LIMIT)  # (a larger one: its rest is not read)
-        report.journal_bytes = len(raw)
+            raw = f.read(JOURNAL_READ_LIMIT)  # (a larger one: its rest is copied, not read)
+            report.journal_bytes = os.fstat(f.fileno()).st_size
         try:
             Journal(journal_path).read()
             return report  # sound (or a torn tail, which the writer's open cuts)
@@ -134,6 +134,14 @@ def rebuild_topics(store: str | os.PathLike[str]) -> RebuildReport:
         if not isinstance(body, dict):
             raise CorruptionError("topics.json's body is not an object", file=topics_path)
         records, report.records_from, report.skipped = _salvage(raw)
+        if report.journal_bytes > len(raw):
+            report.skipped.append(
+                Skipped(
+                    len(raw),
+                    report.journal_bytes - len(raw),
+                    "past the largest journal a writer leaves: not read",
+                )
+            )
         merged = dict(body)
         for at, record in records:
             single = Journal(journal_path)
@@ -145,7 +153,7 @@ def rebuild_topics(store: str | os.PathLike[str]) -> RebuildReport:
                 continue
             report.replayed.append(Replayed(record.topic, at, _effect(merged, after, record)))
             merged = after
-        report.side_file = _keep_copy(journal_path, raw)
+        report.side_file = _keep_copy(journal_path)
         log.warning(
             "rebuild-topics: %s copied to %s (%s)", journal_path, report.side_file, report.damage
         )
@@ -202,10 +210,12 @@ def _effect(before: dict[str, Any], after: dict[str, Any], record: TopicRecord) 
     return f"entry replaced: {old} -> {new}"
 
 
-def _keep_copy(journal: Path, raw: bytes) -> str:
+def _keep_copy(journal: Path) -> str:
+    """The whole journal copied to recovered/ (fsynced, with its directory entry)."""
     side = make_side_dir(journal.parent) / f"{journal.name}.{time.time_ns()}.damaged"
-    with open_file(side, "xb") as out:
-        out.write(raw)
+    with open_file(journal, "rb") as source, open_file(side, "xb") as out:
+        while block := source.read(1 << 20):
+            out.write(block)
         out.flush()
         os.fsync(out.fileno())
     fsync_directory(side.parent)
