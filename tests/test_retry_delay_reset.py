@@ -5,6 +5,7 @@ gone. Driven with injected clocks: a wall-clock step back is one of the cases.""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,10 @@ class Clock:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> MessageStore:
-    opened = MessageStore.open(tmp_path / "s")
-    opened.create_topic("t", 1)
-    return opened
+def store(tmp_path: Path) -> Iterator[MessageStore]:
+    with MessageStore.open(tmp_path / "s") as opened:
+        opened.create_topic("t", 1)
+        yield opened
 
 
 def _coordinator(store: MessageStore, clock: Clock) -> GroupCoordinator:
@@ -37,11 +38,15 @@ def _coordinator(store: MessageStore, clock: Clock) -> GroupCoordinator:
     return coord
 
 
-def _nack(store: MessageStore, coord: GroupCoordinator, body: bytes) -> None:
-    coord.nack("g", "a", store.send("t", body).message_id, 1000)  # level 0: 1 s
+def _nack(store: MessageStore, coord: GroupCoordinator, *bodies: bytes) -> None:
+    for body in bodies:
+        coord.nack("g", "a", store.send("t", body).message_id, 1000)  # level 0: 1 s
 
 
-def _retried(store: MessageStore) -> list[bytes]:
+def _retried_after(store: MessageStore, coord: GroupCoordinator, clock: Clock) -> list[bytes]:
+    """What the retry topic holds after a tick 1.5 s later: every copy due by then."""
+    clock.now += 1.5
+    coord.tick()
     topic = RETRY_PREFIX + "g"
     if topic not in store.topics():
         return []
@@ -53,20 +58,14 @@ def test_a_copy_in_the_delay_queue_made_again_moves_after_a_clock_step_back(
 ) -> None:
     clock = Clock()
     coord = _coordinator(store, clock)
-    _nack(store, coord, b"one")
-    _nack(store, coord, b"two")
-    clock.now += 1.5
-    coord.tick()
-    assert _retried(store) == [b"one", b"two"]  # the mover's cursor: 2
-    _nack(store, coord, b"waits")  # due at T0 + 2.5 s, remembered as the queue's head
+    _nack(store, coord, b"one", b"two")
+    assert _retried_after(store, coord, clock) == [b"one", b"two"]  # the mover's cursor: 2
+    _nack(store, coord, b"waits")  # due 1 s on, remembered as the queue's head
     coord.tick()
     store.delete_topic(DELAY_TOPIC)  # "waits" is gone with it
     clock.now = T0 - 1000.0  # the wall clock steps back (NTP, an operator)
     _nack(store, coord, b"after")  # the delay topic made again: offset 0, due T0 - 999 s
-    clock.now += 2.0
-    coord.tick()
-    assert _retried(store) == [b"one", b"two", b"after"]
-    store.close()
+    assert _retried_after(store, coord, clock) == [b"one", b"two", b"after"]
 
 
 def test_copies_below_the_old_cursor_of_a_delay_queue_made_again_are_moved(
@@ -75,13 +74,7 @@ def test_copies_below_the_old_cursor_of_a_delay_queue_made_again_are_moved(
     clock = Clock()
     coord = _coordinator(store, clock)
     _nack(store, coord, b"one")
-    clock.now += 1.5
-    coord.tick()
-    assert _retried(store) == [b"one"]  # the mover's cursor: 1
+    assert _retried_after(store, coord, clock) == [b"one"]  # the mover's cursor: 1
     store.delete_topic(DELAY_TOPIC)
-    _nack(store, coord, b"first")  # offsets 0 and 1 of the queue made again
-    _nack(store, coord, b"second")
-    clock.now += 1.5
-    coord.tick()
-    assert _retried(store) == [b"one", b"first", b"second"]
-    store.close()
+    _nack(store, coord, b"first", b"second")  # offsets 0 and 1 of the queue made again
+    assert _retried_after(store, coord, clock) == [b"one", b"first", b"second"]
