@@ -224,3 +224,22 @@ def test_a_journal_past_the_size_a_writer_leaves_is_copied_whole_and_its_rest_re
     assert os.path.getsize(report.side_file) == JOURNAL_READ_LIMIT + 10
     with MessageStore.open(store) as opened:
         assert opened.topics() == ["big"]
+
+
+def test_a_damaged_topics_json_beside_it_is_named_with_its_own_remedy(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    _killed_store(store)
+    _damage(store / TOPICS_JOURNAL_FILE, "magic")
+    topics_json = store / "topics.json"
+    topics_json.write_bytes(b'{"body": {}, "xxh64": "0"}')  # (the killed writer wrote none)
+    before = _files(store)
+    with pytest.raises(CorruptionError, match=r"move topics\.json out of the store") as exc:
+        rebuild_topics(store)
+    assert exc.value.file == str(topics_json)
+    assert _files(store) == before
+    topics_json.rename(tmp_path / "topics.json.aside")
+    report = rebuild_topics(store)
+    assert len(report.replayed) == 5
+    with MessageStore.open(store) as opened:
+        assert opened.topics() == ["idle", "kept", "orders"]
+        assert opened.topic_policy("kept").cleanup == "compact"

@@ -130,9 +130,21 @@ def rebuild_topics(store: str | os.PathLike[str]) -> RebuildReport:
             report.damage = exc.problem
         topics_path = path / TOPICS_FILE
         generation = file_generation(topics_path)
-        body = read_json(topics_path) if os.path.lexists(topics_path) else {}
-        if not isinstance(body, dict):
-            raise CorruptionError("topics.json's body is not an object", file=topics_path)
+        try:
+            body = read_json(topics_path) if os.path.lexists(topics_path) else {}
+            if not isinstance(body, dict):
+                raise CorruptionError("topics.json's body is not an object", file=topics_path)
+        except CorruptionError as exc:
+            raise type(exc)(
+                f"{exc.reason} (topics.json, beside a damaged {TOPICS_JOURNAL_FILE})",
+                file=exc.file,
+                offset=exc.offset,
+                expected=exc.expected,
+                found=exc.found,
+                remedy="move topics.json out of the store and run rebuild-topics again: the "
+                "journal's records are then replayed over nothing, and the next writable open "
+                "adds the topics whose queue directories hold chunks, with default policies",
+            ) from None
         records, report.records_from, report.skipped = _salvage(raw)
         if report.journal_bytes > len(raw):
             report.skipped.append(
