@@ -243,3 +243,22 @@ def test_a_damaged_topics_json_beside_it_is_named_with_its_own_remedy(tmp_path: 
     with MessageStore.open(store) as opened:
         assert opened.topics() == ["idle", "kept", "orders"]
         assert opened.topic_policy("kept").cleanup == "compact"
+
+
+def test_a_record_create_topic_would_refuse_is_named_and_left_out(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    _killed_store(store)
+    journal = store / TOPICS_JOURNAL_FILE
+    hostile = journal.stat().st_size
+    with journal.open("ab") as f:  # a whole, checksummed record naming a path
+        f.write(TopicRecord("../x", 1).pack() + TopicRecord("later", 2).pack())
+    with pytest.raises(CorruptionError, match="rebuild-topics") as exc:
+        MessageStore.open(store)
+    assert exc.value.offset == hostile
+    report = rebuild_topics(store)
+    assert [(s.offset, s.length) for s in report.skipped] == [
+        (hostile, len(TopicRecord("../x", 1).pack()))
+    ]
+    assert report.replayed[-1].topic == "later"
+    with MessageStore.open(store) as opened:
+        assert opened.topics() == ["idle", "kept", "later", "orders"]

@@ -211,6 +211,7 @@ def replay(body: dict[str, Any], journal: Journal) -> dict[str, Any]:
                 f"bad topics journal record for topic {record.topic[:80]!r} ({exc})",
                 file=str(journal.path),
                 offset=at,
+                remedy=REBUILD_REMEDY,
             ) from None
         merged[record.topic] = record.to_entry()
     return merged

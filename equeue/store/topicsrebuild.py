@@ -122,8 +122,10 @@ def rebuild_topics(store: str | os.PathLike[str]) -> RebuildReport:
             raw = f.read(JOURNAL_READ_LIMIT)  # (a larger one: its rest is copied, not read)
             report.journal_bytes = os.fstat(f.fileno()).st_size
         try:
-            Journal(journal_path).read()
-            return report  # sound (or a torn tail, which the writer's open cuts)
+            # Sound (or a torn tail, which the writer's open cuts), and every record one
+            # create_topic would accept (a check of each record alone: any body will do).
+            replay({}, Journal(journal_path).read())
+            return report
         except CorruptionError as exc:
             if exc.file != str(journal_path):  # topics.json's generation: its own remedy
                 raise
