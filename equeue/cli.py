@@ -1,4 +1,6 @@
-"""The ``equeue`` command: look inside a store without writing code.
+"""The ``equeue`` command: look inside a store without writing code; also compact it,
+serve it, and (``rebuild-topics``, equeue/store/topicsrebuild.py) repair a damaged
+topics.journal.
 
 Exit status: 0 success (verify: no problems), 1 problems found or damage met while
 reading, 2 usage errors (bad options, a path that is not a store or chunk file).
@@ -45,6 +47,7 @@ from equeue.inspect.summary import summarize_file, summarize_store
 from equeue.inspect.verify import Verifier
 from equeue.server import cli as server_cli  # argparse only: no asyncio until run
 from equeue.store.meta import IDENTITY_FILE
+from equeue.store.topicsrebuild import rebuild_topics
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -214,6 +217,29 @@ def _run_records(args: argparse.Namespace) -> int:
 
 def _configure_verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", type=Path, metavar="STORE")
+
+
+def _run_rebuild_topics(args: argparse.Namespace) -> int:
+    report = rebuild_topics(args.store)
+    if args.json:
+        _print_json(report.to_json())
+        return EXIT_OK
+    if report.damage is None:
+        print(f"{report.journal} is sound: nothing changed")
+        return EXIT_OK
+    print(f"{report.journal}: {report.damage}")
+    print(f"  copied whole ({report.journal_bytes} bytes) to {report.side_file}")
+    print(f"  records read from offset {report.records_from}: {len(report.replayed)} replayed")
+    for r in report.replayed:
+        print(f"    at {r.offset}: {r.topic!r} {r.effect}")
+    for s in report.skipped:
+        print(f"  not replayed: {s.length} bytes at offset {s.offset} (0x{s.offset:x}): {s.reason}")
+    print(
+        f"topics.json and a fresh journal written (generation {report.generation}, "
+        f"{_plural(report.topics, 'topic')}); the next writable open adds, with default "
+        "policies, any topic whose queue directories hold chunks and that has no entry"
+    )
+    return EXIT_OK
 
 
 def _run_verify(args: argparse.Namespace) -> int:
@@ -390,6 +416,13 @@ COMMANDS: list[Command] = [
         "check every checksum, record and queue entry; exit 1 if anything is wrong",
         _configure_verify,
         _run_verify,
+    ),
+    Command(
+        "rebuild-topics",
+        "rebuild topics.json and a damaged topics.journal from the records that check out "
+        "(no writer may run; the old journal is kept in recovered/)",
+        _configure_verify,
+        _run_rebuild_topics,
     ),
     Command(
         "compact",

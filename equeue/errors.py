@@ -57,19 +57,22 @@ class CorruptionError(EQueueError):
         offset: int | None = None,
         expected: int | bytes | None = None,
         found: int | bytes | None = None,
+        remedy: str | None = None,
     ) -> None:
         self.reason = reason
         self.file = os.fspath(file) if file is not None else None
         self.offset = offset
         self.expected = expected
         self.found = found
+        self.remedy = remedy  # what the operator can do, after the facts
         message = reason
         where = _where(file, offset)
         if where:
             message += " " + where
         if expected is not None or found is not None:
             message += f": expected {_hex(expected)}, found {_hex(found)}"
-        super().__init__(message)
+        self.problem = message  # the message without the remedy
+        super().__init__(message if remedy is None else f"{message}; {remedy}")
 
 
 def _hex(value: int | bytes | None) -> str:

@@ -145,3 +145,56 @@ def test_the_cli_refuses_a_bad_duration_before_creating_the_store(home: Path) ->
     assert done.returncode == 1, done
     assert b"--retention 'soon'" in done.stderr
     assert not (home / "new").exists()
+
+
+def _status(store: Path, *json_flag: str) -> str:
+    shown = subprocess.run(
+        [sys.executable, "-m", "equeue", "serve", str(store), "--status", *json_flag],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    return shown.stdout
+
+
+def test_status_and_stats_show_the_retention_the_running_broker_applies(home: Path) -> None:
+    import json
+
+    store = home / "store"
+    options = ["--retention", "2h", "--max-store-bytes", "1073741824"]
+    serve = [sys.executable, "-m", "equeue", "serve", str(store), "--quiet"]
+    for given, expected, line in [
+        (
+            [*options, "--retention-respects-consumers"],
+            {"retention_s": 7200.0, "max_store_bytes": 1 << 30, "respects_consumers": True},
+            "retention: removes chunks older than 7200 s and the oldest chunks while the "
+            "store is over 1073741824 bytes, once every group committed past them",
+        ),
+        (  # not persisted: the next start without them applies none, and says so
+            [],
+            {"retention_s": None, "max_store_bytes": None, "respects_consumers": False},
+            "retention: none (every log chunk is kept)",
+        ),
+    ]:
+        broker = subprocess.Popen([*serve, *given], stdout=subprocess.PIPE)
+        try:
+            assert broker.stdout is not None
+            assert broker.stdout.readline().startswith(b"listening on ")
+            with equeue.connect(str(store)) as client:
+                assert client.stats()["retention"] == expected
+            assert json.loads(_status(store, "--json"))["retention"] == expected
+            assert line in _status(store).splitlines()
+        finally:
+            broker.terminate()
+            broker.wait(30)
+
+
+def test_stats_show_a_callers_handles_own_retention(home: Path) -> None:
+    config = StoreConfig(flush="async", retention=dt.timedelta(minutes=15))
+    with (
+        MessageStore.open(home / "s", config) as handle,
+        BrokerThread(handle, listen=[f"unix:{home}/b.sock"]) as broker,
+        equeue.connect(broker.urls[0]) as client,
+    ):
+        assert client.stats()["retention"] == {
+            "retention_s": 900.0, "max_store_bytes": None, "respects_consumers": False,
+        }  # fmt: skip

@@ -28,6 +28,7 @@ from equeue import MessageStore, StoreConfig
 from equeue.cli import main
 from equeue.errors import EQueueError
 from equeue.format.livetail import LIVE_TAIL_FILE
+from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
 from equeue.store.meta import (
     CHECKPOINT_FILE,
     IDENTITY_FILE,
@@ -84,6 +85,7 @@ def _chunks(directory: Path) -> list[Path]:
 KINDS: dict[str, Callable[[Path], Path]] = {
     IDENTITY_FILE: lambda s: s / IDENTITY_FILE,
     TOPICS_FILE: lambda s: s / TOPICS_FILE,
+    TOPICS_JOURNAL_FILE: lambda s: s / TOPICS_JOURNAL_FILE,
     OFFSETS_FILE: lambda s: s / OFFSETS_FILE,
     CHECKPOINT_FILE: lambda s: s / CHECKPOINT_FILE,
     LOCK_FILE: lambda s: s / LOCK_FILE,
@@ -173,6 +175,8 @@ HARMLESS = {
     (LIVE_TAIL_FILE, "zero 512 bytes"): "as a flipped bit: the checkpoint is used",
     (LIVE_TAIL_FILE, "truncate"): "a short tail.live is ignored",
     (LIVE_TAIL_FILE, "delete"): "tail.live only speeds up recovery after a crash",
+    (TOPICS_JOURNAL_FILE, "delete"): "this store's writer closed cleanly, folding the journal "
+    "into topics.json (after a crash its records would be lost: docs/durability.md)",
 }
 
 

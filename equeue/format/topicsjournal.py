@@ -95,6 +95,8 @@ def check_header(raw: bytes, file: str) -> tuple[int, int]:
             f"a topics journal of {len(raw)} bytes is shorter than its header ({size} bytes)",
             file=file,
             offset=0,
+            expected=size,
+            found=len(raw),
         )
     if version == 1:
         (magic, version, checksum), generation = _HEADER_V1.unpack_from(raw), 0
@@ -118,6 +120,8 @@ def check_header(raw: bytes, file: str) -> tuple[int, int]:
             f"topics journal format version {version}; this equeue reads 1 and {VERSION}",
             file=file,
             offset=8,
+            expected=VERSION,
+            found=version,
         )
     return generation, size
 

@@ -80,6 +80,8 @@ def describe(exc: CorruptionError) -> str:
     text = exc.reason
     if exc.expected is not None or exc.found is not None:
         text += f": expected {_hex(exc.expected)}, found {_hex(exc.found)}"
+    if exc.remedy is not None:
+        text += f"; {exc.remedy}"
     return text
 
 

@@ -164,6 +164,9 @@ class Retries:
         # committed_offset per queue per tick would merge every group's offsets each time.
         self._cursors: dict[int, int] = {}
         self._head_due: dict[int, float] = {}  # the due time of a queue's first copy waiting
+        # The delay topic's latest deletion (a log position) when the cursors were taken:
+        # a new one means its queues started again at offset 0 (_follow_deletion).
+        self._delay_deleted = store.deleted_topics().get(DELAY_TOPIC)
         # Runs the mover's fdatasync and cursor write off the broker's loop (the broker
         # sets it: OffsetCommitter.run); None: in the caller, before move_due returns.
         self.background: Callable[[Callable[[], None]], Job] | None = None
@@ -287,6 +290,7 @@ class Retries:
         the store refuses for what it is goes to the dead-letter topic; any other failure
         (a full disk, a failed write) stops the move where it failed, keeps what was
         moved, and is tried again at the next tick: no copy is appended twice."""
+        self._follow_deletion()
         if not self._durable():
             return 0  # the last move is not durable yet: nothing more until it is
         before = self.moved
@@ -313,6 +317,21 @@ class Retries:
             due = self._due(queue_id, now_ms)
             if due:
                 self._move_level(queue_id, due, cursors)
+
+    def _follow_deletion(self) -> None:
+        """The delay topic deleted (a caller's handle can, under an embedded broker) since
+        the last look: its queues start again at offset 0, so the cursors and head due
+        times kept for the copies that went with it no longer apply. A cursor kept would
+        skip the new copies below it; a head due time kept would hold them back until
+        then, which after a wall-clock step back is later than theirs. (The deletion
+        dropped the cursors' file entries; the ones not yet written are dropped here.)"""
+        deleted = self.store.deleted_topics().get(DELAY_TOPIC)
+        if deleted == self._delay_deleted:
+            return
+        self._delay_deleted = deleted
+        self._head_due.clear()
+        self._cursors = dict.fromkeys(self._cursors, 0)
+        self._unsaved = {key: at for key, at in self._unsaved.items() if key[0] != DELAY_TOPIC}
 
     def _due(self, queue_id: int, now_ms: float) -> list[Message]:
         first, following = self.store.queue_range(DELAY_TOPIC, queue_id)
@@ -468,6 +487,7 @@ class Retries:
 
     def pending(self) -> int:
         """Copies in the delay queues not moved yet."""
+        self._follow_deletion()
         try:
             delay_queues = self.store.queue_ids(DELAY_TOPIC)
         except TopicNotFoundError:

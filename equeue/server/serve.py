@@ -36,7 +36,7 @@ from equeue.server.loops import run as run_on
 from equeue.server.offsetcommit import OffsetCommitter
 from equeue.server.periodic import PeriodicJobs
 from equeue.server.release import release_durable
-from equeue.server.stats import Counters
+from equeue.server.stats import Counters, retention_stats
 from equeue.store.config import FlushPolicy, StoreConfig
 from equeue.store.store import MessageStore
 from equeue.store.types import PullResult
@@ -330,6 +330,7 @@ class Broker:
             else 0.0,
             "listen": list(self.urls),
             "flush": self.config.flush,
+            "retention": retention_stats(self.store.config),
             # --busy-poll-us: times the poll started from idle, loop turns spent polling
             "busy_poll_starts": self.busy_poll.kicks if self.busy_poll else 0,
             "busy_polls": self.busy_poll.spins if self.busy_poll else 0,

@@ -7,6 +7,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from equeue.speedups import SPEEDUPS
+from equeue.store.config import StoreConfig
 from equeue.store.store import MessageStore
 
 RATE_WINDOW_S = 5.0  # rates are over about the last this many seconds
@@ -82,3 +83,28 @@ def group_lag(store: MessageStore) -> dict[str, Any]:
                 per_queue[f"{topic}/{queue_id}"] = {"committed": committed, "end": end, "lag": lag}
         groups[group] = {"lag": total, "queues": per_queue}
     return groups
+
+
+def retention_stats(config: StoreConfig) -> dict[str, Any]:
+    """The retention the broker's store applies: ``equeue serve``'s options (not persisted,
+    so nothing else shows them) or a caller's handle's own StoreConfig."""
+    return {
+        "retention_s": None if config.retention is None else config.retention.total_seconds(),
+        "max_store_bytes": config.max_store_bytes,
+        "respects_consumers": config.retention_respects_consumers,
+    }
+
+
+def render_retention(retention: dict[str, Any]) -> str:
+    """``--status``'s line for the ``retention`` map."""
+    seconds, cap = retention.get("retention_s"), retention.get("max_store_bytes")
+    if seconds is None and cap is None:
+        return "retention: none (every log chunk is kept)"
+    parts = []
+    if seconds is not None:
+        parts.append(f"chunks older than {seconds:g} s")
+    if cap is not None:
+        parts.append(f"the oldest chunks while the store is over {cap} bytes")
+    respects = retention.get("respects_consumers")
+    after = ", once every group committed past them" if respects else ""
+    return f"retention: removes {' and '.join(parts)}{after}"

@@ -10,6 +10,7 @@ from typing import Any
 
 from equeue.errors import BrokerError, NotAStoreError
 from equeue.server.config import SOCKET_NAME, read_token
+from equeue.server.stats import render_retention
 
 
 def fetch_stats(
@@ -46,6 +47,8 @@ def render_stats(stats: dict[str, Any]) -> str:
         f"{key}: {stats[key]}" for key in sorted(stats) if not isinstance(stats[key], dict | list)
     ]
     lines.append(f"listen: {' '.join(stats.get('listen', []))}")
+    if isinstance(stats.get("retention"), dict):  # (a broker before 2026-11-26 has none)
+        lines.append(render_retention(stats["retention"]))
     for name, rate in sorted(stats.get("rates", {}).items()):
         lines.append(f"{name}: {rate}")
     for client in stats.get("clients", []):

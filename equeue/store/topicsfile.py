@@ -33,7 +33,7 @@ import xxhash
 from equeue.atomicfile import read_json, write_bytes
 from equeue.chunks.fileops import fsync_directory, write_error
 from equeue.chunks.recovery import TailCut, make_side_dir
-from equeue.errors import CorruptionError, EQueueError
+from equeue.errors import CorruptionError, EQueueError, StoreWriteError
 from equeue.format.topicsjournal import (
     HEADER_SIZE,
     RECORD_HEAD_SIZE,
@@ -59,10 +59,19 @@ JOURNAL_FOLD_BYTES: Final = 1 << 20
 # The longest record (a name's length is a u16): a journal past the bound by more than
 # one of these was not written by a writer (which folds first), and is not read.
 _MAX_RECORD: Final = RECORD_HEAD_SIZE + 0xFFFF
+JOURNAL_READ_LIMIT: Final = JOURNAL_FOLD_BYTES + _MAX_RECORD
 # A read-only handle reads topics.json, then the journal, and accepts the pair if
 # topics.json was not replaced meanwhile (by a fold); else it reads both again.
 _READ_ATTEMPTS: Final = 8
 
+# What every reader's refusal of a damaged journal tells the operator to do
+# (equeue/store/topicsrebuild.py; docs/durability.md, "A damaged topics.journal").
+REBUILD_REMEDY: Final = (
+    "with no writer running, run 'equeue rebuild-topics STORE': it copies the journal to "
+    "recovered/, replays every record that still checks out over topics.json and writes "
+    "both afresh (moving the journal aside instead loses the topics that only it records "
+    "and have no queue directory, and resets the others' policies)"
+)
 _SIZE_AND_NAME = struct.Struct("<IxxH")  # a record's size and name length (bytes 4..11)
 _Key = tuple[int | None, TopicPolicy | None, int | None]
 _Identity = tuple[int, int, int, int] | None
@@ -97,19 +106,30 @@ class Journal:
             return self
         self.exists = True
         with open_file(self.path, "rb") as f:
-            limit = JOURNAL_FOLD_BYTES + _MAX_RECORD
+            limit = JOURNAL_READ_LIMIT
             size = os.fstat(f.fileno()).st_size
             if size > limit:
                 raise CorruptionError(
                     f"a topics journal of {size} bytes, more than a writer leaves ({limit}: "
-                    "it folds at JOURNAL_FOLD_BYTES); move the file aside to open the store "
-                    "(the topics it recorded are then rebuilt from the queue directories)",
+                    "it folds at JOURNAL_FOLD_BYTES)",
                     file=file,
                     offset=limit,
+                    remedy=REBUILD_REMEDY,
                 )
             raw = f.read(limit + 1)
         self.size = len(raw)
-        self.generation, at = check_header(raw, file)
+        try:
+            self.generation, at = check_header(raw, file)
+        except CorruptionError as exc:  # (its subclasses: the same class, told what to do)
+            raise type(exc)(
+                f"{exc.reason} (the journal's header: its generation, whether topics.json "
+                "holds its records already, cannot be trusted)",
+                file=exc.file,
+                offset=exc.offset,
+                expected=exc.expected,
+                found=exc.found,
+                remedy=REBUILD_REMEDY,
+            ) from None
         self.end = at
         # topics.json's generation, read after the journal: a reader that saw topics.json
         # unchanged around both reads (TopicsFile.read) compares the pair it read.
@@ -121,11 +141,10 @@ class Journal:
                 if not _torn(raw, at):
                     raise CorruptionError(
                         f"damaged topics journal record ({exc.reason}), with records after "
-                        "it: not a torn append; move the file aside to open the store (the "
-                        "topics it recorded are then rebuilt from the queue directories, "
-                        "with default policies)",
+                        "it: not a torn append",
                         file=file,
                         offset=at,
+                        remedy=REBUILD_REMEDY,
                     ) from None
                 self.tail_reason = exc.reason
                 break
@@ -154,18 +173,22 @@ def _torn(raw: bytes, at: int) -> bool:
     never came, bytes of a record that did not all reach the disk). A valid record after
     them means something else damaged or wrote the journal (records are appended only
     after the one before is synced, and a writer's open cuts a torn one first)."""
-    if not raw[at:].strip(b"\0"):
-        return True
+    return not raw[at:].strip(b"\0") or next_record(raw, at + 1) is None
+
+
+def next_record(raw: bytes, start: int) -> int | None:
+    """Where the first record that checks out (size, checksum, flags, name) begins at or
+    after ``start``; None if none does."""
     head = _SIZE_AND_NAME
-    for start in range(at + 1, len(raw) - RECORD_HEAD_SIZE + 1):
-        size, n = head.unpack_from(raw, start + 4)
-        if size == RECORD_HEAD_SIZE + n and start + size <= len(raw):
+    for at in range(start, len(raw) - RECORD_HEAD_SIZE + 1):
+        size, n = head.unpack_from(raw, at + 4)
+        if size == RECORD_HEAD_SIZE + n and at + size <= len(raw):
             try:
-                TopicRecord.unpack(raw, start, "")
+                TopicRecord.unpack(raw, at, "")
             except CorruptionError:
                 continue
-            return False
-    return True
+            return at
+    return None
 
 
 def replay(body: dict[str, Any], journal: Journal) -> dict[str, Any]:
@@ -188,6 +211,7 @@ def replay(body: dict[str, Any], journal: Journal) -> dict[str, Any]:
                 f"bad topics journal record for topic {record.topic[:80]!r} ({exc})",
                 file=str(journal.path),
                 offset=at,
+                remedy=REBUILD_REMEDY,
             ) from None
         merged[record.topic] = record.to_entry()
     return merged
@@ -393,6 +417,21 @@ class TopicsFile:
             )
             self._pieces[topic] = cached
         return cached
+
+    def rebuild(self, merged: dict[str, Any], generation: int) -> None:
+        """``equeue rebuild-topics`` (a writer's, under the lock): topics.json holding
+        ``merged`` at the generation after ``generation``, then a fresh journal of that
+        generation; StoreWriteError if the journal could not be written (run it again)."""
+        self._generation = generation
+        canonical = json.dumps(merged, sort_keys=True, separators=(",", ":"))
+        self._write_file(json.dumps(merged, sort_keys=True), canonical)
+        written = self._fd is not None
+        self.close_fd()
+        if not written:
+            raise StoreWriteError(
+                f"topics.json was written, its fresh journal not (see the log): run again; "
+                f"{self.journal_path} is as it was"
+            )
 
     @property
     def journal_records(self) -> bool:
