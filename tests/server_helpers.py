@@ -11,7 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from equeue.protocol.frames import FrameReader, check_answer, decode_body, encode
+from equeue.protocol.frames import (
+    SUPPORTED_VERSIONS,
+    FrameReader,
+    check_answer,
+    decode_body,
+    encode,
+)
 
 TIMEOUT_S = 20.0
 
@@ -31,9 +37,17 @@ def short_home() -> Iterator[Path]:
 
 
 class Raw:
-    """One connection speaking the protocol by hand."""
+    """One connection speaking the protocol by hand: every version the package speaks
+    unless ``versions`` says (the broker refuses an op above the version it chose)."""
 
-    def __init__(self, url: str, *, hello: bool = True, token: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        hello: bool = True,
+        token: str | None = None,
+        versions: tuple[int, ...] = SUPPORTED_VERSIONS,
+    ) -> None:
         if url.startswith("unix:"):
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.settimeout(TIMEOUT_S)
@@ -46,7 +60,8 @@ class Raw:
         self.next_id = 1
         self.welcome: Any = None
         if hello:
-            self.sock.sendall(encode({"versions": [1], "token": token, "client": "test"}))
+            hello_map = {"versions": list(versions), "token": token, "client": "test"}
+            self.sock.sendall(encode(hello_map))
             self.welcome = self.recv()
 
     def recv(self) -> Any:

@@ -161,8 +161,13 @@ def test_arguments_the_wire_cannot_carry_are_refused_before_sending(
     assert isinstance(found, error)
 
 
-def test_a_negative_queue_id_has_no_committed_offset() -> None:
-    assert loose.committed_offset("g", "t", -1) is None
+def test_a_negative_queue_id_is_refused_by_committed_offset_after_the_topics_lookup() -> None:
+    """As commit_offset (and the store): QueueNotFoundError, unless the broker's answer
+    to the probe (queue_ids) says the topic is missing, which is reported first."""
+    with pytest.raises(calls.Probe) as raised:
+        calls.committed_offset("g", "t", -1)
+    assert isinstance(raised.value.error, QueueNotFoundError)
+    assert raised.value.call.op == "queue_ids"
 
 
 def test_a_request_over_the_brokers_frame_limit_is_refused_before_sending() -> None:

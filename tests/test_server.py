@@ -14,7 +14,7 @@ from server_helpers import Raw, raw, short_home
 
 from equeue import MessageStore
 from equeue.protocol import pullcols
-from equeue.protocol.frames import encode
+from equeue.protocol.frames import PROTOCOL_VERSION, encode
 from equeue.protocol.ops import OPS
 from equeue.protocol.records import (
     unpack_message,
@@ -38,7 +38,7 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
     assert url == f"unix:{broker.store.path / 'broker.sock'}"
     seen: set[str] = set()
     with raw(url) as c:
-        assert c.welcome["version"] == 1
+        assert c.welcome["version"] == PROTOCOL_VERSION
         assert c.welcome["limits"]["max_in_flight"] == 1024
 
         def call(op: str, **args: object) -> Any:

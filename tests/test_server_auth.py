@@ -15,7 +15,7 @@ import pytest
 from server_helpers import Raw, raw, short_home
 
 from equeue.errors import ConfigError
-from equeue.protocol.frames import FrameReader, check_answer, decode_body, encode
+from equeue.protocol.frames import PROTOCOL_VERSION, FrameReader, check_answer, decode_body, encode
 from equeue.server import BrokerThread, ServerConfig
 
 TOKEN = "s3cret-token"
@@ -43,7 +43,7 @@ def test_a_wrong_or_missing_token_is_refused(home: Path) -> None:
                 c.close()
             assert error["code"] == "AuthenticationError", error
         with raw(url, token=TOKEN) as c:
-            assert c.welcome["version"] == 1
+            assert c.welcome["version"] == PROTOCOL_VERSION
             assert c.call("ping") is None
 
 

@@ -19,7 +19,7 @@ from server_helpers import Raw, raw, short_home
 
 from equeue import MessageStore
 from equeue.errors import ConfigError
-from equeue.protocol.frames import FRAME_HEADER, check_request, encode
+from equeue.protocol.frames import FRAME_HEADER, PROTOCOL_VERSION, check_request, encode
 from equeue.server import BrokerThread
 from equeue.store.config import StoreConfig
 
@@ -283,7 +283,7 @@ def test_a_full_broker_makes_room_by_closing_a_silent_peer(home: Path) -> None:
         try:
             time.sleep(1.2)  # the peers have said nothing for longer than EVICT_AFTER_S
             with raw(url) as c:  # before: LimitExceededError until the peers went away
-                assert c.welcome["version"] == 1 and c.call("ping") is None
+                assert c.welcome["version"] == PROTOCOL_VERSION and c.call("ping") is None
             error = silent[0].closed_with()  # the oldest silent one made room
             assert error["code"] == "LimitExceededError" and "no hello" in error["message"]
         finally:

@@ -606,10 +606,9 @@ class AsyncClient:
         await self._call(await self._made(calls.commit_offset, group, topic, queue_id, offset))
 
     async def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
-        call = calls.committed_offset(group, topic, queue_id)
-        if call is None:
-            return None
-        result: int | None = await self._call(call)
+        result: int | None = await self._call(
+            await self._made(calls.committed_offset, group, topic, queue_id)
+        )
         return result
 
     async def create_topic(self, topic: str, queue_count: int | None = None) -> None:

@@ -84,9 +84,22 @@ def queue_id(value: object, where: str) -> int:
 
 
 def offset(value: object, what: str = "offset") -> int:
-    if not is_int(value) or not 0 <= value < _UINT64:
+    if not is_int(value) or value < 0:
         raise InvalidMessageError(f"{what} must be an int >= 0, got {value!r}")
+    if value >= _UINT64:  # the store refuses it as past the queue's end (check_commit)
+        raise InvalidMessageError(
+            f"{what} {value} is past the queue's end (past 2**64 - 1, the wire's uint64)"
+        )
     return int(value)
+
+
+def pull_offset(value: object) -> int:
+    """A pull's offset: any int >= 0, as the store's pull takes it. Past 2**64 - 1 (the
+    wire's uint64) it is sent as 2**64 - 1: past every queue's end either way, so the
+    answer is the store's (empty, next_offset = the end)."""
+    if not is_int(value) or value < 0:
+        raise InvalidMessageError(f"offset must be an int >= 0, got {value!r}")
+    return min(int(value), _UINT64 - 1)
 
 
 def positive(what: str, value: object) -> int:

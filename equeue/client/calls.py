@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from equeue.client import args
 from equeue.errors import EQueueError, InvalidTypeError, QueueNotFoundError
 from equeue.protocol.records import all_bytes
+from equeue.store import validate
 
 # the messages of a send as the caller gave them (a send's fields as a tuple: see
 # core.given), None for an op that stores nothing
@@ -113,7 +114,7 @@ def pull(
     name = args.topic(topic)
     wire: dict[str, Any] = {"topic": name, "queue_id": _queue_of(name, queue_id)}
     try:
-        wire["offset"] = args.offset(offset)
+        wire["offset"] = args.pull_offset(offset)
         wire["max_count"] = args.positive("max_count", max_count)
         if max_bytes is not None:
             wire["max_bytes"] = args.positive("max_bytes", max_bytes)
@@ -165,15 +166,20 @@ def commit_offset(group: str, topic: str, queue_id: int, offset: int) -> Call:
     return Call("commit_offset", wire, None)
 
 
-def committed_offset(group: str, topic: str, queue_id: int) -> Call | None:
-    """None: no store holds an offset for this queue id (a negative one), so no request."""
-    wire: dict[str, Any] = {"group": args.name("group", group), "topic": args.name("topic", topic)}
+def committed_offset(group: str, topic: str, queue_id: int) -> Call:
+    """The store's order: the three types, the topic and queue (a missing one refused as
+    commit_offset refuses it), then the group's name."""
+    group = args.name("group", group)
+    args.name("topic", topic)
     if not args.is_int(queue_id):
         raise InvalidTypeError(f"queue_id must be a int, got {type(queue_id).__name__}")
-    if not 0 <= queue_id < 1 << 64:
-        return None
-    wire["queue_id"] = int(queue_id)
-    return Call("committed_offset", wire, None)
+    name = args.topic(topic)
+    number = _queue_of(name, queue_id)
+    try:
+        validate.check_group(group)
+    except EQueueError as exc:
+        raise _probed(exc, name, number) from None
+    return Call("committed_offset", {"group": group, "topic": name, "queue_id": number}, None)
 
 
 def create_topic(topic: str, queue_count: int | None) -> Call:

@@ -66,6 +66,7 @@ from equeue.errors import (
     ProtocolError,
 )
 from equeue.store.types import Message
+from equeue.store.validate import MAX_DELAY_MS
 
 log = logging.getLogger("equeue.client.consumer")
 
@@ -654,6 +655,14 @@ class GroupConsumer:
 
 
 def _delay_ms(delay: float) -> int:
-    if not isinstance(delay, int | float) or isinstance(delay, bool) or not 0 <= delay < 1e9:
-        raise InvalidMessageError(f"delay must be seconds >= 0, got {delay!r}")
+    # the broker's bound (MAX_DELAY_MS), checked here so that a wrong delay costs no nack
+    if (
+        not isinstance(delay, int | float)
+        or isinstance(delay, bool)
+        or not 0 <= delay <= MAX_DELAY_MS / 1000
+    ):
+        raise InvalidMessageError(
+            f"delay must be seconds in [0, {MAX_DELAY_MS // 1000}] (one day; a delay past "
+            f"the broker's longest delay level waits that level), got {delay!r}"
+        )
     return int(delay * 1000)

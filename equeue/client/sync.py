@@ -640,10 +640,7 @@ class Client(Turns):
         self._call(self._made(calls.commit_offset, group, topic, queue_id, offset))
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
-        call = calls.committed_offset(group, topic, queue_id)
-        if call is None:
-            return None
-        result: int | None = self._call(call)
+        result: int | None = self._call(self._made(calls.committed_offset, group, topic, queue_id))
         return result
 
     def create_topic(self, topic: str, queue_count: int | None = None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from equeue.errors import ProtocolError
+from equeue.protocol.frames import BODIES_VERSION, COLUMNS_VERSION
 
 NIL: Final = type(None)
 UINT: Final = "uint"  # an int >= 0 (msgpack has no separate unsigned type in Python)
@@ -89,6 +90,26 @@ OPS: Final[dict[str, Spec]] = {
         "delay_ms": ((UINT, NIL), False),
     },
 }
+
+
+# The ops a protocol version added: a connection welcomed with an older version may not
+# send them (docs/protocol.md); every other op is version 1's.
+OP_VERSIONS: Final[dict[str, int]] = {
+    "send_bodies": BODIES_VERSION,
+    "pull_columns": COLUMNS_VERSION,
+}
+
+
+def ops_above(version: int) -> frozenset[str]:
+    """The ops a connection welcomed with ``version`` may not send."""
+    return frozenset(op for op, added in OP_VERSIONS.items() if added > version)
+
+
+def refuse_above(op: str, version: int, where: str) -> None:
+    raise ProtocolError(
+        f"{where}: op {op!r} is of protocol version {OP_VERSIONS[op]}; this connection was "
+        f"welcomed with version {version} (offer {OP_VERSIONS[op]} in the hello to use it)"
+    )
 
 
 def check_args(op: str, args: dict[str, Any], where: str) -> Spec:

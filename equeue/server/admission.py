@@ -90,6 +90,7 @@ def take_hello(conn: Connection, data: bytes | memoryview) -> bytes | None:
             conn._fatal(AuthenticationError(f"{conn.where}: the client gave {what}"))
             return None
     conn.client = hello.client
+    conn.speak(version)
     if hello.client:  # logs name the client from here on
         conn.where += f" (client {hello.client!r})"
     conn._queue(encode(Welcome(version, conn.broker.server_name, conn.broker.limits).pack()))

@@ -29,13 +29,14 @@ from equeue.protocol.frames import (
     CONNECTION_REQUEST_ID,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    PROTOCOL_VERSION,
     STATUS_ERROR,
     STATUS_OK,
     FrameReader,
     check_request,
     encode,
 )
-from equeue.protocol.ops import check_args
+from equeue.protocol.ops import check_args, ops_above, refuse_above
 from equeue.protocol.records import pack_send_result
 from equeue.protocol.retries import RESERVED_PREFIX
 from equeue.server.admission import evict_a_silent_peer, take_hello
@@ -86,6 +87,8 @@ class Connection(asyncio.BufferedProtocol):
         self.in_flight = 0
         self.closed = False
         self._hello: bytearray | None = bytearray()  # until the hello is accepted
+        self.version = PROTOCOL_VERSION  # the welcome's (speak)
+        self._ops_above: frozenset[str] = frozenset()  # ops of later versions: refused
         self._reader = FrameReader(broker.config.max_frame_bytes, self.where)
         self._out: list[bytes] = []
         self._batching = False
@@ -187,6 +190,15 @@ class Connection(asyncio.BufferedProtocol):
         self._partial = 0
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+
+    def speak(self, version: int) -> None:
+        """The version the welcome chose: the ops a later version added are refused as a
+        ProtocolError (a client must not send them: docs/protocol.md), the C readers of
+        send_bodies (version 2) included."""
+        self.version = version
+        self._ops_above = ops_above(version)
+        if "send_bodies" in self._ops_above:
+            self._bodies_body = self._bodies_read = None
 
     def _hello_expired(self) -> None:
         self._hello_timer = None
@@ -486,6 +498,8 @@ class Connection(asyncio.BufferedProtocol):
             if type(topic) is str and type(data) is bytes and self.in_flight < self._max_in_flight:
                 self._send(request_id, topic, data)
                 return
+        if op in self._ops_above:
+            refuse_above(op, self.version, where)
         check_args(op, args, where)
         broker.counters.requests += 1
         if self.in_flight >= broker.config.max_in_flight:

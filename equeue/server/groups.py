@@ -85,6 +85,7 @@ LOGGED_STALL_S: Final = 1.0
 JOIN_ID_BITS: Final = 48  # (its sums stay below 2**53, exact in any client's numbers)
 
 
+MAX_REPLACED: Final = 8  # replaced join ids a member remembers (for its errors' wording)
 MAX_SKIP_GROUPS: Final = 4096  # groups whose skips the coordinator counts
 MAX_SKIP_RANGES: Final = 4  # the last ranges kept per queue (the count is of all)
 
@@ -106,6 +107,10 @@ class _Member:
     # The last assignment answered to it: (generation, queues). A heartbeat reporting
     # that generation releases every queue it holds outside those queues.
     given: tuple[int, frozenset[Queue]] = (0, frozenset())
+    # The join ids of the live members of its consumer id it replaced (the last
+    # MAX_REPLACED): a request with one is a fenced member's; another stale join id is not
+    # (the FencedMemberError says which)
+    replaced: tuple[int, ...] = ()
 
 
 @dataclass
@@ -255,7 +260,10 @@ class GroupCoordinator:
             )  # fmt: skip
         self._drop(state, consumer)
         state.topics = names
-        state.members[consumer] = _Member(names, timeout, retries, now, self._join_ids)
+        member = _Member(names, timeout, retries, now, self._join_ids)
+        if replaced is not None:
+            member.replaced = (*replaced.replaced, replaced.join_id)[-MAX_REPLACED:]
+        state.members[consumer] = member
         self._rebalance(state, f"{consumer!r} joined")
         return self._answer(state, consumer)
 
@@ -460,6 +468,13 @@ class GroupCoordinator:
                 "session timed out, or the broker restarted): join again"
             )
         if join_id is not None and join_id != member.join_id:
+            if join_id not in member.replaced:
+                raise FencedMemberError(
+                    f"join_id {join_id} is not consumer {consumer!r} of group {group!r}'s "
+                    f"(its join is {member.join_id}) nor one of its replaced joins: a join id "
+                    "of another consumer or group, or of a member that left or expired; the "
+                    "request is refused (send the join_id your own join answered)"
+                )
             raise FencedMemberError(
                 f"consumer {consumer!r} of group {group!r} joined again from another "
                 f"connection or process (join {member.join_id}); this member (join "

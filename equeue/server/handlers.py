@@ -39,7 +39,7 @@ from equeue.server.stats import Counters, group_lag
 from equeue.store.bodies import plain, send_columns, send_packed
 from equeue.store.store import MessageStore
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
-from equeue.store.validate import MAX_WAIT, check_commit
+from equeue.store.validate import MAX_DELAY_MS, MAX_WAIT, check_commit
 
 if TYPE_CHECKING:
     from equeue.server.config import ServerConfig
@@ -156,6 +156,13 @@ class Handlers:
             self.ops[op] = _guarded(op, self.ops[op])
 
     def nack(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        delay_ms = a.get("delay_ms")
+        if delay_ms is not None and delay_ms > MAX_DELAY_MS:
+            raise InvalidMessageError(
+                f"{peer.where}: nack delay_ms={delay_ms} must lie in [0, {MAX_DELAY_MS}] "
+                "(one day, as a pull's wait_ms; a delay past the longest delay level waits "
+                "that level)"
+            )
         # The retry copy is an append: under --flush sync acknowledged once it is durable.
         return self._durable(peer, rid, self.coordinator.call("nack", a), 1)
 
@@ -509,7 +516,7 @@ def _batch_items(peer: Peer, topic: str, messages: list[Any]) -> list[bytes | Ou
         return bodies  # type: ignore[return-value]
     items: list[bytes | OutgoingMessage] = []
     append = items.append
-    for message in messages:
+    for index, message in enumerate(messages):
         if type(message) is dict:
             if len(message) == 1:
                 body = message.get("body")
@@ -520,9 +527,14 @@ def _batch_items(peer: Peer, topic: str, messages: list[Any]) -> list[bytes | Ou
                 check_args("send", {**message, "topic": topic}, peer.where)
                 append(OutgoingMessage(**message))
                 continue
+            raise ProtocolError(
+                f"{peer.where}: op 'send_batch': message {index} has the key 'topic'; a "
+                "batch's messages take send's arguments but topic (the request's 'topic' "
+                "is every message's)"
+            )
         raise ProtocolError(
-            f"{peer.where}: op 'send_batch': each message must be a map of send's arguments "
-            f"but topic, got {type(message).__name__}"
+            f"{peer.where}: op 'send_batch': message {index} is a {type(message).__name__}; "
+            "each message must be a map of send's arguments but topic"
         )
     return items
 

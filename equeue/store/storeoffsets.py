@@ -27,9 +27,13 @@ def commit_offset(self: MessageStore, group: str, topic: str, queue_id: int, off
 def committed_offset(self: MessageStore, group: str, topic: str, queue_id: int) -> int | None:
     """The offset ``group`` last committed for the queue (the next offset it will
     consume), or None if it never committed one. A read-only handle sees the writer's
-    commits as of its last ``refresh()``. Raises InvalidMessageError for a bad name."""
+    commits as of its last ``refresh()``. Raises what ``commit_offset`` raises for the
+    same names: InvalidTypeError, InvalidMessageError for a bad name, TopicNotFoundError,
+    QueueNotFoundError (a typo does not read as "nothing committed")."""
     self._check_open()
     validate.check_names(group, topic, queue_id)
+    self._queue(topic, queue_id)  # (the order of commit_offset's checks)
+    validate.check_group(group)
     return group_offsets.committed(self).get(group, {}).get(topic, {}).get(str(queue_id))
 
 

@@ -210,6 +210,9 @@ MAX_SPAN = dt.timedelta(days=36_500)
 # apply_retention(now=...): stored times are int64 nanoseconds, so later times mean nothing.
 _MAX_NOW = (1 << 63) / 1e9
 MAX_WAIT = 86_400.0  # pull(wait=...): one day; a longer wait is a loop of pulls
+# nack's delay_ms (the broker's; the clients' nack(delay=) in seconds): one day as well.
+# A copy waits at most the broker's longest delay level (3600 s by default) whatever it asks.
+MAX_DELAY_MS = 86_400_000
 
 
 def check_span(name: str, value: object, *, allow_zero: bool = False) -> dt.timedelta:
@@ -256,9 +259,14 @@ def check_pull(offset: object, max_count: object, wait: object, max_bytes: objec
         raise InvalidMessageError(f"wait={wait!r} seconds must lie in [0, {MAX_WAIT:g}]")
 
 
-def check_commit(group: object, offset: object, next_offset: int) -> None:
+def check_group(group: object) -> None:
+    """A group name as commit_offset and committed_offset take it."""
     if not isinstance(group, str) or not group or len(utf8(group, "group")) > MAX_NAME_BYTES:
         raise InvalidMessageError(f"group must be a non-empty str of at most 255 bytes: {group!r}")
+
+
+def check_commit(group: object, offset: object, next_offset: int) -> None:
+    check_group(group)
     check_offset(offset)
     if offset > next_offset:  # type: ignore[operator]
         raise InvalidMessageError(
