@@ -109,13 +109,15 @@ def _lowest_reader(store: MessageStore) -> Reader | None:
     copy of that level, and a retry copy waits for G's first commit there: without them
     retention removed retries before they were due (review 37a A4)."""
     lowest: Reader | None = None
+    below = store._messages.committed_position + 1
     offsets = committed(store)  # also what read-only consumers committed
     for group, groups in offsets.items():
         for topic, queue_offsets in groups.items():
             for queue_id, offset in queue_offsets.items():
-                found = _reader_at(store, group, topic, int(queue_id), offset, True)
-                if found is not None and (lowest is None or found.position < lowest.position):
-                    lowest = found
+                found = _position_at(store, topic, int(queue_id), offset)
+                if found is not None and found[1] < below:  # (a Reader made only then)
+                    lowest = Reader(group, topic, int(queue_id), *found)
+                    below = found[1]
     for topic in store._queues:
         reader = _internal_reader(topic)
         if reader is None:
@@ -124,9 +126,10 @@ def _lowest_reader(store: MessageStore) -> Reader | None:
         for queue in store._queues[topic]:
             if str(queue.queue_id) in mine:
                 continue  # counted above, from its commit
-            found = _reader_at(store, reader, topic, queue.queue_id, queue.first_offset, False)
-            if found is not None and (lowest is None or found.position < lowest.position):
-                lowest = found
+            found = _position_at(store, topic, queue.queue_id, queue.first_offset)
+            if found is not None and found[1] < below:
+                lowest = Reader(reader, topic, queue.queue_id, *found, committed=False)
+                below = found[1]
     return lowest
 
 
@@ -139,11 +142,12 @@ def _internal_reader(topic: str) -> str | None:
     return None
 
 
-def _reader_at(
-    store: MessageStore, group: str, topic: str, queue_id: int, offset: int, commit: bool
-) -> Reader | None:
-    """``group`` reading ``topic``/``queue_id`` from ``offset``: where in the log (None:
-    no such queue, or nothing left to read there)."""
+def _position_at(
+    store: MessageStore, topic: str, queue_id: int, offset: int
+) -> tuple[int, int] | None:
+    """A reader of ``topic``/``queue_id`` at ``offset``: the offset it reads next (the
+    first retained, if later) and its message's log position; None: no such queue, or
+    nothing left to read there."""
     queues = store._queues.get(topic)
     if queues is None or queue_id >= len(queues):
         return None
@@ -152,10 +156,9 @@ def _reader_at(
         return None
     at = max(offset, queue.first_offset)
     try:
-        position = queue.entry(at)[0]
+        return at, queue.entry(at)[0]
     except PositionNotFoundError:
         return None
-    return Reader(group, topic, queue_id, at, position, commit)
 
 
 def _first_offsets(store: MessageStore, first: int) -> dict[str, list[int]]:
