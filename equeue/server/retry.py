@@ -179,7 +179,14 @@ class Retries:
         self._failed_ticks = 0
         self.moved = 0  # copies moved to retry topics (stats)
         self.dead = 0  # messages sent to dead-letter topics
-        if any(f"{MOVER_GROUP}.json" in problem for problem in store.recovery.problems):
+        self.lost_to_retention = 0  # copies retention removed before they were moved
+        # The cursors were set aside (below): a queue's first look may find copies it
+        # had moved removed by retention, not lost; which queues it has not looked at.
+        self._cursors_guessed: set[int] = set()
+        self._cursors_set_aside = any(
+            f"{MOVER_GROUP}.json" in problem for problem in store.recovery.problems
+        )
+        if self._cursors_set_aside:
             # Its cursors are gone with the file: the mover starts each delay queue at its
             # first retained copy, so copies it had moved already are moved again.
             log.warning(
@@ -302,7 +309,7 @@ class Retries:
         else:
             self._working()
         finally:  # the cursors of what was appended before any failure, too
-            if cursors:
+            if cursors or self._unsaved:  # (or passed past copies lost to retention)
                 self._unsaved.update(cursors)
                 self._save()
         return self.moved - before
@@ -335,7 +342,7 @@ class Retries:
 
     def _due(self, queue_id: int, now_ms: float) -> list[Message]:
         first, following = self.store.queue_range(DELAY_TOPIC, queue_id)
-        at = max(self._cursor(queue_id), first)
+        at = self._start(queue_id, first)
         if at > following:  # the topic was deleted and made again: start over
             at = self._cursors[queue_id] = first
         if at >= following or self._head_due.get(queue_id, 0) > now_ms:
@@ -482,8 +489,46 @@ class Retries:
         cursor = self._cursors.get(queue_id)
         if cursor is None:
             found = self.store.committed_offset(MOVER_GROUP, DELAY_TOPIC, queue_id)
+            if found is None and self._cursors_set_aside:
+                self._cursors_guessed.add(queue_id)
             cursor = self._cursors[queue_id] = found or 0
         return cursor
+
+    def _start(self, queue_id: int, first: int) -> int:
+        """Where the mover reads delay queue ``queue_id`` from: its cursor, or the queue's
+        first retained offset past it. Copies between the two were removed by retention
+        before they were moved (a delay longer than ``retention``, or a store over
+        ``max_store_bytes``, without ``retention_respects_consumers``): their nacks end
+        there, neither retried nor dead-lettered, so they are logged and counted
+        (``stats`` -> ``retry`` -> ``lost_to_retention``), once: the cursor passes them,
+        on disk too (with the next cursor write)."""
+        cursor = self._cursor(queue_id)
+        guessed = queue_id in self._cursors_guessed
+        self._cursors_guessed.discard(queue_id)
+        if cursor >= first:
+            return cursor
+        self._cursors[queue_id] = self._unsaved[(DELAY_TOPIC, queue_id)] = first
+        if guessed:  # the cursors were set aside: those may be copies it had moved
+            return first
+        self.lost_to_retention += first - cursor
+        log.warning(
+            "retention removed %d delayed retries of %s/%d (offsets %d to %d) before they "
+            "were due: those nacks are lost, neither retried nor dead-lettered (%d lost so "
+            "far). A retry delayed longer than the store's retention (--retention), or "
+            "waiting while the store is over max_store_bytes (--max-store-bytes), can be "
+            "removed; --retention-respects-consumers keeps them until moved",
+            first - cursor, DELAY_TOPIC, queue_id, cursor, first - 1, self.lost_to_retention,
+        )  # fmt: skip
+        return first
+
+    def stats(self) -> dict[str, int]:
+        """The mover's counts since the broker started (``stats`` -> ``retry``)."""
+        return {
+            "moved": self.moved,
+            "dead_lettered": self.dead,
+            "pending": self.pending(),
+            "lost_to_retention": self.lost_to_retention,
+        }
 
     def pending(self) -> int:
         """Copies in the delay queues not moved yet."""

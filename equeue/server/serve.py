@@ -36,7 +36,7 @@ from equeue.server.loops import run as run_on
 from equeue.server.offsetcommit import OffsetCommitter
 from equeue.server.periodic import PeriodicJobs
 from equeue.server.release import release_durable
-from equeue.server.stats import Counters, retention_stats
+from equeue.server.stats import Counters, retention_stats, retry_and_retention
 from equeue.store.config import FlushPolicy, StoreConfig
 from equeue.store.store import MessageStore
 from equeue.store.types import PullResult
@@ -321,7 +321,9 @@ class Broker:
                 self._ticker = self.loop.call_later(TICK_S, self._tick)
 
     def _stats(self) -> dict[str, Any]:
+        assert self.coordinator is not None  # (made by start(), before any connection)
         return {
+            **retry_and_retention(self.store, self.coordinator.retries),
             "connections": len(self.connections),
             "in_flight": sum(c.in_flight for c in self.connections),
             "buffered_bytes": sum(c.buffered for c in self.connections),

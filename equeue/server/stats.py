@@ -6,8 +6,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from equeue.server.retry import Retries
 from equeue.speedups import SPEEDUPS
 from equeue.store.config import StoreConfig
+from equeue.store.retentionhold import retention_hold
 from equeue.store.store import MessageStore
 
 RATE_WINDOW_S = 5.0  # rates are over about the last this many seconds
@@ -108,3 +110,12 @@ def render_retention(retention: dict[str, Any]) -> str:
     respects = retention.get("respects_consumers")
     after = ", once every group committed past them" if respects else ""
     return f"retention: removes {' and '.join(parts)}{after}"
+def retry_and_retention(store: MessageStore, retries: Retries) -> dict[str, Any]:
+    """The retry mover's counts (``retry``: docs/groups.md) and, while retention is held
+    back under ``retention_respects_consumers``, by whom (``retention_held``, as of
+    retention's last run: docs/broker.md, "Retention")."""
+    answer: dict[str, Any] = {"retry": retries.stats()}
+    hold = retention_hold(store)
+    if hold is not None:
+        answer["retention_held"] = hold.as_stats()
+    return answer

@@ -56,6 +56,7 @@ def render_stats(stats: dict[str, Any]) -> str:
             f"{client['where']}: {client['in_flight']} in flight, "
             f"{client['buffered_bytes']} bytes buffered"
         )
+    lines += _retry_and_retention(stats)
     members = stats.get("coordinator", {})
     for group, info in sorted(stats.get("groups", {}).items()):
         lines.append(f"group {group}: lag {info['lag']}")
@@ -76,3 +77,23 @@ def render_stats(stats: dict[str, Any]) -> str:
                 f"(offsets {ranges})"
             )
     return "\n".join(lines)
+
+
+def _retry_and_retention(stats: dict[str, Any]) -> list[str]:
+    lines = []
+    retry = stats.get("retry")
+    if isinstance(retry, dict):
+        lines.append(
+            f"retries: {retry.get('moved')} moved, {retry.get('dead_lettered')} dead-lettered, "
+            f"{retry.get('pending')} waiting, {retry.get('lost_to_retention')} lost to retention"
+        )
+    held = stats.get("retention_held")
+    if isinstance(held, dict):
+        over = held.get("max_store_bytes")
+        lines.append(
+            f"retention held by group {held.get('group')!r} at {held.get('queue')} offset "
+            f"{held.get('offset')} for {held.get('since_s')} s: log {held.get('log_bytes')} "
+            f"bytes{f' (max_store_bytes {over})' if over is not None else ''}"
+            f"{', past retention' if held.get('expired') else ''}"
+        )
+    return lines

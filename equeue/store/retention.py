@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 from equeue.errors import PositionNotFoundError
 from equeue.format.chunk import HEADER_SIZE, parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
+from equeue.protocol.retries import DELAY_TOPIC, MOVER_GROUP, RETRY_PREFIX
 from equeue.store.checkpoint import note_retention
 from equeue.store.offsets import committed
 from equeue.store.queuerebuild import points_at_its_message
+from equeue.store.retentionhold import Reader, note_hold
 
 if TYPE_CHECKING:
     from equeue.store.queue import Queue
@@ -36,8 +38,10 @@ def apply_retention(store: MessageStore, now: float) -> int:
     or the store is over ``max_store_bytes``; the ongoing chunk is never removed.
 
     With ``retention_respects_consumers`` a chunk also stays until every consumer
-    group has committed, on every queue it has committed on, past the chunk's end.
-    The caller holds the checkpoint lock and the store's write lock.
+    group has committed, on every queue it has committed on, past the chunk's end, and
+    the broker's retries were read past it (``_lowest_reader``); who held it back is
+    noted (``retentionhold``). The caller holds the checkpoint lock and the store's
+    write lock.
     """
     config = store.config
     messages = store._messages
@@ -46,8 +50,13 @@ def apply_retention(store: MessageStore, now: float) -> int:
     cutoff_ns = None
     if config.retention is not None:
         cutoff_ns = int((now - config.retention.total_seconds()) * 1e9)
-    consumed = _consumed_position(store) if config.retention_respects_consumers else None
+    lowest = _lowest_reader(store) if config.retention_respects_consumers else None
+    consumed = None
+    if config.retention_respects_consumers:  # no reader: up to the log's end
+        end = messages.committed_position
+        consumed = end if lowest is None else min(lowest.position, end)
     remove_before = new_start = None
+    held = expired = False
     for chunk in chunks[:-1]:
         footer = chunk.footer
         if footer is None:
@@ -61,10 +70,13 @@ def apply_retention(store: MessageStore, now: float) -> int:
         if not (expired or over):
             break
         if consumed is not None and chunk.end_position > consumed:
+            held = True
             break
         remove_before = chunk.end_number + 1
         new_start = chunk.end_position
         total -= chunk.file_size
+    if config.retention_respects_consumers:
+        note_hold(store, lowest if held else None, total, expired)
     if remove_before is None:
         # A crash may have stopped an earlier run between the log chunks and the queue
         # chunks: the open set each queue's first offset past the removed messages, and
@@ -88,22 +100,65 @@ def apply_retention(store: MessageStore, now: float) -> int:
     return len(removed)
 
 
-def _consumed_position(store: MessageStore) -> int:
-    """The lowest log position some consumer group still has to read."""
-    lowest = store._messages.committed_position
-    for groups in committed(store).values():  # also what read-only consumers committed
-        for topic, offsets in groups.items():
-            for queue_id, offset in offsets.items():
-                queues = store._queues.get(topic)
-                if queues is None or int(queue_id) >= len(queues):
-                    continue
-                queue = queues[int(queue_id)]
-                if offset < queue.next_offset:
-                    try:
-                        lowest = min(lowest, queue.entry(max(offset, queue.first_offset))[0])
-                    except PositionNotFoundError:
-                        continue
+def _lowest_reader(store: MessageStore) -> Reader | None:
+    """The reader with the lowest log position still to read (None: none has anything
+    left): a consumer group on a queue it committed on, and the broker's internal readers
+    on the queues they have not committed on yet, from the queue's first offset: the retry
+    mover in each ``equeue.delay`` queue, and group G in ``equeue.retry.G``. A delayed
+    retry is read only by the mover, whose cursor is first written when it first moves a
+    copy of that level, and a retry copy waits for G's first commit there: without them
+    retention removed retries before they were due (review 37a A4)."""
+    lowest: Reader | None = None
+    below = store._messages.committed_position + 1
+    offsets = committed(store)  # also what read-only consumers committed
+    for group, groups in offsets.items():
+        for topic, queue_offsets in groups.items():
+            for queue_id, offset in queue_offsets.items():
+                found = _position_at(store, topic, int(queue_id), offset)
+                if found is not None and found[1] < below:  # (a Reader made only then)
+                    lowest = Reader(group, topic, int(queue_id), *found)
+                    below = found[1]
+    for topic in store._queues:
+        reader = _internal_reader(topic)
+        if reader is None:
+            continue
+        mine = offsets.get(reader, {}).get(topic, {})
+        for queue in store._queues[topic]:
+            if str(queue.queue_id) in mine:
+                continue  # counted above, from its commit
+            found = _position_at(store, topic, queue.queue_id, queue.first_offset)
+            if found is not None and found[1] < below:
+                lowest = Reader(reader, topic, queue.queue_id, *found, committed=False)
+                below = found[1]
     return lowest
+
+
+def _internal_reader(topic: str) -> str | None:
+    """The group that reads one of the broker's internal topics, if it is one."""
+    if topic == DELAY_TOPIC:
+        return MOVER_GROUP
+    if topic.startswith(RETRY_PREFIX) and len(topic) > len(RETRY_PREFIX):
+        return topic[len(RETRY_PREFIX) :]
+    return None
+
+
+def _position_at(
+    store: MessageStore, topic: str, queue_id: int, offset: int
+) -> tuple[int, int] | None:
+    """A reader of ``topic``/``queue_id`` at ``offset``: the offset it reads next (the
+    first retained, if later) and its message's log position; None: no such queue, or
+    nothing left to read there."""
+    queues = store._queues.get(topic)
+    if queues is None or queue_id >= len(queues):
+        return None
+    queue = queues[queue_id]
+    if offset >= queue.next_offset:
+        return None
+    at = max(offset, queue.first_offset)
+    try:
+        return at, queue.entry(at)[0]
+    except PositionNotFoundError:
+        return None
 
 
 def _first_offsets(store: MessageStore, first: int) -> dict[str, list[int]]:
