@@ -110,6 +110,8 @@ def render_retention(retention: dict[str, Any]) -> str:
     respects = retention.get("respects_consumers")
     after = ", once every group committed past them" if respects else ""
     return f"retention: removes {' and '.join(parts)}{after}"
+
+
 def retry_and_retention(store: MessageStore, retries: Retries) -> dict[str, Any]:
     """The retry mover's counts (``retry``: docs/groups.md) and, while retention is held
     back under ``retention_respects_consumers``, by whom (``retention_held``, as of
