@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import random
+import select
 import shutil
 import threading
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from server_helpers import short_dir
 
 import equeue.aio
 from equeue import MessageStore, speedups
+from equeue.client import rawconn
 from equeue.errors import ConnectionLostError, TopicNotFoundError
 from equeue.protocol.frames import PROTOCOL_VERSION
 from equeue.server import BrokerThread
@@ -280,6 +282,49 @@ def test_a_woken_task_sends_again_on_this_and_another_client(broker: BrokerThrea
     assert all(_stored(broker, result) == body for body, result in sent)
 
 
+@needs_c
+def test_an_answer_read_while_another_task_runs_wakes_its_task_through_call_soon(
+    broker: BrokerThread,
+) -> None:
+    """The read made from inside another task (its transport's read_ready called there):
+    the woken task may not be stepped inside that one (a C Task refuses: "Cannot enter
+    into task ... while another task ... is being executed"), so it goes through call_soon
+    and its answer comes after the reading task yields. Round 12 reads the running task
+    from asyncio's dict instead of calling current_task."""
+    loop = _Counting()
+    handled: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: handled.append(context))
+
+    async def main() -> SendResult:
+        client = await equeue.aio.connect(broker.urls[0])
+        try:
+            await client.send("t", b"warm")
+            protocol = client._protocol
+            assert protocol is not None
+            transport: Any = protocol.transport
+            assert isinstance(transport, rawconn.RawTransport)
+            sender = asyncio.ensure_future(client.send("t", b"answered inside a task"))
+            await asyncio.sleep(0)  # (its frame written by `direct`: the task waits)
+            assert protocol.waiting and not sender.done()
+            readable, _, _ = select.select([transport.fd], [], [], 10.0)
+            assert readable, "no answer within 10 s"
+            soon, read_in_c = loop.soon, protocol.read_in_c
+            transport.read_ready()  # (inside this task, which is running)
+            # (checked before awaiting it: a task stepped inside this one is lost for good)
+            assert loop.soon - soon == 1 and handled == [], handled
+            assert protocol.read_in_c == read_in_c + 1 and not sender.done()
+            return await asyncio.wait_for(sender, 10.0)
+        finally:
+            await client.close()
+
+    try:
+        result = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert handled == []
+    assert _stored(broker, result) == b"answered inside a task"
+
+
 @needs_c  # (without it, or with sends in flight: the coalesced path, as before; see client.md)
 def test_a_task_on_another_loop_is_refused_and_the_client_goes_on(broker: BrokerThread) -> None:
     own = asyncio.new_event_loop()
@@ -537,8 +582,21 @@ def test_the_waiters_task_attributes_by_interned_name_and_by_an_equal_string() -
             assert called == [w]
             with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
                 getattr(w, spell("nothing"))
+            # `result` by its characters (task_wakeup asks with a new string each time)
+            result = getattr(w, spell("result"))
+            assert result.__self__ is w and result.__name__ == "result" and result() == 7
+            for near in ("resulT", "results", "resul", "r\u00e9sult"):
+                with pytest.raises(AttributeError, match="has no attribute"):
+                    getattr(w, spell(near))
             with pytest.raises(AttributeError):
                 setattr(w, spell("nothing"), 1)
+
+        class Name(str):
+            pass
+
+        w = waiter_type(asyncio.get_running_loop())
+        w.set_result(8)
+        assert getattr(w, Name("result"))() == 8  # (a str subclass: the generic way)
 
     asyncio.run(main())
 

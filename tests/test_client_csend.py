@@ -25,6 +25,7 @@ import pytest
 from client_helpers import WELCOME, FakeBroker, Peer, temporary_broker, wait_for_progress
 
 import equeue.aio
+import equeue.client.aio
 from equeue import speedups
 from equeue.errors import ClosedError, ConnectionLostError, EQueueError, InvalidMessageError
 from equeue.protocol.frames import PROTOCOL_VERSION, encode
@@ -86,6 +87,46 @@ def test_await_returns_the_stored_result_from_a_coroutine_in_c(
             await client.close()
 
     _run(loop, main)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_direct_method_set_on_the_protocols_class_is_called_by_name(
+    broker: BrokerThread, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first step reads `closed` and `pending` and calls `direct` in C while the
+    connection's class has ClientConn's own (round 12); a `direct` set on the class after
+    that (the class changed, its remembered version dropped) is the one called, and once
+    removed the C path comes back."""
+    protocol_class: Any = equeue.client.aio._Protocol
+    asked: list[bytes] = []
+
+    def declining(self: Any, topic: str, body: bytes) -> None:
+        asked.append(body)  # (None: the coalesced path takes it)
+
+    async def main() -> tuple[int, int]:
+        client = await equeue.aio.connect(broker.urls[0])
+        try:
+            protocol = client._protocol
+            assert protocol is not None
+            for n in range(3):
+                await client.send("t", b"c %d" % n)
+            read_in_c = protocol.read_in_c
+            monkeypatch.setattr(protocol_class, "direct", declining)
+            for n in range(3):
+                result = await client.send("t", b"py %d" % n)
+                assert broker.store.get(result.message_id).body == b"py %d" % n
+            declined_read_in_c = protocol.read_in_c - read_in_c
+            monkeypatch.undo()
+            for n in range(3):
+                await client.send("t", b"again %d" % n)
+            return declined_read_in_c, protocol.read_in_c - read_in_c
+        finally:
+            monkeypatch.undo()
+            await client.close()
+
+    declined_read_in_c, read_in_c = _run(loop, main)
+    assert asked == [b"py 0", b"py 1", b"py 2"] and declined_read_in_c == 0
+    assert read_in_c >= 2  # (the first after the change may be asked first: not heard recently)
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -290,6 +290,47 @@ done:
     return out;
 }
 
+/* For sendcoro.c's first step, which asks a connection `closed`, `pending` and `direct`
+ * by name (three attribute reads and a method call: ~1,000 instructions a send): 1 when
+ * conn's type is ClientConn or a direct subclass in which the three names still find
+ * ClientConn's own member descriptors and method, so reading the fields and calling
+ * clientconn_direct gives what the names give; 0: ask by name. A type found so is
+ * remembered with its version tag, which any change to the type or its bases drops. */
+static PyObject *S_CLOSED, *S_PENDING, *S_DIRECT;
+static PyTypeObject *plain_type;
+static unsigned int plain_tag;
+
+static int own_name(PyTypeObject *type, PyObject *name) {
+    PyObject *found = _PyType_Lookup(type, name);
+    return found != NULL && found == PyDict_GetItemWithError(ConnType.tp_dict, name);
+}
+
+int clientconn_plain(PyObject *conn) {
+    PyTypeObject *type = Py_TYPE(conn);
+    if (type == plain_type && type->tp_version_tag == plain_tag &&
+        PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
+        return 1;
+    if (S_CLOSED == NULL || !clientconn_is(conn) || !own_name(type, S_CLOSED) ||
+        !own_name(type, S_PENDING) || !own_name(type, S_DIRECT)) {
+        PyErr_Clear(); /* (a failed look-up: asked by name, which raises it again) */
+        return 0;
+    }
+    if (PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) { /* (set by the look-ups) */
+        plain_type = type;
+        plain_tag = type->tp_version_tag;
+    }
+    return 1;
+}
+
+/* The fields of a clientconn_plain connection (borrowed; NULL while unset: ask by name). */
+PyObject *clientconn_closed(PyObject *conn) { return ((Conn *)conn)->closed; }
+PyObject *clientconn_pending(PyObject *conn) { return ((Conn *)conn)->pending; }
+
+PyObject *clientconn_direct(PyObject *conn, PyObject *topic, PyObject *body) {
+    PyObject *args[2] = {topic, body};
+    return conn_direct((Conn *)conn, args, 2);
+}
+
 /* ClientConn.future_of(conn) -> an asyncio.Future of conn's `loop` when it is the
  * running loop, else None (a caller on another loop: the coalescer refuses it before
  * anything is written). A function in the type's dict, not a method: called as a builtin
@@ -362,7 +403,10 @@ PyObject *client_conn_type(PyObject *self, PyObject *unused) {
             (S_DATA_RECEIVED = PyUnicode_InternFromString("data_received")) == NULL ||
             (S_BUFFER = PyUnicode_InternFromString("_buffer")) == NULL ||
             (S_GROUPS = PyUnicode_InternFromString("groups")) == NULL ||
-            (S_SEALED = PyUnicode_InternFromString("sealed")) == NULL) {
+            (S_SEALED = PyUnicode_InternFromString("sealed")) == NULL ||
+            (S_CLOSED = PyUnicode_InternFromString("closed")) == NULL ||
+            (S_PENDING = PyUnicode_InternFromString("pending")) == NULL ||
+            (S_DIRECT = PyUnicode_InternFromString("direct")) == NULL) {
             Py_CLEAR(S_WRITE);
             return NULL;
         }

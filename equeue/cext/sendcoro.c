@@ -111,11 +111,29 @@ static PySendResult delegate(SendCoro *c, PyObject **result) {
     return step_inner(c, Py_None, result, DELEGATED);
 }
 
-/* Whether attribute `name` of `owner` is true: 1, 0, -1. */
-static int attr_true(PyObject *owner, PyObject *name) {
+int clientconn_plain(PyObject *conn); /* clientconn.c: its fields and direct read in C */
+PyObject *clientconn_closed(PyObject *conn);
+PyObject *clientconn_pending(PyObject *conn);
+PyObject *clientconn_direct(PyObject *conn, PyObject *topic, PyObject *body);
+
+/* Whether `v` is true: 1, 0, -1 (held meanwhile: its __bool__ may run any code). */
+static int truth(PyObject *v) {
+    if (v == Py_True) return 1;
+    if (v == Py_False || v == Py_None) return 0;
+    Py_INCREF(v);
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* Whether attribute `name` of `owner` is true: 1, 0, -1; `field` its value read in C
+ * (a clientconn_plain connection's), or NULL: asked by name (also an unset field, whose
+ * AttributeError the name raises). */
+static int attr_true(PyObject *owner, PyObject *name, PyObject *field) {
+    if (field != NULL) return truth(field);
     PyObject *v = PyObject_GetAttr(owner, name);
     if (v == NULL) return -1;
-    int t = v == Py_True ? 1 : v == Py_False || v == Py_None ? 0 : PyObject_IsTrue(v);
+    int t = truth(v);
     Py_DECREF(v);
     return t;
 }
@@ -150,15 +168,17 @@ static PySendResult first(SendCoro *c, PyObject **result) {
         Py_DECREF(protocol);
         return delegate(c, result);
     }
-    int busy = attr_true(protocol, S_CLOSED);
+    int plain = clientconn_plain(protocol); /* (fields read and `direct` called in C) */
+    int busy = attr_true(protocol, S_CLOSED, plain ? clientconn_closed(protocol) : NULL);
     if (busy < 0) goto error_protocol;
     if (busy) goto delegated;
-    busy = attr_true(protocol, S_PENDING);
+    busy = attr_true(protocol, S_PENDING, plain ? clientconn_pending(protocol) : NULL);
     if (busy < 0) goto error_protocol;
     PyObject *args[3] = {protocol, c->topic, c->body};
     if (!busy) { /* alone on its connection: written at once, its answer read in C */
-        future = PyObject_VectorcallMethod(S_DIRECT, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                           NULL);
+        future = plain ? clientconn_direct(protocol, c->topic, c->body)
+                       : PyObject_VectorcallMethod(S_DIRECT, args,
+                                                   3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (future == NULL) goto error_protocol;
         if (future != Py_None) {
             Py_DECREF(protocol);

@@ -30,6 +30,11 @@ static PyTypeObject WaiterType;
 int waiter_ready(void);
 int waiter_on_loop(PyObject *loop);
 static PyObject *TASK_TYPE, *BASE_LOOP, *FUTURE, *CANCELLED_ERROR, *INVALID_STATE, *RUNNING_LOOP, *CURRENT_TASK;
+/* CPython < 3.12: the dict asyncio.current_task(loop) reads (`_current_tasks.get(loop)`, a
+ * Python function there: ~1,250 instructions a call, a send's largest check), the one C
+ * Tasks enter themselves in; NULL elsewhere (3.12+: current_task is C) or when
+ * asyncio.current_task is not that function (replaced before the first waiter): called. */
+static PyObject *CURRENT_TASKS;
 static PyObject *BASE_GET_DEBUG, *S_DEBUG;
 static PyObject *S_CALL_SOON, *S_GET_DEBUG, *S_HANDLER, *S_CONTEXT, *S_MESSAGE, *S_EXCEPTION,
     *KW_CONTEXT;
@@ -329,10 +334,16 @@ static int may_run_now(Waiter *w) {
     if (running == NULL) return -1;
     Py_DECREF(running); /* (only its identity) */
     if (running != w->loop) return 0;
-    PyObject *current = PyObject_CallOneArg(CURRENT_TASK, w->loop);
-    if (current == NULL) return -1;
-    Py_DECREF(current);
-    if (current != Py_None) return 0;
+    if (CURRENT_TASKS != NULL) {
+        PyObject *current = PyDict_GetItemWithError(CURRENT_TASKS, w->loop); /* (borrowed) */
+        if (current != NULL) return 0;
+        if (PyErr_Occurred()) return -1;
+    } else {
+        PyObject *current = PyObject_CallOneArg(CURRENT_TASK, w->loop);
+        if (current == NULL) return -1;
+        Py_DECREF(current);
+        if (current != Py_None) return 0;
+    }
     int on = loop_debug(w->loop);
     return on < 0 ? -1 : !on;
 }
@@ -470,7 +481,7 @@ static PyObject *w_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     return waiter_new(loop);
 }
 
-enum { GET_LOOP = 4, ADD_DONE = 8 }; /* (w_getattro's: their places below) */
+enum { RESULT_METHOD = 0, GET_LOOP = 4, ADD_DONE = 8 }; /* (w_getattro's: their places below) */
 
 static PyMethodDef w_methods[] = {
     {"result", (PyCFunction)w_result, METH_NOARGS, NULL},
@@ -497,13 +508,24 @@ static PyGetSetDef w_getset[] = {
  * `get_loop` looked up and called, `add_done_callback` looked up and called. Its names
  * are the interpreter's interned strings, so they are answered here by identity, before
  * the generic lookup through the type's dict and descriptors; anything else (and these
- * names given as other string objects) takes the generic way, with the same results. */
+ * names given as other string objects) takes the generic way, with the same results.
+ * One more by its characters: the wake-up (task_wakeup) calls `result` as
+ * PyObject_CallMethod(o, "result", NULL), a new string each time, not interned, so the
+ * type's method cache never holds it and the generic way walks the MRO's dicts, hashing
+ * it (~700 instructions a send). */
 static PyObject *S_BLOCKING, *S_GET_LOOP, *S_ADD_DONE_CALLBACK;
+
+static int is_result(PyObject *name) {
+    return PyUnicode_CheckExact(name) && PyUnicode_GET_LENGTH(name) == 6 &&
+           PyUnicode_KIND(name) == PyUnicode_1BYTE_KIND &&
+           memcmp(PyUnicode_1BYTE_DATA(name), "result", 6) == 0;
+}
 
 static PyObject *w_getattro(Waiter *w, PyObject *name) {
     if (name == S_BLOCKING) return PyBool_FromLong(w->blocking);
     if (name == S_GET_LOOP) return PyCFunction_New(&w_methods[GET_LOOP], (PyObject *)w);
     if (name == S_ADD_DONE_CALLBACK) return PyCFunction_New(&w_methods[ADD_DONE], (PyObject *)w);
+    if (is_result(name)) return PyCFunction_New(&w_methods[RESULT_METHOD], (PyObject *)w);
     return PyObject_GenericGetAttr((PyObject *)w, name);
 }
 
@@ -563,11 +585,24 @@ int waiter_ready(void) {
         (S_ADD_DONE_CALLBACK = PyUnicode_InternFromString("add_done_callback")) == NULL ||
         PyType_Ready(&WaiterType) < 0)
         return -1;
-    if (strcmp(w_methods[GET_LOOP].ml_name, "get_loop") != 0 ||
+    if (strcmp(w_methods[RESULT_METHOD].ml_name, "result") != 0 ||
+        strcmp(w_methods[GET_LOOP].ml_name, "get_loop") != 0 ||
         strcmp(w_methods[ADD_DONE].ml_name, "add_done_callback") != 0) {
         PyErr_SetString(PyExc_SystemError, "wakeup.c: w_methods out of step with w_getattro");
         return -1;
     }
+#if PY_VERSION_HEX < 0x030C0000
+    PyObject *python_current = attr("asyncio.tasks", "current_task");
+    if (python_current == NULL) return -1;
+    if (python_current == CURRENT_TASK) {
+        CURRENT_TASKS = attr("_asyncio", "_current_tasks");
+        if (CURRENT_TASKS == NULL || !PyDict_CheckExact(CURRENT_TASKS)) {
+            PyErr_Clear(); /* (not there, or not a dict: the function is called) */
+            Py_CLEAR(CURRENT_TASKS);
+        }
+    }
+    Py_DECREF(python_current);
+#endif
     if ((S_CALL_SOON = PyUnicode_InternFromString("call_soon")) == NULL) return -1;
     return 0;
 }
