@@ -30,7 +30,7 @@ def committed_offset(self: MessageStore, group: str, topic: str, queue_id: int) 
     commits as of its last ``refresh()``. Raises InvalidMessageError for a bad name."""
     self._check_open()
     validate.check_names(group, topic, queue_id)
-    return group_offsets.committed(self).get(group, {}).get(topic, {}).get(str(queue_id))
+    return group_offsets.committed_group(self, group).get(topic, {}).get(str(queue_id))
 
 
 def consumer_groups(self: MessageStore) -> dict[str, dict[str, dict[int, int]]]:
