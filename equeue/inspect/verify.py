@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -174,7 +175,9 @@ class Verifier:
                     time.sleep(_RETRY_DELAY)  # a live writer may be mid-frame or mid-footer
                     cf = load_chunk_file(cf.path, last=True)
                     result = check(cf, last)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if exc.filename is None or os.fspath(exc.filename) != os.fspath(cf.path):
+                    raise  # not this chunk: no guess about what else vanished
                 # Loaded, then gone before (or while) it was checked: as at the load.
                 if self._gone(directory, cf) is not None:
                     problems.append(self._gone_problem(cf))
