@@ -99,6 +99,8 @@ def test_error_texts_sent_to_clients_name_files_relative_to_the_store(
         ]
         (store_dir / "consumers").mkdir(exist_ok=True)
         (store_dir / "consumers" / "g.json").write_text("junk")
+        # A commit sets a damaged group file aside: a file in the way makes it fail.
+        (store_dir / "consumers" / "recovered").write_text("in the way")
         with caplog.at_level("INFO", logger="equeue.server"):
             errors.append(client.error("commit_offset", group="g", topic=TOPIC, queue_id=0,
                                        offset=1))  # fmt: skip

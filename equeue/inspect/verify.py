@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ class Verifier:
         self._message_size: int | None = None
         self._first_number: int | None = None
         self._absent: set[int] = set()  # message chunk numbers looked for and not found
+        # Listed chunks found gone later: why that is a problem (None: it is not).
+        self._vanished: dict[Path, str | None] = {}
         self._dirs: dict[Path, ChunkDir] = {}  # each directory as it was checked
         self._lowest: dict[tuple[str, int], int] = {}  # each queue's lowest offset in the log
         # per queue: (chunk number, last message position before that chunk, after it)
@@ -164,17 +167,21 @@ class Verifier:
         problems = list(chunks.problems)
         for i, cf in enumerate(chunks.files):
             last = i == len(chunks.files) - 1
-            result = check(cf, last)
-            for _ in range(_RETRIES if last else 0):
-                if not result.problems:
-                    break
-                time.sleep(_RETRY_DELAY)  # a live writer may be mid-frame or mid-footer
-                try:
-                    cf = load_chunk_file(cf.path, last=True)
-                except FileNotFoundError:
-                    result = _Result()
-                    break
+            try:
                 result = check(cf, last)
+                for _ in range(_RETRIES if last else 0):
+                    if not result.problems:
+                        break
+                    time.sleep(_RETRY_DELAY)  # a live writer may be mid-frame or mid-footer
+                    cf = load_chunk_file(cf.path, last=True)
+                    result = check(cf, last)
+            except FileNotFoundError as exc:
+                if exc.filename is None or os.fspath(exc.filename) != os.fspath(cf.path):
+                    raise  # not this chunk: no guess about what else vanished
+                # Loaded, then gone before (or while) it was checked: as at the load.
+                if self._gone(directory, cf) is not None:
+                    problems.append(self._gone_problem(cf))
+                continue
             problems += sorted(result.problems, key=lambda p: -1 if p.offset is None else p.offset)
             if cf.header is not None:
                 footer = FOOTER_SIZE if cf.footer is not None else 0
@@ -590,7 +597,8 @@ class Verifier:
 
     def _message_at(self, position: int) -> tuple[_Head | None, str | None]:
         """The head of the message record at ``position``; (None, why) if there is none;
-        (None, None) if compaction removed it; _Unreadable if its chunk is."""
+        (None, None) if compaction removed it or retention its chunk since the listing;
+        _Unreadable if its chunk cannot be read."""
         size = self._message_size
         if size is None:
             if not self._absent:
@@ -614,6 +622,8 @@ class Verifier:
         if header is None:
             raise _Unreadable(f"message chunk {cf.path.name}, whose header is damaged")
         mm = self._map(cf)
+        if mm is None:
+            return None, None  # its chunk was removed by retention since the listing
         local = position - header.start_position
         if header.compacted and cf.footer is not None:
             physical = map_lookup(mm, cf, local)
@@ -645,11 +655,45 @@ class Verifier:
             for n in range(cf.start_number, cf.end_number + 1):
                 self._messages[n] = cf
 
-    def _map(self, cf: ChunkFile) -> mmap.mmap:
+    def _map(self, cf: ChunkFile) -> mmap.mmap | None:
+        """The message chunk mapped; None if retention removed it since the listing."""
         mm = self._maps.get(cf.path)
         if mm is None:
-            mm = self._maps[cf.path] = map_file(cf.path)
+            try:
+                mm = self._maps[cf.path] = map_file(cf.path)
+            except FileNotFoundError:
+                found = self._gone(self._store.messages_dir, cf)
+                if found is None:
+                    return None
+                raise _Unreadable(
+                    f"message chunk {cf.path.name}, which was removed while verify ran ({found})"
+                ) from None
         return mm
+
+    def _gone(self, directory: Path, cf: ChunkFile) -> str | None:
+        """Why a listed chunk that is gone now is a problem; None if that is how a live
+        store moves on: retention removed it (no chunk before it is left) or compaction
+        replaced it (a later version of it is there). Once per file."""
+        if cf.path not in self._vanished:
+            number, version = cf.name_number, cf.name_version or 0
+            now = chunk_paths(directory)
+            before = [p.name for n, _, p in now if number is None or n < number]
+            replaced = any(n == number and v > version for n, v, _ in now)
+            self._vanished[cf.path] = (
+                None
+                if replaced or not before
+                else f"chunk {before[0]} before it is still there; retention removes the "
+                "oldest chunks first"
+            )
+        return self._vanished[cf.path]
+
+    def _gone_problem(self, cf: ChunkFile) -> Problem:
+        return Problem(
+            str(cf.path),
+            None,
+            "missing chunk",
+            f"removed while verify ran ({self._vanished[cf.path]})",
+        )
 
     # --- shared checks ---------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from equeue.errors import (
     TopicNotFoundError,
 )
 from equeue.server import retry
+from equeue.store import offsets as group_offsets
 from equeue.store import validate
 
 if TYPE_CHECKING:
@@ -355,10 +356,15 @@ class GroupCoordinator:
 
     def _check_retained(self, state: _Group, queues: frozenset[Queue]) -> None:
         """Queues just given to a member: is the group's committed offset below what
-        retention kept (the member then starts at the first retained)?"""
+        retention kept (the member then starts at the first retained)? The group's
+        offsets are read once (offsets.json's entry and its file), not once per queue."""
+        try:
+            offsets = group_offsets.committed_group(self.store, state.name)
+        except Exception:  # the member's own reads report it
+            return
         for topic, queue_id in queues:
+            committed = offsets.get(topic, {}).get(str(queue_id))
             try:
-                committed = self.store.committed_offset(state.name, topic, queue_id)
                 first = self.store.queue_range(topic, queue_id)[0]
             except Exception:  # the member's own reads report it
                 continue

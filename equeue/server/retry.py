@@ -483,7 +483,7 @@ class Retries:
             self._failure, self._failed_ticks = None, 0
 
     def commit_cursors(self, cursors: dict[tuple[str, int], int]) -> None:
-        group_offsets.commit_group_file(self.store.path, MOVER_GROUP, cursors)
+        group_offsets.commit_group(self.store, MOVER_GROUP, cursors)
 
     def _cursor(self, queue_id: int) -> int:
         cursor = self._cursors.get(queue_id)

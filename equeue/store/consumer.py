@@ -258,7 +258,7 @@ class Consumer:
         if not changed:
             return
         self.store._check_open()
-        group_offsets.commit_group_file(self.store.path, self.group, changed, self._deleted)
+        group_offsets.commit_group(self.store, self.group, changed, self._deleted)
         self._committed.update(changed)
 
     def _fetch(self, limit: int, timeout: float | None) -> list[tuple[Message, int]]:

@@ -110,7 +110,8 @@ def _finish(store: MessageStore, topic: str, checkpoint: dict[str, Any] | None =
         write_json(store.path / OFFSETS_FILE, offsets)
         store._offsets = offsets
         _step("offsets dropped")
-    group_offsets.drop_topic(store.path, topic)  # the consumer loops' group files
+    # The group files; the handle's parses of them too (none yet during its open).
+    group_offsets.drop_topic(store.path, topic, getattr(store, "_group_files", None))
     directory = store.path / QUEUES_DIR / topic
     if not os.path.lexists(directory):
         return

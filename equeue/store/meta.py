@@ -52,7 +52,12 @@ _FILES = (
     IDENTITY_FILE, LOCK_FILE, TOPICS_FILE, OFFSETS_FILE, CHECKPOINT_FILE, LIVE_TAIL_FILE,
     KEYS_FILE, f"{KEYS_FILE}-wal", f"{KEYS_FILE}-shm", f"{KEYS_FILE}-journal",
 )  # fmt: skip
-_DIRS = (MESSAGES_DIR, QUEUES_DIR, COMPACTION_DIR, RECOVERED_DIR, CONSUMERS_DIR)
+# consumers/recovered/ after consumers/: where a writer moves damaged group files, at its
+# open and at a commit; a file or a link there would leave a damaged one in place.
+_DIRS = (
+    MESSAGES_DIR, QUEUES_DIR, COMPACTION_DIR, RECOVERED_DIR, CONSUMERS_DIR,
+    f"{CONSUMERS_DIR}/{RECOVERED_DIR}",
+)  # fmt: skip
 # How long a writer's open waits for LOCK: readers' probes hold it for microseconds, a
 # writer for its lifetime.
 _LOCK_WAIT = 0.2

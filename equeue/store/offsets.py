@@ -10,13 +10,16 @@ the writer's send lock). Every handle reads a group's committed offset on a queu
 the larger of the two files' values, so a commit from any process is seen by all, and
 a group's offset never moves back through a consumer's commit (two consumers of one
 group each commit how far they got, and the farther one wins). ``commit_offset`` sets
-an offset explicitly, also lower: it drops the group file's higher entry first.
+an offset explicitly, also lower: it writes ``offsets.json``, then drops the group
+file's higher entry.
 
 Nothing here follows a symbolic link: the directory and its files are opened with
 ``O_NOFOLLOW``. A file that is a link, not a regular file, not named as its group's
 file would be, or whose checksum or entries do not check out is reported and ignored;
-a writable open moves it to ``consumers/recovered/``, and a commit onto it raises
-``CorruptionError`` until then.
+a writable open moves it to ``consumers/recovered/``, and so does the writer's commit
+onto it at run time, which writes the offsets the writer last read of it with the commit
+(``GroupFiles._recover``); a read-only handle's commit onto it raises ``CorruptionError``.
+``committed_offset`` reads one group's file (``GroupFiles.group``), not all of them.
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ class GroupFiles:
     def __init__(self, store_path: Path, problems: list[str], *, writer: bool) -> None:
         self.store_path = store_path
         self.directory = store_path / CONSUMERS_DIR
+        self.writer = writer
         self._parsed: dict[str, tuple[_IDENTITY, str, dict[str, Any]]] = {}
         self._reported: set[str] = set()
         self._offsets_identity: _IDENTITY | None = None
@@ -241,10 +245,10 @@ class GroupFiles:
         except FileNotFoundError:  # replaced or moved aside meanwhile
             return None
         except CorruptionError as exc:
-            self._parsed.pop(name, None)
-            if not move_aside:
+            if not move_aside:  # the last good parse stays: a writer's commit restores it
                 problems.append((exc, "ignored"))
                 return None
+            self._parsed.pop(name, None)
             try:
                 moved = _move_aside(self.directory, dir_fd, name)
             except OSError as failed:
@@ -258,9 +262,77 @@ class GroupFiles:
     def _report(self, found: list[tuple[CorruptionError, str]]) -> None:
         self.found = found
         for problem in self.problems:
-            if problem not in self._reported:
-                self._reported.add(problem)
-                log.warning("consumer offsets: %s", problem)
+            self._say(problem)
+
+    def _say(self, problem: str) -> None:
+        if problem not in self._reported:
+            self._reported.add(problem)
+            log.warning("consumer offsets: %s", problem)
+
+    def group(self, group: str) -> dict[str, dict[str, int]]:
+        """One group's file's offsets as ``scan`` reads them (a damaged file reported once
+        and ignored), at the cost of one stat while the file is unchanged: what
+        ``committed_offset`` reads, rather than every group's file. The dict is the
+        cache's: not to be changed."""
+        name = file_name(group)
+        try:
+            dir_fd = _open_dir(self.directory)
+        except CorruptionError as exc:
+            self._say(f"{exc}; ignored")
+            return {}
+        if dir_fd is None:
+            return {}
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            cached = self._parsed.get(name)
+            if cached is not None and cached[0] == _identity(st) and stat.S_ISREG(st.st_mode):
+                return cached[2]
+            parsed = _read_file(dir_fd, name, self.directory / name)
+        except FileNotFoundError:
+            return {}
+        except CorruptionError as exc:
+            self._say(f"{exc}; ignored")
+            return {}
+        finally:
+            os.close(dir_fd)
+        self._parsed[name] = parsed
+        return parsed[2]
+
+    def _remember(self, dir_fd: int, group: str, offsets: dict[str, dict[str, int]]) -> None:
+        """What this handle just wrote to the group's file (under the directory's lock):
+        the last good offsets a later commit onto a damaged file starts from."""
+        name = file_name(group)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            self._parsed.pop(name, None)
+            return
+        self._parsed[name] = (_identity(st), group, _copy(offsets))
+
+    def _recover(
+        self, dir_fd: int, group: str, damage: CorruptionError
+    ) -> dict[str, dict[str, int]]:
+        """A writer's commit onto a damaged group file, under the directory's lock: the
+        file moved to ``consumers/recovered/`` (as the writer's open moves it), and the
+        offsets this handle last read of it returned, for the commit to be written over."""
+        name = file_name(group)
+        try:
+            moved = _move_aside(self.directory, dir_fd, name)
+        except OSError as exc:
+            raise CorruptionError(
+                f"{damage.reason}; moving it to {CONSUMERS_DIR}/{RECOVERED_DIR}/ failed "
+                f"({exc}), so no commit of group {group!r} can be written until it is moved",
+                file=damage.file,
+                offset=damage.offset,
+            ) from None
+        last = self._parsed.pop(name, None)
+        offsets = {} if last is None else _copy(last[2])
+        count = sum(len(queues) for queues in offsets.values())
+        self._say(
+            f"{damage}; moved to {moved} by a commit of its group, which wrote the file "
+            f"again from the {count} offsets this handle last read or wrote there"
+        )
+        return offsets
 
     def writer_offsets(self, store: MessageStore) -> Offsets:
         """``offsets.json`` as the writer keeps it; a read-only handle re-reads it when
@@ -278,22 +350,37 @@ class GroupFiles:
         return store._offsets
 
 
+def _copy(offsets: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {topic: dict(queues) for topic, queues in offsets.items()}
+
+
+def _merge(into: dict[str, dict[str, int]], offsets: dict[str, dict[str, int]]) -> None:
+    for topic, queues in offsets.items():
+        mine = into.setdefault(topic, {})
+        for queue_id, offset in queues.items():
+            if offset > mine.get(queue_id, -1):
+                mine[queue_id] = offset
+
+
 def committed(store: MessageStore) -> Offsets:
     """Every group's committed offsets as this handle sees them: per queue, the larger of
     ``offsets.json``'s and the group file's value."""
     store._check_open()
     files = store._group_files
-    merged = {
-        g: {t: dict(qs) for t, qs in ts.items()} for g, ts in files.writer_offsets(store).items()
-    }
+    merged = {g: _copy(ts) for g, ts in files.writer_offsets(store).items()}
     for group, topics in files.scan().items():
-        mine = merged.setdefault(group, {})
-        for topic, queues in topics.items():
-            into = mine.setdefault(topic, {})
-            for queue_id, offset in queues.items():
-                if offset > into.get(queue_id, -1):
-                    into[queue_id] = offset
+        _merge(merged.setdefault(group, {}), topics)
     return merged
+
+
+def committed_group(store: MessageStore, group: str) -> dict[str, dict[str, int]]:
+    """One group's committed offsets as ``committed`` merges them, from ``offsets.json``'s
+    entry and that group's file only (one stat of each while they are unchanged)."""
+    store._check_open()
+    files = store._group_files
+    mine = _copy(files.writer_offsets(store).get(group, {}))
+    _merge(mine, files.group(group))
+    return mine
 
 
 def by_queue_id(offsets: Offsets) -> dict[str, dict[str, dict[int, int]]]:
@@ -345,24 +432,41 @@ def _locked_dir(store_path: Path, *, create: bool) -> Iterator[int | None]:
         os.close(dir_fd)
 
 
-def _current(dir_fd: int, directory: Path, group: str) -> dict[str, dict[str, int]]:
-    """The group file's offsets (none yet: empty); CorruptionError if it is damaged."""
+def _current(
+    dir_fd: int, directory: Path, group: str, files: GroupFiles | None
+) -> tuple[dict[str, dict[str, int]], bool]:
+    """The group file's offsets (none yet: empty), to be changed, and whether the file
+    was damaged and moved aside (then it is to be written whatever changes). A damaged
+    file: ``files._recover``'s offsets (a writer's handle), else CorruptionError."""
     name = file_name(group)
     try:
-        return _read_file(dir_fd, name, directory / name)[2]
+        identity, _, offsets = _read_file(dir_fd, name, directory / name)
     except FileNotFoundError:
-        return {}
+        return {}, False
     except CorruptionError as exc:
-        raise CorruptionError(
-            f"{exc.reason}; a writable open of the store moves it to {RECOVERED_DIR}/, "
-            "then commits go on",
-            file=exc.file,
-            offset=exc.offset,
-        ) from None
+        if files is None or not files.writer:
+            raise CorruptionError(
+                f"{exc.reason}; the writer's next commit of this group, or a writable open "
+                f"of the store, moves it to {RECOVERED_DIR}/, then commits go on",
+                file=exc.file,
+                offset=exc.offset,
+            ) from None
+        return files._recover(dir_fd, group, exc), True
+    if files is not None:
+        files._parsed[name] = (identity, group, _copy(offsets))
+    return offsets, False
 
 
-def _write(directory: Path, group: str, offsets: dict[str, dict[str, int]]) -> None:
+def _write(
+    directory: Path,
+    dir_fd: int,
+    group: str,
+    offsets: dict[str, dict[str, int]],
+    files: GroupFiles | None,
+) -> None:
     write_json(directory / file_name(group), {"group": group, "offsets": offsets})
+    if files is not None:
+        files._remember(dir_fd, group, offsets)
 
 
 def commit_group_file(
@@ -370,30 +474,44 @@ def commit_group_file(
     group: str,
     positions: dict[tuple[str, int], int],
     deleted: dict[str, int | None] | None = None,
+    *,
+    files: GroupFiles | None = None,
 ) -> None:
     """A consumer's commit: each queue's offset raised to ``positions``' (never
     lowered), under the directory's lock. ``deleted`` is each topic's deletion marker
     as the consumer knew it: a topic deleted since (topics.json says otherwise) is left
     out, as its offsets belong to the old topic (delete_topic drops them from the files
-    under the same lock, after its topics.json write)."""
+    under the same lock, after its topics.json write). ``files``: the committing
+    handle's; a writer's moves a damaged file aside and writes the offsets it last read
+    of it with this commit (``GroupFiles._recover``)."""
     directory = store_path / CONSUMERS_DIR
     with _locked_dir(store_path, create=True) as dir_fd:
         assert dir_fd is not None
         if deleted is not None:
             now = _deletions(store_path)
             positions = {k: v for k, v in positions.items() if now.get(k[0]) == deleted.get(k[0])}
-        offsets = _current(dir_fd, directory, group)
-        changed = False
+        offsets, changed = _current(dir_fd, directory, group, files)
         for (topic, queue_id), offset in positions.items():
             queues = offsets.setdefault(topic, {})
             if offset > queues.get(str(queue_id), -1):
                 queues[str(queue_id)] = offset
                 changed = True
         if changed:
-            _write(directory, group, offsets)
+            _write(directory, dir_fd, group, offsets, files)
 
 
-def drop_topic(store_path: Path, topic: str) -> None:
+def commit_group(
+    store: MessageStore,
+    group: str,
+    positions: dict[tuple[str, int], int],
+    deleted: dict[str, int | None] | None = None,
+) -> None:
+    """``commit_group_file`` by a handle: a writer's moves a damaged group file aside and
+    goes on from what it last read of it."""
+    commit_group_file(store.path, group, positions, deleted, files=store._group_files)
+
+
+def drop_topic(store_path: Path, topic: str, files: GroupFiles | None = None) -> None:
     """``delete_topic``'s: ``topic``'s offsets dropped from every group file, under the
     directory's lock (a file that cannot be read is left to a writable open, which moves
     it aside); run again by the open that finishes an interrupted deletion."""
@@ -409,7 +527,9 @@ def drop_topic(store_path: Path, topic: str) -> None:
             except (FileNotFoundError, CorruptionError):
                 continue
             if topic in offsets:
-                _write(directory, group, {t: qs for t, qs in offsets.items() if t != topic})
+                kept = {t: qs for t, qs in offsets.items() if t != topic}
+                # Remembered: a later commit onto a damaged file must not bring them back.
+                _write(directory, dir_fd, group, kept, files)
 
 
 def _deletions(store_path: Path) -> dict[str, int]:
@@ -423,27 +543,39 @@ def _deletions(store_path: Path) -> dict[str, int]:
 
 def set_offset(store: MessageStore, group: str, topic: str, queue_id: int, offset: int) -> None:
     """``commit_offset``'s write (the caller holds the write lock): ``offsets.json`` set
-    to ``offset``, and a higher value in the group's file dropped first, so the explicit
-    offset is what every handle reads (a reset). A failure leaves both files as they were."""
-    offsets = {g: {t: dict(qs) for t, qs in ts.items()} for g, ts in store._offsets.items()}
+    to ``offset``, then a higher value in the group's file dropped, so the explicit offset
+    is what every handle reads (a reset). In that order: a kill between the two writes
+    leaves the offset committed before (the group file's higher value still wins), not
+    ``offsets.json``'s older value. A failure leaves both files as they were, but for a
+    damaged group file, which is moved aside and written again first (as by a commit)."""
+    offsets = {g: _copy(ts) for g, ts in store._offsets.items()}
     offsets.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
+    directory, files = store.path / CONSUMERS_DIR, store._group_files
     with _locked_dir(store.path, create=False) as dir_fd:
-        before: dict[str, dict[str, int]] | None = None
+        current: dict[str, dict[str, int]] = {}
         if dir_fd is not None:
-            directory = store.path / CONSUMERS_DIR
-            with contextlib.suppress(CorruptionError):  # damaged: ignored by every reader
-                current = _current(dir_fd, directory, group)
-                if current.get(topic, {}).get(str(queue_id), -1) > offset:
-                    before = {t: dict(qs) for t, qs in current.items()}
-                    del current[topic][str(queue_id)]
-                    _write(directory, group, current)
-        try:
-            write_json(store.path / OFFSETS_FILE, offsets)
-        except BaseException:
-            if before is not None:
-                _write(store.path / CONSUMERS_DIR, group, before)
-            raise
+            try:
+                current, recovered = _current(dir_fd, directory, group, files)
+            except CorruptionError:  # damaged, and not movable aside: every reader ignores it
+                current, recovered = {}, False
+            if recovered:
+                _write(directory, dir_fd, group, current, files)
+        write_json(store.path / OFFSETS_FILE, offsets)
+        if dir_fd is not None and current.get(topic, {}).get(str(queue_id), -1) > offset:
+            try:
+                _write(directory, dir_fd, group, _without(current, topic, str(queue_id)), files)
+            except BaseException:
+                write_json(store.path / OFFSETS_FILE, store._offsets)
+                raise
     store._offsets = offsets
+
+
+def _without(
+    offsets: dict[str, dict[str, int]], topic: str, queue_id: str
+) -> dict[str, dict[str, int]]:
+    kept = _copy(offsets)
+    del kept[topic][queue_id]
+    return kept
 
 
 def _move_aside(directory: Path, dir_fd: int, name: str) -> Path:

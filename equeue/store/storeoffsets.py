@@ -34,7 +34,7 @@ def committed_offset(self: MessageStore, group: str, topic: str, queue_id: int) 
     validate.check_names(group, topic, queue_id)
     self._queue(topic, queue_id)  # (the order of commit_offset's checks)
     validate.check_group(group)
-    return group_offsets.committed(self).get(group, {}).get(topic, {}).get(str(queue_id))
+    return group_offsets.committed_group(self, group).get(topic, {}).get(str(queue_id))
 
 
 def consumer_groups(self: MessageStore) -> dict[str, dict[str, dict[int, int]]]:
