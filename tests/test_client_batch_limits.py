@@ -309,3 +309,25 @@ def test_a_batch_over_the_frame_names_send_batch_and_one_body_too_large_is_messa
         assert f"max_frame_bytes={SMALL_FRAME}" in text and "--max-frame-bytes" in text, text
     assert _stored(small_frame.url, topic) == 0
     assert session.call("ping") is None
+
+
+def test_coalesced_sends_keep_within_max_batch_messages(batch_broker: BrokerProcess) -> None:
+    """100 sends in one loop turn on an asyncio client of a broker taking 10 messages a
+    batch: coalesced into groups of at most 10 (the encoder would refuse a larger one),
+    every send stored and answered its own SendResult."""
+    topic = "coalesced"
+    with equeue.connect(batch_broker.url) as reader:
+        errors = reader.stats()["errors"]
+
+    async def main() -> list[Any]:
+        async with await equeue.aio.connect(batch_broker.url, timeout=30) as client:
+            await client.create_topic(topic, 1)
+            bodies = [b"%03d" % n for n in range(100)]
+            return await asyncio.gather(*(client.send(topic, body) for body in bodies))
+
+    results = asyncio.run(main())
+    assert [r.queue_offset for r in results] == list(range(100))  # in order, each its own
+    with equeue.connect(batch_broker.url) as reader:
+        stored = reader.pull(topic, 0, 0, 100).messages
+        assert [m.body for m in stored] == [b"%03d" % n for n in range(100)]
+        assert reader.stats()["errors"] == errors  # no group refused by the broker, resent
