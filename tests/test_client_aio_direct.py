@@ -23,7 +23,7 @@ from client_helpers import WELCOME, FakeBroker, Peer
 import equeue.aio
 from equeue import speedups
 from equeue.client.core import DECODERS, AnswerReader, RequestEncoder
-from equeue.errors import ConnectionLostError, FrameTooLargeError, InvalidMessageError
+from equeue.errors import ConnectionLostError, InvalidMessageError, MessageTooLargeError
 from equeue.protocol import plainsend
 from equeue.protocol.frames import PROTOCOL_VERSION, encode
 from equeue.protocol.handshake import LIMIT_CEILING, LIMIT_NAMES, OPTIONAL_LIMIT_NAMES
@@ -49,7 +49,7 @@ def test_the_c_frame_is_the_encoders(request_id: int, topic: str, size: int) -> 
     # past max_frame_bytes: the payload's size, which the encoder refuses
     limit = len(expected) - 5
     assert plainsend.send_frame(request_id, topic, body, limit) == len(expected) - 4
-    with pytest.raises(FrameTooLargeError):
+    with pytest.raises(MessageTooLargeError):
         RequestEncoder(limit, "here", PROTOCOL_VERSION).frame(
             request_id, "send", {"topic": topic, "body": body}
         )
@@ -201,7 +201,7 @@ def test_a_refused_direct_send_raises_the_brokers_error_and_the_client_goes_on(
         try:
             with pytest.raises(InvalidMessageError):  # the broker's answer: an error
                 await client.send("bad topic", b"x")
-            with pytest.raises(FrameTooLargeError):  # refused before it is written
+            with pytest.raises(MessageTooLargeError):  # refused before it is written
                 await client.send("t", b"x" * (64 * 1024))
             result = await client.send("t", b"after")
             assert broker.store.get(result.message_id).body == b"after"

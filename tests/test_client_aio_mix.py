@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import equeue.aio
 from equeue import MessageStore, SendResult, StoreConfig
-from equeue.errors import EQueueError, FrameTooLargeError, ProtocolError
+from equeue.errors import EQueueError, MessageTooLargeError, ProtocolError
 from equeue.protocol.frames import BODIES_VERSION, STATUS_OK
 from equeue.server import BrokerThread
 
@@ -221,8 +221,8 @@ def test_a_send_past_max_frame_bytes_fails_alone_and_the_connection_stays(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A group whose only body is past max_frame_bytes (a send in flight, so it is not
-    # alone): its caller gets FrameTooLargeError, nothing is written for it, and the
-    # connection stays: the next send goes and is answered.
+    # alone): its caller gets MessageTooLargeError (as from the store), nothing is
+    # written for it, and the connection stays: the next send goes and is answered.
     def script(peer: Peer) -> None:
         _script_welcome(peer, max_frame_bytes=1024)
         ping = peer.recv()
@@ -246,7 +246,7 @@ def test_a_send_past_max_frame_bytes_fails_alone_and_the_connection_stays(
 
     with caplog.at_level(logging.ERROR), FakeBroker(script) as fake:
         outcomes = asyncio.run(run(fake.url))
-    assert [type(o) for o in outcomes] == [SendResult, FrameTooLargeError, SendResult]
+    assert [type(o) for o in outcomes] == [SendResult, MessageTooLargeError, SendResult]
     assert not [r for r in caplog.records if "Exception in callback" in r.getMessage()]
 
 

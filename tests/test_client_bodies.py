@@ -322,7 +322,7 @@ def test_a_caller_cancelled_while_its_resend_waits_is_skipped(closed: bool) -> N
     async def run() -> tuple[Any, list[Any], list[bytes]]:
         loop = asyncio.get_running_loop()
         protocol = _Parked(loop)
-        coalescer = _Recording(protocol, 1 << 20)  # type: ignore[arg-type]
+        coalescer = _Recording(protocol, 1 << 20, 65536)  # type: ignore[arg-type]
         requested = coalescer.requested = []
         bodies = (b"a", b"b", b"c")
         futures = [loop.create_future() for _ in bodies]

@@ -20,6 +20,7 @@ from equeue.errors import (
     InvalidMessageError,
     InvalidTypeError,
     MessageNotFoundError,
+    MessageTooLargeError,
     QueueNotFoundError,
 )
 from equeue.protocol.frames import PROTOCOL_VERSION
@@ -173,8 +174,10 @@ def test_a_negative_queue_id_is_refused_by_committed_offset_after_the_topics_loo
 def test_a_request_over_the_brokers_frame_limit_is_refused_before_sending() -> None:
     encoder = RequestEncoder(1024, "unix:/x", PROTOCOL_VERSION)
     assert len(encoder.frame(1, "send", {"topic": "t", "body": b"x" * 900})) < 1024
-    with pytest.raises(FrameTooLargeError, match="max_frame_bytes=1024"):
+    with pytest.raises(MessageTooLargeError, match="max_frame_bytes=1024"):  # as the store
         encoder.frame(2, "send", {"topic": "t", "body": b"x" * 1100})
+    with pytest.raises(FrameTooLargeError, match="a query_by_key request of"):
+        encoder.frame(3, "query_by_key", {"topic": "t", "key": "k" * 1100})
     with pytest.raises(InvalidMessageError, match="UTF-8"):
         encoder.frame(3, "send", {"topic": "t\ud800", "body": b""})
     with pytest.raises(InvalidTypeError):

@@ -28,6 +28,7 @@ from equeue.errors import (
     ConnectionLostError,
     FrameTooLargeError,
     InvalidMessageError,
+    MessageTooLargeError,
     ProtocolError,
 )
 from equeue.protocol.frames import BODIES_VERSION, check_answer
@@ -231,7 +232,7 @@ def test_a_request_c_cannot_write_goes_to_msgpack(rid: Any, topic: Any, bodies: 
 def test_a_request_past_max_frame_bytes_is_refused_as_before() -> None:
     encoder = core.RequestEncoder(1000, "here", BODIES_VERSION)
     assert len(encoder.frame(3, "send_bodies", {"topic": "t", "bodies": [b"x" * 900]})) > 900
-    with pytest.raises(FrameTooLargeError, match="max_frame_bytes=1000"):
+    with pytest.raises(MessageTooLargeError, match="max_frame_bytes=1000"):  # (no frame carries it)
         encoder.frame(3, "send_bodies", {"topic": "t", "bodies": [b"x" * 1000]})
     with pytest.raises(InvalidMessageError, match="UTF-8"):
         encoder.frame(3, "send_bodies", {"topic": "\udc80", "bodies": [b"x"]})
@@ -258,7 +259,8 @@ def test_an_oversized_request_is_refused_before_its_frame_is_built() -> None:
         tracemalloc.stop()
     assert f"request of {size} bytes" in str(refused.value)
     assert f"max_frame_bytes={size - 1}" in str(refused.value)
-    assert "a broker setting" in str(refused.value)
+    assert "equeue serve --max-frame-bytes" in str(refused.value)
+    assert "a send_batch request" in str(refused.value)  # (the caller's op: send_bodies is its)
     assert peak < 1 << 20
 
 

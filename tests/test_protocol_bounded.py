@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from equeue.errors import ProtocolError
-from equeue.protocol.bounded import PLAIN_BELOW, decode_request, max_objects
+from equeue.errors import LimitExceededError, ProtocolError
+from equeue.protocol.bounded import PLAIN_BELOW, Refused, decode_request, max_objects
 from equeue.protocol.frames import decode_body
 
 SETTING = "max_objects (the test's)"
@@ -27,8 +27,8 @@ def test_a_body_of_more_objects_than_the_bound_is_refused_naming_the_setting() -
     with pytest.raises(ProtocolError) as refused:
         decode_request(body, "peer 7", 5000, "s", 100_000, SETTING)
     text = str(refused.value)
-    assert text.startswith("peer 7: a frame body of ") and "more than 100000" in text
-    assert SETTING in text
+    assert text.startswith("peer 7: a request body of ") and "more than 100000" in text
+    assert SETTING in text and "per request" in text
 
 
 def test_maps_count_their_pairs() -> None:
@@ -66,3 +66,29 @@ def test_a_small_body_decodes_plain_and_malformed_ones_are_protocol_errors() -> 
         decode_request(body[:-1], "p", 8192, "s", max_objects(4096), SETTING)
     with pytest.raises(ProtocolError, match="no array or map may hold more than s"):
         decode_request(body, "p", 100, "s", max_objects(4096), SETTING)
+
+
+@pytest.mark.parametrize("request_id", [1, 127, 128, 65536, 2**32, 2**64 - 1])
+def test_a_request_past_the_bound_is_refused_with_its_id_to_answer(request_id: int) -> None:
+    """A body of a request (its id leads it) past the bound: Refused, carrying the id and
+    a LimitExceededError (the broker answers it and keeps the connection)."""
+    batch = _batch(4096)
+    batch[0] = request_id
+    body = msgpack.packb(batch)
+    with pytest.raises(Refused) as refused:
+        decode_request(body, "p", 8192, "s", max_objects(4096) // 2, SETTING)
+    assert refused.value.request_id == request_id
+    assert isinstance(refused.value.error, LimitExceededError)
+    assert "more than 65536 msgpack objects" in str(refused.value.error)
+    assert SETTING in str(refused.value.error)
+
+
+@pytest.mark.parametrize("head", [0, -1, "1", None, [1]])
+def test_a_body_past_the_bound_without_a_request_id_is_a_protocol_error(head: object) -> None:
+    batch = _batch(4096)
+    batch[0] = head
+    with pytest.raises(ProtocolError, match="more than 65536 msgpack objects"):
+        decode_request(msgpack.packb(batch), "p", 8192, "s", max_objects(4096) // 2, SETTING)
+    longer = msgpack.packb([*_batch(4096), "a fourth item"])  # not [id, op, args]
+    with pytest.raises(ProtocolError, match="more than 65536 msgpack objects"):
+        decode_request(longer, "p", 8192, "s", max_objects(4096) // 2, SETTING)

@@ -244,7 +244,7 @@ def test_a_chunk_cut_counts_at_least_the_bytes_and_exactly_the_objects_of_a_mess
     import msgpack
 
     from equeue.client import args, many
-    from equeue.protocol.bounded import decode_request
+    from equeue.protocol.bounded import decode_request, message_objects
 
     fields = args.message(body, tag, key, properties, code, queue_id, "t")
     try:
@@ -255,7 +255,7 @@ def test_a_chunk_cut_counts_at_least_the_bytes_and_exactly_the_objects_of_a_mess
     # The message in an array beside a padding (past PLAIN_BELOW, so objects are
     # counted): the array's own object and the padding's place, 2 more.
     padded = msgpack.packb([fields, b"x" * 70_000], use_bin_type=True)
-    objects = many._objects(fields) + 2
+    objects = message_objects(fields) + 2
     decode_request(padded, "t", 1 << 16, "", objects, "")
     with pytest.raises(errors.ProtocolError, match="msgpack objects"):
         decode_request(padded, "t", 1 << 16, "", objects - 1, "")

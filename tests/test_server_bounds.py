@@ -19,7 +19,13 @@ from server_helpers import Raw, raw, short_home
 
 from equeue import MessageStore
 from equeue.errors import ConfigError
-from equeue.protocol.frames import FRAME_HEADER, PROTOCOL_VERSION, check_request, encode
+from equeue.protocol.frames import (
+    FRAME_HEADER,
+    PROTOCOL_VERSION,
+    check_answer,
+    check_request,
+    encode,
+)
 from equeue.server import BrokerThread
 from equeue.store.config import StoreConfig
 
@@ -62,17 +68,29 @@ def test_a_container_past_max_batch_messages_is_not_decoded(home: Path) -> None:
 
 def test_a_frame_of_nested_tiny_objects_is_refused_by_their_count(home: Path) -> None:
     # each array within max_items, but 40 x 4,000 empty arrays is 160,000 objects: past
-    # the 32 per message of max_batch_messages=1000 a request may hold
+    # the 32 per message of max_batch_messages=1000 a request may hold. A request (its id
+    # leads the body) is answered LimitExceededError and its connection stays (the frame
+    # was read whole); a body with no request id to answer closes the connection.
     running = BrokerThread(home / "s", max_batch_messages=1000)
+    inner = b"\xdd" + struct.pack(">I", 1999) + b"\x90" * 1999
+    arrays = b"\xdd" + struct.pack(">I", 80) + inner * 80
     with running, raw(running.urls[0]) as good, raw(running.urls[0]) as bomb:
-        inner = b"\xdd" + struct.pack(">I", 1999) + b"\x90" * 1999
-        arrays = b"\xdd" + struct.pack(">I", 80) + inner * 80
-        body = b"\x93\x01\xa4ping\x81\xa1x" + arrays
+        body = b"\x93\x07\xa4ping\x81\xa1x" + arrays
         bomb.send_raw(FRAME_HEADER.pack(len(body)) + body)
-        error = bomb.closed_with()
-        assert error["code"] == "ProtocolError"
+        request_id, status, error = check_answer(bomb.recv(), "test")
+        assert (request_id, status, error["code"]) == (7, 1, "LimitExceededError"), error
         assert "more than 32000 msgpack objects" in error["message"], error
+        assert "per request" in error["message"], error
         assert "--max-batch-messages" in error["message"], error
+        assert bomb.call("ping") is None  # the same connection
+        # id 0, an id not an int, not [id, op, args]
+        for head in (b"\x93\x00\xa4ping\x81\xa1x", b"\x93\xa1x\xa4ping\x81\xa1x", b"\x92\x01"):
+            with raw(running.urls[0]) as no_id:
+                body = head + arrays
+                no_id.send_raw(FRAME_HEADER.pack(len(body)) + body)
+                error = no_id.closed_with()
+                assert error["code"] == "ProtocolError", error
+                assert "more than 32000 msgpack objects" in error["message"], error
         assert good.call("ping") is None
 
 

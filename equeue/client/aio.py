@@ -33,6 +33,7 @@ from equeue.client.core import (
     AnswerReader,
     RequestEncoder,
     answer_error,
+    batch_results,
     given,
     hello_frame,
     lost,
@@ -185,10 +186,10 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                 return
             limit = found.limits["max_frame_bytes"]
             self.reader.max_frame_bytes = self.limit = limit
-            self.encoder = RequestEncoder(limit, self.where, found.version)
+            self.encoder = encoder = RequestEncoder.for_welcome(found, self.where)
             self.free = self.max_in_flight = found.limits["max_in_flight"]
             if found.version >= BODIES_VERSION:
-                self.coalescer = Coalescer(self, limit)
+                self.coalescer = Coalescer(self, limit, encoder.max_batch_messages)
             self.welcomed = True
             self.welcome.set_result(found)
             self.answers(bodies[index + 1 :])
@@ -563,10 +564,8 @@ class AsyncClient:
     async def send_batch(
         self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
     ) -> list[SendResult]:
-        results: list[SendResult] = await self._call(
-            await self._made(calls.send_batch, topic, messages)
-        )
-        return results
+        call = await self._made(calls.send_batch, topic, messages)
+        return batch_results(await self._call(call), call.args, self.url)
 
     async def pull(
         self,

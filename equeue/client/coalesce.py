@@ -2,10 +2,11 @@
 
 While requests are in flight, ``send(topic, body)`` calls without other arguments made
 in one loop turn go to the broker as one ``send_bodies`` request per topic (in their
-order; a group holds at most ``max_in_flight`` sends and half ``max_frame_bytes`` of
-bodies), instead of a request each: the broker appends them with one ``send_batch``
-and answers in columns, each caller gets its own SendResult, as MessageStore.send would
-give it in that order (the queues are chosen per message, round robin, either way).
+order; a group holds at most ``max_in_flight`` and ``max_batch_messages`` sends and half
+``max_frame_bytes`` of bodies), instead of a request each: the broker appends them with
+one ``send_batch`` and answers in columns, each caller gets its own SendResult, as
+MessageStore.send would give it in that order (the queues are chosen per message, round
+robin, either way).
 
 Errors stay per send. A group the store refuses whole before appending anything (a
 body too large, a reserved or missing topic, a limit) is sent again one request per
@@ -83,13 +84,15 @@ class Coalescer:
     at once (the first of a burst is not held back for the others; one send at a time
     stays one request and one write each, with no callback of the loop between)."""
 
-    __slots__ = ("_protocol", "budget", "groups", "sealed")
+    __slots__ = ("_protocol", "budget", "groups", "most", "sealed")
 
-    def __init__(self, protocol: _Protocol, max_frame_bytes: int) -> None:
+    def __init__(self, protocol: _Protocol, max_frame_bytes: int, max_batch_messages: int) -> None:
         self._protocol = protocol
         self.groups: dict[str, _Group] = {}  # the open group of each topic
         self.sealed: list[tuple[str, _Group]] = []  # full ones, still to be written
         self.budget = max_frame_bytes // 2
+        # sends a group holds: a place each, and a request the encoder does not refuse
+        self.most = min(protocol.max_in_flight, max_batch_messages)
 
     def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult] | None:
         """A plain send of ``body``, taking a place (one is free): its caller's future;
@@ -100,7 +103,7 @@ class Coalescer:
         group = groups.get(topic)
         if group is not None:
             size = group.size + len(body) + BODY_OVERHEAD
-            if size <= self.budget and len(group.futures) < protocol.max_in_flight:
+            if size <= self.budget and len(group.futures) < self.most:
                 # future_of: a Future of the running loop, if it is the connection's (one
                 # C call; Future(loop=...) would build a keyword dict per send)
                 future: asyncio.Future[SendResult] | None = future_of(protocol)

@@ -15,15 +15,26 @@ from equeue.errors import (
     FrameTooLargeError,
     InvalidMessageError,
     InvalidTypeError,
+    LimitExceededError,
+    MessageTooLargeError,
     ProtocolError,
+)
+from equeue.protocol.bounded import (
+    OBJECTS_PER_MESSAGE,
+    SEND_BATCH_OBJECTS,
+    counted_above,
+    max_objects,
+    message_objects,
 )
 from equeue.protocol.faults import unpack_error
 from equeue.protocol.frames import (
     BODIES_VERSION,
     COLUMNS_VERSION,
     CONNECTION_REQUEST_ID,
+    DEFAULT_MAX_BATCH_MESSAGES,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    MESSAGE_OVERHEAD,
     STATUS_OK,
     check_answer,
     decode_body,
@@ -47,33 +58,75 @@ from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 SEND_OPS: Final = frozenset({"send", "send_batch", "send_bodies"})
 PULL_OPS: Final = frozenset({"pull", "pull_columns"})  # held by the broker up to wait_ms
 
+# What a batch refused for its size is told to do.
+_SPLIT: Final = (
+    "Nothing was sent: send smaller batches (Client.send_many splits the messages into "
+    "requests within the broker's limits)"
+)
+
 _pack_header = FRAME_HEADER.pack
 _unpack_header = FRAME_HEADER.unpack_from
 
 
 class RequestEncoder:
-    """Request frames, one msgpack Packer reused (not thread-safe: one per writer)."""
+    """Request frames, one msgpack Packer reused (not thread-safe: one per writer).
 
-    __slots__ = ("_packer", "max_frame_bytes", "version", "where")
+    What the broker would refuse for its size is refused here, before anything is
+    written, with the class the store raises where it has one: a frame past
+    ``max_frame_bytes`` (MessageTooLargeError for a send, or for a batch holding a body
+    no frame carries; FrameTooLargeError for a batch to split), a send_batch of more than
+    ``max_batch_messages`` messages or, past ``counted_above`` bytes, of more msgpack
+    objects than ``max_objects`` (LimitExceededError: the broker would close the
+    connection past twice the count, or past the objects; equeue/protocol/bounded.py)."""
 
-    def __init__(self, max_frame_bytes: int, where: str, version: int) -> None:
+    __slots__ = (
+        "_check_above", "_packer", "max_batch_messages", "max_frame_bytes", "max_objects",
+        "version", "where",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        max_frame_bytes: int,
+        where: str,
+        version: int,
+        max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES,
+    ) -> None:
         self._packer = msgpack.Packer(use_bin_type=True)
         self.max_frame_bytes = max_frame_bytes
         self.where = where
         self.version = version  # the protocol version the broker chose
+        self.max_batch_messages = max_batch_messages
+        self.max_objects = max_objects(max_batch_messages)
+        # One comparison a request, as before the objects were counted: past it the frame
+        # is too large, or a send_batch's objects are counted (_refuse)
+        self._check_above = min(max_frame_bytes, counted_above(self.max_objects))
+
+    @classmethod
+    def for_welcome(cls, welcome: Welcome, where: str) -> RequestEncoder:
+        """The encoder of a connection the broker welcomed (its limits, its version)."""
+        limits = welcome.limits
+        batch = limits.get("max_batch_messages", DEFAULT_MAX_BATCH_MESSAGES)
+        return cls(limits["max_frame_bytes"], where, welcome.version, batch)
 
     def frame(self, request_id: int, op: str, args: dict[str, Any]) -> bytes:
-        if op == "send_bodies" and self.version < BODIES_VERSION:  # a broker before it
-            op = "send_batch"
-            args = {"topic": args["topic"], "messages": [{"body": b} for b in args["bodies"]]}
-        elif op == "send_bodies" and len(args) == 2:  # written in C, the bytes msgpack's
-            frame = bodies_request(request_id, args["topic"], args["bodies"], self.max_frame_bytes)
-            if type(frame) is bytes:
-                return frame
-            if type(frame) is int:  # its size, over the limit: refused before it is built
-                raise self._too_large(op, frame)
-        elif op == "pull_columns" and self.version < COLUMNS_VERSION:  # answered as a pull
-            op = "pull"
+        if op == "send_bodies":
+            bodies = args["bodies"]
+            if len(bodies) > self.max_batch_messages:
+                raise self._too_many(len(bodies))
+            if self.version < BODIES_VERSION:  # a broker before it
+                op = "send_batch"
+                args = {"topic": args["topic"], "messages": [{"body": b} for b in bodies]}
+            elif len(args) == 2:  # written in C, the bytes msgpack's
+                frame = bodies_request(request_id, args["topic"], bodies, self.max_frame_bytes)
+                if type(frame) is bytes:
+                    return frame
+                if type(frame) is int:  # its size, over the limit: refused before it is built
+                    raise self._too_large(op, frame, args)
+        elif op == "pull_columns":
+            if self.version < COLUMNS_VERSION:  # answered as a pull
+                op = "pull"
+        elif op == "send_batch" and len(args.get("messages", ())) > self.max_batch_messages:
+            raise self._too_many(len(args["messages"]))
         try:
             payload: bytes = self._packer.pack([request_id, op, args])
         except UnicodeEncodeError as exc:
@@ -84,16 +137,84 @@ class RequestEncoder:
         except (TypeError, ValueError, OverflowError) as exc:  # request() with odd values
             self._packer = msgpack.Packer(use_bin_type=True)
             raise InvalidTypeError(f"{op}: an argument the wire cannot carry: {exc}") from None
-        if len(payload) > self.max_frame_bytes:
-            raise self._too_large(op, len(payload))
+        if len(payload) > self._check_above:
+            self._refuse(op, len(payload), args)
         return _pack_header(len(payload)) + payload
 
-    def _too_large(self, op: str, size: int) -> FrameTooLargeError:
-        return FrameTooLargeError(
-            f"{self.where}: a {op} request of {size} bytes exceeds the broker's "
-            f"max_frame_bytes={self.max_frame_bytes} (its welcome's limit; a broker "
-            "setting); split the batch"
+    def _refuse(self, op: str, size: int, args: dict[str, Any]) -> None:
+        """A request past ``_check_above`` bytes: its error raised if the broker would
+        refuse it for its size or its send_batch's objects."""
+        if size > self.max_frame_bytes:
+            raise self._too_large(op, size, args)
+        if op != "send_batch" or size <= counted_above(self.max_objects):
+            return
+        messages = args.get("messages")
+        if type(messages) is not list:
+            return
+        count = SEND_BATCH_OBJECTS + sum(
+            message_objects(m) if type(m) is dict else 1 for m in messages
         )
+        if count > self.max_objects:
+            raise LimitExceededError(
+                f"{self.where}: a send_batch of {len(messages)} messages holds {count} msgpack "
+                "objects as the broker counts them (a message of a body and properties 7 + 2 "
+                f"a property); a request body past {counted_above(self.max_objects)} bytes "
+                f"may hold at most {self.max_objects}: the bound is per request, not per "
+                f"message ({OBJECTS_PER_MESSAGE} x the broker's max_batch_messages="
+                f"{self.max_batch_messages}, equeue serve --max-batch-messages). {_SPLIT}"
+            )
+
+    def _too_many(self, count: int) -> LimitExceededError:
+        return LimitExceededError(
+            f"{self.where}: a send_batch of {count} messages; the broker takes at most "
+            f"max_batch_messages={self.max_batch_messages} a request (its welcome's limit; "
+            f"equeue serve --max-batch-messages). {_SPLIT}"
+        )
+
+    def _too_large(self, op: str, size: int, args: dict[str, Any]) -> EQueueError:
+        """A request past max_frame_bytes, named as its caller called it (send_bodies is
+        a send_batch of bodies): MessageTooLargeError where one message is too large (a
+        send; a body of a batch past what any frame carries with it), as the store says."""
+        limit = self.max_frame_bytes
+        setting = (
+            f"the broker's max_frame_bytes={limit} (its welcome's limit; equeue serve "
+            "--max-frame-bytes)"
+        )
+        if op == "send":
+            return MessageTooLargeError(
+                f"{self.where}: a message of a body of {_length(args.get('body'))} bytes is a "
+                f"send request of {size} bytes, past {setting}: the broker takes a body of "
+                "at most its store's max_message_size, below that"
+            )
+        if op not in ("send_batch", "send_bodies"):
+            return FrameTooLargeError(
+                f"{self.where}: a {op} request of {size} bytes exceeds {setting}"
+            )
+        for index, body in enumerate(_bodies(op, args)):
+            if _length(body) > limit - MESSAGE_OVERHEAD:
+                return MessageTooLargeError(
+                    f"{self.where}: message {index} of the send_batch has a body of "
+                    f"{_length(body)} bytes, more than any request carries with its "
+                    f"message: {setting} less {MESSAGE_OVERHEAD} bytes; the broker takes a "
+                    "body of at most its store's max_message_size, below that"
+                )
+        return FrameTooLargeError(
+            f"{self.where}: a send_batch request of {size} bytes exceeds {setting}. {_SPLIT}"
+        )
+
+
+def _length(body: object) -> int:
+    return len(body) if isinstance(body, bytes | bytearray | memoryview) else 0
+
+
+def _bodies(op: str, args: dict[str, Any]) -> list[object]:
+    """A batch request's bodies, in order (whatever shape request() gave it)."""
+    items = args.get("bodies" if op == "send_bodies" else "messages")
+    if type(items) is not list:
+        return []
+    if op == "send_bodies":
+        return items
+    return [item.get("body") if type(item) is dict else None for item in items]
 
 
 class AnswerReader:
@@ -248,6 +369,19 @@ def _send_bodies(value: object, where: str) -> list[SendResult]:
     if type(value) is list and value and type(value[0]) is str:
         return unpack_send_columns(value, where)
     return _send_results(value, where)
+
+
+def batch_results(results: list[SendResult], sent: dict[str, Any], where: str) -> list[SendResult]:
+    """A send_batch's results (its request's arguments ``sent``): one per message, else
+    ProtocolError for this request (a caller zipping messages with results would drop
+    some; whether the messages were stored is unknown)."""
+    count = len(sent["bodies"] if "bodies" in sent else sent["messages"])
+    if len(results) != count:
+        raise ProtocolError(
+            f"{where}: {len(results)} SendResults answer a send_batch of {count} messages; "
+            "which of them were stored is unknown"
+        )
+    return results
 
 
 def _strings(value: object, where: str) -> list[str]:

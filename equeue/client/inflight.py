@@ -47,8 +47,7 @@ class _Connection:
         self.sock = sock
         self.welcome = welcome
         self.reader = reader
-        limit = welcome.limits["max_frame_bytes"]
-        self.encoder = RequestEncoder(limit, reader.where, welcome.version)
+        self.encoder = RequestEncoder.for_welcome(welcome, reader.where)
         self.pending: dict[int, _Slot] = {}
         self.broken = False
         self.inbuf = memoryview(bytearray(RECV_BYTES))  # read into, by the reader only

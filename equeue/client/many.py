@@ -16,7 +16,7 @@ hold every message once:
 
 * ``sent``: the SendResults of the messages acknowledged;
 * ``unsent``: the messages not stored: those of a refused chunk (an error answer, or a
-  chunk the client could not encode: FrameTooLargeError for a message past
+  chunk the client could not encode: MessageTooLargeError for a message past
   ``max_frame_bytes``) and those never written (the writing stops at the first error);
 * ``unanswered``: the messages written whose outcome is unknown, each may or may not be
   stored: their answer never came (ConnectionLostError), or it was a failed write or
@@ -44,7 +44,7 @@ from equeue.errors import (
     ProtocolError,
     StoreWriteError,
 )
-from equeue.protocol.bounded import max_objects
+from equeue.protocol.bounded import SEND_BATCH_OBJECTS, max_objects, message_objects
 from equeue.protocol.frames import ANSWER_OVERHEAD, DEFAULT_MAX_BATCH_MESSAGES, SEND_RESULT_OVERHEAD
 from equeue.store.types import SendResult
 
@@ -59,10 +59,9 @@ if TYPE_CHECKING:
 # CPU at 100 B (1.22 / 1.35 against 1.52 / 1.60) and the same at 1 KiB, at rates alike on
 # a loaded machine (load 11); kept at 2 for the overlap where a core is free.
 PARTS: Final = 2
-# A request frame's bytes and objects around its messages, the topic aside (header, id,
-# op, the args map and its keys, the array's header); a bound, not a count.
+# A request frame's bytes around its messages, the topic aside (header, id, op, the args
+# map and its keys, the array's header); a bound, not a count.
 REQUEST_BYTES: Final = 64
-REQUEST_OBJECTS: Final = 16
 # A body's bytes beyond its own: a bin header (5), and as a version-1 send_batch map
 # (the encoder's fallback) a map header and its "body" key (6).
 BODY_BYTES: Final = 11
@@ -149,7 +148,7 @@ class _Run:
                     conn, (slot,) = client._submit([call], conn if in_flight else None)
                 except ConnectionLostError as exc:  # nothing of this chunk was written
                     failure = exc
-                except EQueueError as exc:  # the encoder's (FrameTooLargeError): not written
+                except EQueueError as exc:  # the encoder refused it (its size): not written
                     failure = exc
                     self.refused.append((start, end))
                     self.written = end
@@ -238,7 +237,7 @@ class _Run:
         most = max(1, min(self.window // PARTS, batch, answers))
         end = min(start + most, len(self.wire))
         room = frame - REQUEST_BYTES - topic_bytes
-        objects = max_objects(batch) - REQUEST_OBJECTS
+        objects = max_objects(batch) - SEND_BATCH_OBJECTS
         part = self.wire[start:end]
         if self.bodies_only:
             if (max(map(len, part)) + BODY_BYTES) * len(part) <= room:
@@ -250,7 +249,7 @@ class _Run:
                 objects -= 4
             else:
                 room -= _packed_bound(one)
-                objects -= _objects(one)
+                objects -= message_objects(one)
             if room < 0 or objects < 0:
                 return start + max(index, 1)
         return end
@@ -270,14 +269,6 @@ def _packed_bound(fields: dict[str, Any]) -> int:
         else:
             size += 9
     return size
-
-
-def _objects(fields: dict[str, Any]) -> int:
-    """The msgpack objects of a message's wire map as the broker counts them
-    (bounded.decode_request): the map's keys and values and itself, its properties map's
-    and itself, and its place in the messages' array."""
-    properties = fields.get("properties")
-    return 2 + 2 * len(fields) + (0 if properties is None else 2 * len(properties) + 1)
 
 
 def _report(

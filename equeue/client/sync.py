@@ -43,6 +43,7 @@ from equeue.client.core import (
     PULL_OPS,
     SEND_OPS,
     answer_error,
+    batch_results,
     given,
     lost,
     readable,
@@ -590,8 +591,8 @@ class Client(Turns):
         self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
     ) -> list[SendResult]:
         """One request: the broker stores all or none (as MessageStore.send_batch)."""
-        results: list[SendResult] = self._call(self._made(calls.send_batch, topic, messages))
-        return results
+        call = self._made(calls.send_batch, topic, messages)
+        return batch_results(self._call(call), call.args, self.url)
 
     def send_many(
         self,

@@ -65,6 +65,11 @@ DEFAULT_MAX_BATCH_MESSAGES: Final = 65536
 DEFAULT_MAX_PULL_COUNT: Final = 65536
 SEND_RESULT_OVERHEAD: Final = 65
 ANSWER_OVERHEAD: Final = 32  # [request_id, status, ...] around a result, and the header
+# A Message's fields but body and properties, packed (ids, topic, tag, key of at most
+# 255 bytes each, ints), and the answer around it: a generous bound. A broker's store
+# takes bodies of at most max_frame_bytes less its max_properties_size and this, so that
+# a pull's answer carries its largest message (equeue/server/serve.py).
+MESSAGE_OVERHEAD: Final = 2048
 
 _packer_options: Final = {"use_bin_type": True}
 

@@ -23,7 +23,7 @@ from equeue.errors import (
     LimitExceededError,
     ProtocolError,
 )
-from equeue.protocol.bounded import OBJECTS_PER_MESSAGE, decode_request, max_objects
+from equeue.protocol.bounded import OBJECTS_PER_MESSAGE, Refused, decode_request, max_objects
 from equeue.protocol.faults import pack_error
 from equeue.protocol.frames import (
     CONNECTION_REQUEST_ID,
@@ -144,8 +144,8 @@ class Connection(asyncio.BufferedProtocol):
         # A frame of tiny objects costs the decoder per object: bounded as a whole too.
         self._max_objects = max_objects(config.max_batch_messages)
         self._objects_setting = (
-            f"{OBJECTS_PER_MESSAGE} per message of max_batch_messages="
-            f"{config.max_batch_messages}: --max-batch-messages"
+            f"{OBJECTS_PER_MESSAGE} x max_batch_messages={config.max_batch_messages}, "
+            "equeue serve --max-batch-messages"
         )
 
     # --- asyncio callbacks ----------------------------------------------------
@@ -479,17 +479,20 @@ class Connection(asyncio.BufferedProtocol):
                 return
         elif self._bodies_body is not None and self._send_bodies(body):
             return
-        request_id, op, args = check_request(
-            decode_request(
+        try:
+            decoded = decode_request(
                 body,
                 where,
                 self._max_items,
                 self._items_setting,
                 self._max_objects,
                 self._objects_setting,
-            ),
-            where,
-        )
+            )
+        except Refused as refused:  # past the object bound: answered, the connection stays
+            self.broker.counters.requests += 1
+            self._answer_error(refused.request_id, refused.error)
+            return
+        request_id, op, args = check_request(decoded, where)
         broker = self.broker
         if op == "send" and len(args) == 2:
             # The commonest request, a plain send: no op table, no args map past here.

@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 
 from equeue.errors import BrokerError, ConfigError
-from equeue.protocol.frames import SUPPORTED_VERSIONS
+from equeue.protocol.frames import MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
@@ -47,9 +47,6 @@ log = logging.getLogger("equeue.server")
 TICK_S = 0.1  # the group coordinator's tick, held pulls' poll
 SAMPLE_EVERY = 10  # ticks between rate samples
 MAX_LISTED = 100  # connections stats lists one by one
-# A Message's fields but body and properties, packed (ids, topic, tag, key of at most
-# 255 bytes each, ints), and the answer around it: a generous bound.
-MESSAGE_OVERHEAD = 2048
 StoreOrPath = MessageStore | str | os.PathLike[str]
 
 
