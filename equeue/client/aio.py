@@ -41,6 +41,12 @@ from equeue.client.core import (
     welcome,
 )
 from equeue.client.csend import answered, fast
+from equeue.client.groupstate import (
+    DEFAULT_AUTO_COMMIT_INTERVAL,
+    DEFAULT_MAX_POLL_INTERVAL,
+    DEFAULT_PREFETCH,
+    DEFAULT_SESSION_TIMEOUT,
+)
 from equeue.client.loops import close_from_here, running_loop, wrong_loop
 from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
 from equeue.client.url import Endpoint, parse_url
@@ -62,6 +68,7 @@ from equeue.protocol.frames import (
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
 from equeue.protocol.plainsend import conn_type as _conn_type
+from equeue.store.consumerargs import Start
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
@@ -635,13 +642,34 @@ class AsyncClient:
         await self._call(calls.ping())
 
     def consumer(
-        self, group: str, topics: str | Iterable[str], **options: Any
+        self,
+        group: str,
+        topics: str | Iterable[str],
+        *,
+        tags: str | Iterable[str] | None = None,
+        start: Start = "committed",
+        batch_size: int = 32,
+        prefetch: int = DEFAULT_PREFETCH,
+        auto_commit: bool = True,
+        auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
+        session_timeout: float = DEFAULT_SESSION_TIMEOUT,
+        max_retries: int | None = None,
+        timeout: float | None = None,
+        consumer_id: str | None = None,
+        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
     ) -> AsyncGroupConsumer:
         """A member of consumer group ``group`` on this client; it joins on ``start()``
-        or entering ``async with``. ``options`` are AsyncGroupConsumer's."""
+        or entering ``async with``. AsyncGroupConsumer's options, checked as the store's
+        ``consumer`` checks its own (docs/groups.md)."""
         from equeue.client.consumer_aio import AsyncGroupConsumer
 
-        return AsyncGroupConsumer(self, group, topics, **options)
+        return AsyncGroupConsumer(
+            self, group, topics, tags=tags, start=start, batch_size=batch_size,
+            prefetch=prefetch, auto_commit=auto_commit,
+            auto_commit_interval=auto_commit_interval, session_timeout=session_timeout,
+            max_retries=max_retries, timeout=timeout, consumer_id=consumer_id,
+            max_poll_interval=max_poll_interval,
+        )  # fmt: skip
 
     # --- life --------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -55,6 +56,7 @@ from equeue.client.groupstate import (
     Queue,
     long_polls,
     poll_wait_ms,
+    welcome_limit,
 )
 from equeue.errors import (
     ClosedError,
@@ -65,6 +67,7 @@ from equeue.errors import (
     InvalidMessageError,
     ProtocolError,
 )
+from equeue.store.consumerargs import Start, check_count, check_seconds
 from equeue.store.types import Message
 from equeue.store.validate import MAX_DELAY_MS
 
@@ -80,6 +83,10 @@ COMMIT_WINDOW = 64
 # earliest: what arrives there waits at most this much more. Up to _pollers queues it
 # is long-polled instead.
 IDLE_RECHECK_SECONDS = 0.05
+# A zero timeout (poll(0), timeout=0) hands out what is there now: the answers of its pulls
+# without a wait are read for at most this long (one round trip; a later answer is the
+# next poll's)
+NOW_SECONDS = 1.0
 
 
 class Requester(Protocol):
@@ -147,15 +154,16 @@ class GroupConsumer:
         timeout: float | None = None,
         consumer_id: str | None = None,
         max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
+        start: Start = "committed",
     ) -> None:
         self.client = client
         self.state = GroupState(
             client.url, group, topics, tags=tags, batch_size=batch_size, prefetch=prefetch,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
-            max_retries=max_retries, consumer_id=consumer_id,
+            max_retries=max_retries, consumer_id=consumer_id, start=start,
         )  # fmt: skip
-        self.timeout = timeout
+        self.timeout = check_seconds(timeout, "timeout")
         # per queue: its pull in flight, the offset and membership it was sent in
         self._inflight: dict[Queue, tuple[Future[Any] | _Inline, int, int]] = {}
         # the blocking client writes a pull without a wait from this thread (_Inline)
@@ -241,7 +249,10 @@ class GroupConsumer:
             yield found
 
     def poll(self, timeout: float | None = 0.0) -> Message | None:
-        """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
+        """The next message, waiting up to ``timeout`` seconds (None: until one comes; 0:
+        what is there now, one round trip)."""
+        if type(timeout) is not float or not 0.0 <= timeout < math.inf:  # (0.0, 1.0: no call)
+            timeout = check_seconds(timeout, "timeout")
         state = self.state
         if state.closed:
             self._check_open()
@@ -250,8 +261,26 @@ class GroupConsumer:
             state.done_with_pending()
         return self._poll(timeout, now)
 
+    def poll_batch(
+        self, max_count: int | None = None, timeout: float | None = 0.0
+    ) -> list[Message]:
+        """The store Consumer's ``poll``: up to ``max_count`` (default ``batch_size``)
+        messages, waiting up to ``timeout`` seconds for the first (None: until one comes;
+        0: what is there now); the rest are those already fetched. The messages of the
+        previous poll_batch (or poll) count as processed."""
+        state = self.state
+        limit = state.asked.batch_size if max_count is None else check_count(max_count, "max_count")
+        first = self.poll(timeout)
+        if first is None:
+            return []
+        messages = [first]
+        state.more_messages(messages, limit)
+        return messages
+
     def _poll(self, timeout: float | None, now: float) -> Message | None:
         state = self.state
+        if state.handed_before:  # a poll_batch's messages, processed now (in order)
+            state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
             self._rejoin()
             try:
@@ -287,6 +316,7 @@ class GroupConsumer:
         """Call ``handler`` on each message; one that raises is nacked (retried after
         the backoff of its attempt, at last dead-lettered). Ends after ``max_messages``,
         or once none came for ``timeout`` seconds; returns how many were handled."""
+        timeout = check_seconds(timeout, "timeout")
         handled = 0
         if max_messages is not None and max_messages <= 0:
             return 0
@@ -383,6 +413,7 @@ class GroupConsumer:
         state = self.state
         state.reset()
         state.joined(self.client.request("join", state.join_args()))
+        state.fit_pulls(welcome_limit(self.client, "max_pull_count"))  # (connected now)
         state.lost = False
 
     def _rejoin(self) -> None:
@@ -396,6 +427,8 @@ class GroupConsumer:
 
     def _fetch(self, timeout: float | None) -> bool:
         """Fill the buffer; False once ``timeout`` passed without a message."""
+        if timeout == 0:
+            return self._fetch_now()
         state = self.state
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
@@ -428,6 +461,37 @@ class GroupConsumer:
                 return False
             self._event.wait(POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0))
 
+    def _fetch_now(self) -> bool:
+        """A zero timeout: the messages there now, as the store's Consumer hands them out.
+        Each held queue with no pull in flight is pulled without a wait, and the answers
+        of the pulls without a wait are read (one round trip, NOW_SECONDS at most). A
+        queue whose long poll is in flight counts as empty: the broker holds that pull
+        because nothing was there; a message since is its answer, read by a later poll."""
+        state = self.state
+        state.last_poll = time.monotonic()
+        self._rejoin()
+        try:
+            self._maintain()
+            self._harvest()
+            if not state.buffer:
+                started = self._start_pulls(at_once=True)
+                until = time.monotonic() + NOW_SECONDS
+                quick = [p for p, _, _ in self._inflight.values() if type(p) is _Inline]
+                for pull in quick:
+                    if not pull.waits:
+                        pull.wait(until)
+                pooled = [p for p in started if type(p) is not _Inline]
+                if pooled:  # (a wrapper's pulls, through the pool)
+                    wait_futures(pooled, max(0.0, until - time.monotonic()))
+                self._harvest()
+            if not state.buffer:  # (a long poll's answer is read as it comes, as _unread has it)
+                self._pool_long_polls()
+        except (GroupError, ConnectionLostError) as exc:
+            state.lose(exc)  # (fenced: raised)
+            log.warning("consumer %s: %s; joining again", state.consumer, exc)
+            return False  # (its next poll joins again)
+        return bool(state.buffer)
+
     def _unread(self, deadline: float | None) -> bool:
         """The buffer ran empty: read the answer of a pull of this thread's without a
         wait (True: harvest it, or go round again), for at most a second at a time (the
@@ -448,12 +512,18 @@ class GroupConsumer:
                     until = deadline
                 # answered at once as a rule: read it here, not a second later
                 return pull.wait(until) or deadline is None or time.monotonic() < deadline
-        for key, pull in unread:
-            _, at, epoch = inflight[key]
-            future = self._pool.submit(pull.result)
-            future.add_done_callback(self._answered)
-            inflight[key] = (future, at, epoch)
+        self._pool_long_polls()
         return False
+
+    def _pool_long_polls(self) -> None:
+        """Hand each long poll this thread wrote to a pool thread, which waits for its
+        answer (reading the connection), so that it sets the event whenever it comes."""
+        inflight = self._inflight
+        for key, (pull, at, epoch) in list(inflight.items()):
+            if type(pull) is _Inline and pull.waits:  # (a quick pull stays: _unread)
+                future = self._pool.submit(pull.result)
+                future.add_done_callback(self._answered)
+                inflight[key] = (future, at, epoch)
 
     def _answered(self, _: object) -> None:
         self.state.refill = True  # (a plain flag: poll looks at it at every message)
@@ -533,18 +603,20 @@ class GroupConsumer:
                 if not count:
                     idle[key] = time.monotonic() + IDLE_RECHECK_SECONDS
 
-    def _start_pulls(self, *, quick: bool = False) -> None:
+    def _start_pulls(self, *, quick: bool = False, at_once: bool = False) -> list[Any]:
         """Pull the queues that want it, long-polled (a held pull costs the blocking
         client nothing while it waits: only the thread an answer is for wakes). But
         ``quick`` (messages are at hand): a queue whose last pull brought a whole batch
         without a wait (more are likely there); past _pollers queues, where a held pull
         would keep a pool thread from a queue with messages, every queue without a wait,
-        and one whose last pull found nothing only once its IDLE_RECHECK_SECONDS passed."""
+        and one whose last pull found nothing only once its IDLE_RECHECK_SECONDS passed.
+        ``at_once`` (a zero timeout, _fetch_now): every queue that wants a pull, without a
+        wait. Returns the pulls started (an _Inline or a Future each)."""
         state = self.state
         inflight, epoch = self._inflight, state.epoch
         idle = self._idle
         recheck = quick and len(state.positions) > self._pollers
-        wait_ms = 0 if recheck else poll_wait_ms(len(state.positions), self._pollers)
+        wait_ms = 0 if recheck or at_once else poll_wait_ms(len(state.positions), self._pollers)
         drained = self._drained if quick and not recheck else None
         now = time.monotonic() if recheck else 0.0
         # (a pull sent before the membership was lost is ignored when answered: it does
@@ -557,16 +629,20 @@ class GroupConsumer:
         # past _pollers, the pool's queue takes them in turn (FIFO: a queue answered
         # goes after those waiting)
         inline = self._inline
+        started: list[Any] = []
         for key in wanted:
             args = state.pull_args(key, wait_ms if drained is None or key in drained else 0)
             waits = "wait_ms" in args
             if inline is not None and (quick or not waits):  # (this thread's: _Inline)
                 pull = _Inline(inline, inline.start_request("pull_columns", args), waits)
                 self._inflight[key] = (pull, args["offset"], epoch)
+                started.append(pull)
                 continue
             future = self._pool.submit(self.client.request, "pull_columns", args)
             future.add_done_callback(self._answered)
             self._inflight[key] = (future, args["offset"], epoch)
+            started.append(future)
+        return started
 
     def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
         """Commit what is processed of ``queues`` (None: all), a request a queue, up to

@@ -14,13 +14,14 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
 from equeue.client.aio import AsyncClient
-from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, _delay_ms
+from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, NOW_SECONDS, _delay_ms
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
@@ -32,6 +33,7 @@ from equeue.client.groupstate import (
     Queue,
     long_polls,
     poll_wait_ms,
+    welcome_limit,
 )
 from equeue.errors import (
     ClosedError,
@@ -41,6 +43,7 @@ from equeue.errors import (
     GroupError,
     ProtocolError,
 )
+from equeue.store.consumerargs import Start, check_count, check_seconds
 from equeue.store.types import Message
 
 log = logging.getLogger("equeue.client.consumer")
@@ -72,15 +75,16 @@ class AsyncGroupConsumer:
         timeout: float | None = None,
         consumer_id: str | None = None,
         max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
+        start: Start = "committed",
     ) -> None:
         self.client = client
         self.state = GroupState(
             client.url, group, topics, tags=tags, batch_size=batch_size, prefetch=prefetch,
             auto_commit=auto_commit, auto_commit_interval=auto_commit_interval,
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
-            max_retries=max_retries, consumer_id=consumer_id,
+            max_retries=max_retries, consumer_id=consumer_id, start=start,
         )  # fmt: skip
-        self.timeout = timeout
+        self.timeout = check_seconds(timeout, "timeout")
         self._inflight: dict[Queue, tuple[asyncio.Task[Any], int, int]] = {}
         self._started: dict[Queue, float] = {}  # when each queue's last pull was sent
         self._event: asyncio.Event | None = None
@@ -121,14 +125,17 @@ class AsyncGroupConsumer:
         return message
 
     async def poll(self, timeout: float | None = 0.0) -> Message | None:
-        """The next message, waiting up to ``timeout`` seconds (None: until one comes)."""
+        """The next message, waiting up to ``timeout`` seconds (None: until one comes; 0:
+        what is there now, one round trip)."""
+        if type(timeout) is not float or not 0.0 <= timeout < math.inf:  # (0.0, 1.0: no call)
+            timeout = check_seconds(timeout, "timeout")
         if self._heartbeat is None:
             await self.start()
         state = self.state
         if state.closed:
             self._check_open()
         state.last_poll = now = time.monotonic()
-        if state.handed is not None:
+        if state.handed is not None or state.handed_before:
             state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
             await self._rejoin()
@@ -156,6 +163,20 @@ class AsyncGroupConsumer:
                 return None
         return state.next_message()
 
+    async def poll_batch(
+        self, max_count: int | None = None, timeout: float | None = 0.0
+    ) -> list[Message]:
+        """As GroupConsumer.poll_batch: the store Consumer's ``poll``, up to ``max_count``
+        messages, waiting up to ``timeout`` for the first."""
+        state = self.state
+        limit = state.asked.batch_size if max_count is None else check_count(max_count, "max_count")
+        first = await self.poll(timeout)
+        if first is None:
+            return []
+        messages = [first]
+        state.more_messages(messages, limit)
+        return messages
+
     async def run(
         self,
         handler: Callable[[Message], object | Awaitable[object]],
@@ -164,6 +185,7 @@ class AsyncGroupConsumer:
         timeout: float | None = None,
     ) -> int:
         """Call (and await) ``handler`` on each message; one that raises is nacked."""
+        timeout = check_seconds(timeout, "timeout")
         handled = 0
         while max_messages is None or handled < max_messages:
             message = await self.poll(timeout)
@@ -264,6 +286,7 @@ class AsyncGroupConsumer:
         state = self.state
         state.reset()
         state.joined(await self.client.request("join", state.join_args()))
+        state.fit_pulls(welcome_limit(self.client, "max_pull_count"))  # (connected now)
         state.lost = False
 
     async def _rejoin(self) -> None:
@@ -275,6 +298,8 @@ class AsyncGroupConsumer:
             await self._join()
 
     async def _fetch(self, timeout: float | None) -> bool:
+        if timeout == 0:
+            return await self._fetch_now()
         state = self.state
         assert self._event is not None
         start = time.monotonic()
@@ -304,6 +329,27 @@ class AsyncGroupConsumer:
             wait = POLL_WAIT_MS / 1000 if remaining is None else min(remaining, 1.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event.wait(), wait)
+
+    async def _fetch_now(self) -> bool:
+        """As GroupConsumer._fetch_now: a zero timeout pulls, without a wait, each held
+        queue with no pull in flight and awaits those answers (NOW_SECONDS at most); a
+        queue whose long poll is in flight counts as empty."""
+        state = self.state
+        state.last_poll = time.monotonic()
+        await self._rejoin()
+        try:
+            await self._maintain()
+            self._harvest()
+            if not state.buffer:
+                started = self._start_pulls(at_once=True)
+                if started:
+                    await asyncio.wait(started, timeout=NOW_SECONDS)
+                self._harvest()
+        except (GroupError, ConnectionLostError) as exc:
+            state.lose(exc)  # (fenced: raised)
+            log.warning("consumer %s: %s; joining again", state.consumer, exc)
+            return False  # (its next poll joins again)
+        return bool(state.buffer)
 
     def _answered(self, _: object) -> None:
         self.state.refill = True  # (a plain flag: poll looks at it at every message)
@@ -367,14 +413,16 @@ class AsyncGroupConsumer:
             elif key in state.positions:
                 raise error
 
-    def _start_pulls(self) -> None:
+    def _start_pulls(self, *, at_once: bool = False) -> list[asyncio.Task[Any]]:
+        """Pull the queues that want it, long-polled (``at_once``, a zero timeout: without a
+        wait); the tasks started."""
         state = self.state
         event = self._event
         assert event is not None
         # At most ``pollers`` pulls in flight (the connection's max_in_flight is shared
         # with commits and heartbeats: long_polls), the queues pulled longest ago first.
         pollers = self._pollers
-        wait_ms = poll_wait_ms(len(state.positions), pollers)
+        wait_ms = 0 if at_once else poll_wait_ms(len(state.positions), pollers)
         inflight, epoch = self._inflight, state.epoch
         # (a pull sent before the membership was lost is ignored when answered: it does
         # not hold up the queue's pulls now)
@@ -383,6 +431,7 @@ class AsyncGroupConsumer:
             if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
         ]  # fmt: skip
         wanted.sort(key=lambda k: self._started.get(k, 0.0))
+        started: list[asyncio.Task[Any]] = []
         for key in wanted[: max(0, pollers - len(self._inflight))]:
             old = inflight.get(key)
             if old is not None:  # of an earlier membership: its answer would be ignored
@@ -392,6 +441,8 @@ class AsyncGroupConsumer:
             task = asyncio.create_task(self.client.request("pull_columns", args))
             task.add_done_callback(self._answered)
             self._inflight[key] = (task, args["offset"], state.epoch)
+            started.append(task)
+        return started
 
     async def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
         """Commit what is processed of ``queues`` (None: all), up to COMMIT_WINDOW

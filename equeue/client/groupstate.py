@@ -18,7 +18,6 @@ would fence the other in turn, each rejoin dropping the queues uncommitted).
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import socket
@@ -26,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from equeue.errors import (
     EQueueError,
@@ -37,6 +36,15 @@ from equeue.errors import (
 )
 from equeue.protocol.pullcols import unpack_any
 from equeue.protocol.retries import RETRY_PREFIX, restore
+from equeue.store.consumerargs import (
+    Start,
+    check_count,
+    check_seconds,
+    check_start,
+    check_tags,
+    check_topics,
+)
+from equeue.store.offsets import check_group
 from equeue.store.types import Message
 
 Queue = tuple[str, int]
@@ -67,11 +75,18 @@ def long_polls(client: object) -> int:
     """How many pulls a member holds in flight at once (``pollers``): MAX_POLLERS, but
     FREE_PLACES fewer than the broker's max_in_flight (the welcome's, on ``client``'s
     connection) and one at least. A client that shows no welcome (a wrapper): MAX_POLLERS."""
-    limits = getattr(getattr(client, "welcome", None), "limits", None)
-    limit = limits.get("max_in_flight") if isinstance(limits, dict) else None
-    if type(limit) is not int:
+    limit = welcome_limit(client, "max_in_flight")
+    if limit is None:
         return MAX_POLLERS
     return max(1, min(MAX_POLLERS, limit - FREE_PLACES))
+
+
+def welcome_limit(client: object, name: str) -> int | None:
+    """The broker's limit ``name`` from the welcome on ``client``'s connection; None when
+    the client shows none (a wrapper, or a broker that does not send it)."""
+    limits = getattr(getattr(client, "welcome", None), "limits", None)
+    limit = limits.get(name) if isinstance(limits, dict) else None
+    return limit if type(limit) is int else None
 
 
 def poll_wait_ms(queues: int, pollers: int = MAX_POLLERS) -> int:
@@ -82,6 +97,17 @@ def poll_wait_ms(queues: int, pollers: int = MAX_POLLERS) -> int:
     if queues <= pollers:
         return POLL_WAIT_MS
     return max(MIN_POLL_WAIT_MS, POLL_WAIT_MS * pollers // queues)
+
+
+class Asked(NamedTuple):
+    """What the caller asked for and a join reads. In one attribute: a GroupState of more
+    than 30 attributes no longer shares its dict's keys, and CPython 3.11 then does not
+    specialize its attribute loads (2,000 instructions a message more in a poll loop)."""
+
+    start: Start
+    batch_size: int  # as given; GroupState.batch_size is a pull's (fit_pulls)
+    prefetch: int
+    max_retries: int | None
 
 
 class GroupState:
@@ -100,25 +126,20 @@ class GroupState:
         max_poll_interval: float,
         max_retries: int | None,
         consumer_id: str | None,
+        start: Start = "committed",
     ) -> None:
         self.where = where
-        if not isinstance(group, str) or not group:
-            raise InvalidTypeError(f"group must be a non-empty str, got {group!r}")
-        self.group = group
-        names = [topics] if isinstance(topics, str) else _strings(topics, "topics")
-        if not names:
-            raise InvalidMessageError("a consumer group member needs at least one topic")
-        self.topics = list(dict.fromkeys(names))
-        self.tags: str | list[str] | None = (
-            tags if tags is None or isinstance(tags, str) else _strings(tags, "tags")
-        )
-        self.batch_size = _count(batch_size, "batch_size")
+        # the store's checks (equeue/store/consumerargs.py): its classes and messages; the
+        # broker's stricter group rule (retry.check_group_name) answers the join
+        self.group = check_group(group)
+        self.topics = check_topics(topics)
+        self.tags = check_tags(tags)
+        start = check_start(start)
+        batch_size = check_count(batch_size, "batch_size")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool):
             raise InvalidTypeError(f"prefetch must be an int, got {type(prefetch).__name__}")
         if not 1 <= prefetch <= MAX_PREFETCH:
             raise InvalidMessageError(f"prefetch={prefetch} must lie in [1, {MAX_PREFETCH}]")
-        # a queue is pulled again once no more than this many of its messages wait here
-        self.low_water = (prefetch - 1) * self.batch_size
         self.refill = False  # a queue's buffer fell to low_water: pull it again
         if not isinstance(auto_commit, bool):
             raise InvalidTypeError(f"auto_commit must be a bool, got {type(auto_commit).__name__}")
@@ -131,7 +152,9 @@ class GroupState:
             not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
         ):
             raise InvalidTypeError(f"max_retries must be an int >= 0 or None: {max_retries!r}")
-        self.max_retries = max_retries
+        self.asked = Asked(start, batch_size, prefetch, max_retries)
+        self.batch_size = self.low_water = 0  # (fit_pulls)
+        self.fit_pulls(None)
         if consumer_id is None:
             consumer_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         elif not isinstance(consumer_id, str) or not consumer_id:
@@ -155,7 +178,19 @@ class GroupState:
         self.buffer: deque[Batch] = deque()  # pulls' answers, each until handed out whole
         # the batch of the message handed out last, not processed yet (its ``next``)
         self.handed: Batch | None = None
+        # the batches a poll_batch handed out from, in order, not processed yet (``handed``
+        # is None then): the loop's next call marks them (done_with_pending)
+        self.handed_before: list[Batch] = []
         self.closed = False
+
+    def fit_pulls(self, max_pull_count: int | None) -> None:
+        """Pull at most the broker's max_pull_count (its welcome's; None: not known) a
+        time: it cuts each pull to that anyway, and a pull of that many is a whole batch
+        (more are likely there: pulled again without a wait)."""
+        wanted = self.asked.batch_size
+        self.batch_size = wanted if max_pull_count is None else min(wanted, max_pull_count)
+        # a queue is pulled again once no more than this many of its messages wait here
+        self.low_water = (self.asked.prefetch - 1) * self.batch_size
 
     # --- the broker's answers ----------------------------------------------------------
 
@@ -170,8 +205,8 @@ class GroupState:
             **self.member_args(), "topics": self.topics,
             "session_timeout_ms": self.session_timeout_ms,
         }  # fmt: skip
-        if self.max_retries is not None:
-            args["max_retries"] = self.max_retries
+        if self.asked.max_retries is not None:
+            args["max_retries"] = self.asked.max_retries
         return args
 
     def heartbeat_args(self) -> dict[str, Any]:
@@ -290,6 +325,7 @@ class GroupState:
             self.buffer = deque(batch for batch in self.buffer if batch.key not in gone)
             if self.handed is not None and self.handed.key in gone:
                 self.handed = None
+            self.handed_before = [b for b in self.handed_before if b.key not in gone]
 
     def add(self, key: Queue, committed: object, queue_range: object) -> None:
         """Start ``key`` at the group's committed offset (the broker's answers to
@@ -303,7 +339,12 @@ class GroupState:
         ):
             raise ProtocolError(f"{self.where}: a queue range must be [first, next]")
         first, following = queue_range
-        at = first if committed is None else min(max(committed, first), following)
+        if committed is not None:
+            at = min(max(committed, first), following)
+        elif self.asked.start == "latest" and not key[0].startswith(RETRY_PREFIX):
+            at = following  # (the retry queue holds only this group's own copies: all read)
+        else:
+            at = first
         self.positions[key] = self.processed[key] = at
         # Where the group committed none, its start is left due: committed at the next
         # commit (in windows, within a poll's timeout), it is what tells retention with
@@ -376,14 +417,42 @@ class GroupState:
 
     def done_with_pending(self) -> None:
         """The message handed out last is processed (the caller came back, commits or
-        closes)."""
+        closes), and every message of the last poll_batch, in order."""
+        if self.handed_before:
+            before, self.handed_before = self.handed_before, []
+            for earlier in before:
+                self._done(earlier)
         batch = self.handed
-        if batch is not None:
+        if batch is not None:  # (the common case, once a message: _done inline)
             self.handed = None
-            # the batch works its offset out (after()): put in once, at its first message
             if not batch.done and batch.key in self.processed:
                 self.processed[batch.key] = batch
             batch.done = batch.next
+
+    def _done(self, batch: Batch) -> None:
+        # the batch works its offset out (after()): put in once, at its first message
+        if not batch.done and batch.key in self.processed:
+            self.processed[batch.key] = batch
+        batch.done = batch.next
+
+    def more_messages(self, messages: list[Message], limit: int) -> None:
+        """poll_batch: after its first message (poll's), those at hand without I/O, up to
+        ``limit`` in all, none past an assignment not applied yet. They count as processed
+        together, once the caller comes back, as the store's poll has it: so ``handed`` is
+        emptied into ``handed_before``, which poll, iteration, commit and close mark."""
+        while len(messages) < limit and self.buffer and not (self.news or self.lost):
+            batch = self.buffer[0]
+            if self.handed is not None and self.handed is not batch:
+                self.handed_before.append(self.handed)
+                self.handed = None
+            messages.append(self.next_message())
+        if self.handed_before:
+            if self.handed is not None:
+                self.handed_before.append(self.handed)
+                self.handed = None
+            # the blocking loop's iteration marks ``handed`` inline: refill sends its next
+            # message the long way, through _poll, which marks these first
+            self.refill = True
 
     def processed_offset(self, key: Queue) -> int:
         found = self.processed[key]
@@ -431,26 +500,9 @@ class Batch:
         return self.messages[done - 1].queue_offset + 1 if done else self.messages[0].queue_offset
 
 
-def _strings(values: object, what: str) -> list[str]:
-    if not isinstance(values, Iterable):
-        raise InvalidTypeError(f"{what} must be a str or an iterable of str")
-    found = list(values)
-    if not all(isinstance(v, str) for v in found):
-        raise InvalidTypeError(f"{what} must hold strings only")
-    return found
-
-
-def _count(value: object, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidTypeError(f"{what} must be an int, got {type(value).__name__}")
-    if not 1 <= value <= 1 << 16:
-        raise InvalidMessageError(f"{what}={value} must lie in [1, {1 << 16}]")
-    return value
-
-
 def _seconds(value: object, what: str) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    """A duration that has no "None: no bound" (check_seconds' None is a wrong type here)."""
+    seconds = check_seconds(value, what)
+    if seconds is None:
         raise InvalidTypeError(f"{what} must be seconds (an int or a float)")
-    if not 0 <= value < math.inf:
-        raise InvalidMessageError(f"{what}={value!r} must be a finite number of seconds >= 0")
-    return float(value)
+    return seconds

@@ -48,6 +48,12 @@ from equeue.client.core import (
     lost,
     readable,
 )
+from equeue.client.groupstate import (
+    DEFAULT_AUTO_COMMIT_INTERVAL,
+    DEFAULT_MAX_POLL_INTERVAL,
+    DEFAULT_PREFETCH,
+    DEFAULT_SESSION_TIMEOUT,
+)
 from equeue.client.inflight import _Connection as _Connection
 from equeue.client.inflight import _deadline
 from equeue.client.inflight import _Slot as _Slot
@@ -65,6 +71,7 @@ from equeue.errors import (
 from equeue.protocol.frames import CONNECTION_REQUEST_ID, STATUS_OK, check_answer
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
+from equeue.store.consumerargs import Start
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
@@ -666,12 +673,35 @@ class Client(Turns):
     def ping(self) -> None:
         self._call(calls.ping())
 
-    def consumer(self, group: str, topics: str | Iterable[str], **options: Any) -> GroupConsumer:
-        """A member of consumer group ``group`` on this client (joined now); ``options``
-        are GroupConsumer's (equeue/client/consumer.py, docs/groups.md)."""
+    def consumer(
+        self,
+        group: str,
+        topics: str | Iterable[str],
+        *,
+        tags: str | Iterable[str] | None = None,
+        start: Start = "committed",
+        batch_size: int = 32,
+        prefetch: int = DEFAULT_PREFETCH,
+        auto_commit: bool = True,
+        auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
+        session_timeout: float = DEFAULT_SESSION_TIMEOUT,
+        max_retries: int | None = None,
+        timeout: float | None = None,
+        consumer_id: str | None = None,
+        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
+    ) -> GroupConsumer:
+        """A member of consumer group ``group`` on this client, joined now: GroupConsumer's
+        options (equeue/client/consumer.py, docs/groups.md), checked as the store's
+        ``consumer`` checks its own."""
         from equeue.client.consumer import GroupConsumer
 
-        return GroupConsumer(self, group, topics, **options)
+        return GroupConsumer(
+            self, group, topics, tags=tags, start=start, batch_size=batch_size,
+            prefetch=prefetch, auto_commit=auto_commit,
+            auto_commit_interval=auto_commit_interval, session_timeout=session_timeout,
+            max_retries=max_retries, timeout=timeout, consumer_id=consumer_id,
+            max_poll_interval=max_poll_interval,
+        )  # fmt: skip
 
     # --- life --------------------------------------------------------------------
 

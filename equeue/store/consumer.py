@@ -30,11 +30,18 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from equeue.errors import ChunkRemovedError, ClosedError, InvalidMessageError, InvalidTypeError
+from equeue.errors import ChunkRemovedError, ClosedError, InvalidTypeError
 from equeue.store import offsets as group_offsets
-from equeue.store.reads import tag_filter
+from equeue.store.consumerargs import (
+    Start,
+    check_count,
+    check_seconds,
+    check_start,
+    check_tags,
+    check_topics,
+)
 from equeue.store.types import Message
 
 if TYPE_CHECKING:
@@ -42,8 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("equeue.consumer")
 
-Start = Literal["committed", "earliest", "latest"]
-_STARTS = ("committed", "earliest", "latest")
 _Queue = tuple[str, int]  # (topic, queue id)
 # A read-only handle learns of new messages by polling its files, as pull(wait=) does.
 _POLL_SECONDS = 0.01
@@ -88,23 +93,16 @@ class Consumer:
         self.group = group_offsets.check_group(group)
         if store.read_only:
             store.refresh()  # the writer's topics, offsets and queue ends as they are now
-        names = [topics] if isinstance(topics, str) else _list(topics, "topics")
-        if not names:
-            raise InvalidMessageError("a consumer needs at least one topic")
-        for topic in names:
-            store.queue_ids(topic)  # TopicNotFoundError, InvalidTypeError, ...
-        self.topics = list(dict.fromkeys(names))
-        if tags is not None and not isinstance(tags, str):
-            tags = _list(tags, "tags")
-        tag_filter(tags)  # its errors now, not at the first pull
-        self.tags = tags
-        if start not in _STARTS:
-            raise InvalidMessageError(f"start must be one of {', '.join(_STARTS)}; got {start!r}")
+        self.topics = check_topics(topics)
+        for topic in self.topics:
+            store.queue_ids(topic)  # TopicNotFoundError
+        self.tags = check_tags(tags)  # its errors now, not at the first pull
+        start = check_start(start)
         if not isinstance(auto_commit, bool):
             raise InvalidTypeError(f"auto_commit must be a bool, got {type(auto_commit).__name__}")
         self.auto_commit = auto_commit
-        self.batch_size = _count(batch_size, "batch_size")
-        self.timeout = _seconds(timeout, "timeout")
+        self.batch_size = check_count(batch_size, "batch_size")
+        self.timeout = check_seconds(timeout, "timeout")
         self.skipped: dict[_Queue, int] = {}
         self._positions: dict[_Queue, int] = {}  # where the next pull of a queue starts
         self._processed: dict[_Queue, int] = {}  # the offsets a commit may write
@@ -142,8 +140,8 @@ class Consumer:
         seconds (None: until one arrives) for the first; the messages of the previous
         poll count as processed."""
         self._check_open()
-        limit = self.batch_size if max_count is None else _count(max_count, "max_count")
-        wait = _seconds(timeout, "timeout")
+        limit = self.batch_size if max_count is None else check_count(max_count, "max_count")
+        wait = check_seconds(timeout, "timeout")
         self._done_with_pending()
         if self.auto_commit:
             self._commit_processed()
@@ -154,6 +152,10 @@ class Consumer:
             batch = self._fetch(limit, wait)
         self._pending.extend(batch)
         return [message for message, _ in batch]
+
+    # The name the clients' group members give this shape too (their ``poll`` hands out
+    # one message): code written against poll_batch runs on either.
+    poll_batch = poll
 
     def commit(self) -> None:
         """Commit every message handed out so far (it counts as processed)."""
@@ -363,30 +365,3 @@ class Consumer:
             if self.store.queue_range(topic, queue_id)[1] > at:
                 return True
         return len(self._positions) < sum(len(self.store.queue_ids(t)) for t in self.topics)
-
-
-def _list(values: Iterable[str], what: str) -> list[str]:
-    try:
-        return list(values)
-    except TypeError:
-        raise InvalidTypeError(
-            f"{what} must be a str or an iterable of str, got {type(values).__name__}"
-        ) from None
-
-
-def _count(value: object, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidTypeError(f"{what} must be an int, got {type(value).__name__}")
-    if not 1 <= value <= 1 << 20:
-        raise InvalidMessageError(f"{what}={value} must lie in [1, {1 << 20}]")
-    return value
-
-
-def _seconds(value: object, what: str) -> float | None:
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise InvalidTypeError(f"{what} must be seconds (an int or a float) or None")
-    if not 0 <= value < math.inf:
-        raise InvalidMessageError(f"{what}={value!r} must be a finite number of seconds >= 0")
-    return float(value)

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from equeue.store import offsets as group_offsets
 from equeue.store import validate
-from equeue.store.consumer import Consumer, Start
+from equeue.store.consumer import Consumer
+from equeue.store.consumerargs import Start
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
