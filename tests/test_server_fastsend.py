@@ -263,30 +263,6 @@ def test_the_c_parsers_take_every_request_id_the_general_path_takes(rid: int) ->
     assert msgpack.unpackb(answer[FRAME_HEADER.size :])[1] == STATUS_OK
 
 
-def test_the_plain_send_reader_reuses_the_last_ascii_topic_only_for_the_same_bytes() -> None:
-    """parse_parts (sendframe.c) hands the last ASCII topic's str back for a send to the
-    same topic (no decode a send) and decodes every other topic as before: same length
-    different bytes, a prefix, non-ASCII (not kept), invalid UTF-8 (no plain send)."""
-    fast = speedups.SPEEDUPS
-    assert fast is not None
-
-    def topic(name: str, utf8: bytes | None = None) -> Any:
-        request = msgpack.packb([7, "send", {"topic": name, "body": b"x"}])
-        if utf8 is not None:  # the str's bytes replaced (same length)
-            request = request.replace(name.encode(), utf8)
-        read = fast.send_body(request)
-        return None if read is None else read[1]
-
-    first = topic("orders")
-    assert first == "orders" and topic("orders") is first
-    assert topic("ordera") == "ordera" and topic("orders") is not first  # another was last
-    assert topic("order") == "order" and topic("orders.eu") == "orders.eu"
-    assert topic("zürich") == "zürich" and topic("zürich") is not topic("zürich")
-    assert topic("") == "" and topic("a") == "a"
-    assert topic("qq", b"\xff\xfe") is None  # a str header over invalid UTF-8: no plain send
-    assert topic("a") == "a" and topic("orders") == "orders"
-
-
 async def _release(directory: Path) -> tuple[list[Any], int]:
     """Deferred answers released as a group commit releases them: a result that is
     bytes, a Frame, and a Frame whose flush failed; the answers decoded, and in_flight."""

@@ -52,23 +52,6 @@ static PyObject *triple(PyObject *a, PyObject *b, PyObject *c) {
     return out;
 }
 
-/* The last ASCII topic read (held): a plain send to the same topic takes this object
- * again instead of a new str (no decode, allocation or free, its hash computed once; and
- * where it is the str the store's topic dicts were keyed with, their look-ups match by
- * identity). A str is immutable, so sharing it changes nothing a caller can see but `is`. */
-static PyObject *last_topic;
-
-static PyObject *topic_of(const unsigned char *topic, Py_ssize_t n) {
-    PyObject *last = last_topic;
-    if (last != NULL && PyUnicode_GET_LENGTH(last) == n &&
-        memcmp(PyUnicode_1BYTE_DATA(last), topic, (size_t)n) == 0)
-        return Py_NewRef(last);
-    PyObject *t = PyUnicode_DecodeUTF8((const char *)topic, n, "strict");
-    if (t != NULL && PyUnicode_CheckExact(t) && PyUnicode_IS_COMPACT_ASCII(t))
-        Py_XSETREF(last_topic, Py_NewRef(t)); /* (ASCII: its UTF-8 is its 1-byte data) */
-    return t;
-}
-
 /* 1 with out = (request_id, topic, body) (new references), 0 when not a plain send in
  * the encoding read here, -1 with an error (memory). */
 static int parse_parts(const unsigned char *p, const unsigned char *end, PyObject *out[3]) {
@@ -91,7 +74,7 @@ static int parse_parts(const unsigned char *p, const unsigned char *end, PyObjec
             return 0;
     }
     if (p != end || topic == NULL || body == NULL) return 0;
-    PyObject *t = topic_of(topic, topic_len);
+    PyObject *t = PyUnicode_DecodeUTF8((const char *)topic, topic_len, "strict");
     if (t == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return -1;
         PyErr_Clear();
