@@ -403,10 +403,16 @@ def test_a_c_built_send_result_is_answered_as_its_fields_pack(read_first: bool) 
     directory = short_dir()
     try:
         with MessageStore.open(directory / "s") as store:
-            results = [store.send("t", b"x" * n) for n in (1, 200, 3000)]
+            # a topic's first send to each of its 4 queues makes the queue's writer on the
+            # Python path (its result's fields made there); the C send's results follow,
+            # their positions' hex digits in letters as well as numbers
+            sizes = (1, 200, 3000, 1, 200, 3000, 77, 5000, 9, 40)
+            results = [store.send("t", b"x" * n) for n in sizes]
             results += store.send_batch("t.batch", [b"a", b"b"])
             assert all(type(r) is SendResult for r in results)
-            for rid, result in zip((1, 2**40, 2**64 - 1, 7, 8), results, strict=True):
+            assert any(set(f"{r.position:x}") & set("abcdef") for r in results[4:10])
+            rids = (1, 2**40, 2**64 - 1, 7, 8, 2**32, 300, 2**64 - 2, 0x7F, 0x80, 5, 6)
+            for rid, result in zip(rids, results, strict=True):
                 if read_first:
                     tuple(result)
                 answer = fast.send_answer(rid, result)

@@ -210,7 +210,6 @@ int send_result_fields(PyObject *obj, PyObject *f[6], PyObject **id_prefix,
  * writes for the same fields. NULL with no error when a value is not what that way packs
  * (the caller goes the general way), NULL with an error (memory). */
 static PyObject *answer_of_fields(PyObject *rid, PyObject *result, PyTypeObject *kind) {
-    static const char hex[] = "0123456789abcdef";
     PyObject *f[6], *prefix;
     long long ints[6];
     if (!send_result_fields(result, f, &prefix, ints)) return NULL;
@@ -227,11 +226,7 @@ static PyObject *answer_of_fields(PyObject *rid, PyObject *result, PyTypeObject 
         if (!PyUnicode_IS_COMPACT_ASCII(prefix) || plen + 16 > 31) return NULL;
         *q++ = (unsigned char)(0xa0 | (plen + 16));
         memcpy(q, PyUnicode_1BYTE_DATA(prefix), (size_t)plen);
-        uint64_t v = (uint64_t)ints[4];
-        for (int i = 15; i >= 0; i--) {
-            q[plen + i] = (unsigned char)hex[v & 15];
-            v >>= 4;
-        }
+        put_hex16((char *)q + plen, (uint64_t)ints[4]); /* (a digit at a time: ~110 more) */
         q += plen + 16;
     }
     if (f[1] == NULL || !put_str(&q, f[1], 255)) return NULL;
@@ -249,9 +244,9 @@ static PyObject *answer_of_fields(PyObject *rid, PyObject *result, PyTypeObject 
     uint64_t bits;
     memcpy(&bits, &d, 8);
     *q++ = 0xcb;
-    for (int i = 7; i >= 0; i--) *q++ = (unsigned char)(bits >> (8 * i));
-    uint32_t length = (uint32_t)(q - buf - 4);
-    for (int i = 0; i < 4; i++) buf[i] = (unsigned char)(length >> (8 * (3 - i)));
+    put_be_n((char *)q, bits, 8);
+    q += 8;
+    put_be_n((char *)buf, (uint64_t)(q - buf - 4), 4);
     return bytes_of(kind, (const char *)buf, q - buf);
 }
 
