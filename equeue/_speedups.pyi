@@ -208,14 +208,6 @@ def answers_written_directly() -> int: ...  # sent by C to the socket, in this p
 def commit_add(commit: Any, peer: Any, request_id: int, result: Any, messages: int, /) -> bool: ...
 def commit_adds_in_c() -> int: ...  # the adds made in C so far, in this process
 
-# The group commit's flush end (equeue/cext/flushend.c): the flusher's done(error, took)
-class Released:
-    in_c: bool  # whether the common case is released in C (else commit._released always)
-    def __init__(self, commit: Any, failed: Callable[[Any, BaseException], None], /) -> None: ...
-    def __call__(self, error: BaseException | None, took: float, /) -> None: ...
-
-def flush_ends_in_c() -> int: ...  # the flush ends Released made in C so far, in this process
-
 # The broker's send_bodies read from its frame (equeue/cext/bodyspans.c)
 @type_check_only  # (its type is not a module attribute)
 class BodySpans:

@@ -100,9 +100,6 @@ PyObject *client_conn_type(PyObject *self, PyObject *unused); /* clientconn.c */
 PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
 PyObject *client_raw_sock_type(PyObject *self, PyObject *unused); /* rawsock.c */
 PyObject *client_read_mux_type(PyObject *self, PyObject *unused); /* readmux.c */
-PyObject *flush_ends_in_c(PyObject *self, PyObject *unused);      /* flushend.c */
-int flush_end_ready(void);                                         /* flushend.c */
-extern PyTypeObject ReleasedType;                                  /* flushend.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -119,7 +116,6 @@ static PyMethodDef methods[] = {
     {"answers_written_directly", answers_written_directly, METH_NOARGS, NULL},
     {"commit_add", (PyCFunction)(void (*)(void))py_commit_add, METH_FASTCALL, NULL},
     {"commit_adds_in_c", commit_adds_in_c, METH_NOARGS, NULL},
-    {"flush_ends_in_c", flush_ends_in_c, METH_NOARGS, NULL},
     {"results_of_columns", results_of_columns, METH_VARARGS, NULL},
     {"all_bytes", all_bytes, METH_O, NULL},
     {"columns_answer", columns_answer, METH_VARARGS, NULL},
@@ -175,7 +171,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (PyType_Ready(&SenderType) < 0 || message_type_ready() < 0 ||
         send_result_type_ready() < 0 || body_spans_ready() < 0 || send_lane_ready() < 0 || commit_add_ready() < 0 ||
         release_ready() < 0 || answer_write_ready() < 0 || PyType_Ready(&FlusherType) < 0 ||
-        counters_ready() < 0 || flush_end_ready() < 0)
+        counters_ready() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -184,7 +180,6 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         PyModule_AddObjectRef(m, "SendResult", (PyObject *)&SendResultType) < 0 ||
         PyModule_AddObjectRef(m, "SendLane", (PyObject *)&SendLaneType) < 0 ||
         PyModule_AddObjectRef(m, "Flusher", (PyObject *)&FlusherType) < 0 ||
-        PyModule_AddObjectRef(m, "Released", (PyObject *)&ReleasedType) < 0 ||
         PyModule_AddObjectRef(m, "CCounters", (PyObject *)&CountersType) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -50,7 +50,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from equeue import speedups
 from equeue.errors import StoreWriteError
 from equeue.server.flushers import Sync, make_sync
 
@@ -95,15 +94,12 @@ class CrossClientCommit:
         "waits", "waits_full",
     )  # fmt: skip
     # Whether add and _due are the policy commitadd.c mirrors: a subclass overriding
-    # either has its own add called for every send. _c_end: whether _released is the one
-    # flushend.c mirrors (a subclass overriding it has it called for every flush).
+    # either has its own add called for every send.
     _c_add = True
-    _c_end = True
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         cls._c_add = cls.add is CrossClientCommit.add and cls._due is CrossClientCommit._due
-        cls._c_end = cls._released is CrossClientCommit._released
 
     def __init__(
         self,
@@ -141,16 +137,7 @@ class CrossClientCommit:
         self.waits = 0
         self.waits_full = 0
         self.overlapped = 0  # flushes after which the next was to overlap (_overlap)
-        self._sync: Sync = make_sync(loop, flush_log, self._done(), store)
-
-    def _done(self) -> Callable[[BaseException | None, float], None]:
-        """What the flusher calls at a flush's end: _released, its common case in C
-        (cext/flushend.c: no Python frame a flush) where the accelerator is built."""
-        if speedups.SPEEDUPS is None:
-            return self._released
-        released: Callable[[BaseException | None, float], None]
-        released = speedups.SPEEDUPS.Released(self, _release_failed)
-        return released
+        self._sync: Sync = make_sync(loop, flush_log, self._released, store)
 
     @property
     def pending(self) -> int:
@@ -305,11 +292,6 @@ def expected(batch: list[Entry]) -> int:
         if peer is not first:
             return len(batch)
     return 0
-
-
-def _release_failed(batch: list[Entry], error: BaseException) -> None:
-    """What _released logs when its release raised (flushend.c's Released calls it)."""
-    log.error("releasing %d durable answers failed", len(batch), exc_info=error)
 
 
 def finish_each(batch: list[Entry], error: BaseException | None) -> None:
