@@ -37,15 +37,15 @@ def main(path: Path, point: str) -> int:
     real_persist = Retries._persist
     real_commit = Retries.commit_cursors
 
-    def persist(self: Retries, cursors: dict[tuple[str, int], int]) -> None:
+    def persist(self: Retries, cursors: dict[tuple[str, int], int], marker: int | None) -> None:
         if point == "flush":
             kill(point)
-        real_persist(self, cursors)
+        real_persist(self, cursors, marker)
 
-    def commit(self: Retries, cursors: dict[tuple[str, int], int]) -> None:
+    def commit(self: Retries, cursors: dict[tuple[str, int], int], marker: int | None) -> None:
         if point == "cursor":
             kill(point)
-        real_commit(self, cursors)
+        real_commit(self, cursors, marker)
         if point == "written":
             kill(point)
 

@@ -285,7 +285,7 @@ def test_a_damaged_mover_file_is_said_at_start(
 ) -> None:
     path = tmp_path / "s"
     with MessageStore.open(path) as store:
-        retry.Retries(store).commit_cursors({(retry.DELAY_TOPIC, 0): 0})
+        retry.Retries(store).commit_cursors({(retry.DELAY_TOPIC, 0): 0}, None)
     if damaged:
         (path / "consumers" / f"{retry.MOVER_GROUP}.json").write_text("nonsense")
     with MessageStore.open(path) as store, caplog.at_level("WARNING", "equeue.retry"):

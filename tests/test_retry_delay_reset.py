@@ -5,7 +5,8 @@ gone. Driven with injected clocks: a wall-clock step back is one of the cases.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,44 @@ def test_copies_below_the_old_cursor_of_a_delay_queue_made_again_are_moved(
     store.delete_topic(DELAY_TOPIC)
     _nack(store, coord, b"first", b"second")  # offsets 0 and 1 of the queue made again
     assert _retried_after(store, coord, clock) == [b"one", b"first", b"second"]
+
+
+def test_a_cursor_write_in_flight_at_the_deletion_does_not_skip_the_new_copies(
+    tmp_path: Path,
+) -> None:
+    """Review 37-2 F1: the mover's cursor write (on the broker's committer thread) still
+    running when the delay topic is deleted landed after the deletion dropped its entries,
+    for the topic made again; a file offset is never lowered, so the right cursors were
+    never written, and after a restart the copies below the stale cursor were never moved
+    (3 of 5 here, nothing logged or counted)."""
+    held: list[tuple[Callable[[], None], Future[None]]] = []
+
+    def background(work: Callable[[], None]) -> Future[None]:
+        done: Future[None] = Future()
+        held.append((work, done))
+        return done
+
+    def run_held() -> None:
+        while held:
+            work, done = held.pop(0)
+            work()
+            done.set_result(None)
+
+    clock = Clock()
+    path = tmp_path / "race"
+    with MessageStore.open(path) as store:
+        store.create_topic("t", 1)
+        coord = _coordinator(store, clock)
+        coord.retries.background = background
+        _nack(store, coord, b"old1", b"old2", b"old3")
+        assert _retried_after(store, coord, clock) == [b"old1", b"old2", b"old3"]
+        assert len(held) == 1  # the cursor write, not run yet
+        store.delete_topic(DELAY_TOPIC)
+        run_held()  # it ends after the deletion
+        _nack(store, coord, b"new0")  # the delay topic made again: offset 0
+        assert _retried_after(store, coord, clock)[3:] == [b"new0"]
+        run_held()
+    with MessageStore.open(path) as store:  # the broker restarts
+        coord = _coordinator(store, clock)
+        _nack(store, coord, b"new1", b"new2", b"new3")  # offsets 1..3
+        assert _retried_after(store, coord, clock)[4:] == [b"new1", b"new2", b"new3"]

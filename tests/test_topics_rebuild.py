@@ -262,3 +262,32 @@ def test_a_record_create_topic_would_refuse_is_named_and_left_out(tmp_path: Path
     assert report.replayed[-1].topic == "later"
     with MessageStore.open(store) as opened:
         assert opened.topics() == ["idle", "kept", "later", "orders"]
+
+
+def test_a_stale_journal_with_a_damaged_record_neither_refuses_nor_reverts(
+    tmp_path: Path,
+) -> None:
+    """Review 37-2 F2: a journal topics.json already holds (an older generation: a fold
+    cut between its two writes) with a damaged record in the middle made every open refuse,
+    and rebuild-topics then replayed its older records over topics.json: a deleted topic
+    came back and a grown topic lost its third queue (its message unreachable). A stale
+    journal's records are never replayed, so they are not read either."""
+    path = tmp_path / "s"
+    with MessageStore.open(path) as store:
+        store.create_topic("keep", 1)
+    with MessageStore.open(path) as store:
+        store.create_topic("gone", 1)
+        store.create_topic("x" * 40, 1)
+        store.create_topic("y", 2)
+        older = (path / TOPICS_JOURNAL_FILE).read_bytes()  # the records the fold takes in
+        store.delete_topic("gone")
+        store.create_topic("y", 3)
+        store.send("y", b"in queue 2", queue_id=2)
+    raw = bytearray(older)  # put back as a cut fold leaves it, one record damaged
+    raw[raw.find(b"x" * 40) + 5] ^= 0xFF
+    (path / TOPICS_JOURNAL_FILE).write_bytes(bytes(raw))
+    for read_only in (True, False):
+        with MessageStore.open(path, read_only=read_only) as store:
+            assert "gone" in store.deleted_topics() and "gone" not in store.topics()
+            assert store.queue_ids("y") == [0, 1, 2]
+            assert [m.body for m in store.pull("y", 2, 0).messages] == [b"in queue 2"]

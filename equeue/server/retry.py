@@ -439,17 +439,21 @@ class Retries:
 
     def _save(self) -> None:
         cursors = dict(self._unsaved)
+        # The delay topic's deletion marker the cursors belong to: a job still running
+        # when the topic is deleted and made again must not write them for the new topic
+        # (commit_group_file leaves out a topic deleted since; review 37-2 F1).
+        marker = self._delay_deleted
         if self.background is not None:  # off the loop; a later tick sees how it ended
-            self._persisting = self.background(lambda: self._persist(cursors))
+            self._persisting = self.background(lambda: self._persist(cursors, marker))
             return
         try:
-            self._persist(cursors)
+            self._persist(cursors, marker)
         except (EQueueError, OSError) as exc:
             self._failing("could not make its move durable", exc)
         else:
             self._unsaved = {}
 
-    def _persist(self, cursors: dict[tuple[str, int], int]) -> None:
+    def _persist(self, cursors: dict[tuple[str, int], int], marker: int | None) -> None:
         # The copies (and the delay entries they came from) durable in the message log
         # before the cursors say they were moved: recovery rebuilds the retry topics'
         # queues from the log, so the log's fdatasync suffices (no checkpoint of every
@@ -457,7 +461,7 @@ class Retries:
         # mover's offsets file. A failed fdatasync fails every later one (chunk.py), so a
         # retry never writes cursors past copies that may be lost.
         self.store.flush_log()
-        self.commit_cursors(cursors)
+        self.commit_cursors(cursors, marker)
 
     def _failing(self, what: str, error: BaseException) -> None:
         """Logged once when the mover starts failing, then once a minute while it keeps
@@ -482,8 +486,8 @@ class Retries:
             )  # fmt: skip
             self._failure, self._failed_ticks = None, 0
 
-    def commit_cursors(self, cursors: dict[tuple[str, int], int]) -> None:
-        group_offsets.commit_group(self.store, MOVER_GROUP, cursors)
+    def commit_cursors(self, cursors: dict[tuple[str, int], int], marker: int | None) -> None:
+        group_offsets.commit_group(self.store, MOVER_GROUP, cursors, {DELAY_TOPIC: marker})
 
     def _cursor(self, queue_id: int) -> int:
         cursor = self._cursors.get(queue_id)

@@ -134,7 +134,7 @@ class Journal:
         # topics.json's generation, read after the journal: a reader that saw topics.json
         # unchanged around both reads (TopicsFile.read) compares the pair it read.
         self.stale = self.generation < file_generation(self.path.parent / TOPICS_FILE)
-        while at < len(raw):
+        while at < len(raw) and not self.stale:  # a stale one's records are not replayed: not read
             try:
                 record, end = TopicRecord.unpack(raw, at, file)
             except CorruptionError as exc:
