@@ -3,6 +3,8 @@ store would; errors come back as the store's class names and the connection stay
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ import pytest
 from server_helpers import Raw, raw, short_home
 
 from equeue import MessageStore
+from equeue.errors import EQueueError
 from equeue.protocol import pullcols
 from equeue.protocol.frames import PROTOCOL_VERSION, encode
 from equeue.protocol.ops import OPS
@@ -385,3 +388,38 @@ def test_status_names_a_broker_sock_that_is_no_socket(tmp_path: Path, what: str)
         sock.mkdir()
     with pytest.raises(BrokerError, match=r"broker\.sock is not a socket"):
         fetch_stats(str(tmp_path / "s"), [], None)
+
+
+def test_status_of_a_killed_brokers_store_says_no_broker_serves_it(tmp_path: Path) -> None:
+    """Review 37a L1: a SIGKILLed broker leaves its socket; --status said only "cannot
+    connect ... Connection refused" after 6 attempts. The store's LOCK, held by no one,
+    says there is no broker; a running broker (the control) is asked as before."""
+    import signal
+    import subprocess
+    import sys
+
+    from equeue.errors import BrokerError
+    from equeue.server.status import fetch_stats
+
+    home = Path(tempfile.mkdtemp(dir="/tmp", prefix="eq-status-"))  # a short socket path
+    try:
+        store = home / "s"
+        broker = subprocess.Popen(
+            [sys.executable, "-m", "equeue", "serve", str(store), "--quiet"],
+            stdout=subprocess.PIPE,
+        )
+        assert broker.stdout is not None
+        assert broker.stdout.readline().decode().startswith("listening on ")
+        assert fetch_stats(str(store), [], None)["connections"] == 1  # the control
+        broker.send_signal(signal.SIGKILL)
+        broker.wait(30)
+        broker.stdout.close()
+        assert (store / "broker.sock").exists()  # left behind
+        with pytest.raises(BrokerError, match=r"no broker is serving .*LOCK is not held"):
+            fetch_stats(str(store), [], None)
+        with MessageStore.open(store):  # held by a writer: asked, and refused to connect
+            with pytest.raises(EQueueError) as info:
+                fetch_stats(str(store), [], None)
+            assert "no broker is serving" not in str(info.value)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -11,6 +11,7 @@ from typing import Any
 from equeue.errors import BrokerError, NotAStoreError
 from equeue.server.config import SOCKET_NAME, read_token
 from equeue.server.stats import render_retention
+from equeue.store.meta import LOCK_FILE
 
 
 def fetch_stats(
@@ -30,6 +31,12 @@ def fetch_stats(
             default.lstat().st_mode
         ):
             raise BrokerError(f"{default} is not a socket: no broker of this store listens there")
+        if _lock_free(Path(store) / LOCK_FILE):
+            raise BrokerError(
+                f"no broker is serving {store}: its writer lock {Path(store) / LOCK_FILE} is "
+                f"not held (a {SOCKET_NAME} there was left by a broker that stopped or was "
+                "killed); start one with: equeue serve STORE"
+            )
     token = read_token(token_file) if token_file else None
     options: dict[str, Any] = {"client_name": "equeue serve --status", "timeout": 10.0}
     options["connect_timeout"] = 1.0  # a broker that is not running: say so soon
@@ -40,6 +47,27 @@ def fetch_stats(
     if not isinstance(stats, dict):
         raise BrokerError(f"the broker answered stats with a {type(stats).__name__}, not a map")
     return stats
+
+
+def _lock_free(lock: Path) -> bool:
+    """True only if the store's LOCK exists and no process holds a flock on it, as
+    /proc/locks (Linux) lists them. Read, not tried: taking the lock, even shared and for
+    a moment, could make a broker starting just then refuse the store. Anything unknown
+    (no LOCK, no /proc/locks) is False: the connect then says what it finds."""
+    try:
+        inode = os.stat(lock).st_ino
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            table = f.read()
+    except OSError:
+        return False
+    for line in table.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234567 0 EOF" ("->" marks a waiter)
+        if "FLOCK" in fields:
+            device_inode = fields[fields.index("FLOCK") + 4].rsplit(":", 1)
+            if len(device_inode) == 2 and device_inode[1] == str(inode):
+                return False
+    return True
 
 
 def render_stats(stats: dict[str, Any]) -> str:
