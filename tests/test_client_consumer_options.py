@@ -287,3 +287,56 @@ def test_start_latest_still_reads_the_groups_retry_queue_from_its_start(
             first.nack(message, delay=0)  # nothing committed: neither queue has an offset
         with client.consumer("lr-g", "lr", start="latest", timeout=2.0) as second:
             assert [m.body for m in second] == [b"m"]  # the copy, at its original place
+
+
+def test_a_bad_timeout_after_good_ones_is_still_refused(broker: BrokerProcess) -> None:
+    # poll remembers the last timeout it checked (the same object is not checked again):
+    # a bad one after it, in a loop of the good one, is refused each time and takes nothing
+    good = 5.0
+    expected = ("InvalidMessageError", "timeout=-1.0 must be a finite number of seconds >= 0")
+    with equeue.connect(broker.url) as client, client.consumer("good-bad", TOPIC) as consumer:
+        bodies = []
+        for bad in (-1.0, -1.0):
+            found = consumer.poll(good)
+            assert found is not None
+            bodies.append(found.body)
+            assert refusal(lambda: consumer.poll(bad)) == expected  # noqa: B023
+            assert refusal(lambda: consumer.poll(math.nan))[0] == "InvalidMessageError"
+        bodies += [m.body for m in consumer.poll_batch(len(WAITING), good)]
+        while len(bodies) < len(WAITING) and (found := consumer.poll(good)) is not None:
+            bodies.append(found.body)
+        assert sorted(bodies) == WAITING
+
+    async def main() -> list[bytes]:
+        client = await equeue.aio.connect(broker.url)
+        try:
+            async with client.consumer("good-bad-aio", TOPIC) as member:
+                got = []
+                for bad in (-1.0, -1.0):
+                    found = await member.poll(good)
+                    assert found is not None
+                    got.append(found.body)
+                    assert await async_refusal(lambda: member.poll(bad)) == expected  # noqa: B023
+                while len(got) < len(WAITING) and (found := await member.poll(good)) is not None:
+                    got.append(found.body)
+                return sorted(got)
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == WAITING
+
+
+@pytest.mark.parametrize("first", [1, 2, 3, 4, 5])
+def test_a_poll_batch_then_iteration_commits_every_message(
+    broker: BrokerProcess, first: int
+) -> None:
+    # the iteration's first step marks the poll_batch's messages processed (the common
+    # case skips that test while a message is in hand): closed, the group holds them all
+    group = f"batch-then-iter-{first}"
+    with equeue.connect(broker.url) as client:
+        with client.consumer(group, TOPIC, batch_size=1, timeout=1.0) as consumer:
+            bodies = [m.body for m in consumer.poll_batch(first, 5.0)]
+            bodies += [m.body for m in consumer]
+        assert sorted(bodies) == WAITING
+        with client.consumer(group, TOPIC, timeout=0.5) as again:
+            assert list(again) == []

@@ -164,6 +164,9 @@ class GroupConsumer:
             max_retries=max_retries, consumer_id=consumer_id, start=start,
         )  # fmt: skip
         self.timeout = check_seconds(timeout, "timeout")
+        # the timeout the last poll was given, checked: the same object again (poll(1.0)
+        # in a loop: a constant) is not checked again (perfconsume: ~15 bytecodes a poll)
+        self._timeout_ok: float | None = self.timeout
         # per queue: its pull in flight, the offset and membership it was sent in
         self._inflight: dict[Queue, tuple[Future[Any] | _Inline, int, int]] = {}
         # the blocking client writes a pull without a wait from this thread (_Inline)
@@ -243,6 +246,8 @@ class GroupConsumer:
                 state.handed = batch
                 yield message
                 continue
+            if state.handed_before is not None:  # a poll_batch's messages, processed now
+                state.done_with_pending()
             found = self._poll(self.timeout if own else timeout, now)
             if found is None:
                 return
@@ -251,13 +256,17 @@ class GroupConsumer:
     def poll(self, timeout: float | None = 0.0) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (None: until one comes; 0:
         what is there now, one round trip)."""
-        if type(timeout) is not float or not 0.0 <= timeout < math.inf:  # (0.0, 1.0: no call)
-            timeout = check_seconds(timeout, "timeout")
+        if timeout is not self._timeout_ok:
+            if type(timeout) is not float or not 0.0 <= timeout < math.inf:  # (no call)
+                timeout = check_seconds(timeout, "timeout")
+            self._timeout_ok = timeout
         state = self.state
         if state.closed:
             self._check_open()
         state.last_poll = now = time.monotonic()
-        if state.handed is not None:
+        # (and a poll_batch's messages, processed now, in order; one test while a message
+        # is in hand: done_with_pending sees handed_before is None then)
+        if state.handed is not None or state.handed_before is not None:
             state.done_with_pending()
         return self._poll(timeout, now)
 
@@ -279,8 +288,6 @@ class GroupConsumer:
 
     def _poll(self, timeout: float | None, now: float) -> Message | None:
         state = self.state
-        if state.handed_before:  # a poll_batch's messages, processed now (in order)
-            state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
             self._rejoin()
             try:
