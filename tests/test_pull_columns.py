@@ -258,7 +258,8 @@ def test_clients_and_brokers_of_other_versions(home: Path) -> None:
             client.send_batch("t", [b"a", b"b", b"c"])
             ours = client.pull("t", 0, 0)
         # a client of version 1 or 2 (the hello offers [1]): pull answers as before
-        with raw(url) as old:
+        with raw(url, versions=(1,)) as old:
+            assert old.welcome["version"] == 1
             messages, following = old.call("pull", topic="t", queue_id=0, offset=0)
             assert unpack_pull_result([messages, following], "t") == ours
         # our client against a broker of version 2 that knows no pull_columns: it pulls
