@@ -335,3 +335,29 @@ def test_revoked_queues_go_at_the_next_message_not_after_the_buffer(
     for queue_id in (2, 3):  # a committed what it processed of them: none twice, none lost
         offsets = [m.queue_offset for m in got_a + got_b if m.queue_id == queue_id]
         assert sorted(offsets) == list(range(100))
+
+
+def test_a_clean_leave_releases_held_pulls_without_counting_errors(
+    broker: tuple[BrokerThread, str],
+) -> None:
+    # review 38e E5: each long poll the broker still held for a member that left was
+    # answered GroupError and counted in `errors`: an operator saw errors from healthy
+    # consumers, one a queue at every restart
+    _, url = broker
+    with equeue.connect(url) as client:
+        client.send(TOPIC, b"one")
+        with GroupConsumer(client, "g", TOPIC, session_timeout=2.0) as consumer:
+            assert consume(consumer, 1)
+            assert consumer.poll(0.3) is None  # its pulls are held now
+        deadline = time.monotonic() + 10
+        stats = client.stats()
+        while stats["held_pulls_moved"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            stats = client.stats()
+        assert stats["held_pulls_moved"] >= 1
+        assert stats["errors"] == 0
+        assert "held_pulls_moved_per_s" in stats["rates"]
+        # the control: a request refused is still an error
+        with pytest.raises(equeue.errors.TopicNotFoundError):
+            client.pull("no-such-topic", 0, 0)
+        assert client.stats()["errors"] == 1

@@ -32,7 +32,7 @@ from equeue.server.config import ServerConfig
 from equeue.server.connection import Connection, release_durable
 from equeue.server.handlers import Frame
 from equeue.server.serve import Broker
-from equeue.server.stats import _COUNTERS
+from equeue.server.stats import COUNTERS
 
 Flush = Literal["sync", "async"]
 Mode = Literal["lane", "python", "general"]
@@ -56,7 +56,7 @@ def _normal(answer: list[Any]) -> list[Any]:
         payload = [payload[0][8:], *payload[1:5]]
     if status == 0 and type(payload) is dict and "requests" in payload:
         # (bytes_out counts the stats answers before, whose length varies with their times)
-        payload = {k: payload[k] for k in _COUNTERS if k in payload and k != "bytes_out"}
+        payload = {k: payload[k] for k in COUNTERS if k in payload and k != "bytes_out"}
     return [rid, status, payload]
 
 
@@ -86,7 +86,7 @@ async def _serve(directory: Path, reads: list[bytes], mode: Mode, flush: Flush) 
                 found = store.pull(topic, queue_id, 0, 10_000)
                 stored += [(topic, queue_id, m.queue_offset, m.body) for m in found.messages]
         # bytes_out: every byte written (a stats answer's length varies with its times)
-        totals = dict(zip(_COUNTERS, broker.counters.totals(), strict=True))
+        totals = dict(zip(COUNTERS, broker.counters.totals(), strict=True))
         totals["bytes_out"] -= len(transport.data)
         return answers, stored, totals, connection.in_flight, connection.closed
     finally:

@@ -135,7 +135,7 @@ def test_counters_are_c_integers() -> None:
     counters.sends += 3
     counters.bytes_out += 1 << 40
     assert (counters.sends, counters.bytes_out, counters.errors) == (3, 1 << 40, 0)
-    assert counters.totals() == (0, 3, 0, 0, 0, 1 << 40, 0)
+    assert counters.totals() == (0, 3, 0, 0, 0, 1 << 40, 0, 0)  # held_pulls_moved a Python int
     assert not hasattr(counters, "__dict__")
     counters.bytes_in = 5
     with pytest.raises(OverflowError):  # refused, nothing changed (a T_LONGLONG member wrote -1)

@@ -581,8 +581,9 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self._queue(result)
 
-    def finish(self, request_id: int, outcome: object) -> None:
-        """The answer of a DEFERRED request (a result, or the exception to answer)."""
+    def finish(self, request_id: int, outcome: object, *, error: bool = True) -> None:
+        """The answer of a DEFERRED request (a result, or the exception to answer; with
+        ``error`` false an exception answered is not counted in the ``errors`` stat)."""
         self.in_flight -= 1
         if self.closed:
             return
@@ -594,7 +595,7 @@ class Connection(asyncio.BufferedProtocol):
             else:
                 self._queue(data)
         elif isinstance(outcome, BaseException):
-            self._answer_error(request_id, outcome)
+            self._answer_error(request_id, outcome, error=error)
         elif type(outcome) is Packed:
             self._answer(request_id, STATUS_OK, outcome)
         else:
@@ -615,9 +616,10 @@ class Connection(asyncio.BufferedProtocol):
         if self._ended and not self.in_flight and not self._backlog:
             self.close()
 
-    def _answer_error(self, request_id: int, exc: BaseException) -> None:
+    def _answer_error(self, request_id: int, exc: BaseException, *, error: bool = True) -> None:
         broker = self.broker
-        broker.counters.errors += 1
+        if error:
+            broker.counters.errors += 1
         exc = name_broker_setting(
             exc, broker.store, broker._owns_store, broker.config.max_frame_bytes
         )

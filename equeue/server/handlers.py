@@ -35,7 +35,7 @@ from equeue.protocol.records import (
 )
 from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
 from equeue.server.holds import HeldPull, Holds
-from equeue.server.stats import Counters, group_lag
+from equeue.server.stats import COUNTERS, Counters, group_lag
 from equeue.store.bodies import plain, send_columns, send_packed
 from equeue.store.store import MessageStore
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
@@ -458,9 +458,7 @@ class Handlers:
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
-        answer: dict[str, Any] = {name: getattr(c, name) for name in (
-            "requests", "sends", "send_requests", "pulls", "bytes_in", "bytes_out", "errors"
-        )}  # fmt: skip
+        answer: dict[str, Any] = {name: getattr(c, name) for name in COUNTERS}
         answer["rates"] = c.rates()
         answer["held_pulls"] = self.holds.count
         commit = self.commit

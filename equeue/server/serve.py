@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from equeue.errors import BrokerError, ConfigError
+from equeue.errors import BrokerError, ConfigError, FencedMemberError, GroupError
 from equeue.protocol.frames import MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import Listener, ServerConfig, read_token
@@ -300,7 +300,13 @@ class Broker:
                 answer = self.handlers.fit_pull(outcome, held.owner.where)
             except Exception as exc:  # a message no frame can carry
                 answer = exc
-        held.owner.finish(held.request_id, answer)
+        # The member's queue moved, its session ended or it left while the pull was held:
+        # the answer that makes it join again, part of every rebalance and clean leave
+        # (one a queue it held), so not an error for an operator watching errors_per_s.
+        moved = isinstance(outcome, GroupError) and not isinstance(outcome, FencedMemberError)
+        if moved:
+            self.counters.held_pulls_moved += 1
+        held.owner.finish(held.request_id, answer, error=not moved)
 
     def _tick(self) -> None:
         coordinator = self.coordinator

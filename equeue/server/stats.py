@@ -13,7 +13,10 @@ from equeue.store.retentionhold import retention_hold
 from equeue.store.store import MessageStore
 
 RATE_WINDOW_S = 5.0  # rates are over about the last this many seconds
-_COUNTERS = ("requests", "sends", "send_requests", "pulls", "bytes_in", "bytes_out", "errors")
+COUNTERS = (
+    "requests", "sends", "send_requests", "pulls", "bytes_in", "bytes_out", "errors",
+    "held_pulls_moved",
+)  # fmt: skip
 
 
 class _PyCounters:
@@ -33,7 +36,8 @@ else:
 
 
 class Counters(_Base):
-    __slots__ = ("_samples", "started")
+    # held_pulls_moved is a Python int: it changes at a rebalance, not per send
+    __slots__ = ("_samples", "held_pulls_moved", "started")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -43,11 +47,14 @@ class Counters(_Base):
         self.bytes_in = 0
         self.bytes_out = 0
         self.errors = 0  # error answers
+        # a group member's long polls answered GroupError because its queue moved or it
+        # left while they were held: the group's normal turn, not counted in errors
+        self.held_pulls_moved = 0
         self.started = time.monotonic()
         self._samples: deque[tuple[float, tuple[int, ...]]] = deque()
 
     def totals(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in _COUNTERS)
+        return tuple(getattr(self, name) for name in COUNTERS)
 
     def sample(self) -> None:
         """Called about once a second from the loop."""
@@ -58,11 +65,11 @@ class Counters(_Base):
 
     def rates(self) -> dict[str, float]:
         now, totals = time.monotonic(), self.totals()
-        then, before = self._samples[0] if self._samples else (self.started, (0,) * len(_COUNTERS))
+        then, before = self._samples[0] if self._samples else (self.started, (0,) * len(COUNTERS))
         span = max(now - then, 1e-3)
         return {
             f"{name}_per_s": round((totals[i] - before[i]) / span, 1)
-            for i, name in enumerate(_COUNTERS)
+            for i, name in enumerate(COUNTERS)
         }
 
 
