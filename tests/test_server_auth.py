@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from server_helpers import Raw, raw, short_home
 
-from equeue.errors import ConfigError
+from equeue.errors import ConfigError, SparkOptionError
 from equeue.protocol.frames import PROTOCOL_VERSION, FrameReader, check_answer, decode_body, encode
 from equeue.server import BrokerThread, ServerConfig
 
@@ -59,8 +59,40 @@ def test_token_file_rules(home: Path) -> None:
         BrokerThread(home / "s", token_file=str(home / "missing"))
     (home / "empty").write_text("\n")
     (home / "empty").chmod(0o600)
-    with pytest.raises(ConfigError, match="one token"):
+    with pytest.raises(ConfigError, match="no token"):
         BrokerThread(home / "s", token_file=str(home / "empty"))
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        # review 38e E3: the docs said "its first line is the token", the broker took the
+        # whole file: a comment line became part of the token
+        (b"abc\n# rotated 2026-11-01\n", "more than one line"),
+        (b"\n\nabc\n", None),  # whitespace around the one line is not part of it
+        (b"  abc\t\r\n", None),
+        (b"a b c\n", None),  # a space inside is the token's
+        (b"x" * 4096 + b"\n", "longer than 4096"),
+        (b"\xff\xfe\n", "not UTF-8"),
+        (b"\n \n", "no token"),
+    ],
+)
+def test_a_token_file_holds_one_line(home: Path, content: bytes, problem: str | None) -> None:
+    from equeue.server.config import read_token
+    from equeue.spark.viabroker import read_token as spark_read_token
+
+    path = home / "token"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    if problem is None:
+        assert read_token(str(path)) == spark_read_token(str(path)) == content.decode().strip()
+        return
+    with pytest.raises(ConfigError, match=problem) as refused:
+        read_token(str(path))
+    assert str(path) in str(refused.value)
+    with pytest.raises(SparkOptionError, match=problem) as refused_spark:
+        spark_read_token(str(path))
+    assert "tokenFile" in str(refused_spark.value)
 
 
 def test_a_listener_off_loopback_needs_a_token(home: Path) -> None:

@@ -33,6 +33,8 @@ from equeue.errors import ProtocolError
 from equeue.protocol.frames import FRAME_HEADER_SIZE, SUPPORTED_VERSIONS
 
 MAX_CLIENT_NAME = 200
+# A token file's size at most (equeue serve --token-file; the Spark option tokenFile).
+MAX_TOKEN_BYTES = 4096
 LIMIT_NAMES = ("max_frame_bytes", "max_in_flight", "max_connections")
 # Announced by every broker of this package, but not required of one: a client that needs
 # one (send_many's chunks: max_batch_messages) assumes the protocol's default without it.
@@ -115,3 +117,27 @@ def choose_version(
     """The highest version both sides speak, or None."""
     common = set(offered) & set(spoken)
     return max(common) if common else None
+
+
+def token_problem(data: bytes) -> str | None:
+    """What keeps a token file's bytes from being one token, or None. The file holds the
+    token alone, on one line; whitespace around it (a final newline) is not part of it. A
+    second line is refused rather than made part of the token or dropped: either would
+    make a file such as "TOKEN\n# rotated in May" mean something its writer did not
+    (review 38e E3)."""
+    if len(data) > MAX_TOKEN_BYTES:
+        return f"is longer than {MAX_TOKEN_BYTES} bytes; a token is 1 to {MAX_TOKEN_BYTES} bytes"
+    try:
+        token = data.decode().strip()
+    except UnicodeDecodeError:
+        return "is not UTF-8 text"
+    if not token:
+        return "holds no token (it is empty or only whitespace)"
+    if "\n" in token or "\r" in token:
+        return "holds more than one line; it must hold the token alone, on one line"
+    return None
+
+
+def token_of(data: bytes) -> str:
+    """The token of a token file's bytes that ``token_problem`` passed."""
+    return data.decode().strip()

@@ -26,6 +26,7 @@ from equeue.protocol.frames import (
     HELLO_MAX_FRAME_BYTES,
     MIN_MAX_FRAME_BYTES,
 )
+from equeue.protocol.handshake import MAX_TOKEN_BYTES, token_of, token_problem
 from equeue.store.validate import MAX_SPAN, check_span
 
 # Under --flush sync; 0 otherwise (docs/benchmarks.md, "Group commit wait": measured on)
@@ -314,13 +315,10 @@ def read_token(path: str) -> str:
                 f"(mode {stat.S_IMODE(info.st_mode):o}); chmod o-rwx it"
             )
         try:
-            data = file.read(4097)
+            data = file.read(MAX_TOKEN_BYTES + 1)
         except OSError as exc:
             raise ConfigError(f"token file {path}: {exc.strerror or exc}") from None
-    try:
-        token = data.decode().strip()
-    except UnicodeDecodeError:
-        raise ConfigError(f"token file {path} is not UTF-8 text") from None
-    if not token or len(data) > 4096:
-        raise ConfigError(f"token file {path} must hold one token of 1 to 4096 bytes")
-    return token
+    problem = token_problem(data)
+    if problem is not None:
+        raise ConfigError(f"token file {path} {problem}")
+    return token_of(data)

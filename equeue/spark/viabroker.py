@@ -22,6 +22,7 @@ from equeue.errors import (
     FrameTooLargeError,
     SparkOptionError,
 )
+from equeue.protocol.handshake import MAX_TOKEN_BYTES, token_of, token_problem
 
 if TYPE_CHECKING:
     from equeue.client.sync import Client
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 BROKER: Final = "broker"
 TOKEN_FILE: Final = "tokenFile"
 CA_FILE: Final = "caFile"
-MAX_TOKEN_BYTES: Final = 4096  # as the broker's token file (equeue/server/config.py)
 CLIENT_NAME: Final = "equeue-spark"
 HEAD_GUESS: Final = 256  # bytes of a pulled message on the wire besides its body
 
@@ -93,15 +93,10 @@ def read_token(path: str | None) -> str | None:
             f"({exc.strerror or exc}); it must be readable at that path on the driver and "
             "on every executor"
         ) from None
-    try:
-        token = data.decode().strip()
-    except UnicodeDecodeError:
-        raise SparkOptionError(f"option {TOKEN_FILE}={path!r}: not UTF-8 text") from None
-    if not token or len(data) > MAX_TOKEN_BYTES:
-        raise SparkOptionError(
-            f"option {TOKEN_FILE}={path!r}: it must hold one token of 1 to {MAX_TOKEN_BYTES} bytes"
-        )
-    return token
+    problem = token_problem(data)
+    if problem is not None:
+        raise SparkOptionError(f"option {TOKEN_FILE}={path!r}: the file {problem}")
+    return token_of(data)
 
 
 class BrokerAddress:
