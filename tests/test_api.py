@@ -315,8 +315,11 @@ def test_naive_datetimes_are_refused_everywhere(timed: tuple[MessageStore, list[
     naive = dt.datetime(2024, 5, 1, 12, 0)
     with pytest.raises(InvalidMessageError, match="no time zone"):
         store.offset_for_time("t", 0, naive)
-    with pytest.raises(InvalidMessageError, match="no time zone"):
+    with pytest.raises(InvalidMessageError, match="no time zone") as refused:
         parse_time("2024-05-01T12:00:00")
+    # text's advice, not Python's (review 38e E6: it named time.now(UTC), which no module has)
+    assert "2024-05-01T12:00:00Z" in str(refused.value) and "(" in str(refused.value)
+    assert "now(" not in str(refused.value)
     with pytest.raises(InvalidMessageError, match="no time zone"):
         epoch_ns(naive)
     # control: aware datetimes, epoch seconds and zoned text all work, and agree

@@ -65,7 +65,11 @@ def parse_time(text: str) -> int:
             "or unix seconds"
         ) from None
     if when.tzinfo is None:
-        raise InvalidMessageError(f"time {text!r} {_NAIVE.replace('datetime', 'time')}; add Z")
+        # text comes from a command line or an option, not Python: the advice is text's
+        raise InvalidMessageError(
+            f"time {text!r} has no time zone; add one (Z, or an offset such as +02:00: "
+            f"{when.isoformat(timespec='seconds')}Z) or give unix seconds"
+        )
     return epoch_ns(when)
 
 
