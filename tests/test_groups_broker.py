@@ -170,7 +170,14 @@ def test_bad_arguments_are_refused_before_joining(
             GroupConsumer(client, "g/h", TOPIC)
         with pytest.raises(equeue.errors.InvalidTypeError):
             GroupConsumer(client, "g", TOPIC, batch_size=0.5)  # type: ignore[arg-type]
-        assert client.stats()["coordinator"] == {}
+        # review 38e E10: an int out of range is a value error, as the broker's join says,
+        # for each end of the range; a wrong type stays InvalidTypeError
+        for retries in (-1, 1001):
+            with pytest.raises(equeue.errors.InvalidMessageError, match="must lie in"):
+                GroupConsumer(client, "g", TOPIC, max_retries=retries)
+        with pytest.raises(equeue.errors.InvalidTypeError):
+            GroupConsumer(client, "g", TOPIC, max_retries=True)
+        assert client.stats()["coordinator"] == {}  # none of them joined
 
 
 def test_asyncio_members_split_the_queues_and_retry(broker: tuple[BrokerThread, str]) -> None:

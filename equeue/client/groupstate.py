@@ -35,7 +35,7 @@ from equeue.errors import (
     ProtocolError,
 )
 from equeue.protocol.pullcols import unpack_any
-from equeue.protocol.retries import RETRY_PREFIX, restore
+from equeue.protocol.retries import RETRY_PREFIX, check_max_retries, restore
 from equeue.store.consumerargs import (
     Start,
     check_count,
@@ -148,10 +148,8 @@ class GroupState:
         self.session_timeout_ms = int(_seconds(session_timeout, "session_timeout") * 1000)
         self.max_poll_interval = _seconds(max_poll_interval, "max_poll_interval")
         self.last_poll = time.monotonic()  # when the caller last asked for a message
-        if max_retries is not None and (
-            not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
-        ):
-            raise InvalidTypeError(f"max_retries must be an int >= 0 or None: {max_retries!r}")
+        if max_retries is not None:  # before joining: as the broker's join would refuse it
+            check_max_retries(max_retries)
         self.asked = Asked(start, batch_size, prefetch, max_retries)
         self.batch_size = self.low_water = 0  # (fit_pulls)
         self.fit_pulls(None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from equeue.errors import InvalidMessageError
+from equeue.errors import InvalidMessageError, InvalidTypeError
 from equeue.store.types import Message
 
 DELAY_TOPIC: Final = "equeue.delay"  # internal: one queue per delay level
@@ -14,6 +14,7 @@ MOVER_GROUP: Final = "equeue.mover"  # internal: the mover's cursor in each dela
 RETRY_PREFIX: Final = "equeue.retry."  # + group: what the group consumes again
 DLQ_PREFIX: Final = "equeue.dlq."  # + group: the dead letters, an ordinary topic
 RESERVED_PREFIX: Final = "equeue."  # topics and groups only the broker writes
+MAX_RETRIES_LIMIT: Final = 1000  # a group's max_retries at most
 
 GROUP: Final = "equeue.group"
 ATTEMPT: Final = "equeue.attempt"  # how many times the message was nacked
@@ -76,3 +77,13 @@ def restore(message: Message) -> Message:
     except (KeyError, ValueError):
         return message
     return message._replace(topic=props[ORIGIN_TOPIC], queue_id=queue_id, queue_offset=offset)
+
+
+def check_max_retries(value: object) -> int:
+    """A group's ``max_retries``, as the broker's join and the clients' consumers check
+    it: a wrong type is InvalidTypeError, an int out of range InvalidMessageError."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidTypeError(f"max_retries must be an int, got {type(value).__name__}")
+    if not 0 <= value <= MAX_RETRIES_LIMIT:
+        raise InvalidMessageError(f"max_retries={value} must lie in [0, {MAX_RETRIES_LIMIT}]")
+    return value

@@ -55,6 +55,7 @@ from equeue.errors import (
     LimitExceededError,
     TopicNotFoundError,
 )
+from equeue.protocol.retries import check_max_retries
 from equeue.server import retry
 from equeue.store import offsets as group_offsets
 from equeue.store import validate
@@ -174,7 +175,7 @@ class GroupCoordinator:
     ) -> None:
         self.store = store
         self.clock = clock
-        self.max_retries = _check_retries(max_retries)
+        self.max_retries = check_max_retries(max_retries)
         self.retries = retry.Retries(store, wall_clock=wall_clock, delays=retry_delays)
         self._groups: dict[str, _Group] = {}
         # Per group, per queue: offsets retention removed before the group consumed them
@@ -230,7 +231,7 @@ class GroupCoordinator:
         _check_consumer(consumer)
         names = _check_topics(topics)
         timeout = _check_timeout(session_timeout_ms)
-        retries = self.max_retries if max_retries is None else _check_retries(max_retries)
+        retries = self.max_retries if max_retries is None else check_max_retries(max_retries)
         for topic in names:
             self.store.queue_ids(topic)  # TopicNotFoundError before anything changes
         state = self._groups.get(group)
@@ -594,12 +595,4 @@ def _check_timeout(value: object) -> int:
             f"session_timeout_ms={value} must lie in "
             f"[{MIN_SESSION_TIMEOUT_MS}, {MAX_SESSION_TIMEOUT_MS}]"
         )
-    return value
-
-
-def _check_retries(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidTypeError(f"max_retries must be an int, got {type(value).__name__}")
-    if not 0 <= value <= retry.MAX_RETRIES_LIMIT:
-        raise InvalidMessageError(f"max_retries={value} must lie in [0, {retry.MAX_RETRIES_LIMIT}]")
     return value

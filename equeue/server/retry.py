@@ -92,7 +92,6 @@ class Job(Protocol):
 # Seconds a copy waits at each level (RocketMQ's levels from 1 s on, shortened).
 DEFAULT_DELAYS: Final = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 DEFAULT_MAX_RETRIES: Final = 16
-MAX_RETRIES_LIMIT: Final = 1000
 MAX_LEVELS: Final = 64
 MOVE_BATCH: Final = 256  # copies moved per delay queue per tick: a tick stays short
 FAILURE_REPEAT_S: Final = 60.0  # a mover failing every tick is logged again this often
