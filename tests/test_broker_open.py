@@ -7,6 +7,7 @@ caller's handle (docs/broker.md)."""
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,22 @@ def test_the_cli_refuses_a_long_socket_path_before_creating_the_store(home: Path
     assert done.returncode == 1, done
     assert b"limited to 107 bytes" in done.stderr
     assert not (home / ("a" * 60)).exists()  # not even the parents
+
+
+@pytest.mark.parametrize("refused", [["--max-frame-bytes", "5"], ["--listen", "tcp://0.0.0.0:0"]])
+def test_a_refused_start_writes_its_one_error_line_only(home: Path, refused: list[str]) -> None:
+    # review 38e E9: the malloc settings' log line came first, so stderr under --json was
+    # not one JSON document; the control is the same command without --json (one line too)
+    for extra in (["--json"], []):
+        done = subprocess.run(
+            [sys.executable, "-m", "equeue", "serve", str(home / "s"), *refused, *extra],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1, done
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1, done.stderr
+        if extra:
+            assert "error" in json.loads(lines[0])
+        else:
+            assert lines[0].startswith("equeue: error: ")
+        assert not (home / "s").exists()

@@ -109,10 +109,6 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s equeue serve: %(message)s",
         stream=sys.stderr,
     )
-    # Process-wide malloc settings: here, in a process equeue owns, never in the library.
-    from equeue.server.heap import keep_heap
-
-    keep_heap()
     config = ServerConfig(
         listen=tuple(args.listen), flush=args.flush, token_file=args.token_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_frame_bytes,
@@ -129,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
     from equeue.server.serve import serve
 
     def ready(urls: list[str]) -> None:
+        # Process-wide malloc settings: here, in a process equeue owns, never in the
+        # library; once listening, so that a refused start's one error line (JSON with
+        # --json) is all it writes (review 38e E9: its log line came first)
+        from equeue.server.heap import keep_heap
+
+        keep_heap()
         for url in urls:
             print(f"listening on {url}", flush=True)
 
