@@ -189,7 +189,33 @@ def test_start_modes(store: MessageStore) -> None:
     send_to(store, 3, 2)
     assert places(list(latest)) == [(3, 0), (3, 1)]
     latest.close()
-    assert group_offsets(store, "g") == {0: 10, 1: 0, 2: 0, 3: 2}
+    # queue 0's 6..9 were never read for g: "latest" passed them, so it does not commit
+    # queue 0 (review 38e E13: it committed 10, and g lost them); the queues g had not
+    # committed start where "latest" put them
+    assert group_offsets(store, "g") == {0: 6, 1: 0, 2: 0, 3: 2}
+
+
+def test_latest_never_commits_over_a_groups_backlog(
+    store: MessageStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    send_to(store, 0, 20)
+    store.commit_offset("billing", "t", 0, 10)
+    with store.consumer("billing", "t", start="latest", timeout=0.1) as watcher:
+        assert list(watcher) == []
+        send_to(store, 0, 2)
+        assert places(list(watcher)) == [(0, 20), (0, 21)]
+    assert store.committed_offset("billing", "t", 0) == 10  # its backlog is still there
+    assert "t/0 offsets 10..19" in caplog.text
+    with store.consumer("billing", "t", timeout=0) as billing:
+        assert places(list(billing)) == [(0, o) for o in range(10, 22)]
+    assert store.committed_offset("billing", "t", 0) == 22
+    # the control: no backlog (committed at the end), "latest" commits as it reads
+    caplog.clear()
+    with store.consumer("billing", "t", start="latest", timeout=0) as watcher:
+        send_to(store, 0, 1)
+        assert places(list(watcher)) == [(0, 22)]
+    assert store.committed_offset("billing", "t", 0) == 23
+    assert "has not committed" not in caplog.text
 
 
 def test_an_offset_committed_past_the_end_starts_at_the_end(store: MessageStore) -> None:

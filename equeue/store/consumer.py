@@ -64,7 +64,9 @@ class Consumer:
     ``"earliest"`` (each queue's first retained offset) or ``"latest"`` (only what is
     sent from now on); a queue the topic gains later starts at its committed or first
     offset. A commit never moves the group's offset back, so ``"earliest"`` re-reads
-    without lowering it (reset a group with the writer's ``commit_offset``).
+    without lowering it (reset a group with the writer's ``commit_offset``), and never
+    past offsets the group has not committed that ``"latest"`` passed over: such a queue
+    is not committed by this consumer (a warning says which).
 
     ``for message in consumer`` blocks for new messages; with ``timeout`` (seconds) the
     iteration ends once none arrived for that long. ``poll(max_count, timeout)``
@@ -107,6 +109,8 @@ class Consumer:
         self._positions: dict[_Queue, int] = {}  # where the next pull of a queue starts
         self._processed: dict[_Queue, int] = {}  # the offsets a commit may write
         self._committed: dict[_Queue, int] = {}  # what this consumer committed last
+        # queues started past the group's committed offset: never committed (_skip_backlog)
+        self._uncommitted: set[_Queue] = set()
         self._undelivered: deque[tuple[Message, int]] = deque()  # (message, offset after it)
         self._pending: list[tuple[Message, int]] = []  # handed out, not yet processed
         self._turn = 0
@@ -230,6 +234,22 @@ class Consumer:
                 self._positions[key] = self._processed[key] = at
                 if offset is not None:
                     self._committed[key] = offset
+                    if at > offset:
+                        self._skip_backlog(key, offset, at)
+
+    def _skip_backlog(self, key: _Queue, committed: int, at: int) -> None:
+        """A start past the group's committed offset (``"latest"``): a commit of this
+        consumer would mark the offsets in between processed for the whole group, which
+        never read them (review 38e E13: a watcher under a production group's name threw
+        its backlog away, silently). So this consumer does not commit the queue."""
+        self._uncommitted.add(key)
+        topic, queue_id = key
+        log.warning(
+            "consumer group %r: start=\"latest\" passes %s/%d offsets %d..%d, which the group "
+            "has not committed; this consumer will not commit that queue (its commits would "
+            "mark them processed). To skip them for the group, commit_offset(%r, %r, %d, %d)",
+            self.group, topic, queue_id, committed, at - 1, self.group, topic, queue_id, at,
+        )  # fmt: skip
 
     def _done_with_pending(self) -> None:
         for message, after in self._pending:
@@ -247,6 +267,7 @@ class Consumer:
             for table in (self._positions, self._processed, self._committed):
                 for key in [key for key in table if key[0] == topic]:
                     del table[key]
+            self._uncommitted = {key for key in self._uncommitted if key[0] != topic}
             self._undelivered = deque(i for i in self._undelivered if i[0].topic != topic)
             self._pending = [i for i in self._pending if i[0].topic != topic]
 
@@ -255,7 +276,7 @@ class Consumer:
         changed = {
             key: offset
             for key, offset in self._processed.items()
-            if offset > self._committed.get(key, -1)
+            if offset > self._committed.get(key, -1) and key not in self._uncommitted
         }
         if not changed:
             return
