@@ -204,3 +204,19 @@ def test_the_token_file_is_checked_as_opened(home: Path, monkeypatch: pytest.Mon
     os.mkfifo(fifo, 0o600)
     with pytest.raises(ConfigError, match="not a regular file"):  # and the open did not block
         server_config.read_token(str(fifo))
+
+
+def test_status_of_a_broker_with_a_token_names_the_option(home: Path) -> None:
+    # review 38e E11: --status without --token-file got the broker's words for a client
+    # library ("the client gave no token") and no word of the option that fixes it
+    path = token_file(home)
+    with BrokerThread(home / "s", token_file=str(path)):
+        command = [sys.executable, "-m", "equeue", "serve", str(home / "s"), "--status"]
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1
+        assert "gave no token" in refused.stderr and "--token-file FILE" in refused.stderr
+        given = subprocess.run(
+            [*command, "--token-file", str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert given.returncode == 0, given.stderr  # the control
+        assert "connections: 1" in given.stdout

@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from equeue.errors import BrokerError, NotAStoreError
+from equeue.errors import AuthenticationError, BrokerError, NotAStoreError
 from equeue.server.config import SOCKET_NAME, read_token
 from equeue.server.stats import render_retention
 from equeue.store.meta import LOCK_FILE
@@ -42,8 +42,14 @@ def fetch_stats(
     options["connect_timeout"] = 1.0  # a broker that is not running: say so soon
     if cafile:
         options["cafile"] = cafile
-    with connect(listen[0] if listen else store, token=token, **options) as client:
-        stats = client.stats()
+    try:
+        with connect(listen[0] if listen else store, token=token, **options) as client:
+            stats = client.stats()
+    except AuthenticationError as exc:  # the broker's words are a client's: add the option
+        given = "the token in --token-file" if token_file else "no token"
+        raise AuthenticationError(
+            f"{exc} (--status gave {given}: give --token-file FILE, the broker's token file)"
+        ) from None
     if not isinstance(stats, dict):
         raise BrokerError(f"the broker answered stats with a {type(stats).__name__}, not a map")
     return stats
