@@ -109,7 +109,7 @@ class StoreFiles:
     chunk_data_size: int | None = None
     queue_chunk_records: int | None = None
     topics: dict[str, int] = field(default_factory=dict)  # topic -> queue count
-    topics_known: bool = True  # False when topics.json was unreadable
+    topics_known: bool = True  # False when topics.json or topics.journal was unreadable
     deleted: dict[str, int] = field(default_factory=dict)  # topic: its deletion's position
     journal_records: int = 0  # topics.journal's records, not yet folded into topics.json
     offsets: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
@@ -228,6 +228,9 @@ def _with_journal(store: StoreFiles, topics: Any) -> Any:
         return replay(topics, journal) if isinstance(topics, dict) else topics
     except CorruptionError as exc:
         store.problems.append(problem_from(exc, "metadata", path))
+        # the topics it created or deleted are unknown: a record of a topic it deleted is
+        # no problem of the log's (review 38e E12: verify named one as a second problem)
+        store.topics_known = False
         return topics
 
 
