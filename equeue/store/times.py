@@ -67,8 +67,8 @@ def parse_time(text: str) -> int:
     if when.tzinfo is None:
         # text comes from a command line or an option, not Python: the advice is text's
         raise InvalidMessageError(
-            f"time {text!r} has no time zone; add one (Z, or an offset such as +02:00: "
-            f"{when.isoformat(timespec='seconds')}Z) or give unix seconds"
+            f"time {text!r} has no time zone; add Z or an offset such as +02:00 "
+            f"({when.isoformat(timespec='seconds')}Z), or give unix seconds"
         )
     return epoch_ns(when)
 
