@@ -130,6 +130,53 @@ def test_a_direct_method_set_on_the_protocols_class_is_called_by_name(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("how", ["setattr", "patch.object"])
+def test_a_direct_set_on_the_protocol_instance_is_called_by_name(
+    broker: BrokerThread, loop: str, how: str
+) -> None:
+    """A `direct` in the live protocol's own dict (a test double, a debugging hook,
+    `unittest.mock.patch.object`) wins over the class's method for a call by name, so the
+    first step calls it rather than ClientConn's in C (review 37-2 F3: round 12's class
+    check missed it); deleted, the C path comes back."""
+    from unittest import mock
+
+    asked: list[bytes] = []
+
+    def declining(topic: str, body: bytes) -> None:
+        asked.append(body)  # (None: the coalesced path takes it)
+
+    async def main() -> tuple[int, int]:
+        client = await equeue.aio.connect(broker.urls[0])
+        try:
+            protocol: Any = client._protocol
+            assert protocol is not None
+            for n in range(3):
+                await client.send("t", b"c %d" % n)
+            read_in_c = protocol.read_in_c
+            with contextlib.ExitStack() as undo:
+                if how == "setattr":
+                    protocol.direct = declining
+                    undo.callback(delattr, protocol, "direct")
+                else:
+                    undo.enter_context(mock.patch.object(protocol, "direct", declining))
+                for n in range(3):
+                    result = await client.send("t", b"py %d" % n)
+                    assert broker.store.get(result.message_id).body == b"py %d" % n
+                declined_read_in_c = protocol.read_in_c - read_in_c
+            assert "direct" not in vars(protocol)
+            read_in_c = protocol.read_in_c
+            for n in range(3):
+                await client.send("t", b"again %d" % n)
+            return declined_read_in_c, protocol.read_in_c - read_in_c
+        finally:
+            await client.close()
+
+    declined_read_in_c, read_in_c = _run(loop, main)
+    assert asked == [b"py 0", b"py 1", b"py 2"] and declined_read_in_c == 0
+    assert read_in_c >= 2  # (the first after the change may be asked first: not heard recently)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_tasks_gather_wait_and_shield_take_it(broker: BrokerThread, loop: str) -> None:
     async def main() -> None:
         clients = [await equeue.aio.connect(broker.urls[0]) for _ in range(4)]
