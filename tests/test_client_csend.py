@@ -432,6 +432,72 @@ def test_a_hostile_answer_fails_the_send_as_the_async_def(answer: str) -> None:
     assert outcomes[0] == outcomes[1]
 
 
+def _plain_c_send(client: equeue.aio.AsyncClient) -> Any:
+    coro = client.send("t", b"lost")
+    assert _c_coro(coro)  # (the direct path's)
+    return coro
+
+
+_PURE_CLIENT = """
+import asyncio, sys
+import equeue.aio
+from equeue.errors import ConnectionLostError
+
+async def main():
+    client = await equeue.aio.connect(sys.argv[1], connect_timeout=0.2)
+    try:
+        await client.send("t", b"lost")
+    except ConnectionLostError as exc:
+        print(str(exc))
+    finally:
+        await client.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["cut short then closed", "an error to request 0", "another's"])
+def test_a_direct_sends_lost_connection_says_what_the_pure_python_client_says(how: str) -> None:
+    """The ConnectionLostError of a send the direct path wrote names the send and that it
+    may be stored, word for word as the client without the accelerator (a coalesced
+    Answer's `lost`) says it (reviewd F3: C's dropped the clause)."""
+
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send(WELCOME_NOW)
+        request_id = peer.recv()[0]
+        if how == "cut short then closed":
+            peer.raw(encode([request_id, 0, RESULT])[:-3])
+            raise EOFError  # (the fake closes the connection)
+        if how == "an error to request 0":
+            peer.send([0, 1, {"code": "ProtocolError", "message": "bye"}])
+        else:
+            peer.send([request_id + 1, 0, RESULT])
+        peer.recv()  # (until the client closes)
+
+    async def main(url: str) -> str:
+        client = await equeue.aio.connect(url, connect_timeout=0.2)
+        try:
+            with pytest.raises(ConnectionLostError) as raised:
+                await _plain_c_send(client)
+            return str(raised.value)
+        finally:
+            await client.close()
+
+    with FakeBroker(script) as fake:  # (a connection each, in turn: the same url)
+        c_text = _run("asyncio", lambda: main(fake.url))
+        pure = subprocess.run(
+            [sys.executable, "-c", _PURE_CLIENT, fake.url],
+            env={**os.environ, "EQUEUE_PURE_PYTHON": "1"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert pure.returncode == 0, pure.stderr
+    assert "the send to topic 't' got no answer (it may be stored)" in c_text
+    assert c_text == pure.stdout.strip()
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_every_other_call_is_the_async_defs_coroutine(broker: BrokerThread, loop: str) -> None:
     async def main() -> None:
