@@ -283,6 +283,17 @@ def test_a_commit_without_the_slots_gets_its_add_called(loop: asyncio.AbstractEv
     assert calls == [(peer, 7, "r", 1)]
 
 
+def counting_add(calls: list[int]) -> Callable[..., None]:
+    """CrossClientCommit's add, each request id noted in calls first."""
+    original = CrossClientCommit.add
+
+    def counting(self: Any, peer: Any, request_id: int, result: object, messages: int = 1) -> None:
+        calls.append(request_id)
+        original(self, peer, request_id, result, messages)
+
+    return counting
+
+
 def test_an_add_patched_on_the_class_after_it_was_made_is_called(
     loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -291,11 +302,7 @@ def test_an_add_patched_on_the_class_after_it_was_made_is_called(
     back, C adds again."""
     assert fast is not None
     calls: list[int] = []
-    original = CrossClientCommit.add
-
-    def counting(self: Any, peer: Any, request_id: int, result: object, messages: int = 1) -> None:
-        calls.append(request_id)
-        original(self, peer, request_id, result, messages)
+    counting = counting_add(calls)
 
     def due(self: Any) -> bool:
         calls.append(0)
@@ -335,11 +342,7 @@ def test_the_brokers_lane_calls_an_add_patched_after_it_was_made(
 
     assert fast is not None
     calls: list[int] = []
-    original = CrossClientCommit.add
-
-    def counting(self: Any, peer: Any, request_id: int, result: object, messages: int = 1) -> None:
-        calls.append(request_id)
-        original(self, peer, request_id, result, messages)
+    counting = counting_add(calls)
 
     async def sends(url: str, each: int) -> int:
         clients = [await equeue.aio.connect(url) for _ in range(8)]
