@@ -130,6 +130,53 @@ def test_a_direct_method_set_on_the_protocols_class_is_called_by_name(
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("how", ["setattr", "patch.object"])
+def test_a_direct_set_on_the_protocol_instance_is_called_by_name(
+    broker: BrokerThread, loop: str, how: str
+) -> None:
+    """A `direct` in the live protocol's own dict (a test double, a debugging hook,
+    `unittest.mock.patch.object`) wins over the class's method for a call by name, so the
+    first step calls it rather than ClientConn's in C (review 37-2 F3: round 12's class
+    check missed it); deleted, the C path comes back."""
+    from unittest import mock
+
+    asked: list[bytes] = []
+
+    def declining(topic: str, body: bytes) -> None:
+        asked.append(body)  # (None: the coalesced path takes it)
+
+    async def main() -> tuple[int, int]:
+        client = await equeue.aio.connect(broker.urls[0])
+        try:
+            protocol: Any = client._protocol
+            assert protocol is not None
+            for n in range(3):
+                await client.send("t", b"c %d" % n)
+            read_in_c = protocol.read_in_c
+            with contextlib.ExitStack() as undo:
+                if how == "setattr":
+                    protocol.direct = declining
+                    undo.callback(delattr, protocol, "direct")
+                else:
+                    undo.enter_context(mock.patch.object(protocol, "direct", declining))
+                for n in range(3):
+                    result = await client.send("t", b"py %d" % n)
+                    assert broker.store.get(result.message_id).body == b"py %d" % n
+                declined_read_in_c = protocol.read_in_c - read_in_c
+            assert "direct" not in vars(protocol)
+            read_in_c = protocol.read_in_c
+            for n in range(3):
+                await client.send("t", b"again %d" % n)
+            return declined_read_in_c, protocol.read_in_c - read_in_c
+        finally:
+            await client.close()
+
+    declined_read_in_c, read_in_c = _run(loop, main)
+    assert asked == [b"py 0", b"py 1", b"py 2"] and declined_read_in_c == 0
+    assert read_in_c >= 2  # (the first after the change may be asked first: not heard recently)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_tasks_gather_wait_and_shield_take_it(broker: BrokerThread, loop: str) -> None:
     async def main() -> None:
         clients = [await equeue.aio.connect(broker.urls[0]) for _ in range(4)]
@@ -383,6 +430,72 @@ def test_a_hostile_answer_fails_the_send_as_the_async_def(answer: str) -> None:
     assert outcomes[0][2] == [OutgoingMessage(b"hostile")]
     assert "broke the protocol" in outcomes[0][1]
     assert outcomes[0] == outcomes[1]
+
+
+def _plain_c_send(client: equeue.aio.AsyncClient) -> Any:
+    coro = client.send("t", b"lost")
+    assert _c_coro(coro)  # (the direct path's)
+    return coro
+
+
+_PURE_CLIENT = """
+import asyncio, sys
+import equeue.aio
+from equeue.errors import ConnectionLostError
+
+async def main():
+    client = await equeue.aio.connect(sys.argv[1], connect_timeout=0.2)
+    try:
+        await client.send("t", b"lost")
+    except ConnectionLostError as exc:
+        print(str(exc))
+    finally:
+        await client.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["cut short then closed", "an error to request 0", "another's"])
+def test_a_direct_sends_lost_connection_says_what_the_pure_python_client_says(how: str) -> None:
+    """The ConnectionLostError of a send the direct path wrote names the send and that it
+    may be stored, word for word as the client without the accelerator (a coalesced
+    Answer's `lost`) says it (reviewd F3: C's dropped the clause)."""
+
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send(WELCOME_NOW)
+        request_id = peer.recv()[0]
+        if how == "cut short then closed":
+            peer.raw(encode([request_id, 0, RESULT])[:-3])
+            raise EOFError  # (the fake closes the connection)
+        if how == "an error to request 0":
+            peer.send([0, 1, {"code": "ProtocolError", "message": "bye"}])
+        else:
+            peer.send([request_id + 1, 0, RESULT])
+        peer.recv()  # (until the client closes)
+
+    async def main(url: str) -> str:
+        client = await equeue.aio.connect(url, connect_timeout=0.2)
+        try:
+            with pytest.raises(ConnectionLostError) as raised:
+                await _plain_c_send(client)
+            return str(raised.value)
+        finally:
+            await client.close()
+
+    with FakeBroker(script) as fake:  # (a connection each, in turn: the same url)
+        c_text = _run("asyncio", lambda: main(fake.url))
+        pure = subprocess.run(
+            [sys.executable, "-c", _PURE_CLIENT, fake.url],
+            env={**os.environ, "EQUEUE_PURE_PYTHON": "1"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert pure.returncode == 0, pure.stderr
+    assert "the send to topic 't' got no answer (it may be stored)" in c_text
+    assert c_text == pure.stdout.strip()
 
 
 @pytest.mark.parametrize("loop", LOOPS)

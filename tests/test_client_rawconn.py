@@ -84,6 +84,45 @@ def test_the_own_transport_on_selector_loops_only(make: Any, shared: BrokerProce
     assert read_in_c >= 1  # the direct send's answer read in C on either
 
 
+@pytest.mark.parametrize("name", ["buffer_updated", "get_buffer"])
+def test_a_read_method_replaced_on_the_protocols_class_is_called(
+    name: str, shared: BrokerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RawTransport's read calls ClientConn's get_buffer and buffer_updated in C only
+    while the protocol's class finds ClientConn's own (remembered with the class's
+    version tag, as the send's first step does): one replaced on the class later is
+    called for every read, and once put back C calls ClientConn's again."""
+    protocol_class: Any = equeue.client.aio._Protocol
+    original = getattr(protocol_class, name)
+    calls: list[int] = []
+
+    def counting(self: Any, arg: int) -> Any:
+        calls.append(arg)
+        return original(self, arg)
+
+    async def main() -> tuple[str, int, int]:
+        async with await equeue.aio.connect(shared.url) as client:
+            await client.create_topic("rp", 1)
+            await client.send("rp", b"before")
+            monkeypatch.setattr(protocol_class, name, counting)
+            for n in range(3):
+                await client.send("rp", b"%d" % n)
+            replaced = len(calls)
+            monkeypatch.undo()
+            for n in range(3):
+                await client.send("rp", b"after %d" % n)
+            return type(_transport(client)).__name__, replaced, len(calls)
+
+    loop = asyncio.new_event_loop()
+    try:
+        kind, replaced, after = loop.run_until_complete(asyncio.wait_for(main(), 30))
+    finally:
+        monkeypatch.undo()
+        loop.close()
+    assert kind == "RawTransport"
+    assert replaced >= 3 and after == replaced  # (an answer a read: at least one each)
+
+
 def test_tls_and_tcp(home: Path) -> None:
     """TLS keeps asyncio's transport (usable says no, and the connection shows it); plain
     TCP on loopback takes the own one, TCP_NODELAY set as asyncio sets it."""

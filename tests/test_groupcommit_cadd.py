@@ -256,7 +256,6 @@ def test_a_subclass_changing_the_policy_gets_its_own_add(loop: asyncio.AbstractE
     class Same(CrossClientCommit):
         __slots__ = ()
 
-    assert not Counting._c_add and not Eager._c_add and Same._c_add
     counting, _, _ = make(loop, 60_000_000, 1e12, 0.0, Counting)
     assert isinstance(counting, Counting)
     fast.commit_add(counting, Peer("a"), 1, "r1", 1)  # a flush in progress from here
@@ -282,3 +281,91 @@ def test_a_commit_without_the_slots_gets_its_add_called(loop: asyncio.AbstractEv
     peer = Peer("a")
     assert not fast.commit_add(Spy(), peer, 7, "r", 1)
     assert calls == [(peer, 7, "r", 1)]
+
+
+def counting_add(calls: list[int]) -> Callable[..., None]:
+    """CrossClientCommit's add, each request id noted in calls first."""
+    original = CrossClientCommit.add
+
+    def counting(self: Any, peer: Any, request_id: int, result: object, messages: int = 1) -> None:
+        calls.append(request_id)
+        original(self, peer, request_id, result, messages)
+
+    return counting
+
+
+def test_an_add_patched_on_the_class_after_it_was_made_is_called(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C add mirrors CrossClientCommit's own add and _due: replaced on the class (or a
+    base) after the class and the commit were made, each add is the replacement's; put
+    back, C adds again."""
+    assert fast is not None
+    calls: list[int] = []
+    counting = counting_add(calls)
+
+    def due(self: Any) -> bool:
+        calls.append(0)
+        return original_due(self)
+
+    original_due = CrossClientCommit._due
+
+    class Same(CrossClientCommit):
+        __slots__ = ()
+
+    for cls in (CrossClientCommit, Same):
+        for patched in ("add", "_due"):
+            calls.clear()
+            commit, _, _ = make(loop, 60_000_000, 1e12, 0.0, cls)
+            fast.commit_add(commit, Peer("a"), 1, "r1", 1)  # a flush in progress from here
+            assert fast.commit_add(commit, Peer("b"), 2, "r2", 1)  # C's
+            if patched == "add":
+                monkeypatch.setattr(CrossClientCommit, "add", counting)
+            else:
+                monkeypatch.setattr(CrossClientCommit, "_due", due)
+            assert not fast.commit_add(commit, Peer("c"), 3, "r3", 1)  # the class's
+            assert calls == ([3] if patched == "add" else [])  # (_due: not asked mid-flush)
+            monkeypatch.undo()
+            assert fast.commit_add(commit, Peer("d"), 4, "r4", 1)  # C's again
+            assert [rid for _, rid, _ in commit._waiting] == [2, 3, 4]
+
+
+def test_the_brokers_lane_calls_an_add_patched_after_it_was_made(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The send lane (sendlane.c) finds the commit's slots when a connection is made: an
+    add set on the class later is still the one called, for every send, and C adds again
+    once it is removed (a real BrokerThread under --flush sync, 8 asyncio connections
+    each one send at a time, so that adds find a flush in progress)."""
+    import equeue.aio
+    from equeue.server import BrokerThread
+
+    assert fast is not None
+    calls: list[int] = []
+    counting = counting_add(calls)
+
+    async def sends(url: str, each: int) -> int:
+        clients = [await equeue.aio.connect(url) for _ in range(8)]
+        try:
+
+            async def one(client: Any) -> None:
+                for n in range(each):
+                    await client.send("t", b"%d" % n)
+
+            before = fast.commit_adds_in_c()
+            await asyncio.wait_for(asyncio.gather(*(one(c) for c in clients)), 60)
+            return int(fast.commit_adds_in_c() - before)
+        finally:
+            for client in clients:
+                await client.close()
+
+    base = tmp_path_factory.mktemp("lane")
+    with BrokerThread(base / "s", flush="sync", listen=[f"unix:{base}/b.sock"]) as broker:
+        broker.store.create_topic("t", 4)
+        url = broker.urls[0]
+        assert asyncio.run(sends(url, 50)) > 0  # C adds before
+        monkeypatch.setattr(CrossClientCommit, "add", counting)
+        in_c = asyncio.run(sends(url, 50))
+        assert in_c == 0 and len(calls) == 8 * 50
+        monkeypatch.undo()
+        assert asyncio.run(sends(url, 50)) > 0  # and again after

@@ -95,7 +95,8 @@ def stored(store: Path) -> dict[bytes, str]:
 
 @pytest.mark.parametrize("kill", [True, False], ids=["sigkill", "control"])
 def test_64_connections_lose_no_acknowledged_send(home: Path, kill: bool) -> None:
-    assert CrossClientCommit._c_add  # the broker's commit is the one C adds to
+    # the broker's commit is the one C adds to
+    assert CrossClientCommit._c_policy == (CrossClientCommit.add, CrossClientCommit._due)
     store = home / "s"
     broker, url = start_broker(store, "--flush", "sync")
     try:

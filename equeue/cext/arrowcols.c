@@ -61,7 +61,7 @@ PyObject *record_columns(PyObject *self, PyObject *args) {
         if (h == NULL) break;
         tl_sum += (uint8_t)h[45];
         gl_sum += (uint8_t)h[46];
-        kl_sum += (uint8_t)h[47];
+        if (h[44] & FLAG_HAS_KEY) kl_sum += (uint8_t)h[47]; /* (as the second pass copies) */
         nprops += get_u32(h + 48) != 0;
     }
     n = done;

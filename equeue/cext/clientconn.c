@@ -21,7 +21,7 @@
  *     nothing done (the id may be used up); also when the running loop is not `loop`
  *     (a caller on another loop: AsyncClient.send then raises WrongLoopError).
  *
- * clientconn_read(conn, nbytes), clientconn_is, clientconn_inbuf: buffer_updated and the
+ * clientconn_read(conn, nbytes), clientconn_reads, clientconn_inbuf: buffer_updated and the
  *     buffer as rawsock.c's read_ready calls them (a C call, no method lookup); `direct`
  *     writes through rawsock_write when the transport is rawsock.c's.
  *
@@ -57,6 +57,7 @@ typedef struct {
     unsigned long long waiting;
     double timeout, recent;
     Py_ssize_t limit, read_in_c;
+    PyObject *direct_set; /* a `direct` set on this connection (see conn_getset), or NULL */
 } Conn;
 
 #define OBJECTS(X)                                                                        \
@@ -201,6 +202,33 @@ int clientconn_is(PyObject *object) { /* (a direct subclass: aio.py's _Protocol)
     return type == &ConnType || type->tp_base == &ConnType;
 }
 
+static int own_name(PyTypeObject *type, PyObject *name);
+static PyObject *S_GET_BUFFER, *S_BUFFER_UPDATED;
+static PyTypeObject *reads_type;
+static unsigned int reads_tag;
+
+/* For rawsock.c's read: 1 when object is clientconn_is and its class still finds
+ * ClientConn's own get_buffer and buffer_updated (a subclass's, or one set on the class
+ * later, is called by name instead); remembered with the type's version tag as
+ * clientconn_plain does. One set on the instance is not looked for (its dict's look-up
+ * would cost ~240 instructions a read; uvloop binds the two once per connection too). */
+int clientconn_reads(PyObject *object) {
+    PyTypeObject *type = Py_TYPE(object);
+    if (type == reads_type && type->tp_version_tag == reads_tag &&
+        PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
+        return 1;
+    if (S_GET_BUFFER == NULL || !clientconn_is(object) || !own_name(type, S_GET_BUFFER) ||
+        !own_name(type, S_BUFFER_UPDATED)) {
+        PyErr_Clear(); /* (a failed look-up: called by name, which raises it again) */
+        return 0;
+    }
+    if (PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) { /* (set by the look-ups) */
+        reads_type = type;
+        reads_tag = type->tp_version_tag;
+    }
+    return 1;
+}
+
 PyObject *clientconn_inbuf(PyObject *conn) {
     PyObject *inbuf = ((Conn *)conn)->inbuf;
     if (inbuf == NULL) PyErr_SetString(PyExc_RuntimeError, "the connection has no read buffer");
@@ -293,9 +321,10 @@ done:
 /* For sendcoro.c's first step, which asks a connection `closed`, `pending` and `direct`
  * by name (three attribute reads and a method call: ~1,000 instructions a send): 1 when
  * conn's type is ClientConn or a direct subclass in which the three names still find
- * ClientConn's own member descriptors and method, so reading the fields and calling
- * clientconn_direct gives what the names give; 0: ask by name. A type found so is
- * remembered with its version tag, which any change to the type or its bases drops. */
+ * ClientConn's own descriptors, and no `direct` was set on conn itself (direct_set), so
+ * reading the fields and calling clientconn_direct gives what the names give; 0: ask by
+ * name. A type found so is remembered with its version tag, which any change to the type
+ * or its bases drops. */
 static PyObject *S_CLOSED, *S_PENDING, *S_DIRECT;
 static PyTypeObject *plain_type;
 static unsigned int plain_tag;
@@ -309,7 +338,7 @@ int clientconn_plain(PyObject *conn) {
     PyTypeObject *type = Py_TYPE(conn);
     if (type == plain_type && type->tp_version_tag == plain_tag &&
         PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
-        return 1;
+        return ((Conn *)conn)->direct_set == NULL;
     if (S_CLOSED == NULL || !clientconn_is(conn) || !own_name(type, S_CLOSED) ||
         !own_name(type, S_PENDING) || !own_name(type, S_DIRECT)) {
         PyErr_Clear(); /* (a failed look-up: asked by name, which raises it again) */
@@ -319,7 +348,7 @@ int clientconn_plain(PyObject *conn) {
         plain_type = type;
         plain_tag = type->tp_version_tag;
     }
-    return 1;
+    return ((Conn *)conn)->direct_set == NULL;
 }
 
 /* The fields of a clientconn_plain connection (borrowed; NULL while unset: ask by name). */
@@ -347,10 +376,41 @@ static PyObject *conn_future_of(PyObject *unused, PyObject *conn) {
 
 static PyMethodDef future_of_def = {"future_of", conn_future_of, METH_O, NULL};
 
+/* `direct` is a data descriptor (a getset), not a method: a `direct` set on a connection
+ * (`protocol.direct = f`, `unittest.mock.patch.object(protocol, "direct", f)`) is kept in
+ * direct_set, where clientconn_plain sees it with one load, rather than in the instance
+ * dict (whose look-up, a miss in the shared keys of ~30 attributes, cost ~240
+ * instructions a send). Read by name it gives direct_set, else conn_direct bound to the
+ * connection, as a method would; deleted, the method comes back. A `direct` put in the
+ * instance dict itself (`vars(protocol)["direct"] = f`) is not seen, by name either. */
+static PyMethodDef direct_def = {"direct", (PyCFunction)(void (*)(void))conn_direct,
+                                 METH_FASTCALL, NULL};
+
+static PyObject *conn_get_direct(Conn *self, void *unused) {
+    if (self->direct_set != NULL) return Py_NewRef(self->direct_set);
+    return PyCFunction_NewEx(&direct_def, (PyObject *)self, NULL);
+}
+
+static int conn_set_direct(Conn *self, PyObject *value, void *unused) {
+    if (value == NULL && self->direct_set == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "direct: only a direct set on the connection "
+                                              "can be deleted");
+        return -1;
+    }
+    Py_XSETREF(self->direct_set, Py_XNewRef(value));
+    return 0;
+}
+
+static PyGetSetDef conn_getset[] = {
+    {"direct", (getter)conn_get_direct, (setter)conn_set_direct, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static int conn_traverse(Conn *self, visitproc visit, void *arg) {
 #define VISIT(name) Py_VISIT(self->name);
     OBJECTS(VISIT)
 #undef VISIT
+    Py_VISIT(self->direct_set);
     return 0;
 }
 
@@ -358,6 +418,7 @@ static int conn_clear(Conn *self) {
 #define CLEAR(name) Py_CLEAR(self->name);
     OBJECTS(CLEAR)
 #undef CLEAR
+    Py_CLEAR(self->direct_set);
     return 0;
 }
 
@@ -370,7 +431,6 @@ static void conn_dealloc(Conn *self) {
 static PyMethodDef conn_methods[] = {
     {"get_buffer", (PyCFunction)conn_get_buffer, METH_O, NULL},
     {"buffer_updated", (PyCFunction)conn_buffer_updated, METH_O, NULL},
-    {"direct", (PyCFunction)(void (*)(void))conn_direct, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -391,6 +451,7 @@ static PyTypeObject ConnType = {
     .tp_clear = (inquiry)conn_clear,
     .tp_methods = conn_methods,
     .tp_members = conn_members,
+    .tp_getset = conn_getset,
 };
 
 /* client_conn_type() -> the type (made ready on the first call). */
@@ -406,7 +467,9 @@ PyObject *client_conn_type(PyObject *self, PyObject *unused) {
             (S_SEALED = PyUnicode_InternFromString("sealed")) == NULL ||
             (S_CLOSED = PyUnicode_InternFromString("closed")) == NULL ||
             (S_PENDING = PyUnicode_InternFromString("pending")) == NULL ||
-            (S_DIRECT = PyUnicode_InternFromString("direct")) == NULL) {
+            (S_DIRECT = PyUnicode_InternFromString("direct")) == NULL ||
+            (S_GET_BUFFER = PyUnicode_InternFromString("get_buffer")) == NULL ||
+            (S_BUFFER_UPDATED = PyUnicode_InternFromString("buffer_updated")) == NULL) {
             Py_CLEAR(S_WRITE);
             return NULL;
         }

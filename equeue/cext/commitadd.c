@@ -9,9 +9,10 @@
  * offsets (as sendlane.c reads the Connection's) with no Python frame; every other case
  * (a flush might be due: no flush in progress and the bound not armed, or the count
  * reached, or hurrying) goes to the Python add before anything is changed, so the policy
- * stays the Python code's alone. A commit type without the slots, or whose class says
- * its add is not the policy C mirrors (_c_add false: a subclass overriding add or _due),
- * always goes to its Python add. */
+ * stays the Python code's alone. A commit type without the slots, or whose add or _due
+ * is not the function CrossClientCommit._c_policy holds (a subclass overriding either, or
+ * either replaced on the class or a base at any time: the type's version tag, compared
+ * each add, says when to look again), always goes to its Python add. */
 #include "speedups.h"
 #include "commitadd.h"
 
@@ -20,7 +21,7 @@ enum { K_WAITING, K_MESSAGES, K_ARRIVED, K_BACK, K_SLACK, K_FLUSHING, K_CLOSING,
 static const char *const NAMES[COMMIT_SLOTS] = {"_waiting", "_messages", "_arrived",
                                                 "_back",    "_slack",    "_flushing",
                                                 "_closing", "_hurry",    "_waited"};
-static PyObject *names[COMMIT_SLOTS], *S_add, *S_c_add;
+static PyObject *names[COMMIT_SLOTS], *S_add, *S_due, *S_c_policy;
 /* adds made here, in this process (the broker's stats: group_commit_adds_in_c) */
 static unsigned long long adds_in_c;
 
@@ -29,15 +30,27 @@ static unsigned long long adds_in_c;
 Py_ssize_t slot_offset(PyTypeObject *type, PyObject *name); /* sendlane.c */
 PyObject *plus(PyObject *value, Py_ssize_t delta);
 
+/* Whether type's add and _due are the ones its _c_policy names (all borrowed). */
+static int mirrored(PyTypeObject *type) {
+    PyObject *policy = _PyType_Lookup(type, S_c_policy);
+    return policy != NULL && PyTuple_CheckExact(policy) && PyTuple_GET_SIZE(policy) == 2 &&
+           _PyType_Lookup(type, S_add) == PyTuple_GET_ITEM(policy, 0) &&
+           _PyType_Lookup(type, S_due) == PyTuple_GET_ITEM(policy, 1);
+}
+
 void commit_slots(PyObject *commit, CommitSlots *out) {
     out->type = NULL;
+    out->tag = 0;
+    out->fast = 0;
     if (commit == NULL || commit == Py_None) return;
     PyTypeObject *type = Py_TYPE(commit);
-    PyObject *ok = _PyType_Lookup(type, S_c_add); /* borrowed */
-    if (ok != Py_True) return;
+    out->type = type;
+    int fast = mirrored(type); /* (the look-ups give the type a version tag) */
+    if (PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) out->tag = type->tp_version_tag;
+    if (!fast) return;
     for (int i = 0; i < COMMIT_SLOTS; i++)
         if ((out->at[i] = slot_offset(type, names[i])) < 0) return;
-    out->type = type;
+    out->fast = 1;
 }
 
 /* A C long long of an exact int slot, or 0 with *ok cleared. */
@@ -56,7 +69,7 @@ static long long int_of(PyObject *v, int *ok) {
  * -1: an error (nothing changed). */
 static int add_fast(PyObject *commit, const CommitSlots *slots, PyObject *peer,
                     PyObject *request_id, PyObject *result, Py_ssize_t messages) {
-    if (slots->type == NULL || Py_TYPE(commit) != slots->type) return 0;
+    if (!slots->fast) return 0;
     const Py_ssize_t *at = slots->at;
     PyObject *waiting = SLOT(commit, at[K_WAITING]);
     if (waiting == NULL || !PyList_CheckExact(waiting)) return 0;
@@ -101,8 +114,13 @@ static int add_fast(PyObject *commit, const CommitSlots *slots, PyObject *peer,
     return 1;
 }
 
-int commit_add(PyObject *commit, const CommitSlots *slots, PyObject *peer,
+int commit_add(PyObject *commit, CommitSlots *slots, PyObject *peer,
                PyObject *request_id, PyObject *result, PyObject *messages) {
+    /* A replaced add or _due, or new slots, show as a new version tag (CPython gives the
+     * type and its subclasses one on any change), never reused: 0 is no tag. */
+    PyTypeObject *type = Py_TYPE(commit);
+    if (type != slots->type || type->tp_version_tag != slots->tag || slots->tag == 0)
+        commit_slots(commit, slots);
     Py_ssize_t m = PyLong_CheckExact(messages) ? PyLong_AsSsize_t(messages) : -1;
     if (m < 0) PyErr_Clear();
     int done = m < 0 ? 0 : add_fast(commit, slots, peer, request_id, result, m);
@@ -138,6 +156,7 @@ int commit_add_ready(void) {
     for (int i = 0; i < COMMIT_SLOTS; i++)
         if ((names[i] = PyUnicode_InternFromString(NAMES[i])) == NULL) return -1;
     if ((S_add = PyUnicode_InternFromString("add")) == NULL) return -1;
-    if ((S_c_add = PyUnicode_InternFromString("_c_add")) == NULL) return -1;
+    if ((S_due = PyUnicode_InternFromString("_due")) == NULL) return -1;
+    if ((S_c_policy = PyUnicode_InternFromString("_c_policy")) == NULL) return -1;
     return 0;
 }

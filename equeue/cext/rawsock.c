@@ -4,8 +4,9 @@
  *
  * read_ready(): the loop's reader callback (loop.add_reader(fd, transport.read_ready)).
  *     recv() into the protocol's buffer (ClientConn's `inbuf` read as a C field when the
- *     protocol is equeue/cext/clientconn.c's, else `protocol.get_buffer(-1)`), then the
- *     bytes to ClientConn's buffer_updated as a C call (else `protocol.buffer_updated(n)`).
+ *     protocol is equeue/cext/clientconn.c's and its class finds ClientConn's own
+ *     get_buffer and buffer_updated, else `protocol.get_buffer(-1)`), then the bytes to
+ *     ClientConn's buffer_updated as a C call (else `protocol.buffer_updated(n)`).
  *     The end (0 bytes) goes to `self._eof()`, a read error or an exception of the
  *     protocol (but SystemExit and KeyboardInterrupt, raised through as asyncio does) to
  *     `self._fatal(exc, message)`: the Python subclass, as asyncio's transport does them.
@@ -32,7 +33,7 @@
 #define MSG_NOSIGNAL 0
 #endif
 
-int clientconn_is(PyObject *object);          /* clientconn.c */
+int clientconn_reads(PyObject *object);       /* clientconn.c */
 PyObject *clientconn_inbuf(PyObject *conn);   /* borrowed; NULL with an error */
 PyObject *clientconn_read(PyObject *conn, Py_ssize_t nbytes);
 
@@ -87,7 +88,7 @@ static PyObject *errno_error(int err) {
 static PyObject *raw_read_ready(RawSock *self, PyObject *unused) {
     if (self->closing || self->fd < 0 || self->protocol == NULL) Py_RETURN_NONE;
     PyObject *protocol = Py_NewRef(self->protocol), *buffer, *r = NULL;
-    int conn = clientconn_is(protocol);
+    int conn = clientconn_reads(protocol); /* (ClientConn's own two methods: in C) */
     if (conn) {
         buffer = clientconn_inbuf(protocol);
         Py_XINCREF(buffer);

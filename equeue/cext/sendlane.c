@@ -37,6 +37,7 @@ static const char *const SLOT_NAMES[O_COUNT] = {"_plain_send", "_hello", "_parti
                                                 "_backlog", "closed", "in_flight",
                                                 "_store", "_out", "transport"};
 static PyObject *counter_names[C_COUNT], *slot_names[O_COUNT];
+static PyObject *S_c_reads, *S_request, *S_send_method;
 static PyObject *S_send, *S_count, *S_appended, *S_fd,
     *S_buffer_updated, *S_read_general, *S_plain_sent, *ONE;
 
@@ -71,6 +72,8 @@ typedef struct {
     uint64_t holds_version; /* ...in the holds' dict at this version (3.11) */
     StoreSend store_send; /* the store's send as last found (store_send) */
     PyObject *plain; /* _plain_send when the lane was made (the C plain_send) */
+    unsigned int conn_tag; /* the connection's type's version tag at the last look (0: none) */
+    int conn_own;          /* ...which then found Connection's own _request and _send */
 } Lane;
 
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
@@ -140,9 +143,26 @@ static inline int is_zero(PyObject *v) {
 
 /* The connection can take a read the fast way: authenticated, no frame begun, nothing
  * waiting, open, under max_in_flight, and the C readers not switched off. */
+/* Whether type finds the _request and _send its _c_reads names (Connection's own): a
+ * read taken here goes past both (reviewd F4). */
+static int own_reads(PyTypeObject *type) {
+    PyObject *own = _PyType_Lookup(type, S_c_reads); /* (borrowed; tags the type) */
+    return own != NULL && PyTuple_CheckExact(own) && PyTuple_GET_SIZE(own) == 2 &&
+           _PyType_Lookup(type, S_request) == PyTuple_GET_ITEM(own, 0) &&
+           _PyType_Lookup(type, S_send_method) == PyTuple_GET_ITEM(own, 1);
+}
+
 static int ready(Lane *self) {
     PyObject *c = self->connection, *v;
     if (self->at[0] < 0) return 0;
+    /* _request or _send replaced on the class since the last read: a new version tag */
+    PyTypeObject *type = Py_TYPE(c);
+    if (type->tp_version_tag != self->conn_tag || self->conn_tag == 0) {
+        self->conn_own = own_reads(type);
+        self->conn_tag = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)
+                             ? type->tp_version_tag : 0;
+    }
+    if (!self->conn_own) return 0;
     /* The lane calls plain_send_parts itself: a _plain_send replaced since (None, a spy)
      * is the Python path's to call. */
     if (SLOT(c, self->at[O_PLAIN]) != self->plain) return 0;
@@ -386,6 +406,8 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     PyObject *plain = all ? SLOT(connection, self->at[O_PLAIN]) : NULL;
     if (plain == NULL || plain == Py_None) self->at[0] = -1;
     self->plain = Py_XNewRef(plain);
+    self->conn_tag = 0; /* (looked at on the first read) */
+    self->conn_own = 0;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -455,6 +477,7 @@ int send_lane_ready(void) {
     NAME(S_fd, "_fd")
     NAME(S_buffer_updated, "buffer_updated") NAME(S_read_general, "_read_general")
     NAME(S_plain_sent, "_plain_sent")
+    NAME(S_c_reads, "_c_reads") NAME(S_request, "_request") NAME(S_send_method, "_send")
 #undef NAME
     for (int i = 0; i < C_COUNT; i++)
         if ((counter_names[i] = PyUnicode_InternFromString(COUNTER_NAMES[i])) == NULL) return -1;

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from equeue.client import args, calls, rawconn
 from equeue.client.calls import Call, Given
-from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer
+from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which
 from equeue.client.connect import RECV_BYTES, again
 from equeue.client.core import (
     DECODERS,
@@ -258,12 +258,14 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
             if isinstance(target, Answer):
                 target.lost(reason, cause)
             elif not target.done():
-                sent = (
-                    [OutgoingMessage(unanswered)]
-                    if type(unanswered) is bytes
-                    else given(unanswered)  # type: ignore[arg-type]
-                )
-                target.set_exception(lost(reason, sent, cause))
+                if type(unanswered) is bytes:  # the plain send `direct` wrote, as Answer.lost
+                    # says a coalesced one's (direct writes only with nothing in flight, so
+                    # waiting_topic is still its topic)
+                    which = _which(0, 1, self.waiting_topic)
+                    failed = f"{reason}; {which} got no answer (it may be stored)"
+                    target.set_exception(lost(failed, [OutgoingMessage(unanswered)], cause))
+                else:
+                    target.set_exception(lost(reason, given(unanswered), cause))  # type: ignore[arg-type]
         if self.coalescer is not None:
             self.coalescer.drop(reason)
         while self.queued:  # they find it closed

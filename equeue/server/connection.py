@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from equeue import speedups
 from equeue.errors import (
@@ -41,7 +41,7 @@ from equeue.protocol.records import pack_send_result
 from equeue.protocol.retries import RESERVED_PREFIX
 from equeue.server.admission import evict_a_silent_peer, take_hello
 from equeue.server.direct import direct_fd
-from equeue.server.handlers import DEFERRED, Frame, Packed
+from equeue.server.handlers import DEFERRED, Frame, Handlers, Packed
 from equeue.server.limitnote import name_broker_setting
 from equeue.server.release import release_durable as release_durable
 from equeue.server.release import write_later
@@ -118,6 +118,10 @@ class Connection(asyncio.BufferedProtocol):
         self._pack = broker.packer.pack
         self._read_view = _read_buffer()
         cls = type(self)
+        if not _reads_own(cls, type(broker.handlers)):
+            # A subclass's (or a replaced) _request, _send, send_plain or send_bodies is
+            # called for every request: no one-frame read in C goes past them (reviewd F4)
+            self._plain_send = self._send_body = self._bodies_body = self._bodies_read = None
         if (
             fast is not None
             and cls.buffer_updated is Connection.buffer_updated
@@ -246,6 +250,7 @@ class Connection(asyncio.BufferedProtocol):
         plain = self._plain_send
         if (
             plain is not None
+            and _own_request_and_send(type(self))  # (replaced since: the general path)
             and self._hello is None  # authenticated
             and not self._partial  # no frame begun in an earlier read
             and not self._backlog
@@ -281,7 +286,11 @@ class Connection(asyncio.BufferedProtocol):
             # (cext/bodyspans.c), no copy of the frame, no frame reader (issue 23). Not
             # while a pull is held: send_spans refuses every batch then (each is noted).
             got = read(self._read_view, nbytes, self._max_frame_bytes, self._max_bodies)
-            if got is not None and self._spans_read(nbytes, got):
+            if (
+                got is not None
+                and _own_request_and_send(type(self))  # (replaced since: the general path)
+                and self._spans_read(nbytes, got)
+            ):
                 return
         self.data_received(self._read_view[:nbytes])
 
@@ -705,3 +714,27 @@ class Connection(asyncio.BufferedProtocol):
         self._write_out()
         if self.transport is not None:
             self.transport.close()  # after what is buffered has been written
+
+    # The methods a read taken whole in C (connection.py buffer_updated, cext/sendlane.c)
+    # goes past, as written above: while a connection's class finds these two, and its
+    # broker's Handlers class send_plain and send_bodies (_reads_own, when it is made).
+    _c_reads: Final = (_request, _send)
+
+
+def _own_request_and_send(cls: type[Connection]) -> bool:
+    """Whether cls still finds Connection's own _request and _send (a read is checked:
+    one replaced on the class after a connection was made is called from the next read
+    on; the SendLane compares the class's version tag instead)."""
+    own = Connection._c_reads
+    return cls._request is own[0] and cls._send is own[1]
+
+
+def _reads_own(cls: type[Connection], handlers: type[Handlers]) -> bool:
+    """Whether a connection of cls may take a read whole in C: its _request and _send,
+    and the handlers' send_plain and send_bodies, are the ones written here (the general
+    path binds the last two when the connection, and the handlers, are made)."""
+    return (
+        _own_request_and_send(cls)
+        and handlers.send_plain is Handlers._c_reads[0]
+        and (handlers.send_bodies is Handlers._c_reads[1])
+    )

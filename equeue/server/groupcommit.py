@@ -48,7 +48,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
 
 from equeue.errors import StoreWriteError
 from equeue.server.flushers import Sync, make_sync
@@ -93,13 +93,6 @@ class CrossClientCommit:
         "_sync", "_took", "_waited", "_waiting", "flushes", "overlapped", "sends_flushed",
         "waits", "waits_full",
     )  # fmt: skip
-    # Whether add and _due are the policy commitadd.c mirrors: a subclass overriding
-    # either has its own add called for every send.
-    _c_add = True
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._c_add = cls.add is CrossClientCommit.add and cls._due is CrossClientCommit._due
 
     def __init__(
         self,
@@ -280,6 +273,12 @@ class CrossClientCommit:
             except BaseException as exc:
                 error = exc
             self._released(error, 0.0)
+
+    # The add and _due cext/commitadd.c mirrors, as written above: C adds while the
+    # commit's class finds these two under their names, looked at again whenever the
+    # class or a base changes (a subclass overriding either, or either replaced on a
+    # class at any time, gets its own add called for every send).
+    _c_policy: Final = (add, _due)
 
 
 def expected(batch: list[Entry]) -> int:

@@ -13,6 +13,7 @@ from equeue.chunks.chunk import Chunk
 from equeue.errors import (
     ChunkRemovedError,
     CompactedAwayError,
+    CorruptionError,
     CorruptRecordError,
     EQueueError,
     InvalidMessageError,
@@ -293,10 +294,18 @@ class LogReader:
                 found=pos,
             )
         p = MESSAGE_HEAD_SIZE + tl
-        topic = payload[MESSAGE_HEAD_SIZE:p].decode()
-        tag = payload[p : p + gl].decode() if gl else ""
-        p += gl
-        key = payload[p : p + kl].decode() if flags & FLAG_HAS_KEY else None
+        try:  # (its checksum held: written so, or crafted)
+            topic = payload[MESSAGE_HEAD_SIZE:p].decode()
+            tag = payload[p : p + gl].decode() if gl else ""
+            p += gl
+            key = payload[p : p + kl].decode() if flags & FLAG_HAS_KEY else None
+        except UnicodeDecodeError as exc:  # (not CorruptRecordError: get reads that as
+            # a position that names no record, MessageNotFoundError)
+            raise CorruptionError(
+                f"the record at position {position} has a topic, tag or key that is not "
+                f"UTF-8: {exc}",
+                file=str(self._messages.get_chunk_for(position).path),
+            ) from exc
         p += kl
         props = decode_properties(payload[p : p + pl]) if pl else {}
         return Message(
