@@ -34,14 +34,14 @@ FROM = (
 
 
 class Broker:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *extra: str) -> None:
         self.store = home / "s"
         self.token_file = home / "token"
         self.token_file.write_text(TOKEN + "\n")
         self.token_file.chmod(0o600)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "equeue", "serve", str(self.store), "--quiet",
-             "--token-file", str(self.token_file), "--max-frame-bytes", str(FRAME)],
+             "--token-file", str(self.token_file), "--max-frame-bytes", str(FRAME), *extra],
             stdout=subprocess.PIPE,
         )  # fmt: skip
         assert self.process.stdout is not None
@@ -227,6 +227,54 @@ def test_a_task_sends_requests_whose_answers_fit_a_frame(broker: Broker) -> None
     assert sent.rows == rows and sent.requests >= 4
     with broker.client() as client:
         assert sum(len(ms) for ms in stored(client, topic).values()) == rows
+
+
+SMALL_BATCH = 100  # the broker's --max-batch-messages, far below the sink's 16,384 rows
+
+
+@pytest.fixture(scope="module")
+def small_batch_broker() -> Iterator[Broker]:
+    home = short_dir()
+    served = None
+    try:
+        served = Broker(home, "--max-batch-messages", str(SMALL_BATCH))
+        yield served
+    finally:
+        if served is not None:
+            served.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.parametrize("properties", [0, 40])
+def test_the_sink_cuts_requests_the_broker_takes_by_its_welcome(
+    small_batch_broker: Broker, spark: SparkSession, properties: int
+) -> None:
+    """A broker taking 100 messages a request: the sink's requests hold at most that many
+    rows; rows of 40 properties (89 msgpack objects each as the broker counts them, ~1 KiB)
+    are cut further, below the broker's 3,200 objects a request past 64 KiB. Before, the
+    tasks failed with LimitExceededError (16,384 rows a request; 100 rows of 89 objects)."""
+    broker = small_batch_broker
+    rows = 1000 if properties == 0 else 300
+    props = ", ".join(f"'p{n:02d}', concat('v', cast(id as string))" for n in range(properties))
+    topic = f"small{properties}"
+    df = spark.range(0, rows, numPartitions=2).selectExpr(
+        "cast(id as string) as body",
+        f"map({props}) as properties" if properties else "map('id', 'x') as properties",
+    )
+    with broker.client() as client:
+        before = client.stats()["send_requests"]
+        df.write.format("equeue").options(**broker.options()).option("topic", topic).mode(
+            "append"
+        ).save()
+        requests = client.stats()["send_requests"] - before
+        queues = stored(client, topic)
+    bodies = sorted(int(m.body) for msgs in queues.values() for m in msgs)
+    assert bodies == list(range(rows))  # every row once
+    for msgs in queues.values():
+        for m in msgs:
+            assert len(m.properties) == max(1, properties)
+    least = rows // SMALL_BATCH if properties == 0 else rows // 35
+    assert requests >= least
 
 
 def test_a_tls_broker_is_written_and_read_with_ca_file() -> None:

@@ -25,6 +25,8 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from equeue.errors import EQueueError, SparkOptionError
+from equeue.protocol.bounded import SEND_BATCH_OBJECTS, max_objects
+from equeue.protocol.frames import DEFAULT_MAX_BATCH_MESSAGES
 from equeue.spark.sink import check_schema, checked_rows
 from equeue.spark.viabroker import BROKER, CA_FILE, TOKEN_FILE, BrokerAddress, option
 from equeue.store.config import StoreConfig
@@ -55,6 +57,9 @@ _LOOSE: Final = StoreConfig(
     chunk_data_size=1 << 30, max_message_size=1 << 30, max_properties_size=1 << 20
 )
 _MAX_QUEUES: Final = 1 << 16  # a topic not created yet: its count is the broker's store's
+# A message's objects in a send_batch (bounded.message_objects) with every field of
+# OutgoingMessage on the wire, its properties map aside: at least what it counts.
+_OBJECTS_MOST: Final = 2 + 2 * len(OutgoingMessage._fields)
 
 
 @dataclass
@@ -80,23 +85,32 @@ def _known(options: dict[str, str], names: tuple[str, ...], where: str) -> None:
 
 
 def chunks(
-    messages: list[OutgoingMessage], budget: int, max_rows: int = CHUNK_ROWS
+    messages: list[OutgoingMessage],
+    budget: int,
+    max_rows: int = CHUNK_ROWS,
+    request_objects: int = max_objects(DEFAULT_MAX_BATCH_MESSAGES),
 ) -> Iterator[list[OutgoingMessage]]:
-    """``messages`` in runs of at most ``budget`` bytes (as estimated) and ``max_rows``
-    rows; a message larger than the budget goes alone (the client refuses it if no frame
-    holds it, FrameTooLargeError naming the broker's limit)."""
+    """``messages`` in runs of at most ``budget`` bytes (as estimated), ``max_rows`` rows
+    and ``request_objects`` msgpack objects in the request as the broker counts them
+    (equeue/protocol/bounded.py); a message past the budget or the objects goes alone
+    (the client refuses it if no frame holds it, FrameTooLargeError naming the broker's
+    limit)."""
     run: list[OutgoingMessage] = []
     size = 0
+    objects = room = request_objects - SEND_BATCH_OBJECTS
     for message in messages:
         body, tag, key, properties = message[0], message[1], message[2], message[3]
         cost = MESSAGE_OVERHEAD + len(body) + len(tag) + (len(key) if key else 0)
+        count = _OBJECTS_MOST
         if properties:
             cost += sum(len(k) + len(v) + 10 for k, v in properties.items())
-        if run and (size + cost > budget or len(run) >= max_rows):
+            count += 2 * len(properties) + 1
+        if run and (size + cost > budget or len(run) >= max_rows or count > objects):
             yield run
-            run, size = [], 0
+            run, size, objects = [], 0, room
         run.append(message)
         size += cost
+        objects -= count
     if run:
         yield run
 
@@ -148,9 +162,12 @@ class _BrokerSink:
                 if client is None:
                     client = self.address.connect()
                 budget = _budget(client)
-                # The answer holds a SendResult per row, with the topic in each.
-                rows_max = min(CHUNK_ROWS, budget // (RESULT_BYTES + len(self.topic.encode())))
-                for run in chunks(messages, budget, max(1, rows_max)):
+                # The answer holds a SendResult per row, with the topic in each; the
+                # broker takes at most its welcome's max_batch_messages rows a request.
+                batch = _max_batch_messages(client)
+                answers = budget // (RESULT_BYTES + len(self.topic.encode()))
+                rows_max = max(1, min(CHUNK_ROWS, batch, answers))
+                for run in chunks(messages, budget, rows_max, max_objects(batch)):
                     client.send_batch(self.topic, run)
                     rows += len(run)
                     requests += 1
@@ -183,6 +200,12 @@ def _budget(client: Client) -> int:
     welcome = client.welcome
     frame = welcome.limits["max_frame_bytes"] if welcome is not None else CHUNK_BYTES
     return max(1, min(CHUNK_BYTES, frame // 2))
+
+
+def _max_batch_messages(client: Client) -> int:
+    welcome = client.welcome
+    limits = welcome.limits if welcome is not None else {}
+    return int(limits.get("max_batch_messages", DEFAULT_MAX_BATCH_MESSAGES))
 
 
 class EqueueBrokerWriter(_BrokerSink, DataSourceArrowWriter):
