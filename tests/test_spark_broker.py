@@ -390,6 +390,36 @@ def test_the_broker_options_are_checked_on_the_driver(broker: Broker, tmp_path: 
     assert EqueueBrokerWriter(given, schema, False).topic == "w"
 
 
+def test_relative_token_and_ca_files_are_made_absolute_on_the_driver(
+    broker: Broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An executor's working directory is not the driver's (reviewc F1): the writer
+    pickled on the driver, with tokenFile and caFile relative to the driver's, connects
+    from another directory; before, every task failed 'cannot read it on this node'."""
+    import pickle
+
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from equeue.spark.viabroker import BrokerAddress
+
+    driver, executor = tmp_path / "driver", tmp_path / "executor"
+    driver.mkdir()
+    executor.mkdir()
+    shutil.copy(broker.token_file, driver / "token")
+    (driver / "ca.pem").write_text("")
+    monkeypatch.chdir(driver)
+    schema = StructType([StructField("body", StringType())])
+    writer = EqueueBrokerWriter(
+        {**broker.options(), "tokenFile": "token", "topic": "w"}, schema, False
+    )
+    shipped = pickle.dumps(writer)
+    address = BrokerAddress({"broker": "tls://h:1", "tokenFile": "token", "caFile": "ca.pem"})
+    assert (address.token_file, address.ca_file) == (str(driver / "token"), str(driver / "ca.pem"))
+    monkeypatch.chdir(executor)
+    with pickle.loads(shipped).address.connect() as client:
+        assert isinstance(client.topics(), list)
+
+
 def test_chunks_stay_within_the_budget() -> None:
     def message(size: int) -> OutgoingMessage:
         return OutgoingMessage(b"x" * size, "tag", "key", {"p": "v"}, 0, None)

@@ -104,6 +104,10 @@ def read_token(path: str | None) -> str | None:
     return token
 
 
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(path)
+
+
 class BrokerAddress:
     """What a task needs to connect: picklable, no token inside (each node reads it)."""
 
@@ -112,8 +116,10 @@ class BrokerAddress:
         if url is None:
             raise SparkOptionError(f"option {BROKER} is missing")
         self.url = url
-        self.token_file = option(options, TOKEN_FILE)
-        self.ca_file = option(options, CA_FILE)  # None: the system's CAs
+        # Absolute on the driver, as the store path is: an executor's working directory
+        # is not the driver's, and each reads the files again (reviewc F1).
+        self.token_file = _absolute(option(options, TOKEN_FILE))
+        self.ca_file = _absolute(option(options, CA_FILE))  # None: the system's CAs
         read_token(self.token_file)  # on the driver first: a bad path fails the plan
 
     def connect(self) -> Client:
