@@ -431,3 +431,24 @@ def test_chunks_stay_within_the_budget() -> None:
     for run in runs:
         cost = sum(64 + len(m.body) + 3 + 3 + 12 for m in run)
         assert len(run) == 1 or cost <= 4096
+
+
+def test_chunks_stay_within_the_broker_s_object_count() -> None:
+    """Every run holds no more msgpack objects than the broker counts in one request
+    (bounded.message_objects of the client's wire maps), whatever fields a row has."""
+    from equeue.client.args import outgoing
+    from equeue.protocol.bounded import SEND_BATCH_OBJECTS, max_objects, message_objects
+
+    props = {f"p{n}": "v" for n in range(40)}
+    messages = [
+        OutgoingMessage(b"b", "tag" if i % 2 else "", "k" if i % 3 else None,
+                        props if i % 5 else None, i % 7, i % 4 if i % 11 else None)
+        for i in range(2000)
+    ]  # fmt: skip
+    bound = max_objects(100)
+    runs = list(chunks(messages, 1 << 30, 100, bound))
+    assert [m for run in runs for m in run] == messages
+    for run in runs:
+        counted = SEND_BATCH_OBJECTS + sum(message_objects(outgoing(m, "t")) for m in run)
+        assert len(run) <= 100 and counted <= bound
+    assert max(len(run) for run in runs) < 100  # the objects, not the rows, cut these
