@@ -277,6 +277,66 @@ def test_the_sink_cuts_requests_the_broker_takes_by_its_welcome(
     assert requests >= least
 
 
+class _Attempt:
+    """What TaskContext.get() gives a task: its partition, which attempt it is."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def partitionId(self) -> int:  # (pyspark's names)
+        return 0
+
+    def attemptNumber(self) -> int:
+        return self.number
+
+
+def test_a_retried_task_checks_every_row_before_it_sends_any(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row the sink's check refuses, in the third Arrow batch of a partition (reviewc
+    F3): the first attempt sends the two batches before it; a retry sends nothing (before:
+    the 2,000 rows again per attempt, spark.task.maxFailures copies). The control: a retry
+    of good rows sends them all, read back from its spill."""
+    import pyarrow as pa
+    from pyspark import TaskContext
+    from pyspark.sql.types import IntegerType, StringType, StructField, StructType
+
+    from equeue.errors import QueueNotFoundError
+
+    topic = "retried"
+    with broker.client() as client:
+        client.create_topic(topic, 4)
+    schema = StructType([StructField("body", StringType()), StructField("queue_id", IntegerType())])
+    writer = EqueueBrokerWriter({**broker.options(), "topic": topic}, schema, False)
+
+    def batches(bad: bool) -> Iterator[pa.RecordBatch]:
+        for low in (0, 1000, 2000):
+            ids = [99 if bad and n == 2500 else n % 4 for n in range(low, low + 1000)]
+            bodies = [str(n) for n in range(low, low + 1000)]
+            yield pa.record_batch(
+                [pa.array(bodies), pa.array(ids, pa.int32())], ["body", "queue_id"]
+            )
+
+    def count() -> int:
+        with broker.client() as client:
+            return sum(client.queue_range(topic, q)[1] for q in client.queue_ids(topic))
+
+    for attempt, stored_after in ((0, 2000), (1, 2000), (3, 2000)):
+        context = _Attempt(attempt)
+        monkeypatch.setattr(TaskContext, "get", classmethod(lambda cls, c=context: c))
+        with pytest.raises(QueueNotFoundError, match="queue_id 99") as caught:
+            writer.write(batches(bad=True))
+        assert count() == stored_after, f"attempt {attempt}"
+        if attempt:
+            assert "sent none" in "\n".join(caught.value.__notes__)
+    monkeypatch.setattr(TaskContext, "get", classmethod(lambda cls: _Attempt(1)))
+    sent = writer.write(batches(bad=False))
+    assert sent.rows == 3000 and count() == 5000
+    with broker.client() as client:
+        bodies = sorted(int(m.body) for ms in stored(client, topic).values() for m in ms)
+    assert bodies == sorted(list(range(2000)) + list(range(3000)))
+
+
 def test_a_tls_broker_is_written_and_read_with_ca_file() -> None:
     """tls:// with a self-signed certificate: caFile names it on every node; without it
     the system's CAs refuse the broker, and the error says so."""

@@ -12,8 +12,10 @@ tasks' sends and the driver's commit could share (docs/spark.md, "Through a brok
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import pyarrow as pa
@@ -24,6 +26,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from equeue.chunks.fileops import write_error
 from equeue.errors import EQueueError, SparkOptionError
 from equeue.protocol.bounded import SEND_BATCH_OBJECTS, max_objects
 from equeue.protocol.frames import DEFAULT_MAX_BATCH_MESSAGES
@@ -149,6 +152,47 @@ class _BrokerSink:
         context = TaskContext.get()
         partition = context.partitionId() if context is not None else 0
         attempt = context.attemptNumber() if context is not None else 0
+        if attempt == 0:
+            return self._send(batches, partition, attempt)
+        # A retry: every row checked before any is sent, so a row the check refuses fails
+        # it with nothing sent, instead of storing the rows before it once more per
+        # attempt (reviewc F3). The first attempt streams: no disk write of every row.
+        with tempfile.TemporaryDirectory(prefix="equeue-sink-") as spill:
+            try:
+                checked = self._checked_first(batches, partition, Path(spill) / "rows.arrow")
+            except EQueueError as exc:
+                exc.add_note(
+                    f"the equeue sink's task for partition {partition} (attempt {attempt}) "
+                    "checks every row before it sends any, and sent none; the first attempt "
+                    "sent the rows before this one"
+                )
+                raise
+            return self._send(checked, partition, attempt)
+
+    def _checked_first(
+        self, batches: Iterator[pa.RecordBatch], partition: int, spill: Path
+    ) -> Iterator[pa.RecordBatch]:
+        """Every batch checked, kept in ``spill`` (Arrow IPC), then read back from it."""
+        seen = 0
+        writer: pa.ipc.RecordBatchStreamWriter | None = None
+        try:
+            try:
+                for batch in batches:
+                    checked_rows(batch, _LOOSE, self.topic, self.queue_count, partition, seen)
+                    seen += batch.num_rows
+                    if writer is None:
+                        writer = pa.ipc.new_stream(str(spill), batch.schema)
+                    writer.write_batch(batch)
+            finally:
+                if writer is not None:
+                    writer.close()
+            if writer is None:
+                return iter(())
+            return iter(pa.ipc.open_stream(pa.memory_map(str(spill))))
+        except OSError as exc:  # (pyarrow's IOError too)
+            raise write_error(exc, "keeping a retried task's checked rows", spill) from exc
+
+    def _send(self, batches: Iterator[pa.RecordBatch], partition: int, attempt: int) -> SentRows:
         rows = requests = 0
         client: Client | None = None
         try:
@@ -164,10 +208,10 @@ class _BrokerSink:
                 budget = _budget(client)
                 # The answer holds a SendResult per row, with the topic in each; the
                 # broker takes at most its welcome's max_batch_messages rows a request.
-                batch = _max_batch_messages(client)
+                most = _max_batch_messages(client)
                 answers = budget // (RESULT_BYTES + len(self.topic.encode()))
-                rows_max = max(1, min(CHUNK_ROWS, batch, answers))
-                for run in chunks(messages, budget, rows_max, max_objects(batch)):
+                rows_max = max(1, min(CHUNK_ROWS, most, answers))
+                for run in chunks(messages, budget, rows_max, max_objects(most)):
                     client.send_batch(self.topic, run)
                     rows += len(run)
                     requests += 1
