@@ -4,6 +4,7 @@ session's local[2] Spark; the tasks reach the store only through the client."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -478,6 +479,38 @@ def test_relative_token_and_ca_files_are_made_absolute_on_the_driver(
     monkeypatch.chdir(executor)
     with pickle.loads(shipped).address.connect() as client:
         assert isinstance(client.topics(), list)
+
+
+def test_a_token_file_that_is_a_fifo_is_refused_at_once(broker: Broker, tmp_path: Path) -> None:
+    """reviewc F4: open() of a FIFO waited for a writer for ever, on the driver, before
+    any task; now it is refused as not a regular file (a directory too)."""
+    import threading
+
+    from equeue.spark.viabroker import BrokerAddress
+
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | None] = []
+
+    def plan() -> None:
+        try:
+            BrokerAddress({"broker": broker.url, "tokenFile": str(fifo)})
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    planning = threading.Thread(target=plan, daemon=True)
+    planning.start()
+    planning.join(10)
+    if planning.is_alive():  # let the open go (a writer comes), then fail
+        with open(fifo, "wb") as writer:
+            writer.write(TOKEN.encode())
+        planning.join(10)
+        pytest.fail("BrokerAddress waited on the FIFO token file")
+    assert isinstance(outcome[0], SparkOptionError), outcome
+    assert "is not a regular file" in str(outcome[0])
+    with pytest.raises(SparkOptionError, match="is not a regular file"):
+        BrokerAddress({"broker": broker.url, "tokenFile": str(tmp_path)})
 
 
 def test_chunks_stay_within_the_budget() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
@@ -85,14 +86,26 @@ def read_token(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TOKEN_BYTES + 1)
+        # O_NONBLOCK: a FIFO (a secret handed over as <(...)) does not hold the open until
+        # a writer comes; it is refused below, as it would be read once, not on every node.
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            data = os.read(fd, MAX_TOKEN_BYTES + 1) if regular else b""
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise SparkOptionError(
             f"option {TOKEN_FILE}={path!r}: cannot read it on this node "
             f"({exc.strerror or exc}); it must be readable at that path on the driver and "
             "on every executor"
         ) from None
+    if not regular:
+        raise SparkOptionError(
+            f"option {TOKEN_FILE}={path!r} is not a regular file (a pipe or a device is "
+            "read once at most, and the driver and every executor read the token file): "
+            "give a file"
+        )
     try:
         token = data.decode().strip()
     except UnicodeDecodeError:
