@@ -513,6 +513,46 @@ def test_a_token_file_that_is_a_fifo_is_refused_at_once(broker: Broker, tmp_path
         BrokerAddress({"broker": broker.url, "tokenFile": str(tmp_path)})
 
 
+def test_a_stream_planned_through_the_broker_reads_a_rotated_token() -> None:
+    """reviewc F5: the broker restarted with a new token in the same tokenFile; the
+    driver's cached client reconnected with the old one and the query failed with
+    AuthenticationError at its next planning. Now it connects again, reading the file."""
+    from test_spark_stream import stream_schema
+
+    from equeue.spark.stream import EqueueStreamReader
+
+    home = short_dir()
+    first: Broker | None = None
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        first = Broker(home)
+        with first.client() as client:
+            client.create_topic("rotated", 1)
+            client.send("rotated", b"a")
+        reader = EqueueStreamReader({**first.options(), "topics": "rotated"}, stream_schema())
+        assert reader._ranges() == {"rotated": {"0": (0, 1)}}
+        first.stop()
+        first.token_file.write_text("a-new-token\n")
+        second = subprocess.Popen(
+            [sys.executable, "-m", "equeue", "serve", str(first.store), "--quiet",
+             "--token-file", str(first.token_file), "--max-frame-bytes", str(FRAME)],
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        assert second.stdout is not None
+        url = second.stdout.readline().decode().split()[-1]
+        with Client(url, token="a-new-token") as client:
+            client.send("rotated", b"b")
+        assert reader._ranges() == {"rotated": {"0": (0, 2)}}
+        reader.stop()
+    finally:
+        if second is not None:
+            second.terminate()
+            second.wait(20)
+        if first is not None:
+            first.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def test_chunks_stay_within_the_budget() -> None:
     def message(size: int) -> OutgoingMessage:
         return OutgoingMessage(b"x" * size, "tag", "key", {"p": "v"}, 0, None)

@@ -50,6 +50,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from equeue.errors import (
+    AuthenticationError,
     DataLossError,
     EQueueError,
     SparkOptionError,
@@ -279,6 +280,19 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _ranges(self) -> dict[str, dict[str, tuple[int, int]]]:
         """(first, next) offset of every queue of the topics read, as the store has them now."""
+        try:
+            return self._ranges_now()
+        except AuthenticationError:
+            if not isinstance(self._store, BrokerQueues):
+                raise
+            # The driver's client reconnects with the token it read when it connected; the
+            # token file may hold a new one since (rotated with a broker restart, reviewc
+            # F5): connect once more, reading it again, as every task does.
+            self._store.close()
+            self._store = None
+            return self._ranges_now()
+
+    def _ranges_now(self) -> dict[str, dict[str, tuple[int, int]]]:
         if self._store is None:
             self._store = open_queues(self.options)
         store = self._store
