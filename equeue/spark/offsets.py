@@ -142,7 +142,7 @@ class OffsetBounds:
                         f"{stop}"
                     )
                 if start < first:
-                    message = lost_message(path, topic, queue, start, min(first, stop))
+                    message = lost_message(path, topic, queue, start, first, min(first, stop))
                     if self.options.fail_on_data_loss:
                         raise DataLossError(
                             message + "; set failOnDataLoss=false to read what is left"

@@ -481,9 +481,15 @@ def fair_shares(available: Mapping[tuple[str, str], int], limit: int | None) -> 
     return takes
 
 
-def lost_message(path: str, topic: str, queue: str | int, wanted: int, first: int) -> str:
+def lost_message(
+    path: str, topic: str, queue: str | int, wanted: int, first: int, lost_end: int | None = None
+) -> str:
+    """Offsets ``wanted`` to ``lost_end`` - 1 (by default to ``first`` - 1) are gone, the
+    queue's ``first`` offset is past them (for a range planned wholly below it, its end
+    is not the first one available: reviewc F6)."""
+    end = first if lost_end is None else lost_end
     return (
-        f"topic {topic!r} queue {queue}: offsets {wanted} to {first - 1} were removed "
+        f"topic {topic!r} queue {queue}: offsets {wanted} to {end - 1} were removed "
         f"(retention, or the topic was deleted) before the query read them: it wanted offset "
         f"{wanted}, the first one available is {first}, in {path}"
     )
@@ -510,7 +516,7 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
             loss(f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: {exc}")
             return
         if offset < first:
-            loss(lost_message(options.path, topic, queue, offset, min(first, end)))
+            loss(lost_message(options.path, topic, queue, offset, first, min(first, end)))
             offset = first
         holes: list[tuple[int, int]] = []  # offsets with no message: compaction's, or lost
         pending: list[Message] = []
@@ -556,7 +562,7 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                 now_first = end  # deleted meanwhile: every hole is gone for good
             gone = [(a, min(b, now_first)) for a, b in holes if a < now_first]
             for a, b in gone:
-                loss(lost_message(options.path, topic, queue, a, b))
+                loss(lost_message(options.path, topic, queue, a, now_first, b))
     finally:
         store.close()
 
