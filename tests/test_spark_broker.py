@@ -553,6 +553,26 @@ def test_a_stream_planned_through_the_broker_reads_a_rotated_token() -> None:
         shutil.rmtree(home, ignore_errors=True)
 
 
+def test_an_aborted_write_logs_a_lower_bound_of_the_rows_stored(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """reviewc F7: Spark can run the abort before a finished task's count is recorded;
+    the line says "at least" and how many tasks reported, not a count as a fact."""
+    import logging
+
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from equeue.spark.brokersink import SentRows
+
+    schema = StructType([StructField("body", StringType())])
+    writer = EqueueBrokerWriter({**broker.options(), "topic": "w"}, schema, False)
+    with caplog.at_level(logging.WARNING, logger="equeue.spark.brokersink"):
+        writer.abort([SentRows(1000, 1), None])
+    said = caplog.records[-1].getMessage()
+    assert "write failed; at least 1000 rows are in topic 'w'" in said
+    assert "(1 of 2 tasks reported their count;" in said
+
+
 def test_chunks_stay_within_the_budget() -> None:
     def message(size: int) -> OutgoingMessage:
         return OutgoingMessage(b"x" * size, "tag", "key", {"p": "v"}, 0, None)
