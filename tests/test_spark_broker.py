@@ -573,6 +573,44 @@ def test_an_aborted_write_logs_a_lower_bound_of_the_rows_stored(
     assert "(1 of 2 tasks reported their count;" in said
 
 
+def test_connect_timeout_lets_a_stream_wait_for_a_broker_restarted_slowly() -> None:
+    """reviewc F8: a broker away 7 s failed the query at its next planning (the client's
+    connect_timeout, 5 s, could not be given through Spark); connectTimeout=30 waits."""
+    import threading
+
+    from test_spark_stream import stream_schema
+
+    from equeue.spark.stream import EqueueStreamReader
+
+    home = short_dir()
+    first: Broker | None = None
+    second: list[Broker] = []
+    try:
+        first = Broker(home)
+        with first.client() as client:
+            client.create_topic("slow", 1)
+            client.send("slow", b"a")
+        options = {**first.options(), "topics": "slow", "connectTimeout": "30", "timeout": "60"}
+        reader = EqueueStreamReader(options, stream_schema())
+        assert reader._ranges() == {"slow": {"0": (0, 1)}}
+        first.stop()
+        restart = threading.Timer(7.0, lambda: second.append(Broker(home)))
+        restart.start()
+        assert reader._ranges() == {"slow": {"0": (0, 1)}}  # waited for the second broker
+        restart.join()
+        reader.stop()
+        for bad in ("0", "-1", "soon", "nan"):
+            with pytest.raises(SparkOptionError, match=f"option connectTimeout='{bad}'"):
+                EqueueStreamReader({**options, "connectTimeout": bad}, stream_schema())
+        with pytest.raises(SparkOptionError, match="option timeout is for a broker"):
+            StreamOptions({"path": "/x", "topics": "slow", "timeout": "5"})
+    finally:
+        for served in (*second, first):
+            if served is not None:
+                served.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def test_chunks_stay_within_the_budget() -> None:
     def message(size: int) -> OutgoingMessage:
         return OutgoingMessage(b"x" * size, "tag", "key", {"p": "v"}, 0, None)

@@ -31,7 +31,15 @@ from equeue.errors import EQueueError, SparkOptionError
 from equeue.protocol.bounded import SEND_BATCH_OBJECTS, max_objects
 from equeue.protocol.frames import DEFAULT_MAX_BATCH_MESSAGES
 from equeue.spark.sink import check_schema, checked_rows
-from equeue.spark.viabroker import BROKER, CA_FILE, TOKEN_FILE, BrokerAddress, option
+from equeue.spark.viabroker import (
+    BROKER,
+    CA_FILE,
+    CONNECT_TIMEOUT,
+    TIMEOUT,
+    TOKEN_FILE,
+    BrokerAddress,
+    option,
+)
 from equeue.store.config import StoreConfig
 from equeue.store.types import OutgoingMessage
 
@@ -40,10 +48,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BATCH_OPTIONS: Final = (BROKER, TOKEN_FILE, CA_FILE, "topic")
+BATCH_OPTIONS: Final = (BROKER, TOKEN_FILE, CA_FILE, CONNECT_TIMEOUT, TIMEOUT, "topic")
 # checkpointLocation is Spark's own (the query's); the sink keeps nothing there.
 STREAM_OPTIONS: Final = (
-    BROKER, TOKEN_FILE, CA_FILE, "topic", "checkpointLocation", "queryName",
+    BROKER, TOKEN_FILE, CA_FILE, CONNECT_TIMEOUT, TIMEOUT, "topic", "checkpointLocation",
+    "queryName",
 )  # fmt: skip
 # A send_batch request carries at most this many bytes of messages (and half the
 # broker's max_frame_bytes): large enough that a request's round trip is small beside

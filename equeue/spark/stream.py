@@ -89,6 +89,8 @@ OPTIONS: Final = (
     "broker",
     "tokenFile",
     "caFile",
+    "connectTimeout",
+    "timeout",
 )
 _KNOWN: Final = {name.lower(): name for name in OPTIONS}
 _INT32_MAX: Final = (1 << 31) - 1  # the queue_id column is an int, queue_offset a long

@@ -10,6 +10,7 @@ executor), never carried in an option: Spark logs a plan's options.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import stat
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 BROKER: Final = "broker"
 TOKEN_FILE: Final = "tokenFile"
 CA_FILE: Final = "caFile"
+# The client's waits, in seconds: for a broker to accept a connection (also each
+# reconnection: a broker restarted within it is waited for), and for an answer.
+CONNECT_TIMEOUT: Final = "connectTimeout"
+TIMEOUT: Final = "timeout"
 MAX_TOKEN_BYTES: Final = 4096  # as the broker's token file (equeue/server/config.py)
 CLIENT_NAME: Final = "equeue-spark"
 HEAD_GUESS: Final = 256  # bytes of a pulled message on the wire besides its body
@@ -53,7 +58,7 @@ def broker_url(options: Mapping[str, str]) -> str | None:
     url = option(options, BROKER)
     token_file = option(options, TOKEN_FILE)
     if url is None:
-        for name in (TOKEN_FILE, CA_FILE):
+        for name in (TOKEN_FILE, CA_FILE, CONNECT_TIMEOUT, TIMEOUT):
             if option(options, name) is not None:
                 raise SparkOptionError(
                     f"option {name} is for a broker: give option({BROKER!r}, URL) with it"
@@ -121,6 +126,21 @@ def _absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
+def _seconds(options: Mapping[str, str], name: str, default: float) -> float:
+    text = option(options, name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1e9:  # (NaN fails it too) the client's bounds
+        raise SparkOptionError(
+            f"option {name}={text!r}: give seconds, a number > 0 (default {default:g})"
+        )
+    return value
+
+
 class BrokerAddress:
     """What a task needs to connect: picklable, no token inside (each node reads it)."""
 
@@ -133,6 +153,10 @@ class BrokerAddress:
         # is not the driver's, and each reads the files again (reviewc F1).
         self.token_file = _absolute(option(options, TOKEN_FILE))
         self.ca_file = _absolute(option(options, CA_FILE))  # None: the system's CAs
+        from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT
+
+        self.connect_timeout = _seconds(options, CONNECT_TIMEOUT, DEFAULT_CONNECT_TIMEOUT)
+        self.timeout = _seconds(options, TIMEOUT, DEFAULT_TIMEOUT)
         read_token(self.token_file)  # on the driver first: a bad path fails the plan
 
     def connect(self) -> Client:
@@ -145,6 +169,8 @@ class BrokerAddress:
                 self.url,
                 token=read_token(self.token_file),
                 cafile=self.ca_file,
+                connect_timeout=self.connect_timeout,
+                timeout=self.timeout,
                 client_name=f"{CLIENT_NAME} pid {os.getpid()}",
             )
         except ConfigError as exc:  # (the URL was parsed on the driver: a CA file it is)
