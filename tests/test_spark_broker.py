@@ -476,9 +476,17 @@ def test_relative_token_and_ca_files_are_made_absolute_on_the_driver(
     shipped = pickle.dumps(writer)
     address = BrokerAddress({"broker": "tls://h:1", "tokenFile": "token", "caFile": "ca.pem"})
     assert (address.token_file, address.ca_file) == (str(driver / "token"), str(driver / "ca.pem"))
+    # A relative unix: socket path too (the broker's, as seen from the driver's directory).
+    socket_dir = os.path.relpath(broker.store, driver)
+    relative = {**broker.options(), "broker": f"unix:{socket_dir}/broker.sock"}
+    relative_writer = EqueueBrokerWriter({**relative, "topic": "w"}, schema, False)
+    assert relative_writer.address.url == f"unix:{broker.store}/broker.sock"
+    assert BrokerAddress({"broker": "unix:///run/x.sock"}).url == "unix:/run/x.sock"
+    shipped_relative = pickle.dumps(relative_writer)
     monkeypatch.chdir(executor)
-    with pickle.loads(shipped).address.connect() as client:
-        assert isinstance(client.topics(), list)
+    for pickled in (shipped, shipped_relative):
+        with pickle.loads(pickled).address.connect() as client:
+            assert isinstance(client.topics(), list)
 
 
 def test_a_token_file_that_is_a_fifo_is_refused_at_once(broker: Broker, tmp_path: Path) -> None:

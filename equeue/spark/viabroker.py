@@ -126,6 +126,17 @@ def _absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
+def _absolute_unix(url: str) -> str:
+    """A ``unix:`` URL of a relative socket path made absolute (reviewc F1: the driver
+    connected from its working directory, every executor failed after connect_timeout)."""
+    if not url.startswith("unix:"):
+        return url
+    path = url[len("unix:") :]
+    if path.startswith("//"):  # unix:///run/eq.sock (parse_url's form)
+        path = path[2:]
+    return "unix:" + os.path.abspath(path)
+
+
 def _seconds(options: Mapping[str, str], name: str, default: float) -> float:
     text = option(options, name)
     if text is None:
@@ -148,7 +159,7 @@ class BrokerAddress:
         url = broker_url(options)
         if url is None:
             raise SparkOptionError(f"option {BROKER} is missing")
-        self.url = url
+        self.url = _absolute_unix(url)
         # Absolute on the driver, as the store path is: an executor's working directory
         # is not the driver's, and each reads the files again (reviewc F1).
         self.token_file = _absolute(option(options, TOKEN_FILE))
