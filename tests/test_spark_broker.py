@@ -338,6 +338,48 @@ def test_a_retried_task_checks_every_row_before_it_sends_any(
     assert bodies == sorted(list(range(2000)) + list(range(3000)))
 
 
+def test_a_retried_task_refuses_a_row_past_the_broker_s_message_size_first(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reviewc F3, the broker's refusal: a body past the served store's max_message_size
+    (now in the welcome) at row 2,500 of a retried task: refused with nothing sent (before:
+    the 2,000 rows of the first two batches again per attempt, then the broker's
+    MessageTooLargeError). The first attempt refuses that batch whole, before sending it."""
+    import pyarrow as pa
+    from pyspark import TaskContext
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from equeue.errors import MessageTooLargeError
+
+    topic = "retried-large"
+    with broker.client() as client:
+        client.create_topic(topic, 2)
+        assert client.welcome is not None
+        largest = client.welcome.limits["max_message_size"]
+    assert largest < FRAME  # the broker's store's: what one frame carries, here
+    schema = StructType([StructField("body", StringType())])
+    writer = EqueueBrokerWriter({**broker.options(), "topic": topic}, schema, False)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for low in (0, 1000, 2000):
+            bodies = ["x" * (largest + 1) if n == 2500 else str(n) for n in range(low, low + 1000)]
+            yield pa.record_batch([pa.array(bodies)], ["body"])
+
+    def count() -> int:
+        with broker.client() as client:
+            return sum(client.queue_range(topic, q)[1] for q in client.queue_ids(topic))
+
+    for attempt in (0, 1, 2):
+        context = _Attempt(attempt)
+        monkeypatch.setattr(TaskContext, "get", classmethod(lambda cls, c=context: c))
+        with pytest.raises(MessageTooLargeError, match=f"the limit is {largest}") as caught:
+            writer.write(batches())
+        assert count() == 2000, f"attempt {attempt}"
+        assert f"broker's store's, from its welcome: max_message_size={largest}" in "\n".join(
+            caught.value.__notes__
+        )
+
+
 def test_a_tls_broker_is_written_and_read_with_ca_file() -> None:
     """tls:// with a self-signed certificate: caFile names it on every node; without it
     the system's CAs refuse the broker, and the error says so."""

@@ -170,6 +170,8 @@ class Broker:
             "max_connections": config.max_connections,
             "max_batch_messages": config.max_batch_messages,
             "max_pull_count": config.max_pull_count,
+            "max_message_size": self.store.config.max_message_size,
+            "max_properties_size": self.store.config.max_properties_size,
         }
         self.partial_bytes = 0  # of frames begun, over every connection
         self.welcome_versions: tuple[int, ...] = SUPPORTED_VERSIONS

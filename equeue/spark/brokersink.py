@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -27,7 +27,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from equeue.chunks.fileops import write_error
-from equeue.errors import EQueueError, SparkOptionError
+from equeue.errors import EQueueError, MessageTooLargeError, SparkOptionError
 from equeue.protocol.bounded import SEND_BATCH_OBJECTS, max_objects
 from equeue.protocol.frames import DEFAULT_MAX_BATCH_MESSAGES
 from equeue.spark.sink import check_schema, checked_rows
@@ -168,24 +168,32 @@ class _BrokerSink:
         partition = context.partitionId() if context is not None else 0
         attempt = context.attemptNumber() if context is not None else 0
         if attempt == 0:
-            return self._send(batches, partition, attempt)
-        # A retry: every row checked before any is sent, so a row the check refuses fails
-        # it with nothing sent, instead of storing the rows before it once more per
-        # attempt (reviewc F3). The first attempt streams: no disk write of every row.
-        with tempfile.TemporaryDirectory(prefix="equeue-sink-") as spill:
-            try:
-                checked = self._checked_first(batches, partition, Path(spill) / "rows.arrow")
-            except EQueueError as exc:
-                exc.add_note(
-                    f"the equeue sink's task for partition {partition} (attempt {attempt}) "
-                    "checks every row before it sends any, and sent none; the first attempt "
-                    "sent the rows before this one"
-                )
-                raise
-            return self._send(checked, partition, attempt)
+            return self._send(batches, partition, attempt, None)
+        # A retry: every row checked before any is sent, against the broker's store's size
+        # limits too (its welcome's), so a row the check refuses fails it with nothing
+        # sent, instead of storing the rows before it once more per attempt (reviewc F3).
+        # The first attempt streams: no disk write of every row.
+        client = self.address.connect()
+        try:
+            with tempfile.TemporaryDirectory(prefix="equeue-sink-") as spill:
+                try:
+                    checked = self._checked_first(
+                        batches, partition, Path(spill) / "rows.arrow", _limits(client)
+                    )
+                except EQueueError as exc:
+                    _name_the_limits(exc, _limits(client))
+                    exc.add_note(
+                        f"the equeue sink's task for partition {partition} (attempt "
+                        f"{attempt}) checks every row before it sends any, and sent none; "
+                        "the first attempt sent the rows before this one"
+                    )
+                    raise
+                return self._send(checked, partition, attempt, client)
+        finally:
+            client.close()
 
     def _checked_first(
-        self, batches: Iterator[pa.RecordBatch], partition: int, spill: Path
+        self, batches: Iterator[pa.RecordBatch], partition: int, spill: Path, config: StoreConfig
     ) -> Iterator[pa.RecordBatch]:
         """Every batch checked, kept in ``spill`` (Arrow IPC), then read back from it."""
         seen = 0
@@ -193,7 +201,7 @@ class _BrokerSink:
         try:
             try:
                 for batch in batches:
-                    checked_rows(batch, _LOOSE, self.topic, self.queue_count, partition, seen)
+                    checked_rows(batch, config, self.topic, self.queue_count, partition, seen)
                     seen += batch.num_rows
                     if writer is None:
                         writer = pa.ipc.new_stream(str(spill), batch.schema)
@@ -207,19 +215,28 @@ class _BrokerSink:
         except OSError as exc:  # (pyarrow's IOError too)
             raise write_error(exc, "keeping a retried task's checked rows", spill) from exc
 
-    def _send(self, batches: Iterator[pa.RecordBatch], partition: int, attempt: int) -> SentRows:
+    def _send(
+        self,
+        batches: Iterator[pa.RecordBatch],
+        partition: int,
+        attempt: int,
+        client: Client | None,
+    ) -> SentRows:
+        """The rows sent; ``client`` (else one made at the first row) closed after."""
         rows = requests = 0
-        client: Client | None = None
+        config = _LOOSE if client is None else _limits(client)
         try:
             for batch in batches:
-                # Each Arrow batch is checked whole before any of it is sent.
-                _, messages = checked_rows(
-                    batch, _LOOSE, self.topic, self.queue_count, partition, rows
-                )
-                if not messages:
+                if batch.num_rows == 0:
                     continue
                 if client is None:
                     client = self.address.connect()
+                    config = _limits(client)
+                # Each Arrow batch is checked whole before any of it is sent, against the
+                # broker's store's size limits (its welcome's) where the broker says them.
+                _, messages = checked_rows(
+                    batch, config, self.topic, self.queue_count, partition, rows
+                )
                 budget = _budget(client)
                 # The answer holds a SendResult per row, with the topic in each; the
                 # broker takes at most its welcome's max_batch_messages rows a request.
@@ -231,6 +248,7 @@ class _BrokerSink:
                     rows += len(run)
                     requests += 1
         except EQueueError as exc:
+            _name_the_limits(exc, config)
             exc.add_note(
                 f"the equeue sink's task for partition {partition} (attempt {attempt}) had "
                 f"sent {rows} rows to topic {self.topic!r} through {self.address.url}; they "
@@ -264,6 +282,29 @@ def _budget(client: Client) -> int:
     welcome = client.welcome
     frame = welcome.limits["max_frame_bytes"] if welcome is not None else CHUNK_BYTES
     return max(1, min(CHUNK_BYTES, frame // 2))
+
+
+def _limits(client: Client) -> StoreConfig:
+    """What a row is checked against: the broker's store's size limits where its welcome
+    says them (a broker of this package does), else the loosest (the broker checks)."""
+    welcome = client.welcome
+    limits = welcome.limits if welcome is not None else {}
+    return replace(
+        _LOOSE,
+        max_message_size=min(limits.get("max_message_size", 1 << 30), _LOOSE.max_message_size),
+        max_properties_size=min(
+            limits.get("max_properties_size", 1 << 20), _LOOSE.max_properties_size
+        ),
+    )
+
+
+def _name_the_limits(exc: EQueueError, config: StoreConfig) -> None:
+    if isinstance(exc, MessageTooLargeError) and config is not _LOOSE:
+        exc.add_note(
+            f"(the limits are the broker's store's, from its welcome: max_message_size="
+            f"{config.max_message_size}, max_properties_size={config.max_properties_size}; "
+            "equeue serve --max-frame-bytes bounds them)"
+        )
 
 
 def _max_batch_messages(client: Client) -> int:
