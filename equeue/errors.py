@@ -159,6 +159,17 @@ class DiskFullError(StoreWriteError):
     """The file system has no space left (ENOSPC) or a file size limit was hit."""
 
 
+class StoreReplacedError(StoreWriteError):
+    """The store's directory, or its LOCK file, is no longer the one this writer opened
+    and locked: it was removed and made again, or moved, while the handle was open. The
+    handle writes nothing more by path (it would land in the other store): later sends
+    are refused, and ``close()`` raises this after releasing the files. ``expected`` and
+    ``found``: (st_dev, st_ino) of the directory and of its LOCK, None where nothing is."""
+
+    expected: tuple[tuple[int, int], tuple[int, int]] | None = None
+    found: tuple[tuple[int, int] | None, tuple[int, int] | None] | None = None
+
+
 class ReentrantSendError(EQueueError, RuntimeError):
     """A send was made on a thread that holds the store's write lock already (from a
     signal handler or a callback run inside another send); nothing was written."""

@@ -23,6 +23,7 @@ from server_helpers import short_home
 
 import equeue
 from equeue import MessageStore
+from equeue.protocol.frames import MESSAGE_OVERHEAD
 
 PRODUCERS = 3
 HERE = Path(__file__).parent
@@ -145,6 +146,9 @@ def test_the_command_line_limits_reach_the_welcome(home: Path) -> None:
             assert c.welcome["limits"] == {
                 "max_in_flight": 7, "max_connections": 3, "max_frame_bytes": 100000,
                 "max_batch_messages": 65536, "max_pull_count": 65536,
+                # the served store's: what a frame carries beside the properties' limit
+                "max_message_size": 100000 - 32 * 1024 - MESSAGE_OVERHEAD,
+                "max_properties_size": 32 * 1024,
             }  # fmt: skip
         broker.send_signal(signal.SIGINT)  # as SIGTERM
         assert broker.wait(60) == 0

@@ -107,7 +107,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> ClusterRun:
     try:
         broker = Broker(home)
         env[BROKER_ENV] = broker.url
-        env[BROKER_TOKEN_ENV] = str(broker.token_file)
+        # Relative to the driver's working directory, which no executor shares (reviewc F1).
+        shutil.copy(broker.token_file, directory / "token")
+        env[BROKER_TOKEN_ENV] = "token"
         tick = time.monotonic()
         done = subprocess.run(
             [sys.executable, str(TESTS / "spark_cluster_child.py"), str(now), PACKAGE_PARENT,

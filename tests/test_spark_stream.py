@@ -442,6 +442,12 @@ def test_data_loss_warnings_name_queue_and_offsets(
         failing.latestOffset(old, ReadAllAvailable())
     with pytest.raises(DataLossError, match=f"first one available is {first}"):
         list(read_range(failing.options, QueueRange("payments", 1, 5, end)))
+    # A planned range wholly below the first offset: its end is not "the first available"
+    # (reviewc F6); the queue's first offset is.
+    with pytest.raises(DataLossError) as caught:
+        list(read_range(failing.options, QueueRange("payments", 1, 2, 4)))
+    assert "offsets 2 to 3 were removed" in str(caught.value)
+    assert f"it wanted offset 2, the first one available is {first}," in str(caught.value)
     failing.stop()
     skipping = reader(store, topics="payments", failOnDataLoss="false")
     with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):

@@ -12,7 +12,8 @@ welcome (broker to client), a map::
     version    uint          the version chosen: the highest both speak
     server     str           "equeue <package version>"
     limits     map           max_frame_bytes, max_in_flight, max_connections (uint);
-                             max_batch_messages, max_pull_count (uint, kept if present)
+                             max_batch_messages, max_pull_count, max_message_size,
+                             max_properties_size (uint, kept if present)
 
 A client takes a limit above LIMIT_CEILING (2**32 - 1, the longest frame the 4-byte
 length field can carry) as LIMIT_CEILING: more means nothing on this wire (no frame, and
@@ -38,7 +39,11 @@ MAX_TOKEN_BYTES = 4096
 LIMIT_NAMES = ("max_frame_bytes", "max_in_flight", "max_connections")
 # Announced by every broker of this package, but not required of one: a client that needs
 # one (send_many's chunks: max_batch_messages) assumes the protocol's default without it.
-OPTIONAL_LIMIT_NAMES = ("max_batch_messages", "max_pull_count")
+# max_message_size, max_properties_size: the served store's, so that a client can refuse a
+# message before it sends the ones around it (the Spark sink's check, reviewc F3).
+OPTIONAL_LIMIT_NAMES = (
+    "max_batch_messages", "max_pull_count", "max_message_size", "max_properties_size",
+)  # fmt: skip
 LIMIT_CEILING = (1 << 8 * FRAME_HEADER_SIZE) - 1
 
 

@@ -23,7 +23,13 @@ from typing import Any
 
 import msgpack
 
-from equeue.errors import BrokerError, ConfigError, FencedMemberError, GroupError
+from equeue.errors import (
+    BrokerError,
+    ConfigError,
+    FencedMemberError,
+    GroupError,
+    StoreReplacedError,
+)
 from equeue.protocol.frames import MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import Listener, ServerConfig, read_token
@@ -170,6 +176,8 @@ class Broker:
             "max_connections": config.max_connections,
             "max_batch_messages": config.max_batch_messages,
             "max_pull_count": config.max_pull_count,
+            "max_message_size": self.store.config.max_message_size,
+            "max_properties_size": self.store.config.max_properties_size,
         }
         self.partial_bytes = 0  # of frames begun, over every connection
         self.welcome_versions: tuple[int, ...] = SUPPORTED_VERSIONS
@@ -319,9 +327,20 @@ class Broker:
             self._ticks += 1
             if self._ticks % SAMPLE_EVERY == 0:
                 periodic.run("stats sample", self.counters.sample)
+                self._check_store_directory()
         finally:
             if not self.draining:
                 self._ticker = self.loop.call_later(TICK_S, self._tick)
+
+    def _check_store_directory(self) -> None:
+        """Once a second: a store directory removed and made again (or moved) under the
+        broker stops it, before its checkpoint or a commit lands in the other store."""
+        try:
+            self.store._check_directory()
+        except StoreReplacedError as exc:
+            if not self._stop.is_set():
+                log.error("%s; the broker stops", exc)
+                self._stop.set()
 
     def _stats(self) -> dict[str, Any]:
         assert self.coordinator is not None  # (made by start(), before any connection)

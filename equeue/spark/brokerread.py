@@ -21,8 +21,8 @@ from equeue.spark.offsets import OffsetBounds
 from equeue.spark.stream import QueueRange, open_queues, read_range
 
 OPTIONS: Final = (
-    "broker", "tokenFile", "caFile", "topics", "topicPattern", "startingOffsets", "endingOffsets",
-    "failOnDataLoss",
+    "broker", "tokenFile", "caFile", "connectTimeout", "timeout", "topics", "topicPattern",
+    "startingOffsets", "endingOffsets", "failOnDataLoss",
 )  # fmt: skip
 
 

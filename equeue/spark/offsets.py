@@ -67,7 +67,10 @@ class OffsetBounds:
                 "the options 'topics' (names, comma-separated) and 'topicPattern' (a regular "
                 "expression), got " + ("both" if "topics" in given else "neither")
             )
-        kept = ("topics", "topicpattern", "failondataloss", "broker", "tokenfile", "cafile")
+        kept = (
+            "topics", "topicpattern", "failondataloss", "broker", "tokenfile", "cafile",
+            "connecttimeout", "timeout",
+        )  # fmt: skip
         # Through a broker there is no path (viabroker.py: the two are exclusive).
         where = {} if "broker" in given else {"path": given.get("path") or "(no path)"}
         stream = StreamOptions(where | {k: given[k] for k in kept if k in given})
@@ -142,7 +145,7 @@ class OffsetBounds:
                         f"{stop}"
                     )
                 if start < first:
-                    message = lost_message(path, topic, queue, start, min(first, stop))
+                    message = lost_message(path, topic, queue, start, first, min(first, stop))
                     if self.options.fail_on_data_loss:
                         raise DataLossError(
                             message + "; set failOnDataLoss=false to read what is left"

@@ -50,6 +50,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from equeue.errors import (
+    AuthenticationError,
     DataLossError,
     EQueueError,
     SparkOptionError,
@@ -88,6 +89,8 @@ OPTIONS: Final = (
     "broker",
     "tokenFile",
     "caFile",
+    "connectTimeout",
+    "timeout",
 )
 _KNOWN: Final = {name.lower(): name for name in OPTIONS}
 _INT32_MAX: Final = (1 << 31) - 1  # the queue_id column is an int, queue_offset a long
@@ -279,6 +282,19 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _ranges(self) -> dict[str, dict[str, tuple[int, int]]]:
         """(first, next) offset of every queue of the topics read, as the store has them now."""
+        try:
+            return self._ranges_now()
+        except AuthenticationError:
+            if not isinstance(self._store, BrokerQueues):
+                raise
+            # The driver's client reconnects with the token it read when it connected; the
+            # token file may hold a new one since (rotated with a broker restart, reviewc
+            # F5): connect once more, reading it again, as every task does.
+            self._store.close()
+            self._store = None
+            return self._ranges_now()
+
+    def _ranges_now(self) -> dict[str, dict[str, tuple[int, int]]]:
         if self._store is None:
             self._store = open_queues(self.options)
         store = self._store
@@ -467,9 +483,15 @@ def fair_shares(available: Mapping[tuple[str, str], int], limit: int | None) -> 
     return takes
 
 
-def lost_message(path: str, topic: str, queue: str | int, wanted: int, first: int) -> str:
+def lost_message(
+    path: str, topic: str, queue: str | int, wanted: int, first: int, lost_end: int | None = None
+) -> str:
+    """Offsets ``wanted`` to ``lost_end`` - 1 (by default to ``first`` - 1) are gone, the
+    queue's ``first`` offset is past them (for a range planned wholly below it, its end
+    is not the first one available: reviewc F6)."""
+    end = first if lost_end is None else lost_end
     return (
-        f"topic {topic!r} queue {queue}: offsets {wanted} to {first - 1} were removed "
+        f"topic {topic!r} queue {queue}: offsets {wanted} to {end - 1} were removed "
         f"(retention, or the topic was deleted) before the query read them: it wanted offset "
         f"{wanted}, the first one available is {first}, in {path}"
     )
@@ -496,7 +518,7 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
             loss(f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: {exc}")
             return
         if offset < first:
-            loss(lost_message(options.path, topic, queue, offset, min(first, end)))
+            loss(lost_message(options.path, topic, queue, offset, first, min(first, end)))
             offset = first
         holes: list[tuple[int, int]] = []  # offsets with no message: compaction's, or lost
         pending: list[Message] = []
@@ -542,7 +564,7 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
                 now_first = end  # deleted meanwhile: every hole is gone for good
             gone = [(a, min(b, now_first)) for a, b in holes if a < now_first]
             for a, b in gone:
-                loss(lost_message(options.path, topic, queue, a, b))
+                loss(lost_message(options.path, topic, queue, a, now_first, b))
     finally:
         store.close()
 

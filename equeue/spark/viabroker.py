@@ -10,8 +10,10 @@ executor), never carried in an option: Spark logs a plan's options.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import stat
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
@@ -31,6 +33,10 @@ if TYPE_CHECKING:
 BROKER: Final = "broker"
 TOKEN_FILE: Final = "tokenFile"
 CA_FILE: Final = "caFile"
+# The client's waits, in seconds: for a broker to accept a connection (also each
+# reconnection: a broker restarted within it is waited for), and for an answer.
+CONNECT_TIMEOUT: Final = "connectTimeout"
+TIMEOUT: Final = "timeout"
 CLIENT_NAME: Final = "equeue-spark"
 HEAD_GUESS: Final = 256  # bytes of a pulled message on the wire besides its body
 
@@ -52,7 +58,7 @@ def broker_url(options: Mapping[str, str]) -> str | None:
     url = option(options, BROKER)
     token_file = option(options, TOKEN_FILE)
     if url is None:
-        for name in (TOKEN_FILE, CA_FILE):
+        for name in (TOKEN_FILE, CA_FILE, CONNECT_TIMEOUT, TIMEOUT):
             if option(options, name) is not None:
                 raise SparkOptionError(
                     f"option {name} is for a broker: give option({BROKER!r}, URL) with it"
@@ -85,18 +91,60 @@ def read_token(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TOKEN_BYTES + 1)
+        # O_NONBLOCK: a FIFO (a secret handed over as <(...)) does not hold the open until
+        # a writer comes; it is refused below, as it would be read once, not on every node.
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            data = os.read(fd, MAX_TOKEN_BYTES + 1) if regular else b""
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise SparkOptionError(
             f"option {TOKEN_FILE}={path!r}: cannot read it on this node "
             f"({exc.strerror or exc}); it must be readable at that path on the driver and "
             "on every executor"
         ) from None
+    if not regular:
+        raise SparkOptionError(
+            f"option {TOKEN_FILE}={path!r} is not a regular file (a pipe or a device is "
+            "read once at most, and the driver and every executor read the token file): "
+            "give a file"
+        )
     problem = token_problem(data)
     if problem is not None:
         raise SparkOptionError(f"option {TOKEN_FILE}={path!r}: the file {problem}")
     return token_of(data)
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(path)
+
+
+def _absolute_unix(url: str) -> str:
+    """A ``unix:`` URL of a relative socket path made absolute (reviewc F1: the driver
+    connected from its working directory, every executor failed after connect_timeout)."""
+    if not url.startswith("unix:"):
+        return url
+    path = url[len("unix:") :]
+    if path.startswith("//"):  # unix:///run/eq.sock (parse_url's form)
+        path = path[2:]
+    return "unix:" + os.path.abspath(path)
+
+
+def _seconds(options: Mapping[str, str], name: str, default: float) -> float:
+    text = option(options, name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1e9:  # (NaN fails it too) the client's bounds
+        raise SparkOptionError(
+            f"option {name}={text!r}: give seconds, a number > 0 (default {default:g})"
+        )
+    return value
 
 
 class BrokerAddress:
@@ -106,9 +154,15 @@ class BrokerAddress:
         url = broker_url(options)
         if url is None:
             raise SparkOptionError(f"option {BROKER} is missing")
-        self.url = url
-        self.token_file = option(options, TOKEN_FILE)
-        self.ca_file = option(options, CA_FILE)  # None: the system's CAs
+        self.url = _absolute_unix(url)
+        # Absolute on the driver, as the store path is: an executor's working directory
+        # is not the driver's, and each reads the files again (reviewc F1).
+        self.token_file = _absolute(option(options, TOKEN_FILE))
+        self.ca_file = _absolute(option(options, CA_FILE))  # None: the system's CAs
+        from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT
+
+        self.connect_timeout = _seconds(options, CONNECT_TIMEOUT, DEFAULT_CONNECT_TIMEOUT)
+        self.timeout = _seconds(options, TIMEOUT, DEFAULT_TIMEOUT)
         read_token(self.token_file)  # on the driver first: a bad path fails the plan
 
     def connect(self) -> Client:
@@ -121,6 +175,8 @@ class BrokerAddress:
                 self.url,
                 token=read_token(self.token_file),
                 cafile=self.ca_file,
+                connect_timeout=self.connect_timeout,
+                timeout=self.timeout,
                 client_name=f"{CLIENT_NAME} pid {os.getpid()}",
             )
         except ConfigError as exc:  # (the URL was parsed on the driver: a CA file it is)

@@ -56,6 +56,7 @@ def write_checkpoint(store: MessageStore, *, flush: bool, settle: bool = True) -
                 store._log_tail = None
             elif tail is not None and last.synced_end >= tail_end:
                 store._log_tail = tail
+            store._check_directory()
             write_json(
                 store.path / CHECKPOINT_FILE,
                 {"log_position": position, "queues": queues, "key_index": position}
@@ -84,6 +85,7 @@ def note_retention(
     the queues' new first offsets (``starts``, if the caller found them), so a crash
     mid-deletion is not reported as a loss. The caller holds the checkpoint lock and the
     write lock."""
+    store._check_directory()  # raising: retention then deletes nothing
     path = store.path / CHECKPOINT_FILE
     body: Any = None
     with contextlib.suppress(OSError, EQueueError):  # none or damaged: nothing to compare

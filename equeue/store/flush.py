@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.fileops import write_error
 from equeue.chunks.writer import ChunkWriter
-from equeue.errors import ClosedError, StoreWriteError
+from equeue.errors import ClosedError, StoreReplacedError, StoreWriteError
 from equeue.store.config import StoreConfig
 
 log = logging.getLogger("equeue.flush")
@@ -235,6 +235,9 @@ def run_service(host: ServiceHost, stop: threading.Event) -> None:
                 _turn_succeeded(host, attempt)
             host._adopt_compacted(blocking=False)
         except ClosedError:
+            return
+        except StoreReplacedError as exc:  # sticky: every later turn would fail the same
+            log.error("the store's service stops: %s", exc)
             return
         except StoreWriteError as exc:
             log.error(

@@ -508,6 +508,7 @@ def commit_group(
 ) -> None:
     """``commit_group_file`` by a handle: a writer's moves a damaged group file aside and
     goes on from what it last read of it."""
+    store._check_directory()
     commit_group_file(store.path, group, positions, deleted, files=store._group_files)
 
 
@@ -548,6 +549,7 @@ def set_offset(store: MessageStore, group: str, topic: str, queue_id: int, offse
     leaves the offset committed before (the group file's higher value still wins), not
     ``offsets.json``'s older value. A failure leaves both files as they were, but for a
     damaged group file, which is moved aside and written again first (as by a commit)."""
+    store._check_directory()
     offsets = {g: _copy(ts) for g, ts in store._offsets.items()}
     offsets.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
     directory, files = store.path / CONSUMERS_DIR, store._group_files

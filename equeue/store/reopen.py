@@ -79,7 +79,9 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
 def release_files(store: MessageStore) -> None:
     """Close every file; the first failure is raised after all were tried."""
     closers = [store._keys.close, store._messages.close]
-    if not store.read_only:  # the topics journal folded into topics.json: a clean close
+    if not store.read_only and (store._guard is None or store._guard.failure is None):
+        # the topics journal folded into topics.json: a clean close (never into a store
+        # made again under this writer: its topics.json is not this store's)
         closers.append(lambda: store._topics_file.close(*topics_state(store)))
     else:
         closers.append(store._topics_file.close_fd)

@@ -43,6 +43,7 @@ from equeue.store import (
 )
 from equeue.store.append import Appender
 from equeue.store.config import StoreConfig
+from equeue.store.dirguard import DirectoryGuard
 from equeue.store.flush import GroupCommit, flush_recorded, run_service
 from equeue.store.keyindex import KeyIndex, open_writer_index
 from equeue.store.livetail import LiveTailWriter, current_boot_id, read_live_tail
@@ -108,10 +109,13 @@ class MessageStore:
         self._closed = False
         self._meta_problems: list[str] = []
         self._lock_file = None
+        self._guard: DirectoryGuard | None = None  # a writer's: STORE still the one it locked
         if not read_only:
             validate.make_store_dir(path)
             self._lock_file = take_lock(path)
         try:
+            if self._lock_file is not None:
+                self._guard = DirectoryGuard(path, self._lock_file.fileno())
             self.store_id, self.config = open_identity(path, config, create=not read_only)
             self._open()
         except BaseException:
@@ -366,6 +370,7 @@ class MessageStore:
     _start_flush = storeupkeep._start_flush
     _set_flush_error = storeupkeep._set_flush_error
     _checkpoint = storeupkeep._checkpoint
+    _check_directory = storeupkeep._check_directory
     _checkpoint_due = storeupkeep._checkpoint_due
     _adopt_compacted = storeupkeep._adopt_compacted
     _adopt_compacted_locked = storeupkeep._adopt_compacted_locked

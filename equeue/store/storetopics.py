@@ -42,6 +42,7 @@ def create_topic(
     validate.check_topic(topic)
     with self._lock:
         self._check_writable()
+        self._check_directory()  # before any queue directory or topics file is written
         # (by name: this module's topics() would shadow the topics module)
         create_or_change(self, topic, queue_count, cleanup, retention, delete_retention)
 

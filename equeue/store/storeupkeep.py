@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from equeue.chunks import ChunkManager
 from equeue.chunks.config import MiB
 from equeue.compaction import commit as compaction_commit
-from equeue.errors import CompactionError, StoreWriteError
+from equeue.errors import CompactionError, StoreReplacedError, StoreWriteError
 from equeue.store import follow, validate
 from equeue.store.checkpoint import write_checkpoint
-from equeue.store.flush import flush_recorded, record_flush_failure
+from equeue.store.flush import STICKY_ATTEMPT, flush_recorded, record_flush_failure
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -74,6 +74,18 @@ def _set_flush_error(self: MessageStore, error: StoreWriteError | None, attempt:
 
 def _checkpoint(self: MessageStore, *, flush: bool, settle: bool = True) -> None:
     write_checkpoint(self, flush=flush, settle=settle)
+
+
+def _check_directory(self: MessageStore) -> None:
+    """Before a writer's metadata write by path: StoreReplacedError if STORE or STORE/LOCK
+    is not what this writer opened (dirguard.py); sends are refused from then on."""
+    if self._guard is None:  # read-only: it writes only consumers/, by path, as asked
+        return
+    try:
+        self._guard.check()
+    except StoreReplacedError as exc:
+        self._set_flush_error(exc, STICKY_ATTEMPT)
+        raise
 
 
 def _checkpoint_due(self: MessageStore) -> bool:
