@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equeue.errors import PositionNotFoundError
@@ -111,6 +112,12 @@ def _lowest_reader(store: MessageStore) -> Reader | None:
     lowest: Reader | None = None
     below = store._messages.committed_position + 1
     offsets = committed(store)  # also what read-only consumers committed
+    unknown = store._group_files.unknown
+    if unknown:  # a group whose offsets nobody knows: fail safe, keep everything
+        exc = unknown[0]
+        group = "?" if exc.file is None else Path(exc.file).stem
+        first = store._messages.first_position
+        return Reader(group, "", 0, 0, first, committed=False, damaged=str(exc))
     for group, groups in offsets.items():
         for topic, queue_offsets in groups.items():
             for queue_id, offset in queue_offsets.items():

@@ -34,6 +34,9 @@ class Reader:
     offset: int
     position: int
     committed: bool = True
+    # a group file no offsets of which are known (unreadable, never read whole): its
+    # error; the reader then holds the whole log (reviewf F9)
+    damaged: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,13 @@ class Hold:
 
     def describe(self) -> str:
         reader = self.reader
+        if reader.damaged is not None:
+            return (
+                f"retention held: a consumer group file cannot be read ({reader.damaged}), so "
+                "what that group has consumed is unknown and retention_respects_consumers "
+                "(--retention-respects-consumers) removes nothing; the group's next commit "
+                "rewrites the file, or move it out of consumers/ (equeue verify names it)"
+            )
         where = f"{reader.topic}/{reader.queue_id} offset {reader.offset}"
         if not reader.committed:
             where += " (not committed yet: counted from the queue's first offset)"
@@ -74,6 +84,7 @@ class Hold:
             "queue": f"{reader.topic}/{reader.queue_id}",
             "offset": reader.offset,
             "committed": reader.committed,
+            "damaged": reader.damaged,
             "log_bytes": self.log_bytes,
             "max_store_bytes": self.max_store_bytes,
             "expired": self.expired,
