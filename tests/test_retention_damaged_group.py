@@ -14,6 +14,7 @@ import pytest
 
 from equeue import MessageStore, StoreConfig
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
+from equeue.server.status import render_stats
 from equeue.store.offsets import file_name
 from equeue.store.retentionhold import retention_hold
 
@@ -74,6 +75,8 @@ def test_a_group_file_never_read_whole_holds_retention(
         assert hold is not None and hold.reader.damaged is not None
         assert "h.json" in hold.as_stats()["damaged"]
         assert "cannot be read" in caplog.text and "move it out of consumers/" in caplog.text
+        shown = render_stats({"retention_held": hold.as_stats()})
+        assert "retention held by an unreadable consumer group file (" in shown, shown
         # moved away (what the operator is told), retention goes on up to g's offset
         (tmp_path / "s" / "consumers" / file_name("h")).rename(tmp_path / "h.json")
         assert store.apply_retention(now=later()) > 0

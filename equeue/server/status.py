@@ -124,9 +124,13 @@ def _retry_and_retention(stats: dict[str, Any]) -> list[str]:
     held = stats.get("retention_held")
     if isinstance(held, dict):
         over = held.get("max_store_bytes")
+        by = (
+            f"group {held.get('group')!r} at {held.get('queue')} offset {held.get('offset')}"
+            if held.get("damaged") is None
+            else f"an unreadable consumer group file ({held.get('damaged')})"
+        )
         lines.append(
-            f"retention held by group {held.get('group')!r} at {held.get('queue')} offset "
-            f"{held.get('offset')} for {held.get('since_s')} s: log {held.get('log_bytes')} "
+            f"retention held by {by} for {held.get('since_s')} s: log {held.get('log_bytes')} "
             f"bytes{f' (max_store_bytes {over})' if over is not None else ''}"
             f"{', past retention' if held.get('expired') else ''}"
         )
