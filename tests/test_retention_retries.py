@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from equeue import MessageStore, StoreConfig
+from equeue.errors import ChunkRemovedError
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
 from equeue.server import retry
 from equeue.server.groups import GroupCoordinator
@@ -121,7 +122,7 @@ def test_without_respecting_consumers_a_lost_retry_is_logged_and_counted_once(
         assert RETRY not in store.topics() or store.queue_range(RETRY, 0) == (0, 0)
         assert coord.retries.lost_to_retention == 1
         assert retry_and_retention(store, coord.retries)["retry"] == {
-            "moved": 0, "dead_lettered": 0, "pending": 0, "lost_to_retention": 1,
+            "moved": 0, "dead_lettered": 0, "pending": 0, "lost_to_retention": 1, "nacked_removed": 0,
         }  # fmt: skip
         said = [r.getMessage() for r in caplog.records if "before they were due" in r.message]
         assert len(said) == 1, said
@@ -204,3 +205,31 @@ def test_committing_an_idle_groups_offsets_to_the_end_releases_its_hold(
     assert sum(chunk.file_size for chunk in pinned._messages) < size
     assert retention_hold(pinned) is None
     assert any("no longer held (it was by group 'old')" in r.message for r in caplog.records)
+
+
+def test_a_nack_of_a_message_retention_removed_is_answered_and_counted(
+    tmp_path: Path, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # reviewf F8: the nack raised (ChunkRemovedError, CompactedAwayError through the broker),
+    # the client reset its membership and the broker logged its join again as a fencing;
+    # nothing was retried or counted
+    with open_store(tmp_path / "s", retention=dt.timedelta(seconds=1)) as store:
+        store.create_topic("t", 1)
+        coord = GroupCoordinator(store, clock=clock, wall_clock=clock, retry_delays=DELAYS)
+        answer = coord.join("g", "a", ["t"], 600_000)
+        handed = store.send("t", b"handed out, then removed")
+        for _ in range(40):
+            store.send("t", FILLER)
+        assert store.apply_retention(now=later()) > 0
+        with pytest.raises(ChunkRemovedError):
+            store.get(handed.message_id)
+        join_id = answer["join_id"]
+        coord.nack("g", "a", handed.message_id, 0, join_id=join_id)  # no error
+        assert coord.retries.stats()["nacked_removed"] == 1
+        assert coord.retries.stats()["moved"] == 0 and coord.retries.pending() == 0
+        assert "not retried" in caplog.text
+        coord.heartbeat("g", "a", join_id=join_id)  # still the member it was
+        # the control: a nack of a message still there is retried as before
+        kept = store.send("t", b"kept")
+        coord.nack("g", "a", kept.message_id, 0, join_id=join_id)
+        assert coord.retries.stats()["nacked_removed"] == 1

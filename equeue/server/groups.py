@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue.errors import (
+    ChunkRemovedError,
+    CompactedAwayError,
     FencedMemberError,
     GroupError,
     InvalidMessageError,
@@ -328,7 +330,15 @@ class GroupCoordinator:
         """Send the message back for a retry after a delay, or to the dead-letter topic
         once it was retried ``max_retries`` times (equeue/server/retry.py)."""
         state, member = self._member(group, consumer, join_id)
-        message = self.store.get(message_id)
+        try:
+            message = self.store.get(message_id)
+        except (CompactedAwayError, ChunkRemovedError) as exc:
+            # Removed since it was handed out: no copy can be made, and nothing else is
+            # done. Answered as done, so the member goes on (an error reset its membership,
+            # which the broker then logged as a fencing): reviewf F8.
+            self.retries.nacked_removed += 1
+            log.warning("group %r: nack of message %s not retried: %s", group, message_id, exc)
+            return
         self.check_owner(group, consumer, message.topic, message.queue_id, join_id)
         if message.topic != retry.retry_topic(group) and message.topic not in state.topics:
             raise GroupError(f"message {message_id} of {message.topic} is not group {group!r}'s")

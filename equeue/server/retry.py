@@ -179,6 +179,9 @@ class Retries:
         self.moved = 0  # copies moved to retry topics (stats)
         self.dead = 0  # messages sent to dead-letter topics
         self.lost_to_retention = 0  # copies retention removed before they were moved
+        # nacks of a message compaction or retention removed after it was handed out:
+        # nothing left to retry (reviewf F8)
+        self.nacked_removed = 0
         # The cursors were set aside (below): a queue's first look may find copies it
         # had moved removed by retention, not lost; which queues it has not looked at.
         self._cursors_guessed: set[int] = set()
@@ -531,6 +534,7 @@ class Retries:
             "dead_lettered": self.dead,
             "pending": self.pending(),
             "lost_to_retention": self.lost_to_retention,
+            "nacked_removed": self.nacked_removed,
         }
 
     def pending(self) -> int:
