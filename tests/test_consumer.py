@@ -218,6 +218,32 @@ def test_latest_never_commits_over_a_groups_backlog(
     assert "has not committed" not in caplog.text
 
 
+def test_a_start_over_offsets_retention_removed_commits_as_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # review3 R1: the rule above took offsets retention had removed for a backlog, and
+    # "earliest" (whose start is never past the commit by choice) stopped committing
+    config = StoreConfig(chunk_data_size=MIN_CHUNK_DATA_SIZE, retention=dt.timedelta(seconds=1))
+    with MessageStore.open(tmp_path / "s", config) as store:
+        store.create_topic("t", 1)
+        for _ in range(60):
+            store.send("t", b"f" * 900)
+        store.commit_offset("g", "t", 0, 5)
+        store.apply_retention(now=time.time() + 60)
+        first, end = store.queue_range("t", 0)
+        assert first > 5
+        with store.consumer("g", "t", start="earliest", timeout=0) as consumer:
+            assert len(list(consumer)) == end - first
+        assert store.committed_offset("g", "t", 0) == end
+        assert "has not committed" not in caplog.text
+        # "latest" passes first..end-1, which g can still read: those, not 5.., are named
+        store.commit_offset("g", "t", 0, 5)
+        with store.consumer("g", "t", start="latest", timeout=0) as consumer:
+            assert list(consumer) == []
+        assert store.committed_offset("g", "t", 0) == 5
+        assert f"t/0 offsets {first}..{end - 1}" in caplog.text
+
+
 def test_an_offset_committed_past_the_end_starts_at_the_end(store: MessageStore) -> None:
     send_to(store, 0, 3)
     with store.consumer("g", "t") as consumer:

@@ -234,8 +234,11 @@ class Consumer:
                 self._positions[key] = self._processed[key] = at
                 if offset is not None:
                     self._committed[key] = offset
-                    if at > offset:
-                        self._skip_backlog(key, offset, at)
+                    # the backlog: what the group has not committed and can still read
+                    # (offsets retention removed are no one's backlog: review3 R1)
+                    backlog = max(offset, first)
+                    if start == "latest" and at > backlog:
+                        self._skip_backlog(key, backlog, at)
 
     def _skip_backlog(self, key: _Queue, committed: int, at: int) -> None:
         """A start past the group's committed offset (``"latest"``): a commit of this
