@@ -83,3 +83,18 @@ def test_a_group_file_never_read_whole_holds_retention(
         assert 0 < store.queue_range("t", 0)[0] <= 20
         held = retention_hold(store)
         assert held is not None and held.reader.group == "g"
+
+
+def test_a_deleted_topic_leaves_the_offsets_standing_for_a_damaged_file(tmp_path: Path) -> None:
+    # review3 R3: the last good offsets kept the deleted topic's 20, and the topic made
+    # again under the name was read from there: its first 20 messages never reached g
+    with open_store(tmp_path / "s") as store:
+        filled(store)
+        (tmp_path / "s" / "consumers" / file_name("g")).write_bytes(b"junk")
+        store.delete_topic("t")
+        store.create_topic("t", 1)
+        for i in range(5):
+            store.send("t", b"new%d" % i)
+        assert store.committed_offset("g", "t", 0) is None
+        with store.consumer("g", "t", timeout=0) as consumer:
+            assert [m.body for m in consumer] == [b"new%d" % i for i in range(5)]

@@ -284,6 +284,15 @@ class GroupFiles:
         problems.append((exc, "its offsets as last read are used until the group commits"))
         return cached[1], cached[2]
 
+    def forget_topic(self, name: str, topic: str) -> None:
+        """``topic`` deleted: its offsets gone from the last good parse of group file
+        ``name``, which stands for the file while it cannot be read (``_last_good``), so a
+        topic created again under the name is not read from the old one's offsets."""
+        cached = self._parsed.get(name)
+        if cached is not None and topic in cached[2]:
+            kept = {t: qs for t, qs in cached[2].items() if t != topic}
+            self._parsed[name] = (cached[0], cached[1], kept)
+
     def _report(self, found: list[tuple[CorruptionError, str]]) -> None:
         self.found = found
         for problem in self.problems:
@@ -552,7 +561,11 @@ def drop_topic(store_path: Path, topic: str, files: GroupFiles | None = None) ->
                 continue
             try:
                 _, group, offsets = _read_file(dir_fd, name, directory / name)
-            except (FileNotFoundError, CorruptionError):
+            except FileNotFoundError:
+                continue
+            except CorruptionError:
+                if files is not None:  # its last good offsets stand for it: not the topic's
+                    files.forget_topic(name, topic)  # (review3 R3)
                 continue
             if topic in offsets:
                 kept = {t: qs for t, qs in offsets.items() if t != topic}
