@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from server_helpers import short_dir
+from client_helpers import counting_loop
+from server_helpers import broker_with_topic_t, short_dir
 
 import equeue.aio
 from equeue import speedups
@@ -26,23 +26,7 @@ TASKS = 20
 ROUNDS = 5
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[BrokerThread]:
-    base = short_dir()
-    try:
-        with BrokerThread(base / "store") as thread:
-            thread.store.create_topic("t", 4)
-            yield thread
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
-class _Counting(asyncio.SelectorEventLoop):
-    soon = 0
-
-    def call_soon(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        self.soon += 1
-        return super().call_soon(*args, **kwargs)
+broker = pytest.fixture(broker_with_topic_t, scope="module", name="broker")
 
 
 async def _rounds(client: equeue.aio.AsyncClient) -> list[list[SendResult]]:
@@ -60,20 +44,7 @@ async def _rounds(client: equeue.aio.AsyncClient) -> list[list[SendResult]]:
 def test_a_groups_answer_runs_its_callers_tasks_without_call_soon(
     broker: BrokerThread, mode: str
 ) -> None:
-    loop: Any = _Counting()
-    if mode == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-
-        class _UVCounting(uvloop.Loop):  # type: ignore[misc,name-defined]
-            soon = 0
-
-            def call_soon(self, *args: Any, **kwargs: Any) -> Any:
-                self.soon += 1
-                return super().call_soon(*args, **kwargs)
-
-        loop.close()
-        loop = _UVCounting()
-    loop.set_debug(mode == "debug")
+    loop = counting_loop(mode)
 
     async def main() -> tuple[list[list[SendResult]], int, int]:
         client = await equeue.aio.connect(broker.urls[0])
