@@ -3,6 +3,7 @@ a real Unix socket, to hand the clients what a real broker never sends."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import select
 import shutil
@@ -225,3 +226,34 @@ def send_many_killed(
         producer.join(120)
     error: ConnectionLostError = outcome["error"]  # (the sends take far longer than the kill)
     return error
+
+
+class _Counting(asyncio.SelectorEventLoop):
+    soon = 0
+
+    def call_soon(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.soon += 1
+        return super().call_soon(*args, **kwargs)
+
+
+def counting_loop(mode: str) -> Any:
+    """A new event loop counting its call_soon calls (``soon``): asyncio's selector loop
+    (``mode`` "asyncio", or "debug": in debug mode) or uvloop's ("uvloop"; the test is
+    skipped without it)."""
+    loop: Any = _Counting()
+    if mode == "uvloop":
+        import pytest
+
+        uvloop = pytest.importorskip("uvloop")
+
+        class _UVCounting(uvloop.Loop):  # type: ignore[misc,name-defined]
+            soon = 0
+
+            def call_soon(self, *args: Any, **kwargs: Any) -> Any:
+                self.soon += 1
+                return super().call_soon(*args, **kwargs)
+
+        loop.close()
+        loop = _UVCounting()
+    loop.set_debug(mode == "debug")
+    return loop

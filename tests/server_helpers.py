@@ -36,6 +36,20 @@ def short_home() -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def broker_with_topic_t() -> Iterator[Any]:
+    """A BrokerThread whose store has topic t of 4 queues, in a short_dir removed
+    afterwards: ``broker = pytest.fixture(broker_with_topic_t, scope="module", name=...)``."""
+    from equeue.server import BrokerThread
+
+    base = short_dir()
+    try:
+        with BrokerThread(base / "store") as thread:
+            thread.store.create_topic("t", 4)
+            yield thread
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 class Raw:
     """One connection speaking the protocol by hand: every version the package speaks
     unless ``versions`` says (the broker refuses an op above the version it chose)."""

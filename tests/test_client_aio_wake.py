@@ -13,12 +13,11 @@ import random
 import select
 import shutil
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from client_helpers import WELCOME, FakeBroker, Peer, temporary_broker
-from server_helpers import short_dir
+from client_helpers import WELCOME, FakeBroker, Peer, counting_loop, temporary_broker
+from server_helpers import broker_with_topic_t, short_dir
 
 import equeue.aio
 from equeue import MessageStore, speedups
@@ -32,15 +31,7 @@ needs_c = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="no C accelerator
 RESULT: list[Any] = ["0123456789abcdef01234567", "t", 1, 2, 3, 1.5e9]
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[BrokerThread]:
-    base = short_dir()
-    try:
-        with BrokerThread(base / "store") as thread:
-            thread.store.create_topic("t", 4)
-            yield thread
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+broker = pytest.fixture(broker_with_topic_t, scope="module", name="broker")
 
 
 def _stored(broker: BrokerThread, result: SendResult) -> bytes:
@@ -54,14 +45,6 @@ def _settled(client: equeue.aio.AsyncClient) -> bool:
     return protocol.free == protocol.max_in_flight and not protocol.pending and not protocol.queued
 
 
-class _Counting(asyncio.SelectorEventLoop):
-    soon = 0
-
-    def call_soon(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        self.soon += 1
-        return super().call_soon(*args, **kwargs)
-
-
 @needs_c
 @pytest.mark.parametrize("mode", ["asyncio", "debug", "uvloop"])
 def test_an_answer_read_in_c_wakes_its_task_without_call_soon(
@@ -70,20 +53,7 @@ def test_an_answer_read_in_c_wakes_its_task_without_call_soon(
     """40 sends one at a time: read in C, each task woken in the read (no call_soon a
     send; before: one each). In debug mode and on uvloop every wake-up goes through
     call_soon."""
-    loop: Any = _Counting()
-    if mode == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-
-        class _UVCounting(uvloop.Loop):  # type: ignore[misc,name-defined]
-            soon = 0
-
-            def call_soon(self, *args: Any, **kwargs: Any) -> Any:
-                self.soon += 1
-                return super().call_soon(*args, **kwargs)
-
-        loop.close()
-        loop = _UVCounting()
-    loop.set_debug(mode == "debug")
+    loop = counting_loop(mode)
 
     async def main() -> tuple[list[SendResult], int, int]:
         client = await equeue.aio.connect(broker.urls[0])
@@ -291,7 +261,7 @@ def test_an_answer_read_while_another_task_runs_wakes_its_task_through_call_soon
     into task ... while another task ... is being executed"), so it goes through call_soon
     and its answer comes after the reading task yields. Round 12 reads the running task
     from asyncio's dict instead of calling current_task."""
-    loop = _Counting()
+    loop = counting_loop("asyncio")
     handled: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, context: handled.append(context))
 

@@ -346,6 +346,14 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
             self.transport.write(self.out[0] if len(self.out) == 1 else b"".join(self.out))
             self.out.clear()
 
+    def write_out(self) -> None:
+        """What was made of this turn so far, written now (a coalesced group's part: the
+        rest of the turn is written by the ``_flush`` already scheduled)."""
+        out = self.out
+        if out and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
     def _watch(self) -> None:
         now = time.monotonic()
         for _, _, deadline in self.pending.values():
