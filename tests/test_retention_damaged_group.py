@@ -98,3 +98,28 @@ def test_a_deleted_topic_leaves_the_offsets_standing_for_a_damaged_file(tmp_path
         assert store.committed_offset("g", "t", 0) is None
         with store.consumer("g", "t", timeout=0) as consumer:
             assert [m.body for m in consumer] == [b"new%d" % i for i in range(5)]
+
+
+def test_a_group_file_set_aside_at_open_holds_retention_until_the_group_commits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # review3 R5: damaged while no writer ran, the file was moved to consumers/recovered/
+    # at the next open, the group forgotten, and the first retention turn removed its
+    # backlog (t/0 then began at 56; g had committed 20)
+    caplog.set_level(logging.WARNING)
+    with open_store(tmp_path / "s") as store:
+        filled(store)
+    (tmp_path / "s" / "consumers" / file_name("g")).write_bytes(b"junk")
+    with open_store(tmp_path / "s") as store:
+        (moved,) = (tmp_path / "s" / "consumers" / "recovered").iterdir()
+        assert store.apply_retention(now=later()) == 0
+        hold = retention_hold(store)
+        assert hold is not None and moved.name in hold.as_stats()["damaged"]
+        assert "delete that copy to release retention" in caplog.text
+    with open_store(tmp_path / "s") as store:  # across a restart too
+        assert store.apply_retention(now=later()) == 0
+        # the group commits again (here from its start): the hold ends at its offsets
+        with store.consumer("g", "t", timeout=0) as consumer:
+            assert len(consumer.poll(10)) == 10
+        assert store.apply_retention(now=later()) > 0
+        assert 0 < store.queue_range("t", 0)[0] <= 10

@@ -284,6 +284,25 @@ class GroupFiles:
         problems.append((exc, "its offsets as last read are used until the group commits"))
         return cached[1], cached[2]
 
+    def set_aside(self) -> list[str]:
+        """Group files moved to ``consumers/recovered/`` (damaged: by a writer's open or a
+        commit) whose group has not committed since (no ``consumers/NAME`` again): their
+        offsets are unknown to every handle, across restarts too, so retention with
+        ``retention_respects_consumers`` holds while there are any (review3 R5). The
+        recovered copies' names, oldest first."""
+        try:
+            here = set(os.listdir(self.directory))
+            moved = os.listdir(self.directory / RECOVERED_DIR)
+        except OSError:  # no consumers/ or no recovered/ (or not readable: said elsewhere)
+            return []
+        found = []
+        for entry in moved:
+            name, _, rest = entry.rpartition(".json.")
+            stamp, _, suffix = rest.partition(".")
+            if name and suffix == "damaged" and stamp.isdigit() and f"{name}.json" not in here:
+                found.append((int(stamp), entry))
+        return [entry for _, entry in sorted(found)]
+
     def forget_topic(self, name: str, topic: str) -> None:
         """``topic`` deleted: its offsets gone from the last good parse of group file
         ``name``, which stands for the file while it cannot be read (``_last_good``), so a

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equeue.errors import PositionNotFoundError
-from equeue.format.chunk import HEADER_SIZE, parse_chunk_file_name
+from equeue.format.chunk import HEADER_SIZE, RECOVERED_DIR, parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.protocol.retries import DELAY_TOPIC, MOVER_GROUP, RETRY_PREFIX
 from equeue.store.checkpoint import note_retention
+from equeue.store.meta import CONSUMERS_DIR
 from equeue.store.offsets import committed
 from equeue.store.queuerebuild import points_at_its_message
 from equeue.store.retentionhold import Reader, note_hold
@@ -112,12 +113,26 @@ def _lowest_reader(store: MessageStore) -> Reader | None:
     lowest: Reader | None = None
     below = store._messages.committed_position + 1
     offsets = committed(store)  # also what read-only consumers committed
-    unknown = store._group_files.unknown
+    files = store._group_files
+    unknown = files.unknown
+    first = store._messages.first_position
     if unknown:  # a group whose offsets nobody knows: fail safe, keep everything
         exc = unknown[0]
         group = "?" if exc.file is None else Path(exc.file).stem
-        first = store._messages.first_position
-        return Reader(group, "", 0, 0, first, committed=False, damaged=str(exc))
+        why = (
+            f"a consumer group file cannot be read ({exc}): the group's next commit "
+            "rewrites it, or move it out of consumers/ (equeue verify names it)"
+        )
+        return Reader(group, "", 0, 0, first, committed=False, damaged=why)
+    set_aside = files.set_aside()
+    if set_aside:  # the same, for a file a writer's open moved aside (review3 R5)
+        entry = set_aside[0]
+        group = entry.partition(".json.")[0]
+        why = (
+            f"{CONSUMERS_DIR}/{RECOVERED_DIR}/{entry} was set aside damaged and its group "
+            "has not committed since; delete that copy to release retention"
+        )
+        return Reader(group, "", 0, 0, first, committed=False, damaged=why)
     for group, groups in offsets.items():
         for topic, queue_offsets in groups.items():
             for queue_id, offset in queue_offsets.items():

@@ -55,10 +55,9 @@ class Hold:
         reader = self.reader
         if reader.damaged is not None:
             return (
-                f"retention held: a consumer group file cannot be read ({reader.damaged}), so "
-                "what that group has consumed is unknown and retention_respects_consumers "
-                "(--retention-respects-consumers) removes nothing; the group's next commit "
-                "rewrites the file, or move it out of consumers/ (equeue verify names it)"
+                f"retention held: {reader.damaged}; what that group has consumed is unknown, "
+                "so retention_respects_consumers (--retention-respects-consumers) removes "
+                "nothing meanwhile"
             )
         where = f"{reader.topic}/{reader.queue_id} offset {reader.offset}"
         if not reader.committed:
