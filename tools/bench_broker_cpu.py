@@ -10,7 +10,12 @@ one message's cost without the interpreter's start. Cases:
 ``send1``: one send per read; ``batch``: one ``send_batch`` of 100 per read; ``bodies``:
 one ``send_bodies`` of 100 per read (protocol version 2, the clients' batch of bytes);
 ``durable``: ``--flush sync``, 64 connections with one send each per round, each round
-awaiting its fdatasync and answers (the flusher thread's instructions count too).
+awaiting its fdatasync and answers (the flusher thread's instructions count too);
+``group``: a consumer group's member reading a 1-queue topic of 100 B messages, one
+``pull_columns`` of 100 (tools/bench_broker.py's consume batch) per read at the next
+offset, with the member's group, consumer and join id (the owner check), as
+GroupConsumer sends it; the topic is filled and the reads encoded for the 2N run in both
+runs, so the difference is the pulls' alone (per message: a pull's cost / 100).
 ``--src DIR`` measures the equeue package under DIR (for before/after); ``--direct``
 runs a case once, timed by ``time.process_time``, without valgrind.
 
@@ -39,9 +44,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-CASES = ("send", "send1", "batch", "bodies", "durable")
+CASES = ("send", "send1", "batch", "bodies", "durable", "group")
 BODY = b"x" * 100
 DURABLE_PEERS = 64
+GROUP_BATCH = 100  # a member's pull (tools/bench_broker.py's consume: batch_size 100)
+PER_READ = {"send": 100, "send1": 1, "batch": 100, "bodies": 100, "durable": 1}
+PER_READ["group"] = GROUP_BATCH
 
 
 class FakeTransport:
@@ -62,6 +70,7 @@ class FakeTransport:
 
     def write(self, data: bytes) -> None:
         self.writes += 1
+        self.last = data  # (the group case reads its join's and last pull's answers)
 
     def close(self) -> None:
         pass
@@ -94,8 +103,42 @@ def _feed(connection: Any, data: bytes) -> None:
     connection.buffer_updated(len(data))
 
 
-async def _run(case: str, count: int, directory: Path) -> tuple[float, int]:
-    """CPU seconds of the measured part, and messages sent in it."""
+def _answer(transport: FakeTransport, where: str) -> Any:
+    """The result of the last frame written (one answer a write here), or SystemExit."""
+    import msgpack
+
+    from equeue.protocol.frames import FRAME_HEADER_SIZE, STATUS_OK
+
+    _, status, result = msgpack.unpackb(transport.last[FRAME_HEADER_SIZE:], raw=False)
+    if status != STATUS_OK:
+        raise SystemExit(f"the {where} was refused: {result!r}")
+    return result
+
+
+def _group_reads(broker: Any, connection: Any, transport: FakeTransport, most: int) -> list[bytes]:
+    """The group case's set-up: topic ``t`` of one queue filled with ``most`` pulls' worth
+    of messages, member ``c0`` of group ``g`` joined, and ``most`` pull_columns requests
+    of the member at successive offsets, encoded."""
+    from equeue.protocol.frames import encode
+
+    broker.store.create_topic("t", 1)
+    for _ in range(most):
+        broker.store.send_batch("t", [BODY] * GROUP_BATCH)
+    member = {"group": "g", "consumer": "c0"}
+    join = member | {"topics": ["t"], "session_timeout_ms": 600_000}
+    _feed(connection, encode([1, "join", join]))
+    answer = _answer(transport, "join")
+    if answer.get("join_id") is not None:
+        member["join_id"] = answer["join_id"]
+    reads = []
+    for i in range(most):
+        pull = {"topic": "t", "queue_id": 0, "offset": i * GROUP_BATCH, "max_count": GROUP_BATCH}
+        reads.append(encode([2 + i, "pull_columns", pull | member]))
+    return reads
+
+
+async def _run(case: str, count: int, directory: Path, most: int) -> tuple[float, int]:
+    """CPU seconds of the measured part, and messages sent (or pulled) in it."""
     from equeue.protocol.frames import encode
     from equeue.protocol.handshake import Hello
     from equeue.server.config import ServerConfig
@@ -108,14 +151,19 @@ async def _run(case: str, count: int, directory: Path) -> tuple[float, int]:
     try:
         peers = DURABLE_PEERS if case == "durable" else 1
         connections = []
+        transport = FakeTransport()  # the first connection's
         for number in range(peers):
             connection = Connection(broker, "bench", number + 1)
-            connection.connection_made(FakeTransport())  # type: ignore[arg-type]
+            mine = transport if number == 0 else FakeTransport()
+            connection.connection_made(mine)  # type: ignore[arg-type]
             _feed(connection, encode(Hello(client="bench").pack()))
             connections.append(connection)
         # The same read each time (request ids repeat, which the broker allows): no set-up
         # grows with the count, so the difference of two counts is the broker's alone.
-        read = _read(case)
+        # (group: a read per offset, all made in the set-up of both runs alike)
+        if case == "group":
+            pulls = _group_reads(broker, connections[0], transport, most + 1)
+        read = pulls[0] if case == "group" else _read(case)
         for connection in connections:  # untimed warm-up
             _feed(connection, read)
         if broker.commit is not None:
@@ -123,7 +171,9 @@ async def _run(case: str, count: int, directory: Path) -> tuple[float, int]:
         await asyncio.sleep(0)
         started = time.process_time()
         started_thread = time.thread_time()
-        for _ in range(count):
+        for i in range(count):
+            if case == "group":
+                read = pulls[1 + i]
             for connection in connections:
                 _feed(connection, read)
             if broker.commit is not None:
@@ -131,17 +181,19 @@ async def _run(case: str, count: int, directory: Path) -> tuple[float, int]:
                 await asyncio.sleep(0)  # the answers' write callback
         spent = time.process_time() - started
         print(f"the loop thread's share: {(time.thread_time() - started_thread) / spent:.0%}")
-        per_read = {"send": 100, "send1": 1, "batch": 100, "bodies": 100, "durable": 1}[case]
-        return spent, count * per_read * peers
+        # group: answered with a batch, not refused (the owner check passed)
+        if case == "group" and len(transport.last) < GROUP_BATCH * len(BODY):
+            raise SystemExit(f"the last pull's answer is {_answer(transport, 'pull')!r}")
+        return spent, count * PER_READ[case] * peers
     finally:
         broker._ticker.cancel()
         broker.store.close()
 
 
-def child(case: str, count: int) -> None:
+def child(case: str, count: int, most: int) -> None:
     directory = Path(tempfile.mkdtemp(prefix="eqcpu", dir="/tmp"))
     try:
-        spent, messages = asyncio.run(_run(case, count, directory))
+        spent, messages = asyncio.run(_run(case, count, directory, max(most, count)))
         print(f"{case}: {spent / messages * 1e6:.3f} us CPU per message ({messages} messages)")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -254,7 +306,7 @@ def process(src: Path, sends: int) -> str:
     )
 
 
-def instructions(case: str, count: int, src: Path) -> int:
+def instructions(case: str, count: int, src: Path, most: int) -> int:
     with tempfile.TemporaryDirectory(prefix="eqcg", dir="/tmp") as out:
         target = Path(out) / "callgrind.out"
         env = dict(os.environ, PYTHONPATH=str(src))
@@ -262,6 +314,7 @@ def instructions(case: str, count: int, src: Path) -> int:
             [
                 "valgrind", "--tool=callgrind", f"--callgrind-out-file={target}",
                 sys.executable, __file__, "--child", case, "--count", str(count),
+                "--most", str(most),
             ],
             check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             timeout=3600,
@@ -287,9 +340,10 @@ def main() -> None:
         "--keep", type=Path, help="--process --callgrind: copy the outputs (a file a thread) here"
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--most", type=int, default=0, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
-        child(options.child, options.count)
+        child(options.child, options.count, options.most)
         return
     for case in options.cases:
         if case not in CASES:
@@ -328,10 +382,9 @@ def main() -> None:
                 subprocess.run(argv, check=True, env=env, timeout=3600)
                 continue
             n = options.count
-            per_read = {"send": 100, "send1": 1, "batch": 100, "bodies": 100}.get(
-                case, DURABLE_PEERS
-            )
-            cost = (instructions(case, 2 * n, src) - instructions(case, n, src)) / (n * per_read)
+            per_read = PER_READ[case] * (DURABLE_PEERS if case == "durable" else 1)
+            at_n, at_2n = (instructions(case, c, src, 2 * n) for c in (n, 2 * n))
+            cost = (at_2n - at_n) / (n * per_read)
             print(f"{case:8s} {src}: {cost:,.0f} instructions per message", flush=True)
 
 
