@@ -531,6 +531,25 @@ def test_relative_token_and_ca_files_are_made_absolute_on_the_driver(
             assert isinstance(client.topics(), list)
 
 
+def test_a_relative_unix_path_is_checked_as_it_is_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """review3 R4: the option's check parsed the relative form, and the absolute one,
+    past sun_path's 107 bytes, failed at every connect instead of at the plan."""
+    from equeue.spark.viabroker import BrokerAddress, broker_url
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.chdir(deep)
+    with pytest.raises(SparkOptionError, match="made absolute") as refused:
+        broker_url({"broker": "unix:s/broker.sock"})
+    assert "107" in str(refused.value) and "option broker" in str(refused.value)
+    with pytest.raises(SparkOptionError, match="made absolute"):
+        BrokerAddress({"broker": "unix:s/broker.sock"})
+    monkeypatch.chdir(tmp_path)  # the control: short enough from here
+    assert broker_url({"broker": "unix:s/broker.sock"}) == f"unix:{tmp_path}/s/broker.sock"
+
+
 def test_a_token_file_that_is_a_fifo_is_refused_at_once(broker: Broker, tmp_path: Path) -> None:
     """reviewc F4: open() of a FIFO waited for a writer for ever, on the driver, before
     any task; now it is refused as not a regular file (a directory too)."""

@@ -77,13 +77,15 @@ def broker_url(options: Mapping[str, str]) -> str | None:
     ca_file = option(options, CA_FILE)
     if ca_file is not None and not url.startswith("tls://"):
         raise SparkOptionError(f"option {CA_FILE} is for a tls:// broker, not {url!r}")
-    try:
-        parse_url(url)
+    absolute = _absolute_unix(url)
+    try:  # the URL every node connects to: a relative unix: path made absolute here
+        parse_url(absolute)
     except EQueueError as exc:
-        raise SparkOptionError(f"option {BROKER}={url!r}: {exc}") from None
+        made = f" (made absolute: {absolute!r})" if absolute != url else ""
+        raise SparkOptionError(f"option {BROKER}={url!r}{made}: {exc}") from None
     if token_file is not None and not token_file:
         raise SparkOptionError(f"option {TOKEN_FILE} is empty: give the token file's path")
-    return url
+    return absolute
 
 
 def read_token(path: str | None) -> str | None:
@@ -154,7 +156,7 @@ class BrokerAddress:
         url = broker_url(options)
         if url is None:
             raise SparkOptionError(f"option {BROKER} is missing")
-        self.url = _absolute_unix(url)
+        self.url = url  # (absolute: broker_url)
         # Absolute on the driver, as the store path is: an executor's working directory
         # is not the driver's, and each reads the files again (reviewc F1).
         self.token_file = _absolute(option(options, TOKEN_FILE))
