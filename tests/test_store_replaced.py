@@ -126,3 +126,44 @@ def test_the_embedded_writer_refuses_sends_and_writes_no_checkpoint(tmp_path: Pa
     with MessageStore.open(store, read_only=True) as reopened:
         assert reopened.recovery.problems == []
         assert reopened.topics() == ["u"]
+
+
+@pytest.mark.parametrize("fills", ["log", "queue"])
+def test_a_chunk_roll_creates_no_file_in_a_store_made_again_under_it(
+    tmp_path: Path, fills: str
+) -> None:
+    # review3 R2: the guard ran at checkpoints and metadata writes only; a writer went on
+    # rolling its log into the new store's messages/ (chunk files 2..11), which then no
+    # longer opened (MissingChunkError)
+    from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
+
+    store = tmp_path / "s"
+    # "log": 4 KiB log chunks roll every ~4 sends; "queue": a 1 MiB log chunk holds every
+    # send, and the queue's chunk of 342 entries (its least) rolls first
+    small = StoreConfig(
+        chunk_data_size=MIN_CHUNK_DATA_SIZE if fills == "log" else 1 << 20,
+        queue_chunk_records=342,
+        flush="os",
+    )
+    body = b"x" * (900 if fills == "log" else 1)
+    handle = MessageStore.open(store, small)
+    try:
+        handle.create_topic("t", 1)
+        for _ in range(8):
+            handle.send("t", body)
+        os.rename(store, tmp_path / "s.old")
+        with MessageStore.open(store, small) as other:
+            other.create_topic("t", 1)
+            other.send("t", b"the new store's")
+        before = sorted(p.relative_to(store) for p in store.rglob("*") if p.is_file())
+        with pytest.raises(StoreReplacedError):
+            for _ in range(400):
+                handle.send("t", body)
+        after = sorted(p.relative_to(store) for p in store.rglob("*") if p.is_file())
+        assert after == before
+    finally:
+        with pytest.raises(StoreReplacedError):
+            handle.close()
+    with MessageStore.open(store, read_only=True) as reopened:
+        assert reopened.recovery.problems == []
+        assert [m.body for m in reopened.pull("t", 0, 0, 10).messages] == [b"the new store's"]

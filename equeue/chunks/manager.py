@@ -32,6 +32,11 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
     nothing on disk and can ``refresh()`` to see what a writer added since.
     """
 
+    # Called before a chunk file is created (the store's directory guard: a writer whose
+    # STORE was moved or made again under it must not create files in the other store;
+    # review3 R2). None: nothing to check.
+    before_create: Callable[[], None] | None = None
+
     # --- context manager -----------------------------------------------------
 
     def __enter__(self) -> ChunkManager:
@@ -87,6 +92,8 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
         """
         with self._lock:
             self._check_writable()
+            if self.before_create is not None:
+                self.before_create()
             last = self.last_chunk
             if last is not None and not last.is_completed:
                 raise CorruptionError(

@@ -120,6 +120,7 @@ class Queue:
             ),
             read_only=self._read_only,
         )
+        manager.before_create = self._files.before_create
         self._manager = manager
         if self._expected is None:
             self.first_offset = max(self.first_offset, manager.first_position // QUEUE_RECORD_SIZE)

@@ -63,6 +63,8 @@ class QueueFiles:
         self._unsynced_lock = threading.Lock()
         self._failed: tuple[str, StoreWriteError] | None = None  # a failed fdatasync's
         self.on_sync_failure: Callable[[], None] | None = None
+        # every queue's ChunkManager.before_create (the store's directory guard)
+        self.before_create: Callable[[], None] | None = None
         # What opening a queue found and cut (its ChunkManager's recovery), for the store's
         # RecoveryReport: a queue opened at the store's open may be closed before it is made.
         self.problems: list[str] = []

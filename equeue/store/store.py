@@ -146,6 +146,8 @@ class MessageStore:
         self._open_log(hint, live)
         self._live_tail: LiveTailWriter | None = None  # created once recovery is done
         self._files = queue_files(self, checkpoint)  # the cache of open queues, the write lock
+        if not read_only:
+            self._files.before_create = self._check_directory
         self._queues: dict[str, list[Queue]] = {}
         self._topic_bytes: dict[str, bytes] = {}
         self._round_robin: dict[str, int] = {}
@@ -303,6 +305,8 @@ class MessageStore:
             tail_hint=hint,
             live_hint=live,
         )
+        if not self.read_only:  # no chunk file made in a store that replaced this one
+            self._messages.before_create = self._check_directory
         self._reader = ChunkReader(self._messages)
         self._log = LogReader(self._messages, self._id_prefix, read_only=self.read_only)
 
