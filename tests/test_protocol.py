@@ -233,3 +233,16 @@ def test_check_args_fast_path_agrees_with_the_spec(data: st.DataObject, op: str)
         assert not expected_ok
     else:
         assert expected_ok
+
+
+def test_a_welcome_keeps_a_zero_properties_size_and_drops_a_zero_count() -> None:
+    # review3 R7: a store taking no properties (max_properties_size=0) announced 0, the
+    # client dropped it, and the Spark sink checked rows against 1 MiB instead
+    from equeue.protocol.handshake import Welcome
+
+    base = {"max_frame_bytes": 1 << 20, "max_in_flight": 8, "max_connections": 4}
+    limits = {**base, "max_properties_size": 0, "max_message_size": 1000, "max_pull_count": 0}
+    welcome = Welcome.unpack({"version": 1, "server": "x", "limits": limits}, "test")
+    assert welcome.limits["max_properties_size"] == 0
+    assert welcome.limits["max_message_size"] == 1000
+    assert "max_pull_count" not in welcome.limits  # a count of 0 means nothing: dropped

@@ -45,6 +45,9 @@ OPTIONAL_LIMIT_NAMES = (
     "max_batch_messages", "max_pull_count", "max_message_size", "max_properties_size",
 )  # fmt: skip
 LIMIT_CEILING = (1 << 8 * FRAME_HEADER_SIZE) - 1
+# Of those, the ones 0 is a value of (a store whose max_properties_size is 0 takes no
+# properties at all): kept at 0, where a count of 0 is dropped (review3 R7).
+ZERO_ALLOWED = frozenset({"max_properties_size"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,7 @@ class Welcome:
             checked[name] = min(value, LIMIT_CEILING)
         for name in OPTIONAL_LIMIT_NAMES:
             value = limits.get(name)
-            if type(value) is int and value > 0:
+            if type(value) is int and (value > 0 or (value == 0 and name in ZERO_ALLOWED)):
                 checked[name] = min(value, LIMIT_CEILING)
         return cls(version, server, checked)
 
