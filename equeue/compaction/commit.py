@@ -146,6 +146,16 @@ def installed_marker(store: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_mtime_ns
 
 
+def chunks_removed_error(store: Path, gone: list[str]) -> CompactionError:
+    """What the job says when chunk files it read are gone: at the commit, or from a task
+    that could not open one (job.py)."""
+    return CompactionError(
+        f"chunk files {gone} were removed (by retention) while the job ran; "
+        "nothing was installed, run the job again",
+        file=store / MESSAGES_DIR,
+    )
+
+
 def install(store: Path, staging: Path, results: list[RewriteResult], read: list[str]) -> None:
     """Commit the staged replacements (steps 2-5 above); ``read`` names every chunk file
     the replacements were made from. Raises CompactionError, installing nothing, if one
@@ -154,11 +164,7 @@ def install(store: Path, staging: Path, results: list[RewriteResult], read: list
     with commit_lock(store):
         missing = [name for name in read if not (messages / name).exists()]
         if missing:
-            raise CompactionError(
-                f"chunk files {missing} were removed (by retention) while the job ran; "
-                "nothing was installed, run the job again",
-                file=messages,
-            )
+            raise chunks_removed_error(store, missing)
         for result in results:
             if not (staging / result.file_name).exists():
                 raise CompactionError("a staged replacement is missing", file=staging)
