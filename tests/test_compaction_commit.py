@@ -457,3 +457,33 @@ def test_an_unreadable_manifest_names_the_remedy(tmp_path: Path) -> None:
     assert str(staging / commit.MANIFEST_FILE) in str(caught.value)
     assert "move the staging directory out of compaction/" in str(caught.value)
     assert _store_state(path) == before
+
+
+def test_verify_reports_what_every_writable_open_would_refuse_in_compaction(
+    tmp_path: Path,
+) -> None:
+    """verify said "No problems found" while every writable open refused (review f F5)."""
+    path = tmp_path / "store"
+    _plain_store(path)
+    assert Verifier(path).run() == []
+    uncommitted = commit.new_staging(path)  # a job's, or a crash's: the next open removes it
+    (uncommitted / "chunk-000000000001.0001").write_bytes(b"partial")
+    assert Verifier(path).run() == []
+    missing = _committed_staging(
+        path, [{"file_name": "chunk-000000000002.0001"}], ["chunk-000000000002.0000"]
+    )
+    unreadable = commit.new_staging(path)
+    (unreadable / commit.MANIFEST_FILE).write_text('{"body": {"install": [}')
+    link = commit.compaction_dir(path) / "20261127T000000-deadbeef"
+    link.symlink_to(tmp_path)
+    problems = Verifier(path).run()
+    assert sorted((p.kind, p.file) for p in problems) == sorted(
+        [
+            ("compaction staging", str(missing / commit.MANIFEST_FILE)),
+            ("compaction staging", str(unreadable / commit.MANIFEST_FILE)),
+            ("compaction staging", str(link)),
+        ]
+    )
+    reasons = " ".join(p.reason for p in problems)
+    assert "chunk-000000000002.0001" in reasons and "symbolic link" in reasons
+    assert reasons.count("move the staging directory out of compaction/") == 2

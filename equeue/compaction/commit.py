@@ -180,7 +180,7 @@ def install(store: Path, staging: Path, results: list[RewriteResult], read: list
 def _apply(store: Path, staging: Path) -> None:
     """Steps 3-5 for a committed staging directory; safe to run again after a crash."""
     messages = store / MESSAGES_DIR
-    installs, replaces = _check_manifest(store, staging)
+    installs, replaces = check_manifest(store, staging)
     for name in installs:
         source = staging / name
         if source.exists():
@@ -199,7 +199,7 @@ def _apply(store: Path, staging: Path) -> None:
     fsync_directory(compaction_dir(store))
 
 
-def _check_manifest(store: Path, staging: Path) -> tuple[list[str], list[str]]:
+def check_manifest(store: Path, staging: Path) -> tuple[list[str], list[str]]:
     """The manifest's (installs, replaces), once it is certain that installing them loses
     nothing: every replacement is staged or already in ``messages/`` (a re-run after a
     crash), and every replaced file's chunk is covered by a replacement of a higher

@@ -56,6 +56,7 @@ from equeue.inspect.layout import (
     resolve,
     trailing_bytes,
 )
+from equeue.inspect.staging import staging_problems
 from equeue.inspect.traces import missing_problems
 
 _RETRIES = 3  # re-reads of a live directory's last chunk before a problem there is believed
@@ -142,6 +143,7 @@ class Verifier:
                     store.queue_dir(topic, queue_id), paths, check, queue=True
                 )
             problems += missing_problems(store, self._dirs, store.checkpoint, self._lowest)
+            problems += staging_problems(self.path)
         finally:
             for mm in self._maps.values():
                 mm.close()
