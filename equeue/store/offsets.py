@@ -184,12 +184,6 @@ class GroupFiles:
         self._offsets_identity: _IDENTITY | None = None
         # What the last scan found wrong: (the error, what was done about it).
         self.found: list[tuple[CorruptionError, str]] = []
-        # Group files the last scan could not read (readers ignore them until a writer's
-        # commit sets them aside): the offsets this handle last read of them, by group,
-        # and those it never read, whose offsets nobody here knows. Retention with
-        # retention_respects_consumers holds for both (review f F9).
-        self.last_read: Offsets = {}
-        self.unknown: list[Path] = []
         self.scan(move_aside=writer)
         problems.extend(self.problems)
 
@@ -202,7 +196,6 @@ class GroupFiles:
         once) and, with ``move_aside`` (a writer's open), to ``consumers/recovered/``."""
         problems: list[tuple[CorruptionError, str]] = []
         groups: Offsets = {}
-        self.unknown, self.last_read = [], {}
         try:
             dir_fd = _open_dir(self.directory)
         except CorruptionError as exc:
@@ -254,11 +247,6 @@ class GroupFiles:
         except CorruptionError as exc:
             if not move_aside:  # the last good parse stays: a writer's commit restores it
                 problems.append((exc, "ignored"))
-                cached = self._parsed.get(name)
-                if cached is not None:  # what retention still holds for (review f F9)
-                    self.last_read[cached[1]] = cached[2]
-                else:
-                    self.unknown.append(path)
                 return None
             self._parsed.pop(name, None)
             try:

@@ -55,17 +55,6 @@ def apply_retention(store: MessageStore, now: float) -> int:
     if config.retention_respects_consumers:  # no reader: up to the log's end
         end = messages.committed_position
         consumed = end if lowest is None else min(lowest.position, end)
-        unknown = store._group_files.unknown  # as the scan of _lowest_reader left it
-        if unknown:
-            # A group file nobody here could read: its group's commit is unknown, and
-            # removing what it may not have consumed cannot be undone (review f F9).
-            log.warning(
-                "retention holds every chunk: consumer group files %s cannot be read, so "
-                "what their groups consumed is unknown; the group's next commit rewrites "
-                "its file, or move a damaged one out of consumers/",
-                [str(p) for p in unknown],
-            )
-            consumed = messages.first_position
     remove_before = new_start = None
     held = expired = False
     for chunk in chunks[:-1]:
@@ -122,12 +111,6 @@ def _lowest_reader(store: MessageStore) -> Reader | None:
     lowest: Reader | None = None
     below = store._messages.committed_position + 1
     offsets = committed(store)  # also what read-only consumers committed
-    # A group file damaged since this handle last read it: its last good offsets hold.
-    for group, topics in store._group_files.last_read.items():
-        for topic, queue_offsets in topics.items():
-            mine = offsets.setdefault(group, {}).setdefault(topic, {})
-            for queue_id, offset in queue_offsets.items():
-                mine[queue_id] = max(mine.get(queue_id, offset), offset)
     for group, groups in offsets.items():
         for topic, queue_offsets in groups.items():
             for queue_id, offset in queue_offsets.items():
