@@ -2,13 +2,17 @@
 lookup (review f F1): a flipped byte there made a live record's position look removed by
 compaction, so a pull skipped it without an error.
 
-Compaction copies the surviving frames contiguously and in order, so the map is fully
-checkable without reading the data: the first entry is at physical offset 0, each
-entry's frame ends where the next one starts (at least one minimal frame further), and
-the logical gap between two entries is at least their physical gap (records were only
-removed between them). The last entry's frame ends at the data size, within the logical
-size. numpy, in blocks: bounded memory whatever the entry count (~2.6 ms per million
-entries on the test machine, a 256 MiB chunk of 70-byte messages holds 3.8 million).
+Compaction copies the surviving frames contiguously and in order, so much of the map can
+be checked without reading the data: the first entry is at physical offset 0, each
+entry's physical gap to the next is more than a frame's overhead, and the logical gap
+between two entries is at least their physical gap (records were only removed between
+them); the last entry's frame ends at the data size, within the logical size. What this
+cannot see (an offset moved within those bounds) the lookups see: the record found must
+name the position asked for, and a gap must lie between two records that name their own
+positions and lie back to back (reads.py). numpy, in blocks of _BLOCK entries: bounded
+memory whatever the entry count; 6.5 ns of CPU per entry on the test machine (24 ms for
+the 3.8 million entries of a 256 MiB chunk of 70-byte messages, best of 5), plus reading
+the map once (12 bytes per entry).
 """
 
 from __future__ import annotations
