@@ -58,6 +58,7 @@ from equeue.format.chunk import (
     ChunkType,
     chunk_file_name,
 )
+from equeue.protocol.retries import is_internal_topic
 from equeue.safepath import open_file
 
 if TYPE_CHECKING:
@@ -292,6 +293,9 @@ def chunk_scan(snapshot: Snapshot, now: float, slots: int) -> ChunkScan:
             tombstone_cutoff=now_ns - int(policy.delete_retention.total_seconds() * 1e9),
         )
         for topic, policy in snapshot.policies.items()
+        # The broker's retry topics keep their retries whatever an older topics.json
+        # says (create_topic refuses a policy there now): review f F7.
+        if not is_internal_topic(topic)
     }
     chunks = [ScanChunk(c.path, c.data_end, c.start_number, c.eligible) for c in snapshot.chunks]
     # Partitions of key hashes: one per task slot, more where one would hold more than
