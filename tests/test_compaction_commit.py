@@ -30,11 +30,11 @@ import pytest
 from compaction_model import all_messages, expected_removed
 
 from equeue import Message, MessageStore, StoreConfig
-from equeue.atomicfile import read_json
+from equeue.atomicfile import read_json, write_json
 from equeue.compaction import commit
 from equeue.compaction.job import compact
 from equeue.compaction.rewrite import RewriteResult
-from equeue.errors import CompactionError
+from equeue.errors import CompactionError, CorruptionError
 from equeue.format.chunk import parse_chunk_file_name
 from equeue.inspect.verify import Verifier
 from equeue.store.meta import MESSAGES_DIR
@@ -368,3 +368,122 @@ def test_install_refuses_when_a_chunk_it_read_is_gone(template: Template, tmp_pa
     assert not staging.exists()
     assert _listing(path / MESSAGES_DIR) == template.old_files - {first}
     assert Verifier(path).run() == []
+
+
+# --- a committed manifest that does not hold up (review f F3, F5) -----------------------
+
+
+def _plain_store(path: Path) -> set[str]:
+    """A store of a few plain chunks; its chunk file names."""
+    config = StoreConfig(chunk_data_size=CHUNK_DATA_SIZE, queue_chunk_records=1024)
+    with MessageStore.open(path, config) as store:
+        store.create_topic(PLAIN, 1)
+        for i in range(400):
+            store.send(PLAIN, _body(i))
+        store.flush()
+    return _listing(path / MESSAGES_DIR)
+
+
+def _store_state(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (path / MESSAGES_DIR).iterdir()}
+
+
+def _committed_staging(path: Path, install: list[dict[str, object]], replaces: list[str]) -> Path:
+    staging = commit.new_staging(path)
+    write_json(staging / commit.MANIFEST_FILE, {"install": install, "replaces": replaces})
+    return staging
+
+
+def test_a_committed_manifest_whose_replacement_is_missing_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    """The manifest names a replacement that is neither staged nor installed: the chunk
+    it 'replaces' must stay (it was deleted, and the store no longer opened)."""
+    path = tmp_path / "store"
+    files = _plain_store(path)
+    assert "chunk-000000000002.0000" in files
+    before = _store_state(path)
+    messages = _pullable(path)
+    staging = _committed_staging(
+        path, [{"file_name": "chunk-000000000002.0001"}], ["chunk-000000000002.0000"]
+    )
+    for attempt in (
+        lambda: commit.recover(path, holding_job_lock=True),  # as a job does first
+        lambda: MessageStore.open(path).close(),
+    ):
+        with pytest.raises(CorruptionError) as caught:
+            attempt()
+        text = str(caught.value)
+        assert "chunk-000000000002.0001" in text and str(staging / commit.MANIFEST_FILE) in text
+        assert "move the staging directory out of compaction/" in text
+        assert _store_state(path) == before
+        assert (staging / commit.MANIFEST_FILE).exists()
+    # The remedy works: with the staging directory moved out, every message is there.
+    staging.rename(tmp_path / "moved-out")
+    with MessageStore.open(path) as store:
+        assert all_messages(store) == messages
+
+
+def test_a_committed_manifest_whose_replacement_does_not_cover_what_it_replaces(
+    tmp_path: Path,
+) -> None:
+    """An installed file of a lower version, or of another chunk range, is no
+    replacement: nothing is renamed or deleted."""
+    path = tmp_path / "store"
+    _plain_store(path)
+    before = _store_state(path)
+    staged = (path / MESSAGES_DIR / "chunk-000000000001.0000").read_bytes()
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"file_name": "chunk-000000000001.0001", "end_number": 1}, "chunk-000000000002.0000"),
+        ({"file_name": "chunk-000000000002.0000"}, "chunk-000000000002.0000"),
+    ]
+    for install, replaces in cases:
+        staging = _committed_staging(path, [install], [replaces])
+        (staging / str(install["file_name"])).write_bytes(staged)
+        with pytest.raises(CorruptionError, match="covers that chunk"):
+            commit.recover(path, holding_job_lock=True)
+        assert _store_state(path) == before
+        shutil.rmtree(staging)
+
+
+def test_an_unreadable_manifest_names_the_remedy(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    _plain_store(path)
+    before = _store_state(path)
+    staging = commit.new_staging(path)
+    (staging / commit.MANIFEST_FILE).write_text('{"body": {"install": [}')
+    with pytest.raises(CorruptionError) as caught:
+        MessageStore.open(path).close()
+    assert str(staging / commit.MANIFEST_FILE) in str(caught.value)
+    assert "move the staging directory out of compaction/" in str(caught.value)
+    assert _store_state(path) == before
+
+
+def test_verify_reports_what_every_writable_open_would_refuse_in_compaction(
+    tmp_path: Path,
+) -> None:
+    """verify said "No problems found" while every writable open refused (review f F5)."""
+    path = tmp_path / "store"
+    _plain_store(path)
+    assert Verifier(path).run() == []
+    uncommitted = commit.new_staging(path)  # a job's, or a crash's: the next open removes it
+    (uncommitted / "chunk-000000000001.0001").write_bytes(b"partial")
+    assert Verifier(path).run() == []
+    missing = _committed_staging(
+        path, [{"file_name": "chunk-000000000002.0001"}], ["chunk-000000000002.0000"]
+    )
+    unreadable = commit.new_staging(path)
+    (unreadable / commit.MANIFEST_FILE).write_text('{"body": {"install": [}')
+    link = commit.compaction_dir(path) / "20261127T000000-deadbeef"
+    link.symlink_to(tmp_path)
+    problems = Verifier(path).run()
+    assert sorted((p.kind, p.file) for p in problems) == sorted(
+        [
+            ("compaction staging", str(missing / commit.MANIFEST_FILE)),
+            ("compaction staging", str(unreadable / commit.MANIFEST_FILE)),
+            ("compaction staging", str(link)),
+        ]
+    )
+    reasons = " ".join(p.reason for p in problems)
+    assert "chunk-000000000002.0001" in reasons and "symbolic link" in reasons
+    assert reasons.count("move the staging directory out of compaction/") == 2

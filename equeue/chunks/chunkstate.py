@@ -81,6 +81,7 @@ class ChunkState:
         self._alloc_step = alloc_step  # 0: the whole chunk at once
         self.last_used = 0
         self.scan_problem: str | None = None  # why recovery's scan stopped, if not at a clean end
+        self.map_checked = False  # a compacted chunk's position map, before its first lookup
         self._max_record_size = max_record_size
         self._on_map = on_map
         self._mm: mmap.mmap | None = None

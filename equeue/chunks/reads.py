@@ -12,7 +12,14 @@ import xxhash
 
 from equeue.chunks.chunkstate import _ticks
 from equeue.chunks.mapping import ChunkMapping
-from equeue.errors import CompactedAwayError, CorruptRecordError, PositionNotFoundError
+from equeue.chunks.posmap import REMEDY as POSITION_MAP_REMEDY
+from equeue.chunks.posmap import check_position_map
+from equeue.errors import (
+    CompactedAwayError,
+    CorruptionError,
+    CorruptRecordError,
+    PositionNotFoundError,
+)
 from equeue.format.chunk import (
     CHECKSUM_MASK,
     FRAME_OVERHEAD,
@@ -25,11 +32,18 @@ from equeue.format.chunk import (
     frame_problem,
     record_checksum,
 )
+from equeue.format.message import RECORD_POSITION
 
 _xxh3 = xxhash.xxh3_64_intdigest  # record_checksum() inlined on the hot paths
 _unpack_prefix = FRAME_PREFIX.unpack_from
 _unpack_suffix = FRAME_SUFFIX.unpack_from
+_unpack_position = RECORD_POSITION.unpack_from
 Records = Generator[tuple[int, bytes], None, int]
+
+
+def _stored_position(payload: bytes) -> int:
+    """The position a message record names (its head's first field); -1 if too short."""
+    return RECORD_POSITION.unpack_from(payload)[0] if len(payload) >= RECORD_POSITION.size else -1
 
 
 class ChunkReads(ChunkMapping):
@@ -52,6 +66,15 @@ class ChunkReads(ChunkMapping):
             return local
         return self._map_lookup(local)
 
+    def checked_map(self) -> mmap.mmap:
+        """The mapping of a compacted chunk, its position map checked on first use."""
+        mm = self.mapping()
+        if not self.map_checked:
+            assert self.footer is not None, "compacted chunks are always completed"
+            check_position_map(mm, self.footer, self.path)
+            self.map_checked = True
+        return mm
+
     def _map_lookup(self, local: int) -> int:
         footer = self.footer
         assert footer is not None, "compacted chunks are always completed"
@@ -59,7 +82,9 @@ class ChunkReads(ChunkMapping):
             raise PositionNotFoundError(
                 f"position {self.start_position + local} lies outside compacted chunk {self.path}"
             )
-        mm = self.mapping()
+        mm = self._mm
+        if mm is None or not self.map_checked:
+            mm = self.checked_map()
         base = HEADER_SIZE + footer.physical_data_size
         lo, hi = 0, footer.map_entry_count
         while lo < hi:
@@ -70,10 +95,39 @@ class ChunkReads(ChunkMapping):
             elif logical > local:
                 hi = mid
             else:
+                # The map led here: the record must say it is the one (its head's first
+                # field), checked before its frame is (the caller's read checks that).
+                at = HEADER_SIZE + physical + FRAME_PREFIX_SIZE
+                if at + RECORD_POSITION.size <= HEADER_SIZE + footer.physical_data_size:
+                    (stored,) = _unpack_position(mm, at)
+                    if stored != self.base + local:
+                        raise self._misplaced(base + mid * MAP_ENTRY_SIZE, local, stored)
                 return int(physical)
+        # A gap. It is one only if the entries on either side name their own records and
+        # those are adjacent in the data (survivors are copied contiguously): else a
+        # damaged entry (one that still passed the map check) has moved a survivor out of
+        # the way of its own position, which would read as removed.
+        count = footer.map_entry_count
+        for index in (lo - 1, lo):
+            if 0 <= index < count:
+                self._check_entry(mm, base, index)
         if lo > 0:  # inside the survivor before it: not a record start, never a record
             logical, physical = MAP_ENTRY.unpack_from(mm, base + (lo - 1) * MAP_ENTRY_SIZE)
             (length,) = _unpack_prefix(mm, HEADER_SIZE + physical)
+            after = (
+                MAP_ENTRY.unpack_from(mm, base + lo * MAP_ENTRY_SIZE)[1]
+                if lo < count
+                else footer.physical_data_size
+            )
+            if physical + length + FRAME_OVERHEAD != after:
+                raise CorruptionError(
+                    f"position map entry {lo - 1} leads to a record of {length} bytes at "
+                    f"physical offset {physical}, which does not end where the next "
+                    f"survivor starts ({after})",
+                    file=self.path,
+                    offset=base + (lo - 1) * MAP_ENTRY_SIZE,
+                    remedy=POSITION_MAP_REMEDY,
+                )
             if local < logical + length + FRAME_OVERHEAD:
                 raise PositionNotFoundError(
                     f"position {self.start_position + local} lies inside the record at "
@@ -84,6 +138,24 @@ class ChunkReads(ChunkMapping):
         raise CompactedAwayError(
             f"the record at position {self.start_position + local} was removed by compaction "
             f"(chunk {self.path})"
+        )
+
+    def _check_entry(self, mm: mmap.mmap, map_at: int, index: int) -> None:
+        """CorruptionError if map entry ``index``'s frame names another position."""
+        logical, physical = MAP_ENTRY.unpack_from(mm, map_at + index * MAP_ENTRY_SIZE)
+        at = HEADER_SIZE + physical + FRAME_PREFIX_SIZE
+        if at + RECORD_POSITION.size <= HEADER_SIZE + self.physical_end:
+            (stored,) = RECORD_POSITION.unpack_from(mm, at)
+            if stored != self.start_position + logical:
+                raise self._misplaced(map_at + index * MAP_ENTRY_SIZE, logical, stored)
+
+    def _misplaced(self, entry_at: int, logical: int, stored: int) -> CorruptionError:
+        return CorruptionError(
+            f"the position map entry for position {self.start_position + logical} leads "
+            f"to the record of position {stored}",
+            file=self.path,
+            offset=entry_at,
+            remedy=POSITION_MAP_REMEDY,
         )
 
     def read_at(self, local: int) -> bytes:
@@ -192,7 +264,7 @@ class ChunkReads(ChunkMapping):
     def _iter_compacted(self, local: int, base: int) -> Records:
         footer = self.footer
         assert footer is not None
-        mm = self.mapping()
+        mm = self.checked_map()
         map_at = HEADER_SIZE + footer.physical_data_size  # not ``base``: the positions' base
         lo, hi = 0, footer.map_entry_count
         while lo < hi:  # first entry at or after `local`
@@ -207,7 +279,11 @@ class ChunkReads(ChunkMapping):
             if size:
                 yield base + logical, mm[HEADER_SIZE + physical : HEADER_SIZE + physical + size]
             else:
-                yield base + logical, self._read_frame(mm, physical)
+                payload = self._read_frame(mm, physical)
+                stored = _stored_position(payload)
+                if stored != self.base + logical:
+                    raise self._misplaced(map_at + index * MAP_ENTRY_SIZE, logical, stored)
+                yield base + logical, payload
         return footer.logical_data_size
 
     def _read_frame(self, mm: mmap.mmap, physical: int) -> bytes:

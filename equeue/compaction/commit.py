@@ -60,6 +60,14 @@ COMMIT_LOCK: Final = "COMMIT.lock"
 INSTALLED_FILE: Final = "installed"
 MANIFEST_FILE: Final = "manifest.json"
 
+# A manifest that cannot be read cannot say what it replaces; the chunk files still in
+# the staging directory were not installed, those already renamed out of it outrank the
+# files they replace at every load: either way the store opens without it.
+_UNREADABLE_MANIFEST_REMEDY: Final = (
+    "the chunk files in that staging directory were not installed: move the staging "
+    "directory out of compaction/ and check the store with equeue verify"
+)
+
 
 def compaction_dir(store: Path) -> Path:
     return store / COMPACTION_DIR
@@ -138,6 +146,16 @@ def installed_marker(store: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_mtime_ns
 
 
+def chunks_removed_error(store: Path, gone: list[str]) -> CompactionError:
+    """What the job says when chunk files it read are gone: at the commit, or from a task
+    that could not open one (job.py)."""
+    return CompactionError(
+        f"chunk files {gone} were removed (by retention) while the job ran; "
+        "nothing was installed, run the job again",
+        file=store / MESSAGES_DIR,
+    )
+
+
 def install(store: Path, staging: Path, results: list[RewriteResult], read: list[str]) -> None:
     """Commit the staged replacements (steps 2-5 above); ``read`` names every chunk file
     the replacements were made from. Raises CompactionError, installing nothing, if one
@@ -146,11 +164,7 @@ def install(store: Path, staging: Path, results: list[RewriteResult], read: list
     with commit_lock(store):
         missing = [name for name in read if not (messages / name).exists()]
         if missing:
-            raise CompactionError(
-                f"chunk files {missing} were removed (by retention) while the job ran; "
-                "nothing was installed, run the job again",
-                file=messages,
-            )
+            raise chunks_removed_error(store, missing)
         for result in results:
             if not (staging / result.file_name).exists():
                 raise CompactionError("a staged replacement is missing", file=staging)
@@ -166,15 +180,7 @@ def install(store: Path, staging: Path, results: list[RewriteResult], read: list
 def _apply(store: Path, staging: Path) -> None:
     """Steps 3-5 for a committed staging directory; safe to run again after a crash."""
     messages = store / MESSAGES_DIR
-    manifest = read_json(staging / MANIFEST_FILE)
-    try:
-        installs = [str(entry["file_name"]) for entry in manifest["install"]]
-        replaces = [str(name) for name in manifest["replaces"]]
-    except (KeyError, TypeError) as exc:
-        raise CorruptionError(f"unreadable compaction manifest ({exc})", file=staging) from exc
-    for name in installs + replaces:
-        if parse_chunk_file_name(name) is None:
-            raise CorruptionError(f"{name!r} is not a chunk file name", file=staging)
+    installs, replaces = check_manifest(store, staging)
     for name in installs:
         source = staging / name
         if source.exists():
@@ -191,6 +197,69 @@ def _apply(store: Path, staging: Path) -> None:
     write_json(compaction_dir(store) / INSTALLED_FILE, {"staging": staging.name, "at": time.time()})
     shutil.rmtree(staging)
     fsync_directory(compaction_dir(store))
+
+
+def check_manifest(store: Path, staging: Path) -> tuple[list[str], list[str]]:
+    """The manifest's (installs, replaces), once it is certain that installing them loses
+    nothing: every replacement is staged or already in ``messages/`` (a re-run after a
+    crash), and every replaced file's chunk is covered by a replacement of a higher
+    version. Else CorruptionError, before anything is renamed or deleted."""
+    messages = store / MESSAGES_DIR
+    manifest_path = staging / MANIFEST_FILE
+    try:
+        manifest = read_json(manifest_path)
+    except CorruptionError as exc:  # the same error, with what the operator can do
+        raise type(exc)(
+            exc.reason,
+            file=manifest_path,
+            offset=exc.offset,
+            expected=exc.expected,
+            found=exc.found,
+            remedy=_UNREADABLE_MANIFEST_REMEDY,
+        ) from exc
+    try:
+        entries = [(str(e["file_name"]), int(e.get("end_number", -1))) for e in manifest["install"]]
+        replaces = [str(name) for name in manifest["replaces"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptionError(
+            f"unreadable compaction manifest ({exc!r})",
+            file=manifest_path,
+            remedy=_UNREADABLE_MANIFEST_REMEDY,
+        ) from exc
+    intact = all((messages / name).is_file() for name in replaces)
+    remedy = (
+        "every chunk file it replaces is still in messages/: move the staging directory "
+        "out of compaction/ and the store opens with them"
+        if intact
+        else "some chunk files it replaces are gone: restore them (or the missing "
+        "replacement) from a backup before moving the staging directory out of compaction/"
+    )
+    for name in [e[0] for e in entries] + replaces:
+        if parse_chunk_file_name(name) is None:
+            raise CorruptionError(
+                f"{name!r} is not a chunk file name", file=manifest_path, remedy=remedy
+            )
+    covered: list[tuple[int, int, int]] = []  # (start, end, version) of each replacement
+    for name, end_number in entries:
+        if not (staging / name).is_file() and not (messages / name).is_file():
+            raise CorruptionError(
+                f"the committed compaction installs {name}, which is neither in its "
+                f"staging directory nor in {messages}; nothing was installed or deleted",
+                file=manifest_path,
+                remedy=remedy,
+            )
+        start, version = parse_chunk_file_name(name) or (0, 0)
+        covered.append((start, max(end_number, start), version))
+    for name in replaces:
+        number, version = parse_chunk_file_name(name) or (0, 0)
+        if not any(s <= number <= e and v > version for s, e, v in covered):
+            raise CorruptionError(
+                f"the committed compaction replaces {name}, but none of its replacements "
+                "covers that chunk with a higher version; nothing was installed or deleted",
+                file=manifest_path,
+                remedy=remedy,
+            )
+    return [e[0] for e in entries], replaces
 
 
 def _is_staging(path: Path) -> bool:

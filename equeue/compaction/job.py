@@ -58,6 +58,7 @@ from equeue.format.chunk import (
     ChunkType,
     chunk_file_name,
 )
+from equeue.protocol.retries import is_internal_topic
 from equeue.safepath import open_file
 
 if TYPE_CHECKING:
@@ -192,7 +193,8 @@ def compact(
             f"({len(snapshot.chunks)} chunks)"
         )
         removed = _decide(spark, snapshot, report.now)
-        settled, tombstones = _removals_per_chunk(spark, removed, len(snapshot.chunks))
+        with _unless_chunks_removed(snapshot):
+            settled, tombstones = _removals_per_chunk(spark, removed, len(snapshot.chunks))
         removals, kept = settle_tombstones(snapshot, settled, tombstones)
         groups = plan_groups(snapshot, removals, merge=merge)
         report.pass1_seconds = time.monotonic() - tick
@@ -209,7 +211,8 @@ def compact(
         try:
             tick = time.monotonic()
             say(f"pass 2: rewriting {sum(len(g.chunks) for g in groups)} chunks")
-            results = _rewrite(spark, removed, snapshot, groups, staging, kept)
+            with _unless_chunks_removed(snapshot):
+                results = _rewrite(spark, removed, snapshot, groups, staging, kept)
             report.pass2_seconds = time.monotonic() - tick
             report.worker_peak_rss = max(rss for _, rss in results)
             report.groups = [r for r, _ in results]
@@ -228,6 +231,21 @@ def compact(
             raise
     report.seconds = time.monotonic() - started
     return report
+
+
+@contextlib.contextmanager
+def _unless_chunks_removed(snapshot: Snapshot) -> Iterator[None]:
+    """Retention may delete chunk files of the snapshot while the job runs (it takes only
+    the commit lock); a task opening one then fails with a FileNotFoundError buried in a
+    worker's traceback, which Spark raises here as its own exception. Said instead as
+    the commit says it (review f F4): those files are gone, run the job again."""
+    try:
+        yield
+    except Exception as exc:
+        gone = sorted(Path(c.path).name for c in snapshot.chunks if not os.path.exists(c.path))
+        if not gone:
+            raise
+        raise commit.chunks_removed_error(Path(snapshot.store), gone) from exc
 
 
 def _ship(spark: SparkSession, py_files: list[str], equeue: bool, say: Progress) -> None:
@@ -275,6 +293,9 @@ def chunk_scan(snapshot: Snapshot, now: float, slots: int) -> ChunkScan:
             tombstone_cutoff=now_ns - int(policy.delete_retention.total_seconds() * 1e9),
         )
         for topic, policy in snapshot.policies.items()
+        # The broker's retry topics keep their retries whatever an older topics.json
+        # says (create_topic refuses a policy there now): review f F7.
+        if not is_internal_topic(topic)
     }
     chunks = [ScanChunk(c.path, c.data_end, c.start_number, c.eligible) for c in snapshot.chunks]
     # Partitions of key hashes: one per task slot, more where one would hold more than

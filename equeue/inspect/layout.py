@@ -318,7 +318,8 @@ class ChunkFile:
         if self.header is None:
             return "damaged"
         if self.footer is None:
-            return "ongoing"
+            # A compacted chunk is never ongoing: without its footer its map is lost.
+            return "damaged" if self.header.compacted else "ongoing"
         return "compacted" if self.header.compacted else "completed"
 
     @property
@@ -392,7 +393,8 @@ def load_chunk_file(path: Path, *, last: bool = True) -> ChunkFile:
             return cf
         _read_footer(cf, f, last=last)
     if cf.footer is None:
-        _scan(cf)
+        if not cf.header.compacted:  # a compacted one's frames are not at their positions
+            _scan(cf)
     else:
         cf.data_end = cf.footer.physical_data_size
         cf.records = cf.footer.record_count

@@ -30,6 +30,11 @@ DLQ_REASON: Final = "equeue.dlq.reason"
 DLQ_BODY_SIZE: Final = "equeue.dlq.body_size"
 
 
+def is_internal_topic(topic: str) -> bool:
+    """A topic the broker's retries live in, read from cursors (not the dead letters)."""
+    return topic == DELAY_TOPIC or (topic.startswith(RETRY_PREFIX) and topic != RETRY_PREFIX)
+
+
 def retry_topic(group: str) -> str:
     return RETRY_PREFIX + group
 

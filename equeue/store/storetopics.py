@@ -8,7 +8,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING
 
-from equeue.errors import TopicNotFoundError
+from equeue.errors import ConfigError, TopicNotFoundError
+from equeue.protocol.retries import is_internal_topic
 from equeue.store import deletion, follow, validate
 from equeue.store.losses import read_topics
 from equeue.store.queue import Queue
@@ -40,6 +41,16 @@ def create_topic(
     """Create a topic, or change an existing one: its queue count grows (it never
     shrinks), and each cleanup setting given replaces the topic's (see TopicPolicy)."""
     validate.check_topic(topic)
+    if is_internal_topic(topic) and (
+        cleanup == "compact" or (not isinstance(retention, _Unset) and retention is not None)
+    ):
+        # The broker's retries are read from a cursor, and compaction's holes are skipped
+        # there uncounted: a retry removed so would be pending for ever (review f F7).
+        raise ConfigError(
+            f"topic {topic!r} is the broker's own (delayed retries and retry copies): it "
+            "takes no retention and no cleanup='compact'; the store's retention "
+            "(StoreConfig.retention, max_store_bytes) covers it"
+        )
     with self._lock:
         self._check_writable()
         self._check_directory()  # before any queue directory or topics file is written
