@@ -739,3 +739,20 @@ def test_chunks_stay_within_the_broker_s_object_count() -> None:
         counted = SEND_BATCH_OBJECTS + sum(message_objects(outgoing(m, "t")) for m in run)
         assert len(run) <= 100 and counted <= bound
     assert max(len(run) for run in runs) < 100  # the objects, not the rows, cut these
+
+
+def test_a_retried_tasks_rows_go_to_the_spark_local_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """review3 (noticed): the spill went to tempfile's directory, often a small /tmp or a
+    tmpfs; Spark's workers name their own local directories, sized for spills."""
+    from equeue.spark.brokersink import spill_root
+
+    local = tmp_path / "spark-local"
+    local.mkdir()
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", f"{tmp_path / 'gone'},{local}")
+    assert spill_root() == str(local)  # the first that exists
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", str(tmp_path / "gone"))
+    assert spill_root() is None  # none exists: tempfile's
+    monkeypatch.delenv("SPARK_LOCAL_DIRS")
+    assert spill_root() is None

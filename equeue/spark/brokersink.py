@@ -12,6 +12,7 @@ tasks' sends and the driver's commit could share (docs/spark.md, "Through a brok
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -175,7 +176,7 @@ class _BrokerSink:
         # The first attempt streams: no disk write of every row.
         client = self.address.connect()
         try:
-            with tempfile.TemporaryDirectory(prefix="equeue-sink-") as spill:
+            with tempfile.TemporaryDirectory(prefix="equeue-sink-", dir=spill_root()) as spill:
                 try:
                     checked = self._checked_first(
                         batches, partition, Path(spill) / "rows.arrow", _limits(client)
@@ -282,6 +283,16 @@ def _budget(client: Client) -> int:
     welcome = client.welcome
     frame = welcome.limits["max_frame_bytes"] if welcome is not None else CHUNK_BYTES
     return max(1, min(CHUNK_BYTES, frame // 2))
+
+
+def spill_root() -> str | None:
+    """Where a retried task keeps its checked rows: the executor's Spark local directory
+    (SPARK_LOCAL_DIRS, which Spark's workers set and which is sized for its own shuffle
+    spills), else None, tempfile's (review3: /tmp is often small, or a tmpfs in memory)."""
+    for entry in os.environ.get("SPARK_LOCAL_DIRS", "").split(","):
+        if entry and os.path.isdir(entry):
+            return entry
+    return None
 
 
 def _limits(client: Client) -> StoreConfig:
