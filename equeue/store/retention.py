@@ -113,26 +113,9 @@ def _lowest_reader(store: MessageStore) -> Reader | None:
     lowest: Reader | None = None
     below = store._messages.committed_position + 1
     offsets = committed(store)  # also what read-only consumers committed
-    files = store._group_files
-    unknown = files.unknown
-    first = store._messages.first_position
-    if unknown:  # a group whose offsets nobody knows: fail safe, keep everything
-        exc = unknown[0]
-        group = "?" if exc.file is None else Path(exc.file).stem
-        why = (
-            f"a consumer group file cannot be read ({exc}): the group's next commit "
-            "rewrites it, or move it out of consumers/ (equeue verify names it)"
-        )
-        return Reader(group, "", 0, 0, first, committed=False, damaged=why)
-    set_aside = files.set_aside()
-    if set_aside:  # the same, for a file a writer's open moved aside (review3 R5)
-        entry = set_aside[0]
-        group = entry.partition(".json.")[0]
-        why = (
-            f"{CONSUMERS_DIR}/{RECOVERED_DIR}/{entry} was set aside damaged and its group "
-            "has not committed since; delete that copy to release retention"
-        )
-        return Reader(group, "", 0, 0, first, committed=False, damaged=why)
+    unknown = _unknown_group(store)
+    if unknown is not None:  # a group whose offsets nobody knows: fail safe, keep everything
+        return unknown
     for group, groups in offsets.items():
         for topic, queue_offsets in groups.items():
             for queue_id, offset in queue_offsets.items():
@@ -162,6 +145,31 @@ def _internal_reader(topic: str) -> str | None:
     if topic.startswith(RETRY_PREFIX) and len(topic) > len(RETRY_PREFIX):
         return topic[len(RETRY_PREFIX) :]
     return None
+
+
+def _unknown_group(store: MessageStore) -> Reader | None:
+    """A reader at the log's start for a consumer group file no offsets of which are
+    known: one that cannot be read and was never read whole (reviewf F9), or one a
+    writer's open set aside damaged whose group has not committed since (review3 R5)."""
+    files = store._group_files
+    if files.unknown:
+        exc = files.unknown[0]
+        group = "?" if exc.file is None else Path(exc.file).stem
+        why = (
+            f"a consumer group file cannot be read ({exc}): the group's next commit "
+            "rewrites it, or move it out of consumers/ (equeue verify names it)"
+        )
+    else:
+        set_aside = files.set_aside()
+        if not set_aside:
+            return None
+        group = set_aside[0].partition(".json.")[0]
+        why = (
+            f"{CONSUMERS_DIR}/{RECOVERED_DIR}/{set_aside[0]} was set aside damaged and its "
+            "group has not committed since; delete that copy to release retention"
+        )
+    first = store._messages.first_position
+    return Reader(group, "", 0, 0, first, committed=False, damaged=why)
 
 
 def _position_at(
