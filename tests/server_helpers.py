@@ -139,3 +139,17 @@ def raw(url: str, **kwargs: Any) -> Iterator[Raw]:
         yield connection
     finally:
         connection.close()
+
+
+def keepalive_of(running: Any) -> list[tuple[int, ...]]:
+    """(SO_KEEPALIVE, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT) of each of a
+    BrokerThread's TCP connections, as the broker's side of the socket has them."""
+    tcp = (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
+    found = []
+    for conn in list(running.broker.connections):
+        sock = conn.transport.get_extra_info("socket")
+        if sock.family == socket.AF_UNIX:
+            continue
+        on = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        found.append((on, *(sock.getsockopt(socket.IPPROTO_TCP, option) for option in tcp)))
+    return found

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import Raw, raw, short_dir
+from server_helpers import Raw, keepalive_of, raw, short_dir
 
 from equeue import MessageStore, StoreConfig
 from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
@@ -244,3 +245,27 @@ def test_a_broker_starts_on_a_store_with_junk_offsets_and_no_topics_file(
         assert any("topics.json is missing" in p for p in problems)
     else:
         assert (topics, committed, problems) == ([retry_topic("g"), TOPIC], 2, [])
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_tcp_connections_have_keepalive_and_unix_ones_need_none(
+    store_dir: Path, event_loop: str
+) -> None:
+    # reviewg F8: a TCP peer that vanished without a FIN or RST (a network cut, a paused
+    # VM) must not hold its max_connections place and held pulls until a restart.
+    pytest.importorskip(event_loop)
+    listen = ["tcp://127.0.0.1:0", f"unix:{store_dir / 'b.sock'}"]
+    with BrokerThread(store_dir, listen=listen, event_loop=event_loop) as running:
+        tcp_url = next(u for u in running.urls if u.startswith("tcp://"))
+        with raw(tcp_url) as tcp, raw(f"unix:{store_dir / 'b.sock'}") as unix:
+            tcp.call("ping")
+            unix.call("ping")
+            sockets = [
+                conn.transport.get_extra_info("socket")
+                for conn in running.broker.connections
+                if conn.transport is not None
+            ]
+            assert sorted(sock.family for sock in sockets) == [socket.AF_UNIX, socket.AF_INET]
+            assert keepalive_of(running) == [(1, 60, 10, 6)]  # the TCP one
+            (unix_sock,) = (sock for sock in sockets if sock.family == socket.AF_UNIX)
+            assert unix_sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0

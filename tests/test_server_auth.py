@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_helpers import Raw, raw, short_home
+from server_helpers import Raw, keepalive_of, raw, short_home
 
 from equeue.errors import ConfigError, SparkOptionError
 from equeue.protocol.frames import PROTOCOL_VERSION, FrameReader, check_answer, decode_body, encode
@@ -158,6 +158,7 @@ def test_tls_round_trip_with_a_token(home: Path) -> None:
             sock.sendall(encode([1, "send", {"topic": "t", "body": b"over tls"}]))
             rid, status, result = check_answer(recv(), "test")
             assert (rid, status, result[1]) == (1, 0, "t")
+            assert keepalive_of(running) == [(1, 60, 10, 6)]  # reviewg F8, as over tcp://
         # plain TCP to the TLS port is not served
         with socket.create_connection(("127.0.0.1", port), 20) as plain:
             plain.sendall(encode({"versions": [1], "token": TOKEN, "client": "plain"}))

@@ -39,7 +39,7 @@ from equeue.protocol.frames import (
 from equeue.protocol.ops import check_args, ops_above, refuse_above
 from equeue.protocol.records import pack_send_result
 from equeue.protocol.retries import RESERVED_PREFIX
-from equeue.server.admission import evict_a_silent_peer, take_hello
+from equeue.server.admission import evict_a_silent_peer, keep_alive, take_hello
 from equeue.server.direct import direct_fd
 from equeue.server.handlers import DEFERRED, Frame, Handlers, Packed
 from equeue.server.limitnote import name_broker_setting
@@ -158,6 +158,7 @@ class Connection(asyncio.BufferedProtocol):
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods
         self.transport = transport = cast(asyncio.Transport, transport)
         self._fd = direct_fd(transport)
+        keep_alive(transport)
         peer = transport.get_extra_info("peername")
         if peer:
             self.where += (
