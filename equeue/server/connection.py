@@ -43,6 +43,7 @@ from equeue.server.admission import evict_a_silent_peer, keep_alive, take_hello
 from equeue.server.direct import direct_fd
 from equeue.server.handlers import DEFERRED, Frame, Handlers, Packed
 from equeue.server.limitnote import name_broker_setting
+from equeue.server.partials import make_room
 from equeue.server.release import release_durable as release_durable
 from equeue.server.release import write_later
 
@@ -98,6 +99,7 @@ class Connection(asyncio.BufferedProtocol):
         self._out_bytes = 0
         self._ended = False  # the client half-closed: close once every answer is out
         self._partial = 0  # bytes of a frame begun, counted in broker.partial_bytes
+        self._partial_moved = 0.0  # loop time of its last byte (the stalest gives way)
         self._hello_timer: asyncio.TimerHandle | None = None
         self.opened = broker.loop.time()
         config = broker.config
@@ -414,18 +416,17 @@ class Connection(asyncio.BufferedProtocol):
             broker.after_batch()
 
     def _count_partial(self) -> None:
-        """The bytes of the frame begun, against the broker-wide max_partial_frame_bytes."""
+        """The bytes of the frame begun, against the broker-wide max_partial_frame_bytes:
+        past it, the frames stalled longest give way first (partials.py)."""
         broker = self.broker
         pending = self._reader.pending
-        broker.partial_bytes += pending - self._partial
-        self._partial = pending
-        cap = broker.config.max_partial_frame_bytes
-        if pending and broker.partial_bytes > cap:
-            raise LimitExceededError(
-                f"{self.where}: {broker.partial_bytes} bytes of frames begun are buffered over "
-                f"every connection, {pending} of them this one's (max_partial_frame_bytes={cap}; "
-                "equeue serve --max-partial-frame-bytes); closing this connection"
-            )
+        if pending != self._partial:
+            broker.partial_bytes += pending - self._partial
+            self._partial = pending
+            if pending:
+                self._partial_moved = broker.loop.time()
+        if pending and broker.partial_bytes > broker.config.max_partial_frame_bytes:
+            make_room(self)
 
     def _serve(self, bodies: list[bytes]) -> None:
         """Answer ``bodies`` in order until the client's unread answers pass the high-water

@@ -1,0 +1,104 @@
+"""What a read's request or answer, and a frame begun, may hold of the broker (reviewg F10,
+F12, F16): a tag filter's length, a query_by_key answer within max_frame_bytes, and the
+partial-frame budget given back by the frames stalled longest, not by the newest."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+from server_helpers import raw, short_home
+
+from equeue import MessageStore
+from equeue.errors import InvalidMessageError
+from equeue.protocol.frames import FRAME_HEADER, encode
+from equeue.server import BrokerThread
+from equeue.store.reads import MAX_FILTER_TAGS
+
+MiB = 1 << 20
+
+home = pytest.fixture(short_home, name="home")
+
+
+def _stats_until(connection: object, key: str, at_least: int) -> int:
+    """stats[key] once it reaches ``at_least`` (the broker reads at its own pace), or its
+    last value after 5 s."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        value: int = connection.call("stats")[key]  # type: ignore[attr-defined]
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.01)
+
+
+# --- F10: tags per filter ------------------------------------------------------------
+
+
+def test_a_filter_of_more_than_max_filter_tags_is_refused_and_not_held(home: Path) -> None:
+    too_many = [f"tag{i}" for i in range(MAX_FILTER_TAGS + 1)]
+    most = too_many[:MAX_FILTER_TAGS]
+    with BrokerThread(home / "s") as running, raw(running.urls[0]) as c:
+        c.call("create_topic", topic="t", queue_count=1)
+        for op in ("pull", "pull_columns"):
+            error = c.error(op, topic="t", queue_id=0, offset=0, tags=too_many, wait_ms=60_000)
+            assert error["code"] == "InvalidMessageError", error
+            assert f"more than {MAX_FILTER_TAGS} tags" in error["message"]
+            assert "MAX_FILTER_TAGS" in error["message"]
+        assert c.call("stats")["held_pulls"] == 0
+        # the limit itself is held, and answered by a message with its last tag
+        rid = c.request("pull", topic="t", queue_id=0, offset=0, tags=most, wait_ms=60_000)
+        assert _stats_until(c, "held_pulls", 1) == 1
+        with raw(running.urls[0]) as producer:
+            producer.call("send", topic="t", body=b"m", tag=most[-1])
+        answered = c.answers(1)
+        assert list(answered) == [rid]
+        status, result = answered[rid]
+        assert status == 0 and [m[5] for m in result[0]] == [most[-1]], result
+        assert running.store.queue_range("t", 0) == (0, 1)
+
+
+def test_the_store_refuses_a_longer_filter_counted_as_it_comes(tmp_path: Path) -> None:
+    with MessageStore.open(tmp_path / "s") as store:
+        store.send("t", b"x", tag="a")
+        generated = (f"tag{i}" for i in range(100 * MAX_FILTER_TAGS))  # never listed
+        with pytest.raises(InvalidMessageError, match="MAX_FILTER_TAGS"):
+            store.pull("t", 0, 0, tags=generated)
+        with pytest.raises(InvalidMessageError, match=f"more than {MAX_FILTER_TAGS}"):
+            store.pull("t", 0, 0, tags=["a"] * (MAX_FILTER_TAGS + 1))
+        assert [m.body for m in store.pull("t", 0, 0, tags=["a"] * MAX_FILTER_TAGS)] == [b"x"]
+
+
+# --- F16: the partial-frame budget --------------------------------------------------
+
+
+def test_past_the_partial_cap_the_frame_stalled_longest_is_closed(home: Path) -> None:
+    cap = 2 * MiB
+    running = BrokerThread(home / "s", max_partial_frame_bytes=cap, max_frame_bytes=cap)
+    with running, raw(running.urls[0]) as good:
+        url = running.urls[0]
+        good.call("create_topic", topic="t", queue_count=1)
+        with raw(url) as stalled, raw(url) as newer, raw(url) as sender:
+            header = FRAME_HEADER.pack(2 * MiB - 100)
+            stalled.send_raw(header + b"\x00" * (MiB // 2 + MiB // 4))  # 0.75 MiB, then nothing
+            assert _stats_until(good, "buffered_bytes", MiB // 2 + MiB // 4) >= 3 * MiB // 4
+            time.sleep(0.05)  # the second frame's last byte comes later than the first's
+            newer.send_raw(header + b"\x00" * (MiB // 2 + MiB // 4))
+            assert _stats_until(good, "buffered_bytes", 3 * MiB // 2) >= 3 * MiB // 2
+            # a good client's send of 1 MiB passes the cap (1.5 + 1 MiB): the frame that has
+            # waited longest gives way, and the send is stored
+            frame = encode([1, "send", {"topic": "t", "body": b"b" * MiB}])
+            with contextlib.suppress(OSError):
+                sender.send_raw(frame)
+            ((status, result),) = sender.answers(1).values()
+            assert status == 0 and result[2:4] == [0, 0], result  # queue 0, offset 0
+            error = stalled.closed_with()
+            assert error["code"] == "LimitExceededError"
+            assert f"max_partial_frame_bytes={cap}" in error["message"]
+            assert "closed to make room" in error["message"], error
+            # the newer stalled frame stays (the total is under the cap again) and completes
+            newer.send_raw(b"\x00" * (2 * MiB - 100 - (MiB // 2 + MiB // 4)))
+            assert newer.closed_with()["code"] == "ProtocolError"  # zeros are no request
+        assert running.store.queue_range("t", 0) == (0, 1)
+        assert good.call("stats")["buffered_bytes"] < MiB
