@@ -4,6 +4,7 @@ partial-frame budget given back by the frames stalled longest, not by the newest
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from pathlib import Path
@@ -11,8 +12,10 @@ from pathlib import Path
 import pytest
 from server_helpers import raw, short_home
 
+import equeue
+import equeue.aio
 from equeue import MessageStore
-from equeue.errors import InvalidMessageError
+from equeue.errors import InvalidMessageError, InvalidTypeError
 from equeue.protocol.frames import FRAME_HEADER, encode
 from equeue.server import BrokerThread
 from equeue.store.reads import MAX_FILTER_TAGS
@@ -102,3 +105,102 @@ def test_past_the_partial_cap_the_frame_stalled_longest_is_closed(home: Path) ->
             assert newer.closed_with()["code"] == "ProtocolError"  # zeros are no request
         assert running.store.queue_range("t", 0) == (0, 1)
         assert good.call("stats")["buffered_bytes"] < MiB
+
+
+# --- F12: query_by_key within the frame -------------------------------------------------
+
+FRAME = MiB  # a small max_frame_bytes: messages of up to 1 MiB - 34 KiB
+BODY = 300_000
+
+
+def _keyed_broker(home: Path, max_pull_count: int = 65536) -> BrokerThread:
+    return BrokerThread(home / "s", max_frame_bytes=FRAME, max_pull_count=max_pull_count)
+
+
+def test_query_by_key_answers_fit_the_frame_and_pages_give_the_rest(home: Path) -> None:
+    with _keyed_broker(home) as running:
+        store = running.store
+        for n in range(10):  # 3 MB with key k: ten times what a frame of 1 MiB carries
+            store.send("t", bytes([n]) * BODY, key="k", queue_id=0)
+        store.send("t", b"other", key="j", queue_id=0)
+        expected = [m.position for m in store.query_by_key("t", "k", limit=100)]
+        assert len(expected) == 10
+        url = running.urls[0]
+        with raw(url, versions=(1, 2, 3)) as old:  # query_by_key: cut, nothing to say so
+            answer = old.call("query_by_key", topic="t", key="k", limit=100)
+            assert len(encode([1, 0, answer])) <= FRAME
+            assert [m[4] for m in answer] == expected[: len(answer)]
+            assert 1 <= len(answer) < 10
+            old.request("query_by_key_page", topic="t", key="k")  # of version 4
+            assert "protocol version 4" in old.closed_with()["message"]
+        with raw(url) as new:  # query_by_key_page: cut, and where the rest begins
+            pages: list[list[int]] = []
+            before = None
+            while True:
+                args = {"topic": "t", "key": "k", "limit": 100 - sum(map(len, pages))}
+                if before is not None:
+                    args["before"] = before
+                messages, before = new.call("query_by_key_page", **args)
+                assert len(encode([1, 0, [messages, before]])) <= FRAME
+                pages.append([m[4] for m in messages])
+                if before is None:
+                    break
+                assert before == pages[-1][-1]  # below the last one answered
+                assert len(pages) < 20
+            assert len(pages) >= 3 and [p for page in pages for p in page] == expected
+            # a page that is not cut says there is no more; limit is kept
+            messages, before = new.call("query_by_key_page", topic="t", key="k", limit=1)
+            assert before is None and [m[4] for m in messages] == expected[:1]
+        # the clients follow the pages: the store's answer, whatever its size
+        with equeue.connect(url, timeout=20) as client:
+            assert [m.position for m in client.query_by_key("t", "k", 100)] == expected
+            assert [m.position for m in client.query_by_key("t", "k", 3)] == expected[:3]
+            assert client.query_by_key("t", "k", 100) == store.query_by_key("t", "k", 100)
+
+        async def aio() -> list[int]:
+            client = await equeue.aio.connect(url)
+            try:
+                return [m.position for m in await client.query_by_key("t", "k", 100)]
+            finally:
+                await client.close()
+
+        assert asyncio.run(aio()) == expected
+        # a client welcomed with version 3 sends query_by_key: one answer, the newest
+        running.broker.welcome_versions = (1, 2, 3)
+        with equeue.connect(url, timeout=20) as client:
+            assert client.welcome is not None and client.welcome.version == 3
+            newest = [m.position for m in client.query_by_key("t", "k", 100)]
+            assert 1 <= len(newest) < 10 and newest == expected[: len(newest)]
+
+
+def test_query_by_key_pages_by_max_pull_count(home: Path) -> None:
+    with _keyed_broker(home, max_pull_count=4) as running:
+        for n in range(10):
+            running.store.send("t", b"m%d" % n, key="k", queue_id=0)
+        expected = [m.position for m in running.store.query_by_key("t", "k", limit=100)]
+        with raw(running.urls[0]) as new:
+            messages, before = new.call("query_by_key_page", topic="t", key="k", limit=100)
+            assert [m[4] for m in messages] == expected[:4] and before == expected[3]
+            messages, before = new.call(
+                "query_by_key_page", topic="t", key="k", limit=96, before=before
+            )
+            assert [m[4] for m in messages] == expected[4:8] and before == expected[7]
+            # a limit the broker's count covers: no next, even with more below
+            messages, before = new.call("query_by_key_page", topic="t", key="k", limit=4)
+            assert before is None and len(messages) == 4
+        with equeue.connect(running.urls[0], timeout=20) as client:
+            assert [m.position for m in client.query_by_key("t", "k", 100)] == expected
+
+
+def test_the_store_continues_a_key_query_below_a_position(tmp_path: Path) -> None:
+    with MessageStore.open(tmp_path / "s") as store:
+        sent = [store.send("t", b"%d" % n, key="k").position for n in range(6)]
+        newest = sent[::-1]
+        assert [m.position for m in store.query_by_key("t", "k", 2, before=sent[3])] == [
+            sent[2],
+            sent[1],
+        ]
+        assert store.key_positions("t", "k", 100, before=0) == []
+        assert store.key_positions("t", "k", 100, before=1 << 70) == newest
+        with pytest.raises(InvalidTypeError, match="before"):
+            store.query_by_key("t", "k", before=-1)

@@ -78,6 +78,9 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         )  # fmt: skip
         keyed = call("query_by_key", topic="t", key="k")
         assert [unpack_message(m, "test").body for m in keyed] == [b"one"]
+        # protocol version 4's page of it: the messages, and nil (all there is)
+        keyed, rest = call("query_by_key_page", topic="t", key="k", before=None)
+        assert [unpack_message(m, "test").body for m in keyed] == [b"one"] and rest is None
         assert call("offset_for_time", topic="t", queue_id=1, timestamp=0) == 0
         assert call("offset_for_time", topic="t", queue_id=1, timestamp=time.time() + 60) == 3
         assert call("committed_offset", group="g", topic="t", queue_id=1) is None

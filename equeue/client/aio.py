@@ -605,10 +605,16 @@ class AsyncClient:
         return result
 
     async def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
-        result: list[Message] = await self._call(
-            await self._made(calls.query_by_key, topic, key, limit)
-        )
-        return result
+        """As MessageStore.query_by_key, an answer cut to the frame followed by requests
+        for the rest (as the sync client's)."""
+        found: list[Message] = []
+        before: int | None = None
+        while True:
+            call = await self._made(calls.query_by_key, topic, key, limit - len(found), before)
+            page, before = await self._call(call)
+            found += page
+            if before is None or len(found) >= limit:
+                return found
 
     async def offset_for_time(
         self, topic: str, queue_id: int, timestamp: float | dt.datetime

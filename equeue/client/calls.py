@@ -132,13 +132,21 @@ def get(message_id: str) -> Call:
     return Call("get", {"message_id": args.message_id(message_id)}, None)
 
 
-def query_by_key(topic: str, key: str, limit: int) -> Call:
+def query_by_key(topic: str, key: str, limit: int, before: int | None = None) -> Call:
+    """A page of query_by_key (protocol version 4; query_by_key to an older broker): its
+    answer is (messages, where the rest begins or None). ``before`` continues a page."""
     name = args.topic(topic)
     try:
-        wire = {"topic": name, "key": args.name("key", key), "limit": args.limit(limit)}
+        wire: dict[str, Any] = {
+            "topic": name,
+            "key": args.name("key", key),
+            "limit": args.limit(limit),
+        }
     except EQueueError as exc:
         raise _probed(exc, name, None) from None
-    return Call("query_by_key", wire, None)
+    if before is not None:
+        wire["before"] = before  # (a position the broker answered)
+    return Call("query_by_key_page", wire, None)
 
 
 def offset_for_time(topic: str, queue_id: int, timestamp: float | dt.datetime) -> Call:

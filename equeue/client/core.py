@@ -34,6 +34,7 @@ from equeue.protocol.frames import (
     DEFAULT_MAX_BATCH_MESSAGES,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    KEY_PAGES_VERSION,
     MESSAGE_OVERHEAD,
     STATUS_OK,
     check_answer,
@@ -125,6 +126,9 @@ class RequestEncoder:
         elif op == "pull_columns":
             if self.version < COLUMNS_VERSION:  # answered as a pull
                 op = "pull"
+        elif op == "query_by_key_page" and self.version < KEY_PAGES_VERSION:
+            op = "query_by_key"  # answered whole (its one page), never with "before"
+            args = {name: value for name, value in args.items() if name != "before"}
         elif op == "send_batch" and len(args.get("messages", ())) > self.max_batch_messages:
             raise self._too_many(len(args["messages"]))
         try:
@@ -412,6 +416,18 @@ def _messages(value: object, where: str) -> list[Message]:
     return unpack_messages(value, where)
 
 
+def _key_page(value: object, where: str) -> tuple[list[Message], int | None]:
+    """A query_by_key_page answer, [messages, next]; or (a broker before version 4, sent
+    query_by_key) the array of messages, all there is."""
+    if (
+        type(value) is list
+        and len(value) == 2
+        and (value[1] is None or (type(value[1]) is int and value[1] >= 0))
+    ):
+        return unpack_messages(value[0], where), value[1]
+    return unpack_messages(value, where), None
+
+
 def _pull(value: object, where: str) -> PullResult:
     return unpack_pull_result(value, where)
 
@@ -430,6 +446,7 @@ DECODERS: Final[dict[str, Decoder]] = {
     "pull_columns": _pull_columns,
     "get": _message,
     "query_by_key": _messages,
+    "query_by_key_page": _key_page,
     "offset_for_time": _uint,
     "commit_offset": _none,
     "committed_offset": _optional_uint,

@@ -637,8 +637,17 @@ class Client(Turns):
         return result
 
     def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
-        result: list[Message] = self._call(self._made(calls.query_by_key, topic, key, limit))
-        return result
+        """As MessageStore.query_by_key: up to ``limit`` messages, newest first. An answer
+        the broker cut to its frame (max_frame_bytes, max_pull_count) is followed by
+        requests for the rest, so the list is the store's whatever its size."""
+        found: list[Message] = []
+        before: int | None = None
+        while True:
+            call = self._made(calls.query_by_key, topic, key, limit - len(found), before)
+            page, before = self._call(call)
+            found += page
+            if before is None or len(found) >= limit:
+                return found
 
     def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
         result: int = self._call(self._made(calls.offset_for_time, topic, queue_id, timestamp))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from equeue.errors import ProtocolError
-from equeue.protocol.frames import BODIES_VERSION, COLUMNS_VERSION
+from equeue.protocol.frames import BODIES_VERSION, COLUMNS_VERSION, KEY_PAGES_VERSION
 
 NIL: Final = type(None)
 UINT: Final = "uint"  # an int >= 0 (msgpack has no separate unsigned type in Python)
@@ -59,6 +59,13 @@ OPS: Final[dict[str, Spec]] = {
     "pull_columns": _PULL,
     "get": {"message_id": ((str,), True)},
     "query_by_key": {"topic": ((str,), True), "key": ((str,), True), "limit": ((UINT,), False)},
+    # protocol version 4: the same, from below a log position, answered [messages, next]
+    "query_by_key_page": {
+        "topic": ((str,), True),
+        "key": ((str,), True),
+        "limit": ((UINT,), False),
+        "before": ((UINT, NIL), False),
+    },
     "offset_for_time": {**_QUEUE, "timestamp": ((float, int), True)},
     "commit_offset": {
         **_QUEUE,
@@ -97,6 +104,7 @@ OPS: Final[dict[str, Spec]] = {
 OP_VERSIONS: Final[dict[str, int]] = {
     "send_bodies": BODIES_VERSION,
     "pull_columns": COLUMNS_VERSION,
+    "query_by_key_page": KEY_PAGES_VERSION,
 }
 
 

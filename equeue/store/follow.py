@@ -18,7 +18,7 @@ from equeue.chunks import ChunkManager, ChunkReader
 from equeue.errors import ChunkRemovedError, CorruptionError, CorruptRecordError
 from equeue.format.chunk import FRAME_OVERHEAD
 from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
-from equeue.store.keyindex import KeyIndex
+from equeue.store.keyindex import NO_BOUND, KeyIndex
 from equeue.store.keysread import KeysState, keys_state, keys_uri
 from equeue.store.meta import KEYS_FILE, OFFSETS_FILE
 from equeue.store.queue import Queue
@@ -204,31 +204,31 @@ class FollowedKeys(KeyIndex):
     def _error(self, exc: sqlite3.Error) -> CorruptionError:
         return CorruptionError(f"the key index cannot be read: {exc}", file=self.path)
 
-    def positions(self, topic: str, key: str, limit: int) -> list[int]:
+    def positions(self, topic: str, key: str, limit: int, before: int = NO_BOUND) -> list[int]:
         with self._lock:
             if self._current_state() != self._state:
                 self._reopen()
             try:
-                indexed, rows = self._query(topic, key, limit)
+                indexed, rows = self._query(topic, key, limit, before)
             except sqlite3.Error:
                 # The writer started or stopped meanwhile, or SQLite could not use the
                 # -shm read-only: reopened, then the database file alone.
                 try:
                     self._reopen()
-                    indexed, rows = self._query(topic, key, limit)
+                    indexed, rows = self._query(topic, key, limit, before)
                 except sqlite3.Error:
                     self._reopen(fallback=True)
                     try:
-                        indexed, rows = self._query(topic, key, limit)
+                        indexed, rows = self._query(topic, key, limit, before)
                     except sqlite3.Error as exc:
                         raise self._error(exc) from exc
             self.indexed_position = indexed
             tail = self._read_tail(indexed)
-            found = {p for p in tail.get((topic, key), ()) if p >= indexed}
+            found = {p for p in tail.get((topic, key), ()) if indexed <= p < before}
             found.update(rows)
         return sorted(found, reverse=True)[:limit]
 
-    def _query(self, topic: str, key: str, limit: int) -> tuple[int, list[int]]:
+    def _query(self, topic: str, key: str, limit: int, before: int) -> tuple[int, list[int]]:
         """(indexed position, the newest rows of ``key``), read in one transaction."""
         db = self._db
         db.execute("BEGIN")
@@ -240,8 +240,9 @@ class FollowedKeys(KeyIndex):
                 return 0, []
             row = db.execute("SELECT value FROM meta WHERE name='indexed_position'").fetchone()
             rows = db.execute(
-                "SELECT position FROM keys WHERE topic=? AND key=? ORDER BY position DESC LIMIT ?",
-                (topic, key, limit),
+                "SELECT position FROM keys WHERE topic=? AND key=? AND position < ? "
+                "ORDER BY position DESC LIMIT ?",
+                (topic, key, before, limit),
             ).fetchall()
         finally:
             db.rollback()

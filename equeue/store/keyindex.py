@@ -16,11 +16,13 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Final
 
 from equeue.errors import CorruptionError, DiskFullError, StoreWriteError
 from equeue.safepath import check_file
 from equeue.store.meta import CHECKPOINT_FILE, move_to_recovered
 
+NO_BOUND: Final = (1 << 63) - 1  # above every log position (SQLite's largest integer)
 _SQLITE_FULL = 13  # the primary result code for "database or disk is full"
 _SQLITE_BUSY = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED: in use, not damaged
 _SIDE_FILES = ("-wal", "-shm")  # SQLite's, beside the database: they go with it
@@ -130,15 +132,15 @@ class KeyIndex:
             + ": the keys are kept and the next flush or checkpoint writes them",
         )
 
-    def positions(self, topic: str, key: str, limit: int) -> list[int]:
-        """Newest first."""
+    def positions(self, topic: str, key: str, limit: int, before: int = NO_BOUND) -> list[int]:
+        """Newest first, below ``before``."""
         self.commit()
         with self._lock:
             try:
                 rows = self._db.execute(
-                    "SELECT position FROM keys WHERE topic=? AND key=? "
+                    "SELECT position FROM keys WHERE topic=? AND key=? AND position < ? "
                     "ORDER BY position DESC LIMIT ?",
-                    (topic, key, limit),
+                    (topic, key, before, limit),
                 ).fetchall()
             except sqlite3.DatabaseError as exc:
                 raise _damaged(self.path, exc) from exc

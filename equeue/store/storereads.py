@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from equeue.errors import (
@@ -19,6 +19,7 @@ from equeue.errors import (
 )
 from equeue.format.message import decode_message_id
 from equeue.store import follow, pulling, times, validate
+from equeue.store.keyindex import NO_BOUND
 from equeue.store.reads import tag_filter
 from equeue.store.types import Message, PullResult
 
@@ -84,29 +85,45 @@ def get(self: MessageStore, message_id: str) -> Message:
     return self.read(decoded[1])
 
 
-def query_by_key(self: MessageStore, topic: str, key: str, limit: int = 32) -> list[Message]:
-    """Messages of ``topic`` with ``key``, newest first."""
-    found: list[Message] = []
-    for position in self.key_positions(topic, key, limit):
+def query_by_key(
+    self: MessageStore, topic: str, key: str, limit: int = 32, *, before: int | None = None
+) -> list[Message]:
+    """Messages of ``topic`` with ``key``, newest first; with ``before``, only those at
+    log positions below it (the rest of a query cut short: the broker's answers)."""
+    return list(messages_at(self, topic, key, self.key_positions(topic, key, limit, before=before)))
+
+
+def messages_at(
+    self: MessageStore, topic: str, key: str, positions: Iterable[int]
+) -> Iterator[Message]:
+    """query_by_key's messages at key_positions' ``positions``, read one at a time, so that
+    a reader that stops early (the broker, at a frame's bytes) reads no more of them."""
+    for position in positions:
         try:
             message = self._log.read(position)
         except (ChunkRemovedError, CompactedAwayError):
             continue
         if message.key == key and message.topic == topic:
-            found.append(message)
-    return found
+            yield message
 
 
-def key_positions(self: MessageStore, topic: str, key: str, limit: int = 32) -> list[int]:
-    """The log positions of ``topic``'s messages with ``key``, newest first, from the
-    key index alone (query_by_key's, no message read): for readers of chunk files,
-    which check every record they read. A position may lie in a chunk removed since."""
+def key_positions(
+    self: MessageStore, topic: str, key: str, limit: int = 32, *, before: int | None = None
+) -> list[int]:
+    """The log positions of ``topic``'s messages with ``key``, newest first (below
+    ``before``, if given), from the key index alone (query_by_key's, no message read):
+    for readers of chunk files, which check every record they read. A position may lie
+    in a chunk removed since."""
     self._topic(topic)
     validate.check_key(key)
     validate.check_limit(limit)
+    if before is None:
+        before = NO_BOUND
+    elif not isinstance(before, int) or isinstance(before, bool) or before < 0:
+        raise InvalidTypeError(f"before must be a log position (an int >= 0), got {before!r}")
     follow.look(self)
     since = self._deleted.get(topic, 0)  # older records: a deleted topic's
-    return [p for p in self._keys.positions(topic, key, limit) if p >= since]
+    return [p for p in self._keys.positions(topic, key, limit, min(before, NO_BOUND)) if p >= since]
 
 
 def offset_for_time(
