@@ -130,8 +130,8 @@ class Handlers:
             "pull": self.pull,
             "pull_columns": self.pull_columns,
             "get": lambda peer, rid, a: pack_message(store.get(a["message_id"])),
-            "query_by_key": lambda peer, rid, a: self.by_key(peer, a)[0],
-            "query_by_key_page": lambda peer, rid, a: list(self.by_key(peer, a)),
+            "query_by_key": lambda peer, rid, a: Packed(self.by_key(peer, a)[0]),
+            "query_by_key_page": self.by_key_page,
             "offset_for_time": lambda peer, rid, a: store.offset_for_time(
                 a["topic"], a["queue_id"], a["timestamp"]
             ),
@@ -427,33 +427,50 @@ class Handlers:
         cut = PullResult(messages[:kept], messages[kept].queue_offset)
         return Packed(packer.pack(pack_pull_result(cut)))
 
-    def by_key(self, peer: Peer, a: dict[str, Any]) -> tuple[list[list[Any]], int | None]:
-        """A query_by_key's messages, newest first, and where the rest begins (a log
-        position to pass as ``before``) or None when they are all there. At most
-        max_pull_count messages, read one at a time and cut before the one that would take
-        the answer past max_frame_bytes, as a pull's (reviewg F12: a common key's answer
-        of any size was built whole: 315 MB, 1.1 GB of broker)."""
+    def by_key_page(self, peer: Peer, rid: int, a: dict[str, Any]) -> Packed:
+        """query_by_key_page (protocol version 4): [messages, next]."""
+        messages, after = self.by_key(peer, a)
+        return Packed(b"\x92" + messages + self.packer.pack(after))
+
+    def by_key(self, peer: Peer, a: dict[str, Any]) -> tuple[bytes, int | None]:
+        """A query_by_key's messages, newest first, packed (an array), and where the rest
+        begins (a log position to pass as ``before``) or None when they are all there. At
+        most max_pull_count messages, read one at a time and cut before the one that would
+        take the answer past max_frame_bytes, as a pull's (reviewg F12: a common key's
+        answer of any size was built whole: 315 MB, 1.1 GB of broker)."""
         topic, key, limit = a["topic"], a["key"], a.get("limit", 32)
         most = min(limit, self.config.max_pull_count)
         positions = self.store.key_positions(topic, key, most, before=a.get("before"))
         packer = self.packer
         room = self.config.max_frame_bytes - ANSWER_OVERHEAD - PULL_RESULT_OVERHEAD
-        packed: list[list[Any]] = []
-        total = 0
-        last = -1
+        # Read until the bodies alone pass the frame (so at most a frame and a message are
+        # read), packed whole as the common answer is; measured message by message only
+        # when that is too large, as fit_pull does.
+        found: list[Message] = []
+        bodies = 0
         for message in storereads.messages_at(self.store, topic, key, positions):
-            fields = pack_message(message)
-            size = len(packer.pack(fields))
+            found.append(message)
+            bodies += len(message.body)
+            if bodies > room:
+                break
+        else:
+            data: bytes = packer.pack(list(map(pack_message, found)))
+            if len(data) <= room:
+                # The index gave fewer than asked: there are no more. It gave the broker's
+                # count and the client asked for more: there may be, below its last one.
+                more = most < limit and len(positions) == most
+                return data, positions[-1] if more else None
+        total = kept = 0
+        for message in found:
+            size = len(packer.pack(pack_message(message)))
             if total + size > room:
-                if not packed:
+                if kept == 0:
                     raise self._too_large(message, size, peer.where)
-                return packed, last  # cut: the rest lies below the last one answered
+                break
             total += size
-            packed.append(fields)
-            last = message.position
-        # The index gave fewer than asked: there are no more. It gave the broker's count
-        # and the client asked for more: there may be, below the last position it gave.
-        return packed, positions[-1] if most < limit and len(positions) == most else None
+            kept += 1
+        cut = found[:kept]  # the rest lies below the last one answered
+        return packer.pack(list(map(pack_message, cut))), cut[-1].position
 
     def _too_large(self, message: Message, size: int, where: str) -> LimitExceededError:
         return LimitExceededError(
