@@ -94,13 +94,14 @@ def query_by_key(
 
 
 def messages_at(
-    self: MessageStore, topic: str, key: str, positions: Iterable[int]
+    store: MessageStore, topic: str, key: str, positions: Iterable[int]
 ) -> Iterator[Message]:
     """query_by_key's messages at key_positions' ``positions``, read one at a time, so that
-    a reader that stops early (the broker, at a frame's bytes) reads no more of them."""
+    a reader that stops early (the broker, at a frame's bytes) reads no more of them. (A
+    helper, not a method: the broker calls it on its store.)"""
     for position in positions:
         try:
-            message = self._log.read(position)
+            message = store._log.read(position)
         except (ChunkRemovedError, CompactedAwayError):
             continue
         if message.key == key and message.topic == topic:
