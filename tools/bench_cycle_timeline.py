@@ -32,6 +32,7 @@ import bisect
 import itertools
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,11 +40,11 @@ import tempfile
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_broker_cpu import BODY, DURABLE_PEERS, _broker
+from bench_broker_cpu import DURABLE_PEERS, _broker
+from bench_broker_kern import _drive, ab_arguments, alternated
 
 SYSCALLS = ("fdatasync", "read", "sendto", "recvfrom", "write", "epoll_pwait", "epoll_wait")
 TRACEPOINTS = [f"syscalls:sys_{edge}_{name}" for name in SYSCALLS for edge in ("enter", "exit")]
@@ -180,30 +181,25 @@ def _threads(pid: int) -> dict[str, int]:
     return found
 
 
-async def _drive(url: str, sends: int, record: list[str]) -> tuple[float, int]:
-    import equeue.aio
+class PerfRecord:
+    """``perf record`` (``argv``) around the measured part: started and given a second to
+    set up on entry, stopped (SIGINT: it writes its file) on exit."""
 
-    clients = await asyncio.gather(*(equeue.aio.connect(url) for _ in range(DURABLE_PEERS)))
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.perf: subprocess.Popen[bytes] | None = None
 
-    async def lane(client: Any, count: int) -> None:
-        for _ in range(count):
-            await client.send("t", BODY)
-
-    try:
-        await asyncio.gather(*(lane(c, 40) for c in clients))
-        perf = subprocess.Popen(record, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def __enter__(self) -> PerfRecord:
+        self.perf = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         time.sleep(1.0)  # perf's set-up, not the broker's cycle
-        flushes = int((await clients[0].stats())["flushes"])
-        started = time.perf_counter()
-        await asyncio.gather(*(lane(c, sends) for c in clients))
-        wall = time.perf_counter() - started
-        flushes = int((await clients[0].stats())["flushes"]) - flushes
-        perf.send_signal(2)
-        perf.wait(60)
-        return wall, flushes
-    finally:
-        for client in clients:
-            await client.close()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.perf is not None
+        self.perf.send_signal(signal.SIGINT)
+        self.perf.wait(60)
 
 
 def run(src: Path, sends: int, pin: str) -> str:
@@ -218,7 +214,7 @@ def run(src: Path, sends: int, pin: str) -> str:
         pids = f"{broker.pid},{os.getpid()}"
         record = ["perf", "record", "-q", *events, "-p", pids, "-o", str(data)]
         threads = _threads(broker.pid)
-        wall, flushes = asyncio.run(_drive(url, sends, record))
+        wall, flushes = asyncio.run(_drive(url, sends, PerfRecord(record)))
     finally:
         os.sched_setaffinity(0, cpus)
         broker.terminate()
@@ -237,15 +233,11 @@ def run(src: Path, sends: int, pin: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--src", type=Path, action="append", help="a tree holding equeue/")
-    parser.add_argument("--count", type=int, default=300, help="sends per connection")
-    parser.add_argument("--rounds", type=int, default=1, help="A/B rounds")
+    ab_arguments(parser, count=300, rounds=1)
     parser.add_argument("--pin", choices=("none", "broker", "both"), default="none")
     options = parser.parse_args()
-    sources = options.src or [Path(__file__).resolve().parent.parent]
-    for round_ in range(options.rounds):
-        for src in sources if round_ % 2 == 0 else sources[::-1]:
-            print(run(src, options.count, options.pin), flush=True)
+    for src in alternated(options.src, options.rounds):
+        print(run(src, options.count, options.pin), flush=True)
 
 
 if __name__ == "__main__":
