@@ -14,6 +14,7 @@ import pytest
 from server_helpers import Raw, raw, short_home
 
 from equeue.protocol.frames import encode
+from equeue.protocol.pullcols import unpack_any
 from equeue.server import BrokerThread
 from equeue.server.connection import READ_BUFFER_BYTES
 
@@ -27,12 +28,12 @@ BOUND = HIGH + ANSWER + READ_BUFFER_BYTES  # docs/broker.md, "Limits and backpre
 DAY_MS = 86_400_000
 
 
-def _stalled_holder(url: str, count: int, wait_ms: int) -> Raw:
+def _stalled_holder(url: str, count: int, wait_ms: int, op: str = "pull") -> Raw:
     """A client that pipelines ``count`` long polls on the empty t/0 and reads nothing."""
     stalled = Raw(url)
     stalled.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     pull = {"topic": "t", "queue_id": 0, "offset": 0, "max_count": 65536, "wait_ms": wait_ms}
-    stalled.send_raw(b"".join(encode([n + 1, "pull", pull]) for n in range(count)))
+    stalled.send_raw(b"".join(encode([n + 1, op, pull]) for n in range(count)))
     return stalled
 
 
@@ -82,8 +83,9 @@ def test_held_pulls_answered_past_backpressure_stay_bounded_and_drain(home: Path
                 stalled.close()
 
 
+@pytest.mark.parametrize("op", ["pull", "pull_columns"])
 def test_held_pulls_of_a_paused_connection_are_answered_empty_at_their_wait_ms(
-    home: Path,
+    home: Path, op: str
 ) -> None:
     """A paused connection's pulls whose wait_ms ends before it drains are answered empty
     (next_offset their offset: nothing skipped), not with the message: still bounded."""
@@ -91,7 +93,7 @@ def test_held_pulls_of_a_paused_connection_are_answered_empty_at_their_wait_ms(
         url = running.urls[0]
         with raw(url) as producer:
             producer.call("create_topic", topic="t", queue_count=1)
-            stalled = _stalled_holder(url, HELD, 3000)
+            stalled = _stalled_holder(url, HELD, 3000, op)
             try:
                 _wait_for(producer, "held_pulls", HELD)
                 producer.call("send", topic="t", body=b"x" * BODY)
@@ -99,12 +101,13 @@ def test_held_pulls_of_a_paused_connection_are_answered_empty_at_their_wait_ms(
                 assert _buffered(stats, 2) <= BOUND, stats
                 answers = stalled.answers(HELD)
                 assert sorted(answers) == list(range(1, HELD + 1))
-                full = [p for s, p in answers.values() if p[0]]
-                empty = [p for s, p in answers.values() if not p[0]]
-                assert all(s == 0 for s, _ in answers.values())
+                assert all(status == 0 for status, _ in answers.values())
+                found = [unpack_any(p, "test") for _, p in answers.values()]
+                full = [r for r in found if r.messages]
                 assert 0 < len(full) <= HIGH // BODY + 2, len(full)
-                assert all(next_offset == 1 for _, next_offset in full)
-                assert empty == [[[], 0]] * (HELD - len(full))
+                assert all(r.next_offset == 1 and r[0].body == b"x" * BODY for r in full)
+                empty = [(list(r.messages), r.next_offset) for r in found if not r.messages]
+                assert empty == [([], 0)] * (HELD - len(full))
                 assert stalled.call("ping") is None
             finally:
                 stalled.close()
