@@ -148,7 +148,13 @@ class Holds:
         if not waiting:
             del self._by_queue[held.key]
             self._seen.pop(held.key, None)
-        self._forget_owned(held)
+        owner = held.owner
+        owned = self._by_owner[owner]
+        del owned[held]
+        if not owned:
+            del self._by_owner[owner]
+        if self._starved:  # (none, mostly: no call for it)
+            self._fed(held)
         self.count -= 1
         if held.timer is not None:
             held.timer.cancel()
@@ -201,18 +207,13 @@ class Holds:
             if held in self._by_owner.get(owner, ()):  # (not dropped meanwhile)
                 self._try(held, final=False)
 
-    def _forget_owned(self, held: HeldPull) -> None:
-        owner = held.owner
-        owned = self._by_owner.get(owner)
-        if owned is not None:
-            owned.pop(held, None)
-            if not owned:
-                del self._by_owner[owner]
-        starved = self._starved.get(owner)
+    def _fed(self, held: HeldPull) -> None:
+        """``held`` is answered: it waits for room no longer."""
+        starved = self._starved.get(held.owner)
         if starved is not None:
             starved.pop(held, None)
             if not starved:
-                del self._starved[owner]
+                del self._starved[held.owner]
 
     def _expire(self, held: HeldPull) -> None:
         held.timer = None
