@@ -103,6 +103,7 @@ class Connection(asyncio.BufferedProtocol):
         config = broker.config
         self._max_in_flight = config.max_in_flight
         self._max_frame_bytes = config.max_frame_bytes
+        self._write_high = config.write_buffer_high
         # Any: its result is a frame (bytes) or DEFERRED, no cast per send
         self._send_plain: Callable[[Connection, int, str, bytes], Any] = broker.handlers.send_plain
         fast = speedups.SPEEDUPS
@@ -225,10 +226,13 @@ class Connection(asyncio.BufferedProtocol):
         self._paused = False
         if self.closed:
             return
-        if self._backlog:
+        holds = self.broker.holds
+        if self._backlog or holds.starving(self):
             self._batching = True
             try:
-                self._serve(self._backlog)
+                holds.room_made(self)  # the held pulls first: read before the backlog
+                if self._backlog:
+                    self._serve(self._backlog)
             except ProtocolError as exc:
                 self._fatal(exc)
             finally:
@@ -240,6 +244,26 @@ class Connection(asyncio.BufferedProtocol):
         elif not self._paused and not self._backlog and not self.broker.draining:
             assert self.transport is not None
             self.transport.resume_reading()
+
+    def has_room(self) -> bool:
+        """Whether an answer made outside a read (a held pull's) may be queued now: the
+        answers waiting to be written are within write_buffer_high (a closed connection
+        takes any: finish drops it)."""
+        transport = self.transport
+        if self.closed or transport is None:
+            return True
+        waiting = transport.get_write_buffer_size() + self._out_bytes
+        return not self._paused and waiting <= self._write_high
+
+    def wait_for_room(self) -> None:
+        """Held pulls wait for room (holds.py): resume_writing makes it when the transport
+        paused; else the answers that took it are not written yet: after their write."""
+        if not self._paused and not self.closed:
+            self.broker.loop.call_soon(self._room_written)
+
+    def _room_written(self) -> None:
+        if not self._paused and not self.closed:
+            self.broker.holds.room_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._read_view
@@ -469,10 +493,24 @@ class Connection(asyncio.BufferedProtocol):
                 )
             )
             return None
+        if self.closed:
+            return None
+        holds = self.broker.holds
+        if holds.holding(self):
+            # Its long polls are answered now with what there is, not at their wait_ms
+            # (up to a day): a client that is gone frees its connection and its place
+            # under max_connections at once (reviewg F2); one that half-closed gets them.
+            self._ended = True  # (finish closes it after its last answer)
+            self._batching = True
+            try:
+                holds.answer_now(self)
+            finally:
+                self._batching = False
+                self._write_out()
         if self.closed or (not self.in_flight and not self._backlog):
             return None  # close the transport
-        # The client half-closed and waits for its answers (sends awaiting an fdatasync,
-        # held pulls): the connection closes once the last is written.
+        # The client half-closed and waits for its answers (sends awaiting an fdatasync):
+        # the connection closes once the last is written.
         self._ended = True
         return True
 
