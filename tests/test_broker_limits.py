@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from server_helpers import short_home
-from test_server_auth import _self_signed
+from server_helpers import raw, short_home
+from test_server_auth import TOKEN, _self_signed, token_file
 
 import equeue
 from equeue.errors import LimitExceededError
+from equeue.protocol.frames import encode
 from equeue.server import BrokerThread
 from equeue.server.config import EventLoop
 
@@ -91,3 +92,23 @@ def test_a_full_broker_still_tells_a_tls_client_why(home: Path) -> None:
             with pytest.raises(LimitExceededError, match="max_connections=1"):
                 equeue.connect(url, cafile=cert, connect_timeout=WAIT_S)
             first.ping()  # (the refusal came through TLS: the client read it)
+
+
+def test_a_hello_sent_twice_is_refused_without_quoting_its_token(
+    home: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with BrokerThread(home / "s", token_file=str(token_file(home))) as running:
+        hello = encode({"versions": [1], "token": TOKEN, "client": "replayed"})
+        with raw(running.urls[0], token=TOKEN) as client:
+            client.send_raw(hello)  # a client library bug, a proxy replaying
+            error = client.closed_with()
+        assert error["code"] == "ProtocolError"
+        assert "'token': str" in error["message"]  # its keys and types are said
+        assert TOKEN not in error["message"]
+        refused = [r.getMessage() for r in caplog.records if "a request must be" in r.getMessage()]
+        assert len(refused) == 1 and TOKEN not in refused[0], refused
+        # a map anywhere in a request of the wrong shape
+        with raw(running.urls[0], token=TOKEN) as client:
+            client.send_raw(encode([0, "hello", {"token": TOKEN}]))
+            assert TOKEN not in client.closed_with()["message"]
+    assert not [r for r in caplog.records if TOKEN in r.getMessage()]
