@@ -15,7 +15,8 @@ from server_helpers import raw, short_home
 from test_server_auth import TOKEN, _self_signed, token_file
 
 import equeue
-from equeue.errors import LimitExceededError
+from equeue import MessageStore, StoreConfig
+from equeue.errors import ConfigError, LimitExceededError
 from equeue.protocol.frames import encode
 from equeue.server import BrokerThread
 from equeue.server.config import EventLoop
@@ -112,3 +113,54 @@ def test_a_hello_sent_twice_is_refused_without_quoting_its_token(
             client.send_raw(encode([0, "hello", {"token": TOKEN}]))
             assert TOKEN not in client.closed_with()["message"]
     assert not [r for r in caplog.records if TOKEN in r.getMessage()]
+
+
+def test_groups_are_limited_by_max_groups_and_a_refused_join_makes_nothing(home: Path) -> None:
+    with BrokerThread(home / "s", max_groups=2) as running, raw(running.urls[0]) as client:
+        client.call("create_topic", topic="t", queue_count=1)
+        for group in ("g1", "g2"):
+            client.call("join", group=group, consumer="c", topics=["t"])
+        before = client.call("topics")
+        error = client.error("join", group="g3", consumer="c", topics=["t"])
+        assert error["code"] == "LimitExceededError"
+        assert "max_groups=2" in error["message"] and "--max-groups" in error["message"]
+        assert client.call("topics") == before  # no retry topic for g3
+        client.call("join", group="g1", consumer="other", topics=["t"])  # a known group
+        client.call("leave", group="g2", consumer="c")
+    # a group's retry topic stays: the store's count survives a restart
+    with BrokerThread(home / "s", max_groups=2) as running, raw(running.urls[0]) as client:
+        assert client.error("join", group="g4", consumer="c", topics=["t"])["code"] == (
+            "LimitExceededError"
+        )
+        client.call("join", group="g2", consumer="c", topics=["t"])
+    with BrokerThread(home / "s", max_groups=3) as running, raw(running.urls[0]) as client:
+        client.call("join", group="g4", consumer="c", topics=["t"])
+
+
+def test_topics_are_limited_by_max_topics_and_a_refused_send_stores_nothing(home: Path) -> None:
+    with BrokerThread(home / "s", max_topics=2) as running, raw(running.urls[0]) as client:
+        client.call("create_topic", topic="a", queue_count=1)
+        client.call("send", topic="b", body=b"made on first use")
+        client.call("create_topic", topic="a", queue_count=2)  # grows a topic it has
+        for op, args in (
+            ("create_topic", {"topic": "c", "queue_count": 1}),
+            ("send", {"topic": "c", "body": b"x"}),
+            ("send_batch", {"topic": "c", "messages": [{"body": b"x"}]}),
+        ):
+            error = client.error(op, **args)
+            assert error["code"] == "LimitExceededError", (op, error)
+            assert "max_topics=2" in error["message"] and "--max-topics" in error["message"]
+        # the broker's own topics are not counted: a group's retry topic is still made
+        client.call("join", group="g", consumer="c", topics=["a"])
+        assert client.call("topics") == ["a", "b", "equeue.retry.g"]
+        assert client.call("send", topic="b", body=b"still")[1] == "b"
+
+
+def test_max_topics_with_a_handle_is_refused(home: Path) -> None:
+    with MessageStore.open(home / "s") as store, pytest.raises(ConfigError, match="max_topics"):
+        BrokerThread(store, max_topics=5)
+    with MessageStore.open(home / "s", StoreConfig(max_topics=1)) as store:
+        store.create_topic("a", 1)
+        with pytest.raises(LimitExceededError, match=r"StoreConfig\.max_topics"):
+            store.send("b", b"x")
+        assert store.topics() == ["a"]

@@ -32,7 +32,7 @@ from equeue.errors import (
 )
 from equeue.protocol.frames import MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
-from equeue.server.config import Listener, ServerConfig, read_token
+from equeue.server.config import DEFAULT_MAX_TOPICS, Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
 from equeue.server.groupcommit import CrossClientCommit, Entry
 from equeue.server.groups import GroupCoordinator
@@ -85,6 +85,12 @@ def open_store(store: StoreOrPath, config: ServerConfig) -> tuple[MessageStore, 
             )
         if store.read_only:
             raise ConfigError(f"cannot serve {store.path}: the handle is read-only")
+        if config.max_topics != DEFAULT_MAX_TOPICS:  # it would be silently ignored
+            raise ConfigError(
+                f"cannot serve {store.path} with max_topics={config.max_topics} "
+                "(--max-topics): it applies to a store the broker opens; open the handle "
+                "with StoreConfig(max_topics=...) instead"
+            )
         if store.config.flush == "sync":
             raise ConfigError(
                 f"cannot serve {store.path} opened with flush='sync': its group commit would "
@@ -101,6 +107,7 @@ def open_store(store: StoreOrPath, config: ServerConfig) -> tuple[MessageStore, 
         flush=policy, max_message_size=min(default.max_message_size, largest),
         retention=config.retention, max_store_bytes=config.max_store_bytes,
         retention_respects_consumers=config.retention_respects_consumers,
+        max_topics=config.max_topics,
     )  # fmt: skip
     return MessageStore.open(store, store_config), True
 
@@ -220,7 +227,9 @@ class Broker:
         if busy is not None:
             busy.commit = self.commit
         try:  # from here on a failure must stop the flusher thread the commit started
-            self.coordinator = coordinator = GroupCoordinator(self.store)
+            self.coordinator = coordinator = GroupCoordinator(
+                self.store, max_groups=self.config.max_groups
+            )
             self.offsets = OffsetCommitter(loop, self.store)
             self.handlers = Handlers(
                 self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
