@@ -55,7 +55,7 @@ def create_topic(
         self._check_writable()
         self._check_directory()  # before any queue directory or topics file is written
         if topic not in self._queues:
-            check_room_for_topic(self, topic)
+            self._check_room_for_topic(topic)
         # (by name: this module's topics() would shadow the topics module)
         create_or_change(self, topic, queue_count, cleanup, retention, delete_retention)
 
@@ -177,11 +177,11 @@ def _count_for_new(self: MessageStore, topic: object) -> int:
             "(StoreConfig.auto_create_topics); create it with create_topic()"
         )
     assert isinstance(topic, str)  # (check_topic refused any other)
-    check_room_for_topic(self, topic)
+    self._check_room_for_topic(topic)
     return self.config.default_queue_count
 
 
-def check_room_for_topic(self: MessageStore, topic: str) -> None:
+def _check_room_for_topic(self: MessageStore, topic: str) -> None:
     """LimitExceededError if a new ``topic`` would pass StoreConfig.max_topics. The
     broker's own topics (equeue.*: delays, a group's retries and dead letters) are not
     counted nor refused: the broker's max_groups bounds them, and a mover must not fail."""
