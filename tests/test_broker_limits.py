@@ -6,12 +6,16 @@ where a resource limit of its own is needed."""
 
 from __future__ import annotations
 
+import resource
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from server_helpers import raw, short_home
+from server_helpers import Raw, raw, short_home
 from test_server_auth import TOKEN, _self_signed, token_file
 
 import equeue
@@ -164,3 +168,112 @@ def test_max_topics_with_a_handle_is_refused(home: Path) -> None:
         with pytest.raises(LimitExceededError, match=r"StoreConfig\.max_topics"):
             store.send("b", b"x")
         assert store.topics() == ["a"]
+
+
+def _nofile(soft: int, hard: int) -> Callable[[], None]:
+    def limit() -> None:  # in the child, before exec
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return limit
+
+
+def _serve(store: Path, soft: int, hard: int, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "equeue", "serve", str(store), "--quiet",
+         "--listen", "tcp://127.0.0.1:0", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_nofile(soft, hard),
+    )  # fmt: skip
+
+
+def _url(broker: subprocess.Popen[str]) -> str:
+    assert broker.stdout is not None
+    line = broker.stdout.readline()
+    assert line.startswith("listening on "), (line, broker.stderr.read() if broker.stderr else "")
+    return line.split()[-1]
+
+
+def test_max_connections_past_the_open_file_limit_is_refused_at_start(home: Path) -> None:
+    broker = _serve(home / "s", 512, 512)  # --max-connections 1024 cannot fit
+    try:
+        _, err = broker.communicate(timeout=60)
+    finally:
+        broker.kill()
+    assert broker.returncode != 0
+    assert "--max-connections" in err and "RLIMIT_NOFILE=512" in err, err
+    assert not (home / "s").exists()  # refused before the store was made
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one(home: Path) -> None:
+    broker = _serve(home / "s", 256, 4096)
+    try:
+        url = _url(broker)
+        limits = Path(f"/proc/{broker.pid}/limits").read_text()
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+        assert line.split()[3:5] == ["4096", "4096"], line
+        with raw(url) as client:
+            client.call("ping")
+    finally:
+        broker.terminate()
+        broker.wait(60)
+
+
+def test_connections_up_to_the_limit_leave_the_store_its_files(home: Path) -> None:
+    broker = _serve(home / "s", 512, 512, "--max-connections", "150")
+    clients: list[Raw] = []
+    try:
+        url = _url(broker)
+        old = Raw(url)
+        clients = [Raw(url) for _ in range(149)]
+        refused = Raw(url, hello=False)
+        clients.append(refused)
+        error = refused.closed_with()  # answered, not reset: the broker had an fd for it
+        assert error["code"] == "LimitExceededError" and "max_connections=150" in error["message"]
+        # sends that open new queues (3 files each) still work
+        for n in range(20):
+            assert old.call("send", topic=f"t{n}", body=b"x")[1] == f"t{n}"
+    finally:
+        for client in clients:
+            client.close()
+        broker.terminate()
+        broker.wait(60)
+
+
+_EMFILE_CHILD = """
+import os, resource, sys
+from equeue import MessageStore
+from equeue.errors import EQueueError
+MessageStore.open(sys.argv[1]).close()
+# What a create_topic that failed half-way (at EMFILE) leaves: the queue's directory.
+os.makedirs(os.path.join(sys.argv[1], "queues", "new", "0"))
+store = MessageStore.open(sys.argv[1])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (8, hard))  # every new open fails
+for attempt in range(2):
+    try:
+        store.send("new", b"refused", queue_id=0)
+        print("stored")
+    except EQueueError as exc:
+        print(type(exc).__name__, exc.errno, exc)
+    except OSError as exc:
+        print("builtin", type(exc).__name__, exc)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+store.send("new", b"after", queue_id=0)
+print("count", store.queue_range("new", 0)[1])
+store.close()
+"""
+
+
+def test_a_queue_that_cannot_be_opened_is_a_store_error_naming_its_files(home: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _EMFILE_CHILD, str(home / "s")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "count 1", lines  # the refused sends stored nothing
+    refused = lines[:-1]
+    assert len(refused) == 2, refused
+    for line in refused:  # before: "builtin OSError [Errno 24] Too many open files"
+        assert line.startswith("StoreWriteError 24 ") and "queues/new/0" in line, line
+        assert "ulimit -n" in line, line  # the setting that changes the limit

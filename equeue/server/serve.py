@@ -34,6 +34,7 @@ from equeue.protocol.frames import MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import DEFAULT_MAX_TOPICS, Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
+from equeue.server.fdlimit import fit_open_files
 from equeue.server.groupcommit import CrossClientCommit, Entry
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
@@ -165,6 +166,10 @@ class Broker:
         # The listeners before the store: a refused one (a socket path too long) leaves
         # nothing created, opened or locked (docs/broker.md: checked before anything opens).
         self.listeners = config.listeners_for(_store_path(store))
+        store_files = (
+            store.config if isinstance(store, MessageStore) else StoreConfig()
+        ).max_open_files  # (the broker opens a store with the default)
+        fit_open_files(config.max_connections, store_files, len(self.listeners))
         self.store, self._owns_store = open_store(store, config)
         try:
             self._set_up(config)
