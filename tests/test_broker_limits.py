@@ -11,8 +11,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 from server_helpers import Raw, raw, short_home
@@ -24,6 +26,7 @@ from equeue.errors import ConfigError, LimitExceededError
 from equeue.protocol.frames import encode
 from equeue.server import BrokerThread
 from equeue.server.config import EventLoop
+from equeue.server.tlsaccept import MAX_REFUSALS_IN_HANDSHAKE
 
 home = pytest.fixture(short_home, name="home")
 WAIT_S = 20.0  # the most a test waits for the broker to act (it acts within ~2 s)
@@ -40,28 +43,47 @@ def _closed_by_the_broker(sock: socket.socket) -> bool:
         return False
 
 
+class _Tls(NamedTuple):
+    running: BrokerThread
+    url: str
+    port: int
+    cert: Path  # the certificate to trust
+
+
+@contextmanager
+def _tls_broker(home: Path, **settings: Any) -> Iterator[_Tls]:
+    """A broker on one tls:// listener."""
+    cert, key = _self_signed(home)
+    with BrokerThread(
+        home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key),
+        **settings,
+    ) as running:  # fmt: skip
+        (url,) = running.urls
+        yield _Tls(running, url, int(url.rsplit(":", 1)[1]), cert)
+
+
+def _wait_until(done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_tls_connections_count_from_their_accept_and_a_stalled_one_makes_room(
     home: Path, event_loop: EventLoop
 ) -> None:
-    cert, key = _self_signed(home)
-    with BrokerThread(
-        home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key),
-        max_connections=3, hello_timeout_ms=60_000, event_loop=event_loop,
-    ) as running:  # fmt: skip
-        (url,) = running.urls
-        port = int(url.rsplit(":", 1)[1])
+    with _tls_broker(
+        home, max_connections=3, hello_timeout_ms=60_000, event_loop=event_loop
+    ) as tls:
         # Three peers that connect and never start (or finish) their TLS handshake.
-        stalled = [socket.create_connection(("127.0.0.1", port), WAIT_S) for _ in range(3)]
+        stalled = [socket.create_connection(("127.0.0.1", tls.port), WAIT_S) for _ in range(3)]
         stalled[1].sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # half a ClientHello
-        deadline = time.monotonic() + WAIT_S
-        while len(running.broker.connections) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(running.broker.connections) == 3  # counted while in their handshake
+        _wait_until(lambda: len(tls.running.broker.connections) >= 3)
+        assert len(tls.running.broker.connections) == 3  # counted while in their handshake
         time.sleep(1.1)  # (admission.EVICT_AFTER_S: the silent become evictable)
         # The broker is full of them: a client with a handshake and a hello takes the
         # place of the one silent longest (before: they were not counted, nor bounded).
-        with equeue.connect(url, cafile=cert, connect_timeout=WAIT_S) as client:
+        with equeue.connect(tls.url, cafile=tls.cert, connect_timeout=WAIT_S) as client:
             client.ping()
             assert client.stats()["connections"] == 3
         assert _closed_by_the_broker(stalled[0])
@@ -70,33 +92,43 @@ def test_tls_connections_count_from_their_accept_and_a_stalled_one_makes_room(
 
 
 def test_a_tls_handshake_is_bounded_by_the_hello_timeout(home: Path) -> None:
-    cert, key = _self_signed(home)
-    with BrokerThread(
-        home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key),
-        hello_timeout_ms=500,
-    ) as running:  # fmt: skip
-        (url,) = running.urls
-        port = int(url.rsplit(":", 1)[1])
-        with socket.create_connection(("127.0.0.1", port), WAIT_S) as stalled:
-            # before: asyncio's own 60 s handshake timeout
-            assert _closed_by_the_broker(stalled)
-        deadline = time.monotonic() + WAIT_S
-        while running.broker.connections and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert running.broker.connections == set()
+    with (
+        _tls_broker(home, hello_timeout_ms=500) as tls,
+        socket.create_connection(("127.0.0.1", tls.port), WAIT_S) as stalled,
+    ):
+        assert _closed_by_the_broker(stalled)  # (before: asyncio's own 60 s handshake timeout)
+        _wait_until(lambda: not tls.running.broker.connections)
+        assert tls.running.broker.connections == set()
 
 
 def test_a_full_broker_still_tells_a_tls_client_why(home: Path) -> None:
-    cert, key = _self_signed(home)
-    with BrokerThread(
-        home / "s", listen=["tls://127.0.0.1:0"], tls_cert=str(cert), tls_key=str(key),
-        max_connections=1,
-    ) as running:  # fmt: skip
-        (url,) = running.urls
-        with equeue.connect(url, cafile=cert) as first:
-            with pytest.raises(LimitExceededError, match="max_connections=1"):
-                equeue.connect(url, cafile=cert, connect_timeout=WAIT_S)
-            first.ping()  # (the refusal came through TLS: the client read it)
+    with (
+        _tls_broker(home, max_connections=1) as tls,
+        equeue.connect(tls.url, cafile=tls.cert) as first,
+    ):
+        with pytest.raises(LimitExceededError, match="max_connections=1"):
+            equeue.connect(tls.url, cafile=tls.cert, connect_timeout=WAIT_S)
+        first.ping()  # (the refusal came through TLS: the client read it)
+
+
+def test_refusals_in_their_tls_handshake_are_bounded(home: Path) -> None:
+    with (
+        _tls_broker(home, max_connections=1, hello_timeout_ms=60_000) as tls,
+        equeue.connect(tls.url, cafile=tls.cert) as first,  # (welcomed: not evictable)
+    ):
+        count = MAX_REFUSALS_IN_HANDSHAKE + 4
+        refused = [socket.create_connection(("127.0.0.1", tls.port), WAIT_S) for _ in range(count)]
+        # the first 16 wait in their handshake for the refusal; the others are closed
+        closed = [
+            sock for sock in refused[MAX_REFUSALS_IN_HANDSHAKE:] if _closed_by_the_broker(sock)
+        ]
+        assert len(closed) == 4
+        assert tls.running.broker.tls_refusals == MAX_REFUSALS_IN_HANDSHAKE
+        first.ping()
+        for sock in refused:
+            sock.close()
+        _wait_until(lambda: not tls.running.broker.tls_refusals)
+        assert tls.running.broker.tls_refusals == 0
 
 
 def test_a_hello_sent_twice_is_refused_without_quoting_its_token(
