@@ -155,6 +155,11 @@ class StoreWriteError(EQueueError, OSError):
         self.sent = []
 
 
+class StoreReadError(EQueueError, OSError):
+    """Opening or reading a store's file failed in the operating system (too many open
+    files, an I/O error) where nothing was being written; nothing was changed."""
+
+
 class DiskFullError(StoreWriteError):
     """The file system has no space left (ENOSPC) or a file size limit was hit."""
 
@@ -289,8 +294,9 @@ class AuthenticationError(EQueueError):
 
 
 class LimitExceededError(EQueueError):
-    """A broker limit was reached: connections (``max_connections``) or requests in
-    flight on one connection (``max_in_flight``); the message names the setting."""
+    """A limit was reached: connections (``max_connections``), requests in flight on
+    one connection (``max_in_flight``), consumer groups (``max_groups``) or topics
+    (``max_topics``, StoreConfig.max_topics); the message names the setting."""
 
 
 class ConnectionLostError(EQueueError, ConnectionError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -29,6 +30,7 @@ from equeue.protocol.frames import (
     CONNECTION_REQUEST_ID,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    HELLO_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     STATUS_ERROR,
     STATUS_OK,
@@ -45,6 +47,7 @@ from equeue.server.handlers import DEFERRED, Frame, Handlers, Packed
 from equeue.server.limitnote import name_broker_setting
 from equeue.server.release import release_durable as release_durable
 from equeue.server.release import write_later
+from equeue.server.tlsaccept import accept_tls
 
 if TYPE_CHECKING:
     from equeue.server.serve import Broker
@@ -77,8 +80,15 @@ class Connection(asyncio.BufferedProtocol):
         "_partial", "_plain_send", "_store", "closed", "in_flight", "transport",
     )  # fmt: skip
 
-    def __init__(self, broker: Broker, listener: str, number: int) -> None:
+    def __init__(
+        self, broker: Broker, listener: str, number: int, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.broker = broker
+        # A tls:// connection until its handshake is done (tlsaccept.py): closed by an
+        # abort, never answered on the raw socket.
+        self._tls = tls
+        self._tls_task: asyncio.Task[None] | None = None
+        self._tls_raw = bytearray()  # read before the TLS protocol took the socket
         self.number = number
         self.where = f"connection #{number} on {listener}"
         self.transport: asyncio.Transport | None = None
@@ -158,7 +168,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods
         self.transport = transport = cast(asyncio.Transport, transport)
-        self._fd = direct_fd(transport)
+        self._fd = direct_fd(transport) if self._tls is None else -1  # (TLS: records)
         keep_alive(transport)
         peer = transport.get_extra_info("peername")
         if peer:
@@ -172,15 +182,18 @@ class Connection(asyncio.BufferedProtocol):
             broker.config.hello_timeout_ms / 1000, self._hello_expired
         )
         limit = broker.config.max_connections
+        refusal = None
         if broker.draining:
-            self._fatal(LimitExceededError(f"{self.where}: the broker is shutting down"))
+            refusal = LimitExceededError(f"{self.where}: the broker is shutting down")
         elif len(broker.connections) > limit and not evict_a_silent_peer(self):
-            self._fatal(
-                LimitExceededError(
-                    f"{self.where}: the broker has {limit} connections already "
-                    f"(max_connections={limit}; equeue serve --max-connections)"
-                )
+            refusal = LimitExceededError(
+                f"{self.where}: the broker has {limit} connections already "
+                f"(max_connections={limit}; equeue serve --max-connections)"
             )
+        if self._tls is not None:
+            accept_tls(self, self._tls, refusal)
+        elif refusal is not None:
+            self._fatal(refusal)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -411,6 +424,13 @@ class Connection(asyncio.BufferedProtocol):
         self._batching = True
         try:
             if self._hello is not None:
+                if self._tls is not None:  # its handshake's first bytes (tlsaccept.py)
+                    self._tls_raw += data
+                    if self.transport is not None:
+                        self.transport.pause_reading()
+                    if len(self._tls_raw) > HELLO_MAX_FRAME_BYTES:  # (one read, a ClientHello)
+                        self.close()
+                    return
                 rest = take_hello(self, data)
                 if rest is None:
                     return
@@ -743,13 +763,17 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         log.warning("%s; closing the connection", exc)
-        self._answer_error(CONNECTION_REQUEST_ID, exc)
+        if self._tls is None:  # (in a TLS handshake the client could not read it)
+            self._answer_error(CONNECTION_REQUEST_ID, exc)
         self.close()
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self._tls is not None and self.transport is not None:
+            self.transport.abort()  # in its handshake: nothing of ours to write
+            return
         self._write_out()
         if self.transport is not None:
             self.transport.close()  # after what is buffered has been written

@@ -201,8 +201,11 @@ class GroupCoordinator:
         wall_clock: Callable[[], float] = time.time,
         retry_delays: Sequence[float] = retry.DEFAULT_DELAYS,
         max_retries: int = retry.DEFAULT_MAX_RETRIES,
+        max_groups: int | None = None,
     ) -> None:
         self.store = store
+        self.max_groups = max_groups  # None: no limit (the broker gives its setting)
+        self._retry_topics: int | None = None  # in the store: counted at the first new group
         self.clock = clock
         self.max_retries = check_max_retries(max_retries)
         self.retries = retry.Retries(store, wall_clock=wall_clock, delays=retry_delays)
@@ -276,7 +279,7 @@ class GroupCoordinator:
                 f"group {group!r} has {len(others)} members, the most a group may have "
                 f"(MAX_MEMBERS); consumer {consumer!r} was not added"
             )
-        self.retries.ensure(retry.retry_topic(group), 1)
+        self._make_retry_topic(group)
         if state is None:
             state = self._groups[group] = _Group(group)
         replaced = state.members.get(consumer)
@@ -297,6 +300,31 @@ class GroupCoordinator:
         state.members[consumer] = member
         self._rebalance(state, f"{consumer!r} joined")
         return self._answer(state, consumer)
+
+    def _make_retry_topic(self, group: str) -> None:
+        """The group's retry topic, made at its first join (the group's allocation
+        holds its queue from then on, and retention's holds and the mover's cursor find
+        it); a group past max_groups is refused before anything is made."""
+        topic = retry.retry_topic(group)
+        try:
+            self.store.queue_ids(topic)
+            return  # a group joined before (this run or an earlier one)
+        except TopicNotFoundError:
+            pass
+        limit = self.max_groups
+        if limit is not None:
+            if self._retry_topics is None:
+                prefix = retry.RETRY_PREFIX
+                self._retry_topics = sum(1 for t in self.store.topics() if t.startswith(prefix))
+            if self._retry_topics >= limit:
+                raise LimitExceededError(
+                    f"{self.store.path} has {self._retry_topics} consumer groups (a retry topic "
+                    f"each), the most max_groups={limit} allows (equeue serve --max-groups); "
+                    f"group {group!r} was not created"
+                )
+        self.retries.ensure(topic, 1)
+        if self._retry_topics is not None:
+            self._retry_topics += 1
 
     def heartbeat(
         self,
