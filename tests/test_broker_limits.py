@@ -6,6 +6,7 @@ where a resource limit of its own is needed."""
 
 from __future__ import annotations
 
+import errno
 import resource
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from test_server_auth import TOKEN, _self_signed, token_file
 
 import equeue
 from equeue import MessageStore, StoreConfig
-from equeue.errors import ConfigError, LimitExceededError
+from equeue.errors import ConfigError, LimitExceededError, StoreReadError
 from equeue.protocol.frames import encode
 from equeue.server import BrokerThread
 from equeue.server.config import EventLoop
@@ -225,15 +226,47 @@ def _url(broker: subprocess.Popen[str]) -> str:
     return line.split()[-1]
 
 
-def test_max_connections_past_the_open_file_limit_is_refused_at_start(home: Path) -> None:
-    broker = _serve(home / "s", 512, 512)  # --max-connections 1024 cannot fit
+def _refused(broker: subprocess.Popen[str]) -> str:
     try:
         _, err = broker.communicate(timeout=60)
     finally:
         broker.kill()
     assert broker.returncode != 0
+    return err
+
+
+def test_max_connections_asked_for_past_the_open_file_limit_is_refused_at_start(
+    home: Path,
+) -> None:
+    err = _refused(_serve(home / "s", 512, 512, "--max-connections", "1000"))
     assert "--max-connections" in err and "RLIMIT_NOFILE=512" in err, err
+    assert "lower --max-connections to 191" in err, err  # 512 - 256 - 1 - 64
     assert not (home / "s").exists()  # refused before the store was made
+    # a limit with no room for one connection beside the store's files: never "lower to 0"
+    err = _refused(_serve(home / "s", 300, 300, "--max-connections", "20"))
+    assert "leaves no room for a connection" in err and "at least 322" in err, err
+    assert "lower --max-connections" not in err, err
+
+
+def test_the_default_max_connections_is_lowered_to_what_fits(home: Path) -> None:
+    # review4 R2: with a hard limit of 1024 (a container's --ulimit nofile=1024:1024) the
+    # default 1024 connections cannot fit beside the store's files: equeue serve must still
+    # start (it did before the check), with the connections the limit holds, and say so
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "equeue", "serve", str(home / "s"),
+         "--listen", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_nofile(512, 512),
+    )  # fmt: skip
+    try:
+        url = _url(broker)
+        with raw(url) as client:
+            assert client.welcome["limits"]["max_connections"] == 191
+            client.call("ping")
+    finally:
+        broker.terminate()
+        _, err = broker.communicate(timeout=60)
+    assert "max_connections lowered from its default 1024 to 191" in err, err
 
 
 def test_the_soft_open_file_limit_is_raised_to_the_hard_one(home: Path) -> None:
@@ -309,3 +342,37 @@ def test_a_queue_that_cannot_be_opened_is_a_store_error_naming_its_files(home: P
     for line in refused:  # before: "builtin OSError [Errno 24] Too many open files"
         assert line.startswith("StoreWriteError 24 ") and "queues/new/0" in line, line
         assert "ulimit -n" in line, line  # the setting that changes the limit
+
+
+def test_records_retries_a_chunk_open_that_retention_raced(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # review4 R6: a read-only chunk open that lost a race with a writer's retention is
+    # StoreReadError(ENOENT) since F4 wrapped it; equeue records retries it as it retried
+    # the FileNotFoundError it was before (and still fails on any other errno)
+    from equeue.inspect import records
+    from equeue.inspect.layout import open_store as open_files
+
+    with MessageStore.open(home / "s") as store:
+        store.create_topic("t", 1)
+        store.send("t", b"kept")
+    real = records.ChunkManager  # type: ignore[attr-defined]
+    failures = [errno.ENOENT]
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise StoreReadError(failures.pop(), "opening the chunk files failed (race)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(records, "ChunkManager", racing)
+    source = records.RecordSource(open_files(home / "s"))
+    try:
+        bodies = [r.message.body for r in source.from_position(0, records.Filters())]
+        assert bodies == [b"kept"]
+        failures.append(errno.EACCES)  # anything else is not retried
+        source.close()
+        source = records.RecordSource(open_files(home / "s"))
+        with pytest.raises(StoreReadError, match="race"):
+            list(source.from_position(0, records.Filters()))
+    finally:
+        source.close()

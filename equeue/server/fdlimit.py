@@ -23,13 +23,20 @@ log = logging.getLogger("equeue.server")
 BROKER_OWN_FILES = 64
 
 
-def fit_open_files(max_connections: int, store_files: int, listeners: int) -> int:
-    """The soft RLIMIT_NOFILE after raising it (to the hard limit, where it is below what
-    the broker needs); ConfigError if ``max_connections`` cannot fit under it."""
+def fit_open_files(
+    max_connections: int, store_files: int, listeners: int, *, default: bool = False
+) -> int:
+    """The connections the broker may hold: ``max_connections``, after raising the soft
+    RLIMIT_NOFILE to the hard limit where it is below what the broker needs. Where even
+    that cannot hold them beside the store's files, the default (``default``: the
+    operator asked for no number) is lowered to what fits, with a warning, so ``equeue
+    serve`` starts where it did before this check (a container's 1024:1024, review4 R2);
+    a number the operator asked for is a ConfigError, and so is a limit that leaves no
+    room for one connection."""
     needed = max_connections + store_files + listeners + BROKER_OWN_FILES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
-        return needed if soft == resource.RLIM_INFINITY else soft
+        return max_connections
     # (an unlimited hard limit is refused as a soft one by Linux: ask for what is needed)
     target = needed if hard == resource.RLIM_INFINITY else hard
     try:
@@ -37,14 +44,28 @@ def fit_open_files(max_connections: int, store_files: int, listeners: int) -> in
         soft = target
     except (ValueError, OSError) as exc:  # (a hard limit above the kernel's nr_open)
         log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
-    if soft < needed:
-        room = soft - store_files - listeners - BROKER_OWN_FILES
+    if soft >= needed:
+        return max_connections
+    room = soft - store_files - listeners - BROKER_OWN_FILES
+    beside = (
+        f"the process's open-file limit RLIMIT_NOFILE={soft} (hard {hard}), beside the "
+        f"store's {store_files} (StoreConfig.max_open_files), {listeners} listener(s) and "
+        f"{BROKER_OWN_FILES} of the broker's own"
+    )
+    raise_it = "raise the limit (ulimit -n, systemd LimitNOFILE=)"
+    if room < 1:
         raise ConfigError(
-            f"max_connections={max_connections} (--max-connections) cannot fit in the "
-            f"process's open-file limit RLIMIT_NOFILE={soft} (hard {hard}): with the store's "
-            f"{store_files} (StoreConfig.max_open_files), {listeners} listener(s) and "
-            f"{BROKER_OWN_FILES} of the broker's own it needs {needed}; lower "
-            f"--max-connections to {max(room, 0)} or raise the limit (ulimit -n, systemd "
-            "LimitNOFILE=)"
+            f"{beside}, leaves no room for a connection: {raise_it} to at least "
+            f"{needed - max_connections + 1}"
         )
-    return soft
+    if default:
+        log.warning(
+            "max_connections lowered from its default %d to %d: %s, holds no more; %s for "
+            "more, or set --max-connections",
+            max_connections, room, beside, raise_it,
+        )  # fmt: skip
+        return room
+    raise ConfigError(
+        f"max_connections={max_connections} (--max-connections) cannot fit in {beside} "
+        f"(it needs {needed}): lower --max-connections to {room} or {raise_it}"
+    )

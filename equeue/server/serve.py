@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ from equeue.errors import (
     GroupError,
     StoreReplacedError,
 )
-from equeue.protocol.frames import MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
+from equeue.protocol.frames import DEFAULT_MAX_CONNECTIONS, MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import DEFAULT_MAX_TOPICS, Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
@@ -169,7 +170,14 @@ class Broker:
         store_files = (
             store.config if isinstance(store, MessageStore) else StoreConfig()
         ).max_open_files  # (the broker opens a store with the default)
-        fit_open_files(config.max_connections, store_files, len(self.listeners))
+        connections = fit_open_files(
+            config.max_connections,
+            store_files,
+            len(self.listeners),
+            default=config.max_connections == DEFAULT_MAX_CONNECTIONS,
+        )
+        if connections != config.max_connections:  # (the default, lowered to what fits)
+            self.config = config = dataclasses.replace(config, max_connections=connections)
         self.store, self._owns_store = open_store(store, config)
         try:
             self._set_up(config)
