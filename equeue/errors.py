@@ -83,6 +83,28 @@ def _hex(value: int | bytes | None) -> str:
     return f"0x{value:x}"
 
 
+class NewerFormatError(ConfigError):
+    """A file whose own checks hold names a format version above the one this library
+    reads: a newer equeue wrote it. Refused as newer, never taken for damage (no file is
+    moved, rebuilt or rewritten): every file kind with a version raises this one class
+    (docs/format.md, "Downgrades"). Not a CorruptionError, so that no damage handler
+    (a queue rebuilt, a journal salvaged) takes it for one."""
+
+    def __init__(
+        self, what: str, *, file: str | os.PathLike[str], offset: int | None, found: int, reads: str
+    ) -> None:
+        self.what = what
+        self.file = os.fspath(file)
+        self.offset = offset
+        self.found = found
+        after = (
+            f"but this equeue reads {reads}: written by a newer equeue; open the store with "
+            "that version (nothing was changed)"
+        )
+        self.reason = f"{what} {found}, {after}"
+        super().__init__(f"{what} {found} {_where(file, offset)}, {after}")
+
+
 class ChecksumMismatchError(CorruptionError):
     """A stored checksum does not match the bytes it covers."""
 

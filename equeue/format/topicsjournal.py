@@ -59,7 +59,12 @@ from typing import Any, Final
 
 import xxhash
 
-from equeue.errors import ChecksumMismatchError, CorruptionError, TruncatedError
+from equeue.errors import (
+    ChecksumMismatchError,
+    CorruptionError,
+    NewerFormatError,
+    TruncatedError,
+)
 
 TOPICS_JOURNAL_FILE: Final = "topics.journal"
 MAGIC: Final = b"EQTOPJ01"
@@ -114,6 +119,14 @@ def check_header(raw: bytes, file: str) -> tuple[int, int]:
             offset=0,
             expected=checksum,
             found=computed,
+        )
+    if version > VERSION:  # (its checksum holds: no damage, a newer equeue's)
+        raise NewerFormatError(
+            "topics journal format version",
+            file=file,
+            offset=8,
+            found=version,
+            reads=f"versions 1 and {VERSION}",
         )
     if version not in (1, VERSION):
         raise CorruptionError(

@@ -23,6 +23,7 @@ from equeue.errors import (
     ConfigError,
     CorruptionError,
     EQueueError,
+    NewerFormatError,
     NotAStoreError,
     StoreLockedError,
 )
@@ -208,9 +209,12 @@ def check_format(path: Path, identity: dict[str, Any]) -> None:
     """ConfigError if store.json says a format newer than this library's."""
     found = identity.get("format")
     if isinstance(found, int) and not isinstance(found, bool) and found > STORE_FORMAT:
-        raise ConfigError(
-            f"{path} says store format {found}, but this equeue library reads format "
-            f"{STORE_FORMAT} and older; open the store with a newer equeue (nothing was changed)"
+        raise NewerFormatError(
+            "store format",
+            file=path,
+            offset=None,
+            found=found,
+            reads=f"format {STORE_FORMAT} and older",
         )
 
 
