@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import struct
 from pathlib import Path
 
@@ -19,10 +20,12 @@ import xxhash
 from store_helpers import snapshot
 
 from equeue import MessageStore, StoreConfig
+from equeue.atomicfile import write_json
 from equeue.cli import main
 from equeue.errors import ConfigError, CorruptionError, NewerFormatError
 from equeue.format.chunk import FORMAT_VERSION, HEADER_SIZE, ChunkHeader
 from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE, VERSION, pack_header
+from equeue.store.offsets import file_name
 
 CONFIG = StoreConfig(flush="os", chunk_data_size=1 << 20, queue_chunk_records=1024)
 
@@ -120,3 +123,37 @@ def test_control_the_current_versions_open_and_verify(tmp_path: Path) -> None:
     assert _run("verify", str(tmp_path))[0] == 0
     with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
         assert store.topics() == ["a", "b"]
+
+
+def _with_format(path: Path, found: int) -> None:
+    """The metadata document at ``path`` marked ``"format": found`` beside its body and
+    checksum (equeue/atomicfile.py), as a later equeue that changed the body would."""
+    doc = json.loads(path.read_bytes())
+    path.write_bytes(json.dumps(doc | {"format": found}, sort_keys=True).encode())
+
+
+@pytest.mark.parametrize("name", ["topics.json", "checkpoint.json", "offsets.json", "group"])
+def test_a_newer_metadata_document_is_refused_as_newer(tmp_path: Path, name: str) -> None:
+    """Seen failing before the fix: the field was ignored and the body read as this
+    version's (the opens succeeded)."""
+    _store(tmp_path)
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.commit_offset("billing", "a", 0, 3)
+    if name == "group":
+        (tmp_path / "consumers").mkdir(exist_ok=True)
+        file = tmp_path / "consumers" / file_name("cg")
+        write_json(file, {"group": "cg", "offsets": {"a": {"0": 2}}})
+    else:
+        file = tmp_path / name
+    for found in (1, 2):
+        _with_format(file, found)
+        if found == 1:  # control: the format this version writes (implicitly) opens
+            with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
+                assert store.topics() == ["a"]
+            continue
+        before = snapshot(tmp_path)
+        for read_only in (True, False):
+            with pytest.raises(NewerFormatError) as raised:
+                MessageStore.open(tmp_path, CONFIG, read_only=read_only).close()
+            assert raised.value.file == str(file) and "metadata format 2" in str(raised.value)
+            assert snapshot(tmp_path) == before  # nothing set aside as damaged

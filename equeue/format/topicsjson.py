@@ -36,6 +36,7 @@ _CHECKED: Final = re.compile(
 )
 _UNCHECKED: Final = re.compile(rb'\{"generation": (\d{1,20}), "body": ')
 _NONE: Final = b'{"body": '
+_FORMAT: Final = b'{"format": '
 _KEY: Final = re.compile(rb'\{"[^"\\]{0,40}": ')  # a JSON object's first key
 _REMEDY: Final = (
     "restore topics.json, or move it out of the store: the open then rebuilds the topics "
@@ -95,8 +96,8 @@ def read_generation(head: bytes, file: str) -> int:
     unchecked = _UNCHECKED.match(head)
     if unchecked is not None:
         return _bounded(int(unchecked[1]), file)
-    if head.startswith(_NONE) or _KEY.match(head) is None:
-        return 0
+    if head.startswith(_NONE) or head.startswith(_FORMAT) or _KEY.match(head) is None:
+        return 0  # (a newer format's: the file's own read refuses it, equeue/atomicfile.py)
     raise CorruptionError(
         f"topics.json's field generation is damaged (its head is {head[:48]!r}, neither "
         f'{{"generation": N, "generation_xxh32": H, "body": ...}} nor {{"body": ...}}); '
