@@ -93,7 +93,6 @@ class NewerFormatError(ConfigError):
     def __init__(
         self, what: str, *, file: str | os.PathLike[str], offset: int | None, found: int, reads: str
     ) -> None:
-        self.what = what
         self.file = os.fspath(file)
         self.offset = offset
         self.found = found
