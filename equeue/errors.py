@@ -87,8 +87,8 @@ class NewerFormatError(ConfigError):
     """A file whose own checks hold names a format version above the one this library
     reads: a newer equeue wrote it. Refused as newer, never taken for damage (no file is
     moved, rebuilt or rewritten): every file kind with a version raises this one class
-    (docs/format.md, "Newer formats and downgrades"). Not a CorruptionError, so that no damage handler
-    (a queue rebuilt, a journal salvaged) takes it for one."""
+    (docs/format.md, "Newer formats and downgrades"). Not a CorruptionError, so that no
+    damage handler (a queue rebuilt, a journal salvaged) takes it for one."""
 
     def __init__(
         self, what: str, *, file: str | os.PathLike[str], offset: int | None, found: int, reads: str

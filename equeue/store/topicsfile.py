@@ -181,8 +181,10 @@ def _superseded(journal: Journal, topics_path: Path) -> CorruptionError:
         offset=0,
         remedy=f"topics.json holds the newer topics: with no writer running, move "
         f"{journal.path} out of the store (keep it: its records hold the policies of its "
-        "topics, which that version reset to the defaults) and open the store again; if no "
-        "older equeue ran on the store, restore the topics.json this version wrote instead",
+        "topics, which that version reset to the defaults) and open the store again; only "
+        "if no older equeue ran on the store since the journal's writer is the journal the "
+        "newer side: then move topics.json out instead (the open rebuilds the topics from "
+        "their queue directories, with default policies, and replays the journal over them)",
     )
 
 
