@@ -9,7 +9,10 @@ read topics.json, then replay the journal over it, unless the journal's generati
 below topics.json's (a fold that wrote topics.json but not yet, or never, its fresh
 journal: the old journal is folded in already, and older than the file). topics.json's
 generation has a checksum of its own: a damaged one is a CorruptionError, never a
-journal skipped (equeue/format/topicsjson.py).
+journal skipped (equeue/format/topicsjson.py). A journal of generation 1 or more with
+records, beside a topics.json without a generation, is refused (``_superseded``: an
+equeue before the journal rewrote the file after it); this version's writers never
+leave that pair (a journal starts at 1, the first change beside such a file folds).
 
 topics.json is written from pieces encoded once per topic: ``write_json`` of the whole
 body encodes every entry twice (the canonical form the checksum covers, and the file's)
