@@ -78,10 +78,11 @@ def decode_json(raw: bytes, path: Path) -> Any:
         raise CorruptionError(
             "unreadable metadata file (nested too deeply to decode)", file=path, offset=0
         ) from None
-    found = doc.get("format", METADATA_FORMAT)  # (a dict: it had "body")
-    if isinstance(found, int) and not isinstance(found, bool) and found > METADATA_FORMAT:
-        reads = f"format {METADATA_FORMAT}"
-        raise NewerFormatError("metadata format", file=path, offset=0, found=found, reads=reads)
+    found = doc.get("format")  # (a dict: it had "body"; none is format 1)
+    reads = f"format {METADATA_FORMAT}"
+    NewerFormatError.check(
+        "metadata format", found, METADATA_FORMAT, file=path, offset=0, reads=reads
+    )
     if stored != computed:
         raise ChecksumMismatchError(
             "metadata checksum mismatch",

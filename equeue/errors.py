@@ -103,6 +103,22 @@ class NewerFormatError(ConfigError):
         self.reason = f"{what} {found}, {after}"
         super().__init__(f"{what} {found} {_where(file, offset)}, {after}")
 
+    @classmethod
+    def check(
+        cls,
+        what: str,
+        found: object,
+        newest: int,
+        *,
+        file: str | os.PathLike[str],
+        offset: int | None,
+        reads: str,
+    ) -> None:
+        """Raise if ``found`` (a file's version, read where its checksum held) is an
+        integer above ``newest``, the highest this library reads."""
+        if isinstance(found, int) and not isinstance(found, bool) and found > newest:
+            raise cls(what, file=file, offset=offset, found=found, reads=reads)
+
 
 class ChecksumMismatchError(CorruptionError):
     """A stored checksum does not match the bytes it covers."""

@@ -252,14 +252,10 @@ class ChunkHeader:
         (_, version, ctype, flags, rsize, ts_off, start, end, dsize, cid, created, _) = (
             _HEADER.unpack(buf)
         )
-        if version > FORMAT_VERSION:  # (its checksum holds: no damage, a newer equeue's)
-            raise NewerFormatError(
-                "chunk format version",
-                file=file,
-                offset=4,
-                found=version,
-                reads=f"version {FORMAT_VERSION}",
-            )
+        reads = f"version {FORMAT_VERSION}"  # (its checksum holds: no damage, a newer one's)
+        NewerFormatError.check(
+            "chunk format version", version, FORMAT_VERSION, file=file, offset=4, reads=reads
+        )
         if version != FORMAT_VERSION:
             raise CorruptionError(
                 f"chunk format version {version}, but this equeue library reads version "

@@ -120,14 +120,10 @@ def check_header(raw: bytes, file: str) -> tuple[int, int]:
             expected=checksum,
             found=computed,
         )
-    if version > VERSION:  # (its checksum holds: no damage, a newer equeue's)
-        raise NewerFormatError(
-            "topics journal format version",
-            file=file,
-            offset=8,
-            found=version,
-            reads=f"versions 1 and {VERSION}",
-        )
+    reads = f"versions 1 and {VERSION}"  # (its checksum holds: no damage, a newer equeue's)
+    NewerFormatError.check(
+        "topics journal format version", version, VERSION, file=file, offset=8, reads=reads
+    )
     if version not in (1, VERSION):
         raise CorruptionError(
             f"topics journal format version {version}; this equeue reads 1 and {VERSION}",

@@ -206,16 +206,11 @@ def _check_identity(path: Path, identity: Any) -> dict[str, Any]:
 
 
 def check_format(path: Path, identity: dict[str, Any]) -> None:
-    """ConfigError if store.json says a format newer than this library's."""
+    """NewerFormatError (a ConfigError) if store.json says a format newer than this
+    library's."""
+    reads = f"format {STORE_FORMAT} and older"
     found = identity.get("format")
-    if isinstance(found, int) and not isinstance(found, bool) and found > STORE_FORMAT:
-        raise NewerFormatError(
-            "store format",
-            file=path,
-            offset=None,
-            found=found,
-            reads=f"format {STORE_FORMAT} and older",
-        )
+    NewerFormatError.check("store format", found, STORE_FORMAT, file=path, offset=None, reads=reads)
 
 
 def _is_int(value: object) -> bool:
