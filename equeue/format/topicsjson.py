@@ -10,10 +10,11 @@ decides whether topics.journal is replayed (equeue/store/topicsfile.py: not when
 generation is below the file's), so a damaged one would drop the journal's topic changes
 without a word, the body's checksum being fine: a head whose generation does not match
 its checksum, or that is neither of the forms below, is a CorruptionError naming the file
-and the field. Still read: a file without a generation (``{"body": ...``: an older equeue's;
-generation 0: this one's writable open rewrites it at generation 1, and a journal of
-generation 1 or more beside one is refused, equeue/store/topicsfile.py), and the head the version
-before this one wrote, ``{"generation": 7, "body": ...`` (no checksum to check).
+and the field. Still read: a file without a generation (``{"body": ...``: an older
+equeue's; generation 0: this one's writer folds it at its first topic change, and a
+journal of generation 1 or more with records beside one is refused,
+equeue/store/topicsfile.py), and the head the version before this one wrote,
+``{"generation": 7, "body": ...`` (no checksum to check).
 Readers that ignore the new field (that version, ``read_json``) read the file as before.
 """
 
@@ -71,7 +72,7 @@ def pack_head(generation: int) -> str:
 def without_generation(head: bytes) -> bool:
     """Whether topics.json's first bytes ``head`` are those of a file written with no
     generation: by an equeue before the journal (``write_json``), or the first with it.
-    This equeue's writers never write one (a writable open folds it into generation 1)."""
+    This equeue's writers never write one (their folds start at generation 1)."""
     return head.startswith(_NONE)
 
 
