@@ -173,3 +173,33 @@ def test_topics_rebuilt_from_queue_directories_are_written_at_a_generation(
     assert json.loads((tmp_path / TOPICS_FILE).read_bytes())["generation"] >= 1
     with MessageStore.open(tmp_path, CONFIG) as store:
         assert store.topics() == ["a", "b"] and not store.recovery.problems
+
+
+@pytest.mark.parametrize("file_has_x", [False, True])
+def test_a_journal_beside_a_topics_json_it_does_not_undo_is_replayed(
+    tmp_path: Path, file_has_x: bool
+) -> None:
+    """review4 R1: the equeue before this fix left the pair itself. Its recovery rebuilt a
+    lost topics.json from the queue directories without a generation, then journaled
+    the next topic change (x), then crashed. Replaying x undoes nothing topics.json says
+    (it lacks x, or agrees on its queues): the store opens with x and its policy, as it
+    did before. Seen failing with the refusal of every such pair (CorruptionError)."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("keep", 1)
+        store.send("keep", b"k0")
+    _crash(tmp_path, "")
+    journal = tmp_path / TOPICS_JOURNAL_FILE
+    assert journal.stat().st_size > HEADER_SIZE  # x is in the journal only
+    default = {"cleanup": "delete", "retention_seconds": None, "delete_retention_seconds": 86400.0}
+    body: dict[str, object] = {"keep": {"queue_count": 1, **default}}
+    if file_has_x:  # rebuilt after x's directories were made: the same queues
+        body["x"] = {"queue_count": 2, **default}
+    write_json(tmp_path / TOPICS_FILE, body)  # as that recovery wrote it: no generation
+    for read_only in (True, False):
+        with MessageStore.open(tmp_path, CONFIG, read_only=read_only) as store:
+            assert store.topics() == ["keep", "x"]
+            assert store.queue_ids("x") == [0, 1]
+            assert store.topic_policy("x").cleanup == "compact"  # the journal's, kept
+            assert len(store.query_by_key("x", "k1")) == 4
+    code, out = _verify(tmp_path)
+    assert code == 0, out

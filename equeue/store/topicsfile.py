@@ -102,6 +102,10 @@ class Journal:
         self.tail_reason: str | None = None
         self.generation = 0
         self.stale = False  # folded into topics.json already: its records are not replayed
+        # Beside a topics.json without a generation (an equeue without the journal rewrote
+        # it since, or this library's predecessors' recovery did): replay checks each record
+        # against that file and refuses one that would undo it (_undoes, review4 R1).
+        self.unversioned_beside = False
 
     def read(self) -> Journal:
         file = str(self.path)
@@ -161,22 +165,43 @@ class Journal:
         if self.stale:
             self.records = []
         elif self.records and head is not None and self.generation and without_generation(head):
-            raise _superseded(self, topics_path)
+            self.unversioned_beside = True
         return self
 
 
-def _superseded(journal: Journal, topics_path: Path) -> CorruptionError:
+def _undoes(body: dict[str, Any], record: TopicRecord) -> bool:
+    """Whether replaying ``record`` over topics.json's ``body`` (written by an equeue
+    without the journal after the record) would undo what that version did: bring back a
+    topic it deleted (its ``deleted_before`` above the record's: also a topic deleted and
+    created again) or hide queues it added (its queue count above the record's). A record
+    of a topic the file lacks, or one the file agrees with, undoes nothing: that is the
+    pair this library's predecessors left themselves (topics.json rebuilt from the queue
+    directories without a generation, a topic change journaled, a crash: review4 R1)."""
+    entry = body.get(record.topic)
+    if not isinstance(entry, dict):
+        return False
+    deleted = entry.get("deleted_before")
+    if isinstance(deleted, int) and (
+        record.deleted_before is None or record.deleted_before < deleted
+    ):
+        return True
+    count = entry.get("queue_count")
+    return isinstance(count, int) and record.queue_count is not None and record.queue_count < count
+
+
+def _superseded(journal: Journal, topics_path: Path, undoing: list[TopicRecord]) -> CorruptionError:
     """A journal of generation 1 or more beside a topics.json without one: a writer of
     this version folded topics.json at that generation, so an equeue without the journal
     rewrote the file since (a downgrade and back), from its own view of the topics (those
     of the journal rebuilt from their queue directories, or not at all). Its changes
     after that (a topic deleted, queues added) are the newer truth; replayed, the
     journal's records would undo them without a word."""
-    topics = sorted({record.topic for _, record in journal.records})
+    topics = sorted({record.topic for record in undoing})
     shown = ", ".join(repr(t) for t in topics[:10]) + (", ..." if len(topics) > 10 else "")
     return CorruptionError(
         f"topics.json has no generation, beside {journal.path} of generation "
-        f"{journal.generation} holding {len(journal.records)} records (topics {shown}): an "
+        f"{journal.generation} holding {len(journal.records)} records, of which "
+        f"{len(undoing)} would undo topics.json (topics {shown}): an "
         "equeue without the journal (before 2026-11-25 23:18) rewrote topics.json after this "
         "journal was written, and replaying the journal would undo that version's topic "
         "changes (a deleted topic back with its messages, added queues hidden)",
@@ -237,6 +262,10 @@ def replay(body: dict[str, Any], journal: Journal) -> dict[str, Any]:
     does not pass raises CorruptionError naming the journal and the record's offset."""
     if not journal.records:
         return body
+    if journal.unversioned_beside:
+        undoing = [record for _, record in journal.records if _undoes(body, record)]
+        if undoing:
+            raise _superseded(journal, journal.path.parent / TOPICS_FILE, undoing)
     merged = dict(body)
     for at, record in journal.records:
         try:
