@@ -12,16 +12,12 @@ the client writes next are recorded."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-from client_helpers import WELCOME, FakeBroker, Peer
+from client_helpers import WELCOME, FakeBroker, Peer, run_pure_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +26,6 @@ from equeue import speedups
 from equeue.protocol.frames import BODIES_VERSION, STATUS_OK, encode
 from equeue.store.types import SendResult
 
-HERE = Path(__file__).resolve().parent
 BOUND = 10.0  # seconds the client's run may take: past it, a hang
 
 
@@ -123,13 +118,9 @@ def woken_group_sends_as_one(tasks: int, rounds: int) -> None:
 @pytest.mark.parametrize("tasks", [2, 16])
 def test_a_woken_groups_callers_send_next_as_one_request(path: str, tasks: int) -> None:
     if path == "python":
-        code = f"import test_client_woken_group as m; m.woken_group_sends_as_one({tasks}, 4)"
-        env = {**os.environ, "EQUEUE_PURE_PYTHON": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-        done = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        run_pure_python(
+            f"import test_client_woken_group as m; m.woken_group_sends_as_one({tasks}, 4)"
         )
-        assert done.returncode == 0, done.stdout + done.stderr
     elif speedups.SPEEDUPS is None:
         pytest.skip("the C accelerator is not built (or EQUEUE_PURE_PYTHON is set)")
     else:

@@ -114,7 +114,9 @@ class Coalescer:
 
     A send made while nothing is in flight or begun goes alone, as a ``send`` written
     at once (the first of a burst is not held back for the others; one send at a time
-    stays one request and one write each, with no callback of the loop between)."""
+    stays one request and one write each, with no callback of the loop between), unless
+    a write is due this turn: the callers woken together (``woken_together``) send next
+    as one group."""
 
     __slots__ = ("_protocol", "budget", "groups", "most", "part", "sealed")
 
