@@ -136,3 +136,68 @@ def test_a_woken_groups_callers_send_next_as_one_request_on_uvloop() -> None:
 @given(tasks=st.integers(2, 40), rounds=st.integers(2, 6))
 def test_any_number_of_woken_callers_send_next_as_one_request(tasks: int, rounds: int) -> None:
     woken_group_sends_as_one(tasks, rounds)
+
+
+def _script_group_alone(tasks: int, seen: list[list[tuple[str, int]]]) -> Callable[[Peer], None]:
+    """The first round's lone send answered first, then (a read of its own) the group of
+    the other ``tasks - 1``; their next sends recorded and answered."""
+
+    def script(peer: Peer) -> None:
+        peer.recv()
+        peer.send({**WELCOME, "version": BODIES_VERSION})
+        lone, group = peer.recv(), peer.recv()
+        seen.append([(lone[1], _sends(lone)), (group[1], _sends(group))])
+        peer.send(_answer(lone, 0))
+        time.sleep(0.2)  # (its own read, very likely; both in one read is the test above)
+        peer.send(_answer(group, 1))
+        requests: list[list[Any]] = []
+        while sum(_sends(r) for r in requests) < tasks - 1:
+            requests.append(peer.recv())
+        seen.append([(r[1], _sends(r)) for r in requests])
+        answers = b""
+        for request in requests:
+            answers += encode(_answer(request, tasks))
+        peer.raw(answers)
+        peer.recv()  # until the client closes
+
+    return script
+
+
+async def _first_sends_once(url: str, tasks: int) -> list[list[SendResult]]:
+    """Task 0 sends once, the others twice, one at a time, sharing one client."""
+    client = await equeue.aio.connect(url, timeout=BOUND, connect_timeout=5)
+    try:
+        protocol = client._protocol
+        assert protocol is not None
+        protocol.heard = time.monotonic() + 3600  # (as in _produce)
+
+        async def one(task: int) -> list[SendResult]:
+            return [await client.send("t", f"{task}.{n}".encode()) for n in range(1 + (task > 0))]
+
+        async with asyncio.timeout(BOUND):
+            return list(await asyncio.gather(*(one(task) for task in range(tasks))))
+    finally:
+        await client.close()
+
+
+def group_answered_alone_sends_as_one(tasks: int) -> None:
+    seen: list[list[tuple[str, int]]] = []
+    with FakeBroker(_script_group_alone(tasks, seen)) as fake:
+        results = asyncio.run(_first_sends_once(fake.url, tasks))
+    assert seen == [[("send", 1), _request(tasks - 1)], [_request(tasks - 1)]], seen
+    for task, own in enumerate(results):
+        assert [r.message_id for r in own] == [f"{task}.{n}" for n in range(1 + (task > 0))]
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_a_group_answered_in_a_read_of_its_own_sends_next_as_one_request(path: str) -> None:
+    # Nothing else in flight when the group's answer is read (the lone send answered
+    # before, its task done): the group's callers, woken together, still send as one.
+    if path == "python":
+        run_pure_python(
+            "import test_client_woken_group as m; m.group_answered_alone_sends_as_one(8)"
+        )
+    elif speedups.SPEEDUPS is None:
+        pytest.skip("the C accelerator is not built (or EQUEUE_PURE_PYTHON is set)")
+    else:
+        group_answered_alone_sends_as_one(8)
