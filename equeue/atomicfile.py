@@ -3,6 +3,11 @@
 Each file holds one JSON document ``{"xxh64": hex, "body": ...}``; the hash
 covers the canonical encoding of the body, so a flipped bit is reported as
 corruption (with the file) instead of being read as different data.
+
+A document may carry ``"format": N`` beside them (none: format 1, all this version
+writes): a later equeue that changes a file's body so that this one would misread it
+writes a higher N, and this reader refuses it as newer (NewerFormatError), before its
+body is looked at. Every version before this one ignores fields beside the two.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 import xxhash
 
 from equeue.chunks.fileops import fsync_directory, write_error
-from equeue.errors import ChecksumMismatchError, CorruptionError
+from equeue.errors import ChecksumMismatchError, CorruptionError, NewerFormatError
 from equeue.safepath import check_removable, open_file, opener
 
 
@@ -53,6 +58,10 @@ def read_json(path: Path) -> Any:
         return decode_json(f.read(), path)
 
 
+# The highest ``"format"`` of a metadata document this version reads (module docstring).
+METADATA_FORMAT = 1
+
+
 def decode_json(raw: bytes, path: Path) -> Any:
     """The body of a metadata file's bytes ``raw``, read from ``path``."""
     try:
@@ -69,6 +78,11 @@ def decode_json(raw: bytes, path: Path) -> Any:
         raise CorruptionError(
             "unreadable metadata file (nested too deeply to decode)", file=path, offset=0
         ) from None
+    found = doc.get("format")  # (a dict: it had "body"; none is format 1)
+    reads = f"format {METADATA_FORMAT}"
+    NewerFormatError.check(
+        "metadata format", found, METADATA_FORMAT, file=path, offset=0, reads=reads
+    )
     if stored != computed:
         raise ChecksumMismatchError(
             "metadata checksum mismatch",

@@ -83,6 +83,43 @@ def _hex(value: int | bytes | None) -> str:
     return f"0x{value:x}"
 
 
+class NewerFormatError(ConfigError):
+    """A file whose own checks hold names a format version above the one this library
+    reads: a newer equeue wrote it. Refused as newer, never taken for damage (no file is
+    moved, rebuilt or rewritten): every file kind with a version raises this one class
+    (docs/format.md, "Newer formats and downgrades"). Not a CorruptionError, so that no
+    damage handler (a queue rebuilt, a journal salvaged) takes it for one."""
+
+    def __init__(
+        self, what: str, *, file: str | os.PathLike[str], offset: int | None, found: int, reads: str
+    ) -> None:
+        self.file = os.fspath(file)
+        self.offset = offset
+        self.found = found
+        after = (
+            f"but this equeue reads {reads}: written by a newer equeue; open the store with "
+            "that version (nothing was changed)"
+        )
+        self.reason = f"{what} {found}, {after}"
+        super().__init__(f"{what} {found} {_where(file, offset)}, {after}")
+
+    @classmethod
+    def check(
+        cls,
+        what: str,
+        found: object,
+        newest: int,
+        *,
+        file: str | os.PathLike[str],
+        offset: int | None,
+        reads: str,
+    ) -> None:
+        """Raise if ``found`` (a file's version, read where its checksum held) is an
+        integer above ``newest``, the highest this library reads."""
+        if isinstance(found, int) and not isinstance(found, bool) and found > newest:
+            raise cls(what, file=file, offset=offset, found=found, reads=reads)
+
+
 class ChecksumMismatchError(CorruptionError):
     """A stored checksum does not match the bytes it covers."""
 
@@ -153,6 +190,11 @@ class StoreWriteError(EQueueError, OSError):
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.sent = []
+
+
+class StoreReadError(EQueueError, OSError):
+    """Opening or reading a store's file failed in the operating system (too many open
+    files, an I/O error) where nothing was being written; nothing was changed."""
 
 
 class DiskFullError(StoreWriteError):
@@ -289,8 +331,9 @@ class AuthenticationError(EQueueError):
 
 
 class LimitExceededError(EQueueError):
-    """A broker limit was reached: connections (``max_connections``) or requests in
-    flight on one connection (``max_in_flight``); the message names the setting."""
+    """A limit was reached: connections (``max_connections``), requests in flight on
+    one connection (``max_in_flight``), consumer groups (``max_groups``) or topics
+    (``max_topics``, StoreConfig.max_topics); the message names the setting."""
 
 
 class ConnectionLostError(EQueueError, ConnectionError):

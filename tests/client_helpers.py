@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import select
 import shutil
 import signal
@@ -257,3 +258,15 @@ def counting_loop(mode: str) -> Any:
         loop = _UVCounting()
     loop.set_debug(mode == "debug")
     return loop
+
+
+def run_pure_python(code: str) -> None:
+    """``code`` run in a child process without the accelerator (EQUEUE_PURE_PYTHON=1),
+    the tests' directory on its path (so it imports a test module); fails with its output."""
+    here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "EQUEUE_PURE_PYTHON": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

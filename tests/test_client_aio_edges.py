@@ -13,16 +13,13 @@ A hang fails by a timeout (asyncio.wait_for, a bounded child process), not the s
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import subprocess
-import sys
 import threading
 from collections.abc import Coroutine, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from client_helpers import run_pure_python
 from server_helpers import short_dir
 
 import equeue
@@ -40,7 +37,6 @@ from equeue.store.types import OutgoingMessage
 
 T = TypeVar("T")
 BOUND = 10.0  # seconds any one await may take here: past it, a hang
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -68,13 +64,7 @@ def _bodies(url: str) -> list[bytes]:
 
 def _in_child(scenario: str, url: str) -> None:
     """``scenario(url)`` of this module in a child process without the accelerator."""
-    code = f"import test_client_aio_edges as m; m.{scenario}({url!r})"
-    env = {**os.environ, "EQUEUE_PURE_PYTHON": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_pure_python(f"import test_client_aio_edges as m; m.{scenario}({url!r})")
 
 
 def _run(path: str, scenario: str, url: str) -> None:

@@ -11,7 +11,12 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from equeue.errors import ChecksumMismatchError, CorruptionError, TruncatedError
+from equeue.errors import (
+    ChecksumMismatchError,
+    CorruptionError,
+    NewerFormatError,
+    TruncatedError,
+)
 from equeue.format.chunk import (
     FOOTER_MAGIC,
     FOOTER_SIZE,
@@ -318,11 +323,19 @@ def test_any_damaged_footer_byte_is_detected(footer: ChunkFooter, index: int, ma
 
 
 def test_unsupported_version() -> None:
+    """Version 0 (no equeue wrote it) is damage; a version above FORMAT_VERSION whose
+    header checks out is a newer equeue's: NewerFormatError, no CorruptionError (a queue
+    chunk's damage is rebuilt from the log: a newer one must not be)."""
     raw = bytearray(sample_header().pack())
-    raw[4:6] = (2).to_bytes(2, "little")
+    raw[4:6] = (0).to_bytes(2, "little")
     with pytest.raises(CorruptionError, match="version") as info:
         ChunkHeader.unpack(reseal(bytes(raw)), file=FILE)
     assert_where(info.value, 4)
+    raw[4:6] = (2).to_bytes(2, "little")
+    with pytest.raises(NewerFormatError, match=r"version 2.*newer equeue") as newer:
+        ChunkHeader.unpack(reseal(bytes(raw)), file=FILE)
+    assert not isinstance(newer.value, CorruptionError)
+    assert (newer.value.file, newer.value.offset, newer.value.found) == (FILE, 4, 2)
 
 
 def test_unknown_chunk_type() -> None:

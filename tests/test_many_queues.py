@@ -25,6 +25,7 @@ from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import read_json, write_json
 from equeue.cli import main
 from equeue.errors import ConfigError
+from equeue.format.topicsjson import pack_head
 from equeue.store.config import open_queue_limit
 from equeue.store.topics import TopicPolicy, topics_body
 from equeue.store.topicsfile import TopicsFile
@@ -319,8 +320,9 @@ def test_a_deleted_queue_chunk_of_a_clean_store_is_reported_at_open(tmp_path: Pa
 
 def test_topics_file_writes_what_write_json_writes(tmp_path: Path) -> None:
     """topics.json from cached per-topic pieces (topicsfile.py) is byte for byte what
-    write_json(topics_body(...)) writes, as topics are added, changed and deleted."""
-    file = TopicsFile(tmp_path, writer=False)
+    write_json(topics_body(...)) writes after the fold's generation head (every write has
+    one: topicsjson.py), as topics are added, changed and deleted."""
+    file = TopicsFile(tmp_path, writer=True)
     counts = {"a": 4, "b.c": 1, "é-ü": 2}
     policies = {"b.c": TopicPolicy("compact", dt.timedelta(days=1), dt.timedelta(hours=2))}
     deleted = {"z": 123}
@@ -336,8 +338,11 @@ def test_topics_file_writes_what_write_json_writes(tmp_path: Path) -> None:
             counts.clear()
         file.write(counts, policies, deleted)
         write_json(tmp_path / "whole.json", topics_body(counts, policies, deleted))
-        assert (tmp_path / "topics.json").read_bytes() == (tmp_path / "whole.json").read_bytes()
+        whole = (tmp_path / "whole.json").read_bytes()
+        head = pack_head(step + 1).encode()
+        assert (tmp_path / "topics.json").read_bytes() == head + whole[1:]
         assert read_json(tmp_path / "topics.json") == topics_body(counts, policies, deleted)
+    file.close_fd()
 
 
 def test_inspect_summary_of_many_queues_shows_the_largest_and_totals(

@@ -419,3 +419,27 @@ def test_a_move_that_failed_off_the_loop_is_written_again_not_moved_again(
         assert store.committed_offset(retry.MOVER_GROUP, retry.DELAY_TOPIC, 0) == 1
     finally:
         executor.shutdown(wait=True)
+
+
+def test_a_repeat_nack_of_one_message_makes_no_second_copy(
+    store: MessageStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # reviewg F14: 200 nacks of one message made 200 retry copies, each delivered again
+    coord = coordinator(store, clock)
+    first = store.send("orders", b"one")
+    for _ in range(5):
+        coord.nack("g", "a", first.message_id, 0)
+    assert [m.body for m in everything(store, RETRY)] == [b"one"]  # (delay 0: no wait)
+    assert coord.retries.stats()["nacked_again"] == 4
+    # another group's nack of the same message is its own
+    coord.join("h", "b", ["orders"], 600_000)
+    coord.nack("h", "b", first.message_id, 0)
+    assert [m.body for m in everything(store, retry.retry_topic("h"))] == [b"one"]
+    # the memory is bounded: a message forgotten is copied again when nacked again
+    monkeypatch.setattr(retry, "NACKS_REMEMBERED", 3)
+    others = [store.send("orders", b"other %d" % i) for i in range(3)]
+    for sent in others:
+        coord.nack("g", "a", sent.message_id, 0)
+    coord.nack("g", "a", first.message_id, 0)  # forgotten: ("h", first) and 3 newer
+    assert [m.body for m in everything(store, RETRY)].count(b"one") == 2
+    assert coord.retries.stats()["nacked_again"] == 4

@@ -371,7 +371,7 @@ def test_a_half_closed_client_still_gets_its_deferred_answers(home: Path) -> Non
             c.sock.shutdown(socket_module.SHUT_WR)  # all sent: now only reading
             answers = c.answers(51)
             assert all(answers[rid][0] == 0 for rid in sends)
-            assert answers[held] == (0, [[], 0])  # at its deadline
+            assert answers[held] == (0, [[], 0])  # at the half-close (its wait_ms: 300 ms)
             with pytest.raises(ConnectionError):
                 c.recv()  # then the broker closes
         finally:

@@ -18,7 +18,13 @@ from store_helpers import snapshot
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import write_json
 from equeue.cli import main
-from equeue.errors import ConfigError, CorruptionError, EQueueError, StorePathError
+from equeue.errors import (
+    ConfigError,
+    CorruptionError,
+    EQueueError,
+    NewerFormatError,
+    StorePathError,
+)
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, ChunkHeader
 from equeue.format.livetail import LIVE_TAIL_FILE
 
@@ -367,8 +373,9 @@ def test_a_newer_store_format_is_refused_and_nothing_written(
     write_json(store / "store.json", identity | {"format": 2})
     inside = snapshot(store)
     for read_only in (False, True):
-        with pytest.raises(ConfigError) as raised:
+        with pytest.raises(NewerFormatError) as raised:  # (a ConfigError, as before)
             MessageStore.open(store, read_only=read_only).close()
+        assert isinstance(raised.value, ConfigError)
         message = str(raised.value)
         assert str(store / "store.json") in message
         assert "store format 2" in message and "reads format 1" in message
@@ -422,10 +429,10 @@ def test_a_newer_chunk_format_is_refused_naming_both_versions(store: Path) -> No
     first.write_bytes(newer.pack() + raw[HEADER_SIZE:])
     inside = snapshot(store)
     for read_only in (False, True):
-        with pytest.raises(CorruptionError) as raised:
+        with pytest.raises(NewerFormatError) as raised:  # (not damage: nothing set aside)
             MessageStore.open(store, read_only=read_only).close()
         message = str(raised.value)
-        assert str(first) in message
+        assert str(first) in message and "written by a newer equeue" in message
         assert "chunk format version 2" in message and "reads version 1" in message
     assert snapshot(store) == inside
 

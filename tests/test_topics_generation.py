@@ -150,8 +150,10 @@ def test_control_a_fold_cut_short_skips_the_older_journal_unreported(tmp_path: P
 @pytest.mark.parametrize("head", ["unchecked", "none"])
 def test_heads_older_versions_wrote_are_read(tmp_path: Path, head: str) -> None:
     """The head the version before the checksum wrote ({"generation": N, "body": ...),
-    and none (write_json's, an older equeue's): read, the journal replayed over them
-    when it is not older, and the next fold writes the checked head."""
+    and none (write_json's, an older equeue's) beside a journal of generation 0 (as the
+    versions before this one began one beside it): read, the journal replayed over them
+    when it is not older, and the next fold writes the checked head. (None beside a
+    journal of generation 1 or more: test_topics_downgrade.py.)"""
     generation = _store(tmp_path)
     path = tmp_path / TOPICS_FILE
     body = json.loads(path.read_bytes())["body"]
@@ -161,6 +163,8 @@ def test_heads_older_versions_wrote_are_read(tmp_path: Path, head: str) -> None:
         assert topicsfile.file_generation(path) == generation
     else:
         assert topicsfile.file_generation(path) == 0
+        journal = tmp_path / TOPICS_JOURNAL_FILE
+        journal.write_bytes(pack_header(0) + journal.read_bytes()[len(pack_header(0)) :])
     with MessageStore.open(tmp_path, CONFIG, read_only=True) as reader:
         assert reader.topics() == ["a", "b"] and not reader.recovery.problems
     with MessageStore.open(tmp_path, CONFIG) as store:

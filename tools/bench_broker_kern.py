@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -345,11 +346,24 @@ def _row(name: str, d: dict[str, float], total: int) -> str:
     )
 
 
+def ab_arguments(parser: argparse.ArgumentParser, count: int, rounds: int) -> None:
+    """--src (repeatable), --count sends per connection, --rounds of A/B."""
+    parser.add_argument("--src", type=Path, action="append", help="a tree holding equeue/")
+    parser.add_argument("--count", type=int, default=count, help="sends per connection")
+    parser.add_argument("--rounds", type=int, default=rounds, help="A/B rounds")
+
+
+def alternated(sources: list[Path] | None, rounds: int) -> Iterator[Path]:
+    """Each tree once a round, every other round in the reverse order (A/B, B/A, ...); no
+    --src: this tree."""
+    trees = sources or [Path(__file__).resolve().parent.parent]
+    for round_ in range(rounds):
+        yield from trees if round_ % 2 == 0 else trees[::-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--src", type=Path, action="append", help="a tree holding equeue/")
-    parser.add_argument("--count", type=int, default=1000, help="sends per connection")
-    parser.add_argument("--rounds", type=int, default=2, help="A/B rounds")
+    ab_arguments(parser, count=1000, rounds=2)
     parser.add_argument("--syscalls", action="store_true", help="perf trace -s, per send")
     parser.add_argument(
         "--env", action="append", default=[], help="NAME=VALUE for the broker (repeatable)"
@@ -360,22 +374,20 @@ def main() -> None:
         "--stat", action="store_true", help=f"perf stat --per-thread: {PERF_EVENTS}"
     )
     options = parser.parse_args()
-    sources = options.src or [Path(__file__).resolve().parent.parent]
     env = dict(item.split("=", 1) for item in options.env)
-    for round_ in range(options.rounds):
-        for src in sources if round_ % 2 == 0 else sources[::-1]:
-            print(
-                run(
-                    src,
-                    options.count,
-                    env,
-                    options.syscalls,
-                    options.record,
-                    options.stat,
-                    options.pin,
-                ),
-                flush=True,
-            )
+    for src in alternated(options.src, options.rounds):
+        print(
+            run(
+                src,
+                options.count,
+                env,
+                options.syscalls,
+                options.record,
+                options.stat,
+                options.pin,
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

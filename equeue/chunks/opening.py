@@ -15,7 +15,7 @@ from typing import Final
 
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.chunkset import ChunkSet
-from equeue.chunks.fileops import fsync_directory, write_error
+from equeue.chunks.fileops import fsync_directory, open_error, write_error
 from equeue.chunks.footer import read_footer
 from equeue.chunks.recovery import (
     TailHint,
@@ -25,7 +25,13 @@ from equeue.chunks.recovery import (
     scan_fixed,
     scan_variable,
 )
-from equeue.errors import ConfigError, CorruptionError, MissingChunkError, location
+from equeue.errors import (
+    ConfigError,
+    CorruptionError,
+    EQueueError,
+    MissingChunkError,
+    location,
+)
 from equeue.format.chunk import (
     FOOTER_SIZE,
     FRAME_OVERHEAD,
@@ -61,15 +67,12 @@ class ChunkOpening(ChunkSet):
                 raise write_error(exc, "creating a chunk directory", self.directory) from exc
         # A read-only open races the writer's retention and compaction's installs, which
         # remove files it has just listed: it lists again (the writer's open cannot race).
-        for attempt in range(1 if not self.read_only else _LIST_ATTEMPTS):
-            names = sorted(os.listdir(self.directory))
-            check_chunk_dir(self.directory, names)  # before anything is opened or removed
-            try:
-                chunks, superseded = self._open_listed(names)
-                break
-            except FileNotFoundError:
-                if attempt == _LIST_ATTEMPTS - 1 or not self.read_only:
-                    raise
+        try:
+            chunks, superseded, names = self._list_and_open()
+        except EQueueError:
+            raise
+        except OSError as exc:  # (EMFILE: a broker's clients took every descriptor)
+            raise open_error(exc, self.directory, self.read_only) from exc
         # Everything was checked; only now is anything on disk changed.
         if not self.read_only:
             for name in names:
@@ -87,6 +90,18 @@ class ChunkOpening(ChunkSet):
             chunks[-1].open_for_write()
         # About the chunk ongoing at open only, not ones a refresh finds.
         self._tail_hint = self._live_hint = None
+
+    def _list_and_open(self) -> tuple[list[Chunk], list[Path], list[str]]:
+        for attempt in range(1 if not self.read_only else _LIST_ATTEMPTS):
+            names = sorted(os.listdir(self.directory))
+            check_chunk_dir(self.directory, names)  # before anything is opened or removed
+            try:
+                chunks, superseded = self._open_listed(names)
+                return chunks, superseded, names
+            except FileNotFoundError:
+                if attempt == _LIST_ATTEMPTS - 1 or not self.read_only:
+                    raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _open_listed(self, names: list[str]) -> tuple[list[Chunk], list[Path]]:
         found: list[tuple[Path, ChunkHeader, int]] = []

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from equeue.client import args, calls, rawconn
 from equeue.client.calls import Call, Given
-from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which
+from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
 from equeue.client.connect import RECV_BYTES, again
 from equeue.client.core import (
     DECODERS,
@@ -203,6 +203,12 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
             return
 
     def answers(self, bodies: list[Any]) -> None:
+        if len(bodies) > 1 and not self.flushing:  # (their callers' next sends: one group)
+            woken_together(self, self._answers, bodies)
+        else:
+            self._answers(bodies)
+
+    def _answers(self, bodies: list[Any]) -> None:
         pending = self.pending
         for body in bodies:
             if type(body) is list and len(body) == 3 and body[1] in _STATUSES:

@@ -114,7 +114,9 @@ class Coalescer:
 
     A send made while nothing is in flight or begun goes alone, as a ``send`` written
     at once (the first of a burst is not held back for the others; one send at a time
-    stays one request and one write each, with no callback of the loop between)."""
+    stays one request and one write each, with no callback of the loop between), unless
+    a write is due this turn: the callers woken together (``woken_together``) send next
+    as one group."""
 
     __slots__ = ("_protocol", "budget", "groups", "most", "part", "sealed")
 
@@ -152,7 +154,8 @@ class Coalescer:
                     protocol.write_out()
                 return future
             self.sealed.append((topic, group))
-        elif not groups and not self.sealed and not protocol.pending:  # alone
+        elif not groups and not self.sealed and not protocol.pending and not protocol.flushing:
+            # alone (no write due this turn)
             if protocol.heard < time.monotonic() - HEARD_RECENTLY:
                 return None
             future = _future(protocol)
@@ -308,7 +311,27 @@ class Answer:
             return
         # (run at once unless a caller waits for a place: the first released keeps its
         # turn, as through call_soon)
-        _wake(futures, results, not protocol.queued)
+        if count == 1 or protocol.flushing:
+            _wake(futures, results, not protocol.queued)
+        else:
+            woken_together(protocol, _wake, futures, results, not protocol.queued)
+
+
+def woken_together(protocol: _Protocol, wake: Callable[..., None], *args: Any) -> None:
+    """``wake(*args)``, whose callers (a group's, or a read's answers') are a burst: their
+    next sends, made as they are woken (at once inside the read, or in the loop's next
+    pass), find a write due, so none goes alone (the direct path, or ``add``'s lone send)
+    and all go in the turn's group, written by the ``_flush`` scheduled after their
+    wake-ups. Else the first would go alone at once and the rest after it: two requests
+    a turn, which the broker often covers by two fdatasyncs (docs/client.md, "The next
+    sends of callers woken together")."""
+    protocol.flushing = True
+    try:
+        wake(*args)
+    finally:
+        protocol.flushing = False
+        if not protocol.closed:
+            protocol.schedule()
 
 
 def _fail(futures: list[asyncio.Future[SendResult]], error: BaseException) -> None:

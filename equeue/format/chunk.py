@@ -79,7 +79,12 @@ from typing import Final
 
 import xxhash
 
-from equeue.errors import ChecksumMismatchError, CorruptionError, TruncatedError
+from equeue.errors import (
+    ChecksumMismatchError,
+    CorruptionError,
+    NewerFormatError,
+    TruncatedError,
+)
 
 FORMAT_VERSION: Final = 1
 HEADER_MAGIC: Final = b"EQCH"
@@ -247,11 +252,14 @@ class ChunkHeader:
         (_, version, ctype, flags, rsize, ts_off, start, end, dsize, cid, created, _) = (
             _HEADER.unpack(buf)
         )
+        reads = f"version {FORMAT_VERSION}"  # (its checksum holds: no damage, a newer one's)
+        NewerFormatError.check(
+            "chunk format version", version, FORMAT_VERSION, file=file, offset=4, reads=reads
+        )
         if version != FORMAT_VERSION:
-            newer = "; open it with a newer equeue" if version > FORMAT_VERSION else ""
             raise CorruptionError(
                 f"chunk format version {version}, but this equeue library reads version "
-                f"{FORMAT_VERSION}{newer}",
+                f"{FORMAT_VERSION}",
                 file=file,
                 offset=4,
                 expected=FORMAT_VERSION,

@@ -59,7 +59,12 @@ from typing import Any, Final
 
 import xxhash
 
-from equeue.errors import ChecksumMismatchError, CorruptionError, TruncatedError
+from equeue.errors import (
+    ChecksumMismatchError,
+    CorruptionError,
+    NewerFormatError,
+    TruncatedError,
+)
 
 TOPICS_JOURNAL_FILE: Final = "topics.journal"
 MAGIC: Final = b"EQTOPJ01"
@@ -115,6 +120,10 @@ def check_header(raw: bytes, file: str) -> tuple[int, int]:
             expected=checksum,
             found=computed,
         )
+    reads = f"versions 1 and {VERSION}"  # (its checksum holds: no damage, a newer equeue's)
+    NewerFormatError.check(
+        "topics journal format version", version, VERSION, file=file, offset=8, reads=reads
+    )
     if version not in (1, VERSION):
         raise CorruptionError(
             f"topics journal format version {version}; this equeue reads 1 and {VERSION}",

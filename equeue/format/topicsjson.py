@@ -10,9 +10,11 @@ decides whether topics.journal is replayed (equeue/store/topicsfile.py: not when
 generation is below the file's), so a damaged one would drop the journal's topic changes
 without a word, the body's checksum being fine: a head whose generation does not match
 its checksum, or that is neither of the forms below, is a CorruptionError naming the file
-and the field. Still read: a file without a generation (``{"body": ...``: a new store's,
-one ``write_json`` rewrote, an older equeue's; generation 0), and the head the version
-before this one wrote, ``{"generation": 7, "body": ...`` (no checksum to check).
+and the field. Still read: a file without a generation (``{"body": ...``: an older
+equeue's; generation 0: this one's writer folds it at its first topic change, and a
+journal of generation 1 or more with records beside one is refused,
+equeue/store/topicsfile.py), and the head the version before this one wrote,
+``{"generation": 7, "body": ...`` (no checksum to check).
 Readers that ignore the new field (that version, ``read_json``) read the file as before.
 """
 
@@ -35,6 +37,7 @@ _CHECKED: Final = re.compile(
 )
 _UNCHECKED: Final = re.compile(rb'\{"generation": (\d{1,20}), "body": ')
 _NONE: Final = b'{"body": '
+_FORMAT: Final = b'{"format": '
 _KEY: Final = re.compile(rb'\{"[^"\\]{0,40}": ')  # a JSON object's first key
 _REMEDY: Final = (
     "restore topics.json, or move it out of the store: the open then rebuilds the topics "
@@ -66,6 +69,13 @@ def pack_head(generation: int) -> str:
     return f'{{"generation": {generation}, "generation_xxh32": "{_check(generation)}", '
 
 
+def without_generation(head: bytes) -> bool:
+    """Whether topics.json's first bytes ``head`` are those of a file written with no
+    generation: by an equeue before the journal (``write_json``), or the first with it.
+    This equeue's writers never write one (their folds start at generation 1)."""
+    return head.startswith(_NONE)
+
+
 def read_generation(head: bytes, file: str) -> int:
     """The generation topics.json's first bytes ``head`` name (0: none, or bytes that are
     no JSON head at all: the file's own read reports those). CorruptionError naming
@@ -87,8 +97,8 @@ def read_generation(head: bytes, file: str) -> int:
     unchecked = _UNCHECKED.match(head)
     if unchecked is not None:
         return _bounded(int(unchecked[1]), file)
-    if head.startswith(_NONE) or _KEY.match(head) is None:
-        return 0
+    if head.startswith(_NONE) or head.startswith(_FORMAT) or _KEY.match(head) is None:
+        return 0  # (a newer format's: the file's own read refuses it, equeue/atomicfile.py)
     raise CorruptionError(
         f"topics.json's field generation is damaged (its head is {head[:48]!r}, neither "
         f'{{"generation": N, "generation_xxh32": H, "body": ...}} nor {{"body": ...}}); '

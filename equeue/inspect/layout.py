@@ -19,7 +19,7 @@ import xxhash
 
 from equeue.atomicfile import read_json
 from equeue.chunks.recovery import TailHint, nonzero_extent, scan_fixed, scan_variable
-from equeue.errors import CorruptionError, EQueueError
+from equeue.errors import CorruptionError, EQueueError, NewerFormatError
 from equeue.format.chunk import (
     FOOTER_SIZE,
     FRAME_OVERHEAD,
@@ -95,6 +95,11 @@ def _hex(value: int | bytes | None) -> str:
 
 def problem_from(exc: CorruptionError, kind: str, file: Path | str) -> Problem:
     return Problem(exc.file or str(file), exc.offset, kind, describe(exc))
+
+
+def newer_problem(exc: NewerFormatError) -> Problem:
+    """A file of a newer equeue: one problem, and nothing derived from what it holds."""
+    return Problem(exc.file, exc.offset, "newer format", exc.reason)
 
 
 # --- the store directory ---------------------------------------------------------
@@ -226,8 +231,13 @@ def _with_journal(store: StoreFiles, topics: Any) -> Any:
             )
             store.problems.append(Problem(str(path), journal.end, "metadata", why))
         return replay(topics, journal) if isinstance(topics, dict) else topics
-    except CorruptionError as exc:
-        store.problems.append(problem_from(exc, "metadata", path))
+    except (CorruptionError, NewerFormatError) as exc:
+        problem = (
+            newer_problem(exc)
+            if isinstance(exc, NewerFormatError)
+            else problem_from(exc, "metadata", path)
+        )
+        store.problems.append(problem)
         # the topics it created or deleted are unknown: a record of a topic it deleted is
         # no problem of the log's (review 38e E12: verify named one as a second problem)
         store.topics_known = False

@@ -6,6 +6,7 @@ repair, no temp-file removal, read-only maps) and takes no lock.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from equeue.errors import (
     CorruptRecordError,
     InvalidMessageError,
     PositionNotFoundError,
+    StoreReadError,
 )
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE, MAX_RECORD_LENGTH, ChunkHeader
 from equeue.format.message import (
@@ -152,9 +154,10 @@ class RecordSource:
                 return None
             try:
                 manager = ChunkManager(directory, config, read_only=True)
-            except FileNotFoundError:
-                # A live writer's retention removed a chunk between listing and reading.
-                if attempt == 2:
+            except (FileNotFoundError, StoreReadError) as exc:
+                # A live writer's retention removed a chunk between listing and reading
+                # (the open says so as StoreReadError with ENOENT: review4 R6).
+                if attempt == 2 or exc.errno != errno.ENOENT:
                     raise
                 continue
             self._managers.append(manager)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from equeue.chunks.recovery import TailHint, scan_start
-from equeue.errors import CorruptionError
+from equeue.errors import CorruptionError, NewerFormatError
 from equeue.format.chunk import (
     FOOTER_SIZE,
     FRAME_OVERHEAD,
@@ -52,6 +52,7 @@ from equeue.inspect.layout import (
     describe,
     load_chunk_file,
     map_file,
+    newer_problem,
     open_store,
     resolve,
     trailing_bytes,
@@ -144,6 +145,10 @@ class Verifier:
                 )
             problems += missing_problems(store, self._dirs, store.checkpoint, self._lowest)
             problems += staging_problems(self.path)
+        except NewerFormatError as exc:
+            # A newer equeue's chunk: the opens refuse the store, and what this version
+            # would derive from it (the log's end, entries into it) is no problem of it.
+            return [*store.problems, newer_problem(exc)]
         finally:
             for mm in self._maps.values():
                 mm.close()

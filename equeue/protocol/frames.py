@@ -27,6 +27,7 @@ msgpack: strings are str (UTF-8), bytes are bin; integers up to 64 bits.
 
 from __future__ import annotations
 
+import itertools
 import reprlib
 import struct
 from typing import Any, Final
@@ -182,7 +183,23 @@ def check_answer(body: object, where: str) -> tuple[int, int, Any]:
     )
 
 
-_short = reprlib.Repr()
+class _KeysAndTypes(reprlib.Repr):
+    """A map as its keys and the types of its values: a client's map may carry its token
+    (a hello sent twice, or as a request), and error answers and log lines must not."""
+
+    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        shown = [
+            f"{self.repr1(key, level - 1)}: {type(value).__name__}"
+            for key, value in itertools.islice(x.items(), self.maxdict)
+        ]
+        return "{" + ", ".join(shown + ["..."] * (len(x) > self.maxdict)) + "}"
+
+
+_short = _KeysAndTypes()
 _short.maxlevel, _short.maxlist, _short.maxdict = 2, 4, 4
 _short.maxstring = _short.maxother = _short.maxlong = 40
 

@@ -17,6 +17,8 @@ from equeue.protocol.frames import (
 )
 from equeue.server.config import (
     DEFAULT_GROUP_COMMIT_WAIT_US,
+    DEFAULT_MAX_GROUPS,
+    DEFAULT_MAX_TOPICS,
     EVENT_LOOPS,
     MAX_BUSY_POLL_US,
     SOCKET_NAME,
@@ -67,6 +69,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-messages", type=int, default=DEFAULT_MAX_BATCH_MESSAGES)
     parser.add_argument("--max-pull-count", type=int, default=DEFAULT_MAX_PULL_COUNT)
     parser.add_argument("--hello-timeout-ms", type=int, default=10_000)
+    parser.add_argument(
+        "--max-groups", type=int, default=DEFAULT_MAX_GROUPS,
+        help="consumer groups ever joined (each keeps a retry topic); a join of another "
+        "is refused",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-topics", type=int, default=DEFAULT_MAX_TOPICS,
+        help="topics clients may create (create_topic, a first send); the broker's own "
+        "equeue.* topics are not counted",
+    )  # fmt: skip
     parser.add_argument("--max-partial-frame-bytes", type=int, default=512 * 1024 * 1024)
     parser.add_argument(
         "--retention", metavar="DURATION",
@@ -114,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, max_frame_bytes=args.max_frame_bytes,
         max_in_flight=args.max_in_flight, max_connections=args.max_connections,
         max_batch_messages=args.max_batch_messages, max_pull_count=args.max_pull_count,
-        hello_timeout_ms=args.hello_timeout_ms,
+        hello_timeout_ms=args.hello_timeout_ms, max_groups=args.max_groups,
+        max_topics=args.max_topics,
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
         event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
         group_commit_overlap=args.group_commit_overlap, busy_poll_us=args.busy_poll_us,

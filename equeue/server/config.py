@@ -33,6 +33,11 @@ from equeue.store.validate import MAX_SPAN, check_span
 DEFAULT_GROUP_COMMIT_WAIT_US = 500
 MAX_GROUP_COMMIT_WAIT_US = 100_000
 MAX_BUSY_POLL_US = 10_000
+# Groups ever joined (each keeps a retry topic: there is no op that deletes a group) and
+# topics clients create: measured ~3.8 kB of broker memory and ~1.2 kB of disk a group
+# (review g F6), so the defaults hold ~40 MB; real deployments have tens to hundreds.
+DEFAULT_MAX_GROUPS = 10_000
+DEFAULT_MAX_TOPICS = 10_000
 BrokerFlush = Literal["sync", "async", "os"]
 EventLoop = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
@@ -137,6 +142,11 @@ class ServerConfig:
     max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES
     max_pull_count: int = DEFAULT_MAX_PULL_COUNT
     hello_timeout_ms: int = 10_000  # a connection that has not sent its hello is closed
+    # Consumer groups with a retry topic in the store (a join of another is refused), and
+    # the topics a store the broker opens may get from clients (StoreConfig.max_topics;
+    # a caller's handle keeps its own: another value with a handle is a ConfigError).
+    max_groups: int = DEFAULT_MAX_GROUPS
+    max_topics: int = DEFAULT_MAX_TOPICS
     # Bytes of frames begun and not yet whole, over every connection: past it, the
     # connection whose bytes passed it is closed (LimitExceededError).
     max_partial_frame_bytes: int = 512 * MiB
@@ -209,6 +219,8 @@ class ServerConfig:
         check_int("max_batch_messages", self.max_batch_messages, 1, 1 << 24)
         check_int("max_pull_count", self.max_pull_count, 1, 1 << 24)
         check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)
+        check_int("max_groups (--max-groups)", self.max_groups, 1, 1 << 24)
+        check_int("max_topics (--max-topics)", self.max_topics, 1, 1 << 24)
         check_int(
             "max_partial_frame_bytes", self.max_partial_frame_bytes, HELLO_MAX_FRAME_BYTES, 1 << 40
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -29,6 +30,7 @@ from equeue.protocol.frames import (
     CONNECTION_REQUEST_ID,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    HELLO_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     STATUS_ERROR,
     STATUS_OK,
@@ -46,6 +48,7 @@ from equeue.server.limitnote import name_broker_setting
 from equeue.server.partials import make_room
 from equeue.server.release import release_durable as release_durable
 from equeue.server.release import write_later
+from equeue.server.tlsaccept import accept_tls
 
 if TYPE_CHECKING:
     from equeue.server.serve import Broker
@@ -78,8 +81,15 @@ class Connection(asyncio.BufferedProtocol):
         "_partial", "_plain_send", "_store", "closed", "in_flight", "transport",
     )  # fmt: skip
 
-    def __init__(self, broker: Broker, listener: str, number: int) -> None:
+    def __init__(
+        self, broker: Broker, listener: str, number: int, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.broker = broker
+        # A tls:// connection until its handshake is done (tlsaccept.py): closed by an
+        # abort, never answered on the raw socket.
+        self._tls = tls
+        self._tls_task: asyncio.Task[None] | None = None
+        self._tls_raw = bytearray()  # read before the TLS protocol took the socket
         self.number = number
         self.where = f"connection #{number} on {listener}"
         self.transport: asyncio.Transport | None = None
@@ -105,6 +115,7 @@ class Connection(asyncio.BufferedProtocol):
         config = broker.config
         self._max_in_flight = config.max_in_flight
         self._max_frame_bytes = config.max_frame_bytes
+        self._write_high = config.write_buffer_high
         # Any: its result is a frame (bytes) or DEFERRED, no cast per send
         self._send_plain: Callable[[Connection, int, str, bytes], Any] = broker.handlers.send_plain
         fast = speedups.SPEEDUPS
@@ -159,7 +170,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods
         self.transport = transport = cast(asyncio.Transport, transport)
-        self._fd = direct_fd(transport)
+        self._fd = direct_fd(transport) if self._tls is None else -1  # (TLS: records)
         keep_alive(transport)
         peer = transport.get_extra_info("peername")
         if peer:
@@ -173,15 +184,18 @@ class Connection(asyncio.BufferedProtocol):
             broker.config.hello_timeout_ms / 1000, self._hello_expired
         )
         limit = broker.config.max_connections
+        refusal = None
         if broker.draining:
-            self._fatal(LimitExceededError(f"{self.where}: the broker is shutting down"))
+            refusal = LimitExceededError(f"{self.where}: the broker is shutting down")
         elif len(broker.connections) > limit and not evict_a_silent_peer(self):
-            self._fatal(
-                LimitExceededError(
-                    f"{self.where}: the broker has {limit} connections already "
-                    f"(max_connections={limit}; equeue serve --max-connections)"
-                )
+            refusal = LimitExceededError(
+                f"{self.where}: the broker has {limit} connections already "
+                f"(max_connections={limit}; equeue serve --max-connections)"
             )
+        if self._tls is not None:
+            accept_tls(self, self._tls, refusal)
+        elif refusal is not None:
+            self._fatal(refusal)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -227,10 +241,13 @@ class Connection(asyncio.BufferedProtocol):
         self._paused = False
         if self.closed:
             return
-        if self._backlog:
+        holds = self.broker.holds
+        if self._backlog or holds.starving(self):
             self._batching = True
             try:
-                self._serve(self._backlog)
+                holds.room_made(self)  # the held pulls first: read before the backlog
+                if self._backlog:
+                    self._serve(self._backlog)
             except ProtocolError as exc:
                 self._fatal(exc)
             finally:
@@ -242,6 +259,26 @@ class Connection(asyncio.BufferedProtocol):
         elif not self._paused and not self._backlog and not self.broker.draining:
             assert self.transport is not None
             self.transport.resume_reading()
+
+    def has_room(self) -> bool:
+        """Whether an answer made outside a read (a held pull's) may be queued now: the
+        answers waiting to be written are within write_buffer_high (a closed connection
+        takes any: finish drops it)."""
+        transport = self.transport
+        if self.closed or transport is None:
+            return True
+        waiting = transport.get_write_buffer_size() + self._out_bytes
+        return not self._paused and waiting <= self._write_high
+
+    def wait_for_room(self) -> None:
+        """Held pulls wait for room (holds.py): resume_writing makes it when the transport
+        paused; else the answers that took it are not written yet: after their write."""
+        if not self._paused and not self.closed:
+            self.broker.loop.call_soon(self._room_written)
+
+    def _room_written(self) -> None:
+        if not self._paused and not self.closed:
+            self.broker.holds.room_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._read_view
@@ -389,6 +426,13 @@ class Connection(asyncio.BufferedProtocol):
         self._batching = True
         try:
             if self._hello is not None:
+                if self._tls is not None:  # its handshake's first bytes (tlsaccept.py)
+                    self._tls_raw += data
+                    if self.transport is not None:
+                        self.transport.pause_reading()
+                    if len(self._tls_raw) > HELLO_MAX_FRAME_BYTES:  # (one read, a ClientHello)
+                        self.close()
+                    return
                 rest = take_hello(self, data)
                 if rest is None:
                     return
@@ -470,10 +514,24 @@ class Connection(asyncio.BufferedProtocol):
                 )
             )
             return None
+        if self.closed:
+            return None
+        holds = self.broker.holds
+        if holds.holding(self):
+            # Its long polls are answered now with what there is, not at their wait_ms
+            # (up to a day): a client that is gone frees its connection and its place
+            # under max_connections at once (reviewg F2); one that half-closed gets them.
+            self._ended = True  # (finish closes it after its last answer)
+            self._batching = True
+            try:
+                holds.answer_now(self)
+            finally:
+                self._batching = False
+                self._write_out()
         if self.closed or (not self.in_flight and not self._backlog):
             return None  # close the transport
-        # The client half-closed and waits for its answers (sends awaiting an fdatasync,
-        # held pulls): the connection closes once the last is written.
+        # The client half-closed and waits for its answers (sends awaiting an fdatasync):
+        # the connection closes once the last is written.
         self._ended = True
         return True
 
@@ -706,13 +764,17 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         log.warning("%s; closing the connection", exc)
-        self._answer_error(CONNECTION_REQUEST_ID, exc)
+        if self._tls is None:  # (in a TLS handshake the client could not read it)
+            self._answer_error(CONNECTION_REQUEST_ID, exc)
         self.close()
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self._tls is not None and self.transport is not None:
+            self.transport.abort()  # in its handshake: nothing of ours to write
+            return
         self._write_out()
         if self.transport is not None:
             self.transport.close()  # after what is buffered has been written

@@ -92,13 +92,40 @@ JOIN_ID_BITS: Final = 48  # (its sums stay below 2**53, exact in any client's nu
 MAX_REPLACED: Final = 8  # replaced join ids a member remembers (for its errors' wording)
 MAX_SKIP_GROUPS: Final = 4096  # groups whose skips the coordinator counts
 MAX_SKIP_RANGES: Final = 4  # the last ranges kept per queue (the count is of all)
+MAX_COUNTED_RANGES: Final = 64  # disjoint counted ranges kept per queue (_Skipped.counted)
 
 
 @dataclass
 class _Skipped:
     count: int = 0
     ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, first) each
-    until: int = 0  # offsets below it are counted
+    # The offsets counted, as sorted disjoint [start, end) ranges: a note may start below
+    # an earlier one (the queue's next holder starts at the group's commit, below where the
+    # last holder's pull was answered from: reviewh F2), so one watermark is not enough.
+    counted: list[tuple[int, int]] = field(default_factory=list)
+
+    def uncounted(self, start: int, first: int) -> list[tuple[int, int]]:
+        """The parts of [start, first) no earlier note counted."""
+        parts = []
+        for low, high in self.counted:
+            if low > start:
+                parts.append((start, min(low, first)))
+            start = max(start, high)
+            if start >= first:
+                return [part for part in parts if part[0] < part[1]]
+        parts.append((start, first))
+        return [part for part in parts if part[0] < part[1]]
+
+    def add(self, start: int, first: int) -> None:
+        merged: list[tuple[int, int]] = []
+        for low, high in sorted([*self.counted, (start, first)]):
+            if merged and low <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], high))
+            else:
+                merged.append((low, high))
+        if len(merged) > MAX_COUNTED_RANGES:  # bounded: the lowest gap is taken as counted
+            merged[:2] = [(merged[0][0], merged[1][1])]
+        self.counted = merged
 
 
 @dataclass
@@ -174,8 +201,11 @@ class GroupCoordinator:
         wall_clock: Callable[[], float] = time.time,
         retry_delays: Sequence[float] = retry.DEFAULT_DELAYS,
         max_retries: int = retry.DEFAULT_MAX_RETRIES,
+        max_groups: int | None = None,
     ) -> None:
         self.store = store
+        self.max_groups = max_groups  # None: no limit (the broker gives its setting)
+        self._retry_topics: int | None = None  # in the store: counted at the first new group
         self.clock = clock
         self.max_retries = check_max_retries(max_retries)
         self.retries = retry.Retries(store, wall_clock=wall_clock, delays=retry_delays)
@@ -249,7 +279,7 @@ class GroupCoordinator:
                 f"group {group!r} has {len(others)} members, the most a group may have "
                 f"(MAX_MEMBERS); consumer {consumer!r} was not added"
             )
-        self.retries.ensure(retry.retry_topic(group), 1)
+        self._make_retry_topic(group)
         if state is None:
             state = self._groups[group] = _Group(group)
         replaced = state.members.get(consumer)
@@ -270,6 +300,31 @@ class GroupCoordinator:
         state.members[consumer] = member
         self._rebalance(state, f"{consumer!r} joined")
         return self._answer(state, consumer)
+
+    def _make_retry_topic(self, group: str) -> None:
+        """The group's retry topic, made at its first join (the group's allocation
+        holds its queue from then on, and retention's holds and the mover's cursor find
+        it); a group past max_groups is refused before anything is made."""
+        topic = retry.retry_topic(group)
+        try:
+            self.store.queue_ids(topic)
+            return  # a group joined before (this run or an earlier one)
+        except TopicNotFoundError:
+            pass
+        limit = self.max_groups
+        if limit is not None:
+            if self._retry_topics is None:
+                prefix = retry.RETRY_PREFIX
+                self._retry_topics = sum(1 for t in self.store.topics() if t.startswith(prefix))
+            if self._retry_topics >= limit:
+                raise LimitExceededError(
+                    f"{self.store.path} has {self._retry_topics} consumer groups (a retry topic "
+                    f"each), the most max_groups={limit} allows (equeue serve --max-groups); "
+                    f"group {group!r} was not created"
+                )
+        self.retries.ensure(topic, 1)
+        if self._retry_topics is not None:
+            self._retry_topics += 1
 
     def heartbeat(
         self,
@@ -353,17 +408,15 @@ class GroupCoordinator:
                 return  # bounded: the warning below still names the first groups
             queues = self.skipped[group] = {}
         found = queues.setdefault((topic, queue_id), _Skipped())
-        start = max(start, found.until)  # what an earlier note counted already
-        if start >= first:
-            return
-        found.count += first - start
-        found.ranges = [*found.ranges[-(MAX_SKIP_RANGES - 1) :], (start, first)]
-        found.until = first
-        log.warning(
-            "group %r: offsets %d to %d of %s/%d were removed by retention before the group "
-            "consumed them; it goes on at %d (%d skipped in all on this queue)",
-            group, start, first - 1, topic, queue_id, first, found.count,
-        )  # fmt: skip
+        for low, high in found.uncounted(start, first):  # (what no earlier note counted)
+            found.count += high - low
+            found.ranges = [*found.ranges[-(MAX_SKIP_RANGES - 1) :], (low, high)]
+            found.add(low, high)
+            log.warning(
+                "group %r: offsets %d to %d of %s/%d were removed by retention before the "
+                "group consumed them; it goes on at %d (%d skipped in all on this queue)",
+                group, low, high - 1, topic, queue_id, first, found.count,
+            )  # fmt: skip
 
     def _check_retained(self, state: _Group, queues: frozenset[Queue]) -> None:
         """Queues just given to a member: is the group's committed offset below what

@@ -9,6 +9,15 @@ mover) show as a gap between the queue's end as last seen and the first offset n
 or, at ``poll``, as a queue end past it: then every parked pull of that queue is pulled.
 At its deadline a pull is answered with what there is, empty most likely.
 
+A held pull is answered outside its connection's reads, so the read's backpressure
+(connection.py ``_serve``) does not bound it: a pull is answered only while its connection
+has room (``has_room``: under ``write_buffer_high`` with what waits to be written). One
+that may have an answer and finds no room waits, in the order it was held, until the
+connection has room again (``room_made``: ``resume_writing``); at its deadline without room
+it is answered empty (next_offset its offset: nothing skipped), a small answer. So the
+answers one connection buffers stay near ``write_buffer_high`` plus one answer, however
+many pulls it holds (reviewg F1: 300 held pulls answered one 1 MiB message each, 300 MiB).
+
 A group member's pull is checked for ownership again whenever it is answered (``check``):
 while it was held its member may have lost the queue (its session expired, the queue
 went to another member), and an answer with messages would then give one queue two
@@ -94,6 +103,9 @@ class Holds:
         self._seen: dict[QueueKey, int] = {}  # a queue's end as last seen, while pulls wait on it
         self.appended: dict[QueueKey, Appended] = {}
         self.count = 0
+        self._by_owner: dict[Any, dict[HeldPull, None]] = {}  # a connection's, in hold order
+        # pulls that may have an answer, waiting for their connection to have room
+        self._starved: dict[Any, dict[HeldPull, None]] = {}
 
     def hold(self, held: HeldPull, wait_s: float) -> None:
         held.deadline = self._loop.time() + wait_s
@@ -104,6 +116,10 @@ class Holds:
             self._by_queue[key] = waiting = {}
             self._seen[key] = held.offset  # its pull read to the queue's end
         waiting[held] = None
+        owned = self._by_owner.get(held.owner)
+        if owned is None:
+            self._by_owner[held.owner] = owned = {}
+        owned[held] = None
         self.count += 1
 
     def note(self, topic: str, queue_id: int, offset: int, tag: str) -> None:
@@ -132,6 +148,13 @@ class Holds:
         if not waiting:
             del self._by_queue[held.key]
             self._seen.pop(held.key, None)
+        owner = held.owner
+        owned = self._by_owner[owner]
+        del owned[held]
+        if not owned:
+            del self._by_owner[owner]
+        if self._starved:  # (none, mostly: no call for it)
+            self._fed(held)
         self.count -= 1
         if held.timer is not None:
             held.timer.cancel()
@@ -150,6 +173,12 @@ class Holds:
             except GroupError as exc:  # the queue moved while the pull was held
                 self._release(held, exc)
                 return
+        if not held.owner.has_room():
+            if final:  # its time is up: an answer that adds next to nothing
+                self._release(held, PullResult([], held.offset))
+            else:
+                self._starve(held)
+            return
         try:
             result = self._pull(held)
         except Exception as exc:  # the topic was deleted, the store closed: the pull's answer
@@ -159,6 +188,32 @@ class Holds:
             self._release(held, result)
         else:  # entries another tag filter skipped: wait on from past them
             held.offset = result.next_offset
+
+    def _starve(self, held: HeldPull) -> None:
+        owner = held.owner
+        starved = self._starved.get(owner)
+        if starved is None:
+            self._starved[owner] = starved = {}
+            owner.wait_for_room()  # then room_made
+        starved[held] = None
+
+    def room_made(self, owner: object) -> None:
+        """``owner`` has room for answers again: pull its pulls that waited for it, in
+        the order they were held, as far as the room goes (the rest wait again)."""
+        starved = self._starved.pop(owner, None)
+        if not starved:
+            return
+        for held in [h for h in self._by_owner.get(owner, ()) if h in starved]:
+            if held in self._by_owner.get(owner, ()):  # (not dropped meanwhile)
+                self._try(held, final=False)
+
+    def _fed(self, held: HeldPull) -> None:
+        """``held`` is answered: it waits for room no longer."""
+        starved = self._starved.get(held.owner)
+        if starved is not None:
+            starved.pop(held, None)
+            if not starved:
+                del self._starved[held.owner]
 
     def _expire(self, held: HeldPull) -> None:
         held.timer = None
@@ -196,17 +251,31 @@ class Holds:
                 if end is None or end > held.offset:
                     self._try(held, final=False)
 
+    def holding(self, owner: object) -> bool:
+        return owner in self._by_owner
+
+    def starving(self, owner: object) -> bool:
+        """Whether pulls of ``owner`` wait for it to have room (``room_made``)."""
+        return owner in self._starved
+
     def drop(self, owner: object) -> None:
         """The connection went away: forget its pulls."""
-        for key, waiting in list(self._by_queue.items()):
-            for held in [h for h in waiting if h.owner is owner]:
-                del waiting[held]
-                self.count -= 1
-                if held.timer is not None:
-                    held.timer.cancel()
+        self._starved.pop(owner, None)
+        for held in self._by_owner.pop(owner, ()):
+            waiting = self._by_queue[held.key]
+            del waiting[held]
+            self.count -= 1
+            if held.timer is not None:
+                held.timer.cancel()
             if not waiting:
-                del self._by_queue[key]
-                self._seen.pop(key, None)
+                del self._by_queue[held.key]
+                self._seen.pop(held.key, None)
+
+    def answer_now(self, owner: object) -> None:
+        """The client ended its side of the connection: answer its pulls with what there
+        is now (empty where it has no room), not at their deadlines."""
+        for held in list(self._by_owner.get(owner, ())):
+            self._try(held, final=True)
 
     def answer_all(self) -> None:
         """Draining: answer every held pull with what there is now."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -95,6 +96,8 @@ DEFAULT_MAX_RETRIES: Final = 16
 MAX_LEVELS: Final = 64
 MOVE_BATCH: Final = 256  # copies moved per delay queue per tick: a tick stays short
 FAILURE_REPEAT_S: Final = 60.0  # a mover failing every tick is logged again this often
+# Repeat nacks recognised (RetryMover._nacked): 16,384 (group, message id) pairs, ~3 MB.
+NACKS_REMEMBERED: Final = 16_384
 # A message the store refuses for what it is (past max_message_size or
 # max_properties_size, lowered since it was stored); anything else it raises is the
 # store's state (a full disk, a failed write, closing) and passes.
@@ -182,6 +185,13 @@ class Retries:
         # nacks of a message compaction or retention removed after it was handed out:
         # nothing left to retry (reviewf F8)
         self.nacked_removed = 0
+        # The messages each group nacked lately (group, message id), oldest forgotten
+        # first: a repeat nack of one (a handler that nacks twice, a member's own retry
+        # loop, a redelivery after a member died before committing) is answered as done
+        # without a second copy. A copy is a new message with its own id, so a message id
+        # nacked again is always a repeat (reviewg F14: 200 nacks made 200 copies).
+        self._nacked: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.nacked_again = 0
         # The cursors were set aside (below): a queue's first look may find copies it
         # had moved removed by retention, not lost; which queues it has not looked at.
         self._cursors_guessed: set[int] = set()
@@ -202,6 +212,10 @@ class Retries:
         whose properties leave no room for the retry's (the store's max_properties_size)
         is dead-lettered with the retry's properties alone and ``equeue.dlq.reason``; if
         even that does not fit, with what fits (``_dead_letter_cut``)."""
+        key = (group, message.message_id)
+        if key in self._nacked:
+            self.nacked_again += 1
+            return
         try:
             self._nack(group, message, delay_ms, max_retries)
         except MessageTooLargeError as exc:
@@ -214,6 +228,9 @@ class Retries:
                 "message %s of group %r: dead-lettered without its properties, %s (%s)",
                 found[ORIGIN_ID], group, how, exc,
             )  # fmt: skip
+        self._nacked[key] = None  # (not for a nack that failed: it may be made again)
+        if len(self._nacked) > NACKS_REMEMBERED:
+            self._nacked.popitem(last=False)
 
     def _dead_letter(self, group: str, message: Message, props: dict[str, str]) -> str:
         """Append the dead letter whole if the store takes it, else cut; says which."""
@@ -535,6 +552,7 @@ class Retries:
             "pending": self.pending(),
             "lost_to_retention": self.lost_to_retention,
             "nacked_removed": self.nacked_removed,
+            "nacked_again": self.nacked_again,
         }
 
     def pending(self) -> int:

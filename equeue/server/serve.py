@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -30,10 +31,11 @@ from equeue.errors import (
     GroupError,
     StoreReplacedError,
 )
-from equeue.protocol.frames import MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
+from equeue.protocol.frames import DEFAULT_MAX_CONNECTIONS, MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
-from equeue.server.config import Listener, ServerConfig, read_token
+from equeue.server.config import DEFAULT_MAX_TOPICS, Listener, ServerConfig, read_token
 from equeue.server.connection import Connection
+from equeue.server.fdlimit import fit_open_files
 from equeue.server.groupcommit import CrossClientCommit, Entry
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
@@ -85,6 +87,12 @@ def open_store(store: StoreOrPath, config: ServerConfig) -> tuple[MessageStore, 
             )
         if store.read_only:
             raise ConfigError(f"cannot serve {store.path}: the handle is read-only")
+        if config.max_topics != DEFAULT_MAX_TOPICS:  # it would be silently ignored
+            raise ConfigError(
+                f"cannot serve {store.path} with max_topics={config.max_topics} "
+                "(--max-topics): it applies to a store the broker opens; open the handle "
+                "with StoreConfig(max_topics=...) instead"
+            )
         if store.config.flush == "sync":
             raise ConfigError(
                 f"cannot serve {store.path} opened with flush='sync': its group commit would "
@@ -101,6 +109,7 @@ def open_store(store: StoreOrPath, config: ServerConfig) -> tuple[MessageStore, 
         flush=policy, max_message_size=min(default.max_message_size, largest),
         retention=config.retention, max_store_bytes=config.max_store_bytes,
         retention_respects_consumers=config.retention_respects_consumers,
+        max_topics=config.max_topics,
     )  # fmt: skip
     return MessageStore.open(store, store_config), True
 
@@ -158,6 +167,17 @@ class Broker:
         # The listeners before the store: a refused one (a socket path too long) leaves
         # nothing created, opened or locked (docs/broker.md: checked before anything opens).
         self.listeners = config.listeners_for(_store_path(store))
+        store_files = (
+            store.config if isinstance(store, MessageStore) else StoreConfig()
+        ).max_open_files  # (the broker opens a store with the default)
+        connections = fit_open_files(
+            config.max_connections,
+            store_files,
+            len(self.listeners),
+            default=config.max_connections == DEFAULT_MAX_CONNECTIONS,
+        )
+        if connections != config.max_connections:  # (the default, lowered to what fits)
+            self.config = config = dataclasses.replace(config, max_connections=connections)
         self.store, self._owns_store = open_store(store, config)
         try:
             self._set_up(config)
@@ -180,6 +200,7 @@ class Broker:
             "max_properties_size": self.store.config.max_properties_size,
         }
         self.partial_bytes = 0  # of frames begun, over every connection
+        self.tls_refusals = 0  # refused connections in their TLS handshake (tlsaccept.py)
         self.welcome_versions: tuple[int, ...] = SUPPORTED_VERSIONS
         from equeue import __version__
 
@@ -219,7 +240,9 @@ class Broker:
         if busy is not None:
             busy.commit = self.commit
         try:  # from here on a failure must stop the flusher thread the commit started
-            self.coordinator = coordinator = GroupCoordinator(self.store)
+            self.coordinator = coordinator = GroupCoordinator(
+                self.store, max_groups=self.config.max_groups
+            )
             self.offsets = OffsetCommitter(loop, self.store)
             self.handlers = Handlers(
                 self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
@@ -241,10 +264,10 @@ class Broker:
             self.config.flush, f", group commit wait {wait} µs" if wait else "",
         )  # fmt: skip
 
-    def _factory(self, url: str) -> Callable[[], Connection]:
+    def _factory(self, url: str, tls: ssl.SSLContext | None = None) -> Callable[[], Connection]:
         def make() -> Connection:
             self._number += 1
-            return Connection(self, url, self._number)
+            return Connection(self, url, self._number, tls)
 
         return make
 
@@ -267,10 +290,12 @@ class Broker:
             server = await loop.create_unix_server(self._factory(listener.url), sock=sock)
             self.urls.append(listener.url)
         else:
+            # A tls:// listener accepts plain TCP: the Connection does its handshake
+            # (tlsaccept.py), counted and bounded from the accept on.
             tls = self._tls if listener.kind == "tls" else None
             try:
                 server = await loop.create_server(
-                    self._factory(listener.url), listener.host, listener.port, ssl=tls,
+                    self._factory(listener.url, tls), listener.host, listener.port,
                     reuse_address=True,
                 )  # fmt: skip
             except OSError as exc:

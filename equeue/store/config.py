@@ -62,6 +62,9 @@ class StoreConfig:
     queue_chunk_records: int | None = None  # DEFAULT_QUEUE_CHUNK_RECORDS for a new store
     default_queue_count: int = 4
     auto_create_topics: bool = True
+    # Topics a create_topic or a first send may make (None: no limit); the broker's own
+    # (equeue.*) are not counted. Past it: LimitExceededError, nothing made.
+    max_topics: int | None = None
     flush: FlushPolicy = "async"
     flush_interval_ms: int = 500
     flush_least_pages: int = 4  # async: flush a file once this many 4 KiB pages are unflushed
@@ -129,6 +132,8 @@ class StoreConfig:
             check_span("StoreConfig.retention", self.retention)
         if self.max_store_bytes is not None:
             check_int("max_store_bytes", self.max_store_bytes, 1, 1 << 62)
+        if self.max_topics is not None:
+            check_int("max_topics", self.max_topics, 1, 1 << 24)
 
 
 # Descriptors the store holds besides the log's chunks and its queues: the lock file, the

@@ -19,7 +19,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from equeue.atomicfile import read_json, write_json
+from equeue.atomicfile import read_json
 from equeue.errors import EQueueError, location
 from equeue.format.chunk import parse_chunk_file_name
 from equeue.format.message import QUEUE_RECORD_SIZE
@@ -202,7 +202,7 @@ def recover_topics(
     if skipped:
         message += "; skipped " + "; ".join(skipped)
     if not store.read_only:
-        write_json(path, result)
+        store._topics_file.write_body(result)  # (at a generation: never an old version's head)
         message += f"; {path} rewritten"
     if message not in problems:  # a read-only handle rereads topics.json on refresh()
         problems.append(message)

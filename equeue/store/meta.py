@@ -23,6 +23,7 @@ from equeue.errors import (
     ConfigError,
     CorruptionError,
     EQueueError,
+    NewerFormatError,
     NotAStoreError,
     StoreLockedError,
 )
@@ -205,13 +206,11 @@ def _check_identity(path: Path, identity: Any) -> dict[str, Any]:
 
 
 def check_format(path: Path, identity: dict[str, Any]) -> None:
-    """ConfigError if store.json says a format newer than this library's."""
+    """NewerFormatError (a ConfigError) if store.json says a format newer than this
+    library's."""
+    reads = f"format {STORE_FORMAT} and older"
     found = identity.get("format")
-    if isinstance(found, int) and not isinstance(found, bool) and found > STORE_FORMAT:
-        raise ConfigError(
-            f"{path} says store format {found}, but this equeue library reads format "
-            f"{STORE_FORMAT} and older; open the store with a newer equeue (nothing was changed)"
-        )
+    NewerFormatError.check("store format", found, STORE_FORMAT, file=path, offset=None, reads=reads)
 
 
 def _is_int(value: object) -> bool:

@@ -343,6 +343,7 @@ class MessageStore:
     _queue = storetopics._queue
     _queues_and_count = storetopics._queues_and_count
     _count_for_new = storetopics._count_for_new
+    _check_room_for_topic = storetopics._check_room_for_topic
     _create_for_send = storetopics._create_for_send
 
     # sending: equeue/store/storesend.py

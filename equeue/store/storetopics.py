@@ -8,8 +8,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING
 
-from equeue.errors import ConfigError, TopicNotFoundError
-from equeue.protocol.retries import is_internal_topic
+from equeue.errors import ConfigError, LimitExceededError, TopicNotFoundError
+from equeue.protocol.retries import RESERVED_PREFIX, is_internal_topic
 from equeue.store import deletion, follow, validate
 from equeue.store.losses import read_topics
 from equeue.store.queue import Queue
@@ -54,6 +54,8 @@ def create_topic(
     with self._lock:
         self._check_writable()
         self._check_directory()  # before any queue directory or topics file is written
+        if topic not in self._queues:
+            self._check_room_for_topic(topic)
         # (by name: this module's topics() would shadow the topics module)
         create_or_change(self, topic, queue_count, cleanup, retention, delete_retention)
 
@@ -174,7 +176,26 @@ def _count_for_new(self: MessageStore, topic: object) -> int:
             f"no topic {topic!r} in {self.path}, and auto_create_topics is off "
             "(StoreConfig.auto_create_topics); create it with create_topic()"
         )
+    assert isinstance(topic, str)  # (check_topic refused any other)
+    self._check_room_for_topic(topic)
     return self.config.default_queue_count
+
+
+def _check_room_for_topic(self: MessageStore, topic: str) -> None:
+    """LimitExceededError if a new ``topic`` would pass StoreConfig.max_topics. The
+    broker's own topics (equeue.*: delays, a group's retries and dead letters) are not
+    counted nor refused: the broker's max_groups bounds them, and a mover must not fail."""
+    limit = self.config.max_topics
+    if limit is None or topic.startswith(RESERVED_PREFIX):
+        return
+    own = RESERVED_PREFIX
+    count = sum(1 for name in self._queues if not name.startswith(own))  # (rare: a new topic)
+    if count >= limit:
+        raise LimitExceededError(
+            f"{self.path} has {count} topics, the most max_topics={limit} allows "
+            "(StoreConfig.max_topics; equeue serve --max-topics); topic "
+            f"{topic[:64]!r} was not created"
+        )
 
 
 def _create_for_send(self: MessageStore, topic: str) -> list[Queue]:

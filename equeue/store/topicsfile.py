@@ -9,7 +9,10 @@ read topics.json, then replay the journal over it, unless the journal's generati
 below topics.json's (a fold that wrote topics.json but not yet, or never, its fresh
 journal: the old journal is folded in already, and older than the file). topics.json's
 generation has a checksum of its own: a damaged one is a CorruptionError, never a
-journal skipped (equeue/format/topicsjson.py).
+journal skipped (equeue/format/topicsjson.py). A journal of generation 1 or more with
+records, beside a topics.json without a generation, is refused (``_superseded``: an
+equeue before the journal rewrote the file after it); this version's writers never
+leave that pair (a journal starts at 1, the first change beside such a file folds).
 
 topics.json is written from pieces encoded once per topic: ``write_json`` of the whole
 body encodes every entry twice (the canonical form the checksum covers, and the file's)
@@ -42,7 +45,7 @@ from equeue.format.topicsjournal import (
     check_header,
     pack_header,
 )
-from equeue.format.topicsjson import HEAD_BYTES, pack_head, read_generation
+from equeue.format.topicsjson import HEAD_BYTES, pack_head, read_generation, without_generation
 from equeue.safepath import check_file, open_fd, open_file
 from equeue.store import validate
 from equeue.store.meta import TOPICS_FILE
@@ -99,6 +102,10 @@ class Journal:
         self.tail_reason: str | None = None
         self.generation = 0
         self.stale = False  # folded into topics.json already: its records are not replayed
+        # Beside a topics.json without a generation (an equeue without the journal rewrote
+        # it since, or this library's predecessors' recovery did): replay checks each record
+        # against that file and refuses one that would undo it (_undoes, review4 R1).
+        self.unversioned_beside = False
 
     def read(self) -> Journal:
         file = str(self.path)
@@ -133,7 +140,11 @@ class Journal:
         self.end = at
         # topics.json's generation, read after the journal: a reader that saw topics.json
         # unchanged around both reads (TopicsFile.read) compares the pair it read.
-        self.stale = self.generation < file_generation(self.path.parent / TOPICS_FILE)
+        topics_path = self.path.parent / TOPICS_FILE
+        head = _head(topics_path)
+        self.stale = self.generation < (
+            0 if head is None else read_generation(head, str(topics_path))
+        )
         while at < len(raw) and not self.stale:  # a stale one's records are not replayed: not read
             try:
                 record, end = TopicRecord.unpack(raw, at, file)
@@ -153,18 +164,72 @@ class Journal:
         self.end = at
         if self.stale:
             self.records = []
+        elif self.records and head is not None and self.generation and without_generation(head):
+            self.unversioned_beside = True
         return self
+
+
+def _undoes(body: dict[str, Any], record: TopicRecord) -> bool:
+    """Whether replaying ``record`` over topics.json's ``body`` (written by an equeue
+    without the journal after the record) would undo what that version did: bring back a
+    topic it deleted (its ``deleted_before`` above the record's: also a topic deleted and
+    created again) or hide queues it added (its queue count above the record's). A record
+    of a topic the file lacks, or one the file agrees with, undoes nothing: that is the
+    pair this library's predecessors left themselves (topics.json rebuilt from the queue
+    directories without a generation, a topic change journaled, a crash: review4 R1)."""
+    entry = body.get(record.topic)
+    if not isinstance(entry, dict):
+        return False
+    deleted = entry.get("deleted_before")
+    if isinstance(deleted, int) and (
+        record.deleted_before is None or record.deleted_before < deleted
+    ):
+        return True
+    count = entry.get("queue_count")
+    return isinstance(count, int) and record.queue_count is not None and record.queue_count < count
+
+
+def _superseded(journal: Journal, topics_path: Path, undoing: list[TopicRecord]) -> CorruptionError:
+    """A journal of generation 1 or more beside a topics.json without one: a writer of
+    this version folded topics.json at that generation, so an equeue without the journal
+    rewrote the file since (a downgrade and back), from its own view of the topics (those
+    of the journal rebuilt from their queue directories, or not at all). Its changes
+    after that (a topic deleted, queues added) are the newer truth; replayed, the
+    journal's records would undo them without a word."""
+    topics = sorted({record.topic for record in undoing})
+    shown = ", ".join(repr(t) for t in topics[:10]) + (", ..." if len(topics) > 10 else "")
+    return CorruptionError(
+        f"topics.json has no generation, beside {journal.path} of generation "
+        f"{journal.generation} holding {len(journal.records)} records, of which "
+        f"{len(undoing)} would undo topics.json (topics {shown}): an "
+        "equeue without the journal (before 2026-11-25 23:18) rewrote topics.json after this "
+        "journal was written, and replaying the journal would undo that version's topic "
+        "changes (a deleted topic back with its messages, added queues hidden)",
+        file=topics_path,
+        offset=0,
+        remedy=f"topics.json holds the newer topics: with no writer running, move "
+        f"{journal.path} out of the store (keep it: its records hold the policies of its "
+        "topics, which that version reset to the defaults) and open the store again; only "
+        "if no older equeue ran on the store since the journal's writer is the journal the "
+        "newer side: then move topics.json out instead (the open rebuilds the topics from "
+        "their queue directories, with default policies, and replays the journal over them)",
+    )
 
 
 def file_generation(path: Path) -> int:
     """The generation at the start of topics.json (0: none, or no file); CorruptionError
     naming the file and the field if it is damaged (equeue/format/topicsjson.py)."""
+    head = _head(path)
+    return 0 if head is None else read_generation(head, str(path))
+
+
+def _head(path: Path) -> bytes | None:
+    """topics.json's first bytes, None if there is no such file."""
     try:
         with open_file(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
+            return f.read(HEAD_BYTES)
     except FileNotFoundError:
-        return 0
-    return read_generation(head, str(path))
+        return None
 
 
 def _torn(raw: bytes, at: int) -> bool:
@@ -197,6 +262,10 @@ def replay(body: dict[str, Any], journal: Journal) -> dict[str, Any]:
     does not pass raises CorruptionError naming the journal and the record's offset."""
     if not journal.records:
         return body
+    if journal.unversioned_beside:
+        undoing = [record for _, record in journal.records if _undoes(body, record)]
+        if undoing:
+            raise _superseded(journal, journal.path.parent / TOPICS_FILE, undoing)
     merged = dict(body)
     for at, record in journal.records:
         try:
@@ -237,6 +306,11 @@ class TopicsFile:
         self._size = 0  # the journal's size: where the next record goes
         self._broken = False  # an append failed: the next change folds instead
         self._generation = 0  # the last fold's (topics.json's and the journal's)
+        # topics.json has no generation (an older equeue's): the next change folds
+        # instead of appending, so that no record this version journals ever lies beside
+        # such a file (one that does was written before an older equeue rewrote it:
+        # ``_superseded``). Not at the open, which writes nothing it may yet refuse.
+        self._unversioned = False
         self._cached: tuple[_Identity, Any] | None = None  # a reader's topics.json
         self.cuts: list[TailCut] = []
 
@@ -250,7 +324,12 @@ class TopicsFile:
             body = read_file()
             journal = Journal(self.journal_path).read()
             merged = replay(body, journal) if isinstance(body, dict) else body
-            self._generation = max(journal.generation, file_generation(self.path))
+            head = _head(self.path)
+            on_file = 0 if head is None else read_generation(head, str(self.path))
+            # No topics.json yet: the journal starts at generation 1 all the same, so that
+            # its records are never at 0 (see _unversioned for one of an older equeue).
+            self._generation = max(journal.generation, on_file, 1 if head is None else 0)
+            self._unversioned = head is not None and without_generation(head)
             self._open_journal(journal, merged)
             return merged
         for attempt in range(_READ_ATTEMPTS):
@@ -274,11 +353,11 @@ class TopicsFile:
         one topics.json holds already)."""
         if journal.tail_reason is not None:
             self._cut(journal)
-        fresh = journal.exists and journal.end == HEADER_SIZE and not journal.stale
+        fresh = journal.exists and journal.end == HEADER_SIZE
+        fresh = fresh and journal.generation == self._generation  # (not stale, nor 0 alone)
         if journal.records or journal.tail_reason is not None or not fresh:
             if journal.records and isinstance(merged, dict):
-                canonical = json.dumps(merged, sort_keys=True, separators=(",", ":"))
-                self._write_file(json.dumps(merged, sort_keys=True), canonical)  # and _reset
+                self.write_body(merged)  # and _reset
             else:
                 self._reset()
         else:
@@ -334,7 +413,8 @@ class TopicsFile:
             self.write(*state())
             return
         data = TopicRecord.from_entry(topic, entry).pack()
-        if self._fd is None or self._broken or self._size + len(data) > JOURNAL_FOLD_BYTES:
+        full = self._size + len(data) > JOURNAL_FOLD_BYTES
+        if self._fd is None or self._broken or self._unversioned or full:
             self.write(*state())
             return
         try:
@@ -374,27 +454,29 @@ class TopicsFile:
             del self._pieces[topic]
         self._write_file("{" + ", ".join(pretty) + "}", "{" + ",".join(canonical) + "}")
 
+    def write_body(self, body: dict[str, Any]) -> None:
+        """Fold ``body`` (topics.json's, whole): the file at the next generation, then a
+        fresh journal."""
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        self._write_file(json.dumps(body, sort_keys=True), canonical)
+
     def _write_file(self, pretty: str, canonical: str) -> None:
-        """topics.json: write_json's bytes, after a writer's generation (from 1) and its
-        checksum (equeue/format/topicsjson.py)."""
+        """topics.json: write_json's bytes, after the writer's generation (from 1: never
+        a head an older equeue writes) and its checksum (equeue/format/topicsjson.py)."""
         digest = xxhash.xxh64_hexdigest(canonical.encode())
-        generation = self._generation + 1 if self._writer else 0
+        generation = self._generation + 1
         head = pack_head(generation)
         write_bytes(
             self.path, (head + '"body": ' + pretty + ', "xxh64": "' + digest + '"}').encode()
         )
-        if not self._writer:
-            return
         self._generation = generation
-        if self._fd is None or self._size > HEADER_SIZE or self._broken:
-            try:
-                self._reset()
-            except (OSError, EQueueError) as exc:
-                log.warning(
-                    "topics.json written, its fresh journal not (%s): next change folds", exc
-                )
-                self.close_fd()
-                self._broken = True
+        self._unversioned = False
+        try:  # (a journal of the old generation, even with no record, would be stale now)
+            self._reset()
+        except (OSError, EQueueError) as exc:
+            log.warning("topics.json written, its fresh journal not (%s): next change folds", exc)
+            self.close_fd()
+            self._broken = True
 
     def _piece(
         self,
@@ -423,8 +505,7 @@ class TopicsFile:
         ``merged`` at the generation after ``generation``, then a fresh journal of that
         generation; StoreWriteError if the journal could not be written (run it again)."""
         self._generation = generation
-        canonical = json.dumps(merged, sort_keys=True, separators=(",", ":"))
-        self._write_file(json.dumps(merged, sort_keys=True), canonical)
+        self.write_body(merged)
         written = self._fd is not None
         self.close_fd()
         if not written:

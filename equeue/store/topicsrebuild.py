@@ -124,7 +124,9 @@ def rebuild_topics(store: str | os.PathLike[str]) -> RebuildReport:
         try:
             # Sound (or a torn tail, which the writer's open cuts), and every record one
             # create_topic would accept (a check of each record alone: any body will do).
-            replay({}, Journal(journal_path).read())
+            journal = Journal(journal_path).read()
+            # (beside a topics.json without a generation, checked against it: _undoes)
+            replay(_topics_body(path) if journal.unversioned_beside else {}, journal)
             return report
         except CorruptionError as exc:
             if exc.file != str(journal_path):  # topics.json's generation: its own remedy
@@ -234,3 +236,8 @@ def _keep_copy(journal: Path) -> str:
         os.fsync(out.fileno())
     fsync_directory(side.parent)
     return str(side)
+
+
+def _topics_body(store: Path) -> dict[str, Any]:
+    body = read_json(store / TOPICS_FILE) if os.path.lexists(store / TOPICS_FILE) else {}
+    return body if isinstance(body, dict) else {}
