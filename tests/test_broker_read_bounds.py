@@ -15,7 +15,7 @@ from server_helpers import raw, short_home
 import equeue
 import equeue.aio
 from equeue import MessageStore
-from equeue.errors import InvalidMessageError, InvalidTypeError
+from equeue.errors import InvalidMessageError, InvalidTypeError, LimitExceededError
 from equeue.protocol.frames import FRAME_HEADER, encode
 from equeue.server import BrokerThread
 from equeue.store.reads import MAX_FILTER_TAGS
@@ -126,11 +126,12 @@ def test_query_by_key_answers_fit_the_frame_and_pages_give_the_rest(home: Path) 
         expected = [m.position for m in store.query_by_key("t", "k", limit=100)]
         assert len(expected) == 10
         url = running.urls[0]
-        with raw(url, versions=(1, 2, 3)) as old:  # query_by_key: cut, nothing to say so
-            answer = old.call("query_by_key", topic="t", key="k", limit=100)
-            assert len(encode([1, 0, answer])) <= FRAME
-            assert [m[4] for m in answer] == expected[: len(answer)]
-            assert 1 <= len(answer) < 10
+        with raw(url, versions=(1, 2, 3)) as old:  # query_by_key: whole, or refused
+            error = old.error("query_by_key", topic="t", key="k", limit=100)
+            assert error["code"] == "LimitExceededError", error  # review4 R5: never a part
+            assert "query_by_key_page" in error["message"] and "max_frame_bytes" in error["message"]
+            answer = old.call("query_by_key", topic="t", key="k", limit=2)  # fits: whole
+            assert [m[4] for m in answer] == expected[:2]
             old.request("query_by_key_page", topic="t", key="k")  # of version 4
             assert "protocol version 4" in old.closed_with()["message"]
         with raw(url) as new:  # query_by_key_page: cut, and where the rest begins
@@ -165,12 +166,13 @@ def test_query_by_key_answers_fit_the_frame_and_pages_give_the_rest(home: Path) 
                 await client.close()
 
         assert asyncio.run(aio()) == expected
-        # a client welcomed with version 3 sends query_by_key: one answer, the newest
+        # a client welcomed with version 3 sends query_by_key: the whole list, or an error
         running.broker.welcome_versions = (1, 2, 3)
         with equeue.connect(url, timeout=20) as client:
             assert client.welcome is not None and client.welcome.version == 3
-            newest = [m.position for m in client.query_by_key("t", "k", 100)]
-            assert 1 <= len(newest) < 10 and newest == expected[: len(newest)]
+            with pytest.raises(LimitExceededError, match="query_by_key_page"):
+                client.query_by_key("t", "k", 100)
+            assert [m.position for m in client.query_by_key("t", "k", 2)] == expected[:2]
 
 
 def test_query_by_key_pages_by_max_pull_count(home: Path) -> None:

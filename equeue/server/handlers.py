@@ -130,7 +130,7 @@ class Handlers:
             "pull": self.pull,
             "pull_columns": self.pull_columns,
             "get": lambda peer, rid, a: pack_message(store.get(a["message_id"])),
-            "query_by_key": lambda peer, rid, a: Packed(self.by_key(peer, a)[0]),
+            "query_by_key": self.by_key_whole,
             "query_by_key_page": self.by_key_page,
             "offset_for_time": lambda peer, rid, a: store.offset_for_time(
                 a["topic"], a["queue_id"], a["timestamp"]
@@ -426,6 +426,24 @@ class Handlers:
             kept += 1
         cut = PullResult(messages[:kept], messages[kept].queue_offset)
         return Packed(packer.pack(pack_pull_result(cut)))
+
+    def by_key_whole(self, peer: Peer, rid: int, a: dict[str, Any]) -> Packed:
+        """query_by_key (protocol versions 1 to 3): every message up to ``limit``, or
+        LimitExceededError. Its answer (an array) has no place to say that more follow, and
+        a caller asking for a key's messages must not take the newest few for all of them
+        (review4 R5: 21 of 30, silently); before reviewg F12 such an answer passed the frame
+        and broke the connection."""
+        messages, after = self.by_key(peer, a)
+        if after is not None:
+            config = self.config
+            raise LimitExceededError(
+                f"{peer.where}: the messages of key {a['key'][:80]!r} in {a['topic']} up to "
+                f"limit={a.get('limit', 32)} do not fit one answer (max_frame_bytes="
+                f"{config.max_frame_bytes}, max_pull_count={config.max_pull_count}; equeue "
+                "serve --max-frame-bytes, --max-pull-count): ask for fewer, or with "
+                "query_by_key_page (protocol version 4), which answers them in pages"
+            )
+        return Packed(messages)
 
     def by_key_page(self, peer: Peer, rid: int, a: dict[str, Any]) -> Packed:
         """query_by_key_page (protocol version 4): [messages, next]."""
