@@ -203,3 +203,37 @@ def test_a_journal_beside_a_topics_json_it_does_not_undo_is_replayed(
             assert len(store.query_by_key("x", "k1")) == 4
     code, out = _verify(tmp_path)
     assert code == 0, out
+
+
+_GROW = """
+import os, signal, sys
+from equeue import MessageStore, StoreConfig
+config = StoreConfig(flush="os", chunk_data_size=1 << 20, queue_chunk_records=1024)
+store = MessageStore.open(sys.argv[1], config)
+store.create_topic("x", 2, cleanup="compact")
+store.send("x", b"v", key="k")
+store.create_topic("x", 4, cleanup="compact")  # a second record of x: 4 queues
+store.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_only_a_topics_last_record_is_held_against_the_file(tmp_path: Path) -> None:
+    """x created with 2 queues, then grown to 4, journaled, beside a topics.json without a
+    generation that has x with 4 (rebuilt from its queue directories): the first record
+    alone would hide queues, but the last one, which the replay ends with, agrees."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("keep", 1)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", _GROW, str(tmp_path)], env=env, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    default = {"cleanup": "delete", "retention_seconds": None, "delete_retention_seconds": 86400.0}
+    body = {"keep": {"queue_count": 1, **default}, "x": {"queue_count": 4, **default}}
+    write_json(tmp_path / TOPICS_FILE, body)
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
+        assert store.queue_ids("x") == [0, 1, 2, 3]
+        assert store.topic_policy("x").cleanup == "compact"
+    body["x"] = {"queue_count": 6, **default}  # the file has more: the last record undoes it
+    write_json(tmp_path / TOPICS_FILE, body)
+    with pytest.raises(CorruptionError, match="'x'"):
+        MessageStore.open(tmp_path, CONFIG, read_only=True).close()

@@ -263,7 +263,10 @@ def replay(body: dict[str, Any], journal: Journal) -> dict[str, Any]:
     if not journal.records:
         return body
     if journal.unversioned_beside:
-        undoing = [record for _, record in journal.records if _undoes(body, record)]
+        # A topic ends as its last record says (replay applies them in order): only that
+        # one is held against the file, so a record the next one overrides never refuses.
+        last = {record.topic: record for _, record in journal.records}
+        undoing = [record for record in last.values() if _undoes(body, record)]
         if undoing:
             raise _superseded(journal, journal.path.parent / TOPICS_FILE, undoing)
     merged = dict(body)
