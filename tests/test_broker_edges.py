@@ -269,3 +269,27 @@ def test_tcp_connections_have_keepalive_and_unix_ones_need_none(
             assert keepalive_of(running) == [(1, 60, 10, 6)]  # the TCP one
             (unix_sock,) = (sock for sock in sockets if sock.family == socket.AF_UNIX)
             assert unix_sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+
+
+def test_a_nack_after_the_group_moved_its_offset_back_is_retried_again(url: str) -> None:
+    # fb07320 made a repeat nack of one message no second copy; review5 F3: a group that
+    # resets its offset to reprocess, and fails the message again, must get its retry
+    with raw(url) as a:
+        a.call("join", group="g", consumer="a", topics=[TOPIC], session_timeout_ms=5000)
+        sent = a.call("send", topic=TOPIC, body=b"m")
+        nack = {"group": "g", "consumer": "a", "message_id": sent[0], "delay_ms": 0}
+
+        def copies() -> int:
+            return len(a.call("pull", topic=retry_topic("g"), queue_id=0, offset=0)[0])
+
+        a.call("nack", **nack)
+        a.call("nack", **nack)  # a repeat (the control): no second copy
+        assert copies() == 1
+        commit = {"group": "g", "consumer": "a", "topic": TOPIC, "queue_id": 0}
+        a.call("commit_offset", **commit, offset=1)  # processed
+        a.call("nack", **nack)
+        assert copies() == 1  # still a repeat: nothing moved back
+        a.call("commit_offset", **commit, offset=0)  # the group resets to reprocess it
+        a.call("nack", **nack)
+        assert copies() == 2
+        assert a.call("stats")["retry"]["nacked_again"] == 2

@@ -2,8 +2,9 @@
 journal (a rollback of the deploy), then this version again (review i F1): the journal's
 records are older than the file, and replaying them would undo that version's changes (a
 deleted topic back with its messages, added queues hidden). A journal of generation 1 or
-more beside a topics.json without a generation is refused, naming both files, by every
-reader, and nothing is changed; this version never writes such a pair itself.
+more beside a topics.json without a generation whose last record of a topic would undo the
+file is refused, naming both files, by every reader, and nothing is changed; its other
+records are replayed (review4 R1); this version never writes such a pair itself.
 
 The older version is played by what it writes: ``write_json`` of its view of the topics
 (no generation), as every equeue before the journal wrote topics.json."""

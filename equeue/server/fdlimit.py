@@ -3,8 +3,9 @@
 Every connection holds one descriptor, the store up to ``StoreConfig.max_open_files``,
 and the broker a few of its own. Past the limit an accept fails (the client gets a bare
 reset, nothing says why) and so do the store's own opens (a send, a checkpoint): so the
-broker raises its soft limit to the hard one at start, and refuses a ``max_connections``
-that cannot fit beside the store's files.
+broker raises its soft limit to the hard one at start; a ``max_connections`` that still
+cannot fit beside the store's files is lowered to what fits if it is the default (1024,
+given or not), else refused (``fit_open_files``).
 """
 
 from __future__ import annotations

@@ -40,6 +40,11 @@ class OffsetCommitter:
         self._jobs: set[asyncio.Future[None]] = set()  # run(): the retry mover's persisting
         self._last_job: asyncio.Future[None] | None = None
         self.writes = 0
+        # Told (on the loop, before the commit is answered) of each group that committed an
+        # offset below its committed one (a reset to reprocess): the retry mover forgets the
+        # group's remembered nacks, so a message failing again is retried again.
+        self.on_reset: Callable[[str], None] | None = None
+        self._resets: list[str] = []  # (appended on the thread, read after it finished)
 
     def run(self, work: Callable[[], None]) -> asyncio.Future[None]:
         """``work`` on the committer thread (the retry mover's fdatasync and cursor
@@ -87,6 +92,7 @@ class OffsetCommitter:
                 if current is not None and offset < current:
                     store.commit_offset(group, topic, queue_id, offset)  # a reset
                     self.writes += 1
+                    self._resets.append(group)
                 else:
                     forward.setdefault(group, {})[(topic, queue_id)] = offset
             except Exception as exc:
@@ -115,6 +121,10 @@ class OffsetCommitter:
             failed = exc
         else:
             errors = done.result()
+        resets, self._resets = self._resets, []
+        if self.on_reset is not None:
+            for group in dict.fromkeys(resets):
+                self.on_reset(group)
         for key, _, release in batch:
             try:
                 release(failed or errors.get(key))

@@ -232,6 +232,12 @@ class Retries:
         if len(self._nacked) > NACKS_REMEMBERED:
             self._nacked.popitem(last=False)
 
+    def forget(self, group: str) -> None:
+        """The group moved an offset back (to reprocess): its nacks are not repeats any
+        more (review5 F3: a reprocessed message failing again got no retry)."""
+        for key in [key for key in self._nacked if key[0] == group]:
+            del self._nacked[key]
+
     def _dead_letter(self, group: str, message: Message, props: dict[str, str]) -> str:
         """Append the dead letter whole if the store takes it, else cut; says which."""
         try:

@@ -244,6 +244,7 @@ class Broker:
                 self.store, max_groups=self.config.max_groups
             )
             self.offsets = OffsetCommitter(loop, self.store)
+            self.offsets.on_reset = coordinator.retries.forget
             self.handlers = Handlers(
                 self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
                 self.config, self.packer, self.offsets,
