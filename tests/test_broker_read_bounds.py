@@ -192,6 +192,15 @@ def test_query_by_key_pages_by_max_pull_count(home: Path) -> None:
             assert before is None and len(messages) == 4
         with equeue.connect(running.urls[0], timeout=20) as client:
             assert [m.position for m in client.query_by_key("t", "k", 100)] == expected
+        # the old op: exactly max_pull_count messages of a key, a larger limit: whole
+        # (review5 F4: refused, though nothing lay below); more than that: refused
+        for n in range(4):
+            running.store.send("t", b"j%d" % n, key="j", queue_id=0)
+        with raw(running.urls[0], versions=(1, 2, 3)) as old:
+            assert len(old.call("query_by_key", topic="t", key="j", limit=5)) == 4
+            assert old.error("query_by_key", topic="t", key="k", limit=5)["code"] == (
+                "LimitExceededError"
+            )
 
 
 def test_the_store_continues_a_key_query_below_a_position(tmp_path: Path) -> None:
