@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from equeue.chunks.ahead import AheadFile
 from equeue.chunks.appends import ChunkAppends
 from equeue.chunks.chunkstate import _MIN_STEP, _round_page
 from equeue.chunks.completion import ChunkCompletion
@@ -96,6 +97,50 @@ class Chunk(ChunkAppends, ChunkCompletion, ChunkReads):
             chunk.close()
             (final if renamed else temp).unlink(missing_ok=True)
             raise write_error(exc, "creating a chunk", final) from exc
+        return chunk
+
+    @classmethod
+    def install_made_ahead(
+        cls,
+        ahead: AheadFile,
+        *,
+        max_record_size: int,
+        on_map: Callable[[Chunk], None],
+        alloc_step: int = 0,
+    ) -> Chunk:
+        """``create`` for a file made ahead (ahead.py), checked by the caller: the rename
+        and the mapping. The header stays the one written ahead (its ``created_at_ns`` is
+        when the file was made: rewritten, its page would be at risk until the first
+        fdatasync). The directory's fsync is left to the first fdatasync
+        (``make_name_durable``). OSError if the rename or the mapping fails, the file
+        then removed under whichever name it has."""
+        header = ahead.header
+        directory = ahead.path.parent
+        final = directory / chunk_file_name(header.chunk_start_number, 0)
+        chunk = cls(
+            final,
+            header,
+            None,
+            version=0,
+            data_end=0,
+            record_count=0,
+            max_record_size=max_record_size,
+            on_map=on_map,
+            alloc_step=alloc_step,
+        )
+        renamed = False
+        try:
+            if final.exists():
+                raise FileExistsError(errno.EEXIST, "chunk file exists already", str(final))
+            os.rename(ahead.path, final)
+            renamed = True
+            chunk._name_pending = True
+            chunk.open_for_write()
+            chunk.writable_end = min(ahead.allocated - HEADER_SIZE, chunk.data_size)
+        except OSError:
+            chunk.close()
+            (final if renamed else ahead.path).unlink(missing_ok=True)
+            raise
         return chunk
 
     def close(self) -> None:

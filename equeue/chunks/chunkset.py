@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from equeue.chunks.ahead import AheadFile
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.config import ChunkManagerConfig
 from equeue.chunks.recovery import TailCut, TailHint
@@ -53,6 +54,13 @@ class ChunkSet:
         self._lock = threading.RLock()
         self._writer: ChunkWriter | None = None
         self._closed = False
+        # The next chunk's file made ahead by the chunk maker (ahead.py; make_ahead), and
+        # whether a job making one is queued or running; under _ahead_cond, taken after
+        # _lock if both are (the maker thread takes it alone).
+        self._ahead: AheadFile | None = None
+        self._ahead_busy = False
+        self._ahead_closed = False
+        self._ahead_cond = threading.Condition(threading.Lock())
         self.looked_at = 0.0  # read-only: when a pull last looked for removed chunks
         self._load()
 

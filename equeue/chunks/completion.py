@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from equeue.chunks.chunkstate import _PAGE, _round_page
-from equeue.chunks.fileops import write_error
+from equeue.chunks.fileops import fsync_directory, write_error
 from equeue.chunks.footer import footer_timestamps
 from equeue.chunks.mapping import ChunkMapping
 from equeue.chunks.prefault import PREFAULTER
@@ -69,6 +69,8 @@ class ChunkCompletion(ChunkMapping):
                 "and cuts at the first damaged one)",
             )
         try:
+            if self._name_pending:
+                self.make_name_durable()
             os.fdatasync(self._fd)
         except OSError as exc:
             failure = write_error(exc, what, self.path)
@@ -76,6 +78,18 @@ class ChunkCompletion(ChunkMapping):
             if self.on_sync_failure is not None:
                 self.on_sync_failure()
             raise failure from exc
+
+    def make_name_durable(self) -> None:
+        """The fsync of the directory after a file made ahead was renamed to this chunk's
+        name (ahead.py): before it, a power loss may take the name, and every record in
+        the file with it. Raises the OSError; a caller vouching for data treats it as a
+        failed fdatasync of the chunk."""
+        if not self._name_pending:
+            return
+        with self._name_lock:  # the chunk maker's and a flush's: one fsync, the other waits
+            if self._name_pending:
+                fsync_directory(self.path.parent)
+                self._name_pending = False
 
     def complete(self) -> ChunkFooter:
         """Flush the data, then write and flush the footer; the chunk is immutable after."""

@@ -6,20 +6,24 @@ and removal.py (retention, cuts). Here: creation of chunks, writers, closing."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from equeue.chunks.ahead import MAKER, AheadFile, check_ahead_file, discard, make_ahead_file
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.refresh import ChunkRefresh
 from equeue.chunks.removal import ChunkRemoval
-from equeue.errors import ConfigError, CorruptionError, WriterExistsError
+from equeue.errors import ConfigError, CorruptionError, EQueueError, WriterExistsError
 from equeue.format.chunk import ChunkHeader
 
 if TYPE_CHECKING:
     from equeue.chunks.writer import ChunkWriter
+
+log = logging.getLogger("equeue.chunks")
 
 
 class ChunkManager(ChunkRefresh, ChunkRemoval):
@@ -62,6 +66,7 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
                     chunk.kept = chunk.in_view = False  # a pull holding it may see a removal
                     chunk.close()
                 self._closed = True
+                self._drop_ahead()
                 if self._writer is not None:
                     # Detach the writer from the now-unmapped chunk, so its next write
                     # takes the slow path and raises ClosedError.
@@ -81,6 +86,7 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
                 self._writer._chunk = None
                 self._writer = None
             self._closed = True
+            self._drop_ahead()
 
     # --- changes -------------------------------------------------------------
 
@@ -110,29 +116,120 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
             else:
                 number = start_number or 0
             config = self.config
-            header = ChunkHeader(
-                chunk_type=config.chunk_type,
-                chunk_start_number=number,
-                chunk_end_number=number,
-                chunk_data_size=config.chunk_data_size,
-                chunk_id=uuid.uuid4(),
-                record_size=config.record_size,
-                timestamp_offset=config.timestamp_offset,
-                created_at_ns=time.time_ns(),
-            )
             if last is not None and last.is_mapped:
                 last.release_mapping()  # completed: it joins the LRU of read maps
-            chunk = Chunk.create(
-                self.directory,
-                header,
-                version=0,
-                max_record_size=config.max_record_size,
-                on_map=self._mapped,
-                alloc_step=config.alloc_step,
-            )
+            chunk = self._install_made_ahead(number)
+            if chunk is None:
+                chunk = Chunk.create(
+                    self.directory,
+                    self._next_header(number),
+                    version=0,
+                    max_record_size=config.max_record_size,
+                    on_map=self._mapped,
+                    alloc_step=config.alloc_step,
+                )
             chunk.on_advance = self.on_advance
             self._install(chunk)
+            self._request_ahead()
             return chunk
+
+    def _next_header(self, number: int) -> ChunkHeader:
+        config = self.config
+        return ChunkHeader(
+            chunk_type=config.chunk_type,
+            chunk_start_number=number,
+            chunk_end_number=number,
+            chunk_data_size=config.chunk_data_size,
+            chunk_id=uuid.uuid4(),
+            record_size=config.record_size,
+            timestamp_offset=config.timestamp_offset,
+            created_at_ns=time.time_ns(),
+        )
+
+    # --- the next chunk made ahead (ahead.py) --------------------------------
+
+    def _request_ahead(self) -> None:
+        """Under ``_lock``: have the chunk maker make the file of the chunk after the
+        ongoing one, unless one is ready or being made (at most one per directory)."""
+        last = self.last_chunk
+        if (
+            not self.config.make_ahead
+            or self.read_only
+            or self._closed
+            or last is None
+            or last.is_completed
+        ):
+            return
+        with self._ahead_cond:
+            if self._ahead_closed or self._ahead_busy or self._ahead is not None:
+                return
+            self._ahead_busy = True
+        header = self._next_header(last.end_number + 1)
+        MAKER.submit(lambda: self._make_ahead(header))
+
+    def _make_ahead(self, header: ChunkHeader) -> None:
+        """On the chunk maker's thread."""
+        made: AheadFile | None = None
+        try:
+            with self._ahead_cond:
+                closed = self._ahead_closed
+            if not closed:
+                if self.before_create is not None:
+                    self.before_create()
+                made = make_ahead_file(self.directory, header, self.config.alloc_step)
+        except (OSError, EQueueError) as exc:  # the roll-over makes the file, as before
+            log.warning(
+                "could not make chunk %d of %s ahead (%s); the roll-over will make it",
+                header.chunk_start_number,
+                self.directory,
+                exc,
+            )
+        finally:
+            with self._ahead_cond:
+                self._ahead_busy = False
+                if made is not None and self._ahead_closed:
+                    made.path.unlink(missing_ok=True)
+                    made = None
+                self._ahead = made
+                self._ahead_cond.notify_all()
+
+    def _install_made_ahead(self, number: int) -> Chunk | None:
+        """Under ``_lock``: chunk ``number`` from the file made ahead, if there is one and
+        it is intact; None for ``Chunk.create`` to make it (a hostile entry under the
+        made-ahead name is left or unlinked, never written through: ahead.discard)."""
+        with self._ahead_cond:
+            ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if ahead.header.chunk_start_number != number:
+            discard(ahead.path, f"made for chunk {ahead.header.chunk_start_number}, not {number}")
+            return None
+        problem = check_ahead_file(ahead)
+        if problem is not None:
+            discard(ahead.path, problem)
+            return None
+        try:
+            chunk = Chunk.install_made_ahead(
+                ahead,
+                max_record_size=self.config.max_record_size,
+                on_map=self._mapped,
+                alloc_step=self.config.alloc_step,
+            )
+        except OSError as exc:
+            log.warning("installing the chunk file made ahead %s failed: %s", ahead.path, exc)
+            return None
+        MAKER.submit(lambda: _name_durable(chunk))  # before any flush needs it, most often
+        return chunk
+
+    def _drop_ahead(self) -> None:
+        """At close: no file is made ahead from now on, and the one made is deleted."""
+        with self._ahead_cond:
+            self._ahead_closed = True
+            while self._ahead_busy:
+                self._ahead_cond.wait()
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None and check_ahead_file(ahead) is None:
+            ahead.path.unlink(missing_ok=True)
 
     def set_on_advance(self, on_advance: Callable[[Chunk], None] | None) -> None:
         """``Chunk.on_advance`` for the ongoing chunk and every chunk created after it."""
@@ -157,6 +254,18 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
             if self._writer is not None:
                 raise WriterExistsError(f"{self.directory} already has a ChunkWriter")
             self._writer = writer
+            self._request_ahead()
+
+
+def _name_durable(chunk: Chunk) -> None:
+    """The chunk maker's fsync of a made-ahead chunk's directory, right after the
+    rename: a failure is left to the flush that needs the name (it fails the same way)."""
+    try:
+        chunk.make_name_durable()
+    except OSError as exc:
+        log.warning(
+            "fsync of %s after installing %s failed: %s", chunk.path.parent, chunk.path, exc
+        )
 
 
 def _ignore_map(chunk: Chunk) -> None:

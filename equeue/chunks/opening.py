@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Final
 
+from equeue.chunks.ahead import is_ahead_name
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.chunkset import ChunkSet
 from equeue.chunks.fileops import fsync_directory, open_error, write_error
@@ -76,7 +77,14 @@ class ChunkOpening(ChunkSet):
         # Everything was checked; only now is anything on disk changed.
         if not self.read_only:
             for name in names:
-                if name.endswith(TEMP_SUFFIX):
+                if is_ahead_name(name):
+                    log.warning(
+                        "removing %s: a chunk file made ahead that was never installed "
+                        "(a writer stopped before the roll-over; it held no data)",
+                        self.directory / name,
+                    )
+                    (self.directory / name).unlink(missing_ok=True)
+                elif name.endswith(TEMP_SUFFIX):
                     log.warning("removing leftover temp file %s", self.directory / name)
                     (self.directory / name).unlink(missing_ok=True)
             for path in superseded:

@@ -300,6 +300,7 @@ class MessageStore:
                 timestamp_offset=STORED_TIME_OFFSET,
                 max_open_chunks=config.max_open_chunks,
                 alloc_step=config.alloc_step,
+                make_ahead=True,  # the log rolls over under sends (queues: docs/format.md)
             ),
             read_only=self.read_only,
             tail_hint=hint,
