@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from equeue.chunks.chunkstate import _MIN_STEP, _round_page
-from equeue.chunks.space import allocate
+from equeue.chunks.space import allocate as _allocate  # (patched by tests, by that name)
 from equeue.format.chunk import (
     HEADER_SIZE,
     TEMP_SUFFIX,
@@ -74,7 +74,7 @@ def make_ahead_file(directory: Path, header: ChunkHeader, alloc_step: int) -> Ah
         first = min(_round_page(HEADER_SIZE + min(alloc_step, _MIN_STEP)), size)
     fd = open_fd(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
-        if not allocate(fd, 0, first):
+        if not _allocate(fd, 0, first):
             first = size  # no fallocate here: a sparse file, as Chunk.create makes
             os.ftruncate(fd, size)
         elif first < size:

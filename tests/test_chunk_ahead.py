@@ -1,0 +1,350 @@
+"""The next chunk made ahead (equeue/chunks/ahead.py): a roll-over installs it; a file
+made ahead and not installed is never data, whatever a crash or a hostile hand leaves
+under its name; under flush="sync" the new chunk's name is durable before its first
+acknowledged send."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ahead_kill_child import STEPS, body, config
+from power_loss_model import Damage, DiskImage, materialize, recording
+
+import equeue.chunks.completion
+import equeue.chunks.fileops
+import equeue.chunks.manager
+import equeue.store.store
+from equeue import MessageStore
+from equeue.chunks.ahead import AheadFile, is_ahead_name
+from equeue.chunks.chunk import Chunk
+from equeue.chunks.config import ChunkManagerConfig
+from equeue.chunks.manager import ChunkManager
+from equeue.chunks.reader import ChunkReader
+from equeue.chunks.writer import ChunkWriter
+from equeue.errors import EQueueError
+from equeue.format.chunk import HEADER_SIZE, MIN_CHUNK_DATA_SIZE, chunk_file_name
+from equeue.store.flush import log_synced
+
+CHILD = Path(__file__).with_name("ahead_kill_child.py")
+RECORD = b"r" * 200  # 19 a 4 KiB chunk
+
+
+def made_ahead(directory: Path) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if is_ahead_name(name))
+
+
+def wait_made_ahead(manager: ChunkManager) -> Path:
+    """The file made ahead for the next roll-over, once the chunk maker has made it."""
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        with manager._ahead_cond:
+            if manager._ahead is not None:
+                return manager._ahead.path
+        time.sleep(0.002)
+    raise AssertionError(f"no chunk file was made ahead in {manager.directory} within 10 s")
+
+
+def roll_over(writer: ChunkWriter) -> int:
+    """Write until a new chunk starts; its number."""
+    first = writer.manager.last_chunk
+    for _ in range(100):
+        writer.write(RECORD)
+        last = writer.manager.last_chunk
+        if last is not first:
+            assert last is not None
+            return last.start_number
+    raise AssertionError("100 records did not fill a chunk")
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Iterator[tuple[ChunkManager, ChunkWriter]]:
+    manager = ChunkManager(
+        tmp_path / "log", ChunkManagerConfig(chunk_data_size=MIN_CHUNK_DATA_SIZE, make_ahead=True)
+    )
+    writer = ChunkWriter(manager)
+    yield manager, writer
+    manager.close()
+
+
+def test_a_roll_over_installs_the_file_made_ahead_and_close_deletes_it(
+    log_dir: tuple[ChunkManager, ChunkWriter],
+) -> None:
+    manager, writer = log_dir
+    writer.write(RECORD)  # the first chunk, then its successor made ahead
+    for _ in range(5):
+        ahead = wait_made_ahead(manager)
+        assert made_ahead(manager.directory) == [ahead.name]  # one per directory at most
+        inode = os.stat(ahead).st_ino
+        number = roll_over(writer)
+        installed = manager.directory / chunk_file_name(number)
+        assert os.stat(installed).st_ino == inode
+        assert not ahead.exists()
+    wait_made_ahead(manager)
+    manager.close()
+    assert made_ahead(manager.directory) == []
+    reopened = ChunkManager(manager.directory, manager.config, read_only=True)
+    assert [c.start_number for c in reopened] == list(range(6))
+    assert [record for _, record in ChunkReader(reopened).iter_from(0)] == [RECORD] * 96
+    reopened.close()
+
+
+@pytest.mark.parametrize("hostile", ["symlink", "directory", "short", "garbage header"])
+def test_a_hostile_entry_under_the_made_ahead_name_is_not_installed(
+    log_dir: tuple[ChunkManager, ChunkWriter],
+    tmp_path: Path,
+    hostile: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    manager, writer = log_dir
+    first = writer.write(RECORD)
+    ahead = wait_made_ahead(manager)
+    outside = tmp_path / "outside"
+    outside.write_bytes(ahead.read_bytes())  # a file that passes every check but the inode
+    before = outside.read_bytes()
+    ahead.unlink()
+    if hostile == "symlink":
+        ahead.symlink_to(outside)
+    elif hostile == "directory":
+        ahead.mkdir()
+    elif hostile == "short":
+        ahead.write_bytes(before[: len(before) // 2])
+    else:
+        ahead.write_bytes(b"\xff" * HEADER_SIZE + before[HEADER_SIZE:])
+    with caplog.at_level(logging.WARNING, logger="equeue.chunks"):
+        number = roll_over(writer)
+    assert f"not installing the chunk file made ahead {ahead}" in caplog.text
+    installed = manager.directory / chunk_file_name(number)
+    assert installed.is_file() and not installed.is_symlink()
+    assert outside.read_bytes() == before  # nothing written through the link
+    position = writer.write(b"after")
+    writer.flush()
+    reader = ChunkReader(manager)
+    assert (reader.read(first), reader.read(position)) == (RECORD, b"after")
+    if hostile == "directory":
+        assert ahead.is_dir()  # left: the next writable open refuses it, as any temp dir
+        ahead.rmdir()
+    else:
+        assert not os.path.lexists(ahead)
+
+
+def _spawn(store: Path, step: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHILD.parent), *sys.path]))
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), str(store), step],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _run_until_step_then_kill(store: Path, step: str, after: int) -> dict[int, int]:
+    """The acknowledged sends (seq -> position) of a child SIGKILLed ``after`` sends past
+    ``step``; the store's files are checked while the child is paused there first."""
+    child = _spawn(store, step)
+    acked: dict[int, int] = {}
+    reached = None
+    try:
+        assert child.stdout is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = child.stdout.readline()
+            if not line:
+                break
+            if line.startswith("STEP"):
+                reached = len(acked)
+                # A reader in another process than the writer, beside it
+                with MessageStore.open(store, config(), read_only=True) as reader:
+                    for seq, position in acked.items():
+                        assert reader.read(position).body == body(seq)
+            elif line.startswith("A "):
+                _, sent, at = line.split()
+                acked[int(sent)] = int(at)
+            if reached is not None and len(acked) >= reached + after:
+                break
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert reached is not None, (
+        f"the child never reached {step}: {child.stderr.read() if child.stderr else ''}"
+    )
+    return acked
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "equeue", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("after", [0, 15])
+def test_sigkill_at_each_step_of_making_ahead_leaves_no_data_and_no_damage(
+    tmp_path: Path, step: str, after: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = tmp_path / "store"
+    acked = _run_until_step_then_kill(store, step, after)
+    messages = store / "messages"
+    leftovers = made_ahead(messages)
+    if step in ("creating", "ready") and after == 0:
+        assert leftovers, "the kill was to leave a file made ahead behind"
+    # The inspector neither counts nor complains about it
+    verify = _cli("verify", str(store))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    inspect = _cli("inspect", str(store))
+    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
+    for name in leftovers:
+        assert name not in inspect.stdout
+    records = _cli("records", str(store))
+    assert records.returncode == 0, records.stderr
+    assert len(records.stdout.splitlines()) >= len(acked)
+    # A read-only open ignores it and changes nothing
+    with MessageStore.open(store, config(), read_only=True) as reader:
+        for seq, position in acked.items():
+            assert reader.read(position).body == body(seq)
+    assert made_ahead(messages) == leftovers
+    # The writable open removes it, saying what it was; nothing is cut as damage
+    with caplog.at_level(logging.WARNING):
+        writer = MessageStore.open(store, config())
+    try:
+        assert made_ahead(messages) == [] or made_ahead(messages) != leftovers
+        for name in leftovers:
+            assert f"removing {messages / name}: a chunk file made ahead" in caplog.text
+        assert not (messages / "recovered").exists()
+        for seq, position in acked.items():
+            assert writer.read(position).body == body(seq)
+    finally:
+        writer.close()
+    assert made_ahead(messages) == []
+
+
+# --- power loss: the installed chunk's name ----------------------------------------
+
+
+def _sends_across_two_installs(root: Path, monkeypatch: pytest.MonkeyPatch) -> Run:
+    """flush="sync" sends under the power-loss model until the second roll-over that
+    installed a made-ahead file; the power fails right after that send's answer."""
+    installs: list[int] = []
+    install = Chunk.install_made_ahead.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Chunk], ahead: AheadFile, /, **kwargs: Any) -> Chunk:
+        chunk: Chunk = install(cls, ahead, **kwargs)
+        installs.append(chunk.start_number)
+        return chunk
+
+    monkeypatch.setattr(Chunk, "install_made_ahead", classmethod(counted))
+    acked: dict[int, int] = {}
+    with recording(root) as recorder:
+        store = MessageStore.open(root, config())
+        try:
+            store.create_topic("t", 1)
+            for seq in range(200):
+                if len(installs) == 2:
+                    break
+                if store._messages.last_chunk is not None:  # (none before the first send)
+                    wait_made_ahead(store._messages)
+                acked[seq] = store.send("t", body(seq)).position
+            image = recorder.cut()
+        finally:
+            closer = threading.Thread(target=lambda: suppress_all(store.close), daemon=True)
+            closer.start()
+            closer.join(10)
+    assert len(installs) == 2, "the roll-overs did not install the files made ahead"
+    return Run(acked, image)
+
+
+@dataclass
+class Run:
+    acked: dict[int, int]
+    image: DiskImage
+
+
+def suppress_all(call: Callable[[], None]) -> None:
+    try:
+        call()
+    except BaseException:  # after the power cut the store is half-way through a close
+        return
+
+
+def _lost_after_power_cut(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> list[int]:
+    monkeypatch.setattr(equeue.store.store, "current_boot_id", uuid.uuid4)  # a reboot
+    run = _sends_across_two_installs(tmp / "store", monkeypatch)
+    materialize(run.image, tmp / "after", Damage(pages="mixed", entries="revert", seed=seed))
+    lost = []
+    with MessageStore.open(tmp / "after", config()) as store:
+        for seq, position in run.acked.items():
+            try:
+                if store.read(position).body != body(seq):
+                    lost.append(seq)
+            except EQueueError:
+                lost.append(seq)
+    return lost
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sync_sends_in_an_installed_chunk_survive_a_power_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    assert _lost_after_power_cut(tmp_path / "fsynced", monkeypatch, seed) == []
+
+
+def test_the_power_loss_check_fails_without_the_directory_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same run with the installed chunk's directory fsync left out loses the sends
+    in the installed chunks: the check above can fail."""
+    monkeypatch.setattr(Chunk, "make_name_durable", lambda self: None)
+    assert _lost_after_power_cut(tmp_path / "not-fsynced", monkeypatch, 1) != []
+
+
+# --- the broker's flusher (C thread) path -----------------------------------------
+
+
+def test_log_synced_makes_the_installed_chunks_name_durable_before_vouching(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C flusher fdatasyncs the chunk's descriptor alone; log_synced, on the loop,
+    fsyncs the directory (or waits for the chunk maker's) before any answer leaves."""
+    fsynced: list[Path] = []
+    real = equeue.chunks.fileops.fsync_directory
+
+    def recorded(directory: Path) -> None:
+        fsynced.append(directory)
+        real(directory)
+
+    monkeypatch.setattr(equeue.chunks.completion, "fsync_directory", recorded)  # its import
+    monkeypatch.setattr(equeue.chunks.manager, "_name_durable", lambda chunk: None)
+    with MessageStore.open(tmp_path / "store", config()) as store:
+        store.create_topic("t", 1)
+        manager = store._messages
+        store.send("t", body(0))
+        wait_made_ahead(manager)
+        chunk = manager.last_chunk
+        seq = 1
+        while manager.last_chunk is chunk:
+            store.send("t", body(seq))
+            seq += 1
+        installed = manager.last_chunk
+        assert installed is not None
+        # The sends above flushed it already (Chunk.flush): it is pending again as it was
+        # between the install and the first flush.
+        assert not installed._name_pending and fsynced == [manager.directory]
+        installed._name_pending = True
+        fsynced.clear()
+        log_synced(store, installed, installed.data_end, 0)
+        assert not installed._name_pending and fsynced == [manager.directory]
