@@ -22,6 +22,7 @@ import pytest
 from ahead_kill_child import STEPS, body, config
 from power_loss_model import Damage, DiskImage, materialize, recording
 
+import equeue.chunks.ahead
 import equeue.chunks.completion
 import equeue.chunks.fileops
 import equeue.chunks.manager
@@ -348,3 +349,28 @@ def test_log_synced_makes_the_installed_chunks_name_durable_before_vouching(
         fsynced.clear()
         log_synced(store, installed, installed.data_end, 0)
         assert not installed._name_pending and fsynced == [manager.directory]
+
+
+def test_a_file_made_too_late_is_replaced_by_the_next_chunks(
+    log_dir: tuple[ChunkManager, ChunkWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A roll-over that comes while the maker is still making the file creates its chunk
+    itself; the maker's file, for a chunk that exists by then, gives way to the next."""
+    manager, writer = log_dir
+    release = threading.Event()
+    real = vars(equeue.chunks.ahead)["_allocate"]
+
+    def slow(fd: int, offset: int, length: int) -> bool:
+        assert release.wait(10), "the test did not release the chunk maker"
+        return bool(real(fd, offset, length))
+
+    monkeypatch.setitem(vars(equeue.chunks.ahead), "_allocate", slow)
+    writer.write(RECORD)
+    assert roll_over(writer) == 1  # made on the writer's thread: the maker is held
+    release.set()
+    ahead = wait_made_ahead(manager)
+    assert ahead.name.startswith(chunk_file_name(2) + ".")
+    assert made_ahead(manager.directory) == [ahead.name]
+    inode = os.stat(ahead).st_ino
+    assert roll_over(writer) == 2
+    assert os.stat(manager.directory / chunk_file_name(2)).st_ino == inode

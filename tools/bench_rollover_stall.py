@@ -6,7 +6,10 @@ with ``Chunk.complete`` and ``ChunkManager.add_new_chunk`` timed (CLOCK_MONOTONI
 end, the thread's CPU), and ``--clients`` processes each sending 1 KiB messages one at a
 time for ``--seconds``, noting when each answer came. Printed per run: the message log's
 completions and creations on the loop thread (wall and CPU), and the gaps between two
-answers of one client, those spanning a roll-over apart from the others. ``--flush``
+answers of one client, those spanning a roll-over apart from the others. In a tree with
+the next chunk made ahead (equeue/chunks/ahead.py) also how many roll-overs installed
+the file made ahead, and on which thread each new name's directory fsync ran (the chunk
+maker's, or the loop's, which then waited for it in ``log_synced``). ``--flush``
 may be repeated: the runs alternate, ``--rounds`` times.
 
     python tools/bench_rollover_stall.py --flush sync --flush async --rounds 2
@@ -59,6 +62,27 @@ def _broker_child(events_file: str, serve_args: list[str]) -> int:
 
     timed(Chunk, "complete")
     timed(ChunkManager, "add_new_chunk")
+    if hasattr(ChunkManager, "_install_made_ahead"):  # (a tree with equeue/chunks/ahead.py)
+        install = ChunkManager._install_made_ahead
+
+        def installed(self: Any, number: int) -> Any:
+            chunk = install(self, number)
+            events.append(("made ahead" if chunk else "not made ahead", "", 0, 0, 0, ""))
+            return chunk
+
+        ChunkManager._install_made_ahead = installed  # type: ignore[method-assign]
+        durable = Chunk.make_name_durable
+
+        def name_durable(self: Any) -> None:
+            if not self._name_pending:
+                return
+            start, cpu = time.monotonic_ns(), time.thread_time_ns()
+            durable(self)
+            spent = time.thread_time_ns() - cpu
+            thread = threading.current_thread().name
+            events.append(("name fsync", str(self.path), start, time.monotonic_ns(), spent, thread))
+
+        Chunk.make_name_durable = name_durable  # type: ignore[method-assign]
     atexit.register(lambda: Path(events_file).write_text(json.dumps(events)))
     return main(["serve", *serve_args])
 
@@ -108,8 +132,22 @@ def run(flush: str, chunk_bytes: int, seconds: float, clients: int, scratch: Pat
         broker.terminate()
         broker.wait(60)
     events: list[Event] = [tuple(e) for e in json.loads(events_file.read_text())]
-    log = [e for e in events if e[5] == "MainThread" and f"{os.sep}messages" in e[1]]
+    log = [
+        e
+        for e in events
+        if e[5] == "MainThread" and f"{os.sep}messages" in e[1] and e[0] != "name fsync"
+    ]
     print(f"== --flush {flush}, {chunk_bytes} B log chunks, {clients} clients, {seconds:g} s")
+    made = sum(e[0] == "made ahead" for e in events)
+    if made or any(e[0] == "not made ahead" for e in events):
+        fsyncs = [e for e in events if e[0] == "name fsync"]
+        on_loop = sorted((e[3] - e[2]) / 1e6 for e in fsyncs if e[5] == "MainThread")
+        print(
+            f"  roll-overs that installed a file made ahead: {made} of "
+            f"{made + sum(e[0] == 'not made ahead' for e in events)}; the directory fsyncs "
+            f"after them: {len(fsyncs) - len(on_loop)} off the loop, {len(on_loop)} on it"
+            + (f" (wall max {on_loop[-1]:.2f} ms)" if on_loop else "")
+        )
     for name in ("complete", "add_new_chunk"):
         chosen = [e for e in log if e[0] == name]
         if chosen:

@@ -116,10 +116,10 @@ def check_ahead_file(ahead: AheadFile) -> str | None:
     return None
 
 
-def discard(path: Path, why: str) -> None:
+def discard(path: Path, why: str, level: int = logging.WARNING) -> None:
     """Remove a file made ahead that will not be installed. A link is removed, not
     followed; a directory planted under the name is left (the next open refuses it)."""
-    log.warning("not installing the chunk file made ahead %s: %s", path, why)
+    log.log(level, "not installing the chunk file made ahead %s: %s", path, why)
     with contextlib.suppress(OSError):
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             path.unlink()

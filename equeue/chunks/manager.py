@@ -192,6 +192,26 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
                     made = None
                 self._ahead = made
                 self._ahead_cond.notify_all()
+        last = self.last_chunk
+        if (
+            made is not None
+            and last is not None
+            and made.header.chunk_start_number <= last.end_number
+        ):
+            # A roll-over came first and made its chunk itself: this file is for a chunk that
+            # exists, so the next one is made instead (busy cleared first: close waits on it)
+            with self._lock:
+                with self._ahead_cond:
+                    stale = self._ahead is made
+                    if stale:
+                        self._ahead = None
+                if stale:
+                    discard(
+                        made.path,
+                        f"a roll-over made chunk {header.chunk_start_number} first",
+                        logging.INFO,
+                    )
+                    self._request_ahead()
 
     def _install_made_ahead(self, number: int) -> Chunk | None:
         """Under ``_lock``: chunk ``number`` from the file made ahead, if there is one and
@@ -202,7 +222,8 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
         if ahead is None:
             return None
         if ahead.header.chunk_start_number != number:
-            discard(ahead.path, f"made for chunk {ahead.header.chunk_start_number}, not {number}")
+            made_for = ahead.header.chunk_start_number
+            discard(ahead.path, f"made for chunk {made_for}, not {number}", logging.INFO)
             return None
         problem = check_ahead_file(ahead)
         if problem is not None:
