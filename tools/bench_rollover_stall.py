@@ -67,7 +67,8 @@ def _broker_child(events_file: str, serve_args: list[str]) -> int:
 
         def installed(self: Any, number: int) -> Any:
             chunk = install(self, number)
-            events.append(("made ahead" if chunk else "not made ahead", "", 0, 0, 0, ""))
+            what = "made ahead" if chunk else "not made ahead"
+            events.append((what, str(self.directory), 0, 0, 0, ""))
             return chunk
 
         ChunkManager._install_made_ahead = installed  # type: ignore[method-assign]
@@ -138,14 +139,18 @@ def run(flush: str, chunk_bytes: int, seconds: float, clients: int, scratch: Pat
         if e[5] == "MainThread" and f"{os.sep}messages" in e[1] and e[0] != "name fsync"
     ]
     print(f"== --flush {flush}, {chunk_bytes} B log chunks, {clients} clients, {seconds:g} s")
-    made = sum(e[0] == "made ahead" for e in events)
-    if made or any(e[0] == "not made ahead" for e in events):
-        fsyncs = [e for e in events if e[0] == "name fsync"]
-        on_loop = sorted((e[3] - e[2]) / 1e6 for e in fsyncs if e[5] == "MainThread")
+    # The log's roll-overs (not its first chunk, which has nothing before it to be made
+    # ahead during), and per new chunk the thread that did its name's fsync (a thread that
+    # found another one doing it waits, and is not counted).
+    installs = [e[0] for e in events if e[0].endswith("made ahead") and e[1].endswith("messages")]
+    if installs:
+        fsyncs = {e[1]: e for e in events if e[0] == "name fsync" and e[5] != "MainThread"}
+        fsyncs |= {e[1]: e for e in events if e[0] == "name fsync" and e[5] == "MainThread"}
+        on_loop = sorted((e[3] - e[2]) / 1e6 for e in fsyncs.values() if e[5] == "MainThread")
         print(
-            f"  roll-overs that installed a file made ahead: {made} of "
-            f"{made + sum(e[0] == 'not made ahead' for e in events)}; the directory fsyncs "
-            f"after them: {len(fsyncs) - len(on_loop)} off the loop, {len(on_loop)} on it"
+            f"  roll-overs that installed a file made ahead: {installs.count('made ahead')} "
+            f"of {len(installs) - 1}; the new names' directory fsyncs: "
+            f"{len(fsyncs) - len(on_loop)} off the loop, {len(on_loop)} done or waited for on it"
             + (f" (wall max {on_loop[-1]:.2f} ms)" if on_loop else "")
         )
     for name in ("complete", "add_new_chunk"):
