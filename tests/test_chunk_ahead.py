@@ -344,11 +344,11 @@ def test_log_synced_makes_the_installed_chunks_name_durable_before_vouching(
         assert installed is not None
         # The sends above flushed it already (Chunk.flush): it is pending again as it was
         # between the install and the first flush.
-        assert not installed._name_pending and fsynced == [manager.directory]
-        installed._name_pending = True
+        assert not installed.name_pending and fsynced == [manager.directory]
+        installed._name_renamed(True)
         fsynced.clear()
         log_synced(store, installed, installed.data_end, 0)
-        assert not installed._name_pending and fsynced == [manager.directory]
+        assert not installed.name_pending and fsynced == [manager.directory]
 
 
 def test_a_file_made_too_late_is_replaced_by_the_next_chunks(

@@ -75,7 +75,7 @@ def _broker_child(events_file: str, serve_args: list[str]) -> int:
         durable = Chunk.make_name_durable
 
         def name_durable(self: Any) -> None:
-            if not self._name_pending:
+            if not self.name_pending:
                 return
             start, cpu = time.monotonic_ns(), time.thread_time_ns()
             durable(self)

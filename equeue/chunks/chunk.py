@@ -134,7 +134,7 @@ class Chunk(ChunkAppends, ChunkCompletion, ChunkReads):
                 raise FileExistsError(errno.EEXIST, "chunk file exists already", str(final))
             os.rename(ahead.path, final)
             renamed = True
-            chunk._name_pending = True
+            chunk._name_renamed(True)
             chunk.open_for_write()
             chunk.writable_end = min(ahead.allocated - HEADER_SIZE, chunk.data_size)
         except OSError:
@@ -144,6 +144,8 @@ class Chunk(ChunkAppends, ChunkCompletion, ChunkReads):
         return chunk
 
     def close(self) -> None:
+        if self.name_pending:  # (a chunk closed unflushed: none of its data was vouched for)
+            self._name_renamed(False)
         mm, self._mm = self._mm, None
         self._end_writing()
         self._close_fd()

@@ -93,11 +93,6 @@ class ChunkState:
         # After a failed fdatasync: the data offset from which nothing was known durable,
         # the OS's reason, and the error raised; no later flush can vouch for that data.
         self._failed: tuple[int, str, StoreWriteError] | None = None
-        # A chunk installed from a file made ahead (ahead.py) was renamed to its name
-        # without the directory's fsync: the first fdatasync that vouches for its data
-        # does it first (make_name_durable), or finds the chunk maker's done.
-        self._name_pending = False
-        self._name_lock = threading.Lock()
         self._address = 0  # of the writable mapping, for the prefaulter
         self._prefault_mark = 1 << 62  # data offset past which to prefault the next window
         self._hashed: RunningHash | None = None  # the footer's checksum as the writer goes

@@ -380,7 +380,7 @@ def log_synced(host: LogSyncHost, chunk: Chunk, end: int, error: int) -> None:
     failure does (the chunk's sticky failure, its callback, the store's flush error); then
     raises that failure as ``flush_log`` does. Lock-free: the flushed ends only grow
     (another flush's lower end written meanwhile costs one redundant fdatasync later)."""
-    if error == 0 and chunk._name_pending:
+    if error == 0 and chunk.name_pending:
         # A chunk made ahead: its name durable before any answer vouches for its data
         # (the chunk maker fsyncs the directory from the roll-over on; this waits for it)
         try:
