@@ -369,7 +369,7 @@ def test_a_file_made_too_late_is_replaced_by_the_next_chunks(
     assert roll_over(writer) == 1  # made on the writer's thread: the maker is held
     release.set()
     ahead = wait_made_ahead(manager)
-    assert ahead.name.startswith(chunk_file_name(2) + ".")
+    assert ahead.name.startswith("ahead-000000000002.")
     assert made_ahead(manager.directory) == [ahead.name]
     inode = os.stat(ahead).st_ino
     assert roll_over(writer) == 2

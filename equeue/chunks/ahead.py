@@ -6,12 +6,12 @@ an fsync, the rename and the directory's fsync: 1.3-3.2 ms median, up to 10 ms, 
 broker's loop while every client waited (docs/broker.md). Here one thread for the
 process makes the file of the chunk after the ongoing one of each directory that asks
 (``ChunkManagerConfig.make_ahead``: the message log), under a temporary name
-(``chunk-{number}.{version}.{uuid}.ahead.tmp``), allocated, its header written and
-fsynced. A roll-over checks that the entry under that name is still the file this
-thread made (the same inode, the size, the header), renames it to the chunk's name and
-maps it; the directory's fsync that makes the name durable is queued here and awaited
-(or done) by the first fdatasync that vouches for data in the chunk
-(``Chunk.make_name_durable``).
+(``ahead-{number}.{uuid}.tmp``: no ``chunk-`` prefix, which scripts glob), allocated,
+its header written and fsynced. A roll-over checks that the entry under that name is
+still the file this thread made (the same inode, the size, the header), renames it to
+the chunk's name and maps it; the directory's fsync that makes the name durable is
+queued here and awaited (or done) by the first fdatasync that vouches for data in the
+chunk (``Chunk.make_name_durable``).
 
 Until it is renamed the file is not data: its name ends in ``.tmp``, which readers,
 the inspector and compaction skip, and which a writable open removes (naming it a file
@@ -38,18 +38,17 @@ from equeue.format.chunk import (
     HEADER_SIZE,
     TEMP_SUFFIX,
     ChunkHeader,
-    chunk_file_name,
     chunk_file_size,
 )
 from equeue.safepath import open_fd
 
 log = logging.getLogger("equeue.chunks")
 
-AHEAD_SUFFIX = ".ahead" + TEMP_SUFFIX
+AHEAD_PREFIX = "ahead-"
 
 
 def is_ahead_name(name: str) -> bool:
-    return name.endswith(AHEAD_SUFFIX)
+    return name.startswith(AHEAD_PREFIX) and name.endswith(TEMP_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -66,8 +65,8 @@ class AheadFile:
 def make_ahead_file(directory: Path, header: ChunkHeader, alloc_step: int) -> AheadFile:
     """The file of the chunk ``header`` describes, under a temporary name, durable (its
     header fsynced); its directory entry is not fsynced: the file is not data yet."""
-    final = chunk_file_name(header.chunk_start_number)
-    path = directory / f"{final}.{uuid.uuid4().hex}{AHEAD_SUFFIX}"
+    number = header.chunk_start_number
+    path = directory / f"{AHEAD_PREFIX}{number:012d}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
     size = chunk_file_size(header.chunk_data_size)
     first = size
     if alloc_step:
