@@ -374,3 +374,21 @@ def test_a_file_made_too_late_is_replaced_by_the_next_chunks(
     inode = os.stat(ahead).st_ino
     assert roll_over(writer) == 2
     assert os.stat(manager.directory / chunk_file_name(2)).st_ino == inode
+
+
+def test_a_chunk_keeps_to_the_inline_attribute_limit(
+    log_dir: tuple[ChunkManager, ChunkWriter],
+) -> None:
+    """CPython 3.11 keeps at most 30 attributes of an instance inline; past them every
+    attribute read on a chunk costs more (chunkstate.py), so the state this change added
+    (a pending name) lives beside the class. Checked on a chunk installed from a file made
+    ahead, written, flushed and read, as the writer's and the sender's hot paths see it."""
+    manager, writer = log_dir
+    writer.write(RECORD)
+    wait_made_ahead(manager)
+    roll_over(writer)
+    writer.flush()
+    chunk = manager.last_chunk
+    assert chunk is not None
+    ChunkReader(manager).read(chunk.base)
+    assert len(vars(chunk)) <= 30, sorted(vars(chunk))

@@ -61,6 +61,9 @@ class ChunkState:
         on_map: Callable[[Chunk], None],
         alloc_step: int = 0,
     ) -> None:
+        # 30 fields: CPython 3.11's most for an instance's inline values. A 31st slows every
+        # attribute read on a chunk (callgrind: 500 instructions a loop iteration reading two
+        # at 30 fields, 824 at 32); keep new state beside the class (completion.py's names).
         self.path = path
         self.header = header
         # Plain attributes for the hot paths (the header's are properties).
