@@ -5,6 +5,8 @@ acknowledged send."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import signal
@@ -34,7 +36,7 @@ from equeue.chunks.config import ChunkManagerConfig
 from equeue.chunks.manager import ChunkManager
 from equeue.chunks.reader import ChunkReader
 from equeue.chunks.writer import ChunkWriter
-from equeue.errors import EQueueError
+from equeue.errors import DiskFullError, EQueueError, StoreWriteError
 from equeue.format.chunk import HEADER_SIZE, MIN_CHUNK_DATA_SIZE, chunk_file_name
 from equeue.store.flush import log_synced
 
@@ -392,3 +394,60 @@ def test_a_chunk_keeps_to_the_inline_attribute_limit(
     assert chunk is not None
     ChunkReader(manager).read(chunk.base)
     assert len(vars(chunk)) <= 30, sorted(vars(chunk))
+
+
+# --- failures on the made-ahead path (the inline path's: tests/test_store_faults.py) ---
+
+
+def test_a_full_disk_while_making_ahead_leaves_the_roll_over_to_create_its_chunk(
+    log_dir: tuple[ChunkManager, ChunkWriter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    manager, writer = log_dir
+
+    def full(fd: int, offset: int, length: int) -> bool:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setitem(vars(equeue.chunks.ahead), "_allocate", full)
+    with caplog.at_level(logging.WARNING, logger="equeue.chunks"):
+        writer.write(RECORD)
+        end = time.monotonic() + 10
+        while "could not make chunk 1" not in caplog.text and time.monotonic() < end:
+            time.sleep(0.002)
+    assert "could not make chunk 1" in caplog.text and "No space left" in caplog.text
+    assert made_ahead(manager.directory) == []  # the partial file was removed
+    assert roll_over(writer) == 1  # made on the writer's thread, as before
+    assert (manager.directory / chunk_file_name(1)).is_file()
+
+
+def test_a_failed_directory_fsync_of_an_installed_chunk_fails_its_flushes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new name's fsync is part of the first fdatasync that vouches for the chunk:
+    failing, it fails that flush, and (as a failed fdatasync) every later one."""
+    manager = ChunkManager(
+        tmp_path / "log",
+        ChunkManagerConfig(chunk_data_size=MIN_CHUNK_DATA_SIZE, make_ahead=True, sync_flush=True),
+    )
+    writer = ChunkWriter(manager)
+    try:
+        writer.write(RECORD)
+        wait_made_ahead(manager)
+        monkeypatch.setattr(equeue.chunks.manager, "_name_durable", lambda chunk: None)
+
+        def failing(directory: Path) -> None:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(equeue.chunks.completion, "fsync_directory", failing)
+        with pytest.raises(StoreWriteError, match="Input/output error") as raised:
+            for _ in range(100):
+                writer.write(RECORD)
+        assert not isinstance(raised.value, DiskFullError)
+        installed = manager.last_chunk
+        assert installed is not None and installed.start_number == 1
+        with pytest.raises(StoreWriteError, match="an earlier fdatasync of it failed"):
+            writer.write(RECORD)
+    finally:
+        with contextlib.suppress(StoreWriteError):
+            manager.close()
