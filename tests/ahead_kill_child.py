@@ -1,7 +1,7 @@
 """The writer tests/test_chunk_ahead.py SIGKILLs at a step of making the next log chunk
 ahead (equeue/chunks/ahead.py).
 
-    python tests/ahead_kill_child.py STORE_DIR STEP
+    python tests/ahead_kill_child.py STORE_DIR STEP [hold]
 
 It opens STORE_DIR (flush="sync", 4 KiB log chunks: a roll-over every ~12 sends) and
 sends message ``seq`` = 0, 1, 2, ... to topic ``t``, printing ``A <seq> <position>`` once
@@ -13,7 +13,9 @@ each send returned (acknowledged, durable). At STEP it prints ``STEP <step>`` on
 * ``installed``: a made-ahead file was renamed to the new chunk's name and the maker
   stays before the directory's fsync (the writer's flushes must do it themselves).
 
-It runs until it is killed, or for at most 60 s.
+With ``hold`` the sends stop once the step is reached (the one in progress ends), so a
+kill finds the step's state, not a later roll-over's. It runs until it is killed, or for
+at most 60 s.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def arm(step: str) -> None:
 
 def main() -> int:
     path, step = Path(sys.argv[1]), sys.argv[2]
+    hold = sys.argv[3:] == ["hold"]
     arm(step)
     store = MessageStore.open(path, config())
     if "t" not in store.topics():
@@ -90,6 +93,9 @@ def main() -> int:
     end = time.monotonic() + 60
     seq = 0
     while time.monotonic() < end:
+        if hold and _said.locked():
+            time.sleep(0.01)
+            continue
         result = store.send("t", body(seq))
         say(f"A {seq} {result.position}")
         seq += 1

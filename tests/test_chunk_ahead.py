@@ -142,10 +142,10 @@ def test_a_hostile_entry_under_the_made_ahead_name_is_not_installed(
         assert not os.path.lexists(ahead)
 
 
-def _spawn(store: Path, step: str) -> subprocess.Popen[str]:
+def _spawn(store: Path, step: str, hold: bool) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHILD.parent), *sys.path]))
     return subprocess.Popen(
-        [sys.executable, str(CHILD), str(store), step],
+        [sys.executable, str(CHILD), str(store), step, *(["hold"] if hold else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -156,7 +156,7 @@ def _spawn(store: Path, step: str) -> subprocess.Popen[str]:
 def _run_until_step_then_kill(store: Path, step: str, after: int) -> dict[int, int]:
     """The acknowledged sends (seq -> position) of a child SIGKILLed ``after`` sends past
     ``step``; the store's files are checked while the child is paused there first."""
-    child = _spawn(store, step)
+    child = _spawn(store, step, hold=after == 0)  # 0: killed in the step's own state
     acked: dict[int, int] = {}
     reached = None
     try:
