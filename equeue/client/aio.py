@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from equeue.client import args, calls, rawconn
+from equeue.client import args, calls, forks, rawconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
 from equeue.client.connect import RECV_BYTES, again
@@ -401,7 +401,23 @@ class AsyncClient:
         self._protocol: _Protocol | None = None
         self._reconnect: asyncio.Task[_Protocol] | None = None  # the attempt under way
         self._closed = False
+        self._closed_why = "is closed"  # (the ClosedError's words)
         self._ids = itertools.count(1).__next__
+        forks.track(self)
+
+    def after_fork(self, parent: int) -> None:
+        """In a forked child: closed, its connection left to the parent (forks.py)."""
+        self._closed = True
+        self._closed_why = (
+            f"was made in process {parent}, before this process forked from it; "
+            "connect in this process with a loop of its own"
+        )
+        protocol, self._protocol = self._protocol, None
+        transport = protocol.transport if protocol is not None else None
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        fd = sock.fileno() if sock is not None else -1
+        if fd >= 0:
+            forks.point_at_a_dead_socket(fd)
 
     @property
     def welcome(self) -> Welcome | None:
@@ -416,7 +432,7 @@ class AsyncClient:
         attempt fails each of them (its own error, ``unsent`` its messages) without a
         try of its own; a call after that tries again."""
         if self._closed:
-            raise ClosedError(f"the client of {self.url} is closed")
+            raise ClosedError(f"the client of {self.url} {self._closed_why}")
         protocol = self._protocol
         if protocol is not None and not protocol.closed:
             return protocol

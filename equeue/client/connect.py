@@ -87,7 +87,7 @@ def connect_with_retries(
             ) from None
         except (OSError, ConnectionLostError) as exc:
             last: BaseException = exc
-        except EQueueError:
+        except BaseException:  # a refusal, or an interrupt: a kept traceback keeps sock
             if sock is not None:
                 sock.close()
             raise

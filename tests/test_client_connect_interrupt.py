@@ -1,0 +1,61 @@
+"""An interrupt during the sync client's handshake closes the socket it connected
+(reviewk F2): a traceback kept by a REPL, a log or a debugger holds the connecting frame,
+and with it a socket the broker counts against max_connections."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType, TracebackType
+
+import equeue
+
+
+def _locals_named(tb: TracebackType | None, name: str) -> list[object]:
+    found = []
+    while tb is not None:
+        frame: FrameType = tb.tb_frame
+        if name in frame.f_locals:
+            found.append(frame.f_locals[name])
+        tb = tb.tb_next
+    return found
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def test_an_interrupted_handshake_leaves_no_socket_open() -> None:
+    with tempfile.TemporaryDirectory(prefix="eq", dir="/tmp") as base:
+        path = str(Path(base) / "mute.sock")
+        mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts, never welcomes
+        mute.bind(path)
+        mute.listen(4)
+        accepted: list[socket.socket] = []
+        acceptor = threading.Thread(target=lambda: accepted.append(mute.accept()[0]))
+        acceptor.start()
+        previous = signal.signal(signal.SIGALRM, _interrupt)
+        caught: KeyboardInterrupt | None = None
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            try:
+                equeue.connect(f"unix:{path}", connect_timeout=30)
+            except KeyboardInterrupt as exc:
+                caught = exc
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            acceptor.join(10)
+        try:
+            assert caught is not None, "the handshake was not interrupted"
+            socks = _locals_named(caught.__traceback__, "sock")
+            assert socks, "no connecting frame in the traceback"
+            assert all(isinstance(s, socket.socket) and s.fileno() == -1 for s in socks)
+            assert accepted[0].recv(1 << 16) != b""  # the hello came: it was past connect
+        finally:
+            for s in accepted:
+                s.close()
+            mute.close()
