@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from equeue.errors import (
     AuthenticationError,
     BrokerError,
+    BrokerTooOldError,
     ChecksumMismatchError,
     ChunkRemovedError,
     ClosedError,
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError",
     "BrokerError",
+    "BrokerTooOldError",
     "ChecksumMismatchError",
     "ChunkRemovedError",
     "ClosedError",

@@ -322,6 +322,11 @@ class ProtocolError(EQueueError):
     carried it is closed; other connections and the store are not affected."""
 
 
+class BrokerTooOldError(ProtocolError):
+    """The broker's protocol version (its welcome's) is older than the one an operation
+    needs: refused by the client before anything is sent; the connection stays open."""
+
+
 class FrameTooLargeError(ProtocolError):
     """A frame's declared length exceeds the receiver's ``max_frame_bytes``."""
 

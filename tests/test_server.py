@@ -51,6 +51,7 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         assert call("ping") is None
         assert call("create_topic", topic="t", queue_count=2) is None
         assert call("topics") == ["t"]
+        assert call("deleted_topics") == {}  # protocol version 5
         assert call("queue_ids", topic="t") == [0, 1]
         first = unpack_send_result(
             call("send", topic="t", body=b"one", tag="a", key="k", properties={"p": "v"}, code=7,
@@ -98,6 +99,8 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         sent = unpack_send_columns(columns, "test")
         assert [(r.topic, r.queue_offset) for r in sent] == [("u", 0), ("u", 0), ("u", 0)]
         assert [call("get", message_id=r.message_id)[9] for r in sent] == [b"a", b"b", b"c"]
+        broker.store.delete_topic("u")  # (the broker's store: on the loop's thread's lock)
+        assert call("deleted_topics") == broker.store.deleted_topics() != {}
     group_ops = {"join", "heartbeat", "leave", "nack"}  # test_server_groups.py
     assert seen | group_ops == set(OPS)
     store = broker.store

@@ -662,6 +662,10 @@ class AsyncClient:
         result: list[str] = await self._call(calls.topics())
         return result
 
+    async def deleted_topics(self) -> dict[str, int]:
+        result: dict[str, int] = await self._call(calls.deleted_topics())
+        return result
+
     async def queue_ids(self, topic: str) -> list[int]:
         result: list[int] = await self._call(calls.queue_ids(topic))
         return result

@@ -202,6 +202,10 @@ def topics() -> Call:
     return Call("topics", {}, None)
 
 
+def deleted_topics() -> Call:
+    return Call("deleted_topics", {}, None)
+
+
 def queue_ids(topic: str) -> Call:
     return Call("queue_ids", {"topic": args.topic(topic)}, None)
 

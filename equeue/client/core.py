@@ -10,6 +10,7 @@ from typing import Any, Final
 import msgpack
 
 from equeue.errors import (
+    BrokerTooOldError,
     ConnectionLostError,
     EQueueError,
     FrameTooLargeError,
@@ -41,6 +42,7 @@ from equeue.protocol.frames import (
     decode_body,
 )
 from equeue.protocol.handshake import Hello, Welcome
+from equeue.protocol.ops import OP_VERSIONS
 from equeue.protocol.pullcols import pull_answer
 from equeue.protocol.pullcols import unpack_any as _pull_columns
 from equeue.protocol.records import (
@@ -129,6 +131,12 @@ class RequestEncoder:
         elif op == "query_by_key_page" and self.version < KEY_PAGES_VERSION:
             op = "query_by_key"  # answered whole (its one page), never with "before"
             args = {name: value for name, value in args.items() if name != "before"}
+        elif self.version < OP_VERSIONS.get(op, 1):  # no older op answers it
+            raise BrokerTooOldError(
+                f"{op}: the broker at {self.where} speaks protocol version {self.version}; "
+                f"{op} is of version {OP_VERSIONS[op]} (an equeue broker of 2026-11-27 or "
+                "later); nothing was sent"
+            )
         elif op == "send_batch" and len(args.get("messages", ())) > self.max_batch_messages:
             raise self._too_many(len(args["messages"]))
         try:
@@ -406,6 +414,12 @@ def _range(value: object, where: str) -> tuple[int, int]:
     return _uint(value[0], where), _uint(value[1], where)
 
 
+def _positions(value: object, where: str) -> dict[str, int]:
+    if type(value) is not dict or not all(type(k) is str for k in value):
+        raise ProtocolError(f"{where}: expected a map of str to uint")
+    return {topic: _uint(position, where) for topic, position in value.items()}
+
+
 def _map(value: object, where: str) -> dict[str, Any]:
     if type(value) is not dict:
         raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
@@ -452,6 +466,7 @@ DECODERS: Final[dict[str, Decoder]] = {
     "committed_offset": _optional_uint,
     "create_topic": _none,
     "topics": _strings,
+    "deleted_topics": _positions,
     "queue_ids": _uints,
     "queue_range": _range,
     "stats": _map,

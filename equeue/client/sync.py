@@ -667,6 +667,12 @@ class Client(Turns):
         result: list[str] = self._call(calls.topics())
         return result
 
+    def deleted_topics(self) -> dict[str, int]:
+        """MessageStore.deleted_topics: a broker of protocol version 5 or later (else
+        BrokerTooOldError, nothing sent)."""
+        result: dict[str, int] = self._call(calls.deleted_topics())
+        return result
+
     def queue_ids(self, topic: str) -> list[int]:
         result: list[int] = self._call(calls.queue_ids(topic))
         return result

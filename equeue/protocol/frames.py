@@ -36,8 +36,8 @@ import msgpack
 
 from equeue.errors import FrameTooLargeError, ProtocolError
 
-PROTOCOL_VERSION: Final = 4
-SUPPORTED_VERSIONS: Final = (1, 2, 3, 4)
+PROTOCOL_VERSION: Final = 5
+SUPPORTED_VERSIONS: Final = (1, 2, 3, 4, 5)
 # Version 2 adds the op send_bodies (a batch of bodies alone, answered in columns:
 # records.py); everything of version 1 is unchanged. A client speaking 2 to a broker
 # that chose 1 sends such a batch as send_batch.
@@ -49,6 +49,10 @@ COLUMNS_VERSION: Final = 3
 # begins, when the answer was cut to the frame); a client speaking 4 to an older broker
 # sends query_by_key, whose answer an older broker does not cut.
 KEY_PAGES_VERSION: Final = 4
+# Version 5 adds the op deleted_topics (MessageStore.deleted_topics: where each topic was
+# last deleted, which tells a topic created again from the one a reader knew); a client
+# welcomed with an older version refuses it before sending (BrokerTooOldError).
+DELETED_TOPICS_VERSION: Final = 5
 
 FRAME_HEADER: Final = struct.Struct(">I")
 FRAME_HEADER_SIZE: Final = FRAME_HEADER.size

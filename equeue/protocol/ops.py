@@ -14,7 +14,12 @@ from __future__ import annotations
 from typing import Any, Final
 
 from equeue.errors import ProtocolError
-from equeue.protocol.frames import BODIES_VERSION, COLUMNS_VERSION, KEY_PAGES_VERSION
+from equeue.protocol.frames import (
+    BODIES_VERSION,
+    COLUMNS_VERSION,
+    DELETED_TOPICS_VERSION,
+    KEY_PAGES_VERSION,
+)
 
 NIL: Final = type(None)
 UINT: Final = "uint"  # an int >= 0 (msgpack has no separate unsigned type in Python)
@@ -77,6 +82,8 @@ OPS: Final[dict[str, Spec]] = {
     "committed_offset": {**_QUEUE, "group": ((str,), True)},
     "create_topic": {"topic": ((str,), True), "queue_count": ((UINT, NIL), False)},
     "topics": {},
+    # protocol version 5: topic -> the log position of its last deletion
+    "deleted_topics": {},
     "queue_ids": {"topic": ((str,), True)},
     "queue_range": _QUEUE,
     "stats": {},
@@ -105,6 +112,7 @@ OP_VERSIONS: Final[dict[str, int]] = {
     "send_bodies": BODIES_VERSION,
     "pull_columns": COLUMNS_VERSION,
     "query_by_key_page": KEY_PAGES_VERSION,
+    "deleted_topics": DELETED_TOPICS_VERSION,
 }
 
 

@@ -143,6 +143,7 @@ class Handlers:
                 a["topic"], a.get("queue_count")
             ),
             "topics": lambda peer, rid, a: store.topics(),
+            "deleted_topics": lambda peer, rid, a: store.deleted_topics(),
             "queue_ids": lambda peer, rid, a: store.queue_ids(a["topic"]),
             "queue_range": lambda peer, rid, a: list(store.queue_range(a["topic"], a["queue_id"])),
             "stats": lambda peer, rid, a: self.stats(),
