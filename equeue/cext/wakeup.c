@@ -35,7 +35,7 @@ static PyObject *TASK_TYPE, *BASE_LOOP, *FUTURE, *CANCELLED_ERROR, *INVALID_STAT
  * Tasks enter themselves in; NULL elsewhere (3.12+: current_task is C) or when
  * asyncio.current_task is not that function (replaced before the first waiter): called. */
 static PyObject *CURRENT_TASKS;
-static PyObject *BASE_GET_DEBUG, *S_DEBUG;
+static PyObject *BASE_GET_DEBUG, *S_DEBUG, *S_THREAD_ID;
 static PyObject *S_CALL_SOON, *S_GET_DEBUG, *S_HANDLER, *S_CONTEXT, *S_MESSAGE, *S_EXCEPTION,
     *KW_CONTEXT;
 
@@ -330,10 +330,8 @@ static int may_run_now(Waiter *w) {
     if (task == NULL || (PyObject *)Py_TYPE(task) != TASK_TYPE || def == NULL ||
         strcmp(def->ml_name, "task_wakeup") != 0)
         return 0;
-    PyObject *running = PyObject_CallNoArgs(RUNNING_LOOP);
-    if (running == NULL) return -1;
-    Py_DECREF(running); /* (only its identity) */
-    if (running != w->loop) return 0;
+    int own = waiter_on_loop(w->loop);
+    if (own <= 0) return own;
     if (CURRENT_TASKS != NULL) {
         PyObject *current = PyDict_GetItemWithError(CURRENT_TASKS, w->loop); /* (borrowed) */
         if (current != NULL) return 0;
@@ -380,10 +378,42 @@ PyObject *waiter_future_on(PyObject *loop) {
     return PyObject_CallNoArgs(FUTURE); /* (the running loop, found in C again) */
 }
 
-/* Whether `loop` is the running loop of this thread (asyncio._get_running_loop, a C
- * function of _asyncio: one call): 1, 0, -1. */
+/* Whether one of asyncio's own loops runs on this thread, without
+ * asyncio._get_running_loop: CPython 3.11's calls getpid() each time (to tell a forked
+ * child), a system call, twice a direct send (perfshm, round 15: 2.0 getpid a send, half
+ * of the client's system calls). BaseEventLoop.run_forever keeps the running thread's
+ * ident in `_thread_id` (None when it is not running), and a thread runs one loop at a
+ * time (asyncio refuses another), so the loop runs here exactly when it is the running
+ * loop here. (In a forked child it is not: _get_running_loop says None there, this says
+ * the loop. The clients close themselves in a child, equeue/client/forks.py.) 1, 0, or
+ * -1: not known (another loop type, no such attribute), asyncio is asked. */
+static int base_loop_runs_here(PyObject *loop) {
+    if (!PyType_Check(BASE_LOOP) || !PyType_IsSubtype(Py_TYPE(loop), (PyTypeObject *)BASE_LOOP))
+        return -1;
+    PyObject *ident = PyObject_GetAttr(loop, S_THREAD_ID);
+    if (ident == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    int here = -1;
+    if (ident == Py_None) {
+        here = 0;
+    } else if (PyLong_CheckExact(ident)) {
+        unsigned long value = PyLong_AsUnsignedLong(ident);
+        if (value == (unsigned long)-1 && PyErr_Occurred())
+            PyErr_Clear();
+        else
+            here = value == PyThread_get_thread_ident();
+    }
+    Py_DECREF(ident);
+    return here;
+}
+
+/* Whether `loop` is the running loop of this thread: 1, 0, -1. */
 int waiter_on_loop(PyObject *loop) {
     if (waiter_ready() < 0) return -1;
+    int here = base_loop_runs_here(loop);
+    if (here >= 0) return here;
     PyObject *running = PyObject_CallNoArgs(RUNNING_LOOP);
     if (running == NULL) return -1;
     Py_DECREF(running); /* (only its identity) */
@@ -574,6 +604,7 @@ int waiter_ready(void) {
         (CURRENT_TASK = attr("asyncio", "current_task")) == NULL ||
         (S_GET_DEBUG = PyUnicode_InternFromString("get_debug")) == NULL ||
         (S_DEBUG = PyUnicode_InternFromString("_debug")) == NULL ||
+        (S_THREAD_ID = PyUnicode_InternFromString("_thread_id")) == NULL ||
         (BASE_GET_DEBUG = PyObject_GetAttr(BASE_LOOP, S_GET_DEBUG)) == NULL ||
         (S_HANDLER = PyUnicode_InternFromString("call_exception_handler")) == NULL ||
         (S_CONTEXT = PyUnicode_InternFromString("context")) == NULL ||
