@@ -26,6 +26,7 @@ from equeue import MessageStore
 from equeue.protocol.frames import MESSAGE_OVERHEAD
 
 PRODUCERS = 3
+SEEN_SECONDS = 300  # at most, for the producers' sends to show what a test waits for
 HERE = Path(__file__).parent
 
 
@@ -78,11 +79,14 @@ def run_until(
             ))  # fmt: skip
         # Let them send a while (the sends, not the time, are what is checked): until every
         # producer had a send answered (its ready file) and sends were answered (at most
-        # ~60 s; a loaded machine can take seconds to start a producer, so not a fixed sleep;
-        # the sends counted in total alone once let one producer be killed before its first).
+        # SEEN_SECONDS; a loaded machine can take seconds to start a producer, so not a
+        # fixed sleep; the sends counted in total alone once let one producer be killed
+        # before its first). ``seen`` can take long there: at load ~23 a run of 6,246 sends
+        # in ~60 s had no group-commit wait (no flush covered two connections' sends).
         ready = [home / f"ready-{number}" for number in range(PRODUCERS)]
+        deadline = time.monotonic() + SEEN_SECONDS
         with equeue.connect(url) as client:
-            for _ in range(1200):
+            while time.monotonic() < deadline:
                 stats = client.stats()
                 if (
                     all(path.exists() for path in ready)
