@@ -188,8 +188,21 @@ def check_answer(body: object, where: str) -> tuple[int, int, Any]:
 
 
 class _KeysAndTypes(reprlib.Repr):
-    """A map as its keys and the types of its values: a client's map may carry its token
-    (a hello sent twice, or as a request), and error answers and log lines must not."""
+    """A map as its keys and the types of its values, a list as the types of its items
+    (a map among them as its keys): a client's map may carry its token (a hello sent
+    twice, or as a request), a client may put it where an op or a request id goes, and
+    error answers and log lines must not echo it (review4 R7)."""
+
+    def repr_list(self, x: list[Any], level: int) -> str:
+        if not x:
+            return "[]"
+        if level <= 0:
+            return "[...]"
+        shown = [
+            self.repr1(item, level - 1) if type(item) is dict else type(item).__name__
+            for item in itertools.islice(x, self.maxlist)
+        ]
+        return "[" + ", ".join(shown + ["..."] * (len(x) > self.maxlist)) + "]"
 
     def repr_dict(self, x: dict[Any, Any], level: int) -> str:
         if not x:
@@ -211,6 +224,8 @@ _short.maxstring = _short.maxother = _short.maxlong = 40
 def _shape(body: object) -> str:
     """A short description of a body: its type, length and first items, never a repr of
     the whole (a 60 MB array of nils is 343 MB of text)."""
-    size = f" of {len(body)} items" if isinstance(body, list | dict) else ""
+    if not isinstance(body, list | dict):
+        return type(body).__name__  # (a string alone may be the token)
     text = _short.repr(body)
-    return f"{type(body).__name__}{size} {text if len(text) <= 80 else text[:77] + '...'}"
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"{type(body).__name__} of {len(body)} items {text}"

@@ -133,7 +133,8 @@ def check_args(op: str, args: dict[str, Any], where: str) -> Spec:
     # slow loop only builds the message of a refusal.
     compiled = _COMPILED.get(op)
     if compiled is None:
-        raise ProtocolError(f"{where}: unknown op {op[:64]!r}")
+        # its length, not the string: a client that put its token there gets no echo
+        raise ProtocolError(f"{where}: unknown op (a string of {len(op)} characters)")
     accepted, uints, required = compiled
     for name, value in args.items():
         kinds = accepted.get(name)
