@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from equeue.client import args, calls, forks, rawconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
-from equeue.client.connect import RECV_BYTES, again
+from equeue.client.connect import RECV_BYTES, again, telling, then
 from equeue.client.core import (
     DECODERS,
     PULL_OPS,
@@ -469,6 +469,7 @@ class AsyncClient:
         deadline = time.monotonic() + self.connect_timeout
         delay = 0.02
         attempts = 0
+        last: BaseException | None = None
         while True:
             attempts += 1
             protocol = _Protocol(self._hello, self.url, self.timeout, self._ids)
@@ -492,7 +493,7 @@ class AsyncClient:
                     f"{self.url}: the broker's TLS certificate is refused: {exc}", [], exc
                 ) from None
             except (OSError, ConnectionLostError, TimeoutError) as exc:
-                last: BaseException = exc
+                last, newest = telling(last, exc), exc
                 protocol.fail("connect failed", exc)
             except BaseException:
                 protocol.fail("connect failed", None)
@@ -500,7 +501,8 @@ class AsyncClient:
             if time.monotonic() + delay > deadline:
                 raise lost(
                     f"cannot connect to the broker at {self.url} within connect_timeout="
-                    f"{self.connect_timeout:g}s ({attempts} attempts): {last!r}",
+                    f"{self.connect_timeout:g}s ({attempts} attempts): {last!r}"
+                    f"{then(last, newest)}",
                     [],
                     last,
                 )
