@@ -7,17 +7,21 @@ bounded number of them a tick, the retry mover's appends waking their pulls by n
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from client_helpers import BrokerProcess
 from server_helpers import Raw, raw, short_home
 
 from equeue import MessageStore
+from equeue.errors import ConfigError
 from equeue.protocol.frames import encode
 from equeue.server import BrokerThread, retry
-from equeue.server.config import DEFAULT_MAX_HELD_FILTER_BYTES
+from equeue.server.config import DEFAULT_MAX_HELD_FILTER_BYTES, ServerConfig
 from equeue.server.groups import GroupCoordinator
 from equeue.server.heldfilters import TAG_OVERHEAD
 from equeue.server.holds import POLL_QUEUES, HeldPull, Holds
@@ -124,6 +128,37 @@ def test_max_held_pulls_bounds_every_connections_held_pulls(home: Path) -> None:
             _pipeline(first, 3, None, first_id=100, offset=1)
             stats = _stats_when(producer, "held_pulls", 3)
             assert stats["pulls_not_held"] == 6
+
+
+def test_equeue_serve_takes_both_bounds(home: Path) -> None:
+    """The real ``equeue serve --max-held-pulls 2 --max-held-filter-bytes 0``: two of
+    three pulls held, a pull with a filter and a pull_columns past the bound answered at
+    once; a bound out of range is refused at start, naming its option."""
+    broker = BrokerProcess(home / "s", "--max-held-pulls", "2", "--max-held-filter-bytes", "0")
+    try:
+        with raw(broker.url) as producer, raw(broker.url) as holder:
+            producer.call("create_topic", topic="t", queue_count=1)
+            _pipeline(holder, 1, ["a"])  # held without room for its filter: answered
+            assert holder.answers(1) == {1: (0, [[], 0])}
+            _pipeline(holder, 3, None, first_id=2)
+            assert holder.answers(1) == {4: (0, [[], 0])}
+            rid = holder.request(
+                "pull_columns", topic="t", queue_id=0, offset=0, wait_ms=DAY_MS
+            )  # fmt: skip
+            ((got, (status, _)),) = holder.answers(1).items()
+            assert (got, status) == (rid, 0)
+            stats = producer.call("stats")
+            assert (stats["held_pulls"], stats["pulls_not_held"]) == (2, 3)
+            assert stats["held_filter_bytes"] == 0
+    finally:
+        broker.stop()
+    done = subprocess.run(
+        [sys.executable, "-m", "equeue", "serve", str(home / "t"), "--max-held-pulls", "-1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "--max-held-pulls" in done.stderr, done
+    with pytest.raises(ConfigError, match="--max-held-filter-bytes"):
+        ServerConfig(max_held_filter_bytes=1 << 40)
 
 
 class _CountingStore:
