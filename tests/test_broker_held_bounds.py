@@ -1,7 +1,7 @@
 """What held long-poll pulls may keep (review4 R4, reviewg F13): one connection's tag
 filters are kept once each and weigh at most max_held_filter_bytes; the broker holds at
-most max_held_pulls; past either, a pull with a wait is answered at once, empty at its
-offset (nothing skipped), and counted; the 100 ms look at held pulls' queues looks at a
+most max_held_pulls; past either, a pull with a wait is answered empty at its offset
+(nothing skipped) at the next tick, and counted; the 100 ms look at held pulls' queues looks at a
 bounded number of them a tick, the retry mover's appends waking their pulls by note."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_one_connections_held_filters_weigh_at_most_its_bound(home: Path) -> Non
     """review4 R4 scaled down: ONE connection pipelines 40 day-long pulls, each with
     1,024 distinct tags of 255 bytes. Before: all 40 held, each keeping its tag list and
     a frozenset of it (~350 KB a pull; 1,000 of them +346 MB). Now (the default 1 MiB)
-    three filters are kept and the other 37 pulls are answered at once, empty at their
+    three filters are kept and the other 37 pulls are answered empty at their
     offset; a send with a held pull's tag still answers that pull."""
     count = 40
     kept = DEFAULT_MAX_HELD_FILTER_BYTES // FILTER_WEIGHT
@@ -107,7 +107,7 @@ def test_a_filter_shared_by_a_connections_pulls_is_kept_once(home: Path) -> None
 
 def test_max_held_pulls_bounds_every_connections_held_pulls(home: Path) -> None:
     """--max-held-pulls 10, two connections pipelining 8 day-long pulls each: 10 held,
-    6 answered at once (empty, next_offset their offset); a send answers the 10 held;
+    6 answered empty (next_offset their offset); a send answers the 10 held;
     then there is room for pulls to be held again."""
     with BrokerThread(home / "s", max_held_pulls=10) as running:
         url = running.urls[0]
@@ -128,6 +128,20 @@ def test_max_held_pulls_bounds_every_connections_held_pulls(home: Path) -> None:
             _pipeline(first, 3, None, first_id=100, offset=1)
             stats = _stats_when(producer, "held_pulls", 3)
             assert stats["pulls_not_held"] == 6
+
+
+def test_a_pull_not_held_is_answered_at_the_next_tick_not_at_once(home: Path) -> None:
+    """A client that pulls again as soon as a long poll comes back empty (the library's
+    consumer) must not spin past the bound: answered at once, one idle consumer of 4
+    queues made 5,600 pulls a second. A pull not held and a ping in one read: the ping
+    (answered within the read) comes first, the pull at the broker's next tick; before,
+    the pull's answer came first."""
+    with BrokerThread(home / "s", max_held_pulls=0) as running, raw(running.urls[0]) as client:
+        client.call("create_topic", topic="t", queue_count=1)
+        pull = {"topic": "t", "queue_id": 0, "offset": 0, "wait_ms": DAY_MS}
+        client.send_raw(encode([10, "pull", pull]) + encode([11, "ping", {}]))
+        assert [client.recv()[0], client.recv()[0]] == [11, 10]
+        assert client.call("stats")["pulls_not_held"] == 1
 
 
 def test_equeue_serve_takes_both_bounds(home: Path) -> None:

@@ -85,12 +85,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-held-pulls", type=int, default=DEFAULT_MAX_HELD_PULLS, metavar="N",
         help="long-poll pulls held at once over every connection; past it a pull with a "
-        "wait is answered at once, as one without (0: none held)",
+        "wait is answered empty at the next 100 ms tick, as one without (0: none held)",
     )  # fmt: skip
     parser.add_argument(
         "--max-held-filter-bytes", type=int, default=DEFAULT_MAX_HELD_FILTER_BYTES, metavar="N",
         help="tag filters one connection's held pulls keep (each distinct filter once: its "
-        "tags' bytes + 80 a tag); past it a pull with a new filter is answered at once",
+        "tags' bytes + 80 a tag); past it a pull with a new filter is answered empty at "
+        "the next tick",
     )  # fmt: skip
     parser.add_argument(
         "--retention", metavar="DURATION",

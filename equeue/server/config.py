@@ -159,7 +159,7 @@ class ServerConfig:
     max_partial_frame_bytes: int = 512 * MiB
     # Long-poll pulls held at once over every connection, and the weight of the tag
     # filters one connection's held pulls keep (holds.py, heldfilters.py): past either, a
-    # pull with a wait is answered at once, as one without (empty, nothing skipped).
+    # pull with a wait is answered as one without (empty, nothing skipped) at the next tick.
     max_held_pulls: int = DEFAULT_MAX_HELD_PULLS
     max_held_filter_bytes: int = DEFAULT_MAX_HELD_FILTER_BYTES
     # A token over plain tcp:// off loopback crosses the network in clear: refused unless this.

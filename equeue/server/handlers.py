@@ -353,12 +353,19 @@ class Handlers:
         offset = a["offset"]
         if (found.messages[0].queue_offset if found.messages else found.next_offset) > offset:
             self._skipped(a, topic, queue_id, offset)  # retention, or a tag filter
-        # Past max_held_pulls or the connection's max_held_filter_bytes (holds.py) the
-        # pull is answered as one without a wait: nothing skipped, nothing kept
-        if found.messages or wait_ms == 0 or not self._hold(peer, rid, a, args, found, columns):
+        if found.messages or wait_ms == 0:
             if columns:
                 return self.fit_columns(found, peer.where, topic, queue_id)
             return self.fit_pull(found, peer.where)
+        if not self._hold(peer, rid, a, args, found, columns):
+            # past max_held_pulls or the connection's max_held_filter_bytes: answered as
+            # without a wait (nothing skipped, nothing kept), at the next tick (holds.py)
+            self.holds.later(
+                peer, rid,
+                self.fit_columns(found, peer.where, topic, queue_id)
+                if columns
+                else self.fit_pull(found, peer.where),
+            )  # fmt: skip
         return DEFERRED
 
     def _hold(
@@ -541,7 +548,7 @@ class Handlers:
         answer["rates"] = c.rates()
         holds = self.holds
         answer["held_pulls"] = holds.count
-        # pulls with a wait answered at once, not held, because max_held_pulls or their
+        # pulls with a wait answered empty, not held, because max_held_pulls or their
         # connection's max_held_filter_bytes was reached; the weight of held tag filters
         answer["pulls_not_held"] = holds.not_held
         answer["held_filter_bytes"] = holds.filter_bytes

@@ -6,7 +6,7 @@ connection may hold ``max_in_flight`` pulls: review4 R4 held 1,000 of them, +346
 broker memory, for a day. So one connection's distinct filters are kept once each (the
 library's consumer sends the same filter with each of its up to 64 long polls: one copy
 for all of them), and their weight is bounded per connection: a pull whose new filter
-would pass the bound is not held (holds.py answers it at once).
+would pass the bound is not held (holds.py answers it empty, ``later``).
 """
 
 from __future__ import annotations

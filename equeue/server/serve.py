@@ -356,6 +356,7 @@ class Broker:
                 periodic.run("held pulls of retries moved", self.holds.arrived)
             if self.holds.count:
                 periodic.run("poll of held pulls", self.holds.poll)
+            periodic.run("pulls not held", self.holds.answer_later)
             self._ticks += 1
             if self._ticks % SAMPLE_EVERY == 0:
                 periodic.run("stats sample", self.counters.sample)
