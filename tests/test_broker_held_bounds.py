@@ -230,6 +230,27 @@ def test_the_look_at_held_pulls_queues_is_bounded_a_tick(tmp_path: Path) -> None
         loop.close()
 
 
+def test_a_moved_retry_answers_a_held_pull_without_the_look(home: Path) -> None:
+    """The mover's copy wakes a long poll held on the retry topic in the tick that moves
+    it, by its note: with the look at held queues (``Holds.poll``) made a no-op, the pull
+    is answered with the copy all the same. Before, only the look found it: the pull
+    waited its 60 s (the client's 20 s socket timeout ends the test first)."""
+    with BrokerThread(home / "s") as running, raw(running.urls[0]) as member:
+        running.broker.holds.poll = lambda: None  # type: ignore[method-assign]
+        member.call("create_topic", topic="t", queue_count=1)
+        member.call("join", group="g", consumer="a", topics=["t"], session_timeout_ms=60_000)
+        sent = member.call("send", topic="t", body=b"again")
+        with raw(running.urls[0]) as holder:
+            rid = holder.request(
+                "pull", topic=retry.retry_topic("g"), queue_id=0, offset=0, wait_ms=60_000
+            )  # fmt: skip
+            _stats_when(member, "held_pulls", 1)
+            member.call("nack", group="g", consumer="a", message_id=sent[0], delay_ms=1)
+            ((got, (status, (messages, next_offset))),) = holder.answers(1).items()
+            assert (got, status, next_offset) == (rid, 0, 1)
+            assert messages[0][9] == b"again"  # (the body)
+
+
 def test_the_retry_movers_appends_are_noted_for_held_pulls(tmp_path: Path) -> None:
     """A copy the mover appends (a nack without a delay, a delayed one moved, a dead
     letter) tells ``appended`` where, so the held pulls of its queue are pulled at once,
