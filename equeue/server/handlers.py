@@ -358,6 +358,23 @@ class Handlers:
             if columns:
                 return self.fit_columns(found, peer.where, topic, queue_id)
             return self.fit_pull(found, peer.where)
+        if not self._hold(peer, rid, a, args, found, columns):
+            # past max_held_pulls or the connection's max_held_filter_bytes: answered as
+            # without a wait (nothing skipped, nothing kept), at the next tick (holds.py)
+            self.holds.later(
+                peer, rid,
+                self.fit_columns(found, peer.where, topic, queue_id)
+                if columns
+                else self.fit_pull(found, peer.where),
+            )  # fmt: skip
+        return DEFERRED
+
+    def _hold(
+        self, peer: Peer, rid: int, a: dict[str, Any], args: dict[str, Any], found: PullResult,
+        columns: bool,
+    ) -> bool:  # fmt: skip
+        """Hold the pull ``a`` whose answer is empty now (``found``); False if not held."""
+        topic, queue_id = a["topic"], a["queue_id"]
         group, consumer = a.get("group"), a.get("consumer")
         check = None
         if group is not None and consumer is not None:  # checked again when answered
@@ -370,8 +387,7 @@ class Handlers:
         if columns:  # (else serve.py's fit_pull packs it, as a pull's)
             where = peer.where
             held.pack = lambda result: self.fit_columns(result, where, topic, queue_id)
-        self.holds.hold(held, wait_ms / MS)
-        return DEFERRED
+        return self.holds.hold(held, args["tags"], a["wait_ms"] / MS)
 
     def _pull_args(self, a: dict[str, Any]) -> dict[str, Any]:
         """A pull's count and bytes within the broker's bounds: max_pull_count messages,
@@ -531,7 +547,12 @@ class Handlers:
         c = self.counters
         answer: dict[str, Any] = {name: getattr(c, name) for name in COUNTERS}
         answer["rates"] = c.rates()
-        answer["held_pulls"] = self.holds.count
+        holds = self.holds
+        answer["held_pulls"] = holds.count
+        # pulls with a wait answered empty, not held, because max_held_pulls or their
+        # connection's max_held_filter_bytes was reached; the weight of held tag filters
+        answer["pulls_not_held"] = holds.not_held
+        answer["held_filter_bytes"] = holds.filter_bytes
         commit = self.commit
         answer["flushes"] = commit.flushes if commit else 0
         answer["sends_per_flush"] = (

@@ -68,7 +68,7 @@ from equeue.protocol.retries import (
 )
 from equeue.store import offsets as group_offsets
 from equeue.store import validate
-from equeue.store.types import Message, OutgoingMessage
+from equeue.store.types import Message, OutgoingMessage, SendResult
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -173,6 +173,10 @@ class Retries:
         # sets it: OffsetCommitter.run); None: in the caller, before move_due returns.
         self.background: Callable[[Callable[[], None]], Job] | None = None
         self._persisting: Job | None = None
+        # Told of each copy appended (topic, queue id, offset, tag): the broker's held
+        # pulls waiting on that queue are pulled again (holds.py ``noted``) at once, not
+        # found by a look at every queue held each tick (reviewg F13).
+        self.appended: Callable[[str, int, int, str], None] | None = None
         # Cursors moved past whose write failed (or has not run): written before any
         # further move, so what they cover is never moved again.
         self._unsaved: dict[tuple[str, int], int] = {}
@@ -275,10 +279,11 @@ class Retries:
         if cut:
             body = body[: config.max_message_size]
         self.ensure(dead_letter_topic(group), 1)
-        self.store.send(
+        sent = self.store.send(
             dead_letter_topic(group), body, tag=message.tag, key=message.key, properties=kept,
             code=message.code,
         )  # fmt: skip
+        self._sent(sent, message.tag)
         return (
             f"cut to the store's limits (body {len(body)} of {len(message.body)} bytes, "
             f"{len(kept)} of {len(wanted)} properties; equeue.dlq.reason says why)"
@@ -302,10 +307,11 @@ class Retries:
         level = self.level(attempt, delay_ms)
         props[DUE_MS] = str(int(self.wall_clock() * 1000 + self.delays[level] * 1000))
         self.ensure(DELAY_TOPIC, len(self.delays))
-        self.store.send(
+        sent = self.store.send(
             DELAY_TOPIC, message.body, tag=message.tag, key=message.key, properties=props,
             code=message.code, queue_id=level,
         )  # fmt: skip
+        self._sent(sent, message.tag)
 
     def level(self, attempt: int, delay_ms: int | None) -> int:
         """The delay queue of a retry: the shortest level of at least ``delay_ms``, else
@@ -398,7 +404,7 @@ class Retries:
             target = retry_topic(group)
             self.ensure(target, 1)
             try:
-                self.store.send_batch(target, [_copy(message) for message in run])
+                sent = self.store.send_batch(target, [_copy(message) for message in run])
             except _REFUSALS:  # nothing written: find the copy (or copies) refused
                 self._move_one_by_one(queue_id, group, run, cursors)
                 continue
@@ -408,6 +414,8 @@ class Retries:
                     self._pass(queue_id, run[len(exc.sent) - 1], cursors)
                 raise
             self.moved += len(run)
+            for result, message in zip(sent, run, strict=True):
+                self._sent(result, message.tag)
             self._pass(queue_id, run[-1], cursors)
 
     def _move_one_by_one(
@@ -416,8 +424,9 @@ class Retries:
         target = retry_topic(group)
         for message in run:
             try:
-                self.store.send_batch(target, [_copy(message)])
+                (sent,) = self.store.send_batch(target, [_copy(message)])
                 self.moved += 1
+                self._sent(sent, message.tag)
             except _REFUSALS as exc:
                 self._dead_letter_refused(group, message, exc)
             self._pass(queue_id, message, cursors)
@@ -578,10 +587,15 @@ class Retries:
         self, topic: str, message: Message, props: dict[str, str], queue_id: int | None
     ) -> None:
         self.ensure(topic, 1)
-        self.store.send(
+        sent = self.store.send(
             topic, message.body, tag=message.tag, key=message.key, properties=props,
             code=message.code, queue_id=queue_id,
         )  # fmt: skip
+        self._sent(sent, message.tag)
+
+    def _sent(self, sent: SendResult, tag: str) -> None:
+        if self.appended is not None:
+            self.appended(sent.topic, sent.queue_id, sent.queue_offset, tag)
 
     def ensure(self, topic: str, queue_count: int) -> None:
         try:

@@ -218,7 +218,10 @@ class Broker:
     async def start(self) -> None:
         self.loop = loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.holds = Holds(loop, self.store, self._answer_held)
+        self.holds = Holds(
+            loop, self.store, self._answer_held, max_held=self.config.max_held_pulls,
+            max_filter_bytes=self.config.max_held_filter_bytes,
+        )  # fmt: skip
         sync = self.config.flush == "sync"
         self.busy_poll = busy = (
             BusyPoll(loop, self.config.busy_poll_us, self.counters)
@@ -245,6 +248,7 @@ class Broker:
             )
             self.offsets = OffsetCommitter(loop, self.store)
             self.offsets.on_reset = coordinator.retries.forget
+            coordinator.retries.appended = self.holds.noted
             self.handlers = Handlers(
                 self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
                 self.config, self.packer, self.offsets,
@@ -348,8 +352,11 @@ class Broker:
         periodic = self._periodic
         try:  # each its own try: a failing mover must not starve held pulls and the rates
             periodic.run("group tick (expiry, retries)", coordinator.tick)
+            if self.holds.appended:  # retries the tick moved: their queues' held pulls
+                periodic.run("held pulls of retries moved", self.holds.arrived)
             if self.holds.count:
                 periodic.run("poll of held pulls", self.holds.poll)
+            periodic.run("pulls not held", self.holds.answer_later)
             self._ticks += 1
             if self._ticks % SAMPLE_EVERY == 0:
                 periodic.run("stats sample", self.counters.sample)
