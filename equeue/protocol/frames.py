@@ -36,8 +36,8 @@ import msgpack
 
 from equeue.errors import FrameTooLargeError, ProtocolError
 
-PROTOCOL_VERSION: Final = 4
-SUPPORTED_VERSIONS: Final = (1, 2, 3, 4)
+PROTOCOL_VERSION: Final = 5
+SUPPORTED_VERSIONS: Final = (1, 2, 3, 4, 5)
 # Version 2 adds the op send_bodies (a batch of bodies alone, answered in columns:
 # records.py); everything of version 1 is unchanged. A client speaking 2 to a broker
 # that chose 1 sends such a batch as send_batch.
@@ -49,6 +49,10 @@ COLUMNS_VERSION: Final = 3
 # begins, when the answer was cut to the frame); a client speaking 4 to an older broker
 # sends query_by_key, whose answer an older broker does not cut.
 KEY_PAGES_VERSION: Final = 4
+# Version 5 adds stats' argument "group" (that group's per-queue detail: the answer
+# without it is a summary bounded by the broker's stats_max_listed, on every version); a
+# client speaking 5 to an older broker asks for the whole stats and keeps that group.
+STATS_GROUP_VERSION: Final = 5
 
 FRAME_HEADER: Final = struct.Struct(">I")
 FRAME_HEADER_SIZE: Final = FRAME_HEADER.size

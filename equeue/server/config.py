@@ -38,6 +38,7 @@ MAX_BUSY_POLL_US = 10_000
 # (review g F6), so the defaults hold ~40 MB; real deployments have tens to hundreds.
 DEFAULT_MAX_GROUPS = 10_000
 DEFAULT_MAX_TOPICS = 10_000
+DEFAULT_STATS_MAX_LISTED = 100
 BrokerFlush = Literal["sync", "async", "os"]
 EventLoop = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
@@ -150,6 +151,9 @@ class ServerConfig:
     # Bytes of frames begun and not yet whole, over every connection: past it, the
     # connection whose bytes passed it is closed (LimitExceededError).
     max_partial_frame_bytes: int = 512 * MiB
+    # The groups, the coordinator's live groups and the connections one ``stats`` answer
+    # lists (the most lag first; the rest counted): its size does not grow with them.
+    stats_max_listed: int = DEFAULT_STATS_MAX_LISTED
     # A token over plain tcp:// off loopback crosses the network in clear: refused unless this.
     insecure_token: bool = False
     # "auto": uvloop where it is installed (a dependency on Linux and macOS), else asyncio's.
@@ -221,6 +225,7 @@ class ServerConfig:
         check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)
         check_int("max_groups (--max-groups)", self.max_groups, 1, 1 << 24)
         check_int("max_topics (--max-topics)", self.max_topics, 1, 1 << 24)
+        check_int("stats_max_listed (--stats-max-listed)", self.stats_max_listed, 1, 100_000)
         check_int(
             "max_partial_frame_bytes", self.max_partial_frame_bytes, HELLO_MAX_FRAME_BYTES, 1 << 40
         )

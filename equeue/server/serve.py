@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
 import os
 import signal
@@ -54,7 +55,6 @@ log = logging.getLogger("equeue.server")
 
 TICK_S = 0.1  # the group coordinator's tick, held pulls' poll
 SAMPLE_EVERY = 10  # ticks between rate samples
-MAX_LISTED = 100  # connections stats lists one by one
 StoreOrPath = MessageStore | str | os.PathLike[str]
 
 
@@ -391,7 +391,9 @@ class Broker:
                     "in_flight": c.in_flight,
                     "buffered_bytes": c.buffered,
                 }
-                for c in sorted(self.connections, key=lambda c: c.number)[:MAX_LISTED]
+                for c in heapq.nsmallest(
+                    self.config.stats_max_listed, self.connections, key=lambda c: c.number
+                )
             ],
         }
 
