@@ -43,6 +43,7 @@ BrokerFlush = Literal["sync", "async", "os"]
 EventLoop = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
 SOCKET_NAME = DEFAULT_SOCKET_NAME  # the default listener, inside the store directory
+STATUS_SOCKET_NAME = "status.sock"  # stats past max_connections, beside it (statussock.py)
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the NUL
 # --retention: a number with an optional unit (no unit: seconds)
 DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

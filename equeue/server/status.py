@@ -3,13 +3,14 @@ client) and print them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
 from typing import Any
 
 from equeue.errors import AuthenticationError, BrokerError, NotAStoreError
-from equeue.server.config import SOCKET_NAME, read_token
+from equeue.server.config import SOCKET_NAME, STATUS_SOCKET_NAME, read_token
 from equeue.server.stats import render_retention
 from equeue.store.meta import LOCK_FILE
 
@@ -47,7 +48,7 @@ def fetch_stats(
     if cafile:
         options["cafile"] = cafile
     try:
-        with connect(listen[0] if listen else store, token=token, **options) as client:
+        with connect(listen[0] if listen else _socket_of(store), token=token, **options) as client:
             stats = client.stats(group)
     except AuthenticationError as exc:  # the broker's words are a client's: add the option
         given = "the token in --token-file" if token_file else "no token"
@@ -57,6 +58,16 @@ def fetch_stats(
     if not isinstance(stats, dict):
         raise BrokerError(f"the broker answered stats with a {type(stats).__name__}, not a map")
     return stats
+
+
+def _socket_of(store: str) -> str:
+    """STORE/status.sock where a broker listens there (since 2026-11-27: admitted past
+    max_connections, statussock.py), else the store's default socket."""
+    status = Path(store) / STATUS_SOCKET_NAME
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(status.lstat().st_mode):
+            return f"unix:{status}"
+    return store
 
 
 def _lock_free(lock: Path) -> bool:
