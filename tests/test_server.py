@@ -91,7 +91,10 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         assert isinstance(stats, dict)
         assert stats["connections"] == 1 and stats["sends"] == 3
         assert [x["client"] for x in stats["clients"]] == ["test"]
-        assert stats["groups"]["g"]["queues"]["t/1"] == {
+        assert stats["groups"]["g"] == {"lag": 1, "queue_count": 1, "skipped_count": 0}
+        assert stats["groups_omitted"] == 0 and stats["coordinator_omitted"] == 0
+        # protocol version 5: one group's detail
+        assert call("stats", group="g")["groups"]["g"]["queues"]["t/1"] == {
             "committed": 2, "end": 3, "lag": 1,
         }  # fmt: skip
         # protocol version 2's batch of bodies, answered in columns
@@ -279,7 +282,7 @@ def test_group_ops_reach_the_coordinator_and_guard_pulls_and_commits(broker: Bro
         a.call("heartbeat", group="grp", consumer="a", generation=beat["generation"])
         assigned = b.call("heartbeat", group="grp", consumer="b")["assignment"]
         assert assigned and all(tuple(q) not in map(tuple, beat["assignment"]) for q in assigned)
-        stats = a.call("stats")
+        stats = a.call("stats", group="grp")
         assert set(stats["coordinator"]["grp"]["members"]) == {"a", "b"}
         assert stats["groups"]["grp"]["queues"]["g/0"]["committed"] == 1
         assert a.call("leave", group="grp", consumer="a") is None
@@ -306,10 +309,12 @@ def test_status_command_prints_the_stats(broker: BrokerThread) -> None:
     command = [sys.executable, "-m", "equeue", "serve", str(broker.store.path), "--status"]
     shown = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
-    assert "connections: 1" in shown.stdout and "group sg: lag 1" in shown.stdout
+    assert "connections: 1" in shown.stdout and "group sg: lag 1 over 1 queues" in shown.stdout
+    one = subprocess.run([*command, "--status-group", "sg"], capture_output=True, text=True)
+    assert "  st/0: committed 0 end 1 lag 1" in one.stdout, one.stderr
     as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
     stats = json.loads(as_json.stdout)
-    assert stats["groups"]["sg"]["queues"]["st/0"] == {"committed": 0, "end": 1, "lag": 1}
+    assert stats["groups"]["sg"] == {"lag": 1, "queue_count": 1, "skipped_count": 0}
     assert stats["sends"] >= 1 and "sends_per_s" in stats["rates"]
     missing = subprocess.run(
         [*command[:-2], str(broker.store.path.parent / "none"), "--status"],

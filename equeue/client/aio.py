@@ -678,9 +678,11 @@ class AsyncClient:
         )
         return result
 
-    async def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call(calls.stats())
-        return result
+    async def stats(self, group: str | None = None) -> dict[str, Any]:
+        """The broker's counters and a summary of its groups; with ``group``, that group's
+        lag per queue, members and assignment (docs/protocol.md, "stats")."""
+        result: dict[str, Any] = await self._call(calls.stats(group))
+        return result if group is None else calls.one_group(result, group)
 
     async def ping(self) -> None:
         await self._call(calls.ping())

@@ -215,8 +215,21 @@ def queue_range(topic: str, queue_id: int) -> Call:
     return Call("queue_range", {"topic": name, "queue_id": _queue_of(name, queue_id)}, None)
 
 
-def stats() -> Call:
-    return Call("stats", {}, None)
+def stats(group: str | None = None) -> Call:
+    if group is None:
+        return Call("stats", {}, None)
+    return Call("stats", {"group": args.name("group", group)}, None)
+
+
+def one_group(answer: dict[str, Any], group: str) -> dict[str, Any]:
+    """A ``stats {"group": G}`` answer as a broker of protocol version 5 gives it, also
+    from an older broker (sent a plain ``stats``: every group's detail)."""
+    kept = {k: v for k, v in answer.items() if k not in ("groups_omitted", "coordinator_omitted")}
+    for key in ("groups", "coordinator"):
+        found = answer.get(key)
+        if isinstance(found, dict):
+            kept[key] = {group: found[group]} if group in found else {}
+    return kept
 
 
 def ping() -> Call:

@@ -37,6 +37,7 @@ from equeue.protocol.frames import (
     FRAME_HEADER_SIZE,
     KEY_PAGES_VERSION,
     MESSAGE_OVERHEAD,
+    STATS_GROUP_VERSION,
     STATUS_OK,
     check_answer,
     decode_body,
@@ -139,6 +140,8 @@ class RequestEncoder:
             )
         elif op == "send_batch" and len(args.get("messages", ())) > self.max_batch_messages:
             raise self._too_many(len(args["messages"]))
+        elif op == "stats" and args and self.version < STATS_GROUP_VERSION:
+            args = {}  # every group's detail: the caller keeps the one asked (calls.one_group)
         try:
             payload: bytes = self._packer.pack([request_id, op, args])
         except UnicodeEncodeError as exc:

@@ -681,9 +681,11 @@ class Client(Turns):
         result: tuple[int, int] = self._call(self._made(calls.queue_range, topic, queue_id))
         return result
 
-    def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._call(calls.stats())
-        return result
+    def stats(self, group: str | None = None) -> dict[str, Any]:
+        """The broker's counters and a summary of its groups; with ``group``, that group's
+        lag per queue, members and assignment (docs/protocol.md, "stats")."""
+        result: dict[str, Any] = self._call(calls.stats(group))
+        return result if group is None else calls.one_group(result, group)
 
     def ping(self) -> None:
         self._call(calls.ping())

@@ -53,6 +53,10 @@ KEY_PAGES_VERSION: Final = 4
 # last deleted, which tells a topic created again from the one a reader knew); a client
 # welcomed with an older version refuses it before sending (BrokerTooOldError).
 DELETED_TOPICS_VERSION: Final = 5
+# Version 5 also adds stats' argument "group" (that group's per-queue detail: the answer
+# without it is a summary bounded by the broker's stats_max_listed, on every version); a
+# client speaking 5 to an older broker asks for the whole stats and keeps that group.
+STATS_GROUP_VERSION: Final = 5
 
 FRAME_HEADER: Final = struct.Struct(">I")
 FRAME_HEADER_SIZE: Final = FRAME_HEADER.size

@@ -86,7 +86,8 @@ OPS: Final[dict[str, Spec]] = {
     "deleted_topics": {},
     "queue_ids": {"topic": ((str,), True)},
     "queue_range": _QUEUE,
-    "stats": {},
+    # protocol version 5: "group", that group's per-queue detail (docs/protocol.md, "stats")
+    "stats": {"group": ((str,), False)},
     # consumer groups (equeue/server/groups.py)
     "join": {
         **_MEMBER,

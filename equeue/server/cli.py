@@ -21,6 +21,7 @@ from equeue.server.config import (
     DEFAULT_MAX_HELD_FILTER_BYTES,
     DEFAULT_MAX_HELD_PULLS,
     DEFAULT_MAX_TOPICS,
+    DEFAULT_STATS_MAX_LISTED,
     EVENT_LOOPS,
     MAX_BUSY_POLL_US,
     SOCKET_NAME,
@@ -94,6 +95,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "the next tick",
     )  # fmt: skip
     parser.add_argument(
+        "--stats-max-listed", type=int, default=DEFAULT_STATS_MAX_LISTED, metavar="N",
+        help="groups (the most lag first), live groups and connections one stats answer "
+        "lists; the others are counted",
+    )  # fmt: skip
+    parser.add_argument(
         "--retention", metavar="DURATION",
         help="remove whole log chunks whose newest message is older than this (90s, 15m, "
         "2h, 7d; no unit: seconds), after each of the store's checkpoints (every 10 s); "
@@ -120,6 +126,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--token-file, and --tls-cert as the certificate to trust) and exit",
     )  # fmt: skip
     parser.add_argument(
+        "--status-group", metavar="GROUP",
+        help="with --status: that consumer group's lag per queue, members and assignment",
+    )  # fmt: skip
+    parser.add_argument(
         "--event-loop", choices=EVENT_LOOPS, default="auto",
         help="uvloop (auto: where it is installed) or asyncio's own loop",
     )  # fmt: skip
@@ -143,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         max_topics=args.max_topics,
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
         max_held_pulls=args.max_held_pulls, max_held_filter_bytes=args.max_held_filter_bytes,
+        stats_max_listed=args.stats_max_listed,
         event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
         group_commit_overlap=args.group_commit_overlap, busy_poll_us=args.busy_poll_us,
         retention=None if args.retention is None else parse_duration(args.retention, "--retention"),
@@ -168,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     from equeue.server.status import fetch_stats, render_stats
 
-    stats: dict[str, Any] = fetch_stats(args.store, args.listen, args.token_file, args.tls_cert)
+    stats: dict[str, Any] = fetch_stats(
+        args.store, args.listen, args.token_file, args.tls_cert, args.status_group
+    )
     if args.json:
         print(json.dumps(stats, indent=2))
     else:

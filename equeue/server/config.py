@@ -45,10 +45,12 @@ DEFAULT_MAX_HELD_PULLS = 131_072
 # The weight of one connection's held tag filters (heldfilters.py): three filters of
 # 1,024 tags of 255 bytes, or 12 of 1,024 tags of 20 bytes.
 DEFAULT_MAX_HELD_FILTER_BYTES = 1 << 20
+DEFAULT_STATS_MAX_LISTED = 100
 BrokerFlush = Literal["sync", "async", "os"]
 EventLoop = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
 SOCKET_NAME = DEFAULT_SOCKET_NAME  # the default listener, inside the store directory
+STATUS_SOCKET_NAME = "status.sock"  # stats past max_connections, beside it (statussock.py)
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the NUL
 # --retention: a number with an optional unit (no unit: seconds)
 DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -162,6 +164,9 @@ class ServerConfig:
     # pull with a wait is answered as one without (empty, nothing skipped) at the next tick.
     max_held_pulls: int = DEFAULT_MAX_HELD_PULLS
     max_held_filter_bytes: int = DEFAULT_MAX_HELD_FILTER_BYTES
+    # The groups, the coordinator's live groups and the connections one ``stats`` answer
+    # lists (the most lag first; the rest counted): its size does not grow with them.
+    stats_max_listed: int = DEFAULT_STATS_MAX_LISTED
     # A token over plain tcp:// off loopback crosses the network in clear: refused unless this.
     insecure_token: bool = False
     # "auto": uvloop where it is installed (a dependency on Linux and macOS), else asyncio's.
@@ -233,6 +238,7 @@ class ServerConfig:
         check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)
         check_int("max_groups (--max-groups)", self.max_groups, 1, 1 << 24)
         check_int("max_topics (--max-topics)", self.max_topics, 1, 1 << 24)
+        check_int("stats_max_listed (--stats-max-listed)", self.stats_max_listed, 1, 100_000)
         check_int(
             "max_partial_frame_bytes", self.max_partial_frame_bytes, HELLO_MAX_FRAME_BYTES, 1 << 40
         )

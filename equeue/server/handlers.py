@@ -23,6 +23,7 @@ from equeue.protocol.frames import (
     ANSWER_OVERHEAD,
     FRAME_HEADER,
     SEND_RESULT_OVERHEAD,
+    STATS_GROUP_VERSION,
     STATUS_OK,
     encode,
 )
@@ -35,7 +36,7 @@ from equeue.protocol.records import (
 )
 from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
 from equeue.server.holds import HeldPull, Holds
-from equeue.server.stats import COUNTERS, Counters, group_lag
+from equeue.server.stats import COUNTERS, Counters, group_detail, groups_summary
 from equeue.store import storereads
 from equeue.store.bodies import plain, send_columns, send_packed
 from equeue.store.store import MessageStore
@@ -76,6 +77,7 @@ class Peer(Protocol):
     """What an op needs of the connection it came on."""
 
     where: str
+    version: int  # the protocol version the connection was welcomed with
 
     def finish(self, request_id: int, outcome: object) -> None: ...
 
@@ -88,10 +90,13 @@ class Coordinator(Protocol):
         self, group: str, consumer: str, topic: str, queue_id: int, join_id: int | None = None
     ) -> None: ...
     def tick(self) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
+    def live(self) -> list[str]: ...
+    def summary(self, name: str) -> dict[str, Any]: ...
+    def detail(self, name: str) -> dict[str, Any] | None: ...
+    def skipped_counts(self) -> dict[str, int]: ...
     def persist_with(self, run: Callable[[Callable[[], None]], Any]) -> None: ...
     def note_skip(self, group: str, topic: str, queue_id: int, start: int, first: int) -> None: ...
-    def skips(self) -> dict[str, dict[str, Any]]: ...
+    def skips(self, only: str | None = None) -> dict[str, dict[str, Any]]: ...
 
 
 class Handlers:
@@ -146,7 +151,7 @@ class Handlers:
             "deleted_topics": lambda peer, rid, a: store.deleted_topics(),
             "queue_ids": lambda peer, rid, a: store.queue_ids(a["topic"]),
             "queue_range": lambda peer, rid, a: list(store.queue_range(a["topic"], a["queue_id"])),
-            "stats": lambda peer, rid, a: self.stats(),
+            "stats": self.stats_op,
             "join": lambda peer, rid, a: self.coordinator.call("join", a),
             "heartbeat": lambda peer, rid, a: self.coordinator.call("heartbeat", a),
             "leave": lambda peer, rid, a: self.coordinator.call("leave", a),
@@ -543,7 +548,7 @@ class Handlers:
 
     # --- stats -----------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, group: str | None = None) -> dict[str, Any]:
         c = self.counters
         answer: dict[str, Any] = {name: getattr(c, name) for name in COUNTERS}
         answer["rates"] = c.rates()
@@ -577,11 +582,22 @@ class Handlers:
             speedups.SPEEDUPS.answers_written_directly() if speedups.SPEEDUPS is not None else 0
         )
         answer.update(self._extra_stats())
-        answer["groups"] = groups = group_lag(self.store)
-        for group, skipped in self.coordinator.skips().items():  # retention passed them
-            groups.setdefault(group, {"lag": 0, "queues": {}})["skipped"] = skipped
-        answer["coordinator"] = self.coordinator.stats()  # members, generations, assignments
+        if group is None:  # bounded by stats_max_listed (reviewg F11)
+            listed = self.config.stats_max_listed
+            answer.update(groups_summary(self.store, self.coordinator, listed))
+        else:
+            answer.update(group_detail(self.store, self.coordinator, group))
         return answer
+
+    def stats_op(self, peer: Peer, rid: int, a: dict[str, Any]) -> dict[str, Any]:
+        group = a.get("group")
+        if group is not None and peer.version < STATS_GROUP_VERSION:
+            raise ProtocolError(
+                f"{peer.where}: stats' argument 'group' is of protocol version "
+                f"{STATS_GROUP_VERSION}; this connection was welcomed with version "
+                f"{peer.version} (offer {STATS_GROUP_VERSION} in the hello to use it)"
+            )
+        return self.stats(group)
 
     # The two a plain send or a send_bodies read whole in C goes past: a connection is
     # made with those reads only while its broker's Handlers class finds these
