@@ -110,8 +110,8 @@ def test_bad_hellos(hello: object) -> None:
 
 def test_welcome_with_an_unknown_version_is_refused() -> None:
     limits = {name: 10 for name in handshake.LIMIT_NAMES}
-    with pytest.raises(errors.ProtocolError, match="version 5"):
-        handshake.Welcome.unpack({"version": 5, "server": "x", "limits": limits}, "t")
+    with pytest.raises(errors.ProtocolError, match="version 6"):
+        handshake.Welcome.unpack({"version": 6, "server": "x", "limits": limits}, "t")
     with pytest.raises(errors.ProtocolError, match="max_frame_bytes"):
         handshake.Welcome.unpack({"version": 1, "server": "x", "limits": {}}, "t")
 
@@ -210,7 +210,7 @@ _VALUES = st.one_of(
 )  # fmt: skip
 
 
-_GOOD = {str: "t", bytes: b"b", list: [], dict: {}, float: 1.5, int: 7, ops.UINT: 3, ops.NIL: None}
+_GOOD = {str: "t", bytes: b"b", list: [], dict: {}, float: 1.5, int: 7, ops.UINT: 3, ops.NIL: None, bool: True}
 
 
 @settings(max_examples=400)

@@ -10,6 +10,7 @@ from typing import Any, Final
 import msgpack
 
 from equeue.errors import (
+    BrokerError,
     ConnectionLostError,
     EQueueError,
     FrameTooLargeError,
@@ -34,6 +35,7 @@ from equeue.protocol.frames import (
     DEFAULT_MAX_BATCH_MESSAGES,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    GROUP_DELETE_VERSION,
     KEY_PAGES_VERSION,
     MESSAGE_OVERHEAD,
     STATUS_OK,
@@ -52,6 +54,7 @@ from equeue.protocol.records import (
     unpack_send_columns,
     unpack_send_result,
 )
+from equeue.store.groupdeletion import DeletedGroup
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 # A request is (op, args, what ConnectionLostError.unanswered gets for it: the message
@@ -129,6 +132,12 @@ class RequestEncoder:
         elif op == "query_by_key_page" and self.version < KEY_PAGES_VERSION:
             op = "query_by_key"  # answered whole (its one page), never with "before"
             args = {name: value for name, value in args.items() if name != "before"}
+        elif op == "delete_group" and self.version < GROUP_DELETE_VERSION:
+            raise BrokerError(
+                f"{self.where}: delete_group needs protocol version {GROUP_DELETE_VERSION}; "
+                f"this broker speaks version {self.version} (an older equeue serve): "
+                "upgrade it, or stop it and run 'equeue delete-group STORE GROUP'"
+            )
         elif op == "send_batch" and len(args.get("messages", ())) > self.max_batch_messages:
             raise self._too_many(len(args["messages"]))
         try:
@@ -428,6 +437,15 @@ def _key_page(value: object, where: str) -> tuple[list[Message], int | None]:
     return unpack_messages(value, where), None
 
 
+def _deleted_group(value: object, where: str) -> DeletedGroup:
+    """delete_group's answer: {"group": str, "offsets": uint, "topics": [str]}."""
+    found = _map(value, where)
+    group, topics = found.get("group"), found.get("topics")
+    if type(group) is not str or type(topics) is not list:
+        raise ProtocolError(f"{where}: a delete_group answer needs group and topics")
+    return DeletedGroup(group, _uint(found.get("offsets"), where), tuple(_strings(topics, where)))
+
+
 def _pull(value: object, where: str) -> PullResult:
     return unpack_pull_result(value, where)
 
@@ -455,4 +473,5 @@ DECODERS: Final[dict[str, Decoder]] = {
     "queue_ids": _uints,
     "queue_range": _range,
     "stats": _map,
+    "delete_group": _deleted_group,
 }

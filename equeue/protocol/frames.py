@@ -8,14 +8,14 @@ A connection is a stream of frames in each direction. A frame::
 
 Bodies, client to broker:
 
-* first frame, the hello: a map ``{"versions": [1, 2, 3, 4], "token": str|nil, "client": str}``
+* first frame, the hello: a map ``{"versions": [1, 2, 3, 4, 5], "token": str|nil, "client": str}``
 * then requests: an array ``[request_id: uint, op: str, args: map]``; ``request_id``
   is chosen by the client, unique among its requests in flight (answers may come in
   any order: a long-poll pull is answered after later sends).
 
 Bodies, broker to client:
 
-* the welcome (answer to the hello): a map ``{"version": 4, "server": str,
+* the welcome (answer to the hello): a map ``{"version": 5, "server": str,
   "limits": map}``, or an error answer with request id 0, then the broker closes;
 * answers: an array ``[request_id, STATUS_OK, result]`` or
   ``[request_id, STATUS_ERROR, {"code": str, "message": str}]``. Request id 0 is
@@ -36,8 +36,8 @@ import msgpack
 
 from equeue.errors import FrameTooLargeError, ProtocolError
 
-PROTOCOL_VERSION: Final = 4
-SUPPORTED_VERSIONS: Final = (1, 2, 3, 4)
+PROTOCOL_VERSION: Final = 5
+SUPPORTED_VERSIONS: Final = (1, 2, 3, 4, 5)
 # Version 2 adds the op send_bodies (a batch of bodies alone, answered in columns:
 # records.py); everything of version 1 is unchanged. A client speaking 2 to a broker
 # that chose 1 sends such a batch as send_batch.
@@ -49,6 +49,10 @@ COLUMNS_VERSION: Final = 3
 # begins, when the answer was cut to the frame); a client speaking 4 to an older broker
 # sends query_by_key, whose answer an older broker does not cut.
 KEY_PAGES_VERSION: Final = 4
+# Version 5 adds the op delete_group (a consumer group's offsets, retry topic and, when
+# asked, dead letters removed); a client speaking 5 to an older broker refuses the call
+# itself, naming the broker's version (there is nothing to fall back to).
+GROUP_DELETE_VERSION: Final = 5
 
 FRAME_HEADER: Final = struct.Struct(">I")
 FRAME_HEADER_SIZE: Final = FRAME_HEADER.size

@@ -14,7 +14,12 @@ from __future__ import annotations
 from typing import Any, Final
 
 from equeue.errors import ProtocolError
-from equeue.protocol.frames import BODIES_VERSION, COLUMNS_VERSION, KEY_PAGES_VERSION
+from equeue.protocol.frames import (
+    BODIES_VERSION,
+    COLUMNS_VERSION,
+    GROUP_DELETE_VERSION,
+    KEY_PAGES_VERSION,
+)
 
 NIL: Final = type(None)
 UINT: Final = "uint"  # an int >= 0 (msgpack has no separate unsigned type in Python)
@@ -96,6 +101,8 @@ OPS: Final[dict[str, Spec]] = {
         "message_id": ((str,), True),
         "delay_ms": ((UINT, NIL), False),
     },
+    # protocol version 5: a group with no live member deleted (equeue/server/groupdelete.py)
+    "delete_group": {"group": ((str,), True), "delete_dead_letters": ((bool,), False)},
 }
 
 
@@ -105,6 +112,7 @@ OP_VERSIONS: Final[dict[str, int]] = {
     "send_bodies": BODIES_VERSION,
     "pull_columns": COLUMNS_VERSION,
     "query_by_key_page": KEY_PAGES_VERSION,
+    "delete_group": GROUP_DELETE_VERSION,
 }
 
 

@@ -43,8 +43,8 @@ QueueKey = tuple[str, int]
 
 class HeldPull:
     __slots__ = (
-        "args", "check", "deadline", "key", "offset", "owner", "pack", "request_id", "tags",
-        "timer",
+        "args", "check", "deadline", "group", "key", "offset", "owner", "pack", "request_id",
+        "tags", "timer",
     )  # fmt: skip
 
     def __init__(
@@ -55,6 +55,7 @@ class HeldPull:
         offset: int,
         args: dict[str, Any],
         check: Callable[[], None] | None = None,
+        group: str | None = None,
     ) -> None:
         self.owner = owner  # the connection to answer
         self.request_id = request_id
@@ -72,6 +73,7 @@ class HeldPull:
         self.timer: asyncio.TimerHandle | None = None
         # a group member's pull: GroupError unless the member still holds the queue
         self.check = check
+        self.group = group  # the group a member's pull is for (delete_group answers it)
         # a pull_columns: its answer packed here (errors too: a message no frame carries)
         self.pack: Callable[[PullResult], object] | None = None
 
@@ -276,6 +278,14 @@ class Holds:
         is now (empty where it has no room), not at their deadlines."""
         for held in list(self._by_owner.get(owner, ())):
             self._try(held, final=True)
+
+    def answer_group(self, group: str, topic: str) -> None:
+        """``group`` was deleted: its members' pulls and the pulls of its retry topic
+        ``topic`` are answered now (a member's with the GroupError of its check)."""
+        for waiting in list(self._by_queue.values()):
+            for held in list(waiting):
+                if held.group == group or held.key[0] == topic:
+                    self._try(held, final=True)
 
     def answer_all(self) -> None:
         """Draining: answer every held pull with what there is now."""
