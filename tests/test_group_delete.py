@@ -54,12 +54,16 @@ def _fill(path: Path) -> None:
         reader.consumer("g", "t", timeout=0) as consumer,
     ):
         assert len([m for m, _ in zip(consumer, range(3), strict=False)]) == 3
+    with MessageStore.open(path, CONFIG) as store:  # offsets.json above the file on t/1
+        store.commit_offset("g", "t", 1, 4)
     side = path / "consumers" / "recovered"
     side.mkdir(exist_ok=True)
     (side / f"{file_name('g')}.1700000000000000000.damaged").write_bytes(b"{not json")
 
 
-WHOLE = {"t": {0: 5, 1: 3}}  # commit 4 on queue 0; the consumer's 3 more: q0 5, q1 3
+# commit_offset 4 on t/0, the consumer's file t/0 5 and t/1 3, commit_offset 4 on t/1:
+# each file holds one of the offsets read
+WHOLE = {"t": {0: 5, 1: 4}}
 
 
 def _whole_or_gone(store: MessageStore) -> bool:
@@ -198,7 +202,7 @@ def test_a_read_only_handle_sees_the_group_vanish_and_its_consumer_makes_it_agai
     ):
         consumer = reader.consumer("g", "t", timeout=0, batch_size=1)
         first = consumer.poll(1)
-        assert [m.queue_offset for m in first] in ([5], [3])
+        assert [m.queue_offset for m in first] in ([5], [4])
         assert reader.committed_offset("g", "t", 0) == 5
         writer.delete_group("g")
         # The reader's view follows the files: no offsets, no builtin exception.
@@ -207,6 +211,7 @@ def test_a_read_only_handle_sees_the_group_vanish_and_its_consumer_makes_it_agai
         reader.refresh()
         assert RETRY not in reader.topics()
         # Its running consumer commits where it got to: the group exists again from there.
+        writer.send("t", b"after", queue_id=0)
         more = consumer.poll(1)
         consumer.commit()
         consumer.close()
