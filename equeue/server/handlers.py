@@ -531,7 +531,13 @@ class Handlers:
             return
         first = self.store.queue_range(topic, queue_id)[0]
         if offset < first:
-            self.coordinator.note_skip(group, topic, queue_id, offset, first)
+            # Not below the group's commit: the group consumed those before it committed
+            # (a pull from below it is a seek back; review5 F8). The grant's note starts
+            # at the commit (reviewh F2), so this takes nothing of it.
+            committed = self.store.committed_offset(group, topic, queue_id)
+            start = offset if committed is None else max(offset, committed)
+            if start < first:
+                self.coordinator.note_skip(group, topic, queue_id, start, first)
 
     def _check_owner(self, a: dict[str, Any], topic: str, queue_id: int) -> None:
         group, consumer = a.get("group"), a.get("consumer")
