@@ -7,7 +7,6 @@ gets none of the old group's delayed retries."""
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_retention_damaged_group import open_store
 
 from equeue import MessageStore, StoreConfig
 from equeue.errors import (
@@ -23,7 +23,6 @@ from equeue.errors import (
     InvalidTypeError,
     ReadOnlyError,
 )
-from equeue.format.chunk import MIN_CHUNK_DATA_SIZE
 from equeue.server import retry
 from equeue.server.groups import GroupCoordinator
 from equeue.store.offsets import file_name
@@ -164,19 +163,10 @@ def test_a_sigkill_after_any_call_of_a_deletion_leaves_the_group_whole_or_gone(
     assert "rename" in calls[switch] and ".deleting" in calls[switch], calls[switch]
 
 
-def _store_of_tiny_chunks(path: Path) -> MessageStore:
-    config = StoreConfig(
-        chunk_data_size=MIN_CHUNK_DATA_SIZE,
-        retention=dt.timedelta(seconds=1),
-        retention_respects_consumers=True,
-    )
-    return MessageStore.open(path, config)
-
-
 def test_a_made_up_groups_pin_on_retention_ends_with_its_deletion(tmp_path: Path) -> None:
     """reviewg F17: one commit_offset for a group nobody consumes holds every chunk under
     retention_respects_consumers; deleting the group releases them."""
-    with _store_of_tiny_chunks(tmp_path / "s") as store:
+    with open_store(tmp_path / "s") as store:  # 4 KiB chunks, 1 s, respecting consumers
         store.create_topic("t", 1)
         for _ in range(40):
             store.send("t", b"f" * 900)

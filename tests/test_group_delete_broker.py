@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import raw, short_dir
+from server_helpers import raw, short_home
 
 import equeue
 import equeue.aio
@@ -32,13 +30,7 @@ RETRY = retry.retry_topic("g")
 DEADLINE_S = 30.0
 
 
-@pytest.fixture
-def home() -> Iterator[Path]:
-    directory = short_dir()
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+home = pytest.fixture(short_home, name="home")
 
 
 def _store(home: Path) -> Path:
