@@ -280,3 +280,44 @@ def test_a_group_made_again_gets_none_of_the_deleted_groups_delayed_retries(
         assert moved == [b"new"]
         assert coord.retries.dropped_deleted == 1
         assert coord.retries.pending() == 0
+
+
+def test_due_copies_of_a_group_being_deleted_wait_for_the_deletion(tmp_path: Path) -> None:
+    """A copy due while the broker deletes its group (on the committer thread) is not
+    moved then: the move would make the retry topic again under the deletion, holding
+    retention and handing the old copy to the group made again. It waits, and is
+    dropped once the deletion ended."""
+    clock = Clock()
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 1)
+        coord = GroupCoordinator(store, clock=clock, wall_clock=clock, retry_delays=(1.0,))
+        coord.join("g", "a", ["t"], 600_000)
+        coord.nack("g", "a", store.send("t", b"old").message_id, 1_000)
+        coord.leave("g", "a")
+        coord.deleting.add("g")  # as GroupDeleter.delete does, before the store's deletion
+        clock.now += 2
+        coord.tick()
+        assert store.queue_range(RETRY, 0) == (0, 0)  # not moved
+        assert coord.retries.pending() == 1
+        store.delete_group("g")
+        coord.deleting.discard("g")
+        coord.tick()
+        assert RETRY not in store.topics()
+        assert (coord.retries.dropped_deleted, coord.retries.pending()) == (1, 0)
+
+
+def test_a_group_left_only_as_a_damaged_copy_is_deleted_and_releases_retention(
+    tmp_path: Path,
+) -> None:
+    with open_store(tmp_path / "s") as store:
+        store.create_topic("t", 1)
+        for _ in range(40):
+            store.send("t", b"f" * 900)
+        side = store.path / "consumers" / "recovered"
+        side.mkdir(parents=True)
+        (side / f"{file_name('g')}.1700000000000000000.damaged").write_bytes(b"{not json")
+        later = time.time() + 60
+        assert store.apply_retention(now=later) == 0  # held by the copy (review3 R5)
+        assert store.delete_group("g").offsets == 0
+        assert store.apply_retention(now=later) > 0
+        assert os.listdir(side) == [f"{file_name('g')}.1700000000000000000.damaged.group-deleted"]

@@ -98,6 +98,10 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         sent = unpack_send_columns(columns, "test")
         assert [(r.topic, r.queue_offset) for r in sent] == [("u", 0), ("u", 0), ("u", 0)]
         assert [call("get", message_id=r.message_id)[9] for r in sent] == [b"a", b"b", b"c"]
+        # protocol version 5: a group deleted (docs/protocol.md, "Deleting a group")
+        assert call("commit_offset", group="d", topic="t", queue_id=1, offset=1) is None
+        assert call("delete_group", group="d") == {"group": "d", "offsets": 1, "topics": []}
+        assert call("committed_offset", group="d", topic="t", queue_id=1) is None
     group_ops = {"join", "heartbeat", "leave", "nack"}  # test_server_groups.py
     assert seen | group_ops == set(OPS)
     store = broker.store

@@ -219,7 +219,7 @@ class GroupCoordinator:
         self._join_ids = secrets.randbits(JOIN_ID_BITS)
         self._last_tick: float | None = None
         # Groups whose deletion runs (groupdelete.py): their joins are refused meanwhile.
-        self.deleting: set[str] = set()
+        self.deleting: set[str] = self.retries.deleting
 
     def persist_with(self, run: Callable[[Callable[[], None]], retry.Job]) -> None:
         """Run the retry mover's fdatasync and cursor write with ``run`` (off the loop)."""

@@ -195,6 +195,9 @@ class Retries:
         # due copies of a group nacked before its retry topic was deleted (delete_group):
         # a group made again under the name gets none of them
         self.dropped_deleted = 0
+        # groups whose deletion runs (the coordinator's set): their due copies wait, as
+        # a move now would make the retry topic again under the deletion
+        self.deleting: set[str] = set()
         # The cursors were set aside (below): a queue's first look may find copies it
         # had moved removed by retention, not lost; which queues it has not looked at.
         self._cursors_guessed: set[int] = set()
@@ -399,6 +402,8 @@ class Retries:
                     log.warning("%s in %s names no group; dropped", message.message_id, DELAY_TOPIC)
                 self._pass(queue_id, run[-1], cursors)
                 continue
+            if group in self.deleting:  # moved or dropped once the deletion ended
+                return
             target = retry_topic(group)
             gone = deleted.get(target, -1)
             if run[0].position < gone:  # nacked before the group (its retry topic) was deleted

@@ -117,8 +117,17 @@ def delete_group(
 
 
 def _has_file(store: MessageStore, group: str) -> bool:
+    """A group file, or a damaged one set aside (which holds retention: deleting the
+    group is how to release it)."""
     name = group_offsets.file_name(group)
-    return os.path.lexists(store.path / CONSUMERS_DIR / name)
+    if os.path.lexists(store.path / CONSUMERS_DIR / name):
+        return True
+    return any(_set_aside_of(entry, name) for entry in store._group_files.set_aside())
+
+
+def _set_aside_of(entry: str, name: str) -> bool:
+    """Whether ``entry`` of consumers/recovered/ is a damaged copy of group file ``name``."""
+    return entry.endswith(".damaged") and f"{entry.rpartition('.json.')[0]}.json" == name
 
 
 def _commit(
@@ -191,7 +200,7 @@ def _finish(store: MessageStore, group: str, dead_letters: bool, intent: str) ->
     side = store.path / CONSUMERS_DIR / RECOVERED_DIR
     name = group_offsets.file_name(group)
     for entry in sorted(os.listdir(side)):
-        if entry.endswith(".damaged") and f"{entry.rpartition('.json.')[0]}.json" == name:
+        if _set_aside_of(entry, name):
             os.rename(side / entry, side / f"{entry}{SET_ASIDE_DELETED}")
     os.unlink(side / intent)
     fsync_directory(side)
