@@ -379,6 +379,11 @@ class GroupError(EQueueError):
     consumer id the group does not know (its session expired)."""
 
 
+class GroupNotFoundError(GroupError, LookupError):
+    """``delete_group`` of a consumer group the store does not have: no committed offset,
+    no group file and no retry topic of that name."""
+
+
 class FencedMemberError(GroupError):
     """A consumer-group request of a member whose consumer id joined the group again
     (from another connection or process) while it was live: the newer member replaced

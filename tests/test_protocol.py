@@ -210,7 +210,17 @@ _VALUES = st.one_of(
 )  # fmt: skip
 
 
-_GOOD = {str: "t", bytes: b"b", list: [], dict: {}, float: 1.5, int: 7, ops.UINT: 3, ops.NIL: None}
+_GOOD = {
+    str: "t",
+    bytes: b"b",
+    list: [],
+    dict: {},
+    float: 1.5,
+    int: 7,
+    ops.UINT: 3,
+    ops.NIL: None,
+    bool: True,
+}
 
 
 @settings(max_examples=400)

@@ -104,6 +104,10 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         assert [call("get", message_id=r.message_id)[9] for r in sent] == [b"a", b"b", b"c"]
         broker.store.delete_topic("u")  # (the broker's store: on the loop's thread's lock)
         assert call("deleted_topics") == broker.store.deleted_topics() != {}
+        # protocol version 5: a group deleted (docs/protocol.md, "Deleting a group")
+        assert call("commit_offset", group="d", topic="t", queue_id=1, offset=1) is None
+        assert call("delete_group", group="d") == {"group": "d", "offsets": 1, "topics": []}
+        assert call("committed_offset", group="d", topic="t", queue_id=1) is None
     group_ops = {"join", "heartbeat", "leave", "nack"}  # test_server_groups.py
     assert seen | group_ops == set(OPS)
     store = broker.store

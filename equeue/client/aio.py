@@ -69,6 +69,7 @@ from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
 from equeue.protocol.plainsend import conn_type as _conn_type
 from equeue.store.consumerargs import Start
+from equeue.store.groupdeletion import DeletedGroup
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
@@ -655,6 +656,15 @@ class AsyncClient:
         result: int | None = await self._call(
             await self._made(calls.committed_offset, group, topic, queue_id)
         )
+        return result
+
+    async def delete_group(self, group: str, *, delete_dead_letters: bool = False) -> DeletedGroup:
+        """Delete consumer group ``group`` (protocol version 5; no member may be live): its
+        committed offsets, its retry topic and, with ``delete_dead_letters``, its
+        dead-letter topic, as ``MessageStore.delete_group``. Raises GroupError while the
+        group has live members, GroupNotFoundError for a group the store does not have,
+        BrokerError from a broker older than version 5."""
+        result: DeletedGroup = await self._call(calls.delete_group(group, delete_dead_letters))
         return result
 
     async def create_topic(self, topic: str, queue_count: int | None = None) -> None:

@@ -198,6 +198,17 @@ def create_topic(topic: str, queue_count: int | None) -> Call:
     return Call("create_topic", wire, None)
 
 
+def delete_group(group: str, delete_dead_letters: bool) -> Call:
+    if not isinstance(delete_dead_letters, bool):
+        raise InvalidTypeError(
+            f"delete_dead_letters must be a bool, got {type(delete_dead_letters).__name__}"
+        )
+    wire: dict[str, Any] = {"group": args.group(group)}
+    if delete_dead_letters:
+        wire["delete_dead_letters"] = True
+    return Call("delete_group", wire, None)
+
+
 def topics() -> Call:
     return Call("topics", {}, None)
 

@@ -55,6 +55,7 @@ from equeue.protocol.records import (
     unpack_send_columns,
     unpack_send_result,
 )
+from equeue.store.groupdeletion import DeletedGroup
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 # A request is (op, args, what ConnectionLostError.unanswered gets for it: the message
@@ -70,6 +71,12 @@ _SPLIT: Final = (
 
 _pack_header = FRAME_HEADER.pack
 _unpack_header = FRAME_HEADER.unpack_from
+
+
+# What to do instead of an op an older broker does not have, where there is something.
+_REMEDIES: Final = {
+    "delete_group": ": upgrade it, or stop it and run 'equeue delete-group STORE GROUP'",
+}
 
 
 class RequestEncoder:
@@ -136,7 +143,7 @@ class RequestEncoder:
             raise BrokerTooOldError(
                 f"{op}: the broker at {self.where} speaks protocol version {self.version}; "
                 f"{op} is of version {OP_VERSIONS[op]} (an equeue broker of 2026-11-27 or "
-                "later); nothing was sent"
+                f"later); nothing was sent{_REMEDIES.get(op, '')}"
             )
         elif op == "send_batch" and len(args.get("messages", ())) > self.max_batch_messages:
             raise self._too_many(len(args["messages"]))
@@ -445,6 +452,15 @@ def _key_page(value: object, where: str) -> tuple[list[Message], int | None]:
     return unpack_messages(value, where), None
 
 
+def _deleted_group(value: object, where: str) -> DeletedGroup:
+    """delete_group's answer: {"group": str, "offsets": uint, "topics": [str]}."""
+    found = _map(value, where)
+    group, topics = found.get("group"), found.get("topics")
+    if type(group) is not str or type(topics) is not list:
+        raise ProtocolError(f"{where}: a delete_group answer needs group and topics")
+    return DeletedGroup(group, _uint(found.get("offsets"), where), tuple(_strings(topics, where)))
+
+
 def _pull(value: object, where: str) -> PullResult:
     return unpack_pull_result(value, where)
 
@@ -473,4 +489,5 @@ DECODERS: Final[dict[str, Decoder]] = {
     "queue_ids": _uints,
     "queue_range": _range,
     "stats": _map,
+    "delete_group": _deleted_group,
 }

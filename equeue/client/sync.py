@@ -72,6 +72,7 @@ from equeue.protocol.frames import CONNECTION_REQUEST_ID, STATUS_OK, check_answe
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
 from equeue.store.consumerargs import Start
+from equeue.store.groupdeletion import DeletedGroup
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
@@ -658,6 +659,15 @@ class Client(Turns):
 
     def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
         result: int | None = self._call(self._made(calls.committed_offset, group, topic, queue_id))
+        return result
+
+    def delete_group(self, group: str, *, delete_dead_letters: bool = False) -> DeletedGroup:
+        """Delete consumer group ``group`` (protocol version 5; no member may be live): its
+        committed offsets, its retry topic and, with ``delete_dead_letters``, its
+        dead-letter topic, as ``MessageStore.delete_group``. Raises GroupError while the
+        group has live members, GroupNotFoundError for a group the store does not have,
+        BrokerError from a broker older than version 5."""
+        result: DeletedGroup = self._call(calls.delete_group(group, delete_dead_letters))
         return result
 
     def create_topic(self, topic: str, queue_count: int | None = None) -> None:

@@ -8,14 +8,14 @@ A connection is a stream of frames in each direction. A frame::
 
 Bodies, client to broker:
 
-* first frame, the hello: a map ``{"versions": [1, 2, 3, 4], "token": str|nil, "client": str}``
+* first frame, the hello: a map ``{"versions": [1, 2, 3, 4, 5], "token": str|nil, "client": str}``
 * then requests: an array ``[request_id: uint, op: str, args: map]``; ``request_id``
   is chosen by the client, unique among its requests in flight (answers may come in
   any order: a long-poll pull is answered after later sends).
 
 Bodies, broker to client:
 
-* the welcome (answer to the hello): a map ``{"version": 4, "server": str,
+* the welcome (answer to the hello): a map ``{"version": 5, "server": str,
   "limits": map}``, or an error answer with request id 0, then the broker closes;
 * answers: an array ``[request_id, STATUS_OK, result]`` or
   ``[request_id, STATUS_ERROR, {"code": str, "message": str}]``. Request id 0 is
@@ -57,6 +57,10 @@ DELETED_TOPICS_VERSION: Final = 5
 # without it is a summary bounded by the broker's stats_max_listed, on every version); a
 # client speaking 5 to an older broker asks for the whole stats and keeps that group.
 STATS_GROUP_VERSION: Final = 5
+# Version 5 also adds the op delete_group (a consumer group's offsets, retry topic and,
+# when asked, dead letters removed); a client speaking 5 to an older broker refuses the
+# call itself (BrokerTooOldError: there is nothing to fall back to).
+GROUP_DELETE_VERSION: Final = 5
 
 FRAME_HEADER: Final = struct.Struct(">I")
 FRAME_HEADER_SIZE: Final = FRAME_HEADER.size

@@ -18,6 +18,7 @@ from equeue.protocol.frames import (
     BODIES_VERSION,
     COLUMNS_VERSION,
     DELETED_TOPICS_VERSION,
+    GROUP_DELETE_VERSION,
     KEY_PAGES_VERSION,
 )
 
@@ -104,6 +105,8 @@ OPS: Final[dict[str, Spec]] = {
         "message_id": ((str,), True),
         "delay_ms": ((UINT, NIL), False),
     },
+    # protocol version 5: a group with no live member deleted (equeue/server/groupdelete.py)
+    "delete_group": {"group": ((str,), True), "delete_dead_letters": ((bool,), False)},
 }
 
 
@@ -114,6 +117,7 @@ OP_VERSIONS: Final[dict[str, int]] = {
     "pull_columns": COLUMNS_VERSION,
     "query_by_key_page": KEY_PAGES_VERSION,
     "deleted_topics": DELETED_TOPICS_VERSION,
+    "delete_group": GROUP_DELETE_VERSION,
 }
 
 

@@ -221,6 +221,8 @@ class GroupCoordinator:
         self._generations = 0
         self._join_ids = secrets.randbits(JOIN_ID_BITS)
         self._last_tick: float | None = None
+        # Groups whose deletion runs (groupdelete.py): their joins are refused meanwhile.
+        self.deleting: set[str] = self.retries.deleting
 
     def persist_with(self, run: Callable[[Callable[[], None]], retry.Job]) -> None:
         """Run the retry mover's fdatasync and cursor write with ``run`` (off the loop)."""
@@ -269,6 +271,11 @@ class GroupCoordinator:
         retries = self.max_retries if max_retries is None else check_max_retries(max_retries)
         for topic in names:
             self.store.queue_ids(topic)  # TopicNotFoundError before anything changes
+        if group in self.deleting:
+            raise GroupError(
+                f"group {group!r} is being deleted (delete_group); join again once that "
+                "deletion was answered: the group then starts with no committed offset"
+            )
         state = self._groups.get(group)
         others = {} if state is None else {c: m for c, m in state.members.items() if c != consumer}
         if state is not None and others and state.topics != names:
@@ -437,6 +444,18 @@ class GroupCoordinator:
                 continue
             if committed is not None and committed < first:
                 self.note_skip(state.name, topic, queue_id, committed, first)
+
+    def live_members(self, group: str) -> list[str]:
+        """The consumer ids of ``group``'s members whose session has not ended."""
+        state = self._groups.get(group)
+        return [] if state is None else sorted(state.members)
+
+    def forget_group(self, group: str) -> None:
+        """``group`` was deleted: its skip counts and remembered nacks go, and the retry
+        topics are counted again against max_groups."""
+        self.skipped.pop(group, None)
+        self.retries.forget(group)
+        self._retry_topics = None
 
     def tick(self) -> None:
         """Expire members past their session timeout, pick up queues topics gained, move

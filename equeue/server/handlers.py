@@ -35,6 +35,7 @@ from equeue.protocol.records import (
     pack_send_result,
 )
 from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
+from equeue.server.groupdelete import GroupDeleter
 from equeue.server.holds import HeldPull, Holds
 from equeue.server.stats import COUNTERS, Counters, group_detail, groups_summary
 from equeue.store import storereads
@@ -98,6 +99,11 @@ class Coordinator(Protocol):
     def note_skip(self, group: str, topic: str, queue_id: int, start: int, first: int) -> None: ...
     def skips(self, only: str | None = None) -> dict[str, dict[str, Any]]: ...
 
+    deleting: set[str]  # (groupdelete.py's)
+
+    def live_members(self, group: str) -> list[str]: ...
+    def forget_group(self, group: str) -> None: ...
+
 
 class Handlers:
     def __init__(
@@ -156,9 +162,15 @@ class Handlers:
             "heartbeat": lambda peer, rid, a: self.coordinator.call("heartbeat", a),
             "leave": lambda peer, rid, a: self.coordinator.call("leave", a),
             "nack": self.nack,
+            "delete_group": self.delete_group,
         }
+        self._deleter = GroupDeleter(store, coordinator, holds, offsets)
         for op in ("send", "send_batch", "send_bodies", "create_topic", "commit_offset"):
             self.ops[op] = _guarded(op, self.ops[op])
+
+    def delete_group(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        self._deleter.delete(peer, rid, a)
+        return DEFERRED
 
     def nack(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         delay_ms = a.get("delay_ms")
@@ -388,7 +400,10 @@ class Handlers:
             def check() -> None:
                 owner(group, consumer, topic, queue_id, join_id)
 
-        held = HeldPull(peer, rid, (topic, queue_id), found.next_offset, args, check)
+        held = HeldPull(
+            peer, rid, (topic, queue_id), found.next_offset, args, check,
+            group if check is not None else None,
+        )  # fmt: skip
         if columns:  # (else serve.py's fit_pull packs it, as a pull's)
             where = peer.where
             held.pack = lambda result: self.fit_columns(result, where, topic, queue_id)
@@ -538,7 +553,13 @@ class Handlers:
             return
         first = self.store.queue_range(topic, queue_id)[0]
         if offset < first:
-            self.coordinator.note_skip(group, topic, queue_id, offset, first)
+            # Not below the group's commit: the group consumed those before it committed
+            # (a pull from below it is a seek back; review5 F8). The grant's note starts
+            # at the commit (reviewh F2), so this takes nothing of it.
+            committed = self.store.committed_offset(group, topic, queue_id)
+            start = offset if committed is None else max(offset, committed)
+            if start < first:
+                self.coordinator.note_skip(group, topic, queue_id, start, first)
 
     def _check_owner(self, a: dict[str, Any], topic: str, queue_id: int) -> None:
         group, consumer = a.get("group"), a.get("consumer")

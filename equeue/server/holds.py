@@ -59,8 +59,8 @@ NOT_HELD_LOG_S = 60.0  # a pull not held is logged at most this often
 
 class HeldPull:
     __slots__ = (
-        "check", "deadline", "key", "max_bytes", "max_count", "offset", "owner", "pack",
-        "request_id", "tags", "timer",
+        "check", "deadline", "group", "key", "max_bytes", "max_count", "offset", "owner",
+        "pack", "request_id", "tags", "timer",
     )  # fmt: skip
 
     def __init__(
@@ -71,6 +71,7 @@ class HeldPull:
         offset: int,
         args: dict[str, Any],
         check: Callable[[], None] | None = None,
+        group: str | None = None,
     ) -> None:
         self.owner = owner  # the connection to answer
         self.request_id = request_id
@@ -87,6 +88,7 @@ class HeldPull:
         self.timer: asyncio.TimerHandle | None = None
         # a group member's pull: GroupError unless the member still holds the queue
         self.check = check
+        self.group = group  # the group a member's pull is for (delete_group answers it)
         # a pull_columns: its answer packed here (errors too: a message no frame carries)
         self.pack: Callable[[PullResult], object] | None = None
 
@@ -386,6 +388,14 @@ class Holds:
         is now (empty where it has no room), not at their deadlines."""
         for held in list(self._by_owner.get(owner, ())):
             self._try(held, final=True)
+
+    def answer_group(self, group: str, topic: str) -> None:
+        """``group`` was deleted: its members' pulls and the pulls of its retry topic
+        ``topic`` are answered now (a member's with the GroupError of its check)."""
+        for waiting in list(self._by_queue.values()):
+            for held in list(waiting):
+                if held.group == group or held.key[0] == topic:
+                    self._try(held, final=True)
 
     def answer_all(self) -> None:
         """Draining: answer every held pull with what there is now."""

@@ -196,6 +196,12 @@ class Retries:
         # nacked again is always a repeat (reviewg F14: 200 nacks made 200 copies).
         self._nacked: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.nacked_again = 0
+        # due copies of a group nacked before its retry topic was deleted (delete_group):
+        # a group made again under the name gets none of them
+        self.dropped_deleted = 0
+        # groups whose deletion runs (the coordinator's set): their due copies wait, as
+        # a move now would make the retry topic again under the deletion
+        self.deleting: set[str] = set()
         # The cursors were set aside (below): a queue's first look may find copies it
         # had moved removed by retention, not lost; which queues it has not looked at.
         self._cursors_guessed: set[int] = set()
@@ -395,13 +401,28 @@ class Retries:
         cursor passing each run as soon as it is appended: whatever fails, the cursor
         stands right after what was appended (a batch per group would append copies past
         one that failed, and move them again)."""
+        deleted = self.store.deleted_topics()
         for group, run in _runs(due):
             if group is None:
                 for message in run:
                     log.warning("%s in %s names no group; dropped", message.message_id, DELAY_TOPIC)
                 self._pass(queue_id, run[-1], cursors)
                 continue
+            if group in self.deleting:  # moved or dropped once the deletion ended
+                return
             target = retry_topic(group)
+            gone = deleted.get(target, -1)
+            if run[0].position < gone:  # nacked before the group (its retry topic) was deleted
+                stale = [message for message in run if message.position < gone]
+                self.dropped_deleted += len(stale)
+                log.info(
+                    "%d delayed retries of group %r dropped: nacked before %s was deleted "
+                    "(delete_group)", len(stale), group, target,
+                )  # fmt: skip
+                self._pass(queue_id, stale[-1], cursors)
+                run = run[len(stale) :]
+                if not run:
+                    continue
             self.ensure(target, 1)
             try:
                 sent = self.store.send_batch(target, [_copy(message) for message in run])
@@ -568,6 +589,7 @@ class Retries:
             "lost_to_retention": self.lost_to_retention,
             "nacked_removed": self.nacked_removed,
             "nacked_again": self.nacked_again,
+            "dropped_deleted_group": self.dropped_deleted,
         }
 
     def pending(self) -> int:
