@@ -141,7 +141,7 @@ def test_a_pull_below_the_groups_commit_counts_nothing_the_group_consumed(
                 join_id=joined["join_id"],
             )  # fmt: skip
             assert pulled[1] > first  # [messages, next_offset]: from the first retained on
-            skipped = member.call("stats")["groups"]["g"]["skipped"]["t/0"]
+            skipped = member.call("stats", group="g")["groups"]["g"]["skipped"]["t/0"]
             assert skipped["count"] == first - 5, skipped
             assert skipped["ranges"] == [[5, first]]
     finally:
