@@ -409,8 +409,7 @@ class AsyncClient:
         """In a forked child: closed, its connection left to the parent (forks.py)."""
         self._closed = True
         self._closed_why = (
-            f"was made in process {parent}, before this process forked from it; "
-            "connect in this process with a loop of its own"
+            f"{forks.made_before_fork(parent)}; connect in this process with a loop of its own"
         )
         protocol, self._protocol = self._protocol, None
         transport = protocol.transport if protocol is not None else None

@@ -46,6 +46,7 @@ from concurrent.futures import wait as wait_futures
 from types import TracebackType
 from typing import Any, Protocol
 
+from equeue.client import forks
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
@@ -54,6 +55,7 @@ from equeue.client.groupstate import (
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    closed_in_child,
     long_polls,
     poll_wait_ms,
     welcome_limit,
@@ -163,6 +165,7 @@ class GroupConsumer:
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
             max_retries=max_retries, consumer_id=consumer_id, start=start,
         )  # fmt: skip
+        forks.track(self)  # closed in a forked child (after_fork)
         self.timeout = check_seconds(timeout, "timeout")
         # the timeout the last poll was given, checked: the same object again (poll(1.0)
         # in a loop: a constant) is not checked again (perfconsume: ~15 bytecodes a poll)
@@ -199,6 +202,9 @@ class GroupConsumer:
     @property
     def consumer_id(self) -> str:
         return self.state.consumer
+
+    def after_fork(self, parent: int) -> None:
+        closed_in_child(self.state, parent, "make the consumer in this process")
 
     def assignment(self) -> list[Queue]:
         """The queues this member pulls now."""
@@ -414,7 +420,9 @@ class GroupConsumer:
     def _check_open(self) -> None:
         state = self.state
         if state.closed:
-            raise ClosedError(f"the consumer {state.consumer} of {state.group!r} is closed")
+            raise ClosedError(
+                f"the consumer {state.consumer} of {state.group!r} {state.closed_why}"
+            )
 
     def _join(self) -> None:
         state = self.state

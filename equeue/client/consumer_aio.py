@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
+from equeue.client import forks
 from equeue.client.aio import AsyncClient
 from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, NOW_SECONDS, _delay_ms
 from equeue.client.groupstate import (
@@ -31,6 +32,7 @@ from equeue.client.groupstate import (
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    closed_in_child,
     long_polls,
     poll_wait_ms,
     welcome_limit,
@@ -84,6 +86,7 @@ class AsyncGroupConsumer:
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
             max_retries=max_retries, consumer_id=consumer_id, start=start,
         )  # fmt: skip
+        forks.track(self)  # closed in a forked child (after_fork)
         self.timeout = check_seconds(timeout, "timeout")
         # the timeout the last poll was given, checked: the same object again (poll(1.0)
         # in a loop: a constant) is not checked again (perfconsume: ~15 bytecodes a poll)
@@ -99,6 +102,9 @@ class AsyncGroupConsumer:
     @property
     def consumer_id(self) -> str:
         return self.state.consumer
+
+    def after_fork(self, parent: int) -> None:
+        closed_in_child(self.state, parent, "make the consumer in this process, on its own client")
 
     def assignment(self) -> list[Queue]:
         return sorted(self.state.positions)
@@ -285,7 +291,9 @@ class AsyncGroupConsumer:
     def _check_open(self) -> None:
         state = self.state
         if state.closed:
-            raise ClosedError(f"the consumer {state.consumer} of {state.group!r} is closed")
+            raise ClosedError(
+                f"the consumer {state.consumer} of {state.group!r} {state.closed_why}"
+            )
 
     async def _join(self) -> None:
         state = self.state

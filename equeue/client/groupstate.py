@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Final, NamedTuple
 
+from equeue.client import forks
 from equeue.errors import (
     EQueueError,
     FencedMemberError,
@@ -182,6 +183,7 @@ class GroupState:
         # None`` is a compare where a list's truth is a call (perfconsume: ~40 instructions)
         self.handed_before: list[Batch] | None = None
         self.closed = False
+        self.closed_why = "is closed"  # (the ClosedError's words; forks.py: a forked child)
 
     def fit_pulls(self, max_pull_count: int | None) -> None:
         """Pull at most the broker's max_pull_count (its welcome's; None: not known) a
@@ -514,3 +516,10 @@ def _seconds(value: object, what: str) -> float:
     if seconds is None:
         raise InvalidTypeError(f"{what} must be seconds (an int or a float)")
     return seconds
+
+
+def closed_in_child(state: GroupState, parent: int, remedy: str) -> None:
+    """A member made before a fork, in the child: closed there, its membership left to
+    the parent (forks.py): no call commits, nacks or leaves on the parent's behalf."""
+    state.closed = True
+    state.closed_why = f"{forks.made_before_fork(parent)}; {remedy}"
