@@ -60,18 +60,17 @@ from equeue.client.groupstate import (
     poll_wait_ms,
     welcome_limit,
 )
+from equeue.client.nacks import nack_args, nack_failed
 from equeue.errors import (
     ClosedError,
     ConnectionLostError,
     EQueueError,
     FencedMemberError,
     GroupError,
-    InvalidMessageError,
     ProtocolError,
 )
 from equeue.store.consumerargs import Start, check_count, check_seconds
 from equeue.store.types import Message
-from equeue.store.validate import MAX_DELAY_MS
 
 log = logging.getLogger("equeue.client.consumer")
 
@@ -349,19 +348,11 @@ class GroupConsumer:
         (rounded up to a delay level; None: the level of its attempt; 0: at once); it
         counts as processed. After max_retries it goes to the dead-letter topic."""
         self._check_open()
-        args: dict[str, Any] = {**self.state.member_args(), "message_id": message.message_id}
-        if delay is not None:
-            args["delay_ms"] = _delay_ms(delay)
+        args = nack_args(self.state, message, delay)
         try:
             self.client.request("nack", args)
         except EQueueError as exc:
-            # Not known to be retried (a lost connection may or may not have stored the
-            # copy): the membership is reset before anything is committed, so the queues
-            # are read again from their last commit and the message comes again.
-            self.state.lose(exc)  # (fenced: raised)
-            if not isinstance(exc, GroupError):
-                raise
-            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
+            nack_failed(self.state, exc, args["message_id"])
 
     def commit(self) -> None:
         """Commit every message handed out so far (it counts as processed)."""
@@ -743,17 +734,3 @@ class GroupConsumer:
                 return
             except EQueueError as exc:  # the connection: the client reconnects next time
                 log.info("consumer %s: heartbeat failed: %s", state.consumer, exc)
-
-
-def _delay_ms(delay: float) -> int:
-    # the broker's bound (MAX_DELAY_MS), checked here so that a wrong delay costs no nack
-    if (
-        not isinstance(delay, int | float)
-        or isinstance(delay, bool)
-        or not 0 <= delay <= MAX_DELAY_MS / 1000
-    ):
-        raise InvalidMessageError(
-            f"delay must be seconds in [0, {MAX_DELAY_MS // 1000}] (one day; a delay past "
-            f"the broker's longest delay level waits that level), got {delay!r}"
-        )
-    return int(delay * 1000)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from equeue.client import forks
 from equeue.client.aio import AsyncClient
-from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, NOW_SECONDS, _delay_ms
+from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, NOW_SECONDS
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
@@ -37,6 +37,7 @@ from equeue.client.groupstate import (
     poll_wait_ms,
     welcome_limit,
 )
+from equeue.client.nacks import nack_args, nack_failed
 from equeue.errors import (
     ClosedError,
     ConnectionLostError,
@@ -215,19 +216,11 @@ class AsyncGroupConsumer:
     async def nack(self, message: Message, delay: float | None = None) -> None:
         """As GroupConsumer.nack: to the retry topic, back after ``delay`` seconds."""
         self._check_open()
-        args: dict[str, Any] = {**self.state.member_args(), "message_id": message.message_id}
-        if delay is not None:
-            args["delay_ms"] = _delay_ms(delay)
+        args = nack_args(self.state, message, delay)
         try:
             await self.client.request("nack", args)
         except EQueueError as exc:
-            # Not known to be retried (a lost connection may or may not have stored the
-            # copy): the membership is reset before anything is committed, so the queues
-            # are read again from their last commit and the message comes again.
-            self.state.lose(exc)  # (fenced: raised)
-            if not isinstance(exc, GroupError):
-                raise
-            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
+            nack_failed(self.state, exc, args["message_id"])
 
     async def commit(self) -> None:
         self._check_open()
