@@ -56,6 +56,7 @@ from equeue.client.groupstate import (
     GroupState,
     Queue,
     closed_in_child,
+    handled_normally,
     long_polls,
     poll_wait_ms,
     welcome_limit,
@@ -364,9 +365,12 @@ class GroupConsumer:
         except FencedMemberError as exc:
             self.state.lose(exc)
 
-    def close(self) -> None:
-        """Commit what was handed out (with auto_commit), leave the group, stop."""
-        self._close(processed=True)
+    def close(self, *, processed: bool | None = None) -> None:
+        """Commit what was handed out (with auto_commit), leave the group, stop.
+        ``processed``: whether the message in hand counts as processed; None: unless
+        close is called while an exception is handled (a ``finally:`` or ``except:``
+        after the loop body raised), as leaving ``with`` by an exception does."""
+        self._close(processed=handled_normally() if processed is None else processed)
 
     def _close(self, *, processed: bool) -> None:
         state = self.state

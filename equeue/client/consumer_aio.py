@@ -33,6 +33,7 @@ from equeue.client.groupstate import (
     GroupState,
     Queue,
     closed_in_child,
+    handled_normally,
     long_polls,
     poll_wait_ms,
     welcome_limit,
@@ -99,6 +100,7 @@ class AsyncGroupConsumer:
         self._heartbeat: asyncio.Task[None] | None = None
         self._last_commit = time.monotonic()
         self._pollers = MAX_POLLERS  # pulls in flight at most: long_polls, once joined
+        self._poller: asyncio.Task[Any] | None = None  # the task that polled last
 
     @property
     def consumer_id(self) -> str:
@@ -146,6 +148,7 @@ class AsyncGroupConsumer:
         state = self.state
         if state.closed:
             self._check_open()
+        self._poller = asyncio.current_task()  # (close() asks how it ended: F3)
         state.last_poll = now = time.monotonic()
         if state.handed is not None or state.handed_before is not None:
             state.done_with_pending()
@@ -231,9 +234,25 @@ class AsyncGroupConsumer:
         except FencedMemberError as exc:
             self.state.lose(exc)
 
-    async def close(self) -> None:
-        """Commit what was handed out (with auto_commit), leave the group, stop."""
-        await self._close(processed=True)
+    async def close(self, *, processed: bool | None = None) -> None:
+        """Commit what was handed out (with auto_commit), leave the group, stop.
+        ``processed``: whether the message in hand counts as processed; None: unless an
+        exception is handled at the call, or the task the message was handed to was
+        cancelled or ended by an exception (an application cancelling its consumer
+        task, then closing: reviewk F3 committed the message its handler never finished)."""
+        if processed is None:
+            processed = handled_normally() and self._poller_went_on()
+        await self._close(processed=processed)
+
+    def _poller_went_on(self) -> bool:
+        """Whether the task that took the message in hand is neither cancelled (or being
+        cancelled) nor ended by an exception: it went on past the message."""
+        task = self._poller
+        if task is None or task is asyncio.current_task():
+            return True
+        if task.cancelled() or task.cancelling():
+            return False
+        return not task.done() or task.exception() is None
 
     async def _close(self, *, processed: bool) -> None:
         state = self.state

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -523,3 +524,11 @@ def closed_in_child(state: GroupState, parent: int, remedy: str) -> None:
     the parent (forks.py): no call commits, nacks or leaves on the parent's behalf."""
     state.closed = True
     state.closed_why = f"{forks.made_before_fork(parent)}; {remedy}"
+
+
+def handled_normally() -> bool:
+    """At a close() without ``processed=``: whether the message in hand counts as
+    processed, i.e. no exception is being handled at the call. ``try: for m in consumer:
+    handle(m)`` then ``finally: consumer.close()`` with handle raising committed the
+    failed message before (reviewk F3): at least once held only inside ``with``."""
+    return sys.exc_info()[0] is None
