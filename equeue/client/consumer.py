@@ -52,9 +52,11 @@ from equeue.client.groupstate import (
     DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_PREFETCH,
     DEFAULT_SESSION_TIMEOUT,
+    MEMBER_TIMEOUT,
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    Timeout,
     closed_in_child,
     handled_normally,
     long_polls,
@@ -324,12 +326,13 @@ class GroupConsumer:
         handler: Callable[[Message], object],
         *,
         max_messages: int | None = None,
-        timeout: float | None = None,
+        timeout: float | Timeout | None = MEMBER_TIMEOUT,
     ) -> int:
         """Call ``handler`` on each message; one that raises is nacked (retried after
         the backoff of its attempt, at last dead-lettered). Ends after ``max_messages``,
-        or once none came for ``timeout`` seconds; returns how many were handled."""
-        timeout = check_seconds(timeout, "timeout")
+        or once none came for ``timeout`` seconds (by default the member's ``timeout``: None
+        blocks); returns how many were handled."""
+        timeout = self.timeout if timeout is MEMBER_TIMEOUT else check_seconds(timeout, "timeout")
         handled = 0
         if max_messages is not None and max_messages <= 0:
             return 0

@@ -29,9 +29,11 @@ from equeue.client.groupstate import (
     DEFAULT_PREFETCH,
     DEFAULT_SESSION_TIMEOUT,
     MAX_POLLERS,
+    MEMBER_TIMEOUT,
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    Timeout,
     closed_in_child,
     handled_normally,
     long_polls,
@@ -197,10 +199,10 @@ class AsyncGroupConsumer:
         handler: Callable[[Message], object | Awaitable[object]],
         *,
         max_messages: int | None = None,
-        timeout: float | None = None,
+        timeout: float | Timeout | None = MEMBER_TIMEOUT,
     ) -> int:
         """Call (and await) ``handler`` on each message; one that raises is nacked."""
-        timeout = check_seconds(timeout, "timeout")
+        timeout = self.timeout if timeout is MEMBER_TIMEOUT else check_seconds(timeout, "timeout")
         handled = 0
         while max_messages is None or handled < max_messages:
             message = await self.poll(timeout)

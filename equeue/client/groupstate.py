@@ -18,6 +18,7 @@ would fence the other in turn, each rejoin dropping the queues uncommitted).
 
 from __future__ import annotations
 
+import enum
 import os
 import secrets
 import socket
@@ -532,3 +533,14 @@ def handled_normally() -> bool:
     handle(m)`` then ``finally: consumer.close()`` with handle raising committed the
     failed message before (reviewk F3): at least once held only inside ``with``."""
     return sys.exc_info()[0] is None
+
+
+class Timeout(enum.Enum):
+    """run()'s default timeout: the member's own (``timeout=`` where it was made). A
+    default of None let a member made with timeout=1.0 block in run() for ever while
+    ``for message in consumer`` ended after 1 s (reviewk F5)."""
+
+    MEMBER = "the member's timeout"
+
+
+MEMBER_TIMEOUT: Final = Timeout.MEMBER
