@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from equeue.client import args, calls, forks, rawconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
-from equeue.client.connect import RECV_BYTES, again
+from equeue.client.connect import RECV_BYTES, again, tls_refusal, tls_refused
 from equeue.client.core import (
     DECODERS,
     PULL_OPS,
@@ -471,6 +471,7 @@ class AsyncClient:
         while True:
             attempts += 1
             protocol = _Protocol(self._hello, self.url, self.timeout, self._ids)
+            last: BaseException
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
                     if rawconn.usable(loop, endpoint, protocol):  # (own transport, in C)
@@ -490,8 +491,13 @@ class AsyncClient:
                 raise lost(
                     f"{self.url}: the broker's TLS certificate is refused: {exc}", [], exc
                 ) from None
+            except ssl.SSLError as exc:
+                protocol.fail("TLS refused", exc)
+                if tls_refused(exc):
+                    raise lost(f"{self.url}: {tls_refusal(exc)}", [], exc) from None
+                last = exc
             except (OSError, ConnectionLostError, TimeoutError) as exc:
-                last: BaseException = exc
+                last = exc
                 protocol.fail("connect failed", exc)
             except BaseException:
                 protocol.fail("connect failed", None)

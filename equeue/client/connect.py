@@ -74,6 +74,7 @@ def connect_with_retries(
         attempts += 1
         remaining = max(deadline - time.monotonic(), 0.001)
         sock: socket.socket | None = None
+        last: BaseException
         try:
             sock = open_socket(endpoint, remaining)
             sock.settimeout(remaining)
@@ -85,8 +86,15 @@ def connect_with_retries(
             raise lost(
                 f"{where}: the broker's TLS certificate is refused: {exc}", [], exc
             ) from None
+        except ssl.SSLError as exc:
+            if sock is not None:
+                sock.close()
+            if not tls_refused(exc):  # (a broker going down mid-handshake: try again)
+                last = exc
+            else:
+                raise lost(f"{where}: {tls_refusal(exc)}", [], exc) from None
         except (OSError, ConnectionLostError) as exc:
-            last: BaseException = exc
+            last = exc
         except BaseException:  # a refusal, or an interrupt: a kept traceback keeps sock
             if sock is not None:
                 sock.close()
@@ -102,6 +110,21 @@ def connect_with_retries(
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+def tls_refused(error: ssl.SSLError) -> bool:
+    """Whether a TLS handshake failed for good: anything but the connection ending under
+    it (SSLEOFError, SSLZeroReturnError: a broker going down). A ``tls://`` URL against a
+    plain-TCP listener (WRONG_VERSION_NUMBER) was retried for the whole connect_timeout
+    (reviewk F11), though no retry changes the listener."""
+    return not isinstance(error, ssl.SSLEOFError | ssl.SSLZeroReturnError)
+
+
+def tls_refusal(error: ssl.SSLError) -> str:
+    return (
+        f"the TLS handshake failed: {error} (is the broker listening with TLS? a tls:// URL "
+        "needs `equeue serve --listen tls://...`, a plain listener tcp://)"
+    )
 
 
 def again(failure: EQueueError, unsent: list[object]) -> EQueueError:
