@@ -59,3 +59,40 @@ def test_an_interrupted_handshake_leaves_no_socket_open() -> None:
             for s in accepted:
                 s.close()
             mute.close()
+
+
+def test_an_interrupted_tcp_connect_leaves_no_socket_open() -> None:
+    """The TCP connect itself interrupted (socket.create_connection closed its socket on
+    an OSError only): a listener whose accept queue is full drops the SYN, so the connect
+    waits, and the interrupt lands in it."""
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    port = full.getsockname()[1]
+    fillers = []
+    for _ in range(3):  # (the queue holds backlog + 1; the rest are dropped)
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    caught: KeyboardInterrupt | None = None
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        try:
+            equeue.connect(f"tcp://127.0.0.1:{port}", connect_timeout=30)
+        except KeyboardInterrupt as exc:
+            caught = exc
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    try:
+        assert caught is not None, "the connect was not interrupted"
+        # (connect_with_retries' sock is still None: the socket is the connecting frame's)
+        socks = [s for s in _locals_named(caught.__traceback__, "sock") if s is not None]
+        assert socks, "no connecting frame in the traceback"
+        assert all(isinstance(s, socket.socket) and s.fileno() == -1 for s in socks)
+    finally:
+        for filler in fillers:
+            filler.close()
+        full.close()

@@ -28,7 +28,7 @@ def open_socket(endpoint: Endpoint, timeout: float) -> socket.socket:
             sock.close()
             raise
         return sock
-    sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout)
+    sock = _tcp(endpoint.host, endpoint.port, timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if endpoint.kind == "tls":
@@ -38,6 +38,30 @@ def open_socket(endpoint: Endpoint, timeout: float) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _tcp(host: str, port: int, timeout: float) -> socket.socket:
+    """socket.create_connection, but its socket closed on any exception: it closes one
+    on an OSError only, so an interrupt in a connect that waits (a SYN dropped by a full
+    accept queue, a far host) left it to the garbage collector, and a kept traceback
+    kept it open (reviewk F10)."""
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            errors.append(exc)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    if errors:
+        raise errors[0]
+    raise OSError(f"getaddrinfo gave no address for {host}:{port}")
 
 
 def handshake(
