@@ -28,6 +28,22 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _connect_interrupted(url: str, after: float) -> KeyboardInterrupt | None:
+    """equeue.connect(url) interrupted ``after`` seconds in: the interrupt (None if the
+    connect ended first)."""
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, after)
+        try:
+            equeue.connect(url, connect_timeout=30)
+        except KeyboardInterrupt as exc:
+            return exc
+        return None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_an_interrupted_handshake_leaves_no_socket_open() -> None:
     with tempfile.TemporaryDirectory(prefix="eq", dir="/tmp") as base:
         path = str(Path(base) / "mute.sock")
@@ -37,17 +53,9 @@ def test_an_interrupted_handshake_leaves_no_socket_open() -> None:
         accepted: list[socket.socket] = []
         acceptor = threading.Thread(target=lambda: accepted.append(mute.accept()[0]))
         acceptor.start()
-        previous = signal.signal(signal.SIGALRM, _interrupt)
-        caught: KeyboardInterrupt | None = None
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0.3)
-            try:
-                equeue.connect(f"unix:{path}", connect_timeout=30)
-            except KeyboardInterrupt as exc:
-                caught = exc
+            caught = _connect_interrupted(f"unix:{path}", 0.3)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
             acceptor.join(10)
         try:
             assert caught is not None, "the handshake was not interrupted"
@@ -75,17 +83,7 @@ def test_an_interrupted_tcp_connect_leaves_no_socket_open() -> None:
         filler.setblocking(False)
         filler.connect_ex(("127.0.0.1", port))
         fillers.append(filler)
-    previous = signal.signal(signal.SIGALRM, _interrupt)
-    caught: KeyboardInterrupt | None = None
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.5)
-        try:
-            equeue.connect(f"tcp://127.0.0.1:{port}", connect_timeout=30)
-        except KeyboardInterrupt as exc:
-            caught = exc
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    caught = _connect_interrupted(f"tcp://127.0.0.1:{port}", 0.5)
     try:
         assert caught is not None, "the connect was not interrupted"
         # (connect_with_retries' sock is still None: the socket is the connecting frame's)

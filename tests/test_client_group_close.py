@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
-from group_helpers import broker_thread
+from group_helpers import filled_broker_thread
 
 import equeue
 import equeue.aio
@@ -26,10 +26,7 @@ class HandlerFailed(Exception):
 
 @pytest.fixture
 def url() -> Iterator[str]:
-    with broker_thread(TOPIC, 1) as url:
-        with equeue.connect(url) as client:
-            for i in range(20):
-                client.send(TOPIC, b"m-%d" % i)
+    with filled_broker_thread(TOPIC, 20) as url:
         yield url
 
 

@@ -8,15 +8,12 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import shutil
 import signal
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from client_helpers import BrokerProcess
+from client_helpers import BrokerProcess, temporary_broker
 
 import equeue
 import equeue.aio
@@ -31,12 +28,8 @@ BEFORE_FORK = 100  # handled by the parent before it forks: the member works (co
 
 @pytest.fixture
 def broker() -> Iterator[BrokerProcess]:
-    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
-    try:
-        with BrokerProcess(base / "store") as running:
-            yield running
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with temporary_broker() as running:
+        yield running
 
 
 def _fill(url: str) -> Client:

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from group_helpers import broker_thread
+from group_helpers import filled_broker_thread
 
 import equeue
 import equeue.aio
@@ -21,10 +21,7 @@ GUARD_SECONDS = 20.0  # a run that has not returned by then blocks (the old defa
 
 @pytest.fixture
 def url() -> Iterator[str]:
-    with broker_thread(TOPIC, 1) as url:
-        with equeue.connect(url) as client:
-            for i in range(5):
-                client.send(TOPIC, b"m-%d" % i)
+    with filled_broker_thread(TOPIC, 5) as url:
         yield url
 
 

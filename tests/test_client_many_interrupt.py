@@ -5,16 +5,13 @@ reporting progress on Ctrl-C could not tell what went in without reading back)."
 
 from __future__ import annotations
 
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import FrameType
 
 import pytest
-from client_helpers import BrokerProcess
+from client_helpers import BrokerProcess, temporary_broker
 
 import equeue
 from equeue.client.sync import Client
@@ -25,12 +22,8 @@ DELAYS = (0.02, 0.1, 0.3)  # seconds into the run: early, in the middle
 
 @pytest.fixture
 def broker() -> Iterator[BrokerProcess]:
-    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
-    try:
-        with BrokerProcess(base / "store") as running:
-            yield running
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with temporary_broker() as running:
+        yield running
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
