@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from client_helpers import BrokerProcess
+from client_helpers import BrokerProcess, temporary_broker
 
 import equeue
 import equeue.aio
@@ -25,12 +22,8 @@ SENDS = 100
 
 @pytest.fixture
 def broker() -> Iterator[BrokerProcess]:
-    base = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))  # a socket path must be short
-    try:
-        with BrokerProcess(base / "store") as running:
-            yield running
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with temporary_broker() as running:
+        yield running
 
 
 async def _sends(client: equeue.aio.AsyncClient, tag: bytes) -> list[tuple[str, bytes]]:

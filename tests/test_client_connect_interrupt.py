@@ -28,6 +28,22 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _connect_interrupted(url: str, after: float) -> KeyboardInterrupt | None:
+    """equeue.connect(url) interrupted ``after`` seconds in: the interrupt (None if the
+    connect ended first)."""
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, after)
+        try:
+            equeue.connect(url, connect_timeout=30)
+        except KeyboardInterrupt as exc:
+            return exc
+        return None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_an_interrupted_handshake_leaves_no_socket_open() -> None:
     with tempfile.TemporaryDirectory(prefix="eq", dir="/tmp") as base:
         path = str(Path(base) / "mute.sock")
@@ -37,17 +53,9 @@ def test_an_interrupted_handshake_leaves_no_socket_open() -> None:
         accepted: list[socket.socket] = []
         acceptor = threading.Thread(target=lambda: accepted.append(mute.accept()[0]))
         acceptor.start()
-        previous = signal.signal(signal.SIGALRM, _interrupt)
-        caught: KeyboardInterrupt | None = None
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0.3)
-            try:
-                equeue.connect(f"unix:{path}", connect_timeout=30)
-            except KeyboardInterrupt as exc:
-                caught = exc
+            caught = _connect_interrupted(f"unix:{path}", 0.3)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
             acceptor.join(10)
         try:
             assert caught is not None, "the handshake was not interrupted"
@@ -59,3 +67,30 @@ def test_an_interrupted_handshake_leaves_no_socket_open() -> None:
             for s in accepted:
                 s.close()
             mute.close()
+
+
+def test_an_interrupted_tcp_connect_leaves_no_socket_open() -> None:
+    """The TCP connect itself interrupted (socket.create_connection closed its socket on
+    an OSError only): a listener whose accept queue is full drops the SYN, so the connect
+    waits, and the interrupt lands in it."""
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    port = full.getsockname()[1]
+    fillers = []
+    for _ in range(3):  # (the queue holds backlog + 1; the rest are dropped)
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    caught = _connect_interrupted(f"tcp://127.0.0.1:{port}", 0.5)
+    try:
+        assert caught is not None, "the connect was not interrupted"
+        # (connect_with_retries' sock is still None: the socket is the connecting frame's)
+        socks = [s for s in _locals_named(caught.__traceback__, "sock") if s is not None]
+        assert socks, "no connecting frame in the traceback"
+        assert all(isinstance(s, socket.socket) and s.fileno() == -1 for s in socks)
+    finally:
+        for filler in fillers:
+            filler.close()
+        full.close()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from equeue.client import args, calls, forks, rawconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
-from equeue.client.connect import RECV_BYTES, again, telling, then
+from equeue.client.connect import RECV_BYTES, again, telling, then, tls_refusal, tls_refused
 from equeue.client.core import (
     DECODERS,
     PULL_OPS,
@@ -410,8 +410,7 @@ class AsyncClient:
         """In a forked child: closed, its connection left to the parent (forks.py)."""
         self._closed = True
         self._closed_why = (
-            f"was made in process {parent}, before this process forked from it; "
-            "connect in this process with a loop of its own"
+            f"{forks.made_before_fork(parent)}; connect in this process with a loop of its own"
         )
         protocol, self._protocol = self._protocol, None
         transport = protocol.transport if protocol is not None else None
@@ -471,6 +470,7 @@ class AsyncClient:
         delay = 0.02
         attempts = 0
         last: BaseException | None = None
+        newest: BaseException | None = None
         while True:
             attempts += 1
             protocol = _Protocol(self._hello, self.url, self.timeout, self._ids)
@@ -493,6 +493,11 @@ class AsyncClient:
                 raise lost(
                     f"{self.url}: the broker's TLS certificate is refused: {exc}", [], exc
                 ) from None
+            except ssl.SSLError as exc:
+                protocol.fail("TLS refused", exc)
+                if tls_refused(exc):
+                    raise lost(f"{self.url}: {tls_refusal(exc)}", [], exc) from None
+                last, newest = telling(last, exc), exc
             except (OSError, ConnectionLostError, TimeoutError) as exc:
                 last, newest = telling(last, exc), exc
                 protocol.fail("connect failed", exc)

@@ -11,6 +11,13 @@ the number, and a close would let the child's next descriptor take it. Whatever 
 child's copy of the transport then does, reading (end of file), writing (EPIPE) or
 removing the number from an epoll set (the set looks the number up in the child's table:
 not found), reaches the dead socket and never the parent's connection.
+
+A group member (GroupConsumer, AsyncGroupConsumer) made before a fork is closed in the
+child too (reviewk F2: both processes pulled as the one member, same consumer id and
+join_id, and every message was handled in each). Closed, not rejoined: a member of its
+own in the child is a second consumer the application did not ask for, and the child
+must not commit or leave for the parent, whose membership goes on. Its calls raise
+ClosedError naming the fork; its close() does nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ _pid = os.getpid()
 
 def track(client: Forkable) -> None:
     _LIVE.add(client)
+
+
+def made_before_fork(parent: int) -> str:
+    """The words of a ClosedError in the child: "<the object> " + this."""
+    return f"was made in process {parent}, before this process forked from it"
 
 
 def point_at_a_dead_socket(fd: int) -> None:
