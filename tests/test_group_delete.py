@@ -22,6 +22,7 @@ from equeue.errors import (
     InvalidMessageError,
     InvalidTypeError,
     ReadOnlyError,
+    StorePathError,
 )
 from equeue.server import retry
 from equeue.server.groups import GroupCoordinator
@@ -248,6 +249,30 @@ def test_a_linked_group_file_is_set_aside_never_followed(tmp_path: Path) -> None
         assert os.path.islink(store.path / "consumers" / "recovered" / side[0])
         assert "g" not in store.consumer_groups()
         assert store._group_files.set_aside() == []  # retention is not held by it
+
+
+def test_a_side_directory_that_is_a_file_refuses_the_deletion_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """review6 R6-6: consumers/recovered made a file under an open handle: a builtin
+    NotADirectoryError came after offsets.json had dropped the group."""
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.create_topic("t", 1)
+        store.send("t", b"x")
+        store.commit_offset("g", "t", 0, 1)
+        store.commit_offset("k", "t", 0, 1)
+        offsets = (store.path / "offsets.json").read_bytes()
+        (store.path / "consumers").mkdir(exist_ok=True)
+        (store.path / "consumers" / "recovered").write_bytes(b"a file")
+        with pytest.raises(StorePathError, match="recovered is not a directory"):
+            store.delete_group("g")
+        assert (store.path / "offsets.json").read_bytes() == offsets
+        assert not (store.path / "consumers" / file_name("g")).exists()
+        assert store.committed_offset("g", "t", 0) == 1
+        (store.path / "consumers" / "recovered").unlink()
+        assert store.delete_group("g").offsets == 1  # control: with the directory back
+        assert store.committed_offset("g", "t", 0) is None
+        assert store.committed_offset("k", "t", 0) == 1
 
 
 class Clock:

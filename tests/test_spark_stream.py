@@ -31,6 +31,7 @@ from equeue.spark.stream import (
     FROM,
     EqueueStreamReader,
     QueueRange,
+    StreamOptions,
     fair_shares,
     read_range,
 )
@@ -857,3 +858,30 @@ def test_docs_table_names_every_option() -> None:
     section = text[text.index("## Streaming source") :]
     for name in OPTIONS:
         assert name == "path" or f"| `{name}` |" in section, f"docs/spark.md misses {name}"
+
+
+def test_a_task_takes_a_lost_deletion_mark_for_no_re_creation(tmp_path: Path) -> None:
+    """review6 R6-4: a batch planned with the topic's deletion mark, re-run after
+    topics.json was rebuilt from the queue directories (which keeps no mark), read its
+    rows; it failed as "created again" though nothing was."""
+    import os
+
+    store = tmp_path / "store"
+    with MessageStore.open(store) as writer:
+        writer.create_topic("t", 1)
+        writer.send("t", b"old")
+        writer.delete_topic("t")
+        writer.create_topic("t", 1)
+        for i in range(5):
+            writer.send("t", b"new %d" % i)
+        mark = writer.deleted_topics()["t"]
+    options = StreamOptions({"path": str(store), "topics": "t"})
+    planned = QueueRange("t", 0, 0, 5, mark)
+    assert sum(b.num_rows for b in read_range(options, planned)) == 5  # control
+    os.rename(store / "topics.json", tmp_path / "topics.json.aside")
+    for name in os.listdir(store):
+        if name.startswith("topics.journal"):
+            os.rename(store / name, tmp_path / f"{name}.aside")
+    with MessageStore.open(store) as rebuilt:  # from the queue directories: no mark
+        assert rebuilt.deleted_topics() == {}
+    assert sum(b.num_rows for b in read_range(options, planned)) == 5

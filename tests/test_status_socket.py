@@ -130,3 +130,30 @@ def test_a_tcp_client_gets_no_place_past_max_connections(home: Path) -> None:
             assert by_url.returncode != 0 and "max_connections=1" in by_url.stderr
             by_store = _status(running.store.path)
             assert by_store.returncode == 0 and "connections: 2" in by_store.stdout
+
+
+def test_the_status_socket_quotes_no_unknown_op_and_bounds_a_frame_read_whole(
+    home: Path,
+) -> None:
+    """review6 R6-1: a token sent where the op goes was echoed in the answer and the log;
+    R6-2: a frame past 64 KiB in one read was decoded (the whole-frame read checked the
+    broker's max_frame_bytes, not the status socket's)."""
+    import msgpack
+
+    with BrokerThread(home / "s") as running:
+        store = running.store.path
+        with raw(_status_url(store)) as status:
+            status.request("sekrit-token-123")
+            error = status.closed_with()
+        assert error["code"] == "ProtocolError"
+        assert "sekrit" not in error["message"] and "16 characters" in error["message"]
+        with raw(_status_url(store)) as status:  # a known op is still named
+            status.request("send", topic="t", body=b"x")
+            assert "'send'" in status.closed_with()["message"]
+        payload = msgpack.packb([1, "ping", {"pad": b"x" * 200_000}], use_bin_type=True)
+        with raw(_status_url(store)) as status:
+            status.send_raw(len(payload).to_bytes(4, "big") + payload)
+            error = status.closed_with()
+        assert error["code"] == "FrameTooLargeError", error
+        with raw(_status_url(store)) as status:  # control: a small frame is served
+            assert status.call("ping") is None

@@ -35,7 +35,7 @@ static PyObject *TASK_TYPE, *BASE_LOOP, *FUTURE, *CANCELLED_ERROR, *INVALID_STAT
  * Tasks enter themselves in; NULL elsewhere (3.12+: current_task is C) or when
  * asyncio.current_task is not that function (replaced before the first waiter): called. */
 static PyObject *CURRENT_TASKS;
-static PyObject *BASE_GET_DEBUG, *S_DEBUG, *S_THREAD_ID;
+static PyObject *BASE_GET_DEBUG, *S_DEBUG, *S_RUNNING_KEY;
 static PyObject *S_CALL_SOON, *S_GET_DEBUG, *S_HANDLER, *S_CONTEXT, *S_MESSAGE, *S_EXCEPTION,
     *KW_CONTEXT;
 
@@ -378,41 +378,44 @@ PyObject *waiter_future_on(PyObject *loop) {
     return PyObject_CallNoArgs(FUTURE); /* (the running loop, found in C again) */
 }
 
-/* Whether one of asyncio's own loops runs on this thread, without
- * asyncio._get_running_loop: CPython 3.11's calls getpid() each time (to tell a forked
- * child), a system call, twice a direct send (perfshm, round 15: 2.0 getpid a send, half
- * of the client's system calls). BaseEventLoop.run_forever keeps the running thread's
- * ident in `_thread_id` (None when it is not running), and a thread runs one loop at a
- * time (asyncio refuses another), so the loop runs here exactly when it is the running
- * loop here. (In a forked child it is not: _get_running_loop says None there, this says
- * the loop. The clients close themselves in a child, equeue/client/forks.py.) 1, 0, or
- * -1: not known (another loop type, no such attribute), asyncio is asked. */
-static int base_loop_runs_here(PyObject *loop) {
-    if (!PyType_Check(BASE_LOOP) || !PyType_IsSubtype(Py_TYPE(loop), (PyTypeObject *)BASE_LOOP))
-        return -1;
-    PyObject *ident = PyObject_GetAttr(loop, S_THREAD_ID);
-    if (ident == NULL) {
+#if PY_VERSION_HEX < 0x030C0000
+/* _asyncio's holder of a thread's running loop (CPython 3.7-3.11: PyRunningLoopHolder,
+ * its loop first, then the pid it was set in). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *rl_loop;
+} RunningLoopHolder;
+
+/* Whether `loop` is this thread's running loop as _asyncio keeps it (the thread state's
+ * dict, under the key _set_running_loop writes), without asyncio._get_running_loop:
+ * CPython 3.11's calls getpid() each time, to tell a forked child, a system call twice a
+ * direct send (perfshm, round 15: 2.0 getpid a send, half of the client's system calls).
+ * (In a forked child this says the parent's loop still runs; the clients close themselves
+ * there, equeue/client/forks.py.) The thread's own running loop, so a loop run nested
+ * inside another (nest_asyncio's `_set_running_loop(None)`, then the other's
+ * run_until_complete) is told apart (review6 R6-5: the loop's `_thread_id` alone said the
+ * outer loop ran, and a send from the nested one was written). 1, 0, or -1: not known
+ * (no such holder), asyncio is asked. */
+static int running_loop_is(PyObject *loop) {
+    PyObject *dict = PyThreadState_GetDict(); /* (borrowed) */
+    if (dict == NULL) return -1;
+    PyObject *holder = PyDict_GetItemWithError(dict, S_RUNNING_KEY); /* (borrowed) */
+    if (holder == NULL) {
+        if (!PyErr_Occurred()) return 0; /* never set on this thread: no loop runs */
         PyErr_Clear();
         return -1;
     }
-    int here = -1;
-    if (ident == Py_None) {
-        here = 0;
-    } else if (PyLong_CheckExact(ident)) {
-        unsigned long value = PyLong_AsUnsignedLong(ident);
-        if (value == (unsigned long)-1 && PyErr_Occurred())
-            PyErr_Clear();
-        else
-            here = value == PyThread_get_thread_ident();
-    }
-    Py_DECREF(ident);
-    return here;
+    if (strcmp(Py_TYPE(holder)->tp_name, "_RunningLoopHolder") != 0) return -1;
+    return ((RunningLoopHolder *)holder)->rl_loop == loop;
 }
+#else
+static int running_loop_is(PyObject *loop) { return -1; } /* (3.12: no getpid there) */
+#endif
 
 /* Whether `loop` is the running loop of this thread: 1, 0, -1. */
 int waiter_on_loop(PyObject *loop) {
     if (waiter_ready() < 0) return -1;
-    int here = base_loop_runs_here(loop);
+    int here = running_loop_is(loop);
     if (here >= 0) return here;
     PyObject *running = PyObject_CallNoArgs(RUNNING_LOOP);
     if (running == NULL) return -1;
@@ -604,7 +607,7 @@ int waiter_ready(void) {
         (CURRENT_TASK = attr("asyncio", "current_task")) == NULL ||
         (S_GET_DEBUG = PyUnicode_InternFromString("get_debug")) == NULL ||
         (S_DEBUG = PyUnicode_InternFromString("_debug")) == NULL ||
-        (S_THREAD_ID = PyUnicode_InternFromString("_thread_id")) == NULL ||
+        (S_RUNNING_KEY = PyUnicode_InternFromString("__asyncio_running_event_loop__")) == NULL ||
         (BASE_GET_DEBUG = PyObject_GetAttr(BASE_LOOP, S_GET_DEBUG)) == NULL ||
         (S_HANDLER = PyUnicode_InternFromString("call_exception_handler")) == NULL ||
         (S_CONTEXT = PyUnicode_InternFromString("context")) == NULL ||

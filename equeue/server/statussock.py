@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from equeue.errors import LimitExceededError, ProtocolError
 from equeue.protocol.bounded import Refused, decode_request
 from equeue.protocol.frames import HELLO_MAX_FRAME_BYTES, FrameReader, check_request
+from equeue.protocol.ops import OPS
 from equeue.server.connection import Connection
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class StatusConnection(Connection):
         super().__init__(broker, listener, number)
         self.where += " (status socket)"
         self._reader = FrameReader(HELLO_MAX_FRAME_BYTES, self.where)  # a stats is small
+        # (and the whole-frame read's own bound: data_received checks it, not the reader's;
+        # review6 R6-2: a 200,000-byte frame in one read was decoded)
+        self._max_frame_bytes = HELLO_MAX_FRAME_BYTES
         self._lifetime: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -89,8 +93,11 @@ class StatusConnection(Connection):
             raise ProtocolError(f"{refused.error} (on the status socket)") from None
         _, op, _ = check_request(decoded, self.where)
         if op not in STATUS_OPS:
+            # a known op by name; anything else by its length, not the string (a client
+            # that put its token there gets no echo: review6 R6-1, as ops.check_args)
+            what = repr(op) if op in OPS else f"(a string of {len(op)} characters)"
             raise ProtocolError(  # (the connection closes: data_received's _fatal)
-                f"{self.where}: op {op[:64]!r} on the status socket: it serves "
+                f"{self.where}: op {what} on the status socket: it serves "
                 f"{' and '.join(sorted(STATUS_OPS))} only; other ops go to the broker's "
                 "listeners"
             )

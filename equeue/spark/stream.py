@@ -566,7 +566,10 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
         except EQueueError as exc:  # TopicNotFoundError: deleted since the batch was planned
             loss(f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: {exc}")
             return
-        if deleted is not None and deleted.get(topic, -1) != part.deleted:
+        # (a mark the store no longer has, topics.json rebuilt, is not a re-creation, as
+        # for the planning: review6 R6-4)
+        now = deleted.get(topic) if deleted is not None else None
+        if now is not None and now != part.deleted:
             loss(
                 f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: the "
                 f"topic was deleted and created again since the batch was planned, in "

@@ -43,6 +43,7 @@ from equeue.errors import (
     InvalidMessageError,
     InvalidTypeError,
     LimitExceededError,
+    StorePathError,
 )
 from equeue.format.chunk import RECOVERED_DIR
 from equeue.protocol.retries import DELAY_TOPIC, RESERVED_PREFIX, dead_letter_topic, retry_topic
@@ -138,44 +139,69 @@ def _commit(
 ) -> str:
     """Steps 1 to 3 (the caller holds the write lock): the intent file's name."""
     directory = store.path / CONSUMERS_DIR
-    name = group_offsets.file_name(group)
-    files = store._group_files
     with group_offsets._locked_dir(store.path, create=True) as dir_fd:
         assert dir_fd is not None
+        # The side directory first, before anything is written: one that is not a
+        # directory (made so under an open handle) refuses the deletion with the store as
+        # it was (review6 R6-6: a builtin NotADirectoryError came after offsets.json had
+        # dropped the group).
+        side_fd = _side_directory(dir_fd, directory / RECOVERED_DIR)
         try:
-            _, _, current = group_offsets._read_file(dir_fd, name, directory / name)
-        except FileNotFoundError:
-            current = {}
-        except CorruptionError:  # a link, a damaged file: kept aside, never followed
-            group_offsets._move_aside(directory, dir_fd, name)
-            current = {}
-            _step("damaged file set aside")
-        gathered = group_offsets._copy(offsets)
-        group_offsets._merge(gathered, current)
-        body = {"group": group, "offsets": gathered, "deleting": {"dead_letters": dead_letters}}
-        write_json(directory / name, body)
-        _step("gathered")
-        if group in store._offsets:
-            kept = {g: ts for g, ts in store._offsets.items() if g != group}
-            deletion._lower_committed_count(
-                store, sum(len(q) for ts in kept.values() for q in ts.values())
-            )
-            write_json(store.path / OFFSETS_FILE, kept)
-            store._offsets = kept
-            _step("offsets.json written")
-        intent = f"{name}.{time.time_ns()}{INTENT_SUFFIX}"
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(RECOVERED_DIR, dir_fd=dir_fd)
-        side_fd = os.open(
-            RECOVERED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd
-        )
-        try:
-            os.rename(name, intent, src_dir_fd=dir_fd, dst_dir_fd=side_fd)  # the commit point
-            os.fsync(side_fd)
-            os.fsync(dir_fd)
+            return _commit_in(store, group, dead_letters, offsets, dir_fd, side_fd)
         finally:
             os.close(side_fd)
-        files._parsed.pop(name, None)
+
+
+def _side_directory(dir_fd: int, path: Path) -> int:
+    """consumers/recovered/, made if missing, opened without following a link."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(RECOVERED_DIR, dir_fd=dir_fd)
+    try:
+        return os.open(RECOVERED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as exc:
+        raise StorePathError(
+            f"is not a directory ({exc.strerror}); the group was not deleted, nothing changed",
+            file=path,
+        ) from None
+
+
+def _commit_in(
+    store: MessageStore,
+    group: str,
+    dead_letters: bool,
+    offsets: dict[str, dict[str, int]],
+    dir_fd: int,
+    side_fd: int,
+) -> str:
+    directory = store.path / CONSUMERS_DIR
+    name = group_offsets.file_name(group)
+    files = store._group_files
+    try:
+        _, _, current = group_offsets._read_file(dir_fd, name, directory / name)
+    except FileNotFoundError:
+        current = {}
+    except CorruptionError:  # a link, a damaged file: kept aside, never followed
+        group_offsets._move_aside(directory, dir_fd, name)
+        current = {}
+        _step("damaged file set aside")
+    gathered = group_offsets._copy(offsets)
+    group_offsets._merge(gathered, current)
+    body = {"group": group, "offsets": gathered, "deleting": {"dead_letters": dead_letters}}
+    write_json(directory / name, body)
+    _step("gathered")
+    if group in store._offsets:
+        kept = {g: ts for g, ts in store._offsets.items() if g != group}
+        deletion._lower_committed_count(
+            store, sum(len(q) for ts in kept.values() for q in ts.values())
+        )
+        write_json(store.path / OFFSETS_FILE, kept)
+        store._offsets = kept
+        _step("offsets.json written")
+    intent = f"{name}.{time.time_ns()}{INTENT_SUFFIX}"
+    os.rename(name, intent, src_dir_fd=dir_fd, dst_dir_fd=side_fd)  # the commit point
+    os.fsync(side_fd)
+    os.fsync(dir_fd)
+    files._parsed.pop(name, None)
     return intent
 
 
