@@ -668,7 +668,7 @@ class AsyncClient:
         committed offsets, its retry topic and, with ``delete_dead_letters``, its
         dead-letter topic, as ``MessageStore.delete_group``. Raises GroupError while the
         group has live members, GroupNotFoundError for a group the store does not have,
-        BrokerError from a broker older than version 5."""
+        BrokerTooOldError from a broker older than version 5 (nothing sent)."""
         result: DeletedGroup = await self._call(calls.delete_group(group, delete_dead_letters))
         return result
 
