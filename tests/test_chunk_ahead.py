@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,9 +38,19 @@ from equeue.chunks.config import ChunkManagerConfig
 from equeue.chunks.manager import ChunkManager
 from equeue.chunks.reader import ChunkReader
 from equeue.chunks.writer import ChunkWriter
-from equeue.errors import DiskFullError, EQueueError, StoreWriteError
+from equeue.errors import (
+    CorruptionError,
+    DiskFullError,
+    EQueueError,
+    StoreLockedError,
+    StorePathError,
+    StoreWriteError,
+)
 from equeue.format.chunk import HEADER_SIZE, MIN_CHUNK_DATA_SIZE, chunk_file_name
+from equeue.format.message import STORED_TIME_OFFSET
+from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
 from equeue.store.flush import log_synced
+from equeue.store.meta import TOPICS_FILE
 
 CHILD = Path(__file__).with_name("ahead_kill_child.py")
 RECORD = b"r" * 200  # 19 a 4 KiB chunk
@@ -234,6 +246,113 @@ def test_sigkill_at_each_step_of_making_ahead_leaves_no_data_and_no_damage(
     finally:
         writer.close()
     assert made_ahead(messages) == []
+
+
+# --- a refused open: the leftover stays until an open succeeds -----------------------
+
+
+@pytest.fixture(scope="module")
+def killed_with_leftover(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store whose writer was SIGKILLed with a file made ahead in messages/."""
+    store = tmp_path_factory.mktemp("killed") / "store"
+    _run_until_step_then_kill(store, "ready", 0)
+    assert made_ahead(store / "messages"), "the kill was to leave a file made ahead behind"
+    return store
+
+
+def every_entry(root: Path, skip: tuple[str, ...] = ()) -> dict[str, object]:
+    """Each entry under ``root`` by its kind: a file's bytes, a link's target, a directory
+    (LOCK aside: a writable open writes its pid there before anything can be refused)."""
+    found: dict[str, object] = {}
+    for path in sorted(root.rglob("*")):
+        name = str(path.relative_to(root))
+        if name in skip:
+            continue
+        if path.is_symlink():
+            found[name] = ("link", os.readlink(path))
+        elif path.is_dir():
+            found[name] = "directory"
+        elif path.name != "LOCK":
+            found[name] = path.read_bytes()
+    return found
+
+
+@pytest.mark.parametrize("refusal", ["journal header", "queue link", "queue file", "lock held"])
+def test_a_refused_open_leaves_every_file_as_it_was_the_leftover_included(
+    killed_with_leftover: Path, tmp_path: Path, refusal: str
+) -> None:
+    """Refusals found after the message log's directory was read (and a held lock): the
+    made-ahead leftover is removed only by an open that succeeds. Seen failing before the
+    fix: the writable open had removed the leftover before the refusal (3 of 4 cases)."""
+    store = tmp_path / "store"
+    shutil.copytree(killed_with_leftover, store, symlinks=True)
+    queue = store / "queues" / "t" / "0"
+    expected: type[EQueueError] = StorePathError
+    held = None
+    if refusal == "journal header":
+        journal = store / TOPICS_JOURNAL_FILE
+        raw = bytearray(journal.read_bytes())
+        raw[0] ^= 0x10  # the magic
+        journal.write_bytes(bytes(raw))
+        expected = CorruptionError
+    elif refusal == "queue link":
+        outside = tmp_path / "outside"
+        queue.rename(outside)
+        queue.symlink_to(outside)
+    elif refusal == "queue file":
+        chunk = queue / chunk_file_name(0)
+        chunk.unlink()
+        chunk.mkdir()
+    else:
+        held = os.open(store / "LOCK", os.O_RDWR)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live writer holds it
+        expected = StoreLockedError
+    # A queue is refused after the writer's open folded the topics journal into
+    # topics.json (the same topics in other bytes; main does so too): those two aside.
+    skip = (TOPICS_FILE, TOPICS_JOURNAL_FILE) if refusal.startswith("queue") else ()
+    before = every_entry(store, skip)
+    leftovers = made_ahead(store / "messages")
+    try:
+        for read_only in (True, False):
+            if read_only and held is not None:  # beside a writer: opens, changes nothing
+                MessageStore.open(store, config(), read_only=True).close()
+            else:
+                with pytest.raises(expected):
+                    MessageStore.open(store, config(), read_only=read_only).close()
+            assert made_ahead(store / "messages") == leftovers
+            assert every_entry(store, skip) == before
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def test_a_chunk_directory_keeps_its_leftover_until_its_first_roll_over(
+    killed_with_leftover: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A manager opened alone (no store to say its open succeeded) removes the leftover
+    at its first roll-over, and makes ahead from then on."""
+    directory = tmp_path / "messages"
+    shutil.copytree(killed_with_leftover / "messages", directory)
+    leftovers = made_ahead(directory)
+    config = ChunkManagerConfig(
+        chunk_data_size=4096,
+        max_record_size=1024,
+        timestamp_offset=STORED_TIME_OFFSET,  # as the store's log was made
+        make_ahead=True,
+    )
+    manager = ChunkManager(directory, config)
+    try:
+        writer = ChunkWriter(manager)
+        assert made_ahead(directory) == leftovers
+        with caplog.at_level(logging.WARNING, logger="equeue.chunks"):
+            roll_over(writer)
+        for name in leftovers:
+            assert f"removing {directory / name}: a chunk file made ahead" in caplog.text
+            assert not (directory / name).exists()
+        wait_made_ahead(manager)
+    finally:
+        manager.close()
+    assert made_ahead(directory) == []
 
 
 # --- power loss: the installed chunk's name ----------------------------------------

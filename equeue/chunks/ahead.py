@@ -15,7 +15,8 @@ chunk (``Chunk.make_name_durable``).
 
 Until it is renamed the file is not data: its name ends in ``.tmp``, which readers,
 the inspector and compaction skip, and which a writable open removes (naming it a file
-made ahead). A manager's close deletes it. At most one file is made ahead per
+made ahead) once that open has succeeded (a refused open leaves it) or at the
+first roll-over. A manager's close deletes it. At most one file is made ahead per
 directory, and none is asked for while one is ready or being made.
 """
 
@@ -122,6 +123,26 @@ def discard(path: Path, why: str, level: int = logging.WARNING) -> None:
     with contextlib.suppress(OSError):
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             path.unlink()
+
+
+def remove_leftover(path: Path) -> None:
+    """Remove a file made ahead that a stopped writer left (never data). A link is removed,
+    not followed; what cannot be removed is said and left."""
+    log.warning(
+        "removing %s: a chunk file made ahead that was never installed "
+        "(a writer stopped before the roll-over; it held no data)",
+        path,
+    )
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            path.unlink()
+            return
+        problem = "it is a directory"
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        problem = str(exc)
+    log.warning("could not remove %s: %s; it is left", path, problem)
 
 
 class ChunkMaker:

@@ -61,6 +61,11 @@ class ChunkSet:
         self._ahead_busy = False
         self._ahead_closed = False
         self._ahead_cond = threading.Condition(threading.Lock())
+        # Nothing is made ahead, and a crash's made-ahead files (_leftovers, listed by a
+        # writable open) stay, until the owner says its open succeeded (start_making_ahead)
+        # or the first roll-over.
+        self._ahead_started = False
+        self._leftovers: list[Path] = []
         self.looked_at = 0.0  # read-only: when a pull last looked for removed chunks
         self._load()
 

@@ -13,7 +13,14 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from equeue.chunks.ahead import MAKER, AheadFile, check_ahead_file, discard, make_ahead_file
+from equeue.chunks.ahead import (
+    MAKER,
+    AheadFile,
+    check_ahead_file,
+    discard,
+    make_ahead_file,
+    remove_leftover,
+)
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.refresh import ChunkRefresh
 from equeue.chunks.removal import ChunkRemoval
@@ -130,7 +137,7 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
                 )
             chunk.on_advance = self.on_advance
             self._install(chunk)
-            self._request_ahead()
+            self._start_ahead()
             return chunk
 
     def _next_header(self, number: int) -> ChunkHeader:
@@ -148,12 +155,31 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
 
     # --- the next chunk made ahead (ahead.py) --------------------------------
 
+    def start_making_ahead(self) -> None:
+        """The owner's open succeeded: remove the made-ahead files a stopped writer left
+        and (``make_ahead``) have the next chunk's file made. Until then, or the first
+        roll-over, nothing made ahead is touched or made, so an open refused after this
+        directory was read leaves it as it was. Nothing for a read-only manager."""
+        with self._lock:
+            if not self.read_only and not self._closed:
+                self._start_ahead()
+
+    def _start_ahead(self) -> None:
+        """Under ``_lock``, writable."""
+        if not self._ahead_started:
+            self._ahead_started = True
+            leftovers, self._leftovers = self._leftovers, []
+            for path in leftovers:
+                remove_leftover(path)
+        self._request_ahead()
+
     def _request_ahead(self) -> None:
         """Under ``_lock``: have the chunk maker make the file of the chunk after the
         ongoing one, unless one is ready or being made (at most one per directory)."""
         last = self.last_chunk
         if (
             not self.config.make_ahead
+            or not self._ahead_started
             or self.read_only
             or self._closed
             or last is None

@@ -78,12 +78,9 @@ class ChunkOpening(ChunkSet):
         if not self.read_only:
             for name in names:
                 if is_ahead_name(name):
-                    log.warning(
-                        "removing %s: a chunk file made ahead that was never installed "
-                        "(a writer stopped before the roll-over; it held no data)",
-                        self.directory / name,
-                    )
-                    (self.directory / name).unlink(missing_ok=True)
+                    # Kept until the whole open has succeeded (a store refused after this
+                    # directory was read changes nothing) or the first roll-over: manager.py
+                    self._leftovers.append(self.directory / name)
                 elif name.endswith(TEMP_SUFFIX):
                     log.warning("removing leftover temp file %s", self.directory / name)
                     (self.directory / name).unlink(missing_ok=True)

@@ -240,6 +240,9 @@ class MessageStore:
         # A group deletion a crash interrupted after its commit point (its topics need the
         # store open); what fails is said and tried again at the next open.
         self.recovery.problems += groupdeletion.finish_group_deletions(self)
+        # Last: the open succeeded, so a crash's made-ahead log file may go now (a refused
+        # open leaves the store as it was) and the next one be made.
+        self._messages.start_making_ahead()
 
     # --- lifecycle -----------------------------------------------------------
 
