@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,30 @@ from equeue import Message, MessageStore, OutgoingMessage, SendResult
 from equeue.errors import CorruptionError, MessageNotFoundError
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD_SIZE, encode_properties, message_length
+
+
+def settle_chunk_maker(store: MessageStore) -> None:
+    """Wait until the chunk maker is done with the store's log (equeue/chunks/ahead.py):
+    its thread makes and removes ``messages/ahead-*.tmp`` beside the writer, so a test
+    that copies or compares a live store's files waits for it first. Done means no job
+    queued or running and no file made for a chunk that exists (the maker would remove it
+    and make the next); nothing changes then until the next roll-over."""
+    manager = store._messages
+    deadline = time.monotonic() + 10
+    while True:
+        with manager._lock, manager._ahead_cond:  # (the order the manager takes them)
+            while manager._ahead_busy and time.monotonic() < deadline:
+                manager._ahead_cond.wait(0.05)
+            last, ahead = manager.last_chunk, manager._ahead
+            stale = (
+                ahead is not None
+                and last is not None
+                and ahead.header.chunk_start_number <= last.end_number
+            )
+            if not manager._ahead_busy and not stale:
+                return
+        assert time.monotonic() < deadline, f"the chunk maker is still busy on {manager.directory}"
+        time.sleep(0.002)
 
 
 @dataclass(frozen=True)

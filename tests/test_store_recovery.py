@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from store_helpers import settle_chunk_maker
 
 from equeue import Message, MessageStore, SendResult, StoreConfig
 from equeue.errors import EQueueError, MessageNotFoundError
@@ -72,7 +73,10 @@ def keys_of(store: MessageStore) -> dict[str, list[Message]]:
 
 def crash_copy(store: MessageStore, dest: Path) -> Path:
     """The directory as a process crash right now would leave it: copying reads the page
-    cache, which holds every write (flush() is not called: it would write a checkpoint)."""
+    cache, which holds every write (flush() is not called: it would write a checkpoint).
+    The chunk maker first finishes the file it makes ahead (not data; it would vanish or
+    appear under the copy)."""
+    settle_chunk_maker(store)
     shutil.copytree(store.path, dest)
     return dest
 
