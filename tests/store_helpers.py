@@ -21,24 +21,28 @@ from equeue.format.message import QUEUE_RECORD_SIZE, encode_properties, message_
 def settle_chunk_maker(store: MessageStore) -> None:
     """Wait until the chunk maker is done with the store's log (equeue/chunks/ahead.py):
     its thread makes and removes ``messages/ahead-*.tmp`` beside the writer, so a test
-    that copies or compares a live store's files waits for it first. Done means no job
-    queued or running and no file made for a chunk that exists (the maker would remove it
-    and make the next); nothing changes then until the next roll-over."""
+    that copies or compares a live store's files waits for it first (its own thread
+    sending nothing meanwhile). Done means no job queued or running and no file made for
+    a chunk that exists (the manager removes it and asks for the next); nothing changes
+    then until the next roll-over. Without the manager's lock: a job on the maker thread
+    may need it while another job of this manager waits behind it."""
     manager = store._messages
     deadline = time.monotonic() + 10
     while True:
-        with manager._lock, manager._ahead_cond:  # (the order the manager takes them)
-            while manager._ahead_busy and time.monotonic() < deadline:
-                manager._ahead_cond.wait(0.05)
-            last, ahead = manager.last_chunk, manager._ahead
-            stale = (
-                ahead is not None
-                and last is not None
-                and ahead.header.chunk_start_number <= last.end_number
-            )
-            if not manager._ahead_busy and not stale:
-                return
-        assert time.monotonic() < deadline, f"the chunk maker is still busy on {manager.directory}"
+        with manager._ahead_cond:
+            busy, ahead = manager._ahead_busy, manager._ahead
+        last = manager.last_chunk
+        stale = (
+            ahead is not None
+            and last is not None
+            and ahead.header.chunk_start_number <= last.end_number
+        )
+        if not busy and not stale:
+            return
+        assert time.monotonic() < deadline, (
+            f"the chunk maker is not done on {manager.directory}: busy {busy}, "
+            f"made {ahead}, the last chunk {last}"
+        )
         time.sleep(0.002)
 
 

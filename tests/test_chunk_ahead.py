@@ -497,6 +497,48 @@ def test_a_file_made_too_late_is_replaced_by_the_next_chunks(
     assert os.stat(manager.directory / chunk_file_name(2)).st_ino == inode
 
 
+def test_a_file_finished_while_the_roll_over_creates_its_chunk_gives_way(
+    log_dir: tuple[ChunkManager, ChunkWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The maker finishes chunk 1's file while the roll-over, which found none ready, is
+    creating chunk 1 itself (the maker read the last chunk before the install): the
+    install's request removes the file and asks for chunk 2's. Seen failing before the
+    fix: the file for chunk 1 stayed as the one made ahead until the next roll-over, which
+    then created chunk 2 on the writer's thread."""
+    manager, writer = log_dir
+    release = threading.Event()
+    real_allocate = vars(equeue.chunks.ahead)["_allocate"]
+
+    def held(fd: int, offset: int, length: int) -> bool:
+        assert release.wait(10), "the roll-over did not release the chunk maker"
+        return bool(real_allocate(fd, offset, length))
+
+    monkeypatch.setitem(vars(equeue.chunks.ahead), "_allocate", held)
+    real_create = Chunk.create.__func__  # type: ignore[attr-defined]
+
+    def create_once_the_maker_is_done(
+        cls: type[Chunk], directory: Path, header: Any, /, **kw: Any
+    ) -> Chunk:
+        if header.chunk_start_number == 1:
+            release.set()
+            end = time.monotonic() + 10
+            while manager._ahead is None and time.monotonic() < end:
+                time.sleep(0.002)
+            assert manager._ahead is not None, "the chunk maker did not finish chunk 1's file"
+        chunk: Chunk = real_create(cls, directory, header, **kw)
+        return chunk
+
+    monkeypatch.setattr(Chunk, "create", classmethod(create_once_the_maker_is_done))
+    writer.write(RECORD)
+    assert roll_over(writer) == 1
+    ahead = wait_made_ahead(manager)
+    assert ahead.name.startswith("ahead-000000000002."), ahead.name
+    assert made_ahead(manager.directory) == [ahead.name]
+    inode = os.stat(ahead).st_ino
+    assert roll_over(writer) == 2
+    assert os.stat(manager.directory / chunk_file_name(2)).st_ino == inode
+
+
 def test_a_chunk_keeps_to_the_inline_attribute_limit(
     log_dir: tuple[ChunkManager, ChunkWriter],
 ) -> None:

@@ -175,7 +175,10 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
 
     def _request_ahead(self) -> None:
         """Under ``_lock``: have the chunk maker make the file of the chunk after the
-        ongoing one, unless one is ready or being made (at most one per directory)."""
+        ongoing one, unless one is ready or being made (at most one per directory). A
+        file made for a chunk that exists by now is removed first: the maker finished it
+        while the roll-over was creating that chunk itself, and read the last chunk
+        before the install (its own check, ``_make_ahead``, sees only later installs)."""
         last = self.last_chunk
         if (
             not self.config.make_ahead
@@ -187,9 +190,19 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
         ):
             return
         with self._ahead_cond:
-            if self._ahead_closed or self._ahead_busy or self._ahead is not None:
+            stale = self._ahead
+            if stale is not None and stale.header.chunk_start_number > last.end_number:
+                stale = None
+            if (
+                self._ahead_closed
+                or self._ahead_busy
+                or (self._ahead is not None and stale is None)
+            ):
                 return
-            self._ahead_busy = True
+            self._ahead, self._ahead_busy = None, True
+        if stale is not None:
+            made_for = stale.header.chunk_start_number
+            discard(stale.path, f"a roll-over made chunk {made_for} first", logging.INFO)
         header = self._next_header(last.end_number + 1)
         MAKER.submit(lambda: self._make_ahead(header))
 
