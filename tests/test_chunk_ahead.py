@@ -472,20 +472,26 @@ def test_log_synced_makes_the_installed_chunks_name_durable_before_vouching(
         assert not installed.name_pending and fsynced == [manager.directory]
 
 
+def hold_the_maker(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The chunk maker waits in its allocation step until the event is set."""
+    release = threading.Event()
+    real = vars(equeue.chunks.ahead)["_allocate"]
+
+    def held(fd: int, offset: int, length: int) -> bool:
+        assert release.wait(10), "the test did not release the chunk maker"
+        return bool(real(fd, offset, length))
+
+    monkeypatch.setitem(vars(equeue.chunks.ahead), "_allocate", held)
+    return release
+
+
 def test_a_file_made_too_late_is_replaced_by_the_next_chunks(
     log_dir: tuple[ChunkManager, ChunkWriter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A roll-over that comes while the maker is still making the file creates its chunk
     itself; the maker's file, for a chunk that exists by then, gives way to the next."""
     manager, writer = log_dir
-    release = threading.Event()
-    real = vars(equeue.chunks.ahead)["_allocate"]
-
-    def slow(fd: int, offset: int, length: int) -> bool:
-        assert release.wait(10), "the test did not release the chunk maker"
-        return bool(real(fd, offset, length))
-
-    monkeypatch.setitem(vars(equeue.chunks.ahead), "_allocate", slow)
+    release = hold_the_maker(monkeypatch)
     writer.write(RECORD)
     assert roll_over(writer) == 1  # made on the writer's thread: the maker is held
     release.set()
@@ -506,14 +512,7 @@ def test_a_file_finished_while_the_roll_over_creates_its_chunk_gives_way(
     fix: the file for chunk 1 stayed as the one made ahead until the next roll-over, which
     then created chunk 2 on the writer's thread."""
     manager, writer = log_dir
-    release = threading.Event()
-    real_allocate = vars(equeue.chunks.ahead)["_allocate"]
-
-    def held(fd: int, offset: int, length: int) -> bool:
-        assert release.wait(10), "the roll-over did not release the chunk maker"
-        return bool(real_allocate(fd, offset, length))
-
-    monkeypatch.setitem(vars(equeue.chunks.ahead), "_allocate", held)
+    release = hold_the_maker(monkeypatch)
     real_create = Chunk.create.__func__  # type: ignore[attr-defined]
 
     def create_once_the_maker_is_done(
