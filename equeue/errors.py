@@ -330,6 +330,12 @@ class AuthenticationError(EQueueError):
     """The broker refused the connection's token (wrong, or missing where one is needed)."""
 
 
+class ShmRingError(ProtocolError):
+    """The shared-memory rings of a connection (the perfshm prototype: ``equeue serve
+    --shm``, ``equeue.aio.connect(url, shm=True)``) hold an index no well-behaved peer
+    writes, or could not be set up; that connection alone is closed."""
+
+
 class LimitExceededError(EQueueError):
     """A limit was reached: connections (``max_connections``), requests in flight on
     one connection (``max_in_flight``), consumer groups (``max_groups``) or topics

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from equeue.client import args, calls, rawconn
+from equeue.client import args, calls, rawconn, shmconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
 from equeue.client.connect import RECV_BYTES, again
@@ -57,6 +57,7 @@ from equeue.errors import (
     InvalidTypeError,
     ProtocolError,
 )
+from equeue.protocol import shmrings
 from equeue.protocol.frames import (
     BODIES_VERSION,
     CONNECTION_REQUEST_ID,
@@ -388,6 +389,7 @@ class AsyncClient:
         ssl_context: ssl.SSLContext | None = None,
         cafile: str | os.PathLike[str] | None = None,
         client_name: str = "",
+        shm: bool = False,
     ) -> None:
         self.endpoint: Endpoint = parse_url(url, ssl_context=ssl_context, cafile=cafile)
         self.url = str(self.endpoint)
@@ -395,9 +397,13 @@ class AsyncClient:
             raise InvalidTypeError(f"token must be a str or None, got {type(token).__name__}")
         self.timeout = check_timeout("timeout", timeout)
         self.connect_timeout = check_timeout("connect_timeout", connect_timeout)
-        self._hello = hello_frame(
-            token, args.name("client_name", client_name) or f"python-asyncio pid {os.getpid()}"
-        )
+        name = args.name("client_name", client_name) or f"python-asyncio pid {os.getpid()}"
+        self._hello = hello_frame(token, name)
+        # The shared-memory rings' prototype (shmconn.py): asked for in the hello of a
+        # unix: connection when shm=True; the broker's --shm decides
+        self._shm_hello: Callable[[str], bytes] | None = None
+        if shm and self.endpoint.kind == "unix" and shmrings.AVAILABLE:
+            self._shm_hello = lambda group: hello_frame(token, name, group)
         self._protocol: _Protocol | None = None
         self._reconnect: asyncio.Task[_Protocol] | None = None  # the attempt under way
         self._closed = False
@@ -455,10 +461,14 @@ class AsyncClient:
         attempts = 0
         while True:
             attempts += 1
-            protocol = _Protocol(self._hello, self.url, self.timeout, self._ids)
+            shm = self._shm_hello
+            hello = b"" if shm is not None else self._hello  # (shm: sent before the protocol)
+            protocol = _Protocol(hello, self.url, self.timeout, self._ids)
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    if rawconn.usable(loop, endpoint, protocol):  # (own transport, in C)
+                    if shm is not None:
+                        await shmconn.open_connection(loop, endpoint, protocol, shm)
+                    elif rawconn.usable(loop, endpoint, protocol):  # (own transport, in C)
                         await rawconn.open_connection(loop, endpoint, protocol)
                     elif endpoint.kind == "unix":
                         await loop.create_unix_connection(lambda: protocol, endpoint.path)  # noqa: B023

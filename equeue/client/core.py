@@ -295,8 +295,9 @@ def readable(sock: Any, timeout: float) -> bool:
     return bool(poller.poll(max(timeout, 0.0) * 1000))
 
 
-def hello_frame(token: str | None, client_name: str) -> bytes:
-    payload: bytes = msgpack.packb(Hello(token=token, client=client_name).pack(), use_bin_type=True)
+def hello_frame(token: str | None, client_name: str, shm: str | None = None) -> bytes:
+    hello = Hello(token=token, client=client_name, shm=shm)
+    payload: bytes = msgpack.packb(hello.pack(), use_bin_type=True)
     return _pack_header(len(payload)) + payload
 
 

@@ -125,5 +125,13 @@ def take_hello(conn: Connection, data: bytes | memoryview) -> bytes | None:
     conn.speak(version)
     if hello.client:  # logs name the client from here on
         conn.where += f" (client {hello.client!r})"
-    conn._queue(encode(Welcome(version, conn.broker.server_name, conn.broker.limits).pack()))
+    welcome = encode(Welcome(version, conn.broker.server_name, conn.broker.limits).pack())
+    shm = conn.broker.shm
+    if hello.shm is not None and shm is not None and shm.attach(conn, welcome, hello.shm):
+        if rest:  # (the rings start after the welcome: nothing may come before it)
+            raise ProtocolError(
+                f"{conn.where}: {len(rest)} bytes after a hello that asked for shared rings"
+            )
+        return b""
+    conn._queue(welcome)
     return rest

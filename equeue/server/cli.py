@@ -60,6 +60,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"(0, the default: never; at most {MAX_BUSY_POLL_US}); costs CPU while it polls, "
         "never durability",
     )  # fmt: skip
+    parser.add_argument(
+        "--shm", action="store_true",
+        help="a prototype: unix: clients that ask (equeue.aio.connect(url, shm=True)) get "
+        "shared-memory rings instead of socket reads and writes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shm-ring-bytes", type=int, default=1 << 18, metavar="BYTES",
+        help="--shm: each ring's size, a power of two >= 4096 (default 256 KiB)",
+    )  # fmt: skip
     parser.add_argument("--token-file", help="clients must send the token in this file")
     parser.add_argument("--tls-cert", help="certificate (PEM) for tls:// listeners")
     parser.add_argument("--tls-key", help="private key (PEM) for tls:// listeners")
@@ -131,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
         event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
         group_commit_overlap=args.group_commit_overlap, busy_poll_us=args.busy_poll_us,
+        shm=args.shm, shm_ring_bytes=args.shm_ring_bytes,
         retention=None if args.retention is None else parse_duration(args.retention, "--retention"),
         max_store_bytes=args.max_store_bytes,
         retention_respects_consumers=args.retention_respects_consumers,

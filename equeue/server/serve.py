@@ -31,6 +31,7 @@ from equeue.errors import (
     GroupError,
     StoreReplacedError,
 )
+from equeue.protocol import shmrings
 from equeue.protocol.frames import DEFAULT_MAX_CONNECTIONS, MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import DEFAULT_MAX_TOPICS, Listener, ServerConfig, read_token
@@ -44,6 +45,7 @@ from equeue.server.loops import run as run_on
 from equeue.server.offsetcommit import OffsetCommitter
 from equeue.server.periodic import PeriodicJobs
 from equeue.server.release import release_durable
+from equeue.server.shm import BrokerShm
 from equeue.server.stats import Counters, retention_stats, retry_and_retention
 from equeue.store.config import FlushPolicy, StoreConfig
 from equeue.store.store import MessageStore
@@ -212,6 +214,7 @@ class Broker:
         # its options are frames.encode's.
         self.packer = msgpack.Packer(use_bin_type=True)
         self.coordinator: GroupCoordinator | None = None  # made by start(), on the loop
+        self.shm: BrokerShm | None = None  # --shm: made by start(), on the loop
 
     # --- start ------------------------------------------------------------------
 
@@ -239,6 +242,11 @@ class Broker:
         )
         if busy is not None:
             busy.commit = self.commit
+        self.shm = (
+            BrokerShm(loop, self.config.shm_ring_bytes)
+            if self.config.shm and shmrings.AVAILABLE
+            else None
+        )
         try:  # from here on a failure must stop the flusher thread the commit started
             self.coordinator = coordinator = GroupCoordinator(
                 self.store, max_groups=self.config.max_groups
@@ -457,6 +465,8 @@ class Broker:
         self._close_store()
 
     async def _close_servers(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
         for server in self._servers:
             server.close()
             with contextlib.suppress(Exception):

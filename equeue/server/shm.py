@@ -1,0 +1,229 @@
+"""The broker's side of the shared-memory rings (a prototype, ``equeue serve --shm``;
+equeue/protocol/shmrings.py says what travels, equeue/cext/shmring.c how).
+
+A unix: connection whose hello asks for rings gets its welcome by sendmsg with the
+ring region's memfd (and, for the first connection of its (peer pid, group), the
+group's two eventfds). From then on the Connection's transport is an ShmTransport: its
+requests come from the ring through one ShmMux per broker (the loop reads each group's
+eventfd and hands every ring's bytes to its Connection's get_buffer/buffer_updated, the
+send lane included, as a socket read does); its answers go into the answer ring, one
+eventfd write per client group and loop turn when the group's reader sleeps. The
+socket is kept for its end only: bytes on it, or its EOF, close the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+from typing import TYPE_CHECKING, Any
+
+from equeue.errors import ProtocolError, ShmRingError
+from equeue.protocol import shmrings
+
+if TYPE_CHECKING:
+    from equeue.server.connection import Connection
+
+log = logging.getLogger("equeue.server")
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class _Group:
+    """A client group's two eventfds: to_broker (read by this loop), to_client."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, mux: Any) -> None:
+        self.to_broker = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.to_client = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.waker = shmrings.ShmWaker(self.to_client, loop.call_soon)
+        self.rings = 0
+        loop.add_reader(self.to_broker, mux.drain, self.to_broker)
+
+    def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.remove_reader(self.to_broker)
+        self.waker.close()
+        os.close(self.to_broker)
+        os.close(self.to_client)
+
+
+class BrokerShm:
+    """The rings of one broker loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ring_bytes: int) -> None:
+        self.loop = loop
+        self.ring_bytes = shmrings.check_ring_bytes(ring_bytes)
+        self.mux = shmrings.ShmMux()
+        self.groups: dict[tuple[int, str], _Group] = {}
+
+    def attach(self, conn: Connection, welcome: bytes, group_name: str) -> bool:
+        """The welcome sent with the rings and the connection moved onto them; False:
+        nothing done (not a plain unix: socket), the caller sends the welcome as usual."""
+        transport = conn.transport
+        fd = conn._fd
+        if transport is None or fd < 0 or conn._out:
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.family != socket.AF_UNIX:
+            return False
+        pid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        key = (pid, group_name)
+        group = self.groups.get(key)
+        fresh = group is None
+        if group is None:
+            group = _Group(self.loop, self.mux)
+        total = shmrings.region_bytes(self.ring_bytes)
+        memfd = os.memfd_create("equeue-shm", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(memfd, total)
+            ring = ShmTransport(memfd, total, shmrings.BROKER)
+            # asleep until a client's write wakes the group: set before the client can
+            # write (after the welcome), or its first write would see no sleeper
+            ring.set_reader_sleeps(True)
+            fds = [memfd, group.to_broker, group.to_client] if fresh else [memfd]
+            with socket.socket(fileno=os.dup(fd)) as dup:
+                sent = socket.send_fds(dup, [welcome], fds)
+        except OSError:
+            if fresh:
+                group.close(self.loop)
+            log.exception("%s: setting up its shared rings failed", conn.where)
+            return False
+        finally:
+            os.close(memfd)
+        if sent != len(welcome):  # (a fresh socket takes a welcome whole)
+            conn._fatal(ShmRingError(f"{conn.where}: the welcome was cut at {sent} bytes"))
+            return True
+        if fresh:
+            self.groups[key] = group
+        group.rings += 1
+        conn.broker.counters.bytes_out += sent
+        ring.setup(self, key, conn, transport)
+        ring.waker = group.waker
+        conn.transport = ring
+        conn._fd = -1  # answers go through ring.write (cext/release.c, sendlane.c)
+        transport.set_protocol(_SocketEnd(conn, ring))
+        self.mux.add(ring)
+        return True
+
+    def detach(self, ring: ShmTransport) -> None:
+        self.mux.remove(ring)
+        group = self.groups.get(ring.key)
+        if group is not None:
+            group.rings -= 1
+            if group.rings <= 0:
+                del self.groups[ring.key]
+                group.close(self.loop)
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close(self.loop)
+        self.groups.clear()
+
+
+class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object):  # type: ignore[misc]
+    """The Connection's transport once on rings (what connection.py and release.py call)."""
+
+    def setup(
+        self, shm: BrokerShm, key: tuple[int, str], conn: Connection, socket_end: Any
+    ) -> None:
+        self.shm = shm
+        self.key = key
+        self.protocol = conn
+        self.socket_end = socket_end
+        self.rest = bytearray()  # answers the ring had no room for yet, in order
+        self.high = 64 * 1024
+        self.closing = False
+        self.writing_paused = False
+
+    # --- the answers ---------------------------------------------------------
+
+    def _queue_rest(self, data: bytes, sent: int) -> None:
+        """cext/shmring.c's write: what did not fit waits here (then ShmMux's on_room)."""
+        if self.closing:
+            return
+        self.rest += memoryview(data)[sent:]
+        self.queued = 1
+        if len(self.rest) > self.high and not self.writing_paused:
+            self.writing_paused = True
+            self.protocol.pause_writing()
+
+    def on_room(self) -> None:
+        taken = self.put(self.rest)
+        del self.rest[:taken]
+        if not self.rest:
+            self.queued = 0
+        if self.writing_paused and len(self.rest) <= self.high // 4:
+            self.writing_paused = False
+            self.protocol.resume_writing()
+
+    def on_broken(self, error: BaseException) -> None:
+        """A ring index out of bounds, or the Connection's read raised: this one closes."""
+        conn = self.protocol
+        if isinstance(error, ProtocolError):
+            conn._fatal(error)
+        else:
+            log.error("%s: reading its ring failed", conn.where, exc_info=error)
+            self.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.rest)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is not None:
+            self.high = high
+
+    # --- the rest of asyncio.Transport the Connection calls --------------------
+
+    def pause_reading(self) -> None:
+        self.paused = 1
+
+    def resume_reading(self) -> None:
+        if self.paused:
+            self.paused = 0
+            self.shm.loop.call_soon(self.shm.mux.drain, -1)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.socket_end.get_extra_info(name, default)
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            self.shm.detach(self)
+            self.socket_end.close()  # its protocol (_SocketEnd) passes connection_lost on
+
+    def abort(self) -> None:
+        if not self.closing:
+            self.closing = True
+            self.shm.detach(self)
+        self.socket_end.abort()
+
+
+class _SocketEnd(asyncio.Protocol):
+    """The socket of a connection on rings: its end (or any byte on it) ends it."""
+
+    def __init__(self, conn: Connection, ring: ShmTransport) -> None:
+        self.conn = conn
+        self.ring = ring
+
+    def data_received(self, data: bytes) -> None:
+        self.conn._fatal(
+            ProtocolError(
+                f"{self.conn.where}: {len(data)} bytes on the socket of a connection on "
+                "shared rings (its requests go in the ring)"
+            )
+        )
+
+    def eof_received(self) -> bool:
+        self.ring.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ring.closing:
+            self.ring.closing = True
+            self.ring.shm.detach(self.ring)
+        self.conn.connection_lost(exc)
+        self.ring.protocol = None  # type: ignore[assignment]  # (the ring outlives it)

@@ -1,0 +1,218 @@
+"""The shared-memory rings' prototype (equeue serve --shm, equeue.aio.connect(url,
+shm=True); docs/benchmarks.md "perfshm (round 15)"): what it does do, each with a real
+broker: round trips, a ring smaller than a frame both ways, a peer SIGKILLed mid-frame,
+garbage in a ring and an index out of bounds closing that connection only."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_helpers import short_dir
+from shm_helpers import RawShm
+
+import equeue.aio
+from equeue.client.shmconn import ShmClientTransport
+from equeue.protocol import shmrings
+from equeue.protocol.frames import FRAME_HEADER, encode
+from equeue.server import BrokerThread
+from equeue.server.shm import ShmTransport
+
+pytestmark = pytest.mark.skipif(not shmrings.AVAILABLE, reason="needs the C accelerator, Linux")
+
+HERE = Path(__file__).resolve().parent
+
+
+def _broker(**settings: Any) -> Iterator[BrokerThread]:
+    base = short_dir()
+    with BrokerThread(base / "store", flush="sync", shm=True, **settings) as thread:
+        thread.store.create_topic("t", 1)
+        yield thread
+
+
+@pytest.fixture(name="broker")
+def _default_broker() -> Iterator[BrokerThread]:
+    yield from _broker()
+
+
+@pytest.fixture(name="small")
+def _small_broker() -> Iterator[BrokerThread]:
+    yield from _broker(shm_ring_bytes=4096)
+
+
+def _url(thread: BrokerThread) -> str:
+    return next(u for u in thread.urls if u.startswith("unix:"))
+
+
+def _on_rings(thread: BrokerThread) -> int:
+    return sum(type(c.transport) is ShmTransport for c in list(thread.broker.connections))
+
+
+async def _round_trips(url: str, connections: int, sends: int) -> list[Any]:
+    clients = [await equeue.aio.connect(url, shm=True, timeout=10) for _ in range(connections)]
+    try:
+        for client in clients:
+            assert type(client._protocol.transport) is ShmClientTransport  # type: ignore[union-attr]
+
+        async def lane(client: Any, index: int) -> list[Any]:
+            return [await client.send("t", f"{index}-{i}".encode()) for i in range(sends)]
+
+        return list(await asyncio.gather(*(lane(c, i) for i, c in enumerate(clients))))
+    finally:
+        for client in clients:
+            await client.close()
+
+
+def _wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_round_trips_of_many_connections_on_rings(broker: BrokerThread) -> None:
+    results = asyncio.run(_round_trips(_url(broker), 8, 25))
+    offsets = sorted(r.queue_offset for lane in results for r in lane)
+    assert offsets == list(range(200))
+    bodies = {m.body for m in broker.store.pull("t", 0, 0, 500).messages}
+    assert bodies == {f"{i}-{j}".encode() for i in range(8) for j in range(25)}
+    _wait_for(lambda: not broker.broker.connections, "the connections did not close")
+    assert broker.broker.shm is not None and not broker.broker.shm.groups  # eventfds closed
+
+
+def test_connections_on_rings_while_they_are_open(broker: BrokerThread) -> None:
+    async def run() -> None:
+        client = await equeue.aio.connect(_url(broker), shm=True, timeout=10)
+        other = await equeue.aio.connect(_url(broker), shm=True, timeout=10)
+        try:
+            await client.send("t", b"a")
+            await other.send("t", b"b")
+            assert _on_rings(broker) == 2
+            # the two connections of one loop are one group: one pair of eventfds
+            assert len(broker.broker.shm.groups) == 1  # type: ignore[union-attr]
+            got = await client.pull("t", 0, 0, 10)
+            assert [m.body for m in got.messages] == [b"a", b"b"]
+            assert await other.topics() == ["t"]
+        finally:
+            await client.close()
+            await other.close()
+
+    asyncio.run(run())
+
+
+def test_a_broker_without_shm_keeps_the_socket() -> None:
+    base = short_dir()
+    with BrokerThread(base / "store", flush="sync") as thread:
+        thread.store.create_topic("t", 1)
+
+        async def run() -> None:
+            client = await equeue.aio.connect(_url(thread), shm=True, timeout=10)
+            try:
+                assert type(client._protocol.transport) is not ShmClientTransport  # type: ignore[union-attr]
+                assert (await client.send("t", b"plain")).queue_offset == 0
+            finally:
+                await client.close()
+
+        asyncio.run(run())
+
+
+def test_frames_larger_than_the_ring_both_ways(small: BrokerThread) -> None:
+    bodies = [bytes([i]) * 1000 for i in range(40)]  # a 40 KB request into a 4 KiB ring
+
+    async def run() -> None:
+        client = await equeue.aio.connect(_url(small), shm=True, timeout=10)
+        try:
+            results = await client.send_batch("t", bodies)
+            assert [r.queue_offset for r in results] == list(range(40))
+            got = await client.pull("t", 0, 0, 40)  # a 40 KB answer out of one
+            assert [m.body for m in got.messages] == bodies
+            assert (await client.send("t", b"after")).queue_offset == 40
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert [m.body for m in small.store.pull("t", 0, 0, 50).messages] == [*bodies, b"after"]
+
+
+def test_a_peer_killed_mid_frame_leaves_the_others_served(broker: BrokerThread) -> None:
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "shm_kill_child.py"), _url(broker)[5:]],
+        stdout=subprocess.PIPE, text=True, cwd=HERE,
+        env=dict(os.environ, PYTHONPATH=f"{HERE.parent}{os.pathsep}{HERE}"),
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "written"
+        _wait_for(lambda: broker.broker.partial_bytes > 0, "the half frame was not read")
+        assert _on_rings(broker) == 1
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(20) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(20)
+    _wait_for(lambda: not broker.broker.connections, "the killed peer's connection stayed")
+    assert broker.broker.partial_bytes == 0
+    assert not broker.broker.shm.groups  # type: ignore[union-attr]
+    results = asyncio.run(_round_trips(_url(broker), 2, 3))
+    assert sorted(r.queue_offset for lane in results for r in lane) == list(range(6))
+    assert broker.store.queue_range("t", 0) == (0, 6)  # the half frame stored nothing
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        pytest.param(FRAME_HEADER.pack(3) + b"\xc1\xc1\xc1", id="not-msgpack"),
+        pytest.param(encode({"not": "a request"}), id="not-a-request"),
+        pytest.param(FRAME_HEADER.pack(0xFFFFFFF0) + b"x", id="too-large"),
+    ],
+)
+def test_garbage_in_a_ring_closes_that_connection_only(
+    broker: BrokerThread, garbage: bytes
+) -> None:
+    async def run() -> None:
+        client = await equeue.aio.connect(_url(broker), shm=True, timeout=10)
+        try:
+            assert (await client.send("t", b"before")).queue_offset == 0
+            peer = RawShm(_url(broker)[5:])
+            try:
+                assert peer.write(garbage) == len(garbage)
+                peer.wake()
+                assert await asyncio.to_thread(peer.socket_ended)
+                # the error answer (request id 0) was put in the answer ring first
+                assert peer.read_all()[4:5] == b"\x93"
+            finally:
+                peer.close()
+            assert (await client.send("t", b"after")).queue_offset == 1
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert broker.store.queue_range("t", 0) == (0, 2)
+
+
+def test_an_index_out_of_bounds_closes_that_connection_only(broker: BrokerThread) -> None:
+    async def run() -> None:
+        client = await equeue.aio.connect(_url(broker), shm=True, timeout=10)
+        try:
+            peer = RawShm(_url(broker)[5:])
+            try:
+                # the request ring's head past its tail by more than the ring holds
+                head = (2 * peer.ring_bytes + 1).to_bytes(8, "little")
+                peer.ring.raw(shmrings.REQUESTS_HEAD, head)
+                peer.wake()
+                assert await asyncio.to_thread(peer.socket_ended)
+            finally:
+                peer.close()
+            assert (await client.send("t", b"after")).queue_offset == 0
+        finally:
+            await client.close()
+
+    asyncio.run(run())

@@ -1,0 +1,245 @@
+"""The shared-memory rings' prototype against the socket, durable sends (perfshm, round 15).
+
+For each variant in turn, alternated ``--rounds`` times (A/B, B/A, ...): ``equeue serve
+--flush sync`` of the variant's tree on a Unix socket, and ``--shape`` client processes x
+tasks, each task with its own ``equeue.aio.connect`` and one 100 B ``send`` in flight,
+``--count`` sends each after an untimed warm-up. Variants: ``base`` (``--base`` tree, the
+socket), ``sock`` (this tree, the socket), ``shm`` (this tree, ``--shm`` and
+``connect(url, shm=True)``). Per send: the broker's CPU by thread (/proc/PID/task, as
+tools/bench_broker_kern.py), the clients' (each process's ``time.process_time``), the
+rate, sends per fdatasync, and an append + fdatasync loop in the same directory right
+after (the rate's yardstick).
+
+``--callgrind``: instead, each variant's broker and one client process (the shape's
+tasks in one process) under ``valgrind --tool=callgrind``, at ``--count`` and twice
+that: instructions a send = (Ir(2N) - Ir(N)) / sends, per side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_broker_kern import _threads
+
+HERE = Path(__file__).resolve().parent.parent
+BODY = b"x" * 100
+
+CLIENT = r"""
+import asyncio, json, sys, time
+import equeue.aio
+
+url, tasks, count, warm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+shm = sys.argv[5] == "1"
+body = b"x" * 100
+
+async def main():
+    options = {"shm": True} if shm else {}
+    clients = [await equeue.aio.connect(url, **options) for _ in range(tasks)]
+    async def lane(client, n):
+        for _ in range(n):
+            await client.send("t", body)
+    await asyncio.gather(*(lane(c, warm) for c in clients))
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    cpu, wall = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(lane(c, count) for c in clients))
+    used = {"cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall}
+    print(json.dumps(used), flush=True)
+    for c in clients:
+        await c.close()
+
+asyncio.run(main())
+"""
+
+
+def start_broker(
+    src: Path, directory: Path, shm: bool, prefix: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", "sync"]
+    argv += ["--shm"] if shm else []
+    broker = subprocess.Popen(
+        [*(prefix or []), *argv, "--quiet"], cwd=directory,
+        env=dict(os.environ, PYTHONPATH=str(src)), stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert broker.stdout is not None
+    line = broker.stdout.readline().decode()
+    if not line.startswith("listening on "):
+        broker.kill()
+        broker.wait(60)
+        raise SystemExit(f"the broker of {src} did not start: {line!r}")
+    return broker, line.split()[-1]
+
+
+def flushes(url: str) -> int:
+    import equeue
+
+    with equeue.connect(url) as client:
+        return int(client.stats()["flushes"])
+
+
+def fdatasync_loop(directory: Path, seconds: float = 2.0) -> float:
+    """Appends of 100 B, each followed by an fdatasync, for ``seconds``: per second."""
+    fd = os.open(directory / "loop.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        count = 0
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            os.write(fd, BODY)
+            os.fdatasync(fd)
+            count += 1
+        return count / (time.perf_counter() - started)
+    finally:
+        os.close(fd)
+
+
+def clients(
+    src: Path, url: str, shape: tuple[int, int], count: int, shm: bool, prefix: list[str]
+) -> list[subprocess.Popen[str]]:
+    processes, tasks = shape
+    started = []
+    for _ in range(processes):
+        argv = [sys.executable, "-c", CLIENT, url, str(tasks), str(count), "40", str(int(shm))]
+        env = dict(os.environ, PYTHONPATH=str(src))
+        pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+        started.append(subprocess.Popen([*prefix, *argv], cwd="/", env=env, text=True, **pipes))
+    for process in started:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":
+            raise SystemExit(f"a client of {src} did not start")
+    return started
+
+
+def run(variant: str, src: Path, shape: tuple[int, int], count: int) -> dict[str, Any]:
+    shm = variant == "shm"
+    directory = Path(tempfile.mkdtemp(prefix="perfshm-b", dir="/tmp"))
+    broker, url = start_broker(src, directory, shm)
+    try:
+        processes = clients(src, url, shape, count, shm, [])
+        before_flushes = flushes(url)
+        before = _threads(broker.pid)
+        for process in processes:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        reports = []
+        for process in processes:
+            assert process.stdout is not None
+            reports.append(json.loads(process.stdout.readline()))
+        after = _threads(broker.pid)
+        flushed = flushes(url) - before_flushes
+        for process in processes:
+            process.wait(60)
+    finally:
+        broker.terminate()
+        broker.wait(60)
+    loop_rate = fdatasync_loop(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+    sends = shape[0] * shape[1] * count
+    wall = max(r["wall"] for r in reports)
+    per_thread = {
+        name: {k: (v - before.get(name, {}).get(k, 0.0)) * 1e6 / sends for k, v in f.items()}
+        for name, f in after.items()
+    }
+    return {
+        "variant": variant,
+        "rate": sends / wall,
+        "loop": loop_rate,
+        "per_fdatasync": sends / max(flushed, 1),
+        "broker": sum(t.get("run", 0.0) for t in per_thread.values()),
+        "loop_user": per_thread.get("loop", {}).get("user", 0.0),
+        "loop_system": per_thread.get("loop", {}).get("system", 0.0),
+        "loop_run": per_thread.get("loop", {}).get("run", 0.0),
+        "clients": sum(r["cpu"] for r in reports) * 1e6 / sends,
+        "load": os.getloadavg()[0],
+    }
+
+
+def callgrind_total(path_glob: list[Path]) -> int:
+    total = 0
+    for path in path_glob:
+        hit = re.search(r"^(?:summary|totals):\s*(\d+)", path.read_text(), re.MULTILINE)
+        if hit:
+            total += int(hit.group(1))
+    return total
+
+
+def callgrind(variant: str, src: Path, shape: tuple[int, int], count: int) -> tuple[int, int]:
+    """(broker, client) instructions of ``count`` sends a task, start and end included."""
+    shm = variant == "shm"
+    directory = Path(tempfile.mkdtemp(prefix="perfshm-c", dir="/tmp"))
+    grind = ["valgrind", "--tool=callgrind", "--separate-threads=yes"]
+    broker_out = directory / "broker.out"
+    broker, url = start_broker(src, directory, shm, [*grind, f"--callgrind-out-file={broker_out}"])
+    client_out = directory / "client.out"
+    try:
+        (process,) = clients(
+            src, url, (1, shape[0] * shape[1]), count, shm,
+            [*grind, f"--callgrind-out-file={client_out}"],
+        )  # fmt: skip
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        process.stdout.readline()
+        process.wait(600)
+    finally:
+        broker.terminate()
+        broker.wait(600)
+    result = (
+        callgrind_total(sorted(directory.glob("broker.out*"))),
+        callgrind_total(sorted(directory.glob("client.out*"))),
+    )
+    shutil.rmtree(directory, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", type=Path, required=True, help="the baseline tree")
+    parser.add_argument("--variants", default="base,shm", help="of base, sock, shm")
+    parser.add_argument("--shape", default="1x64", help="processes x tasks")
+    parser.add_argument("--count", type=int, default=1000, help="sends a task")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--callgrind", action="store_true")
+    options = parser.parse_args()
+    processes, tasks = (int(v) for v in options.shape.split("x"))
+    shape = (processes, tasks)
+    variants = options.variants.split(",")
+    for round_ in range(options.rounds):
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
+            src = options.base if variant == "base" else HERE
+            if options.callgrind:
+                one = callgrind(variant, src, shape, options.count)
+                two = callgrind(variant, src, shape, 2 * options.count)
+                sends = processes * tasks * options.count
+                print(
+                    f"{variant} {options.shape} callgrind: broker "
+                    f"{(two[0] - one[0]) / sends:,.0f}, client {(two[1] - one[1]) / sends:,.0f} "
+                    "instructions a send",
+                    flush=True,
+                )
+                continue
+            r = run(variant, src, shape, options.count)
+            print(
+                f"{variant} {options.shape}: {r['rate']:,.0f} sends/s, loop {r['loop']:,.0f}/s "
+                f"({r['rate'] / r['loop']:.1f}x), {r['per_fdatasync']:.1f} sends/fdatasync; "
+                f"us a send: broker {r['broker']:.2f} (loop user {r['loop_user']:.2f} system "
+                f"{r['loop_system']:.2f} run {r['loop_run']:.2f}), clients {r['clients']:.2f}, "
+                f"sum {r['broker'] + r['clients']:.2f}; load {r['load']:.1f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
