@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -121,12 +122,52 @@ def clients(
     return started
 
 
-def run(variant: str, src: Path, shape: tuple[int, int], count: int) -> dict[str, Any]:
+def count_syscalls(pids: list[int], directory: Path) -> list[subprocess.Popen[bytes]]:
+    """perf stat counting every system call of each pid (a tracepoint count: cheap)."""
+    counters = [
+        subprocess.Popen(
+            [
+                "perf",
+                "stat",
+                "-x",
+                ",",
+                "-e",
+                "raw_syscalls:sys_enter",
+                "-p",
+                str(pid),
+                "-o",
+                str(directory / f"sys.{index}"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for index, pid in enumerate(pids)
+    ]
+    time.sleep(1.0)  # attached before the measured sends
+    return counters
+
+
+def counted(counters: list[subprocess.Popen[bytes]], directory: Path) -> list[int]:
+    for counter in counters:
+        counter.send_signal(signal.SIGINT)
+        counter.wait(60)
+    found = []
+    for index in range(len(counters)):
+        lines = (directory / f"sys.{index}").read_text().splitlines()
+        found.append(sum(int(line.split(",")[0]) for line in lines if "raw_syscalls" in line))
+    return found
+
+
+def run(
+    variant: str, src: Path, shape: tuple[int, int], count: int, syscalls: bool = False
+) -> dict[str, Any]:
     shm = variant == "shm"
     directory = Path(tempfile.mkdtemp(prefix="perfshm-b", dir="/tmp"))
     broker, url = start_broker(src, directory, shm)
     try:
         processes = clients(src, url, shape, count, shm, [])
+        pids = [broker.pid, *(p.pid for p in processes)]
+        counters = count_syscalls(pids, directory) if syscalls else []
         before_flushes = flushes(url)
         before = _threads(broker.pid)
         for process in processes:
@@ -139,6 +180,7 @@ def run(variant: str, src: Path, shape: tuple[int, int], count: int) -> dict[str
             reports.append(json.loads(process.stdout.readline()))
         after = _threads(broker.pid)
         flushed = flushes(url) - before_flushes
+        calls = counted(counters, directory) if syscalls else [0, 0]
         for process in processes:
             process.wait(60)
     finally:
@@ -163,6 +205,8 @@ def run(variant: str, src: Path, shape: tuple[int, int], count: int) -> dict[str
         "loop_run": per_thread.get("loop", {}).get("run", 0.0),
         "clients": sum(r["cpu"] for r in reports) * 1e6 / sends,
         "load": os.getloadavg()[0],
+        "broker_calls": calls[0] / sends,
+        "client_calls": sum(calls[1:]) / sends,
     }
 
 
@@ -179,7 +223,12 @@ def callgrind(variant: str, src: Path, shape: tuple[int, int], count: int) -> tu
     """(broker, client) instructions of ``count`` sends a task, start and end included."""
     shm = variant == "shm"
     directory = Path(tempfile.mkdtemp(prefix="perfshm-c", dir="/tmp"))
-    grind = ["valgrind", "--tool=callgrind", "--separate-threads=yes"]
+    grind = [
+        "valgrind",
+        "--tool=callgrind",
+        "--separate-threads=yes",
+        f"--log-file={directory}/vg.%p",
+    ]
     broker_out = directory / "broker.out"
     broker, url = start_broker(src, directory, shm, [*grind, f"--callgrind-out-file={broker_out}"])
     client_out = directory / "client.out"
@@ -212,6 +261,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1000, help="sends a task")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--callgrind", action="store_true")
+    parser.add_argument("--syscalls", action="store_true", help="system calls a send (perf)")
     options = parser.parse_args()
     processes, tasks = (int(v) for v in options.shape.split("x"))
     shape = (processes, tasks)
@@ -230,13 +280,19 @@ def main() -> None:
                     flush=True,
                 )
                 continue
-            r = run(variant, src, shape, options.count)
+            r = run(variant, src, shape, options.count, options.syscalls)
             print(
                 f"{variant} {options.shape}: {r['rate']:,.0f} sends/s, loop {r['loop']:,.0f}/s "
                 f"({r['rate'] / r['loop']:.1f}x), {r['per_fdatasync']:.1f} sends/fdatasync; "
                 f"us a send: broker {r['broker']:.2f} (loop user {r['loop_user']:.2f} system "
                 f"{r['loop_system']:.2f} run {r['loop_run']:.2f}), clients {r['clients']:.2f}, "
-                f"sum {r['broker'] + r['clients']:.2f}; load {r['load']:.1f}",
+                f"sum {r['broker'] + r['clients']:.2f}; load {r['load']:.1f}"
+                + (
+                    f"; system calls a send: broker {r['broker_calls']:.2f}, clients "
+                    f"{r['client_calls']:.2f}"
+                    if options.syscalls
+                    else ""
+                ),
                 flush=True,
             )
 

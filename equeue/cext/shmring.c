@@ -461,6 +461,9 @@ static int deliver(ShmRing *ring) {
     for (int reads = 0; reads < 16 && !ring->paused && !ring->broken && ring->base; reads++) {
         PyObject *protocol = ring->protocol;
         if (protocol == NULL || protocol == Py_None) return any;
+        /* nothing waiting: no call (most of a group's rings, most of the time) */
+        uint64_t head = atomic_load_explicit(&ring->in->head, memory_order_relaxed);
+        if (head == ring->in_tail) return any;
         Py_INCREF(protocol);
         PyObject *buf = PyObject_CallMethodOneArg(protocol, S_get_buffer, MINUS_ONE);
         Py_ssize_t n = -1;

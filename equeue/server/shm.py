@@ -132,7 +132,7 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
         self.protocol = conn
         self.socket_end = socket_end
         self.rest = bytearray()  # answers the ring had no room for yet, in order
-        self.high = 64 * 1024
+        self.high = conn.broker.config.write_buffer_high  # (as the socket's transport had)
         self.closing = False
         self.writing_paused = False
 
