@@ -32,10 +32,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_broker_cpu import _broker
 from bench_broker_kern import _threads
+from brokerbench.jobs import FdatasyncLoop
 
 HERE = Path(__file__).resolve().parent.parent
-BODY = b"x" * 100
 
 CLIENT = r"""
 import asyncio, json, sys, time
@@ -68,19 +69,7 @@ asyncio.run(main())
 def start_broker(
     src: Path, directory: Path, shm: bool, prefix: list[str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", "sync"]
-    argv += ["--shm"] if shm else []
-    broker = subprocess.Popen(
-        [*(prefix or []), *argv, "--quiet"], cwd=directory,
-        env=dict(os.environ, PYTHONPATH=str(src)), stdout=subprocess.PIPE,
-    )  # fmt: skip
-    assert broker.stdout is not None
-    line = broker.stdout.readline().decode()
-    if not line.startswith("listening on "):
-        broker.kill()
-        broker.wait(60)
-        raise SystemExit(f"the broker of {src} did not start: {line!r}")
-    return broker, line.split()[-1]
+    return _broker(src, directory, prefix or [], "sync", ("--shm",) if shm else ())
 
 
 def flushes(url: str) -> int:
@@ -91,18 +80,15 @@ def flushes(url: str) -> int:
 
 
 def fdatasync_loop(directory: Path, seconds: float = 2.0) -> float:
-    """Appends of 100 B, each followed by an fdatasync, for ``seconds``: per second."""
-    fd = os.open(directory / "loop.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    """tools/bench_broker.py's yardstick (100 B appends, each with an fdatasync) for
+    ``seconds``: per second."""
+    job = {"dir": str(directory), "body": 100, "count": 1 << 30, "cap": seconds}
+    loop = FdatasyncLoop(job)
     try:
-        count = 0
-        started = time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            os.write(fd, BODY)
-            os.fdatasync(fd)
-            count += 1
-        return count / (time.perf_counter() - started)
+        done = loop.run()
     finally:
-        os.close(fd)
+        loop.close()
+    return float(done["count"] / (done["t1"] - done["t0"]))
 
 
 def clients(
