@@ -209,6 +209,8 @@ def test_an_index_out_of_bounds_closes_that_connection_only(broker: BrokerThread
                 peer.ring.raw(shmrings.REQUESTS_HEAD, head)
                 peer.wake()
                 assert await asyncio.to_thread(peer.socket_ended)
+                # refused for the index, before any byte past the ring was taken
+                assert b"index is out of bounds" in peer.read_all()
             finally:
                 peer.close()
             assert (await client.send("t", b"after")).queue_offset == 0

@@ -278,7 +278,8 @@ static int publish(ShmRing *self) {
 
 /* Up to n bytes of src into the out ring: how many, or -1 with an error. */
 static Py_ssize_t ring_put(ShmRing *self, const char *src, Py_ssize_t n) {
-    if (self->base == NULL || self->broken) return 0;
+    /* (broken: the in ring's index; the out ring's is checked here, by out_room) */
+    if (self->base == NULL) return 0;
     int64_t room = out_room(self);
     if (room < 0) return -1;
     if (room < n) { /* full: ask the reader to wake us once it took some, then look again */

@@ -160,7 +160,9 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
     def on_broken(self, error: BaseException) -> None:
         """A ring index out of bounds, or the Connection's read raised: this one closes."""
         conn = self.protocol
-        if isinstance(error, ProtocolError):
+        if isinstance(error, ShmRingError):  # (from C: it does not know the connection)
+            conn._fatal(ShmRingError(f"{conn.where}: {error}"))
+        elif isinstance(error, ProtocolError):
             conn._fatal(error)
         else:
             log.error("%s: reading its ring failed", conn.where, exc_info=error)
