@@ -11,8 +11,10 @@ rate, sends per fdatasync, and an append + fdatasync loop in the same directory 
 after (the rate's yardstick).
 
 ``--callgrind``: instead, each variant's broker and one client process (the shape's
-tasks in one process) under ``valgrind --tool=callgrind``, at ``--count`` and twice
-that: instructions a send = (Ir(2N) - Ir(N)) / sends, per side.
+tasks in one process) under ``valgrind --tool=callgrind``, collecting only while the
+measured sends run (callgrind_control): instructions a send, per side. (The difference
+of two runs, Ir(2N) - Ir(N), was tried first: on a loaded host it came out negative in
+one run; what a slowed process does per unit of time swamps it.)
 """
 
 from __future__ import annotations
@@ -199,34 +201,39 @@ def run(
 def callgrind_total(path_glob: list[Path]) -> int:
     total = 0
     for path in path_glob:
-        hit = re.search(r"^(?:summary|totals):\s*(\d+)", path.read_text(), re.MULTILINE)
+        hit = re.search(r"^totals:\s*(\d+)", path.read_text(), re.MULTILINE)
         if hit:
             total += int(hit.group(1))
     return total
 
 
 def callgrind(variant: str, src: Path, shape: tuple[int, int], count: int) -> tuple[int, int]:
-    """(broker, client) instructions of ``count`` sends a task, start and end included."""
+    """(broker, client) instructions of the measured sends alone: both processes under
+    callgrind with collection off, switched on (callgrind_control -i) after the warm-up
+    and off after the last answer, so neither start, connects nor end is counted."""
     shm = variant == "shm"
     directory = Path(tempfile.mkdtemp(prefix="perfshm-c", dir="/tmp"))
     grind = [
-        "valgrind",
-        "--tool=callgrind",
-        "--separate-threads=yes",
+        "valgrind", "--tool=callgrind", "--separate-threads=yes", "--instr-atstart=no",
         f"--log-file={directory}/vg.%p",
-    ]
-    broker_out = directory / "broker.out"
-    broker, url = start_broker(src, directory, shm, [*grind, f"--callgrind-out-file={broker_out}"])
-    client_out = directory / "client.out"
+    ]  # fmt: skip
+    broker_out = f"--callgrind-out-file={directory}/broker.out"
+    broker, url = start_broker(src, directory, shm, [*grind, broker_out])
     try:
         (process,) = clients(
             src, url, (1, shape[0] * shape[1]), count, shm,
-            [*grind, f"--callgrind-out-file={client_out}"],
+            [*grind, f"--callgrind-out-file={directory}/client.out"],
         )  # fmt: skip
         assert process.stdin is not None and process.stdout is not None
+        pids = [str(broker.pid), str(process.pid)]
+        for pid in pids:
+            subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
         process.stdin.write("go\n")
         process.stdin.flush()
         process.stdout.readline()
+        for pid in pids:
+            subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
+        process.stdin.close()
         process.wait(600)
     finally:
         broker.terminate()
@@ -256,13 +263,11 @@ def main() -> None:
         for variant in variants if round_ % 2 == 0 else variants[::-1]:
             src = options.base if variant == "base" else HERE
             if options.callgrind:
-                one = callgrind(variant, src, shape, options.count)
-                two = callgrind(variant, src, shape, 2 * options.count)
+                broker_ir, client_ir = callgrind(variant, src, shape, options.count)
                 sends = processes * tasks * options.count
                 print(
-                    f"{variant} {options.shape} callgrind: broker "
-                    f"{(two[0] - one[0]) / sends:,.0f}, client {(two[1] - one[1]) / sends:,.0f} "
-                    "instructions a send",
+                    f"{variant} {options.shape} callgrind: broker {broker_ir / sends:,.0f}, "
+                    f"client {client_ir / sends:,.0f} instructions a send",
                     flush=True,
                 )
                 continue
