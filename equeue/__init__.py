@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from equeue.errors import (
     AuthenticationError,
     BrokerError,
+    BrokerTooOldError,
     ChecksumMismatchError,
     ChunkRemovedError,
     ClosedError,
@@ -22,6 +23,7 @@ from equeue.errors import (
     FencedMemberError,
     FrameTooLargeError,
     GroupError,
+    GroupNotFoundError,
     InvalidMessageError,
     InvalidRecordError,
     InvalidTypeError,
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError",
     "BrokerError",
+    "BrokerTooOldError",
     "ChecksumMismatchError",
     "ChunkRemovedError",
     "ClosedError",
@@ -86,6 +89,7 @@ __all__ = [
     "FencedMemberError",
     "FrameTooLargeError",
     "GroupError",
+    "GroupNotFoundError",
     "InvalidMessageError",
     "InvalidRecordError",
     "InvalidTypeError",

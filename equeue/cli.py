@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from equeue import __version__
+from equeue import __version__, groupcli
 from equeue.errors import CorruptionError, EQueueError, NotAStoreError
 from equeue.inspect.follow import POLL_SECONDS, Follower
 from equeue.inspect.layout import UsageError, open_store
@@ -429,6 +429,13 @@ COMMANDS: list[Command] = [
         "rewrite completed chunks without the messages the topics' cleanup policy removes (Spark)",
         _configure_compact,
         _run_compact,
+    ),
+    Command(
+        "delete-group",
+        "delete a consumer group: its committed offsets and retry topic (no writer may run: "
+        "a broker deletes it with the op delete_group)",
+        groupcli.configure,
+        groupcli.run,
     ),
     Command(
         "serve",

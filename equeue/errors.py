@@ -322,6 +322,11 @@ class ProtocolError(EQueueError):
     carried it is closed; other connections and the store are not affected."""
 
 
+class BrokerTooOldError(ProtocolError):
+    """The broker's protocol version (its welcome's) is older than the one an operation
+    needs: refused by the client before anything is sent; the connection stays open."""
+
+
 class FrameTooLargeError(ProtocolError):
     """A frame's declared length exceeds the receiver's ``max_frame_bytes``."""
 
@@ -378,6 +383,11 @@ class GroupError(EQueueError):
     """A consumer-group request the broker cannot honour: a queue pulled or committed
     by a consumer that is not its owner in the group's current generation, or a
     consumer id the group does not know (its session expired)."""
+
+
+class GroupNotFoundError(GroupError, LookupError):
+    """``delete_group`` of a consumer group the store does not have: no committed offset,
+    no group file and no retry topic of that name."""
 
 
 class FencedMemberError(GroupError):

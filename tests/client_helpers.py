@@ -116,10 +116,14 @@ class FakeBroker:
         assert not self.errors, self.errors
 
 
+START_SECONDS = 180  # at most, for a broker process to say it listens
+EXIT_SECONDS = 60  # at most, for one to exit after a signal
+
+
 class BrokerProcess:
     """``equeue serve STORE`` as a child process (the real broker, killable): ``url`` is
     its Unix socket. ``kill()`` SIGKILLs it, ``start()`` runs it again on the same store;
-    ``stop()`` (SIGTERM, then SIGKILL after 10 s) is for every test's teardown."""
+    ``stop()`` (SIGTERM, then SIGKILL after EXIT_SECONDS) is for every test's teardown."""
 
     def __init__(self, store: Path, *options: str) -> None:
         self.store = store
@@ -136,7 +140,10 @@ class BrokerProcess:
                 [*command, *self.options], stdout=subprocess.PIPE, stderr=log, text=True
             )
         assert self.process.stdout is not None
-        deadline = time.monotonic() + 30
+        # A bound for a broker that hangs, not a speed: at load 26 on 2 cores its start
+        # (the imports) took 8.8 s, and 30 s was seen passed at load 10-30 (the test then
+        # failed with an empty log); one that exits is seen at once (poll() below).
+        deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.process.stdout], [], [], 0.5)
             if ready:
@@ -155,7 +162,7 @@ class BrokerProcess:
     def kill(self) -> None:
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
+        self.process.wait(EXIT_SECONDS)
         self._close_streams()
 
     def _close_streams(self) -> None:
@@ -168,10 +175,10 @@ class BrokerProcess:
             return
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(10)
+            process.wait(EXIT_SECONDS)
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait(10)
+            process.wait(EXIT_SECONDS)
         self._close_streams()
 
     def __enter__(self) -> BrokerProcess:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 from server_helpers import short_dir
 
+import equeue
 from equeue import MessageStore
 from equeue.server import BrokerThread
 
@@ -38,3 +39,14 @@ def broker_thread(topic: str, queues: int) -> Iterator[str]:
             thread.stop()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def filled_broker_thread(topic: str, count: int) -> Iterator[str]:
+    """broker_thread with one queue holding ``count`` messages b"m-0", b"m-1", ...: its
+    URL."""
+    with broker_thread(topic, 1) as url:
+        with equeue.connect(url) as client:
+            for i in range(count):
+                client.send(topic, b"m-%d" % i)
+        yield url

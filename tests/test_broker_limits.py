@@ -152,6 +152,38 @@ def test_a_hello_sent_twice_is_refused_without_quoting_its_token(
     assert not [r for r in caplog.records if TOKEN in r.getMessage()]
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        [2, TOKEN, {}],
+        [TOKEN, "ping", {}],
+        [3, "ping", {"a": 1}, TOKEN],
+        [[TOKEN], "ping", {}],
+        TOKEN,
+    ],
+    ids=["as-op", "as-id", "an-extra-item", "in-a-list", "alone"],
+)
+def test_a_token_sent_where_a_request_goes_is_not_quoted(
+    home: Path, caplog: pytest.LogCaptureFixture, body: Any
+) -> None:
+    """The token where an op or a request id goes, or anywhere in a list (review4 R7):
+    the connection's error and the broker's log lines say types (and a map's keys), not
+    the token."""
+    with (
+        BrokerThread(home / "s", token_file=str(token_file(home))) as running,
+        raw(running.urls[0], token=TOKEN) as client,
+    ):
+        client.send_raw(encode(body))
+        error = client.closed_with()
+    assert error["code"] == "ProtocolError", error
+    assert TOKEN not in error["message"], error
+    assert not [r.getMessage() for r in caplog.records if TOKEN in r.getMessage()]
+    if body[0] == 2:
+        assert error["message"].endswith("unknown op (a string of 12 characters)"), error
+    elif body[1] == "ping":
+        assert " items [" in error["message"], error  # what the items are is said
+
+
 def test_groups_are_limited_by_max_groups_and_a_refused_join_makes_nothing(home: Path) -> None:
     with BrokerThread(home / "s", max_groups=2) as running, raw(running.urls[0]) as client:
         client.call("create_topic", topic="t", queue_count=1)

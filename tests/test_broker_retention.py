@@ -68,7 +68,7 @@ def test_a_cli_broker_with_retention_removes_old_chunks_while_a_group_reads_on(
                     offsets.append(message.queue_offset)
                     if message.body == b"late":
                         break
-                skipped = client.stats()["groups"]["g"]["skipped"]
+                skipped = client.stats("g")["groups"]["g"]["skipped"]
             finally:
                 consumer.close()
     finally:

@@ -100,6 +100,7 @@ OPS: list[Op] = [
     lambda s: s.committed_offset("g", "a", 1),
     lambda s: s.committed_offset("g", "a", -1),
     lambda s: s.topics(),
+    lambda s: s.deleted_topics(),
     lambda s: s.queue_ids("a"),
     lambda s: s.queue_range("a", 0),
     lambda s: s.create_topic("a", 3),

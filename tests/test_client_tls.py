@@ -92,3 +92,19 @@ def test_tcp_on_loopback(home: Path) -> None:
                 return len({r.message_id for r in results})
 
         assert asyncio.run(with_aio()) == 100
+
+
+def test_tls_to_a_plain_listener_is_refused_at_once(home: Path) -> None:
+    """A tls:// URL against a plain-TCP listener: no retry changes the listener, so it is
+    refused at the first attempt, naming TLS (reviewk F11: retried for connect_timeout)."""
+    with BrokerThread(home / "s", listen=["tcp://127.0.0.1:0"]) as running:
+        (url,) = running.urls
+        wrong = url.replace("tcp://", "tls://")
+        with pytest.raises(ConnectionLostError, match="listening with TLS") as raised:
+            equeue.connect(wrong, connect_timeout=30)
+        assert "attempts" not in str(raised.value)
+        with pytest.raises(ConnectionLostError, match="listening with TLS") as raised:
+            asyncio.run(equeue.aio.connect(wrong, connect_timeout=30))
+        assert "attempts" not in str(raised.value)
+        with equeue.connect(url) as client:  # (the listener is there, plain)
+            assert client.send("t", b"tcp").topic == "t"

@@ -450,3 +450,25 @@ def test_a_slightly_late_tick_forgives_nothing(coord: GroupCoordinator, clock: C
     clock.now += groups.LATE_TICK_S
     coord.tick()  # 1.25 s silent
     assert coord.stats() == {}
+
+
+def test_a_tick_builds_no_queue_list_while_no_topic_changed(
+    coord: GroupCoordinator, store: MessageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reviewg F15: each tick (every 100 ms) built and sorted the group's queue list to
+    compare it (5.0 ms of CPU at 16 topics x 1,024 queues); now each topic's count."""
+    coord.join("g", "a", ["orders"], 1000)
+    built: list[str] = []
+    build = coord._queues
+
+    def spy(state: Any) -> list[tuple[str, int]]:
+        built.append(state.name)
+        return build(state)
+
+    monkeypatch.setattr(coord, "_queues", spy)
+    coord.tick()
+    coord.tick()
+    assert built == []
+    store.create_topic("orders", 10)  # the control: a change is still seen
+    coord.tick()
+    assert built == ["g"] and coord.heartbeat("g", "a")["generation"] == 2

@@ -304,9 +304,9 @@ def test_a_member_whose_caller_stalls_gives_its_queues_up(
             while len(other.assignment()) < 5:  # a's caller never comes back
                 assert time.monotonic() < deadline, other.assignment()
                 other.poll(0.05)
-            assert client.stats()["coordinator"]["g"]["members"].keys() == {"b"}
+            assert client.stats("g")["coordinator"]["g"]["members"].keys() == {"b"}
             assert stuck.poll(0.5) is None  # back: it joins again (and gets a share)
-            assert "a" in client.stats()["coordinator"]["g"]["members"]
+            assert "a" in client.stats("g")["coordinator"]["g"]["members"]
         finally:
             stuck.close()
             other.close()

@@ -113,7 +113,7 @@ def test_two_processes_with_one_consumer_id_the_older_is_fenced() -> None:
             assert older.stop() == 3
             assert newer.errors() == []
             assert len(older.ids()) == 200 and not older.ids() & newer.ids()
-            members = client.stats()["coordinator"]["g"]["members"]
+            members = client.stats("g")["coordinator"]["g"]["members"]
             assert list(members) == ["worker-1"] and len(members["worker-1"]["queues"]) == 5
         finally:
             older.stop()
@@ -125,7 +125,7 @@ def test_two_processes_with_one_consumer_id_the_older_is_fenced() -> None:
 
 def coordinator(url: str) -> dict[str, Any]:
     with equeue.connect(url) as client:
-        found: dict[str, Any] = client.stats()["coordinator"]["g"]
+        found: dict[str, Any] = client.stats("g")["coordinator"]["g"]
         return found
 
 
@@ -200,7 +200,7 @@ def test_a_fixed_id_member_reads_on_across_a_broker_restart_and_its_own_reconnec
                 with equeue.connect(broker.url) as producer:  # (a send on it would fail)
                     producer.send_batch(TOPIC, [b"c%d" % i for i in range(10)])
                 consume(consumer, got, 30)
-                assert list(client.stats()["coordinator"]["g"]["members"]) == ["w"]
+                assert list(client.stats("g")["coordinator"]["g"]["members"]) == ["w"]
             finally:
                 consumer.close()
     assert got == {b"%s%d" % (p, i) for p in (b"a", b"b", b"c") for i in range(10)}
@@ -302,7 +302,7 @@ def test_blocking_members_of_one_id_the_older_raises_and_closes_without_leaving(
             with pytest.raises(FencedMemberError):
                 older.commit()
             older.close()  # no leave: the newer member stays
-            assert list(first.stats()["coordinator"]["g"]["members"]) == ["w"]
+            assert list(first.stats("g")["coordinator"]["g"]["members"]) == ["w"]
             got = newer.poll(5.0)
             assert got is not None and got.body == b"m"
         finally:
@@ -326,7 +326,7 @@ def test_asyncio_members_of_one_id_the_older_raises(thread_broker: str) -> None:
             with pytest.raises(FencedMemberError):
                 await older.poll(0)
             await older.close()
-            stats = await second.stats()
+            stats = await second.stats("g")
             assert list(stats["coordinator"]["g"]["members"]) == ["w"]
             got = await newer.poll(5.0)
             assert got is not None and got.body == b"m"

@@ -114,7 +114,7 @@ def test_sigkilled_member_queues_move_and_nothing_is_lost(home: Path) -> None:
         with equeue.connect(url) as client:  # the producers start once each holds its share
 
             def settled() -> bool:
-                group = client.stats()["coordinator"].get(GROUP, {})
+                group = client.stats(GROUP)["coordinator"].get(GROUP, {})
                 held = [len(m["queues"]) for m in group.get("members", {}).values()]
                 return held == [3, 3, 3]
 

@@ -110,8 +110,8 @@ def test_bad_hellos(hello: object) -> None:
 
 def test_welcome_with_an_unknown_version_is_refused() -> None:
     limits = {name: 10 for name in handshake.LIMIT_NAMES}
-    with pytest.raises(errors.ProtocolError, match="version 5"):
-        handshake.Welcome.unpack({"version": 5, "server": "x", "limits": limits}, "t")
+    with pytest.raises(errors.ProtocolError, match="version 6"):
+        handshake.Welcome.unpack({"version": 6, "server": "x", "limits": limits}, "t")
     with pytest.raises(errors.ProtocolError, match="max_frame_bytes"):
         handshake.Welcome.unpack({"version": 1, "server": "x", "limits": {}}, "t")
 
@@ -210,7 +210,17 @@ _VALUES = st.one_of(
 )  # fmt: skip
 
 
-_GOOD = {str: "t", bytes: b"b", list: [], dict: {}, float: 1.5, int: 7, ops.UINT: 3, ops.NIL: None}
+_GOOD = {
+    str: "t",
+    bytes: b"b",
+    list: [],
+    dict: {},
+    float: 1.5,
+    int: 7,
+    ops.UINT: 3,
+    ops.NIL: None,
+    bool: True,
+}
 
 
 @settings(max_examples=400)
@@ -246,3 +256,14 @@ def test_a_welcome_keeps_a_zero_properties_size_and_drops_a_zero_count() -> None
     assert welcome.limits["max_properties_size"] == 0
     assert welcome.limits["max_message_size"] == 1000
     assert "max_pull_count" not in welcome.limits  # a count of 0 means nothing: dropped
+
+
+def test_an_op_newer_than_the_welcome_is_refused_by_the_client_before_sending() -> None:
+    from equeue.client.core import RequestEncoder
+
+    older = RequestEncoder(1 << 20, "unix:/x/broker.sock", version=4)
+    with pytest.raises(errors.BrokerTooOldError, match=r"version 4; deleted_topics is of version"):
+        older.frame(1, "deleted_topics", {})
+    assert older.frame(2, "topics", {})  # the ops version 4 has still go
+    current = RequestEncoder(1 << 20, "unix:/x/broker.sock", version=5)
+    assert current.frame(3, "deleted_topics", {})

@@ -123,7 +123,7 @@ def test_without_respecting_consumers_a_lost_retry_is_logged_and_counted_once(
         assert coord.retries.lost_to_retention == 1
         assert retry_and_retention(store, coord.retries)["retry"] == {
             "moved": 0, "dead_lettered": 0, "pending": 0, "lost_to_retention": 1,
-            "nacked_removed": 0, "nacked_again": 0,
+            "nacked_removed": 0, "nacked_again": 0, "dropped_deleted_group": 0,
         }  # fmt: skip
         said = [r.getMessage() for r in caplog.records if "before they were due" in r.message]
         assert len(said) == 1, said

@@ -51,6 +51,7 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         assert call("ping") is None
         assert call("create_topic", topic="t", queue_count=2) is None
         assert call("topics") == ["t"]
+        assert call("deleted_topics") == {}  # protocol version 5
         assert call("queue_ids", topic="t") == [0, 1]
         first = unpack_send_result(
             call("send", topic="t", body=b"one", tag="a", key="k", properties={"p": "v"}, code=7,
@@ -90,7 +91,10 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         assert isinstance(stats, dict)
         assert stats["connections"] == 1 and stats["sends"] == 3
         assert [x["client"] for x in stats["clients"]] == ["test"]
-        assert stats["groups"]["g"]["queues"]["t/1"] == {
+        assert stats["groups"]["g"] == {"lag": 1, "queue_count": 1, "skipped_count": 0}
+        assert stats["groups_omitted"] == 0 and stats["coordinator_omitted"] == 0
+        # protocol version 5: one group's detail
+        assert call("stats", group="g")["groups"]["g"]["queues"]["t/1"] == {
             "committed": 2, "end": 3, "lag": 1,
         }  # fmt: skip
         # protocol version 2's batch of bodies, answered in columns
@@ -98,6 +102,12 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         sent = unpack_send_columns(columns, "test")
         assert [(r.topic, r.queue_offset) for r in sent] == [("u", 0), ("u", 0), ("u", 0)]
         assert [call("get", message_id=r.message_id)[9] for r in sent] == [b"a", b"b", b"c"]
+        broker.store.delete_topic("u")  # (the broker's store: on the loop's thread's lock)
+        assert call("deleted_topics") == broker.store.deleted_topics() != {}
+        # protocol version 5: a group deleted (docs/protocol.md, "Deleting a group")
+        assert call("commit_offset", group="d", topic="t", queue_id=1, offset=1) is None
+        assert call("delete_group", group="d") == {"group": "d", "offsets": 1, "topics": []}
+        assert call("committed_offset", group="d", topic="t", queue_id=1) is None
     group_ops = {"join", "heartbeat", "leave", "nack"}  # test_server_groups.py
     assert seen | group_ops == set(OPS)
     store = broker.store
@@ -276,7 +286,7 @@ def test_group_ops_reach_the_coordinator_and_guard_pulls_and_commits(broker: Bro
         a.call("heartbeat", group="grp", consumer="a", generation=beat["generation"])
         assigned = b.call("heartbeat", group="grp", consumer="b")["assignment"]
         assert assigned and all(tuple(q) not in map(tuple, beat["assignment"]) for q in assigned)
-        stats = a.call("stats")
+        stats = a.call("stats", group="grp")
         assert set(stats["coordinator"]["grp"]["members"]) == {"a", "b"}
         assert stats["groups"]["grp"]["queues"]["g/0"]["committed"] == 1
         assert a.call("leave", group="grp", consumer="a") is None
@@ -303,10 +313,12 @@ def test_status_command_prints_the_stats(broker: BrokerThread) -> None:
     command = [sys.executable, "-m", "equeue", "serve", str(broker.store.path), "--status"]
     shown = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
-    assert "connections: 1" in shown.stdout and "group sg: lag 1" in shown.stdout
+    assert "connections: 1" in shown.stdout and "group sg: lag 1 over 1 queues" in shown.stdout
+    one = subprocess.run([*command, "--status-group", "sg"], capture_output=True, text=True)
+    assert "  st/0: committed 0 end 1 lag 1" in one.stdout, one.stderr
     as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
     stats = json.loads(as_json.stdout)
-    assert stats["groups"]["sg"]["queues"]["st/0"] == {"committed": 0, "end": 1, "lag": 1}
+    assert stats["groups"]["sg"] == {"lag": 1, "queue_count": 1, "skipped_count": 0}
     assert stats["sends"] >= 1 and "sends_per_s" in stats["rates"]
     missing = subprocess.run(
         [*command[:-2], str(broker.store.path.parent / "none"), "--status"],

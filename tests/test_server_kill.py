@@ -26,6 +26,7 @@ from equeue import MessageStore
 from equeue.protocol.frames import MESSAGE_OVERHEAD
 
 PRODUCERS = 3
+SEEN_SECONDS = 300  # at most, for the producers' sends to show what a test waits for
 HERE = Path(__file__).parent
 
 
@@ -69,20 +70,29 @@ def run_until(
     broker, url = start_broker(store, "--flush", flush, *broker_args)
     producers: list[subprocess.Popen[bytes]] = []
     outputs: list[str] = []
+    # Their output goes to files, not pipes: nothing reads a pipe before the signal, and a
+    # full one (64 KiB: 2,082 "A seq id" lines each) stopped every producer at 6,246 sends
+    # in all, after which no stats could change (seen() false for good; found at load 23
+    # with the broker idle and each producer blocked in anon_pipe_write).
+    outs = [home / f"out-{number}" for number in range(PRODUCERS)]
+    errs = [home / f"err-{number}" for number in range(PRODUCERS)]
     try:
         for number in range(PRODUCERS):
-            producers.append(subprocess.Popen(
-                [sys.executable, str(HERE / "broker_producer.py"), url, f"p{number}",
-                 "--ready", str(home / f"ready-{number}"), *producer_args],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            ))  # fmt: skip
+            with open(outs[number], "wb") as out, open(errs[number], "wb") as err:
+                producers.append(subprocess.Popen(
+                    [sys.executable, str(HERE / "broker_producer.py"), url, f"p{number}",
+                     "--ready", str(home / f"ready-{number}"), *producer_args],
+                    stdout=out, stderr=err,
+                ))  # fmt: skip
         # Let them send a while (the sends, not the time, are what is checked): until every
         # producer had a send answered (its ready file) and sends were answered (at most
-        # ~60 s; a loaded machine can take seconds to start a producer, so not a fixed sleep;
-        # the sends counted in total alone once let one producer be killed before its first).
+        # SEEN_SECONDS; a loaded machine can take seconds to start a producer, so not a
+        # fixed sleep; the sends counted in total alone once let one producer be killed
+        # before its first).
         ready = [home / f"ready-{number}" for number in range(PRODUCERS)]
+        deadline = time.monotonic() + SEEN_SECONDS
         with equeue.connect(url) as client:
-            for _ in range(1200):
+            while time.monotonic() < deadline:
                 stats = client.stats()
                 if (
                     all(path.exists() for path in ready)
@@ -95,10 +105,9 @@ def run_until(
             assert seen(stats), stats
         broker.send_signal(stop)
         code = broker.wait(60)
-        for producer in producers:
-            out, err = producer.communicate(timeout=60)
-            assert producer.returncode == 0, err.decode()
-            outputs.append(out.decode())
+        for number, producer in enumerate(producers):
+            assert producer.wait(60) == 0, errs[number].read_text()
+            outputs.append(outs[number].read_text())
     finally:
         for process in [broker, *producers]:
             if process.poll() is None:

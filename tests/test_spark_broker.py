@@ -756,3 +756,42 @@ def test_a_retried_tasks_rows_go_to_the_spark_local_directory(
     assert spill_root() is None  # none exists: tempfile's
     monkeypatch.delenv("SPARK_LOCAL_DIRS")
     assert spill_root() is None
+
+
+def test_a_stream_planned_through_the_broker_sees_a_topic_created_again() -> None:
+    """reviewj F1 through the broker: deleted_topics (protocol version 5) says where the
+    topic was last deleted, so a topic created again past the offsets read is data loss,
+    not a continuation that skips the new topic's first messages."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+    from test_spark_stream import stream_schema
+
+    from equeue import MessageStore
+    from equeue.spark.stream import DELETED, EqueueStreamReader
+
+    home = short_dir()
+    served: Broker | None = None
+    try:
+        served = Broker(home)
+        with served.client() as client:
+            client.create_topic("again", 1)
+            client.send_batch("again", [b"old %d" % i for i in range(10)])
+        options = {**served.options(), "topics": "again", "startingOffsets": "latest"}
+        reader = EqueueStreamReader(options, stream_schema())
+        begin = reader.initialOffset()
+        assert begin == {"again": {"0": 10}, DELETED: {}}
+        reader.stop()
+        served.stop()
+        with MessageStore.open(served.store) as store:  # the broker stopped: its writer
+            store.delete_topic("again")
+            store.create_topic("again", 1)
+            for i in range(30):
+                store.send("again", b"new %d" % i)
+        served = Broker(home)
+        reader = EqueueStreamReader({**options, **served.options()}, stream_schema())
+        with pytest.raises(DataLossError, match="deleted and created again"):
+            reader.latestOffset(begin, ReadAllAvailable())
+        reader.stop()
+    finally:
+        if served is not None:
+            served.stop()
+        shutil.rmtree(home, ignore_errors=True)

@@ -27,9 +27,11 @@ from equeue.compaction.job import compact
 from equeue.errors import DataLossError, SparkOptionError, SparkSchemaError
 from equeue.spark.source import message_batches, store_snapshot
 from equeue.spark.stream import (
+    DELETED,
     FROM,
     EqueueStreamReader,
     QueueRange,
+    StreamOptions,
     fair_shares,
     read_range,
 )
@@ -334,7 +336,10 @@ def test_min_offsets_per_trigger_waits_until_max_trigger_delay(tmp_path: Path) -
         store, topics="orders", startingOffsets="earliest", minOffsetsPerTrigger="50",
         maxTriggerDelay="0ms",
     )  # fmt: skip
-    assert late.latestOffset(begin, ReadMinRows(50)) == {"orders": {"0": 2, "1": 2, "2": 2}}
+    assert late.latestOffset(begin, ReadMinRows(50)) == {
+        "orders": {"0": 2, "1": 2, "2": 2},
+        DELETED: {},
+    }
     waiting.stop()
     late.stop()
 
@@ -527,8 +532,11 @@ def test_deleted_and_recreated_topics_are_data_loss(
         writer.create_topic("payments", 2)
         for i in range(3):
             writer.send("payments", b"again %d" % i, queue_id=0)
-    with pytest.raises(DataLossError, match="queue now ends at 3"):
+    with pytest.raises(DataLossError, match=r"'payments'.*deleted and created again"):
         strict.latestOffset(begin, ReadAllAvailable())
+    older = {t: qs for t, qs in begin.items() if t != DELETED}  # an older version's offset
+    with pytest.raises(DataLossError, match="queue now ends at 3"):
+        strict.latestOffset(older, ReadAllAvailable())
     end = lenient.latestOffset(begin, ReadAllAvailable())
     assert end["payments"] == {"0": 3, "1": 0}  # read again from the new topic's start
     assert end[FROM] == {"payments": {"0": 0, "1": 0}}
@@ -540,6 +548,76 @@ def test_deleted_and_recreated_topics_are_data_loss(
     lenient.stop()
 
 
+def test_a_topic_created_again_past_the_offsets_read_is_data_loss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """reviewj F1: a topic deleted and created again, whose new queues already hold more
+    than the query had read, was read on from the old offsets: the new topic's first
+    messages were skipped, with no error and no warning."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 100)
+    strict = reader(store, topics="payments", startingOffsets="latest")
+    lenient = reader(store, topics="payments", failOnDataLoss="false")
+    begin = strict.initialOffset()
+    assert begin == {"payments": {"0": 20, "1": 20}, DELETED: {}}
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.delete_topic("payments")
+        writer.create_topic("payments", 2)
+        for i in range(50):
+            writer.send("payments", b"new %d" % i, queue_id=i % 2)
+        position = writer.deleted_topics()["payments"]
+    with pytest.raises(DataLossError, match=r"'payments'.*deleted and created again"):
+        strict.latestOffset(begin, ReadAllAvailable())
+    with caplog.at_level(logging.WARNING, logger="equeue.spark.stream"):
+        end = lenient.latestOffset(begin, ReadAllAvailable())
+    assert "deleted and created again" in caplog.text
+    assert end == {
+        "payments": {"0": 25, "1": 25},
+        FROM: {"payments": {"0": 0, "1": 0}},  # the new topic: from its start
+        DELETED: {"payments": position},
+    }
+    parts = lenient.partitions(begin, end)
+    assert [p.deleted for p in parts] == [position, position]
+    bodies = [v.as_py() for p in parts for b in read_range(lenient.options, p) for v in b["body"]]
+    assert sorted(bodies) == sorted(b"new %d" % i for i in range(50))
+    assert strict.latestOffset(end, ReadAllAvailable()) == end  # the new topic is known now
+    strict.stop()
+    lenient.stop()
+
+
+def test_a_topic_created_again_after_its_batch_was_planned_is_data_loss(
+    tmp_path: Path,
+) -> None:
+    """The task that reads a batch finds its topic created again since the batch was
+    planned: the offsets are the new topic's, not the ones planned."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    store = tmp_path / "store"
+    create(store)
+    with MessageStore.open(store, producer_config()) as writer:
+        produce(writer, 0, 100)
+    strict = reader(store, topics="payments", startingOffsets="earliest")
+    begin = strict.initialOffset()
+    end = strict.latestOffset({"payments": {"0": 0, "1": 0}, DELETED: {}}, ReadAllAvailable())
+    parts = strict.partitions({"payments": {"0": 0, "1": 0}}, end)
+    assert [p.deleted for p in parts] == [-1, -1]
+    control = [b.num_rows for b in read_range(strict.options, parts[0])]
+    assert sum(control) == 20  # undamaged: the planned rows
+    with MessageStore.open(store, producer_config()) as writer:
+        writer.delete_topic("payments")
+        writer.create_topic("payments", 2)
+        for i in range(60):
+            writer.send("payments", b"new %d" % i, queue_id=i % 2)
+    with pytest.raises(DataLossError, match="created again since the batch was planned"):
+        list(read_range(strict.options, parts[0]))
+    assert begin["payments"] == {"0": 0, "1": 0}
+    strict.stop()
+
+
 def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None:
     from pyspark.sql.streaming.datasource import ReadAllAvailable
 
@@ -549,7 +627,7 @@ def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None
         produce(writer, 0, 50)
     following = reader(store, topicPattern="or.*s", startingOffsets="latest")
     begin = following.initialOffset()
-    assert begin == {"orders": {"0": 10, "1": 10, "2": 10}}  # not "other"
+    assert begin == {"orders": {"0": 10, "1": 10, "2": 10}, DELETED: {}}  # not "other"
     with MessageStore.open(store, producer_config()) as writer:
         writer.create_topic("orders", 4)
         writer.send("orders", b"in the new queue", queue_id=3)
@@ -561,6 +639,7 @@ def test_new_topics_and_queues_are_read_from_their_start(tmp_path: Path) -> None
         "oranges": {"0": 1},
         "orders": {"0": 10, "1": 10, "2": 10, "3": 1},
         FROM: {"oranges": {"0": 0}, "orders": {"3": 0}},  # where the new queues begin
+        DELETED: {},  # none of them ever deleted
     }
     assert following.latestOffset(end, ReadAllAvailable()) == end  # nothing new: no batch
     parts = following.partitions(begin, end)
@@ -779,3 +858,30 @@ def test_docs_table_names_every_option() -> None:
     section = text[text.index("## Streaming source") :]
     for name in OPTIONS:
         assert name == "path" or f"| `{name}` |" in section, f"docs/spark.md misses {name}"
+
+
+def test_a_task_takes_a_lost_deletion_mark_for_no_re_creation(tmp_path: Path) -> None:
+    """review6 R6-4: a batch planned with the topic's deletion mark, re-run after
+    topics.json was rebuilt from the queue directories (which keeps no mark), read its
+    rows; it failed as "created again" though nothing was."""
+    import os
+
+    store = tmp_path / "store"
+    with MessageStore.open(store) as writer:
+        writer.create_topic("t", 1)
+        writer.send("t", b"old")
+        writer.delete_topic("t")
+        writer.create_topic("t", 1)
+        for i in range(5):
+            writer.send("t", b"new %d" % i)
+        mark = writer.deleted_topics()["t"]
+    options = StreamOptions({"path": str(store), "topics": "t"})
+    planned = QueueRange("t", 0, 0, 5, mark)
+    assert sum(b.num_rows for b in read_range(options, planned)) == 5  # control
+    os.rename(store / "topics.json", tmp_path / "topics.json.aside")
+    for name in os.listdir(store):
+        if name.startswith("topics.journal"):
+            os.rename(store / name, tmp_path / f"{name}.aside")
+    with MessageStore.open(store) as rebuilt:  # from the queue directories: no mark
+        assert rebuilt.deleted_topics() == {}
+    assert sum(b.num_rows for b in read_range(options, planned)) == 5

@@ -378,6 +378,7 @@ def _closed_calls(message_id: str) -> dict[str, Callable[[MessageStore], object]
         "create_topic": lambda s: s.create_topic("u", 1),
         "delete_topic": lambda s: s.delete_topic("u"),  # (made by the call above)
         "commit_offset": lambda s: s.commit_offset("g", "t", 0, 1),
+        "delete_group": lambda s: s.delete_group("g"),  # (after commit_offset: g exists)
         "flush": lambda s: s.flush(),
         "flush_log": lambda s: s.flush_log(),
         "apply_retention": lambda s: s.apply_retention(),

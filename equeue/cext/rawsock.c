@@ -16,8 +16,13 @@
  *     watches for writability; while `queued` (or closing, or data not exact bytes) the
  *     whole call is `self._write_slow(data)`. A send error goes to `self._fatal`.
  *
- * Fields: fd (-1 once closed), closing and queued (ints, kept by the subclass),
- * protocol. The syscalls keep the GIL (socket.recv_into and socket.send release it): on a
+ * A protocol that is no asyncio.BufferedProtocol (`stream` set, by the subclass's
+ *     set_protocol) is read by `self._read_data()`: recv() and data_received, in Python,
+ *     as asyncio's transport reads one; the client's ClientConn never is.
+ *
+ * Fields: fd (-1 once closed), closing, queued (set while the C write must not send:
+ * bytes queued, or write_eof called) and stream (ints, kept by the subclass), protocol.
+ * The syscalls keep the GIL (socket.recv_into and socket.send release it): on a
  * non-blocking socket they never wait, and a recv copies at most the 256 KiB buffer; the
  * release and retake cost ~200 instructions each, a few % of a send. A write past
  * UNLOCKED_FROM bytes (a large batch: a longer copy) releases it. */
@@ -42,12 +47,12 @@ PyObject *clientconn_read(PyObject *conn, Py_ssize_t nbytes);
 typedef struct {
     PyObject_HEAD
     PyObject *protocol;
-    int fd, closing, queued;
+    int fd, closing, queued, stream;
 } RawSock;
 
 static PyTypeObject RawSockType;
 static PyObject *S_GET_BUFFER, *S_BUFFER_UPDATED, *S_EOF, *S_FATAL, *S_WRITE_REST,
-    *S_WRITE_SLOW, *M_READ, *M_PROTOCOL, *M_GET_BUFFER, *M_WRITE, *MINUS_ONE;
+    *S_WRITE_SLOW, *S_READ_DATA, *M_READ, *M_PROTOCOL, *M_GET_BUFFER, *M_WRITE, *MINUS_ONE;
 
 /* Whether object is a RawSock or a direct subclass (RawTransport): 1, 0. Not
  * PyObject_TypeCheck: ClientConn.direct asks it of uvloop's transports too, whose MRO
@@ -87,6 +92,7 @@ static PyObject *errno_error(int err) {
 
 static PyObject *raw_read_ready(RawSock *self, PyObject *unused) {
     if (self->closing || self->fd < 0 || self->protocol == NULL) Py_RETURN_NONE;
+    if (self->stream) return PyObject_CallMethodNoArgs((PyObject *)self, S_READ_DATA);
     PyObject *protocol = Py_NewRef(self->protocol), *buffer, *r = NULL;
     int conn = clientconn_reads(protocol); /* (ClientConn's own two methods: in C) */
     if (conn) {
@@ -222,6 +228,7 @@ static PyMemberDef raw_members[] = {
     {"fd", T_INT, offsetof(RawSock, fd), 0, NULL},
     {"closing", T_INT, offsetof(RawSock, closing), 0, NULL},
     {"queued", T_INT, offsetof(RawSock, queued), 0, NULL},
+    {"stream", T_INT, offsetof(RawSock, stream), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -245,6 +252,7 @@ PyObject *client_raw_sock_type(PyObject *self, PyObject *unused) {
             (S_FATAL = PyUnicode_InternFromString("_fatal")) == NULL ||
             (S_WRITE_REST = PyUnicode_InternFromString("_write_rest")) == NULL ||
             (S_WRITE_SLOW = PyUnicode_InternFromString("_write_slow")) == NULL ||
+            (S_READ_DATA = PyUnicode_InternFromString("_read_data")) == NULL ||
             (M_READ = PyUnicode_InternFromString("Fatal read error on socket transport")) ==
                 NULL ||
             (M_WRITE = PyUnicode_InternFromString("Fatal write error on socket transport")) ==

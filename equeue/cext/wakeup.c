@@ -35,7 +35,7 @@ static PyObject *TASK_TYPE, *BASE_LOOP, *FUTURE, *CANCELLED_ERROR, *INVALID_STAT
  * Tasks enter themselves in; NULL elsewhere (3.12+: current_task is C) or when
  * asyncio.current_task is not that function (replaced before the first waiter): called. */
 static PyObject *CURRENT_TASKS;
-static PyObject *BASE_GET_DEBUG, *S_DEBUG;
+static PyObject *BASE_GET_DEBUG, *S_DEBUG, *S_RUNNING_KEY;
 static PyObject *S_CALL_SOON, *S_GET_DEBUG, *S_HANDLER, *S_CONTEXT, *S_MESSAGE, *S_EXCEPTION,
     *KW_CONTEXT;
 
@@ -330,10 +330,8 @@ static int may_run_now(Waiter *w) {
     if (task == NULL || (PyObject *)Py_TYPE(task) != TASK_TYPE || def == NULL ||
         strcmp(def->ml_name, "task_wakeup") != 0)
         return 0;
-    PyObject *running = PyObject_CallNoArgs(RUNNING_LOOP);
-    if (running == NULL) return -1;
-    Py_DECREF(running); /* (only its identity) */
-    if (running != w->loop) return 0;
+    int own = waiter_on_loop(w->loop);
+    if (own <= 0) return own;
     if (CURRENT_TASKS != NULL) {
         PyObject *current = PyDict_GetItemWithError(CURRENT_TASKS, w->loop); /* (borrowed) */
         if (current != NULL) return 0;
@@ -380,10 +378,45 @@ PyObject *waiter_future_on(PyObject *loop) {
     return PyObject_CallNoArgs(FUTURE); /* (the running loop, found in C again) */
 }
 
-/* Whether `loop` is the running loop of this thread (asyncio._get_running_loop, a C
- * function of _asyncio: one call): 1, 0, -1. */
+#if PY_VERSION_HEX < 0x030C0000
+/* _asyncio's holder of a thread's running loop (CPython 3.7-3.11: PyRunningLoopHolder,
+ * its loop first, then the pid it was set in). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *rl_loop;
+} RunningLoopHolder;
+
+/* Whether `loop` is this thread's running loop as _asyncio keeps it (the thread state's
+ * dict, under the key _set_running_loop writes), without asyncio._get_running_loop:
+ * CPython 3.11's calls getpid() each time, to tell a forked child, a system call twice a
+ * direct send (perfshm, round 15: 2.0 getpid a send, half of the client's system calls).
+ * (In a forked child this says the parent's loop still runs; the clients close themselves
+ * there, equeue/client/forks.py.) The thread's own running loop, so a loop run nested
+ * inside another (nest_asyncio's `_set_running_loop(None)`, then the other's
+ * run_until_complete) is told apart (review6 R6-5: the loop's `_thread_id` alone said the
+ * outer loop ran, and a send from the nested one was written). 1, 0, or -1: not known
+ * (no such holder), asyncio is asked. */
+static int running_loop_is(PyObject *loop) {
+    PyObject *dict = PyThreadState_GetDict(); /* (borrowed) */
+    if (dict == NULL) return -1;
+    PyObject *holder = PyDict_GetItemWithError(dict, S_RUNNING_KEY); /* (borrowed) */
+    if (holder == NULL) {
+        if (!PyErr_Occurred()) return 0; /* never set on this thread: no loop runs */
+        PyErr_Clear();
+        return -1;
+    }
+    if (strcmp(Py_TYPE(holder)->tp_name, "_RunningLoopHolder") != 0) return -1;
+    return ((RunningLoopHolder *)holder)->rl_loop == loop;
+}
+#else
+static int running_loop_is(PyObject *loop) { return -1; } /* (3.12: no getpid there) */
+#endif
+
+/* Whether `loop` is the running loop of this thread: 1, 0, -1. */
 int waiter_on_loop(PyObject *loop) {
     if (waiter_ready() < 0) return -1;
+    int here = running_loop_is(loop);
+    if (here >= 0) return here;
     PyObject *running = PyObject_CallNoArgs(RUNNING_LOOP);
     if (running == NULL) return -1;
     Py_DECREF(running); /* (only its identity) */
@@ -574,6 +607,7 @@ int waiter_ready(void) {
         (CURRENT_TASK = attr("asyncio", "current_task")) == NULL ||
         (S_GET_DEBUG = PyUnicode_InternFromString("get_debug")) == NULL ||
         (S_DEBUG = PyUnicode_InternFromString("_debug")) == NULL ||
+        (S_RUNNING_KEY = PyUnicode_InternFromString("__asyncio_running_event_loop__")) == NULL ||
         (BASE_GET_DEBUG = PyObject_GetAttr(BASE_LOOP, S_GET_DEBUG)) == NULL ||
         (S_HANDLER = PyUnicode_InternFromString("call_exception_handler")) == NULL ||
         (S_CONTEXT = PyUnicode_InternFromString("context")) == NULL ||

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from equeue.client import args, calls, rawconn, shmconn
+from equeue.client import args, calls, forks, rawconn, shmconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
-from equeue.client.connect import RECV_BYTES, again
+from equeue.client.connect import RECV_BYTES, again, telling, then, tls_refusal, tls_refused
 from equeue.client.core import (
     DECODERS,
     PULL_OPS,
@@ -70,6 +70,7 @@ from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
 from equeue.protocol.plainsend import conn_type as _conn_type
 from equeue.store.consumerargs import Start
+from equeue.store.groupdeletion import DeletedGroup
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
@@ -407,7 +408,22 @@ class AsyncClient:
         self._protocol: _Protocol | None = None
         self._reconnect: asyncio.Task[_Protocol] | None = None  # the attempt under way
         self._closed = False
+        self._closed_why = "is closed"  # (the ClosedError's words)
         self._ids = itertools.count(1).__next__
+        forks.track(self)
+
+    def after_fork(self, parent: int) -> None:
+        """In a forked child: closed, its connection left to the parent (forks.py)."""
+        self._closed = True
+        self._closed_why = (
+            f"{forks.made_before_fork(parent)}; connect in this process with a loop of its own"
+        )
+        protocol, self._protocol = self._protocol, None
+        transport = protocol.transport if protocol is not None else None
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        fd = sock.fileno() if sock is not None else -1
+        if fd >= 0:
+            forks.point_at_a_dead_socket(fd)
 
     @property
     def welcome(self) -> Welcome | None:
@@ -422,7 +438,7 @@ class AsyncClient:
         attempt fails each of them (its own error, ``unsent`` its messages) without a
         try of its own; a call after that tries again."""
         if self._closed:
-            raise ClosedError(f"the client of {self.url} is closed")
+            raise ClosedError(f"the client of {self.url} {self._closed_why}")
         protocol = self._protocol
         if protocol is not None and not protocol.closed:
             return protocol
@@ -459,6 +475,8 @@ class AsyncClient:
         deadline = time.monotonic() + self.connect_timeout
         delay = 0.02
         attempts = 0
+        last: BaseException | None = None
+        newest: BaseException | None = None
         while True:
             attempts += 1
             shm = self._shm_hello
@@ -485,8 +503,13 @@ class AsyncClient:
                 raise lost(
                     f"{self.url}: the broker's TLS certificate is refused: {exc}", [], exc
                 ) from None
+            except ssl.SSLError as exc:
+                protocol.fail("TLS refused", exc)
+                if tls_refused(exc):
+                    raise lost(f"{self.url}: {tls_refusal(exc)}", [], exc) from None
+                last, newest = telling(last, exc), exc
             except (OSError, ConnectionLostError, TimeoutError) as exc:
-                last: BaseException = exc
+                last, newest = telling(last, exc), exc
                 protocol.fail("connect failed", exc)
             except BaseException:
                 protocol.fail("connect failed", None)
@@ -494,7 +517,8 @@ class AsyncClient:
             if time.monotonic() + delay > deadline:
                 raise lost(
                     f"cannot connect to the broker at {self.url} within connect_timeout="
-                    f"{self.connect_timeout:g}s ({attempts} attempts): {last!r}",
+                    f"{self.connect_timeout:g}s ({attempts} attempts): {last!r}"
+                    f"{then(last, newest)}",
                     [],
                     last,
                 )
@@ -649,11 +673,24 @@ class AsyncClient:
         )
         return result
 
+    async def delete_group(self, group: str, *, delete_dead_letters: bool = False) -> DeletedGroup:
+        """Delete consumer group ``group`` (protocol version 5; no member may be live): its
+        committed offsets, its retry topic and, with ``delete_dead_letters``, its
+        dead-letter topic, as ``MessageStore.delete_group``. Raises GroupError while the
+        group has live members, GroupNotFoundError for a group the store does not have,
+        BrokerTooOldError from a broker older than version 5 (nothing sent)."""
+        result: DeletedGroup = await self._call(calls.delete_group(group, delete_dead_letters))
+        return result
+
     async def create_topic(self, topic: str, queue_count: int | None = None) -> None:
         await self._call(calls.create_topic(topic, queue_count))
 
     async def topics(self) -> list[str]:
         result: list[str] = await self._call(calls.topics())
+        return result
+
+    async def deleted_topics(self) -> dict[str, int]:
+        result: dict[str, int] = await self._call(calls.deleted_topics())
         return result
 
     async def queue_ids(self, topic: str) -> list[int]:
@@ -666,9 +703,11 @@ class AsyncClient:
         )
         return result
 
-    async def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call(calls.stats())
-        return result
+    async def stats(self, group: str | None = None) -> dict[str, Any]:
+        """The broker's counters and a summary of its groups; with ``group``, that group's
+        lag per queue, members and assignment (docs/protocol.md, "stats")."""
+        result: dict[str, Any] = await self._call(calls.stats(group))
+        return result if group is None else calls.one_group(result, group)
 
     async def ping(self) -> None:
         await self._call(calls.ping())

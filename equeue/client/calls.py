@@ -198,8 +198,23 @@ def create_topic(topic: str, queue_count: int | None) -> Call:
     return Call("create_topic", wire, None)
 
 
+def delete_group(group: str, delete_dead_letters: bool) -> Call:
+    if not isinstance(delete_dead_letters, bool):
+        raise InvalidTypeError(
+            f"delete_dead_letters must be a bool, got {type(delete_dead_letters).__name__}"
+        )
+    wire: dict[str, Any] = {"group": args.group(group)}
+    if delete_dead_letters:
+        wire["delete_dead_letters"] = True
+    return Call("delete_group", wire, None)
+
+
 def topics() -> Call:
     return Call("topics", {}, None)
+
+
+def deleted_topics() -> Call:
+    return Call("deleted_topics", {}, None)
 
 
 def queue_ids(topic: str) -> Call:
@@ -211,8 +226,21 @@ def queue_range(topic: str, queue_id: int) -> Call:
     return Call("queue_range", {"topic": name, "queue_id": _queue_of(name, queue_id)}, None)
 
 
-def stats() -> Call:
-    return Call("stats", {}, None)
+def stats(group: str | None = None) -> Call:
+    if group is None:
+        return Call("stats", {}, None)
+    return Call("stats", {"group": args.name("group", group)}, None)
+
+
+def one_group(answer: dict[str, Any], group: str) -> dict[str, Any]:
+    """A ``stats {"group": G}`` answer as a broker of protocol version 5 gives it, also
+    from an older broker (sent a plain ``stats``: every group's detail)."""
+    kept = {k: v for k, v in answer.items() if k not in ("groups_omitted", "coordinator_omitted")}
+    for key in ("groups", "coordinator"):
+        found = answer.get(key)
+        if isinstance(found, dict):
+            kept[key] = {group: found[group]} if group in found else {}
+    return kept
 
 
 def ping() -> Call:

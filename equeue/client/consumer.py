@@ -46,30 +46,34 @@ from concurrent.futures import wait as wait_futures
 from types import TracebackType
 from typing import Any, Protocol
 
+from equeue.client import forks
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_PREFETCH,
     DEFAULT_SESSION_TIMEOUT,
+    MEMBER_TIMEOUT,
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    Timeout,
+    closed_in_child,
+    handled_normally,
     long_polls,
     poll_wait_ms,
     welcome_limit,
 )
+from equeue.client.nacks import nack_args, nack_failed
 from equeue.errors import (
     ClosedError,
     ConnectionLostError,
     EQueueError,
     FencedMemberError,
     GroupError,
-    InvalidMessageError,
     ProtocolError,
 )
 from equeue.store.consumerargs import Start, check_count, check_seconds
 from equeue.store.types import Message
-from equeue.store.validate import MAX_DELAY_MS
 
 log = logging.getLogger("equeue.client.consumer")
 
@@ -163,6 +167,7 @@ class GroupConsumer:
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
             max_retries=max_retries, consumer_id=consumer_id, start=start,
         )  # fmt: skip
+        forks.track(self)  # closed in a forked child (after_fork)
         self.timeout = check_seconds(timeout, "timeout")
         # the timeout the last poll was given, checked: the same object again (poll(1.0)
         # in a loop: a constant) is not checked again (perfconsume: ~15 bytecodes a poll)
@@ -199,6 +204,9 @@ class GroupConsumer:
     @property
     def consumer_id(self) -> str:
         return self.state.consumer
+
+    def after_fork(self, parent: int) -> None:
+        closed_in_child(self.state, parent, "make the consumer in this process")
 
     def assignment(self) -> list[Queue]:
         """The queues this member pulls now."""
@@ -318,12 +326,13 @@ class GroupConsumer:
         handler: Callable[[Message], object],
         *,
         max_messages: int | None = None,
-        timeout: float | None = None,
+        timeout: float | Timeout | None = MEMBER_TIMEOUT,
     ) -> int:
         """Call ``handler`` on each message; one that raises is nacked (retried after
         the backoff of its attempt, at last dead-lettered). Ends after ``max_messages``,
-        or once none came for ``timeout`` seconds; returns how many were handled."""
-        timeout = check_seconds(timeout, "timeout")
+        or once none came for ``timeout`` seconds (by default the member's ``timeout``: None
+        blocks); returns how many were handled."""
+        timeout = self.timeout if timeout is MEMBER_TIMEOUT else check_seconds(timeout, "timeout")
         handled = 0
         if max_messages is not None and max_messages <= 0:
             return 0
@@ -343,19 +352,11 @@ class GroupConsumer:
         (rounded up to a delay level; None: the level of its attempt; 0: at once); it
         counts as processed. After max_retries it goes to the dead-letter topic."""
         self._check_open()
-        args: dict[str, Any] = {**self.state.member_args(), "message_id": message.message_id}
-        if delay is not None:
-            args["delay_ms"] = _delay_ms(delay)
+        args = nack_args(self.state, message, delay)
         try:
             self.client.request("nack", args)
         except EQueueError as exc:
-            # Not known to be retried (a lost connection may or may not have stored the
-            # copy): the membership is reset before anything is committed, so the queues
-            # are read again from their last commit and the message comes again.
-            self.state.lose(exc)  # (fenced: raised)
-            if not isinstance(exc, GroupError):
-                raise
-            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
+            nack_failed(self.state, exc, args["message_id"])
 
     def commit(self) -> None:
         """Commit every message handed out so far (it counts as processed)."""
@@ -367,9 +368,12 @@ class GroupConsumer:
         except FencedMemberError as exc:
             self.state.lose(exc)
 
-    def close(self) -> None:
-        """Commit what was handed out (with auto_commit), leave the group, stop."""
-        self._close(processed=True)
+    def close(self, *, processed: bool | None = None) -> None:
+        """Commit what was handed out (with auto_commit), leave the group, stop.
+        ``processed``: whether the message in hand counts as processed; None: unless
+        close is called while an exception is handled (a ``finally:`` or ``except:``
+        after the loop body raised), as leaving ``with`` by an exception does."""
+        self._close(processed=handled_normally() if processed is None else processed)
 
     def _close(self, *, processed: bool) -> None:
         state = self.state
@@ -414,7 +418,9 @@ class GroupConsumer:
     def _check_open(self) -> None:
         state = self.state
         if state.closed:
-            raise ClosedError(f"the consumer {state.consumer} of {state.group!r} is closed")
+            raise ClosedError(
+                f"the consumer {state.consumer} of {state.group!r} {state.closed_why}"
+            )
 
     def _join(self) -> None:
         state = self.state
@@ -735,17 +741,3 @@ class GroupConsumer:
                 return
             except EQueueError as exc:  # the connection: the client reconnects next time
                 log.info("consumer %s: heartbeat failed: %s", state.consumer, exc)
-
-
-def _delay_ms(delay: float) -> int:
-    # the broker's bound (MAX_DELAY_MS), checked here so that a wrong delay costs no nack
-    if (
-        not isinstance(delay, int | float)
-        or isinstance(delay, bool)
-        or not 0 <= delay <= MAX_DELAY_MS / 1000
-    ):
-        raise InvalidMessageError(
-            f"delay must be seconds in [0, {MAX_DELAY_MS // 1000}] (one day; a delay past "
-            f"the broker's longest delay level waits that level), got {delay!r}"
-        )
-    return int(delay * 1000)

@@ -20,21 +20,27 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
+from equeue.client import forks
 from equeue.client.aio import AsyncClient
-from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, NOW_SECONDS, _delay_ms
+from equeue.client.consumer import COMMIT_WINDOW, IDLE_COMMIT_SECONDS, NOW_SECONDS
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
     DEFAULT_PREFETCH,
     DEFAULT_SESSION_TIMEOUT,
     MAX_POLLERS,
+    MEMBER_TIMEOUT,
     POLL_WAIT_MS,
     GroupState,
     Queue,
+    Timeout,
+    closed_in_child,
+    handled_normally,
     long_polls,
     poll_wait_ms,
     welcome_limit,
 )
+from equeue.client.nacks import nack_args, nack_failed
 from equeue.errors import (
     ClosedError,
     ConnectionLostError,
@@ -84,6 +90,7 @@ class AsyncGroupConsumer:
             session_timeout=session_timeout, max_poll_interval=max_poll_interval,
             max_retries=max_retries, consumer_id=consumer_id, start=start,
         )  # fmt: skip
+        forks.track(self)  # closed in a forked child (after_fork)
         self.timeout = check_seconds(timeout, "timeout")
         # the timeout the last poll was given, checked: the same object again (poll(1.0)
         # in a loop: a constant) is not checked again (perfconsume: ~15 bytecodes a poll)
@@ -95,10 +102,15 @@ class AsyncGroupConsumer:
         self._heartbeat: asyncio.Task[None] | None = None
         self._last_commit = time.monotonic()
         self._pollers = MAX_POLLERS  # pulls in flight at most: long_polls, once joined
+        # the task that polled last (when it refilled or waited: close() asks how it ended)
+        self._poller: asyncio.Task[Any] | None = None
 
     @property
     def consumer_id(self) -> str:
         return self.state.consumer
+
+    def after_fork(self, parent: int) -> None:
+        closed_in_child(self.state, parent, "make the consumer in this process, on its own client")
 
     def assignment(self) -> list[Queue]:
         return sorted(self.state.positions)
@@ -154,12 +166,16 @@ class AsyncGroupConsumer:
 
         if state.buffer:  # the common case: a message at hand
             if state.refill:  # a pull answered, or a queue run low: take it, pull again
+                # (the task polling, for close(): F3; here, once a batch or so, not at
+                # every message: current_task() was ~10% of the loop's CPU a message)
+                self._poller = asyncio.current_task()
                 self._refill()
             if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
                 await self._commit_quietly(until)
             if state.buffer:
                 return state.next_message()
         if not state.buffer:
+            self._poller = asyncio.current_task()
             if state.auto_commit and time.monotonic() - self._last_commit >= (
                 state.auto_commit_interval
             ):
@@ -187,10 +203,10 @@ class AsyncGroupConsumer:
         handler: Callable[[Message], object | Awaitable[object]],
         *,
         max_messages: int | None = None,
-        timeout: float | None = None,
+        timeout: float | Timeout | None = MEMBER_TIMEOUT,
     ) -> int:
         """Call (and await) ``handler`` on each message; one that raises is nacked."""
-        timeout = check_seconds(timeout, "timeout")
+        timeout = self.timeout if timeout is MEMBER_TIMEOUT else check_seconds(timeout, "timeout")
         handled = 0
         while max_messages is None or handled < max_messages:
             message = await self.poll(timeout)
@@ -209,19 +225,11 @@ class AsyncGroupConsumer:
     async def nack(self, message: Message, delay: float | None = None) -> None:
         """As GroupConsumer.nack: to the retry topic, back after ``delay`` seconds."""
         self._check_open()
-        args: dict[str, Any] = {**self.state.member_args(), "message_id": message.message_id}
-        if delay is not None:
-            args["delay_ms"] = _delay_ms(delay)
+        args = nack_args(self.state, message, delay)
         try:
             await self.client.request("nack", args)
         except EQueueError as exc:
-            # Not known to be retried (a lost connection may or may not have stored the
-            # copy): the membership is reset before anything is committed, so the queues
-            # are read again from their last commit and the message comes again.
-            self.state.lose(exc)  # (fenced: raised)
-            if not isinstance(exc, GroupError):
-                raise
-            log.warning("nack of %s refused (%s); it will be redelivered", message.message_id, exc)
+            nack_failed(self.state, exc, args["message_id"])
 
     async def commit(self) -> None:
         self._check_open()
@@ -232,9 +240,25 @@ class AsyncGroupConsumer:
         except FencedMemberError as exc:
             self.state.lose(exc)
 
-    async def close(self) -> None:
-        """Commit what was handed out (with auto_commit), leave the group, stop."""
-        await self._close(processed=True)
+    async def close(self, *, processed: bool | None = None) -> None:
+        """Commit what was handed out (with auto_commit), leave the group, stop.
+        ``processed``: whether the message in hand counts as processed; None: unless an
+        exception is handled at the call, or the task the message was handed to was
+        cancelled or ended by an exception (an application cancelling its consumer
+        task, then closing: reviewk F3 committed the message its handler never finished)."""
+        if processed is None:
+            processed = handled_normally() and self._poller_went_on()
+        await self._close(processed=processed)
+
+    def _poller_went_on(self) -> bool:
+        """Whether the task that took the message in hand is neither cancelled (or being
+        cancelled) nor ended by an exception: it went on past the message."""
+        task = self._poller
+        if task is None or task is asyncio.current_task():
+            return True
+        if task.cancelled() or task.cancelling():
+            return False
+        return not task.done() or task.exception() is None
 
     async def _close(self, *, processed: bool) -> None:
         state = self.state
@@ -285,7 +309,9 @@ class AsyncGroupConsumer:
     def _check_open(self) -> None:
         state = self.state
         if state.closed:
-            raise ClosedError(f"the consumer {state.consumer} of {state.group!r} is closed")
+            raise ClosedError(
+                f"the consumer {state.consumer} of {state.group!r} {state.closed_why}"
+            )
 
     async def _join(self) -> None:
         state = self.state

@@ -10,6 +10,7 @@ from typing import Any, Final
 import msgpack
 
 from equeue.errors import (
+    BrokerTooOldError,
     ConnectionLostError,
     EQueueError,
     FrameTooLargeError,
@@ -36,11 +37,13 @@ from equeue.protocol.frames import (
     FRAME_HEADER_SIZE,
     KEY_PAGES_VERSION,
     MESSAGE_OVERHEAD,
+    STATS_GROUP_VERSION,
     STATUS_OK,
     check_answer,
     decode_body,
 )
 from equeue.protocol.handshake import Hello, Welcome
+from equeue.protocol.ops import OP_VERSIONS
 from equeue.protocol.pullcols import pull_answer
 from equeue.protocol.pullcols import unpack_any as _pull_columns
 from equeue.protocol.records import (
@@ -52,6 +55,7 @@ from equeue.protocol.records import (
     unpack_send_columns,
     unpack_send_result,
 )
+from equeue.store.groupdeletion import DeletedGroup
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 # A request is (op, args, what ConnectionLostError.unanswered gets for it: the message
@@ -67,6 +71,12 @@ _SPLIT: Final = (
 
 _pack_header = FRAME_HEADER.pack
 _unpack_header = FRAME_HEADER.unpack_from
+
+
+# What to do instead of an op an older broker does not have, where there is something.
+_REMEDIES: Final = {
+    "delete_group": ": upgrade it, or stop it and run 'equeue delete-group STORE GROUP'",
+}
 
 
 class RequestEncoder:
@@ -129,8 +139,16 @@ class RequestEncoder:
         elif op == "query_by_key_page" and self.version < KEY_PAGES_VERSION:
             op = "query_by_key"  # answered whole (its one page), never with "before"
             args = {name: value for name, value in args.items() if name != "before"}
+        elif self.version < OP_VERSIONS.get(op, 1):  # no older op answers it
+            raise BrokerTooOldError(
+                f"{op}: the broker at {self.where} speaks protocol version {self.version}; "
+                f"{op} is of version {OP_VERSIONS[op]} (an equeue broker of 2026-11-27 or "
+                f"later); nothing was sent{_REMEDIES.get(op, '')}"
+            )
         elif op == "send_batch" and len(args.get("messages", ())) > self.max_batch_messages:
             raise self._too_many(len(args["messages"]))
+        elif op == "stats" and args and self.version < STATS_GROUP_VERSION:
+            args = {}  # every group's detail: the caller keeps the one asked (calls.one_group)
         try:
             payload: bytes = self._packer.pack([request_id, op, args])
         except UnicodeEncodeError as exc:
@@ -407,6 +425,12 @@ def _range(value: object, where: str) -> tuple[int, int]:
     return _uint(value[0], where), _uint(value[1], where)
 
 
+def _positions(value: object, where: str) -> dict[str, int]:
+    if type(value) is not dict or not all(type(k) is str for k in value):
+        raise ProtocolError(f"{where}: expected a map of str to uint")
+    return {topic: _uint(position, where) for topic, position in value.items()}
+
+
 def _map(value: object, where: str) -> dict[str, Any]:
     if type(value) is not dict:
         raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
@@ -427,6 +451,15 @@ def _key_page(value: object, where: str) -> tuple[list[Message], int | None]:
     ):
         return unpack_messages(value[0], where), value[1]
     return unpack_messages(value, where), None
+
+
+def _deleted_group(value: object, where: str) -> DeletedGroup:
+    """delete_group's answer: {"group": str, "offsets": uint, "topics": [str]}."""
+    found = _map(value, where)
+    group, topics = found.get("group"), found.get("topics")
+    if type(group) is not str or type(topics) is not list:
+        raise ProtocolError(f"{where}: a delete_group answer needs group and topics")
+    return DeletedGroup(group, _uint(found.get("offsets"), where), tuple(_strings(topics, where)))
 
 
 def _pull(value: object, where: str) -> PullResult:
@@ -453,7 +486,9 @@ DECODERS: Final[dict[str, Decoder]] = {
     "committed_offset": _optional_uint,
     "create_topic": _none,
     "topics": _strings,
+    "deleted_topics": _positions,
     "queue_ids": _uints,
     "queue_range": _range,
     "stats": _map,
+    "delete_group": _deleted_group,
 }

@@ -18,15 +18,18 @@ would fence the other in turn, each rejoin dropping the queues uncommitted).
 
 from __future__ import annotations
 
+import enum
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, Final, NamedTuple
 
+from equeue.client import forks
 from equeue.errors import (
     EQueueError,
     FencedMemberError,
@@ -182,6 +185,7 @@ class GroupState:
         # None`` is a compare where a list's truth is a call (perfconsume: ~40 instructions)
         self.handed_before: list[Batch] | None = None
         self.closed = False
+        self.closed_why = "is closed"  # (the ClosedError's words; forks.py: a forked child)
 
     def fit_pulls(self, max_pull_count: int | None) -> None:
         """Pull at most the broker's max_pull_count (its welcome's; None: not known) a
@@ -514,3 +518,29 @@ def _seconds(value: object, what: str) -> float:
     if seconds is None:
         raise InvalidTypeError(f"{what} must be seconds (an int or a float)")
     return seconds
+
+
+def closed_in_child(state: GroupState, parent: int, remedy: str) -> None:
+    """A member made before a fork, in the child: closed there, its membership left to
+    the parent (forks.py): no call commits, nacks or leaves on the parent's behalf."""
+    state.closed = True
+    state.closed_why = f"{forks.made_before_fork(parent)}; {remedy}"
+
+
+def handled_normally() -> bool:
+    """At a close() without ``processed=``: whether the message in hand counts as
+    processed, i.e. no exception is being handled at the call. ``try: for m in consumer:
+    handle(m)`` then ``finally: consumer.close()`` with handle raising committed the
+    failed message before (reviewk F3): at least once held only inside ``with``."""
+    return sys.exc_info()[0] is None
+
+
+class Timeout(enum.Enum):
+    """run()'s default timeout: the member's own (``timeout=`` where it was made). A
+    default of None let a member made with timeout=1.0 block in run() for ever while
+    ``for message in consumer`` ended after 1 s (reviewk F5)."""
+
+    MEMBER = "the member's timeout"
+
+
+MEMBER_TIMEOUT: Final = Timeout.MEMBER

@@ -54,7 +54,7 @@ def close_from_here(protocol: _Protocol, reason: str) -> None:
     allowed from anywhere): on its own loop, or one idle on this thread, at once; on a
     loop running on another thread, there; on a closed loop (whose callbacks, a future's
     or the transport's, can no longer run: asyncio would raise RuntimeError) the socket
-    is shut, so the broker sees the end, and the connection marked closed."""
+    is shut, so the broker sees the end, closed, and the connection marked closed."""
     loop = protocol.loop
     if loop is running_loop() or not (loop.is_running() or loop.is_closed()):
         protocol.fail(reason, None)
@@ -65,6 +65,14 @@ def close_from_here(protocol: _Protocol, reason: str) -> None:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+            # Closed too: no callback of the dead loop will ever close it, and left to the
+            # garbage collector it was an unclosed socket (reviewk F10, a client made in
+            # one asyncio.run() closed in a later one). asyncio's TransportSocket wraps
+            # the socket and has no close; uvloop's has neither (its own, left alone).
+            close = getattr(getattr(sock, "_sock", sock), "close", None)
+            if close is not None:
+                with contextlib.suppress(OSError):
+                    close()
     else:
         with contextlib.suppress(RuntimeError):  # (it closed meanwhile: nothing to run)
             loop.call_soon_threadsafe(protocol.fail, reason, None)

@@ -31,7 +31,7 @@ error is raised, or ConnectionLostError if the connection broke meanwhile.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from equeue.client import args
 from equeue.client.calls import Call
@@ -68,6 +68,7 @@ BODY_BYTES: Final = 11
 # Answered after appending anything, or for a reason unknown: maybe stored.
 MAYBE_STORED: Final = (StoreWriteError, BrokerError)
 
+Failure = TypeVar("Failure", bound=BaseException)  # an EQueueError, or an interrupt
 Wire = bytes | dict[str, Any]  # a body alone, or a message's wire map
 
 
@@ -76,14 +77,27 @@ def send_many(client: Client, topic: str, messages: object, window: int) -> list
         raise InvalidMessageError(f"window must be an int >= 1, got {window!r}")
     name = args.topic(topic)
     items = args.batch_items(messages)
+    # An interrupt (KeyboardInterrupt, or what a signal handler raises) gets the three
+    # lists too (reviewk F8); one before the messages were taken in (a generator's items
+    # being taken) wrote nothing and gets none.
+    run: _Run | None = None
     try:
-        plain = set(map(type, items)) <= {bytes}  # (at C speed: bodies alone, the usual)
-        wire = cast("list[Wire]", items) if plain else [_wire(item, name) for item in items]
-        welcome = _welcome(client)
-    except EQueueError as exc:  # nothing was written
-        raise _report(exc, [], items, [], [], 0) from None
-    run = _Run(client, name, items, wire, int(window), plain)
-    return run.go(welcome)
+        try:
+            plain = set(map(type, items)) <= {bytes}  # (at C speed: bodies alone, the usual)
+            wire = cast("list[Wire]", items) if plain else [_wire(item, name) for item in items]
+            welcome = _welcome(client)
+        except EQueueError as exc:  # nothing was written
+            raise _report(exc, [], items, [], [], 0) from None
+        run = _Run(client, name, items, wire, int(window), plain)
+        return run.go(welcome)
+    except EQueueError:
+        raise  # (its lists set)
+    except BaseException as exc:
+        if run is None:
+            _report(exc, [], items, [], [], 0)
+        else:
+            run.report_interrupt(exc)
+        raise
 
 
 def _wire(item: object, name: str) -> Wire:
@@ -126,6 +140,7 @@ class _Run:
         self.refused: list[tuple[int, int]] = []  # chunks that stored nothing
         self.maybe: list[tuple[int, int]] = []  # written, outcome unknown
         self.written = 0  # messages before this one were written (or refused unwritten)
+        self.writing = 0  # the end of the chunk being written (an interrupt: maybe written)
 
     def go(self, welcome: Welcome) -> list[SendResult]:
         client, count = self.client, len(self.items)
@@ -144,6 +159,7 @@ class _Run:
                 if in_flight and held + end - start > self.window:
                     break
                 call = self._call(start, end)
+                self.writing = end
                 try:  # (a connection that broke under chunks in flight is not replaced)
                     conn, (slot,) = client._submit([call], conn if in_flight else None)
                 except ConnectionLostError as exc:  # nothing of this chunk was written
@@ -175,6 +191,23 @@ class _Run:
             return self.results  # type: ignore[return-value]  # (every one is filled)
         sent = [result for result in self.results if result is not None]
         raise _report(failure, sent, self.items, self.refused, self.maybe, self.written)
+
+    def report_interrupt(self, exc: BaseException) -> None:
+        """An interrupt (KeyboardInterrupt, an exception a signal handler raised) ended
+        the run: ``sent``, ``unsent`` and ``unanswered`` on it, as on an EQueueError. A
+        message with no result, written or being written (in flight, its answer being
+        read, its write interrupted), is unanswered: the interrupt breaks the connection,
+        and the broker may have stored it; the rest were never written."""
+        frontier = max(self.written, self.writing)
+        refused: set[int] = set()
+        for start, end in self.refused:
+            refused.update(range(start, end))
+        results = self.results
+        maybe = [
+            (i, i + 1) for i in range(frontier) if results[i] is None and i not in refused
+        ]  # fmt: skip
+        sent = [result for result in results if result is not None]
+        _report(exc, sent, self.items, self.refused, maybe, frontier)
 
     def _answer(
         self, conn: _Connection, start: int, end: int, op: str, slot: _Slot
@@ -272,18 +305,19 @@ def _packed_bound(fields: dict[str, Any]) -> int:
 
 
 def _report(
-    failure: EQueueError,
+    failure: Failure,
     sent: list[SendResult],
     items: list[Any],
     refused: list[tuple[int, int]],
     maybe: list[tuple[int, int]],
     written: int,
-) -> EQueueError:
+) -> Failure:
     """``failure`` with what happened to each message set on it."""
-    failure.sent = sent
-    unsent = sorted(refused)
-    failure.unsent = [items[i] for start, end in unsent for i in range(start, end)] + items[
-        written:
-    ]
-    failure.unanswered = [items[i] for start, end in sorted(maybe) for i in range(start, end)]
+    unsent = [items[i] for start, end in sorted(refused) for i in range(start, end)]
+    unsent += items[written:]
+    unanswered = [items[i] for start, end in sorted(maybe) for i in range(start, end)]
+    # (an EQueueError declares the three; an interrupt's instance takes them as any object)
+    failure.sent = sent  # type: ignore[attr-defined]
+    failure.unsent = unsent  # type: ignore[attr-defined]
+    failure.unanswered = unanswered  # type: ignore[attr-defined]
     return failure

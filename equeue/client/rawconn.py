@@ -16,13 +16,18 @@ exception handler (an OSError: logged at debug level only, in debug mode) and
 loop turn, then the socket closed (once). uvloop, TLS and the pure-Python client keep
 asyncio's transport (``usable``).
 
-Not all of asyncio.Transport: RawTransport is no subclass of it and has no
-``pause_reading``/``resume_reading``, ``writelines``, ``write_eof``/``can_write_eof`` or
-``set_protocol``, and no "unclosed transport" ResourceWarning in ``__del__`` (the
-socket's own still comes). Nothing calls them: the client uses ``write``, ``abort``
-and ``get_extra_info`` (equeue/client/aio.py, loops.py), ClientConn (clientconn.c)
-``write``; it never stops reading (answers are read as they come), never half-closes
-and never swaps the protocol. A change that needs one adds it here first."""
+asyncio.Transport's other methods are here with asyncio's semantics (3.11's
+_SelectorSocketTransport; tests/test_client_rawconn_interface.py runs each against it on a
+socketpair), though nothing of the client calls them (it uses ``write``, ``abort`` and
+``get_extra_info``): ``pause_reading``/``resume_reading`` (the reader removed and added
+again), ``writelines`` (the bytes joined, one ``write``), ``write_eof`` (SHUT_WR once
+nothing is queued; a later ``write`` raises RuntimeError) and ``can_write_eof`` (True),
+``set_protocol`` (a protocol that is no BufferedProtocol is read in Python with
+``data_received``, as asyncio reads one). One difference: a ``resume_reading`` after the
+end of input does not read the socket again (asyncio's would call ``eof_received`` a
+second time). RawTransport is no subclass of asyncio.Transport (a C base: no layout of
+both) and has no "unclosed transport" ResourceWarning in ``__del__`` (the socket's own
+still comes)."""
 
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import logging
 import socket
 from asyncio.selector_events import BaseSelectorEventLoop
 from asyncio.trsock import TransportSocket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from equeue.client import readers
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
         fd: int
         closing: int
         queued: int
+        stream: int
 
         def read_ready(self) -> None: ...
         def write(self, data: bytes | bytearray | memoryview) -> None: ...
@@ -57,6 +63,7 @@ log = logging.getLogger("asyncio")  # (where asyncio's transports log theirs)
 
 HIGH_WATER = 64 * 1024  # asyncio's FlowControlMixin defaults
 LOW_WATER = HIGH_WATER // 4
+MAX_READ = 256 * 1024  # asyncio's max_size: one data_received's most
 
 
 def usable(loop: asyncio.AbstractEventLoop, endpoint: Endpoint, protocol: object) -> bool:
@@ -76,7 +83,7 @@ class RawTransport(RawSock):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: Any) -> None:
         self.fd = sock.fileno()
-        self.protocol = protocol
+        self.set_protocol(protocol)
         self._loop = loop
         self._sock = sock
         self._extra: dict[str, Any] = {"socket": TransportSocket(sock)}  # (asyncio's)
@@ -93,14 +100,16 @@ class RawTransport(RawSock):
         self._low = LOW_WATER
         self._paused = False
         self._lost = False
-        self._reading = False
+        self._reading = False  # (whether readers has it)
+        self._reading_paused = False  # pause_reading's
+        self._input_ended = False
+        self._eof_written = False
 
     def start(self) -> None:
-        """connection_made, then reads (asyncio's order)."""
+        """connection_made, then reads (asyncio's order; not if connection_made paused
+        them)."""
         self.protocol.connection_made(self)
-        if not self.closing:
-            readers.start(self._loop, self)
-            self._reading = True
+        self._start_reading()
 
     # --- asyncio.Transport's methods -----------------------------------------
 
@@ -111,10 +120,45 @@ class RawTransport(RawSock):
         return bool(self.closing)
 
     def is_reading(self) -> bool:
-        return self._reading and not self.closing
+        return not self.closing and not self._reading_paused
+
+    def pause_reading(self) -> None:
+        if not self.is_reading():
+            return
+        self._reading_paused = True
+        self._stop_reading()
+        if self._loop.get_debug():
+            log.debug("%r pauses reading", self)
+
+    def resume_reading(self) -> None:
+        if self.closing or not self._reading_paused:
+            return
+        self._reading_paused = False
+        self._start_reading()
+        if self._loop.get_debug():
+            log.debug("%r resumes reading", self)
 
     def get_protocol(self) -> Any:
         return self.protocol
+
+    def set_protocol(self, protocol: Any) -> None:
+        # (ClientConn is a BufferedProtocol: the C read's own path)
+        self.stream = int(not isinstance(protocol, asyncio.BufferedProtocol))
+        self.protocol = protocol
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        self.write(b"".join(list_of_data))  # (asyncio 3.11's WriteTransport.writelines)
+
+    def write_eof(self) -> None:
+        if self.closing or self._eof_written:
+            return
+        self._eof_written = True
+        self.queued = 1  # every write now takes _write_slow, which refuses it
+        if not self._wbuf:
+            self._sock.shutdown(socket.SHUT_WR)
+
+    def can_write_eof(self) -> bool:
+        return True
 
     def get_write_buffer_size(self) -> int:
         return len(self._wbuf)
@@ -151,6 +195,8 @@ class RawTransport(RawSock):
             raise TypeError(
                 f"data argument must be a bytes-like object, not {type(data).__name__!r}"
             )
+        if self._eof_written:
+            raise RuntimeError("Cannot call write() after write_eof()")
         if self._lost or self.fd < 0:
             return  # (asyncio's: dropped once the connection is lost)
         if not data:
@@ -197,10 +243,12 @@ class RawTransport(RawSock):
         self._maybe_resume()
         if not self._wbuf:
             self._loop.remove_writer(self.fd)
-            self.queued = 0
+            self.queued = int(self._eof_written)
             if self.closing:
                 self._lost = True
                 self._connection_lost(None)
+            elif self._eof_written:
+                self._sock.shutdown(socket.SHUT_WR)
 
     def _maybe_pause(self) -> None:
         if len(self._wbuf) > self._high and not self._paused:
@@ -227,7 +275,29 @@ class RawTransport(RawSock):
                 }
             )
 
+    def _read_data(self) -> None:
+        """A read for a protocol that is no BufferedProtocol (rawsock.c calls it)."""
+        try:
+            data = self._sock.recv(MAX_READ)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._fatal(exc, "Fatal read error on socket transport")
+            return
+        if not data:
+            self._eof()
+            return
+        try:
+            self.protocol.data_received(data)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._fatal(exc, "Fatal error: protocol.data_received() call failed.")
+
     def _eof(self) -> None:
+        self._input_ended = True
         try:
             keep_open = self.protocol.eof_received()
         except (SystemExit, KeyboardInterrupt):
@@ -267,6 +337,11 @@ class RawTransport(RawSock):
             self._stop_reading()
         self._lost = True
         self._loop.call_soon(self._connection_lost, exc)
+
+    def _start_reading(self) -> None:
+        if not self._reading and self.is_reading() and not self._input_ended:
+            readers.start(self._loop, self)
+            self._reading = True
 
     def _stop_reading(self) -> None:
         if self._reading:

@@ -72,6 +72,7 @@ from equeue.protocol.frames import CONNECTION_REQUEST_ID, STATUS_OK, check_answe
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
 from equeue.store.consumerargs import Start
+from equeue.store.groupdeletion import DeletedGroup
 from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
 
 if TYPE_CHECKING:
@@ -660,11 +661,26 @@ class Client(Turns):
         result: int | None = self._call(self._made(calls.committed_offset, group, topic, queue_id))
         return result
 
+    def delete_group(self, group: str, *, delete_dead_letters: bool = False) -> DeletedGroup:
+        """Delete consumer group ``group`` (protocol version 5; no member may be live): its
+        committed offsets, its retry topic and, with ``delete_dead_letters``, its
+        dead-letter topic, as ``MessageStore.delete_group``. Raises GroupError while the
+        group has live members, GroupNotFoundError for a group the store does not have,
+        BrokerTooOldError from a broker older than version 5 (nothing sent)."""
+        result: DeletedGroup = self._call(calls.delete_group(group, delete_dead_letters))
+        return result
+
     def create_topic(self, topic: str, queue_count: int | None = None) -> None:
         self._call(calls.create_topic(topic, queue_count))
 
     def topics(self) -> list[str]:
         result: list[str] = self._call(calls.topics())
+        return result
+
+    def deleted_topics(self) -> dict[str, int]:
+        """MessageStore.deleted_topics: a broker of protocol version 5 or later (else
+        BrokerTooOldError, nothing sent)."""
+        result: dict[str, int] = self._call(calls.deleted_topics())
         return result
 
     def queue_ids(self, topic: str) -> list[int]:
@@ -675,9 +691,11 @@ class Client(Turns):
         result: tuple[int, int] = self._call(self._made(calls.queue_range, topic, queue_id))
         return result
 
-    def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._call(calls.stats())
-        return result
+    def stats(self, group: str | None = None) -> dict[str, Any]:
+        """The broker's counters and a summary of its groups; with ``group``, that group's
+        lag per queue, members and assignment (docs/protocol.md, "stats")."""
+        result: dict[str, Any] = self._call(calls.stats(group))
+        return result if group is None else calls.one_group(result, group)
 
     def ping(self) -> None:
         self._call(calls.ping())

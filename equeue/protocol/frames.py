@@ -8,14 +8,14 @@ A connection is a stream of frames in each direction. A frame::
 
 Bodies, client to broker:
 
-* first frame, the hello: a map ``{"versions": [1, 2, 3, 4], "token": str|nil, "client": str}``
+* first frame, the hello: a map ``{"versions": [1, 2, 3, 4, 5], "token": str|nil, "client": str}``
 * then requests: an array ``[request_id: uint, op: str, args: map]``; ``request_id``
   is chosen by the client, unique among its requests in flight (answers may come in
   any order: a long-poll pull is answered after later sends).
 
 Bodies, broker to client:
 
-* the welcome (answer to the hello): a map ``{"version": 4, "server": str,
+* the welcome (answer to the hello): a map ``{"version": 5, "server": str,
   "limits": map}``, or an error answer with request id 0, then the broker closes;
 * answers: an array ``[request_id, STATUS_OK, result]`` or
   ``[request_id, STATUS_ERROR, {"code": str, "message": str}]``. Request id 0 is
@@ -36,8 +36,8 @@ import msgpack
 
 from equeue.errors import FrameTooLargeError, ProtocolError
 
-PROTOCOL_VERSION: Final = 4
-SUPPORTED_VERSIONS: Final = (1, 2, 3, 4)
+PROTOCOL_VERSION: Final = 5
+SUPPORTED_VERSIONS: Final = (1, 2, 3, 4, 5)
 # Version 2 adds the op send_bodies (a batch of bodies alone, answered in columns:
 # records.py); everything of version 1 is unchanged. A client speaking 2 to a broker
 # that chose 1 sends such a batch as send_batch.
@@ -49,6 +49,18 @@ COLUMNS_VERSION: Final = 3
 # begins, when the answer was cut to the frame); a client speaking 4 to an older broker
 # sends query_by_key, whose answer an older broker does not cut.
 KEY_PAGES_VERSION: Final = 4
+# Version 5 adds the op deleted_topics (MessageStore.deleted_topics: where each topic was
+# last deleted, which tells a topic created again from the one a reader knew); a client
+# welcomed with an older version refuses it before sending (BrokerTooOldError).
+DELETED_TOPICS_VERSION: Final = 5
+# Version 5 also adds stats' argument "group" (that group's per-queue detail: the answer
+# without it is a summary bounded by the broker's stats_max_listed, on every version); a
+# client speaking 5 to an older broker asks for the whole stats and keeps that group.
+STATS_GROUP_VERSION: Final = 5
+# Version 5 also adds the op delete_group (a consumer group's offsets, retry topic and,
+# when asked, dead letters removed); a client speaking 5 to an older broker refuses the
+# call itself (BrokerTooOldError: there is nothing to fall back to).
+GROUP_DELETE_VERSION: Final = 5
 
 FRAME_HEADER: Final = struct.Struct(">I")
 FRAME_HEADER_SIZE: Final = FRAME_HEADER.size
@@ -184,8 +196,21 @@ def check_answer(body: object, where: str) -> tuple[int, int, Any]:
 
 
 class _KeysAndTypes(reprlib.Repr):
-    """A map as its keys and the types of its values: a client's map may carry its token
-    (a hello sent twice, or as a request), and error answers and log lines must not."""
+    """A map as its keys and the types of its values, a list as the types of its items
+    (a map among them as its keys): a client's map may carry its token (a hello sent
+    twice, or as a request), a client may put it where an op or a request id goes, and
+    error answers and log lines must not echo it (review4 R7)."""
+
+    def repr_list(self, x: list[Any], level: int) -> str:
+        if not x:
+            return "[]"
+        if level <= 0:
+            return "[...]"
+        shown = [
+            self.repr1(item, level - 1) if type(item) is dict else type(item).__name__
+            for item in itertools.islice(x, self.maxlist)
+        ]
+        return "[" + ", ".join(shown + ["..."] * (len(x) > self.maxlist)) + "]"
 
     def repr_dict(self, x: dict[Any, Any], level: int) -> str:
         if not x:
@@ -207,6 +232,8 @@ _short.maxstring = _short.maxother = _short.maxlong = 40
 def _shape(body: object) -> str:
     """A short description of a body: its type, length and first items, never a repr of
     the whole (a 60 MB array of nils is 343 MB of text)."""
-    size = f" of {len(body)} items" if isinstance(body, list | dict) else ""
+    if not isinstance(body, list | dict):
+        return type(body).__name__  # (a string alone may be the token)
     text = _short.repr(body)
-    return f"{type(body).__name__}{size} {text if len(text) <= 80 else text[:77] + '...'}"
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"{type(body).__name__} of {len(body)} items {text}"

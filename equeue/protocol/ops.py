@@ -14,7 +14,13 @@ from __future__ import annotations
 from typing import Any, Final
 
 from equeue.errors import ProtocolError
-from equeue.protocol.frames import BODIES_VERSION, COLUMNS_VERSION, KEY_PAGES_VERSION
+from equeue.protocol.frames import (
+    BODIES_VERSION,
+    COLUMNS_VERSION,
+    DELETED_TOPICS_VERSION,
+    GROUP_DELETE_VERSION,
+    KEY_PAGES_VERSION,
+)
 
 NIL: Final = type(None)
 UINT: Final = "uint"  # an int >= 0 (msgpack has no separate unsigned type in Python)
@@ -77,9 +83,12 @@ OPS: Final[dict[str, Spec]] = {
     "committed_offset": {**_QUEUE, "group": ((str,), True)},
     "create_topic": {"topic": ((str,), True), "queue_count": ((UINT, NIL), False)},
     "topics": {},
+    # protocol version 5: topic -> the log position of its last deletion
+    "deleted_topics": {},
     "queue_ids": {"topic": ((str,), True)},
     "queue_range": _QUEUE,
-    "stats": {},
+    # protocol version 5: "group", that group's per-queue detail (docs/protocol.md, "stats")
+    "stats": {"group": ((str,), False)},
     # consumer groups (equeue/server/groups.py)
     "join": {
         **_MEMBER,
@@ -96,6 +105,8 @@ OPS: Final[dict[str, Spec]] = {
         "message_id": ((str,), True),
         "delay_ms": ((UINT, NIL), False),
     },
+    # protocol version 5: a group with no live member deleted (equeue/server/groupdelete.py)
+    "delete_group": {"group": ((str,), True), "delete_dead_letters": ((bool,), False)},
 }
 
 
@@ -105,6 +116,8 @@ OP_VERSIONS: Final[dict[str, int]] = {
     "send_bodies": BODIES_VERSION,
     "pull_columns": COLUMNS_VERSION,
     "query_by_key_page": KEY_PAGES_VERSION,
+    "deleted_topics": DELETED_TOPICS_VERSION,
+    "delete_group": GROUP_DELETE_VERSION,
 }
 
 
@@ -125,7 +138,8 @@ def check_args(op: str, args: dict[str, Any], where: str) -> Spec:
     # slow loop only builds the message of a refusal.
     compiled = _COMPILED.get(op)
     if compiled is None:
-        raise ProtocolError(f"{where}: unknown op {op[:64]!r}")
+        # its length, not the string: a client that put its token there gets no echo
+        raise ProtocolError(f"{where}: unknown op (a string of {len(op)} characters)")
     accepted, uints, required = compiled
     for name, value in args.items():
         kinds = accepted.get(name)

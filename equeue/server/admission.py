@@ -58,6 +58,24 @@ def keep_alive(transport: asyncio.BaseTransport) -> None:
         pass
 
 
+def refusal_of(conn: Connection) -> LimitExceededError | None:
+    """Why a new connection is closed at once, if it is: a draining broker, or
+    max_connections reached with no silent peer to close for it. The status socket's
+    connections (statussock.py) are not counted: its own bound holds them."""
+    broker = conn.broker
+    if broker.draining:
+        return LimitExceededError(f"{conn.where}: the broker is shutting down")
+    limit = broker.config.max_connections
+    if len(broker.connections) - len(broker.status_connections) > limit and (
+        not evict_a_silent_peer(conn)
+    ):
+        return LimitExceededError(
+            f"{conn.where}: the broker has {limit} connections already "
+            f"(max_connections={limit}; equeue serve --max-connections)"
+        )
+    return None
+
+
 def evict_a_silent_peer(conn: Connection) -> bool:
     """The broker is full: close the conn that has waited longest without a
     hello, if one has for EVICT_AFTER_S, to make room for this one. So peers that
@@ -70,6 +88,7 @@ def evict_a_silent_peer(conn: Connection) -> bool:
         for c in broker.connections
         if c is not conn and c._hello is not None and not c.closed
         and now - c.opened >= EVICT_AFTER_S
+        and c not in broker.status_connections  # (its closing would make no room)
     ]  # fmt: skip
     if not silent:
         return False

@@ -18,7 +18,10 @@ from equeue.protocol.frames import (
 from equeue.server.config import (
     DEFAULT_GROUP_COMMIT_WAIT_US,
     DEFAULT_MAX_GROUPS,
+    DEFAULT_MAX_HELD_FILTER_BYTES,
+    DEFAULT_MAX_HELD_PULLS,
     DEFAULT_MAX_TOPICS,
+    DEFAULT_STATS_MAX_LISTED,
     EVENT_LOOPS,
     MAX_BUSY_POLL_US,
     SOCKET_NAME,
@@ -90,6 +93,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--max-partial-frame-bytes", type=int, default=512 * 1024 * 1024)
     parser.add_argument(
+        "--max-held-pulls", type=int, default=DEFAULT_MAX_HELD_PULLS, metavar="N",
+        help="long-poll pulls held at once over every connection; past it a pull with a "
+        "wait is answered empty at the next 100 ms tick, as one without (0: none held)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-held-filter-bytes", type=int, default=DEFAULT_MAX_HELD_FILTER_BYTES, metavar="N",
+        help="tag filters one connection's held pulls keep (each distinct filter once: its "
+        "tags' bytes + 80 a tag); past it a pull with a new filter is answered empty at "
+        "the next tick",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stats-max-listed", type=int, default=DEFAULT_STATS_MAX_LISTED, metavar="N",
+        help="groups (the most lag first), live groups and connections one stats answer "
+        "lists; the others are counted",
+    )  # fmt: skip
+    parser.add_argument(
         "--retention", metavar="DURATION",
         help="remove whole log chunks whose newest message is older than this (90s, 15m, "
         "2h, 7d; no unit: seconds), after each of the store's checkpoints (every 10 s); "
@@ -116,6 +135,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--token-file, and --tls-cert as the certificate to trust) and exit",
     )  # fmt: skip
     parser.add_argument(
+        "--status-group", metavar="GROUP",
+        help="with --status: that consumer group's lag per queue, members and assignment",
+    )  # fmt: skip
+    parser.add_argument(
         "--event-loop", choices=EVENT_LOOPS, default="auto",
         help="uvloop (auto: where it is installed) or asyncio's own loop",
     )  # fmt: skip
@@ -138,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         hello_timeout_ms=args.hello_timeout_ms, max_groups=args.max_groups,
         max_topics=args.max_topics,
         max_partial_frame_bytes=args.max_partial_frame_bytes, insecure_token=args.insecure_token,
+        max_held_pulls=args.max_held_pulls, max_held_filter_bytes=args.max_held_filter_bytes,
+        stats_max_listed=args.stats_max_listed,
         event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
         group_commit_overlap=args.group_commit_overlap, busy_poll_us=args.busy_poll_us,
         shm=args.shm, shm_ring_bytes=args.shm_ring_bytes,
@@ -164,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     from equeue.server.status import fetch_stats, render_stats
 
-    stats: dict[str, Any] = fetch_stats(args.store, args.listen, args.token_file, args.tls_cert)
+    stats: dict[str, Any] = fetch_stats(
+        args.store, args.listen, args.token_file, args.tls_cert, args.status_group
+    )
     if args.json:
         print(json.dumps(stats, indent=2))
     else:

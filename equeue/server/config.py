@@ -38,10 +38,19 @@ MAX_BUSY_POLL_US = 10_000
 # (review g F6), so the defaults hold ~40 MB; real deployments have tens to hundreds.
 DEFAULT_MAX_GROUPS = 10_000
 DEFAULT_MAX_TOPICS = 10_000
+# Held pulls of every connection (max_held_pulls): 1,024 connections each a group member
+# holding its 64 long polls (the client's MAX_POLLERS) is 65,536; twice that, ~1 KB each
+# (measured: docs/broker.md, "Limits and backpressure").
+DEFAULT_MAX_HELD_PULLS = 131_072
+# The weight of one connection's held tag filters (heldfilters.py): three filters of
+# 1,024 tags of 255 bytes, or 12 of 1,024 tags of 20 bytes.
+DEFAULT_MAX_HELD_FILTER_BYTES = 1 << 20
+DEFAULT_STATS_MAX_LISTED = 100
 BrokerFlush = Literal["sync", "async", "os"]
 EventLoop = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: tuple[EventLoop, ...] = ("auto", "uvloop", "asyncio")
 SOCKET_NAME = DEFAULT_SOCKET_NAME  # the default listener, inside the store directory
+STATUS_SOCKET_NAME = "status.sock"  # stats past max_connections, beside it (statussock.py)
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the NUL
 # --retention: a number with an optional unit (no unit: seconds)
 DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -155,6 +164,14 @@ class ServerConfig:
     # Bytes of frames begun and not yet whole, over every connection: past it, the
     # connection whose bytes passed it is closed (LimitExceededError).
     max_partial_frame_bytes: int = 512 * MiB
+    # Long-poll pulls held at once over every connection, and the weight of the tag
+    # filters one connection's held pulls keep (holds.py, heldfilters.py): past either, a
+    # pull with a wait is answered as one without (empty, nothing skipped) at the next tick.
+    max_held_pulls: int = DEFAULT_MAX_HELD_PULLS
+    max_held_filter_bytes: int = DEFAULT_MAX_HELD_FILTER_BYTES
+    # The groups, the coordinator's live groups and the connections one ``stats`` answer
+    # lists (the most lag first; the rest counted): its size does not grow with them.
+    stats_max_listed: int = DEFAULT_STATS_MAX_LISTED
     # A token over plain tcp:// off loopback crosses the network in clear: refused unless this.
     insecure_token: bool = False
     # "auto": uvloop where it is installed (a dependency on Linux and macOS), else asyncio's.
@@ -231,6 +248,7 @@ class ServerConfig:
         check_int("hello_timeout_ms", self.hello_timeout_ms, 1, 3_600_000)
         check_int("max_groups (--max-groups)", self.max_groups, 1, 1 << 24)
         check_int("max_topics (--max-topics)", self.max_topics, 1, 1 << 24)
+        check_int("stats_max_listed (--stats-max-listed)", self.stats_max_listed, 1, 100_000)
         check_int(
             "max_partial_frame_bytes", self.max_partial_frame_bytes, HELLO_MAX_FRAME_BYTES, 1 << 40
         )
@@ -239,6 +257,11 @@ class ServerConfig:
                 f"max_partial_frame_bytes={self.max_partial_frame_bytes} is below "
                 f"max_frame_bytes={self.max_frame_bytes}: no frame of that size could arrive"
             )
+        check_int("max_held_pulls (--max-held-pulls)", self.max_held_pulls, 0, 1 << 24)
+        check_int(
+            "max_held_filter_bytes (--max-held-filter-bytes)", self.max_held_filter_bytes,
+            0, 1 << 34,
+        )  # fmt: skip
         self._check_retention()
         listeners = tuple(parse_listener(url) for url in self.listen)
         object.__setattr__(self, "listeners", listeners)

@@ -41,7 +41,7 @@ from equeue.protocol.frames import (
 from equeue.protocol.ops import check_args, ops_above, refuse_above
 from equeue.protocol.records import pack_send_result
 from equeue.protocol.retries import RESERVED_PREFIX
-from equeue.server.admission import evict_a_silent_peer, keep_alive, take_hello
+from equeue.server.admission import keep_alive, refusal_of, take_hello
 from equeue.server.direct import direct_fd
 from equeue.server.handlers import DEFERRED, Frame, Handlers, Packed
 from equeue.server.limitnote import name_broker_setting
@@ -183,15 +183,7 @@ class Connection(asyncio.BufferedProtocol):
         self._hello_timer = broker.loop.call_later(
             broker.config.hello_timeout_ms / 1000, self._hello_expired
         )
-        limit = broker.config.max_connections
-        refusal = None
-        if broker.draining:
-            refusal = LimitExceededError(f"{self.where}: the broker is shutting down")
-        elif len(broker.connections) > limit and not evict_a_silent_peer(self):
-            refusal = LimitExceededError(
-                f"{self.where}: the broker has {limit} connections already "
-                f"(max_connections={limit}; equeue serve --max-connections)"
-            )
+        refusal = refusal_of(self)
         if self._tls is not None:
             accept_tls(self, self._tls, refusal)
         elif refusal is not None:

@@ -19,8 +19,9 @@ log = logging.getLogger("equeue.server")
 
 # Beside connections and the store's files: stdio, the event loop's epoll and wakeup
 # pipe, the flusher's and the offset committer's, a metadata file being replaced
-# (its file and directory), logging, and 16 TLS refusals in their handshake
-# (tlsaccept.MAX_REFUSALS_IN_HANDSHAKE), with room to spare.
+# (its file and directory), logging, 16 TLS refusals in their handshake
+# (tlsaccept.MAX_REFUSALS_IN_HANDSHAKE), and the status socket with its 2 connections
+# (statussock.py), with room to spare.
 BROKER_OWN_FILES = 64
 
 

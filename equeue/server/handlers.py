@@ -23,6 +23,7 @@ from equeue.protocol.frames import (
     ANSWER_OVERHEAD,
     FRAME_HEADER,
     SEND_RESULT_OVERHEAD,
+    STATS_GROUP_VERSION,
     STATUS_OK,
     encode,
 )
@@ -34,8 +35,9 @@ from equeue.protocol.records import (
     pack_send_result,
 )
 from equeue.protocol.retries import RESERVED_PREFIX, check_client_write
+from equeue.server.groupdelete import GroupDeleter
 from equeue.server.holds import HeldPull, Holds
-from equeue.server.stats import COUNTERS, Counters, group_lag
+from equeue.server.stats import COUNTERS, Counters, group_detail, groups_summary
 from equeue.store import storereads
 from equeue.store.bodies import plain, send_columns, send_packed
 from equeue.store.store import MessageStore
@@ -76,6 +78,7 @@ class Peer(Protocol):
     """What an op needs of the connection it came on."""
 
     where: str
+    version: int  # the protocol version the connection was welcomed with
 
     def finish(self, request_id: int, outcome: object) -> None: ...
 
@@ -88,10 +91,18 @@ class Coordinator(Protocol):
         self, group: str, consumer: str, topic: str, queue_id: int, join_id: int | None = None
     ) -> None: ...
     def tick(self) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
+    def live(self) -> list[str]: ...
+    def summary(self, name: str) -> dict[str, Any]: ...
+    def detail(self, name: str) -> dict[str, Any] | None: ...
+    def skipped_counts(self) -> dict[str, int]: ...
     def persist_with(self, run: Callable[[Callable[[], None]], Any]) -> None: ...
     def note_skip(self, group: str, topic: str, queue_id: int, start: int, first: int) -> None: ...
-    def skips(self) -> dict[str, dict[str, Any]]: ...
+    def skips(self, only: str | None = None) -> dict[str, dict[str, Any]]: ...
+
+    deleting: set[str]  # (groupdelete.py's)
+
+    def live_members(self, group: str) -> list[str]: ...
+    def forget_group(self, group: str) -> None: ...
 
 
 class Handlers:
@@ -143,16 +154,23 @@ class Handlers:
                 a["topic"], a.get("queue_count")
             ),
             "topics": lambda peer, rid, a: store.topics(),
+            "deleted_topics": lambda peer, rid, a: store.deleted_topics(),
             "queue_ids": lambda peer, rid, a: store.queue_ids(a["topic"]),
             "queue_range": lambda peer, rid, a: list(store.queue_range(a["topic"], a["queue_id"])),
-            "stats": lambda peer, rid, a: self.stats(),
+            "stats": self.stats_op,
             "join": lambda peer, rid, a: self.coordinator.call("join", a),
             "heartbeat": lambda peer, rid, a: self.coordinator.call("heartbeat", a),
             "leave": lambda peer, rid, a: self.coordinator.call("leave", a),
             "nack": self.nack,
+            "delete_group": self.delete_group,
         }
+        self._deleter = GroupDeleter(store, coordinator, holds, offsets)
         for op in ("send", "send_batch", "send_bodies", "create_topic", "commit_offset"):
             self.ops[op] = _guarded(op, self.ops[op])
+
+    def delete_group(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
+        self._deleter.delete(peer, rid, a)
+        return DEFERRED
 
     def nack(self, peer: Peer, rid: int, a: dict[str, Any]) -> object:
         delay_ms = a.get("delay_ms")
@@ -357,6 +375,23 @@ class Handlers:
             if columns:
                 return self.fit_columns(found, peer.where, topic, queue_id)
             return self.fit_pull(found, peer.where)
+        if not self._hold(peer, rid, a, args, found, columns):
+            # past max_held_pulls or the connection's max_held_filter_bytes: answered as
+            # without a wait (nothing skipped, nothing kept), at the next tick (holds.py)
+            self.holds.later(
+                peer, rid,
+                self.fit_columns(found, peer.where, topic, queue_id)
+                if columns
+                else self.fit_pull(found, peer.where),
+            )  # fmt: skip
+        return DEFERRED
+
+    def _hold(
+        self, peer: Peer, rid: int, a: dict[str, Any], args: dict[str, Any], found: PullResult,
+        columns: bool,
+    ) -> bool:  # fmt: skip
+        """Hold the pull ``a`` whose answer is empty now (``found``); False if not held."""
+        topic, queue_id = a["topic"], a["queue_id"]
         group, consumer = a.get("group"), a.get("consumer")
         check = None
         if group is not None and consumer is not None:  # checked again when answered
@@ -365,12 +400,14 @@ class Handlers:
             def check() -> None:
                 owner(group, consumer, topic, queue_id, join_id)
 
-        held = HeldPull(peer, rid, (topic, queue_id), found.next_offset, args, check)
+        held = HeldPull(
+            peer, rid, (topic, queue_id), found.next_offset, args, check,
+            group if check is not None else None,
+        )  # fmt: skip
         if columns:  # (else serve.py's fit_pull packs it, as a pull's)
             where = peer.where
             held.pack = lambda result: self.fit_columns(result, where, topic, queue_id)
-        self.holds.hold(held, wait_ms / MS)
-        return DEFERRED
+        return self.holds.hold(held, args["tags"], a["wait_ms"] / MS)
 
     def _pull_args(self, a: dict[str, Any]) -> dict[str, Any]:
         """A pull's count and bytes within the broker's bounds: max_pull_count messages,
@@ -516,7 +553,13 @@ class Handlers:
             return
         first = self.store.queue_range(topic, queue_id)[0]
         if offset < first:
-            self.coordinator.note_skip(group, topic, queue_id, offset, first)
+            # Not below the group's commit: the group consumed those before it committed
+            # (a pull from below it is a seek back; review5 F8). The grant's note starts
+            # at the commit (reviewh F2), so this takes nothing of it.
+            committed = self.store.committed_offset(group, topic, queue_id)
+            start = offset if committed is None else max(offset, committed)
+            if start < first:
+                self.coordinator.note_skip(group, topic, queue_id, start, first)
 
     def _check_owner(self, a: dict[str, Any], topic: str, queue_id: int) -> None:
         group, consumer = a.get("group"), a.get("consumer")
@@ -526,11 +569,16 @@ class Handlers:
 
     # --- stats -----------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, group: str | None = None) -> dict[str, Any]:
         c = self.counters
         answer: dict[str, Any] = {name: getattr(c, name) for name in COUNTERS}
         answer["rates"] = c.rates()
-        answer["held_pulls"] = self.holds.count
+        holds = self.holds
+        answer["held_pulls"] = holds.count
+        # pulls with a wait answered empty, not held, because max_held_pulls or their
+        # connection's max_held_filter_bytes was reached; the weight of held tag filters
+        answer["pulls_not_held"] = holds.not_held
+        answer["held_filter_bytes"] = holds.filter_bytes
         commit = self.commit
         answer["flushes"] = commit.flushes if commit else 0
         answer["sends_per_flush"] = (
@@ -555,11 +603,22 @@ class Handlers:
             speedups.SPEEDUPS.answers_written_directly() if speedups.SPEEDUPS is not None else 0
         )
         answer.update(self._extra_stats())
-        answer["groups"] = groups = group_lag(self.store)
-        for group, skipped in self.coordinator.skips().items():  # retention passed them
-            groups.setdefault(group, {"lag": 0, "queues": {}})["skipped"] = skipped
-        answer["coordinator"] = self.coordinator.stats()  # members, generations, assignments
+        if group is None:  # bounded by stats_max_listed (reviewg F11)
+            listed = self.config.stats_max_listed
+            answer.update(groups_summary(self.store, self.coordinator, listed))
+        else:
+            answer.update(group_detail(self.store, self.coordinator, group))
         return answer
+
+    def stats_op(self, peer: Peer, rid: int, a: dict[str, Any]) -> dict[str, Any]:
+        group = a.get("group")
+        if group is not None and peer.version < STATS_GROUP_VERSION:
+            raise ProtocolError(
+                f"{peer.where}: stats' argument 'group' is of protocol version "
+                f"{STATS_GROUP_VERSION}; this connection was welcomed with version "
+                f"{peer.version} (offer {STATS_GROUP_VERSION} in the hello to use it)"
+            )
+        return self.stats(group)
 
     # The two a plain send or a send_bodies read whole in C goes past: a connection is
     # made with those reads only while its broker's Handlers class finds these

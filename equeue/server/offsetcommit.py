@@ -45,6 +45,8 @@ class OffsetCommitter:
         # group's remembered nacks, so a message failing again is retried again.
         self.on_reset: Callable[[str], None] | None = None
         self._resets: list[str] = []  # (appended on the thread, read after it finished)
+        # Work to run after the commits handed over before it (after_commits)
+        self._after: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
 
     def run(self, work: Callable[[], None]) -> asyncio.Future[None]:
         """``work`` on the committer thread (the retry mover's fdatasync and cursor
@@ -54,6 +56,34 @@ class OffsetCommitter:
         job.add_done_callback(self._job_done)
         self._last_job = job
         return job
+
+    def after_commits(self, work: Callable[[], Any]) -> asyncio.Future[Any]:
+        """``work`` on the committer thread once every commit handed over before it is
+        written (a group's deletion: a commit of the group made before it must not
+        re-create the group after it); its result or exception, on the loop."""
+        outcome: asyncio.Future[Any] = self._loop.create_future()
+        if self._running is None:  # (then nothing waits either: add() starts at once)
+            self._chain(work, outcome)
+        else:
+            self._after.append((work, outcome))
+        return outcome
+
+    def _chain(self, work: Callable[[], Any], outcome: asyncio.Future[Any]) -> None:
+        job = self._loop.run_in_executor(self._executor, work)
+        self._jobs.add(job)
+
+        def done(finished: asyncio.Future[Any]) -> None:
+            self._jobs.discard(finished)
+            if outcome.cancelled():
+                return
+            if finished.cancelled():
+                outcome.cancel()
+            elif (error := finished.exception()) is not None:
+                outcome.set_exception(error)
+            else:
+                outcome.set_result(finished.result())
+
+        job.add_done_callback(done)
 
     def _job_done(self, job: asyncio.Future[None]) -> None:
         self._jobs.discard(job)
@@ -132,6 +162,9 @@ class OffsetCommitter:
                 log.exception("releasing a commit's answer failed")
         if self._waiting:
             self._start()
+        after, self._after = self._after, []
+        for work, outcome in after:  # behind the commits that came before them
+            self._chain(work, outcome)
 
     async def drain(self) -> None:
         """Until every commit handed over so far is written and answered."""

@@ -68,7 +68,7 @@ from equeue.protocol.retries import (
 )
 from equeue.store import offsets as group_offsets
 from equeue.store import validate
-from equeue.store.types import Message, OutgoingMessage
+from equeue.store.types import Message, OutgoingMessage, SendResult
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
@@ -173,6 +173,10 @@ class Retries:
         # sets it: OffsetCommitter.run); None: in the caller, before move_due returns.
         self.background: Callable[[Callable[[], None]], Job] | None = None
         self._persisting: Job | None = None
+        # Told of each copy appended (topic, queue id, offset, tag): the broker's held
+        # pulls waiting on that queue are pulled again (holds.py ``noted``) at once, not
+        # found by a look at every queue held each tick (reviewg F13).
+        self.appended: Callable[[str, int, int, str], None] | None = None
         # Cursors moved past whose write failed (or has not run): written before any
         # further move, so what they cover is never moved again.
         self._unsaved: dict[tuple[str, int], int] = {}
@@ -192,6 +196,12 @@ class Retries:
         # nacked again is always a repeat (reviewg F14: 200 nacks made 200 copies).
         self._nacked: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.nacked_again = 0
+        # due copies of a group nacked before its retry topic was deleted (delete_group):
+        # a group made again under the name gets none of them
+        self.dropped_deleted = 0
+        # groups whose deletion runs (the coordinator's set): their due copies wait, as
+        # a move now would make the retry topic again under the deletion
+        self.deleting: set[str] = set()
         # The cursors were set aside (below): a queue's first look may find copies it
         # had moved removed by retention, not lost; which queues it has not looked at.
         self._cursors_guessed: set[int] = set()
@@ -275,10 +285,11 @@ class Retries:
         if cut:
             body = body[: config.max_message_size]
         self.ensure(dead_letter_topic(group), 1)
-        self.store.send(
+        sent = self.store.send(
             dead_letter_topic(group), body, tag=message.tag, key=message.key, properties=kept,
             code=message.code,
         )  # fmt: skip
+        self._sent(sent, message.tag)
         return (
             f"cut to the store's limits (body {len(body)} of {len(message.body)} bytes, "
             f"{len(kept)} of {len(wanted)} properties; equeue.dlq.reason says why)"
@@ -302,10 +313,11 @@ class Retries:
         level = self.level(attempt, delay_ms)
         props[DUE_MS] = str(int(self.wall_clock() * 1000 + self.delays[level] * 1000))
         self.ensure(DELAY_TOPIC, len(self.delays))
-        self.store.send(
+        sent = self.store.send(
             DELAY_TOPIC, message.body, tag=message.tag, key=message.key, properties=props,
             code=message.code, queue_id=level,
         )  # fmt: skip
+        self._sent(sent, message.tag)
 
     def level(self, attempt: int, delay_ms: int | None) -> int:
         """The delay queue of a retry: the shortest level of at least ``delay_ms``, else
@@ -389,16 +401,31 @@ class Retries:
         cursor passing each run as soon as it is appended: whatever fails, the cursor
         stands right after what was appended (a batch per group would append copies past
         one that failed, and move them again)."""
+        deleted = self.store.deleted_topics()
         for group, run in _runs(due):
             if group is None:
                 for message in run:
                     log.warning("%s in %s names no group; dropped", message.message_id, DELAY_TOPIC)
                 self._pass(queue_id, run[-1], cursors)
                 continue
+            if group in self.deleting:  # moved or dropped once the deletion ended
+                return
             target = retry_topic(group)
+            gone = deleted.get(target, -1)
+            if run[0].position < gone:  # nacked before the group (its retry topic) was deleted
+                stale = [message for message in run if message.position < gone]
+                self.dropped_deleted += len(stale)
+                log.info(
+                    "%d delayed retries of group %r dropped: nacked before %s was deleted "
+                    "(delete_group)", len(stale), group, target,
+                )  # fmt: skip
+                self._pass(queue_id, stale[-1], cursors)
+                run = run[len(stale) :]
+                if not run:
+                    continue
             self.ensure(target, 1)
             try:
-                self.store.send_batch(target, [_copy(message) for message in run])
+                sent = self.store.send_batch(target, [_copy(message) for message in run])
             except _REFUSALS:  # nothing written: find the copy (or copies) refused
                 self._move_one_by_one(queue_id, group, run, cursors)
                 continue
@@ -408,6 +435,8 @@ class Retries:
                     self._pass(queue_id, run[len(exc.sent) - 1], cursors)
                 raise
             self.moved += len(run)
+            for result, message in zip(sent, run, strict=True):
+                self._sent(result, message.tag)
             self._pass(queue_id, run[-1], cursors)
 
     def _move_one_by_one(
@@ -416,8 +445,9 @@ class Retries:
         target = retry_topic(group)
         for message in run:
             try:
-                self.store.send_batch(target, [_copy(message)])
+                (sent,) = self.store.send_batch(target, [_copy(message)])
                 self.moved += 1
+                self._sent(sent, message.tag)
             except _REFUSALS as exc:
                 self._dead_letter_refused(group, message, exc)
             self._pass(queue_id, message, cursors)
@@ -559,6 +589,7 @@ class Retries:
             "lost_to_retention": self.lost_to_retention,
             "nacked_removed": self.nacked_removed,
             "nacked_again": self.nacked_again,
+            "dropped_deleted_group": self.dropped_deleted,
         }
 
     def pending(self) -> int:
@@ -578,10 +609,15 @@ class Retries:
         self, topic: str, message: Message, props: dict[str, str], queue_id: int | None
     ) -> None:
         self.ensure(topic, 1)
-        self.store.send(
+        sent = self.store.send(
             topic, message.body, tag=message.tag, key=message.key, properties=props,
             code=message.code, queue_id=queue_id,
         )  # fmt: skip
+        self._sent(sent, message.tag)
+
+    def _sent(self, sent: SendResult, tag: str) -> None:
+        if self.appended is not None:
+            self.appended(sent.topic, sent.queue_id, sent.queue_offset, tag)
 
     def ensure(self, topic: str, queue_count: int) -> None:
         try:

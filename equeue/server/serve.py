@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
 import os
 import signal
@@ -34,7 +35,14 @@ from equeue.errors import (
 from equeue.protocol import shmrings
 from equeue.protocol.frames import DEFAULT_MAX_CONNECTIONS, MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
 from equeue.server.busypoll import BusyPoll
-from equeue.server.config import DEFAULT_MAX_TOPICS, Listener, ServerConfig, read_token
+from equeue.server.config import (
+    DEFAULT_MAX_TOPICS,
+    MAX_UNIX_PATH,
+    STATUS_SOCKET_NAME,
+    Listener,
+    ServerConfig,
+    read_token,
+)
 from equeue.server.connection import Connection
 from equeue.server.fdlimit import fit_open_files
 from equeue.server.groupcommit import CrossClientCommit, Entry
@@ -47,6 +55,7 @@ from equeue.server.periodic import PeriodicJobs
 from equeue.server.release import release_durable
 from equeue.server.shm import BrokerShm
 from equeue.server.stats import Counters, retention_stats, retry_and_retention
+from equeue.server.statussock import StatusConnection
 from equeue.store.config import FlushPolicy, StoreConfig
 from equeue.store.store import MessageStore
 from equeue.store.types import PullResult
@@ -56,7 +65,6 @@ log = logging.getLogger("equeue.server")
 
 TICK_S = 0.1  # the group coordinator's tick, held pulls' poll
 SAMPLE_EVERY = 10  # ticks between rate samples
-MAX_LISTED = 100  # connections stats lists one by one
 StoreOrPath = MessageStore | str | os.PathLike[str]
 
 
@@ -190,6 +198,7 @@ class Broker:
     def _set_up(self, config: ServerConfig) -> None:
         self.urls: list[str] = []
         self.connections: set[Connection] = set()
+        self.status_connections: set[Connection] = set()  # of STORE/status.sock (statussock.py)
         self.counters = Counters()
         self.draining = False
         self.limits = {
@@ -221,7 +230,10 @@ class Broker:
     async def start(self) -> None:
         self.loop = loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.holds = Holds(loop, self.store, self._answer_held)
+        self.holds = Holds(
+            loop, self.store, self._answer_held, max_held=self.config.max_held_pulls,
+            max_filter_bytes=self.config.max_held_filter_bytes,
+        )  # fmt: skip
         sync = self.config.flush == "sync"
         self.busy_poll = busy = (
             BusyPoll(loop, self.config.busy_poll_us, self.counters)
@@ -253,12 +265,14 @@ class Broker:
             )
             self.offsets = OffsetCommitter(loop, self.store)
             self.offsets.on_reset = coordinator.retries.forget
+            coordinator.retries.appended = self.holds.noted
             self.handlers = Handlers(
                 self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
                 self.config, self.packer, self.offsets,
             )  # fmt: skip
             for listener in self.listeners:
                 await self._listen(listener)
+            await self._listen_for_status()
         except BaseException:
             await self._close_servers()
             if self.commit is not None:
@@ -283,20 +297,7 @@ class Broker:
     async def _listen(self, listener: Listener) -> None:
         loop = self.loop
         if listener.kind == "unix":
-            path = listener.path
-            _claim_socket_path(path)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.bind(path)
-                # Before listen(): until then a connect is refused, so nobody gets in
-                # between bind() (the umask's mode) and here.
-                os.chmod(path, 0o600)
-                inode = os.stat(path).st_ino
-            except OSError as exc:
-                sock.close()
-                raise ConfigError(f"cannot listen on unix:{path}: {exc.strerror or exc}") from None
-            self._sockets.append((path, inode))
-            server = await loop.create_unix_server(self._factory(listener.url), sock=sock)
+            server = await self._listen_unix(listener.path, self._factory(listener.url))
             self.urls.append(listener.url)
         else:
             # A tls:// listener accepts plain TCP: the Connection does its handshake
@@ -315,6 +316,42 @@ class Broker:
             host = f"[{listener.host}]" if ":" in listener.host else listener.host
             self.urls.append(f"{listener.kind}://{host}:{port}")
         self._servers.append(server)
+
+    async def _listen_unix(
+        self, path: str, factory: Callable[[], Connection]
+    ) -> asyncio.AbstractServer:
+        _claim_socket_path(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            # Before listen(): until then a connect is refused, so nobody gets in
+            # between bind() (the umask's mode) and here.
+            os.chmod(path, 0o600)
+            inode = os.stat(path).st_ino
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot listen on unix:{path}: {exc.strerror or exc}") from None
+        self._sockets.append((path, inode))
+        return await self.loop.create_unix_server(factory, sock=sock)
+
+    async def _listen_for_status(self) -> None:
+        """STORE/status.sock: stats and ping past max_connections (statussock.py). Not
+        in ``urls`` (no client's listener); skipped, with a warning, where the store's
+        path leaves no room for it in sun_path."""
+        path = str(self.store.path / STATUS_SOCKET_NAME)
+        if len(os.fsencode(path)) > MAX_UNIX_PATH:
+            log.warning(
+                "no status socket: %s is longer than %d bytes; --status of a full broker "
+                "is refused like any client", path, MAX_UNIX_PATH,
+            )  # fmt: skip
+            return
+        url = f"unix:{path}"
+
+        def make() -> Connection:
+            self._number += 1
+            return StatusConnection(self, url, self._number)
+
+        self._servers.append(await self._listen_unix(path, make))
 
     # --- the loop's work ----------------------------------------------------------
 
@@ -356,8 +393,11 @@ class Broker:
         periodic = self._periodic
         try:  # each its own try: a failing mover must not starve held pulls and the rates
             periodic.run("group tick (expiry, retries)", coordinator.tick)
+            if self.holds.appended:  # retries the tick moved: their queues' held pulls
+                periodic.run("held pulls of retries moved", self.holds.arrived)
             if self.holds.count:
                 periodic.run("poll of held pulls", self.holds.poll)
+            periodic.run("pulls not held", self.holds.answer_later)
             self._ticks += 1
             if self._ticks % SAMPLE_EVERY == 0:
                 periodic.run("stats sample", self.counters.sample)
@@ -399,7 +439,9 @@ class Broker:
                     "in_flight": c.in_flight,
                     "buffered_bytes": c.buffered,
                 }
-                for c in sorted(self.connections, key=lambda c: c.number)[:MAX_LISTED]
+                for c in heapq.nsmallest(
+                    self.config.stats_max_listed, self.connections, key=lambda c: c.number
+                )
             ],
         }
 

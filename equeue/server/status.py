@@ -3,19 +3,24 @@ client) and print them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
 from typing import Any
 
 from equeue.errors import AuthenticationError, BrokerError, NotAStoreError
-from equeue.server.config import SOCKET_NAME, read_token
+from equeue.server.config import SOCKET_NAME, STATUS_SOCKET_NAME, read_token
 from equeue.server.stats import render_retention
 from equeue.store.meta import LOCK_FILE
 
 
 def fetch_stats(
-    store: str, listen: list[str], token_file: str | None, cafile: str | None = None
+    store: str,
+    listen: list[str],
+    token_file: str | None,
+    cafile: str | None = None,
+    group: str | None = None,
 ) -> dict[str, Any]:
     """The ``stats`` answer of the broker at ``listen[0]``, else at STORE/broker.sock."""
     from equeue.client.sync import connect
@@ -43,8 +48,8 @@ def fetch_stats(
     if cafile:
         options["cafile"] = cafile
     try:
-        with connect(listen[0] if listen else store, token=token, **options) as client:
-            stats = client.stats()
+        with connect(listen[0] if listen else _socket_of(store), token=token, **options) as client:
+            stats = client.stats(group)
     except AuthenticationError as exc:  # the broker's words are a client's: add the option
         given = "the token in --token-file" if token_file else "no token"
         raise AuthenticationError(
@@ -53,6 +58,16 @@ def fetch_stats(
     if not isinstance(stats, dict):
         raise BrokerError(f"the broker answered stats with a {type(stats).__name__}, not a map")
     return stats
+
+
+def _socket_of(store: str) -> str:
+    """STORE/status.sock where a broker listens there (since 2026-11-27: admitted past
+    max_connections, statussock.py), else the store's default socket."""
+    status = Path(store) / STATUS_SOCKET_NAME
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(status.lstat().st_mode):
+            return f"unix:{status}"
+    return store
 
 
 def _lock_free(lock: Path) -> bool:
@@ -91,16 +106,26 @@ def render_stats(stats: dict[str, Any]) -> str:
             f"{client['buffered_bytes']} bytes buffered"
         )
     lines += _retry_and_retention(stats)
-    members = stats.get("coordinator", {})
-    for group, info in sorted(stats.get("groups", {}).items()):
-        lines.append(f"group {group}: lag {info['lag']}")
-        live = members.get(group)
-        if live:
-            lines.append(f"  generation {live['generation']}, topics {', '.join(live['topics'])}")
-            for member, detail in sorted(live["members"].items()):
-                queues = " ".join(f"{t}/{q}" for t, q in detail["queues"]) or "-"
-                lines.append(f"  member {member}: {queues}")
-        for queue, lag in sorted(info["queues"].items()):
+    lines += _groups(stats)
+    return "\n".join(lines)
+
+
+def _groups(stats: dict[str, Any]) -> list[str]:
+    """The groups of a summary (per group its totals) or of one group's detail (per queue,
+    per member); a broker before protocol version 5 answers every group's detail."""
+    lines = []
+    live = stats.get("coordinator", {})
+    for group, info in sorted(stats.get("groups", {}).items(), key=lambda g: (-g[1]["lag"], g[0])):
+        if "queues" in info:
+            lines.append(f"group {group}: lag {info['lag']}")
+        else:
+            skipped = info.get("skipped_count", 0)
+            lines.append(
+                f"group {group}: lag {info['lag']} over {info.get('queue_count')} queues"
+                + (f", {skipped} removed by retention before consumed" if skipped else "")
+            )
+        lines += _members(live.get(group))
+        for queue, lag in sorted(info.get("queues", {}).items()):
             lines.append(
                 f"  {queue}: committed {lag['committed']} end {lag['end']} lag {lag['lag']}"
             )
@@ -110,7 +135,30 @@ def render_stats(stats: dict[str, Any]) -> str:
                 f"  {queue}: {skipped['count']} removed by retention before consumed "
                 f"(offsets {ranges})"
             )
-    return "\n".join(lines)
+    for group in sorted(set(live) - set(stats.get("groups", {}))):  # members, no commit yet
+        lines.append(f"group {group}: no committed offset")
+        lines += _members(live[group])
+    left = stats.get("groups_omitted", 0), stats.get("coordinator_omitted", 0)
+    if any(left):
+        lines.append(
+            f"{left[0]} more groups and {left[1]} more groups with members not listed "
+            "(those with the least lag; --stats-max-listed); one group's detail: "
+            "--status-group GROUP"
+        )
+    return lines
+
+
+def _members(live: dict[str, Any] | None) -> list[str]:
+    if not live:
+        return []
+    lines = [f"  generation {live['generation']}, topics {', '.join(live['topics'])}"]
+    if "members" not in live:  # a summary's
+        lines[0] += f", {live.get('member_count')} members, {live.get('queue_count')} queues"
+        return lines
+    for member, detail in sorted(live["members"].items()):
+        queues = " ".join(f"{t}/{q}" for t, q in detail["queues"]) or "-"
+        lines.append(f"  member {member}: {queues}")
+    return lines
 
 
 def _retry_and_retention(stats: dict[str, Any]) -> list[str]:

@@ -72,6 +72,14 @@ Offsets = dict[str, dict[str, int]]  # topic -> queue id (a string) -> next offs
 # than at the start offset (a new queue, a topic created again, offsets retention took).
 # Not a topic name: those are [A-Za-z0-9._-].
 FROM: Final = "@from"
+# In an offset: {topic: the log position of its last deletion} for the topics read that
+# were ever deleted (the store's deleted_topics()). A topic whose position differs at the
+# next planning was deleted and created again since: what the query read is gone, and the
+# offsets are the new topic's (reviewj F1: a new topic already past them was read on from
+# there, its first messages skipped). In every offset since 2026-11-27 (maybe empty);
+# absent: an older version's offset, or a broker that cannot say (before protocol
+# version 5): the topics are then taken as they are.
+DELETED: Final = "@deleted"
 
 EARLIEST: Final = -2
 LATEST: Final = -1
@@ -104,12 +112,17 @@ _ARROW: Final = MESSAGE_FIELDS  # the batch source's columns, all of them
 class QueueRange(InputPartition):
     """Offsets [start, end) of one queue: what one task of a micro-batch reads."""
 
-    def __init__(self, topic: str, queue_id: int, start: int, end: int) -> None:
+    def __init__(
+        self, topic: str, queue_id: int, start: int, end: int, deleted: int | None = None
+    ) -> None:
         super().__init__((topic, queue_id, start, end))
         self.topic = topic
         self.queue_id = queue_id
         self.start = start
         self.end = end
+        # where the topic was last deleted when the batch was planned: -1 never, None not
+        # known (an older offset, an older broker)
+        self.deleted = deleted
 
 
 class StreamOptions:
@@ -252,11 +265,19 @@ def ordered(offsets: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         t: {q: offsets[t][q] for q in sorted(offsets[t], key=int)}
         for t in sorted(offsets)
-        if offsets[t] and t != FROM
+        if offsets[t] and t not in (FROM, DELETED)
     }
     if offsets.get(FROM):
         out[FROM] = ordered(offsets[FROM])
+    if DELETED in offsets:
+        out[DELETED] = dict(sorted(offsets[DELETED].items()))
     return out
+
+
+def deleted_of(offsets: Mapping[str, Any], topic: str) -> int | None:
+    """Where ``topic`` was last deleted as ``offsets`` has it: -1 never, None not known."""
+    marks = offsets.get(DELETED)
+    return None if marks is None else marks.get(topic, -1)
 
 
 class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -271,6 +292,7 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.schema = schema
         self._store: MessageStore | BrokerQueues | None = None
         self._target: Offsets | None = None  # Trigger.AvailableNow: where the query ends
+        self._deleted: dict[str, int] | None = None  # the store's deleted_topics(), as planned
         self._last_batch = time.monotonic()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -300,6 +322,8 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         store = self._store
         store.refresh()  # (also on a new handle: see read_range)
         out: dict[str, dict[str, tuple[int, int]]] = {}
+        # (before the topics: a topic created again after this is judged at the next batch)
+        self._deleted = store.deleted_topics()
         for topic in store.topics():
             if not self.options.matches(topic):
                 continue
@@ -338,7 +362,20 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                             f"option startingOffsets names {topic}/{queue}, which "
                             f"{self.options.path} does not hold (or the query does not read)"
                         )
-        return ordered(out)
+        return ordered(self._with_deleted(out))
+
+    def _with_deleted(self, offsets: dict[str, Any]) -> dict[str, Any]:
+        """``offsets`` with DELETED for its topics, where the store said."""
+        if self._deleted is not None:
+            offsets[DELETED] = {t: self._deleted[t] for t in offsets if t in self._deleted}
+        return offsets
+
+    def _created_again(self, topic: str, start: Mapping[str, Any]) -> bool:
+        """``topic`` was deleted and created again since ``start`` (as far as is known: a
+        deletion mark the store no longer has, after a rebuild of topics.json, is not)."""
+        then = deleted_of(start, topic)
+        now = None if self._deleted is None else self._deleted.get(topic)
+        return then is not None and now is not None and now != then
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = {t: {q: r[1] for q, r in qs.items()} for t, qs in self._ranges().items()}
@@ -358,12 +395,15 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         bases: Offsets = {}  # where each queue's next batch begins
         ends: Offsets = {}  # how far it may go
         moved: Offsets = {}  # queues whose batch does not begin at start's offset
-        for topic in sorted((set(start) - {FROM}) | set(ranges)):
+        for topic in sorted((set(start) - {FROM, DELETED}) | set(ranges)):
             known = start.get(topic, {})
             queues = ranges.get(topic)
             if queues is None:
                 self._lost_topic(topic, known)
                 continue
+            if known and self._created_again(topic, start):
+                self._recreated(topic, known)
+                known = {}  # the new topic's queues: from their start
             for queue in sorted(set(known) | set(queues), key=int):
                 if queue not in queues:
                     self._lost_topic(topic, {queue: known[queue]})
@@ -397,7 +437,7 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end: dict[str, Any] = {
             t: {q: b + takes[(t, q)] for q, b in qs.items()} for t, qs in bases.items()
         }
-        if ordered(end) == ordered({t: qs for t, qs in start.items() if t != FROM}):
+        if ordered(end) == ordered({t: qs for t, qs in start.items() if t not in (FROM, DELETED)}):
             return ordered(start)  # nothing new: the same offset, so no batch
         self._last_batch = time.monotonic()
         if moved:
@@ -405,7 +445,7 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # checkpoint keeps it): a re-run reads the same rows, and what retention
             # removes before the task reads is data loss, not a silent skip.
             end[FROM] = moved
-        return ordered(end)
+        return ordered(self._with_deleted(end))
 
     def _lost_topic(self, topic: str, queues: Mapping[str, int]) -> None:
         """Queues the query was reading are gone (their topic was deleted)."""
@@ -413,6 +453,14 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._loss(
             f"{what} was read up to offsets {dict(queues)}, but {self.options.path} no longer "
             "holds it (deleted)"
+        )
+
+    def _recreated(self, topic: str, queues: Mapping[str, int]) -> None:
+        assert self._deleted is not None
+        self._loss(
+            f"topic {topic!r} was read up to offsets {dict(queues)}, but it was deleted and "
+            f"created again since (at log position {self._deleted[topic]}) in "
+            f"{self.options.path}: those offsets are the new topic's"
         )
 
     def _went_back(self, topic: str, queue: str, base: int, first: int, next_: int) -> int:
@@ -437,7 +485,7 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ranges: dict[str, dict[str, tuple[int, int]]] | None = None
         moved = end.get(FROM, {})
         for topic, queues in end.items():
-            if topic == FROM:
+            if topic in (FROM, DELETED):
                 continue
             for queue, stop in queues.items():
                 begin = moved.get(topic, {}).get(queue, start.get(topic, {}).get(queue))
@@ -447,7 +495,7 @@ class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     ranges = self._ranges() if ranges is None else ranges
                     begin = min(ranges.get(topic, {}).get(queue, (stop, stop))[0], stop)
                 if begin < stop:
-                    out.append(QueueRange(topic, int(queue), begin, stop))
+                    out.append(QueueRange(topic, int(queue), begin, stop, deleted_of(end, topic)))
         return out
 
     def commit(self, end: dict[str, Any]) -> None:
@@ -514,8 +562,19 @@ def read_range(options: StreamOptions, part: QueueRange) -> Iterator[pa.RecordBa
             # also takes in a retention run since the open (a test runs one there).
             store.refresh()
             first = store.queue_range(topic, queue)[0]
+            deleted = store.deleted_topics() if part.deleted is not None else None
         except EQueueError as exc:  # TopicNotFoundError: deleted since the batch was planned
             loss(f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: {exc}")
+            return
+        # (a mark the store no longer has, topics.json rebuilt, is not a re-creation, as
+        # for the planning: review6 R6-4)
+        now = deleted.get(topic) if deleted is not None else None
+        if now is not None and now != part.deleted:
+            loss(
+                f"topic {topic!r} queue {queue}: offsets {offset} to {end - 1} are gone: the "
+                f"topic was deleted and created again since the batch was planned, in "
+                f"{options.path}"
+            )
             return
         if offset < first:
             loss(lost_message(options.path, topic, queue, offset, first, min(first, end)))

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
 from equeue.errors import (
+    BrokerTooOldError,
     ConfigError,
     ConnectionLostError,
     EQueueError,
@@ -231,6 +232,13 @@ class BrokerQueues:
 
     def queue_ids(self, topic: str) -> list[int]:
         return self.client.queue_ids(topic)
+
+    def deleted_topics(self) -> dict[str, int] | None:
+        """The store's, or None: a broker before protocol version 5 does not say."""
+        try:
+            return self.client.deleted_topics()
+        except BrokerTooOldError:
+            return None
 
     def refresh(self) -> None:
         return

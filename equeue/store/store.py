@@ -34,6 +34,7 @@ from equeue.format.message import (
 from equeue.store import (
     deletion,
     follow,
+    groupdeletion,
     storeoffsets,
     storereads,
     storesend,
@@ -236,6 +237,9 @@ class MessageStore:
             target=run_service, args=(self, self._service_stop), name="equeue-service", daemon=True
         )
         self._service.start()
+        # A group deletion a crash interrupted after its commit point (its topics need the
+        # store open); what fails is said and tried again at the next open.
+        self.recovery.problems += groupdeletion.finish_group_deletions(self)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -365,6 +369,7 @@ class MessageStore:
     commit_offset = storeoffsets.commit_offset
     committed_offset = storeoffsets.committed_offset
     consumer_groups = storeoffsets.consumer_groups
+    delete_group = storeoffsets.delete_group
     consumer = storeoffsets.consumer
 
     # flushes, checkpoints, retention, compaction's chunks, refresh: equeue/store/storeupkeep.py

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from equeue.store import groupdeletion, validate
 from equeue.store import offsets as group_offsets
-from equeue.store import validate
 from equeue.store.consumer import Consumer
 from equeue.store.consumerargs import Start
 
@@ -42,6 +42,18 @@ def consumer_groups(self: MessageStore) -> dict[str, dict[str, dict[int, int]]]:
     """Every committed offset: {group: {topic: {queue id: offset}}}."""
     self._check_open()
     return group_offsets.by_queue_id(group_offsets.committed(self))
+
+
+def delete_group(
+    self: MessageStore, group: str, *, delete_dead_letters: bool = False
+) -> groupdeletion.DeletedGroup:
+    """Delete consumer group ``group``: its committed offsets (retention no longer counts
+    it), its retry topic ``equeue.retry.GROUP``, and with ``delete_dead_letters`` its
+    dead-letter topic ``equeue.dlq.GROUP`` (kept by default: they are data). Crash-safe:
+    a crash leaves the group or none of it (equeue/store/groupdeletion.py). Raises
+    GroupNotFoundError for a group the store does not have, ReadOnlyError, InvalidMessageError
+    for a bad name or one of the broker's (``equeue.*``)."""
+    return groupdeletion.delete_group(self, group, delete_dead_letters=delete_dead_letters)
 
 
 def consumer(

@@ -212,7 +212,9 @@ class GroupConsume:
         # it is meant to have): polls of the still empty topic apply the assignments
         # and release what others are to get, without taking a message.
         deadline = time.monotonic() + SETTLE_SECONDS
-        while not settled(self.client.stats(), job["group"], job["members"], self.consumer):
+        while not settled(
+            self.client.stats(job["group"]), job["group"], job["members"], self.consumer
+        ):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"group {job['group']} not settled {SETTLE_SECONDS:.0f} s after "
