@@ -38,6 +38,7 @@ class _Group:
         self.to_broker = -1
         self.to_client = -1
         self.waker: Any = None
+        self.rings: weakref.WeakSet[ShmClientTransport] = weakref.WeakSet()
 
     def take(self, to_broker: int, to_client: int) -> None:
         """A group's eventfds from the broker (again after it restarted: the old ones go)."""
@@ -56,10 +57,36 @@ class _Group:
             os.close(self.to_broker)
             self.to_broker = -1
 
+    def leave_to_parent(self) -> None:
+        """In a forked child: the mapping and the eventfds are the parent's. Each ring is
+        unmapped (this process only: every ring operation is then a no-op) and the
+        eventfds' numbers point at fresh eventfds, so that a child running the inherited
+        loop neither takes the parent's answers out of the answer ring nor reads its
+        wake-ups off the group's eventfd (the epoll set, shared, still reports them)."""
+        for ring in list(self.rings):
+            ring.unmap()
+        for fd in (self.to_broker, self.to_client):
+            if fd >= 0:
+                stand_in = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                try:
+                    os.dup2(stand_in, fd, inheritable=False)
+                finally:
+                    os.close(stand_in)
+
+
+def _forked() -> None:
+    for by_path in list(_groups.values()):
+        for group in by_path.values():
+            group.leave_to_parent()
+    _groups.clear()  # (a new connection in the child makes a group of its own)
+
 
 _groups: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Group]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def group_of(loop: asyncio.AbstractEventLoop, path: str) -> _Group:
@@ -163,6 +190,7 @@ class ShmClientTransport(shmrings.ShmRing if shmrings.ShmRing is not None else o
         self.extra = {"socket": TransportSocket(sock), "peername": endpoint_name(sock)}
         self.set_reader_sleeps(True)  # asleep until the broker's answer wakes the group
         group.mux.add(self)
+        group.rings.add(self)
         loop.add_reader(sock.fileno(), self._socket_ready)
 
     def _queue_rest(self, data: bytes, sent: int) -> None:
@@ -223,6 +251,7 @@ class ShmClientTransport(shmrings.ShmRing if shmrings.ShmRing is not None else o
             return
         self.closing = True
         self.group.mux.remove(self)
+        self.group.rings.discard(self)
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         protocol, self.protocol = self.protocol, None
