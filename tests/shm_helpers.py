@@ -13,6 +13,8 @@ from equeue.protocol import shmrings
 from equeue.protocol.frames import FRAME_HEADER, FRAME_HEADER_SIZE, SUPPORTED_VERSIONS, encode
 
 TIMEOUT_S = 20.0
+# The answer ring's tail (the client's index): ring 1's indices at 256, its tail 64 on
+ANSWERS_TAIL = 256 + 64
 
 
 class RawShm:

@@ -69,7 +69,8 @@ typedef struct {
     uint64_t in_tail;  /* ours: bytes taken */
     int paused;        /* reading paused (backpressure) */
     int queued;        /* bytes wait in Python: later writes queue behind them */
-    int broken;
+    int broken;        /* the in ring's index was out of bounds: nothing more is read */
+    int out_broken;    /* the out ring's index was: every later write is dropped */
     PyObject *waker;   /* the peer's ShmWaker */
     PyObject *protocol;
 } ShmRing;
@@ -175,7 +176,7 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTuple(args, "ini", &fd, &total, &role)) return NULL;
     Py_ssize_t ring = (total - HDR) / 2;
     if (total <= HDR || ring < 4096 || (ring & (ring - 1)) != 0 || HDR + 2 * ring != total) {
-        PyErr_Format(PyExc_ValueError, "a shared ring region of %zd bytes is not 4096 + 2 x a "
+        PyErr_Format(ShmBroken != NULL ? ShmBroken : PyExc_ValueError, "a shared ring region of %zd bytes is not 4096 + 2 x a "
                      "power of two >= 4096", total);
         return NULL;
     }
@@ -197,9 +198,10 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     } else {
         self->out = r1, self->out_data = d1, self->in = r0, self->in_data = d0;
     }
-    /* Indices as found (the broker zero-filled a new region): a fresh ring is at 0 */
-    self->out_head = atomic_load_explicit(&self->out->head, memory_order_relaxed);
-    self->in_tail = atomic_load_explicit(&self->in->tail, memory_order_relaxed);
+    /* A region is made for one connection and zero-filled by the broker: both sides
+     * start at 0, not at whatever the peer may have written there meanwhile */
+    self->out_head = 0;
+    self->in_tail = 0;
     return (PyObject *)self;
 }
 
@@ -231,8 +233,8 @@ static void ring_dealloc(ShmRing *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int broken(ShmRing *self, const char *what, uint64_t a, uint64_t b) {
-    self->broken = 1;
+static int broken(ShmRing *self, int *flag, const char *what, uint64_t a, uint64_t b) {
+    *flag = 1;
     PyErr_Format(ShmBroken != NULL ? ShmBroken : PyExc_RuntimeError,
                  "the shared ring's %s index is out of bounds (%llu against %llu, ring of "
                  "%llu bytes): the peer wrote it",
@@ -245,7 +247,7 @@ static int broken(ShmRing *self, const char *what, uint64_t a, uint64_t b) {
 static int64_t out_room(ShmRing *self) {
     uint64_t tail = atomic_load_explicit(&self->out->tail, memory_order_acquire);
     uint64_t used = self->out_head - tail;
-    if (used > self->size) return broken(self, "tail", tail, self->out_head);
+    if (used > self->size) return broken(self, &self->out_broken, "tail", tail, self->out_head);
     return (int64_t)(self->size - used);
 }
 
@@ -253,7 +255,7 @@ static int64_t out_room(ShmRing *self) {
 static int64_t in_avail(ShmRing *self) {
     uint64_t head = atomic_load_explicit(&self->in->head, memory_order_acquire);
     uint64_t avail = head - self->in_tail;
-    if (avail > self->size) return broken(self, "head", head, self->in_tail);
+    if (avail > self->size) return broken(self, &self->broken, "head", head, self->in_tail);
     return (int64_t)avail;
 }
 
@@ -280,6 +282,7 @@ static int publish(ShmRing *self) {
 static Py_ssize_t ring_put(ShmRing *self, const char *src, Py_ssize_t n) {
     /* (broken: the in ring's index; the out ring's is checked here, by out_room) */
     if (self->base == NULL) return 0;
+    if (self->out_broken) return n; /* (dropped: the connection is closing) */
     int64_t room = out_room(self);
     if (room < 0) return -1;
     if (room < n) { /* full: ask the reader to wake us once it took some, then look again */
@@ -294,7 +297,28 @@ static Py_ssize_t ring_put(ShmRing *self, const char *src, Py_ssize_t n) {
     return (Py_ssize_t)take;
 }
 
-static PyObject *S_queue_rest;
+static PyObject *S_queue_rest, *S_write_broke;
+
+/* ring_put, with the out ring's index found out of bounds handed to the transport's
+ * _write_broke(error) (it closes the connection later, not under the writer: a write
+ * from the broker's release of many connections' answers raises nothing) and the bytes
+ * counted as written. */
+static Py_ssize_t put_or_drop(ShmRing *self, const char *src, Py_ssize_t n) {
+    Py_ssize_t sent = ring_put(self, src, n);
+    if (sent >= 0 || !self->out_broken || ShmBroken == NULL || !PyErr_ExceptionMatches(ShmBroken))
+        return sent;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, S_write_broke,
+                                            value != NULL ? value : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return n;
+}
 
 /* write(data): what fits now, the rest to self._queue_rest(data, sent) (also all of it
  * while earlier bytes wait there). */
@@ -302,7 +326,7 @@ static PyObject *ring_write(ShmRing *self, PyObject *data) {
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return NULL;
     Py_ssize_t sent = 0;
-    if (!self->queued && view.len > 0) sent = ring_put(self, view.buf, view.len);
+    if (!self->queued && view.len > 0) sent = put_or_drop(self, view.buf, view.len);
     Py_ssize_t len = view.len;
     PyBuffer_Release(&view);
     if (sent < 0) return NULL;
@@ -318,7 +342,7 @@ static PyObject *ring_write(ShmRing *self, PyObject *data) {
 static PyObject *ring_py_put(ShmRing *self, PyObject *data) {
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t sent = ring_put(self, view.buf, view.len);
+    Py_ssize_t sent = put_or_drop(self, view.buf, view.len);
     PyBuffer_Release(&view);
     return sent < 0 ? NULL : PyLong_FromSsize_t(sent);
 }
@@ -402,6 +426,7 @@ static PyMemberDef ring_members[] = {
     {"paused", T_INT, offsetof(ShmRing, paused), 0, NULL},
     {"queued", T_INT, offsetof(ShmRing, queued), 0, NULL},
     {"broken", T_INT, offsetof(ShmRing, broken), 0, NULL},
+    {"out_broken", T_INT, offsetof(ShmRing, out_broken), READONLY, NULL},
     {"waker", T_OBJECT, offsetof(ShmRing, waker), 0, NULL},
     {"protocol", T_OBJECT, offsetof(ShmRing, protocol), 0, NULL},
     {NULL, 0, 0, 0, NULL},
@@ -455,6 +480,34 @@ static void mux_dealloc(ShmMux *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* The error set while serving `ring` is that connection's alone (a broken index, its
+ * protocol's exception): the ring stops being read and its on_broken closes it. 0, or -1
+ * for SystemExit / KeyboardInterrupt, which stop the drain. An on_broken that raises is
+ * reported as unraisable: a drain never stops for one ring, or the other rings, whose
+ * reader_sleeps it cleared, would wait for a wake-up no producer sends. */
+static int ring_failed(ShmRing *ring) {
+    if (PyErr_ExceptionMatches(PyExc_SystemExit) || PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
+        return -1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    ring->broken = 1;
+    PyObject *out = PyObject_CallMethodOneArg((PyObject *)ring, S_on_broken,
+                                              value != NULL ? value : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (out == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_SystemExit) ||
+            PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
+            return -1;
+        PyErr_WriteUnraisable((PyObject *)ring);
+        return 0;
+    }
+    Py_DECREF(out);
+    return 0;
+}
+
 /* The ring's protocol given what waits (one read's worth at a time, at most 16 reads):
  * 1 when it read anything, 0 when nothing, -1 with an error its on_broken did not take. */
 static int deliver(ShmRing *ring) {
@@ -491,21 +544,8 @@ static int deliver(ShmRing *ring) {
             any = 1;
             continue;
         }
-        /* an error: this connection's alone (a broken index, the protocol's exception) */
-        if (PyErr_ExceptionMatches(PyExc_SystemExit) || PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
-            return -1;
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        ring->broken = 1;
-        PyObject *out = PyObject_CallMethodOneArg((PyObject *)ring, S_on_broken,
-                                                  value != NULL ? value : Py_None);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        if (out == NULL) return -1;
-        Py_DECREF(out);
-        return 1;
+        /* an error: this connection's alone */
+        return ring_failed(ring) < 0 ? -1 : 1;
     }
     return any;
 }
@@ -536,8 +576,8 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
             any |= got;
             if (ring->queued && !ring->broken && ring->base) {
                 PyObject *r = PyObject_CallMethodNoArgs((PyObject *)ring, S_on_room);
-                if (r == NULL) goto done;
-                Py_DECREF(r);
+                if (r == NULL && ring_failed(ring) < 0) goto done;
+                Py_XDECREF(r);
             }
         }
         if (any && pass < 3) continue;
@@ -620,6 +660,7 @@ PyObject *shm_types(PyObject *self, PyObject *error) {
             (S_buffer_updated = PyUnicode_InternFromString("buffer_updated")) == NULL ||
             (S_on_room = PyUnicode_InternFromString("on_room")) == NULL ||
             (S_on_broken = PyUnicode_InternFromString("on_broken")) == NULL ||
+            (S_write_broke = PyUnicode_InternFromString("_write_broke")) == NULL ||
             (MINUS_ONE = PyLong_FromLong(-1)) == NULL)
             return NULL;
         ready = 1;

@@ -204,6 +204,14 @@ class ShmClientTransport(shmrings.ShmRing if shmrings.ShmRing is not None else o
         if not self.rest:
             self.queued = 0
 
+    def _write_broke(self, error: ShmRingError) -> None:
+        """cext/shmring.c: a request's write found the request ring's tail (the
+        broker's) out of bounds: the connection fails on the next loop turn, not under
+        the caller of write; its writes are dropped meanwhile."""
+        self.rest.clear()
+        self.queued = 0
+        self.loop.call_soon(self.on_broken, error)
+
     def on_broken(self, error: BaseException) -> None:
         protocol = self.protocol
         if protocol is not None:

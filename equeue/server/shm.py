@@ -14,6 +14,7 @@ socket is kept for its end only: bytes on it, or its EOF, close the connection.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import socket
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("equeue.server")
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+# The region's size is fixed for its life: a client that shrank it would have the
+# broker's next read of the ring past the file's end fault (SIGBUS: the broker gone),
+# and the seal of seals keeps the client from adding one (F_SEAL_WRITE, FUTURE_WRITE)
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class _Group:
@@ -71,12 +76,14 @@ class BrokerShm:
         key = (pid, group_name)
         group = self.groups.get(key)
         fresh = group is None
-        if group is None:
-            group = _Group(self.loop, self.mux)
         total = shmrings.region_bytes(self.ring_bytes)
-        memfd = os.memfd_create("equeue-shm", os.MFD_CLOEXEC)
-        try:
+        memfd = -1
+        try:  # (no descriptor left, no memory: the connection stays on its socket)
+            if group is None:
+                group = _Group(self.loop, self.mux)
+            memfd = os.memfd_create("equeue-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(memfd, total)
+            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, _SEALS)
             ring = ShmTransport(memfd, total, shmrings.BROKER)
             # asleep until a client's write wakes the group: set before the client can
             # write (after the welcome), or its first write would see no sleeper
@@ -85,12 +92,13 @@ class BrokerShm:
             with socket.socket(fileno=os.dup(fd)) as dup:
                 sent = socket.send_fds(dup, [welcome], fds)
         except OSError:
-            if fresh:
+            if fresh and group is not None:
                 group.close(self.loop)
             log.exception("%s: setting up its shared rings failed", conn.where)
             return False
         finally:
-            os.close(memfd)
+            if memfd >= 0:
+                os.close(memfd)
         if sent != len(welcome):  # (a fresh socket takes a welcome whole)
             conn._fatal(ShmRingError(f"{conn.where}: the welcome was cut at {sent} bytes"))
             return True
@@ -157,9 +165,21 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
             self.writing_paused = False
             self.protocol.resume_writing()
 
+    def _write_broke(self, error: ShmRingError) -> None:
+        """cext/shmring.c: an answer's write found the answer ring's tail (the client's)
+        out of bounds. The connection closes on the next loop turn, not under its writer
+        (release.py writes many connections' answers in one pass); this ring's writes are
+        dropped meanwhile."""
+        self.rest.clear()
+        self.queued = 0
+        self.shm.loop.call_soon(self.on_broken, error)
+
     def on_broken(self, error: BaseException) -> None:
         """A ring index out of bounds, or the Connection's read raised: this one closes."""
         conn = self.protocol
+        if conn is None or conn.closed:
+            self.abort()
+            return
         if isinstance(error, ShmRingError):  # (from C: it does not know the connection)
             conn._fatal(ShmRingError(f"{conn.where}: {error}"))
         elif isinstance(error, ProtocolError):

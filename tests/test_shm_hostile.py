@@ -1,0 +1,161 @@
+"""A hostile client of the shared rings (equeue/cext/shmring.c, equeue/server/shm.py)
+against a real broker: whatever it does to the memory it shares with the broker, its own
+connection closes and every other connection is served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from client_helpers import BrokerProcess, temporary_broker
+from shm_helpers import ANSWERS_TAIL, RawShm
+from test_shm import _broker, _url
+
+import equeue
+import equeue.aio
+from equeue.protocol import shmrings
+from equeue.protocol.frames import encode
+from equeue.server import BrokerThread
+
+pytestmark = pytest.mark.skipif(not shmrings.AVAILABLE, reason="needs the C accelerator, Linux")
+
+SEND = encode([1, "send", {"topic": "t", "body": b"hostile"}])
+
+
+@pytest.fixture(name="broker")
+def _default_broker() -> Iterator[BrokerThread]:
+    yield from _broker()
+
+
+@pytest.fixture(name="process")
+def _broker_process() -> Iterator[BrokerProcess]:
+    with temporary_broker("--shm", "--flush", "sync") as running:
+        with equeue.connect(running.url) as admin:
+            admin.create_topic("t", queue_count=1)
+        yield running
+
+
+def test_a_truncated_region_cannot_stop_the_broker(process: BrokerProcess) -> None:
+    """The client shrinks the memfd under the broker's mapping (its next read of the
+    ring: SIGBUS, the broker gone) and grows it: the region is sealed, both refused."""
+    peer = RawShm(process.url[5:])
+    refused = []
+    try:
+        assert peer.write(SEND) == len(SEND)  # (the client's own mapping: not touched after)
+        for size in (peer.size * 2, shmrings.HEADER_BYTES, 0):
+            try:
+                os.ftruncate(peer.memfd, size)
+            except PermissionError:
+                refused.append(size)
+        size = os.fstat(peer.memfd).st_size
+        peer.wake()
+        time.sleep(0.5)  # (the broker reads the ring: no assertion on time, only a chance)
+    finally:
+        with contextlib.suppress(OSError):
+            peer.close()
+    assert process.process is not None and process.process.poll() is None, "the broker died"
+    assert refused == [peer.size * 2, shmrings.HEADER_BYTES, 0]
+    assert size == peer.size
+
+    async def after() -> None:
+        client = await equeue.aio.connect(process.url, shm=True, timeout=10)
+        try:
+            await client.send("t", b"after")
+        finally:
+            await client.close()
+
+    asyncio.run(after())
+    with equeue.connect(process.url) as check:
+        assert [m.body for m in check.pull("t", 0, 0, 10).messages][-1] == b"after"
+
+
+def _hostile_answer_tail(broker: BrokerThread, tail: int) -> Any:
+    """A raw connection whose answer ring's tail (the client's index) is set to ``tail``
+    before it sends one request: what its socket saw, and the other client's offsets."""
+
+    async def run() -> tuple[bool, list[int]]:
+        client = await equeue.aio.connect(_url(broker), shm=True, timeout=10)
+        try:
+            assert (await client.send("t", b"before")).queue_offset == 0
+            peer = RawShm(_url(broker)[5:])
+            try:
+                peer.ring.raw(ANSWERS_TAIL, tail.to_bytes(8, "little"))
+                assert peer.write(SEND) == len(SEND)
+                peer.wake()
+                ended = await asyncio.to_thread(peer.socket_ended)
+            finally:
+                peer.close()
+            after = [(await client.send("t", b"after %d" % i)).queue_offset for i in range(3)]
+            return ended, after
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("tail", [1 << 40, (1 << 64) - (1 << 20)], ids=["ahead", "behind"])
+def test_an_answer_ring_tail_out_of_bounds_closes_that_connection_only(
+    broker: BrokerThread, tail: int
+) -> None:
+    """The broker's answer (after the request's fdatasync, in the release of every
+    connection's answers) finds the tail out of bounds: that connection closes, the
+    others' answers go on."""
+    ended, after = _hostile_answer_tail(broker, tail)
+    assert ended
+    assert after == [2, 3, 4]  # (1: the hostile send, stored before its answer broke)
+    deadline = time.monotonic() + 20
+    while len(broker.broker.connections) > 0:
+        assert time.monotonic() < deadline, "the hostile connection stayed"
+        time.sleep(0.01)
+    assert broker.broker.shm is not None and not broker.broker.shm.groups
+
+
+@pytest.fixture(name="small")
+def _small_broker() -> Iterator[BrokerThread]:
+    yield from _broker(shm_ring_bytes=4096)
+
+
+def test_a_tail_broken_while_answers_wait_for_room_closes_that_connection_only(
+    small: BrokerThread,
+) -> None:
+    """An answer larger than the ring waits in the broker for room; the client then
+    sets the tail out of bounds and wakes the broker, whose reader finds room to look for
+    (on_room) in the middle of serving every ring: that connection closes, and the
+    reader goes on to the others."""
+    small.store.send_batch("t", [bytes([i]) * 1000 for i in range(10)])
+
+    async def run() -> tuple[bool, list[int]]:
+        client = await equeue.aio.connect(_url(small), shm=True, timeout=10)
+        try:
+            peer = RawShm(_url(small)[5:])
+            try:
+                pull = encode([1, "pull", {"topic": "t", "queue_id": 0, "offset": 0}])
+                assert peer.write(pull) == len(pull)
+                peer.wake()
+                deadline = time.monotonic() + 20
+                while not _answers_waiting(small):  # (10 KB of answer, a 4 KiB ring)
+                    await asyncio.sleep(0.01)
+                    assert time.monotonic() < deadline, "no answer waited for room"
+                peer.ring.raw(ANSWERS_TAIL, (1 << 40).to_bytes(8, "little"))
+                peer.wake()
+                ended = await asyncio.to_thread(peer.socket_ended)
+            finally:
+                peer.close()
+            after = [(await client.send("t", b"after")).queue_offset for _ in range(2)]
+            return ended, after
+        finally:
+            await client.close()
+
+    ended, after = asyncio.run(run())
+    assert ended
+    assert after == [10, 11]
+
+
+def _answers_waiting(thread: BrokerThread) -> bool:
+    """Whether a connection on rings holds answers the ring had no room for."""
+    return any(getattr(c.transport, "queued", 0) for c in list(thread.broker.connections))
