@@ -218,3 +218,52 @@ def test_an_index_out_of_bounds_closes_that_connection_only(broker: BrokerThread
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_drain_cut_short_after_its_passes_comes_back_through_its_eventfd() -> None:
+    """Rings that keep the reader busy for its 4 passes, while a third ring's producer
+    publishes (and, finding the reader awake, writes no eventfd): the drain, even one
+    not started by its eventfd (drain(-1)), writes the eventfd it is read through, or
+    the third ring's request waits until its client publishes again (reviewshm F4)."""
+    total = shmrings.region_bytes(4096)
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    pairs = []
+    for _ in range(3):
+        fd = os.memfd_create("t", os.MFD_CLOEXEC)
+        os.ftruncate(fd, total)
+        client = shmrings.ShmRing(fd, total, shmrings.CLIENT)
+        client.waker = shmrings.ShmWaker(efd, lambda fire: fire())
+        pairs.append((client, shmrings.ShmRing(fd, total, shmrings.BROKER)))
+        os.close(fd)
+    (x_client, x_broker), (y_client, y_broker), (z_client, z_broker) = pairs
+
+    class Reader:
+        def __init__(self, on_read: Any) -> None:
+            self.buffer = bytearray(1 << 16)
+            self.reads = 0
+            self.on_read = on_read
+
+        def get_buffer(self, hint: int) -> memoryview:
+            return memoryview(self.buffer)
+
+        def buffer_updated(self, n: int) -> None:
+            self.reads += 1
+            self.on_read(self.reads)
+
+    y_broker.protocol = Reader(lambda reads: z_client.put(b"z" * 10))
+    z_broker.protocol = Reader(
+        lambda reads: y_client.put(b"y" * 10) if reads < 4 else x_client.put(b"request of X")
+    )
+    x_broker.protocol = Reader(lambda reads: None)
+    mux = shmrings.ShmMux()
+    mux.wake_fd = efd
+    for ring in (x_broker, y_broker, z_broker):
+        mux.add(ring)
+    try:
+        y_client.put(b"y" * 10)
+        mux.drain(-1)
+        assert z_broker.protocol.reads == 4  # (the scenario: cut short after 4 passes)
+        assert x_broker.protocol.reads == 0  # (X published during the drain: not read)
+        assert os.eventfd_read(efd) >= 1  # (the reader comes back for X)
+    finally:
+        os.close(efd)

@@ -159,3 +159,29 @@ def test_a_tail_broken_while_answers_wait_for_room_closes_that_connection_only(
 def _answers_waiting(thread: BrokerThread) -> bool:
     """Whether a connection on rings holds answers the ring had no room for."""
     return any(getattr(c.transport, "queued", 0) for c in list(thread.broker.connections))
+
+
+def test_both_indices_out_of_bounds_leave_the_other_clients_served(broker: BrokerThread) -> None:
+    """The request ring's head and the answer ring's tail both out of bounds, one wake:
+    the broker's reader refuses the head, its error answer's write finds the tail; the
+    client of another group, asleep meanwhile, is still woken for (reviewshm F2: every
+    one of them waited its timeout)."""
+
+    async def run() -> list[int]:
+        client = await equeue.aio.connect(_url(broker), shm=True, timeout=10)
+        try:
+            await client.send("t", b"before")
+            peer = RawShm(_url(broker)[5:])
+            try:
+                peer.ring.raw(ANSWERS_TAIL, (1 << 41).to_bytes(8, "little"))
+                head = (2 * peer.ring_bytes + 1).to_bytes(8, "little")
+                peer.ring.raw(shmrings.REQUESTS_HEAD, head)
+                peer.wake()
+                assert await asyncio.to_thread(peer.socket_ended)
+            finally:
+                peer.close()
+            return [(await client.send("t", b"after")).queue_offset for _ in range(2)]
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == [1, 2]

@@ -450,6 +450,7 @@ static PyTypeObject ShmRingType = {
 typedef struct {
     PyObject_HEAD
     PyObject *rings; /* list of ShmRing (transports) */
+    int wake_fd;     /* the eventfd whose reader drains this mux: written to come back */
 } ShmMux;
 
 static PyObject *S_get_buffer, *S_buffer_updated, *S_on_room, *S_on_broken, *MINUS_ONE;
@@ -461,6 +462,7 @@ static PyObject *mux_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         Py_DECREF(self);
         return NULL;
     }
+    self->wake_fd = -1;
     return (PyObject *)self;
 }
 
@@ -597,8 +599,11 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
             }
         }
         if (!waiting) break;
-        if (pass >= 3) { /* more keeps coming: the loop's other work first, then again */
-            if (efd >= 0) efd_write(efd);
+        if (pass >= 3) { /* more keeps coming: the loop's other work first, then again
+                          * (drain(-1) too: a producer that published during this drain
+                          * saw its reader awake and wrote no eventfd, reviewshm F4) */
+            int again = efd >= 0 ? efd : self->wake_fd;
+            if (again >= 0) efd_write(again);
             break;
         }
     }
@@ -636,6 +641,11 @@ static PyMethodDef mux_methods[] = {
 
 static PySequenceMethods mux_seq = {.sq_length = (lenfunc)mux_len};
 
+static PyMemberDef mux_members[] = {
+    {"wake_fd", T_INT, offsetof(ShmMux, wake_fd), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject ShmMuxType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "equeue._speedups.ShmMux",
     .tp_basicsize = sizeof(ShmMux),
@@ -645,6 +655,7 @@ static PyTypeObject ShmMuxType = {
     .tp_traverse = (traverseproc)mux_traverse,
     .tp_clear = (inquiry)mux_clear,
     .tp_methods = mux_methods,
+    .tp_members = mux_members,
     .tp_as_sequence = &mux_seq,
 };
 

@@ -45,11 +45,13 @@ class _Group:
         self.drop_fds()
         self.to_broker, self.to_client = to_broker, to_client
         self.waker = shmrings.ShmWaker(to_broker, self.loop.call_soon)
+        self.mux.wake_fd = to_client
         self.loop.add_reader(to_client, self.mux.drain, to_client)
 
     def drop_fds(self) -> None:
         if self.to_client >= 0:
             self.loop.remove_reader(self.to_client)
+            self.mux.wake_fd = -1
             os.close(self.to_client)
             self.to_client = -1
         if self.to_broker >= 0:
