@@ -7,19 +7,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from client_helpers import BrokerProcess, temporary_broker
+from server_helpers import raw
 from shm_helpers import ANSWERS_TAIL, RawShm
+from test_broker_limits import _serve
+from test_broker_limits import _url as _limits_url
 from test_shm import _broker, _url
 
 import equeue
 import equeue.aio
+from equeue.errors import ShmRingError
 from equeue.protocol import shmrings
-from equeue.protocol.frames import encode
+from equeue.protocol.frames import SUPPORTED_VERSIONS, encode
+from equeue.protocol.handshake import Welcome
 from equeue.server import BrokerThread
 
 pytestmark = pytest.mark.skipif(not shmrings.AVAILABLE, reason="needs the C accelerator, Linux")
@@ -185,3 +193,61 @@ def test_both_indices_out_of_bounds_leave_the_other_clients_served(broker: Broke
             await client.close()
 
     assert asyncio.run(run()) == [1, 2]
+
+
+def test_the_connections_a_shm_broker_holds_are_sized_at_three_descriptors_each(
+    tmp_path: Path,
+) -> None:
+    """A connection on rings may hold its socket and its own group's two eventfds (the
+    group's name is the client's choice): under RLIMIT_NOFILE=512 the default
+    max_connections is lowered to what fits at three each, not at one (reviewshm F7)."""
+    broker = _serve(tmp_path / "s", 512, 512, "--shm")
+    try:
+        with raw(_limits_url(broker)) as client:
+            # (512 - 256 store files - 1 listener - 64 of the broker's own) // 3
+            assert client.welcome["limits"]["max_connections"] == 63
+    finally:
+        broker.terminate()
+        broker.communicate(timeout=60)
+
+
+def test_a_client_refuses_a_region_its_broker_did_not_seal(tmp_path: Path) -> None:
+    """A broker (here a fake one) that sends a region it could still shrink: the client
+    would fault (SIGBUS, the interpreter gone) at its next read after an ftruncate, so it
+    refuses the region with ShmRingError before mapping it (reviewshm F1, client side)."""
+    path = str(tmp_path / "fake.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(20)
+    memfd = os.memfd_create("unsealed", os.MFD_CLOEXEC)  # (no MFD_ALLOW_SEALING)
+    os.ftruncate(memfd, shmrings.region_bytes(4096))
+    eventfds = [os.eventfd(0, os.EFD_CLOEXEC) for _ in range(2)]
+    welcome = Welcome(SUPPORTED_VERSIONS[-1], "fake", _LIMITS).pack()
+
+    def fake_broker() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(20)
+            conn.recv(1 << 16)  # the hello
+            socket.send_fds(conn, [encode(welcome)], [memfd, *eventfds])
+            conn.recv(1)  # until the client goes
+
+    server = threading.Thread(target=fake_broker)
+    server.start()
+    try:
+
+        async def connect() -> None:
+            await equeue.aio.connect(f"unix:{path}", shm=True, connect_timeout=10)
+
+        with pytest.raises(ShmRingError, match="not sealed"):
+            asyncio.run(connect())
+    finally:
+        server.join(30)
+        listener.close()
+        for fd in (memfd, *eventfds):
+            os.close(fd)
+    assert not server.is_alive()
+
+
+_LIMITS = {"max_frame_bytes": 1 << 20, "max_in_flight": 64, "max_connections": 8}

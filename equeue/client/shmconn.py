@@ -16,6 +16,7 @@ on over its socket, as without shm.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import secrets
 import socket
@@ -162,6 +163,14 @@ async def open_connection(
             raise ShmRingError(
                 f"{endpoint}: the broker's welcome came with {len(fds)} descriptors "
                 f"(1, or 3 for a ring group's first connection)"
+            )
+        # A region that could shrink under the mapping would fault this process (SIGBUS)
+        # at its next read of the ring: only a sealed one is mapped (reviewshm F1)
+        seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+        if seals & shmrings.SEALS != shmrings.SEALS:
+            raise ShmRingError(
+                f"{endpoint}: the broker's ring region is not sealed against resizing "
+                f"(seals {seals:#x}, F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL wanted)"
             )
         size = os.fstat(fds[0]).st_size
         transport = ShmClientTransport(fds[0], size, shmrings.CLIENT)

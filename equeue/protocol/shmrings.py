@@ -13,6 +13,7 @@ nothing but its end: each side closes the connection on the other's EOF.
 from __future__ import annotations
 
 import array
+import fcntl
 import socket
 from typing import Any, Final
 
@@ -24,6 +25,14 @@ DEFAULT_RING_BYTES: Final = 1 << 18  # each direction
 MIN_RING_BYTES: Final = 4096
 REQUESTS_HEAD: Final = 0  # ring 0's head index (tests write it as a hostile peer would)
 CLIENT, BROKER = 0, 1
+# The broker seals each region before sending it, the client maps only a sealed one: a
+# size fixed for its life (a region shrunk under a mapping faults its next read: SIGBUS,
+# the process gone), and no seal added afterwards (F_SEAL_WRITE, FUTURE_WRITE)
+SEALS: Final = (
+    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    if hasattr(fcntl, "F_ADD_SEALS")
+    else 0
+)
 
 _types: tuple[type, type, type] | None = (
     speedups.SPEEDUPS.shm_types(ShmRingError) if speedups.SPEEDUPS is not None else None
@@ -31,7 +40,7 @@ _types: tuple[type, type, type] | None = (
 ShmRing: Any = _types[0] if _types is not None else None
 ShmWaker: Any = _types[1] if _types is not None else None
 ShmMux: Any = _types[2] if _types is not None else None
-AVAILABLE: Final = _types is not None and hasattr(socket, "send_fds")
+AVAILABLE: Final = _types is not None and hasattr(socket, "send_fds") and SEALS != 0
 
 
 def region_bytes(ring_bytes: int) -> int:

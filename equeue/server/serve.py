@@ -44,7 +44,7 @@ from equeue.server.config import (
     read_token,
 )
 from equeue.server.connection import Connection
-from equeue.server.fdlimit import fit_open_files
+from equeue.server.fdlimit import SHM_DESCRIPTORS, fit_open_files
 from equeue.server.groupcommit import CrossClientCommit, Entry
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
@@ -185,6 +185,7 @@ class Broker:
             store_files,
             len(self.listeners),
             default=config.max_connections == DEFAULT_MAX_CONNECTIONS,
+            per_connection=SHM_DESCRIPTORS if config.shm and shmrings.AVAILABLE else 1,
         )
         if connections != config.max_connections:  # (the default, lowered to what fits)
             self.config = config = dataclasses.replace(config, max_connections=connections)

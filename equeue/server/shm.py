@@ -30,10 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("equeue.server")
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-# The region's size is fixed for its life: a client that shrank it would have the
-# broker's next read of the ring past the file's end fault (SIGBUS: the broker gone),
-# and the seal of seals keeps the client from adding one (F_SEAL_WRITE, FUTURE_WRITE)
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class _Group:
@@ -96,7 +92,8 @@ class BrokerShm:
                 group = _Group(self.loop)
             memfd = os.memfd_create("equeue-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(memfd, total)
-            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, _SEALS)
+            # (a client's ftruncate SIGBUSed the broker, reviewshm F1: shmrings.SEALS)
+            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, shmrings.SEALS)
             ring = ShmTransport(memfd, total, shmrings.BROKER)
             # asleep until a client's write wakes the group: set before the client can
             # write (after the welcome), or its first write would see no sleeper
