@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -267,3 +268,65 @@ def test_a_drain_cut_short_after_its_passes_comes_back_through_its_eventfd() -> 
         assert os.eventfd_read(efd) >= 1  # (the reader comes back for X)
     finally:
         os.close(efd)
+
+
+def _frames(data: bytes) -> list[bytes]:
+    frames, at = [], 0
+    while at + 4 <= len(data):
+        (length,) = FRAME_HEADER.unpack_from(data, at)
+        frames.append(data[at + 4 : at + 4 + length])
+        at += 4 + length
+    assert at == len(data), "a frame cut short"
+    return frames
+
+
+def _answers_until_the_end(peer: RawShm) -> bytes:
+    """Everything the answer ring gets until the broker ends the socket (each read
+    makes room: the broker is woken for what waited for it), bounded by TIMEOUT_S."""
+    got = bytearray()
+    deadline = time.monotonic() + 20
+    peer.sock.setblocking(False)
+    while time.monotonic() < deadline:
+        got += peer.read_all()
+        try:
+            if peer.sock.recv(1) == b"":
+                return bytes(got + peer.read_all())
+        except BlockingIOError:
+            time.sleep(0.005)
+    raise AssertionError(f"the socket did not end ({len(got)} bytes of answers)")
+
+
+def test_a_half_closed_client_gets_the_answers_of_what_its_ring_held(broker: BrokerThread) -> None:
+    """Requests in the ring, the broker woken, and the socket's write side shut at once:
+    every request is read and answered before the broker closes, as on a socket
+    (reviewshm F6: the end closed the connection with the requests unread)."""
+    peer = RawShm(_url(broker)[5:])
+    try:
+        sends = b"".join(
+            encode([i + 1, "send", {"topic": "t", "body": b"%d" % i}]) for i in range(10)
+        )
+        assert peer.write(sends) == len(sends)
+        peer.wake()
+        peer.sock.shutdown(socket.SHUT_WR)
+        answers = _frames(_answers_until_the_end(peer))
+    finally:
+        peer.close()
+    assert len(answers) == 10
+    assert broker.store.queue_range("t", 0) == (0, 10)
+
+
+def test_a_closed_connection_writes_the_answers_waiting_for_room_first(small: BrokerThread) -> None:
+    """A 10 KB answer through a 4 KiB ring, the client half-closed: the broker's close
+    (after its last answer) waits until the answer is all in the ring, as asyncio's close
+    flushes its buffer (reviewshm F8: the client got 4,096 bytes and the socket's end)."""
+    small.store.send_batch("t", [bytes([i]) * 1000 for i in range(10)])
+    peer = RawShm(_url(small)[5:])
+    try:
+        pull = encode([1, "pull", {"topic": "t", "queue_id": 0, "offset": 0}])
+        assert peer.write(pull) == len(pull)
+        peer.wake()
+        peer.sock.shutdown(socket.SHUT_WR)
+        answers = _frames(_answers_until_the_end(peer))
+    finally:
+        peer.close()
+    assert len(answers) == 1 and len(answers[0]) > 10_000

@@ -125,6 +125,9 @@ class BrokerShm:
         return True
 
     def detach(self, ring: ShmTransport) -> None:
+        if not ring.attached:
+            return
+        ring.attached = False
         ring.group.mux.remove(ring)
         group = self.groups.get(ring.key)
         if group is ring.group:
@@ -158,6 +161,7 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
         self.rest = bytearray()  # answers the ring had no room for yet, in order
         self.high = conn.broker.config.write_buffer_high  # (as the socket's transport had)
         self.closing = False
+        self.attached = True  # (in its group's reader, counted in the group)
         self.writing_paused = False
 
     # --- the answers ---------------------------------------------------------
@@ -177,6 +181,9 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
         del self.rest[:taken]
         if not self.rest:
             self.queued = 0
+            if self.closing:  # (close() waited for these answers)
+                self._closed()
+                return
         if self.writing_paused and len(self.rest) <= self.high // 4:
             self.writing_paused = False
             self.protocol.resume_writing()
@@ -217,7 +224,7 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
         self.paused = 1
 
     def resume_reading(self) -> None:
-        if self.paused:
+        if self.paused and not self.closing:
             self.paused = 0
             if not self.closing:
                 self.group.wake()
@@ -229,15 +236,27 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
         return self.socket_end.get_extra_info(name, default)
 
     def close(self) -> None:
-        if not self.closing:
-            self.closing = True
-            self.shm.detach(self)
-            self.socket_end.close()  # its protocol (_SocketEnd) passes connection_lost on
+        """As asyncio's close: the answers still waiting for room in the ring are written
+        first (reviewshm F8: a SIGTERM's drain or a half-closed client lost them); no
+        request is read after it."""
+        if self.closing:
+            return
+        self.closing = True
+        self.paused = 1
+        if not self.rest:
+            self._closed()
+        # else: on_room closes it once the client's reads made room for the rest (or
+        # abort, at the drain's deadline, or the socket's end)
+
+    def _closed(self) -> None:
+        self.shm.detach(self)
+        self.socket_end.close()  # its protocol (_SocketEnd) passes connection_lost on
 
     def abort(self) -> None:
-        if not self.closing:
-            self.closing = True
-            self.shm.detach(self)
+        self.closing = True
+        self.rest.clear()
+        self.queued = 0
+        self.shm.detach(self)
         self.socket_end.abort()
 
 
@@ -257,12 +276,22 @@ class _SocketEnd(asyncio.Protocol):
         )
 
     def eof_received(self) -> bool:
-        self.ring.close()
-        return False
+        """The client half-closed, as Connection.eof_received takes it on a socket: the
+        requests it put in the ring before its end are read first (reviewshm F6: they
+        were dropped unread), then the Connection decides; the ring closes once the
+        last answer is in it, and the socket with it."""
+        ring = self.ring
+        if ring.closing:
+            return True  # (closing already: _closed ends the socket)
+        ring.group.mux.drain(-1)
+        ring.paused = 1  # (nothing after the end is a request)
+        if self.conn.eof_received() is None:
+            ring.close()
+        return True  # (the socket stays until the ring's close ends it)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.ring.closing:
-            self.ring.closing = True
-            self.ring.shm.detach(self.ring)
+        self.ring.closing = True
+        self.ring.rest.clear()
+        self.ring.shm.detach(self.ring)
         self.conn.connection_lost(exc)
         self.ring.protocol = None  # type: ignore[assignment]  # (the ring outlives it)
