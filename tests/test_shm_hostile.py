@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -211,17 +213,29 @@ def test_the_connections_a_shm_broker_holds_are_sized_at_three_descriptors_each(
         broker.communicate(timeout=60)
 
 
-def test_a_client_refuses_a_region_its_broker_did_not_seal(tmp_path: Path) -> None:
-    """A broker (here a fake one) that sends a region it could still shrink: the client
-    would fault (SIGBUS, the interpreter gone) at its next read after an ftruncate, so it
-    refuses the region with ShmRingError before mapping it (reviewshm F1, client side)."""
+@pytest.mark.parametrize(
+    ("sealed", "size", "refusal"),
+    [
+        pytest.param(False, shmrings.region_bytes(4096), "not sealed", id="unsealed"),
+        pytest.param(True, 5000, "region of 5000 bytes", id="bad-size"),
+    ],
+)
+def test_a_client_refuses_a_region_it_cannot_use(
+    tmp_path: Path, sealed: bool, size: int, refusal: str
+) -> None:
+    """A broker (here a fake one) that sends a region it could still shrink (the client
+    would fault, SIGBUS, at its next read after an ftruncate: reviewshm F1, client side)
+    or one of no ring size (F9: ValueError reached the caller): ShmRingError, before
+    anything is mapped."""
     path = str(tmp_path / "fake.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
     listener.settimeout(20)
-    memfd = os.memfd_create("unsealed", os.MFD_CLOEXEC)  # (no MFD_ALLOW_SEALING)
-    os.ftruncate(memfd, shmrings.region_bytes(4096))
+    memfd = os.memfd_create("region", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0))
+    os.ftruncate(memfd, size)
+    if sealed:
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, shmrings.SEALS)
     eventfds = [os.eventfd(0, os.EFD_CLOEXEC) for _ in range(2)]
     welcome = Welcome(SUPPORTED_VERSIONS[-1], "fake", _LIMITS).pack()
 
@@ -240,7 +254,7 @@ def test_a_client_refuses_a_region_its_broker_did_not_seal(tmp_path: Path) -> No
         async def connect() -> None:
             await equeue.aio.connect(f"unix:{path}", shm=True, connect_timeout=10)
 
-        with pytest.raises(ShmRingError, match="not sealed"):
+        with pytest.raises(ShmRingError, match=refusal):
             asyncio.run(connect())
     finally:
         server.join(30)
@@ -251,3 +265,57 @@ def test_a_client_refuses_a_region_its_broker_did_not_seal(tmp_path: Path) -> No
 
 
 _LIMITS = {"max_frame_bytes": 1 << 20, "max_in_flight": 64, "max_connections": 8}
+
+
+def test_bytes_after_a_hello_asking_for_rings_are_refused_before_any_ring_is_made(
+    broker: BrokerThread,
+) -> None:
+    """The refusal comes on the socket, with no descriptor, and no group is made
+    (reviewshm F9: the rings were sent first and the refusal went into them)."""
+    hello = {"versions": list(SUPPORTED_VERSIONS), "token": None, "shm": "g"}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(20)
+        sock.connect(_url(broker)[5:])
+        sock.sendall(encode(hello) + encode([1, "topics", {}]))
+        data, fds = shmrings.recv_with_fds(sock, 1 << 16)
+        for fd in fds:
+            os.close(fd)
+        assert fds == []
+        assert b"after a hello that asked for shared rings" in data
+    assert broker.broker.shm is not None and not broker.broker.shm.groups
+
+
+def test_a_wake_up_that_cannot_be_scheduled_does_not_fail_a_write_that_happened() -> None:
+    """The loop's call_soon raising (a closed loop, at shutdown) after the bytes were
+    published: put reports them written, the error goes to the unraisable hook (F9)."""
+    total = shmrings.region_bytes(4096)
+    fd = os.memfd_create("t", os.MFD_CLOEXEC)
+    os.ftruncate(fd, total)
+    client = shmrings.ShmRing(fd, total, shmrings.CLIENT)
+    broker = shmrings.ShmRing(fd, total, shmrings.BROKER)
+    os.close(fd)
+
+    def closed_loop(fire: Any) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    client.waker = shmrings.ShmWaker(-1, closed_loop)
+    broker.set_reader_sleeps(True)
+    seen: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, seen.append
+    try:
+        assert client.put(b"request") == 7
+    finally:
+        sys.unraisablehook = hook
+    assert [type(u.exc_value) for u in seen] == [RuntimeError]
+    got = bytearray(16)
+    assert broker.read_into(got) == 7 and bytes(got[:7]) == b"request"
+
+
+def test_the_test_hook_raw_refuses_an_offset_whose_end_overflows() -> None:
+    total = shmrings.region_bytes(4096)
+    fd = os.memfd_create("t", os.MFD_CLOEXEC)
+    os.ftruncate(fd, total)
+    ring = shmrings.ShmRing(fd, total, shmrings.CLIENT)
+    os.close(fd)
+    with pytest.raises(ValueError, match="outside the shared region"):
+        ring.raw(sys.maxsize - 1, b"abc")

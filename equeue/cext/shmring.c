@@ -125,6 +125,14 @@ static int waker_note(ShmWaker *w) {
     return 0;
 }
 
+/* A wake-up noted after an index moved: the bytes are the peer's already, so a note
+ * that fails (call_soon of a closed loop, at shutdown) is reported, not raised into a
+ * write or read that did happen (reviewshm F9). */
+static void waker_note_moved(PyObject *waker) {
+    if (waker == NULL || !Py_IS_TYPE(waker, &ShmWakerType)) return;
+    if (waker_note((ShmWaker *)waker) < 0) PyErr_WriteUnraisable(waker);
+}
+
 static void efd_write(int fd) {
     uint64_t one = 1;
     ssize_t n;
@@ -272,9 +280,8 @@ static int publish(ShmRing *self) {
     atomic_store_explicit(&self->out->head, self->out_head, memory_order_release);
     atomic_thread_fence(memory_order_seq_cst);
     if (atomic_load_explicit(&self->out->reader_sleeps, memory_order_relaxed) &&
-        atomic_exchange(&self->out->reader_sleeps, 0) && self->waker != NULL &&
-        Py_IS_TYPE(self->waker, &ShmWakerType))
-        return waker_note((ShmWaker *)self->waker);
+        atomic_exchange(&self->out->reader_sleeps, 0))
+        waker_note_moved(self->waker);
     return 0;
 }
 
@@ -363,9 +370,8 @@ static Py_ssize_t ring_take(ShmRing *self, char *dst, Py_ssize_t n) {
     atomic_store_explicit(&self->in->tail, self->in_tail, memory_order_release);
     atomic_thread_fence(memory_order_seq_cst);
     if (atomic_load_explicit(&self->in->writer_waits, memory_order_relaxed) &&
-        atomic_exchange(&self->in->writer_waits, 0) && self->waker != NULL &&
-        Py_IS_TYPE(self->waker, &ShmWakerType) && waker_note((ShmWaker *)self->waker) < 0)
-        return -1;
+        atomic_exchange(&self->in->writer_waits, 0))
+        waker_note_moved(self->waker);
     return (Py_ssize_t)take;
 }
 
@@ -394,7 +400,7 @@ static PyObject *ring_raw(ShmRing *self, PyObject *args) {
     Py_ssize_t offset;
     Py_buffer view;
     if (!PyArg_ParseTuple(args, "ny*", &offset, &view)) return NULL;
-    if (self->base == NULL || offset < 0 || offset + view.len > self->total) {
+    if (self->base == NULL || offset < 0 || offset > self->total - view.len) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "outside the shared region");
         return NULL;

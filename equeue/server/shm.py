@@ -110,6 +110,9 @@ class BrokerShm:
             if memfd >= 0:
                 os.close(memfd)
         if sent != len(welcome):  # (a fresh socket takes a welcome whole)
+            ring.unmap()
+            if fresh:
+                group.close(self.loop)
             conn._fatal(ShmRingError(f"{conn.where}: the welcome was cut at {sent} bytes"))
             return True
         if fresh:
