@@ -41,8 +41,13 @@ from brokerbench.jobs import FdatasyncLoop
 HERE = Path(__file__).resolve().parent.parent
 
 CLIENT = r"""
-import asyncio, json, sys, time
+import asyncio, json, os, sys, time
 import equeue.aio
+import equeue.client.aio, equeue.client.coalesce
+
+if os.environ.get("BENCH_HEARD_RECENTLY"):  # (--callgrind: see callgrind())
+    recent = float(os.environ["BENCH_HEARD_RECENTLY"])
+    equeue.client.aio.HEARD_RECENTLY = equeue.client.coalesce.HEARD_RECENTLY = recent
 
 url, tasks, count, warm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 shm = sys.argv[5] == "1"
@@ -94,15 +99,21 @@ def fdatasync_loop(directory: Path, seconds: float = 2.0) -> float:
 
 
 def clients(
-    src: Path, url: str, shape: tuple[int, int], count: int, shm: bool, prefix: list[str]
+    src: Path,
+    url: str,
+    shape: tuple[int, int],
+    count: int,
+    shm: bool,
+    prefix: list[str],
+    env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen[str]]:
     processes, tasks = shape
     started = []
     for _ in range(processes):
         argv = [sys.executable, "-c", CLIENT, url, str(tasks), str(count), "40", str(int(shm))]
-        env = dict(os.environ, PYTHONPATH=str(src))
+        environ = dict(os.environ, PYTHONPATH=str(src), **(env or {}))
         pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
-        started.append(subprocess.Popen([*prefix, *argv], cwd="/", env=env, text=True, **pipes))
+        started.append(subprocess.Popen([*prefix, *argv], cwd="/", env=environ, text=True, **pipes))
     for process in started:
         assert process.stdout is not None
         if process.stdout.readline().strip() != "ready":
@@ -207,10 +218,40 @@ def callgrind_total(path_glob: list[Path]) -> int:
     return total
 
 
-def callgrind(variant: str, src: Path, shape: tuple[int, int], count: int) -> tuple[int, int]:
-    """(broker, client) instructions of the measured sends alone: both processes under
-    callgrind with collection off, switched on (callgrind_control -i) after the warm-up
-    and off after the last answer, so neither start, connects nor end is counted."""
+def callgrind_calls(path_glob: list[Path], function: str) -> int:
+    """Calls made to ``function`` (its ``cfn=`` lines' ``calls=`` counts)."""
+    total = 0
+    for path in path_glob:
+        names: dict[str, str] = {}
+        target = ""
+        for line in path.read_text(errors="replace").splitlines():
+            named = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line)
+            if named:
+                if named.group(2):
+                    names[named.group(1)] = named.group(2)
+                target = names.get(named.group(1), "") if line.startswith("cfn=") else ""
+            elif line.startswith("calls=") and target.split("'")[0] == function:
+                total += int(line[6:].split()[0])
+    return total
+
+
+# Under callgrind each process runs some 50 times slower, and the client's C send path
+# (ClientConn.direct) is only taken on a connection heard from within HEARD_RECENTLY
+# (20 ms of wall time, coalesce.py): the rest go the general way (Python's msgpack,
+# AsyncClient._call's liveness check, up to 4 loop turns), which a native run never
+# takes. Round 15's 45-51 k client instructions a send were that: 5-22 % of the sends
+# fell back, by how slow the run was, and the count followed that share (docs/
+# benchmarks.md "perfshm2"). Raised here so that callgrind counts the native path.
+CALLGRIND_HEARD_RECENTLY = "3600"
+
+
+def callgrind(
+    variant: str, src: Path, shape: tuple[int, int], count: int
+) -> tuple[int, int, float]:
+    """(broker, client) instructions of the measured sends alone, and the share of the
+    client's sends written by the C path: both processes under callgrind with collection
+    off, switched on (callgrind_control -i) after the warm-up and off after the last
+    answer, so neither start, connects nor end is counted."""
     shm = variant == "shm"
     directory = Path(tempfile.mkdtemp(prefix="perfshm-c", dir="/tmp"))
     grind = [
@@ -223,6 +264,7 @@ def callgrind(variant: str, src: Path, shape: tuple[int, int], count: int) -> tu
         (process,) = clients(
             src, url, (1, shape[0] * shape[1]), count, shm,
             [*grind, f"--callgrind-out-file={directory}/client.out"],
+            {"BENCH_HEARD_RECENTLY": CALLGRIND_HEARD_RECENTLY},
         )  # fmt: skip
         assert process.stdin is not None and process.stdout is not None
         pids = [str(broker.pid), str(process.pid)]
@@ -238,9 +280,12 @@ def callgrind(variant: str, src: Path, shape: tuple[int, int], count: int) -> tu
     finally:
         broker.terminate()
         broker.wait(600)
+    sends = shape[0] * shape[1] * count
+    client_files = sorted(directory.glob("client.out*"))
     result = (
         callgrind_total(sorted(directory.glob("broker.out*"))),
-        callgrind_total(sorted(directory.glob("client.out*"))),
+        callgrind_total(client_files),
+        callgrind_calls(client_files, "clientsend_frame") / sends,
     )
     shutil.rmtree(directory, ignore_errors=True)
     return result
@@ -263,11 +308,12 @@ def main() -> None:
         for variant in variants if round_ % 2 == 0 else variants[::-1]:
             src = options.base if variant == "base" else HERE
             if options.callgrind:
-                broker_ir, client_ir = callgrind(variant, src, shape, options.count)
+                broker_ir, client_ir, direct = callgrind(variant, src, shape, options.count)
                 sends = processes * tasks * options.count
                 print(
                     f"{variant} {options.shape} callgrind: broker {broker_ir / sends:,.0f}, "
-                    f"client {client_ir / sends:,.0f} instructions a send",
+                    f"client {client_ir / sends:,.0f} instructions a send; C send path "
+                    f"{direct:.2f} a send",
                     flush=True,
                 )
                 continue
