@@ -13,8 +13,10 @@ from equeue.protocol import shmrings
 from equeue.protocol.frames import FRAME_HEADER, FRAME_HEADER_SIZE, SUPPORTED_VERSIONS, encode
 
 TIMEOUT_S = 20.0
-# The answer ring's tail (the client's index): ring 1's indices at 256, its tail 64 on
+# The answer ring's tail (the client's index): ring 1's indices at 256, its tail 64 on,
+# its reader_sleeps (the client's: the broker wakes it when set) 128 on
 ANSWERS_TAIL = 256 + 64
+ANSWERS_READER_SLEEPS = 256 + 128
 
 
 class RawShm:
@@ -29,15 +31,17 @@ class RawShm:
                  "shm": secrets.token_hex(8)}  # fmt: skip
         self.sock.sendall(encode(hello))
         data, fds = shmrings.recv_with_fds(self.sock, 1 << 16)
-        assert len(fds) == 3, fds
+        assert len(fds) in (2, 3), fds  # (3: round 15's eventfds, to broker, to client)
         (length,) = FRAME_HEADER.unpack_from(data, 0)
         assert len(data) == FRAME_HEADER_SIZE + length  # the welcome alone
-        self.memfd, self.to_broker, self.to_client = fds
+        self.fds = fds
+        self.memfd, self.wake_fd = fds[:2]  # (the region, the group's wake-up socket's end)
+        self.client_wake_fd = fds[-1]  # (what the broker wakes: the same socket's end)
         self.size = os.fstat(self.memfd).st_size
         self.ring: Any = shmrings.ShmRing(self.memfd, self.size, shmrings.CLIENT)
         self.ring_bytes = (self.size - shmrings.HEADER_BYTES) // 2
         now: Callable[[Callable[[], None]], None] = lambda fire: fire()  # noqa: E731
-        self.ring.waker = shmrings.ShmWaker(self.to_broker, now)
+        self.ring.waker = shmrings.ShmWaker(self.wake_fd, now)
 
     def write(self, data: bytes) -> int:
         """Bytes into the request ring (the broker woken if it sleeps): how many fit."""
@@ -45,7 +49,7 @@ class RawShm:
         return taken
 
     def wake(self) -> None:
-        os.eventfd_write(self.to_broker, 1)
+        os.write(self.wake_fd, b"w" if len(self.fds) == 2 else (1).to_bytes(8, "little"))
 
     def read_all(self, limit: int = 1 << 20) -> bytes:
         buffer = bytearray(limit)
@@ -61,5 +65,5 @@ class RawShm:
 
     def close(self) -> None:
         self.sock.close()
-        for fd in (self.memfd, self.to_broker, self.to_client):
+        for fd in self.fds:
             os.close(fd)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from client_helpers import BrokerProcess, temporary_broker
 from server_helpers import raw
-from shm_helpers import ANSWERS_TAIL, RawShm
+from shm_helpers import ANSWERS_READER_SLEEPS, ANSWERS_TAIL, RawShm
 from test_broker_limits import _serve
 from test_broker_limits import _url as _limits_url
 from test_shm import _broker, _url
@@ -197,17 +197,18 @@ def test_both_indices_out_of_bounds_leave_the_other_clients_served(broker: Broke
     assert asyncio.run(run()) == [1, 2]
 
 
-def test_the_connections_a_shm_broker_holds_are_sized_at_three_descriptors_each(
+def test_the_connections_a_shm_broker_holds_are_sized_at_two_descriptors_each(
     tmp_path: Path,
 ) -> None:
-    """A connection on rings may hold its socket and its own group's two eventfds (the
-    group's name is the client's choice): under RLIMIT_NOFILE=512 the default
-    max_connections is lowered to what fits at three each, not at one (reviewshm F7)."""
+    """A connection on rings may hold its socket and its own group's end of a wake-up
+    socketpair (the group's name is the client's choice): under RLIMIT_NOFILE=512 the
+    default max_connections is lowered to what fits at two each, not at one (reviewshm
+    F7)."""
     broker = _serve(tmp_path / "s", 512, 512, "--shm")
     try:
         with raw(_limits_url(broker)) as client:
-            # (512 - 256 store files - 1 listener - 64 of the broker's own) // 3
-            assert client.welcome["limits"]["max_connections"] == 63
+            # (512 - 256 store files - 1 listener - 64 of the broker's own) // 2
+            assert client.welcome["limits"]["max_connections"] == 95
     finally:
         broker.terminate()
         broker.communicate(timeout=60)
@@ -236,7 +237,7 @@ def test_a_client_refuses_a_region_it_cannot_use(
     os.ftruncate(memfd, size)
     if sealed:
         fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, shmrings.SEALS)
-    eventfds = [os.eventfd(0, os.EFD_CLOEXEC) for _ in range(2)]
+    wake, wake_peer = socket.socketpair()
     welcome = Welcome(SUPPORTED_VERSIONS[-1], "fake", _LIMITS).pack()
 
     def fake_broker() -> None:
@@ -244,7 +245,7 @@ def test_a_client_refuses_a_region_it_cannot_use(
         with conn:
             conn.settimeout(20)
             conn.recv(1 << 16)  # the hello
-            socket.send_fds(conn, [encode(welcome)], [memfd, *eventfds])
+            socket.send_fds(conn, [encode(welcome)], [memfd, wake_peer.fileno()])
             conn.recv(1)  # until the client goes
 
     server = threading.Thread(target=fake_broker)
@@ -259,8 +260,9 @@ def test_a_client_refuses_a_region_it_cannot_use(
     finally:
         server.join(30)
         listener.close()
-        for fd in (memfd, *eventfds):
-            os.close(fd)
+        os.close(memfd)
+        wake.close()
+        wake_peer.close()
     assert not server.is_alive()
 
 
@@ -319,3 +321,29 @@ def test_the_test_hook_raw_refuses_an_offset_whose_end_overflows() -> None:
     os.close(fd)
     with pytest.raises(ValueError, match="outside the shared region"):
         ring.raw(sys.maxsize - 1, b"abc")
+
+
+def test_a_client_that_makes_its_wake_up_end_blocking_cannot_block_the_broker(
+    process: BrokerProcess,
+) -> None:
+    """The client's wake-up descriptor made blocking (and, were it an eventfd shared
+    with the broker, its counter filled to the maximum), its answer ring asleep, one
+    request: the broker's wake-up of it must not block its loop (reviewshm F11: with
+    shared eventfds the broker's write blocked until the client read; every client, the
+    socket ones too, timed out and SIGTERM could not stop it)."""
+    peer = RawShm(process.url[5:])
+    try:
+        os.set_blocking(peer.client_wake_fd, True)
+        if peer.client_wake_fd != peer.wake_fd:  # (an eventfd, as round 15 sent)
+            os.eventfd_write(peer.client_wake_fd, (1 << 64) - 2)
+        peer.ring.raw(ANSWERS_READER_SLEEPS, (1).to_bytes(4, "little"))
+        assert peer.write(SEND) == len(SEND)
+        peer.wake()
+        time.sleep(0.5)  # (the broker answers and wakes the client: a chance, no timing)
+        with equeue.connect(process.url, timeout=5, connect_timeout=5) as victim:
+            assert victim.send("t", b"victim").topic == "t"
+    finally:
+        peer.close()
+    assert process.process is not None
+    process.process.terminate()
+    assert process.process.wait(20) == 0

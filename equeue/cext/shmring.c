@@ -1,5 +1,5 @@
 /* A prototype transport for unix: connections with no system call per message
- * (docs/benchmarks.md "perfshm (round 15)"; opt-in on both sides: equeue serve --shm and
+ * (docs/protocol.md "Shared-memory rings"; opt-in on both sides: equeue serve --shm and
  * equeue.aio.connect(url, shm=True); equeue/server/shm.py, equeue/client/shmconn.py).
  *
  * The broker makes a memfd per connection and passes it with SCM_RIGHTS beside its
@@ -11,7 +11,8 @@
  * wakes it), writer_waits (the producer found it full: the consumer wakes it once it
  * took some). A side keeps its own index privately and only reads the peer's, checked
  * (head - tail within [0, R]) before any byte is used: a hostile peer can break its own
- * connection (ShmBroken), never make this side read or write outside the mapping.
+ * connection (ShmBroken), never make this side read or write outside the mapping; the
+ * broker seals the region's size (server/shm.py), so neither can it fault the mapping.
  *
  * ShmRing(fd, total, role): one side's view (role 0 client, 1 broker), a transport
  * base: write(data) copies what fits, publishes, and if the reader sleeps notes the
@@ -19,10 +20,11 @@
  * copies out: the consumer copies into its own buffer before the protocol parses
  * anything, so the peer cannot change a frame under the parser.
  *
- * ShmWaker(fd, call_soon): an eventfd of the peer's; note() schedules one fire() per loop
- * turn however many rings noted it (64 answers to one client process: one write(2)).
+ * ShmWaker(fd, call_soon): this side's end of its group's wake-up socket (a stream
+ * socketpair: one end each); note() schedules one fire() (a byte sent) per loop turn
+ * however many rings noted it (64 answers to one client process: one send).
  *
- * ShmMux(): one reader of many rings on a loop: drain(efd) reads the eventfd, then hands
+ * ShmMux(): the reader of one group's rings: drain(fd) takes the wake-up bytes, then hands
  * each ring's bytes to its protocol (get_buffer / buffer_updated, as a socket read does),
  * calls on_room for a ring whose queued writes may go on, and before returning marks
  * every ring's reader_sleeps and looks once more (a producer that published before the
@@ -33,6 +35,7 @@
 #include <errno.h>
 #include <stdatomic.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #define HDR 4096
@@ -133,18 +136,22 @@ static void waker_note_moved(PyObject *waker) {
     if (waker_note((ShmWaker *)waker) < 0) PyErr_WriteUnraisable(waker);
 }
 
-static void efd_write(int fd) {
-    uint64_t one = 1;
+/* A wake-up: one byte on the group's socket (each side holds its own end, its own file
+ * description: MSG_DONTWAIT whatever the peer does to its end's flags, reviewshm F11,
+ * where a shared eventfd made blocking by the client blocked the broker's loop).
+ * EAGAIN: wake-ups the peer has not read yet wait there, it is woken anyway; EPIPE,
+ * EBADF: gone (MSG_NOSIGNAL: no SIGPIPE). */
+static void wake_send(int fd) {
+    char one = 1;
     ssize_t n;
     do
-        n = write(fd, &one, 8);
+        n = send(fd, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
     while (n < 0 && errno == EINTR);
-    /* EAGAIN: the counter is at its maximum, the reader is woken anyway; EBADF: closed */
 }
 
 static PyObject *waker_fire(ShmWaker *self, PyObject *unused) {
     self->pending = 0;
-    if (self->efd >= 0) efd_write(self->efd);
+    if (self->efd >= 0) wake_send(self->efd);
     Py_RETURN_NONE;
 }
 
@@ -467,7 +474,7 @@ static PyTypeObject ShmRingType = {
 typedef struct {
     PyObject_HEAD
     PyObject *rings; /* list of ShmRing (transports) */
-    int wake_fd;     /* the eventfd whose reader drains this mux: written to come back */
+    PyObject *again; /* loop.call_soon: a drain cut short comes back through it */
 } ShmMux;
 
 static PyObject *S_get_buffer, *S_buffer_updated, *S_on_room, *S_on_broken, *MINUS_ONE;
@@ -483,17 +490,18 @@ static PyObject *mux_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         Py_DECREF(self);
         return NULL;
     }
-    self->wake_fd = -1;
     return (PyObject *)self;
 }
 
 static int mux_traverse(ShmMux *self, visitproc visit, void *arg) {
     Py_VISIT(self->rings);
+    Py_VISIT(self->again);
     return 0;
 }
 
 static int mux_clear(ShmMux *self) {
     Py_CLEAR(self->rings);
+    Py_CLEAR(self->again);
     return 0;
 }
 
@@ -579,13 +587,14 @@ static int deliver(ShmRing *ring) {
     return any;
 }
 
-/* drain(efd): the loop's reader callback of an eventfd (-1: none to read). */
+/* drain(fd): the loop's reader callback of the group's wake-up socket (-1: none to
+ * read). One recv of what wake-up bytes wait, up to 256 (more: the loop calls again). */
 static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
     int efd = PyLong_AsLong(arg);
     if (efd == -1 && PyErr_Occurred()) return NULL;
     if (efd >= 0) {
-        uint64_t count;
-        while (read(efd, &count, 8) < 0 && errno == EINTR)
+        char sink[256];
+        while (recv(efd, sink, sizeof sink, MSG_DONTWAIT) < 0 && errno == EINTR)
             ;
     }
     PyObject *rings = PyList_GetSlice(self->rings, 0, PY_SSIZE_T_MAX); /* held: reads run tasks */
@@ -629,8 +638,15 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
         if (pass >= 3) { /* more keeps coming: the loop's other work first, then again
                           * (drain(-1) too: a producer that published during this drain
                           * saw its reader awake and wrote no eventfd, reviewshm F4) */
-            int again = efd >= 0 ? efd : self->wake_fd;
-            if (again >= 0) efd_write(again);
+            if (self->again != NULL && self->again != Py_None) {
+                PyObject *drain = PyObject_GetAttrString((PyObject *)self, "drain");
+                PyObject *r = drain == NULL ? NULL
+                                            : PyObject_CallFunctionObjArgs(self->again, drain,
+                                                                           MINUS_ONE, NULL);
+                Py_XDECREF(drain);
+                if (r == NULL) goto done;
+                Py_DECREF(r);
+            }
             break;
         }
     }
@@ -669,7 +685,7 @@ static PyMethodDef mux_methods[] = {
 static PySequenceMethods mux_seq = {.sq_length = (lenfunc)mux_len};
 
 static PyMemberDef mux_members[] = {
-    {"wake_fd", T_INT, offsetof(ShmMux, wake_fd), 0, NULL},
+    {"again", T_OBJECT, offsetof(ShmMux, again), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 

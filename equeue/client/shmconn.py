@@ -4,13 +4,13 @@ equeue/protocol/shmrings.py says what travels, equeue/cext/shmring.c how).
 
 The connection is made and its hello sent on a socket of its own; the welcome is read
 with recvmsg, and the descriptors beside it (the ring region; for a group's first
-connection its two eventfds) make an ShmClientTransport. Every connection of one event
-loop to one broker socket is in one group: one ShmMux, read by the loop through the
-group's to_client eventfd, hands each ring's answers to its protocol's
-get_buffer/buffer_updated (ClientConn's, in C); requests are written into the ring by
-ClientConn's own ``transport.write`` and the broker woken by one eventfd write a loop turn
-when it sleeps. A broker without --shm answers a plain welcome: the connection then goes
-on over its socket, as without shm.
+connection the client's end of the group's wake-up socketpair) make an
+ShmClientTransport. Every connection of one event loop to one broker socket is in one
+group: one ShmMux, read by the loop when a wake-up byte arrives, hands each ring's
+answers to its protocol (ClientConn's reads, in C); requests are written into the ring by
+ClientConn (in C) and the broker woken by one byte sent a loop turn when it sleeps. A
+broker without --shm answers a plain welcome: the connection then goes on over its
+socket, as without shm.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from asyncio.trsock import TransportSocket
 from collections.abc import Callable
 from typing import Any
 
+from equeue.client import forks
 from equeue.client.url import Endpoint
 from equeue.errors import ShmRingError
 from equeue.protocol import shmrings
@@ -36,45 +37,36 @@ class _Group:
         self.loop = loop
         self.name = secrets.token_hex(8)
         self.mux = shmrings.ShmMux()
-        self.to_broker = -1
-        self.to_client = -1
+        self.mux.again = loop.call_soon  # (a drain cut short after its passes)
+        self.wake_fd = -1  # our end of the group's wake-up socketpair (the broker's)
         self.waker: Any = None
         self.rings: weakref.WeakSet[ShmClientTransport] = weakref.WeakSet()
 
-    def take(self, to_broker: int, to_client: int) -> None:
-        """A group's eventfds from the broker (again after it restarted: the old ones go)."""
+    def take(self, wake_fd: int) -> None:
+        """A group's wake-up socket from the broker (again after it restarted: the old
+        one goes). A byte sent wakes the broker's reader; one received, ours."""
         self.drop_fds()
-        self.to_broker, self.to_client = to_broker, to_client
-        self.waker = shmrings.ShmWaker(to_broker, self.loop.call_soon)
-        self.mux.wake_fd = to_client
-        self.loop.add_reader(to_client, self.mux.drain, to_client)
+        self.wake_fd = wake_fd
+        self.waker = shmrings.ShmWaker(wake_fd, self.loop.call_soon)
+        self.loop.add_reader(wake_fd, self.mux.drain, wake_fd)
 
     def drop_fds(self) -> None:
-        if self.to_client >= 0:
-            self.loop.remove_reader(self.to_client)
-            self.mux.wake_fd = -1
-            os.close(self.to_client)
-            self.to_client = -1
-        if self.to_broker >= 0:
+        if self.wake_fd >= 0:
+            self.loop.remove_reader(self.wake_fd)
             self.waker.close()
-            os.close(self.to_broker)
-            self.to_broker = -1
+            os.close(self.wake_fd)
+            self.wake_fd = -1
 
     def leave_to_parent(self) -> None:
-        """In a forked child: the mapping and the eventfds are the parent's. Each ring is
-        unmapped (this process only: every ring operation is then a no-op) and the
-        eventfds' numbers point at fresh eventfds, so that a child running the inherited
-        loop neither takes the parent's answers out of the answer ring nor reads its
-        wake-ups off the group's eventfd (the epoll set, shared, still reports them)."""
+        """In a forked child: the mapping and the wake-up socket are the parent's. Each
+        ring is unmapped (this process only: every ring operation is then a no-op) and
+        the socket's number points at a socket whose peer is gone, so that a child
+        running the inherited loop neither takes the parent's answers out of the answer
+        ring nor reads its wake-ups (the epoll set, shared, still reports them)."""
         for ring in list(self.rings):
             ring.unmap()
-        for fd in (self.to_broker, self.to_client):
-            if fd >= 0:
-                stand_in = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                try:
-                    os.dup2(stand_in, fd, inheritable=False)
-                finally:
-                    os.close(stand_in)
+        if self.wake_fd >= 0:
+            forks.point_at_a_dead_socket(self.wake_fd)
 
 
 def _forked() -> None:
@@ -157,12 +149,12 @@ async def open_connection(
         protocol.data_received(data)
         return
     try:
-        if len(fds) == 3:
-            group.take(fds[1], fds[2])
-        elif len(fds) != 1 or group.to_broker < 0:
+        if len(fds) == 2:
+            group.take(fds[1])
+        elif len(fds) != 1 or group.wake_fd < 0:
             raise ShmRingError(
                 f"{endpoint}: the broker's welcome came with {len(fds)} descriptors "
-                f"(1, or 3 for a ring group's first connection)"
+                f"(1, or 2 for a ring group's first connection)"
             )
         # A region that could shrink under the mapping would fault this process (SIGBUS)
         # at its next read of the ring: only a sealed one is mapped (reviewshm F1)
@@ -175,7 +167,7 @@ async def open_connection(
         size = os.fstat(fds[0]).st_size
         transport = ShmClientTransport(fds[0], size, shmrings.CLIENT)
     except BaseException:
-        for fd in fds[: 1 if len(fds) == 3 else None]:
+        for fd in fds[: 1 if len(fds) == 2 else None]:
             os.close(fd)
         sock.close()
         raise

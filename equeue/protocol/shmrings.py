@@ -1,12 +1,12 @@
-"""The shared-memory rings of a unix: connection: a prototype (docs/benchmarks.md
-"perfshm (round 15)"), opt-in on both sides (``equeue serve --shm``,
+"""The shared-memory rings of a unix: connection (docs/protocol.md "Shared-memory
+rings"), opt-in on both sides (``equeue serve --shm``,
 ``equeue.aio.connect(url, shm=True)``).
 
 The hello carries ``"shm": GROUP`` (a client's ring group: one per client event loop and
 broker). A broker with ``--shm`` sends its welcome with SCM_RIGHTS: a memfd holding the
 connection's two rings (equeue/cext/shmring.c: requests and answers, the socket
 protocol's bytes as they are), and, for the first connection of a (peer pid, group),
-that group's two eventfds (the broker's wake-up, the client's). The socket then carries
+the client's end of that group's wake-up socketpair. The socket then carries
 nothing but its end: each side closes the connection on the other's EOF.
 """
 
@@ -57,7 +57,8 @@ def check_ring_bytes(ring_bytes: int) -> int:
 
 
 def recv_with_fds(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
-    """One recvmsg: its bytes and the descriptors that came with them (at most 3)."""
+    """One recvmsg: its bytes and the descriptors that came with them (at most 3: more
+    than the 2 of a welcome, so that a broker of another version is told, not cut)."""
     fds = array.array("i")
     data, ancdata, flags, _ = sock.recvmsg(size, socket.CMSG_SPACE(3 * fds.itemsize))
     for level, kind, payload in ancdata:

@@ -1,6 +1,6 @@
 """The broker's file descriptors against the process's limit (RLIMIT_NOFILE, review g F4).
 
-Every connection holds one descriptor (three with ``--shm``: see
+Every connection holds one descriptor (two with ``--shm``: see
 SHM_DESCRIPTORS), the store up to ``StoreConfig.max_open_files``,
 and the broker a few of its own. Past the limit an accept fails (the client gets a bare
 reset, nothing says why) and so do the store's own opens (a send, a checkpoint): so the
@@ -25,10 +25,11 @@ log = logging.getLogger("equeue.server")
 # (statussock.py), with room to spare.
 BROKER_OWN_FILES = 64
 # A connection on shared rings (equeue/server/shm.py) holds its socket and, when its hello
-# names a ring group of its own (any name: the client chooses), that group's two
-# eventfds; the region's memfd is closed once mapped (reviewshm F7: 127 such connections
-# ran the store's chunk opens out of descriptors under a limit sized for one a connection).
-SHM_DESCRIPTORS = 3
+# names a ring group of its own (any name: the client chooses), that group's end of its
+# wake-up socketpair; the region's memfd is closed once mapped (reviewshm F7: 127 such
+# connections ran the store's chunk opens out of descriptors under a limit sized for one
+# a connection).
+SHM_DESCRIPTORS = 2
 
 
 def fit_open_files(
@@ -66,7 +67,7 @@ def fit_open_files(
         f"{BROKER_OWN_FILES} of the broker's own"
     )
     if per_connection > 1:
-        beside += f", at {per_connection} a connection (--shm: a socket, a group's eventfds)"
+        beside += f", at {per_connection} a connection (--shm: a socket, a group's wake-up)"
     raise_it = "raise the limit (ulimit -n, systemd LimitNOFILE=)"
     if room < 1:
         raise ConfigError(

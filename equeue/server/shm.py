@@ -1,14 +1,15 @@
-"""The broker's side of the shared-memory rings (a prototype, ``equeue serve --shm``;
-equeue/protocol/shmrings.py says what travels, equeue/cext/shmring.c how).
+"""The broker's side of the shared-memory rings (``equeue serve --shm``;
+docs/protocol.md "Shared-memory rings"; equeue/cext/shmring.c does the rings).
 
 A unix: connection whose hello asks for rings gets its welcome by sendmsg with the
-ring region's memfd (and, for the first connection of its (peer pid, group), the
-group's two eventfds). From then on the Connection's transport is an ShmTransport: its
-requests come from the ring through one ShmMux per broker (the loop reads each group's
-eventfd and hands every ring's bytes to its Connection's get_buffer/buffer_updated, the
-send lane included, as a socket read does); its answers go into the answer ring, one
-eventfd write per client group and loop turn when the group's reader sleeps. The
-socket is kept for its end only: bytes on it, or its EOF, close the connection.
+ring region's memfd, sealed (and, for the first connection of its (peer pid, group),
+the client's end of the group's wake-up socketpair). From then on the Connection's
+transport is an ShmTransport: its requests come from the ring through its group's
+ShmMux (the loop reads the group's end of the socketpair and hands each ring's bytes to
+its Connection's get_buffer/buffer_updated, the send lane included, as a socket read
+does); its answers go into the answer ring, one wake-up byte per client group and loop
+turn when the group's reader sleeps. The socket is kept for its end only: bytes on it
+close the connection, its EOF half-closes it as on a socket.
 """
 
 from __future__ import annotations
@@ -33,34 +34,41 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class _Group:
-    """A client group's two eventfds, to_broker (read by this loop) and to_client, and
-    the reader of its rings. A reader a group, not one for the broker: a wake-up costs
-    the rings of the group woken (reviewshm F5: 34 µs a drain over 1,024 idle rings), and
-    one group's trouble leaves the others' sleeping flags alone."""
+    """A client group's wake-up socket (a stream socketpair: this end read by the loop
+    and sent a byte to wake the client; the other end is the client's) and the reader of
+    its rings.
+
+    Two ends, not eventfds: an eventfd sent to the client is one open file description
+    for both, and O_NONBLOCK lives there: a client that cleared it blocked the broker's
+    loop in a wake-up write, or in the drain's read once it had taken the count itself
+    (reviewshm F11). Each end is its own description, and the broker passes
+    MSG_DONTWAIT on every call. A reader a group, not one for the broker: a wake-up costs
+    the rings of the group woken (F5: 34 µs a drain over 1,024 idle rings), and one
+    group's trouble leaves the others' sleeping flags alone."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.to_broker = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        try:
-            self.to_client = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        except OSError:
-            os.close(self.to_broker)
-            raise
-        self.waker = shmrings.ShmWaker(self.to_client, loop.call_soon)
+        self.end, self.client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.end.setblocking(False)
+        self.waker = shmrings.ShmWaker(self.end.fileno(), loop.call_soon)
         self.mux = shmrings.ShmMux()
-        self.mux.wake_fd = self.to_broker
+        self.mux.again = loop.call_soon  # (a drain cut short after its passes)
         self.rings = 0
-        loop.add_reader(self.to_broker, self.mux.drain, self.to_broker)
+        self.loop = loop
+        loop.add_reader(self.end.fileno(), self.mux.drain, self.end.fileno())
+
+    def sent(self) -> None:
+        """The client has its end (sent with the group's first welcome): ours goes."""
+        self.client_end.close()
 
     def wake(self) -> None:
-        """The group's reader runs on a later loop turn, as if a client had woken it
-        (through the eventfd, so that a drain cut short after its passes comes back)."""
-        os.eventfd_write(self.to_broker, 1)
+        """The group's reader runs on a later loop turn, as if a client had woken it."""
+        self.loop.call_soon(self.mux.drain, -1)
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.remove_reader(self.to_broker)
+        loop.remove_reader(self.end.fileno())
         self.waker.close()
-        os.close(self.to_broker)
-        os.close(self.to_client)
+        self.end.close()
+        self.client_end.close()
 
 
 class BrokerShm:
@@ -98,7 +106,7 @@ class BrokerShm:
             # asleep until a client's write wakes the group: set before the client can
             # write (after the welcome), or its first write would see no sleeper
             ring.set_reader_sleeps(True)
-            fds = [memfd, group.to_broker, group.to_client] if fresh else [memfd]
+            fds = [memfd, group.client_end.fileno()] if fresh else [memfd]
             with socket.socket(fileno=os.dup(fd)) as dup:
                 sent = socket.send_fds(dup, [welcome], fds)
         except OSError:
@@ -117,6 +125,7 @@ class BrokerShm:
             return True
         if fresh:
             self.groups[key] = group
+            group.sent()
         group.rings += 1
         conn.broker.counters.bytes_out += sent
         ring.setup(self, key, group, conn, transport)
