@@ -99,6 +99,10 @@ def test_connections_on_rings_while_they_are_open(broker: BrokerThread) -> None:
             assert _on_rings(broker) == 2
             # the two connections of one loop are one group: one wake-up socketpair
             assert len(broker.broker.shm.groups) == 1  # type: ignore[union-attr]
+            # (two rings: their wake-ups deferred to one a loop turn, each side)
+            (group,) = broker.broker.shm.groups.values()  # type: ignore[union-attr]
+            assert not group.waker.at_once
+            assert not client._protocol.transport.group.waker.at_once  # type: ignore[union-attr]
             got = await client.pull("t", 0, 0, 10)
             assert [m.body for m in got.messages] == [b"a", b"b"]
             assert await other.topics() == ["t"]
@@ -330,3 +334,42 @@ def test_a_closed_connection_writes_the_answers_waiting_for_room_first(small: Br
     finally:
         peer.close()
     assert len(answers) == 1 and len(answers[0]) > 10_000
+
+
+@pytest.mark.parametrize("at_once", [True, False])
+def test_a_group_of_one_ring_is_woken_at_once_and_a_larger_one_once_a_loop_turn(
+    at_once: bool,
+) -> None:
+    """A producer that finds the reader asleep: with one ring in the group the wake-up
+    byte is sent at once (no loop turn for it, reviewshm F10); with more, one call_soon
+    per loop turn sends one byte however many rings noted it."""
+    total = shmrings.region_bytes(4096)
+    ours, peers = socket.socketpair()
+    scheduled: list[Any] = []
+    waker = shmrings.ShmWaker(ours.fileno(), scheduled.append)
+    waker.at_once = at_once
+    rings = []
+    for _ in range(3):
+        fd = os.memfd_create("t", os.MFD_CLOEXEC)
+        os.ftruncate(fd, total)
+        client = shmrings.ShmRing(fd, total, shmrings.CLIENT)
+        client.waker = waker
+        broker = shmrings.ShmRing(fd, total, shmrings.BROKER)
+        broker.set_reader_sleeps(True)
+        rings.append((client, broker))
+        os.close(fd)
+    try:
+        peers.setblocking(False)
+        for client, _ in rings:
+            assert client.put(b"request") == 7
+        if at_once:
+            assert scheduled == [] and peers.recv(16) == b"\x01" * 3
+        else:
+            with pytest.raises(BlockingIOError):
+                peers.recv(16)
+            assert len(scheduled) == 1
+            scheduled[0]()
+            assert peers.recv(16) == b"\x01"
+    finally:
+        ours.close()
+        peers.close()

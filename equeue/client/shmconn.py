@@ -48,7 +48,13 @@ class _Group:
         self.drop_fds()
         self.wake_fd = wake_fd
         self.waker = shmrings.ShmWaker(wake_fd, self.loop.call_soon)
+        self.count_rings()
         self.loop.add_reader(wake_fd, self.mux.drain, wake_fd)
+
+    def count_rings(self) -> None:
+        """One ring: its wake-ups are sent at once (cext/shmring.c waker_note)."""
+        if self.waker is not None:
+            self.waker.at_once = len(self.rings) == 1
 
     def drop_fds(self) -> None:
         if self.wake_fd >= 0:
@@ -194,6 +200,7 @@ class ShmClientTransport(shmrings.ShmRing if shmrings.ShmRing is not None else o
         self.set_reader_sleeps(True)  # asleep until the broker's answer wakes the group
         group.mux.add(self)
         group.rings.add(self)
+        group.count_rings()
         loop.add_reader(sock.fileno(), self._socket_ready)
 
     def _queue_rest(self, data: bytes, sent: int) -> None:
@@ -263,6 +270,7 @@ class ShmClientTransport(shmrings.ShmRing if shmrings.ShmRing is not None else o
         self.closing = True
         self.group.mux.remove(self)
         self.group.rings.discard(self)
+        self.group.count_rings()
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         protocol, self.protocol = self.protocol, None

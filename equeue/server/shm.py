@@ -127,6 +127,7 @@ class BrokerShm:
             self.groups[key] = group
             group.sent()
         group.rings += 1
+        group.waker.at_once = group.rings == 1  # (cext/shmring.c waker_note)
         conn.broker.counters.bytes_out += sent
         ring.setup(self, key, group, conn, transport)
         ring.waker = group.waker
@@ -144,6 +145,7 @@ class BrokerShm:
         group = self.groups.get(ring.key)
         if group is ring.group:
             group.rings -= 1
+            group.waker.at_once = group.rings == 1
             if group.rings <= 0:
                 del self.groups[ring.key]
                 group.close(self.loop)
