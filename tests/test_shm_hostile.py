@@ -347,3 +347,60 @@ def test_a_client_that_makes_its_wake_up_end_blocking_cannot_block_the_broker(
     assert process.process is not None
     process.process.terminate()
     assert process.process.wait(20) == 0
+
+
+def test_a_client_that_closes_its_wake_up_end_does_not_keep_the_broker_busy(
+    broker: BrokerThread,
+) -> None:
+    """Its end closed, the broker's end reads end-of-file for ever: watched still, the
+    loop would call the group's reader every turn (thousands of drains a second, the
+    broker's loop never idle); it stops watching it at the first."""
+    peer = RawShm(_url(broker)[5:])
+    try:
+        shm = broker.broker.shm
+        assert shm is not None
+        deadline = time.monotonic() + 20
+        while not shm.groups:  # (stored just after the welcome was sent)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (group,) = shm.groups.values()
+        os.close(peer.wake_fd)
+        peer.fds.remove(peer.wake_fd)
+        while group.mux.drains == 0:  # (the end of file seen)
+            assert time.monotonic() < deadline, "the end of file was never read"
+            time.sleep(0.01)
+        before = group.mux.drains
+        time.sleep(0.3)  # (idle: nothing is sent; a spinning loop drains meanwhile)
+        assert group.mux.drains == before
+    finally:
+        peer.close()
+
+
+def test_a_client_group_whose_broker_end_closed_is_not_read_again(broker: BrokerThread) -> None:
+    """The group's last connection closed, the broker closes its end of the wake-up
+    socket: the client's loop stops watching its end (else every later turn of an idle
+    client's loop drains), and a new connection gets the group a new socket."""
+
+    async def run() -> tuple[int, int, int]:
+        client = await equeue.aio.connect(_url(broker), shm=True, timeout=10)
+        group = client._protocol.transport.group  # type: ignore[union-attr]
+        await client.send("t", b"one")
+        await client.close()
+        deadline = time.monotonic() + 20
+        while broker.broker.shm.groups:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the broker kept the group"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # (the end of file reaches this loop)
+        before = group.mux.drains
+        await asyncio.sleep(0.3)  # (idle)
+        after = group.mux.drains
+        again = await equeue.aio.connect(_url(broker), shm=True, timeout=10)
+        try:
+            offset = (await again.send("t", b"two")).queue_offset
+        finally:
+            await again.close()
+        return before, after, offset
+
+    before, after, offset = asyncio.run(run())
+    assert after == before
+    assert offset == 1

@@ -495,6 +495,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *rings; /* list of ShmRing (transports) */
     PyObject *again; /* loop.call_soon: a drain cut short comes back through it */
+    PyObject *eof;   /* called once the peer's end of the wake-up socket is closed */
+    unsigned long long drains; /* (tests, stats: how often it ran) */
 } ShmMux;
 
 static PyObject *S_get_buffer, *S_buffer_updated, *S_on_room, *S_on_broken, *MINUS_ONE;
@@ -516,12 +518,14 @@ static PyObject *mux_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static int mux_traverse(ShmMux *self, visitproc visit, void *arg) {
     Py_VISIT(self->rings);
     Py_VISIT(self->again);
+    Py_VISIT(self->eof);
     return 0;
 }
 
 static int mux_clear(ShmMux *self) {
     Py_CLEAR(self->rings);
     Py_CLEAR(self->again);
+    Py_CLEAR(self->eof);
     return 0;
 }
 
@@ -612,10 +616,21 @@ static int deliver(ShmRing *ring) {
 static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
     int efd = PyLong_AsLong(arg);
     if (efd == -1 && PyErr_Occurred()) return NULL;
+    self->drains++;
     if (efd >= 0) {
         char sink[256];
-        while (recv(efd, sink, sizeof sink, MSG_DONTWAIT) < 0 && errno == EINTR)
-            ;
+        ssize_t got;
+        do
+            got = recv(efd, sink, sizeof sink, MSG_DONTWAIT);
+        while (got < 0 && errno == EINTR);
+        /* the peer closed its end: readable for ever, so the loop would call this every
+         * turn (a client that closed its end kept the broker's loop spinning); eof()
+         * stops watching it, and the rings are read once more */
+        if (got == 0 && self->eof != NULL && self->eof != Py_None) {
+            PyObject *r = PyObject_CallNoArgs(self->eof);
+            if (r == NULL) return NULL;
+            Py_DECREF(r);
+        }
     }
     PyObject *rings = PyList_GetSlice(self->rings, 0, PY_SSIZE_T_MAX); /* held: reads run tasks */
     if (rings == NULL) return NULL;
@@ -706,6 +721,8 @@ static PySequenceMethods mux_seq = {.sq_length = (lenfunc)mux_len};
 
 static PyMemberDef mux_members[] = {
     {"again", T_OBJECT, offsetof(ShmMux, again), 0, NULL},
+    {"eof", T_OBJECT, offsetof(ShmMux, eof), 0, NULL},
+    {"drains", T_ULONGLONG, offsetof(ShmMux, drains), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -39,6 +39,7 @@ class _Group:
         self.mux = shmrings.ShmMux()
         self.mux.again = loop.call_soon  # (a drain cut short after its passes)
         self.wake_fd = -1  # our end of the group's wake-up socketpair (the broker's)
+        self.watched = False  # (wake_fd in the loop's readers)
         self.waker: Any = None
         self.rings: weakref.WeakSet[ShmClientTransport] = weakref.WeakSet()
 
@@ -49,7 +50,17 @@ class _Group:
         self.wake_fd = wake_fd
         self.waker = shmrings.ShmWaker(wake_fd, self.loop.call_soon)
         self.count_rings()
+        self.mux.eof = self.broker_gone
+        self.watched = True
         self.loop.add_reader(wake_fd, self.mux.drain, wake_fd)
+
+    def broker_gone(self) -> None:
+        """The broker closed its end (the group's last connection ended, or the broker
+        did): not watched any more, its end of file being readable for ever. The next
+        connection's welcome brings the group a new socket."""
+        if self.watched:
+            self.watched = False
+            self.loop.remove_reader(self.wake_fd)
 
     def count_rings(self) -> None:
         """One ring: its wake-ups are sent at once (cext/shmring.c waker_note)."""
@@ -58,7 +69,7 @@ class _Group:
 
     def drop_fds(self) -> None:
         if self.wake_fd >= 0:
-            self.loop.remove_reader(self.wake_fd)
+            self.broker_gone()
             self.waker.close()
             os.close(self.wake_fd)
             self.wake_fd = -1

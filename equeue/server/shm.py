@@ -52,9 +52,20 @@ class _Group:
         self.waker = shmrings.ShmWaker(self.end.fileno(), loop.call_soon)
         self.mux = shmrings.ShmMux()
         self.mux.again = loop.call_soon  # (a drain cut short after its passes)
+        self.mux.eof = self.client_gone
         self.rings = 0
         self.loop = loop
+        self.watched = True
         loop.add_reader(self.end.fileno(), self.mux.drain, self.end.fileno())
+
+    def client_gone(self) -> None:
+        """The client closed its end of the wake-up socket: not watched any more (its
+        end of file is readable for ever). Its rings are read when its connections end,
+        or not at all: a client that closed its end while its connections stay open
+        stalls only them."""
+        if self.watched:
+            self.watched = False
+            self.loop.remove_reader(self.end.fileno())
 
     def sent(self) -> None:
         """The client has its end (sent with the group's first welcome): ours goes."""
@@ -65,7 +76,7 @@ class _Group:
         self.loop.call_soon(self.mux.drain, -1)
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.remove_reader(self.end.fileno())
+        self.client_gone()
         self.waker.close()
         self.end.close()
         self.client_end.close()
