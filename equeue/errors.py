@@ -336,9 +336,10 @@ class AuthenticationError(EQueueError):
 
 
 class ShmRingError(ProtocolError):
-    """The shared-memory rings of a connection (the perfshm prototype: ``equeue serve
-    --shm``, ``equeue.aio.connect(url, shm=True)``) hold an index no well-behaved peer
-    writes, or could not be set up; that connection alone is closed."""
+    """The shared-memory rings of a connection (``equeue serve --shm``,
+    ``equeue.aio.connect(url, shm=True)``; docs/protocol.md) hold an index no well-behaved
+    peer writes, or a region that cannot be used (not sealed, not of a ring's size), or
+    could not be set up; that connection alone is closed."""
 
 
 class LimitExceededError(EQueueError):

@@ -1,4 +1,4 @@
-/* A prototype transport for unix: connections with no system call per message
+/* A transport for unix: connections with no system call per message
  * (docs/protocol.md "Shared-memory rings"; opt-in on both sides: equeue serve --shm and
  * equeue.aio.connect(url, shm=True); equeue/server/shm.py, equeue/client/shmconn.py).
  *

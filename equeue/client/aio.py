@@ -400,7 +400,7 @@ class AsyncClient:
         self.connect_timeout = check_timeout("connect_timeout", connect_timeout)
         name = args.name("client_name", client_name) or f"python-asyncio pid {os.getpid()}"
         self._hello = hello_frame(token, name)
-        # The shared-memory rings' prototype (shmconn.py): asked for in the hello of a
+        # The shared-memory rings (shmconn.py): asked for in the hello of a
         # unix: connection when shm=True; the broker's --shm decides
         self._shm_hello: Callable[[str], bytes] | None = None
         if shm and self.endpoint.kind == "unix" and shmrings.AVAILABLE:

@@ -1,5 +1,5 @@
-"""The asyncio client's side of the shared-memory rings (a prototype:
-``equeue.aio.connect("unix:PATH", shm=True)`` against ``equeue serve --shm``;
+"""The asyncio client's side of the shared-memory rings
+(``equeue.aio.connect("unix:PATH", shm=True)`` against ``equeue serve --shm``;
 equeue/protocol/shmrings.py says what travels, equeue/cext/shmring.c how).
 
 The connection is made and its hello sent on a socket of its own; the welcome is read

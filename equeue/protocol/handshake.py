@@ -56,7 +56,7 @@ class Hello:
     versions: tuple[int, ...] = SUPPORTED_VERSIONS
     token: str | None = None
     client: str = ""
-    # The shared-memory rings asked for (the perfshm prototype, equeue/protocol/shmrings.py):
+    # The shared-memory rings asked for (docs/protocol.md, equeue/protocol/shmrings.py):
     # the client's ring group, or None (not sent: a broker without --shm ignores it)
     shm: str | None = None
 

@@ -65,8 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--shm", action="store_true",
-        help="a prototype: unix: clients that ask (equeue.aio.connect(url, shm=True)) get "
-        "shared-memory rings instead of socket reads and writes",
+        help="unix: clients that ask (equeue.aio.connect(url, shm=True)) get shared-memory "
+        "rings instead of socket reads and writes (4 KiB + 2 x --shm-ring-bytes of memory "
+        "a connection; docs/protocol.md)",
     )  # fmt: skip
     parser.add_argument(
         "--shm-ring-bytes", type=int, default=1 << 18, metavar="BYTES",

@@ -147,8 +147,8 @@ class ServerConfig:
     # risks nothing for durability.
     busy_poll_us: int = 0
     # unix: connections whose hello asks for them get shared-memory rings of this many
-    # bytes each way instead of socket reads and writes (a prototype: equeue/server/shm.py,
-    # docs/benchmarks.md "perfshm (round 15)"); off: every connection on its socket.
+    # bytes each way instead of socket reads and writes (equeue/server/shm.py,
+    # docs/protocol.md "Shared-memory rings"); off: every connection on its socket.
     shm: bool = False
     shm_ring_bytes: int = 1 << 18
     # One request's work: messages of a send_batch (and items of any array or map a
