@@ -373,3 +373,30 @@ def test_a_group_of_one_ring_is_woken_at_once_and_a_larger_one_once_a_loop_turn(
     finally:
         ours.close()
         peers.close()
+
+
+def test_stats_count_the_connections_on_rings(broker: BrokerThread) -> None:
+    async def run() -> tuple[dict[str, Any], dict[str, Any]]:
+        clients = [await equeue.aio.connect(_url(broker), shm=True, timeout=10) for _ in range(2)]
+        plain = await equeue.aio.connect(_url(broker), timeout=10)
+        try:
+            await clients[0].send("t", b"a")
+            during = (await plain.stats())["shm"]
+        finally:
+            for client in clients:
+                await client.close()
+        _wait_for(lambda: not broker.broker.shm.groups, "the group stayed")  # type: ignore[union-attr]
+        try:
+            after = (await plain.stats())["shm"]
+        finally:
+            await plain.close()
+        return during, after
+
+    during, after = asyncio.run(run())
+    total = shmrings.region_bytes(shmrings.DEFAULT_RING_BYTES)
+    assert during["connections"] == 2 and during["groups"] == 1
+    assert during["ring_bytes"] == shmrings.DEFAULT_RING_BYTES
+    assert during["mapped_bytes"] == 2 * total
+    assert during["drains"] >= 1  # (the send's request was read by the group's reader)
+    assert after["connections"] == 0 and after["groups"] == 0 and after["mapped_bytes"] == 0
+    assert after["drains"] >= during["drains"]

@@ -419,7 +419,9 @@ class Broker:
 
     def _stats(self) -> dict[str, Any]:
         assert self.coordinator is not None  # (made by start(), before any connection)
+        rings = {"shm": self.shm.stats()} if self.shm is not None else {}
         return {
+            **rings,
             **retry_and_retention(self.store, self.coordinator.retries),
             "connections": len(self.connections),
             "in_flight": sum(c.in_flight for c in self.connections),

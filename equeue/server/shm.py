@@ -88,6 +88,7 @@ class BrokerShm:
     def __init__(self, loop: asyncio.AbstractEventLoop, ring_bytes: int) -> None:
         self.loop = loop
         self.ring_bytes = shmrings.check_ring_bytes(ring_bytes)
+        self.drains = 0  # (of the groups closed since: stats())
         self.groups: dict[tuple[int, str], _Group] = {}
 
     def attach(self, conn: Connection, welcome: bytes, group_name: str) -> bool:
@@ -159,7 +160,20 @@ class BrokerShm:
             group.waker.at_once = group.rings == 1
             if group.rings <= 0:
                 del self.groups[ring.key]
+                self.drains += group.mux.drains
                 group.close(self.loop)
+
+    def stats(self) -> dict[str, int]:
+        """stats()'s "shm" (docs/protocol.md): what the rings hold and how often their
+        readers ran (a reader that runs with nothing to read is a spinning one)."""
+        groups = list(self.groups.values())
+        return {
+            "connections": sum(g.rings for g in groups),
+            "groups": len(groups),
+            "ring_bytes": self.ring_bytes,
+            "mapped_bytes": sum(g.rings for g in groups) * shmrings.region_bytes(self.ring_bytes),
+            "drains": self.drains + sum(g.mux.drains for g in groups),
+        }
 
     def close(self) -> None:
         for group in self.groups.values():
