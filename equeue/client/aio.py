@@ -4,7 +4,8 @@ Any number of coroutines share one client: each request gets an id and a future,
 frames written in one loop turn go out in one write, and the answers (in any order)
 resolve their futures. At most the broker's ``max_in_flight`` requests are in flight;
 more wait for a place. A request holds its place until its answer arrives, also when
-its caller was cancelled (the broker still holds it; the late answer is dropped). A
+its caller was cancelled (the late answer is dropped); a long poll's cancelled caller
+asks the broker to answer it at once (cancel_pull, protocol version 6). A
 broken connection fails every request in flight on it with ConnectionLostError
 (``unanswered``: the sends among them, as given); the next call reconnects.
 """
@@ -37,6 +38,8 @@ from equeue.client.core import (
     given,
     hello_frame,
     lost,
+    lost_in_flight,
+    no_answer,
     readable,
     welcome,
 )
@@ -59,6 +62,7 @@ from equeue.errors import (
 )
 from equeue.protocol.frames import (
     BODIES_VERSION,
+    CANCEL_PULL_VERSION,
     CONNECTION_REQUEST_ID,
     HELLO_MAX_FRAME_BYTES,
     STATUS_ERROR,
@@ -243,8 +247,35 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                 target.set_result((status, payload))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, BrokenPipeError | ConnectionResetError) and not self.closed:
+            self._read_rest()  # a write found the broker gone: its last frames first
+            if self.closed:
+                return
         reason = f"the broker at {self.where} closed the connection"
         self.fail(f"{reason}: {exc}" if exc else reason, exc)
+
+    def _read_rest(self) -> None:
+        """What the broker wrote before it closed, still in the socket when a write found
+        it gone (EPIPE, ECONNRESET: the transport ends without reading on): a stopping
+        broker's last frame among it (BrokerStoppingError) says which requests it never
+        read, so they are unsent, not unanswered. Read without blocking; not under TLS
+        (records, read by the transport only)."""
+        transport = self.transport
+        if transport is None or transport.get_extra_info("ssl_object") is not None:
+            return
+        sock = transport.get_extra_info("socket")
+        try:
+            fd = sock.fileno() if sock is not None else -1
+        except (OSError, ValueError):
+            return
+        while fd >= 0 and not self.closed:
+            try:
+                data = os.read(fd, RECV_BYTES)
+            except OSError:  # nothing more (EAGAIN), or the reset after the last byte
+                return
+            if not data:
+                return
+            self.data_received(data)
 
     def fail(self, reason: str, cause: BaseException | None) -> None:
         """Close, and fail each request in flight with ConnectionLostError."""
@@ -268,11 +299,12 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                 if type(unanswered) is bytes:  # the plain send `direct` wrote, as Answer.lost
                     # says a coalesced one's (direct writes only with nothing in flight, so
                     # waiting_topic is still its topic)
-                    which = _which(0, 1, self.waiting_topic)
-                    failed = f"{reason}; {which} got no answer (it may be stored)"
-                    target.set_exception(lost(failed, [OutgoingMessage(unanswered)], cause))
+                    failed = f"{reason}; {_which(0, 1, self.waiting_topic)} {no_answer(cause)}"
+                    target.set_exception(
+                        lost_in_flight(failed, [OutgoingMessage(unanswered)], cause)
+                    )
                 else:
-                    target.set_exception(lost(reason, given(unanswered), cause))  # type: ignore[arg-type]
+                    target.set_exception(lost_in_flight(reason, given(unanswered), cause))  # type: ignore[arg-type]
         if self.coalescer is not None:
             self.coalescer.drop(reason)
         while self.queued:  # they find it closed
@@ -327,6 +359,29 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
             self.flushing = True
             self.loop.call_soon(self._flush)
 
+    def cancel_pull(self, request_id: int) -> None:
+        """The caller of the long poll ``request_id`` gave up on it: the broker (protocol
+        version 6) is asked to answer it now, empty (cancel_pull), so that its place under
+        max_in_flight comes back within a round trip, not at its wait's end (reviewk F4).
+        Both answers are dropped. An older broker is not asked: the place comes back when
+        the pull's wait ends, as before (docs/client.md)."""
+        encoder = self.encoder
+        if (
+            self.closed
+            or request_id not in self.pending
+            or encoder is None
+            or encoder.version < CANCEL_PULL_VERSION
+        ):
+            return
+        cancel_id = self.next_id()
+        frame = encoder.frame(cancel_id, "cancel_pull", {"request_id": request_id})
+        future: asyncio.Future[Any] = self.loop.create_future()
+        future.add_done_callback(_retrieved)  # (failed with the connection: no one awaits it)
+        # Its answer gives a place back, as every answer does (answers()): taken here, though
+        # the broker does not count it (it may go below 0 for that round trip)
+        self.free -= 1
+        self.send(cancel_id, frame, (future, None, time.monotonic() + self.timeout))
+
     def give_back(self, places: int) -> None:
         self.free += places
         for _ in range(min(places, len(self.queued))):
@@ -373,6 +428,11 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                 return
         if not self.closed:
             self.watchdog = self.loop.call_later(self._tick(), self._watch)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class AsyncClient:
@@ -539,7 +599,12 @@ class AsyncClient:
         future: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
         deadline = time.monotonic() + self.timeout + call.wait
         protocol.send(request_id, frame, (future, call.unanswered, deadline))
-        status, payload = await future
+        try:
+            status, payload = await future
+        except asyncio.CancelledError:
+            if call.wait:  # a long poll given up (wait_for): the broker answers it now
+                protocol.cancel_pull(request_id)
+            raise
         if status != STATUS_OK:
             raise answer_error(payload, self.url)
         return DECODERS[call.op](payload, self.url) if decode else payload

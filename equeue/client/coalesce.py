@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue import speedups
-from equeue.client.core import DECODERS, answer_error, lost
+from equeue.client.core import DECODERS, answer_error, lost, lost_in_flight, no_answer
 from equeue.client.loops import future_of, wrong_loop
 from equeue.errors import (
     ConnectionLostError,
@@ -279,7 +279,7 @@ class Answer:
                 sent = _message(body, given)
                 which = _which(index, count, self.topic)
                 future.set_exception(
-                    lost(f"{reason}; {which} got no answer (it may be stored)", [sent], cause)
+                    lost_in_flight(f"{reason}; {which} {no_answer(cause)}", [sent], cause)
                 )
 
     def answered(self, status: int, payload: Any) -> None:

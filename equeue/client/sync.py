@@ -46,6 +46,7 @@ from equeue.client.core import (
     batch_results,
     given,
     lost,
+    lost_in_flight,
     readable,
 )
 from equeue.client.groupstate import (
@@ -250,7 +251,9 @@ class Client(Turns):
         if conn.broken:
             return
         pending = conn.pending  # (the errors first: an interrupt there changes nothing)
-        errors = [lost(reason, given(slot.unanswered), cause) for slot in pending.values()]
+        errors = [
+            lost_in_flight(reason, given(slot.unanswered), cause) for slot in pending.values()
+        ]
         try:
             for slot, error in zip(pending.values(), errors, strict=True):
                 slot.error = error
@@ -376,6 +379,8 @@ class Client(Turns):
             except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
                 if not registered:
                     raise
+                if isinstance(exc, BrokenPipeError | ConnectionResetError):
+                    self._read_rest(conn)  # the broker's last frames, if it stopped
                 again: BaseException | None = None
                 while not conn.broken:  # (an interrupt in _break, at its entry: again)
                     try:
@@ -388,6 +393,31 @@ class Client(Turns):
                 if again is not None:
                     raise again from exc
         return conn, slots
+
+    def _read_rest(self, conn: _Connection) -> None:
+        """A write found the broker gone (EPIPE, ECONNRESET): what it wrote before it
+        closed may still wait in the socket, a stopping broker's last frame among it
+        (BrokerStoppingError: which requests it never read, so unsent, not unanswered).
+        Read without blocking, unless another thread has the reader's turn (it reads them
+        then); whatever does not end the connection here, the caller's break does."""
+        if not conn.plain:  # (TLS: no read without blocking here)
+            return
+        turn = False
+        try:
+            with self._cond:
+                if self._reading or conn.broken:
+                    return
+                self._reading = turn = True  # (no call between: no interrupt lands there)
+            while not conn.broken:
+                try:
+                    count = conn.sock.recv_into(conn.inbuf, 0, socket.MSG_DONTWAIT)
+                except OSError:  # nothing more (EAGAIN), or the reset after the last byte
+                    return
+                self._received(conn, conn.inbuf[:count])  # (0: the end, which breaks it)
+        finally:
+            if turn:  # (given up inline: no function's entry before, no interrupt lands)
+                self._reading = False
+                self._end_turn()
 
     def _wait_for_places(self, conn: _Connection, count: int) -> None:
         """Wait until ``count`` more requests fit in the broker's max_in_flight on

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from equeue import speedups
 from equeue.errors import (
+    BrokerStoppingError,
     EQueueError,
     LimitExceededError,
     ProtocolError,
@@ -34,6 +35,7 @@ from equeue.protocol.frames import (
     PROTOCOL_VERSION,
     STATUS_ERROR,
     STATUS_OK,
+    STOP_NOTICE_VERSION,
     FrameReader,
     check_request,
     encode,
@@ -566,7 +568,8 @@ class Connection(asyncio.BufferedProtocol):
             refuse_above(op, self.version, where)
         check_args(op, args, where)
         broker.counters.requests += 1
-        if self.in_flight >= broker.config.max_in_flight:
+        # cancel_pull holds nothing and frees a place: a client at the limit may send it
+        if self.in_flight >= broker.config.max_in_flight and op != "cancel_pull":
             limit = broker.config.max_in_flight
             self._answer_error(
                 request_id,
@@ -758,6 +761,34 @@ class Connection(asyncio.BufferedProtocol):
         log.warning("%s; closing the connection", exc)
         if self._tls is None:  # (in a TLS handshake the client could not read it)
             self._answer_error(CONNECTION_REQUEST_ID, exc)
+        self.close()
+
+    def stop(self) -> None:
+        """The broker is draining: close, with a last frame saying that no request of
+        this connection left unanswered was served (BrokerStoppingError, request id 0: the
+        client reports those sends unsent). Said only when it is true: reading is paused
+        (serve.py _drain), what was served is answered (in_flight 0; the frames read and
+        not served, the backlog and a frame begun, are dropped), the hello was accepted
+        and a TLS handshake is done (a client could not read it before); to a client
+        welcomed with protocol version 6 or later (an older one was never sent it)."""
+        if self.closed:
+            return
+        if (
+            self._hello is None
+            and self._tls is None
+            and not self.in_flight
+            and self.version >= STOP_NOTICE_VERSION  # (an older client expects none)
+        ):
+            self._backlog = []
+            self._answer_error(
+                CONNECTION_REQUEST_ID,
+                BrokerStoppingError(
+                    f"{self.where}: the broker is stopping; it served none of this "
+                    "connection's requests that it has not answered (none of them was "
+                    "stored: safe to send again)"
+                ),
+                error=False,
+            )
         self.close()
 
     def close(self) -> None:

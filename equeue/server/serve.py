@@ -485,7 +485,7 @@ class Broker:
             await self.commit.drain()
         await self.offsets.drain()
         for connection in list(self.connections):
-            connection.close()
+            connection.stop()  # its last frame: what it did not answer was not read
         deadline = self.loop.time() + self.config.drain_timeout_ms / 1000
         while self.connections and self.loop.time() < deadline:
             await asyncio.sleep(0.01)
