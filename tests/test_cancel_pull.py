@@ -196,3 +196,34 @@ def test_an_aio_group_member_closed_as_messages_arrive_loses_none(home: Path) ->
         handled, sent = asyncio.run(run(running.urls[0]))
     expected = {b"r%d-%d" % (r, i) for r in range(rounds) for i in range(per_round)}
     assert sent == len(expected) and handled == expected
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def test_a_sync_long_poll_interrupted_is_cancelled(home: Path) -> None:
+    """A KeyboardInterrupt (SIGALRM here) in a sync pull of a 600 s wait: the client
+    sends cancel_pull, so the broker holds nothing afterwards, and the connection, which
+    then reads both dropped answers, serves the next calls."""
+    import signal
+
+    import equeue
+
+    with BrokerThread(home / "s") as running:
+        running.store.create_topic("t", 1)
+        with equeue.connect(running.urls[0]) as client, raw(running.urls[0]) as watcher:
+            previous = signal.signal(signal.SIGALRM, _interrupt)
+            try:
+                for _ in range(3):
+                    signal.setitimer(signal.ITIMER_REAL, 0.2)
+                    with pytest.raises(KeyboardInterrupt):
+                        client.pull("t", 0, 0, wait=LONG_S)
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    _held(watcher, 0)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            client.send("t", b"after", queue_id=0)
+            assert [m.body for m in client.pull("t", 0, 0, wait=LONG_S).messages] == [b"after"]
+            assert client.ping() is None

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from equeue.client import args, calls, turns
+from equeue.client import args, calls, endings, turns
 from equeue.client.calls import Call
 from equeue.client.connect import again, connect_with_retries
 from equeue.client.core import (
@@ -380,7 +380,7 @@ class Client(Turns):
                 if not registered:
                     raise
                 if isinstance(exc, BrokenPipeError | ConnectionResetError):
-                    self._read_rest(conn)  # the broker's last frames, if it stopped
+                    endings.read_rest(self, conn)  # the broker's last frames, if it stopped
                 again: BaseException | None = None
                 while not conn.broken:  # (an interrupt in _break, at its entry: again)
                     try:
@@ -393,31 +393,6 @@ class Client(Turns):
                 if again is not None:
                     raise again from exc
         return conn, slots
-
-    def _read_rest(self, conn: _Connection) -> None:
-        """A write found the broker gone (EPIPE, ECONNRESET): what it wrote before it
-        closed may still wait in the socket, a stopping broker's last frame among it
-        (BrokerStoppingError: which requests it never read, so unsent, not unanswered).
-        Read without blocking, unless another thread has the reader's turn (it reads them
-        then); whatever does not end the connection here, the caller's break does."""
-        if not conn.plain:  # (TLS: no read without blocking here)
-            return
-        turn = False
-        try:
-            with self._cond:
-                if self._reading or conn.broken:
-                    return
-                self._reading = turn = True  # (no call between: no interrupt lands there)
-            while not conn.broken:
-                try:
-                    count = conn.sock.recv_into(conn.inbuf, 0, socket.MSG_DONTWAIT)
-                except OSError:  # nothing more (EAGAIN), or the reset after the last byte
-                    return
-                self._received(conn, conn.inbuf[:count])  # (0: the end, which breaks it)
-        finally:
-            if turn:  # (given up inline: no function's entry before, no interrupt lands)
-                self._reading = False
-                self._end_turn()
 
     def _wait_for_places(self, conn: _Connection, count: int) -> None:
         """Wait until ``count`` more requests fit in the broker's max_in_flight on
@@ -563,7 +538,14 @@ class Client(Turns):
 
     def _call(self, call: Call) -> Any:
         conn, (slot,) = self._submit([call])
-        return DECODERS[call.op](self._wait(conn, slot), self.url)
+        if not call.wait:
+            return DECODERS[call.op](self._wait(conn, slot), self.url)
+        try:
+            payload = self._wait(conn, slot)
+        except BaseException:  # (an interrupt: a long poll given up)
+            endings.give_up(self, conn, slot)
+            raise
+        return DECODERS[call.op](payload, self.url)
 
     def _made(self, make: Callable[..., Call], *arguments: Any) -> Call:
         """``make(*arguments)``; an argument it refuses is reported after the broker
@@ -590,7 +572,13 @@ class Client(Turns):
         wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
         messages = [arguments] if op in SEND_OPS else None
         conn, (slot,) = self._submit([Call(op, arguments, messages, wait)], columns=False)
-        return self._wait(conn, slot)
+        if not wait:
+            return self._wait(conn, slot)
+        try:
+            return self._wait(conn, slot)
+        except BaseException:  # (an interrupt: a long poll given up)
+            endings.give_up(self, conn, slot)
+            raise
 
     def start_request(self, op: str, arguments: dict[str, Any]) -> tuple[_Connection, _Slot]:
         """``request`` without waiting: whichever thread reads next hands the answer in
