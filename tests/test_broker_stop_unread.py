@@ -178,19 +178,45 @@ def _many_load(url: str, outcomes: Outcomes, stop_at: float) -> None:
                 return
 
 
+def _threads_load(url: str, outcomes: Outcomes, stop_at: float) -> None:
+    """4 threads sharing one sync client, a send at a time each (one of them finds the
+    broker gone by a write, EPIPE, while another has the reader's turn: endings.py)."""
+    with equeue.connect(url, connect_timeout=1.0) as client:
+
+        def sender(number: int) -> None:
+            sequence = 0
+            while time.monotonic() < stop_at:
+                body = b"thread-%d-%d" % (number, sequence)
+                sequence += 1
+                try:
+                    client.send("t", body)
+                    outcomes.told[body] = "acknowledged"
+                except ConnectionLostError as exc:
+                    outcomes.failed(exc, [body])
+                    return
+
+        senders = [threading.Thread(target=sender, args=(n,)) for n in range(4)]
+        for thread in senders:
+            thread.start()
+        for thread in senders:
+            thread.join()
+
+
 def test_sigterm_under_load_reports_the_unread_sends_unsent(home: Path) -> None:
     """`equeue serve` in a subprocess, SIGTERM after LOAD_S of 64 asyncio producers on one
-    connection and a sync send_many (windows of 256) on another. Before (reviewk F9: 64
-    and 208 sends unanswered, none of them stored) every send in flight was reported
+    connection, a sync send_many (windows of 256) on another and 4 threads sending one
+    at a time on a third. Before (reviewk F9: 64, 208 and 4 sends unanswered, none of
+    them stored) every send in flight was reported
     unanswered; now the broker's last frame makes them unsent: no send is unanswered,
     and the store after the stop agrees with every report."""
     store = home / "s"
     broker, url = start_broker(store, "--flush", "sync")
-    outcomes = {"aio": Outcomes(), "many": Outcomes()}
+    outcomes = {"aio": Outcomes(), "many": Outcomes(), "threads": Outcomes()}
     stop_at = time.monotonic() + GUARD_S
     loads = [
         threading.Thread(target=_aio_load, args=(url, outcomes["aio"], stop_at)),
         threading.Thread(target=_many_load, args=(url, outcomes["many"], stop_at)),
+        threading.Thread(target=_threads_load, args=(url, outcomes["threads"], stop_at)),
     ]
     try:
         for load in loads:
@@ -207,7 +233,7 @@ def test_sigterm_under_load_reports_the_unread_sends_unsent(home: Path) -> None:
             broker.wait()
     stored = _stored(store, "t")
     assert max(stored.values()) == 1  # nothing stored twice
-    told = {**outcomes["aio"].told, **outcomes["many"].told}
+    told = {body: said for seen in outcomes.values() for body, said in seen.told.items()}
     assert set(stored) <= set(told)  # nothing stored untold
     by_outcome = collections.Counter(told.values())
     for body, outcome in told.items():

@@ -64,6 +64,20 @@ def give_up(client: Client, conn: _Connection, slot: _Slot) -> None:
             client._write_lock.release()
 
 
+def peer_gone(client: Client, exc: BaseException, conn: _Connection) -> bool:
+    """A write on ``conn`` failed with ``exc``: whether the broker is gone (EPIPE,
+    ECONNRESET on a plain socket) and the rest of what it wrote is being read, so the
+    writer leaves the connection to that read rather than breaking it (a break would
+    make every request in flight unanswered, the ones answered before it and the ones a
+    stopping broker never served alike). The rest is read here if no other thread has
+    the reader's turn; else that thread reads it: the stream has ended, so its read
+    returns the rest, then the end, which breaks the connection."""
+    if not conn.plain or not isinstance(exc, BrokenPipeError | ConnectionResetError):
+        return False
+    read_rest(client, conn)
+    return True
+
+
 def read_rest(client: Client, conn: _Connection) -> None:
     """A write found the broker gone (EPIPE, ECONNRESET): what it wrote before it
     closed may still wait in the socket, a stopping broker's last frame among it

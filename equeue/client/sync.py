@@ -379,8 +379,8 @@ class Client(Turns):
             except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
                 if not registered:
                     raise
-                if isinstance(exc, BrokenPipeError | ConnectionResetError):
-                    endings.read_rest(self, conn)  # the broker's last frames, if it stopped
+                if endings.peer_gone(self, exc, conn):  # what the broker wrote before: read
+                    return conn, slots  # (by another thread in its turn: it ends conn)
                 again: BaseException | None = None
                 while not conn.broken:  # (an interrupt in _break, at its entry: again)
                     try:
