@@ -306,7 +306,7 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                 else:
                     target.set_exception(lost_in_flight(reason, given(unanswered), cause))  # type: ignore[arg-type]
         if self.coalescer is not None:
-            self.coalescer.drop(reason)
+            self.coalescer.drop(reason, cause)
         while self.queued:  # they find it closed
             waiter = self.queued.popleft()
             if not waiter.done():

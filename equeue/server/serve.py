@@ -485,7 +485,12 @@ class Broker:
             await self.commit.drain()
         await self.offsets.drain()
         for connection in list(self.connections):
-            connection.stop()  # its last frame: what it did not answer was not read
+            try:
+                connection.stop()  # its last frame: what it did not answer was not served
+            except Exception:  # its transport failed the write: the others stop all the same
+                log.exception("%s: writing its last answers failed", connection.where)
+                if connection.transport is not None:
+                    connection.transport.abort()
         deadline = self.loop.time() + self.config.drain_timeout_ms / 1000
         while self.connections and self.loop.time() < deadline:
             await asyncio.sleep(0.01)
