@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from server_helpers import Raw, raw, short_home
 
 import equeue.aio
-from equeue.protocol.frames import check_answer
+from equeue.protocol.frames import check_answer, encode
 from equeue.server import BrokerThread
 
 home = pytest.fixture(short_home, name="home")
@@ -35,27 +37,35 @@ def _held(client: Raw, count: int) -> None:
     raise AssertionError(f"held_pulls never became {count}")
 
 
-def test_cancel_pull_answers_the_held_pull_empty_and_itself_true(home: Path) -> None:
+@contextmanager
+def _a_pull_held(home: Path) -> Iterator[tuple[Raw, Raw, int]]:
+    """A broker whose topic t has 1 queue; a connection holding a pull of t/0 (and that
+    pull's request id), and another connection."""
     with BrokerThread(home / "s") as running:
         running.store.create_topic("t", 1)
         url = running.urls[0]
-        with raw(url) as c, raw(url) as watcher:
+        with raw(url) as c, raw(url) as other:
             pull = c.request("pull", **_pull())
-            _held(watcher, 1)
-            cancel = c.request("cancel_pull", request_id=pull)
-            answers = c.answers(2)
-            assert answers[pull] == (0, [[], 0])  # empty, next_offset its offset
-            assert answers[cancel] == (0, True)
-            assert watcher.call("stats")["held_pulls"] == 0
-            # answered already, or never a held pull: False, nothing else answered
-            assert c.call("cancel_pull", request_id=pull) is False
-            assert c.call("cancel_pull", request_id=12345) is False
-            # another connection's pull is not this connection's to cancel
-            other = watcher.request("pull", **_pull())
-            _held(c, 1)
-            assert c.call("cancel_pull", request_id=other) is False
-            cancel = watcher.request("cancel_pull", request_id=other)
-            assert watcher.answers(2) == {other: (0, [[], 0]), cancel: (0, True)}
+            _held(other, 1)
+            yield c, other, pull
+
+
+def test_cancel_pull_answers_the_held_pull_empty_and_itself_true(home: Path) -> None:
+    with _a_pull_held(home) as (c, watcher, pull):
+        cancel = c.request("cancel_pull", request_id=pull)
+        answers = c.answers(2)
+        assert answers[pull] == (0, [[], 0])  # empty, next_offset its offset
+        assert answers[cancel] == (0, True)
+        assert watcher.call("stats")["held_pulls"] == 0
+        # answered already, or never a held pull: False, nothing else answered
+        assert c.call("cancel_pull", request_id=pull) is False
+        assert c.call("cancel_pull", request_id=12345) is False
+        # another connection's pull is not this connection's to cancel
+        other = watcher.request("pull", **_pull())
+        _held(c, 1)
+        assert c.call("cancel_pull", request_id=other) is False
+        cancel = watcher.request("cancel_pull", request_id=other)
+        assert watcher.answers(2) == {other: (0, [[], 0]), cancel: (0, True)}
 
 
 def test_cancel_pull_is_taken_at_max_in_flight(home: Path) -> None:
@@ -95,23 +105,18 @@ def test_a_message_arriving_as_the_pull_is_cancelled_is_pulled_again(
     cancel is read (the cancel then finds nothing: False), or the cancel answers it
     empty first. Either way the message is in the queue for the next pull from the
     same offset (the client drops a cancelled pull's answer)."""
-    with BrokerThread(home / "s") as running:
-        running.store.create_topic("t", 1)
-        url = running.urls[0]
-        with raw(url) as c, raw(url) as producer:
-            pull = c.request("pull", **_pull())
-            _held(producer, 1)
-            if message_first:
-                producer.call("send", topic="t", body=b"m", queue_id=0)
-                got = check_answer(c.recv(), "t")
-                assert got[0] == pull and [m[9] for m in got[2][0]] == [b"m"]
-                assert c.call("cancel_pull", request_id=pull) is False
-            else:
-                cancel = c.request("cancel_pull", request_id=pull)
-                assert c.answers(2) == {pull: (0, [[], 0]), cancel: (0, True)}
-                producer.call("send", topic="t", body=b"m", queue_id=0)
-            again = c.call("pull", topic="t", queue_id=0, offset=0)
-            assert [m[9] for m in again[0]] == [b"m"]
+    with _a_pull_held(home) as (c, producer, pull):
+        if message_first:
+            producer.call("send", topic="t", body=b"m", queue_id=0)
+            got = check_answer(c.recv(), "t")
+            assert got[0] == pull and [m[9] for m in got[2][0]] == [b"m"]
+            assert c.call("cancel_pull", request_id=pull) is False
+        else:
+            cancel = c.request("cancel_pull", request_id=pull)
+            assert c.answers(2) == {pull: (0, [[], 0]), cancel: (0, True)}
+            producer.call("send", topic="t", body=b"m", queue_id=0)
+        again = c.call("pull", topic="t", queue_id=0, offset=0)
+        assert [m[9] for m in again[0]] == [b"m"]
 
 
 async def _give_up(client: equeue.aio.AsyncClient, count: int) -> int:
@@ -227,3 +232,16 @@ def test_a_sync_long_poll_interrupted_is_cancelled(home: Path) -> None:
             client.send("t", b"after", queue_id=0)
             assert [m.body for m in client.pull("t", 0, 0, wait=LONG_S).messages] == [b"after"]
             client.ping()  # (raises if the connection is out of step)
+
+
+def test_a_second_pull_under_a_held_pulls_request_id_is_not_held(home: Path) -> None:
+    """Ids in flight are unique (docs/protocol.md): a pull reusing a held pull's id is
+    answered as not held (empty, at the next tick), so cancel_pull names one pull and
+    the held pulls' bookkeeping stays whole."""
+    with _a_pull_held(home) as (c, watcher, pull):
+        c.send_raw(encode([pull, "pull", _pull()]))
+        assert check_answer(c.recv(), "t") == (pull, 0, [[], 0])  # the second, not held
+        assert watcher.call("stats")["held_pulls"] == 1
+        cancel = c.request("cancel_pull", request_id=pull)
+        assert c.answers(2) == {pull: (0, [[], 0]), cancel: (0, True)}
+        _held(watcher, 0)
