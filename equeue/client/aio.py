@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from equeue.client import args, calls, forks, rawconn
+from equeue.client import aioends, args, calls, forks, rawconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
 from equeue.client.connect import RECV_BYTES, again, telling, then, tls_refusal, tls_refused
@@ -62,7 +62,6 @@ from equeue.errors import (
 )
 from equeue.protocol.frames import (
     BODIES_VERSION,
-    CANCEL_PULL_VERSION,
     CONNECTION_REQUEST_ID,
     HELLO_MAX_FRAME_BYTES,
     STATUS_ERROR,
@@ -248,34 +247,11 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
 
     def connection_lost(self, exc: Exception | None) -> None:
         if isinstance(exc, BrokenPipeError | ConnectionResetError) and not self.closed:
-            self._read_rest()  # a write found the broker gone: its last frames first
+            aioends.read_rest(self)  # a write found the broker gone: its last frames first
             if self.closed:
                 return
         reason = f"the broker at {self.where} closed the connection"
         self.fail(f"{reason}: {exc}" if exc else reason, exc)
-
-    def _read_rest(self) -> None:
-        """What the broker wrote before it closed, still in the socket when a write found
-        it gone (EPIPE, ECONNRESET: the transport ends without reading on): a stopping
-        broker's last frame among it (BrokerStoppingError) says which requests it never
-        read, so they are unsent, not unanswered. Read without blocking; not under TLS
-        (records, read by the transport only)."""
-        transport = self.transport
-        if transport is None or transport.get_extra_info("ssl_object") is not None:
-            return
-        sock = transport.get_extra_info("socket")
-        try:
-            fd = sock.fileno() if sock is not None else -1
-        except (OSError, ValueError):
-            return
-        while fd >= 0 and not self.closed:
-            try:
-                data = os.read(fd, RECV_BYTES)
-            except OSError:  # nothing more (EAGAIN), or the reset after the last byte
-                return
-            if not data:
-                return
-            self.data_received(data)
 
     def fail(self, reason: str, cause: BaseException | None) -> None:
         """Close, and fail each request in flight with ConnectionLostError."""
@@ -359,29 +335,6 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
             self.flushing = True
             self.loop.call_soon(self._flush)
 
-    def cancel_pull(self, request_id: int) -> None:
-        """The caller of the long poll ``request_id`` gave up on it: the broker (protocol
-        version 6) is asked to answer it now, empty (cancel_pull), so that its place under
-        max_in_flight comes back within a round trip, not at its wait's end (reviewk F4).
-        Both answers are dropped. An older broker is not asked: the place comes back when
-        the pull's wait ends, as before (docs/client.md)."""
-        encoder = self.encoder
-        if (
-            self.closed
-            or request_id not in self.pending
-            or encoder is None
-            or encoder.version < CANCEL_PULL_VERSION
-        ):
-            return
-        cancel_id = self.next_id()
-        frame = encoder.frame(cancel_id, "cancel_pull", {"request_id": request_id})
-        future: asyncio.Future[Any] = self.loop.create_future()
-        future.add_done_callback(_retrieved)  # (failed with the connection: no one awaits it)
-        # Its answer gives a place back, as every answer does (answers()): taken here, though
-        # the broker does not count it (it may go below 0 for that round trip)
-        self.free -= 1
-        self.send(cancel_id, frame, (future, None, time.monotonic() + self.timeout))
-
     def give_back(self, places: int) -> None:
         self.free += places
         for _ in range(min(places, len(self.queued))):
@@ -428,11 +381,6 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                 return
         if not self.closed:
             self.watchdog = self.loop.call_later(self._tick(), self._watch)
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 class AsyncClient:
@@ -603,7 +551,7 @@ class AsyncClient:
             status, payload = await future
         except asyncio.CancelledError:
             if call.wait:  # a long poll given up (wait_for): the broker answers it now
-                protocol.cancel_pull(request_id)
+                aioends.cancel_pull(protocol, request_id)
             raise
         if status != STATUS_OK:
             raise answer_error(payload, self.url)

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from equeue import speedups
 from equeue.errors import (
-    BrokerStoppingError,
     EQueueError,
     LimitExceededError,
     ProtocolError,
@@ -35,7 +34,6 @@ from equeue.protocol.frames import (
     PROTOCOL_VERSION,
     STATUS_ERROR,
     STATUS_OK,
-    STOP_NOTICE_VERSION,
     FrameReader,
     check_request,
     encode,
@@ -761,34 +759,6 @@ class Connection(asyncio.BufferedProtocol):
         log.warning("%s; closing the connection", exc)
         if self._tls is None:  # (in a TLS handshake the client could not read it)
             self._answer_error(CONNECTION_REQUEST_ID, exc)
-        self.close()
-
-    def stop(self) -> None:
-        """The broker is draining: close, with a last frame saying that no request of
-        this connection left unanswered was served (BrokerStoppingError, request id 0: the
-        client reports those sends unsent). Said only when it is true: reading is paused
-        (serve.py _drain), what was served is answered (in_flight 0; the frames read and
-        not served, the backlog and a frame begun, are dropped), the hello was accepted
-        and a TLS handshake is done (a client could not read it before); to a client
-        welcomed with protocol version 6 or later (an older one was never sent it)."""
-        if self.closed:
-            return
-        if (
-            self._hello is None
-            and self._tls is None
-            and not self.in_flight
-            and self.version >= STOP_NOTICE_VERSION  # (an older client expects none)
-        ):
-            self._backlog = []
-            self._answer_error(
-                CONNECTION_REQUEST_ID,
-                BrokerStoppingError(
-                    f"{self.where}: the broker is stopping; it served none of this "
-                    "connection's requests that it has not answered (none of them was "
-                    "stored: safe to send again)"
-                ),
-                error=False,
-            )
         self.close()
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ from equeue.errors import (
     StoreReplacedError,
 )
 from equeue.protocol.frames import DEFAULT_MAX_CONNECTIONS, MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
+from equeue.server import stopping
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import (
     DEFAULT_MAX_TOPICS,
@@ -486,7 +487,7 @@ class Broker:
         await self.offsets.drain()
         for connection in list(self.connections):
             try:
-                connection.stop()  # its last frame: what it did not answer was not served
+                stopping.stop(connection)  # its last frame: what is unanswered was not served
             except Exception:  # its transport failed the write: the others stop all the same
                 log.exception("%s: writing its last answers failed", connection.where)
                 if connection.transport is not None:
