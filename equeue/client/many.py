@@ -18,7 +18,7 @@ hold every message once:
 * ``unsent``: the messages not stored: those of a refused chunk (an error answer, or a
   chunk the client could not encode: MessageTooLargeError for a message past
   ``max_frame_bytes``), those never written (the writing stops at the first error), and
-  those of the chunks in flight when a stopping broker said it read none of them
+  those of the chunks in flight when a stopping broker said it served none of them
   (BrokerStoppingError, the ConnectionLostError's cause);
 * ``unanswered``: the messages written whose outcome is unknown, each may or may not be
   stored: their answer never came (ConnectionLostError), or it was a failed write or
@@ -185,7 +185,7 @@ class _Run:
                 error = self._answer(conn, start, end, op, slot)
                 if isinstance(error, ConnectionLostError):
                     failure = error  # every request on it failed with it, or was answered
-                    # before (the broker's drain answers all it read, then says so): each
+                    # before (the broker's drain answers all it served, then says so): each
                     # one's outcome, as this one's (a slot of a broken connection is done)
                     for s, e, o, later in in_flight:
                         self._answer(conn, s, e, o, later)
@@ -222,7 +222,7 @@ class _Run:
         client = self.client
         try:
             payload = client._wait(conn, slot)
-        except ConnectionLostError as exc:  # unsent where the broker said it read none
+        except ConnectionLostError as exc:  # unsent where the broker said it served none
             (self.refused if unread(exc.__cause__) else self.maybe).append((start, end))
             return exc
         except EQueueError as exc:
