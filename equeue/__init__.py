@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from equeue.errors import (
     AuthenticationError,
     BrokerError,
+    BrokerStoppingError,
     BrokerTooOldError,
     ChecksumMismatchError,
     ChunkRemovedError,
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError",
     "BrokerError",
+    "BrokerStoppingError",
     "BrokerTooOldError",
     "ChecksumMismatchError",
     "ChunkRemovedError",

@@ -369,6 +369,15 @@ class ConnectionLostError(EQueueError, ConnectionError):
         self.unsent = []
 
 
+class BrokerStoppingError(EQueueError):
+    """The broker is stopping (SIGTERM, SIGINT: its drain) and served none of the
+    requests of this connection that it has not answered (it stopped reading, and drops
+    what it read and did not serve): a send among them was not stored and may be sent
+    again (to the broker once it is back).
+    Sent as the connection's last frame (request id 0, protocol version 6 brokers); the
+    clients raise ConnectionLostError from it with those sends in ``unsent``."""
+
+
 class WrongLoopError(EQueueError, RuntimeError):
     """An asyncio client (equeue.aio) was called from a task on an event loop other than
     the one its connection was made on; nothing was sent, and the client still serves

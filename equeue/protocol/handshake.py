@@ -3,7 +3,7 @@
 hello (client to broker), a map::
 
     key        type          meaning
-    versions   [uint]        protocol versions the client speaks (this package: [1, 2])
+    versions   [uint]        protocol versions the client speaks (this package: 1 to 6)
     token      str | nil     the broker's token, where it asks for one (--token-file)
     client     str           a name for logs and stats (at most 200 characters)
 

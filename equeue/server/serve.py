@@ -34,6 +34,7 @@ from equeue.errors import (
 )
 from equeue.protocol import shmrings
 from equeue.protocol.frames import DEFAULT_MAX_CONNECTIONS, MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
+from equeue.server import stopping
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import (
     DEFAULT_MAX_TOPICS,
@@ -496,7 +497,12 @@ class Broker:
             await self.commit.drain()
         await self.offsets.drain()
         for connection in list(self.connections):
-            connection.close()
+            try:
+                stopping.stop(connection)  # its last frame: what is unanswered was not served
+            except Exception:  # its transport failed the write: the others stop all the same
+                log.exception("%s: writing its last answers failed", connection.where)
+                if connection.transport is not None:
+                    connection.transport.abort()
         deadline = self.loop.time() + self.config.drain_timeout_ms / 1000
         while self.connections and self.loop.time() < deadline:
             await asyncio.sleep(0.01)
