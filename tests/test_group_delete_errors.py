@@ -3,7 +3,7 @@ that cannot be acted on (reviewl L1, L2): an I/O error at the commit point is an
 error naming the file, with the store's files put back; one after it leaves the group
 deleted, says what is unfinished, and the next open or ``delete_group`` finishes it; an
 intent naming another group, an ``equeue.*`` group, or no group is moved aside, acts on
-nothing, and is reported with its remedy, once."""
+nothing, and is reported with its remedy, once, and by ``verify`` before that."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import equeue
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import write_json
 from equeue.errors import DiskFullError, GroupNotFoundError
+from equeue.inspect.verify import verify_store
 from equeue.server import BrokerThread, retry
 
 RETRY = retry.retry_topic("g")
@@ -176,6 +177,9 @@ def test_an_intent_that_cannot_be_acted_on_deletes_nothing_and_is_reported_once(
             store.create_topic("equeue.retry.equeue.x", 1)
             topics = sorted(store.topics())
     entry = _hostile(path, case)
+    (found,) = verify_store(path)  # reported before any open acts on it
+    assert (found.file, found.kind) == (str(entry), "group deletion intent")
+    assert "delete_group('g') again" in found.reason
     with MessageStore.open(path, CONFIG) as store:
         (problem,) = store.recovery.problems
         assert str(entry) in problem and f"moved to {entry}.damaged" in problem
@@ -186,3 +190,4 @@ def test_an_intent_that_cannot_be_acted_on_deletes_nothing_and_is_reported_once(
     assert (path / "offsets.json").is_file()  # a link's target is left alone
     with MessageStore.open(path, CONFIG) as store:
         assert store.recovery.problems == []
+    assert verify_store(path) == []

@@ -349,7 +349,7 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
     problems = []
     for entry in entries:
         try:
-            group, dead_letters = _read_intent(side / entry, entry)
+            group, dead_letters = read_intent(side / entry, entry)
         except (EQueueError, OSError) as exc:
             problems.append(_set_aside_intent(side, entry, exc))
             continue
@@ -365,7 +365,7 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
     return problems
 
 
-def _read_intent(path: Path, entry: str) -> tuple[str, bool]:
+def read_intent(path: Path, entry: str) -> tuple[str, bool]:
     body: Any = read_json(path)
     deleting = body.get("deleting") if isinstance(body, dict) else None
     group = body.get("group") if isinstance(body, dict) else None
@@ -390,7 +390,6 @@ def _read_intent(path: Path, entry: str) -> tuple[str, bool]:
 def _set_aside_intent(side: Path, entry: str, exc: OSError | EQueueError) -> str:
     """An intent that cannot be acted on, renamed (never followed) ``.damaged``: nothing is
     deleted by it; the problem says how to finish the deletion if there was one."""
-    group = unquote(entry.rpartition(".json.")[0])
     moved = side / f"{entry}.damaged"
     try:
         os.rename(side / entry, moved)
@@ -399,11 +398,20 @@ def _set_aside_intent(side: Path, entry: str, exc: OSError | EQueueError) -> str
         kept = f"moving it aside failed ({failed.strerror or failed}): remove {side / entry}"
     else:
         kept = f"it was moved to {moved}"
+    return intent_problem(entry, exc, f"nothing was deleted by it and {kept}")
+
+
+def intent_problem(
+    entry: str,
+    exc: OSError | EQueueError,
+    done: str = "the next writable open deletes nothing by it and moves it aside",
+) -> str:
+    """What is wrong with intent file ``entry``, what was (or will be) done, the remedy."""
+    group = unquote(entry.rpartition(".json.")[0])
     return (
-        f"a group deletion's intent file that cannot be acted on ({exc}); nothing was "
-        f"deleted by it and {kept}; if group {group!r} was being deleted, run "
-        f"delete_group({group!r}) again to finish it (GroupNotFoundError then: nothing "
-        "of it is left)"
+        f"a group deletion's intent file that cannot be acted on ({exc}); {done}; if "
+        f"group {group!r} was being deleted, run delete_group({group!r}) again to finish "
+        "it (GroupNotFoundError then: nothing of it is left)"
     )
 
 
