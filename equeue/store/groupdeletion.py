@@ -138,10 +138,9 @@ def delete_group(
 
 def _unfinished(store: MessageStore, intent: str, exc: OSError | EQueueError) -> str:
     side = store.path / CONSUMERS_DIR / RECOVERED_DIR
-    where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
     return (
-        f"finishing it (its topics, set-aside copies, the intent {side / intent}) failed"
-        f"{where}: {exc}; the next writable open or delete_group of the group finishes it"
+        f"finishing it (its topics, set-aside copies, the intent {side / intent}) failed: "
+        f"{exc}; the next writable open or delete_group of the group finishes it"
     )
 
 
