@@ -98,6 +98,30 @@ def test_a_failed_commit_point_is_an_equeue_error_naming_the_file_and_changes_no
         assert store.delete_group("g").offsets == 2
 
 
+def test_a_failed_write_of_offsets_json_puts_the_group_file_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 2 failing: step 1's group file (with the intent) is written back as it was."""
+    path = _store(tmp_path / "s")
+    real_replace = os.replace
+
+    def replace_full(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if str(dst).endswith("offsets.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(src, dst, *args, **kwargs)
+
+    with MessageStore.open(path, CONFIG) as store:
+        groups, before = store.consumer_groups(), _files(path)
+        monkeypatch.setattr(os, "replace", replace_full)
+        with pytest.raises(DiskFullError) as failed:
+            store.delete_group("g")
+        monkeypatch.setattr(os, "replace", real_replace)
+        assert str(path / "offsets.json") in str(failed.value)
+        assert "the group was not deleted, its files are as they were" in str(failed.value)
+        assert _files(path) == before
+        assert store.consumer_groups() == groups
+
+
 def test_a_failure_after_the_commit_point_reports_the_deletion_done_and_is_finished_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

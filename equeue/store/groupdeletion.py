@@ -45,6 +45,7 @@ from equeue.errors import (
     InvalidTypeError,
     LimitExceededError,
     StorePathError,
+    StoreWriteError,
 )
 from equeue.format.chunk import RECOVERED_DIR
 from equeue.protocol.retries import DELAY_TOPIC, RESERVED_PREFIX, dead_letter_topic, retry_topic
@@ -234,23 +235,29 @@ def _commit_in(
     group_offsets._merge(gathered, current or {})
     body = {"group": group, "offsets": gathered, "deleting": {"dead_letters": dead_letters}}
     before = store._offsets
-    write_json(directory / name, body)
+    write_json(directory / name, body)  # (atomic: a failure leaves the file as it was)
     _step("gathered")
-    if group in store._offsets:
-        kept = {g: ts for g, ts in store._offsets.items() if g != group}
-        deletion._lower_committed_count(
-            store, sum(len(q) for ts in kept.values() for q in ts.values())
-        )
-        write_json(store.path / OFFSETS_FILE, kept)
-        store._offsets = kept
-        _step("offsets.json written")
     intent = f"{name}.{time.time_ns()}{INTENT_SUFFIX}"
     try:
+        if group in store._offsets:
+            kept = {g: ts for g, ts in store._offsets.items() if g != group}
+            deletion._lower_committed_count(
+                store, sum(len(q) for ts in kept.values() for q in ts.values())
+            )
+            write_json(store.path / OFFSETS_FILE, kept)
+            store._offsets = kept
+            _step("offsets.json written")
         os.rename(name, intent, src_dir_fd=dir_fd, dst_dir_fd=side_fd)  # the commit point
-    except OSError as exc:
+    except OSError as exc:  # StoreWriteError too (write_json's, naming its file)
         undone = _undo(store, group, before, current)
-        error = write_error(
-            exc, f"deleting group {group!r}: its commit point, the rename into {side}", name_path
+        error = (
+            exc
+            if isinstance(exc, StoreWriteError)
+            else write_error(
+                exc,
+                f"deleting group {group!r}: its commit point, the rename into {side}",
+                name_path,
+            )
         )
         raise type(error)(
             error.errno, f"{error.strerror}; the group was not deleted, {undone}"
