@@ -179,35 +179,23 @@ def pull(
     """A read-only pull: it polls for new entries, and a chunk retention removed under
     it makes it follow the log and go on from the queue's new first offset."""
     try:
-        return _pull(store, queue, offset, max_count, wanted, wait, max_bytes)
+        look(store)
+        if offset >= queue.next_offset:
+            offset = _wait_for_entries(store, queue, offset, wait)
+        attempts = 1
+        while True:
+            try:
+                messages, next_offset = store._log.pull_run(
+                    queue, max(offset, queue.first_offset), max_count, wanted, max_bytes
+                )
+                return PullResult(messages, next_offset)
+            except ChunkRemovedError:
+                if attempts == _ATTEMPTS:
+                    raise
+                attempts += 1
+                follow_log(store)
     except (OSError, CorruptionError, ChunkRemovedError) as exc:
         raise deleted_meanwhile(store, queue, exc) from None
-
-
-def _pull(
-    store: MessageStore,
-    queue: Queue,
-    offset: int,
-    max_count: int,
-    wanted: dict[int, set[str]] | None,
-    wait: float,
-    max_bytes: int | None,
-) -> PullResult:
-    look(store)
-    if offset >= queue.next_offset:
-        offset = _wait_for_entries(store, queue, offset, wait)
-    attempts = 1
-    while True:
-        try:
-            messages, next_offset = store._log.pull_run(
-                queue, max(offset, queue.first_offset), max_count, wanted, max_bytes
-            )
-            return PullResult(messages, next_offset)
-        except ChunkRemovedError:
-            if attempts == _ATTEMPTS:
-                raise
-            attempts += 1
-            follow_log(store)
 
 
 def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: float) -> int:
