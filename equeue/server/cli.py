@@ -196,5 +196,5 @@ def status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
     else:
-        print(render_stats(stats))
+        print(render_stats(stats, args.status_group))
     return 0

@@ -19,7 +19,7 @@ import socket
 import ssl
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from equeue.server.busypoll import BusyPoll
 from equeue.server.config import (
     DEFAULT_MAX_TOPICS,
     MAX_UNIX_PATH,
+    SOCKET_NAME,
     STATUS_SOCKET_NAME,
     Listener,
     ServerConfig,
@@ -162,6 +163,24 @@ def _claim_socket_path(path: str) -> None:
     raise ConfigError(f"cannot listen on unix:{path}: another process is listening on it")
 
 
+def _refuse_status_path(listeners: Sequence[Listener], status: Path) -> None:
+    """A ``unix:`` listener on STORE/status.sock is refused for what it is (the status
+    socket's probe would find the broker's own listener there, reviewl L3)."""
+    reserved = os.path.join(os.path.realpath(status.parent), status.name)
+    for listener in listeners:
+        if listener.kind != "unix":
+            continue
+        path = os.path.abspath(listener.path)
+        if os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path)) == (
+            reserved
+        ):
+            raise ConfigError(
+                f"cannot listen on {listener.url}: {STATUS_SOCKET_NAME} in the store is the "
+                "broker's status socket (--status, past max_connections); listen on "
+                f"another path, e.g. unix:{status.parent / SOCKET_NAME}"
+            )
+
+
 def _store_path(store: StoreOrPath) -> Path:
     """Where the store is (or will be), as MessageStore.open names it (and refuses it:
     a path that cannot be a store directory, NotAStoreError)."""
@@ -272,6 +291,7 @@ class Broker:
                 self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
                 self.config, self.packer, self.offsets,
             )  # fmt: skip
+            _refuse_status_path(self.listeners, self.store.path / STATUS_SOCKET_NAME)
             for listener in self.listeners:
                 await self._listen(listener)
             await self._listen_for_status()
@@ -339,7 +359,9 @@ class Broker:
     async def _listen_for_status(self) -> None:
         """STORE/status.sock: stats and ping past max_connections (statussock.py). Not
         in ``urls`` (no client's listener); skipped, with a warning, where the store's
-        path leaves no room for it in sun_path."""
+        path leaves no room for it in sun_path, or where it cannot be bound (a file
+        system without socket files: the broker's listeners may be TCP only, reviewl
+        L6). Something other than a stale socket there still refuses the start."""
         path = str(self.store.path / STATUS_SOCKET_NAME)
         if len(os.fsencode(path)) > MAX_UNIX_PATH:
             log.warning(
@@ -353,7 +375,16 @@ class Broker:
             self._number += 1
             return StatusConnection(self, url, self._number)
 
-        self._servers.append(await self._listen_unix(path, make))
+        _claim_socket_path(path)  # a file, a directory, a link, a live socket: refused
+        try:
+            server = await self._listen_unix(path, make)
+        except ConfigError as exc:
+            log.warning(
+                "no status socket: %s; --status of a full broker is refused like any client",
+                exc,
+            )
+            return
+        self._servers.append(server)
 
     # --- the loop's work ----------------------------------------------------------
 
