@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from equeue.errors import (
     AuthenticationError,
     BrokerError,
+    BrokerStoppingError,
     BrokerTooOldError,
     ChecksumMismatchError,
     ChunkRemovedError,
@@ -40,6 +41,7 @@ from equeue.errors import (
     ReadOnlyError,
     RecordTooLargeError,
     ReentrantSendError,
+    ShmRingError,
     SinkCommitError,
     SparkClusterError,
     SparkOptionError,
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError",
     "BrokerError",
+    "BrokerStoppingError",
     "BrokerTooOldError",
     "ChecksumMismatchError",
     "ChunkRemovedError",
@@ -111,6 +114,7 @@ __all__ = [
     "RecoveryReport",
     "ReentrantSendError",
     "SendResult",
+    "ShmRingError",
     "SinkCommitError",
     "SparkClusterError",
     "SparkOptionError",

@@ -335,6 +335,13 @@ class AuthenticationError(EQueueError):
     """The broker refused the connection's token (wrong, or missing where one is needed)."""
 
 
+class ShmRingError(ProtocolError):
+    """The shared-memory rings of a connection (``equeue serve --shm``,
+    ``equeue.aio.connect(url, shm=True)``; docs/protocol.md) hold an index no well-behaved
+    peer writes, or a region that cannot be used (not sealed, not of a ring's size), or
+    could not be set up; that connection alone is closed."""
+
+
 class LimitExceededError(EQueueError):
     """A limit was reached: connections (``max_connections``), requests in flight on
     one connection (``max_in_flight``), consumer groups (``max_groups``) or topics
@@ -360,6 +367,15 @@ class ConnectionLostError(EQueueError, ConnectionError):
         self.unanswered = []
         self.sent = []
         self.unsent = []
+
+
+class BrokerStoppingError(EQueueError):
+    """The broker is stopping (SIGTERM, SIGINT: its drain) and served none of the
+    requests of this connection that it has not answered (it stopped reading, and drops
+    what it read and did not serve): a send among them was not stored and may be sent
+    again (to the broker once it is back).
+    Sent as the connection's last frame (request id 0, protocol version 6 brokers); the
+    clients raise ConnectionLostError from it with those sends in ``unsent``."""
 
 
 class WrongLoopError(EQueueError, RuntimeError):

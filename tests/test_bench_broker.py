@@ -24,7 +24,11 @@ sys.path.insert(0, str(TOOLS))
 from brokerbench.pool import JobError, Pool  # noqa: E402
 from brokerbench.profile import part_of, summarize  # noqa: E402
 
+from equeue.protocol import shmrings  # noqa: E402
+
 REDIS = shutil.which("redis-server") is not None
+RINGS = shmrings.AVAILABLE
+ON_RINGS = "on shared-memory rings (`--shm`, `shm=True`)"
 DASH = "\u2013"  # the report's empty cell
 PRODUCE = [f"produce {p}p {b}B" for b in (100, 1024) for p in (1, 4, 16)]
 
@@ -71,6 +75,8 @@ def expected() -> list[tuple[str, str]]:
         for system in ("broker", "broker-shared"):  # a connection per task; one shared client
             wanted.append((case, system))
             wanted += [(case, system.replace("broker", "redis"))] if REDIS else []
+        if RINGS:  # the same two on shared-memory rings, on the same broker
+            wanted += [(case, "broker-shm"), (case, "broker-shm-shared")]
         wanted.append((case, "fdatasync"))
     return wanted
 
@@ -106,7 +112,13 @@ def test_the_report_has_every_row_and_every_target(smoke: dict[str, Any]) -> Non
     assert any(r.startswith("| 4 | ") for r in rows)  # consume, 4 consumer processes
     assert any(r.startswith("| broker, sync client `send` |") for r in rows)
     for procs in (1, 4):  # every durable row, each reading on its own, with its targets
-        for reading in ("a connection per task", "one client per process, shared by its tasks"):
+        readings = ["a connection per task", "one client per process, shared by its tasks"]
+        if RINGS:
+            readings += [
+                f"a connection per task, {ON_RINGS}",
+                f"one client per process, shared, {ON_RINGS}",
+            ]
+        for reading in readings:
             row = f"| 64 asyncio tasks in {procs} process(es) | {reading} |"
             assert sum(r.startswith(row) for r in rows) == 1, row
             where = f"durable 64 tasks in {procs} process(es) 100B, {reading}"

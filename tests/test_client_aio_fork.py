@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from client_helpers import BrokerProcess, temporary_broker
@@ -66,12 +67,22 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
 def test_an_asyncio_client_is_closed_in_a_forked_child_and_the_parent_keeps_its_own(
     broker: BrokerProcess, kind: str
 ) -> None:
-    checker = equeue.connect(broker.url)
+    forked_sends(broker.url, kind)
+
+
+def forked_sends(
+    url: str, kind: str, on: Callable[[Any], bool] = lambda client: True, **options: Any
+) -> None:
+    """A client connected with ``options`` (test_shm_fork.py: shm=True; ``on`` says the
+    connection is what they asked for), then a fork: the child's every send on it
+    refused, the parent's stored as sent."""
+    checker = equeue.connect(url)
     checker.create_topic("t", queue_count=4)
     loop = _new_loop(kind)
     try:
-        client = loop.run_until_complete(equeue.aio.connect(broker.url, timeout=20.0))
+        client = loop.run_until_complete(equeue.aio.connect(url, timeout=20.0, **options))
         loop.run_until_complete(client.send("t", b"warm"))
+        assert on(client)
         pid = os.fork()
         if pid == 0:  # the child: the inherited loop and client, as a pre-fork server has
             code = 3

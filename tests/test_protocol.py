@@ -110,8 +110,8 @@ def test_bad_hellos(hello: object) -> None:
 
 def test_welcome_with_an_unknown_version_is_refused() -> None:
     limits = {name: 10 for name in handshake.LIMIT_NAMES}
-    with pytest.raises(errors.ProtocolError, match="version 6"):
-        handshake.Welcome.unpack({"version": 6, "server": "x", "limits": limits}, "t")
+    with pytest.raises(errors.ProtocolError, match="version 7"):
+        handshake.Welcome.unpack({"version": 7, "server": "x", "limits": limits}, "t")
     with pytest.raises(errors.ProtocolError, match="max_frame_bytes"):
         handshake.Welcome.unpack({"version": 1, "server": "x", "limits": {}}, "t")
 

@@ -108,6 +108,8 @@ def test_every_op_round_trips(broker: BrokerThread) -> None:
         assert call("commit_offset", group="d", topic="t", queue_id=1, offset=1) is None
         assert call("delete_group", group="d") == {"group": "d", "offsets": 1, "topics": []}
         assert call("committed_offset", group="d", topic="t", queue_id=1) is None
+        # protocol version 6: a held pull cancelled (tests/test_cancel_pull.py)
+        assert call("cancel_pull", request_id=10**6) is False
     group_ops = {"join", "heartbeat", "leave", "nack"}  # test_server_groups.py
     assert seen | group_ops == set(OPS)
     store = broker.store
@@ -229,6 +231,9 @@ def test_stopping_answers_held_pulls_then_closes_and_removes_the_socket(home: Pa
         stopper = threading.Thread(target=running.stop)
         stopper.start()
         assert c.recv() == [held, 0, [[], 0]]  # answered with what there is
+        # protocol version 6: the last frame says that nothing unanswered was read
+        rid, status, error = c.recv()
+        assert (rid, status, error["code"]) == (0, 1, "BrokerStoppingError")
         with pytest.raises(ConnectionError):
             c.recv()
         stopper.join(30)

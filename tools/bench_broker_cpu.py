@@ -227,12 +227,14 @@ def _cpu(pid: int) -> tuple[float, float]:
 
 
 def _broker(
-    src: Path, directory: Path, prefix: list[str], flush: str = "sync"
+    src: Path, directory: Path, prefix: list[str], flush: str = "sync", extra: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A broker of tree ``src`` (``prefix``: valgrind's argv, or none) and its URL
-    (tools/bench_batch_cpu.py's too, with ``flush`` async)."""
+    """A broker of tree ``src`` (``prefix``: valgrind's argv, or none; ``extra``: more
+    options of ``equeue serve``) and its URL (tools/bench_batch_cpu.py's too, with
+    ``flush`` async; tools/bench_shm.py's with --shm)."""
     env = dict(os.environ, PYTHONPATH=str(src))
     argv = [sys.executable, "-m", "equeue", "serve", str(directory / "s"), "--flush", flush]
+    argv += extra
     # cwd: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH;
     # run from a worktree, every "src" would be that worktree's equeue
     broker = subprocess.Popen(

@@ -46,6 +46,8 @@ int waiter_on_loop(PyObject *loop);
 PyObject *waiter_future_on(PyObject *loop);
 int rawsock_is(PyObject *object); /* rawsock.c: the client's own transport */
 PyObject *rawsock_write(PyObject *object, PyObject *data);
+int shmring_is(PyObject *object); /* shmring.c: a connection on shared rings */
+PyObject *shmring_write(PyObject *object, PyObject *data);
 
 /* The fields Python code reads and writes often are objects (T_OBJECT_EX: CPython 3.11
  * specializes their attribute access as it does __slots__'; not a T_DOUBLE's or T_BOOL's):
@@ -303,9 +305,10 @@ static PyObject *conn_direct(Conn *self, PyObject *const *args, Py_ssize_t nargs
     self->waiting = id;
     Py_INCREF(topic);
     Py_XSETREF(self->waiting_topic, topic);
-    PyObject *r = rawsock_is(self->transport) ? rawsock_write(self->transport, frame)
-                                              : PyObject_CallMethodOneArg(self->transport,
-                                                                          S_WRITE, frame);
+    PyObject *r = rawsock_is(self->transport)   ? rawsock_write(self->transport, frame)
+                  : shmring_is(self->transport) ? shmring_write(self->transport, frame)
+                                                : PyObject_CallMethodOneArg(self->transport,
+                                                                            S_WRITE, frame);
     if (r == NULL) goto done;
     Py_DECREF(r);
     out = Py_NewRef(future);

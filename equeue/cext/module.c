@@ -102,6 +102,7 @@ PyObject *group_future(PyObject *self, PyObject *protocol); /* groupwake.c */
 PyObject *group_wake(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_raw_sock_type(PyObject *self, PyObject *unused); /* rawsock.c */
 PyObject *client_read_mux_type(PyObject *self, PyObject *unused); /* readmux.c */
+PyObject *shm_types(PyObject *self, PyObject *error);              /* shmring.c */
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, NULL},
@@ -156,6 +157,7 @@ static PyMethodDef methods[] = {
     {"client_send_method", (PyCFunction)(void (*)(void))client_send_method, METH_FASTCALL, NULL},
     {"client_send_coro_type", client_send_coro_type, METH_NOARGS, NULL},
     {"client_read_mux_type", client_read_mux_type, METH_NOARGS, NULL},
+    {"shm_types", shm_types, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 

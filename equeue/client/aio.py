@@ -4,7 +4,8 @@ Any number of coroutines share one client: each request gets an id and a future,
 frames written in one loop turn go out in one write, and the answers (in any order)
 resolve their futures. At most the broker's ``max_in_flight`` requests are in flight;
 more wait for a place. A request holds its place until its answer arrives, also when
-its caller was cancelled (the broker still holds it; the late answer is dropped). A
+its caller was cancelled (the late answer is dropped); a long poll's cancelled caller
+asks the broker to answer it at once (cancel_pull, protocol version 6). A
 broken connection fails every request in flight on it with ConnectionLostError
 (``unanswered``: the sends among them, as given); the next call reconnects.
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from equeue.client import args, calls, forks, rawconn
+from equeue.client import aioends, args, calls, forks, rawconn, shmconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
 from equeue.client.connect import RECV_BYTES, again, telling, then, tls_refusal, tls_refused
@@ -37,6 +38,8 @@ from equeue.client.core import (
     given,
     hello_frame,
     lost,
+    lost_in_flight,
+    no_answer,
     readable,
     welcome,
 )
@@ -57,6 +60,7 @@ from equeue.errors import (
     InvalidTypeError,
     ProtocolError,
 )
+from equeue.protocol import shmrings
 from equeue.protocol.frames import (
     BODIES_VERSION,
     CONNECTION_REQUEST_ID,
@@ -243,6 +247,10 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                 target.set_result((status, payload))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, BrokenPipeError | ConnectionResetError) and not self.closed:
+            aioends.read_rest(self)  # a write found the broker gone: its last frames first
+            if self.closed:
+                return
         reason = f"the broker at {self.where} closed the connection"
         self.fail(f"{reason}: {exc}" if exc else reason, exc)
 
@@ -268,13 +276,14 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                 if type(unanswered) is bytes:  # the plain send `direct` wrote, as Answer.lost
                     # says a coalesced one's (direct writes only with nothing in flight, so
                     # waiting_topic is still its topic)
-                    which = _which(0, 1, self.waiting_topic)
-                    failed = f"{reason}; {which} got no answer (it may be stored)"
-                    target.set_exception(lost(failed, [OutgoingMessage(unanswered)], cause))
+                    failed = f"{reason}; {_which(0, 1, self.waiting_topic)} {no_answer(cause)}"
+                    target.set_exception(
+                        lost_in_flight(failed, [OutgoingMessage(unanswered)], cause)
+                    )
                 else:
-                    target.set_exception(lost(reason, given(unanswered), cause))  # type: ignore[arg-type]
+                    target.set_exception(lost_in_flight(reason, given(unanswered), cause))  # type: ignore[arg-type]
         if self.coalescer is not None:
-            self.coalescer.drop(reason)
+            self.coalescer.drop(reason, cause)
         while self.queued:  # they find it closed
             waiter = self.queued.popleft()
             if not waiter.done():
@@ -389,6 +398,7 @@ class AsyncClient:
         ssl_context: ssl.SSLContext | None = None,
         cafile: str | os.PathLike[str] | None = None,
         client_name: str = "",
+        shm: bool = False,
     ) -> None:
         self.endpoint: Endpoint = parse_url(url, ssl_context=ssl_context, cafile=cafile)
         self.url = str(self.endpoint)
@@ -396,9 +406,13 @@ class AsyncClient:
             raise InvalidTypeError(f"token must be a str or None, got {type(token).__name__}")
         self.timeout = check_timeout("timeout", timeout)
         self.connect_timeout = check_timeout("connect_timeout", connect_timeout)
-        self._hello = hello_frame(
-            token, args.name("client_name", client_name) or f"python-asyncio pid {os.getpid()}"
-        )
+        name = args.name("client_name", client_name) or f"python-asyncio pid {os.getpid()}"
+        self._hello = hello_frame(token, name)
+        # The shared-memory rings (shmconn.py): asked for in the hello of a
+        # unix: connection when shm=True; the broker's --shm decides
+        self._shm_hello: Callable[[str], bytes] | None = None
+        if shm and self.endpoint.kind == "unix" and shmrings.AVAILABLE:
+            self._shm_hello = lambda group: hello_frame(token, name, group)
         self._protocol: _Protocol | None = None
         self._reconnect: asyncio.Task[_Protocol] | None = None  # the attempt under way
         self._closed = False
@@ -473,10 +487,14 @@ class AsyncClient:
         newest: BaseException | None = None
         while True:
             attempts += 1
-            protocol = _Protocol(self._hello, self.url, self.timeout, self._ids)
+            shm = self._shm_hello
+            hello = b"" if shm is not None else self._hello  # (shm: sent before the protocol)
+            protocol = _Protocol(hello, self.url, self.timeout, self._ids)
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    if rawconn.usable(loop, endpoint, protocol):  # (own transport, in C)
+                    if shm is not None:
+                        await shmconn.open_connection(loop, endpoint, protocol, shm)
+                    elif rawconn.usable(loop, endpoint, protocol):  # (own transport, in C)
                         await rawconn.open_connection(loop, endpoint, protocol)
                     elif endpoint.kind == "unix":
                         await loop.create_unix_connection(lambda: protocol, endpoint.path)  # noqa: B023
@@ -539,7 +557,12 @@ class AsyncClient:
         future: asyncio.Future[tuple[int, Any]] = protocol.loop.create_future()
         deadline = time.monotonic() + self.timeout + call.wait
         protocol.send(request_id, frame, (future, call.unanswered, deadline))
-        status, payload = await future
+        try:
+            status, payload = await future
+        except asyncio.CancelledError:
+            if call.wait:  # a long poll given up (wait_for): the broker answers it now
+                aioends.cancel_pull(protocol, request_id)
+            raise
         if status != STATUS_OK:
             raise answer_error(payload, self.url)
         return DECODERS[call.op](payload, self.url) if decode else payload

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from equeue import speedups
-from equeue.client.core import DECODERS, answer_error, lost
+from equeue.client.core import DECODERS, answer_error, lost, lost_in_flight, no_answer
 from equeue.client.loops import future_of, wrong_loop
 from equeue.errors import (
     ConnectionLostError,
@@ -184,9 +184,10 @@ class Coalescer:
         for topic, group in groups:
             self._request(topic, group.bodies, group.futures, None)
 
-    def drop(self, reason: str) -> None:
+    def drop(self, reason: str, cause: BaseException | None = None) -> None:
         """The connection broke before the turn's groups were written: none was sent;
-        each caller's own error names its send (``unsent``) and its place in the group."""
+        each caller's own error names its send (``unsent``) and its place in the group,
+        its ``__cause__`` what ended the connection."""
         groups = self.sealed + list(self.groups.items())
         self.sealed, self.groups = [], {}
         for topic, group in groups:
@@ -195,7 +196,10 @@ class Coalescer:
                 if not future.done():  # (its caller may have been cancelled)
                     future.set_exception(
                         unsent(
-                            f"{reason}; {_which(index, count, topic)} was not written", body, None
+                            f"{reason}; {_which(index, count, topic)} was not written",
+                            body,
+                            None,
+                            cause,
                         )
                     )
 
@@ -279,7 +283,7 @@ class Answer:
                 sent = _message(body, given)
                 which = _which(index, count, self.topic)
                 future.set_exception(
-                    lost(f"{reason}; {which} got no answer (it may be stored)", [sent], cause)
+                    lost_in_flight(f"{reason}; {which} {no_answer(cause)}", [sent], cause)
                 )
 
     def answered(self, status: int, payload: Any) -> None:
@@ -357,9 +361,11 @@ def _message(body: bytes, given: tuple[Any, ...] | None) -> OutgoingMessage:
     return OutgoingMessage._make(given)
 
 
-def unsent(reason: str, body: bytes, given: tuple[Any, ...] | None) -> EQueueError:
+def unsent(
+    reason: str, body: bytes, given: tuple[Any, ...] | None, cause: BaseException | None = None
+) -> EQueueError:
     """ConnectionLostError for a send not written: ``unsent`` its message, as given."""
-    error = lost(reason, [], None)
+    error = lost(reason, [], cause)
     assert isinstance(error, ConnectionLostError)
     error.unsent = [_message(body, given)]
     return error

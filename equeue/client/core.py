@@ -10,6 +10,7 @@ from typing import Any, Final
 import msgpack
 
 from equeue.errors import (
+    BrokerStoppingError,
     BrokerTooOldError,
     ConnectionLostError,
     EQueueError,
@@ -313,8 +314,9 @@ def readable(sock: Any, timeout: float) -> bool:
     return bool(poller.poll(max(timeout, 0.0) * 1000))
 
 
-def hello_frame(token: str | None, client_name: str) -> bytes:
-    payload: bytes = msgpack.packb(Hello(token=token, client=client_name).pack(), use_bin_type=True)
+def hello_frame(token: str | None, client_name: str, shm: str | None = None) -> bytes:
+    hello = Hello(token=token, client=client_name, shm=shm)
+    payload: bytes = msgpack.packb(hello.pack(), use_bin_type=True)
     return _pack_header(len(payload)) + payload
 
 
@@ -332,6 +334,32 @@ def lost(reason: str, unanswered: list[Any], cause: BaseException | None = None)
     error = ConnectionLostError(reason)
     error.unanswered = unanswered
     error.__cause__ = cause
+    return error
+
+
+def unread(cause: BaseException | None) -> bool:
+    """Whether a connection ended by ``cause`` ended with the broker's word that it served
+    none of the requests it left unanswered (BrokerStoppingError, its drain's last frame:
+    docs/protocol.md, "Stopping")."""
+    return isinstance(cause, BrokerStoppingError)
+
+
+def no_answer(cause: BaseException | None) -> str:
+    """What a send in flight when its connection ended is, for its caller's error."""
+    if unread(cause):
+        return "was not served by the broker (not stored: safe to send again)"
+    return "got no answer (it may be stored)"
+
+
+def lost_in_flight(reason: str, messages: list[Any], cause: BaseException | None) -> EQueueError:
+    """The ConnectionLostError of a request in flight when its connection ended: its
+    sends ``unanswered`` (they may be stored), or, where the broker said it served none of
+    them (``unread``), ``unsent`` (not stored: safe to send again)."""
+    if not unread(cause):
+        return lost(reason, messages, cause)
+    error = lost(reason, [], cause)
+    assert isinstance(error, ConnectionLostError)
+    error.unsent = messages
     return error
 
 

@@ -10,7 +10,9 @@ pointed at a socket whose peer is gone (``dup2``). Not closed: the transport sti
 the number, and a close would let the child's next descriptor take it. Whatever the
 child's copy of the transport then does, reading (end of file), writing (EPIPE) or
 removing the number from an epoll set (the set looks the number up in the child's table:
-not found), reaches the dead socket and never the parent's connection.
+not found), reaches the dead socket and never the parent's connection. A connection on
+shared rings has a hook of its own (shmconn.py): the child unmaps the rings and points
+the group's eventfds at fresh eventfds.
 
 A group member (GroupConsumer, AsyncGroupConsumer) made before a fork is closed in the
 child too (reviewk F2: both processes pulled as the one member, same consumer id and

@@ -17,7 +17,9 @@ hold every message once:
 * ``sent``: the SendResults of the messages acknowledged;
 * ``unsent``: the messages not stored: those of a refused chunk (an error answer, or a
   chunk the client could not encode: MessageTooLargeError for a message past
-  ``max_frame_bytes``) and those never written (the writing stops at the first error);
+  ``max_frame_bytes``), those never written (the writing stops at the first error), and
+  those of the chunks in flight when a stopping broker said it served none of them
+  (BrokerStoppingError, the ConnectionLostError's cause);
 * ``unanswered``: the messages written whose outcome is unknown, each may or may not be
   stored: their answer never came (ConnectionLostError), or it was a failed write or
   flush (StoreWriteError, which leaves them in the page cache: docs/durability.md) or
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from equeue.client import args
 from equeue.client.calls import Call
-from equeue.client.core import DECODERS, lost
+from equeue.client.core import DECODERS, lost, unread
 from equeue.errors import (
     BrokerError,
     ConnectionLostError,
@@ -182,8 +184,11 @@ class _Run:
                 held -= end - start
                 error = self._answer(conn, start, end, op, slot)
                 if isinstance(error, ConnectionLostError):
-                    failure = error  # every request on it failed with it
-                    self.maybe.extend((s, e) for s, e, _, _ in in_flight)
+                    failure = error  # every request on it failed with it, or was answered
+                    # before (the broker's drain answers all it served, then says so): each
+                    # one's outcome, as this one's (a slot of a broken connection is done)
+                    for s, e, o, later in in_flight:
+                        self._answer(conn, s, e, o, later)
                     in_flight.clear()
                 elif error is not None and failure is None:
                     failure = error  # stop writing; the rest in flight are still awaited
@@ -217,8 +222,8 @@ class _Run:
         client = self.client
         try:
             payload = client._wait(conn, slot)
-        except ConnectionLostError as exc:
-            self.maybe.append((start, end))
+        except ConnectionLostError as exc:  # unsent where the broker said it served none
+            (self.refused if unread(exc.__cause__) else self.maybe).append((start, end))
             return exc
         except EQueueError as exc:
             (self.maybe if isinstance(exc, MAYBE_STORED) else self.refused).append((start, end))

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from equeue.client import args, calls, turns
+from equeue.client import args, calls, endings, turns
 from equeue.client.calls import Call
 from equeue.client.connect import again, connect_with_retries
 from equeue.client.core import (
@@ -46,6 +46,7 @@ from equeue.client.core import (
     batch_results,
     given,
     lost,
+    lost_in_flight,
     readable,
 )
 from equeue.client.groupstate import (
@@ -250,7 +251,9 @@ class Client(Turns):
         if conn.broken:
             return
         pending = conn.pending  # (the errors first: an interrupt there changes nothing)
-        errors = [lost(reason, given(slot.unanswered), cause) for slot in pending.values()]
+        errors = [
+            lost_in_flight(reason, given(slot.unanswered), cause) for slot in pending.values()
+        ]
         try:
             for slot, error in zip(pending.values(), errors, strict=True):
                 slot.error = error
@@ -376,6 +379,8 @@ class Client(Turns):
             except BaseException as exc:  # (a KeyboardInterrupt may leave half a frame)
                 if not registered:
                     raise
+                if endings.peer_gone(self, exc, conn):  # what the broker wrote before: read
+                    return conn, slots  # (by another thread in its turn: it ends conn)
                 again: BaseException | None = None
                 while not conn.broken:  # (an interrupt in _break, at its entry: again)
                     try:
@@ -533,7 +538,14 @@ class Client(Turns):
 
     def _call(self, call: Call) -> Any:
         conn, (slot,) = self._submit([call])
-        return DECODERS[call.op](self._wait(conn, slot), self.url)
+        if not call.wait:
+            return DECODERS[call.op](self._wait(conn, slot), self.url)
+        try:
+            payload = self._wait(conn, slot)
+        except BaseException:  # (an interrupt: a long poll given up)
+            endings.give_up(self, conn, slot)
+            raise
+        return DECODERS[call.op](payload, self.url)
 
     def _made(self, make: Callable[..., Call], *arguments: Any) -> Call:
         """``make(*arguments)``; an argument it refuses is reported after the broker
@@ -560,7 +572,13 @@ class Client(Turns):
         wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
         messages = [arguments] if op in SEND_OPS else None
         conn, (slot,) = self._submit([Call(op, arguments, messages, wait)], columns=False)
-        return self._wait(conn, slot)
+        if not wait:
+            return self._wait(conn, slot)
+        try:
+            return self._wait(conn, slot)
+        except BaseException:  # (an interrupt: a long poll given up)
+            endings.give_up(self, conn, slot)
+            raise
 
     def start_request(self, op: str, arguments: dict[str, Any]) -> tuple[_Connection, _Slot]:
         """``request`` without waiting: whichever thread reads next hands the answer in

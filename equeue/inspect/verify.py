@@ -41,6 +41,7 @@ from equeue.format.message import (
     tag_hash,
 )
 from equeue.inspect.frames import frame_reason, map_lookup, resync, suffix_length
+from equeue.inspect.intents import intent_problems
 from equeue.inspect.layout import (
     ChunkDir,
     ChunkFile,
@@ -145,6 +146,7 @@ class Verifier:
                 )
             problems += missing_problems(store, self._dirs, store.checkpoint, self._lowest)
             problems += staging_problems(self.path)
+            problems += intent_problems(self.path)
         except NewerFormatError as exc:
             # A newer equeue's chunk: the opens refuse the store, and what this version
             # would derive from it (the log's end, entries into it) is no problem of it.

@@ -36,8 +36,8 @@ import msgpack
 
 from equeue.errors import FrameTooLargeError, ProtocolError
 
-PROTOCOL_VERSION: Final = 5
-SUPPORTED_VERSIONS: Final = (1, 2, 3, 4, 5)
+PROTOCOL_VERSION: Final = 6
+SUPPORTED_VERSIONS: Final = (1, 2, 3, 4, 5, 6)
 # Version 2 adds the op send_bodies (a batch of bodies alone, answered in columns:
 # records.py); everything of version 1 is unchanged. A client speaking 2 to a broker
 # that chose 1 sends such a batch as send_batch.
@@ -61,6 +61,14 @@ STATS_GROUP_VERSION: Final = 5
 # when asked, dead letters removed); a client speaking 5 to an older broker refuses the
 # call itself (BrokerTooOldError: there is nothing to fall back to).
 GROUP_DELETE_VERSION: Final = 5
+# Version 6 adds the op cancel_pull (a held long poll of the connection answered empty at
+# once, its place under max_in_flight freed: a client whose caller gave up on it sends
+# it); a client speaking 6 to an older broker sends nothing and lets the pull run out.
+CANCEL_PULL_VERSION: Final = 6
+# Version 6 also has a draining broker end each connection with BrokerStoppingError
+# (request id 0) once it answered every request it read: whatever is unanswered then was
+# not read, so a client reports those sends unsent. An older client is not sent it.
+STOP_NOTICE_VERSION: Final = 6
 
 FRAME_HEADER: Final = struct.Struct(">I")
 FRAME_HEADER_SIZE: Final = FRAME_HEADER.size

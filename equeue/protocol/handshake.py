@@ -3,7 +3,7 @@
 hello (client to broker), a map::
 
     key        type          meaning
-    versions   [uint]        protocol versions the client speaks (this package: [1, 2])
+    versions   [uint]        protocol versions the client speaks (this package: 1 to 6)
     token      str | nil     the broker's token, where it asks for one (--token-file)
     client     str           a name for logs and stats (at most 200 characters)
 
@@ -36,6 +36,7 @@ from equeue.protocol.frames import FRAME_HEADER_SIZE, SUPPORTED_VERSIONS
 MAX_CLIENT_NAME = 200
 # A token file's size at most (equeue serve --token-file; the Spark option tokenFile).
 MAX_TOKEN_BYTES = 4096
+MAX_SHM_GROUP = 64
 LIMIT_NAMES = ("max_frame_bytes", "max_in_flight", "max_connections")
 # Announced by every broker of this package, but not required of one: a client that needs
 # one (send_many's chunks: max_batch_messages) assumes the protocol's default without it.
@@ -55,9 +56,17 @@ class Hello:
     versions: tuple[int, ...] = SUPPORTED_VERSIONS
     token: str | None = None
     client: str = ""
+    # The shared-memory rings asked for (docs/protocol.md, equeue/protocol/shmrings.py):
+    # the client's ring group, or None (not sent: a broker without --shm ignores it)
+    shm: str | None = None
 
     def pack(self) -> dict[str, Any]:
-        return {"versions": list(self.versions), "token": self.token, "client": self.client}
+        packed: dict[str, Any] = {
+            "versions": list(self.versions), "token": self.token, "client": self.client,
+        }  # fmt: skip
+        if self.shm is not None:
+            packed["shm"] = self.shm
+        return packed
 
     @classmethod
     def unpack(cls, body: object, where: str) -> Hello:
@@ -78,7 +87,12 @@ class Hello:
             raise ProtocolError(
                 f"{where}: hello 'client' must be a string of at most {MAX_CLIENT_NAME} chars"
             )
-        return cls(tuple(versions), token, client)
+        shm = body.get("shm")
+        if shm is not None and (type(shm) is not str or len(shm) > MAX_SHM_GROUP):
+            raise ProtocolError(
+                f"{where}: hello 'shm' must be a string of at most {MAX_SHM_GROUP} chars"
+            )
+        return cls(tuple(versions), token, client, shm)
 
 
 @dataclass(frozen=True, slots=True)

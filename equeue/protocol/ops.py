@@ -16,6 +16,7 @@ from typing import Any, Final
 from equeue.errors import ProtocolError
 from equeue.protocol.frames import (
     BODIES_VERSION,
+    CANCEL_PULL_VERSION,
     COLUMNS_VERSION,
     DELETED_TOPICS_VERSION,
     GROUP_DELETE_VERSION,
@@ -107,6 +108,9 @@ OPS: Final[dict[str, Spec]] = {
     },
     # protocol version 5: a group with no live member deleted (equeue/server/groupdelete.py)
     "delete_group": {"group": ((str,), True), "delete_dead_letters": ((bool,), False)},
+    # protocol version 6: the held pull of this connection with that request id answered
+    # empty now (holds.py cancel); not held to max_in_flight (it holds nothing)
+    "cancel_pull": {"request_id": ((UINT,), True)},
 }
 
 
@@ -118,6 +122,7 @@ OP_VERSIONS: Final[dict[str, int]] = {
     "query_by_key_page": KEY_PAGES_VERSION,
     "deleted_topics": DELETED_TOPICS_VERSION,
     "delete_group": GROUP_DELETE_VERSION,
+    "cancel_pull": CANCEL_PULL_VERSION,
 }
 
 

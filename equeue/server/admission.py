@@ -144,5 +144,14 @@ def take_hello(conn: Connection, data: bytes | memoryview) -> bytes | None:
     conn.speak(version)
     if hello.client:  # logs name the client from here on
         conn.where += f" (client {hello.client!r})"
-    conn._queue(encode(Welcome(version, conn.broker.server_name, conn.broker.limits).pack()))
+    welcome = encode(Welcome(version, conn.broker.server_name, conn.broker.limits).pack())
+    shm = conn.broker.shm
+    if hello.shm is not None and shm is not None:
+        if rest:  # (the rings start after the welcome: refused before any is made)
+            raise ProtocolError(
+                f"{conn.where}: {len(rest)} bytes after a hello that asked for shared rings"
+            )
+        if shm.attach(conn, welcome, hello.shm):
+            return b""
+    conn._queue(welcome)
     return rest

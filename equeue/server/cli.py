@@ -63,6 +63,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"(0, the default: never; at most {MAX_BUSY_POLL_US}); costs CPU while it polls, "
         "never durability",
     )  # fmt: skip
+    parser.add_argument(
+        "--shm", action="store_true",
+        help="unix: clients that ask (equeue.aio.connect(url, shm=True)) get shared-memory "
+        "rings instead of socket reads and writes (4 KiB + 2 x --shm-ring-bytes of memory "
+        "a connection; docs/protocol.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shm-ring-bytes", type=int, default=1 << 18, metavar="BYTES",
+        help="--shm: each ring's size, a power of two >= 4096 (default 256 KiB)",
+    )  # fmt: skip
     parser.add_argument("--token-file", help="clients must send the token in this file")
     parser.add_argument("--tls-cert", help="certificate (PEM) for tls:// listeners")
     parser.add_argument("--tls-key", help="private key (PEM) for tls:// listeners")
@@ -156,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         stats_max_listed=args.stats_max_listed,
         event_loop=args.event_loop, group_commit_wait_us=args.group_commit_wait_us,
         group_commit_overlap=args.group_commit_overlap, busy_poll_us=args.busy_poll_us,
+        shm=args.shm, shm_ring_bytes=args.shm_ring_bytes,
         retention=None if args.retention is None else parse_duration(args.retention, "--retention"),
         max_store_bytes=args.max_store_bytes,
         retention_respects_consumers=args.retention_respects_consumers,
@@ -185,5 +196,5 @@ def status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
     else:
-        print(render_stats(stats))
+        print(render_stats(stats, args.status_group))
     return 0

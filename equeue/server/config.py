@@ -146,6 +146,11 @@ class ServerConfig:
     # while a flush is in progress (busypoll.py); 0: never. Costs CPU while it polls,
     # risks nothing for durability.
     busy_poll_us: int = 0
+    # unix: connections whose hello asks for them get shared-memory rings of this many
+    # bytes each way instead of socket reads and writes (equeue/server/shm.py,
+    # docs/protocol.md "Shared-memory rings"); off: every connection on its socket.
+    shm: bool = False
+    shm_ring_bytes: int = 1 << 18
     # One request's work: messages of a send_batch (and items of any array or map a
     # request may hold, checked while decoding), messages of a pull's answer.
     max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES
@@ -232,6 +237,11 @@ class ServerConfig:
                 f"busy_poll_us={self.busy_poll_us} (--busy-poll-us) polls while the group "
                 f"commit expects sends back, which it does not count with "
                 f"group_commit_wait_us=0 (--group-commit-wait-us 0): set one of them to 0"
+            )
+        check_int("shm_ring_bytes", self.shm_ring_bytes, 4096, 1 << 30)
+        if self.shm_ring_bytes & (self.shm_ring_bytes - 1):
+            raise ConfigError(
+                f"shm_ring_bytes={self.shm_ring_bytes} (--shm-ring-bytes) must be a power of two"
             )
         check_int("max_batch_messages", self.max_batch_messages, 1, 1 << 24)
         check_int("max_pull_count", self.max_pull_count, 1, 1 << 24)

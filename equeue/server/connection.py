@@ -566,7 +566,8 @@ class Connection(asyncio.BufferedProtocol):
             refuse_above(op, self.version, where)
         check_args(op, args, where)
         broker.counters.requests += 1
-        if self.in_flight >= broker.config.max_in_flight:
+        # cancel_pull holds nothing and frees a place: a client at the limit may send it
+        if self.in_flight >= broker.config.max_in_flight and op != "cancel_pull":
             limit = broker.config.max_in_flight
             self._answer_error(
                 request_id,

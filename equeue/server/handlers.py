@@ -163,6 +163,8 @@ class Handlers:
             "leave": lambda peer, rid, a: self.coordinator.call("leave", a),
             "nack": self.nack,
             "delete_group": self.delete_group,
+            # protocol version 6: True if a held pull of this connection was answered
+            "cancel_pull": lambda peer, rid, a: holds.cancel(peer, a["request_id"]),
         }
         self._deleter = GroupDeleter(store, coordinator, holds, offsets)
         for op in ("send", "send_batch", "send_bodies", "create_topic", "commit_offset"):

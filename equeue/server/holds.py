@@ -128,7 +128,8 @@ class Holds:
         self._seen: dict[QueueKey, int] = {}  # a queue's end as last seen, while pulls wait on it
         self.appended: dict[QueueKey, Appended] = {}
         self.count = 0
-        self._by_owner: dict[Any, dict[HeldPull, None]] = {}  # a connection's, in hold order
+        # a connection's, by request id, in hold order (cancel_pull finds one by its id)
+        self._by_owner: dict[Any, dict[int, HeldPull]] = {}
         # pulls that may have an answer, waiting for their connection to have room
         self._starved: dict[Any, dict[HeldPull, None]] = {}
         self._filters: dict[Any, Filters] = {}  # a connection's held pulls' tag filters
@@ -143,7 +144,13 @@ class Holds:
     def hold(self, held: HeldPull, tags: str | Iterable[str] | None, wait_s: float) -> bool:
         """Hold ``held`` (its filter ``tags`` as the request gave it, checked) for up to
         ``wait_s``; False, and nothing kept, where that would pass ``max_held`` pulls or
-        the connection's ``max_filter_bytes``: the caller answers it (``later``)."""
+        the connection's ``max_filter_bytes``: the caller answers it (``later``). A pull
+        whose request id one of its connection's held pulls has (a client breaking the
+        rule that ids in flight are unique) is not held either: cancel_pull finds a held
+        pull by its id."""
+        owned = self._by_owner.get(held.owner)
+        if owned is not None and held.request_id in owned:
+            return False
         if self.count >= self.max_held:
             self._refused(held, f"max_held_pulls={self.max_held} (--max-held-pulls)")
             return False
@@ -173,10 +180,9 @@ class Holds:
             self._by_queue[key] = waiting = {}
             self._seen[key] = held.offset  # its pull read to the queue's end
         waiting[held] = None
-        owned = self._by_owner.get(held.owner)
         if owned is None:
             self._by_owner[held.owner] = owned = {}
-        owned[held] = None
+        owned[held.request_id] = held
         self.count += 1
         return True
 
@@ -240,7 +246,7 @@ class Holds:
             self._seen.pop(held.key, None)
         owner = held.owner
         owned = self._by_owner[owner]
-        del owned[held]
+        del owned[held.request_id]
         if not owned:
             del self._by_owner[owner]
         if held.tags is not None:
@@ -303,8 +309,8 @@ class Holds:
         starved = self._starved.pop(owner, None)
         if not starved:
             return
-        for held in [h for h in self._by_owner.get(owner, ()) if h in starved]:
-            if held in self._by_owner.get(owner, ()):  # (not dropped meanwhile)
+        for held in [h for h in self._by_owner.get(owner, {}).values() if h in starved]:
+            if self._by_owner.get(owner, {}).get(held.request_id) is held:  # (not dropped)
                 self._try(held, final=False)
 
     def _fed(self, held: HeldPull) -> None:
@@ -373,7 +379,7 @@ class Holds:
         filters = self._filters.pop(owner, None)
         if filters is not None:
             self.filter_bytes -= filters.weight
-        for held in self._by_owner.pop(owner, ()):
+        for held in self._by_owner.pop(owner, {}).values():
             waiting = self._by_queue[held.key]
             del waiting[held]
             self.count -= 1
@@ -386,8 +392,19 @@ class Holds:
     def answer_now(self, owner: object) -> None:
         """The client ended its side of the connection: answer its pulls with what there
         is now (empty where it has no room), not at their deadlines."""
-        for held in list(self._by_owner.get(owner, ())):
+        for held in list(self._by_owner.get(owner, {}).values()):
             self._try(held, final=True)
+
+    def cancel(self, owner: object, request_id: int) -> bool:
+        """cancel_pull: the pull ``request_id`` of ``owner``, if held, answered now, empty
+        (``next_offset`` its offset: nothing skipped, nothing read), whatever its room: its
+        client gave up on it and drops the answer; False if none is held under that id
+        (answered already, never held, or not a pull)."""
+        held = self._by_owner.get(owner, {}).get(request_id)
+        if held is None:
+            return False
+        self._release(held, PullResult([], held.offset))
+        return True
 
     def answer_group(self, group: str, topic: str) -> None:
         """``group`` was deleted: its members' pulls and the pulls of its retry topic

@@ -19,7 +19,7 @@ import socket
 import ssl
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +32,21 @@ from equeue.errors import (
     GroupError,
     StoreReplacedError,
 )
+from equeue.protocol import shmrings
 from equeue.protocol.frames import DEFAULT_MAX_CONNECTIONS, MESSAGE_OVERHEAD, SUPPORTED_VERSIONS
+from equeue.server import stopping
 from equeue.server.busypoll import BusyPoll
 from equeue.server.config import (
     DEFAULT_MAX_TOPICS,
     MAX_UNIX_PATH,
+    SOCKET_NAME,
     STATUS_SOCKET_NAME,
     Listener,
     ServerConfig,
     read_token,
 )
 from equeue.server.connection import Connection
-from equeue.server.fdlimit import fit_open_files
+from equeue.server.fdlimit import SHM_DESCRIPTORS, fit_open_files
 from equeue.server.groupcommit import CrossClientCommit, Entry
 from equeue.server.groups import GroupCoordinator
 from equeue.server.handlers import Handlers
@@ -52,6 +55,7 @@ from equeue.server.loops import run as run_on
 from equeue.server.offsetcommit import OffsetCommitter
 from equeue.server.periodic import PeriodicJobs
 from equeue.server.release import release_durable
+from equeue.server.shm import BrokerShm
 from equeue.server.stats import Counters, retention_stats, retry_and_retention
 from equeue.server.statussock import StatusConnection
 from equeue.store.config import FlushPolicy, StoreConfig
@@ -159,6 +163,24 @@ def _claim_socket_path(path: str) -> None:
     raise ConfigError(f"cannot listen on unix:{path}: another process is listening on it")
 
 
+def _refuse_status_path(listeners: Sequence[Listener], status: Path) -> None:
+    """A ``unix:`` listener on STORE/status.sock is refused for what it is (the status
+    socket's probe would find the broker's own listener there, reviewl L3)."""
+    reserved = os.path.join(os.path.realpath(status.parent), status.name)
+    for listener in listeners:
+        if listener.kind != "unix":
+            continue
+        path = os.path.abspath(listener.path)
+        if os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path)) == (
+            reserved
+        ):
+            raise ConfigError(
+                f"cannot listen on {listener.url}: {STATUS_SOCKET_NAME} in the store is the "
+                "broker's status socket (--status, past max_connections); listen on "
+                f"another path, e.g. unix:{status.parent / SOCKET_NAME}"
+            )
+
+
 def _store_path(store: StoreOrPath) -> Path:
     """Where the store is (or will be), as MessageStore.open names it (and refuses it:
     a path that cannot be a store directory, NotAStoreError)."""
@@ -183,6 +205,7 @@ class Broker:
             store_files,
             len(self.listeners),
             default=config.max_connections == DEFAULT_MAX_CONNECTIONS,
+            per_connection=SHM_DESCRIPTORS if config.shm and shmrings.AVAILABLE else 1,
         )
         if connections != config.max_connections:  # (the default, lowered to what fits)
             self.config = config = dataclasses.replace(config, max_connections=connections)
@@ -221,6 +244,7 @@ class Broker:
         # its options are frames.encode's.
         self.packer = msgpack.Packer(use_bin_type=True)
         self.coordinator: GroupCoordinator | None = None  # made by start(), on the loop
+        self.shm: BrokerShm | None = None  # --shm: made by start(), on the loop
 
     # --- start ------------------------------------------------------------------
 
@@ -251,6 +275,11 @@ class Broker:
         )
         if busy is not None:
             busy.commit = self.commit
+        self.shm = (
+            BrokerShm(loop, self.config.shm_ring_bytes)
+            if self.config.shm and shmrings.AVAILABLE
+            else None
+        )
         try:  # from here on a failure must stop the flusher thread the commit started
             self.coordinator = coordinator = GroupCoordinator(
                 self.store, max_groups=self.config.max_groups
@@ -262,6 +291,7 @@ class Broker:
                 self.store, self.holds, self.commit, coordinator, self.counters, self._stats,
                 self.config, self.packer, self.offsets,
             )  # fmt: skip
+            _refuse_status_path(self.listeners, self.store.path / STATUS_SOCKET_NAME)
             for listener in self.listeners:
                 await self._listen(listener)
             await self._listen_for_status()
@@ -329,7 +359,9 @@ class Broker:
     async def _listen_for_status(self) -> None:
         """STORE/status.sock: stats and ping past max_connections (statussock.py). Not
         in ``urls`` (no client's listener); skipped, with a warning, where the store's
-        path leaves no room for it in sun_path."""
+        path leaves no room for it in sun_path, or where it cannot be bound (a file
+        system without socket files: the broker's listeners may be TCP only, reviewl
+        L6). Something other than a stale socket there still refuses the start."""
         path = str(self.store.path / STATUS_SOCKET_NAME)
         if len(os.fsencode(path)) > MAX_UNIX_PATH:
             log.warning(
@@ -343,7 +375,16 @@ class Broker:
             self._number += 1
             return StatusConnection(self, url, self._number)
 
-        self._servers.append(await self._listen_unix(path, make))
+        _claim_socket_path(path)  # a file, a directory, a link, a live socket: refused
+        try:
+            server = await self._listen_unix(path, make)
+        except ConfigError as exc:
+            log.warning(
+                "no status socket: %s; --status of a full broker is refused like any client",
+                exc,
+            )
+            return
+        self._servers.append(server)
 
     # --- the loop's work ----------------------------------------------------------
 
@@ -410,7 +451,9 @@ class Broker:
 
     def _stats(self) -> dict[str, Any]:
         assert self.coordinator is not None  # (made by start(), before any connection)
+        rings = {"shm": self.shm.stats()} if self.shm is not None else {}
         return {
+            **rings,
             **retry_and_retention(self.store, self.coordinator.retries),
             "connections": len(self.connections),
             "in_flight": sum(c.in_flight for c in self.connections),
@@ -485,7 +528,12 @@ class Broker:
             await self.commit.drain()
         await self.offsets.drain()
         for connection in list(self.connections):
-            connection.close()
+            try:
+                stopping.stop(connection)  # its last frame: what is unanswered was not served
+            except Exception:  # its transport failed the write: the others stop all the same
+                log.exception("%s: writing its last answers failed", connection.where)
+                if connection.transport is not None:
+                    connection.transport.abort()
         deadline = self.loop.time() + self.config.drain_timeout_ms / 1000
         while self.connections and self.loop.time() < deadline:
             await asyncio.sleep(0.01)
@@ -499,6 +547,8 @@ class Broker:
         self._close_store()
 
     async def _close_servers(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
         for server in self._servers:
             server.close()
             with contextlib.suppress(Exception):

@@ -91,7 +91,8 @@ def _lock_free(lock: Path) -> bool:
     return True
 
 
-def render_stats(stats: dict[str, Any]) -> str:
+def render_stats(stats: dict[str, Any], group: str | None = None) -> str:
+    """``group``: the one ``--status-group`` asked for, named even with nothing to show."""
     lines = [
         f"{key}: {stats[key]}" for key in sorted(stats) if not isinstance(stats[key], dict | list)
     ]
@@ -107,6 +108,12 @@ def render_stats(stats: dict[str, Any]) -> str:
         )
     lines += _retry_and_retention(stats)
     lines += _groups(stats)
+    listed = {*stats.get("groups", {}), *stats.get("coordinator", {})}
+    if group is not None and group not in listed:
+        lines.append(
+            f"group {group}: no committed offset, no member, no skipped offset (deleted, or "
+            "never committed)"
+        )
     return "\n".join(lines)
 
 

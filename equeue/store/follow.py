@@ -6,6 +6,8 @@ the log. A read-only handle never changes a file of the store.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import sqlite3
 import threading
 import time
@@ -15,7 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equeue.chunks import ChunkManager, ChunkReader
-from equeue.errors import ChunkRemovedError, CorruptionError, CorruptRecordError
+from equeue.errors import (
+    ChunkRemovedError,
+    CorruptionError,
+    CorruptRecordError,
+    EQueueError,
+    StoreReadError,
+    TopicNotFoundError,
+)
 from equeue.format.chunk import FRAME_OVERHEAD
 from equeue.format.message import FLAG_HAS_KEY, MESSAGE_HEAD, MESSAGE_HEAD_SIZE
 from equeue.store.keyindex import NO_BOUND, KeyIndex
@@ -36,12 +45,31 @@ _LOOK_EVERY = 0.01
 
 def refresh(store: MessageStore) -> None:
     """``MessageStore.refresh`` of a read-only handle."""
-    store._load_topics()
-    store._offsets = store._read_meta(OFFSETS_FILE, store._offsets)
-    follow_log(store)
+
+    def step() -> None:
+        store._load_topics()
+        store._offsets = store._read_meta(OFFSETS_FILE, store._offsets)
+        follow_log(store)
+
+    again_if_deleted(step)
     keys = store._keys
     if isinstance(keys, FollowedKeys):
         keys.reconnect()
+
+
+def again_if_deleted(step: Callable[[], None]) -> None:
+    """``step`` (reading topics.json and opening or following queues), again when a
+    queue's directory went away under it: its topic was deleted since topics.json was
+    read (delete_topic records the mark, then removes the directories), so the next
+    reading drops the topic, or opens it anew if it was made again (reviewl M2). Not a
+    deletion (gone every time): the error, as StoreReadError."""
+    for attempt in range(1, _ATTEMPTS + 1):
+        try:
+            step()
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENOENT or attempt == _ATTEMPTS:
+                raise _read_error(exc) from None
 
 
 def follow_log(store: MessageStore, only: Queue | None = None) -> None:
@@ -72,8 +100,43 @@ def fresh(store: MessageStore, queue: Queue) -> Queue:
     """``queue``, opened if it is a read-only handle's and closed: a closed queue's ends
     are those of when it was closed, its files' now once opened."""
     if store.read_only and not queue.is_open:
-        queue.refresh()
+        try:
+            queue.refresh()
+        except (OSError, CorruptionError) as exc:
+            raise deleted_meanwhile(store, queue, exc) from None
     return queue
+
+
+def deleted_meanwhile(
+    store: MessageStore, queue: Queue, error: OSError | CorruptionError | ChunkRemovedError
+) -> EQueueError:
+    """A read-only handle's read of ``queue`` failed: ``TopicNotFoundError`` if the writer
+    deleted its topic since this handle read topics.json (a newer deletion mark; the
+    topic's queues are then dropped, as ``refresh`` drops them), else ``error`` (a builtin
+    one as ``StoreReadError``). The queue's entries and files are the old topic's while
+    its directory is removed, or the new one's if made again: a position past the file's
+    end, a chunk gone are the deletion's doing, not damage (reviewl M3)."""
+    topic = queue.topic
+    before = store._deleted.get(topic)
+    with contextlib.suppress(EQueueError, OSError):
+        store._load_topics()
+    mark = store._deleted.get(topic)
+    if mark != before or queue not in store._queues.get(topic, ()):
+        return TopicNotFoundError(
+            f"topic {topic!r} was deleted in {store.path} while queue {queue.queue_id} was "
+            f"read (its deletion at log position {mark}"
+            + (", and it was created again" if topic in store._queues else "")
+            + "): refresh() and read it anew"
+        )
+    return error if isinstance(error, EQueueError) else _read_error(error)
+
+
+def _read_error(exc: OSError) -> StoreReadError:
+    if isinstance(exc, StoreReadError):
+        return exc
+    return StoreReadError(
+        exc.errno or errno.EIO, f"reading {exc.filename} failed: {exc.strerror or exc}"
+    )
 
 
 def look(store: MessageStore) -> None:
@@ -115,21 +178,24 @@ def pull(
 ) -> PullResult:
     """A read-only pull: it polls for new entries, and a chunk retention removed under
     it makes it follow the log and go on from the queue's new first offset."""
-    look(store)
-    if offset >= queue.next_offset:
-        offset = _wait_for_entries(store, queue, offset, wait)
-    attempts = 1
-    while True:
-        try:
-            messages, next_offset = store._log.pull_run(
-                queue, max(offset, queue.first_offset), max_count, wanted, max_bytes
-            )
-            return PullResult(messages, next_offset)
-        except ChunkRemovedError:
-            if attempts == _ATTEMPTS:
-                raise
-            attempts += 1
-            follow_log(store)
+    try:
+        look(store)
+        if offset >= queue.next_offset:
+            offset = _wait_for_entries(store, queue, offset, wait)
+        attempts = 1
+        while True:
+            try:
+                messages, next_offset = store._log.pull_run(
+                    queue, max(offset, queue.first_offset), max_count, wanted, max_bytes
+                )
+                return PullResult(messages, next_offset)
+            except ChunkRemovedError:
+                if attempts == _ATTEMPTS:
+                    raise
+                attempts += 1
+                follow_log(store)
+    except (OSError, CorruptionError, ChunkRemovedError) as exc:
+        raise deleted_meanwhile(store, queue, exc) from None
 
 
 def _wait_for_entries(store: MessageStore, queue: Queue, offset: int, wait: float) -> int:

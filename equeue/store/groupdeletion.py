@@ -33,9 +33,10 @@ import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 from equeue.atomicfile import read_json, write_json
-from equeue.chunks.fileops import fsync_directory
+from equeue.chunks.fileops import fsync_directory, write_error
 from equeue.errors import (
     CorruptionError,
     EQueueError,
@@ -44,6 +45,7 @@ from equeue.errors import (
     InvalidTypeError,
     LimitExceededError,
     StorePathError,
+    StoreWriteError,
 )
 from equeue.format.chunk import RECOVERED_DIR
 from equeue.protocol.retries import DELAY_TOPIC, RESERVED_PREFIX, dead_letter_topic, retry_topic
@@ -65,11 +67,14 @@ SET_ASIDE_DELETED = ".group-deleted"  # appended to a damaged copy of a deleted 
 @dataclass(frozen=True)
 class DeletedGroup:
     """What ``delete_group`` removed: how many committed offsets (topic and queue pairs)
-    and which topics."""
+    and which topics; ``unfinished``: what is left to a later open (see below)."""
 
     group: str
     offsets: int
     topics: tuple[str, ...]
+    # Not "" when the deletion took (no handle reads the group) but a step after its
+    # commit point failed, which is then finished later (the store's, not on the wire).
+    unfinished: str = ""
 
 
 def _step(name: str) -> None:
@@ -95,6 +100,11 @@ def delete_group(
 ) -> DeletedGroup:
     group = check_deletable(group, delete_dead_letters)
     store._check_writable()
+    # An earlier deletion of the group whose finish failed (its intent file left): done
+    # first, so that delete_group again is the remedy the problem names.
+    earlier = (
+        "; ".join(finish_group_deletions(store, only=group)) if _intents(store, group) else None
+    )
     retry, dead = retry_topic(group), dead_letter_topic(group)
     with store._checkpoint_lock, store._lock:
         store._check_writable()
@@ -105,16 +115,44 @@ def delete_group(
             t for t in (retry, dead if delete_dead_letters else "") if t in store._queues
         )
         if not count and not topics and not _has_file(store, group):
+            if earlier is not None:
+                return DeletedGroup(group, 0, (), earlier)
             raise GroupNotFoundError(
                 f"no consumer group {group!r} in {store.path}: it has no committed offset, "
                 f"no group file and no topic {retry}"
                 + ("" if delete_dead_letters else f" ({dead} is deleted only with dead letters)")
             )
-        intent = _commit(store, group, delete_dead_letters, offsets)
+        intent, unfinished = _commit(store, group, delete_dead_letters, offsets)
     _step("committed")
-    _finish(store, group, delete_dead_letters, intent)
+    try:
+        _finish(store, group, delete_dead_letters, intent)
+    except (OSError, EQueueError) as exc:
+        # The group is deleted for every handle: the caller is told so, and the intent
+        # file left in consumers/recovered/ finishes the rest at the next writable open
+        # or delete_group of this group.
+        unfinished = "; ".join(filter(None, (unfinished, _unfinished(store, intent, exc))))
+    if unfinished:
+        log.warning("group %r deleted, not finished: %s", group, unfinished)
     log.info("group %r deleted: %d committed offsets, topics %s", group, count, list(topics))
-    return DeletedGroup(group, count, topics)
+    return DeletedGroup(group, count, topics, unfinished)
+
+
+def _unfinished(store: MessageStore, intent: str, exc: OSError | EQueueError) -> str:
+    side = store.path / CONSUMERS_DIR / RECOVERED_DIR
+    return (
+        f"finishing it (its topics, set-aside copies, the intent {side / intent}) failed: "
+        f"{exc}; the next writable open or delete_group of the group finishes it"
+    )
+
+
+def _intents(store: MessageStore, group: str) -> bool:
+    """Whether an intent file of the group is left in consumers/recovered/."""
+    name = group_offsets.file_name(group)
+    try:
+        entries = os.listdir(store.path / CONSUMERS_DIR / RECOVERED_DIR)
+    except OSError:  # none yet, or not a directory (which the deletion refuses)
+        return False
+    return any(e.endswith(INTENT_SUFFIX) and _names_file(e, name) for e in entries)
 
 
 def _has_file(store: MessageStore, group: str) -> bool:
@@ -128,7 +166,13 @@ def _has_file(store: MessageStore, group: str) -> bool:
 
 def _set_aside_of(entry: str, name: str) -> bool:
     """Whether ``entry`` of consumers/recovered/ is a damaged copy of group file ``name``."""
-    return entry.endswith(".damaged") and f"{entry.rpartition('.json.')[0]}.json" == name
+    return entry.endswith(".damaged") and _names_file(entry, name)
+
+
+def _names_file(entry: str, name: str) -> bool:
+    """Whether ``entry`` of consumers/recovered/ (NAME.<ns>.damaged, NAME.<ns>.deleting)
+    is named after group file ``name``."""
+    return f"{entry.rpartition('.json.')[0]}.json" == name
 
 
 def _commit(
@@ -136,8 +180,9 @@ def _commit(
     group: str,
     dead_letters: bool,
     offsets: dict[str, dict[str, int]],
-) -> str:
-    """Steps 1 to 3 (the caller holds the write lock): the intent file's name."""
+) -> tuple[str, str]:
+    """Steps 1 to 3 (the caller holds the write lock): the intent file's name, and what
+    went wrong after the commit point ("" if nothing)."""
     directory = store.path / CONSUMERS_DIR
     with group_offsets._locked_dir(store.path, create=True) as dir_fd:
         assert dir_fd is not None
@@ -172,37 +217,92 @@ def _commit_in(
     offsets: dict[str, dict[str, int]],
     dir_fd: int,
     side_fd: int,
-) -> str:
+) -> tuple[str, str]:
     directory = store.path / CONSUMERS_DIR
+    side = directory / RECOVERED_DIR
     name = group_offsets.file_name(group)
+    name_path = directory / name
     files = store._group_files
     try:
-        _, _, current = group_offsets._read_file(dir_fd, name, directory / name)
+        _, _, current = group_offsets._read_file(dir_fd, name, name_path)
     except FileNotFoundError:
-        current = {}
+        current = None
     except CorruptionError:  # a link, a damaged file: kept aside, never followed
         group_offsets._move_aside(directory, dir_fd, name)
-        current = {}
+        current = None
         _step("damaged file set aside")
     gathered = group_offsets._copy(offsets)
-    group_offsets._merge(gathered, current)
+    group_offsets._merge(gathered, current or {})
     body = {"group": group, "offsets": gathered, "deleting": {"dead_letters": dead_letters}}
-    write_json(directory / name, body)
+    before = store._offsets
+    write_json(directory / name, body)  # (atomic: a failure leaves the file as it was)
     _step("gathered")
-    if group in store._offsets:
-        kept = {g: ts for g, ts in store._offsets.items() if g != group}
-        deletion._lower_committed_count(
-            store, sum(len(q) for ts in kept.values() for q in ts.values())
-        )
-        write_json(store.path / OFFSETS_FILE, kept)
-        store._offsets = kept
-        _step("offsets.json written")
     intent = f"{name}.{time.time_ns()}{INTENT_SUFFIX}"
-    os.rename(name, intent, src_dir_fd=dir_fd, dst_dir_fd=side_fd)  # the commit point
-    os.fsync(side_fd)
-    os.fsync(dir_fd)
+    try:
+        if group in store._offsets:
+            kept = {g: ts for g, ts in store._offsets.items() if g != group}
+            deletion._lower_committed_count(
+                store, sum(len(q) for ts in kept.values() for q in ts.values())
+            )
+            write_json(store.path / OFFSETS_FILE, kept)
+            store._offsets = kept
+            _step("offsets.json written")
+        os.rename(name, intent, src_dir_fd=dir_fd, dst_dir_fd=side_fd)  # the commit point
+    except OSError as exc:  # StoreWriteError too (write_json's, naming its file)
+        undone = _undo(store, group, before, current)
+        error = (
+            exc
+            if isinstance(exc, StoreWriteError)
+            else write_error(
+                exc,
+                f"deleting group {group!r}: its commit point, the rename into {side}",
+                name_path,
+            )
+        )
+        raise type(error)(
+            error.errno, f"{error.strerror}; the group was not deleted, {undone}"
+        ) from None
     files._parsed.pop(name, None)
-    return intent
+    try:
+        os.fsync(side_fd)
+        os.fsync(dir_fd)
+    except OSError as exc:  # the rename is made: every handle reads the group as gone
+        return intent, (
+            f"syncing {side} and {directory} after the commit point failed "
+            f"({exc.strerror or exc}): a power cut before the next sync may bring the "
+            "group back whole"
+        )
+    return intent, ""
+
+
+def _undo(
+    store: MessageStore,
+    group: str,
+    before: dict[str, Any],
+    current: dict[str, dict[str, int]] | None,
+) -> str:
+    """The commit point failed: offsets.json and the group file put back as they were
+    (each step keeps every handle's view of the group, as steps 1 and 2 did); what the
+    error says of them."""
+    directory = store.path / CONSUMERS_DIR
+    name = group_offsets.file_name(group)
+    try:
+        if store._offsets is not before:
+            write_json(store.path / OFFSETS_FILE, before)
+            store._offsets = before
+        if current is None:
+            os.unlink(directory / name)
+        else:
+            write_json(directory / name, {"group": group, "offsets": current})
+    except (OSError, EQueueError) as exc:
+        return (
+            f"and putting its files back failed too ({exc}): {directory / name} holds its "
+            "offsets with the intent, which every handle reads as the group's offsets and "
+            "the next writable open keeps"
+        )
+    finally:
+        store._group_files._parsed.pop(name, None)
+    return "its files are as they were"
 
 
 def _finish(store: MessageStore, group: str, dead_letters: bool, intent: str) -> None:
@@ -241,18 +341,25 @@ def _is_topic(name: str) -> bool:
     return True
 
 
-def finish_group_deletions(store: MessageStore) -> list[str]:
-    """At a writer's open: finish the deletions a crash interrupted after their commit
-    point; what could not be finished (a problem of the open, tried again next time)."""
+def finish_group_deletions(store: MessageStore, only: str | None = None) -> list[str]:
+    """At a writer's open (and at ``delete_group`` for ``only`` its group): finish the
+    deletions a crash or an I/O error interrupted after their commit point; what could
+    not be finished (a problem of the open, tried again next time)."""
     side = store.path / CONSUMERS_DIR / RECOVERED_DIR
     try:
         entries = sorted(e for e in os.listdir(side) if e.endswith(INTENT_SUFFIX))
     except OSError:
         return []
+    if only is not None:
+        entries = [e for e in entries if _names_file(e, group_offsets.file_name(only))]
     problems = []
     for entry in entries:
         try:
-            group, dead_letters = _read_intent(side / entry)
+            group, dead_letters = read_intent(side / entry, entry)
+        except (EQueueError, OSError) as exc:
+            problems.append(_set_aside_intent(side, entry, exc))
+            continue
+        try:
             here = store.path / CONSUMERS_DIR / group_offsets.file_name(group)
             if _is_intent(here):  # its commit point never took (a power cut): no deletion
                 os.unlink(side / entry)
@@ -264,13 +371,54 @@ def finish_group_deletions(store: MessageStore) -> list[str]:
     return problems
 
 
-def _read_intent(path: Path) -> tuple[str, bool]:
+def read_intent(path: Path, entry: str) -> tuple[str, bool]:
     body: Any = read_json(path)
     deleting = body.get("deleting") if isinstance(body, dict) else None
     group = body.get("group") if isinstance(body, dict) else None
     if not isinstance(deleting, dict) or not isinstance(group, str):
         raise CorruptionError("is not a group deletion's intent file", file=path, offset=0)
-    return group_offsets.check_group(group), deleting.get("dead_letters") is True
+    # The body must name the group of the file's own name, and one delete_group takes: an
+    # intent copied or renamed from elsewhere would delete another group's retry topic
+    # while its offsets stay (neither whole nor gone), or an equeue.* topic.
+    try:
+        check_deletable(group, False)
+    except EQueueError as exc:
+        raise CorruptionError(f"names a group delete_group refuses ({exc})", file=path) from None
+    if not _names_file(entry, group_offsets.file_name(group)):
+        raise CorruptionError(
+            f"names group {group!r}, whose intent file would be named "
+            f"{group_offsets.file_name(group)}.<ns>{INTENT_SUFFIX}",
+            file=path,
+        )
+    return group, deleting.get("dead_letters") is True
+
+
+def _set_aside_intent(side: Path, entry: str, exc: OSError | EQueueError) -> str:
+    """An intent that cannot be acted on, renamed (never followed) ``.damaged``: nothing is
+    deleted by it; the problem says how to finish the deletion if there was one."""
+    moved = side / f"{entry}.damaged"
+    try:
+        os.rename(side / entry, moved)
+        fsync_directory(side)
+    except OSError as failed:
+        kept = f"moving it aside failed ({failed.strerror or failed}): remove {side / entry}"
+    else:
+        kept = f"it was moved to {moved}"
+    return intent_problem(entry, exc, f"nothing was deleted by it and {kept}")
+
+
+def intent_problem(
+    entry: str,
+    exc: OSError | EQueueError,
+    done: str = "the next writable open deletes nothing by it and moves it aside",
+) -> str:
+    """What is wrong with intent file ``entry``, what was (or will be) done, the remedy."""
+    group = unquote(entry.rpartition(".json.")[0])
+    return (
+        f"a group deletion's intent file that cannot be acted on ({exc}); {done}; if "
+        f"group {group!r} was being deleted, run delete_group({group!r}) again to finish "
+        "it (GroupNotFoundError then: nothing of it is left)"
+    )
 
 
 def _is_intent(path: Path) -> bool:

@@ -145,7 +145,7 @@ def _topic(self: MessageStore, topic: str) -> list[Queue]:
     self._check_open()  # every read by topic; one attribute on the pull path
     queues = self._queues.get(topic) if isinstance(topic, str) else None
     if queues is None and self.read_only and isinstance(topic, str):
-        self._load_topics()  # the writer may have created it since
+        follow.again_if_deleted(self._load_topics)  # the writer may have created it since
         queues = self._queues.get(topic)
     if queues is None:
         validate.check_topic(topic)

@@ -77,7 +77,8 @@ class AioProduce:
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
         self.loop = new_loop(job)
-        self.client = self.loop.run_until_complete(equeue.aio.connect(job["url"]))
+        connecting = equeue.aio.connect(job["url"], shm=job.get("shm", False))
+        self.client = self.loop.run_until_complete(connecting)
         self.bodies = bodies(job["body"])
 
     def run(self) -> dict[str, Any]:
@@ -150,7 +151,10 @@ class AioDurable:
 
         async def connect() -> list[equeue.aio.AsyncClient]:
             return await asyncio.gather(
-                *(equeue.aio.connect(job["url"]) for _ in range(job["producers"]))
+                *(
+                    equeue.aio.connect(job["url"], shm=job.get("shm", False))
+                    for _ in range(job["producers"])
+                )
             )
 
         self.clients = self.loop.run_until_complete(connect())

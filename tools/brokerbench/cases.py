@@ -310,7 +310,13 @@ class Bench:
         directory.mkdir()
         broker = redis = None
         try:
-            broker = self._start_broker("sync")
+            # --shm: the same broker serves the rows on shared-memory rings beside the
+            # socket rows (a client asks: shm=True; the others stay on their sockets)
+            shm = shm_available()
+            broker = self._start_broker("sync", ["--shm"] if shm else [])
+            if not shm:
+                self.notes.append("the durable rows on shared-memory rings were not run: "
+                                  "they need Linux and the C accelerator")  # fmt: skip
             redis = self._start_redis(durable=True)
             for procs in sorted({1, self.args.durable_procs}):
                 case: Case = {"case": f"durable {tasks} tasks in {procs} process(es) 100B"}
@@ -328,13 +334,19 @@ class Bench:
                 # (``broker``, ``redis``), and the tasks of a process sharing one client
                 # (``broker-shared``: one equeue.aio client; ``redis-shared``: one
                 # redis.asyncio.Redis and its pool).
+                # Each again on shared-memory rings (``broker-shm``, ``broker-shm-shared``:
+                # shm=True, docs/protocol.md), measured in the same alternation.
                 for shared in (False, True):
                     suffix = "-shared" if shared else ""
-                    if broker is not None:
+                    for rings in (False, True) if shm else (False,):
+                        if broker is None:
+                            continue
+                        system = ("broker-shm" if rings else "broker") + suffix
                         job_b = job | {"kind": "broker_durable", "url": broker.url}
                         job_b |= {"client_loop": self.args.client_loop, "shared": shared}
-                        go = partial(self.durable_run, case, "broker" + suffix, broker, job_b)
-                        systems.append(("broker" + suffix, go))
+                        job_b |= {"shm": rings}
+                        go = partial(self.durable_run, case, system, broker, job_b)
+                        systems.append((system, go))
                     if redis is not None:
                         job_r = job | {"kind": "redis_durable", "socket": str(redis.socket_path)}
                         job_r |= {"client_loop": self.args.client_loop, "shared": shared}
@@ -377,11 +389,11 @@ class Bench:
 
     # --- servers -----------------------------------------------------------------
 
-    def _start_broker(self, flush: str) -> Server | None:
+    def _start_broker(self, flush: str, options: list[str] | None = None) -> Server | None:
         store = self.base / f"eq-{flush}"
         try:
             loop = self.args.event_loop
-            extra = ["--event-loop", loop] if loop else []
+            extra = (["--event-loop", loop] if loop else []) + (options or [])
             wait = self.args.group_commit_wait_us
             if flush == "sync" and wait is not None:
                 extra += ["--group-commit-wait-us", str(wait)]
@@ -482,3 +494,10 @@ def _redis_consumed(
         return {"consumed": read}
 
     return check
+
+
+def shm_available() -> bool:
+    """Whether the durable rows on shared-memory rings can run (Linux, the accelerator)."""
+    from equeue.protocol import shmrings
+
+    return bool(shmrings.AVAILABLE)

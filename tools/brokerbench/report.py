@@ -22,11 +22,15 @@ DURABLE_FLOOR = 60_000
 BATCHED_TARGET = 1_000_000
 PIPELINED_TARGET = 100_000
 P99_TARGET_US = 1000.0
-# The two readings of "64 concurrent asyncio producers" (brokerbench/cases.py durable):
+# The two readings of "64 concurrent asyncio producers" (brokerbench/cases.py durable),
+# each also over shared-memory rings (the broker's --shm, the clients' shm=True):
 # (equeue's system, Redis's, how the row names it).
+ON_RINGS = "on shared-memory rings (`--shm`, `shm=True`)"
 DURABLE_READINGS = [
     ("broker", "redis", "a connection per task"),
+    ("broker-shm", "redis", f"a connection per task, {ON_RINGS}"),
     ("broker-shared", "redis-shared", "one client per process, shared by its tasks"),
+    ("broker-shm-shared", "redis-shared", f"one client per process, shared, {ON_RINGS}"),
 ]
 
 
@@ -230,7 +234,10 @@ def _durable(table: Table) -> list[str]:
         "the broker's group commit across connections) and *one client per process, shared "
         "by its tasks* (one `equeue.aio.connect`, whose sends of a loop turn coalesce into one "
         "request; one `redis.asyncio.Redis`, whose pool lends each concurrent XADD a "
-        "connection of its own).",
+        "connection of its own). The rows *on shared-memory rings* are the same two over "
+        "the same broker (started with `--shm`), each client connecting with `shm=True` "
+        '(docs/protocol.md "Shared-memory rings"); their Redis cells repeat the '
+        "socket rows' Redis.",
         "",
     ]
     out += ["| producers | reading | broker `--flush sync` | Redis `appendfsync always` | "

@@ -1,0 +1,98 @@
+"""A read-only handle whose topic the writer deletes (and makes again) under its
+``refresh()`` or its pull (reviewl M2, M3; every ``delete_group`` deletes a retry
+topic): the topic is seen whole or gone, the error is ``TopicNotFoundError``, never a
+builtin ``FileNotFoundError``, nor a ``CorruptRecordError``/``ChunkRemovedError`` for a
+healthy store: a pull made exact (the reader's queue ends past the new topic's file),
+and a writer process deleting in a loop beside a refreshing, consuming reader."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from equeue import MessageStore, StoreConfig
+from equeue.errors import TopicNotFoundError
+
+CONFIG = StoreConfig(flush="os")
+ROUNDS, DEADLINE_S = 100, 20.0
+
+
+def test_a_pull_of_a_topic_deleted_and_made_again_under_it_is_topic_not_found(
+    tmp_path: Path,
+) -> None:
+    with (
+        MessageStore.open(tmp_path / "s", CONFIG) as writer,
+        MessageStore.open(tmp_path / "s", read_only=True) as reader,
+    ):
+        writer.create_topic("x", 1)
+        for i in range(3):
+            writer.send("x", b"old%d" % i)
+        assert len(reader.pull("x", 0, 0, 10).messages) == 3
+        writer.delete_topic("x")
+        writer.create_topic("x", 1)
+        for i in range(5):
+            writer.send("x", b"new%d" % i)
+        # the reader's queue ends at 3 (the old topic's), the file is the new topic's
+        with pytest.raises(TopicNotFoundError, match=r"deleted .* created again"):
+            reader.pull("x", 0, 3, 10, wait=0.1)
+        reader.refresh()
+        assert [m.body for m in reader.pull("x", 0, 0, 10).messages][:1] == [b"new0"]
+
+
+WRITER = """
+import sys, time
+from equeue import MessageStore, StoreConfig
+store = MessageStore.open(sys.argv[1], StoreConfig(flush="os"))
+started, rounds = time.monotonic(), 0
+while rounds < int(sys.argv[2]) and time.monotonic() - started < float(sys.argv[3]):
+    store.delete_topic("x")
+    store.create_topic("x", 2)
+    for i in range(5):
+        store.send("x", b"m", queue_id=i % 2)
+    rounds += 1
+store.close()
+print(rounds)
+"""
+
+
+def test_a_reader_beside_a_writer_deleting_its_topic_gets_only_topic_not_found(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("x", 2)
+        store.send("x", b"first")
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), str(ROUNDS), str(DEADLINE_S)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    errors: dict[str, int] = {}
+    reads = 0
+    try:
+        with MessageStore.open(path, read_only=True) as reader:
+            deadline = time.monotonic() + DEADLINE_S + 10
+            while writer.poll() is None and time.monotonic() < deadline:
+                reads += 1
+                try:
+                    reader.refresh()
+                    if "x" in reader.topics():
+                        reader.queue_range("x", reads % 2)
+                    with reader.consumer("c", "x", timeout=0.02, auto_commit=False) as consumer:
+                        for _ in consumer:
+                            pass
+                except TopicNotFoundError:
+                    pass
+                except Exception as exc:  # every other class is counted
+                    name = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+                    errors[name] = errors.get(name, 0) + 1
+    finally:
+        out: Any = writer.communicate(timeout=60)[0]
+    assert writer.returncode == 0 and int(out) > 0
+    assert reads > 10
+    assert errors == {}

@@ -1,0 +1,35 @@
+"""A client on shared rings made before a fork is refused in the child as a socket one is
+(equeue/client/forks.py), and the child's copy of the rings, wake-up socket and mapping touches
+nothing of the parent's: a child that runs the inherited loop neither reads the parent's
+answers out of the shared answer ring nor swallows the group's wake-ups."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from client_helpers import BrokerProcess, temporary_broker
+from test_client_aio_fork import forked_sends
+
+from equeue.client.shmconn import ShmClientTransport
+from equeue.protocol import shmrings
+
+pytestmark = pytest.mark.skipif(not shmrings.AVAILABLE, reason="needs the C accelerator, Linux")
+
+
+@pytest.fixture
+def broker() -> Iterator[BrokerProcess]:
+    with temporary_broker("--shm") as running:
+        yield running
+
+
+@pytest.mark.parametrize("kind", ["selector", "uvloop"])
+def test_a_client_on_rings_is_closed_in_a_forked_child_and_the_parent_keeps_its_rings(
+    broker: BrokerProcess, kind: str
+) -> None:
+    forked_sends(broker.url, kind, _on_rings, shm=True)
+
+
+def _on_rings(client: Any) -> bool:
+    return type(client._protocol.transport) is ShmClientTransport
