@@ -124,13 +124,20 @@ def delete_group(
             )
         intent, unfinished = _commit(store, group, delete_dead_letters, offsets)
     _step("committed")
-    try:
-        _finish(store, group, delete_dead_letters, intent)
-    except (OSError, EQueueError) as exc:
-        # The group is deleted for every handle: the caller is told so, and the intent
-        # file left in consumers/recovered/ finishes the rest at the next writable open
-        # or delete_group of this group.
-        unfinished = "; ".join(filter(None, (unfinished, _unfinished(store, intent, exc))))
+    for attempt in (1, 2):
+        try:
+            _finish(store, group, delete_dead_letters, intent)
+            break
+        except (OSError, EQueueError) as exc:
+            # Tried once more at once (a transient EIO): an intent left while the handle
+            # runs on outlives the group, which may be made again before it is finished.
+            if attempt == 2:
+                # The group is deleted for every handle: the caller is told so, and the
+                # intent file left in consumers/recovered/ finishes the rest at the next
+                # writable open or delete_group of this group, deleting only what it
+                # recorded and nothing written since (_unchanged).
+                unfinished = "; ".join(filter(None, (unfinished, _unfinished(store, intent, exc))))
+                topics = tuple(t for t in topics if t not in store._queues)
     if unfinished:
         log.warning("group %r deleted, not finished: %s", group, unfinished)
     log.info("group %r deleted: %d committed offsets, topics %s", group, count, list(topics))
@@ -233,7 +240,8 @@ def _commit_in(
         _step("damaged file set aside")
     gathered = group_offsets._copy(offsets)
     group_offsets._merge(gathered, current or {})
-    body = {"group": group, "offsets": gathered, "deleting": {"dead_letters": dead_letters}}
+    deleting = {"dead_letters": dead_letters, "topics": _scope(store, group, dead_letters)}
+    body = {"group": group, "offsets": gathered, "deleting": deleting}
     before = store._offsets
     write_json(directory / name, body)  # (atomic: a failure leaves the file as it was)
     _step("gathered")
@@ -275,6 +283,44 @@ def _commit_in(
     return intent, ""
 
 
+def _scope(store: MessageStore, group: str, dead_letters: bool) -> dict[str, Any]:
+    """What a later finish of the intent may delete: each topic's deletion mark (a topic
+    made again has a newer one) and its queues' ends, as of the intent."""
+    names = (retry_topic(group), dead_letter_topic(group) if dead_letters else "", DELAY_TOPIC)
+    return {
+        topic: {
+            "mark": store._deleted.get(topic, -1),
+            "ends": [queue.next_offset for queue in store._queues[topic]],
+        }
+        for topic in names
+        if topic in store._queues
+    }
+
+
+def _unchanged(store: MessageStore, topic: str, scope: dict[str, Any] | None) -> bool:
+    """Whether ``topic`` is as the intent recorded it (None: an intent of an equeue that
+    recorded nothing, acted on as before): nothing was written to it since, and it was
+    not made again (a group made again since its deletion may have written to it)."""
+    if scope is None:
+        return True
+    known = scope.get(topic)
+    queues = store._queues.get(topic)
+    if queues is None:
+        return known is None or (
+            isinstance(known, dict) and store._deleted.get(topic, -1) == known.get("mark")
+        )
+    if not isinstance(known, dict) or store._deleted.get(topic, -1) != known.get("mark"):
+        return False
+    ends = known.get("ends")
+    return (
+        isinstance(ends, list)
+        and len(ends) == len(queues)
+        and all(
+            type(end) is int and q.next_offset <= end for q, end in zip(queues, ends, strict=True)
+        )
+    )
+
+
 def _undo(
     store: MessageStore,
     group: str,
@@ -305,16 +351,37 @@ def _undo(
     return "its files are as they were"
 
 
-def _finish(store: MessageStore, group: str, dead_letters: bool, intent: str) -> None:
-    """After the commit point: the group's topics, its set-aside copies, the intent."""
+def _finish(
+    store: MessageStore,
+    group: str,
+    dead_letters: bool,
+    intent: str,
+    scope: dict[str, Any] | None = None,
+) -> list[str]:
+    """After the commit point: the group's topics, its set-aside copies, the intent.
+    ``scope``: the intent's record, at a later finish (see _unchanged); the topics kept
+    because they changed since."""
     retry = retry_topic(group)
     marked = False
+    kept = []
     for topic in (retry, dead_letter_topic(group) if dead_letters else None):
         if topic is not None and topic in store._queues:
+            if not _unchanged(store, topic, scope):
+                kept.append(topic)
+                continue
             store.delete_topic(topic)
             marked = marked or topic == retry
             _step("topic deleted")
-    if not marked and DELAY_TOPIC in store._queues and _is_topic(retry):
+    # The mark drops the group's delayed copies below it: not when equeue.delay was
+    # written to since the intent (copies of the group made again may be there).
+    if (
+        not marked
+        and not kept
+        and DELAY_TOPIC in store._queues
+        and _is_topic(retry)
+        and _unchanged(store, retry, scope)
+        and _unchanged(store, DELAY_TOPIC, scope)
+    ):
         # Delayed copies of the group may wait in equeue.delay: the mover drops the ones
         # below the retry topic's latest deletion, so one is recorded now.
         try:
@@ -328,9 +395,11 @@ def _finish(store: MessageStore, group: str, dead_letters: bool, intent: str) ->
     for entry in sorted(os.listdir(side)):
         if _set_aside_of(entry, name):
             os.rename(side / entry, side / f"{entry}{SET_ASIDE_DELETED}")
-    os.unlink(side / intent)
+    with contextlib.suppress(FileNotFoundError):  # (removed by a first try: fsync failed)
+        os.unlink(side / intent)
     fsync_directory(side)
     _step("done")
+    return kept
 
 
 def _is_topic(name: str) -> bool:
@@ -355,7 +424,7 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
     problems = []
     for entry in entries:
         try:
-            group, dead_letters = read_intent(side / entry, entry)
+            group, dead_letters, scope = read_intent(side / entry, entry)
         except (EQueueError, OSError) as exc:
             problems.append(_set_aside_intent(side, entry, exc))
             continue
@@ -364,14 +433,21 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
             if _is_intent(here):  # its commit point never took (a power cut): no deletion
                 os.unlink(side / entry)
                 continue
-            _finish(store, group, dead_letters, entry)
-            log.warning("group %r: a deletion a crash interrupted was finished", group)
+            kept = _finish(store, group, dead_letters, entry, scope)
+            log.warning(
+                "group %r: a deletion a crash or an I/O error interrupted was finished%s",
+                group,
+                f"; kept {kept}: written to or made again since the deletion (a group made "
+                f"again under the name); delete_group({group!r}) deletes them"
+                if kept
+                else "",
+            )
         except (EQueueError, OSError) as exc:
             problems.append(f"finishing the deletion of a consumer group ({entry}) failed: {exc}")
     return problems
 
 
-def read_intent(path: Path, entry: str) -> tuple[str, bool]:
+def read_intent(path: Path, entry: str) -> tuple[str, bool, dict[str, Any] | None]:
     body: Any = read_json(path)
     deleting = body.get("deleting") if isinstance(body, dict) else None
     group = body.get("group") if isinstance(body, dict) else None
@@ -390,7 +466,8 @@ def read_intent(path: Path, entry: str) -> tuple[str, bool]:
             f"{group_offsets.file_name(group)}.<ns>{INTENT_SUFFIX}",
             file=path,
         )
-    return group, deleting.get("dead_letters") is True
+    scope = deleting.get("topics")
+    return group, deleting.get("dead_letters") is True, scope if isinstance(scope, dict) else None
 
 
 def _set_aside_intent(side: Path, entry: str, exc: OSError | EQueueError) -> str:
