@@ -3,7 +3,8 @@
 topic): the topic is seen whole or gone, the error is ``TopicNotFoundError``, never a
 builtin ``FileNotFoundError``, nor a ``CorruptRecordError``/``ChunkRemovedError`` for a
 healthy store: a pull made exact (the reader's queue ends past the new topic's file),
-and a writer process deleting in a loop beside a refreshing, consuming reader."""
+and a writer process deleting in a loop beside a refreshing, consuming reader, and beside
+one calling ``offset_for_time`` and ``queue_positions`` + ``read`` (review7 F2)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,68 @@ def test_a_reader_beside_a_writer_deleting_its_topic_gets_only_topic_not_found(
                 except Exception as exc:  # every other class is counted
                     name = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
                     errors[name] = errors.get(name, 0) + 1
+    finally:
+        out: Any = writer.communicate(timeout=60)[0]
+    assert writer.returncode == 0 and int(out) > 0
+    assert reads > 10
+    assert errors == {}
+
+
+WRITER_BIG = """
+import sys, time
+from equeue import MessageStore, StoreConfig
+store = MessageStore.open(sys.argv[1], StoreConfig(flush="os", chunk_data_size=1 << 20))
+started, rounds = time.monotonic(), 0
+while rounds < int(sys.argv[2]) and time.monotonic() - started < float(sys.argv[3]):
+    store.delete_topic("x")
+    store.create_topic("x", 2)
+    for i in range(40):
+        store.send("x", b"m" * 30000, queue_id=i % 2)
+    rounds += 1
+store.close()
+print(rounds)
+"""
+
+
+def _offset_for_time(reader: MessageStore, queue_id: int) -> None:
+    reader.offset_for_time("x", queue_id, time.time() - 1)
+
+
+def _positions_read(reader: MessageStore, queue_id: int) -> None:
+    for position in reader.queue_positions("x", queue_id, 0, 3):
+        reader.read(position)
+
+
+def test_offset_for_time_and_queue_positions_beside_a_writer_deleting_the_topic(
+    tmp_path: Path,
+) -> None:
+    # Before (review7 F2): 24-29 of each in ~590 rounds, PositionNotFoundError "position
+    # -1 is negative" and ChunkRemovedError of the deleted topic's index.
+    path = tmp_path / "s"
+    with MessageStore.open(path, StoreConfig(flush="os", chunk_data_size=1 << 20)) as store:
+        store.create_topic("x", 2)
+        store.send("x", b"first")
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER_BIG, str(path), "600", "8"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    errors: dict[str, int] = {}
+    reads = 0
+    try:
+        with MessageStore.open(path, read_only=True) as reader:
+            deadline = time.monotonic() + 20
+            while writer.poll() is None and time.monotonic() < deadline:
+                reads += 1
+                for read in (_offset_for_time, _positions_read):
+                    try:
+                        reader.refresh()
+                        read(reader, reads % 2)
+                    except TopicNotFoundError:
+                        pass
+                    except Exception as exc:  # every other class is counted
+                        name = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+                        errors[name] = errors.get(name, 0) + 1
     finally:
         out: Any = writer.communicate(timeout=60)[0]
     assert writer.returncode == 0 and int(out) > 0
