@@ -102,9 +102,8 @@ def delete_group(
     store._check_writable()
     # An earlier deletion of the group whose finish failed (its intent file left): done
     # first, so that delete_group again is the remedy the problem names.
-    earlier = (
-        "; ".join(finish_group_deletions(store, only=group)) if _intents(store, group) else None
-    )
+    acted, problems = _finish_intents(store, group) if _intents(store, group) else (0, [])
+    earlier = "; ".join(problems)
     retry, dead = retry_topic(group), dead_letter_topic(group)
     with store._checkpoint_lock, store._lock:
         store._check_writable()
@@ -115,12 +114,15 @@ def delete_group(
             t for t in (retry, dead if delete_dead_letters else "") if t in store._queues
         )
         if not count and not topics and not _has_file(store, group):
-            if earlier is not None:
+            if acted:  # the rest of an earlier deletion: finished now, or still not
                 return DeletedGroup(group, 0, (), earlier)
+            # Intent files of the group that delete nothing (moved aside, or not movable):
+            # no deletion of it to report (review7 F3); what to do with them is said.
             raise GroupNotFoundError(
                 f"no consumer group {group!r} in {store.path}: it has no committed offset, "
                 f"no group file and no topic {retry}"
                 + ("" if delete_dead_letters else f" ({dead} is deleted only with dead letters)")
+                + (f"; {earlier}" if earlier else "")
             )
         intent, unfinished = _commit(store, group, delete_dead_letters, offsets)
     _step("committed")
@@ -138,6 +140,8 @@ def delete_group(
                 # recorded and nothing written since (_unchanged).
                 unfinished = "; ".join(filter(None, (unfinished, _unfinished(store, intent, exc))))
                 topics = tuple(t for t in topics if t not in store._queues)
+    if earlier:
+        log.warning("group %r: its earlier intent files: %s", group, earlier)
     if unfinished:
         log.warning("group %r deleted, not finished: %s", group, unfinished)
     log.info("group %r deleted: %d committed offsets, topics %s", group, count, list(topics))
@@ -172,13 +176,15 @@ def _has_file(store: MessageStore, group: str) -> bool:
 
 
 def _set_aside_of(entry: str, name: str) -> bool:
-    """Whether ``entry`` of consumers/recovered/ is a damaged copy of group file ``name``."""
-    return entry.endswith(".damaged") and _names_file(entry, name)
+    """Whether ``entry`` of consumers/recovered/ is a damaged copy of group file ``name``
+    (not an intent moved aside: review7 F5)."""
+    copy = group_offsets.set_aside_copy(entry)
+    return copy is not None and copy[0] == name
 
 
 def _names_file(entry: str, name: str) -> bool:
-    """Whether ``entry`` of consumers/recovered/ (NAME.<ns>.damaged, NAME.<ns>.deleting)
-    is named after group file ``name``."""
+    """Whether ``entry`` of consumers/recovered/ (NAME.<ns>.deleting) is named after group
+    file ``name``."""
     return f"{entry.rpartition('.json.')[0]}.json" == name
 
 
@@ -414,14 +420,21 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
     """At a writer's open (and at ``delete_group`` for ``only`` its group): finish the
     deletions a crash or an I/O error interrupted after their commit point; what could
     not be finished (a problem of the open, tried again next time)."""
+    return _finish_intents(store, only)[1]
+
+
+def _finish_intents(store: MessageStore, only: str | None) -> tuple[int, list[str]]:
+    """finish_group_deletions': also how many intents were a deletion's (finished, or
+    failing to be), not moved aside or dropped."""
     side = store.path / CONSUMERS_DIR / RECOVERED_DIR
     try:
         entries = sorted(e for e in os.listdir(side) if e.endswith(INTENT_SUFFIX))
     except OSError:
-        return []
+        return 0, []
     if only is not None:
         entries = [e for e in entries if _names_file(e, group_offsets.file_name(only))]
     problems = []
+    acted = 0
     for entry in entries:
         try:
             group, dead_letters, scope = read_intent(side / entry, entry)
@@ -433,6 +446,7 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
             if _is_intent(here):  # its commit point never took (a power cut): no deletion
                 os.unlink(side / entry)
                 continue
+            acted += 1
             kept = _finish(store, group, dead_letters, entry, scope)
             log.warning(
                 "group %r: a deletion a crash or an I/O error interrupted was finished%s",
@@ -444,7 +458,7 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
             )
         except (EQueueError, OSError) as exc:
             problems.append(f"finishing the deletion of a consumer group ({entry}) failed: {exc}")
-    return problems
+    return acted, problems
 
 
 def read_intent(path: Path, entry: str) -> tuple[str, bool, dict[str, Any] | None]:
@@ -473,12 +487,15 @@ def read_intent(path: Path, entry: str) -> tuple[str, bool, dict[str, Any] | Non
 def _set_aside_intent(side: Path, entry: str, exc: OSError | EQueueError) -> str:
     """An intent that cannot be acted on, renamed (never followed) ``.damaged``: nothing is
     deleted by it; the problem says how to finish the deletion if there was one."""
-    moved = side / f"{entry}.damaged"
+    moved = side / group_offsets.damaged_name(side, entry)
     try:
         os.rename(side / entry, moved)
         fsync_directory(side)
     except OSError as failed:
-        kept = f"moving it aside failed ({failed.strerror or failed}): remove {side / entry}"
+        kept = (
+            f"moving it aside failed ({failed.strerror or failed}): remove {side / entry} "
+            "yourself (every writable open and delete_group of the group reports it until then)"
+        )
     else:
         kept = f"it was moved to {moved}"
     return intent_problem(entry, exc, f"nothing was deleted by it and {kept}")
