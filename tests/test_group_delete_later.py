@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,8 @@ def _store(path: Path) -> Path:
     return path
 
 
-def _failing_retry_deletion(times: int) -> object:
+def _delete_failing(store: MessageStore, monkeypatch: pytest.MonkeyPatch, times: int) -> Any:
+    """delete_group("g") with the retry topic's deletion failing ``times`` times."""
     left = [times]
 
     def delete_topic(store: MessageStore, topic: str) -> None:
@@ -43,7 +45,11 @@ def _failing_retry_deletion(times: int) -> object:
             raise StoreWriteError(errno.EIO, f"deleting {topic}: Input/output error (test)")
         REAL_DELETE_TOPIC(store, topic)
 
-    return delete_topic
+    monkeypatch.setattr(MessageStore, "delete_topic", delete_topic)
+    try:
+        return store.delete_group("g")
+    finally:
+        monkeypatch.setattr(MessageStore, "delete_topic", REAL_DELETE_TOPIC)
 
 
 def _intents(path: Path) -> list[str]:
@@ -55,8 +61,7 @@ def test_a_finish_failing_once_is_tried_again_and_the_deletion_is_whole(
 ) -> None:
     path = _store(tmp_path / "s")
     with MessageStore.open(path, CONFIG) as store:
-        monkeypatch.setattr(MessageStore, "delete_topic", _failing_retry_deletion(1))
-        deleted = store.delete_group("g")
+        deleted = _delete_failing(store, monkeypatch, 1)
         assert (deleted.offsets, deleted.topics, deleted.unfinished) == (1, (RETRY,), "")
         assert RETRY not in store.topics()
         assert _intents(path) == []
@@ -67,9 +72,7 @@ def test_an_intent_left_deletes_nothing_of_the_group_made_again_before_the_next_
 ) -> None:
     path = _store(tmp_path / "s")
     with MessageStore.open(path, CONFIG) as store:
-        monkeypatch.setattr(MessageStore, "delete_topic", _failing_retry_deletion(2))
-        deleted = store.delete_group("g")
-        monkeypatch.setattr(MessageStore, "delete_topic", REAL_DELETE_TOPIC)
+        deleted = _delete_failing(store, monkeypatch, 2)
         # the topic whose deletion failed is not reported deleted
         assert (deleted.offsets, deleted.topics) == (1, ())
         assert "Input/output error (test)" in deleted.unfinished
@@ -91,9 +94,7 @@ def test_an_intent_left_finishes_at_the_next_open_when_nothing_was_written_since
 ) -> None:
     path = _store(tmp_path / "s")
     with MessageStore.open(path, CONFIG) as store:
-        monkeypatch.setattr(MessageStore, "delete_topic", _failing_retry_deletion(2))
-        assert store.delete_group("g").unfinished
-        monkeypatch.setattr(MessageStore, "delete_topic", REAL_DELETE_TOPIC)
+        assert _delete_failing(store, monkeypatch, 2).unfinished
     with MessageStore.open(path, CONFIG) as store:
         assert RETRY not in store.topics() and "g" not in store.consumer_groups()
     assert _intents(path) == []
