@@ -3,13 +3,15 @@
 topic): the topic is seen whole or gone, the error is ``TopicNotFoundError``, never a
 builtin ``FileNotFoundError``, nor a ``CorruptRecordError``/``ChunkRemovedError`` for a
 healthy store: a pull made exact (the reader's queue ends past the new topic's file),
-and a writer process deleting in a loop beside a refreshing, consuming reader."""
+and a writer process deleting in a loop beside a refreshing, consuming reader, and beside
+one calling ``offset_for_time`` and ``queue_positions`` + ``read`` (review7 F2)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,52 +49,86 @@ def test_a_pull_of_a_topic_deleted_and_made_again_under_it_is_topic_not_found(
 WRITER = """
 import sys, time
 from equeue import MessageStore, StoreConfig
-store = MessageStore.open(sys.argv[1], StoreConfig(flush="os"))
+rounds_max, deadline_s = int(sys.argv[2]), float(sys.argv[3])
+sends, size = int(sys.argv[4]), int(sys.argv[5])
+store = MessageStore.open(sys.argv[1], StoreConfig(flush="os", chunk_data_size=1 << 20))
 started, rounds = time.monotonic(), 0
-while rounds < int(sys.argv[2]) and time.monotonic() - started < float(sys.argv[3]):
+while rounds < rounds_max and time.monotonic() - started < deadline_s:
     store.delete_topic("x")
     store.create_topic("x", 2)
-    for i in range(5):
-        store.send("x", b"m", queue_id=i % 2)
+    for i in range(sends):
+        store.send("x", b"m" * size, queue_id=i % 2)
     rounds += 1
 store.close()
 print(rounds)
 """
 
+Read = Callable[[MessageStore, int], None]
+
+
+def _errors_beside_a_deleting_writer(
+    path: Path, rounds: int, deadline_s: float, sends: int, size: int, reads: list[Read]
+) -> dict[str, int]:
+    """Each of ``reads`` (after a refresh) in a loop while a writer process deletes,
+    re-creates and fills topic x: every error other than TopicNotFoundError, counted."""
+    with MessageStore.open(path, StoreConfig(flush="os", chunk_data_size=1 << 20)) as store:
+        store.create_topic("x", 2)
+        store.send("x", b"first")
+    args = [str(path), str(rounds), str(deadline_s), str(sends), str(size)]
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, *args], stdout=subprocess.PIPE, text=True
+    )
+    errors: dict[str, int] = {}
+    count = 0
+    try:
+        with MessageStore.open(path, read_only=True) as reader:
+            deadline = time.monotonic() + deadline_s + 10
+            while writer.poll() is None and time.monotonic() < deadline:
+                count += 1
+                for read in reads:
+                    try:
+                        reader.refresh()
+                        read(reader, count % 2)
+                    except TopicNotFoundError:
+                        pass
+                    except Exception as exc:  # every other class is counted
+                        name = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+                        errors[name] = errors.get(name, 0) + 1
+    finally:
+        out: Any = writer.communicate(timeout=60)[0]
+    assert writer.returncode == 0 and int(out) > 0
+    assert count > 10
+    return errors
+
+
+def _range_and_consume(reader: MessageStore, queue_id: int) -> None:
+    if "x" in reader.topics():
+        reader.queue_range("x", queue_id)
+    with reader.consumer("c", "x", timeout=0.02, auto_commit=False) as consumer:
+        for _ in consumer:
+            pass
+
 
 def test_a_reader_beside_a_writer_deleting_its_topic_gets_only_topic_not_found(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "s"
-    with MessageStore.open(path, CONFIG) as store:
-        store.create_topic("x", 2)
-        store.send("x", b"first")
-    writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path), str(ROUNDS), str(DEADLINE_S)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    errors: dict[str, int] = {}
-    reads = 0
-    try:
-        with MessageStore.open(path, read_only=True) as reader:
-            deadline = time.monotonic() + DEADLINE_S + 10
-            while writer.poll() is None and time.monotonic() < deadline:
-                reads += 1
-                try:
-                    reader.refresh()
-                    if "x" in reader.topics():
-                        reader.queue_range("x", reads % 2)
-                    with reader.consumer("c", "x", timeout=0.02, auto_commit=False) as consumer:
-                        for _ in consumer:
-                            pass
-                except TopicNotFoundError:
-                    pass
-                except Exception as exc:  # every other class is counted
-                    name = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
-                    errors[name] = errors.get(name, 0) + 1
-    finally:
-        out: Any = writer.communicate(timeout=60)[0]
-    assert writer.returncode == 0 and int(out) > 0
-    assert reads > 10
-    assert errors == {}
+    reads: list[Read] = [_range_and_consume]
+    assert _errors_beside_a_deleting_writer(tmp_path / "s", ROUNDS, DEADLINE_S, 5, 1, reads) == {}
+
+
+def _offset_for_time(reader: MessageStore, queue_id: int) -> None:
+    reader.offset_for_time("x", queue_id, time.time() - 1)
+
+
+def _positions_read(reader: MessageStore, queue_id: int) -> None:
+    for position in reader.queue_positions("x", queue_id, 0, 3):
+        reader.read(position)
+
+
+def test_offset_for_time_and_queue_positions_beside_a_writer_deleting_the_topic(
+    tmp_path: Path,
+) -> None:
+    # Before (review7 F2): 24-29 of each in ~590 rounds, PositionNotFoundError "position
+    # -1 is negative" and ChunkRemovedError of the deleted topic's index.
+    reads: list[Read] = [_offset_for_time, _positions_read]
+    assert _errors_beside_a_deleting_writer(tmp_path / "s", 600, 8.0, 40, 30000, reads) == {}

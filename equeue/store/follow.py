@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.errors import (
@@ -22,6 +22,7 @@ from equeue.errors import (
     CorruptionError,
     CorruptRecordError,
     EQueueError,
+    PositionError,
     StoreReadError,
     TopicNotFoundError,
 )
@@ -35,6 +36,8 @@ from equeue.store.types import PullResult
 
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
+
+T = TypeVar("T")
 
 # Retention may remove chunks again while a pull catches up with the last removal.
 _ATTEMPTS = 8
@@ -107,8 +110,32 @@ def fresh(store: MessageStore, queue: Queue) -> Queue:
     return queue
 
 
+# What a read-only handle's read of a queue raises when the writer deletes its topic.
+READ_FAILURES = (OSError, CorruptionError, PositionError)
+
+
+def beside_deletion(store: MessageStore, queue: Queue, read: Callable[[], T]) -> T:
+    """``read`` of ``queue``'s entries (queue_positions, offset_for_time), again after it
+    failed on a read-only handle: a failure that the topic's deletion meanwhile explains
+    is TopicNotFoundError, as a pull's is (review7 F2: an emptied index's position -1, a
+    removed index chunk)."""
+    for attempt in range(1, _ATTEMPTS + 1):
+        try:
+            if attempt > 1:
+                # A topic made again: its index (opened anew) may name records past this
+                # handle's view of the log (as may entries the writer appended between
+                # the log's refresh and the queue's): both caught up, it is read again.
+                follow_log(store, queue)
+            return read()
+        except READ_FAILURES as exc:
+            error = deleted_meanwhile(store, queue, exc)
+            if attempt == _ATTEMPTS or isinstance(error, TopicNotFoundError):
+                raise error from None
+    raise StoreReadError(errno.EIO, f"reading {queue.topic}/{queue.queue_id}: no attempt made")
+
+
 def deleted_meanwhile(
-    store: MessageStore, queue: Queue, error: OSError | CorruptionError | ChunkRemovedError
+    store: MessageStore, queue: Queue, error: OSError | CorruptionError | PositionError
 ) -> EQueueError:
     """A read-only handle's read of ``queue`` failed: ``TopicNotFoundError`` if the writer
     deleted its topic since this handle read topics.json (a newer deletion mark; the

@@ -102,9 +102,8 @@ def delete_group(
     store._check_writable()
     # An earlier deletion of the group whose finish failed (its intent file left): done
     # first, so that delete_group again is the remedy the problem names.
-    earlier = (
-        "; ".join(finish_group_deletions(store, only=group)) if _intents(store, group) else None
-    )
+    acted, problems = _finish_intents(store, group) if _intents(store, group) else (0, [])
+    earlier = "; ".join(problems)
     retry, dead = retry_topic(group), dead_letter_topic(group)
     with store._checkpoint_lock, store._lock:
         store._check_writable()
@@ -115,22 +114,34 @@ def delete_group(
             t for t in (retry, dead if delete_dead_letters else "") if t in store._queues
         )
         if not count and not topics and not _has_file(store, group):
-            if earlier is not None:
+            if acted:  # the rest of an earlier deletion: finished now, or still not
                 return DeletedGroup(group, 0, (), earlier)
+            # Intent files of the group that delete nothing (moved aside, or not movable):
+            # no deletion of it to report (review7 F3); what to do with them is said.
             raise GroupNotFoundError(
                 f"no consumer group {group!r} in {store.path}: it has no committed offset, "
                 f"no group file and no topic {retry}"
                 + ("" if delete_dead_letters else f" ({dead} is deleted only with dead letters)")
+                + (f"; {earlier}" if earlier else "")
             )
         intent, unfinished = _commit(store, group, delete_dead_letters, offsets)
     _step("committed")
-    try:
-        _finish(store, group, delete_dead_letters, intent)
-    except (OSError, EQueueError) as exc:
-        # The group is deleted for every handle: the caller is told so, and the intent
-        # file left in consumers/recovered/ finishes the rest at the next writable open
-        # or delete_group of this group.
-        unfinished = "; ".join(filter(None, (unfinished, _unfinished(store, intent, exc))))
+    for attempt in (1, 2):
+        try:
+            _finish(store, group, delete_dead_letters, intent)
+            break
+        except (OSError, EQueueError) as exc:
+            # Tried once more at once (a transient EIO): an intent left while the handle
+            # runs on outlives the group, which may be made again before it is finished.
+            if attempt == 2:
+                # The group is deleted for every handle: the caller is told so, and the
+                # intent file left in consumers/recovered/ finishes the rest at the next
+                # writable open or delete_group of this group, deleting only what it
+                # recorded and nothing written since (_unchanged).
+                unfinished = "; ".join(filter(None, (unfinished, _unfinished(store, intent, exc))))
+                topics = tuple(t for t in topics if t not in store._queues)
+    if earlier:
+        log.warning("group %r: its earlier intent files: %s", group, earlier)
     if unfinished:
         log.warning("group %r deleted, not finished: %s", group, unfinished)
     log.info("group %r deleted: %d committed offsets, topics %s", group, count, list(topics))
@@ -165,13 +176,15 @@ def _has_file(store: MessageStore, group: str) -> bool:
 
 
 def _set_aside_of(entry: str, name: str) -> bool:
-    """Whether ``entry`` of consumers/recovered/ is a damaged copy of group file ``name``."""
-    return entry.endswith(".damaged") and _names_file(entry, name)
+    """Whether ``entry`` of consumers/recovered/ is a damaged copy of group file ``name``
+    (not an intent moved aside: review7 F5)."""
+    copy = group_offsets.set_aside_copy(entry)
+    return copy is not None and copy[0] == name
 
 
 def _names_file(entry: str, name: str) -> bool:
-    """Whether ``entry`` of consumers/recovered/ (NAME.<ns>.damaged, NAME.<ns>.deleting)
-    is named after group file ``name``."""
+    """Whether ``entry`` of consumers/recovered/ (NAME.<ns>.deleting) is named after group
+    file ``name``."""
     return f"{entry.rpartition('.json.')[0]}.json" == name
 
 
@@ -233,7 +246,8 @@ def _commit_in(
         _step("damaged file set aside")
     gathered = group_offsets._copy(offsets)
     group_offsets._merge(gathered, current or {})
-    body = {"group": group, "offsets": gathered, "deleting": {"dead_letters": dead_letters}}
+    deleting = {"dead_letters": dead_letters, "topics": _scope(store, group, dead_letters)}
+    body = {"group": group, "offsets": gathered, "deleting": deleting}
     before = store._offsets
     write_json(directory / name, body)  # (atomic: a failure leaves the file as it was)
     _step("gathered")
@@ -275,6 +289,44 @@ def _commit_in(
     return intent, ""
 
 
+def _scope(store: MessageStore, group: str, dead_letters: bool) -> dict[str, Any]:
+    """What a later finish of the intent may delete: each topic's deletion mark (a topic
+    made again has a newer one) and its queues' ends, as of the intent."""
+    names = (retry_topic(group), dead_letter_topic(group) if dead_letters else "", DELAY_TOPIC)
+    return {
+        topic: {
+            "mark": store._deleted.get(topic, -1),
+            "ends": [queue.next_offset for queue in store._queues[topic]],
+        }
+        for topic in names
+        if topic in store._queues
+    }
+
+
+def _unchanged(store: MessageStore, topic: str, scope: dict[str, Any] | None) -> bool:
+    """Whether ``topic`` is as the intent recorded it (None: an intent of an equeue that
+    recorded nothing, acted on as before): nothing was written to it since, and it was
+    not made again (a group made again since its deletion may have written to it)."""
+    if scope is None:
+        return True
+    known = scope.get(topic)
+    queues = store._queues.get(topic)
+    if queues is None:
+        return known is None or (
+            isinstance(known, dict) and store._deleted.get(topic, -1) == known.get("mark")
+        )
+    if not isinstance(known, dict) or store._deleted.get(topic, -1) != known.get("mark"):
+        return False
+    ends = known.get("ends")
+    return (
+        isinstance(ends, list)
+        and len(ends) == len(queues)
+        and all(
+            type(end) is int and q.next_offset <= end for q, end in zip(queues, ends, strict=True)
+        )
+    )
+
+
 def _undo(
     store: MessageStore,
     group: str,
@@ -305,16 +357,37 @@ def _undo(
     return "its files are as they were"
 
 
-def _finish(store: MessageStore, group: str, dead_letters: bool, intent: str) -> None:
-    """After the commit point: the group's topics, its set-aside copies, the intent."""
+def _finish(
+    store: MessageStore,
+    group: str,
+    dead_letters: bool,
+    intent: str,
+    scope: dict[str, Any] | None = None,
+) -> list[str]:
+    """After the commit point: the group's topics, its set-aside copies, the intent.
+    ``scope``: the intent's record, at a later finish (see _unchanged); the topics kept
+    because they changed since."""
     retry = retry_topic(group)
     marked = False
+    kept = []
     for topic in (retry, dead_letter_topic(group) if dead_letters else None):
         if topic is not None and topic in store._queues:
+            if not _unchanged(store, topic, scope):
+                kept.append(topic)
+                continue
             store.delete_topic(topic)
             marked = marked or topic == retry
             _step("topic deleted")
-    if not marked and DELAY_TOPIC in store._queues and _is_topic(retry):
+    # The mark drops the group's delayed copies below it: not when equeue.delay was
+    # written to since the intent (copies of the group made again may be there).
+    if (
+        not marked
+        and not kept
+        and DELAY_TOPIC in store._queues
+        and _is_topic(retry)
+        and _unchanged(store, retry, scope)
+        and _unchanged(store, DELAY_TOPIC, scope)
+    ):
         # Delayed copies of the group may wait in equeue.delay: the mover drops the ones
         # below the retry topic's latest deletion, so one is recorded now.
         try:
@@ -328,9 +401,11 @@ def _finish(store: MessageStore, group: str, dead_letters: bool, intent: str) ->
     for entry in sorted(os.listdir(side)):
         if _set_aside_of(entry, name):
             os.rename(side / entry, side / f"{entry}{SET_ASIDE_DELETED}")
-    os.unlink(side / intent)
+    with contextlib.suppress(FileNotFoundError):  # (removed by a first try: fsync failed)
+        os.unlink(side / intent)
     fsync_directory(side)
     _step("done")
+    return kept
 
 
 def _is_topic(name: str) -> bool:
@@ -345,17 +420,24 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
     """At a writer's open (and at ``delete_group`` for ``only`` its group): finish the
     deletions a crash or an I/O error interrupted after their commit point; what could
     not be finished (a problem of the open, tried again next time)."""
+    return _finish_intents(store, only)[1]
+
+
+def _finish_intents(store: MessageStore, only: str | None) -> tuple[int, list[str]]:
+    """finish_group_deletions': also how many intents were a deletion's (finished, or
+    failing to be), not moved aside or dropped."""
     side = store.path / CONSUMERS_DIR / RECOVERED_DIR
     try:
         entries = sorted(e for e in os.listdir(side) if e.endswith(INTENT_SUFFIX))
     except OSError:
-        return []
+        return 0, []
     if only is not None:
         entries = [e for e in entries if _names_file(e, group_offsets.file_name(only))]
     problems = []
+    acted = 0
     for entry in entries:
         try:
-            group, dead_letters = read_intent(side / entry, entry)
+            group, dead_letters, scope = read_intent(side / entry, entry)
         except (EQueueError, OSError) as exc:
             problems.append(_set_aside_intent(side, entry, exc))
             continue
@@ -364,14 +446,22 @@ def finish_group_deletions(store: MessageStore, only: str | None = None) -> list
             if _is_intent(here):  # its commit point never took (a power cut): no deletion
                 os.unlink(side / entry)
                 continue
-            _finish(store, group, dead_letters, entry)
-            log.warning("group %r: a deletion a crash interrupted was finished", group)
+            acted += 1
+            kept = _finish(store, group, dead_letters, entry, scope)
+            log.warning(
+                "group %r: a deletion a crash or an I/O error interrupted was finished%s",
+                group,
+                f"; kept {kept}: written to or made again since the deletion (a group made "
+                f"again under the name); delete_group({group!r}) deletes them"
+                if kept
+                else "",
+            )
         except (EQueueError, OSError) as exc:
             problems.append(f"finishing the deletion of a consumer group ({entry}) failed: {exc}")
-    return problems
+    return acted, problems
 
 
-def read_intent(path: Path, entry: str) -> tuple[str, bool]:
+def read_intent(path: Path, entry: str) -> tuple[str, bool, dict[str, Any] | None]:
     body: Any = read_json(path)
     deleting = body.get("deleting") if isinstance(body, dict) else None
     group = body.get("group") if isinstance(body, dict) else None
@@ -390,18 +480,22 @@ def read_intent(path: Path, entry: str) -> tuple[str, bool]:
             f"{group_offsets.file_name(group)}.<ns>{INTENT_SUFFIX}",
             file=path,
         )
-    return group, deleting.get("dead_letters") is True
+    scope = deleting.get("topics")
+    return group, deleting.get("dead_letters") is True, scope if isinstance(scope, dict) else None
 
 
 def _set_aside_intent(side: Path, entry: str, exc: OSError | EQueueError) -> str:
     """An intent that cannot be acted on, renamed (never followed) ``.damaged``: nothing is
     deleted by it; the problem says how to finish the deletion if there was one."""
-    moved = side / f"{entry}.damaged"
+    moved = side / group_offsets.damaged_name(side, entry)
     try:
         os.rename(side / entry, moved)
         fsync_directory(side)
     except OSError as failed:
-        kept = f"moving it aside failed ({failed.strerror or failed}): remove {side / entry}"
+        kept = (
+            f"moving it aside failed ({failed.strerror or failed}): remove {side / entry} "
+            "yourself (every writable open and delete_group of the group reports it until then)"
+        )
     else:
         kept = f"it was moved to {moved}"
     return intent_problem(entry, exc, f"nothing was deleted by it and {kept}")

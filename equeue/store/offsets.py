@@ -297,10 +297,9 @@ class GroupFiles:
             return []
         found = []
         for entry in moved:
-            name, _, rest = entry.rpartition(".json.")
-            stamp, _, suffix = rest.partition(".")
-            if name and suffix == "damaged" and stamp.isdigit() and f"{name}.json" not in here:
-                found.append((int(stamp), entry))
+            copy = set_aside_copy(entry)
+            if copy is not None and copy[0] not in here:
+                found.append((copy[1], entry))
         return [entry for _, entry in sorted(found)]
 
     def forget_topic(self, name: str, topic: str) -> None:
@@ -644,7 +643,7 @@ def _move_aside(directory: Path, dir_fd: int, name: str) -> Path:
     side = directory / RECOVERED_DIR
     with contextlib.suppress(FileExistsError):
         os.mkdir(RECOVERED_DIR, dir_fd=dir_fd)
-    moved = side / f"{name}.{time.time_ns()}.damaged"
+    moved = side / damaged_name(side, f"{name}.{time.time_ns()}")
     side_fd = os.open(RECOVERED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
     try:
         os.rename(name, moved.name, src_dir_fd=dir_fd, dst_dir_fd=side_fd)
@@ -653,3 +652,35 @@ def _move_aside(directory: Path, dir_fd: int, name: str) -> Path:
     finally:
         os.close(side_fd)
     return moved
+
+
+def damaged_name(side: Path, stem: str) -> str:
+    """The name in consumers/recovered/ (``side``) for an entry moved aside as damaged:
+    ``STEM.damaged``, or ``STEM.<k>.damaged`` when that is taken, so that the evidence an
+    earlier move left is never overwritten (review7 F4). STEM is ``NAME.<ns>`` for a group
+    file, ``NAME.<ns>.deleting`` for a group deletion's intent."""
+    for k in range(_DAMAGED_TRIES):
+        name = f"{stem}.{k}.damaged" if k else f"{stem}.damaged"
+        if not os.path.lexists(side / name):
+            return name
+    return f"{stem}.{time.time_ns()}.damaged"  # (a thousand taken: hostile; still unique)
+
+
+_DAMAGED_TRIES = 1000
+
+
+def set_aside_copy(entry: str) -> tuple[str, int] | None:
+    """(group file name, ns stamp) when ``entry`` of consumers/recovered/ is a group
+    file a damage set aside, ``NAME.<ns>[.<k>].damaged`` (``damaged_name``); None for
+    anything else, an intent moved aside (``NAME.<ns>.deleting[.<k>].damaged``) too.
+    The one definition for retention (``set_aside``) and ``delete_group``."""
+    name, _, rest = entry.rpartition(".json.")
+    parts = rest.split(".")
+    if (
+        name
+        and parts[-1] == "damaged"
+        and len(parts) in (2, 3)
+        and all(part.isdigit() for part in parts[:-1])
+    ):
+        return f"{name}.json", int(parts[0])
+    return None

@@ -134,4 +134,12 @@ def offset_for_time(
     epoch or an aware datetime (a naive one is refused: equeue.store.times). The
     queue's next offset if none is. Raises InvalidMessageError, TopicNotFoundError."""
     follow.look(self)  # read-only: a chunk retention removed is reported as removed
-    return times.offset_for_time(self, topic, queue_id, timestamp)
+    queue = self._queue(topic, queue_id)
+    try:
+        return times.offset_for_time(self, topic, queue_id, timestamp)
+    except follow.READ_FAILURES:
+        if not self.read_only:
+            raise
+        return follow.beside_deletion(
+            self, queue, lambda: times.offset_for_time(self, topic, queue_id, timestamp)
+        )

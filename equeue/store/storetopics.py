@@ -96,7 +96,13 @@ def queue_positions(
 ) -> list[int]:
     """The log positions of up to ``count`` entries of a queue from ``offset`` on, as
     pull reads them (compaction's holes left out), without reading the messages."""
-    entries = self._queue(topic, queue_id).entries(offset, count)
+    queue = self._queue(topic, queue_id)
+    try:
+        entries = queue.entries(offset, count)
+    except follow.READ_FAILURES:  # (a try costs nothing until it catches)
+        if not self.read_only:
+            raise
+        entries = follow.beside_deletion(self, queue, lambda: queue.entries(offset, count))
     return [position for position, _ in entries if position >= 0]
 
 
