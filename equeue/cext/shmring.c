@@ -334,12 +334,17 @@ static Py_ssize_t ring_put(ShmRing *self, const char *src, Py_ssize_t n) {
 
 static PyObject *S_queue_rest, *S_write_broke;
 
-/* ring_put, with the out ring's index found out of bounds handed to the transport's
- * _write_broke(error) (it closes the connection later, not under the writer: a write
- * from the broker's release of many connections' answers raises nothing) and the bytes
- * counted as written. */
-static Py_ssize_t put_or_drop(ShmRing *self, const char *src, Py_ssize_t n) {
-    Py_ssize_t sent = ring_put(self, src, n);
+/* ring_put of view's bytes, with the out ring's index found out of bounds handed to the
+ * transport's _write_broke(error) (it closes the connection later, not under the writer:
+ * a write from the broker's release of many connections' answers raises nothing) and the
+ * bytes counted as written. The view is released first, whatever happens: _write_broke
+ * drops the transport's rest, which may be the very bytearray viewed (on_room's
+ * put(self.rest)), and a bytearray with a view cannot be resized (reviewshm2 N1: a
+ * BufferError replaced the ShmRingError). */
+static Py_ssize_t put_or_drop(ShmRing *self, Py_buffer *view) {
+    Py_ssize_t n = view->len;
+    Py_ssize_t sent = ring_put(self, view->buf, n);
+    PyBuffer_Release(view);
     if (sent >= 0 || !self->out_broken || ShmBroken == NULL || !PyErr_ExceptionMatches(ShmBroken))
         return sent;
     PyObject *type, *value, *tb;
@@ -360,10 +365,11 @@ static Py_ssize_t put_or_drop(ShmRing *self, const char *src, Py_ssize_t n) {
 static PyObject *ring_write(ShmRing *self, PyObject *data) {
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t sent = 0;
-    if (!self->queued && view.len > 0) sent = put_or_drop(self, view.buf, view.len);
-    Py_ssize_t len = view.len;
-    PyBuffer_Release(&view);
+    Py_ssize_t sent = 0, len = view.len;
+    if (!self->queued && len > 0)
+        sent = put_or_drop(self, &view); /* (releases the view) */
+    else
+        PyBuffer_Release(&view);
     if (sent < 0) return NULL;
     if (sent == len) Py_RETURN_NONE;
     PyObject *at = PyLong_FromSsize_t(sent);
@@ -377,8 +383,7 @@ static PyObject *ring_write(ShmRing *self, PyObject *data) {
 static PyObject *ring_py_put(ShmRing *self, PyObject *data) {
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t sent = put_or_drop(self, view.buf, view.len);
-    PyBuffer_Release(&view);
+    Py_ssize_t sent = put_or_drop(self, &view); /* (releases the view) */
     return sent < 0 ? NULL : PyLong_FromSsize_t(sent);
 }
 
