@@ -457,3 +457,31 @@ def test_a_tail_broken_while_bytes_wait_for_room_is_a_shm_ring_error_on_both_sid
         assert type(error) is ShmRingError and "out of bounds" in str(error)
     finally:
         transport.unmap()
+
+
+def test_a_peer_in_a_pid_namespace_the_broker_cannot_see_stays_on_its_socket(
+    broker: BrokerThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SO_PEERCRED's pid 0 (every peer of another pid namespace): a group keyed (0, name)
+    was joined by any such peer that sent the name, and rode on its wake-ups (reviewshm2
+    N6). No rings for such a peer: its connection goes on over its socket."""
+    from equeue.server import shm
+
+    monkeypatch.setattr(shm, "peer_pid", lambda sock: 0)
+
+    async def run() -> list[tuple[str, int]]:
+        clients = [await equeue.aio.connect(_url(broker), shm=True, timeout=10) for _ in "ab"]
+        try:
+            return [
+                (type(c._protocol.transport).__name__, (await c.send("t", b"x")).queue_offset)  # type: ignore[union-attr]
+                for c in clients
+            ]
+        finally:
+            for client in clients:
+                await client.close()
+
+    got = asyncio.run(run())
+    assert got == [("_SelectorSocketTransport", 0), ("_SelectorSocketTransport", 1)]
+    assert broker.broker.shm is not None and not broker.broker.shm.groups
+    refusals = [r for r in caplog.records if "pid namespace" in r.message]
+    assert len(refusals) == 1 and "SO_PEERCRED pid 0" in refusals[0].message
