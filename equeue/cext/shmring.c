@@ -125,8 +125,10 @@ static void wake_send(int fd);
  * 64 answers to 64 rings of one client find 64 flags set, and one send a loop turn
  * (call_soon) wakes it once (1 x 64: 0.28-0.30 broker system calls a send deferred,
  * 1.29-1.32 sent at once). A group of one ring has one flag: the exchange already
- * dedups, and a send now saves the loop turn the deferral costs (reviewshm F10: 1 x 1
- * client CPU 32-35 us a send at once, 50-65 deferred). */
+ * dedups, and a send now saves the loop turn the deferral costs (reviewshm F10, 1 x 1:
+ * client system calls a send 3.11 / 3.08 at once, 4.08 / 4.78 deferred, the extra
+ * turn's epoll_wait; its CPU figures were within the host's noise: docs/benchmarks.md
+ * "The wake-up a loop turn"). */
 static int waker_note(ShmWaker *w) {
     if (w->at_once) {
         if (w->efd >= 0) wake_send(w->efd);
