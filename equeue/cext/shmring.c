@@ -504,9 +504,24 @@ typedef struct {
     PyObject *again; /* loop.call_soon: a drain cut short comes back through it */
     PyObject *eof;   /* called once the peer's end of the wake-up socket is closed */
     unsigned long long drains; /* (tests, stats: how often it ran) */
+    unsigned long long cut;    /* drains that stopped at their byte budget (tests) */
+    int again_pending;         /* a drain(AGAIN) is scheduled: the group's one reader a
+                                * turn (each cut drain scheduling one more, and the
+                                * wake-up's reader beside them, made 5 drains a turn) */
+    Py_ssize_t start;          /* the ring a drain serves first: the one after the last
+                                * drain's budget ran out (else ring 0's flood starves the
+                                * group's others) */
 } ShmMux;
 
-static PyObject *S_get_buffer, *S_buffer_updated, *S_on_room, *S_on_broken, *MINUS_ONE;
+/* What one drain takes from its group's rings before the loop's other descriptors are
+ * polled: a socket connection's one read a turn (the protocol's 256 KiB buffer). Without
+ * it a drain read a ring until empty, up to 64 reads of 256 KiB: a producer refilling its
+ * ring from its own core held the broker's loop 100-116 ms a drain, every other client's
+ * request waiting that long (reviewshm2 N10). */
+#define DRAIN_BUDGET_BYTES (256 * 1024)
+
+static PyObject *S_get_buffer, *S_buffer_updated, *S_on_room, *S_on_broken, *MINUS_ONE, *AGAIN;
+#define AGAIN_FD (-2) /* drain(AGAIN_FD): the one mux_again scheduled (else as -1) */
 
 int clientconn_reads(PyObject *object);     /* clientconn.c */
 PyObject *clientconn_inbuf(PyObject *conn); /* borrowed; NULL with an error */
@@ -570,11 +585,13 @@ static int ring_failed(ShmRing *ring) {
     return 0;
 }
 
-/* The ring's protocol given what waits (one read's worth at a time, at most 16 reads):
- * 1 when it read anything, 0 when nothing, -1 with an error its on_broken did not take. */
-static int deliver(ShmRing *ring) {
+/* The ring's protocol given what waits (one read's worth at a time, at most 16 reads,
+ * while *budget, the drain's bytes left, lasts): 1 when it read anything, 0 when
+ * nothing, -1 with an error its on_broken did not take. */
+static int deliver(ShmRing *ring, Py_ssize_t *budget) {
     int any = 0;
-    for (int reads = 0; reads < 16 && !ring->paused && !ring->broken && ring->base; reads++) {
+    for (int reads = 0; reads < 16 && *budget > 0 && !ring->paused && !ring->broken && ring->base;
+         reads++) {
         PyObject *protocol = ring->protocol;
         if (protocol == NULL || protocol == Py_None) return any;
         /* nothing waiting: no call (most of a group's rings, most of the time) */
@@ -596,6 +613,7 @@ static int deliver(ShmRing *ring) {
             Py_DECREF(buf);
         }
         PyObject *r = NULL;
+        if (n > 0) *budget -= n;
         if (n > 0 && conn) {
             r = clientconn_read(protocol, n);
         } else if (n > 0) {
@@ -618,6 +636,21 @@ static int deliver(ShmRing *ring) {
     return any;
 }
 
+/* self.again(self.drain, -1): the group's reader runs again on a later loop turn (-1: no
+ * wake-up byte read then: a producer that published during this drain saw its reader
+ * awake and sent none, reviewshm F4). 0, or -1 with an error. */
+static int mux_again(ShmMux *self) {
+    if (self->again == NULL || self->again == Py_None || self->again_pending) return 0;
+    PyObject *drain = PyObject_GetAttrString((PyObject *)self, "drain");
+    PyObject *r = drain == NULL ? NULL
+                                : PyObject_CallFunctionObjArgs(self->again, drain, AGAIN, NULL);
+    Py_XDECREF(drain);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    self->again_pending = 1;
+    return 0;
+}
+
 /* drain(fd): the loop's reader callback of the group's wake-up socket (-1: none to
  * read). What wake-up bytes wait, up to 64 KiB in at most 4 recvs (more: the loop calls
  * again): a peer's one 64 KiB send costs this reader one drain, not 256 of 256 bytes each
@@ -625,6 +658,10 @@ static int deliver(ShmRing *ring) {
 static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
     int efd = PyLong_AsLong(arg);
     if (efd == -1 && PyErr_Occurred()) return NULL;
+    if (efd == AGAIN_FD) {
+        self->again_pending = 0;
+        efd = -1;
+    }
     self->drains++;
     if (efd >= 0) {
         char sink[16384];
@@ -643,6 +680,8 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
             if (r == NULL) return NULL;
             Py_DECREF(r);
         }
+        /* the drain scheduled already reads the rings this turn (N10: a budget a turn) */
+        if (self->again_pending) Py_RETURN_NONE;
     }
     PyObject *rings = PyList_GetSlice(self->rings, 0, PY_SSIZE_T_MAX); /* held: reads run tasks */
     if (rings == NULL) return NULL;
@@ -652,11 +691,13 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
         if (ring->base) atomic_store_explicit(&ring->in->reader_sleeps, 0, memory_order_relaxed);
     }
     PyObject *result = NULL;
+    Py_ssize_t budget = DRAIN_BUDGET_BYTES, first = n > 0 ? self->start % n : 0;
     for (int pass = 0;; pass++) {
         int any = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            Py_ssize_t i = (first + k) % n;
             ShmRing *ring = (ShmRing *)PyList_GET_ITEM(rings, i);
-            int got = deliver(ring);
+            int got = deliver(ring, &budget);
             if (got < 0) goto done;
             any |= got;
             if (ring->queued && !ring->broken && ring->base) {
@@ -664,6 +705,15 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
                 if (r == NULL && ring_failed(ring) < 0) goto done;
                 Py_XDECREF(r);
             }
+            if (budget <= 0) {
+                self->start = i + 1;
+                break;
+            }
+        }
+        if (budget <= 0) { /* the loop's other descriptors first, then this group again */
+            self->cut++;
+            if (mux_again(self) < 0) goto done;
+            break;
         }
         if (any && pass < 3) continue;
         /* going to sleep: say so, then look once more */
@@ -682,18 +732,8 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
             }
         }
         if (!waiting) break;
-        if (pass >= 3) { /* more keeps coming: the loop's other work first, then again
-                          * (drain(-1) too: a producer that published during this drain
-                          * saw its reader awake and wrote no eventfd, reviewshm F4) */
-            if (self->again != NULL && self->again != Py_None) {
-                PyObject *drain = PyObject_GetAttrString((PyObject *)self, "drain");
-                PyObject *r = drain == NULL ? NULL
-                                            : PyObject_CallFunctionObjArgs(self->again, drain,
-                                                                           MINUS_ONE, NULL);
-                Py_XDECREF(drain);
-                if (r == NULL) goto done;
-                Py_DECREF(r);
-            }
+        if (pass >= 3) { /* more keeps coming: the loop's other work first, then again */
+            if (mux_again(self) < 0) goto done;
             break;
         }
     }
@@ -735,6 +775,7 @@ static PyMemberDef mux_members[] = {
     {"again", T_OBJECT, offsetof(ShmMux, again), 0, NULL},
     {"eof", T_OBJECT, offsetof(ShmMux, eof), 0, NULL},
     {"drains", T_ULONGLONG, offsetof(ShmMux, drains), READONLY, NULL},
+    {"cut", T_ULONGLONG, offsetof(ShmMux, cut), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -764,7 +805,7 @@ PyObject *shm_types(PyObject *self, PyObject *error) {
             (S_on_room = PyUnicode_InternFromString("on_room")) == NULL ||
             (S_on_broken = PyUnicode_InternFromString("on_broken")) == NULL ||
             (S_write_broke = PyUnicode_InternFromString("_write_broke")) == NULL ||
-            (MINUS_ONE = PyLong_FromLong(-1)) == NULL)
+            (MINUS_ONE = PyLong_FromLong(-1)) == NULL || (AGAIN = PyLong_FromLong(AGAIN_FD)) == NULL)
             return NULL;
         ready = 1;
     }
