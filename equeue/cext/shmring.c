@@ -658,6 +658,11 @@ static int mux_again(ShmMux *self) {
 static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
     int efd = PyLong_AsLong(arg);
     if (efd == -1 && PyErr_Occurred()) return NULL;
+    /* a loop callback (the wake-up's reader, again) takes its budget; drain(-1), called
+     * in place (a half-close's last read of the requests, the client's at the socket's
+     * end), takes what its reads and passes reach, as before: a budget there dropped
+     * requests published before the end (reviewshm F6) */
+    Py_ssize_t budget = efd == -1 ? PY_SSIZE_T_MAX : DRAIN_BUDGET_BYTES;
     if (efd == AGAIN_FD) {
         self->again_pending = 0;
         efd = -1;
@@ -691,7 +696,7 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
         if (ring->base) atomic_store_explicit(&ring->in->reader_sleeps, 0, memory_order_relaxed);
     }
     PyObject *result = NULL;
-    Py_ssize_t budget = DRAIN_BUDGET_BYTES, first = n > 0 ? self->start % n : 0;
+    Py_ssize_t first = n > 0 ? self->start % n : 0;
     for (int pass = 0;; pass++) {
         int any = 0;
         for (Py_ssize_t k = 0; k < n; k++) {
@@ -743,6 +748,12 @@ done:
     return result;
 }
 
+/* schedule(): the group's rings read on a later loop turn (a connection's reading
+ * resumed), once however many ask before it runs. */
+static PyObject *mux_schedule(ShmMux *self, PyObject *unused) {
+    return mux_again(self) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
 static PyObject *mux_add(ShmMux *self, PyObject *ring) {
     if (!PyObject_TypeCheck(ring, &ShmRingType)) {
         PyErr_SetString(PyExc_TypeError, "ShmMux.add() takes a ShmRing");
@@ -765,6 +776,7 @@ static Py_ssize_t mux_len(ShmMux *self) { return PyList_GET_SIZE(self->rings); }
 static PyMethodDef mux_methods[] = {
     {"drain", (PyCFunction)mux_drain, METH_O, NULL},
     {"add", (PyCFunction)mux_add, METH_O, NULL},
+    {"schedule", (PyCFunction)mux_schedule, METH_NOARGS, NULL},
     {"remove", (PyCFunction)mux_remove, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -72,8 +72,9 @@ class _Group:
         self.client_end.close()
 
     def wake(self) -> None:
-        """The group's reader runs on a later loop turn, as if a client had woken it."""
-        self.loop.call_soon(self.mux.drain, -1)
+        """The group's reader runs on a later loop turn, as if a client had woken it (one
+        drain a turn, with its byte budget: cext/shmring.c mux_again)."""
+        self.mux.schedule()
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
         self.client_gone()
