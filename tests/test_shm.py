@@ -269,8 +269,8 @@ def test_a_drain_cut_short_after_its_passes_comes_back() -> None:
     mux.drain(-1)
     assert z_broker.protocol.reads == 4  # (the scenario: cut short after 4 passes)
     assert x_broker.protocol.reads == 0  # (X published during the drain: not read)
-    assert scheduled == [(mux.drain, -1)]  # (the reader comes back for X)
-    mux.drain(-1)
+    assert scheduled == [(mux.drain, -2)]  # (the reader comes back for X: -2, "again")
+    mux.drain(-2)
     assert x_broker.protocol.reads == 1
 
 
@@ -400,3 +400,66 @@ def test_stats_count_the_connections_on_rings(broker: BrokerThread) -> None:
     assert during["drains"] >= 1  # (the send's request was read by the group's reader)
     assert after["connections"] == 0 and after["groups"] == 0 and after["mapped_bytes"] == 0
     assert after["drains"] >= during["drains"]
+
+
+def test_a_flooded_ring_yields_the_loop_after_a_socket_reads_worth() -> None:
+    """A producer that refills its ring as fast as the broker reads it: a drain read the
+    ring until empty, up to 64 reads, and one producer held the broker's loop 100-116 ms
+    a drain, every other client waiting (reviewshm2 N10). A drain takes 256 KiB (a socket
+    read's worth), comes back once a turn (not once per cut drain, plus the wake-up's
+    reader beside it), and starts at the ring after the one that used its budget."""
+    ring_bytes = 1 << 16
+    total = shmrings.region_bytes(ring_bytes)
+    pairs = []
+    for _ in range(2):
+        fd = os.memfd_create("t", os.MFD_CLOEXEC)
+        os.ftruncate(fd, total)
+        client = shmrings.ShmRing(fd, total, shmrings.CLIENT)
+        client.waker = shmrings.ShmWaker(-1, lambda fire: fire())
+        pairs.append((client, shmrings.ShmRing(fd, total, shmrings.BROKER)))
+        os.close(fd)
+    (flood_client, flood_broker), (other_client, other_broker) = pairs
+
+    class Reader:
+        def __init__(self, refill: Any) -> None:
+            self.buffer = bytearray(ring_bytes)
+            self.taken = 0
+            self.refill = refill
+
+        def get_buffer(self, hint: int) -> memoryview:
+            return memoryview(self.buffer)
+
+        def buffer_updated(self, n: int) -> None:
+            self.taken += n
+            self.refill()
+
+    flood_broker.protocol = Reader(lambda: flood_client.put(b"f" * ring_bytes))
+    other_broker.protocol = Reader(lambda: None)
+    mux = shmrings.ShmMux()
+    scheduled: list[tuple[Any, ...]] = []
+    mux.again = lambda *call: scheduled.append(call)  # (loop.call_soon)
+    mux.add(flood_broker)
+    mux.add(other_broker)
+    flood_client.put(b"f" * ring_bytes)
+    other_client.put(b"request")
+    wake_end, broker_end = socket.socketpair()
+    with wake_end, broker_end:
+        broker_end.setblocking(False)
+        wake_end.send(b"w")
+        mux.drain(broker_end.fileno())  # (the wake-up's reader)
+        assert flood_broker.protocol.taken == 4 * ring_bytes  # (was 64 reads: 4 MiB here)
+        assert other_broker.protocol.taken == 0
+        assert scheduled == [(mux.drain, -2)] and mux.cut == 1
+        wake_end.send(b"w")
+        mux.drain(broker_end.fileno())  # (again: the scheduled drain reads, not this one)
+        assert flood_broker.protocol.taken == 4 * ring_bytes
+        mux.schedule()  # (a connection's reading resumed: the one scheduled drain)
+        assert len(scheduled) == 1
+    mux.drain(-2)  # (the loop's next turn: the other ring first)
+    assert other_broker.protocol.taken == len(b"request")
+    assert flood_broker.protocol.taken == 8 * ring_bytes  # (a read past the budget: 7 bytes over)
+    assert len(scheduled) == 2
+    # drain(-1) in place (a half-close reads what was published before its end): no
+    # budget, its reads and passes as before
+    mux.drain(-1)
+    assert flood_broker.protocol.taken > 16 * ring_bytes

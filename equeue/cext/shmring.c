@@ -125,8 +125,10 @@ static void wake_send(int fd);
  * 64 answers to 64 rings of one client find 64 flags set, and one send a loop turn
  * (call_soon) wakes it once (1 x 64: 0.28-0.30 broker system calls a send deferred,
  * 1.29-1.32 sent at once). A group of one ring has one flag: the exchange already
- * dedups, and a send now saves the loop turn the deferral costs (reviewshm F10: 1 x 1
- * client CPU 32-35 us a send at once, 50-65 deferred). */
+ * dedups, and a send now saves the loop turn the deferral costs (reviewshm F10, 1 x 1:
+ * client system calls a send 3.11 / 3.08 at once, 4.08 / 4.78 deferred, the extra
+ * turn's epoll_wait; its CPU figures were within the host's noise: docs/benchmarks.md
+ * "The wake-up a loop turn"). */
 static int waker_note(ShmWaker *w) {
     if (w->at_once) {
         if (w->efd >= 0) wake_send(w->efd);
@@ -334,12 +336,17 @@ static Py_ssize_t ring_put(ShmRing *self, const char *src, Py_ssize_t n) {
 
 static PyObject *S_queue_rest, *S_write_broke;
 
-/* ring_put, with the out ring's index found out of bounds handed to the transport's
- * _write_broke(error) (it closes the connection later, not under the writer: a write
- * from the broker's release of many connections' answers raises nothing) and the bytes
- * counted as written. */
-static Py_ssize_t put_or_drop(ShmRing *self, const char *src, Py_ssize_t n) {
-    Py_ssize_t sent = ring_put(self, src, n);
+/* ring_put of view's bytes, with the out ring's index found out of bounds handed to the
+ * transport's _write_broke(error) (it closes the connection later, not under the writer:
+ * a write from the broker's release of many connections' answers raises nothing) and the
+ * bytes counted as written. The view is released first, whatever happens: _write_broke
+ * drops the transport's rest, which may be the very bytearray viewed (on_room's
+ * put(self.rest)), and a bytearray with a view cannot be resized (reviewshm2 N1: a
+ * BufferError replaced the ShmRingError). */
+static Py_ssize_t put_or_drop(ShmRing *self, Py_buffer *view) {
+    Py_ssize_t n = view->len;
+    Py_ssize_t sent = ring_put(self, view->buf, n);
+    PyBuffer_Release(view);
     if (sent >= 0 || !self->out_broken || ShmBroken == NULL || !PyErr_ExceptionMatches(ShmBroken))
         return sent;
     PyObject *type, *value, *tb;
@@ -360,10 +367,11 @@ static Py_ssize_t put_or_drop(ShmRing *self, const char *src, Py_ssize_t n) {
 static PyObject *ring_write(ShmRing *self, PyObject *data) {
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t sent = 0;
-    if (!self->queued && view.len > 0) sent = put_or_drop(self, view.buf, view.len);
-    Py_ssize_t len = view.len;
-    PyBuffer_Release(&view);
+    Py_ssize_t sent = 0, len = view.len;
+    if (!self->queued && len > 0)
+        sent = put_or_drop(self, &view); /* (releases the view) */
+    else
+        PyBuffer_Release(&view);
     if (sent < 0) return NULL;
     if (sent == len) Py_RETURN_NONE;
     PyObject *at = PyLong_FromSsize_t(sent);
@@ -377,8 +385,7 @@ static PyObject *ring_write(ShmRing *self, PyObject *data) {
 static PyObject *ring_py_put(ShmRing *self, PyObject *data) {
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t sent = put_or_drop(self, view.buf, view.len);
-    PyBuffer_Release(&view);
+    Py_ssize_t sent = put_or_drop(self, &view); /* (releases the view) */
     return sent < 0 ? NULL : PyLong_FromSsize_t(sent);
 }
 
@@ -497,9 +504,24 @@ typedef struct {
     PyObject *again; /* loop.call_soon: a drain cut short comes back through it */
     PyObject *eof;   /* called once the peer's end of the wake-up socket is closed */
     unsigned long long drains; /* (tests, stats: how often it ran) */
+    unsigned long long cut;    /* drains that stopped at their byte budget (tests) */
+    int again_pending;         /* a drain(AGAIN) is scheduled: the group's one reader a
+                                * turn (each cut drain scheduling one more, and the
+                                * wake-up's reader beside them, made 5 drains a turn) */
+    Py_ssize_t start;          /* the ring a drain serves first: the one after the last
+                                * drain's budget ran out (else ring 0's flood starves the
+                                * group's others) */
 } ShmMux;
 
-static PyObject *S_get_buffer, *S_buffer_updated, *S_on_room, *S_on_broken, *MINUS_ONE;
+/* What one drain takes from its group's rings before the loop's other descriptors are
+ * polled: a socket connection's one read a turn (the protocol's 256 KiB buffer). Without
+ * it a drain read a ring until empty, up to 64 reads of 256 KiB: a producer refilling its
+ * ring from its own core held the broker's loop 100-116 ms a drain, every other client's
+ * request waiting that long (reviewshm2 N10). */
+#define DRAIN_BUDGET_BYTES (256 * 1024)
+
+static PyObject *S_get_buffer, *S_buffer_updated, *S_on_room, *S_on_broken, *MINUS_ONE, *AGAIN;
+#define AGAIN_FD (-2) /* drain(AGAIN_FD): the one mux_again scheduled (else as -1) */
 
 int clientconn_reads(PyObject *object);     /* clientconn.c */
 PyObject *clientconn_inbuf(PyObject *conn); /* borrowed; NULL with an error */
@@ -563,11 +585,13 @@ static int ring_failed(ShmRing *ring) {
     return 0;
 }
 
-/* The ring's protocol given what waits (one read's worth at a time, at most 16 reads):
- * 1 when it read anything, 0 when nothing, -1 with an error its on_broken did not take. */
-static int deliver(ShmRing *ring) {
+/* The ring's protocol given what waits (one read's worth at a time, at most 16 reads,
+ * while *budget, the drain's bytes left, lasts): 1 when it read anything, 0 when
+ * nothing, -1 with an error its on_broken did not take. */
+static int deliver(ShmRing *ring, Py_ssize_t *budget) {
     int any = 0;
-    for (int reads = 0; reads < 16 && !ring->paused && !ring->broken && ring->base; reads++) {
+    for (int reads = 0; reads < 16 && *budget > 0 && !ring->paused && !ring->broken && ring->base;
+         reads++) {
         PyObject *protocol = ring->protocol;
         if (protocol == NULL || protocol == Py_None) return any;
         /* nothing waiting: no call (most of a group's rings, most of the time) */
@@ -589,6 +613,7 @@ static int deliver(ShmRing *ring) {
             Py_DECREF(buf);
         }
         PyObject *r = NULL;
+        if (n > 0) *budget -= n;
         if (n > 0 && conn) {
             r = clientconn_read(protocol, n);
         } else if (n > 0) {
@@ -611,18 +636,47 @@ static int deliver(ShmRing *ring) {
     return any;
 }
 
+/* self.again(self.drain, -1): the group's reader runs again on a later loop turn (-1: no
+ * wake-up byte read then: a producer that published during this drain saw its reader
+ * awake and sent none, reviewshm F4). 0, or -1 with an error. */
+static int mux_again(ShmMux *self) {
+    if (self->again == NULL || self->again == Py_None || self->again_pending) return 0;
+    PyObject *drain = PyObject_GetAttrString((PyObject *)self, "drain");
+    PyObject *r = drain == NULL ? NULL
+                                : PyObject_CallFunctionObjArgs(self->again, drain, AGAIN, NULL);
+    Py_XDECREF(drain);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    self->again_pending = 1;
+    return 0;
+}
+
 /* drain(fd): the loop's reader callback of the group's wake-up socket (-1: none to
- * read). One recv of what wake-up bytes wait, up to 256 (more: the loop calls again). */
+ * read). What wake-up bytes wait, up to 64 KiB in at most 4 recvs (more: the loop calls
+ * again): a peer's one 64 KiB send costs this reader one drain, not 256 of 256 bytes each
+ * (reviewshm2 N2: a client's byte flood, 2.4 M drains in 3 s, a broker core ~70 % busy). */
 static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
     int efd = PyLong_AsLong(arg);
     if (efd == -1 && PyErr_Occurred()) return NULL;
+    /* a loop callback (the wake-up's reader, again) takes its budget; drain(-1), called
+     * in place (a half-close's last read of the requests, the client's at the socket's
+     * end), takes what its reads and passes reach, as before: a budget there dropped
+     * requests published before the end (reviewshm F6) */
+    Py_ssize_t budget = efd == -1 ? PY_SSIZE_T_MAX : DRAIN_BUDGET_BYTES;
+    if (efd == AGAIN_FD) {
+        self->again_pending = 0;
+        efd = -1;
+    }
     self->drains++;
     if (efd >= 0) {
-        char sink[256];
+        char sink[16384];
         ssize_t got;
-        do
-            got = recv(efd, sink, sizeof sink, MSG_DONTWAIT);
-        while (got < 0 && errno == EINTR);
+        int recvs = 0;
+        do {
+            do
+                got = recv(efd, sink, sizeof sink, MSG_DONTWAIT);
+            while (got < 0 && errno == EINTR);
+        } while (got == (ssize_t)sizeof sink && ++recvs < 4);
         /* the peer closed its end: readable for ever, so the loop would call this every
          * turn (a client that closed its end kept the broker's loop spinning); eof()
          * stops watching it, and the rings are read once more */
@@ -631,6 +685,8 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
             if (r == NULL) return NULL;
             Py_DECREF(r);
         }
+        /* the drain scheduled already reads the rings this turn (N10: a budget a turn) */
+        if (self->again_pending) Py_RETURN_NONE;
     }
     PyObject *rings = PyList_GetSlice(self->rings, 0, PY_SSIZE_T_MAX); /* held: reads run tasks */
     if (rings == NULL) return NULL;
@@ -640,11 +696,13 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
         if (ring->base) atomic_store_explicit(&ring->in->reader_sleeps, 0, memory_order_relaxed);
     }
     PyObject *result = NULL;
+    Py_ssize_t first = n > 0 ? self->start % n : 0;
     for (int pass = 0;; pass++) {
         int any = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            Py_ssize_t i = (first + k) % n;
             ShmRing *ring = (ShmRing *)PyList_GET_ITEM(rings, i);
-            int got = deliver(ring);
+            int got = deliver(ring, &budget);
             if (got < 0) goto done;
             any |= got;
             if (ring->queued && !ring->broken && ring->base) {
@@ -652,6 +710,15 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
                 if (r == NULL && ring_failed(ring) < 0) goto done;
                 Py_XDECREF(r);
             }
+            if (budget <= 0) {
+                self->start = i + 1;
+                break;
+            }
+        }
+        if (budget <= 0) { /* the loop's other descriptors first, then this group again */
+            self->cut++;
+            if (mux_again(self) < 0) goto done;
+            break;
         }
         if (any && pass < 3) continue;
         /* going to sleep: say so, then look once more */
@@ -670,18 +737,8 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
             }
         }
         if (!waiting) break;
-        if (pass >= 3) { /* more keeps coming: the loop's other work first, then again
-                          * (drain(-1) too: a producer that published during this drain
-                          * saw its reader awake and wrote no eventfd, reviewshm F4) */
-            if (self->again != NULL && self->again != Py_None) {
-                PyObject *drain = PyObject_GetAttrString((PyObject *)self, "drain");
-                PyObject *r = drain == NULL ? NULL
-                                            : PyObject_CallFunctionObjArgs(self->again, drain,
-                                                                           MINUS_ONE, NULL);
-                Py_XDECREF(drain);
-                if (r == NULL) goto done;
-                Py_DECREF(r);
-            }
+        if (pass >= 3) { /* more keeps coming: the loop's other work first, then again */
+            if (mux_again(self) < 0) goto done;
             break;
         }
     }
@@ -689,6 +746,12 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
 done:
     Py_DECREF(rings);
     return result;
+}
+
+/* schedule(): the group's rings read on a later loop turn (a connection's reading
+ * resumed), once however many ask before it runs. */
+static PyObject *mux_schedule(ShmMux *self, PyObject *unused) {
+    return mux_again(self) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *mux_add(ShmMux *self, PyObject *ring) {
@@ -713,6 +776,7 @@ static Py_ssize_t mux_len(ShmMux *self) { return PyList_GET_SIZE(self->rings); }
 static PyMethodDef mux_methods[] = {
     {"drain", (PyCFunction)mux_drain, METH_O, NULL},
     {"add", (PyCFunction)mux_add, METH_O, NULL},
+    {"schedule", (PyCFunction)mux_schedule, METH_NOARGS, NULL},
     {"remove", (PyCFunction)mux_remove, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -723,6 +787,7 @@ static PyMemberDef mux_members[] = {
     {"again", T_OBJECT, offsetof(ShmMux, again), 0, NULL},
     {"eof", T_OBJECT, offsetof(ShmMux, eof), 0, NULL},
     {"drains", T_ULONGLONG, offsetof(ShmMux, drains), READONLY, NULL},
+    {"cut", T_ULONGLONG, offsetof(ShmMux, cut), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -752,7 +817,7 @@ PyObject *shm_types(PyObject *self, PyObject *error) {
             (S_on_room = PyUnicode_InternFromString("on_room")) == NULL ||
             (S_on_broken = PyUnicode_InternFromString("on_broken")) == NULL ||
             (S_write_broke = PyUnicode_InternFromString("_write_broke")) == NULL ||
-            (MINUS_ONE = PyLong_FromLong(-1)) == NULL)
+            (MINUS_ONE = PyLong_FromLong(-1)) == NULL || (AGAIN = PyLong_FromLong(AGAIN_FD)) == NULL)
             return NULL;
         ready = 1;
     }

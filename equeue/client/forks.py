@@ -11,8 +11,8 @@ the number, and a close would let the child's next descriptor take it. Whatever 
 child's copy of the transport then does, reading (end of file), writing (EPIPE) or
 removing the number from an epoll set (the set looks the number up in the child's table:
 not found), reaches the dead socket and never the parent's connection. A connection on
-shared rings has a hook of its own (shmconn.py): the child unmaps the rings and points
-the group's eventfds at fresh eventfds.
+shared rings has a hook of its own (shmconn.py): the child unmaps every ring, then points
+each group's wake-up socket at a dead socket as above.
 
 A group member (GroupConsumer, AsyncGroupConsumer) made before a fork is closed in the
 child too (reviewk F2: both processes pulled as the one member, same consumer id and

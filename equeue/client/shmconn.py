@@ -16,6 +16,7 @@ socket, as without shm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import secrets
@@ -39,6 +40,7 @@ class _Group:
         self.mux = shmrings.ShmMux()
         self.mux.again = loop.call_soon  # (a drain cut short after its passes)
         self.wake_fd = -1  # our end of the group's wake-up socketpair (the broker's)
+        self.opening = 0  # (connections between their hello and their transport)
         self.watched = False  # (wake_fd in the loop's readers)
         self.waker: Any = None
         self.rings: weakref.WeakSet[ShmClientTransport] = weakref.WeakSet()
@@ -74,23 +76,44 @@ class _Group:
             os.close(self.wake_fd)
             self.wake_fd = -1
 
-    def leave_to_parent(self) -> None:
-        """In a forked child: the mapping and the wake-up socket are the parent's. Each
-        ring is unmapped (this process only: every ring operation is then a no-op) and
-        the socket's number points at a socket whose peer is gone, so that a child
-        running the inherited loop neither takes the parent's answers out of the answer
-        ring nor reads its wake-ups (the epoll set, shared, still reports them)."""
-        for ring in list(self.rings):
-            ring.unmap()
-        if self.wake_fd >= 0:
-            forks.point_at_a_dead_socket(self.wake_fd)
+    def forget_if_unused(self) -> None:
+        """Its last connection gone (and none on its way): the group goes with its
+        descriptor, as the broker's does, and the next connection makes a group of its
+        own. Kept, it held its loop (reviewshm2 N7: _groups' weak keys never died, a
+        descriptor and a loop kept per asyncio.run() that used shm)."""
+        if self.rings or self.opening:
+            return
+        self.drop_fds()
+        by_path = _groups.get(self.loop)
+        if by_path is not None:
+            for path, group in list(by_path.items()):
+                if group is self:
+                    del by_path[path]
+            if not by_path:
+                del _groups[self.loop]
 
 
 def _forked() -> None:
-    for by_path in list(_groups.values()):
-        for group in by_path.values():
-            group.leave_to_parent()
+    """In a forked child: the mappings and the wake-up sockets are the parent's. Every
+    ring is unmapped first (this process only: each ring operation is then a no-op; an
+    munmap needs no descriptor), then each socket's number points at a socket whose
+    peer is gone, so that a child running the inherited loop neither takes the parent's
+    answers out of the answer ring nor reads its wake-ups (the epoll set, shared, still
+    reports them). A child whose descriptor table is full cannot make that socket: its
+    numbers stay the parent's sockets (a wake-up byte the child may read, no answer),
+    and the other groups are done all the same (reviewshm2 N8: one OSError left them
+    mapped)."""
+    groups = [group for by_path in list(_groups.values()) for group in by_path.values()]
     _groups.clear()  # (a new connection in the child makes a group of its own)
+    for group in groups:
+        for ring in list(group.rings):
+            ring.unmap()
+    for group in groups:
+        if group.wake_fd >= 0:
+            if group.waker is not None:
+                group.waker.close()  # (no wake-up sent from the child)
+            with contextlib.suppress(OSError):
+                forks.point_at_a_dead_socket(group.wake_fd)
 
 
 _groups: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Group]] = (
@@ -152,6 +175,21 @@ async def open_connection(
     """Connect, hello (asking for rings), welcome; the protocol is then made and fed the
     welcome over rings, or over its socket where the broker sent none."""
     group = group_of(loop, endpoint.path)
+    group.opening += 1
+    try:
+        await _open(loop, endpoint, protocol, hello, group)
+    finally:
+        group.opening -= 1
+        group.forget_if_unused()
+
+
+async def _open(
+    loop: asyncio.AbstractEventLoop,
+    endpoint: Endpoint,
+    protocol: Any,
+    hello: Callable[[str], bytes],
+    group: _Group,
+) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
@@ -282,6 +320,7 @@ class ShmClientTransport(shmrings.ShmRing if shmrings.ShmRing is not None else o
         self.group.mux.remove(self)
         self.group.rings.discard(self)
         self.group.count_rings()
+        self.group.forget_if_unused()
         self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         protocol, self.protocol = self.protocol, None

@@ -58,9 +58,13 @@ def check_ring_bytes(ring_bytes: int) -> int:
 
 def recv_with_fds(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
     """One recvmsg: its bytes and the descriptors that came with them (at most 3: more
-    than the 2 of a welcome, so that a broker of another version is told, not cut)."""
+    than the 2 of a welcome, so that a broker of another version is told, not cut),
+    close-on-exec from their arrival: a program the client execs must not hold the
+    group's wake-up end, nor a thread's spawn meanwhile the region (reviewshm2 N3)."""
     fds = array.array("i")
-    data, ancdata, flags, _ = sock.recvmsg(size, socket.CMSG_SPACE(3 * fds.itemsize))
+    data, ancdata, flags, _ = sock.recvmsg(
+        size, socket.CMSG_SPACE(3 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+    )
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             whole = len(payload) - len(payload) % fds.itemsize

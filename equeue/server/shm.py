@@ -72,8 +72,9 @@ class _Group:
         self.client_end.close()
 
     def wake(self) -> None:
-        """The group's reader runs on a later loop turn, as if a client had woken it."""
-        self.loop.call_soon(self.mux.drain, -1)
+        """The group's reader runs on a later loop turn, as if a client had woken it (one
+        drain a turn, with its byte budget: cext/shmring.c mux_again)."""
+        self.mux.schedule()
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
         self.client_gone()
@@ -90,6 +91,7 @@ class BrokerShm:
         self.ring_bytes = shmrings.check_ring_bytes(ring_bytes)
         self.drains = 0  # (of the groups closed since: stats())
         self.groups: dict[tuple[int, str], _Group] = {}
+        self.told_pid_zero = False  # (logged once a broker: a warning per connection floods)
 
     def attach(self, conn: Connection, welcome: bytes, group_name: str) -> bool:
         """The welcome sent with the rings and the connection moved onto them; False:
@@ -101,7 +103,10 @@ class BrokerShm:
         sock = transport.get_extra_info("socket")
         if sock is None or sock.family != socket.AF_UNIX:
             return False
-        pid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        pid = peer_pid(sock)
+        if pid == 0:
+            self._refuse_pid_zero(conn)
+            return False
         key = (pid, group_name)
         group = self.groups.get(key)
         fresh = group is None
@@ -149,6 +154,21 @@ class BrokerShm:
         group.mux.add(ring)
         return True
 
+    def _refuse_pid_zero(self, conn: Connection) -> None:
+        """A peer in a pid namespace this broker cannot see (SO_PEERCRED's pid is 0 for
+        every one of them): a group keyed (0, name) is joinable by any such peer that
+        learns the name, and rides on that group's wake-ups (reviewshm2 N6). Its
+        connection stays on its socket instead: no group is ever joined by a process
+        other than the one that made it."""
+        if not self.told_pid_zero:
+            self.told_pid_zero = True
+            log.warning(
+                "%s: shared rings refused, this connection stays on its socket: the peer "
+                "is in a pid namespace the broker cannot see (SO_PEERCRED pid 0), and "
+                "its ring group could not be told from another such peer's (logged once)",
+                conn.where,
+            )
+
     def detach(self, ring: ShmTransport) -> None:
         if not ring.attached:
             return
@@ -179,6 +199,12 @@ class BrokerShm:
         for group in self.groups.values():
             group.close(self.loop)
         self.groups.clear()
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The connecting process's pid as this broker's pid namespace sees it (0: it cannot)."""
+    pid: int = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    return pid
 
 
 class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object):  # type: ignore[misc]
