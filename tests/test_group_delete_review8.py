@@ -1,0 +1,73 @@
+"""Group deletion intents (review8): a group with no retry topic gets the mark that drops
+its delayed copies without its retry topic ever being made, so a SIGKILL anywhere leaves
+no empty ``equeue.retry.G`` behind (R8-1); a malformed ``"topics"`` record is damage, set
+aside with nothing deleted (R8-2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from equeue import MessageStore, StoreConfig
+from equeue.server import retry
+
+RETRY = retry.retry_topic("g")
+CONFIG = StoreConfig(flush="os")
+
+# The child deletes g, SIGKILLing itself at POINT: "retry deleted" (the retry topic's
+# delete_topic, which the old finish called after creating it to record a mark) or
+# "committed" (groupdeletion's commit point, before any finish).
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from equeue import MessageStore, StoreConfig
+    from equeue.store import groupdeletion
+    path, point = sys.argv[1], sys.argv[2]
+    real = MessageStore.delete_topic
+    def delete_topic(store, topic):
+        if point == "retry deleted" and topic == "equeue.retry.g":
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(store, topic)
+    def step(name):
+        if point == name:
+            os.kill(os.getpid(), signal.SIGKILL)
+    MessageStore.delete_topic = delete_topic
+    groupdeletion._step = step
+    with MessageStore.open(path, StoreConfig(flush="os")) as store:
+        store.delete_group("g")
+    """
+)
+
+
+def _no_retry_topic(path: Path) -> Path:
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 1)
+        store.send("t", b"x")
+        store.commit_offset("g", "t", 0, 1)
+        store.create_topic(retry.DELAY_TOPIC, 1)
+        store.send(retry.DELAY_TOPIC, b"a delayed copy of g")
+    return path
+
+
+@pytest.mark.parametrize("point", ["retry deleted", "committed"])
+def test_a_sigkill_in_a_deletion_of_a_group_with_no_retry_topic_leaves_none_and_its_mark(
+    tmp_path: Path, point: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _no_retry_topic(tmp_path / "s")
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), point], capture_output=True, timeout=60
+    )
+    assert child.returncode in (0, -signal.SIGKILL), child.stderr.decode()
+    with MessageStore.open(path, CONFIG) as store:
+        assert not store.recovery.problems, store.recovery.problems
+        assert sorted(store.topics()) == [retry.DELAY_TOPIC, "t"]
+        assert RETRY in store.deleted_topics()  # the mover drops g's delayed copies
+        assert "g" not in store.consumer_groups()
+    assert "kept" not in caplog.text
+    assert not [e for e in os.listdir(path / "consumers" / "recovered") if "deleting" in e]
