@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from equeue import MessageStore, StoreConfig
+from equeue.atomicfile import write_json
 from equeue.server import retry
 
 RETRY = retry.retry_topic("g")
@@ -71,3 +72,74 @@ def test_a_sigkill_in_a_deletion_of_a_group_with_no_retry_topic_leaves_none_and_
         assert "g" not in store.consumer_groups()
     assert "kept" not in caplog.text
     assert not [e for e in os.listdir(path / "consumers" / "recovered") if "deleting" in e]
+
+
+DLQ = retry.dead_letter_topic("g")
+GOOD = {RETRY: {"mark": -1, "ends": [1, 0]}, DLQ: {"mark": -1, "ends": [1]}}
+MALFORMED: dict[str, object] = {
+    "a list": [],
+    "null": None,
+    "a string": "x",
+    "an end past 2**63": {RETRY: {"mark": -1, "ends": [2**63, 0]}},
+    "a negative end": {RETRY: {"mark": -1, "ends": [-5, 0]}},
+    "a string end": {RETRY: {"mark": -1, "ends": ["1", 0]}},
+    "a float end": {RETRY: {"mark": -1, "ends": [1.0, 0]}},
+    "a bool end": {RETRY: {"mark": -1, "ends": [True, 0]}},
+    "ends past the queue count limit": {RETRY: {"mark": -1, "ends": [0] * 1025}},
+    "ends not a list": {RETRY: {"mark": -1, "ends": {"0": 1}}},
+    "no ends": {RETRY: {"mark": -1}},
+    "a string mark": {RETRY: {"mark": "x", "ends": [1, 0]}},
+    "a bool mark": {RETRY: {"mark": True, "ends": [1, 0]}},
+    "a float mark": {RETRY: {"mark": -1.0, "ends": [1, 0]}},
+    "a mark below -1": {RETRY: {"mark": -2, "ends": [1, 0]}},
+    "no mark": {RETRY: {"ends": [1, 0]}},
+    "an entry not a dict": {RETRY: [-1, [1, 0]]},
+    "another group's topic": {"equeue.retry.h": {"mark": -1, "ends": [0]}},
+    "a topic of no group": {"t": {"mark": -1, "ends": [0]}},
+}
+
+
+def _living_group(path: Path) -> Path:
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 1)
+        store.send("t", b"x")
+        store.commit_offset("g", "t", 0, 1)
+        store.create_topic(RETRY, 2)
+        store.send(RETRY, b"old", queue_id=0)
+        store.create_topic(DLQ, 1)
+        store.send(DLQ, b"dead")
+        store.create_topic(retry.DELAY_TOPIC, 1)
+    return path
+
+
+def _intent(path: Path, topics: object) -> Path:
+    side = path / "consumers" / "recovered"
+    side.mkdir(parents=True, exist_ok=True)
+    intent = side / "g.json.1700000000000000000.deleting"
+    body = {"group": "g", "offsets": {}, "deleting": {"dead_letters": True, "topics": topics}}
+    write_json(intent, body)
+    return intent
+
+
+@pytest.mark.parametrize("label", list(MALFORMED))
+def test_a_malformed_topics_record_is_damage_set_aside_with_nothing_deleted(
+    tmp_path: Path, label: str
+) -> None:
+    path = _living_group(tmp_path / "s")
+    intent = _intent(path, MALFORMED[label])
+    with MessageStore.open(path, CONFIG) as store:
+        assert sorted(store.topics()) == sorted([DLQ, RETRY, retry.DELAY_TOPIC, "t"])
+        assert store.consumer_groups()["g"] == {"t": {0: 1}}
+        assert len(store.recovery.problems) == 1, store.recovery.problems
+        assert str(intent) in store.recovery.problems[0]
+        assert '"topics"' in store.recovery.problems[0]
+    assert os.listdir(intent.parent) == [f"{intent.name}.damaged"]
+
+
+def test_a_well_formed_topics_record_is_acted_on(tmp_path: Path) -> None:
+    path = _living_group(tmp_path / "s")
+    intent = _intent(path, GOOD)
+    with MessageStore.open(path, CONFIG) as store:
+        assert not store.recovery.problems, store.recovery.problems
+        assert sorted(store.topics()) == [retry.DELAY_TOPIC, "t"]
+    assert not intent.exists()

@@ -302,27 +302,24 @@ def _scope(store: MessageStore, group: str, dead_letters: bool) -> dict[str, Any
     }
 
 
+_MAX_QUEUES = 1024  # validate.check_queue_count's limit
+
+
 def _unchanged(store: MessageStore, topic: str, scope: dict[str, Any] | None) -> bool:
     """Whether ``topic`` is as the intent recorded it (None: an intent of an equeue that
     recorded nothing, acted on as before): nothing was written to it since, and it was
     not made again (a group made again since its deletion may have written to it)."""
     if scope is None:
         return True
-    known = scope.get(topic)
+    known = scope.get(topic)  # (its shape checked by read_intent)
     queues = store._queues.get(topic)
     if queues is None:
-        return known is None or (
-            isinstance(known, dict) and store._deleted.get(topic, -1) == known.get("mark")
-        )
-    if not isinstance(known, dict) or store._deleted.get(topic, -1) != known.get("mark"):
+        return known is None or store._deleted.get(topic, -1) == known["mark"]
+    if known is None or store._deleted.get(topic, -1) != known["mark"]:
         return False
-    ends = known.get("ends")
-    return (
-        isinstance(ends, list)
-        and len(ends) == len(queues)
-        and all(
-            type(end) is int and q.next_offset <= end for q, end in zip(queues, ends, strict=True)
-        )
+    ends = known["ends"]
+    return len(ends) == len(queues) and all(
+        q.next_offset <= end for q, end in zip(queues, ends, strict=True)
     )
 
 
@@ -475,8 +472,43 @@ def read_intent(path: Path, entry: str) -> tuple[str, bool, dict[str, Any] | Non
             f"{group_offsets.file_name(group)}.<ns>{INTENT_SUFFIX}",
             file=path,
         )
-    scope = deleting.get("topics")
-    return group, deleting.get("dead_letters") is True, scope if isinstance(scope, dict) else None
+    if "topics" not in deleting:  # written by an equeue before the record (acted on as then)
+        return group, deleting.get("dead_letters") is True, None
+    return (
+        group,
+        deleting.get("dead_letters") is True,
+        _checked_scope(deleting["topics"], group, path),
+    )
+
+
+def _is_count(value: object, low: int) -> bool:
+    return type(value) is int and low <= value < 2**63
+
+
+def _checked_scope(scope: object, group: str, path: Path) -> dict[str, Any]:
+    """``"topics"`` as _scope writes it, else damage (review8 R8-2: a malformed record read
+    as "none" was acted on as an old intent, or kept every topic as "made again" and
+    removed the intent): the group's own names only, each with a mark (-1: none) and at
+    most one end per queue a topic may have."""
+    names = (retry_topic(group), dead_letter_topic(group), DELAY_TOPIC)
+    if isinstance(scope, dict):
+        for topic, known in scope.items():
+            ends = known.get("ends") if isinstance(known, dict) else None
+            if (
+                topic not in names
+                or not isinstance(known, dict)
+                or not _is_count(known.get("mark"), -1)
+                or not isinstance(ends, list)
+                or len(ends) > _MAX_QUEUES
+                or not all(_is_count(end, 0) for end in ends)
+            ):
+                raise CorruptionError(
+                    f'has a bad "topics" entry {str(topic)[:80]!r} (each of {list(names)} '
+                    'at most, as {"mark": int >= -1, "ends": [int >= 0, one a queue]})',
+                    file=path,
+                )
+        return scope
+    raise CorruptionError(f'has a "topics" that is a {type(scope).__name__}, not a dict', file=path)
 
 
 def _set_aside_intent(side: Path, entry: str, exc: OSError | EQueueError) -> str:
