@@ -10,9 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
+from test_group_delete_later import _delete_failing
 
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import write_json
@@ -143,3 +145,22 @@ def test_a_well_formed_topics_record_is_acted_on(tmp_path: Path) -> None:
         assert not store.recovery.problems, store.recovery.problems
         assert sorted(store.topics()) == [retry.DELAY_TOPIC, "t"]
     assert not intent.exists()
+
+
+def test_a_later_finish_renames_only_the_copies_set_aside_before_its_intent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _living_group(tmp_path / "s")
+    side = path / "consumers" / "recovered"
+    side.mkdir(parents=True, exist_ok=True)
+    older = side / f"g.json.{time.time_ns()}.damaged"  # the deleted g's, before its intent
+    older.write_bytes(b"the old g's damaged group file")
+    with MessageStore.open(path, CONFIG) as store:
+        assert _delete_failing(store, monkeypatch, 2).unfinished  # an intent is left
+        store.commit_offset("g", "t", 0, 1)  # g made again
+        newer = side / f"g.json.{time.time_ns()}.damaged"  # the new g's, after the intent
+        newer.write_bytes(b"the new g's damaged group file")
+    with MessageStore.open(path, CONFIG) as store:
+        assert "g" in store.consumer_groups()
+        assert store._group_files.set_aside() == [newer.name]  # it holds retention still
+    assert sorted(os.listdir(side)) == sorted([newer.name, f"{older.name}.group-deleted"])

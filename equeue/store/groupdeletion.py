@@ -174,11 +174,18 @@ def _has_file(store: MessageStore, group: str) -> bool:
     return any(_set_aside_of(entry, name) for entry in store._group_files.set_aside())
 
 
-def _set_aside_of(entry: str, name: str) -> bool:
+def _set_aside_of(entry: str, name: str, before: int = 2**64) -> bool:
     """Whether ``entry`` of consumers/recovered/ is a damaged copy of group file ``name``
-    (not an intent moved aside: review7 F5)."""
+    (not an intent moved aside: review7 F5), set aside before ns stamp ``before``."""
     copy = group_offsets.set_aside_copy(entry)
-    return copy is not None and copy[0] == name
+    return copy is not None and copy[0] == name and copy[1] < before
+
+
+def _stamp(intent: str) -> int:
+    """The ns stamp of intent ``NAME.<ns>.deleting``; 0 (before every copy) if it has none
+    (a name no equeue writes)."""
+    stamp = intent.removesuffix(INTENT_SUFFIX).rpartition(".json.")[2]
+    return int(stamp) if stamp.isdigit() and stamp.isascii() else 0
 
 
 def _names_file(entry: str, name: str) -> bool:
@@ -390,8 +397,11 @@ def _finish(
         deletion.record_mark(store, retry)
     side = store.path / CONSUMERS_DIR / RECOVERED_DIR
     name = group_offsets.file_name(group)
+    # Only the copies set aside before the intent (its commit point took the group file):
+    # a later one is a group made again since, whose copy holds retention (review8 R8-3).
+    before = _stamp(intent)
     for entry in sorted(os.listdir(side)):
-        if _set_aside_of(entry, name):
+        if _set_aside_of(entry, name, before):
             os.rename(side / entry, side / f"{entry}{SET_ASIDE_DELETED}")
     with contextlib.suppress(FileNotFoundError):  # (removed by a first try: fsync failed)
         os.unlink(side / intent)
