@@ -164,3 +164,14 @@ def test_a_later_finish_renames_only_the_copies_set_aside_before_its_intent(
         assert "g" in store.consumer_groups()
         assert store._group_files.set_aside() == [newer.name]  # it holds retention still
     assert sorted(os.listdir(side)) == sorted([newer.name, f"{older.name}.group-deleted"])
+
+
+def test_delete_group_again_reports_the_topic_its_earlier_pass_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _living_group(tmp_path / "s")
+    with MessageStore.open(path, CONFIG) as store:
+        assert _delete_failing(store, monkeypatch, 2).topics == ()  # an intent is left
+        again = store.delete_group("g")  # the remedy the problem names
+        assert (again.offsets, again.topics, again.unfinished) == (0, (RETRY,), "")
+        assert RETRY not in store.topics()

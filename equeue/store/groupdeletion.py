@@ -101,9 +101,12 @@ def delete_group(
     store._check_writable()
     # An earlier deletion of the group whose finish failed (its intent file left): done
     # first, so that delete_group again is the remedy the problem names.
+    retry, dead = retry_topic(group), dead_letter_topic(group)
+    present = [t for t in (retry, dead) if t in store._queues]
     acted, problems = _finish_intents(store, group) if _intents(store, group) else (0, [])
     earlier = "; ".join(problems)
-    retry, dead = retry_topic(group), dead_letter_topic(group)
+    # (reported deleted too: review8 R8-4, the remedy's call said topics=())
+    done_earlier = tuple(t for t in present if t not in store._queues)
     with store._checkpoint_lock, store._lock:
         store._check_writable()
         store._check_directory()
@@ -114,7 +117,7 @@ def delete_group(
         )
         if not count and not topics and not _has_file(store, group):
             if acted:  # the rest of an earlier deletion: finished now, or still not
-                return DeletedGroup(group, 0, (), earlier)
+                return DeletedGroup(group, 0, done_earlier, earlier)
             # Intent files of the group that delete nothing (moved aside, or not movable):
             # no deletion of it to report (review7 F3); what to do with them is said.
             raise GroupNotFoundError(
@@ -139,6 +142,7 @@ def delete_group(
                 # recorded and nothing written since (_unchanged).
                 unfinished = "; ".join(filter(None, (unfinished, _unfinished(store, intent, exc))))
                 topics = tuple(t for t in topics if t not in store._queues)
+    topics = done_earlier + topics
     if earlier:
         log.warning("group %r: its earlier intent files: %s", group, earlier)
     if unfinished:
