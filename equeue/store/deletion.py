@@ -71,6 +71,26 @@ def delete_topic(store: MessageStore, topic: str) -> None:
         raise failure
 
 
+def record_mark(store: MessageStore, topic: str) -> bool:
+    """A deletion mark for ``topic``, which does not exist: records of it below the log's
+    end are a deleted topic's (the retry mover drops a deleted group's delayed copies by
+    it). One journal record, the commit point delete_topic's has, and no topic made:
+    nothing is left half done by a crash. False (nothing recorded) if the topic exists."""
+    validate.check_topic(topic)
+    with store._checkpoint_lock, store._lock:
+        store._check_writable()
+        if topic in store._queues:
+            return False
+        store._writer.flush()  # (durable up to the mark, as in delete_topic)
+        deleted = store._deleted | {topic: store._messages.committed_position}
+        counts = {t: len(qs) for t, qs in store._queues.items()}
+        store._topics_file.record(
+            topic, None, None, deleted[topic], lambda: (counts, store._policies, deleted)
+        )
+        store._deleted = deleted
+    return True
+
+
 def finish_deletions(store: MessageStore, checkpoint: dict[str, Any]) -> None:
     """At a writer's open: complete the deletions a crash interrupted after their commit
     point (a topic listed as deleted and not created again); ``checkpoint``, as the open

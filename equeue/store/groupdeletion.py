@@ -43,7 +43,6 @@ from equeue.errors import (
     GroupNotFoundError,
     InvalidMessageError,
     InvalidTypeError,
-    LimitExceededError,
     StorePathError,
     StoreWriteError,
 )
@@ -102,9 +101,12 @@ def delete_group(
     store._check_writable()
     # An earlier deletion of the group whose finish failed (its intent file left): done
     # first, so that delete_group again is the remedy the problem names.
+    retry, dead = retry_topic(group), dead_letter_topic(group)
+    present = [t for t in (retry, dead) if t in store._queues]
     acted, problems = _finish_intents(store, group) if _intents(store, group) else (0, [])
     earlier = "; ".join(problems)
-    retry, dead = retry_topic(group), dead_letter_topic(group)
+    # (reported deleted too: review8 R8-4, the remedy's call said topics=())
+    done_earlier = tuple(t for t in present if t not in store._queues)
     with store._checkpoint_lock, store._lock:
         store._check_writable()
         store._check_directory()
@@ -115,7 +117,7 @@ def delete_group(
         )
         if not count and not topics and not _has_file(store, group):
             if acted:  # the rest of an earlier deletion: finished now, or still not
-                return DeletedGroup(group, 0, (), earlier)
+                return DeletedGroup(group, 0, done_earlier, earlier)
             # Intent files of the group that delete nothing (moved aside, or not movable):
             # no deletion of it to report (review7 F3); what to do with them is said.
             raise GroupNotFoundError(
@@ -140,6 +142,7 @@ def delete_group(
                 # recorded and nothing written since (_unchanged).
                 unfinished = "; ".join(filter(None, (unfinished, _unfinished(store, intent, exc))))
                 topics = tuple(t for t in topics if t not in store._queues)
+    topics = done_earlier + topics
     if earlier:
         log.warning("group %r: its earlier intent files: %s", group, earlier)
     if unfinished:
@@ -175,11 +178,18 @@ def _has_file(store: MessageStore, group: str) -> bool:
     return any(_set_aside_of(entry, name) for entry in store._group_files.set_aside())
 
 
-def _set_aside_of(entry: str, name: str) -> bool:
+def _set_aside_of(entry: str, name: str, before: int = 2**64) -> bool:
     """Whether ``entry`` of consumers/recovered/ is a damaged copy of group file ``name``
-    (not an intent moved aside: review7 F5)."""
+    (not an intent moved aside: review7 F5), set aside before ns stamp ``before``."""
     copy = group_offsets.set_aside_copy(entry)
-    return copy is not None and copy[0] == name
+    return copy is not None and copy[0] == name and copy[1] < before
+
+
+def _stamp(intent: str) -> int:
+    """The ns stamp of intent ``NAME.<ns>.deleting``; 0 (before every copy) if it has none
+    (a name no equeue writes)."""
+    stamp = intent.removesuffix(INTENT_SUFFIX).rpartition(".json.")[2]
+    return int(stamp) if stamp.isdigit() and stamp.isascii() else 0
 
 
 def _names_file(entry: str, name: str) -> bool:
@@ -303,27 +313,24 @@ def _scope(store: MessageStore, group: str, dead_letters: bool) -> dict[str, Any
     }
 
 
+_MAX_QUEUES = 1024  # validate.check_queue_count's limit
+
+
 def _unchanged(store: MessageStore, topic: str, scope: dict[str, Any] | None) -> bool:
     """Whether ``topic`` is as the intent recorded it (None: an intent of an equeue that
     recorded nothing, acted on as before): nothing was written to it since, and it was
     not made again (a group made again since its deletion may have written to it)."""
     if scope is None:
         return True
-    known = scope.get(topic)
+    known = scope.get(topic)  # (its shape checked by read_intent)
     queues = store._queues.get(topic)
     if queues is None:
-        return known is None or (
-            isinstance(known, dict) and store._deleted.get(topic, -1) == known.get("mark")
-        )
-    if not isinstance(known, dict) or store._deleted.get(topic, -1) != known.get("mark"):
+        return known is None or store._deleted.get(topic, -1) == known["mark"]
+    if known is None or store._deleted.get(topic, -1) != known["mark"]:
         return False
-    ends = known.get("ends")
-    return (
-        isinstance(ends, list)
-        and len(ends) == len(queues)
-        and all(
-            type(end) is int and q.next_offset <= end for q, end in zip(queues, ends, strict=True)
-        )
+    ends = known["ends"]
+    return len(ends) == len(queues) and all(
+        q.next_offset <= end for q, end in zip(queues, ends, strict=True)
     )
 
 
@@ -389,17 +396,16 @@ def _finish(
         and _unchanged(store, DELAY_TOPIC, scope)
     ):
         # Delayed copies of the group may wait in equeue.delay: the mover drops the ones
-        # below the retry topic's latest deletion, so one is recorded now.
-        try:
-            store.create_topic(retry, 1)
-        except LimitExceededError as exc:  # max_topics reached: the copies are moved
-            log.warning("group %r: no deletion of %s recorded (%s)", group, retry, exc)
-        else:
-            store.delete_topic(retry)
+        # below the retry topic's latest deletion, so one is recorded now (not by making
+        # the topic and deleting it: a crash between left an empty topic, review8 R8-1).
+        deletion.record_mark(store, retry)
     side = store.path / CONSUMERS_DIR / RECOVERED_DIR
     name = group_offsets.file_name(group)
+    # Only the copies set aside before the intent (its commit point took the group file):
+    # a later one is a group made again since, whose copy holds retention (review8 R8-3).
+    before = _stamp(intent)
     for entry in sorted(os.listdir(side)):
-        if _set_aside_of(entry, name):
+        if _set_aside_of(entry, name, before):
             os.rename(side / entry, side / f"{entry}{SET_ASIDE_DELETED}")
     with contextlib.suppress(FileNotFoundError):  # (removed by a first try: fsync failed)
         os.unlink(side / intent)
@@ -480,8 +486,43 @@ def read_intent(path: Path, entry: str) -> tuple[str, bool, dict[str, Any] | Non
             f"{group_offsets.file_name(group)}.<ns>{INTENT_SUFFIX}",
             file=path,
         )
-    scope = deleting.get("topics")
-    return group, deleting.get("dead_letters") is True, scope if isinstance(scope, dict) else None
+    if "topics" not in deleting:  # written by an equeue before the record (acted on as then)
+        return group, deleting.get("dead_letters") is True, None
+    return (
+        group,
+        deleting.get("dead_letters") is True,
+        _checked_scope(deleting["topics"], group, path),
+    )
+
+
+def _is_count(value: object, low: int) -> bool:
+    return type(value) is int and low <= value < 2**63
+
+
+def _checked_scope(scope: object, group: str, path: Path) -> dict[str, Any]:
+    """``"topics"`` as _scope writes it, else damage (review8 R8-2: a malformed record read
+    as "none" was acted on as an old intent, or kept every topic as "made again" and
+    removed the intent): the group's own names only, each with a mark (-1: none) and at
+    most one end per queue a topic may have."""
+    names = (retry_topic(group), dead_letter_topic(group), DELAY_TOPIC)
+    if isinstance(scope, dict):
+        for topic, known in scope.items():
+            ends = known.get("ends") if isinstance(known, dict) else None
+            if (
+                topic not in names
+                or not isinstance(known, dict)
+                or not _is_count(known.get("mark"), -1)
+                or not isinstance(ends, list)
+                or len(ends) > _MAX_QUEUES
+                or not all(_is_count(end, 0) for end in ends)
+            ):
+                raise CorruptionError(
+                    f'has a bad "topics" entry {str(topic)[:80]!r} (each of {list(names)} '
+                    'at most, as {"mark": int >= -1, "ends": [int >= 0, one a queue]})',
+                    file=path,
+                )
+        return scope
+    raise CorruptionError(f'has a "topics" that is a {type(scope).__name__}, not a dict', file=path)
 
 
 def _set_aside_intent(side: Path, entry: str, exc: OSError | EQueueError) -> str:
