@@ -202,7 +202,8 @@ def recover_topics(
     if skipped:
         message += "; skipped " + "; ".join(skipped)
     if not store.read_only:
-        store._topics_file.write_body(result)  # (at a generation: never an old version's head)
+        # (at a generation: never an old version's head), once the open succeeds
+        store._topics_file.recovered_at_open(result)
         message += f"; {path} rewritten"
     if message not in problems:  # a read-only handle rereads topics.json on refresh()
         problems.append(message)

@@ -166,7 +166,7 @@ class MessageStore:
             problems=self._meta_problems + self._messages.recovery_problems,
             compactions=compactions,
         )
-        self.recovery.cuts += self._files.cuts + self._topics_file.cuts
+        self.recovery.cuts += self._files.cuts
         self._files.cuts, self._files.problems = self.recovery.cuts, self.recovery.problems
         self._lock = self._files.lock  # the one write lock: message record, then queue entry
         self._lock_owned = self._lock._is_owned  # type: ignore[attr-defined]
@@ -228,6 +228,9 @@ class MessageStore:
                 self._files.on_sync_failure = self._live_tail.invalidate
                 for manager in self._chunk_managers():
                     manager.set_on_sync_failure(self._live_tail.invalidate)
+        # Past every check that can refuse the open: a refused one leaves both files.
+        self._topics_file.finish_open()
+        self.recovery.cuts += self._topics_file.cuts
         # Not settled: what recovery found past the tail is synced by the next
         # checkpoint (the service's within flush_thorough_interval_ms), off this path.
         self._checkpoint(flush=True, settle=False)

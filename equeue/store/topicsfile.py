@@ -316,12 +316,16 @@ class TopicsFile:
         self._unversioned = False
         self._cached: tuple[_Identity, Any] | None = None  # a reader's topics.json
         self.cuts: list[TailCut] = []
+        # A writer's open: the journal read and the body to fold it into, written only by
+        # finish_open(), once nothing can refuse the open (a refused one leaves both files).
+        self._at_open: tuple[Journal, Any] | None = None
+        self._recovered: dict[str, Any] | None = None
 
     # --- reading ---------------------------------------------------------------
 
     def read(self, read_file: Callable[[], Any]) -> Any:
         """``read_file()`` (topics.json's body) with the journal replayed over it. A writer
-        (at its open) cuts a torn tail, then folds the journal; a reader retries until
+        (at its open) cuts a torn tail and folds the journal at finish_open; a reader retries until
         topics.json was not replaced between its read and the journal's."""
         if self._writer:
             body = read_file()
@@ -333,7 +337,7 @@ class TopicsFile:
             # its records are never at 0 (see _unversioned for one of an older equeue).
             self._generation = max(journal.generation, on_file, 1 if head is None else 0)
             self._unversioned = head is not None and without_generation(head)
-            self._open_journal(journal, merged)
+            self._at_open = (journal, merged)
             return merged
         for attempt in range(_READ_ATTEMPTS):
             before = _identity(self.path)
@@ -349,6 +353,24 @@ class TopicsFile:
         raise AssertionError("unreachable")
 
     # --- writing ---------------------------------------------------------------
+
+    def recovered_at_open(self, body: dict[str, Any]) -> None:
+        """A writer's open rebuilt topics.json's body (losses.recover_topics): finish_open
+        writes it."""
+        self._recovered = body
+
+    def finish_open(self) -> None:
+        """The writer's open succeeded: the journal read at its start folded (or a fresh
+        one started), then a body the open recovered written; the writes, in the order
+        an open made them before it deferred them."""
+        if self._at_open is None:
+            return
+        journal, merged = self._at_open
+        self._at_open = None
+        self._open_journal(journal, merged)
+        if self._recovered is not None:
+            self.write_body(self._recovered)
+            self._recovered = None
 
     def _open_journal(self, journal: Journal, merged: Any) -> None:
         """A writer's open: a torn tail copied aside, then records folded into topics.json
