@@ -105,3 +105,43 @@ def test_a_refused_open_leaves_the_topics_files_and_the_next_open_folds(
         assert len(rebuilt) == (journal == "recovered topics")
     assert (store / TOPICS_FILE).exists()
     assert (store / TOPICS_JOURNAL_FILE).stat().st_size == len(pack_header(0))
+
+
+# Opens the store with its topics file's atomic writes patched to SIGKILL the process just
+# before the one to FILE (argv[2]): the open's fold, now at its end, cut short.
+_KILLED_IN_FOLD = """
+import os, signal, sys
+from pathlib import Path
+from equeue import MessageStore, StoreConfig
+from equeue.store import topicsfile
+real = topicsfile.write_bytes
+def write_bytes(path: Path, data: bytes) -> None:
+    if path.name == sys.argv[2]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, data)
+topicsfile.write_bytes = write_bytes
+MessageStore.open(sys.argv[1], StoreConfig(flush="os", chunk_data_size=1 << 16,
+                                           queue_chunk_records=1024))
+"""
+
+
+@pytest.mark.parametrize("killed_before", [TOPICS_FILE, TOPICS_JOURNAL_FILE])
+def test_an_open_killed_in_its_fold_leaves_a_store_the_next_open_accepts(
+    killed: Path, tmp_path: Path, killed_before: str
+) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(killed, store, symlinks=True)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    run = subprocess.run(
+        [sys.executable, "-c", _KILLED_IN_FOLD, str(store), killed_before],
+        env=env, timeout=60, capture_output=True,
+    )  # fmt: skip
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert (store / TOPICS_FILE).exists() == (killed_before == TOPICS_JOURNAL_FILE)
+    with MessageStore.open(store, CONFIG) as opened:
+        assert {t: len(opened.queue_ids(t)) for t in opened.topics()} == TOPICS
+        assert not opened.recovery.problems, opened.recovery.problems
+        for topic, count in TOPICS.items():
+            for queue_id in range(count):
+                pulled = opened.pull(topic, queue_id, 0)
+                assert [m.body for m in pulled.messages] == [f"{topic}/{queue_id}".encode()]
