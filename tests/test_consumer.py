@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from store_helpers import pull_all, snapshot
+from store_helpers import pull_all, settle_chunk_maker, snapshot
 
 from equeue import Message, MessageStore, StoreConfig
 from equeue.cli import main as cli_main
@@ -316,6 +316,7 @@ def test_close_commits_what_was_processed(store: MessageStore) -> None:
 
 
 def test_bad_arguments_raise_equeue_errors(store: MessageStore) -> None:
+    settle_chunk_maker(store)  # the log's next file is made ahead after the open
     before = snapshot(store.path)
     cases: list[tuple[dict[str, Any], type[EQueueError]]] = [
         ({"group": ""}, InvalidMessageError),
