@@ -59,7 +59,9 @@ def test_a_loop_that_used_rings_leaves_no_group_descriptor_or_loop_behind(
     for i in range(1, 21):
         asyncio.run(job(i))
     gc.collect()
-    assert _open_fds() == before
+    # No more than before (a leak adds one a run): other threads and the collector may
+    # close descriptors of earlier tests meanwhile.
+    assert _open_fds() <= before
     assert len(shmconn._groups) == 0
     assert [ref() for ref in loops] == [None] * 21
 

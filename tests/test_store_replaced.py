@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from client_helpers import BrokerProcess
 from server_helpers import short_home
+from store_helpers import settle_chunk_maker
 
 import equeue
 from equeue import MessageStore, StoreConfig, StoreReplacedError
@@ -101,6 +102,10 @@ def test_the_embedded_writer_refuses_sends_and_writes_no_checkpoint(tmp_path: Pa
         handle.create_topic("t", 1)
         handle.send("t", b"before")
         opened = tuple((st.st_dev, st.st_ino) for st in (os.stat(store), os.stat(store / "LOCK")))
+        # The log's next file, made ahead after the open, made before the store goes: a
+        # maker job running after the removal finds the store replaced first, and its
+        # finding (what it saw then) is what the flush raises.
+        settle_chunk_maker(handle)
         shutil.rmtree(store)
         with MessageStore.open(store) as other:  # a new store at the path
             other.create_topic("u", 1)
