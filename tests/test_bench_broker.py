@@ -77,6 +77,8 @@ def expected() -> list[tuple[str, str]]:
             wanted += [(case, system.replace("broker", "redis"))] if REDIS else []
         if RINGS:  # the same two on shared-memory rings, on the same broker
             wanted += [(case, "broker-shm"), (case, "broker-shm-shared")]
+        # each broker row's ceiling: the same producers, a --flush async broker
+        wanted += [(case, "async-" + s) for c, s in wanted if c == case and s.startswith("b")]
         wanted.append((case, "fdatasync"))
     return wanted
 
@@ -125,6 +127,10 @@ def test_the_report_has_every_row_and_every_target(smoke: dict[str, Any]) -> Non
             for target in ("the fdatasync loop", "60,000 msg/s", "ahead of Redis"):
                 line = next(t for t in report.splitlines() if where in t and target in t)
                 assert "**met**" in line or "**not met**" in line or not REDIS, line
+            line = next(t for t in report.splitlines() if where in t and "fdatasync loop" in t)
+            assert "with no fdatasync (`--flush async`) the same sends make" in line, line
+            cells = [c.strip() for c in next(r for r in rows if r.startswith(row)).split("|")]
+            assert cells[9] != DASH and cells[10] != DASH, row  # the ceiling and its ratio
     for target in (
         "ahead of Redis Streams in every case measured",
         "durable \u2265 10\u00d7 the fdatasync loop",

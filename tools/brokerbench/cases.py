@@ -39,8 +39,10 @@ class Counts:
         self.consume = n(200_000, 2_000)
         self.latency = n(5_000, 200)
         self.warmup = n(500, 20)
-        self.durable = n(40_000, 640)
-        self.fdatasync = n(5_000, 100)
+        # Runs of ~1-2 s (round 16's 40,000 took 0.24-0.55 s and varied 1.8x within a
+        # cell; 4x as long, the same cells varied less: docs/benchmarks.md, round 17)
+        self.durable = n(160_000, 640)
+        self.fdatasync = n(20_000, 100)
 
 
 class Bench:
@@ -308,12 +310,16 @@ class Bench:
         tasks = self.args.durable_producers
         directory = self.base / "durable"
         directory.mkdir()
-        broker = redis = None
+        broker = redis = ceiling = None
         try:
             # --shm: the same broker serves the rows on shared-memory rings beside the
             # socket rows (a client asks: shm=True; the others stay on their sockets)
             shm = shm_available()
             broker = self._start_broker("sync", ["--shm"] if shm else [])
+            # The ceiling of each row: the same producers against a --flush async broker
+            # (each send answered after its append, no fdatasync waited for), what the
+            # row's clients and broker make on this host with the disk taken away
+            ceiling = self._start_broker("async", ["--shm"] if shm else [], store="eq-ceiling")
             if not shm:
                 self.notes.append("the durable rows on shared-memory rings were not run: "
                                   "they need Linux and the C accelerator")  # fmt: skip
@@ -347,6 +353,11 @@ class Bench:
                         job_b |= {"shm": rings}
                         go = partial(self.durable_run, case, system, broker, job_b)
                         systems.append((system, go))
+                        if ceiling is not None:
+                            job_c = job_b | {"url": ceiling.url}
+                            name = report.CEILING + system
+                            go = partial(self.durable_run, case, name, ceiling, job_c)
+                            systems.append((name, go))
                     if redis is not None:
                         job_r = job | {"kind": "redis_durable", "socket": str(redis.socket_path)}
                         job_r |= {"client_loop": self.args.client_loop, "shared": shared}
@@ -360,7 +371,7 @@ class Bench:
             if self.args.profile and broker is not None:
                 self.notes.extend(profile_broker(self, broker, DURABLE))
         finally:
-            for server in (broker, redis):
+            for server in (broker, redis, ceiling):
                 if server is not None:
                     server.stop()
 
@@ -389,8 +400,10 @@ class Bench:
 
     # --- servers -----------------------------------------------------------------
 
-    def _start_broker(self, flush: str, options: list[str] | None = None) -> Server | None:
-        store = self.base / f"eq-{flush}"
+    def _start_broker(
+        self, flush: str, options: list[str] | None = None, store: str = ""
+    ) -> Server | None:
+        where = self.base / (store or f"eq-{flush}")
         try:
             loop = self.args.event_loop
             extra = (["--event-loop", loop] if loop else []) + (options or [])
@@ -403,7 +416,8 @@ class Bench:
             busy = self.args.busy_poll_us
             if flush == "sync" and busy is not None:
                 extra += ["--busy-poll-us", str(busy)]
-            return servers.start_broker(store, flush, self.base / f"broker-{flush}.log", extra)
+            log = self.base / f"broker-{store or flush}.log"
+            return servers.start_broker(where, flush, log, extra)
         except servers.ServerError as error:
             self.notes.append(f"the broker (--flush {flush}) did not start: {_flat(error)}")
             report.progress(f"broker --flush {flush}: {error}")
