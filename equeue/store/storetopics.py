@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from equeue.errors import ConfigError, LimitExceededError, TopicNotFoundError
 from equeue.protocol.retries import RESERVED_PREFIX, is_internal_topic
-from equeue.store import deletion, follow, validate
+from equeue.store import deletion, entrycheck, follow, validate
 from equeue.store.losses import read_topics
 from equeue.store.queue import Queue
 from equeue.store.queuerebuild import open_queue
@@ -103,7 +103,7 @@ def queue_positions(
         if not self.read_only:
             raise
         entries = follow.beside_deletion(self, queue, lambda: queue.entries(offset, count))
-    return [position for position, _ in entries if position >= 0]
+    return entrycheck.checked_positions(self, queue, offset, entries)
 
 
 def chunk_files(self: MessageStore) -> list[tuple[str, int]]:
