@@ -6,14 +6,14 @@ tag hash). What holds of every intact entry of a queue, and can be checked witho
 reading a message: its position is at least 0 and below the message log's end, and the
 positions of a queue's entries rise strictly with the offset (a queue's messages are
 appended to the log in offset order; compaction and retention remove records, never
-move them). A damaged entry that still satisfies both (a flipped low bit that stays
-between its neighbours) and a damaged tag hash are found only by reading the message:
-by ``pull``, which checks every message against its entry, and by ``equeue verify``.
+move them; the reads check order only, not that two entries differ). A damaged entry
+that still satisfies both (a flipped low bit that stays between its neighbours) and a
+damaged tag hash are found only by reading the message: by ``pull``, which checks every
+message against its entry, and by ``equeue verify``.
 """
 
 from __future__ import annotations
 
-from operator import lt
 from typing import TYPE_CHECKING
 
 from equeue.errors import CorruptRecordError, PositionError
@@ -34,9 +34,12 @@ def checked_positions(
     positions = [position for position, _ in entries]
     if not positions:
         return positions
-    if positions[0] >= 0 and all(map(lt, positions, positions[1:])):
-        end = _log_end(store, positions[-1])
-        if positions[-1] < end:
+    # Non-decreasing, checked by a sort of sorted data (a quarter of a pairwise
+    # comparison's CPU at 1,000 entries); two entries naming one position pass here and
+    # are found by pull and verify (each entry's message names its own offset).
+    if positions[0] >= 0 and sorted(positions) == positions:
+        last = positions[-1]
+        if last < store._known_log_end or last < _log_end(store, last):
             return positions
     error = _first_bad(store, queue, offset, positions)
     if error is not None:
@@ -48,8 +51,8 @@ def checked_position(store: MessageStore, queue: Queue, offset: int, position: i
     """``position``, the entry of ``queue`` at ``offset``, if it lies in the log."""
     error = (
         None
-        if position >= 0 and position < _log_end(store, position)
-        else (_first_bad(store, queue, offset, [position]))
+        if 0 <= position < store._known_log_end or 0 <= position < _log_end(store, position)
+        else _first_bad(store, queue, offset, [position])
     )
     if error is not None:
         raise error
@@ -78,6 +81,7 @@ def _log_end(store: MessageStore, position: int) -> int:
     if position >= end and store.read_only:
         messages.refresh()
         end = messages.committed_position
+    store._known_log_end = end
     return end
 
 

@@ -178,6 +178,9 @@ class MessageStore:
         self._flush_reported = 0
         self._flush_state_lock = threading.Lock()
         self._checkpointed = 0  # the log position of the last checkpoint written
+        # The message log's end as entrycheck last found it: it only grows while a handle
+        # is open, so an entry below it needs no look at the log (queue_positions).
+        self._known_log_end = 0
         self._installed = compaction_commit.installed_marker(path)  # the last install adopted
         self._checkpoint_lock = threading.Lock()
         self._sender: Any = None
