@@ -243,3 +243,14 @@ def test_an_unfinished_deletion_is_reported_through_both_clients(
         with equeue.connect(url) as client:
             client.commit_offset("g", "t", 0, 2)
             assert client.delete_group("g").unfinished == ""
+
+
+def test_a_hostile_unfinished_is_a_protocol_error() -> None:
+    from equeue.client.core import DECODERS
+    from equeue.errors import ProtocolError
+
+    answer = {"group": "g", "offsets": 1, "topics": []}
+    assert DECODERS["delete_group"](answer | {"unfinished": "x"}, "here").unfinished == "x"
+    for hostile in (5, None, b"x", ["x"]):
+        with pytest.raises(ProtocolError, match="unfinished"):
+            DECODERS["delete_group"](answer | {"unfinished": hostile}, "here")
