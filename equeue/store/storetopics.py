@@ -94,9 +94,14 @@ def queue_range(self: MessageStore, topic: str, queue_id: int) -> tuple[int, int
 def queue_positions(
     self: MessageStore, topic: str, queue_id: int, offset: int, count: int
 ) -> list[int]:
-    """The log positions of up to ``count`` entries of a queue from ``offset`` on, as
-    pull reads them (compaction's holes left out), without reading the messages."""
+    """The log positions of up to ``count`` entries of a queue from ``offset`` on, without
+    reading the messages (so also those of records compaction removed, which pull skips:
+    a reader of chunk files finds them gone).
+    Raises CorruptRecordError naming the queue file and offset for an entry that cannot
+    be intact (equeue/store/entrycheck.py)."""
     queue = self._queue(topic, queue_id)
+    validate.check_offset(offset)
+    validate.check_count(count)
     try:
         entries = queue.entries(offset, count)
     except follow.READ_FAILURES:  # (a try costs nothing until it catches)
