@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,3 +246,15 @@ def snapshot(directory: Path, *, skip: tuple[str, ...] = ("LOCK",)) -> dict[str,
                 path = base / name
                 result[str(path.relative_to(directory))] = path.read_bytes()
     return result
+
+
+def killed_store(script: str, store: Path) -> Path:
+    """``store`` as ``script`` (run with the store's path as argv[1]) left it: the script
+    ends by SIGKILLing itself (a writer killed, nothing closed)."""
+    here = Path(__file__).parent
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(store)], env=env, timeout=60, capture_output=True
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    return store

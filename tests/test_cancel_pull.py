@@ -245,3 +245,30 @@ def test_a_second_pull_under_a_held_pulls_request_id_is_not_held(home: Path) -> 
         cancel = c.request("cancel_pull", request_id=pull)
         assert c.answers(2) == {pull: (0, [[], 0]), cancel: (0, True)}
         _held(watcher, 0)
+
+
+def test_a_sync_group_consumer_closed_cancels_its_held_pulls(home: Path) -> None:
+    """A sync group consumer closed while its long polls are held: close sends
+    cancel_pull for each, so once close returns the broker holds none (before, they
+    were held until the leave's rebalance answered them at the broker's next tick,
+    ~0.1-0.2 s later), and the client's next calls are served."""
+    import equeue
+
+    with BrokerThread(home / "s") as running:
+        running.store.create_topic("t", 4)
+        with equeue.connect(running.urls[0]) as client, raw(running.urls[0]) as watcher:
+            for round_ in range(3):
+                consumer = client.consumer("g", "t")
+                assert consumer.poll(0.05) is None
+                held = 0
+                for _ in range(500):  # at most ~10 s: every queue's long poll held
+                    held = watcher.call("stats")["held_pulls"]
+                    if held >= 4:
+                        break
+                    time.sleep(0.02)
+                assert held >= 4, held
+                consumer.close()
+                assert watcher.call("stats")["held_pulls"] == 0, round_
+            client.send("t", b"after", queue_id=0)
+            assert [m.body for m in client.pull("t", 0, 0).messages] == [b"after"]
+            client.ping()

@@ -188,3 +188,69 @@ def test_the_cli_deletes_a_group_and_refuses_a_served_store(
     assert not (home / "none").exists()
     with MessageStore.open(path, read_only=True) as store:
         assert store.consumer_groups() == {"h": {"t": {0: 1}}}
+
+
+def _failing_retry_deletion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every deletion of the retry topic fails (EIO): a delete_group commits, then its
+    finish fails, and the store reports it ``unfinished`` (fixdelete's M1)."""
+    import errno
+
+    from equeue.errors import StoreWriteError
+
+    real = MessageStore.delete_topic
+
+    def delete_topic(store: MessageStore, topic: str) -> None:
+        if topic == RETRY:
+            raise StoreWriteError(errno.EIO, f"deleting {topic}: Input/output error (test)")
+        real(store, topic)
+
+    monkeypatch.setattr(MessageStore, "delete_topic", delete_topic)
+
+
+def test_an_unfinished_deletion_is_reported_through_both_clients(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeletedGroup.unfinished comes over the wire (version 6), as the store reports it;
+    a connection welcomed with version 5 gets the answer of before (no key) and its
+    client reads the deletion as done. Before, every client read unfinished as ""."""
+    with BrokerThread(_store(home)) as running:
+        running.store.create_topic(RETRY, 1)
+        _failing_retry_deletion(monkeypatch)
+        url = running.urls[0]
+        with equeue.connect(url) as client:
+            client.commit_offset("g", "t", 0, 1)
+            deleted = client.delete_group("g")
+        assert (deleted.offsets, deleted.topics) == (1, ())
+        assert "Input/output error (test)" in deleted.unfinished, deleted
+
+        async def scenario() -> str:
+            client = await equeue.aio.connect(url)
+            try:
+                await client.commit_offset("g", "t", 0, 2)
+                return (await client.delete_group("g")).unfinished
+            finally:
+                await client.close()
+
+        assert "Input/output error (test)" in asyncio.run(scenario())
+        with raw(url, versions=(5,)) as old:
+            old.call("commit_offset", group="g", topic="t", queue_id=0, offset=3)
+            assert old.call("delete_group", group="g") == {
+                "group": "g",
+                "offsets": 1,
+                "topics": [],
+            }
+        running.broker.welcome_versions = (1, 2, 3, 4, 5)
+        with equeue.connect(url) as client:
+            client.commit_offset("g", "t", 0, 2)
+            assert client.delete_group("g").unfinished == ""
+
+
+def test_a_hostile_unfinished_is_a_protocol_error() -> None:
+    from equeue.client.core import DECODERS
+    from equeue.errors import ProtocolError
+
+    answer = {"group": "g", "offsets": 1, "topics": []}
+    assert DECODERS["delete_group"](answer | {"unfinished": "x"}, "here").unfinished == "x"
+    for hostile in (5, None, b"x", ["x"]):
+        with pytest.raises(ProtocolError, match="unfinished"):
+            DECODERS["delete_group"](answer | {"unfinished": hostile}, "here")

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from server_helpers import raw, short_dir
@@ -20,6 +21,7 @@ from equeue import MessageStore
 from equeue.client.consumer import GroupConsumer
 from equeue.client.consumer_aio import AsyncGroupConsumer
 from equeue.client.groupstate import Queue
+from equeue.client.sync import Client
 from equeue.errors import GroupError
 from equeue.protocol.retries import ATTEMPT, ORIGIN_ID, dead_letter_topic
 from equeue.server import BrokerThread
@@ -344,16 +346,31 @@ def test_revoked_queues_go_at_the_next_message_not_after_the_buffer(
         assert sorted(offsets) == list(range(100))
 
 
+class _Wrapped:
+    """The blocking client behind a requester of its own: the consumer writes its pulls
+    through ``request`` (no cancel_pull at close)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.url = client.url
+
+    def request(self, op: str, arguments: dict[str, Any]) -> Any:
+        return self.client.request(op, arguments)
+
+
 def test_a_clean_leave_releases_held_pulls_without_counting_errors(
     broker: tuple[BrokerThread, str],
 ) -> None:
     # review 38e E5: each long poll the broker still held for a member that left was
     # answered GroupError and counted in `errors`: an operator saw errors from healthy
     # consumers, one a queue at every restart
+    # Since round 17 the blocking client's consumer cancels its held pulls as it closes
+    # (cancel_pull): a requester wrapping the client (no cancel) keeps them held, so
+    # the leave moves them, as every client's before.
     _, url = broker
     with equeue.connect(url) as client:
         client.send(TOPIC, b"one")
-        with GroupConsumer(client, "g", TOPIC, session_timeout=2.0) as consumer:
+        with GroupConsumer(_Wrapped(client), "g", TOPIC, session_timeout=2.0) as consumer:
             assert consume(consumer, 1)
             assert consumer.poll(0.3) is None  # its pulls are held now
         deadline = time.monotonic() + 10
@@ -363,6 +380,11 @@ def test_a_clean_leave_releases_held_pulls_without_counting_errors(
             stats = client.stats()
         assert stats["held_pulls_moved"] >= 1
         assert stats["errors"] == 0
+        moved = stats["held_pulls_moved"]
+        with GroupConsumer(client, "g", TOPIC, session_timeout=2.0) as consumer:
+            assert consumer.poll(0.3) is None  # its pulls are held now
+        stats = client.stats()  # (the cancels were served before the leave's answer)
+        assert (stats["held_pulls"], stats["held_pulls_moved"], stats["errors"]) == (0, moved, 0)
         assert "held_pulls_moved_per_s" in stats["rates"]
         # the control: a request refused is still an error
         with pytest.raises(equeue.errors.TopicNotFoundError):

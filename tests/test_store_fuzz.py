@@ -135,6 +135,11 @@ calls = st.one_of(
     ),
     st.tuples(st.just("offset_for_time"), st.tuples(topics, queue_ids, junk), st.just({})),
     st.tuples(
+        st.just("queue_positions"),
+        st.tuples(topics, queue_ids, offsets, st.one_of(st.just(2), junk)),
+        st.just({}),
+    ),
+    st.tuples(
         st.just("commit_offset"),
         st.tuples(st.one_of(st.just("g"), junk), topics, queue_ids, offsets),
         st.just({}),

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from store_helpers import snapshot
+from store_helpers import killed_store, snapshot
 
 from equeue import MessageStore, StoreConfig
 from equeue.errors import StorePathError
@@ -42,13 +42,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    store = tmp_path_factory.mktemp("killed") / "store"
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    run = subprocess.run(
-        [sys.executable, "-c", _KILLED, str(store)], env=env, timeout=60, capture_output=True
-    )
-    assert run.returncode == -signal.SIGKILL, run.stderr
-    return store
+    return killed_store(_KILLED, tmp_path_factory.mktemp("killed") / "store")
 
 
 def _journal_header_only(store: Path) -> None:

@@ -46,7 +46,7 @@ from concurrent.futures import wait as wait_futures
 from types import TracebackType
 from typing import Any, Protocol
 
-from equeue.client import forks
+from equeue.client import endings, forks
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
@@ -91,6 +91,9 @@ IDLE_RECHECK_SECONDS = 0.05
 # without a wait are read for at most this long (one round trip; a later answer is the
 # next poll's)
 NOW_SECONDS = 1.0
+# close() cancels its held pulls with cancel_pull frames, for which it waits this long at
+# most for the client's write lock (another thread's send_many waiting for places)
+CANCEL_LOCK_WAIT = 1.0
 
 
 class Requester(Protocol):
@@ -178,6 +181,9 @@ class GroupConsumer:
         # (only the exact Client, or one whose request is Client's: a wrapper's own
         # request, metrics or faults, sees every pull)
         self._inline: Any = client if _inline_capable(client) else None
+        # per queue: its last long poll written by the blocking client (connection and
+        # slot), which close cancels if it is still held (_cancel_held)
+        self._held: dict[Queue, Any] = {}
         # the queues whose last pull brought less than a batch: long-polled (_start_pulls)
         self._drained: set[Queue] = set()
         # the queues whose last pull found nothing, and when to pull them again at the
@@ -383,6 +389,7 @@ class GroupConsumer:
         self._stop.set()
         self._beat_now.set()
         try:
+            self._cancel_held()
             if processed:
                 state.done_with_pending()
             if isinstance(state.failure, FencedMemberError):
@@ -648,14 +655,44 @@ class GroupConsumer:
             waits = "wait_ms" in args
             if inline is not None and (quick or not waits):  # (this thread's: _Inline)
                 pull = _Inline(inline, inline.start_request("pull_columns", args), waits)
+                if waits:
+                    self._held[key] = pull.started
                 self._inflight[key] = (pull, args["offset"], epoch)
                 started.append(pull)
                 continue
-            future = self._pool.submit(self.client.request, "pull_columns", args)
+            if inline is not None:
+                future = self._pool.submit(self._long_poll, key, args)
+            else:
+                future = self._pool.submit(self.client.request, "pull_columns", args)
             future.add_done_callback(self._answered)
             self._inflight[key] = (future, args["offset"], epoch)
             started.append(future)
         return started
+
+    def _long_poll(self, key: Queue, args: dict[str, Any]) -> Any:
+        """A pool thread's long poll through the blocking client, known to close: written
+        here, recorded, then waited for (a close meanwhile cancels it: it looks at the
+        record after marking the consumer closed, and this looks at the mark after
+        recording, so one of the two sees the other)."""
+        inline = self._inline
+        started = inline.start_request("pull_columns", args)
+        self._held[key] = started
+        if self.state.closed:
+            endings.give_up(inline, *started, lock_wait=CANCEL_LOCK_WAIT)
+        return inline.finish_request(started)
+
+    def _cancel_held(self) -> None:
+        """close(): ask the broker to answer this consumer's held long polls now
+        (cancel_pull, protocol version 6), so that neither it nor this client's
+        max_in_flight keeps them until their waits end (before: until the leave's
+        rebalance answered them at the broker's next tick, ~0.1-0.2 s, or a fenced
+        member's, which does not leave, at their wait's end). Best effort, as a
+        KeyboardInterrupt's (endings.give_up): not under TLS nor to an older broker."""
+        inline = self._inline
+        if inline is None:
+            return
+        for conn, slot in list(self._held.values()):
+            endings.give_up(inline, conn, slot, lock_wait=CANCEL_LOCK_WAIT)
 
     def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
         """Commit what is processed of ``queues`` (None: all), a request a queue, up to

@@ -481,12 +481,19 @@ def _key_page(value: object, where: str) -> tuple[list[Message], int | None]:
 
 
 def _deleted_group(value: object, where: str) -> DeletedGroup:
-    """delete_group's answer: {"group": str, "offsets": uint, "topics": [str]}."""
+    """delete_group's answer: {"group": str, "offsets": uint, "topics": [str]}, and from a
+    version-6 broker "unfinished" (str) when a step after the commit point failed."""
     found = _map(value, where)
     group, topics = found.get("group"), found.get("topics")
-    if type(group) is not str or type(topics) is not list:
-        raise ProtocolError(f"{where}: a delete_group answer needs group and topics")
-    return DeletedGroup(group, _uint(found.get("offsets"), where), tuple(_strings(topics, where)))
+    unfinished = found.get("unfinished", "")
+    if type(group) is not str or type(topics) is not list or type(unfinished) is not str:
+        raise ProtocolError(
+            f"{where}: a delete_group answer needs group and topics (and unfinished, if "
+            "given, is a str)"
+        )
+    return DeletedGroup(
+        group, _uint(found.get("offsets"), where), tuple(_strings(topics, where)), unfinished
+    )
 
 
 def _pull(value: object, where: str) -> PullResult:

@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from equeue.client.sync import Client
 
 
-def give_up(client: Client, conn: _Connection, slot: _Slot) -> None:
+def give_up(client: Client, conn: _Connection, slot: _Slot, *, lock_wait: float = 0.0) -> None:
     """A long poll whose caller was interrupted (a KeyboardInterrupt) before its
-    answer: the broker (protocol version 6) is asked to answer it now (cancel_pull),
-    so that its place under max_in_flight comes back within a round trip, not at its
-    wait's end; both answers are dropped. Best effort, never blocking the interrupt:
-    not when another thread holds the write lock (send_many waiting for places) or
+    answer, or whose group consumer is closing: the broker (protocol version 6) is asked
+    to answer it now (cancel_pull), so that its place under max_in_flight comes back
+    within a round trip, not at its wait's end; both answers are dropped. Best effort,
+    never blocking the interrupt: not when another thread holds the write lock
+    (send_many waiting for places; a close waits up to ``lock_wait`` seconds for it) or
     the socket takes the frame only in part or not at once (a frame cut short breaks
     the connection, which ends the pull too), nor under TLS or to an older broker
     (the pull runs out, as before)."""
@@ -35,7 +36,8 @@ def give_up(client: Client, conn: _Connection, slot: _Slot) -> None:
     cancel_id = 0
     try:
         # (stored by C code: an interrupt as acquire returns leaves it known)
-        taken.extend(map(client._write_lock.acquire, (False,)))
+        lock = client._write_lock
+        taken.extend(map(lock.acquire, (lock_wait > 0,), (lock_wait if lock_wait > 0 else -1,)))
         if not taken[0]:
             return
         with client._cond:

@@ -520,7 +520,12 @@ class Verifier:
                         # One problem for all the entries that point into one lost chunk.
                         run = unreadable.setdefault(str(exc), [p, offset, offset, 0])
                         run[2], run[3] = offset, run[3] + 1
-                        why = None
+                        result.records += 1
+                        local += QUEUE_RECORD_SIZE
+                        # Not carried as the previous entry either: a flipped high bit
+                        # names a chunk past the log, and every later entry would be
+                        # reported as not after it.
+                        continue
                     if why is None:
                         previous = stored - 1  # a bad entry is not what the next must follow
                     else:

@@ -69,6 +69,10 @@ CANCEL_PULL_VERSION: Final = 6
 # (request id 0) once it answered every request it read: whatever is unanswered then was
 # not read, so a client reports those sends unsent. An older client is not sent it.
 STOP_NOTICE_VERSION: Final = 6
+# Version 6 also adds delete_group's answer key "unfinished" (str, only when a step after
+# the deletion's commit point failed: DeletedGroup.unfinished); an older client is not
+# sent it and reads the deletion as done, as before.
+UNFINISHED_VERSION: Final = 6
 
 FRAME_HEADER: Final = struct.Struct(">I")
 FRAME_HEADER_SIZE: Final = FRAME_HEADER.size

@@ -19,6 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from equeue.errors import GroupError
+from equeue.protocol.frames import PROTOCOL_VERSION, UNFINISHED_VERSION
 from equeue.protocol.retries import retry_topic
 from equeue.store.groupdeletion import DeletedGroup, check_deletable
 
@@ -32,6 +33,7 @@ log = logging.getLogger("equeue.groups")
 
 class Peer(Protocol):
     where: str
+    version: int  # the protocol version the connection was welcomed with
 
     def finish(self, request_id: int, outcome: object) -> None: ...
 
@@ -45,9 +47,19 @@ class Members(Protocol):
     def forget_group(self, group: str) -> None: ...
 
 
-def answer(deleted: DeletedGroup) -> dict[str, Any]:
-    """The wire result: the group, how many committed offsets went, the topics deleted."""
-    return {"group": deleted.group, "offsets": deleted.offsets, "topics": list(deleted.topics)}
+def answer(deleted: DeletedGroup, version: int = PROTOCOL_VERSION) -> dict[str, Any]:
+    """The wire result: the group, how many committed offsets went, the topics deleted;
+    to a connection welcomed with version 6 or later, also ``unfinished`` when a step
+    after the deletion's commit point failed (what a later open finishes: without it a
+    client saw a deletion reported whole that the store reported unfinished)."""
+    result: dict[str, Any] = {
+        "group": deleted.group,
+        "offsets": deleted.offsets,
+        "topics": list(deleted.topics),
+    }
+    if deleted.unfinished and version >= UNFINISHED_VERSION:
+        result["unfinished"] = deleted.unfinished
+    return result
 
 
 class GroupDeleter:
@@ -96,4 +108,4 @@ class GroupDeleter:
         self.coordinator.forget_group(group)
         self.holds.answer_group(group, retry_topic(group))
         log.warning("group %r deleted by %s: %s", group, peer.where, answer(done.result()))
-        peer.finish(rid, answer(done.result()))
+        peer.finish(rid, answer(done.result(), peer.version))

@@ -33,6 +33,7 @@ from equeue.format.message import (
     decode_properties,
 )
 from equeue.store.append import message_id
+from equeue.store.entrycheck import unreadable_entry
 from equeue.store.queue import Queue
 from equeue.store.types import Message
 from equeue.store.validate import check_tag
@@ -188,13 +189,7 @@ class LogReader:
             except (PositionNotFoundError, CorruptRecordError) as found:
                 exc = found
                 break
-        file, at = queue.entry_location(offset)
-        return CorruptRecordError(
-            f"queue {queue.topic}/{queue.queue_id} entry for offset {offset} names position "
-            f"{position}, where no intact message was found ({exc})",
-            file=file,
-            offset=at,
-        )
+        return unreadable_entry(queue, offset, position, exc)
 
     def read_run(self, positions: list[int]) -> dict[int, tuple[Message, int]]:
         """The messages at ``positions`` (ascending, as in a queue), read chunk by chunk,

@@ -231,10 +231,10 @@ def redispatch(
                 # No record after ``start`` is this queue's: it ends where the
                 # checkpoint says it did (its entries past that are not backed by the
                 # log), or, without one, where its entries reach ``start``.
-                limit = queue.first_offset_at_or_after(start)
+                limit = _tail_from(queue, start)
                 recorded_end = _checkpointed_offset(recorded, topic, queue.queue_id)
                 if recorded_end is not None:  # and never past the log's end
-                    limit = min(recorded_end, queue.first_offset_at_or_after(log_end))
+                    limit = min(recorded_end, _tail_from(queue, log_end))
                 # Entries of messages retention removed since (sends between its
                 # checkpoint and its deletions) cannot be checked against the log: they
                 # stay, else the queue's next offset would move back below offsets
@@ -322,6 +322,25 @@ def _past_damaged(
         what = "it is left out of the queues (its head does not name a queue entry)"
     report.problems.append(f"{exc}; the message there is unreadable, {what}")
     return chunk.start_position + end
+
+
+def _tail_from(queue: Queue, position: int) -> int:
+    """The first offset of ``queue``'s tail of entries at or past log ``position`` (what a
+    crash left past the log's end): found by binary search, then checked entry by entry,
+    so that one damaged entry in the middle (a flipped high bit: a position far past the
+    log) does not make the search cut the good entries after it. The tail starts after
+    the last entry below ``position``; the damaged one stays, and reads report it
+    (equeue/store/entrycheck.py)."""
+    limit = offset = queue.first_offset_at_or_after(position)
+    while offset < queue.next_offset:
+        block = queue.entries(offset, 4096)
+        if not block:
+            break
+        for i, (at, _) in enumerate(block):
+            if 0 <= at < position:
+                limit = offset + i + 1
+        offset += len(block)
+    return limit
 
 
 def _checkpointed_offset(recorded: dict[str, Any] | None, topic: str, queue_id: int) -> int | None:

@@ -128,7 +128,6 @@ class MessageStore:
         config, path, read_only = self.config, self.path, self.read_only
         compactions: list[str] = []
         if not read_only:
-            remove_temp_files(path)
             # Before the chunks load: a job that committed is rolled forward first, so
             # the log is never seen half old, half compacted.
             compactions = compaction_commit.recover(path)
@@ -179,6 +178,9 @@ class MessageStore:
         self._flush_reported = 0
         self._flush_state_lock = threading.Lock()
         self._checkpointed = 0  # the log position of the last checkpoint written
+        # The message log's end as entrycheck last found it: it only grows while a handle
+        # is open, so an entry below it needs no look at the log (queue_positions).
+        self._known_log_end = 0
         self._installed = compaction_commit.installed_marker(path)  # the last install adopted
         self._checkpoint_lock = threading.Lock()
         self._sender: Any = None
@@ -231,6 +233,10 @@ class MessageStore:
         # Past every check that can refuse the open: a refused one leaves both files.
         self._topics_file.finish_open()
         self.recovery.cuts += self._topics_file.cuts
+        # The temp files of atomic writes a crash left (checked at the open's start:
+        # check_store), also past the checks, and before the service thread's first
+        # atomic write, whose temp file this must not take for a leftover.
+        remove_temp_files(path)
         # Not settled: what recovery found past the tail is synced by the next
         # checkpoint (the service's within flush_thorough_interval_ms), off this path.
         self._checkpoint(flush=True, settle=False)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from equeue.errors import ConfigError, LimitExceededError, TopicNotFoundError
 from equeue.protocol.retries import RESERVED_PREFIX, is_internal_topic
-from equeue.store import deletion, follow, validate
+from equeue.store import deletion, entrycheck, follow, validate
 from equeue.store.losses import read_topics
 from equeue.store.queue import Queue
 from equeue.store.queuerebuild import open_queue
@@ -94,16 +94,21 @@ def queue_range(self: MessageStore, topic: str, queue_id: int) -> tuple[int, int
 def queue_positions(
     self: MessageStore, topic: str, queue_id: int, offset: int, count: int
 ) -> list[int]:
-    """The log positions of up to ``count`` entries of a queue from ``offset`` on, as
-    pull reads them (compaction's holes left out), without reading the messages."""
+    """The log positions of up to ``count`` entries of a queue from ``offset`` on, without
+    reading the messages (so also those of records compaction removed, which pull skips:
+    a reader of chunk files finds them gone).
+    Raises CorruptRecordError naming the queue file and offset for an entry that cannot
+    be intact (equeue/store/entrycheck.py)."""
     queue = self._queue(topic, queue_id)
+    validate.check_offset(offset)
+    validate.check_count(count)
     try:
         entries = queue.entries(offset, count)
     except follow.READ_FAILURES:  # (a try costs nothing until it catches)
         if not self.read_only:
             raise
         entries = follow.beside_deletion(self, queue, lambda: queue.entries(offset, count))
-    return [position for position, _ in entries if position >= 0]
+    return entrycheck.checked_positions(self, queue, offset, entries)
 
 
 def chunk_files(self: MessageStore) -> list[tuple[str, int]]:

@@ -14,9 +14,16 @@ import decimal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from equeue.errors import ChunkRemovedError, CompactedAwayError, InvalidMessageError
+from equeue.errors import (
+    ChunkRemovedError,
+    CompactedAwayError,
+    CorruptRecordError,
+    InvalidMessageError,
+    PositionNotFoundError,
+)
 from equeue.format.message import MESSAGE_HEAD
 from equeue.store import validate
+from equeue.store.entrycheck import checked_position, unreadable_entry
 from equeue.store.queue import Queue
 
 if TYPE_CHECKING:
@@ -110,9 +117,20 @@ def _stored_at_or_after(
     """(offset, stored ns) of the first message at or after ``offset`` (before ``stop``)
     that compaction left."""
     for at in range(offset, stop):
+        position = checked_position(store, queue, at, queue.entry(at)[0])
         try:
-            payload = store._reader.read(queue.entry(at)[0])
+            payload = store._reader.read(position)
         except (ChunkRemovedError, CompactedAwayError):  # retention ran meanwhile
             continue
-        return at, MESSAGE_HEAD.unpack_from(payload)[1]
+        except (PositionNotFoundError, CorruptRecordError) as exc:
+            raise unreadable_entry(queue, at, position, exc) from exc
+        _, stored, _, queue_offset, queue_id, *_ = MESSAGE_HEAD.unpack_from(payload)
+        if (queue_offset, queue_id) != (at, queue.queue_id):
+            raise unreadable_entry(
+                queue,
+                at,
+                position,
+                CorruptRecordError(f"the record there is queue {queue_id}'s offset {queue_offset}"),
+            )
+        return at, stored
     return None

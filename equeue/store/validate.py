@@ -245,6 +245,13 @@ def check_offset(offset: object) -> int:
     return offset
 
 
+def check_count(count: object) -> int:
+    """How many entries a read of a queue asks for (queue_positions): 0 reads none."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise InvalidMessageError(f"count must be an int >= 0, got {count!r}")
+    return count
+
+
 def check_pull(offset: object, max_count: object, wait: object, max_bytes: object = None) -> None:
     check_offset(offset)
     if not isinstance(max_count, int) or isinstance(max_count, bool) or max_count < 1:
