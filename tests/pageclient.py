@@ -27,44 +27,72 @@ OP_VERSIONS = {
 }
 HELLO_MAX_FRAME_BYTES = 64 * 1024  # "Until the hello is accepted a frame may be at most 64 KiB"
 LENGTH_FIELD_MAX = 2**32 - 1
-REQUIRED_LIMITS = (
-    "max_frame_bytes",
-    "max_in_flight",
-    "max_connections",
+# "The required ones are max_frame_bytes, max_in_flight and max_connections"; the other
+# four a client may go without, two of them then taken as their defaults.
+REQUIRED_LIMITS = ("max_frame_bytes", "max_in_flight", "max_connections")
+OPTIONAL_LIMITS = (
     "max_batch_messages",
     "max_pull_count",
     "max_message_size",
+    "max_properties_size",
 )
+ABSENT_LIMIT_DEFAULTS = {"max_batch_messages": 65536, "max_pull_count": 65536}
 # max_properties_size may be 0 ("a store that takes no properties"), the others not.
 ZERO_ALLOWED_LIMITS = ("max_properties_size",)
-# The codes the page's "Errors" section lists; any other is still an error answer,
-# carried by its own name (the code is the name of a class in equeue.errors).
-ERROR_CODES = frozenset(
-    {
-        "ProtocolError",
-        "FrameTooLargeError",
-        "AuthenticationError",
-        "LimitExceededError",
-        "GroupError",
-        "FencedMemberError",
-        "GroupNotFoundError",
-        "BrokerStoppingError",
-        "TopicNotFoundError",
-        "QueueNotFoundError",
-        "InvalidMessageError",
-        "InvalidTypeError",
-        "MessageTooLargeError",
-        "MessageNotFoundError",
-        "ChunkRemovedError",
-        "CompactedAwayError",
-        "ConfigError",
-        "StoreWriteError",
-        "DiskFullError",
-        "ReadOnlyError",
-        "ClosedError",
-        "BrokerError",
-    }
-)
+# The page's "Errors" table: each code and the code it is a kind of ("" for none).
+PARENTS = {
+    "ProtocolError": "",
+    "FrameTooLargeError": "ProtocolError",
+    "ShmRingError": "ProtocolError",
+    "AuthenticationError": "",
+    "LimitExceededError": "",
+    "BrokerStoppingError": "",
+    "BrokerError": "",
+    "GroupError": "",
+    "FencedMemberError": "GroupError",
+    "GroupNotFoundError": "GroupError",
+    "TopicNotFoundError": "",
+    "QueueNotFoundError": "",
+    "InvalidMessageError": "",
+    "MessageTooLargeError": "InvalidMessageError",
+    "InvalidTypeError": "",
+    "ConfigError": "",
+    "NewerFormatError": "ConfigError",
+    "PositionError": "",
+    "PositionNotFoundError": "PositionError",
+    "MessageNotFoundError": "PositionError",
+    "ChunkRemovedError": "PositionError",
+    "CompactedAwayError": "PositionError",
+    "CorruptionError": "",
+    "ChecksumMismatchError": "CorruptionError",
+    "TruncatedError": "CorruptionError",
+    "CorruptRecordError": "CorruptionError",
+    "MissingChunkError": "CorruptionError",
+    "InvalidRecordError": "",
+    "RecordTooLargeError": "InvalidRecordError",
+    "StoreWriteError": "",
+    "DiskFullError": "StoreWriteError",
+    "StoreReplacedError": "StoreWriteError",
+    "StoreReadError": "",
+    "StorePathError": "",
+    "ReadOnlyError": "",
+    "ClosedError": "",
+    "ReentrantSendError": "",
+    "WriterExistsError": "",
+    "StoreLockedError": "",
+    "NotAStoreError": "",
+    "BrokerTooOldError": "ProtocolError",
+    "ConnectionLostError": "",
+    "WrongLoopError": "",
+    "CompactionError": "",
+    "DataLossError": "",
+    "SinkCommitError": "",
+    "SparkClusterError": "",
+    "SparkOptionError": "",
+    "SparkSchemaError": "",
+    "SparkUnavailableError": "",
+}
+ERROR_CODES = frozenset(PARENTS)
 
 
 class PageError(Exception):
@@ -80,6 +108,15 @@ class PageError(Exception):
     @property
     def listed(self) -> bool:
         return self.code in ERROR_CODES
+
+    def is_a(self, code: str) -> bool:
+        """Whether this error is of ``code`` or a kind of it (an unknown code: BrokerError)."""
+        found = self.code if self.code in PARENTS else "BrokerError"
+        while found:
+            if found == code:
+                return True
+            found = PARENTS[found]
+        return False
 
 
 class PageProtocolError(Exception):
@@ -351,12 +388,14 @@ class PageClient:
         limits = welcome.get("limits")
         if type(limits) is not dict:
             raise PageProtocolError(f"welcome.limits is not a map: {limits!r}")
-        for name in (*REQUIRED_LIMITS, *ZERO_ALLOWED_LIMITS):
+        self.limits = dict(ABSENT_LIMIT_DEFAULTS)
+        for name in (*REQUIRED_LIMITS, *OPTIONAL_LIMITS):
             value = limits.get(name)
             least = 0 if name in ZERO_ALLOWED_LIMITS else 1
-            if type(value) is not int or value < least:
+            if type(value) is int and value >= least:
+                self.limits[name] = min(value, LENGTH_FIELD_MAX)
+            elif name in REQUIRED_LIMITS:
                 raise PageProtocolError(f"welcome.limits.{name} is {value!r}")
-            self.limits[name] = min(value, LENGTH_FIELD_MAX)
         self.max_frame_bytes = self.limits["max_frame_bytes"]
         return welcome
 

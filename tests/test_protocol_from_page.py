@@ -6,6 +6,7 @@ what it sends read back by equeue's own client and a read-only MessageStore."""
 from __future__ import annotations
 
 import math
+import re
 import socket
 import struct
 import time
@@ -17,6 +18,7 @@ import pytest
 from client_helpers import BrokerProcess, temporary_broker
 from pageclient import (
     OP_VERSIONS,
+    PARENTS,
     Closed,
     Message,
     PageClient,
@@ -315,6 +317,11 @@ PROTOCOL_ERRORS: list[tuple[str, bytes]] = [
     ("empty frame", struct.pack(">I", 0)),
     ("two objects", struct.pack(">I", 2) + b"\xc0\xc0"),
     ("bodies item not bin", frame([1, "send_bodies", {"topic": "t", "bodies": ["x"]}])),
+    ("an extension type", frame([1, "send", {"topic": "t", "body": msgpack.ExtType(1, b"x")}])),
+    ("a map key not str", frame([1, "send", {"topic": "t", "body": b"", "properties": {1: "a"}}])),
+    ("a batch message not a map", frame([1, "send_batch", {"topic": "t", "messages": [b"x"]}])),
+    ("a batch message with a topic",
+     frame([1, "send_batch", {"topic": "t", "messages": [{"topic": "t", "body": b""}]}])),
     ("array past 2 x max_batch_messages",
      frame([1, "send_batch", {"topic": "t", "messages": [{"body": b""}] * 65537}])),
 ]  # fmt: skip
@@ -532,3 +539,66 @@ def test_a_stopping_broker_ends_a_version_6_connection_with_broker_stopping_erro
             five.read_body()
         six.close()
         five.close()
+
+
+def test_the_pages_error_table_names_every_class_of_equeue_errors_with_its_parent() -> None:
+    """The page's "Errors" table is what a client in another language has of
+    equeue.errors: each code and the code it is a kind of (a FencedMemberError is a
+    GroupError: "a GroupError on any call means its membership is gone")."""
+    import inspect
+    from pathlib import Path
+
+    import equeue.errors
+
+    page = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    section = page.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (?:`(\w+)`|\u2013) \|", section, re.MULTILINE)
+    on_page = {code: parent or None for code, parent in rows}
+    assert len(on_page) == len(rows), "a code listed twice"
+    base = equeue.errors.EQueueError
+    classes = {
+        name: next(
+            (b.__name__ for b in cls.__bases__ if issubclass(b, base) and b is not base), None
+        )
+        for name, cls in inspect.getmembers(equeue.errors, inspect.isclass)
+        if issubclass(cls, base) and cls is not base
+    }
+    assert on_page == classes
+    assert (
+        set(PARENTS) == set(classes)
+        and {code: parent or "" for code, parent in classes.items()} == PARENTS
+    )  # the page client's transcription of the table
+
+
+def test_requests_behind_the_hello_are_served_after_the_welcome_or_not_at_all(
+    broker: BrokerProcess,
+) -> None:
+    with page_client(broker, hello=False) as client:
+        client.send_raw(
+            frame({"versions": [6]})
+            + frame([1, "create_topic", {"topic": "behind"}])
+            + frame([2**64 - 1, "send", {"topic": "behind", "body": b"b", "queue_id": 0}])
+        )
+        assert type(client.read_body()) is dict  # the welcome first
+        assert client.next_answer() == (1, 0, None)
+        request_id, status, result = client.next_answer()
+        assert (request_id, status, result[1:4]) == (2**64 - 1, 0, ["behind", 0, 0])
+    with page_client(broker, hello=False) as client:  # a refused hello: none served
+        client.send_raw(
+            frame({"versions": [99]})
+            + frame([1, "send", {"topic": "behind", "body": b"c", "queue_id": 0}])
+        )
+        error = connection_error(client, 1)
+        assert (error.code, error.request_id) == ("ProtocolError", 0)
+    with page_client(broker) as client:
+        assert client.queue_range("behind", 0) == (0, 1)
+        where = client.stats()["clients"][0]["where"]
+        assert type(where) is str and where.startswith("connection #")
+
+
+def test_is_a_follows_the_tables_kinds() -> None:
+    fenced = PageError(3, "FencedMemberError", "joined again")
+    assert fenced.is_a("GroupError") and fenced.is_a("FencedMemberError")
+    assert not fenced.is_a("ProtocolError")
+    assert PageError(0, "FrameTooLargeError", "").is_a("ProtocolError")
+    assert PageError(1, "SomeLaterError", "").is_a("BrokerError")
