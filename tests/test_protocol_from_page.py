@@ -280,6 +280,14 @@ STORE_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
      "InvalidMessageError"),
     ("commit_offset", {"group": "g", "topic": "refuse", "queue_id": 0, "offset": 9},
      "InvalidMessageError"),
+    ("pull", {"topic": "refuse", "queue_id": 0, "offset": 0, "wait_ms": 86_400_001},
+     "InvalidMessageError"),
+    ("query_by_key", {"topic": "refuse", "key": "k", "limit": 0}, "InvalidMessageError"),
+    ("create_topic", {"topic": "refuse2", "queue_count": 1025}, "InvalidMessageError"),
+    ("send", {"topic": "refuse", "body": b"", "tag": "t" * 256}, "InvalidMessageError"),
+    ("send", {"topic": "refuse", "body": b"", "code": 2**31}, "InvalidMessageError"),
+    ("stats", {"group": ""}, "InvalidMessageError"),
+    ("delete_group", {"group": "never-made"}, "GroupNotFoundError"),
 ]  # fmt: skip
 
 
@@ -301,7 +309,7 @@ def test_what_the_store_refuses_is_an_error_answer_and_the_connection_stays(
             assert info.value.listed
         client.ping()
         assert client.queue_range("refuse", 0) == (0, 0)  # nothing stored
-        assert "a b" not in client.topics()
+        assert "a b" not in client.topics() and "refuse2" not in client.topics()
 
 
 PROTOCOL_ERRORS: list[tuple[str, bytes]] = [
@@ -602,3 +610,18 @@ def test_is_a_follows_the_tables_kinds() -> None:
     assert not fenced.is_a("ProtocolError")
     assert PageError(0, "FrameTooLargeError", "").is_a("ProtocolError")
     assert PageError(1, "SomeLaterError", "").is_a("BrokerError")
+
+
+def test_a_second_pull_under_a_held_pulls_id_is_not_held_and_cancel_names_the_first(
+    broker: BrokerProcess,
+) -> None:
+    with page_client(broker) as client:
+        client.create_topic("same_id", 1)
+        args = {"topic": "same_id", "queue_id": 0, "offset": 0, "wait_ms": 20_000}
+        client.send_raw(frame([7, "pull", args]) + frame([7, "pull", args]))
+        assert client.next_answer() == (7, 0, [[], 0])  # the second, at the next tick
+        client.next_id = 8
+        assert client.stats()["held_pulls"] >= 1
+        cancel_id = client.request("cancel_pull", {"request_id": 7})
+        assert client.next_answer() == (7, 0, [[], 0])  # the first, held until now
+        assert client.next_answer() == (cancel_id, 0, True)
