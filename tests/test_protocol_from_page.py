@@ -52,6 +52,11 @@ def page_client(broker: BrokerProcess, **kwargs: Any) -> PageClient:
     return PageClient(broker.url.removeprefix("unix:"), timeout_s=WAIT_S, **kwargs)
 
 
+def held_pull(topic: str, offset: int = 0, **more: Any) -> dict[str, Any]:
+    """A pull of queue 0 the broker holds (wait_ms 20 s: longer than any test waits)."""
+    return {"topic": topic, "queue_id": 0, "offset": offset, "wait_ms": 20_000, **more}
+
+
 def connection_error(client: PageClient, request_id: int) -> PageError:
     """The error the broker closed the connection with; fails if the connection stays."""
     with pytest.raises(PageError) as info:
@@ -217,9 +222,7 @@ def test_a_long_poll_is_held_and_later_requests_are_answered_before_it(
 ) -> None:
     with page_client(broker) as client, equeue.connect(broker.url) as theirs:
         client.create_topic("held", 1)
-        pull_id = client.request(
-            "pull", {"topic": "held", "queue_id": 0, "offset": 0, "wait_ms": 20_000}
-        )
+        pull_id = client.request("pull", held_pull("held"))
         ping_id = client.request("ping")
         assert client.next_answer() == (ping_id, 0, None)  # the pull is not answered yet
         assert client.stats()["held_pulls"] >= 1
@@ -235,7 +238,7 @@ def test_cancel_pull_answers_the_held_pull_empty_first_then_true(broker: BrokerP
     with page_client(broker) as client:
         client.create_topic("cancel", 1)
         client.send("cancel", b"one", tag="a", queue_id=0)
-        args = {"topic": "cancel", "queue_id": 0, "offset": 0, "tags": "b", "wait_ms": 20_000}
+        args = held_pull("cancel", tags="b")
         pull_id = client.request("pull", args)
         client.ping()  # the pull was read and held before the cancel is sent
         cancel_id = client.request("cancel_pull", {"request_id": pull_id})
@@ -253,7 +256,7 @@ def test_past_max_in_flight_a_request_is_refused_with_its_id_and_the_connection_
 ) -> None:
     with page_client(broker) as client:
         client.create_topic("inflight", 1)
-        args = {"topic": "inflight", "queue_id": 0, "offset": 0, "wait_ms": 20_000}
+        args = held_pull("inflight")
         held = [client.request("pull", args) for _ in range(LIMIT_FLAGS["max_in_flight"])]
         ping_id = client.request("ping")
         with pytest.raises(PageError) as info:
@@ -444,7 +447,7 @@ def test_a_half_close_answers_the_held_pulls_and_then_the_broker_closes(
     with page_client(broker) as client:
         client.create_topic("half", 1)
         client.send("half", b"there", queue_id=0)
-        args = {"topic": "half", "queue_id": 0, "offset": 1, "wait_ms": 20_000}
+        args = held_pull("half", offset=1)
         pull_id = client.request("pull", args)
         client.ping()
         client.sock.shutdown(socket.SHUT_WR)
@@ -533,7 +536,7 @@ def test_a_stopping_broker_ends_a_version_6_connection_with_broker_stopping_erro
         six = PageClient(path, timeout_s=WAIT_S)
         five = PageClient(path, versions=[5], timeout_s=WAIT_S)
         six.create_topic("stop", 1)
-        args = {"topic": "stop", "queue_id": 0, "offset": 0, "wait_ms": 20_000}
+        args = held_pull("stop")
         held = six.request("pull", args)
         six.ping()
         five.ping()
@@ -617,7 +620,7 @@ def test_a_second_pull_under_a_held_pulls_id_is_not_held_and_cancel_names_the_fi
 ) -> None:
     with page_client(broker) as client:
         client.create_topic("same_id", 1)
-        args = {"topic": "same_id", "queue_id": 0, "offset": 0, "wait_ms": 20_000}
+        args = held_pull("same_id")
         client.send_raw(frame([7, "pull", args]) + frame([7, "pull", args]))
         assert client.next_answer() == (7, 0, [[], 0])  # the second, at the next tick
         client.next_id = 8
