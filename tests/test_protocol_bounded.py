@@ -3,6 +3,9 @@ only each container's length (a frame of tiny nested objects decodes slowly and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import msgpack
 import pytest
 
@@ -92,3 +95,33 @@ def test_a_body_past_the_bound_without_a_request_id_is_a_protocol_error(head: ob
     longer = msgpack.packb([*_batch(4096), "a fourth item"])  # not [id, op, args]
     with pytest.raises(ProtocolError, match="more than 65536 msgpack objects"):
         decode_request(longer, "p", 8192, "s", max_objects(4096) // 2, SETTING)
+
+
+def _malformed(kind: str, pad: int) -> bytes:
+    """A request body msgpack refuses for another reason than a count, ``pad`` bytes of
+    bin inside it (past PLAIN_BELOW, decode_request takes its counted way)."""
+    args: dict[Any, Any] = {"body": b"\x00" * pad, "tag": "AB"}
+    if kind == "map key":
+        args["properties"] = {1: "a"}
+    whole: bytes = msgpack.packb([1, "send", args])
+    if kind == "utf-8":  # the tag's 2 characters made 2 bytes that are not UTF-8
+        return whole.replace(b"\xa2AB", b"\xa2\xff\xff")
+    return whole[:-1] if kind == "incomplete" else whole
+
+
+@pytest.mark.parametrize("kind", ["map key", "utf-8", "incomplete"])
+def test_a_malformed_body_is_not_blamed_on_the_item_bound(kind: str) -> None:
+    """Only a container past the bound names it: a non-str map key read "(int is not
+    allowed for map key ...; no array or map may hold more than 131072 items ...)"."""
+    decoders: list[Callable[[], object]] = [
+        lambda: decode_body(_malformed(kind, 10), "p", 8192, "s"),
+        lambda: decode_request(
+            _malformed(kind, PLAIN_BELOW), "p", 8192, "s", max_objects(4096), SETTING
+        ),
+    ]
+    for decode in decoders:
+        with pytest.raises(ProtocolError, match="not valid msgpack") as info:
+            decode()
+        assert "may hold more than" not in str(info.value)
+    with pytest.raises(ProtocolError, match="no array or map may hold more than s"):
+        decode_body(msgpack.packb([[0] * 8193]), "p", 8192, "s")

@@ -29,7 +29,7 @@ from typing import Any, Final
 import msgpack
 
 from equeue.errors import LimitExceededError, ProtocolError
-from equeue.protocol.frames import CONNECTION_REQUEST_ID, decode_body
+from equeue.protocol.frames import CONNECTION_REQUEST_ID, decode_body, not_valid
 
 # Objects per message of a full send_batch: its place in the batch (1), its map of
 # send's 7 arguments (15), a properties map of 7 entries (15), and the request's own.
@@ -133,8 +133,7 @@ def decode_request(
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"{where}: the frame body is not one msgpack object ({exc})") from exc
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        limit = f"; no array or map may hold more than {setting}" if setting else ""
-        raise ProtocolError(f"{where}: the frame body is not valid msgpack ({exc}{limit})") from exc
+        raise not_valid(exc, where, setting) from exc
 
 
 def _leading_request_id(payload: bytes | memoryview) -> int | None:

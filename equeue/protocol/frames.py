@@ -126,8 +126,16 @@ def decode_body(
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"{where}: the frame body is not one msgpack object ({exc})") from exc
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        limit = f"; no array or map may hold more than {setting}" if setting else ""
-        raise ProtocolError(f"{where}: the frame body is not valid msgpack ({exc}{limit})") from exc
+        raise not_valid(exc, where, setting) from exc
+
+
+def not_valid(exc: Exception, where: str, setting: str) -> ProtocolError:
+    """The error of a body msgpack refused: naming the item bound (``setting``) only
+    where msgpack's refusal is the count's ("N exceeds max_array_len(M)"), not for a
+    non-str map key or bad UTF-8 (they read "may hold more than" too, round 17)."""
+    counted = setting and " exceeds max_" in str(exc)
+    limit = f"; no array or map may hold more than {setting}" if counted else ""
+    return ProtocolError(f"{where}: the frame body is not valid msgpack ({exc}{limit})")
 
 
 class FrameReader:
