@@ -13,8 +13,6 @@ import random
 import time
 from typing import Any
 
-import equeue.chunks.manager
-
 SLOW_MAKER_ENV = "EQUEUE_TEST_SLOW_MAKER"
 MAKE = "make_ahead_file"  # the maker's job calls it by the manager module's name
 
@@ -26,7 +24,10 @@ def install_from_environment() -> None:
 
 
 def install(most: float, seed: int = 17) -> None:
-    """Every later make_ahead_file sleeps up to ``most`` seconds before, and again after."""
+    """Every later make_ahead_file sleeps up to ``most`` seconds before, and again after.
+    (equeue imported here: a run without the setting imports nothing of it early.)"""
+    import equeue.chunks.manager
+
     real = getattr(equeue.chunks.manager, MAKE)
     draw = random.Random(seed)
 
