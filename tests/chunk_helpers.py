@@ -7,6 +7,8 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+from store_helpers import snapshot as store_snapshot
+
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkReader, ChunkWriter
 from equeue.format.chunk import (
     FOOTER_SIZE,
@@ -71,16 +73,9 @@ def chunk_files(directory: Path) -> list[Path]:
 
 
 def snapshot(directory: Path) -> dict[str, bytes | None]:
-    """Every file (bytes) and directory (None) under ``directory``, by relative path."""
-    result: dict[str, bytes | None] = {}
-    for root, dirs, files in os.walk(directory):
-        base = Path(root)
-        for name in dirs:
-            result[str((base / name).relative_to(directory)) + "/"] = None
-        for name in files:
-            path = base / name
-            result[str(path.relative_to(directory))] = path.read_bytes()
-    return result
+    """Every file (bytes) and directory (None) under ``directory``, by relative path, once
+    the chunk maker has settled (store_helpers.snapshot; nothing skipped)."""
+    return store_snapshot(directory, skip=())
 
 
 def full_size(chunk_data_size: int = SMALL) -> int:

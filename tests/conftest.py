@@ -1,4 +1,5 @@
-"""Fixtures shared by several test modules: one local SparkSession for the whole run."""
+"""Fixtures shared by several test modules: one local SparkSession for the whole run; the
+chunk maker slowed on request (slow_chunk_maker.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from slow_chunk_maker import install_from_environment
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    install_from_environment()  # EQUEUE_TEST_SLOW_MAKER (slow_chunk_maker.py)
 
 
 @pytest.fixture(scope="session")

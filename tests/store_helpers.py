@@ -11,42 +11,85 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from equeue import Message, MessageStore, OutgoingMessage, SendResult
+from equeue.chunks.ahead import MAKER, AheadFile
+from equeue.chunks.chunk import Chunk
 from equeue.errors import CorruptionError, MessageNotFoundError
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD_SIZE, encode_properties, message_length
 
+# How long a settle waits for the chunk maker: its job is one file's creation and an
+# fsync, which a disk shared with other test runs can hold for seconds.
+SETTLE_TIMEOUT = 60.0
 
-def settle_chunk_maker(store: MessageStore) -> None:
-    """Wait until the chunk maker is done with the store's log (equeue/chunks/ahead.py):
-    its thread makes and removes ``messages/ahead-*.tmp`` beside the writer, so a test
-    that copies or compares a live store's files waits for it first (its own thread
-    sending nothing meanwhile). Done means no job queued or running and no file made for
-    a chunk that exists (the manager removes it and asks for the next); nothing changes
-    then until the next roll-over. Without the manager's lock: a job on the maker thread
-    may need it while another job of this manager waits behind it."""
-    manager = store._messages
-    deadline = time.monotonic() + 10
+
+def settle_chunk_maker(store: MessageStore | None = None) -> None:
+    """Wait until the chunk maker (equeue/chunks/ahead.py) has no job queued or running:
+    its one thread per process makes and removes ``messages/ahead-*.tmp`` (and fsyncs the
+    log directory after a roll-over installed one) beside the writer, so whatever reads a
+    live store's files, copies them or counts file calls or descriptors waits for it first.
+
+    Done is when a marker job, queued behind every job submitted so far, runs and finds
+    nothing queued after it: the jobs before it are finished and any job they queued (a
+    file made for a chunk a roll-over made first is removed and the next one asked for,
+    within the job) would be behind it. This holds until a writer of this process rolls
+    a log over again, so the thread that settles sends nothing meanwhile, and a snapshot
+    taken after an operation that may have rolled over settles again (``snapshot`` does).
+    ``store``: also checks that its log's manager has no job and no file made for a chunk
+    that exists (a writer thread of this process, a BrokerThread's, may roll over while
+    this waits: then the wait goes on). A broker in another process has its own maker,
+    which this cannot see."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT
     while True:
-        with manager._ahead_cond:
-            busy, ahead = manager._ahead_busy, manager._ahead
-        last = manager.last_chunk
-        stale = (
-            ahead is not None
-            and last is not None
-            and ahead.header.chunk_start_number <= last.end_number
-        )
-        if not busy and not stale:
+        if _maker_idle(deadline) and (store is None or _manager_settled(store)):
             return
         assert time.monotonic() < deadline, (
-            f"the chunk maker is not done on {manager.directory}: busy {busy}, "
-            f"made {ahead}, the last chunk {last}"
+            f"the chunk maker did not settle in {SETTLE_TIMEOUT} s: jobs queued "
+            f"{len(MAKER._jobs)}, {_manager_state(store) if store is not None else ''}"
         )
         time.sleep(0.002)
+
+
+def _maker_idle(deadline: float) -> bool:
+    """Whether a marker job found nothing queued behind it (see settle_chunk_maker)."""
+    ran = threading.Event()
+    queued_after: list[int] = []
+
+    def marker() -> None:
+        with MAKER._wakeup:
+            queued_after.append(len(MAKER._jobs))
+        ran.set()
+
+    MAKER.submit(marker)
+    assert ran.wait(max(deadline - time.monotonic(), 0.0)), (
+        f"the chunk maker's thread did not run a job in {SETTLE_TIMEOUT} s "
+        f"({len(MAKER._jobs)} queued)"
+    )
+    return queued_after == [0]
+
+
+def _manager_settled(store: MessageStore) -> bool:
+    busy, ahead, last = _manager_state(store)
+    stale = (
+        ahead is not None
+        and last is not None
+        and ahead.header.chunk_start_number <= last.end_number
+    )
+    return not busy and not stale
+
+
+def _manager_state(store: MessageStore) -> tuple[bool, AheadFile | None, Chunk | None]:
+    """Without the manager's lock: a maker job may need it (a file made for a chunk that
+    exists is removed under it)."""
+    manager = store._messages
+    with manager._ahead_cond:
+        busy, ahead = manager._ahead_busy, manager._ahead
+    return busy, ahead, manager.last_chunk
 
 
 @dataclass(frozen=True)
@@ -235,7 +278,11 @@ def queue_file(
 
 
 def snapshot(directory: Path, *, skip: tuple[str, ...] = ("LOCK",)) -> dict[str, bytes | None]:
-    """Every file (bytes) and directory (None) under ``directory``, by relative path."""
+    """Every file (bytes) and directory (None) under ``directory``, by relative path, read
+    once this process's chunk maker has settled (its ``ahead-*.tmp`` is a write like any:
+    a rejected call's stray one must show, the maker's own must not come and go between
+    two snapshots)."""
+    settle_chunk_maker()
     result: dict[str, bytes | None] = {}
     for root, dirs, files in os.walk(directory):
         base = Path(root)
@@ -258,3 +305,19 @@ def killed_store(script: str, store: Path) -> Path:
     )
     assert run.returncode == -signal.SIGKILL, run.stderr
     return store
+
+
+def tree(directory: Path, *, skip: tuple[str, ...] = ()) -> dict[str, tuple[bytes | None, int]]:
+    """Every entry under ``directory`` (links not followed): its bytes (None: a directory
+    or a link) and mtime, read once the chunk maker has settled (as ``snapshot``)."""
+    settle_chunk_maker()
+    found: dict[str, tuple[bytes | None, int]] = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            if name in skip:
+                continue
+            entry = Path(root) / name
+            st = entry.lstat()
+            data = entry.read_bytes() if entry.is_file() and not entry.is_symlink() else None
+            found[str(entry.relative_to(directory))] = (data, st.st_mtime_ns)
+    return found

@@ -16,6 +16,7 @@ import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from store_helpers import snapshot
 
 import equeue
 import equeue.errors
@@ -243,14 +244,14 @@ def test_reopen_refuses_an_explicit_conflicting_layout(tmp_path: Path) -> None:
     path = tmp_path / "s"
     with MessageStore.open(path, StoreConfig(**SMALL)) as store:
         store.send("t", b"kept")
-    before = sorted(p.name for p in path.rglob("*") if p.name != "LOCK")
+    before = snapshot(path)
     default = StoreConfig().layout.chunk_data_size  # explicit, though the default value
     bads: list[dict[str, Any]] = [{"chunk_data_size": default}, {"queue_chunk_records": 800}]
     for bad in bads:
         with pytest.raises(equeue.ConfigError, match=f"{next(iter(bad))}=") as caught:
             MessageStore.open(path, StoreConfig(**bad))
         assert str(path) in str(caught.value) and "unset" in str(caught.value)
-    assert sorted(p.name for p in path.rglob("*") if p.name != "LOCK") == before
+    assert snapshot(path) == before
 
 
 def test_new_store_gets_the_default_layout(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 from crash_checks import run_kill_iteration
 from crash_writer import PLAIN_ENV, POLICIES
 from server_helpers import short_home
+from store_helpers import snapshot
 from test_speedups import data_areas
 
 from equeue import MessageStore, StoreConfig, speedups
@@ -59,12 +60,6 @@ def send_all(path: Path, batches: list[list[bytes]], columns: bool) -> list[tupl
                 sent = store.send_batch("t", batch)
             out += [(r.message_id[8:], *r[1:]) for r in sent]
     return out
-
-
-def store_files(path: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
-    }
 
 
 @needs_c
@@ -124,7 +119,7 @@ def test_a_rejected_batch_of_bodies_writes_nothing(tmp_path: Path, bad: object) 
     with MessageStore.open(tmp_path / "s", config) as store:
         store.send_batch("t", [body(i) for i in range(150)])
         store.flush()
-        before = store_files(tmp_path / "s")
+        before = snapshot(tmp_path / "s", skip=())
         items: list[Any] = [body(i) for i in range(50)] + [bad] + [body(i) for i in range(50)]
         error = MessageTooLargeError if isinstance(bad, bytes) else InvalidTypeError
         with pytest.raises(error):
@@ -132,7 +127,7 @@ def test_a_rejected_batch_of_bodies_writes_nothing(tmp_path: Path, bad: object) 
         with pytest.raises(error):
             send_columns(store, "t", items)
         store.flush()
-        assert store_files(tmp_path / "s") == before  # not a byte written
+        assert snapshot(tmp_path / "s", skip=()) == before  # not a byte written
         assert store.send_batch("t", [b"after"])[0].position > 0
 
 

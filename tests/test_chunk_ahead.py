@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from ahead_kill_child import STEPS, body, config
 from power_loss_model import Damage, DiskImage, materialize, recording
+from store_helpers import SETTLE_TIMEOUT, settle_chunk_maker
 
 import equeue.chunks.ahead
 import equeue.chunks.completion
@@ -61,13 +62,15 @@ def made_ahead(directory: Path) -> list[str]:
 
 def wait_made_ahead(manager: ChunkManager) -> Path:
     """The file made ahead for the next roll-over, once the chunk maker has made it."""
-    end = time.monotonic() + 10
+    end = time.monotonic() + SETTLE_TIMEOUT
     while time.monotonic() < end:
         with manager._ahead_cond:
             if manager._ahead is not None:
                 return manager._ahead.path
         time.sleep(0.002)
-    raise AssertionError(f"no chunk file was made ahead in {manager.directory} within 10 s")
+    raise AssertionError(
+        f"no chunk file was made ahead in {manager.directory} within {SETTLE_TIMEOUT} s"
+    )
 
 
 def roll_over(writer: ChunkWriter) -> int:
@@ -261,7 +264,9 @@ def killed_with_leftover(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def every_entry(root: Path) -> dict[str, object]:
     """Each entry under ``root`` by its kind: a file's bytes, a link's target, a directory
-    (LOCK aside: a writable open writes its pid there before anything can be refused)."""
+    (LOCK aside: a writable open writes its pid there before anything can be refused),
+    read once this process's chunk maker has settled."""
+    settle_chunk_maker()
     found: dict[str, object] = {}
     for path in sorted(root.rglob("*")):
         name = str(path.relative_to(root))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import pytest
+from store_helpers import settle_chunk_maker
 
 from equeue import MessageStore, SendResult, StoreConfig
 from equeue.cli import main
@@ -110,7 +111,9 @@ def flip(path: Path, offset: int) -> None:
 
 
 def snapshot(path: Path) -> dict[str, tuple[bytes, int]]:
-    """Every file under ``path`` with its bytes and mtime, and every directory."""
+    """Every file under ``path`` with its bytes and mtime, and every directory, once the
+    chunk maker has settled."""
+    settle_chunk_maker()
     result = {}
     for root, dirs, files in os.walk(path):
         for name in dirs:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
+from store_helpers import snapshot
 
 from equeue import MessageStore, ReadOnlyError, StoreConfig, TopicNotFoundError
 from equeue.cli import main
@@ -162,15 +163,16 @@ def test_a_read_only_handle_follows_a_deletion(tmp_path: Path) -> None:
 def test_delete_topic_refusals(tmp_path: Path) -> None:
     path = tmp_path / "s"
     _fill(path)
-    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file() and p.name != "LOCK"}
+    before = snapshot(path)
     with MessageStore.open(path, read_only=True) as reader, pytest.raises(ReadOnlyError):
         reader.delete_topic("gone")
+    assert snapshot(path) == before
     with MessageStore.open(path) as store:
+        opened = snapshot(path)  # (the writable open's own writes, its file made ahead)
         with pytest.raises(TopicNotFoundError):
             store.delete_topic("never")
+        assert snapshot(path) == opened
         assert store.topics() == ["gone", "kept"]  # control: nothing changed
-    after = {p for p in path.rglob("*") if p.is_file() and p.name != "LOCK"}
-    assert set(before) <= after
 
 
 def _run(path: Path, mode: str, k: int, sends: int = 0) -> subprocess.CompletedProcess[str]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from store_helpers import settle_chunk_maker
 from test_shm import _broker, _url
 
 import equeue.aio
@@ -34,6 +35,7 @@ def _second_broker() -> Iterator[BrokerThread]:
 
 
 def _open_fds() -> int:
+    settle_chunk_maker()  # (the broker's store: its maker holds a descriptor while at work)
     return len(os.listdir("/proc/self/fd"))
 
 

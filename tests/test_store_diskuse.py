@@ -26,7 +26,7 @@ from crash_checks import (
     verify_recovered_store,
 )
 from crash_writer import CONFIG_ENV, store_config
-from store_helpers import Sent, assert_all_readable, send, send_batch
+from store_helpers import Sent, assert_all_readable, send, send_batch, settle_chunk_maker
 
 from equeue import MessageStore, OutgoingMessage, StoreConfig
 from equeue.chunks.chunk import Chunk
@@ -42,6 +42,9 @@ PER_QUEUE = 64 << 10
 
 
 def on_disk(path: Path) -> int:
+    """Bytes of disk blocks held by the files under ``path``, once the chunk maker settled
+    (its next log file counts, as it holds blocks; it must not vanish under the walk)."""
+    settle_chunk_maker()
     return sum(
         os.lstat(os.path.join(root, name)).st_blocks * 512
         for root, _, names in os.walk(path)

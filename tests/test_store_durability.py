@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from store_helpers import tree
 
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import read_json
@@ -464,28 +465,20 @@ def test_read_only_beside_a_writer(tmp_path: Path) -> None:
                     attempt()
 
 
-def snapshot(path: Path) -> dict[str, tuple[int, bytes]]:
-    return {
-        str(p.relative_to(path)): (p.stat().st_mtime_ns, p.read_bytes())
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
-
-
 def test_read_only_changes_nothing(tmp_path: Path) -> None:
     path = tmp_path / "s"
     with MessageStore.open(path, config()) as writer:
         for i in range(300):
             writer.send("t", b"m%d" % i * 50, key=f"k{i % 7}")
         writer.commit_offset("g", "t", 0, 3)
-    before = snapshot(path)
+    before = tree(path)
     with MessageStore.open(path, read_only=True) as reader:
         for queue_id in reader.queue_ids("t"):
             assert reader.pull("t", queue_id, 0, max_count=500).messages
         assert reader.query_by_key("t", "k3")
         assert reader.committed_offset("g", "t", 0) == 3
         reader.refresh()
-    assert snapshot(path) == before
+    assert tree(path) == before
 
 
 def test_read_only_pull_waits_for_the_writer(tmp_path: Path) -> None:

@@ -167,7 +167,9 @@ calls = st.one_of(
 
 
 def files(path: Path) -> dict[str, bytes | None]:
-    """Every file of the store but the derived ones, with its bytes (None: a directory)."""
+    """Every file of the store but the derived ones, with its bytes (None: a directory),
+    once the chunk maker has settled (an accepted send's roll-over has the next file made)."""
+    settle_chunk_maker()
     found: dict[str, bytes | None] = {}
     for item in sorted(path.rglob("*")):
         name = str(item.relative_to(path))
@@ -213,7 +215,6 @@ def call(store: MessageStore, name: str, args: tuple[Any, ...], kwargs: dict[str
 def test_junk_arguments(stores: list[MessageStore], sequence: list[Any]) -> None:
     store = stores[0]
     for (name, args, kwargs), handle in sequence:
-        settle_chunk_maker(store)  # an accepted send's roll-over: the next file made ahead
         before = files(store.path)
         try:
             call(stores[handle], name, args, kwargs)

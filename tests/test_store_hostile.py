@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from store_helpers import snapshot
+from store_helpers import snapshot, tree
 
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import write_json
@@ -99,18 +99,6 @@ def _resolve(store: Path, name: str) -> Path:
     return directory / leaf
 
 
-def _tree(path: Path) -> dict[str, tuple[bytes | None, int]]:
-    """Everything under ``path`` (not following links): bytes (None: a directory), mtime."""
-    found: dict[str, tuple[bytes | None, int]] = {}
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            entry = Path(root) / name
-            st = entry.lstat()
-            data = entry.read_bytes() if entry.is_file() and not entry.is_symlink() else None
-            found[str(entry.relative_to(path))] = (data, st.st_mtime_ns)
-    return found
-
-
 def _plant_link(store: Path, name: str, outside: Path) -> tuple[Path, Path]:
     """Move the store's ``name`` to ``outside`` and leave a link to it in its place;
     every mtime out there is set to PAST, so that any write there shows."""
@@ -190,15 +178,15 @@ def test_a_planted_link_is_refused_and_nothing_outside_changes(
     store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
 ) -> None:
     path, target = _plant_link(store, name, tmp_path / "outside")
-    before = _tree(tmp_path / "outside")
+    before = tree(tmp_path / "outside")
     inside = snapshot(store)
     errors = [_try_open(store, read_only) for read_only in (False, True)]
-    assert _tree(tmp_path / "outside") == before  # the harm a followed link does
+    assert tree(tmp_path / "outside") == before  # the harm a followed link does
     for error in errors:
         assert isinstance(error, StorePathError), error
         assert error.file == str(path) and str(path) in str(error)
     _cli_refuses(capsys, store, path)
-    assert _tree(tmp_path / "outside") == before
+    assert tree(tmp_path / "outside") == before
     assert snapshot(store) == inside
     assert path.is_symlink() and os.readlink(path) == str(target)
 
@@ -214,9 +202,9 @@ def test_a_link_where_sqlite_keeps_its_side_files_is_refused(
     sentinel.write_bytes(b"not yours" * 100)
     os.utime(sentinel, ns=(PAST, PAST))
     os.symlink(sentinel, store / name)
-    before = _tree(outside)
+    before = tree(outside)
     errors = [_try_open(store, read_only) for read_only in (False, True)]
-    assert _tree(outside) == before
+    assert tree(outside) == before
     for error in errors:
         assert isinstance(error, StorePathError) and error.file == str(store / name), error
 
@@ -229,9 +217,9 @@ def test_a_linked_compaction_staging_dir_is_refused(store: Path, tmp_path: Path)
     (outside / "sentinel").write_bytes(b"keep me")
     link = store / "compaction" / "20260101T000000-0badf00d"
     os.symlink(outside, link)
-    before = _tree(outside)
+    before = tree(outside)
     error = _try_open(store, False)
-    assert _tree(outside) == before
+    assert tree(outside) == before
     assert isinstance(error, StorePathError) and error.file == str(link), error
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from store_helpers import snapshot
 
 from equeue import MessageStore
 from equeue.errors import CorruptionError, StoreLockedError
@@ -70,21 +71,13 @@ def _damage(journal: Path, kind: str) -> tuple[int, str]:
     return 0, found
 
 
-def _files(path: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(path)): p.read_bytes()
-        for p in sorted(path.rglob("*"))
-        if p.is_file() and p.name != "LOCK"
-    }
-
-
 @pytest.mark.parametrize("kind", ["magic", "generation", "checksum", "short"])
 def test_a_damaged_header_is_refused_naming_where_and_what_to_do(tmp_path: Path, kind: str) -> None:
     store = tmp_path / "s"
     _killed_store(store)
     journal = store / TOPICS_JOURNAL_FILE
     offset, found = _damage(journal, kind)
-    before = _files(store)
+    before = snapshot(store)
     for read_only in (False, True):
         with pytest.raises(CorruptionError) as exc:
             MessageStore.open(store, read_only=read_only)
@@ -92,7 +85,7 @@ def test_a_damaged_header_is_refused_naming_where_and_what_to_do(tmp_path: Path,
         text = str(exc.value)
         assert found in text and "expected 0x" in text, text
         assert "equeue rebuild-topics STORE" in text and "no writer running" in text, text
-        assert _files(store) == before  # refused: nothing changed
+        assert snapshot(store) == before  # refused: nothing changed
     verify = subprocess.run(
         [sys.executable, "-m", "equeue", "verify", str(store)], env=ENV, capture_output=True,
         text=True,
@@ -172,10 +165,10 @@ def test_rebuild_is_refused_while_a_writer_runs(tmp_path: Path) -> None:
     store = tmp_path / "s"
     with MessageStore.open(store) as writer:
         writer.create_topic("t")
-        before = _files(store)
+        before = snapshot(store)
         with pytest.raises(StoreLockedError):
             rebuild_topics(store)
-        assert _files(store) == before
+        assert snapshot(store) == before
 
 
 def test_the_broker_refuses_with_the_remedy_then_serves_after_a_rebuild(tmp_path: Path) -> None:
@@ -236,11 +229,11 @@ def test_a_damaged_topics_json_beside_it_is_named_with_its_own_remedy(tmp_path: 
     _damage(store / TOPICS_JOURNAL_FILE, "magic")
     topics_json = store / "topics.json"
     topics_json.write_bytes(b'{"body": {}, "xxh64": "0"}')  # (the killed writer wrote none)
-    before = _files(store)
+    before = snapshot(store)
     with pytest.raises(CorruptionError, match=r"move topics\.json out of the store") as exc:
         rebuild_topics(store)
     assert exc.value.file == str(topics_json)
-    assert _files(store) == before
+    assert snapshot(store) == before
     topics_json.rename(tmp_path / "topics.json.aside")
     report = rebuild_topics(store)
     assert len(report.replayed) == 5

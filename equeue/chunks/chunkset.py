@@ -59,6 +59,9 @@ class ChunkSet:
         # _lock if both are (the maker thread takes it alone).
         self._ahead: AheadFile | None = None
         self._ahead_busy = False
+        # The process whose maker thread runs that job (and made that file): a child
+        # forked meanwhile has no such thread, and the job and the file stay the parent's.
+        self._ahead_pid = os.getpid()
         self._ahead_closed = False
         self._ahead_cond = threading.Condition(threading.Lock())
         # Nothing is made ahead, and a crash's made-ahead files (_leftovers, listed by a

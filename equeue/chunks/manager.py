@@ -7,6 +7,7 @@ and removal.py (retention, cuts). Here: creation of chunks, writers, closing."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -199,7 +200,7 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
                 or (self._ahead is not None and stale is None)
             ):
                 return
-            self._ahead, self._ahead_busy = None, True
+            self._ahead, self._ahead_busy, self._ahead_pid = None, True, os.getpid()
         if stale is not None:
             made_for = stale.header.chunk_start_number
             discard(stale.path, f"a roll-over made chunk {made_for} first", logging.INFO)
@@ -282,12 +283,17 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
         return chunk
 
     def _drop_ahead(self) -> None:
-        """At close: no file is made ahead from now on, and the one made is deleted."""
+        """At close: no file is made ahead from now on, and the one made is deleted. In a
+        child forked from the process that asked for it, the job (which no thread of the
+        child runs: waiting for it hung the close) and the file are the parent's: left."""
         with self._ahead_cond:
             self._ahead_closed = True
-            while self._ahead_busy:
+            ours = self._ahead_pid == os.getpid()
+            while self._ahead_busy and ours:
                 self._ahead_cond.wait()
             ahead, self._ahead = self._ahead, None
+        if not ours:
+            return
         if ahead is not None and check_ahead_file(ahead) is None:
             ahead.path.unlink(missing_ok=True)
 
