@@ -285,8 +285,8 @@ class ShmClientTransport(shmrings.ShmRing if shmrings.ShmRing is not None else o
             return
         except OSError:
             data = b""
-        if not self.closing:
-            self.group.mux.drain(-1)
+        if not self.closing:  # (this ring's answers, all of them: the group's others wait)
+            self.group.mux.drain_ring(self)
         self._lost(None if not data else ShmRingError("the broker wrote on a shared-ring socket"))
 
     def _lost(self, exc: Exception | None) -> None:
