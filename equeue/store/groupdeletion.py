@@ -331,9 +331,6 @@ def _scope(store: MessageStore, group: str, dead_letters: bool) -> dict[str, Any
     }
 
 
-_MAX_QUEUES = 1024  # validate.check_queue_count's limit
-
-
 def _unchanged(store: MessageStore, topic: str, scope: dict[str, Any] | None) -> bool:
     """Whether ``topic`` is as the intent recorded it (None: an intent of an equeue that
     recorded nothing, acted on as before): nothing was written to it since, and it was
@@ -569,7 +566,7 @@ def _checked_scope(scope: object, group: str, path: Path) -> dict[str, Any]:
                 or not isinstance(known, dict)
                 or not _is_count(known.get("mark"), -1)
                 or not isinstance(ends, list)
-                or len(ends) > _MAX_QUEUES
+                or len(ends) > validate.MAX_QUEUES
                 or not all(_is_count(end, 0) for end in ends)
             ):
                 raise CorruptionError(
