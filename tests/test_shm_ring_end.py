@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from shm_helpers import RawShm
-from test_shm import _answers_until_the_end, _broker, _frames, _url
+from test_shm import _answers_until_the_end, _broker, _frames, _mux, _url
 
 from equeue.protocol import shmrings
 from equeue.protocol.frames import FRAME_HEADER, encode
@@ -70,11 +70,7 @@ def test_drain_ring_reads_that_ring_past_a_budget_and_no_other() -> None:
     (a_client, a_broker), (b_client, b_broker) = _pair(ring_bytes), _pair(ring_bytes)
     a_broker.protocol = _Reader(ring_bytes, lambda: a_client.put(b"a" * ring_bytes), 1 << 30)
     b_broker.protocol = _Reader(ring_bytes, lambda: b_client.put(b"b" * ring_bytes), 6)
-    mux = shmrings.ShmMux()
-    scheduled: list[tuple[Any, ...]] = []
-    mux.again = lambda *call: scheduled.append(call)  # (loop.call_soon)
-    mux.add(a_broker)
-    mux.add(b_broker)
+    mux, scheduled = _mux(a_broker, b_broker)
     a_client.put(b"a" * ring_bytes)
     b_client.put(b"b" * ring_bytes)
     mux.drain_ring(b_broker)
