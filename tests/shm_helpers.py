@@ -24,20 +24,23 @@ class RawShm:
     """One connection on rings: ``ring`` is the client's side (ShmRing), ``wake()``
     wakes the broker's reader."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, group: str | None = None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(TIMEOUT_S)
         self.sock.connect(path)
         hello = {"versions": list(SUPPORTED_VERSIONS), "token": None, "client": "raw",
-                 "shm": secrets.token_hex(8)}  # fmt: skip
+                 "shm": group or secrets.token_hex(8)}  # fmt: skip
         self.sock.sendall(encode(hello))
         data, fds = shmrings.recv_with_fds(self.sock, 1 << 16)
-        assert len(fds) in (2, 3), fds  # (3: round 15's eventfds, to broker, to client)
+        # (3: round 15's eventfds, to broker, to client; 1: a group's later connection,
+        # the wake-up end sent with its first: -1 here)
+        assert len(fds) in ((1, 2, 3) if group else (2, 3)), fds
         (length,) = FRAME_HEADER.unpack_from(data, 0)
         assert len(data) == FRAME_HEADER_SIZE + length  # the welcome alone
         self.fds = fds
-        self.memfd, self.wake_fd = fds[:2]  # (the region, the group's wake-up socket's end)
-        self.client_wake_fd = fds[-1]  # (what the broker wakes: the same socket's end)
+        self.memfd = fds[0]
+        self.wake_fd = fds[1] if len(fds) > 1 else -1  # (the group's wake-up socket's end)
+        self.client_wake_fd = fds[-1] if len(fds) > 1 else -1  # (what the broker wakes)
         self.size = os.fstat(self.memfd).st_size
         self.ring: Any = shmrings.ShmRing(self.memfd, self.size, shmrings.CLIENT)
         self.ring_bytes = (self.size - shmrings.HEADER_BYTES) // 2

@@ -129,13 +129,19 @@ def test_a_malformed_topics_record_is_damage_set_aside_with_nothing_deleted(
 ) -> None:
     path = _living_group(tmp_path / "s")
     intent = _intent(path, MALFORMED[label])
+    open_refusing(path, intent, "topics")
+    assert os.listdir(intent.parent) == [f"{intent.name}.damaged"]
+
+
+def open_refusing(path: Path, intent: Path, field: str) -> None:
+    """A writable open of a store whose intent is malformed at ``field``: one problem
+    naming it, g and every one of its topics kept (nothing deleted)."""
     with MessageStore.open(path, CONFIG) as store:
         assert sorted(store.topics()) == sorted([DLQ, RETRY, retry.DELAY_TOPIC, "t"])
         assert store.consumer_groups()["g"] == {"t": {0: 1}}
         assert len(store.recovery.problems) == 1, store.recovery.problems
         assert str(intent) in store.recovery.problems[0]
-        assert '"topics"' in store.recovery.problems[0]
-    assert os.listdir(intent.parent) == [f"{intent.name}.damaged"]
+        assert f'"{field}"' in store.recovery.problems[0]
 
 
 def test_a_well_formed_topics_record_is_acted_on(tmp_path: Path) -> None:

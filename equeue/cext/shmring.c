@@ -28,7 +28,8 @@
  * each ring's bytes to its protocol (get_buffer / buffer_updated, as a socket read does),
  * calls on_room for a ring whose queued writes may go on, and before returning marks
  * every ring's reader_sleeps and looks once more (a producer that published before the
- * mark is seen here; one after it sees the mark and wakes us). */
+ * mark is seen here; one after it sees the mark and wakes us). drain_ring(ring) reads one
+ * ring alone, with no budget: a connection's end. */
 #include "speedups.h"
 
 #ifdef __linux__
@@ -505,6 +506,7 @@ typedef struct {
     PyObject *eof;   /* called once the peer's end of the wake-up socket is closed */
     unsigned long long drains; /* (tests, stats: how often it ran) */
     unsigned long long cut;    /* drains that stopped at their byte budget (tests) */
+    unsigned long long ring_drains; /* drain_ring calls: a connection's end (tests) */
     int again_pending;         /* a drain(AGAIN) is scheduled: the group's one reader a
                                 * turn (each cut drain scheduling one more, and the
                                 * wake-up's reader beside them, made 5 drains a turn) */
@@ -658,11 +660,11 @@ static int mux_again(ShmMux *self) {
 static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
     int efd = PyLong_AsLong(arg);
     if (efd == -1 && PyErr_Occurred()) return NULL;
-    /* a loop callback (the wake-up's reader, again) takes its budget; drain(-1), called
-     * in place (a half-close's last read of the requests, the client's at the socket's
-     * end), takes what its reads and passes reach, as before: a budget there dropped
-     * requests published before the end (reviewshm F6) */
-    Py_ssize_t budget = efd == -1 ? PY_SSIZE_T_MAX : DRAIN_BUDGET_BYTES;
+    /* every group drain takes its budget, drain(-1) in place too: the reads at a
+     * connection's end that must not stop at a budget are drain_ring's, that ring's alone
+     * (review9 R9-2: a half-close's unbudgeted drain(-1) read every flooding ring of the
+     * group, the N10 stall back at each half-close) */
+    Py_ssize_t budget = DRAIN_BUDGET_BYTES;
     if (efd == AGAIN_FD) {
         self->again_pending = 0;
         efd = -1;
@@ -748,6 +750,37 @@ done:
     return result;
 }
 
+/* drain_ring(ring): that ring's bytes read now, with no budget, up to 4 passes of its 16
+ * reads, as a group drain's passes take them: a connection's end (a half-close, the
+ * broker's socket end at the client) reads everything its peer published before the end
+ * (reviewshm F6: a budget there dropped requests) and nothing of the group's other rings,
+ * whose reader_sleeps and wake-ups stay as the group's drains left them: they are read by
+ * the group's budgeted drain, woken or scheduled as before (review9 R9-2). */
+static PyObject *mux_drain_ring(ShmMux *self, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &ShmRingType)) {
+        PyErr_SetString(PyExc_TypeError, "ShmMux.drain_ring() takes a ShmRing");
+        return NULL;
+    }
+    ShmRing *ring = (ShmRing *)Py_NewRef(arg); /* held: its reads run tasks */
+    PyObject *result = NULL;
+    Py_ssize_t budget = PY_SSIZE_T_MAX;
+    self->ring_drains++;
+    for (int pass = 0; pass < 4; pass++) {
+        int got = deliver(ring, &budget);
+        if (got < 0) goto done;
+        if (ring->queued && !ring->broken && ring->base) {
+            PyObject *r = PyObject_CallMethodNoArgs((PyObject *)ring, S_on_room);
+            if (r == NULL && ring_failed(ring) < 0) goto done;
+            Py_XDECREF(r);
+        }
+        if (!got) break;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(ring);
+    return result;
+}
+
 /* schedule(): the group's rings read on a later loop turn (a connection's reading
  * resumed), once however many ask before it runs. */
 static PyObject *mux_schedule(ShmMux *self, PyObject *unused) {
@@ -777,6 +810,7 @@ static PyMethodDef mux_methods[] = {
     {"drain", (PyCFunction)mux_drain, METH_O, NULL},
     {"add", (PyCFunction)mux_add, METH_O, NULL},
     {"schedule", (PyCFunction)mux_schedule, METH_NOARGS, NULL},
+    {"drain_ring", (PyCFunction)mux_drain_ring, METH_O, NULL},
     {"remove", (PyCFunction)mux_remove, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -788,6 +822,7 @@ static PyMemberDef mux_members[] = {
     {"eof", T_OBJECT, offsetof(ShmMux, eof), 0, NULL},
     {"drains", T_ULONGLONG, offsetof(ShmMux, drains), READONLY, NULL},
     {"cut", T_ULONGLONG, offsetof(ShmMux, cut), READONLY, NULL},
+    {"ring_drains", T_ULONGLONG, offsetof(ShmMux, ring_drains), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 

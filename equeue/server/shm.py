@@ -344,11 +344,13 @@ class _SocketEnd(asyncio.Protocol):
         """The client half-closed, as Connection.eof_received takes it on a socket: the
         requests it put in the ring before its end are read first (reviewshm F6: they
         were dropped unread), then the Connection decides; the ring closes once the
-        last answer is in it, and the socket with it."""
+        last answer is in it, and the socket with it. Only this ring is read, with no
+        budget: the group's other rings wait for its budgeted drain (review9 R9-2: a
+        drain of the whole group here re-made the N10 stall at every half-close)."""
         ring = self.ring
         if ring.closing:
             return True  # (closing already: _closed ends the socket)
-        ring.group.mux.drain(-1)
+        ring.group.mux.drain_ring(ring)
         ring.paused = 1  # (nothing after the end is a request)
         if self.conn.eof_received() is None:
             ring.close()

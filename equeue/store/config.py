@@ -9,7 +9,7 @@ from equeue.errors import ConfigError
 from equeue.format.chunk import MAX_CHUNK_DATA_SIZE, MIN_CHUNK_DATA_SIZE
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.store.queuecache import FILES_PER_QUEUE
-from equeue.store.validate import check_span
+from equeue.store.validate import MAX_QUEUES, check_span
 
 FlushPolicy = Literal["sync", "async", "os"]
 DEFAULT_CHUNK_DATA_SIZE = 256 * MiB
@@ -106,7 +106,7 @@ class StoreConfig:
                 -(-MIN_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE),  # rounded up: chunks >= the minimum
                 MAX_CHUNK_DATA_SIZE // QUEUE_RECORD_SIZE,
             )
-        check_int("default_queue_count", self.default_queue_count, 1, 1024)
+        check_int("default_queue_count", self.default_queue_count, 1, MAX_QUEUES)
         check_int("flush_interval_ms", self.flush_interval_ms, 1, 3_600_000)
         check_int("flush_least_pages", self.flush_least_pages, 0, 1 << 20)
         check_int("flush_thorough_interval_ms", self.flush_thorough_interval_ms, 1, 3_600_000)

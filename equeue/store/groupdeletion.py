@@ -8,7 +8,8 @@ into its group file, and the commit point is one rename. Under the store's write
 and the ``flock`` on ``consumers/`` (which orders every process's commits):
 
 1. ``consumers/GROUP.json`` written with the larger of both files' offsets and the
-   intent (``"deleting": {"dead_letters": bool}``): every handle reads what it read
+   intent (``"deleting": {"dead_letters": bool, "topics": ..., "set_aside": [...]}``, the
+   last the group's copies in ``consumers/recovered/``): every handle reads what it read
    before (a damaged or linked group file is first moved to ``consumers/recovered/``);
 2. the group's entry dropped from ``offsets.json`` (the checkpoint's count of committed
    offsets lowered first, as ``delete_topic`` does): still read the same, from step 1;
@@ -32,7 +33,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import unquote
 
 from equeue.atomicfile import read_json, write_json
@@ -61,6 +62,7 @@ log = logging.getLogger("equeue.consumer")
 
 INTENT_SUFFIX = ".deleting"  # consumers/recovered/GROUP.json.<ns>.deleting
 SET_ASIDE_DELETED = ".group-deleted"  # appended to a damaged copy of a deleted group
+SET_ASIDE_KEY = "set_aside"  # the intent's list of the group's copies it renames
 
 
 @dataclass(frozen=True)
@@ -126,11 +128,11 @@ def delete_group(
                 + ("" if delete_dead_letters else f" ({dead} is deleted only with dead letters)")
                 + (f"; {earlier}" if earlier else "")
             )
-        intent, unfinished = _commit(store, group, delete_dead_letters, offsets)
+        intent, copies, unfinished = _commit(store, group, delete_dead_letters, offsets)
     _step("committed")
     for attempt in (1, 2):
         try:
-            _finish(store, group, delete_dead_letters, intent)
+            _finish(store, group, delete_dead_letters, intent, copies=copies)
             break
         except (OSError, EQueueError) as exc:
             # Tried once more at once (a transient EIO): an intent left while the handle
@@ -187,7 +189,8 @@ def _set_aside_of(entry: str, name: str, before: int = 2**64) -> bool:
 
 def _stamp(intent: str) -> int:
     """The ns stamp of intent ``NAME.<ns>.deleting``; 0 (before every copy) if it has none
-    (a name no equeue writes)."""
+    (a name no equeue writes). Only for an intent written before round 17, which does not
+    list its copies: stamps come from wall clocks, which step back (review9 R9-1)."""
     stamp = intent.removesuffix(INTENT_SUFFIX).rpartition(".json.")[2]
     return int(stamp) if stamp.isdigit() and stamp.isascii() else 0
 
@@ -203,9 +206,10 @@ def _commit(
     group: str,
     dead_letters: bool,
     offsets: dict[str, dict[str, int]],
-) -> tuple[str, str]:
-    """Steps 1 to 3 (the caller holds the write lock): the intent file's name, and what
-    went wrong after the commit point ("" if nothing)."""
+) -> tuple[str, list[str], str]:
+    """Steps 1 to 3 (the caller holds the write lock): the intent file's name, the group's
+    set-aside copies it lists, and what went wrong after the commit point ("" if
+    nothing)."""
     directory = store.path / CONSUMERS_DIR
     with group_offsets._locked_dir(store.path, create=True) as dir_fd:
         assert dir_fd is not None
@@ -240,7 +244,7 @@ def _commit_in(
     offsets: dict[str, dict[str, int]],
     dir_fd: int,
     side_fd: int,
-) -> tuple[str, str]:
+) -> tuple[str, list[str], str]:
     directory = store.path / CONSUMERS_DIR
     side = directory / RECOVERED_DIR
     name = group_offsets.file_name(group)
@@ -256,7 +260,17 @@ def _commit_in(
         _step("damaged file set aside")
     gathered = group_offsets._copy(offsets)
     group_offsets._merge(gathered, current or {})
-    deleting = {"dead_letters": dead_letters, "topics": _scope(store, group, dead_letters)}
+    # The group's copies set aside until now (only a writer moves a group file aside, and
+    # this one holds the store's lock and consumers/' flock to the commit point): the
+    # finish renames these alone, whatever any clock says (review9 R9-1: ordered by their
+    # stamps against the intent's, a copy the group made again set aside with a clock
+    # stepped back was renamed too, and stopped holding retention).
+    copies = sorted(e for e in os.listdir(side_fd) if _set_aside_of(e, name))
+    deleting = {
+        "dead_letters": dead_letters,
+        "topics": _scope(store, group, dead_letters),
+        SET_ASIDE_KEY: copies,
+    }
     body = {"group": group, "offsets": gathered, "deleting": deleting}
     before = store._offsets
     write_json(directory / name, body)  # (atomic: a failure leaves the file as it was)
@@ -291,12 +305,16 @@ def _commit_in(
         os.fsync(side_fd)
         os.fsync(dir_fd)
     except OSError as exc:  # the rename is made: every handle reads the group as gone
-        return intent, (
-            f"syncing {side} and {directory} after the commit point failed "
-            f"({exc.strerror or exc}): a power cut before the next sync may bring the "
-            "group back whole"
+        return (
+            intent,
+            copies,
+            (
+                f"syncing {side} and {directory} after the commit point failed "
+                f"({exc.strerror or exc}): a power cut before the next sync may bring the "
+                "group back whole"
+            ),
         )
-    return intent, ""
+    return intent, copies, ""
 
 
 def _scope(store: MessageStore, group: str, dead_letters: bool) -> dict[str, Any]:
@@ -311,9 +329,6 @@ def _scope(store: MessageStore, group: str, dead_letters: bool) -> dict[str, Any
         for topic in names
         if topic in store._queues
     }
-
-
-_MAX_QUEUES = 1024  # validate.check_queue_count's limit
 
 
 def _unchanged(store: MessageStore, topic: str, scope: dict[str, Any] | None) -> bool:
@@ -370,9 +385,12 @@ def _finish(
     dead_letters: bool,
     intent: str,
     scope: dict[str, Any] | None = None,
+    *,
+    copies: list[str] | None,
 ) -> list[str]:
     """After the commit point: the group's topics, its set-aside copies, the intent.
-    ``scope``: the intent's record, at a later finish (see _unchanged); the topics kept
+    ``scope``: the intent's record, at a later finish (see _unchanged); ``copies``: the
+    set-aside copies it lists (None: an intent written before the list). The topics kept
     because they changed since."""
     retry = retry_topic(group)
     marked = False
@@ -403,9 +421,10 @@ def _finish(
     name = group_offsets.file_name(group)
     # Only the copies set aside before the intent (its commit point took the group file):
     # a later one is a group made again since, whose copy holds retention (review8 R8-3).
-    before = _stamp(intent)
+    # The intent lists them; one written before the list: those stamped before it.
+    before = _stamp(intent) if copies is None else 0
     for entry in sorted(os.listdir(side)):
-        if _set_aside_of(entry, name, before):
+        if entry in copies if copies is not None else _set_aside_of(entry, name, before):
             os.rename(side / entry, side / f"{entry}{SET_ASIDE_DELETED}")
     with contextlib.suppress(FileNotFoundError):  # (removed by a first try: fsync failed)
         os.unlink(side / intent)
@@ -443,17 +462,20 @@ def _finish_intents(store: MessageStore, only: str | None) -> tuple[int, list[st
     acted = 0
     for entry in entries:
         try:
-            group, dead_letters, scope = read_intent(side / entry, entry)
+            record = read_intent(side / entry, entry)
         except (EQueueError, OSError) as exc:
             problems.append(_set_aside_intent(side, entry, exc))
             continue
         try:
+            group = record.group
             here = store.path / CONSUMERS_DIR / group_offsets.file_name(group)
             if _is_intent(here):  # its commit point never took (a power cut): no deletion
                 os.unlink(side / entry)
                 continue
             acted += 1
-            kept = _finish(store, group, dead_letters, entry, scope)
+            kept = _finish(
+                store, group, record.dead_letters, entry, record.scope, copies=record.copies
+            )
             log.warning(
                 "group %r: a deletion a crash or an I/O error interrupted was finished%s",
                 group,
@@ -467,7 +489,17 @@ def _finish_intents(store: MessageStore, only: str | None) -> tuple[int, list[st
     return acted, problems
 
 
-def read_intent(path: Path, entry: str) -> tuple[str, bool, dict[str, Any] | None]:
+class IntentRecord(NamedTuple):
+    """What an intent file says: ``scope`` None and ``copies`` None for one written by an
+    equeue before the record or the list (acted on as then)."""
+
+    group: str
+    dead_letters: bool
+    scope: dict[str, Any] | None
+    copies: list[str] | None
+
+
+def read_intent(path: Path, entry: str) -> IntentRecord:
     body: Any = read_json(path)
     deleting = body.get("deleting") if isinstance(body, dict) else None
     group = body.get("group") if isinstance(body, dict) else None
@@ -486,12 +518,33 @@ def read_intent(path: Path, entry: str) -> tuple[str, bool, dict[str, Any] | Non
             f"{group_offsets.file_name(group)}.<ns>{INTENT_SUFFIX}",
             file=path,
         )
+    dead_letters = deleting.get("dead_letters") is True
+    copies = (
+        _checked_copies(deleting[SET_ASIDE_KEY], group, path) if SET_ASIDE_KEY in deleting else None
+    )
     if "topics" not in deleting:  # written by an equeue before the record (acted on as then)
-        return group, deleting.get("dead_letters") is True, None
-    return (
-        group,
-        deleting.get("dead_letters") is True,
-        _checked_scope(deleting["topics"], group, path),
+        return IntentRecord(group, dead_letters, None, copies)
+    return IntentRecord(
+        group, dead_letters, _checked_scope(deleting["topics"], group, path), copies
+    )
+
+
+def _checked_copies(copies: object, group: str, path: Path) -> list[str]:
+    """The list of set-aside copies as _commit writes it, else damage: a name that is not
+    a damaged copy of this group's file (``NAME.<ns>[.<k>].damaged``) would have the
+    finish rename another group's copy, or an entry no equeue made."""
+    name = group_offsets.file_name(group)
+    if isinstance(copies, list):
+        for copy in copies:
+            if not isinstance(copy, str) or not _set_aside_of(copy, name):
+                raise CorruptionError(
+                    f'has a bad "{SET_ASIDE_KEY}" entry {str(copy)[:80]!r} (each a '
+                    f"{name}.<ns>[.<k>].damaged in consumers/{RECOVERED_DIR}/)",
+                    file=path,
+                )
+        return copies
+    raise CorruptionError(
+        f'has a "{SET_ASIDE_KEY}" that is a {type(copies).__name__}, not a list', file=path
     )
 
 
@@ -513,7 +566,7 @@ def _checked_scope(scope: object, group: str, path: Path) -> dict[str, Any]:
                 or not isinstance(known, dict)
                 or not _is_count(known.get("mark"), -1)
                 or not isinstance(ends, list)
-                or len(ends) > _MAX_QUEUES
+                or len(ends) > validate.MAX_QUEUES
                 or not all(_is_count(end, 0) for end in ends)
             ):
                 raise CorruptionError(

@@ -177,6 +177,10 @@ class KeyIndex:
         self.commit()
         self._db.close()
 
+    def discard(self) -> None:
+        """Closed with the keys it buffered not written (a refused open's)."""
+        self._db.close()
+
 
 def _damaged(path: Path, exc: sqlite3.Error) -> CorruptionError:
     return CorruptionError(

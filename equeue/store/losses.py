@@ -36,8 +36,6 @@ from equeue.store.topics import TopicPolicy
 if TYPE_CHECKING:
     from equeue.store.store import MessageStore
 
-MAX_QUEUES = 1024  # validate.check_queue_count's bound
-
 
 def _recorded(checkpoint: dict[str, Any], name: str) -> int | None:
     value = checkpoint.get(name)
@@ -170,8 +168,8 @@ def scan_topic_dir(path: Path, skipped: list[tuple[Path, str]]) -> tuple[list[in
         # ASCII digits only ("²".isdigit(), and int() refuses it), no leading zero, and
         # bounded: 99999999 must not make a reader walk 10**8 queues.
         valid = entry.isascii() and entry.isdecimal() and str(int(entry)) == entry
-        if not valid or int(entry) >= MAX_QUEUES:
-            skipped.append((queue_dir, f"not a queue id (0..{MAX_QUEUES - 1})"))
+        if not valid or int(entry) >= validate.MAX_QUEUES:
+            skipped.append((queue_dir, f"not a queue id (0..{validate.MAX_QUEUES - 1})"))
             continue
         ids.append(int(entry))
         holds_chunks = holds_chunks or any(parse_chunk_file_name(n) for n in os.listdir(queue_dir))

@@ -59,7 +59,6 @@ Offsets = dict[str, dict[str, dict[str, int]]]
 _LONG_NAME = 160
 # A temp file older than this was left by a process killed while committing.
 _STALE_TEMP_SECONDS = 60.0
-_MAX_QUEUES = 1024  # validate.check_queue_count's limit
 # Far above any group's offsets (a few dozen bytes per queue): a larger file is not ours.
 _MAX_FILE_BYTES = 64 << 20
 _IDENTITY = tuple[int, int, int]
@@ -108,7 +107,7 @@ def _check_body(body: Any, name: str, path: Path) -> tuple[str, dict[str, dict[s
             for queue_id, offset in queues.items():
                 if (
                     not (queue_id.isascii() and queue_id.isdecimal())
-                    or int(queue_id) >= _MAX_QUEUES
+                    or int(queue_id) >= validate.MAX_QUEUES
                 ):
                     raise InvalidMessageError(f"bad queue id {queue_id[:40]!r} of {topic!r}")
                 if (

@@ -63,7 +63,7 @@ from equeue.store.queue import Queue
 from equeue.store.queuerebuild import queue_files
 from equeue.store.reads import LogReader
 from equeue.store.recovery import RecoveryReport, tail_hint
-from equeue.store.reopen import reconcile_at_open, release_files
+from equeue.store.reopen import reconcile_at_open, release_files, release_refused
 from equeue.store.topics import TopicPolicy
 from equeue.store.topicsfile import TopicsFile
 from equeue.store.types import SendResult
@@ -120,6 +120,7 @@ class MessageStore:
             self.store_id, self.config = open_identity(path, config, create=not read_only)
             self._open()
         except BaseException:
+            release_refused(self)
             if self._lock_file is not None:
                 self._lock_file.close()
             raise

@@ -5,6 +5,7 @@ class stays its opening, closing and lock; the functions are bound as methods th
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from typing import TYPE_CHECKING
 
@@ -141,8 +142,15 @@ def _load_topics(self: MessageStore) -> None:
 
 def _open_queues(self: MessageStore, topic: str, count: int) -> None:
     queues = self._queues.get(topic, [])
-    for queue_id in range(len(queues), count):
-        queues.append(open_queue(self, topic, queue_id, self._files.ends(topic, queue_id)))
+    try:
+        for queue_id in range(len(queues), count):
+            queues.append(open_queue(self, topic, queue_id, self._files.ends(topic, queue_id)))
+    except BaseException:
+        if topic not in self._queues:  # (a new topic's queues so far: no one else holds them)
+            for queue in queues:
+                with contextlib.suppress(Exception):
+                    queue.close()
+        raise
     self._queues[topic] = queues
     self._topic_bytes[topic] = topic.encode()
     self._round_robin.setdefault(topic, 0)

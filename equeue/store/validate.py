@@ -158,11 +158,17 @@ def check_queue_id(queue_id: object, topic: str, queue_count: int) -> int:
     return queue_id
 
 
+# A topic's most queues: the one bound that check_queue_count, default_queue_count and
+# every reader of queue ids (queue directories, group files, deletion intents) use
+# (review9 R9-6: four copies of it)
+MAX_QUEUES = 1024
+
+
 def check_queue_count(queue_count: object) -> int:
     if not isinstance(queue_count, int) or isinstance(queue_count, bool):
         raise InvalidTypeError(f"queue_count must be an int, got {type(queue_count).__name__}")
-    if not 1 <= queue_count <= 1024:
-        raise InvalidMessageError(f"queue_count {queue_count} must lie in [1, 1024]")
+    if not 1 <= queue_count <= MAX_QUEUES:
+        raise InvalidMessageError(f"queue_count {queue_count} must lie in [1, {MAX_QUEUES}]")
     return queue_count
 
 

@@ -1,0 +1,128 @@
+"""Which set-aside copies a group deletion's finish renames ``.group-deleted`` (they then
+stop holding retention): the ones its intent lists, those present at its commit point,
+whatever the wall clock stamped on them (review9 R9-1: ordered by ns stamp against the
+intent's, a copy the group made again set aside with the clock stepped back was renamed,
+the R8-3 loss again). An intent without the list (written before it) keeps the stamp
+rule; a malformed list is damage, set aside with nothing deleted."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from test_group_delete_later import _delete_failing
+from test_group_delete_review8 import CONFIG, DLQ, RETRY, _living_group, open_refusing
+
+from equeue import MessageStore
+from equeue.atomicfile import read_json, write_json
+from equeue.server import retry
+
+HOUR_NS = 3600 * 10**9
+
+
+def _side(path: Path) -> Path:
+    side = path / "consumers" / "recovered"
+    side.mkdir(parents=True, exist_ok=True)
+    return side
+
+
+def _intent_of(side: Path) -> Path:
+    (intent,) = [e for e in side.iterdir() if e.name.endswith(".deleting")]
+    return intent
+
+
+def test_a_copy_set_aside_after_the_intent_with_a_clock_behind_keeps_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reviewer's d1_clock_step.py: the intent left by a failed finish, g made again,
+    its copy set aside stamped an hour behind the intent's clock; and a copy of the
+    deleted g stamped an hour ahead of it (a clock stepped back before the deletion)."""
+    path = _living_group(tmp_path / "s")
+    side = _side(path)
+    ahead = side / f"g.json.{time.time_ns() + HOUR_NS}.damaged"  # the deleted g's
+    ahead.write_bytes(b"the old g's damaged group file")
+    with MessageStore.open(path, CONFIG) as store:
+        assert _delete_failing(store, monkeypatch, 2).unfinished  # an intent is left
+        intent = read_json(_intent_of(side))
+        assert intent["deleting"]["set_aside"] == [ahead.name]
+        store.commit_offset("g", "t", 0, 1)  # g made again
+        behind = side / f"g.json.{time.time_ns() - HOUR_NS}.damaged"  # the new g's
+        behind.write_bytes(b"the new g's damaged group file")
+    with MessageStore.open(path, CONFIG) as store:
+        assert not store.recovery.problems, store.recovery.problems
+        assert "g" in store.consumer_groups()
+        assert store._group_files.set_aside() == [behind.name]  # it holds retention still
+    assert sorted(os.listdir(side)) == sorted([behind.name, f"{ahead.name}.group-deleted"])
+
+
+def test_the_first_finish_renames_the_copies_present_at_the_commit_point(
+    tmp_path: Path,
+) -> None:
+    """The group file damaged at the deletion (moved aside by it) and an older copy
+    stamped ahead of the clock: both listed, both renamed; another group's copy not."""
+    path = _living_group(tmp_path / "s")
+    side = _side(path)
+    ahead = side / f"g.json.{time.time_ns() + HOUR_NS}.damaged"
+    ahead.write_bytes(b"an old copy")
+    other = side / f"h.json.{time.time_ns() - HOUR_NS}.damaged"
+    other.write_bytes(b"another group's copy")
+    with MessageStore.open(path, CONFIG) as store:
+        (path / "consumers" / "g.json").write_bytes(b"{ damaged under the handle")
+        deleted = store.delete_group("g")
+        assert deleted.unfinished == ""
+    (moved,) = [e for e in os.listdir(side) if e.startswith("g.json.") and ahead.name not in e]
+    moved = moved.removesuffix(".group-deleted")
+    assert sorted(os.listdir(side)) == sorted(
+        [other.name, f"{ahead.name}.group-deleted", f"{moved}.group-deleted"]
+    )
+
+
+def _old_intent(path: Path, stamp: int, extra: dict[str, object]) -> Path:
+    intent = _side(path) / f"g.json.{stamp}.deleting"
+    topics = {RETRY: {"mark": -1, "ends": [1, 0]}, DLQ: {"mark": -1, "ends": [1]}}
+    deleting = {"dead_letters": True, "topics": topics, **extra}
+    write_json(intent, {"group": "g", "offsets": {}, "deleting": deleting})
+    return intent
+
+
+def test_an_intent_without_the_list_renames_the_copies_stamped_before_it(
+    tmp_path: Path,
+) -> None:
+    """An intent written by an equeue before the list: acted on as then."""
+    path = _living_group(tmp_path / "s")
+    stamp = time.time_ns()
+    side = _side(path)
+    older = side / f"g.json.{stamp - 1}.damaged"
+    newer = side / f"g.json.{stamp + 1}.damaged"
+    for copy in (older, newer):
+        copy.write_bytes(b"a damaged copy")
+    _old_intent(path, stamp, {})
+    with MessageStore.open(path, CONFIG) as store:
+        assert not store.recovery.problems, store.recovery.problems
+        assert sorted(store.topics()) == [retry.DELAY_TOPIC, "t"]
+    assert sorted(os.listdir(side)) == sorted([newer.name, f"{older.name}.group-deleted"])
+
+
+MALFORMED = {
+    "not a list": "g.json.1.damaged",
+    "a number": [1],
+    "another group's copy": ["h.json.1.damaged"],
+    "a path out of the directory": ["../g.json.1.damaged"],
+    "an intent, not a copy": ["g.json.1.deleting"],
+    "no stamp": ["g.json.damaged"],
+}
+
+
+@pytest.mark.parametrize("label", list(MALFORMED))
+def test_a_malformed_list_is_damage_set_aside_with_nothing_deleted(
+    tmp_path: Path, label: str
+) -> None:
+    path = _living_group(tmp_path / "s")
+    side = _side(path)
+    copy = side / "h.json.1.damaged"
+    copy.write_bytes(b"another group's copy")
+    intent = _old_intent(path, time.time_ns(), {"set_aside": MALFORMED[label]})
+    open_refusing(path, intent, "set_aside")
+    assert sorted(os.listdir(side)) == sorted([copy.name, f"{intent.name}.damaged"])
