@@ -112,6 +112,11 @@ MALFORMED = {
     "a path out of the directory": ["../g.json.1.damaged"],
     "an intent, not a copy": ["g.json.1.deleting"],
     "no stamp": ["g.json.damaged"],
+    # review10 F3: "\u00b2".isdigit() is true and int() refuses it (a builtin ValueError
+    # refused every writable open); "\u0663" is a decimal digit int() reads as 3.
+    "a superscript digit stamp": ["g.json.\u00b2.damaged"],
+    "a superscript digit k": ["g.json.1.\u00b2.damaged"],
+    "an Arabic-Indic digit stamp": ["g.json.\u0663.damaged"],
 }
 
 
@@ -126,3 +131,23 @@ def test_a_malformed_list_is_damage_set_aside_with_nothing_deleted(
     intent = _old_intent(path, time.time_ns(), {"set_aside": MALFORMED[label]})
     open_refusing(path, intent, "set_aside")
     assert sorted(os.listdir(side)) == sorted([copy.name, f"{intent.name}.damaged"])
+
+
+@pytest.mark.parametrize("stamp", ["\u00b2", "\u0663"])
+def test_delete_group_leaves_a_copy_name_with_a_non_ascii_digit_alone(
+    tmp_path: Path, stamp: str
+) -> None:
+    """review10 F4: such a name in consumers/recovered/ made delete_group raise a builtin
+    ValueError ("\u00b2": isdigit() is true, int() refuses it) or renamed it as g's copy
+    ("\u0663": int() reads 3); no equeue writes one, so it is not g's copy."""
+    path = _living_group(tmp_path / "s")
+    foreign = _side(path) / f"g.json.{stamp}.damaged"
+    foreign.write_bytes(b"a file no equeue wrote")
+    with MessageStore.open(path, CONFIG) as store:
+        assert not store.recovery.problems, store.recovery.problems
+        deleted = store.delete_group("g", delete_dead_letters=True)
+        assert deleted.group == "g" and not deleted.unfinished
+        assert "g" not in store.consumer_groups()
+        assert sorted(store.topics()) == [retry.DELAY_TOPIC, "t"]
+    assert os.listdir(foreign.parent) == [foreign.name]
+    assert foreign.read_bytes() == b"a file no equeue wrote"

@@ -123,3 +123,18 @@ def test_a_group_file_set_aside_at_open_holds_retention_until_the_group_commits(
             assert len(consumer.poll(10)) == 10
         assert store.apply_retention(now=later()) > 0
         assert 0 < store.queue_range("t", 0)[0] <= 10
+
+
+def test_a_copy_name_with_a_non_ascii_digit_is_not_a_copy(tmp_path: Path) -> None:
+    # review10 F4: "\u00b2".isdigit() is true and int() refuses it, so every retention turn
+    # raised a builtin ValueError; no equeue writes such a name (its stamps are ASCII digits)
+    with open_store(tmp_path / "s") as store:
+        filled(store)
+        foreign = tmp_path / "s" / "consumers" / "recovered" / f"{file_name('g')}.\u00b2.damaged"
+        foreign.parent.mkdir()
+        foreign.write_bytes(b"a file no equeue wrote")
+        assert store.apply_retention(now=later()) > 0
+        assert 0 < store.queue_range("t", 0)[0] <= 20
+        hold = retention_hold(store)  # held by g's own offset 20 only
+        assert hold is not None and hold.reader.damaged is None and hold.reader.offset == 20
+        assert foreign.read_bytes() == b"a file no equeue wrote"

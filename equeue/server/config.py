@@ -100,7 +100,9 @@ def parse_listener(url: str) -> Listener:
         prefix = f"{kind}://"
         if url.startswith(prefix):
             host, sep, port = url[len(prefix) :].rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            # ASCII: "\u00b2".isdigit() is true and int() refuses it (a builtin ValueError)
+            digits = port.isascii() and port.isdigit()
+            if not sep or not host or not digits or not 0 <= int(port) <= 65535:
                 raise ConfigError(f"listener {url!r}: expected {kind}://HOST:PORT (port 0-65535)")
             return Listener(kind, host=host.strip("[]"), port=int(port))
     raise ConfigError(f"listener {url!r}: expected unix:PATH, tcp://HOST:PORT or tls://HOST:PORT")

@@ -423,8 +423,9 @@ def _finish(
     # a later one is a group made again since, whose copy holds retention (review8 R8-3).
     # The intent lists them; one written before the list: those stamped before it.
     before = _stamp(intent) if copies is None else 0
+    listed = None if copies is None else set(copies)  # (a list: O(entries x copies))
     for entry in sorted(os.listdir(side)):
-        if entry in copies if copies is not None else _set_aside_of(entry, name, before):
+        if entry in listed if listed is not None else _set_aside_of(entry, name, before):
             os.rename(side / entry, side / f"{entry}{SET_ASIDE_DELETED}")
     with contextlib.suppress(FileNotFoundError):  # (removed by a first try: fsync failed)
         os.unlink(side / intent)

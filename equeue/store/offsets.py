@@ -679,7 +679,9 @@ def set_aside_copy(entry: str) -> tuple[str, int] | None:
         name
         and parts[-1] == "damaged"
         and len(parts) in (2, 3)
-        and all(part.isdigit() for part in parts[:-1])
+        # ASCII: "\u00b2".isdigit() is true and int() refuses it (review10 F3/F4: a
+        # builtin ValueError out of every writable open, delete_group and retention turn)
+        and all(part.isascii() and part.isdigit() for part in parts[:-1])
     ):
         return f"{name}.json", int(parts[0])
     return None
