@@ -11,7 +11,9 @@ import socket
 import time
 from typing import Any
 
+import msgpack
 import pytest
+from server_helpers import short_dir
 from shm_helpers import RawShm
 from test_shm import _answers_until_the_end, _broker, _frames, _mux, _url
 
@@ -62,31 +64,46 @@ def _pair(ring_bytes: int) -> tuple[Any, Any]:
 
 
 def test_drain_ring_reads_that_ring_past_a_budget_and_no_other() -> None:
-    """Ring A refilled on every read (the N10 flood), ring B holding more than a drain's
-    budget (256 KiB) before its end: drain_ring(B) takes all of B and nothing of A; a B
-    that keeps refilling (a hostile peer writing after its end) stops at 16 reads x 4
-    passes."""
-    ring_bytes = 1 << 16
+    """Ring A refilled on every read (the N10 flood), ring B holding 1 MiB before its
+    end, more than a drain's budget (256 KiB) and 16 reads of 64 KiB: drain_ring(B) takes
+    all of B and nothing of A; a B that keeps refilling (a hostile peer writing after its
+    end) gets what it had published when drain_ring began, and nothing after."""
+    ring_bytes = 1 << 20
     (a_client, a_broker), (b_client, b_broker) = _pair(ring_bytes), _pair(ring_bytes)
-    a_broker.protocol = _Reader(ring_bytes, lambda: a_client.put(b"a" * ring_bytes), 1 << 30)
-    b_broker.protocol = _Reader(ring_bytes, lambda: b_client.put(b"b" * ring_bytes), 6)
+    a_broker.protocol = _Reader(1 << 16, lambda: a_client.put(b"a" * (1 << 16)), 1 << 30)
+    b_broker.protocol = _Reader(1 << 16, lambda: None, 0)
     mux, scheduled = _mux(a_broker, b_broker)
-    a_client.put(b"a" * ring_bytes)
+    a_client.put(b"a" * (1 << 16))
     b_client.put(b"b" * ring_bytes)
     mux.drain_ring(b_broker)
-    assert b_broker.protocol.taken == 7 * ring_bytes  # (448 KiB: past one budget)
+    assert b_broker.protocol.taken == ring_bytes  # (16 reads: past one budget)
     assert a_broker.protocol.taken == 0
     assert scheduled == [] and mux.drains == 0 and mux.ring_drains == 1
     # the group's own drain still takes A, a budget's worth
     mux.drain(-1)
-    assert a_broker.protocol.taken == 4 * ring_bytes
-    # a B that refills for ever: bounded
-    b_broker.protocol = _Reader(ring_bytes, lambda: b_client.put(b"b" * ring_bytes), 1 << 30)
-    b_client.put(b"b" * ring_bytes)
+    assert a_broker.protocol.taken == 4 << 16
+    # a B that refills for ever: what was there when the drain began (was: 64 reads)
+    b_broker.protocol = _Reader(1 << 16, lambda: b_client.put(b"b" * (1 << 16)), 1 << 30)
+    b_client.put(b"b" * (1 << 17))
     mux.drain_ring(b_broker)
-    assert b_broker.protocol.taken == 64 * ring_bytes
+    assert b_broker.protocol.taken == 1 << 17
+    assert b_client.room() == ring_bytes - (2 << 16)  # (its two refills wait in the ring)
     with pytest.raises(TypeError, match="takes a ShmRing"):
         mux.drain_ring(object())
+
+
+def test_drain_ring_reads_a_ring_over_64_reads_whole() -> None:
+    """review10 F5: drain_ring stopped at 4 passes x 16 reads (16 MiB of the broker's
+    256 KiB reads; a ring may be 1 GiB), so a half-close dropped the rest of a big ring
+    and blamed the client for a frame cut short. Here 8 MiB in 32 KiB reads: 256 reads."""
+    ring_bytes = 8 << 20
+    client, broker = _pair(ring_bytes)
+    broker.protocol = _Reader(1 << 15, lambda: None, 0)
+    mux, _ = _mux(broker)
+    assert client.put(b"c" * ring_bytes) == ring_bytes
+    mux.drain_ring(broker)
+    assert broker.protocol.taken == ring_bytes  # (was: 64 reads, 2 MiB)
+    assert client.room() == ring_bytes
 
 
 def _sends(first_id: int, count: int, body: bytes) -> bytes:
@@ -128,6 +145,48 @@ def test_a_half_close_reads_its_own_ring_and_not_the_groups_others(broker: Broke
     finally:
         quiet.close()
         closing.close()
+
+
+def test_a_half_close_while_reading_is_paused_answers_every_request_before_it() -> None:
+    """review10 F2: the answers back up (write_buffer_high 1 MiB, 100 KB each) and the
+    connection pauses its reading with requests left in the ring; the half-close then
+    read nothing (deliver stops at a paused ring) and the connection ended after the
+    answers of what it had read: 40 of 50. A socket delivers its EOF after its last byte:
+    so does the ring now, once the connection resumes reading."""
+    with BrokerThread(
+        short_dir() / "store", flush="async", shm=True, write_buffer_high=1 << 20
+    ) as thread:
+        thread.store.create_topic("t", 1)
+        thread.store.send("t", b"B" * 100_000)
+        peer = RawShm(_url(thread)[5:])
+        try:
+            first = b"".join(_pull(i) for i in range(1, 41))
+            assert peer.write(first) == len(first)
+            peer.wake()
+            deadline = time.monotonic() + DEADLINE_S
+            while not _paused(thread) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _paused(thread), "the connection never paused its reading"
+            later = b"".join(_pull(i) for i in range(41, 51))
+            assert peer.write(later) == len(later)
+            peer.wake()
+            peer.sock.shutdown(socket.SHUT_WR)
+            answers = _frames(_answers_until_the_end(peer))
+            ids = sorted(msgpack.unpackb(a, raw=False, strict_map_key=False)[0] for a in answers)
+            assert ids == list(range(1, 51))  # (was: 1..40)
+        finally:
+            peer.close()
+
+
+def _pull(request_id: int) -> bytes:
+    return encode([request_id, "pull", {"topic": "t", "queue_id": 0, "offset": 0, "max_count": 1}])
+
+
+def _paused(thread: BrokerThread) -> bool:
+    conns = list(thread.broker.connections)
+    # (getattr: the connection is on its socket's transport until the rings are set up)
+    paused = bool(conns) and getattr(conns[0].transport, "paused", 0) == 1
+    return paused and bool(conns[0]._backlog)
 
 
 def _complete(data: bytes) -> list[bytes]:

@@ -588,9 +588,10 @@ static int ring_failed(ShmRing *ring) {
 }
 
 /* The ring's protocol given what waits (one read's worth at a time, at most 16 reads,
- * while *budget, the drain's bytes left, lasts): 1 when it read anything, 0 when
- * nothing, -1 with an error its on_broken did not take. */
-static int deliver(ShmRing *ring, Py_ssize_t *budget) {
+ * while *budget, the drain's bytes left, lasts; up to *until, when not NULL: drain_ring's
+ * end): 1 when it read anything, 0 when nothing, -1 with an error its on_broken did not
+ * take. */
+static int deliver(ShmRing *ring, Py_ssize_t *budget, const uint64_t *until) {
     int any = 0;
     for (int reads = 0; reads < 16 && *budget > 0 && !ring->paused && !ring->broken && ring->base;
          reads++) {
@@ -599,6 +600,7 @@ static int deliver(ShmRing *ring, Py_ssize_t *budget) {
         /* nothing waiting: no call (most of a group's rings, most of the time) */
         uint64_t head = atomic_load_explicit(&ring->in->head, memory_order_relaxed);
         if (head == ring->in_tail) return any;
+        if (until != NULL && (int64_t)(*until - ring->in_tail) <= 0) return any;
         Py_INCREF(protocol);
         /* ClientConn's own two methods in C, as rawsock.c reads for it (callgrind: the
          * look-ups by name were ~300 of the client's instructions a send) */
@@ -609,7 +611,10 @@ static int deliver(ShmRing *ring, Py_ssize_t *budget) {
         if (buf != NULL) {
             Py_buffer view;
             if (PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE) == 0) {
-                n = ring_take(ring, view.buf, view.len);
+                Py_ssize_t want = view.len;
+                if (until != NULL && (uint64_t)want > *until - ring->in_tail)
+                    want = (Py_ssize_t)(*until - ring->in_tail);
+                n = ring_take(ring, view.buf, want);
                 PyBuffer_Release(&view);
             }
             Py_DECREF(buf);
@@ -704,7 +709,7 @@ static PyObject *mux_drain(ShmMux *self, PyObject *arg) {
         for (Py_ssize_t k = 0; k < n; k++) {
             Py_ssize_t i = (first + k) % n;
             ShmRing *ring = (ShmRing *)PyList_GET_ITEM(rings, i);
-            int got = deliver(ring, &budget);
+            int got = deliver(ring, &budget, NULL);
             if (got < 0) goto done;
             any |= got;
             if (ring->queued && !ring->broken && ring->base) {
@@ -750,12 +755,17 @@ done:
     return result;
 }
 
-/* drain_ring(ring): that ring's bytes read now, with no budget, up to 4 passes of its 16
- * reads, as a group drain's passes take them: a connection's end (a half-close, the
- * broker's socket end at the client) reads everything its peer published before the end
- * (reviewshm F6: a budget there dropped requests) and nothing of the group's other rings,
- * whose reader_sleeps and wake-ups stay as the group's drains left them: they are read by
- * the group's budgeted drain, woken or scheduled as before (review9 R9-2). */
+/* drain_ring(ring): that ring's bytes read now, with no budget, up to the head its peer
+ * had published when the drain began: a connection's end (a half-close, the broker's
+ * socket end at the client) reads everything its peer published before the end
+ * (reviewshm F6: a budget there dropped requests), however big the ring (review10 F5: a
+ * bound of 4 passes of 16 reads stopped at 16 MiB of 256 KiB reads; a ring may be 1 GiB),
+ * and nothing published after it began (a peer refilling its ring as fast as it is read
+ * would hold the loop for ever). It stops early at a paused ring (the caller reads the
+ * rest once reading resumes: server/shm.py take_end) or a broken one. Nothing of the
+ * group's other rings is read: their reader_sleeps and wake-ups stay as the group's
+ * drains left them, read by the group's budgeted drain, woken or scheduled as before
+ * (review9 R9-2). */
 static PyObject *mux_drain_ring(ShmMux *self, PyObject *arg) {
     if (!PyObject_TypeCheck(arg, &ShmRingType)) {
         PyErr_SetString(PyExc_TypeError, "ShmMux.drain_ring() takes a ShmRing");
@@ -765,8 +775,13 @@ static PyObject *mux_drain_ring(ShmMux *self, PyObject *arg) {
     PyObject *result = NULL;
     Py_ssize_t budget = PY_SSIZE_T_MAX;
     self->ring_drains++;
-    for (int pass = 0; pass < 4; pass++) {
-        int got = deliver(ring, &budget);
+    /* (a head out of bounds is the first read's ring_take error: the ring breaks) */
+    uint64_t end = ring->base ? atomic_load_explicit(&ring->in->head, memory_order_acquire)
+                              : ring->in_tail;
+    /* each deliver moves in_tail on by a read or more, or returns 0 (or breaks the ring):
+     * at most end - in_tail bytes' worth of reads */
+    while (ring->base && (int64_t)(end - ring->in_tail) > 0) {
+        int got = deliver(ring, &budget, &end);
         if (got < 0) goto done;
         if (ring->queued && !ring->broken && ring->base) {
             PyObject *r = PyObject_CallMethodNoArgs((PyObject *)ring, S_on_room);

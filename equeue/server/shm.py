@@ -228,6 +228,10 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
         self.closing = False
         self.attached = True  # (in its group's reader, counted in the group)
         self.writing_paused = False
+        # The client half-closed (end_seen); the Connection was told, after every request
+        # before the end was read (end_taken): take_end
+        self.end_seen = False
+        self.end_taken = False
 
     # --- the answers ---------------------------------------------------------
 
@@ -289,10 +293,30 @@ class ShmTransport(shmrings.ShmRing if shmrings.ShmRing is not None else object)
         self.paused = 1
 
     def resume_reading(self) -> None:
-        if self.paused and not self.closing:
+        if self.paused and not self.closing and not self.end_taken:
             self.paused = 0
-            if not self.closing:
+            if self.end_seen:  # (on the next turn: not inside the Connection's own call)
+                self.shm.loop.call_soon(self.take_end)
+            else:
                 self.group.wake()
+
+    def take_end(self) -> None:
+        """The client's half-close, passed to the Connection as a socket passes its EOF:
+        after every request the client put in the ring before it. This ring's bytes are
+        read now, with no budget (reviewshm F6: they were dropped unread), and no other
+        ring of the group (review9 R9-2). A connection whose reading is paused (its
+        answers back up), before or during that read, gets its end once it resumes
+        reading (resume_reading calls this again): review10 F2, the half-close read
+        nothing at a paused ring and the requests left in it went unanswered."""
+        if self.closing or self.paused or self.end_taken:
+            return
+        self.group.mux.drain_ring(self)
+        if self.closing or self.paused:  # (the read paused it, or broke it)
+            return
+        self.end_taken = True
+        self.paused = 1  # (nothing after the end is a request)
+        if self.protocol.eof_received() is None:
+            self.close()
 
     def is_closing(self) -> bool:
         return self.closing
@@ -341,19 +365,13 @@ class _SocketEnd(asyncio.Protocol):
         )
 
     def eof_received(self) -> bool:
-        """The client half-closed, as Connection.eof_received takes it on a socket: the
-        requests it put in the ring before its end are read first (reviewshm F6: they
-        were dropped unread), then the Connection decides; the ring closes once the
-        last answer is in it, and the socket with it. Only this ring is read, with no
-        budget: the group's other rings wait for its budgeted drain (review9 R9-2: a
-        drain of the whole group here re-made the N10 stall at every half-close)."""
+        """The client half-closed: the Connection takes it as on a socket once the
+        requests before it are read (ShmTransport.take_end); the ring closes once the
+        last answer is in it, and the socket with it."""
         ring = self.ring
-        if ring.closing:
-            return True  # (closing already: _closed ends the socket)
-        ring.group.mux.drain_ring(ring)
-        ring.paused = 1  # (nothing after the end is a request)
-        if self.conn.eof_received() is None:
-            ring.close()
+        if not ring.closing:  # (closing already: _closed ends the socket)
+            ring.end_seen = True
+            ring.take_end()
         return True  # (the socket stays until the ring's close ends it)
 
     def connection_lost(self, exc: Exception | None) -> None:
