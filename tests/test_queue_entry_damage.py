@@ -5,7 +5,9 @@ and returned a position past the log; ``offset_for_time`` said "position ... is
 negative" or "no chunk N", naming no file). ``pull`` and ``verify`` report the same
 damage at the same place, one problem; the undamaged copy reports nothing. A writable
 open's recovery keeps every entry (its search for a crash's tail past the log's end took
-an entry far past it for the tail and cut the 30 good entries after it).
+an entry far past it for the tail and cut the 30 good entries after it), and still cuts a
+power loss's tail whose last entry was torn to a small position (review10 F1: that entry
+made the check keep every unbacked entry before it).
 
 The store: one queue of 60 messages over several 4 KiB log chunks, closed cleanly; each
 case rewrites the entry of queue offset 30 (equeue/store/entrycheck.py says what an
@@ -198,3 +200,68 @@ def test_a_reader_in_another_process_beside_the_writer(
     else:
         where = ["CorruptRecordError", str(path / ENTRY_FILE), ENTRY_AT]
         assert found == {"queue_positions": where, "offset_for_time": where}
+
+
+_POWER_LOSS = """
+import os, signal, sys
+from equeue import MessageStore, StoreConfig
+store = MessageStore.open(sys.argv[1], StoreConfig(default_queue_count=1, flush="os"))
+store.create_topic("new", 1)
+print([store.send("new", b"new %d" % i).position for i in range(10)], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_torn_tail_is_cut_and_a_damaged_entry_kept_in_one_recovery(tmp_path: Path) -> None:
+    """Both shapes in one writable open. Topic "old" (closed cleanly, so in the
+    checkpoint) has one entry flipped far past the log, with good entries after it: all
+    are kept. Topic "new" was made after the checkpoint by a writer SIGKILLed at once;
+    then a power loss: the log lost its messages (zeroed from its first one) while its 10
+    queue entries were written back, the last torn to position 3 (an entry's u64 whose
+    high half was not written back). Nothing backs "new"'s entries: all are cut (round 16
+    cut them; the check entry by entry kept all 10, pointing at positions the next sends
+    reuse)."""
+    path = tmp_path / "store"
+    old_count, damaged = 20, 10
+    with MessageStore.open(path, StoreConfig(default_queue_count=1, flush="os")) as store:
+        store.create_topic("old", 1)
+        old = [store.send("old", b"old %d" % i).position for i in range(old_count)]
+    run = subprocess.run(
+        [sys.executable, "-c", _POWER_LOSS, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode < 0, run.stderr
+    first_new = json.loads(run.stdout)[0]
+    assert first_new > 3 and 3 not in old  # position 3 lies inside old's first record
+    log_file = sorted((path / "messages").glob("chunk-*"))[-1]
+    with log_file.open("r+b") as f:
+        f.seek(HEADER_SIZE + first_new)  # (new's 10 records take well under 64 KiB)
+        f.write(bytes(64 << 10))
+    old_file = path / "queues/old/0/chunk-000000000000.0000"
+    new_file = path / "queues/new/0/chunk-000000000000.0000"
+    for file, offset, value in [
+        (
+            old_file,
+            damaged,
+            QUEUE_RECORD.unpack_from(
+                old_file.read_bytes(), HEADER_SIZE + damaged * QUEUE_RECORD_SIZE
+            )[0]
+            ^ (1 << 40),
+        ),
+        (new_file, 9, 3 + 1),
+    ]:
+        raw = bytearray(file.read_bytes())
+        at = HEADER_SIZE + offset * QUEUE_RECORD_SIZE
+        QUEUE_RECORD.pack_into(raw, at, value, QUEUE_RECORD.unpack_from(raw, at)[1])
+        file.write_bytes(bytes(raw))
+    for reopen in range(2):  # the second open must not bring them back
+        with MessageStore.open(path) as store:
+            assert store.queue_range("new", 0) == (0, 0), reopen
+            assert store.queue_range("old", 0) == (0, old_count + reopen), reopen
+            assert (
+                store.queue_positions("old", 0, damaged + 1, old_count - damaged - 1)
+                == old[damaged + 1 :]
+            )
+            with pytest.raises(CorruptRecordError):
+                store.queue_positions("old", 0, damaged, 1)
+            store.send("old", b"after")  # at a position new's lost entries named
+            assert list(store.pull("new", 0, 0, 10)) == []

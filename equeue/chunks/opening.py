@@ -6,6 +6,7 @@ runs once per open (and its scans again on a refresh or a cut)."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import mmap
@@ -49,6 +50,13 @@ log = logging.getLogger("equeue.chunks")
 
 # How often a read-only open lists a chunk directory again when a listed file vanished.
 _LIST_ATTEMPTS: Final = 8
+# How often it lists again when retention removed every file it had listed before it
+# could open them (a loaded machine beside a writer whose retention runs often).
+_OUTRUN_ATTEMPTS: Final = 64
+
+
+class _AllRemoved(FileNotFoundError):
+    """Every chunk file a read-only open listed was removed before it could open them."""
 
 
 class ChunkOpening(ChunkSet):
@@ -97,31 +105,72 @@ class ChunkOpening(ChunkSet):
         self._tail_hint = self._live_hint = None
 
     def _list_and_open(self) -> tuple[list[Chunk], list[Path], list[str]]:
-        for attempt in range(1 if not self.read_only else _LIST_ATTEMPTS):
+        attempts = outrun = 0
+        while True:
             names = sorted(os.listdir(self.directory))
             check_chunk_dir(self.directory, names)  # before anything is opened or removed
             try:
                 chunks, superseded = self._open_listed(names)
                 return chunks, superseded, names
-            except FileNotFoundError:
-                if attempt == _LIST_ATTEMPTS - 1 or not self.read_only:
+            except _AllRemoved:
+                # Retention removed every file listed while they were opened: progress
+                # by the writer, not a listing at odds with itself; bounded all the same.
+                outrun += 1
+                if outrun == _OUTRUN_ATTEMPTS:
                     raise
-        raise AssertionError("unreachable: the last attempt returns or raises")
+            except FileNotFoundError:
+                attempts += 1
+                if attempts == _LIST_ATTEMPTS or not self.read_only:
+                    raise
 
     def _open_listed(self, names: list[str]) -> tuple[list[Chunk], list[Path]]:
         found: list[tuple[Path, ChunkHeader, int]] = []
+        removed = False  # a listed file that retention removed meanwhile was skipped
         for name in names:
             parsed = parse_chunk_file_name(name)
             if parsed is not None:
                 path = self.directory / name
-                found.append((path, self._read_header(path), parsed[1]))
+                try:
+                    found.append((path, self._read_header(path), parsed[1]))
+                except FileNotFoundError:
+                    if not self._removed_by_retention(path):
+                        raise
+                    found, removed = [], True  # it and every chunk before it are gone
         winners, superseded = _resolve_versions(found)
         _check_contiguous(winners, self.directory)
-        chunks = [
-            self._open_chunk(path, header, version, last=(i == len(winners) - 1))
-            for i, (path, header, version) in enumerate(winners)
-        ]
+        chunks: list[Chunk] = []
+        try:
+            for i, (path, header, version) in enumerate(winners):
+                try:
+                    chunks.append(
+                        self._open_chunk(path, header, version, last=(i == len(winners) - 1))
+                    )
+                except FileNotFoundError:
+                    if not self._removed_by_retention(path):
+                        raise
+                    for chunk in chunks:
+                        chunk.close()
+                    chunks, removed = [], True
+        except BaseException:
+            for chunk in chunks:
+                chunk.close()
+            raise
+        if removed and not chunks:  # every listed chunk file was removed: list again
+            raise _AllRemoved(
+                errno.ENOENT, "every listed chunk file was removed", str(self.directory)
+            )
         return chunks, superseded
+
+    def _removed_by_retention(self, path: Path) -> bool:
+        """A read-only view's listed chunk file is gone: retention removed it if every
+        chunk file now in the directory starts after it (retention removes the oldest
+        chunks first, and never the last one). Otherwise (compaction replaced it, or a
+        file is missing in the middle) the whole listing is taken again."""
+        parsed = parse_chunk_file_name(path.name)
+        if not self.read_only or parsed is None:
+            return False
+        starts = [p[0] for p in map(parse_chunk_file_name, os.listdir(self.directory)) if p]
+        return bool(starts) and min(starts) > parsed[0]
 
     def _read_header(self, path: Path) -> ChunkHeader:
         with open_file(path, "rb") as f:

@@ -19,7 +19,15 @@ from typing import Any
 from equeue import speedups
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.chunks.recovery import SCAN_STEP, TailCut, TailHint
-from equeue.errors import CorruptRecordError, EQueueError, location
+from equeue.errors import (
+    ChunkRemovedError,
+    CompactedAwayError,
+    CorruptionError,
+    CorruptRecordError,
+    EQueueError,
+    PositionError,
+    location,
+)
 from equeue.format.chunk import (
     FRAME_OVERHEAD,
     FRAME_PREFIX,
@@ -231,10 +239,10 @@ def redispatch(
                 # No record after ``start`` is this queue's: it ends where the
                 # checkpoint says it did (its entries past that are not backed by the
                 # log), or, without one, where its entries reach ``start``.
-                limit = _tail_from(queue, start)
+                limit = _tail_from(reader, queue, start)
                 recorded_end = _checkpointed_offset(recorded, topic, queue.queue_id)
                 if recorded_end is not None:  # and never past the log's end
-                    limit = min(recorded_end, _tail_from(queue, log_end))
+                    limit = min(recorded_end, _tail_from(reader, queue, log_end))
                 # Entries of messages retention removed since (sends between its
                 # checkpoint and its deletions) cannot be checked against the log: they
                 # stay, else the queue's next offset would move back below offsets
@@ -324,23 +332,53 @@ def _past_damaged(
     return chunk.start_position + end
 
 
-def _tail_from(queue: Queue, position: int) -> int:
+def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> int:
     """The first offset of ``queue``'s tail of entries at or past log ``position`` (what a
-    crash left past the log's end): found by binary search, then checked entry by entry,
-    so that one damaged entry in the middle (a flipped high bit: a position far past the
-    log) does not make the search cut the good entries after it. The tail starts after
-    the last entry below ``position``; the damaged one stays, and reads report it
-    (equeue/store/entrycheck.py)."""
-    limit = offset = queue.first_offset_at_or_after(position)
+    crash left past the log's end). The binary search is checked entry by entry from
+    where it ends, so that one damaged entry in the middle (a flipped high bit: a position
+    far past the log) does not make it cut the good entries after it: the tail starts
+    after the last entry below ``position`` that the log backs. The damaged one stays, and
+    reads report it (equeue/store/entrycheck.py). An entry below ``position`` that the log
+    does not back is no reason to keep the entries before it: a power loss's tail whose
+    last entry was torn to a small position (its u64's high half not written back) is cut
+    whole (review10 F1)."""
+    start = queue.first_offset_at_or_after(position)
+    below: list[tuple[int, int]] = []  # (offset, position) of the tail's entries < position
+    offset = start
     while offset < queue.next_offset:
         block = queue.entries(offset, 4096)
         if not block:
             break
-        for i, (at, _) in enumerate(block):
-            if 0 <= at < position:
-                limit = offset + i + 1
+        below += [(offset + i, at) for i, (at, _) in enumerate(block) if 0 <= at < position]
         offset += len(block)
-    return limit
+    # Entries' positions rise with the offset: one the log cannot check (retention or
+    # compaction removed its record) is taken for good if it lies above the last entry
+    # before the tail.
+    floor = queue.entry(start - 1)[0] if start > queue.first_offset else None
+    for offset, at in reversed(below):  # the last backed entry ends the kept ones
+        backed = _backs(reader, queue, offset, at)
+        if backed or (backed is None and floor is not None and at > floor):
+            return offset + 1
+    return start
+
+
+def _backs(reader: ChunkReader, queue: Queue, offset: int, position: int) -> bool | None:
+    """Whether the log record at ``position`` is ``queue``'s at ``offset``; None where the
+    log no longer holds that record (retention or compaction removed it)."""
+    if position < reader.manager.first_position:
+        return None
+    try:
+        payload = reader.read(position)
+    except (ChunkRemovedError, CompactedAwayError):
+        return None
+    except (CorruptionError, PositionError):
+        return False
+    if len(payload) < MESSAGE_HEAD_SIZE:
+        return False
+    head = MESSAGE_HEAD.unpack_from(payload)
+    pos, qoff, qid, tl = head[0], head[3], head[4], head[8]
+    topic = payload[MESSAGE_HEAD_SIZE : MESSAGE_HEAD_SIZE + tl].decode(errors="replace")
+    return (pos, qoff, qid, topic) == (position, offset, queue.queue_id, queue.topic)
 
 
 def _checkpointed_offset(recorded: dict[str, Any] | None, topic: str, queue_id: int) -> int | None:
