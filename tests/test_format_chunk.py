@@ -448,6 +448,12 @@ def test_chunk_file_name_round_trip(number: int, version: int) -> None:
         "chunk-00000000004a.0000",
         "chunk--00000000042.0000",
         "recovered",
+        # Names only a listing can bring (a name the API makes is ASCII): non-ASCII decimal
+        # digits, which \d matched and int() reads, and a final newline, which "$" let by.
+        "chunk-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0664\u0662.0000",
+        "chunk-000000000042.\uff10\uff10\uff10\uff13",
+        "chunk-000000000042.0000\n",
+        "\nchunk-000000000042.0000",
     ],
 )
 def test_parse_rejects_other_names(name: str) -> None:

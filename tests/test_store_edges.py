@@ -243,3 +243,38 @@ def test_pull_waits_once_for_its_whole_wait(
         store.create_topic("t", 1)
         assert len(store.pull("t", 0, 0, tags=tags, wait=0.2)) == 0
     assert waits and sum(waits) <= 0.2 + 1e-6, waits
+
+
+# --- file names from a listing: only the names chunk_file_name() writes -------------------
+
+ARABIC_INDIC = "".join(chr(0x0660 + int(d)) for d in "000000000000")
+FULLWIDTH_ONE = "".join(chr(0xFF10 + int(d)) for d in "0001")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f"chunk-{ARABIC_INDIC}.0001",  # \d matched it and int() read chunk 0, version 1
+        f"chunk-000000000000.{FULLWIDTH_ONE}",
+        "chunk-000000000000.0001\n",  # "$" matched before the newline
+    ],
+)
+def test_a_chunk_name_with_other_digits_or_a_newline_is_ignored(
+    small_store: Path, name: str
+) -> None:
+    # Ignored like any other name the store never writes (it holds none of the store's
+    # data), not reported: before, it was taken for version 1 of chunk 0, outranked the
+    # real file, and every open failed on its header.
+    junk = b"not a chunk file" * 16
+    directories = [small_store / "messages", small_store / QUEUES_DIR / "t" / "0"]
+    for directory in directories:
+        (directory / name).write_bytes(junk)
+    with MessageStore.open(small_store) as store:
+        assert [m.body for m in store.pull("t", 0, 0).messages] == [b"m%d" % i for i in range(5)]
+        store.send("t", b"m5")
+    with MessageStore.open(small_store, read_only=True) as store:
+        assert len(store.pull("t", 0, 0).messages) == 6
+    code, output = verify(small_store)
+    assert code == 0, output
+    for directory in directories:  # not the store's: left as it was
+        assert (directory / name).read_bytes() == junk

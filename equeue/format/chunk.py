@@ -64,6 +64,10 @@ Position-map entry (compacted chunks; sorted by logical offset)::
 File names: ``chunk-{start number:012d}.{version:04d}``; a compacted
 replacement gets a higher version than the files it replaces, so loading keeps
 the highest version that covers a chunk number. Temp files end in ``.tmp``.
+A listed name is a chunk file only if it is exactly that: ASCII digits, nothing
+after the version, not even a newline. Any other name in a chunk directory (one
+with Arabic-Indic or fullwidth digits, or one ending in a newline) is ignored by
+the store, ``verify`` and retention and left in place.
 """
 
 from __future__ import annotations
@@ -118,8 +122,11 @@ assert MAP_ENTRY_SIZE == 12
 TIMESTAMP: Final = struct.Struct("<q")
 
 # {:012d} / {:04d} are minimum widths, so longer numbers must parse too: a chunk past
-# number 10**12 - 1 (or version 9999) would otherwise be skipped at load.
-CHUNK_FILE_RE: Final = re.compile(r"^chunk-(\d{12,})\.(\d{4,})$")
+# number 10**12 - 1 (or version 9999) would otherwise be skipped at load. [0-9], not \d
+# (which matches "\u0663", and int() reads it as 3), and fullmatch, not "$" (which
+# matches before a final "\n"): a name from a listing is checked as strictly as one
+# the API makes, so only a name chunk_file_name() writes is taken for a chunk file.
+CHUNK_FILE_RE: Final = re.compile(r"chunk-([0-9]{12,})\.([0-9]{4,})")
 TEMP_SUFFIX: Final = ".tmp"
 RECOVERED_DIR: Final = "recovered"
 
@@ -156,7 +163,7 @@ def chunk_file_name(start_number: int, version: int = 0) -> str:
 
 def parse_chunk_file_name(name: str) -> tuple[int, int] | None:
     """(start number, version) for a chunk file name, None for any other name."""
-    match = CHUNK_FILE_RE.match(name)
+    match = CHUNK_FILE_RE.fullmatch(name)
     if match is None:
         return None
     return int(match.group(1)), int(match.group(2))
