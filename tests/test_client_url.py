@@ -205,3 +205,24 @@ def test_topic_names_are_judged_as_the_store_judges_them(name: str) -> None:
         return "ok"
 
     assert verdict(args.topic) == verdict(validate.check_topic)
+
+
+@pytest.mark.parametrize("count", [1, 1024, 0, -1, 1025, 2000, 1 << 32, 1 << 70, True, "2", 2.0])
+def test_queue_counts_are_judged_as_the_store_judges_them(count: object, tmp_path: Path) -> None:
+    """create_topic's queue_count: the client refuses what the store refuses, with the
+    store's error and words (it let 1025 .. 2**32 go to the broker, and said [1, 1024]
+    of them), and sends what the store takes."""
+
+    def verdict(create: Any) -> tuple[str, str]:
+        try:
+            create()
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        return "ok", ""
+
+    with equeue.MessageStore.open(tmp_path / "store") as store:
+        expected = verdict(lambda: store.create_topic("t", count))  # type: ignore[arg-type]
+    found = verdict(lambda: calls.create_topic("t", count))  # type: ignore[arg-type]
+    assert found == expected
+    if expected[0] == "InvalidMessageError":  # the value, the range, the bound's name
+        assert all(part in found[1] for part in (repr(count), "[1, 1024]", "MAX_QUEUES")), found

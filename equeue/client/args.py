@@ -23,7 +23,7 @@ from equeue.errors import (
     QueueNotFoundError,
 )
 from equeue.store.types import OutgoingMessage
-from equeue.store.validate import MAX_WAIT
+from equeue.store.validate import MAX_WAIT, check_queue_count
 
 _INT32 = 1 << 31
 _UINT64 = 1 << 64
@@ -248,14 +248,10 @@ def group(value: object) -> str:
     return str(value)
 
 
-def queue_count(value: object) -> int | None:
-    if value is None:
-        return None
-    if not is_int(value):
-        raise InvalidTypeError(f"queue_count must be an int, got {type(value).__name__}")
-    if not 1 <= value <= 1 << 32:
-        raise InvalidMessageError(f"queue_count {value} must lie in [1, 1024]")
-    return int(value)
+def queue_count(value: object, topic: str) -> int | None:
+    """create_topic's queue_count: None (the broker's default), else the store's own check,
+    so that the client refuses what the store refuses, in its words."""
+    return None if value is None else int(check_queue_count(value, topic))
 
 
 def message_id(value: object) -> str:

@@ -191,8 +191,9 @@ def committed_offset(group: str, topic: str, queue_id: int) -> Call:
 
 
 def create_topic(topic: str, queue_count: int | None) -> Call:
-    wire: dict[str, Any] = {"topic": args.topic(topic)}
-    count = args.queue_count(queue_count)
+    name = args.topic(topic)
+    wire: dict[str, Any] = {"topic": name}
+    count = args.queue_count(queue_count, name)
     if count is not None:
         wire["queue_count"] = count
     return Call("create_topic", wire, None)

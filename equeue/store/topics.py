@@ -199,7 +199,7 @@ def create_or_change(
     current = len(store._queues.get(topic, ()))
     if queue_count is None:
         queue_count = current or store.config.default_queue_count
-    count = validate.check_queue_count(queue_count)
+    count = validate.check_queue_count(queue_count, topic)
     old_policy = store._policies.get(topic, TopicPolicy())
     policy = old_policy.changed(cleanup, retention, delete_retention)
     if count < current:

@@ -164,11 +164,18 @@ def check_queue_id(queue_id: object, topic: str, queue_count: int) -> int:
 MAX_QUEUES = 1024
 
 
-def check_queue_count(queue_count: object) -> int:
+def check_queue_count(queue_count: object, topic: str | None = None) -> int:
+    """The one check of a queue count: create_topic's (the store's, and the clients' before
+    sending) and every file's that records one. ``topic``: named in the message."""
     if not isinstance(queue_count, int) or isinstance(queue_count, bool):
         raise InvalidTypeError(f"queue_count must be an int, got {type(queue_count).__name__}")
     if not 1 <= queue_count <= MAX_QUEUES:
-        raise InvalidMessageError(f"queue_count {queue_count} must lie in [1, {MAX_QUEUES}]")
+        of = "" if topic is None else f" of topic {topic!r}"
+        raise InvalidMessageError(
+            f"queue_count {queue_count!r}{of} is out of range: it must lie in [1, {MAX_QUEUES}] "
+            "(MAX_QUEUES in equeue/store/validate.py, a topic's most queues: a fixed bound, "
+            "no setting raises it)"
+        )
     return queue_count
 
 
