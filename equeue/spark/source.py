@@ -507,8 +507,26 @@ def indexed_positions(opened: MessageStore, pushed: Pushed) -> list[int] | None:
 
 
 def queue_index_positions(opened: MessageStore, spans: QueueSpans) -> list[int] | None:
-    """The sorted log positions of the queues' offsets [start, stop) (compaction's holes
-    left out), from their index; None if there are more than a scan costs."""
+    """The sorted, distinct log positions that the queue index entries of the offsets
+    [start, stop) of each span name, read from the queue chunks alone (no message is
+    read); None when the spans hold more than QUEUE_INDEX_LIMIT offsets in all (the
+    caller then plans without it: a scan is no dearer). A superset of the rows, not the
+    rows:
+
+    - compaction's holes are in it: a record compaction removed keeps its queue entry,
+      so its position is here though no record is there (the caller reads a compacted
+      chunk whole, filtered by the spans, and finds the survivors only);
+    - a span that starts in a queue chunk retention removed goes on from the queue's
+      first retained offset, without an error: the offsets before it are left out, and
+      the list is shorter than the span;
+    - a span that starts below the first retained offset in a queue chunk still there
+      (one goes only when all its entries are below the log's start) gets those
+      entries: their positions lie in log chunks retention removed, which the caller
+      does not list. The callers' spans start at the first retained offset, so only the
+      writer's retention between their queue_range and this read brings either case.
+
+    CorruptRecordError, naming the queue file and offset, for an entry that cannot be
+    intact (a position outside the log, or out of order: equeue/store/entrycheck.py)."""
     if sum(stop - start for _, _, start, stop in spans) > QUEUE_INDEX_LIMIT:
         return None
     found: set[int] = set()
