@@ -1,22 +1,18 @@
 """``source.queue_index_positions``: what the queue index entries of a span name, a
-superset of the rows (its docstring): compaction's holes in it, offsets of queue
-chunks retention removed left out, entries below the first retained offset kept."""
+superset of the rows (its docstring): offsets of queue chunks retention removed left
+out, entries below the first retained offset kept. Compaction's holes in it:
+tests/test_spark_source.py::test_offsets_options_on_a_compacted_store."""
 
 from __future__ import annotations
 
 import datetime as dt
-import random
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from equeue import MessageStore, StoreConfig
 from equeue.format.chunk import parse_chunk_file_name
 from equeue.spark import source
 from equeue.store.meta import QUEUES_DIR
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
 
 QUEUE_CHUNK_RECORDS = 342  # the smallest queue chunk (4104 B): retention removes whole ones
 
@@ -25,23 +21,6 @@ def pulled_positions(opened: MessageStore, topic: str, queue_id: int, start: int
     _, end = opened.queue_range(topic, queue_id)
     messages = opened.pull(topic, queue_id, start, max(end - start, 1)).messages
     return [m.position for m in messages]
-
-
-def test_compaction_holes_are_in_it(tmp_path: Path, spark: SparkSession) -> None:
-    from equeue.compaction.job import compact
-
-    rng = random.Random(5)
-    with MessageStore.open(tmp_path, StoreConfig(chunk_data_size=8 * 1024, flush="os")) as s:
-        s.create_topic("k", 1, cleanup="compact")
-        for _ in range(300):
-            s.send("k", rng.randbytes(rng.randrange(1, 60)), key=f"key-{rng.randrange(15)}")
-    assert compact(tmp_path, spark=spark, now=time.time() + 1).records_removed > 0
-    with MessageStore.open(tmp_path, read_only=True) as opened:
-        first, end = opened.queue_range("k", 0)
-        positions = source.queue_index_positions(opened, [("k", 0, first, end)])
-        survivors = pulled_positions(opened, "k", 0, first)
-    assert positions is not None and len(positions) == end - first == 300
-    assert set(survivors) < set(positions)  # the holes' positions too: no record there
 
 
 def test_retention_leaves_out_removed_queue_chunks_and_keeps_entries_below_the_first(

@@ -707,3 +707,10 @@ def test_offsets_options_on_a_compacted_store(tmp_path: Path, spark: SparkSessio
     )
     assert set(as_rows(batches)) == want
     assert any(isinstance(p, source.ChunkPartition) for p in parts)  # a compacted one, whole
+    # The index names the holes too (their entries stay): a superset of the survivors.
+    first, end = ends[0]
+    with MessageStore.open(tmp_path, read_only=True) as opened:
+        positions = source.queue_index_positions(opened, [("k", 0, first, end)])
+    survivors = pulled(tmp_path, {("k", 0): (first, end)})
+    assert positions is not None and len(positions) == end - first
+    assert 0 < len(survivors) < end - first and survivors < set(positions)
