@@ -22,7 +22,10 @@ broker holds the pull until a message arrives there (about one pull a second whi
 queue stays empty), so what arrives on an idle queue joins the buffer at once, behind
 the batches already in it. Past ``pollers`` queues a held pull would keep a thread from
 the others: there, while messages are at hand, pulls do not wait and an empty queue is
-pulled again IDLE_RECHECK_SECONDS later at the earliest (see _start_pulls).
+pulled again IDLE_RECHECK_SECONDS later at the earliest (see start_pulls).
+
+The pull bookkeeping (the per-queue pull state, which queues to pull and how, the held
+long polls that close cancels) is equeue/client/consumerpulls.py, bound into the class.
 
 At least once: processed offsets are committed (``auto_commit``) when no message came
 for 0.1 s, when ``auto_commit_interval`` passed since the last commit (also while the
@@ -35,7 +38,6 @@ of ``run``) sends the message to the group's retry topic for later.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -46,7 +48,8 @@ from concurrent.futures import wait as wait_futures
 from types import TracebackType
 from typing import Any, Protocol
 
-from equeue.client import endings, forks
+from equeue.client import consumerpulls, forks
+from equeue.client.consumerpulls import InlinePull, inline_capable
 from equeue.client.groupstate import (
     DEFAULT_AUTO_COMMIT_INTERVAL,
     DEFAULT_MAX_POLL_INTERVAL,
@@ -60,7 +63,6 @@ from equeue.client.groupstate import (
     closed_in_child,
     handled_normally,
     long_polls,
-    poll_wait_ms,
     welcome_limit,
 )
 from equeue.client.nacks import nack_args, nack_failed
@@ -82,18 +84,10 @@ IDLE_COMMIT_SECONDS = 0.1  # no message for this long: the processed offsets are
 # arrive while it writes in one file write and fsync per group (a request a queue, one
 # after another, was an fsync each: ~9 ms a queue)
 COMMIT_WINDOW = 64
-# While messages are at hand and the member holds more than _pollers queues, a queue
-# whose last pull found nothing is pulled again (without a wait) after this long at the
-# earliest: what arrives there waits at most this much more. Up to _pollers queues it
-# is long-polled instead.
-IDLE_RECHECK_SECONDS = 0.05
 # A zero timeout (poll(0), timeout=0) hands out what is there now: the answers of its pulls
 # without a wait are read for at most this long (one round trip; a later answer is the
 # next poll's)
 NOW_SECONDS = 1.0
-# close() cancels its held pulls with cancel_pull frames, for which it waits this long at
-# most for the client's write lock (another thread's send_many waiting for places)
-CANCEL_LOCK_WAIT = 1.0
 
 
 class Requester(Protocol):
@@ -102,44 +96,7 @@ class Requester(Protocol):
     def request(self, op: str, arguments: dict[str, Any]) -> Any: ...
 
 
-class _Inline:
-    """A pull written by the loop's own thread while messages are at hand (the blocking
-    client's start_request): no pool thread to wake, no Future, no callback. Its answer
-    is read by whichever thread reads the connection next, at the latest by the loop
-    when its buffer runs empty (_fetch): there it reads the answer of a pull without a
-    wait (given at once) for at most the caller's time, and hands a long poll (``waits``)
-    to a pool thread to wait for, so that whichever answer comes first wakes it."""
-
-    __slots__ = ("client", "started", "waits")
-
-    def __init__(self, client: Any, started: Any, waits: bool) -> None:
-        self.client = client
-        self.started = started
-        self.waits = waits
-
-    def done(self) -> bool:
-        return bool(self.started[1].done)
-
-    def result(self) -> Any:
-        return self.client.finish_request(self.started)
-
-    def wait(self, until: float) -> bool:
-        """Until answered or ``until`` (time.monotonic()) passed: whether answered; its
-        error (if any) is raised by result(), in _harvest."""
-        with contextlib.suppress(Exception):
-            self.client.finish_request(self.started, until)
-        return self.done()
-
-
-def _inline_capable(client: object) -> bool:
-    """Whether ``client`` is the blocking Client with its own ``request`` (not a subclass
-    or proxy overriding it): only then are pulls written by start_request."""
-    from equeue.client.sync import Client  # (sync imports nothing of the consumer's)
-
-    # (the bound method's function: a subclass's override and one set on the instance
-    # both differ from Client.request)
-    method = getattr(client, "request", None)
-    return isinstance(client, Client) and getattr(method, "__func__", None) is Client.request
+_Inline = InlinePull  # (its name before the move to consumerpulls.py, which tests import)
 
 
 class GroupConsumer:
@@ -176,11 +133,11 @@ class GroupConsumer:
         # in a loop: a constant) is not checked again (perfconsume: ~15 bytecodes a poll)
         self._timeout_ok: float | None = self.timeout
         # per queue: its pull in flight, the offset and membership it was sent in
-        self._inflight: dict[Queue, tuple[Future[Any] | _Inline, int, int]] = {}
-        # the blocking client writes a pull without a wait from this thread (_Inline)
+        self._inflight: dict[Queue, tuple[Future[Any] | InlinePull, int, int]] = {}
+        # the blocking client writes a pull without a wait from this thread (InlinePull)
         # (only the exact Client, or one whose request is Client's: a wrapper's own
         # request, metrics or faults, sees every pull)
-        self._inline: Any = client if _inline_capable(client) else None
+        self._inline: Any = client if inline_capable(client) else None
         # per queue: its last long poll written by the blocking client (connection and
         # slot), which close cancels if it is still held (_cancel_held)
         self._held: dict[Queue, Any] = {}
@@ -496,11 +453,11 @@ class GroupConsumer:
             if not state.buffer:
                 started = self._start_pulls(at_once=True)
                 until = time.monotonic() + NOW_SECONDS
-                quick = [p for p, _, _ in self._inflight.values() if type(p) is _Inline]
+                quick = [p for p, _, _ in self._inflight.values() if type(p) is InlinePull]
                 for pull in quick:
                     if not pull.waits:
                         pull.wait(until)
-                pooled = [p for p in started if type(p) is not _Inline]
+                pooled = [p for p in started if type(p) is not InlinePull]
                 if pooled:  # (a wrapper's pulls, through the pool)
                     wait_futures(pooled, max(0.0, until - time.monotonic()))
                 self._harvest()
@@ -512,42 +469,15 @@ class GroupConsumer:
             return False  # (its next poll joins again)
         return bool(state.buffer)
 
-    def _unread(self, deadline: float | None) -> bool:
-        """The buffer ran empty: read the answer of a pull of this thread's without a
-        wait (True: harvest it, or go round again), for at most a second at a time (the
-        loop's _maintain and commits) and not past ``deadline`` (poll's timeout: then the
-        pull stays this thread's, read by the next poll); a pool thread waits for each
-        long poll of its, so that any answer sets the event _fetch waits on. A quick pull
-        is never handed to the pool: behind its long polls (past _pollers queues) it
-        would wait a long poll's round with its answer read."""
-        inflight = self._inflight
-        unread = [(k, p) for k, (p, _, _) in inflight.items() if type(p) is _Inline]
-        for _, pull in unread:
-            if pull.done():
-                return True  # (answered meanwhile, read by another thread: harvest it)
-        for _, pull in unread:
-            if not pull.waits:
-                until = time.monotonic() + 1.0
-                if deadline is not None and deadline < until:
-                    until = deadline
-                # answered at once as a rule: read it here, not a second later
-                return pull.wait(until) or deadline is None or time.monotonic() < deadline
-        self._pool_long_polls()
-        return False
-
-    def _pool_long_polls(self) -> None:
-        """Hand each long poll this thread wrote to a pool thread, which waits for its
-        answer (reading the connection), so that it sets the event whenever it comes."""
-        inflight = self._inflight
-        for key, (pull, at, epoch) in list(inflight.items()):
-            if type(pull) is _Inline and pull.waits:  # (a quick pull stays: _unread)
-                future = self._pool.submit(pull.result)
-                future.add_done_callback(self._answered)
-                inflight[key] = (future, at, epoch)
-
-    def _answered(self, _: object) -> None:
-        self.state.refill = True  # (a plain flag: poll looks at it at every message)
-        self._event.set()
+    # the pull bookkeeping (the per-queue pull state, held pulls, cancel):
+    # equeue/client/consumerpulls.py
+    _unread = consumerpulls.unread
+    _pool_long_polls = consumerpulls.pool_long_polls
+    _answered = consumerpulls.answered
+    _harvest = consumerpulls.harvest
+    _start_pulls = consumerpulls.start_pulls
+    _long_poll = consumerpulls.long_poll
+    _cancel_held = consumerpulls.cancel_held
 
     def _refill(self) -> None:
         """Take the pulls answered and send the next of every queue run low (the buffer
@@ -598,101 +528,6 @@ class GroupConsumer:
             state.add(key, committed, queue_range)
         state.applied = generation
         self._beat_now.set()  # release the dropped queues now, not a heartbeat later
-
-    def _harvest(self) -> None:
-        state = self.state
-        idle, drained, whole = self._idle, self._drained, state.batch_size
-        for key, (pull, at, epoch) in list(self._inflight.items()):
-            if not pull.done():
-                continue
-            del self._inflight[key]
-            try:
-                answer = pull.result()
-            except Exception:
-                if epoch == state.epoch and key in state.positions:
-                    raise
-                continue  # sent before the membership was lost, or for a queue dropped
-            if epoch != state.epoch:
-                continue  # sent before the membership was lost: not ours to judge
-            count = state.pulled(key, at, answer)
-            if count >= whole:
-                drained.discard(key)
-                idle.pop(key, None)
-            else:
-                drained.add(key)
-                if not count:
-                    idle[key] = time.monotonic() + IDLE_RECHECK_SECONDS
-
-    def _start_pulls(self, *, quick: bool = False, at_once: bool = False) -> list[Any]:
-        """Pull the queues that want it, long-polled (a held pull costs the blocking
-        client nothing while it waits: only the thread an answer is for wakes). But
-        ``quick`` (messages are at hand): a queue whose last pull brought a whole batch
-        without a wait (more are likely there); past _pollers queues, where a held pull
-        would keep a pool thread from a queue with messages, every queue without a wait,
-        and one whose last pull found nothing only once its IDLE_RECHECK_SECONDS passed.
-        ``at_once`` (a zero timeout, _fetch_now): every queue that wants a pull, without a
-        wait. Returns the pulls started (an _Inline or a Future each)."""
-        state = self.state
-        inflight, epoch = self._inflight, state.epoch
-        idle = self._idle
-        recheck = quick and len(state.positions) > self._pollers
-        wait_ms = 0 if recheck or at_once else poll_wait_ms(len(state.positions), self._pollers)
-        drained = self._drained if quick and not recheck else None
-        now = time.monotonic() if recheck else 0.0
-        # (a pull sent before the membership was lost is ignored when answered: it does
-        # not hold up the queue's pulls now)
-        wanted = [
-            k for k in state.positions
-            if (k not in inflight or inflight[k][2] != epoch) and state.wants_pull(k)
-            and not (recheck and idle.get(k, 0.0) > now)
-        ]  # fmt: skip
-        # past _pollers, the pool's queue takes them in turn (FIFO: a queue answered
-        # goes after those waiting)
-        inline = self._inline
-        started: list[Any] = []
-        for key in wanted:
-            args = state.pull_args(key, wait_ms if drained is None or key in drained else 0)
-            waits = "wait_ms" in args
-            if inline is not None and (quick or not waits):  # (this thread's: _Inline)
-                pull = _Inline(inline, inline.start_request("pull_columns", args), waits)
-                if waits:
-                    self._held[key] = pull.started
-                self._inflight[key] = (pull, args["offset"], epoch)
-                started.append(pull)
-                continue
-            if inline is not None:
-                future = self._pool.submit(self._long_poll, key, args)
-            else:
-                future = self._pool.submit(self.client.request, "pull_columns", args)
-            future.add_done_callback(self._answered)
-            self._inflight[key] = (future, args["offset"], epoch)
-            started.append(future)
-        return started
-
-    def _long_poll(self, key: Queue, args: dict[str, Any]) -> Any:
-        """A pool thread's long poll through the blocking client, known to close: written
-        here, recorded, then waited for (a close meanwhile cancels it: it looks at the
-        record after marking the consumer closed, and this looks at the mark after
-        recording, so one of the two sees the other)."""
-        inline = self._inline
-        started = inline.start_request("pull_columns", args)
-        self._held[key] = started
-        if self.state.closed:
-            endings.give_up(inline, *started, lock_wait=CANCEL_LOCK_WAIT)
-        return inline.finish_request(started)
-
-    def _cancel_held(self) -> None:
-        """close(): ask the broker to answer this consumer's held long polls now
-        (cancel_pull, protocol version 6), so that neither it nor this client's
-        max_in_flight keeps them until their waits end (before: until the leave's
-        rebalance answered them at the broker's next tick, ~0.1-0.2 s, or a fenced
-        member's, which does not leave, at their wait's end). Best effort, as a
-        KeyboardInterrupt's (endings.give_up): not under TLS nor to an older broker."""
-        inline = self._inline
-        if inline is None:
-            return
-        for conn, slot in list(self._held.values()):
-            endings.give_up(inline, conn, slot, lock_wait=CANCEL_LOCK_WAIT)
 
     def _commit(self, queues: list[Queue] | None, until: float | None = None) -> None:
         """Commit what is processed of ``queues`` (None: all), a request a queue, up to
