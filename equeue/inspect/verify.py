@@ -14,7 +14,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from equeue.chunks.recovery import TailHint, scan_start
@@ -34,12 +34,12 @@ from equeue.format.chunk import (
 from equeue.format.message import (
     MESSAGE_HEAD,
     MESSAGE_HEAD_SIZE,
-    QUEUE_RECORD,
     QUEUE_RECORD_SIZE,
     STORED_TIME_OFFSET,
     MessageLogRecord,
     tag_hash,
 )
+from equeue.inspect import verifyqueues
 from equeue.inspect.frames import frame_reason, map_lookup, resync, suffix_length
 from equeue.inspect.intents import intent_problems
 from equeue.inspect.layout import (
@@ -60,21 +60,11 @@ from equeue.inspect.layout import (
 )
 from equeue.inspect.staging import staging_problems
 from equeue.inspect.traces import missing_problems
+from equeue.inspect.verifyqueues import CheckResult, Unreadable
 
 _RETRIES = 3  # re-reads of a live directory's last chunk before a problem there is believed
 _RETRY_DELAY = 0.05
 _TICK = 1 << 20  # progress every MiB of data walked
-
-
-class _Unreadable(Exception):
-    """A queue entry points into a message chunk that cannot be read at all."""
-
-
-@dataclass
-class _Result:
-    problems: list[Problem] = field(default_factory=list)
-    records: int = 0
-    frames_damaged: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +152,7 @@ class Verifier:
         self,
         directory: Path,
         paths: list[tuple[int, int, Path]],
-        check: Callable[[ChunkFile, bool], _Result],
+        check: Callable[[ChunkFile, bool], CheckResult],
         *,
         queue: bool,
     ) -> list[Problem]:
@@ -212,8 +202,8 @@ class Verifier:
 
     # --- message chunks --------------------------------------------------------------
 
-    def _message_chunk(self, cf: ChunkFile, last: bool) -> _Result:
-        result = _Result(list(cf.problems))
+    def _message_chunk(self, cf: ChunkFile, last: bool) -> CheckResult:
+        result = CheckResult(list(cf.problems))
         if self._first_number is None:
             self._first_number = cf.start_number  # the log starts here (retention removed less)
         for n in range(cf.start_number, cf.end_number + 1):
@@ -256,7 +246,7 @@ class Verifier:
             )
         return result
 
-    def _walk_frames(self, cf: ChunkFile, mm: mmap.mmap, result: _Result, last: bool) -> None:
+    def _walk_frames(self, cf: ChunkFile, mm: mmap.mmap, result: CheckResult, last: bool) -> None:
         header = cf.header
         assert header is not None
         path, base = str(cf.path), header.start_position
@@ -369,7 +359,7 @@ class Verifier:
         start = scan_start(hints, header.chunk_id, mm, available, header.chunk_data_size)
         return 0 if start is None else start.data_end
 
-    def _walk_map(self, cf: ChunkFile, mm: mmap.mmap, result: _Result) -> None:
+    def _walk_map(self, cf: ChunkFile, mm: mmap.mmap, result: CheckResult) -> None:
         """A compacted chunk: every position-map entry must lead to its own record."""
         header, footer = cf.header, cf.footer
         assert header is not None and footer is not None
@@ -410,7 +400,7 @@ class Verifier:
             result.records += 1
 
     def _check_message(
-        self, cf: ChunkFile, mm: mmap.mmap, p: int, length: int, position: int, result: _Result
+        self, cf: ChunkFile, mm: mmap.mmap, p: int, length: int, position: int, result: CheckResult
     ) -> None:
         path = str(cf.path)
         start = p + FRAME_PREFIX_SIZE
@@ -452,170 +442,17 @@ class Verifier:
         store.deleted.update(now.deleted)
         return position < store.deleted.get(topic, 0) or 0 <= queue_id < store.topics.get(topic, 0)
 
-    # --- queue chunks ----------------------------------------------------------------
+    # --- queue chunks: equeue/inspect/verifyqueues.py ----------------------------------
 
-    def _queue_checker(self, topic: str, queue_id: int) -> Callable[[ChunkFile, bool], _Result]:
-        def check(cf: ChunkFile, last: bool) -> _Result:
-            return self._queue_chunk(cf, last, topic, queue_id)
-
-        return check
-
-    def _queue_chunk(self, cf: ChunkFile, last: bool, topic: str, queue_id: int) -> _Result:
-        result = _Result(list(cf.problems))
-        header = cf.header
-        if header is None:
-            return result
-        records = self._store.queue_chunk_records
-        self._check_header(
-            cf,
-            result,
-            ChunkType.FIXED,
-            None if records is None else records * QUEUE_RECORD_SIZE,
-            QUEUE_RECORD_SIZE,
-            None,
-        )
-        if header.record_size != QUEUE_RECORD_SIZE or cf.size <= HEADER_SIZE:
-            return result
-        self._check_data_checksum(cf, result)
-        path = str(cf.path)
-        if header.compacted and cf.footer is not None:
-            result.problems.append(
-                Problem(path, 0, "header", "compacted queue chunks are not checked entry by entry")
-            )
-            return result
-        ongoing = cf.footer is None
-        # An ongoing chunk is walked to its first empty slot as it is now, not as it was
-        # when the file was listed: a live writer appends all the while.
-        end = cf.data_limit - cf.data_limit % QUEUE_RECORD_SIZE if ongoing else cf.data_limit
-        if end % QUEUE_RECORD_SIZE:
-            result.problems.append(
-                Problem(
-                    path,
-                    cf.size - FOOTER_SIZE,
-                    "footer",
-                    f"physical data size {end} is not a whole number of "
-                    f"{QUEUE_RECORD_SIZE}-byte entries",
-                )
-            )
-        # A retry of the same chunk starts from what preceded it, not from its own last entry.
-        saved = self._previous.get((topic, queue_id))
-        before = None if saved is None else saved[1] if saved[0] == cf.start_number else saved[2]
-        previous = before
-        unreadable: dict[str, list[int]] = {}  # reason -> [file offset, first, last, count]
-        local = 0
-        mm = cf.content if cf.content is not None else map_file(cf.path)
-        try:
-            while True:
-                while local + QUEUE_RECORD_SIZE <= end:
-                    p = HEADER_SIZE + local
-                    stored, hashed = QUEUE_RECORD.unpack_from(mm, p)
-                    if ongoing and not stored and not hashed:
-                        break  # the first empty slot: the end of the entries
-                    offset = (header.start_position + local) // QUEUE_RECORD_SIZE
-                    try:
-                        why = self._check_entry(
-                            topic, queue_id, offset, stored - 1, hashed, previous
-                        )
-                    except _Unreadable as exc:
-                        # One problem for all the entries that point into one lost chunk.
-                        run = unreadable.setdefault(str(exc), [p, offset, offset, 0])
-                        run[2], run[3] = offset, run[3] + 1
-                        result.records += 1
-                        local += QUEUE_RECORD_SIZE
-                        # Not carried as the previous entry either: a flipped high bit
-                        # names a chunk past the log, and every later entry would be
-                        # reported as not after it.
-                        continue
-                    if why is None:
-                        previous = stored - 1  # a bad entry is not what the next must follow
-                    else:
-                        name = f"{topic}/{queue_id} offset {offset}"
-                        result.problems.append(Problem(path, p, "queue entry", f"{name} {why}"))
-                    result.records += 1
-                    local += QUEUE_RECORD_SIZE
-                if not ongoing or self._tail_problem(cf, mm, local, last, result):
-                    break
-        finally:
-            if isinstance(mm, mmap.mmap):
-                mm.close()
-        for reason, (p, first, final, count) in unreadable.items():
-            offsets = (
-                f"offset {first} points"
-                if count == 1
-                else (f"offsets {first}..{final} ({count} entries) point")
-            )
-            result.problems.append(
-                Problem(path, p, "queue entry", f"{topic}/{queue_id} {offsets} into {reason}")
-            )
-        self._previous[topic, queue_id] = (cf.start_number, before, previous)
-        return result
-
-    def _tail_problem(
-        self, cf: ChunkFile, mm: mmap.mmap | bytes, local: int, last: bool, result: _Result
-    ) -> bool:
-        """After an ongoing queue chunk's first empty slot: True when the walk is over
-        (nothing but zeros follow, or a torn tail, reported); False when a writer has
-        filled the slot meanwhile and the walk should go on."""
-        header = cf.header
-        assert header is not None
-        stop = trailing_bytes(cf, local)
-        if stop <= local:
-            return True
-        # Entries are written in order, so once later bytes are seen, the slot is filled
-        # if a writer was appending; still empty, it is a hole or a torn tail.
-        p = HEADER_SIZE + local
-        if any(mm[p : p + QUEUE_RECORD_SIZE]):
-            return False
-        kind = "torn tail" if last else "queue entry"
-        cut = ", which recovery would cut" if last else ""
-        result.problems.append(
-            Problem(
-                str(cf.path),
-                p,
-                kind,
-                f"{stop - local} bytes after the last queue entry (offset "
-                f"{(header.start_position + local) // QUEUE_RECORD_SIZE - 1}){cut}",
-            )
-        )
-        return True
-
-    def _check_entry(
-        self,
-        topic: str,
-        queue_id: int,
-        offset: int,
-        position: int,
-        hashed: int,
-        previous: int | None,
-    ) -> str | None:
-        """Why the entry is wrong, or None."""
-        if position < 0:
-            return "is empty inside the data" if position == -1 else "holds a negative position"
-        if previous is not None and position <= previous:
-            return f"points at position {position}, not after the previous entry's {previous}"
-        first, size = self._first_number, self._message_size
-        if first is not None and size is not None and position < first * size:
-            return None  # the message chunk was removed by retention
-        head, why = self._message_at(position)
-        if head is None:
-            return f"points at position {position}, {why}" if why is not None else None
-        found = (head.topic, head.queue_id, head.queue_offset)
-        if found != (topic, queue_id, offset):
-            return (
-                f"points at position {position}, which holds the message of "
-                f"{head.topic}/{head.queue_id} offset {head.queue_offset}"
-            )
-        if head.tag_hash != hashed:
-            return (
-                f"has tag hash 0x{hashed:x}, but the message at position {position} has "
-                f"0x{head.tag_hash:x}"
-            )
-        return None
+    _queue_checker = verifyqueues.queue_checker
+    _queue_chunk = verifyqueues.queue_chunk
+    _tail_problem = verifyqueues.tail_problem
+    _check_entry = verifyqueues.check_entry
 
     def _message_at(self, position: int) -> tuple[_Head | None, str | None]:
         """The head of the message record at ``position``; (None, why) if there is none;
         (None, None) if compaction removed it or retention its chunk since the listing;
-        _Unreadable if its chunk cannot be read."""
+        Unreadable if its chunk cannot be read."""
         size = self._message_size
         if size is None:
             if not self._absent:
@@ -623,7 +460,7 @@ class Verifier:
                 self._absent.add(-1)
             size = self._message_size
             if size is None:
-                raise _Unreadable("a store without message chunks")
+                raise Unreadable("a store without message chunks")
         number = position // size
         cf = self._messages.get(number)
         if cf is None and number not in self._absent:
@@ -634,12 +471,12 @@ class Verifier:
             if cf is None:
                 self._absent.add(number)  # list once per absent chunk, not once per entry
         if cf is None:
-            raise _Unreadable(f"message chunk {number}, which is missing")
+            raise Unreadable(f"message chunk {number}, which is missing")
         header = cf.header
         if header is None:
-            raise _Unreadable(f"message chunk {cf.path.name}, whose header is damaged")
+            raise Unreadable(f"message chunk {cf.path.name}, whose header is damaged")
         if header.compacted and cf.footer is None:
-            raise _Unreadable(
+            raise Unreadable(
                 f"compacted message chunk {cf.path.name}, whose footer is damaged (its "
                 "position map cannot be found)"
             )
@@ -687,7 +524,7 @@ class Verifier:
                 found = self._gone(self._store.messages_dir, cf)
                 if found is None:
                     return None
-                raise _Unreadable(
+                raise Unreadable(
                     f"message chunk {cf.path.name}, which was removed while verify ran ({found})"
                 ) from None
         return mm
@@ -722,7 +559,7 @@ class Verifier:
     def _check_header(
         self,
         cf: ChunkFile,
-        result: _Result,
+        result: CheckResult,
         chunk_type: ChunkType,
         data_size: int | None,
         record_size: int,
@@ -743,7 +580,7 @@ class Verifier:
                     Problem(str(cf.path), 0, "header", f"{what} is {found}, expected {want}")
                 )
 
-    def _check_data_checksum(self, cf: ChunkFile, result: _Result) -> None:
+    def _check_data_checksum(self, cf: ChunkFile, result: CheckResult) -> None:
         footer = cf.footer
         if footer is None:
             return
