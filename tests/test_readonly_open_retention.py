@@ -16,15 +16,17 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from equeue import MessageStore, StoreConfig
+from equeue import Message, MessageStore, PullResult, StoreConfig
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.opening import ChunkOpening
-from equeue.errors import EQueueError, MissingChunkError
+from equeue.errors import ChunkRemovedError, CompactedAwayError, EQueueError, MissingChunkError
 
 CONFIG = StoreConfig(
     chunk_data_size=16384,
@@ -52,6 +54,44 @@ while time.monotonic() < end and i < 2_000_000:
     if i % 200 == 0:
         store.apply_retention()
 store.close()
+"""
+
+# Compacts the two oldest uncompacted log chunks every 0.3 s beside the writer (a delete
+# policy: every third record removed, as a hand-made job; pulls skip those offsets) and
+# installs them as a job does (commit.install): the writer adopts them, a view too.
+_COMPACTOR = """
+import sys, time
+from pathlib import Path
+from equeue.chunks.stream import ChunkFile
+from equeue.compaction import commit
+from equeue.compaction.rewrite import rewrite_group
+from equeue.errors import CompactionError, EQueueError
+from equeue.format.chunk import parse_chunk_file_name
+store = Path(sys.argv[1])
+end = time.monotonic() + float(sys.argv[2])
+installs = 0
+for _ in range(200):
+    if time.monotonic() > end:
+        break
+    time.sleep(0.3)
+    names = sorted(n for n in (store / "messages").iterdir() if parse_chunk_file_name(n.name))
+    plain = [n for n in names[:-3] if parse_chunk_file_name(n.name)[1] == 0]
+    if len(plain) < 2 or any(n not in names for n in plain[:2]):
+        continue
+    staging = commit.new_staging(store)
+    try:
+        chunks = [ChunkFile.open(n) for n in plain[:2]]
+        if any(c.footer is None for c in chunks):
+            raise CompactionError("not completed", file=plain[0])
+        if chunks[1].header.chunk_start_number != chunks[0].header.chunk_end_number + 1:
+            raise CompactionError("not consecutive", file=plain[1])
+        positions = [c.header.start_position + at for c in chunks for at, _ in c.records()]
+        result = rewrite_group(chunks, positions[::3], staging, version=1)
+        commit.install(store, staging, [result], [n.name for n in plain[:2]])
+        installs += 1
+    except (EQueueError, OSError):  # retention removed one meanwhile
+        commit.discard(staging)
+print(installs)
 """
 
 SECONDS = 8.0
@@ -116,3 +156,141 @@ def test_a_chunk_missing_in_the_middle_is_still_reported(tmp_path: Path) -> None
     files[1].unlink()
     with pytest.raises(MissingChunkError):
         MessageStore.open(path, config, read_only=True)
+
+
+# --- a view that retention outruns (round 18's fixrefresh) ---------------------------
+#
+# One read-only handle, open all along, reads every queue the four ways that judge an
+# entry against the handle's view of the log: queue_positions, offset_for_time, pull
+# and get. Retention (every 200 sends, 16 KiB chunks) removes chunks faster than the
+# view, whose chunk opens take 2 ms longer, catches up. Before, the view's refresh
+# stopped at a removed chunk and stayed behind, and good entries were reported as
+# damage: "names position 15671563, outside the message log [0, 15581184)", or "[0, 0)".
+
+VIEW_ROUNDS = 4_000
+# What a read may say about a message retention or compaction removed meanwhile.
+REMOVED = (ChunkRemovedError, CompactedAwayError)
+
+
+def _slow_chunk_opens(monkeypatch: pytest.MonkeyPatch) -> None:
+    open_chunk = ChunkOpening._open_chunk
+
+    def slow_open_chunk(self: ChunkOpening, *args: Any, **kwargs: Any) -> Chunk:
+        time.sleep(0.002)
+        return open_chunk(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkOpening, "_open_chunk", slow_open_chunk)
+
+
+def _view(reader: MessageStore) -> str:
+    """The view's log chunks and the directory now: what a failure is judged by."""
+    view = [f"{c.path.name}:{c.data_end}" for c in reader._messages]
+    listing = sorted(os.listdir(reader.path / "messages"))
+    return f"view {view}, directory {listing}"
+
+
+def _read_every_queue(reader: MessageStore, errors: list[str]) -> int:
+    """One round of reads of every queue; returns how many of them met a removal."""
+    return sum(_read_queue(reader, t, q, errors) for t in ("a", "b") for q in (0, 1))
+
+
+def _read_queue(reader: MessageStore, topic: str, queue_id: int, errors: list[str]) -> int:
+    first = reader.queue_range(topic, queue_id)[0]
+    calls: dict[str, Callable[[], object]] = {
+        "queue_positions": partial(reader.queue_positions, topic, queue_id, first, 64),
+        "offset_for_time": partial(reader.offset_for_time, topic, queue_id, time.time() - 0.5),
+        "pull": partial(reader.pull, topic, queue_id, first, 32),
+    }
+    removals = 0
+    for name, call in calls.items():
+        try:
+            result = call()
+        except REMOVED:
+            removals += 1
+            continue
+        except EQueueError as exc:
+            errors.append(
+                f"{name} {topic}/{queue_id}: {type(exc).__name__}: {exc}; {_view(reader)}"
+            )
+            continue
+        if isinstance(result, PullResult):
+            assert all((m.topic, m.queue_id) == (topic, queue_id) for m in result)
+            if result:
+                removals += _get(reader, result[-1], errors)
+    return removals
+
+
+def _get(reader: MessageStore, message: Message, errors: list[str]) -> int:
+    try:
+        got = reader.get(message.message_id)
+    except REMOVED:
+        return 1
+    except EQueueError as exc:
+        errors.append(f"get {message.message_id}: {type(exc).__name__}: {exc}; {_view(reader)}")
+        return 0
+    assert (got.topic, got.queue_offset, got.body) == (
+        message.topic,
+        message.queue_offset,
+        message.body,
+    )
+    return 0
+
+
+def _start_writer(path: Path, seconds: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path), str(seconds)],
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+
+
+def _read_beside(reader: MessageStore, busy: Callable[[], bool]) -> tuple[list[str], int, int]:
+    """Rounds of reads while ``busy()`` (bounded by VIEW_ROUNDS): (errors, rounds, removals)."""
+    errors: list[str] = []
+    rounds = removals = 0
+    while busy() and rounds < VIEW_ROUNDS:
+        rounds += 1
+        removals += _read_every_queue(reader, errors)
+    return errors, rounds, removals
+
+
+def _caught_up(reader: MessageStore, path: Path) -> None:
+    """The writer gone: the view, refreshed, is what a handle opened now sees, and its
+    reads meet no removal."""
+    reader.refresh()
+    with MessageStore.open(path, read_only=True) as fresh:
+        for topic in ("a", "b"):
+            for queue_id in (0, 1):
+                assert reader.queue_range(topic, queue_id) == fresh.queue_range(topic, queue_id)
+        assert [c.path.name for c in reader._messages] == [c.path.name for c in fresh._messages]
+    errors: list[str] = []
+    assert _read_every_queue(reader, errors) == 0
+    assert errors == []
+
+
+def _new_store(path: Path) -> None:
+    with MessageStore.open(path, CONFIG) as store:
+        for topic in ("a", "b"):
+            store.create_topic(topic, 2)
+
+
+def test_a_view_outrun_by_retention_reports_no_good_entry_as_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_chunk_opens(monkeypatch)
+    path = tmp_path / "store"
+    _new_store(path)
+    writer = _start_writer(path, SECONDS)
+    try:
+        time.sleep(0.5)
+        with MessageStore.open(path, read_only=True) as reader:
+            first_seen = reader._messages.first_position
+            errors, rounds, removals = _read_beside(reader, lambda: writer.poll() is None)
+            assert writer.wait(timeout=60) == 0
+            assert errors == [], f"{len(errors)} false errors in {rounds} rounds: {errors[:3]}"
+            # The reads raced retention: the log's first chunk moved on meanwhile.
+            assert reader._messages.first_position > first_seen, (rounds, removals)
+            _caught_up(reader, path)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()

@@ -11,7 +11,7 @@ import os
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.fileops import fsync_directory
 from equeue.chunks.footer import read_footer
-from equeue.chunks.opening import ChunkOpening
+from equeue.chunks.opening import OUTRUN_ATTEMPTS, ChunkOpening
 from equeue.format.chunk import ChunkHeader, parse_chunk_file_name
 
 log = logging.getLogger("equeue.chunks")
@@ -19,38 +19,65 @@ log = logging.getLogger("equeue.chunks")
 
 class ChunkRefresh(ChunkOpening):
     def refresh(self) -> None:
-        """Read-only managers: pick up records and chunks a writer added since."""
+        """Read-only managers: pick up records and chunks a writer added since, and drop
+        the chunks its retention removed. Afterwards the view reaches the last chunk of a
+        listing taken during the call, unless files went missing in that many listings
+        running (OUTRUN_ATTEMPTS): then it is left where the last one got it."""
         with self._lock:
             self._check_open()
             if not self.read_only:
                 return
             if not self.directory.exists():
                 return  # opened before any writer created the directory
-            self.adopt_replacements()
-            self._forget_removed()
+            for _ in range(OUTRUN_ATTEMPTS):
+                if self._catch_up():
+                    return
+
+    def _catch_up(self) -> bool:
+        """One listing's worth of refresh; False if a file it needed went missing
+        otherwise than by retention (a compaction's install swapped it): list again."""
+        self.adopt_replacements()
+        self._forget_removed()
+        last = self.last_chunk
+        if last is not None and not last.is_completed and not self._tail_refreshed(last):
+            return False
+        known = {c.path.name for c in self._chunks}
+        for name in sorted(os.listdir(self.directory)):
+            parsed = parse_chunk_file_name(name)
+            if parsed is None or name in known:
+                continue
             last = self.last_chunk
-            if last is not None and not last.is_completed:
-                try:
-                    self._refresh_tail(last)
-                except FileNotFoundError:  # completed, then removed by retention, meanwhile
-                    self._forget_removed()
-            known = {c.path.name for c in self._chunks}
-            for name in sorted(os.listdir(self.directory)):
-                parsed = parse_chunk_file_name(name)
-                if parsed is None or name in known:
-                    continue
-                expected = self.last_chunk.end_number + 1 if self.last_chunk else parsed[0]
-                if parsed[0] == expected:
-                    path = self.directory / name
-                    try:
-                        header = self._read_header(path)
-                        chunk = self._open_chunk(path, header, parsed[1], last=True)
-                        prev = self.last_chunk
-                        if prev is not None and not prev.is_completed:
-                            self._refresh_tail(prev)
-                    except FileNotFoundError:
-                        break  # removed by retention since the listing: the next refresh
-                    self._install(chunk)
+            if last is not None and parsed[0] != last.end_number + 1:
+                continue
+            path = self.directory / name
+            try:
+                chunk = self._open_chunk(path, self._read_header(path), parsed[1], last=True)
+            except FileNotFoundError:
+                if not self._removed_by_retention(path):
+                    return False
+                # Retention removed it, and so every chunk of the view (all older): the
+                # view starts again from the next file listed, as an open would
+                # (before, the refresh stopped here and left the view behind, or empty,
+                # until the next one: good entries read as outside the log).
+                self._forget_removed()
+                continue
+            if last is not None and not last.is_completed and not self._tail_refreshed(last):
+                chunk.close()
+                return False
+            self._install(chunk)
+        return True
+
+    def _tail_refreshed(self, chunk: Chunk) -> bool:
+        """The view's last chunk, seen ongoing, refreshed now that its successor is
+        there (its footer, most often); False if it is gone otherwise than by
+        retention. Gone by retention, it and the view's older chunks are dropped."""
+        try:
+            self._refresh_tail(chunk)
+        except FileNotFoundError:
+            if not self._removed_by_retention(chunk.path):
+                return False
+            self._forget_removed()
+        return True
 
     def _forget_removed(self) -> None:
         """Read-only: drop the oldest chunks whose files the writer's retention deleted.
