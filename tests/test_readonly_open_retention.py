@@ -27,6 +27,9 @@ import pytest
 from equeue import Message, MessageStore, PullResult, SendResult, StoreConfig
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.opening import ChunkOpening
+from equeue.chunks.stream import ChunkFile
+from equeue.compaction import commit
+from equeue.compaction.rewrite import rewrite_group
 from equeue.errors import ChunkRemovedError, CompactedAwayError, EQueueError, MissingChunkError
 
 CONFIG = StoreConfig(
@@ -420,3 +423,39 @@ def test_every_read_looks_again_when_the_views_refresh_came_up_short(
                 except EQueueError as exc:
                     failed.append(f"{name} (refresh short {shorts_then}): {exc!r}")
         assert not failed, "\n".join(failed)
+
+
+def test_a_view_behind_a_compaction_that_merged_past_its_end_catches_up(tmp_path: Path) -> None:
+    """A compaction merged the view's last chunk with the next one, which the view had
+    not seen, and deleted both files (no writer ran): the replacement reaches past the
+    view's end, and no listed file follows the view's last chunk by number."""
+    config = StoreConfig(chunk_data_size=4096, default_queue_count=1, flush="os")
+    path = tmp_path / "store"
+    with MessageStore.open(path, config) as writer:
+        writer.create_topic("t", 1)
+        for i in range(30):
+            writer.send("t", b"%d " % i + b"x" * 300)
+        reader = MessageStore.open(path, read_only=True)
+        assert reader.queue_range("t", 0) == (0, 30)
+        seen = reader._messages.last_chunk
+        assert seen is not None and seen.start_number > 0
+        for i in range(30, 90):
+            writer.send("t", b"%d " % i + b"x" * 300)
+    with reader:
+        merged = [
+            path / "messages" / f"chunk-{n:012d}.0000"
+            for n in (seen.start_number, seen.start_number + 1)
+        ]
+        chunks = [ChunkFile.open(p) for p in merged]
+        positions = [c.header.start_position + at for c in chunks for at, _ in c.records()]
+        staging = commit.new_staging(path)
+        result = rewrite_group(chunks, positions[::3], staging, version=1)
+        commit.install(path, staging, [result], [p.name for p in merged])
+        assert not any(p.exists() for p in merged)  # the job deleted them: no writer ran
+        with MessageStore.open(path, read_only=True) as fresh:
+            expected = list(fresh.pull("t", 0, 0, 100))
+            assert len(expected) == 90 - len(positions[::3])  # the control: it compacted
+            reader.refresh()
+            assert list(reader.pull("t", 0, 0, 100)) == expected
+            assert reader.queue_positions("t", 0, 0, 90) == fresh.queue_positions("t", 0, 0, 90)
+            assert [c.path.name for c in reader._messages] == [c.path.name for c in fresh._messages]

@@ -142,12 +142,20 @@ class ChunkRefresh(ChunkOpening):
         return replaced
 
     def _replaced_by(self, header: ChunkHeader, version: int) -> list[Chunk]:
-        """The chunks a file covers exactly and outranks; [] if it is not a replacement."""
+        """The chunks a file covers exactly and outranks; [] if it is not a replacement.
+        A read-only view behind the writer also takes one that covers its last chunks
+        and reaches past its end: the files of the chunks past it may be gone already
+        (the job deletes them when no writer runs, the writer once it adopted them), and
+        the listing would then hold nothing that follows the view's last chunk."""
         if not header.compacted:
             return []
         olds: list[Chunk] = []
+        past_end = False
         for n in range(header.chunk_start_number, header.chunk_end_number + 1):
             chunk = self._by_number.get(n)
+            if chunk is None and self.read_only and olds and olds[-1] is self.last_chunk:
+                past_end = True
+                break
             # A read-only view may still see as ongoing a chunk the writer has completed
             # (and compaction replaced) since; the writer never has a stale view.
             completed = chunk is not None and (chunk.is_completed or self.read_only)
@@ -155,9 +163,8 @@ class ChunkRefresh(ChunkOpening):
                 return []
             if not olds or olds[-1] is not chunk:
                 olds.append(chunk)
-        if (
-            olds[0].start_number != header.chunk_start_number
-            or olds[-1].end_number != header.chunk_end_number
+        if olds[0].start_number != header.chunk_start_number or (
+            olds[-1].end_number != header.chunk_end_number and not past_end
         ):
             return []
         return olds
