@@ -271,33 +271,46 @@ def _caught_up(reader: MessageStore, path: Path) -> None:
     assert errors == []
 
 
-def _new_store(path: Path) -> None:
+def _no_false_errors(errors: list[str], rounds: int) -> None:
+    assert errors == [], f"{len(errors)} false errors in {rounds} rounds: {errors[:3]}"
+
+
+def _stop(*processes: subprocess.Popen[bytes]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _writer_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, subprocess.Popen[bytes]]:
+    """A new store, this process's chunk opens slowed, and the writer running for 0.5 s."""
+    _slow_chunk_opens(monkeypatch)
+    path = tmp_path / "store"
     with MessageStore.open(path, CONFIG) as store:
         for topic in ("a", "b"):
             store.create_topic(topic, 2)
+    writer = _start_writer(path, SECONDS)
+    time.sleep(0.5)
+    return path, writer
 
 
 def test_a_view_outrun_by_retention_reports_no_good_entry_as_damage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _slow_chunk_opens(monkeypatch)
-    path = tmp_path / "store"
-    _new_store(path)
-    writer = _start_writer(path, SECONDS)
+    path, writer = _writer_started(tmp_path, monkeypatch)
     try:
-        time.sleep(0.5)
         with MessageStore.open(path, read_only=True) as reader:
             first_seen = reader._messages.first_position
             errors, rounds, removals = _read_beside(reader, lambda: writer.poll() is None)
             assert writer.wait(timeout=60) == 0
-            assert errors == [], f"{len(errors)} false errors in {rounds} rounds: {errors[:3]}"
+            _no_false_errors(errors, rounds)
             # The reads raced retention: the log's first chunk moved on meanwhile.
             assert reader._messages.first_position > first_seen, (rounds, removals)
             _caught_up(reader, path)
     finally:
-        if writer.poll() is None:
-            writer.kill()
-            writer.wait()
+        _stop(writer)
 
 
 def test_a_view_beside_compaction_and_retention_reports_no_good_entry_as_damage(
@@ -305,30 +318,23 @@ def test_a_view_beside_compaction_and_retention_reports_no_good_entry_as_damage(
 ) -> None:
     """As above, with compacted chunks installed beside the writer (_COMPACTOR): the
     view adopts them, or opens them in place of the files they replaced."""
-    _slow_chunk_opens(monkeypatch)
-    path = tmp_path / "store"
-    _new_store(path)
-    writer = _start_writer(path, SECONDS)
+    path, writer = _writer_started(tmp_path, monkeypatch)
     compactor = subprocess.Popen(
         [sys.executable, "-c", _COMPACTOR, str(path), str(SECONDS - 1)],
         env=os.environ | {"PYTHONPATH": str(Path(__file__).parent.parent)},
         stdout=subprocess.PIPE,
     )
     try:
-        time.sleep(0.5)
         with MessageStore.open(path, read_only=True) as reader:
             errors, rounds, _ = _read_beside(reader, lambda: writer.poll() is None)
             assert writer.wait(timeout=60) == 0
             out, _ = compactor.communicate(timeout=60)
             assert compactor.returncode == 0
-            assert errors == [], f"{len(errors)} false errors in {rounds} rounds: {errors[:3]}"
+            _no_false_errors(errors, rounds)
             assert int(out) > 0  # compactions were installed while the view read
             _caught_up(reader, path)
     finally:
-        for process in (writer, compactor):
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        _stop(writer, compactor)
 
 
 def test_a_view_across_a_sigkilled_writer_reports_no_good_entry_as_damage(
@@ -336,12 +342,8 @@ def test_a_view_across_a_sigkilled_writer_reports_no_good_entry_as_damage(
 ) -> None:
     """The writer SIGKILLed in the middle of its run, the view reading on beside the
     dead store and then beside the next writer, whose open recovers it."""
-    _slow_chunk_opens(monkeypatch)
-    path = tmp_path / "store"
-    _new_store(path)
-    writer = _start_writer(path, SECONDS)
+    path, writer = _writer_started(tmp_path, monkeypatch)
     try:
-        time.sleep(0.5)
         with MessageStore.open(path, read_only=True) as reader:
             kill_at = time.monotonic() + SECONDS / 2
             errors, rounds, _ = _read_beside(reader, lambda: time.monotonic() < kill_at)
@@ -353,13 +355,11 @@ def test_a_view_across_a_sigkilled_writer_reports_no_good_entry_as_damage(
             after = _read_beside(reader, lambda: writer.poll() is None)
             assert writer.wait(timeout=60) == 0
             errors += more[0] + after[0]
-            assert errors == [], f"{len(errors)} false errors in {rounds} rounds: {errors[:3]}"
+            _no_false_errors(errors, rounds)
             assert more[1] > 0 and after[1] > 0  # reads beside the dead store, the next writer
             _caught_up(reader, path)
     finally:
-        if writer.poll() is None:
-            writer.kill()
-            writer.wait()
+        _stop(writer)
 
 
 def test_every_read_looks_again_when_the_views_refresh_came_up_short(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.fileops import fsync_directory
@@ -41,17 +43,12 @@ class ChunkRefresh(ChunkOpening):
         last = self.last_chunk
         if last is not None and not last.is_completed and not self._tail_refreshed(last):
             return False
-        known = {c.path.name for c in self._chunks}
-        for name in sorted(os.listdir(self.directory)):
-            parsed = parse_chunk_file_name(name)
-            if parsed is None or name in known:
-                continue
+        for path, number, version in self._files_not_in_view():
             last = self.last_chunk
-            if last is not None and parsed[0] != last.end_number + 1:
+            if last is not None and number != last.end_number + 1:
                 continue
-            path = self.directory / name
             try:
-                chunk = self._open_chunk(path, self._read_header(path), parsed[1], last=True)
+                chunk = self._open_chunk(path, self._read_header(path), version, last=True)
             except FileNotFoundError:
                 if not self._removed_by_retention(path):
                     return False
@@ -66,6 +63,15 @@ class ChunkRefresh(ChunkOpening):
                 return False
             self._install(chunk)
         return True
+
+    def _files_not_in_view(self) -> Iterator[tuple[Path, int, int]]:
+        """(path, first chunk number, version) of each chunk file listed now, in name
+        order, that the view held under that name when the listing was taken."""
+        known = {c.path.name for c in self._chunks}
+        for name in sorted(os.listdir(self.directory)):
+            parsed = parse_chunk_file_name(name)
+            if parsed is not None and name not in known:
+                yield self.directory / name, parsed[0], parsed[1]
 
     def _tail_refreshed(self, chunk: Chunk) -> bool:
         """The view's last chunk, seen ongoing, refreshed now that its successor is
@@ -108,21 +114,16 @@ class ChunkRefresh(ChunkOpening):
             self._check_open()
             if not self.directory.is_dir():
                 return replaced
-            current = {c.path.name for c in self._chunks}
-            for name in sorted(os.listdir(self.directory)):
-                parsed = parse_chunk_file_name(name)
-                if parsed is None or name in current:
-                    continue
-                path = self.directory / name
+            for path, _, version in self._files_not_in_view():
                 try:
                     header = self._read_header(path)
                 except FileNotFoundError:
                     continue  # a superseded file deleted meanwhile
-                olds = self._replaced_by(header, parsed[1])
+                olds = self._replaced_by(header, version)
                 if not olds:
                     continue
                 try:
-                    chunk = self._open_chunk(path, header, parsed[1], last=False)
+                    chunk = self._open_chunk(path, header, version, last=False)
                 except FileNotFoundError:
                     continue  # superseded, or removed by retention, meanwhile
                 chunk.kept = not self.read_only
@@ -131,7 +132,7 @@ class ChunkRefresh(ChunkOpening):
                 for n in range(chunk.start_number, chunk.end_number + 1):
                     self._by_number[n] = chunk
                 replaced += olds
-                log.info("adopted %s in place of %s", name, [c.path.name for c in olds])
+                log.info("adopted %s in place of %s", path.name, [c.path.name for c in olds])
             for old in replaced:
                 old.kept = False
                 old.release_mapping()
