@@ -8,6 +8,12 @@ A chunk missing in the middle of a directory is still reported (MissingChunkErro
 The writer is a real process (16 KiB log chunks, 400-entry queue chunks, 200 KB store
 limit, retention every 200 sends), bounded in sends and time; the reader's opening of each
 chunk file is slowed by 2 ms to widen the race as a loaded machine does.
+
+The second part (round 18's fixrefresh) keeps one read-only handle open beside that
+writer (also with compactions installed beside it, and across a SIGKILL of the writer)
+and reads every queue four ways: no good entry may be reported as damage. Two
+deterministic tests pin the parts: every read looks again after a refresh that came up
+short, and a view behind a compaction that merged past its end catches up.
 """
 
 from __future__ import annotations
