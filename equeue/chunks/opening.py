@@ -51,8 +51,9 @@ log = logging.getLogger("equeue.chunks")
 # How often a read-only open lists a chunk directory again when a listed file vanished.
 _LIST_ATTEMPTS: Final = 8
 # How often it lists again when retention removed every file it had listed before it
-# could open them (a loaded machine beside a writer whose retention runs often).
-_OUTRUN_ATTEMPTS: Final = 64
+# could open them (a loaded machine beside a writer whose retention runs often); and how
+# often a view's refresh lists again when a file it needed went (refresh.py).
+OUTRUN_ATTEMPTS: Final = 64
 
 
 class _AllRemoved(FileNotFoundError):
@@ -116,7 +117,7 @@ class ChunkOpening(ChunkSet):
                 # Retention removed every file listed while they were opened: progress
                 # by the writer, not a listing at odds with itself; bounded all the same.
                 outrun += 1
-                if outrun == _OUTRUN_ATTEMPTS:
+                if outrun == OUTRUN_ATTEMPTS:
                     raise
             except FileNotFoundError:
                 attempts += 1

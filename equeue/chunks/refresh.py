@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.fileops import fsync_directory
 from equeue.chunks.footer import read_footer
-from equeue.chunks.opening import ChunkOpening
+from equeue.chunks.opening import OUTRUN_ATTEMPTS, ChunkOpening
 from equeue.format.chunk import ChunkHeader, parse_chunk_file_name
 
 log = logging.getLogger("equeue.chunks")
@@ -19,38 +21,69 @@ log = logging.getLogger("equeue.chunks")
 
 class ChunkRefresh(ChunkOpening):
     def refresh(self) -> None:
-        """Read-only managers: pick up records and chunks a writer added since."""
+        """Read-only managers: pick up records and chunks a writer added since, and drop
+        the chunks its retention removed. Afterwards the view reaches the last chunk of a
+        listing taken during the call, unless files went missing in that many listings
+        running (OUTRUN_ATTEMPTS): then it is left where the last one got it."""
         with self._lock:
             self._check_open()
             if not self.read_only:
                 return
             if not self.directory.exists():
                 return  # opened before any writer created the directory
-            self.adopt_replacements()
-            self._forget_removed()
+            for _ in range(OUTRUN_ATTEMPTS):
+                if self._catch_up():
+                    return
+
+    def _catch_up(self) -> bool:
+        """One listing's worth of refresh; False if a file it needed went missing
+        otherwise than by retention (a compaction's install swapped it): list again."""
+        self.adopt_replacements()
+        self._forget_removed()
+        last = self.last_chunk
+        if last is not None and not last.is_completed and not self._tail_refreshed(last):
+            return False
+        for path, number, version in self._files_not_in_view():
             last = self.last_chunk
-            if last is not None and not last.is_completed:
-                try:
-                    self._refresh_tail(last)
-                except FileNotFoundError:  # completed, then removed by retention, meanwhile
-                    self._forget_removed()
-            known = {c.path.name for c in self._chunks}
-            for name in sorted(os.listdir(self.directory)):
-                parsed = parse_chunk_file_name(name)
-                if parsed is None or name in known:
-                    continue
-                expected = self.last_chunk.end_number + 1 if self.last_chunk else parsed[0]
-                if parsed[0] == expected:
-                    path = self.directory / name
-                    try:
-                        header = self._read_header(path)
-                        chunk = self._open_chunk(path, header, parsed[1], last=True)
-                        prev = self.last_chunk
-                        if prev is not None and not prev.is_completed:
-                            self._refresh_tail(prev)
-                    except FileNotFoundError:
-                        break  # removed by retention since the listing: the next refresh
-                    self._install(chunk)
+            if last is not None and number != last.end_number + 1:
+                continue
+            try:
+                chunk = self._open_chunk(path, self._read_header(path), version, last=True)
+            except FileNotFoundError:
+                if not self._removed_by_retention(path):
+                    return False
+                # Retention removed it, and so every chunk of the view (all older): the
+                # view starts again from the next file listed, as an open would
+                # (before, the refresh stopped here and left the view behind, or empty,
+                # until the next one: good entries read as outside the log).
+                self._forget_removed()
+                continue
+            if last is not None and not last.is_completed and not self._tail_refreshed(last):
+                chunk.close()
+                return False
+            self._install(chunk)
+        return True
+
+    def _files_not_in_view(self) -> Iterator[tuple[Path, int, int]]:
+        """(path, first chunk number, version) of each chunk file listed now, in name
+        order, that the view held under that name when the listing was taken."""
+        known = {c.path.name for c in self._chunks}
+        for name in sorted(os.listdir(self.directory)):
+            parsed = parse_chunk_file_name(name)
+            if parsed is not None and name not in known:
+                yield self.directory / name, parsed[0], parsed[1]
+
+    def _tail_refreshed(self, chunk: Chunk) -> bool:
+        """The view's last chunk, seen ongoing, refreshed now that its successor is
+        there (its footer, most often); False if it is gone otherwise than by
+        retention. Gone by retention, it and the view's older chunks are dropped."""
+        try:
+            self._refresh_tail(chunk)
+        except FileNotFoundError:
+            if not self._removed_by_retention(chunk.path):
+                return False
+            self._forget_removed()
+        return True
 
     def _forget_removed(self) -> None:
         """Read-only: drop the oldest chunks whose files the writer's retention deleted.
@@ -81,21 +114,16 @@ class ChunkRefresh(ChunkOpening):
             self._check_open()
             if not self.directory.is_dir():
                 return replaced
-            current = {c.path.name for c in self._chunks}
-            for name in sorted(os.listdir(self.directory)):
-                parsed = parse_chunk_file_name(name)
-                if parsed is None or name in current:
-                    continue
-                path = self.directory / name
+            for path, _, version in self._files_not_in_view():
                 try:
                     header = self._read_header(path)
                 except FileNotFoundError:
                     continue  # a superseded file deleted meanwhile
-                olds = self._replaced_by(header, parsed[1])
+                olds = self._replaced_by(header, version)
                 if not olds:
                     continue
                 try:
-                    chunk = self._open_chunk(path, header, parsed[1], last=False)
+                    chunk = self._open_chunk(path, header, version, last=False)
                 except FileNotFoundError:
                     continue  # superseded, or removed by retention, meanwhile
                 chunk.kept = not self.read_only
@@ -104,7 +132,7 @@ class ChunkRefresh(ChunkOpening):
                 for n in range(chunk.start_number, chunk.end_number + 1):
                     self._by_number[n] = chunk
                 replaced += olds
-                log.info("adopted %s in place of %s", name, [c.path.name for c in olds])
+                log.info("adopted %s in place of %s", path.name, [c.path.name for c in olds])
             for old in replaced:
                 old.kept = False
                 old.release_mapping()
@@ -115,12 +143,20 @@ class ChunkRefresh(ChunkOpening):
         return replaced
 
     def _replaced_by(self, header: ChunkHeader, version: int) -> list[Chunk]:
-        """The chunks a file covers exactly and outranks; [] if it is not a replacement."""
+        """The chunks a file covers exactly and outranks; [] if it is not a replacement.
+        A read-only view behind the writer also takes one that covers its last chunks
+        and reaches past its end: the files of the chunks past it may be gone already
+        (the job deletes them when no writer runs, the writer once it adopted them), and
+        the listing would then hold nothing that follows the view's last chunk."""
         if not header.compacted:
             return []
         olds: list[Chunk] = []
+        past_end = False
         for n in range(header.chunk_start_number, header.chunk_end_number + 1):
             chunk = self._by_number.get(n)
+            if chunk is None and self.read_only and olds and olds[-1] is self.last_chunk:
+                past_end = True
+                break
             # A read-only view may still see as ongoing a chunk the writer has completed
             # (and compaction replaced) since; the writer never has a stale view.
             completed = chunk is not None and (chunk.is_completed or self.read_only)
@@ -128,9 +164,8 @@ class ChunkRefresh(ChunkOpening):
                 return []
             if not olds or olds[-1] is not chunk:
                 olds.append(chunk)
-        if (
-            olds[0].start_number != header.chunk_start_number
-            or olds[-1].end_number != header.chunk_end_number
+        if olds[0].start_number != header.chunk_start_number or (
+            olds[-1].end_number != header.chunk_end_number and not past_end
         ):
             return []
         return olds

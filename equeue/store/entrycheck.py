@@ -89,8 +89,21 @@ def _first_bad(
     store: MessageStore, queue: Queue, offset: int, positions: list[int]
 ) -> CorruptRecordError | None:
     """The error for the first entry of ``positions`` that breaks a rule (module
-    docstring). Of two entries out of order, the one whose message does not name it is
-    the damaged one; if neither can be told so, the later one is named."""
+    docstring), or None. A read-only handle looks twice, each look after a refresh of
+    its view of the log when an entry lies past it: a refresh may come up short (a chunk
+    it needed removed or swapped meanwhile), and an entry past a view that was behind
+    is no damage; only one still outside after the second look is."""
+    error = _rule_broken(store, queue, offset, positions)
+    if error is not None and store.read_only:
+        error = _rule_broken(store, queue, offset, positions)
+    return error
+
+
+def _rule_broken(
+    store: MessageStore, queue: Queue, offset: int, positions: list[int]
+) -> CorruptRecordError | None:
+    """Of two entries out of order, the one whose message does not name it is the
+    damaged one; if neither can be told so, the later one is named."""
     end = _log_end(store, max(positions))
     previous: int | None = None
     for at, position in enumerate(positions, offset):

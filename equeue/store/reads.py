@@ -50,6 +50,13 @@ class LogReader:
         """The message at ``position``; a read-only view first catches up with the writer."""
         if self.read_only and position >= self._messages.committed_position:
             self._messages.refresh()
+        try:
+            return self.decode(position, self._reader.read(position))
+        except PositionNotFoundError:
+            if not self.read_only:
+                raise
+        # Past a view whose refresh came up short: once more, caught up.
+        self._messages.refresh()
         return self.decode(position, self._reader.read(position))
 
     def pull_run(
@@ -83,7 +90,7 @@ class LogReader:
             try:
                 found = self.read_run(kept)
             except (PositionNotFoundError, CorruptRecordError) as exc:
-                raise self.bad_entry(queue, offset, entries, exc) from exc
+                found = self._read_again(queue, offset, entries, kept, exc)
             if wanted is None and fast is not None:
                 offset, bad = fast.collect(
                     entries, found, offset, queue.queue_id, queue.topic,
@@ -177,6 +184,26 @@ class LogReader:
             file=file,
             offset=at,
         )
+
+    def _read_again(
+        self,
+        queue: Queue,
+        first: int,
+        entries: list[tuple[int, int]],
+        kept: list[int],
+        exc: PositionNotFoundError | CorruptRecordError,
+    ) -> dict[int, tuple[Message, int]]:
+        """``read_run(kept)`` failed with ``exc``: a read-only handle refreshes its view
+        of the log and reads the run again (a view whose refresh came up short is behind
+        the entries, which is no damage); failing again, or on the writer's handle, the
+        error names the first entry whose message cannot be read."""
+        if self.read_only:
+            self._messages.refresh()
+            try:
+                return self.read_run(kept)
+            except (PositionNotFoundError, CorruptRecordError) as again:
+                exc = again
+        raise self.bad_entry(queue, first, entries, exc) from exc
 
     def bad_entry(
         self, queue: Queue, first: int, entries: list[tuple[int, int]], exc: Exception
