@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 import pytest
 from server_helpers import short_dir
+from test_server_fastsend import Recorder, _feed
 
 from equeue import speedups
 from equeue.protocol.frames import STATUS_OK, FrameReader, encode
@@ -30,44 +31,6 @@ from equeue.server.serve import Broker
 pytestmark = pytest.mark.skipif(speedups.SPEEDUPS is None, reason="release_frames is C")
 LIMIT_S = 10.0
 BODIES = [b"first", b"second", b"third"]
-
-
-class Recorder:
-    """A transport that keeps what is written (test_server_fastsend.py's)."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.protocol: Connection | None = None
-        self.closing = False
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def close(self) -> None:
-        if not self.closing and self.protocol is not None:
-            self.closing = True
-            self.protocol.connection_lost(None)
-
-    abort = close
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return default
-
-    def __getattr__(self, name: str) -> Any:
-        # set_write_buffer_limits, pause_reading, resume_reading: nothing to do
-        return lambda *args, **kwargs: None
-
-
-def _feed(connection: Connection, read: bytes) -> None:
-    view = connection.get_buffer(len(read))
-    view[: len(read)] = read
-    connection.buffer_updated(len(read))
 
 
 async def _answer(directory: Path, flush: str) -> tuple[list[Any], int, int]:
