@@ -74,7 +74,14 @@ def test_a_durable_send_bodies_is_answered_as_a_frame_by_the_c_release() -> None
     assert len(synced) == 1 and synced[0][:2] == [6, STATUS_OK]
     assert answered_each == 0  # not answer by answer in Python
     assert in_flight == 0
-    # the same answer as --flush async's, but for what differs between two stores
-    sync_payload, async_payload = synced[0][2], at_once[0][2]
-    assert type(sync_payload) is type(async_payload)
-    assert len(sync_payload) == len(async_payload)
+    # the same answer as --flush async's, but for what differs between two stores: the
+    # store id heading each message id, the stored times
+    assert _same_store_free(synced[0][2]) == _same_store_free(at_once[0][2])
+    topic, ids, queues, offsets, positions, times = synced[0][2]
+    assert (topic, queues, offsets, len(ids), len(times)) == ("t", [0, 1, 2], [0, 0, 0], 3, 3)
+    assert positions[0] == 0 and positions == sorted(positions)
+
+
+def _same_store_free(columns: list[Any]) -> list[Any]:
+    topic, ids, queues, offsets, positions, _times = columns
+    return [topic, [i[8:] for i in ids], queues, offsets, positions]
