@@ -9,7 +9,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
 
-from bench_cycle_timeline import cycles, parse  # noqa: E402
+from bench_cycle_timeline import answer_cycles, cycles, parse  # noqa: E402
 
 LOOP, CLIENTS, FLUSHER = 100, 200, 101
 
@@ -86,3 +86,60 @@ def test_a_loop_still_running_when_the_fdatasync_returns_counts_from_that_return
         parse("\n".join(sorted(lines, key=lambda s: s.split()[2]))), LOOP, CLIENTS, FLUSHER
     )
     assert round(cycle.loop_ran) == 15 + 14 + 20  # 80-95, 96-110, 150-170
+
+
+def _shared_cycle(at: float, sync: bool = True) -> list[str]:
+    """A shared client's cycle from the loop's answer at ``at`` µs to its next answer: the
+    clients' turn 100 µs, the appends 17, the flusher's wake-up 13, an fdatasync of 80
+    (``sync``), the loop's wake-up 5."""
+    steps = [
+        (LOOP, 0, "enter_write"),  # the answer
+        (LOOP, 2, "enter_epoll_pwait"),
+        (CLIENTS, 10, "exit_epoll_wait"),
+        (CLIENTS, 12, "enter_recvfrom"),
+        (CLIENTS, 112, "enter_sendto"),
+        (LOOP, 120, "exit_epoll_pwait"),
+        (LOOP, 121, "enter_read"),
+    ]
+    if sync:
+        steps += [
+            (LOOP, 138, "enter_futex"),  # the hand-over
+            (LOOP, 140, "enter_epoll_pwait"),
+            (FLUSHER, 151, "enter_fdatasync"),
+            (FLUSHER, 231, "exit_fdatasync"),
+            (FLUSHER, 232, "enter_write"),  # its eventfd: not an answer
+            (LOOP, 236, "exit_epoll_pwait"),
+            (LOOP, 237, "enter_read"),  # the eventfd: not a request
+        ]
+    return [_line(tid, 0, at + us, name) for tid, us, name in steps]
+
+
+def test_a_shared_clients_cycle_runs_from_one_answer_to_the_next() -> None:
+    text = "\n".join([*_shared_cycle(0), *_shared_cycle(300), _line(LOOP, 0, 600, "enter_write")])
+    found = answer_cycles(parse(text), LOOP, CLIENTS, FLUSHER)
+    assert len(found) == 2
+    first = found[0]
+    assert [round(span) for span in first.spans] == [12, 100, 9, 17, 13, 80, 5, 64]
+    assert round(first.total) == 300
+    assert (first.requests, first.fdatasyncs) == (1, 1)
+
+
+def test_under_async_the_loop_answers_after_its_read() -> None:
+    text = "\n".join([*_shared_cycle(0, sync=False), _line(LOOP, 0, 170, "enter_write")])
+    (cycle,) = answer_cycles(parse(text), LOOP, CLIENTS, None)
+    assert [round(span) for span in cycle.spans] == [12, 100, 9, 49, 0, 0, 0, 0]
+    assert cycle.fdatasyncs == 0
+
+
+def test_a_shared_cycle_missing_a_step_is_left_out() -> None:
+    lines = _shared_cycle(0)
+    lines = [line for line in lines if "enter_fdatasync" not in line]
+    text = "\n".join([*lines, _line(LOOP, 0, 300, "enter_write")])
+    assert answer_cycles(parse(text), LOOP, CLIENTS, FLUSHER) == []
+
+
+def test_with_no_futex_call_seen_the_hand_over_is_the_loops_read() -> None:
+    lines = [line for line in _shared_cycle(0) if "enter_futex" not in line]
+    text = "\n".join([*lines, _line(LOOP, 0, 300, "enter_write")])
+    (cycle,) = answer_cycles(parse(text), LOOP, CLIENTS, FLUSHER)
+    assert [round(span) for span in cycle.spans][3:5] == [0, 30]

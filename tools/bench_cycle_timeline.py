@@ -20,6 +20,13 @@ scheduler put the woken task on the waker's CPU; the two then take turns instead
 overlapping). ``--pin broker`` runs the broker's threads on CPU 0; ``--pin both`` the
 clients on CPU 1 as well.
 
+``--shared``: the other reading, one client shared by the ``DURABLE_PEERS`` tasks (their
+sends of a loop turn go as one ``send_bodies`` request, one answer), and ``--flush
+async`` its ceiling (each send answered after its append). A cycle then runs from one
+answer the loop writes to the next, and its steps are the spans between: the clients
+read the answer, stepped their tasks and wrote the next request, the loop read it, and
+(under sync) handed it to the fdatasync, which ended, and the loop woke and answered.
+
 The tracepoints cost each system call ~1 µs: the rate under ``perf record`` is below the
 benchmark's, and the steps, not the rate, are the thing.
 """
@@ -43,10 +50,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_broker_cpu import DURABLE_PEERS, _broker
+from bench_broker_cpu import BODY, DURABLE_PEERS, _broker
 from bench_broker_kern import _drive, ab_arguments, alternated
 
-SYSCALLS = ("fdatasync", "read", "sendto", "recvfrom", "write", "epoll_pwait", "epoll_wait")
+SYSCALLS = (
+    "fdatasync", "read", "sendto", "recvfrom", "write", "epoll_pwait", "epoll_wait", "futex",
+)  # fmt: skip
 TRACEPOINTS = [f"syscalls:sys_{edge}_{name}" for name in SYSCALLS for edge in ("enter", "exit")]
 FLUSHER_NAME = "equeue-flush"  # cext/flusher.c's thread
 DASH = "\u2013"  # a range's, and an empty cell
@@ -149,6 +158,92 @@ def cycles(events: list[Event], loop: int, clients: int, flusher: int) -> list[C
     return found
 
 
+# A shared client's cycle, answer to answer: its spans in order (µs), each from the step
+# before it; under async the four spans of the fdatasync are 0 and the loop's append and
+# answer are all in "loop read -> handed over".
+SPANS = (
+    "answer written -> clients read it",
+    "clients read -> next request written (the clients' turn)",
+    "request written -> loop read it",
+    "loop read -> handed over (appends; the loop's last futex call before the fdatasync)",
+    "handed over -> fdatasync start (the flusher thread's wake-up)",
+    "fdatasync",
+    "fdatasync end -> loop woke",
+    "loop woke -> answer written (bookkeeping, answers)",
+)
+
+
+@dataclass
+class AnswerCycle:
+    spans: tuple[float, ...]  # SPANS' values
+    requests: int  # the clients' writes in the cycle (1: the whole turn went as one)
+    fdatasyncs: int
+
+    @property
+    def total(self) -> float:
+        return sum(self.spans)
+
+
+def answer_cycles(
+    events: list[Event], loop: int, clients: int, flusher: int | None
+) -> list[AnswerCycle]:
+    """The cycles of a shared client (``--shared``), from one answer the loop writes to the
+    next, whose steps were all seen in order. The loop's request read is the first
+    ``read`` after the clients' write (its eventfd read comes after the fdatasync)."""
+    answers = [
+        i
+        for i, e in enumerate(events)
+        if e.tid == loop and e.name in ("enter_write", "enter_sendto")
+    ]
+    found = []
+    for begin, end in itertools.pairwise(answers):
+        window = events[begin : end + 1]
+        marks = [window[0].time]
+        wanted = [(clients, "enter_recvfrom"), (clients, "enter_sendto"), (loop, "enter_read")]
+        if flusher is not None:
+            wanted += [(flusher, "enter_fdatasync"), (flusher, "exit_fdatasync")]
+            wanted += [(loop, "exit_epoll_pwait")]
+        at = 0
+        for tid, name in wanted:
+            while at < len(window) and not (window[at].tid == tid and window[at].name == name):
+                at += 1
+            if at == len(window):
+                break
+            if name == "enter_fdatasync":  # the hand-over: the loop's last futex call before
+                handed = [e.time for e in window[:at] if e.tid == loop and e.name == "enter_futex"]
+                marks.append(max([marks[-1], *handed]))
+            marks.append(window[at].time)
+        else:
+            # under async the loop read -> its answer is one span; no fdatasync, no wake-up
+            marks += [window[-1].time] * (5 if flusher is None else 1)
+            spans = tuple((b - a) * 1e6 for a, b in itertools.pairwise(marks))
+            requests = sum(1 for e in window if e.tid == clients and e.name == "enter_sendto")
+            syncs = sum(1 for e in window if e.tid == flusher and e.name == "enter_fdatasync")
+            found.append(AnswerCycle(spans, requests, syncs))
+    return found
+
+
+def answer_summary(found: list[AnswerCycle]) -> str:
+    """Median, p90 and mean of each span and of the cycle: the means add up to the
+    mean cycle, which is what the rate sees."""
+    lines = ["| span | median | p90 | mean |", "|---|--:|--:|--:|"]
+    rows = [(name, [c.spans[i] for c in found]) for i, name in enumerate(SPANS)]
+    rows.append(("the cycle", [c.total for c in found]))
+    for name, values in rows:
+        values.sort()
+        if not values:
+            continue
+        p90 = values[len(values) * 9 // 10]
+        mean = sum(values) / len(values)
+        lines.append(f"| {name} | {statistics.median(values):.0f} | {p90:.0f} | {mean:.0f} |")
+    single = sum(1 for c in found if c.requests == 1)
+    lines.append(
+        f"\n{len(found)} cycles; the clients' turn went as one request in {single}; "
+        f"fdatasyncs a cycle: {sum(c.fdatasyncs for c in found) / max(len(found), 1):.2f}"
+    )
+    return "\n".join(lines)
+
+
 def summary(found: list[Cycle]) -> str:
     """Median (p10 to p90) of each step, over all cycles and split by one CPU / two."""
     groups = {
@@ -202,10 +297,33 @@ class PerfRecord:
         self.perf.wait(60)
 
 
-def run(src: Path, sends: int, pin: str) -> str:
+async def _drive_shared(url: str, sends: int, measured: PerfRecord) -> tuple[float, int]:
+    """``_drive`` for ``--shared``: the DURABLE_PEERS tasks on one client."""
+    import equeue.aio
+
+    client = await equeue.aio.connect(url)
+
+    async def lane(count: int) -> None:
+        for _ in range(count):
+            await client.send("t", BODY)
+
+    try:
+        await asyncio.gather(*(lane(40) for _ in range(DURABLE_PEERS)))
+        flushes = int((await client.stats())["flushes"])
+        with measured:
+            started = time.perf_counter()
+            await asyncio.gather(*(lane(sends) for _ in range(DURABLE_PEERS)))
+            wall = time.perf_counter() - started
+        return wall, int((await client.stats())["flushes"]) - flushes
+    finally:
+        await client.close()
+
+
+def run(src: Path, sends: int, pin: str, shared: bool = False, flush: str = "sync") -> str:
     directory = Path(tempfile.mkdtemp(prefix="eqtl", dir="/tmp"))
     cpus = os.sched_getaffinity(0)
-    broker, url = _broker(src, directory, ["taskset", "-c", "0"] if pin != "none" else [])
+    prefix = ["taskset", "-c", "0"] if pin != "none" else []
+    broker, url = _broker(src, directory, prefix, flush)
     try:
         if pin == "both":
             os.sched_setaffinity(0, {1})
@@ -214,7 +332,8 @@ def run(src: Path, sends: int, pin: str) -> str:
         pids = f"{broker.pid},{os.getpid()}"
         record = ["perf", "record", "-q", *events, "-p", pids, "-o", str(data)]
         threads = _threads(broker.pid)
-        wall, flushes = asyncio.run(_drive(url, sends, PerfRecord(record)))
+        drive = _drive_shared if shared else _drive
+        wall, flushes = asyncio.run(drive(url, sends, PerfRecord(record)))
     finally:
         os.sched_setaffinity(0, cpus)
         broker.terminate()
@@ -222,12 +341,18 @@ def run(src: Path, sends: int, pin: str) -> str:
     script = ["perf", "script", "--ns", "-F", "tid,cpu,time,event", "-i", str(data)]
     text = subprocess.run(script, capture_output=True, text=True, check=True).stdout
     shutil.rmtree(directory, ignore_errors=True)
-    found = cycles(parse(text), threads["loop"], os.getpid(), threads["flusher"])
     total = DURABLE_PEERS * sends
+    head = (
+        f"{src} (pin {pin}{', shared' if shared else ''}, --flush {flush}): "
+        f"{total / wall:,.0f} sends/s under perf record, "
+        f"{total / max(flushes, 1):.1f} sends per fdatasync, load {os.getloadavg()[0]:.1f}"
+    )
+    if shared:
+        flusher = threads.get("flusher") if flush == "sync" else None
+        found = answer_cycles(parse(text), threads["loop"], os.getpid(), flusher)
+        return f"{head}\n{answer_summary(found)}"
     return (
-        f"{src} (pin {pin}): {total / wall:,.0f} sends/s under perf record, "
-        f"{total / max(flushes, 1):.1f} sends per fdatasync, load {os.getloadavg()[0]:.1f}\n"
-        f"{summary(found)}"
+        f"{head}\n{summary(cycles(parse(text), threads['loop'], os.getpid(), threads['flusher']))}"
     )
 
 
@@ -235,9 +360,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ab_arguments(parser, count=300, rounds=1)
     parser.add_argument("--pin", choices=("none", "broker", "both"), default="none")
+    parser.add_argument("--shared", action="store_true", help="one client shared by the tasks")
+    parser.add_argument("--flush", choices=("sync", "async"), default="sync")
     options = parser.parse_args()
+    if options.flush == "async" and not options.shared:
+        parser.error("--flush async: with --shared only (a cycle is then answer to answer)")
     for src in alternated(options.src, options.rounds):
-        print(run(src, options.count, options.pin), flush=True)
+        print(run(src, options.count, options.pin, options.shared, options.flush), flush=True)
 
 
 if __name__ == "__main__":

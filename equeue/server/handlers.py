@@ -264,7 +264,11 @@ class Handlers:
                 counters = self.counters
                 counters.sends += len(bodies)
                 counters.send_requests += 1
-                return self._durable(peer, rid, Packed(packed), len(bodies))
+                commit = self.commit
+                if commit is None:
+                    return Packed(packed)
+                commit.add(peer, rid, Frame(self._answer_around(rid, packed)), len(bodies))
+                return DEFERRED
         columns = send_columns(store, topic, bodies)
         counters = self.counters
         counters.sends += len(bodies)
@@ -288,7 +292,12 @@ class Handlers:
         (bytes, the length header included: answer_around), or DEFERRED under --flush
         sync; None (nothing done) anywhere else (a reserved topic, a held pull, a batch
         past its limits, a body past max_body), and the caller decodes the frame and
-        serves it the general way, which answers or refuses it as send_bodies does."""
+        serves it the general way, which answers or refuses it as send_bodies does.
+        Under --flush sync the frame waits for its fdatasync as a Frame, as a plain
+        send's does, so release_durable answers it in C (cext/release.c); a Packed
+        result went answer by answer in Python (release._release_each), ~17 Python
+        calls a flush on the path of a client shared by many tasks (docs/benchmarks.md,
+        "durable (round 18)")."""
         store = self.store
         if self.holds.count or topic.startswith(RESERVED_PREFIX) or not plain(store, bodies):
             return None
@@ -301,10 +310,11 @@ class Handlers:
         counters = self.counters
         counters.sends += count
         counters.send_requests += 1
+        frame = self._answer_around(rid, packed)
         commit = self.commit
         if commit is None:
-            return self._answer_around(rid, packed)
-        commit.add(peer, rid, Packed(packed), count)
+            return frame
+        commit.add(peer, rid, Frame(frame), count)
         return DEFERRED
 
     def _batch_sent(self, results: list[SendResult], items: list[Any]) -> None:
