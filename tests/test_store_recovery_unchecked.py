@@ -29,10 +29,10 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from store_helpers import compact_by_hand
 
 from equeue import MessageStore, StoreConfig
 from equeue.chunks.stream import ChunkFile
-from equeue.compaction.rewrite import rewrite_group
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.inspect.verify import verify_store
@@ -126,18 +126,10 @@ def compacted(
         qpos = [store.send("q", b"q%d" % i).position for i in range(10)]
         for i in range(300):
             store.send("busy", b"b%d" % i + b"x" * 40)
-    files = sorted((path / "messages").glob("chunk-*"))[:3]
-    chunks = [ChunkFile.open(p) for p in files]
-    positions = [c.header.start_position + local for c in chunks for local, _ in c.records()]
-    assert qpos[-1] < chunks[-1].header.start_position  # q's records all in the rewrite
-    removed = set(qpos[part:]) | set(positions[10::3])
-    staging = path / "staging"
-    staging.mkdir()
-    result = rewrite_group(chunks, sorted(removed), staging, version=1)
-    for f in files:
-        f.unlink()
-    shutil.move(staging / result.file_name, path / "messages" / result.file_name)
-    staging.rmdir()
+    file, _, removed = compact_by_hand(
+        path, 3, lambda positions: set(qpos[part:]) | set(positions[10::3])
+    )
+    assert qpos[-1] < ChunkFile.open(file).header.end_position  # q's records all in it
     assert verify_store(path) == []
     return path, qpos, removed
 
@@ -170,16 +162,33 @@ def test_entries_whose_records_compaction_removed_are_kept(
             assert store.send("q", b"after").queue_offset == 10 + reopen
 
 
-@pytest.mark.parametrize("mode", ["keep", "drop"])
+@pytest.mark.parametrize(
+    ("mode", "tail"),
+    [
+        ("keep", "five-last-in-a-hole-above"),
+        ("drop", "five-last-in-a-hole-above"),
+        ("keep", "one-in-a-hole-below"),
+        ("drop", "one-in-a-hole-below"),
+        ("keep", "one-in-a-hole-above"),
+    ],
+)
 def test_a_torn_tail_after_compacted_entries_is_cut(
-    compacted: Compacted, tmp_path: Path, mode: str
+    compacted: Compacted, tmp_path: Path, mode: str, tail: str
 ) -> None:
-    """A power loss's tail of 5 entries after q's compacted ones, the last torn to a
-    position in a compaction hole above q's last entry: the tail is cut whole, the
-    compacted entries stay."""
+    """A power loss's tail after q's compacted entries: 5 entries, the last torn to a
+    position in a compaction hole above q's last entry (the first lies past the log's
+    end); or one entry torn into a hole, below q's last entry's position (positions
+    must rise) or above it (with a checkpoint: past the queue's checkpointed offset).
+    The tail is cut whole, the compacted entries stay. (One entry torn into a hole above
+    the last, with no checkpoint, is indistinguishable from a compacted entry: kept.)"""
     path, qpos, removed = _copy(compacted, tmp_path), compacted[1], compacted[2]
-    hole = min(p for p in removed if p > qpos[9])
-    _power_loss(path, 5, 14, hole)
+    above = min(p for p in removed if p > qpos[9])
+    if tail == "five-last-in-a-hole-above":
+        _power_loss(path, 5, 14, above)
+    elif tail == "one-in-a-hole-below":
+        _power_loss(path, 1, 10, max(p for p in removed if p < qpos[9]))
+    else:
+        _power_loss(path, 1, 10, above)
     _damage_derived(path, mode)
     with MessageStore.open(path, CONFIG) as store:
         assert store.queue_range("q", 0) == (0, 10)
@@ -210,8 +219,15 @@ def retained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int],
     return path, qpos, first
 
 
-@pytest.mark.parametrize("mode", ["drop", "garble"])
-@pytest.mark.parametrize("tail", ["torn-above-floor", "short-torn-below-floor"])
+@pytest.mark.parametrize(
+    ("mode", "tail"),
+    [
+        (mode, tail)
+        for mode in ("drop", "garble")
+        for tail in ("torn-above-floor", "short-torn-below-floor")
+    ]
+    + [("keep", "short-torn-above-floor")],
+)
 def test_a_torn_tail_behind_retained_entries_is_cut_whole(
     retained: tuple[Path, list[int], int], tmp_path: Path, mode: str, tail: str
 ) -> None:
@@ -219,19 +235,24 @@ def test_a_torn_tail_behind_retained_entries_is_cut_whole(
     entry torn between q's entry 7 and the log's first position: kept whole before
     (R11-2), 4 entries past the log lie before it. "short-torn-below-floor": 2 lost
     sends, the last torn below q's entry 7's position: only the floor rule cuts it (one
-    entry past the log before it, as for one flipped entry; R11-8's mutation)."""
+    entry past the log before it, as for one flipped entry; R11-8's mutation).
+    "short-torn-above-floor", with the checkpoint: the tail check keeps the torn entry,
+    the checkpoint's offset cuts it, and no problem says it was kept."""
     path, qpos, first = retained
     copy = tmp_path / "store"
     shutil.copytree(path, copy)
     if tail == "torn-above-floor":
         _power_loss(copy, 5, 12, (qpos[7] + first) // 2)
-    else:
+    elif tail == "short-torn-below-floor":
         _power_loss(copy, 2, 9, qpos[5])
+    else:
+        _power_loss(copy, 2, 9, (qpos[7] + first) // 2)
     _damage_derived(copy, mode)
     for reopen in range(2):
         with MessageStore.open(copy, CONFIG) as store:
             assert store.queue_range("q", 0) == (8, 8 + reopen), reopen
             assert len(_q_cuts(store)) == (1 - reopen)
+            assert [p for p in store.recovery.problems if "queue q/0" in p] == []
             assert store.send("q", b"after").queue_offset == 8 + reopen
 
 
@@ -273,12 +294,11 @@ def test_the_tail_check_keeps_one_block_of_entries(tmp_path: Path) -> None:
         queue = store._queues["q"][0]
         log_end = store._reader.manager.committed_position
         assert queue.first_offset_at_or_after(log_end) == damaged
-        report = recovery.RecoveryReport()
         tracemalloc.start()
         try:
-            tail = recovery._tail_from(store._reader, queue, log_end, report)
+            tail = recovery._tail_from(store._reader, queue, log_end)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-    assert tail == count and report.problems == []
+    assert tail == (count, None)
     assert peak < 2 << 20, peak

@@ -242,9 +242,14 @@ def redispatch(
                 # log), or, without one, where its entries reach ``start``; never past
                 # the log's end.
                 if recorded_end is None:
-                    limit = _tail_from(reader, queue, start, report)
+                    limit, unchecked = _tail_from(reader, queue, start)
                 else:
-                    limit = min(recorded_end, _tail_from(reader, queue, log_end, report))
+                    tail, unchecked = _tail_from(reader, queue, log_end)
+                    limit = min(recorded_end, tail)
+                    if limit < tail:  # the entry kept on faith is cut after all
+                        unchecked = None
+                if unchecked is not None:
+                    report.problems.append(unchecked)
                 # Entries of messages retention removed since (sends between its
                 # checkpoint and its deletions) cannot be checked against the log: they
                 # stay, else the queue's next offset would move back below offsets
@@ -338,7 +343,7 @@ def _past_damaged(
 _BLOCK = 4096  # entries read at a time by the walks over a queue's tail
 
 
-def _tail_from(reader: ChunkReader, queue: Queue, position: int, report: RecoveryReport) -> int:
+def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, str | None]:
     """The first offset of ``queue``'s tail of entries at or past log ``position`` (what a
     crash left past the log's end). The binary search is checked entry by entry from
     where it ends, so that one damaged entry in the middle (a flipped high bit: a position
@@ -351,13 +356,14 @@ def _tail_from(reader: ChunkReader, queue: Queue, position: int, report: Recover
 
     The entries are read backwards a block at a time from the queue's end, so memory stays
     one block whatever the queue's length (review11 R11-3: a list of every entry past a
-    damaged one took 122 MiB for 1 M entries)."""
+    damaged one took 122 MiB for 1 M entries). With the offset, the problem to report if
+    an entry the log cannot check ends the kept ones."""
     start = queue.first_offset_at_or_after(position)
     # Entries' positions rise with the offset: one the log cannot check (retention or
     # compaction removed its record) is taken for good only if it lies above the last
     # entry before the tail, and if at most one entry before it lies at or past
     # ``position`` (one flipped entry; a crash's tail is every entry before a torn one,
-    # review11 R11-2). It is kept on faith, so it is reported.
+    # review11 R11-2). It is kept on faith, so that is a problem to report.
     floor = queue.entry(start - 1)[0] if start > queue.first_offset else None
     second: int | None = None  # the offset of the second entry at or past ``position``
     end = queue.next_offset
@@ -370,26 +376,25 @@ def _tail_from(reader: ChunkReader, queue: Queue, position: int, report: Recover
                 continue
             backed = _backs(reader, queue, offset, at)
             if backed:  # the last backed entry ends the kept ones
-                return offset + 1
+                return offset + 1, None
             if backed is None and floor is not None and at > floor:
                 if second is None:
                     second = _second_at_or_past(queue, start, position)
                 if offset <= second:
-                    report.problems.append(
+                    return offset + 1, (
                         f"queue {queue.topic}/{queue.queue_id}: offsets {start}..{offset} are "
                         f"kept although offset {start}'s entry points at or past log "
                         f"position {position} (a damaged entry): offset {offset}'s record, "
                         f"at position {at}, was removed by retention or compaction, so the "
                         f"log cannot check it {_entry_location(queue, offset)}"
                     )
-                    return offset + 1
         end = first
-    return start
+    return start, None
 
 
 def _second_at_or_past(queue: Queue, start: int, position: int) -> int:
-    """The offset of the second entry from ``start`` on whose position is not below
-    ``position`` (or the queue's next offset): the scan stops there."""
+    """The offset of the second entry from ``start`` on whose position is not in
+    [0, ``position``) (or the queue's next offset): the scan stops there."""
     found = 0
     offset = start
     while offset < queue.next_offset:
