@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from equeue import Message, MessageStore, OutgoingMessage, SendResult
 from equeue.chunks.ahead import MAKER, AheadFile
 from equeue.chunks.chunk import Chunk
+from equeue.chunks.stream import ChunkFile
+from equeue.compaction.rewrite import rewrite_group
 from equeue.errors import CorruptionError, MessageNotFoundError
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD_SIZE, encode_properties, message_length
@@ -321,3 +325,27 @@ def tree(directory: Path, *, skip: tuple[str, ...] = ()) -> dict[str, tuple[byte
             data = entry.read_bytes() if entry.is_file() and not entry.is_symlink() else None
             found[str(entry.relative_to(directory))] = (data, st.st_mtime_ns)
     return found
+
+
+def compact_by_hand(
+    store: Path, count: int, removing: Callable[[list[int]], set[int]]
+) -> tuple[Path, list[int], set[int]]:
+    """The first ``count`` log chunks of the closed store rewritten without the records
+    ``removing(every position they hold)`` names, installed by hand as a compaction job
+    would (no Spark). Returns (the compacted file, the positions it keeps, the removed)."""
+    files = sorted((store / "messages").glob("chunk-*"))[:count]
+    chunks = [ChunkFile.open(p) for p in files]
+    positions = [c.header.start_position + local for c in chunks for local, _ in c.records()]
+    removed = removing(positions)
+    staging = store / "staging"
+    staging.mkdir()
+    result = rewrite_group(chunks, sorted(removed), staging, version=1)
+    for f in files:
+        f.unlink()
+    shutil.move(staging / result.file_name, store / "messages" / result.file_name)
+    staging.rmdir()
+    return (
+        store / "messages" / result.file_name,
+        [p for p in positions if p not in removed],
+        removed,
+    )

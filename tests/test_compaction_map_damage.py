@@ -8,14 +8,12 @@ topic, every third record removed, installed by hand as a job would.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
+from store_helpers import compact_by_hand
 
 from equeue import MessageStore, StoreConfig
-from equeue.chunks.stream import ChunkFile
-from equeue.compaction.rewrite import rewrite_group
 from equeue.errors import CompactedAwayError, CorruptionError
 from equeue.format.chunk import FOOTER_SIZE, HEADER_SIZE, MAP_ENTRY, MAP_ENTRY_SIZE, ChunkFooter
 from equeue.inspect.layout import load_chunk_file
@@ -31,19 +29,9 @@ def _compacted_store(path: Path) -> tuple[Path, list[int], set[int]]:
         store.create_topic(TOPIC, 1)
         for i in range(400):
             store.send(TOPIC, b"plain %d " % i + b"x" * (i % 50))
-    files = sorted((path / "messages").glob("chunk-*"))[:3]
-    chunks = [ChunkFile.open(p) for p in files]
-    positions = [c.header.start_position + local for c in chunks for local, _ in c.records()]
-    removed = set(positions[::3])
-    staging = path / "staging"
-    staging.mkdir()
-    result = rewrite_group(chunks, sorted(removed), staging, version=1)
-    for f in files:
-        f.unlink()
-    shutil.move(staging / result.file_name, path / "messages" / result.file_name)
-    staging.rmdir()
+    compacted = compact_by_hand(path, 3, lambda positions: set(positions[::3]))
     assert verify_store(path) == []
-    return path / "messages" / result.file_name, [p for p in positions if p not in removed], removed
+    return compacted
 
 
 def _map_at(file: Path) -> tuple[int, int]:
