@@ -329,4 +329,10 @@ def test_naive_datetimes_are_refused_everywhere(timed: tuple[MessageStore, list[
     assert parse_time("2024-05-01T12:00:00Z") == parse_time("2024-05-01T14:00:00+02:00") == ns
     assert parse_time("1714564800") == epoch_ns(aware) == epoch_ns(1714564800) == ns
     assert parse_time("1714564800.000000001") == ns + 1
+    # review11 R11-7's audit: "1e999999" raised decimal.Overflow; 5,000 digits made ns
+    # whose / 1e9 (equeue compact --now) raised a builtin OverflowError
+    for text in ("1e999999", "-1e999999", "9" * 5000, "9223372037"):
+        with pytest.raises(InvalidMessageError, match=f"time '{text[:10]}"):
+            parse_time(text)
+    assert parse_time("9223372036") == 9223372036 * 10**9  # the last second an i64 holds
     assert store.offset_for_time("t", 0, aware) == store.offset_for_time("t", 0, 1714564800) == 0

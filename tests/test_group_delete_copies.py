@@ -117,6 +117,11 @@ MALFORMED = {
     "a superscript digit stamp": ["g.json.\u00b2.damaged"],
     "a superscript digit k": ["g.json.1.\u00b2.damaged"],
     "an Arabic-Indic digit stamp": ["g.json.\u0663.damaged"],
+    # review11 R11-7: int() refuses more than 4,300 digits (a builtin ValueError refused
+    # every writable open again); a name in the list is not bounded by NAME_MAX
+    "a stamp of 5,000 digits": ["g.json." + "1" * 5000 + ".damaged"],
+    "a k of 5,000 digits": ["g.json.1." + "1" * 5000 + ".damaged"],
+    "a stamp past a u64's 20 digits": ["g.json." + "1" * 21 + ".damaged"],
 }
 
 

@@ -97,3 +97,23 @@ def test_a_group_file_offset_past_an_int64_is_a_damaged_file(
         assert opened.committed_offset("g", "t", 0) is None
     assert not (store / GROUP_FILE).exists()
     assert [p.name.split(".")[0] for p in (store / "consumers/recovered").iterdir()] == ["g"]
+
+
+@pytest.mark.parametrize("queue_id", ["1" * 5000, "0" * 4301, "\u00b2"])
+def test_a_group_file_queue_id_past_ints_digit_limit_is_a_damaged_file(
+    built: Path, tmp_path: Path, queue_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """review11 R11-7: int() refuses more than 4,300 digits with a builtin ValueError,
+    raised outside check_offsets' EQueueError catch: verify, the read-only and the
+    writable open all failed with it."""
+    store = tmp_path / "store"
+    shutil.copytree(built, store)
+    write_json(store / GROUP_FILE, {"group": "g", "offsets": {"t": {queue_id: 1}}})
+    assert main(["verify", str(store)]) == 1
+    assert str(store / GROUP_FILE) in capsys.readouterr().out
+    with MessageStore.open(store, read_only=True) as opened:
+        assert opened.committed_offset("g", "t", 0) is None
+        assert any("bad queue id" in problem for problem in opened.recovery.problems)
+    with MessageStore.open(store) as opened:  # a writer sets it aside, as any damaged one
+        assert opened.committed_offset("g", "t", 0) is None
+    assert not (store / GROUP_FILE).exists()

@@ -9,7 +9,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import pytest
@@ -17,6 +17,7 @@ from server_helpers import short_dir
 from shm_helpers import RawShm
 from test_shm import _answers_until_the_end, _broker, _frames, _mux, _url
 
+from equeue.errors import ShmRingError
 from equeue.protocol import shmrings
 from equeue.protocol.frames import FRAME_HEADER, encode
 from equeue.server import BrokerThread
@@ -51,14 +52,14 @@ class _Reader:
             self.refill()
 
 
-def _pair(ring_bytes: int) -> tuple[Any, Any]:
+def _pair(ring_bytes: int, broker_ring: Any = shmrings.ShmRing) -> tuple[Any, Any]:
     total = shmrings.region_bytes(ring_bytes)
     fd = os.memfd_create("t", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, total)
         client = shmrings.ShmRing(fd, total, shmrings.CLIENT)
         client.waker = shmrings.ShmWaker(-1, lambda fire: fire())  # (no wake-ups needed)
-        return client, shmrings.ShmRing(fd, total, shmrings.BROKER)
+        return client, broker_ring(fd, total, shmrings.BROKER)
     finally:
         os.close(fd)
 
@@ -104,6 +105,58 @@ def test_drain_ring_reads_a_ring_over_64_reads_whole() -> None:
     mux.drain_ring(broker)
     assert broker.protocol.taken == ring_bytes  # (was: 64 reads, 2 MiB)
     assert client.room() == ring_bytes
+
+
+class _Breakable(shmrings.ShmRing if shmrings.AVAILABLE else object):  # type: ignore[misc]
+    """The broker's ring, keeping what its transport's on_broken is given (ShmTransport
+    closes its connection then) in ``errors`` (the C type's subclasses have no __dict__)."""
+
+    errors: ClassVar[list[BaseException]] = []
+
+    def on_broken(self, error: BaseException) -> None:
+        self.errors.append(error)
+
+
+class _Racing(_Reader):
+    """A hostile peer's ring: its head holds garbage when drain_ring loads its bound and
+    a valid head at every read after it (published in get_buffer, between the broker's
+    loads, as a peer racing from its own process would), refilled as fast as read."""
+
+    def __init__(self, publish: Any, refills: int) -> None:
+        super().__init__(1 << 16, publish, refills)
+        self.first = True
+
+    def get_buffer(self, hint: int) -> memoryview:
+        if self.first:
+            self.first = False
+            self.refill()
+        return super().get_buffer(hint)
+
+
+def test_drain_ring_breaks_a_ring_whose_head_is_out_of_bounds_when_it_begins() -> None:
+    """review11 R11-5: drain_ring took the peer's head as its bound unchecked, and each
+    read re-checks only the head it loads: garbage at the first load and valid heads
+    after kept the broker's loop in one drain_ring for as long as the peer refilled
+    (here 4,096 refills of 64 KiB: 256 MiB, 256 of its 1 MiB rings). Now that head breaks
+    the ring, as a read's does, before anything is read; the group's other ring is read
+    as before."""
+    ring_bytes = 1 << 20
+    (client, broker), (b_client, b_broker) = _pair(ring_bytes, _Breakable), _pair(ring_bytes)
+    broker.protocol = _Racing(lambda: client.put(b"h" * (1 << 16)), 4096)
+    b_broker.protocol = _Reader(1 << 16, lambda: None, 0)
+    mux, _ = _mux(broker, b_broker)
+    broker.errors.clear()
+    b_client.put(b"b" * (1 << 16))
+    client.raw(shmrings.REQUESTS_HEAD, (1 << 62).to_bytes(8, "little"))
+    mux.drain_ring(broker)
+    assert broker.protocol.taken == 0  # (was: 268,435,456 bytes in that one call)
+    assert broker.broken == 1
+    [error] = broker.errors
+    assert isinstance(error, ShmRingError) and "head index is out of bounds" in str(error)
+    mux.drain_ring(broker)  # a broken ring is read no more
+    assert broker.protocol.taken == 0 and broker.errors == [error]
+    mux.drain(-1)
+    assert b_broker.protocol.taken == 1 << 16 and broker.protocol.taken == 0
 
 
 def _sends(first_id: int, count: int, body: bytes) -> bytes:

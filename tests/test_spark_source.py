@@ -454,6 +454,7 @@ def test_options_are_checked_when_the_reader_is_made(store: Path) -> None:
         ({"jobId": "x"}, "unknown option 'jobId'"),
         ({"store_id": "abc"}, "store_id='abc'"),
         ({"store_id": "²"}, "store_id='²'"),
+        ({"store_id": "1" * 5000}, "store_id='1111"),  # (int() raised a builtin ValueError)
         ({"store_id": str(1 << 32)}, "store_id"),
         ({"chunks": "nope"}, "chunks='nope'.*JSON list"),
         ({"chunks": "[[1]]"}, "chunks"),

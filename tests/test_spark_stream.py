@@ -786,6 +786,10 @@ def test_the_producer_waits_at_its_gate_as_long_as_it_is_told(tmp_path: Path) ->
         ({"topics": "orders", "startingOffsets": '{"orders": {"x": 1}}'}, "startingOffsets"),
         ({"topics": "orders", "startingOffsets": '{"orders": {"0": -3}}'}, "startingOffsets"),
         ({"topics": "orders", "startingOffsets": '{"orders": {"²": 0}}'}, "queue id '²'"),
+        (  # int() refused 5,000 digits with a builtin ValueError
+            {"topics": "orders", "startingOffsets": '{"orders": {"%s": 0}}' % ("1" * 5000)},
+            "queue id '1111",
+        ),
         ({"topics": "orders", "startingOffsets": '{"orders": {"2147483648": 0}}'}, "queue id"),
         (
             {"topics": "orders", "startingOffsets": '{"orders": {"0": 9223372036854775808}}'},

@@ -34,6 +34,7 @@ def _store(path: Path) -> Path:
         ({"t": {"0": "x"}}, "offset 'x' of t/0"),
         ({"t": {"0": -1}}, "offset -1 of t/0"),
         ({"t": {"zero": 0}}, "queue id 'zero'"),
+        ({"t": {"1" * 5000: 0}}, "queue id '1111"),  # (int(): a builtin ValueError, R11-7)
         ({"t": {"0": 0}, "@deleted": 3}, "@deleted must map topics to log positions"),
         ({"t": {"0": 0}, "@deleted": []}, "@deleted must map"),
         ({"t": {"0": 0}, "@deleted": {"t": "x"}}, "@deleted must map"),

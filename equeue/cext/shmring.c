@@ -775,9 +775,20 @@ static PyObject *mux_drain_ring(ShmMux *self, PyObject *arg) {
     PyObject *result = NULL;
     Py_ssize_t budget = PY_SSIZE_T_MAX;
     self->ring_drains++;
-    /* (a head out of bounds is the first read's ring_take error: the ring breaks) */
     uint64_t end = ring->base ? atomic_load_explicit(&ring->in->head, memory_order_acquire)
                               : ring->in_tail;
+    /* The bound is checked as every read's head is (in_avail): more than a ring past
+     * in_tail (or behind it: wraps huge) no peer can have published, so the ring breaks
+     * here. Unchecked, a head out of bounds at this load and valid at each read after
+     * it kept this loop reading as long as the peer refilled (review11 R11-5: 256 rings
+     * of 1 MiB in one call, on the broker's loop); checked, a drain reads at most one
+     * ring's size. (Not clamped to a ring: that would read on past an index known to be
+     * garbage, which in_avail refuses everywhere else.) */
+    if (ring->base && !ring->broken && end - ring->in_tail > ring->size) {
+        broken(ring, &ring->broken, "head", end, ring->in_tail);
+        if (ring_failed(ring) == 0) result = Py_NewRef(Py_None);
+        goto done;
+    }
     /* each deliver moves in_tail on by a read or more, or returns 0 (or breaks the ring):
      * at most end - in_tail bytes' worth of reads */
     while (ring->base && (int64_t)(end - ring->in_tail) > 0) {

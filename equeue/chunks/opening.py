@@ -127,14 +127,21 @@ class ChunkOpening(ChunkSet):
     def _open_listed(self, names: list[str]) -> tuple[list[Chunk], list[Path]]:
         found: list[tuple[Path, ChunkHeader, int]] = []
         removed = False  # a listed file that retention removed meanwhile was skipped
+        # The first chunk number the directory held at the last retention verdict: every
+        # listed file below it was gone then (retention removes, no writer brings one
+        # back), so it is skipped without a look. One listing per retention pass seen,
+        # not one per file it removed (review11 R11-4: 1,508 listings, 1.4-1.5 s of CPU
+        # for 1,500 files removed at once, against 0.13-0.15 s without the race).
+        floor = -1
         for name in names:
             parsed = parse_chunk_file_name(name)
-            if parsed is not None:
+            if parsed is not None and parsed[0] >= floor:
                 path = self.directory / name
                 try:
                     found.append((path, self._read_header(path), parsed[1]))
                 except FileNotFoundError:
-                    if not self._removed_by_retention(path):
+                    floor = self._retention_floor(path)
+                    if floor < 0:
                         raise
                     found, removed = [], True  # it and every chunk before it are gone
         winners, superseded = _resolve_versions(found)
@@ -142,12 +149,15 @@ class ChunkOpening(ChunkSet):
         chunks: list[Chunk] = []
         try:
             for i, (path, header, version) in enumerate(winners):
+                if header.chunk_start_number < floor:
+                    continue
                 try:
                     chunks.append(
                         self._open_chunk(path, header, version, last=(i == len(winners) - 1))
                     )
                 except FileNotFoundError:
-                    if not self._removed_by_retention(path):
+                    floor = self._retention_floor(path)
+                    if floor < 0:
                         raise
                     for chunk in chunks:
                         chunk.close()
@@ -167,11 +177,17 @@ class ChunkOpening(ChunkSet):
         chunk file now in the directory starts after it (retention removes the oldest
         chunks first, and never the last one). Otherwise (compaction replaced it, or a
         file is missing in the middle) the whole listing is taken again."""
+        return self._retention_floor(path) >= 0
+
+    def _retention_floor(self, path: Path) -> int:
+        """``_removed_by_retention``'s verdict with what it listed: the first chunk number
+        now in the directory if retention removed ``path``, -1 if not (one listing)."""
         parsed = parse_chunk_file_name(path.name)
         if not self.read_only or parsed is None:
-            return False
+            return -1
         starts = [p[0] for p in map(parse_chunk_file_name, os.listdir(self.directory)) if p]
-        return bool(starts) and min(starts) > parsed[0]
+        first = min(starts, default=-1)
+        return first if first > parsed[0] else -1
 
     def _read_header(self, path: Path) -> ChunkHeader:
         with open_file(path, "rb") as f:

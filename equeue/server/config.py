@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from equeue.chunks.config import MiB, check_int
+from equeue.digits import ascii_number
 from equeue.errors import ConfigError
 from equeue.protocol.address import DEFAULT_SOCKET_NAME
 from equeue.protocol.frames import (
@@ -100,11 +101,12 @@ def parse_listener(url: str) -> Listener:
         prefix = f"{kind}://"
         if url.startswith(prefix):
             host, sep, port = url[len(prefix) :].rpartition(":")
-            # ASCII: "\u00b2".isdigit() is true and int() refuses it (a builtin ValueError)
-            digits = port.isascii() and port.isdigit()
-            if not sep or not host or not digits or not 0 <= int(port) <= 65535:
+            # ASCII digits, at most 5 ("65535"): "\u00b2".isdigit() is true and int()
+            # refuses it, and 4,301 digits too (builtin ValueErrors: review10, R11-7)
+            number = ascii_number(port, 5)
+            if not sep or not host or number is None or not 0 <= number <= 65535:
                 raise ConfigError(f"listener {url!r}: expected {kind}://HOST:PORT (port 0-65535)")
-            return Listener(kind, host=host.strip("[]"), port=int(port))
+            return Listener(kind, host=host.strip("[]"), port=number)
     raise ConfigError(f"listener {url!r}: expected unix:PATH, tcp://HOST:PORT or tls://HOST:PORT")
 
 

@@ -23,6 +23,7 @@ from typing import Any, Final
 
 import pyarrow as pa
 
+from equeue.digits import ascii_number
 from equeue.errors import (
     CorruptionError,
     EQueueError,
@@ -210,7 +211,7 @@ def _finish(opened: MessageStore, incoming: Incoming, intent: Intent) -> None:
 
 def _count(text: str) -> int:
     """A failpoint's row count; a value that is not one (set by mistake) disarms it."""
-    return int(text) if text.isascii() and text.isdigit() else 0
+    return ascii_number(text) or 0
 
 
 def _append_rest(opened: MessageStore, incoming: Incoming, intent: Intent) -> None:

@@ -56,6 +56,7 @@ import xxhash
 from pyspark.sql.datasource import DataSourceReader, Filter, InputPartition
 
 from equeue.chunks.stream import BLOCK_SIZE, ChunkFile
+from equeue.digits import ascii_number
 from equeue.errors import (
     ChunkRemovedError,
     CorruptRecordError,
@@ -241,12 +242,13 @@ class EqueueReader(DataSourceReader):
         self.chunks_json = options.get("chunks")
         self.chunks = None if self.chunks_json is None else _chunks_option(self.chunks_json)
         store_id = options.get("store_id", "0")
-        if not (store_id.isascii() and store_id.isdigit() and int(store_id) < 1 << 32):
+        number = ascii_number(store_id)  # (int() refuses "²" and 4,301 digits: a ValueError)
+        if number is None or number >= 1 << 32:
             raise SparkOptionError(
-                f"option store_id={store_id!r}: it takes the store's id, an integer "
+                f"option store_id={store_id[:40]!r}: it takes the store's id, an integer "
                 "from 0 to 2**32 - 1 (a message id's first 8 hex digits)"
             )
-        self.store_id = int(store_id)
+        self.store_id = number
         self.pushed = Pushed()
         self.offsets = OffsetBounds.of(options)
 

@@ -49,6 +49,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from equeue.digits import ascii_number
 from equeue.errors import (
     AuthenticationError,
     CorruptionError,
@@ -224,12 +225,14 @@ def offsets_json(text: str, option: str = "startingOffsets") -> dict[str, dict[s
             raise bad(f"topic {topic!r} maps to {queues!r}, not to an object of queue ids")
         out[topic] = {}
         for queue, offset in queues.items():
-            # isdigit() alone lets "²" through (a digit to Unicode, not to int()).
-            if not (queue.isascii() and queue.isdigit() and int(queue) <= _INT32_MAX):
-                raise bad(f"queue id {queue!r} of topic {topic!r} is not a queue number")
+            # ascii_number: isdigit() alone lets "²" through (a digit to Unicode, not to
+            # int()), and int() refuses 4,301 digits (builtin ValueErrors)
+            number = ascii_number(queue)
+            if number is None or number > _INT32_MAX:
+                raise bad(f"queue id {queue[:40]!r} of topic {topic!r} is not a queue number")
             if type(offset) is not int or not EARLIEST <= offset <= _INT64_MAX:
                 raise bad(f"offset {offset!r} of {topic}/{queue} is not -2, -1 or an offset")
-            out[topic][str(int(queue))] = offset
+            out[topic][str(number)] = offset
     return out
 
 
@@ -293,8 +296,9 @@ def checked_offset(offset: object) -> dict[str, Any]:
         if not isinstance(given, dict):
             raise bad(f"topic {topic!r} maps to {given!r}, not to an object of queue ids")
         for queue, at in given.items():
-            if not (queue.isascii() and queue.isdigit() and int(queue) <= _INT32_MAX):
-                raise bad(f"queue id {queue!r} of topic {topic!r} is not a queue number")
+            number = ascii_number(queue)  # (not int(): see offsets_json)
+            if number is None or number > _INT32_MAX:
+                raise bad(f"queue id {queue[:40]!r} of topic {topic!r} is not a queue number")
             if type(at) is not int or not 0 <= at <= _INT64_MAX:
                 raise bad(f"offset {at!r} of {topic}/{queue} is not an offset")
 

@@ -38,6 +38,7 @@ from urllib.parse import unquote
 
 from equeue.atomicfile import read_json, write_json
 from equeue.chunks.fileops import fsync_directory, write_error
+from equeue.digits import ascii_number
 from equeue.errors import (
     CorruptionError,
     EQueueError,
@@ -192,7 +193,7 @@ def _stamp(intent: str) -> int:
     (a name no equeue writes). Only for an intent written before round 17, which does not
     list its copies: stamps come from wall clocks, which step back (review9 R9-1)."""
     stamp = intent.removesuffix(INTENT_SUFFIX).rpartition(".json.")[2]
-    return int(stamp) if stamp.isdigit() and stamp.isascii() else 0
+    return ascii_number(stamp) or 0
 
 
 def _names_file(entry: str, name: str) -> bool:

@@ -61,9 +61,18 @@ def parse_time(text: str) -> int:
     exact to the nanosecond) or ISO-8601 with a zone ("2024-05-01T12:00:00Z"). Naive
     ISO text is refused (InvalidMessageError), as a naive datetime is by the API."""
     try:
-        return int(decimal.Decimal(text.strip()) * 10**9)  # Decimal: a float rounds the ns
-    except (decimal.InvalidOperation, ValueError, OverflowError):
+        ns = int(decimal.Decimal(text.strip()) * 10**9)  # Decimal: a float rounds the ns
+    except (decimal.DecimalException, ValueError, OverflowError):  # ("1e999999": Overflow)
         pass
+    else:
+        # ns past an i64 (years before 1678 or after 2262) are no message's time, and a
+        # caller's ns / 1e9 past 1e308 s raised a builtin OverflowError (R11-7's audit)
+        if not -(2**63) <= ns < 2**63:
+            raise InvalidMessageError(
+                f"time {text[:40]!r} is out of range: unix seconds must lie within "
+                "+-9223372036 (the years 1678 to 2262)"
+            )
+        return ns
     try:
         when = dt.datetime.fromisoformat(text.strip())
     except ValueError:
