@@ -17,6 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from equeue import Message, MessageStore, OutgoingMessage, SendResult
 from equeue.chunks.ahead import MAKER, AheadFile
@@ -349,3 +352,18 @@ def compact_by_hand(
         [p for p in positions if p not in removed],
         removed,
     )
+
+
+def messages_listings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every listing of a log directory (``messages``) from now on, as os.listdir's
+    argument: monkeypatched, undone with ``monkeypatch``."""
+    listed: list[str] = []
+    listdir = os.listdir
+
+    def counting(path: Any = ".") -> list[str]:
+        if str(path).endswith("messages"):
+            listed.append(str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", counting)
+    return listed

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from store_helpers import messages_listings
 
 from equeue import MessageStore, StoreConfig
 from equeue.chunks.chunk import Chunk
@@ -134,19 +135,6 @@ def test_the_control_chunks_retention_removed_are_skipped(
     assert fired == [1]
 
 
-def _messages_listings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    listed: list[str] = []
-    listdir = os.listdir
-
-    def counting(path: Any = ".") -> list[str]:
-        if str(path).endswith("messages"):
-            listed.append(str(path))
-        return listdir(path)
-
-    monkeypatch.setattr(os, "listdir", counting)
-    return listed
-
-
 @pytest.mark.parametrize("phase", PHASES)
 def test_one_retention_pass_during_a_read_only_open_costs_one_listing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str
@@ -163,7 +151,7 @@ def test_one_retention_pass_during_a_read_only_open_costs_one_listing(
         shutil.copytree(base, path)
         if race:
             fired = _hook(monkeypatch, phase, names[0], _remove(*names[:30]))
-        listed = _messages_listings(monkeypatch)
+        listed = messages_listings(monkeypatch)
         with MessageStore.open(path, CONFIG, read_only=True) as store:
             assert store._reader.manager.first_position == (30 if race else 0) * 4096
             assert store.queue_range("t", 0)[1] == 1200

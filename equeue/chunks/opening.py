@@ -11,6 +11,7 @@ import itertools
 import logging
 import mmap
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
@@ -54,6 +55,18 @@ _LIST_ATTEMPTS: Final = 8
 # could open them (a loaded machine beside a writer whose retention runs often); and how
 # often a view's refresh lists again when a file it needed went (refresh.py).
 OUTRUN_ATTEMPTS: Final = 64
+
+
+def retention_floor(path: Path, names: Iterable[str]) -> int:
+    """The first chunk number among ``names`` (a listing of ``path``'s directory taken
+    after ``path`` was found gone) if retention removed ``path``: every chunk file listed
+    starts after it (retention removes the oldest chunks first, and never the last one).
+    -1 if not: compaction replaced it, or a file is missing in the middle."""
+    parsed = parse_chunk_file_name(path.name)
+    if parsed is None:
+        return -1
+    first = min((p[0] for p in map(parse_chunk_file_name, names) if p), default=-1)
+    return first if first > parsed[0] else -1
 
 
 class _AllRemoved(FileNotFoundError):
@@ -172,22 +185,12 @@ class ChunkOpening(ChunkSet):
             )
         return chunks, superseded
 
-    def _removed_by_retention(self, path: Path) -> bool:
-        """A read-only view's listed chunk file is gone: retention removed it if every
-        chunk file now in the directory starts after it (retention removes the oldest
-        chunks first, and never the last one). Otherwise (compaction replaced it, or a
-        file is missing in the middle) the whole listing is taken again."""
-        return self._retention_floor(path) >= 0
-
     def _retention_floor(self, path: Path) -> int:
-        """``_removed_by_retention``'s verdict with what it listed: the first chunk number
-        now in the directory if retention removed ``path``, -1 if not (one listing)."""
-        parsed = parse_chunk_file_name(path.name)
-        if not self.read_only or parsed is None:
+        """A read-only view's listed chunk file is gone: the first chunk number now in
+        the directory if retention removed ``path``, -1 if not (one listing)."""
+        if not self.read_only:
             return -1
-        starts = [p[0] for p in map(parse_chunk_file_name, os.listdir(self.directory)) if p]
-        first = min(starts, default=-1)
-        return first if first > parsed[0] else -1
+        return retention_floor(path, os.listdir(self.directory))
 
     def _read_header(self, path: Path) -> ChunkHeader:
         with open_file(path, "rb") as f:

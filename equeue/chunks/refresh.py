@@ -13,7 +13,7 @@ from pathlib import Path
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.fileops import fsync_directory
 from equeue.chunks.footer import read_footer
-from equeue.chunks.opening import OUTRUN_ATTEMPTS, ChunkOpening
+from equeue.chunks.opening import OUTRUN_ATTEMPTS, ChunkOpening, retention_floor
 from equeue.format.chunk import ChunkHeader, parse_chunk_file_name
 
 log = logging.getLogger("equeue.chunks")
@@ -24,25 +24,40 @@ class ChunkRefresh(ChunkOpening):
         """Read-only managers: pick up records and chunks a writer added since, and drop
         the chunks its retention removed. Afterwards the view reaches the last chunk of a
         listing taken during the call, unless files went missing in that many listings
-        running (OUTRUN_ATTEMPTS): then it is left where the last one got it."""
+        running (OUTRUN_ATTEMPTS), or in two running that named the same files with the
+        view unchanged: then it is left where the last one got it."""
         with self._lock:
             self._check_open()
             if not self.read_only:
                 return
             if not self.directory.exists():
                 return  # opened before any writer created the directory
+            before: tuple[frozenset[str], list[str]] | None = None
             for _ in range(OUTRUN_ATTEMPTS):
-                if self._catch_up():
+                listing = self._catch_up()
+                if listing is None:
                     return
+                # The attempts are there for a compaction's install that swaps a file
+                # under one. Nothing moved since the attempt before (the same files,
+                # the same view): the next would do the same, it is damage (review12
+                # F1: a view's last chunk file deleted cost 64 attempts, 128 listings
+                # and ~12 ms a refresh, three refreshes a pull). Reads report it.
+                now = (listing, [c.path.name for c in self._chunks])
+                if now == before:
+                    return
+                before = now
 
-    def _catch_up(self) -> bool:
-        """One listing's worth of refresh; False if a file it needed went missing
-        otherwise than by retention (a compaction's install swapped it): list again."""
+    def _catch_up(self) -> frozenset[str] | None:
+        """One listing's worth of refresh: None when done, else the directory's names
+        listed when a file it needed was found gone otherwise than by retention (a
+        compaction's install swapped it, or damage): list again, unless nothing moved."""
         self.adopt_replacements()
         self._forget_removed()
         last = self.last_chunk
-        if last is not None and not last.is_completed and not self._tail_refreshed(last):
-            return False
+        if last is not None and not last.is_completed:
+            lost = self._tail_lost(last)
+            if lost is not None:
+                return lost
         for path, number, version in self._files_not_in_view():
             last = self.last_chunk
             if last is not None and number != last.end_number + 1:
@@ -50,19 +65,22 @@ class ChunkRefresh(ChunkOpening):
             try:
                 chunk = self._open_chunk(path, self._read_header(path), version, last=True)
             except FileNotFoundError:
-                if not self._removed_by_retention(path):
-                    return False
+                lost = self._lost_otherwise(path)
+                if lost is not None:
+                    return lost
                 # Retention removed it, and so every chunk of the view (all older): the
                 # view starts again from the next file listed, as an open would
                 # (before, the refresh stopped here and left the view behind, or empty,
                 # until the next one: good entries read as outside the log).
                 self._forget_removed()
                 continue
-            if last is not None and not last.is_completed and not self._tail_refreshed(last):
-                chunk.close()
-                return False
+            if last is not None and not last.is_completed:
+                lost = self._tail_lost(last)
+                if lost is not None:
+                    chunk.close()
+                    return lost
             self._install(chunk)
-        return True
+        return None
 
     def _files_not_in_view(self) -> Iterator[tuple[Path, int, int]]:
         """(path, first chunk number, version) of each chunk file listed now, in name
@@ -73,17 +91,25 @@ class ChunkRefresh(ChunkOpening):
             if parsed is not None and name not in known:
                 yield self.directory / name, parsed[0], parsed[1]
 
-    def _tail_refreshed(self, chunk: Chunk) -> bool:
+    def _tail_lost(self, chunk: Chunk) -> frozenset[str] | None:
         """The view's last chunk, seen ongoing, refreshed now that its successor is
-        there (its footer, most often); False if it is gone otherwise than by
-        retention. Gone by retention, it and the view's older chunks are dropped."""
+        there (its footer, most often): None, or the listing that shows it gone
+        otherwise than by retention. Gone by retention, it and the view's older chunks
+        are dropped."""
         try:
             self._refresh_tail(chunk)
         except FileNotFoundError:
-            if not self._removed_by_retention(chunk.path):
-                return False
+            lost = self._lost_otherwise(chunk.path)
+            if lost is not None:
+                return lost
             self._forget_removed()
-        return True
+        return None
+
+    def _lost_otherwise(self, path: Path) -> frozenset[str] | None:
+        """``path`` is gone: None if retention removed it, else the names the directory
+        holds now (one listing)."""
+        names = frozenset(os.listdir(self.directory))
+        return None if retention_floor(path, names) >= 0 else names
 
     def _forget_removed(self) -> None:
         """Read-only: drop the oldest chunks whose files the writer's retention deleted.
