@@ -32,6 +32,7 @@ import pytest
 from store_helpers import compact_by_hand
 
 from equeue import MessageStore, StoreConfig
+from equeue.atomicfile import read_json
 from equeue.chunks.stream import ChunkFile
 from equeue.format.chunk import HEADER_SIZE
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
@@ -44,18 +45,22 @@ Q_FILE = Path("queues/q/0/chunk-000000000000.0000")
 _WRITER = """
 import os, signal, sys
 from equeue import MessageStore, StoreConfig
-store = MessageStore.open(sys.argv[1], StoreConfig(flush="os"))
-print([store.send("q", b"new %d" % i).position for i in range(int(sys.argv[2]))], flush=True)
+store = MessageStore.open(sys.argv[1], StoreConfig(flush="os", default_queue_count=1))
+topic = sys.argv[3]
+if topic not in store.topics():
+    store.create_topic(topic, 1)
+print([store.send(topic, b"new %d" % i).position for i in range(int(sys.argv[2]))], flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _power_loss(path: Path, sends: int, torn: int, position: int) -> list[int]:
-    """A writer's ``sends`` to q, SIGKILLed; then the log zeroed from the first of them
-    (its messages not written back) and q's entry ``torn`` set to ``position`` (its
-    u64's high half not written back). Returns the lost messages' positions."""
+def _power_loss(path: Path, sends: int, torn: int, position: int, topic: str = "q") -> list[int]:
+    """A writer's ``sends`` to ``topic`` (created first if new), SIGKILLed; then the log
+    zeroed from the first of them (its messages not written back) and the topic's entry
+    ``torn`` set to ``position`` (its u64's high half not written back). Returns the lost
+    messages' positions."""
     run = subprocess.run(
-        [sys.executable, "-c", _WRITER, str(path), str(sends)],
+        [sys.executable, "-c", _WRITER, str(path), str(sends), topic],
         capture_output=True,
         text=True,
         timeout=60,
@@ -68,15 +73,15 @@ def _power_loss(path: Path, sends: int, torn: int, position: int) -> list[int]:
     with file.open("r+b") as f:
         f.seek(HEADER_SIZE + local)
         f.write(bytes(size - local))
-    _set_entry(path, torn, position)
+    _set_entry(path, torn, position, Path(str(Q_FILE).replace("/q/", f"/{topic}/")))
     return new
 
 
-def _set_entry(path: Path, offset: int, position: int) -> None:
-    raw = bytearray((path / Q_FILE).read_bytes())
+def _set_entry(path: Path, offset: int, position: int, file: Path = Q_FILE) -> None:
+    raw = bytearray((path / file).read_bytes())
     at = HEADER_SIZE + offset * QUEUE_RECORD_SIZE
     QUEUE_RECORD.pack_into(raw, at, position + 1, QUEUE_RECORD.unpack_from(raw, at)[1])
-    (path / Q_FILE).write_bytes(bytes(raw))
+    (path / file).write_bytes(bytes(raw))
 
 
 def _stored_position(path: Path, offset: int) -> int:
@@ -194,6 +199,41 @@ def test_a_torn_tail_after_compacted_entries_is_cut(
         assert store.queue_range("q", 0) == (0, 10)
         assert len(_q_cuts(store)) == 1
         assert store.send("q", b"after").queue_offset == 10
+
+
+@pytest.mark.parametrize(
+    ("sends", "onto"),
+    [(2, "a-live-record"), (1, "a-live-record"), (1, "a-hole"), (3, "a-live-record")],
+)
+def test_a_torn_tail_of_a_topic_created_after_the_checkpoint_is_cut(
+    compacted: Compacted, tmp_path: Path, sends: int, onto: str
+) -> None:
+    """review12 F2: topic z, which the checkpoint does not list, created and sent to,
+    then a power loss, z's last entry torn low (below the checkpoint's position: onto a
+    record of q that survived compaction, or into a compaction hole). The search for z's
+    first entry at or past the recovery start ended at z's end (a last entry below it),
+    so no entry was checked: z kept them, its pulls from 0 failed for ever and the next
+    send reused offset ``sends``. None of z's records is in the log: every entry is cut,
+    the bytes kept in recovered/. (3 sends, where the search landed on the tail: a
+    control, cut before too.)"""
+    path, qpos, removed = _copy(compacted, tmp_path), compacted[1], compacted[2]
+    if onto == "a-live-record":
+        with MessageStore.open(path, CONFIG, read_only=True) as store:
+            position = store.pull("r", 0, 2, 1)[0].position
+    else:
+        position = min(p for p in removed if p > qpos[0])
+    _power_loss(path, sends, sends - 1, position, topic="z")
+    checkpoint = read_json(path / "checkpoint.json")
+    assert "z" not in checkpoint["queues"] and position < checkpoint["log_position"]
+    for reopen in range(2):
+        with MessageStore.open(path, CONFIG) as store:
+            assert store.queue_range("z", 0) == (0, reopen), reopen
+            cuts = [c for c in store.recovery.cuts if "/queues/z/" in c.file]
+            assert len(cuts) == 1 - reopen, store.recovery.cuts
+            assert [m.body for m in store.pull("z", 0, 0, 10)] == [b"after"] * reopen
+            assert store.queue_range("q", 0) == (0, 10)
+            assert store.send("z", b"after").queue_offset == reopen
+    assert any((path / "queues/z/0/recovered").iterdir())
 
 
 # -- R11-2 / R11-8: a torn tail behind entries whose records retention removed ----------

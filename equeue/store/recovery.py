@@ -241,7 +241,16 @@ def redispatch(
                 # checkpoint says it did (its entries past that are not backed by the
                 # log), or, without one, where its entries reach ``start``; never past
                 # the log's end.
-                if recorded_end is None:
+                if recorded_end is None and _created_since(recorded, topic, queue.queue_id):
+                    # The checkpoint does not list it: each record of it lies past the
+                    # checkpoint's position, so past ``start`` (and no compaction rewrote
+                    # one), and none was met. Its entries are a power loss's tail, none
+                    # checkpointed: a search for the first at or past ``start`` is misled
+                    # by a last one torn low and keeps them all (review12 F2: pulls failed
+                    # for ever, the next send reused an offset); no read decides it.
+                    limit = recorded_end = queue.first_offset
+                    unchecked = None
+                elif recorded_end is None:
                     limit, unchecked = _tail_from(reader, queue, start)
                 else:
                     tail, unchecked = _tail_from(reader, queue, log_end)
@@ -468,6 +477,15 @@ def _checkpointed_offset(recorded: dict[str, Any] | None, topic: str, queue_id: 
     if isinstance(offsets, list) and queue_id < len(offsets) and isinstance(offsets[queue_id], int):
         return int(offsets[queue_id])
     return None
+
+
+def _created_since(recorded: dict[str, Any] | None, topic: str, queue_id: int) -> bool:
+    """Whether a checkpoint that lists queues lists no ``topic``/``queue_id``: the queue
+    was created after it (its offsets are taken with its position, under the lock)."""
+    if not isinstance(recorded, dict):
+        return False
+    offsets = recorded.get(topic)  # (a value of another type: damage, not absence)
+    return offsets is None or (isinstance(offsets, list) and queue_id >= len(offsets))
 
 
 def _record_location(reader: ChunkReader, position: int) -> str:
