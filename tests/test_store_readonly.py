@@ -458,3 +458,30 @@ def test_read_only_open_racing_retention_lists_the_chunks_again(
         assert 0 < sum(map(len, got.values())) < 400  # retention removed messages
         with MessageStore.open(path, read_only=True) as later:  # the control
             assert got == pull_all(later)
+
+
+def test_a_view_that_retention_left_empty_reports_a_removed_chunk_as_removed(
+    tmp_path: Path,
+) -> None:
+    """Retention removed every chunk a read-only view held, and the view dropped them
+    before it installed any later one (a refresh outrun): a position in one of them is
+    ChunkRemovedError, not 'no chunk N' (MessageNotFoundError, as if it never was)."""
+    path = tmp_path / "s"
+    config = StoreConfig(**SMALL, max_store_bytes=6 * MIN_CHUNK_DATA_SIZE)
+    with MessageStore.open(path, config) as writer:
+        sent = [writer.send("t", body("t", 0, i) * 4) for i in range(40)]
+        writer.flush()
+        with MessageStore.open(path, read_only=True) as reader:
+            held = len(reader._messages._chunks)
+            for i in range(40, 800):
+                writer.send("t", body("t", 0, i) * 4)
+            writer.flush()
+            assert writer.apply_retention() > 0
+            first = writer._messages.first_chunk
+            assert first is not None and first.start_number > held  # all the view's went
+            reader._messages._forget_removed()  # the view drops them, installs nothing
+            assert reader._messages._chunks == []
+            with pytest.raises(ChunkRemovedError):
+                reader._messages.get_chunk(sent[0].position // MIN_CHUNK_DATA_SIZE)
+            with pytest.raises(ChunkRemovedError):
+                reader.read(sent[-1].position)

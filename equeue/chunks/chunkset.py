@@ -51,6 +51,10 @@ class ChunkSet:
         self.recovery_problems: list[str] = []  # what recovery found that it could not cut
         self._chunks: list[Chunk] = []  # ordered by start number, contiguous
         self._by_number: dict[int, Chunk] = {}  # a merged chunk fills every number it covers
+        # Read-only: the last chunk number the view dropped as removed by retention
+        # (refresh.py _forget_removed), so that a lookup of it is ChunkRemovedError even
+        # when the view holds no chunk at that moment (-1: none dropped)
+        self._removed_through = -1
         self._lock = threading.RLock()
         self._writer: ChunkWriter | None = None
         self._closed = False
@@ -115,10 +119,11 @@ class ChunkSet:
             return chunk
         self._check_open()
         first = self.first_chunk
-        if first is not None and number < first.start_number:
+        if number <= self._removed_through or (first is not None and number < first.start_number):
             raise ChunkRemovedError(
-                f"chunk {number} lies before the first chunk {first.start_number} in "
-                f"{self.directory}: removed by retention"
+                f"chunk {number} lies before the first chunk "
+                f"{first.start_number if first is not None else self._removed_through + 1} "
+                f"in {self.directory}: removed by retention"
             )
         raise PositionNotFoundError(f"no chunk {number} in {self.directory}")
 

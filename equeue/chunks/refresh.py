@@ -121,6 +121,11 @@ class ChunkRefresh(ChunkOpening):
         removed, self._chunks = self._chunks[:gone], self._chunks[gone:]
         # The list first: a lookup that races with this finds a removed chunk's number
         # below the first chunk (ChunkRemovedError), or that chunk without its file.
+        if removed:
+            # A view this leaves empty (a refresh outrun) still knows these went: a
+            # full suite's run read a pulled message's position as 'no chunk 806'
+            # (MessageNotFoundError) where retention had removed it
+            self._removed_through = max(self._removed_through, removed[-1].end_number)
         for chunk in removed:
             for n in range(chunk.start_number, chunk.end_number + 1):
                 self._by_number.pop(n, None)
