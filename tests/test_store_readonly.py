@@ -16,6 +16,7 @@ from readonly_writer import body, key_for
 from store_helpers import pull_all, snapshot
 
 from equeue import Message, MessageStore, StoreConfig
+from equeue.chunks.reader import ChunkReader
 from equeue.cli import main
 from equeue.compaction.job import compact
 from equeue.errors import ChunkRemovedError, ClosedError, ReadOnlyError
@@ -483,5 +484,15 @@ def test_a_view_that_retention_left_empty_reports_a_removed_chunk_as_removed(
             assert reader._messages._chunks == []
             with pytest.raises(ChunkRemovedError):
                 reader._messages.get_chunk(sent[0].position // MIN_CHUNK_DATA_SIZE)
+            # A walk of the log from a removed position ends (review13 F1: it spun on the
+            # first_position of an empty view, 0, which ChunkRemovedError sent it back to)
+            walked: list[list[tuple[int, bytes]]] = []
+            walk = threading.Thread(
+                target=lambda: walked.append(list(ChunkReader(reader._messages).iter_from(0))),
+                daemon=True,
+            )
+            walk.start()
+            walk.join(timeout=20)
+            assert walked == [[]], "the walk of an empty view did not end"
             with pytest.raises(ChunkRemovedError):
                 reader.read(sent[-1].position)

@@ -44,7 +44,12 @@ class ChunkReader:
             except PositionNotFoundError:
                 return
             except ChunkRemovedError:
-                position = manager.first_position
+                first = manager.first_position
+                if first <= position:
+                    # nothing retained past it: a read-only view that retention left
+                    # empty (its first position 0) would otherwise spin here (review13 F1)
+                    return
+                position = first
                 continue
             base = chunk.base
             if chunk.is_completed:
