@@ -542,3 +542,43 @@ def test_a_refresh_lists_again_when_a_compaction_swaps_the_views_last_chunk_unde
             assert [c.path.name for c in reader._messages] == [c.path.name for c in fresh._messages]
             reader.refresh()  # the queue's view, then the pull
             assert list(reader.pull("t", 0, 0, 100)) == list(fresh.pull("t", 0, 0, 100))
+
+
+def test_a_compaction_that_swaps_the_views_first_chunk_under_a_refresh_is_adopted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The view's first chunk compacted and its file deleted between the refresh's
+    adoption listing and its look for chunks retention removed (review13 F2): the chunk
+    was dropped as retention's, the replacement never adopted, and pulls on the view
+    skipped its live messages (49 from offset 11 against a fresh open's 56 from 1)."""
+    config = StoreConfig(chunk_data_size=4096, default_queue_count=1, flush="os")
+    path = tmp_path / "store"
+    with MessageStore.open(path, config) as writer:
+        writer.create_topic("t", 1)
+        for i in range(60):
+            writer.send("t", _body(i))
+        writer.flush()
+    swapped: list[str] = []
+    adopt = ChunkRefresh.adopt_replacements
+    with MessageStore.open(path, config, read_only=True) as reader:
+        first = reader._messages.first_chunk
+        assert first is not None
+
+        def adopt_then_compact(self: ChunkRefresh) -> list[Chunk]:
+            replaced = adopt(self)
+            if self is reader._messages and not swapped:
+                chunk = ChunkFile.open(first.path)
+                positions = [chunk.header.start_position + at for at, _ in chunk.records()]
+                staging = commit.new_staging(path)
+                result = rewrite_group([chunk], positions[::3], staging, version=1)
+                commit.install(path, staging, [result], [first.path.name])
+                swapped.append(first.path.name)
+            return replaced
+
+        monkeypatch.setattr(ChunkRefresh, "adopt_replacements", adopt_then_compact)
+        reader._messages.refresh()
+        monkeypatch.undo()
+        assert swapped and not first.path.exists()
+        with MessageStore.open(path, read_only=True) as fresh:
+            assert [c.path.name for c in reader._messages] == [c.path.name for c in fresh._messages]
+            assert list(reader.pull("t", 0, 0, 100)) == list(fresh.pull("t", 0, 0, 100))

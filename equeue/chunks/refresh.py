@@ -52,7 +52,9 @@ class ChunkRefresh(ChunkOpening):
         listed when a file it needed was found gone otherwise than by retention (a
         compaction's install swapped it, or damage): list again, unless nothing moved."""
         self.adopt_replacements()
-        self._forget_removed()
+        swapped = self._forget_removed()
+        if swapped is not None:
+            return swapped
         last = self.last_chunk
         if last is not None and not last.is_completed:
             lost = self._tail_lost(last)
@@ -111,13 +113,21 @@ class ChunkRefresh(ChunkOpening):
         names = frozenset(os.listdir(self.directory))
         return None if retention_floor(path, names) >= 0 else names
 
-    def _forget_removed(self) -> None:
+    def _forget_removed(self) -> frozenset[str] | None:
         """Read-only: drop the oldest chunks whose files the writer's retention deleted.
         Readers that hold one's mapping finish with it; later reads of its positions
-        raise ChunkRemovedError."""
+        raise ChunkRemovedError. Returns None, or the directory's names when the oldest
+        chunk's file went otherwise than by retention (a compaction's install swapped it
+        since the adoption's listing): nothing is dropped, and the refresh lists again
+        to adopt the replacement (review13 F2: taken for retention's, its live messages
+        read as removed and pulls skipped them)."""
         gone = 0
         while gone < len(self._chunks) and not self._chunks[gone].path.exists():
             gone += 1
+        if gone:
+            names = frozenset(os.listdir(self.directory))
+            if retention_floor(self._chunks[gone - 1].path, names) < 0:
+                return names
         removed, self._chunks = self._chunks[:gone], self._chunks[gone:]
         # The list first: a lookup that races with this finds a removed chunk's number
         # below the first chunk (ChunkRemovedError), or that chunk without its file.
@@ -131,6 +141,7 @@ class ChunkRefresh(ChunkOpening):
                 self._by_number.pop(n, None)
             chunk.release_mapping()
             log.info("%s was removed by the writer", chunk.path)
+        return None
 
     def adopt_replacements(self) -> list[Chunk]:
         """Swap in compacted chunks installed in the directory since we loaded it.
