@@ -519,25 +519,8 @@ def test_a_refresh_lists_again_when_a_compaction_swaps_the_views_last_chunk_unde
     config = StoreConfig(chunk_data_size=4096, default_queue_count=1, flush="os")
     path = tmp_path / "store"
     reader, seen = _view_left_behind(path, config, _body, 30, 90)
-    swapped: list[str] = []
-    adopt = ChunkRefresh.adopt_replacements
-
-    def adopt_then_compact(self: ChunkRefresh) -> list[Chunk]:
-        replaced = adopt(self)
-        if self is reader._messages and not swapped:
-            chunk = ChunkFile.open(seen.path)
-            positions = [chunk.header.start_position + at for at, _ in chunk.records()]
-            staging = commit.new_staging(path)
-            result = rewrite_group([chunk], positions[::3], staging, version=1)
-            commit.install(path, staging, [result], [seen.path.name])
-            swapped.append(seen.path.name)
-        return replaced
-
     with reader:
-        monkeypatch.setattr(ChunkRefresh, "adopt_replacements", adopt_then_compact)
-        reader._messages.refresh()
-        monkeypatch.undo()
-        assert swapped and not seen.path.exists()
+        _refresh_while_a_compaction_swaps(monkeypatch, reader, path, seen.path)
         with MessageStore.open(path, read_only=True) as fresh:
             assert [c.path.name for c in reader._messages] == [c.path.name for c in fresh._messages]
             reader.refresh()  # the queue's view, then the pull
@@ -558,27 +541,35 @@ def test_a_compaction_that_swaps_the_views_first_chunk_under_a_refresh_is_adopte
         for i in range(60):
             writer.send("t", _body(i))
         writer.flush()
-    swapped: list[str] = []
-    adopt = ChunkRefresh.adopt_replacements
     with MessageStore.open(path, config, read_only=True) as reader:
         first = reader._messages.first_chunk
         assert first is not None
-
-        def adopt_then_compact(self: ChunkRefresh) -> list[Chunk]:
-            replaced = adopt(self)
-            if self is reader._messages and not swapped:
-                chunk = ChunkFile.open(first.path)
-                positions = [chunk.header.start_position + at for at, _ in chunk.records()]
-                staging = commit.new_staging(path)
-                result = rewrite_group([chunk], positions[::3], staging, version=1)
-                commit.install(path, staging, [result], [first.path.name])
-                swapped.append(first.path.name)
-            return replaced
-
-        monkeypatch.setattr(ChunkRefresh, "adopt_replacements", adopt_then_compact)
-        reader._messages.refresh()
-        monkeypatch.undo()
-        assert swapped and not first.path.exists()
+        _refresh_while_a_compaction_swaps(monkeypatch, reader, path, first.path)
         with MessageStore.open(path, read_only=True) as fresh:
             assert [c.path.name for c in reader._messages] == [c.path.name for c in fresh._messages]
             assert list(reader.pull("t", 0, 0, 100)) == list(fresh.pull("t", 0, 0, 100))
+
+
+def _refresh_while_a_compaction_swaps(
+    monkeypatch: pytest.MonkeyPatch, reader: MessageStore, path: Path, target: Path
+) -> None:
+    """One refresh() of the view, with ``target`` (a chunk file of the log) compacted and
+    its file deleted right after the refresh's adoption listing."""
+    swapped: list[str] = []
+    adopt = ChunkRefresh.adopt_replacements
+
+    def adopt_then_compact(self: ChunkRefresh) -> list[Chunk]:
+        replaced = adopt(self)
+        if self is reader._messages and not swapped:
+            chunk = ChunkFile.open(target)
+            positions = [chunk.header.start_position + at for at, _ in chunk.records()]
+            staging = commit.new_staging(path)
+            result = rewrite_group([chunk], positions[::3], staging, version=1)
+            commit.install(path, staging, [result], [target.name])
+            swapped.append(target.name)
+        return replaced
+
+    monkeypatch.setattr(ChunkRefresh, "adopt_replacements", adopt_then_compact)
+    reader._messages.refresh()
+    monkeypatch.undo()
+    assert swapped and not target.exists()
