@@ -6,7 +6,13 @@ serve --flush sync`` of that tree on a Unix socket (tools/bench_broker_cpu.py's 
 ``send`` in flight, ``--count`` sends each after an untimed warm-up. Per send, for each of
 the broker's threads (by name: the loop's, ``equeue-flush``, ``equeue-prefault``): user and
 system CPU (``/proc/PID/task/TID/stat``, clock ticks), run time (``sched``'s
-sum_exec_runtime, ns), voluntary and involuntary context switches, and migrations.
+sum_exec_runtime, ns), voluntary and involuntary context switches, and migrations; and
+minor page faults per fdatasync (field 10, minflt: under ``--flush sync`` the loop's appends
+fault on the log pages each fdatasync's writeback write-protected).
+
+``--shared``: the other reading, one client shared by the ``DURABLE_PEERS`` tasks (their
+sends of a loop turn go as one ``send_bodies`` request); ``--flush async``: the same
+producers against a ``--flush async`` broker (no fdatasync waited for).
 
 ``--syscalls``: ``perf trace -s`` attached to the broker for the measured part, the system
 calls per send by thread (perf trace's own cost slows the broker: the counts per send are
@@ -129,6 +135,7 @@ def _threads(pid: int) -> Threads:
             figures[key] = figures.get(key, 0.0) + value
 
         add("user", int(fields[11]) / tick)
+        add("minflt", int(fields[7]))
         add("system", int(fields[12]) / tick)
         for key, label in (
             ("se.sum_exec_runtime", "run"),
@@ -164,6 +171,28 @@ async def _drive(url: str, sends: int, measured: Any) -> tuple[float, int]:
     finally:
         for client in clients:
             await client.close()
+
+
+async def _drive_shared(url: str, sends: int, measured: Any) -> tuple[float, int]:
+    """``_drive`` for ``--shared``: the DURABLE_PEERS tasks on one client."""
+    import equeue.aio
+
+    client = await equeue.aio.connect(url)
+
+    async def lane(count: int) -> None:
+        for _ in range(count):
+            await client.send("t", BODY)
+
+    try:
+        await asyncio.gather(*(lane(40) for _ in range(DURABLE_PEERS)))
+        flushes = int((await client.stats())["flushes"])
+        with measured:
+            started = time.perf_counter()
+            await asyncio.gather(*(lane(sends) for _ in range(DURABLE_PEERS)))
+            wall = time.perf_counter() - started
+        return wall, int((await client.stats())["flushes"]) - flushes
+    finally:
+        await client.close()
 
 
 class Measured:
@@ -276,13 +305,15 @@ def run(
     record: Path | None = None,
     stat: bool = False,
     pin: bool = False,
+    shared: bool = False,
+    flush: str = "sync",
 ) -> str:
     directory = Path(tempfile.mkdtemp(prefix="eqkn", dir="/tmp"))
     saved = dict(os.environ)
     os.environ.update(env)
     try:
         # --pin: the broker's threads on CPU 0, this process's clients on CPU 1
-        broker, url = _broker(src, directory, ["taskset", "-c", "0"] if pin else [])
+        broker, url = _broker(src, directory, ["taskset", "-c", "0"] if pin else [], flush)
         cpus = os.sched_getaffinity(0)
         if pin:
             os.sched_setaffinity(0, {1})
@@ -296,8 +327,10 @@ def run(
             record,
             directory / "stat.txt" if stat else None,
         )
-        wall, flushes = asyncio.run(_drive(url, sends, measured))
-        stats = f"{src} {' '.join(f'{k}={v}' for k, v in env.items())}".strip()
+        drive = _drive_shared if shared else _drive
+        wall, flushes = asyncio.run(drive(url, sends, measured))
+        reading = f" ({'shared, ' if shared else ''}--flush {flush})"
+        stats = f"{src}{reading} {' '.join(f'{k}={v}' for k, v in env.items())}".strip()
     finally:
         broker.terminate()
         broker.wait(60)
@@ -307,7 +340,7 @@ def run(
         f"{stats}: {total / wall:,.0f} sends/s, {total / max(flushes, 1):.1f} sends per "
         f"fdatasync, load {os.getloadavg()[0]:.1f}"
     ]
-    sums = dict.fromkeys(("user", "system", "run", "vcs", "ics", "migr"), 0.0)
+    sums = dict.fromkeys(("user", "system", "run", "vcs", "ics", "migr", "minflt"), 0.0)
     for name in sorted(measured.after):
         delta = {
             k: v - measured.before.get(name, {}).get(k, 0.0)
@@ -317,8 +350,8 @@ def run(
             sums[key] += delta.get(key, 0.0)
         if delta.get("run", 0.0) * 1e6 / total < 0.05:
             continue
-        out.append(_row(name, delta, total))
-    out.append(_row("all", sums, total))
+        out.append(_row(name, delta, total, flushes))
+    out.append(_row("all", sums, total, flushes))
     workers, machine, clients = (v * 1e6 / total for v in measured.extra[:3])
     res, cal, tlb = (v * 100 / total for v in measured.extra[3:6])
     written = measured.extra[6] / 2 / max(flushes, 1)
@@ -336,13 +369,15 @@ def run(
     return "\n".join(out)
 
 
-def _row(name: str, d: dict[str, float], total: int) -> str:
+def _row(name: str, d: dict[str, float], total: int, flushes: int) -> str:
     per = 1e6 / total
     return (
         f"  {name:16s} user {d.get('user', 0) * per:5.2f} system {d.get('system', 0) * per:5.2f}"
         f" run {d.get('run', 0) * per:5.2f} us/send; per 100 sends: voluntary switches "
         f"{d.get('vcs', 0) * 100 / total:5.1f}, involuntary {d.get('ics', 0) * 100 / total:4.1f}, "
-        f"migrations {d.get('migr', 0) * 100 / total:4.1f}"
+        f"migrations {d.get('migr', 0) * 100 / total:4.1f}; minor faults per "
+        f"{DURABLE_PEERS} sends {d.get('minflt', 0) * DURABLE_PEERS / total:.2f}, per fdatasync "
+        f"{d.get('minflt', 0) / flushes if flushes else 0:.2f}"
     )
 
 
@@ -369,6 +404,8 @@ def main() -> None:
         "--env", action="append", default=[], help="NAME=VALUE for the broker (repeatable)"
     )
     parser.add_argument("--pin", action="store_true", help="the broker on CPU 0, clients on 1")
+    parser.add_argument("--shared", action="store_true", help="one client shared by the tasks")
+    parser.add_argument("--flush", choices=("sync", "async"), default="sync")
     parser.add_argument("--record", type=Path, help="perf record -g of the broker to FILE")
     parser.add_argument(
         "--stat", action="store_true", help=f"perf stat --per-thread: {PERF_EVENTS}"
@@ -385,6 +422,8 @@ def main() -> None:
                 options.record,
                 options.stat,
                 options.pin,
+                options.shared,
+                options.flush,
             ),
             flush=True,
         )

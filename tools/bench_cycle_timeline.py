@@ -50,8 +50,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_broker_cpu import BODY, DURABLE_PEERS, _broker
-from bench_broker_kern import _drive, ab_arguments, alternated
+from bench_broker_cpu import DURABLE_PEERS, _broker
+from bench_broker_kern import _drive, _drive_shared, ab_arguments, alternated
 
 SYSCALLS = (
     "fdatasync", "read", "sendto", "recvfrom", "write", "epoll_pwait", "epoll_wait", "futex",
@@ -295,28 +295,6 @@ class PerfRecord:
         assert self.perf is not None
         self.perf.send_signal(signal.SIGINT)
         self.perf.wait(60)
-
-
-async def _drive_shared(url: str, sends: int, measured: PerfRecord) -> tuple[float, int]:
-    """``_drive`` for ``--shared``: the DURABLE_PEERS tasks on one client."""
-    import equeue.aio
-
-    client = await equeue.aio.connect(url)
-
-    async def lane(count: int) -> None:
-        for _ in range(count):
-            await client.send("t", BODY)
-
-    try:
-        await asyncio.gather(*(lane(40) for _ in range(DURABLE_PEERS)))
-        flushes = int((await client.stats())["flushes"])
-        with measured:
-            started = time.perf_counter()
-            await asyncio.gather(*(lane(sends) for _ in range(DURABLE_PEERS)))
-            wall = time.perf_counter() - started
-        return wall, int((await client.stats())["flushes"]) - flushes
-    finally:
-        await client.close()
 
 
 def run(src: Path, sends: int, pin: str, shared: bool = False, flush: str = "sync") -> str:
