@@ -9,22 +9,28 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_helpers import short_home
 
+import equeue.aio
 from equeue import speedups
-from equeue.client import coalesce
+from equeue.client import coalesce, core
 from equeue.client.coalesce import BODY_OVERHEAD, Coalescer
-from equeue.errors import WrongLoopError
+from equeue.errors import EQueueError, WrongLoopError
 from equeue.protocol.plainsend import conn_type
+from equeue.protocol.records import columns_answer
+from equeue.server import BrokerThread
 
 pytestmark = pytest.mark.skipif(
     speedups.SPEEDUPS is None or conn_type is None,
     reason="the C accelerator is not built (or EQUEUE_PURE_PYTHON is set)",
 )
+home = pytest.fixture(short_home, name="home")
 
 
 def _protocol_type() -> type:
@@ -205,3 +211,58 @@ def test_a_body_not_exactly_bytes_goes_to_add_slow() -> None:
     steps: list[Step] = [("send", ("t", b"a")), ("send", ("t", bytearray(b"b")))]
     _, (groups, *_), slow = _play(_Recorded, steps, 1000, 100, 0)
     assert slow == 1 and groups == {"t": ([b"a", bytearray(b"b")], 2, 2 + 2 * BODY_OVERHEAD)}
+
+
+def _shared_sends(url: str, topic: str, tasks: int, rounds: int) -> tuple[list[Any], set[int]]:
+    """``tasks`` tasks sharing one client, ``rounds`` sends each: what each send gave (a
+    SendResult or the error), and the request ids left in the reader's columns."""
+
+    async def run() -> tuple[list[Any], set[int]]:
+        async with await equeue.aio.connect(url, timeout=20) as client:
+
+            async def one(task: int) -> list[Any]:
+                out: list[Any] = []
+                for n in range(rounds):
+                    try:
+                        out.append(await client.send(topic, b"%d.%d" % (task, n)))
+                    except EQueueError as exc:
+                        out.append(exc)
+                return out
+
+            done = await asyncio.gather(*(one(task) for task in range(tasks)))
+            protocol = client._protocol
+            assert protocol is not None
+            return [r for rs in done for r in rs], set(protocol.reader.columns)
+
+    return asyncio.run(run())
+
+
+def test_a_coalesced_groups_answer_is_read_in_c(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The group's send_bodies answer is read from the frame's bytes (columns_answer),
+    # not decoded by msgpack first; its request id leaves the reader's set once answered
+    read: list[int] = []
+
+    def counted(payload: Any, request_ids: set[int]) -> Any:
+        body = columns_answer(payload, request_ids)
+        if body is not None:
+            read.append(len(body[2][0]))
+        return body
+
+    monkeypatch.setattr(core, "columns_answer", counted)
+    with BrokerThread(home / "store") as broker:
+        broker.store.create_topic("t", 4)
+        results, left = _shared_sends(broker.urls[0], "t", 8, 5)
+        bodies = sorted(broker.store.get(r.message_id).body for r in results)
+    assert bodies == sorted(b"%d.%d" % (t, n) for t in range(8) for n in range(5))
+    assert read and sum(read) <= 40 and min(read) > 1
+    assert left == set()
+
+
+def test_a_refused_groups_id_leaves_the_readers_columns(home: Path) -> None:
+    with BrokerThread(home / "store") as broker:
+        results, left = _shared_sends(broker.urls[0], "no/such topic", 6, 3)
+    assert len(results) == 18 and all(isinstance(r, EQueueError) for r in results)
+    assert len({id(r) for r in results}) == 18  # (each caller its own)
+    assert left == set()

@@ -259,7 +259,9 @@ class Coalescer(_Base):
             protocol.give_back(len(bodies))
             _fail(futures, exc)
             return
-        protocol.put(request_id, frame, Answer(self, topic, bodies, futures, givens))
+        if not single and _fast is not None:  # its answer read in C (AnswerReader.columns)
+            protocol.reader.columns.add(request_id)
+        protocol.put(request_id, frame, Answer(self, topic, bodies, futures, givens, request_id))
 
     async def resend(self, topic: str, group: Sequence[Sub]) -> None:
         """Each send of a group refused whole, alone (each holds a place again)."""
@@ -293,7 +295,7 @@ class Answer:
     """A group's request in flight: its answer, or its connection's end, to each caller
     (called by the protocol as it reads the answer: no future of its own)."""
 
-    __slots__ = ("bodies", "coalescer", "futures", "givens", "topic")
+    __slots__ = ("bodies", "coalescer", "futures", "givens", "request_id", "topic")
 
     def __init__(
         self,
@@ -302,9 +304,11 @@ class Answer:
         bodies: list[bytes],
         futures: list[asyncio.Future[SendResult]],
         givens: list[tuple[Any, ...] | None] | None,
+        request_id: int,
     ) -> None:
         self.coalescer, self.topic, self.bodies, self.futures = coalescer, topic, bodies, futures
         self.givens = givens  # None: every send of the body alone
+        self.request_id = request_id
 
     def subs(self) -> list[Sub]:
         givens = self.givens or [None] * len(self.bodies)
@@ -327,6 +331,7 @@ class Answer:
         protocol = self.coalescer._protocol
         if count > 1:
             protocol.give_back(count - 1)  # (the request's own place: answers())
+            protocol.reader.columns.discard(self.request_id)
         if status != STATUS_OK:
             error = answer_error(payload, protocol.where)
             if count > 1 and isinstance(error, REFUSED_WHOLE):
