@@ -266,3 +266,16 @@ def test_a_refused_groups_id_leaves_the_readers_columns(home: Path) -> None:
     assert len(results) == 18 and all(isinstance(r, EQueueError) for r in results)
     assert len({id(r) for r in results}) == 18  # (each caller its own)
     assert left == set()
+
+
+def test_add_called_with_other_than_two_arguments_raises_type_error() -> None:
+    async def run() -> None:
+        protocol = _protocol_type()(asyncio.get_running_loop())
+        coalescer = _Recorded(protocol, 1000, 100)
+        calls: list[tuple[Any, ...]] = [("t",), ("t", b"a", b"b"), ()]
+        for args in calls:
+            with pytest.raises(TypeError):
+                coalescer.add(*args)
+        assert coalescer.groups == {} and protocol.free == 1000 and coalescer.slow == 0
+
+    asyncio.run(run())

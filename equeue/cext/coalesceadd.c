@@ -122,9 +122,10 @@ static PyTypeObject GroupType = {
     .tp_members = group_members,
 };
 
-static PyObject *slow(Coalescer *self, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *call[3] = {(PyObject *)self, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
-    return PyObject_VectorcallMethod(S_ADD_SLOW, call, (size_t)nargs + 1, NULL);
+/* add_slow(topic, body): the Python code's case (co_add checked there are two). */
+static PyObject *slow(Coalescer *self, PyObject *const *args) {
+    PyObject *call[3] = {(PyObject *)self, args[0], args[1]};
+    return PyObject_VectorcallMethod(S_ADD_SLOW, call, 3, NULL);
 }
 
 /* Whether a field holds a true value: 1, 0 (also unset), -1. */
@@ -159,26 +160,30 @@ static PyObject *taken(Coalescer *self, PyObject *future, Py_ssize_t count) {
 
 static PyObject *co_add(Coalescer *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *protocol = self->protocol, *loop, *pending, *flushing;
-    if (nargs != 2 || !PyUnicode_CheckExact(args[0]) || !PyBytes_CheckExact(args[1]) ||
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "add(topic, body) takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyUnicode_CheckExact(args[0]) || !PyBytes_CheckExact(args[1]) ||
         protocol == NULL || !clientconn_is(protocol) || self->groups == NULL ||
         !PyDict_CheckExact(self->groups) || self->sealed == NULL ||
         !PyList_CheckExact(self->sealed) ||
         clientconn_fields(protocol, &loop, &pending, &flushing) < 0)
-        return slow(self, args, nargs);
+        return slow(self, args);
     PyObject *topic = args[0], *body = args[1];
     PyObject *found = PyDict_GetItemWithError(self->groups, topic); /* (borrowed) */
     if (found == NULL && PyErr_Occurred()) return NULL;
     if (found != NULL) {
-        if (Py_TYPE(found) != &GroupType) return slow(self, args, nargs);
+        if (Py_TYPE(found) != &GroupType) return slow(self, args);
         Group *group = (Group *)found;
         if (group->bodies == NULL || !PyList_CheckExact(group->bodies) ||
             group->futures == NULL || !PyList_CheckExact(group->futures))
-            return slow(self, args, nargs);
+            return slow(self, args);
         Py_ssize_t size = group->size + PyBytes_GET_SIZE(body) + BODY_OVERHEAD;
         Py_ssize_t count = PyList_GET_SIZE(group->futures);
-        if (size > self->budget || count >= self->most) return slow(self, args, nargs); /* full */
+        if (size > self->budget || count >= self->most) return slow(self, args); /* full */
         int own = waiter_on_loop(loop);
-        if (own <= 0) return own < 0 ? NULL : slow(self, args, nargs); /* (another loop) */
+        if (own <= 0) return own < 0 ? NULL : slow(self, args); /* (another loop) */
         PyObject *future = waiter_for(loop);
         if (future == NULL) return NULL;
         Py_INCREF(group); /* (held: a list's append may run nothing, but the dict may) */
@@ -206,10 +211,10 @@ static PyObject *co_add(Coalescer *self, PyObject *const *args, Py_ssize_t nargs
     if (scheduled < 0) return NULL;
     if (!due && !scheduled) {
         due = truth(pending);
-        if (due <= 0) return due < 0 ? NULL : slow(self, args, nargs);
+        if (due <= 0) return due < 0 ? NULL : slow(self, args);
     }
     int own = waiter_on_loop(loop);
-    if (own <= 0) return own < 0 ? NULL : slow(self, args, nargs);
+    if (own <= 0) return own < 0 ? NULL : slow(self, args);
     PyObject *future = waiter_for(loop);
     if (future == NULL) return NULL;
     PyObject *group = group_of(body, future);
