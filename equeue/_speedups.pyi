@@ -231,6 +231,7 @@ def pull_answer(frame: bytes | memoryview, rids: set[int], /) -> list[Any] | Non
 # The asyncio client's connection state and its direct path (equeue/cext/clientconn.c):
 # the base class of equeue/client/aio.py's _Protocol (its fields: aio.py's _PyConn)
 def client_conn_type() -> type: ...
+def client_coalescer_types() -> tuple[type, type]: ...
 
 # The asyncio client's own socket transport on selector loops (equeue/cext/rawsock.c):
 # the base class of equeue/client/rawconn.py's RawTransport

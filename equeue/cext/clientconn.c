@@ -358,6 +358,19 @@ int clientconn_plain(PyObject *conn) {
 PyObject *clientconn_closed(PyObject *conn) { return ((Conn *)conn)->closed; }
 PyObject *clientconn_pending(PyObject *conn) { return ((Conn *)conn)->pending; }
 
+/* For coalesceadd.c: a clientconn_is connection's loop (set: 0; unset: -1, no error:
+ * asked by name instead), pending and flushing (borrowed; NULL while unset); and
+ * `free -= 1` as the Python statement does it (0, -1). */
+int clientconn_fields(PyObject *conn, PyObject **loop, PyObject **pending, PyObject **flushing) {
+    Conn *self = (Conn *)conn;
+    *loop = self->loop;
+    *pending = self->pending;
+    *flushing = self->flushing;
+    return self->loop == NULL || self->free == NULL ? -1 : 0;
+}
+
+int clientconn_take_place(PyObject *conn) { return add_free((Conn *)conn, -1); }
+
 PyObject *clientconn_direct(PyObject *conn, PyObject *topic, PyObject *body) {
     PyObject *args[2] = {topic, body};
     return conn_direct((Conn *)conn, args, 2);

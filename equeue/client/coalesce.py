@@ -98,7 +98,7 @@ _wake: Callable[[list[asyncio.Future[SendResult]], list[SendResult], bool], None
 Sub = tuple[bytes, "asyncio.Future[SendResult]", tuple[Any, ...] | None]
 
 
-class _Group:
+class _PyGroup:
     """One topic's sends of this loop turn: their bodies and callers, in order."""
 
     __slots__ = ("bodies", "futures", "size")
@@ -109,7 +109,36 @@ class _Group:
         self.size = len(body) + BODY_OVERHEAD
 
 
-class Coalescer:
+class _PyCoalescerBase:
+    """CoalescerBase's fields (equeue/cext/coalesceadd.c: its ``add`` the per-send cases in
+    C, the rest handed to ``add_slow``) without the accelerator, where ``add`` is
+    ``add_slow`` itself."""
+
+    __slots__ = ("_protocol", "budget", "groups", "most", "part", "sealed")
+
+    _protocol: _Protocol
+    groups: dict[str, _PyGroup]  # the open group of each topic
+    sealed: list[tuple[str, _PyGroup]]  # full ones, still to be written
+    budget: int
+    most: int
+    part: int
+
+    if TYPE_CHECKING:
+
+        def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult] | None: ...
+
+
+# With the accelerator the group is C's too (coalesceadd.c makes it), the same fields.
+if TYPE_CHECKING:
+    _Base = _PyCoalescerBase
+    _Group = _PyGroup
+else:
+    _Base, _Group = (
+        (_PyCoalescerBase, _PyGroup) if _fast is None else _fast.client_coalescer_types()
+    )
+
+
+class Coalescer(_Base):
     """The sends of the current loop turn, by topic; ``emit`` turns them into requests.
 
     A send made while nothing is in flight or begun goes alone, as a ``send`` written
@@ -118,21 +147,23 @@ class Coalescer:
     a write is due this turn: the callers woken together (``woken_together``) send next
     as one group."""
 
-    __slots__ = ("_protocol", "budget", "groups", "most", "part", "sealed")
+    __slots__ = ()
 
     def __init__(self, protocol: _Protocol, max_frame_bytes: int, max_batch_messages: int) -> None:
         self._protocol = protocol
-        self.groups: dict[str, _Group] = {}  # the open group of each topic
-        self.sealed: list[tuple[str, _Group]] = []  # full ones, still to be written
+        self.groups = {}
+        self.sealed = []
         self.budget = max_frame_bytes // 2
         # sends a group holds: a place each, and a request the encoder does not refuse
         self.most = min(protocol.max_in_flight, max_batch_messages)
         self.part = PART_SENDS  # a group of this many is written at once (0: at turn end)
 
-    def add(self, topic: str, body: bytes) -> asyncio.Future[SendResult] | None:
+    def add_slow(self, topic: str, body: bytes) -> asyncio.Future[SendResult] | None:
         """A plain send of ``body``, taking a place (one is free): its caller's future;
         None (no place taken) for an idle connection not heard from recently, whose
-        send goes as any request (after its check for an end waiting unread)."""
+        send goes as any request (after its check for an end waiting unread). ``add``:
+        this, or with the accelerator its common cases in C (coalesceadd.c), the rest
+        handed here."""
         protocol = self._protocol
         groups = self.groups
         group = groups.get(topic)
@@ -228,7 +259,9 @@ class Coalescer:
             protocol.give_back(len(bodies))
             _fail(futures, exc)
             return
-        protocol.put(request_id, frame, Answer(self, topic, bodies, futures, givens))
+        if not single and _fast is not None:  # its answer read in C (AnswerReader.columns)
+            protocol.reader.columns.add(request_id)
+        protocol.put(request_id, frame, Answer(self, topic, bodies, futures, givens, request_id))
 
     async def resend(self, topic: str, group: Sequence[Sub]) -> None:
         """Each send of a group refused whole, alone (each holds a place again)."""
@@ -254,11 +287,15 @@ class Coalescer:
             protocol.schedule()
 
 
+if _fast is None:
+    Coalescer.add = Coalescer.add_slow  # type: ignore[method-assign,assignment]
+
+
 class Answer:
     """A group's request in flight: its answer, or its connection's end, to each caller
     (called by the protocol as it reads the answer: no future of its own)."""
 
-    __slots__ = ("bodies", "coalescer", "futures", "givens", "topic")
+    __slots__ = ("bodies", "coalescer", "futures", "givens", "request_id", "topic")
 
     def __init__(
         self,
@@ -267,9 +304,11 @@ class Answer:
         bodies: list[bytes],
         futures: list[asyncio.Future[SendResult]],
         givens: list[tuple[Any, ...] | None] | None,
+        request_id: int,
     ) -> None:
         self.coalescer, self.topic, self.bodies, self.futures = coalescer, topic, bodies, futures
         self.givens = givens  # None: every send of the body alone
+        self.request_id = request_id
 
     def subs(self) -> list[Sub]:
         givens = self.givens or [None] * len(self.bodies)
@@ -292,6 +331,7 @@ class Answer:
         protocol = self.coalescer._protocol
         if count > 1:
             protocol.give_back(count - 1)  # (the request's own place: answers())
+            protocol.reader.columns.discard(self.request_id)
         if status != STATUS_OK:
             error = answer_error(payload, protocol.where)
             if count > 1 and isinstance(error, REFUSED_WHOLE):
