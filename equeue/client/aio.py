@@ -13,28 +13,24 @@ broken connection fails every request in flight on it with ConnectionLostError
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import itertools
 import os
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from equeue.client import aioends, args, calls, forks, rawconn, shmconn
+from equeue.client import aioends, aiomethods, args, calls, forks, rawconn, shmconn
 from equeue.client.calls import Call, Given
 from equeue.client.coalesce import HEARD_RECENTLY, Answer, Coalescer, _which, woken_together
 from equeue.client.connect import RECV_BYTES, again, telling, then, tls_refusal, tls_refused
 from equeue.client.core import (
     DECODERS,
-    PULL_OPS,
-    SEND_OPS,
     AnswerReader,
     RequestEncoder,
     answer_error,
-    batch_results,
     given,
     hello_frame,
     lost,
@@ -44,12 +40,6 @@ from equeue.client.core import (
     welcome,
 )
 from equeue.client.csend import answered, fast
-from equeue.client.groupstate import (
-    DEFAULT_AUTO_COMMIT_INTERVAL,
-    DEFAULT_MAX_POLL_INTERVAL,
-    DEFAULT_PREFETCH,
-    DEFAULT_SESSION_TIMEOUT,
-)
 from equeue.client.loops import close_from_here, running_loop, wrong_loop
 from equeue.client.sync import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, check_timeout
 from equeue.client.url import Endpoint, parse_url
@@ -70,14 +60,8 @@ from equeue.protocol.frames import (
     check_answer,
 )
 from equeue.protocol.handshake import Welcome
-from equeue.protocol.ops import check_args
 from equeue.protocol.plainsend import conn_type as _conn_type
-from equeue.store.consumerargs import Start
-from equeue.store.groupdeletion import DeletedGroup
-from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
-
-if TYPE_CHECKING:
-    from equeue.client.consumer_aio import AsyncGroupConsumer
+from equeue.store.types import OutgoingMessage, SendResult
 
 _STATUSES: Final = (STATUS_OK, STATUS_ERROR)
 
@@ -567,30 +551,9 @@ class AsyncClient:
             raise answer_error(payload, self.url)
         return DECODERS[call.op](payload, self.url) if decode else payload
 
-    async def _made(self, make: Callable[..., Call], *arguments: Any) -> Call:
-        """``make(*arguments)``; an argument it refuses is reported after the broker
-        reports the topic or queue missing, if it is (calls.Probe: the store's order)."""
-        try:
-            return make(*arguments)
-        except calls.Probe as probe:
-            try:
-                found = await self._call(probe.call)
-            except EQueueError:
-                if probe.judge is None:
-                    raise  # the store's earlier error: the topic or queue is missing
-                raise probe.error from None
-            earlier = probe.judge(found) if probe.judge is not None else None
-            raise (earlier or probe.error) from None
-
-    async def request(self, op: str, arguments: dict[str, Any]) -> Any:
-        """One request as the protocol has it (docs/protocol.md): its result as msgpack
-        decodes it, or its error raised; arguments held to the op table first."""
-        if not isinstance(op, str) or not isinstance(arguments, dict):
-            raise InvalidTypeError("request takes an op (str) and its arguments (dict)")
-        check_args(op, arguments, f"request to {self.url}")
-        wait = arguments.get("wait_ms", 0) / 1000 if op in PULL_OPS else 0.0
-        messages = [arguments] if op in SEND_OPS else None
-        return await self._call(Call(op, arguments, messages, wait), decode=False)
+    # ``request`` and MessageStore's methods but ``send``, one request each: aiomethods.py
+    _made = aiomethods._made
+    request = aiomethods.request
 
     # --- MessageStore's methods --------------------------------------------------
 
@@ -631,129 +594,23 @@ class AsyncClient:
         result: SendResult = await self._call(call)
         return result
 
-    async def send_batch(
-        self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
-    ) -> list[SendResult]:
-        call = await self._made(calls.send_batch, topic, messages)
-        return batch_results(await self._call(call), call.args, self.url)
-
-    async def pull(
-        self,
-        topic: str,
-        queue_id: int,
-        offset: int,
-        max_count: int = 32,
-        tags: str | Iterable[str] | None = None,
-        wait: float = 0.0,
-        *,
-        max_bytes: int | None = None,
-    ) -> PullResult:
-        result: PullResult = await self._call(
-            await self._made(calls.pull, topic, queue_id, offset, max_count, tags, wait, max_bytes)
-        )
-        return result
-
-    async def get(self, message_id: str) -> Message:
-        result: Message = await self._call(calls.get(message_id))
-        return result
-
-    async def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
-        """As MessageStore.query_by_key, an answer cut to the frame followed by requests
-        for the rest (as the sync client's)."""
-        found: list[Message] = []
-        before: int | None = None
-        while True:
-            call = await self._made(calls.query_by_key, topic, key, limit - len(found), before)
-            page, before = await self._call(call)
-            found += page
-            if before is None or len(found) >= limit:
-                return found
-
-    async def offset_for_time(
-        self, topic: str, queue_id: int, timestamp: float | dt.datetime
-    ) -> int:
-        result: int = await self._call(
-            await self._made(calls.offset_for_time, topic, queue_id, timestamp)
-        )
-        return result
-
-    async def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
-        await self._call(await self._made(calls.commit_offset, group, topic, queue_id, offset))
-
-    async def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
-        result: int | None = await self._call(
-            await self._made(calls.committed_offset, group, topic, queue_id)
-        )
-        return result
-
-    async def delete_group(self, group: str, *, delete_dead_letters: bool = False) -> DeletedGroup:
-        """Delete consumer group ``group`` (protocol version 5; no member may be live): its
-        committed offsets, its retry topic and, with ``delete_dead_letters``, its
-        dead-letter topic, as ``MessageStore.delete_group``. Raises GroupError while the
-        group has live members, GroupNotFoundError for a group the store does not have,
-        BrokerTooOldError from a broker older than version 5 (nothing sent)."""
-        result: DeletedGroup = await self._call(calls.delete_group(group, delete_dead_letters))
-        return result
-
-    async def create_topic(self, topic: str, queue_count: int | None = None) -> None:
-        await self._call(calls.create_topic(topic, queue_count))
-
-    async def topics(self) -> list[str]:
-        result: list[str] = await self._call(calls.topics())
-        return result
-
-    async def deleted_topics(self) -> dict[str, int]:
-        result: dict[str, int] = await self._call(calls.deleted_topics())
-        return result
-
-    async def queue_ids(self, topic: str) -> list[int]:
-        result: list[int] = await self._call(calls.queue_ids(topic))
-        return result
-
-    async def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
-        result: tuple[int, int] = await self._call(
-            await self._made(calls.queue_range, topic, queue_id)
-        )
-        return result
-
-    async def stats(self, group: str | None = None) -> dict[str, Any]:
-        """The broker's counters and a summary of its groups; with ``group``, that group's
-        lag per queue, members and assignment (docs/protocol.md, "stats")."""
-        result: dict[str, Any] = await self._call(calls.stats(group))
-        return result if group is None else calls.one_group(result, group)
-
-    async def ping(self) -> None:
-        await self._call(calls.ping())
-
-    def consumer(
-        self,
-        group: str,
-        topics: str | Iterable[str],
-        *,
-        tags: str | Iterable[str] | None = None,
-        start: Start = "committed",
-        batch_size: int = 32,
-        prefetch: int = DEFAULT_PREFETCH,
-        auto_commit: bool = True,
-        auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
-        session_timeout: float = DEFAULT_SESSION_TIMEOUT,
-        max_retries: int | None = None,
-        timeout: float | None = None,
-        consumer_id: str | None = None,
-        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
-    ) -> AsyncGroupConsumer:
-        """A member of consumer group ``group`` on this client; it joins on ``start()``
-        or entering ``async with``. AsyncGroupConsumer's options, checked as the store's
-        ``consumer`` checks its own (docs/groups.md)."""
-        from equeue.client.consumer_aio import AsyncGroupConsumer
-
-        return AsyncGroupConsumer(
-            self, group, topics, tags=tags, start=start, batch_size=batch_size,
-            prefetch=prefetch, auto_commit=auto_commit,
-            auto_commit_interval=auto_commit_interval, session_timeout=session_timeout,
-            max_retries=max_retries, timeout=timeout, consumer_id=consumer_id,
-            max_poll_interval=max_poll_interval,
-        )  # fmt: skip
+    # the others: aiomethods.py
+    send_batch = aiomethods.send_batch
+    pull = aiomethods.pull
+    get = aiomethods.get
+    query_by_key = aiomethods.query_by_key
+    offset_for_time = aiomethods.offset_for_time
+    commit_offset = aiomethods.commit_offset
+    committed_offset = aiomethods.committed_offset
+    delete_group = aiomethods.delete_group
+    create_topic = aiomethods.create_topic
+    topics = aiomethods.topics
+    deleted_topics = aiomethods.deleted_topics
+    queue_ids = aiomethods.queue_ids
+    queue_range = aiomethods.queue_range
+    stats = aiomethods.stats
+    ping = aiomethods.ping
+    consumer = aiomethods.consumer
 
     # --- life --------------------------------------------------------------------
 

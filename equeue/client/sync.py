@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import _socket
 import contextlib
-import datetime as dt
 import os
 import socket
 import ssl
@@ -31,11 +30,10 @@ import threading
 import time
 import weakref
 from _thread import LockType
-from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from equeue.client import args, calls, endings, turns
+from equeue.client import args, endings, syncmethods, turns
 from equeue.client.calls import Call
 from equeue.client.connect import again, connect_with_retries
 from equeue.client.core import (
@@ -43,21 +41,15 @@ from equeue.client.core import (
     PULL_OPS,
     SEND_OPS,
     answer_error,
-    batch_results,
     given,
     lost,
     lost_in_flight,
     readable,
 )
-from equeue.client.groupstate import (
-    DEFAULT_AUTO_COMMIT_INTERVAL,
-    DEFAULT_MAX_POLL_INTERVAL,
-    DEFAULT_PREFETCH,
-    DEFAULT_SESSION_TIMEOUT,
-)
 from equeue.client.inflight import _Connection as _Connection
 from equeue.client.inflight import _deadline
 from equeue.client.inflight import _Slot as _Slot
+from equeue.client.syncmethods import DEFAULT_WINDOW as DEFAULT_WINDOW
 from equeue.client.turns import TURN_CHECK as TURN_CHECK
 from equeue.client.turns import Turns
 from equeue.client.url import Endpoint, parse_url
@@ -72,16 +64,9 @@ from equeue.errors import (
 from equeue.protocol.frames import CONNECTION_REQUEST_ID, STATUS_OK, check_answer
 from equeue.protocol.handshake import Welcome
 from equeue.protocol.ops import check_args
-from equeue.store.consumerargs import Start
-from equeue.store.groupdeletion import DeletedGroup
-from equeue.store.types import Message, OutgoingMessage, PullResult, SendResult
-
-if TYPE_CHECKING:
-    from equeue.client.consumer import GroupConsumer
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
-DEFAULT_WINDOW = 256
 # A connection idle this long (seconds) is polled before the next request, so one the
 # broker closed meanwhile is made anew instead of failing the request; back-to-back
 # requests skip the poll (a syscall each): a close in that gap fails like one in flight.
@@ -547,21 +532,6 @@ class Client(Turns):
             raise
         return DECODERS[call.op](payload, self.url)
 
-    def _made(self, make: Callable[..., Call], *arguments: Any) -> Call:
-        """``make(*arguments)``; an argument it refuses is reported after the broker
-        reports the topic or queue missing, if it is (calls.Probe: the store's order)."""
-        try:
-            return make(*arguments)
-        except calls.Probe as probe:
-            try:
-                found = self._call(probe.call)
-            except EQueueError:
-                if probe.judge is None:
-                    raise  # the store's earlier error: the topic or queue is missing
-                raise probe.error from None
-            earlier = probe.judge(found) if probe.judge is not None else None
-            raise (earlier or probe.error) from None
-
     def request(self, op: str, arguments: dict[str, Any]) -> Any:
         """One request as the protocol has it (docs/protocol.md): its result as msgpack
         decodes it, or its error raised. The arguments are held to the op table first:
@@ -595,158 +565,26 @@ class Client(Turns):
         conn, slot = started
         return self._outcome(slot) if slot.done else self._wait(conn, slot, until)
 
-    # --- MessageStore's methods --------------------------------------------------
-
-    def send(
-        self,
-        topic: str,
-        body: bytes,
-        *,
-        tag: str = "",
-        key: str | None = None,
-        properties: dict[str, str] | None = None,
-        code: int = 0,
-        queue_id: int | None = None,
-    ) -> SendResult:
-        result: SendResult = self._call(
-            calls.send(topic, body, tag, key, properties, code, queue_id)
-        )
-        return result
-
-    def send_batch(
-        self, topic: str, messages: Iterable[bytes | OutgoingMessage | dict[str, Any]]
-    ) -> list[SendResult]:
-        """One request: the broker stores all or none (as MessageStore.send_batch)."""
-        call = self._made(calls.send_batch, topic, messages)
-        return batch_results(self._call(call), call.args, self.url)
-
-    def send_many(
-        self,
-        topic: str,
-        messages: Iterable[bytes | OutgoingMessage | dict[str, Any]],
-        *,
-        window: int = DEFAULT_WINDOW,
-    ) -> list[SendResult]:
-        """The messages in chunks of consecutive ones (one send_bodies or send_batch
-        request each, all or nothing each), at most ``window`` messages in flight; the
-        results in the messages' order. What a failure midway reports (``sent``,
-        ``unsent``, ``unanswered``): equeue/client/many.py, docs/client.md."""
-        from equeue.client.many import send_many
-
-        return send_many(self, topic, messages, window)
-
-    def pull(
-        self,
-        topic: str,
-        queue_id: int,
-        offset: int,
-        max_count: int = 32,
-        tags: str | Iterable[str] | None = None,
-        wait: float = 0.0,
-        *,
-        max_bytes: int | None = None,
-    ) -> PullResult:
-        result: PullResult = self._call(
-            self._made(calls.pull, topic, queue_id, offset, max_count, tags, wait, max_bytes)
-        )
-        return result
-
-    def get(self, message_id: str) -> Message:
-        result: Message = self._call(calls.get(message_id))
-        return result
-
-    def query_by_key(self, topic: str, key: str, limit: int = 32) -> list[Message]:
-        """As MessageStore.query_by_key: up to ``limit`` messages, newest first. An answer
-        the broker cut to its frame (max_frame_bytes, max_pull_count) is followed by
-        requests for the rest, so the list is the store's whatever its size."""
-        found: list[Message] = []
-        before: int | None = None
-        while True:
-            call = self._made(calls.query_by_key, topic, key, limit - len(found), before)
-            page, before = self._call(call)
-            found += page
-            if before is None or len(found) >= limit:
-                return found
-
-    def offset_for_time(self, topic: str, queue_id: int, timestamp: float | dt.datetime) -> int:
-        result: int = self._call(self._made(calls.offset_for_time, topic, queue_id, timestamp))
-        return result
-
-    def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
-        self._call(self._made(calls.commit_offset, group, topic, queue_id, offset))
-
-    def committed_offset(self, group: str, topic: str, queue_id: int) -> int | None:
-        result: int | None = self._call(self._made(calls.committed_offset, group, topic, queue_id))
-        return result
-
-    def delete_group(self, group: str, *, delete_dead_letters: bool = False) -> DeletedGroup:
-        """Delete consumer group ``group`` (protocol version 5; no member may be live): its
-        committed offsets, its retry topic and, with ``delete_dead_letters``, its
-        dead-letter topic, as ``MessageStore.delete_group``. Raises GroupError while the
-        group has live members, GroupNotFoundError for a group the store does not have,
-        BrokerTooOldError from a broker older than version 5 (nothing sent)."""
-        result: DeletedGroup = self._call(calls.delete_group(group, delete_dead_letters))
-        return result
-
-    def create_topic(self, topic: str, queue_count: int | None = None) -> None:
-        self._call(calls.create_topic(topic, queue_count))
-
-    def topics(self) -> list[str]:
-        result: list[str] = self._call(calls.topics())
-        return result
-
-    def deleted_topics(self) -> dict[str, int]:
-        """MessageStore.deleted_topics: a broker of protocol version 5 or later (else
-        BrokerTooOldError, nothing sent)."""
-        result: dict[str, int] = self._call(calls.deleted_topics())
-        return result
-
-    def queue_ids(self, topic: str) -> list[int]:
-        result: list[int] = self._call(calls.queue_ids(topic))
-        return result
-
-    def queue_range(self, topic: str, queue_id: int) -> tuple[int, int]:
-        result: tuple[int, int] = self._call(self._made(calls.queue_range, topic, queue_id))
-        return result
-
-    def stats(self, group: str | None = None) -> dict[str, Any]:
-        """The broker's counters and a summary of its groups; with ``group``, that group's
-        lag per queue, members and assignment (docs/protocol.md, "stats")."""
-        result: dict[str, Any] = self._call(calls.stats(group))
-        return result if group is None else calls.one_group(result, group)
-
-    def ping(self) -> None:
-        self._call(calls.ping())
-
-    def consumer(
-        self,
-        group: str,
-        topics: str | Iterable[str],
-        *,
-        tags: str | Iterable[str] | None = None,
-        start: Start = "committed",
-        batch_size: int = 32,
-        prefetch: int = DEFAULT_PREFETCH,
-        auto_commit: bool = True,
-        auto_commit_interval: float = DEFAULT_AUTO_COMMIT_INTERVAL,
-        session_timeout: float = DEFAULT_SESSION_TIMEOUT,
-        max_retries: int | None = None,
-        timeout: float | None = None,
-        consumer_id: str | None = None,
-        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
-    ) -> GroupConsumer:
-        """A member of consumer group ``group`` on this client, joined now: GroupConsumer's
-        options (equeue/client/consumer.py, docs/groups.md), checked as the store's
-        ``consumer`` checks its own."""
-        from equeue.client.consumer import GroupConsumer
-
-        return GroupConsumer(
-            self, group, topics, tags=tags, start=start, batch_size=batch_size,
-            prefetch=prefetch, auto_commit=auto_commit,
-            auto_commit_interval=auto_commit_interval, session_timeout=session_timeout,
-            max_retries=max_retries, timeout=timeout, consumer_id=consumer_id,
-            max_poll_interval=max_poll_interval,
-        )  # fmt: skip
+    # MessageStore's methods, one request each: equeue/client/syncmethods.py
+    _made = syncmethods._made
+    send = syncmethods.send
+    send_batch = syncmethods.send_batch
+    send_many = syncmethods.send_many
+    pull = syncmethods.pull
+    get = syncmethods.get
+    query_by_key = syncmethods.query_by_key
+    offset_for_time = syncmethods.offset_for_time
+    commit_offset = syncmethods.commit_offset
+    committed_offset = syncmethods.committed_offset
+    delete_group = syncmethods.delete_group
+    create_topic = syncmethods.create_topic
+    topics = syncmethods.topics
+    deleted_topics = syncmethods.deleted_topics
+    queue_ids = syncmethods.queue_ids
+    queue_range = syncmethods.queue_range
+    stats = syncmethods.stats
+    ping = syncmethods.ping
+    consumer = syncmethods.consumer
 
     # --- life --------------------------------------------------------------------
 

@@ -29,7 +29,6 @@ Options (names case-insensitive, as Spark passes them):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -49,10 +48,8 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from equeue.digits import ascii_number
 from equeue.errors import (
     AuthenticationError,
-    CorruptionError,
     DataLossError,
     EQueueError,
     SparkOptionError,
@@ -61,6 +58,15 @@ from equeue.errors import (
 )
 from equeue.spark.columns import MESSAGE_FIELDS
 from equeue.spark.source import BATCH_ROWS, MESSAGE_SCHEMA
+from equeue.spark.streamoffsets import DELETED as DELETED
+from equeue.spark.streamoffsets import EARLIEST as EARLIEST
+from equeue.spark.streamoffsets import FROM as FROM
+from equeue.spark.streamoffsets import LATEST as LATEST
+from equeue.spark.streamoffsets import Offsets as Offsets
+from equeue.spark.streamoffsets import checked_offset as checked_offset
+from equeue.spark.streamoffsets import deleted_of as deleted_of
+from equeue.spark.streamoffsets import offsets_json as offsets_json
+from equeue.spark.streamoffsets import ordered as ordered
 from equeue.spark.viabroker import BrokerQueues
 from equeue.store.types import Message
 
@@ -69,22 +75,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Offsets = dict[str, dict[str, int]]  # topic -> queue id (a string) -> next offset
-# In a batch's end offset: {topic: {queue: offset}} where the batch begins a queue other
-# than at the start offset (a new queue, a topic created again, offsets retention took).
-# Not a topic name: those are [A-Za-z0-9._-].
-FROM: Final = "@from"
-# In an offset: {topic: the log position of its last deletion} for the topics read that
-# were ever deleted (the store's deleted_topics()). A topic whose position differs at the
-# next planning was deleted and created again since: what the query read is gone, and the
-# offsets are the new topic's (reviewj F1: a new topic already past them was read on from
-# there, its first messages skipped). In every offset since 2026-11-27 (maybe empty);
-# absent: an older version's offset, or a broker that cannot say (before protocol
-# version 5): the topics are then taken as they are.
-DELETED: Final = "@deleted"
-
-EARLIEST: Final = -2
-LATEST: Final = -1
 PULL_COUNT: Final = 4096  # messages per pull on an executor
 DEFAULT_TRIGGER_DELAY: Final = 15 * 60.0  # seconds, as Kafka's maxTriggerDelay
 OPTIONS: Final = (
@@ -103,8 +93,6 @@ OPTIONS: Final = (
     "timeout",
 )
 _KNOWN: Final = {name.lower(): name for name in OPTIONS}
-_INT32_MAX: Final = (1 << 31) - 1  # the queue_id column is an int, queue_offset a long
-_INT64_MAX: Final = (1 << 63) - 1
 _DELAY: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*")
 _UNIT: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -203,39 +191,6 @@ class StreamOptions:
         return self.pattern.fullmatch(topic) is not None
 
 
-def offsets_json(text: str, option: str = "startingOffsets") -> dict[str, dict[str, int]]:
-    """A JSON offsets option (``startingOffsets``; the batch source's ``endingOffsets``
-    too): topic -> queue id (a string) -> offset, -2 the earliest, -1 the latest."""
-
-    def bad(why: str) -> SparkOptionError:
-        return SparkOptionError(
-            f"option {option}={text!r}: {why}; it must be 'earliest', 'latest' or JSON "
-            'like {"topic": {"0": 23, "1": -2}} (-2: the earliest offset, -1: the latest)'
-        )
-
-    try:
-        parsed = json.loads(text)
-    except (ValueError, RecursionError):
-        raise bad("not JSON") from None
-    if not isinstance(parsed, dict):
-        raise bad("not a JSON object")
-    out: dict[str, dict[str, int]] = {}
-    for topic, queues in parsed.items():
-        if not isinstance(queues, dict):
-            raise bad(f"topic {topic!r} maps to {queues!r}, not to an object of queue ids")
-        out[topic] = {}
-        for queue, offset in queues.items():
-            # ascii_number: isdigit() alone lets "²" through (a digit to Unicode, not to
-            # int()), and int() refuses 4,301 digits (builtin ValueErrors)
-            number = ascii_number(queue)
-            if number is None or number > _INT32_MAX:
-                raise bad(f"queue id {queue[:40]!r} of topic {topic!r} is not a queue number")
-            if type(offset) is not int or not EARLIEST <= offset <= _INT64_MAX:
-                raise bad(f"offset {offset!r} of {topic}/{queue} is not -2, -1 or an offset")
-            out[topic][str(number)] = offset
-    return out
-
-
 def _count(given: Mapping[str, str], name: str) -> int | None:
     text = given.get(name.lower())
     if text is None:
@@ -261,69 +216,6 @@ def _delay(text: str | None) -> float:
     if not math.isfinite(seconds):
         raise SparkOptionError(f"option maxTriggerDelay={text!r}: it is too long to be a duration")
     return seconds
-
-
-def ordered(offsets: Mapping[str, Any]) -> dict[str, Any]:
-    """``offsets`` with topics and queues in one order: Spark compares offsets as JSON text,
-    so an unchanged offset must serialize the same."""
-    out: dict[str, Any] = {
-        t: {q: offsets[t][q] for q in sorted(offsets[t], key=int)}
-        for t in sorted(offsets)
-        if offsets[t] and t not in (FROM, DELETED)
-    }
-    if offsets.get(FROM):
-        out[FROM] = ordered(offsets[FROM])
-    if DELETED in offsets:
-        out[DELETED] = dict(sorted(offsets[DELETED].items()))
-    return out
-
-
-def checked_offset(offset: object) -> dict[str, Any]:
-    """An offset Spark hands back from the query's checkpoint, as this source writes it:
-    topic -> {queue id: offset >= 0}, FROM the same, DELETED {topic: log position}. A
-    hand-edited or foreign checkpoint is refused here, not met as a builtin TypeError
-    later or a text mark taken for a re-creation (reviewl L7)."""
-
-    def bad(why: str) -> CorruptionError:
-        return CorruptionError(
-            f"the query's checkpoint holds an offset this source did not write ({why}): "
-            f"{json.dumps(offset, default=repr)[:200]}",
-            remedy="restore the checkpoint, or start the query with a new checkpointLocation "
-            "(startingOffsets applies then)",
-        )
-
-    def queues(topic: str, given: object) -> None:
-        if not isinstance(given, dict):
-            raise bad(f"topic {topic!r} maps to {given!r}, not to an object of queue ids")
-        for queue, at in given.items():
-            number = ascii_number(queue)  # (not int(): see offsets_json)
-            if number is None or number > _INT32_MAX:
-                raise bad(f"queue id {queue[:40]!r} of topic {topic!r} is not a queue number")
-            if type(at) is not int or not 0 <= at <= _INT64_MAX:
-                raise bad(f"offset {at!r} of {topic}/{queue} is not an offset")
-
-    if not isinstance(offset, dict):
-        raise bad("not a JSON object")
-    for topic, given in offset.items():
-        if topic == DELETED:
-            if not isinstance(given, dict) or not all(
-                type(mark) is int and 0 <= mark <= _INT64_MAX for mark in given.values()
-            ):
-                raise bad(f"{DELETED} must map topics to log positions, not {given!r}")
-        elif topic == FROM:
-            if not isinstance(given, dict):
-                raise bad(f"{FROM} must map topics to queue offsets, not {given!r}")
-            for moved, at in given.items():
-                queues(moved, at)
-        else:
-            queues(topic, given)
-    return offset
-
-
-def deleted_of(offsets: Mapping[str, Any], topic: str) -> int | None:
-    """Where ``topic`` was last deleted as ``offsets`` has it: -1 never, None not known."""
-    marks = offsets.get(DELETED)
-    return None if marks is None else marks.get(topic, -1)
 
 
 class EqueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
