@@ -266,9 +266,17 @@ def redispatch(
                 # retention removed the queue chunk holding the checkpoint's offset.)
                 if log_first > 0:
                     limit = max(limit, queue.first_offset)
-                    while limit < queue.next_offset and 0 <= queue.entry(limit)[0] < log_first:
+                    previous = queue.entry(limit - 1)[0] if limit > queue.first_offset else -1
+                    while limit < queue.next_offset:
+                        at = queue.entry(limit)[0]
+                        if not previous < at < log_first:  # (rising: else torn low)
+                            break
+                        previous = at
                         limit += 1
+            kept_from = limit
             limit = _past_removed(reader, queue, limit, recorded_end, log_end)
+            if limit > kept_from and recorded_end is None:
+                report.problems.append(_unvouched(queue, kept_from, limit))
             if queue.next_offset > limit:
                 report.cuts += queue.cut_from(limit)
     for chunk in reader.manager:  # what the matcher read stays in the page cache only
@@ -367,7 +375,7 @@ def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, s
     one block whatever the queue's length (review11 R11-3: a list of every entry past a
     damaged one took 122 MiB for 1 M entries). With the offset, the problem to report if
     an entry the log cannot check ends the kept ones."""
-    start = queue.first_offset_at_or_after(position)
+    start = _unmisled(reader, queue, queue.first_offset_at_or_after(position), position)
     # Entries' positions rise with the offset: one the log cannot check (retention or
     # compaction removed its record) is taken for good only if it lies above the last
     # entry before the tail, and if at most one entry before it lies at or past
@@ -399,6 +407,40 @@ def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, s
                     )
         end = first
     return start, None
+
+
+def _unmisled(reader: ChunkReader, queue: Queue, start: int, position: int) -> int:
+    """``start``, the binary search's first offset at or past ``position``, moved back
+    where a tail's last entries torn low (below ``position``) misled the search past the
+    tail's entries that lie at or past it: 10 entries, then 2 lost sends, the last torn
+    low, gave 12, so the walk checked nothing, both stayed, and after retention the
+    queue's first offset became 12 too (offsets 10-11 skipped, kept silently). The walk
+    back from ``start`` crosses entries below ``position`` the log does not back (at
+    most a block of them); an entry at or past ``position`` before them means the search
+    was misled, and the tail starts at the first such entry of the rising entries
+    before it. An entry not above the one before it was torn low (positions rise with
+    the offset): the tail starts there at the latest, and the walk in ``_tail_from``
+    keeps it only if it lies above the entry before the tail."""
+    offset = start
+    later: int | None = None  # the position of the entry after ``offset - 1``
+    while offset > max(queue.first_offset, start - _BLOCK):
+        at = queue.entry(offset - 1)[0]
+        if later is not None and 0 <= later <= at:
+            start = offset
+        later = at
+        if not 0 <= at < position:
+            lo, hi = queue.first_offset, offset - 1
+            while lo < hi:  # the entries before this one rise (or the search is no worse)
+                mid = (lo + hi) // 2
+                if 0 <= queue.entry(mid)[0] < position:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return lo
+        if _backs(reader, queue, offset - 1, at):
+            break
+        offset -= 1
+    return start
 
 
 def _second_at_or_past(queue: Queue, start: int, position: int) -> int:
@@ -445,6 +487,21 @@ def _past_removed(
             previous = at
             limit += 1
     return limit
+
+
+def _unvouched(queue: Queue, first: int, end: int) -> str:
+    """The problem to report for entries ``first``..``end - 1`` that ``_past_removed``
+    kept with no checkpointed offset to bound them (review12 F3): a power loss's entry
+    torn to a position compaction or retention emptied looks the same, and would be an
+    offset handed out with no message behind it."""
+    span = f"offset {first} is" if end - first == 1 else f"offsets {first}..{end - 1} are"
+    return (
+        f"queue {queue.topic}/{queue.queue_id}: {span} kept although no checkpoint records "
+        f"the queue's end: the records, from log position {queue.entry(first)[0]} on, were "
+        "removed by compaction or retention, so the log cannot check them (an entry a power "
+        "loss tore into such a gap looks the same, and pulls skip it) "
+        f"{_entry_location(queue, first)}"
+    )
 
 
 def _entry_location(queue: Queue, offset: int) -> str:
