@@ -331,12 +331,18 @@ def test_a_torn_tail_behind_retained_entries_is_cut_whole(
     else:
         _power_loss(copy, 2, 9, (qpos[7] + first) // 2)
     _damage_derived(copy, mode)
+    _reopen_cut_at(copy, 8)
+
+
+def _reopen_cut_at(copy: Path, end: int) -> None:
+    """Two opens: the first cuts q's tail at ``end`` (one cut, no problem named), the
+    second finds it so; each send gets the next offset."""
     for reopen in range(2):
         with MessageStore.open(copy, CONFIG) as store:
-            assert store.queue_range("q", 0) == (8, 8 + reopen), reopen
+            assert store.queue_range("q", 0) == (end, end + reopen), reopen
             assert len(_q_cuts(store)) == (1 - reopen)
             assert [p for p in store.recovery.problems if "queue q/0" in p] == []
-            assert store.send("q", b"after").queue_offset == 8 + reopen
+            assert store.send("q", b"after").queue_offset == end + reopen
 
 
 @pytest.mark.parametrize(
@@ -363,12 +369,7 @@ def test_a_short_tail_torn_low_after_ten_retained_entries_is_cut(
     shutil.copytree(path, copy)
     _power_loss(copy, sends, 9 + sends, qpos[5] if torn == "below-q9" else 0)
     _damage_derived(copy, mode)
-    for reopen in range(2):
-        with MessageStore.open(copy, CONFIG) as store:
-            assert store.queue_range("q", 0) == (10, 10 + reopen), reopen
-            assert len(_q_cuts(store)) == (1 - reopen)
-            assert [p for p in store.recovery.problems if "queue q/0" in p] == []
-            assert store.send("q", b"after").queue_offset == 10 + reopen
+    _reopen_cut_at(copy, 10)
 
 
 def test_a_short_tail_torn_into_the_retained_gap_is_reported(
