@@ -351,7 +351,8 @@ def _reopen_cut_at(copy: Path, end: int) -> None:
         (mode, sends, torn)
         for mode in ("drop", "garble", "keep")
         for sends, torn in ((2, "below-q9"), (2, "zero"), (1, "below-q9"), (1, "zero"))
-    ],
+    ]
+    + [("keep", 1, "gap")],
 )
 def test_a_short_tail_torn_low_after_ten_retained_entries_is_cut(
     retained_ten: tuple[Path, list[int], int], tmp_path: Path, mode: str, sends: int, torn: str
@@ -362,12 +363,16 @@ def test_a_short_tail_torn_low_after_ten_retained_entries_is_cut(
     ended at 12, so nothing was checked, and the open's search for the first offset after
     retention (reopen.py) ended at 12 too: range (12, 12), offsets 10-11 skipped
     silently. With 1 send the entry, below the one before it, was kept as one whose
-    record retention removed: (11, 11). Neither offset was acknowledged: q is (10, 10)
-    and the next send gets 10."""
-    path, qpos, _ = retained_ten
+    record retention removed: (11, 11). "gap", with the checkpoint: 1 send torn between
+    entry 9 and the log's first position, as a message retention removed would lie, but
+    at the checkpoint's offset 10 and below its log position, where no entry appended
+    after it can point: kept before, (11, 11). Neither offset was acknowledged: q is
+    (10, 10) and the next send gets 10."""
+    path, qpos, first = retained_ten
     copy = tmp_path / "store"
     shutil.copytree(path, copy)
-    _power_loss(copy, sends, 9 + sends, qpos[5] if torn == "below-q9" else 0)
+    position = {"below-q9": qpos[5], "zero": 0, "gap": (qpos[9] + first) // 2}[torn]
+    _power_loss(copy, sends, 9 + sends, position)
     _damage_derived(copy, mode)
     _reopen_cut_at(copy, 10)
 

@@ -150,10 +150,13 @@ def redispatch(
     recorded: dict[str, Any] | None = None,
     deleted: dict[str, int] | None = None,
     logged: Iterable[str] = (),
+    recorded_at: int | None = None,
 ) -> None:
     """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets,
-    ``deleted`` {topic: log position of its deletion}: earlier records of it are skipped;
-    ``logged``: problems logged already (by queues' chunk managers closed since)."""
+    ``recorded_at`` its log position (taken with them: an entry at or past a queue's
+    recorded offset points at or past it); ``deleted`` {topic: log position of its
+    deletion}: earlier records of it are skipped; ``logged``: problems logged already (by
+    queues' chunk managers closed since)."""
     # Keys: rows at or past the index's own mark may be duplicates (a query commits
     # pending keys early) or point past a cut in the log; drop and re-index them.
     start = redispatch_start(start, keys, reader.manager)  # before forget_from moves it
@@ -264,12 +267,19 @@ def redispatch(
                 # stay, else the queue's next offset would move back below offsets
                 # already acknowledged, and the next sends would reuse them. (Also when
                 # retention removed the queue chunk holding the checkpoint's offset.)
+                # An entry below the one before it, or past the checkpoint's offset but
+                # below its position, was torn low: a lost send's, not retention's.
                 if log_first > 0:
                     limit = max(limit, queue.first_offset)
                     previous = queue.entry(limit - 1)[0] if limit > queue.first_offset else -1
                     while limit < queue.next_offset:
                         at = queue.entry(limit)[0]
-                        if not previous < at < log_first:  # (rising: else torn low)
+                        if not previous < at < log_first or (
+                            recorded_end is not None
+                            and recorded_at is not None
+                            and limit >= recorded_end
+                            and at < recorded_at
+                        ):
                             break
                         previous = at
                         limit += 1
