@@ -444,3 +444,29 @@ def test_the_tail_check_keeps_one_block_of_entries(tmp_path: Path) -> None:
             tracemalloc.stop()
     assert tail == (count, None)
     assert peak < 2 << 20, peak
+
+
+def test_a_clean_reopen_reads_no_record_for_the_tail_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk that checks the tail search (``_unmisled``) stops at the checkpoint's
+    offset: entries below it were flushed before the checkpoint was written, no crash's
+    tail. Without that bound a clean reopen read each open queue's last record (64 reads
+    for 64 queues, and a page-in of its chunk after a reboot)."""
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 64)
+        for i in range(64 * 3):
+            store.send("t", b"x", queue_id=i % 64)
+    calls: list[int] = []
+    backs = recovery._backs
+
+    def counted(*args: object) -> bool | None:
+        calls.append(1)
+        return backs(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(recovery, "_backs", counted)
+    with MessageStore.open(path, CONFIG) as store:
+        assert store.recovery.clean
+        assert store.queue_range("t", 63) == (0, 3)
+    assert calls == []

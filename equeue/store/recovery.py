@@ -256,7 +256,7 @@ def redispatch(
                 elif recorded_end is None:
                     limit, unchecked = _tail_from(reader, queue, start)
                 else:
-                    tail, unchecked = _tail_from(reader, queue, log_end)
+                    tail, unchecked = _tail_from(reader, queue, log_end, recorded_end)
                     limit = min(recorded_end, tail)
                     if limit < tail:  # the entry kept on faith is cut after all
                         unchecked = None
@@ -370,7 +370,9 @@ def _past_damaged(
 _BLOCK = 4096  # entries read at a time by the walks over a queue's tail
 
 
-def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, str | None]:
+def _tail_from(
+    reader: ChunkReader, queue: Queue, position: int, durable: int = 0
+) -> tuple[int, str | None]:
     """The first offset of ``queue``'s tail of entries at or past log ``position`` (what a
     crash left past the log's end). The binary search is checked entry by entry from
     where it ends, so that one damaged entry in the middle (a flipped high bit: a position
@@ -385,7 +387,8 @@ def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, s
     one block whatever the queue's length (review11 R11-3: a list of every entry past a
     damaged one took 122 MiB for 1 M entries). With the offset, the problem to report if
     an entry the log cannot check ends the kept ones."""
-    start = _unmisled(reader, queue, queue.first_offset_at_or_after(position), position)
+    start = queue.first_offset_at_or_after(position)
+    start = _unmisled(reader, queue, start, position, durable)
     # Entries' positions rise with the offset: one the log cannot check (retention or
     # compaction removed its record) is taken for good only if it lies above the last
     # entry before the tail, and if at most one entry before it lies at or past
@@ -419,7 +422,7 @@ def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, s
     return start, None
 
 
-def _unmisled(reader: ChunkReader, queue: Queue, start: int, position: int) -> int:
+def _unmisled(reader: ChunkReader, queue: Queue, start: int, position: int, durable: int) -> int:
     """``start``, the binary search's first offset at or past ``position``, moved back
     where a tail's last entries torn low (below ``position``) misled the search past the
     tail's entries that lie at or past it: 10 entries, then 2 lost sends, the last torn
@@ -430,10 +433,13 @@ def _unmisled(reader: ChunkReader, queue: Queue, start: int, position: int) -> i
     was misled, and the tail starts at the first such entry of the rising entries
     before it. An entry not above the one before it was torn low (positions rise with
     the offset): the tail starts there at the latest, and the walk in ``_tail_from``
-    keeps it only if it lies above the entry before the tail."""
+    keeps it only if it lies above the entry before the tail. Entries below ``durable``
+    (the checkpoint's offset: flushed before it was written) are no crash's tail and are
+    not walked: a clean reopen reads no record here (without the bound, one per open
+    queue)."""
     offset = start
     later: int | None = None  # the position of the entry after ``offset - 1``
-    while offset > max(queue.first_offset, start - _BLOCK):
+    while offset > max(queue.first_offset, start - _BLOCK, durable):
         at = queue.entry(offset - 1)[0]
         if later is not None and 0 <= later <= at:
             start = offset
