@@ -14,6 +14,7 @@ import pytest
 
 from equeue import Message, MessageStore, PullResult
 from equeue.errors import GroupError, MessageNotFoundError, StoreWriteError
+from equeue.protocol.retries import MAX_RETRIES_LIMIT
 from equeue.server import retry
 from equeue.server.groups import GroupCoordinator
 
@@ -443,3 +444,60 @@ def test_a_repeat_nack_of_one_message_makes_no_second_copy(
     coord.nack("g", "a", first.message_id, 0)  # forgotten: ("h", first) and 3 newer
     assert [m.body for m in everything(store, RETRY)].count(b"one") == 2
     assert coord.retries.stats()["nacked_again"] == 4
+
+
+def _retry_copy(properties: dict[str, str]) -> Message:
+    return Message("0" * 24, RETRY, 0, 7, 0, "", None, properties, 0, b"copy", 1, 1)
+
+
+_GOOD = {
+    retry.ATTEMPT: "2",
+    retry.ORIGIN_TOPIC: "orders",
+    retry.ORIGIN_QUEUE: "1",
+    retry.ORIGIN_OFFSET: "5",
+    retry.ORIGIN_ID: "f" * 24,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (retry.ORIGIN_QUEUE, "-1"),
+        (retry.ORIGIN_QUEUE, "1024"),  # MAX_QUEUES: no topic has that queue
+        (retry.ORIGIN_QUEUE, "1" + "0" * 30),
+        (retry.ORIGIN_QUEUE, "\u0663"),  # an Arabic-Indic 3: int() reads it
+        (retry.ORIGIN_OFFSET, "-5"),
+        (retry.ORIGIN_OFFSET, str(2**63)),
+        (retry.ORIGIN_OFFSET, "1" + "0" * 30),
+        (retry.ORIGIN_OFFSET, " 5"),
+        (retry.ORIGIN_OFFSET, "9" * 5000),  # int() refuses it with a builtin ValueError
+        (retry.ATTEMPT, "-5"),
+        (retry.ATTEMPT, "1" + "0" * 30),
+        (retry.ATTEMPT, str(MAX_RETRIES_LIMIT + 1)),
+        (retry.ATTEMPT, "1_0"),
+    ],
+)
+def test_retry_numbers_out_of_range_make_no_retry_copy(name: str, value: str) -> None:
+    """A retry copy's numbers are the broker's: ASCII digits, a queue id below
+    MAX_QUEUES, an offset below 2**63, an attempt at most MAX_RETRIES_LIMIT. One that is
+    not (a message written into the retry topic by hand, or damaged) makes it no retry
+    copy, as a property that does not parse does: the consumer sees it where it is, and
+    a nack starts its attempts at 0 with it as its own origin. Before, int() took a
+    negative or 31-digit queue id or offset into the restored message (and "\u0663" as
+    3), and a 31-digit attempt dead-lettered it at once."""
+    assert retry.origin(_retry_copy(_GOOD), "g") == (
+        {k: _GOOD[k] for k in _GOOD if k != retry.ATTEMPT},
+        2,
+    )
+    assert retry.restore(_retry_copy(_GOOD))[1:4] == ("orders", 1, 5)
+    copy = _retry_copy(_GOOD | {name: value})
+    if name != retry.ATTEMPT:  # the consumer's view: restore reads only the origin
+        assert retry.restore(copy) == copy
+    found, attempts = retry.origin(copy, "g")
+    assert attempts == 0
+    assert found == {
+        retry.ORIGIN_TOPIC: RETRY,
+        retry.ORIGIN_QUEUE: "0",
+        retry.ORIGIN_OFFSET: "7",
+        retry.ORIGIN_ID: "0" * 24,
+    }

@@ -160,6 +160,13 @@ def test_entries_whose_records_compaction_removed_are_kept(
                 assert store.recovery.start_position == 0
             assert store.queue_range("q", 0) == (0, 10 + reopen), (mode, reopen)
             assert _q_cuts(store) == []
+            # Kept on faith with no checkpointed offset (review12 F3): reported, once.
+            named = [p for p in store.recovery.problems if "queue q/0" in p]
+            if mode in ("drop", "garble") and reopen == 0:
+                assert len(named) == 1, store.recovery.problems
+                assert f"offsets {len(survivors)}..9 are kept" in named[0]
+            else:
+                assert named == [], store.recovery.problems
             assert store.queue_range("r", 0) == (0, 3)
             assert [m.queue_offset for m in store.pull("q", 0, 0, 20)] == survivors + list(
                 range(10, 10 + reopen)
@@ -185,7 +192,8 @@ def test_a_torn_tail_after_compacted_entries_is_cut(
     end); or one entry torn into a hole, below q's last entry's position (positions
     must rise) or above it (with a checkpoint: past the queue's checkpointed offset).
     The tail is cut whole, the compacted entries stay. (One entry torn into a hole above
-    the last, with no checkpoint, is indistinguishable from a compacted entry: kept.)"""
+    the last, with no checkpoint, is indistinguishable from a compacted entry: kept, and
+    reported: test_one_entry_torn_into_a_hole_with_no_checkpoint_is_reported.)"""
     path, qpos, removed = _copy(compacted, tmp_path), compacted[1], compacted[2]
     above = min(p for p in removed if p > qpos[9])
     if tail == "five-last-in-a-hole-above":
@@ -236,19 +244,54 @@ def test_a_torn_tail_of_a_topic_created_after_the_checkpoint_is_cut(
     assert any((path / "queues/z/0/recovered").iterdir())
 
 
+def test_one_entry_torn_into_a_hole_with_no_checkpoint_is_reported(
+    compacted: Compacted, tmp_path: Path
+) -> None:
+    """review12 F3: topic z created, one send, a power loss (its record lost, its entry
+    torn into a compaction hole), checkpoint.json deleted. The entry cannot be told from
+    one whose record compaction removed: it is kept (no good entry of a compacted store
+    is cut), and the open says so, naming z, the offset and the entry's file (before:
+    kept silently, an offset handed out with no message)."""
+    path, qpos, removed = _copy(compacted, tmp_path), compacted[1], compacted[2]
+    _power_loss(path, 1, 0, min(p for p in removed if p > qpos[0]), topic="z")
+    (path / "checkpoint.json").unlink()
+    for reopen in range(2):
+        with MessageStore.open(path, CONFIG) as store:
+            assert store.queue_range("z", 0) == (0, 1 + reopen)
+            named = [p for p in store.recovery.problems if "queue z/0" in p]
+            if reopen == 0:
+                assert len(named) == 1, store.recovery.problems
+                assert "offset 0 is kept" in named[0]
+                assert f"{path / 'queues/z/0/chunk-000000000000.0000'} at offset 128" in named[0]
+            else:  # the close's checkpoint records z's end
+                assert named == [], store.recovery.problems
+            assert [m.body for m in store.pull("z", 0, 0, 10)] == [b"after"] * reopen
+            assert store.send("z", b"after").queue_offset == 1 + reopen
+
+
 # -- R11-2 / R11-8: a torn tail behind entries whose records retention removed ----------
 
 
 @pytest.fixture(scope="module")
 def retained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], int]:
     """(the store, q's positions, the log's first position after retention)."""
+    # 8: the binary search for the first offset at or past a position lands on the
+    # first entry past the log in both tails below, not past the torn one (with 10 it
+    # did not: test_a_short_tail_torn_low_after_ten_retained_entries_is_cut).
+    return _retained(tmp_path_factory, 8)
+
+
+@pytest.fixture(scope="module")
+def retained_ten(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], int]:
+    return _retained(tmp_path_factory, 10)
+
+
+def _retained(tmp_path_factory: pytest.TempPathFactory, count: int) -> tuple[Path, list[int], int]:
     path = tmp_path_factory.mktemp("retained") / "store"
     with MessageStore.open(path, CONFIG) as store:
         store.create_topic("q", 1)
         store.create_topic("busy", 1)
-        # 8: the open's search for the first offset after retention (reopen.py) lands on
-        # the first entry past the log in both tails below, not past the torn one.
-        qpos = [store.send("q", b"q%d" % i).position for i in range(8)]
+        qpos = [store.send("q", b"q%d" % i).position for i in range(count)]
         for i in range(300):
             store.send("busy", b"b%d" % i + b"x" * 40)
     retention = StoreConfig(chunk_data_size=8192, flush="os", max_store_bytes=12000)
@@ -288,12 +331,71 @@ def test_a_torn_tail_behind_retained_entries_is_cut_whole(
     else:
         _power_loss(copy, 2, 9, (qpos[7] + first) // 2)
     _damage_derived(copy, mode)
+    _reopen_cut_at(copy, 8)
+
+
+def _reopen_cut_at(copy: Path, end: int) -> None:
+    """Two opens: the first cuts q's tail at ``end`` (one cut, no problem named), the
+    second finds it so; each send gets the next offset."""
     for reopen in range(2):
         with MessageStore.open(copy, CONFIG) as store:
-            assert store.queue_range("q", 0) == (8, 8 + reopen), reopen
+            assert store.queue_range("q", 0) == (end, end + reopen), reopen
             assert len(_q_cuts(store)) == (1 - reopen)
             assert [p for p in store.recovery.problems if "queue q/0" in p] == []
-            assert store.send("q", b"after").queue_offset == 8 + reopen
+            assert store.send("q", b"after").queue_offset == end + reopen
+
+
+@pytest.mark.parametrize(
+    ("mode", "sends", "torn"),
+    [
+        (mode, sends, torn)
+        for mode in ("drop", "garble", "keep")
+        for sends, torn in ((2, "below-q9"), (2, "zero"), (1, "below-q9"), (1, "zero"))
+    ]
+    + [("keep", 1, "gap")],
+)
+def test_a_short_tail_torn_low_after_ten_retained_entries_is_cut(
+    retained_ten: tuple[Path, list[int], int], tmp_path: Path, mode: str, sends: int, torn: str
+) -> None:
+    """q's 10 records removed by retention, then ``sends`` lost sends, the last entry
+    torn low: below q's entry 9 (to entry 5's position, or 0). With 2 sends and no
+    checkpoint, the binary search for the tail's first entry met the torn one last and
+    ended at 12, so nothing was checked, and the open's search for the first offset after
+    retention (reopen.py) ended at 12 too: range (12, 12), offsets 10-11 skipped
+    silently. With 1 send the entry, below the one before it, was kept as one whose
+    record retention removed: (11, 11). "gap", with the checkpoint: 1 send torn between
+    entry 9 and the log's first position, as a message retention removed would lie, but
+    at the checkpoint's offset 10 and below its log position, where no entry appended
+    after it can point: kept before, (11, 11). Neither offset was acknowledged: q is
+    (10, 10) and the next send gets 10."""
+    path, qpos, first = retained_ten
+    copy = tmp_path / "store"
+    shutil.copytree(path, copy)
+    position = {"below-q9": qpos[5], "zero": 0, "gap": (qpos[9] + first) // 2}[torn]
+    _power_loss(copy, sends, 9 + sends, position)
+    _damage_derived(copy, mode)
+    _reopen_cut_at(copy, 10)
+
+
+def test_a_short_tail_torn_into_the_retained_gap_is_reported(
+    retained_ten: tuple[Path, list[int], int], tmp_path: Path
+) -> None:
+    """As above, 2 sends, no checkpoint, the last entry torn between q's entry 9 and the
+    log's first position: one entry past the log, then one whose record retention may
+    have removed, is also one flipped entry and a good one. Kept, and now reported
+    (the search was misled past both, so nothing was said); no offset is handed out
+    twice."""
+    path, qpos, first = retained_ten
+    copy = tmp_path / "store"
+    shutil.copytree(path, copy)
+    _power_loss(copy, 2, 11, (qpos[9] + first) // 2)
+    (copy / "checkpoint.json").unlink()
+    with MessageStore.open(copy, CONFIG) as store:
+        named = [p for p in store.recovery.problems if "queue q/0" in p]
+        assert len(named) == 1, store.recovery.problems
+        assert "offsets 10..11 are kept" in named[0]
+        assert store.queue_range("q", 0)[1] == 12
+        assert store.send("q", b"after").queue_offset == 12
 
 
 def test_an_unchecked_entry_kept_past_a_damaged_one_is_reported(
@@ -342,3 +444,29 @@ def test_the_tail_check_keeps_one_block_of_entries(tmp_path: Path) -> None:
             tracemalloc.stop()
     assert tail == (count, None)
     assert peak < 2 << 20, peak
+
+
+def test_a_clean_reopen_reads_no_record_for_the_tail_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk that checks the tail search (``_unmisled``) stops at the checkpoint's
+    offset: entries below it were flushed before the checkpoint was written, no crash's
+    tail. Without that bound a clean reopen read each open queue's last record (64 reads
+    for 64 queues, and a page-in of its chunk after a reboot)."""
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 64)
+        for i in range(64 * 3):
+            store.send("t", b"x", queue_id=i % 64)
+    calls: list[int] = []
+    backs = recovery._backs
+
+    def counted(*args: object) -> bool | None:
+        calls.append(1)
+        return backs(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(recovery, "_backs", counted)
+    with MessageStore.open(path, CONFIG) as store:
+        assert store.recovery.clean
+        assert store.queue_range("t", 63) == (0, 3)
+    assert calls == []

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Final
 
+from equeue.digits import ascii_number
 from equeue.errors import InvalidMessageError, InvalidTypeError
 from equeue.store.types import Message
+from equeue.store.validate import MAX_QUEUES
 
 DELAY_TOPIC: Final = "equeue.delay"  # internal: one queue per delay level
 MOVER_GROUP: Final = "equeue.mover"  # internal: the mover's cursor in each delay queue
@@ -77,11 +79,31 @@ def restore(message: Message) -> Message:
     props = message.properties
     if not message.topic.startswith(RETRY_PREFIX) or ORIGIN_TOPIC not in props:
         return message
-    try:
-        queue_id, offset = int(props[ORIGIN_QUEUE]), int(props[ORIGIN_OFFSET])
-    except (KeyError, ValueError):
+    numbers = origin_numbers(props)
+    if numbers is None:
         return message
-    return message._replace(topic=props[ORIGIN_TOPIC], queue_id=queue_id, queue_offset=offset)
+    return message._replace(topic=props[ORIGIN_TOPIC], queue_id=numbers[0], queue_offset=numbers[1])
+
+
+def origin_numbers(props: dict[str, str]) -> tuple[int, int] | None:
+    """The origin queue id and offset a retry copy's properties name, or None unless
+    both are numbers the broker writes: ASCII digits, a queue id below MAX_QUEUES, an
+    offset below 2**63. int() took "-1", 31 digits and "\u0663" (as 3) into the
+    restored message; a property the broker did not write makes no retry copy, as one
+    that does not parse did already (an error would fail every delivery of it)."""
+    queue_id = ascii_number(props.get(ORIGIN_QUEUE, ""))
+    offset = ascii_number(props.get(ORIGIN_OFFSET, ""))
+    if queue_id is None or offset is None or queue_id >= MAX_QUEUES or offset >= 2**63:
+        return None
+    return queue_id, offset
+
+
+def attempt_number(props: dict[str, str]) -> int | None:
+    """A retry copy's attempt count, or None unless it is one the broker writes: ASCII
+    digits, at most MAX_RETRIES_LIMIT (a count past a group's max_retries goes to the
+    dead letters, not the retry topic)."""
+    attempt = ascii_number(props.get(ATTEMPT, ""))
+    return attempt if attempt is not None and attempt <= MAX_RETRIES_LIMIT else None
 
 
 def check_max_retries(value: object) -> int:

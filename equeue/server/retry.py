@@ -62,7 +62,9 @@ from equeue.protocol.retries import (
     ORIGIN_TOPIC,
     RESERVED_PREFIX,
     RETRY_PREFIX,
+    attempt_number,
     dead_letter_topic,
+    origin_numbers,
     restore,
     retry_topic,
 )
@@ -134,13 +136,20 @@ def origin(message: Message, group: str) -> tuple[dict[str, str], int]:
     copy in the group's retry topic carries them, any other message is its own origin."""
     props = message.properties
     if message.topic == retry_topic(group):
-        try:
-            attempt = int(props[ATTEMPT])
-            found = {k: props[k] for k in (ORIGIN_TOPIC, ORIGIN_QUEUE, ORIGIN_OFFSET, ORIGIN_ID)}
-            int(found[ORIGIN_QUEUE]), int(found[ORIGIN_OFFSET])
-            return found, max(0, attempt)
-        except (KeyError, ValueError):
-            log.warning("message %s in %s lacks its retry properties", message.message_id, group)
+        attempt = attempt_number(props)
+        names = (ORIGIN_TOPIC, ORIGIN_QUEUE, ORIGIN_OFFSET, ORIGIN_ID)
+        if (
+            attempt is not None
+            and origin_numbers(props) is not None
+            and all(k in props for k in names)
+        ):
+            return {k: props[k] for k in names}, attempt
+        log.warning(
+            "message %s in %s lacks its retry properties (or they are out of range): it is "
+            "its own origin",
+            message.message_id,
+            group,
+        )
     return {
         ORIGIN_TOPIC: message.topic,
         ORIGIN_QUEUE: str(message.queue_id),

@@ -150,10 +150,13 @@ def redispatch(
     recorded: dict[str, Any] | None = None,
     deleted: dict[str, int] | None = None,
     logged: Iterable[str] = (),
+    recorded_at: int | None = None,
 ) -> None:
     """Re-dispatch the log from ``start``; ``recorded`` is the checkpoint's queue offsets,
-    ``deleted`` {topic: log position of its deletion}: earlier records of it are skipped;
-    ``logged``: problems logged already (by queues' chunk managers closed since)."""
+    ``recorded_at`` its log position (taken with them: an entry at or past a queue's
+    recorded offset points at or past it); ``deleted`` {topic: log position of its
+    deletion}: earlier records of it are skipped; ``logged``: problems logged already (by
+    queues' chunk managers closed since)."""
     # Keys: rows at or past the index's own mark may be duplicates (a query commits
     # pending keys early) or point past a cut in the log; drop and re-index them.
     start = redispatch_start(start, keys, reader.manager)  # before forget_from moves it
@@ -253,7 +256,7 @@ def redispatch(
                 elif recorded_end is None:
                     limit, unchecked = _tail_from(reader, queue, start)
                 else:
-                    tail, unchecked = _tail_from(reader, queue, log_end)
+                    tail, unchecked = _tail_from(reader, queue, log_end, recorded_end)
                     limit = min(recorded_end, tail)
                     if limit < tail:  # the entry kept on faith is cut after all
                         unchecked = None
@@ -264,11 +267,26 @@ def redispatch(
                 # stay, else the queue's next offset would move back below offsets
                 # already acknowledged, and the next sends would reuse them. (Also when
                 # retention removed the queue chunk holding the checkpoint's offset.)
+                # An entry below the one before it, or past the checkpoint's offset but
+                # below its position, was torn low: a lost send's, not retention's.
                 if log_first > 0:
                     limit = max(limit, queue.first_offset)
-                    while limit < queue.next_offset and 0 <= queue.entry(limit)[0] < log_first:
+                    previous = queue.entry(limit - 1)[0] if limit > queue.first_offset else -1
+                    while limit < queue.next_offset:
+                        at = queue.entry(limit)[0]
+                        if not previous < at < log_first or (
+                            recorded_end is not None
+                            and recorded_at is not None
+                            and limit >= recorded_end
+                            and at < recorded_at
+                        ):
+                            break
+                        previous = at
                         limit += 1
+            kept_from = limit
             limit = _past_removed(reader, queue, limit, recorded_end, log_end)
+            if limit > kept_from and recorded_end is None:
+                report.problems.append(_unvouched(queue, kept_from, limit))
             if queue.next_offset > limit:
                 report.cuts += queue.cut_from(limit)
     for chunk in reader.manager:  # what the matcher read stays in the page cache only
@@ -352,7 +370,9 @@ def _past_damaged(
 _BLOCK = 4096  # entries read at a time by the walks over a queue's tail
 
 
-def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, str | None]:
+def _tail_from(
+    reader: ChunkReader, queue: Queue, position: int, durable: int = 0
+) -> tuple[int, str | None]:
     """The first offset of ``queue``'s tail of entries at or past log ``position`` (what a
     crash left past the log's end). The binary search is checked entry by entry from
     where it ends, so that one damaged entry in the middle (a flipped high bit: a position
@@ -368,6 +388,7 @@ def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, s
     damaged one took 122 MiB for 1 M entries). With the offset, the problem to report if
     an entry the log cannot check ends the kept ones."""
     start = queue.first_offset_at_or_after(position)
+    start = _unmisled(reader, queue, start, position, durable)
     # Entries' positions rise with the offset: one the log cannot check (retention or
     # compaction removed its record) is taken for good only if it lies above the last
     # entry before the tail, and if at most one entry before it lies at or past
@@ -399,6 +420,43 @@ def _tail_from(reader: ChunkReader, queue: Queue, position: int) -> tuple[int, s
                     )
         end = first
     return start, None
+
+
+def _unmisled(reader: ChunkReader, queue: Queue, start: int, position: int, durable: int) -> int:
+    """``start``, the binary search's first offset at or past ``position``, moved back
+    where a tail's last entries torn low (below ``position``) misled the search past the
+    tail's entries that lie at or past it: 10 entries, then 2 lost sends, the last torn
+    low, gave 12, so the walk checked nothing, both stayed, and after retention the
+    queue's first offset became 12 too (offsets 10-11 skipped, kept silently). The walk
+    back from ``start`` crosses entries below ``position`` the log does not back (at
+    most a block of them); an entry at or past ``position`` before them means the search
+    was misled, and the tail starts at the first such entry of the rising entries
+    before it. An entry not above the one before it was torn low (positions rise with
+    the offset): the tail starts there at the latest, and the walk in ``_tail_from``
+    keeps it only if it lies above the entry before the tail. Entries below ``durable``
+    (the checkpoint's offset: flushed before it was written) are no crash's tail and are
+    not walked: a clean reopen reads no record here (without the bound, one per open
+    queue)."""
+    offset = start
+    later: int | None = None  # the position of the entry after ``offset - 1``
+    while offset > max(queue.first_offset, start - _BLOCK, durable):
+        at = queue.entry(offset - 1)[0]
+        if later is not None and 0 <= later <= at:
+            start = offset
+        later = at
+        if not 0 <= at < position:
+            lo, hi = queue.first_offset, offset - 1
+            while lo < hi:  # the entries before this one rise (or the search is no worse)
+                mid = (lo + hi) // 2
+                if 0 <= queue.entry(mid)[0] < position:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return lo
+        if _backs(reader, queue, offset - 1, at):
+            break
+        offset -= 1
+    return start
 
 
 def _second_at_or_past(queue: Queue, start: int, position: int) -> int:
@@ -445,6 +503,21 @@ def _past_removed(
             previous = at
             limit += 1
     return limit
+
+
+def _unvouched(queue: Queue, first: int, end: int) -> str:
+    """The problem to report for entries ``first``..``end - 1`` that ``_past_removed``
+    kept with no checkpointed offset to bound them (review12 F3): a power loss's entry
+    torn to a position compaction or retention emptied looks the same, and would be an
+    offset handed out with no message behind it."""
+    span = f"offset {first} is" if end - first == 1 else f"offsets {first}..{end - 1} are"
+    return (
+        f"queue {queue.topic}/{queue.queue_id}: {span} kept although no checkpoint records "
+        f"the queue's end: the records, from log position {queue.entry(first)[0]} on, were "
+        "removed by compaction or retention, so the log cannot check them (an entry a power "
+        "loss tore into such a gap looks the same, and pulls skip it) "
+        f"{_entry_location(queue, first)}"
+    )
 
 
 def _entry_location(queue: Queue, offset: int) -> str:

@@ -62,9 +62,11 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
     # (redispatch), not where the older checkpoint said: that would cut entries of
     # acknowledged messages sent between the two.
     recorded = None if from_live else checkpoint.get("queues")
+    recorded_at = checkpoint.get("log_position") if recorded is not None else None
     redispatch(
         store._reader, start, store._queues, store._keys, store.recovery, recorded,
         store._deleted, store._files.logged,
+        recorded_at if isinstance(recorded_at, int) else None,
     )  # fmt: skip
     finish_rebuilt(store, checkpoint.get("queues"))
     first = store._messages.first_position
