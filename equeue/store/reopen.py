@@ -66,7 +66,7 @@ def reconcile_at_open(store: MessageStore, checkpoint: dict[str, Any]) -> dict[s
     redispatch(
         store._reader, start, store._queues, store._keys, store.recovery, recorded,
         store._deleted, store._files.logged,
-        recorded_at if isinstance(recorded_at, int) else None,
+        recorded_at if isinstance(recorded_at, int) else None, from_live,
     )  # fmt: skip
     finish_rebuilt(store, checkpoint.get("queues"))
     first = store._messages.first_position
