@@ -158,6 +158,35 @@ static PyObject *taken(Coalescer *self, PyObject *future, Py_ssize_t count) {
     return future;
 }
 
+/* A send joining its topic's open group (held by the caller); the Python add_slow's
+ * when it is full or the caller is on another loop. */
+static PyObject *join(Coalescer *self, Group *group, PyObject *const *args, PyObject *loop) {
+    PyObject *body = args[1];
+    if (group->bodies == NULL || !PyList_CheckExact(group->bodies) ||
+        group->futures == NULL || !PyList_CheckExact(group->futures))
+        return slow(self, args);
+    Py_ssize_t size = group->size + PyBytes_GET_SIZE(body) + BODY_OVERHEAD;
+    Py_ssize_t count = PyList_GET_SIZE(group->futures);
+    if (size > self->budget || count >= self->most) return slow(self, args); /* full */
+    int own = waiter_on_loop(loop);
+    if (own <= 0) return own < 0 ? NULL : slow(self, args); /* (another loop) */
+    PyObject *future = waiter_for(loop);
+    if (future == NULL) return NULL;
+    if (PyList_Append(group->bodies, body) < 0) {
+        Py_DECREF(future);
+        return NULL;
+    }
+    if (PyList_Append(group->futures, future) < 0) {
+        /* (the body taken back: the group as it was) */
+        PyList_SetSlice(group->bodies, PyList_GET_SIZE(group->bodies) - 1,
+                        PyList_GET_SIZE(group->bodies), NULL);
+        Py_DECREF(future);
+        return NULL;
+    }
+    group->size = size;
+    return taken(self, future, count + 1);
+}
+
 static PyObject *co_add(Coalescer *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *protocol = self->protocol, *loop, *pending, *flushing;
     if (nargs != 2) {
@@ -175,34 +204,12 @@ static PyObject *co_add(Coalescer *self, PyObject *const *args, Py_ssize_t nargs
     if (found == NULL && PyErr_Occurred()) return NULL;
     if (found != NULL) {
         if (Py_TYPE(found) != &GroupType) return slow(self, args);
-        Group *group = (Group *)found;
-        if (group->bodies == NULL || !PyList_CheckExact(group->bodies) ||
-            group->futures == NULL || !PyList_CheckExact(group->futures))
-            return slow(self, args);
-        Py_ssize_t size = group->size + PyBytes_GET_SIZE(body) + BODY_OVERHEAD;
-        Py_ssize_t count = PyList_GET_SIZE(group->futures);
-        if (size > self->budget || count >= self->most) return slow(self, args); /* full */
-        int own = waiter_on_loop(loop);
-        if (own <= 0) return own < 0 ? NULL : slow(self, args); /* (another loop) */
-        PyObject *future = waiter_for(loop);
-        if (future == NULL) return NULL;
-        Py_INCREF(group); /* (held: a list's append may run nothing, but the dict may) */
-        if (PyList_Append(group->bodies, body) < 0) {
-            Py_DECREF(group);
-            Py_DECREF(future);
-            return NULL;
-        }
-        if (PyList_Append(group->futures, future) < 0) {
-            /* (the body taken back: the group as it was) */
-            PyList_SetSlice(group->bodies, PyList_GET_SIZE(group->bodies) - 1,
-                            PyList_GET_SIZE(group->bodies), NULL);
-            Py_DECREF(group);
-            Py_DECREF(future);
-            return NULL;
-        }
-        group->size = size;
-        Py_DECREF(group);
-        return taken(self, future, count + 1);
+        /* held from here: waiter_for allocates, and a GC pass it runs may run finalizers
+         * that replace the groups (review14 F2) */
+        Py_INCREF(found);
+        PyObject *joined = join(self, (Group *)found, args, loop);
+        Py_DECREF(found);
+        return joined;
     }
     /* no group of this topic: begun only when a write is due this turn (else the lone
      * send's case, add_slow's) */
