@@ -103,13 +103,20 @@ def queue_positions(
     queue = self._queue(topic, queue_id)
     validate.check_offset(offset)
     validate.check_count(count)
-    try:
+
+    def positions() -> list[int]:
         entries = queue.entries(offset, count)
+        return entrycheck.checked_positions(self, queue, offset, entries)
+
+    try:
+        return positions()
     except follow.READ_FAILURES:  # (a try costs nothing until it catches)
         if not self.read_only:
             raise
-        entries = follow.beside_deletion(self, queue, lambda: queue.entries(offset, count))
-    return entrycheck.checked_positions(self, queue, offset, entries)
+        # The check inside the retry too: a view of the deleted topic's queue maps its
+        # chunk by name, and may find the new topic's file there, its entries not yet
+        # written (zero: "position -1"); that is the deletion's doing, not damage.
+        return follow.beside_deletion(self, queue, positions)
 
 
 def chunk_files(self: MessageStore) -> list[tuple[str, int]]:
