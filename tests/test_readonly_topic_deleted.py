@@ -8,10 +8,11 @@ one calling ``offset_for_time`` and ``queue_positions`` + ``read`` (review7 F2).
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +27,24 @@ CONFIG = StoreConfig(flush="os")
 ROUNDS, DEADLINE_S = 100, 20.0
 
 
-def test_a_pull_of_a_topic_deleted_and_made_again_under_it_is_topic_not_found(
-    tmp_path: Path,
-) -> None:
+@contextlib.contextmanager
+def _writer_and_reader(path: Path, tag: str = "") -> Iterator[tuple[MessageStore, ...]]:
+    """A writer and a read-only handle of a store whose topic x (1 queue) holds 3
+    messages ("old0".."old2")."""
     with (
-        MessageStore.open(tmp_path / "s", CONFIG) as writer,
-        MessageStore.open(tmp_path / "s", read_only=True) as reader,
+        MessageStore.open(path, CONFIG) as writer,
+        MessageStore.open(path, read_only=True) as reader,
     ):
         writer.create_topic("x", 1)
         for i in range(3):
-            writer.send("x", b"old%d" % i)
+            writer.send("x", b"old%d" % i, tag=tag)
+        yield writer, reader
+
+
+def test_a_pull_of_a_topic_deleted_and_made_again_under_it_is_topic_not_found(
+    tmp_path: Path,
+) -> None:
+    with _writer_and_reader(tmp_path / "s") as (writer, reader):
         assert len(reader.pull("x", 0, 0, 10).messages) == 3
         writer.delete_topic("x")
         writer.create_topic("x", 1)
@@ -55,13 +64,7 @@ def test_queue_positions_of_a_view_whose_topic_was_made_again_is_topic_not_found
     # by name and finds the new topic's file, 1 entry written: entries 1 and 2 read as
     # zero. Before (round 19's fixrace): CorruptRecordError "queue x/0 entry for offset 1
     # names position -1", on every run (a full suite's run saw it once, at offset 0).
-    with (
-        MessageStore.open(tmp_path / "s", CONFIG) as writer,
-        MessageStore.open(tmp_path / "s", read_only=True) as reader,
-    ):
-        writer.create_topic("x", 1)
-        for i in range(3):
-            writer.send("x", b"old%d" % i)
+    with _writer_and_reader(tmp_path / "s") as (writer, reader):
         reader.refresh()
         assert reader.queue_range("x", 0) == (0, 3)
         writer.delete_topic("x")
@@ -76,13 +79,8 @@ def test_a_zero_entry_of_a_topic_not_deleted_is_still_damage(tmp_path: Path) -> 
     # The control: the same zero (stored value 0, "position -1") in a queue whose topic
     # was neither deleted nor made again, beside its running writer, is damage for the
     # read-only handle (after its looks again), as for the writer.
-    with (
-        MessageStore.open(tmp_path / "s", CONFIG) as writer,
-        MessageStore.open(tmp_path / "s", read_only=True) as reader,
-    ):
-        writer.create_topic("x", 1)
-        for i in range(3):  # a tag: the slot is not all zero, so the scan counts it
-            writer.send("x", b"m%d" % i, tag="t")
+    # A tag: the slot of the zeroed position is not all zero, so the scan counts it.
+    with _writer_and_reader(tmp_path / "s", tag="t") as (writer, reader):
         writer.flush()
         reader.refresh()
         file = tmp_path / "s" / "queues" / "x" / "0" / "chunk-000000000000.0000"
