@@ -112,16 +112,16 @@ def queue_positions(
 
 
 def _positions_beside_deletion(
-    self: MessageStore, queue: Queue, offset: int, count: int
+    store: MessageStore, queue: Queue, offset: int, count: int
 ) -> list[int]:
     """The check inside the retry too: a view of the deleted topic's queue maps its chunk
     by name, and may find the new topic's file there, its entries not yet written (zero:
     "position -1"); that is the deletion's doing, not damage. (A function of its own:
     a closure in queue_positions cost its every call ~1,800 instructions, 5%.)"""
     return follow.beside_deletion(
-        self,
+        store,
         queue,
-        lambda: entrycheck.checked_positions(self, queue, offset, queue.entries(offset, count)),
+        lambda: entrycheck.checked_positions(store, queue, offset, queue.entries(offset, count)),
     )
 
 
