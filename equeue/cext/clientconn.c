@@ -371,6 +371,26 @@ int clientconn_fields(PyObject *conn, PyObject **loop, PyObject **pending, PyObj
 
 int clientconn_take_place(PyObject *conn) { return add_free((Conn *)conn, -1); }
 
+/* For groupanswer.c: a clientconn_is connection's queued, reader, flushing and closed
+ * (borrowed; NULL while unset), `free += places` and `flushing = value` as the Python
+ * statements do them (0, -1). */
+void clientconn_answer_fields(PyObject *conn, PyObject **queued, PyObject **reader,
+                              PyObject **flushing, PyObject **closed) {
+    Conn *self = (Conn *)conn;
+    *queued = self->queued;
+    *reader = self->reader;
+    *flushing = self->flushing;
+    *closed = self->closed;
+}
+
+int clientconn_give_back(PyObject *conn, Py_ssize_t places) {
+    return add_free((Conn *)conn, (long)places);
+}
+
+void clientconn_set_flushing(PyObject *conn, PyObject *value) {
+    Py_XSETREF(((Conn *)conn)->flushing, Py_NewRef(value));
+}
+
 PyObject *clientconn_direct(PyObject *conn, PyObject *topic, PyObject *body) {
     PyObject *args[2] = {topic, body};
     return conn_direct((Conn *)conn, args, 2);
