@@ -18,7 +18,7 @@ from server_helpers import short_home
 
 import equeue.aio
 from equeue import speedups
-from equeue.client import coalesce
+from equeue.client import aio, coalesce
 from equeue.client.coalesce import Answer, Coalescer
 from equeue.errors import EQueueError, StoreWriteError
 from equeue.protocol.faults import pack_error
@@ -243,3 +243,56 @@ def test_a_shared_clients_groups_are_answered_in_c(
     assert all(count == 1 for count in slow_counts)
     assert free > 0
     assert coalesce.Answer.answered is not coalesce.Answer.answered_slow
+
+
+def test_a_groups_answer_alone_in_a_read_is_taken_without_the_python_read(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # clientconn.c's group_read: a read holding one group's answer is given to its Answer
+    # without data_received (and AnswerReader.feed); each caller still gets its own send's
+    # result (the body stored under its message id is the one it sent)
+    reading: list[bool] = [False]
+    groups: list[tuple[int, bool]] = []  # (sends in the group, read by data_received?)
+    data_received = aio._Protocol.data_received
+    answered = Answer.answered
+
+    def spied_read(self: Any, data: Any) -> None:
+        reading[0] = True
+        try:
+            data_received(self, data)
+        finally:
+            reading[0] = False
+
+    def spied_answered(self: Answer, status: int, payload: Any) -> None:
+        groups.append((len(self.futures), reading[0]))
+        answered(self, status, payload)
+
+    monkeypatch.setattr(aio._Protocol, "data_received", spied_read)
+    monkeypatch.setattr(Answer, "answered", spied_answered)
+
+    async def run(url: str) -> list[tuple[bytes, Any]]:
+        async with await equeue.aio.connect(url, timeout=20) as client:
+
+            async def one(task: int) -> list[tuple[bytes, Any]]:
+                sent = []
+                for n in range(20):
+                    body = b"%d.%d" % (task, n)
+                    sent.append((body, await client.send("t", body)))
+                return sent
+
+            done = await asyncio.gather(*(one(task) for task in range(16)))
+            protocol = client._protocol
+            assert protocol is not None
+            # every place back, nothing left in flight or in the reader's columns
+            left.extend([protocol.free - protocol.max_in_flight, len(protocol.pending)])
+            left.append(len(protocol.reader.columns))
+            return [pair for pairs in done for pair in pairs]
+
+    left: list[int] = []
+    with BrokerThread(home / "store") as broker:
+        broker.store.create_topic("t", 4)
+        sent = asyncio.run(run(broker.urls[0]))
+        stored = [broker.store.get(result.message_id).body for _, result in sent]
+    assert stored == [body for body, _ in sent]
+    assert any(count > 1 and not read for count, read in groups)
+    assert left == [0, 0, 0]

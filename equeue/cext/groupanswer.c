@@ -188,6 +188,9 @@ static PyTypeObject AnswerType = {
     .tp_members = an_members,
 };
 
+/* For clientconn.c: whether object is an AnswerBase (a coalesced group's request). */
+int group_answer_is(PyObject *object) { return PyObject_TypeCheck(object, &AnswerType); }
+
 /* client_answer_type() -> AnswerBase, made ready on the first call. */
 PyObject *client_answer_type(PyObject *unused, PyObject *unused2) {
     if (S_ANSWERED_SLOW == NULL) {
