@@ -9,8 +9,10 @@
  *     `free` updated, `release()` called if callers wait for a place, and the future given
  *     the SendResult (unless done: its caller was cancelled), last: wakeup.c's
  *     waiter_finish runs its task at once when no caller waited for a place and that is
- *     safe (wakeup.c says when), else schedules it as a Future; anything else goes to
- *     `data_received(inbuf[:nbytes])`, the general read. `read_in_c` counts the first.
+ *     safe (wakeup.c says when), else schedules it as a Future; a coalesced group's
+ *     answer alone in the read is given to its Answer (group_read, below); anything else
+ *     goes to `data_received(inbuf[:nbytes])`, the general read. `read_in_c` counts the
+ *     first.
  *
  * direct(topic, body) -> future | None: the plain send of an idle connection heard from
  *     within `recent` seconds: nothing pending, no write scheduled (`flushing`), not
@@ -43,6 +45,8 @@ PyObject *waiter_for(PyObject *loop); /* wakeup.c: the future `direct` gives */
 int waiter_is(PyObject *object);
 int waiter_finish(PyObject *waiter, PyObject *result, int now);
 int waiter_on_loop(PyObject *loop);
+PyObject *columns_answer(PyObject *self, PyObject *args); /* answercols.c */
+int group_answer_is(PyObject *object);                     /* groupanswer.c */
 PyObject *waiter_future_on(PyObject *loop);
 int rawsock_is(PyObject *object); /* rawsock.c: the client's own transport */
 PyObject *rawsock_write(PyObject *object, PyObject *data);
@@ -84,7 +88,7 @@ static int truth(PyObject *value) {
 }
 
 static PyObject *S_WRITE, *S_DONE, *S_SET_RESULT, *S_RELEASE, *S_DATA_RECEIVED, *S_BUFFER,
-    *S_GROUPS, *S_SEALED;
+    *S_GROUPS, *S_SEALED, *S_COLUMNS, *S_ANSWERED;
 
 static double monotonic(void) {
     struct timespec ts;
@@ -174,12 +178,98 @@ out:
     return found;
 }
 
+/* A coalesced group's answer alone in the read, taken as data_received -> AnswerReader.feed
+ * -> _answers would take it, without their Python frames (groupanswer.c's round, coalc2):
+ * welcomed, no caller waiting for a place, no byte of a frame held by `reader`, the read
+ * exactly one frame within `limit` that columns_answer reads (an id in `reader.columns`)
+ * and whose id is a group's Answer in `pending`. Then `heard`, the entry taken, `free +=
+ * 1` and `answer.answered(status, results)`: 1. 0: nothing changed (the general read
+ * takes it), -1: an error. */
+static int group_read(Conn *self, Py_ssize_t nbytes) {
+    if (nbytes <= 4 || self->reader == NULL || self->pending == NULL ||
+        !PyDict_CheckExact(self->pending) || self->queued == NULL || truth(self->welcomed) != 1)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_ssize_t waiters = PyObject_Length(self->queued);
+    if (waiters != 0) return waiters < 0 ? -1 : 0;
+    PyObject *held = PyObject_GetAttr(self->reader, S_BUFFER);
+    if (held == NULL) return -1;
+    Py_ssize_t held_bytes = PyByteArray_CheckExact(held) ? PyByteArray_GET_SIZE(held) : -1;
+    Py_DECREF(held);
+    if (held_bytes != 0) return 0;
+    PyObject *columns = PyObject_GetAttr(self->reader, S_COLUMNS);
+    if (columns == NULL) return -1;
+    if (!PySet_CheckExact(columns) || PySet_GET_SIZE(columns) == 0) {
+        Py_DECREF(columns);
+        return 0;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(self->inbuf, &view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(columns);
+        return -1;
+    }
+    const unsigned char *p = view.buf;
+    Py_ssize_t length = nbytes > view.len ? -1
+                        : (Py_ssize_t)((uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 |
+                                       (uint32_t)p[2] << 8 | p[3]);
+    PyObject *body = NULL;
+    if (length > 0 && length == nbytes - 4 && length <= self->limit) {
+        PyObject *frame = PyMemoryView_FromMemory((char *)p + 4, length, PyBUF_READ);
+        PyObject *args = frame == NULL ? NULL : PyTuple_Pack(2, frame, columns);
+        body = args == NULL ? NULL : columns_answer(NULL, args);
+        Py_XDECREF(args);
+        if (frame != NULL) { /* (nothing may keep the buffer's bytes past this read) */
+            PyObject *r = PyObject_CallMethodNoArgs(frame, S_RELEASE) /* memoryview.release */;
+            Py_XDECREF(r);
+            Py_DECREF(frame);
+            if (r == NULL) Py_CLEAR(body);
+        }
+    } else {
+        body = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(columns);
+    if (body == NULL) return -1;
+    int found = 0;
+    PyObject *entry = NULL;
+    if (!PyList_CheckExact(body) || PyList_GET_SIZE(body) != 3) goto out; /* (None: not one) */
+    PyObject *rid = PyList_GET_ITEM(body, 0);
+    entry = PyDict_GetItemWithError(self->pending, rid);
+    if (entry == NULL) { /* (not in flight: the general read says so) */
+        found = PyErr_Occurred() ? -1 : 0;
+        goto out;
+    }
+    Py_INCREF(entry);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 1 ||
+        !group_answer_is(PyTuple_GET_ITEM(entry, 0)))
+        goto out;
+    found = -1;
+    PyObject *heard = PyFloat_FromDouble(monotonic());
+    if (heard == NULL) goto out;
+    Py_XSETREF(self->heard, heard);
+    if (PyDict_DelItem(self->pending, rid) < 0 || add_free(self, 1) < 0) goto out;
+    PyObject *call[3] = {PyTuple_GET_ITEM(entry, 0), PyList_GET_ITEM(body, 1),
+                         PyList_GET_ITEM(body, 2)};
+    PyObject *r = PyObject_VectorcallMethod(S_ANSWERED, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                            NULL);
+    if (r == NULL) goto out;
+    Py_DECREF(r);
+    found = 1;
+out:
+    Py_XDECREF(entry);
+    Py_DECREF(body);
+    return found;
+}
+
 /* buffer_updated(nbytes), also called by rawsock.c's read_ready without a method call. */
 PyObject *clientconn_read(PyObject *conn, Py_ssize_t nbytes) {
     Conn *self = (Conn *)conn;
     if (self->inbuf == NULL) return conn_get_buffer(self, NULL); /* (the error) */
     if (self->waiting) {
         int got = answered(self, nbytes);
+        if (got < 0) return NULL;
+        if (got) Py_RETURN_NONE;
+    } else if (self->coalescer != NULL && self->coalescer != Py_None) {
+        int got = group_read(self, nbytes);
         if (got < 0) return NULL;
         if (got) Py_RETURN_NONE;
     }
@@ -371,6 +461,26 @@ int clientconn_fields(PyObject *conn, PyObject **loop, PyObject **pending, PyObj
 
 int clientconn_take_place(PyObject *conn) { return add_free((Conn *)conn, -1); }
 
+/* For groupanswer.c: a clientconn_is connection's queued, reader, flushing and closed
+ * (borrowed; NULL while unset), `free += places` and `flushing = value` as the Python
+ * statements do them (0, -1). */
+void clientconn_answer_fields(PyObject *conn, PyObject **queued, PyObject **reader,
+                              PyObject **flushing, PyObject **closed) {
+    Conn *self = (Conn *)conn;
+    *queued = self->queued;
+    *reader = self->reader;
+    *flushing = self->flushing;
+    *closed = self->closed;
+}
+
+int clientconn_give_back(PyObject *conn, Py_ssize_t places) {
+    return add_free((Conn *)conn, (long)places);
+}
+
+void clientconn_set_flushing(PyObject *conn, PyObject *value) {
+    Py_XSETREF(((Conn *)conn)->flushing, Py_NewRef(value));
+}
+
 PyObject *clientconn_direct(PyObject *conn, PyObject *topic, PyObject *body) {
     PyObject *args[2] = {topic, body};
     return conn_direct((Conn *)conn, args, 2);
@@ -485,7 +595,9 @@ PyObject *client_conn_type(PyObject *self, PyObject *unused) {
             (S_PENDING = PyUnicode_InternFromString("pending")) == NULL ||
             (S_DIRECT = PyUnicode_InternFromString("direct")) == NULL ||
             (S_GET_BUFFER = PyUnicode_InternFromString("get_buffer")) == NULL ||
-            (S_BUFFER_UPDATED = PyUnicode_InternFromString("buffer_updated")) == NULL) {
+            (S_BUFFER_UPDATED = PyUnicode_InternFromString("buffer_updated")) == NULL ||
+            (S_COLUMNS = PyUnicode_InternFromString("columns")) == NULL ||
+            (S_ANSWERED = PyUnicode_InternFromString("answered")) == NULL) {
             Py_CLEAR(S_WRITE);
             return NULL;
         }

@@ -289,6 +289,13 @@ static PyTypeObject CoalescerType = {
     .tp_members = co_members,
 };
 
+/* For groupanswer.c: a CoalescerBase's (or its subclass's) protocol, borrowed; NULL (no
+ * error) for another object or while unset. */
+PyObject *coalescer_protocol(PyObject *object) {
+    if (!PyObject_TypeCheck(object, &CoalescerType)) return NULL;
+    return ((Coalescer *)object)->protocol;
+}
+
 /* client_coalescer_types() -> (CoalescerBase, Group), made ready on the first call. */
 PyObject *client_coalescer_types(PyObject *unused, PyObject *unused2) {
     if (S_ADD_SLOW == NULL) {

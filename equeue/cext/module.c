@@ -101,6 +101,7 @@ PyObject *client_waiter_type(PyObject *self, PyObject *unused); /* wakeup.c */
 PyObject *group_future(PyObject *self, PyObject *protocol); /* groupwake.c */
 PyObject *group_wake(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *client_coalescer_types(PyObject *self, PyObject *unused); /* coalesceadd.c */
+PyObject *client_answer_type(PyObject *self, PyObject *unused); /* groupanswer.c */
 PyObject *client_raw_sock_type(PyObject *self, PyObject *unused); /* rawsock.c */
 PyObject *client_read_mux_type(PyObject *self, PyObject *unused); /* readmux.c */
 PyObject *shm_types(PyObject *self, PyObject *error);              /* shmring.c */
@@ -137,6 +138,7 @@ static PyMethodDef methods[] = {
     {"group_future", group_future, METH_O, NULL},
     {"group_wake", (PyCFunction)(void (*)(void))group_wake, METH_FASTCALL, NULL},
     {"client_coalescer_types", client_coalescer_types, METH_NOARGS, NULL},
+    {"client_answer_type", client_answer_type, METH_NOARGS, NULL},
     {"client_raw_sock_type", client_raw_sock_type, METH_NOARGS, NULL},
     {"decode_run", decode_run, METH_VARARGS, NULL},
     {"collect", collect, METH_VARARGS, NULL},

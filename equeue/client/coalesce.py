@@ -291,11 +291,36 @@ if _fast is None:
     Coalescer.add = Coalescer.add_slow  # type: ignore[method-assign,assignment]
 
 
-class Answer:
+class _PyAnswerBase:
+    """AnswerBase's fields (equeue/cext/groupanswer.c: its ``answered`` the plain case in
+    C, the rest handed to ``answered_slow``) without the accelerator, where ``answered``
+    is ``answered_slow`` itself."""
+
+    __slots__ = ("bodies", "coalescer", "futures", "givens", "request_id", "topic")
+
+    coalescer: Coalescer
+    topic: str
+    bodies: list[bytes]
+    futures: list[asyncio.Future[SendResult]]
+    givens: list[tuple[Any, ...] | None] | None  # None: every send of the body alone
+    request_id: int
+
+    if TYPE_CHECKING:
+
+        def answered(self, status: int, payload: Any) -> None: ...
+
+
+if TYPE_CHECKING:
+    _AnswerBase = _PyAnswerBase
+else:
+    _AnswerBase = _PyAnswerBase if _fast is None else _fast.client_answer_type()
+
+
+class Answer(_AnswerBase):
     """A group's request in flight: its answer, or its connection's end, to each caller
     (called by the protocol as it reads the answer: no future of its own)."""
 
-    __slots__ = ("bodies", "coalescer", "futures", "givens", "request_id", "topic")
+    __slots__ = ()
 
     def __init__(
         self,
@@ -307,7 +332,7 @@ class Answer:
         request_id: int,
     ) -> None:
         self.coalescer, self.topic, self.bodies, self.futures = coalescer, topic, bodies, futures
-        self.givens = givens  # None: every send of the body alone
+        self.givens = givens
         self.request_id = request_id
 
     def subs(self) -> list[Sub]:
@@ -325,7 +350,10 @@ class Answer:
                     lost_in_flight(f"{reason}; {which} {no_answer(cause)}", [sent], cause)
                 )
 
-    def answered(self, status: int, payload: Any) -> None:
+    def answered_slow(self, status: int, payload: Any) -> None:
+        """The group's answer to each caller. ``answered``: this, or with the accelerator
+        its plain case in C (groupanswer.c: STATUS_OK, results read in C, no caller
+        waiting for a place), the rest handed here."""
         futures = self.futures
         count = len(futures)
         protocol = self.coalescer._protocol
@@ -359,6 +387,10 @@ class Answer:
             _wake(futures, results, not protocol.queued)
         else:
             woken_together(protocol, _wake, futures, results, not protocol.queued)
+
+
+if _fast is None:
+    Answer.answered = Answer.answered_slow  # type: ignore[method-assign,assignment]
 
 
 def woken_together(protocol: _Protocol, wake: Callable[..., None], *args: Any) -> None:
