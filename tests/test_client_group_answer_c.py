@@ -296,3 +296,31 @@ def test_a_groups_answer_alone_in_a_read_is_taken_without_the_python_read(
     assert stored == [body for body, _ in sent]
     assert any(count > 1 and not read for count, read in groups)
     assert left == [0, 0, 0]
+
+
+def test_two_groups_answered_in_one_read_each_get_their_answers(home: Path) -> None:
+    # review15 R15-1: group_read takes a read only when it is exactly one frame. Two topics
+    # make two groups a turn, and under --flush sync one fdatasync releases both answers,
+    # written together: a read holding both must give each group's callers their results
+    # (group_read loosened to "at least one frame" answered the first and left the
+    # second's callers waiting for ever: the wait_for below fails then)
+    async def run(url: str) -> tuple[list[Any], list[int]]:
+        async with await equeue.aio.connect(url, timeout=20) as client:
+
+            async def one(task: int) -> list[Any]:
+                topic = "t" if task % 2 else "u"
+                return [await client.send(topic, b"%d.%d" % (task, n)) for n in range(30)]
+
+            done = await asyncio.wait_for(asyncio.gather(*(one(t) for t in range(16))), 30)
+            protocol = client._protocol
+            assert protocol is not None
+            left = [protocol.free - protocol.max_in_flight, len(protocol.pending)]
+            return [r for rs in done for r in rs], [*left, len(protocol.reader.columns)]
+
+    with BrokerThread(home / "store", flush="sync") as broker:
+        for topic in ("t", "u"):
+            broker.store.create_topic(topic, 2)
+        results, left = asyncio.run(run(broker.urls[0]))
+        bodies = sorted(broker.store.get(r.message_id).body for r in results)
+    assert bodies == sorted(b"%d.%d" % (t, n) for t in range(16) for n in range(30))
+    assert left == [0, 0, 0]
