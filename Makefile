@@ -26,8 +26,9 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # bench-redis: tests/test_bench_broker.py runs the Redis Streams side where it can.
+# --durations: every run's log names its slowest tests (the suite's time is watched).
 test: lint bench-redis
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The demo's last steps run Spark, which needs Java: say so before anything starts.
 # (equeue compact checks the version itself: 17 or newer.)
