@@ -607,14 +607,15 @@ static PyObject *attr(const char *module, const char *name) {
     return v;
 }
 
-/* DONE made (left NULL where _asyncio.Future or types.SimpleNamespace is missing): 0, -1. */
-static int make_done(void) {
+/* DONE made, or left NULL (no _asyncio.Future or types.SimpleNamespace, or making it
+ * failed: no error is left). */
+static void make_done(void) {
     PyObject *future = attr("_asyncio", "Future");
     PyObject *namespace = future == NULL ? NULL : attr("types", "SimpleNamespace");
     if (namespace == NULL) {
         Py_XDECREF(future);
         PyErr_Clear();
-        return 0;
+        return;
     }
     PyObject *kw = PyDict_New(), *empty = PyTuple_New(0), *loop = NULL, *done = NULL, *r = NULL;
     if (kw != NULL && empty != NULL &&
@@ -628,13 +629,13 @@ static int make_done(void) {
     Py_XDECREF(loop);
     Py_DECREF(namespace);
     Py_DECREF(future);
-    if (r == NULL) {
+    if (r == NULL) { /* (DONE only saves a call: without it the waiter is given) */
         Py_XDECREF(done);
-        return -1;
+        PyErr_Clear();
+        return;
     }
     Py_DECREF(r);
     DONE = done;
-    return 0;
 }
 
 /* The type made ready and asyncio's names found: 0, -1. */
@@ -679,7 +680,7 @@ int waiter_ready(void) {
     }
     Py_DECREF(python_current);
 #endif
-    if (make_done() < 0) return -1;
+    make_done();
     if ((S_CALL_SOON = PyUnicode_InternFromString("call_soon")) == NULL) return -1;
     return 0;
 }
