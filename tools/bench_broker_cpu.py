@@ -250,7 +250,9 @@ def _broker(
     return broker, line.split()[-1]
 
 
-def process_instructions(src: Path, sends: int, keep: Path | None = None) -> tuple[list[int], int]:
+def process_instructions(
+    src: Path, sends: int, keep: Path | None = None, flush: str = "sync"
+) -> tuple[list[int], int]:
     """A real broker of tree ``src`` under callgrind, ``sends`` durable sends from each of
     DURABLE_PEERS connections: its user-space instructions (start and drain included) a
     thread, in the order they started (the loop's first), and its fdatasyncs. ``keep``: a
@@ -261,7 +263,7 @@ def process_instructions(src: Path, sends: int, keep: Path | None = None) -> tup
         "valgrind", "--tool=callgrind", "--separate-threads=yes",
         f"--callgrind-out-file={target}",
     ]  # fmt: skip
-    broker, url = _broker(src, directory, prefix)
+    broker, url = _broker(src, directory, prefix, flush)
     try:
         flushes, _wall = asyncio.run(_drive(url, sends))
     finally:
@@ -339,6 +341,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="--process: A/B rounds")
     parser.add_argument(
+        "--flush", choices=("sync", "async"), default="sync", help="--process --callgrind"
+    )
+    parser.add_argument(
         "--keep", type=Path, help="--process --callgrind: copy the outputs (a file a thread) here"
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -355,7 +360,9 @@ def main() -> None:
         n = options.count
         for src in sources:
             (small, flushes1), (large, flushes2) = (
-                process_instructions(src, c, options.keep and options.keep / src.name)
+                process_instructions(
+                    src, c, options.keep and options.keep / src.name, options.flush
+                )
                 for c in (n, 2 * n)
             )
             per = (sum(large) - sum(small)) / (DURABLE_PEERS * n)

@@ -12,7 +12,10 @@
  * thread, no task is running on it and it is not in debug mode, the callback is run at once in its context (`context.run(cb, self)`), as
  * Handle._run would run it one loop pass later, without call_soon's Python Handle. An
  * exception it raises is the loop's exception handler's, as in Handle._run; a
- * KeyboardInterrupt or SystemExit propagates (out of buffer_updated, then the loop). */
+ * KeyboardInterrupt or SystemExit propagates (out of buffer_updated, then the loop).
+ * The wake-up is given DONE (a finished _asyncio.Future), not the waiter, there: what the
+ * task then does is the same (task_wakeup steps it with nothing sent either way), without
+ * task_wakeup's call of the waiter's result() by name. */
 #include "speedups.h"
 
 enum { PENDING, RESULT, ERROR, CANCELLED };
@@ -35,6 +38,10 @@ static PyObject *TASK_TYPE, *BASE_LOOP, *FUTURE, *CANCELLED_ERROR, *INVALID_STAT
  * Tasks enter themselves in; NULL elsewhere (3.12+: current_task is C) or when
  * asyncio.current_task is not that function (replaced before the first waiter): called. */
 static PyObject *CURRENT_TASKS;
+/* A finished _asyncio.Future (result None) on no loop of use (a namespace whose
+ * get_debug() is bool(), False: the one call Future's init makes on it), given to a C
+ * Task's wake-up in waiter_finish; NULL where _asyncio is missing (the waiter is given). */
+static PyObject *DONE;
 static PyObject *BASE_GET_DEBUG, *S_DEBUG, *S_RUNNING_KEY;
 static PyObject *S_CALL_SOON, *S_GET_DEBUG, *S_HANDLER, *S_CONTEXT, *S_MESSAGE, *S_EXCEPTION,
     *KW_CONTEXT;
@@ -464,7 +471,12 @@ int waiter_finish(PyObject *waiter, PyObject *result, int now) {
         PyErr_Clear();
         rc = schedule_one(w, cb, ctx);
     } else {
-        PyObject *r = PyObject_CallOneArg(cb, waiter);
+        /* The wake-up is given DONE, not the waiter: C task_wakeup asks a waiter for its
+         * result() by name (PyObject_CallMethod: the name made a str, the bound method
+         * made, ~900 instructions a send) only to see it does not raise, then steps the
+         * task with nothing sent; an exact finished Future with a result takes its C
+         * check. The coroutine reads the waiter's result from the waiter itself. */
+        PyObject *r = PyObject_CallOneArg(cb, DONE != NULL ? DONE : waiter);
         if (r == NULL && !PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
             !PyErr_ExceptionMatches(PyExc_SystemExit) && PyErr_ExceptionMatches(PyExc_BaseException))
             rc = report(w, cb) < 0 ? -1 : 0;
@@ -595,6 +607,37 @@ static PyObject *attr(const char *module, const char *name) {
     return v;
 }
 
+/* DONE made, or left NULL (no _asyncio.Future or types.SimpleNamespace, or making it
+ * failed: no error is left). */
+static void make_done(void) {
+    PyObject *future = attr("_asyncio", "Future");
+    PyObject *namespace = future == NULL ? NULL : attr("types", "SimpleNamespace");
+    if (namespace == NULL) {
+        Py_XDECREF(future);
+        PyErr_Clear();
+        return;
+    }
+    PyObject *kw = PyDict_New(), *empty = PyTuple_New(0), *loop = NULL, *done = NULL, *r = NULL;
+    if (kw != NULL && empty != NULL &&
+        PyDict_SetItemString(kw, "get_debug", (PyObject *)&PyBool_Type) == 0 &&
+        (loop = PyObject_Call(namespace, empty, kw)) != NULL &&
+        PyDict_SetItemString(kw, "loop", loop) == 0 && PyDict_DelItemString(kw, "get_debug") == 0 &&
+        (done = PyObject_Call(future, empty, kw)) != NULL)
+        r = PyObject_CallMethod(done, "set_result", "O", Py_None);
+    Py_XDECREF(kw);
+    Py_XDECREF(empty);
+    Py_XDECREF(loop);
+    Py_DECREF(namespace);
+    Py_DECREF(future);
+    if (r == NULL) { /* (DONE only saves a call: without it the waiter is given) */
+        Py_XDECREF(done);
+        PyErr_Clear();
+        return;
+    }
+    Py_DECREF(r);
+    DONE = done;
+}
+
 /* The type made ready and asyncio's names found: 0, -1. */
 int waiter_ready(void) {
     if (S_CALL_SOON != NULL) return 0;
@@ -637,6 +680,7 @@ int waiter_ready(void) {
     }
     Py_DECREF(python_current);
 #endif
+    make_done();
     if ((S_CALL_SOON = PyUnicode_InternFromString("call_soon")) == NULL) return -1;
     return 0;
 }
