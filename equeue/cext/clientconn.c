@@ -218,10 +218,19 @@ static int group_read(Conn *self, Py_ssize_t nbytes) {
         body = args == NULL ? NULL : columns_answer(NULL, args);
         Py_XDECREF(args);
         if (frame != NULL) { /* (nothing may keep the buffer's bytes past this read) */
-            PyObject *r = PyObject_CallMethodNoArgs(frame, S_RELEASE) /* memoryview.release */;
+            /* memoryview.release is a call: made with columns_answer's error (a
+             * MemoryError) still set, CPython's call check turned its None into a
+             * SystemError (review15 R15-2), so the error is put aside meanwhile */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyObject *r = PyObject_CallMethodNoArgs(frame, S_RELEASE);
             Py_XDECREF(r);
             Py_DECREF(frame);
             if (r == NULL) Py_CLEAR(body);
+            if (type != NULL) {
+                if (r == NULL) PyErr_Clear(); /* (the first error is the one raised) */
+                PyErr_Restore(type, value, tb);
+            }
         }
     } else {
         body = Py_NewRef(Py_None);
