@@ -3,7 +3,7 @@
 ``asyncio.BufferedProtocol``, not streams: every frame of one read is parsed and
 answered before its answers leave in one ``transport.write``; reads land in one buffer
 per event-loop thread. Past ``write_buffer_high`` bytes of answers the client has not
-read, reading it pauses (backpressure.py, Connection's base). A frame that is not the
+read, reading it pauses (backpressure.py). A frame that is not the
 protocol closes this connection only, after an error answer with request id 0 and one
 log line.
 """
@@ -40,8 +40,8 @@ from equeue.protocol.frames import (
 from equeue.protocol.ops import check_args, ops_above, refuse_above
 from equeue.protocol.records import pack_send_result
 from equeue.protocol.retries import RESERVED_PREFIX
+from equeue.server import backpressure
 from equeue.server.admission import keep_alive, refusal_of, take_hello
-from equeue.server.backpressure import Backpressure
 from equeue.server.direct import direct_fd
 from equeue.server.handlers import DEFERRED, Frame, Handlers, Packed
 from equeue.server.limitnote import name_broker_setting
@@ -73,7 +73,7 @@ def _read_buffer() -> memoryview:
     return view
 
 
-class Connection(Backpressure, asyncio.BufferedProtocol):
+class Connection(asyncio.BufferedProtocol):
     # The state the C read and release paths read on every send (cext/sendlane.c,
     # release.c) in slots, at fixed offsets; everything else in the instance dict.
     __slots__ = (
@@ -223,6 +223,15 @@ class Connection(Backpressure, asyncio.BufferedProtocol):
                     f"(hello_timeout_ms={limit}; equeue serve --hello-timeout-ms)"
                 )
             )
+
+    # The backpressure: equeue/server/backpressure.py
+    pause_writing = backpressure.pause_writing
+    resume_writing = backpressure.resume_writing
+    has_room = backpressure.has_room
+    wait_for_room = backpressure.wait_for_room
+    _room_written = backpressure._room_written
+    _serve = backpressure._serve
+    buffered = property(backpressure.buffered)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._read_view
