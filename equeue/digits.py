@@ -19,3 +19,18 @@ def ascii_number(text: str, max_digits: int = U64_DIGITS) -> int | None:
     if 0 < len(text) <= max_digits and text.isascii() and text.isdigit():
         return int(text)
     return None
+
+
+PORT_FORM: Final = "a number from 0 to 65535 in ASCII digits"
+
+
+def port_number(text: str) -> int | None:
+    """The TCP port ``text`` writes: ASCII digits, 0 to 65535, leading zeros read as
+    getaddrinfo(3) and urllib read them ("08080" is 8080; the listener refused more than 5
+    characters, the client took them: round 20); None otherwise (also for ""). The zeros
+    are stripped before ``ascii_number``, so any number of them costs no ``int()``."""
+    digits = text.lstrip("0")
+    if not digits:
+        return 0 if text else None
+    number = ascii_number(digits, 5)
+    return number if number is not None and number <= 65535 else None

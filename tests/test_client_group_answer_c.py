@@ -11,6 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -324,3 +325,51 @@ def test_two_groups_answered_in_one_read_each_get_their_answers(home: Path) -> N
         bodies = sorted(broker.store.get(r.message_id).body for r in results)
     assert bodies == sorted(b"%d.%d" % (t, n) for t in range(16) for n in range(30))
     assert left == [0, 0, 0]
+
+
+def _columns_frame(rid: int, count: int) -> bytes:
+    ids = [f"abcdefgh{p:016x}" for p in range(count)]
+    value = ["t", ids, [0] * count, list(range(count)), list(range(count)), [1.5e9] * count]
+    body: bytes = msgpack.packb([rid, 0, value], use_bin_type=True)
+    return len(body).to_bytes(4, "big") + body
+
+
+class _Given(Answer):
+    __slots__ = ()
+
+    def answered(self, status: int, payload: Any) -> None:
+        pass
+
+
+def test_no_memory_in_group_read_raises_memory_error_not_system_error() -> None:
+    # review15 R15-2: group_read released its memoryview of the read (a method call) with
+    # columns_answer's MemoryError still set; CPython's call check then raised SystemError
+    # in its place. Each allocation of the read is made to fail in turn (_testcapi's
+    # seam): what comes out is the MemoryError, or the read is taken whole (by C, or by
+    # the general read), never a SystemError (allocations 2-8 gave one before the fix).
+    _testcapi = pytest.importorskip("_testcapi")
+    frame = _columns_frame(REQUEST_ID, 3)
+    outcomes: dict[str, int] = {}
+    for failing in range(60):
+        protocol = _protocol_type()(None)
+        protocol.data_received = lambda data: None
+        inbuf = bytearray(1024)
+        inbuf[: len(frame)] = frame
+        protocol.inbuf, protocol.pending = memoryview(inbuf), {}
+        protocol.coalescer, protocol.welcomed, protocol.heard = 1, True, 0.0
+        protocol.limit = 1 << 20
+        protocol.reader._buffer = bytearray()
+        protocol.pending[REQUEST_ID] = (_Given.__new__(_Given), None, None)
+        _testcapi.set_nomemory(failing, failing + 1)
+        try:
+            protocol.buffer_updated(len(frame))
+            outcome = "taken" if REQUEST_ID not in protocol.pending else "read generally"
+        except MemoryError:
+            outcome = "MemoryError"
+        except SystemError as error:
+            outcome = f"SystemError at allocation {failing}: {error}"
+        finally:
+            _testcapi.remove_mem_hooks()
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert set(outcomes) <= {"taken", "read generally", "MemoryError"}, outcomes
+    assert outcomes.get("MemoryError", 0) > 0 and outcomes.get("taken", 0) > 0

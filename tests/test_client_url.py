@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import ssl
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from equeue.errors import (
 )
 from equeue.protocol.frames import PROTOCOL_VERSION
 from equeue.protocol.ops import check_args
+from equeue.server.config import parse_listener
 from equeue.store.types import OutgoingMessage
 
 loose: Any = calls  # for calls with arguments of the wrong types
@@ -59,6 +61,70 @@ def test_a_store_directory_means_its_broker_socket(tmp_path: Path) -> None:
 def test_bad_urls_are_config_errors(url: str) -> None:
     with pytest.raises(ConfigError):
         parse_url(url)
+
+
+@pytest.mark.parametrize(
+    ("port", "number"),
+    [("08080", 8080), ("000080", 80), ("0" * 5000 + "7070", 7070), ("065535", 65535)],
+)
+def test_a_port_with_leading_zeros_is_its_number_to_serve_and_connect(
+    port: str, number: int
+) -> None:
+    # round 20: `equeue serve --listen tcp://127.0.0.1:000080` was refused ("expected
+    # tcp://HOST:PORT", the port's 6 characters past its 5-digit bound) while
+    # equeue.connect took the same url as port 80 (urllib's int()), and 4,301 characters
+    # of it as a ConfigError about sys.set_int_max_str_digits. Both read leading zeros as
+    # getaddrinfo and urllib do: the port is the number the digits say.
+    url = f"tcp://127.0.0.1:{port}"
+    assert parse_url(url).port == number
+    assert parse_listener(url).port == number
+    assert parse_listener(f"tls://[::1]:{port}") == parse_listener(f"tls://[::1]:{number}")
+
+
+@pytest.mark.parametrize(
+    "port", ["65536", "9" * 20, "x", "+80", "-1", "8 0", " 80", "\u0663", "\u00b2", "1" * 5000]
+)
+def test_a_bad_port_is_refused_alike_by_serve_and_connect_naming_the_port(port: str) -> None:
+    url = f"tcp://127.0.0.1:{port}"
+    for parse, what in ((parse_url, "broker url"), (parse_listener, "listener")):
+        with pytest.raises(ConfigError) as refused:
+            parse(url)
+        message = str(refused.value)
+        said = f"{what} {url[:80]!r}: port {port[:20]!r} is not a number from 0 to 65535"
+        assert message.startswith(said), message[:300]
+        assert message.count("127.0.0.1") == 1 and len(message) < 300  # (the url once)
+
+
+@pytest.mark.parametrize(
+    ("url", "part"),
+    [
+        ("tcp://127.0.0.1", "no port after the host"),
+        ("tcp://127.0.0.1:", "no port after the host"),
+        ("tcp://[::1]", "no port after the host"),
+        ("tcp://:80", "no host before the port"),
+        ("tcp://127.0.0.1:80/x", "has more than tcp://HOST:PORT (a path, query or user)"),
+    ],
+)
+def test_a_bad_listener_or_url_names_the_part_that_is_wrong(url: str, part: str) -> None:
+    for parse in (parse_url, parse_listener):
+        with pytest.raises(ConfigError, match=re.escape(part)) as refused:
+            parse(url)
+        assert str(refused.value).count(url) == 1
+
+
+@pytest.mark.parametrize("url", ["tcp://[::1:80", "tcp://::1]:80", "tcp://[::1]x80"])
+def test_a_listener_with_unbalanced_brackets_is_refused(url: str) -> None:
+    # (main took tcp://[::1:80 as [::1]:80: strip("[]") dropped the lone bracket)
+    with pytest.raises(ConfigError, match=re.escape("an IPv6 address is written [ADDRESS]:PORT")):
+        parse_listener(url)
+    with pytest.raises(ConfigError):
+        parse_url(url)
+
+
+def test_port_0_listens_on_any_free_port_and_names_no_broker_to_connect_to() -> None:
+    assert parse_listener("tcp://127.0.0.1:00").port == 0
+    with pytest.raises(ConfigError, match="port 0 names no listener"):
+        parse_url("tcp://127.0.0.1:00")
 
 
 def test_tls_options_only_with_tls(tmp_path: Path) -> None:

@@ -168,6 +168,50 @@ def test_hostile_properties_in_the_retry_topic(store: MessageStore, clock: Clock
     assert coord.retries.pending() == 1
 
 
+@pytest.mark.parametrize(
+    "due", ["inf", "nan", "1e400", "-5", "99999999999999999999", "1" * 5000, "\u0663", " 5", "5.0"]
+)
+def test_a_due_time_the_mover_never_writes_is_reported_and_due_now(
+    store: MessageStore, clock: Clock, caplog: pytest.LogCaptureFixture, due: str
+) -> None:
+    """equeue.due_ms is read from the log: one that is not the mover's ASCII digits of
+    ms (float() read "inf", "1e400" and a 20-digit value as a time never reached, the
+    level's FIFO blocked behind it; "nan" and "-5" as due, silently) is logged with where
+    the copy is, and the copy is due now: the good copy behind it is moved too."""
+    coord = coordinator(store, clock)
+    coord.retries.ensure(retry.DELAY_TOPIC, len(DELAYS))
+    bad = store.send(
+        retry.DELAY_TOPIC, b"bad", properties={retry.GROUP: "g", retry.DUE_MS: due}, queue_id=0
+    )
+    sent = store.send("orders", b"good", queue_id=0)
+    coord.nack("g", "a", sent.message_id, 1000)  # level 0 too, behind the bad copy
+    clock.now += 1.0
+    with caplog.at_level("WARNING", logger="equeue.retry"):
+        coord.tick()
+    assert [m.body for m in everything(store, RETRY)] == [b"bad", b"good"]
+    (warning,) = [r.getMessage() for r in caplog.records if "due time" in r.getMessage()]
+    assert f"{retry.DELAY_TOPIC} queue 0 offset 0 (message {bad.message_id}" in warning
+    assert f"log position {bad.position} in {store.path / 'messages'}" in warning
+    assert repr(due[:40]) in warning
+
+
+def test_a_due_time_at_most_the_longest_delay_ahead_waits(
+    store: MessageStore, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bound of a due time read: now + MAX_DELAY_S (the longest delay a level may
+    have) waits; a millisecond more is not one the mover wrote."""
+    coord = coordinator(store, clock)
+    coord.retries.ensure(retry.DELAY_TOPIC, len(DELAYS))
+    latest = int(clock.now * 1000) + retry.MAX_DELAY_S * 1000
+    for queue_id, due in ((0, latest), (1, latest + 1)):
+        props = {retry.GROUP: "g", retry.DUE_MS: str(due)}
+        store.send(retry.DELAY_TOPIC, b"%d" % queue_id, properties=props, queue_id=queue_id)
+    with caplog.at_level("WARNING", logger="equeue.retry"):
+        coord.tick()
+    assert [m.body for m in everything(store, RETRY)] == [b"1"]
+    assert [r for r in caplog.records if "due time" in r.getMessage()] != []
+
+
 def test_mover_restart_neither_loses_nor_moves_again(tmp_path: Path, clock: Clock) -> None:
     path = tmp_path / "s"
     with MessageStore.open(path) as store:

@@ -316,6 +316,24 @@ def test_a_wake_up_that_cannot_be_scheduled_does_not_fail_a_write_that_happened(
     assert broker.read_into(got) == 7 and bytes(got[:7]) == b"request"
 
 
+def test_set_reader_sleeps_raises_what_the_flags_truth_raised() -> None:
+    """A flag whose truth raises: its error (shmring.c's set_reader_sleeps returned None
+    with the error still set: CPython's call check raised SystemError in its place)."""
+    total = shmrings.region_bytes(4096)
+    fd = os.memfd_create("t", os.MFD_CLOEXEC)
+    os.ftruncate(fd, total)
+    ring = shmrings.ShmRing(fd, total, shmrings.CLIENT)
+    os.close(fd)
+
+    class Unsure:
+        def __bool__(self) -> bool:
+            raise ZeroDivisionError("no truth here")
+
+    with pytest.raises(ZeroDivisionError, match="no truth here"):
+        ring.set_reader_sleeps(Unsure())
+    ring.set_reader_sleeps(True)
+
+
 def test_the_test_hook_raw_refuses_an_offset_whose_end_overflows() -> None:
     total = shmrings.region_bytes(4096)
     fd = os.memfd_create("t", os.MFD_CLOEXEC)

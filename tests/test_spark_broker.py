@@ -479,7 +479,10 @@ def test_the_broker_options_are_checked_on_the_driver(broker: Broker, tmp_path: 
 
     refused({**given, "path": str(broker.store)}, "and the store path", "are exclusive")
     refused({**given, "broker": "http://x"}, "option broker='http://x'", "unix:PATH")
-    refused({**given, "broker": "tcp://127.0.0.1"}, "needs a host and a port")
+    refused(
+        {**given, "broker": "tcp://127.0.0.1"},
+        "option broker: broker url 'tcp://127.0.0.1': no port after the host",
+    )
     refused({**given, "tokenFile": str(tmp_path / "none")}, "option tokenFile=", "cannot read it")
     refused({**given, "jobId": "j1"}, "option jobId is not taken through a broker")
     refused({**given, "topic": "a/b"}, "option topic='a/b'")

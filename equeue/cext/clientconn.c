@@ -47,6 +47,8 @@ int waiter_finish(PyObject *waiter, PyObject *result, int now);
 int waiter_on_loop(PyObject *loop);
 PyObject *columns_answer(PyObject *self, PyObject *args); /* answercols.c */
 int group_answer_is(PyObject *object);                     /* groupanswer.c */
+PyObject *group_answer_futures(PyObject *answer);
+int waiter_pending(PyObject *object); /* wakeup.c */
 PyObject *waiter_future_on(PyObject *loop);
 int rawsock_is(PyObject *object); /* rawsock.c: the client's own transport */
 PyObject *rawsock_write(PyObject *object, PyObject *data);
@@ -104,6 +106,50 @@ static PyObject *conn_get_buffer(Conn *self, PyObject *sizehint) {
     return Py_NewRef(self->inbuf);
 }
 
+/* Whether the caller of `future` still waits for it: 1, 0 (a done() that raises: 1). */
+static int future_waits(PyObject *future) {
+    if (waiter_is(future)) return waiter_pending(future);
+    PyObject *done = PyObject_CallMethodNoArgs(future, S_DONE);
+    int is_done = done == NULL ? -1 : PyObject_IsTrue(done);
+    Py_XDECREF(done);
+    if (is_done < 0) PyErr_Clear();
+    return is_done != 1;
+}
+
+/* An error between the entry's leaving `pending` (taken under `key`) and the end of its
+ * callers' answers (review15 R15-3): the entry put back while a caller of it still waits
+ * (a send's future, or a group's Answer's futures, not done), so that the connection's end
+ * answers it with ConnectionLostError (fail, which the transport calls for the error the
+ * read raises; the watchdog, past its deadline, for a KeyboardInterrupt, which ends no
+ * connection). Taken for good, it was in no list fail() reads: its caller waited for ever.
+ * fail() skips a future already done: no caller is answered twice. The error is kept: the
+ * checks, which may call done(), run with it set aside. */
+static void put_back(Conn *self, PyObject *key, PyObject *entry) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *target = PyTuple_GET_ITEM(entry, 0);
+    int waits = 1;
+    if (group_answer_is(target)) {
+        PyObject *futures = group_answer_futures(target);
+        if (futures != NULL && PyList_Check(futures)) {
+            Py_INCREF(futures); /* (done() may run code) */
+            waits = 0;
+            for (Py_ssize_t i = 0; !waits && i < PyList_GET_SIZE(futures); i++) {
+                PyObject *future = Py_NewRef(PyList_GET_ITEM(futures, i));
+                waits = future_waits(future);
+                Py_DECREF(future);
+            }
+            Py_DECREF(futures);
+        }
+    } else {
+        waits = future_waits(target);
+    }
+    if (waits && self->pending != NULL && PyDict_Check(self->pending) &&
+        PyDict_SetItem(self->pending, key, entry) < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyErr_Restore(type, value, tb);
+}
+
 /* The answer read in C: 1 (the future given it), 0 (not it: read the general way), -1. */
 static int answered(Conn *self, Py_ssize_t nbytes) {
     unsigned long long rid = self->waiting;
@@ -122,7 +168,7 @@ static int answered(Conn *self, Py_ssize_t nbytes) {
         Py_DECREF(result);
         return 0;
     }
-    int found = 0;
+    int found = 0, taken = 0;
     PyObject *key = PyLong_FromUnsignedLongLong(rid), *entry = NULL;
     if (key == NULL) goto out;
     entry = PyDict_GetItemWithError(self->pending, key);
@@ -137,6 +183,7 @@ static int answered(Conn *self, Py_ssize_t nbytes) {
         goto out;
     }
     found = -1;
+    taken = 1; /* (from here an error puts the entry back: put_back) */
     PyObject *heard = PyFloat_FromDouble(monotonic());
     if (heard == NULL) goto out;
     Py_XSETREF(self->heard, heard);
@@ -172,6 +219,7 @@ static int answered(Conn *self, Py_ssize_t nbytes) {
     }
     found = 1;
 out:
+    if (found < 0 && taken) put_back(self, key, entry);
     Py_XDECREF(key);
     Py_XDECREF(entry);
     Py_DECREF(result);
@@ -218,10 +266,19 @@ static int group_read(Conn *self, Py_ssize_t nbytes) {
         body = args == NULL ? NULL : columns_answer(NULL, args);
         Py_XDECREF(args);
         if (frame != NULL) { /* (nothing may keep the buffer's bytes past this read) */
-            PyObject *r = PyObject_CallMethodNoArgs(frame, S_RELEASE) /* memoryview.release */;
+            /* memoryview.release is a call: made with columns_answer's error (a
+             * MemoryError) still set, CPython's call check turned its None into a
+             * SystemError (review15 R15-2), so the error is put aside meanwhile */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyObject *r = PyObject_CallMethodNoArgs(frame, S_RELEASE);
             Py_XDECREF(r);
             Py_DECREF(frame);
             if (r == NULL) Py_CLEAR(body);
+            if (type != NULL) {
+                if (r == NULL) PyErr_Clear(); /* (the first error is the one raised) */
+                PyErr_Restore(type, value, tb);
+            }
         }
     } else {
         body = Py_NewRef(Py_None);
@@ -229,7 +286,7 @@ static int group_read(Conn *self, Py_ssize_t nbytes) {
     PyBuffer_Release(&view);
     Py_DECREF(columns);
     if (body == NULL) return -1;
-    int found = 0;
+    int found = 0, taken = 0;
     PyObject *entry = NULL;
     if (!PyList_CheckExact(body) || PyList_GET_SIZE(body) != 3) goto out; /* (None: not one) */
     PyObject *rid = PyList_GET_ITEM(body, 0);
@@ -246,7 +303,9 @@ static int group_read(Conn *self, Py_ssize_t nbytes) {
     PyObject *heard = PyFloat_FromDouble(monotonic());
     if (heard == NULL) goto out;
     Py_XSETREF(self->heard, heard);
-    if (PyDict_DelItem(self->pending, rid) < 0 || add_free(self, 1) < 0) goto out;
+    if (PyDict_DelItem(self->pending, rid) < 0) goto out;
+    taken = 1; /* (from here an error puts the entry back: put_back) */
+    if (add_free(self, 1) < 0) goto out;
     PyObject *call[3] = {PyTuple_GET_ITEM(entry, 0), PyList_GET_ITEM(body, 1),
                          PyList_GET_ITEM(body, 2)};
     PyObject *r = PyObject_VectorcallMethod(S_ANSWERED, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
@@ -255,6 +314,7 @@ static int group_read(Conn *self, Py_ssize_t nbytes) {
     Py_DECREF(r);
     found = 1;
 out:
+    if (found < 0 && taken) put_back(self, rid, entry);
     Py_XDECREF(entry);
     Py_DECREF(body);
     return found;

@@ -191,6 +191,9 @@ static PyTypeObject AnswerType = {
 /* For clientconn.c: whether object is an AnswerBase (a coalesced group's request). */
 int group_answer_is(PyObject *object) { return PyObject_TypeCheck(object, &AnswerType); }
 
+/* For clientconn.c: the group's callers' futures (borrowed; NULL while unset). */
+PyObject *group_answer_futures(PyObject *answer) { return ((Answer *)answer)->futures; }
+
 /* client_answer_type() -> AnswerBase, made ready on the first call. */
 PyObject *client_answer_type(PyObject *unused, PyObject *unused2) {
     if (S_ANSWERED_SLOW == NULL) {

@@ -458,8 +458,11 @@ static PyObject *ring_raw(ShmRing *self, PyObject *args) {
 }
 
 static PyObject *ring_set_sleeps(ShmRing *self, PyObject *flag) {
-    if (self->base != NULL)
-        atomic_store(&self->in->reader_sleeps, PyObject_IsTrue(flag) ? 1u : 0u);
+    /* (a flag whose truth raises: that error, not None with it still set, which
+     * CPython's call check turns into a SystemError) */
+    int sleeps = PyObject_IsTrue(flag);
+    if (sleeps < 0) return NULL;
+    if (self->base != NULL) atomic_store(&self->in->reader_sleeps, sleeps ? 1u : 0u);
     Py_RETURN_NONE;
 }
 

@@ -377,6 +377,9 @@ static int report(Waiter *w, PyObject *cb) {
 
 int waiter_is(PyObject *object) { return Py_IS_TYPE(object, &WaiterType); }
 
+/* For clientconn.c: whether a Waiter is still pending (no result, error or cancel). */
+int waiter_pending(PyObject *object) { return ((Waiter *)object)->state == PENDING; }
+
 /* An asyncio.Future of the running loop when that is `loop`; None (a new reference)
  * when another loop (or none) runs: NULL with an error. */
 PyObject *waiter_future_on(PyObject *loop) {

@@ -219,16 +219,25 @@ class _Protocol(_Conn, asyncio.BufferedProtocol):  # one buffer for every read
                     )
                     self.fail(f"the broker at {self.where} broke the protocol: {error}", error)
                 return
-            # Its place comes back only now: a cancelled caller's request is still held
-            # by the broker until this answer (which is then dropped).
-            self.free += 1
-            if self.queued:
-                self.release()
             target = entry[0]
-            if isinstance(target, Answer):  # a coalesced group: each caller its own result
-                target.answered(status, payload)
-            elif not target.done():  # (its caller may have been cancelled)
-                target.set_result((status, payload))
+            try:
+                # Its place comes back only now: a cancelled caller's request is still
+                # held by the broker until this answer (which is then dropped).
+                self.free += 1
+                if self.queued:
+                    self.release()
+                if isinstance(target, Answer):  # a coalesced group: each caller its own
+                    target.answered(status, payload)
+                elif not target.done():  # (its caller may have been cancelled)
+                    target.set_result((status, payload))
+            except BaseException:
+                # (review15 R15-3) out of pending, its callers not all answered: put back
+                # while one waits, so the connection's end (fail, which the transport
+                # calls for the error raised from the read) answers it; as clientconn.c's
+                # put_back does for the reads made in C
+                if aioends.still_waiting(target):
+                    pending[request_id] = entry
+                raise
 
     def connection_lost(self, exc: Exception | None) -> None:
         if isinstance(exc, BrokenPipeError | ConnectionResetError) and not self.closed:

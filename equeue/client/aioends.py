@@ -1,8 +1,9 @@
 """How a request of the asyncio client (equeue.client.aio) ends early: a long poll whose
-caller was cancelled is given up (cancel_pull, protocol version 6: reviewk F4), and a
+caller was cancelled is given up (cancel_pull, protocol version 6: reviewk F4), a
 write that finds the broker gone reads what the broker wrote before it closed (a
-stopping broker's last frame says which requests it never served: reviewk F9). The
-sync client's are in endings.py."""
+stopping broker's last frame says which requests it never served: reviewk F9), and a
+request whose answer could not be given to every caller is left to the connection's end
+(still_waiting: review15 R15-3). The sync client's are in endings.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from equeue.client.coalesce import Answer
 from equeue.client.connect import RECV_BYTES
 from equeue.protocol.frames import CANCEL_PULL_VERSION
 
@@ -69,3 +71,13 @@ def read_rest(protocol: _Protocol) -> None:
 def _retrieved(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def still_waiting(target: asyncio.Future[Any] | Answer) -> bool:
+    """Whether a caller of a request's ``target`` (its future, or a coalesced group's
+    Answer) still waits: the request, taken from ``pending`` for its answer, goes back
+    there when giving the answer raised, so that the connection's end answers that caller
+    with ConnectionLostError (fail() skips the futures already done)."""
+    if isinstance(target, Answer):
+        return not all(future.done() for future in target.futures)
+    return not target.done()

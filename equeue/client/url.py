@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from equeue.digits import PORT_FORM, port_number
 from equeue.errors import ConfigError, InvalidTypeError
 from equeue.protocol.address import DEFAULT_SOCKET_NAME
 
@@ -46,7 +47,7 @@ def parse_url(
             f"ssl_context must be an ssl.SSLContext, got {type(ssl_context).__name__}"
         )
     if "\0" in url or not url.strip():
-        raise ConfigError(f"broker url {url!r} is empty or holds a NUL; give {_FORMS}")
+        raise ConfigError(f"broker url {url[:80]!r} is empty or holds a NUL; give {_FORMS}")
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("tcp", "tls"):
         endpoint = _network(url, scheme)
@@ -58,7 +59,7 @@ def parse_url(
             raise ConfigError(f"broker url {url!r} names no socket path; give unix:PATH")
         endpoint = Endpoint("unix", path=path)
     elif "://" in url:
-        raise ConfigError(f"broker url {url!r}: unknown scheme {scheme!r}; give {_FORMS}")
+        raise ConfigError(f"broker url {url[:80]!r}: unknown scheme {scheme[:20]!r}; give {_FORMS}")
     else:  # a path: a store directory means its broker's socket
         given = Path(url)
         endpoint = Endpoint(
@@ -66,12 +67,15 @@ def parse_url(
         )
     if endpoint.kind == "unix" and len(os.fsencode(endpoint.path)) > 107:
         raise ConfigError(
-            f"unix socket path {endpoint.path!r} is longer than the 107 bytes a socket "
-            "address holds; use a shorter path (or a symbolic link to the directory)"
+            f"unix socket path {endpoint.path[:80]!r} is {len(os.fsencode(endpoint.path))} "
+            "bytes, longer than the 107 a socket address holds; use a shorter path (or a "
+            "symbolic link to the directory)"
         )
     if endpoint.kind != "tls":
         if ssl_context is not None or cafile is not None:
-            raise ConfigError(f"ssl_context/cafile given for {url!r}, which is not a tls:// url")
+            raise ConfigError(
+                f"ssl_context/cafile given for {url[:80]!r}, which is not a tls:// url"
+            )
         return endpoint
     if ssl_context is None:
         try:
@@ -79,22 +83,37 @@ def parse_url(
                 cafile=os.fspath(cafile) if cafile is not None else None
             )
         except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"cannot load cafile {cafile!r} for {url}: {exc}") from None
+            raise ConfigError(f"cannot load cafile {cafile!r} for {url[:80]}: {exc}") from None
     elif cafile is not None:
         raise ConfigError("give ssl_context or cafile, not both")
     return Endpoint("tls", host=endpoint.host, port=endpoint.port, ssl_context=ssl_context)
 
 
 def _network(url: str, scheme: str) -> Endpoint:
+    """HOST and PORT of ``scheme://HOST:PORT``; a ConfigError naming the part that is
+    wrong (the url shown once, its first 80 characters). The port is read as the
+    broker's listener reads it (equeue.digits.port_number: leading zeros are the
+    number's), not by urllib's ``port`` (int(): its own messages, and more than 4,300
+    digits a message about sys.set_int_max_str_digits)."""
+    where = f"broker url {url[:80]!r}"
+    form = f"give {scheme}://HOST:PORT"
     try:
         parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:  # a port out of range or not a number, a bad [v6]
-        raise ConfigError(f"broker url {url!r}: {exc}; give {scheme}://HOST:PORT") from None
-    if not host or port is None or port == 0:
-        raise ConfigError(f"broker url {url!r} needs a host and a port: {scheme}://HOST:PORT")
+        host = parts.hostname
+    except ValueError as exc:  # a bad [v6]
+        raise ConfigError(f"{where}: {exc}; {form}") from None
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise ConfigError(
-            f"broker url {url!r} has more than {scheme}://HOST:PORT (a path, query or user)"
-        )
-    return Endpoint(scheme, host=host, port=port)
+        raise ConfigError(f"{where} has more than {scheme}://HOST:PORT (a path, query or user)")
+    netloc = parts.netloc
+    tail = netloc[netloc.rfind("]") + 1 :]  # (past an IPv6 address's brackets)
+    port = tail.rpartition(":")[2] if ":" in tail else ""
+    if not port:
+        raise ConfigError(f"{where}: no port after the host; {form}")
+    if not host:
+        raise ConfigError(f"{where}: no host before the port; {form}")
+    number = port_number(port)
+    if number is None:
+        raise ConfigError(f"{where}: port {port[:20]!r} is not {PORT_FORM}; {form}")
+    if number == 0:  # (a listener's port 0 is any free port: none to connect to)
+        raise ConfigError(f"{where}: port 0 names no listener; give the port the broker listens on")
+    return Endpoint(scheme, host=host, port=number)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from equeue.chunks.config import MiB, check_int
-from equeue.digits import ascii_number
+from equeue.digits import PORT_FORM, port_number
 from equeue.errors import ConfigError
 from equeue.protocol.address import DEFAULT_SOCKET_NAME
 from equeue.protocol.frames import (
@@ -93,21 +93,50 @@ def parse_listener(url: str) -> Listener:
             raise ConfigError(f"listener {url!r}: unix: needs a path")
         if len(os.fsencode(path)) > MAX_UNIX_PATH:
             raise ConfigError(
-                f"listener {url!r}: a Unix socket path is limited to {MAX_UNIX_PATH} bytes; "
+                f"listener {url[:80]!r}: the path is {len(os.fsencode(path))} bytes; a Unix "
+                f"socket path is limited to {MAX_UNIX_PATH} bytes; "
                 "listen on a shorter one (--listen unix:PATH, e.g. under /tmp or $XDG_RUNTIME_DIR)"
             )
         return Listener("unix", path=path)
     for kind in ("tcp", "tls"):
         prefix = f"{kind}://"
         if url.startswith(prefix):
-            host, sep, port = url[len(prefix) :].rpartition(":")
-            # ASCII digits, at most 5 ("65535"): "\u00b2".isdigit() is true and int()
-            # refuses it, and 4,301 digits too (builtin ValueErrors: review10, R11-7)
-            number = ascii_number(port, 5)
-            if not sep or not host or number is None or not 0 <= number <= 65535:
-                raise ConfigError(f"listener {url!r}: expected {kind}://HOST:PORT (port 0-65535)")
-            return Listener(kind, host=host.strip("[]"), port=number)
-    raise ConfigError(f"listener {url!r}: expected unix:PATH, tcp://HOST:PORT or tls://HOST:PORT")
+            host, port = _host_port(url, kind, url[len(prefix) :])
+            return Listener(kind, host=host, port=port)
+    raise ConfigError(
+        f"listener {url[:80]!r}: expected unix:PATH, tcp://HOST:PORT or tls://HOST:PORT"
+    )
+
+
+def _host_port(url: str, kind: Literal["tcp", "tls"], rest: str) -> tuple[str, int]:
+    """HOST and PORT of ``kind://HOST:PORT`` (port 0: any free port); a ConfigError that
+    names the part that is wrong, the url shown once (its first 80 characters)."""
+    where = f"listener {url[:80]!r}"
+    form = f"give {kind}://HOST:PORT (port 0: any free port)"
+    if any(c in rest for c in "/?#@"):
+        raise ConfigError(f"{where} has more than {kind}://HOST:PORT (a path, query or user)")
+    if rest.startswith("["):  # [ADDRESS]:PORT, an IPv6 address's colons inside
+        close = rest.find("]")
+        host, port = rest[: close + 1], rest[close + 1 :]
+        if close < 0 or (port and not port.startswith(":")):
+            raise ConfigError(f"{where}: an IPv6 address is written [ADDRESS]:PORT; {form}")
+        port = port[1:]
+    else:
+        host, sep, port = rest.rpartition(":")
+        if not sep:
+            host, port = rest, ""
+        if "[" in host or "]" in host:
+            raise ConfigError(f"{where}: an IPv6 address is written [ADDRESS]:PORT; {form}")
+    if not port:
+        raise ConfigError(f"{where}: no port after the host; {form}")
+    if host in ("", "[]"):
+        raise ConfigError(f"{where}: no host before the port; {form}")
+    # (port_number: "\u00b2".isdigit() is true and int() refuses it, 4,301 digits too:
+    # builtin ValueErrors, review10, R11-7; leading zeros are the number's, as urllib's)
+    number = port_number(port)
+    if number is None:
+        raise ConfigError(f"{where}: port {port[:20]!r} is not {PORT_FORM}; {form}")
+    return host.strip("[]"), number
 
 
 @dataclass(frozen=True, kw_only=True)

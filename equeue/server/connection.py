@@ -2,11 +2,10 @@
 
 ``asyncio.BufferedProtocol``, not streams: every frame of one read is parsed and
 answered before its answers leave in one ``transport.write``; reads land in one buffer
-per event-loop thread. Past
-``write_buffer_high`` bytes of answers the client has not read, reading it pauses
-(backpressure: a stalled client holds its own socket buffers, not the broker's
-memory). A frame that is not the protocol closes this connection only, after an error
-answer with request id 0 and one log line.
+per event-loop thread. Past ``write_buffer_high`` bytes of answers the client has not
+read, reading it pauses (backpressure.py). A frame that is not the
+protocol closes this connection only, after an error answer with request id 0 and one
+log line.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from equeue.protocol.frames import (
 from equeue.protocol.ops import check_args, ops_above, refuse_above
 from equeue.protocol.records import pack_send_result
 from equeue.protocol.retries import RESERVED_PREFIX
+from equeue.server import backpressure
 from equeue.server.admission import keep_alive, refusal_of, take_hello
 from equeue.server.direct import direct_fd
 from equeue.server.handlers import DEFERRED, Frame, Handlers, Packed
@@ -224,53 +224,14 @@ class Connection(asyncio.BufferedProtocol):
                 )
             )
 
-    def pause_writing(self) -> None:
-        self._paused = True
-        if self.transport is not None and not self.closed:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        if self.closed:
-            return
-        holds = self.broker.holds
-        if self._backlog or holds.starving(self):
-            self._batching = True
-            try:
-                holds.room_made(self)  # the held pulls first: read before the backlog
-                if self._backlog:
-                    self._serve(self._backlog)
-            except ProtocolError as exc:
-                self._fatal(exc)
-            finally:
-                self._batching = False
-                self._write_out()
-                self.broker.after_batch()
-        if self._ended and not self.in_flight and not self._backlog:
-            self.close()
-        elif not self._paused and not self._backlog and not self.broker.draining:
-            assert self.transport is not None
-            self.transport.resume_reading()
-
-    def has_room(self) -> bool:
-        """Whether an answer made outside a read (a held pull's) may be queued now: the
-        answers waiting to be written are within write_buffer_high (a closed connection
-        takes any: finish drops it)."""
-        transport = self.transport
-        if self.closed or transport is None:
-            return True
-        waiting = transport.get_write_buffer_size() + self._out_bytes
-        return not self._paused and waiting <= self._write_high
-
-    def wait_for_room(self) -> None:
-        """Held pulls wait for room (holds.py): resume_writing makes it when the transport
-        paused; else the answers that took it are not written yet: after their write."""
-        if not self._paused and not self.closed:
-            self.broker.loop.call_soon(self._room_written)
-
-    def _room_written(self) -> None:
-        if not self._paused and not self.closed:
-            self.broker.holds.room_made(self)
+    # The backpressure: equeue/server/backpressure.py
+    pause_writing = backpressure.pause_writing
+    resume_writing = backpressure.resume_writing
+    has_room = backpressure.has_room
+    wait_for_room = backpressure.wait_for_room
+    _room_written = backpressure._room_written
+    _serve = backpressure._serve
+    buffered = property(backpressure.buffered)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._read_view
@@ -463,39 +424,6 @@ class Connection(asyncio.BufferedProtocol):
                 self._partial_moved = broker.loop.time()
         if pending and broker.partial_bytes > broker.config.max_partial_frame_bytes:
             make_room(self)
-
-    def _serve(self, bodies: list[bytes]) -> None:
-        """Answer ``bodies`` in order until the client's unread answers pass the high-water
-        mark; the rest wait in the backlog for ``resume_writing``. So one read of many
-        small requests with large answers (pulls) cannot make the broker hold more than
-        about ``write_buffer_high`` plus one answer for a client that does not read."""
-        high = self.broker.config.write_buffer_high
-        transport = self.transport
-        assert transport is not None
-        done = 0
-        request = self._request
-        # The transport's buffer changes only by _write_out here: read it after each.
-        room = high - transport.get_write_buffer_size()
-        for body in bodies:
-            done += 1
-            request(body)
-            if self.closed:
-                break
-            if self._out_bytes > room:
-                self._write_out()  # may call pause_writing
-                if self._paused:
-                    break
-                room = high - transport.get_write_buffer_size()
-        self._backlog = bodies[done:] if done < len(bodies) and not self.closed else []
-        if self._backlog:
-            transport.pause_reading()
-
-    @property
-    def buffered(self) -> int:
-        """Answer bytes not yet taken by the client's socket, and request bytes not yet served."""
-        transport = self.transport
-        written = transport.get_write_buffer_size() if transport is not None else 0
-        return written + self._out_bytes + sum(map(len, self._backlog)) + self._reader.pending
 
     def eof_received(self) -> bool | None:
         pending = self._reader.pending if self._hello is None else len(self._hello)

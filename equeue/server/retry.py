@@ -38,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final, Protocol
 
+from equeue.digits import ascii_number
 from equeue.errors import (
     EQueueError,
     InvalidMessageError,
@@ -70,6 +71,7 @@ from equeue.protocol.retries import (
 )
 from equeue.store import offsets as group_offsets
 from equeue.store import validate
+from equeue.store.meta import MESSAGES_DIR
 from equeue.store.types import Message, OutgoingMessage, SendResult
 
 if TYPE_CHECKING:
@@ -96,6 +98,7 @@ class Job(Protocol):
 DEFAULT_DELAYS: Final = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 DEFAULT_MAX_RETRIES: Final = 16
 MAX_LEVELS: Final = 64
+MAX_DELAY_S: Final = 86400 * 7  # a level's longest delay (retry_delays)
 MOVE_BATCH: Final = 256  # copies moved per delay queue per tick: a tick stays short
 FAILURE_REPEAT_S: Final = 60.0  # a mover failing every tick is logged again this often
 # Repeat nacks recognised (RetryMover._nacked): 16,384 (group, message id) pairs, ~3 MB.
@@ -395,13 +398,35 @@ class Retries:
             return []
         due: list[Message] = []
         for message in self.store.pull(DELAY_TOPIC, queue_id, at, MOVE_BATCH):
-            if _due_ms(message) > now_ms:
+            due_ms = self._due_ms(message, now_ms)
+            if due_ms > now_ms:
                 # FIFO by due time: the rest of the queue waits too, and until then the
                 # queue is not read again
-                self._head_due[queue_id] = _due_ms(message)
+                self._head_due[queue_id] = due_ms
                 break
             due.append(message)
         return due
+
+    def _due_ms(self, message: Message, now_ms: float) -> int:
+        """When a delay copy is due, ms since the epoch: its ``equeue.due_ms`` as _nack
+        writes it, ASCII digits at most MAX_DELAY_S past now. Anything else is not the
+        mover's (float() took "inf", "1e400" and 20-digit values, due never: the level's
+        FIFO waited behind the copy for ever; "nan" and "-5" moved it out of order): the
+        damage logged, and the copy due now, as one without a due time (a copy is read
+        from the log like any message: its properties are bytes a file holds)."""
+        text = message.properties.get(DUE_MS)
+        due = None if text is None else ascii_number(text)
+        if due is not None and due <= now_ms + MAX_DELAY_S * 1000:
+            return due
+        log.warning(
+            "the copy at %s queue %d offset %d (message %s, log position %d in %s): %s %s "
+            "is not a due time the retry mover writes (ASCII digits, ms since the epoch, "
+            "at most %d s ahead); moved now",
+            DELAY_TOPIC, message.queue_id, message.queue_offset, message.message_id,
+            message.position, self.store.path / MESSAGES_DIR, DUE_MS,
+            "absent" if text is None else repr(text[:40]), MAX_DELAY_S,
+        )  # fmt: skip
+        return 0
 
     def _move_level(
         self, queue_id: int, due: list[Message], cursors: dict[tuple[str, int], int]
@@ -662,21 +687,15 @@ def _copy(message: Message) -> OutgoingMessage:
     return OutgoingMessage(message.body, message.tag, message.key, props, message.code)
 
 
-def _due_ms(message: Message) -> float:
-    try:
-        return float(message.properties[DUE_MS])
-    except (KeyError, ValueError):
-        return 0.0  # not ours, or damaged: due now rather than never
-
-
 def _check_delays(delays: Sequence[float]) -> tuple[float, ...]:
     try:
         values = tuple(float(d) for d in delays)
     except (TypeError, ValueError):
         raise InvalidTypeError("retry_delays must be a sequence of seconds") from None
-    if not 1 <= len(values) <= MAX_LEVELS or not all(0 < d <= 86400 * 7 for d in values):
+    if not 1 <= len(values) <= MAX_LEVELS or not all(0 < d <= MAX_DELAY_S for d in values):
         raise InvalidMessageError(
-            f"retry_delays must hold 1 to {MAX_LEVELS} delays in (0, 604800] seconds: {values}"
+            f"retry_delays must hold 1 to {MAX_LEVELS} delays in (0, {MAX_DELAY_S}] seconds: "
+            f"{values}"
         )
     if list(values) != sorted(values):
         raise InvalidMessageError(f"retry_delays must be increasing: {values}")

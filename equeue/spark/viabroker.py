@@ -81,9 +81,9 @@ def broker_url(options: Mapping[str, str]) -> str | None:
     absolute = _absolute_unix(url)
     try:  # the URL every node connects to: a relative unix: path made absolute here
         parse_url(absolute)
-    except EQueueError as exc:
-        made = f" (made absolute: {absolute!r})" if absolute != url else ""
-        raise SparkOptionError(f"option {BROKER}={url!r}{made}: {exc}") from None
+    except EQueueError as exc:  # (its message names the url: not repeated here)
+        made = f"={url[:80]!r} (made absolute)" if absolute != url else ""
+        raise SparkOptionError(f"option {BROKER}{made}: {exc}") from None
     if token_file is not None and not token_file:
         raise SparkOptionError(f"option {TOKEN_FILE} is empty: give the token file's path")
     return absolute
