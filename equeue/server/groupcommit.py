@@ -20,7 +20,8 @@ more than one connection is expected to bring one (a lone sender, or one pipelin
 client, is never waited for: its next send is not made later); each send that arrives
 takes one off. With no flush in progress, the next starts once no more are expected than
 the slack, or when the wait's bound passes (``group_commit_wait_us``, and at most
-``WAIT_PER_FDATASYNC`` times the last fdatasync; the expectation is then dropped), or the
+``WAIT_PER_FDATASYNC`` times the last fdatasync or, if later, ``SPREAD_MARGIN`` times the
+last round's arrival spread after the flush's end; the expectation is then dropped), or the
 broker drains or stops. The slack (``_overlap``; 0 unless ``overlap_per_fdatasync``, the
 broker's ``group_commit_overlap``, is set): where a round of sends (every one in flight
 arriving, at the rate they came) takes more than that many fdatasyncs, as many as
