@@ -7,9 +7,10 @@ from pathlib import Path
 
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkWriter
 from equeue.chunks.chunk import Chunk
+from equeue.chunks.identity import check_same_files
 from equeue.chunks.recovery import TailCut
 from equeue.errors import ChunkRemovedError, ClosedError, PositionNotFoundError
-from equeue.format.chunk import HEADER_SIZE
+from equeue.format.chunk import HEADER_SIZE, ChunkHeader
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.safepath import check_dir
 from equeue.store.queuecache import QueueFiles
@@ -38,6 +39,7 @@ class Queue:
         "_max_open_chunks",
         "_read_only",
         "_records",
+        "_seen",
         "_writer",
         "checked",
         "closed",
@@ -77,6 +79,10 @@ class Queue:
         self._alloc_step = alloc_step
         self._manager: ChunkManager | None = None
         self._writer: ChunkWriter | None = None
+        # A read-only queue's last chunk when its files were last closed: opened again,
+        # they must be the same files (identity.check_same_files), not a topic's made
+        # again under its name.
+        self._seen: ChunkHeader | None = None
         # Where the queue is known to start and end without its files (the checkpoint of
         # a clean store, or a queue just created): the first open checks its files
         # against it (QueueFiles.check_ends). None: known once the files are opened.
@@ -120,6 +126,12 @@ class Queue:
             ),
             read_only=self._read_only,
         )
+        if self._seen is not None:
+            try:
+                check_same_files(manager, self._seen, self.directory)
+            except BaseException:
+                manager.close()
+                raise
         manager.before_create = self._files.before_create
         self._manager = manager
         if self._expected is None:
@@ -141,6 +153,8 @@ class Queue:
         if manager is None:
             return False
         last = manager.last_chunk
+        if self._read_only and last is not None:
+            self._seen = last.header
         dirty = last is not None and not last.is_completed and last.flushed_end < last.data_end
         if dirty and unsynced is not None and last is not None:
             unsynced(str(last.path))
