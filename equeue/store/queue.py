@@ -254,35 +254,39 @@ class Queue:
             offset = stop_offset
         return result
 
-    def first_offset_at_or_after(self, message_position: int) -> int:
-        """The first offset whose message position is >= ``message_position`` (binary search).
+    def first_offset_at_or_after(
+        self, message_position: int, lo: int | None = None, hi: int | None = None
+    ) -> int:
+        """The first offset (in [``lo``, ``hi``): the queue's by default) whose message
+        position is >= ``message_position`` (binary search), ``hi`` if none is.
 
         A damaged entry (a negative position) is no evidence either way: when the search
-        meets one, the queue is scanned instead, skipping such entries, so one bad entry
+        meets one, the range is scanned instead, skipping such entries, so one bad entry
         cannot move the answer past the good entries before it."""
-        lo, hi = self.first_offset, self.next_offset
+        lo = self.first_offset if lo is None else lo
+        hi = self.next_offset if hi is None else hi
+        start, stop = lo, hi
         while lo < hi:
             mid = (lo + hi) // 2
             position = self.entry(mid)[0]
             if position < 0:
-                return self._first_offset_by_scan(message_position)
+                return self._first_offset_by_scan(message_position, start, stop)
             if position < message_position:
                 lo = mid + 1
             else:
                 hi = mid
         return lo
 
-    def _first_offset_by_scan(self, message_position: int) -> int:
-        offset = self.first_offset
-        while offset < self.next_offset:
-            block = self.entries(offset, 4096)
+    def _first_offset_by_scan(self, message_position: int, offset: int, stop: int) -> int:
+        while offset < stop:
+            block = self.entries(offset, min(4096, stop - offset))
             if not block:
                 break
             for i, (position, _) in enumerate(block):
                 if position >= message_position:
                     return offset + i
             offset += len(block)
-        return self.next_offset
+        return stop
 
     def cut_from(self, offset: int) -> list[TailCut]:
         """Recovery: remove the entries at and after ``offset`` (copied to side files)."""
