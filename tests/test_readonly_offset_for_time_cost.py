@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from store_helpers import killed_store
 
 from equeue import MessageStore, StoreConfig
 
@@ -163,14 +160,13 @@ def test_a_stale_view_answers_as_a_fresh_handle(
 
 
 WRITER = """
-import sys, datetime as dt
+import os, signal, sys, datetime as dt
 from equeue import MessageStore, StoreConfig
 store = MessageStore.open(sys.argv[1], StoreConfig(
     flush="os", chunk_data_size=4096, retention=dt.timedelta(hours=1)))
-chunks = list(store._messages)
-last = chunks[int(sys.argv[2])].footer
-print(store.apply_retention(now=last.last_timestamp / 1e9 + 3600 + 1e-6), flush=True)
-sys.stdin.readline()  # held open until SIGKILLed
+last = list(store._messages)[127].footer
+assert store.apply_retention(now=last.last_timestamp / 1e9 + 3600 + 1e-6) == 128
+os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
@@ -181,17 +177,7 @@ def test_a_stale_view_beside_a_writer_killed_after_its_retention(tmp_path: Path)
     path = tmp_path / "s"
     _fill(path, 4000).close()
     with _stale_reader(path) as reader:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(path), "127"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None and proc.stdout.readline() == "128\n"
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        killed_store(WRITER, path)
         count = _counted(reader)
         for when in (0, time.time() + 60):
             count[0] = 0

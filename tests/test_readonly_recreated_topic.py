@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from store_helpers import killed_store
 
 from equeue import MessageStore, StoreConfig
 from equeue.errors import ChunkReplacedError, EQueueError, TopicNotFoundError
@@ -173,15 +171,14 @@ def test_a_view_whose_tail_file_was_replaced_keeps_its_own_end(tmp_path: Path, n
 
 
 WRITER = """
-import sys
+import os, signal, sys
 from equeue import MessageStore, StoreConfig
 store = MessageStore.open(sys.argv[1], StoreConfig(flush="os", queue_chunk_records=342))
 store.delete_topic("x")
 store.create_topic("x", 1)
-for i in range(int(sys.argv[2])):
+for i in range(700):
     store.send("x", b"new%d" % i)
-print("sent", flush=True)
-sys.stdin.readline()  # held open until SIGKILLed
+os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
@@ -196,17 +193,7 @@ def test_a_view_of_a_topic_made_again_by_a_writer_killed_after(tmp_path: Path) -
             store.send("x", b"old%d" % i)
     with MessageStore.open(path, read_only=True) as reader:
         assert reader.queue_range("x", 0) == (0, 400)
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(path), "700"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None and proc.stdout.readline() == "sent\n"
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        killed_store(WRITER, path)
         with pytest.raises(TopicNotFoundError):
             _bodies_by_positions(reader, READ)
         reader.refresh()
