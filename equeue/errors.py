@@ -136,6 +136,12 @@ class MissingChunkError(CorruptionError):
     """The chunk sequence has a gap: a chunk file in the middle is missing."""
 
 
+class ChunkReplacedError(CorruptionError):
+    """A chunk's file, opened again by name, is another chunk (another chunk id): the
+    file this handle read was deleted and a new one made under its name (its topic
+    deleted and made again, or a file replaced from outside)."""
+
+
 # --- positions --------------------------------------------------------------
 
 

@@ -68,6 +68,7 @@ PARENTS = {
     "TruncatedError": "CorruptionError",
     "CorruptRecordError": "CorruptionError",
     "MissingChunkError": "CorruptionError",
+    "ChunkReplacedError": "CorruptionError",
     "InvalidRecordError": "",
     "RecordTooLargeError": "InvalidRecordError",
     "StoreWriteError": "",

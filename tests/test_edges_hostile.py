@@ -21,7 +21,7 @@ from server_helpers import short_dir
 import equeue
 from equeue import MessageStore, StoreConfig
 from equeue.errors import (
-    CorruptRecordError,
+    ChunkReplacedError,
     EQueueError,
     MissingChunkError,
     StorePathError,
@@ -183,7 +183,9 @@ SERVED: dict[str, type[EQueueError]] = {
     "zero-length": TruncatedError,
     "deleted": MissingChunkError,
     "queue": TruncatedError,
-    "swapped": CorruptRecordError,  # (another chunk's bytes: no fix needed, said before)
+    # Another chunk's bytes: said before as CorruptRecordError (its records' positions);
+    # round 20's stale checks the chunk id when a file is mapped again by name.
+    "swapped": ChunkReplacedError,
     "fifo": StorePathError,
 }
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 from equeue.chunks.chunkstate import _MIN_STEP, _PAGE, ChunkState, _round_page, _ticks
 from equeue.chunks.fileops import write_error
+from equeue.chunks.identity import check_identity
 from equeue.chunks.missing import removal_explains
 from equeue.chunks.prefault import PREFAULTER
 from equeue.chunks.runninghash import RunningHash
@@ -66,6 +67,9 @@ class ChunkMapping(ChunkState):
                         file=self.path,
                         offset=size,
                     )
+                # Opened by name: it may be another file made under it since (a topic
+                # deleted and made again), whose entries must not pass for this one's.
+                check_identity(f.fileno(), self.path, self.header)
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._mm = mm
             self.last_used = next(_ticks)

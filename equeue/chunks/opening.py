@@ -20,6 +20,7 @@ from equeue.chunks.chunk import Chunk
 from equeue.chunks.chunkset import ChunkSet
 from equeue.chunks.fileops import fsync_directory, open_error, write_error
 from equeue.chunks.footer import read_footer
+from equeue.chunks.identity import check_identity
 from equeue.chunks.recovery import (
     TailHint,
     cut_range,
@@ -294,11 +295,14 @@ class ChunkOpening(ChunkSet):
     def _rescan_tail(self, chunk: Chunk) -> None:
         """Find the valid end of an ongoing chunk without changing the file; a refresh
         scans on from the end found before, since a writer only appends."""
-        size = chunk.path.stat().st_size
+        with open_file(chunk.path, "rb") as f:
+            # What is scanned is this chunk's file, not one made under its name since
+            # (a view's refresh would take the new file's end for its own: identity.py).
+            check_identity(f.fileno(), chunk.path, chunk.header)
+            size = os.fstat(f.fileno()).st_size
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         available = max(0, min(chunk.header.chunk_data_size, size - HEADER_SIZE))
         start = min(chunk.data_end, available)
-        with open_file(chunk.path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             if self.config.record_size:
                 result = scan_fixed(mm, available, self.config.record_size, start)

@@ -13,6 +13,7 @@ from pathlib import Path
 from equeue.chunks.chunk import Chunk
 from equeue.chunks.fileops import fsync_directory
 from equeue.chunks.footer import read_footer
+from equeue.chunks.identity import check_path_identity
 from equeue.chunks.opening import OUTRUN_ATTEMPTS, ChunkOpening, retention_floor
 from equeue.format.chunk import ChunkHeader, parse_chunk_file_name
 
@@ -223,6 +224,9 @@ class ChunkRefresh(ChunkOpening):
         if footer is None:
             self._rescan_tail(chunk)
             return
+        # Checked after the footer's read: a file unlinked never comes back under its name,
+        # so if the name is this chunk's now, the footer read was too.
+        check_path_identity(chunk.path, chunk.header)
         chunk.data_end = chunk.flushed_end = footer.physical_data_size
         chunk.record_count = footer.record_count
         chunk.scan_problem = None

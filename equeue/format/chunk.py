@@ -106,6 +106,12 @@ _FOOTER = struct.Struct("<4sB3xQQQQqqQ60xI")
 assert _HEADER.size == HEADER_SIZE
 assert _FOOTER.size == FOOTER_SIZE
 _CHECKED_PREFIX: Final = HEADER_SIZE - 4  # both header and footer checksum their first 124 bytes
+# The header's chunk id: random, written once when the file is made, so it tells one file
+# under a chunk name from another made later under the same name (a topic deleted and
+# made again): a view checks it whenever it opens a chunk's file by name again.
+CHUNK_ID_OFFSET: Final = struct.calcsize("<4sHBBIIQQQ")
+CHUNK_ID_SIZE: Final = 16
+assert CHUNK_ID_OFFSET == 40
 
 # Frame pieces, used directly on the hot paths.
 FRAME_PREFIX: Final = struct.Struct("<I")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from equeue.chunks import ChunkManager, ChunkReader
 from equeue.errors import (
     ChunkRemovedError,
+    ChunkReplacedError,
     CorruptionError,
     CorruptRecordError,
     EQueueError,
@@ -65,11 +66,16 @@ def again_if_deleted(step: Callable[[], None]) -> None:
     queue's directory went away under it: its topic was deleted since topics.json was
     read (delete_topic records the mark, then removes the directories), so the next
     reading drops the topic, or opens it anew if it was made again (reviewl M2). Not a
-    deletion (gone every time): the error, as StoreReadError."""
+    deletion (gone every time): the error, as StoreReadError. A queue chunk's file found
+    to be another (ChunkReplacedError: the topic made again since, its directory too) is
+    the same deletion, seen later."""
     for attempt in range(1, _ATTEMPTS + 1):
         try:
             step()
             return
+        except ChunkReplacedError:
+            if attempt == _ATTEMPTS:
+                raise
         except OSError as exc:
             if exc.errno != errno.ENOENT or attempt == _ATTEMPTS:
                 raise _read_error(exc) from None
@@ -85,7 +91,14 @@ def follow_log(store: MessageStore, only: Queue | None = None) -> None:
     # A closed queue reads its ends from its files when opened again (reader_opened).
     open_now = [q for qs in store._queues.values() for q in qs if q.is_open]
     for queue in [only] if only is not None else open_now:
-        queue.refresh()
+        try:
+            queue.refresh()
+        except ChunkReplacedError:
+            # Its tail's file is another's (its topic deleted and made again: the
+            # caller reads topics.json again and drops it; else its next use opens the
+            # files as they are now).
+            store._files.reopen_later(queue)
+            raise
         _skip_removed(queue, log_first)
 
 
@@ -129,7 +142,7 @@ def beside_deletion(store: MessageStore, queue: Queue, read: Callable[[], T]) ->
             return read()
         except READ_FAILURES as exc:
             error = deleted_meanwhile(store, queue, exc)
-            if attempt == _ATTEMPTS or isinstance(error, TopicNotFoundError):
+            if attempt == _ATTEMPTS or isinstance(error, TopicNotFoundError | ChunkReplacedError):
                 raise error from None
     raise StoreReadError(errno.EIO, f"reading {queue.topic}/{queue.queue_id}: no attempt made")
 
@@ -155,6 +168,11 @@ def deleted_meanwhile(
             + (", and it was created again" if topic in store._queues else "")
             + "): refresh() and read it anew"
         )
+    if isinstance(error, ChunkReplacedError):
+        # Not a deletion this handle can see (files replaced by hand, or a writer's open
+        # that set the queue's damaged files aside and rebuilt them): said once; the next
+        # read opens the queue's files anew, as a new handle would.
+        store._files.reopen_later(queue)
     return error if isinstance(error, EQueueError) else _read_error(error)
 
 

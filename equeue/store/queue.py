@@ -7,9 +7,10 @@ from pathlib import Path
 
 from equeue.chunks import ChunkManager, ChunkManagerConfig, ChunkWriter
 from equeue.chunks.chunk import Chunk
+from equeue.chunks.identity import check_same_files
 from equeue.chunks.recovery import TailCut
 from equeue.errors import ChunkRemovedError, ClosedError, PositionNotFoundError
-from equeue.format.chunk import HEADER_SIZE
+from equeue.format.chunk import HEADER_SIZE, ChunkHeader
 from equeue.format.message import QUEUE_RECORD, QUEUE_RECORD_SIZE
 from equeue.safepath import check_dir
 from equeue.store.queuecache import QueueFiles
@@ -38,6 +39,7 @@ class Queue:
         "_max_open_chunks",
         "_read_only",
         "_records",
+        "_seen",
         "_writer",
         "checked",
         "closed",
@@ -77,6 +79,10 @@ class Queue:
         self._alloc_step = alloc_step
         self._manager: ChunkManager | None = None
         self._writer: ChunkWriter | None = None
+        # A read-only queue's last chunk when its files were last closed: opened again,
+        # they must be the same files (identity.check_same_files), not a topic's made
+        # again under its name.
+        self._seen: ChunkHeader | None = None
         # Where the queue is known to start and end without its files (the checkpoint of
         # a clean store, or a queue just created): the first open checks its files
         # against it (QueueFiles.check_ends). None: known once the files are opened.
@@ -120,6 +126,12 @@ class Queue:
             ),
             read_only=self._read_only,
         )
+        if self._seen is not None:
+            try:
+                check_same_files(manager, self._seen, self.directory)
+            except BaseException:
+                manager.close()
+                raise
         manager.before_create = self._files.before_create
         self._manager = manager
         if self._expected is None:
@@ -141,6 +153,8 @@ class Queue:
         if manager is None:
             return False
         last = manager.last_chunk
+        if self._read_only and last is not None:
+            self._seen = last.header
         dirty = last is not None and not last.is_completed and last.flushed_end < last.data_end
         if dirty and unsynced is not None and last is not None:
             unsynced(str(last.path))
@@ -240,35 +254,39 @@ class Queue:
             offset = stop_offset
         return result
 
-    def first_offset_at_or_after(self, message_position: int) -> int:
-        """The first offset whose message position is >= ``message_position`` (binary search).
+    def first_offset_at_or_after(
+        self, message_position: int, lo: int | None = None, hi: int | None = None
+    ) -> int:
+        """The first offset (in [``lo``, ``hi``): the queue's by default) whose message
+        position is >= ``message_position`` (binary search), ``hi`` if none is.
 
         A damaged entry (a negative position) is no evidence either way: when the search
-        meets one, the queue is scanned instead, skipping such entries, so one bad entry
+        meets one, the range is scanned instead, skipping such entries, so one bad entry
         cannot move the answer past the good entries before it."""
-        lo, hi = self.first_offset, self.next_offset
+        lo = self.first_offset if lo is None else lo
+        hi = self.next_offset if hi is None else hi
+        start, stop = lo, hi
         while lo < hi:
             mid = (lo + hi) // 2
             position = self.entry(mid)[0]
             if position < 0:
-                return self._first_offset_by_scan(message_position)
+                return self._first_offset_by_scan(message_position, start, stop)
             if position < message_position:
                 lo = mid + 1
             else:
                 hi = mid
         return lo
 
-    def _first_offset_by_scan(self, message_position: int) -> int:
-        offset = self.first_offset
-        while offset < self.next_offset:
-            block = self.entries(offset, 4096)
+    def _first_offset_by_scan(self, message_position: int, offset: int, stop: int) -> int:
+        while offset < stop:
+            block = self.entries(offset, min(4096, stop - offset))
             if not block:
                 break
             for i, (position, _) in enumerate(block):
                 if position >= message_position:
                     return offset + i
             offset += len(block)
-        return self.next_offset
+        return stop
 
     def cut_from(self, offset: int) -> list[TailCut]:
         """Recovery: remove the entries at and after ``offset`` (copied to side files)."""

@@ -168,6 +168,14 @@ class QueueFiles:
         with self.lock:
             self._open.pop(queue, None)
 
+    def reopen_later(self, queue: Queue) -> None:
+        """A read-only handle's ``queue`` whose files were found replaced: closed, to be
+        opened from its directory as it is now by its next use, whatever it held before."""
+        with self.lock:
+            if queue in self._open:
+                self._close(queue)
+            queue._seen = None
+
     def close_idle(self) -> None:
         """Close every open queue (their entries stay in memory): for benchmarks."""
         with self.lock:

@@ -22,7 +22,7 @@ from equeue.errors import (
     PositionNotFoundError,
 )
 from equeue.format.message import MESSAGE_HEAD
-from equeue.store import validate
+from equeue.store import follow, validate
 from equeue.store.entrycheck import checked_position, unreadable_entry
 from equeue.store.queue import Queue
 
@@ -101,45 +101,102 @@ def _before(when: float | int | dt.datetime) -> Callable[[int], bool]:
 
 def offset_for_time(store: MessageStore, topic: str, queue_id: int, when: object) -> int:
     """The first offset of the queue whose message was stored at or after ``when``
-    (binary search over the queue; offsets compaction removed are skipped)."""
+    (binary search over the queue; offsets compaction removed are skipped, and those
+    retention removed meanwhile: the answer is never below them)."""
     queue = store._queue(topic, queue_id)
     before = _before(check_time(when))
+    if store.read_only:
+        try:
+            return _search(_Probe(store, queue, restart=True), before)
+        except _Behind:
+            # The view is behind the writer's retention (it looked more than 10 ms ago):
+            # caught up, and searched once more from the start, never in the middle of a
+            # search (fixrecov found that unsafe). Removals from now on are stepped past.
+            follow.follow_log(store, queue)
+    return _search(_Probe(store, queue), before)
+
+
+class _Behind(Exception):
+    """A read-only view's first search met a chunk retention removed."""
+
+
+def _search(probe: _Probe, before: Callable[[int], bool]) -> int:
+    queue = probe.queue
     lo, hi = queue.first_offset, queue.next_offset
     while lo < hi:
         mid = (lo + hi) // 2
-        found = _stored_at_or_after(store, queue, mid, hi)
+        found = probe.stored_at_or_after(mid, hi)
+        # (Comparisons, not max(): a builtin call each cost ~800 instructions, 37 a
+        # call, +6.6% of offset_for_time by callgrind.)
+        if probe.gone > lo:
+            lo = probe.gone
         if found is None:  # every offset in [mid, hi) was compacted away
-            hi = mid
+            hi = mid if mid > lo else lo
             continue
         at, stored = found
         if before(stored):
             lo = at + 1
         else:
-            hi = mid
-    found = _stored_at_or_after(store, queue, lo, queue.next_offset)  # lo may be compacted
+            hi = mid if mid > lo else lo
+    found = probe.stored_at_or_after(lo, queue.next_offset)  # lo may be compacted
     return queue.next_offset if found is None else found[0]
 
 
-def _stored_at_or_after(
-    store: MessageStore, queue: Queue, offset: int, stop: int
-) -> tuple[int, int] | None:
-    """(offset, stored ns) of the first message at or after ``offset`` (before ``stop``)
-    that compaction left."""
-    for at in range(offset, stop):
-        position = checked_position(store, queue, at, queue.entry(at)[0])
-        try:
-            payload = store._reader.read(position)
-        except (ChunkRemovedError, CompactedAwayError):  # retention ran meanwhile
-            continue
-        except (PositionNotFoundError, CorruptRecordError) as exc:
-            raise unreadable_entry(queue, at, position, exc) from exc
-        _, stored, _, queue_offset, queue_id, *_ = MESSAGE_HEAD.unpack_from(payload)
-        if (queue_offset, queue_id) != (at, queue.queue_id):
-            raise unreadable_entry(
-                queue,
-                at,
-                position,
-                CorruptRecordError(f"the record there is queue {queue_id}'s offset {queue_offset}"),
-            )
-        return at, stored
-    return None
+class _Probe:
+    """The search's reads. ``gone``: the offsets below it name messages retention removed
+    (found so during the search): the answer is not among them, and no probe reads them
+    again (else each probe below the first retained chunk stepped through the removed
+    chunks anew)."""
+
+    __slots__ = ("gone", "queue", "restart", "store")
+
+    def __init__(self, store: MessageStore, queue: Queue, *, restart: bool = False) -> None:
+        self.store = store
+        self.queue = queue
+        self.gone = 0
+        self.restart = restart  # _Behind at the first removed chunk met
+
+    def stored_at_or_after(self, offset: int, stop: int) -> tuple[int, int] | None:
+        """(offset, stored ns) of the first message at or after ``offset`` (before
+        ``stop``) that compaction and retention left."""
+        store, queue = self.store, self.queue
+        gone = self.gone
+        at = offset if offset > gone else gone
+        while at < stop:
+            position = checked_position(store, queue, at, queue.entry(at)[0])
+            try:
+                payload = store._reader.read(position)
+            except CompactedAwayError:
+                at += 1
+                continue
+            except ChunkRemovedError:
+                if self.restart:
+                    raise _Behind from None
+                # Retention ran meanwhile (or since a read-only view last looked): it
+                # removes chunks oldest first, so every entry before this one, and those
+                # after it up to the end of its chunk, name removed messages too (entries
+                # are in log order). Past them at once, by the entries alone: one log read
+                # a removed chunk, not one an entry (fixrecov: 5,699 for 256 chunks).
+                at = queue.first_offset_at_or_after(_chunk_end(store, position), at + 1, stop)
+                self.gone = max(self.gone, at)
+                continue
+            except (PositionNotFoundError, CorruptRecordError) as exc:
+                raise unreadable_entry(queue, at, position, exc) from exc
+            _, stored, _, queue_offset, queue_id, *_ = MESSAGE_HEAD.unpack_from(payload)
+            if (queue_offset, queue_id) != (at, queue.queue_id):
+                raise unreadable_entry(
+                    queue,
+                    at,
+                    position,
+                    CorruptRecordError(
+                        f"the record there is queue {queue_id}'s offset {queue_offset}"
+                    ),
+                )
+            return at, stored
+        return None
+
+
+def _chunk_end(store: MessageStore, position: int) -> int:
+    """The log position where the chunk number holding ``position`` ends."""
+    size = store._messages.config.chunk_data_size
+    return (position // size + 1) * size
