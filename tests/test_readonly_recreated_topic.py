@@ -8,6 +8,7 @@ the new topic's messages under the old queue offsets. Before (round 19's fixrace
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 import time
 import uuid
@@ -339,3 +340,55 @@ def _with_id(header: ChunkHeader, chunk_id: uuid.UUID) -> ChunkHeader:
         record_size=header.record_size,
         created_at_ns=header.created_at_ns + 1,
     )
+
+
+# review16 R16-1: a look (every read-only read, when retention removed the log's first
+# chunk) catches up every open queue; x's replaced files must neither fail a read of y
+# nor be forgotten, so x's next read is TopicNotFoundError, never the new x's bodies.
+RETAIN = dt.timedelta(hours=1)
+
+
+@pytest.mark.parametrize("first_read", ["pull", "read"])
+def test_retention_underneath_a_look_neither_fails_another_topic_nor_passes_new_files(
+    tmp_path: Path, first_read: str
+) -> None:
+    config = StoreConfig(
+        flush="os", chunk_data_size=4096, retention=RETAIN, queue_chunk_records=RECORDS
+    )
+    path = tmp_path / "s"
+    with (
+        MessageStore.open(path, config) as writer,
+        MessageStore.open(path, read_only=True) as reader,
+    ):
+        writer.create_topic("x", 1)
+        writer.create_topic("y", 1)
+        y_last = 0
+        for i in range(100):
+            y_last = writer.send("y", b"y%d" % i).position
+        for i in range(3):
+            writer.send("x", b"old%d" % i)
+        writer.flush()
+        reader.refresh()
+        assert [m.body for m in reader.pull("x", 0, 0, 3).messages] == [b"old0", b"old1", b"old2"]
+        reader.pull("y", 0, 0, 3)
+        writer.delete_topic("x")
+        writer.create_topic("x", 1)
+        for i in range(5):
+            writer.send("x", b"new%d" % i)
+        first = next(iter(writer._messages)).footer
+        assert first is not None and first.last_timestamp is not None
+        removed = writer.apply_retention(
+            now=first.last_timestamp / 1e9 + RETAIN.total_seconds() + 1e-6
+        )
+        assert removed, "retention removed no log chunk: the look would not follow"
+        time.sleep(0.02)  # past the handle's look interval (follow._LOOK_EVERY)
+        if first_read == "pull":
+            assert [m.body for m in reader.pull("y", 0, 90, 3).messages] == [b"y90", b"y91", b"y92"]
+        else:
+            assert reader.read(y_last).body == b"y99"
+        with pytest.raises(TopicNotFoundError):
+            reader.pull("x", 0, 0, 3)
+        # Read anew after the deletion is seen: the new topic's own messages.
+        assert [m.body for m in reader.pull("x", 0, 0, 5).messages] == [
+            b"new%d" % i for i in range(5)
+        ]

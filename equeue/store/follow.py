@@ -53,7 +53,7 @@ def refresh(store: MessageStore) -> None:
     def step() -> None:
         store._load_topics()
         store._offsets = store._read_meta(OFFSETS_FILE, store._offsets)
-        follow_log(store)
+        follow_log(store, loaded=True)
 
     again_if_deleted(step)
     keys = store._keys
@@ -81,11 +81,11 @@ def again_if_deleted(step: Callable[[], None]) -> None:
                 raise _read_error(exc) from None
 
 
-def follow_log(store: MessageStore, only: Queue | None = None) -> None:
+def follow_log(store: MessageStore, only: Queue | None = None, *, loaded: bool = False) -> None:
     """Catch up with the writer's log and queues (or just ``only``): records and chunks
     added, chunks removed by retention or replaced by compaction. A queue's first offset
     then moves, as the writer's retention moves it, past the entries whose messages are
-    gone."""
+    gone. ``loaded``: the caller has just read topics.json (refresh, again_if_deleted)."""
     store._messages.refresh()
     log_first = store._messages.first_position
     # A closed queue reads its ends from its files when opened again (reader_opened).
@@ -94,11 +94,18 @@ def follow_log(store: MessageStore, only: Queue | None = None) -> None:
         try:
             queue.refresh()
         except ChunkReplacedError:
-            # Its tail's file is another's (its topic deleted and made again: the
-            # caller reads topics.json again and drops it; else its next use opens the
-            # files as they are now).
-            store._files.reopen_later(queue)
-            raise
+            # Its tail's file is another's: its topic deleted and made again, or files
+            # replaced by hand. Closed; with topics.json just read (no newer deletion
+            # mark explains it) its next use opens the files as they are now, and the
+            # error goes to the caller, which reads again. Else the queue keeps what it
+            # saw, so its own next use finds the files other again and reads topics.json
+            # (deleted_meanwhile: TopicNotFoundError), and a catch-up of every queue (a
+            # look of another queue's read) goes on with the others: one queue's
+            # replaced files are not another read's error (review16 R16-1).
+            store._files.reopen_later(queue, forget=loaded)
+            if only is not None or loaded:
+                raise
+            continue
         _skip_removed(queue, log_first)
 
 

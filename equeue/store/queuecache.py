@@ -168,13 +168,15 @@ class QueueFiles:
         with self.lock:
             self._open.pop(queue, None)
 
-    def reopen_later(self, queue: Queue) -> None:
-        """A read-only handle's ``queue`` whose files were found replaced: closed, to be
-        opened from its directory as it is now by its next use, whatever it held before."""
+    def reopen_later(self, queue: Queue, forget: bool = True) -> None:
+        """A read-only handle's ``queue`` whose files were found replaced: closed. Its next
+        use opens its directory as it is now, whatever it held before (``forget``), or
+        checks again that the files are the ones it last held (queue.Queue._seen)."""
         with self.lock:
             if queue in self._open:
                 self._close(queue)
-            queue._seen = None
+            if forget:
+                queue._seen = None
 
     def close_idle(self) -> None:
         """Close every open queue (their entries stay in memory): for benchmarks."""
