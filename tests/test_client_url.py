@@ -292,3 +292,22 @@ def test_queue_counts_are_judged_as_the_store_judges_them(count: object, tmp_pat
     assert found == expected
     if expected[0] == "InvalidMessageError":  # the value, the range, the bound's name
         assert all(part in found[1] for part in (repr(count), "[1, 1024]", "MAX_QUEUES")), found
+
+
+@pytest.mark.parametrize(
+    "url", ["tcp://127.0.0.1:8080:9090", "tcp://a:b:80", "tls://h:x:443", "tcp://::1:80"]
+)
+def test_a_host_with_a_colon_outside_brackets_is_refused_by_both(url: str) -> None:
+    # review16 R16-3: connect took tcp://127.0.0.1:8080:9090 as 127.0.0.1:9090 (another
+    # endpoint), the listener tcp://a:b:80 as host "a:b" and tcp://::1:80 as ::1
+    for parse in (parse_url, parse_listener):
+        with pytest.raises(
+            ConfigError, match=re.escape("an IPv6 address is written [ADDRESS]:PORT")
+        ):
+            parse(url)
+
+
+def test_a_path_url_with_a_name_too_long_is_a_config_error_not_an_os_error() -> None:
+    # review16 R16-4: Path.is_dir() raised OSError(ENAMETOOLONG) out of connect
+    with pytest.raises(ConfigError, match="longer than the 107"):
+        parse_url("x" * 300)

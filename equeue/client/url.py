@@ -62,9 +62,11 @@ def parse_url(
         raise ConfigError(f"broker url {url[:80]!r}: unknown scheme {scheme[:20]!r}; give {_FORMS}")
     else:  # a path: a store directory means its broker's socket
         given = Path(url)
-        endpoint = Endpoint(
-            "unix", path=str(given / DEFAULT_SOCKET_NAME if given.is_dir() else given)
-        )
+        try:
+            is_dir = given.is_dir()
+        except OSError:  # a name over 255 bytes (ENAMETOOLONG): the length check below
+            is_dir = False
+        endpoint = Endpoint("unix", path=str(given / DEFAULT_SOCKET_NAME if is_dir else given))
     if endpoint.kind == "unix" and len(os.fsencode(endpoint.path)) > 107:
         raise ConfigError(
             f"unix socket path {endpoint.path[:80]!r} is {len(os.fsencode(endpoint.path))} "
@@ -106,6 +108,8 @@ def _network(url: str, scheme: str) -> Endpoint:
         raise ConfigError(f"{where} has more than {scheme}://HOST:PORT (a path, query or user)")
     netloc = parts.netloc
     tail = netloc[netloc.rfind("]") + 1 :]  # (past an IPv6 address's brackets)
+    if tail.count(":") > 1:  # tcp://::1:80, tcp://127.0.0.1:8080:9090 (review16 R16-3)
+        raise ConfigError(f"{where}: an IPv6 address is written [ADDRESS]:PORT; {form}")
     port = tail.rpartition(":")[2] if ":" in tail else ""
     if not port:
         raise ConfigError(f"{where}: no port after the host; {form}")

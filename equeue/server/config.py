@@ -125,7 +125,7 @@ def _host_port(url: str, kind: Literal["tcp", "tls"], rest: str) -> tuple[str, i
         host, sep, port = rest.rpartition(":")
         if not sep:
             host, port = rest, ""
-        if "[" in host or "]" in host:
+        if "[" in host or "]" in host or ":" in host:  # (tcp://::1:80, tcp://a:b:80)
             raise ConfigError(f"{where}: an IPv6 address is written [ADDRESS]:PORT; {form}")
     if not port:
         raise ConfigError(f"{where}: no port after the host; {form}")
