@@ -14,7 +14,6 @@ import dataclasses
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -396,85 +395,3 @@ def test_without_overlap_a_flush_waits_for_every_expected_send() -> None:
 
     commit = asyncio.run(scenario())
     assert commit.waits_full >= 1
-
-
-def test_a_round_slower_than_the_fdatasync_bound_shares_one_flush_once_its_spread_is_known() -> (
-    None
-):
-    """Four connections whose sends come back 0, 8, 16 and 24 ms after their answers, a
-    fdatasync of ~5 ms and a bound of one fdatasync (wait_per_fdatasync=1): the bound by
-    fdatasyncs passes before the round is in, every round; the bound by the last round's
-    arrival spread (groupcommit.SPREAD_MARGIN) grows to cover it once a wait passed, and
-    the round's sends then share one flush more often (the 4 processes of 16 tasks of
-    docs/benchmarks.md's durable rows, on 2 cores, come back over 2-5 fdatasyncs)."""
-
-    def slow_flush() -> None:
-        time.sleep(0.005)
-        flushes()
-
-    async def scenario() -> CrossClientCommit:
-        commit = CrossClientCommit(
-            asyncio.get_running_loop(), slow_flush, wait_us=1_000_000, wait_per_fdatasync=1.0
-        )
-        try:
-            senders = [Sender(commit, flushes, rounds, 0.008 * i) for i in range(4)]
-            for sender in senders:
-                sender.send()
-            await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in senders)), LIMIT_S)
-            assert all(s.answers == ["ok"] * rounds for s in senders)
-        finally:
-            commit.close()
-        return commit
-
-    flushes, rounds = Flushes(), 30
-    commit = asyncio.run(scenario())
-    assert commit.sends_flushed == 4 * rounds
-    # a few rounds to learn the spread, and some rounds split 3 + 1 still (the expected
-    # count is a count: a straggler's send from the round before counts toward this one):
-    # 37-50 flushes in 8 runs; main, whose bound stays at one fdatasync, made 80-86
-    assert flushes.calls <= 1.8 * rounds, flushes.covered
-
-
-class _ArmSpy:
-    """The commit's flusher, its bounds recorded (everything else passed through)."""
-
-    def __init__(self, sync: object) -> None:
-        self.sync = sync
-        self.bounds: list[float] = []
-
-    def arm(self, seconds: float, expired: Callable[[], None]) -> None:
-        self.bounds.append(seconds)
-        self.sync.arm(seconds, expired)  # type: ignore[attr-defined]
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.sync, name)
-
-
-def test_the_bound_by_the_round_s_spread_stays_under_group_commit_wait_us() -> None:
-    """The round of the test above (its spread ~24 ms, so 1.5 x ~36 ms) under a
-    group_commit_wait_us of 20 ms: the bound grows past the fdatasync's (~5 ms) and stops
-    at 20 ms, the latency cap (main: every bound ~one fdatasync)."""
-
-    def slow_flush() -> None:
-        time.sleep(0.005)
-        flushes()
-
-    async def scenario() -> list[float]:
-        commit = CrossClientCommit(
-            asyncio.get_running_loop(), slow_flush, wait_us=20_000, wait_per_fdatasync=1.0
-        )
-        spy = _ArmSpy(commit._sync)
-        commit._sync = spy  # type: ignore[assignment]
-        try:
-            senders = [Sender(commit, flushes, 20, 0.008 * i) for i in range(4)]
-            for sender in senders:
-                sender.send()
-            await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in senders)), LIMIT_S)
-        finally:
-            commit.close()
-        return spy.bounds
-
-    flushes = Flushes()
-    bounds = asyncio.run(scenario())
-    assert bounds and max(bounds) <= 0.020
-    assert max(bounds) == pytest.approx(0.020), bounds  # the spread reached the cap

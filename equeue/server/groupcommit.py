@@ -20,8 +20,7 @@ more than one connection is expected to bring one (a lone sender, or one pipelin
 client, is never waited for: its next send is not made later); each send that arrives
 takes one off. With no flush in progress, the next starts once no more are expected than
 the slack, or when the wait's bound passes (``group_commit_wait_us``, and at most
-``WAIT_PER_FDATASYNC`` times the last fdatasync or, if later, ``SPREAD_MARGIN`` times the
-last round's arrival spread after the flush's end; the expectation is then dropped), or the
+``WAIT_PER_FDATASYNC`` times the last fdatasync; the expectation is then dropped), or the
 broker drains or stops. The slack (``_overlap``; 0 unless ``overlap_per_fdatasync``, the
 broker's ``group_commit_overlap``, is set): where a round of sends (every one in flight
 arriving, at the rate they came) takes more than that many fdatasyncs, as many as
@@ -71,10 +70,6 @@ Release = Callable[[list[Entry], BaseException | None], None]
 # not yet back keep the loop busy; on a slow one (the disk the limit) it waits for the
 # cohort, up to group_commit_wait_us.
 WAIT_PER_FDATASYNC = 2.0
-# ... or, if later, until this many times the last round's arrival spread after the flush's
-# end (a flush's end to the last expected send; grown to the wait's length when it passed
-# first): still at most group_commit_wait_us.
-SPREAD_MARGIN = 1.5
 # Cohorts overlap only where a round of sends takes longer than this many fdatasyncs (the
 # broker's group_commit_overlap); 0: never, one fdatasync a round (the default).
 OVERLAP_PER_FDATASYNC = 0.0
@@ -95,8 +90,8 @@ class CrossClientCommit:
         "__weakref__", "_arrived", "_back", "_closing", "_flush_log", "_flushing",
         "_flushing_messages", "_hurry", "_last_end", "_loop", "_max_wait", "_messages",
         "_overlap_per", "_per_fdatasync", "_release_batch", "_released_one", "_slack",
-        "_spread", "_sync", "_took", "_waited", "_waiting", "flushes", "overlapped",
-        "sends_flushed", "waits", "waits_full",
+        "_sync", "_took", "_waited", "_waiting", "flushes", "overlapped", "sends_flushed",
+        "waits", "waits_full",
     )  # fmt: skip
 
     def __init__(
@@ -124,9 +119,6 @@ class CrossClientCommit:
         self._arrived = 0  # sends added since the last flush ended
         self._last_end = time.monotonic()  # when the last flush ended (on the loop)
         self._took = 0.0  # the last fdatasync's seconds
-        # the last round's arrival spread: from a flush's end to the last expected send of
-        # the wait after it (the bound's other unit: _due)
-        self._spread = 0.0
         self._waited = False  # the bound's timer is armed
         self._hurry = False  # draining or closing: no wait
         self._closing = False  # close(): no flush is handed to the flusher any more
@@ -171,19 +163,10 @@ class CrossClientCommit:
         if self._hurry or self._back <= self._slack:
             if self._waited:
                 self.waits_full += 1
-                self._spread = time.monotonic() - self._last_end
             return True
         if not self._waited:
-            bound = self._per_fdatasync * self._took
-            # ... or until SPREAD_MARGIN times the last round's spread after the flush's
-            # end, if later: a few clients each sending many (4 processes of 16 tasks on 2
-            # cores) come back over several fdatasyncs, and a bound of fdatasyncs passes
-            # before the last, whose sends then wait a whole fdatasync more
-            if self._spread:
-                by_spread = SPREAD_MARGIN * self._spread - (time.monotonic() - self._last_end)
-                if bound < by_spread:
-                    bound = by_spread
-            if self._max_wait < bound:  # at most _max_wait (no min(): a call)
+            bound = self._per_fdatasync * self._took  # at most _max_wait (no min(): a call)
+            if self._max_wait < bound:
                 bound = self._max_wait
             if bound <= 0:
                 return True
@@ -194,9 +177,6 @@ class CrossClientCommit:
 
     def _bound_passed(self) -> None:
         self._waited = False
-        # the round took longer than this: the next bound grows by SPREAD_MARGIN, up to
-        # _max_wait, until a wait sees every expected send again
-        self._spread = time.monotonic() - self._last_end
         self._back = 0  # they did not come (as many): the expectation is dropped
         if self._flushing is None and self._waiting:
             self._start()
@@ -216,15 +196,14 @@ class CrossClientCommit:
             return
         self._flushing = None
         self._took = took
-        end = time.monotonic()
         during = len(self._waiting)  # the sends that arrived during this fdatasync
         if error is None:
             self.flushes += 1
             self.sends_flushed += messages
             if self._max_wait:  # (draining, _due ignores it)
                 self._back += expected(batch)
-            if self._overlap_per:  # (fixed: without it _slack stays 0)
-                self._slack = self._overlap(during, took, end)
+            if self._overlap_per:  # (fixed: without it _slack stays 0, _last_end unused)
+                self._slack = self._overlap(during, took)
                 self.overlapped += self._slack > 0
             else:
                 self._arrived = 0
@@ -238,7 +217,6 @@ class CrossClientCommit:
                 error = type(error)(
                     error.errno, f"the flush of this send failed, it may be lost: {error}"
                 )
-        self._last_end = end
         if self._due():  # the next cohort's fdatasync before this one's answers are written
             self._start()
         try:
@@ -248,14 +226,15 @@ class CrossClientCommit:
         if self._released_one is not None:
             self._released_one.set()
 
-    def _overlap(self, during: int, took: float, now: float) -> int:
+    def _overlap(self, during: int, took: float) -> int:
         """The sends still expected at which the next flush starts: as many as came during
         this fdatasync when it is short beside a round (the time every send in flight
         takes to arrive, at the rate they arrived since the last flush ended): two
         cohorts' fdatasyncs then overlap the loop's reading of the other, and the
         stragglers join the next. Else 0: wait for every expected send, one fdatasync a
         round (a slow disk: two cohorts would halve what each covers)."""
-        cycle = now - self._last_end
+        now = time.monotonic()
+        cycle, self._last_end = now - self._last_end, now
         arrived, self._arrived = self._arrived, 0
         if not self._overlap_per or not during or arrived <= 0 or cycle <= 0:
             return 0
