@@ -19,7 +19,7 @@ import pytest
 from store_helpers import killed_store
 
 from equeue import MessageStore, StoreConfig
-from equeue.errors import ChunkReplacedError, EQueueError, TopicNotFoundError
+from equeue.errors import ChunkReplacedError, EQueueError, TopicNotFoundError, TruncatedError
 from equeue.format.chunk import CHUNK_ID_OFFSET, HEADER_SIZE, ChunkHeader
 
 RECORDS = 342  # entries a queue chunk (the least StoreConfig allows)
@@ -392,3 +392,24 @@ def test_retention_underneath_a_look_neither_fails_another_topic_nor_passes_new_
         assert [m.body for m in reader.pull("x", 0, 0, 5).messages] == [
             b"new%d" % i for i in range(5)
         ]
+
+
+def test_a_tail_file_cut_inside_its_header_is_truncated_not_replaced(tmp_path: Path) -> None:
+    # (review16: the tail's rescan said "deleted and a new file made under its name" of a
+    # file cut short by hand, its chunk id not all there)
+    path = tmp_path / "s"
+    with (
+        MessageStore.open(path, CONFIG) as writer,
+        MessageStore.open(path, read_only=True) as reader,
+    ):
+        writer.create_topic("x", 1)
+        for i in range(10):
+            writer.send("x", b"m%d" % i)
+        writer.flush()
+        reader.refresh()
+        assert reader.queue_range("x", 0) == (0, 10)
+        with _queue_file(path, 0).open("r+b") as f:
+            f.truncate(CHUNK_ID_OFFSET + 4)
+        with pytest.raises(TruncatedError) as info:
+            reader.refresh()
+        assert info.value.file == str(_queue_file(path, 0))

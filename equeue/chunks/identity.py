@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from equeue.errors import ChunkReplacedError
+from equeue.errors import ChunkReplacedError, TruncatedError
 from equeue.format.chunk import CHUNK_ID_OFFSET, CHUNK_ID_SIZE, ChunkHeader, chunk_file_name
 from equeue.safepath import open_fd
 
@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 def check_identity(fd: int, path: Path, header: ChunkHeader) -> None:
     """ChunkReplacedError unless the file open as ``fd`` holds ``header``'s chunk id."""
     found = os.pread(fd, CHUNK_ID_SIZE, CHUNK_ID_OFFSET)
+    if len(found) < CHUNK_ID_SIZE:  # cut inside its header: not another chunk, a short one
+        raise TruncatedError(
+            f"chunk file is {os.fstat(fd).st_size} bytes, cut inside its header (the chunk id "
+            f"at offset {CHUNK_ID_OFFSET} needs {CHUNK_ID_OFFSET + CHUNK_ID_SIZE})",
+            file=path,
+            offset=CHUNK_ID_OFFSET,
+        )
     if found != header.chunk_id.bytes:
         raise replaced(path, header, found)
 
