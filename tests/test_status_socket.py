@@ -4,6 +4,7 @@ way past max_connections for anyone else."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
@@ -152,7 +153,12 @@ def test_the_status_socket_quotes_no_unknown_op_and_bounds_a_frame_read_whole(
             assert "'send'" in status.closed_with()["message"]
         payload = msgpack.packb([1, "ping", {"pad": b"x" * 200_000}], use_bin_type=True)
         with raw(_status_url(store)) as status:
-            status.send_raw(len(payload).to_bytes(4, "big") + payload)
+            # The broker answers from the length alone and closes, maybe before this
+            # side has written the rest (200 KB, more than a socket buffer takes): the
+            # write then fails with EPIPE, and the error frame is still there to read
+            # (seen in a clean-clone run of round 20 under load).
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                status.send_raw(len(payload).to_bytes(4, "big") + payload)
             error = status.closed_with()
         assert error["code"] == "FrameTooLargeError", error
         with raw(_status_url(store)) as status:  # control: a small frame is served
