@@ -29,13 +29,22 @@ QUEUE_DIR = ("queues", "x", "0")
 
 
 @contextlib.contextmanager
+def _writer_and_view(
+    path: Path, config: StoreConfig = CONFIG
+) -> Iterator[tuple[MessageStore, MessageStore]]:
+    """A writer of ``path`` and a read-only handle opened beside it."""
+    with (
+        MessageStore.open(path, config) as writer,
+        MessageStore.open(path, read_only=True) as reader,
+    ):
+        yield writer, reader
+
+
+@contextlib.contextmanager
 def _recreated(path: Path, old: int, new: int) -> Iterator[tuple[MessageStore, MessageStore]]:
     """A writer and a read-only handle whose view of x's queue 0 holds ``old`` entries
     ("old0".."oldN"), its files then deleted and x made again with ``new`` entries."""
-    with (
-        MessageStore.open(path, CONFIG) as writer,
-        MessageStore.open(path, read_only=True) as reader,
-    ):
+    with _writer_and_view(path) as (writer, reader):
         writer.create_topic("x", 1)
         for i in range(old):
             writer.send("x", b"old%d" % i)
@@ -118,10 +127,7 @@ def test_a_queue_file_replaced_by_hand_is_chunk_replaced_for_reader_and_writer(
         for i in range(400):
             store.send("x", b"theirs%d" % i)
     path = tmp_path / "s"
-    with (
-        MessageStore.open(path, CONFIG) as writer,
-        MessageStore.open(path, read_only=True) as reader,
-    ):
+    with _writer_and_view(path) as (writer, reader):
         writer.create_topic("x", 1)
         for i in range(400):
             writer.send("x", b"ours%d" % i)
@@ -213,10 +219,7 @@ def test_a_queue_file_deleted_or_truncated_under_the_view_is_an_equeue_error(
     # deleted; the view had mapped only its last chunk. (The oldest chunk deleted by hand
     # reads as retention's removal for a view, which cannot tell them apart: left so.)
     path = tmp_path / "s"
-    with (
-        MessageStore.open(path, CONFIG) as writer,
-        MessageStore.open(path, read_only=True) as reader,
-    ):
+    with _writer_and_view(path) as (writer, reader):
         writer.create_topic("x", 1)
         for i in range(3 * RECORDS + 50):
             writer.send("x", b"m%d" % i)
@@ -293,10 +296,7 @@ def test_refresh_beside_a_replaced_tail_file(tmp_path: Path) -> None:
     # made again by the writer, refresh() drops the old x and opens the new one; replaced
     # by hand (no deletion), refresh() succeeds and the queue is read from its files anew.
     path = tmp_path / "s"
-    with (
-        MessageStore.open(path, CONFIG) as writer,
-        MessageStore.open(path, read_only=True) as reader,
-    ):
+    with _writer_and_view(path) as (writer, reader):
         writer.create_topic("x", 1)
         writer.create_topic("y", 1)
         for i in range(3):
@@ -356,10 +356,7 @@ def test_retention_underneath_a_look_neither_fails_another_topic_nor_passes_new_
         flush="os", chunk_data_size=4096, retention=RETAIN, queue_chunk_records=RECORDS
     )
     path = tmp_path / "s"
-    with (
-        MessageStore.open(path, config) as writer,
-        MessageStore.open(path, read_only=True) as reader,
-    ):
+    with _writer_and_view(path, config) as (writer, reader):
         writer.create_topic("x", 1)
         writer.create_topic("y", 1)
         y_last = 0
@@ -398,10 +395,7 @@ def test_a_tail_file_cut_inside_its_header_is_truncated_not_replaced(tmp_path: P
     # (review16: the tail's rescan said "deleted and a new file made under its name" of a
     # file cut short by hand, its chunk id not all there)
     path = tmp_path / "s"
-    with (
-        MessageStore.open(path, CONFIG) as writer,
-        MessageStore.open(path, read_only=True) as reader,
-    ):
+    with _writer_and_view(path) as (writer, reader):
         writer.create_topic("x", 1)
         for i in range(10):
             writer.send("x", b"m%d" % i)
