@@ -52,10 +52,26 @@ def write_bytes(path: Path, data: bytes) -> None:
         raise write_error(exc, "writing", path) from exc
 
 
+# The largest metadata document read. Far above any this version writes (topics.json
+# takes ~100 bytes a topic, up to ~350 with 255-byte names: ~760 k topics at the worst;
+# every other file is smaller), so a larger file was grown by hand, a bad copy or a file
+# system fault: refused from its size, before its bytes are read into memory.
+MAX_METADATA_BYTES = 256 << 20
+
+
 def read_json(path: Path) -> Any:
     """The body stored in ``path``; CorruptionError if it does not check out."""
     with open_file(path, "rb") as f:
-        return decode_json(f.read(), path)
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(MAX_METADATA_BYTES + 1)  # (it may grow after the fstat)
+        if max(size, len(raw)) > MAX_METADATA_BYTES:
+            raise CorruptionError(
+                f"is {max(size, len(raw))} bytes, more than a metadata file holds "
+                f"({MAX_METADATA_BYTES}): not a file equeue wrote",
+                file=path,
+                offset=0,
+            )
+        return decode_json(raw, path)
 
 
 # The highest ``"format"`` of a metadata document this version reads (module docstring).

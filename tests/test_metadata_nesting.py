@@ -117,3 +117,28 @@ def test_a_group_file_queue_id_past_ints_digit_limit_is_a_damaged_file(
     with MessageStore.open(store) as opened:  # a writer sets it aside, as any damaged one
         assert opened.committed_offset("g", "t", 0) is None
     assert not (store / GROUP_FILE).exists()
+
+
+HUGE = 100 << 30  # sparse: no disk, but a read of it whole asks for 100 GiB of memory
+
+
+@pytest.mark.parametrize("name", ["store.json", *FILES])
+def test_a_metadata_file_grown_past_any_equeue_writes_takes_the_damaged_file_path(
+    built: Path, tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """review17 R17-1: a metadata file was read whole before anything looked at it: a
+    100 GiB sparse one ended read-only opens, `equeue verify` and `inspect` in a builtin
+    MemoryError (2 GiB took 11-23 s a command). Now its size refuses it, as any damage."""
+    huge = _copy(built, tmp_path / "huge", name, (built / name).read_bytes())
+    os.truncate(huge / name, HUGE)
+    control = _copy(built, tmp_path / "control", name, os.urandom(4096))
+    for command in ("verify", "inspect"):
+        codes = [main([command, str(store)]) for store in (huge, control)]
+        out, err = capsys.readouterr()
+        assert codes[0] == codes[1], (command, out, err)
+        assert "MemoryError" not in out + err and "Traceback" not in err
+    assert main(["verify", str(huge)]) == 1
+    out = capsys.readouterr().out
+    assert f"is {HUGE} bytes, more than a " in out, out  # (a group file: its own bound)
+    for read_only in (True, False):
+        assert _outcome(huge, read_only) == _outcome(control, read_only), (name, read_only)

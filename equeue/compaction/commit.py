@@ -88,7 +88,7 @@ def _flock(path: Path, *, blocking: bool, busy: str) -> Iterator[IO[str]]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             handle.seek(0)
-            raise CompactionError(f"{busy} (pid {handle.read().strip() or 'unknown'})") from None
+            raise CompactionError(f"{busy} (pid {handle.read(64).strip() or 'unknown'})") from None
         handle.seek(0)
         handle.truncate()
         handle.write(str(os.getpid()))

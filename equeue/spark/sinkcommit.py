@@ -175,7 +175,7 @@ def _open_writer(store: str, job: Job) -> MessageStore:
         holder = "?"
         try:
             with open_file(Path(store) / LOCK_FILE, "rb") as f:
-                holder = f.read().decode(errors="replace").strip() or "?"
+                holder = f.read(64).decode(errors="replace").strip() or "?"
         except OSError:
             pass
         again = (

@@ -86,7 +86,7 @@ def take_lock(directory: Path) -> IO[str]:
                 time.sleep(0.001)
                 continue
             handle.seek(0)
-            holder = handle.read().strip() or "unknown"
+            holder = handle.read(64).strip() or "unknown"  # (a pid: the rest is not ours)
             handle.close()
             raise StoreLockedError(
                 f"store {directory} is open for writing by pid {holder}; open it with "
