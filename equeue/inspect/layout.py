@@ -648,7 +648,8 @@ def resolve(directory: Path, loaded: list[ChunkFile]) -> ChunkDir:
 
 
 def read_queue_entry(chunks: ChunkDir, offset: int) -> tuple[int, int] | None:
-    """(message position, tag hash) at a queue offset, or None if nothing valid is there."""
+    """(message position, tag hash) at a queue offset, or None if nothing valid is there;
+    FileNotFoundError if its chunk was removed since ``chunks`` was loaded."""
     position = offset * QUEUE_RECORD_SIZE
     for cf in chunks.files:
         if cf.header is None or not cf.start_position <= position < cf.header.end_position:

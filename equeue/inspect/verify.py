@@ -100,7 +100,8 @@ class Verifier:
         # Listed chunks found gone later: why that is a problem (None: it is not).
         self._vanished: dict[Path, str | None] = {}
         self._dirs: dict[Path, ChunkDir] = {}  # each directory as it was checked
-        self._lowest: dict[tuple[str, int], int] = {}  # each queue's lowest offset in the log
+        # each queue's lowest offset in the log, and the log chunk that held it
+        self._lowest: dict[tuple[str, int], tuple[int, Path]] = {}
         # per queue: (chunk number, last message position before that chunk, after it)
         self._previous: dict[tuple[str, int], tuple[int, int | None, int | None]] = {}
 
@@ -416,8 +417,8 @@ class Verifier:
         # A deleted topic's record stays until retention, in no queue (as recovery skips it).
         deleted = position < self._store.deleted.get(message.topic, 0)
         queue = (message.topic, message.queue_id)
-        if not deleted:
-            self._lowest[queue] = min(message.queue_offset, self._lowest.get(queue, 1 << 63))
+        if not deleted and message.queue_offset < self._lowest.get(queue, (1 << 63,))[0]:
+            self._lowest[queue] = (message.queue_offset, cf.path)
         why = None
         if message.log_position != position:
             why = f"names position {message.log_position}"
