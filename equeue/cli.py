@@ -529,7 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(str(exc), _path_of(exc, args), as_json)
         return EXIT_USAGE
     except CorruptionError as exc:
-        message = f"{exc} (run 'equeue verify STORE' to list every problem)"
+        message = str(exc)
+        if args.command != "verify":
+            message += " (run 'equeue verify STORE' to list every problem)"
         _error(message, _path_of(exc, args), as_json)
         return EXIT_PROBLEMS
     except BrokenPipeError:

@@ -16,7 +16,7 @@ import pytest
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import write_json
 from equeue.cli import main
-from equeue.errors import EQueueError
+from equeue.errors import CorruptionError, EQueueError
 
 CONFIG = StoreConfig(chunk_data_size=4096, queue_chunk_records=400, default_queue_count=2)
 GROUP_FILE = "consumers/g.json"
@@ -142,3 +142,29 @@ def test_a_metadata_file_grown_past_any_equeue_writes_takes_the_damaged_file_pat
     assert f"is {HUGE} bytes, more than a " in out, out  # (a group file: its own bound)
     for read_only in (True, False):
         assert _outcome(huge, read_only) == _outcome(control, read_only), (name, read_only)
+
+
+def test_a_store_whose_store_json_was_lost_is_damaged_not_a_usage_error(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """review17 R17-6: verify, inspect, records and the read-only open called it "not an
+    equeue store" (verify: exit 2, a usage error); only the writable open named the
+    damage and the remedy. Control: a directory that never held a store is still that."""
+    store = tmp_path / "store"
+    shutil.copytree(built, store)
+    (store / "store.json").unlink()
+    for command in ("verify", "inspect", "records"):
+        assert main([command, str(store)]) == 1, command
+        out, err = capsys.readouterr()
+        assert "store.json is missing, but the directory holds a store" in out + err
+        assert "restore store.json" in out + err
+    for read_only in (True, False):
+        with pytest.raises(CorruptionError, match=r"restore store\.json"):
+            MessageStore.open(store, read_only=read_only)
+    assert sorted(p.name for p in store.iterdir()) == sorted(
+        p.name for p in built.iterdir() if p.name != "store.json"
+    )  # nothing made, nothing moved
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["verify", str(empty)]) == 2
+    assert "is not an equeue store" in capsys.readouterr().err

@@ -51,6 +51,7 @@ from equeue.store.meta import (
     check_format,
     check_layout,
     check_offsets,
+    lost_identity,
 )
 from equeue.store.offsets import GroupFiles
 from equeue.store.recovery import tail_hint
@@ -161,6 +162,9 @@ def open_store(path: Path) -> StoreFiles:
         raise UsageError(f"{path} is not a store directory (inspect a chunk file with 'inspect')")
     check_layout(path)  # a link or a file of the wrong kind: StorePathError, nothing read
     if not (path / IDENTITY_FILE).is_file():
+        lost = lost_identity(path)
+        if lost is not None:
+            raise lost
         hint = ""
         if any(parse_chunk_file_name(name) for name in os.listdir(path)):
             hint = "; it holds chunk files: inspect one with 'equeue inspect FILE'"

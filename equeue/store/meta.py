@@ -141,6 +141,21 @@ def writer_running(directory: Path) -> bool:
     return False
 
 
+def lost_identity(directory: Path) -> CorruptionError | None:
+    """For a directory without store.json: the error that says it holds a store whose
+    store.json was lost (the files only a store makes are there), else None. Every open and
+    the inspector say the same (review17 R17-6: they called it "not an equeue store")."""
+    found = [n for n in (MESSAGES_DIR, QUEUES_DIR, CHECKPOINT_FILE) if (directory / n).exists()]
+    if not found:
+        return None
+    return CorruptionError(
+        f"{directory / IDENTITY_FILE} is missing, but the directory holds a store "
+        f"({', '.join(found)}): restore store.json (its store_id is part of every message "
+        "id) rather than create a new store over it",
+        file=directory / IDENTITY_FILE,
+    )
+
+
 def open_identity(
     directory: Path, config: StoreConfig | None, *, create: bool
 ) -> tuple[int, StoreConfig]:
@@ -152,16 +167,11 @@ def open_identity(
     check_layout(directory)
     path = directory / IDENTITY_FILE
     if not path.exists():
+        lost = lost_identity(directory)
+        if lost is not None:  # a new identity would change every message id and the shape
+            raise lost
         if not create:
             raise NotAStoreError(f"{directory} is not an equeue store: it has no {IDENTITY_FILE}")
-        found = [n for n in (MESSAGES_DIR, QUEUES_DIR, CHECKPOINT_FILE) if (directory / n).exists()]
-        if found:  # a new identity would change every message id and maybe the shape
-            raise CorruptionError(
-                f"{path} is missing, but the directory holds a store ({', '.join(found)}): "
-                "restore store.json (its store_id is part of every message id) rather than "
-                "create a new store over it",
-                file=path,
-            )
         config = config or StoreConfig()
         store_id = uuid.uuid4().int & 0xFFFFFFFF
         config = dataclasses.replace(config, **config.layout._asdict())
