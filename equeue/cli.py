@@ -22,9 +22,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from equeue import __version__, groupcli
-from equeue.errors import CorruptionError, EQueueError, NotAStoreError
+from equeue.errors import (
+    CorruptionError,
+    EQueueError,
+    NotAStoreError,
+    StoreLockedError,
+    UsageError,
+)
 from equeue.inspect.follow import POLL_SECONDS, Follower
-from equeue.inspect.layout import UsageError, open_store
+from equeue.inspect.layout import open_store
 from equeue.inspect.records import (
     Filters,
     Record,
@@ -533,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command != "verify":
             message += " (run 'equeue verify STORE' to list every problem)"
         _error(message, _path_of(exc, args), as_json)
+        return EXIT_PROBLEMS
+    except StoreLockedError as exc:
+        _error(exc.command_line_advice(args.command), _path_of(exc, args), as_json)
         return EXIT_PROBLEMS
     except BrokenPipeError:
         # The reader went away (`equeue records STORE | head`): stop quietly, and keep

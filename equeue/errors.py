@@ -251,7 +251,25 @@ class MessageNotFoundError(PositionError):
 
 
 class StoreLockedError(EQueueError):
-    """Another process (or handle) holds the store's writer lock."""
+    """Another process (or handle) holds the store's writer lock: ``holder`` is its pid
+    as the LOCK file says it ("unknown": none written), where that was read."""
+
+    holder: str | None = None
+
+    def command_line_advice(self, command: str) -> str:
+        """The message for the ``equeue`` command ``command``: a command line has no
+        ``read_only=True`` nor an "other handle" to close (review17 R17-7)."""
+        if self.holder is None:
+            return str(self)
+        text = f"{str(self).split(';', 1)[0]}: stop that process first"
+        if command == "serve":
+            text += " (if it is an 'equeue serve', the store is served already: connect to it)"
+        return text
+
+
+class UsageError(EQueueError):
+    """A command line names something the command cannot work on, or gives an option a
+    value it refuses (the ``equeue`` command's exit status 2)."""
 
 
 class StorePathError(EQueueError):

@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
         store = MessageStore.open(args.store)
     except StoreLockedError as exc:
         raise StoreLockedError(
-            f"{exc}. If 'equeue serve' serves it, delete the group through the broker "
+            f"{exc.command_line_advice('delete-group')}. If 'equeue serve' serves it, "
+            "delete the group through the broker "
             f"(equeue.connect(...).delete_group({args.group!r})), which refuses while the "
             "group has live members"
         ) from None

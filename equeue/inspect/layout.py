@@ -19,7 +19,7 @@ import xxhash
 
 from equeue.atomicfile import read_json
 from equeue.chunks.recovery import TailHint, nonzero_extent, scan_fixed, scan_variable
-from equeue.errors import CorruptionError, EQueueError, NewerFormatError
+from equeue.errors import CorruptionError, NewerFormatError, UsageError
 from equeue.format.chunk import (
     FOOTER_SIZE,
     FRAME_OVERHEAD,
@@ -59,10 +59,6 @@ from equeue.store.topics import deletions, topic_entries
 from equeue.store.topicsfile import Journal, replay
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
-
-
-class UsageError(EQueueError):
-    """The command line names something the inspector cannot work on (exit status 2)."""
 
 
 @dataclass(frozen=True, slots=True)

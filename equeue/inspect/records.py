@@ -21,6 +21,7 @@ from equeue.errors import (
     InvalidMessageError,
     PositionNotFoundError,
     StoreReadError,
+    UsageError,
 )
 from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE, MAX_RECORD_LENGTH, ChunkHeader
 from equeue.format.message import (
@@ -30,7 +31,7 @@ from equeue.format.message import (
     decode_message_id,
     encode_message_id,
 )
-from equeue.inspect.layout import StoreFiles, UsageError, chunk_paths
+from equeue.inspect.layout import StoreFiles, chunk_paths
 from equeue.store import times
 
 

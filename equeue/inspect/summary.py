@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from equeue.errors import CorruptionError
+from equeue.errors import CorruptionError, UsageError
 from equeue.format.chunk import (
     _CHECKED_PREFIX,
     FOOTER_SIZE,
@@ -31,7 +31,6 @@ from equeue.inspect.layout import (
     Problem,
     Progress,
     StoreFiles,
-    UsageError,
     data_checksum,
     load_chunk_dir,
     load_chunk_file,

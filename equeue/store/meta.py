@@ -88,10 +88,12 @@ def take_lock(directory: Path) -> IO[str]:
             handle.seek(0)
             holder = handle.read(64).strip() or "unknown"  # (a pid: the rest is not ours)
             handle.close()
-            raise StoreLockedError(
+            locked = StoreLockedError(
                 f"store {directory} is open for writing by pid {holder}; open it with "
                 "read_only=True or close the other handle"
-            ) from None
+            )
+            locked.holder = str(holder)
+            raise locked from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
