@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from equeue import MessageStore, StoreConfig
-from equeue.atomicfile import write_json
+from equeue.atomicfile import read_json, write_json
 from equeue.cli import main
 from equeue.errors import CorruptionError, EQueueError
 
@@ -168,3 +168,27 @@ def test_a_store_whose_store_json_was_lost_is_damaged_not_a_usage_error(
     empty.mkdir()
     assert main(["verify", str(empty)]) == 2
     assert "is not an equeue store" in capsys.readouterr().err
+
+
+def test_a_topics_json_entry_no_equeue_wrote_says_the_way_out_and_it_works(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """review17 R17-8: a checksummed topics.json with an entry the API would refuse locks
+    every open out (by design), but neither the error nor verify said what to do."""
+    store = tmp_path / "store"
+    shutil.copytree(built, store)
+    with MessageStore.open(store, read_only=True) as opened:
+        sent = opened.pull("t", 0, 0, max_count=100)
+    body = read_json(store / "topics.json")
+    write_json(store / "topics.json", {**body, "ok": {"queue_count": 99_999}})
+    for read_only in (True, False):
+        with pytest.raises(CorruptionError, match="bad topic entry 'ok'") as caught:
+            MessageStore.open(store, read_only=read_only)
+        assert "move topics.json out of the store" in str(caught.value)
+    assert main(["verify", str(store)]) == 1
+    assert "move topics.json out of the store" in capsys.readouterr().out
+    (store / "recovered").mkdir(exist_ok=True)
+    (store / "topics.json").rename(store / "recovered" / "topics.json.bad")  # the way out
+    with MessageStore.open(store) as opened:
+        assert opened.topics() == ["t"]
+        assert opened.pull("t", 0, 0, max_count=100) == sent

@@ -105,6 +105,15 @@ class TopicPolicy:
             raise ConfigError(f"unreadable topic policy in {where}: {info!r} ({exc})") from exc
 
 
+# What an operator can do about a checksummed topics.json holding an entry no equeue
+# wrote (review17 R17-8: nothing said it; `equeue rebuild-topics` reads only the journal).
+BAD_ENTRY_REMEDY = (
+    "move topics.json out of the store (into recovered/, say): a writable open then "
+    "rebuilds it from the queue directories and the journal, each topic's cleanup "
+    "policy reset to the defaults (set them again with create_topic())"
+)
+
+
 def topic_entries(
     body: Any, store: Path, problems: list[str] | None = None
 ) -> list[tuple[str, int, TopicPolicy]]:
@@ -129,7 +138,10 @@ def topic_entries(
             policy = TopicPolicy.from_json(info, path, problems)
         except EQueueError as exc:
             raise CorruptionError(
-                f"bad topic entry {str(topic)[:80]!r} ({exc})", file=path, offset=0
+                f"bad topic entry {str(topic)[:80]!r} ({exc})",
+                file=path,
+                offset=0,
+                remedy=BAD_ENTRY_REMEDY,
             ) from None
         entries.append((topic, count, policy))
     return sorted(entries)
