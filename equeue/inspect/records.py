@@ -135,6 +135,11 @@ def manager_config(directory: Path) -> ChunkManagerConfig | None:
     )
 
 
+# How many times a walk lists a directory again after retention removed the chunk it was
+# about to read, with no record read between: a retention that fast outruns any reader.
+_RELISTS = 8
+
+
 class RecordSource:
     """Messages of one store, read-only. Close it when done (it holds read maps)."""
 
@@ -166,7 +171,10 @@ class RecordSource:
         return None
 
     def _record(self, position: int, payload: bytes, manager: ChunkManager) -> Record:
-        file = str(manager.get_chunk_for(position).path)
+        try:
+            file = str(manager.get_chunk_for(position).path)
+        except ChunkRemovedError:  # since it was read (retention): the payload is in hand
+            file = str(self.store.messages_dir)
         message = MessageLogRecord.unpack(payload, file=file)
         if message.log_position != position:
             raise CorruptRecordError(
@@ -180,21 +188,50 @@ class RecordSource:
         manager = self._open(self.store.messages_dir)
         if manager is None:
             return
-        start = position
-        try:
-            # A position inside a record: start at its chunk and skip what lies before.
-            start = manager.get_chunk_for(position).start_position
-        except ChunkRemovedError:
-            start = manager.first_position
-        except PositionNotFoundError:
-            return  # past the end of the log
-        for at, payload in ChunkReader(manager).iter_from(start):
-            if at < position:
-                continue
+        for at, payload, current in self._walk(self.store.messages_dir, manager, position):
             self.walked = at
-            record = self._record(at, payload, manager)
+            record = self._record(at, payload, current)
             if filters.match(record.message):
                 yield record
+
+    def _walk(
+        self, directory: Path, manager: ChunkManager, position: int
+    ) -> Iterator[tuple[int, bytes, ChunkManager]]:
+        """(position, payload, the manager it was read through) of each record of
+        ``directory`` at or after ``position``. A chunk that retention removes before the
+        walk maps it raises ChunkRemovedError: the walk goes on past what it had read,
+        through the directory listed again, at most a few times without a record between
+        (review17 R17-3: `records` stopped with "was removed while in use", where the
+        records retention removed are to be skipped, as `pull` skips them)."""
+        after = position - 1  # the last position read (or skipped: before the start)
+        relists = 0
+        while relists < _RELISTS:
+            try:
+                for at, payload in ChunkReader(manager).iter_from(self._start(manager, after + 1)):
+                    if at > after:
+                        after, relists = at, 0
+                        yield at, payload, manager
+                return
+            except ChunkRemovedError:
+                reopened = self._open(directory)
+                if reopened is None:
+                    return
+                manager, relists = reopened, relists + 1
+        raise ChunkRemovedError(
+            f"chunks of {directory} were removed {_RELISTS} times in a row while they were "
+            "read (retention faster than this read): run it again"
+        )
+
+    @staticmethod
+    def _start(manager: ChunkManager, position: int) -> int:
+        """Where a walk from ``position`` begins: the start of its chunk (a position inside
+        a record starts at the next one), or the first retained one."""
+        try:
+            return manager.get_chunk_for(position).start_position
+        except ChunkRemovedError:
+            return manager.first_position
+        except PositionNotFoundError:
+            return position  # past the end of the log: the walk reads nothing
 
     def from_queue(
         self, topic: str, queue_id: int, offset: int, filters: Filters
@@ -202,12 +239,13 @@ class RecordSource:
         check_queue(self.store, topic, queue_id)
         # The queue first: on a live store every entry read then points at a message
         # that was written before the message chunks are loaded.
-        queue = self._open(self.store.queue_dir(topic, queue_id))
+        directory = self.store.queue_dir(topic, queue_id)
+        queue = self._open(directory)
         messages = self._open(self.store.messages_dir)
         if queue is None or messages is None:
             return
         reader = ChunkReader(messages)
-        for at, raw in ChunkReader(queue).iter_from(offset * QUEUE_RECORD_SIZE):
+        for at, raw, current in self._walk(directory, queue, offset * QUEUE_RECORD_SIZE):
             entry = QueueLogRecord.unpack(raw)
             if entry is None:
                 return
@@ -219,7 +257,7 @@ class RecordSource:
                 raise CorruptRecordError(
                     f"queue {topic}/{queue_id} offset {at // QUEUE_RECORD_SIZE} points at "
                     f"position {entry.message_position}, which holds no message ({exc})",
-                    file=str(queue.get_chunk_for(at).path),
+                    file=str(current.get_chunk_for(at).path),
                 ) from exc
             self.walked = entry.message_position
             record = self._record(entry.message_position, payload, messages)
