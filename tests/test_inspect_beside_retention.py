@@ -5,7 +5,7 @@ sees them go. Here retention runs at the worst moment of each run, deterministic
 between verify's walk of the log and its load of the queues, and between inspect's load of
 the queues and its load of the log. The controls: the same runs with nothing removed
 report nothing, and a queue chunk deleted by hand (its log chunk still there) is still
-reported. `records` walked on past a chunk removed under it likewise.
+reported. `records` walked on past a chunk removed under it likewise."""
 
 from __future__ import annotations
 
