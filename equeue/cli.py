@@ -172,6 +172,16 @@ def _run_records(args: argparse.Namespace) -> int:
     start = parse_position(args.start, store) if args.start is not None else 0
     if args.queue is not None:
         check_queue(store, args.topic, args.queue)
+    # A topic the store never had is a misspelling, not an empty topic. (A deleted topic's
+    # records stay in the log until retention: shown. --follow may wait for a topic yet to
+    # be made.)
+    elif (
+        args.topic is not None
+        and not args.follow
+        and args.topic not in store.topics
+        and args.topic not in store.deleted
+    ):
+        check_queue(store, args.topic, 0)  # "no topic 'x' in STORE (topics: ...)"
     # The follower first: it takes each queue's end now, and the walk below then reaches
     # at least as far (see Follower).
     follower = None
