@@ -16,7 +16,8 @@
  *     request id discarded from `reader.columns`, and each caller's future given its
  *     result by groupwake.c's group_wake (`now`: no caller waits), inside `flushing` set
  *     (woken_together: their next sends go in one group) unless a write is already
- *     scheduled, then `protocol.schedule()` unless closed. Everything else (an error,
+ *     scheduled, then unless closed `protocol._flush()` at once when nothing else waits in
+ *     the loop's pass (nothing_else_this_pass), else `protocol.schedule()`. Everything else (an error,
  *     results not read in C, a group of one, a count that differs, callers waiting for a
  *     place, a protocol of another type) goes to `self.answered_slow(status, payload)`,
  *     the Python method, before anything is changed. */
@@ -36,8 +37,31 @@ typedef struct {
     PyObject *coalescer, *topic, *bodies, *futures, *givens, *request_id;
 } Answer;
 
+PyObject *clientconn_loop(PyObject *conn);
+
 static PyTypeObject AnswerType;
-static PyObject *S_ANSWERED_SLOW, *S_COLUMNS, *S_SCHEDULE;
+static PyObject *S_ANSWERED_SLOW, *S_COLUMNS, *S_SCHEDULE, *S_FLUSH, *S_READY;
+
+/* Whether nothing else runs in this loop pass before the write `schedule` would make in
+ * the next one: the loop one of asyncio's own (its `_ready` an exact deque: uvloop has
+ * none) with no callback left in `_ready` (1, else 0; no error). Then the `_flush` that
+ * call_soon would run first in the next pass, before that pass's I/O callbacks and due
+ * timers, is run here instead, with nothing of the caller's seen differently: the same
+ * sends in the same request, one loop pass (asyncio's _run_once, a select(0) and a
+ * Handle) sooner and cheaper. A wake-up the Waiter could not run at once was scheduled
+ * (its Handle in `_ready`), and its task sends in this pass: then `schedule` as before. */
+static int nothing_else_this_pass(PyObject *protocol) {
+    PyObject *loop = clientconn_loop(protocol);
+    if (loop == NULL) return 0;
+    PyObject *ready = PyObject_GetAttr(loop, S_READY);
+    if (ready == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int empty = strcmp(Py_TYPE(ready)->tp_name, "collections.deque") == 0 && Py_SIZE(ready) == 0;
+    Py_DECREF(ready);
+    return empty;
+}
 
 /* Whether a field holds a true value: 1, 0 (also unset), -1. */
 static int truth(PyObject *value) {
@@ -62,7 +86,9 @@ static PyObject *woken_together(PyObject *protocol, PyObject *const *wake_args) 
     clientconn_answer_fields(protocol, &queued, &reader, &flushing, &closed);
     int is_closed = truth(closed);
     PyObject *scheduled = is_closed != 0 ? (is_closed < 0 ? NULL : Py_NewRef(Py_None))
-                                         : PyObject_CallMethodNoArgs(protocol, S_SCHEDULE);
+                          : woken != NULL && nothing_else_this_pass(protocol)
+                              ? PyObject_CallMethodNoArgs(protocol, S_FLUSH)
+                              : PyObject_CallMethodNoArgs(protocol, S_SCHEDULE);
     if (scheduled == NULL) { /* (raised in the finally: that error, the first its context) */
         if (type != NULL) {
             PyObject *later_type, *later, *later_tb;
@@ -199,6 +225,8 @@ PyObject *client_answer_type(PyObject *unused, PyObject *unused2) {
     if (S_ANSWERED_SLOW == NULL) {
         if ((S_COLUMNS = PyUnicode_InternFromString("columns")) == NULL ||
             (S_SCHEDULE = PyUnicode_InternFromString("schedule")) == NULL ||
+            (S_FLUSH = PyUnicode_InternFromString("_flush")) == NULL ||
+            (S_READY = PyUnicode_InternFromString("_ready")) == NULL ||
             PyType_Ready(&AnswerType) < 0)
             return NULL;
         if ((S_ANSWERED_SLOW = PyUnicode_InternFromString("answered_slow")) == NULL) return NULL;
