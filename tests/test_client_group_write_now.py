@@ -114,3 +114,51 @@ def test_a_callback_waiting_in_the_pass_keeps_the_write_scheduled() -> None:
     # in a request of its own)
     (joined,) = [bodies for bodies in requests if b"extra" in bodies]
     assert b"0.%d" % extra_at in joined, requests
+
+
+def test_an_error_of_the_write_now_goes_to_the_loops_handler_as_a_callbacks_would() -> None:
+    # _flush raising where the read called it: reported to the loop's exception handler
+    # (as Handle._run reports a scheduled _flush's), and the answered group not put back
+    # in pending (its callers have their results: a stale entry would time out later)
+    seen: list[dict[str, Any]] = []
+    flush = aio._Protocol._flush
+    calls, raised = [0], [0]
+
+    def flaky(self: Any) -> None:
+        flush(self)  # (the group written: the run goes on)
+        calls[0] += 1
+        if calls[0] == ROUNDS // 2:  # (a round's write made inside the read)
+            raised[0] += 1
+            raise RuntimeError("the write failed (from the test)")
+
+    async def run(url: str) -> int:
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: seen.append(context))
+        client = await equeue.aio.connect(url, timeout=BOUND, connect_timeout=5)
+        try:
+
+            async def one(task: int) -> None:
+                for n in range(ROUNDS):
+                    await client.send("t", b"%d.%d" % (task, n))
+
+            async with asyncio.timeout(BOUND):
+                await asyncio.gather(*(one(task) for task in range(TASKS)))
+            assert client._protocol is not None
+            return len(client._protocol.pending)
+        finally:
+            await client.close()
+
+    with temporary_broker() as broker, pytest.MonkeyPatch.context() as patch:
+        with equeue.connect(broker.url) as admin:
+            admin.create_topic("t", 1)
+        patch.setattr(aio._Protocol, "_flush", flaky)
+        loop = _FlushCounting()
+        try:
+            left = loop.run_until_complete(run(broker.url))
+        finally:
+            loop.close()
+        with equeue.connect(broker.url) as admin:
+            stored = [m.body for m in admin.pull("t", 0, 0, TASKS * ROUNDS + 10)]
+    assert sorted(stored) == _expected_bodies(False)
+    assert raised == [1]
+    assert [str(c.get("exception")) for c in seen] == ["the write failed (from the test)"], seen
+    assert left == 0  # nothing in flight once every send is answered
