@@ -18,7 +18,8 @@ the expected sends all in, or none expected), or when the bound passed (``bound`
 ``--arm "per=X wait=US"`` (repeatable; each is run against each tree): the broker's
 ``CrossClientCommit`` made with ``wait_per_fdatasync=X`` (set in the broker process before
 it starts; absent: the tree's default) and ``--group-commit-wait-us US`` (absent: the
-default). ``--env NAME=VALUE``: a variable in the broker's environment (a tree's switch).
+default); ``flush=async`` in an arm: the broker runs ``--flush async`` (the row's
+ceiling). ``--env NAME=VALUE``: a variable in the broker's environment (a tree's switch).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def run(src: Path, arm: str, args: argparse.Namespace) -> dict[str, Any]:
     for item in args.env:
         name, _, value = item.partition("=")
         env[name] = value
-    argv = [sys.executable, "-c", BROKER, "serve", str(directory / "s"), "--flush", "sync", *wait]
+    flush = knobs.get("flush", "sync")  # async: the row's ceiling, no fdatasync waited for
+    argv = [sys.executable, "-c", BROKER, "serve", str(directory / "s"), "--flush", flush, *wait]
     broker = subprocess.Popen(
         [*argv, "--quiet"], cwd=directory, env=env, stdout=subprocess.PIPE
     )  # fmt: skip
@@ -201,7 +203,7 @@ def run(src: Path, arm: str, args: argparse.Namespace) -> dict[str, Any]:
         "broker_us": (cpu1 - cpu0) / sends * 1e6,
         "clients_us": sum(r["cpu"] for r in results) / sends * 1e6,
     }
-    if args.record and record.exists():
+    if args.record and record.exists() and flushes:
         # the timed part only: the last ``flushes`` recorded before the drain
         rows = json.loads(record.read_text())
         rows = [r for r in rows][-(flushes + 2) :]

@@ -521,6 +521,9 @@ int clientconn_fields(PyObject *conn, PyObject **loop, PyObject **pending, PyObj
 
 int clientconn_take_place(PyObject *conn) { return add_free((Conn *)conn, -1); }
 
+/* For groupanswer.c: a clientconn_is connection's loop (borrowed; NULL while unset). */
+PyObject *clientconn_loop(PyObject *conn) { return ((Conn *)conn)->loop; }
+
 /* For groupanswer.c: a clientconn_is connection's queued, reader, flushing and closed
  * (borrowed; NULL while unset), `free += places` and `flushing = value` as the Python
  * statements do them (0, -1). */

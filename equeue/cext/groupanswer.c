@@ -16,10 +16,12 @@
  *     request id discarded from `reader.columns`, and each caller's future given its
  *     result by groupwake.c's group_wake (`now`: no caller waits), inside `flushing` set
  *     (woken_together: their next sends go in one group) unless a write is already
- *     scheduled, then `protocol.schedule()` unless closed. Everything else (an error,
- *     results not read in C, a group of one, a count that differs, callers waiting for a
- *     place, a protocol of another type) goes to `self.answered_slow(status, payload)`,
- *     the Python method, before anything is changed. */
+ *     scheduled, then unless closed `protocol._flush()` at once when nothing else waits in
+ *     the loop's pass (nothing_else_this_pass), else `protocol.schedule()`. Everything
+ *     else (an error, results not read in C, a group of one, a count that differs,
+ *     callers waiting for a place, a protocol of another type) goes to
+ *     `self.answered_slow(status, payload)`, the Python method, before anything is
+ *     changed. */
 #include "speedups.h"
 #include <structmember.h>
 
@@ -36,8 +38,34 @@ typedef struct {
     PyObject *coalescer, *topic, *bodies, *futures, *givens, *request_id;
 } Answer;
 
+PyObject *clientconn_loop(PyObject *conn);
+
 static PyTypeObject AnswerType;
-static PyObject *S_ANSWERED_SLOW, *S_COLUMNS, *S_SCHEDULE;
+static PyObject *S_ANSWERED_SLOW, *S_COLUMNS, *S_SCHEDULE, *S_FLUSH, *S_READY;
+
+/* Whether nothing else runs in this loop pass before the write `schedule` would make in
+ * the next one: the loop one of asyncio's own (its `_ready` an exact deque: uvloop has
+ * none) with no callback left in `_ready` (1, else 0; no error). Then the `_flush` that
+ * call_soon would run first in the next pass, before that pass's I/O callbacks and due
+ * timers, is run here instead, with nothing of the caller's seen differently: the same
+ * sends in the same request, one loop pass (asyncio's _run_once, a select(0) and a
+ * Handle) sooner and cheaper. A wake-up the Waiter could not run at once was scheduled
+ * (its Handle in `_ready`), and its task sends in this pass: then `schedule` as before. */
+static int nothing_else_this_pass(PyObject *protocol) {
+    PyObject *loop = clientconn_loop(protocol);
+    if (loop == NULL) return 0;
+    Py_INCREF(loop); /* (held: a `_ready` property may run anything) */
+    PyObject *ready = PyObject_GetAttr(loop, S_READY);
+    Py_DECREF(loop);
+    if (ready == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int empty =
+        strcmp(Py_TYPE(ready)->tp_name, "collections.deque") == 0 && Py_SIZE(ready) == 0;
+    Py_DECREF(ready);
+    return empty;
+}
 
 /* Whether a field holds a true value: 1, 0 (also unset), -1. */
 static int truth(PyObject *value) {
@@ -48,6 +76,35 @@ static PyObject *slow(Answer *self, PyObject *const *args) {
     PyObject *call[3] = {(PyObject *)self, args[0], args[1]};
     return PyObject_VectorcallMethod(S_ANSWERED_SLOW, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
                                      NULL);
+}
+
+/* The error `_flush()` raised where the write-now path called it, given to the loop's
+ * exception handler as Handle._run gives a callback's (where `schedule` would have run
+ * it): the read goes on, its answer is not put back in `pending` (its callers have their
+ * results). None, NULL (the handler raised). */
+static PyObject *reported(PyObject *protocol) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *loop = clientconn_loop(protocol);
+    if (loop == NULL || value == NULL) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    PyObject *context = Py_BuildValue("{s:s,s:O,s:O}", "message",
+                                      "Exception in the write of a woken group's sends (_flush)",
+                                      "exception", value, "protocol", protocol);
+    Py_INCREF(loop);
+    PyObject *r = context == NULL ? NULL
+                                  : PyObject_CallMethod(loop, "call_exception_handler", "O",
+                                                        context);
+    Py_DECREF(loop);
+    Py_XDECREF(context);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return r;
 }
 
 /* The wake-ups inside `flushing` (woken_together), then the turn's write scheduled unless
@@ -61,8 +118,15 @@ static PyObject *woken_together(PyObject *protocol, PyObject *const *wake_args) 
     PyObject *queued, *reader, *flushing, *closed;
     clientconn_answer_fields(protocol, &queued, &reader, &flushing, &closed);
     int is_closed = truth(closed);
-    PyObject *scheduled = is_closed != 0 ? (is_closed < 0 ? NULL : Py_NewRef(Py_None))
-                                         : PyObject_CallMethodNoArgs(protocol, S_SCHEDULE);
+    PyObject *scheduled;
+    if (is_closed != 0)
+        scheduled = is_closed < 0 ? NULL : Py_NewRef(Py_None);
+    else if (woken != NULL && nothing_else_this_pass(protocol)) {
+        scheduled = PyObject_CallMethodNoArgs(protocol, S_FLUSH);
+        if (scheduled == NULL && PyErr_ExceptionMatches(PyExc_Exception))
+            scheduled = reported(protocol);
+    } else
+        scheduled = PyObject_CallMethodNoArgs(protocol, S_SCHEDULE);
     if (scheduled == NULL) { /* (raised in the finally: that error, the first its context) */
         if (type != NULL) {
             PyObject *later_type, *later, *later_tb;
@@ -199,6 +263,8 @@ PyObject *client_answer_type(PyObject *unused, PyObject *unused2) {
     if (S_ANSWERED_SLOW == NULL) {
         if ((S_COLUMNS = PyUnicode_InternFromString("columns")) == NULL ||
             (S_SCHEDULE = PyUnicode_InternFromString("schedule")) == NULL ||
+            (S_FLUSH = PyUnicode_InternFromString("_flush")) == NULL ||
+            (S_READY = PyUnicode_InternFromString("_ready")) == NULL ||
             PyType_Ready(&AnswerType) < 0)
             return NULL;
         if ((S_ANSWERED_SLOW = PyUnicode_InternFromString("answered_slow")) == NULL) return NULL;
