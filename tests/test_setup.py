@@ -96,7 +96,7 @@ def finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
     except subprocess.TimeoutExpired:
         process.kill()
         out, err = process.communicate()
-        pytest.fail(f"{process.args} ran for 600 s: {err[-3000:]}")
+        pytest.fail(f"{process.args!r} ran for 600 s: {err[-3000:]}")
     return process.returncode, out, err
 
 
