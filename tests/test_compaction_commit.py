@@ -4,7 +4,7 @@ with either the old or the new chunks.
 One real compaction job (Spark) runs per module, stopped just before it installs:
 the store with its staged, uncommitted replacements is copied as a template. Each
 test works on a fresh copy of it. The crash tests run ``commit.install`` in a child
-process (tests/compaction_crash_child.py) that SIGKILLs itself just before, or just
+process (forked: tests/compaction_crash_child.py) that SIGKILLs itself just before, or just
 after, its k-th file-system call, for k = 1, 2, ... until it gets through; the store
 is then opened for writing (recovery rolls the install forward or back) and must
 hold exactly the messages it held before the job if the crash came before the
@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from compaction_crash_child import forked
 from compaction_model import all_messages, expected_removed
 
 from equeue import Message, MessageStore, StoreConfig
@@ -42,7 +41,6 @@ from equeue.store.meta import MESSAGES_DIR
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-CHILD = Path(__file__).with_name("compaction_crash_child.py")
 CHUNK_DATA_SIZE = 16 * 1024
 COMPACTED = "state"  # cleanup="compact"
 PLAIN = "events"  # cleanup="delete" without retention: compaction keeps everything
@@ -215,18 +213,11 @@ def _run_child(template: Template, destination: Path, mode: str, k: int) -> Chil
     job.write_text(
         json.dumps({"results": [asdict(r) for r in template.results], "read": template.read})
     )
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), str(store), str(staging), str(job), mode, str(k)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    lines = proc.stdout.splitlines()
-    if proc.returncode == -signal.SIGKILL:
-        assert lines and lines[-1].startswith(f"CALL {k} "), (lines, proc.stderr)
+    returncode, lines = forked([str(store), str(staging), str(job), mode, str(k)])
+    if returncode == -signal.SIGKILL:
+        assert lines and lines[-1].startswith(f"CALL {k} "), lines
         return ChildRun(True, lines)
-    assert proc.returncode == 0 and lines[-1] == "DONE", (proc.returncode, proc.stderr)
+    assert returncode == 0 and lines and lines[-1] == "DONE", (returncode, lines[-20:])
     return ChildRun(False, lines[:-1])
 
 

@@ -77,15 +77,27 @@ def compactable_store(path: Path) -> Path:
 
 
 def equeue_command(*args: str | Path, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    done = subprocess.run(
+    return finish(equeue_process(*args, env=env))
+
+
+def equeue_process(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, "-m", "equeue", *map(str, args)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
-        check=False,
         env=env,
     )
-    return done.returncode, done.stdout, done.stderr
+
+
+def finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"{process.args!r} ran for 600 s: {err[-3000:]}")
+    return process.returncode, out, err
 
 
 def test_compact_without_java_says_so_in_one_line(tmp_path: Path) -> None:
@@ -160,30 +172,38 @@ def test_make_demo_without_java_says_so_before_it_starts(tmp_path: Path) -> None
 
 def test_compact_is_quiet_unless_verbose(tmp_path: Path) -> None:
     """Spark's banner, log and JVM warnings stay out of sight; --verbose shows them. Two
-    Spark starts: the only subprocess ones in the tests."""
+    Spark starts, the only `equeue compact` subprocesses in the tests: run side by side,
+    each on a store of its own (a JVM's start leaves a core idle much of the time)."""
     try:
         require_spark()
     except SparkUnavailableError as exc:
         pytest.skip(str(exc))
-    store = compactable_store(tmp_path / "store")
-    code, out, err = equeue_command("compact", store, "--master", "local[2]")
-    assert code == 0, err
-    assert "rewrote" in out and "[compact] pass 1 done" in err  # our own progress stays
-    for noise in SPARK_NOISE:
-        assert noise not in out + err
-    assert "WARN" not in out + err
-    code, out, err = equeue_command(
+    quiet = equeue_process("compact", compactable_store(tmp_path / "store"), "--master", "local[2]")
+    verbose = equeue_process(
         "compact",
-        store,
+        compactable_store(tmp_path / "verbose"),
         "--master",
-        "local[2]",
+        "local[1]",
         "--verbose",
         "--dry-run",
         "--now",
         "2100-01-01T00:00:00Z",
     )
-    assert code == 0, err
-    assert "Using Spark's default log4j profile" in err  # Spark's own log is back
+    try:
+        code, out, err = finish(quiet)
+        assert code == 0, err
+        assert "rewrote" in out and "[compact] pass 1 done" in err  # our own progress stays
+        for noise in SPARK_NOISE:
+            assert noise not in out + err
+        assert "WARN" not in out + err
+        code, out, err = finish(verbose)
+        assert code == 0, err
+        assert "Using Spark's default log4j profile" in err  # Spark's own log is back
+    finally:
+        for process in (quiet, verbose):
+            if process.poll() is None:  # a failed assertion: no JVM outlives the test
+                process.kill()
+                process.communicate()
 
 
 def test_readme_setup_says_what_it_needs() -> None:

@@ -79,6 +79,70 @@ class ClusterRun:
     other_pythons: list[str]
     seconds: float
     broker_stored: list[str]  # the bodies of topic "cluster" in the broker's store
+    submit: Submitted | None  # None: no spark-submit beside this Python
+
+
+@dataclasses.dataclass
+class Submitted:
+    """tools/spark_compact.py run by spark-submit on its own store, beside the child."""
+
+    directory: Path  # its working directory: the store "s" and the report file
+    before: dict[int, tuple[Any, ...]]
+    removed: set[int]
+    returncode: int
+    output: str  # stdout and stderr
+
+
+def start_submit(directory: Path) -> tuple[subprocess.Popen[str], Submitted] | None:
+    """The documented path, started: ``spark-submit tools/spark_compact.py --report FILE``
+    on a store of its own (a JVM of its own, which runs while the local-cluster child
+    does: the child's JVMs wait on each other much of the time)."""
+    submit = Path(sys.executable).parent / "spark-submit"
+    if not submit.exists():
+        return None
+    directory.mkdir()
+    store = directory / "s"
+    fill(store, messages=900, seed=6)
+    now = time.time() + 1
+    removed = expected_removed(store, now)
+    before = snapshot_messages(store)
+    env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, PYSPARK_PYTHON=sys.executable)
+    process = subprocess.Popen(
+        [
+            str(submit),
+            "--master",
+            "local[1]",
+            "--conf",
+            "spark.ui.enabled=false",
+            "--driver-java-options",
+            "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            str(ROOT / "tools" / "spark_compact.py"),
+            str(store),
+            "--now",
+            str(now),
+            "--report",
+            str(directory / "report.json"),
+        ],
+        cwd=directory,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return process, Submitted(directory, before, removed, -1, "")
+
+
+def finish_submit(started: tuple[subprocess.Popen[str], Submitted] | None) -> Submitted | None:
+    if started is None:
+        return None
+    process, submitted = started
+    try:
+        out, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return dataclasses.replace(submitted, returncode=process.returncode, output=out + err)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +168,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> ClusterRun:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, str(TESTS)]))
     home = short_dir()  # the broker's socket path must fit sun_path
     broker: Broker | None = None
+    started = start_submit(directory / "submit")
     try:
         broker = Broker(home)
         env[BROKER_ENV] = broker.url
@@ -123,6 +188,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> ClusterRun:
         if broker is not None:
             broker.stop()
         shutil.rmtree(home, ignore_errors=True)
+        submitted = finish_submit(started)
     if done.returncode != 0:
         pytest.fail(f"the local-cluster run failed:\n{done.stderr[-6000:]}")
     return ClusterRun(
@@ -137,6 +203,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> ClusterRun:
         other_pythons=others,
         seconds=seconds,
         broker_stored=stored,
+        submit=submitted,
     )
 
 
@@ -313,48 +380,19 @@ def test_probe_runs_and_reports_in_a_python_without_equeue(tmp_path: Path) -> No
 # --- the spark-submit entry point ----------------------------------------------------
 
 
-def test_spark_submit_writes_the_report_to_its_file(tmp_path: Path) -> None:
+def test_spark_submit_writes_the_report_to_its_file(cluster: ClusterRun) -> None:
     """The documented path: spark-submit tools/spark_compact.py --report FILE. The report
     goes to FILE whole (stdout, which holds the driver's stderr too, has no JSON in it),
     and Spark logs at WARN: no INFO lines."""
-    submit = Path(sys.executable).parent / "spark-submit"
-    if not submit.exists():
+    run = cluster.submit
+    if run is None:
         pytest.skip("no spark-submit beside this Python")
-    store = tmp_path / "s"
-    fill(store, messages=900, seed=6)
-    now = time.time() + 1
-    removed = expected_removed(store, now)
-    before = snapshot_messages(store)
-    report = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, PYSPARK_PYTHON=sys.executable)
-    done = subprocess.run(
-        [
-            str(submit),
-            "--master",
-            "local[1]",
-            "--conf",
-            "spark.ui.enabled=false",
-            "--driver-java-options",
-            "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
-            str(ROOT / "tools" / "spark_compact.py"),
-            str(store),
-            "--now",
-            str(now),
-            "--report",
-            str(report),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc = json.loads(report.read_text())
-    assert doc["records_removed"] == len(removed) > 0
-    assert snapshot_messages(store) == {p: m for p, m in before.items() if p not in removed}
-    output = done.stdout + done.stderr
+    assert run.returncode == 0, run.output[-3000:]
+    doc = json.loads((run.directory / "report.json").read_text())
+    assert doc["records_removed"] == len(run.removed) > 0
+    after = snapshot_messages(run.directory / "s")
+    assert after == {p: m for p, m in run.before.items() if p not in run.removed}
+    output = run.output
     assert "[compact] pass 2 done" in output
     assert '"records_removed"' not in output
     assert "replaced a previously registered data source" not in output  # registered once
@@ -363,7 +401,9 @@ def test_spark_submit_writes_the_report_to_its_file(tmp_path: Path) -> None:
     (warn,) = [i for i, line in enumerate(lines) if line == 'Setting Spark log level to "WARN".']
     assert not [line for line in lines[warn:] if " INFO " in line]
     assert len([line for line in lines if " INFO " in line]) <= 5
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("report")] == ["report.json"]
+    assert [p.name for p in run.directory.iterdir() if p.name.startswith("report")] == [
+        "report.json"
+    ]
 
 
 def test_session_gives_the_workers_the_python_its_config_names(

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 import pytest
 from sink_child import frame
 
-from equeue import MessageStore
+from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import write_json
+from equeue.chunks.config import MiB
 from equeue.errors import SinkCommitError, SparkOptionError
 from equeue.spark import ledger
 from equeue.spark.aborted import ABORTED_DIR
@@ -67,11 +68,16 @@ def save(df: DataFrame, path: Path, topic: str = "t", **options: str) -> None:
     writer.save(str(path))
 
 
-def test_a_million_rows_from_four_partitions_are_each_stored_once(
+def test_rows_from_four_partitions_across_chunk_rollovers_are_each_stored_once(
     tmp_path: Path, spark: SparkSession
 ) -> None:
-    store = new_store(tmp_path / "s")
-    rows = 1_000_000
+    """200,000 rows (20 Arrow batches of Spark's default 10,000) into a store of 1 MiB
+    log chunks and 8,192-entry queue chunks: the commit's appends cross a dozen log and
+    five queue chunk boundaries in every queue. (A million rows into the default 256 MiB
+    chunks crossed none, and took five times as long.)"""
+    store = tmp_path / "s"
+    MessageStore.open(store, StoreConfig(chunk_data_size=MiB, queue_chunk_records=8192)).close()
+    rows = 200_000
     df = spark.range(0, rows, numPartitions=4).selectExpr(
         "cast(id as string) as body", "concat('g', cast(id % 3 as string)) as tag"
     )
@@ -91,6 +97,8 @@ def test_a_million_rows_from_four_partitions_are_each_stored_once(
                 offset = pulled.next_offset
     assert seen == bytearray([1]) * rows and wrong == []
     assert incoming(store) == ["ledger.json"]  # the staged files went with the commit
+    assert len(list((store / "messages").glob("chunk-*"))) >= 10
+    assert all(len(list(q.glob("chunk-*"))) >= 5 for q in (store / "queues" / "t").iterdir())
 
 
 def test_every_column_reaches_the_store(tmp_path: Path, spark: SparkSession) -> None:
