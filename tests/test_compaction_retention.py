@@ -2,7 +2,8 @@
 files while the job runs, and the job installs the replacements of the others, equal to
 what the reference policy removes from the store retention left (compaction_model); the
 removed chunks stay removed. A chunk file gone other than by retention still fails the
-job, installing nothing."""
+job, installing nothing. And the two rules that keep what is installed exact, on made-up
+plans."""
 
 from __future__ import annotations
 
@@ -16,11 +17,20 @@ import pytest
 from compaction_model import all_messages, expected_removed
 
 from equeue import MessageStore, StoreConfig
-from equeue.compaction import job
+from equeue.compaction import commit, job
 from equeue.compaction.job import compact
-from equeue.compaction.plan import plan_groups
+from equeue.compaction.plan import (
+    ConditionalTombstone,
+    Removals,
+    Snapshot,
+    SnapshotChunk,
+    plan_groups,
+    settle_tombstones,
+    tombstone_needs,
+)
+from equeue.compaction.rewrite import RewriteResult
 from equeue.errors import CompactionError
-from equeue.format.chunk import parse_chunk_file_name
+from equeue.format.chunk import HEADER_SIZE, chunk_file_name, parse_chunk_file_name
 from equeue.inspect.verify import verify_store
 
 if TYPE_CHECKING:
@@ -162,3 +172,52 @@ def test_a_chunk_gone_other_than_by_retention_still_fails_the_job(
     left = {n: (tmp_path / "messages" / n).read_bytes() for n in _chunk_files(tmp_path)}
     assert left == {n: b for n, b in before.items() if n != middle}
     assert not [p for p in (tmp_path / "compaction").iterdir() if p.is_dir()]
+
+
+def _result(start: int, end: int) -> RewriteResult:
+    return RewriteResult(chunk_file_name(start, 1), start, end, 1, 0, 0, 0, 0)
+
+
+def test_a_replacement_needing_a_dropped_one_is_dropped_too() -> None:
+    """commit.installable, on made-up replacements: A covers chunks 0-1, B (chunk 2) lost
+    a tombstone whose older value is in chunk 1, C (chunk 3) one whose older value is in
+    chunk 0, D (chunk 4) one whose older value is in chunk 2. Retention removes chunk 0:
+    A goes (it covers it), B with it (chunk 1 keeps its value, and without B's tombstone
+    it would be the key's final value again), D with B; C stays (its older value went
+    with chunk 0). Nothing gone: all four are installed (the control)."""
+    name = {n: chunk_file_name(n, 0) for n in range(5)}
+    planned = [
+        commit.Replacement(_result(0, 1), (name[0], name[1])),
+        commit.Replacement(_result(2, 2), (name[2],), frozenset({name[1]})),
+        commit.Replacement(_result(3, 3), (name[3],), frozenset({name[0]})),
+        commit.Replacement(_result(4, 4), (name[4],), frozenset({name[2]})),
+    ]
+    assert commit.installable(planned, {name[0]}) == [False, False, True, False]
+    assert commit.installable(planned, set()) == [True] * 4
+
+
+def test_a_tombstone_whose_older_values_retention_removed_goes() -> None:
+    """settle_tombstones and tombstone_needs on a made-up snapshot (4 chunks of 40 records
+    of 100 bytes; a chunk shrinks once 5 go): the tombstone in chunk 2 has its key's older
+    value in chunk 0, which loses too little to be rewritten; so it stays, unless
+    retention removed chunk 0 (as for a job that never saw it). The one in chunk 3 goes
+    either way (its older value is in the rewritten chunk 1): its replacement needs
+    chunk 1's."""
+    size = 4096
+    chunks = [
+        SnapshotChunk(f"c{n}", 4000, n, n, 0, True, 40, HEADER_SIZE + 4000, 0, True)
+        for n in range(4)
+    ]
+    snapshot = Snapshot("s", 1, size, 4 * size, chunks, {})
+    settled = {0: Removals(1, 100), 1: Removals(5, 500), 2: Removals(5, 500), 3: Removals(5, 500)}
+    in_2, in_3 = 2 * size + 3900, 3 * size + 3900
+    tombstones = [
+        ConditionalTombstone(in_2, 100, frozenset({0})),
+        ConditionalTombstone(in_3, 100, frozenset({1})),
+    ]
+    _, kept = settle_tombstones(snapshot, settled, tombstones)
+    assert kept == {2: [in_2]}
+    assert tombstone_needs(snapshot, tombstones, kept) == {3: frozenset({1})}
+    _, kept = settle_tombstones(snapshot, settled, tombstones, frozenset({0}))
+    assert kept == {}
+    assert tombstone_needs(snapshot, tombstones, kept) == {2: frozenset({0}), 3: frozenset({1})}

@@ -262,9 +262,8 @@ def install(
             (outcome.installed if kept else outcome.dropped).append(replacement.result)
         if outcome.dropped:
             log.warning(
-                "retention removed %s while the job ran: %d replacements not installed (%s)",
+                "retention removed %s while the job ran: %s not installed",
                 file_names(outcome.gone),
-                len(outcome.dropped),
                 file_names([r.file_name for r in outcome.dropped], "replacement"),
             )
         if not outcome.installed:
