@@ -176,8 +176,8 @@ def chunks_vanished_error(store: Path, gone: Sequence[str]) -> CompactionError:
     """What the job says when chunk files it read are gone other than by retention: at
     the commit, or from a task that could not open one (job.py)."""
     return CompactionError(
-        f"{file_names(gone)} the job read were removed while it ran, and not by retention "
-        "(chunk files before them are still there, or a new version replaced them); "
+        "chunk files the job read were removed while it ran, not by retention (chunk files "
+        f"before them are still there, or a new version replaced them): {file_names(gone)}; "
         "nothing was installed, check the store with equeue verify and run the job again",
         file=store / MESSAGES_DIR,
     )
