@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
-from compaction_model import all_messages, expected_removed
+from compaction_model import all_messages, expected_removed, made_up_snapshot
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from store_helpers import snapshot
@@ -332,17 +332,11 @@ def test_an_expired_tombstone_stays_while_a_chunk_with_an_older_record_is_left_a
     its older record in the rewritten chunk 2, goes (the control)."""
     from equeue.compaction.plan import (
         ConditionalTombstone,
-        Snapshot,
-        SnapshotChunk,
         settle_tombstones,
     )
 
     size = 4096
-    chunks = [
-        SnapshotChunk(f"c{n}", 4000, n, n, 0, True, 40, HEADER_SIZE + 4000, 0, True)
-        for n in range(4)
-    ]
-    snapshot = Snapshot("s", 1, size, 4 * size, chunks, {})
+    snapshot = made_up_snapshot(size)
     settled = {0: Removals(1, 100), 1: Removals(4, 400), 2: Removals(5, 500), 3: Removals(5, 500)}
     tombstone = {n: n * size + 3900 for n in (1, 2, 3)}
     conditional = [

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from compaction_model import all_messages, expected_removed
+from compaction_model import all_messages, expected_removed, made_up_snapshot
 
 from equeue import MessageStore, StoreConfig
 from equeue.compaction import commit, job
@@ -22,15 +22,13 @@ from equeue.compaction.job import compact
 from equeue.compaction.plan import (
     ConditionalTombstone,
     Removals,
-    Snapshot,
-    SnapshotChunk,
     plan_groups,
     settle_tombstones,
     tombstone_needs,
 )
 from equeue.compaction.rewrite import RewriteResult
 from equeue.errors import CompactionError
-from equeue.format.chunk import HEADER_SIZE, chunk_file_name, parse_chunk_file_name
+from equeue.format.chunk import chunk_file_name, parse_chunk_file_name
 from equeue.inspect.verify import verify_store
 
 if TYPE_CHECKING:
@@ -204,11 +202,7 @@ def test_a_tombstone_whose_older_values_retention_removed_goes() -> None:
     either way (its older value is in the rewritten chunk 1): its replacement needs
     chunk 1's."""
     size = 4096
-    chunks = [
-        SnapshotChunk(f"c{n}", 4000, n, n, 0, True, 40, HEADER_SIZE + 4000, 0, True)
-        for n in range(4)
-    ]
-    snapshot = Snapshot("s", 1, size, 4 * size, chunks, {})
+    snapshot = made_up_snapshot(size)
     settled = {0: Removals(1, 100), 1: Removals(5, 500), 2: Removals(5, 500), 3: Removals(5, 500)}
     in_2, in_3 = 2 * size + 3900, 3 * size + 3900
     tombstones = [

@@ -152,6 +152,8 @@ def installed_marker(store: Path) -> tuple[int, int] | None:
 def file_names(names: Sequence[str], what: str = "chunk") -> str:
     """A list of file names in a line: how many, the first and the last (a job beside
     retention can name hundreds)."""
+    if not names:
+        return f"no {what} files"
     if len(names) == 1:
         return f"1 {what} file ({names[0]})"
     ordered = sorted(names)
