@@ -24,6 +24,7 @@ from equeue.compaction.plan import (
     Removals,
     plan_groups,
     settle_tombstones,
+    take_snapshot,
     tombstone_needs,
 )
 from equeue.compaction.rewrite import RewriteResult
@@ -215,3 +216,27 @@ def test_a_tombstone_whose_older_values_retention_removed_goes() -> None:
     _, kept = settle_tombstones(snapshot, settled, tombstones, frozenset({0}))
     assert kept == {}
     assert tombstone_needs(snapshot, tombstones, kept) == {2: frozenset({0}), 3: frozenset({1})}
+
+
+def test_the_snapshot_lists_a_chunk_retention_removed_after_the_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention removes the oldest chunk file between the read-only open that lists it and
+    the snapshot's look at its size: the snapshot still holds it (pass 1 then finds it
+    gone by retention and leaves it out), with the size its header and footer give; a
+    FileNotFoundError escaped before (`equeue compact` beside a writer with retention)."""
+    _fill(tmp_path)
+    sizes = {f.name: f.stat().st_size for f in (tmp_path / "messages").glob("chunk-*")}
+    real = MessageStore.open
+    gone: list[str] = []
+
+    def open_then_retention(*args: Any, **kwargs: Any) -> MessageStore:
+        store = real(*args, **kwargs)
+        if kwargs.get("read_only"):
+            gone.extend(_retention(tmp_path, 1))
+        return store
+
+    monkeypatch.setattr(MessageStore, "open", open_then_retention)
+    snapshot = take_snapshot(tmp_path)
+    assert len(gone) == 1 and not (tmp_path / "messages" / gone[0]).exists()
+    assert {Path(c.path).name: c.file_size for c in snapshot.chunks} == sizes

@@ -78,7 +78,10 @@ def take_snapshot(store: str | Path) -> Snapshot:
                     version=c.version,
                     completed=c.is_completed,
                     record_count=c.record_count,
-                    file_size=c.path.stat().st_size,
+                    # From the loaded header and footer, not a stat: retention may have
+                    # removed the file since the open listed it (review17 R17-5 showed a
+                    # FileNotFoundError here beside a writer with retention).
+                    file_size=c.file_size,
                     map_bytes=c.footer.map_entry_count * MAP_ENTRY_SIZE
                     if c.footer is not None and c.header.compacted
                     else 0,
