@@ -540,14 +540,21 @@ def _rewrite(
             raise CompactionError(f"pass 2 returned nothing for chunks {missing}", file=staging)
         rss = max(by_task[i][1] for i in indices)
         written = [by_task[i][0] for i in indices]
-        if any(w is None for w in written):
-            lost.append(group)
-            (staging / chunk_file_name(group.start_number, group.version)).unlink(missing_ok=True)
-        elif isinstance(written[0], RewriteResult):
+        if isinstance(written[0], RewriteResult):
             results.append((group, written[0], rss))
-        else:
+            continue
+        try:
+            if any(w is None for w in written):
+                raise FileNotFoundError(group.chunks[0].path)  # a task's report: below
             parts = [w for w in written if isinstance(w, PartResult)]
             results.append((group, _finish(group, parts, staging), rss))
+        except FileNotFoundError:
+            # Retention removed one of its chunks, seen by a task or by _finish here
+            gone = [c.path for c in group.chunks if not os.path.exists(c.path)]
+            if not gone or not all(commit.retention_took(path) for path in gone):
+                raise
+            lost.append(group)
+            (staging / chunk_file_name(group.start_number, group.version)).unlink(missing_ok=True)
     return results, lost
 
 
@@ -582,7 +589,7 @@ def _finish(group: Group, parts: list[PartResult], staging: Path) -> RewriteResu
         start_number=group.start_number,
         end_number=group.end_number,
         version=group.version,
-        bytes_before=sum(Path(c.path).stat().st_size for c in group.chunks),
+        bytes_before=group.bytes_before,
         bytes_after=size,
         records_kept=sum(p.kept_count for p in parts),
         records_removed=sum(p.removed_count for p in parts),
