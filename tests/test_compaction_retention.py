@@ -17,6 +17,7 @@ import pytest
 from compaction_model import all_messages, expected_removed, made_up_snapshot
 
 from equeue import MessageStore, StoreConfig
+from equeue.cli import main
 from equeue.compaction import commit, job
 from equeue.compaction.job import compact
 from equeue.compaction.plan import (
@@ -244,3 +245,29 @@ def test_the_snapshot_lists_a_chunk_retention_removed_after_the_open(
     snapshot = take_snapshot(tmp_path)
     assert len(gone) == 1 and not (tmp_path / "messages" / gone[0]).exists()
     assert {Path(c.path).name: c.file_size for c in snapshot.chunks} == sizes
+
+
+def test_the_command_says_what_retention_took_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`equeue compact` prints the report's retention line (count, first and last name):
+    with none installed (every chunk retention took was left out before the plan), and
+    with replacements not installed."""
+    _fill(tmp_path)
+    gone = [chunk_file_name(n, 0) for n in range(300)]
+    report = job.CompactionReport(str(tmp_path), time.time(), False, retention_removed=gone)
+    monkeypatch.setattr(job, "compact", lambda *args, **kwargs: report)
+    assert main(["compact", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out == (
+        "Retention removed 300 chunk files (chunk-000000000000.0000 .. "
+        "chunk-000000000299.0000) while the job ran.\nNothing to compact (0 eligible chunks).\n"
+    )
+    report.dropped = [_result(0, 6), _result(7, 7)]
+    assert main(["compact", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out == (
+        "Retention removed 300 chunk files (chunk-000000000000.0000 .. "
+        "chunk-000000000299.0000) while the job ran: 2 replacement files "
+        "(chunk-000000000000.0001 .. chunk-000000000007.0001) not installed.\n"
+    )
