@@ -264,7 +264,7 @@ def install(
             (outcome.installed if kept else outcome.dropped).append(replacement.result)
         if outcome.dropped:
             log.warning(
-                "retention removed %s while the job ran: %s not installed",
+                "retention removed %s while the job ran: at the commit, %s left out",
                 file_names(outcome.gone),
                 file_names([r.file_name for r in outcome.dropped], "replacement"),
             )
