@@ -400,8 +400,17 @@ def _run_compact(args: argparse.Namespace) -> int:
             f"{human_size(group.bytes_after):>10}  kept {group.records_kept}, "
             f"removed {group.records_removed}"
         )
+    if report.retention_removed:
+        from equeue.compaction.commit import file_names
+
+        names = [r.file_name for r in report.dropped]
+        print(
+            f"Retention removed {file_names(report.retention_removed)} while the job ran"
+            + (f": {file_names(names, 'replacement')} not installed." if names else ".")
+        )
     if not report.groups:
-        print(f"Nothing to compact ({report.chunks_eligible} eligible chunks).")
+        if not report.dropped:
+            print(f"Nothing to compact ({report.chunks_eligible} eligible chunks).")
         return EXIT_OK
     summary = (
         f"{'Dry run: ' if report.dry_run else ''}{verb} "

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from equeue import Message, MessageStore
 from equeue.chunks.stream import ChunkFile
-from equeue.compaction.plan import Snapshot, take_snapshot
-from equeue.format.chunk import FRAME_OVERHEAD, MAP_ENTRY_SIZE
+from equeue.compaction.plan import Snapshot, SnapshotChunk, take_snapshot
+from equeue.format.chunk import FRAME_OVERHEAD, HEADER_SIZE, MAP_ENTRY_SIZE
 from equeue.format.message import MessageLogRecord
 from equeue.store.topics import TopicPolicy
 
@@ -135,3 +135,13 @@ def all_messages(store: MessageStore) -> dict[int, Message]:
                     break
                 offset = result.next_offset
     return found
+
+
+def made_up_snapshot(size: int = 4096) -> Snapshot:
+    """4 eligible chunks of ``size`` bytes holding 40 records of 100 bytes each (4000
+    bytes): a chunk shrinks once 5 of its records go."""
+    chunks = [
+        SnapshotChunk(f"c{n}", 4000, n, n, 0, True, 40, HEADER_SIZE + 4000, 0, True)
+        for n in range(4)
+    ]
+    return Snapshot("s", 1, size, 4 * size, chunks, {})

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
-from compaction_model import all_messages, expected_removed
+from compaction_model import all_messages, expected_removed, made_up_snapshot
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from store_helpers import snapshot
@@ -25,7 +25,6 @@ from equeue import MessageStore, StoreConfig
 from equeue.chunks import ChunkManager, ChunkManagerConfig
 from equeue.chunks.stream import ChunkFile
 from equeue.cli import main
-from equeue.compaction import job
 from equeue.compaction.job import compact
 from equeue.compaction.plan import Removals, plan_groups, take_snapshot
 from equeue.compaction.rewrite import Part, finish_merged, rewrite_group, write_part
@@ -333,17 +332,11 @@ def test_an_expired_tombstone_stays_while_a_chunk_with_an_older_record_is_left_a
     its older record in the rewritten chunk 2, goes (the control)."""
     from equeue.compaction.plan import (
         ConditionalTombstone,
-        Snapshot,
-        SnapshotChunk,
         settle_tombstones,
     )
 
     size = 4096
-    chunks = [
-        SnapshotChunk(f"c{n}", 4000, n, n, 0, True, 40, HEADER_SIZE + 4000, 0, True)
-        for n in range(4)
-    ]
-    snapshot = Snapshot("s", 1, size, 4 * size, chunks, {})
+    snapshot = made_up_snapshot(size)
     settled = {0: Removals(1, 100), 1: Removals(4, 400), 2: Removals(5, 500), 3: Removals(5, 500)}
     tombstone = {n: n * size + 3900 for n in (1, 2, 3)}
     conditional = [
@@ -747,38 +740,3 @@ def test_time_retention_passes_a_chunk_compaction_emptied(
         assert store.queue_range("e", 0) == expected
         first, end = store.queue_range("d", 0)
         assert first == end > 0
-
-
-@pytest.mark.parametrize("when", ["take_snapshot", "plan_groups"])
-def test_retention_while_the_job_runs_is_said_in_one_line(
-    tmp_path: Path, spark: SparkSession, monkeypatch: pytest.MonkeyPatch, when: str
-) -> None:
-    """Retention deletes the oldest chunk files right after the job's snapshot (pass 1's
-    tasks cannot open them) or after pass 1 (pass 2's cannot): the job says what the
-    commit says, not a worker's FileNotFoundError in pages of Spark traceback (review f
-    F4), and the store keeps what retention left, without staging."""
-    fill(tmp_path, messages=900)
-    files = message_chunk_files(tmp_path)
-    size = sum(f.stat().st_size for f in files)
-    config = StoreConfig(chunk_data_size=SMALL.layout.chunk_data_size, max_store_bytes=size // 2)
-    real = getattr(job, when)
-    gone: list[str] = []
-
-    def then_retention(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
-        with MessageStore.open(tmp_path, config) as store:
-            assert store.apply_retention() >= 1
-        gone.extend(f.name for f in files if not f.exists())
-        return result
-
-    monkeypatch.setattr(job, when, then_retention)
-    with pytest.raises(CompactionError) as caught:
-        compact(tmp_path, spark=spark, now=time.time() + 1)
-    assert gone and f"chunk files {gone} were removed (by retention) while the job ran" in str(
-        caught.value
-    )
-    assert "run the job again" in str(caught.value)
-    left = {f.name: f.read_bytes() for f in message_chunk_files(tmp_path)}
-    assert not [p for p in (tmp_path / "compaction").iterdir() if p.is_dir()]
-    assert set(left) == {f.name for f in files} - set(gone)
-    assert verify_store(tmp_path) == []

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from compaction_crash_child import forked
@@ -61,6 +61,7 @@ class Template:
     staging_name: str
     results: list[RewriteResult]
     read: list[str]
+    needs: list[frozenset[str]]  # per result: the other chunk files its tombstones need
     before: dict[int, Message]  # every pullable message before the job, by position
     removed: set[int]  # what the policy removes (the reference model)
     old_files: set[str]  # messages/ before the job
@@ -115,23 +116,29 @@ def template(tmp_path_factory: pytest.TempPathFactory, spark: SparkSession) -> T
     before = _pullable(original)
     removed = expected_removed(original, now)
     old_files = _listing(original / MESSAGES_DIR)
-    captured: list[tuple[Path, list[RewriteResult], list[str]]] = []
+    captured: list[tuple[Path, list[RewriteResult], list[str], list[frozenset[str]]]] = []
 
     def stop_before_install(
-        store: Path, staging: Path, results: list[RewriteResult], read: list[str]
+        store: Path,
+        staging: Path,
+        results: list[RewriteResult],
+        read: list[str],
+        needs: list[frozenset[str]],
+        gone: list[str],
     ) -> None:
+        assert gone == []
         shutil.copytree(store, copy)
-        captured.append((staging, list(results), list(read)))
+        captured.append((staging, list(results), list(read), list(needs)))
         raise _StopBeforeInstall
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(commit, "install", stop_before_install)
         with pytest.raises(_StopBeforeInstall):
             compact(original, spark=spark, now=now)
-    [(staging, results, read)] = captured
+    [(staging, results, read, needs)] = captured
     new_files = (old_files - set(read)) | {r.file_name for r in results}
     return Template(
-        original, copy, staging.name, results, read, before, removed, old_files, new_files
+        original, copy, staging.name, results, read, needs, before, removed, old_files, new_files
     )
 
 
@@ -337,28 +344,77 @@ def test_uncommitted_staging_is_removed_at_the_next_writable_open(
     assert not staging.exists()
 
 
-def test_install_refuses_when_a_chunk_it_read_is_gone(template: Template, tmp_path: Path) -> None:
-    """Retention deleted the first chunk the job read: nothing is installed."""
+def _number(name: str) -> int:
+    parsed = parse_chunk_file_name(name)
+    assert parsed is not None
+    return parsed[0]
+
+
+def test_install_leaves_out_what_retention_removed_and_installs_the_rest(
+    template: Template, tmp_path: Path
+) -> None:
+    """Retention deleted the first chunk the job read (review17 R17-5: nothing was
+    installed): the replacement covering it is not installed (it would bring back what
+    retention removed), nor one needing it; the others are, and the manifest names only
+    them."""
     path, staging = template.copy(tmp_path / "store")
     first = min(template.read)
     assert parse_chunk_file_name(first) == (0, 0)
     (path / MESSAGES_DIR / first).unlink()
-    staged = {p.name: p.read_bytes() for p in staging.iterdir()}
-    with pytest.raises(CompactionError, match="removed"):
-        commit.install(path, staging, template.results, template.read)
-    assert {p.name: p.read_bytes() for p in staging.iterdir()} == staged  # no manifest
-    assert _listing(path / MESSAGES_DIR) == template.old_files - {first}
-    assert not (commit.compaction_dir(path) / commit.INSTALLED_FILE).exists()
-    with MessageStore.open(path) as store:
-        assert store.recovery.compactions == [
-            f"removed the uncommitted compaction staging {template.staging_name}"
-        ]
-        assert all_messages(store) == {
-            p: m for p, m in template.before.items() if p >= CHUNK_DATA_SIZE
-        }
+    manifests: list[dict[str, Any]] = []
+    real_apply = commit._apply
+
+    def apply(store: Path, staged: Path) -> None:
+        manifests.append(read_json(staged / commit.MANIFEST_FILE))
+        real_apply(store, staged)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(commit, "_apply", apply)
+        outcome = commit.install(path, staging, template.results, template.read, template.needs)
+    assert outcome.gone == [first]
+    assert outcome.dropped and outcome.dropped[0] == template.results[0]
+    assert outcome.dropped[0].start_number == 0 < outcome.dropped[0].end_number  # a merge
+    assert outcome.installed == [r for r in template.results if r not in outcome.dropped]
+    assert outcome.installed  # the rest: installed
+    [manifest] = manifests
+    assert [r["file_name"] for r in manifest["install"]] == [r.file_name for r in outcome.installed]
+    dropped_chunks = {n for r in outcome.dropped for n in range(r.start_number, r.end_number + 1)}
+    left = [n for n in template.read if _number(n) not in dropped_chunks]
+    assert manifest["replaces"] == sorted(left)
     assert not staging.exists()
-    assert _listing(path / MESSAGES_DIR) == template.old_files - {first}
+    listing = _listing(path / MESSAGES_DIR)
+    # The chunks of the dropped replacement stay as they were, but the removed one: no
+    # version of chunk 0 came back.
+    assert listing == (template.new_files - {r.file_name for r in outcome.dropped}) | {
+        n for n in template.read if _number(n) in dropped_chunks
+    } - {first}
+    assert not [n for n in listing if _number(n) == 0]
+    with MessageStore.open(path) as store:
+        assert store.recovery.compactions == []
+        assert all_messages(store) == {
+            p: m
+            for p, m in template.before.items()
+            if p >= CHUNK_DATA_SIZE
+            and (p not in template.removed or p // CHUNK_DATA_SIZE in dropped_chunks)
+        }
     assert Verifier(path).run() == []
+
+
+def test_install_refuses_when_a_chunk_it_read_is_gone_other_than_by_retention(
+    template: Template, tmp_path: Path
+) -> None:
+    """A chunk file gone from the middle (a hand; chunks before it are still there):
+    nothing is installed, and the message names the file."""
+    path, staging = template.copy(tmp_path / "store")
+    middle = sorted(template.read)[2]
+    (path / MESSAGES_DIR / middle).unlink()
+    staged = {p.name: p.read_bytes() for p in staging.iterdir()}
+    with pytest.raises(CompactionError, match="not by retention") as caught:
+        commit.install(path, staging, template.results, template.read, template.needs)
+    assert f"1 chunk file ({middle})" in str(caught.value)
+    assert {p.name: p.read_bytes() for p in staging.iterdir()} == staged  # no manifest
+    assert _listing(path / MESSAGES_DIR) == template.old_files - {middle}
+    assert not (commit.compaction_dir(path) / commit.INSTALLED_FILE).exists()
 
 
 # --- a committed manifest that does not hold up (review f F3, F5) -----------------------

@@ -14,8 +14,10 @@ Protocol (a crash at any moment leaves the old chunks or the new ones, never a m
 
 1. pass 2 writes and fsyncs each replacement in the staging directory;
 2. under COMMIT.lock the driver checks that every chunk file it read is still
-   there (retention may have deleted some), fsyncs the staging directory and
-   writes ``manifest.json``: **the commit point**;
+   there; it drops the replacements of those retention deleted (and those that
+   need them: ``installable``), fsyncs the staging directory and writes
+   ``manifest.json``, naming only what it installs and replaces: **the commit
+   point**;
 3. it renames each replacement into ``messages/`` (a higher version than the
    files it replaces, so loading prefers it) and fsyncs that directory;
 4. the old files are deleted by whoever can prove nothing maps them: the job if
@@ -38,13 +40,14 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import asdict
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
 from equeue.atomicfile import read_json, write_json
 from equeue.chunks.fileops import fsync_directory
+from equeue.chunks.opening import retention_floor
 from equeue.errors import CompactionError, CorruptionError
 from equeue.format.chunk import TEMP_SUFFIX, parse_chunk_file_name
 from equeue.safepath import check_dir, check_file, ensure_dir, open_file
@@ -146,35 +149,142 @@ def installed_marker(store: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_mtime_ns
 
 
-def chunks_removed_error(store: Path, gone: list[str]) -> CompactionError:
-    """What the job says when chunk files it read are gone: at the commit, or from a task
-    that could not open one (job.py)."""
+def file_names(names: Sequence[str], what: str = "chunk") -> str:
+    """A list of file names in a line: how many, the first and the last (a job beside
+    retention can name hundreds)."""
+    if not names:
+        return f"no {what} files"
+    if len(names) == 1:
+        return f"1 {what} file ({names[0]})"
+    ordered = sorted(names)
+    return f"{len(names)} {what} files ({ordered[0]} .. {ordered[-1]})"
+
+
+def removed_by_retention(messages: Path, name: str, listing: Sequence[str]) -> bool:
+    """Whether the chunk file ``name``, gone from ``messages`` (listed after it was found
+    gone), is retention's: every chunk file left starts after it. Else a compaction
+    replaced it or a hand removed it from the middle of the log."""
+    return retention_floor(messages / name, listing) >= 0
+
+
+def retention_took(path: str | Path) -> bool:
+    """Whether the chunk file ``path``, found gone by a task, was removed by retention
+    (one listing of its directory, taken now)."""
+    path = Path(path)
+    return removed_by_retention(path.parent, path.name, os.listdir(path.parent))
+
+
+def chunks_vanished_error(store: Path, gone: Sequence[str]) -> CompactionError:
+    """What the job says when chunk files it read are gone other than by retention: at
+    the commit, or from a task that could not open one (job.py)."""
     return CompactionError(
-        f"chunk files {gone} were removed (by retention) while the job ran; "
-        "nothing was installed, run the job again",
+        "chunk files the job read were removed while it ran, not by retention (chunk files "
+        f"before them are still there, or a new version replaced them): {file_names(gone)}; "
+        "nothing was installed, check the store with equeue verify and run the job again",
         file=store / MESSAGES_DIR,
     )
 
 
-def install(store: Path, staging: Path, results: list[RewriteResult], read: list[str]) -> None:
+@dataclass(frozen=True, slots=True)
+class Replacement:
+    """A staged replacement, the chunk files it was made from, and the other chunk files
+    it needs rewritten or gone (plan.tombstone_needs): without them it is not exact."""
+
+    result: RewriteResult
+    replaces: tuple[str, ...]
+    needs: frozenset[str] = frozenset()
+
+
+def replacements(
+    results: Sequence[RewriteResult], read: Sequence[str], needs: Sequence[frozenset[str]] = ()
+) -> list[Replacement]:
+    """``results`` with the files of ``read`` each covers (by chunk number)."""
+    numbers = {name: (parse_chunk_file_name(name) or (-1, 0))[0] for name in read}
+    return [
+        Replacement(
+            r,
+            tuple(n for n in read if r.start_number <= numbers[n] <= r.end_number),
+            needs[i] if needs else frozenset(),
+        )
+        for i, r in enumerate(results)
+    ]
+
+
+def installable(replacements: Sequence[Replacement], gone: set[str]) -> list[bool]:
+    """Which replacements can be installed once retention removed the files ``gone``.
+
+    Not one that covers a gone file: it would bring back what retention removed. Every
+    other decision about a record was made from it and newer records (a record is
+    superseded by a later one), which retention, removing the oldest files first, leaves
+    alone; except a tombstone that went because the files holding older values of its key
+    were rewritten too: its replacement needs each of them installed, or gone. Dropping one
+    can drop another, so this repeats until nothing changes."""
+    keep = [not gone.intersection(r.replaces) for r in replacements]
+    while True:
+        installed = gone.union(*(r.replaces for r, k in zip(replacements, keep, strict=True) if k))
+        again = [k and r.needs <= installed for r, k in zip(replacements, keep, strict=True)]
+        if again == keep:
+            return keep
+        keep = again
+
+
+@dataclass(slots=True)
+class Outcome:
+    installed: list[RewriteResult] = field(default_factory=list)
+    dropped: list[RewriteResult] = field(default_factory=list)  # not installed: see installable
+    gone: list[str] = field(default_factory=list)  # the files read that retention removed
+
+
+def install(
+    store: Path,
+    staging: Path,
+    results: Sequence[RewriteResult],
+    read: Sequence[str],
+    needs: Sequence[frozenset[str]] = (),
+    gone: Sequence[str] = (),
+) -> Outcome:
     """Commit the staged replacements (steps 2-5 above); ``read`` names every chunk file
-    the replacements were made from. Raises CompactionError, installing nothing, if one
-    of those files is gone."""
+    they were made from, ``needs`` (per result, if given) what each needs (Replacement).
+    Those that cover a chunk file retention removed since the snapshot (``gone``: found
+    so by the job before; or gone now), or need one dropped (``installable``), are not
+    installed. Raises CompactionError, installing nothing, if a file they were made from
+    is gone other than by retention."""
+    planned = replacements(results, read, needs)
     messages = store / MESSAGES_DIR
     with commit_lock(store):
-        missing = [name for name in read if not (messages / name).exists()]
-        if missing:
-            raise chunks_removed_error(store, missing)
-        for result in results:
+        listing = os.listdir(messages)
+        present = set(listing)
+        missing = sorted({n for r in planned for n in r.replaces if n not in present})
+        alien = [n for n in missing if not removed_by_retention(messages, n, listing)]
+        if alien:
+            raise chunks_vanished_error(store, alien)
+        outcome = Outcome(gone=sorted(set(missing).union(gone)))
+        keep = installable(planned, set(outcome.gone))
+        for replacement, kept in zip(planned, keep, strict=True):
+            (outcome.installed if kept else outcome.dropped).append(replacement.result)
+        if outcome.dropped:
+            log.warning(
+                "retention removed %s while the job ran: at the commit, %s left out",
+                file_names(outcome.gone),
+                file_names([r.file_name for r in outcome.dropped], "replacement"),
+            )
+        if not outcome.installed:
+            discard(staging)
+            return outcome
+        for result in outcome.installed:
             if not (staging / result.file_name).exists():
                 raise CompactionError("a staged replacement is missing", file=staging)
+        for result in outcome.dropped:  # the staging holds only what the manifest names
+            (staging / result.file_name).unlink(missing_ok=True)
         fsync_directory(staging)
+        replaced = [n for r, kept in zip(planned, keep, strict=True) if kept for n in r.replaces]
         write_json(
             staging / MANIFEST_FILE,
-            {"install": [asdict(r) for r in results], "replaces": sorted(read)},
+            {"install": [asdict(r) for r in outcome.installed], "replaces": sorted(replaced)},
         )
         log.info("compaction committed: %s", staging / MANIFEST_FILE)
         _apply(store, staging)
+    return outcome
 
 
 def _apply(store: Path, staging: Path) -> None:

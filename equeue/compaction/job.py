@@ -23,11 +23,12 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import shutil
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -41,6 +42,7 @@ from equeue.compaction.plan import (
     plan_groups,
     settle_tombstones,
     take_snapshot,
+    tombstone_needs,
 )
 from equeue.compaction.rewrite import (
     Part,
@@ -60,6 +62,7 @@ from equeue.format.chunk import (
 )
 from equeue.protocol.retries import is_internal_topic
 from equeue.safepath import open_file
+from equeue.store.meta import MESSAGES_DIR
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -78,7 +81,11 @@ class CompactionReport:
     chunks_read: int = 0  # pass 1: every chunk file, the ongoing one included
     bytes_read: int = 0  # their data bytes
     chunks_eligible: int = 0
-    groups: list[RewriteResult] = field(default_factory=list)  # planned (dry run) or written
+    groups: list[RewriteResult] = field(default_factory=list)  # planned (dry run) or installed
+    # Chunk files retention removed while the job ran, and the replacements it then did not
+    # install (commit.installable): their own chunks, or ones they needed, are gone.
+    retention_removed: list[str] = field(default_factory=list)
+    dropped: list[RewriteResult] = field(default_factory=list)
     pass1_seconds: float = 0.0
     pass2_seconds: float = 0.0
     commit_seconds: float = 0.0
@@ -195,14 +202,22 @@ def compact(
         removed = _decide(spark, snapshot, report.now)
         with _unless_chunks_removed(snapshot):
             settled, tombstones = _removals_per_chunk(spark, removed, len(snapshot.chunks))
-        removals, kept = settle_tombstones(snapshot, settled, tombstones)
-        groups = plan_groups(snapshot, removals, merge=merge)
+        # Retention removes the oldest chunks first: what pass 1 decided for the others
+        # holds without them (commit.installable), as for a job that never saw them.
+        gone = _gone_by_retention(snapshot)
+        if gone:
+            say(f"retention removed {commit.file_names(sorted(gone))} during pass 1: left out")
+        planned = _without(snapshot, gone)
+        removals, kept = settle_tombstones(planned, settled, tombstones, frozenset(gone.values()))
+        groups = plan_groups(planned, removals, merge=merge)
+        needs = tombstone_needs(planned, tombstones, kept)
         report.pass1_seconds = time.monotonic() - tick
         say(
             f"pass 1 done in {report.pass1_seconds:.1f} s: "
             f"{sum(r.count for r in removals.values())} records to remove from "
             f"{len(removals)} chunks; {len(groups)} replacement files planned"
         )
+        report.retention_removed = sorted(gone)
         if dry_run or not groups:
             report.groups = [_planned(g) for g in groups]
             report.seconds = time.monotonic() - started
@@ -212,16 +227,32 @@ def compact(
             tick = time.monotonic()
             say(f"pass 2: rewriting {sum(len(g.chunks) for g in groups)} chunks")
             with _unless_chunks_removed(snapshot):
-                results = _rewrite(spark, removed, snapshot, groups, staging, kept)
+                results, lost = _rewrite(spark, removed, snapshot, groups, staging, kept)
             report.pass2_seconds = time.monotonic() - tick
-            report.worker_peak_rss = max(rss for _, rss in results)
-            report.groups = [r for r, _ in results]
-            _check_against_plan(report.groups, groups)
+            report.worker_peak_rss = max((rss for _, _, rss in results), default=0)
+            _check_against_plan([r for _, r, _ in results], [g for g, _, _ in results])
             say(f"pass 2 done in {report.pass2_seconds:.1f} s")
             tick = time.monotonic()
-            read = [Path(c.path).name for g in groups for c in g.chunks]
-            commit.install(store, staging, report.groups, read)
+            gone.update(_gone_by_retention(snapshot))  # a task's report, checked here
+            names = {c.start_number: Path(c.path).name for c in snapshot.chunks}
+            outcome = commit.install(
+                store,
+                staging,
+                [result for _, result, _ in results],
+                [Path(c.path).name for group, _, _ in results for c in group.chunks],
+                [_needs(group, needs, names) for group, _, _ in results],
+                sorted(gone),
+            )
             report.commit_seconds = time.monotonic() - tick
+            report.groups = outcome.installed
+            report.dropped = [_planned(g) for g in lost] + outcome.dropped
+            report.retention_removed = outcome.gone
+            if report.dropped:
+                say(
+                    f"retention removed {commit.file_names(outcome.gone)} while the job ran: "
+                    f"{commit.file_names([r.file_name for r in report.dropped], 'replacement')}"
+                    " not installed"
+                )
             say(
                 f"installed {len(report.groups)} replacement files in {report.commit_seconds:.2f} s"
             )
@@ -235,17 +266,53 @@ def compact(
 
 @contextlib.contextmanager
 def _unless_chunks_removed(snapshot: Snapshot) -> Iterator[None]:
-    """Retention may delete chunk files of the snapshot while the job runs (it takes only
-    the commit lock); a task opening one then fails with a FileNotFoundError buried in a
-    worker's traceback, which Spark raises here as its own exception. Said instead as
-    the commit says it (review f F4): those files are gone, run the job again."""
+    """A task that finds its chunk file gone other than by retention (which it reports)
+    fails with a FileNotFoundError buried in a worker's traceback, which Spark raises
+    here as its own exception. Said instead as the commit says it (review f F4)."""
     try:
         yield
     except Exception as exc:
-        gone = sorted(Path(c.path).name for c in snapshot.chunks if not os.path.exists(c.path))
-        if not gone:
-            raise
-        raise commit.chunks_removed_error(Path(snapshot.store), gone) from exc
+        if any(not os.path.exists(c.path) for c in snapshot.chunks):
+            _gone_by_retention(snapshot, cause=exc)
+        raise
+
+
+def _gone_by_retention(snapshot: Snapshot, cause: Exception | None = None) -> dict[str, int]:
+    """The snapshot's chunk files retention removed since (name: start number); raises
+    CompactionError if any other is gone (the job then installs nothing)."""
+    messages = Path(snapshot.store) / MESSAGES_DIR
+    missing = [c for c in snapshot.chunks if not os.path.exists(c.path)]
+    if not missing:
+        return {}
+    listing = os.listdir(messages)
+    names = {Path(c.path).name: c.start_number for c in missing}
+    alien = [n for n in names if not commit.removed_by_retention(messages, n, listing)]
+    if alien:
+        raise commit.chunks_vanished_error(Path(snapshot.store), alien) from cause
+    return names
+
+
+def _needs(group: Group, needs: dict[int, frozenset[int]], names: dict[int, str]) -> frozenset[str]:
+    """The chunk files outside ``group`` its replacement needs (plan.tombstone_needs)."""
+    return frozenset(
+        names[n]
+        for c in group.chunks
+        for n in needs.get(c.start_number, ())
+        if not group.start_number <= n <= group.end_number
+    )
+
+
+def _without(snapshot: Snapshot, gone: dict[str, int]) -> Snapshot:
+    """The snapshot with the chunks in ``gone`` no longer eligible (never rewritten)."""
+    if not gone:
+        return snapshot
+    numbers = set(gone.values())
+    return replace(
+        snapshot,
+        chunks=[
+            replace(c, eligible=False) if c.start_number in numbers else c for c in snapshot.chunks
+        ],
+    )
 
 
 def _ship(spark: SparkSession, py_files: list[str], equeue: bool, say: Progress) -> None:
@@ -377,26 +444,38 @@ class _Rewriter:
 
     def __call__(
         self, index: int, pairs: Iterable[tuple[int, bytes]]
-    ) -> Iterator[tuple[int, RewriteResult | PartResult, int]]:
+    ) -> Iterator[tuple[int, RewriteResult | PartResult | None, int]]:
         import numpy as np
 
         removed = np.sort(np.frombuffer(b"".join(blob for _, blob in pairs), "<i8"))
         if index in self.kept:
             removed = np.setdiff1d(removed, np.asarray(self.kept[index], np.int64))
         task = self.tasks[index]
-        if isinstance(task, _Whole):
-            # Each attempt writes its own file (its header has its own chunk id) and renames
-            # it into place: a retried or duplicated task never mixes two attempts' bytes.
-            staging = Path(self.staging)
-            attempt = Path(tempfile.mkdtemp(dir=staging, prefix="attempt-"))
-            chunk = ChunkFile.open(task.path, task.data_end)
+        result: RewriteResult | PartResult | None
+        try:
+            result = self._write(task, removed)
+        except FileNotFoundError:
+            # None: retention removed the chunk since the snapshot, and its replacement is
+            # not installed (the driver checks it too); anything else fails the job.
+            if not commit.retention_took(task.path):
+                raise
+            result = None
+        yield index, result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def _write(self, task: _Task, removed: Any) -> RewriteResult | PartResult:
+        if not isinstance(task, _Whole):
+            return write_part(task, removed)
+        # Each attempt writes its own file (its header has its own chunk id) and renames
+        # it into place: a retried or duplicated task never mixes two attempts' bytes.
+        staging = Path(self.staging)
+        chunk = ChunkFile.open(task.path, task.data_end)
+        attempt = Path(tempfile.mkdtemp(dir=staging, prefix="attempt-"))
+        try:
             whole = rewrite_group([chunk], removed, attempt, task.version)
             os.replace(attempt / whole.file_name, staging / whole.file_name)
-            attempt.rmdir()
-            result: RewriteResult | PartResult = whole
-        else:
-            result = write_part(task, removed)
-        yield index, result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        finally:
+            shutil.rmtree(attempt, ignore_errors=True)
+        return whole
 
 
 def _rewrite(
@@ -406,11 +485,12 @@ def _rewrite(
     groups: list[Group],
     staging: Path,
     kept: dict[int, list[int]],
-) -> list[tuple[RewriteResult, int]]:
+) -> tuple[list[tuple[Group, RewriteResult, int]], list[Group]]:
     """One task per rewritten chunk, on its partition of pass 1's output. A replacement
     of one chunk is written whole by its task; a merged one is made by the driver at its
     final size, each of its chunks' tasks writes its regions, and the driver finishes it
-    (finish_merged)."""
+    (finish_merged). Returns each group with its replacement and its tasks' peak RSS, and
+    the groups not written because retention removed one of their chunks."""
     data_size = snapshot.chunk_data_size
     partition = {c.start_number: i for i, c in enumerate(snapshot.chunks)}
     tasks: dict[int, _Task] = {}
@@ -451,7 +531,8 @@ def _rewrite(
         order,
     )
     by_task = {index: (result, rss) for index, result, rss in done}
-    results = []
+    results: list[tuple[Group, RewriteResult, int]] = []
+    lost: list[Group] = []
     for group in groups:
         indices = [partition[c.start_number] for c in group.chunks]
         missing = [c.start_number for c in group.chunks if partition[c.start_number] not in by_task]
@@ -460,16 +541,26 @@ def _rewrite(
         rss = max(by_task[i][1] for i in indices)
         written = [by_task[i][0] for i in indices]
         if isinstance(written[0], RewriteResult):
-            results.append((written[0], rss))
+            results.append((group, written[0], rss))
             continue
-        parts = [w for w in written if isinstance(w, PartResult)]
-        results.append((_finish(group, parts, staging), rss))
-    return results
+        try:
+            if any(w is None for w in written):
+                raise FileNotFoundError(group.chunks[0].path)  # a task's report: below
+            parts = [w for w in written if isinstance(w, PartResult)]
+            results.append((group, _finish(group, parts, staging), rss))
+        except FileNotFoundError:
+            # Retention removed one of its chunks, seen by a task or by _finish here
+            gone = [c.path for c in group.chunks if not os.path.exists(c.path)]
+            if not gone or not all(commit.retention_took(path) for path in gone):
+                raise
+            lost.append(group)
+            (staging / chunk_file_name(group.start_number, group.version)).unlink(missing_ok=True)
+    return results, lost
 
 
 def _results(
-    rows: Iterable[tuple[int, RewriteResult | PartResult, int]],
-) -> Iterable[tuple[int, RewriteResult | PartResult, int]]:
+    rows: Iterable[tuple[int, RewriteResult | PartResult | None, int]],
+) -> Iterable[tuple[int, RewriteResult | PartResult | None, int]]:
     return rows
 
 
@@ -498,7 +589,7 @@ def _finish(group: Group, parts: list[PartResult], staging: Path) -> RewriteResu
         start_number=group.start_number,
         end_number=group.end_number,
         version=group.version,
-        bytes_before=sum(Path(c.path).stat().st_size for c in group.chunks),
+        bytes_before=group.bytes_before,
         bytes_after=size,
         records_kept=sum(p.kept_count for p in parts),
         records_removed=sum(p.removed_count for p in parts),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +78,10 @@ def take_snapshot(store: str | Path) -> Snapshot:
                     version=c.version,
                     completed=c.is_completed,
                     record_count=c.record_count,
-                    file_size=c.path.stat().st_size,
+                    # From the loaded header and footer, not a stat: retention may have
+                    # removed the file since the open listed it (review17 R17-5 showed a
+                    # FileNotFoundError here beside a writer with retention).
+                    file_size=c.file_size,
                     map_bytes=c.footer.map_entry_count * MAP_ENTRY_SIZE
                     if c.footer is not None and c.header.compacted
                     else 0,
@@ -194,7 +198,10 @@ class ConditionalTombstone:
 
 
 def settle_tombstones(
-    snapshot: Snapshot, removals: dict[int, Removals], tombstones: list[ConditionalTombstone]
+    snapshot: Snapshot,
+    removals: dict[int, Removals],
+    tombstones: list[ConditionalTombstone],
+    gone: frozenset[int] = frozenset(),
 ) -> tuple[dict[int, Removals], dict[int, list[int]]]:
     """What goes once the conditional tombstones are settled, and per chunk file (start
     number) the positions of those that stay.
@@ -205,13 +212,10 @@ def settle_tombstones(
     (Kafka's guarantee: a tombstone outlives every older value of its key). Keeping a
     tombstone can stop its own chunk from shrinking, which keeps more values, so this
     starts from every tombstone going and drops those whose files are not rewritten until
-    nothing changes (the set only shrinks, so it ends)."""
-    numbers = [c.start_number for c in snapshot.chunks]
-    size = snapshot.chunk_data_size
-
-    def file_of(position: int) -> int:
-        return numbers[bisect.bisect_right(numbers, position // size) - 1]
-
+    nothing changes (the set only shrinks, so it ends). A file in ``gone`` (retention
+    removed it since the snapshot) holds none of its older values any more: it counts as
+    rewritten, as for a job that never saw it."""
+    file_of = _file_of(snapshot)
     going = list(tombstones)
     while True:
         total = dict(removals)
@@ -220,13 +224,43 @@ def settle_tombstones(
             before = total.get(number, Removals(0, 0))
             total[number] = Removals(before.count + 1, before.bytes + tombstone.size)
         rewritten = {chunk.start_number for chunk, _ in _shrinking(snapshot, total)}
-        still = [t for t in going if file_of(t.position) in rewritten and t.older <= rewritten]
+        still = [
+            t for t in going if file_of(t.position) in rewritten and t.older <= rewritten | gone
+        ]
         if len(still) == len(going):
             break
         going = still
-    gone = {t.position for t in going}
+    goes = {t.position for t in going}
     kept: dict[int, list[int]] = {}
     for tombstone in tombstones:
-        if tombstone.position not in gone:
+        if tombstone.position not in goes:
             kept.setdefault(file_of(tombstone.position), []).append(tombstone.position)
     return total, kept
+
+
+def tombstone_needs(
+    snapshot: Snapshot, tombstones: list[ConditionalTombstone], kept: dict[int, list[int]]
+) -> dict[int, frozenset[int]]:
+    """Per chunk file (start number), the other files whose rewrite its replacement
+    needs: those with older records of the keys whose tombstones go from it (see
+    settle_tombstones). Installed without them, the newest older value kept there would be
+    its key's final value again; with them gone (retention), no older value is left."""
+    file_of = _file_of(snapshot)
+    stays = {p for positions in kept.values() for p in positions}
+    needs: dict[int, set[int]] = {}
+    for tombstone in tombstones:
+        if tombstone.position not in stays:
+            number = file_of(tombstone.position)
+            needs.setdefault(number, set()).update(tombstone.older - {number})
+    return {number: frozenset(older) for number, older in needs.items() if older}
+
+
+def _file_of(snapshot: Snapshot) -> Callable[[int], int]:
+    """The start number of the snapshot's chunk file holding a position."""
+    numbers = [c.start_number for c in snapshot.chunks]
+    size = snapshot.chunk_data_size
+
+    def file_of(position: int) -> int:
+        return numbers[bisect.bisect_right(numbers, position // size) - 1]
+
+    return file_of
