@@ -611,3 +611,40 @@ def test_a_failed_directory_fsync_of_an_installed_chunk_fails_its_flushes(
     finally:
         with contextlib.suppress(StoreWriteError):
             manager.close()
+
+
+def test_close_while_the_maker_waits_for_the_lock_behind_its_own_next_job_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deadlock suite-core met in a parallel run (round 21; test_store_state_machine[c]
+    hung for minutes): the maker finished a file for a chunk the roll-over had made, and
+    waited for the manager's lock to ask for the next; a request queued a second job
+    behind it on the one maker thread; close, holding the lock, waited for that second
+    job, which could not start before the first returned. Here the same order is forced
+    on one thread (the lock is re-entrant) and the close is bounded by a join (no fixture
+    closes the manager: on a hang that close would hang too)."""
+    manager = ChunkManager(
+        tmp_path / "log", ChunkManagerConfig(chunk_data_size=MIN_CHUNK_DATA_SIZE, make_ahead=True)
+    )
+    writer = ChunkWriter(manager)
+    release = hold_the_maker(monkeypatch)
+    writer.write(RECORD)
+    closed = threading.Event()
+
+    def roll_over_then_request_then_close() -> None:
+        with manager._lock:
+            assert roll_over(writer) == 1  # made here: the maker is held on chunk 1's file
+            release.set()
+            wait_made_ahead(manager)  # the maker's file for chunk 1, which exists: stale
+            time.sleep(0.05)  # the maker is past its finally, at the lock held here
+            manager._request_ahead()  # discards the stale file, queues chunk 2's job
+            with manager._ahead_cond:
+                assert manager._ahead_busy
+            manager.close()
+        closed.set()
+
+    closing = threading.Thread(target=roll_over_then_request_then_close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert closed.is_set(), "close and the chunk maker wait for each other"
+    assert made_ahead(manager.directory) == []

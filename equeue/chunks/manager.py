@@ -240,7 +240,9 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
         ):
             # A roll-over came first and made its chunk itself: this file is for a chunk that
             # exists, so the next one is made instead (busy cleared first: close waits on it)
-            with self._lock:
+            if not self._lock_unless_closing():
+                return  # close deletes the file made ahead (_drop_ahead)
+            try:
                 with self._ahead_cond:
                     stale = self._ahead is made
                     if stale:
@@ -252,6 +254,20 @@ class ChunkManager(ChunkRefresh, ChunkRemoval):
                         logging.INFO,
                     )
                     self._request_ahead()
+            finally:
+                self._lock.release()
+
+    def _lock_unless_closing(self) -> bool:
+        """On the chunk maker's thread: ``_lock`` taken (True), or False once a close has
+        begun. A close holds the lock while it waits for the maker's queued job, which
+        cannot start before this one returns: waiting for the lock then would deadlock
+        (suite-core, round 21: a request had queued the next job between this job's
+        ``finally`` and its lock)."""
+        while not self._lock.acquire(timeout=0.01):
+            with self._ahead_cond:
+                if self._ahead_closed:
+                    return False
+        return True
 
     def _install_made_ahead(self, number: int) -> Chunk | None:
         """Under ``_lock``: chunk ``number`` from the file made ahead, if there is one and
