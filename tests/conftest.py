@@ -17,6 +17,18 @@ def pytest_configure(config: pytest.Config) -> None:
     install_from_environment()  # EQUEUE_TEST_SLOW_MAKER (slow_chunk_maker.py)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (make test: ``-n 3 --dist loadgroup``) every test that uses the
+    session's SparkSession goes to one worker: one JVM for the run rather than one per
+    worker, each cold start costing seconds and ~1 GB. Without xdist nothing is marked (the
+    mark is xdist's own; an unregistered mark warns)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("spark"))
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     """local[2], tuned to start fast: a cold JVM costs seconds, so every Spark test shares it.
