@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from fork_child import ForkServer
 from slow_chunk_maker import install_from_environment
 
 if TYPE_CHECKING:
@@ -68,3 +69,11 @@ def scan_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(opening_module, "scan_variable", spy)
     return starts
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[ForkServer]:
+    """Child processes forked from one that imported equeue once (fork_child.py)."""
+    server = ForkServer()
+    yield server
+    server.close()
