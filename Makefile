@@ -27,8 +27,12 @@ lint: $(STAMP)
 
 # bench-redis: tests/test_bench_broker.py runs the Redis Streams side where it can.
 # --durations: every run's log names its slowest tests (the suite's time is watched).
+# -n: pytest-xdist's worker processes. Most tests wait (fsync, child processes, brokers),
+# so more workers than cores keep both busy; --dist loadgroup keeps the tests
+# of the shared SparkSession on one worker (tests/conftest.py): one JVM, not one a worker.
+TEST_WORKERS ?= 3
 test: lint bench-redis
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 # The demo's last steps run Spark, which needs Java: say so before anything starts.
 # (equeue compact checks the version itself: 17 or newer.)

@@ -3,18 +3,57 @@ chunk maker slowed on request (slow_chunk_maker.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from fork_child import ForkServer
 from slow_chunk_maker import install_from_environment
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+SPARK_GROUP = "spark"  # the xdist_group of the tests that use the spark fixture
+
 
 def pytest_configure(config: pytest.Config) -> None:
     install_from_environment()  # EQUEUE_TEST_SLOW_MAKER (slow_chunk_maker.py)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> Iterator[None]:
+    """Under pytest-xdist (make test: ``-n 3 --dist loadgroup``) every test that uses the
+    session's SparkSession goes to one worker: one JVM for the run rather than one per
+    worker, each cold start costing seconds and ~1 GB. Without xdist nothing is marked (the
+    mark is xdist's own; an unregistered mark warns). A wrapper: the marks go on before
+    xdist's worker reads them (its hook of this name puts the group into the node id)."""
+    grouped = config.pluginmanager.hasplugin("xdist")
+    if grouped:
+        for item in items:
+            if "spark" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
+    yield
+    if grouped and config.getoption("loadgroup", False):
+        for item in items:
+            _group_node_id(item)
+
+
+def _group_node_id(item: pytest.Item) -> None:
+    """xdist 3.8 groups by the node id's "@group" suffix, which it writes to
+    ``item._nodeid``; pytest 9.2 makes the node id of ``item._id`` (a NodeId) and ignores
+    that, so every worker got Spark tests and started its own JVM (round 21's first
+    parallel run: three). The suffix goes where pytest 9.2 reads the id from."""
+    if item.get_closest_marker("xdist_group") is None or item.nodeid.endswith("@" + SPARK_GROUP):
+        return
+    node_id: Any = getattr(item, "_id", None)
+    if node_id is None or not dataclasses.is_dataclass(node_id) or isinstance(node_id, type):
+        return  # an older pytest: xdist's own suffix took
+    suffixed: Any = dataclasses.replace(node_id)
+    object.__setattr__(suffixed, "_str_cache", f"{node_id}@{SPARK_GROUP}")
+    item._id = suffixed
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +95,11 @@ def scan_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(opening_module, "scan_variable", spy)
     return starts
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[ForkServer]:
+    """Child processes forked from one that imported equeue once (fork_child.py)."""
+    server = ForkServer()
+    yield server
+    server.close()

@@ -15,7 +15,11 @@ Whatever is under ``root`` when recording starts counts as durable. The power
 fails either at a chosen flush of the test thread (``cut_at``: the
 recorder captures the files as they are and raises ``PowerCut`` in the test
 thread, before or after that flush took effect), or when the test calls
-``cut()``. ``materialize`` then writes the disk a power loss could leave: for
+``cut()``. With ``snapshot_at`` the power never fails: at each flush of the test thread
+it names, the recorder captures the files as a cut there would have (before or after the
+flush took effect) and hands the image to ``on_snapshot``, and the run goes on; a test
+that cuts a deterministic workload at every flush in turn runs it once instead of once
+a cut. ``materialize`` then writes the disk a power loss could leave: for
 every file, every page whose content differs from the durable content has
 its non-durable bytes replaced (``Damage.pages``) by zeros, random bytes, their
 old durable content, their new content (written back before the power
@@ -106,11 +110,22 @@ class DamageReport:
 class FlushRecorder:
     """The seams' state: what is durable, and the power cut (see the module docstring)."""
 
-    def __init__(self, root: Path, *, cut_at: int | None = None, cut_after: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        cut_at: int | None = None,
+        cut_after: bool = False,
+        snapshot_at: Callable[[int], bool | None] | None = None,
+        on_snapshot: Callable[[DiskImage, list[str]], None] | None = None,
+    ) -> None:
         self.root = Path(os.path.realpath(root))
         self._prefix = str(self.root) + os.sep
         self.cut_at = cut_at
         self.cut_after = cut_after
+        # flush number -> None (no snapshot), False (before it took effect), True (after)
+        self.snapshot_at = snapshot_at
+        self.on_snapshot = on_snapshot
         self.events = 0  # flushes by the test thread so far
         self.trail: list[str] = []  # "n: op path" of the test thread's flushes
         self.image: DiskImage | None = None
@@ -189,10 +204,19 @@ class FlushRecorder:
             if self.cut_after:
                 with self._lock:
                     record()
-            self.cut(f"flush {where}, {'after' if self.cut_after else 'before'} it took effect")
+            self.cut(_cut_where(where, self.cut_after))
             raise PowerCut(self.image.where if self.image else where)
-        with self._lock:
+        after = None if self.snapshot_at is None else self.snapshot_at(self.events)
+        with self._lock:  # the image and the test's own state taken as at a cut
+            if after is False:
+                self._snapshot(where, after)
             record()
+            if after:
+                self._snapshot(where, after)
+
+    def _snapshot(self, where: str, after: bool) -> None:
+        assert self.on_snapshot is not None
+        self.on_snapshot(self._capture(_cut_where(where, after)), list(self.trail))
 
     def while_powered(self, call: Callable[[], None]) -> bool:
         """Run ``call`` (bookkeeping of another thread, e.g. noting an acknowledgement)
@@ -356,14 +380,25 @@ def _read_fd(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+def _cut_where(where: str, after: bool) -> str:
+    return f"flush {where}, {'after' if after else 'before'} it took effect"
+
+
 @contextlib.contextmanager
 def recording(
-    root: Path, *, cut_at: int | None = None, cut_after: bool = False
+    root: Path,
+    *,
+    cut_at: int | None = None,
+    cut_after: bool = False,
+    snapshot_at: Callable[[int], bool | None] | None = None,
+    on_snapshot: Callable[[DiskImage, list[str]], None] | None = None,
 ) -> Iterator[FlushRecorder]:
     """Record the flushes of files under ``root`` (see the module docstring)."""
     global _ACTIVE
     assert _ACTIVE is None, "one recorder at a time"
-    recorder = FlushRecorder(root, cut_at=cut_at, cut_after=cut_after)
+    recorder = FlushRecorder(
+        root, cut_at=cut_at, cut_after=cut_after, snapshot_at=snapshot_at, on_snapshot=on_snapshot
+    )
     patches: list[tuple[Any, str, Any]] = [
         (os, "fsync", recorder.fsync),
         (os, "fdatasync", recorder.fdatasync),

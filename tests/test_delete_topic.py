@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,13 +14,13 @@ from typing import Any
 
 import pytest
 from code_paths import code_path  # noqa: F401 - the fixture
+from fork_child import ForkServer
 from store_helpers import snapshot
 
 from equeue import MessageStore, ReadOnlyError, StoreConfig, TopicNotFoundError
 from equeue.cli import main
 from equeue.store import validate
 
-CHILD = Path(__file__).with_name("delete_topic_child.py")
 CONFIG = StoreConfig(chunk_data_size=64 * 1024, queue_chunk_records=400, flush="os")
 
 
@@ -122,13 +121,15 @@ def test_verify_leaves_a_deleted_topics_records_alone(
 
 
 @pytest.mark.usefixtures("code_path")
-def test_recovery_skips_a_deleted_topics_records_after_a_crash(tmp_path: Path) -> None:
+def test_recovery_skips_a_deleted_topics_records_after_a_crash(
+    tmp_path: Path, forks: ForkServer
+) -> None:
     """The deleted topic's records lie past the last checkpoint (the child writes none),
     and the process is killed when the deletion is done: re-dispatch reads them, and
     must neither queue them (into the topic created again) nor report them."""
     path = tmp_path / "s"
     _fill(path)
-    run = _run(path, "after", 10_000, 5)
+    run = _run(forks, path, "after", 10_000, 5)
     assert run.returncode == -9 and "DONE" in run.stdout  # killed once it was done
     with MessageStore.open(path) as store:
         assert store.recovery.start_position < store._deleted["gone"]  # they are re-read
@@ -175,25 +176,22 @@ def test_delete_topic_refusals(tmp_path: Path) -> None:
         assert store.topics() == ["gone", "kept"]  # control: nothing changed
 
 
-def _run(path: Path, mode: str, k: int, sends: int = 0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), str(path), mode, str(k)] + ([str(sends)] if sends else []),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+def _run(
+    forks: ForkServer, path: Path, mode: str, k: int, sends: int = 0
+) -> subprocess.CompletedProcess[str]:
+    argv = [str(path), mode, str(k)] + ([str(sends)] if sends else [])
+    proc = forks.run("delete_topic_child", argv, timeout=60)
     assert proc.returncode in (0, -9), proc.stderr
     return proc
 
 
-def _calls(tmp_path: Path, path: Path) -> list[str]:
+def _calls(forks: ForkServer, tmp_path: Path, path: Path) -> list[str]:
     """The deletion's file-system calls, as a copy of the store shows them."""
     import shutil
 
     copy = tmp_path / "count"
     shutil.copytree(path, copy)
-    run = _run(copy, "never", 0)
+    run = _run(forks, copy, "never", 0)
     shutil.rmtree(copy)
     assert "DONE" in run.stdout
     return [
@@ -203,10 +201,10 @@ def _calls(tmp_path: Path, path: Path) -> list[str]:
     ]
 
 
-def test_sigkill_at_each_step_of_a_deletion(tmp_path: Path) -> None:
+def test_sigkill_at_each_step_of_a_deletion(tmp_path: Path, forks: ForkServer) -> None:
     template = tmp_path / "template"
     _fill(template)
-    calls = _calls(tmp_path, template)
+    calls = _calls(forks, tmp_path, template)
     assert any(c.endswith("topics.journal") for c in calls)  # the commit point: its fdatasync
     assert any("offsets.json" in c for c in calls)
     outcomes: dict[bool, int] = {True: 0, False: 0}
@@ -216,7 +214,7 @@ def test_sigkill_at_each_step_of_a_deletion(tmp_path: Path) -> None:
         path = tmp_path / f"k{k}"
         shutil.copytree(template, path)
         mode, at = ("before", 1) if k == 0 else ("after", k)
-        run = _run(path, mode, at)
+        run = _run(forks, path, mode, at)
         assert run.returncode == -9, (k, run.stdout[-500:])
         with MessageStore.open(path) as store:
             gone = _check_gone_or_whole(store)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from fork_child import ForkServer
 from test_retention_damaged_group import open_store
 
 from equeue import MessageStore, StoreConfig
@@ -29,7 +29,6 @@ from equeue.server.groups import GroupCoordinator
 from equeue.store.offsets import file_name
 from equeue.store.retentionhold import retention_hold
 
-CHILD = Path(__file__).with_name("group_delete_child.py")
 RETRY, DLQ = retry.retry_topic("g"), retry.dead_letter_topic("g")
 CONFIG = StoreConfig(flush="os")
 
@@ -125,16 +124,12 @@ def test_delete_group_removes_its_offsets_and_retry_topic_and_keeps_dead_letters
         reader.delete_group("h")
 
 
-def _run(path: Path, mode: str, k: int) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHILD.parent), *sys.path])}
-    return subprocess.run(
-        [sys.executable, str(CHILD), str(path), mode, str(k)],
-        capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
+def _run(forks: ForkServer, path: Path, mode: str, k: int) -> subprocess.CompletedProcess[str]:
+    return forks.run("group_delete_child", [str(path), mode, str(k)], timeout=60)
 
 
 def test_a_sigkill_after_any_call_of_a_deletion_leaves_the_group_whole_or_gone(
-    tmp_path: Path,
+    tmp_path: Path, forks: ForkServer
 ) -> None:
     """Each file-system call of the deletion, in turn, is the last the child makes; the
     next open finishes a deletion past its commit point (the rename of the group file
@@ -143,7 +138,7 @@ def test_a_sigkill_after_any_call_of_a_deletion_leaves_the_group_whole_or_gone(
     _fill(template)
     counted = tmp_path / "counted"
     subprocess.run(["cp", "-a", str(template), str(counted)], check=True)
-    full = _run(counted, "never", 0)
+    full = _run(forks, counted, "never", 0)
     assert full.returncode == 0 and "DONE" in full.stdout, full.stderr
     calls = [line for line in full.stdout.splitlines() if line.startswith("CALL ")]
     assert len(calls) >= 10, calls
@@ -151,7 +146,7 @@ def test_a_sigkill_after_any_call_of_a_deletion_leaves_the_group_whole_or_gone(
     for k in range(1, len(calls) + 1):
         path = tmp_path / f"k{k}"
         subprocess.run(["cp", "-a", str(template), str(path)], check=True)
-        run = _run(path, "after", k)
+        run = _run(forks, path, "after", k)
         assert run.returncode == -9, (k, run.returncode, run.stderr)
         with MessageStore.open(path, CONFIG) as store:
             gone = _whole_or_gone(store)

@@ -64,21 +64,23 @@ def _pull_all(store: MessageStore, topic: str, queue_id: int, offset: int) -> li
     raise AssertionError(f"{topic}/{queue_id}: no end reached")
 
 
-def test_retention_removes_whole_chunks_across_2000_queues_while_they_are_evicted(
+def test_retention_removes_whole_chunks_across_400_queues_while_they_are_evicted(
     tmp_path: Path,
 ) -> None:
-    """2,000 queues, 9 open at once; retention runs in the store's service thread every
-    few milliseconds while every queue is written (each send reopens its queue), and 40
+    """400 queues, 9 open at once; retention runs in the store's service thread every
+    few milliseconds while every queue is written (each send reopens its queue), and 8
     of them are written past several queue chunks. Each queue keeps exactly the messages
     whose log chunk survives, from its new first offset on, and no queue chunk whose
-    entries all point below the log's start."""
+    entries all point below the log's start. (Round 20 ran 2,000 queues, 48 s: 400 are
+    still 44 times the open ones, every send still reopens its queue, and the closed
+    queues' path in retention.py is taken for every queue but the 9 open.)"""
     config = low_config(
         chunk_data_size=64 * 1024,
         queue_chunk_records=RECORDS,
         max_store_bytes=512 * 1024,
         flush_thorough_interval_ms=20,  # a checkpoint, then retention, every 20 ms
     )
-    topics = [f"t{i:03d}" for i in range(500)]
+    topics = [f"t{i:03d}" for i in range(100)]
     model: Model = {(t, q): [] for t in topics for q in range(4)}
     positions: Positions = {key: [] for key in model}
     hot = [(t, 1) for t in topics[::25]] + [(t, 3) for t in topics[7::25]]
@@ -88,7 +90,8 @@ def test_retention_removes_whole_chunks_across_2000_queues_while_they_are_evicte
         _send_round(store, model, positions)
         _send_hot(store, model, positions, hot, 3 * RECORDS)
         _send_round(store, model, positions)
-        assert store._files.closed > 4_000  # queues were closed and reopened throughout
+        # Closed and reopened throughout: the two rounds closed every queue but the 9 open.
+        assert store._files.closed >= 2 * len(model) - 9
         store.apply_retention()  # what the service has not removed yet
         first_log = store._messages.first_position
         assert first_log > 0
