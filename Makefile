@@ -27,12 +27,15 @@ lint: $(STAMP)
 
 # bench-redis: tests/test_bench_broker.py runs the Redis Streams side where it can.
 # --durations: every run's log names its slowest tests (the suite's time is watched).
-# -n: pytest-xdist's worker processes. Most tests wait (fsync, child processes, brokers),
-# so more workers than cores keep both busy; --dist loadgroup keeps the tests
-# of the shared SparkSession on one worker (tests/conftest.py): one JVM, not one a worker.
-TEST_WORKERS ?= 3
+# TEST_WORKERS=N (make test TEST_WORKERS=3): N pytest-xdist worker processes, the tests
+# of the shared SparkSession kept on one (--dist loadgroup, tests/conftest.py). Serial by
+# default: round 21's only whole parallel run (-n 3, a loaded host) had 5 failures and 2
+# errors the serial runs do not have (records --follow children timing out, a test that
+# relies on an earlier one of its module), not yet explained; see docs/testing.md.
+TEST_WORKERS ?= 0
+PARALLEL := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 test: lint bench-redis
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
+	$(PY) -m pytest -q $(PARALLEL) --durations=30
 
 # The demo's last steps run Spark, which needs Java: say so before anything starts.
 # (equeue compact checks the version itself: 17 or newer.)
