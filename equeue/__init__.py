@@ -55,6 +55,7 @@ from equeue.errors import (
     StoreWriteError,
     TopicNotFoundError,
     TruncatedError,
+    UsageError,
     WriterExistsError,
     WrongLoopError,
 )
@@ -131,6 +132,7 @@ __all__ = [
     "TopicNotFoundError",
     "TopicPolicy",
     "TruncatedError",
+    "UsageError",
     "WriterExistsError",
     "WrongLoopError",
 ]

@@ -76,6 +76,7 @@ PARENTS = {
     "StoreReplacedError": "StoreWriteError",
     "StoreReadError": "",
     "StorePathError": "",
+    "UsageError": "",
     "ReadOnlyError": "",
     "ClosedError": "",
     "ReentrantSendError": "",
