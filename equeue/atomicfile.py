@@ -63,10 +63,12 @@ def read_json(path: Path) -> Any:
     """The body stored in ``path``; CorruptionError if it does not check out."""
     with open_file(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        raw = f.read(MAX_METADATA_BYTES + 1)  # (it may grow after the fstat)
-        if max(size, len(raw)) > MAX_METADATA_BYTES:
+        if size <= MAX_METADATA_BYTES:
+            raw = f.read(MAX_METADATA_BYTES + 1)  # (it may grow after the fstat)
+            size = len(raw)
+        if size > MAX_METADATA_BYTES:
             raise CorruptionError(
-                f"is {max(size, len(raw))} bytes, more than a metadata file holds "
+                f"is {size} bytes, more than a metadata file holds "
                 f"({MAX_METADATA_BYTES}): not a file equeue wrote",
                 file=path,
                 offset=0,

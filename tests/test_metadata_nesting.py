@@ -192,3 +192,21 @@ def test_a_topics_json_entry_no_equeue_wrote_says_the_way_out_and_it_works(
     with MessageStore.open(store) as opened:
         assert opened.topics() == ["t"]
         assert opened.pull("t", 0, 0, max_count=100) == sent
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as io:  # rchar: bytes this process's read calls returned
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+
+
+def test_an_oversized_metadata_file_is_refused_before_a_byte_of_it_is_read(
+    tmp_path: Path,
+) -> None:
+    """review18 R18-3: the first bound read 256 MiB of the file before it refused it."""
+    path = tmp_path / "topics.json"
+    path.write_bytes(b"{}")
+    os.truncate(path, HUGE)
+    before = _bytes_read()
+    with pytest.raises(CorruptionError, match=f"is {HUGE} bytes"):
+        read_json(path)
+    assert _bytes_read() - before < 1 << 20

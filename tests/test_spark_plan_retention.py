@@ -77,3 +77,25 @@ def test_a_chunk_gone_after_one_was_found_still_fails_the_plan(
 
 def test_control_a_plan_with_nothing_removed_reads_every_chunk(writer: MessageStore) -> None:
     assert [part.path for part in plan(str(writer.path), Pushed())] == _chunks(writer)  # type: ignore[attr-defined]
+
+
+def test_a_first_chunk_a_compaction_replaced_while_the_read_is_planned_fails_the_plan(
+    writer: MessageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """review18 R18-2: the first fix took any first chunk found gone for retention's, so a
+    compaction installing a new version of the oldest chunk (which it does as often as
+    any) had its survivors left out of the read, with no error. A new version of the same
+    chunk there: not retention's; the plan fails as before ("re-run the query")."""
+    original = source_module._open_chunk
+    replaced: list[str] = []
+
+    def open_after_a_replacement(path: str, data_end: int) -> object:
+        if not replaced:  # as an install leaves it: version 1 of chunk 0, version 0 gone
+            os.rename(path, path[: -len(".0000")] + ".0001")
+            replaced.append(path)
+        return original(path, data_end)
+
+    monkeypatch.setattr(source_module, "_open_chunk", open_after_a_replacement)
+    with pytest.raises(ChunkRemovedError, match="re-run the query"):
+        plan(str(writer.path), Pushed())
+    assert replaced[0].endswith("chunk-000000000000.0000")

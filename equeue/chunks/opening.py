@@ -70,6 +70,14 @@ def retention_floor(path: Path, names: Iterable[str]) -> int:
     return first if first > parsed[0] else -1
 
 
+def retention_took(path: str | Path) -> bool:
+    """Whether the chunk file ``path``, found gone, was removed by retention (one listing
+    of its directory, taken now: ``retention_floor``). The compaction job's tasks and the
+    Spark source's planning ask it."""
+    path = Path(path)
+    return retention_floor(path, os.listdir(path.parent)) >= 0
+
+
 class _AllRemoved(FileNotFoundError):
     """Every chunk file a read-only open listed was removed before it could open them."""
 

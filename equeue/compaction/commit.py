@@ -167,13 +167,6 @@ def removed_by_retention(messages: Path, name: str, listing: Sequence[str]) -> b
     return retention_floor(messages / name, listing) >= 0
 
 
-def retention_took(path: str | Path) -> bool:
-    """Whether the chunk file ``path``, found gone by a task, was removed by retention
-    (one listing of its directory, taken now)."""
-    path = Path(path)
-    return removed_by_retention(path.parent, path.name, os.listdir(path.parent))
-
-
 def chunks_vanished_error(store: Path, gone: Sequence[str]) -> CompactionError:
     """What the job says when chunk files it read are gone other than by retention: at
     the commit, or from a task that could not open one (job.py)."""

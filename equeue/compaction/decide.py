@@ -36,8 +36,8 @@ from typing import Final
 import numpy as np
 import xxhash
 
+from equeue.chunks.opening import retention_took
 from equeue.chunks.stream import ChunkFile
-from equeue.compaction.commit import retention_took
 from equeue.format.chunk import FRAME_OVERHEAD, FRAME_PREFIX_SIZE
 from equeue.format.message import (
     BODY_LENGTH_OFFSET,

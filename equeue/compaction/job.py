@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from equeue.chunks.opening import retention_took
 from equeue.chunks.stream import ChunkFile
 from equeue.compaction import commit
 from equeue.compaction.plan import (
@@ -457,7 +458,7 @@ class _Rewriter:
         except FileNotFoundError:
             # None: retention removed the chunk since the snapshot, and its replacement is
             # not installed (the driver checks it too); anything else fails the job.
-            if not commit.retention_took(task.path):
+            if not retention_took(task.path):
                 raise
             result = None
         yield index, result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -551,7 +552,7 @@ def _rewrite(
         except FileNotFoundError:
             # Retention removed one of its chunks, seen by a task or by _finish here
             gone = [c.path for c in group.chunks if not os.path.exists(c.path)]
-            if not gone or not all(commit.retention_took(path) for path in gone):
+            if not gone or not all(retention_took(path) for path in gone):
                 raise
             lost.append(group)
             (staging / chunk_file_name(group.start_number, group.version)).unlink(missing_ok=True)
