@@ -393,13 +393,28 @@ def recover(store: Path, *, holding_job_lock: bool = False) -> list[str]:
         for temp in directory.glob(f"*{TEMP_SUFFIX}"):  # e.g. `installed` cut mid-write
             temp.unlink(missing_ok=True)
         running = not holding_job_lock and job_running(store)
+        done += finish_committed(store)
         for staging in sorted(p for p in directory.iterdir() if _is_staging(p)):
-            if (staging / MANIFEST_FILE).exists():
-                _apply(store, staging)
-                done.append(f"finished installing the committed compaction {staging.name}")
-            elif not running:
+            if not running:
                 discard(staging)
                 done.append(f"removed the uncommitted compaction staging {staging.name}")
     for line in done:
         log.warning("recovery: %s", line)
+    return done
+
+
+def finish_committed(store: Path) -> list[str]:
+    """Under COMMIT.lock: install every committed staging directory (its manifest written),
+    which only a job that died after its commit point leaves there (a live job installs
+    under the same lock). A writer's retention calls this first (review18 R18-1: else it
+    removed the chunks such a job replaced, and the next recovery installed their
+    replacements, bringing back what retention removed, below a gap no open passes)."""
+    directory = compaction_dir(store)
+    if not check_dir(directory):
+        return []
+    done = []
+    for staging in sorted(p for p in directory.iterdir() if _is_staging(p)):
+        if (staging / MANIFEST_FILE).exists():
+            _apply(store, staging)
+            done.append(f"finished installing the committed compaction {staging.name}")
     return done

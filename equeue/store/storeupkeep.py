@@ -5,6 +5,7 @@ store's durability and size, not its open state."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 # Recovery re-dispatches what was written after the last checkpoint; one is written
 # whenever this much log has been written since, so that work stays bounded.
 _CHECKPOINT_BYTES = 32 * MiB
+
+log = logging.getLogger("equeue.compaction")
 
 
 def flush(self: MessageStore) -> None:
@@ -132,8 +135,11 @@ def _retain(self: MessageStore, now: float | None) -> int:
     from equeue.store.retention import apply_retention
 
     # Under the compaction commit lock, after adopting what was installed: else a
-    # replacement installed meanwhile would outlive the chunks retention deletes.
+    # replacement installed meanwhile would outlive the chunks retention deletes. A job
+    # that died after its commit point is installed first, for the same reason.
     with compaction_commit.commit_lock(self.path):
+        for line in compaction_commit.finish_committed(self.path):
+            log.warning("retention: %s (a compaction job died after its commit)", line)
         self._adopt_compacted_locked()
         with self._checkpoint_lock, self._lock:  # note_retention rewrites the checkpoint
             self._check_writable()
