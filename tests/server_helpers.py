@@ -4,6 +4,7 @@ so these tests do not depend on the clients."""
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import socket
 import tempfile
@@ -28,8 +29,17 @@ def short_dir() -> Path:
     when the test process ends, at the latest (pytest's tmp_path is not used, so nothing
     else would: a suite run used to leave ~40 stores of ~1.3 MB in /tmp)."""
     directory = Path(tempfile.mkdtemp(prefix="eq", dir="/tmp"))
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    atexit.register(_remove_from, os.getpid(), directory)
     return directory
+
+
+def _remove_from(pid: int, directory: Path) -> None:
+    """At exit of the process that made ``directory`` only: a child forked from it (the
+    fork tests, fork_child.py's) runs its atexit handlers too, and removed the stores of
+    brokers the test process still ran (round 21's clean-clone run: every test after the
+    first fork test that exits through Python's shutdown errored)."""
+    if os.getpid() == pid:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def short_home() -> Iterator[Path]:

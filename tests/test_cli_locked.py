@@ -4,6 +4,8 @@ one line naming the holder's pid and what a command-line user can do, never the 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,8 +36,14 @@ def test_a_locked_store_is_refused_with_advice_for_a_command_line(
         writer.commit_offset("g", "t", 0, 0)
         args = [command, str(store), *more]
         before = sorted((p.name, p.stat().st_size) for p in store.iterdir() if p.is_file())
-        assert main(args) == 1
-        err = capsys.readouterr().err.strip()
+        if command == "serve":  # in a process of its own: serve sets up logging first
+            done = subprocess.run(
+                [sys.executable, "-m", "equeue", *args], capture_output=True, text=True, timeout=60
+            )
+            code, err = done.returncode, done.stderr.strip()
+        else:
+            code, err = main(args), capsys.readouterr().err.strip()
+        assert code == 1
         assert len(err.splitlines()) == 1, err
         assert "is open for writing by pid" in err and advice in err, err
         assert "read_only=True" not in err, err
