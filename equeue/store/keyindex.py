@@ -152,10 +152,15 @@ class KeyIndex:
         with self._lock:
             self._pending = []
             self._committing_from = None
-            self._write(
-                ("DELETE FROM keys WHERE position >= ?", (position,)),
-                ("INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (position,)),
-            )
+            statements = [("DELETE FROM keys WHERE position >= ?", (position,))]
+            # An open after a clean close forgets nothing: the row is left as it is, so
+            # that an open (a refused command's, a reader's that became a writer) changes
+            # no byte of keys.sqlite; a DELETE of no rows dirties no page.
+            if position != self.indexed_position:
+                statements.append(
+                    ("INSERT OR REPLACE INTO meta VALUES ('indexed_position', ?)", (position,))
+                )
+            self._write(*statements)
         self.indexed_position = position
 
     def forget_below(self, position: int) -> None:
