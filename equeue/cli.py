@@ -186,7 +186,9 @@ def _run_records(args: argparse.Namespace) -> int:
     # at least as far (see Follower).
     follower = None
     if args.follow:
-        follower = Follower(args.store, args.topic, args.queue, args.offset or 0)
+        follower = Follower(
+            args.store, args.topic, args.queue, args.offset or 0, skipped=_report_skipped
+        )
     source = RecordSource(store)
     shown = 0
 
@@ -226,6 +228,17 @@ def _run_records(args: argparse.Namespace) -> int:
     if not shown and not args.json:
         print("no records", file=sys.stderr)
     return EXIT_OK
+
+
+def _report_skipped(topic: str, queue_id: int, first: int, end: int) -> None:
+    """A follower's gap, on stderr beside the records (stdout stays records only)."""
+    span = f"offset {first} was" if end == first + 1 else f"offsets {first}..{end - 1} were"
+    print(
+        f"equeue: {topic}/{queue_id} {span} removed (retention or compaction) before "
+        "being printed",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # --- verify --------------------------------------------------------------------------

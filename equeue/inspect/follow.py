@@ -12,7 +12,7 @@ that together they print every message once (see ``records``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -22,6 +22,9 @@ from equeue.store import Message, MessageStore
 
 # The longest a new message waits before it is printed (when nothing is arriving).
 POLL_SECONDS: Final = 0.2
+# What the follower was about to print but the store no longer holds: topic, queue id,
+# the first offset missed and the offset after the last.
+Skipped = Callable[[str, int, int, int], None]
 # Messages taken from one queue per round: a busy queue cannot starve the others.
 _BATCH: Final = 256
 _NO_CUT: Final = 1 << 63  # above every log position
@@ -49,14 +52,22 @@ def _record(message: Message) -> Record:
 
 class Follower:
     """The queues of ``topic`` (all topics when None; queue ``queue_id`` alone when
-    given), each from where it ends now: create it before walking what the store holds."""
+    given), each from where it ends now: create it before walking what the store holds.
+    ``skipped`` hears of every run of offsets retention (or compaction) removed before
+    the follower read them, so that a ``tail -f`` reader is told, not left to guess."""
 
     def __init__(
-        self, path: Path, topic: str | None, queue_id: int | None, offset: int = 0
+        self,
+        path: Path,
+        topic: str | None,
+        queue_id: int | None,
+        offset: int = 0,
+        skipped: Skipped | None = None,
     ) -> None:
         self._store = MessageStore.open(path, read_only=True)
         self._topic = topic
         self._queue_id = queue_id
+        self._skipped = skipped
         self._next: dict[tuple[str, int], int] = {}
         for topic_queue in self._queues():
             end = self._store.queue_range(*topic_queue)[1]
@@ -122,6 +133,11 @@ class Follower:
             offset = self._next.get((topic, queue_id), 0)
             result = self._store.pull(topic, queue_id, offset, max_count=_BATCH)
             self._next[(topic, queue_id)] = result.next_offset
+            # No tag filter here: every offset up to next_offset comes back but those
+            # the store no longer holds (a pull moves past what retention removed).
+            reached = result.messages[0].queue_offset if result.messages else result.next_offset
+            if reached > offset and self._skipped is not None:
+                self._skipped(topic, queue_id, offset, reached)
             arrived += result.messages
             if len(result.messages) == _BATCH:
                 cut = min(cut, result.messages[-1].position)
