@@ -234,8 +234,7 @@ def _report_skipped(topic: str, queue_id: int, first: int, end: int) -> None:
     """A follower's gap, on stderr beside the records (stdout stays records only)."""
     span = f"offset {first} was" if end == first + 1 else f"offsets {first}..{end - 1} were"
     print(
-        f"equeue: {topic}/{queue_id} {span} removed (retention or compaction) before "
-        "being printed",
+        f"equeue: {topic}/{queue_id} {span} removed (retention or compaction) before being printed",
         file=sys.stderr,
         flush=True,
     )
