@@ -190,15 +190,15 @@ def _hostile(path: Path, case: str) -> Path:
     return entry
 
 
-@pytest.mark.parametrize("case", ["h", "equeue.x", "garbage", "directory", "fifo", "link"])
+@pytest.mark.parametrize("case", ["h", "equeue.mover", "garbage", "directory", "fifo", "link"])
 def test_an_intent_that_cannot_be_acted_on_deletes_nothing_and_is_reported_once(
     tmp_path: Path, case: str
 ) -> None:
     path = _store(tmp_path / "s")
     with MessageStore.open(path, CONFIG) as store:
         groups, topics = store.consumer_groups(), sorted(store.topics())
-        if case == "equeue.x":
-            store.create_topic("equeue.retry.equeue.x", 1)
+        if case == "equeue.mover":
+            store.create_topic("equeue.retry.equeue.mover", 1)
             topics = sorted(store.topics())
     entry = _hostile(path, case)
     (found,) = verify_store(path)  # reported before any open acts on it

@@ -1,8 +1,8 @@
 """``equeue verify``'s look at ``consumers/recovered/``: a group deletion's intent file
 that the next writable open cannot act on (unreadable, not a file, naming another group
-or an ``equeue.*`` one) is a problem, as the open reports it (reviewl L2). One that reads
-as an intent is not: its deletion committed, and the next writable open (or
-``delete_group`` of the group) finishes it."""
+or the retry mover's ``equeue.mover``) is a problem, as the open reports it (reviewl
+L2). One that reads as an intent is not: its deletion committed, and the next writable
+open (or ``delete_group`` of the group) finishes it."""
 
 from __future__ import annotations
 

@@ -45,6 +45,18 @@ def dead_letter_topic(group: str) -> str:
     return DLQ_PREFIX + group
 
 
+def check_store_group(group: str) -> None:
+    """A group an application commits through the store (``commit_offset``, a
+    ``consumer``): not one of the broker's names, which no request could then delete or
+    release from retention (review19 R19-2). The broker's own commits (the retry mover's
+    cursors) do not come this way."""
+    if group.startswith(RESERVED_PREFIX):
+        raise InvalidMessageError(
+            f"group {group!r}: names starting {RESERVED_PREFIX!r} are the broker's own (its "
+            "retry mover's cursors): choose another name"
+        )
+
+
 def check_client_write(op: str, args: dict[str, object], where: str) -> None:
     """Refuse a client's write into the broker's names: a send, send_batch or
     create_topic to an ``equeue.*`` topic; a commit_offset of an ``equeue.*`` group, in

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from equeue.errors import ChunkRemovedError, ClosedError, InvalidTypeError
+from equeue.protocol.retries import check_store_group
 from equeue.store import offsets as group_offsets
 from equeue.store.consumerargs import (
     Start,
@@ -93,6 +94,7 @@ class Consumer:
     ) -> None:
         self.store = store
         self.group = group_offsets.check_group(group)
+        check_store_group(self.group)
         if store.read_only:
             store.refresh()  # the writer's topics, offsets and queue ends as they are now
         self.topics = check_topics(topics)

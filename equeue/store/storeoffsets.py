@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from equeue.protocol.retries import check_store_group
 from equeue.store import groupdeletion, validate
 from equeue.store import offsets as group_offsets
 from equeue.store.consumer import Consumer
@@ -20,6 +21,7 @@ def commit_offset(self: MessageStore, group: str, topic: str, queue_id: int, off
     """Set ``group``'s offset on ``topic``/``queue_id`` (persisted), also lower: a reset."""
     self._check_writable()  # before the checks: a read-only handle's end may be stale
     validate.check_commit(group, offset, self._queue(topic, queue_id).next_offset)
+    check_store_group(group)
     with self._lock:
         self._check_writable()
         group_offsets.set_offset(self, group, topic, queue_id, offset)
@@ -52,7 +54,7 @@ def delete_group(
     dead-letter topic ``equeue.dlq.GROUP`` (kept by default: they are data). Crash-safe:
     a crash leaves the group or none of it (equeue/store/groupdeletion.py). Raises
     GroupNotFoundError for a group the store does not have, ReadOnlyError, InvalidMessageError
-    for a bad name or one of the broker's (``equeue.*``)."""
+    for a bad name or the retry mover's (``equeue.mover``)."""
     return groupdeletion.delete_group(self, group, delete_dead_letters=delete_dead_letters)
 
 
