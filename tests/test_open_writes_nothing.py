@@ -1,7 +1,9 @@
 """An open for writing of a cleanly closed store, and a command the store refuses, write
 no byte of it (the LOCK file's holder pid aside: taking the lock is the open). The key
 index's recovery used to rewrite its ``indexed_position`` row with the same value, so
-SQLite's change counter in keys.sqlite moved on every open (review17's note)."""
+SQLite's change counter in keys.sqlite moved on every open (review17's note). (Not
+covered: a queue that never held a message has no directory until a writable open makes
+its empty one.)"""
 
 from __future__ import annotations
 
