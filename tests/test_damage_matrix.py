@@ -231,8 +231,10 @@ def _read_back(store: MessageStore, built: Built) -> int:
         committed = None
         if topic in store.topics() and queue_id in store.queue_ids(topic):
             committed = store.committed_offset(group, topic, queue_id)
-        assert committed in (offset, None)
-        missing += committed is None
+        # Lower is lost too: the open sets an offset past its queue's recovered end to
+        # the end (equeue/store/offsetcuts.py), and reports it. Never higher.
+        assert committed is None or committed <= offset, (group, topic, queue_id, committed)
+        missing += committed != offset
     return missing
 
 

@@ -35,6 +35,7 @@ from equeue.store import (
     deletion,
     follow,
     groupdeletion,
+    offsetcuts,
     storeoffsets,
     storereads,
     storesend,
@@ -238,6 +239,10 @@ class MessageStore:
         # check_store), also past the checks, and before the service thread's first
         # atomic write, whose temp file this must not take for a leftover.
         remove_temp_files(path)
+        # Before anything is served: an offset a group committed past what the log
+        # recovered to would make it skip the messages sent next (offsetcuts.py).
+        with self._lock:
+            self.recovery.problems += offsetcuts.lower_past_ends(self)
         # Not settled: what recovery found past the tail is synced by the next
         # checkpoint (the service's within flush_thorough_interval_ms), off this path.
         self._checkpoint(flush=True, settle=False)
