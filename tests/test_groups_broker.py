@@ -179,6 +179,10 @@ def test_bad_arguments_are_refused_before_joining(
                 GroupConsumer(client, "g", TOPIC, max_retries=retries)
         with pytest.raises(equeue.errors.InvalidTypeError):
             GroupConsumer(client, "g", TOPIC, max_retries=True)
+        # review19 R19-3: 0 is no "no limit": the member would be late at every poll
+        for interval in (0, 0.0):
+            with pytest.raises(equeue.errors.InvalidMessageError, match="must be > 0"):
+                GroupConsumer(client, "g", TOPIC, max_poll_interval=interval)
         assert client.stats()["coordinator"] == {}  # none of them joined
 
 

@@ -150,6 +150,12 @@ class GroupState:
         self.auto_commit_interval = _seconds(auto_commit_interval, "auto_commit_interval")
         self.session_timeout_ms = int(_seconds(session_timeout, "session_timeout") * 1000)
         self.max_poll_interval = _seconds(max_poll_interval, "max_poll_interval")
+        if self.max_poll_interval <= 0:  # not "no limit": a member always late (review19 R19-3)
+            raise InvalidMessageError(
+                f"max_poll_interval={max_poll_interval!r} seconds must be > 0: it is how long "
+                "the caller may take between two messages before the member stops "
+                "heartbeating (default 300 s; raise it for slow handlers, there is no 'no limit')"
+            )
         self.last_poll = time.monotonic()  # when the caller last asked for a message
         if max_retries is not None:  # before joining: as the broker's join would refuse it
             check_max_retries(max_retries)
