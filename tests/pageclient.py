@@ -376,7 +376,12 @@ class PageClient:
     # -- handshake
 
     def hello(self, hello: Any) -> dict[str, Any]:
-        self.send_raw(frame(hello))
+        try:
+            self.send_raw(frame(hello))
+        except (BrokenPipeError, ConnectionResetError):
+            # A broker refusing the connection (max_connections) sends its connection
+            # error and closes at once, maybe before the hello: the error is still to read.
+            pass
         welcome = self.read_body()
         if type(welcome) is list:  # a connection error: [0, 1, {code, message}]
             self._take_answer(welcome)
