@@ -5,6 +5,7 @@ test_protocol_from_page tests hold the broker to the page through it."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -376,12 +377,10 @@ class PageClient:
     # -- handshake
 
     def hello(self, hello: Any) -> dict[str, Any]:
-        try:
+        # A broker refusing the connection (max_connections) sends its connection error
+        # and closes at once, maybe before the hello: the error is still to be read.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.send_raw(frame(hello))
-        except (BrokenPipeError, ConnectionResetError):
-            # A broker refusing the connection (max_connections) sends its connection
-            # error and closes at once, maybe before the hello: the error is still to read.
-            pass
         welcome = self.read_body()
         if type(welcome) is list:  # a connection error: [0, 1, {code, message}]
             self._take_answer(welcome)
