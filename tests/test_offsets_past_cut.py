@@ -14,6 +14,7 @@ from pathlib import Path
 from store_helpers import snapshot
 
 from equeue import MessageStore, StoreConfig
+from equeue.inspect.verify import verify_store
 from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE
 
 CONFIG = StoreConfig(flush="os", default_queue_count=2)
@@ -66,6 +67,21 @@ def test_an_offset_past_the_recovered_end_is_lowered_and_reported(tmp_path: Path
         assert store.committed_offset("g", "t", 0) == 6
 
 
+def test_verify_reports_the_offsets_the_next_open_lowers(tmp_path: Path) -> None:
+    path = _cut_after_commits(tmp_path)
+    found = verify_store(path)
+    assert [(p.kind, Path(p.file).name) for p in found] == [
+        ("committed offset", "g.json"),
+        ("committed offset", "offsets.json"),
+    ]
+    assert "consumer group 'g' committed offset 5 on t/0, past the queue's end 3" in (
+        found[0].reason
+    )
+    with MessageStore.open(path, CONFIG):
+        pass
+    assert verify_store(path) == []
+
+
 def test_a_read_only_handle_leaves_the_offset_to_the_writer(tmp_path: Path) -> None:
     path = _cut_after_commits(tmp_path)
     before = snapshot(path)
@@ -83,6 +99,7 @@ def test_offsets_at_or_below_the_end_are_left_alone(tmp_path: Path) -> None:
             store.send("t", b"m %d" % i, queue_id=i % 2)
         assert len(list(store.consumer("g", "t", timeout=0.1))) == 4
         store.commit_offset("h", "t", 0, 2)
+    assert verify_store(path) == []
     before = snapshot(path)
     with MessageStore.open(path, CONFIG) as store:
         assert store.recovery.clean, store.recovery

@@ -58,6 +58,7 @@ from equeue.inspect.layout import (
     resolve,
     trailing_bytes,
 )
+from equeue.inspect.offsetends import past_end_problems
 from equeue.inspect.staging import staging_problems
 from equeue.inspect.traces import missing_problems
 from equeue.inspect.verifyqueues import CheckResult, Unreadable
@@ -102,6 +103,8 @@ class Verifier:
         self._dirs: dict[Path, ChunkDir] = {}  # each directory as it was checked
         # each queue's lowest offset in the log, and the log chunk that held it
         self._lowest: dict[tuple[str, int], tuple[int, Path]] = {}
+        # each queue's offset after its last message in the log (offsetends.py)
+        self._log_next: dict[tuple[str, int], int] = {}
         # per queue: (chunk number, last message position before that chunk, after it)
         self._previous: dict[tuple[str, int], tuple[int, int | None, int | None]] = {}
 
@@ -136,6 +139,7 @@ class Verifier:
                     store.queue_dir(topic, queue_id), paths, check, queue=True
                 )
             problems += missing_problems(store, self._dirs, store.checkpoint, self._lowest)
+            problems += past_end_problems(store, self._dirs, self._log_next)
             problems += staging_problems(self.path)
             problems += intent_problems(self.path)
         except NewerFormatError as exc:
@@ -419,6 +423,8 @@ class Verifier:
         queue = (message.topic, message.queue_id)
         if not deleted and message.queue_offset < self._lowest.get(queue, (1 << 63,))[0]:
             self._lowest[queue] = (message.queue_offset, cf.path)
+        if not deleted and message.queue_offset >= self._log_next.get(queue, 0):
+            self._log_next[queue] = message.queue_offset + 1
         why = None
         if message.log_position != position:
             why = f"names position {message.log_position}"
