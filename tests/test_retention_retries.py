@@ -124,6 +124,7 @@ def test_without_respecting_consumers_a_lost_retry_is_logged_and_counted_once(
         assert retry_and_retention(store, coord.retries)["retry"] == {
             "moved": 0, "dead_lettered": 0, "pending": 0, "lost_to_retention": 1,
             "nacked_removed": 0, "nacked_again": 0, "dropped_deleted_group": 0,
+            "dropped_deleted_topic": 0, "dead_letter_cycles": 0,
         }  # fmt: skip
         said = [r.getMessage() for r in caplog.records if "before they were due" in r.message]
         assert len(said) == 1, said

@@ -27,6 +27,10 @@ ORIGIN_ID: Final = "equeue.origin.id"
 DUE_MS: Final = "equeue.due_ms"  # copies in DELAY_TOPIC: when due, ms since the epoch
 # A dead letter sent there without the sender's properties: why (they left no room).
 DLQ_REASON: Final = "equeue.dlq.reason"
+# On a dead letter of a message read from a dead-letter topic: that topic. Such a one is
+# not dead-lettered again, which ends a cycle of groups consuming each other's dead
+# letters (review19 R19-9).
+DLQ_FROM: Final = "equeue.dlq.from"
 # A dead letter whose body was cut to the store's max_message_size (a message stored
 # under a larger limit): the body's size as it was; absent, the body is whole.
 DLQ_BODY_SIZE: Final = "equeue.dlq.body_size"

@@ -233,7 +233,7 @@ class GroupCoordinator:
         subscribes the same topics."""
         retry.check_group_name(group)
         _check_consumer(consumer)
-        names = _check_topics(topics)
+        names = _check_topics(topics, group)
         timeout = _check_timeout(session_timeout_ms)
         retries = self.max_retries if max_retries is None else check_max_retries(max_retries)
         for topic in names:
@@ -618,7 +618,7 @@ def _check_consumer(consumer: object) -> str:
     return consumer
 
 
-def _check_topics(topics: object) -> tuple[str, ...]:
+def _check_topics(topics: object, group: str) -> tuple[str, ...]:
     if not isinstance(topics, list | tuple) or not topics:
         raise InvalidMessageError("a consumer group member needs a non-empty list of topics")
     if len(topics) > MAX_TOPICS:
@@ -632,6 +632,12 @@ def _check_topics(topics: object) -> tuple[str, ...]:
                 f"consume dead letters ({retry.DLQ_PREFIX}GROUP) but not its retry or delay "
                 "topics, which it gets by itself"
             )
+    if retry.dead_letter_topic(group) in names:
+        raise InvalidMessageError(
+            f"group {group!r} cannot consume its own dead letters "
+            f"({retry.dead_letter_topic(group)}): a message it fails on would come back to "
+            "it for ever; consume them with another group"
+        )
     return names
 
 

@@ -47,11 +47,12 @@ from equeue.errors import (
     StoreWriteError,
     TopicNotFoundError,
 )
-from equeue.format.message import MAX_NAME_BYTES
+from equeue.format.message import MAX_NAME_BYTES, decode_message_id
 from equeue.protocol.retries import (
     ATTEMPT,
     DELAY_TOPIC,
     DLQ_BODY_SIZE,
+    DLQ_FROM,
     DLQ_PREFIX,
     DLQ_REASON,
     DUE_MS,
@@ -211,6 +212,13 @@ class Retries:
         # due copies of a group nacked before its retry topic was deleted (delete_group):
         # a group made again under the name gets none of them
         self.dropped_deleted = 0
+        # due copies of a message whose topic was deleted after it was stored: shown with
+        # its origin's coordinates, a topic made again under the name would have them
+        # mean another message (review19 R19-6)
+        self.dropped_deleted_topic = 0
+        # second dead letters not made: a message read from a dead-letter topic that was
+        # dead-lettered once from one already (R19-9)
+        self.dead_letter_cycles = 0
         # groups whose deletion runs (the coordinator's set): their due copies wait, as
         # a move now would make the retry topic again under the deletion
         self.deleting: set[str] = set()
@@ -315,6 +323,20 @@ class Retries:
         props[GROUP] = group
         props[ATTEMPT] = str(attempt)
         if attempt > max_retries:
+            source = found[ORIGIN_TOPIC]
+            if source.startswith(DLQ_PREFIX):
+                if DLQ_FROM in message.properties:
+                    self.dead_letter_cycles += 1
+                    log.warning(
+                        "message %s of group %r, read from the dead-letter topic %s, failed "
+                        "%d times and was dead-lettered from %s before: not dead-lettered "
+                        "again (groups consuming each other's dead letters would pass it "
+                        "round for ever); it stays in %s",
+                        found[ORIGIN_ID], group, source, attempts, message.properties[DLQ_FROM],
+                        source,
+                    )  # fmt: skip
+                    return
+                props[DLQ_FROM] = source
             self._append(dead_letter_topic(group), message, props, None)
             self.dead += 1
             log.info("message %s of group %r: dead-lettered", found[ORIGIN_ID], group)
@@ -457,6 +479,9 @@ class Retries:
                 run = run[len(stale) :]
                 if not run:
                     continue
+            run = self._live_origins(queue_id, group, run, deleted, cursors)
+            if not run:
+                continue
             self.ensure(target, 1)
             try:
                 sent = self.store.send_batch(target, [_copy(message) for message in run])
@@ -472,6 +497,28 @@ class Retries:
             for result, message in zip(sent, run, strict=True):
                 self._sent(result, message.tag)
             self._pass(queue_id, run[-1], cursors)
+
+    def _live_origins(
+        self,
+        queue_id: int,
+        group: str,
+        run: list[Message],
+        deleted: dict[str, int],
+        cursors: dict[tuple[str, int], int],
+    ) -> list[Message]:
+        """``run`` without the copies of messages whose topic was deleted after them (a
+        topic made again under the name would show them at its own messages'
+        coordinates); the cursor passes a run left empty."""
+        kept = [m for m in run if not _origin_deleted(m, deleted)]
+        if len(kept) < len(run):
+            self.dropped_deleted_topic += len(run) - len(kept)
+            log.info(
+                "%d delayed retries of group %r dropped: their messages' topic was deleted "
+                "after they were stored", len(run) - len(kept), group,
+            )  # fmt: skip
+            if not kept:
+                self._pass(queue_id, run[-1], cursors)
+        return kept
 
     def _move_one_by_one(
         self, queue_id: int, group: str, run: list[Message], cursors: dict[tuple[str, int], int]
@@ -624,6 +671,8 @@ class Retries:
             "nacked_removed": self.nacked_removed,
             "nacked_again": self.nacked_again,
             "dropped_deleted_group": self.dropped_deleted,
+            "dropped_deleted_topic": self.dropped_deleted_topic,
+            "dead_letter_cycles": self.dead_letter_cycles,
         }
 
     def pending(self) -> int:
@@ -660,6 +709,14 @@ class Retries:
         except TopicNotFoundError:
             pass
         self.store.create_topic(topic, queue_count)
+
+
+def _origin_deleted(message: Message, deleted: dict[str, int]) -> bool:
+    """Whether the message a delayed copy was made of was stored before the latest
+    deletion of its topic (its id names its log position)."""
+    gone = deleted.get(message.properties.get(ORIGIN_TOPIC, ""))
+    found = decode_message_id(message.properties.get(ORIGIN_ID, ""))
+    return gone is not None and found is not None and found[1] < gone
 
 
 def _runs(due: list[Message]) -> list[tuple[str | None, list[Message]]]:
