@@ -36,7 +36,12 @@ def lower_past_ends(store: MessageStore) -> list[str]:
                 queue_id = int(key)
                 if queue_id >= len(known) or offset <= known[queue_id].next_offset:
                     continue
-                end = known[queue_id].next_offset
+                queue = known[queue_id]
+                if queue.deferred:
+                    queue.manager  # noqa: B018 (its end from its files, not a checkpoint's)
+                    if offset <= queue.next_offset:
+                        continue
+                end = queue.next_offset
                 what = (
                     f"consumer group {group!r} had committed offset {offset} on "
                     f"{topic}/{queue_id}, past the queue's end {end} after recovery: a crash "

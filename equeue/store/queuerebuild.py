@@ -303,6 +303,22 @@ def deferred_checks(
     return check, rebuild
 
 
+def _skips_past(store: MessageStore, checkpoint: dict[str, Any]) -> bool:
+    """Whether recovery's scan starts at a live tail past the checkpoint's position (a
+    process killed in this boot): re-dispatch then meets no record sent between the two,
+    so a queue deferred with the checkpoint's end would keep that end, short of its
+    entries, answering pulls and queue_range at it until something opened it (review20
+    R20-6), and a group's commit past it would look like a crash's cut (R20-1). Such an
+    open opens its queues, reading each one's end from its files."""
+    messages, position = store._messages, checkpoint.get("log_position")
+    skipped_to = messages.scan_started_at
+    return (
+        messages.started_at_live_hint
+        and skipped_to is not None
+        and (not isinstance(position, int) or skipped_to > position)
+    )
+
+
 def queue_files(store: MessageStore, checkpoint: dict[str, Any]) -> QueueFiles:
     """The store's cache of open queues, with its lock, an RLock, the store's write lock
     (queues are opened and closed under it); a writer's checks of deferred queues, and
@@ -311,7 +327,8 @@ def queue_files(store: MessageStore, checkpoint: dict[str, Any]) -> QueueFiles:
     files.problems = store._meta_problems
     if not store.read_only:
         files.check, files.rebuild = deferred_checks(store)
-        files.pending = (checkpoint, store._messages.committed_position)
+        if not _skips_past(store, checkpoint):
+            files.pending = (checkpoint, store._messages.committed_position)
     else:  # queues past the cache's room opened on first use (follow.py: reader_opened)
         files.after_open, files.lazy_reader = follow.reader_opened(store), True
     return files
