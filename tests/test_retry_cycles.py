@@ -89,3 +89,51 @@ def test_a_delayed_retry_of_a_deleted_topics_message_is_dropped_when_due(
     assert [m.body for m in everything(store, retry.retry_topic("g"))] == [b"old-0", b"old-1"]
     counts = coord.retries.stats()
     assert (counts["moved"], counts["dropped_deleted_topic"], counts["pending"]) == (2, 1, 0)
+
+
+def test_a_dlq_from_carried_in_from_an_ordinary_topic_does_not_stop_the_first_hop(
+    store: MessageStore,
+) -> None:
+    """review20 R20-5: a dead letter sent back to its topic (a replay) keeps its
+    properties; its next dead letter starts the count afresh."""
+    coord = _coordinator(store, Clock(), 0)
+    replayed = store.send("orders", b"replayed", properties={DLQ_FROM: "equeue.dlq.x"})
+    coord.join("g", "a", ["orders"], 600_000)
+    coord.nack("g", "a", replayed.message_id, None)
+    (first,) = everything(store, DLQ_G)
+    assert DLQ_FROM not in first.properties
+    store.create_topic("other", 1)
+    coord.join("h", "b", [DLQ_G], 600_000)
+    coord.nack("h", "b", first.message_id, None)
+    (second,) = everything(store, DLQ_H)
+    assert second.properties[DLQ_FROM] == DLQ_G
+    assert coord.retries.stats()["dead_letter_cycles"] == 0
+
+
+def test_retries_of_a_topic_made_again_before_they_were_sent_are_kept_and_counted_once(
+    store: MessageStore,
+) -> None:
+    """The control of R19-6's drop (review20 R20-3): a message sent after its topic was
+    made again keeps its retry; and R20-8: a dropped copy after a kept one in a due run
+    is counted once (the cursor passed it)."""
+    clock = Clock()
+    coord = _coordinator(store, clock, 3)
+    store.create_topic("other", 1)
+    coord.join("g", "a", ["orders", "other"], 600_000)
+    kept = store.send("orders", b"kept")
+    gone = store.send("other", b"gone")
+    coord.nack("g", "a", kept.message_id, None)
+    coord.nack("g", "a", gone.message_id, None)
+    store.delete_topic("other")
+    store.create_topic("other", 1)
+    clock.now += DELAYS[0]
+    coord.tick()  # the due run: kept, then gone (its last)
+    again = store.send("other", b"sent after the topic was made again")
+    coord.nack("g", "a", again.message_id, None)
+    for _ in range(3):
+        clock.now += DELAYS[0]
+        coord.tick()
+    moved = [m.body for m in everything(store, retry.retry_topic("g"))]
+    assert moved == [b"kept", b"sent after the topic was made again"]
+    counts = coord.retries.stats()
+    assert (counts["moved"], counts["dropped_deleted_topic"], counts["pending"]) == (2, 1, 0)

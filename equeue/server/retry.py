@@ -324,18 +324,22 @@ class Retries:
         props[ATTEMPT] = str(attempt)
         if attempt > max_retries:
             source = found[ORIGIN_TOPIC]
-            if source.startswith(DLQ_PREFIX):
-                if DLQ_FROM in message.properties:
-                    self.dead_letter_cycles += 1
-                    log.warning(
-                        "message %s of group %r, read from the dead-letter topic %s, failed "
-                        "%d times and was dead-lettered from %s before: not dead-lettered "
-                        "again (groups consuming each other's dead letters would pass it "
-                        "round for ever); it stays in %s",
-                        found[ORIGIN_ID], group, source, attempts, message.properties[DLQ_FROM],
-                        source,
-                    )  # fmt: skip
-                    return
+            if not source.startswith(DLQ_PREFIX):
+                # One a producer or a replay carried in from an ordinary topic says nothing
+                # of this message's dead letters (review20 R20-5).
+                props.pop(DLQ_FROM, None)
+            elif DLQ_FROM in message.properties:
+                self.dead_letter_cycles += 1
+                log.warning(
+                    "message %s of group %r, read from the dead-letter topic %s, failed %d "
+                    "times and was dead-lettered from %s before: not dead-lettered again "
+                    "(groups consuming each other's dead letters would pass it round for "
+                    "ever); it stays in %s",
+                    found[ORIGIN_ID], group, source, attempts, message.properties[DLQ_FROM],
+                    source,
+                )  # fmt: skip
+                return
+            else:
                 props[DLQ_FROM] = source
             self._append(dead_letter_topic(group), message, props, None)
             self.dead += 1
@@ -479,7 +483,9 @@ class Retries:
                 run = run[len(stale) :]
                 if not run:
                     continue
-            run = self._live_origins(queue_id, group, run, deleted, cursors)
+            # The cursor passes the whole run once its kept copies are in: a dropped copy
+            # after the last kept one is not met (and counted) again (review20 R20-8).
+            whole, run = run, self._live_origins(queue_id, group, run, deleted, cursors)
             if not run:
                 continue
             self.ensure(target, 1)
@@ -487,6 +493,7 @@ class Retries:
                 sent = self.store.send_batch(target, [_copy(message) for message in run])
             except _REFUSALS:  # nothing written: find the copy (or copies) refused
                 self._move_one_by_one(queue_id, group, run, cursors)
+                self._pass(queue_id, whole[-1], cursors)
                 continue
             except StoreWriteError as exc:  # a batch cut short: what it stored is moved
                 if exc.sent:
@@ -496,7 +503,7 @@ class Retries:
             self.moved += len(run)
             for result, message in zip(sent, run, strict=True):
                 self._sent(result, message.tag)
-            self._pass(queue_id, run[-1], cursors)
+            self._pass(queue_id, whole[-1], cursors)
 
     def _live_origins(
         self,
