@@ -11,10 +11,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from store_helpers import snapshot
+from store_helpers import queue_file, snapshot
 
 from equeue import MessageStore, StoreConfig
+from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.inspect.verify import verify_store
+from equeue.store import offsets as group_offsets
 from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE
 
 CONFIG = StoreConfig(flush="os", default_queue_count=2)
@@ -80,6 +82,32 @@ def test_verify_reports_the_offsets_the_next_open_lowers(tmp_path: Path) -> None
     with MessageStore.open(path, CONFIG):
         pass
     assert verify_store(path) == []
+
+
+def test_verify_names_the_file_that_holds_the_offset_past_the_end(tmp_path: Path) -> None:
+    """review20 R20-7: h's offset past the end is offsets.json's; its group file, made
+    here with a lower one, is not the file to look at."""
+    path = _cut_after_commits(tmp_path)
+    group_offsets.commit_group_file(path, "h", {("t", 0): 1})
+    found = [p for p in verify_store(path) if "'h'" in p.reason]
+    assert [Path(p.file).name for p in found] == ["offsets.json"], found
+
+
+def test_verify_takes_the_logs_messages_as_the_queues_end(tmp_path: Path) -> None:
+    """review20 R20-3: a queue whose files lag the log (its last entry zeroed, as a crash
+    before the queue's write leaves it) ends, for recovery, past the log's last message
+    of it: a commit at that end is no problem."""
+    path = tmp_path / "s"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t")
+        for i in range(3):
+            store.send("t", b"m %d" % i, queue_id=0)
+        store.commit_offset("g", "t", 0, 3)
+    chunk, at = queue_file(path, CONFIG.layout.queue_chunk_records, "t", 0, 2)
+    with open(chunk, "r+b") as f:
+        f.seek(at)
+        f.write(bytes(QUEUE_RECORD_SIZE))
+    assert [p for p in verify_store(path) if p.kind == "committed offset"] == []
 
 
 def test_a_read_only_handle_leaves_the_offset_to_the_writer(tmp_path: Path) -> None:

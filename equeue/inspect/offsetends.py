@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from equeue.atomicfile import read_json
+from equeue.errors import EQueueError
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.inspect.layout import ChunkDir, Problem, StoreFiles
 from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE
@@ -40,9 +42,11 @@ def past_end_problems(
                 )
                 if committed <= end:
                     continue
-                # The group file when there is one (a consumer's commits), else offsets.json.
-                group_file = store.path / CONSUMERS_DIR / file_name(group)
-                where = group_file if group_file.is_file() else store.path / OFFSETS_FILE
+                # The file holding the offset: offsets.json's entry if it is past the end
+                # (commit_offset's), else the group file (a consumer's commits).
+                where = store.path / OFFSETS_FILE
+                if _writer_offset(where, group, topic, key) < committed:
+                    where = store.path / CONSUMERS_DIR / file_name(group)
                 problems.append(
                     Problem(
                         str(where),
@@ -55,3 +59,15 @@ def past_end_problems(
                     )
                 )
     return problems
+
+
+def _writer_offset(path: Path, group: str, topic: str, queue_id: str) -> int:
+    """offsets.json's own value (StoreFiles.offsets merges the group files in); -1 when
+    it has none or cannot be read (open_store reported that)."""
+    try:
+        body = read_json(path)
+    except (OSError, EQueueError):
+        return -1
+    for name in (group, topic, queue_id):
+        body = body.get(name) if isinstance(body, dict) else None
+    return body if isinstance(body, int) and not isinstance(body, bool) else -1
