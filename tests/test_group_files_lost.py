@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fork_child import ForkServer
 
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import read_json, write_json
@@ -263,3 +265,45 @@ def test_a_reader_beside_a_writer_making_and_deleting_groups_reports_none(
     assert writer.returncode == 0 and "DONE" in out, err
     assert runs >= 5, runs
     assert_clean(store_path)
+
+
+def test_a_sigkill_after_any_call_of_delete_group_reports_no_lost_group_file(
+    tmp_path: Path, forks: ForkServer
+) -> None:
+    """Group g has a file only (no copy set aside, which would excuse its absence):
+    a child deleting it is SIGKILLed after each file-system call in turn; verify, then a
+    read-only and a writable open, report no lost group file, before the deletion's
+    commit point (g whole) or after it (g gone)."""
+    template = tmp_path / "template"
+    with MessageStore.open(template, CONFIG) as store:
+        store.create_topic("t", 1)
+        for i in range(5):
+            store.send("t", b"m%d" % i)
+    with (
+        MessageStore.open(template, read_only=True) as reader,
+        reader.consumer("g", "t", timeout=0) as consumer,
+    ):
+        assert len([m for m, _ in zip(consumer, range(3), strict=False)]) == 3
+    with MessageStore.open(template, CONFIG):
+        pass
+    assert read_json(template / CHECKPOINT_FILE)[grouprecord.GROUP_FILES_KEY] == ["g"]
+    counted = tmp_path / "counted"
+    shutil.copytree(template, counted)
+    full = forks.run("group_delete_child", [str(counted), "never", "0"], timeout=60)
+    assert full.returncode == 0 and "DONE" in full.stdout, full.stderr
+    calls = [line for line in full.stdout.splitlines() if line.startswith("CALL ")]
+    gone = []
+    for k in range(1, len(calls) + 1):
+        path = tmp_path / f"k{k}"
+        shutil.copytree(template, path)
+        run_k = forks.run("group_delete_child", [str(path), "after", str(k)], timeout=60)
+        assert run_k.returncode == -9, (k, run_k.returncode, run_k.stderr)
+        _, output = run("verify", str(path))
+        assert not missing_lines(output), (k, calls[k - 1], output)
+        for read_only in (True, False):
+            with MessageStore.open(path, CONFIG, read_only=read_only) as store:
+                said = [p for p in store.recovery.problems if "is missing" in p]
+                assert not said, (k, calls[k - 1], said)
+                if not read_only:
+                    gone.append(store.committed_offset("g", "t", 0) is None)
+    assert gone == sorted(gone) and gone[0] is False and gone[-1] is True, gone
