@@ -21,10 +21,14 @@ from pathlib import Path
 
 import pytest
 from fork_child import ForkServer
+from server_helpers import short_home
 
+import equeue
 from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import read_json, write_json
 from equeue.cli import main
+from equeue.client.consumer import GroupConsumer
+from equeue.server import BrokerThread
 from equeue.store import grouprecord
 from equeue.store.meta import CHECKPOINT_FILE, CONSUMERS_DIR
 from equeue.store.offsets import file_name
@@ -307,3 +311,36 @@ def test_a_sigkill_after_any_call_of_delete_group_reports_no_lost_group_file(
                 if not read_only:
                     gone.append(store.committed_offset("g", "t", 0) is None)
     assert gone == sorted(gone) and gone[0] is False and gone[-1] is True, gone
+
+
+home = pytest.fixture(short_home, name="home")
+
+
+def test_the_brokers_groups_are_recorded_and_their_loss_reported(home: Path) -> None:
+    """Groups committing through ``equeue serve`` (a BrokerThread) write group files as
+    consumer loops do: the broker's checkpoint names them; one deleted through the broker
+    is no loss, one deleted from outside afterwards is reported."""
+    path = home / "s"
+    with MessageStore.open(path, CONFIG) as store:
+        store.create_topic("t", 2)
+        for i in range(6):
+            store.send("t", b"m%d" % i, queue_id=i % 2)
+    with BrokerThread(path) as running, equeue.connect(running.urls[0]) as client:
+        for group in ("kept", "dropped"):
+            consumer = GroupConsumer(client, group, ["t"], session_timeout=10.0)
+            assert all(consumer.poll(5.0) is not None for _ in range(6))
+            consumer.commit()
+            consumer.close()
+        running.store.flush()  # the broker's checkpoint, naming both
+        assert {"kept", "dropped"} <= set(
+            read_json(path / CHECKPOINT_FILE)[grouprecord.GROUP_FILES_KEY]
+        )
+        assert client.delete_group("dropped").group == "dropped"
+        code, output = run("verify", str(path))  # beside the broker
+        assert code == 0 and not missing_lines(output), output
+    assert_clean(path)
+    recorded = read_json(path / CHECKPOINT_FILE)[grouprecord.GROUP_FILES_KEY]
+    assert "kept" in recorded and "dropped" not in recorded
+    (path / CONSUMERS_DIR / file_name("kept")).unlink()
+    code, output = run("verify", str(path))
+    assert code == 1 and len(missing_lines(output)) == 1 and "'kept'" in output, output
