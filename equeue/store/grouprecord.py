@@ -53,15 +53,20 @@ def present(store_path: Path, files: group_offsets.GroupFiles | None) -> list[st
         return None
     if dir_fd is None:
         return []
+    known = {} if files is None else files.names
+    found: dict[str, str] = {}
     try:
-        names = os.listdir(dir_fd)
-        groups = {_group_of(dir_fd, name, store_path, files) for name in names}
+        for name in os.listdir(dir_fd):
+            group = known.get(name) or _group_of(dir_fd, name, store_path, files)
+            if group is not None:
+                found[name] = group
     except OSError:
         return None
     finally:
         os.close(dir_fd)
-    groups.discard(None)
-    return sorted(g for g in groups if g is not None)
+    if files is not None:
+        files.names = found  # (the names gone since dropped)
+    return sorted(found.values())
 
 
 def _group_of(
