@@ -70,10 +70,14 @@ def missing_lines(text: str) -> list[str]:
 
 
 @pytest.fixture
-def store_path(tmp_path: Path) -> Path:
-    path = tmp_path / "store"
-    build(path)
-    return path
+def store_path(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
+    """A copy, for the test to damage, of the store build() makes once a session."""
+    template = tmp_path_factory.getbasetemp() / "groupfiles-template"
+    if not template.exists():  # (built aside, then renamed: never half a template)
+        building = tmp_path_factory.mktemp("groupfiles-building") / "store"
+        build(building)
+        building.rename(template)
+    return Path(shutil.copytree(template, tmp_path / "store", symlinks=True))
 
 
 def test_the_checkpoint_records_the_group_files(store_path: Path) -> None:
