@@ -28,6 +28,7 @@ from equeue import MessageStore, StoreConfig
 from equeue.atomicfile import read_json, write_json
 from equeue.cli import main
 from equeue.client.consumer import GroupConsumer
+from equeue.inspect import intents
 from equeue.server import BrokerThread
 from equeue.store import grouprecord
 from equeue.store.meta import CHECKPOINT_FILE, CONSUMERS_DIR
@@ -348,3 +349,24 @@ def test_the_brokers_groups_are_recorded_and_their_loss_reported(home: Path) -> 
     (path / CONSUMERS_DIR / file_name("kept")).unlink()
     code, output = run("verify", str(path))
     assert code == 1 and len(missing_lines(output)) == 1 and "'kept'" in output, output
+
+
+def test_an_intent_finished_between_verifys_listing_and_its_read_is_no_problem(
+    store_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the test above (1 run in ~4): a writer's delete_group unlinks its intent
+    file last, after verify listed consumers/recovered/ and before it read the file;
+    verify reported "[Errno 2] No such file or directory" as an intent it cannot act on."""
+    side = store_path / CONSUMERS_DIR / "recovered"
+    side.mkdir()
+    intent = side / f"{file_name('grp')}.1795834291535179671.deleting"
+    write_json(intent, {"group": "grp", "offsets": {}, "deleting": {"dead_letters": False}})
+    read = intents.read_intent
+
+    def finished_first(path: Path, entry: str) -> object:
+        path.unlink()  # the writer's _finish, between the listing and the read
+        return read(path, entry)
+
+    monkeypatch.setattr(intents, "read_intent", finished_first)
+    assert_clean(store_path)
+    assert not intent.exists()
