@@ -30,7 +30,7 @@ from equeue.cli import main
 from equeue.client.consumer import GroupConsumer
 from equeue.inspect import intents
 from equeue.server import BrokerThread
-from equeue.store import grouprecord
+from equeue.store import groupdeletion, grouprecord
 from equeue.store.meta import CHECKPOINT_FILE, CONSUMERS_DIR
 from equeue.store.offsets import file_name
 
@@ -361,7 +361,7 @@ def test_an_intent_finished_between_verifys_listing_and_its_read_is_no_problem(
     side.mkdir()
     intent = side / f"{file_name('grp')}.1795834291535179671.deleting"
     write_json(intent, {"group": "grp", "offsets": {}, "deleting": {"dead_letters": False}})
-    read = intents.read_intent
+    read = groupdeletion.read_intent
 
     def finished_first(path: Path, entry: str) -> object:
         path.unlink()  # the writer's _finish, between the listing and the read
