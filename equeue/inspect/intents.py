@@ -2,7 +2,8 @@
 that the next writable open cannot act on (unreadable, not a file, naming another group
 or the retry mover's ``equeue.mover``) is a problem, as the open reports it (reviewl
 L2). One that reads as an intent is not: its deletion committed, and the next writable
-open (or ``delete_group`` of the group) finishes it."""
+open (or ``delete_group`` of the group) finishes it; one gone between the listing and
+its read was finished meanwhile (a writer's ``delete_group`` unlinks it last)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def intent_problems(store: Path) -> list[Problem]:
     for entry in entries:
         try:
             read_intent(side / entry, entry)
+        except FileNotFoundError:
+            continue  # finished since the listing (a writer's delete_group beside verify)
         except (EQueueError, OSError) as exc:
             problems.append(Problem(str(side / entry), None, KIND, intent_problem(entry, exc)))
     return problems

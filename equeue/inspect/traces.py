@@ -22,9 +22,11 @@ from equeue.format.livetail import LIVE_TAIL_FILE
 from equeue.format.message import QUEUE_RECORD_SIZE
 from equeue.format.topicsjournal import TOPICS_JOURNAL_FILE
 from equeue.inspect.layout import ChunkDir, Problem, StoreFiles, chunk_paths
+from equeue.store import grouprecord
 from equeue.store.keysread import keys_state, keys_uri, wal_unread
 from equeue.store.meta import (
     CHECKPOINT_FILE,
+    CONSUMERS_DIR,
     IDENTITY_FILE,
     KEYS_FILE,
     LOCK_FILE,
@@ -34,6 +36,7 @@ from equeue.store.meta import (
     TOPICS_FILE,
     check_offsets,
 )
+from equeue.store.offsets import file_name
 from equeue.store.topicsfile import read_topics_body
 
 _FILES = (IDENTITY_FILE, TOPICS_FILE, OFFSETS_FILE, CHECKPOINT_FILE, LOCK_FILE)
@@ -85,6 +88,8 @@ def missing_problems(
         problems += _log_problems(log, checkpoint, checkpoint_before, checkpoint_path)
         problems += _queue_problems(store, dirs, checkpoint, checkpoint_path)
         problems += _offset_problems(path, checkpoint, checkpoint_path)
+    if isinstance(checkpoint, dict):
+        problems += _group_file_problems(path, checkpoint, checkpoint_path)
     problems += _unindexed(store, dirs, lowest or {}, {p.file for p in problems})
     problems += _topic_problems(store)
     problems += not_regular_problems(path)
@@ -233,6 +238,28 @@ def _offset_problems(path: Path, checkpoint: dict[str, Any], where: Path) -> lis
             f"{where} records {recorded} committed consumer offsets, but {offsets_path.name} "
             f"{state}: committed offsets were lost",
         )
+    ]
+
+
+def _group_file_problems(path: Path, checkpoint: dict[str, Any], where: Path) -> list[Problem]:
+    """Consumer group files the checkpoint records and ``consumers/`` no longer holds
+    (equeue/store/grouprecord.py: read again after the look, beside a live writer)."""
+    groups, bad = grouprecord.recorded(checkpoint, where)
+    if groups is None:
+        return [] if bad is None else [Problem(str(where), None, "metadata", bad)]
+
+    def reread() -> list[str] | None:
+        body = _body(where)
+        return grouprecord.recorded(body, where)[0] if isinstance(body, dict) else None
+
+    return [
+        Problem(
+            str(path / CONSUMERS_DIR / file_name(group)),
+            None,
+            "missing file",
+            grouprecord.missing_problem(path, group, where),
+        )
+        for group in grouprecord.missing(path, groups, reread)
     ]
 
 

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from equeue.atomicfile import read_json, write_json
 from equeue.errors import EQueueError
+from equeue.store import grouprecord
+from equeue.store.grouprecord import GROUP_FILES_KEY
 from equeue.store.meta import CHECKPOINT_FILE
 
 if TYPE_CHECKING:
@@ -57,10 +59,14 @@ def write_checkpoint(store: MessageStore, *, flush: bool, settle: bool = True) -
             elif tail is not None and last.synced_end >= tail_end:
                 store._log_tail = tail
             store._check_directory()
+            # (off the write lock, in the checkpoint lock: delete_group drops a name from
+            # the record under it, before the file goes)
+            groups = grouprecord.present(store.path, store._group_files)
             write_json(
                 store.path / CHECKPOINT_FILE,
                 {"log_position": position, "queues": queues, "key_index": position}
                 | traces
+                | ({GROUP_FILES_KEY: groups} if groups is not None else {})
                 | ({"log_tail": store._log_tail} if store._log_tail is not None else {}),
             )
             store._checkpointed = position

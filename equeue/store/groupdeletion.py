@@ -50,7 +50,7 @@ from equeue.errors import (
 )
 from equeue.format.chunk import RECOVERED_DIR
 from equeue.protocol.retries import DELAY_TOPIC, MOVER_GROUP, dead_letter_topic, retry_topic
-from equeue.store import deletion, validate
+from equeue.store import deletion, grouprecord, validate
 from equeue.store import offsets as group_offsets
 from equeue.store.meta import CONSUMERS_DIR, OFFSETS_FILE
 
@@ -288,6 +288,9 @@ def _commit_in(
             write_json(store.path / OFFSETS_FILE, kept)
             store._offsets = kept
             _step("offsets.json written")
+        # The checkpoint's record of group files without it, before the file goes: its
+        # removal is then no loss to a reader (grouprecord).
+        grouprecord.forget(store, group)
         os.rename(name, intent, src_dir_fd=dir_fd, dst_dir_fd=side_fd)  # the commit point
     except OSError as exc:  # StoreWriteError too (write_json's, naming its file)
         undone = _undo(store, group, before, current)

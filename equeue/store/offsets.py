@@ -187,6 +187,9 @@ class GroupFiles:
         # Group files the last scan could not read and of which this handle knows no
         # offsets (never read whole): retention holds while there are any (reviewf F9).
         self.unknown: list[CorruptionError] = []
+        # File name -> group, as the checkpoint's listing last found them (a name's group
+        # never changes): each checkpoint parses only the names new since (grouprecord).
+        self.names: dict[str, str] = {}
         self.scan(move_aside=writer)
         problems.extend(self.problems)
 

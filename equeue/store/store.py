@@ -35,6 +35,7 @@ from equeue.store import (
     deletion,
     follow,
     groupdeletion,
+    grouprecord,
     offsetcuts,
     storeoffsets,
     storereads,
@@ -161,6 +162,8 @@ class MessageStore:
             deletion.finish_deletions(self, checkpoint)  # a deletion a crash interrupted
         self._meta_problems += losses_at_open(self, checkpoint)
         self._group_files = GroupFiles(path, self._meta_problems, writer=not read_only)
+        # After the scan: a damaged file it moved aside is reported as that, not as lost.
+        self._meta_problems += grouprecord.problems_at_open(self, checkpoint)
         self._keys = self._open_keys()
         self.recovery = RecoveryReport(
             cuts=list(self._messages.recovery_cuts),
