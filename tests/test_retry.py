@@ -340,6 +340,22 @@ def test_a_damaged_mover_file_is_said_at_start(
     assert all("delivered again" in text for text in said)
 
 
+def test_a_lost_mover_file_is_said_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """review19 R19-4: deleted (the checkpoint names it: grouprecord.py), not only damaged,
+    the mover's cursors are gone and what it had moved comes again: it says so."""
+    path = tmp_path / "s"
+    with MessageStore.open(path) as store:
+        retry.Retries(store).commit_cursors({(retry.DELAY_TOPIC, 0): 0}, None)
+        store.flush()  # a checkpoint recording the group file
+    (path / "consumers" / f"{retry.MOVER_GROUP}.json").unlink()
+    with MessageStore.open(path) as store, caplog.at_level("WARNING", "equeue.retry"):
+        retry.Retries(store)
+    said = [r.getMessage() for r in caplog.records if r.name == "equeue.retry"]
+    assert len(said) == 1 and "were lost" in said[0] and "delivered again" in said[0], said
+
+
 def test_a_message_whose_dead_letter_cannot_fit_is_dead_lettered_cut(
     tmp_path: Path, clock: Clock
 ) -> None:

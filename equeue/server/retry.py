@@ -232,8 +232,9 @@ class Retries:
             # Its cursors are gone with the file: the mover starts each delay queue at its
             # first retained copy, so copies it had moved already are moved again.
             log.warning(
-                "the retry mover's cursors (consumers/%s.json) were damaged and set aside: "
-                "delayed retries already moved are delivered again (at least once)",
+                "the retry mover's cursors (consumers/%s.json) were lost (the file damaged "
+                "and set aside, or missing: the open's problems say which): delayed retries "
+                "already moved are delivered again (at least once)",
                 MOVER_GROUP,
             )
 
