@@ -348,6 +348,13 @@ def test_control_valid_offsets_still_open(store: Path, capsys: pytest.CaptureFix
     write_json(store / "offsets.json", {"g": {"t": {"0": (1 << 63) - 1}}})  # the bound
     with MessageStore.open(store, read_only=True) as opened:
         assert opened.consumer_groups() == {"g": {"t": {0: (1 << 63) - 1}}}
+    # Read as any offset; past t/0's end (300), verify names it (the offset a power cut
+    # leaves, equeue/inspect/offsetends.py) and the writable open sets it to the end.
+    assert main(["verify", str(store)]) == 1
+    out = capsys.readouterr().out
+    assert f"committed offset {(1 << 63) - 1} on t/0, past the queue's end 300" in out, out
+    with MessageStore.open(store) as opened:
+        assert opened.consumer_groups() == {"g": {"t": {0: 300}}}
     assert main(["verify", str(store)]) == 0, capsys.readouterr().out
 
 
