@@ -27,12 +27,11 @@ lint: $(STAMP)
 
 # bench-redis: tests/test_bench_broker.py runs the Redis Streams side where it can.
 # --durations: every run's log names its slowest tests (the suite's time is watched).
-# TEST_WORKERS=N (make test TEST_WORKERS=3): N pytest-xdist worker processes, the tests
-# of the shared SparkSession kept on one (--dist loadgroup, tests/conftest.py). Serial by
-# default: round 21's only whole parallel run (-n 3, a loaded host) had 5 failures and 2
-# errors the serial runs do not have (records --follow children timing out, a test that
-# relies on an earlier one of its module), not yet explained; see docs/testing.md.
-TEST_WORKERS ?= 0
+# TEST_WORKERS=N: N pytest-xdist worker processes (--dist loadgroup: tests/conftest.py
+# keeps the tests of one shared set-up, the SparkSession or a module-scoped fixture, on
+# one worker). Half a serial run's wall time is waiting (fsyncs, children, brokers), which
+# workers overlap; see docs/testing.md for the runs. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 3
 PARALLEL := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 test: lint bench-redis
 	$(PY) -m pytest -q $(PARALLEL) --durations=30

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 SPARK_GROUP = "spark"  # the xdist_group of the tests that use the spark fixture
+# Fixtures made once per module (or class): a worker that gets one test of the module
+# makes its own, so under xdist the tests that use one go to one worker (below).
+_SHARED_SCOPES = frozenset({"module", "class", "package"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,20 +28,40 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> Iterator[None]:
-    """Under pytest-xdist (make test: ``-n 3 --dist loadgroup``) every test that uses the
-    session's SparkSession goes to one worker: one JVM for the run rather than one per
-    worker, each cold start costing seconds and ~1 GB. Without xdist nothing is marked (the
-    mark is xdist's own; an unregistered mark warns). A wrapper: the marks go on before
-    xdist's worker reads them (its hook of this name puts the group into the node id)."""
+    """Under pytest-xdist (make test: ``-n 3 --dist loadgroup``) each set-up shared by
+    several tests runs once a run, not once per worker that gets one of them: every test
+    that uses the session's SparkSession goes to one worker (one JVM, each cold start
+    costing seconds and ~1 GB), and the tests of a module that use a module-scoped fixture
+    go to one worker (round 21's parallel run made the local-cluster child three times,
+    2.4 min each, and the peer benchmarks' set-up twice). Without xdist nothing is marked
+    (the mark is xdist's own; an unregistered mark warns). A wrapper: the marks go on
+    before xdist's worker reads them (its hook of this name puts the group into the node
+    id). xdist sends the groups with the most tests first (--loadscope-reorder)."""
     grouped = config.pluginmanager.hasplugin("xdist")
     if grouped:
         for item in items:
-            if "spark" in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
+            group = _xdist_group(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
     yield
     if grouped and config.getoption("loadgroup", False):
         for item in items:
             _group_node_id(item)
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """SPARK_GROUP; the module's path for a test that uses a fixture made once per module
+    or class; else None (the test goes wherever a worker is free)."""
+    names = getattr(item, "fixturenames", ())
+    if "spark" in names:
+        return SPARK_GROUP
+    info: Any = getattr(item, "_fixtureinfo", None)  # pytest has no public way to a scope
+    definitions: dict[str, Any] = getattr(info, "name2fixturedefs", {})
+    for name in names:
+        chosen = definitions.get(name)
+        if chosen and chosen[-1].scope in _SHARED_SCOPES:
+            return item.nodeid.split("::", 1)[0]
+    return None
 
 
 def _group_node_id(item: pytest.Item) -> None:
@@ -46,13 +69,17 @@ def _group_node_id(item: pytest.Item) -> None:
     ``item._nodeid``; pytest 9.2 makes the node id of ``item._id`` (a NodeId) and ignores
     that, so every worker got Spark tests and started its own JVM (round 21's first
     parallel run: three). The suffix goes where pytest 9.2 reads the id from."""
-    if item.get_closest_marker("xdist_group") is None or item.nodeid.endswith("@" + SPARK_GROUP):
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
         return
+    suffix = "@" + str(mark.args[0])
+    if item.nodeid.endswith(suffix):
+        return  # an older pytest: xdist's own suffix took
     node_id: Any = getattr(item, "_id", None)
     if node_id is None or not dataclasses.is_dataclass(node_id) or isinstance(node_id, type):
-        return  # an older pytest: xdist's own suffix took
+        return
     suffixed: Any = dataclasses.replace(node_id)
-    object.__setattr__(suffixed, "_str_cache", f"{node_id}@{SPARK_GROUP}")
+    object.__setattr__(suffixed, "_str_cache", f"{node_id}{suffix}")
     item._id = suffixed
 
 

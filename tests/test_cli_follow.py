@@ -27,14 +27,24 @@ from equeue.inspect.follow import POLL_SECONDS
 CONFIG = StoreConfig(chunk_data_size=4096, queue_chunk_records=400, default_queue_count=2)
 TAGS = ("created", "paid", "")
 READ_TIMEOUT = 60.0  # only against a hang: nothing here is timed
+# The follower starts with SIGINT at its default, as a shell starts a foreground command.
+# A process that ignores SIGINT passes that on to its children (a shell's background job
+# `make test &` or nohup, and every pytest-xdist worker started from one), and Python then
+# installs no KeyboardInterrupt handler: the follower outlived the test's Ctrl-C until the
+# 60 s timeout (round 21's parallel run). This execs the same `python -m equeue ...`.
+_SIGINT_AT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 
 
 class Follower:
     """``equeue records STORE --follow --json ARGS...``, its lines read by a thread."""
 
     def __init__(self, store: Path, *args: str) -> None:
+        command = ["-m", "equeue", "records", str(store), "--follow", "--json", *args]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "equeue", "records", str(store), "--follow", "--json", *args],
+            [sys.executable, "-c", _SIGINT_AT_DEFAULT, *command],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -255,3 +265,20 @@ def test_follow_keeps_log_order_when_a_queue_holds_more_than_a_batch(
         assert [r["position"] for r in followed] == [s.position for s in sent]
         assert follower.stop() == (0, "")
     assert follower.lines.get_nowait() is None
+
+
+def test_sigint_stops_a_follower_started_by_a_process_that_ignores_it(tmp_path: Path) -> None:
+    """The test process ignoring SIGINT (started as `make test &` is) changes nothing:
+    Follower's SIGINT still ends its child with status 0, as Ctrl-C would in a terminal."""
+    path = tmp_path / "store"
+    with MessageStore.open(path, CONFIG) as writer:
+        sent = send(writer, "orders", 2, 0)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        follower = Follower(path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert ids(follower.take(2)) == [s.message_id for s in sent]
+    finally:
+        assert follower.stop() == (0, "")

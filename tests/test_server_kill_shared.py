@@ -24,6 +24,7 @@ from equeue.errors import EQueueError
 
 PRODUCERS = 2
 TASKS = 32  # per producer process, sharing its one client
+WAIT_FOR_SENDS = 180.0  # seconds; the producers stop at 5,000 sends a task, far past 2,000
 HERE = Path(__file__).parent
 
 home = pytest.fixture(short_home, name="home")
@@ -41,7 +42,10 @@ def run_until(home: Path, stop: signal.Signals) -> None:
             ))  # fmt: skip
         stats: dict[str, object] = {}
         with equeue.connect(url) as client:
-            for _ in range(600):  # until coalesced sends were flushed (at most ~30 s)
+            # Until coalesced sends were flushed. The bound is only against a hang, not a
+            # speed asserted: ~30 s saw 1,856 sends with -n 3 beside other runs' fsyncs.
+            deadline = time.monotonic() + WAIT_FOR_SENDS
+            while time.monotonic() < deadline:
                 stats = client.stats()
                 if int(stats["sends"]) >= 2000 and int(stats["flushes"]) >= 5:  # type: ignore[call-overload]
                     break
