@@ -153,6 +153,9 @@ class GroupConsumer:
         # when the next commit is due with auto_commit (never without): poll compares once
         self._commit_due = self._last_commit + self._commit_every()
         self._settled: object = None  # the broker's answer last found applied (_maintain)
+        # the heartbeat thread skipped a beat while the caller was away (max_poll_interval):
+        # the session may have expired meanwhile, so the loop asks before it hands out more
+        self._lapsed = False
         self._join()  # errors (unknown topic, bad arguments) here, not at the first message
         # pulls held at once, a pool thread each: the broker's max_in_flight (known once
         # connected) less places for a heartbeat and a commit (long_polls)
@@ -260,12 +263,7 @@ class GroupConsumer:
     def _poll(self, timeout: float | None, now: float) -> Message | None:
         state = self.state
         if state.news or state.lost or state.failure:  # revoked queues go at once
-            self._rejoin()
-            try:
-                self._maintain()
-            except (GroupError, ConnectionLostError) as exc:
-                state.lose(exc)  # (fenced: raised)
-                log.warning("consumer %s: %s; joining again", state.consumer, exc)
+            self._renew()
         # the commits a poll makes stop at its deadline (one window of them at least:
         # each poll makes progress); the rest go at the next
         until = None if timeout is None else now + timeout
@@ -275,6 +273,11 @@ class GroupConsumer:
                 self._refill()
             if now >= self._commit_due:
                 self._commit_quietly(None, until)
+            if state.lost or state.failure:
+                # learned in this poll (a refused commit or pull, or the heartbeat
+                # thread): the buffer is of the lost membership, join before handing out
+                # (the loop handed out one more of it: review19 R19-8)
+                self._renew()
             if state.buffer:
                 return state.next_message()
         if not state.buffer:
@@ -393,6 +396,17 @@ class GroupConsumer:
         state.fit_pulls(welcome_limit(self.client, "max_pull_count"))  # (connected now)
         state.lost = False
 
+    def _renew(self) -> None:
+        """Join again if the membership was lost (dropping what it fetched), and apply
+        the latest assignment; a refusal of that is logged and left to the next try."""
+        state = self.state
+        self._rejoin()
+        try:
+            self._maintain()
+        except (GroupError, ConnectionLostError) as exc:
+            state.lose(exc)  # (fenced: raised)
+            log.warning("consumer %s: %s; joining again", state.consumer, exc)
+
     def _rejoin(self) -> None:
         """Join again if the membership was lost. Its errors reach the caller: a
         ConnectionLostError (the broker unreachable for the client's connect_timeout) or
@@ -501,7 +515,11 @@ class GroupConsumer:
         if state.failure is not None:
             raise state.failure
         if state.lost:
+            self._lapsed = False
             self._join()
+        elif self._lapsed:  # is the session still there? (a GroupError: the caller's lose)
+            self._lapsed = False
+            state.take(self.client.request("heartbeat", state.heartbeat_args()))
         # news cleared before the answer is read, also for the short cut below: take()
         # stores its answer, then sets news (outside the lock), so a news set after this
         # stays set for an answer read here or later; left set, every message would come
@@ -592,7 +610,11 @@ class GroupConsumer:
             self._beat_now.clear()
             if self._stop.is_set():
                 return
-            if state.lost or state.stalled():
+            if state.lost:
+                continue
+            if state.stalled():  # the caller is away: its next poll asks (_maintain)
+                self._lapsed = True
+                state.news = True  # (so that poll looks: the fast path tests it)
                 continue
             args = state.heartbeat_args()
             try:

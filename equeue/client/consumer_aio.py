@@ -104,6 +104,9 @@ class AsyncGroupConsumer:
         self._pollers = MAX_POLLERS  # pulls in flight at most: long_polls, once joined
         # the task that polled last (when it refilled or waited: close() asks how it ended)
         self._poller: asyncio.Task[Any] | None = None
+        # the heartbeat task skipped a beat while the caller was away (max_poll_interval):
+        # the loop asks whether the session is still there before it hands out more
+        self._lapsed = False
 
     @property
     def consumer_id(self) -> str:
@@ -155,12 +158,7 @@ class AsyncGroupConsumer:
         if state.handed is not None or state.handed_before is not None:
             state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
-            await self._rejoin()
-            try:
-                await self._maintain()
-            except (GroupError, ConnectionLostError) as exc:
-                state.lose(exc)  # (fenced: raised)
-                log.warning("consumer %s: %s; joining again", state.consumer, exc)
+            await self._renew()
         # the commits a poll makes stop at its deadline (after one window at least)
         until = None if timeout is None else now + timeout
 
@@ -172,6 +170,8 @@ class AsyncGroupConsumer:
                 self._refill()
             if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
                 await self._commit_quietly(until)
+            if state.lost or state.failure:  # learned in this poll: GroupConsumer._poll
+                await self._renew()
             if state.buffer:
                 return state.next_message()
         if not state.buffer:
@@ -320,6 +320,17 @@ class AsyncGroupConsumer:
         state.fit_pulls(welcome_limit(self.client, "max_pull_count"))  # (connected now)
         state.lost = False
 
+    async def _renew(self) -> None:
+        """As GroupConsumer._renew: join again if the membership was lost, apply the
+        latest assignment."""
+        state = self.state
+        await self._rejoin()
+        try:
+            await self._maintain()
+        except (GroupError, ConnectionLostError) as exc:
+            state.lose(exc)  # (fenced: raised)
+            log.warning("consumer %s: %s; joining again", state.consumer, exc)
+
     async def _rejoin(self) -> None:
         """As GroupConsumer._rejoin: join again if the membership was lost; a
         ConnectionLostError (the broker unreachable for connect_timeout) or a refusal
@@ -406,7 +417,11 @@ class AsyncGroupConsumer:
         if state.failure is not None:
             raise state.failure
         if state.lost:
+            self._lapsed = False
             await self._join()
+        elif self._lapsed:  # is the session still there? (GroupConsumer._maintain)
+            self._lapsed = False
+            state.take(await self.client.request("heartbeat", state.heartbeat_args()))
         plan = state.plan()
         if plan is None:
             return
@@ -516,7 +531,11 @@ class AsyncGroupConsumer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(beat_now.wait(), state.interval())
             beat_now.clear()
-            if state.closed or state.lost or state.stalled():
+            if state.closed or state.lost:
+                continue
+            if state.stalled():  # the caller is away: its next poll asks (_maintain)
+                self._lapsed = True
+                state.news = True
                 continue
             args = state.heartbeat_args()
             try:

@@ -299,14 +299,17 @@ class GroupState:
         self.lost = True
 
     def lose(self, error: EQueueError) -> None:
-        """A request of the loop's refused (GroupError) or its connection lost: join again
-        at the next poll. Fenced: raise it, now and at every later poll (the loop's
-        requests are of its current membership; joining again would fence the member
-        that replaced this one)."""
+        """A request of the loop's refused (GroupError) or its connection lost: join
+        again before another message is handed out. Fenced: raise it, now and at every
+        later poll (the loop's requests are of its current membership; joining again
+        would fence the member that replaced this one)."""
         if isinstance(error, FencedMemberError):
             self.failure = error
             raise error
         self.lost = True
+        # what was fetched for the lost membership is not handed out: its queues may be
+        # another member's by now, which has read those messages (review19 R19-8)
+        self.buffer.clear()
 
     def raise_if_fenced(self) -> None:
         """A fenced member's commit raises, also with nothing to commit (a queue never
