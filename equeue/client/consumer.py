@@ -447,6 +447,8 @@ class GroupConsumer:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False  # (the caller's time holds; its next poll joins again)
                 continue  # _rejoin joins; its errors reach the caller
+            # awaiting queues of its share (a rebalance's handover): the idle clock waits
+            deadline = state.hold_idle_clock(start, timeout, deadline)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False

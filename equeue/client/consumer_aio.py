@@ -365,6 +365,7 @@ class AsyncGroupConsumer:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False  # (the caller's time holds; its next poll joins again)
                 continue  # _rejoin joins; its errors reach the caller
+            deadline = state.hold_idle_clock(start, timeout, deadline)  # (GroupConsumer's)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
