@@ -263,7 +263,12 @@ class GroupConsumer:
     def _poll(self, timeout: float | None, now: float) -> Message | None:
         state = self.state
         if state.news or state.lost or state.failure:  # revoked queues go at once
-            self._renew()
+            self._rejoin()
+            try:
+                self._maintain()
+            except (GroupError, ConnectionLostError) as exc:
+                state.lose(exc)  # (fenced: raised)
+                log.warning("consumer %s: %s; joining again", state.consumer, exc)
         # the commits a poll makes stop at its deadline (one window of them at least:
         # each poll makes progress); the rest go at the next
         until = None if timeout is None else now + timeout
@@ -273,11 +278,8 @@ class GroupConsumer:
                 self._refill()
             if now >= self._commit_due:
                 self._commit_quietly(None, until)
-            if state.lost or state.failure:
-                # learned in this poll (a refused commit or pull, or the heartbeat
-                # thread): the buffer is of the lost membership, join before handing out
-                # (the loop handed out one more of it: review19 R19-8)
-                self._renew()
+            # (a refusal just now emptied the buffer, state.lose: nothing of the lost
+            # membership is handed out, _fetch joins again; review19 R19-8)
             if state.buffer:
                 return state.next_message()
         if not state.buffer:
@@ -395,17 +397,6 @@ class GroupConsumer:
         state.joined(self.client.request("join", state.join_args()))
         state.fit_pulls(welcome_limit(self.client, "max_pull_count"))  # (connected now)
         state.lost = False
-
-    def _renew(self) -> None:
-        """Join again if the membership was lost (dropping what it fetched), and apply
-        the latest assignment; a refusal of that is logged and left to the next try."""
-        state = self.state
-        self._rejoin()
-        try:
-            self._maintain()
-        except (GroupError, ConnectionLostError) as exc:
-            state.lose(exc)  # (fenced: raised)
-            log.warning("consumer %s: %s; joining again", state.consumer, exc)
 
     def _rejoin(self) -> None:
         """Join again if the membership was lost. Its errors reach the caller: a

@@ -158,7 +158,12 @@ class AsyncGroupConsumer:
         if state.handed is not None or state.handed_before is not None:
             state.done_with_pending()
         if state.news or state.lost or state.failure:  # revoked queues go at once
-            await self._renew()
+            await self._rejoin()
+            try:
+                await self._maintain()
+            except (GroupError, ConnectionLostError) as exc:
+                state.lose(exc)  # (fenced: raised)
+                log.warning("consumer %s: %s; joining again", state.consumer, exc)
         # the commits a poll makes stop at its deadline (after one window at least)
         until = None if timeout is None else now + timeout
 
@@ -170,9 +175,7 @@ class AsyncGroupConsumer:
                 self._refill()
             if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
                 await self._commit_quietly(until)
-            if state.lost or state.failure:  # learned in this poll: GroupConsumer._poll
-                await self._renew()
-            if state.buffer:
+            if state.buffer:  # (emptied by a refusal just now: GroupConsumer._poll)
                 return state.next_message()
         if not state.buffer:
             self._poller = asyncio.current_task()
@@ -319,17 +322,6 @@ class AsyncGroupConsumer:
         state.joined(await self.client.request("join", state.join_args()))
         state.fit_pulls(welcome_limit(self.client, "max_pull_count"))  # (connected now)
         state.lost = False
-
-    async def _renew(self) -> None:
-        """As GroupConsumer._renew: join again if the membership was lost, apply the
-        latest assignment."""
-        state = self.state
-        await self._rejoin()
-        try:
-            await self._maintain()
-        except (GroupError, ConnectionLostError) as exc:
-            state.lose(exc)  # (fenced: raised)
-            log.warning("consumer %s: %s; joining again", state.consumer, exc)
 
     async def _rejoin(self) -> None:
         """As GroupConsumer._rejoin: join again if the membership was lost; a
