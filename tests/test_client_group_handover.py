@@ -18,6 +18,7 @@ from group_helpers import broker_thread
 import equeue
 import equeue.aio
 from equeue.client.consumer_aio import AsyncGroupConsumer
+from equeue.client.groupstate import GroupState
 
 TOPIC = "four"
 COUNT = 400
@@ -134,3 +135,37 @@ def test_a_joiner_s_idle_clock_waits_for_a_stuck_holder_one_session_at_most(url:
                 thread.join(30)
                 assert not thread.is_alive()  # (before the bound: until a's session ended)
                 assert got == [] and b.state.awaiting() == 2  # (of 4 queues and the retry one)
+
+
+def _state(session_timeout: float) -> GroupState:
+    return GroupState(
+        "unix:x", "g", TOPIC, tags=None, batch_size=32, auto_commit=True,
+        auto_commit_interval=1.0, session_timeout=session_timeout, max_poll_interval=300.0,
+        max_retries=None, consumer_id="b",
+    )  # fmt: skip
+
+
+def _answer(interval_ms: int, assignment: list[list[object]], **more: object) -> dict[str, object]:
+    return {"generation": 2, "assignment": assignment, "heartbeat_interval_ms": interval_ms, **more}
+
+
+def test_the_heartbeat_interval_and_the_idle_clock_follow_the_awaiting_count() -> None:
+    state = _state(10.0)
+    state.take(_answer(3333, []))  # a broker from before the count: as before
+    assert (state.awaiting(), state.interval()) == (0, 3.333)
+    assert state.hold_idle_clock(100.0, 2.0, 102.0) == 102.0
+    state.take(_answer(3333, [], awaiting=2))  # a joiner holding nothing: 10x as often
+    assert state.awaiting() == 2 and state.interval() == pytest.approx(0.3333)
+    state.take(_answer(3333, [[TOPIC, 0]], awaiting=1))  # holds one: its own interval
+    assert state.interval() == 3.333
+    state.take(_answer(300, [], awaiting=1))  # never more often than the broker's tick
+    assert state.interval() == 0.1
+    # the idle clock restarts while awaiting, up to one session after the poll's start
+    now = time.monotonic()
+    held = state.hold_idle_clock(now, 2.0, now + 2.0)
+    assert held is not None and held >= now + 2.0
+    assert state.hold_idle_clock(now - 60, 2.0, now - 58) == now - 60 + 10.0 + 2.0
+    assert state.hold_idle_clock(now, None, None) is None  # (no timeout: blocks anyway)
+    for wrong in (-1, "2", True, None):  # not a count: none awaited
+        state.take(_answer(3333, [], awaiting=wrong))
+        assert state.awaiting() == 0
