@@ -90,3 +90,57 @@ def test_an_asyncio_member_s_refused_nack_raises_and_keeps_the_membership(url: s
         return handled
 
     assert asyncio.run(consume()) == [b"m-%d" % i for i in range(10)]
+
+
+def test_a_nack_of_a_message_of_another_topic_is_refused_before_sending(url: str) -> None:
+    # review19 R19-7: the broker refused it ("does not hold other/0"), taken as a nack in
+    # doubt: the membership was reset and m-0..m-3 handed out again, nothing raised
+    _fill(url, 6)
+    with equeue.connect(url) as client:
+        client.create_topic("other", 1)
+        client.send("other", b"foreign")
+        foreign = client.pull("other", 0, 0, 1).messages[0]
+        with client.consumer("g", TOPIC, auto_commit_interval=60.0) as consumer:
+            handled = [_body(consumer.poll(5.0)) for _ in range(4)]
+            join_id = consumer.state.join_id
+            with pytest.raises(InvalidMessageError, match=r"other/0 at offset 0\) is of a topic"):
+                consumer.nack(foreign)
+            while (more := consumer.poll(1.0)) is not None:
+                handled.append(more.body)
+            assert handled == [b"m-%d" % i for i in range(6)]  # none handed out again
+            assert consumer.state.join_id == join_id
+        assert client.queue_range(retry_topic("g"), 0) == (0, 0)  # nothing copied
+
+
+def test_an_asyncio_nack_of_another_group_s_retry_copy_is_refused(url: str) -> None:
+    _fill(url, 6)
+
+    async def consume() -> tuple[list[bytes], int | None, int | None]:
+        client = await equeue.aio.connect(url)
+        # group h's retry copy of m-0, read by a plain pull of h's retry topic
+        async with client.consumer("h", TOPIC) as other:
+            first = await other.poll(5.0)
+            assert first is not None
+            await other.nack(first, delay=0)
+        while (await client.queue_range(retry_topic("h"), 0))[1] == 0:
+            await asyncio.sleep(0.05)  # (the mover's next tick: 100 ms)
+        copy = (await client.pull(retry_topic("h"), 0, 0, 1)).messages[0]
+        async with client.consumer("g", TOPIC, auto_commit_interval=60.0) as consumer:
+            handled = [_body(await consumer.poll(5.0)) for _ in range(4)]
+            join_id = consumer.state.join_id
+            with pytest.raises(InvalidMessageError, match="is of a topic group 'g' does not"):
+                await consumer.nack(copy)
+            while (more := await consumer.poll(1.0)) is not None:
+                handled.append(more.body)
+            same = consumer.state.join_id == join_id
+        await client.close()
+        return handled, join_id if same else None, join_id
+
+    handled, kept, join_id = asyncio.run(consume())
+    assert handled == [b"m-%d" % i for i in range(6)]
+    assert kept == join_id
+
+
+def _body(message: equeue.Message | None) -> bytes:
+    assert message is not None
+    return message.body

@@ -81,6 +81,8 @@ def test_revoked_queue_waits_for_its_holder_to_release_it(coord: GroupCoordinato
     # Queues sort as (equeue.retry.g, 0), (orders, 0..7): a takes the first 5, b the rest,
     # but a still holds them all until it applies generation 2.
     assert queues(second) == []
+    # b awaits its 4 queues (it heartbeats more often meanwhile: review19 R19-5); a none
+    assert (second["awaiting"], first["awaiting"]) == (4, 0)
     with pytest.raises(GroupError, match="does not hold orders/7"):
         coord.check_owner("g", "b", "orders", 7)
     coord.check_owner("g", "a", "orders", 7)  # its last commit is still accepted
@@ -97,7 +99,8 @@ def test_revoked_queue_waits_for_its_holder_to_release_it(coord: GroupCoordinato
     coord.heartbeat("g", "a", generation=2)
     with pytest.raises(GroupError):
         coord.check_owner("g", "a", "orders", 7)
-    assert queues(coord.heartbeat("g", "b")) == orders(4, 5, 6, 7)
+    b_new = coord.heartbeat("g", "b")
+    assert (queues(b_new), b_new["awaiting"]) == (orders(4, 5, 6, 7), 0)
     coord.check_owner("g", "b", "orders", 7)
 
 

@@ -153,6 +153,9 @@ class GroupConsumer:
         # when the next commit is due with auto_commit (never without): poll compares once
         self._commit_due = self._last_commit + self._commit_every()
         self._settled: object = None  # the broker's answer last found applied (_maintain)
+        # the heartbeat thread skipped a beat while the caller was away (max_poll_interval):
+        # the session may have expired meanwhile, so the loop asks before it hands out more
+        self._lapsed = False
         self._join()  # errors (unknown topic, bad arguments) here, not at the first message
         # pulls held at once, a pool thread each: the broker's max_in_flight (known once
         # connected) less places for a heartbeat and a commit (long_polls)
@@ -275,6 +278,8 @@ class GroupConsumer:
                 self._refill()
             if now >= self._commit_due:
                 self._commit_quietly(None, until)
+            # (a refusal just now emptied the buffer, state.lose: nothing of the lost
+            # membership is handed out, _fetch joins again; review19 R19-8)
             if state.buffer:
                 return state.next_message()
         if not state.buffer:
@@ -433,6 +438,8 @@ class GroupConsumer:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False  # (the caller's time holds; its next poll joins again)
                 continue  # _rejoin joins; its errors reach the caller
+            # awaiting queues of its share (a rebalance's handover): the idle clock waits
+            deadline = state.hold_idle_clock(start, timeout, deadline)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
@@ -501,7 +508,11 @@ class GroupConsumer:
         if state.failure is not None:
             raise state.failure
         if state.lost:
+            self._lapsed = False
             self._join()
+        elif self._lapsed:  # is the session still there? (a GroupError: the caller's lose)
+            self._lapsed = False
+            state.take(self.client.request("heartbeat", state.heartbeat_args()))
         # news cleared before the answer is read, also for the short cut below: take()
         # stores its answer, then sets news (outside the lock), so a news set after this
         # stays set for an answer read here or later; left set, every message would come
@@ -592,7 +603,11 @@ class GroupConsumer:
             self._beat_now.clear()
             if self._stop.is_set():
                 return
-            if state.lost or state.stalled():
+            if state.lost:
+                continue
+            if state.stalled():  # the caller is away: its next poll asks (_maintain)
+                self._lapsed = True
+                state.news = True  # (so that poll looks: the fast path tests it)
                 continue
             args = state.heartbeat_args()
             try:

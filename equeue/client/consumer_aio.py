@@ -104,6 +104,9 @@ class AsyncGroupConsumer:
         self._pollers = MAX_POLLERS  # pulls in flight at most: long_polls, once joined
         # the task that polled last (when it refilled or waited: close() asks how it ended)
         self._poller: asyncio.Task[Any] | None = None
+        # the heartbeat task skipped a beat while the caller was away (max_poll_interval):
+        # the loop asks whether the session is still there before it hands out more
+        self._lapsed = False
 
     @property
     def consumer_id(self) -> str:
@@ -172,7 +175,7 @@ class AsyncGroupConsumer:
                 self._refill()
             if state.auto_commit and now - self._last_commit >= state.auto_commit_interval:
                 await self._commit_quietly(until)
-            if state.buffer:
+            if state.buffer:  # (emptied by a refusal just now: GroupConsumer._poll)
                 return state.next_message()
         if not state.buffer:
             self._poller = asyncio.current_task()
@@ -354,6 +357,7 @@ class AsyncGroupConsumer:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False  # (the caller's time holds; its next poll joins again)
                 continue  # _rejoin joins; its errors reach the caller
+            deadline = state.hold_idle_clock(start, timeout, deadline)  # (GroupConsumer's)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
@@ -406,7 +410,11 @@ class AsyncGroupConsumer:
         if state.failure is not None:
             raise state.failure
         if state.lost:
+            self._lapsed = False
             await self._join()
+        elif self._lapsed:  # is the session still there? (GroupConsumer._maintain)
+            self._lapsed = False
+            state.take(await self.client.request("heartbeat", state.heartbeat_args()))
         plan = state.plan()
         if plan is None:
             return
@@ -516,7 +524,11 @@ class AsyncGroupConsumer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(beat_now.wait(), state.interval())
             beat_now.clear()
-            if state.closed or state.lost or state.stalled():
+            if state.closed or state.lost:
+                continue
+            if state.stalled():  # the caller is away: its next poll asks (_maintain)
+                self._lapsed = True
+                state.news = True
                 continue
             args = state.heartbeat_args()
             try:

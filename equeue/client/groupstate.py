@@ -66,6 +66,16 @@ MIN_POLL_WAIT_MS: Final = 10
 # buffer holds no more than one batch, so it is answered while that batch is handled.
 DEFAULT_PREFETCH: Final = 2
 MAX_PREFETCH: Final = 64
+# While a member holds no queue and awaits some another member still holds (a joiner,
+# in a rebalance's handover), it heartbeats this many times as often, at most once per
+# the broker's tick (a release is granted at once, an expiry at the next tick): a joiner
+# heard of its queues only at its first heartbeat, 3.3 s after the join by default
+# (review19 R19-5). Not every tick, and not for members that hold some queues: a join
+# into 200 members of 16,384 queues leaves 98 of them awaiting a queue, and there a
+# heartbeat that reports its generation costs the broker ~0.7 ms (it scans the holders
+# for queues to release): 3 a second each for a handover was ~0.7 s of CPU a join.
+AWAITING_BEATS: Final = 10
+AWAITING_BEAT_S: Final = 0.1
 
 
 # Places of the broker's max_in_flight a member leaves free of long polls: a heartbeat's
@@ -259,10 +269,36 @@ class GroupState:
         return news
 
     def interval(self) -> float:
+        """Seconds to the next heartbeat: the broker's interval, AWAITING_BEATS times
+        as often while the member holds no queue and awaits some another member still
+        holds (the broker hands them over at the heartbeat after their release: review19
+        R19-5)."""
         with self.lock:
             answer = self.answer
         ms = answer.get("heartbeat_interval_ms") if answer else None
-        return ms / 1000 if isinstance(ms, int) and ms > 0 else self.session_timeout_ms / 3000
+        seconds = ms / 1000 if isinstance(ms, int) and ms > 0 else self.session_timeout_ms / 3000
+        if answer and not answer["assignment"] and self.awaiting():
+            return max(AWAITING_BEAT_S, seconds / AWAITING_BEATS)
+        return seconds
+
+    def awaiting(self) -> int:
+        """How many queues of its share the broker's latest answer says another member
+        still holds (a broker from before the count: none)."""
+        answer = self.answer  # (replaced whole by take(): one read)
+        count = answer.get("awaiting") if answer else None
+        return count if type(count) is int and count > 0 else 0
+
+    def hold_idle_clock(
+        self, start: float, timeout: float | None, deadline: float | None
+    ) -> float | None:
+        """A poll's deadline, ``timeout`` after ``start`` as given: while the member
+        awaits queues of its share, the idle clock starts again (nothing *could* come from
+        them yet), for at most a session timeout after ``start`` (a holder whose handler
+        is slower than that: the timeout runs as before)."""
+        if timeout is None or deadline is None or not self.awaiting():
+            return deadline
+        now = min(time.monotonic(), start + self.session_timeout_ms / 1000)
+        return max(deadline, now + timeout)
 
     def plan(self) -> tuple[int, list[Queue], list[Queue]] | None:
         """(generation, queues to drop, queues to add) to apply the latest answer, or
@@ -299,14 +335,17 @@ class GroupState:
         self.lost = True
 
     def lose(self, error: EQueueError) -> None:
-        """A request of the loop's refused (GroupError) or its connection lost: join again
-        at the next poll. Fenced: raise it, now and at every later poll (the loop's
-        requests are of its current membership; joining again would fence the member
-        that replaced this one)."""
+        """A request of the loop's refused (GroupError) or its connection lost: join
+        again before another message is handed out. Fenced: raise it, now and at every
+        later poll (the loop's requests are of its current membership; joining again
+        would fence the member that replaced this one)."""
         if isinstance(error, FencedMemberError):
             self.failure = error
             raise error
         self.lost = True
+        # what was fetched for the lost membership is not handed out: its queues may be
+        # another member's by now, which has read those messages (review19 R19-8)
+        self.buffer.clear()
 
     def raise_if_fenced(self) -> None:
         """A fenced member's commit raises, also with nothing to commit (a queue never

@@ -16,6 +16,7 @@ from equeue.errors import (
     InvalidTypeError,
     StoreWriteError,
 )
+from equeue.protocol.retries import GROUP, ORIGIN_TOPIC, retry_topic
 from equeue.store.types import Message
 from equeue.store.validate import MAX_DELAY_MS
 
@@ -28,10 +29,34 @@ def nack_args(state: GroupState, message: object, delay: object) -> dict[str, An
         raise InvalidTypeError(
             f"nack takes a Message the consumer handed out, got {type(message).__name__}"
         )
+    check_ours(state, message)
     args: dict[str, Any] = {**state.member_args(), "message_id": message.message_id}
     if delay is not None:
         args["delay_ms"] = delay_ms(delay)
     return args
+
+
+def check_ours(state: GroupState, message: Message) -> None:
+    """Refuse a message of a topic the group does not consume (a plain pull's, another
+    group's retry copy) before anything is sent: the broker would refuse it as a queue
+    the member does not hold, a GroupError taken as a nack in doubt, which drops the
+    membership and hands out again what was processed since the last commit (review19
+    R19-7). Only the topic can be told here: a message of a queue revoked since it was
+    handed out, or one of the group's topics that another member handed out, is sent
+    and stays the in-doubt case ("A nack that fails in doubt")."""
+    topic = message.topic
+    if topic in state.topics or topic == retry_topic(state.group):
+        return
+    props = message.properties
+    if props.get(ORIGIN_TOPIC) == topic and props.get(GROUP) == state.group:
+        return  # a retry copy of the group's, shown at its origin: a topic it dropped since
+    raise InvalidMessageError(
+        f"nack takes a message this consumer handed out: message {message.message_id} "
+        f"({topic}/{message.queue_id} at offset {message.queue_offset}) is of a topic "
+        f"group {state.group!r} does not consume (its topics: "
+        f"{', '.join(map(repr, state.topics))}; its retries: {retry_topic(state.group)!r}); "
+        "nothing was sent, the member goes on as it was"
+    )
 
 
 def delay_ms(delay: object) -> int:

@@ -122,6 +122,9 @@ class _Group:
     queues: list[Queue] = field(default_factory=list)
     queue_counts: tuple[int, ...] = ()  # what queues was made of (_queue_counts)
     target: dict[Queue, str] = field(default_factory=dict)
+    # target by member (made with it): a heartbeat's answer reads its member's share, not
+    # the whole target (members heartbeat more often while they await queues: R19-5)
+    shares: dict[str, list[Queue]] = field(default_factory=dict)
     holders: dict[Queue, str] = field(default_factory=dict)
 
 
@@ -569,6 +572,9 @@ class GroupCoordinator:
             [q for q in state.queues if q[0] != retry_topic],
             [q for q in state.queues if q[0] == retry_topic],
         )
+        state.shares = {}
+        for queue, consumer in state.target.items():
+            state.shares.setdefault(consumer, []).append(queue)
         for queue in [q for q in state.holders if q not in state.target]:
             del state.holders[queue]  # a queue gone from the group (its topic deleted)
         self._grant(state)
@@ -584,10 +590,9 @@ class GroupCoordinator:
 
     def _answer(self, state: _Group, consumer: str) -> dict[str, Any]:
         member = state.members[consumer]
-        queues = frozenset(
-            q for q, holder in state.holders.items()
-            if holder == consumer and state.target.get(q) == consumer
-        )  # fmt: skip
+        holders = state.holders
+        mine = state.shares.get(consumer, ())
+        queues = frozenset(q for q in mine if holders.get(q) == consumer)
         added = queues - member.given[1]
         member.given = (state.generation, queues)
         if added:
@@ -595,6 +600,9 @@ class GroupCoordinator:
         return {
             "generation": state.generation,
             "assignment": [list(q) for q in sorted(queues)],
+            # its target queues another member still holds: handed over once released, so
+            # the member asks again sooner meanwhile (review19 R19-5; older clients ignore it)
+            "awaiting": len(mine) - len(queues),
             "heartbeat_interval_ms": member.session_timeout_ms // HEARTBEATS_PER_SESSION,
             "session_timeout_ms": member.session_timeout_ms,
             "retry_topic": retry.retry_topic(state.name),
